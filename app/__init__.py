@@ -1,0 +1,1 @@
+"""Longleaf's Qt front end."""

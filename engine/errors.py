@@ -1,0 +1,53 @@
+"""The one error family the engine raises; every message is meant for a user."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine reports to the app.
+
+    The message says what went wrong and what the user can do about it.
+    """
+
+
+class UnsupportedModeError(EngineError, ValueError):
+    """A KV mode name is unknown, or the mode cannot store this model's heads."""
+
+
+class KvBudgetExceeded(EngineError):
+    """The page pool's byte budget cannot hold the requested tokens.
+
+    Attributes:
+        tokens_requested: tokens the caller tried to hold in total.
+        tokens_fit: tokens that fit in the budget in the current mode.
+        suggested_mode: a mode that would fit the request, or None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tokens_requested: int = 0,
+        tokens_fit: int = 0,
+        suggested_mode: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.tokens_requested = tokens_requested
+        self.tokens_fit = tokens_fit
+        self.suggested_mode = suggested_mode
+
+
+class ContextTooLong(EngineError):
+    """A prompt does not fit the model's context, the page budget or free RAM."""
+
+
+class ModelLoadError(EngineError):
+    """A model folder is missing files, corrupt, or of an unknown architecture."""
+
+
+class DocumentError(EngineError):
+    """A dropped or attached file cannot be read as text."""
+
+
+class Cancelled(EngineError):
+    """An ingest or generation was cancelled by the user."""

@@ -1,0 +1,113 @@
+"""Events the engine worker emits: frozen dataclasses of plain Python values.
+
+They cross from the MLX worker thread to any consumer (the Qt app, the CLI,
+tests), so they never hold an ``mx.array`` or any other live engine object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Detokenized text that never splits a UTF-8 character."""
+
+    request_id: int
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class IngestProgress:
+    """Prefill progress, reported after every chunk."""
+
+    request_id: int
+    tokens_done: int
+    tokens_total: int
+    tokens_per_second: float
+    eta_seconds: float | None
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """Page occupancy of one attention layer."""
+
+    layer: int
+    pages_in_use: int
+    tokens: int
+    bytes_used: int
+
+
+@dataclass(frozen=True)
+class StatsSample:
+    """One snapshot of KV, page-pool and memory state; cheap to take often."""
+
+    session_id: str | None
+    kv_mode: str | None
+    tokens_in_context: int
+    kv_bytes_used: int
+    kv_bytes_allocated: int
+    pages_in_use: int
+    pages_allocated: int
+    pages_free: int
+    page_size: int
+    last_page_fill: float
+    mlx_active_bytes: int
+    mlx_peak_bytes: int
+    mlx_cache_bytes: int
+    process_rss_bytes: int
+    system_total_bytes: int
+    system_available_bytes: int
+    system_used_percent: float
+    swap_used_bytes: int
+    pressure_level: str | None
+    timestamp: float
+    layers: tuple[LayerPages, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Timing of one finished request."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token: float | None
+    prefill_tps: float
+    decode_tps: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request ended. ``reason`` is "stop", "length", "cancelled" or "done"."""
+
+    request_id: int
+    reason: str
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request failed; ``message`` is the EngineError text a user can act on."""
+
+    request_id: int
+    message: str
+    error_type: str
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    """A model finished loading; ``info`` is an ``engine.models.ModelInfo``."""
+
+    request_id: int
+    info: object
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    """A session (model + fixed KV mode + paged cache) is ready."""
+
+    request_id: int
+    session_id: str
+    kv_mode: str
+    page_size: int

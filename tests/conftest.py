@@ -1,0 +1,56 @@
+"""Suite-wide fixtures: isolated user dirs and a guard against leaked threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> Iterator[Path]:
+    """Point every data/config/cache location at a temp dir.
+
+    Tests must never touch the real user's settings, data or model caches.
+    """
+    root = tmp_path_factory.mktemp("home")
+    for var, sub in (
+        ("XDG_DATA_HOME", "data"),
+        ("XDG_CONFIG_HOME", "config"),
+        ("XDG_CACHE_HOME", "cache"),
+        ("HF_HOME", "hf"),
+    ):
+        (root / sub).mkdir()
+        monkeypatch.setenv(var, str(root / sub))
+    monkeypatch.setenv("LONGLEAF_HOME", str(root / "longleaf"))
+    yield root
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Fail any test that leaves a thread running behind it."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        leaked = [
+            t for t in threading.enumerate()
+            if t not in before and t.is_alive() and not t.daemon
+        ]
+        leaked += [
+            t for t in threading.enumerate()
+            if t not in before and t.is_alive() and t.name.startswith("longleaf")
+        ]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert not leaked, f"test left threads running: {[t.name for t in leaked]}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # mlx[cpu] emulates fp16 slowly; keep tests deterministic and single-device.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
