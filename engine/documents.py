@@ -1,0 +1,315 @@
+"""Text extraction from files a user drops on Longleaf.
+
+Plain text and source code are streamed (a 1 GB file is never loaded whole),
+PDFs are read through their text layer with pypdf and .docx files with
+python-docx. Every failure is a ``DocumentError`` whose message names the file
+and says what the user can do. No Qt here: the app calls this off its GUI
+thread.
+"""
+
+from __future__ import annotations
+
+import codecs
+import errno
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import DocumentError
+
+TEXT_SUFFIXES = frozenset(
+    [".txt", ".text", ".md", ".markdown", ".rst", ".org", ".adoc", ".tex", ".csv", ".tsv", ".log", ".json", ".jsonl", ".yaml", ".yml", ".toml", ".ini", ".cfg", ".conf", ".xml", ".html", ".htm", ".css", ".scss", ".svg", ".srt", ".vtt"]
+)
+SOURCE_SUFFIXES = frozenset(
+    [".py", ".pyi", ".ipynb", ".js", ".mjs", ".cjs", ".ts", ".tsx", ".jsx", ".vue", ".svelte", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".m", ".mm", ".swift", ".kt", ".kts", ".java", ".scala", ".go", ".rs", ".rb", ".php", ".pl", ".pm", ".lua", ".r", ".jl", ".dart", ".cs", ".fs", ".hs", ".ml", ".mli", ".ex", ".exs", ".erl", ".clj", ".el", ".lisp", ".scm", ".zig", ".nim", ".sql", ".sh", ".bash", ".zsh", ".fish", ".ps1", ".bat", ".cmake", ".mk", ".gradle", ".proto", ".graphql", ".tf", ".dockerfile", ".patch", ".diff"]
+)
+PDF_SUFFIXES = frozenset({".pdf"})
+DOCX_SUFFIXES = frozenset({".docx"})
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES | SOURCE_SUFFIXES | PDF_SUFFIXES | DOCX_SUFFIXES
+# Files named by convention rather than suffix.
+TEXT_NAMES = frozenset({"readme", "license", "makefile", "dockerfile", "changelog", "notice"})
+
+# PDF and .docx parsers hold the whole file in memory; cap what they are given.
+MAX_CONTAINER_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_CHARS = 8 * 1024 * 1024
+READ_BLOCK = 1 << 20
+# Above this share of replaced bytes a file is not text in any useful sense.
+MAX_REPLACED_SHARE = 0.02
+
+
+@dataclass(frozen=True)
+class Document:
+    """Text extracted from one file.
+
+    Attributes:
+        path: the file as given.
+        name: its file name.
+        size_bytes: its size on disk.
+        kind: "text", "pdf" or "docx".
+        text: the extracted text.
+        sha256: hex digest of the file's bytes.
+        notes: things the user should know (e.g. replaced bytes), possibly empty.
+    """
+
+    path: str
+    name: str
+    size_bytes: int
+    kind: str
+    text: str
+    sha256: str
+    notes: tuple[str, ...] = ()
+
+
+def is_supported(path: str | os.PathLike[str]) -> bool:
+    """Whether the file's suffix (or conventional name) is one Longleaf reads."""
+    p = Path(path)
+    return p.suffix.lower() in SUPPORTED_SUFFIXES or p.name.lower() in TEXT_NAMES
+
+
+def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_CHARS) -> Document:
+    """Extract the text of a file.
+
+    Args:
+        path: the file to read.
+        max_chars: refuse files whose text is longer than this (the caller
+            derives it from the model's context).
+
+    Returns:
+        The extracted ``Document``.
+
+    Raises:
+        DocumentError: the file cannot be read as text; the message says why.
+    """
+    p = Path(path)
+    name = p.name
+    if not is_supported(p):
+        suffix = p.suffix or "(no suffix)"
+        raise DocumentError(
+            f"“{name}”: Longleaf can't read {suffix} files. It reads plain text, Markdown, "
+            "source code, PDF (with a text layer) and Word .docx files."
+        )
+    size = _stat_size(p)
+    if size == 0:
+        raise DocumentError(f"“{name}” is empty — there is no text to add.")
+    suffix = p.suffix.lower()
+    if suffix in PDF_SUFFIXES or suffix in DOCX_SUFFIXES:
+        if size > MAX_CONTAINER_BYTES:
+            raise DocumentError(
+                f"“{name}” is {_human(size)}; Longleaf reads PDF and Word files up to "
+                f"{_human(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
+            )
+        data = _read_all(p, size)
+        digest = hashlib.sha256(data).hexdigest()
+        if suffix in PDF_SUFFIXES:
+            text = _pdf_text(name, data)
+            kind = "pdf"
+        else:
+            text = _docx_text(name, data)
+            kind = "docx"
+        _check_length(name, len(text), max_chars, complete=True)
+        return Document(str(path), name, size, kind, text, digest)
+    text, digest, notes = _stream_text(p, size, max_chars)
+    if not text.strip():
+        raise DocumentError(f"“{name}” contains only white space — there is no text to add.")
+    return Document(str(path), name, size, "text", text, digest, notes)
+
+
+def _stat_size(p: Path) -> int:
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise _os_error(p.name, exc) from exc
+    if p.is_dir():
+        raise DocumentError(f"“{p.name}” is a folder; drop the files inside it instead.")
+    return st.st_size
+
+
+def _os_error(name: str, exc: OSError) -> DocumentError:
+    if exc.errno == errno.ELOOP:
+        return DocumentError(
+            f"“{name}” is a symbolic link that points back to itself (a link loop); "
+            "drop the real file instead."
+        )
+    if isinstance(exc, FileNotFoundError):
+        return DocumentError(
+            f"“{name}” is gone — it was moved or deleted before it could be read."
+        )
+    if isinstance(exc, PermissionError):
+        return DocumentError(f"Longleaf isn't allowed to read “{name}”; check its permissions.")
+    return DocumentError(f"“{name}” could not be read: {exc.strerror or exc}.")
+
+
+def _read_all(p: Path, size: int) -> bytes:
+    try:
+        with p.open("rb") as handle:
+            data = handle.read(MAX_CONTAINER_BYTES + 1)
+    except OSError as exc:
+        raise _os_error(p.name, exc) from exc
+    if len(data) != size and not p.exists():
+        raise _vanished(p.name)
+    return data
+
+
+def _vanished(name: str) -> DocumentError:
+    return DocumentError(
+        f"“{name}” changed or disappeared while it was being read; "
+        "wait until it is written completely and drop it again."
+    )
+
+
+def _check_length(name: str, chars: int, max_chars: int, *, complete: bool) -> None:
+    if chars <= max_chars:
+        return
+    amount = f"{chars:,}" if complete else f"more than {max_chars:,}"
+    raise DocumentError(
+        f"“{name}” has {amount} characters of text, more than the {max_chars:,} "
+        "that fit in this model's context. Attach a part of it, or use a model with a "
+        "longer context."
+    )
+
+
+def _stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str, ...]]:
+    name = p.name
+    digest = hashlib.sha256()
+    parts: list[str] = []
+    chars = 0
+    replaced = 0
+    total = 0
+    try:
+        with p.open("rb") as handle:
+            head = handle.read(READ_BLOCK)
+            encoding, skip = _sniff_encoding(name, head)
+            decoder = codecs.getincrementaldecoder(encoding)(errors="replace")
+            block = head
+            first = True
+            while block:
+                digest.update(block)
+                total += len(block)
+                text = decoder.decode(block[skip:] if first else block)
+                first = False
+                replaced += _count_replaced(text, block, encoding)
+                parts.append(text)
+                chars += len(text)
+                _check_length(name, chars, max_chars, complete=False)
+                block = handle.read(READ_BLOCK)
+            tail = decoder.decode(b"", final=True)
+    except OSError as exc:
+        raise _os_error(name, exc) from exc
+    if total != size and not p.exists():
+        raise _vanished(name)
+    replaced += tail.count("\ufffd")
+    parts.append(tail)
+    text = "".join(parts)
+    notes: tuple[str, ...] = ()
+    if replaced:
+        if replaced > max(16, MAX_REPLACED_SHARE * total):
+            raise DocumentError(
+                f"“{name}” isn't readable text: {replaced:,} of its {total:,} bytes are not "
+                "valid UTF-8. Save it as UTF-8 text and try again."
+            )
+        notes = (
+            f"{replaced:,} byte{'s' if replaced != 1 else ''} of “{name}” were not valid "
+            "UTF-8 and were replaced with �.",
+        )
+    return text, digest.hexdigest(), notes
+
+
+def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
+    if head.startswith(codecs.BOM_UTF8):
+        return "utf-8", len(codecs.BOM_UTF8)
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16", 0
+    if b"\x00" in head[:8192]:
+        raise DocumentError(
+            f"“{name}” looks like a binary file, not text (it contains NUL bytes). "
+            "Drop a text, Markdown, source, PDF or .docx file instead."
+        )
+    return "utf-8", 0
+
+
+def _count_replaced(text: str, block: bytes, encoding: str) -> int:
+    found = text.count("\ufffd")
+    if not found:
+        return 0
+    # A genuine U+FFFD in the file is not a decoding error.
+    genuine = block.count("\ufffd".encode(encoding if encoding == "utf-8" else "utf-16-le"))
+    return max(0, found - genuine)
+
+
+def _pdf_text(name: str, data: bytes) -> str:
+    import io
+
+    import pypdf
+    from pypdf.errors import PdfReadError
+
+    try:
+        reader = pypdf.PdfReader(io.BytesIO(data))
+        if reader.is_encrypted and not _pdf_unlock(reader):
+            raise DocumentError(
+                f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
+                "copy (e.g. Print → Save as PDF) and drop that."
+            )
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except DocumentError:
+        raise
+    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise DocumentError(
+            f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
+            "Re-export it and try again."
+        ) from exc
+    except Exception as exc:  # pypdf raises many internal types on broken input
+        raise DocumentError(
+            f"“{name}” could not be read as a PDF ({type(exc).__name__}: {exc})."
+        ) from exc
+    text = "\n\n".join(t.strip() for t in pages if t.strip())
+    if not text:
+        raise DocumentError(
+            f"“{name}” has no text layer (it is probably scanned images, {len(pages)} "
+            f"page{'s' if len(pages) != 1 else ''}). Run OCR on it first, e.g. Preview "
+            "or ocrmypdf, then drop the result."
+        )
+    return text
+
+
+def _pdf_unlock(reader: object) -> bool:
+    try:
+        return bool(reader.decrypt(""))  # type: ignore[attr-defined]
+    except Exception:  # missing AES provider or a real password: both mean locked
+        return False
+
+
+def _docx_text(name: str, data: bytes) -> str:
+    import io
+    import zipfile
+
+    import docx
+
+    try:
+        document = docx.Document(io.BytesIO(data))
+    except (zipfile.BadZipFile, KeyError, ValueError) as exc:
+        raise DocumentError(
+            f"“{name}” is a damaged Word file that can't be opened. "
+            "Open and re-save it in Word or Pages, then try again."
+        ) from exc
+    except Exception as exc:  # lxml and python-docx raise their own types on bad XML
+        raise DocumentError(
+            f"“{name}” could not be read as a Word document ({type(exc).__name__})."
+        ) from exc
+    lines = [para.text for para in document.paragraphs]
+    for table in document.tables:
+        for row in table.rows:
+            lines.append("\t".join(cell.text for cell in row.cells))
+    text = "\n".join(lines).strip()
+    if not text:
+        raise DocumentError(f"“{name}” has no text in it.")
+    return text
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
