@@ -18,11 +18,19 @@ from pathlib import Path
 
 from engine.errors import DocumentError
 
-TEXT_SUFFIXES = frozenset(
-    [".txt", ".text", ".md", ".markdown", ".rst", ".org", ".adoc", ".tex", ".csv", ".tsv", ".log", ".json", ".jsonl", ".yaml", ".yml", ".toml", ".ini", ".cfg", ".conf", ".xml", ".html", ".htm", ".css", ".scss", ".svg", ".srt", ".vtt"]
+def _suffixes(words: str) -> frozenset[str]:
+    return frozenset(words.split())
+
+
+TEXT_SUFFIXES = _suffixes(
+    ".txt .text .md .markdown .rst .org .adoc .tex .csv .tsv .log .json .jsonl .yaml .yml"
+    " .toml .ini .cfg .conf .xml .html .htm .css .scss .svg .srt .vtt"
 )
-SOURCE_SUFFIXES = frozenset(
-    [".py", ".pyi", ".ipynb", ".js", ".mjs", ".cjs", ".ts", ".tsx", ".jsx", ".vue", ".svelte", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".hh", ".m", ".mm", ".swift", ".kt", ".kts", ".java", ".scala", ".go", ".rs", ".rb", ".php", ".pl", ".pm", ".lua", ".r", ".jl", ".dart", ".cs", ".fs", ".hs", ".ml", ".mli", ".ex", ".exs", ".erl", ".clj", ".el", ".lisp", ".scm", ".zig", ".nim", ".sql", ".sh", ".bash", ".zsh", ".fish", ".ps1", ".bat", ".cmake", ".mk", ".gradle", ".proto", ".graphql", ".tf", ".dockerfile", ".patch", ".diff"]
+SOURCE_SUFFIXES = _suffixes(
+    ".py .pyi .ipynb .js .mjs .cjs .ts .tsx .jsx .vue .svelte .c .h .cc .cpp .cxx .hpp .hh"
+    " .m .mm .swift .kt .kts .java .scala .go .rs .rb .php .pl .pm .lua .r .jl .dart .cs"
+    " .fs .hs .ml .mli .ex .exs .erl .clj .el .lisp .scm .zig .nim .sql .sh .bash .zsh"
+    " .fish .ps1 .bat .cmake .mk .gradle .proto .graphql .tf .dockerfile .patch .diff"
 )
 PDF_SUFFIXES = frozenset({".pdf"})
 DOCX_SUFFIXES = frozenset({".docx"})

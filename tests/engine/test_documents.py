@@ -83,7 +83,7 @@ def test_a_few_invalid_utf8_bytes_are_replaced_and_reported(tmp_path: Path) -> N
 def test_mostly_undecodable_text_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "random.txt"
     path.write_bytes(bytes(range(128, 256)) * 40)
-    with pytest.raises(DocumentError, match="isn't readable text: .* not valid UTF-8"):
+    with pytest.raises(DocumentError, match=r"isn't readable text: .* not valid UTF-8"):
         read_document(path)
 
 
@@ -94,7 +94,7 @@ def test_binary_empty_and_blank_files_are_refused(tmp_path: Path) -> None:
         read_document(binary)
     empty = tmp_path / "empty.md"
     empty.write_bytes(b"")
-    with pytest.raises(DocumentError, match="“empty.md” is empty"):
+    with pytest.raises(DocumentError, match=r"“empty.md” is empty"):
         read_document(empty)
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\t")
@@ -162,7 +162,7 @@ def test_scanned_pdf_without_text_layer(tmp_path: Path) -> None:
     path = tmp_path / "scan.pdf"
     with path.open("wb") as handle:
         writer.write(handle)
-    with pytest.raises(DocumentError, match="no text layer .*2 pages.*OCR"):
+    with pytest.raises(DocumentError, match=r"no text layer .*2 pages.*OCR"):
         read_document(path)
 
 
@@ -182,7 +182,7 @@ def test_encrypted_pdf_asks_for_an_unprotected_copy(tmp_path: Path) -> None:
 def test_corrupt_pdf(tmp_path: Path) -> None:
     path = tmp_path / "broken.pdf"
     path.write_bytes(b"%PDF-1.4\n1 0 obj << /Type /Catalog /Pages 9 0 R >> garbage")
-    with pytest.raises(DocumentError, match="“broken.pdf”"):
+    with pytest.raises(DocumentError, match=r"“broken.pdf”"):
         read_document(path)
 
 
