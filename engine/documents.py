@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine.errors import DocumentError
 
+
 def _suffixes(words: str) -> frozenset[str]:
     return frozenset(words.split())
 
