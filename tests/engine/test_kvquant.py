@@ -1,0 +1,375 @@
+"""Storage format of the paged KV cache: tables, packing, error bound, MLX bridge."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import kvquant
+from engine.errors import UnsupportedModeError
+
+QUANT_BITS = (8, 6, 4)
+DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
+GIB = 1024**3
+
+
+def _np(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32), dtype=np.float64)
+
+
+# --- mode names -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [
+        *[(a, "q8") for a in ("q8", "8", "8bit", "int8", "uint8", "q8_0", "Q8-0", "INT8")],
+        *[(a, "q6") for a in ("q6", "6", "6bit", "int6", "uint6", "Q6", "6-bit", "UInt6")],
+        *[(a, "q4") for a in ("q4", "4", "4bit", "int4", "uint4", "q4_0", "Q4-0", "4_bit")],
+        *[(a, "fp16") for a in ("fp16", "f16", "16", "off", "none", "FP16", "Off", "None")],
+        (8, "q8"),
+        (6, "q6"),
+    ],
+)
+def test_normalize_mode_accepts_aliases(name: str | int, mode: str) -> None:
+    assert kvquant.normalize_mode(name) == mode
+
+
+@pytest.mark.parametrize("name", ["q6_k", "Q6_K", "q6-k", "q6_0", "Q6-0", "q6k"])
+def test_foreign_six_bit_formats_are_rejected(name: str) -> None:
+    with pytest.raises(UnsupportedModeError, match="another project"):
+        kvquant.normalize_mode(name)
+
+
+@pytest.mark.parametrize("name", ["q5", "fp8", "bf16", "q4_k", "", "int3", "q8_1"])
+def test_unknown_mode_lists_accepted_names(name: str) -> None:
+    with pytest.raises(ValueError, match="Accepted: q8") as info:
+        kvquant.normalize_mode(name)
+    assert isinstance(info.value, UnsupportedModeError)
+    for accepted in ("q8", "q6", "q4", "fp16", "6bit", "off"):
+        assert accepted in str(info.value)
+
+
+# --- tables ---------------------------------------------------------------
+
+
+def test_width_tables() -> None:
+    assert [kvquant.bits_for(m) for m in ("fp16", "q8", "q6", "q4")] == [16, 8, 6, 4]
+    assert [kvquant.qmax_for(b) for b in QUANT_BITS] == [127, 31, 7]
+    assert [kvquant.bias_for(b) for b in QUANT_BITS] == [128, 32, 8]
+    assert [kvquant.packed_dim(256, b) for b in (16, 8, 6, 4)] == [512, 256, 192, 128]
+
+
+@pytest.mark.parametrize("bits", [0, 1, 2, 3, 5, 7, 12, 32])
+def test_unknown_width_raises_instead_of_guessing(bits: int) -> None:
+    with pytest.raises(UnsupportedModeError, match=f"{bits}-bit"):
+        kvquant.packed_dim(64, bits)
+    with pytest.raises(UnsupportedModeError, match=f"{bits}-bit"):
+        kvquant.qmax_for(bits)
+    with pytest.raises(UnsupportedModeError):
+        kvquant.quantize_rows(mx.zeros((2, 64)), bits)
+
+
+def test_q6_head_dim_error_names_head_dim_and_suggests_other_modes() -> None:
+    with pytest.raises(UnsupportedModeError, match=r"head_dim is 70.*q8 or q4"):
+        kvquant.packed_dim(70, 6)
+    with pytest.raises(UnsupportedModeError, match=r"head_dim is 33.*Use q8 for"):
+        kvquant.kv_bytes_per_token(33, "q4")
+    with pytest.raises(UnsupportedModeError, match="head_dim is 66"):
+        kvquant.quantize_rows(mx.zeros((1, 66)), 6)
+
+
+def test_bytes_per_token_match_the_spec() -> None:
+    got = {m: kvquant.kv_bytes_per_token(256, m) for m in ("q8", "q6", "q4", "fp16")}
+    assert got == {"q8": 516, "q6": 388, "q4": 260, "fp16": 1024}
+    assert kvquant.kv_bytes_per_token(64, "6bit") == 2 * (48 + 2)
+
+
+def test_projected_bytes_match_the_spec() -> None:
+    gib = {
+        m: kvquant.project_kv_bytes(16, 4, 256, 262_144, m) / GIB
+        for m in ("q8", "q6", "q4", "fp16")
+    }
+    assert {m: round(v, 2) for m, v in gib.items()} == {
+        "q8": 8.06, "q6": 6.06, "q4": 4.06, "fp16": 16.00,
+    }
+    assert kvquant.project_kv_bytes(16, 4, 256, 262_144, "q6") == 16 * 4 * 262_144 * 388
+    assert kvquant.project_kv_bytes(3, 2, 64, 0, "q8") == 0
+
+
+# --- exact bit layout -----------------------------------------------------
+
+
+def test_q6_bit_layout_matches_the_spec_byte_formulas() -> None:
+    rng = np.random.default_rng(0)
+    u = rng.integers(1, 64, size=(5, 32)).astype(np.uint8)  # 0 is not a q6 code
+    u[:, 0], u[:, 1] = 63, 1  # every row spans the full grid, so its scale is 0.5
+    scales = mx.full((5, 1), 0.5, dtype=mx.float16)
+    x = (mx.array(u.astype(np.float32)) - 32) * 0.5
+    codes, stored = kvquant.quantize_rows(x, 6)
+    assert codes.dtype == mx.uint8 and codes.shape == (5, 24)
+    assert np.array_equal(np.array(stored), np.array(scales))
+    g = u.reshape(5, 8, 4).astype(np.int64)
+    expected = np.stack(
+        [
+            g[..., 0] | (g[..., 1] & 0x03) << 6,
+            (g[..., 1] >> 2) | (g[..., 2] & 0x0F) << 4,
+            (g[..., 2] >> 4) | (g[..., 3] & 0x3F) << 2,
+        ],
+        axis=-1,
+    ).reshape(5, 24)
+    assert np.array_equal(np.array(codes), expected.astype(np.uint8))
+    back = kvquant.dequantize_rows(codes, stored, 6, 32)
+    assert np.array_equal(np.array(back), np.array(x))
+
+
+def test_q6_hand_built_group() -> None:
+    # codes u = 1, 2, 3, 63 -> byte0 = 1 | 2<<6, byte1 = 0 | 3<<4, byte2 = 0 | 63<<2
+    x = mx.array([[1 - 32, 2 - 32, 3 - 32, 63 - 32]], dtype=mx.float32)
+    codes, scales = kvquant.quantize_rows(x, 6)
+    assert scales.item() == 1.0
+    assert np.array(codes).tolist() == [[0x81, 0x30, 0xFC]]
+
+
+def test_q4_low_nibble_first() -> None:
+    x = mx.array([[1 - 8, 15 - 8, 0, 7]], dtype=mx.float32)  # u = 1, 15, 8, 15
+    codes, scales = kvquant.quantize_rows(x, 4)
+    assert scales.item() == 1.0
+    assert np.array(codes).tolist() == [[0xF1, 0xF8]]
+
+
+def test_q8_one_biased_code_per_byte() -> None:
+    x = mx.array([[-127, 0, 1, 127]], dtype=mx.float32)
+    codes, scales = kvquant.quantize_rows(x, 8)
+    assert scales.item() == 1.0
+    assert np.array(codes).tolist() == [[1, 128, 129, 255]]
+
+
+def test_fp16_mode_stores_values() -> None:
+    x = mx.array([[1.5, -2.25, 3.0, 65504.0]], dtype=mx.float32)
+    codes, scales = kvquant.quantize_rows(x, 16)
+    assert scales is None and codes.dtype == mx.float16
+    assert codes.nbytes == kvquant.packed_dim(4, 16)
+    assert np.array_equal(np.array(kvquant.dequantize_rows(codes, None, 16, 4)), np.array(x))
+
+
+# --- round trip and error bound (property tests) ----------------------------
+
+shapes = st.tuples(
+    st.lists(st.integers(1, 3), min_size=0, max_size=3),
+    st.sampled_from([4, 8, 16, 32, 64, 128, 256]),
+)
+
+
+def _rows(seed: int, lead: list[int], dim: int, magnitude: float, zero_rows: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # Near the float16 limit: huge, yet representable in every input dtype.
+    values = np.clip(rng.standard_normal((*lead, dim)) * magnitude, -6e4, 6e4)
+    if zero_rows:
+        values.reshape(-1, dim)[::2] = 0.0
+    return values
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    shape=shapes,
+    bits=st.sampled_from(QUANT_BITS),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    magnitude=st.sampled_from([1e-6, 1e-3, 1.0, 30.0, 3e3, 6e4]),
+    zero_rows=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_round_trip_and_error_bound(
+    shape: tuple[list[int], int],
+    bits: int,
+    dtype: str,
+    magnitude: float,
+    zero_rows: bool,
+    seed: int,
+) -> None:
+    lead, dim = shape
+    x = mx.array(_rows(seed, lead, dim, magnitude, zero_rows).astype(np.float32))
+    x = x.astype(DTYPES[dtype])
+    codes, scales = kvquant.quantize_rows(x, bits)
+    assert codes.dtype == mx.uint8 and scales.dtype == mx.float16
+    assert codes.shape == (*lead, kvquant.packed_dim(dim, bits))
+    assert scales.shape == (*lead, 1)
+
+    x_hat = kvquant.dequantize_rows(codes, scales, bits, dim)
+    assert x_hat.shape == x.shape and x_hat.dtype == mx.float32
+    error = np.abs(_np(x) - _np(x_hat))
+    scale = _np(scales)
+    assert np.all(scale > 0)
+    # x / scale is rounded in float32: allow its last-bit wobble, nothing more.
+    assert np.all(error <= scale / 2 * (1 + 2**-20))
+    # The stored scale is max|row| / qmax rounded up to the next float16, no coarser.
+    peak = np.max(np.abs(_np(x)), axis=-1, keepdims=True)
+    qmax = kvquant.qmax_for(bits)
+    assert np.all(scale * qmax >= peak)
+    assert np.all((scale <= peak / qmax * (1 + 2**-10)) | (peak == 0) | (scale < 2**-14))
+
+    # Re-quantizing the reconstruction gives back the very same bytes, wherever the
+    # scale is a normal float16 (subnormal scales are too coarse to keep the peak at qmax).
+    codes2, scales2 = kvquant.quantize_rows(x_hat, bits)
+    normal = (scale >= 2**-14)[..., 0] | (peak == 0)[..., 0]
+    assert np.array_equal(np.array(codes2)[normal], np.array(codes)[normal])
+    assert np.array_equal(np.array(scales2)[normal], np.array(scales)[normal])
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_all_zero_rows_are_safe(bits: int) -> None:
+    codes, scales = kvquant.quantize_rows(mx.zeros((3, 64), dtype=mx.bfloat16), bits)
+    assert np.all(_np(scales) > 0)
+    x_hat = kvquant.dequantize_rows(codes, scales, bits, 64)
+    assert np.array_equal(np.array(x_hat), np.zeros((3, 64), dtype=np.float32))
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_values_beyond_float16_scales_saturate_without_inf(bits: int) -> None:
+    x = mx.array([[1e9, -1e9, 1.0, 0.0], [3e38, 0.0, 0.0, -3e38]], dtype=mx.float32)
+    codes, scales = kvquant.quantize_rows(x, bits)
+    x_hat = np.array(kvquant.dequantize_rows(codes, scales, bits, 4))
+    assert np.all(np.isfinite(x_hat))
+    assert np.all(np.array(scales.astype(mx.float32)) == 65504.0)
+    limit = 65504.0 * kvquant.qmax_for(bits)
+    assert x_hat[0, 0] == limit and x_hat[0, 1] == -limit
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_every_code_survives_pack_and_unpack(bits: int) -> None:
+    qmax = kvquant.qmax_for(bits)
+    signed = np.arange(-qmax, qmax + 1)
+    signed = np.concatenate([signed, np.full(-len(signed) % 4, qmax)])  # whole q6 groups
+    for shift in range(4):  # every code in every slot of a packed group
+        row = np.roll(signed, shift).astype(np.float32)[None, :]
+        codes, scales = kvquant.quantize_rows(mx.array(row), bits)
+        back = kvquant.dequantize_rows(codes, scales, bits, row.shape[-1])
+        assert np.array_equal(np.array(back), row)
+
+
+def test_dequantize_rejects_wrong_row_width() -> None:
+    codes, scales = kvquant.quantize_rows(mx.ones((2, 64)), 6)
+    with pytest.raises(UnsupportedModeError, match="48 bytes"):
+        kvquant.dequantize_rows(codes, scales, 6, 128)
+
+
+def test_dequantize_dtype() -> None:
+    codes, scales = kvquant.quantize_rows(mx.ones((2, 64)), 4)
+    assert kvquant.dequantize_rows(codes, scales, 4, 64, dtype=mx.bfloat16).dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_gaussian_relative_error_is_bounded_by_the_grid(bits: int) -> None:
+    # Per row, |x - x_hat| / max|x| <= 1 / (2 qmax), plus float16 scale rounding.
+    x = mx.random.normal((512, 128), key=mx.random.key(7))
+    codes, scales = kvquant.quantize_rows(x, bits)
+    x_hat = kvquant.dequantize_rows(codes, scales, bits, 128)
+    rel = np.max(np.abs(_np(x) - _np(x_hat)) / np.max(np.abs(_np(x)), axis=-1, keepdims=True))
+    half_step = 1 / (2 * kvquant.qmax_for(bits))
+    assert half_step * 0.8 < rel <= half_step * (1 + 2**-10)
+
+
+# --- MLX affine bridge ------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+@pytest.mark.parametrize(("head_dim", "group_size"), [(64, 64), (64, 32), (128, 64), (256, 128)])
+def test_as_mlx_affine_is_a_view_mlx_dequantizes_identically(
+    bits: int, head_dim: int, group_size: int
+) -> None:
+    x = mx.random.normal((2, 3, 40, head_dim), key=mx.random.key(bits + head_dim)) * 3
+    codes, scales = kvquant.quantize_rows(x, bits)
+    words, group_scales, biases = kvquant.as_mlx_affine(
+        codes, scales, bits, head_dim, group_size, dtype=mx.float32
+    )
+    assert words.dtype == mx.uint32
+    assert words.shape == (2, 3, 40, kvquant.packed_dim(head_dim, bits) // 4)
+    assert group_scales.shape == biases.shape == (2, 3, 40, head_dim // group_size)
+    # Same bytes, reinterpreted.
+    assert np.array(words).tobytes() == np.array(codes).tobytes()
+    ours = kvquant.dequantize_rows(codes, scales, bits, head_dim)
+    flat = (-1, words.shape[-1])
+    theirs = mx.dequantize(
+        words.reshape(flat),
+        group_scales.reshape(-1, group_scales.shape[-1]),
+        biases.reshape(-1, biases.shape[-1]),
+        group_size=group_size,
+        bits=bits,
+    )
+    assert np.array_equal(np.array(theirs), np.array(ours.reshape(-1, head_dim)))
+
+
+def _bit_stream(u: np.ndarray, bits: int) -> np.ndarray:
+    """Little-endian bit stream, value i at bit ``bits * i``, built bit by bit."""
+    rows, count = u.shape
+    stream = np.zeros((rows, count * bits // 8), dtype=np.uint8)
+    for bit in range(bits):
+        pos = np.arange(count) * bits + bit
+        np.bitwise_or.at(
+            stream, (slice(None), pos // 8), (((u >> bit) & 1) << (pos % 8)).astype(np.uint8)
+        )
+    return stream
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_mlx_affine_matches_mx_quantize_packing(bits: int) -> None:
+    # Rows whose own min/max make MLX's affine quantizer pick our exact grid.
+    qmax, bias = kvquant.qmax_for(bits), kvquant.bias_for(bits)
+    rng = np.random.default_rng(bits)
+    signed = rng.integers(-qmax, qmax + 1, size=(4, 64))
+    signed[:, 0], signed[:, 1] = -bias, 2**bits - 1 - bias  # span MLX's full field
+    theirs, _, _ = mx.quantize(mx.array(signed.astype(np.float32)), group_size=64, bits=bits)
+    assert np.array(theirs).tobytes() == _bit_stream(signed + bias, bits).tobytes()
+    in_range = np.clip(signed, -qmax, qmax).astype(np.float32)
+    codes, _ = kvquant.quantize_rows(mx.array(in_range), bits)
+    expected = _bit_stream(in_range.astype(np.int64) + bias, bits)
+    assert np.array(codes).tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_quantized_matmul_on_stored_rows_matches_float_matmul(bits: int) -> None:
+    keys = mx.random.normal((96, 64), key=mx.random.key(1))
+    queries = mx.random.normal((5, 64), key=mx.random.key(2))
+    codes, scales = kvquant.quantize_rows(keys, bits)
+    words, group_scales, biases = kvquant.as_mlx_affine(
+        codes, scales, bits, 64, 64, dtype=mx.float32
+    )
+    scores = mx.quantized_matmul(
+        queries, words, group_scales, biases, transpose=True, group_size=64, bits=bits
+    )
+    reference = queries @ kvquant.dequantize_rows(codes, scales, bits, 64).T
+    assert np.allclose(np.array(scores), np.array(reference), rtol=1e-5, atol=1e-4)
+
+
+def test_as_mlx_affine_default_dtype_and_strided_rows() -> None:
+    codes, scales = kvquant.quantize_rows(mx.random.normal((8, 64), key=mx.random.key(3)), 6)
+    words, group_scales, biases = kvquant.as_mlx_affine(codes[::2], scales[::2], 6, 64, 64)
+    assert group_scales.dtype == biases.dtype == mx.float16
+    assert np.array_equal(np.array(biases), -32 * np.array(group_scales))
+    theirs = mx.dequantize(words, group_scales, biases, group_size=64, bits=6)
+    assert theirs.dtype == mx.float16
+    ours = kvquant.dequantize_rows(codes[::2], scales[::2], 6, 64)
+    # MLX computes scale * u + bias in float16: a few float16 ulps of scale * 64.
+    tolerance = _np(scales[::2]) * 64 * 2**-9
+    assert np.all(np.abs(_np(theirs) - _np(ours)) <= tolerance)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group_size", "bits", "message"),
+    [
+        (64, 16, 6, "group sizes"),
+        (48, 32, 6, "head_dim 48 is not a multiple"),
+        (64, 64, 16, "16-bit"),
+        (64, 64, 5, "5-bit"),
+    ],
+)
+def test_as_mlx_affine_states_its_constraints(
+    head_dim: int, group_size: int, bits: int, message: str
+) -> None:
+    codes = mx.zeros((2, head_dim), dtype=mx.uint8)
+    scales = mx.ones((2, 1), dtype=mx.float16)
+    with pytest.raises(UnsupportedModeError, match=message):
+        kvquant.as_mlx_affine(codes, scales, bits, head_dim, group_size)
