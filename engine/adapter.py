@@ -1,0 +1,196 @@
+"""Plug the paged KV cache into mlx-lm's own model classes, without forking them.
+
+mlx-lm models call ``cache.update_and_fetch`` and then ``scaled_dot_product_attention``
+looked up in their own module. :func:`make_cache` gives attention layers a
+:class:`PagedKVCache` and swaps that module-level name for a dispatcher that sends
+paged caches to :func:`engine.attention.paged_attention` and every other cache to
+mlx-lm's original function, unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from engine import kvquant
+from engine.attention import paged_attention
+from engine.errors import ModelLoadError
+from engine.paged_cache import PagedKVCache
+from engine.pages import PagePool
+
+_SDPA = "scaled_dot_product_attention"
+_ORIGINAL = "_longleaf_original"
+
+
+class LayerStats(NamedTuple):
+    """Pages of one paged layer."""
+
+    layer: int
+    pages_in_use: int
+    tokens: int
+    bytes_used: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A cache's page occupancy in plain values (safe to send across threads)."""
+
+    mode: str
+    page_size: int
+    tokens: int
+    pages_in_use: int
+    pages_allocated: int
+    pages_free: int
+    last_page_fill: float
+    bytes_used: int
+    bytes_allocated: int
+    budget_bytes: int | None
+    layers: tuple[LayerStats, ...]
+
+
+def _dispatcher(original: Any) -> Any:
+    def scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):
+        if isinstance(cache, PagedKVCache):
+            return paged_attention(queries, keys, values, cache, *args, **kwargs)
+        return original(queries, keys, values, cache, *args, **kwargs)
+
+    setattr(scaled_dot_product_attention, _ORIGINAL, original)
+    return scaled_dot_product_attention
+
+
+def _model_modules(model: nn.Module) -> set[Any]:
+    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+    return {sys.modules[n] for n in names if n in sys.modules}
+
+
+def install_attention(model: nn.Module) -> None:
+    """Route PagedKVCache attention in every module the model's classes come from.
+
+    Idempotent; other caches keep calling mlx-lm's original function.
+    """
+    for module in _model_modules(model):
+        current = getattr(module, _SDPA, None)
+        if current is not None and not hasattr(current, _ORIGINAL):
+            setattr(module, _SDPA, _dispatcher(current))
+
+
+def _attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | None]:
+    """(kv_heads, head_dim) of layer ``index``, read from its attention module."""
+    layer = model.layers[index]
+    for _, module in layer.named_modules():
+        kv_heads = getattr(module, "n_kv_heads", None) or getattr(
+            module, "num_key_value_heads", None
+        )
+        k_proj = getattr(module, "k_proj", None)
+        if kv_heads and k_proj is not None and hasattr(k_proj, "weight"):
+            head_dim = getattr(module, "head_dim", None)
+            if head_dim is None:
+                head_dim = k_proj.weight.shape[0] // kv_heads
+            return int(kv_heads), int(head_dim)
+    return None, None
+
+
+def _check_dispatch(model: nn.Module, index: int) -> None:
+    layer = model.layers[index]
+    modules = {sys.modules.get(type(m).__module__) for _, m in layer.named_modules()}
+    if not any(hasattr(getattr(m, _SDPA, None), _ORIGINAL) for m in modules if m):
+        raise ModelLoadError(
+            f"{type(model).__module__} does not call mlx-lm's scaled_dot_product_attention "
+            "from its module, so the paged KV cache cannot plug into it. Use a supported "
+            "architecture (llama, qwen3, qwen3_next, gemma3_text, ...)."
+        )
+
+
+def make_cache(
+    model: nn.Module, mode: str, *, page_size: int = 256, budget_bytes: int | None = None
+) -> list[Any]:
+    """An mlx-lm prompt cache whose full-attention layers hold paged, quantized KV.
+
+    Layers for which mlx-lm makes a plain ``KVCache`` get a :class:`PagedKVCache`
+    sharing one :class:`PagePool`; every other layer (sliding-window rotating
+    caches, linear-attention state) keeps exactly what mlx-lm makes for it.
+
+    Args:
+        model: an mlx-lm model.
+        mode: KV mode name (fp16, q8, q6, q4 or an alias).
+        page_size: tokens per page.
+        budget_bytes: bytes all pages may take; None for no limit.
+
+    Raises:
+        UnsupportedModeError: unknown mode, or one that cannot store this model's heads.
+        ModelLoadError: the model's attention cannot be routed to the paged cache.
+    """
+    pool = PagePool(kvquant.normalize_mode(mode), page_size, budget_bytes)
+    install_attention(model)
+    cache = make_prompt_cache(model)
+    for index, layer_cache in enumerate(cache):
+        if type(layer_cache) is KVCache:
+            kv_heads, head_dim = _attention_shape(model, index)
+            _check_dispatch(model, index)
+            cache[index] = PagedKVCache(pool, kv_heads, head_dim, layer=index)
+    return cache
+
+
+def _paged(cache: list[Any]) -> list[PagedKVCache]:
+    return [c for c in cache if isinstance(c, PagedKVCache)]
+
+
+def ensure_capacity(cache: list[Any], new_tokens: int) -> None:
+    """Raise KvBudgetExceeded now if ``new_tokens`` more tokens would not fit.
+
+    Call before a forward pass of a model whose first layers are not paged, so that
+    no layer has changed when the budget runs out.
+    """
+    paged = _paged(cache)
+    if paged:
+        paged[0].pool.ensure(paged[0].offset + new_tokens)
+
+
+def cache_tokens(cache: list[Any]) -> int:
+    """Tokens the cache holds (paged layers first, else any layer with an offset)."""
+    for layer_cache in _paged(cache) or cache:
+        offset = getattr(layer_cache, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return 0
+
+
+def trim_cache(cache: list[Any], n: int) -> int:
+    """Trim ``n`` tokens from every layer; 0 if any layer cannot trim (nothing changes)."""
+    if not cache or not all(c.is_trimmable() for c in cache):
+        return 0
+    trimmed = [c.trim(n) for c in cache]  # every layer, not just the first
+    return trimmed[0]
+
+
+def cache_stats(cache: list[Any]) -> CacheStats:
+    """Page occupancy of a cache made by :func:`make_cache` (no MLX evaluation)."""
+    paged = _paged(cache)
+    pool = paged[0].pool if paged else None
+    layers = tuple(
+        LayerStats(c.layer, len(c.block_table), c.offset, c.nbytes) for c in paged
+    )
+    in_use = sum(layer.pages_in_use for layer in layers)
+    allocated = sum(c.store.capacity for c in paged if c.store is not None)
+    tokens = cache_tokens(cache)
+    page_size = pool.page_size if pool else 0
+    fill = 0.0
+    if tokens and page_size:
+        fill = (tokens - (tokens - 1) // page_size * page_size) / page_size
+    return CacheStats(
+        mode=pool.mode if pool else "fp16",
+        page_size=page_size,
+        tokens=tokens,
+        pages_in_use=in_use,
+        pages_allocated=allocated,
+        pages_free=allocated - in_use,
+        last_page_fill=fill,
+        bytes_used=sum(layer.bytes_used for layer in layers),
+        bytes_allocated=sum(c.store.capacity * c.store.layout.page_bytes for c in paged if c.store),
+        budget_bytes=pool.budget_bytes if pool else None,
+        layers=layers,
+    )

@@ -1,0 +1,198 @@
+"""PagedKVCache: one attention layer's paged, quantized KV cache in mlx-lm's protocol.
+
+``update_and_fetch`` quantizes the new rows into the layer's pages and returns the
+new chunk itself at full precision; :func:`engine.attention.paged_attention` (which
+the adapter routes every PagedKVCache to) attends that chunk plus the cached pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from engine import kvquant
+from engine.errors import EngineError
+from engine.pages import PagePool, PageStore
+
+
+class PagedKVCache(_BaseCache):
+    """KV cache of one attention layer, stored in pages of a shared :class:`PagePool`.
+
+    Args:
+        pool: the session's page pool (mode, page size and byte budget).
+        kv_heads: KV heads of the layer; with ``head_dim``, registers the layer's
+            storage now so budget checks cover it before its first token.
+        head_dim: values per head.
+        layer: index of the layer in the model, for stats.
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        layer: int = 0,
+    ) -> None:
+        self.pool = pool
+        self.layer = layer
+        self.store: PageStore | None = None
+        if kv_heads is not None and head_dim is not None:
+            self.store = pool.add_store(kv_heads, head_dim)
+        self.block_table: list[int] = []
+        self.offset = 0
+
+    # -- writing -------------------------------------------------------------
+
+    def _store_for(self, kv_heads: int, head_dim: int) -> PageStore:
+        if self.store is None:
+            self.store = self.pool.add_store(kv_heads, head_dim)
+        layout = self.store.layout
+        if (layout.kv_heads, layout.head_dim) != (kv_heads, head_dim):
+            raise EngineError(
+                f"Layer {self.layer} was set up for {layout.kv_heads} KV heads of "
+                f"{layout.head_dim} values but got {kv_heads} of {head_dim}."
+            )
+        return self.store
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the new rows; return them unchanged for the attention to use."""
+        batch, kv_heads, length, head_dim = keys.shape
+        if batch != 1:
+            raise EngineError("The paged KV cache holds one sequence; batch size must be 1.")
+        if values.shape[-1] != head_dim:
+            raise EngineError("The paged KV cache needs keys and values of the same width.")
+        store = self._store_for(kv_heads, head_dim)
+        self.pool.ensure(self.offset + length)
+        bits = store.layout.bits
+        k_codes, k_scales = kvquant.quantize_rows(keys[0], bits)
+        v_codes, v_scales = kvquant.quantize_rows(values[0], bits)
+        self._write((k_codes, k_scales, v_codes, v_scales), self.offset)
+        self.offset += length
+        return keys, values
+
+    def _write(self, rows: tuple[mx.array | None, ...], start: int) -> None:
+        store = self.store
+        page_size = self.pool.page_size
+        end = start + rows[0].shape[1]
+        position = start
+        while position < end:
+            logical, row = divmod(position, page_size)
+            if logical == len(self.block_table):
+                self.block_table.append(store.take())
+            count = min(page_size - row, end - position)
+            first = position - start
+            piece = tuple(None if r is None else r[:, first : first + count] for r in rows)
+            store.write(self.block_table[logical], row, piece)
+            position += count
+
+    # -- reading (for the attention) -------------------------------------------
+
+    @property
+    def kv_heads(self) -> int:
+        return self.store.layout.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.store.layout.head_dim
+
+    def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """The first ``tokens`` cached keys and values as ``[1, kv_heads, tokens, D]``."""
+        pages = self.pool.pages_for(tokens)
+        k_codes, k_scales, v_codes, v_scales = self.store.gather(self.block_table[:pages])
+        bits, head_dim = self.store.layout.bits, self.head_dim
+
+        def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
+            values = kvquant.dequantize_rows(codes, scales, bits, head_dim, dtype)
+            values = values.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, head_dim)
+            return values[None, :, :tokens]
+
+        return rows(k_codes, k_scales), rows(v_codes, v_scales)
+
+    # -- mlx-lm cache protocol ---------------------------------------------------
+
+    def make_mask(
+        self, N: int, window_size: int | None = None, return_array: bool = False
+    ) -> Any:
+        # Models build masks before any layer runs: reserving here means a budget
+        # error leaves every layer (paged or not) untouched.
+        self.pool.ensure(self.offset + N)
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return not self.block_table
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        keep = self.pool.pages_for(self.offset)
+        if self.store is not None:
+            self.store.give_back(self.block_table[keep:])
+        del self.block_table[keep:]
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages held (codes and scales), by the kvquant arithmetic."""
+        if self.store is None:
+            return 0
+        return len(self.block_table) * self.store.layout.page_bytes
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """Held pages in logical order, then offset, mode, page size, kv heads, head_dim."""
+        if self.store is None or not self.block_table:
+            arrays: list[mx.array | None] = [None] * 4
+        else:
+            arrays = self.store.gather(self.block_table)
+        layout = self.store.layout if self.store is not None else None
+        return (
+            *arrays,
+            self.offset,
+            self.pool.mode,
+            self.pool.page_size,
+            layout.kv_heads if layout else 0,
+            layout.head_dim if layout else 0,
+        )
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        k_codes, k_scales, v_codes, v_scales, offset, mode, page_size, kv_heads, head_dim = v
+        if not hasattr(self, "pool"):  # built by from_state: a private, unbudgeted pool
+            PagedKVCache.__init__(self, PagePool(mode, int(page_size)))
+        if (kvquant.normalize_mode(mode), int(page_size)) != (self.pool.mode, self.pool.page_size):
+            raise EngineError(
+                f"Saved KV pages are {mode} with {page_size}-token pages; this cache is "
+                f"{self.pool.mode} with {self.pool.page_size}-token pages."
+            )
+        offset = int(offset)
+        if offset and k_codes is not None:
+            self._store_for(int(kv_heads), int(head_dim))
+            self.pool.ensure(offset)
+        self.trim(self.offset)
+        for page in range(self.pool.pages_for(offset)):
+            slot = self.store.take()
+            self.block_table.append(slot)
+            rows = (k_codes, k_scales, v_codes, v_scales)
+            self.store.write(slot, 0, tuple(None if r is None else r[page] for r in rows))
+        self.offset = offset
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (self.pool.mode, str(self.pool.page_size), str(self.offset))
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        mode, page_size, offset = v
+        if (kvquant.normalize_mode(mode), int(page_size)) != (self.pool.mode, self.pool.page_size):
+            raise EngineError("Saved KV metadata does not match this cache's mode and page size.")
+        self.offset = min(int(offset), self.offset)

@@ -1,0 +1,255 @@
+"""Pages of KV storage: one layer's page store and the pool that budgets them all.
+
+A page holds ``page_size`` tokens of one layer, for every KV head: packed codes and
+float16 row scales for keys and values, page-major (``[pages, kv_heads, page_size,
+packed]``). Each layer's pages live in that layer's own slabs (arrays of many
+pages). Slabs are added, never grown: allocating a page never copies a page that
+exists. Layers never share a slab because MLX copies a whole array on a slice update
+while any other reader of it is pending, and in one forward pass every layer writes
+then reads its storage.
+
+The :class:`PagePool` owns the byte budget of one session's layers. It reserves
+pages for all of them at once, so running out of budget raises before any layer
+has changed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine import kvquant
+from engine.errors import KvBudgetExceeded, UnsupportedModeError
+
+# Slabs double a layer's capacity up to this many pages, then grow linearly: few
+# slabs per layer (each costs one kernel per decode step) without large idle slack.
+MAX_SLAB_PAGES = 256
+MIN_SLAB_PAGES = 4
+_MODES_BY_QUALITY = ("fp16", "q8", "q6", "q4")
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Shape of one layer's pages."""
+
+    mode: str
+    page_size: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def bits(self) -> int:
+        return kvquant.bits_for(self.mode)
+
+    @property
+    def row_width(self) -> int:
+        """Stored elements per row: packed bytes, or float16 values for fp16."""
+        if self.bits == 16:
+            return self.head_dim
+        return kvquant.packed_dim(self.head_dim, self.bits)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page, keys and values, codes and scales."""
+        per_token = kvquant.kv_bytes_per_token(self.head_dim, self.mode)
+        return self.page_size * self.kv_heads * per_token
+
+    def with_mode(self, mode: str) -> PageLayout:
+        return PageLayout(mode, self.page_size, self.kv_heads, self.head_dim)
+
+
+class PageStore:
+    """One layer's page slots, held in slabs, with a free list of slot ids.
+
+    Slot ids are dense: slot ``s`` lives in the slab whose range covers ``s``.
+    Arrays are ``(k_codes, k_scales, v_codes, v_scales)`` per slab; the scales are
+    None in fp16 mode.
+    """
+
+    def __init__(self, layout: PageLayout) -> None:
+        self.layout = layout
+        self.slabs: list[list[mx.array | None]] = []
+        self.slab_starts: list[int] = []
+        self.capacity = 0
+        self._free: list[int] = []
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    def add_slab(self, pages: int) -> None:
+        layout = self.layout
+        shape = (pages, layout.kv_heads, layout.page_size)
+        code_dtype = mx.float16 if layout.bits == 16 else mx.uint8
+
+        def codes() -> mx.array:
+            return mx.zeros((*shape, layout.row_width), dtype=code_dtype)
+
+        def scales() -> mx.array | None:
+            return None if layout.bits == 16 else mx.zeros((*shape, 1), dtype=mx.float16)
+
+        self.slabs.append([codes(), scales(), codes(), scales()])
+        self.slab_starts.append(self.capacity)
+        for slot in range(self.capacity, self.capacity + pages):
+            heapq.heappush(self._free, slot)
+        self.capacity += pages
+
+    def take(self) -> int:
+        """A free slot, lowest first so a layer's pages stay in slab order."""
+        return heapq.heappop(self._free)
+
+    def give_back(self, slots: list[int]) -> None:
+        for slot in slots:
+            heapq.heappush(self._free, slot)
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(slab index, index inside the slab) of a slot."""
+        for index in range(len(self.slab_starts) - 1, -1, -1):
+            if slot >= self.slab_starts[index]:
+                return index, slot - self.slab_starts[index]
+        raise IndexError(f"slot {slot} is not in this store")
+
+    def write(self, slot: int, row: int, rows: tuple[mx.array | None, ...]) -> None:
+        """Write ``[kv_heads, n, width]`` rows at ``row`` of a page, in place.
+
+        ``rows`` is ``(k_codes, k_scales, v_codes, v_scales)``.
+        """
+        slab_index, local = self.locate(slot)
+        slab = self.slabs[slab_index]
+        for part, value in enumerate(rows):
+            if value is None:
+                continue
+            target = slab[part]
+            target[local, :, row : row + value.shape[1], :] = value
+            slab[part] = target
+
+    def gather(self, slots: list[int]) -> list[mx.array | None]:
+        """Copies of the given pages in the given order, ``[n, kv_heads, page_size, w]``."""
+        groups = self.group(slots)
+        parts: list[mx.array | None] = []
+        for part in range(4):
+            if self.slabs[0][part] is None:
+                parts.append(None)
+                continue
+            pieces = [mx.take(self.slabs[g][part], local, axis=0) for g, local, _ in groups]
+            parts.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0))
+        order = [p for _, _, positions in groups for p in positions]
+        if order != sorted(order):
+            inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
+            parts = [None if p is None else mx.take(p, inverse, axis=0) for p in parts]
+        return parts
+
+    def group(self, slots: list[int]) -> list[tuple[int, mx.array, list[int]]]:
+        """Split logical pages by slab: (slab index, local indices, logical page numbers)."""
+        by_slab: dict[int, tuple[list[int], list[int]]] = {}
+        for logical, slot in enumerate(slots):
+            slab_index, local = self.locate(slot)
+            locals_, logicals = by_slab.setdefault(slab_index, ([], []))
+            locals_.append(local)
+            logicals.append(logical)
+        return [
+            (index, mx.array(locals_, dtype=mx.uint32), logicals)
+            for index, (locals_, logicals) in sorted(by_slab.items())
+        ]
+
+
+class PagePool:
+    """Hands out pages to one session's layers under a shared byte budget.
+
+    Args:
+        mode: KV storage mode (any name :func:`engine.kvquant.normalize_mode` takes).
+        page_size: tokens per page.
+        budget_bytes: bytes all allocated pages may take together; None for no limit.
+    """
+
+    def __init__(self, mode: str, page_size: int = 256, budget_bytes: int | None = None) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be at least 1 token")
+        self.mode = kvquant.normalize_mode(mode)
+        self.page_size = page_size
+        self.budget_bytes = budget_bytes
+        self.stores: list[PageStore] = []
+
+    def add_store(self, kv_heads: int, head_dim: int) -> PageStore:
+        """Register one layer's storage (validates the mode against head_dim)."""
+        layout = PageLayout(self.mode, self.page_size, kv_heads, head_dim)
+        layout.row_width  # noqa: B018 - raises UnsupportedModeError for a bad head_dim
+        store = PageStore(layout)
+        self.stores.append(store)
+        return store
+
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(s.capacity * s.layout.page_bytes for s in self.stores)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def ensure(self, tokens: int) -> None:
+        """Make sure every layer can hold ``tokens`` tokens, or raise without changes.
+
+        Raises:
+            KvBudgetExceeded: the budget cannot hold ``tokens`` in every layer.
+        """
+        pages = self.pages_for(tokens)
+        short = [(s, pages - s.in_use - s.free_count) for s in self.stores]
+        short = [(s, n) for s, n in short if n > 0]
+        if not short:
+            return
+        needed = sum(n * s.layout.page_bytes for s, n in short)
+        headroom = math.inf
+        if self.budget_bytes is not None:
+            headroom = self.budget_bytes - self.bytes_allocated
+        if needed > headroom:
+            raise self._exceeded(tokens)
+        spare = headroom - needed
+        step_bytes = sum(s.layout.page_bytes for s, _ in short)
+        for store, missing in short:
+            grow = min(max(store.capacity, MIN_SLAB_PAGES), MAX_SLAB_PAGES)
+            extra = max(0, grow - missing)
+            if spare != math.inf:
+                # Every short layer grows by the same slack, so layers stay symmetric
+                # and the budget's last pages are never held idle by one layer.
+                extra = min(extra, int(spare // step_bytes))
+            store.add_slab(missing + extra)
+
+    def tokens_fit(self, mode: str | None = None) -> int:
+        """Tokens every layer can hold within the budget (in ``mode``, default ours)."""
+        if self.budget_bytes is None:
+            return 2**62
+        mode = self.mode if mode is None else mode
+        per_page = sum(s.layout.with_mode(mode).page_bytes for s in self.stores)
+        if per_page == 0:
+            return 2**62
+        return self.budget_bytes // per_page * self.page_size
+
+    def _exceeded(self, tokens: int) -> KvBudgetExceeded:
+        fit = self.tokens_fit()
+        suggestion = None
+        for mode in _MODES_BY_QUALITY[_MODES_BY_QUALITY.index(self.mode) + 1 :]:
+            try:
+                if self.tokens_fit(mode) >= tokens:
+                    suggestion = mode
+                    break
+            except UnsupportedModeError:
+                continue  # q6 on a head_dim that is not a multiple of 4
+        budget_mib = (self.budget_bytes or 0) / 2**20
+        advice = (
+            f"Switch the KV mode to {suggestion} to fit it, or shorten the conversation."
+            if suggestion
+            else "Shorten the conversation or raise the KV memory budget."
+        )
+        return KvBudgetExceeded(
+            f"The KV memory budget ({budget_mib:.1f} MiB) holds {fit} tokens in "
+            f"{self.mode} mode, but this step needs {tokens}. {advice}",
+            tokens_requested=tokens,
+            tokens_fit=fit,
+            suggested_mode=suggestion,
+        )
