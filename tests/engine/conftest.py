@@ -1,0 +1,34 @@
+"""Fixtures for engine tests: tiny mlx-lm model folders, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.tinymodels import ARCHS, make_tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder holding every tiny model the session builds."""
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_root: Path) -> Path:
+    """A tiny model folder; runs a test once per arch unless parametrized.
+
+    Pick archs with ``@pytest.mark.parametrize("tiny_model_dir", ["gemma3_text"],
+    indirect=True)``. Tests must not write into the folder: it is shared.
+    """
+    return make_tiny_model_dir(tiny_model_root, request.param)
+
+
+@pytest.fixture
+def tiny_model(tiny_model_dir: Path) -> tuple[Any, Any]:
+    """A freshly loaded ``(model, tokenizer)`` from ``tiny_model_dir``."""
+    from mlx_lm.utils import load
+
+    return load(str(tiny_model_dir))
