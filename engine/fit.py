@@ -1,0 +1,178 @@
+"""Will this many tokens fit? Pure arithmetic over model facts and free memory.
+
+No MLX call happens here, so the app may ask from any thread while the engine is
+busy (e.g. to warn before a document is dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import kvquant
+from engine.errors import ContextTooLong, UnsupportedModeError
+
+MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
+
+
+@dataclass(frozen=True)
+class ModeFit:
+    """How ``token_count`` tokens fare in one KV mode.
+
+    Attributes:
+        mode: the KV mode.
+        supported: False when the mode cannot store this model's heads.
+        bytes_needed: KV bytes for the tokens, rounded up to whole pages.
+        fits_context: within the model's maximum context.
+        fits_budget: within the page pool's byte budget (True without a budget).
+        fits_ram: within free RAM now, after the safety headroom.
+        tokens_fit_ram: tokens this mode could hold in free RAM now.
+        tokens_fit_budget: tokens the budget holds in this mode (None: no budget).
+        tokens_fit: tokens this mode can hold in all (context, budget, RAM).
+    """
+
+    mode: str
+    supported: bool
+    bytes_needed: int
+    fits_context: bool
+    fits_budget: bool
+    fits_ram: bool
+    tokens_fit_ram: int
+    tokens_fit_budget: int | None
+    tokens_fit: int
+
+    @property
+    def fits(self) -> bool:
+        """True when the mode is usable and every limit holds."""
+        return self.supported and self.fits_context and self.fits_budget and self.fits_ram
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Whether ``token_count`` tokens fit, per KV mode, and what to do if not."""
+
+    token_count: int
+    max_context: int
+    budget_bytes: int | None
+    available_bytes: int
+    session_mode: str | None
+    modes: tuple[ModeFit, ...]
+
+    def for_mode(self, mode: str) -> ModeFit:
+        """Return the entry for ``mode`` (any accepted alias)."""
+        wanted = kvquant.normalize_mode(mode)
+        return next(entry for entry in self.modes if entry.mode == wanted)
+
+    @property
+    def fits(self) -> bool:
+        """True when the session's mode fits (or any mode, without a session)."""
+        if self.session_mode is not None:
+            return self.for_mode(self.session_mode).fits
+        return any(entry.fits for entry in self.modes)
+
+    @property
+    def suggested_mode(self) -> str | None:
+        """The best-quality mode that fits, or None when none does."""
+        return next((entry.mode for entry in self.modes if entry.fits), None)
+
+    def message(self) -> str:
+        """A sentence a user can act on when the tokens do not fit."""
+        mode = self.session_mode or "fp16"
+        entry = self.for_mode(mode)
+        limits = [f"the model's context is {self.max_context:,} tokens"]
+        if self.budget_bytes is not None:
+            limits.append(f"the KV budget of {_gib(self.budget_bytes)} holds "
+                          f"{entry.tokens_fit_budget or 0:,} tokens in {mode}")
+        limits.append(f"free RAM holds about {entry.tokens_fit_ram:,} tokens in {mode}")
+        text = (f"This conversation needs {self.token_count:,} tokens but only "
+                f"{entry.tokens_fit:,} fit in {mode}: " + "; ".join(limits) + ".")
+        if not entry.fits_context:
+            return text + " No KV mode raises the model's context: shorten the " \
+                          "conversation or start a new one."
+        suggestion = self.suggested_mode
+        if suggestion is not None and suggestion != mode:
+            return text + f" Reopen this conversation in {suggestion} to fit it."
+        return text + " Close other sessions or apps to free memory, or shorten " \
+                      "the conversation."
+
+    def raise_if_too_long(self) -> None:
+        """Raise ``ContextTooLong`` with ``message()`` unless the tokens fit."""
+        if not self.fits:
+            raise ContextTooLong(self.message())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _round_to_pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size) * page_size
+
+
+def fit_report(
+    *,
+    token_count: int,
+    attention_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    page_size: int,
+    available_bytes: int,
+    budget_bytes: int | None = None,
+    headroom_bytes: int = 0,
+    session_mode: str | None = None,
+    session_bytes_allocated: int = 0,
+) -> FitReport:
+    """Project whether ``token_count`` tokens fit, for every KV mode.
+
+    Args:
+        token_count: tokens the session would hold in total.
+        attention_layers: layers that keep a growing KV cache.
+        kv_heads: KV heads per attention layer.
+        head_dim: values per head.
+        max_context: the model's maximum context in tokens.
+        page_size: tokens per page.
+        available_bytes: free system memory now.
+        budget_bytes: the page pool's byte budget, or None for no budget.
+        headroom_bytes: memory to leave free for activations and the OS.
+        session_mode: the session's fixed mode, or None without a session.
+        session_bytes_allocated: KV bytes the session already holds; they count as
+            usable again by every mode (growing in place, or reopening elsewhere).
+    """
+    free = max(0, available_bytes - headroom_bytes) + session_bytes_allocated
+    entries = []
+    for mode in MODES:
+        try:
+            page_bytes = kvquant.project_kv_bytes(
+                attention_layers, kv_heads, head_dim, page_size, mode
+            )
+        except (UnsupportedModeError, ValueError):
+            entries.append(ModeFit(mode, False, 0, False, False, False, 0, 0, 0))
+            continue
+        page_bytes = max(page_bytes, 1)
+        needed = _round_to_pages(token_count, page_size) // page_size * page_bytes
+        ram_tokens = free // page_bytes * page_size
+        budget_tokens = (
+            budget_bytes // page_bytes * page_size if budget_bytes is not None else None
+        )
+        limits = [max_context, ram_tokens]
+        if budget_tokens is not None:
+            limits.append(budget_tokens)
+        entries.append(ModeFit(
+            mode=mode,
+            supported=True,
+            bytes_needed=needed,
+            fits_context=token_count <= max_context,
+            fits_budget=budget_bytes is None or needed <= budget_bytes,
+            fits_ram=needed <= free,
+            tokens_fit_ram=ram_tokens,
+            tokens_fit_budget=budget_tokens,
+            tokens_fit=min(limits),
+        ))
+    return FitReport(
+        token_count=token_count,
+        max_context=max_context,
+        budget_bytes=budget_bytes,
+        available_bytes=available_bytes,
+        session_mode=kvquant.normalize_mode(session_mode) if session_mode else None,
+        modes=tuple(entries),
+    )
