@@ -1,0 +1,406 @@
+"""Downloads against a real HTTP server on 127.0.0.1 that speaks the Hub's layout.
+
+The server implements the two endpoints huggingface_hub 2.x and engine.download
+use: ``GET /api/models/{repo}/revision/{rev}?blobs=true`` (repo listing with
+sizes and hashes) and ``GET /{repo}/resolve/{rev}/{file}`` (bytes, with Range).
+Nothing in huggingface_hub is mocked; HF_ENDPOINT points at the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+from engine import download
+from engine.download import (
+    DownloadProgress,
+    InsufficientDiskSpace,
+    destination_for,
+    download_model,
+    plan_download,
+    read_manifest,
+)
+from engine.errors import Cancelled, EngineError
+
+PIECE = 16 * 1024
+
+
+@dataclass
+class FakeRepo:
+    commit: str
+    files: dict[str, bytes]
+    lfs: frozenset[str] = frozenset()
+    gated: bool = False
+    private: bool = False
+    declared_sizes: dict[str, int] = field(default_factory=dict)
+    served_bytes: dict[str, bytes] = field(default_factory=dict)
+
+
+class FakeHub:
+    """A threaded HTTP server holding a few repos, with fault injection."""
+
+    def __init__(self) -> None:
+        self.repos: dict[str, FakeRepo] = {}
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.drop_once: dict[str, int] = {}  # file -> drop the connection after N bytes
+        self.refuse_files = False  # hang up before answering any file request
+        self.down_after_drop = False  # set refuse_files when a drop_once fires
+        self.pause_at: dict[str, int] = {}  # file -> call on_pause after N bytes, then wait
+        self.on_pause: Callable[[], None] = lambda: None
+        self.release = threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-hub"
+        )
+
+    def __enter__(self) -> FakeHub:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)
+
+    def file_gets(self, name: str) -> list[str | None]:
+        """Range headers of every GET for a file (None = whole file)."""
+        return [r for (m, p, r) in self.requests if m == "GET" and p.endswith("/" + name)]
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                hub.requests.append(("GET", urlsplit(self.path).path, self.headers.get("Range")))
+                path = unquote(urlsplit(self.path).path)
+                if path.startswith("/api/models/"):
+                    self._listing(path.removeprefix("/api/models/"))
+                elif "/resolve/" in path:
+                    self._file(path)
+                else:
+                    self._error(404, "RepoNotFound")
+
+            def _listing(self, rest: str) -> None:
+                repo_id, _, revision = rest.partition("/revision/")
+                repo = hub.repos.get(repo_id)
+                if repo is None:
+                    return self._error(404, "RepoNotFound")
+                if repo.private:
+                    # The Hub hides private repos from anonymous callers behind a 401.
+                    return self._error(401, "RepoNotFound", "Invalid username or password.")
+                if revision not in ("main", repo.commit):
+                    return self._error(404, "RevisionNotFound")
+                siblings = []
+                for name, data in repo.files.items():
+                    size = repo.declared_sizes.get(name, len(data))
+                    sibling = {"rfilename": name, "size": size, "blobId": _git_blob_id(data)}
+                    if name in repo.lfs:
+                        sibling["lfs"] = {
+                            "sha256": hashlib.sha256(data).hexdigest(),
+                            "size": size,
+                            "pointerSize": 134,
+                        }
+                    siblings.append(sibling)
+                body = json.dumps(
+                    {
+                        "_id": "0" * 24,
+                        "id": repo_id,
+                        "sha": repo.commit,
+                        "private": False,
+                        "gated": "manual" if repo.gated else False,
+                        "siblings": siblings,
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _file(self, path: str) -> None:
+                repo_part, _, rest = path.lstrip("/").partition("/resolve/")
+                revision, _, name = rest.partition("/")
+                repo = hub.repos.get(repo_part)
+                if repo is None:
+                    return self._error(404, "RepoNotFound")
+                if repo.gated:
+                    return self._error(403, "GatedRepo", "Access to this model is restricted.")
+                if hub.refuse_files:
+                    self.close_connection = True
+                    return
+                if revision != repo.commit or name not in repo.files:
+                    return self._error(404, "EntryNotFound")
+                data = repo.served_bytes.get(name, repo.files[name])
+                start = 0
+                if (wanted := self.headers.get("Range")) is not None:
+                    start = int(wanted.removeprefix("bytes=").split("-")[0])
+                self.send_response(206 if start else 200)
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.send_header("Content-Length", str(len(data) - start))
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+                self.send_header("X-Repo-Commit", repo.commit)
+                self.end_headers()
+                self._body(name, data, start)
+
+            def _body(self, name: str, data: bytes, start: int) -> None:
+                drop_at = hub.drop_once.pop(name, None)
+                pause_at = hub.pause_at.pop(name, None)
+                try:
+                    for offset in range(start, len(data), PIECE):
+                        if drop_at is not None and offset >= drop_at:
+                            hub.refuse_files = hub.down_after_drop
+                            self.wfile.flush()
+                            self.connection.shutdown(socket.SHUT_RDWR)
+                            self.close_connection = True
+                            return
+                        if pause_at is not None and offset >= pause_at:
+                            pause_at = None
+                            hub.on_pause()
+                            # One more piece after the pause so the client sees the cancel.
+                            self.wfile.write(data[offset : offset + PIECE])
+                            self.wfile.flush()
+                            hub.release.wait(timeout=10)
+                            continue
+                        self.wfile.write(data[offset : offset + PIECE])
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True
+
+            def _error(self, status: int, code: str, message: str = "") -> None:
+                self.send_response(status)
+                self.send_header("X-Error-Code", code)
+                if message:
+                    self.send_header("X-Error-Message", message)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        return Handler
+
+
+def _git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _tiny_repo(weights_size: int = 300 * 1024) -> FakeRepo:
+    weights = os.urandom(weights_size)
+    return FakeRepo(
+        commit="a" * 40,
+        files={
+            "config.json": json.dumps({"model_type": "llama", "hidden_size": 8}).encode(),
+            "model.safetensors": weights,
+            "tokenizer.json": b'{"version": "1.0"}',
+            "tokenizer_config.json": b'{"eos_token": "</s>"}',
+            "README.md": b"# tiny\n",
+            ".gitattributes": b"*.safetensors filter=lfs\n",
+        },
+        lfs=frozenset({"model.safetensors"}),
+    )
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    with FakeHub() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+        yield server
+
+
+def _assert_model_on_disk(folder: Path, repo: FakeRepo) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == repo.files[name], name
+    assert not (folder / "README.md").exists()  # mlx-lm's patterns skip it
+    assert not (folder / download.PARTIAL_DIR).exists()
+    assert read_manifest(folder)["complete"] is True
+
+
+def test_downloads_model_files_with_progress(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    events: list[DownloadProgress] = []
+
+    folder = download_model("mlx-community/tiny", on_progress=events.append)
+
+    assert folder == destination_for("mlx-community/tiny")
+    _assert_model_on_disk(folder, repo)
+    total = sum(len(repo.files[n]) for n in read_manifest(folder)["files"])
+    assert events[-1].bytes_done == events[-1].bytes_total == total
+    assert events[-1].files_done == events[-1].files_total == 4
+    assert events[-1].eta_seconds == 0.0
+    done = [e.bytes_done for e in events]
+    assert done == sorted(done)
+    assert all(e.bytes_per_second >= 0 for e in events)
+    assert any(e.bytes_per_second > 0 for e in events)
+
+
+def test_second_download_fetches_nothing(hub: FakeHub) -> None:
+    hub.repos["mlx-community/tiny"] = _tiny_repo()
+    download_model("mlx-community/tiny")
+    gets_before = len(hub.file_gets("model.safetensors"))
+
+    plan = plan_download("mlx-community/tiny")
+    download_model("mlx-community/tiny")
+
+    assert plan.bytes_needed == 0
+    assert len(hub.file_gets("model.safetensors")) == gets_before == 1
+
+
+def test_dropped_connection_is_resumed_with_range(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    hub.drop_once["model.safetensors"] = 5 * PIECE
+
+    folder = download_model("mlx-community/tiny")
+
+    _assert_model_on_disk(folder, repo)
+    ranges = hub.file_gets("model.safetensors")
+    assert ranges[0] is None
+    assert len(ranges) == 2
+    resumed_at = int(ranges[1].removeprefix("bytes=").rstrip("-"))
+    assert 0 < resumed_at <= 5 * PIECE
+
+
+def test_outage_keeps_partial_file_and_next_call_resumes(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    monkeypatch.setattr(download, "RETRY_DELAYS", (0.0, 0.0))
+    # The first GET drops mid-body; every retry then finds the server hanging up.
+    hub.drop_once["model.safetensors"] = 6 * PIECE
+    hub.down_after_drop = True
+    with pytest.raises(EngineError, match="Lost the connection") as failure:
+        download_model("mlx-community/tiny")
+    assert not isinstance(failure.value, Cancelled)
+    part = destination_for("mlx-community/tiny") / download.PARTIAL_DIR / "model.safetensors"
+    kept = part.stat().st_size
+    assert 0 < kept < len(repo.files["model.safetensors"])
+    assert part.read_bytes() == repo.files["model.safetensors"][:kept]
+    assert read_manifest(part.parent.parent)["complete"] is False
+
+    hub.refuse_files = False
+    folder = download_model("mlx-community/tiny")
+
+    _assert_model_on_disk(folder, repo)
+    assert hub.file_gets("model.safetensors")[-1] == f"bytes={kept}-"
+
+
+def test_cancel_then_resume(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    cancel = threading.Event()
+    hub.pause_at["model.safetensors"] = 8 * PIECE
+    hub.on_pause = cancel.set
+    events: list[DownloadProgress] = []
+
+    with pytest.raises(Cancelled):
+        download_model("mlx-community/tiny", cancel=cancel, on_progress=events.append)
+    hub.release.set()
+    part = destination_for("mlx-community/tiny") / download.PARTIAL_DIR / "model.safetensors"
+    kept = part.stat().st_size
+    # The client stops at the first piece it reads after the cancel, wherever that is.
+    assert 0 < kept < len(repo.files["model.safetensors"])
+    assert part.read_bytes() == repo.files["model.safetensors"][:kept]
+    assert events[-1].bytes_done < events[-1].bytes_total
+    plan = plan_download("mlx-community/tiny")
+    unfinished = ("model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    assert plan.files_present == {"config.json"}
+    assert plan.bytes_needed == sum(len(repo.files[n]) for n in unfinished) - kept
+
+    resumed: list[DownloadProgress] = []
+    folder = download_model("mlx-community/tiny", on_progress=resumed.append)
+
+    _assert_model_on_disk(folder, repo)
+    assert hub.file_gets("model.safetensors")[-1] == f"bytes={kept}-"
+    assert resumed[-1].bytes_done == resumed[-1].bytes_total
+
+
+def test_missing_or_private_repo_is_a_clear_error(hub: FakeHub) -> None:
+    hidden = hub.repos["someone/private"] = _tiny_repo()
+    hidden.private = True
+    for repo_id in ("someone/nothing-here", "someone/private"):
+        with pytest.raises(EngineError, match=rf"No model named {repo_id}.*private.*token"):
+            download_model(repo_id)
+        assert not destination_for(repo_id).exists()
+    assert hub.file_gets("model.safetensors") == []
+
+
+def test_unknown_revision_is_a_clear_error(hub: FakeHub) -> None:
+    hub.repos["mlx-community/tiny"] = _tiny_repo()
+    with pytest.raises(EngineError, match="no branch, tag or commit named v9"):
+        download_model("mlx-community/tiny", revision="v9")
+
+
+def test_gated_repo_is_a_clear_error(hub: FakeHub) -> None:
+    repo = _tiny_repo()
+    repo.gated = True
+    hub.repos["meta-llama/gated"] = repo
+    with pytest.raises(EngineError, match=r"gated.*license.*token"):
+        download_model("meta-llama/gated")
+    assert not (destination_for("meta-llama/gated") / "model.safetensors").exists()
+
+
+def test_unreachable_hub_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(EngineError, match=r"Cannot reach 127\.0\.0\.1"):
+        download_model("mlx-community/tiny")
+
+
+def test_refuses_when_disk_is_too_small(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/huge"] = _tiny_repo()
+    repo.declared_sizes["model.safetensors"] = 1 << 60  # an exabyte fits nowhere
+
+    with pytest.raises(InsufficientDiskSpace, match="Free some space") as refusal:
+        download_model("mlx-community/huge")
+
+    assert refusal.value.bytes_needed > refusal.value.bytes_free > 0
+    assert hub.file_gets("model.safetensors") == []
+
+
+def test_refuses_repos_mlx_cannot_load(hub: FakeHub) -> None:
+    hub.repos["someone/gguf-only"] = FakeRepo(
+        commit="b" * 40, files={"model-Q4_K_M.gguf": b"GGUF", "README.md": b"hi"}
+    )
+    hub.repos["someone/pytorch"] = FakeRepo(
+        commit="c" * 40, files={"config.json": b"{}", "pytorch_model.bin": b"pt"}
+    )
+    with pytest.raises(EngineError, match="GGUF"):
+        download_model("someone/gguf-only")
+    with pytest.raises(EngineError, match=r"mlx_lm\.convert"):
+        download_model("someone/pytorch")
+    assert not any("/resolve/" in path for (_, path, _) in hub.requests)
+
+
+def test_corrupt_file_is_deleted_not_kept(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    good = repo.files["model.safetensors"]
+    repo.served_bytes["model.safetensors"] = bytes(len(good))
+
+    with pytest.raises(EngineError, match="corrupt"):
+        download_model("mlx-community/tiny")
+
+    folder = destination_for("mlx-community/tiny")
+    assert not (folder / "model.safetensors").exists()
+    assert not (folder / download.PARTIAL_DIR / "model.safetensors").exists()
+
+
+def test_allow_patterns_match_mlx_lm() -> None:
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    assert tuple(DEFAULT_ALLOW_PATTERNS) == download.ALLOW_PATTERNS
