@@ -1,0 +1,88 @@
+"""Start Longleaf: ``longleaf`` or ``python -m app``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import QEvent, QObject, Qt
+from PySide6.QtGui import QFileOpenEvent, QIcon
+from PySide6.QtWidgets import QApplication
+
+RESOURCES = Path(__file__).resolve().parent / "resources"
+
+
+class FileOpenFilter(QObject):
+    """Documents dropped on the app's icon (macOS) become attachments."""
+
+    def __init__(self, window) -> None:
+        super().__init__(window)
+        self.window = window
+
+    def eventFilter(self, obj, event) -> bool:
+        if event.type() == QEvent.Type.FileOpen and isinstance(event, QFileOpenEvent):
+            self.window.add_files([event.file()])
+            return True
+        return False
+
+
+def create_app(argv: list[str]) -> QApplication:
+    """The QApplication with Longleaf's names, icon and stylesheet."""
+    app = QApplication.instance() or QApplication(argv)
+    app.setApplicationName("Longleaf")
+    app.setOrganizationName("Longleaf")
+    app.setApplicationDisplayName("Longleaf")
+    if sys.platform != "darwin":
+        app.setStyle("Fusion")  # follows the system palette, looks the same everywhere
+    icon = RESOURCES / "longleaf.png"
+    if icon.exists():
+        app.setWindowIcon(QIcon(str(icon)))
+    qss = RESOURCES / "longleaf.qss"
+    if qss.exists():
+        app.setStyleSheet(qss.read_text(encoding="utf-8"))
+    return app
+
+
+def build_window(model: str | None = None):
+    """Settings, history, engine and window, wired together and started."""
+    from app.controller import ChatController
+    from app.engine_bridge import EngineBridge
+    from app.main_window import MainWindow
+    from app.settings import Settings
+    from app.store import HistoryStore
+
+    settings = Settings()
+    store = HistoryStore()
+    bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk)
+    controller = ChatController(settings, store, bridge)
+    window = MainWindow(controller)
+    controller.start(model)
+    if controller.recovered:
+        window.banner.show_message(
+            f"Longleaf quit unexpectedly last time; {controller.recovered} unfinished answer"
+            f"{'s were' if controller.recovered != 1 else ' was'} kept and marked interrupted.",
+            "info")
+    return window
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the app; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="longleaf", description="Local long-context chat.")
+    parser.add_argument("--model", help="model folder to load, or 'demo'")
+    parser.add_argument("files", nargs="*", help="documents to attach")
+    args, qt_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    app = create_app([sys.argv[0], *qt_args])
+    app.setAttribute(Qt.ApplicationAttribute.AA_DontShowIconsInMenus, True)
+    window = build_window(args.model)
+    app.installEventFilter(FileOpenFilter(window))
+    window.show()
+    if args.files:
+        window.add_files(args.files)
+    code = app.exec()
+    window.controller.store.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

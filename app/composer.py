@@ -1,0 +1,227 @@
+"""The bottom pane: attachments, the fit check, ingest progress and the text box."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QMimeData, QSize, Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.format import human_bytes, human_duration
+from app.store import AttachmentRecord
+
+
+def _local_files(mime: QMimeData) -> list[str]:
+    return [url.toLocalFile() for url in mime.urls() if url.isLocalFile()]
+
+
+class MessageEdit(QPlainTextEdit):
+    """Enter sends, Shift+Enter adds a line; grows with its text up to a limit."""
+
+    submitted = Signal()
+    filesDropped = Signal(list)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setPlaceholderText("Message Longleaf…  (Enter to send, Shift+Enter for a new line)")
+        self.setTabChangesFocus(True)
+        self.document().documentLayout().documentSizeChanged.connect(self._grow)
+        self._grow()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        enter = event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+        if enter and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        return bool(_local_files(source)) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        # Files dropped or pasted here are attachments, not their paths as text.
+        files = _local_files(source)
+        if files:
+            self.filesDropped.emit(files)
+        else:
+            super().insertFromMimeData(source)
+
+    def _grow(self, *_args) -> None:
+        line = self.fontMetrics().lineSpacing()
+        lines = min(10, max(2, int(self.document().size().height())))
+        self.setFixedHeight(lines * line + 18)
+
+
+class AttachmentChip(QFrame):
+    """One attached file: name, size, tokens, and a remove button."""
+
+    removeRequested = Signal(int)
+
+    def __init__(self, job_id: int, name: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.job_id = job_id
+        self.setObjectName("chip")
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(10, 3, 4, 3)
+        layout.setSpacing(4)
+        self.label = QLabel(f"📄 {name} · reading…")
+        layout.addWidget(self.label)
+        close = QToolButton(self)
+        close.setText("✕")
+        close.setAutoRaise(True)
+        close.setToolTip("Remove this attachment")
+        close.clicked.connect(lambda: self.removeRequested.emit(self.job_id))
+        layout.addWidget(close)
+
+    def set_record(self, record: AttachmentRecord) -> None:
+        """Show the parsed file's size and token count."""
+        self.label.setText(
+            f"📄 {record.name} · {human_bytes(record.size)} · {record.tokens:,} tokens")
+
+
+class Composer(QWidget):
+    """Attachment chips, inline notices, fit check, ingest progress and input."""
+
+    sendRequested = Signal()
+    stopRequested = Signal()
+    attachRequested = Signal()
+    removeAttachment = Signal(int)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("composer")
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(16, 6, 16, 12)
+        outer.setSpacing(6)
+        self.chips_row = QHBoxLayout()
+        self.chips_row.setSpacing(6)
+        self.chips_row.addStretch(1)
+        outer.addLayout(self.chips_row)
+        self.notice = QLabel()
+        self.notice.setObjectName("inlineNotice")
+        self.notice.setWordWrap(True)
+        self.notice.hide()
+        outer.addWidget(self.notice)
+        self.fit = QLabel()
+        self.fit.setObjectName("fitCheck")
+        self.fit.setWordWrap(True)
+        self.fit.setTextFormat(Qt.TextFormat.RichText)
+        self.fit.hide()
+        outer.addWidget(self.fit)
+        outer.addWidget(self._progress_row())
+        box = QFrame()
+        box.setObjectName("inputBox")
+        row = QHBoxLayout(box)
+        row.setContentsMargins(6, 4, 6, 4)
+        self.attach_button = QToolButton()
+        self.attach_button.setText("＋")
+        self.attach_button.setObjectName("attachButton")
+        self.attach_button.setToolTip("Attach documents (or drop them anywhere)")
+        self.attach_button.setIconSize(QSize(18, 18))
+        self.attach_button.clicked.connect(self.attachRequested.emit)
+        self.edit = MessageEdit()
+        self.edit.setFrameShape(QFrame.Shape.NoFrame)
+        self.edit.submitted.connect(self.sendRequested.emit)
+        self.send_button = QPushButton("Send")
+        self.send_button.setObjectName("sendButton")
+        self.send_button.setDefault(True)
+        self.send_button.clicked.connect(self._send_or_stop)
+        row.addWidget(self.attach_button, 0, Qt.AlignmentFlag.AlignBottom)
+        row.addWidget(self.edit, 1)
+        row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
+        outer.addWidget(box)
+        self.chips: dict[int, AttachmentChip] = {}
+        self.generating = False
+
+    def _progress_row(self) -> QWidget:
+        self.progress_box = QFrame()
+        self.progress_box.setObjectName("ingestBox")
+        row = QHBoxLayout(self.progress_box)
+        row.setContentsMargins(10, 4, 4, 4)
+        self.progress_title = QLabel("Reading the conversation")
+        self.progress = QProgressBar()
+        self.progress.setTextVisible(False)
+        self.progress.setFixedHeight(8)
+        self.progress_label = QLabel()
+        self.progress_label.setObjectName("ingestLabel")
+        cancel = QPushButton("Cancel")
+        cancel.clicked.connect(self.stopRequested.emit)
+        row.addWidget(self.progress_title)
+        row.addWidget(self.progress, 1)
+        row.addWidget(self.progress_label)
+        row.addWidget(cancel)
+        self.progress_box.hide()
+        return self.progress_box
+
+    def _send_or_stop(self) -> None:
+        (self.stopRequested if self.generating else self.sendRequested).emit()
+
+    def text(self) -> str:
+        """The typed message."""
+        return self.edit.toPlainText()
+
+    def set_text(self, text: str) -> None:
+        """Replace the typed message (edit-and-resend)."""
+        self.edit.setPlainText(text)
+        self.edit.setFocus()
+
+    def set_generating(self, generating: bool) -> None:
+        """Turn Send into Stop while an answer streams."""
+        self.generating = generating
+        self.send_button.setText("Stop" if generating else "Send")
+        self.send_button.setProperty("stop", generating)
+        self.send_button.style().unpolish(self.send_button)
+        self.send_button.style().polish(self.send_button)
+        if not generating:
+            self.progress_box.hide()
+
+    def show_progress(self, done: int, total: int, tps: float, eta: float | None) -> None:
+        """Ingest progress: tokens done / total, tok/s and ETA."""
+        self.progress_box.show()
+        self.progress.setMaximum(max(1, total))
+        self.progress.setValue(min(done, total))
+        self.progress_label.setText(
+            f"{done:,} / {total:,} tokens · {tps:,.0f} tok/s · ETA {human_duration(eta)}")
+        if done >= total:
+            self.progress_box.hide()
+
+    def add_chip(self, job_id: int, name: str) -> AttachmentChip:
+        """Show a chip for a file being read."""
+        chip = AttachmentChip(job_id, name, self)
+        chip.removeRequested.connect(self.removeAttachment.emit)
+        self.chips[job_id] = chip
+        self.chips_row.insertWidget(self.chips_row.count() - 1, chip)
+        return chip
+
+    def remove_chip(self, job_id: int) -> None:
+        """Drop one chip."""
+        chip = self.chips.pop(job_id, None)
+        if chip is not None:
+            chip.deleteLater()
+
+    def clear_chips(self) -> None:
+        """Drop every chip (after sending)."""
+        for job_id in list(self.chips):
+            self.remove_chip(job_id)
+
+    def show_notice(self, text: str) -> None:
+        """An inline message under the chips (e.g. a file that can't be read)."""
+        self.notice.setText(text)
+        self.notice.setVisible(bool(text))
+
+    def show_fit(self, html: str, ok: bool) -> None:
+        """The fit check, highlighted when the turn won't fit."""
+        self.fit.setText(html)
+        self.fit.setProperty("ok", ok)
+        self.fit.style().unpolish(self.fit)
+        self.fit.style().polish(self.fit)
+        self.fit.setVisible(bool(html))

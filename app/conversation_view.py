@@ -1,0 +1,236 @@
+"""The centre pane: one widget per message, bound to the ``ChatModel``.
+
+A streaming flush changes the last row only, so only the last widget
+re-renders; earlier messages are left alone.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QModelIndex, Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QScrollArea,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.chat_model import (
+    AttachmentsRole,
+    ChatModel,
+    ReasonRole,
+    RoleRole,
+    StatsRole,
+    StatusRole,
+)
+from app.format import human_bytes
+from app.markdown_view import MarkdownView
+
+STATUS_TEXT = {
+    "streaming": "Answering…",
+    "stopped": "Stopped",
+    "failed": "Failed",
+    "interrupted": "Interrupted — the partial answer was kept",
+}
+
+
+def stats_text(stats: dict | None) -> str:
+    """"128 tokens · TTFT 0.21 s · 34.2 tok/s" for an answer's stats."""
+    if not stats:
+        return ""
+    parts = [f"{stats.get('generated_tokens', 0):,} tokens"]
+    if stats.get("ttft") is not None:
+        parts.append(f"TTFT {stats['ttft']:.2f} s")
+    if stats.get("decode_tps"):
+        parts.append(f"{stats['decode_tps']:.1f} tok/s")
+    return " · ".join(parts)
+
+
+class MessageWidget(QFrame):
+    """One message: who, the Markdown text, attachments, stats and actions."""
+
+    copyRequested = Signal()
+    regenerateRequested = Signal()
+    editRequested = Signal()
+
+    def __init__(self, role: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.role = role
+        self.setObjectName("userMessage" if role == "user" else "assistantMessage")
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(14, 10, 14, 8)
+        outer.setSpacing(4)
+        self.author = QLabel("You" if role == "user" else "Longleaf")
+        self.author.setObjectName("author")
+        outer.addWidget(self.author)
+        self.files = QLabel()
+        self.files.setObjectName("attachmentLine")
+        self.files.setWordWrap(True)
+        self.files.hide()
+        outer.addWidget(self.files)
+        self.body = MarkdownView(self)
+        outer.addWidget(self.body)
+        footer = QHBoxLayout()
+        footer.setSpacing(6)
+        self.status = QLabel()
+        self.status.setObjectName("messageStatus")
+        self.status.setWordWrap(True)
+        self.stats = QLabel()
+        self.stats.setObjectName("messageStats")
+        footer.addWidget(self.status, 1)
+        footer.addWidget(self.stats)
+        self.copy_button = self._action("Copy", self.copyRequested)
+        self.regenerate_button = self._action("Regenerate", self.regenerateRequested)
+        self.edit_button = self._action("Edit", self.editRequested)
+        for button in (self.copy_button, self.regenerate_button, self.edit_button):
+            footer.addWidget(button)
+        outer.addLayout(footer)
+
+    def _action(self, text: str, signal) -> QToolButton:
+        button = QToolButton(self)
+        button.setText(text)
+        button.setAutoRaise(True)
+        button.setObjectName("messageAction")
+        button.setCursor(Qt.CursorShape.PointingHandCursor)
+        button.clicked.connect(signal.emit)
+        return button
+
+    def show_message(self, content: str, status: str, reason: str | None, stats: dict | None,
+                     attachments: tuple) -> None:
+        """Render a row of the model."""
+        self.body.set_markdown(content or ("…" if status == "streaming" else ""))
+        self.body.setVisible(bool(content) or status == "streaming")
+        if attachments:
+            self.files.setText("  ".join(
+                f"📄 {a.name} · {human_bytes(a.size)} · {a.tokens:,} tokens" for a in attachments))
+        self.files.setVisible(bool(attachments))
+        label = STATUS_TEXT.get(status, "")
+        if reason and status in ("failed", "stopped") and reason != label:
+            label = f"{label}: {reason}" if label else reason
+        elif reason and status == "complete":
+            label = reason
+        self.status.setText(label)
+        self.status.setProperty("state", status)
+        self.status.style().unpolish(self.status)
+        self.status.style().polish(self.status)
+        self.stats.setText(stats_text(stats) if self.role == "assistant" else "")
+
+    def set_actions(self, *, copy: bool, regenerate: bool, edit: bool) -> None:
+        """Show only the actions that apply to this row now."""
+        self.copy_button.setVisible(copy)
+        self.regenerate_button.setVisible(regenerate)
+        self.edit_button.setVisible(edit)
+
+
+class ConversationView(QScrollArea):
+    """A scrolling column of ``MessageWidget``s that follows the model."""
+
+    regenerateRequested = Signal()
+    editRequested = Signal()
+
+    def __init__(self, model: ChatModel, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model = model
+        self.busy = False
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.column = QWidget()
+        self.column.setObjectName("conversationColumn")
+        self.layout_ = QVBoxLayout(self.column)
+        self.layout_.setContentsMargins(24, 16, 24, 16)
+        self.layout_.setSpacing(10)
+        self.placeholder = QLabel(
+            "<h2>Start a conversation</h2><p>Type below, or drop documents anywhere in the "
+            "window — text, Markdown, source code, PDF or Word.</p>")
+        self.placeholder.setObjectName("placeholder")
+        self.placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.placeholder.setWordWrap(True)
+        self.layout_.addWidget(self.placeholder)
+        self.layout_.addStretch(1)
+        self.setWidget(self.column)
+        self.widgets: list[MessageWidget] = []
+        self._follow = True
+        self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
+        self.verticalScrollBar().rangeChanged.connect(self._on_range)
+        model.modelReset.connect(self._rebuild)
+        model.rowsInserted.connect(self._on_inserted)
+        model.rowsRemoved.connect(self._on_removed)
+        model.dataChanged.connect(self._on_changed)
+        self._rebuild()
+
+    def set_busy(self, busy: bool) -> None:
+        """Hide regenerate/edit while an answer streams."""
+        self.busy = busy
+        self._refresh_actions()
+
+    def _make(self, row: int) -> MessageWidget:
+        role = self.model.data(self.model.index(row), RoleRole)
+        widget = MessageWidget(role, self.column)
+        widget.copyRequested.connect(lambda w=widget: self._copy(w))
+        widget.regenerateRequested.connect(self.regenerateRequested.emit)
+        widget.editRequested.connect(self.editRequested.emit)
+        return widget
+
+    def _render(self, row: int) -> None:
+        index = self.model.index(row)
+        self.widgets[row].show_message(
+            self.model.data(index) or "", self.model.data(index, StatusRole),
+            self.model.data(index, ReasonRole), self.model.data(index, StatsRole),
+            self.model.data(index, AttachmentsRole) or ())
+
+    def _rebuild(self) -> None:
+        for widget in self.widgets:
+            widget.deleteLater()
+        self.widgets = []
+        self._on_inserted(QModelIndex(), 0, self.model.rowCount() - 1)
+        self._follow = True
+
+    def _on_inserted(self, _parent, first: int, last: int) -> None:
+        for row in range(first, last + 1):
+            widget = self._make(row)
+            self.widgets.insert(row, widget)
+            self.layout_.insertWidget(row + 1, widget)  # after the placeholder
+            self._render(row)
+        self._after_change()
+
+    def _on_removed(self, _parent, first: int, last: int) -> None:
+        for widget in self.widgets[first:last + 1]:
+            widget.deleteLater()
+        del self.widgets[first:last + 1]
+        self._after_change()
+
+    def _on_changed(self, top: QModelIndex, bottom: QModelIndex, _roles=()) -> None:
+        for row in range(top.row(), bottom.row() + 1):
+            if 0 <= row < len(self.widgets):
+                self._render(row)
+        self._refresh_actions()
+
+    def _after_change(self) -> None:
+        self.placeholder.setVisible(not self.widgets)
+        self._refresh_actions()
+
+    def _refresh_actions(self) -> None:
+        last_user = max((i for i, w in enumerate(self.widgets) if w.role == "user"), default=-1)
+        last = len(self.widgets) - 1
+        for row, widget in enumerate(self.widgets):
+            streaming = self.model.data(self.model.index(row), StatusRole) == "streaming"
+            widget.set_actions(
+                copy=not streaming,
+                regenerate=not self.busy and row == last and widget.role == "assistant",
+                edit=not self.busy and row == last_user,
+            )
+
+    def _copy(self, widget: MessageWidget) -> None:
+        QGuiApplication.clipboard().setText(widget.body.markdown())
+
+    def _on_scrolled(self, value: int) -> None:
+        self._follow = value >= self.verticalScrollBar().maximum() - 40
+
+    def _on_range(self, _low: int, high: int) -> None:
+        if self._follow:
+            QTimer.singleShot(0, lambda: self.verticalScrollBar().setValue(
+                self.verticalScrollBar().maximum()))

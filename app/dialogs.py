@@ -1,0 +1,146 @@
+"""New chat (with the KV mode choice) and Settings dialogs."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QLabel,
+    QPlainTextEdit,
+    QRadioButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.format import human_bytes
+from app.settings import KV_MODES, Settings
+from engine.sampling import SamplingParams
+
+MODE_BLURB = {
+    "fp16": "full precision — largest",
+    "q8": "8-bit — near lossless (default)",
+    "q6": "6-bit — between q8 and q4",
+    "q4": "4-bit — smallest, coarsest",
+}
+
+
+def mode_choice_text(mode: str, full_report) -> str:
+    """"q8 — 8-bit … · 12.0 MB at full context · 1,234 tokens fit in free RAM"."""
+    text = f"{mode}  —  {MODE_BLURB[mode]}"
+    if full_report is None:
+        return text
+    entry = full_report.for_mode(mode)
+    if not entry.supported:
+        return text + "  ·  not possible for this model's head size"
+    return (f"{text}  ·  {human_bytes(entry.bytes_needed)} at {full_report.max_context:,} "
+            f"tokens  ·  {entry.tokens_fit_ram:,} tokens fit in free RAM")
+
+
+class NewChatDialog(QDialog):
+    """Ask for the KV mode of a new chat, with each mode's projection."""
+
+    def __init__(self, default_mode: str, full_report, parent: QWidget | None = None,
+                 title: str = "New chat") -> None:
+        super().__init__(parent)
+        self.setWindowTitle(title)
+        layout = QVBoxLayout(self)
+        intro = QLabel("<b>KV cache mode</b><br>Fixed for the life of the chat. Lower bits hold "
+                       "more context in the same memory.")
+        intro.setWordWrap(True)
+        layout.addWidget(intro)
+        self.group = QButtonGroup(self)
+        self.buttons: dict[str, QRadioButton] = {}
+        for mode in KV_MODES:
+            button = QRadioButton(mode_choice_text(mode, full_report))
+            supported = full_report is None or full_report.for_mode(mode).supported
+            button.setEnabled(supported)
+            button.setChecked(mode == default_mode and supported)
+            self.group.addButton(button)
+            self.buttons[mode] = button
+            layout.addWidget(button)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok
+                                   | QDialogButtonBox.StandardButton.Cancel)
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Start chat")
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout.addWidget(buttons)
+
+    def mode(self) -> str:
+        """The chosen mode."""
+        return next((m for m, b in self.buttons.items() if b.isChecked()), "q8")
+
+
+class SettingsDialog(QDialog):
+    """Edit the user's preferences; ``apply()`` writes them."""
+
+    def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.settings = settings
+        self.setWindowTitle("Settings")
+        self.setMinimumWidth(460)
+        form = QFormLayout(self)
+        self.mode = QComboBox()
+        self.mode.addItems(list(KV_MODES))
+        self.mode.setCurrentText(settings.default_mode)
+        form.addRow("Default KV mode", self.mode)
+        self.page_size = QSpinBox(minimum=16, maximum=4096, singleStep=16,
+                                  value=settings.page_size)
+        form.addRow("Page size (tokens)", self.page_size)
+        self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk)
+        form.addRow("Ingest chunk (tokens)", self.chunk)
+        budget = settings.memory_budget_bytes
+        self.budget = QSpinBox(minimum=0, maximum=1024 * 1024, singleStep=256,
+                               value=(budget or 0) // 2**20, suffix=" MiB",
+                               specialValueText="Automatic (keep RAM headroom)")
+        form.addRow("KV memory budget", self.budget)
+        sampling = settings.sampling
+        self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05,
+                                          value=sampling.temperature)
+        form.addRow("Temperature", self.temperature)
+        self.top_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05,
+                                    value=sampling.top_p)
+        form.addRow("Top-p", self.top_p)
+        self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.top_k)
+        form.addRow("Top-k (0 = off)", self.top_k)
+        self.min_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01,
+                                    value=sampling.min_p)
+        form.addRow("Min-p", self.min_p)
+        self.repetition = QDoubleSpinBox(minimum=0.5, maximum=2.0, singleStep=0.05,
+                                         value=sampling.repetition_penalty)
+        form.addRow("Repetition penalty", self.repetition)
+        self.max_tokens = QSpinBox(minimum=1, maximum=1_000_000, value=sampling.max_tokens)
+        form.addRow("Max answer tokens", self.max_tokens)
+        self.system_prompt = QPlainTextEdit(settings.system_prompt)
+        self.system_prompt.setFixedHeight(80)
+        form.addRow("System prompt", self.system_prompt)
+        self.folders = QPlainTextEdit("\n".join(settings.model_folders))
+        self.folders.setPlaceholderText("One folder per line")
+        self.folders.setFixedHeight(60)
+        form.addRow("Model folders", self.folders)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save
+                                   | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+        self.accepted.connect(self.apply)
+
+    def apply(self) -> None:
+        """Write the edited values to the settings."""
+        s = self.settings
+        s.default_mode = self.mode.currentText()
+        s.page_size = self.page_size.value()
+        s.ingest_chunk = self.chunk.value()
+        s.memory_budget_bytes = self.budget.value() * 2**20 or None
+        s.sampling = SamplingParams(
+            temperature=self.temperature.value(), top_p=self.top_p.value(),
+            top_k=self.top_k.value(), min_p=self.min_p.value(),
+            repetition_penalty=self.repetition.value(), max_tokens=self.max_tokens.value(),
+            seed=s.sampling.seed)
+        s.system_prompt = self.system_prompt.toPlainText().strip()
+        s.model_folders = [f.strip() for f in self.folders.toPlainText().splitlines() if f.strip()]
+        s.sync()

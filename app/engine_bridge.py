@@ -1,0 +1,168 @@
+"""The Qt face of the engine worker.
+
+``EngineWorker`` calls ``on_event`` from its own thread; the bridge re-emits
+every event on the GUI thread through a queued signal, sorted by type. The GUI
+thread never calls into MLX: it only enqueues requests and reads thread-safe
+snapshots (stats, fit checks, token counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, Qt, Signal, Slot
+
+from engine.events import (
+    Failed,
+    Finished,
+    IngestProgress,
+    ModelLoaded,
+    SessionOpened,
+    StatsSample,
+    TokenChunk,
+)
+from engine.sampling import SamplingParams
+
+
+def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None,
+                    chunk_size: int):
+    from engine.worker import EngineWorker
+
+    return EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size)
+
+
+class EngineBridge(QObject):
+    """Owns the engine worker and turns its events into Qt signals.
+
+    Args:
+        budget_bytes: KV byte budget passed to the worker (None: engine default).
+        chunk_size: tokens per prefill chunk.
+        worker_factory: builds the worker from ``(on_event, budget_bytes, chunk_size)``.
+    """
+
+    tokenChunk = Signal(object)
+    ingestProgress = Signal(object)
+    statsSample = Signal(object)
+    finished = Signal(object)
+    failed = Signal(object)
+    modelLoaded = Signal(object)
+    sessionOpened = Signal(object)
+    busyChanged = Signal(bool)
+    _relay = Signal(object)
+
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        chunk_size: int = 512,
+        worker_factory: Callable = _default_worker,
+        parent: QObject | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self._relay.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
+        self._worker = worker_factory(self._on_worker_event, budget_bytes, chunk_size)
+        self._pending: dict[int, str] = {}
+        self._cancels: dict[int, threading.Event] = {}
+        self._alive = False
+
+    # Worker thread side ---------------------------------------------------
+
+    def _on_worker_event(self, event: object) -> None:
+        # Runs on the engine thread: only hand the event over.
+        with contextlib.suppress(RuntimeError):  # the bridge is gone after shutdown
+            self._relay.emit(event)
+
+    # GUI thread side ------------------------------------------------------
+
+    @Slot(object)
+    def _dispatch(self, event: object) -> None:
+        if isinstance(event, TokenChunk):
+            self.tokenChunk.emit(event)
+        elif isinstance(event, StatsSample):
+            self.statsSample.emit(event)
+        elif isinstance(event, IngestProgress):
+            self.ingestProgress.emit(event)
+        elif isinstance(event, ModelLoaded):
+            self.modelLoaded.emit(event)
+        elif isinstance(event, SessionOpened):
+            self.sessionOpened.emit(event)
+        elif isinstance(event, Finished | Failed):
+            was_busy = self.busy
+            self._pending.pop(event.request_id, None)
+            self._cancels.pop(event.request_id, None)
+            (self.finished if isinstance(event, Finished) else self.failed).emit(event)
+            if was_busy != self.busy:
+                self.busyChanged.emit(self.busy)
+
+    def _track(self, request_id: int, kind: str, cancel: threading.Event | None = None) -> int:
+        was_busy = self.busy
+        self._pending[request_id] = kind
+        if cancel is not None:
+            self._cancels[request_id] = cancel
+        if was_busy != self.busy:
+            self.busyChanged.emit(self.busy)
+        return request_id
+
+    @property
+    def busy(self) -> bool:
+        """True while a chat or ingest request is running or queued."""
+        return any(kind in ("chat", "ingest") for kind in self._pending.values())
+
+    def request_kind(self, request_id: int) -> str | None:
+        """"load", "open", "chat" or "ingest" for a pending request."""
+        return self._pending.get(request_id)
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._worker.start()
+        self._alive = True
+
+    def load_model(self, path: str) -> int:
+        """Load a model folder (or "demo"); answers with modelLoaded or failed."""
+        return self._track(self._worker.load_model(path), "load")
+
+    def open_session(self, session_id: str, mode: str, page_size: int = 256) -> int:
+        """Open a paged cache for a session in a fixed KV mode."""
+        return self._track(self._worker.open_session(session_id, mode, page_size), "open")
+
+    def chat(self, session_id: str, messages: list[dict[str, str]],
+             sampling: SamplingParams) -> int:
+        """Ingest what is new in ``messages`` and stream an answer."""
+        cancel = threading.Event()
+        rid = self._worker.chat(session_id, messages, sampling, cancel)
+        return self._track(rid, "chat", cancel)
+
+    def ingest(self, session_id: str, messages: list[dict[str, str]]) -> int:
+        """Prefill ``messages`` without generating."""
+        cancel = threading.Event()
+        return self._track(self._worker.ingest(session_id, messages, cancel), "ingest", cancel)
+
+    def cancel(self, request_id: int | None = None) -> None:
+        """Cancel one request, or every running one."""
+        for rid, event in list(self._cancels.items()):
+            if request_id is None or rid == request_id:
+                event.set()
+
+    def close_session(self, session_id: str) -> None:
+        """Free a session's pages."""
+        self._worker.close_session(session_id)
+
+    def latest_stats(self) -> StatsSample | None:
+        """The worker's last stats snapshot (thread-safe, no MLX call)."""
+        return self._worker.latest_stats()
+
+    def fit_check(self, session_id: str | None, token_count: int):
+        """Per-mode fit of ``token_count`` tokens (an ``engine.fit.FitReport``)."""
+        return self._worker.fit_check(session_id, token_count)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens in ``text`` under the loaded model's tokenizer (any thread)."""
+        return self._worker.count_tokens(text)
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Cancel running work and join the worker thread."""
+        self.cancel()
+        if self._alive:
+            self._worker.shutdown(timeout)
+            self._alive = False

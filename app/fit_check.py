@@ -1,0 +1,129 @@
+"""The fit check shown above the composer before a turn is sent.
+
+Tokens after this turn (context + attachments + typed text + the answer's
+maximum) against the model's context, the page budget and free RAM, with the
+KV bytes each mode would need — from the worker's ``fit_check``, which is pure
+arithmetic over ``engine.kvquant.project_kv_bytes`` and never touches MLX.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, QTimer
+
+from app.format import human_bytes
+
+DEBOUNCE_MS = 250
+COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
+SHOW_ABOVE_TOKENS = 1024
+MODES = ("q8", "q6", "q4", "fp16")
+
+
+class FitChecker(QObject):
+    """Recomputes the fit line when the composer, session or model changes."""
+
+    def __init__(self, controller, composer, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.controller, self.composer = controller, composer
+        self.last_report = None
+        self.last_total = 0
+        self.last_prompt_tokens = 0
+        self._timer = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
+        self._timer.timeout.connect(self.run)
+        composer.edit.textChanged.connect(self.schedule)
+
+    def schedule(self) -> None:
+        """Recompute shortly (typing is debounced)."""
+        self._timer.start()
+
+    def report_for(self, tokens: int):
+        """The worker's ``FitReport`` for ``tokens``, or None without a model."""
+        if not self.controller.model_ready:
+            return None
+        current = self.controller.current
+        session_id = current.id if current and current.id in self.controller.opened else None
+        try:
+            return self.controller.bridge.fit_check(session_id, max(0, tokens))
+        except Exception:  # no model yet, or the worker is shutting down
+            return None
+
+    def max_context(self) -> int | None:
+        """The loaded model's maximum context, if a model is loaded."""
+        report = self.report_for(1)
+        return report.max_context if report is not None else None
+
+    def full_context_report(self):
+        """The ``FitReport`` at the model's full context."""
+        limit = self.max_context()
+        return self.report_for(limit) if limit else None
+
+    def context_tokens(self) -> int:
+        """Tokens the current session's context holds now."""
+        current = self.controller.current
+        if current is None:
+            return 0
+        sample = self.controller.bridge.latest_stats() if self.controller.model_ready else None
+        if sample is not None and sample.session_id == current.id:
+            return sample.tokens_in_context
+        return current.tokens
+
+    def prompt_tokens(self) -> tuple[int, bool]:
+        """Tokens of what the composer holds; True when estimated."""
+        attached = sum(r.tokens for r in self.parent().attachments.values())
+        text = self.composer.text()
+        if not text:
+            return attached, False
+        if len(text) <= COUNT_INLINE_CHARS:
+            try:
+                return attached + self.controller.bridge.count_tokens(text), False
+            except Exception:
+                pass
+        return attached + len(text) // 4, True
+
+    def run(self) -> None:
+        """Compute and show the fit line."""
+        prompt, estimated = self.prompt_tokens()
+        answer = self.controller.settings.sampling.max_tokens
+        total = self.context_tokens() + prompt + answer
+        report = self.report_for(total)
+        self.last_report, self.last_total, self.last_prompt_tokens = report, total, prompt
+        current = self.controller.current
+        mode = current.kv_mode if current else self.controller.settings.default_mode
+        if report is None or (prompt < SHOW_ABOVE_TOKENS and report.for_mode(mode).fits):
+            self.composer.show_fit("", True)
+            return
+        html, ok = fit_html(report, mode, total, estimated)
+        self.composer.show_fit(html, ok)
+
+
+def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[str, bool]:
+    """The fit line as rich text, and whether the turn fits in ``mode``."""
+    entry = report.for_mode(mode)
+    approx = "≈" if estimated else ""
+    per_mode = " · ".join(
+        (f"<b>{m} {human_bytes(report.for_mode(m).bytes_needed)}</b>" if m == mode
+         else f"{m} {human_bytes(report.for_mode(m).bytes_needed)}")
+        for m in MODES if report.for_mode(m).supported)
+    budget = (f" · budget {human_bytes(report.budget_bytes)}"
+              if report.budget_bytes is not None else "")
+    head = (f"After this turn: {approx}{total:,} tokens of {report.max_context:,} context · "
+            f"KV {per_mode} · {human_bytes(report.available_bytes)} RAM free{budget}")
+    if entry.fits:
+        return f"✓ {head}", True
+    return f"⚠ {head}<br><b>{wont_fit_sentence(report, mode, total)}</b>", False
+
+
+def wont_fit_sentence(report, mode: str, total: int) -> str:
+    """Plain words: why the turn won't fit in ``mode`` and which mode would."""
+    entry = report.for_mode(mode)
+    if not entry.fits_context:
+        return (f"This won't fit: {total:,} tokens is more than the model's context of "
+                f"{report.max_context:,} tokens in any mode. Remove an attachment or start "
+                "a new chat.")
+    limit = "the KV budget" if not entry.fits_budget else "free RAM"
+    better = next((m for m in ("q8", "q6", "q4")
+                   if m != mode and report.for_mode(m).fits), None)
+    text = (f"This won't fit in {mode}: it needs {human_bytes(entry.bytes_needed)} but "
+            f"{limit} holds only {entry.tokens_fit:,} tokens in {mode}.")
+    if better:
+        return text + f" It would fit in {better} — use Reopen in {better}…"
+    return text + " No mode fits; remove an attachment or free memory."

@@ -1,0 +1,45 @@
+"""Human units for bytes, durations and times, shared by the widgets."""
+
+from __future__ import annotations
+
+import time
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 -> "1.5 KB" (binary units, one decimal above bytes)."""
+    if n is None:
+        return "—"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(value) < 1024 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TB"
+
+
+def human_duration(seconds: float | None) -> str:
+    """75 -> "1m 15s"; None -> "—"."""
+    if seconds is None:
+        return "—"
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m {seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def relative_time(timestamp: float, now: float | None = None) -> str:
+    """A last-activity label: "just now", "5 min ago", "yesterday", "3 Mar"."""
+    delta = (now or time.time()) - timestamp
+    if delta < 60:
+        return "just now"
+    if delta < 3600:
+        return f"{int(delta // 60)} min ago"
+    if delta < 86400:
+        return f"{int(delta // 3600)} h ago"
+    if delta < 2 * 86400:
+        return "yesterday"
+    return time.strftime("%-d %b", time.localtime(timestamp))

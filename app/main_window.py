@@ -1,0 +1,421 @@
+"""The main window: sessions | conversation + composer | memory panel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QMimeData, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMenu,
+    QSplitter,
+    QToolBar,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.attachments import DocumentLoader
+from app.composer import Composer
+from app.controller import ChatController
+from app.conversation_view import ConversationView
+from app.dialogs import NewChatDialog, SettingsDialog
+from app.fit_check import FitChecker
+from app.memory_panel import MemoryPanel
+from app.session_list import SessionList
+from app.settings import KV_MODES
+from app.store import AttachmentRecord
+
+OPEN_FOLDER = "Open folder…"
+
+
+def local_files(mime: QMimeData) -> list[str]:
+    """Local file paths in a drag's MIME data."""
+    return [url.toLocalFile() for url in mime.urls() if url.isLocalFile()]
+
+
+class Banner(QFrame):
+    """The one place engine errors are shown; dismissable, never modal."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("errorBanner")
+        row = QHBoxLayout(self)
+        row.setContentsMargins(12, 6, 6, 6)
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        close = QToolButton()
+        close.setText("✕")
+        close.setAutoRaise(True)
+        close.clicked.connect(self.hide)
+        row.addWidget(self.label, 1)
+        row.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
+        self.hide()
+
+    def show_message(self, text: str, kind: str = "error") -> None:
+        """Show ``text``; kind is "error" or "info"."""
+        self.label.setText(text)
+        self.setProperty("kind", kind)
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.show()
+
+
+class MainWindow(QMainWindow):
+    """Longleaf's window."""
+
+    filesDropped = Signal(list)
+
+    def __init__(self, controller: ChatController) -> None:
+        super().__init__()
+        self.controller = controller
+        self.settings = controller.settings
+        self.setWindowTitle("Longleaf")
+        self.setAcceptDrops(True)
+        self.resize(1380, 860)
+        self.loader = DocumentLoader(controller.bridge.count_tokens, self)
+        self.attachments: dict[int, AttachmentRecord] = {}
+        self._build()
+        self.fit = FitChecker(controller, self.composer, self)
+        self._build_toolbar()
+        self._build_menus()
+        self._connect()
+        self._refresh_sessions()
+        self._on_session_changed(controller.current)
+        geometry = self.settings.window_geometry
+        if geometry:
+            self.restoreGeometry(geometry)
+
+    # Layout ---------------------------------------------------------------
+
+    def _build(self) -> None:
+        self.sessions = SessionList()
+        self.banner = Banner()
+        self.conversation = ConversationView(self.controller.model)
+        self.composer = Composer()
+        centre = QWidget()
+        centre.setObjectName("centre")
+        column = QVBoxLayout(centre)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(0)
+        column.addWidget(self.banner)
+        column.addWidget(self.conversation, 1)
+        column.addWidget(self.composer)
+        self.panel = MemoryPanel()
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.addWidget(self.sessions)
+        self.splitter.addWidget(centre)
+        self.splitter.addWidget(self.panel)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([250, 800, 330])
+        self.splitter.setChildrenCollapsible(False)
+        self.setCentralWidget(self.splitter)
+        self.panel.setVisible(self.settings.memory_panel_visible)
+        self.composer.edit.filesDropped.connect(self.add_files)
+
+    def _build_toolbar(self) -> None:
+        bar = QToolBar("Main")
+        bar.setObjectName("mainToolbar")
+        bar.setMovable(False)
+        bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+        self.addToolBar(bar)
+        self.new_chat_action = QAction("New Chat", self)
+        self.new_chat_action.setShortcut(QKeySequence.StandardKey.New)
+        self.new_chat_action.triggered.connect(self.ask_new_chat)
+        bar.addAction(self.new_chat_action)
+        self.reopen_button = QToolButton()
+        self.reopen_button.setText("Reopen in…")
+        self.reopen_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.reopen_menu = QMenu(self.reopen_button)
+        for mode in KV_MODES:
+            self.reopen_menu.addAction(f"Reopen in {mode}…",
+                                       lambda m=mode: self.controller.reopen_in(m))
+        self.reopen_button.setMenu(self.reopen_menu)
+        bar.addWidget(self.reopen_button)
+        spacer = QWidget()
+        spacer.setSizePolicy(spacer.sizePolicy().horizontalPolicy().Expanding,
+                             spacer.sizePolicy().verticalPolicy())
+        bar.addWidget(spacer)
+        self.model_label = QLabel("Model")
+        self.model_label.setObjectName("toolbarCaption")
+        bar.addWidget(self.model_label)
+        self.model_picker = QComboBox()
+        self.model_picker.setMinimumWidth(220)
+        self.model_picker.setObjectName("modelPicker")
+        self._fill_models()
+        self.model_picker.activated.connect(self._on_model_picked)
+        bar.addWidget(self.model_picker)
+        self.model_state = QLabel()
+        self.model_state.setObjectName("modelState")
+        bar.addWidget(self.model_state)
+        self.panel_action = QAction("Memory", self, checkable=True)
+        self.panel_action.setChecked(self.panel.isVisible())
+        self.panel_action.toggled.connect(self._toggle_panel)
+        bar.addAction(self.panel_action)
+        self.settings_action = QAction("Settings", self)
+        self.settings_action.setShortcut(QKeySequence.StandardKey.Preferences)
+        self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
+        self.settings_action.triggered.connect(self.open_settings)
+        bar.addAction(self.settings_action)
+
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        file_menu.addAction(self.new_chat_action)
+        file_menu.addAction("Open Model Folder…", self.open_model_folder)
+        file_menu.addAction("Attach Documents…", self.ask_attach)
+        file_menu.addSeparator()
+        close = file_menu.addAction("Close Window", self.close)
+        close.setShortcut(QKeySequence.StandardKey.Close)
+        edit_menu = self.menuBar().addMenu("&Edit")
+        for title, key, slot in (
+            ("Undo", QKeySequence.StandardKey.Undo, "undo"),
+            ("Redo", QKeySequence.StandardKey.Redo, "redo"),
+            (None, None, None),
+            ("Cut", QKeySequence.StandardKey.Cut, "cut"),
+            ("Copy", QKeySequence.StandardKey.Copy, "copy"),
+            ("Paste", QKeySequence.StandardKey.Paste, "paste"),
+            ("Select All", QKeySequence.StandardKey.SelectAll, "selectAll"),
+        ):
+            if title is None:
+                edit_menu.addSeparator()
+                continue
+            action = edit_menu.addAction(title, lambda s=slot: self._edit_action(s))
+            action.setShortcut(key)
+        edit_menu.addSeparator()
+        edit_menu.addAction(self.settings_action)
+        chat_menu = self.menuBar().addMenu("&Chat")
+        self.stop_action = chat_menu.addAction("Stop", self.controller.stop)
+        self.stop_action.setShortcut(QKeySequence(Qt.Key.Key_Escape))
+        self.stop_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+        chat_menu.addAction("Regenerate Last Answer", self.controller.regenerate)
+        chat_menu.addAction("Edit Last Message", self.controller.begin_edit)
+        chat_menu.addMenu(self.reopen_menu).setText("Reopen In")
+        view_menu = self.menuBar().addMenu("&View")
+        view_menu.addAction(self.panel_action)
+
+    def _connect(self) -> None:
+        c = self.controller
+        self.sessions.sessionSelected.connect(c.select_session)
+        self.sessions.renameRequested.connect(c.rename_session)
+        self.sessions.deleteRequested.connect(c.delete_session)
+        self.sessions.searchChanged.connect(lambda _t: self._refresh_sessions())
+        c.sessionsChanged.connect(self._refresh_sessions)
+        c.currentSessionChanged.connect(self._on_session_changed)
+        c.modelStateChanged.connect(self._on_model_state)
+        c.errorRaised.connect(lambda text: self.banner.show_message(text, "error"))
+        c.notice.connect(lambda text: self.banner.show_message(text, "info"))
+        c.busyChanged.connect(self._on_busy)
+        c.ingestProgress.connect(lambda e: self.composer.show_progress(
+            e.tokens_done, e.tokens_total, e.tokens_per_second, e.eta_seconds))
+        c.statsUpdated.connect(self._on_stats)
+        c.editRequested.connect(self._on_edit_requested)
+        self.conversation.regenerateRequested.connect(c.regenerate)
+        self.conversation.editRequested.connect(c.begin_edit)
+        self.composer.sendRequested.connect(self.send)
+        self.composer.stopRequested.connect(c.stop)
+        self.composer.attachRequested.connect(self.ask_attach)
+        self.composer.removeAttachment.connect(self._remove_attachment)
+        self.loader.loaded.connect(self._on_loaded)
+        self.loader.failed.connect(self._on_load_failed)
+
+    # Models ---------------------------------------------------------------
+
+    def _fill_models(self) -> None:
+        self.model_picker.clear()
+        self.model_picker.addItem("Demo (SmolLM2-135M)", "demo")
+        for folder in self.settings.model_folders:
+            self.model_picker.addItem(Path(folder).name, folder)
+        last = self.settings.last_model
+        if self.model_picker.findData(last) < 0:
+            self.model_picker.addItem(Path(last).name, last)
+        self.model_picker.insertSeparator(self.model_picker.count())
+        self.model_picker.addItem(OPEN_FOLDER, OPEN_FOLDER)
+        self.model_picker.setCurrentIndex(max(0, self.model_picker.findData(last)))
+
+    def _on_model_picked(self, index: int) -> None:
+        data = self.model_picker.itemData(index)
+        if data == OPEN_FOLDER:
+            self.open_model_folder()
+        elif data:
+            self.controller.load_model(data)
+
+    def open_model_folder(self) -> None:
+        """Pick a model folder and load it."""
+        folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
+        if folder:
+            self.settings.model_folders = [*self.settings.model_folders, folder]
+            self.controller.load_model(folder)
+        self._fill_models()
+
+    def _on_model_state(self, text: str, ready: bool) -> None:
+        self.model_state.setText(("● " if ready else "○ ") + text)
+        self.model_state.setProperty("ready", ready)
+        self.model_state.style().unpolish(self.model_state)
+        self.model_state.style().polish(self.model_state)
+        if ready:
+            self.model_picker.setCurrentIndex(
+                max(0, self.model_picker.findData(self.controller.model_id)))
+            self.fit.schedule()
+            self._update_projection()
+
+    # Sessions -------------------------------------------------------------
+
+    def _refresh_sessions(self) -> None:
+        current = self.controller.current.id if self.controller.current else None
+        self.sessions.set_sessions(self.controller.store.sessions(self.sessions.search.text()),
+                                   current)
+
+    def _on_session_changed(self, record) -> None:
+        self._refresh_sessions()
+        title = f"{record.title} — {record.kv_mode}" if record else "Longleaf"
+        self.setWindowTitle(f"{title} · Longleaf" if record else title)
+        self.panel.set_session(record.title if record else None,
+                               record.kv_mode if record else None,
+                               self.controller.cache_state(record.id if record else None))
+        self.reopen_button.setEnabled(record is not None)
+        self.fit.schedule()
+        self._update_projection()
+
+    def ask_new_chat(self) -> None:
+        """Ask for the mode, then start a new chat."""
+        full = self.fit.full_context_report()
+        dialog = NewChatDialog(self.settings.default_mode, full, self)
+        if dialog.exec():
+            self.controller.new_session(dialog.mode())
+
+    # Sending --------------------------------------------------------------
+
+    def send(self) -> None:
+        """Send the composer's text and attachments; keep them if it can't be sent."""
+        if self.controller.busy:
+            return
+        if self.loader.pending:
+            self.banner.show_message("Still reading an attached file; send again in a moment.",
+                                     "info")
+            return
+        records = tuple(self.attachments.values())
+        if self.controller.send(self.composer.text(), records):
+            self.composer.set_text("")
+            self.attachments.clear()
+            self.composer.clear_chips()
+            self.composer.show_notice("")
+            self.banner.hide()
+            self.fit.schedule()
+
+    def _on_busy(self, busy: bool) -> None:
+        self.composer.set_generating(busy)
+        self.conversation.set_busy(busy)
+        self.fit.schedule()
+
+    def _on_edit_requested(self, text: str, attachments) -> None:
+        self.composer.set_text(text)
+        self.attachments.clear()
+        self.composer.clear_chips()
+        for record in attachments:
+            job_id = -len(self.attachments) - 1
+            self.attachments[job_id] = record
+            self.composer.add_chip(job_id, record.name).set_record(record)
+        self.banner.show_message("Editing your last message: sending replaces it and its answer.",
+                                 "info")
+
+    # Documents ------------------------------------------------------------
+
+    def dragEnterEvent(self, event: QDragEnterEvent) -> None:
+        if local_files(event.mimeData()):
+            event.acceptProposedAction()
+        else:
+            event.ignore()
+
+    def dragMoveEvent(self, event) -> None:
+        if local_files(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event: QDropEvent) -> None:
+        paths = local_files(event.mimeData())
+        if paths:
+            event.acceptProposedAction()
+            self.add_files(paths)
+
+    def ask_attach(self) -> None:
+        """The attach dialog."""
+        paths, _ = QFileDialog.getOpenFileNames(
+            self, "Attach documents", "",
+            "Documents (*.txt *.md *.pdf *.docx *.py *.js *.ts *.c *.cpp *.h *.rs *.go *.java "
+            "*.swift *.json *.yaml *.toml *.html *.csv);;All files (*)")
+        self.add_files(paths)
+
+    def add_files(self, paths: list[str]) -> None:
+        """Read files off the GUI thread and show them as chips."""
+        self.filesDropped.emit(list(paths))
+        limit = self.fit.max_context() or 131_072
+        for path in paths:
+            job_id = self.loader.load(path, limit)
+            self.composer.add_chip(job_id, Path(path).name)
+
+    def _on_loaded(self, job_id: int, record: AttachmentRecord, notes: tuple) -> None:
+        chip = self.composer.chips.get(job_id)
+        if chip is None:  # removed while it was being read
+            return
+        chip.set_record(record)
+        self.attachments[job_id] = record
+        self.composer.show_notice(" ".join(notes))
+        self.fit.schedule()
+
+    def _on_load_failed(self, job_id: int, message: str) -> None:
+        self.composer.remove_chip(job_id)
+        self.composer.show_notice(message)
+
+    def _remove_attachment(self, job_id: int) -> None:
+        self.attachments.pop(job_id, None)
+        self.composer.remove_chip(job_id)
+        self.fit.schedule()
+
+    # Panel ----------------------------------------------------------------
+
+    def _toggle_panel(self, visible: bool) -> None:
+        self.panel.setVisible(visible)
+        self.settings.memory_panel_visible = visible
+
+    def _on_stats(self, sample) -> None:
+        current = self.controller.current
+        if current is None or sample.session_id not in (None, current.id):
+            return
+        self.panel.update_sample(sample, self.controller.total_kv_bytes())
+        self._projection_tick = getattr(self, "_projection_tick", 0) + 1
+        if self._projection_tick % 4 == 0:
+            self._update_projection()
+
+    def _update_projection(self) -> None:
+        current = self.controller.current
+        self.panel.set_session(current.title if current else None,
+                               current.kv_mode if current else None,
+                               self.controller.cache_state(current.id if current else None))
+        self.panel.update_projection(self.fit.report_for(self.fit.context_tokens()),
+                                     self.fit.full_context_report())
+
+    # Window ---------------------------------------------------------------
+
+    def _edit_action(self, slot: str) -> None:
+        widget = self.focusWidget()
+        if widget is not None and hasattr(widget, slot):
+            getattr(widget, slot)()
+
+    def open_settings(self) -> None:
+        """The Settings dialog."""
+        SettingsDialog(self.settings, self).exec()
+        self._fill_models()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.settings.window_geometry = bytes(self.saveGeometry().data())
+        self.settings.sync()
+        self.loader.wait(3000)
+        self.controller.shutdown()
+        event.accept()
+        QTimer.singleShot(0, lambda: None)

@@ -1,0 +1,156 @@
+"""QPainter pictures for the memory panel: the page pool and a history chart."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from PySide6.QtCore import QPointF, QRectF, QSize, Qt
+from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
+from PySide6.QtWidgets import QSizePolicy, QWidget
+
+from app.format import human_bytes
+
+MAX_CELLS = 320
+CELL = 9
+GAP = 2
+
+
+class PagePoolView(QWidget):
+    """A grid of page cells: in use (filled), allocated but empty, and free."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.in_use = self.allocated = self.free = 0
+        self.last_fill = 0.0
+        self.colour = QColor("#2f7d5b")
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setMinimumHeight(CELL * 3)
+
+    def set_pages(self, in_use: int, allocated: int, free: int, last_fill: float,
+                  colour: QColor) -> None:
+        """Update the picture (repaints only when something changed)."""
+        state = (in_use, allocated, free, round(last_fill, 2), colour.name())
+        if state == (self.in_use, self.allocated, self.free, round(self.last_fill, 2),
+                     self.colour.name()):
+            return
+        self.in_use, self.allocated, self.free = in_use, allocated, free
+        self.last_fill, self.colour = last_fill, colour
+        self.updateGeometry()
+        self.update()
+
+    def pages_per_cell(self) -> int:
+        """How many pages one cell stands for (the pool may be huge)."""
+        total = self.allocated + self.free
+        return max(1, math.ceil(total / MAX_CELLS))
+
+    def _columns(self) -> int:
+        return max(1, (self.width() + GAP) // (CELL + GAP))
+
+    def sizeHint(self) -> QSize:
+        cells = math.ceil((self.allocated + self.free) / self.pages_per_cell()) or 1
+        rows = math.ceil(cells / self._columns())
+        return QSize(200, max(CELL, rows * (CELL + GAP)))
+
+    def heightForWidth(self, width: int) -> int:
+        return self.sizeHint().height()
+
+    def paintEvent(self, _event) -> None:
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        per = self.pages_per_cell()
+        cells = math.ceil((self.allocated + self.free) / per)
+        columns = self._columns()
+        self.setFixedHeight(max(CELL, math.ceil(max(cells, 1) / columns) * (CELL + GAP)))
+        base = self.palette().color(QPalette.ColorRole.Mid)
+        empty = QColor(self.colour)
+        empty.setAlphaF(0.28)
+        for cell in range(cells):
+            first_page = cell * per
+            x = (cell % columns) * (CELL + GAP)
+            y = (cell // columns) * (CELL + GAP)
+            rect = QRectF(x, y, CELL, CELL)
+            if first_page < self.in_use:
+                fill = 1.0
+                if first_page + per >= self.in_use and per == 1 and self.last_fill > 0:
+                    fill = self.last_fill
+                painter.setPen(Qt.PenStyle.NoPen)
+                painter.setBrush(empty)
+                painter.drawRoundedRect(rect, 2, 2)
+                painter.setBrush(self.colour)
+                painter.drawRoundedRect(QRectF(x, y + CELL * (1 - fill), CELL, CELL * fill), 2, 2)
+            elif first_page < self.allocated:
+                painter.setPen(Qt.PenStyle.NoPen)
+                painter.setBrush(empty)
+                painter.drawRoundedRect(rect, 2, 2)
+            else:
+                painter.setPen(QPen(base, 1))
+                painter.setBrush(Qt.BrushStyle.NoBrush)
+                painter.drawRoundedRect(rect.adjusted(0.5, 0.5, -0.5, -0.5), 2, 2)
+
+
+class HistoryChart(QWidget):
+    """Two lines over time: KV bytes used and process RSS."""
+
+    def __init__(self, capacity: int = 240, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.kv: deque[int] = deque(maxlen=capacity)
+        self.rss: deque[int] = deque(maxlen=capacity)
+        self.kv_colour = QColor("#2f7d5b")
+        self.rss_colour = QColor("#8a6bd1")
+        self.setMinimumHeight(90)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def add(self, kv_bytes: int, rss_bytes: int) -> None:
+        """Append one sample and repaint."""
+        self.kv.append(kv_bytes)
+        self.rss.append(rss_bytes)
+        self.update()
+
+    def clear(self) -> None:
+        """Forget the history (a new session)."""
+        self.kv.clear()
+        self.rss.clear()
+        self.update()
+
+    def _path(self, values: deque[int], top: float, rect: QRectF) -> QPainterPath:
+        path = QPainterPath()
+        step = rect.width() / max(1, self.kv.maxlen - 1) if self.kv.maxlen else 1
+        start = rect.right() - step * (len(values) - 1)
+        for i, value in enumerate(values):
+            point = QPointF(start + i * step, rect.bottom() - rect.height() * value / top)
+            path.moveTo(point) if i == 0 else path.lineTo(point)
+        return path
+
+    def paintEvent(self, _event) -> None:
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        palette = self.palette()
+        rect = QRectF(self.rect()).adjusted(1, 16, -1, -1)
+        painter.setPen(QPen(palette.color(QPalette.ColorRole.Mid), 1))
+        painter.setBrush(palette.color(QPalette.ColorRole.Base))
+        painter.drawRoundedRect(rect, 5, 5)
+        muted = QColor(palette.color(QPalette.ColorRole.Text))
+        muted.setAlphaF(0.7)
+        small = painter.font()
+        small.setPointSizeF(max(7.0, small.pointSizeF() * 0.85))
+        painter.setFont(small)
+        kv_top = max(self.kv, default=0)
+        rss_top = max(self.rss, default=0)
+        legend = (f"● KV {human_bytes(self.kv[-1] if self.kv else 0)}",
+                  f"● RSS {human_bytes(self.rss[-1] if self.rss else 0)}")
+        painter.setPen(self.kv_colour)
+        painter.drawText(QRectF(0, 0, rect.width() / 2, 14), Qt.AlignmentFlag.AlignLeft, legend[0])
+        painter.setPen(self.rss_colour)
+        painter.drawText(QRectF(rect.width() / 2, 0, rect.width() / 2, 14),
+                         Qt.AlignmentFlag.AlignRight, legend[1])
+        inner = rect.adjusted(4, 6, -4, -4)
+        painter.setBrush(Qt.BrushStyle.NoBrush)
+        for values, top, colour in ((self.rss, rss_top, self.rss_colour),
+                                    (self.kv, kv_top, self.kv_colour)):
+            if len(values) >= 2 and top > 0:
+                painter.setPen(QPen(colour, 1.6))
+                painter.drawPath(self._path(values, top * 1.1, inner))
+        if not self.kv:
+            painter.setPen(muted)
+            painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, "No samples yet")

@@ -1,0 +1,208 @@
+"""The right-hand memory panel: KV bytes, pages, RAM pressure, per-mode projections.
+
+Fed by ``StatsSample``s (>= 2 Hz while the engine works, polled otherwise);
+the projection table comes from the worker's fit check, which is arithmetic
+over the model's facts and never touches MLX.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QBrush, QColor, QFont
+from PySide6.QtWidgets import (
+    QFrame,
+    QHeaderView,
+    QLabel,
+    QProgressBar,
+    QScrollArea,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.format import human_bytes
+from app.memory_charts import HistoryChart, PagePoolView
+from app.session_list import mode_colour
+from engine.events import StatsSample
+
+PROJECTION_MODES = ("fp16", "q8", "q6", "q4")
+RAM_WARNING_PERCENT = 80.0
+RAM_CRITICAL_PERCENT = 92.0
+
+
+def ram_level(sample: StatsSample) -> str:
+    """"normal", "warning" or "critical" from used % and the OS pressure level."""
+    pressure = (sample.pressure_level or "").lower()
+    if pressure == "critical" or sample.system_used_percent >= RAM_CRITICAL_PERCENT:
+        return "critical"
+    if pressure in ("warn", "warning") or sample.system_used_percent >= RAM_WARNING_PERCENT:
+        return "warning"
+    return "normal"
+
+
+def _section(title: str) -> QLabel:
+    label = QLabel(title.upper())
+    label.setObjectName("panelSection")
+    return label
+
+
+def _value_label() -> QLabel:
+    label = QLabel("—")
+    label.setObjectName("panelValue")
+    label.setWordWrap(True)
+    return label
+
+
+class MemoryPanel(QScrollArea):
+    """Live KV, page-pool and RAM view for the current session."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("memoryPanel")
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setMinimumWidth(300)
+        body = QWidget()
+        body.setObjectName("memoryBody")
+        layout = QVBoxLayout(body)
+        layout.setContentsMargins(14, 12, 14, 12)
+        layout.setSpacing(6)
+        self.title = QLabel("Memory")
+        self.title.setObjectName("panelTitle")
+        layout.addWidget(self.title)
+        self.session_label = _value_label()
+        layout.addWidget(self.session_label)
+
+        layout.addWidget(_section("KV cache"))
+        self.kv_bar = QProgressBar(textVisible=False, maximumHeight=8)
+        self.kv_label = _value_label()
+        self.kv_total_label = _value_label()
+        layout.addWidget(self.kv_label)
+        layout.addWidget(self.kv_bar)
+        layout.addWidget(self.kv_total_label)
+
+        layout.addWidget(_section("Pages"))
+        self.pages_label = _value_label()
+        layout.addWidget(self.pages_label)
+        self.pool = PagePoolView()
+        layout.addWidget(self.pool)
+
+        layout.addWidget(_section("System memory"))
+        self.ram_bar = QProgressBar(textVisible=False, maximumHeight=8)
+        self.ram_bar.setObjectName("ramGauge")
+        self.ram_label = _value_label()
+        self.ram_detail = _value_label()
+        layout.addWidget(self.ram_label)
+        layout.addWidget(self.ram_bar)
+        layout.addWidget(self.ram_detail)
+
+        layout.addWidget(_section("KV bytes by mode"))
+        self.table = QTableWidget(len(PROJECTION_MODES), 3)
+        self.table.setObjectName("projectionTable")
+        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Fits in free RAM"])
+        self.table.setVerticalHeaderLabels(list(PROJECTION_MODES))
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
+        self.table.verticalHeader().setDefaultSectionSize(24)
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
+        self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.table.setFixedHeight(26 + 24 * len(PROJECTION_MODES) + 4)
+        layout.addWidget(self.table)
+        self.projection_note = _value_label()
+        layout.addWidget(self.projection_note)
+
+        layout.addWidget(_section("History"))
+        self.chart = HistoryChart()
+        layout.addWidget(self.chart)
+        layout.addStretch(1)
+        self.setWidget(body)
+        self.mode: str | None = None
+        self.samples_shown = 0
+        self.level = "normal"
+
+    def set_session(self, title: str | None, mode: str | None, cache_state: str) -> None:
+        """Name the session the numbers belong to."""
+        if self.mode != mode:
+            self.chart.clear()
+        self.mode = mode
+        if mode is None:
+            self.session_label.setText("No chat open")
+            return
+        colour = mode_colour(mode).name()
+        self.session_label.setText(
+            f"<span style='background:{colour};color:white;border-radius:4px'>&nbsp;{mode}&nbsp;"
+            f"</span>&nbsp; {title or ''}<br><span style='opacity:.7'>KV cache: {cache_state}"
+            "</span>")
+
+    def update_sample(self, sample: StatsSample, total_kv_bytes: int) -> None:
+        """Show one stats snapshot."""
+        self.samples_shown += 1
+        allocated = max(sample.kv_bytes_allocated, 1)
+        self.kv_label.setText(
+            f"<b>{human_bytes(sample.kv_bytes_used)}</b> used of "
+            f"{human_bytes(sample.kv_bytes_allocated)} allocated · "
+            f"{sample.tokens_in_context:,} tokens")
+        self.kv_bar.setMaximum(1000)
+        self.kv_bar.setValue(int(1000 * sample.kv_bytes_used / allocated))
+        self.kv_total_label.setText(f"All open chats: {human_bytes(total_kv_bytes)}")
+        self.pages_label.setText(
+            f"{sample.pages_in_use:,} in use · {sample.pages_allocated:,} allocated · "
+            f"{sample.pages_free:,} free · last page {sample.last_page_fill:.0%} full "
+            f"({sample.page_size} tokens/page)")
+        self.pool.set_pages(sample.pages_in_use, sample.pages_allocated, sample.pages_free,
+                            sample.last_page_fill, mode_colour(self.mode or "q8"))
+        per = self.pool.pages_per_cell()
+        self.pool.setToolTip("" if per == 1 else f"Each square is {per} pages")
+        self._update_ram(sample)
+        self.chart.add(sample.kv_bytes_used, sample.process_rss_bytes)
+
+    def _update_ram(self, sample: StatsSample) -> None:
+        self.level = ram_level(sample)
+        self.ram_bar.setMaximum(1000)
+        self.ram_bar.setValue(int(10 * sample.system_used_percent))
+        self.ram_bar.setProperty("level", self.level)
+        self.ram_bar.style().unpolish(self.ram_bar)
+        self.ram_bar.style().polish(self.ram_bar)
+        warning = {"warning": " — memory is getting tight",
+                   "critical": " — critical: stop or close chats"}.get(self.level, "")
+        self.ram_label.setText(
+            f"<b>{sample.system_used_percent:.0f}%</b> used · "
+            f"{human_bytes(sample.system_available_bytes)} available of "
+            f"{human_bytes(sample.system_total_bytes)}{warning}")
+        pressure = sample.pressure_level or "n/a on this OS"
+        self.ram_detail.setText(
+            f"Swap {human_bytes(sample.swap_used_bytes)} · Longleaf RSS "
+            f"{human_bytes(sample.process_rss_bytes)}<br>MLX {human_bytes(sample.mlx_active_bytes)}"
+            f" active · {human_bytes(sample.mlx_peak_bytes)} peak · "
+            f"{human_bytes(sample.mlx_cache_bytes)} cache · pressure {pressure}")
+
+    def update_projection(self, now_report, full_report) -> None:
+        """Fill the per-mode table from two ``FitReport``s (now and full context)."""
+        if now_report is None or full_report is None:
+            return
+        bold = QFont(self.table.font())
+        bold.setBold(True)
+        for row, mode in enumerate(PROJECTION_MODES):
+            now = now_report.for_mode(mode)
+            full = full_report.for_mode(mode)
+            cells = (
+                human_bytes(now.bytes_needed) if now.supported else "n/a",
+                human_bytes(full.bytes_needed) if full.supported else "n/a",
+                f"{now.tokens_fit_ram:,} tok" if now.supported else "head_dim",
+            )
+            highlight = mode == self.mode
+            for column, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                if highlight:
+                    item.setFont(bold)
+                    tint = QColor(mode_colour(mode))
+                    tint.setAlphaF(0.22)
+                    item.setBackground(QBrush(tint))
+                self.table.setItem(row, column, item)
+        self.projection_note.setText(
+            f"Now: {now_report.token_count:,} tokens · full context: "
+            f"{full_report.max_context:,} tokens. Storage arithmetic, rounded to whole pages.")

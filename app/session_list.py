@@ -1,0 +1,169 @@
+"""The left sidebar: sessions with their KV mode, tokens and last activity."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, Signal
+from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPalette
+from PySide6.QtWidgets import (
+    QInputDialog,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QMessageBox,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.format import relative_time
+from app.store import SessionRecord
+
+MODE_COLOURS = {"fp16": "#7a7f8c", "q8": "#2f7d5b", "q6": "#3b6fb6", "q4": "#b0662a"}
+RecordRole = Qt.ItemDataRole.UserRole + 1
+
+
+def mode_colour(mode: str) -> QColor:
+    """The badge colour of a KV mode, the same everywhere it is shown."""
+    return QColor(MODE_COLOURS.get(mode, "#777777"))
+
+
+class SessionDelegate(QStyledItemDelegate):
+    """Two lines per session: title and mode badge; tokens and last activity."""
+
+    def sizeHint(self, option: QStyleOptionViewItem, index) -> QSize:
+        return QSize(200, 54)
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
+              index: QModelIndex | QPersistentModelIndex) -> None:
+        record: SessionRecord = index.data(RecordRole)
+        painter.save()
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        rect = option.rect.adjusted(6, 3, -6, -3)
+        palette = option.palette
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)
+        if selected:
+            painter.setPen(Qt.PenStyle.NoPen)
+            painter.setBrush(palette.color(QPalette.ColorRole.Highlight))
+            painter.drawRoundedRect(rect, 7, 7)
+        elif option.state & QStyle.StateFlag.State_MouseOver:
+            painter.setPen(Qt.PenStyle.NoPen)
+            painter.setBrush(palette.color(QPalette.ColorRole.Midlight))
+            painter.drawRoundedRect(rect, 7, 7)
+        text_colour = palette.color(
+            QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.Text)
+        badge = f" {record.kv_mode} "
+        font = QFont(option.font)
+        badge_font = QFont(font)
+        badge_font.setPointSizeF(max(7.0, font.pointSizeF() * 0.8))
+        badge_font.setBold(True)
+        badge_width = painter.fontMetrics().horizontalAdvance(badge) + 8
+        inner = rect.adjusted(10, 6, -10, -6)
+        title_rect = QRect(inner.left(), inner.top(), inner.width() - badge_width - 6, 20)
+        font.setBold(True)
+        painter.setFont(font)
+        painter.setPen(text_colour)
+        title = painter.fontMetrics().elidedText(record.title, Qt.TextElideMode.ElideRight,
+                                                 title_rect.width())
+        painter.drawText(title_rect, Qt.AlignmentFlag.AlignVCenter, title)
+        badge_rect = QRect(inner.right() - badge_width, inner.top() + 2, badge_width, 16)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(mode_colour(record.kv_mode))
+        painter.drawRoundedRect(badge_rect, 8, 8)
+        painter.setFont(badge_font)
+        painter.setPen(QColor("white"))
+        painter.drawText(badge_rect, Qt.AlignmentFlag.AlignCenter, record.kv_mode)
+        small = QFont(option.font)
+        small.setPointSizeF(max(7.0, option.font.pointSizeF() * 0.88))
+        painter.setFont(small)
+        muted = QColor(text_colour)
+        muted.setAlphaF(0.65)
+        painter.setPen(muted)
+        detail = f"{record.tokens:,} tokens · {relative_time(record.updated)}"
+        painter.drawText(QRect(inner.left(), inner.top() + 22, inner.width(), 18),
+                         Qt.AlignmentFlag.AlignVCenter, detail)
+        painter.restore()
+
+
+class SessionList(QWidget):
+    """Search box and session list, with rename and delete (confirmed)."""
+
+    sessionSelected = Signal(str)
+    renameRequested = Signal(str, str)
+    deleteRequested = Signal(str)
+    searchChanged = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("sidebar")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 10, 8, 8)
+        layout.setSpacing(8)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search chats")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(self.searchChanged.emit)
+        layout.addWidget(self.search)
+        self.list = QListWidget()
+        self.list.setObjectName("sessionList")
+        self.list.setItemDelegate(SessionDelegate(self.list))
+        self.list.setMouseTracking(True)
+        self.list.setFrameShape(QListWidget.Shape.NoFrame)
+        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.customContextMenuRequested.connect(self._menu)
+        self.list.currentItemChanged.connect(self._on_current)
+        layout.addWidget(self.list, 1)
+        self._updating = False
+
+    def set_sessions(self, sessions: list[SessionRecord], current: str | None) -> None:
+        """Show ``sessions``, keeping ``current`` selected."""
+        self._updating = True
+        self.list.clear()
+        for record in sessions:
+            item = QListWidgetItem(record.title)
+            item.setData(RecordRole, record)
+            item.setToolTip(f"{record.title}\nKV mode {record.kv_mode} · model {record.model_id}")
+            self.list.addItem(item)
+            if record.id == current:
+                self.list.setCurrentItem(item)
+        self._updating = False
+
+    def records(self) -> list[SessionRecord]:
+        """The sessions shown, top to bottom."""
+        return [self.list.item(i).data(RecordRole) for i in range(self.list.count())]
+
+    def _on_current(self, item: QListWidgetItem | None, _previous) -> None:
+        if item is not None and not self._updating:
+            self.sessionSelected.emit(item.data(RecordRole).id)
+
+    def _menu(self, pos) -> None:
+        item = self.list.itemAt(pos)
+        if item is None:
+            return
+        record: SessionRecord = item.data(RecordRole)
+        menu = QMenu(self)
+        rename = QAction("Rename…", menu)
+        rename.triggered.connect(lambda: self.ask_rename(record))
+        delete = QAction("Delete…", menu)
+        delete.triggered.connect(lambda: self.ask_delete(record))
+        menu.addAction(rename)
+        menu.addAction(delete)
+        menu.exec(self.list.viewport().mapToGlobal(pos))
+
+    def ask_rename(self, record: SessionRecord) -> None:
+        """Ask for a new title."""
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=record.title)
+        if ok and title.strip():
+            self.renameRequested.emit(record.id, title.strip())
+
+    def ask_delete(self, record: SessionRecord) -> None:
+        """Confirm, then delete."""
+        answer = QMessageBox.question(
+            self, "Delete chat",
+            f"Delete “{record.title}” and all its messages? This can't be undone.",
+            QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel,
+            QMessageBox.StandardButton.Cancel)
+        if answer == QMessageBox.StandardButton.Delete:
+            self.deleteRequested.emit(record.id)

@@ -1,0 +1,160 @@
+"""The one typed wrapper over QSettings.
+
+Settings live in an INI file under ``engine.paths.data_dir()`` so that tests
+(which redirect ``LONGLEAF_HOME``) never read or write the real user's settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QSettings
+
+from engine.paths import data_dir
+from engine.sampling import SamplingParams
+
+KV_MODES = ("q8", "q6", "q4", "fp16")
+DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
+
+
+class Settings:
+    """Typed access to the user's preferences.
+
+    Args:
+        path: the INI file; defaults to ``settings.ini`` in the data directory.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or data_dir() / "settings.ini"
+        self._qs = QSettings(str(self.path), QSettings.Format.IniFormat)
+
+    def _get(self, key: str, default, kind: type):
+        value = self._qs.value(key, default)
+        if value is None:
+            return default
+        try:
+            if kind is bool:
+                return value if isinstance(value, bool) else str(value).lower() == "true"
+            return kind(value)
+        except (TypeError, ValueError):
+            return default
+
+    def _set(self, key: str, value) -> None:
+        self._qs.setValue(key, value)
+
+    def sync(self) -> None:
+        """Write pending changes to disk."""
+        self._qs.sync()
+
+    @property
+    def default_mode(self) -> str:
+        """KV mode a new chat starts with."""
+        mode = self._get("engine/default_mode", "q8", str)
+        return mode if mode in KV_MODES else "q8"
+
+    @default_mode.setter
+    def default_mode(self, mode: str) -> None:
+        if mode not in KV_MODES:
+            raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(KV_MODES)}")
+        self._set("engine/default_mode", mode)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page."""
+        return max(16, self._get("engine/page_size", 256, int))
+
+    @page_size.setter
+    def page_size(self, value: int) -> None:
+        self._set("engine/page_size", int(value))
+
+    @property
+    def ingest_chunk(self) -> int:
+        """Tokens prefilled per chunk."""
+        return max(16, self._get("engine/ingest_chunk", 512, int))
+
+    @ingest_chunk.setter
+    def ingest_chunk(self, value: int) -> None:
+        self._set("engine/ingest_chunk", int(value))
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """KV byte budget, or None to let the engine keep its RAM headroom."""
+        value = self._get("engine/memory_budget_bytes", 0, int)
+        return value if value > 0 else None
+
+    @memory_budget_bytes.setter
+    def memory_budget_bytes(self, value: int | None) -> None:
+        self._set("engine/memory_budget_bytes", int(value or 0))
+
+    @property
+    def system_prompt(self) -> str:
+        """System message sent first in every new chat."""
+        return self._get("chat/system_prompt", DEFAULT_SYSTEM_PROMPT, str)
+
+    @system_prompt.setter
+    def system_prompt(self, text: str) -> None:
+        self._set("chat/system_prompt", text)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """Default sampling parameters."""
+        base = SamplingParams()
+        seed = self._get("sampling/seed", -1, int)
+        return SamplingParams(
+            temperature=self._get("sampling/temperature", base.temperature, float),
+            top_p=self._get("sampling/top_p", base.top_p, float),
+            top_k=self._get("sampling/top_k", base.top_k, int),
+            min_p=self._get("sampling/min_p", base.min_p, float),
+            repetition_penalty=self._get(
+                "sampling/repetition_penalty", base.repetition_penalty, float
+            ),
+            max_tokens=self._get("sampling/max_tokens", base.max_tokens, int),
+            seed=None if seed < 0 else seed,
+        )
+
+    @sampling.setter
+    def sampling(self, params: SamplingParams) -> None:
+        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "max_tokens"):
+            self._set(f"sampling/{key}", getattr(params, key))
+        self._set("sampling/seed", -1 if params.seed is None else params.seed)
+
+    @property
+    def model_folders(self) -> list[str]:
+        """Extra folders the user asked Longleaf to search for models."""
+        value = self._qs.value("models/folders", [])
+        if isinstance(value, str):
+            value = [value] if value else []
+        return [str(v) for v in value or []]
+
+    @model_folders.setter
+    def model_folders(self, folders: list[str]) -> None:
+        self._set("models/folders", list(dict.fromkeys(folders)))
+
+    @property
+    def last_model(self) -> str:
+        """The model loaded last time ("demo" for the embedded one)."""
+        return self._get("models/last", "demo", str)
+
+    @last_model.setter
+    def last_model(self, model: str) -> None:
+        self._set("models/last", model)
+
+    @property
+    def memory_panel_visible(self) -> bool:
+        """Whether the memory panel is expanded."""
+        return self._get("window/memory_panel", True, bool)
+
+    @memory_panel_visible.setter
+    def memory_panel_visible(self, visible: bool) -> None:
+        self._set("window/memory_panel", bool(visible))
+
+    @property
+    def window_geometry(self) -> bytes | None:
+        """Saved window geometry."""
+        value = self._qs.value("window/geometry")
+        return bytes(value) if value is not None else None
+
+    @window_geometry.setter
+    def window_geometry(self, value: bytes) -> None:
+        self._set("window/geometry", value)

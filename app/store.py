@@ -1,0 +1,266 @@
+"""Chat history in SQLite (WAL): sessions, messages and attachments.
+
+One ``HistoryStore`` per process is the single writer, used from the GUI
+thread. WAL plus ``synchronous=NORMAL`` keeps every committed write across an
+application crash (SIGKILL); a streaming answer is committed as it grows so a
+crash loses at most the last second of it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.paths import data_dir
+
+STATUSES = ("complete", "streaming", "stopped", "failed", "interrupted")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    title TEXT NOT NULL,
+    kv_mode TEXT NOT NULL,
+    model_id TEXT NOT NULL,
+    tokens INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    status TEXT NOT NULL,
+    reason TEXT,
+    stats TEXT,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_session ON messages(session_id, id);
+CREATE TABLE IF NOT EXISTS attachments (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
+    tokens INTEGER NOT NULL,
+    text TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
+"""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """A conversation as listed in the sidebar."""
+
+    id: str
+    title: str
+    kv_mode: str
+    model_id: str
+    tokens: int
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class AttachmentRecord:
+    """A document attached to a user message."""
+
+    name: str
+    size: int
+    sha256: str
+    tokens: int
+    text: str
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    """One chat message and how it ended."""
+
+    id: int
+    session_id: str
+    role: str
+    content: str
+    status: str
+    reason: str | None
+    stats: dict | None
+    attachments: tuple[AttachmentRecord, ...] = field(default_factory=tuple)
+
+
+def default_path() -> Path:
+    """Where the history lives: ``history.sqlite3`` in the user data dir."""
+    return data_dir() / "history.sqlite3"
+
+
+class HistoryStore:
+    """The history database; the app's only writer to it.
+
+    Args:
+        path: database file; defaults to :func:`default_path`.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or default_path()
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        """Checkpoint and close the database."""
+        self._db.close()
+
+    def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        with self._db:
+            return self._db.execute(sql, args)
+
+    # Sessions -------------------------------------------------------------
+
+    def create_session(self, title: str, kv_mode: str, model_id: str) -> SessionRecord:
+        """Create and return a new, empty session."""
+        now = time.time()
+        record = SessionRecord(uuid.uuid4().hex, title, kv_mode, model_id, 0, now, now)
+        self._write(
+            "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (record.id, title, kv_mode, model_id, 0, now, now),
+        )
+        return record
+
+    def session(self, session_id: str) -> SessionRecord | None:
+        """Return one session, or None when it does not exist."""
+        row = self._db.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        return SessionRecord(*row) if row else None
+
+    def sessions(self, search: str = "") -> list[SessionRecord]:
+        """Sessions, most recent first, whose title or messages contain ``search``."""
+        if not search.strip():
+            rows = self._db.execute("SELECT * FROM sessions ORDER BY updated DESC").fetchall()
+        else:
+            pattern = f"%{search.strip()}%"
+            rows = self._db.execute(
+                "SELECT * FROM sessions WHERE title LIKE ? OR id IN "
+                "(SELECT session_id FROM messages WHERE content LIKE ?) ORDER BY updated DESC",
+                (pattern, pattern),
+            ).fetchall()
+        return [SessionRecord(*row) for row in rows]
+
+    def rename_session(self, session_id: str, title: str) -> None:
+        """Give a session a new title."""
+        self._write("UPDATE sessions SET title = ? WHERE id = ?", (title.strip(), session_id))
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session with its messages and attachments."""
+        self._write("DELETE FROM sessions WHERE id = ?", (session_id,))
+
+    def set_tokens(self, session_id: str, tokens: int) -> None:
+        """Record how many tokens the session's context holds."""
+        self._write("UPDATE sessions SET tokens = ? WHERE id = ?", (int(tokens), session_id))
+
+    def _touch(self, session_id: str) -> None:
+        self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
+
+    # Messages -------------------------------------------------------------
+
+    def add_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str,
+        status: str = "complete",
+        attachments: tuple[AttachmentRecord, ...] = (),
+    ) -> int:
+        """Save a message (and its attachments) at once; returns its id."""
+        _check_status(status)
+        now = time.time()
+        with self._db:
+            cursor = self._db.execute(
+                "INSERT INTO messages (session_id, role, content, status, created, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (session_id, role, content, status, now, now),
+            )
+            message_id = int(cursor.lastrowid or 0)
+            for item in attachments:
+                self._db.execute(
+                    "INSERT INTO attachments (message_id, name, size, sha256, tokens, text) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (message_id, item.name, item.size, item.sha256, item.tokens, item.text),
+                )
+            self._touch(session_id)
+        return message_id
+
+    def update_message(
+        self,
+        message_id: int,
+        *,
+        content: str | None = None,
+        status: str | None = None,
+        reason: str | None = None,
+        stats: dict | None = None,
+    ) -> None:
+        """Change a message's text and/or how it ended."""
+        sets, args = ["updated = ?"], [time.time()]
+        if content is not None:
+            sets.append("content = ?")
+            args.append(content)
+        if status is not None:
+            _check_status(status)
+            sets.append("status = ?")
+            args.append(status)
+        if reason is not None:
+            sets.append("reason = ?")
+            args.append(reason)
+        if stats is not None:
+            sets.append("stats = ?")
+            args.append(json.dumps(stats))
+        self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
+
+    def messages(self, session_id: str) -> list[MessageRecord]:
+        """A session's messages in order, with their attachments."""
+        rows = self._db.execute(
+            "SELECT id, session_id, role, content, status, reason, stats FROM messages "
+            "WHERE session_id = ? ORDER BY id",
+            (session_id,),
+        ).fetchall()
+        files: dict[int, list[AttachmentRecord]] = {}
+        for row in self._db.execute(
+            "SELECT a.message_id, a.name, a.size, a.sha256, a.tokens, a.text FROM attachments a "
+            "JOIN messages m ON m.id = a.message_id WHERE m.session_id = ? ORDER BY a.id",
+            (session_id,),
+        ):
+            files.setdefault(row[0], []).append(AttachmentRecord(*row[1:]))
+        return [
+            MessageRecord(
+                mid, sid, role, content, status, reason,
+                json.loads(stats) if stats else None, tuple(files.get(mid, ())),
+            )
+            for mid, sid, role, content, status, reason, stats in rows
+        ]
+
+    def delete_messages_from(self, session_id: str, message_id: int) -> None:
+        """Delete a message and every later one (regenerate, edit-and-resend)."""
+        self._write(
+            "DELETE FROM messages WHERE session_id = ? AND id >= ?", (session_id, message_id)
+        )
+
+    def mark_interrupted(self) -> int:
+        """Mark answers left streaming by a crash as interrupted; returns how many."""
+        cursor = self._write(
+            "UPDATE messages SET status = 'interrupted', "
+            "reason = 'Longleaf quit before this answer finished' WHERE status = 'streaming'"
+        )
+        return cursor.rowcount
+
+    def integrity_check(self) -> str:
+        """SQLite's own integrity check ("ok" when the file is sound)."""
+        return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"unknown message status {status!r}; expected one of {STATUSES}")
