@@ -1,0 +1,71 @@
+"""Fixtures for app tests: the real engine worker on a tiny model, offscreen Qt."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+
+from app.controller import ChatController
+from app.engine_bridge import EngineBridge
+from app.main_window import MainWindow
+from app.settings import Settings
+from app.store import HistoryStore
+from engine.sampling import SamplingParams
+from tests.engine.tinymodels import make_tiny_model_dir
+
+MODEL_LOAD_TIMEOUT_MS = 120_000
+ANSWER_TIMEOUT_MS = 120_000
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight llama folder shared by the app tests (read-only)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("app-models"), "llama")
+
+
+def configure(settings: Settings, max_tokens: int = 24) -> None:
+    """Deterministic, short answers."""
+    settings.sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
+    settings.system_prompt = "You are terse."
+
+
+def open_window(qtbot, model: Path, max_tokens: int = 24) -> MainWindow:
+    """Build the whole app on the real worker and wait until the model is loaded."""
+    settings = Settings()
+    configure(settings, max_tokens)
+    store = HistoryStore()
+    bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk)
+    controller = ChatController(settings, store, bridge)
+    window = MainWindow(controller)
+    qtbot.addWidget(window)
+    with qtbot.waitSignal(bridge.modelLoaded, timeout=MODEL_LOAD_TIMEOUT_MS):
+        controller.start(str(model))
+    window.show()
+    return window
+
+
+def close_window(window: MainWindow) -> None:
+    """Close like a user does (saves, joins the worker), then close the database."""
+    window.close()
+    window.controller.store.close()
+
+
+@pytest.fixture
+def window(qtbot, tiny_llama: Path) -> Iterator[MainWindow]:
+    """The app with the tiny llama loaded; always shut down afterwards."""
+    win = open_window(qtbot, tiny_llama)
+    try:
+        yield win
+    finally:
+        close_window(win)
+
+
+def send_and_wait(qtbot, window: MainWindow, text: str) -> str:
+    """Type ``text``, press Enter and wait for the answer to end; returns its status."""
+    window.composer.set_text(text)
+    with qtbot.waitSignal(window.controller.answerFinished, timeout=ANSWER_TIMEOUT_MS) as done:
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    return done.args[0]
