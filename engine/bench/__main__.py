@@ -1,0 +1,138 @@
+"""``python -m engine.bench cache|generate [options]``: run a benchmark, write its table.
+
+Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
+which BLAS the process actually loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def parse_tokens(text: str) -> int:
+    """A token count such as ``4096``, ``4k`` or ``16K``."""
+    text = text.strip().lower()
+    if text.endswith("k"):
+        return int(float(text[:-1]) * 1024)
+    return int(text)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(parse_tokens(part) for part in text.split(",") if part.strip())
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    from engine.kvquant import normalize_mode
+
+    return tuple(dict.fromkeys(normalize_mode(part) for part in text.split(",") if part.strip()))
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="Markdown file")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for development")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface of ``python -m engine.bench``."""
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    cache = sub.add_parser("cache", help="raw attention: paged cache vs mlx-lm caches")
+    _common(cache)
+    cache.add_argument("--contexts", type=_ints, help="e.g. 4k,16k,32k")
+    cache.add_argument("--head-dims", type=_ints, help="e.g. 64,128,256")
+    cache.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
+    cache.add_argument("--kv-heads", type=int)
+    cache.add_argument("--q-heads", type=int)
+    cache.add_argument("--prefill-tokens", type=parse_tokens, help="e.g. 16k")
+    cache.add_argument("--prefill-chunk", type=parse_tokens)
+    cache.add_argument("--quant-chunk", type=parse_tokens)
+    cache.add_argument("--repeats", type=int, help="timed decode steps per contender")
+    cache.add_argument("--warmup", type=int, help="untimed decode steps per contender")
+    cache.add_argument("--prefill-repeats", type=int)
+    cache.add_argument("--quant-repeats", type=int)
+    cache.add_argument("--page-size", type=int)
+
+    generate = sub.add_parser("generate", help="demo model: engine vs mlx-lm generate")
+    _common(generate)
+    generate.add_argument("--model", default="demo", help="model directory or 'demo'")
+    generate.add_argument("--prompts", type=_ints, help="prompt lengths, e.g. 1k,4k,7k")
+    generate.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
+    generate.add_argument("--max-tokens", type=int, help="tokens generated per run")
+    generate.add_argument("--repeats", type=int, help="timed runs per contender")
+    return parser
+
+
+def run_cache(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import cache_bench, report
+
+    base = cache_bench.QUICK if args.quick else cache_bench.CacheBenchConfig()
+    config = cache_bench.scaled(
+        base,
+        contexts=args.contexts,
+        head_dims=args.head_dims,
+        modes=args.modes,
+        kv_heads=args.kv_heads,
+        q_heads=args.q_heads,
+        prefill_tokens=args.prefill_tokens,
+        prefill_chunk=args.prefill_chunk,
+        quant_chunk=args.quant_chunk,
+        decode_repeats=args.repeats,
+        decode_warmup=args.warmup,
+        prefill_repeats=args.prefill_repeats,
+        quant_repeats=args.quant_repeats,
+        page_size=args.page_size,
+    )
+    info = report.machine_info()
+    results = cache_bench.run_cache_bench(config, progress=_progress)
+    body = report.render_cache_report(results, info, command, report.load_average())
+    report.write_section(args.output, "cache", body)
+    return {"machine": info, **results}
+
+
+def run_generate(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import generate_bench, report
+
+    base = generate_bench.QUICK if args.quick else generate_bench.GenerateBenchConfig()
+    config = generate_bench.scaled(
+        base,
+        model=args.model,
+        prompts=args.prompts,
+        modes=args.modes,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+    )
+    info = report.machine_info()
+    results = generate_bench.run_generate_bench(config, progress=_progress)
+    body = generate_bench.render_generate_report(results, info, command, report.load_average())
+    report.write_section(args.output, "generate", body)
+    return {"machine": info, **results}
+
+
+def _progress(message: str) -> None:
+    print(f"[engine.bench] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    command = "python -m engine.bench " + shlex.join(argv)
+    runner = run_cache if args.command == "cache" else run_generate
+    results = runner(args, command)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    _progress(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""Raw-attention benchmark of the paged KV cache against mlx-lm's own caches.
+
+Every contender is driven exactly as one attention layer of an mlx-lm model
+drives its cache: ``mask = cache.make_mask(n, ...)``, then
+``cache.update_and_fetch(keys, values)``, then the attention function the model
+would call (mlx-lm's ``scaled_dot_product_attention`` for its caches, the
+engine's ``paged_attention`` for paged caches, which is where the adapter
+dispatches them), then ``mx.eval`` of the output. Timings are
+medians of repeats taken round-robin across contenders, so a burst of load on a
+shared machine hits every contender alike and the ratios stay meaningful.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from engine.attention import paged_attention
+from engine.kvquant import MODES, bits_for, quantize_rows
+from engine.paged_cache import PagedKVCache
+from engine.pages import PagePool
+
+GROUP_SIZE = 64
+FILL_CHUNK = 4096
+
+
+def default_dtype_name() -> str:
+    """fp32 on the CPU backend (it emulates fp16 math), fp16 on a GPU."""
+    return "float32" if mx.default_device() == mx.cpu else "float16"
+
+
+@dataclass(frozen=True)
+class CacheBenchConfig:
+    """Sizes and repeat counts of one ``engine.bench cache`` run."""
+
+    contexts: tuple[int, ...] = (4096, 16384, 32768)
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    modes: tuple[str, ...] = MODES
+    kv_heads: int = 2
+    q_heads: int = 8
+    prefill_tokens: int = 16384
+    prefill_chunk: int = 2048
+    quant_chunk: int = 4096
+    decode_repeats: int = 15
+    decode_warmup: int = 3
+    prefill_repeats: int = 2
+    quant_repeats: int = 20
+    page_size: int = 256
+    dtype: str = field(default_factory=default_dtype_name)
+
+
+QUICK = CacheBenchConfig(
+    contexts=(2048, 4096),
+    head_dims=(64, 128),
+    prefill_tokens=4096,
+    prefill_chunk=1024,
+    decode_repeats=7,
+    decode_warmup=2,
+    prefill_repeats=1,
+    quant_repeats=7,
+)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One cache implementation plus the attention function a model would call."""
+
+    name: str
+    kind: str  # "paged", "mlx-fp16" or "mlx-quant"
+    mode: str  # the KV mode it stores: fp16, q8, q6 or q4
+    make_cache: Callable[[int, int, int], Any]  # (kv_heads, head_dim, capacity) -> cache
+    attend: Callable[..., mx.array]
+    note: str = ""
+
+
+def _mlx_quantized_cache(bits: int, dtype: mx.Dtype) -> Callable[[int, int, int], Any]:
+    def make(kv_heads: int, head_dim: int, capacity: int) -> Any:
+        cache = QuantizedKVCache(group_size=GROUP_SIZE, bits=bits)
+        if mlx_needs_presized_buffers(head_dim, bits):
+            # mlx-lm 0.32 sizes its buffers as head_dim // (32 // bits) words,
+            # which is wrong for 6 bits unless head_dim == 64 (it then fails to
+            # broadcast). Pre-sizing the buffers correctly lets mlx-lm's own
+            # update_and_fetch run unchanged; it also skips its regrowth copies,
+            # which can only make this baseline faster, never slower.
+            cache.keys = _empty_quantized(kv_heads, capacity, head_dim, bits, dtype)
+            cache.values = _empty_quantized(kv_heads, capacity, head_dim, bits, dtype)
+        return cache
+
+    return make
+
+
+def _empty_quantized(
+    kv_heads: int, capacity: int, head_dim: int, bits: int, dtype: mx.Dtype
+) -> tuple[mx.array, ...]:
+    # mlx-lm gives scales and biases the dtype of the rows written into them.
+    return (
+        mx.zeros((1, kv_heads, capacity, head_dim * bits // 32), dtype=mx.uint32),
+        mx.zeros((1, kv_heads, capacity, head_dim // GROUP_SIZE), dtype=dtype),
+        mx.zeros((1, kv_heads, capacity, head_dim // GROUP_SIZE), dtype=dtype),
+    )
+
+
+def mlx_needs_presized_buffers(head_dim: int, bits: int) -> bool:
+    """Whether mlx-lm's own QuantizedKVCache mis-sizes its buffers at this width."""
+    return head_dim // (32 // bits) != head_dim * bits // 32
+
+
+def contenders(modes: tuple[str, ...], page_size: int, dtype: mx.Dtype) -> list[Contender]:
+    """The paged cache in each mode, mlx-lm's KVCache and its QuantizedKVCache."""
+    entries = [
+        Contender("mlx-lm KVCache", "mlx-fp16", "fp16", lambda h, d, c: KVCache(), mlx_lm_attention)
+    ]
+    for mode in modes:
+        if mode == "fp16":
+            continue
+        bits = bits_for(mode)
+        entries.append(
+            Contender(
+                f"mlx-lm QuantizedKVCache {bits}-bit",
+                "mlx-quant",
+                mode,
+                _mlx_quantized_cache(bits, dtype),
+                mlx_lm_attention,
+            )
+        )
+    for mode in modes:
+        make, attend = paged_cache_factory(mode, page_size)
+        entries.append(Contender(f"paged {mode}", "paged", mode, make, attend))
+    return entries
+
+
+def paged_cache_factory(
+    mode: str, page_size: int
+) -> tuple[Callable[[int, int, int], Any], Callable[..., mx.array]]:
+    """(make_cache, attend) for the engine's paged cache in ``mode``.
+
+    ``paged_attention`` is what the adapter's dispatcher calls for a PagedKVCache,
+    with the arguments the model passed; calling it directly skips one isinstance.
+    """
+
+    def make(kv_heads: int, head_dim: int, capacity: int) -> Any:
+        return PagedKVCache(PagePool(mode, page_size), kv_heads, head_dim)
+
+    return make, paged_attention
+
+
+def held_bytes(entry: Contender, cache: Any) -> int:
+    """Bytes of the rows a cache holds.
+
+    The paged cache reports its own ``nbytes``. mlx-lm's ``nbytes`` counts its whole
+    buffer, which includes a pre-sized buffer's spare room, so for its caches this
+    counts the rows ``keys_and_values()`` returns; at multiples of its 256-token step
+    the two agree.
+    """
+    if entry.kind == "paged":
+        return int(cache.nbytes)
+    return sum(x.nbytes for _, x in tree_flatten(cache.keys_and_values()))
+
+
+def _eval_tree(tree: Any) -> None:
+    arrays = [leaf for _, leaf in tree_flatten(tree) if isinstance(leaf, mx.array)]
+    if isinstance(tree, mx.array):
+        arrays = [tree]
+    mx.eval(arrays)
+
+
+def attention_step(
+    contender: Contender,
+    cache: Any,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+) -> mx.array:
+    """One attention layer's work for ``queries.shape[2]`` new tokens, evaluated."""
+    n = queries.shape[2]
+    mask = cache.make_mask(n, return_array=False, window_size=None)
+    cached_keys, cached_values = cache.update_and_fetch(keys, values)
+    scale = queries.shape[-1] ** -0.5
+    out = contender.attend(queries, cached_keys, cached_values, cache=cache, scale=scale, mask=mask)
+    mx.eval(out)
+    return out
+
+
+def _random(shape: tuple[int, ...], dtype: mx.Dtype, seed: int) -> mx.array:
+    x = mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+    mx.eval(x)
+    return x
+
+
+def fill_cache(cache: Any, kv_heads: int, head_dim: int, tokens: int, dtype: mx.Dtype) -> None:
+    """Write ``tokens`` random rows through ``update_and_fetch`` (no attention)."""
+    done = 0
+    while done < tokens:
+        n = min(FILL_CHUNK, tokens - done)
+        keys = _random((1, kv_heads, n, head_dim), dtype, seed=done + 1)
+        values = _random((1, kv_heads, n, head_dim), dtype, seed=done + 2)
+        _eval_tree(cache.update_and_fetch(keys, values))
+        done += n
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _fresh_memory() -> None:
+    # Freed arrays sit in MLX's buffer cache; dropping it keeps one contender's
+    # buffers out of the next one's peak. (Caches hold no reference cycles, so
+    # no gc.collect, which costs ~0.2 s a call with mlx-lm imported.)
+    mx.clear_cache()
+
+
+def bench_decode(config: CacheBenchConfig, entries: list[Contender]) -> list[dict[str, Any]]:
+    """Decode-step time and bytes held, per context, head_dim and contender."""
+    dtype = getattr(mx, config.dtype)
+    rows: list[dict[str, Any]] = []
+    steps = config.decode_warmup + config.decode_repeats
+    for head_dim in config.head_dims:
+        queries = _random((1, config.q_heads, 1, head_dim), dtype, seed=101)
+        keys = _random((1, config.kv_heads, 1, head_dim), dtype, seed=102)
+        values = _random((1, config.kv_heads, 1, head_dim), dtype, seed=103)
+        for context in config.contexts:
+            caches = []
+            for entry in entries:
+                cache = entry.make_cache(
+                    config.kv_heads, head_dim, context + steps + config.page_size
+                )
+                fill_cache(cache, config.kv_heads, head_dim, context, dtype)
+                caches.append(cache)
+            held = [held_bytes(entry, cache) for entry, cache in zip(entries, caches, strict=True)]
+            times: list[list[float]] = [[] for _ in entries]
+            for step in range(steps):
+                for i, entry in enumerate(entries):
+                    elapsed = _timed(
+                        partial(attention_step, entry, caches[i], queries, keys, values)
+                    )
+                    if step >= config.decode_warmup:
+                        times[i].append(elapsed)
+            for entry, cache_bytes, samples in zip(entries, held, times, strict=True):
+                rows.append(
+                    {
+                        "head_dim": head_dim,
+                        "context": context,
+                        "name": entry.name,
+                        "kind": entry.kind,
+                        "mode": entry.mode,
+                        "decode_ms": 1000 * statistics.median(samples),
+                        "bytes": cache_bytes,
+                    }
+                )
+            del caches
+            _fresh_memory()
+    return rows
+
+
+def _chunks(config: CacheBenchConfig, head_dim: int, dtype: mx.Dtype) -> list[tuple]:
+    out = []
+    for start in range(0, config.prefill_tokens, config.prefill_chunk):
+        n = min(config.prefill_chunk, config.prefill_tokens - start)
+        out.append(
+            (
+                _random((1, config.q_heads, n, head_dim), dtype, seed=3 * start + 1),
+                _random((1, config.kv_heads, n, head_dim), dtype, seed=3 * start + 2),
+                _random((1, config.kv_heads, n, head_dim), dtype, seed=3 * start + 3),
+            )
+        )
+    return out
+
+
+def _prefill_once(entry: Contender, shape: tuple[int, int, int], chunks: list) -> tuple:
+    """(seconds, peak bytes above the memory active before, bytes held) of one prefill."""
+    _fresh_memory()
+    baseline = mx.get_active_memory()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    cache = entry.make_cache(*shape)
+    for queries, keys, values in chunks:
+        attention_step(entry, cache, queries, keys, values)
+    elapsed = time.perf_counter() - start
+    peak = mx.get_peak_memory() - baseline
+    held = held_bytes(entry, cache)
+    del cache
+    _fresh_memory()
+    return elapsed, peak, held
+
+
+def bench_prefill(config: CacheBenchConfig, entries: list[Contender]) -> list[dict[str, Any]]:
+    """Chunked prefill of ``prefill_tokens`` tokens: time and peak memory."""
+    dtype = getattr(mx, config.dtype)
+    rows: list[dict[str, Any]] = []
+    capacity = config.prefill_tokens + config.page_size
+    for head_dim in config.head_dims:
+        chunks = _chunks(config, head_dim, dtype)
+        # One untimed pass per contender compiles kernels and warms allocators.
+        warm = chunks[:2]
+        for entry in entries:
+            _prefill_once(entry, (config.kv_heads, head_dim, capacity), warm)
+        samples: list[list[tuple]] = [[] for _ in entries]
+        for _ in range(config.prefill_repeats):
+            for i, entry in enumerate(entries):
+                shape = (config.kv_heads, head_dim, capacity)
+                samples[i].append(_prefill_once(entry, shape, chunks))
+        for entry, runs in zip(entries, samples, strict=True):
+            rows.append(
+                {
+                    "head_dim": head_dim,
+                    "tokens": config.prefill_tokens,
+                    "name": entry.name,
+                    "kind": entry.kind,
+                    "mode": entry.mode,
+                    "prefill_s": statistics.median(r[0] for r in runs),
+                    "peak_bytes": max(r[1] for r in runs),
+                    "bytes": runs[-1][2],
+                }
+            )
+        del chunks
+        _fresh_memory()
+    return rows
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    return statistics.median(_timed(fn) for _ in range(repeats))
+
+
+def _quantize_ours(keys: mx.array, values: mx.array, bits: int) -> None:
+    mx.eval(quantize_rows(keys, bits), quantize_rows(values, bits))
+
+
+def _quantize_mlx(keys: mx.array, values: mx.array, bits: int) -> None:
+    mx.eval(
+        mx.quantize(keys, group_size=GROUP_SIZE, bits=bits),
+        mx.quantize(values, group_size=GROUP_SIZE, bits=bits),
+    )
+
+
+def bench_quantize(config: CacheBenchConfig) -> list[dict[str, Any]]:
+    """quantize_rows for K and V of one new token and of one chunk, per mode."""
+    dtype = getattr(mx, config.dtype)
+    rows: list[dict[str, Any]] = []
+    for head_dim in config.head_dims:
+        for tokens in (1, config.quant_chunk):
+            keys = _random((1, config.kv_heads, tokens, head_dim), dtype, seed=7)
+            values = _random((1, config.kv_heads, tokens, head_dim), dtype, seed=8)
+            for mode in config.modes:
+                bits = bits_for(mode)
+                if bits == 16:
+                    continue
+                ours = _median_time(
+                    partial(_quantize_ours, keys, values, bits), config.quant_repeats
+                )
+                theirs = _median_time(
+                    partial(_quantize_mlx, keys, values, bits), config.quant_repeats
+                )
+                rows.append(
+                    {
+                        "head_dim": head_dim,
+                        "tokens": tokens,
+                        "mode": mode,
+                        "quantize_ms": 1000 * ours,
+                        "mlx_quantize_ms": 1000 * theirs,
+                    }
+                )
+    return rows
+
+
+def reference_bytes(config: CacheBenchConfig) -> list[dict[str, Any]]:
+    """nbytes of mlx-lm caches holding fp16 K/V, as a model in fp16 would fill them.
+
+    On the CPU backend the benchmark computes in fp32, so the mlx-lm caches timed
+    above hold fp32 values and fp32 scales/biases; these fp16 caches are the fair
+    comparison for storage (the layout mlx-lm uses with fp16/bf16 models).
+    """
+    rows = []
+    for head_dim in config.head_dims:
+        for context in config.contexts:
+            for mode in ("fp16", *[m for m in config.modes if m != "fp16"]):
+                bits = bits_for(mode)
+                if bits == 16:
+                    cache: Any = KVCache()
+                else:
+                    make = _mlx_quantized_cache(bits, mx.float16)
+                    cache = make(config.kv_heads, head_dim, context)
+                fill_cache(cache, config.kv_heads, head_dim, context, mx.float16)
+                rows.append(
+                    {"head_dim": head_dim, "context": context, "mode": mode, "bytes": cache.nbytes}
+                )
+                del cache
+    _fresh_memory()
+    return rows
+
+
+def run_cache_bench(
+    config: CacheBenchConfig, progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Run every part of the cache benchmark and return plain-value results."""
+    entries = contenders(config.modes, config.page_size, getattr(mx, config.dtype))
+    progress(f"decode: contexts {config.contexts}, head_dims {config.head_dims}")
+    decode = bench_decode(config, entries)
+    progress(f"prefill: {config.prefill_tokens} tokens in chunks of {config.prefill_chunk}")
+    prefill = bench_prefill(config, entries)
+    progress("quantize+pack")
+    quantize = bench_quantize(config)
+    progress("reference bytes (fp16 mlx-lm caches)")
+    reference = reference_bytes(config)
+    workaround = [d for d in config.head_dims if mlx_needs_presized_buffers(d, 6)]
+    return {
+        "config": _config_dict(config),
+        "decode": decode,
+        "prefill": prefill,
+        "quantize": quantize,
+        "reference_bytes": reference,
+        "mlx_6bit_workaround_head_dims": workaround if "q6" in config.modes else [],
+    }
+
+
+def _config_dict(config: CacheBenchConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+def scaled(config: CacheBenchConfig, **changes: Any) -> CacheBenchConfig:
+    """A copy of ``config`` with some fields changed (None values are ignored)."""
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})
+
+
+def iter_rows(rows: list[dict[str, Any]], **match: Any) -> Iterator[dict[str, Any]]:
+    """Rows whose fields equal every ``match`` value."""
+    return (r for r in rows if all(r.get(k) == v for k, v in match.items()))

@@ -1,0 +1,167 @@
+"""Smoke test of ``python -m engine.bench`` at tiny sizes: it runs, and its report is complete.
+
+Correctness only: no assertion here reads a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.bench import report
+from engine.bench.__main__ import parse_tokens
+from engine.kvquant import project_kv_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+CONTEXTS = (256, 512)
+HEAD_DIMS = (64, 128)  # 128 exercises the pre-sized mlx-lm 6-bit baseline
+MODES = ("fp16", "q8", "q6", "q4")
+KV_HEADS = 2
+PRESERVED = "Hand-written notes that the benchmark must keep.\n"
+
+
+@pytest.fixture(scope="module")
+def cache_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One tiny ``engine.bench cache`` run through the real CLI: (markdown, json)."""
+    out = tmp_path_factory.mktemp("bench")
+    doc, raw = out / "benchmarks.md", out / "results.json"
+    doc.write_text("# Benchmarks\n\n" + PRESERVED)
+    command = [
+        sys.executable, "-m", "engine.bench", "cache",
+        "--contexts", ",".join(str(c) for c in CONTEXTS),
+        "--head-dims", ",".join(str(d) for d in HEAD_DIMS),
+        "--kv-heads", str(KV_HEADS), "--q-heads", "4",
+        "--prefill-tokens", "512", "--prefill-chunk", "256", "--quant-chunk", "256",
+        "--repeats", "2", "--warmup", "1", "--prefill-repeats", "1", "--quant-repeats", "2",
+        "--output", str(doc), "--json", str(raw),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return doc.read_text(), json.loads(raw.read_text())
+
+
+def _table_after(markdown: str, heading: str) -> list[list[str]]:
+    """Cells of the first table after a heading that starts with ``heading``."""
+    tail = markdown.split("\n### " + heading, 1)[1]
+    block: list[str] = []
+    for line in tail.splitlines()[1:]:
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            break
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in block[2:]]
+
+
+def test_report_keeps_other_text_and_has_one_cache_section(cache_run: tuple[str, dict]) -> None:
+    markdown, _ = cache_run
+    assert PRESERVED in markdown
+    assert markdown.count("<!-- bench:cache:start -->") == 1
+    assert markdown.count("<!-- bench:cache:end -->") == 1
+
+
+def test_report_names_the_machine(cache_run: tuple[str, dict]) -> None:
+    markdown, results = cache_run
+    for label in ("- Date:", "- CPU:", "- OS:", "- mlx ", "- BLAS:", "- Load average"):
+        assert label in markdown
+    assert results["machine"]["mlx"] in markdown
+
+
+def test_decode_table_has_every_cell(cache_run: tuple[str, dict]) -> None:
+    markdown, _ = cache_run
+    rows = _table_after(markdown, "Decode step")
+    keys = {(int(r[0]), int(r[1]), r[2]) for r in rows}
+    assert keys == {(d, c, m) for d in HEAD_DIMS for c in CONTEXTS for m in MODES}
+    for row in rows:
+        assert len(row) == 8 and "n/a" not in row
+        float(row[3]), float(row[4])  # paged and KVCache times are numbers
+        if row[2] == "fp16":
+            assert row[5] == row[6] == "—"
+        else:
+            float(row[5])
+            assert re.fullmatch(r"\d+\.\d\d× [✅❌]", row[6])
+        assert re.fullmatch(r"\d+\.\d\d× [✅❌]", row[7])
+
+
+def test_prefill_table_has_every_cell(cache_run: tuple[str, dict]) -> None:
+    markdown, _ = cache_run
+    rows = _table_after(markdown, "Prefill")
+    assert {(int(r[0]), r[1]) for r in rows} == {(d, m) for d in HEAD_DIMS for m in MODES}
+    for row in rows:
+        assert len(row) == 12 and "n/a" not in row
+        assert all(cell.endswith("MiB") for cell in row[7:9])
+
+
+def test_quantize_table_has_every_cell(cache_run: tuple[str, dict]) -> None:
+    markdown, _ = cache_run
+    rows = _table_after(markdown, "quantize+pack")
+    assert {(int(r[0]), r[1]) for r in rows} == {(d, m) for d in HEAD_DIMS for m in MODES[1:]}
+    for row in rows:
+        assert "n/a" not in row
+        assert len(row[4].split(" / ")) == len(CONTEXTS)
+
+
+def test_bytes_table_matches_the_storage_arithmetic(cache_run: tuple[str, dict]) -> None:
+    markdown, results = cache_run
+    rows = _table_after(markdown, "Bytes held")
+    assert {(int(r[0]), int(r[1]), r[2]) for r in rows} == {
+        (d, c, m) for d in HEAD_DIMS for c in CONTEXTS for m in MODES
+    }
+    for row in results["decode"]:
+        if row["kind"] == "paged":
+            expected = project_kv_bytes(1, KV_HEADS, row["head_dim"], row["context"], row["mode"])
+            assert row["bytes"] == expected
+    # mlx-lm's quantized cache with fp16 scale + bias per 64 values: D * bits / 8 + 4 * D / 64
+    # bytes per row, pre-sized (q6 at 128) or not.
+    bits = {"q8": 8, "q6": 6, "q4": 4}
+    for row in results["reference_bytes"]:
+        if row["mode"] in bits:
+            d, c = row["head_dim"], row["context"]
+            per_row = d * bits[row["mode"]] // 8 + 4 * d // 64
+            assert row["bytes"] == 2 * KV_HEADS * c * per_row
+
+
+def test_goals_table_lists_every_goal(cache_run: tuple[str, dict]) -> None:
+    markdown, results = cache_run
+    rows = _table_after(markdown, "Goals")
+    goals = [r[0] for r in rows]
+    assert len(goals) == 7
+    for fragment in ("decode ≤ 1.0×", "decode ≤ 1.2×", "prefill ≤ 1.15×", "peak memory",
+                     "new token < 5%", "chunk < 5%", "bytes held ≤ 0.95×"):  # fmt: skip
+        assert any(fragment in goal for goal in goals), fragment
+    for row in rows:
+        assert row[1] in ("**met**", "**NOT met**")
+    assert results["mlx_6bit_workaround_head_dims"] == [128]
+
+
+def test_write_section_replaces_in_place(tmp_path: Path) -> None:
+    doc = tmp_path / "b.md"
+    report.write_section(doc, "generate", "first")
+    report.write_section(doc, "cache", "cache body")
+    report.write_section(doc, "generate", "second")
+    text = doc.read_text()
+    assert "first" not in text and text.count("second") == 1
+    assert text.index("second") < text.index("cache body")
+
+
+def test_goal_tally_verdicts() -> None:
+    tally = report.GoalTally()
+    tally.check("a", "x", 0.9, 1.0)
+    tally.check("a", "y", 1.0, 1.0)
+    tally.check("b", "x", 0.5, 1.0)
+    tally.check("b", "y", 1.3, 1.0)
+    lines = tally.lines()
+    assert "| a | **met** | 2/2 | 1.00 | — |" in lines
+    assert "| b | **NOT met** | 1/2 | 1.30 | y (1.30) |" in lines
+
+
+@pytest.mark.parametrize(("text", "tokens"), [("4k", 4096), ("16K", 16384), ("300", 300)])
+def test_parse_tokens(text: str, tokens: int) -> None:
+    assert parse_tokens(text) == tokens
