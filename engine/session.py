@@ -1,0 +1,499 @@
+"""A chat session: one model, a fixed KV mode, a paged cache and the ids it holds.
+
+Each turn renders the whole conversation with the chat template, keeps the
+longest prefix of token ids the cache already holds, trims the rest and ingests
+only what is new, so a long conversation is never prefilled twice. Every method
+here runs MLX and must be called from the engine worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import psutil
+
+from engine import adapter, fit, kvquant
+from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
+from engine.events import GenerationStats, IngestProgress, TokenChunk
+from engine.paged_cache import PagedKVCache
+from engine.sampling import (
+    REPETITION_CONTEXT,
+    SamplingParams,
+    build_logits_processors,
+    build_sampler,
+    seed_sampling,
+)
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[object], None]
+DEFAULT_CHUNK = 512
+# End-of-turn markers of common chat templates; added to the tokenizer's EOS ids
+# when the vocabulary has them, so a turn ends even if generation_config forgot.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+def _ram_headroom(total: int) -> int:
+    # Leave room for activations, the app and the OS; KV must not push into swap.
+    return max(1 << 30, total // 10)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the session needs to know about a model to size its cache."""
+
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+
+
+def _first(info: Any, names: Sequence[str]) -> Any:
+    for name in names:
+        value = getattr(info, name, None)
+        if value is not None:
+            return value
+    raise EngineError(f"Model facts lack {names[0]}; reload the model.")
+
+
+def facts_from_info(info: Any) -> ModelFacts:
+    """Read the sizing facts from an ``engine.models.ModelInfo``."""
+    return ModelFacts(
+        attention_layers=int(_first(info, ("attention_layers", "num_attention_layers"))),
+        kv_heads=int(_first(info, ("kv_heads", "num_kv_heads"))),
+        head_dim=int(_first(info, ("head_dim",))),
+        max_context=int(_first(info, ("max_context", "context_length"))),
+    )
+
+
+def facts_from_cache(cache: list[Any], max_context: int) -> ModelFacts | None:
+    """Sizing facts of the layers that really hold pages (None: no paged layer).
+
+    Preferred over the model's config: sliding-window and linear-attention layers
+    keep mlx-lm's own bounded caches and take no pages.
+    """
+    paged = [layer for layer in cache if isinstance(layer, PagedKVCache)]
+    if not paged or paged[0].store is None:
+        return None
+    return ModelFacts(len(paged), paged[0].kv_heads, paged[0].head_dim, max_context)
+
+
+def eval_targets(cache: list[Any]) -> list[Any]:
+    """Arrays whose evaluation completes a forward pass's cache writes.
+
+    A paged layer's ``state`` gathers (copies) every held page, so its page slabs
+    are evaluated instead; other layers use ``state`` as mlx-lm's prefill does.
+    """
+    targets: list[Any] = []
+    for layer in cache:
+        if isinstance(layer, PagedKVCache):
+            if layer.store is not None:
+                targets.extend(a for slab in layer.store.slabs for a in slab if a is not None)
+        else:
+            targets.append(layer.state)
+    return targets
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def end_of_turn_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids that end an assistant turn: mlx-lm's EOS ids plus template markers."""
+    ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids.update(vocab[marker] for marker in END_OF_TURN if marker in vocab)
+    return frozenset(ids)
+
+
+class Session:
+    """A model plus a paged KV cache in one fixed mode, and the ids the cache holds.
+
+    Args:
+        session_id: the app's name for the conversation.
+        loaded: an ``engine.models.LoadedModel`` (model, tokenizer, info).
+        mode: KV mode name or alias; fixed for the session's life.
+        page_size: tokens per page.
+        budget_bytes: byte budget of the session's page pool, or None.
+        chunk_size: tokens per prefill chunk.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        loaded: Any,
+        mode: str,
+        page_size: int = 256,
+        *,
+        budget_bytes: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+    ) -> None:
+        if page_size < 1 or chunk_size < 1:
+            raise EngineError("Page size and chunk size must be at least 1 token.")
+        self.session_id = session_id
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        max_context = int(_first(loaded.info, ("max_context", "context_length")))
+        self.mode = kvquant.normalize_mode(mode)
+        self.page_size = page_size
+        self.budget_bytes = budget_bytes
+        self.chunk_size = chunk_size
+        self.end_ids = end_of_turn_ids(self.tokenizer)
+        self.tokens: list[int] = []
+        # Counters the tests and benchmarks read: what was actually computed.
+        self.tokens_ingested = 0
+        self.cache = self._new_cache()
+        self.facts = facts_from_cache(self.cache, max_context) or facts_from_info(loaded.info)
+
+    # -- cache bookkeeping -------------------------------------------------
+
+    def _new_cache(self) -> list[Any]:
+        return adapter.make_cache(
+            self.model, self.mode, page_size=self.page_size, budget_bytes=self.budget_bytes
+        )
+
+    def reset(self) -> None:
+        """Drop every held token and page."""
+        self.cache = self._new_cache()
+        self.tokens = []
+
+    def close(self) -> None:
+        """Release the cache's pages."""
+        self.cache = []
+        self.tokens = []
+
+    def trim_to(self, length: int) -> None:
+        """Keep only the first ``length`` held tokens (rebuild if layers can't trim)."""
+        excess = len(self.tokens) - length
+        if excess <= 0:
+            return
+        trimmed = adapter.trim_cache(self.cache, excess)
+        if trimmed != excess or adapter.cache_tokens(self.cache) != length:
+            # Linear-attention and wrapped sliding-window layers cannot rewind;
+            # start over rather than hold state that disagrees with the ids.
+            log.info("cache of %s cannot trim %d tokens; rebuilding", self.session_id, excess)
+            self.reset()
+            return
+        del self.tokens[length:]
+
+    def stats(self) -> Any:
+        """The adapter's ``CacheStats`` (no MLX evaluation)."""
+        return adapter.cache_stats(self.cache)
+
+    # -- templates ---------------------------------------------------------
+
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
+        """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
+        if not messages:
+            return []
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "has_chat_template", False):
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        # Base models have no template: the contents, one after another.
+        text = "\n\n".join(message["content"] for message in messages)
+        return list(tokenizer.encode(text, add_special_tokens=True))
+
+    def message_boundary(self, messages: list[dict[str, str]]) -> int:
+        """Held tokens that cover whole messages: the longest rendered prefix held."""
+        for count in range(len(messages), 0, -1):
+            try:
+                ids = self.render(messages[:count], add_generation_prompt=False)
+            except Exception:  # some templates refuse partial conversations
+                continue
+            if ids and ids == self.tokens[: len(ids)]:
+                return len(ids)
+        return 0
+
+    # -- limits ------------------------------------------------------------
+
+    def fit_report(self, token_count: int) -> fit.FitReport:
+        """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
+        memory = psutil.virtual_memory()
+        held = self.stats() if self.cache else None
+        return fit.fit_report(
+            token_count=token_count,
+            attention_layers=self.facts.attention_layers,
+            kv_heads=self.facts.kv_heads,
+            head_dim=self.facts.head_dim,
+            max_context=self.facts.max_context,
+            page_size=self.page_size,
+            available_bytes=int(memory.available),
+            budget_bytes=self.budget_bytes,
+            headroom_bytes=_ram_headroom(int(memory.total)),
+            session_mode=self.mode,
+            session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
+        )
+
+    def room_for(self, token_count: int) -> int:
+        """Tokens that may follow ``token_count`` tokens; raises if those don't fit.
+
+        Raises:
+            ContextTooLong: the tokens exceed the context, the budget or free RAM.
+        """
+        report = self.fit_report(token_count)
+        report.raise_if_too_long()
+        return report.for_mode(self.mode).tokens_fit - token_count
+
+    # -- prefill -----------------------------------------------------------
+
+    def _forward(self, ids: list[int]) -> None:
+        # Raises KvBudgetExceeded before any layer changes.
+        adapter.ensure_capacity(self.cache, len(ids))
+        self.model(mx.array(ids)[None], cache=self.cache)
+        self.tokens.extend(ids)
+        # Evaluating the cache (not the logits) runs every layer but skips the
+        # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
+        mx.eval(eval_targets(self.cache))
+
+    def prefill(
+        self,
+        ids: list[int],
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+    ) -> float:
+        """Feed ``ids`` to the cache in chunks; returns the seconds it took.
+
+        Raises:
+            Cancelled: ``cancel`` was set between two chunks; the chunks done stay held.
+        """
+        start = time.perf_counter()
+        done = 0
+        while done < len(ids):
+            if cancel.is_set():
+                raise Cancelled("Ingest cancelled.")
+            chunk = ids[done : done + self.chunk_size]
+            self._forward(chunk)
+            done += len(chunk)
+            self.tokens_ingested += len(chunk)
+            mx.clear_cache()
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            rate = done / elapsed
+            eta = (len(ids) - done) / rate if rate > 0 else None
+            emit(IngestProgress(request_id, done, len(ids), rate, eta))
+            tick()
+        return time.perf_counter() - start
+
+    def sync(self, prompt: list[int], *, keep_last: bool) -> int:
+        """Trim the cache to its longest prefix of ``prompt``; returns tokens kept.
+
+        With ``keep_last`` at least one prompt token stays unfed, because the
+        first generated token needs the logits of the prompt's last position.
+        """
+        keep = common_prefix(self.tokens, prompt)
+        if keep_last:
+            keep = min(keep, len(prompt) - 1)
+        self.trim_to(keep)
+        return len(self.tokens)
+
+    def ingest(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+    ) -> GenerationStats:
+        """Prefill the conversation without generating (e.g. a dropped document).
+
+        Raises:
+            ContextTooLong: the conversation does not fit.
+            Cancelled: cancelled between chunks; the cache was rewound to the last
+                complete message it holds.
+        """
+        prompt = self.render(messages, add_generation_prompt=False)
+        self.room_for(len(prompt))
+        kept = self.sync(prompt, keep_last=False)
+        seconds = self._guarded_prefill(prompt[kept:], messages, request_id, cancel, emit, tick)
+        fed = len(prompt) - kept
+        return GenerationStats(len(prompt), 0, None, fed / seconds if seconds else 0.0, 0.0)
+
+    def _guarded_prefill(
+        self,
+        ids: list[int],
+        messages: list[dict[str, str]],
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+    ) -> float:
+        try:
+            return self.prefill(ids, request_id=request_id, cancel=cancel, emit=emit, tick=tick)
+        except Cancelled:
+            self.trim_to(self.message_boundary(messages))
+            raise
+        except KvBudgetExceeded:
+            self.trim_to(self.message_boundary(messages))
+            raise
+        except Exception:
+            # A failed forward pass may leave layers at different lengths.
+            self.reset()
+            raise
+
+    # -- generation --------------------------------------------------------
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+    ) -> tuple[str, GenerationStats]:
+        """Answer the conversation's last turn, streaming ``TokenChunk`` events.
+
+        Returns:
+            The finish reason ("stop", "length", "cancelled") and the timings.
+
+        Raises:
+            ContextTooLong: the conversation (plus one answer token) does not fit.
+        """
+        started = time.perf_counter()
+        prompt = self.render(messages, add_generation_prompt=True)
+        if not prompt:
+            raise EngineError("Nothing to answer: the conversation is empty.")
+        room = self.room_for(len(prompt))
+        if room < 1:
+            raise ContextTooLong(self.fit_report(len(prompt) + 1).message())
+        kept = self.sync(prompt, keep_last=True)
+        try:
+            prefill_seconds = self._guarded_prefill(
+                prompt[kept:-1], messages, request_id, cancel, emit, tick
+            )
+        except Cancelled:
+            return "cancelled", GenerationStats(len(prompt), 0, None, 0.0, 0.0)
+        max_tokens = min(sampling.max_tokens, room)
+        generation = _Generation(self, sampling, request_id, cancel, emit, tick)
+        reason = generation.run(prompt, max_tokens)
+        fed = len(prompt) - kept
+        first_step = generation.first_token_at - generation.started
+        prefill_total = prefill_seconds + first_step
+        decode_seconds = generation.last_token_at - generation.first_token_at
+        return reason, GenerationStats(
+            prompt_tokens=len(prompt),
+            generated_tokens=len(generation.generated),
+            time_to_first_token=(
+                generation.first_token_at - started if generation.generated else None
+            ),
+            prefill_tps=fed / prefill_total if prefill_total > 0 else 0.0,
+            decode_tps=(
+                (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
+            ),
+        )
+
+
+class _Generation:
+    """One streamed answer: mlx-lm's sampling loop over the session's cache."""
+
+    def __init__(
+        self,
+        session: Session,
+        sampling: SamplingParams,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+    ) -> None:
+        self.session = session
+        self.sampler = build_sampler(sampling)
+        self.processors = build_logits_processors(sampling)
+        self.request_id = request_id
+        self.cancel = cancel
+        self.emit = emit
+        self.tick = tick
+        self.generated: list[int] = []
+        self.detokenizer = session.tokenizer.detokenizer
+        self.pending_ids: list[int] = []
+        self.history = mx.array([], dtype=mx.int32)
+        self.started = time.perf_counter()
+        self.first_token_at = self.started
+        self.last_token_at = self.started
+        seed_sampling(sampling)
+
+    def _step(self, token: mx.array) -> mx.array:
+        adapter.ensure_capacity(self.session.cache, 1)
+        logits = self.session.model(token[None], cache=self.session.cache)[:, -1, :]
+        if self.processors:
+            # Lazy concat: the previous token may not be computed yet.
+            self.history = mx.concat([self.history, token])[-REPETITION_CONTEXT:]
+            for processor in self.processors:
+                logits = processor(self.history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return self.sampler(logprobs)
+
+    def _stream(self, token: int) -> None:
+        self.detokenizer.add_token(token)
+        self.pending_ids.append(token)
+        text = self.detokenizer.last_segment
+        if text:
+            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
+            self.pending_ids = []
+
+    def _flush(self) -> None:
+        self.detokenizer.finalize()
+        text = self.detokenizer.last_segment
+        if text or self.pending_ids:
+            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
+            self.pending_ids = []
+
+    def run(self, prompt: list[int], max_tokens: int) -> str:
+        """Generate up to ``max_tokens`` tokens; returns the finish reason."""
+        session = self.session
+        self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
+        session.tokens.append(prompt[-1])
+        y = self._step(mx.array(prompt[-1:]))
+        mx.async_eval(y)
+        reason = "length"
+        try:
+            while True:
+                # Queue the next step before reading this token (mlx-lm's overlap):
+                # the device computes while Python detokenizes.
+                queue_next = len(self.generated) + 1 < max_tokens and not self.cancel.is_set()
+                if queue_next:
+                    next_y = self._step(y)
+                    mx.async_eval(next_y)
+                token = int(y.item())
+                now = time.perf_counter()
+                if not self.generated:
+                    self.first_token_at = now
+                self.last_token_at = now
+                if queue_next:
+                    session.tokens.append(token)
+                if token in session.end_ids:
+                    reason = "stop"
+                    break
+                self.generated.append(token)
+                self._stream(token)
+                self.tick()
+                if self.cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if not queue_next:
+                    break
+                y = next_y
+        except Exception:
+            # A failed step may leave layers at different lengths.
+            session.reset()
+            raise
+        finally:
+            self._flush()
+        return reason
