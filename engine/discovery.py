@@ -1,0 +1,295 @@
+"""Find the models a user already has, and say why the others cannot be opened.
+
+Looks in the Hugging Face hub cache, LM Studio's model folders, Longleaf's own
+models folder and any folders the user added. Each candidate folder is read
+with ``engine.models.inspect_model_dir`` (config and safetensors headers only,
+no weights loaded), so listing is fast and needs no MLX device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import scan_cache_dir
+from huggingface_hub.errors import CacheNotFound
+
+from engine.download import read_manifest
+from engine.errors import EngineError
+from engine.paths import models_dir
+
+HUGGINGFACE = "huggingface"
+LMSTUDIO = "lmstudio"
+LONGLEAF = "longleaf"
+FOLDER = "folder"
+# How deep below a root to look for model folders (LM Studio: publisher/model).
+SEARCH_DEPTH = 3
+_PYTORCH_SUFFIXES = (".bin", ".pth", ".pt")
+
+
+@dataclass(frozen=True)
+class DiscoveredModel:
+    """A model mlx-lm can load, with the facts the picker shows.
+
+    Attributes:
+        name: display name (the repo id for Hub models, publisher/model for
+            LM Studio, the folder name otherwise).
+        path: the folder to hand to the loader.
+        source: where it was found: "huggingface", "lmstudio", "longleaf", "folder".
+        size_bytes: bytes its files take on disk.
+        info: ``engine.models.ModelInfo`` (architecture, params, bits, context,
+            KV heads, head_dim, attention layers, KV projection per mode).
+    """
+
+    name: str
+    path: Path
+    source: str
+    size_bytes: int
+    info: Any
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.info.head_dim)
+
+    @property
+    def q6_supported(self) -> bool:
+        """q6 packs four 6-bit values into three bytes, so head_dim must divide by 4."""
+        return bool(self.info.q6_supported)
+
+    @property
+    def q6_note(self) -> str | None:
+        """Why q6 is not offered for this model, or None when it is."""
+        if self.q6_supported:
+            return None
+        return f"head_dim {self.head_dim} is not a multiple of 4, so q6 cannot store it"
+
+
+@dataclass(frozen=True)
+class SkippedModel:
+    """Something that looked like a model but mlx-lm cannot load; ``reason`` says why."""
+
+    name: str
+    path: Path
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """The result of one scan: loadable models and the skipped ones."""
+
+    models: tuple[DiscoveredModel, ...]
+    skipped: tuple[SkippedModel, ...]
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache folder, honouring HF_HUB_CACHE and HF_HOME now.
+
+    huggingface_hub reads these variables once at import; reading them per call
+    lets a changed environment (or a test) take effect.
+    """
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME")
+    if not home:
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        home = os.path.join(cache, "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def lmstudio_roots() -> tuple[Path, ...]:
+    """LM Studio's model folders (current and older layouts)."""
+    home = Path.home()
+    return (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models")
+
+
+def discover_models(
+    extra_folders: Iterable[Path | str] = (),
+    *,
+    include_hf_cache: bool = True,
+    include_lmstudio: bool = True,
+    include_longleaf: bool = True,
+) -> Discovery:
+    """Scan every model location and sort what is found into loadable and skipped.
+
+    Args:
+        extra_folders: folders the user added; each may be a model folder or hold
+            model folders up to ``SEARCH_DEPTH`` levels down.
+        include_hf_cache: scan the Hugging Face hub cache.
+        include_lmstudio: scan LM Studio's model folders.
+        include_longleaf: scan Longleaf's own models folder.
+
+    Returns:
+        Models sorted by name, and skipped candidates with their reasons.
+    """
+    candidates: list[tuple[str, Path, str, int | None]] = []
+    if include_hf_cache:
+        candidates += _hf_cache_candidates(hf_hub_cache())
+    if include_lmstudio:
+        for root in lmstudio_roots():
+            candidates += _folder_candidates(root, LMSTUDIO)
+    if include_longleaf:
+        candidates += _folder_candidates(models_dir(), LONGLEAF)
+    for folder in extra_folders:
+        candidates += _folder_candidates(Path(folder).expanduser(), FOLDER)
+
+    models: list[DiscoveredModel] = []
+    skipped: list[SkippedModel] = []
+    seen: set[Path] = set()
+    for name, path, source, size in candidates:
+        key = path.resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        found = inspect_candidate(name, path, source, size)
+        (models if isinstance(found, DiscoveredModel) else skipped).append(found)
+    return Discovery(
+        models=tuple(sorted(models, key=lambda m: (m.name.lower(), str(m.path)))),
+        skipped=tuple(sorted(skipped, key=lambda s: (s.name.lower(), str(s.path)))),
+    )
+
+
+def inspect_candidate(
+    name: str, path: Path, source: str = FOLDER, size_bytes: int | None = None
+) -> DiscoveredModel | SkippedModel:
+    """Classify one folder: a loadable model, or a skip with a reason to show."""
+    reason = unloadable_reason(path)
+    if reason is not None:
+        return SkippedModel(name, path, source, reason)
+    from engine.models import inspect_model_dir
+
+    try:
+        info = inspect_model_dir(path)
+    except EngineError as error:
+        return SkippedModel(name, path, source, str(error))
+    size = folder_size(path) if size_bytes is None else size_bytes
+    return DiscoveredModel(name, path, source, size, info)
+
+
+def unloadable_reason(path: Path) -> str | None:
+    """Why a folder's layout rules out mlx-lm, before reading any config.
+
+    Returns None when the folder has a config and safetensors weights; the
+    config itself (architecture, attention layers) is judged by
+    ``inspect_model_dir``.
+    """
+    files = _files(path)
+    names = {p.name.lower() for p in files}
+    suffixes = {p.suffix.lower() for p in files}
+    manifest = read_manifest(path)
+    if manifest is not None and not manifest.get("complete", False):
+        return "Download not finished; resume it from the download dialog."
+    if ".safetensors" not in suffixes:
+        if ".gguf" in suffixes:
+            return (
+                "GGUF only: mlx-lm loads safetensors, not GGUF. Get the MLX version "
+                "(e.g. from mlx-community) instead."
+            )
+        if suffixes & set(_PYTORCH_SUFFIXES):
+            return (
+                "PyTorch checkpoint only (.bin/.pth): convert it with "
+                "`mlx_lm.convert --hf-path <repo>` first."
+            )
+        return "No .safetensors weights in this folder."
+    if "config.json" not in names:
+        return "No config.json next to the weights, so the architecture is unknown."
+    missing = _missing_shards(path)
+    if missing:
+        return (
+            f"Incomplete: {len(missing)} weight file(s) listed in "
+            f"model.safetensors.index.json are missing (e.g. {missing[0]}). "
+            "Finish the download."
+        )
+    return None
+
+
+def folder_size(path: Path) -> int:
+    """Bytes taken by a folder's files, following links (the Hub cache uses them)."""
+    total = 0
+    for root, _, names in os.walk(path, followlinks=True):
+        for name in names:
+            try:
+                total += (Path(root) / name).stat().st_size
+            except OSError:
+                continue
+    return total
+
+
+def _hf_cache_candidates(cache: Path) -> list[tuple[str, Path, str, int | None]]:
+    if not cache.is_dir():
+        return []
+    try:
+        scan = scan_cache_dir(cache)
+    except (CacheNotFound, OSError):
+        return []
+    found: list[tuple[str, Path, str, int | None]] = []
+    for repo in scan.repos:
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        # The revision "main" points at is what mlx-lm would load by repo id.
+        revision = max(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
+        found.append((repo.repo_id, revision.snapshot_path, HUGGINGFACE, revision.size_on_disk))
+    return found
+
+
+def _folder_candidates(root: Path, source: str) -> list[tuple[str, Path, str, int | None]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in _model_folders(root, SEARCH_DEPTH):
+        manifest = read_manifest(folder)
+        if manifest and manifest.get("repo_id"):
+            name = manifest["repo_id"]
+        elif folder == root:
+            name = folder.name
+        else:
+            name = folder.relative_to(root).as_posix()
+        found.append((name, folder, source, None))
+    return found
+
+
+def _model_folders(folder: Path, depth: int) -> Iterator[Path]:
+    """Folders that hold model files; a model folder's subfolders are not searched."""
+    if _looks_like_model(folder):
+        yield folder
+        return
+    if depth == 0:
+        return
+    try:
+        children = sorted(p for p in folder.iterdir() if p.is_dir())
+    except OSError:
+        return
+    for child in children:
+        if not child.name.startswith("."):
+            yield from _model_folders(child, depth - 1)
+
+
+def _looks_like_model(folder: Path) -> bool:
+    for path in _files(folder):
+        name = path.name.lower()
+        if name == "config.json" or name.endswith((".safetensors", ".gguf", *_PYTORCH_SUFFIXES)):
+            return True
+    return False
+
+
+def _files(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.is_file()]
+    except OSError:
+        return []
+
+
+def _missing_shards(folder: Path) -> list[str]:
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    return sorted({f for f in weight_map.values() if not (folder / f).is_file()})
