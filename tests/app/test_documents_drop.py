@@ -1,0 +1,104 @@
+"""Dropping files on the window: chips, token counts, bad files, the fit check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
+from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import QApplication
+
+from app.format import human_bytes
+from engine.kvquant import project_kv_bytes
+
+TEXT = "Longleaf pines grow in the sandy coastal plain. Fire keeps the floor open.\n"
+
+
+def drop_files(window, paths: list[Path]) -> None:
+    """A real drag enter + drop with file URLs, aimed at the conversation area."""
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
+    target = window.conversation.viewport()
+    pos = QPoint(40, 40)
+    enter = QDragEnterEvent(QPointF(pos), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                            Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(target, enter)
+    assert enter.isAccepted()
+    drop = QDropEvent(QPointF(pos), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                      Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(target, drop)
+    assert drop.isAccepted()
+
+
+def test_dropped_document_becomes_a_chip_with_its_tokens(qtbot, window, tmp_path) -> None:
+    doc = tmp_path / "pines.md"
+    doc.write_text(TEXT * 20)
+    window.composer.set_text("keep this draft")
+    drop_files(window, [doc])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    (record,) = window.attachments.values()
+    assert record.name == "pines.md" and record.size == doc.stat().st_size
+    assert record.tokens == window.controller.bridge.count_tokens(TEXT * 20)
+    (chip,) = window.composer.chips.values()
+    assert chip.label.text() == (
+        f"📄 pines.md · {human_bytes(record.size)} · {record.tokens:,} tokens")
+    assert window.composer.text() == "keep this draft"
+
+
+def test_bad_files_get_an_inline_message_and_disturb_nothing(qtbot, window, tmp_path) -> None:
+    good = tmp_path / "good.txt"
+    good.write_text(TEXT)
+    drop_files(window, [good])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.composer.set_text("my draft")
+    cases = {
+        "blob.txt": (b"\x00\x01\x02binary" * 10, "looks like a binary file"),
+        "empty.md": (b"", "is empty"),
+        "photo.heic": (b"abc", "can't read .heic files"),
+    }
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        drop_files(window, [tmp_path / name])
+        qtbot.waitUntil(lambda m=message: m in window.composer.notice.text(), timeout=20_000)
+        assert window.composer.notice.isVisible()
+        assert name in window.composer.notice.text()
+        assert list(window.attachments.values())[0].name == "good.txt"
+        assert len(window.composer.chips) == 1
+        assert window.composer.text() == "my draft"
+        assert not window.banner.isVisible()
+
+
+def test_fit_check_numbers_match_the_kv_projection(qtbot, window, tiny_llama, tmp_path) -> None:
+    config = json.loads((tiny_llama / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    kv_heads = config["num_key_value_heads"]
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    doc = tmp_path / "report.txt"
+    doc.write_text(TEXT * 40)
+    drop_files(window, [doc])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.fit.run()
+    (record,) = window.attachments.values()
+    answer = window.controller.settings.sampling.max_tokens
+    assert window.fit.last_total == window.fit.context_tokens() + record.tokens + answer
+    report = window.fit.last_report
+    pages = -(-window.fit.last_total // 256) * 256
+    text = window.composer.fit.text()
+    assert window.composer.fit.isVisible() and f"{window.fit.last_total:,} tokens" in text
+    for mode in ("fp16", "q8", "q6", "q4"):
+        expected = project_kv_bytes(layers, kv_heads, head_dim, pages, mode)
+        assert report.for_mode(mode).bytes_needed == expected
+        assert f"{mode} {human_bytes(expected)}" in text
+
+
+def test_fit_check_says_plainly_when_it_wont_fit(qtbot, window, tmp_path) -> None:
+    doc = tmp_path / "long.txt"
+    doc.write_text(TEXT * 300)  # more tokens than the tiny model's 4,096 context
+    drop_files(window, [doc])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.fit.run()
+    assert window.fit.last_total > window.fit.last_report.max_context
+    text = window.composer.fit.text()
+    assert "won't fit" in text and f"{window.fit.last_report.max_context:,} tokens" in text
+    assert window.composer.fit.property("ok") is False
