@@ -165,7 +165,7 @@ def _attend_packed(
             allowed_own = on_own
         else:
             add_pages, add_own = on_pages, on_own
-    elif length > 1:  # None or "causal": the chunk sees itself causally, the prefix fully
+    elif mask == "causal" and length > 1:  # the chunk sees itself causally, the prefix fully
         own_row = mx.arange(rows) % length
         allowed_own = (own_row[:, None] >= mx.arange(length)[None])[None]
 
