@@ -1,0 +1,144 @@
+"""PagePool and PageStore: free list, slab growth without copies, budget, sizes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import kvquant, pages
+from engine.errors import KvBudgetExceeded, UnsupportedModeError
+from engine.pages import PageLayout, PagePool
+
+
+@pytest.mark.parametrize("mode", kvquant.MODES)
+def test_page_bytes_follow_the_storage_arithmetic(mode: str) -> None:
+    layout = PageLayout(mode, 256, 4, 256)
+    assert layout.page_bytes == 256 * 4 * kvquant.kv_bytes_per_token(256, mode)
+    spec = {"q8": 516, "q6": 388, "q4": 260, "fp16": 1024}  # bytes per token per head
+    assert layout.page_bytes == 256 * 4 * spec[mode]
+
+
+def test_slab_shapes_are_page_major() -> None:
+    pool = PagePool("q6", 16)
+    store = pool.add_store(kv_heads=2, head_dim=64)
+    pool.ensure(1)
+    k_codes, k_scales, v_codes, v_scales = store.slabs[0]
+    for codes, scales in ((k_codes, k_scales), (v_codes, v_scales)):
+        assert codes.shape == (4, 2, 16, 48) and codes.dtype == mx.uint8
+        assert scales.shape == (4, 2, 16, 1) and scales.dtype == mx.float16
+    fp16 = PagePool("fp16", 16).add_store(2, 64)
+    fp16.add_slab(1)
+    assert fp16.slabs[0][0].dtype == mx.float16 and fp16.slabs[0][1] is None
+
+
+def test_q6_needs_head_dim_divisible_by_4() -> None:
+    with pytest.raises(UnsupportedModeError, match=r"head_dim is 30.*q8 or q4"):
+        PagePool("q6").add_store(kv_heads=2, head_dim=30)
+
+
+def test_bad_page_size() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        PagePool("q8", 0)
+
+
+def test_free_list_hands_out_lowest_slot_first() -> None:
+    store = PagePool("q8", 16).add_store(2, 32)
+    store.add_slab(4)
+    taken = [store.take() for _ in range(3)]
+    assert taken == [0, 1, 2] and store.in_use == 3 and store.free_count == 1
+    store.give_back([1, 0])
+    assert store.take() == 0 and store.take() == 1 and store.take() == 3
+
+
+def test_growth_adds_slabs_and_never_touches_existing_pages() -> None:
+    pool = PagePool("q4", 16)
+    store = pool.add_store(2, 32)
+    pool.ensure(16)
+    first = list(store.slabs[0])
+    sizes = []
+    for tokens in (16 * 5, 16 * 9, 16 * 17, 16 * 40):
+        pool.ensure(tokens)
+        for slot in range(store.in_use, pool.pages_for(tokens)):
+            assert store.take() == slot
+        sizes.append(store.capacity)
+    # The first slab's arrays are the very same objects: nothing was regrown/copied.
+    assert all(a is b for a, b in zip(store.slabs[0], first, strict=True))
+    assert [s[0].shape[0] for s in store.slabs] == [4, 4, 8, 16, 32]
+    assert sizes == [8, 16, 32, 64]
+    assert store.locate(0) == (0, 0) and store.locate(9) == (2, 1) and store.locate(63) == (4, 31)
+
+
+def test_slabs_stop_doubling_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pages, "MAX_SLAB_PAGES", 8)
+    pool = PagePool("q8", 4)
+    store = pool.add_store(1, 32)
+    for tokens in range(4, 4 * 40, 4):
+        pool.ensure(tokens)
+    assert max(s[0].shape[0] for s in store.slabs) == 8
+    assert store.capacity >= 39
+
+
+def test_budget_is_all_or_nothing_across_layers() -> None:
+    per_page = PageLayout("q8", 16, 2, 32).page_bytes + PageLayout("q8", 16, 4, 64).page_bytes
+    pool = PagePool("q8", 16, budget_bytes=5 * per_page)
+    small, large = pool.add_store(2, 32), pool.add_store(4, 64)
+    pool.ensure(16 * 5)
+    assert small.capacity == large.capacity == 5
+    assert pool.bytes_allocated == 5 * per_page
+    assert pool.tokens_fit() == 80
+    with pytest.raises(KvBudgetExceeded) as raised:
+        pool.ensure(81)
+    assert (small.capacity, large.capacity) == (5, 5)
+    error = raised.value
+    assert error.tokens_fit == 80 and error.tokens_requested == 81
+    assert error.suggested_mode == "q6"
+
+
+def test_growth_under_a_budget_stays_symmetric() -> None:
+    per_page = 2 * PageLayout("q8", 16, 2, 32).page_bytes
+    pool = PagePool("q8", 16, budget_bytes=11 * per_page)
+    stores = [pool.add_store(2, 32), pool.add_store(2, 32)]
+    for tokens in range(16, 16 * 11 + 1, 16):
+        pool.ensure(tokens)
+        assert stores[0].capacity == stores[1].capacity >= pool.pages_for(tokens)
+        assert pool.bytes_allocated <= 11 * per_page
+    assert pool.tokens_fit() == 16 * 11
+
+
+def test_suggestion_skips_modes_that_do_not_fit_or_apply() -> None:
+    pool = PagePool("fp16", 16, budget_bytes=2 * PageLayout("fp16", 16, 1, 64).page_bytes)
+    pool.add_store(1, 64)
+    with pytest.raises(KvBudgetExceeded) as raised:
+        pool.ensure(33)
+    assert raised.value.tokens_fit == 32
+    assert raised.value.suggested_mode == "q8"  # the best mode that holds 33 tokens
+    pool = PagePool("q8", 16, budget_bytes=2 * PageLayout("q8", 16, 1, 34).page_bytes)
+    pool.add_store(1, 34)  # q6 cannot store head_dim 34; q4 holds 3 pages here
+    with pytest.raises(KvBudgetExceeded) as raised:
+        pool.ensure(33)
+    assert raised.value.suggested_mode == "q4"
+    with pytest.raises(KvBudgetExceeded) as raised:
+        pool.ensure(16 * 10)
+    assert raised.value.suggested_mode is None
+    assert "raise the KV memory budget" in str(raised.value)
+
+
+def test_unbudgeted_pool_always_fits() -> None:
+    pool = PagePool("q4", 16)
+    pool.add_store(2, 32)
+    pool.ensure(10_000)
+    assert pool.tokens_fit() > 10**12
+
+
+def test_write_and_gather_rows_in_place() -> None:
+    store = PagePool("q8", 8).add_store(2, 32)
+    store.add_slab(3)
+    store.add_slab(2)
+    rows = mx.random.randint(0, 255, (2, 5, 32), key=mx.random.key(0)).astype(mx.uint8)
+    scales = mx.random.uniform(shape=(2, 5, 1), key=mx.random.key(1)).astype(mx.float16)
+    store.write(3, 2, (rows, scales, rows, scales))  # slot 3 is in the second slab
+    k_codes, k_scales, _, _ = store.gather([3, 0])
+    np.testing.assert_array_equal(np.array(k_codes[0, :, 2:7]), np.array(rows))
+    np.testing.assert_array_equal(np.array(k_scales[0, :, 2:7]), np.array(scales))
+    assert not np.array(k_codes[0, :, :2]).any() and not np.array(k_codes[1]).any()
