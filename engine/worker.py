@@ -1,0 +1,320 @@
+"""The engine worker: one dedicated thread that owns every MLX call.
+
+MLX streams are thread-local, so the engine never hops threads: commands go into
+a queue, one thread named "longleaf-engine" runs them in order, and events (frozen
+dataclasses of plain values) come out through ``on_event``, called on that
+thread. Every request ends with exactly one ``Finished`` or ``Failed``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from engine import fit, kvquant
+from engine.errors import Cancelled, EngineError
+from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
+from engine.sampling import SamplingParams
+from engine.session import DEFAULT_CHUNK, Session, _ram_headroom, facts_from_info
+from engine.stats import StatsThrottle, stats_sample
+
+log = logging.getLogger(__name__)
+
+THREAD_NAME = "longleaf-engine"
+UNEXPECTED = (
+    "The engine hit an unexpected error ({detail}). The conversation's cache was "
+    "reset; send the message again, and if it keeps failing, reload the model."
+)
+
+
+@dataclass
+class _Command:
+    request_id: int
+    name: str
+    args: tuple[Any, ...] = ()
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineWorker:
+    """Runs engine commands on one thread and reports them as events.
+
+    Args:
+        on_event: called on the worker thread with each event.
+        budget_bytes: byte budget of each session's page pool, or None.
+        chunk_size: tokens per prefill chunk.
+        stats_interval: seconds between ``StatsSample`` events while busy.
+    """
+
+    def __init__(
+        self,
+        on_event: Callable[[object], None],
+        *,
+        budget_bytes: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+        stats_interval: float = 0.25,
+    ) -> None:
+        self._on_event = on_event
+        self.budget_bytes = budget_bytes
+        self.chunk_size = chunk_size
+        self._queue: queue.Queue[_Command | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._loaded: Any = None
+        self._sessions: dict[str, Session] = {}
+        self._latest: StatsSample | None = None
+        self._current: _Command | None = None
+        self._stopping = threading.Event()
+        self._throttle = StatsThrottle(stats_interval)
+
+    # -- public API (any thread) ---------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread.start()
+
+    def load_model(self, path: str) -> int:
+        """Load "demo" or a model folder.
+
+        -> ``ModelLoaded`` then ``Finished("done")``, or ``Failed``.
+
+        Loading a model closes the sessions of the previous one.
+        """
+        return self._submit("load_model", (path,))
+
+    def open_session(self, session_id: str, mode: str, page_size: int = 256) -> int:
+        """Open (or replace) a session with a fixed KV mode.
+
+        -> ``SessionOpened`` then ``Finished("done")``, or ``Failed``.
+        """
+        return self._submit("open_session", (session_id, mode, page_size))
+
+    def chat(
+        self,
+        session_id: str,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        cancel: threading.Event,
+    ) -> int:
+        """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
+        return self._submit("chat", (session_id, _copy(messages), sampling), cancel)
+
+    def ingest(
+        self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event
+    ) -> int:
+        """Prefill the conversation without answering (e.g. a dropped document)."""
+        return self._submit("ingest", (session_id, _copy(messages)), cancel)
+
+    def close_session(self, session_id: str) -> int:
+        """Free a session's pages; -> ``Finished("done")`` (also for unknown ids)."""
+        return self._submit("close_session", (session_id,))
+
+    def latest_stats(self) -> StatsSample | None:
+        """The last snapshot taken; never calls MLX."""
+        with self._lock:
+            return self._latest
+
+    def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
+        """Whether ``token_count`` tokens fit, per mode; pure arithmetic.
+
+        Raises:
+            EngineError: no model is loaded, or the session is unknown.
+        """
+        with self._lock:
+            loaded = self._loaded
+            session = self._sessions.get(session_id) if session_id is not None else None
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        if session_id is not None and session is None:
+            raise EngineError(f"No open session named {session_id!r}; open it first.")
+        if session is not None:
+            return session.fit_report(token_count)
+        facts = facts_from_info(loaded.info)
+        memory = psutil.virtual_memory()
+        return fit.fit_report(
+            token_count=token_count,
+            attention_layers=facts.attention_layers,
+            kv_heads=facts.kv_heads,
+            head_dim=facts.head_dim,
+            max_context=facts.max_context,
+            page_size=256,
+            available_bytes=int(memory.available),
+            budget_bytes=self.budget_bytes,
+            headroom_bytes=_ram_headroom(int(memory.total)),
+        )
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` encodes to with the loaded model's tokenizer.
+
+        Raises:
+            EngineError: no model is loaded.
+        """
+        loaded = self._loaded
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        return len(loaded.tokenizer.encode(text, add_special_tokens=False))
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Cancel running and queued work and join the thread."""
+        self._stopping.set()
+        current = self._current
+        if current is not None:
+            current.cancel.set()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("engine thread did not stop within %.1f s", timeout)
+
+    # -- worker thread ---------------------------------------------------------
+
+    def _submit(
+        self, name: str, args: tuple[Any, ...], cancel: threading.Event | None = None
+    ) -> int:
+        request_id = next(self._ids)
+        command = _Command(request_id, name, args, cancel or threading.Event())
+        if self._stopping.is_set():
+            command.cancel.set()
+        self._queue.put(command)
+        return request_id
+
+    def _emit(self, event: object) -> None:
+        try:
+            self._on_event(event)
+        except Exception:
+            log.exception("on_event raised on %r; the engine carries on", type(event).__name__)
+
+    def _run(self) -> None:
+        while True:
+            command = self._queue.get()
+            if command is None:
+                break
+            self._current = command
+            if self._stopping.is_set():
+                command.cancel.set()
+            self._execute(command)
+            self._current = None
+        # Requests queued behind the sentinel still get their one ending.
+        while True:
+            try:
+                command = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if command is not None:
+                self._emit(Finished(command.request_id, "cancelled"))
+        with self._lock:
+            self._sessions.clear()
+            self._loaded = None
+
+    def _execute(self, command: _Command) -> None:
+        handler = getattr(self, f"_do_{command.name}")
+        try:
+            if command.cancel.is_set() and command.name in ("chat", "ingest"):
+                ending: object = Finished(command.request_id, "cancelled")
+            else:
+                ending = handler(command)
+                if isinstance(ending, ModelLoaded | SessionOpened):
+                    # Announce the result, then end the request like every other.
+                    self._emit(ending)
+                    ending = Finished(command.request_id, "done")
+        except EngineError as error:
+            ending = Failed(command.request_id, str(error), type(error).__name__)
+        except Exception as error:
+            log.exception("engine request %s failed", command.name)
+            detail = f"{type(error).__name__}: {error}"
+            ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
+                            type(error).__name__)
+        self._emit(ending)
+
+    def _session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise EngineError(f"No open session named {session_id!r}; open it first.")
+        return session
+
+    def _tick_for(self, session: Session) -> Callable[[], None]:
+        def tick() -> None:
+            if self._throttle.due():
+                self._publish(session)
+        return tick
+
+    def _publish(self, session: Session | None) -> None:
+        cache_stats = session.stats() if session is not None and session.cache else None
+        sample = stats_sample(session.session_id if session else None, cache_stats)
+        with self._lock:
+            self._latest = sample
+        self._emit(sample)
+
+    def _do_load_model(self, command: _Command) -> object:
+        from engine.models import load_model  # heavy: imports mlx-lm's loaders
+
+        (path,) = command.args
+        loaded = load_model(path)
+        with self._lock:
+            self._sessions.clear()
+            self._loaded = loaded
+        return ModelLoaded(command.request_id, loaded.info)
+
+    def _do_open_session(self, command: _Command) -> object:
+        session_id, mode, page_size = command.args
+        if self._loaded is None:
+            raise EngineError("Load a model before opening a conversation.")
+        mode = kvquant.normalize_mode(mode)
+        with self._lock:
+            self._sessions.pop(session_id, None)
+        session = Session(
+            session_id, self._loaded, mode, page_size,
+            budget_bytes=self.budget_bytes, chunk_size=self.chunk_size,
+        )
+        with self._lock:
+            self._sessions[session_id] = session
+        self._publish(session)
+        return SessionOpened(command.request_id, session_id, session.mode, page_size)
+
+    def _do_close_session(self, command: _Command) -> object:
+        (session_id,) = command.args
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.close()
+        return Finished(command.request_id, "done")
+
+    def _do_chat(self, command: _Command) -> object:
+        session_id, messages, sampling = command.args
+        session = self._session(session_id)
+        self._publish(session)
+        try:
+            reason, stats = session.chat(
+                messages, sampling, request_id=command.request_id, cancel=command.cancel,
+                emit=self._emit, tick=self._tick_for(session),
+            )
+        finally:
+            self._publish(session)
+        return Finished(command.request_id, reason, stats)
+
+    def _do_ingest(self, command: _Command) -> object:
+        session_id, messages = command.args
+        session = self._session(session_id)
+        self._publish(session)
+        try:
+            stats = session.ingest(
+                messages, request_id=command.request_id, cancel=command.cancel,
+                emit=self._emit, tick=self._tick_for(session),
+            )
+        except Cancelled:
+            return Finished(command.request_id, "cancelled")
+        finally:
+            self._publish(session)
+        return Finished(command.request_id, "done", stats)
+
+
+def _copy(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    # The caller's list may change while the request waits in the queue.
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
