@@ -120,10 +120,7 @@ def load_model(path: str | Path, *, compute_dtype: mx.Dtype | None = None) -> Lo
     from mlx_lm.utils import load_model as mlx_load_model
 
     folder = resolve_model_path(path)
-    config = read_config(folder)
-    read_weight_headers(folder)
-    _model_classes(config, folder)
-    _check_tokenizer_files(folder)
+    check_model_dir(folder)
     try:
         model, config = mlx_load_model(folder)
     except (ValueError, RuntimeError, KeyError, OSError) as error:
@@ -146,11 +143,27 @@ def load_model(path: str | Path, *, compute_dtype: mx.Dtype | None = None) -> Lo
 
 def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> None:
     if dtype is None:
-        if mx.default_device() != mx.cpu and mx.metal.is_available():
+        if mx.default_device().type == mx.gpu and mx.metal.is_available():
             return
         dtype = mx.float32
-    half = (mx.float16, mx.bfloat16)
-    model.set_dtype(dtype, predicate=lambda current: current in half or current == mx.float32)
+    model.set_dtype(dtype)  # float parameters only; packed weights stay as they are
+
+
+def check_model_dir(folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Any]:
+    """Check a folder the cheap way before any weights are read.
+
+    Returns:
+        ``(config, safetensors headers, (model class, args class))``.
+
+    Raises:
+        ModelLoadError: missing folder/config/weights/tokenizer, invalid JSON,
+            truncated safetensors, or an architecture mlx-lm does not know.
+    """
+    config = read_config(folder)
+    headers = read_weight_headers(folder)
+    classes = _model_classes(config, folder)
+    _check_tokenizer_files(folder)
+    return config, headers, classes
 
 
 def inspect_model_dir(path: str | Path) -> ModelInfo:
@@ -167,10 +180,7 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
     from mlx_lm.utils import get_total_parameters
 
     folder = Path(path).expanduser()
-    config = read_config(folder)
-    headers = read_weight_headers(folder)
-    model_class, args_class = _model_classes(config, folder)
-    _check_tokenizer_files(folder)
+    config, headers, (model_class, args_class) = check_model_dir(folder)
     try:
         # Parameters stay lazy: nothing is allocated, only the module tree is built.
         model = model_class(args_class.from_dict(config))
@@ -302,11 +312,15 @@ def _safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
             header = json.loads(handle.read(header_bytes))
     except (struct.error, ValueError) as error:
         raise ModelLoadError(f"{corrupt} ({error}).") from error
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{corrupt} (the header is not a tensor table).")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - header_bytes
     for name, entry in header.items():
-        end = entry.get("data_offsets", [0, 0])[1] if isinstance(entry, dict) else -1
-        if not 0 <= end <= data_bytes:
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not isinstance(offsets, list) or len(offsets) != 2 or "shape" not in entry:
+            raise ModelLoadError(f"{corrupt} (tensor {name} has no valid shape and offsets).")
+        if not 0 <= offsets[0] <= offsets[1] <= data_bytes:
             raise ModelLoadError(f"{corrupt} (tensor {name} lies past the end of the file).")
     return header
 

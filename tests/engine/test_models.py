@@ -204,6 +204,10 @@ def _break(kind: str, folder: Path) -> tuple[Path, str]:
     if kind == "garbage weights":
         weights.write_bytes(b"\xff" * 64)
         return folder, "corrupt or truncated"
+    if kind == "header not a table":
+        header = b"[1, 2, 3]"
+        weights.write_bytes(len(header).to_bytes(8, "little") + header)
+        return folder, "not a tensor table"
     if kind == "unknown architecture":
         config = json.loads((folder / "config.json").read_text())
         config["model_type"] = "no_such_arch"
@@ -217,7 +221,8 @@ def _break(kind: str, folder: Path) -> tuple[Path, str]:
 
 BROKEN = (
     "missing folder", "missing config", "invalid json", "no model_type", "missing weights",
-    "truncated weights", "garbage weights", "unknown architecture", "missing tokenizer",
+    "truncated weights", "garbage weights", "header not a table", "unknown architecture",
+    "missing tokenizer",
 )
 
 
