@@ -21,9 +21,10 @@ import mlx.core as mx
 from engine import kvquant
 from engine.errors import EngineError
 
-# Up to this many new tokens attend the packed pages directly; beyond it the score
-# matrix [heads, tokens, context] would grow with the chunk, so prefill dequantizes.
-PACKED_MAX_TOKENS = 16
+# Up to this many new tokens (decode, short drafts) attend the packed pages directly;
+# the score matrix [heads, tokens, context] grows with the chunk (16 tokens x 32 heads
+# x 262k context would be 512 MiB), so longer chunks dequantize the prefix instead.
+PACKED_MAX_TOKENS = 4
 _MLX_GROUP_SIZES = (128, 64, 32)
 
 

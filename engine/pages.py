@@ -176,6 +176,9 @@ class PagePool:
         self.page_size = page_size
         self.budget_bytes = budget_bytes
         self.stores: list[PageStore] = []
+        # Pages every store already has room for; capacity never shrinks, so most
+        # calls (two per layer per step) return without looking at the stores.
+        self._room = 0
 
     def add_store(self, kv_heads: int, head_dim: int) -> PageStore:
         """Register one layer's storage (validates the mode against head_dim)."""
@@ -183,6 +186,7 @@ class PagePool:
         layout.row_width  # noqa: B018 - raises UnsupportedModeError for a bad head_dim
         store = PageStore(layout)
         self.stores.append(store)
+        self._room = 0
         return store
 
     @property
@@ -199,9 +203,12 @@ class PagePool:
             KvBudgetExceeded: the budget cannot hold ``tokens`` in every layer.
         """
         pages = self.pages_for(tokens)
+        if pages <= self._room:
+            return
         short = [(s, pages - s.in_use - s.free_count) for s in self.stores]
         short = [(s, n) for s, n in short if n > 0]
         if not short:
+            self._room = min((s.capacity for s in self.stores), default=0)
             return
         needed = sum(n * s.layout.page_bytes for s, n in short)
         headroom = math.inf
@@ -219,6 +226,7 @@ class PagePool:
                 # and the budget's last pages are never held idle by one layer.
                 extra = min(extra, int(spare // step_bytes))
             store.add_slab(missing + extra)
+        self._room = min((s.capacity for s in self.stores), default=0)
 
     def tokens_fit(self, mode: str | None = None) -> int:
         """Tokens every layer can hold within the budget (in ``mode``, default ours)."""

@@ -90,9 +90,10 @@ def test_decode_over_pages_matches_reference(mode: str, head_dim: int) -> None:
 @pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
 @pytest.mark.parametrize("mask_kind", [None, "causal", "window", "additive"])
 def test_short_chunks_over_pages_with_masks(mode: str, mask_kind: str | None) -> None:
-    # 5 new tokens take the packed-page path; 8 query heads on 2 KV heads (GQA x4).
+    # 3 new tokens take the packed-page path; 8 query heads on 2 KV heads (GQA x4).
+    assert attention.PACKED_MAX_TOKENS >= 3
     cache = _cache(mode, 64, prefix=37)
-    length, total = 5, 42
+    length, total = 3, 40
     rows = mx.arange(37, total)[:, None]
     causal = rows >= mx.arange(total)[None]
     window = causal & (rows < mx.arange(total)[None] + 20)
