@@ -9,6 +9,7 @@ message a user can act on instead of a stack trace from deep inside MLX.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -468,5 +469,5 @@ def discover_models(extra_dirs: Iterable[str | Path] = ()) -> list[ModelInfo]:
             info = inspect_model_dir(folder)
         except EngineError:
             continue
-        models.append(ModelInfo(**{**info.__dict__, "name": name}))
+        models.append(dataclasses.replace(info, name=name))
     return models
