@@ -18,7 +18,6 @@ from typing import Any
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
 
-from engine.download import read_manifest
 from engine.errors import EngineError
 from engine.paths import models_dir
 
@@ -26,6 +25,8 @@ HUGGINGFACE = "huggingface"
 LMSTUDIO = "lmstudio"
 LONGLEAF = "longleaf"
 FOLDER = "folder"
+# Written by engine.download into every model folder it fills.
+MANIFEST_NAME = ".longleaf-download.json"
 # How deep below a root to look for model folders (LM Studio: publisher/model).
 SEARCH_DEPTH = 3
 _PYTORCH_SUFFIXES = (".bin", ".pth", ".pt")
@@ -171,6 +172,14 @@ def inspect_candidate(
     return DiscoveredModel(name, path, source, size, info)
 
 
+def read_manifest(folder: Path) -> dict | None:
+    """Return a download manifest, or None if Longleaf did not download the folder."""
+    try:
+        return json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def unloadable_reason(path: Path) -> str | None:
     """Why a folder's layout rules out mlx-lm, before reading any config.
 
@@ -178,12 +187,29 @@ def unloadable_reason(path: Path) -> str | None:
     config itself (architecture, attention layers) is judged by
     ``inspect_model_dir``.
     """
-    files = _files(path)
-    names = {p.name.lower() for p in files}
-    suffixes = {p.suffix.lower() for p in files}
     manifest = read_manifest(path)
     if manifest is not None and not manifest.get("complete", False):
         return "Download not finished; resume it from the download dialog."
+    reason = layout_problem(p.name for p in _files(path))
+    if reason is not None:
+        return reason
+    missing = _missing_shards(path)
+    if missing:
+        return (
+            f"Incomplete: {len(missing)} weight file(s) listed in "
+            f"model.safetensors.index.json are missing (e.g. {missing[0]}). "
+            "Finish the download."
+        )
+    return None
+
+
+def layout_problem(file_names: Iterable[str]) -> str | None:
+    """Why a model with these files cannot be an mlx-lm model, or None if it can be.
+
+    Shared by discovery (folders on disk) and download (a repo's file list).
+    """
+    names = {Path(name).name.lower() for name in file_names}
+    suffixes = {Path(name).suffix for name in names}
     if ".safetensors" not in suffixes:
         if ".gguf" in suffixes:
             return (
@@ -198,13 +224,6 @@ def unloadable_reason(path: Path) -> str | None:
         return "No .safetensors weights in this folder."
     if "config.json" not in names:
         return "No config.json next to the weights, so the architecture is unknown."
-    missing = _missing_shards(path)
-    if missing:
-        return (
-            f"Incomplete: {len(missing)} weight file(s) listed in "
-            f"model.safetensors.index.json are missing (e.g. {missing[0]}). "
-            "Finish the download."
-        )
     return None
 
 

@@ -43,6 +43,7 @@ from huggingface_hub.utils import (
     hf_raise_for_status,
 )
 
+from engine.discovery import MANIFEST_NAME, layout_problem, read_manifest
 from engine.errors import Cancelled, EngineError
 from engine.paths import models_dir
 
@@ -58,7 +59,6 @@ ALLOW_PATTERNS = (
     "*.jsonl",
     "*.jinja",
 )
-MANIFEST_NAME = ".longleaf-download.json"
 PARTIAL_DIR = ".longleaf-partial"
 # Seconds to wait before each retry when a request fails without any new bytes.
 RETRY_DELAYS = (1.0, 2.0, 4.0)
@@ -131,14 +131,6 @@ def destination_for(repo_id: str, models_root: Path | None = None) -> Path:
     return (models_root or models_dir()) / repo_id.replace("/", "--")
 
 
-def read_manifest(folder: Path) -> dict | None:
-    """Return a download manifest, or None if the folder was not downloaded here."""
-    try:
-        return json.loads((folder / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def plan_download(
     repo_id: str,
     *,
@@ -160,7 +152,8 @@ def plan_download(
     except Exception as error:
         raise _hub_error(error, repo_id, endpoint, revision) from error
     names = [sibling.rfilename for sibling in info.siblings or ()]
-    _check_loadable(repo_id, names)
+    if (problem := layout_problem(names)) is not None:
+        raise EngineError(f"{repo_id} cannot be used: {problem}")
     wanted = set(filter_repo_objects(names, allow_patterns=list(ALLOW_PATTERNS)))
     files = tuple(
         RemoteFile(
@@ -383,26 +376,6 @@ class _Meter:
         )
 
 
-def _check_loadable(repo_id: str, names: list[str]) -> None:
-    """Refuse repos mlx-lm cannot load before fetching anything."""
-    lowered = [name.lower() for name in names]
-    has_weights = any(name.endswith(".safetensors") for name in lowered)
-    if "config.json" in lowered and has_weights:
-        return
-    if any(name.endswith(".gguf") for name in lowered):
-        reason = "it only holds GGUF files, which mlx-lm cannot load"
-    elif any(name.endswith((".bin", ".pth", ".pt")) for name in lowered):
-        reason = "it only holds PyTorch checkpoints; convert it with mlx_lm.convert first"
-    elif not has_weights:
-        reason = "it has no .safetensors weights"
-    else:
-        reason = "it has no config.json"
-    raise EngineError(
-        f"{repo_id} is not an MLX model: {reason}. Look for an MLX version, e.g. "
-        "under mlx-community/ on huggingface.co."
-    )
-
-
 def _hub_error(
     error: Exception, repo_id: str, endpoint: str, revision: str = "main"
 ) -> EngineError:
@@ -441,8 +414,11 @@ def _hub_error(
 def _start_manifest(plan: DownloadPlan, revision: str) -> None:
     old = read_manifest(plan.destination)
     if old is not None and old.get("commit") != plan.commit:
-        # Partial bytes of another commit's files must not be continued.
+        # Partial bytes of another commit's files must not be continued, and its
+        # files the new commit dropped (e.g. re-sharded weights) must not be loaded.
         shutil.rmtree(plan.destination / PARTIAL_DIR, ignore_errors=True)
+        for stale in set(old.get("files", {})) - {f.path for f in plan.files}:
+            (plan.destination / stale).unlink(missing_ok=True)
     plan.destination.mkdir(parents=True, exist_ok=True)
     _write_manifest(plan.destination, {**_manifest(plan, revision), "complete": False})
 

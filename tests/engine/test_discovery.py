@@ -16,8 +16,14 @@ from pathlib import Path
 import pytest
 
 from engine import discovery
-from engine.discovery import DiscoveredModel, SkippedModel, discover_models, hf_hub_cache
-from engine.download import MANIFEST_NAME, destination_for
+from engine.discovery import (
+    MANIFEST_NAME,
+    DiscoveredModel,
+    SkippedModel,
+    discover_models,
+    hf_hub_cache,
+)
+from engine.download import destination_for
 from engine.paths import models_dir
 from tests.engine.tinymodels import make_tiny_model_dir
 

@@ -22,13 +22,13 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from engine import download
+from engine.discovery import read_manifest
 from engine.download import (
     DownloadProgress,
     InsufficientDiskSpace,
     destination_for,
     download_model,
     plan_download,
-    read_manifest,
 )
 from engine.errors import Cancelled, EngineError
 
@@ -404,3 +404,33 @@ def test_allow_patterns_match_mlx_lm() -> None:
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     assert tuple(DEFAULT_ALLOW_PATTERNS) == download.ALLOW_PATTERNS
+
+
+def test_new_commit_replaces_changed_files_and_drops_stale_ones(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    download_model("mlx-community/tiny")
+    weights = repo.files.pop("model.safetensors")
+    half = len(weights) // 2
+    resharded = {
+        "model-00001-of-00002.safetensors": weights[:half],
+        "model-00002-of-00002.safetensors": weights[half:],
+        "model.safetensors.index.json": b'{"weight_map": {}}',
+    }
+    repo.files.update(resharded)
+    repo.files["config.json"] = b'{"model_type": "llama", "hidden_size": 16}'
+    repo.lfs = frozenset(name for name in resharded if name.endswith(".safetensors"))
+    repo.commit = "d" * 40
+    config_gets = len(hub.file_gets("config.json"))
+
+    plan = plan_download("mlx-community/tiny")
+    folder = download_model("mlx-community/tiny")
+
+    # Unchanged tokenizer files are kept (their hashes still match); config is refetched.
+    assert plan.files_present == {"tokenizer.json", "tokenizer_config.json"}
+    assert len(hub.file_gets("tokenizer.json")) == 1
+    assert len(hub.file_gets("config.json")) == config_gets + 1
+    for name, data in repo.files.items():
+        if name not in ("README.md", ".gitattributes"):
+            assert (folder / name).read_bytes() == data, name
+    assert not (folder / "model.safetensors").exists()
+    assert read_manifest(folder)["commit"] == "d" * 40
