@@ -113,9 +113,10 @@ class MessageWidget(QFrame):
         elif reason and status == "complete":
             label = reason
         self.status.setText(label)
-        self.status.setProperty("state", status)
-        self.status.style().unpolish(self.status)
-        self.status.style().polish(self.status)
+        if self.status.property("state") != status:
+            self.status.setProperty("state", status)
+            self.status.style().unpolish(self.status)
+            self.status.style().polish(self.status)
         self.stats.setText(stats_text(stats) if self.role == "assistant" else "")
 
     def set_actions(self, *, copy: bool, regenerate: bool, edit: bool) -> None:

@@ -8,6 +8,8 @@ arithmetic over ``engine.kvquant.project_kv_bytes`` and never touches MLX.
 
 from __future__ import annotations
 
+import time
+
 from PySide6.QtCore import QObject, QTimer
 
 from app.format import human_bytes
@@ -16,6 +18,7 @@ DEBOUNCE_MS = 250
 COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
 SHOW_ABOVE_TOKENS = 1024
 MODES = ("q8", "q6", "q4", "fp16")
+FULL_TTL_S = 3.0
 
 
 class FitChecker(QObject):
@@ -27,6 +30,7 @@ class FitChecker(QObject):
         self.last_report = None
         self.last_total = 0
         self.last_prompt_tokens = 0
+        self._full: tuple | None = None
         self._timer = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._timer.timeout.connect(self.run)
         composer.edit.textChanged.connect(self.schedule)
@@ -48,13 +52,20 @@ class FitChecker(QObject):
 
     def max_context(self) -> int | None:
         """The loaded model's maximum context, if a model is loaded."""
-        report = self.report_for(1)
+        report = self.full_context_report()
         return report.max_context if report is not None else None
 
     def full_context_report(self):
-        """The ``FitReport`` at the model's full context."""
-        limit = self.max_context()
-        return self.report_for(limit) if limit else None
+        """The ``FitReport`` at the model's full context (refreshed every few seconds)."""
+        key = (self.controller.model_id, self.controller.model_ready,
+               self.controller.current.id if self.controller.current else None)
+        now = time.monotonic()
+        if self._full is not None and self._full[0] == key and now - self._full[1] < FULL_TTL_S:
+            return self._full[2]
+        probe = self.report_for(1)
+        report = self.report_for(probe.max_context) if probe is not None else None
+        self._full = (key, now, report)
+        return report
 
     def context_tokens(self) -> int:
         """Tokens the current session's context holds now."""

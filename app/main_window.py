@@ -281,7 +281,7 @@ class MainWindow(QMainWindow):
                                self.controller.cache_state(record.id if record else None))
         self.reopen_button.setEnabled(record is not None)
         self.fit.schedule()
-        self._update_projection()
+        QTimer.singleShot(0, self._update_projection)
 
     def ask_new_chat(self) -> None:
         """Ask for the mode, then start a new chat."""
@@ -387,10 +387,13 @@ class MainWindow(QMainWindow):
         current = self.controller.current
         if current is None or sample.session_id not in (None, current.id):
             return
+        if not self.panel.isVisible():
+            return
         self.panel.update_sample(sample, self.controller.total_kv_bytes())
         self._projection_tick = getattr(self, "_projection_tick", 0) + 1
-        if self._projection_tick % 4 == 0:
-            self._update_projection()
+        if self._projection_tick % 8 == 0:
+            # Its own event-loop turn: the panel update above already took one.
+            QTimer.singleShot(0, self._update_projection)
 
     def _update_projection(self) -> None:
         current = self.controller.current

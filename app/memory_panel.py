@@ -160,12 +160,15 @@ class MemoryPanel(QScrollArea):
         self.chart.add(sample.kv_bytes_used, sample.process_rss_bytes)
 
     def _update_ram(self, sample: StatsSample) -> None:
-        self.level = ram_level(sample)
+        level = ram_level(sample)
         self.ram_bar.setMaximum(1000)
         self.ram_bar.setValue(int(10 * sample.system_used_percent))
-        self.ram_bar.setProperty("level", self.level)
-        self.ram_bar.style().unpolish(self.ram_bar)
-        self.ram_bar.style().polish(self.ram_bar)
+        if level != self.ram_bar.property("level"):
+            # Re-polishing under a stylesheet is costly: only when the colour changes.
+            self.ram_bar.setProperty("level", level)
+            self.ram_bar.style().unpolish(self.ram_bar)
+            self.ram_bar.style().polish(self.ram_bar)
+        self.level = level
         warning = {"warning": " — memory is getting tight",
                    "critical": " — critical: stop or close chats"}.get(self.level, "")
         self.ram_label.setText(

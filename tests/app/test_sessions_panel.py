@@ -1,0 +1,103 @@
+"""Per-session KV modes, the live memory panel, reopening in another mode."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from PySide6.QtCore import QTimer
+
+from app.dialogs import NewChatDialog
+from app.format import human_bytes
+from app.session_list import RecordRole
+from engine.sampling import SamplingParams
+from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
+
+
+@pytest.mark.parametrize("mode", ["q8", "q6", "q4", "fp16"])
+def test_a_new_session_per_mode(qtbot, window, mode) -> None:
+    c = window.controller
+    opened = []
+    c.bridge.sessionOpened.connect(opened.append)
+    record = c.new_session(mode)
+    assert send_and_wait(qtbot, window, "hello there") == "complete"
+    assert [(e.session_id, e.kv_mode) for e in opened] == [(record.id, mode)]
+    sample = c.bridge.latest_stats()
+    assert sample.session_id == record.id and sample.kv_mode == mode
+    assert sample.tokens_in_context > 0
+    listed = [window.sessions.list.item(i).data(RecordRole)
+              for i in range(window.sessions.list.count())]
+    assert [r.kv_mode for r in listed if r.id == record.id] == [mode]
+    assert f"— {mode}" in window.windowTitle()
+    assert mode in window.panel.session_label.text()
+    assert c.store.session(record.id).tokens == sample.tokens_in_context
+
+
+def test_new_chat_dialog_shows_each_modes_projection(qtbot, window) -> None:
+    full = window.fit.full_context_report()
+    dialog = NewChatDialog("q6", full, window)
+    qtbot.addWidget(dialog)
+    assert dialog.mode() == "q6"
+    for mode, button in dialog.buttons.items():
+        entry = full.for_mode(mode)
+        assert human_bytes(entry.bytes_needed) in button.text()
+        assert f"{full.max_context:,} tokens" in button.text()
+
+
+def test_panel_updates_live_while_the_engine_generates(qtbot, window) -> None:
+    c = window.controller
+    c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=160)
+    shown_before = window.panel.samples_shown
+    seen: list[tuple[int, int]] = []
+    c.statsUpdated.connect(lambda s: seen.append((s.tokens_in_context, s.kv_bytes_used)))
+    send_and_wait(qtbot, window, "Count slowly")
+    assert window.panel.samples_shown > shown_before + 1
+    tokens = [t for t, _ in seen]
+    assert tokens == sorted(tokens) and tokens[-1] > tokens[0]  # grows as it generates
+    final = c.bridge.latest_stats()
+    assert f"{final.tokens_in_context:,} tokens" in window.panel.kv_label.text()
+    assert human_bytes(final.kv_bytes_used) in window.panel.kv_label.text()
+    assert window.panel.pool.in_use == final.pages_in_use > 0
+    assert len(window.panel.chart.kv) >= 2
+    mode_row = ("fp16", "q8", "q6", "q4").index(c.current.kv_mode)
+    assert window.panel.table.item(mode_row, 0).font().bold()
+
+
+def test_event_loop_never_stalls_while_the_model_generates(qtbot, window) -> None:
+    c = window.controller
+    send_and_wait(qtbot, window, "Warm up")  # opens the session and its cache first
+    c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=200)
+    ticks: list[float] = []
+    timer = QTimer()
+    timer.setInterval(10)
+    timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
+    window.composer.set_text("Write a long answer")
+    timer.start()
+    with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+        window.composer.edit.submitted.emit()
+    timer.stop()
+    generated = c.model.message(3).stats["generated_tokens"]
+    assert generated > 20
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert len(gaps) > 10
+    print(f"max tick gap {max(gaps) * 1000:.1f} ms over {len(gaps)} ticks, {generated} tokens")
+    assert max(gaps) < 0.050, f"largest gap between 10 ms ticks: {max(gaps) * 1000:.1f} ms"
+
+
+def test_reopen_in_another_mode_reingests_the_conversation(qtbot, window) -> None:
+    c = window.controller
+    c.new_session("q8")
+    send_and_wait(qtbot, window, "Remember the pines")
+    source = c.current
+    with qtbot.waitSignal(c.bridge.finished, timeout=ANSWER_TIMEOUT_MS,
+                          check_params_cb=lambda e: e.reason == "done"):
+        reopened = c.reopen_in("q4")
+    assert reopened.kv_mode == "q4" and c.current.id == reopened.id
+    qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)
+    old = [(m.role, m.content) for m in c.store.messages(source.id)]
+    new = [(m.role, m.content) for m in c.store.messages(reopened.id)]
+    assert new == old
+    assert c.bridge.latest_stats().kv_mode == "q4"
+    assert c.bridge.latest_stats().tokens_in_context > 0
+    assert c.cache_state(reopened.id) == "kept in memory"
