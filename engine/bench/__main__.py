@@ -10,6 +10,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
@@ -116,8 +117,12 @@ def run_generate(args: argparse.Namespace, command: str) -> dict:
     return {"machine": info, **results}
 
 
+_STARTED = time.monotonic()
+
+
 def _progress(message: str) -> None:
-    print(f"[engine.bench] {message}", file=sys.stderr, flush=True)
+    elapsed = time.monotonic() - _STARTED
+    print(f"[engine.bench {elapsed:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -220,7 +220,16 @@ def _fresh_memory() -> None:
     mx.clear_cache()
 
 
-def bench_decode(config: CacheBenchConfig, entries: list[Contender]) -> list[dict[str, Any]]:
+Progress = Callable[[str], None]
+
+
+def _silent(message: str) -> None:
+    del message
+
+
+def bench_decode(
+    config: CacheBenchConfig, entries: list[Contender], progress: Progress = _silent
+) -> list[dict[str, Any]]:
     """Decode-step time and bytes held, per context, head_dim and contender."""
     dtype = getattr(mx, config.dtype)
     rows: list[dict[str, Any]] = []
@@ -230,6 +239,7 @@ def bench_decode(config: CacheBenchConfig, entries: list[Contender]) -> list[dic
         keys = _random((1, config.kv_heads, 1, head_dim), dtype, seed=102)
         values = _random((1, config.kv_heads, 1, head_dim), dtype, seed=103)
         for context in config.contexts:
+            progress(f"decode: head_dim {head_dim}, context {context}")
             caches = []
             for entry in entries:
                 cache = entry.make_cache(
@@ -294,12 +304,15 @@ def _prefill_once(entry: Contender, shape: tuple[int, int, int], chunks: list) -
     return elapsed, peak, held
 
 
-def bench_prefill(config: CacheBenchConfig, entries: list[Contender]) -> list[dict[str, Any]]:
+def bench_prefill(
+    config: CacheBenchConfig, entries: list[Contender], progress: Progress = _silent
+) -> list[dict[str, Any]]:
     """Chunked prefill of ``prefill_tokens`` tokens: time and peak memory."""
     dtype = getattr(mx, config.dtype)
     rows: list[dict[str, Any]] = []
     capacity = config.prefill_tokens + config.page_size
     for head_dim in config.head_dims:
+        progress(f"prefill: head_dim {head_dim}, {config.prefill_tokens} tokens")
         chunks = _chunks(config, head_dim, dtype)
         # One untimed pass per contender compiles kernels and warms allocators.
         warm = chunks[:2]
@@ -405,10 +418,8 @@ def run_cache_bench(
 ) -> dict[str, Any]:
     """Run every part of the cache benchmark and return plain-value results."""
     entries = contenders(config.modes, config.page_size, getattr(mx, config.dtype))
-    progress(f"decode: contexts {config.contexts}, head_dims {config.head_dims}")
-    decode = bench_decode(config, entries)
-    progress(f"prefill: {config.prefill_tokens} tokens in chunks of {config.prefill_chunk}")
-    prefill = bench_prefill(config, entries)
+    decode = bench_decode(config, entries, progress)
+    prefill = bench_prefill(config, entries, progress)
     progress("quantize+pack")
     quantize = bench_quantize(config)
     progress("reference bytes (fp16 mlx-lm caches)")

@@ -17,6 +17,7 @@ import pytest
 from engine.bench import report
 from engine.bench.__main__ import parse_tokens
 from engine.kvquant import project_kv_bytes
+from tests.engine.tinymodels import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXTS = (256, 512)
@@ -26,14 +27,39 @@ KV_HEADS = 2
 PRESERVED = "Hand-written notes that the benchmark must keep.\n"
 
 
+def _isolated_env(root: Path) -> dict[str, str]:
+    """The environment for a bench subprocess, with every user dir under ``root``.
+
+    Module-scoped fixtures run before the suite's function-scoped isolation, so set
+    the same variables here.
+    """
+    env = dict(os.environ)
+    for var in ("XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "HF_HOME"):
+        env[var] = str(root / var.lower())
+    env["LONGLEAF_HOME"] = str(root / "longleaf")
+    return env
+
+
+def _run_cli(args: list[str], root: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.bench", *args],
+        cwd=REPO,
+        env=_isolated_env(root),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def cache_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     """One tiny ``engine.bench cache`` run through the real CLI: (markdown, json)."""
     out = tmp_path_factory.mktemp("bench")
     doc, raw = out / "benchmarks.md", out / "results.json"
     doc.write_text("# Benchmarks\n\n" + PRESERVED)
-    command = [
-        sys.executable, "-m", "engine.bench", "cache",
+    args = [
+        "cache",
         "--contexts", ",".join(str(c) for c in CONTEXTS),
         "--head-dims", ",".join(str(d) for d in HEAD_DIMS),
         "--kv-heads", str(KV_HEADS), "--q-heads", "4",
@@ -41,10 +67,7 @@ def cache_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
         "--repeats", "2", "--warmup", "1", "--prefill-repeats", "1", "--quant-repeats", "2",
         "--output", str(doc), "--json", str(raw),
     ]  # fmt: skip
-    done = subprocess.run(
-        command, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_cli(args, out)
     return doc.read_text(), json.loads(raw.read_text())
 
 
@@ -139,6 +162,42 @@ def test_goals_table_lists_every_goal(cache_run: tuple[str, dict]) -> None:
     for row in rows:
         assert row[1] in ("**met**", "**NOT met**")
     assert results["mlx_6bit_workaround_head_dims"] == [128]
+
+
+@pytest.fixture(scope="module")
+def generate_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One tiny ``engine.bench generate`` run on a tiny llama folder: (markdown, json)."""
+    out = tmp_path_factory.mktemp("bench-generate")
+    model = make_tiny_model_dir(out / "models", "llama")
+    doc, raw = out / "benchmarks.md", out / "results.json"
+    report.write_section(doc, "cache", "cache numbers stay")
+    args = [
+        "generate", "--model", str(model), "--prompts", "96,160", "--max-tokens", "4",
+        "--output", str(doc), "--json", str(raw),
+    ]  # fmt: skip
+    _run_cli(args, out)
+    return doc.read_text(), json.loads(raw.read_text())
+
+
+def test_generate_report_has_every_cell(generate_run: tuple[str, dict]) -> None:
+    markdown, results = generate_run
+    assert "cache numbers stay" in markdown
+    assert markdown.count("<!-- bench:generate:start -->") == 1
+    speed = _table_after(markdown, "Speed")
+    assert [r[1] for r in speed] == list(MODES) * 2
+    for row in speed:
+        assert len(row) == 10 and "n/a" not in row
+        assert re.fullmatch(r"\d+\.\d\d×", row[5]) and re.fullmatch(r"\d+\.\d\d×", row[8])
+    agree = _table_after(markdown, "Greedy agreement")
+    assert len(agree) == len(speed)
+    for row in agree:
+        assert all(re.fullmatch(r"\d/4 \((identical|first differs at \d)\)", c) for c in row[2:])
+    for row in results["rows"]:
+        for side in ("engine", "mlx_lm"):
+            assert row[side]["generated"] == 4 and len(row[side]["tokens"]) == 4
+        # Same prompt ids on both sides, close to the requested length.
+        assert row["engine"]["prompt_tokens"] == row["mlx_lm"]["prompt_tokens"]
+        assert abs(row["engine"]["prompt_tokens"] - row["target"]) <= 8
 
 
 def test_write_section_replaces_in_place(tmp_path: Path) -> None:
