@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 import psutil
 
 from engine import fit, kvquant
@@ -192,6 +193,14 @@ class EngineWorker:
             log.exception("on_event raised on %r; the engine carries on", type(event).__name__)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # MLX no longer cleans a thread's streams up by itself; without this the
+            # process aborts at exit ("terminate called without an active exception").
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         while True:
             command = self._queue.get()
             if command is None:

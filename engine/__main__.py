@@ -1,0 +1,16 @@
+"""``python -m engine generate|models|info``: the headless CLI."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+
+from engine.cli import main
+
+if __name__ == "__main__":
+    status = main()
+    # MLX needs each thread, the main one included, to drop its streams before
+    # the interpreter shuts down, or the process may abort after a good run.
+    mx.clear_streams()
+    sys.exit(status)

@@ -1,0 +1,235 @@
+"""Headless command line: ``python -m engine generate|models|info``.
+
+It drives the same ``EngineWorker`` the app uses, so a script, a benchmark or a
+check sees exactly what the GUI would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from engine import kvquant
+from engine.errors import EngineError
+from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
+from engine.fit import MODES
+from engine.paths import models_dir
+from engine.sampling import SamplingParams
+from engine.session import facts_from_info
+from engine.worker import EngineWorker
+
+SESSION = "cli"
+REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever
+
+
+class _Collector:
+    """Receives worker events; wakes the main thread when a request ends."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+        self.ended = threading.Event()
+        self.ending: Finished | Failed | None = None
+        self.info: Any = None
+        self.text: list[str] = []
+        self.tokens: list[int] = []
+        self.stats: StatsSample | None = None
+
+    def __call__(self, event: object) -> None:
+        if isinstance(event, TokenChunk):
+            self.text.append(event.text)
+            self.tokens.extend(event.token_ids)
+            if self.stream is not None:
+                self.stream.write(event.text)
+                self.stream.flush()
+        elif isinstance(event, StatsSample):
+            self.stats = event
+        elif isinstance(event, ModelLoaded):
+            self.info = event.info
+        elif isinstance(event, Finished | Failed):
+            self.ending = event
+            self.ended.set()
+
+    def wait(self) -> Finished:
+        self.ended.wait(REQUEST_TIMEOUT)
+        ending, self.ending = self.ending, None
+        self.ended.clear()
+        if isinstance(ending, Failed):
+            raise EngineError(ending.message)
+        if ending is None:
+            raise EngineError("The engine did not answer in time.")
+        return ending
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is None:
+        return args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise EngineError(f"Cannot read the prompt file {args.prompt_file}: {error}") from error
+
+
+def generate(args: argparse.Namespace, out: TextIO) -> int:
+    """Run one prompt through a fresh session and print the answer."""
+    prompt = _read_prompt(args)
+    sampling = SamplingParams(
+        temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    collector = _Collector(None if args.json else out)
+    worker = EngineWorker(collector, chunk_size=args.chunk_size)
+    worker.start()
+    try:
+        worker.load_model(args.model)
+        collector.wait()
+        worker.open_session(SESSION, args.kv, args.page_size)
+        collector.wait()
+        messages = [{"role": "user", "content": prompt}]
+        worker.chat(SESSION, messages, sampling, threading.Event())
+        ending = collector.wait()
+    finally:
+        worker.shutdown(timeout=10.0)
+    stats = ending.stats
+    sample = collector.stats
+    if args.json:
+        result = {
+            "text": "".join(collector.text),
+            "tokens": collector.tokens,
+            "prompt_tokens": stats.prompt_tokens if stats else 0,
+            "kv_mode": kvquant.normalize_mode(args.kv),
+            "kv_bytes": sample.kv_bytes_allocated if sample else 0,
+            "kv_bytes_used": sample.kv_bytes_used if sample else 0,
+            "pages_in_use": sample.pages_in_use if sample else 0,
+            "pages_allocated": sample.pages_allocated if sample else 0,
+            "peak_memory_bytes": sample.mlx_peak_bytes if sample else 0,
+            "prefill_tps": stats.prefill_tps if stats else 0.0,
+            "decode_tps": stats.decode_tps if stats else 0.0,
+            "time_to_first_token": stats.time_to_first_token if stats else None,
+            "finish_reason": ending.reason,
+        }
+        out.write(json.dumps(result) + "\n")
+    else:
+        out.write("\n")
+    return 0
+
+
+def find_models() -> list[tuple[str, str]]:
+    """Models Longleaf can open: (name, path), the embedded demo first."""
+    from engine.models import discover_models
+
+    found: list[tuple[str, str]] = []
+    try:
+        from engine.demo_model import demo_gguf_path
+
+        demo_gguf_path()
+        found.append(("demo", "demo (SmolLM2-135M-Instruct, embedded)"))
+    except EngineError:
+        pass
+    found.extend((info.name, info.path) for info in discover_models())
+    return found
+
+
+def models(args: argparse.Namespace, out: TextIO) -> int:
+    """List the models found on this machine."""
+    entries = find_models()
+    if args.json:
+        out.write(json.dumps([{"name": n, "path": p} for n, p in entries]) + "\n")
+        return 0
+    if not entries:
+        out.write("No models found. Put an mlx-lm model folder under "
+                  f"{models_dir()} or pass --model DIR.\n")
+    for name, path in entries:
+        out.write(f"{name}\t{path}\n")
+    return 0
+
+
+def kv_projection(info: Any) -> dict[str, int | None]:
+    """KV bytes per mode for the model's full context (None: mode unsupported)."""
+    facts = facts_from_info(info)
+    projection: dict[str, int | None] = {}
+    for mode in MODES:
+        try:
+            projection[mode] = kvquant.project_kv_bytes(
+                facts.attention_layers, facts.kv_heads, facts.head_dim,
+                facts.max_context, mode,
+            )
+        except (EngineError, ValueError):
+            projection[mode] = None
+    return projection
+
+
+def _facts(info: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(info):
+        return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    return dict(vars(info))
+
+
+def info(args: argparse.Namespace, out: TextIO) -> int:
+    """Print a model's facts and its KV size per mode at full context."""
+    from engine.models import inspect_model_dir, resolve_model_path
+
+    info_object = inspect_model_dir(resolve_model_path(args.model))
+    facts = _facts(info_object)
+    projection = kv_projection(info_object)
+    if args.json:
+        out.write(json.dumps({"facts": facts, "kv_bytes_full_context": projection},
+                             default=str) + "\n")
+        return 0
+    for key, value in facts.items():
+        out.write(f"{key:>24}: {value}\n")
+    context = facts_from_info(info_object).max_context
+    out.write(f"\nKV cache at the full context ({context:,} tokens):\n")
+    for mode, nbytes in projection.items():
+        shown = "unsupported for this head_dim" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
+        out.write(f"{mode:>24}: {shown}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m engine`` argument parser."""
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="answer one prompt")
+    gen.add_argument("--model", required=True, help='a model folder, or "demo"')
+    gen.add_argument("--kv", default="fp16", help="KV mode: fp16, q8, q6 or q4")
+    gen.add_argument("--page-size", type=int, default=256)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompt-file")
+    defaults = SamplingParams()
+    gen.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    gen.add_argument("--temp", type=float, default=defaults.temperature)
+    gen.add_argument("--top-p", type=float, default=defaults.top_p)
+    gen.add_argument("--top-k", type=int, default=defaults.top_k)
+    gen.add_argument("--min-p", type=float, default=defaults.min_p)
+    gen.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(handler=generate)
+    found = commands.add_parser("models", help="list the models found")
+    found.add_argument("--json", action="store_true")
+    found.set_defaults(handler=models)
+    facts = commands.add_parser("info", help="model facts and KV size per mode")
+    facts.add_argument("model", help='a model folder, or "demo"')
+    facts.add_argument("--json", action="store_true")
+    facts.set_defaults(handler=info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the CLI; returns the exit status (1 on an engine error)."""
+    args = build_parser().parse_args(argv)
+    out = out or sys.stdout
+    try:
+        return args.handler(args, out)
+    except EngineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1

@@ -1,0 +1,163 @@
+"""The headless CLI: greedy parity with mlx-lm, JSON fields, models and info."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load
+
+from engine import kvquant
+from engine.cli import main
+from engine.paths import models_dir
+from tests.engine.tinymodels import make_tiny_model_dir
+
+PROMPT = "What is the capital of France?"
+
+
+def _run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    status = main(list(argv), out=out)
+    return status, out.getvalue()
+
+
+def _mlx_lm_tokens(model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
+    """What ``mlx_lm generate --temp 0`` produces: same template, encoding and sampler."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    tokens = []
+    for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
+                                    sampler=make_sampler(0.0)):
+        if response.finish_reason != "stop":
+            tokens.append(response.token)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli-models")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_next", "gemma3_text"])
+def test_generate_fp16_greedy_matches_mlx_lm(model_root: Path, arch: str) -> None:
+    folder = make_tiny_model_dir(model_root, arch)
+    status, out = _run("generate", "--model", str(folder), "--kv", "fp16", "--temp", "0",
+                       "--max-tokens", "20", "--prompt", PROMPT, "--json")
+    assert status == 0
+    result = json.loads(out)
+    model, tokenizer = load(str(folder))
+    assert result["tokens"] == _mlx_lm_tokens(model, tokenizer, PROMPT, 20)
+    assert result["kv_mode"] == "fp16" and result["prompt_tokens"] > 0
+
+
+def test_generate_json_reports_pages_and_speeds(model_root: Path, tmp_path: Path) -> None:
+    folder = make_tiny_model_dir(model_root, "qwen3")
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT * 4, encoding="utf-8")
+    status, out = _run("generate", "--model", str(folder), "--kv", "Q6", "--page-size", "16",
+                       "--prompt-file", str(prompt_file), "--max-tokens", "6", "--temp", "0.8",
+                       "--seed", "3", "--json")
+    assert status == 0
+    result = json.loads(out)
+    assert set(result) >= {"text", "tokens", "prompt_tokens", "kv_mode", "kv_bytes",
+                           "pages_in_use", "pages_allocated", "peak_memory_bytes",
+                           "prefill_tps", "decode_tps"}
+    assert result["kv_mode"] == "q6" and 0 < len(result["tokens"]) <= 6
+    held = result["prompt_tokens"] + len(result["tokens"])
+    pages = -(-held // 16)
+    assert held - 1 <= pages * 16 and result["pages_in_use"] in (2 * pages, 2 * (pages - 1))
+    page_bytes = kvquant.project_kv_bytes(1, 2, 64, 16, "q6")  # one layer's page, 2 KV heads
+    assert result["kv_bytes"] == result["pages_allocated"] * page_bytes
+    assert result["pages_allocated"] >= result["pages_in_use"]
+    assert result["peak_memory_bytes"] > 0 and result["prefill_tps"] > 0
+    # Same seed, same sample.
+    assert json.loads(_run("generate", "--model", str(folder), "--kv", "q6", "--page-size",
+                           "16", "--prompt-file", str(prompt_file), "--max-tokens", "6",
+                           "--temp", "0.8", "--seed", "3", "--json")[1])["tokens"] == \
+        result["tokens"]
+
+
+def test_generate_streams_text(model_root: Path) -> None:
+    folder = make_tiny_model_dir(model_root, "qwen3")
+    status, out = _run("generate", "--model", str(folder), "--kv", "q4", "--temp", "0",
+                       "--max-tokens", "5", "--prompt", PROMPT)
+    model, tokenizer = load(str(folder))
+    assert status == 0
+    assert out == tokenizer.decode(_mlx_lm_tokens(model, tokenizer, PROMPT, 5)) + "\n"
+
+
+def test_generate_errors_are_one_line_and_exit_1(tmp_path: Path, capsys) -> None:
+    status, _ = _run("generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi")
+    assert status == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nothing" in err
+
+
+def test_bad_kv_mode_is_reported(model_root: Path, capsys) -> None:
+    folder = make_tiny_model_dir(model_root, "llama")
+    status, _ = _run("generate", "--model", str(folder), "--kv", "q6_k", "--prompt", "hi")
+    assert status == 1 and "q6_k" in capsys.readouterr().err
+
+
+def test_models_lists_folders_in_the_models_dir(model_root: Path) -> None:
+    source = make_tiny_model_dir(model_root, "llama")
+    target = models_dir() / "my-tiny-llama"
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    status, out = _run("models", "--json")
+    assert status == 0
+    entries = json.loads(out)
+    assert {"name": "my-tiny-llama", "path": str(target)} in entries
+
+
+def test_info_prints_facts_and_full_context_projection(model_root: Path) -> None:
+    folder = make_tiny_model_dir(model_root, "qwen3_next")
+    status, out = _run("info", str(folder), "--json")
+    assert status == 0
+    result = json.loads(out)
+    facts = result["facts"]
+    assert facts["architecture"] == "qwen3_next" and facts["attention_layers"] == 2
+    for mode, nbytes in result["kv_bytes_full_context"].items():
+        assert nbytes == kvquant.project_kv_bytes(2, 2, 32, 4096, mode)
+    status, text = _run("info", str(folder))
+    assert status == 0 and "q6" in text and "4,096 tokens" in text
+
+
+def test_module_entry_point_exits_cleanly(model_root: Path) -> None:
+    folder = make_tiny_model_dir(model_root, "llama")
+    result = subprocess.run(
+        [sys.executable, "-m", "engine", "generate", "--model", str(folder), "--kv", "q8",
+         "--temp", "0", "--max-tokens", "3", "--prompt", "hi", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    # Exit status 0 too: MLX streams of the engine thread are cleared before exit.
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["tokens"]) == 3
+
+
+@pytest.mark.slow
+def test_demo_fp16_greedy_matches_mlx_lm() -> None:
+    from engine.models import load_model
+
+    try:
+        loaded = load_model("demo")
+    except Exception as error:  # the wheel is optional in some environments
+        pytest.skip(f"demo model unavailable: {error}")
+    status, out = _run("generate", "--model", "demo", "--kv", "fp16", "--temp", "0",
+                       "--max-tokens", "8", "--prompt", PROMPT, "--json")
+    assert status == 0
+    result = json.loads(out)
+    assert result["text"].startswith("The capital of France is Paris")
+    expected = _mlx_lm_tokens(loaded.model, loaded.tokenizer, PROMPT, 8)
+    assert result["tokens"] == expected
+    mx.clear_cache()
