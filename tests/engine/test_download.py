@@ -434,3 +434,24 @@ def test_new_commit_replaces_changed_files_and_drops_stale_ones(hub: FakeHub) ->
             assert (folder / name).read_bytes() == data, name
     assert not (folder / "model.safetensors").exists()
     assert read_manifest(folder)["commit"] == "d" * 40
+
+
+def test_downloaded_model_is_discovered_by_its_repo_id(
+    hub: FakeHub, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from engine.discovery import discover_models
+    from tests.engine.tinymodels import make_tiny_model_dir
+
+    tiny = make_tiny_model_dir(tmp_path_factory.mktemp("served"), "llama")
+    files = {p.name: p.read_bytes() for p in tiny.iterdir() if p.is_file()}
+    hub.repos["mlx-community/tiny-real"] = FakeRepo(
+        commit="e" * 40, files=files, lfs=frozenset({"model.safetensors"})
+    )
+
+    folder = download_model("mlx-community/tiny-real")
+    found = discover_models(include_hf_cache=False, include_lmstudio=False)
+
+    [model] = found.models
+    assert (model.name, model.source, model.path) == ("mlx-community/tiny-real", "longleaf", folder)
+    assert model.info.architecture == "llama"
+    assert model.size_bytes >= sum(len(data) for data in files.values())
