@@ -269,6 +269,7 @@ class EngineWorker:
         with self._lock:
             self._sessions.clear()
             self._loaded = loaded
+        mx.clear_cache()
         return ModelLoaded(command.request_id, loaded.info)
 
     def _do_open_session(self, command: _Command) -> object:
@@ -293,6 +294,8 @@ class EngineWorker:
             session = self._sessions.pop(session_id, None)
         if session is not None:
             session.close()
+            # Hand the freed pages back to the OS, not just to MLX's buffer cache.
+            mx.clear_cache()
         return Finished(command.request_id, "done")
 
     def _do_chat(self, command: _Command) -> object:
