@@ -18,10 +18,9 @@ from typing import Any, TextIO
 from engine import kvquant
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
-from engine.fit import MODES
+from engine.fit import MODES, facts_from_info
 from engine.paths import models_dir
 from engine.sampling import SamplingParams
-from engine.session import facts_from_info
 from engine.worker import EngineWorker
 
 SESSION = "cli"

@@ -6,12 +6,62 @@ busy (e.g. to warn before a document is dropped).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine import kvquant
-from engine.errors import ContextTooLong, UnsupportedModeError
+from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
+from engine.paged_cache import PagedKVCache
 
 MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
+
+
+def ram_headroom(total: int) -> int:
+    """Bytes of RAM the KV cache must leave free on a machine with ``total`` bytes."""
+    # Leave room for activations, the app and the OS; KV must not push into swap.
+    return max(1 << 30, total // 10)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the session needs to know about a model to size its cache."""
+
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+
+
+def first_fact(info: Any, names: Sequence[str]) -> Any:
+    """The first of ``names`` that ``info`` has (ModelInfo spellings vary by source)."""
+    for name in names:
+        value = getattr(info, name, None)
+        if value is not None:
+            return value
+    raise EngineError(f"Model facts lack {names[0]}; reload the model.")
+
+
+def facts_from_info(info: Any) -> ModelFacts:
+    """Read the sizing facts from an ``engine.models.ModelInfo``."""
+    return ModelFacts(
+        attention_layers=int(first_fact(info, ("attention_layers", "num_attention_layers"))),
+        kv_heads=int(first_fact(info, ("kv_heads", "num_kv_heads"))),
+        head_dim=int(first_fact(info, ("head_dim",))),
+        max_context=int(first_fact(info, ("max_context", "context_length"))),
+    )
+
+
+def facts_from_cache(cache: list[Any], max_context: int) -> ModelFacts | None:
+    """Sizing facts of the layers that really hold pages (None: no paged layer).
+
+    Preferred over the model's config: sliding-window and linear-attention layers
+    keep mlx-lm's own bounded caches and take no pages.
+    """
+    paged = [layer for layer in cache if isinstance(layer, PagedKVCache)]
+    if not paged or paged[0].store is None:
+        return None
+    return ModelFacts(len(paged), paged[0].kv_heads, paged[0].head_dim, max_context)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,19 @@
-"""Sampling settings for one generation, and the mlx-lm sampler built from them."""
+"""Sampling settings, the mlx-lm samplers built from them, and the streamed answer loop."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from engine import adapter
 from engine.errors import EngineError
+from engine.events import TokenChunk
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -84,3 +89,118 @@ def seed_sampling(params: SamplingParams) -> None:
     """Seed MLX's random state when the settings ask for reproducible sampling."""
     if params.seed is not None:
         mx.random.seed(params.seed)
+
+
+class AnswerStream:
+    """One streamed answer: mlx-lm's sampling loop over a session's cache.
+
+    Args:
+        model: the mlx-lm model.
+        cache: its prompt cache, holding every prompt token but the last.
+        tokenizer: mlx-lm's ``TokenizerWrapper``.
+        end_ids: ids that end the turn.
+        held: the ids the cache holds; extended in place with every fed token.
+        sampling: the sampling settings.
+        request_id: stamped on every ``TokenChunk``.
+        cancel: checked after every token.
+        emit: receives the ``TokenChunk`` events.
+        tick: called after every token (stats).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: list[Any],
+        tokenizer: Any,
+        end_ids: frozenset[int],
+        held: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Callable[[object], None],
+        tick: Callable[[], None],
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.end_ids = end_ids
+        self.held = held
+        self.sampler = build_sampler(sampling)
+        self.processors = build_logits_processors(sampling)
+        self.request_id = request_id
+        self.cancel = cancel
+        self.emit = emit
+        self.tick = tick
+        self.generated: list[int] = []
+        self.detokenizer = tokenizer.detokenizer
+        self.pending_ids: list[int] = []
+        self.history = mx.array([], dtype=mx.int32)
+        self.started = time.perf_counter()
+        self.first_token_at = self.started
+        self.last_token_at = self.started
+        seed_sampling(sampling)
+
+    def _step(self, token: mx.array) -> mx.array:
+        adapter.ensure_capacity(self.cache, 1)
+        logits = self.model(token[None], cache=self.cache)[:, -1, :]
+        if self.processors:
+            # Lazy concat: the previous token may not be computed yet.
+            self.history = mx.concat([self.history, token])[-REPETITION_CONTEXT:]
+            for processor in self.processors:
+                logits = processor(self.history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return self.sampler(logprobs)
+
+    def stream(self, token: int) -> None:
+        """Detokenize one token; emit text once it holds only whole characters."""
+        self.detokenizer.add_token(token)
+        self.pending_ids.append(token)
+        text = self.detokenizer.last_segment
+        if text:
+            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
+            self.pending_ids = []
+
+    def flush(self) -> None:
+        """Emit whatever the detokenizer still holds back."""
+        self.detokenizer.finalize()
+        text = self.detokenizer.last_segment
+        if text or self.pending_ids:
+            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
+            self.pending_ids = []
+
+    def run(self, prompt: list[int], max_tokens: int) -> str:
+        """Generate up to ``max_tokens`` tokens; returns "stop", "length" or "cancelled"."""
+        self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
+        self.held.append(prompt[-1])
+        y = self._step(mx.array(prompt[-1:]))
+        mx.async_eval(y)
+        reason = "length"
+        try:
+            while True:
+                # Queue the next step before reading this token (mlx-lm's overlap):
+                # the device computes while Python detokenizes.
+                queue_next = len(self.generated) + 1 < max_tokens and not self.cancel.is_set()
+                if queue_next:
+                    next_y = self._step(y)
+                    mx.async_eval(next_y)
+                token = int(y.item())
+                self.last_token_at = time.perf_counter()
+                if not self.generated:
+                    self.first_token_at = self.last_token_at
+                if queue_next:
+                    self.held.append(token)
+                if token in self.end_ids:
+                    reason = "stop"
+                    break
+                self.generated.append(token)
+                self.stream(token)
+                self.tick()
+                if self.cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if not queue_next:
+                    break
+                y = next_y
+        finally:
+            self.flush()
+        return reason

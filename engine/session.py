@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -20,15 +19,9 @@ import psutil
 
 from engine import adapter, fit, kvquant
 from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
-from engine.events import GenerationStats, IngestProgress, TokenChunk
+from engine.events import GenerationStats, IngestProgress
 from engine.paged_cache import PagedKVCache
-from engine.sampling import (
-    REPETITION_CONTEXT,
-    SamplingParams,
-    build_logits_processors,
-    build_sampler,
-    seed_sampling,
-)
+from engine.sampling import AnswerStream, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -37,51 +30,6 @@ DEFAULT_CHUNK = 512
 # End-of-turn markers of common chat templates; added to the tokenizer's EOS ids
 # when the vocabulary has them, so a turn ends even if generation_config forgot.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
-
-
-def _ram_headroom(total: int) -> int:
-    # Leave room for activations, the app and the OS; KV must not push into swap.
-    return max(1 << 30, total // 10)
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the session needs to know about a model to size its cache."""
-
-    attention_layers: int
-    kv_heads: int
-    head_dim: int
-    max_context: int
-
-
-def _first(info: Any, names: Sequence[str]) -> Any:
-    for name in names:
-        value = getattr(info, name, None)
-        if value is not None:
-            return value
-    raise EngineError(f"Model facts lack {names[0]}; reload the model.")
-
-
-def facts_from_info(info: Any) -> ModelFacts:
-    """Read the sizing facts from an ``engine.models.ModelInfo``."""
-    return ModelFacts(
-        attention_layers=int(_first(info, ("attention_layers", "num_attention_layers"))),
-        kv_heads=int(_first(info, ("kv_heads", "num_kv_heads"))),
-        head_dim=int(_first(info, ("head_dim",))),
-        max_context=int(_first(info, ("max_context", "context_length"))),
-    )
-
-
-def facts_from_cache(cache: list[Any], max_context: int) -> ModelFacts | None:
-    """Sizing facts of the layers that really hold pages (None: no paged layer).
-
-    Preferred over the model's config: sliding-window and linear-attention layers
-    keep mlx-lm's own bounded caches and take no pages.
-    """
-    paged = [layer for layer in cache if isinstance(layer, PagedKVCache)]
-    if not paged or paged[0].store is None:
-        return None
-    return ModelFacts(len(paged), paged[0].kv_heads, paged[0].head_dim, max_context)
 
 
 def eval_targets(cache: list[Any]) -> list[Any]:
@@ -144,7 +92,7 @@ class Session:
         self.session_id = session_id
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        max_context = int(_first(loaded.info, ("max_context", "context_length")))
+        max_context = int(fit.first_fact(loaded.info, ("max_context", "context_length")))
         self.mode = kvquant.normalize_mode(mode)
         self.page_size = page_size
         self.budget_bytes = budget_bytes
@@ -154,7 +102,8 @@ class Session:
         # Counters the tests and benchmarks read: what was actually computed.
         self.tokens_ingested = 0
         self.cache = self._new_cache()
-        self.facts = facts_from_cache(self.cache, max_context) or facts_from_info(loaded.info)
+        self.facts = (fit.facts_from_cache(self.cache, max_context)
+                      or fit.facts_from_info(loaded.info))
 
     # -- cache bookkeeping -------------------------------------------------
 
@@ -233,7 +182,7 @@ class Session:
             page_size=self.page_size,
             available_bytes=int(memory.available),
             budget_bytes=self.budget_bytes,
-            headroom_bytes=_ram_headroom(int(memory.total)),
+            headroom_bytes=fit.ram_headroom(int(memory.total)),
             session_mode=self.mode,
             session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
         )
@@ -382,8 +331,16 @@ class Session:
         except Cancelled:
             return "cancelled", GenerationStats(len(prompt), 0, None, 0.0, 0.0)
         max_tokens = min(sampling.max_tokens, room)
-        generation = _Generation(self, sampling, request_id, cancel, emit, tick)
-        reason = generation.run(prompt, max_tokens)
+        generation = AnswerStream(
+            self.model, self.cache, self.tokenizer, self.end_ids, self.tokens,
+            sampling, request_id=request_id, cancel=cancel, emit=emit, tick=tick,
+        )
+        try:
+            reason = generation.run(prompt, max_tokens)
+        except Exception:
+            # A failed step may leave layers at different lengths.
+            self.reset()
+            raise
         fed = len(prompt) - kept
         first_step = generation.first_token_at - generation.started
         prefill_total = prefill_seconds + first_step
@@ -399,101 +356,3 @@ class Session:
                 (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
             ),
         )
-
-
-class _Generation:
-    """One streamed answer: mlx-lm's sampling loop over the session's cache."""
-
-    def __init__(
-        self,
-        session: Session,
-        sampling: SamplingParams,
-        request_id: int,
-        cancel: threading.Event,
-        emit: Emit,
-        tick: Callable[[], None],
-    ) -> None:
-        self.session = session
-        self.sampler = build_sampler(sampling)
-        self.processors = build_logits_processors(sampling)
-        self.request_id = request_id
-        self.cancel = cancel
-        self.emit = emit
-        self.tick = tick
-        self.generated: list[int] = []
-        self.detokenizer = session.tokenizer.detokenizer
-        self.pending_ids: list[int] = []
-        self.history = mx.array([], dtype=mx.int32)
-        self.started = time.perf_counter()
-        self.first_token_at = self.started
-        self.last_token_at = self.started
-        seed_sampling(sampling)
-
-    def _step(self, token: mx.array) -> mx.array:
-        adapter.ensure_capacity(self.session.cache, 1)
-        logits = self.session.model(token[None], cache=self.session.cache)[:, -1, :]
-        if self.processors:
-            # Lazy concat: the previous token may not be computed yet.
-            self.history = mx.concat([self.history, token])[-REPETITION_CONTEXT:]
-            for processor in self.processors:
-                logits = processor(self.history, logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self.sampler(logprobs)
-
-    def _stream(self, token: int) -> None:
-        self.detokenizer.add_token(token)
-        self.pending_ids.append(token)
-        text = self.detokenizer.last_segment
-        if text:
-            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
-            self.pending_ids = []
-
-    def _flush(self) -> None:
-        self.detokenizer.finalize()
-        text = self.detokenizer.last_segment
-        if text or self.pending_ids:
-            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
-            self.pending_ids = []
-
-    def run(self, prompt: list[int], max_tokens: int) -> str:
-        """Generate up to ``max_tokens`` tokens; returns the finish reason."""
-        session = self.session
-        self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
-        session.tokens.append(prompt[-1])
-        y = self._step(mx.array(prompt[-1:]))
-        mx.async_eval(y)
-        reason = "length"
-        try:
-            while True:
-                # Queue the next step before reading this token (mlx-lm's overlap):
-                # the device computes while Python detokenizes.
-                queue_next = len(self.generated) + 1 < max_tokens and not self.cancel.is_set()
-                if queue_next:
-                    next_y = self._step(y)
-                    mx.async_eval(next_y)
-                token = int(y.item())
-                now = time.perf_counter()
-                if not self.generated:
-                    self.first_token_at = now
-                self.last_token_at = now
-                if queue_next:
-                    session.tokens.append(token)
-                if token in session.end_ids:
-                    reason = "stop"
-                    break
-                self.generated.append(token)
-                self._stream(token)
-                self.tick()
-                if self.cancel.is_set():
-                    reason = "cancelled"
-                    break
-                if not queue_next:
-                    break
-                y = next_y
-        except Exception:
-            # A failed step may leave layers at different lengths.
-            session.reset()
-            raise
-        finally:
-            self._flush()
-        return reason

@@ -22,8 +22,9 @@ import psutil
 from engine import fit, kvquant
 from engine.errors import Cancelled, EngineError
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
+from engine.fit import facts_from_info, ram_headroom
 from engine.sampling import SamplingParams
-from engine.session import DEFAULT_CHUNK, Session, _ram_headroom, facts_from_info
+from engine.session import DEFAULT_CHUNK, Session
 from engine.stats import StatsThrottle, stats_sample
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class EngineWorker:
             page_size=256,
             available_bytes=int(memory.available),
             budget_bytes=self.budget_bytes,
-            headroom_bytes=_ram_headroom(int(memory.total)),
+            headroom_bytes=ram_headroom(int(memory.total)),
         )
 
     def count_tokens(self, text: str) -> int:

@@ -17,8 +17,8 @@ from mlx_lm.utils import load
 from engine import adapter
 from engine.errors import Cancelled, ContextTooLong
 from engine.events import IngestProgress, TokenChunk
-from engine.sampling import SamplingParams
-from engine.session import Session, _Generation, common_prefix
+from engine.sampling import AnswerStream, SamplingParams
+from engine.session import Session, common_prefix
 from tests.engine.tinymodels import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -255,10 +255,11 @@ def test_streamed_text_never_splits_a_character(models) -> None:
     text = "Zürich 東京 🌲🔥 café naïve"
     ids = session.tokenizer.encode(text, add_special_tokens=False)
     rec = Recorder()
-    generation = _Generation(session, GREEDY, 1, rec.cancel, rec, lambda: None)
+    answer = AnswerStream(session.model, session.cache, session.tokenizer, session.end_ids, [],
+                          GREEDY, request_id=1, cancel=rec.cancel, emit=rec, tick=lambda: None)
     for token in ids:
-        generation._stream(token)
-    generation._flush()
+        answer.stream(token)
+    answer.flush()
     chunks = rec.of(TokenChunk)
     assert "".join(c.text for c in chunks) == text
     assert [i for c in chunks for i in c.token_ids] == ids
