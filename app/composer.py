@@ -73,7 +73,7 @@ class AttachmentChip(QFrame):
         layout = QHBoxLayout(self)
         layout.setContentsMargins(10, 3, 4, 3)
         layout.setSpacing(4)
-        self.label = QLabel(f"📄 {name} · reading…")
+        self.label = QLabel(f"{name} · reading…")
         layout.addWidget(self.label)
         close = QToolButton(self)
         close.setText("✕")
@@ -85,7 +85,7 @@ class AttachmentChip(QFrame):
     def set_record(self, record: AttachmentRecord) -> None:
         """Show the parsed file's size and token count."""
         self.label.setText(
-            f"📄 {record.name} · {human_bytes(record.size)} · {record.tokens:,} tokens")
+            f"{record.name} · {human_bytes(record.size)} · {record.tokens:,} tokens")
 
 
 class Composer(QWidget):

@@ -105,14 +105,15 @@ class MessageWidget(QFrame):
         self.body.setVisible(bool(content) or status == "streaming")
         if attachments:
             self.files.setText("  ".join(
-                f"📄 {a.name} · {human_bytes(a.size)} · {a.tokens:,} tokens" for a in attachments))
+                f"{a.name} · {human_bytes(a.size)} · {a.tokens:,} tokens" for a in attachments))
         self.files.setVisible(bool(attachments))
         label = STATUS_TEXT.get(status, "")
-        if reason and status in ("failed", "stopped") and reason != label:
-            label = f"{label}: {reason}" if label else reason
-        elif reason and status == "complete":
-            label = reason
+        if reason and status == "complete":
+            label = reason  # e.g. the answer reached its length limit
+        # Engine errors are spelled out once, in the window's banner; the row keeps
+        # a short label with the full reason on hover.
         self.status.setText(label)
+        self.status.setToolTip(reason or "")
         if self.status.property("state") != status:
             self.status.setProperty("state", status)
             self.status.style().unpolish(self.status)

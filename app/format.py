@@ -43,3 +43,11 @@ def relative_time(timestamp: float, now: float | None = None) -> str:
     if delta < 2 * 86400:
         return "yesterday"
     return time.strftime("%-d %b", time.localtime(timestamp))
+
+
+def compact_count(n: int) -> str:
+    """93_653_760 -> "93.7 M"; small counts stay exact."""
+    for size, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if n >= 10 * size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:,}"

@@ -260,8 +260,10 @@ class MainWindow(QMainWindow):
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)
         if ready:
-            self.model_picker.setCurrentIndex(
-                max(0, self.model_picker.findData(self.controller.model_id)))
+            model_id = self.controller.model_id
+            if self.model_picker.findData(model_id) < 0:
+                self.model_picker.insertItem(1, text, model_id)
+            self.model_picker.setCurrentIndex(self.model_picker.findData(model_id))
             self.fit.schedule()
             self._update_projection()
 

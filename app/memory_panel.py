@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes
+from app.format import compact_count, human_bytes
 from app.memory_charts import HistoryChart, PagePoolView
 from app.session_list import mode_colour
 from engine.events import StatsSample
@@ -101,7 +101,7 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(_section("KV bytes by mode"))
         self.table = QTableWidget(len(PROJECTION_MODES), 3)
         self.table.setObjectName("projectionTable")
-        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Fits in free RAM"])
+        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Free RAM holds"])
         self.table.setVerticalHeaderLabels(list(PROJECTION_MODES))
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
@@ -194,7 +194,7 @@ class MemoryPanel(QScrollArea):
             cells = (
                 human_bytes(now.bytes_needed) if now.supported else "n/a",
                 human_bytes(full.bytes_needed) if full.supported else "n/a",
-                f"{now.tokens_fit_ram:,} tok" if now.supported else "head_dim",
+                f"{compact_count(now.tokens_fit_ram)} tokens" if now.supported else "head_dim",
             )
             highlight = mode == self.mode
             for column, text in enumerate(cells):

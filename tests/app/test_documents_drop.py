@@ -42,7 +42,7 @@ def test_dropped_document_becomes_a_chip_with_its_tokens(qtbot, window, tmp_path
     assert record.tokens == window.controller.bridge.count_tokens(TEXT * 20)
     (chip,) = window.composer.chips.values()
     assert chip.label.text() == (
-        f"📄 pines.md · {human_bytes(record.size)} · {record.tokens:,} tokens")
+        f"pines.md · {human_bytes(record.size)} · {record.tokens:,} tokens")
     assert window.composer.text() == "keep this draft"
 
 
