@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine import adapter
-from engine.errors import EngineError
+from engine.errors import EngineError, KvBudgetExceeded
 from engine.events import TokenChunk
 
 Sampler = Callable[[mx.array], mx.array]
@@ -181,8 +181,13 @@ class AnswerStream:
                 # the device computes while Python detokenizes.
                 queue_next = len(self.generated) + 1 < max_tokens and not self.cancel.is_set()
                 if queue_next:
-                    next_y = self._step(y)
-                    mx.async_eval(next_y)
+                    try:
+                        next_y = self._step(y)
+                        mx.async_eval(next_y)
+                    except KvBudgetExceeded:
+                        # Raised before any layer changed: end this answer at the
+                        # budget, as if it had reached its length limit.
+                        queue_next = False
                 token = int(y.item())
                 self.last_token_at = time.perf_counter()
                 if not self.generated:

@@ -311,3 +311,13 @@ def test_quantized_session_reports_its_pages(models) -> None:
     assert stats.bytes_used > 0 and stats.bytes_allocated >= stats.bytes_used
     session.close()
     assert session.tokens == []
+
+
+def test_page_budget_reached_mid_answer_ends_it_cleanly(models, monkeypatch) -> None:
+    session = Session("s", models["llama"], "fp16", page_size=16, budget_bytes=3 * 8192)
+    # Bypass the up-front clamp so the pool itself runs out while decoding.
+    monkeypatch.setattr(session, "room_for", lambda count: 10_000)
+    reason, stats, _ = _chat(session, _user("Hi"), SamplingParams(temperature=0.0,
+                                                                  max_tokens=500))
+    assert reason == "length" and 0 < stats.generated_tokens < 500
+    assert adapter.cache_tokens(session.cache) == len(session.tokens) == 48  # 3 pages
