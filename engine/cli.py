@@ -83,7 +83,8 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
     )
     collector = _Collector(None if args.json else out)
-    worker = EngineWorker(collector, chunk_size=args.chunk_size)
+    # Fixed chunks: the same prompt always prefills the same way (parity, benchmarks).
+    worker = EngineWorker(collector, chunk_size=args.chunk_size, adaptive_chunks=False)
     worker.start()
     try:
         worker.load_model(args.model)

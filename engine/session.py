@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[object], None]
 DEFAULT_CHUNK = 512
+MIN_CHUNK = 64  # below this, prefill spends more on per-call overhead than on tokens
 # End-of-turn markers of common chat templates; added to the tokenizer's EOS ids
 # when the vocabulary has them, so a turn ends even if generation_config forgot.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -74,7 +75,11 @@ class Session:
         mode: KV mode name or alias; fixed for the session's life.
         page_size: tokens per page.
         budget_bytes: byte budget of the session's page pool, or None.
-        chunk_size: tokens per prefill chunk.
+        chunk_size: tokens per prefill chunk (the most; see ``chunk_seconds``).
+        chunk_seconds: when set, a chunk that took longer shrinks the next ones
+            (down to ``MIN_CHUNK``) so progress and stats keep flowing on slow
+            machines; None keeps every chunk at ``chunk_size`` (reproducible
+            chunk boundaries, for benchmarks and parity checks).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class Session:
         *,
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        chunk_seconds: float | None = None,
     ) -> None:
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")
@@ -97,6 +103,8 @@ class Session:
         self.page_size = page_size
         self.budget_bytes = budget_bytes
         self.chunk_size = chunk_size
+        self.chunk_seconds = chunk_seconds
+        self.clock: Callable[[], float] = time.perf_counter
         self.end_ids = end_of_turn_ids(self.tokenizer)
         self.tokens: list[int] = []
         # Counters the tests and benchmarks read: what was actually computed.
@@ -222,22 +230,31 @@ class Session:
         Raises:
             Cancelled: ``cancel`` was set between two chunks; the chunks done stay held.
         """
-        start = time.perf_counter()
+        start = self.clock()
         done = 0
+        size = self.chunk_size
         while done < len(ids):
             if cancel.is_set():
                 raise Cancelled("Ingest cancelled.")
-            chunk = ids[done : done + self.chunk_size]
+            chunk = ids[done : done + size]
+            began = self.clock()
             self._forward(chunk)
+            size = self._next_chunk(len(chunk), self.clock() - began)
             done += len(chunk)
             self.tokens_ingested += len(chunk)
             mx.clear_cache()
-            elapsed = max(time.perf_counter() - start, 1e-9)
+            elapsed = max(self.clock() - start, 1e-9)
             rate = done / elapsed
             eta = (len(ids) - done) / rate if rate > 0 else None
             emit(IngestProgress(request_id, done, len(ids), rate, eta))
             tick()
-        return time.perf_counter() - start
+        return self.clock() - start
+
+    def _next_chunk(self, last: int, seconds: float) -> int:
+        if self.chunk_seconds is None or seconds <= 0:
+            return self.chunk_size
+        scaled = int(last * self.chunk_seconds / seconds)
+        return max(min(MIN_CHUNK, self.chunk_size), min(self.chunk_size, scaled))
 
     def sync(self, prompt: list[int], *, keep_last: bool) -> int:
         """Trim the cache to its longest prefix of ``prompt``; returns tokens kept.

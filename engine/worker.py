@@ -52,6 +52,9 @@ class EngineWorker:
         budget_bytes: byte budget of each session's page pool, or None.
         chunk_size: tokens per prefill chunk.
         stats_interval: seconds between ``StatsSample`` events while busy.
+        adaptive_chunks: shrink prefill chunks that take longer than two stats
+            intervals, so stats and progress arrive at >= 2 Hz on slow machines
+            too; False keeps chunk boundaries fixed (reproducible prefill).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class EngineWorker:
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         stats_interval: float = 0.25,
+        adaptive_chunks: bool = True,
     ) -> None:
         self._on_event = on_event
         self.budget_bytes = budget_bytes
@@ -75,6 +79,7 @@ class EngineWorker:
         self._current: _Command | None = None
         self._stopping = threading.Event()
         self._throttle = StatsThrottle(stats_interval)
+        self._chunk_seconds = 2 * stats_interval if adaptive_chunks else None
 
     # -- public API (any thread) ---------------------------------------------
 
@@ -283,6 +288,7 @@ class EngineWorker:
         session = Session(
             session_id, self._loaded, mode, page_size,
             budget_bytes=self.budget_bytes, chunk_size=self.chunk_size,
+            chunk_seconds=self._chunk_seconds,
         )
         with self._lock:
             self._sessions[session_id] = session

@@ -321,3 +321,22 @@ def test_page_budget_reached_mid_answer_ends_it_cleanly(models, monkeypatch) -> 
                                                                   max_tokens=500))
     assert reason == "length" and 0 < stats.generated_tokens < 500
     assert adapter.cache_tokens(session.cache) == len(session.tokens) == 48  # 3 pages
+
+
+def test_slow_chunks_shrink_so_progress_keeps_flowing(models) -> None:
+    session = Session("s", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
+    ticks = iter(range(10_000))
+    session.clock = lambda: float(next(ticks))  # every chunk "takes" one second
+    rec = Recorder()
+    session.ingest(_user(QUESTION * 16), request_id=1, cancel=rec.cancel, emit=rec,
+                   tick=lambda: None)
+    done = [p.tokens_done for p in rec.of(IngestProgress)]
+    sizes = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert sizes[:3] == [200, 100, 64] and set(sizes[3:-1]) == {64}
+    assert done[-1] == len(session.tokens)
+    fixed = Session("f", models["llama"], "fp16", chunk_size=200)
+    fixed.clock = session.clock
+    rec = Recorder()
+    fixed.ingest(_user(QUESTION * 16), request_id=1, cancel=rec.cancel, emit=rec,
+                 tick=lambda: None)
+    assert [p.tokens_done for p in rec.of(IngestProgress)][:2] == [200, 400]
