@@ -122,17 +122,20 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
 
 def find_models() -> list[tuple[str, str]]:
     """Models Longleaf can open: (name, path), the embedded demo first."""
+    from engine.demo_model import DEMO_NAME, demo_gguf_path
     from engine.models import discover_models
 
     found: list[tuple[str, str]] = []
+    converted_demo = (models_dir() / DEMO_NAME).resolve()
     try:
-        from engine.demo_model import demo_gguf_path
-
         demo_gguf_path()
-        found.append(("demo", "demo (SmolLM2-135M-Instruct, embedded)"))
+        found.append(("demo", f"demo ({DEMO_NAME}, embedded)"))
     except EngineError:
         pass
-    found.extend((info.name, info.path) for info in discover_models())
+    found.extend(
+        (info.name, info.path) for info in discover_models()
+        if not (found and Path(info.path).resolve() == converted_demo)
+    )
     return found
 
 
@@ -182,14 +185,21 @@ def info(args: argparse.Namespace, out: TextIO) -> int:
         out.write(json.dumps({"facts": facts, "kv_bytes_full_context": projection},
                              default=str) + "\n")
         return 0
+    width = max(len(key) for key in facts)
     for key, value in facts.items():
-        out.write(f"{key:>24}: {value}\n")
+        out.write(f"{key:>{width}}: {value}\n")
     context = facts_from_info(info_object).max_context
     out.write(f"\nKV cache at the full context ({context:,} tokens):\n")
     for mode, nbytes in projection.items():
-        shown = "unsupported for this head_dim" if nbytes is None else f"{nbytes / 2**30:.2f} GiB"
-        out.write(f"{mode:>24}: {shown}\n")
+        shown = "unsupported for this head_dim" if nbytes is None else _size(nbytes)
+        out.write(f"{mode:>{width}}: {shown}\n")
     return 0
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB ({nbytes:,} bytes)"
+    return f"{nbytes / 2**20:.1f} MiB ({nbytes:,} bytes)"
 
 
 def build_parser() -> argparse.ArgumentParser:
