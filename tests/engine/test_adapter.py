@@ -311,3 +311,43 @@ def test_head_dim_without_an_mlx_group_falls_back_to_dequantize() -> None:
 def test_cache_stats_of_a_cache_without_paged_layers(tmp_path: Path) -> None:
     stats = adapter.cache_stats([])
     assert stats.tokens == 0 and stats.layers == () and stats.pages_allocated == 0
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """SmolLM2-135M (the app's demo model), dequantized to float32 for the CPU."""
+    from mlx_lm.utils import dequantize_model, load
+
+    from engine.demo_model import ensure_demo_model
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("LONGLEAF_HOME", str(tmp_path_factory.mktemp("demo-home")))
+    try:
+        model, tokenizer = load(str(ensure_demo_model()))
+    finally:
+        patch.undo()
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)  # the CPU backend emulates float16
+    return model, tokenizer
+
+
+def _greedy(model: Any, cache: list[Any], prompt: list[int], tokens: int) -> list[int]:
+    for start in range(0, len(prompt), 128):  # multi-chunk prefill
+        logits = model(mx.array([prompt[start : start + 128]]), cache=cache)
+        mx.eval(logits)
+    out = [int(mx.argmax(logits[0, -1]).item())]
+    while len(out) < tokens:
+        logits = model(mx.array([out[-1:]]), cache=cache)
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+    return out
+
+
+@pytest.mark.slow
+def test_demo_model_fp16_greedy_is_token_identical(demo_model: tuple[Any, Any]) -> None:
+    model, tokenizer = demo_model
+    text = "Longleaf pines grow in sandy soil across the southeastern coastal plain. " * 12
+    prompt = tokenizer.encode(text)
+    assert len(prompt) > 128
+    expected = _greedy(model, make_prompt_cache(model), prompt, 64)
+    got = _greedy(model, adapter.make_cache(model, "fp16", page_size=64), prompt, 64)
+    assert got == expected
