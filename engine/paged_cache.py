@@ -100,13 +100,14 @@ class PagedKVCache(_BaseCache):
     def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """The first ``tokens`` cached keys and values as ``[1, kv_heads, tokens, D]``."""
         pages = self.pool.pages_for(tokens)
-        k_codes, k_scales, v_codes, v_scales = self.store.gather(self.block_table[:pages])
+        gathered = self.store.gather(self.block_table[:pages], heads_first=True)
+        k_codes, k_scales, v_codes, v_scales = gathered
         bits, head_dim = self.store.layout.bits, self.head_dim
 
         def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
+            # Gathered heads-first, so this reshape is free: no transpose copy.
             values = kvquant.dequantize_rows(codes, scales, bits, head_dim, dtype)
-            values = values.transpose(1, 0, 2, 3).reshape(self.kv_heads, -1, head_dim)
-            return values[None, :, :tokens]
+            return values.reshape(self.kv_heads, -1, head_dim)[None, :, :tokens]
 
         return rows(k_codes, k_scales), rows(v_codes, v_scales)
 

@@ -130,20 +130,29 @@ class PageStore:
             target[local, :, row : row + value.shape[1], :] = value
             slab[part] = target
 
-    def gather(self, slots: list[int]) -> list[mx.array | None]:
-        """Copies of the given pages in the given order, ``[n, kv_heads, page_size, w]``."""
+    def gather(self, slots: list[int], heads_first: bool = False) -> list[mx.array | None]:
+        """Copies of the given pages in the given order.
+
+        Page-major ``[n, kv_heads, page_size, w]``, or with ``heads_first``
+        ``[kv_heads, n, page_size, w]`` (one gather, ready to read as a sequence).
+        """
+        axis = 1 if heads_first else 0
         groups = self.group(slots)
         parts: list[mx.array | None] = []
         for part in range(4):
             if self.slabs[0][part] is None:
                 parts.append(None)
                 continue
-            pieces = [mx.take(self.slabs[g][part], local, axis=0) for g, local, _ in groups]
-            parts.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0))
+            pieces = []
+            for slab_index, local, _ in groups:
+                pages = self.slabs[slab_index][part]
+                pages = pages.swapaxes(0, 1) if heads_first else pages
+                pieces.append(mx.take(pages, local, axis=axis))
+            parts.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=axis))
         order = [p for _, _, positions in groups for p in positions]
         if order != sorted(order):
             inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
-            parts = [None if p is None else mx.take(p, inverse, axis=0) for p in parts]
+            parts = [None if p is None else mx.take(p, inverse, axis=axis) for p in parts]
         return parts
 
     def group(self, slots: list[int]) -> list[tuple[int, mx.array, list[int]]]:

@@ -142,3 +142,19 @@ def test_write_and_gather_rows_in_place() -> None:
     np.testing.assert_array_equal(np.array(k_codes[0, :, 2:7]), np.array(rows))
     np.testing.assert_array_equal(np.array(k_scales[0, :, 2:7]), np.array(scales))
     assert not np.array(k_codes[0, :, :2]).any() and not np.array(k_codes[1]).any()
+
+
+def test_gather_heads_first_is_the_transposed_page_major_copy() -> None:
+    store = PagePool("q6", 4).add_store(3, 32)
+    store.add_slab(2)
+    store.add_slab(3)
+    for slot in range(5):
+        codes = mx.full((3, 4, 24), slot + 1, dtype=mx.uint8) + mx.arange(3)[:, None, None]
+        store.write(slot, 0, (codes, None, codes, None))
+    table = [4, 0, 2, 1]
+    page_major = store.gather(table)
+    heads_first = store.gather(table, heads_first=True)
+    for a, b in zip(page_major, heads_first, strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(np.array(a.swapaxes(0, 1)), np.array(b))
+    assert np.array(page_major[0])[:, 0, 0, 0].tolist() == [5, 1, 3, 2]
