@@ -136,18 +136,38 @@ def load_model(path: str | Path, *, compute_dtype: mx.Dtype | None = None) -> Lo
             f"The tokenizer files in {folder} cannot be read ({error}); download the "
             "model again or copy its tokenizer files into the folder."
         ) from error
-    _set_compute_dtype(model, compute_dtype)
+    model = _set_compute_dtype(model, compute_dtype)
     kinds = classify_layers(make_prompt_cache(model))
     info = _model_info(folder, config, kinds, get_total_parameters(model))
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, config=config)
 
 
-def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> None:
+def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> Any:
     if dtype is None:
         if mx.default_device().type == mx.gpu and mx.metal.is_available():
-            return
+            return model
         dtype = mx.float32
+        model = _dequantize_for_cpu(model)
     model.set_dtype(dtype)  # float parameters only; packed weights stay as they are
+    return model
+
+
+def _dequantize_for_cpu(model: Any) -> Any:
+    """Unpack quantized weights to float on the CPU backend when RAM allows.
+
+    MLX's CPU quantized matmul is a plain loop, ~12x slower than the BLAS sgemm
+    a float layer gets (measured on the demo: 25.6 s vs 2.1 s for a 64-token
+    forward); Metal has fused kernels, so there the weights stay packed.
+    """
+    import psutil
+    from mlx_lm.utils import dequantize_model, get_total_parameters
+
+    if not any(hasattr(m, "scales") for _, m in model.named_modules()):
+        return model
+    float_bytes = get_total_parameters(model) * 4
+    if float_bytes > psutil.virtual_memory().available // 2:
+        return model
+    return dequantize_model(model)
 
 
 def check_model_dir(folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Any]:
