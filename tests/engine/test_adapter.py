@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import base as mlx_base
@@ -25,7 +26,7 @@ from mlx_lm.models.cache import (
 )
 
 from engine import adapter, kvquant
-from engine.errors import KvBudgetExceeded, UnsupportedModeError
+from engine.errors import KvBudgetExceeded, ModelLoadError, UnsupportedModeError
 from engine.paged_cache import PagedKVCache
 from tests.engine.tinymodels import ARCHS, load_tiny
 
@@ -351,3 +352,21 @@ def test_demo_model_fp16_greedy_is_token_identical(demo_model: tuple[Any, Any]) 
     expected = _greedy(model, make_prompt_cache(model), prompt, 64)
     got = _greedy(model, adapter.make_cache(model, "fp16", page_size=64), prompt, 64)
     assert got == expected
+
+
+class _OwnAttentionLayer(nn.Module):
+    """A layer whose module never calls mlx-lm's scaled_dot_product_attention."""
+
+
+class _OwnAttentionModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [_OwnAttentionLayer()]
+
+    def make_cache(self) -> list[Any]:
+        return [KVCache()]
+
+
+def test_models_that_bypass_mlx_lm_attention_are_refused() -> None:
+    with pytest.raises(ModelLoadError, match="cannot plug into it"):
+        adapter.make_cache(_OwnAttentionModel(), "q8")
