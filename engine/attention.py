@@ -128,7 +128,7 @@ def _attend_packed(
     # towards ~1.4% (measured in issue 3).
     q = queries[0].astype(mx.float32).reshape(kv_heads, rows, head_dim) * scale
     heads_index = mx.arange(kv_heads, dtype=mx.uint32)
-    groups = store.group(cache.block_table[: cache.pool.pages_for(prefix)])
+    groups = cache.page_groups(cache.pool.pages_for(prefix))
 
     page_scores, positions, targets = [], [], []
     for slab_index, local, logicals in groups:

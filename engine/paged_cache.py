@@ -42,6 +42,7 @@ class PagedKVCache(_BaseCache):
             self.store = pool.add_store(kv_heads, head_dim)
         self.block_table: list[int] = []
         self.offset = 0
+        self._groups: tuple[tuple[int, ...], list[Any]] | None = None
 
     # -- writing -------------------------------------------------------------
 
@@ -96,6 +97,17 @@ class PagedKVCache(_BaseCache):
     @property
     def head_dim(self) -> int:
         return self.store.layout.head_dim
+
+    def page_groups(self, pages: int) -> list[Any]:
+        """The first ``pages`` pages split by slab, as :meth:`PageStore.group` gives.
+
+        Cached: decode steps inside one page reuse it instead of rebuilding index
+        arrays over the whole block table every step.
+        """
+        key = tuple(self.block_table[:pages])
+        if self._groups is None or self._groups[0] != key:
+            self._groups = (key, self.store.group(list(key)))
+        return self._groups[1]
 
     def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """The first ``tokens`` cached keys and values as ``[1, kv_heads, tokens, D]``."""

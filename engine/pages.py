@@ -72,9 +72,9 @@ class PageStore:
     def __init__(self, layout: PageLayout) -> None:
         self.layout = layout
         self.slabs: list[list[mx.array | None]] = []
-        self.slab_starts: list[int] = []
         self.capacity = 0
         self._free: list[int] = []
+        self._where: list[tuple[int, int]] = []  # slot -> (slab, index in slab)
 
     @property
     def free_count(self) -> int:
@@ -96,7 +96,7 @@ class PageStore:
             return None if layout.bits == 16 else mx.zeros((*shape, 1), dtype=mx.float16)
 
         self.slabs.append([codes(), scales(), codes(), scales()])
-        self.slab_starts.append(self.capacity)
+        self._where.extend((len(self.slabs) - 1, local) for local in range(pages))
         for slot in range(self.capacity, self.capacity + pages):
             heapq.heappush(self._free, slot)
         self.capacity += pages
@@ -111,10 +111,7 @@ class PageStore:
 
     def locate(self, slot: int) -> tuple[int, int]:
         """(slab index, index inside the slab) of a slot."""
-        for index in range(len(self.slab_starts) - 1, -1, -1):
-            if slot >= self.slab_starts[index]:
-                return index, slot - self.slab_starts[index]
-        raise IndexError(f"slot {slot} is not in this store")
+        return self._where[slot]
 
     def write(self, slot: int, row: int, rows: tuple[mx.array | None, ...]) -> None:
         """Write ``[kv_heads, n, width]`` rows at ``row`` of a page, in place.
