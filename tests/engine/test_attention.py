@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -197,3 +199,13 @@ def test_attention_sinks_are_refused() -> None:
         attention.paged_attention(
             _normal((1, 4, 1, 32), 2), keys, keys, cache, 1.0, sinks=mx.zeros((4,))
         )
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 256])
+def test_any_page_size(page_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "PAGE_SIZE", page_size)
+    for mode in ("q8", "q6", "q4"):
+        cache = _cache(mode, 64, prefix=70)
+        for step in range(2):
+            got, expected = _step(cache, mode, 1, heads=4, mask=None, seed=3 + 3 * step)
+            np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
