@@ -34,20 +34,21 @@ CHUNKS = (40, 33, 17)
 DECODE_STEPS = 20
 PAGE_SIZE = 16
 
-# Measured (CPU, float32 tiny models): the paged cache against a reference that
-# stores the same rounded/quantized rows and attends the new chunk at full
-# precision differs by at most ~2e-6 in any logit, until float32 noise of ~1e-7
-# in a new row flips one rounding decision of the quantizer (seen once: 2.8e-4
-# for q8 on qwen3, 1% of q8's own error). Allowed: 5e-5, or 5% of the mode's error.
+# Measured (CPU, float32 tiny models, this file's prompt and steps): the paged
+# cache against a reference that stores the same rounded/quantized rows and attends
+# the new chunk at full precision differs by 0 (fp16) to 8e-6 in any logit, except
+# where float32 noise of ~1e-7 in a new row flips one rounding decision of the
+# quantizer (q8: 2.8e-4 on qwen3, 2.5e-4 on gemma3_text, ~1-2% of q8's own error).
+# Allowed: 5e-5, or 5% of the mode's error against mlx-lm.
 SAME_ROWS_TOLERANCE = 5e-5
 SAME_ROWS_SHARE = 0.05
-# fp16 pages against mlx-lm's float32 KVCache: max |logit error| measured 4.8e-4
-# (llama), 6.9e-4 (qwen3), 4.7e-4 (qwen3_next), 1.6e-2 (gemma3_text, whose q/k
-# norms make scores peaked), with logits up to ~7. Bound: 0.5% of the largest logit.
-FP16_RELATIVE_BOUND = 5e-3
-# q8 against the same: measured 0.2% (llama), 0.4% (qwen3), 0.34% (qwen3_next),
-# 3.3% (gemma3_text) of the largest logit.
-Q8_RELATIVE_BOUND = 5e-2
+# fp16 pages against mlx-lm's float32 KVCache, max |logit error| / max |logit|:
+# 0.007% llama, 0.012% qwen3, 0.010% qwen3_next, 0.10% gemma3_text (its q/k norms
+# make scores peaked). Bound: 0.2%.
+FP16_RELATIVE_BOUND = 2e-3
+# q8 against the same: 0.19% llama, 0.36% qwen3, 1.08% qwen3_next, 1.77% gemma3_text.
+# (q6: 1.1-6.5%, q4: 3.3-37%.) Bound: 3%.
+Q8_RELATIVE_BOUND = 3e-2
 
 
 @pytest.fixture(scope="module")
