@@ -24,9 +24,11 @@ import mlx.core as mx
 from engine import kvquant
 from engine.errors import KvBudgetExceeded, UnsupportedModeError
 
-# Slabs double a layer's capacity up to this many pages, then grow linearly: few
-# slabs per layer (each costs one kernel per decode step) without large idle slack.
-MAX_SLAB_PAGES = 256
+# Slabs double a layer's capacity up to this many bytes, then grow linearly: few
+# slabs per layer (each costs two kernels per decode step) while the idle tail a
+# layer allocates ahead stays small (at most one slab, e.g. 63 pages of a 256-wide
+# q8 head layout: 0.5 GiB over 16 layers at worst).
+MAX_SLAB_BYTES = 32 * 2**20
 MIN_SLAB_PAGES = 4
 _MODES_BY_QUALITY = ("fp16", "q8", "q6", "q4")
 
@@ -225,7 +227,8 @@ class PagePool:
         spare = headroom - needed
         step_bytes = sum(s.layout.page_bytes for s, _ in short)
         for store, missing in short:
-            grow = min(max(store.capacity, MIN_SLAB_PAGES), MAX_SLAB_PAGES)
+            cap = max(1, MAX_SLAB_BYTES // store.layout.page_bytes)
+            grow = min(max(store.capacity, MIN_SLAB_PAGES), cap)
             extra = max(0, grow - missing)
             if spare != math.inf:
                 # Every short layer grows by the same slack, so layers stay symmetric

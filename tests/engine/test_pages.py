@@ -70,7 +70,7 @@ def test_growth_adds_slabs_and_never_touches_existing_pages() -> None:
 
 
 def test_slabs_stop_doubling_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pages, "MAX_SLAB_PAGES", 8)
+    monkeypatch.setattr(pages, "MAX_SLAB_BYTES", 8 * PageLayout("q8", 4, 1, 32).page_bytes)
     pool = PagePool("q8", 4)
     store = pool.add_store(1, 32)
     for tokens in range(4, 4 * 40, 4):
