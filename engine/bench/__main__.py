@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--q-heads", type=int)
     cache.add_argument("--prefill-tokens", type=parse_tokens, help="e.g. 16k")
     cache.add_argument("--prefill-chunk", type=parse_tokens)
+    cache.add_argument("--prefill-q-heads", type=int)
+    cache.add_argument("--prefill-kv-heads", type=int)
     cache.add_argument("--quant-chunk", type=parse_tokens)
     cache.add_argument("--repeats", type=int, help="timed decode steps per contender")
     cache.add_argument("--warmup", type=int, help="untimed decode steps per contender")
@@ -84,6 +86,8 @@ def run_cache(args: argparse.Namespace, command: str) -> dict:
         q_heads=args.q_heads,
         prefill_tokens=args.prefill_tokens,
         prefill_chunk=args.prefill_chunk,
+        prefill_q_heads=args.prefill_q_heads,
+        prefill_kv_heads=args.prefill_kv_heads,
         quant_chunk=args.quant_chunk,
         decode_repeats=args.repeats,
         decode_warmup=args.warmup,

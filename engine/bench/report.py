@@ -283,30 +283,19 @@ def _prefill_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
         fp16 = _one(prefill, kind="mlx-fp16", head_dim=head_dim)
         for mode in _paged_modes(prefill):
             ours = _one(prefill, kind="paged", mode=mode, head_dim=head_dim)
-            quant = _one(prefill, kind="mlx-quant", mode=mode, head_dim=head_dim)
-            where = f"{mode} D{head_dim}"
-            time_ratio = ratio(_value(ours, "prefill_s"), _value(fp16, "prefill_s"))
-            peak_fp16 = ratio(_value(ours, "peak_bytes"), _value(fp16, "peak_bytes"))
-            peak_quant = ratio(_value(ours, "peak_bytes"), _value(quant, "peak_bytes"))
-            tally.check("prefill ≤ 1.15× mlx-lm KVCache", where, time_ratio, PREFILL_GOAL)
-            if mode != "fp16":
-                tally.check("prefill peak memory < mlx-lm QuantizedKVCache", where, peak_quant, 1.0)
+            time_ratio = ratio(ours["prefill_s"], fp16["prefill_s"])
+            tally.check(
+                "prefill ≤ 1.15× mlx-lm KVCache", f"{mode} D{head_dim}", time_ratio, PREFILL_GOAL
+            )
             rows.append(
                 (
                     head_dim,
                     mode,
                     f"{ours['prefill_s']:.2f}",
                     f"{fp16['prefill_s']:.2f}",
-                    "—" if quant is None else f"{quant['prefill_s']:.2f}",
                     fmt_ratio(time_ratio, PREFILL_GOAL),
-                    "—"
-                    if quant is None
-                    else fmt_ratio(ratio(ours["prefill_s"], quant["prefill_s"])),
-                    fmt_bytes(ours["peak_bytes"]),
-                    fmt_bytes(fp16["peak_bytes"]),
-                    "—" if quant is None else fmt_bytes(quant["peak_bytes"]),
-                    fmt_ratio(peak_fp16),
-                    "—" if mode == "fp16" else fmt_ratio(peak_quant, 1.0),
+                    fmt_bytes(ours["full_peak_bytes"]),
+                    fmt_bytes(fp16["full_peak_bytes"]),
                 )
             )
     headers = (
@@ -314,14 +303,56 @@ def _prefill_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
         "mode",
         "paged (s)",
         "mlx-lm KVCache (s)",
-        "mlx-lm quantized (s)",
         "paged / KVCache (≤ 1.15)",
-        "paged / quantized",
-        "peak paged",
-        "peak KVCache",
-        "peak quantized",
-        "peak paged / KVCache",
-        "peak paged / quantized (< 1)",
+        "peak paged, whole prefill",
+        "peak KVCache, whole prefill",
+    )
+    return table(headers, rows)
+
+
+def _memory_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
+    rows = []
+    prefill = results["prefill"]
+    for head_dim in results["config"]["head_dims"]:
+        fp16 = _one(prefill, kind="mlx-fp16", head_dim=head_dim)
+        for mode in _paged_modes(prefill):
+            ours = _one(prefill, kind="paged", mode=mode, head_dim=head_dim)
+            quant = _one(prefill, kind="mlx-quant", mode=mode, head_dim=head_dim)
+            peak_quant = ratio(ours["peak_bytes"], _value(quant, "peak_bytes"))
+            if mode != "fp16":
+                tally.check(
+                    "prefill peak memory < mlx-lm QuantizedKVCache",
+                    f"{mode} D{head_dim}",
+                    peak_quant,
+                    1.0,
+                )
+            rows.append(
+                (
+                    head_dim,
+                    mode,
+                    fmt_bytes(ours["peak_bytes"]),
+                    fmt_bytes(fp16["peak_bytes"]),
+                    "—" if quant is None else fmt_bytes(quant["peak_bytes"]),
+                    fmt_ratio(ratio(ours["peak_bytes"], fp16["peak_bytes"])),
+                    "—" if quant is None else fmt_ratio(peak_quant, 1.0),
+                    "—"
+                    if quant is None
+                    else fmt_ratio(ratio(quant["peak_bytes"], fp16["peak_bytes"])),
+                    "—"
+                    if quant is None
+                    else fmt_ratio(ratio(ours["last_chunk_s"], quant["last_chunk_s"])),
+                )
+            )
+    headers = (
+        "head_dim",
+        "mode",
+        "paged",
+        "KVCache",
+        "quantized same bits",
+        "paged / KVCache",
+        "paged / quantized (< 1)",
+        "quantized / KVCache",
+        "last-chunk time paged / quantized",
     )
     return table(headers, rows)
 
@@ -441,6 +472,7 @@ def render_cache_report(
     tally = GoalTally()
     decode = _decode_lines(results, tally)
     prefill = _prefill_lines(results, tally)
+    memory = _memory_lines(results, tally)
     quantize = _quantize_lines(results, tally)
     held = _bytes_lines(results, tally)
     contexts = ", ".join(str(c) for c in config["contexts"])
@@ -487,13 +519,29 @@ def render_cache_report(
         "",
         *decode,
         "",
-        f"### Prefill of {config['prefill_tokens']} tokens in chunks of "
-        f"{config['prefill_chunk']}: time and peak memory",
+        f"### Prefill of {config['prefill_tokens']} tokens in chunks of {config['prefill_chunk']}",
         "",
-        "Peak memory is `mx.get_peak_memory()` during the prefill minus the memory already "
-        "active before it (the inputs), so it is the cache plus attention scratch.",
+        f"{config['prefill_q_heads']} query heads over {config['prefill_kv_heads']} KV head(s) "
+        "(prefill attention on this CPU takes minutes at full width; every contender does the "
+        f"same work). Median of {config['prefill_repeats']} timed prefill(s) per contender after "
+        "an untimed two-chunk warmup. Peak memory is `mx.get_peak_memory()` during the prefill "
+        "minus the memory active before it (the inputs): the cache plus attention scratch.",
         "",
         *prefill,
+        "",
+        f"### Peak memory during a {config['prefill_tokens']}-token prefill, mlx-lm's quantized "
+        "cache included",
+        "",
+        "mlx-lm's `QuantizedKVCache` prefills through `quantized_matmul`, which on the CPU "
+        "backend is several times slower than the fused attention, so attending every chunk "
+        "does not fit this run. Here every contender takes all chunks but the last through "
+        "`update_and_fetch` (exactly as in a prefill, regrowth copies included) and runs "
+        "attention on the last chunk only. Scratch grows with the context, so the last chunk "
+        "sets the peak; the whole-prefill peaks in the table above check the method for the "
+        "paged and fp16 caches. The last column compares the time of that last chunk's "
+        "attention (at the full context).",
+        "",
+        *memory,
         "",
         "### quantize+pack (`quantize_rows` for K and V)",
         "",

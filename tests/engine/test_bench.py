@@ -64,6 +64,7 @@ def cache_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
         "--head-dims", ",".join(str(d) for d in HEAD_DIMS),
         "--kv-heads", str(KV_HEADS), "--q-heads", "4",
         "--prefill-tokens", "512", "--prefill-chunk", "256", "--quant-chunk", "256",
+        "--prefill-q-heads", "2", "--prefill-kv-heads", "1",
         "--repeats", "2", "--warmup", "1", "--prefill-repeats", "1", "--quant-repeats", "2",
         "--output", str(doc), "--json", str(raw),
     ]  # fmt: skip
@@ -118,8 +119,25 @@ def test_prefill_table_has_every_cell(cache_run: tuple[str, dict]) -> None:
     rows = _table_after(markdown, "Prefill")
     assert {(int(r[0]), r[1]) for r in rows} == {(d, m) for d in HEAD_DIMS for m in MODES}
     for row in rows:
-        assert len(row) == 12 and "n/a" not in row
-        assert all(cell.endswith("MiB") for cell in row[7:9])
+        assert len(row) == 7 and "n/a" not in row
+        assert re.fullmatch(r"\d+\.\d\d× [✅❌]", row[4])
+        assert all(cell.endswith("MiB") for cell in row[5:7])
+
+
+def test_peak_memory_table_has_every_cell(cache_run: tuple[str, dict]) -> None:
+    markdown, results = cache_run
+    rows = _table_after(markdown, "Peak memory")
+    assert {(int(r[0]), r[1]) for r in rows} == {(d, m) for d in HEAD_DIMS for m in MODES}
+    for row in rows:
+        assert len(row) == 9 and "n/a" not in row
+        if row[1] == "fp16":
+            assert row[4] == row[6] == row[7] == row[8] == "—"
+        else:
+            assert row[4].endswith("MiB") and re.fullmatch(r"\d+\.\d\d× [✅❌]", row[6])
+    for row in results["prefill"]:
+        assert row["peak_bytes"] > 0 and row["last_chunk_s"] > 0
+        # Only the paged and fp16 caches run the whole prefill.
+        assert (row["prefill_s"] is None) == (row["kind"] == "mlx-quant")
 
 
 def test_quantize_table_has_every_cell(cache_run: tuple[str, dict]) -> None:
@@ -155,7 +173,7 @@ def test_goals_table_lists_every_goal(cache_run: tuple[str, dict]) -> None:
     markdown, results = cache_run
     rows = _table_after(markdown, "Goals")
     goals = [r[0] for r in rows]
-    assert len(goals) == 7
+    assert len(goals) == 7, goals
     for fragment in ("decode ≤ 1.0×", "decode ≤ 1.2×", "prefill ≤ 1.15×", "peak memory",
                      "new token < 5%", "chunk < 5%", "bytes held ≤ 0.95×"):  # fmt: skip
         assert any(fragment in goal for goal in goals), fragment
