@@ -222,7 +222,8 @@ def download_model(
         )
     _start_manifest(plan, revision)
     meter = _Meter(plan, on_progress)
-    headers = build_hf_headers(token=token)
+    # Byte offsets must count stored bytes, so never let a server compress a body.
+    headers = {**build_hf_headers(token=token), "Accept-Encoding": "identity"}
     for remote in plan.files:
         target = plan.destination / remote.path
         if remote.path not in plan.files_present:
@@ -249,6 +250,7 @@ def _fetch(
 ) -> None:
     """Fetch one file into ``part``, continuing whatever bytes it already has."""
     part.parent.mkdir(parents=True, exist_ok=True)
+    part.touch()  # an empty file is complete as soon as it exists
     failures = 0
     while True:
         if cancel is not None and cancel.is_set():

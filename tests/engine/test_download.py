@@ -52,6 +52,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[tuple[str, str, str | None]] = []
+        self.encodings: list[str | None] = []
         self.drop_once: dict[str, int] = {}  # file -> drop the connection after N bytes
         self.refuse_files = False  # hang up before answering any file request
         self.down_after_drop = False  # set refuse_files when a drop_once fires
@@ -88,6 +89,7 @@ class FakeHub:
 
             def do_GET(self) -> None:
                 hub.requests.append(("GET", urlsplit(self.path).path, self.headers.get("Range")))
+                hub.encodings.append(self.headers.get("Accept-Encoding"))
                 path = unquote(urlsplit(self.path).path)
                 if path.startswith("/api/models/"):
                     self._listing(path.removeprefix("/api/models/"))
@@ -249,6 +251,17 @@ def test_downloads_model_files_with_progress(hub: FakeHub) -> None:
     assert any(e.bytes_per_second > 0 for e in events)
 
 
+def test_empty_files_and_subfolders_are_downloaded(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    repo.files["generation_config.json"] = b""
+    repo.files["chat/template.jinja"] = b"{{ messages }}"
+
+    folder = download_model("mlx-community/tiny")
+
+    assert (folder / "generation_config.json").read_bytes() == b""
+    assert (folder / "chat" / "template.jinja").read_bytes() == b"{{ messages }}"
+
+
 def test_second_download_fetches_nothing(hub: FakeHub) -> None:
     hub.repos["mlx-community/tiny"] = _tiny_repo()
     download_model("mlx-community/tiny")
@@ -268,6 +281,7 @@ def test_dropped_connection_is_resumed_with_range(hub: FakeHub) -> None:
     folder = download_model("mlx-community/tiny")
 
     _assert_model_on_disk(folder, repo)
+    assert hub.encodings[-1] == "identity"  # Range offsets count stored bytes
     ranges = hub.file_gets("model.safetensors")
     assert ranges[0] is None
     assert len(ranges) == 2
