@@ -46,6 +46,7 @@ class ChatController(QObject):
     statsUpdated = Signal(object)
     editRequested = Signal(str, object)  # text, attachments
     answerFinished = Signal(str)  # final status of the answer
+    cacheChanged = Signal()  # a session's KV cache was opened or dropped
 
     def __init__(self, settings: Settings, store: HistoryStore, bridge: EngineBridge,
                  parent: QObject | None = None) -> None:
@@ -208,6 +209,7 @@ class ChatController(QObject):
 
     def _on_session_opened(self, event: SessionOpened) -> None:
         self.opened[event.session_id] = event.kv_mode
+        self.cacheChanged.emit()
         then = self._after_open.pop(event.request_id, None)
         if then is not None:
             then()

@@ -99,7 +99,10 @@ class FitChecker(QObject):
         self.last_report, self.last_total, self.last_prompt_tokens = report, total, prompt
         current = self.controller.current
         mode = current.kv_mode if current else self.controller.settings.default_mode
-        if report is None or (prompt < SHOW_ABOVE_TOKENS and report.for_mode(mode).fits):
+        attached = bool(self.parent().attachments)
+        quiet = prompt < SHOW_ABOVE_TOKENS and not attached and report is not None and (
+            report.for_mode(mode).fits)
+        if report is None or quiet:
             self.composer.show_fit("", True)
             return
         html, ok = fit_html(report, mode, total, estimated)

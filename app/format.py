@@ -48,6 +48,8 @@ def relative_time(timestamp: float, now: float | None = None) -> str:
 def compact_count(n: int) -> str:
     """93_653_760 -> "93.7 M"; small counts stay exact."""
     for size, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
-        if n >= 10 * size:
-            return f"{n / size:.1f} {unit}"
+        if n >= size:
+            value = n / size
+            digits = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{digits}f} {unit}"
     return f"{n:,}"

@@ -7,7 +7,6 @@ from pathlib import Path
 from PySide6.QtCore import QMimeData, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence
 from PySide6.QtWidgets import (
-    QComboBox,
     QFileDialog,
     QFrame,
     QHBoxLayout,
@@ -28,11 +27,10 @@ from app.conversation_view import ConversationView
 from app.dialogs import NewChatDialog, SettingsDialog
 from app.fit_check import FitChecker
 from app.memory_panel import MemoryPanel
+from app.model_picker import ModelPicker
 from app.session_list import SessionList
 from app.settings import KV_MODES
 from app.store import AttachmentRecord
-
-OPEN_FOLDER = "Open folder…"
 
 
 def local_files(mime: QMimeData) -> list[str]:
@@ -146,11 +144,11 @@ class MainWindow(QMainWindow):
         self.model_label = QLabel("Model")
         self.model_label.setObjectName("toolbarCaption")
         bar.addWidget(self.model_label)
-        self.model_picker = QComboBox()
-        self.model_picker.setMinimumWidth(220)
-        self.model_picker.setObjectName("modelPicker")
-        self._fill_models()
-        self.model_picker.activated.connect(self._on_model_picked)
+        self.model_picker = ModelPicker()
+        self.model_picker.set_current(self.settings.last_model)
+        self.model_picker.modelChosen.connect(self.controller.load_model)
+        self.model_picker.openFolderRequested.connect(self.open_model_folder)
+        self.model_picker.refresh(self.settings.model_folders)
         bar.addWidget(self.model_picker)
         self.model_state = QLabel()
         self.model_state.setObjectName("modelState")
@@ -215,6 +213,7 @@ class MainWindow(QMainWindow):
         c.ingestProgress.connect(lambda e: self.composer.show_progress(
             e.tokens_done, e.tokens_total, e.tokens_per_second, e.eta_seconds))
         c.statsUpdated.connect(self._on_stats)
+        c.cacheChanged.connect(self._update_projection)
         c.editRequested.connect(self._on_edit_requested)
         self.conversation.regenerateRequested.connect(c.regenerate)
         self.conversation.editRequested.connect(c.begin_edit)
@@ -227,32 +226,13 @@ class MainWindow(QMainWindow):
 
     # Models ---------------------------------------------------------------
 
-    def _fill_models(self) -> None:
-        self.model_picker.clear()
-        self.model_picker.addItem("Demo (SmolLM2-135M)", "demo")
-        for folder in self.settings.model_folders:
-            self.model_picker.addItem(Path(folder).name, folder)
-        last = self.settings.last_model
-        if self.model_picker.findData(last) < 0:
-            self.model_picker.addItem(Path(last).name, last)
-        self.model_picker.insertSeparator(self.model_picker.count())
-        self.model_picker.addItem(OPEN_FOLDER, OPEN_FOLDER)
-        self.model_picker.setCurrentIndex(max(0, self.model_picker.findData(last)))
-
-    def _on_model_picked(self, index: int) -> None:
-        data = self.model_picker.itemData(index)
-        if data == OPEN_FOLDER:
-            self.open_model_folder()
-        elif data:
-            self.controller.load_model(data)
-
     def open_model_folder(self) -> None:
         """Pick a model folder and load it."""
         folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
         if folder:
             self.settings.model_folders = [*self.settings.model_folders, folder]
             self.controller.load_model(folder)
-        self._fill_models()
+            self.model_picker.refresh(self.settings.model_folders)
 
     def _on_model_state(self, text: str, ready: bool) -> None:
         self.model_state.setText(("● " if ready else "○ ") + text)
@@ -260,10 +240,7 @@ class MainWindow(QMainWindow):
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)
         if ready:
-            model_id = self.controller.model_id
-            if self.model_picker.findData(model_id) < 0:
-                self.model_picker.insertItem(1, text, model_id)
-            self.model_picker.setCurrentIndex(self.model_picker.findData(model_id))
+            self.model_picker.set_current(self.controller.model_id, text)
             self.fit.schedule()
             self._update_projection()
 
@@ -414,13 +391,14 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         """The Settings dialog."""
-        SettingsDialog(self.settings, self).exec()
-        self._fill_models()
+        if SettingsDialog(self.settings, self).exec():
+            self.model_picker.refresh(self.settings.model_folders)
 
     def closeEvent(self, event: QCloseEvent) -> None:
         self.settings.window_geometry = bytes(self.saveGeometry().data())
         self.settings.sync()
         self.loader.wait(3000)
+        self.model_picker.wait(3000)
         self.controller.shutdown()
         event.accept()
         QTimer.singleShot(0, lambda: None)

@@ -28,6 +28,9 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QSizePolicy, QTextBrowser, QWidget
 
+MARKDOWN_FEATURES = (QTextDocument.MarkdownFeature.MarkdownDialectGitHub
+                     | QTextDocument.MarkdownFeature.MarkdownNoHTML)
+
 
 def is_dark(palette: QPalette) -> bool:
     """True when the palette's window colour is dark."""
@@ -119,7 +122,8 @@ class MarkdownView(QTextBrowser):
         if text == self._markdown:
             return
         self._markdown = text
-        self.setMarkdown(text)
+        # Raw HTML in a model's answer is shown as text, never rendered.
+        self.document().setMarkdown(text, MARKDOWN_FEATURES)
         self._shade_code_blocks()
 
     def _shade_code_blocks(self) -> None:

@@ -6,12 +6,13 @@ import math
 from collections import deque
 
 from PySide6.QtCore import QPointF, QRectF, QSize, Qt
-from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
+from PySide6.QtGui import QColor, QPainter, QPalette, QPen, QPolygonF
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
 from app.format import human_bytes
 
 MAX_CELLS = 320
+MIN_CHART_SPAN = 20
 CELL = 9
 GAP = 2
 
@@ -36,8 +37,18 @@ class PagePoolView(QWidget):
             return
         self.in_use, self.allocated, self.free = in_use, allocated, free
         self.last_fill, self.colour = last_fill, colour
-        self.updateGeometry()
+        self._fit_height()
         self.update()
+
+    def _fit_height(self) -> None:
+        # Sized here, never in paintEvent: resizing while painting loops forever.
+        height = self.sizeHint().height()
+        if height != self.height():
+            self.setFixedHeight(height)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit_height()
 
     def pages_per_cell(self) -> int:
         """How many pages one cell stands for (the pool may be huge)."""
@@ -56,37 +67,42 @@ class PagePoolView(QWidget):
         return self.sizeHint().height()
 
     def paintEvent(self, _event) -> None:
+        # A few batched draw calls, not several per cell: this repaints at 4 Hz
+        # while the engine thread competes for the GIL.
         painter = QPainter(self)
-        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         per = self.pages_per_cell()
         cells = math.ceil((self.allocated + self.free) / per)
         columns = self._columns()
-        self.setFixedHeight(max(CELL, math.ceil(max(cells, 1) / columns) * (CELL + GAP)))
-        base = self.palette().color(QPalette.ColorRole.Mid)
-        empty = QColor(self.colour)
-        empty.setAlphaF(0.28)
+        used: list[QRectF] = []
+        reserved: list[QRectF] = []
+        free: list[QRectF] = []
+        partial: QRectF | None = None
         for cell in range(cells):
             first_page = cell * per
-            x = (cell % columns) * (CELL + GAP)
-            y = (cell // columns) * (CELL + GAP)
-            rect = QRectF(x, y, CELL, CELL)
+            rect = QRectF((cell % columns) * (CELL + GAP), (cell // columns) * (CELL + GAP),
+                          CELL, CELL)
             if first_page < self.in_use:
-                fill = 1.0
-                if first_page + per >= self.in_use and per == 1 and self.last_fill > 0:
-                    fill = self.last_fill
-                painter.setPen(Qt.PenStyle.NoPen)
-                painter.setBrush(empty)
-                painter.drawRoundedRect(rect, 2, 2)
-                painter.setBrush(self.colour)
-                painter.drawRoundedRect(QRectF(x, y + CELL * (1 - fill), CELL, CELL * fill), 2, 2)
+                last = first_page + per >= self.in_use and per == 1 and 0 < self.last_fill < 1
+                (reserved if last else used).append(rect)
+                if last:
+                    partial = QRectF(rect.x(), rect.y() + CELL * (1 - self.last_fill),
+                                     CELL, CELL * self.last_fill)
             elif first_page < self.allocated:
-                painter.setPen(Qt.PenStyle.NoPen)
-                painter.setBrush(empty)
-                painter.drawRoundedRect(rect, 2, 2)
+                reserved.append(rect)
             else:
-                painter.setPen(QPen(base, 1))
-                painter.setBrush(Qt.BrushStyle.NoBrush)
-                painter.drawRoundedRect(rect.adjusted(0.5, 0.5, -0.5, -0.5), 2, 2)
+                free.append(rect.adjusted(0.5, 0.5, -0.5, -0.5))
+        empty = QColor(self.colour)
+        empty.setAlphaF(0.28)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(empty)
+        painter.drawRects(reserved)
+        painter.setBrush(self.colour)
+        painter.drawRects(used)
+        if partial is not None:
+            painter.drawRect(partial)
+        painter.setPen(QPen(self.palette().color(QPalette.ColorRole.Mid), 1))
+        painter.setBrush(Qt.BrushStyle.NoBrush)
+        painter.drawRects(free)
 
 
 class HistoryChart(QWidget):
@@ -113,14 +129,13 @@ class HistoryChart(QWidget):
         self.rss.clear()
         self.update()
 
-    def _path(self, values: deque[int], top: float, rect: QRectF) -> QPainterPath:
-        path = QPainterPath()
-        step = rect.width() / max(1, self.kv.maxlen - 1) if self.kv.maxlen else 1
+    def _line(self, values: deque[int], top: float, rect: QRectF) -> QPolygonF:
+        # Stretch a short history across the chart; scroll once it is full.
+        span = max(MIN_CHART_SPAN, len(values)) - 1
+        step = rect.width() / span
         start = rect.right() - step * (len(values) - 1)
-        for i, value in enumerate(values):
-            point = QPointF(start + i * step, rect.bottom() - rect.height() * value / top)
-            path.moveTo(point) if i == 0 else path.lineTo(point)
-        return path
+        return QPolygonF([QPointF(start + i * step, rect.bottom() - rect.height() * v / top)
+                          for i, v in enumerate(values)])
 
     def paintEvent(self, _event) -> None:
         painter = QPainter(self)
@@ -150,7 +165,7 @@ class HistoryChart(QWidget):
                                     (self.kv, kv_top, self.kv_colour)):
             if len(values) >= 2 and top > 0:
                 painter.setPen(QPen(colour, 1.6))
-                painter.drawPath(self._path(values, top * 1.1, inner))
+                painter.drawPolyline(self._line(values, top * 1.1, inner))
         if not self.kv:
             painter.setPen(muted)
             painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, "No samples yet")

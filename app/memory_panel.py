@@ -101,7 +101,7 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(_section("KV bytes by mode"))
         self.table = QTableWidget(len(PROJECTION_MODES), 3)
         self.table.setObjectName("projectionTable")
-        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Free RAM holds"])
+        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Tokens in free RAM"])
         self.table.setVerticalHeaderLabels(list(PROJECTION_MODES))
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
@@ -194,7 +194,7 @@ class MemoryPanel(QScrollArea):
             cells = (
                 human_bytes(now.bytes_needed) if now.supported else "n/a",
                 human_bytes(full.bytes_needed) if full.supported else "n/a",
-                f"{compact_count(now.tokens_fit_ram)} tokens" if now.supported else "head_dim",
+                compact_count(now.tokens_fit_ram) if now.supported else "head_dim",
             )
             highlight = mode == self.mode
             for column, text in enumerate(cells):

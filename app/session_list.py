@@ -30,6 +30,17 @@ def mode_colour(mode: str) -> QColor:
     return QColor(MODE_COLOURS.get(mode, "#777777"))
 
 
+def confirm_delete(parent: QWidget, title: str) -> bool:
+    """Ask before deleting a chat; Cancel is the default."""
+    box = QMessageBox(QMessageBox.Icon.Warning, "Delete chat",
+                      f"Delete “{title}” and all its messages?", parent=parent)
+    box.setInformativeText("This can't be undone.")
+    delete = box.addButton("Delete", QMessageBox.ButtonRole.DestructiveRole)
+    box.setDefaultButton(box.addButton(QMessageBox.StandardButton.Cancel))
+    box.exec()
+    return box.clickedButton() is delete
+
+
 class SessionDelegate(QStyledItemDelegate):
     """Two lines per session: title and mode badge; tokens and last activity."""
 
@@ -160,10 +171,5 @@ class SessionList(QWidget):
 
     def ask_delete(self, record: SessionRecord) -> None:
         """Confirm, then delete."""
-        answer = QMessageBox.question(
-            self, "Delete chat",
-            f"Delete “{record.title}” and all its messages? This can't be undone.",
-            QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel,
-            QMessageBox.StandardButton.Cancel)
-        if answer == QMessageBox.StandardButton.Delete:
+        if confirm_delete(self, record.title):
             self.deleteRequested.emit(record.id)
