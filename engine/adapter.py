@@ -194,3 +194,19 @@ def cache_stats(cache: list[Any]) -> CacheStats:
         budget_bytes=pool.budget_bytes if pool else None,
         layers=layers,
     )
+
+
+def eval_targets(cache: list[Any]) -> list[Any]:
+    """Arrays whose evaluation completes a forward pass's cache writes.
+
+    A paged layer's ``state`` gathers (copies) every held page, so its page slabs
+    are evaluated instead; other layers use ``state`` as mlx-lm's prefill does.
+    """
+    targets: list[Any] = []
+    for layer in cache:
+        if isinstance(layer, PagedKVCache):
+            if layer.store is not None:
+                targets.extend(a for slab in layer.store.slabs for a in slab if a is not None)
+        else:
+            targets.append(layer.state)
+    return targets
