@@ -81,6 +81,7 @@ class ChatController(QObject):
         bridge.statsSample.connect(self._on_stats)
         bridge.ingestProgress.connect(self._on_ingest_progress)
         self.recovered = store.mark_interrupted()
+        self.closed = False
 
     # Lifecycle ------------------------------------------------------------
 
@@ -95,11 +96,16 @@ class ChatController(QObject):
 
     def shutdown(self) -> None:
         """Save the partial answer, stop the engine and join its thread."""
+        if self.closed:
+            return
         self._poll.stop()
         if self.active_kind == "chat" and self._streaming_id:
             self.model.flush()
             self._save_partial()
             self._finish_answer("stopped", "Longleaf was closed while answering")
+        # Events still queued from the worker must not touch the closing store.
+        self.closed = True
+        self.active_request = self.active_kind = None
         self.bridge.shutdown()
 
     @property
@@ -132,6 +138,8 @@ class ChatController(QObject):
         self._kinds[self.bridge.load_model(path)] = "load"
 
     def _on_model_loaded(self, event: ModelLoaded) -> None:
+        if self.closed:
+            return
         self.model_info = event.info
         self.model_ready = True
         self.settings.last_model = self.model_id
@@ -208,6 +216,8 @@ class ChatController(QObject):
         self._after_open[rid] = then
 
     def _on_session_opened(self, event: SessionOpened) -> None:
+        if self.closed:
+            return
         self.opened[event.session_id] = event.kv_mode
         self.cacheChanged.emit()
         then = self._after_open.pop(event.request_id, None)
@@ -334,6 +344,8 @@ class ChatController(QObject):
     # Engine events --------------------------------------------------------
 
     def _on_token(self, event: TokenChunk) -> None:
+        if self.closed:
+            return
         if event.request_id == self.active_request and self.active_kind == "chat":
             self.model.append_text(event.text)
             self._dirty = True
@@ -365,6 +377,8 @@ class ChatController(QObject):
         self.answerFinished.emit(status)
 
     def _on_finished(self, event: Finished) -> None:
+        if self.closed:
+            return
         kind = self._kinds.pop(event.request_id, None)
         if event.request_id != self.active_request:
             return
@@ -380,6 +394,8 @@ class ChatController(QObject):
         self._set_active(None, None)
 
     def _on_failed(self, event: Failed) -> None:
+        if self.closed:
+            return
         kind = self._kinds.pop(event.request_id, None)
         self.errorRaised.emit(event.message)
         if kind == "load":
@@ -397,10 +413,14 @@ class ChatController(QObject):
             self._set_active(None, None)
 
     def _on_ingest_progress(self, event) -> None:
+        if self.closed:
+            return
         if event.request_id == self.active_request:
             self.ingestProgress.emit(event)
 
     def _on_stats(self, sample: StatsSample) -> None:
+        if self.closed:
+            return
         if sample.timestamp <= self._last_stats_time:
             return
         self._last_stats_time = sample.timestamp
