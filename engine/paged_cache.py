@@ -188,7 +188,11 @@ class PagedKVCache(_BaseCache):
                 f"{self.pool.mode} with {self.pool.page_size}-token pages."
             )
         offset = int(offset)
-        if offset and k_codes is not None:
+        if offset:
+            if k_codes is None or k_codes.shape[0] < self.pool.pages_for(offset):
+                raise EngineError(
+                    f"Saved KV state is incomplete: it lacks pages for {offset} tokens."
+                )
             self._store_for(int(kv_heads), int(head_dim))
             self.pool.ensure(offset)
         self.trim(self.offset)

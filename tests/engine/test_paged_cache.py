@@ -124,6 +124,16 @@ def test_state_restores_into_a_budgeted_pool_or_refuses_cleanly() -> None:
         other.state = cache.state
 
 
+def test_incomplete_state_is_refused() -> None:
+    cache, _, _ = _filled("q8", (40,))
+    state = list(cache.state)
+    state[4] = 60  # claims more tokens than its 3 pages hold
+    target, _, _ = _filled("q8", (5,))
+    with pytest.raises(EngineError, match="incomplete"):
+        target.state = tuple(state)
+    assert target.offset == 5
+
+
 def test_empty_state_round_trip() -> None:
     cache = PagedKVCache(PagePool("q6", PAGE_SIZE), KV_HEADS, HEAD_DIM)
     restored = PagedKVCache.from_state(cache.state)
