@@ -310,6 +310,13 @@ def _prefill_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
     return table(headers, rows)
 
 
+def _scratch(*rows: dict[str, Any] | None) -> str:
+    parts = [
+        "—" if row is None else f"{(row['peak_bytes'] - row['bytes']) / MIB:.1f}" for row in rows
+    ]
+    return " / ".join(parts) + " MiB"
+
+
 def _memory_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
     rows = []
     prefill = results["prefill"]
@@ -341,6 +348,7 @@ def _memory_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
                     "—"
                     if quant is None
                     else fmt_ratio(ratio(ours["last_chunk_s"], quant["last_chunk_s"])),
+                    _scratch(ours, fp16, quant),
                 )
             )
     headers = (
@@ -353,6 +361,7 @@ def _memory_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
         "paged / quantized (< 1)",
         "quantized / KVCache",
         "last-chunk time paged / quantized",
+        "scratch (peak − held) paged / KVCache / quantized",
     )
     return table(headers, rows)
 
@@ -538,8 +547,10 @@ def render_cache_report(
         "`update_and_fetch` (exactly as in a prefill, regrowth copies included) and runs "
         "attention on the last chunk only. Scratch grows with the context, so the last chunk "
         "sets the peak; the whole-prefill peaks in the table above check the method for the "
-        "paged and fp16 caches. The last column compares the time of that last chunk's "
-        "attention (at the full context).",
+        "paged and fp16 caches. 'last-chunk time' compares that last chunk's attention (at "
+        "the full context). This is one layer: its cache is small next to the attention "
+        "scratch, so the last column splits the peak into bytes held and scratch; in a model "
+        "the cache term is multiplied by the number of attention layers and the scratch is not.",
         "",
         *memory,
         "",

@@ -129,7 +129,8 @@ def test_peak_memory_table_has_every_cell(cache_run: tuple[str, dict]) -> None:
     rows = _table_after(markdown, "Peak memory")
     assert {(int(r[0]), r[1]) for r in rows} == {(d, m) for d in HEAD_DIMS for m in MODES}
     for row in rows:
-        assert len(row) == 9 and "n/a" not in row
+        assert len(row) == 10 and "n/a" not in row
+        assert re.fullmatch(r"(-?\d+\.\d|—)( / (-?\d+\.\d|—)){2} MiB", row[9])
         if row[1] == "fp16":
             assert row[4] == row[6] == row[7] == row[8] == "—"
         else:
