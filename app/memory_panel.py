@@ -101,7 +101,7 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(_section("KV bytes by mode"))
         self.table = QTableWidget(len(PROJECTION_MODES), 3)
         self.table.setObjectName("projectionTable")
-        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Tokens in free RAM"])
+        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Free RAM fits"])
         self.table.setVerticalHeaderLabels(list(PROJECTION_MODES))
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
