@@ -12,6 +12,7 @@ from typing import Any
 
 from engine import kvquant
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
+from engine.memory_guard import default_headroom, human_bytes
 from engine.paged_cache import PagedKVCache
 
 MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
@@ -19,8 +20,8 @@ MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers
 
 def ram_headroom(total: int) -> int:
     """Bytes of RAM the KV cache must leave free on a machine with ``total`` bytes."""
-    # Leave room for activations, the app and the OS; KV must not push into swap.
-    return max(1 << 30, total // 10)
+    # One rule for the whole engine: the memory guard's default headroom.
+    return default_headroom(total)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class FitReport:
     available_bytes: int
     session_mode: str | None
     modes: tuple[ModeFit, ...]
+    free_bytes: int = 0
+    other_sessions_bytes: int = 0
 
     def for_mode(self, mode: str) -> ModeFit:
         """Return the entry for ``mode`` (any accepted alias)."""
@@ -130,10 +133,15 @@ class FitReport:
         entry = self.for_mode(mode)
         limits = [f"the model's context is {self.max_context:,} tokens"]
         if self.budget_bytes is not None:
-            limits.append(f"the KV budget of {_gib(self.budget_bytes)} holds "
-                          f"{entry.tokens_fit_budget or 0:,} tokens in {mode}")
-        limits.append(f"free RAM holds about {entry.tokens_fit_ram:,} tokens in {mode}")
-        text = (f"This conversation needs {self.token_count:,} tokens but only "
+            others = (f", {human_bytes(self.other_sessions_bytes)} of the budget held by "
+                      "other open conversations" if self.other_sessions_bytes else "")
+            limits.append(f"the KV budget left for it ({human_bytes(self.budget_bytes)}"
+                          f"{others}) holds {entry.tokens_fit_budget or 0:,} tokens in {mode}")
+        limits.append(f"free RAM ({human_bytes(self.free_bytes)} after the safety headroom) "
+                      f"holds about {entry.tokens_fit_ram:,} tokens in {mode}")
+        needed = (f" ({human_bytes(entry.bytes_needed)} of KV in {mode})"
+                  if entry.supported else "")
+        text = (f"This conversation needs {self.token_count:,} tokens{needed} but only "
                 f"{entry.tokens_fit:,} fit in {mode}: " + "; ".join(limits) + ".")
         if not entry.fits_context:
             return text + " No KV mode raises the model's context: shorten the " \
@@ -148,10 +156,6 @@ class FitReport:
         """Raise ``ContextTooLong`` with ``message()`` unless the tokens fit."""
         if not self.fits:
             raise ContextTooLong(self.message())
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _round_to_pages(tokens: int, page_size: int) -> int:
@@ -171,6 +175,7 @@ def fit_report(
     headroom_bytes: int = 0,
     session_mode: str | None = None,
     session_bytes_allocated: int = 0,
+    other_sessions_bytes: int = 0,
 ) -> FitReport:
     """Project whether ``token_count`` tokens fit, for every KV mode.
 
@@ -187,6 +192,8 @@ def fit_report(
         session_mode: the session's fixed mode, or None without a session.
         session_bytes_allocated: KV bytes the session already holds; they count as
             usable again by every mode (growing in place, or reopening elsewhere).
+        other_sessions_bytes: KV bytes other open sessions hold; ``budget_bytes`` is
+            then what they leave of the one shared budget (for the message).
     """
     free = max(0, available_bytes - headroom_bytes) + session_bytes_allocated
     entries = []
@@ -225,4 +232,6 @@ def fit_report(
         available_bytes=available_bytes,
         session_mode=kvquant.normalize_mode(session_mode) if session_mode else None,
         modes=tuple(entries),
+        free_bytes=free,
+        other_sessions_bytes=other_sessions_bytes,
     )

@@ -187,6 +187,33 @@ def check_model_dir(folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, A
     return config, headers, classes
 
 
+_HALF_DTYPES = frozenset({"F16", "BF16"})
+
+
+def estimate_load_bytes(folder: Path) -> tuple[int, bool]:
+    """Memory the loaded weights will take, from the safetensors headers alone.
+
+    The tensors' data sizes, with float16/bfloat16 tensors counted twice on the
+    CPU backend (they are computed in float32 there). Quantized weights that the
+    CPU backend unpacks to float are not counted twice: the loader unpacks them
+    only when that fits in half of the available memory.
+
+    Returns:
+        ``(bytes, quantized)``: the estimate and whether the weights are quantized.
+
+    Raises:
+        ModelLoadError: the folder fails ``check_model_dir``.
+    """
+    config, headers, _ = check_model_dir(folder)
+    widen = not (mx.default_device().type == mx.gpu and mx.metal.is_available())
+    total = 0
+    for entry in headers.values():
+        start, end = entry["data_offsets"]
+        size = int(end) - int(start)
+        total += 2 * size if widen and entry.get("dtype") in _HALF_DTYPES else size
+    return total, quantization_bits(config) is not None
+
+
 def inspect_model_dir(path: str | Path) -> ModelInfo:
     """Read a model folder's facts without loading its weights (for pickers).
 

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-import psutil
 
 from engine import adapter, fit, kvquant
 from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats, IngestProgress
+from engine.memory_guard import MemoryGuard, MemoryPressure, PressureWatch
 from engine.paged_cache import PagedKVCache
 from engine.sampling import AnswerStream, SamplingParams
 
@@ -33,20 +33,17 @@ MIN_CHUNK = 64  # below this, prefill spends more on per-call overhead than on t
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 
 
-def eval_targets(cache: list[Any]) -> list[Any]:
-    """Arrays whose evaluation completes a forward pass's cache writes.
+def clean_text(text: str) -> str:
+    """``text`` with lone UTF-16 surrogates (pasted from broken sources) replaced.
 
-    A paged layer's ``state`` gathers (copies) every held page, so its page slabs
-    are evaluated instead; other layers use ``state`` as mlx-lm's prefill does.
+    Tokenizers refuse strings that cannot be encoded as UTF-8; every other
+    character, control characters included, goes through unchanged.
     """
-    targets: list[Any] = []
-    for layer in cache:
-        if isinstance(layer, PagedKVCache):
-            if layer.store is not None:
-                targets.extend(a for slab in layer.store.slabs for a in slab if a is not None)
-        else:
-            targets.append(layer.state)
-    return targets
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -74,12 +71,15 @@ class Session:
         loaded: an ``engine.models.LoadedModel`` (model, tokenizer, info).
         mode: KV mode name or alias; fixed for the session's life.
         page_size: tokens per page.
-        budget_bytes: byte budget of the session's page pool, or None.
+        budget_bytes: byte budget of the session's page pool, or None; ignored
+            when ``guard`` is given (the guard's one budget applies).
         chunk_size: tokens per prefill chunk (the most; see ``chunk_seconds``).
         chunk_seconds: when set, a chunk that took longer shrinks the next ones
             (down to ``MIN_CHUNK``) so progress and stats keep flowing on slow
             machines; None keeps every chunk at ``chunk_size`` (reproducible
             chunk boundaries, for benchmarks and parity checks).
+        guard: the memory guard whose one KV budget and RAM headroom every
+            session's pages share; None makes a guard for this session alone.
     """
 
     def __init__(
@@ -92,6 +92,7 @@ class Session:
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         chunk_seconds: float | None = None,
+        guard: MemoryGuard | None = None,
     ) -> None:
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")
@@ -101,7 +102,8 @@ class Session:
         max_context = int(fit.first_fact(loaded.info, ("max_context", "context_length")))
         self.mode = kvquant.normalize_mode(mode)
         self.page_size = page_size
-        self.budget_bytes = budget_bytes
+        self.guard = guard if guard is not None else MemoryGuard(budget_bytes=budget_bytes)
+        self.budget_bytes = self.guard.budget_bytes
         self.chunk_size = chunk_size
         self.chunk_seconds = chunk_seconds
         self.clock: Callable[[], float] = time.perf_counter
@@ -109,6 +111,8 @@ class Session:
         self.tokens: list[int] = []
         # Counters the tests and benchmarks read: what was actually computed.
         self.tokens_ingested = 0
+        # Why the last request stopped for memory, for logs (None: it did not).
+        self.memory_stop: str | None = None
         self.cache = self._new_cache()
         self.facts = (fit.facts_from_cache(self.cache, max_context)
                       or fit.facts_from_info(loaded.info))
@@ -116,9 +120,13 @@ class Session:
     # -- cache bookkeeping -------------------------------------------------
 
     def _new_cache(self) -> list[Any]:
-        return adapter.make_cache(
-            self.model, self.mode, page_size=self.page_size, budget_bytes=self.budget_bytes
-        )
+        cache = adapter.make_cache(self.model, self.mode, page_size=self.page_size)
+        pool = next((c.pool for c in cache if isinstance(c, PagedKVCache)), None)
+        if pool is not None:
+            # The guard sets and keeps updating the pool's limit: its share of
+            # the one KV budget, bounded by free RAM.
+            self.guard.attach(self.session_id, pool)
+        return cache
 
     def reset(self) -> None:
         """Drop every held token and page."""
@@ -127,6 +135,9 @@ class Session:
 
     def close(self) -> None:
         """Release the cache's pages."""
+        pool = next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)
+        if pool is not None:
+            self.guard.detach(self.session_id, pool)
         self.cache = []
         self.tokens = []
 
@@ -154,6 +165,7 @@ class Session:
         """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
         if not messages:
             return []
+        messages = [{**m, "content": clean_text(m["content"])} for m in messages]
         tokenizer = self.tokenizer
         if getattr(tokenizer, "has_chat_template", False):
             text = tokenizer.apply_chat_template(
@@ -179,7 +191,8 @@ class Session:
 
     def fit_report(self, token_count: int) -> fit.FitReport:
         """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
-        memory = psutil.virtual_memory()
+        guard = self.guard
+        reading = guard.read()
         held = self.stats() if self.cache else None
         return fit.fit_report(
             token_count=token_count,
@@ -188,11 +201,14 @@ class Session:
             head_dim=self.facts.head_dim,
             max_context=self.facts.max_context,
             page_size=self.page_size,
-            available_bytes=int(memory.available),
-            budget_bytes=self.budget_bytes,
-            headroom_bytes=fit.ram_headroom(int(memory.total)),
+            available_bytes=reading.available_bytes,
+            budget_bytes=guard.kv_share(self.session_id),
+            headroom_bytes=guard.headroom(reading),
             session_mode=self.mode,
             session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
+            other_sessions_bytes=(
+                guard.held_bytes(exclude=self.session_id) if guard.budget_bytes is not None else 0
+            ),
         )
 
     def room_for(self, token_count: int) -> int:
@@ -214,21 +230,22 @@ class Session:
         self.tokens.extend(ids)
         # Evaluating the cache (not the logits) runs every layer but skips the
         # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
-        mx.eval(eval_targets(self.cache))
+        mx.eval(adapter.eval_targets(self.cache))
 
     def prefill(
         self,
         ids: list[int],
         *,
         request_id: int,
-        cancel: threading.Event,
+        cancel: threading.Event | PressureWatch,
         emit: Emit,
         tick: Callable[[], None],
     ) -> float:
         """Feed ``ids`` to the cache in chunks; returns the seconds it took.
 
         Raises:
-            Cancelled: ``cancel`` was set between two chunks; the chunks done stay held.
+            Cancelled: ``cancel`` was set (or, for a ``PressureWatch``, memory turned
+                critical) between two chunks; the chunks done stay held.
         """
         start = self.clock()
         done = 0
@@ -283,11 +300,18 @@ class Session:
             ContextTooLong: the conversation does not fit.
             Cancelled: cancelled between chunks; the cache was rewound to the last
                 complete message it holds.
+            MemoryPressure: memory was (or turned) critical; rewound likewise.
         """
+        self.memory_stop = None
+        self.guard.check_pressure("reading the conversation in")
         prompt = self.render(messages, add_generation_prompt=False)
+        self.guard.refresh(self.session_id)
         self.room_for(len(prompt))
         kept = self.sync(prompt, keep_last=False)
-        seconds = self._guarded_prefill(prompt[kept:], messages, request_id, cancel, emit, tick)
+        watch = self.guard.watch(self.session_id, cancel)
+        seconds = self._guarded_prefill(
+            prompt[kept:], messages, request_id, watch, emit, tick, total=len(prompt)
+        )
         fed = len(prompt) - kept
         return GenerationStats(len(prompt), 0, None, fed / seconds if seconds else 0.0, 0.0)
 
@@ -296,17 +320,30 @@ class Session:
         ids: list[int],
         messages: list[dict[str, str]],
         request_id: int,
-        cancel: threading.Event,
+        watch: PressureWatch,
         emit: Emit,
         tick: Callable[[], None],
+        *,
+        total: int,
     ) -> float:
         try:
-            return self.prefill(ids, request_id=request_id, cancel=cancel, emit=emit, tick=tick)
+            return self.prefill(ids, request_id=request_id, cancel=watch, emit=emit, tick=tick)
         except Cancelled:
             self.trim_to(self.message_boundary(messages))
+            if watch.tripped is not None and not watch.cancel.is_set():
+                self.memory_stop = watch.tripped
+                raise MemoryPressure(
+                    f"Longleaf stopped reading the conversation in: {watch.tripped}. The "
+                    f"cache keeps its {len(self.tokens):,} tokens of complete messages. "
+                    "Close other apps or conversations to free memory, then try again."
+                ) from None
             raise
-        except KvBudgetExceeded:
+        except KvBudgetExceeded as error:
             self.trim_to(self.message_boundary(messages))
+            if self.guard.ram_bound(self.session_id):
+                # Free RAM, not the configured budget, ran out: say so with numbers.
+                self.memory_stop = str(error)
+                raise ContextTooLong(self.fit_report(total).message()) from error
             raise
         except Exception:
             # A failed forward pass may leave layers at different lengths.
@@ -314,6 +351,17 @@ class Session:
             raise
 
     # -- generation --------------------------------------------------------
+
+    def _memory_reason(self, reason: str, watch: PressureWatch, cut_short: bool) -> str:
+        """Tell an answer stopped for memory apart from a user's cancel or a length limit."""
+        if reason == "cancelled" and watch.tripped is not None and not watch.cancel.is_set():
+            self.memory_stop = watch.tripped
+            return "memory"
+        if reason == "length" and cut_short and self.guard.ram_bound(self.session_id):
+            # The pool refused a page because free RAM (not the budget) ran out.
+            self.memory_stop = "free RAM reached the safety headroom"
+            return "memory"
+        return reason
 
     def chat(
         self,
@@ -328,29 +376,36 @@ class Session:
         """Answer the conversation's last turn, streaming ``TokenChunk`` events.
 
         Returns:
-            The finish reason ("stop", "length", "cancelled") and the timings.
+            The finish reason ("stop", "length", "cancelled", or "memory" when
+            system memory turned critical or free RAM ran out mid-answer) and the
+            timings.
 
         Raises:
             ContextTooLong: the conversation (plus one answer token) does not fit.
+            MemoryPressure: memory was critical before the answer could start.
         """
         started = time.perf_counter()
+        self.memory_stop = None
+        self.guard.check_pressure("the answer")
         prompt = self.render(messages, add_generation_prompt=True)
         if not prompt:
             raise EngineError("Nothing to answer: the conversation is empty.")
+        self.guard.refresh(self.session_id)
         room = self.room_for(len(prompt))
         if room < 1:
             raise ContextTooLong(self.fit_report(len(prompt) + 1).message())
         kept = self.sync(prompt, keep_last=True)
+        watch = self.guard.watch(self.session_id, cancel)
         try:
             prefill_seconds = self._guarded_prefill(
-                prompt[kept:-1], messages, request_id, cancel, emit, tick
+                prompt[kept:-1], messages, request_id, watch, emit, tick, total=len(prompt)
             )
         except Cancelled:
             return "cancelled", GenerationStats(len(prompt), 0, None, 0.0, 0.0)
         max_tokens = min(sampling.max_tokens, room)
         generation = AnswerStream(
             self.model, self.cache, self.tokenizer, self.end_ids, self.tokens,
-            sampling, request_id=request_id, cancel=cancel, emit=emit, tick=tick,
+            sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
         )
         try:
             reason = generation.run(prompt, max_tokens)
@@ -358,6 +413,7 @@ class Session:
             # A failed step may leave layers at different lengths.
             self.reset()
             raise
+        reason = self._memory_reason(reason, watch, len(generation.generated) < max_tokens)
         fed = len(prompt) - kept
         first_step = generation.first_token_at - generation.started
         prefill_total = prefill_seconds + first_step

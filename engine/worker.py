@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import psutil
 
 from engine import fit, kvquant
 from engine.errors import Cancelled, EngineError
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
-from engine.fit import facts_from_info, ram_headroom
+from engine.fit import facts_from_info
+from engine.memory_guard import MemoryGuard
 from engine.sampling import SamplingParams
-from engine.session import DEFAULT_CHUNK, Session
+from engine.session import DEFAULT_CHUNK, Session, clean_text
 from engine.stats import StatsThrottle, stats_sample
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,17 @@ class EngineWorker:
 
     Args:
         on_event: called on the worker thread with each event.
-        budget_bytes: byte budget of each session's page pool, or None.
+        budget_bytes: bytes the KV pages of ALL open sessions may take together,
+            or None to be bounded only by free RAM minus the guard's headroom.
         chunk_size: tokens per prefill chunk.
         stats_interval: seconds between ``StatsSample`` events while busy.
         adaptive_chunks: shrink prefill chunks that take longer than two stats
             intervals, so stats and progress arrive at >= 2 Hz on slow machines
             too; False keeps chunk boundaries fixed (reproducible prefill).
+        headroom_bytes: RAM to keep free for the system and other apps; None
+            keeps max(2 GiB, 15 % of RAM).
+        memory_guard: the guard to use (tests inject one with a fake memory
+            probe); when given, ``budget_bytes`` and ``headroom_bytes`` are ignored.
     """
 
     def __init__(
@@ -65,15 +70,21 @@ class EngineWorker:
         chunk_size: int = DEFAULT_CHUNK,
         stats_interval: float = 0.25,
         adaptive_chunks: bool = True,
+        headroom_bytes: int | None = None,
+        memory_guard: MemoryGuard | None = None,
     ) -> None:
         self._on_event = on_event
-        self.budget_bytes = budget_bytes
+        self.guard = memory_guard or MemoryGuard(
+            budget_bytes=budget_bytes, headroom_bytes=headroom_bytes
+        )
+        self.budget_bytes = self.guard.budget_bytes
         self.chunk_size = chunk_size
         self._queue: queue.Queue[_Command | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._loaded: Any = None
+        self._loaded_bytes = 0  # estimated weight bytes of the loaded model
         self._sessions: dict[str, Session] = {}
         self._latest: StatsSample | None = None
         self._current: _Command | None = None
@@ -92,7 +103,9 @@ class EngineWorker:
 
         -> ``ModelLoaded`` then ``Finished("done")``, or ``Failed``.
 
-        Loading a model closes the sessions of the previous one.
+        Loading a model closes the sessions of the previous one. A model whose
+        weights would not fit in free RAM (after the guard's headroom) fails with
+        ``InsufficientMemory`` naming the numbers, before anything is loaded.
         """
         return self._submit("load_model", (path,))
 
@@ -144,7 +157,7 @@ class EngineWorker:
         if session is not None:
             return session.fit_report(token_count)
         facts = facts_from_info(loaded.info)
-        memory = psutil.virtual_memory()
+        reading = self.guard.read()
         return fit.fit_report(
             token_count=token_count,
             attention_layers=facts.attention_layers,
@@ -152,9 +165,10 @@ class EngineWorker:
             head_dim=facts.head_dim,
             max_context=facts.max_context,
             page_size=256,
-            available_bytes=int(memory.available),
-            budget_bytes=self.budget_bytes,
-            headroom_bytes=ram_headroom(int(memory.total)),
+            available_bytes=reading.available_bytes,
+            budget_bytes=self.guard.kv_share(),
+            headroom_bytes=self.guard.headroom(reading),
+            other_sessions_bytes=self.guard.held_bytes() if self.budget_bytes is not None else 0,
         )
 
     def count_tokens(self, text: str) -> int:
@@ -166,7 +180,7 @@ class EngineWorker:
         loaded = self._loaded
         if loaded is None:
             raise EngineError("Load a model first.")
-        return len(loaded.tokenizer.encode(text, add_special_tokens=False))
+        return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel running and queued work and join the thread."""
@@ -224,9 +238,7 @@ class EngineWorker:
                 break
             if command is not None:
                 self._emit(Finished(command.request_id, "cancelled"))
-        with self._lock:
-            self._sessions.clear()
-            self._loaded = None
+        self._release_model()
 
     def _execute(self, command: _Command) -> None:
         handler = getattr(self, f"_do_{command.name}")
@@ -267,15 +279,34 @@ class EngineWorker:
             self._latest = sample
         self._emit(sample)
 
+    def _release_model(self) -> None:
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            self._loaded = None
+            self._loaded_bytes = 0
+        for session in sessions:
+            session.close()
+        mx.clear_cache()
+
     def _do_load_model(self, command: _Command) -> object:
-        from engine.models import load_model  # heavy: imports mlx-lm's loaders
+        # Heavy: imports mlx-lm's loaders.
+        from engine.models import estimate_load_bytes, load_model, resolve_model_path
 
         (path,) = command.args
-        loaded = load_model(path)
+        folder = resolve_model_path(path)
+        needed, quantized = estimate_load_bytes(folder)
+        releasable = self._loaded_bytes + self.guard.held_bytes()
+        if self.guard.check_load(needed, name=folder.name, releasable_bytes=releasable,
+                                 quantized=quantized):
+            # Only fits once the current model is gone: unload it first rather
+            # than hold both and swap.
+            self._release_model()
+        loaded = load_model(folder)
+        self._release_model()
         with self._lock:
-            self._sessions.clear()
             self._loaded = loaded
-        mx.clear_cache()
+            self._loaded_bytes = needed
         return ModelLoaded(command.request_id, loaded.info)
 
     def _do_open_session(self, command: _Command) -> object:
@@ -284,11 +315,12 @@ class EngineWorker:
             raise EngineError("Load a model before opening a conversation.")
         mode = kvquant.normalize_mode(mode)
         with self._lock:
-            self._sessions.pop(session_id, None)
+            replaced = self._sessions.pop(session_id, None)
+        if replaced is not None:
+            replaced.close()
         session = Session(
             session_id, self._loaded, mode, page_size,
-            budget_bytes=self.budget_bytes, chunk_size=self.chunk_size,
-            chunk_seconds=self._chunk_seconds,
+            chunk_size=self.chunk_size, chunk_seconds=self._chunk_seconds, guard=self.guard,
         )
         with self._lock:
             self._sessions[session_id] = session
@@ -316,6 +348,8 @@ class EngineWorker:
             )
         finally:
             self._publish(session)
+        if session.memory_stop:
+            log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
         return Finished(command.request_id, reason, stats)
 
     def _do_ingest(self, command: _Command) -> object:
