@@ -5,15 +5,19 @@ from __future__ import annotations
 import ctypes
 import sys
 
-
-def _make_none_immortal() -> None:
-    # PySide6 6.12.0 built for the stable ABI drops a reference to None on every
-    # void call (it assumes Python 3.12's immortal None). On 3.11 that drives
-    # None's refcount to zero after a few thousand calls and aborts the process
-    # ("Fatal Python error: none_dealloc"). None is never freed anyway, so give
-    # it the effectively infinite refcount 3.12+ gives it.
-    if sys.version_info < (3, 12) and sys.implementation.name == "cpython":
-        ctypes.c_ssize_t.from_address(id(None)).value = 1 << 60
+_SINGLETONS = (None, True, False, Ellipsis, NotImplemented, *range(-5, 257))
 
 
-_make_none_immortal()
+def _make_singletons_immortal() -> None:
+    # PySide6 6.12.0 is built assuming Python 3.12's immortal singletons: on 3.11
+    # it drops a reference to None (every void call), True/False and cached small
+    # ints, draining their refcounts until CPython aborts ("Fatal Python error:
+    # none_dealloc" / "bool_dealloc"). These objects are never freed anyway, so
+    # give them the effectively infinite refcount 3.12+ gives them.
+    if sys.version_info >= (3, 12) or sys.implementation.name != "cpython":
+        return
+    for obj in _SINGLETONS:
+        ctypes.c_ssize_t.from_address(id(obj)).value = 1 << 60
+
+
+_make_singletons_immortal()
