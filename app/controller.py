@@ -7,18 +7,17 @@ the answer ended; engine events arrive through the bridge on the GUI thread.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from app.answer_recorder import AnswerRecorder
 from app.chat_model import ChatMessage, ChatModel
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample, TokenChunk
 
-SAVE_INTERVAL_S = 1.0
 STATS_POLL_MS = 400
 MAX_OPEN_SESSIONS = 3
 NEW_TITLE = "New chat"
@@ -63,16 +62,11 @@ class ChatController(QObject):
         self.active_kind: str | None = None
         self._kinds: dict[int, str] = {}
         self._after_open: dict[int, Callable[[], None]] = {}
-        self._streaming_id = 0
-        self._saved_at = 0.0
-        self._dirty = False
         self._editing: tuple[int, int] | None = None  # row, message id
         self._last_stats_time = 0.0
-        self._save_timer = QTimer(self, interval=int(SAVE_INTERVAL_S * 1000))
-        self._save_timer.timeout.connect(self._save_partial)
+        self.recorder = AnswerRecorder(store, self.model, self)
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
-        self.model.streamFlushed.connect(self._on_flush)
         bridge.tokenChunk.connect(self._on_token)
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
@@ -99,9 +93,7 @@ class ChatController(QObject):
         if self.closed:
             return
         self._poll.stop()
-        if self.active_kind == "chat" and self._streaming_id:
-            self.model.flush()
-            self._save_partial()
+        if self.active_kind == "chat" and self.recorder.recording:
             self._finish_answer("stopped", "Longleaf was closed while answering")
         # Events still queued from the worker must not touch the closing store.
         self.closed = True
@@ -283,10 +275,7 @@ class ChatController(QObject):
     def _start_answer(self) -> None:
         assert self.current is not None
         messages = self.model.engine_messages(self.settings.system_prompt)
-        self._streaming_id = self.store.add_message(self.current.id, "assistant", "", "streaming")
-        self.model.append(ChatMessage("assistant", "", "streaming", self._streaming_id))
-        self._saved_at, self._dirty = time.monotonic(), False
-        self._save_timer.start()
+        self.recorder.start(self.current.id)
         self._set_active(-1, "chat")
         session = self.current
 
@@ -348,30 +337,10 @@ class ChatController(QObject):
             return
         if event.request_id == self.active_request and self.active_kind == "chat":
             self.model.append_text(event.text)
-            self._dirty = True
-
-    def _on_flush(self, _content: str) -> None:
-        if time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
-            self._save_partial()
-
-    def _save_partial(self) -> None:
-        if not self._streaming_id or not self._dirty:
-            return
-        rows = self.model.rowCount()
-        if rows:
-            self.store.update_message(self._streaming_id,
-                                      content=self.model.message(rows - 1).content)
-        self._saved_at, self._dirty = time.monotonic(), False
+            self.recorder.mark_dirty()
 
     def _finish_answer(self, status: str, reason: str | None, stats: dict | None = None) -> None:
-        self._save_timer.stop()
-        self.model.flush()
-        rows = self.model.rowCount()
-        content = self.model.message(rows - 1).content if rows else ""
-        self.store.update_message(self._streaming_id, content=content, status=status,
-                                  reason=reason, stats=stats)
-        self.model.update_last(status=status, reason=reason, stats=stats)
-        self._streaming_id = 0
+        self.recorder.finish(status, reason, stats)
         if self.current is not None:
             self.sessionsChanged.emit()
         self.answerFinished.emit(status)

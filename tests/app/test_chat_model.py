@@ -38,3 +38,25 @@ def test_update_truncate_and_engine_messages() -> None:
     assert engine_content(model.message(0)).startswith("<document")
     model.truncate(1)
     assert model.rowCount() == 1
+
+
+def test_recorder_saves_the_growing_answer_even_when_tokens_pause(qtbot) -> None:
+    from app.answer_recorder import AnswerRecorder
+    from app.store import HistoryStore
+
+    store = HistoryStore()
+    session = store.create_session("s", "q8", "demo")
+    model = ChatModel()
+    recorder = AnswerRecorder(store, model)
+    message_id = recorder.start(session.id)
+    model.append_text("partial answer")
+    recorder.mark_dirty()
+    # No more tokens arrive: the one-second timer still writes the text.
+    qtbot.waitUntil(lambda: store.messages(session.id)[0].content == "partial answer",
+                    timeout=5000)
+    assert store.messages(session.id)[0].status == "streaming"
+    recorder.finish("stopped", "Stopped", {"generated_tokens": 2})
+    saved = store.messages(session.id)[0]
+    assert (saved.id, saved.status, saved.reason) == (message_id, "stopped", "Stopped")
+    assert not recorder.recording
+    store.close()
