@@ -6,25 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, Qt
-from PySide6.QtGui import QFileOpenEvent, QIcon
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 RESOURCES = Path(__file__).resolve().parent / "resources"
-
-
-class FileOpenFilter(QObject):
-    """Documents dropped on the app's icon (macOS) become attachments."""
-
-    def __init__(self, window) -> None:
-        super().__init__(window)
-        self.window = window
-
-    def eventFilter(self, obj, event) -> bool:
-        if event.type() == QEvent.Type.FileOpen and isinstance(event, QFileOpenEvent):
-            self.window.add_files([event.file()])
-            return True
-        return False
 
 
 def create_app(argv: list[str]) -> QApplication:
@@ -75,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app([sys.argv[0], *qt_args])
     app.setAttribute(Qt.ApplicationAttribute.AA_DontShowIconsInMenus, True)
     window = build_window(args.model)
-    app.installEventFilter(FileOpenFilter(window))
     window.show()
     if args.files:
         window.add_files(args.files)

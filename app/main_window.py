@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QMimeData, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import (
+    QAction,
+    QCloseEvent,
+    QDragEnterEvent,
+    QDropEvent,
+    QKeySequence,
+)
 from PySide6.QtWidgets import (
+    QApplication,
     QFileDialog,
-    QFrame,
-    QHBoxLayout,
     QLabel,
     QMainWindow,
     QMenu,
@@ -31,39 +36,7 @@ from app.model_picker import ModelPicker
 from app.session_list import SessionList
 from app.settings import KV_MODES
 from app.store import AttachmentRecord
-
-
-def local_files(mime: QMimeData) -> list[str]:
-    """Local file paths in a drag's MIME data."""
-    return [url.toLocalFile() for url in mime.urls() if url.isLocalFile()]
-
-
-class Banner(QFrame):
-    """The one place engine errors are shown; dismissable, never modal."""
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName("errorBanner")
-        row = QHBoxLayout(self)
-        row.setContentsMargins(12, 6, 6, 6)
-        self.label = QLabel()
-        self.label.setWordWrap(True)
-        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        close = QToolButton()
-        close.setText("✕")
-        close.setAutoRaise(True)
-        close.clicked.connect(self.hide)
-        row.addWidget(self.label, 1)
-        row.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
-        self.hide()
-
-    def show_message(self, text: str, kind: str = "error") -> None:
-        """Show ``text``; kind is "error" or "info"."""
-        self.label.setText(text)
-        self.setProperty("kind", kind)
-        self.style().unpolish(self)
-        self.style().polish(self)
-        self.show()
+from app.window_parts import Banner, FileOpenFilter, local_files
 
 
 class MainWindow(QMainWindow):
@@ -87,6 +60,8 @@ class MainWindow(QMainWindow):
         self._connect()
         self._refresh_sessions()
         self._on_session_changed(controller.current)
+        self.file_open_filter = FileOpenFilter(self)
+        QApplication.instance().installEventFilter(self.file_open_filter)
         geometry = self.settings.window_geometry
         if geometry:
             self.restoreGeometry(geometry)
@@ -399,6 +374,7 @@ class MainWindow(QMainWindow):
         self.settings.sync()
         self.loader.wait(3000)
         self.model_picker.wait(3000)
+        QApplication.instance().removeEventFilter(self.file_open_filter)
         self.controller.shutdown()
         event.accept()
         QTimer.singleShot(0, lambda: None)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
-from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtGui import QDragEnterEvent, QDropEvent, QFileOpenEvent
 from PySide6.QtWidgets import QApplication
 
 from app.format import human_bytes
@@ -102,3 +102,11 @@ def test_fit_check_says_plainly_when_it_wont_fit(qtbot, window, tmp_path) -> Non
     text = window.composer.fit.text()
     assert "won't fit" in text and f"{window.fit.last_report.max_context:,} tokens" in text
     assert window.composer.fit.property("ok") is False
+
+
+def test_documents_opened_on_the_app_icon_are_attached(qtbot, window, tmp_path) -> None:
+    doc = tmp_path / "from-finder.txt"
+    doc.write_text(TEXT)
+    QApplication.sendEvent(QApplication.instance(), QFileOpenEvent(str(doc)))
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    assert [r.name for r in window.attachments.values()] == ["from-finder.txt"]

@@ -1,0 +1,54 @@
+"""Small pieces of the main window: the error banner, file drops, icon opens."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QEvent, QMimeData, QObject, Qt
+from PySide6.QtGui import QFileOpenEvent
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QWidget
+
+
+def local_files(mime: QMimeData) -> list[str]:
+    """Local file paths in a drag's MIME data."""
+    return [url.toLocalFile() for url in mime.urls() if url.isLocalFile()]
+
+
+class FileOpenFilter(QObject):
+    """Documents dropped on the app's icon (macOS sends QFileOpenEvent) become attachments."""
+
+    def __init__(self, window) -> None:
+        super().__init__(window)
+        self.window = window
+
+    def eventFilter(self, obj, event) -> bool:
+        if event.type() == QEvent.Type.FileOpen and isinstance(event, QFileOpenEvent):
+            self.window.add_files([event.file()])
+            return True
+        return False
+
+
+class Banner(QFrame):
+    """The one place engine errors are shown; dismissable, never modal."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("errorBanner")
+        row = QHBoxLayout(self)
+        row.setContentsMargins(12, 6, 6, 6)
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        close = QToolButton()
+        close.setText("✕")
+        close.setAutoRaise(True)
+        close.clicked.connect(self.hide)
+        row.addWidget(self.label, 1)
+        row.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
+        self.hide()
+
+    def show_message(self, text: str, kind: str = "error") -> None:
+        """Show ``text``; kind is "error" or "info"."""
+        self.label.setText(text)
+        self.setProperty("kind", kind)
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.show()
