@@ -54,10 +54,17 @@ def build_window(model: str | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the app; returns the exit code."""
+    args_in = sys.argv[1:] if argv is None else argv
+    if "--self-test" in args_in:  # answered before any window is built
+        from app.self_test import main as self_test
+
+        return self_test(args_in)
     parser = argparse.ArgumentParser(prog="longleaf", description="Local long-context chat.")
     parser.add_argument("--model", help="model folder to load, or 'demo'")
+    parser.add_argument("--self-test", action="store_true",
+                        help="load the demo model, generate in every KV mode, exit 0 if all works")
     parser.add_argument("files", nargs="*", help="documents to attach")
-    args, qt_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, qt_args = parser.parse_known_args(args_in)
     app = create_app([sys.argv[0], *qt_args])
     app.setAttribute(Qt.ApplicationAttribute.AA_DontShowIconsInMenus, True)
     window = build_window(args.model)
