@@ -115,9 +115,13 @@ def run_generate(args: argparse.Namespace, command: str) -> dict:
         repeats=args.repeats,
     )
     info = report.machine_info()
-    results = generate_bench.run_generate_bench(config, progress=_progress)
-    body = generate_bench.render_generate_report(results, info, command, report.load_average())
-    report.write_section(args.output, "generate", body)
+
+    def write(results: dict) -> None:
+        body = generate_bench.render_generate_report(results, info, command, report.load_average())
+        report.write_section(args.output, "generate", body)
+
+    results = generate_bench.run_generate_bench(config, _progress, partial_results=write)
+    write(results)
     return {"machine": info, **results}
 
 

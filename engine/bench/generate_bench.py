@@ -158,14 +158,33 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_generate_bench(
-    config: GenerateBenchConfig, progress: Callable[[str], None] = print
+    config: GenerateBenchConfig,
+    progress: Callable[[str], None] = print,
+    partial_results: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Time every mode against mlx-lm at every prompt length; plain-value results."""
+    """Time every mode against mlx-lm at every prompt length; plain-value results.
+
+    ``partial_results`` gets the results so far after each prompt length, so a long
+    run that is stopped still leaves its finished lengths behind.
+    """
     from engine.models import load_model
 
     loaded = load_model(config.model)
     info = loaded.info
     rows: list[dict[str, Any]] = []
+    results = {
+        "config": {name: getattr(config, name) for name in config.__dataclass_fields__},
+        "model": {
+            "name": info.name,
+            "architecture": info.architecture,
+            "layers": info.num_layers,
+            "kv_heads": info.kv_heads,
+            "head_dim": info.head_dim,
+            "quantization_bits": info.quantization_bits,
+            "dtype": "float32" if mx.default_device() == mx.cpu else "as stored",
+        },
+        "rows": rows,
+    }
     render = partial(loaded.tokenizer.apply_chat_template, add_generation_prompt=True)
     warm = prompt_messages(loaded.tokenizer, 64, render)
     for mode in config.modes:  # compile kernels and warm allocators, untimed
@@ -188,19 +207,13 @@ def run_generate_bench(
             rows.append(
                 {"target": target, "mode": mode, "engine": _best(ours), "mlx_lm": _best(theirs)}
             )
-    return {
-        "config": {name: getattr(config, name) for name in config.__dataclass_fields__},
-        "model": {
-            "name": info.name,
-            "architecture": info.architecture,
-            "layers": info.num_layers,
-            "kv_heads": info.kv_heads,
-            "head_dim": info.head_dim,
-            "quantization_bits": info.quantization_bits,
-            "dtype": "float32" if mx.default_device() == mx.cpu else "as stored",
-        },
-        "rows": rows,
-    }
+        if partial_results is not None:
+            partial_results(results)
+    return results
+
+
+def _finished(targets: list[int], rows: list[dict[str, Any]]) -> list[str]:
+    return [fmt_tokens(t) for t in targets if any(r["target"] == t for r in rows)]
 
 
 def _weight_bits(bits: int | None) -> str:
@@ -278,7 +291,8 @@ def render_generate_report(
         f"{_weight_bits(model['quantization_bits'])}, compute dtype {model['dtype']}). "
         f"Greedy, {config['max_tokens']} tokens per run, end-of-turn ignored so both sides "
         f"decode the same number of steps; prompts are the same token ids on both sides "
-        f"(targets {', '.join(fmt_tokens(p) for p in config['prompts'])}). "
+        f"(targets {', '.join(fmt_tokens(p) for p in config['prompts'])}; "
+        f"finished: {', '.join(_finished(config['prompts'], rows)) or 'none'}). "
         f"Median of {config['repeats']} run(s) per cell.",
         "",
         "The engine runs `Session.chat` (paged cache, the session's default prefill chunk); "
