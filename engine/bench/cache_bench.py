@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -84,7 +84,6 @@ class Contender:
     mode: str  # the KV mode it stores: fp16, q8, q6 or q4
     make_cache: Callable[[int, int, int], Any]  # (kv_heads, head_dim, capacity) -> cache
     attend: Callable[..., mx.array]
-    note: str = ""
 
 
 def _mlx_quantized_cache(bits: int, dtype: mx.Dtype) -> Callable[[int, int, int], Any]:
@@ -190,7 +189,12 @@ def attention_step(
     mask = cache.make_mask(n, return_array=False, window_size=None)
     cached_keys, cached_values = cache.update_and_fetch(keys, values)
     scale = queries.shape[-1] ** -0.5
-    out = contender.attend(queries, cached_keys, cached_values, cache=cache, scale=scale, mask=mask)
+    # A fresh array object per call, as a model layer makes: mlx-lm's quantized
+    # attention scales its queries in place (`queries *= scale`), which would
+    # otherwise rescale the shared benchmark input for every later contender.
+    out = contender.attend(
+        queries[:], cached_keys, cached_values, cache=cache, scale=scale, mask=mask
+    )
     mx.eval(out)
     return out
 
@@ -469,8 +473,3 @@ def _config_dict(config: CacheBenchConfig) -> dict[str, Any]:
 def scaled(config: CacheBenchConfig, **changes: Any) -> CacheBenchConfig:
     """A copy of ``config`` with some fields changed (None values are ignored)."""
     return replace(config, **{k: v for k, v in changes.items() if v is not None})
-
-
-def iter_rows(rows: list[dict[str, Any]], **match: Any) -> Iterator[dict[str, Any]]:
-    """Rows whose fields equal every ``match`` value."""
-    return (r for r in rows if all(r.get(k) == v for k, v in match.items()))
