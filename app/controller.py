@@ -21,6 +21,8 @@ from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSam
 STATS_POLL_MS = 400
 MAX_OPEN_SESSIONS = 3
 NEW_TITLE = "New chat"
+MEMORY_STOP = ("Stopped to protect your computer: system memory turned critical or free RAM ran "
+               "out. Close other apps or chats, or reopen this chat in a smaller KV mode.")
 
 
 def model_name(info: object, fallback: str = "") -> str:
@@ -352,9 +354,11 @@ class ChatController(QObject):
         if event.request_id != self.active_request:
             return
         if kind == "chat":
-            status = "stopped" if event.reason == "cancelled" else "complete"
-            reason = {"cancelled": "Stopped", "length": "Reached the answer length limit"}.get(
-                event.reason)
+            status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
+            reason = {"cancelled": "Stopped", "length": "Reached the answer length limit",
+                      "memory": MEMORY_STOP}.get(event.reason)
+            if event.reason == "memory":
+                self.errorRaised.emit(MEMORY_STOP)
             self._finish_answer(status, reason, _stats_dict(event.stats))
         elif kind == "ingest":
             done = "Cancelled re-ingest" if event.reason == "cancelled" else "Conversation ingested"
