@@ -121,9 +121,12 @@ def load_model(path: str | Path, *, compute_dtype: mx.Dtype | None = None) -> Lo
     from mlx_lm.utils import load_model as mlx_load_model
 
     folder = resolve_model_path(path)
-    check_model_dir(folder)
+    config, _, _ = check_model_dir(folder)
     try:
         model, config = mlx_load_model(folder)
+    except _CONFIG_ERRORS as error:
+        # Raised while building the model from config.json, before any weight.
+        raise _invalid_config(folder, config, error) from error
     except (ValueError, RuntimeError, KeyError, OSError) as error:
         raise ModelLoadError(
             f"mlx-lm could not load the weights in {folder}: {error}. The files may be "
@@ -234,12 +237,21 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
         model = model_class(args_class.from_dict(config))
         _sanitize_lazily(model, headers)
         kinds = classify_layers(make_prompt_cache(model))
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
-        raise ModelLoadError(
-            f"The config.json in {folder} does not describe a valid "
-            f"{config['model_type']} model ({error}); download the model again."
-        ) from error
+    except (ValueError, KeyError, *_CONFIG_ERRORS) as error:
+        raise _invalid_config(folder, config, error) from error
     return _model_info(folder, config, kinds, get_total_parameters(model))
+
+
+# What a model class raises when config.json holds wrong types or zero sizes.
+_CONFIG_ERRORS = (TypeError, AttributeError, ZeroDivisionError, IndexError)
+
+
+def _invalid_config(folder: Path, config: dict[str, Any], error: Exception) -> ModelLoadError:
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ModelLoadError(
+        f"The config.json in {folder} does not describe a valid "
+        f"{config['model_type']} model ({detail}); download the model again."
+    )
 
 
 _HEADER_DTYPES = {
@@ -343,16 +355,34 @@ def read_weight_headers(folder: Path) -> dict[str, dict[str, Any]]:
             f"{folder} has no model*.safetensors weights. mlx-lm needs safetensors; "
             "download the MLX version of the model or convert it with mlx_lm.convert."
         )
+    _check_shards(folder)
     tensors: dict[str, dict[str, Any]] = {}
     for file in files:
         tensors.update(_safetensors_header(Path(file)))
     return tensors
 
 
+def _check_shards(folder: Path) -> None:
+    """Name the shards a sharded model's index lists but the folder lacks."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        return  # no index (single file) or an unreadable one: the headers decide
+    missing = sorted({str(f) for f in weight_map.values() if not (folder / str(f)).is_file()})
+    if missing:
+        raise ModelLoadError(
+            f"{folder} is missing {len(missing)} weight file(s) listed in "
+            f"model.safetensors.index.json ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}); the download is incomplete. "
+            "Download the model again."
+        )
+
+
 def _safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
     corrupt = f"{file.name} in {file.parent} is corrupt or truncated; download the model again"
-    size = file.stat().st_size
     try:
+        size = file.stat().st_size
         with file.open("rb") as handle:
             (header_bytes,) = struct.unpack("<Q", handle.read(8))
             if header_bytes > min(size - 8, _MAX_HEADER_BYTES):
@@ -360,6 +390,11 @@ def _safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
             header = json.loads(handle.read(header_bytes))
     except (struct.error, ValueError) as error:
         raise ModelLoadError(f"{corrupt} ({error}).") from error
+    except OSError as error:
+        raise ModelLoadError(
+            f"{file.name} in {file.parent} cannot be read ({error.strerror or error}); "
+            "check that it is a file you may read, or download the model again."
+        ) from error
     if not isinstance(header, dict):
         raise ModelLoadError(f"{corrupt} (the header is not a tensor table).")
     header.pop("__metadata__", None)
