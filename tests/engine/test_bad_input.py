@@ -256,3 +256,22 @@ def test_empty_conversation_and_unknown_session(chatting) -> None:
     failed = _failed(events, engine.chat("nope", [{"role": "user", "content": "Hi"}], GREEDY,
                                          threading.Event()))
     assert failed.message == "No open session named 'nope'; open it first."
+
+
+def test_weights_full_of_nan_load_and_end_requests_without_a_crash(
+    tiny_root: Path, tmp_path: Path, worker
+) -> None:
+    engine, events = worker
+    folder = tmp_path / "nan-model"
+    shutil.copytree(make_tiny_model_dir(tiny_root, "llama"), folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        {name: w * float("nan") for name, w in weights.items()})
+    _loaded(engine, events, folder)
+    assert isinstance(events.ending(engine.open_session("s", "q4", 16)), Finished)
+    for temperature in (0.0, 0.8):
+        sampling = SamplingParams(temperature=temperature, max_tokens=6, seed=1)
+        ending = events.ending(engine.chat("s", [{"role": "user", "content": "Hi"}], sampling,
+                                           threading.Event()))
+        # NaN logits give garbage (or an immediate end of turn), never a crash.
+        assert isinstance(ending, Finished) and ending.reason in ("stop", "length")
