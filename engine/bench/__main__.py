@@ -96,7 +96,9 @@ def run_cache(args: argparse.Namespace, command: str) -> dict:
         page_size=args.page_size,
     )
     info = report.machine_info()
+    started = time.monotonic()
     results = cache_bench.run_cache_bench(config, progress=_progress)
+    results["wall_seconds"] = time.monotonic() - started
     body = report.render_cache_report(results, info, command, report.load_average())
     report.write_section(args.output, "cache", body)
     return {"machine": info, **results}

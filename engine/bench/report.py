@@ -18,9 +18,15 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1024 * 1024
-DOC_TITLE = (
-    "# Benchmarks\n\nNumbers written by `python -m engine.bench`; rerun it to refresh them.\n"
-)
+DOC_TITLE = """# Benchmarks
+
+Numbers written by `python -m engine.bench` (each command rewrites only its own section).
+Run on Linux with OpenBLAS preloaded, and read the load average each section records:
+
+    source scripts/env.sh
+    .venv/bin/python -m engine.bench cache        # ~10 min on 2 idle cores; --quick for a smoke run
+    .venv/bin/python -m engine.bench generate     # demo model, 1k/4k/7k prompts
+"""
 
 
 def cpu_model() -> str:
@@ -491,6 +497,7 @@ def render_cache_report(
         f"Command: `{command}`",
         "",
         *machine_lines(info, load_after),
+        f"- Wall time of the run: {results.get('wall_seconds', 0) / 60:.1f} min",
         "",
         f"Raw attention, one layer, batch 1, {config['q_heads']} query heads over "
         f"{config['kv_heads']} KV heads (GQA), compute dtype {config['dtype']}, page size "
