@@ -201,11 +201,14 @@ def _stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[st
                 parts.append(text)
                 chars += len(text)
                 _check_length(name, chars, max_chars, complete=False)
+                # NULs past the sniffed head: binary data appended to text.
+                if encoding == "utf-8" and "\x00" in text:
+                    raise _binary(name)
                 block = handle.read(READ_BLOCK)
             tail = decoder.decode(b"", final=True)
     except OSError as exc:
         raise _os_error(name, exc) from exc
-    if total != size and not p.exists():
+    if total != size:  # truncated, grown or deleted while we read it
         raise _vanished(name)
     replaced += tail.count("\ufffd")
     parts.append(tail)
@@ -229,12 +232,16 @@ def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
         return "utf-8", len(codecs.BOM_UTF8)
     if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return "utf-16", 0
-    if b"\x00" in head[:8192]:
-        raise DocumentError(
-            f"“{name}” looks like a binary file, not text (it contains NUL bytes). "
-            "Drop a text, Markdown, source, PDF or .docx file instead."
-        )
+    if b"\x00" in head:
+        raise _binary(name)
     return "utf-8", 0
+
+
+def _binary(name: str) -> DocumentError:
+    return DocumentError(
+        f"“{name}” looks like a binary file, not text (it contains NUL bytes). "
+        "Drop a text, Markdown, source, PDF or .docx file instead."
+    )
 
 
 def _count_replaced(text: str, block: bytes, encoding: str) -> int:

@@ -138,7 +138,7 @@ def test_file_that_vanishes_while_being_read(tmp_path: Path, monkeypatch) -> Non
 def test_huge_text_file_is_refused_after_streaming_only_the_start(tmp_path: Path) -> None:
     path = tmp_path / "huge.txt"
     with path.open("wb") as handle:
-        handle.write(b"word " * 200_000)
+        handle.write(b"word " * 800_000)  # 4 MB of text, then NULs to 1 GB
         handle.truncate(1 << 30)  # a 1 GB file, sparse on disk
     with pytest.raises(DocumentError, match=r"more than 3,000,000 characters") as info:
         read_document(path, max_chars=3_000_000)
@@ -211,3 +211,26 @@ def test_corrupt_docx(tmp_path: Path) -> None:
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def test_binary_data_after_a_text_start_is_refused(tmp_path: Path) -> None:
+    past_head = tmp_path / "mixed.log"
+    past_head.write_bytes(b"started\n" * 200_000 + b"\x00\x01\x02\x03" * 256)  # NULs after 1.6 MB
+    with pytest.raises(DocumentError, match="looks like a binary file"):
+        read_document(past_head)
+
+
+def test_file_truncated_but_not_deleted_while_being_read(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "rewritten.txt"
+    path.write_text("row\n" * 500_000)
+    real_open = Path.open
+
+    def open_then_truncate(self: Path, *args, **kwargs):
+        handle = real_open(self, *args, **kwargs)
+        if self == path:
+            os.truncate(self, 1000)
+        return handle
+
+    monkeypatch.setattr(Path, "open", open_then_truncate)
+    with pytest.raises(DocumentError, match="changed or disappeared while it was being read"):
+        read_document(path)
