@@ -123,7 +123,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
 def find_models() -> list[tuple[str, str]]:
     """Models Longleaf can open: (name, path), the embedded demo first."""
     from engine.demo_model import DEMO_NAME, demo_gguf_path
-    from engine.models import discover_models
+    from engine.discovery import discover_models
 
     found: list[tuple[str, str]] = []
     converted_demo = (models_dir() / DEMO_NAME).resolve()
@@ -133,8 +133,8 @@ def find_models() -> list[tuple[str, str]]:
     except EngineError:
         pass
     found.extend(
-        (info.name, info.path) for info in discover_models()
-        if not (found and Path(info.path).resolve() == converted_demo)
+        (model.name, str(model.path)) for model in discover_models().models
+        if not (found and Path(model.path).resolve() == converted_demo)
     )
     return found
 

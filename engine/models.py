@@ -9,12 +9,9 @@ message a user can act on instead of a stack trace from deep inside MLX.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import glob
 import json
-import os
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,6 @@ import mlx.core as mx
 
 from engine import kvquant
 from engine.errors import EngineError, ModelLoadError
-from engine.paths import models_dir
 
 DEMO = "demo"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
@@ -505,51 +501,3 @@ def _model_info(
         kv_bytes_full_context=full_context,
         q6_supported=head_dim % 4 == 0,
     )
-
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, honouring ``HF_HUB_CACHE`` and ``HF_HOME``."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path("~/.cache/huggingface").expanduser()
-    return Path(home) / "hub"
-
-
-def _hub_snapshots(cache: Path) -> list[tuple[str, Path]]:
-    found: list[tuple[str, Path]] = []
-    for repo in sorted(cache.glob("models--*")):
-        ref = repo / "refs" / "main"
-        snapshots = repo / "snapshots"
-        revision = ref.read_text().strip() if ref.is_file() else None
-        candidates = [snapshots / revision] if revision else sorted(snapshots.glob("*"))
-        name = repo.name.removeprefix("models--").replace("--", "/")
-        found.extend((name, path) for path in candidates if path.is_dir())
-    return found
-
-
-def discover_models(extra_dirs: Iterable[str | Path] = ()) -> list[ModelInfo]:
-    """Find loadable models in the HF cache, Longleaf's models folder and ``extra_dirs``.
-
-    Each extra folder may be a model folder itself or hold model folders.
-    Folders that fail ``inspect_model_dir`` are skipped.
-    """
-    candidates = _hub_snapshots(hub_cache_dir())
-    roots = [models_dir(), *(Path(d).expanduser() for d in extra_dirs)]
-    for root in roots:
-        if (root / "config.json").is_file():
-            candidates.append((root.name, root))
-        elif root.is_dir():
-            candidates.extend((sub.name, sub) for sub in sorted(root.iterdir()) if sub.is_dir())
-    models: list[ModelInfo] = []
-    seen: set[Path] = set()
-    for name, folder in candidates:
-        resolved = folder.resolve()
-        if resolved in seen:
-            continue
-        seen.add(resolved)
-        try:
-            info = inspect_model_dir(folder)
-        except EngineError:
-            continue
-        models.append(dataclasses.replace(info, name=name))
-    return models

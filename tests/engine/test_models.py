@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 from engine import kvquant
 from engine.errors import ModelLoadError
-from engine.models import ModelInfo, discover_models, inspect_model_dir, load_model
+from engine.models import ModelInfo, inspect_model_dir, load_model
 from tests.engine.tinymodels import ARCHS, make_tiny_model_dir, tiny_config
 
 
@@ -247,41 +247,3 @@ def test_weights_of_another_model_fail_with_model_load_error(tiny_root, tmp_path
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="download the model again"):
         load_model(folder)
-
-
-def _hub_entry(hub: Path, repo_id: str, source: Path) -> Path:
-    repo = hub / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / "0123abcd"
-    shutil.copytree(source, snapshot)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123abcd")
-    return snapshot
-
-
-def test_discover_finds_hub_cache_and_extra_dirs_and_skips_broken(
-    tiny_root, tmp_path, monkeypatch
-) -> None:
-    hub = tmp_path / "hub"
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    good = _tiny(tiny_root, "llama")
-    snapshot = _hub_entry(hub, "someone/tiny-llama", good)
-    broken = _hub_entry(hub, "someone/broken", good)
-    (broken / "config.json").unlink()
-    extra = tmp_path / "extra"
-    extra.mkdir()
-    qwen = _copy(_tiny(tiny_root, "qwen3"), extra)
-    (extra / "not-a-model").mkdir()
-    single = _copy(_tiny(tiny_root, "gemma3_text"), tmp_path)
-
-    found = {info.name: info for info in discover_models([extra, single])}
-    assert set(found) == {"someone/tiny-llama", qwen.name, single.name}
-    assert Path(found["someone/tiny-llama"].path) == snapshot
-    assert found[qwen.name].architecture == "qwen3"
-    assert found[single.name].sliding_window_layer_indices
-
-
-def test_discover_honours_hf_home(tiny_root, tmp_path, monkeypatch) -> None:
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    _hub_entry(tmp_path / "hf" / "hub", "org/model", _tiny(tiny_root, "llama"))
-    assert [info.name for info in discover_models()] == ["org/model"]
