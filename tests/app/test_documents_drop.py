@@ -21,7 +21,7 @@ def drop_files(window, paths: list[Path]) -> None:
     mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
     target = window.conversation.viewport()
     pos = QPoint(40, 40)
-    enter = QDragEnterEvent(QPointF(pos), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+    enter = QDragEnterEvent(pos, Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
                             Qt.KeyboardModifier.NoModifier)
     QApplication.sendEvent(target, enter)
     assert enter.isAccepted()
