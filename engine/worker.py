@@ -123,7 +123,13 @@ class EngineWorker:
         sampling: SamplingParams,
         cancel: threading.Event,
     ) -> int:
-        """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
+        """Answer the conversation's last user turn, streaming ``TokenChunk`` events.
+
+        Ends with ``Finished`` ("stop", "length", "cancelled", or "memory" when
+        system memory turned critical or free RAM ran out mid-answer; the partial
+        answer stays in the cache) or ``Failed`` (e.g. ``ContextTooLong``, or
+        ``MemoryPressure`` when memory was critical before the answer began).
+        """
         return self._submit("chat", (session_id, _copy(messages), sampling), cancel)
 
     def ingest(

@@ -471,3 +471,25 @@ def test_worker_sessions_share_one_budget(llama, worker_with) -> None:
     assert worker.guard.held_bytes() == 0
     ending = events.ending(worker.ingest("b", _user(QUESTION * 4), threading.Event()))
     assert isinstance(ending, Finished) and ending.reason == "done"
+
+
+def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory)
+
+    def fill(event: object, recorder: Recorder) -> None:
+        if isinstance(event, IngestProgress):
+            memory.available = 0  # the pages already taken are all there is
+
+    session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=16)
+    messages = _user(QUESTION * 8)
+    with pytest.raises(ContextTooLong) as error:
+        _ingest(session, messages, Recorder(fill))
+    held = session.stats().bytes_allocated
+    prompt = session.render(messages, add_generation_prompt=False)
+    assert str(error.value).startswith(f"This conversation needs {len(prompt):,} tokens")
+    assert (f"free RAM ({held / 1024:.1f} KiB after the safety headroom) holds about "
+            f"{held // PAGE * 16} tokens in fp16") in str(error.value)
+    # Rewound to the last complete message: none of this one.
+    assert session.tokens == [] and adapter.cache_tokens(session.cache) == 0
+    assert 0 < held < len(prompt) // 16 * PAGE
