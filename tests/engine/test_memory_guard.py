@@ -33,6 +33,7 @@ from engine.memory_guard import (
     MemoryReading,
     default_floor,
     default_headroom,
+    system_memory,
 )
 from engine.models import estimate_load_bytes
 from engine.pages import PagePool
@@ -128,6 +129,15 @@ def test_default_headroom_and_floor() -> None:
     assert guard.floor(memory()) < guard.headroom(memory())
     memory.available = GIB
     assert guard.free_bytes() == 0
+
+
+def test_system_probe_reads_this_machine() -> None:
+    reading = system_memory()
+    assert 0 < reading.available_bytes <= reading.total_bytes
+    assert reading.pressure_level in (None, "normal", "warning", "critical")
+    guard = MemoryGuard()  # the defaults every worker gets
+    assert guard.headroom(reading) == default_headroom(reading.total_bytes) >= 2 * GIB
+    assert guard.free_bytes(reading) == max(0, reading.available_bytes - guard.headroom(reading))
 
 
 def test_critical_pressure_from_floor_or_macos_level() -> None:
