@@ -1,9 +1,9 @@
 """Bad-input matrix for dropped documents (engine.documents): each row asserts the exact
 message the user sees, or what the reader returns when it copes.
 
-Complements test_documents.py (which covers the happy paths and phrases); cases
-that show a defect are strict xfails naming it, so fixing the defect turns them
-into failures that ask for the marker's removal.
+Complements test_documents.py (which covers the happy paths and phrases). Two rows
+started as strict xfails (binary data after the first 8 KiB, a file truncated while
+being read) and pass since documents.py was fixed.
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ def test_utf16_without_a_byte_order_mark_reads_as_binary(tmp_path: Path) -> None
     assert _refused(path) == BINARY.format(name="notes.txt")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "documents.py looks for NUL bytes only in the first 8 KiB: binary data after "
-    "that is accepted and its NULs/control bytes go into the prompt"))
 def test_binary_after_the_first_8_kib_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "app.log"
     path.write_bytes(b"started\n" * 2048 + b"\x00\x01\x02\x03" * 256)
@@ -200,9 +197,6 @@ def test_file_deleted_while_open_is_read_whole(tmp_path: Path, monkeypatch) -> N
     assert read_document(path).text == text
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "documents.py only notices a short read when the file no longer exists: a file "
-    "truncated (but not deleted) while being read returns its partial text silently"))
 def test_file_truncated_while_being_read_is_refused(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "growing.txt"
     path.write_text("row\n" * 500_000)
