@@ -51,3 +51,21 @@ class DocumentError(EngineError):
 
 class Cancelled(EngineError):
     """An ingest or generation was cancelled by the user."""
+
+
+class InsufficientMemory(EngineError):
+    """A model load (or other allocation) needs more memory than is free.
+
+    Attributes:
+        needed_bytes: what the operation needs.
+        free_bytes: what is free after the headroom.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int = 0, free_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class MemoryPressure(EngineError):
+    """System memory turned critical, so the engine stopped (or did not start) work."""

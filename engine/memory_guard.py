@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from engine.errors import EngineError
+from engine.errors import EngineError, InsufficientMemory, MemoryPressure
 from engine.stats import pressure_level
 
 GIB = 2**30
@@ -40,24 +40,6 @@ MIN_FLOOR = 512 * MIB
 FLOOR_SHARE = 0.05
 # Reading system memory costs tens of microseconds; per token is wasteful.
 CHECK_INTERVAL = 0.1
-
-
-class InsufficientMemory(EngineError):
-    """A model load (or other allocation) needs more memory than is free.
-
-    Attributes:
-        needed_bytes: what the operation needs.
-        free_bytes: what is free after the headroom.
-    """
-
-    def __init__(self, message: str, *, needed_bytes: int = 0, free_bytes: int = 0) -> None:
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
-        self.free_bytes = free_bytes
-
-
-class MemoryPressure(EngineError):
-    """System memory turned critical, so the engine stopped (or did not start) work."""
 
 
 @dataclass(frozen=True)

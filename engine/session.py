@@ -17,9 +17,15 @@ from typing import Any
 import mlx.core as mx
 
 from engine import adapter, fit, kvquant
-from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
+from engine.errors import (
+    Cancelled,
+    ContextTooLong,
+    EngineError,
+    KvBudgetExceeded,
+    MemoryPressure,
+)
 from engine.events import GenerationStats, IngestProgress
-from engine.memory_guard import MemoryGuard, MemoryPressure, PressureWatch
+from engine.memory_guard import MemoryGuard, PressureWatch
 from engine.paged_cache import PagedKVCache
 from engine.sampling import AnswerStream, SamplingParams
 

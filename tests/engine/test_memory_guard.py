@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.utils import load
 
 from engine import adapter
-from engine.errors import ContextTooLong, KvBudgetExceeded
+from engine.errors import ContextTooLong, InsufficientMemory, KvBudgetExceeded, MemoryPressure
 from engine.events import (
     Failed,
     Finished,
@@ -27,9 +27,7 @@ from engine.events import (
 from engine.memory_guard import (
     GIB,
     MIB,
-    InsufficientMemory,
     MemoryGuard,
-    MemoryPressure,
     MemoryReading,
     default_floor,
     default_headroom,
