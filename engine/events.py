@@ -79,7 +79,13 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class Finished:
-    """A request ended. ``reason`` is "stop", "length", "cancelled" or "done"."""
+    """A request ended.
+
+    ``reason`` is "stop" (end-of-turn token), "length" (max tokens or context),
+    "cancelled" (the user), "memory" (system memory turned critical; the partial
+    answer and the cache stay consistent) or "done" (a request that generates
+    nothing).
+    """
 
     request_id: int
     reason: str
