@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +13,8 @@ from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 RESOURCES = Path(__file__).resolve().parent / "resources"
+
+log = logging.getLogger("longleaf")
 
 
 def create_app(argv: list[str]) -> QApplication:
@@ -72,7 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.files:
         window.add_files(args.files)
     code = app.exec()
+    return finish(window, code)
+
+
+def finish(window, code: int) -> int:
+    """After the window closed: join the threads, close the history, exit in time.
+
+    When the engine is still inside an uninterruptible MLX call (a prefill chunk,
+    a model load) two seconds after the close, the process exits at once with
+    ``os._exit``: the history is already saved and closed, and the only thing
+    dropped is the in-memory KV cache, which is rebuilt on the next start. A
+    normal interpreter exit would instead run C++ destructors under the running
+    engine thread, which can abort the process.
+    """
+    from app.main_window import EXIT_WITHIN_S
+
+    stopped = window.finish_closing(EXIT_WITHIN_S)
     window.controller.store.close()
+    if not stopped:
+        log.warning("the engine was still inside an MLX call %.1f s after closing; "
+                    "history saved, exiting without waiting for it", EXIT_WITHIN_S)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

@@ -21,6 +21,7 @@ from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSam
 STATS_POLL_MS = 400
 MAX_OPEN_SESSIONS = 3
 NEW_TITLE = "New chat"
+CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
 MEMORY_STOP = ("Stopped to protect your computer: system memory turned critical or free RAM ran "
                "out. Close other apps or chats, or reopen this chat in a smaller KV mode.")
 
@@ -90,17 +91,27 @@ class ChatController(QObject):
             self.select_session(sessions[0].id)
         self.load_model(model or self.settings.last_model)
 
-    def shutdown(self) -> None:
-        """Save the partial answer, stop the engine and join its thread."""
+    def close(self) -> None:
+        """Save the partial answer and cancel all engine work, without waiting.
+
+        The history is complete when this returns; the engine thread may still be
+        finishing a prefill chunk (see ``shutdown``), so closing the window never
+        waits on MLX.
+        """
         if self.closed:
             return
         self._poll.stop()
         if self.active_kind == "chat" and self.recorder.recording:
-            self._finish_answer("stopped", "Longleaf was closed while answering")
+            self._finish_answer("stopped", CLOSED_WHILE_ANSWERING)
         # Events still queued from the worker must not touch the closing store.
         self.closed = True
         self.active_request = self.active_kind = None
-        self.bridge.shutdown()
+        self.bridge.cancel()
+
+    def shutdown(self, timeout: float = 2.0) -> bool:
+        """``close``, then join the engine thread; True once it has ended."""
+        self.close()
+        return self.bridge.shutdown(timeout)
 
     @property
     def busy(self) -> bool:

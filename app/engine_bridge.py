@@ -27,6 +27,7 @@ from engine.events import (
 from engine.sampling import SamplingParams
 
 GIL_SWITCH_INTERVAL_S = 0.001
+ENGINE_THREAD = "longleaf-engine"  # the name the worker contract gives its thread
 
 
 def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None,
@@ -67,6 +68,7 @@ class EngineBridge(QObject):
         self._worker = worker_factory(self._on_worker_event, budget_bytes, chunk_size)
         self._pending: dict[int, str] = {}
         self._cancels: dict[int, threading.Event] = {}
+        self._threads: list[threading.Thread] = []
         self._alive = False
 
     # Worker thread side ---------------------------------------------------
@@ -121,7 +123,11 @@ class EngineBridge(QObject):
         # The engine thread runs Python between MLX calls; a short GIL switch
         # interval hands the GUI thread the GIL back within ~1 ms instead of 5.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        before = set(threading.enumerate())
         self._worker.start()
+        # Remember the engine thread itself, so closing can tell when it has ended.
+        self._threads = [t for t in threading.enumerate()
+                         if t not in before and t.name == ENGINE_THREAD]
         self._alive = True
 
     def load_model(self, path: str) -> int:
@@ -166,9 +172,19 @@ class EngineBridge(QObject):
         """Tokens in ``text`` under the loaded model's tokenizer (any thread)."""
         return self._worker.count_tokens(text)
 
-    def shutdown(self, timeout: float = 2.0) -> None:
-        """Cancel running work and join the worker thread."""
+    @property
+    def running(self) -> bool:
+        """True while the engine thread is alive (it may be finishing a prefill chunk)."""
+        return any(thread.is_alive() for thread in self._threads)
+
+    def shutdown(self, timeout: float = 2.0) -> bool:
+        """Cancel all work and join the worker thread; True once the thread has ended.
+
+        A chunk of prefill or a model load already inside MLX cannot be interrupted,
+        so the thread may outlive ``timeout``; calling again waits again.
+        """
         self.cancel()
         if self._alive:
             self._worker.shutdown(timeout)
-            self._alive = False
+            self._alive = self.running
+        return not self.running

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -38,6 +39,8 @@ from app.settings import KV_MODES
 from app.store import AttachmentRecord
 from app.window_parts import Banner, FileOpenFilter, local_files
 
+EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
+
 
 class MainWindow(QMainWindow):
     """Longleaf's window."""
@@ -53,6 +56,7 @@ class MainWindow(QMainWindow):
         self.resize(1380, 860)
         self.loader = DocumentLoader(controller.bridge.count_tokens, self)
         self.attachments: dict[int, AttachmentRecord] = {}
+        self.closed_at: float | None = None
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
         self._build_toolbar()
@@ -370,11 +374,29 @@ class MainWindow(QMainWindow):
             self.model_picker.refresh(self.settings.model_folders)
 
     def closeEvent(self, event: QCloseEvent) -> None:
+        # Nothing here waits: the history is saved and the engine told to stop,
+        # and the window goes away at once. ``finish_closing`` then joins the
+        # threads, after the window is gone.
+        if self.closed_at is None:
+            self.closed_at = time.monotonic()
         self.settings.window_geometry = bytes(self.saveGeometry().data())
         self.settings.sync()
-        self.loader.wait(3000)
-        self.model_picker.wait(3000)
         QApplication.instance().removeEventFilter(self.file_open_filter)
-        self.controller.shutdown()
+        self.controller.close()
         event.accept()
-        QTimer.singleShot(0, lambda: None)
+
+    def finish_closing(self, within: float = EXIT_WITHIN_S) -> bool:
+        """Join the file readers and the engine thread after the window closed.
+
+        Waits at most until ``within`` seconds after the close; True when every
+        thread has ended. A prefill chunk or model load inside MLX cannot be
+        interrupted, so this may be False; the history is saved either way.
+        """
+        closed_at = self.closed_at if self.closed_at is not None else time.monotonic()
+
+        def left() -> float:
+            return max(0.05, within - (time.monotonic() - closed_at))
+
+        readers_done = self.loader.wait(int(left() * 1000))
+        readers_done = self.model_picker.wait(int(left() * 1000)) and readers_done
+        return self.controller.shutdown(left()) and readers_done

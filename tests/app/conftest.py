@@ -47,9 +47,10 @@ def open_window(qtbot, model: Path, max_tokens: int = 24) -> MainWindow:
     return window
 
 
-def close_window(window: MainWindow) -> None:
-    """Close like a user does (saves, joins the worker), then close the database."""
+def close_window(window: MainWindow, within: float = 60.0) -> None:
+    """Close like a user does, join the worker as the app's exit does, close the database."""
     window.close()
+    assert window.finish_closing(within), "the engine thread did not stop"
     window.controller.store.close()
 
 

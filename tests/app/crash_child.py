@@ -1,40 +1,110 @@
-"""Run by test_persistence in a subprocess: start the app and answer forever.
+"""Run by the app's crash and exit tests in a subprocess: the real app, scripted.
 
-The parent kills this process with SIGKILL while the answer streams.
+``python -m tests.app.crash_child MODEL PROMPT [--first TEXT] [--attach PATH]
+[--chunk N] [--slow-chunk SECONDS] [--close-on-ingest] [--max-tokens N]``
+
+It optionally has a first exchange (``--first``), then sends ``PROMPT`` (with a
+document when ``--attach``) and answers "forever". It prints ``ingest DONE TOTAL``
+for each ingest progress event and ``answered STATUS`` after each answer, flushed,
+so the parent acts at a known moment: SIGKILL mid-answer or mid-ingest, or
+closing the window mid-ingest (``--close-on-ingest``) and timing the exit.
+``--slow-chunk`` makes prefill chunks take that much longer on the engine
+thread, standing in for a big model's chunk that MLX cannot interrupt.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 
 from PySide6.QtCore import QTimer
 
-from app.__main__ import build_window, create_app
+from app.__main__ import build_window, create_app, finish
 from app.settings import Settings
 from engine.sampling import SamplingParams
+from engine.session import Session
+
+
+def slow_chunks(seconds: float) -> None:
+    """Make each prefill chunk but a session's first take ``seconds`` longer.
+
+    The first stays fast so that progress is reported before the slow ones.
+    """
+    forward = Session._forward
+
+    def slow_forward(self: Session, ids: list[int]) -> None:
+        forward(self, ids)
+        if self.tokens_ingested:
+            time.sleep(seconds)
+
+    Session._forward = slow_forward
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
 def main() -> None:
-    model, prompt = sys.argv[1], sys.argv[2]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("prompt")
+    parser.add_argument("--first", default="")
+    parser.add_argument("--attach", default="")
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--slow-chunk", type=float, default=0.0)
+    parser.add_argument("--close-on-ingest", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=3000)
+    args = parser.parse_args()
+    if args.slow_chunk:
+        slow_chunks(args.slow_chunk)
     app = create_app([sys.argv[0]])
     settings = Settings()
     # The same settings as the in-process tests, whose answers are known to stream.
-    settings.sampling = SamplingParams(temperature=0.0, max_tokens=3000, seed=0)
+    settings.sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, seed=0)
     settings.system_prompt = "You are terse."
+    settings.ingest_chunk = args.chunk
     settings.sync()
-    window = build_window(model)
+    window = build_window(args.model)
     window.show()
     controller = window.controller
+    steps = [args.first] if args.first else []
+    steps.append(args.prompt)
 
-    def send_when_ready() -> None:
-        if not controller.model_ready:
-            QTimer.singleShot(50, send_when_ready)
+    def on_progress(event) -> None:
+        say(f"ingest {event.tokens_done} {event.tokens_total}")
+        if args.close_on_ingest and window.isVisible():
+            say("closing")
+            window.close()
+
+    controller.ingestProgress.connect(on_progress)
+
+    def on_answered(status: str) -> None:
+        say(f"answered {status}")
+        QTimer.singleShot(0, send_next)
+
+    controller.answerFinished.connect(on_answered)
+
+    def send_next() -> None:
+        if not steps or window.closed_at is not None:
             return
-        window.composer.set_text(prompt)
+        if not controller.model_ready or window.loader.pending:
+            QTimer.singleShot(50, send_next)
+            return
+        if len(steps) == 1 and args.attach and not window.attachments:
+            if not window.composer.chips:
+                window.add_files([args.attach])
+            QTimer.singleShot(50, send_next)
+            return
+        window.composer.set_text(steps.pop(0))
         window.send()
 
-    send_when_ready()
-    app.exec()
+    send_next()
+    code = app.exec()
+    started = time.monotonic()
+    code = finish(window, code)
+    say(f"joined in {time.monotonic() - started:.2f} s")
+    sys.exit(code)
 
 
 if __name__ == "__main__":

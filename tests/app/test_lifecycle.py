@@ -1,16 +1,21 @@
-"""Ingest progress and Cancel, refusals while busy, closing mid-answer."""
+"""Ingest progress and Cancel, refusals while busy, closing mid-answer and mid-ingest."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
+import time
 
 from PySide6.QtCore import Qt
 
+from app.controller import CLOSED_WHILE_ANSWERING
 from app.settings import Settings
 from app.store import HistoryStore
 from engine.sampling import SamplingParams
+from engine.session import Session
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window
 from tests.app.test_documents_drop import TEXT, drop_files
+from tests.app.test_persistence import read_until, start_child
 
 
 def test_long_document_shows_ingest_progress_and_can_be_cancelled(qtbot, window,
@@ -75,3 +80,95 @@ def test_closing_mid_answer_saves_it_and_stops_the_worker(qtbot, tiny_llama) -> 
     assert answer.reason == "Longleaf was closed while answering"
     assert Settings().window_geometry is not None
     store.close()
+
+
+def test_closing_mid_ingest_returns_at_once_and_saves_the_history(qtbot, tiny_llama, tmp_path,
+                                                                  monkeypatch) -> None:
+    settings = Settings()
+    settings.ingest_chunk = 16
+    settings.sync()
+    in_chunk, release = threading.Event(), threading.Event()
+    forward = Session._forward
+
+    def stuck_forward(self: Session, ids: list[int]) -> None:
+        # From the second chunk on, the engine thread is stuck inside a chunk the
+        # way a big model's chunk is stuck in MLX: cancel can't reach it.
+        forward(self, ids)
+        if self.tokens_ingested:
+            in_chunk.set()
+            release.wait(60)
+
+    monkeypatch.setattr(Session, "_forward", stuck_forward)
+    window = open_window(qtbot, tiny_llama)
+    c = window.controller
+    doc = tmp_path / "long.md"
+    doc.write_text(TEXT * 40)
+    drop_files(window, [doc])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.composer.set_text("Summarise it")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(in_chunk.is_set, timeout=ANSWER_TIMEOUT_MS)
+    session_id = c.current.id
+    try:
+        window.close()
+        # The window is gone and the history saved while the engine is still inside
+        # the chunk: closing did not wait for it.
+        assert c.bridge.running and not window.isVisible()
+        store = HistoryStore()
+        user, answer = store.messages(session_id)
+        store.close()
+        assert [a.name for a in user.attachments] == ["long.md"]
+        assert (answer.status, answer.reason) == ("stopped", CLOSED_WHILE_ANSWERING)
+        assert not window.finish_closing(0.2)  # still in the chunk: reported, not hidden
+    finally:
+        release.set()
+    close_window(window)  # the chunk ends, the cancel is seen, the thread ends
+    assert not c.bridge.running
+
+
+def _close_mid_ingest_in_a_child(model, tmp_path, *options: str):
+    doc = tmp_path / "long.md"
+    doc.write_text(TEXT * 40)
+    child = start_child(model, "Summarise it", "--attach", str(doc), "--chunk", "16",
+                        "--close-on-ingest", "--max-tokens", "24", *options,
+                        stdout=subprocess.PIPE)
+    try:
+        read_until(child, "closing")
+        closed = time.monotonic()
+        child.wait(60)
+        exited_after = time.monotonic() - closed
+        out = child.stdout.read().decode()
+        err = child.stderr.read().decode()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        child.stdout.close()
+        child.stderr.close()
+    store = HistoryStore()
+    try:
+        assert store.integrity_check() == "ok"
+        (session,) = store.sessions()
+        user, answer = store.messages(session.id)
+    finally:
+        store.close()
+    assert [a.name for a in user.attachments] == ["long.md"] and user.content == "Summarise it"
+    assert (answer.status, answer.reason) == ("stopped", CLOSED_WHILE_ANSWERING)
+    print(f"process exited {exited_after:.2f} s after the close")  # shown with -s
+    return child.returncode, exited_after, out, err
+
+
+def test_quitting_mid_ingest_exits_cleanly_once_the_chunk_ends(tiny_llama, tmp_path) -> None:
+    code, _, out, err = _close_mid_ingest_in_a_child(tiny_llama, tmp_path)
+    assert code == 0, err[-2000:]
+    assert "joined in" in out  # the engine thread ended; the normal exit path ran
+    assert "did not stop" not in err and "exiting without waiting" not in err
+
+
+def test_quitting_inside_a_chunk_mlx_cannot_interrupt_still_exits(tiny_llama, tmp_path) -> None:
+    # Every chunk after the first takes 30 s more: far longer than anyone waits.
+    code, exited_after, out, err = _close_mid_ingest_in_a_child(
+        tiny_llama, tmp_path, "--slow-chunk", "30")
+    assert code == 0, err[-2000:]
+    assert exited_after < 30  # it did not wait for the chunk; the history is saved anyway
+    assert "exiting without waiting" in err and "joined in" not in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sqlite3
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from app.store import HistoryStore, default_path
 from tests.app.conftest import close_window, open_window, send_and_wait
+from tests.app.test_documents_drop import TEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Tell me a long story"
@@ -52,12 +54,42 @@ def _streaming_row(db: Path) -> tuple[str, str] | None:
         return None
 
 
+def start_child(model: Path, prompt: str, *options: str,
+                stdout: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """The real app in a subprocess, scripted by ``tests/app/crash_child.py``."""
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.app.crash_child", str(model), prompt, *options],
+        # Unbuffered bytes: readline() then never reads past the line select() saw.
+        cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE, bufsize=0)
+
+
+def read_until(child: subprocess.Popen, prefix: str, timeout: float = 120) -> str:
+    """The child's next stdout line starting with ``prefix`` (its own progress log)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not select.select([child.stdout], [], [], 0.1)[0]:
+            continue
+        line = child.stdout.readline().decode()
+        if not line:
+            raise AssertionError(f"child ended before {prefix!r}: {child.stderr.read()[-2000:]}")
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"child never printed {prefix!r}")
+
+
+def kill(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    for stream in (child.stdout, child.stderr):
+        if stream is not None:
+            stream.close()
+    assert child.returncode == -signal.SIGKILL
+
+
 def test_killed_mid_answer_keeps_the_partial_text(qtbot, tiny_llama) -> None:
     db = default_path()
-    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.app.crash_child", str(tiny_llama), PROMPT],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = start_child(tiny_llama, PROMPT)
     try:
         deadline = time.monotonic() + 120
         seen = None
@@ -74,10 +106,7 @@ def test_killed_mid_answer_keeps_the_partial_text(qtbot, tiny_llama) -> None:
             raise AssertionError("the child never saved a growing answer")
         saved_before_kill = _streaming_row(db)[1]
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-        child.stderr.close()
-    assert child.returncode == -signal.SIGKILL
+        kill(child)
 
     store = HistoryStore()
     try:
@@ -97,5 +126,50 @@ def test_killed_mid_answer_keeps_the_partial_text(qtbot, tiny_llama) -> None:
         assert rows[1].status == "interrupted"
         assert rows[1].content.startswith(saved_before_kill) and rows[1].content
         assert "Interrupted" in window.conversation.widgets[1].status.text()
+    finally:
+        close_window(window)
+
+
+def test_killed_mid_ingest_keeps_the_document_and_every_finished_message(
+        qtbot, tiny_llama, tmp_path) -> None:
+    doc = tmp_path / "field-notes.md"
+    doc.write_text(TEXT * 60)  # ~2k tokens: over a hundred 16-token chunks
+    child = start_child(tiny_llama, "Summarise the notes", "--first", "Hello there",
+                        "--attach", str(doc), "--chunk", "16", "--slow-chunk", "0.05",
+                        "--max-tokens", "24", stdout=subprocess.PIPE)
+    try:
+        assert read_until(child, "answered") == "answered complete"
+        done, total = map(int, read_until(child, "ingest").split()[1:])
+        assert 0 < done < total  # the document is being prefilled right now
+    finally:
+        kill(child)
+
+    store = HistoryStore()
+    try:
+        assert store.integrity_check() == "ok"
+        (session,) = store.sessions()
+        messages = store.messages(session.id)
+    finally:
+        store.close()
+    first_user, first_answer, user, answer = messages
+    assert (first_user.content, first_user.status) == ("Hello there", "complete")
+    assert first_answer.status == "complete" and first_answer.content
+    assert (user.role, user.content, user.status) == ("user", "Summarise the notes", "complete")
+    (attached,) = user.attachments
+    assert (attached.name, attached.text) == ("field-notes.md", TEXT * 60)
+    assert (answer.role, answer.status, answer.content) == ("assistant", "streaming", "")
+
+    window = open_window(qtbot, tiny_llama)
+    try:
+        c = window.controller
+        assert c.recovered == 1
+        rows = c.model.messages()
+        assert [r.status for r in rows] == ["complete", "complete", "complete", "interrupted"]
+        assert rows[0].content == "Hello there" and rows[1].content == first_answer.content
+        assert rows[2].attachments == user.attachments and rows[3].content == ""
+        assert "Interrupted" in window.conversation.widgets[3].status.text()
+        # The document goes to the model again with the next message.
+        engine_text = "\n".join(m["content"] for m in c.model.engine_messages(""))
+        assert TEXT * 60 in engine_text
     finally:
         close_window(window)
