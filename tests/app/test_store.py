@@ -70,3 +70,73 @@ def test_streaming_messages_become_interrupted_with_their_text() -> None:
     assert (by_id[partial].status, by_id[partial].content) == ("interrupted", "half an ans")
     assert "quit" in by_id[partial].reason
     again.close()
+
+
+def test_rapid_streaming_writes_while_others_read_never_corrupt(qtbot, monkeypatch) -> None:
+    # One writer (the GUI thread's recorder saving on every flush) and two readers
+    # on their own connections, as another Longleaf window or a backup tool would be.
+    import sqlite3
+    import threading
+
+    from app import answer_recorder
+    from app.answer_recorder import AnswerRecorder
+    from app.chat_model import ChatModel
+
+    monkeypatch.setattr(answer_recorder, "SAVE_INTERVAL_S", 0.0)  # save on every flush
+    store = HistoryStore()
+    session = store.create_session("stream", "q8", "demo")
+    other = store.create_session("other", "q4", "demo")
+    model = ChatModel()
+    recorder = AnswerRecorder(store, model)
+    message_id = recorder.start(session.id)
+    pieces = [f"token{i} " for i in range(1500)]
+    stop = threading.Event()
+    seen: list[list[str]] = [[], []]
+    errors: list[BaseException] = []
+
+    def read(into: list[str]) -> None:
+        try:
+            db = sqlite3.connect(f"file:{store.path}?mode=ro", uri=True, timeout=5.0)
+            while not stop.is_set():
+                row = db.execute("SELECT content FROM messages WHERE id = ?",
+                                 (message_id,)).fetchone()
+                into.append(row[0])
+                if len(into) % 50 == 0:
+                    assert db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+            db.close()
+        except BaseException as error:  # reported on the test's thread
+            errors.append(error)
+
+    readers = [threading.Thread(target=read, args=(s,), name=f"reader-{i}")
+               for i, s in enumerate(seen)]
+    for reader in readers:
+        reader.start()
+    try:
+        for i, piece in enumerate(pieces):
+            model.append_text(piece)
+            recorder.mark_dirty()
+            model.flush()  # the 30 ms flush of the streaming path, at once
+            if i % 100 == 0:  # the other writes the GUI thread makes meanwhile
+                store.add_message(other.id, "user", f"note {i}")
+                store.set_tokens(session.id, i)
+        recorder.finish("complete", None, {"generated_tokens": len(pieces)})
+    finally:
+        stop.set()
+        for reader in readers:
+            reader.join(30)
+    assert not errors, errors
+    print(f"reads: {[len(s) for s in seen]}, distinct texts read: "
+          f"{[len(set(s)) for s in seen]}")  # shown with -s
+    full = "".join(pieces)
+    for observed in seen:
+        assert len(observed) > 10, "a reader never got a turn"
+        assert all(full.startswith(text) for text in observed)  # only whole saves
+        assert [len(t) for t in observed] == sorted(len(t) for t in observed)
+    assert store.integrity_check() == "ok"
+    store.close()
+    again = HistoryStore()
+    (answer,) = again.messages(session.id)
+    assert (answer.content, answer.status) == (full, "complete")
+    assert len(again.messages(other.id)) == 15
+    assert again.integrity_check() == "ok"
+    again.close()
