@@ -16,6 +16,7 @@ from app.chat_model import ChatMessage, ChatModel
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
+from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample, TokenChunk
 
 STATS_POLL_MS = 400
@@ -59,6 +60,9 @@ class ChatController(QObject):
         self.model_info: object | None = None
         self.model_id = ""
         self.model_ready = False
+        self._load_request: int | None = None
+        self._previous_model: tuple[str, object] | None = None  # kept while a load runs
+        self._load_paths: dict[int, str] = {}
         self.opened: dict[str, str] = {}  # session id -> mode, oldest first
         self.session_bytes: dict[str, int] = {}
         self.active_request: int | None = None
@@ -137,14 +141,25 @@ class ChatController(QObject):
         for session_id in list(self.opened):
             self.bridge.close_session(session_id)
         self.opened.clear()
+        if self.model_ready:
+            self._previous_model = (self.model_id, self.model_info)
         self.model_ready = False
         self.model_id = path
         self.modelStateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
-        self._kinds[self.bridge.load_model(path)] = "load"
+        self._load_request = self.bridge.load_model(path)
+        self._kinds[self._load_request] = "load"
+        self._load_paths[self._load_request] = path
 
     def _on_model_loaded(self, event: ModelLoaded) -> None:
+        path = self._load_paths.pop(event.request_id, self.model_id)
         if self.closed:
             return
+        if event.request_id != self._load_request:
+            # A newer load is queued behind this one and decides; this model is
+            # what the engine falls back on if that one fails.
+            self._previous_model = (path, event.info)
+            return
+        self._previous_model = None
         self.model_info = event.info
         self.model_ready = True
         self.settings.last_model = self.model_id
@@ -381,11 +396,12 @@ class ChatController(QObject):
         if self.closed:
             return
         kind = self._kinds.pop(event.request_id, None)
+        self._load_paths.pop(event.request_id, None)
+        if kind == "load" and event.request_id == self._load_request:
+            self._on_load_failed(event.message)
+            return
         self.errorRaised.emit(event.message)
-        if kind == "load":
-            self.model_ready = False
-            self.modelStateChanged.emit(f"No model ({model_name(None, self.model_id)})", False)
-        elif kind == "open":
+        if kind == "open":
             self._after_open.pop(event.request_id, None)
             if self.active_request == -1:  # the chat or ingest waiting on this session
                 if self.active_kind == "chat":
@@ -395,6 +411,28 @@ class ChatController(QObject):
             if kind == "chat":
                 self._finish_answer("failed", event.message)
             self._set_active(None, None)
+
+    def _on_load_failed(self, message: str) -> None:
+        previous = self._previous_model
+        if previous is not None and self._engine_has_model():
+            # The engine refused the new folder before letting go of the old
+            # model (a broken folder, too little memory): keep using it.
+            self.model_id, self.model_info = previous
+            self.model_ready = True
+            name = model_name(self.model_info, self.model_id)
+            self.errorRaised.emit(f"{message} Still using {name}.")
+            self.modelStateChanged.emit(name, True)
+            return
+        self.errorRaised.emit(message)
+        self.model_ready = False
+        self.modelStateChanged.emit(f"No model ({model_name(None, self.model_id)})", False)
+
+    def _engine_has_model(self) -> bool:
+        try:
+            self.bridge.fit_check(None, 1)  # thread-safe; refuses when nothing is loaded
+        except EngineError:
+            return False
+        return True
 
     def _on_ingest_progress(self, event) -> None:
         if self.closed:

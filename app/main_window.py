@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.attachments import DocumentLoader
+from app.attachments import CHARS_PER_TOKEN_BOUND, DocumentLoader
 from app.composer import Composer
 from app.controller import ChatController
 from app.conversation_view import ConversationView
@@ -57,6 +57,7 @@ class MainWindow(QMainWindow):
         self.loader = DocumentLoader(controller.bridge.count_tokens, self)
         self.attachments: dict[int, AttachmentRecord] = {}
         self.closed_at: float | None = None
+        self._opened_folder: str | None = None
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
         self._build_toolbar()
@@ -209,9 +210,9 @@ class MainWindow(QMainWindow):
         """Pick a model folder and load it."""
         folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
         if folder:
-            self.settings.model_folders = [*self.settings.model_folders, folder]
+            # Remembered once it has loaded: a broken folder is not added to the picker.
+            self._opened_folder = folder
             self.controller.load_model(folder)
-            self.model_picker.refresh(self.settings.model_folders)
 
     def _on_model_state(self, text: str, ready: bool) -> None:
         self.model_state.setText(("● " if ready else "○ ") + text)
@@ -219,6 +220,10 @@ class MainWindow(QMainWindow):
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)
         if ready:
+            folder, self._opened_folder = self._opened_folder, None
+            if folder == self.controller.model_id and folder not in self.settings.model_folders:
+                self.settings.model_folders = [*self.settings.model_folders, folder]
+                self.model_picker.refresh(self.settings.model_folders)
             self.model_picker.set_current(self.controller.model_id, text)
             self.fit.schedule()
             self._update_projection()
@@ -258,14 +263,35 @@ class MainWindow(QMainWindow):
             self.banner.show_message("Still reading an attached file; send again in a moment.",
                                      "info")
             return
+        text = self.composer.text()
+        too_long = self._too_long_to_send(text)
+        if too_long:
+            self.banner.show_message(too_long, "error")
+            return
         records = tuple(self.attachments.values())
-        if self.controller.send(self.composer.text(), records):
+        if self.controller.send(text, records):
             self.composer.set_text("")
             self.attachments.clear()
             self.composer.clear_chips()
             self.composer.show_notice("")
             self.banner.hide()
             self.fit.schedule()
+
+    def _too_long_to_send(self, text: str) -> str:
+        """Why ``text`` can't be sent at all (a huge paste), or "".
+
+        Refused here, before it is saved or shown: no tokenizer packs more than
+        ``CHARS_PER_TOKEN_BOUND`` characters per token, so past that many per
+        token of context it can never fit, and a saved turn that can't fit would
+        make every later turn of the chat fail too.
+        """
+        max_context = self.fit.max_context()
+        if not max_context or len(text) <= max_context * CHARS_PER_TOKEN_BOUND:
+            return ""
+        return (f"This message is {len(text):,} characters, more than this model's "
+                f"{max_context:,}-token context can hold (at most about "
+                f"{max_context * CHARS_PER_TOKEN_BOUND:,} characters). It was not sent and "
+                "is still in the box: shorten it, or use a model with a longer context.")
 
     def _on_busy(self, busy: bool) -> None:
         self.composer.set_generating(busy)

@@ -1,0 +1,190 @@
+"""The app's bad-input matrix: what the window shows, and that nothing else changes.
+
+The readers' and the engine's exact messages are pinned by
+tests/engine/test_documents_matrix.py and tests/engine/test_bad_input.py; these
+tests check that the window shows them where the user looks (the inline notice
+for files, the banner for models and prompts) and that the draft, the attached
+files and the conversation are left as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QMimeData, Qt
+from PySide6.QtWidgets import QFileDialog
+
+from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
+from tests.app.test_documents_drop import TEXT, drop_files
+from tests.engine.test_bad_input import BROKEN_FOLDERS
+from tests.engine.test_documents_matrix import _encrypted
+
+
+def _blank_pdf(path: Path) -> None:
+    import pypdf
+
+    writer = pypdf.PdfWriter()
+    writer.add_blank_page(612, 792)
+    with path.open("wb") as handle:
+        writer.write(handle)
+
+
+def _sparse_gigabyte(path: Path) -> None:
+    with path.open("wb") as handle:
+        handle.write(b"log line\n" * 1_000_000)  # 9 MB of text in a 1 GiB sparse file
+        handle.truncate(1 << 30)
+
+
+def _link_loop(path: Path) -> None:
+    path.symlink_to(path.with_name("other.txt"))
+    path.with_name("other.txt").symlink_to(path)
+
+
+def _corrupt_docx(path: Path) -> None:
+    path.write_bytes(b"PK\x03\x04" + os.urandom(200))
+
+
+def _not_a_docx(path: Path) -> None:
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("readme.txt", "not a Word document")
+
+
+# file name, how to make it, the message shown ({max_chars}: the model's limit)
+BAD_FILES = [
+    ("blob.txt", lambda p: p.write_bytes(b"\x00\x01\x02binary" * 10),
+     "“blob.txt” looks like a binary file, not text (it contains NUL bytes)."),
+    ("empty.md", lambda p: p.write_bytes(b""), "“empty.md” is empty — there is no text to add."),
+    ("latin1.csv", lambda p: p.write_bytes("naïve,café,crème\n".encode("latin-1") * 50),
+     "“latin1.csv” isn't readable text: 150 of its 850 bytes are not valid UTF-8."),
+    ("dump.txt", _sparse_gigabyte,
+     "“dump.txt” has more than {max_chars:,} characters of text, more than the "
+     "{max_chars:,} that fit in this model's context."),
+    ("scan.pdf", _blank_pdf, "“scan.pdf” has no text layer (it is probably scanned images, "
+     "1 page). Run OCR on it first"),
+    ("locked.pdf", lambda p: _encrypted(p.parent, p.name, user_password="secret"),
+     "“locked.pdf” is an encrypted PDF that needs a password."),
+    ("garbage.docx", _corrupt_docx, "“garbage.docx” is a damaged Word file that can't be opened."),
+    ("archive.docx", _not_a_docx, "“archive.docx” is a damaged Word file that can't be opened."),
+    ("loop.txt", _link_loop, "“loop.txt” is a symbolic link that points back to itself"),
+    ("photo.heic", lambda p: p.write_bytes(b"abc"), "can't read .heic files"),
+]
+
+
+def _snapshot(window) -> tuple:
+    c = window.controller
+    return ([(m.role, m.content, m.status) for m in c.model.messages()],
+            [(m.role, m.content, m.status) for m in c.store.messages(c.current.id)],
+            len(window.conversation.widgets))
+
+
+def test_every_bad_file_shows_its_message_and_disturbs_nothing(qtbot, window, tmp_path) -> None:
+    send_and_wait(qtbot, window, "Hello")
+    good = tmp_path / "good.txt"
+    good.write_text(TEXT)
+    drop_files(window, [good])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.composer.set_text("my draft")
+    before = _snapshot(window)
+    max_chars = window.fit.max_context() * 8
+    for name, make, expected in BAD_FILES:
+        path = tmp_path / name
+        make(path)
+        message = expected.format(max_chars=max_chars)
+        drop_files(window, [path])
+        qtbot.waitUntil(lambda: not window.loader.pending, timeout=20_000)
+        assert message in window.composer.notice.text(), (name, window.composer.notice.text())
+        assert window.composer.notice.isVisible() and not window.banner.isVisible()
+        assert [r.name for r in window.attachments.values()] == ["good.txt"], name
+        assert len(window.composer.chips) == 1 and not window.loader.pending
+        assert window.composer.text() == "my draft"
+        assert _snapshot(window) == before
+    # The good file and the draft still go out together.
+    assert send_and_wait(qtbot, window, "my draft") == "complete"
+    sent = window.controller.store.messages(window.controller.current.id)[-2]
+    assert [a.name for a in sent.attachments] == ["good.txt"] and sent.content == "my draft"
+
+
+def test_a_few_invalid_utf8_bytes_are_replaced_and_said(qtbot, window, tmp_path) -> None:
+    path = tmp_path / "menu.txt"
+    path.write_bytes(b"cr\xe8me br\xfbl\xe9e\n" + b"dessert of the day\n" * 20)
+    window.composer.set_text("my draft")
+    drop_files(window, [path])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    (record,) = window.attachments.values()
+    assert record.text.startswith("cr\ufffdme br\ufffdl\ufffde\n")
+    assert window.composer.notice.text() == (
+        "3 bytes of “menu.txt” were not valid UTF-8 and were replaced with �.")
+    assert window.composer.text() == "my draft"
+
+
+def test_a_million_character_paste_is_refused_before_it_is_saved(qtbot, window) -> None:
+    c = window.controller
+    send_and_wait(qtbot, window, "Hello")
+    before = _snapshot(window)
+    text = ("All work and no play makes Jack a dull boy. " * 23_000)[:1_000_000]
+    mime = QMimeData()
+    mime.setText(text)
+    window.composer.edit.setPlainText("")
+    began = time.perf_counter()
+    window.composer.edit.insertFromMimeData(mime)  # a paste
+    print(f"the paste itself took {(time.perf_counter() - began) * 1000:.0f} ms")  # -s
+    assert window.composer.text() == text
+    began = time.perf_counter()
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    blocked = time.perf_counter() - began
+    print(f"send of the paste blocked the GUI thread {blocked * 1000:.1f} ms")  # -s
+    context = window.fit.max_context()
+    assert window.banner.isVisible() and window.banner.label.text() == (
+        f"This message is 1,000,000 characters, more than this model's {context:,}-token "
+        f"context can hold (at most about {context * 8:,} characters). It was not sent and "
+        "is still in the box: shorten it, or use a model with a longer context.")
+    assert window.composer.text() == text and not c.busy
+    assert _snapshot(window) == before
+    # Shortened, it goes out and is answered; the chat is not stuck on the paste.
+    window.composer.set_text("")
+    assert send_and_wait(qtbot, window, "A short question") == "complete"
+
+
+def test_a_prompt_with_control_characters_is_answered_and_saved_as_typed(qtbot, window) -> None:
+    c = window.controller
+    prompt = "bell\x07 nul\x00 esc\x1b[31mred\x1b[0m del\x7f bom\ufeff rlo\u202e c1\x85 end"
+    window.composer.edit.setPlainText(prompt)
+    assert window.composer.text() == prompt
+    with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS) as done:
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    assert done.args == ["complete"]
+    user, answer = c.store.messages(c.current.id)
+    assert user.content == prompt and answer.status == "complete"
+    assert c.model.message(0).content == prompt
+    assert send_and_wait(qtbot, window, "And again") == "complete"
+
+
+@pytest.mark.parametrize("case", ["no config.json", "unknown architecture",
+                                  "weights truncated mid-tensor", "corrupt tokenizer.json"])
+def test_a_broken_model_folder_is_refused_and_the_loaded_model_keeps_working(
+        qtbot, window, tiny_llama, tmp_path, monkeypatch, case) -> None:
+    c = window.controller
+    send_and_wait(qtbot, window, "Hello")
+    folders_before = c.settings.model_folders
+    folder = tmp_path / "My Model"
+    shutil.copytree(tiny_llama, folder)
+    damage, expected = BROKEN_FOLDERS[case]
+    damage(folder)
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(folder))
+    with qtbot.waitSignal(c.modelStateChanged, timeout=ANSWER_TIMEOUT_MS,
+                          check_params_cb=lambda _text, ready: ready):
+        window.open_model_folder()
+    text = window.banner.label.text()
+    assert window.banner.isVisible()
+    assert text.startswith(expected.format(folder=folder, name=folder.name))
+    assert text.endswith(f" Still using {tiny_llama.name}.")
+    assert c.model_ready and c.model_id == str(tiny_llama)
+    assert window.model_state.text() == f"● {tiny_llama.name}"
+    assert c.settings.last_model == str(tiny_llama)
+    assert c.settings.model_folders == folders_before  # the broken folder is not kept
+    assert send_and_wait(qtbot, window, "Still there?") == "complete"
