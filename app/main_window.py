@@ -126,7 +126,7 @@ class MainWindow(QMainWindow):
         bar.addWidget(self.model_label)
         self.model_picker = ModelPicker()
         self.model_picker.set_current(self.settings.last_model)
-        self.model_picker.modelChosen.connect(self.controller.load_model)
+        self.model_picker.modelChosen.connect(self._choose_model)
         self.model_picker.openFolderRequested.connect(self.open_model_folder)
         self.model_picker.refresh(self.settings.model_folders)
         bar.addWidget(self.model_picker)
@@ -213,6 +213,11 @@ class MainWindow(QMainWindow):
             # Remembered once it has loaded: a broken folder is not added to the picker.
             self._opened_folder = folder
             self.controller.load_model(folder)
+
+    def _choose_model(self, path: str) -> None:
+        self.controller.load_model(path)
+        if self.controller.model_id != path:  # refused (an answer is running)
+            self.model_picker.set_current(self.model_picker.current_path)
 
     def _on_model_state(self, text: str, ready: bool) -> None:
         self.model_state.setText(("● " if ready else "○ ") + text)

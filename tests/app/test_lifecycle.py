@@ -6,6 +6,7 @@ import subprocess
 import threading
 import time
 
+import pytest
 from PySide6.QtCore import Qt
 
 from app.controller import CLOSED_WHILE_ANSWERING
@@ -110,7 +111,9 @@ def test_closing_mid_ingest_returns_at_once_and_saves_the_history(qtbot, tiny_ll
     qtbot.waitUntil(in_chunk.is_set, timeout=ANSWER_TIMEOUT_MS)
     session_id = c.current.id
     try:
+        began = time.perf_counter()
         window.close()
+        print(f"close() took {(time.perf_counter() - began) * 1000:.1f} ms")  # shown with -s
         # The window is gone and the history saved while the engine is still inside
         # the chunk: closing did not wait for it.
         assert c.bridge.running and not window.isVisible()
@@ -172,3 +175,68 @@ def test_quitting_inside_a_chunk_mlx_cannot_interrupt_still_exits(tiny_llama, tm
     assert code == 0, err[-2000:]
     assert exited_after < 30  # it did not wait for the chunk; the history is saved anyway
     assert "exiting without waiting" in err and "joined in" not in out
+
+
+@pytest.mark.parametrize("phase", ["answering", "ingesting"])
+def test_every_switch_mid_request_is_refused_and_the_answer_stays_in_its_chat(
+        qtbot, window, tmp_path, monkeypatch, phase) -> None:
+    c = window.controller
+    other = c.store.create_session("Other", "q4", str(c.model_id))
+    c.store.add_message(other.id, "user", "other chat's question")
+    in_chunk, release = threading.Event(), threading.Event()
+    if phase == "ingesting":
+        forward = Session._forward
+
+        def stuck_forward(self: Session, ids: list[int]) -> None:
+            forward(self, ids)
+            in_chunk.set()
+            release.wait(60)
+
+        monkeypatch.setattr(Session, "_forward", stuck_forward)
+    else:
+        c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=4000)
+    errors: list[str] = []
+    c.errorRaised.connect(errors.append)
+    window.composer.set_text("Tell me a long story")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    if phase == "ingesting":
+        qtbot.waitUntil(in_chunk.is_set, timeout=ANSWER_TIMEOUT_MS)
+    else:
+        qtbot.waitUntil(lambda: c.model.rowCount() == 2 and bool(c.model.message(1).content),
+                        timeout=ANSWER_TIMEOUT_MS)
+    session, model_before = c.current, c.model_id
+    sessions_before = [s.id for s in c.store.sessions()]
+    try:
+        c.select_session(other.id)
+        window.model_picker.activated.emit(0)  # the built-in demo, from the picker
+        assert c.new_session("q6") is None
+        assert c.reopen_in("q4") is None
+        c.delete_session(session.id)
+        c.begin_edit()
+        c.regenerate()
+        window.composer.set_text("another question")
+        window.send()
+    finally:
+        release.set()
+    assert errors == [
+        "Stop the current answer before switching chats.",
+        "Stop the current answer before switching models.",
+        "Stop the current answer before starting a new chat.",
+        "Stop the current answer before reopening the chat.",
+        "Stop the current answer before deleting it.",
+        "Stop the current answer before editing.",
+    ]
+    assert c.current.id == session.id and c.model_id == model_before and c.busy
+    assert window.model_picker.currentData() == model_before  # the picker shows what runs
+    assert [s.id for s in c.store.sessions()] == sessions_before
+    assert window.composer.text() == "another question"  # the draft waits
+    with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS) as finished:
+        c.stop()
+    assert finished.args == ["stopped"]
+    user, answer = c.store.messages(session.id)
+    assert user.content == "Tell me a long story" and answer.status == "stopped"
+    assert answer.content == c.model.message(1).content  # streamed text went to this chat
+    assert [(m.role, m.content) for m in c.store.messages(other.id)] == [
+        ("user", "other chat's question")]
+    c.select_session(other.id)  # once stopped, switching works
+    assert c.current.id == other.id
