@@ -32,12 +32,16 @@ def configure(settings: Settings, max_tokens: int = 24) -> None:
     settings.system_prompt = "You are terse."
 
 
-def open_window(qtbot, model: Path, max_tokens: int = 24) -> MainWindow:
-    """Build the whole app on the real worker and wait until the model is loaded."""
+def open_window(qtbot, model: Path, max_tokens: int = 24, **bridge_args) -> MainWindow:
+    """Build the whole app on the real worker and wait until the model is loaded.
+
+    ``bridge_args`` go to ``EngineBridge`` (e.g. a ``worker_factory`` whose worker
+    has a memory guard with a fake probe).
+    """
     settings = Settings()
     configure(settings, max_tokens)
     store = HistoryStore()
-    bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk)
+    bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk, **bridge_args)
     controller = ChatController(settings, store, bridge)
     window = MainWindow(controller)
     qtbot.addWidget(window)
