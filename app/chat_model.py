@@ -159,23 +159,29 @@ class ChatModel(QAbstractListModel):
 
     def update_last(self, **changes) -> None:
         """Set fields (status, reason, stats, message_id, content) of the last row."""
+        if self._rows:
+            self.update_row(len(self._rows) - 1, **changes)
+
+    def update_row(self, row: int, **changes) -> None:
+        """Set fields (status, reason, stats, message_id, content) of one row."""
         self.flush()
-        if not self._rows:
+        if not 0 <= row < len(self._rows):
             return
         for key, value in changes.items():
-            setattr(self._rows[-1], key, value)
-        index = self.index(len(self._rows) - 1)
+            setattr(self._rows[row], key, value)
+        index = self.index(row)
         self.dataChanged.emit(index, index)
 
     def engine_messages(self, system_prompt: str) -> list[dict[str, str]]:
         """The conversation as the engine takes it, system prompt first.
 
-        Failed or empty answers are left out so the model never sees them.
+        Failed or empty answers, and user turns set aside as too long for the
+        context (status "failed"), are left out so the model never sees them.
         """
         self.flush()
         out = [{"role": "system", "content": system_prompt}] if system_prompt else []
         for row in self._rows:
-            if row.role == "assistant" and (row.status == "failed" or not row.content):
+            if row.status == "failed" or (row.role == "assistant" and not row.content):
                 continue
             out.append({"role": row.role, "content": engine_content(row)})
         return out

@@ -23,6 +23,8 @@ STATS_POLL_MS = 400
 MAX_OPEN_SESSIONS = 3
 NEW_TITLE = "New chat"
 CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
+TOO_LONG_TURN = ("Too long for the model's context; kept here but not sent with later "
+                 "messages. Edit it to a shorter one, or reopen the chat in a smaller KV mode.")
 MEMORY_STOP = ("Stopped to protect your computer: system memory turned critical or free RAM ran "
                "out. Close other apps or chats, or reopen this chat in a smaller KV mode.")
 
@@ -70,6 +72,7 @@ class ChatController(QObject):
         self._kinds: dict[int, str] = {}
         self._after_open: dict[int, Callable[[], None]] = {}
         self._editing: tuple[int, int] | None = None  # row, message id
+        self._sent_row: int | None = None  # the user turn the running answer replies to
         self._last_stats_time = 0.0
         self.recorder = AnswerRecorder(store, self.model, self)
         self._poll = QTimer(self, interval=STATS_POLL_MS)
@@ -294,6 +297,7 @@ class ChatController(QObject):
         message_id = self.store.add_message(self.current.id, "user", text, "complete", attachments)
         self.model.append(ChatMessage("user", text, "complete", message_id,
                                       attachments=attachments))
+        self._sent_row = self.model.rowCount() - 1
         if self.current.title == NEW_TITLE:
             title = (text.strip() or attachments[0].name).splitlines()[0][:60]
             self.rename_session(self.current.id, title)
@@ -409,8 +413,23 @@ class ChatController(QObject):
                 self._set_active(None, None)
         elif event.request_id == self.active_request:
             if kind == "chat":
+                if event.error_type == "ContextTooLong":
+                    self._set_aside_sent_turn()
                 self._finish_answer("failed", event.message)
             self._set_active(None, None)
+
+    def _set_aside_sent_turn(self) -> None:
+        # A turn the context can't hold would make every later turn fail as well:
+        # keep it in the history, marked failed, and leave it out of what the
+        # model sees (ChatModel.engine_messages skips it).
+        row = self._sent_row
+        if row is None or row >= self.model.rowCount():
+            return
+        message = self.model.message(row)
+        if message.role != "user":
+            return
+        self.store.update_message(message.message_id, status="failed", reason=TOO_LONG_TURN)
+        self.model.update_row(row, status="failed", reason=TOO_LONG_TURN)
 
     def _on_load_failed(self, message: str) -> None:
         previous = self._previous_model

@@ -19,6 +19,7 @@ import pytest
 from PySide6.QtCore import QMimeData, Qt
 from PySide6.QtWidgets import QFileDialog
 
+from app.controller import TOO_LONG_TURN
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.app.test_documents_drop import TEXT, drop_files
 from tests.engine.test_bad_input import BROKEN_FOLDERS
@@ -188,3 +189,21 @@ def test_a_broken_model_folder_is_refused_and_the_loaded_model_keeps_working(
     assert c.settings.last_model == str(tiny_llama)
     assert c.settings.model_folders == folders_before  # the broken folder is not kept
     assert send_and_wait(qtbot, window, "Still there?") == "complete"
+
+
+def test_a_turn_too_long_for_the_context_is_set_aside_and_the_chat_goes_on(
+        qtbot, window) -> None:
+    c = window.controller
+    send_and_wait(qtbot, window, "Hello")
+    long_text = TEXT * 300  # 22,500 characters: under the paste bound, over 4,096 tokens
+    assert send_and_wait(qtbot, window, long_text) == "failed"
+    assert window.banner.label.text().startswith("This conversation needs ")
+    rows = c.model.messages()
+    assert [(r.role, r.status) for r in rows[2:]] == [("user", "failed"), ("assistant", "failed")]
+    stored = c.store.messages(c.current.id)[2]
+    assert (stored.content, stored.status, stored.reason) == (long_text, "failed", TOO_LONG_TURN)
+    status = window.conversation.widgets[2].status
+    assert (status.text(), status.toolTip()) == ("Failed", TOO_LONG_TURN)
+    assert all(long_text not in m["content"] for m in c.model.engine_messages(""))
+    # Without this, every later message would fail with the same refusal.
+    assert send_and_wait(qtbot, window, "A short one then") == "complete"
