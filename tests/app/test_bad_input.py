@@ -73,6 +73,9 @@ BAD_FILES = [
     ("archive.docx", _not_a_docx, "“archive.docx” is a damaged Word file that can't be opened."),
     ("loop.txt", _link_loop, "“loop.txt” is a symbolic link that points back to itself"),
     ("photo.heic", lambda p: p.write_bytes(b"abc"), "can't read .heic files"),
+    ("chapter.md", lambda p: p.mkdir(), "“chapter.md” is a folder; drop the files inside it"),
+    ("gone.txt", lambda p: None,  # moved or deleted between the drag and the read
+     "“gone.txt” is gone — it was moved or deleted before it could be read."),
 ]
 
 
