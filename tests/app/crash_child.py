@@ -1,13 +1,15 @@
 """Run by the app's crash and exit tests in a subprocess: the real app, scripted.
 
 ``python -m tests.app.crash_child MODEL PROMPT [--first TEXT] [--attach PATH]
-[--chunk N] [--slow-chunk SECONDS] [--close-on-ingest] [--max-tokens N]``
+[--chunk N] [--slow-chunk SECONDS] [--close-on-ingest] [--close-on-answer]
+[--max-tokens N]``
 
 It optionally has a first exchange (``--first``), then sends ``PROMPT`` (with a
 document when ``--attach``) and answers "forever". It prints ``ingest DONE TOTAL``
 for each ingest progress event and ``answered STATUS`` after each answer, flushed,
 so the parent acts at a known moment: SIGKILL mid-answer or mid-ingest, or
-closing the window mid-ingest (``--close-on-ingest``) and timing the exit.
+closing the window mid-ingest or mid-answer (``--close-on-ingest``,
+``--close-on-answer``) and timing the exit.
 ``--slow-chunk`` makes prefill chunks take that much longer on the engine
 thread, standing in for a big model's chunk that MLX cannot interrupt.
 """
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--slow-chunk", type=float, default=0.0)
     parser.add_argument("--close-on-ingest", action="store_true")
+    parser.add_argument("--close-on-answer", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=3000)
     args = parser.parse_args()
     if args.slow_chunk:
@@ -78,6 +81,13 @@ def main() -> None:
             window.close()
 
     controller.ingestProgress.connect(on_progress)
+
+    def on_answer_text(_text: str) -> None:
+        if args.close_on_answer and window.isVisible():
+            say("closing")
+            window.close()
+
+    controller.model.streamFlushed.connect(on_answer_text)
 
     def on_answered(status: str) -> None:
         say(f"answered {status}")

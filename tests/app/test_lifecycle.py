@@ -129,11 +129,12 @@ def test_closing_mid_ingest_returns_at_once_and_saves_the_history(qtbot, tiny_ll
     assert not c.bridge.running
 
 
-def _close_mid_ingest_in_a_child(model, tmp_path, *options: str):
+def _close_in_a_child(model, tmp_path, *options: str,
+                                 close_on: str = "--close-on-ingest"):
     doc = tmp_path / "long.md"
     doc.write_text(TEXT * 40)
     child = start_child(model, "Summarise it", "--attach", str(doc), "--chunk", "16",
-                        "--close-on-ingest", "--max-tokens", "24", *options,
+                        close_on, "--max-tokens", "4000", *options,
                         stdout=subprocess.PIPE)
     try:
         read_until(child, "closing")
@@ -158,22 +159,32 @@ def _close_mid_ingest_in_a_child(model, tmp_path, *options: str):
     assert [a.name for a in user.attachments] == ["long.md"] and user.content == "Summarise it"
     assert (answer.status, answer.reason) == ("stopped", CLOSED_WHILE_ANSWERING)
     print(f"process exited {exited_after:.2f} s after the close")  # shown with -s
-    return child.returncode, exited_after, out, err
+    return child.returncode, exited_after, answer.content, out, err
 
 
 def test_quitting_mid_ingest_exits_cleanly_once_the_chunk_ends(tiny_llama, tmp_path) -> None:
-    code, _, out, err = _close_mid_ingest_in_a_child(tiny_llama, tmp_path)
+    code, _, _, out, err = _close_in_a_child(tiny_llama, tmp_path)
     assert code == 0, err[-2000:]
     assert "joined in" in out  # the engine thread ended; the normal exit path ran
     assert "did not stop" not in err and "exiting without waiting" not in err
 
 
+def test_quitting_mid_answer_exits_cleanly(tiny_llama, tmp_path) -> None:
+    code, _, answer, out, err = _close_in_a_child(tiny_llama, tmp_path,
+                                                             close_on="--close-on-answer")
+    assert code == 0, err[-2000:]
+    assert answer  # the text streamed before the close is saved
+    assert "joined in" in out
+    assert "did not stop" not in err and "exiting without waiting" not in err
+
+
 def test_quitting_inside_a_chunk_mlx_cannot_interrupt_still_exits(tiny_llama, tmp_path) -> None:
     # Every chunk after the first takes 30 s more: far longer than anyone waits.
-    code, exited_after, out, err = _close_mid_ingest_in_a_child(
+    code, exited_after, answer, out, err = _close_in_a_child(
         tiny_llama, tmp_path, "--slow-chunk", "30")
     assert code == 0, err[-2000:]
-    assert exited_after < 30  # it did not wait for the chunk; the history is saved anyway
+    assert exited_after < 30  # it did not wait for the chunk
+    assert answer == ""  # closed before any token; the history is saved anyway
     assert "exiting without waiting" in err and "joined in" not in out
 
 
