@@ -297,7 +297,6 @@ class ChatController(QObject):
         message_id = self.store.add_message(self.current.id, "user", text, "complete", attachments)
         self.model.append(ChatMessage("user", text, "complete", message_id,
                                       attachments=attachments))
-        self._sent_row = self.model.rowCount() - 1
         if self.current.title == NEW_TITLE:
             title = (text.strip() or attachments[0].name).splitlines()[0][:60]
             self.rename_session(self.current.id, title)
@@ -307,6 +306,7 @@ class ChatController(QObject):
     def _start_answer(self) -> None:
         assert self.current is not None
         messages = self.model.engine_messages(self.settings.system_prompt)
+        self._sent_row = self.model.rowCount() - 1  # the user turn (sent or regenerated)
         self.recorder.start(self.current.id)
         self._set_active(-1, "chat")
         session = self.current
