@@ -29,9 +29,13 @@ class MessageEdit(QPlainTextEdit):
 
     submitted = Signal()
     filesDropped = Signal(list)
+    pasteRefused = Signal(int)  # characters of a paste too long to ever send
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        # Pastes longer than this are refused before Qt lays them out (a million
+        # characters take ~0.5 s there); None: no limit (no model loaded).
+        self.max_paste_chars: int | None = None
         self.setPlaceholderText("Message Longleaf…  (Enter to send, Shift+Enter for a new line)")
         self.setTabChangesFocus(True)
         self.document().documentLayout().documentSizeChanged.connect(self._grow)
@@ -52,6 +56,8 @@ class MessageEdit(QPlainTextEdit):
         files = _local_files(source)
         if files:
             self.filesDropped.emit(files)
+        elif self.max_paste_chars is not None and len(source.text()) > self.max_paste_chars:
+            self.pasteRefused.emit(len(source.text()))
         else:
             super().insertFromMimeData(source)
 

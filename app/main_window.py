@@ -97,6 +97,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
         self.panel.setVisible(self.settings.memory_panel_visible)
         self.composer.edit.filesDropped.connect(self.add_files)
+        self.composer.edit.pasteRefused.connect(self._on_paste_refused)
 
     def _build_toolbar(self) -> None:
         bar = QToolBar("Main")
@@ -224,6 +225,9 @@ class MainWindow(QMainWindow):
         self.model_state.setProperty("ready", ready)
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)
+        max_context = self.fit.max_context() if ready else None
+        self.composer.edit.max_paste_chars = (
+            max_context * CHARS_PER_TOKEN_BOUND if max_context else None)
         if ready:
             folder, self._opened_folder = self._opened_folder, None
             if folder == self.controller.model_id and folder not in self.settings.model_folders:
@@ -283,7 +287,7 @@ class MainWindow(QMainWindow):
             self.fit.schedule()
 
     def _too_long_to_send(self, text: str) -> str:
-        """Why ``text`` can't be sent at all (a huge paste), or "".
+        """Why ``text`` can't be sent at all, or "".
 
         Refused here, before it is saved or shown: no tokenizer packs more than
         ``CHARS_PER_TOKEN_BOUND`` characters per token, so past that many per
@@ -293,10 +297,15 @@ class MainWindow(QMainWindow):
         max_context = self.fit.max_context()
         if not max_context or len(text) <= max_context * CHARS_PER_TOKEN_BOUND:
             return ""
-        return (f"This message is {len(text):,} characters, more than this model's "
-                f"{max_context:,}-token context can hold (at most about "
-                f"{max_context * CHARS_PER_TOKEN_BOUND:,} characters). It was not sent and "
-                "is still in the box: shorten it, or use a model with a longer context.")
+        return (f"This message is {len(text):,} characters, {_more_than(max_context)}. "
+                "It was not sent and is still in the box: shorten it, or use a model with "
+                "a longer context.")
+
+    def _on_paste_refused(self, chars: int) -> None:
+        max_context = self.fit.max_context() or 0
+        self.banner.show_message(
+            f"That paste is {chars:,} characters, {_more_than(max_context)}, so it was not "
+            "pasted. Paste a part of it, or use a model with a longer context.", "error")
 
     def _on_busy(self, busy: bool) -> None:
         self.composer.set_generating(busy)
@@ -431,3 +440,8 @@ class MainWindow(QMainWindow):
         readers_done = self.loader.wait(int(left() * 1000))
         readers_done = self.model_picker.wait(int(left() * 1000)) and readers_done
         return self.controller.shutdown(left()) and readers_done
+
+
+def _more_than(max_context: int) -> str:
+    return (f"more than this model's {max_context:,}-token context can hold (at most about "
+            f"{max_context * CHARS_PER_TOKEN_BOUND:,} characters)")
