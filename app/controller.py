@@ -30,7 +30,7 @@ MEMORY_STOP = ("Stopped to protect your computer: system memory turned critical 
 
 
 def model_name(info: object, fallback: str = "") -> str:
-    """A short display name for an ``engine.models.ModelInfo``."""
+    """A short display name for an ``engine.model_info.ModelInfo``."""
     for attr in ("name", "model_id", "path"):
         value = getattr(info, attr, None)
         if value:

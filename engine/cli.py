@@ -176,7 +176,8 @@ def _facts(info: Any) -> dict[str, Any]:
 
 def info(args: argparse.Namespace, out: TextIO) -> int:
     """Print a model's facts and its KV size per mode at full context."""
-    from engine.models import inspect_model_dir, resolve_model_path
+    from engine.model_info import inspect_model_dir
+    from engine.models import resolve_model_path
 
     info_object = inspect_model_dir(resolve_model_path(args.model))
     facts = _facts(info_object)

@@ -12,7 +12,8 @@ from mlx.utils import tree_flatten
 
 from engine import kvquant
 from engine.errors import ModelLoadError
-from engine.models import ModelInfo, inspect_model_dir, load_model
+from engine.model_info import ModelInfo, inspect_model_dir
+from engine.models import load_model
 from tests.engine.tinymodels import ARCHS, make_tiny_model_dir, tiny_config
 
 
