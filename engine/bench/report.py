@@ -24,7 +24,7 @@ Numbers written by `python -m engine.bench` (each command rewrites only its own 
 Run on Linux with OpenBLAS preloaded, and read the load average each section records:
 
     source scripts/env.sh
-    .venv/bin/python -m engine.bench cache        # ~10 min on 2 idle cores; --quick for a smoke run
+    .venv/bin/python -m engine.bench cache        # 10 min on 2 cores at load ~2.5; --quick: ~2 min
     .venv/bin/python -m engine.bench generate     # demo model, 1k/4k/7k prompts
 """
 
@@ -509,7 +509,7 @@ def render_cache_report(
         "paged cache), then `mx.eval`. Times are medians of repeats taken round-robin across "
         f"contenders in the same run ({config['decode_warmup']} warmup + "
         f"{config['decode_repeats']} timed decode steps; {config['prefill_repeats']} timed "
-        "prefills after an untimed warmup). Ratios below 1 favour the paged cache.",
+        "prefill run(s) after an untimed warmup). Ratios below 1 favour the paged cache.",
         "",
         "On the CPU backend mlx-lm's caches hold whatever dtype the model computes in, so "
         f"here `KVCache` holds {config['dtype']} values; the paged fp16 mode stores float16.",
@@ -539,9 +539,10 @@ def render_cache_report(
         "",
         f"{config['prefill_q_heads']} query heads over {config['prefill_kv_heads']} KV head(s) "
         "(prefill attention on this CPU takes minutes at full width; every contender does the "
-        f"same work). Median of {config['prefill_repeats']} timed prefill(s) per contender after "
-        "an untimed two-chunk warmup. Peak memory is `mx.get_peak_memory()` during the prefill "
-        "minus the memory active before it (the inputs): the cache plus attention scratch.",
+        f"same work). Median of {config['prefill_repeats']} timed prefill run(s) per contender "
+        "after an untimed two-chunk warmup. Peak memory is `mx.get_peak_memory()` during the "
+        "prefill minus the memory active before it (the inputs): the cache plus attention "
+        "scratch.",
         "",
         *prefill,
         "",
