@@ -23,7 +23,7 @@ from engine.discovery import (
     discover_models,
     hf_hub_cache,
 )
-from engine.download import destination_for
+from engine.download_plan import destination_for
 from engine.paths import models_dir
 from tests.engine.tinymodels import make_tiny_model_dir
 

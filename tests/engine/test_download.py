@@ -21,15 +21,11 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from engine import download
+from engine import download_plan, download_transfer
 from engine.discovery import read_manifest
-from engine.download import (
-    DownloadProgress,
-    InsufficientDiskSpace,
-    destination_for,
-    download_model,
-    plan_download,
-)
+from engine.download import InsufficientDiskSpace, download_model
+from engine.download_plan import destination_for, plan_download
+from engine.download_transfer import DownloadProgress
 from engine.errors import Cancelled, EngineError
 
 PIECE = 16 * 1024
@@ -229,7 +225,7 @@ def _assert_model_on_disk(folder: Path, repo: FakeRepo) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (folder / name).read_bytes() == repo.files[name], name
     assert not (folder / "README.md").exists()  # mlx-lm's patterns skip it
-    assert not (folder / download.PARTIAL_DIR).exists()
+    assert not (folder / download_plan.PARTIAL_DIR).exists()
     assert read_manifest(folder)["complete"] is True
 
 
@@ -293,14 +289,14 @@ def test_outage_keeps_partial_file_and_next_call_resumes(
     hub: FakeHub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
-    monkeypatch.setattr(download, "RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr(download_transfer, "RETRY_DELAYS", (0.0, 0.0))
     # The first GET drops mid-body; every retry then finds the server hanging up.
     hub.drop_once["model.safetensors"] = 6 * PIECE
     hub.down_after_drop = True
     with pytest.raises(EngineError, match="Lost the connection") as failure:
         download_model("mlx-community/tiny")
     assert not isinstance(failure.value, Cancelled)
-    part = destination_for("mlx-community/tiny") / download.PARTIAL_DIR / "model.safetensors"
+    part = destination_for("mlx-community/tiny") / download_plan.PARTIAL_DIR / "model.safetensors"
     kept = part.stat().st_size
     assert 0 < kept < len(repo.files["model.safetensors"])
     assert part.read_bytes() == repo.files["model.safetensors"][:kept]
@@ -323,7 +319,7 @@ def test_cancel_then_resume(hub: FakeHub) -> None:
     with pytest.raises(Cancelled):
         download_model("mlx-community/tiny", cancel=cancel, on_progress=events.append)
     hub.release.set()
-    part = destination_for("mlx-community/tiny") / download.PARTIAL_DIR / "model.safetensors"
+    part = destination_for("mlx-community/tiny") / download_plan.PARTIAL_DIR / "model.safetensors"
     kept = part.stat().st_size
     # The client stops at the first piece it reads after the cancel, wherever that is.
     assert 0 < kept < len(repo.files["model.safetensors"])
@@ -411,13 +407,13 @@ def test_corrupt_file_is_deleted_not_kept(hub: FakeHub) -> None:
 
     folder = destination_for("mlx-community/tiny")
     assert not (folder / "model.safetensors").exists()
-    assert not (folder / download.PARTIAL_DIR / "model.safetensors").exists()
+    assert not (folder / download_plan.PARTIAL_DIR / "model.safetensors").exists()
 
 
 def test_allow_patterns_match_mlx_lm() -> None:
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    assert tuple(DEFAULT_ALLOW_PATTERNS) == download.ALLOW_PATTERNS
+    assert tuple(DEFAULT_ALLOW_PATTERNS) == download_plan.ALLOW_PATTERNS
 
 
 def test_new_commit_replaces_changed_files_and_drops_stale_ones(hub: FakeHub) -> None:
