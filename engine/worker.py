@@ -23,8 +23,9 @@ from engine.errors import Cancelled, EngineError
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
 from engine.fit import facts_from_info
 from engine.memory_guard import MemoryGuard
+from engine.prompt_ids import clean_text
 from engine.sampling import SamplingParams
-from engine.session import DEFAULT_CHUNK, Session, clean_text
+from engine.session import DEFAULT_CHUNK, Session
 from engine.stats import StatsThrottle, stats_sample
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ from mlx_lm.utils import load
 from engine import adapter
 from engine.errors import Cancelled, ContextTooLong
 from engine.events import IngestProgress, TokenChunk
+from engine.prompt_ids import common_prefix
 from engine.sampling import AnswerStream, SamplingParams
-from engine.session import Session, common_prefix
+from engine.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
