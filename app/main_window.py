@@ -6,22 +6,12 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import (
-    QAction,
-    QCloseEvent,
-    QDragEnterEvent,
-    QDropEvent,
-    QKeySequence,
-)
+from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
-    QLabel,
     QMainWindow,
-    QMenu,
     QSplitter,
-    QToolBar,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -33,10 +23,9 @@ from app.conversation_view import ConversationView
 from app.dialogs import NewChatDialog, SettingsDialog
 from app.fit_check import FitChecker
 from app.memory_panel import MemoryPanel
-from app.model_picker import ModelPicker
 from app.session_list import SessionList
-from app.settings import KV_MODES
 from app.store import AttachmentRecord
+from app.window_menus import build_menus, build_toolbar
 from app.window_parts import Banner, FileOpenFilter, local_files
 
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
@@ -60,8 +49,8 @@ class MainWindow(QMainWindow):
         self._opened_folder: str | None = None
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
-        self._build_toolbar()
-        self._build_menus()
+        build_toolbar(self)
+        build_menus(self)
         self._connect()
         self._refresh_sessions()
         self._on_session_changed(controller.current)
@@ -99,86 +88,6 @@ class MainWindow(QMainWindow):
         self.composer.edit.filesDropped.connect(self.add_files)
         self.composer.edit.pasteRefused.connect(self._on_paste_refused)
 
-    def _build_toolbar(self) -> None:
-        bar = QToolBar("Main")
-        bar.setObjectName("mainToolbar")
-        bar.setMovable(False)
-        bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
-        self.addToolBar(bar)
-        self.new_chat_action = QAction("New Chat", self)
-        self.new_chat_action.setShortcut(QKeySequence.StandardKey.New)
-        self.new_chat_action.triggered.connect(self.ask_new_chat)
-        bar.addAction(self.new_chat_action)
-        self.reopen_button = QToolButton()
-        self.reopen_button.setText("Reopen in…")
-        self.reopen_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
-        self.reopen_menu = QMenu(self.reopen_button)
-        for mode in KV_MODES:
-            self.reopen_menu.addAction(f"Reopen in {mode}…",
-                                       lambda m=mode: self.controller.reopen_in(m))
-        self.reopen_button.setMenu(self.reopen_menu)
-        bar.addWidget(self.reopen_button)
-        spacer = QWidget()
-        spacer.setSizePolicy(spacer.sizePolicy().horizontalPolicy().Expanding,
-                             spacer.sizePolicy().verticalPolicy())
-        bar.addWidget(spacer)
-        self.model_label = QLabel("Model")
-        self.model_label.setObjectName("toolbarCaption")
-        bar.addWidget(self.model_label)
-        self.model_picker = ModelPicker()
-        self.model_picker.set_current(self.settings.last_model)
-        self.model_picker.modelChosen.connect(self._choose_model)
-        self.model_picker.openFolderRequested.connect(self.open_model_folder)
-        self.model_picker.refresh(self.settings.model_folders)
-        bar.addWidget(self.model_picker)
-        self.model_state = QLabel()
-        self.model_state.setObjectName("modelState")
-        bar.addWidget(self.model_state)
-        self.panel_action = QAction("Memory", self, checkable=True)
-        self.panel_action.setChecked(self.panel.isVisible())
-        self.panel_action.toggled.connect(self._toggle_panel)
-        bar.addAction(self.panel_action)
-        self.settings_action = QAction("Settings", self)
-        self.settings_action.setShortcut(QKeySequence.StandardKey.Preferences)
-        self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
-        self.settings_action.triggered.connect(self.open_settings)
-        bar.addAction(self.settings_action)
-
-    def _build_menus(self) -> None:
-        file_menu = self.menuBar().addMenu("&File")
-        file_menu.addAction(self.new_chat_action)
-        file_menu.addAction("Open Model Folder…", self.open_model_folder)
-        file_menu.addAction("Attach Documents…", self.ask_attach)
-        file_menu.addSeparator()
-        close = file_menu.addAction("Close Window", self.close)
-        close.setShortcut(QKeySequence.StandardKey.Close)
-        edit_menu = self.menuBar().addMenu("&Edit")
-        for title, key, slot in (
-            ("Undo", QKeySequence.StandardKey.Undo, "undo"),
-            ("Redo", QKeySequence.StandardKey.Redo, "redo"),
-            (None, None, None),
-            ("Cut", QKeySequence.StandardKey.Cut, "cut"),
-            ("Copy", QKeySequence.StandardKey.Copy, "copy"),
-            ("Paste", QKeySequence.StandardKey.Paste, "paste"),
-            ("Select All", QKeySequence.StandardKey.SelectAll, "selectAll"),
-        ):
-            if title is None:
-                edit_menu.addSeparator()
-                continue
-            action = edit_menu.addAction(title, lambda s=slot: self._edit_action(s))
-            action.setShortcut(key)
-        edit_menu.addSeparator()
-        edit_menu.addAction(self.settings_action)
-        chat_menu = self.menuBar().addMenu("&Chat")
-        self.stop_action = chat_menu.addAction("Stop", self.controller.stop)
-        self.stop_action.setShortcut(QKeySequence(Qt.Key.Key_Escape))
-        self.stop_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        chat_menu.addAction("Regenerate Last Answer", self.controller.regenerate)
-        chat_menu.addAction("Edit Last Message", self.controller.begin_edit)
-        chat_menu.addMenu(self.reopen_menu).setText("Reopen In")
-        view_menu = self.menuBar().addMenu("&View")
-        view_menu.addAction(self.panel_action)
-
     def _connect(self) -> None:
         c = self.controller
         self.sessions.sessionSelected.connect(c.select_session)
@@ -215,7 +124,8 @@ class MainWindow(QMainWindow):
             self._opened_folder = folder
             self.controller.load_model(folder)
 
-    def _choose_model(self, path: str) -> None:
+    def choose_model(self, path: str) -> None:
+        """Load the model picked in the picker; snap the picker back if refused."""
         self.controller.load_model(path)
         if self.controller.model_id != path:  # refused (an answer is running)
             self.model_picker.set_current(self.model_picker.current_path)
@@ -377,7 +287,8 @@ class MainWindow(QMainWindow):
 
     # Panel ----------------------------------------------------------------
 
-    def _toggle_panel(self, visible: bool) -> None:
+    def set_panel_visible(self, visible: bool) -> None:
+        """Show or hide the memory panel, and remember the choice."""
         self.panel.setVisible(visible)
         self.settings.memory_panel_visible = visible
 
@@ -402,11 +313,6 @@ class MainWindow(QMainWindow):
                                      self.fit.full_context_report())
 
     # Window ---------------------------------------------------------------
-
-    def _edit_action(self, slot: str) -> None:
-        widget = self.focusWidget()
-        if widget is not None and hasattr(widget, slot):
-            getattr(widget, slot)()
 
     def open_settings(self) -> None:
         """The Settings dialog."""

@@ -1,0 +1,105 @@
+"""The main window's toolbar and menus: the actions and where they lead."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import QLabel, QMenu, QToolBar, QToolButton, QWidget
+
+from app.model_picker import ModelPicker
+from app.settings import KV_MODES
+
+if TYPE_CHECKING:
+    from app.main_window import MainWindow
+
+
+def build_toolbar(window: MainWindow) -> None:
+    """Add the toolbar: new chat, reopen in a mode, model picker, memory, settings."""
+    bar = QToolBar("Main")
+    bar.setObjectName("mainToolbar")
+    bar.setMovable(False)
+    bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+    window.addToolBar(bar)
+    window.new_chat_action = QAction("New Chat", window)
+    window.new_chat_action.setShortcut(QKeySequence.StandardKey.New)
+    window.new_chat_action.triggered.connect(window.ask_new_chat)
+    bar.addAction(window.new_chat_action)
+    window.reopen_button = QToolButton()
+    window.reopen_button.setText("Reopen in…")
+    window.reopen_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+    window.reopen_menu = QMenu(window.reopen_button)
+    for mode in KV_MODES:
+        window.reopen_menu.addAction(f"Reopen in {mode}…",
+                                     lambda m=mode: window.controller.reopen_in(m))
+    window.reopen_button.setMenu(window.reopen_menu)
+    bar.addWidget(window.reopen_button)
+    spacer = QWidget()
+    spacer.setSizePolicy(spacer.sizePolicy().horizontalPolicy().Expanding,
+                         spacer.sizePolicy().verticalPolicy())
+    bar.addWidget(spacer)
+    window.model_label = QLabel("Model")
+    window.model_label.setObjectName("toolbarCaption")
+    bar.addWidget(window.model_label)
+    window.model_picker = ModelPicker()
+    window.model_picker.set_current(window.settings.last_model)
+    window.model_picker.modelChosen.connect(window.choose_model)
+    window.model_picker.openFolderRequested.connect(window.open_model_folder)
+    window.model_picker.refresh(window.settings.model_folders)
+    bar.addWidget(window.model_picker)
+    window.model_state = QLabel()
+    window.model_state.setObjectName("modelState")
+    bar.addWidget(window.model_state)
+    window.panel_action = QAction("Memory", window, checkable=True)
+    window.panel_action.setChecked(window.panel.isVisible())
+    window.panel_action.toggled.connect(window.set_panel_visible)
+    bar.addAction(window.panel_action)
+    window.settings_action = QAction("Settings", window)
+    window.settings_action.setShortcut(QKeySequence.StandardKey.Preferences)
+    window.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
+    window.settings_action.triggered.connect(window.open_settings)
+    bar.addAction(window.settings_action)
+
+
+def build_menus(window: MainWindow) -> None:
+    """Add the File, Edit, Chat and View menus, sharing the toolbar's actions."""
+    file_menu = window.menuBar().addMenu("&File")
+    file_menu.addAction(window.new_chat_action)
+    file_menu.addAction("Open Model Folder…", window.open_model_folder)
+    file_menu.addAction("Attach Documents…", window.ask_attach)
+    file_menu.addSeparator()
+    close = file_menu.addAction("Close Window", window.close)
+    close.setShortcut(QKeySequence.StandardKey.Close)
+    edit_menu = window.menuBar().addMenu("&Edit")
+    for title, key, slot in (
+        ("Undo", QKeySequence.StandardKey.Undo, "undo"),
+        ("Redo", QKeySequence.StandardKey.Redo, "redo"),
+        (None, None, None),
+        ("Cut", QKeySequence.StandardKey.Cut, "cut"),
+        ("Copy", QKeySequence.StandardKey.Copy, "copy"),
+        ("Paste", QKeySequence.StandardKey.Paste, "paste"),
+        ("Select All", QKeySequence.StandardKey.SelectAll, "selectAll"),
+    ):
+        if title is None:
+            edit_menu.addSeparator()
+            continue
+        action = edit_menu.addAction(title, lambda s=slot: _edit_focused_widget(window, s))
+        action.setShortcut(key)
+    edit_menu.addSeparator()
+    edit_menu.addAction(window.settings_action)
+    chat_menu = window.menuBar().addMenu("&Chat")
+    window.stop_action = chat_menu.addAction("Stop", window.controller.stop)
+    window.stop_action.setShortcut(QKeySequence(Qt.Key.Key_Escape))
+    window.stop_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+    chat_menu.addAction("Regenerate Last Answer", window.controller.regenerate)
+    chat_menu.addAction("Edit Last Message", window.controller.begin_edit)
+    chat_menu.addMenu(window.reopen_menu).setText("Reopen In")
+    view_menu = window.menuBar().addMenu("&View")
+    view_menu.addAction(window.panel_action)
+
+
+def _edit_focused_widget(window: MainWindow, slot: str) -> None:
+    widget = window.focusWidget()
+    if widget is not None and hasattr(widget, slot):
+        getattr(widget, slot)()
