@@ -55,8 +55,10 @@ class Session:
         chunk_size: tokens per prefill chunk (the most; see ``chunk_seconds``).
         chunk_seconds: when set, a chunk that took longer shrinks the next ones
             (down to ``MIN_CHUNK``) so progress and stats keep flowing on slow
-            machines; None keeps every chunk at ``chunk_size`` (reproducible
-            chunk boundaries, for benchmarks and parity checks).
+            machines; the first chunk is ``MIN_CHUNK`` and each later prefill
+            starts from the size the last one settled on. None keeps every chunk
+            at ``chunk_size`` (reproducible chunk boundaries, for benchmarks and
+            parity checks).
         guard: the memory guard whose one KV budget and RAM headroom every
             session's pages share; None makes a guard for this session alone.
     """
@@ -85,6 +87,9 @@ class Session:
         self.budget_bytes = self.guard.budget_bytes
         self.chunk_size = chunk_size
         self.chunk_seconds = chunk_seconds
+        # Paced prefill probes with a small chunk: a full one can take many
+        # seconds on a slow machine, with no progress, stats or Stop meanwhile.
+        self._paced_chunk = chunk_size if chunk_seconds is None else min(MIN_CHUNK, chunk_size)
         self.clock: Callable[[], float] = time.perf_counter
         self.end_ids = end_of_turn_ids(self.tokenizer)
         self.tokens: list[int] = []
@@ -212,14 +217,14 @@ class Session:
         """
         start = self.clock()
         done = 0
-        size = self.chunk_size
+        size = self._paced_chunk
         while done < len(ids):
             if cancel.is_set():
                 raise Cancelled("Ingest cancelled.")
             chunk = ids[done : done + size]
             began = self.clock()
             self._forward(chunk)
-            size = self._next_chunk(len(chunk), self.clock() - began)
+            size = self._paced_chunk = self._next_chunk(len(chunk), self.clock() - began)
             done += len(chunk)
             self.tokens_ingested += len(chunk)
             mx.clear_cache()
