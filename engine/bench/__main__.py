@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate [options]``: run a benchmark, write its table.
+"""``python -m engine.bench cache|generate|agreement [options]``: run a benchmark, write its table.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -11,9 +11,19 @@ import json
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+def with_changes(config: ConfigT, **changes: Any) -> ConfigT:
+    """A copy of a bench config with the options the user gave (None: not given)."""
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})
 
 
 def parse_tokens(text: str) -> int:
@@ -70,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
     generate.add_argument("--max-tokens", type=int, help="tokens generated per run")
     generate.add_argument("--repeats", type=int, help="timed runs per contender")
+
+    agree = sub.add_parser("agreement", help="demo model: each mode's greedy ids vs fp16")
+    _common(agree)
+    agree.add_argument("--model", default="demo", help="model directory or 'demo'")
+    agree.add_argument("--prompt", type=parse_tokens, help="prompt length, e.g. 6k")
+    agree.add_argument("--modes", type=_modes, help="e.g. q8,q6,q4 (fp16 always runs)")
+    agree.add_argument("--max-tokens", type=int, help="tokens generated per mode")
     return parser
 
 
@@ -77,7 +94,7 @@ def run_cache(args: argparse.Namespace, command: str) -> dict:
     from engine.bench import cache_bench, report
 
     base = cache_bench.QUICK if args.quick else cache_bench.CacheBenchConfig()
-    config = cache_bench.scaled(
+    config = with_changes(
         base,
         contexts=args.contexts,
         head_dims=args.head_dims,
@@ -108,7 +125,7 @@ def run_generate(args: argparse.Namespace, command: str) -> dict:
     from engine.bench import generate_bench, report
 
     base = generate_bench.QUICK if args.quick else generate_bench.GenerateBenchConfig()
-    config = generate_bench.scaled(
+    config = with_changes(
         base,
         model=args.model,
         prompts=args.prompts,
@@ -127,6 +144,21 @@ def run_generate(args: argparse.Namespace, command: str) -> dict:
     return {"machine": info, **results}
 
 
+def run_agreement(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import agreement_bench, report
+
+    base = agreement_bench.QUICK if args.quick else agreement_bench.AgreementBenchConfig()
+    config = with_changes(
+        base, model=args.model, prompt=args.prompt, modes=args.modes, max_tokens=args.max_tokens
+    )
+    info = report.machine_info()
+    results = agreement_bench.run_agreement_bench(config, _progress)
+    body = agreement_bench.render_agreement_report(results, info, command, report.load_average())
+    report.write_section(args.output, "agreement", body)
+    return {"machine": info, **results}
+
+
+RUNNERS = {"cache": run_cache, "generate": run_generate, "agreement": run_agreement}
 _STARTED = time.monotonic()
 
 
@@ -140,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     command = "python -m engine.bench " + shlex.join(argv)
-    runner = run_cache if args.command == "cache" else run_generate
-    results = runner(args, command)
+    results = RUNNERS[args.command](args, command)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1, default=str))

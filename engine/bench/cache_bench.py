@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -468,8 +468,3 @@ def run_cache_bench(
 
 def _config_dict(config: CacheBenchConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
-
-
-def scaled(config: CacheBenchConfig, **changes: Any) -> CacheBenchConfig:
-    """A copy of ``config`` with some fields changed (None values are ignored)."""
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -51,11 +51,6 @@ class GenerateBenchConfig:
 
 
 QUICK = GenerateBenchConfig(prompts=(512, 1024), max_tokens=16)
-
-
-def scaled(config: GenerateBenchConfig, **changes: Any) -> GenerateBenchConfig:
-    """A copy of ``config`` with some fields changed (None values are ignored)."""
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
 
 
 def prompt_messages(tokenizer: Any, target_tokens: int, render: Callable) -> list[dict]:

@@ -26,6 +26,7 @@ Run on Linux with OpenBLAS preloaded, and read the load average each section rec
     source scripts/env.sh
     .venv/bin/python -m engine.bench cache        # 10 min on 2 cores at load ~2.5; --quick: ~2 min
     .venv/bin/python -m engine.bench generate     # demo model, 1k/4k/7k prompts
+    .venv/bin/python -m engine.bench agreement    # demo model, each mode vs fp16 at 6k
 """
 
 

@@ -220,6 +220,29 @@ def test_generate_report_has_every_cell(generate_run: tuple[str, dict]) -> None:
         assert abs(row["engine"]["prompt_tokens"] - row["target"]) <= 8
 
 
+def test_agreement_run_compares_every_mode_with_fp16(tmp_path: Path) -> None:
+    model = make_tiny_model_dir(tmp_path / "models", "llama")
+    doc, raw = tmp_path / "benchmarks.md", tmp_path / "results.json"
+    report.write_section(doc, "generate", "generate numbers stay")
+    args = [
+        "agreement", "--model", str(model), "--prompt", "96", "--modes", "q8,q4",
+        "--max-tokens", "5", "--output", str(doc), "--json", str(raw),
+    ]  # fmt: skip
+    _run_cli(args, tmp_path)
+    markdown, results = doc.read_text(), json.loads(raw.read_text())
+    assert "generate numbers stay" in markdown
+    assert markdown.count("<!-- bench:agreement:start -->") == 1
+    rows = _table_after(markdown, "Token ids equal to fp16")
+    assert [r[1] for r in rows] == ["fp16", "q8", "q4"]  # fp16 runs as the reference
+    reference = results["rows"][0]["engine"]["tokens"]
+    assert rows[0][2] == "5/5 (identical)" and len(reference) == 5
+    for cells, row in zip(rows, results["rows"], strict=True):
+        tokens = row["engine"]["tokens"]
+        same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+        assert cells[2].startswith(f"{same}/5 (")
+        assert abs(int(cells[0]) - 96) <= 8
+
+
 # Relative max error vs an fp64 reference on random rows, measured 0.0 / 0.0004 / 0.011 /
 # 0.035 / 0.19 (fp32, fp16, 8, 6, 4 bits); bounds leave ~2x room.
 ERROR_BOUND = {"mlx-fp16": 1e-5, "fp16": 2e-3, "q8": 0.03, "q6": 0.08, "q4": 0.4}
