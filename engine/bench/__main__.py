@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_cache(args: argparse.Namespace, command: str) -> dict:
-    from engine.bench import cache_bench, report
+    from engine.bench import cache_bench, cache_report, report
 
     base = cache_bench.QUICK if args.quick else cache_bench.CacheBenchConfig()
     config = with_changes(
@@ -116,7 +116,7 @@ def run_cache(args: argparse.Namespace, command: str) -> dict:
     started = time.monotonic()
     results = cache_bench.run_cache_bench(config, progress=_progress)
     results["wall_seconds"] = time.monotonic() - started
-    body = report.render_cache_report(results, info, command, report.load_average())
+    body = cache_report.render_cache_report(results, info, command, report.load_average())
     report.write_section(args.output, "cache", body)
     return {"machine": info, **results}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.bench import report
+from engine.bench import cache_report, report
 from engine.bench.__main__ import parse_tokens
 from engine.kvquant import project_kv_bytes
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -268,7 +268,7 @@ def test_every_contender_computes_the_same_attention(length: int) -> None:
     """The harness feeds every cache the same rows and runs a real attention on them."""
     import mlx.core as mx
 
-    from engine.bench import cache_bench
+    from engine.bench import cache_bench, contenders
 
     prefix, head_dim = 300, 128
     queries = cache_bench._random((1, 4, length, head_dim), mx.float32, seed=11)
@@ -279,7 +279,7 @@ def test_every_contender_computes_the_same_attention(length: int) -> None:
     expected = _reference_attention(
         queries, mx.concatenate([cached_k, keys], 2), mx.concatenate([cached_v, values], 2)
     )
-    entries = cache_bench.contenders(MODES, 256, mx.float32)
+    entries = contenders.contenders(MODES, 256, mx.float32)
     for _ in range(2):  # a second round catches inputs mutated by an earlier contender
         for entry in entries:
             cache = entry.make_cache(2, head_dim, 1024)
@@ -301,7 +301,7 @@ def test_write_section_replaces_in_place(tmp_path: Path) -> None:
 
 
 def test_goal_tally_verdicts() -> None:
-    tally = report.GoalTally()
+    tally = cache_report.GoalTally()
     tally.check("a", "x", 0.9, 1.0)
     tally.check("a", "y", 1.0, 1.0)
     tally.check("b", "x", 0.5, 1.0)
