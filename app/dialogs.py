@@ -90,7 +90,7 @@ class SettingsDialog(QDialog):
         form.addRow("Default KV mode", self.mode)
         self.page_size = QSpinBox(minimum=16, maximum=4096, singleStep=16,
                                   value=settings.page_size)
-        form.addRow("Page size (tokens)", self.page_size)
+        form.addRow("Page size (tokens, new chats)", self.page_size)
         self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk)
         form.addRow("Ingest chunk (tokens)", self.chunk)
         budget = settings.memory_budget_bytes

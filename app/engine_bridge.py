@@ -115,7 +115,7 @@ class EngineBridge(QObject):
         return any(kind in ("chat", "ingest") for kind in self._pending.values())
 
     def request_kind(self, request_id: int) -> str | None:
-        """"load", "open", "chat" or "ingest" for a pending request."""
+        """"load", "open", "chat", "ingest" or "configure" for a pending request."""
         return self._pending.get(request_id)
 
     def start(self) -> None:
@@ -155,6 +155,11 @@ class EngineBridge(QObject):
         for rid, event in list(self._cancels.items()):
             if request_id is None or rid == request_id:
                 event.set()
+
+    def configure(self, budget_bytes: int | None, chunk_size: int) -> int:
+        """Apply a new KV budget and ingest chunk once the running request ends."""
+        return self._track(self._worker.configure(budget_bytes=budget_bytes,
+                                                  chunk_size=chunk_size), "configure")
 
     def close_session(self, session_id: str) -> None:
         """Free a session's pages."""

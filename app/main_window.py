@@ -318,6 +318,8 @@ class MainWindow(QMainWindow):
         """The Settings dialog."""
         if SettingsDialog(self.settings, self).exec():
             self.model_picker.refresh(self.settings.model_folders)
+            self.controller.bridge.configure(self.settings.memory_budget_bytes,
+                                             self.settings.ingest_chunk)
 
     def closeEvent(self, event: QCloseEvent) -> None:
         # Nothing here waits: the history is saved and the engine told to stop,

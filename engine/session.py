@@ -235,6 +235,11 @@ class Session:
             tick()
         return self.clock() - start
 
+    def set_chunk_size(self, chunk_size: int) -> None:
+        """Use ``chunk_size`` as the largest prefill chunk from the next one on."""
+        self.chunk_size = chunk_size
+        self._paced_chunk = min(self._paced_chunk, chunk_size)
+
     def _next_chunk(self, last: int, seconds: float) -> int:
         if self.chunk_seconds is None or seconds <= 0:
             return self.chunk_size

@@ -78,7 +78,6 @@ class EngineWorker:
         self.guard = memory_guard or MemoryGuard(
             budget_bytes=budget_bytes, headroom_bytes=headroom_bytes
         )
-        self.budget_bytes = self.guard.budget_bytes
         self.chunk_size = chunk_size
         self._queue: queue.Queue[_Command | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -139,6 +138,15 @@ class EngineWorker:
         """Prefill the conversation without answering (e.g. a dropped document)."""
         return self._submit("ingest", (session_id, _copy(messages)), cancel)
 
+    def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
+        """Change the KV budget of all sessions and the prefill chunk, between requests.
+
+        -> ``Finished("done")``, or ``Failed`` for a negative budget or a chunk
+        under one token. Pages already held stay; the new budget limits the pages
+        taken from now on.
+        """
+        return self._submit("configure", (budget_bytes, chunk_size))
+
     def close_session(self, session_id: str) -> int:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids)."""
         return self._submit("close_session", (session_id,))
@@ -165,6 +173,7 @@ class EngineWorker:
             return session.fit_report(token_count)
         facts = facts_from_info(loaded.info)
         reading = self.guard.read()
+        shared = self.guard.budget_bytes is not None
         return fit.fit_report(
             token_count=token_count,
             attention_layers=facts.attention_layers,
@@ -175,7 +184,7 @@ class EngineWorker:
             available_bytes=reading.available_bytes,
             budget_bytes=self.guard.kv_share(),
             headroom_bytes=self.guard.headroom(reading),
-            other_sessions_bytes=self.guard.held_bytes() if self.budget_bytes is not None else 0,
+            other_sessions_bytes=self.guard.held_bytes() if shared else 0,
         )
 
     def count_tokens(self, text: str) -> int:
@@ -333,6 +342,21 @@ class EngineWorker:
             self._sessions[session_id] = session
         self._publish(session)
         return SessionOpened(command.request_id, session_id, session.mode, page_size)
+
+    def _do_configure(self, command: _Command) -> object:
+        budget_bytes, chunk_size = command.args
+        if budget_bytes is not None and budget_bytes < 0:
+            raise EngineError("The KV memory budget cannot be negative.")
+        if chunk_size < 1:
+            raise EngineError("The ingest chunk must be at least 1 token.")
+        self.guard.budget_bytes = budget_bytes
+        self.chunk_size = chunk_size
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.set_chunk_size(chunk_size)
+            self.guard.refresh(session.session_id)
+        return Finished(command.request_id, "done")
 
     def _do_close_session(self, command: _Command) -> object:
         (session_id,) = command.args

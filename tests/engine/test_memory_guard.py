@@ -481,6 +481,32 @@ def test_worker_sessions_share_one_budget(llama, worker_with) -> None:
     assert isinstance(ending, Finished) and ending.reason == "done"
 
 
+def test_worker_configure_changes_the_budget_between_requests(llama, worker_with) -> None:
+    worker, events = worker_with(FakeMemory(), budget_bytes=12 * PAGE)
+    events.ending(worker.load_model(str(llama.folder)))
+    for name in ("a", "b"):
+        events.ending(worker.open_session(name, "fp16", 16))
+    events.ending(worker.ingest("a", _user(QUESTION * 4), threading.Event()))
+    held = worker.guard.held_bytes()
+    applied = events.ending(worker.configure(budget_bytes=held + PAGE, chunk_size=32))
+    assert isinstance(applied, Finished) and applied.reason == "done"
+    assert worker.fit_check(None, 16).budget_bytes == PAGE
+    assert worker.guard.held_bytes() == held  # what "a" holds stays
+    failed = events.ending(worker.ingest("b", _user(QUESTION), threading.Event()))
+    assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
+    events.ending(worker.configure(budget_bytes=None, chunk_size=32))
+    assert worker.fit_check(None, 16).budget_bytes is None
+    rid = worker.ingest("b", _user(QUESTION), threading.Event())
+    ending = events.ending(rid)
+    assert isinstance(ending, Finished) and ending.reason == "done"
+    done = [e.tokens_done for e in events.events
+            if isinstance(e, IngestProgress) and e.request_id == rid]
+    steps = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert len(steps) > 1 and max(steps) <= 32  # the new chunk size applies too
+    bad = events.ending(worker.configure(budget_bytes=-1, chunk_size=32))
+    assert isinstance(bad, Failed) and "cannot be negative" in bad.message
+
+
 def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) -> None:
     memory = FakeMemory()
     guard = _guard(memory)

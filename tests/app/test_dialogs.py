@@ -1,0 +1,102 @@
+"""The Settings dialog: it shows the saved values, Save writes them, and the engine follows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication, QDialogButtonBox
+
+from app.dialogs import SettingsDialog
+from app.settings import Settings
+from engine.sampling import SamplingParams
+from engine.worker import EngineWorker
+from tests.app.conftest import close_window, open_window
+
+
+def _saved() -> Settings:
+    s = Settings()
+    s.default_mode = "q6"
+    s.page_size = 128
+    s.ingest_chunk = 1024
+    s.memory_budget_bytes = 3 * 2**30
+    s.sampling = SamplingParams(temperature=0.3, top_p=0.9, top_k=40, max_tokens=99, seed=7)
+    s.system_prompt = "Be brief."
+    s.model_folders = ["/models/a"]
+    s.sync()
+    return Settings()
+
+
+def _edit(dialog: SettingsDialog) -> None:
+    dialog.mode.setCurrentText("q4")
+    dialog.page_size.setValue(64)
+    dialog.chunk.setValue(256)
+    dialog.budget.setValue(0)  # "Automatic"
+    dialog.temperature.setValue(0.0)
+    dialog.top_k.setValue(0)
+    dialog.max_tokens.setValue(500)
+    dialog.system_prompt.setPlainText("  Answer in French.  \n")
+    dialog.folders.setPlainText("/models/a\n\n  /models/b  \n")
+
+
+def test_dialog_shows_the_saved_values(qtbot) -> None:
+    dialog = SettingsDialog(_saved())
+    qtbot.addWidget(dialog)
+    assert dialog.mode.currentText() == "q6"
+    assert (dialog.page_size.value(), dialog.chunk.value()) == (128, 1024)
+    assert dialog.budget.value() == 3 * 1024  # MiB
+    assert (dialog.temperature.value(), dialog.top_p.value()) == (0.3, 0.9)
+    assert (dialog.top_k.value(), dialog.max_tokens.value()) == (40, 99)
+    assert dialog.system_prompt.toPlainText() == "Be brief."
+    assert dialog.folders.toPlainText() == "/models/a"
+
+
+def test_save_writes_every_field(qtbot) -> None:
+    dialog = SettingsDialog(_saved())
+    qtbot.addWidget(dialog)
+    _edit(dialog)
+    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
+    again = Settings()
+    assert (again.default_mode, again.page_size, again.ingest_chunk) == ("q4", 64, 256)
+    assert again.memory_budget_bytes is None
+    assert again.sampling == SamplingParams(temperature=0.0, top_p=0.9, top_k=0,
+                                            max_tokens=500, seed=7)
+    assert again.system_prompt == "Answer in French."
+    assert again.model_folders == ["/models/a", "/models/b"]
+
+
+def test_cancel_writes_nothing(qtbot) -> None:
+    before = _saved().path.read_text()
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    _edit(dialog)
+    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Cancel).click()
+    assert Settings().path.read_text() == before
+    assert Settings().default_mode == "q6"
+
+
+def test_saved_budget_and_chunk_reach_the_running_engine(qtbot, tiny_llama: Path) -> None:
+    workers: list[EngineWorker] = []
+
+    def worker_factory(on_event, budget_bytes, chunk_size):
+        workers.append(EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size))
+        return workers[0]
+
+    window = open_window(qtbot, tiny_llama, worker_factory=worker_factory)
+    worker = workers[0]
+    assert worker.guard.budget_bytes is None and worker.chunk_size == 512
+
+    def fill_in_and_save() -> None:
+        dialog = QApplication.activeModalWidget()
+        assert isinstance(dialog, SettingsDialog)
+        dialog.budget.setValue(700)
+        dialog.chunk.setValue(128)
+        dialog.accept()
+
+    try:
+        QTimer.singleShot(0, fill_in_and_save)
+        window.open_settings()
+        qtbot.waitUntil(lambda: worker.chunk_size == 128, timeout=10_000)
+        assert worker.guard.budget_bytes == 700 * 2**20
+    finally:
+        close_window(window)
