@@ -1,6 +1,6 @@
 """The Qt face of the engine worker.
 
-``EngineWorker`` calls ``on_event`` from its own thread; the bridge re-emits
+``EngineWorker`` calls ``on_event`` from its own threads; the bridge re-emits
 every event on the GUI thread through a queued signal, sorted by type. The GUI
 thread never calls into MLX: it only enqueues requests and reads thread-safe
 snapshots (stats, fit checks, token counts).

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine import kvquant
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
-from engine.memory_guard import default_headroom, human_bytes
+from engine.memory_guard import MemoryGuard, default_headroom, human_bytes
 from engine.paged_cache import PagedKVCache
 
 MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
@@ -234,4 +234,37 @@ def fit_report(
         modes=tuple(entries),
         free_bytes=free,
         other_sessions_bytes=other_sessions_bytes,
+    )
+
+
+def guarded_fit_report(
+    guard: MemoryGuard,
+    facts: ModelFacts,
+    token_count: int,
+    page_size: int,
+    *,
+    session_id: str | None = None,
+    session_mode: str | None = None,
+    session_bytes_allocated: int = 0,
+) -> FitReport:
+    """``fit_report`` with the guard's free RAM, headroom and KV budget share filled in.
+
+    ``session_id`` names the session asking (None: a chat not opened yet), whose
+    own pages are not counted against it.
+    """
+    reading = guard.read()
+    shared = guard.budget_bytes is not None
+    return fit_report(
+        token_count=token_count,
+        attention_layers=facts.attention_layers,
+        kv_heads=facts.kv_heads,
+        head_dim=facts.head_dim,
+        max_context=facts.max_context,
+        page_size=page_size,
+        available_bytes=reading.available_bytes,
+        budget_bytes=guard.kv_share(session_id),
+        headroom_bytes=guard.headroom(reading),
+        session_mode=session_mode,
+        session_bytes_allocated=session_bytes_allocated,
+        other_sessions_bytes=guard.held_bytes(exclude=session_id) if shared else 0,
     )

@@ -159,24 +159,11 @@ class Session:
 
     def fit_report(self, token_count: int) -> fit.FitReport:
         """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
-        guard = self.guard
-        reading = guard.read()
         held = self.stats() if self.cache else None
-        return fit.fit_report(
-            token_count=token_count,
-            attention_layers=self.facts.attention_layers,
-            kv_heads=self.facts.kv_heads,
-            head_dim=self.facts.head_dim,
-            max_context=self.facts.max_context,
-            page_size=self.page_size,
-            available_bytes=reading.available_bytes,
-            budget_bytes=guard.kv_share(self.session_id),
-            headroom_bytes=guard.headroom(reading),
+        return fit.guarded_fit_report(
+            self.guard, self.facts, token_count, self.page_size, session_id=self.session_id,
             session_mode=self.mode,
             session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
-            other_sessions_bytes=(
-                guard.held_bytes(exclude=self.session_id) if guard.budget_bytes is not None else 0
-            ),
         )
 
     def room_for(self, token_count: int) -> int:

@@ -66,19 +66,26 @@ def pressure_level() -> str | None:
     return _PRESSURE_NAMES.get(level) if level is not None else None
 
 
+def system_readings() -> dict[str, Any]:
+    """psutil's process and system memory, and the macOS pressure level; no MLX call."""
+    virtual = psutil.virtual_memory()
+    return {
+        "process_rss_bytes": int(psutil.Process().memory_info().rss),
+        "system_total_bytes": int(virtual.total),
+        "system_available_bytes": int(virtual.available),
+        "system_used_percent": float(virtual.percent),
+        "swap_used_bytes": int(psutil.swap_memory().used),
+        "pressure_level": pressure_level(),
+    }
+
+
 def memory_snapshot() -> MemorySnapshot:
     """Return MLX allocator counters plus psutil's process and system memory."""
-    virtual = psutil.virtual_memory()
     return MemorySnapshot(
         mlx_active_bytes=int(mx.get_active_memory()),
         mlx_peak_bytes=int(mx.get_peak_memory()),
         mlx_cache_bytes=int(mx.get_cache_memory()),
-        process_rss_bytes=int(psutil.Process().memory_info().rss),
-        system_total_bytes=int(virtual.total),
-        system_available_bytes=int(virtual.available),
-        system_used_percent=float(virtual.percent),
-        swap_used_bytes=int(psutil.swap_memory().used),
-        pressure_level=pressure_level(),
+        **system_readings(),
     )
 
 

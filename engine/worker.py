@@ -3,7 +3,9 @@
 MLX streams are thread-local, so the engine never hops threads: commands go into
 a queue, one thread named "longleaf-engine" runs them in order, and events (frozen
 dataclasses of plain values) come out through ``on_event``, called on that
-thread. Every request ends with exactly one ``Finished`` or ``Failed``.
+thread (or, for stats repeated while one MLX step runs long, on the
+``engine.heartbeat`` thread). Every request ends with exactly one ``Finished``
+or ``Failed``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine import fit, kvquant
 from engine.errors import Cancelled, EngineError
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
 from engine.fit import facts_from_info
+from engine.heartbeat import LatestSample, StatsHeartbeat
 from engine.memory_guard import MemoryGuard
 from engine.prompt_ids import clean_text
 from engine.sampling import SamplingParams
@@ -49,7 +52,8 @@ class EngineWorker:
     """Runs engine commands on one thread and reports them as events.
 
     Args:
-        on_event: called on the worker thread with each event.
+        on_event: called with each event, on the worker thread (stats samples also
+            on the heartbeat thread); it must be thread-safe.
         budget_bytes: bytes the KV pages of ALL open sessions may take together,
             or None to be bounded only by free RAM minus the guard's headroom.
         chunk_size: tokens per prefill chunk.
@@ -86,7 +90,7 @@ class EngineWorker:
         self._loaded: Any = None
         self._loaded_bytes = 0  # estimated weight bytes of the loaded model
         self._sessions: dict[str, Session] = {}
-        self._latest: StatsSample | None = None
+        self._latest = LatestSample()
         self._current: _Command | None = None
         self._stopping = threading.Event()
         self._throttle = StatsThrottle(stats_interval)
@@ -153,8 +157,7 @@ class EngineWorker:
 
     def latest_stats(self) -> StatsSample | None:
         """The last snapshot taken; never calls MLX."""
-        with self._lock:
-            return self._latest
+        return self._latest.get()
 
     def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
         """Whether ``token_count`` tokens fit, per mode; pure arithmetic.
@@ -171,21 +174,8 @@ class EngineWorker:
             raise EngineError(f"No open session named {session_id!r}; open it first.")
         if session is not None:
             return session.fit_report(token_count)
-        facts = facts_from_info(loaded.info)
-        reading = self.guard.read()
-        shared = self.guard.budget_bytes is not None
-        return fit.fit_report(
-            token_count=token_count,
-            attention_layers=facts.attention_layers,
-            kv_heads=facts.kv_heads,
-            head_dim=facts.head_dim,
-            max_context=facts.max_context,
-            page_size=256,
-            available_bytes=reading.available_bytes,
-            budget_bytes=self.guard.kv_share(),
-            headroom_bytes=self.guard.headroom(reading),
-            other_sessions_bytes=self.guard.held_bytes() if shared else 0,
-        )
+        # A chat not opened yet: the model's facts and the default page size.
+        return fit.guarded_fit_report(self.guard, facts_from_info(loaded.info), token_count, 256)
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` encodes to with the loaded model's tokenizer.
@@ -291,9 +281,11 @@ class EngineWorker:
     def _publish(self, session: Session | None) -> None:
         cache_stats = session.stats() if session is not None and session.cache else None
         sample = stats_sample(session.session_id if session else None, cache_stats)
-        with self._lock:
-            self._latest = sample
+        self._latest.set(sample)
         self._emit(sample)
+
+    def _heartbeat(self) -> StatsHeartbeat:
+        return StatsHeartbeat(self._latest, self._emit, self._throttle.interval)
 
     def _release_model(self) -> None:
         with self._lock:
@@ -373,10 +365,11 @@ class EngineWorker:
         session = self._session(session_id)
         self._publish(session)
         try:
-            reason, stats = session.chat(
-                messages, sampling, request_id=command.request_id, cancel=command.cancel,
-                emit=self._emit, tick=self._tick_for(session),
-            )
+            with self._heartbeat():
+                reason, stats = session.chat(
+                    messages, sampling, request_id=command.request_id, cancel=command.cancel,
+                    emit=self._emit, tick=self._tick_for(session),
+                )
         finally:
             self._publish(session)
         if session.memory_stop:
@@ -388,10 +381,11 @@ class EngineWorker:
         session = self._session(session_id)
         self._publish(session)
         try:
-            stats = session.ingest(
-                messages, request_id=command.request_id, cancel=command.cancel,
-                emit=self._emit, tick=self._tick_for(session),
-            )
+            with self._heartbeat():
+                stats = session.ingest(
+                    messages, request_id=command.request_id, cancel=command.cancel,
+                    emit=self._emit, tick=self._tick_for(session),
+                )
         except Cancelled:
             return Finished(command.request_id, "cancelled")
         finally:

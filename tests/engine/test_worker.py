@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from engine.events import (
     StatsSample,
     TokenChunk,
 )
+from engine.heartbeat import THREAD_NAME as HEARTBEAT_THREAD
 from engine.sampling import SamplingParams
 from engine.session import Session
 from engine.worker import THREAD_NAME, EngineWorker
@@ -147,6 +149,31 @@ def test_stats_follow_the_interval(start_worker, model_dirs) -> None:
     assert len(samples) >= len(chunks) + ending.stats.generated_tokens
     tokens = [s.tokens_in_context for s in samples]
     assert tokens == sorted(tokens)  # context only grows within one request
+
+
+def test_samples_keep_coming_while_a_chunk_runs_long(start_worker, model_dirs,
+                                                     monkeypatch) -> None:
+    forward = Session._forward
+
+    def slow_forward(self: Session, chunk: list[int]) -> None:
+        forward(self, chunk)
+        time.sleep(0.4)  # one chunk of a big model on a slow machine
+
+    monkeypatch.setattr(Session, "_forward", slow_forward)
+    worker, log = _ready(start_worker, model_dirs["llama"], stats_interval=0.05,
+                         chunk_size=16, adaptive_chunks=False)
+    rid = worker.ingest("s", [{"role": "user", "content": QUESTION * 3}], threading.Event())
+    ending = log.ending(rid)
+    with log.changed:
+        events = list(log.events)
+    chunks = [e for e in events if isinstance(e, IngestProgress) and e.request_id == rid]
+    window = events[events.index(chunks[0]):events.index(ending)]
+    samples = [e for e in window if isinstance(e, StatsSample)]
+    # The worker alone sends one sample per 0.4 s chunk; the heartbeat thread the rest.
+    assert len(chunks) >= 4 and len(samples) >= 2 * len(chunks)
+    assert HEARTBEAT_THREAD in log.threads
+    stamps = [s.timestamp for s in samples]
+    assert stamps == sorted(stamps)
 
 
 def test_ingest_then_chat(start_worker, model_dirs) -> None:
