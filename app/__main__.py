@@ -6,13 +6,11 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
-RESOURCES = Path(__file__).resolve().parent / "resources"
+from app.style import apply_style
 
 log = logging.getLogger("longleaf")
 
@@ -25,12 +23,7 @@ def create_app(argv: list[str]) -> QApplication:
     app.setApplicationDisplayName("Longleaf")
     if sys.platform != "darwin":
         app.setStyle("Fusion")  # follows the system palette, looks the same everywhere
-    icon = RESOURCES / "longleaf.png"
-    if icon.exists():
-        app.setWindowIcon(QIcon(str(icon)))
-    qss = RESOURCES / "longleaf.qss"
-    if qss.exists():
-        app.setStyleSheet(qss.read_text(encoding="utf-8"))
+    apply_style(app)
     return app
 
 

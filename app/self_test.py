@@ -1,9 +1,10 @@
 """``longleaf --self-test``: prove an install or a bundle carries everything.
 
-Starts Qt (on whatever platform plugin is configured, e.g. offscreen), loads the
-demo model through the same ``EngineWorker`` the app uses, and generates a few
-tokens in every KV mode. Exit code 0 means the GUI toolkit, MLX (with its data
-files), mlx-lm, the tokenizer stack and the demo weights all work from here.
+Starts Qt (on whatever platform plugin is configured, e.g. offscreen), checks the
+icon and stylesheet are in place, loads the demo model through the same
+``EngineWorker`` the app uses, and generates a few tokens in every KV mode. Exit
+code 0 means the GUI toolkit, MLX (with its data files), mlx-lm, the tokenizer
+stack, the demo weights and the app's resources all work from here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from app import style
 from engine.events import Failed, Finished, TokenChunk
 from engine.fit import MODES
 from engine.sampling import SamplingParams
@@ -84,6 +86,11 @@ def run_self_test(
     except Exception as error:  # any failure here means a broken install
         out.write(f"self-test: FAILED starting Qt: {error}\n")
         return 1
+    missing = style.missing_resources()
+    if missing:
+        out.write(f"self-test: FAILED: {', '.join(missing)} not in {style.resources_dir()}\n")
+        return 1
+    out.write("self-test: icon and stylesheet found\n")
     waiter = _Waiter()
     worker = EngineWorker(waiter)
     worker.start()

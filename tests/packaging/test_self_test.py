@@ -23,7 +23,7 @@ def test_generates_in_every_kv_mode(tiny_llama: Path) -> None:
     assert run_self_test(str(tiny_llama), max_tokens=3, out=out) == 0
 
     lines = out.getvalue().splitlines()
-    assert lines[0] == "self-test: Qt platform offscreen"
+    assert lines[:2] == ["self-test: Qt platform offscreen", "self-test: icon and stylesheet found"]
     for mode in MODES:
         [line] = [line for line in lines if line.startswith(f"self-test: {mode}: ")]
         tokens = int(line.split(": ")[2].split()[0])
@@ -43,3 +43,12 @@ def test_reports_a_model_that_cannot_load(tmp_path: Path) -> None:
 def test_command_line_flags(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--self-test", "--model", str(tiny_llama), "--max-tokens", "2"]) == 0
     assert "self-test: q6: " in capsys.readouterr().out
+
+
+def test_reports_missing_resources(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("app.style.resources_dir", lambda: tmp_path)
+    out = io.StringIO()
+
+    assert run_self_test(str(tiny_llama), out=out) == 1
+
+    assert f"FAILED: longleaf.png, longleaf.qss not in {tmp_path}" in out.getvalue()
