@@ -15,6 +15,7 @@ from app.answer_events import EngineEventHandlers
 from app.answer_recorder import AnswerRecorder
 from app.chat_model import ChatMessage, ChatModel
 from app.engine_bridge import EngineBridge
+from app.format import title_from
 from app.session_actions import NEW_TITLE, SessionActions
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
@@ -214,7 +215,7 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         self.model.append(ChatMessage("user", text, "complete", message_id,
                                       attachments=attachments))
         if self.current.title == NEW_TITLE:
-            title = (text.strip() or attachments[0].name).splitlines()[0][:60]
+            title = title_from(text.strip() or attachments[0].name)
             self.rename_session(self.current.id, title)
         self._start_answer()
         return True

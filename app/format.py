@@ -53,3 +53,17 @@ def compact_count(n: int) -> str:
             digits = 2 if value < 10 else 1 if value < 100 else 0
             return f"{value:.{digits}f} {unit}"
     return f"{n:,}"
+
+
+def title_from(text: str, limit: int = 60) -> str:
+    """A chat title from its first message: the first line, cut at a word with "…"."""
+    stripped = text.strip()
+    line = stripped.splitlines()[0].strip() if stripped else ""
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    space = cut.rfind(" ")
+    # A cut inside the last word reads as a typo; drop back to the word before it.
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:.-") + "…"

@@ -7,6 +7,8 @@ over the model's facts and never touches MLX.
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QBrush, QColor, QFont
 from PySide6.QtWidgets import (
@@ -134,8 +136,8 @@ class MemoryPanel(QScrollArea):
         colour = mode_colour(mode).name()
         self.session_label.setText(
             f"<span style='background:{colour};color:white;border-radius:4px'>&nbsp;{mode}&nbsp;"
-            f"</span>&nbsp; {title or ''}<br><span style='opacity:.7'>KV cache: {cache_state}"
-            "</span>")
+            f"</span>&nbsp; {html.escape(title or '')}<br>"
+            f"<span style='opacity:.7'>KV cache: {cache_state}</span>")
 
     def update_sample(self, sample: StatsSample, total_kv_bytes: int) -> None:
         """Show one stats snapshot."""
