@@ -84,7 +84,6 @@ class Session:
         self.mode = kvquant.normalize_mode(mode)
         self.page_size = page_size
         self.guard = guard if guard is not None else MemoryGuard(budget_bytes=budget_bytes)
-        self.budget_bytes = self.guard.budget_bytes
         self.chunk_size = chunk_size
         self.chunk_seconds = chunk_seconds
         # Paced prefill probes with a small chunk: a full one can take many
