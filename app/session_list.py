@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPalette
 from PySide6.QtWidgets import (
@@ -34,6 +36,7 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
     """Ask before deleting a chat; Cancel is the default."""
     box = QMessageBox(QMessageBox.Icon.Warning, "Delete chat",
                       f"Delete “{title}” and all its messages?", parent=parent)
+    box.setTextFormat(Qt.TextFormat.PlainText)  # a title is the user's text, never markup
     box.setInformativeText("This can't be undone.")
     delete = box.addButton("Delete", QMessageBox.ButtonRole.DestructiveRole)
     box.setDefaultButton(box.addButton(QMessageBox.StandardButton.Cancel))
@@ -135,7 +138,9 @@ class SessionList(QWidget):
         for record in sessions:
             item = QListWidgetItem(record.title)
             item.setData(RecordRole, record)
-            item.setToolTip(f"{record.title}\nKV mode {record.kv_mode} · model {record.model_id}")
+            # Tooltips guess rich text from the content: make it rich, the title escaped.
+            item.setToolTip(f"<p style='white-space:pre'>{html.escape(record.title)}<br>"
+                            f"KV mode {record.kv_mode} · model {html.escape(record.model_id)}</p>")
             self.list.addItem(item)
             if record.id == current:
                 self.list.setCurrentItem(item)

@@ -253,7 +253,7 @@ def guarded_fit_report(
     own pages are not counted against it.
     """
     reading = guard.read()
-    shared = guard.budget_bytes is not None
+    share = guard.kv_share(session_id)  # one read of a budget the worker may change
     return fit_report(
         token_count=token_count,
         attention_layers=facts.attention_layers,
@@ -262,9 +262,9 @@ def guarded_fit_report(
         max_context=facts.max_context,
         page_size=page_size,
         available_bytes=reading.available_bytes,
-        budget_bytes=guard.kv_share(session_id),
+        budget_bytes=share,
         headroom_bytes=guard.headroom(reading),
         session_mode=session_mode,
         session_bytes_allocated=session_bytes_allocated,
-        other_sessions_bytes=guard.held_bytes(exclude=session_id) if shared else 0,
+        other_sessions_bytes=guard.held_bytes(exclude=session_id) if share is not None else 0,
     )

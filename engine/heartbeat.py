@@ -2,10 +2,10 @@
 
 A prefill chunk or a decode step at a long context can take seconds on a slow
 machine, and the worker thread cannot take a snapshot in the middle of one. While
-a request runs, this thread repeats the worker's last snapshot whenever it is older
-than the interval, with fresh process and system memory from psutil. The KV pages
-and MLX counters stay as the worker last read them: MLX is only ever called on the
-worker thread, and the pages cannot change until the step ends anyway.
+a request runs, a heartbeat thread repeats the worker's last snapshot once it is
+late, with fresh process and system memory from psutil. The KV pages and MLX
+counters stay as the worker last read them: MLX is only ever called on the worker
+thread, and the pages cannot change until the step ends anyway.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from engine.stats import system_readings
 
 log = logging.getLogger(__name__)
 THREAD_NAME = "longleaf-stats"
+# The heartbeat fills in only when the worker is late, so the two rarely both send.
+LATE_FACTOR = 1.5
+JOIN_TIMEOUT_S = 5.0
 
 
 def with_fresh_system_memory(sample: StatsSample) -> StatsSample:
@@ -29,52 +32,69 @@ def with_fresh_system_memory(sample: StatsSample) -> StatsSample:
     return dataclasses.replace(sample, **system_readings(), timestamp=time.time())
 
 
-class LatestSample:
-    """The newest snapshot, shared by the worker thread, the heartbeat and readers."""
+class StatsChannel:
+    """Where snapshots are stamped, kept and sent, from either thread, in time order.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    Taking, storing and sending a snapshot happen under one lock, so listeners see
+    timestamps only ever increase and the newest snapshot is the one kept.
+
+    Args:
+        emit: sends an event; called with the lock held, so it must not wait on
+            the engine (a queued Qt signal or a list append is fine).
+    """
+
+    def __init__(self, emit: Callable[[object], None]) -> None:
+        self.emit = emit
+        self._publish_lock = threading.Lock()
         self._sample: StatsSample | None = None
 
-    def get(self) -> StatsSample | None:
+    def latest(self) -> StatsSample | None:
         """The newest snapshot, or None before the first."""
-        with self._lock:
-            return self._sample
+        return self._sample
 
-    def set(self, sample: StatsSample) -> None:
-        """Make ``sample`` the newest."""
-        with self._lock:
+    def publish(self, take: Callable[[], StatsSample]) -> StatsSample:
+        """Take a snapshot with ``take()``, keep it and send it."""
+        with self._publish_lock:
+            sample = take()
             self._sample = sample
+            self.emit(sample)
+            return sample
 
-    def replace(self, based_on: StatsSample, refreshed: StatsSample) -> bool:
-        """Swap in ``refreshed`` only if ``based_on`` is still the newest."""
-        with self._lock:
-            if self._sample is not based_on:
-                return False
-            self._sample = refreshed
-            return True
+    def repeat_if_late(self, late_after: float) -> float:
+        """Resend the newest snapshot refreshed if it is ``late_after`` seconds old.
+
+        Returns:
+            Seconds until the newest snapshot will be late (0 after a resend).
+        """
+        with self._publish_lock:
+            sample = self._sample
+            if sample is None:
+                return late_after
+            wait = sample.timestamp + late_after - time.time()
+            if wait > 0:
+                return wait
+            self._sample = with_fresh_system_memory(sample)
+            self.emit(self._sample)
+            return 0.0
 
 
 class StatsHeartbeat:
-    """A context manager whose thread re-sends a stale snapshot every ``interval`` seconds.
+    """A context manager whose thread resends the channel's snapshot when it is late.
 
     Args:
-        latest: the worker's newest snapshot; a refreshed copy replaces it.
-        emit: sends an event (called on the heartbeat thread).
-        interval: seconds; a snapshot older than this is repeated.
+        channel: the worker's stats channel.
+        interval: the worker's seconds between snapshots; a snapshot older than
+            ``LATE_FACTOR`` intervals is resent.
     """
 
-    def __init__(
-        self, latest: LatestSample, emit: Callable[[object], None], interval: float
-    ) -> None:
-        self.latest = latest
-        self.emit = emit
-        self.interval = interval
+    def __init__(self, channel: StatsChannel, interval: float) -> None:
+        self.channel = channel
+        self.late_after = LATE_FACTOR * interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     def __enter__(self) -> StatsHeartbeat:
-        if self.interval > 0:
+        if self.late_after > 0:
             self._thread.start()
         return self
 
@@ -86,18 +106,15 @@ class StatsHeartbeat:
     ) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(JOIN_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning("stats heartbeat did not stop within %.0f s", JOIN_TIMEOUT_S)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            sample = self.latest.get()
-            if sample is None or time.time() - sample.timestamp < self.interval:
-                continue
+        wait = self.late_after
+        while not self._stop.wait(max(wait, 0.01)):
             try:
-                refreshed = with_fresh_system_memory(sample)
+                wait = self.channel.repeat_if_late(self.late_after) or self.late_after
             except Exception:
                 log.exception("stats heartbeat failed; the request carries on without it")
                 return
-            # A newer snapshot from the worker wins over this refreshed old one.
-            if self.latest.replace(sample, refreshed):
-                self.emit(refreshed)

@@ -184,9 +184,10 @@ class MemoryGuard:
 
     def kv_share(self, key: str | None = None) -> int | None:
         """Bytes of the KV budget left for ``key``: the budget minus other sessions' pages."""
-        if self.budget_bytes is None:
+        budget = self.budget_bytes  # read once: the worker may change it meanwhile
+        if budget is None:
             return None
-        return max(0, self.budget_bytes - self.held_bytes(exclude=key))
+        return max(0, budget - self.held_bytes(exclude=key))
 
     def refresh(self, key: str, reading: MemoryReading | None = None) -> int | None:
         """Set ``key``'s pool limit to what it may hold now; returns that limit.

@@ -210,7 +210,10 @@ class Session:
             chunk = ids[done : done + size]
             began = self.clock()
             self._forward(chunk)
-            size = self._paced_chunk = self._next_chunk(len(chunk), self.clock() - began)
+            full = len(chunk) == size
+            size = self._next_chunk(len(chunk), self.clock() - began)
+            if full:  # a short last chunk is mostly per-call overhead: a poor guide
+                self._paced_chunk = size
             done += len(chunk)
             self.tokens_ingested += len(chunk)
             mx.clear_cache()
@@ -224,7 +227,8 @@ class Session:
     def set_chunk_size(self, chunk_size: int) -> None:
         """Use ``chunk_size`` as the largest prefill chunk from the next one on."""
         self.chunk_size = chunk_size
-        self._paced_chunk = min(self._paced_chunk, chunk_size)
+        paced = self.chunk_seconds is not None
+        self._paced_chunk = min(self._paced_chunk, chunk_size) if paced else chunk_size
 
     def _next_chunk(self, last: int, seconds: float) -> int:
         if self.chunk_seconds is None or seconds <= 0:

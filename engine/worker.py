@@ -24,7 +24,7 @@ from engine import fit, kvquant
 from engine.errors import Cancelled, EngineError
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
 from engine.fit import facts_from_info
-from engine.heartbeat import LatestSample, StatsHeartbeat
+from engine.heartbeat import StatsChannel, StatsHeartbeat
 from engine.memory_guard import MemoryGuard
 from engine.prompt_ids import clean_text
 from engine.sampling import SamplingParams
@@ -90,7 +90,7 @@ class EngineWorker:
         self._loaded: Any = None
         self._loaded_bytes = 0  # estimated weight bytes of the loaded model
         self._sessions: dict[str, Session] = {}
-        self._latest = LatestSample()
+        self._stats = StatsChannel(self._emit)
         self._current: _Command | None = None
         self._stopping = threading.Event()
         self._throttle = StatsThrottle(stats_interval)
@@ -157,7 +157,7 @@ class EngineWorker:
 
     def latest_stats(self) -> StatsSample | None:
         """The last snapshot taken; never calls MLX."""
-        return self._latest.get()
+        return self._stats.latest()
 
     def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
         """Whether ``token_count`` tokens fit, per mode; pure arithmetic.
@@ -280,12 +280,11 @@ class EngineWorker:
 
     def _publish(self, session: Session | None) -> None:
         cache_stats = session.stats() if session is not None and session.cache else None
-        sample = stats_sample(session.session_id if session else None, cache_stats)
-        self._latest.set(sample)
-        self._emit(sample)
+        session_id = session.session_id if session else None
+        self._stats.publish(lambda: stats_sample(session_id, cache_stats))
 
     def _heartbeat(self) -> StatsHeartbeat:
-        return StatsHeartbeat(self._latest, self._emit, self._throttle.interval)
+        return StatsHeartbeat(self._stats, self._throttle.interval)
 
     def _release_model(self) -> None:
         with self._lock:

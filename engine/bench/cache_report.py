@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.bench.report import MIB, fmt_bytes, fmt_ratio, fmt_tokens, machine_lines, ratio, table
+from engine.bench.report import (
+    MIB,
+    GoalTally,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_tokens,
+    machine_lines,
+    ratio,
+    table,
+)
 
 DECODE_GOAL_QUANT = 1.0
 DECODE_GOAL_FP16 = 1.2
@@ -34,38 +43,6 @@ def _quant_modes(rows: list[dict[str, Any]]) -> list[str]:
 
 def _paged_modes(rows: list[dict[str, Any]]) -> list[str]:
     return [m for m in ("fp16", "q8", "q6", "q4") if _one(rows, kind="paged", mode=m)]
-
-
-class GoalTally:
-    """Collects pass/fail per goal over every measured cell."""
-
-    def __init__(self) -> None:
-        self.cells: dict[str, list[tuple[str, float | None, bool | None]]] = {}
-
-    def check(self, goal: str, where: str, value: float | None, limit: float) -> None:
-        met = None if value is None else value <= limit
-        self.cells.setdefault(goal, []).append((where, value, met))
-
-    def lines(self) -> list[str]:
-        rows = []
-        for goal, cells in self.cells.items():
-            measured = [c for c in cells if c[2] is not None]
-            failed = [c for c in measured if not c[2]]
-            worst = max((c[1] for c in measured), default=None)
-            verdict = "met" if measured and not failed else "NOT met" if failed else "not measured"
-            missed = ", ".join(f"{w} ({v:.2f})" for w, v, _ in failed[:12])
-            if len(failed) > 12:
-                missed += f", … {len(failed) - 12} more"
-            rows.append(
-                (
-                    goal,
-                    f"**{verdict}**",
-                    f"{len(measured) - len(failed)}/{len(measured)}",
-                    "n/a" if worst is None else f"{worst:.2f}",
-                    missed or "—",
-                )
-            )
-        return table(("goal", "verdict", "cells met", "worst", "cells that miss"), rows)
 
 
 def _decode_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:

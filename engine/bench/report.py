@@ -181,3 +181,35 @@ def write_section(path: Path, name: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+class GoalTally:
+    """Collects pass/fail per goal over every measured cell."""
+
+    def __init__(self) -> None:
+        self.cells: dict[str, list[tuple[str, float | None, bool | None]]] = {}
+
+    def check(self, goal: str, where: str, value: float | None, limit: float) -> None:
+        met = None if value is None else value <= limit
+        self.cells.setdefault(goal, []).append((where, value, met))
+
+    def lines(self) -> list[str]:
+        rows = []
+        for goal, cells in self.cells.items():
+            measured = [c for c in cells if c[2] is not None]
+            failed = [c for c in measured if not c[2]]
+            worst = max((c[1] for c in measured), default=None)
+            verdict = "met" if measured and not failed else "NOT met" if failed else "not measured"
+            missed = ", ".join(f"{w} ({v:.2f})" for w, v, _ in failed[:12])
+            if len(failed) > 12:
+                missed += f", … {len(failed) - 12} more"
+            rows.append(
+                (
+                    goal,
+                    f"**{verdict}**",
+                    f"{len(measured) - len(failed)}/{len(measured)}",
+                    "n/a" if worst is None else f"{worst:.2f}",
+                    missed or "—",
+                )
+            )
+        return table(("goal", "verdict", "cells met", "worst", "cells that miss"), rows)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import html
+
 import pytest
+from PySide6.QtCore import Qt
 
 from app.format import title_from
 
@@ -30,3 +33,24 @@ def test_panel_shows_a_title_as_text(qtbot) -> None:
     qtbot.addWidget(panel)
     panel.set_session("<b>a < b</b>", "q6", "kept in memory")
     assert "&lt;b&gt;a &lt; b&lt;/b&gt;" in panel.session_label.text()
+
+
+def test_session_list_and_delete_prompt_show_a_title_as_text(qtbot, monkeypatch) -> None:
+    import time
+
+    from PySide6.QtWidgets import QMessageBox
+
+    from app import session_list
+    from app.store import SessionRecord
+
+    title = "<b>a < b</b>"
+    widget = session_list.SessionList()
+    qtbot.addWidget(widget)
+    now = time.time()
+    widget.set_sessions([SessionRecord("s1", title, "q6", "demo", 12, now, now)], "s1")
+    tip = widget.list.item(0).toolTip()
+    assert html.escape(title) in tip and "<b>a" not in tip
+    shown: list[QMessageBox] = []
+    monkeypatch.setattr(QMessageBox, "exec", lambda box: shown.append(box) or 0)
+    session_list.confirm_delete(widget, title)
+    assert shown[0].textFormat() == Qt.TextFormat.PlainText and title in shown[0].text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from app import style
@@ -21,6 +22,7 @@ def test_apply_style_sets_icon_and_stylesheet(qapp: QApplication) -> None:
     before = qapp.styleSheet()
     try:
         qapp.setStyleSheet("")
+        qapp.setWindowIcon(QIcon())
         style.apply_style(qapp)
         assert qapp.styleSheet() == (REPO / "resources" / style.STYLESHEET).read_text()
         assert not qapp.windowIcon().isNull()

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.bench import cache_report, report
+from engine.bench import report
 from engine.bench.__main__ import parse_tokens
 from engine.kvquant import project_kv_bytes
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -301,7 +301,7 @@ def test_write_section_replaces_in_place(tmp_path: Path) -> None:
 
 
 def test_goal_tally_verdicts() -> None:
-    tally = cache_report.GoalTally()
+    tally = report.GoalTally()
     tally.check("a", "x", 0.9, 1.0)
     tally.check("a", "y", 1.0, 1.0)
     tally.check("b", "x", 0.5, 1.0)

@@ -152,7 +152,9 @@ def test_mlx_lm_generate_answers_paris(demo_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_q8_greedy_follows_fp16_for_most_of_64_tokens(demo_dir: Path) -> None:
+def test_q8_greedy_follows_fp16_for_most_of_64_tokens_after_256_prompt_tokens(
+    demo_dir: Path,
+) -> None:
     from functools import partial
 
     from engine.bench.generate_bench import prompt_messages, run_engine

@@ -347,6 +347,18 @@ def test_paced_chunks_grow_when_fast_and_the_next_turn_starts_where_they_settled
     assert slow[:3] == [200, 100, 64]
 
 
+def test_a_new_chunk_size_applies_to_fixed_and_paced_sessions(models) -> None:
+    fixed = Session("f", models["llama"], "fp16", chunk_size=16)
+    fixed.set_chunk_size(48)
+    assert _chunk_sizes(fixed, _user(QUESTION * 4), step=1.0)[:2] == [48, 48]
+    paced = Session("p", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
+    assert _chunk_sizes(paced, _user(QUESTION * 16), step=0.01)[:2] == [64, 200]
+    paced.set_chunk_size(100)  # smaller than what it settled on: takes effect at once
+    follow_up = [*_user(QUESTION * 16), {"role": "assistant", "content": "Paris."},
+                 *_user(QUESTION * 16)]
+    assert _chunk_sizes(paced, follow_up, step=0.01)[:2] == [100, 100]
+
+
 def test_slow_chunks_shrink_so_progress_keeps_flowing(models) -> None:
     session = Session("s", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
     ticks = iter(range(10_000))
