@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[object], None]
 DEFAULT_CHUNK = 512
+DEFAULT_PAGE_SIZE = 256
 MIN_CHUNK = 64  # below this, prefill spends more on per-call overhead than on tokens
 
 
@@ -68,7 +69,7 @@ class Session:
         session_id: str,
         loaded: Any,
         mode: str,
-        page_size: int = 256,
+        page_size: int = DEFAULT_PAGE_SIZE,
         *,
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,

@@ -28,7 +28,7 @@ from engine.heartbeat import StatsChannel, StatsHeartbeat
 from engine.memory_guard import MemoryGuard
 from engine.prompt_ids import clean_text
 from engine.sampling import SamplingParams
-from engine.session import DEFAULT_CHUNK, Session
+from engine.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, Session
 from engine.stats import StatsThrottle, stats_sample
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,9 @@ class EngineWorker:
         """
         return self._submit("load_model", (path,))
 
-    def open_session(self, session_id: str, mode: str, page_size: int = 256) -> int:
+    def open_session(
+        self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE
+    ) -> int:
         """Open (or replace) a session with a fixed KV mode.
 
         -> ``SessionOpened`` then ``Finished("done")``, or ``Failed``.
@@ -175,7 +177,8 @@ class EngineWorker:
         if session is not None:
             return session.fit_report(token_count)
         # A chat not opened yet: the model's facts and the default page size.
-        return fit.guarded_fit_report(self.guard, facts_from_info(loaded.info), token_count, 256)
+        facts = facts_from_info(loaded.info)
+        return fit.guarded_fit_report(self.guard, facts, token_count, DEFAULT_PAGE_SIZE)
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` encodes to with the loaded model's tokenizer.

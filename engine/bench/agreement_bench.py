@@ -9,6 +9,7 @@ whether the answer changes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -49,7 +50,7 @@ def run_agreement_bench(
         run["text"] = loaded.tokenizer.decode(run["tokens"])
         rows.append({"mode": mode, "engine": run})
     return {
-        "config": {name: getattr(config, name) for name in config.__dataclass_fields__},
+        "config": dataclasses.asdict(config),
         "model": loaded.info.name,
         "rows": rows,
     }

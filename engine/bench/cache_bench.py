@@ -12,6 +12,7 @@ shared machine hits every contender alike and the ratios stay meaningful.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -365,14 +366,10 @@ def run_cache_bench(
     reference = reference_bytes(config)
     workaround = [d for d in config.head_dims if mlx_needs_presized_buffers(d, 6)]
     return {
-        "config": _config_dict(config),
+        "config": dataclasses.asdict(config),
         "decode": decode,
         "prefill": prefill,
         "quantize": quantize,
         "reference_bytes": reference,
         "mlx_6bit_workaround_head_dims": workaround if "q6" in config.modes else [],
     }
-
-
-def _config_dict(config: CacheBenchConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}

@@ -15,6 +15,7 @@ not stop a benchmark run, so every run decodes the same number of steps).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -168,7 +169,7 @@ def run_generate_bench(
     info = loaded.info
     rows: list[dict[str, Any]] = []
     results = {
-        "config": {name: getattr(config, name) for name in config.__dataclass_fields__},
+        "config": dataclasses.asdict(config),
         "model": {
             "name": info.name,
             "architecture": info.architecture,
