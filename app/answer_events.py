@@ -6,7 +6,7 @@ stopped, failed), failures are shown, and stats samples feed the memory panel.
 
 from __future__ import annotations
 
-from engine.events import Failed, Finished, StatsSample, TokenChunk
+from engine import Failed, Finished, StatsSample, TokenChunk
 
 TOO_LONG_TURN = ("Too long for the model's context; kept here but not sent with later "
                  "messages. Edit it to a shorter one, or reopen the chat in a smaller KV mode.")

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal, Slot
 
 from app.store import AttachmentRecord
-from engine.documents import read_document
-from engine.errors import EngineError
+from engine import EngineError, read_document
 
 CHARS_PER_TOKEN_BOUND = 8  # no tokenizer packs more characters into one token
 

@@ -19,15 +19,14 @@ from app.format import title_from
 from app.session_actions import NEW_TITLE, SessionActions
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
-from engine.errors import EngineError
-from engine.events import ModelLoaded
+from engine import EngineError, ModelLoaded
 
 STATS_POLL_MS = 400
 CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
 
 
 def model_name(info: object, fallback: str = "") -> str:
-    """A short display name for an ``engine.model_info.ModelInfo``."""
+    """A short display name for an ``engine.models.info.ModelInfo``."""
     for attr in ("name", "model_id", "path"):
         value = getattr(info, attr, None)
         if value:

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes
 from app.settings import KV_MODES, Settings
-from engine.sampling import SamplingParams
+from engine import SamplingParams
 
 MODE_BLURB = {
     "fp16": "full precision — largest",

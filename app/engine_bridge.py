@@ -15,16 +15,16 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from engine.events import (
+from engine import (
     Failed,
     Finished,
     IngestProgress,
     ModelLoaded,
+    SamplingParams,
     SessionOpened,
     StatsSample,
     TokenChunk,
 )
-from engine.sampling import SamplingParams
 
 GIL_SWITCH_INTERVAL_S = 0.001
 ENGINE_THREAD = "longleaf-engine"  # the name the worker contract gives its thread
@@ -32,7 +32,7 @@ ENGINE_THREAD = "longleaf-engine"  # the name the worker contract gives its thre
 
 def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None,
                     chunk_size: int):
-    from engine.worker import EngineWorker
+    from engine import EngineWorker
 
     return EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size)
 

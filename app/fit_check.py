@@ -3,7 +3,7 @@
 Tokens after this turn (context + attachments + typed text + the answer's
 maximum) against the model's context, the page budget and free RAM, with the
 KV bytes each mode would need — from the worker's ``fit_check``, which is pure
-arithmetic over ``engine.kvquant.project_kv_bytes`` and never touches MLX.
+arithmetic over ``engine.cache.kvquant.project_kv_bytes`` and never touches MLX.
 """
 
 from __future__ import annotations

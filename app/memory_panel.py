@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 from app.format import compact_count, human_bytes
 from app.memory_charts import HistoryChart, PagePoolView
 from app.session_list import mode_colour
-from engine.events import StatsSample
+from engine import StatsSample
 
 PROJECTION_MODES = ("fp16", "q8", "q6", "q4")
 RAM_WARNING_PERCENT = 80.0

@@ -29,7 +29,7 @@ class _DiscoverJob(QRunnable):
 
     def run(self) -> None:
         try:
-            from engine.discovery import discover_models
+            from engine import discover_models
 
             self.relay.done.emit(discover_models(self.folders))
         except Exception as exc:  # a broken cache must not take the picker down

@@ -17,10 +17,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from app import style
-from engine.events import Failed, Finished, TokenChunk
-from engine.fit import MODES
-from engine.sampling import SamplingParams
-from engine.worker import EngineWorker
+from engine import MODES, EngineWorker, Failed, Finished, SamplingParams, TokenChunk
 
 PROMPT = "What is the capital of France?"
 STEP_TIMEOUT_S = 600.0

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from app.chat_model import ChatMessage
 from app.store import SessionRecord
-from engine.events import SessionOpened
+from engine import SessionOpened
 
 MAX_OPEN_SESSIONS = 3
 NEW_TITLE = "New chat"

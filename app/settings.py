@@ -10,8 +10,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QSettings
 
-from engine.paths import data_dir
-from engine.sampling import SamplingParams
+from engine import SamplingParams, data_dir
 
 KV_MODES = ("q8", "q6", "q4", "fp16")
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."

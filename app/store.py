@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.paths import data_dir
+from engine import data_dir
 
 STATUSES = ("complete", "streaming", "stopped", "failed", "interrupted")
 

@@ -1,5 +1,106 @@
 """Longleaf's MLX engine: paged, quantized KV cache, models, sessions.
 
 This package never imports Qt; the app talks to it through plain Python
-values (see ``engine.events``).
+values (see ``engine.events``). The names below are the small public API the
+app uses; each is imported on first use, so ``import engine`` stays cheap and
+does not load MLX until something needs it.
+
+- Models: ``discover_models``, ``inspect_model_dir`` (describe without loading).
+- The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
+  ingest, chat, cancel, stats), driven from any thread through events.
+- Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample``, ``Finished``,
+  ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``.
+- Errors: ``EngineError`` and its subclasses.
+- Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_PUBLIC = {
+    "EngineWorker": "engine.worker",
+    "discover_models": "engine.models.discovery",
+    "inspect_model_dir": "engine.models.info",
+    "read_document": "engine.documents",
+    "SamplingParams": "engine.sampling",
+    "MODES": "engine.fit",
+    "data_dir": "engine.paths",
+    **{name: "engine.events" for name in (
+        "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
+        "Finished", "Failed", "ModelLoaded", "SessionOpened")},
+    **{name: "engine.errors" for name in (
+        "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
+        "ModelLoadError", "DocumentError", "Cancelled", "InsufficientMemory",
+        "MemoryPressure")},
+}
+
+__all__ = [
+    "MODES",
+    "Cancelled",
+    "ContextTooLong",
+    "DocumentError",
+    "EngineError",
+    "EngineWorker",
+    "Failed",
+    "Finished",
+    "GenerationStats",
+    "IngestProgress",
+    "InsufficientMemory",
+    "KvBudgetExceeded",
+    "LayerPages",
+    "MemoryPressure",
+    "ModelLoadError",
+    "ModelLoaded",
+    "SamplingParams",
+    "SessionOpened",
+    "StatsSample",
+    "TokenChunk",
+    "UnsupportedModeError",
+    "data_dir",
+    "discover_models",
+    "inspect_model_dir",
+    "read_document",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from engine.documents import read_document
+    from engine.errors import (
+        Cancelled,
+        ContextTooLong,
+        DocumentError,
+        EngineError,
+        InsufficientMemory,
+        KvBudgetExceeded,
+        MemoryPressure,
+        ModelLoadError,
+        UnsupportedModeError,
+    )
+    from engine.events import (
+        Failed,
+        Finished,
+        GenerationStats,
+        IngestProgress,
+        LayerPages,
+        ModelLoaded,
+        SessionOpened,
+        StatsSample,
+        TokenChunk,
+    )
+    from engine.fit import MODES
+    from engine.models.discovery import discover_models
+    from engine.models.info import inspect_model_dir
+    from engine.paths import data_dir
+    from engine.sampling import SamplingParams
+    from engine.worker import EngineWorker

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
 from engine.fit import MODES, facts_from_info
@@ -122,8 +122,8 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
 
 def find_models() -> list[tuple[str, str]]:
     """Models Longleaf can open: (name, path), the embedded demo first."""
-    from engine.demo_model import DEMO_NAME, demo_gguf_path
-    from engine.discovery import discover_models
+    from engine.models.demo import DEMO_NAME, demo_gguf_path
+    from engine.models.discovery import discover_models
 
     found: list[tuple[str, str]] = []
     converted_demo = (models_dir() / DEMO_NAME).resolve()
@@ -176,8 +176,8 @@ def _facts(info: Any) -> dict[str, Any]:
 
 def info(args: argparse.Namespace, out: TextIO) -> int:
     """Print a model's facts and its KV size per mode at full context."""
-    from engine.model_info import inspect_model_dir
-    from engine.models import resolve_model_path
+    from engine.models.info import inspect_model_dir
+    from engine.models.loader import resolve_model_path
 
     info_object = inspect_model_dir(resolve_model_path(args.model))
     facts = _facts(info_object)

@@ -103,7 +103,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class ModelLoaded:
-    """A model finished loading; ``info`` is an ``engine.models.ModelInfo``."""
+    """A model finished loading; ``info`` is an ``engine.models.info.ModelInfo``."""
 
     request_id: int
     info: object

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine import kvquant
+from engine.cache import kvquant
+from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.memory_guard import MemoryGuard, default_headroom, human_bytes
-from engine.paged_cache import PagedKVCache
 
 MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
 
@@ -44,7 +44,7 @@ def first_fact(info: Any, names: Sequence[str]) -> Any:
 
 
 def facts_from_info(info: Any) -> ModelFacts:
-    """Read the sizing facts from an ``engine.models.ModelInfo``."""
+    """Read the sizing facts from an ``engine.models.info.ModelInfo``."""
     return ModelFacts(
         attention_layers=int(first_fact(info, ("attention_layers", "num_attention_layers"))),
         kv_heads=int(first_fact(info, ("kv_heads", "num_kv_heads"))),

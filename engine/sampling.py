@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from engine import adapter
+from engine.cache import adapter
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.events import TokenChunk
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import adapter, fit, kvquant
+from engine import fit
+from engine.cache import adapter, kvquant
+from engine.cache.paged_cache import PagedKVCache
 from engine.errors import (
     Cancelled,
     ContextTooLong,
@@ -26,7 +28,6 @@ from engine.errors import (
 )
 from engine.events import GenerationStats, IngestProgress
 from engine.memory_guard import MemoryGuard, PressureWatch
-from engine.paged_cache import PagedKVCache
 from engine.prompt_ids import (
     common_prefix,
     end_of_turn_ids,
@@ -48,7 +49,7 @@ class Session:
 
     Args:
         session_id: the app's name for the conversation.
-        loaded: an ``engine.models.LoadedModel`` (model, tokenizer, info).
+        loaded: an ``engine.models.loader.LoadedModel`` (model, tokenizer, info).
         mode: KV mode name or alias; fixed for the session's life.
         page_size: tokens per page.
         budget_bytes: byte budget of the session's page pool, or None; ignored

@@ -1,7 +1,7 @@
 """Cheap snapshots of KV pages, MLX memory and system memory.
 
 Nothing here evaluates an MLX graph: the MLX counters are allocator reads and
-the page numbers come from ``engine.adapter.cache_stats``, so a snapshot is safe
+the page numbers come from ``engine.cache.adapter.cache_stats``, so a snapshot is safe
 to take several times a second while a model is generating.
 """
 
@@ -115,7 +115,7 @@ def stats_sample(
 
     Args:
         session_id: the session the pages belong to, or None when idle.
-        cache_stats: ``engine.adapter.CacheStats`` of that session, or None.
+        cache_stats: ``engine.cache.adapter.CacheStats`` of that session, or None.
         memory: a snapshot to use; taken now when None.
     """
     memory = memory or memory_snapshot()

@@ -20,7 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import fit, kvquant
+from engine import fit
+from engine.cache import kvquant
 from engine.errors import Cancelled, EngineError
 from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
 from engine.fit import facts_from_info
@@ -301,7 +302,7 @@ class EngineWorker:
 
     def _do_load_model(self, command: _Command) -> object:
         # Heavy: imports mlx-lm's loaders.
-        from engine.models import estimate_load_bytes, load_model, resolve_model_path
+        from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
 
         (path,) = command.args
         folder = resolve_model_path(path)

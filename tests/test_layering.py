@@ -43,3 +43,57 @@ def test_importing_engine_loads_no_qt_module() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def engine_imports(source: str, package: str) -> set[str]:
+    """Every ``engine.*`` module ``source`` imports, relative imports resolved.
+
+    ``package`` is the dotted package the source lives in (``engine.cache``).
+    """
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "engine")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = parts[: len(parts) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            if base.split(".")[0] != "engine":
+                continue
+            for alias in node.names:  # "from engine.cache import kvquant" names a module
+                is_package = (ENGINE.parent / base.replace(".", "/")).is_dir()
+                found.add(f"{base}.{alias.name}" if is_package else base)
+    return found
+
+
+def layer_offenders(folder: Path, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    offenders: dict[str, list[str]] = {}
+    for path in folder.rglob("*.py"):
+        package = ".".join(path.relative_to(ENGINE.parent).parts[:-1])
+        imported = engine_imports(path.read_text(encoding="utf-8"), package)
+        bad = sorted(m for m in imported if not m.startswith(allowed))
+        if bad:
+            offenders[str(path.relative_to(ENGINE.parent))] = bad
+    return offenders
+
+
+def test_cache_is_the_bottom_layer() -> None:
+    """engine/cache imports only itself and engine.errors: never the runtime or models."""
+    offenders = layer_offenders(ENGINE / "cache", ("engine.cache", "engine.errors"))
+    assert not offenders, f"engine/cache imports from above it: {offenders}"
+
+
+def test_models_never_import_the_runtime() -> None:
+    """engine/models may use the cache layer, errors and paths, not sessions or the worker."""
+    allowed = ("engine.cache", "engine.models", "engine.errors", "engine.paths")
+    offenders = layer_offenders(ENGINE / "models", allowed)
+    assert not offenders, f"engine/models imports the runtime: {offenders}"
+
+
+def test_import_scan_sees_absolute_and_relative_imports() -> None:
+    """The scan the layer rules rely on finds both spellings (so those rules can fail)."""
+    source = "from engine.session import Session\nfrom . import kvquant\nimport engine.worker\n"
+    found = engine_imports(source, "engine.cache")
+    assert found == {"engine.session", "engine.cache.kvquant", "engine.worker"}

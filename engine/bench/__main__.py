@@ -39,7 +39,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _modes(text: str) -> tuple[str, ...]:
-    from engine.kvquant import normalize_mode
+    from engine.cache.kvquant import normalize_mode
 
     return tuple(dict.fromkeys(normalize_mode(part) for part in text.split(",") if part.strip()))
 

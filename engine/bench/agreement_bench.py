@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.bench.generate_bench import agreement, prompt_messages, run_engine
 from engine.bench.report import machine_lines, table
-from engine.kvquant import MODES
+from engine.cache.kvquant import MODES
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def run_agreement_bench(
     config: AgreementBenchConfig, progress: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """One greedy answer per mode at ``config.prompt`` tokens; plain-value results."""
-    from engine.models import load_model
+    from engine.models.loader import load_model
 
     loaded = load_model(config.model)
     render = partial(loaded.tokenizer.apply_chat_template, add_generation_prompt=True)

@@ -32,7 +32,7 @@ from engine.bench.contenders import (
     mlx_needs_presized_buffers,
     mlx_quantized_cache,
 )
-from engine.kvquant import MODES, bits_for, quantize_rows
+from engine.cache.kvquant import MODES, bits_for, quantize_rows
 
 FILL_CHUNK = 4096
 

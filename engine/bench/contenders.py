@@ -14,10 +14,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from engine.attention import paged_attention
-from engine.kvquant import bits_for
-from engine.paged_cache import PagedKVCache
-from engine.pages import PagePool
+from engine.cache.attention import paged_attention
+from engine.cache.kvquant import bits_for
+from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PagePool
 
 GROUP_SIZE = 64
 

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.bench.report import fmt_ratio, fmt_tokens, machine_lines, ratio, table
-from engine.kvquant import MODES, bits_for
+from engine.cache.kvquant import MODES, bits_for
 
 # Public-domain sentences (Thoreau, Walden, 1854), repeated and varied by a counter
 # so the prompt is long and not one token pattern.
@@ -163,7 +163,7 @@ def run_generate_bench(
     ``partial_results`` gets the results so far after each prompt length, so a long
     run that is stopped still leaves its finished lengths behind.
     """
-    from engine.models import load_model
+    from engine.models.loader import load_model
 
     loaded = load_model(config.model)
     info = loaded.info

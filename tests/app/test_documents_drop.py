@@ -10,7 +10,7 @@ from PySide6.QtGui import QDragEnterEvent, QDropEvent, QFileOpenEvent
 from PySide6.QtWidgets import QApplication
 
 from app.format import human_bytes
-from engine.kvquant import project_kv_bytes
+from engine.cache.kvquant import project_kv_bytes
 
 TEXT = "Longleaf pines grow in the sandy coastal plain. Fire keeps the floor open.\n"
 

@@ -17,7 +17,7 @@ import pytest
 
 from engine.bench import report
 from engine.bench.__main__ import parse_tokens
-from engine.kvquant import project_kv_bytes
+from engine.cache.kvquant import project_kv_bytes
 from tests.engine.tinymodels import make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.cli import main
 from engine.paths import models_dir
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -147,7 +147,7 @@ def test_module_entry_point_exits_cleanly(model_root: Path) -> None:
 
 @pytest.mark.slow
 def test_demo_fp16_greedy_matches_mlx_lm() -> None:
-    from engine.models import load_model
+    from engine.models.loader import load_model
 
     try:
         loaded = load_model("demo")

@@ -45,7 +45,8 @@ def _demo_tokenizer_dir(root: Path) -> Path:
     """The demo model's tokenizer files alone (no weight conversion)."""
     import mlx.core as mx
 
-    from engine import demo_model, gguf_tokenizer
+    from engine.models import demo as demo_model
+    from engine.models import gguf_tokenizer
 
     _, metadata = mx.load(str(demo_model.demo_gguf_path()), return_metadata=True)
     (root / "tokenizer.json").write_text(json.dumps(gguf_tokenizer.tokenizer_json(metadata)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.errors import ContextTooLong
 from engine.fit import MODES, fit_report
 

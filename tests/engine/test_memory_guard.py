@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from mlx_lm.utils import load
 
-from engine import adapter
+from engine.cache import adapter
+from engine.cache.pages import PagePool
 from engine.errors import ContextTooLong, InsufficientMemory, KvBudgetExceeded, MemoryPressure
 from engine.events import (
     Failed,
@@ -33,8 +34,7 @@ from engine.memory_guard import (
     default_headroom,
     system_memory,
 )
-from engine.models import estimate_load_bytes
-from engine.pages import PagePool
+from engine.models.loader import estimate_load_bytes
 from engine.sampling import SamplingParams
 from engine.session import Session
 from engine.worker import EngineWorker

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
-from engine import adapter
+from engine.cache import adapter
 from engine.errors import Cancelled, ContextTooLong
 from engine.events import IngestProgress, TokenChunk
 from engine.prompt_ids import common_prefix

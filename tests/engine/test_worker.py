@@ -130,7 +130,7 @@ def test_chat_streams_events_in_order_on_the_engine_thread(start_worker, model_d
 
 
 def test_matches_a_direct_session(start_worker, model_dirs) -> None:
-    from engine.models import load_model
+    from engine.models.loader import load_model
 
     worker, log = _ready(start_worker, model_dirs["qwen3"], "fp16")
     rid = worker.chat("s", MESSAGES, GREEDY, threading.Event())

@@ -22,7 +22,8 @@ from pathlib import Path
 from huggingface_hub import hf_hub_url
 from huggingface_hub.utils import build_hf_headers
 
-from engine.download_plan import (
+from engine.errors import EngineError
+from engine.models.download_plan import (
     PARTIAL_DIR,
     hub_endpoint,
     manifest_fields,
@@ -30,8 +31,7 @@ from engine.download_plan import (
     start_manifest,
     write_manifest,
 )
-from engine.download_transfer import DownloadProgress, ProgressMeter, fetch_file, verify_file
-from engine.errors import EngineError
+from engine.models.download_transfer import DownloadProgress, ProgressMeter, fetch_file, verify_file
 
 # Never fill the disk to the last byte: the OS and swap need room too.
 DISK_HEADROOM_BYTES = 256 * 1024 * 1024

@@ -25,9 +25,9 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from engine import adapter, kvquant
+from engine.cache import adapter, kvquant
+from engine.cache.paged_cache import PagedKVCache
 from engine.errors import KvBudgetExceeded, ModelLoadError, UnsupportedModeError
-from engine.paged_cache import PagedKVCache
 from tests.engine.tinymodels import ARCHS, load_tiny
 
 CHUNKS = (40, 33, 17)
@@ -320,7 +320,7 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     """SmolLM2-135M (the app's demo model), dequantized to float32 for the CPU."""
     from mlx_lm.utils import dequantize_model, load
 
-    from engine.demo_model import ensure_demo_model
+    from engine.models.demo import ensure_demo_model
 
     patch = pytest.MonkeyPatch()
     patch.setenv("LONGLEAF_HOME", str(tmp_path_factory.mktemp("demo-home")))

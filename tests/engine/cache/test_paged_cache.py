@@ -6,10 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import kvquant
+from engine.cache import kvquant
+from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PageLayout, PagePool
 from engine.errors import EngineError, KvBudgetExceeded
-from engine.paged_cache import PagedKVCache
-from engine.pages import PageLayout, PagePool
 
 PAGE_SIZE = 16
 KV_HEADS, HEAD_DIM = 2, 64

@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention, kvquant
+from engine.cache import attention, kvquant
+from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PagePool
 from engine.errors import EngineError
-from engine.paged_cache import PagedKVCache
-from engine.pages import PagePool
 
 PAGE_SIZE = 16
 KV_HEADS = 2

@@ -1,4 +1,4 @@
-"""engine.models: loading through mlx-lm, the facts it reports, and broken folders."""
+"""engine.models.loader: loading through mlx-lm, the facts it reports, and broken folders."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.errors import ModelLoadError
-from engine.model_info import ModelInfo, inspect_model_dir
-from engine.models import load_model
+from engine.models.info import ModelInfo, inspect_model_dir
+from engine.models.loader import load_model
 from tests.engine.tinymodels import ARCHS, make_tiny_model_dir, tiny_config
 
 

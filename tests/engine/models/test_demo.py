@@ -12,10 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import demo_model, gguf_tokenizer
-from engine.demo_model import ensure_demo_model, unpermute_rows
 from engine.errors import ModelLoadError
-from engine.models import load_model
+from engine.models import demo as demo_model
+from engine.models import gguf_tokenizer
+from engine.models.demo import ensure_demo_model, unpermute_rows
+from engine.models.loader import load_model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # SmolLM2's own tokenization of the chat template around QUESTION (default

@@ -1,7 +1,7 @@
 """PagedKVCache: one attention layer's paged, quantized KV cache in mlx-lm's protocol.
 
 ``update_and_fetch`` quantizes the new rows into the layer's pages and returns the
-new chunk itself at full precision; :func:`engine.attention.paged_attention` (which
+new chunk itself at full precision; :func:`engine.cache.attention.paged_attention` (which
 the adapter routes every PagedKVCache to) attends that chunk plus the cached pages.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from engine import kvquant
+from engine.cache import kvquant
+from engine.cache.pages import PagePool, PageStore
 from engine.errors import EngineError
-from engine.pages import PagePool, PageStore
 
 
 class PagedKVCache(_BaseCache):

@@ -2,7 +2,7 @@
 
 Looks in the Hugging Face hub cache, LM Studio's model folders, Longleaf's own
 models folder and any folders the user added. Each candidate folder is read
-with ``engine.model_info.inspect_model_dir`` (config and safetensors headers only,
+with ``engine.models.info.inspect_model_dir`` (config and safetensors headers only,
 no weights loaded), so listing is fast and needs no MLX device.
 """
 
@@ -25,7 +25,7 @@ HUGGINGFACE = "huggingface"
 LMSTUDIO = "lmstudio"
 LONGLEAF = "longleaf"
 FOLDER = "folder"
-# Written by engine.download into every model folder it fills.
+# Written by engine.models.download into every model folder it fills.
 MANIFEST_NAME = ".longleaf-download.json"
 # How deep below a root to look for model folders (LM Studio: publisher/model).
 SEARCH_DEPTH = 3
@@ -42,7 +42,7 @@ class DiscoveredModel:
         path: the folder to hand to the loader.
         source: where it was found: "huggingface", "lmstudio", "longleaf", "folder".
         size_bytes: bytes its files take on disk.
-        info: ``engine.model_info.ModelInfo`` (architecture, params, bits, context,
+        info: ``engine.models.info.ModelInfo`` (architecture, params, bits, context,
             KV heads, head_dim, attention layers, KV projection per mode).
     """
 
@@ -162,7 +162,7 @@ def inspect_candidate(
     reason = unloadable_reason(path)
     if reason is not None:
         return SkippedModel(name, path, source, reason)
-    from engine.model_info import inspect_model_dir
+    from engine.models.info import inspect_model_dir
 
     try:
         info = inspect_model_dir(path)

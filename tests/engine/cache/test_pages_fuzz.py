@@ -22,11 +22,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine import adapter, kvquant
+from engine.cache import adapter, kvquant
+from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PageLayout, PagePool
 from engine.errors import KvBudgetExceeded
 from engine.memory_guard import GIB, MemoryGuard, MemoryReading
-from engine.paged_cache import PagedKVCache
-from engine.pages import PageLayout, PagePool
 
 KV_HEADS, HEAD_DIM = 1, 8
 SESSIONS = ("a", "b")

@@ -21,8 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import gguf_tokenizer
 from engine.errors import ModelLoadError
+from engine.models import gguf_tokenizer
 from engine.paths import models_dir
 
 DEMO_NAME = "SmolLM2-135M-Instruct"

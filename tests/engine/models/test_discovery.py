@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from engine import discovery
-from engine.discovery import (
+from engine.models import discovery
+from engine.models.discovery import (
     MANIFEST_NAME,
     DiscoveredModel,
     SkippedModel,
     discover_models,
     hf_hub_cache,
 )
-from engine.download_plan import destination_for
+from engine.models.download_plan import destination_for
 from engine.paths import models_dir
 from tests.engine.tinymodels import make_tiny_model_dir
 

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import kvquant, pages
+from engine.cache import kvquant, pages
+from engine.cache.pages import PageLayout, PagePool
 from engine.errors import KvBudgetExceeded, UnsupportedModeError
-from engine.pages import PageLayout, PagePool
 
 
 @pytest.mark.parametrize("mode", kvquant.MODES)

@@ -1,6 +1,6 @@
 """Downloads against a real HTTP server on 127.0.0.1 that speaks the Hub's layout.
 
-The server implements the two endpoints huggingface_hub 2.x and engine.download
+The server implements the two endpoints huggingface_hub 2.x and engine.models.download
 use: ``GET /api/models/{repo}/revision/{rev}?blobs=true`` (repo listing with
 sizes and hashes) and ``GET /{repo}/resolve/{rev}/{file}`` (bytes, with Range).
 Nothing in huggingface_hub is mocked; HF_ENDPOINT points at the server.
@@ -21,12 +21,12 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from engine import download_plan, download_transfer
-from engine.discovery import read_manifest
-from engine.download import InsufficientDiskSpace, download_model
-from engine.download_plan import destination_for, plan_download
-from engine.download_transfer import DownloadProgress
 from engine.errors import Cancelled, EngineError
+from engine.models import download_plan, download_transfer
+from engine.models.discovery import read_manifest
+from engine.models.download import InsufficientDiskSpace, download_model
+from engine.models.download_plan import destination_for, plan_download
+from engine.models.download_transfer import DownloadProgress
 
 PIECE = 16 * 1024
 
@@ -449,7 +449,7 @@ def test_new_commit_replaces_changed_files_and_drops_stale_ones(hub: FakeHub) ->
 def test_downloaded_model_is_discovered_by_its_repo_id(
     hub: FakeHub, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from engine.discovery import discover_models
+    from engine.models.discovery import discover_models
     from tests.engine.tinymodels import make_tiny_model_dir
 
     tiny = make_tiny_model_dir(tmp_path_factory.mktemp("served"), "llama")

@@ -14,9 +14,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.errors import EngineError, ModelLoadError
-from engine.model_folder import check_model_dir, has_chat_template
+from engine.models.folder import check_model_dir, has_chat_template
 
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 # Without any context key in the config, assume a conservative window.

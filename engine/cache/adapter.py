@@ -3,7 +3,7 @@
 mlx-lm models call ``cache.update_and_fetch`` and then ``scaled_dot_product_attention``
 looked up in their own module. :func:`make_cache` gives attention layers a
 :class:`PagedKVCache` and swaps that module-level name for a dispatcher that sends
-paged caches to :func:`engine.attention.paged_attention` and every other cache to
+paged caches to :func:`engine.cache.attention.paged_attention` and every other cache to
 mlx-lm's original function, unchanged.
 """
 
@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine import kvquant
-from engine.attention import paged_attention
+from engine.cache import kvquant
+from engine.cache.attention import paged_attention
+from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PagePool
 from engine.errors import ModelLoadError
-from engine.paged_cache import PagedKVCache
-from engine.pages import PagePool
 
 _SDPA = "scaled_dot_product_attention"
 _ORIGINAL = "_longleaf_original"

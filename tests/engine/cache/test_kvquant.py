@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.errors import UnsupportedModeError
 
 QUANT_BITS = (8, 6, 4)

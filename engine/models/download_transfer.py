@@ -20,8 +20,8 @@ import httpx2
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import get_session, hf_raise_for_status
 
-from engine.download_plan import DownloadPlan, RemoteFile, host_name, hub_error, matches_hash
 from engine.errors import Cancelled, EngineError
+from engine.models.download_plan import DownloadPlan, RemoteFile, host_name, hub_error, matches_hash
 
 # Seconds to wait before each retry when a request fails without any new bytes.
 RETRY_DELAYS = (1.0, 2.0, 4.0)

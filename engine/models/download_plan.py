@@ -29,8 +29,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import filter_repo_objects
 
-from engine.discovery import MANIFEST_NAME, layout_problem, read_manifest
 from engine.errors import EngineError
+from engine.models.discovery import MANIFEST_NAME, layout_problem, read_manifest
 from engine.paths import models_dir
 
 # Same files mlx_lm.utils fetches for a model (a test keeps them in sync).

@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.errors import EngineError
 
 # Up to this many new tokens (decode, short drafts) attend the packed pages directly;

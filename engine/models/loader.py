@@ -1,9 +1,9 @@
 """Load mlx-lm model folders through mlx-lm's own loader.
 
 Every architecture mlx-lm knows works unchanged. Before handing a folder to it,
-the folder is checked the cheap way (``engine.model_folder``) so a broken
+the folder is checked the cheap way (``engine.models.folder``) so a broken
 download gives a message a user can act on; the facts it reports are a
-``engine.model_info.ModelInfo``.
+``engine.models.info.ModelInfo``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import ModelLoadError
-from engine.model_folder import check_model_dir
-from engine.model_info import (
+from engine.models.folder import check_model_dir
+from engine.models.info import (
     CONFIG_ERRORS,
     ModelInfo,
     build_model_info,
@@ -44,7 +44,7 @@ class LoadedModel:
 def resolve_model_path(path: str | Path) -> Path:
     """Map ``"demo"`` to the converted demo model; expand anything else."""
     if str(path) == DEMO:
-        from engine.demo_model import ensure_demo_model
+        from engine.models.demo import ensure_demo_model
 
         return ensure_demo_model()
     return Path(path).expanduser()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine import kvquant
+from engine.cache import kvquant
 from engine.errors import KvBudgetExceeded, UnsupportedModeError
 
 # Slabs double a layer's capacity up to this many bytes, then grow linearly: few
@@ -172,7 +172,7 @@ class PagePool:
     """Hands out pages to one session's layers under a shared byte budget.
 
     Args:
-        mode: KV storage mode (any name :func:`engine.kvquant.normalize_mode` takes).
+        mode: KV storage mode (any name :func:`engine.cache.kvquant.normalize_mode` takes).
         page_size: tokens per page.
         budget_bytes: bytes all allocated pages may take together; None for no limit.
     """

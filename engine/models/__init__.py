@@ -1,0 +1,1 @@
+"""Finding, checking, describing, loading and downloading models."""
