@@ -42,6 +42,10 @@ class PagedKVCache(_BaseCache):
             self.store = pool.add_store(kv_heads, head_dim)
         self.block_table: list[int] = []
         self.offset = 0
+        # An orthonormal transform applied to every key and value row before it is
+        # quantized (``engine.cache.rotation``); attention then works in the rotated
+        # basis: queries rotated in, the output rotated back. None: rows as given.
+        self.rotation: Any = None
         self._groups: tuple[tuple[int, ...], list[Any]] | None = None
 
     # -- writing -------------------------------------------------------------
@@ -66,6 +70,8 @@ class PagedKVCache(_BaseCache):
             raise EngineError("The paged KV cache needs keys and values of the same width.")
         store = self._store_for(kv_heads, head_dim)
         self.pool.ensure(self.offset + length)
+        if self.rotation is not None:
+            keys, values = self.rotation.rotate(keys), self.rotation.rotate(values)
         bits = store.layout.bits
         k_codes, k_scales = kvquant.quantize_rows(keys[0], bits)
         v_codes, v_scales = kvquant.quantize_rows(values[0], bits)
