@@ -373,3 +373,53 @@ def test_as_mlx_affine_states_its_constraints(
     scales = mx.ones((2, 1), dtype=mx.float16)
     with pytest.raises(UnsupportedModeError, match=message):
         kvquant.as_mlx_affine(codes, scales, bits, head_dim, group_size)
+
+
+# --- bf16 models (issue 15) -------------------------------------------------
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_bf16_values_meet_exact_scales_and_biases(bits: int) -> None:
+    # A bf16 model's compute dtype used to round V's float16 scales to bf16's 8-bit
+    # mantissa: q8's worst error on values went from ~0.05 to ~0.09 in this case.
+    values = mx.random.normal((64, 128), key=mx.random.key(7)) * 3
+    codes, scales = kvquant.quantize_rows(values.astype(mx.bfloat16), bits)
+    words, group_scales, biases = kvquant.as_mlx_affine(
+        codes, scales, bits, 128, 32, dtype=mx.bfloat16
+    )
+    assert group_scales.dtype == biases.dtype == mx.float32
+    theirs = mx.dequantize(words, group_scales, biases, group_size=32, bits=bits)
+    ours = kvquant.dequantize_rows(codes, scales, bits, 128)
+    assert np.array_equal(_np(theirs), _np(ours))
+
+
+def test_bf16_probabilities_times_stored_values_match_float_matmul() -> None:
+    values = mx.random.normal((96, 64), key=mx.random.key(8)) * 3
+    probs = mx.softmax(mx.random.normal((5, 96), key=mx.random.key(9)), axis=-1)
+    codes, scales = kvquant.quantize_rows(values, 8)
+    words, group_scales, biases = kvquant.as_mlx_affine(codes, scales, 8, 64, 64, mx.bfloat16)
+    mixed = mx.quantized_matmul(
+        probs.astype(mx.bfloat16), words, group_scales, biases,
+        transpose=False, group_size=64, bits=8,
+    )
+    reference = probs.astype(mx.bfloat16).astype(mx.float32) @ kvquant.dequantize_rows(
+        codes, scales, 8, 64
+    )
+    assert np.allclose(_np(mixed), _np(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_mode_clips_values_beyond_float16_instead_of_inf() -> None:
+    # bf16 reaches 3.4e38; the fp16 page store holds at most 65504.
+    x = mx.array([[1.0, 7.0e4, -2.0e5, 3.0], [0.5, -0.5, 2.0, 6.0e4]], dtype=mx.bfloat16)
+    codes, _ = kvquant.quantize_rows(x, 16)
+    stored = _np(kvquant.dequantize_rows(codes, None, 16, 4))
+    assert np.all(np.isfinite(stored))
+    assert stored[0].tolist() == [1.0, 65504.0, -65504.0, 3.0]
+    assert np.array_equal(stored[1], _np(x[1]))
+    assert kvquant.count_clipped_rows(x).item() == 1
+
+
+def test_fp16_mode_keeps_float16_input_as_is() -> None:
+    x = mx.array([[1.0, -65504.0, 0.25, 2.0]], dtype=mx.float16)
+    codes, _ = kvquant.quantize_rows(x, 16)
+    assert codes.dtype == mx.float16 and np.array_equal(_np(codes), _np(x))
+    assert kvquant.count_clipped_rows(x).item() == 0
