@@ -1,4 +1,9 @@
-"""Where Longleaf keeps its data; one place so tests can redirect it."""
+"""Where Longleaf keeps its data; one place so tests can redirect it.
+
+What the user wrote lives here (the history, settings, KV snapshots holding the
+documents' text, logs), so every folder Longleaf makes is user-only (0700) and
+every file it creates is user-only (0600), whatever the process umask says.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,71 @@ from pathlib import Path
 import platformdirs
 
 APP_NAME = "Longleaf"
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and missing parents) and make it user-only (0700).
+
+    Parents that already exist keep their mode: they are the user's folders,
+    not Longleaf's.
+
+    Returns:
+        ``path``.
+    """
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != PRIVATE_DIR_MODE:
+        # mkdir's mode is filtered by the umask and ignored for a folder that exists.
+        path.chmod(PRIVATE_DIR_MODE)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create ``path`` empty if missing, and make it user-only (0600).
+
+    Call it before handing the path to a library that creates the file itself
+    (SQLite, QSettings): they keep an existing file's mode, and SQLite gives its
+    -wal and -shm files the database's mode.
+
+    Returns:
+        ``path``.
+    """
+    # O_CREAT with 0600 closes the window in which the file exists group-readable.
+    descriptor = os.open(path, os.O_CREAT | os.O_RDONLY, PRIVATE_FILE_MODE)
+    try:
+        if os.fstat(descriptor).st_mode & 0o777 != PRIVATE_FILE_MODE:
+            os.fchmod(descriptor, PRIVATE_FILE_MODE)
+    finally:
+        os.close(descriptor)
+    return path
 
 
 def data_dir() -> Path:
-    """Return the user data directory (history, converted models), creating it.
+    """Return the user data directory (history, converted models), creating it user-only.
 
     ``LONGLEAF_HOME`` overrides the platform location; tests always set it.
     """
     override = os.environ.get("LONGLEAF_HOME")
     path = Path(override) if override else Path(platformdirs.user_data_dir(APP_NAME, False))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(path)
+
+
+def data_subdir(name: str) -> Path:
+    """Return a user-only folder inside the data directory, creating it."""
+    return private_dir(data_dir() / name)
 
 
 def models_dir() -> Path:
     """Return the folder for models Longleaf converted or downloaded itself."""
-    path = data_dir() / "models"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return data_subdir("models")
+
+
+def snapshots_dir() -> Path:
+    """Return the folder for saved KV caches; they hold the documents' text."""
+    return data_subdir("snapshots")
+
+
+def logs_dir() -> Path:
+    """Return the folder for log files; they may quote what the user wrote."""
+    return data_subdir("logs")

@@ -1,0 +1,66 @@
+"""Everything Longleaf creates for the user's data is user-only (folders 0700, files 0600)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine import paths
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def loose_umask() -> Iterator[None]:
+    """A umask that would make new files world-readable, as many systems have."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_data_dir_and_its_subfolders_are_user_only(loose_umask: None) -> None:
+    folders = [paths.data_dir(), paths.models_dir(), paths.snapshots_dir(), paths.logs_dir()]
+
+    assert [_mode(folder) for folder in folders] == [0o700] * 4
+    assert [folder.parent for folder in folders[1:]] == [paths.data_dir()] * 3
+
+
+def test_private_dir_tightens_an_existing_open_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "shared"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+
+    assert paths.private_dir(folder) == folder
+    assert _mode(folder) == 0o700
+
+
+def test_private_dir_leaves_existing_parents_alone(tmp_path: Path, loose_umask: None) -> None:
+    tmp_path.chmod(0o755)
+    paths.private_dir(tmp_path / "a" / "b")
+
+    assert _mode(tmp_path) == 0o755
+    assert _mode(tmp_path / "a" / "b") == 0o700
+
+
+def test_private_file_is_created_user_only_and_keeps_its_content(
+    tmp_path: Path, loose_umask: None
+) -> None:
+    new = paths.private_file(tmp_path / "new.db")
+    old = tmp_path / "old.ini"
+    old.write_text("[general]\nkept=1\n")
+    old.chmod(0o644)
+
+    paths.private_file(old)
+
+    assert new.read_bytes() == b""
+    assert _mode(new) == 0o600
+    assert _mode(old) == 0o600
+    assert old.read_text() == "[general]\nkept=1\n"
