@@ -1,0 +1,131 @@
+"""Crash-safe files for KV snapshots: private folders, atomic replace, checksums.
+
+A snapshot named ``N`` is two files in one folder: ``N.json`` (the manifest) and
+``N.<nonce>.safetensors`` (the arrays) named by the manifest. The manifest is
+renamed into place last, so it is the one commit point: a crash before it leaves
+the previous snapshot (or none) in force plus an orphan data file, never a
+manifest naming data that was not completely written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+MANIFEST_SUFFIX = ".json"
+DATA_SUFFIX = ".safetensors"
+TEMP_MARK = ".partial-"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_HASH_BLOCK = 1 << 20
+
+# Called with a step name at each stage of a write; tests install one that stops
+# the process there (kill -9) to check what a crash at that step leaves behind.
+write_hook: Callable[[str], None] | None = None
+
+
+def checkpoint(step: str) -> None:
+    """Tell the test hook (if any) that a write reached ``step``."""
+    if write_hook is not None:
+        write_hook(step)
+
+
+def check_name(name: str) -> str:
+    """A snapshot name safe to use as a file name; raises ValueError otherwise."""
+    if not _NAME.fullmatch(name) or name.endswith(DATA_SUFFIX) or ".." in name:
+        raise ValueError(
+            f"Snapshot name {name!r} must be 1-128 letters, digits, '_', '-' or '.', "
+            "starting with a letter or digit."
+        )
+    return name
+
+
+def private_dir(directory: str | Path) -> Path:
+    """Create ``directory`` (owner-only) if needed and return it."""
+    path = Path(directory)
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+    return path
+
+
+def manifest_path(directory: Path, name: str) -> Path:
+    return directory / f"{check_name(name)}{MANIFEST_SUFFIX}"
+
+
+def new_data_name(name: str) -> str:
+    """A data file name no earlier snapshot of ``name`` used."""
+    return f"{check_name(name)}.{secrets.token_hex(6)}{DATA_SUFFIX}"
+
+
+def temp_path(final: Path) -> Path:
+    """A temporary sibling of ``final``; ends in the same suffix (mx.save_safetensors
+    appends ``.safetensors`` to names that lack it)."""
+    return final.with_name(f"{TEMP_MARK}{secrets.token_hex(6)}-{final.name}")
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: Path) -> None:
+    # Makes the renames durable; some platforms cannot open a folder, and there
+    # the rename is as durable as the platform makes it.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit(temp: Path, final: Path) -> None:
+    """Make ``temp`` private, durable, then atomically ``final``."""
+    os.chmod(temp, FILE_MODE)
+    fsync_file(temp)
+    os.replace(temp, final)
+    fsync_dir(final.parent)
+
+
+def write_bytes_atomic(final: Path, data: bytes, label: str = "file") -> None:
+    """Write ``data`` to ``final`` so a reader sees the old file or all of the new."""
+    temp = temp_path(final)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        checkpoint(f"{label}:written")
+        commit(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    checkpoint(f"{label}:committed")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        while block := source.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def remove(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+    if paths:
+        fsync_dir(paths[0].parent)

@@ -1,0 +1,185 @@
+"""Per-layer capture and restore of a session's cache, and mode conversion of pages.
+
+Paged layers are stored as their pages exactly as held (codes and fp16 scales,
+page-major, in logical order), so a reopen in the same mode restores the same
+bytes. Every other layer (linear-attention arrays, rotating sliding windows) is
+stored as mlx-lm's own ``state``: its arrays, plus the plain values (offsets,
+window sizes) in the manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from engine.cache import kvquant
+from engine.cache.paged_cache import PagedKVCache
+
+PAGE_PARTS: tuple[str, ...] = ("k_codes", "k_scales", "v_codes", "v_scales")
+# Highest precision first: a snapshot converts to its own mode or any later one.
+MODES_BY_PRECISION: tuple[str, ...] = ("fp16", "q8", "q6", "q4")
+
+
+class LayerMismatch(Exception):
+    """The stored layers do not fit this cache's layers (another layout or format)."""
+
+
+def rotation_id(cache: list[Any]) -> str | None:
+    """Format id of the row rotation the paged layers store (None: no rotation)."""
+    for layer in cache:
+        if isinstance(layer, PagedKVCache):
+            return getattr(getattr(layer, "rotation", None), "format_id", None)
+    return None
+
+
+def can_convert(stored: str, target: str) -> bool:
+    """Whether pages stored in ``stored`` mode can become ``target`` without a re-read."""
+    rank = MODES_BY_PRECISION.index
+    return rank(kvquant.normalize_mode(target)) >= rank(kvquant.normalize_mode(stored))
+
+
+def convert_rows(
+    codes: mx.array, scales: mx.array | None, stored: str, target: str, head_dim: int
+) -> tuple[mx.array, mx.array | None]:
+    """Stored rows of mode ``stored`` as mode ``target`` (same or lower precision).
+
+    The rows are dequantized to float32 and quantized again, which is what a fresh
+    cache in ``target`` mode would store for those values.
+    """
+    if stored == target:
+        return codes, scales
+    values = kvquant.dequantize_rows(codes, scales, kvquant.bits_for(stored), head_dim)
+    return kvquant.quantize_rows(values, kvquant.bits_for(target))
+
+
+# -- capture -------------------------------------------------------------------
+
+
+def _key(index: int, part: str) -> str:
+    return f"layer.{index}.{part}"
+
+
+def _capture_paged(index: int, layer: PagedKVCache, arrays: dict[str, mx.array]) -> dict:
+    *rows, offset, _mode, _page_size, kv_heads, head_dim = layer.state
+    for part, value in zip(PAGE_PARTS, rows, strict=True):
+        if offset and value is not None:
+            arrays[_key(index, part)] = value
+    pages = len(layer.block_table) if offset else 0
+    return {
+        "index": index, "kind": "paged", "offset": int(offset), "kv_heads": int(kv_heads),
+        "head_dim": int(head_dim), "pages": pages, "bytes": int(layer.nbytes) if offset else 0,
+    }
+
+
+def _capture_state(index: int, layer: Any, arrays: dict[str, mx.array]) -> dict:
+    leaves = []
+    nbytes = 0
+    for path, value in tree_flatten(layer.state):
+        if isinstance(value, mx.array):
+            arrays[_key(index, f"state.{path}")] = value
+            leaves.append([path, "array", None])
+            nbytes += value.nbytes
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            leaves.append([path, "value", value])
+        else:
+            raise TypeError(f"Layer {index} ({type(layer).__name__}) holds a {type(value)}.")
+    return {
+        "index": index, "kind": "state", "class": type(layer).__name__,
+        "trimmable": bool(layer.is_trimmable()), "offset": int(getattr(layer, "offset", 0) or 0),
+        "leaves": leaves, "bytes": nbytes,
+    }
+
+
+def capture(cache: list[Any]) -> tuple[dict[str, mx.array], list[dict]]:
+    """The arrays to store and one plain-value record per layer."""
+    arrays: dict[str, mx.array] = {}
+    records = [
+        _capture_paged(i, layer, arrays) if isinstance(layer, PagedKVCache)
+        else _capture_state(i, layer, arrays)
+        for i, layer in enumerate(cache)
+    ]
+    return arrays, records
+
+
+# -- restore -------------------------------------------------------------------
+
+
+def check_layout(cache: list[Any], records: list[dict]) -> None:
+    """Raise LayerMismatch unless every stored layer has the same kind as the cache's."""
+    if len(records) != len(cache):
+        raise LayerMismatch(f"{len(records)} stored layers for a cache of {len(cache)}")
+    for record, layer in zip(records, cache, strict=True):
+        paged = isinstance(layer, PagedKVCache)
+        if (record["kind"] == "paged") != paged:
+            raise LayerMismatch(f"layer {record['index']} is {record['kind']} in the snapshot")
+        if not paged and record["class"] != type(layer).__name__:
+            raise LayerMismatch(f"layer {record['index']} was a {record['class']}")
+
+
+def _repage(rows: mx.array, tokens: int, stored_size: int, page_size: int) -> mx.array:
+    """Pages ``[n, H, stored_size, w]`` as ``[m, H, page_size, w]`` holding ``tokens`` rows."""
+    if stored_size == page_size:
+        return rows[: -(-tokens // page_size)]
+    flat = rows.swapaxes(0, 1).reshape(rows.shape[1], -1, rows.shape[-1])[:, :tokens]
+    pages = -(-tokens // page_size)
+    pad = pages * page_size - tokens
+    if pad:
+        flat = mx.concatenate([flat, mx.zeros((flat.shape[0], pad, flat.shape[-1]), flat.dtype)], 1)
+    return flat.reshape(flat.shape[0], pages, page_size, -1).swapaxes(0, 1)
+
+
+def _restore_paged(
+    layer: PagedKVCache, record: dict, arrays: dict[str, mx.array], tokens: int,
+    stored_mode: str, stored_page_size: int,
+) -> None:
+    offset = min(record["offset"], tokens)
+    pool = layer.pool
+    rows: list[mx.array | None] = [None] * 4
+    if offset:
+        parts = [arrays.get(_key(record["index"], p)) for p in PAGE_PARTS]
+        if parts[0] is None or parts[2] is None:
+            raise LayerMismatch(f"layer {record['index']} lacks its pages")
+        parts = [None if p is None else _repage(p, offset, stored_page_size, pool.page_size)
+                 for p in parts]
+        head_dim = record["head_dim"]
+        k = convert_rows(parts[0], parts[1], stored_mode, pool.mode, head_dim)
+        v = convert_rows(parts[2], parts[3], stored_mode, pool.mode, head_dim)
+        rows = [k[0], k[1], v[0], v[1]]
+    layer.state = (*rows, offset, pool.mode, pool.page_size, record["kv_heads"], record["head_dim"])
+
+
+def _restore_state(layer: Any, record: dict, arrays: dict[str, mx.array], drop: int) -> None:
+    leaves = []
+    for path, kind, value in record["leaves"]:
+        if kind == "array":
+            key = _key(record["index"], f"state.{path}")
+            if key not in arrays:
+                raise LayerMismatch(f"layer {record['index']} lacks {path}")
+            value = arrays[key]
+        leaves.append((path, value))
+    layer.state = tree_unflatten(leaves)
+    if drop and layer.trim(drop) != drop:
+        raise LayerMismatch(f"layer {record['index']} cannot rewind {drop} tokens")
+
+
+def restore(
+    cache: list[Any], records: list[dict], arrays: dict[str, mx.array], *,
+    tokens: int, total: int, stored_mode: str, stored_page_size: int,
+) -> None:
+    """Put the stored layers into ``cache``, holding the first ``tokens`` of ``total``.
+
+    Paged layers take only the pages those tokens need (converted to the cache's
+    mode when it is lower); other layers are restored whole and rewound.
+
+    Raises:
+        LayerMismatch: the records or arrays do not fit the cache.
+        KvBudgetExceeded: the pages do not fit the session's KV budget.
+    """
+    check_layout(cache, records)
+    for layer, record in zip(cache, records, strict=True):
+        if record["kind"] == "paged":
+            _restore_paged(layer, record, arrays, tokens, stored_mode, stored_page_size)
+        else:
+            _restore_state(layer, record, arrays, total - tokens)

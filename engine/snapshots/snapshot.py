@@ -1,0 +1,422 @@
+"""Save a session's KV cache to disk and reopen it: the snapshot format (issue 13).
+
+A snapshot is ``NAME.json`` (the manifest: token ids, mode, page size, format
+version, rotation, model fingerprint, per-layer records, byte counts, the data
+file's sha256 and the manifest's own sha256) plus ``NAME.<nonce>.safetensors``
+(the pages exactly as held and every other layer's arrays). The manifest is
+written last and is the commit point (see ``engine.snapshots.files``).
+
+Reopen trusts nothing it has not checked: the manifest's own hash, the format
+version, the model fingerprint and the data file's size and sha256. A snapshot
+of another model or format is refused and kept; a corrupt or incomplete one is
+refused and removed. Either way the caller gets a :class:`SnapshotRejected`
+whose message is one line for the user, and the session holds nothing from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engine.cache import adapter, kvquant
+from engine.errors import EngineError, KvBudgetExceeded
+from engine.prompt_ids import common_prefix
+from engine.snapshots import files
+from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
+from engine.snapshots.layers import (
+    LayerMismatch,
+    can_convert,
+    capture,
+    restore,
+    rotation_id,
+)
+
+FORMAT = "longleaf-kv-snapshot"
+FORMAT_VERSION = 1
+_SELF_HASH = "manifest_sha256"
+
+
+class SnapshotError(EngineError):
+    """A snapshot could not be written."""
+
+
+class SnapshotRejected(EngineError):
+    """A stored snapshot was not used; the message is a one-line notice for the user.
+
+    Attributes:
+        reason: "model" (another model), "format" (another format version or
+            rotation), "corrupt" (incomplete or damaged), "mode" (a higher
+            precision than stored needs a re-read), "diverged" (the conversation
+            differs inside the snapshot and this model's layers cannot rewind),
+            or "budget" (the pages do not fit the KV budget).
+        removed: whether the snapshot's files were deleted.
+    """
+
+    def __init__(self, message: str, *, reason: str, removed: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.removed = removed
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What the "Stored KV" panel shows of one snapshot (plain values)."""
+
+    name: str
+    tokens: int
+    mode: str
+    page_size: int
+    kv_bytes: int
+    disk_bytes: int
+    created: float
+    last_used: float
+    model: str
+
+
+# -- manifest ------------------------------------------------------------------
+
+
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _sealed(manifest: dict[str, Any]) -> bytes:
+    digest = hashlib.sha256(_canonical(manifest)).hexdigest()
+    return _canonical({**manifest, _SELF_HASH: digest})
+
+
+class _Corrupt(Exception):
+    pass
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest at ``path`` after checking its own hash; raises _Corrupt if bad."""
+    try:
+        manifest = json.loads(path.read_bytes())
+        sealed = manifest.pop(_SELF_HASH)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise _Corrupt(f"unreadable manifest ({error})") from error
+    if hashlib.sha256(_canonical(manifest)).hexdigest() != sealed:
+        raise _Corrupt("manifest checksum mismatch")
+    data_file = manifest.get("data_file")
+    name = path.name[: -len(files.MANIFEST_SUFFIX)]
+    if not (isinstance(data_file, str) and data_file.startswith(name + ".")
+            and data_file.endswith(files.DATA_SUFFIX) and "/" not in data_file
+            and os.sep not in data_file):
+        raise _Corrupt("manifest names no data file of its own")
+    return manifest
+
+
+def _remove_snapshot(directory: Path, name: str) -> None:
+    """Delete a snapshot's manifest first (so it is never half-trusted), then its data."""
+    manifest = files.manifest_path(directory, name)
+    files.remove(manifest)
+    files.remove(*_data_files(directory, name))
+
+
+def _data_files(directory: Path, name: str) -> list[Path]:
+    prefix = f"{name}."
+    return [
+        p for p in directory.glob(f"{name}.*{files.DATA_SUFFIX}")
+        if p.name.startswith(prefix) and p.name.count(".") == name.count(".") + 2
+    ]
+
+
+# -- save ----------------------------------------------------------------------
+
+
+def _kv_bytes(records: list[dict]) -> int:
+    return sum(r["bytes"] for r in records)
+
+
+def save_snapshot(
+    session: Any,
+    directory: str | Path,
+    name: str,
+    *,
+    before_write: Callable[[int], None] | None = None,
+) -> Path:
+    """Store the session's cache and held token ids as snapshot ``name``.
+
+    Call from the engine worker thread (it evaluates MLX arrays). Replaces an
+    earlier snapshot of the same name atomically: a crash at any point leaves
+    either the old snapshot or the new one, never a mix.
+
+    Args:
+        session: an ``engine.session.Session`` (cache, tokens, mode, page size and
+            the folder of its model, see ``session_model_dir``).
+        directory: the snapshot folder (created owner-only if missing).
+        name: the snapshot's name, e.g. the chat's id.
+        before_write: called with the bytes about to be written, before any
+            file is touched (a disk budget evicts or refuses here).
+
+    Returns:
+        The manifest's path.
+
+    Raises:
+        SnapshotError: the session holds nothing, or its cache and ids disagree.
+        EngineError: the model folder cannot be fingerprinted.
+    """
+    folder = files.private_dir(directory)
+    manifest_path = files.manifest_path(folder, name)
+    tokens = [int(t) for t in session.tokens]
+    if not tokens:
+        raise SnapshotError("There is no KV cache to store: the session holds no tokens.")
+    if adapter.cache_tokens(session.cache) != len(tokens):
+        raise SnapshotError("The session's cache and token ids disagree; not storing it.")
+    model_dir = session_model_dir(session)
+    fingerprint = model_fingerprint(model_dir)
+    arrays, records = capture(session.cache)
+    if before_write is not None:
+        before_write(sum(a.nbytes for a in arrays.values()) + 16 * len(tokens))
+    data_path = folder / files.new_data_name(name)
+    _write_data(data_path, arrays)
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "name": name,
+        "created": time.time(),
+        "data_file": data_path.name,
+        "data_bytes": data_path.stat().st_size,
+        "data_sha256": files.sha256_file(data_path),
+        "kv_bytes": _kv_bytes(records),
+        "mode": session.mode,
+        "page_size": int(session.page_size),
+        "rotation": rotation_id(session.cache),
+        "model": {"name": model_dir.name, **fingerprint},
+        "tokens": tokens,
+        "layers": records,
+    }
+    previous = _data_files(folder, name)
+    files.write_bytes_atomic(manifest_path, _sealed(manifest), label="manifest")
+    files.remove(*[p for p in previous if p != data_path])
+    return manifest_path
+
+
+def _write_data(path: Path, arrays: dict[str, mx.array]) -> None:
+    temp = files.temp_path(path)
+    files.checkpoint("data:start")
+    try:
+        metadata = {"format": FORMAT, "version": str(FORMAT_VERSION)}
+        mx.save_safetensors(str(temp), arrays, metadata=metadata)
+        files.checkpoint("data:written")
+        files.commit(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    files.checkpoint("data:committed")
+
+
+# -- reopen ---------------------------------------------------------------------
+
+
+def _reject_corrupt(directory: Path, name: str, why: str) -> SnapshotRejected:
+    _remove_snapshot(directory, name)
+    return SnapshotRejected(
+        f"Stored KV for {name!r} was incomplete or damaged ({why}); it was removed and "
+        "the conversation is read again.",
+        reason="corrupt",
+        removed=True,
+    )
+
+
+def _check_compatible(manifest: dict[str, Any], session: Any, name: str) -> None:
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} has format version {manifest.get('version')!r}, not "
+            f"{FORMAT_VERSION}; the conversation is read again.",
+            reason="format",
+        )
+    stored_model = manifest.get("model") or {}
+    if stored_model.get("digest") != model_fingerprint(session_model_dir(session))["digest"]:
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} was made by another model "
+            f"({stored_model.get('name', 'unknown')}); the conversation is read again.",
+            reason="model",
+        )
+    if manifest.get("rotation") != rotation_id(session.cache):
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} uses row rotation {manifest.get('rotation')!r}, this "
+            f"cache {rotation_id(session.cache)!r}; the conversation is read again.",
+            reason="format",
+        )
+    stored_mode = kvquant.normalize_mode(manifest["mode"])
+    if not can_convert(stored_mode, session.mode):
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} is {stored_mode}; {session.mode} is a higher "
+            "precision and needs the conversation read again.",
+            reason="mode",
+        )
+
+
+def _reusable(
+    manifest: dict[str, Any], session: Any, prompt_ids: Sequence[int], keep_last: bool, name: str
+) -> int:
+    """Stored tokens to restore (0: none), after the prefix and rewind rules."""
+    stored = manifest["tokens"]
+    keep = common_prefix(stored, prompt_ids)
+    if keep_last:
+        keep = min(keep, len(prompt_ids) - 1)
+    if 0 < keep < len(stored) and any(
+        r["kind"] == "state" and not r["trimmable"] for r in manifest["layers"]
+    ):
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} matches the conversation for {keep:,} of its "
+            f"{len(stored):,} tokens, and this model's linear-attention or sliding-window "
+            "layers cannot rewind; the conversation is read again.",
+            reason="diverged",
+        )
+    return max(keep, 0)
+
+
+def _verified_arrays(folder: Path, name: str, manifest: dict[str, Any]) -> dict[str, mx.array]:
+    data = folder / manifest["data_file"]
+    try:
+        size = data.stat().st_size
+    except OSError:
+        raise _reject_corrupt(folder, name, "its data file is missing") from None
+    if size != manifest.get("data_bytes"):
+        raise _reject_corrupt(folder, name, "its data file is truncated")
+    if files.sha256_file(data) != manifest.get("data_sha256"):
+        raise _reject_corrupt(folder, name, "checksum mismatch")
+    try:
+        return mx.load(str(data))
+    except Exception as error:  # MLX raises RuntimeError/ValueError for bad files
+        raise _reject_corrupt(folder, name, f"unreadable data: {error}") from error
+
+
+def load_snapshot(
+    session: Any,
+    directory: str | Path,
+    name: str,
+    prompt_ids: Sequence[int],
+    *,
+    keep_last: bool = True,
+) -> int:
+    """Restore the longest prefix of snapshot ``name`` that ``prompt_ids`` starts with.
+
+    Afterwards the session holds that prefix (cache and ``session.tokens``) and
+    its next ``chat``/``ingest`` on ``prompt_ids`` ingests only the rest. Pages
+    stored in a higher-precision mode than the session's are converted (fp16 to
+    q8/q6/q4, q8 to q6/q4, q6 to q4) without any forward pass. Call from the
+    engine worker thread.
+
+    When the session already holds at least as long a prefix, nothing is read.
+
+    Args:
+        session: the ``engine.session.Session`` to fill (normally fresh).
+        directory: the snapshot folder.
+        name: the snapshot's name.
+        prompt_ids: the token ids the session will be asked to continue from.
+        keep_last: leave the prompt's last token unfed, as ``Session.chat`` does;
+            pass False before ``Session.ingest``.
+
+    Returns:
+        The number of prompt tokens the session now holds (0: read everything).
+
+    Raises:
+        SnapshotRejected: the snapshot exists but cannot be used; its message is
+            the one-line notice to show. Corrupt snapshots are removed first.
+    """
+    folder = Path(directory)
+    held = common_prefix(session.tokens, prompt_ids)
+    if keep_last:
+        held = min(held, max(len(prompt_ids) - 1, 0))
+    manifest_path = files.manifest_path(folder, name)
+    if not manifest_path.exists():
+        if _data_files(folder, name):
+            raise _reject_corrupt(folder, name, "its manifest is missing")
+        return held
+    try:
+        manifest = read_manifest(manifest_path)
+        stored_tokens = len(manifest["tokens"])
+    except (_Corrupt, KeyError, TypeError) as error:
+        raise _reject_corrupt(folder, name, str(error)) from None
+    _check_compatible(manifest, session, name)
+    keep = _reusable(manifest, session, prompt_ids, keep_last, name)
+    if keep <= held:
+        return held
+    arrays = _verified_arrays(folder, name, manifest)
+    try:
+        restore(
+            session.cache, manifest["layers"], arrays, tokens=keep, total=stored_tokens,
+            stored_mode=kvquant.normalize_mode(manifest["mode"]),
+            stored_page_size=int(manifest["page_size"]),
+        )
+        session.tokens = [int(t) for t in manifest["tokens"][:keep]]
+        mx.eval(adapter.eval_targets(session.cache))
+    except KvBudgetExceeded as error:
+        session.reset()
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} does not fit the KV budget ({error})", reason="budget"
+        ) from error
+    except (LayerMismatch, KeyError, TypeError, ValueError, EngineError) as error:
+        session.reset()
+        raise _reject_corrupt(folder, name, f"layers do not fit: {error}") from error
+    os.utime(manifest_path)  # last use, for least-recently-used eviction
+    return keep
+
+
+# -- listing --------------------------------------------------------------------
+
+
+def snapshot_info(directory: str | Path, name: str) -> SnapshotInfo | None:
+    """The stored snapshot ``name``, or None if there is none (or its manifest is bad).
+
+    Reads the manifest only; the data file's checksum is checked on reopen.
+    """
+    folder = Path(directory)
+    path = files.manifest_path(folder, name)
+    try:
+        manifest = read_manifest(path)
+        stat = path.stat()
+        data_bytes = (folder / manifest["data_file"]).stat().st_size
+        return SnapshotInfo(
+            name=name,
+            tokens=len(manifest["tokens"]),
+            mode=manifest["mode"],
+            page_size=int(manifest["page_size"]),
+            kv_bytes=int(manifest["kv_bytes"]),
+            disk_bytes=data_bytes + stat.st_size,
+            created=float(manifest["created"]),
+            last_used=stat.st_mtime,
+            model=str((manifest.get("model") or {}).get("name", "")),
+        )
+    except (_Corrupt, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def list_snapshots(directory: str | Path) -> list[SnapshotInfo]:
+    """Every readable snapshot in ``directory``, most recently used first."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.glob(f"*{files.MANIFEST_SUFFIX}"):
+        name = path.name[: -len(files.MANIFEST_SUFFIX)]
+        if name.startswith(files.TEMP_MARK):
+            continue
+        try:
+            info = snapshot_info(folder, name)
+        except ValueError:  # not a name this module writes
+            continue
+        if info is not None:
+            found.append(info)
+    return sorted(found, key=lambda i: i.last_used, reverse=True)
+
+
+def delete_snapshot(directory: str | Path, name: str) -> bool:
+    """Remove snapshot ``name``; returns whether anything was there."""
+    folder = Path(directory)
+    existed = files.manifest_path(folder, name).exists() or bool(_data_files(folder, name))
+    if existed:
+        _remove_snapshot(folder, name)
+    return existed

@@ -1,0 +1,146 @@
+"""A folder of KV snapshots under a disk budget, evicting the least recently used.
+
+"Used" means written or reopened: both set the manifest's modification time,
+which survives restarts without a separate index file to keep consistent.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine import paths
+from engine.snapshots import files
+from engine.snapshots.snapshot import (
+    SnapshotError,
+    SnapshotInfo,
+    _Corrupt,
+    _data_files,
+    delete_snapshot,
+    list_snapshots,
+    load_snapshot,
+    read_manifest,
+    save_snapshot,
+    snapshot_info,
+)
+
+MAX_DEFAULT_BUDGET = 20 * 10**9  # 20 GB
+FREE_DISK_SHARE = 0.10
+
+
+def default_snapshot_dir() -> Path:
+    """``<data dir>/kv-snapshots``, owner-only."""
+    return files.private_dir(paths.data_dir() / "kv-snapshots")
+
+
+def default_budget(directory: str | Path) -> int:
+    """The smaller of 20 GB and 10% of the free space on ``directory``'s disk."""
+    free = shutil.disk_usage(files.private_dir(directory)).free
+    return int(min(MAX_DEFAULT_BUDGET, free * FREE_DISK_SHARE))
+
+
+class SnapshotStore:
+    """Snapshots in one folder, kept within a byte budget.
+
+    Args:
+        directory: the folder (created owner-only).
+        budget_bytes: most bytes all snapshots may take on disk; None for
+            :func:`default_budget`, computed now.
+    """
+
+    def __init__(self, directory: str | Path | None = None, budget_bytes: int | None = None):
+        self.directory = files.private_dir(directory or default_snapshot_dir())
+        self.budget_bytes = default_budget(self.directory) if budget_bytes is None else budget_bytes
+        self.sweep()
+
+    # -- reading and writing --------------------------------------------------
+
+    def save(self, session: Any, name: str) -> Path:
+        """Store ``session`` as ``name``, first evicting older snapshots to make room.
+
+        Raises:
+            SnapshotError: the snapshot alone is larger than the budget (nothing
+                is written), or the session holds nothing.
+        """
+        return save_snapshot(
+            session, self.directory, name, before_write=lambda size: self._make_room(size, name)
+        )
+
+    def load(
+        self, session: Any, name: str, prompt_ids: Sequence[int], *, keep_last: bool = True
+    ) -> int:
+        """``load_snapshot`` from this folder; a reopen counts as a use."""
+        return load_snapshot(session, self.directory, name, prompt_ids, keep_last=keep_last)
+
+    def info(self, name: str) -> SnapshotInfo | None:
+        return snapshot_info(self.directory, name)
+
+    def per_snapshot(self) -> list[SnapshotInfo]:
+        """Every snapshot, most recently used first (for the "Stored KV" panel)."""
+        return list_snapshots(self.directory)
+
+    def total_bytes(self) -> int:
+        """Bytes of every file in the folder, leftovers of interrupted writes included."""
+        return sum(p.stat().st_size for p in self.directory.iterdir() if p.is_file())
+
+    # -- removing ----------------------------------------------------------------
+
+    def delete(self, name: str) -> bool:
+        return delete_snapshot(self.directory, name)
+
+    def clear(self) -> None:
+        """Remove every snapshot and leftover file in the folder."""
+        for info in self.per_snapshot():
+            self.delete(info.name)
+        self.sweep()
+        for path in self.directory.iterdir():
+            if path.is_file() and path.name.endswith((files.DATA_SUFFIX, files.MANIFEST_SUFFIX)):
+                path.unlink(missing_ok=True)
+
+    def evict(self, incoming: int = 0, keep: Iterable[str] = ()) -> list[str]:
+        """Delete least-recently-used snapshots until ``incoming`` more bytes fit.
+
+        Returns:
+            The names deleted, oldest first.
+        """
+        keep = set(keep)
+        removed: list[str] = []
+        candidates = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
+        while candidates and self.total_bytes() + incoming > self.budget_bytes:
+            victim = candidates.pop(0)
+            self.delete(victim.name)
+            removed.append(victim.name)
+        return removed
+
+    def sweep(self) -> None:
+        """Remove what interrupted writes left: temp files, data no manifest names,
+        manifests that fail their own checksum (with their data)."""
+        named: set[str] = set()
+        for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
+            if path.name.startswith(files.TEMP_MARK):
+                continue
+            try:
+                named.add(read_manifest(path)["data_file"])
+            except _Corrupt:
+                name = path.name[: -len(files.MANIFEST_SUFFIX)]
+                files.remove(path, *_data_files(self.directory, name))
+        for path in self.directory.iterdir():
+            leftover = path.name.startswith(files.TEMP_MARK) or (
+                path.name.endswith(files.DATA_SUFFIX) and path.name not in named
+            )
+            if path.is_file() and leftover:
+                path.unlink(missing_ok=True)
+
+    def _make_room(self, size: int, name: str) -> None:
+        if size > self.budget_bytes:
+            raise SnapshotError(
+                f"This conversation's KV ({size / 1e9:.2f} GB) is larger than the stored-KV "
+                f"disk budget ({self.budget_bytes / 1e9:.2f} GB); it was not stored."
+            )
+        # The snapshot being replaced frees its bytes once the new one commits;
+        # count them as freed now so a same-size rewrite evicts nothing.
+        replaced = self.info(name)
+        freed = replaced.disk_bytes if replaced else 0
+        self.evict(max(0, size - freed), keep={name})
