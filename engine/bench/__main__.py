@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate|agreement [options]``: run a benchmark, write its table.
+"""``python -m engine.bench cache|generate|agreement|reopen …``: run a benchmark, write its table.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     agree.add_argument("--prompt", type=parse_tokens, help="prompt length, e.g. 6k")
     agree.add_argument("--modes", type=_modes, help="e.g. q8,q6,q4 (fp16 always runs)")
     agree.add_argument("--max-tokens", type=int, help="tokens generated per mode")
+
+    reopen = sub.add_parser("reopen", help="demo model: reopen a saved chat vs a re-read")
+    _common(reopen)
+    reopen.add_argument("--model", default="demo", help="model directory or 'demo'")
+    reopen.add_argument("--prompts", type=_ints, help="prompt lengths, e.g. 2k,7k")
+    reopen.add_argument("--mode", help="KV mode, e.g. q8")
+    reopen.add_argument("--max-tokens", type=int, help="tokens of the first answer")
     return parser
 
 
@@ -158,7 +165,29 @@ def run_agreement(args: argparse.Namespace, command: str) -> dict:
     return {"machine": info, **results}
 
 
-RUNNERS = {"cache": run_cache, "generate": run_generate, "agreement": run_agreement}
+def run_reopen(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import reopen_bench, report
+
+    base = reopen_bench.QUICK if args.quick else reopen_bench.ReopenBenchConfig()
+    config = with_changes(
+        base, model=args.model, prompts=args.prompts, mode=args.mode, max_tokens=args.max_tokens
+    )
+    info = report.machine_info()
+
+    def write(results: dict) -> None:
+        body = reopen_bench.render_reopen_report(results, info, command, report.load_average())
+        report.write_section(args.output, "reopen", body)
+
+    results = reopen_bench.run_reopen_bench(config, _progress, partial_results=write)
+    return {"machine": info, **results}
+
+
+RUNNERS = {
+    "cache": run_cache,
+    "generate": run_generate,
+    "agreement": run_agreement,
+    "reopen": run_reopen,
+}
 _STARTED = time.monotonic()
 
 
