@@ -5,16 +5,32 @@ PDFs are read through their text layer with pypdf and .docx files with
 python-docx. Every failure is a ``DocumentError`` whose message names the file
 and says what the user can do. No Qt here: the app calls this off its GUI
 thread.
+
+Both containers are compressed, so a small file can unpack to gigabytes (a zip
+bomb). A .docx is refused from its zip directory's declared sizes before
+anything is unpacked, and each member is then inflated once through a bounded
+stream, so a member whose header lies about its size is caught after at most
+one block past the lie. A PDF is refused past a page count, and every stream
+that text extraction unpacks is charged against a per-stream and a per-file
+limit as it is unpacked.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
+import dataclasses
 import errno
 import hashlib
+import io
 import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.errors import DocumentError
 
@@ -45,6 +61,19 @@ DEFAULT_MAX_CHARS = 8 * 1024 * 1024
 READ_BLOCK = 1 << 20
 # Above this share of replaced bytes a file is not text in any useful sense.
 MAX_REPLACED_SHARE = 0.02
+# python-docx unpacks every member of a .docx into memory (images too).
+MAX_DOCX_UNPACKED_BYTES = 512 * 1024 * 1024
+# Word's XML compresses 5-30 times; repeated bytes compress ~1000 times. Tiny
+# members may legitimately beat the ratio, so it applies from this size on.
+MAX_COMPRESSION_RATIO = 100
+RATIO_FROM_BYTES = 1024 * 1024
+INFLATE_BLOCK = 1 << 20
+# pypdf caches every stream it unpacks for as long as the reader lives.
+MAX_PDF_PAGES = 5_000
+MAX_PDF_STREAM_BYTES = 16 * 1024 * 1024
+MAX_PDF_UNPACKED_BYTES = 256 * 1024 * 1024
+# Nested form XObjects deeper than this are not followed by the budget.
+MAX_FORM_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -152,7 +181,8 @@ def _os_error(name: str, exc: OSError) -> DocumentError:
 def _read_all(p: Path, size: int) -> bytes:
     try:
         with p.open("rb") as handle:
-            data = handle.read(MAX_CONTAINER_BYTES + 1)
+            # Sized from stat: read(n) allocates n bytes up front.
+            data = handle.read(min(size, MAX_CONTAINER_BYTES) + 1)
     except OSError as exc:
         raise _os_error(p.name, exc) from exc
     if len(data) != size and not p.exists():
@@ -254,21 +284,37 @@ def _count_replaced(text: str, block: bytes, encoding: str) -> int:
 
 
 def _pdf_text(name: str, data: bytes) -> str:
-    import io
-
     import pypdf
-    from pypdf.errors import PdfReadError
+    from pypdf.errors import LimitReachedError, PdfReadError
 
     try:
-        reader = pypdf.PdfReader(io.BytesIO(data))
-        if reader.is_encrypted and not _pdf_unlock(reader):
-            raise DocumentError(
-                f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
-                "copy (e.g. Print → Save as PDF) and drop that."
-            )
-        pages = [page.extract_text() or "" for page in reader.pages]
+        with _pdf_limits():
+            reader = pypdf.PdfReader(io.BytesIO(data))
+            if reader.is_encrypted and not _pdf_unlock(reader):
+                raise DocumentError(
+                    f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
+                    "copy (e.g. Print → Save as PDF) and drop that."
+                )
+            count = len(reader.pages)
+            if count > MAX_PDF_PAGES:
+                raise DocumentError(
+                    f"“{name}” has {count:,} pages; Longleaf reads PDFs of up to "
+                    f"{MAX_PDF_PAGES:,} pages. Split it and attach a part."
+                )
+            budget = _UnpackBudget(name, count)
+            pages = []
+            for number, page in enumerate(reader.pages, start=1):
+                budget.charge(page, number)
+                pages.append(page.extract_text() or "")
     except DocumentError:
         raise
+    except LimitReachedError as exc:
+        raise DocumentError(
+            f"“{name}” holds a compressed stream that unpacks to more than "
+            f"{_human(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
+            "built to exhaust memory, so Longleaf did not read it. Export the text you "
+            "need to a .txt file and drop that."
+        ) from exc
     except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise DocumentError(
             f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
@@ -288,6 +334,88 @@ def _pdf_text(name: str, data: bytes) -> str:
     return text
 
 
+def _pdf_limits() -> contextlib.AbstractContextManager[Any]:
+    """pypdf's per-stream output limits, lowered to ``MAX_PDF_STREAM_BYTES``.
+
+    The configuration is a context variable, so other threads keep theirs. pypdf
+    before 7 has no configuration object and keeps its own 75 MB limits; the
+    per-file budget still applies there.
+    """
+    import pypdf
+
+    apply = getattr(pypdf, "apply_configuration", None)
+    if apply is None:
+        return contextlib.nullcontext()
+    known = {field.name for field in dataclasses.fields(pypdf.Configuration)}
+    wanted = (
+        "zlib_maximum_output_length",
+        "lzw_maximum_output_length",
+        "run_length_maximum_output_length",
+        "brotli_maximum_output_length",
+        "jbig2_maximum_output_length",
+        "array_based_stream_maximum_output_length",
+    )
+    return apply(**{key: MAX_PDF_STREAM_BYTES for key in wanted if key in known})
+
+
+class _UnpackBudget:
+    """Counts the bytes of every stream text extraction unpacks, once each.
+
+    A page's content streams, its form XObjects (nested) and its fonts' ToUnicode
+    maps are unpacked here, before ``extract_text`` reads them from pypdf's
+    cache, so the file is refused at most one stream past the limit.
+    """
+
+    def __init__(self, name: str, pages: int) -> None:
+        self.name = name
+        self.pages = pages
+        self.unpacked = 0
+        self._seen: set[int] = set()
+
+    def charge(self, page: Any, number: int) -> None:
+        for stream in _text_streams(page, MAX_FORM_DEPTH):
+            if id(stream) in self._seen:
+                continue
+            self._seen.add(id(stream))
+            self.unpacked += len(stream.get_data())
+            if self.unpacked > MAX_PDF_UNPACKED_BYTES:
+                raise DocumentError(
+                    f"“{self.name}” unpacks to more than {_human(MAX_PDF_UNPACKED_BYTES)} of "
+                    f"page content by page {number:,} of {self.pages:,}; Longleaf reads PDFs "
+                    f"up to that. Split it, or export its text to a .txt file."
+                )
+
+
+def _text_streams(holder: Any, depth: int) -> Iterator[Any]:
+    """The streams ``extract_text`` unpacks for a page or form XObject."""
+    from pypdf.generic import StreamObject
+
+    contents = _resolved(holder, "/Contents")
+    if isinstance(contents, StreamObject):
+        yield contents
+    elif isinstance(contents, list):
+        yield from (s for part in contents if isinstance(s := part.get_object(), StreamObject))
+    resources = _resolved(holder, "/Resources")
+    if not isinstance(resources, dict):
+        return
+    fonts = _resolved(resources, "/Font")
+    for font in fonts.values() if isinstance(fonts, dict) else ():
+        cmap = _resolved(font.get_object(), "/ToUnicode")
+        if isinstance(cmap, StreamObject):
+            yield cmap
+    forms = _resolved(resources, "/XObject")
+    for entry in forms.values() if isinstance(forms, dict) and depth > 0 else ():
+        form = entry.get_object()
+        if isinstance(form, StreamObject) and form.get("/Subtype") == "/Form":
+            yield form
+            yield from _text_streams(form, depth - 1)
+
+
+def _resolved(holder: Any, key: str) -> Any:
+    value = holder.get(key) if isinstance(holder, dict) else None
+    return value.get_object() if value is not None else None
+
+
 def _pdf_unlock(reader: object) -> bool:
     try:
         return bool(reader.decrypt(""))  # type: ignore[attr-defined]
@@ -296,18 +424,13 @@ def _pdf_unlock(reader: object) -> bool:
 
 
 def _docx_text(name: str, data: bytes) -> str:
-    import io
-    import zipfile
-
     import docx
 
+    _check_docx_members(name, data)
     try:
         document = docx.Document(io.BytesIO(data))
     except (zipfile.BadZipFile, KeyError, ValueError) as exc:
-        raise DocumentError(
-            f"“{name}” is a damaged Word file that can't be opened. "
-            "Open and re-save it in Word or Pages, then try again."
-        ) from exc
+        raise _damaged_docx(name) from exc
     except Exception as exc:  # lxml and python-docx raise their own types on bad XML
         raise DocumentError(
             f"“{name}” could not be read as a Word document ({type(exc).__name__})."
@@ -320,6 +443,101 @@ def _docx_text(name: str, data: bytes) -> str:
     if not text:
         raise DocumentError(f"“{name}” has no text in it.")
     return text
+
+
+def _damaged_docx(name: str) -> DocumentError:
+    return DocumentError(
+        f"“{name}” is a damaged Word file that can't be opened. "
+        "Open and re-save it in Word or Pages, then try again."
+    )
+
+
+def _check_docx_members(name: str, data: bytes) -> None:
+    """Refuse a .docx that unpacks to too much, before python-docx unpacks it.
+
+    After this every member is known to inflate to exactly its declared size,
+    so python-docx (which inflates a member in one call, up to 2 GB) cannot be
+    led past the declared total.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as exc:
+        raise _damaged_docx(name) from exc
+    declared = sum(member.file_size for member in members)
+    if declared > MAX_DOCX_UNPACKED_BYTES:
+        raise DocumentError(
+            f"“{name}” is {_human(len(data))} but says it unpacks to {_human(declared)}; "
+            f"Longleaf unpacks Word files up to {_human(MAX_DOCX_UNPACKED_BYTES)}. It may be "
+            "built to exhaust memory; if it is a real document, save its text as .txt and "
+            "drop that."
+        )
+    for member in members:
+        _check_ratio(name, member)
+    for member in members:
+        _inflate_bounded(name, data, member)
+
+
+def _check_ratio(name: str, member: zipfile.ZipInfo) -> None:
+    if member.file_size < RATIO_FROM_BYTES:
+        return
+    ratio = member.file_size / max(member.compress_size, 1)
+    if ratio > MAX_COMPRESSION_RATIO:
+        raise DocumentError(
+            f"“{name}” looks like a zip bomb: its part {member.filename} unpacks from "
+            f"{_human(member.compress_size)} to {_human(member.file_size)} ({ratio:,.0f} "
+            f"times; Word files stay under {MAX_COMPRESSION_RATIO}). Longleaf did not open it."
+        )
+
+
+def _inflate_bounded(name: str, data: bytes, member: zipfile.ZipInfo) -> None:
+    """Inflate one member block by block, keeping nothing, and check its size and CRC."""
+    if member.flag_bits & 0x1:
+        raise DocumentError(
+            f"“{name}” is an encrypted Word file. Save an unprotected copy and drop that."
+        )
+    start = _member_start(name, data, member)
+    raw = memoryview(data)[start : start + member.compress_size]
+    if member.compress_type == zipfile.ZIP_STORED:
+        size, crc = len(raw), zlib.crc32(raw)
+    elif member.compress_type == zipfile.ZIP_DEFLATED:
+        size, crc = _inflate_counting(name, raw, member)
+    else:  # Word writes only stored and deflated members
+        raise _damaged_docx(name)
+    if size != member.file_size or crc != member.CRC:
+        raise _damaged_docx(name)
+
+
+def _inflate_counting(name: str, raw: memoryview, member: zipfile.ZipInfo) -> tuple[int, int]:
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+    size = crc = 0
+    pending: bytes | memoryview = raw
+    try:
+        while pending and not inflater.eof:
+            block = inflater.decompress(pending, INFLATE_BLOCK)
+            pending = inflater.unconsumed_tail
+            size += len(block)
+            if size > member.file_size:
+                raise DocumentError(
+                    f"“{name}” is not a genuine Word file: its part {member.filename} says "
+                    f"it unpacks to {_human(member.file_size)} but holds more. It may be "
+                    "built to exhaust memory, so Longleaf stopped unpacking it."
+                )
+            crc = zlib.crc32(block, crc)
+        # Input used up: at most the rest of one match (258 bytes) is left inside.
+        tail = inflater.flush()
+    except zlib.error as exc:
+        raise _damaged_docx(name) from exc
+    return size + len(tail), zlib.crc32(tail, crc)
+
+
+def _member_start(name: str, data: bytes, member: zipfile.ZipInfo) -> int:
+    """Offset of a member's data, found the way ``zipfile`` finds it."""
+    offset = member.header_offset
+    if data[offset : offset + 4] != b"PK\x03\x04" or offset + 30 > len(data):
+        raise _damaged_docx(name)
+    name_length, extra_length = struct.unpack_from("<HH", data, offset + 26)
+    return offset + 30 + name_length + extra_length
 
 
 def _human(n: int) -> str:
