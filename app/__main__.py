@@ -31,9 +31,9 @@ def build_window(model: str | None = None):
     """Settings, history, engine and window, wired together and started."""
     from app.controller import ChatController
     from app.engine_bridge import EngineBridge
-    from app.main_window import MainWindow
     from app.settings import Settings
     from app.store import HistoryStore
+    from app.window.main_window import MainWindow
 
     settings = Settings()
     store = HistoryStore()
@@ -82,7 +82,7 @@ def finish(window, code: int) -> int:
     normal interpreter exit would instead run C++ destructors under the running
     engine thread, which can abort the process.
     """
-    from app.main_window import EXIT_WITHIN_S
+    from app.window.main_window import EXIT_WITHIN_S
 
     stopped = window.finish_closing(EXIT_WITHIN_S)
     window.controller.store.close()

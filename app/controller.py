@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.answer_events import EngineEventHandlers
-from app.answer_recorder import AnswerRecorder
-from app.chat_model import ChatMessage, ChatModel
+from app.chat.answer_events import EngineEventHandlers
+from app.chat.model import ChatMessage, ChatModel
+from app.chat.recorder import AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
-from app.session_actions import NEW_TITLE, SessionActions
+from app.sessions.actions import NEW_TITLE, SessionActions
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import EngineError, ModelLoaded

@@ -10,9 +10,9 @@ from PySide6.QtCore import Qt
 
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
-from app.main_window import MainWindow
 from app.settings import Settings
 from app.store import HistoryStore
+from app.window.main_window import MainWindow
 from engine.sampling import SamplingParams
 from tests.engine.tinymodels import make_tiny_model_dir
 

@@ -27,7 +27,7 @@ def test_title_from_first_message(text: str, title: str) -> None:
 
 
 def test_panel_shows_a_title_as_text(qtbot) -> None:
-    from app.memory_panel import MemoryPanel
+    from app.memory.panel import MemoryPanel
 
     panel = MemoryPanel()
     qtbot.addWidget(panel)
@@ -40,7 +40,7 @@ def test_session_list_and_delete_prompt_show_a_title_as_text(qtbot, monkeypatch)
 
     from PySide6.QtWidgets import QMessageBox
 
-    from app import session_list
+    from app.sessions import session_list
     from app.store import SessionRecord
 
     title = "<b>a < b</b>"

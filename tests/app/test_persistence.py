@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from app.store import HistoryStore, default_path
+from tests.app.chat.test_documents_drop import TEXT
 from tests.app.conftest import close_window, open_window, send_and_wait
-from tests.app.test_documents_drop import TEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Tell me a long story"

@@ -78,9 +78,9 @@ def test_rapid_streaming_writes_while_others_read_never_corrupt(qtbot, monkeypat
     import sqlite3
     import threading
 
-    from app import answer_recorder
-    from app.answer_recorder import AnswerRecorder
-    from app.chat_model import ChatModel
+    from app.chat import recorder as answer_recorder
+    from app.chat.model import ChatModel
+    from app.chat.recorder import AnswerRecorder
 
     monkeypatch.setattr(answer_recorder, "SAVE_INTERVAL_S", 0.0)  # save on every flush
     store = HistoryStore()

@@ -8,9 +8,9 @@ import time
 import pytest
 from PySide6.QtCore import QTimer
 
-from app.dialogs import NewChatDialog
 from app.format import human_bytes
-from app.session_list import RecordRole
+from app.sessions.session_list import RecordRole
+from app.window.dialogs import NewChatDialog
 from engine.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 

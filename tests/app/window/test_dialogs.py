@@ -7,8 +7,8 @@ from pathlib import Path
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
-from app.dialogs import SettingsDialog
 from app.settings import Settings
+from app.window.dialogs import SettingsDialog
 from engine.sampling import SamplingParams
 from engine.worker import EngineWorker
 from tests.app.conftest import close_window, open_window

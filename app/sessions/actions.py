@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from app.chat_model import ChatMessage
+from app.chat.model import ChatMessage
 from app.store import SessionRecord
 from engine import SessionOpened
 

@@ -6,7 +6,7 @@ import time
 
 from PySide6.QtCore import QObject, QTimer
 
-from app.chat_model import ChatMessage, ChatModel
+from app.chat.model import ChatMessage, ChatModel
 from app.store import HistoryStore
 
 SAVE_INTERVAL_S = 1.0

@@ -16,17 +16,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.attachments import CHARS_PER_TOKEN_BOUND, DocumentLoader
-from app.composer import Composer
+from app.chat.attachments import CHARS_PER_TOKEN_BOUND, DocumentLoader
+from app.chat.composer import Composer
+from app.chat.conversation_view import ConversationView
 from app.controller import ChatController
-from app.conversation_view import ConversationView
-from app.dialogs import NewChatDialog, SettingsDialog
-from app.fit_check import FitChecker
-from app.memory_panel import MemoryPanel
-from app.session_list import SessionList
+from app.memory.fit_check import FitChecker
+from app.memory.panel import MemoryPanel
+from app.sessions.session_list import SessionList
 from app.store import AttachmentRecord
-from app.window_menus import build_menus, build_toolbar
-from app.window_parts import Banner, FileOpenFilter, local_files
+from app.window.dialogs import NewChatDialog, SettingsDialog
+from app.window.menus import build_menus, build_toolbar
+from app.window.parts import Banner, FileOpenFilter, local_files
 
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
 

@@ -8,11 +8,11 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QLabel, QMenu, QToolBar, QToolButton, QWidget
 
-from app.model_picker import ModelPicker
 from app.settings import KV_MODES
+from app.window.model_picker import ModelPicker
 
 if TYPE_CHECKING:
-    from app.main_window import MainWindow
+    from app.window.main_window import MainWindow
 
 
 def build_toolbar(window: MainWindow) -> None:

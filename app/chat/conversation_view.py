@@ -18,7 +18,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat_model import (
+from app.chat.markdown_view import MarkdownView
+from app.chat.model import (
     AttachmentsRole,
     ChatModel,
     ReasonRole,
@@ -27,7 +28,6 @@ from app.chat_model import (
     StatusRole,
 )
 from app.format import human_bytes
-from app.markdown_view import MarkdownView
 
 STATUS_TEXT = {
     "streaming": "Answering…",

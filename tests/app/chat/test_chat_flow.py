@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt
 
-from app.chat_model import StatusRole
+from app.chat.model import StatusRole
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
 

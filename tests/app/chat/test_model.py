@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.chat_model import ChatMessage, ChatModel, StatusRole, engine_content
+from app.chat.model import ChatMessage, ChatModel, StatusRole, engine_content
 from app.store import AttachmentRecord
 
 
@@ -41,7 +41,7 @@ def test_update_truncate_and_engine_messages() -> None:
 
 
 def test_recorder_saves_the_growing_answer_even_when_tokens_pause(qtbot) -> None:
-    from app.answer_recorder import AnswerRecorder
+    from app.chat.recorder import AnswerRecorder
     from app.store import HistoryStore
 
     store = HistoryStore()

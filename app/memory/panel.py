@@ -24,8 +24,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import compact_count, human_bytes
-from app.memory_charts import HistoryChart, PagePoolView
-from app.session_list import mode_colour
+from app.memory.charts import HistoryChart, PagePoolView
+from app.sessions.session_list import mode_colour
 from engine import StatsSample
 
 PROJECTION_MODES = ("fp16", "q8", "q6", "q4")

@@ -1,0 +1,1 @@
+"""The conversation: messages, the composer, streaming answers and how they are saved."""

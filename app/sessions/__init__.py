@@ -1,0 +1,1 @@
+"""Chat sessions: the session list and creating, switching, renaming, deleting, reopening."""

@@ -1,0 +1,1 @@
+"""The main window and its parts: toolbar and menus, banner, dialogs, model picker."""
