@@ -27,6 +27,7 @@ from engine.models.download_plan import (
     PARTIAL_DIR,
     hub_endpoint,
     manifest_fields,
+    path_inside,
     plan_download,
     start_manifest,
     write_manifest,
@@ -89,7 +90,8 @@ def download_model(
     # Byte offsets must count stored bytes, so never let a server compress a body.
     headers = {**build_hf_headers(token=token), "Accept-Encoding": "identity"}
     for remote in plan.files:
-        target = plan.destination / remote.path
+        # Checked again at write time: a link may have appeared since the plan.
+        target = path_inside(plan.destination, remote.path, repo_id=repo_id, endpoint=endpoint)
         if remote.path not in plan.files_present:
             url = hf_hub_url(repo_id, remote.path, revision=plan.commit, endpoint=endpoint)
             part = plan.destination / PARTIAL_DIR / remote.path

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +34,12 @@ from engine.errors import EngineError
 from engine.models.discovery import MANIFEST_NAME, layout_problem, read_manifest
 from engine.paths import models_dir
 
-# Same files mlx_lm.utils fetches for a model (a test keeps them in sync).
+# The files mlx_lm.utils fetches for a model (a test keeps them in sync), less
+# "*.py": that is custom code for trust_remote_code, which Longleaf never passes
+# to mlx-lm or transformers, so it would be downloaded and never run.
 ALLOW_PATTERNS = (
     "*.json",
     "model*.safetensors",
-    "*.py",
     "tokenizer.model",
     "*.tiktoken",
     "tiktoken.model",
@@ -46,6 +48,7 @@ ALLOW_PATTERNS = (
     "*.jinja",
 )
 PARTIAL_DIR = ".longleaf-partial"
+_DRIVE = re.compile(r"^[A-Za-z]:")
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,9 @@ def plan_download(
     """List the repo and work out what is left to fetch and whether it fits.
 
     Raises:
-        EngineError: the repo is missing, private, gated, unreachable, or holds
-            nothing mlx-lm can load.
+        EngineError: the repo is missing, private, gated, unreachable, holds
+            nothing mlx-lm can load, or lists a file that would land outside the
+            model folder.
     """
     endpoint = hub_endpoint(endpoint)
     api = HfApi(endpoint=endpoint, token=token)
@@ -106,6 +110,9 @@ def plan_download(
     if (problem := layout_problem(names)) is not None:
         raise EngineError(f"{repo_id} cannot be used: {problem}")
     wanted = set(filter_repo_objects(names, allow_patterns=list(ALLOW_PATTERNS)))
+    destination = destination_for(repo_id, models_root)
+    for name in sorted(wanted):
+        path_inside(destination, name, repo_id=repo_id, endpoint=endpoint)
     files = tuple(
         RemoteFile(
             path=s.rfilename,
@@ -121,7 +128,6 @@ def plan_download(
             f"{endpoint} did not report file sizes for {repo_id}, so the download "
             "cannot be checked against free disk space. Try again later."
         )
-    destination = destination_for(repo_id, models_root)
     present = _files_present(destination, files, info.sha)
     partial = 0 if _manifest_commit(destination) != info.sha else sum(
         _size(destination / PARTIAL_DIR / f.path) for f in files if f.path not in present
@@ -136,6 +142,57 @@ def plan_download(
         bytes_present=partial + sum(f.size for f in files if f.path in present),
         bytes_free=shutil.disk_usage(_existing_ancestor(destination)).free,
     )
+
+
+def unsafe_name(name: str) -> str | None:
+    """Why a listed file name is not a plain relative path in a model folder, or None."""
+    if not name:
+        return "it is empty"
+    if any(ord(char) < 32 for char in name):
+        return "it contains control characters"
+    if "\\" in name:
+        return "it contains a backslash"
+    if name.startswith("/"):
+        return "it is an absolute path"
+    if _DRIVE.match(name):
+        return "it starts with a drive letter"
+    parts = name.split("/")
+    if "" in parts:
+        return "it has an empty part"
+    if ".." in parts or "." in parts:
+        return "it has a '.' or '..' part"
+    if parts[0] == PARTIAL_DIR or parts[0].startswith(MANIFEST_NAME):
+        return "Longleaf keeps that name for its own bookkeeping"
+    return None
+
+
+def path_inside(root: Path, name: str, *, repo_id: str, endpoint: str) -> Path:
+    """Return ``root / name``, checked (with its partial copy) to stay inside ``root``.
+
+    Raises:
+        EngineError: the name is not a plain relative path, or a link already in
+            the folder would carry the file (or its partial copy) outside it.
+    """
+    why = unsafe_name(name)
+    if why is None:
+        for path in (root / name, root / PARTIAL_DIR / name):
+            if not _stays_inside(root, path):
+                why = f"a link in {root} leads it to {path.resolve()}"
+                break
+    if why is not None:
+        raise EngineError(
+            f"{repo_id} on {host_name(endpoint)} lists a file named {name!r}, which is not a "
+            f"plain path inside the model folder ({why}), so Longleaf refused the download. "
+            "The Hugging Face Hub never lists such names: check HF_ENDPOINT and any proxy "
+            "between you and the Hub."
+        )
+    return root / name
+
+
+def _stays_inside(root: Path, path: Path) -> bool:
+    """Whether writing ``path`` writes inside ``root``, following the links there now."""
+    # resolve() follows the links that exist and keeps the rest as written.
+    return not path.is_symlink() and path.parent.resolve().is_relative_to(root.resolve())
 
 
 def hub_error(
@@ -197,7 +254,10 @@ def start_manifest(plan: DownloadPlan, revision: str) -> None:
         # files the new commit dropped (e.g. re-sharded weights) must not be loaded.
         shutil.rmtree(plan.destination / PARTIAL_DIR, ignore_errors=True)
         for stale in set(old.get("files", {})) - {f.path for f in plan.files}:
-            (plan.destination / stale).unlink(missing_ok=True)
+            # The old manifest is a file on disk; never let it name a path outside.
+            path = plan.destination / stale
+            if unsafe_name(stale) is None and _stays_inside(plan.destination, path):
+                path.unlink(missing_ok=True)
     plan.destination.mkdir(parents=True, exist_ok=True)
     write_manifest(plan.destination, {**manifest_fields(plan, revision), "complete": False})
 

@@ -410,10 +410,77 @@ def test_corrupt_file_is_deleted_not_kept(hub: FakeHub) -> None:
     assert not (folder / download_plan.PARTIAL_DIR / "model.safetensors").exists()
 
 
-def test_allow_patterns_match_mlx_lm() -> None:
+def test_allow_patterns_match_mlx_lm_without_python_code() -> None:
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    assert tuple(DEFAULT_ALLOW_PATTERNS) == download_plan.ALLOW_PATTERNS
+    # *.py is custom code for trust_remote_code, which Longleaf never passes.
+    assert tuple(p for p in DEFAULT_ALLOW_PATTERNS if p != "*.py") == download_plan.ALLOW_PATTERNS
+
+
+def test_python_files_in_a_repo_are_not_downloaded(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    repo.files["modeling_tiny.py"] = b"import os; os.system('echo hi')\n"
+
+    folder = download_model("mlx-community/tiny")
+
+    _assert_model_on_disk(folder, repo)
+    assert not (folder / "modeling_tiny.py").exists()
+    assert hub.file_gets("modeling_tiny.py") == []
+
+
+def _files_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("../evil.json", "it has a '.' or '..' part"),
+        ("/abs.json", "it is an absolute path"),
+        ("a/../../b.json", "it has a '.' or '..' part"),
+        ("C:/Windows/evil.json", "it starts with a drive letter"),
+        ("sub\\..\\..\\evil.json", "it contains a backslash"),
+        ("sub//evil.json", "it has an empty part"),
+        (".longleaf-download.json", "Longleaf keeps that name for its own bookkeeping"),
+        (".longleaf-partial/config.json", "Longleaf keeps that name for its own bookkeeping"),
+    ],
+)
+def test_hostile_file_names_refuse_the_download_and_write_nothing(
+    hub: FakeHub, isolated_user_dirs: Path, name: str, why: str
+) -> None:
+    repo = hub.repos["mirror/hostile"] = _tiny_repo()
+    repo.files[name] = b'{"pwned": true}'
+    before = _files_under(isolated_user_dirs)
+
+    with pytest.raises(EngineError) as refusal:
+        download_model("mirror/hostile")
+
+    assert str(refusal.value) == (
+        f"mirror/hostile on 127.0.0.1:{hub.server.server_address[1]} lists a file named "
+        f"{name!r}, which is not a plain path inside the model folder ({why}), so Longleaf "
+        "refused the download. The Hugging Face Hub never lists such names: check "
+        "HF_ENDPOINT and any proxy between you and the Hub."
+    )
+    assert _files_under(isolated_user_dirs) == before
+    assert not Path("/abs.json").exists()
+    assert not any("/resolve/" in path for (_, path, _) in hub.requests)
+
+
+def test_a_link_in_the_model_folder_cannot_carry_a_file_outside(
+    hub: FakeHub, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    folder = download_model("mlx-community/tiny")
+    outside = tmp_path_factory.mktemp("outside")
+    (folder / "chat").symlink_to(outside, target_is_directory=True)
+    repo.files["chat/template.jinja"] = b"{{ messages }}"
+    repo.commit = "f" * 40
+
+    with pytest.raises(EngineError, match=r"'chat/template\.jinja'.*a link in .* leads it to"):
+        download_model("mlx-community/tiny")
+
+    assert list(outside.iterdir()) == []
+    assert hub.file_gets("template.jinja") == []
 
 
 def test_new_commit_replaces_changed_files_and_drops_stale_ones(hub: FakeHub) -> None:
