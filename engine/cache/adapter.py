@@ -20,7 +20,13 @@ from engine.cache import kvquant
 from engine.cache.attention import paged_attention
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
+from engine.cache.rotation import HadamardRotation
 from engine.errors import ModelLoadError
+
+# Modes whose rows are rotated unless the caller says otherwise: where the quality
+# benchmark (issue 14, docs/benchmarks.md) shows rotation lowering the KL to fp16.
+# fp16 stores rows without a per-row scale, so rotating them only costs time.
+ROTATED_MODES: frozenset[str] = frozenset()
 
 _SDPA = "scaled_dot_product_attention"
 _ORIGINAL = "_longleaf_original"
@@ -50,12 +56,19 @@ class CacheStats:
     bytes_allocated: int
     budget_bytes: int | None
     layers: tuple[LayerStats, ...]
+    rotation: str | None = None  # format id of the rows' rotation; None: stored as given
 
 
 def _dispatcher(original: Any) -> Any:
     def scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):
         if isinstance(cache, PagedKVCache):
-            return paged_attention(queries, keys, values, cache, *args, **kwargs)
+            rotation = cache.rotation
+            if rotation is None:
+                return paged_attention(queries, keys, values, cache, *args, **kwargs)
+            # Keys and values were stored (and returned) rotated by an orthonormal R:
+            # (qR)·(kR) = q·k, and the output, a mix of rotated values, is rotated back.
+            out = paged_attention(rotation.rotate(queries), keys, values, cache, *args, **kwargs)
+            return rotation.unrotate(out)
         return original(queries, keys, values, cache, *args, **kwargs)
 
     setattr(scaled_dot_product_attention, _ORIGINAL, original)
@@ -105,8 +118,18 @@ def _check_dispatch(model: nn.Module, index: int) -> None:
         )
 
 
+def rotates_by_default(mode: str) -> bool:
+    """Whether :func:`make_cache` rotates ``mode``'s rows when not told."""
+    return kvquant.normalize_mode(mode) in ROTATED_MODES
+
+
 def make_cache(
-    model: nn.Module, mode: str, *, page_size: int = 256, budget_bytes: int | None = None
+    model: nn.Module,
+    mode: str,
+    *,
+    page_size: int = 256,
+    budget_bytes: int | None = None,
+    rotate: bool | None = None,
 ) -> list[Any]:
     """An mlx-lm prompt cache whose full-attention layers hold paged, quantized KV.
 
@@ -119,20 +142,33 @@ def make_cache(
         mode: KV mode name (fp16, q8, q6, q4 or an alias).
         page_size: tokens per page.
         budget_bytes: bytes all pages may take; None for no limit.
+        rotate: store key and value rows after a Hadamard rotation
+            (:mod:`engine.cache.rotation`); None: the mode's default
+            (:func:`rotates_by_default`).
 
     Raises:
         UnsupportedModeError: unknown mode, or one that cannot store this model's heads.
         ModelLoadError: the model's attention cannot be routed to the paged cache.
     """
     pool = PagePool(kvquant.normalize_mode(mode), page_size, budget_bytes)
+    rotate = rotates_by_default(pool.mode) if rotate is None else rotate
     install_attention(model)
     cache = make_prompt_cache(model)
     for index, layer_cache in enumerate(cache):
         if type(layer_cache) is KVCache:
             kv_heads, head_dim = _attention_shape(model, index)
             _check_dispatch(model, index)
-            cache[index] = PagedKVCache(pool, kv_heads, head_dim, layer=index)
+            paged = PagedKVCache(pool, kv_heads, head_dim, layer=index)
+            if rotate and head_dim is not None:
+                paged.rotation = HadamardRotation(head_dim, layer=index)
+            cache[index] = paged
     return cache
+
+
+def rotation_format(cache: list[Any]) -> str | None:
+    """The rotation format id every paged layer stores rows in; None if any is unrotated."""
+    formats = {getattr(c.rotation, "format_id", None) for c in _paged(cache)}
+    return formats.pop() if len(formats) == 1 else None
 
 
 def _paged(cache: list[Any]) -> list[PagedKVCache]:
@@ -193,6 +229,7 @@ def cache_stats(cache: list[Any]) -> CacheStats:
         bytes_allocated=sum(c.store.capacity * c.store.layout.page_bytes for c in paged if c.store),
         budget_bytes=pool.budget_bytes if pool else None,
         layers=layers,
+        rotation=rotation_format(cache),
     )
 
 
