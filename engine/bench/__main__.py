@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate|agreement|reopen …``: run a benchmark, write its table.
+"""``python -m engine.bench cache|generate|agreement|reopen|quality …``: run a benchmark.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     reopen.add_argument("--prompts", type=_ints, help="prompt lengths, e.g. 2k,7k")
     reopen.add_argument("--mode", help="KV mode, e.g. q8")
     reopen.add_argument("--max-tokens", type=int, help="tokens of the first answer")
+
+    quality = sub.add_parser("quality", help="demo model: teacher-forced KL of each KV storage")
+    _common(quality)
+    quality.add_argument("--model", default="demo", help="model directory or 'demo'")
+    quality.add_argument("--contexts", type=_ints, help="context lengths, e.g. 2k,6k")
+    quality.add_argument("--tokens", type=int, help="tokens scored one at a time per context")
+    quality.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
     return parser
 
 
@@ -182,11 +189,26 @@ def run_reopen(args: argparse.Namespace, command: str) -> dict:
     return {"machine": info, **results}
 
 
+def run_quality(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import quality_bench, report
+
+    base = quality_bench.QUICK if args.quick else quality_bench.QualityBenchConfig()
+    config = with_changes(
+        base, model=args.model, contexts=args.contexts, tokens=args.tokens, modes=args.modes
+    )
+    info = report.machine_info()
+    results = quality_bench.run_quality_bench(config, _progress)
+    body = quality_bench.render_quality_report(results, info, command, report.load_average())
+    report.write_section(args.output, "quality", body)
+    return {"machine": info, **results}
+
+
 RUNNERS = {
     "cache": run_cache,
     "generate": run_generate,
     "agreement": run_agreement,
     "reopen": run_reopen,
+    "quality": run_quality,
 }
 _STARTED = time.monotonic()
 
