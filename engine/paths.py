@@ -75,7 +75,7 @@ def models_dir() -> Path:
 
 def snapshots_dir() -> Path:
     """Return the folder for saved KV caches; they hold the documents' text."""
-    return data_subdir("snapshots")
+    return data_subdir("kv-snapshots")
 
 
 def logs_dir() -> Path:

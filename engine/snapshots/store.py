@@ -32,7 +32,7 @@ FREE_DISK_SHARE = 0.10
 
 def default_snapshot_dir() -> Path:
     """``<data dir>/kv-snapshots``, owner-only."""
-    return files.private_dir(paths.data_dir() / "kv-snapshots")
+    return paths.snapshots_dir()
 
 
 def default_budget(directory: str | Path) -> int:
