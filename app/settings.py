@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QSettings
 
-from engine import SamplingParams, data_dir
+from engine import SamplingParams, data_dir, private_file
 
 KV_MODES = ("q8", "q6", "q4", "fp16")
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
@@ -24,7 +24,8 @@ class Settings:
     """
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or data_dir() / "settings.ini"
+        # Created user-only first: QSettings keeps an existing file's mode.
+        self.path = private_file(path or data_dir() / "settings.ini")
         self._qs = QSettings(str(self.path), QSettings.Format.IniFormat)
 
     def _get(self, key: str, default, kind: type):

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import data_dir
+from engine import data_dir, private_file
 
 STATUSES = ("complete", "streaming", "stopped", "failed", "interrupted")
 
@@ -105,7 +105,8 @@ class HistoryStore:
     """
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or default_path()
+        # Created user-only first: SQLite gives its -wal and -shm files the same mode.
+        self.path = private_file(path or default_path())
         self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -11,7 +11,8 @@ does not load MLX until something needs it.
 - Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample``, ``Finished``,
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``.
 - Errors: ``EngineError`` and its subclasses.
-- Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``.
+- Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``,
+  ``private_file`` (create a user-only file).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _PUBLIC = {
     "SamplingParams": "engine.sampling",
     "MODES": "engine.fit",
     "data_dir": "engine.paths",
+    "private_file": "engine.paths",
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened")},
@@ -61,6 +63,7 @@ __all__ = [
     "data_dir",
     "discover_models",
     "inspect_model_dir",
+    "private_file",
     "read_document",
 ]
 
@@ -101,6 +104,6 @@ if TYPE_CHECKING:
     from engine.fit import MODES
     from engine.models.discovery import discover_models
     from engine.models.info import inspect_model_dir
-    from engine.paths import data_dir
+    from engine.paths import data_dir, private_file
     from engine.sampling import SamplingParams
     from engine.worker import EngineWorker
