@@ -3,9 +3,10 @@
 KV rows are only meaningful to the exact weights that made them, so the
 fingerprint covers ``config.json`` (its bytes) and every safetensors weight
 file's name, size and header (names, dtypes, shapes and offsets of every
-tensor). Reading headers, not weights, keeps it cheap at any model size; a
-re-download with different weights changes sizes or headers almost always, and
-a changed config always.
+tensor), plus a hash of the first and last 64 KiB of its tensor data: two
+fine-tunes of one architecture share config, sizes and headers, and only the
+weights tell them apart. Reading headers and samples, not whole weights, keeps
+it cheap at any model size.
 """
 
 from __future__ import annotations
@@ -19,23 +20,34 @@ from typing import Any
 from engine.errors import EngineError
 
 _HEADER_LENGTH = struct.Struct("<Q")
+_SAMPLE_BYTES = 64 * 1024
 
 
-def _header_sha256(path: Path) -> str:
+def _weight_facts(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
     with open(path, "rb") as source:
         prefix = source.read(_HEADER_LENGTH.size)
         if len(prefix) != _HEADER_LENGTH.size:
             raise EngineError(f"{path.name} is too short to be a safetensors file.")
         (length,) = _HEADER_LENGTH.unpack(prefix)
         header = source.read(length)
-    return hashlib.sha256(prefix + header).hexdigest()
+        sample = hashlib.sha256(source.read(_SAMPLE_BYTES))
+        source.seek(max(source.tell(), size - _SAMPLE_BYTES))
+        sample.update(source.read(_SAMPLE_BYTES))
+    return {
+        "name": path.name,
+        "size": size,
+        "header_sha256": hashlib.sha256(prefix + header).hexdigest(),
+        "sample_sha256": sample.hexdigest(),
+    }
 
 
 def model_fingerprint(folder: str | Path) -> dict[str, Any]:
     """The fingerprint of a model folder as plain JSON values.
 
     Returns:
-        ``{"digest", "config_sha256", "weights": [{"name", "size", "header_sha256"}]}``;
+        ``{"digest", "config_sha256", "weights": [{"name", "size", "header_sha256",
+        "sample_sha256"}]}``;
         two folders hold the same model when their digests are equal.
 
     Raises:
@@ -44,10 +56,7 @@ def model_fingerprint(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     try:
         config = (folder / "config.json").read_bytes()
-        weights = [
-            {"name": p.name, "size": p.stat().st_size, "header_sha256": _header_sha256(p)}
-            for p in sorted(folder.glob("*.safetensors"))
-        ]
+        weights = [_weight_facts(p) for p in sorted(folder.glob("*.safetensors"))]
     except OSError as error:
         raise EngineError(f"Cannot read the model folder {folder}: {error}") from error
     facts = {"config_sha256": hashlib.sha256(config).hexdigest(), "weights": weights}
