@@ -3,43 +3,47 @@
 The controller is the only writer to the history store. It saves a user
 message when it is sent, the growing answer at least once a second, and how
 the answer ended; engine events arrive through the bridge on the GUI thread.
+
+It owns a few collaborators, each given what it needs when it is made:
+``Activity`` (the one answer or ingest running), ``LoadedModel`` (which model
+the engine runs), ``SessionCaches`` (which sessions' KV caches the engine
+holds), ``SessionActions`` (the sessions and the one shown) and ``Answers``
+(starting answers and re-ingests and following their events). The controller
+sends user turns, routes each engine event to the collaborator that made the
+request, and re-emits their signals as its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.chat.answer_events import EngineEventHandlers
+from app.activity import Activity
+from app.chat.answers import Answers
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
+from app.loaded_model import LoadedModel
 from app.sessions.actions import NEW_TITLE, SessionActions
+from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
-from engine import EngineError, ModelLoaded
+from engine import (
+    Failed,
+    Finished,
+    IngestProgress,
+    ModelLoaded,
+    SessionOpened,
+    StatsSample,
+    TokenChunk,
+)
 
 STATS_POLL_MS = 400
 CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
 
 
-def model_name(info: object, fallback: str = "") -> str:
-    """A short display name for an ``engine.models.info.ModelInfo``."""
-    for attr in ("name", "model_id", "path"):
-        value = getattr(info, attr, None)
-        if value:
-            return str(value).rstrip("/").rsplit("/", 1)[-1]
-    return fallback
-
-
-class ChatController(SessionActions, EngineEventHandlers, QObject):
-    """Sessions, the open conversation and the requests that feed it.
-
-    Session management lives in ``SessionActions`` and the handling of engine
-    events in ``EngineEventHandlers``; this class holds the state they share.
-    """
+class ChatController(QObject):
+    """Sessions, the open conversation and the requests that feed it."""
 
     sessionsChanged = Signal()
     currentSessionChanged = Signal(object)  # SessionRecord | None
@@ -58,23 +62,30 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         super().__init__(parent)
         self.settings, self.store, self.bridge = settings, store, bridge
         self.model = ChatModel(self)
-        self.current: SessionRecord | None = None
-        self.model_info: object | None = None
-        self.model_id = ""
-        self.model_ready = False
-        self._load_request: int | None = None
-        self._previous_model: tuple[str, object] | None = None  # kept while a load runs
-        self._load_paths: dict[int, str] = {}
-        self.opened: dict[str, str] = {}  # session id -> mode, oldest first
-        self.session_bytes: dict[str, int] = {}
-        self.active_request: int | None = None
-        self.active_kind: str | None = None
-        self._kinds: dict[int, str] = {}
-        self._after_open: dict[int, Callable[[], None]] = {}
+        self.activity = Activity(self)
+        self.loaded_model = LoadedModel(bridge, settings, self)
+        self.caches = SessionCaches(bridge, settings, self)
+        self.sessions = SessionActions(store, settings, self.model, self.caches, self.activity,
+                                       before_switch=self.cancel_edit, parent=self)
+        self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
+                               self.sessions, self)
         self._editing: tuple[int, int] | None = None  # row, message id
-        self._sent_row: int | None = None  # the user turn the running answer replies to
         self._last_stats_time = 0.0
-        self.recorder = AnswerRecorder(store, self.model, self)
+        self.closed = False
+        for source, target in (
+            (self.activity.busyChanged, self.busyChanged),
+            (self.activity.refused, self.errorRaised),
+            (self.loaded_model.stateChanged, self.modelStateChanged),
+            (self.loaded_model.errorRaised, self.errorRaised),
+            (self.caches.changed, self.cacheChanged),
+            (self.sessions.sessionsChanged, self.sessionsChanged),
+            (self.sessions.currentSessionChanged, self.currentSessionChanged),
+            (self.answers.answerFinished, self.answerFinished),
+            (self.answers.errorRaised, self.errorRaised),
+            (self.answers.notice, self.notice),
+            (self.answers.ingestProgress, self.ingestProgress),
+        ):
+            source.connect(target)
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
         bridge.tokenChunk.connect(self._on_token)
@@ -85,7 +96,58 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         bridge.statsSample.connect(self._on_stats)
         bridge.ingestProgress.connect(self._on_ingest_progress)
         self.recovered = store.mark_interrupted()
-        self.closed = False
+
+    # State the window reads -----------------------------------------------
+
+    @property
+    def current(self) -> SessionRecord | None:
+        """The session shown in the window."""
+        return self.sessions.current
+
+    @property
+    def model_id(self) -> str:
+        """The model folder (or "demo") loaded or loading."""
+        return self.loaded_model.path
+
+    @property
+    def model_info(self) -> object | None:
+        """The loaded model's ``ModelInfo``."""
+        return self.loaded_model.info
+
+    @property
+    def model_ready(self) -> bool:
+        """Whether a model is loaded and chats can use it."""
+        return self.loaded_model.ready
+
+    @property
+    def opened(self) -> dict[str, str]:
+        """Session ids whose KV caches the engine holds -> their modes, oldest use first."""
+        return self.caches.opened
+
+    @property
+    def session_bytes(self) -> dict[str, int]:
+        """Each session's KV bytes, from its latest stats sample."""
+        return self.caches.kv_bytes
+
+    @property
+    def recorder(self) -> AnswerRecorder:
+        """Saves the streaming answer."""
+        return self.answers.recorder
+
+    @property
+    def active_request(self) -> int | None:
+        """The running answer or ingest's request id (-1 while its cache opens)."""
+        return self.activity.request
+
+    @property
+    def active_kind(self) -> str | None:
+        """"chat" or "ingest" while one runs."""
+        return self.activity.kind
+
+    @property
+    def busy(self) -> bool:
+        """True while an answer streams or a conversation is ingested."""
+        return self.activity.busy
 
     # Lifecycle ------------------------------------------------------------
 
@@ -108,11 +170,11 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         if self.closed:
             return
         self._poll.stop()
-        if self.active_kind == "chat" and self.recorder.recording:
-            self._finish_answer("stopped", CLOSED_WHILE_ANSWERING)
+        if self.activity.kind == "chat" and self.recorder.recording:
+            self.answers.finish_answer("stopped", CLOSED_WHILE_ANSWERING)
         # Events still queued from the worker must not touch the closing store.
         self.closed = True
-        self.active_request = self.active_kind = None
+        self.activity.forget()
         self.bridge.cancel()
 
     def shutdown(self, timeout: float = 2.0) -> bool:
@@ -120,75 +182,47 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         self.close()
         return self.bridge.shutdown(timeout)
 
-    @property
-    def busy(self) -> bool:
-        """True while an answer streams or a conversation is ingested."""
-        return self.active_request is not None
-
-    def _set_active(self, rid: int | None, kind: str | None) -> None:
-        self.active_request, self.active_kind = rid, kind
-        self.busyChanged.emit(rid is not None)
-
-    def _refuse_if_busy(self, what: str) -> bool:
-        if self.busy:
-            self.errorRaised.emit(f"Stop the current answer before {what}.")
-            return True
-        return False
-
     # Models ---------------------------------------------------------------
 
     def load_model(self, path: str) -> None:
         """Load a model folder or "demo"; every open session cache is dropped."""
-        if self._refuse_if_busy("switching models"):
+        if self.activity.refuse("switching models"):
             return
-        for session_id in list(self.opened):
-            self.bridge.close_session(session_id)
-        self.opened.clear()
-        if self.model_ready:
-            self._previous_model = (self.model_id, self.model_info)
-        self.model_ready = False
-        self.model_id = path
-        self.modelStateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
-        self._load_request = self.bridge.load_model(path)
-        self._kinds[self._load_request] = "load"
-        self._load_paths[self._load_request] = path
+        self.caches.close_all()
+        self.loaded_model.load(path)
 
-    def _on_model_loaded(self, event: ModelLoaded) -> None:
-        path = self._load_paths.pop(event.request_id, self.model_id)
-        if self.closed:
-            return
-        if event.request_id != self._load_request:
-            # A newer load is queued behind this one and decides; this model is
-            # what the engine falls back on if that one fails.
-            self._previous_model = (path, event.info)
-            return
-        self._previous_model = None
-        self.model_info = event.info
-        self.model_ready = True
-        self.settings.last_model = self.model_id
-        self.modelStateChanged.emit(model_name(event.info, self.model_id), True)
+    # Sessions -------------------------------------------------------------
 
-    def _on_load_failed(self, message: str) -> None:
-        previous = self._previous_model
-        if previous is not None and self._engine_has_model():
-            # The engine refused the new folder before letting go of the old
-            # model (a broken folder, too little memory): keep using it.
-            self.model_id, self.model_info = previous
-            self.model_ready = True
-            name = model_name(self.model_info, self.model_id)
-            self.errorRaised.emit(f"{message} Still using {name}.")
-            self.modelStateChanged.emit(name, True)
-            return
-        self.errorRaised.emit(message)
-        self.model_ready = False
-        self.modelStateChanged.emit(f"No model ({model_name(None, self.model_id)})", False)
+    def new_session(self, mode: str | None = None) -> SessionRecord | None:
+        """Start an empty chat in ``mode`` (default from settings)."""
+        return self.sessions.new_session(mode, self.model_id)
 
-    def _engine_has_model(self) -> bool:
-        try:
-            self.bridge.fit_check(None, 1)  # thread-safe; refuses when nothing is loaded
-        except EngineError:
-            return False
-        return True
+    def select_session(self, session_id: str) -> None:
+        """Show a stored session; its KV cache is rebuilt on the next send if dropped."""
+        self.sessions.select_session(session_id)
+
+    def rename_session(self, session_id: str, title: str) -> None:
+        """Rename a session."""
+        self.sessions.rename_session(session_id, title)
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session and free its cache."""
+        self.sessions.delete_session(session_id)
+
+    def reopen_in(self, mode: str) -> SessionRecord | None:
+        """Copy the conversation into a new session in ``mode`` and re-ingest it."""
+        record = self.sessions.reopen_in(mode, self.model_id)
+        if record is not None and self.model_ready and self.model.rowCount():
+            self.answers.start_ingest(record)
+        return record
+
+    def cache_state(self, session_id: str | None) -> str:
+        """Whether a session's KV cache is held now or rebuilt when it is next used."""
+        return self.caches.state(session_id)
+
+    def total_kv_bytes(self) -> int:
+        """KV bytes held by every open session, from their latest samples."""
+        return self.caches.total_bytes()
 
     # Sending --------------------------------------------------------------
 
@@ -196,7 +230,7 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         """Save and send a user turn; False (with an error shown) when it can't be sent."""
         if not text.strip() and not attachments:
             return False
-        if self._refuse_if_busy("sending another message"):
+        if self.activity.refuse("sending another message"):
             return False
         if not self.model_ready:
             self.errorRaised.emit("The model is still loading; your message is kept — "
@@ -216,23 +250,8 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         if self.current.title == NEW_TITLE:
             title = title_from(text.strip() or attachments[0].name)
             self.rename_session(self.current.id, title)
-        self._start_answer()
+        self.answers.start_chat(self.current)
         return True
-
-    def _start_answer(self) -> None:
-        assert self.current is not None
-        messages = self.model.engine_messages(self.settings.system_prompt)
-        self._sent_row = self.model.rowCount() - 1  # the user turn (sent or regenerated)
-        self.recorder.start(self.current.id)
-        self._set_active(-1, "chat")
-        session = self.current
-
-        def go() -> None:
-            rid = self.bridge.chat(session.id, messages, self.settings.sampling)
-            self._kinds[rid] = "chat"
-            self._set_active(rid, "chat")
-
-        self._ensure_open(session, go)
 
     def stop(self) -> None:
         """Cancel the running answer or ingest (Esc)."""
@@ -251,7 +270,7 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
         row = self.model.rowCount() - 1
         self.store.delete_messages_from(self.current.id, self.model.message(row).message_id)
         self.model.truncate(row)
-        self._start_answer()
+        self.answers.start_chat(self.current)
 
     def last_user_row(self) -> int | None:
         """Row of the last user message, when it can be edited and resent."""
@@ -263,7 +282,7 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
     def begin_edit(self) -> None:
         """Put the last user message back in the composer; sending replaces it."""
         row = self.last_user_row()
-        if row is None or self._refuse_if_busy("editing"):
+        if row is None or self.activity.refuse("editing"):
             return
         message = self.model.message(row)
         self._editing = (row, message.message_id)
@@ -277,3 +296,52 @@ class ChatController(SessionActions, EngineEventHandlers, QObject):
     def editing(self) -> bool:
         """True while the composer holds an edited earlier message."""
         return self._editing is not None
+
+    # Engine events: each goes to the collaborator that made the request ----
+
+    def _on_model_loaded(self, event: ModelLoaded) -> None:
+        if not self.closed:
+            self.loaded_model.on_loaded(event)
+
+    def _on_session_opened(self, event: SessionOpened) -> None:
+        if not self.closed:
+            self.caches.on_opened(event)
+
+    def _on_token(self, event: TokenChunk) -> None:
+        if not self.closed:
+            self.answers.on_token(event)
+
+    def _on_ingest_progress(self, event: IngestProgress) -> None:
+        if not self.closed:
+            self.answers.on_ingest_progress(event)
+
+    def _on_finished(self, event: Finished) -> None:
+        if not self.closed:
+            self.answers.on_finished(event)  # loads and opens end in their own events
+
+    def _on_failed(self, event: Failed) -> None:
+        if self.closed:
+            return
+        if self.loaded_model.owns(event.request_id):
+            self.loaded_model.on_failed(event)  # says why itself
+            return
+        self.errorRaised.emit(event.message)
+        if self.caches.owns(event.request_id):
+            self.caches.open_failed(event.request_id)
+            self.answers.on_open_failed(event.message)
+        else:
+            self.answers.on_failed(event)
+
+    def _on_stats(self, sample: StatsSample) -> None:
+        if self.closed:
+            return
+        if sample.timestamp <= self._last_stats_time:
+            return
+        self._last_stats_time = sample.timestamp
+        self.caches.note(sample)
+        self.statsUpdated.emit(sample)
+
+    def _poll_stats(self) -> None:
+        sample = self.bridge.latest_stats()
+        if sample is not None:
+            self._on_stats(sample)

@@ -19,7 +19,7 @@ import pytest
 from PySide6.QtCore import QMimeData, Qt
 from PySide6.QtWidgets import QFileDialog
 
-from app.chat.answer_events import TOO_LONG_TURN
+from app.chat.answers import TOO_LONG_TURN
 from tests.app.chat.test_documents_drop import TEXT, drop_files
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.engine.test_bad_input import BROKEN_FOLDERS

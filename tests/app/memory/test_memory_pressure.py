@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt
 
-from app.chat.answer_events import MEMORY_STOP
+from app.chat.answers import MEMORY_STOP
 from engine.memory_guard import GIB, MemoryGuard
 from engine.sampling import SamplingParams
 from engine.worker import EngineWorker

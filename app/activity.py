@@ -1,0 +1,51 @@
+"""The one request the chat runs at a time, an answer or a re-ingest.
+
+Sending, switching chats or models and deleting the shown chat all wait for
+it; ``refuse`` says so in the banner.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Signal
+
+
+class Activity(QObject):
+    """Which answer or ingest runs now.
+
+    ``request`` is its engine request id, or -1 while it waits for its
+    session's KV cache to open (the real id is not known yet); ``kind`` is
+    "chat" or "ingest". Both are None when nothing runs.
+    """
+
+    busyChanged = Signal(bool)
+    refused = Signal(str)  # the message saying what has to wait
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.request: int | None = None
+        self.kind: str | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while an answer streams or a conversation is ingested."""
+        return self.request is not None
+
+    def set(self, request: int | None, kind: str | None) -> None:
+        """Record the running request (None, None: nothing runs) and say whether it is busy."""
+        self.request, self.kind = request, kind
+        self.busyChanged.emit(request is not None)
+
+    def clear(self) -> None:
+        """Nothing runs any more."""
+        self.set(None, None)
+
+    def forget(self) -> None:
+        """Drop the running request without a signal: the window is closing."""
+        self.request = self.kind = None
+
+    def refuse(self, what: str) -> bool:
+        """True, with a message, when ``what`` has to wait for the running request."""
+        if self.busy:
+            self.refused.emit(f"Stop the current answer before {what}.")
+            return True
+        return False

@@ -1,0 +1,92 @@
+"""Which chat sessions' KV caches the engine holds, and their size.
+
+At most ``MAX_OPEN_SESSIONS`` are held, the least recently used closed first;
+a closed one is rebuilt from the history when its chat is next used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, Signal
+
+from app.engine_bridge import EngineBridge
+from app.settings import Settings
+from app.store import SessionRecord
+from engine import SessionOpened, StatsSample
+
+MAX_OPEN_SESSIONS = 3
+
+
+class SessionCaches(QObject):
+    """Opens sessions' KV caches in the engine and closes them.
+
+    ``opened`` maps each held session id to its KV mode, oldest use first;
+    ``kv_bytes`` holds each session's KV bytes from its latest stats sample.
+    """
+
+    changed = Signal()  # a session's KV cache was opened
+
+    def __init__(self, bridge: EngineBridge, settings: Settings,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.bridge, self.settings = bridge, settings
+        self.opened: dict[str, str] = {}  # session id -> mode, oldest first
+        self.kv_bytes: dict[str, int] = {}
+        self._then: dict[int, Callable[[], None]] = {}  # open request -> what runs once open
+
+    def ensure_open(self, session: SessionRecord, then: Callable[[], None]) -> None:
+        """Run ``then`` once ``session``'s cache is held (now, when it already is)."""
+        if session.id in self.opened:
+            self.opened[session.id] = self.opened.pop(session.id)  # most recent last
+            then()
+            return
+        while len(self.opened) >= MAX_OPEN_SESSIONS:
+            oldest = next(iter(self.opened))
+            self.bridge.close_session(oldest)
+            del self.opened[oldest]
+        rid = self.bridge.open_session(session.id, session.kv_mode, self.settings.page_size)
+        self._then[rid] = then
+
+    def owns(self, request_id: int) -> bool:
+        """Whether ``request_id`` opens a cache and is still waiting for its answer."""
+        return request_id in self._then
+
+    def on_opened(self, event: SessionOpened) -> None:
+        """A cache is held: note it and run what waited for it."""
+        self.opened[event.session_id] = event.kv_mode
+        self.changed.emit()
+        then = self._then.pop(event.request_id, None)
+        if then is not None:
+            then()
+
+    def open_failed(self, request_id: int) -> None:
+        """Opening failed: what waited for it will not run."""
+        self._then.pop(request_id, None)
+
+    def close(self, session_id: str) -> None:
+        """Free a session's cache, if the engine holds it."""
+        if session_id in self.opened:
+            self.bridge.close_session(session_id)
+            del self.opened[session_id]
+
+    def close_all(self) -> None:
+        """Free every cache (a new model is loading)."""
+        for session_id in list(self.opened):
+            self.bridge.close_session(session_id)
+        self.opened.clear()
+
+    def state(self, session_id: str | None) -> str:
+        """Whether a session's KV cache is held now or rebuilt when it is next used."""
+        if session_id is None:
+            return ""
+        return "kept in memory" if session_id in self.opened else "rebuilt on next send"
+
+    def note(self, sample: StatsSample) -> None:
+        """Keep the KV bytes a stats sample reports for its session."""
+        if sample.session_id:
+            self.kv_bytes[sample.session_id] = sample.kv_bytes_used
+
+    def total_bytes(self) -> int:
+        """KV bytes held by every open session, from their latest samples."""
+        return sum(self.kv_bytes.get(sid, 0) for sid in self.opened)

@@ -1,0 +1,64 @@
+"""SessionCaches on its own, with a stand-in bridge: which KV caches are held."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from app.sessions.caches import MAX_OPEN_SESSIONS, SessionCaches
+from engine import SessionOpened
+
+
+class FakeBridge:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.last_request = 0
+
+    def open_session(self, session_id: str, mode: str, page_size: int) -> int:
+        self.calls.append(("open", session_id))
+        self.last_request += 1
+        return self.last_request
+
+    def close_session(self, session_id: str) -> None:
+        self.calls.append(("close", session_id))
+
+
+def _session(name: str) -> SimpleNamespace:
+    return SimpleNamespace(id=name, kv_mode="q8")
+
+
+def _open(caches: SessionCaches, bridge: FakeBridge, name: str, ran: list[str]) -> None:
+    caches.ensure_open(_session(name), lambda: ran.append(name))
+    caches.on_opened(SessionOpened(bridge.last_request, name, "q8", 256))
+
+
+def test_the_least_recently_used_cache_is_closed_first(qtbot) -> None:
+    bridge = FakeBridge()
+    caches = SessionCaches(bridge, SimpleNamespace(page_size=256))
+    ran: list[str] = []
+    names = [f"s{i}" for i in range(MAX_OPEN_SESSIONS)]
+    for name in names:
+        _open(caches, bridge, name, ran)
+    assert ran == names and list(caches.opened) == names
+    caches.ensure_open(_session("s0"), lambda: ran.append("s0 again"))  # held: runs now
+    assert ran[-1] == "s0 again" and bridge.calls[-1] == ("open", names[-1])
+    with qtbot.waitSignal(caches.changed):
+        _open(caches, bridge, "new", ran)
+    assert ("close", "s1") in bridge.calls and "s1" not in caches.opened
+    assert list(caches.opened) == [*names[2:], "s0", "new"]
+    assert caches.state("s1") == "rebuilt on next send" and caches.state("new") == "kept in memory"
+
+
+def test_a_failed_open_drops_what_waited_and_bytes_count_held_caches_only(qtbot) -> None:
+    bridge = FakeBridge()
+    caches = SessionCaches(bridge, SimpleNamespace(page_size=256))
+    ran: list[str] = []
+    caches.ensure_open(_session("a"), lambda: ran.append("a"))
+    assert caches.owns(bridge.last_request)
+    caches.open_failed(bridge.last_request)
+    assert not caches.owns(bridge.last_request) and ran == [] and caches.opened == {}
+    _open(caches, bridge, "b", ran)
+    caches.note(SimpleNamespace(session_id="b", kv_bytes_used=1000))
+    caches.note(SimpleNamespace(session_id="a", kv_bytes_used=5))  # not held
+    assert caches.total_bytes() == 1000
+    caches.close_all()
+    assert caches.opened == {} and caches.total_bytes() == 0 and ("close", "b") in bridge.calls
