@@ -209,7 +209,7 @@ def quantize_rows(x: mx.array, bits: int) -> tuple[mx.array, mx.array | None]:
     if bits == _BITS_BY_MODE["fp16"]:
         return _to_fp16(x), None
     packed_dim(x.shape[-1], bits)  # validates head_dim before any work
-    return _table(_COMPILED_QUANTIZERS, bits, "quantizer")(x)
+    return _compiled_quantizer(bits)(x)
 
 
 def _to_fp16(x: mx.array) -> mx.array:
@@ -244,12 +244,18 @@ def _quantize_packed(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     return pack((q + bias).astype(mx.uint8)), scales
 
 
-# One decode step quantizes a single row per head and layer, where per-op launch
-# overhead dominates; compiling fuses the dozen element-wise ops (measured ~2x
-# faster per token on the CPU backend, bit-identical codes and scales).
-_COMPILED_QUANTIZERS = {
-    bits: mx.compile(functools.partial(_quantize_packed, bits=bits)) for bits in _PACKERS
-}
+@functools.cache
+def _compiled_quantizer(bits: int) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    """``_quantize_packed`` for ``bits``, compiled on first use.
+
+    One decode step quantizes a single row per head and layer, where per-op launch
+    overhead dominates; compiling fuses the dozen element-wise ops (measured ~2x
+    faster per token on the CPU backend, bit-identical codes and scales). Compiled
+    on first use, not at import, so importing this module (as model discovery
+    does on a pool thread) calls no MLX function.
+    """
+    _table(_PACKERS, bits, "quantizer")
+    return mx.compile(functools.partial(_quantize_packed, bits=bits))
 
 
 def dequantize_rows(

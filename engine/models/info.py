@@ -1,22 +1,30 @@
 """Describe a model folder (``ModelInfo``): the facts the app and cache need.
 
-The facts come from ``config.json``, the safetensors headers and the layer
-kinds of mlx-lm's own cache list, so ``inspect_model_dir`` learns them without
-loading any weights.
+The facts come from ``config.json`` and the safetensors headers, so
+``inspect_model_dir`` learns them without loading weights, building a module or
+calling MLX; a loaded model's facts use the layer kinds of mlx-lm's own cache list.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+import importlib.util
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 from engine.cache import kvquant
 from engine.errors import EngineError, ModelLoadError
-from engine.models.folder import check_model_dir, has_chat_template
+from engine.models.folder import (
+    _check_tokenizer_files,  # folder.py's own check, private there
+    has_chat_template,
+    read_config,
+    read_weight_headers,
+)
 
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 # Without any context key in the config, assume a conservative window.
@@ -71,26 +79,23 @@ class ModelInfo:
 def inspect_model_dir(path: str | Path) -> ModelInfo:
     """Read a model folder's facts without loading its weights (for pickers).
 
-    Reads ``config.json``, the safetensors headers and the tokenizer config, and
-    builds mlx-lm's model class without evaluating it to learn which layers
-    keep a KV cache.
+    Reads ``config.json``, the safetensors headers (parsed as JSON here) and the
+    tokenizer config; never builds a model module nor calls MLX, so any thread may
+    call it (MLX streams are thread-local: a describe on a pool thread once made
+    the process abort at exit). Which layers keep a KV cache comes from the
+    config's layer pattern and the attention weights each layer has; the loader
+    replaces these facts with mlx-lm's own cache list once the model is loaded.
 
     Raises:
         ModelLoadError: the folder cannot be loaded (same checks as ``load_model``).
     """
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import get_total_parameters
-
     folder = Path(path).expanduser()
-    config, headers, (model_class, args_class) = check_model_dir(folder)
-    try:
-        # Parameters stay lazy: nothing is allocated, only the module tree is built.
-        model = model_class(args_class.from_dict(config))
-        _sanitize_lazily(model, headers)
-        kinds = classify_layers(make_prompt_cache(model))
-    except (ValueError, KeyError, *CONFIG_ERRORS) as error:
-        raise invalid_config_error(folder, config, error) from error
-    return build_model_info(folder, config, kinds, get_total_parameters(model))
+    config = read_config(folder)
+    headers = read_weight_headers(folder)
+    check_architecture(config, folder)
+    _check_tokenizer_files(folder)
+    kinds = layer_kinds(config, headers)
+    return build_model_info(folder, config, kinds, count_parameters(config, headers))
 
 
 # What a model class raises when config.json holds wrong types or zero sizes.
@@ -106,24 +111,148 @@ def invalid_config_error(folder: Path, config: dict[str, Any], error: Exception)
     )
 
 
-_HEADER_DTYPES = {
-    "F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32,
-    "I32": mx.int32, "U8": mx.uint8, "I8": mx.int8, "I64": mx.int64, "BOOL": mx.bool_,
-}
+def check_architecture(config: dict[str, Any], folder: Path) -> None:
+    """Raise ``ModelLoadError`` unless mlx-lm has a module for the config's model_type.
+
+    Looks for the module's file instead of importing it: importing a model module
+    imports MLX, and this runs off the worker thread.
+    """
+    model_type = str(config["model_type"]).replace("-", "_")
+    model_type = _model_remapping().get(model_type, model_type)
+    models = _mlx_lm_root() / "models"
+    if not (models / f"{model_type}.py").is_file() and not (models / model_type).is_dir():
+        raise ModelLoadError(
+            f"mlx-lm does not support the architecture {config['model_type']!r} of "
+            f"{folder.name}. Update mlx-lm (pip install -U mlx-lm) or choose another model."
+        )
 
 
-def _sanitize_lazily(model: Any, headers: dict[str, dict[str, Any]]) -> None:
-    # Some models drop modules in sanitize() depending on which weights exist
-    # (an untied lm_head, say); run it on lazy zeros so the count matches a load.
-    if not hasattr(model, "sanitize"):
-        return
-    weights = {
-        name: mx.zeros(entry["shape"], _HEADER_DTYPES.get(entry.get("dtype"), mx.float32))
-        for name, entry in headers.items()
-    }
-    # On failure the module tree stays as built, which is all the facts need.
-    with contextlib.suppress(ValueError, KeyError, TypeError, IndexError):
-        model.sanitize(weights)
+@functools.cache
+def _mlx_lm_root() -> Path:
+    spec = importlib.util.find_spec("mlx_lm")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("mlx-lm is not installed; reinstall Longleaf.")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@functools.cache
+def _model_remapping() -> dict[str, str]:
+    # mlx-lm maps some model_types to another module (mistral -> llama); its table
+    # is a literal in mlx_lm/utils.py, read from the source so MLX stays unimported.
+    try:
+        tree = ast.parse((_mlx_lm_root() / "utils.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MODEL_REMAPPING" for t in node.targets
+        ):
+            with contextlib.suppress(ValueError):
+                return dict(ast.literal_eval(node.value))
+    return {}
+
+
+# A layer's tensor names say whether it has softmax attention: query/key
+# projections (separate, fused, or MLA's compressed ones). Linear attention
+# (gated delta: linear_attn.in_proj_qkv...) and SSM mixers have none of these.
+_LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+_ATTENTION_TENSOR = re.compile(
+    r"(?:^|\.)(?:k_proj|q_proj|qkv_proj|kv_proj|query_key_value|c_attn|wqkv|Wqkv|"
+    r"kv_a_proj_with_mqa|q_a_proj)\."
+)
+_NOT_ATTENTION = ("linear_attn.", "mamba.", "conv.")
+
+
+def layer_kinds(
+    config: dict[str, Any], headers: dict[str, dict[str, Any]]
+) -> dict[str, tuple[int, ...]]:
+    """Sort layers into ``classify_layers``' kinds from config and tensor names only.
+
+    Returns:
+        ``{"full": ..., "sliding": ..., "other": ...}`` layer indices.
+    """
+    with_attention, layers = _attention_layers_from_headers(headers)
+    text = _text_config(config)
+    count = _layer_count(text) or layers
+    kinds: dict[str, list[int]] = {"full": [], "sliding": [], "other": []}
+    for index in range(count):
+        kind = _declared_kind(text, index)
+        if layers and index not in with_attention:
+            kind = "other"
+        kinds[kind].append(index)
+    return {kind: tuple(indices) for kind, indices in kinds.items()}
+
+
+def _attention_layers_from_headers(headers: dict[str, dict[str, Any]]) -> tuple[set[int], int]:
+    """Layers with attention weights, and how many layers the weights name."""
+    attention: set[int] = set()
+    seen = -1
+    for name in headers:
+        match = _LAYER_TENSOR.search(name)
+        if match is None or "vision" in name or "audio" in name:
+            continue
+        index, rest = int(match.group(1)), match.group(2)
+        seen = max(seen, index)
+        if _ATTENTION_TENSOR.search(rest) and not any(n in rest for n in _NOT_ATTENTION):
+            attention.add(index)
+    return attention, seen + 1
+
+
+def _layer_count(text: dict[str, Any]) -> int:
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        value = text.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _declared_kind(text: dict[str, Any], index: int) -> str:
+    """The kind a config's layer pattern gives layer ``index`` (``full`` by default)."""
+    types = text.get("layer_types")
+    if isinstance(types, list) and index < len(types):
+        name = str(types[index]).lower()
+        if "sliding" in name or "local" in name or "chunked" in name:
+            return "sliding"
+        return "full" if "attention" in name or name in ("full", "global") else "other"
+    pattern = text.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and index < len(pattern):
+        return "full" if pattern[index] == "*" else "other"
+    interval = text.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0:
+        return "full" if (index + 1) % interval == 0 else "other"
+    window = text.get("sliding_window_pattern")
+    if isinstance(window, int) and window > 0 and text.get("sliding_window"):
+        return "full" if (index + 1) % window == 0 else "sliding"
+    return "full"
+
+
+def count_parameters(config: dict[str, Any], headers: dict[str, dict[str, Any]]) -> int:
+    """Parameters the safetensors hold, quantized weights counted unpacked.
+
+    As mlx-lm's ``get_total_parameters`` counts them: a quantized layer's packed
+    uint32 ``weight`` holds ``32 / bits`` values per word, and its ``scales`` and
+    ``biases`` are not parameters of the model.
+    """
+    quantized = {name[: -len(".scales")] for name in headers if name.endswith(".scales")}
+    total = 0
+    for name, entry in headers.items():
+        size = math.prod(int(d) for d in entry["shape"])
+        module, _, leaf = name.rpartition(".")
+        if module in quantized:
+            if leaf in ("scales", "biases"):
+                continue
+            if leaf == "weight":
+                size = size * 32 // _bits_of(config, module)
+        total += size
+    return total
+
+
+def _bits_of(config: dict[str, Any], module: str) -> int:
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    override = quantization.get(module) if isinstance(quantization, dict) else None
+    if isinstance(override, dict) and isinstance(override.get("bits"), int):
+        return override["bits"]
+    return quantization_bits(config) or 4
 
 
 def classify_layers(cache: list[Any]) -> dict[str, tuple[int, ...]]:

@@ -21,9 +21,11 @@ from engine.models.info import (
     ModelInfo,
     build_model_info,
     classify_layers,
+    count_parameters,
     invalid_config_error,
     quantization_bits,
 )
+from engine.models.probe import REFUSED, ProbeResult, probe_model
 
 DEMO = "demo"
 
@@ -33,12 +35,14 @@ class LoadedModel:
     """A loaded model: mlx-lm's module, its ``TokenizerWrapper`` and its facts.
 
     Only the engine's worker thread may touch ``model`` and ``tokenizer``.
+    ``probe`` says which KV cache gives this model's numbers (None: not probed).
     """
 
     model: Any
     tokenizer: Any
     info: ModelInfo
     config: dict[str, Any]
+    probe: ProbeResult | None = None
 
 
 def resolve_model_path(path: str | Path) -> Path:
@@ -50,7 +54,9 @@ def resolve_model_path(path: str | Path) -> Path:
     return Path(path).expanduser()
 
 
-def load_model(path: str | Path, *, compute_dtype: mx.Dtype | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path, *, compute_dtype: mx.Dtype | None = None, probe: bool = True
+) -> LoadedModel:
     """Load a model folder (or ``"demo"``) through mlx-lm's loader.
 
     Args:
@@ -58,17 +64,21 @@ def load_model(path: str | Path, *, compute_dtype: mx.Dtype | None = None) -> Lo
         compute_dtype: dtype for the model's float parameters. By default half
             precision becomes float32 on the CPU backend, which emulates float16
             very slowly, and is kept as stored on Metal.
+        probe: run ``engine.models.probe.probe_model`` (paged cache against
+            mlx-lm's own) and keep its result in ``LoadedModel.probe``.
 
     Returns:
-        The model, tokenizer and ``ModelInfo``.
+        The model, tokenizer, ``ModelInfo`` and probe result.
 
     Raises:
         ModelLoadError: the folder is missing, incomplete, corrupt or of an
-            architecture mlx-lm does not support.
+            architecture mlx-lm does not support, or neither the paged cache nor
+            mlx-lm's own cache runs the model (the probe's reason).
     """
+    from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import get_total_parameters, load_tokenizer
     from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
 
     folder = resolve_model_path(path)
     config, _, _ = check_model_dir(folder)
@@ -91,8 +101,21 @@ def load_model(path: str | Path, *, compute_dtype: mx.Dtype | None = None) -> Lo
         ) from error
     model = _set_compute_dtype(model, compute_dtype)
     kinds = classify_layers(make_prompt_cache(model))
-    info = build_model_info(folder, config, kinds, get_total_parameters(model))
-    return LoadedModel(model=model, tokenizer=tokenizer, info=info, config=config)
+    # Counted by the same rule as inspect_model_dir's headers, so both agree.
+    shapes = {name: {"shape": a.shape} for name, a in tree_flatten(model.parameters())}
+    info = build_model_info(folder, config, kinds, count_parameters(config, shapes))
+    result = _probe(model, info) if probe else None
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info, config=config, probe=result)
+
+
+def _probe(model: Any, info: ModelInfo) -> ProbeResult:
+    # The weights (unpacked or cast above) are materialized here rather than by the
+    # probe's first forward, so the probe's cost is its own.
+    mx.eval(model.parameters())
+    result = probe_model(model)
+    if result.verdict == REFUSED:
+        raise ModelLoadError(f"{info.name} ({info.architecture}) cannot run: {result.reason}.")
+    return result
 
 
 def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> Any:
