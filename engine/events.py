@@ -85,20 +85,32 @@ class Finished:
     "cancelled" (the user), "memory" (system memory turned critical; the partial
     answer and the cache stay consistent) or "done" (a request that generates
     nothing).
+
+    ``kept_tokens`` of ``total_tokens`` are set when reading the conversation in
+    stopped short (a cancel during prefill): the cache keeps that many tokens of
+    the conversation and the next request continues from them.
     """
 
     request_id: int
     reason: str
     stats: GenerationStats | None = None
+    kept_tokens: int | None = None
+    total_tokens: int | None = None
 
 
 @dataclass(frozen=True)
 class Failed:
-    """A request failed; ``message`` is the EngineError text a user can act on."""
+    """A request failed; ``message`` is the EngineError text a user can act on.
+
+    ``kept_tokens`` of ``total_tokens`` are set when the failure stopped reading
+    the conversation in midway (memory): the chunks read before it stay held.
+    """
 
     request_id: int
     message: str
     error_type: str
+    kept_tokens: int | None = None
+    total_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -61,15 +61,26 @@ def render_conversation(
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
-def held_message_boundary(
-    tokenizer: Any, messages: list[dict[str, str]], held: list[int]
-) -> int:
-    """Held tokens that cover whole messages: the longest rendered prefix held."""
-    for count in range(len(messages), 0, -1):
+def message_boundaries(
+    tokenizer: Any, messages: list[dict[str, str]], prompt: list[int], *, after: int,
+    most: int,
+) -> list[int]:
+    """Token counts of ``prompt`` that end a message, past ``after``; at most ``most``.
+
+    Renders the conversation cut after each earlier message, newest first, and keeps
+    the lengths whose ids ``prompt`` starts with (some templates render a partial
+    conversation differently). Stops at the first boundary at or before ``after``.
+    """
+    found: list[int] = []
+    for count in range(len(messages) - 1, 0, -1):
+        if len(found) >= most:
+            break
         try:
             ids = render_conversation(tokenizer, messages[:count], add_generation_prompt=False)
         except Exception:  # some templates refuse partial conversations
             continue
-        if ids and ids == held[: len(ids)]:
-            return len(ids)
-    return 0
+        if len(ids) <= after:
+            break
+        if len(ids) < len(prompt) and ids == prompt[: len(ids)]:
+            found.append(len(ids))
+    return sorted(found)

@@ -16,13 +16,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import fit
+from engine import checkpoints, fit
 from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import (
     Cancelled,
     ContextTooLong,
     EngineError,
+    InsufficientMemory,
     KvBudgetExceeded,
     MemoryPressure,
 )
@@ -31,7 +32,7 @@ from engine.memory_guard import MemoryGuard, PressureWatch
 from engine.prompt_ids import (
     common_prefix,
     end_of_turn_ids,
-    held_message_boundary,
+    message_boundaries,
     render_conversation,
 )
 from engine.sampling import AnswerStream, SamplingParams
@@ -93,16 +94,34 @@ class Session:
         self._paced_chunk = chunk_size if chunk_seconds is None else min(MIN_CHUNK, chunk_size)
         self.clock: Callable[[], float] = time.perf_counter
         self.end_ids = end_of_turn_ids(self.tokenizer)
-        self.tokens: list[int] = []
+        self.checkpoints = checkpoints.CheckpointStore()
+        self._tokens: list[int] = []
         # Counters the tests and benchmarks read: what was actually computed.
         self.tokens_ingested = 0
         # Why the last request stopped for memory, for logs (None: it did not).
         self.memory_stop: str | None = None
+        # (tokens kept, tokens of the conversation) when the last request's prefill
+        # stopped short (cancel, memory, a failed chunk); None when it did not.
+        self.prefill_stop: tuple[int, int] | None = None
         self.cache = self._new_cache()
+        # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
+        self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
         self.facts = (fit.facts_from_cache(self.cache, max_context)
                       or fit.facts_from_info(loaded.info))
 
     # -- cache bookkeeping -------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids the cache holds, in order (extended in place as tokens are fed)."""
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, ids: list[int]) -> None:
+        # Whoever replaces the ids (a snapshot reopen) replaced the cache's state
+        # too: checkpoints past the prefix both share no longer describe it.
+        self.checkpoints.drop_after(common_prefix(self._tokens, ids))
+        self._tokens = ids
 
     def _new_cache(self) -> list[Any]:
         cache = adapter.make_cache(self.model, self.mode, page_size=self.page_size)
@@ -117,6 +136,7 @@ class Session:
         """Drop every held token and page."""
         self.cache = self._new_cache()
         self.tokens = []
+        self.checkpoints.clear()
 
     def close(self) -> None:
         """Release the cache's pages."""
@@ -125,20 +145,42 @@ class Session:
             self.guard.detach(self.session_id, pool)
         self.cache = []
         self.tokens = []
+        self.checkpoints.clear()
 
     def trim_to(self, length: int) -> None:
-        """Keep only the first ``length`` held tokens (rebuild if layers can't trim)."""
-        excess = len(self.tokens) - length
-        if excess <= 0:
-            return
-        trimmed = adapter.trim_cache(self.cache, excess)
-        if trimmed != excess or adapter.cache_tokens(self.cache) != length:
-            # Linear-attention and wrapped sliding-window layers cannot rewind;
-            # start over rather than hold state that disagrees with the ids.
-            log.info("cache of %s cannot trim %d tokens; rebuilding", self.session_id, excess)
+        """Keep at most the first ``length`` held tokens.
+
+        Paged layers trim exactly. Linear-attention and wrapped sliding-window
+        layers go back to the newest checkpoint at or before ``length``, so fewer
+        tokens may stay held; the caller feeds the rest again.
+        """
+        if len(self.tokens) > length:
+            self._rewind(length)
+
+    def rollback(self) -> None:
+        """Bring every layer back to the tokens held, after a step that failed midway.
+
+        A failed forward pass may have left some layers a chunk ahead (or behind).
+        """
+        offsets = [o for o in (getattr(c, "offset", None) for c in self.cache)
+                   if isinstance(o, int)]
+        self._rewind(min([len(self.tokens), *offsets]))
+
+    def _rewind(self, length: int) -> None:
+        kept = checkpoints.rewind(self.cache, length, self.checkpoints)
+        if kept is None:
+            # No checkpoint reaches back that far: start over rather than hold
+            # state that disagrees with the ids.
+            log.info("cache of %s cannot go back to %d tokens; rebuilding",
+                     self.session_id, length)
             self.reset()
             return
-        del self.tokens[length:]
+        del self.tokens[kept:]
+
+    def _checkpoint(self, *, boundary: bool) -> None:
+        if self._needs_checkpoints:
+            self.checkpoints.add(checkpoints.take(self.cache, len(self.tokens),
+                                                  boundary=boundary))
 
     def stats(self) -> Any:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""
@@ -152,9 +194,18 @@ class Session:
             self.tokenizer, messages, add_generation_prompt=add_generation_prompt
         )
 
-    def message_boundary(self, messages: list[dict[str, str]]) -> int:
-        """Held tokens that cover whole messages: the longest rendered prefix held."""
-        return held_message_boundary(self.tokenizer, messages, self.tokens)
+    def _boundaries(self, messages: list[dict[str, str]], prompt: list[int],
+                    kept: int) -> list[int]:
+        """Where earlier messages end in ``prompt``'s part still to feed.
+
+        Prefill cuts its chunks there and checkpoints them, so an edit of a later
+        message goes back no further. Only models that need checkpoints pay for
+        the extra renders.
+        """
+        if not self._needs_checkpoints:
+            return []
+        return message_boundaries(self.tokenizer, messages, prompt, after=kept,
+                                  most=checkpoints.MAX_BOUNDARIES - 1)
 
     # -- limits ------------------------------------------------------------
 
@@ -183,10 +234,11 @@ class Session:
         # Raises KvBudgetExceeded before any layer changes.
         adapter.ensure_capacity(self.cache, len(ids))
         self.model(mx.array(ids)[None], cache=self.cache)
-        self.tokens.extend(ids)
         # Evaluating the cache (not the logits) runs every layer but skips the
         # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
         mx.eval(adapter.eval_targets(self.cache))
+        # Only a finished chunk counts as held: a failure above rolls back to here.
+        self.tokens.extend(ids)
 
     def prefill(
         self,
@@ -196,28 +248,40 @@ class Session:
         cancel: threading.Event | PressureWatch,
         emit: Emit,
         tick: Callable[[], None],
+        boundaries: list[int] | None = None,
     ) -> float:
         """Feed ``ids`` to the cache in chunks; returns the seconds it took.
+
+        ``boundaries`` (token counts, e.g. where messages end) also end a chunk;
+        a model that needs checkpoints gets one there and after every chunk.
 
         Raises:
             Cancelled: ``cancel`` was set (or, for a ``PressureWatch``, memory turned
                 critical) between two chunks; the chunks done stay held.
         """
         start = self.clock()
+        base = len(self.tokens)
+        newest = self.checkpoints.newest()
+        if ids and (newest is None or newest.tokens != base):
+            self._checkpoint(boundary=True)  # e.g. after an answer: a failure comes back here
+        cuts = [b - base for b in boundaries or () if 0 < b - base < len(ids)]
         done = 0
         size = self._paced_chunk
         while done < len(ids):
             if cancel.is_set():
                 raise Cancelled("Ingest cancelled.")
-            chunk = ids[done : done + size]
+            end = min([done + size, len(ids), *(c for c in cuts if c > done)])
+            chunk = ids[done:end]
             began = self.clock()
             self._forward(chunk)
-            full = len(chunk) == size
-            size = self._next_chunk(len(chunk), self.clock() - began)
-            if full:  # a short last chunk is mostly per-call overhead: a poor guide
+            if len(chunk) == size:
+                # Short chunks (the last one, or cut at a message) are mostly
+                # per-call overhead: a poor guide for the next size.
+                size = self._next_chunk(size, self.clock() - began)
                 self._paced_chunk = size
             done += len(chunk)
             self.tokens_ingested += len(chunk)
+            self._checkpoint(boundary=done in cuts or done == len(ids))
             mx.clear_cache()
             elapsed = max(self.clock() - start, 1e-9)
             rate = done / elapsed
@@ -263,11 +327,12 @@ class Session:
 
         Raises:
             ContextTooLong: the conversation does not fit.
-            Cancelled: cancelled between chunks; the cache was rewound to the last
-                complete message it holds.
-            MemoryPressure: memory was (or turned) critical; rewound likewise.
+            Cancelled: cancelled between chunks; the chunks done stay held and the
+                next request continues from them (``prefill_stop`` says how many).
+            MemoryPressure: memory was (or turned) critical; the chunks done stay.
         """
         self.memory_stop = None
+        self.prefill_stop = None
         self.guard.check_pressure("reading the conversation in")
         prompt = self.render(messages, add_generation_prompt=False)
         self.guard.refresh(self.session_id)
@@ -275,15 +340,21 @@ class Session:
         kept = self.sync(prompt, keep_last=False)
         watch = self.guard.watch(self.session_id, cancel)
         seconds = self._guarded_prefill(
-            prompt[kept:], messages, request_id, watch, emit, tick, total=len(prompt)
+            prompt[kept:], self._boundaries(messages, prompt, kept), request_id, watch,
+            emit, tick, total=len(prompt),
         )
         fed = len(prompt) - kept
         return GenerationStats(len(prompt), 0, None, fed / seconds if seconds else 0.0, 0.0)
 
+    def _kept(self, total: int) -> str:
+        """Record where the prefill stopped; the words for it ("kept 8 of 20 tokens")."""
+        self.prefill_stop = (len(self.tokens), total)
+        return f"kept {len(self.tokens):,} of {total:,} tokens"
+
     def _guarded_prefill(
         self,
         ids: list[int],
-        messages: list[dict[str, str]],
+        boundaries: list[int],
         request_id: int,
         watch: PressureWatch,
         emit: Emit,
@@ -291,29 +362,41 @@ class Session:
         *,
         total: int,
     ) -> float:
+        # Whatever stops a prefill, the chunks that finished stay held: never a reset.
         try:
-            return self.prefill(ids, request_id=request_id, cancel=watch, emit=emit, tick=tick)
+            return self.prefill(ids, request_id=request_id, cancel=watch, emit=emit, tick=tick,
+                                boundaries=boundaries)
         except Cancelled:
-            self.trim_to(self.message_boundary(messages))
+            kept = self._kept(total)
             if watch.tripped is not None and not watch.cancel.is_set():
                 self.memory_stop = watch.tripped
                 raise MemoryPressure(
-                    f"Longleaf stopped reading the conversation in: {watch.tripped}. The "
-                    f"cache keeps its {len(self.tokens):,} tokens of complete messages. "
-                    "Close other apps or conversations to free memory, then try again."
+                    f"Longleaf stopped reading the conversation in: {watch.tripped}. It {kept}; "
+                    "close other apps or conversations to free memory, then send again "
+                    "to continue from there."
                 ) from None
             raise
         except KvBudgetExceeded as error:
-            self.trim_to(self.message_boundary(messages))
+            # Raised before the chunk touched any layer.
+            kept = f"Longleaf {self._kept(total)}."
             if self.guard.ram_bound(self.session_id):
                 # Free RAM, not the configured budget, ran out: say so with numbers.
                 self.memory_stop = str(error)
-                raise ContextTooLong(self.fit_report(total).message()) from error
-            raise
-        except Exception:
-            # A failed forward pass may leave layers at different lengths.
-            self.reset()
-            raise
+                raise ContextTooLong(f"{self.fit_report(total).message()} {kept}") from error
+            raise KvBudgetExceeded(
+                f"{error} {kept}", tokens_requested=error.tokens_requested,
+                tokens_fit=error.tokens_fit, suggested_mode=error.suggested_mode,
+            ) from error
+        except Exception as error:
+            self.rollback()
+            if not _out_of_memory(error):
+                raise
+            self.memory_stop = str(error)
+            raise InsufficientMemory(
+                f"Longleaf ran out of memory reading the conversation in ({error}). "
+                f"It {self._kept(total)}; close other apps or conversations, or "
+                "lower the ingest chunk, then send again to continue from there."
+            ) from error
 
     # -- generation --------------------------------------------------------
 
@@ -351,6 +434,7 @@ class Session:
         """
         started = time.perf_counter()
         self.memory_stop = None
+        self.prefill_stop = None
         self.guard.check_pressure("the answer")
         prompt = self.render(messages, add_generation_prompt=True)
         if not prompt:
@@ -363,7 +447,8 @@ class Session:
         watch = self.guard.watch(self.session_id, cancel)
         try:
             prefill_seconds = self._guarded_prefill(
-                prompt[kept:-1], messages, request_id, watch, emit, tick, total=len(prompt)
+                prompt[kept:-1], self._boundaries(messages, prompt, kept), request_id,
+                watch, emit, tick, total=len(prompt),
             )
         except Cancelled:
             return "cancelled", GenerationStats(len(prompt), 0, None, 0.0, 0.0)
@@ -376,7 +461,7 @@ class Session:
             reason = generation.run(prompt, max_tokens)
         except Exception:
             # A failed step may leave layers at different lengths.
-            self.reset()
+            self.rollback()
             raise
         reason = self._memory_reason(reason, watch, len(generation.generated) < max_tokens)
         fed = len(prompt) - kept
@@ -394,3 +479,11 @@ class Session:
                 (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
             ),
         )
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """Whether ``error`` is a failed allocation (Python's, or MLX's RuntimeError)."""
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("alloc" in text or "out of memory" in text)

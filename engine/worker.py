@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 
 THREAD_NAME = "longleaf-engine"
 UNEXPECTED = (
-    "The engine hit an unexpected error ({detail}). The conversation's cache was "
-    "reset; send the message again, and if it keeps failing, reload the model."
+    "The engine hit an unexpected error ({detail}). The conversation's cache went back "
+    "to its last finished step; send the message again, and if it keeps failing, "
+    "reload the model."
 )
 
 
@@ -47,6 +48,8 @@ class _Command:
     name: str
     args: tuple[Any, ...] = ()
     cancel: threading.Event = field(default_factory=threading.Event)
+    # (kept, total) tokens when the request's prefill stopped short, for its ending.
+    prefill_stop: tuple[int, int] | None = None
 
 
 class EngineWorker:
@@ -262,12 +265,13 @@ class EngineWorker:
                     self._emit(ending)
                     ending = Finished(command.request_id, "done")
         except EngineError as error:
-            ending = Failed(command.request_id, str(error), type(error).__name__)
+            ending = Failed(command.request_id, str(error), type(error).__name__,
+                            *_kept(command.prefill_stop))
         except Exception as error:
             log.exception("engine request %s failed", command.name)
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
-                            type(error).__name__)
+                            type(error).__name__, *_kept(command.prefill_stop))
         self._emit(ending)
 
     def _session(self, session_id: str) -> Session:
@@ -374,10 +378,11 @@ class EngineWorker:
                     emit=self._emit, tick=self._tick_for(session),
                 )
         finally:
+            command.prefill_stop = session.prefill_stop
             self._publish(session)
         if session.memory_stop:
             log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
-        return Finished(command.request_id, reason, stats)
+        return Finished(command.request_id, reason, stats, *_kept(session.prefill_stop))
 
     def _do_ingest(self, command: _Command) -> object:
         session_id, messages = command.args
@@ -390,10 +395,16 @@ class EngineWorker:
                     emit=self._emit, tick=self._tick_for(session),
                 )
         except Cancelled:
-            return Finished(command.request_id, "cancelled")
+            return Finished(command.request_id, "cancelled", None, *_kept(session.prefill_stop))
         finally:
+            command.prefill_stop = session.prefill_stop
             self._publish(session)
         return Finished(command.request_id, "done", stats)
+
+
+def _kept(stop: tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """(kept, total) tokens of a prefill that stopped short, else Nones (for events)."""
+    return stop or (None, None)
 
 
 def _copy(messages: list[dict[str, str]]) -> list[dict[str, str]]:

@@ -333,16 +333,20 @@ def test_ingest_stops_cleanly_between_chunks_under_pressure(llama) -> None:
     first = _user(QUESTION)
     _ingest(session, first, Recorder())
     messages = [*first, {"role": "assistant", "content": "ok"}, *_user(QUESTION * 8)]
-    # Rewound to the last complete message it holds: the first two.
-    held = session.render(messages[:2], add_generation_prompt=False)
+    prompt = session.render(messages, add_generation_prompt=False)
+    start = len(session.tokens)
     recorder = Recorder(squeeze)
     with pytest.raises(MemoryPressure) as error:
         _ingest(session, messages, recorder)
+    # Every chunk read stays held, not just whole messages.
+    held = prompt[: start + recorder.of(IngestProgress)[-1].tokens_done]
     assert str(error.value) == (
         "Longleaf stopped reading the conversation in: macOS reports critical memory "
-        f"pressure (16.00 GiB available). The cache keeps its {len(held):,} tokens of "
-        "complete messages. Close other apps or conversations to free memory, then try again.")
+        f"pressure (16.00 GiB available). It kept {len(held):,} of {len(prompt):,} tokens; "
+        "close other apps or conversations to free memory, then send again to continue "
+        "from there.")
     assert session.tokens == held and adapter.cache_tokens(session.cache) == len(held)
+    assert session.prefill_stop == (len(held), len(prompt))
     assert len(recorder.of(IngestProgress)) >= 2
     # A request that starts under pressure changes nothing.
     with pytest.raises(MemoryPressure, match="did not start the answer"):
@@ -524,6 +528,26 @@ def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) 
     assert str(error.value).startswith(f"This conversation needs {len(prompt):,} tokens")
     assert (f"free RAM ({held / 1024:.1f} KiB after the safety headroom) holds about "
             f"{held // PAGE * 16} tokens in fp16") in str(error.value)
-    # Rewound to the last complete message: none of this one.
-    assert session.tokens == [] and adapter.cache_tokens(session.cache) == 0
+    # The chunks read before RAM ran out stay held, and the message says how many.
+    kept = len(session.tokens)
+    assert str(error.value).endswith(f"Longleaf kept {kept:,} of {len(prompt):,} tokens.")
+    assert 0 < kept < len(prompt) and session.tokens == prompt[:kept]
+    assert adapter.cache_tokens(session.cache) == kept
     assert 0 < held < len(prompt) // 16 * PAGE
+
+
+def test_worker_ingest_stopped_by_pressure_fails_with_what_it_kept(llama, worker_with) -> None:
+    memory = FakeMemory()
+
+    def squeeze(event: object, events: Events) -> None:
+        if isinstance(event, IngestProgress) and event.tokens_done >= 32:
+            memory.pressure = "critical"
+
+    worker, events = worker_with(memory, squeeze)
+    worker.chunk_size = 16
+    events.ending(worker.load_model(str(llama.folder)))
+    events.ending(worker.open_session("s", "q8", 16))
+    failed = events.ending(worker.ingest("s", _user(QUESTION * 4), threading.Event()))
+    assert isinstance(failed, Failed) and failed.error_type == "MemoryPressure"
+    assert failed.kept_tokens == 32 and failed.total_tokens > 32
+    assert f"kept 32 of {failed.total_tokens:,} tokens" in failed.message

@@ -192,7 +192,7 @@ def test_mismatched_retokenization_is_trimmed_and_stays_correct(models) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
-def test_cancelled_ingest_leaves_whole_messages_and_a_usable_session(models, arch) -> None:
+def test_cancelled_ingest_keeps_the_chunks_read_and_a_usable_session(models, arch) -> None:
     loaded = models[arch]
     session = Session("s", loaded, "q8", page_size=16, chunk_size=8)
     messages = [*_user(QUESTION), {"role": "assistant", "content": "Paris."},
@@ -201,9 +201,10 @@ def test_cancelled_ingest_leaves_whole_messages_and_a_usable_session(models, arc
     rec = Recorder(cancel_after=(IngestProgress, 2))
     reason, _, _ = _chat(session, messages, recorder=rec)
     assert reason == "cancelled" and not rec.of(TokenChunk)
-    boundaries = [len(session.render(messages[:k], add_generation_prompt=False))
-                  for k in range(1, len(messages) + 1)]
-    assert len(session.tokens) in [0, *boundaries]
+    prompt = session.render(messages, add_generation_prompt=True)
+    kept = session.sync(prompt, keep_last=True)  # what the two chunks left held
+    assert kept == len(session.tokens) == session.prefill_stop[0]
+    assert session.tokens == prompt[:kept] and kept > len(prompt) // 3
     assert adapter.cache_tokens(session.cache) == len(session.tokens)
     answer = _chat(session, messages)[2].ids()
     assert answer == _chat(Session("fresh", loaded, "q8", page_size=16), messages)[2].ids()

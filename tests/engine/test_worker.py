@@ -319,3 +319,32 @@ def test_shutdown_without_start_and_twice_is_safe() -> None:
     worker.start()
     worker.shutdown()
     worker.shutdown()
+
+
+def test_cancelled_ingest_says_what_it_kept_and_the_next_one_continues(model_dirs) -> None:
+    log = EventLog()
+    cancel = threading.Event()
+
+    def on_event(event: object) -> None:
+        log(event)
+        if isinstance(event, IngestProgress) and event.tokens_done >= 16:
+            cancel.set()  # on the engine thread, between two chunks
+
+    worker = EngineWorker(on_event, chunk_size=8, adaptive_chunks=False)
+    worker.start()
+    try:
+        log.result(worker.load_model(str(model_dirs["llama"])), ModelLoaded)
+        log.result(worker.open_session("s", "q8", 16), SessionOpened)
+        messages = [{"role": "user", "content": QUESTION * 4}]
+        ending = log.ending(worker.ingest("s", messages, cancel))
+        assert isinstance(ending, Finished) and ending.reason == "cancelled"
+        total = ending.total_tokens
+        assert ending.kept_tokens == 16 and total > 32
+        rid = worker.ingest("s", messages, threading.Event())
+        done = log.ending(rid)
+        assert isinstance(done, Finished) and done.reason == "done"
+        assert done.kept_tokens is None and done.stats.prompt_tokens == total
+        progress = [e for e in log.for_request(rid) if isinstance(e, IngestProgress)]
+        assert progress[-1].tokens_total == total - 16  # only what was not held
+    finally:
+        worker.shutdown(timeout=10.0)
