@@ -1,21 +1,47 @@
-"""The main window's toolbar and menus: the actions and where they lead."""
+"""The main window's toolbar and menus: the actions and where they lead.
+
+The builders take the window as a ``MenuHost``, which names what they use of
+it, so this module does not import ``app.window.main_window`` (which imports it).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QLabel, QMenu, QToolBar, QToolButton, QWidget
+from PySide6.QtWidgets import QLabel, QMenu, QMenuBar, QToolBar, QToolButton, QWidget
 
-from app.settings import KV_MODES
+from app.controller import ChatController
+from app.settings import KV_MODES, Settings
 from app.window.model_picker import ModelPicker
 
-if TYPE_CHECKING:
-    from app.window.main_window import MainWindow
+
+class MenuHost(Protocol):
+    """What the toolbar and menus use of the main window (``MainWindow``).
+
+    ``build_toolbar`` and ``build_menus`` also set the actions and widgets they
+    make on it (``new_chat_action``, ``reopen_menu``, ``model_picker``,
+    ``model_state``, ``panel_action``, ``settings_action``, ``stop_action``...).
+    """
+
+    controller: ChatController
+    settings: Settings
+    panel: QWidget
+
+    def addToolBar(self, toolbar: QToolBar) -> None: ...
+    def menuBar(self) -> QMenuBar: ...
+    def focusWidget(self) -> QWidget | None: ...
+    def close(self) -> bool: ...
+    def ask_new_chat(self) -> None: ...
+    def ask_attach(self) -> None: ...
+    def choose_model(self, path: str) -> None: ...
+    def open_model_folder(self) -> None: ...
+    def open_settings(self) -> None: ...
+    def set_panel_visible(self, visible: bool) -> None: ...
 
 
-def build_toolbar(window: MainWindow) -> None:
+def build_toolbar(window: MenuHost) -> None:
     """Add the toolbar: new chat, reopen in a mode, model picker, memory, settings."""
     bar = QToolBar("Main")
     bar.setObjectName("mainToolbar")
@@ -62,7 +88,7 @@ def build_toolbar(window: MainWindow) -> None:
     bar.addAction(window.settings_action)
 
 
-def build_menus(window: MainWindow) -> None:
+def build_menus(window: MenuHost) -> None:
     """Add the File, Edit, Chat and View menus, sharing the toolbar's actions."""
     file_menu = window.menuBar().addMenu("&File")
     file_menu.addAction(window.new_chat_action)
@@ -99,7 +125,7 @@ def build_menus(window: MainWindow) -> None:
     view_menu.addAction(window.panel_action)
 
 
-def _edit_focused_widget(window: MainWindow, slot: str) -> None:
+def _edit_focused_widget(window: MenuHost, slot: str) -> None:
     widget = window.focusWidget()
     if widget is not None and hasattr(widget, slot):
         getattr(widget, slot)()
