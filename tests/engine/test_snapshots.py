@@ -367,6 +367,7 @@ STEPS = ["data:start", "data:written", "data:committed", "manifest:written",
          "manifest:committed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
 def test_kill_9_at_each_write_step_leaves_the_old_or_the_new_snapshot(models, tmp_path, step):
     loaded = models["llama"]
@@ -380,6 +381,7 @@ def test_kill_9_at_each_write_step_leaves_the_old_or_the_new_snapshot(models, tm
     assert survivor is (new if step == "manifest:committed" else old)
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_of_repeated_writes_never_leaves_a_bad_snapshot(
     models, tmp_path
 ):
