@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--contexts", type=_ints, help="context lengths, e.g. 2k,6k")
     quality.add_argument("--tokens", type=int, help="tokens scored one at a time per context")
     quality.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
+    quality.add_argument("--mlx-bits", type=_ints, help="mlx-lm anchors, e.g. 8,6,4")
     return parser
 
 
@@ -194,12 +195,21 @@ def run_quality(args: argparse.Namespace, command: str) -> dict:
 
     base = quality_bench.QUICK if args.quick else quality_bench.QualityBenchConfig()
     config = with_changes(
-        base, model=args.model, contexts=args.contexts, tokens=args.tokens, modes=args.modes
+        base,
+        model=args.model,
+        contexts=args.contexts,
+        tokens=args.tokens,
+        modes=args.modes,
+        mlx_bits=args.mlx_bits,
     )
     info = report.machine_info()
-    results = quality_bench.run_quality_bench(config, _progress)
-    body = quality_bench.render_quality_report(results, info, command, report.load_average())
-    report.write_section(args.output, "quality", body)
+
+    def write(results: dict) -> None:
+        body = quality_bench.render_quality_report(results, info, command, report.load_average())
+        report.write_section(args.output, "quality", body)
+
+    results = quality_bench.run_quality_bench(config, _progress, partial_results=write)
+    write(results)
     return {"machine": info, **results}
 
 

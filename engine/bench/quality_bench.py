@@ -191,15 +191,26 @@ def compare(reference: np.ndarray, variant: np.ndarray, targets: list[int]) -> d
 
 
 def run_quality_bench(
-    config: QualityBenchConfig, progress: Callable[[str], None] = print
+    config: QualityBenchConfig,
+    progress: Callable[[str], None] = print,
+    partial_results: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every variant at every context against engine fp16; plain-value results."""
+    """Every variant at every context against engine fp16; plain-value results.
+
+    ``partial_results`` gets the results so far after each variant, so a long run
+    that is stopped still leaves its finished variants behind.
+    """
     from engine.models.loader import load_model
 
     loaded = load_model(config.model)
     info = loaded.info
     ids = text_ids(loaded.tokenizer, max(config.contexts) + config.tokens)
     rows: list[dict[str, Any]] = []
+    results = {
+        "config": dataclasses.asdict(config),
+        "model": {"name": info.name, "head_dim": info.head_dim, "kv_heads": info.kv_heads},
+        "rows": rows,
+    }
     reference: dict[int, np.ndarray] = {}
     for variant in variants(config):
         progress(f"quality: {variant.name}")
@@ -222,11 +233,9 @@ def run_quality_bench(
                     **compare(reference[context], log_probs, targets),
                 }
             )
-    return {
-        "config": dataclasses.asdict(config),
-        "model": {"name": info.name, "head_dim": info.head_dim, "kv_heads": info.kv_heads},
-        "rows": rows,
-    }
+        if partial_results is not None:
+            partial_results(results)
+    return results
 
 
 def _row(results: dict[str, Any], variant: str, context: int) -> dict[str, Any] | None:

@@ -107,6 +107,10 @@ def test_bytes_per_token_follow_the_formats() -> None:
 def test_variants_start_with_the_reference() -> None:
     names = [v.name for v in variants(QualityBenchConfig())]
     assert names == VARIANTS
+    subset = variants(QualityBenchConfig(modes=("q6",), mlx_bits=(6,)))
+    assert [v.name for v in subset] == [
+        "engine fp16", "engine q6", "engine q6 rotated", "mlx-lm 6-bit g64"
+    ]
 
 
 def test_verdicts_compare_the_right_rows() -> None:
