@@ -73,23 +73,56 @@ def _capture_paged(index: int, layer: PagedKVCache, arrays: dict[str, mx.array])
     }
 
 
-def _capture_state(index: int, layer: Any, arrays: dict[str, mx.array]) -> dict:
+def _capture_leaves(state: Any, prefix: str, arrays: dict[str, mx.array]) -> tuple[list, int]:
+    """mlx-lm ``state`` as (path, kind, plain value) leaves; arrays go to ``arrays``."""
     leaves = []
     nbytes = 0
-    for path, value in tree_flatten(layer.state):
+    for path, value in tree_flatten(state):
         if isinstance(value, mx.array):
-            arrays[_key(index, f"state.{path}")] = value
+            arrays[f"{prefix}.{path}"] = value
             leaves.append([path, "array", None])
             nbytes += value.nbytes
         elif value is None or isinstance(value, (bool, int, float, str)):
             leaves.append([path, "value", value])
         else:
-            raise TypeError(f"Layer {index} ({type(layer).__name__}) holds a {type(value)}.")
+            raise TypeError(f"{prefix} holds a {type(value)}, which cannot be stored.")
+    return leaves, nbytes
+
+
+def _capture_state(index: int, layer: Any, arrays: dict[str, mx.array]) -> dict:
+    leaves, nbytes = _capture_leaves(layer.state, _key(index, "state"), arrays)
     return {
         "index": index, "kind": "state", "class": type(layer).__name__,
         "trimmable": bool(layer.is_trimmable()), "offset": int(getattr(layer, "offset", 0) or 0),
         "leaves": leaves, "bytes": nbytes,
     }
+
+
+def _checkpoint_key(number: int, index: int) -> str:
+    return f"checkpoint.{number}.layer.{index}.state"
+
+
+def capture_checkpoints(kept: list[Any], arrays: dict[str, mx.array]) -> list[dict]:
+    """Records of a session's checkpoints (``engine.checkpoints.Checkpoint``)."""
+    records = []
+    for number, checkpoint in enumerate(kept):
+        layers = []
+        for index, state in checkpoint.states:
+            leaves, _ = _capture_leaves(state, _checkpoint_key(number, index), arrays)
+            layers.append({"index": index, "leaves": leaves})
+        records.append({"tokens": int(checkpoint.tokens), "boundary": bool(checkpoint.boundary),
+                        "layers": layers, "bytes": int(checkpoint.nbytes)})
+    return records
+
+
+def checkpoint_states(
+    records: list[dict], number: int, arrays: dict[str, mx.array]
+) -> tuple[tuple[int, Any], ...]:
+    """``(layer index, state)`` of stored checkpoint ``number``, in fresh arrays."""
+    return tuple(
+        (layer["index"], _state(layer["leaves"], _checkpoint_key(number, layer["index"]), arrays))
+        for layer in records[number]["layers"]
+    )
 
 
 def capture(cache: list[Any]) -> tuple[dict[str, mx.array], list[dict]]:
@@ -150,16 +183,22 @@ def _restore_paged(
     layer.state = (*rows, offset, pool.mode, pool.page_size, record["kv_heads"], record["head_dim"])
 
 
-def _restore_state(layer: Any, record: dict, arrays: dict[str, mx.array], drop: int) -> None:
-    leaves = []
-    for path, kind, value in record["leaves"]:
+def _state(leaves: list, prefix: str, arrays: dict[str, mx.array]) -> Any:
+    values = []
+    for path, kind, value in leaves:
         if kind == "array":
-            key = _key(record["index"], f"state.{path}")
+            key = f"{prefix}.{path}"
             if key not in arrays:
-                raise LayerMismatch(f"layer {record['index']} lacks {path}")
-            value = arrays[key]
-        leaves.append((path, value))
-    layer.state = tree_unflatten(leaves)
+                raise LayerMismatch(f"{prefix} lacks {path}")
+            # A copy: RotatingKVCache writes into its arrays in place, and one stored
+            # array must never back two live states.
+            value = mx.array(arrays[key])
+        values.append((path, value))
+    return tree_unflatten(values)
+
+
+def _restore_state(layer: Any, record: dict, arrays: dict[str, mx.array], drop: int) -> None:
+    layer.state = _state(record["leaves"], _key(record["index"], "state"), arrays)
     if drop and layer.trim(drop) != drop:
         raise LayerMismatch(f"layer {record['index']} cannot rewind {drop} tokens")
 
@@ -167,19 +206,26 @@ def _restore_state(layer: Any, record: dict, arrays: dict[str, mx.array], drop: 
 def restore(
     cache: list[Any], records: list[dict], arrays: dict[str, mx.array], *,
     tokens: int, total: int, stored_mode: str, stored_page_size: int,
+    checkpoint: tuple[tuple[int, Any], ...] | None = None,
 ) -> None:
     """Put the stored layers into ``cache``, holding the first ``tokens`` of ``total``.
 
     Paged layers take only the pages those tokens need (converted to the cache's
-    mode when it is lower); other layers are restored whole and rewound.
+    mode when it is lower). Other layers are restored whole and rewound, or, given
+    ``checkpoint`` (states taken at ``tokens``), take its states instead.
 
     Raises:
         LayerMismatch: the records or arrays do not fit the cache.
         KvBudgetExceeded: the pages do not fit the session's KV budget.
     """
     check_layout(cache, records)
+    from_checkpoint = dict(checkpoint or ())
     for layer, record in zip(cache, records, strict=True):
         if record["kind"] == "paged":
             _restore_paged(layer, record, arrays, tokens, stored_mode, stored_page_size)
+        elif checkpoint is not None:
+            if record["index"] not in from_checkpoint:
+                raise LayerMismatch(f"the checkpoint lacks layer {record['index']}")
+            layer.state = from_checkpoint[record["index"]]
         else:
             _restore_state(layer, record, arrays, total - tokens)

@@ -1,10 +1,18 @@
 """Save a session's KV cache to disk and reopen it: the snapshot format (issue 13).
 
 A snapshot is ``NAME.json`` (the manifest: token ids, mode, page size, format
-version, rotation, model fingerprint, per-layer records, byte counts, the data
-file's sha256 and the manifest's own sha256) plus ``NAME.<nonce>.safetensors``
-(the pages exactly as held and every other layer's arrays). The manifest is
-written last and is the commit point (see ``engine.snapshots.files``).
+version, rotation, model fingerprint, per-layer records, the session's
+checkpoints, byte counts, the data file's sha256 and the manifest's own sha256)
+plus ``NAME.<nonce>.safetensors`` (the pages exactly as held, every other
+layer's arrays and the checkpoints' arrays). The manifest is written last and is
+the commit point (see ``engine.snapshots.files``).
+
+Reopen restores the longest stored prefix of the new prompt. Paged layers trim
+to any length; linear-attention and wrapped sliding-window layers cannot, so
+when the prompt leaves the stored ids before their end, those layers come from
+the newest stored checkpoint (``engine.checkpoints``: taken at message
+boundaries and prefill ends) at or before that point, and the paged layers are
+cut there too. With no such checkpoint the snapshot is not used.
 
 Reopen trusts nothing it has not checked: the manifest's own hash, the format
 version, the model fingerprint and the data file's size and sha256. A snapshot
@@ -35,6 +43,8 @@ from engine.snapshots.layers import (
     LayerMismatch,
     can_convert,
     capture,
+    capture_checkpoints,
+    checkpoint_states,
     restore,
     rotation_id,
 )
@@ -55,7 +65,8 @@ class SnapshotRejected(EngineError):
         reason: "model" (another model), "format" (another format version or
             rotation), "corrupt" (incomplete or damaged), "mode" (a higher
             precision than stored needs a re-read), "diverged" (the conversation
-            differs inside the snapshot and this model's layers cannot rewind),
+            differs inside the snapshot before any stored checkpoint and this
+            model's layers cannot rewind),
             or "budget" (the pages do not fit the KV budget).
         removed: whether the snapshot's files were deleted.
     """
@@ -175,6 +186,10 @@ def save_snapshot(
     model_dir = session_model_dir(session)
     fingerprint = model_fingerprint(model_dir)
     arrays, records = capture(session.cache)
+    held_checkpoints = getattr(getattr(session, "checkpoints", None), "kept", None) or []
+    checkpoints = capture_checkpoints(
+        [c for c in held_checkpoints if 0 < c.tokens <= len(tokens)], arrays
+    )
     if before_write is not None:
         before_write(sum(a.nbytes for a in arrays.values()) + 16 * len(tokens))
     data_path = folder / files.new_data_name(name)
@@ -194,6 +209,7 @@ def save_snapshot(
         "model": {"name": model_dir.name, **fingerprint},
         "tokens": tokens,
         "layers": records,
+        "checkpoints": checkpoints,
     }
     previous = _data_files(folder, name)
     files.write_bytes_atomic(manifest_path, _sealed(manifest), label="manifest")
@@ -258,23 +274,46 @@ def _check_compatible(manifest: dict[str, Any], session: Any, name: str) -> None
 
 
 def _reusable(
-    manifest: dict[str, Any], session: Any, prompt_ids: Sequence[int], keep_last: bool, name: str
-) -> int:
-    """Stored tokens to restore (0: none), after the prefix and rewind rules."""
+    manifest: dict[str, Any], prompt_ids: Sequence[int], keep_last: bool, name: str
+) -> tuple[int, int | None]:
+    """Stored tokens to restore (0: none), and the stored checkpoint to take the
+    non-paged layers from (None: their final state)."""
     stored = manifest["tokens"]
     keep = common_prefix(stored, prompt_ids)
     if keep_last:
         keep = min(keep, len(prompt_ids) - 1)
-    if 0 < keep < len(stored) and any(
-        r["kind"] == "state" and not r["trimmable"] for r in manifest["layers"]
-    ):
+    rigid = any(r["kind"] == "state" and not r["trimmable"] for r in manifest["layers"])
+    if keep <= 0 or keep == len(stored) or not rigid:
+        return max(keep, 0), None
+    # Linear-attention state cannot rewind: go back to the newest checkpoint the
+    # session had taken (message boundaries, prefill ends) at or before the cut.
+    checkpoints = manifest.get("checkpoints") or []
+    usable = [n for n, c in enumerate(checkpoints) if c["tokens"] <= keep]
+    if not usable:
         raise SnapshotRejected(
             f"Stored KV for {name!r} matches the conversation for {keep:,} of its "
             f"{len(stored):,} tokens, and this model's linear-attention or sliding-window "
-            "layers cannot rewind; the conversation is read again.",
+            "layers cannot rewind that far; the conversation is read again.",
             reason="diverged",
         )
-    return max(keep, 0)
+    number = max(usable, key=lambda n: checkpoints[n]["tokens"])
+    return checkpoints[number]["tokens"], number
+
+
+def _restore_checkpoints(
+    session: Any, manifest: dict[str, Any], arrays: dict[str, mx.array], tokens: int
+) -> None:
+    """Give the session back the stored checkpoints it can still rewind to."""
+    store = getattr(session, "checkpoints", None)
+    records = manifest.get("checkpoints") or []
+    if store is None or not records:
+        return
+    from engine.checkpoints import Checkpoint
+
+    for number, record in enumerate(records):
+        if record["tokens"] <= tokens:
+            states = checkpoint_states(records, number, arrays)
+            store.add(Checkpoint(record["tokens"], states, record["boundary"], record["bytes"]))
 
 
 def _verified_arrays(folder: Path, name: str, manifest: dict[str, Any]) -> dict[str, mx.array]:
@@ -341,17 +380,21 @@ def load_snapshot(
     except (_Corrupt, KeyError, TypeError) as error:
         raise _reject_corrupt(folder, name, str(error)) from None
     _check_compatible(manifest, session, name)
-    keep = _reusable(manifest, session, prompt_ids, keep_last, name)
+    keep, checkpoint = _reusable(manifest, prompt_ids, keep_last, name)
     if keep <= held:
         return held
     arrays = _verified_arrays(folder, name, manifest)
     try:
+        states = None
+        if checkpoint is not None:
+            states = checkpoint_states(manifest["checkpoints"], checkpoint, arrays)
         restore(
             session.cache, manifest["layers"], arrays, tokens=keep, total=stored_tokens,
             stored_mode=kvquant.normalize_mode(manifest["mode"]),
-            stored_page_size=int(manifest["page_size"]),
+            stored_page_size=int(manifest["page_size"]), checkpoint=states,
         )
         session.tokens = [int(t) for t in manifest["tokens"][:keep]]
+        _restore_checkpoints(session, manifest, arrays, keep)
         mx.eval(adapter.eval_targets(session.cache))
     except KvBudgetExceeded as error:
         session.reset()
