@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from engine.cache import kvquant
+from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
 
 PAGE_PARTS: tuple[str, ...] = ("k_codes", "k_scales", "v_codes", "v_scales")
@@ -223,6 +223,9 @@ def restore(
     for layer, record in zip(cache, records, strict=True):
         if record["kind"] == "paged":
             _restore_paged(layer, record, arrays, tokens, stored_mode, stored_page_size)
+            # One layer at a time: a mode conversion's float32 rows of every layer
+            # at once would take twice an fp16 cache's memory.
+            mx.eval(adapter.eval_targets([layer]))
         elif checkpoint is not None:
             if record["index"] not in from_checkpoint:
                 raise LayerMismatch(f"the checkpoint lacks layer {record['index']}")
