@@ -41,7 +41,12 @@ class LayerPages:
 
 @dataclass(frozen=True)
 class StatsSample:
-    """One snapshot of KV, page-pool and memory state; cheap to take often."""
+    """One snapshot of KV, page-pool and memory state; cheap to take often.
+
+    ``prefill_peak_bytes`` is what the session's next prefill chunk is expected to
+    need at its peak: weights + KV pages + the chunk's attention scratch and
+    activations (0: no session). Compare with ``mlx_peak_bytes``.
+    """
 
     session_id: str | None
     kv_mode: str | None
@@ -64,6 +69,7 @@ class StatsSample:
     pressure_level: str | None
     timestamp: float
     layers: tuple[LayerPages, ...] = field(default_factory=tuple)
+    prefill_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Will this many tokens fit? Pure arithmetic over model facts and free memory.
 
 No MLX call happens here, so the app may ask from any thread while the engine is
-busy (e.g. to warn before a document is dropped).
+busy (e.g. to warn before a document is dropped). Besides the KV pages, a prefill
+needs the weights, one chunk's attention scratch and its activations at once: the
+"prefill peak" that every estimate (this report, the guard, the stats) counts.
 """
 
 from __future__ import annotations
@@ -10,12 +12,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mlx.utils import tree_flatten
+
 from engine.cache import kvquant
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.memory_guard import MemoryGuard, default_headroom, human_bytes
 
 MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
+# The most one prefill chunk's attention scratch may take, at any context length.
+# engine.cache.attention is to export this (issue 12, item 1); same value until then.
+PREFILL_SCRATCH_BYTES = 256 * 2**20
+# Per chunk token, the arrays one layer keeps alive at once (the layers run one after
+# another): the residual, its norm, the attention output and its projection
+# (hidden-wide), queries, keys and values, and the MLP's gate, up and their product.
+# The vocabulary projection is not among them: prefill evaluates the cache only.
+_HIDDEN_COPIES = 4
+_MLP_COPIES = 3
 
 
 def ram_headroom(total: int) -> int:
@@ -66,6 +79,59 @@ def facts_from_cache(cache: list[Any], max_context: int) -> ModelFacts | None:
 
 
 @dataclass(frozen=True)
+class PrefillFacts:
+    """What reading a prompt in needs in memory besides the KV pages.
+
+    Attributes:
+        weights_bytes: the loaded model's weights.
+        activation_bytes_per_token: activations of one chunk token inside one layer.
+        scratch_bytes: the attention's scratch for one chunk, the same at any context.
+    """
+
+    weights_bytes: int
+    activation_bytes_per_token: int
+    scratch_bytes: int = PREFILL_SCRATCH_BYTES
+
+    def transient_bytes(self, chunk: int) -> int:
+        """Bytes one chunk of ``chunk`` tokens needs while it runs (scratch + activations)."""
+        return self.scratch_bytes + chunk * self.activation_bytes_per_token
+
+    def peak_bytes(self, kv_bytes: int, chunk: int) -> int:
+        """The prefill peak: weights + ``kv_bytes`` of pages + one chunk's transient."""
+        return self.weights_bytes + kv_bytes + self.transient_bytes(chunk)
+
+
+def _arg(args: Any, name: str) -> int:
+    return int(getattr(args, name, 0) or 0)
+
+
+def prefill_facts(
+    model: Any, compute_bytes: int, scratch_bytes: int = PREFILL_SCRATCH_BYTES
+) -> PrefillFacts:
+    """Estimate a prefill's needs from an mlx-lm model's config and array shapes.
+
+    Reads ``model.args`` and the parameters' sizes only (nothing is evaluated).
+
+    Args:
+        model: an mlx-lm model.
+        compute_bytes: bytes of one activation value (4 where MLX computes in fp32).
+        scratch_bytes: the attention's scratch budget per chunk.
+    """
+    args = getattr(model, "args", None)
+    hidden = _arg(args, "hidden_size")
+    heads = _arg(args, "num_attention_heads")
+    kv_heads = _arg(args, "num_key_value_heads") or heads
+    head_dim = _arg(args, "head_dim") or (hidden // heads if heads else 0)
+    # A MoE layer runs its chosen experts (and a shared one) on every token.
+    experts = (_arg(args, "moe_intermediate_size") * _arg(args, "num_experts_per_tok")
+               + _arg(args, "shared_expert_intermediate_size"))
+    mlp = max(_arg(args, "intermediate_size"), experts)
+    per_value = _HIDDEN_COPIES * hidden + (heads + 2 * kv_heads) * head_dim + _MLP_COPIES * mlp
+    weights = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
+    return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes)
+
+
+@dataclass(frozen=True)
 class ModeFit:
     """How ``token_count`` tokens fare in one KV mode.
 
@@ -79,6 +145,8 @@ class ModeFit:
         tokens_fit_ram: tokens this mode could hold in free RAM now.
         tokens_fit_budget: tokens the budget holds in this mode (None: no budget).
         tokens_fit: tokens this mode can hold in all (context, budget, RAM).
+        prefill_peak_bytes: weights + these KV bytes + one chunk's scratch and
+            activations: what reading the tokens in needs at its peak (0: unknown).
     """
 
     mode: str
@@ -90,6 +158,7 @@ class ModeFit:
     tokens_fit_ram: int
     tokens_fit_budget: int | None
     tokens_fit: int
+    prefill_peak_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -99,7 +168,11 @@ class ModeFit:
 
 @dataclass(frozen=True)
 class FitReport:
-    """Whether ``token_count`` tokens fit, per KV mode, and what to do if not."""
+    """Whether ``token_count`` tokens fit, per KV mode, and what to do if not.
+
+    ``free_bytes`` is what the pages may take: free RAM after the headroom and
+    after ``transient_bytes``, one prefill chunk's scratch and activations.
+    """
 
     token_count: int
     max_context: int
@@ -109,6 +182,14 @@ class FitReport:
     modes: tuple[ModeFit, ...]
     free_bytes: int = 0
     other_sessions_bytes: int = 0
+    prefill: PrefillFacts | None = None
+    chunk_tokens: int = 0
+    transient_bytes: int = 0
+
+    @property
+    def prefill_peak_bytes(self) -> int:
+        """The prefill peak in the session's mode (else the suggested one, else fp16)."""
+        return self.for_mode(self.session_mode or self.suggested_mode or "fp16").prefill_peak_bytes
 
     def for_mode(self, mode: str) -> ModeFit:
         """Return the entry for ``mode`` (any accepted alias)."""
@@ -137,8 +218,10 @@ class FitReport:
                       "other open conversations" if self.other_sessions_bytes else "")
             limits.append(f"the KV budget left for it ({human_bytes(self.budget_bytes)}"
                           f"{others}) holds {entry.tokens_fit_budget or 0:,} tokens in {mode}")
-        limits.append(f"free RAM ({human_bytes(self.free_bytes)} after the safety headroom) "
-                      f"holds about {entry.tokens_fit_ram:,} tokens in {mode}")
+        reading = (f" and {human_bytes(self.transient_bytes)} for reading it in"
+                   if self.transient_bytes else "")
+        limits.append(f"free RAM ({human_bytes(self.free_bytes)} after the safety headroom"
+                      f"{reading}) holds about {entry.tokens_fit_ram:,} tokens in {mode}")
         needed = (f" ({human_bytes(entry.bytes_needed)} of KV in {mode})"
                   if entry.supported else "")
         text = (f"This conversation needs {self.token_count:,} tokens{needed} but only "
@@ -176,6 +259,8 @@ def fit_report(
     session_mode: str | None = None,
     session_bytes_allocated: int = 0,
     other_sessions_bytes: int = 0,
+    prefill: PrefillFacts | None = None,
+    chunk_tokens: int = 0,
 ) -> FitReport:
     """Project whether ``token_count`` tokens fit, for every KV mode.
 
@@ -194,8 +279,11 @@ def fit_report(
             usable again by every mode (growing in place, or reopening elsewhere).
         other_sessions_bytes: KV bytes other open sessions hold; ``budget_bytes`` is
             then what they leave of the one shared budget (for the message).
+        prefill: the model's prefill needs; None counts the pages only.
+        chunk_tokens: tokens of the prefill chunk whose transient must fit too.
     """
-    free = max(0, available_bytes - headroom_bytes) + session_bytes_allocated
+    transient = prefill.transient_bytes(chunk_tokens) if prefill else 0
+    free = max(0, available_bytes - headroom_bytes - transient) + session_bytes_allocated
     entries = []
     for mode in MODES:
         try:
@@ -224,6 +312,7 @@ def fit_report(
             tokens_fit_ram=ram_tokens,
             tokens_fit_budget=budget_tokens,
             tokens_fit=min(limits),
+            prefill_peak_bytes=prefill.peak_bytes(needed, chunk_tokens) if prefill else 0,
         ))
     return FitReport(
         token_count=token_count,
@@ -234,6 +323,9 @@ def fit_report(
         modes=tuple(entries),
         free_bytes=free,
         other_sessions_bytes=other_sessions_bytes,
+        prefill=prefill,
+        chunk_tokens=chunk_tokens,
+        transient_bytes=transient,
     )
 
 
@@ -246,11 +338,14 @@ def guarded_fit_report(
     session_id: str | None = None,
     session_mode: str | None = None,
     session_bytes_allocated: int = 0,
+    prefill: PrefillFacts | None = None,
+    chunk_tokens: int = 0,
 ) -> FitReport:
     """``fit_report`` with the guard's free RAM, headroom and KV budget share filled in.
 
     ``session_id`` names the session asking (None: a chat not opened yet), whose
-    own pages are not counted against it.
+    own pages are not counted against it; ``prefill`` and ``chunk_tokens`` add the
+    prefill peak (see :func:`fit_report`).
     """
     reading = guard.read()
     share = guard.kv_share(session_id)  # one read of a budget the worker may change
@@ -267,4 +362,6 @@ def guarded_fit_report(
         session_mode=session_mode,
         session_bytes_allocated=session_bytes_allocated,
         other_sessions_bytes=guard.held_bytes(exclude=session_id) if share is not None else 0,
+        prefill=prefill,
+        chunk_tokens=chunk_tokens,
     )

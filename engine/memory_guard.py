@@ -7,7 +7,10 @@ free for the system and other apps, and:
 
 - gives every open session's page pool a byte limit drawn from ONE budget: the
   pages of all sessions together stay within the configured KV budget and
-  within free RAM minus the headroom;
+  within free RAM minus the headroom, minus what the session's prefill chunk
+  needs while it runs (attention scratch and activations), so pages never take
+  the memory the next chunk needs;
+- sizes prefill chunks so one chunk's transient fits free RAM;
 - refuses a model load whose weights would not fit, naming the numbers;
 - watches system memory while the engine works and reports critical pressure
   (available memory below a floor, or macOS's "critical" pressure level), so a
@@ -113,6 +116,7 @@ class MemoryGuard:
         self.clock = clock
         self._lock = threading.Lock()
         self._pools: dict[str, Any] = {}
+        self._transient: dict[str, int] = {}
         self._ram_bound: dict[str, bool] = {}
         self._last_check: float | None = None
 
@@ -163,10 +167,15 @@ class MemoryGuard:
 
     # -- one KV budget for every session's pages ----------------------------
 
-    def attach(self, key: str, pool: Any) -> None:
-        """Make ``pool`` (a ``PagePool``) draw from this budget, under ``key``."""
+    def attach(self, key: str, pool: Any, transient_bytes: int = 0) -> None:
+        """Make ``pool`` (a ``PagePool``) draw from this budget, under ``key``.
+
+        ``transient_bytes`` stay free of its pages: what one prefill chunk of the
+        session needs while it runs.
+        """
         with self._lock:
             self._pools[key] = pool
+            self._transient[key] = transient_bytes
         self.refresh(key)
 
     def detach(self, key: str, pool: Any = None) -> None:
@@ -174,6 +183,7 @@ class MemoryGuard:
         with self._lock:
             if pool is None or self._pools.get(key) is pool:
                 self._pools.pop(key, None)
+                self._transient.pop(key, None)
                 self._ram_bound.pop(key, None)
 
     def held_bytes(self, exclude: str | None = None) -> int:
@@ -193,19 +203,34 @@ class MemoryGuard:
         """Set ``key``'s pool limit to what it may hold now; returns that limit.
 
         The limit is the smaller of its share of the KV budget and what it holds
-        plus free RAM, so pages never eat into the headroom.
+        plus free RAM less its prefill transient, so pages never eat into the
+        headroom nor into the memory the next prefill chunk needs.
         """
         with self._lock:
             pool = self._pools.get(key)
+            transient = self._transient.get(key, 0)
         if pool is None:
             return None
         share = self.kv_share(key)
-        ram = int(pool.bytes_allocated) + self.free_bytes(reading)
+        ram = int(pool.bytes_allocated) + max(0, self.free_bytes(reading) - transient)
         limit = ram if share is None else min(share, ram)
         pool.budget_bytes = limit
         with self._lock:
             self._ram_bound[key] = share is None or ram < share
         return limit
+
+    def chunk_room(self, token_bytes: int, fixed_bytes: int) -> int:
+        """Tokens of the largest prefill chunk whose transient fits free RAM now.
+
+        Args:
+            token_bytes: bytes each chunk token needs (activations and new pages).
+            fixed_bytes: bytes any chunk needs (the attention scratch).
+
+        Returns:
+            The tokens, 0 when not even one fits.
+        """
+        room = self.free_bytes() - fixed_bytes
+        return max(0, room // max(1, token_bytes))
 
     def ram_bound(self, key: str) -> bool:
         """Whether free RAM, not the KV budget, set ``key``'s pool limit last."""

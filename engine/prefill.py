@@ -30,6 +30,10 @@ Emit = Callable[[object], None]
 MIN_CHUNK = 64  # below this, prefill spends more on per-call overhead than on tokens
 
 
+class _NoRoom(Exception):
+    """Free RAM cannot hold even a one-token prefill chunk's scratch and activations."""
+
+
 class ChunkedPrefill:
     """Prefill in chunks for a Session (see the module docstring)."""
 
@@ -41,6 +45,9 @@ class ChunkedPrefill:
     chunk_seconds: float | None
     clock: Callable[[], float]
     _paced_chunk: int
+    guard: Any
+    prefill_facts: Any
+    kv_token_bytes: int
 
     def _forward(self, ids: list[int]) -> None:
         # Raises KvBudgetExceeded before any layer changes.
@@ -82,7 +89,7 @@ class ChunkedPrefill:
         while done < len(ids):
             if cancel.is_set():
                 raise Cancelled("Ingest cancelled.")
-            end = min([done + size, len(ids), *(c for c in cuts if c > done)])
+            end = min([done + self._fitting(size), len(ids), *(c for c in cuts if c > done)])
             chunk = ids[done:end]
             began = self.clock()
             self._forward(chunk)
@@ -102,11 +109,25 @@ class ChunkedPrefill:
             tick()
         return self.clock() - start
 
+    def _fitting(self, size: int) -> int:
+        """``size``, or fewer tokens when free RAM holds no larger chunk's peak.
+
+        Raises:
+            _NoRoom: not even one token's chunk fits.
+        """
+        facts = self.prefill_facts
+        room = self.guard.chunk_room(facts.activation_bytes_per_token + self.kv_token_bytes,
+                                     facts.scratch_bytes)
+        if room < 1:
+            raise _NoRoom("free RAM cannot hold one more prefill chunk")
+        return min(size, room)
+
     def set_chunk_size(self, chunk_size: int) -> None:
         """Use ``chunk_size`` as the largest prefill chunk from the next one on."""
         self.chunk_size = chunk_size
         paced = self.chunk_seconds is not None
         self._paced_chunk = min(self._paced_chunk, chunk_size) if paced else chunk_size
+        self._attach_pool()  # the guard keeps the new chunk's transient free of pages
 
     def _next_chunk(self, last: int, seconds: float) -> int:
         if self.chunk_seconds is None or seconds <= 0:
@@ -144,10 +165,10 @@ class ChunkedPrefill:
                     "to continue from there."
                 ) from None
             raise
-        except KvBudgetExceeded as error:
+        except (_NoRoom, KvBudgetExceeded) as error:
             # Raised before the chunk touched any layer.
             kept = f"Longleaf {self._kept(total)}."
-            if self.guard.ram_bound(self.session_id):
+            if isinstance(error, _NoRoom) or self.guard.ram_bound(self.session_id):
                 # Free RAM, not the configured budget, ran out: say so with numbers.
                 self.memory_stop = str(error)
                 raise ContextTooLong(f"{self.fit_report(total).message()} {kept}") from error
@@ -165,6 +186,11 @@ class ChunkedPrefill:
                 f"It {self._kept(total)}; close other apps or conversations, or "
                 "lower the ingest chunk, then send again to continue from there."
             ) from error
+
+
+def activation_value_bytes() -> int:
+    """Bytes of one activation value: MLX computes in fp32 on the CPU, 16-bit on a GPU."""
+    return 4 if mx.default_device() == mx.cpu else 2
 
 
 def _out_of_memory(error: Exception) -> bool:

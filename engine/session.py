@@ -24,7 +24,7 @@ from engine.errors import (
 )
 from engine.events import GenerationStats
 from engine.memory_guard import MemoryGuard, PressureWatch
-from engine.prefill import MIN_CHUNK, ChunkedPrefill, Emit
+from engine.prefill import MIN_CHUNK, ChunkedPrefill, Emit, activation_value_bytes
 from engine.prompt_ids import (
     common_prefix,
     end_of_turn_ids,
@@ -58,6 +58,8 @@ class Session(ChunkedPrefill):
             parity checks).
         guard: the memory guard whose one KV budget and RAM headroom every
             session's pages share; None makes a guard for this session alone.
+        scratch_bytes: the prefill attention's scratch per chunk, counted with
+            the weights, pages and activations in every memory estimate.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Session(ChunkedPrefill):
         chunk_size: int = DEFAULT_CHUNK,
         chunk_seconds: float | None = None,
         guard: MemoryGuard | None = None,
+        scratch_bytes: int = fit.PREFILL_SCRATCH_BYTES,
     ) -> None:
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")
@@ -97,11 +100,17 @@ class Session(ChunkedPrefill):
         # (tokens kept, tokens of the conversation) when the last request's prefill
         # stopped short (cancel, memory, a failed chunk); None when it did not.
         self.prefill_stop: tuple[int, int] | None = None
+        self.prefill_facts = fit.prefill_facts(self.model, activation_value_bytes(), scratch_bytes)
         self.cache = self._new_cache()
         # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
         self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
         self.facts = (fit.facts_from_cache(self.cache, max_context)
                       or fit.facts_from_info(loaded.info))
+        # KV bytes one more token takes over every paged layer (pages come whole,
+        # but per token is what sizes a chunk).
+        self.kv_token_bytes = -(-kvquant.project_kv_bytes(
+            self.facts.attention_layers, self.facts.kv_heads, self.facts.head_dim,
+            page_size, self.mode) // page_size)
 
     # -- cache bookkeeping -------------------------------------------------
 
@@ -118,13 +127,20 @@ class Session(ChunkedPrefill):
         self._tokens = ids
 
     def _new_cache(self) -> list[Any]:
-        cache = adapter.make_cache(self.model, self.mode, page_size=self.page_size)
-        pool = next((c.pool for c in cache if isinstance(c, PagedKVCache)), None)
+        self.cache = adapter.make_cache(self.model, self.mode, page_size=self.page_size)
+        self._attach_pool()
+        return self.cache
+
+    def _pool(self) -> Any | None:
+        return next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)
+
+    def _attach_pool(self) -> None:
+        pool = self._pool()
         if pool is not None:
             # The guard sets and keeps updating the pool's limit: its share of
-            # the one KV budget, bounded by free RAM.
-            self.guard.attach(self.session_id, pool)
-        return cache
+            # the one KV budget, bounded by free RAM less a prefill chunk's needs.
+            self.guard.attach(self.session_id, pool,
+                              self.prefill_facts.transient_bytes(self.smallest_chunk))
 
     def reset(self) -> None:
         """Drop every held token and page."""
@@ -134,7 +150,7 @@ class Session(ChunkedPrefill):
 
     def close(self) -> None:
         """Release the cache's pages."""
-        pool = next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)
+        pool = self._pool()
         if pool is not None:
             self.guard.detach(self.session_id, pool)
         self.cache = []
@@ -210,7 +226,27 @@ class Session(ChunkedPrefill):
             self.guard, self.facts, token_count, self.page_size, session_id=self.session_id,
             session_mode=self.mode,
             session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
+            prefill=self.prefill_facts, chunk_tokens=self.smallest_chunk,
         )
+
+    @property
+    def smallest_chunk(self) -> int:
+        """The chunk every memory limit reserves room for.
+
+        Prefill shrinks its chunks (down to one token) when free RAM holds no
+        larger one; below this size it spends more on overhead than on tokens.
+        """
+        return min(MIN_CHUNK, self.chunk_size)
+
+    def prefill_peak_bytes(self) -> int:
+        """The peak the next prefill chunk is expected to reach (no MLX evaluation).
+
+        Weights, the pages held plus the chunk's, its attention scratch and its
+        activations, for the chunk the next prefill starts with.
+        """
+        held = int(self.stats().bytes_allocated) if self.cache else 0
+        chunk = self._paced_chunk
+        return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk)
 
     def room_for(self, token_count: int) -> int:
         """Tokens that may follow ``token_count`` tokens; raises if those don't fit.

@@ -110,6 +110,7 @@ def stats_sample(
     session_id: str | None,
     cache_stats: Any | None,
     memory: MemorySnapshot | None = None,
+    prefill_peak_bytes: int = 0,
 ) -> StatsSample:
     """Build a ``StatsSample`` from an adapter ``CacheStats`` (or None) and memory.
 
@@ -117,6 +118,8 @@ def stats_sample(
         session_id: the session the pages belong to, or None when idle.
         cache_stats: ``engine.cache.adapter.CacheStats`` of that session, or None.
         memory: a snapshot to use; taken now when None.
+        prefill_peak_bytes: the session's predicted prefill peak
+            (``Session.prefill_peak_bytes``), or 0.
     """
     memory = memory or memory_snapshot()
     cache = cache_stats
@@ -142,6 +145,7 @@ def stats_sample(
         pressure_level=memory.pressure_level,
         timestamp=time.time(),
         layers=_layer_pages(getattr(cache, "layers", ())),
+        prefill_peak_bytes=int(prefill_peak_bytes),
     )
 
 

@@ -27,6 +27,7 @@ from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSam
 from engine.fit import facts_from_info
 from engine.heartbeat import StatsChannel, StatsHeartbeat
 from engine.memory_guard import MemoryGuard
+from engine.prefill import MIN_CHUNK, activation_value_bytes
 from engine.prompt_ids import clean_text
 from engine.sampling import SamplingParams
 from engine.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, Session
@@ -93,6 +94,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._loaded: Any = None
         self._loaded_bytes = 0  # estimated weight bytes of the loaded model
+        self._prefill: fit.PrefillFacts | None = None  # the loaded model's prefill needs
         self._sessions: dict[str, Session] = {}
         self._stats = StatsChannel(self._emit)
         self._current: _Command | None = None
@@ -173,6 +175,7 @@ class EngineWorker:
         """
         with self._lock:
             loaded = self._loaded
+            prefill = self._prefill
             session = self._sessions.get(session_id) if session_id is not None else None
         if loaded is None:
             raise EngineError("Load a model first.")
@@ -182,7 +185,9 @@ class EngineWorker:
             return session.fit_report(token_count)
         # A chat not opened yet: the model's facts and the default page size.
         facts = facts_from_info(loaded.info)
-        return fit.guarded_fit_report(self.guard, facts, token_count, DEFAULT_PAGE_SIZE)
+        return fit.guarded_fit_report(self.guard, facts, token_count, DEFAULT_PAGE_SIZE,
+                                      prefill=prefill,
+                                      chunk_tokens=min(MIN_CHUNK, self.chunk_size))
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` encodes to with the loaded model's tokenizer.
@@ -287,9 +292,12 @@ class EngineWorker:
         return tick
 
     def _publish(self, session: Session | None) -> None:
-        cache_stats = session.stats() if session is not None and session.cache else None
+        live = session is not None and bool(session.cache)
+        cache_stats = session.stats() if live else None
+        peak = session.prefill_peak_bytes() if live else 0
         session_id = session.session_id if session else None
-        self._stats.publish(lambda: stats_sample(session_id, cache_stats))
+        self._stats.publish(lambda: stats_sample(session_id, cache_stats,
+                                                 prefill_peak_bytes=peak))
 
     def _heartbeat(self) -> StatsHeartbeat:
         return StatsHeartbeat(self._stats, self._throttle.interval)
@@ -300,6 +308,7 @@ class EngineWorker:
             self._sessions.clear()
             self._loaded = None
             self._loaded_bytes = 0
+            self._prefill = None
         for session in sessions:
             session.close()
         mx.clear_cache()
@@ -319,9 +328,11 @@ class EngineWorker:
             self._release_model()
         loaded = load_model(folder)
         self._release_model()
+        prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
         with self._lock:
             self._loaded = loaded
             self._loaded_bytes = needed
+            self._prefill = prefill
         return ModelLoaded(command.request_id, loaded.info)
 
     def _do_open_session(self, command: _Command) -> object:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load
 
 from engine.cache import kvquant
 from engine.errors import ContextTooLong
-from engine.fit import MODES, fit_report
+from engine.fit import MODES, PrefillFacts, fit_report, prefill_facts
+from engine.session import Session
+from tests.engine.tinymodels import make_tiny_model_dir
 
 GIB = 2**30
+MIB = 2**20
 # A 16-layer, 4-KV-head, head_dim 256 model at 256 tokens per page.
 MODEL = {"attention_layers": 16, "kv_heads": 4, "head_dim": 256, "page_size": 256}
 
@@ -80,3 +90,76 @@ def test_q6_unsupported_head_dim_is_reported_not_raised() -> None:
 def test_aliases_are_accepted() -> None:
     report = _report(token_count=10, session_mode="8bit")
     assert report.session_mode == "q8" and report.for_mode("int4").mode == "q4"
+
+
+# -- the prefill peak ----------------------------------------------------------------
+
+PREFILL = PrefillFacts(weights_bytes=14 * GIB, activation_bytes_per_token=160 * 1024,
+                       scratch_bytes=256 * MIB)
+
+
+def test_prefill_peak_is_weights_kv_scratch_and_one_chunks_activations() -> None:
+    report = _report(token_count=131_072, prefill=PREFILL, chunk_tokens=512, session_mode="q6")
+    transient = 256 * MIB + 512 * 160 * 1024
+    assert report.transient_bytes == transient
+    for mode in MODES:
+        entry = report.for_mode(mode)
+        assert entry.prefill_peak_bytes == 14 * GIB + entry.bytes_needed + transient
+    assert report.prefill_peak_bytes == report.for_mode("q6").prefill_peak_bytes
+    pages_only = _report(token_count=131_072, session_mode="q6")
+    assert pages_only.prefill_peak_bytes == 0 and pages_only.transient_bytes == 0
+
+
+def test_the_prefill_transient_must_fit_free_ram_beside_the_pages() -> None:
+    # q6 at 262k needs ~6.06 GiB of pages: 6.3 GiB free holds them, but not once one
+    # prefill chunk needs 512 MiB (256 MiB scratch, 256 tokens of 1 MiB) beside them.
+    available = int(6.3 * GIB)
+    assert _report(token_count=262_144, available_bytes=available, session_mode="q6").fits
+    chunk = PrefillFacts(weights_bytes=0, activation_bytes_per_token=MIB, scratch_bytes=256 * MIB)
+    report = _report(token_count=262_144, available_bytes=available, session_mode="q6",
+                     prefill=chunk, chunk_tokens=256)
+    assert not report.fits and report.suggested_mode == "q4"
+    page = kvquant.project_kv_bytes(16, 4, 256, 256, "q6")
+    assert report.for_mode("q6").tokens_fit_ram == (available - 512 * MIB) // page * 256
+    assert "after the safety headroom and 512.0 MiB for reading it in" in report.message()
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SimpleNamespace]:
+    # Wide enough that the MLP's activations, not per-call overhead, dominate a chunk.
+    folder = make_tiny_model_dir(tmp_path_factory.mktemp("fit-models"), "llama",
+                                 hidden_size=256, intermediate_size=1024)
+    model, tokenizer = load(str(folder))
+    return folder, SimpleNamespace(model=model, tokenizer=tokenizer,
+                                   info=SimpleNamespace(max_context=4096))
+
+
+def test_prefill_facts_count_every_weight_and_the_compute_width(wide_llama) -> None:
+    folder, loaded = wide_llama
+    facts = prefill_facts(loaded.model, compute_bytes=4)
+    stored = (folder / "model.safetensors").stat().st_size  # float32 weights plus a header
+    assert 0 < stored - facts.weights_bytes < 64 * 1024
+    assert facts.weights_bytes == sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+    assert prefill_facts(loaded.model, compute_bytes=2).activation_bytes_per_token * 2 == \
+        facts.activation_bytes_per_token
+
+
+def test_a_real_chunk_stays_within_the_predicted_transient(wide_llama) -> None:
+    _, loaded = wide_llama
+    chunk = 256
+    session = Session("s", loaded, "fp16", chunk_size=chunk)
+    heads = loaded.model.args.num_attention_heads
+    # The attention's scratch for a first chunk: its scores, exponentials and mask
+    # (fp32, every head, chunk x chunk), far under the 256 MiB budget at this size.
+    scratch = 3 * heads * chunk * chunk * 4
+    ids = [(7 * i) % 300 + 3 for i in range(chunk)]
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    session.prefill(ids, request_id=0, cancel=threading.Event(), emit=lambda e: None,
+                    tick=lambda: None)
+    measured = mx.get_peak_memory() - before
+    pages = session.stats().bytes_allocated  # whole slabs, as allocated
+    predicted = scratch + chunk * session.prefill_facts.activation_bytes_per_token + pages
+    # An upper bound, and not a wild one.
+    assert measured <= predicted <= 3 * measured

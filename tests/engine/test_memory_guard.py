@@ -32,6 +32,7 @@ from engine.memory_guard import (
     MemoryReading,
     default_floor,
     default_headroom,
+    human_bytes,
     system_memory,
 )
 from engine.models.loader import estimate_load_bytes
@@ -216,6 +217,43 @@ def test_free_ram_bounds_pools_without_a_budget() -> None:
         pool.ensure(16 * 4)
 
 
+
+def test_pages_leave_free_ram_for_the_prefill_transient() -> None:
+    memory = FakeMemory(available=8 * PAGE)
+    guard = _guard(memory)
+    pool = _pool()
+    guard.attach("s", pool, transient_bytes=5 * PAGE)
+    assert pool.budget_bytes == 3 * PAGE
+    memory.available = 4 * PAGE  # less than the transient: no new page, none taken back
+    guard.refresh("s")
+    assert pool.budget_bytes == pool.bytes_allocated == 0
+
+
+def test_chunk_room_is_what_free_ram_holds_beside_the_scratch() -> None:
+    memory = FakeMemory(available=10 * MIB)
+    guard = _guard(memory, headroom_bytes=2 * MIB)
+    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=4 * MIB) == 64
+    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=8 * MIB) == 0
+    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=9 * MIB) == 0
+
+
+def test_prefill_chunks_shrink_to_what_free_ram_holds(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory)
+    session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=200,
+                      scratch_bytes=MIB)
+    facts = session.prefill_facts
+    # Free RAM for the scratch and 100 tokens of activations and pages, no more.
+    memory.available = facts.scratch_bytes + 100 * (facts.activation_bytes_per_token
+                                                    + session.kv_token_bytes)
+    recorder = Recorder()
+    _ingest(session, _user(QUESTION * 8), recorder)
+    done = [e.tokens_done for e in recorder.of(IngestProgress)]
+    steps = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert steps[:-1] == [100] * (len(steps) - 1) and 0 < steps[-1] <= 100
+    assert done[-1] == len(session.tokens) > 200
+
+
 # -- model loads ---------------------------------------------------------------
 
 
@@ -270,12 +308,18 @@ def test_second_session_gets_what_the_first_leaves_of_the_budget(llama) -> None:
 
 
 def test_ingest_past_free_ram_is_refused_up_front_with_numbers(llama) -> None:
-    guard = _guard(FakeMemory(available=3 * PAGE))
-    session = Session("s", llama, "fp16", page_size=16, guard=guard)
+    memory = FakeMemory()
+    guard = _guard(memory)
+    session = Session("s", llama, "fp16", page_size=16, guard=guard, scratch_bytes=MIB)
+    # Free RAM holds one prefill chunk's scratch and activations plus three pages.
+    transient = session.prefill_facts.transient_bytes(session.smallest_chunk)
+    assert transient > MIB
+    memory.available = 3 * PAGE + transient
     with pytest.raises(ContextTooLong) as error:
         _ingest(session, _user(QUESTION * 4), Recorder())
     message = str(error.value)
-    assert "free RAM (24.0 KiB after the safety headroom) holds about 48 tokens in fp16" in message
+    assert (f"free RAM (24.0 KiB after the safety headroom and {human_bytes(transient)} for "
+            "reading it in) holds about 48 tokens in fp16") in message
     assert re.search(r"Reopen this conversation in q[864] to fit it\.$", message)
     assert session.tokens == [] and session.tokens_ingested == 0
 
@@ -520,14 +564,15 @@ def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) 
             memory.available = 0  # the pages already taken are all there is
 
     session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=16)
+    transient = human_bytes(session.prefill_facts.transient_bytes(session.smallest_chunk))
     messages = _user(QUESTION * 8)
     with pytest.raises(ContextTooLong) as error:
         _ingest(session, messages, Recorder(fill))
     held = session.stats().bytes_allocated
     prompt = session.render(messages, add_generation_prompt=False)
     assert str(error.value).startswith(f"This conversation needs {len(prompt):,} tokens")
-    assert (f"free RAM ({held / 1024:.1f} KiB after the safety headroom) holds about "
-            f"{held // PAGE * 16} tokens in fp16") in str(error.value)
+    assert (f"free RAM ({held / 1024:.1f} KiB after the safety headroom and {transient} for "
+            f"reading it in) holds about {held // PAGE * 16} tokens in fp16") in str(error.value)
     # The chunks read before RAM ran out stay held, and the message says how many.
     kept = len(session.tokens)
     assert str(error.value).endswith(f"Longleaf kept {kept:,} of {len(prompt):,} tokens.")

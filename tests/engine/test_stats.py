@@ -75,6 +75,13 @@ def test_stats_sample_copies_cache_and_memory_fields() -> None:
     assert (sample.system_available_bytes, sample.system_used_percent) == (6, 7.5)
     assert (sample.swap_used_bytes, sample.pressure_level) == (8, "normal")
     assert sample.layers == (LayerPages(0, 2, 300, 500), LayerPages(1, 2, 300, 500))
+    assert sample.prefill_peak_bytes == 0  # not given: unknown
+
+
+def test_stats_sample_carries_the_predicted_prefill_peak() -> None:
+    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    sample = stats_sample("s1", FakeCacheStats(), memory, prefill_peak_bytes=3 * 2**30)
+    assert sample.prefill_peak_bytes == 3 * 2**30 and sample.kv_bytes_allocated == 1500
 
 
 def test_stats_sample_without_a_session_reports_zero_pages() -> None:

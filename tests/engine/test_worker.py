@@ -127,6 +127,9 @@ def test_chat_streams_events_in_order_on_the_engine_thread(start_worker, model_d
     assert samples and samples[-1].session_id == "s" and samples[-1].kv_mode == "q8"
     latest = worker.latest_stats()
     assert latest is not None and latest.tokens_in_context > 0 and latest.pages_in_use > 0
+    # The predicted prefill peak: the weights and the held pages plus one chunk's needs.
+    weights = worker._prefill.weights_bytes
+    assert latest.prefill_peak_bytes > weights + latest.kv_bytes_allocated
 
 
 def test_matches_a_direct_session(start_worker, model_dirs) -> None:
@@ -348,3 +351,12 @@ def test_cancelled_ingest_says_what_it_kept_and_the_next_one_continues(model_dir
         assert progress[-1].tokens_total == total - 16  # only what was not held
     finally:
         worker.shutdown(timeout=10.0)
+
+
+def test_fit_check_before_a_chat_is_opened_counts_the_prefill_peak(start_worker, model_dirs):
+    worker, _ = _ready(start_worker, model_dirs["llama"], chunk_size=128)
+    report = worker.fit_check(None, 1000)
+    session = worker.fit_check("s", 1000)
+    # Same model, same smallest chunk: the same transient, opened or not.
+    assert report.transient_bytes == session.transient_bytes > 0
+    assert report.prefill_peak_bytes > report.transient_bytes + report.for_mode("fp16").bytes_needed
