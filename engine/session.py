@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from engine import checkpoints, fit
@@ -59,7 +60,8 @@ class Session(ChunkedPrefill):
         guard: the memory guard whose one KV budget and RAM headroom every
             session's pages share; None makes a guard for this session alone.
         scratch_bytes: the prefill attention's scratch per chunk, counted with
-            the weights, pages and activations in every memory estimate.
+            the weights, pages and activations in every memory estimate; None
+            takes the page pool's own budget (``fit.PREFILL_SCRATCH_BYTES``).
     """
 
     def __init__(
@@ -73,7 +75,7 @@ class Session(ChunkedPrefill):
         chunk_size: int = DEFAULT_CHUNK,
         chunk_seconds: float | None = None,
         guard: MemoryGuard | None = None,
-        scratch_bytes: int = fit.PREFILL_SCRATCH_BYTES,
+        scratch_bytes: int | None = None,
     ) -> None:
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")
@@ -100,7 +102,10 @@ class Session(ChunkedPrefill):
         # (tokens kept, tokens of the conversation) when the last request's prefill
         # stopped short (cancel, memory, a failed chunk); None when it did not.
         self.prefill_stop: tuple[int, int] | None = None
-        self.prefill_facts = fit.prefill_facts(self.model, activation_value_bytes(), scratch_bytes)
+        self._scratch_bytes = scratch_bytes
+        self.prefill_facts = fit.prefill_facts(
+            self.model, activation_value_bytes(),
+            fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes)
         self.cache = self._new_cache()
         # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
         self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
@@ -136,6 +141,10 @@ class Session(ChunkedPrefill):
 
     def _attach_pool(self) -> None:
         pool = self._pool()
+        budget = getattr(pool, "scratch_bytes", None)
+        if self._scratch_bytes is None and isinstance(budget, int):
+            # The attention bounds a chunk's scratch by its pool's budget: count that one.
+            self.prefill_facts = replace(self.prefill_facts, scratch_bytes=budget)
         if pool is not None:
             # The guard sets and keeps updating the pool's limit: its share of
             # the one KV budget, bounded by free RAM less a prefill chunk's needs.

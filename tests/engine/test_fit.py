@@ -13,7 +13,7 @@ from mlx_lm.utils import load
 
 from engine.cache import kvquant
 from engine.errors import ContextTooLong
-from engine.fit import MODES, PrefillFacts, fit_report, prefill_facts
+from engine.fit import MODES, PREFILL_SCRATCH_BYTES, PrefillFacts, fit_report, prefill_facts
 from engine.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -163,3 +163,12 @@ def test_a_real_chunk_stays_within_the_predicted_transient(wide_llama) -> None:
     predicted = scratch + chunk * session.prefill_facts.activation_bytes_per_token + pages
     # An upper bound, and not a wild one.
     assert measured <= predicted <= 3 * measured
+
+
+def test_a_session_counts_the_scratch_budget_its_attention_keeps(wide_llama) -> None:
+    _, loaded = wide_llama
+    session = Session("s", loaded, "q8")
+    pool = next(layer.pool for layer in session.cache if hasattr(layer, "pool"))
+    expected = getattr(pool, "scratch_bytes", PREFILL_SCRATCH_BYTES)
+    assert session.prefill_facts.scratch_bytes == expected
+    assert Session("e", loaded, "q8", scratch_bytes=MIB).prefill_facts.scratch_bytes == MIB
