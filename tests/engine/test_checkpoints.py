@@ -278,3 +278,26 @@ def test_an_unexpected_error_mid_prefill_rolls_back_and_is_raised(models) -> Non
     with pytest.raises(ValueError, match="bug"):
         _chat(session, _user(DOCUMENT))
     assert len(session.tokens) == 8 == adapter.cache_tokens(session.cache)
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_a_failed_decode_step_goes_back_to_the_prompt_not_to_empty(models, arch) -> None:
+    loaded = models[arch]
+    session = Session("s", loaded, "q8", chunk_size=8)
+    messages = _user(DOCUMENT)
+    prompt = session.render(messages, add_generation_prompt=True)
+    chunks = -(-(len(prompt) - 1) // 8)
+    session.model = FailingModel(loaded.model, fail_at=chunks + 3, error=ValueError("bug"))
+    with pytest.raises(ValueError, match="bug"):
+        _chat(session, messages)
+    # Paged layers trim to what every layer holds; the others go back to the
+    # checkpoint at the prompt's end.
+    held = len(session.tokens)
+    assert held >= len(prompt) - 1 and session.tokens[: len(prompt) - 1] == prompt[:-1]
+    assert arch == "llama" or held == len(prompt) - 1
+    assert adapter.cache_tokens(session.cache) == held
+    session.model = loaded.model
+    before = session.tokens_ingested
+    answer = _chat(session, messages)[1].ids()
+    assert session.tokens_ingested == before  # the prompt stayed held
+    assert answer == _chat(Session("fresh", loaded, "q8", chunk_size=8), messages)[1].ids()
