@@ -90,6 +90,9 @@ def probe_model(model: Any) -> ProbeResult:
         return ProbeResult(REFUSED, f"mlx-lm's own cache fails on this model: {_say(error)}", None)
     if not _finite(reference):
         return ProbeResult(REFUSED, "mlx-lm's own cache gives non-finite logits", None)
+    if not mx.any(reference).item():
+        # Nothing to compare: every logit is 0 whatever the cache holds.
+        return ProbeResult(REFUSED, "mlx-lm's own cache gives all-zero logits", None)
     suspect = suspected_cause(model)
     try:
         paged_cache = _paged_cache(model)
@@ -140,7 +143,8 @@ def make_session_cache(loaded: Any, mode: str, page_size: int) -> SessionCache:
     work, else its KVCache, with a note naming the reason.
 
     Args:
-        loaded: a ``LoadedModel`` (its ``probe`` says which cache works).
+        loaded: a ``LoadedModel`` (its ``probe`` says which cache works; without
+            one, the paged cache as before the probe existed).
         mode: KV mode name (fp16, q8, q6, q4 or an alias).
         page_size: tokens per page of the paged cache.
 
@@ -152,7 +156,7 @@ def make_session_cache(loaded: Any, mode: str, page_size: int) -> SessionCache:
     from engine.errors import ModelLoadError
 
     mode = kvquant.normalize_mode(mode)
-    probe = loaded.probe
+    probe = getattr(loaded, "probe", None)  # models loaded without a probe stay paged
     if probe is None or probe.verdict == PAGED:
         return SessionCache(adapter.make_cache(loaded.model, mode, page_size=page_size), PAGED, "")
     if probe.verdict == REFUSED:

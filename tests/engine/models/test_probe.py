@@ -171,6 +171,29 @@ def test_non_finite_reference_is_refused(tiny) -> None:
         make_session_cache(_loaded(model, result), "fp16", page_size=16)
 
 
+def test_all_zero_logits_are_refused_not_passed(tiny) -> None:
+    # Equal zeros would "match" whatever the paged cache held.
+    model = coverage.build_tiny("llama")
+    embed = model.model.embed_tokens  # tied: also the output head
+    embed.weight = mx.zeros_like(embed.weight)
+    result = probe_model(model)
+    assert result.verdict == "refused" and "all-zero" in result.reason
+
+
+def test_coverage_skips_tiny_models_whose_logits_ignore_the_context() -> None:
+    model = coverage.build_tiny("llama")
+    assert coverage.depends_on_context(model)
+    for layer in model.model.layers:  # attention and MLP add nothing: no context flows
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    assert not coverage.depends_on_context(model)
+
+
+def test_zero_initialized_gains_get_random_values() -> None:
+    model = coverage.build_tiny("talkie")
+    assert all(mx.any(v).item() for _, v in tree_flatten(model.parameters()))
+    assert coverage.depends_on_context(model)
+
+
 def test_a_model_mlx_lm_cannot_run_is_refused(tiny) -> None:
     model = _model(tiny, "llama")
 
