@@ -274,6 +274,8 @@ class Session(ChunkedPrefill):
 
         With ``keep_last`` at least one prompt token stays unfed, because the
         first generated token needs the logits of the prompt's last position.
+        A model with layers that cannot trim may keep fewer (back to its newest
+        checkpoint); the caller feeds ``prompt`` from the returned count.
         """
         keep = common_prefix(self.tokens, prompt)
         if keep_last:
