@@ -1,31 +1,44 @@
-"""Attention over a PagedKVCache: packed-page decode and dequantize-once prefill.
+"""Attention over a PagedKVCache, read from the stored pages only.
 
-The cache hands back the new chunk at full precision; the cached prefix stays in
-pages. Two paths:
+``update_and_fetch`` has already written the new chunk into the pages, so every
+query attends the *stored* keys and values of every position up to its own,
+its own chunk included, exactly as a decode step would. A token's logits then do
+not depend on how the prompt was cut into chunks.
 
-- few new tokens (decode): scores straight from the packed pages with
-  ``mx.gather_qmm`` (the stored bytes are MLX's affine layout), one joint softmax
-  over every page plus the new tokens, GQA folded into rows. No gather, concatenate
-  or dequantize of the context.
-- many new tokens (prefill chunk), fp16 pages, or head dims MLX's quantized kernels
-  cannot take: the prefix is dequantized once per layer per chunk and the fused
-  ``mx.fast.scaled_dot_product_attention`` runs over prefix + chunk.
+Two paths, neither of which materializes the context:
+
+- few new tokens on quantized pages (decode): scores straight from the packed
+  pages with ``mx.gather_qmm`` (the stored bytes are MLX's affine layout), one
+  joint softmax, GQA folded into rows. The score row ``[rows, context]`` is the
+  only context-sized array (16 MiB at 262k for 4 KV heads x 4 rows).
+- everything else (prefill chunks, fp16 pages, head dims MLX's quantized kernels
+  cannot take): the pages are walked in blocks; each block is dequantized on its
+  own and merged with an online softmax (running max and sum). The block size
+  follows from a scratch budget, so a chunk's transient is the same at 32k and
+  at 262k tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from engine.cache import kvquant
+from engine.cache import kvquant, pages
 from engine.errors import EngineError
 
 # Up to this many new tokens (decode, short drafts) attend the packed pages directly;
-# the score matrix [heads, tokens, context] grows with the chunk (16 tokens x 32 heads
-# x 262k context would be 512 MiB), so longer chunks dequantize the prefix instead.
+# the score matrix [heads, tokens, context] grows with the chunk, so longer chunks
+# walk the pages in blocks instead.
 PACKED_MAX_TOKENS = 4
+# The most one prefill chunk's attention scratch (scores, their exponentials and
+# one dequantized block of keys and values) may take, at any context length; each
+# pool carries its own (``PagePool.scratch_bytes``), this is the default.
+PREFILL_SCRATCH_BYTES = pages.PREFILL_SCRATCH_BYTES
 _MLX_GROUP_SIZES = (128, 64, 32)
+# Per block token: scores, exponentials and the mask select, in fp32, per query row.
+_SCORE_COPIES = 3
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -38,6 +51,31 @@ def group_size_for(head_dim: int) -> int | None:
     return next((g for g in _MLX_GROUP_SIZES if head_dim % g == 0), None)
 
 
+def block_tokens(
+    query_rows: int, kv_heads: int, head_dim: int, page_size: int, scratch_bytes: int
+) -> int:
+    """Tokens of one attention block so that its scratch fits ``scratch_bytes``.
+
+    Args:
+        query_rows: query heads times new tokens (every row scores every block key).
+        kv_heads: KV heads of the layer.
+        head_dim: values per head.
+        page_size: blocks are whole pages.
+        scratch_bytes: the budget for one block's transient arrays.
+    """
+    per_token = 4 * (_SCORE_COPIES * query_rows + 2 * 2 * kv_heads * head_dim)
+    pages = max(1, scratch_bytes // (per_token * page_size))
+    return pages * page_size
+
+
+def scratch_bytes_for(
+    query_rows: int, kv_heads: int, head_dim: int, page_size: int, scratch_bytes: int
+) -> int:
+    """Bytes one block of :func:`block_tokens` tokens takes (at least one page)."""
+    tokens = block_tokens(query_rows, kv_heads, head_dim, page_size, scratch_bytes)
+    return 4 * tokens * (_SCORE_COPIES * query_rows + 2 * 2 * kv_heads * head_dim)
+
+
 def paged_attention(
     queries: mx.array,
     keys: mx.array,
@@ -47,41 +85,82 @@ def paged_attention(
     mask: Any = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """Attention of ``queries`` over a PagedKVCache's prefix plus the new chunk.
+    """Attention of ``queries`` over everything a PagedKVCache stores.
 
     Args:
-        queries: ``[1, heads, L, D]``.
-        keys: the new chunk's keys ``[1, kv_heads, L, D]`` as update_and_fetch returned.
-        values: the new chunk's values, same shape.
+        queries: ``[1, heads, L, D]``, the last ``L`` positions of the cache.
+        keys: the new chunk's keys as update_and_fetch returned them (unused: the
+            stored, quantized rows are what every position attends).
+        values: the new chunk's values (unused, likewise).
         cache: the layer's PagedKVCache (already holding the chunk).
         scale: score scale.
-        mask: None, "causal", or an mlx-lm mask array over ``prefix + L`` columns.
+        mask: None, "causal", or an mlx-lm mask array over the cache's positions.
         sinks: not supported by the paged cache.
 
     Returns:
         ``[1, heads, L, D]`` in the queries' dtype.
     """
+    del keys, values
     if sinks is not None:
         raise EngineError(
             "This model uses attention sinks, which the paged KV cache does not support."
         )
-    length = queries.shape[2]
-    prefix = cache.offset - length
-    dtype = compute_dtype(queries.dtype)
+    view = _QueryView.of(queries, cache, mask)
     bits = cache.store.layout.bits
     group_size = group_size_for(cache.head_dim)
-    if prefix > 0 and length <= PACKED_MAX_TOKENS and bits != 16 and group_size:
-        out = _attend_packed(queries, keys, values, cache, scale, mask, prefix, dtype, group_size)
+    if view.length <= PACKED_MAX_TOKENS and bits != 16 and group_size:
+        out = _attend_packed(view, cache, scale, group_size)
     else:
-        keys, values = keys.astype(dtype), values.astype(dtype)
-        if prefix > 0:
-            k_prefix, v_prefix = cache.dequantized_prefix(prefix, dtype)
-            keys = mx.concatenate([k_prefix, keys], axis=2)
-            values = mx.concatenate([v_prefix, values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(
-            queries.astype(dtype), keys, values, scale=scale, mask=mask
-        )
-    return out.astype(queries.dtype)
+        out = _attend_blocks(view, cache, scale)
+    return out.reshape(1, view.heads, view.length, cache.head_dim).astype(queries.dtype)
+
+
+@dataclass(frozen=True)
+class _QueryView:
+    """The queries folded for GQA (``[kv_heads, repeats * L, D]``) and their mask."""
+
+    q: mx.array
+    heads: int
+    length: int
+    first: int  # cache position of the first query
+    mask: Any  # "causal", None, or the mask folded to [1 or kv_heads, rows, columns]
+    dtype: mx.Dtype
+
+    @classmethod
+    def of(cls, queries: mx.array, cache: Any, mask: Any) -> _QueryView:
+        _, heads, length, head_dim = queries.shape
+        kv_heads = cache.kv_heads
+        repeats = heads // kv_heads
+        # Q·Kᵀ in fp32 even on Metal: fp16 queries and scales push q8's error from
+        # ~1% towards ~1.4% (measured in issue 3).
+        q = queries[0].astype(mx.float32).reshape(kv_heads, repeats * length, head_dim)
+        if isinstance(mask, mx.array):
+            mask = _fold_mask(mask, kv_heads, repeats, length)
+        elif mask is not None and mask != "causal":
+            raise EngineError(f"The paged KV cache cannot apply a {mask!r} attention mask.")
+        first = cache.offset - length
+        return cls(q, heads, length, first, mask, compute_dtype(queries.dtype))
+
+    def allowed(self, positions: mx.array) -> mx.array:
+        """Which stored positions each query row may see, as a bool mask.
+
+        Columns past the cache's end (the unwritten rest of a page) are never
+        allowed; "causal" lets each query see positions up to its own.
+        """
+        if self.mask == "causal" and self.length > 1:
+            rows = self.q.shape[1]
+            query_position = self.first + mx.arange(rows, dtype=mx.int32) % self.length
+            return (positions[None] <= query_position[:, None])[None]
+        return (positions < self.first + self.length)[None, None]
+
+    def additive_or_bool(self, positions: mx.array, end: int) -> tuple[Any, Any]:
+        """The folded mask array's columns at ``positions``: (bool allowed, additive)."""
+        column = mx.minimum(positions, end - 1)
+        picked = mx.take(self.mask, column, axis=-1)
+        inside = (positions < end)[None, None]
+        if picked.dtype == mx.bool_:
+            return picked & inside, None
+        return inside, picked
 
 
 def _fold_mask(mask: mx.array, kv_heads: int, repeats: int, length: int) -> mx.array:
@@ -99,36 +178,91 @@ def _fold_mask(mask: mx.array, kv_heads: int, repeats: int, length: int) -> mx.a
     return mask.reshape(kv_heads, repeats * length, columns)
 
 
-def _apply(scores: mx.array, allowed: mx.array | None, additive: mx.array | None) -> mx.array:
-    if additive is not None:
-        scores = scores + additive.astype(scores.dtype)
-    if allowed is not None:
-        scores = mx.where(allowed, scores, mx.finfo(scores.dtype).min)
-    return scores
+def _masked(view: _QueryView, scores: mx.array, positions: mx.array) -> mx.array:
+    """``scores`` with every position the queries may not see set to -inf."""
+    end = view.first + view.length
+    if isinstance(view.mask, mx.array):
+        allowed, additive = view.additive_or_bool(positions, end)
+        if additive is not None:
+            scores = scores + additive.astype(scores.dtype)
+    else:
+        allowed = view.allowed(positions)
+    return mx.where(allowed, scores, -mx.inf)
 
 
-def _attend_packed(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    cache: Any,
-    scale: float,
-    mask: Any,
-    prefix: int,
-    dtype: mx.Dtype,
-    group_size: int,
-) -> mx.array:
-    _, heads, length, head_dim = queries.shape
-    kv_heads = cache.kv_heads
-    repeats = heads // kv_heads
-    rows = repeats * length
+def _page_positions(logicals: list[int], page_size: int) -> mx.array:
+    logical = mx.array(logicals, dtype=mx.int32)[:, None] * page_size
+    return (logical + mx.arange(page_size, dtype=mx.int32)[None]).reshape(-1)
+
+
+# -- blocks with an online softmax -------------------------------------------------
+
+
+def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
+    store, page_size = cache.store, cache.pool.page_size
+    kv_heads, rows, head_dim = view.q.shape
+    q = view.q * scale
+    tokens = block_tokens(rows, kv_heads, head_dim, page_size, cache.pool.scratch_bytes)
+    pages_per_block = tokens // page_size
+    blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
+    running_max = mx.full((kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
+    running_sum = mx.zeros((kv_heads, rows, 1), dtype=mx.float32)
+    out = mx.zeros((kv_heads, rows, head_dim), dtype=mx.float32)
+    for slab_index, local, logicals in blocks:
+        k_block, v_block = _dequantized_block(store, slab_index, local, view.dtype)
+        scores = _masked(view, q @ k_block.swapaxes(-1, -2), _page_positions(logicals, page_size))
+        block_max = mx.max(scores, axis=-1, keepdims=True)
+        new_max = mx.maximum(running_max, block_max)
+        # A row that has seen only masked positions so far keeps -inf; shift by 0 then.
+        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
+        weights = mx.exp(scores - shift)
+        correction = mx.exp(running_max - shift)
+        running_sum = running_sum * correction + mx.sum(weights, axis=-1, keepdims=True)
+        out = out * correction + (weights.astype(view.dtype) @ v_block).astype(mx.float32)
+        running_max = new_max
+        if len(blocks) > 1:
+            # Bound the transient to one block: without this the lazy graph may
+            # schedule every block's scores before the first merge.
+            mx.eval(out, running_sum, running_max)
+    return out / running_sum
+
+
+def _blocks(groups: list[Any], pages_per_block: int) -> Any:
+    """(slab index, local slots, logical pages) in pieces of at most ``pages_per_block``."""
+    for slab_index, local, logicals in groups:
+        for start in range(0, len(logicals), pages_per_block):
+            end = start + pages_per_block
+            yield slab_index, local[start:end], logicals[start:end]
+
+
+def _dequantized_block(
+    store: Any, slab_index: int, local: mx.array, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """Keys and values of some pages of one slab as ``[kv_heads, tokens, D]``."""
+    layout = store.layout
+    slab = store.slabs[slab_index]
+
+    def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
+        # Heads first, so the reshape to one sequence per head is free.
+        codes = mx.take(codes.swapaxes(0, 1), local, axis=1)
+        if scales is not None:
+            scales = mx.take(scales.swapaxes(0, 1), local, axis=1)
+        values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
+        return values.reshape(layout.kv_heads, -1, layout.head_dim)
+
+    return rows(slab[0], slab[1]), rows(slab[2], slab[3])
+
+
+# -- decode straight from the packed bytes -----------------------------------------
+
+
+def _attend_packed(view: _QueryView, cache: Any, scale: float, group_size: int) -> mx.array:
+    kv_heads, rows, head_dim = view.q.shape
     store, page_size = cache.store, cache.pool.page_size
     bits = store.layout.bits
-    # Q·Kᵀ in fp32 even on Metal: fp16 queries and scales push q8's error from ~1%
-    # towards ~1.4% (measured in issue 3).
-    q = queries[0].astype(mx.float32).reshape(kv_heads, rows, head_dim) * scale
+    q = view.q * scale
     heads_index = mx.arange(kv_heads, dtype=mx.uint32)
-    groups = cache.page_groups(cache.pool.pages_for(prefix))
+    groups = cache.page_groups(cache.pool.pages_for(cache.offset))
 
     page_scores, positions, targets = [], [], []
     for slab_index, local, logicals in groups:
@@ -144,52 +278,29 @@ def _attend_packed(
         )  # [pages, kv_heads, rows, page_size]
         count = len(logicals)
         page_scores.append(scores.transpose(1, 2, 0, 3).reshape(kv_heads, rows, count * page_size))
-        logical = mx.array(logicals, dtype=mx.int32)[:, None] * page_size
-        positions.append((logical + mx.arange(page_size, dtype=mx.int32)[None]).reshape(-1))
+        positions.append(_page_positions(logicals, page_size))
         targets.append(target.reshape(-1))
 
     position = positions[0] if len(positions) == 1 else mx.concatenate(positions)
-    scores_pages = page_scores[0] if len(page_scores) == 1 else mx.concatenate(page_scores, -1)
-    own_keys = keys[0].astype(mx.float32)
-    scores_own = q @ own_keys.swapaxes(-1, -2)  # [kv_heads, rows, L]
+    scores = page_scores[0] if len(page_scores) == 1 else mx.concatenate(page_scores, -1)
+    probs = mx.softmax(_masked(view, scores, position), axis=-1, precise=True)
 
-    # Rows of the last page past the prefix hold the new chunk (or nothing yet).
-    allowed_pages = (position < prefix)[None, None]
-    allowed_own = None
-    add_pages = add_own = None
-    if isinstance(mask, mx.array):
-        folded = _fold_mask(mask, kv_heads, repeats, length)
-        column = mx.minimum(position, prefix - 1)
-        on_pages, on_own = mx.take(folded, column, axis=-1), folded[..., prefix:]
-        if folded.dtype == mx.bool_:
-            allowed_pages = allowed_pages & on_pages
-            allowed_own = on_own
-        else:
-            add_pages, add_own = on_pages, on_own
-    elif mask == "causal" and length > 1:  # the chunk sees itself causally, the prefix fully
-        own_row = mx.arange(rows) % length
-        allowed_own = (own_row[:, None] >= mx.arange(length)[None])[None]
-
-    scores_pages = _apply(scores_pages, allowed_pages, add_pages)
-    scores_own = _apply(scores_own, allowed_own, add_own)
-    columns = scores_pages.shape[-1]
-    probs = mx.softmax(mx.concatenate([scores_pages, scores_own], -1), axis=-1, precise=True)
-    out = probs[..., columns:].astype(dtype) @ values[0].astype(dtype)
-
+    out = None
     start = 0
     for (slab_index, _, logicals), target in zip(groups, targets, strict=True):
         _, _, v_codes, v_scales = store.slabs[slab_index]
         slots = v_codes.shape[0]
-        w, s, b = kvquant.as_mlx_affine(v_codes, v_scales, bits, head_dim, group_size, dtype)
+        w, s, b = kvquant.as_mlx_affine(v_codes, v_scales, bits, head_dim, group_size, view.dtype)
         w, s, b = (x.reshape(slots * kv_heads, page_size, -1) for x in (w, s, b))
         count = len(logicals)
         part = probs[..., start : start + count * page_size]
         part = part.reshape(kv_heads, rows, count, page_size).transpose(2, 0, 1, 3)
-        part = part.reshape(count * kv_heads, rows, page_size).astype(dtype)
+        part = part.reshape(count * kv_heads, rows, page_size).astype(view.dtype)
         mixed = mx.gather_qmm(
             part, w, s, b, lhs_indices=mx.arange(count * kv_heads, dtype=mx.uint32),
             rhs_indices=target, transpose=False, group_size=group_size, bits=bits,
         )
-        out = out + mixed.reshape(count, kv_heads, rows, head_dim).sum(axis=0)
+        mixed = mixed.reshape(count, kv_heads, rows, head_dim).sum(axis=0)
+        out = mixed if out is None else out + mixed
         start += count * page_size
-    return out.reshape(1, heads, length, head_dim)
+    return out

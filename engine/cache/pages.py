@@ -30,6 +30,7 @@ from engine.errors import KvBudgetExceeded, UnsupportedModeError
 # q8 head layout: 0.5 GiB over 16 layers at worst).
 MAX_SLAB_BYTES = 32 * 2**20
 MIN_SLAB_PAGES = 4
+PREFILL_SCRATCH_BYTES = 256 * 2**20
 _MODES_BY_QUALITY = ("fp16", "q8", "q6", "q4")
 
 
@@ -184,6 +185,9 @@ class PagePool:
         self.page_size = page_size
         self.budget_bytes = budget_bytes
         self.stores: list[PageStore] = []
+        # The most one prefill chunk's attention may hold on top of the pages
+        # (engine.cache.attention walks the pages in blocks that fit it).
+        self.scratch_bytes = PREFILL_SCRATCH_BYTES
         # Pages every store already has room for; capacity never shrinks, so most
         # calls (two per layer per step) return without looking at the stores.
         self._room = 0

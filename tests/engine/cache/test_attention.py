@@ -57,11 +57,6 @@ def _step(
     """Run one attention call of ``length`` new tokens; return (got, reference)."""
     head_dim = cache.head_dim
     prefix = cache.offset
-    if prefix:
-        k_prefix, v_prefix = (np.array(x[0], dtype=np.float64) for x in cache.dequantized_prefix(
-            prefix, mx.float32))
-    else:
-        k_prefix = v_prefix = np.zeros((KV_HEADS, 0, head_dim))
     shape = (1, KV_HEADS, length, head_dim)
     keys, values = _normal(shape, seed), _normal(shape, seed + 1)
     queries = _normal((1, heads, length, head_dim), seed + 2)
@@ -75,8 +70,9 @@ def _step(
         allowed = np.ones_like(allowed)
     elif isinstance(mask, mx.array) and mask.dtype == mx.bool_:
         allowed = np.array(mask)
-    full_k = np.concatenate([k_prefix, np.array(keys[0], dtype=np.float64)], axis=1)
-    full_v = np.concatenate([v_prefix, np.array(values[0], dtype=np.float64)], axis=1)
+    # Every position attends the stored rows, the new chunk's own included.
+    full_k, full_v = (np.array(x[0], dtype=np.float64)
+                      for x in cache.dequantized_prefix(total, mx.float32))
     return np.array(got), _reference(queries, full_k, full_v, scale, allowed)
 
 
@@ -224,19 +220,15 @@ def test_model_dtype_compute_path(
     monkeypatch.setattr(attention, "compute_dtype", lambda model_dtype: model_dtype)
     cache = _cache(mode, 64, prefix=70)
     for length, mask in ((1, None), (3, "causal"), (20, "causal")):
-        k_prefix, v_prefix = cache.dequantized_prefix(cache.offset, mx.float32)
         keys = _normal((1, KV_HEADS, length, 64), length).astype(dtype)
         values = _normal((1, KV_HEADS, length, 64), length + 1).astype(dtype)
         queries = _normal((1, 4, length, 64), length + 2).astype(dtype)
         cache.update_and_fetch(keys, values)
         out = attention.paged_attention(queries, keys, values, cache, 0.125, mask)
         assert out.dtype == dtype
+        stored_k, stored_v = cache.dequantized_prefix(cache.offset, mx.float32)
         expected = mx.fast.scaled_dot_product_attention(
-            queries.astype(mx.float32),
-            mx.concatenate([k_prefix, keys.astype(mx.float32)], axis=2),
-            mx.concatenate([v_prefix, values.astype(mx.float32)], axis=2),
-            scale=0.125,
-            mask=mask,
+            queries.astype(mx.float32), stored_k, stored_v, scale=0.125, mask=mask
         )
         error = float(mx.abs(out.astype(mx.float32) - expected).max())
         assert error < tolerance, (length, error)
