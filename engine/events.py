@@ -44,8 +44,10 @@ class StatsSample:
     """One snapshot of KV, page-pool and memory state; cheap to take often.
 
     ``prefill_peak_bytes`` is what the session's next prefill chunk is expected to
-    need at its peak: weights + KV pages + the chunk's attention scratch and
-    activations (0: no session). Compare with ``mlx_peak_bytes``.
+    need at its peak: weights + KV pages + checkpoints + the chunk's attention
+    scratch and activations (0: no session). Compare with ``mlx_peak_bytes``.
+    ``checkpoint_bytes`` is what the session's checkpoints of linear-attention and
+    sliding-window layers hold (``engine.checkpoints``).
     """
 
     session_id: str | None
@@ -70,6 +72,7 @@ class StatsSample:
     timestamp: float
     layers: tuple[LayerPages, ...] = field(default_factory=tuple)
     prefill_peak_bytes: int = 0
+    checkpoint_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -250,10 +250,12 @@ class Session(ChunkedPrefill):
     def prefill_peak_bytes(self) -> int:
         """The peak the next prefill chunk is expected to reach (no MLX evaluation).
 
-        Weights, the pages held plus the chunk's, its attention scratch and its
-        activations, for the chunk the next prefill starts with.
+        Weights, the pages held plus the chunk's, the checkpoints, the chunk's
+        attention scratch and its activations, for the chunk the next prefill
+        starts with.
         """
         held = int(self.stats().bytes_allocated) if self.cache else 0
+        held += self.checkpoints.nbytes
         chunk = self._paced_chunk
         return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk)
 

@@ -111,6 +111,7 @@ def stats_sample(
     cache_stats: Any | None,
     memory: MemorySnapshot | None = None,
     prefill_peak_bytes: int = 0,
+    checkpoint_bytes: int = 0,
 ) -> StatsSample:
     """Build a ``StatsSample`` from an adapter ``CacheStats`` (or None) and memory.
 
@@ -120,6 +121,7 @@ def stats_sample(
         memory: a snapshot to use; taken now when None.
         prefill_peak_bytes: the session's predicted prefill peak
             (``Session.prefill_peak_bytes``), or 0.
+        checkpoint_bytes: bytes of the session's checkpoints, or 0.
     """
     memory = memory or memory_snapshot()
     cache = cache_stats
@@ -146,6 +148,7 @@ def stats_sample(
         timestamp=time.time(),
         layers=_layer_pages(getattr(cache, "layers", ())),
         prefill_peak_bytes=int(prefill_peak_bytes),
+        checkpoint_bytes=int(checkpoint_bytes),
     )
 
 

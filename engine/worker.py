@@ -295,9 +295,10 @@ class EngineWorker:
         live = session is not None and bool(session.cache)
         cache_stats = session.stats() if live else None
         peak = session.prefill_peak_bytes() if live else 0
+        held = session.checkpoints.nbytes if live else 0
         session_id = session.session_id if session else None
-        self._stats.publish(lambda: stats_sample(session_id, cache_stats,
-                                                 prefill_peak_bytes=peak))
+        self._stats.publish(lambda: stats_sample(
+            session_id, cache_stats, prefill_peak_bytes=peak, checkpoint_bytes=held))
 
     def _heartbeat(self) -> StatsHeartbeat:
         return StatsHeartbeat(self._stats, self._throttle.interval)

@@ -167,6 +167,12 @@ def test_regenerate_reingests_nothing_and_answers_like_a_fresh_session(models, a
     assert session.tokens_ingested == before
     assert again == first == _fresh_answer(loaded, messages)
     assert adapter.cache_tokens(session.cache) == len(session.tokens)
+    # What the checkpoints hold is in the predicted prefill peak.
+    held = session.checkpoints.nbytes
+    assert held > 0 and len(session.checkpoints.kept) <= checkpoints.MAX_BOUNDARIES + 1
+    peak = session.prefill_peak_bytes()
+    session.checkpoints.clear()
+    assert peak - session.prefill_peak_bytes() == held
 
 
 @pytest.mark.parametrize("arch", UNTRIMMABLE)

@@ -80,8 +80,10 @@ def test_stats_sample_copies_cache_and_memory_fields() -> None:
 
 def test_stats_sample_carries_the_predicted_prefill_peak() -> None:
     memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
-    sample = stats_sample("s1", FakeCacheStats(), memory, prefill_peak_bytes=3 * 2**30)
+    sample = stats_sample("s1", FakeCacheStats(), memory, prefill_peak_bytes=3 * 2**30,
+                          checkpoint_bytes=5 * 2**20)
     assert sample.prefill_peak_bytes == 3 * 2**30 and sample.kv_bytes_allocated == 1500
+    assert sample.checkpoint_bytes == 5 * 2**20
 
 
 def test_stats_sample_without_a_session_reports_zero_pages() -> None:
