@@ -220,6 +220,18 @@ def _randomize_zeros(model: Any) -> None:
         model.update(tree_unflatten(updates))
 
 
+def _load_refusal(model: Any) -> str:
+    """What ``load_model`` refuses before any probe: a model with no KV cache to page."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.models.info import classify_layers
+
+    kinds = classify_layers(make_prompt_cache(model))
+    if kinds["full"] or kinds["sliding"]:
+        return ""
+    return "no attention layers, so no KV cache for Longleaf to page (the loader refuses it)"
+
+
 def depends_on_context(model: Any) -> bool:
     """Whether the last logits change with the earlier tokens (else a probe shows nothing)."""
     import mlx.core as mx
@@ -240,6 +252,9 @@ def probe_one(model_type: str) -> Row:
         model = build_tiny(model_type)
     except Exception as error:  # any failure of a foreign class is the row's reason
         return Row(model_type, NOT_BUILT, f"could not build a tiny config: {_say(error)}")
+    refusal = _load_refusal(model)
+    if refusal:
+        return Row(model_type, "refused", refusal)
     try:
         informative = depends_on_context(model)
     except Exception:  # mlx-lm fails on this model: the probe below names how

@@ -270,14 +270,18 @@ def classify_layers(cache: list[Any]) -> dict[str, tuple[int, ...]]:
         RotatingKVCache,
     )
 
+    def kind(layer: Any) -> str:
+        if isinstance(layer, RotatingKVCache | ChunkedKVCache):
+            return "sliding"
+        if isinstance(layer, KVCache | QuantizedKVCache | ConcatenateKVCache):
+            return "full"
+        # A CacheList (MLA plus indexer, SSM plus attention) is as long as its longest part.
+        inner = {kind(c) for c in getattr(layer, "caches", ())}
+        return next((k for k in ("full", "sliding") if k in inner), "other")
+
     kinds: dict[str, list[int]] = {"full": [], "sliding": [], "other": []}
     for index, layer in enumerate(cache):
-        if isinstance(layer, RotatingKVCache | ChunkedKVCache):
-            kinds["sliding"].append(index)
-        elif isinstance(layer, KVCache | QuantizedKVCache | ConcatenateKVCache):
-            kinds["full"].append(index)
-        else:
-            kinds["other"].append(index)
+        kinds[kind(layer)].append(index)
     return {kind: tuple(indices) for kind, indices in kinds.items()}
 
 

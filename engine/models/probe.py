@@ -97,7 +97,7 @@ def probe_model(model: Any) -> ProbeResult:
     try:
         paged_cache = _paged_cache(model)
         if paged_cache is None:
-            return _fallback(model, tokens, "no full-attention layer for the paged cache", None)
+            return _fallback(model, tokens, _no_paged_layer(model), None)
         paged = _run(model, paged_cache, tokens)
     except Exception as error:  # the paged cache raising is what the probe looks for
         return _fallback(model, tokens, _with_cause(_say(error), suspect), None)
@@ -256,6 +256,14 @@ def _quantized_works(model: Any, tokens: list[int]) -> bool:
 
 def _fallback(model: Any, tokens: list[int], reason: str, diff: float | None) -> ProbeResult:
     return ProbeResult(MLX_LM, reason, diff, _quantized_works(model, tokens))
+
+
+def _no_paged_layer(model: Any) -> str:
+    kinds = sorted({type(c).__name__ for c in _mlx_lm_cache(model)})
+    return (
+        f"mlx-lm keeps this model's context in {', '.join(kinds)}, none of them the "
+        "plain KVCache the paged cache replaces"
+    )
 
 
 def _with_cause(detail: str, cause: str) -> str:

@@ -213,6 +213,16 @@ def test_a_model_mlx_lm_cannot_run_is_refused(tiny) -> None:
     assert result.reason == expected
 
 
+def test_a_model_without_attention_is_refused_as_the_loader_does() -> None:
+    row = coverage.probe_one("mamba")
+    assert row.verdict == "refused" and row.reason.startswith("no attention layers")
+
+
+def test_cache_lists_fall_back_to_mlx_lm_with_their_name(tiny) -> None:
+    result = probe_model(_model(tiny, "deepseek_v32"))
+    assert result.verdict == "mlx-lm" and "CacheList" in result.reason
+
+
 def test_unknown_architecture_is_not_built() -> None:
     row = coverage.probe_one("no_such_arch")
     assert row.verdict == coverage.NOT_BUILT
