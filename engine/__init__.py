@@ -5,14 +5,16 @@ values (see ``engine.events``). The names below are the small public API the
 app uses; each is imported on first use, so ``import engine`` stays cheap and
 does not load MLX until something needs it.
 
-- Models: ``discover_models``, ``inspect_model_dir`` (describe without loading).
+- Models: ``discover_models``, ``inspect_model_dir`` (describe without loading),
+  ``download_model`` (from the Hub, resumable), ``RECOMMENDED_MODELS`` and
+  ``full_context_costs`` (what a model's KV takes at full context, per mode).
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
   ingest, chat, cancel, stats), driven from any thread through events.
 - Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample``, ``Finished``,
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``.
 - Errors: ``EngineError`` and its subclasses.
 - Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``,
-  ``private_file`` (create a user-only file).
+  ``private_file``, ``private_dir`` (create a user-only file or folder).
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ _PUBLIC = {
     "EngineWorker": "engine.worker",
     "discover_models": "engine.models.discovery",
     "inspect_model_dir": "engine.models.info",
+    "download_model": "engine.models.download",
+    "DownloadProgress": "engine.models.download_transfer",
+    "RECOMMENDED_MODELS": "engine.models.catalog",
+    "RecommendedModel": "engine.models.catalog",
+    "ModeCost": "engine.models.catalog",
+    "full_context_costs": "engine.models.catalog",
     "read_document": "engine.documents",
     "SamplingParams": "engine.sampling",
     "MODES": "engine.fit",
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
+    "private_dir": "engine.paths",
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened")},
@@ -40,9 +49,11 @@ _PUBLIC = {
 
 __all__ = [
     "MODES",
+    "RECOMMENDED_MODELS",
     "Cancelled",
     "ContextTooLong",
     "DocumentError",
+    "DownloadProgress",
     "EngineError",
     "EngineWorker",
     "Failed",
@@ -53,8 +64,10 @@ __all__ = [
     "KvBudgetExceeded",
     "LayerPages",
     "MemoryPressure",
+    "ModeCost",
     "ModelLoadError",
     "ModelLoaded",
+    "RecommendedModel",
     "SamplingParams",
     "SessionOpened",
     "StatsSample",
@@ -62,7 +75,10 @@ __all__ = [
     "UnsupportedModeError",
     "data_dir",
     "discover_models",
+    "download_model",
+    "full_context_costs",
     "inspect_model_dir",
+    "private_dir",
     "private_file",
     "read_document",
 ]
@@ -102,8 +118,16 @@ if TYPE_CHECKING:
         TokenChunk,
     )
     from engine.fit import MODES
+    from engine.models.catalog import (
+        RECOMMENDED_MODELS,
+        ModeCost,
+        RecommendedModel,
+        full_context_costs,
+    )
     from engine.models.discovery import discover_models
+    from engine.models.download import download_model
+    from engine.models.download_transfer import DownloadProgress
     from engine.models.info import inspect_model_dir
-    from engine.paths import data_dir, private_file
+    from engine.paths import data_dir, private_dir, private_file
     from engine.sampling import SamplingParams
     from engine.worker import EngineWorker

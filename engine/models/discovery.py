@@ -25,6 +25,10 @@ HUGGINGFACE = "huggingface"
 LMSTUDIO = "lmstudio"
 LONGLEAF = "longleaf"
 FOLDER = "folder"
+DEMO = "demo"
+# engine.models.demo's DEMO_NAME (that module imports MLX): the embedded demo
+# model's converted folder in models_dir(), which the picker shows as the demo.
+DEMO_FOLDER = "SmolLM2-135M-Instruct"
 # Written by engine.models.download into every model folder it fills.
 MANIFEST_NAME = ".longleaf-download.json"
 # How deep below a root to look for model folders (LM Studio: publisher/model).
@@ -40,7 +44,8 @@ class DiscoveredModel:
         name: display name (the repo id for Hub models, publisher/model for
             LM Studio, the folder name otherwise).
         path: the folder to hand to the loader.
-        source: where it was found: "huggingface", "lmstudio", "longleaf", "folder".
+        source: where it was found: "huggingface", "lmstudio", "longleaf", "folder",
+            or "demo" for the embedded demo model's converted folder.
         size_bytes: bytes its files take on disk.
         info: ``engine.models.info.ModelInfo`` (architecture, params, bits, context,
             KV heads, head_dim, attention layers, KV projection per mode).
@@ -268,7 +273,8 @@ def _folder_candidates(root: Path, source: str) -> list[tuple[str, Path, str, in
             name = folder.name
         else:
             name = folder.relative_to(root).as_posix()
-        found.append((name, folder, source, None))
+        is_demo = source == LONGLEAF and folder == root / DEMO_FOLDER
+        found.append((name, folder, DEMO if is_demo else source, None))
     return found
 
 

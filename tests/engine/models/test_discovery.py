@@ -223,3 +223,17 @@ def test_missing_shards_and_missing_config_are_reported(tiny_llama: Path, tmp_pa
 def test_missing_locations_are_fine(tmp_path: Path) -> None:
     found = discover_models([tmp_path / "does-not-exist"])
     assert found.models == () and found.skipped == ()
+
+
+def test_the_demo_models_folder_is_marked_as_the_demo(tiny_llama: Path) -> None:
+    from engine.models.demo import DEMO_NAME
+
+    assert discovery.DEMO_FOLDER == DEMO_NAME  # the folder ensure_demo_model fills
+    demo = copy_model(tiny_llama, models_dir() / DEMO_NAME)
+    other = copy_model(tiny_llama, models_dir() / "other")
+
+    found = discover_models(include_hf_cache=False, include_lmstudio=False)
+
+    # The picker lists the demo once, as "Demo", with these facts; not a second time.
+    assert sorted((m.path, m.source) for m in found.models) == sorted(
+        [(demo, discovery.DEMO), (other, discovery.LONGLEAF)])
