@@ -31,6 +31,7 @@ from engine import StatsSample
 PROJECTION_MODES = ("fp16", "q8", "q6", "q4")
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
+NO_CACHE = "No KV cache in memory — read again on next send"
 
 
 def ram_level(sample: StatsSample) -> str:
@@ -122,14 +123,24 @@ class MemoryPanel(QScrollArea):
         layout.addStretch(1)
         self.setWidget(body)
         self.mode: str | None = None
+        self.session_id: str | None = None
+        self.kv_tokens: int | None = None  # tokens of the shown sample; None: no cache
+        self.now_tokens: int | None = None  # tokens the "Now" column was computed for
         self.samples_shown = 0
         self.level = "normal"
 
-    def set_session(self, title: str | None, mode: str | None, cache_state: str) -> None:
-        """Name the session the numbers belong to."""
-        if self.mode != mode:
+    def set_session(self, title: str | None, mode: str | None, cache_state: str,
+                    session_id: str | None = None) -> None:
+        """Name the session the numbers belong to.
+
+        Showing another session clears every per-session figure: until a sample
+        of that session arrives, the panel says it holds no cache rather than
+        keep the previous chat's numbers.
+        """
+        if session_id != self.session_id or self.mode != mode:
             self.chart.clear()
-        self.mode = mode
+            self.show_no_cache()
+        self.mode, self.session_id = mode, session_id
         if mode is None:
             self.session_label.setText("No chat open")
             return
@@ -139,9 +150,29 @@ class MemoryPanel(QScrollArea):
             f"</span>&nbsp; {html.escape(title or '')}<br>"
             f"<span style='opacity:.7'>KV cache: {cache_state}</span>")
 
-    def update_sample(self, sample: StatsSample, total_kv_bytes: int) -> None:
-        """Show one stats snapshot."""
+    def show_no_cache(self, stored_tokens: int = 0) -> None:
+        """The shown chat has no KV cache in memory: no page, byte or token figure."""
+        self.kv_tokens = None
+        stored = (f"<br>{stored_tokens:,} tokens in the history" if stored_tokens else "")
+        self.kv_label.setText(f"{NO_CACHE}{stored}")
+        self.kv_bar.setMaximum(1000)
+        self.kv_bar.setValue(0)
+        self.pages_label.setText("No pages held")
+        self.pool.set_pages(0, 0, 0, 0.0, mode_colour(self.mode or "q8"))
+        self.pool.setToolTip("")
+
+    def update_sample(self, sample: StatsSample, total_kv_bytes: int) -> bool:
+        """Show one stats snapshot; False when its KV figures belong to another session.
+
+        System memory is shown from any sample (it is the same for every chat);
+        the KV, page and history figures only from the shown session's own.
+        """
+        self._update_ram(sample)
+        self.kv_total_label.setText(f"All open chats: {human_bytes(total_kv_bytes)}")
+        if sample.session_id is None or sample.session_id != self.session_id:
+            return False
         self.samples_shown += 1
+        self.kv_tokens = sample.tokens_in_context
         allocated = max(sample.kv_bytes_allocated, 1)
         self.kv_label.setText(
             f"<b>{human_bytes(sample.kv_bytes_used)}</b> used of "
@@ -149,7 +180,6 @@ class MemoryPanel(QScrollArea):
             f"{sample.tokens_in_context:,} tokens")
         self.kv_bar.setMaximum(1000)
         self.kv_bar.setValue(int(1000 * sample.kv_bytes_used / allocated))
-        self.kv_total_label.setText(f"All open chats: {human_bytes(total_kv_bytes)}")
         self.pages_label.setText(
             f"{sample.pages_in_use:,} in use · {sample.pages_allocated:,} allocated · "
             f"{sample.pages_free:,} free · last page {sample.last_page_fill:.0%} full "
@@ -158,8 +188,8 @@ class MemoryPanel(QScrollArea):
                             sample.last_page_fill, mode_colour(self.mode or "q8"))
         per = self.pool.pages_per_cell()
         self.pool.setToolTip("" if per == 1 else f"Each square is {per} pages")
-        self._update_ram(sample)
         self.chart.add(sample.kv_bytes_used, sample.process_rss_bytes)
+        return True
 
     def _update_ram(self, sample: StatsSample) -> None:
         level = ram_level(sample)
@@ -188,6 +218,7 @@ class MemoryPanel(QScrollArea):
         """Fill the per-mode table from two ``FitReport``s (now and full context)."""
         if now_report is None or full_report is None:
             return
+        self.now_tokens = now_report.token_count
         bold = QFont(self.table.font())
         bold.setBold(True)
         for row, mode in enumerate(PROJECTION_MODES):
@@ -208,6 +239,8 @@ class MemoryPanel(QScrollArea):
                     tint.setAlphaF(0.22)
                     item.setBackground(QBrush(tint))
                 self.table.setItem(row, column, item)
+        now = (f"Now: {now_report.token_count:,} tokens" if self.kv_tokens is not None
+               else f"Now (read again on next send): {now_report.token_count:,} tokens")
         self.projection_note.setText(
-            f"Now: {now_report.token_count:,} tokens · full context: "
-            f"{full_report.max_context:,} tokens. Storage arithmetic, rounded to whole pages.")
+            f"{now} · full context: {full_report.max_context:,} tokens. "
+            "Storage arithmetic, rounded to whole pages.")

@@ -22,7 +22,8 @@ class SessionCaches(QObject):
     """Opens sessions' KV caches in the engine and closes them.
 
     ``opened`` maps each held session id to its KV mode, oldest use first;
-    ``kv_bytes`` holds each session's KV bytes from its latest stats sample.
+    ``samples`` holds each held session's latest stats sample, so what is shown
+    of a session always comes from one snapshot of that session.
     """
 
     changed = Signal()  # a session's KV cache was opened
@@ -32,7 +33,7 @@ class SessionCaches(QObject):
         super().__init__(parent)
         self.bridge, self.settings = bridge, settings
         self.opened: dict[str, str] = {}  # session id -> mode, oldest first
-        self.kv_bytes: dict[str, int] = {}
+        self.samples: dict[str, StatsSample] = {}
         self._then: dict[int, Callable[[], None]] = {}  # open request -> what runs once open
 
     def ensure_open(self, session: SessionRecord, then: Callable[[], None]) -> None:
@@ -45,6 +46,7 @@ class SessionCaches(QObject):
             oldest = next(iter(self.opened))
             self.bridge.close_session(oldest)
             del self.opened[oldest]
+            self.samples.pop(oldest, None)
         rid = self.bridge.open_session(session.id, session.kv_mode, self.settings.page_size)
         self._then[rid] = then
 
@@ -69,12 +71,14 @@ class SessionCaches(QObject):
         if session_id in self.opened:
             self.bridge.close_session(session_id)
             del self.opened[session_id]
+        self.samples.pop(session_id, None)
 
     def close_all(self) -> None:
         """Free every cache (a new model is loading)."""
         for session_id in list(self.opened):
             self.bridge.close_session(session_id)
         self.opened.clear()
+        self.samples.clear()
 
     def state(self, session_id: str | None) -> str:
         """Whether a session's KV cache is held now or rebuilt when it is next used."""
@@ -83,10 +87,22 @@ class SessionCaches(QObject):
         return "kept in memory" if session_id in self.opened else "rebuilt on next send"
 
     def note(self, sample: StatsSample) -> None:
-        """Keep the KV bytes a stats sample reports for its session."""
+        """Keep a stats sample as its session's latest."""
         if sample.session_id:
-            self.kv_bytes[sample.session_id] = sample.kv_bytes_used
+            self.samples[sample.session_id] = sample
+
+    def sample_for(self, session_id: str | None) -> StatsSample | None:
+        """The latest sample of ``session_id`` while its cache is held, else None."""
+        if session_id is None or session_id not in self.opened:
+            return None
+        return self.samples.get(session_id)
+
+    @property
+    def kv_bytes(self) -> dict[str, int]:
+        """Each session's KV bytes, from its latest stats sample."""
+        return {sid: sample.kv_bytes_used for sid, sample in self.samples.items()}
 
     def total_bytes(self) -> int:
         """KV bytes held by every open session, from their latest samples."""
-        return sum(self.kv_bytes.get(sid, 0) for sid in self.opened)
+        return sum(sample.kv_bytes_used for sid, sample in self.samples.items()
+                   if sid in self.opened)

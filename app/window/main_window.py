@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
@@ -22,6 +22,7 @@ from app.chat.conversation_view import ConversationView
 from app.controller import ChatController
 from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
+from app.memory.panel_feed import PanelFeed
 from app.sessions.session_list import SessionList
 from app.store import AttachmentRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
@@ -49,6 +50,7 @@ class MainWindow(QMainWindow):
         self._opened_folder: str | None = None
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
+        self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
         build_toolbar(self)
         build_menus(self)
         self._connect()
@@ -102,8 +104,6 @@ class MainWindow(QMainWindow):
         c.busyChanged.connect(self._on_busy)
         c.ingestProgress.connect(lambda e: self.composer.show_progress(
             e.tokens_done, e.tokens_total, e.tokens_per_second, e.eta_seconds))
-        c.statsUpdated.connect(self._on_stats)
-        c.cacheChanged.connect(self._update_projection)
         c.editRequested.connect(self._on_edit_requested)
         self.conversation.regenerateRequested.connect(c.regenerate)
         self.conversation.editRequested.connect(c.begin_edit)
@@ -145,7 +145,7 @@ class MainWindow(QMainWindow):
                 self.model_picker.refresh(self.settings.model_folders)
             self.model_picker.set_current(self.controller.model_id, text)
             self.fit.schedule()
-            self._update_projection()
+            self.panel_feed.refresh()
 
     # Sessions -------------------------------------------------------------
 
@@ -158,12 +158,8 @@ class MainWindow(QMainWindow):
         self._refresh_sessions()
         title = f"{record.title} — {record.kv_mode}" if record else "Longleaf"
         self.setWindowTitle(f"{title} · Longleaf" if record else title)
-        self.panel.set_session(record.title if record else None,
-                               record.kv_mode if record else None,
-                               self.controller.cache_state(record.id if record else None))
         self.reopen_button.setEnabled(record is not None)
         self.fit.schedule()
-        QTimer.singleShot(0, self._update_projection)
 
     def ask_new_chat(self) -> None:
         """Ask for the mode, then start a new chat."""
@@ -291,26 +287,8 @@ class MainWindow(QMainWindow):
         """Show or hide the memory panel, and remember the choice."""
         self.panel.setVisible(visible)
         self.settings.memory_panel_visible = visible
-
-    def _on_stats(self, sample) -> None:
-        current = self.controller.current
-        if current is None or sample.session_id not in (None, current.id):
-            return
-        if not self.panel.isVisible():
-            return
-        self.panel.update_sample(sample, self.controller.total_kv_bytes())
-        self._projection_tick = getattr(self, "_projection_tick", 0) + 1
-        if self._projection_tick % 8 == 0:
-            # Its own event-loop turn: the panel update above already took one.
-            QTimer.singleShot(0, self._update_projection)
-
-    def _update_projection(self) -> None:
-        current = self.controller.current
-        self.panel.set_session(current.title if current else None,
-                               current.kv_mode if current else None,
-                               self.controller.cache_state(current.id if current else None))
-        self.panel.update_projection(self.fit.report_for(self.fit.context_tokens()),
-                                     self.fit.full_context_report())
+        if visible:
+            self.panel_feed.refresh()
 
     # Window ---------------------------------------------------------------
 

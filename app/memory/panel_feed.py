@@ -1,0 +1,75 @@
+"""Keeps the memory panel on the chat shown in the window.
+
+Every per-session figure on the panel (KV line, pages, history, the "Now"
+column) comes from the shown session's own latest ``StatsSample``, which
+``SessionCaches`` keeps per session; a chat whose cache is not held says so
+instead of showing another chat's numbers.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, QTimer
+
+from app.memory.panel import MemoryPanel
+from engine import StatsSample
+
+PROJECTION_EVERY = 8  # full-context projection refresh, in samples (free RAM drifts slowly)
+
+
+class PanelFeed(QObject):
+    """Feeds ``panel`` from ``controller``'s samples of the shown session.
+
+    Args:
+        controller: the ``ChatController`` (its current session, caches and signals).
+        panel: the memory panel it fills.
+        fit: the window's ``FitChecker`` (per-mode projections from the worker).
+    """
+
+    def __init__(self, controller, panel: MemoryPanel, fit, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.controller, self.panel, self.fit = controller, panel, fit
+        self._ticks = 0
+        self._queued = False
+        controller.statsUpdated.connect(self.on_stats)
+        controller.cacheChanged.connect(self.refresh)
+        controller.currentSessionChanged.connect(lambda _record: self.refresh())
+        controller.answerFinished.connect(lambda _status: self.refresh())
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Show the current session: its name, its latest sample (or none) and projections."""
+        current = self.controller.current
+        session_id = current.id if current else None
+        self.panel.set_session(current.title if current else None,
+                               current.kv_mode if current else None,
+                               self.controller.cache_state(session_id), session_id)
+        sample = self.controller.caches.sample_for(session_id)
+        if sample is not None:
+            self.panel.update_sample(sample, self.controller.total_kv_bytes())
+        else:
+            self.panel.show_no_cache(current.tokens if current else 0)
+        self._project(force=True)
+
+    def on_stats(self, sample: StatsSample) -> None:
+        """A new sample: shown when it is the current session's (RAM from any)."""
+        if not self.panel.isVisible():
+            return
+        shown = self.panel.update_sample(sample, self.controller.total_kv_bytes())
+        self._ticks += 1
+        full = self._ticks % PROJECTION_EVERY == 0
+        if (full or (shown and self.panel.kv_tokens != self.panel.now_tokens)) \
+                and not self._queued:
+            # Its own event-loop turn, and one for all samples that arrived meanwhile:
+            # the sample above already took one, and streaming must not stutter.
+            self._queued = True
+            QTimer.singleShot(0, lambda: self._project(force=full))
+
+    def _project(self, force: bool = False) -> None:
+        self._queued = False
+        tokens = self.panel.kv_tokens
+        if tokens is None:
+            current = self.controller.current
+            tokens = current.tokens if current else 0
+        if not force and tokens == self.panel.now_tokens:
+            return
+        self.panel.update_projection(self.fit.report_for(tokens), self.fit.full_context_report())

@@ -1,0 +1,105 @@
+"""The memory panel describes the chat on screen, and only that chat."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+
+from app.format import human_bytes
+from app.memory.panel import NO_CACHE, PROJECTION_MODES
+from engine.sampling import SamplingParams
+from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
+
+
+def _bold_row(window) -> str | None:
+    table = window.panel.table
+    for row, mode in enumerate(PROJECTION_MODES):
+        item = table.item(row, 0)
+        if item is not None and item.font().bold():
+            return mode
+    return None
+
+
+def _assert_panel_shows(window, record) -> None:
+    """Every panel field is the shown chat's: one sample of that session, or none."""
+    panel, c = window.panel, window.controller
+    assert panel.session_id == record.id
+    assert f">&nbsp;{record.kv_mode}&nbsp;<" in panel.session_label.text()
+    assert record.title in panel.session_label.text()
+    assert _bold_row(window) == record.kv_mode
+    sample = c.caches.sample_for(record.id)
+    if sample is None:
+        assert panel.kv_tokens is None
+        assert panel.kv_label.text().startswith(NO_CACHE)
+        assert panel.pool.in_use == panel.pool.allocated == 0
+        assert panel.kv_bar.value() == 0
+        return
+    assert sample.session_id == record.id and sample.kv_mode == record.kv_mode
+    assert panel.kv_tokens == sample.tokens_in_context > 0
+    text = panel.kv_label.text()
+    assert f"{sample.tokens_in_context:,} tokens" in text
+    assert human_bytes(sample.kv_bytes_used) in text
+    assert panel.pool.in_use == sample.pages_in_use
+    assert panel.pool.allocated == sample.pages_allocated
+    assert f"{sample.pages_in_use:,} in use" in panel.pages_label.text()
+    # The "Now" column is computed for the same token count as the KV line.
+    assert panel.now_tokens == sample.tokens_in_context
+    assert f"Now: {sample.tokens_in_context:,} tokens" in panel.projection_note.text()
+
+
+def _follows(qtbot, window, record) -> None:
+    qtbot.waitUntil(lambda: _settled(window, record), timeout=ANSWER_TIMEOUT_MS)
+    _assert_panel_shows(window, record)
+
+
+def _settled(window, record) -> bool:
+    sample = window.controller.caches.sample_for(record.id)
+    tokens = sample.tokens_in_context if sample else None
+    return window.panel.kv_tokens == tokens and (
+        tokens is None or window.panel.now_tokens == tokens)
+
+
+def test_every_panel_field_follows_the_chat_on_screen(qtbot, window) -> None:
+    c = window.controller
+    first = c.new_session("q8")
+    assert send_and_wait(qtbot, window, "hello there") == "complete"
+    _follows(qtbot, window, c.current)
+
+    # A new empty chat in another mode shows no cache, not the previous chat's pages.
+    second = c.new_session("q6")
+    _assert_panel_shows(window, second)
+    assert send_and_wait(qtbot, window, "a second chat, a little longer than the first") \
+        == "complete"
+    _follows(qtbot, window, c.current)
+    second_tokens = window.panel.kv_tokens
+
+    c.select_session(first.id)
+    _follows(qtbot, window, c.current)
+    assert window.panel.kv_tokens != second_tokens
+
+    # While an answer streams, the panel follows that chat's samples as they grow.
+    third = c.new_session("fp16")
+    _assert_panel_shows(window, third)
+    c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=400)
+    window.composer.set_text("Tell me a long story")
+    with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: (window.panel.kv_tokens or 0) > 0, timeout=ANSWER_TIMEOUT_MS)
+        _follows(qtbot, window, c.store.session(third.id))
+        c.stop()
+    _follows(qtbot, window, c.store.session(third.id))
+
+    c.select_session(second.id)
+    _follows(qtbot, window, c.current)
+    assert window.panel.kv_tokens == second_tokens
+
+
+def test_a_chat_whose_cache_was_dropped_says_so(qtbot, window) -> None:
+    c = window.controller
+    c.new_session("q4")
+    assert send_and_wait(qtbot, window, "hello") == "complete"
+    _follows(qtbot, window, c.current)
+    c.caches.close(c.current.id)
+    window.panel_feed.refresh()
+    _assert_panel_shows(window, c.current)
+    assert f"{c.current.tokens:,} tokens in the history" in window.panel.kv_label.text()
+    assert "read again on next send" in window.panel.projection_note.text()
