@@ -1,31 +1,64 @@
 """The one typed wrapper over QSettings.
 
-Settings live in an INI file under ``engine.paths.data_dir()`` so that tests
-(which redirect ``LONGLEAF_HOME``) never read or write the real user's settings.
+Settings live in an INI file in the user's config folder (platformdirs'
+``user_config_dir``), not among the data: ``LONGLEAF_CONFIG_HOME`` overrides it,
+and a redirected ``LONGLEAF_HOME`` (every test sets one) takes the settings
+along into its ``config`` folder, so tests never touch the real user's settings.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
-from PySide6.QtCore import QSettings
+import platformdirs
+from PySide6.QtCore import QSettings, QStandardPaths
 
-from engine import SamplingParams, data_dir, private_file
+from engine import SamplingParams, data_dir, private_dir, private_file
 
-KV_MODES = ("q8", "q6", "q4", "fp16")
+# Best quality first, the order every list of modes in the app uses.
+KV_MODES = ("fp16", "q8", "q6", "q4")
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
+SETTINGS_FILE = "settings.ini"
+
+
+def config_dir() -> Path:
+    """The user-only folder that holds the settings file, created if missing."""
+    override = os.environ.get("LONGLEAF_CONFIG_HOME")
+    if override:
+        return private_dir(Path(override))
+    if os.environ.get("LONGLEAF_HOME"):
+        return private_dir(data_dir() / "config")
+    return private_dir(Path(platformdirs.user_config_dir("Longleaf", False)))
+
+
+def default_settings_path() -> Path:
+    """``settings.ini`` in ``config_dir()``, moved there from the data folder once."""
+    path = config_dir() / SETTINGS_FILE
+    older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
+    if not path.exists() and older.is_file() and older != path:
+        shutil.move(older, path)
+    return path
+
+
+def documents_dir() -> str:
+    """The user's Documents folder (their home when the platform names none)."""
+    folder = QStandardPaths.writableLocation(
+        QStandardPaths.StandardLocation.DocumentsLocation)
+    return folder if folder and Path(folder).is_dir() else str(Path.home())
 
 
 class Settings:
     """Typed access to the user's preferences.
 
     Args:
-        path: the INI file; defaults to ``settings.ini`` in the data directory.
+        path: the INI file; defaults to ``default_settings_path()``.
     """
 
     def __init__(self, path: Path | None = None) -> None:
         # Created user-only first: QSettings keeps an existing file's mode.
-        self.path = private_file(path or data_dir() / "settings.ini")
+        self.path = private_file(path or default_settings_path())
         self._qs = QSettings(str(self.path), QSettings.Format.IniFormat)
 
     def _get(self, key: str, default, kind: type):
@@ -40,7 +73,11 @@ class Settings:
             return default
 
     def _set(self, key: str, value) -> None:
-        self._qs.setValue(key, value)
+        # QSettings writes None and empty lists as "@Invalid()": drop the key instead.
+        if value is None or (isinstance(value, list | tuple) and not value):
+            self._qs.remove(key)
+        else:
+            self._qs.setValue(key, value)
 
     def sync(self) -> None:
         """Write pending changes to disk."""
@@ -139,6 +176,16 @@ class Settings:
     @last_model.setter
     def last_model(self, model: str) -> None:
         self._set("models/last", model)
+
+    @property
+    def last_folder(self) -> str:
+        """The folder the last file dialog was left in (Documents at first)."""
+        folder = self._get("files/last_folder", "", str)
+        return folder if folder and Path(folder).is_dir() else documents_dir()
+
+    @last_folder.setter
+    def last_folder(self, folder: str) -> None:
+        self._set("files/last_folder", str(folder) or None)
 
     @property
     def memory_panel_visible(self) -> bool:

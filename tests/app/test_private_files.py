@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
+from app.settings import Settings, config_dir
 from app.store import HistoryStore
 from engine.paths import data_dir
 
@@ -49,7 +49,8 @@ def test_settings_file_is_user_only_and_stays_so_after_writes(loose_umask: None)
     settings.sync()
     Settings().sync()
 
-    assert settings.path.parent == data_dir()
+    assert settings.path.parent == config_dir()
+    assert _mode(config_dir()) == 0o700
     assert "neighbour" in settings.path.read_text()
     assert _mode(settings.path) == 0o600
 
@@ -62,4 +63,4 @@ def test_files_left_open_by_an_older_version_are_tightened(loose_umask: None) ->
     Settings().sync()
 
     assert _mode(data_dir() / "history.sqlite3") == 0o600
-    assert _mode(data_dir() / "settings.ini") == 0o600
+    assert _mode(config_dir() / "settings.ini") == 0o600  # moved there, still user-only

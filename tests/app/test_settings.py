@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from app.settings import Settings
+from app.settings import Settings, config_dir
 from engine.paths import data_dir
 from engine.sampling import SamplingParams
 
 
 def test_defaults() -> None:
     s = Settings()
-    assert s.path.parent == data_dir()
+    assert s.path.parent == config_dir() != data_dir()
     assert (s.default_mode, s.page_size, s.ingest_chunk) == ("q8", 256, 512)
     assert s.memory_budget_bytes is None
     assert s.sampling == SamplingParams()
@@ -41,5 +44,47 @@ def test_round_trip_through_the_file() -> None:
 
 
 def test_unknown_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="q8, q6, q4, fp16"):
+    with pytest.raises(ValueError, match="fp16, q8, q6, q4"):
         Settings().default_mode = "q6_k"
+
+
+def test_lives_in_the_config_folder_not_among_the_data(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("LONGLEAF_CONFIG_HOME", str(tmp_path / "conf"))
+    assert Settings().path == tmp_path / "conf" / "settings.ini"
+    monkeypatch.delenv("LONGLEAF_CONFIG_HOME")
+    monkeypatch.delenv("LONGLEAF_HOME")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    if sys.platform.startswith("linux"):
+        assert Settings().path == tmp_path / "xdg" / "Longleaf" / "settings.ini"
+
+
+def test_an_older_data_folder_file_moves_to_the_config_folder() -> None:
+    (data_dir() / "settings.ini").write_text("[engine]\ndefault_mode=q4\n")
+    s = Settings()
+    assert s.default_mode == "q4"
+    assert s.path.parent == config_dir()
+    assert not (data_dir() / "settings.ini").exists()
+
+
+def test_no_invalid_values_are_written() -> None:
+    s = Settings()
+    s.model_folders = []
+    s.memory_budget_bytes = None
+    s.last_folder = ""
+    s.window_geometry = b"geometry"
+    s.sampling = SamplingParams()
+    s.sync()
+    assert "@Invalid" not in s.path.read_text()
+    assert s.model_folders == []
+    s.model_folders = ["/only/one"]
+    assert Settings().model_folders == ["/only/one"]
+
+
+def test_file_dialogs_start_in_documents_then_the_last_folder(tmp_path) -> None:
+    s = Settings()
+    assert Path(s.last_folder).is_dir()
+    assert s.last_folder != str(Path.cwd())
+    s.last_folder = str(tmp_path)
+    assert Settings().last_folder == str(tmp_path)
+    s.last_folder = str(tmp_path / "gone")  # deleted since: back to Documents
+    assert s.last_folder != str(tmp_path / "gone")
