@@ -26,9 +26,10 @@ from PySide6.QtWidgets import (
 from app.format import compact_count, human_bytes
 from app.memory.charts import HistoryChart, PagePoolView
 from app.sessions.session_list import mode_colour
+from app.settings import KV_MODES
 from engine import StatsSample
 
-PROJECTION_MODES = ("fp16", "q8", "q6", "q4")
+PROJECTION_MODES = KV_MODES
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
 NO_CACHE = "No KV cache in memory — read again on next send"
