@@ -106,7 +106,7 @@ class Session(ChunkedPrefill):
         self.prefill_facts = fit.prefill_facts(
             self.model, activation_value_bytes(),
             fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes)
-        self.cache = self._new_cache()
+        self._new_cache()
         # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
         self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
         self.facts = (fit.facts_from_cache(self.cache, max_context)
@@ -131,10 +131,9 @@ class Session(ChunkedPrefill):
         self.checkpoints.drop_after(common_prefix(self._tokens, ids))
         self._tokens = ids
 
-    def _new_cache(self) -> list[Any]:
+    def _new_cache(self) -> None:
         self.cache = adapter.make_cache(self.model, self.mode, page_size=self.page_size)
         self._attach_pool()
-        return self.cache
 
     def _pool(self) -> Any | None:
         return next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)
@@ -153,7 +152,7 @@ class Session(ChunkedPrefill):
 
     def reset(self) -> None:
         """Drop every held token and page."""
-        self.cache = self._new_cache()
+        self._new_cache()
         self.tokens = []
         self.checkpoints.clear()
 
