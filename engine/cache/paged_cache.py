@@ -151,12 +151,18 @@ class PagedKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
+        return self._drop_last(n, release=True)
+
+    def _drop_last(self, n: int, *, release: bool) -> int:
         n = max(0, min(self.offset, n))
         self.offset -= n
         keep = self.pool.pages_for(self.offset)
         if self.store is not None:
             self.store.give_back(self.block_table[keep:])
         del self.block_table[keep:]
+        if self.store is not None and release:
+            self.pool.release_free_tail(self.store)
+            self._groups = None
         return n
 
     @property
@@ -201,7 +207,8 @@ class PagedKVCache(_BaseCache):
                 )
             self._store_for(int(kv_heads), int(head_dim))
             self.pool.ensure(offset)
-        self.trim(self.offset)
+        # Keep the slabs reserved above: the pages are rewritten into them.
+        self._drop_last(self.offset, release=False)
         for page in range(self.pool.pages_for(offset)):
             slot = self.store.take()
             self.block_table.append(slot)

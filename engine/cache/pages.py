@@ -24,10 +24,10 @@ import mlx.core as mx
 from engine.cache import kvquant
 from engine.errors import KvBudgetExceeded, UnsupportedModeError
 
-# Slabs double a layer's capacity up to this many bytes, then grow linearly: few
-# slabs per layer (each costs two kernels per decode step) while the idle tail a
-# layer allocates ahead stays small (at most one slab, e.g. 63 pages of a 256-wide
-# q8 head layout: 0.5 GiB over 16 layers at worst).
+# Slabs double a layer's capacity up to this many bytes, then add half the
+# capacity each: few slabs per layer (each costs two kernels per decode step)
+# while the idle tail a layer allocates ahead stays at most one slab, a third of
+# what it holds, and within the budget's spare room.
 MAX_SLAB_BYTES = 32 * 2**20
 MIN_SLAB_PAGES = 4
 PREFILL_SCRATCH_BYTES = 256 * 2**20
@@ -112,6 +112,27 @@ class PageStore:
         for slot in slots:
             heapq.heappush(self._free, slot)
 
+    def drop_free_tail(self) -> int:
+        """Drop the last slabs while every slot in them is free; returns pages dropped.
+
+        Slots are dense and taken lowest first, so after a trim the free slots
+        gather in the last slabs: dropping them hands their memory back (to MLX's
+        buffer cache; ``mx.clear_cache`` returns it to the system).
+        """
+        dropped = 0
+        while self.slabs:
+            pages = self.slabs[-1][0].shape[0]
+            start = self.capacity - pages
+            if sum(1 for slot in self._free if slot >= start) < pages:
+                break
+            self._free = [slot for slot in self._free if slot < start]
+            heapq.heapify(self._free)
+            del self._where[start:]
+            self.slabs.pop()
+            self.capacity = start
+            dropped += pages
+        return dropped
+
     def locate(self, slot: int) -> tuple[int, int]:
         """(slab index, index inside the slab) of a slot."""
         return self._where[slot]
@@ -188,8 +209,8 @@ class PagePool:
         # The most one prefill chunk's attention may hold on top of the pages
         # (engine.cache.attention walks the pages in blocks that fit it).
         self.scratch_bytes = PREFILL_SCRATCH_BYTES
-        # Pages every store already has room for; capacity never shrinks, so most
-        # calls (two per layer per step) return without looking at the stores.
+        # Pages every store already has room for, so most calls (two per layer per
+        # step) return without looking at the stores; reset when a store shrinks.
         self._room = 0
 
     def add_store(self, kv_heads: int, head_dim: int) -> PageStore:
@@ -204,6 +225,11 @@ class PagePool:
     @property
     def bytes_allocated(self) -> int:
         return sum(s.capacity * s.layout.page_bytes for s in self.stores)
+
+    def release_free_tail(self, store: PageStore) -> None:
+        """Give back ``store``'s fully free last slabs (after a trim)."""
+        if store.drop_free_tail():
+            self._room = 0
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -231,7 +257,10 @@ class PagePool:
         spare = headroom - needed
         step_bytes = sum(s.layout.page_bytes for s, _ in short)
         for store, missing in short:
-            cap = max(1, MAX_SLAB_BYTES // store.layout.page_bytes)
+            # Past MAX_SLAB_BYTES a slab is half the layer's capacity, so a 262k
+            # cache is ~a dozen slabs per layer (each costs kernels every decode
+            # step), not a hundred, and the idle tail stays at most a third.
+            cap = max(1, MAX_SLAB_BYTES // store.layout.page_bytes, store.capacity // 2)
             grow = min(max(store.capacity, MIN_SLAB_PAGES), cap)
             extra = max(0, grow - missing)
             if spare != math.inf:

@@ -69,14 +69,21 @@ def test_growth_adds_slabs_and_never_touches_existing_pages() -> None:
     assert store.locate(0) == (0, 0) and store.locate(9) == (2, 1) and store.locate(63) == (4, 31)
 
 
-def test_slabs_stop_doubling_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slabs_stop_doubling_at_the_cap_then_add_half_the_capacity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(pages, "MAX_SLAB_BYTES", 8 * PageLayout("q8", 4, 1, 32).page_bytes)
     pool = PagePool("q8", 4)
     store = pool.add_store(1, 32)
-    for tokens in range(4, 4 * 40, 4):
+    sizes = []
+    for tokens in range(4, 4 * 400, 4):
+        before = store.capacity
         pool.ensure(tokens)
-    assert max(s[0].shape[0] for s in store.slabs) == 8
-    assert store.capacity >= 39
+        if store.capacity != before:
+            sizes.append((before, store.slabs[-1][0].shape[0]))
+    assert all(size <= max(8, before // 2, 4) for before, size in sizes), sizes
+    assert [size for _, size in sizes[:3]] == [4, 4, 8]  # doubling up to the cap
+    assert store.capacity >= 399 and len(store.slabs) <= 12
 
 
 def test_budget_is_all_or_nothing_across_layers() -> None:
@@ -158,3 +165,32 @@ def test_gather_heads_first_is_the_transposed_page_major_copy() -> None:
         if a is not None:
             np.testing.assert_array_equal(np.array(a.swapaxes(0, 1)), np.array(b))
     assert np.array(page_major[0])[:, 0, 0, 0].tolist() == [5, 1, 3, 2]
+
+
+def test_trim_gives_the_free_tail_slabs_back() -> None:
+    """Trimmed and closed sessions used to keep their slabs (371 MiB after 20k -> 0)."""
+    from engine.cache.paged_cache import PagedKVCache
+
+    pool = PagePool("q8", page_size=16)
+    cache = PagedKVCache(pool, 2, 64)
+    rows = mx.zeros((1, 2, 1000, 64))
+    for _ in range(5):
+        cache.update_and_fetch(rows, rows)
+    full = pool.bytes_allocated
+    assert full >= pool.pages_for(5000) * cache.store.layout.page_bytes
+    cache.trim(4000)
+    assert cache.offset == 1000
+    assert pool.bytes_allocated < full / 2
+    assert pool.bytes_allocated >= pool.pages_for(1000) * cache.store.layout.page_bytes
+    cache.trim(1000)
+    assert pool.bytes_allocated == 0 and cache.store.capacity == 0
+    cache.update_and_fetch(rows, rows)  # grows again from nothing
+    assert cache.offset == 1000 and pool.bytes_allocated > 0
+
+
+def test_slabs_grow_with_the_layer_so_a_long_context_has_few() -> None:
+    pool = PagePool("fp16", page_size=256)
+    store = pool.add_store(4, 256)  # 1 MiB pages: MAX_SLAB_BYTES alone would cap slabs at 32
+    pool.ensure(262144)
+    assert store.capacity >= 1024
+    assert len(store.slabs) <= 12
