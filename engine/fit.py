@@ -15,16 +15,12 @@ from typing import Any
 from mlx.utils import tree_flatten
 
 from engine.cache import kvquant
+from engine.cache.attention import PREFILL_SCRATCH_BYTES  # one chunk's scratch, any context
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.memory_guard import MemoryGuard, default_headroom, human_bytes
 
 MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
-try:
-    # The most one prefill chunk's attention scratch may take, at any context length.
-    from engine.cache.attention import PREFILL_SCRATCH_BYTES
-except ImportError:  # until the blockwise prefill attention (issue 12, item 1) exports it
-    PREFILL_SCRATCH_BYTES = 256 * 2**20
 # Per chunk token, the arrays one layer keeps alive at once (the layers run one after
 # another): the residual, its norm, the attention output and its projection
 # (hidden-wide), queries, keys and values, and the MLP's gate, up and their product.

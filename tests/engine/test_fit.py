@@ -169,6 +169,5 @@ def test_a_session_counts_the_scratch_budget_its_attention_keeps(wide_llama) -> 
     _, loaded = wide_llama
     session = Session("s", loaded, "q8")
     pool = next(layer.pool for layer in session.cache if hasattr(layer, "pool"))
-    expected = getattr(pool, "scratch_bytes", PREFILL_SCRATCH_BYTES)
-    assert session.prefill_facts.scratch_bytes == expected
+    assert session.prefill_facts.scratch_bytes == pool.scratch_bytes == PREFILL_SCRATCH_BYTES
     assert Session("e", loaded, "q8", scratch_bytes=MIB).prefill_facts.scratch_bytes == MIB
