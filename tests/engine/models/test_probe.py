@@ -55,6 +55,20 @@ def test_llama_is_paged_within_fp16_rounding(tiny) -> None:
     assert result.max_rel_diff is not None and 0 < result.max_rel_diff <= MAX_REL_DIFF
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_models_are_judged_at_their_precision(dtype) -> None:
+    # bf16 activations alone move logits ~1e-2; a float32 bound would send
+    # every bf16 model to mlx-lm's cache. Wrong rows still fail (gemma4 below).
+    model = coverage.build_tiny("qwen3")
+    model.set_dtype(dtype)
+    result = probe_model(model)
+    assert result.verdict == "paged"
+    assert result.max_rel_diff <= probe.max_rel_diff_for(model)
+    shared = coverage.build_tiny("gemma4_text")
+    shared.set_dtype(dtype)
+    assert probe_model(shared).verdict == "mlx-lm"
+
+
 def test_paged_session_cache_holds_paged_layers(tiny) -> None:
     model = _model(tiny, "llama")
     chosen = make_session_cache(_loaded(model, probe_model(model)), "q8", page_size=16)
