@@ -10,7 +10,7 @@ import sys
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
-from app.style import apply_style
+from app.style import apply_style, follow_system_theme
 
 log = logging.getLogger("longleaf")
 
@@ -24,6 +24,7 @@ def create_app(argv: list[str]) -> QApplication:
     if sys.platform != "darwin":
         app.setStyle("Fusion")  # follows the system palette, looks the same everywhere
     apply_style(app)
+    follow_system_theme(app)
     return app
 
 

@@ -1,4 +1,10 @@
-"""The app's look: the icon and stylesheet in the repository's ``resources/`` folder."""
+"""The app's look: the icon and stylesheet in ``resources/``, light or dark as the system is.
+
+The stylesheet draws with ``palette(...)`` colours, so a dark palette makes the
+whole window dark. macOS's native style follows the system by itself; elsewhere
+the Fusion style keeps its light palette unless told, so the palette is set
+from the system's colour scheme, and again whenever the scheme changes.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
-from PySide6.QtGui import QIcon
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor, QIcon, QPalette
 from PySide6.QtWidgets import QApplication
 
 log = logging.getLogger(__name__)
@@ -38,3 +45,44 @@ def apply_style(app: QApplication) -> None:
         app.setWindowIcon(QIcon(str(folder / ICON)))
     if (folder / STYLESHEET).is_file():
         app.setStyleSheet((folder / STYLESHEET).read_text(encoding="utf-8"))
+
+
+def dark_palette() -> QPalette:
+    """A dark palette for the Fusion style, close to macOS's dark appearance."""
+    palette = QPalette()
+    role = QPalette.ColorRole
+    for name, colour in (
+        (role.Window, "#2b2b2d"), (role.WindowText, "#e8e8ea"), (role.Base, "#1e1e20"),
+        (role.AlternateBase, "#2b2b2d"), (role.Text, "#e8e8ea"), (role.Button, "#3a3a3d"),
+        (role.ButtonText, "#e8e8ea"), (role.BrightText, "#ffffff"), (role.Light, "#5a5a5e"),
+        (role.Midlight, "#3f3f43"), (role.Mid, "#55555a"), (role.Dark, "#18181a"),
+        (role.Shadow, "#000000"), (role.Highlight, "#2f7d5b"),
+        (role.HighlightedText, "#ffffff"), (role.Link, "#6fb3ff"),
+        (role.ToolTipBase, "#3a3a3d"), (role.ToolTipText, "#e8e8ea"),
+        (role.PlaceholderText, "#9a9aa0"),
+    ):
+        palette.setColor(name, QColor(colour))
+    disabled = QPalette.ColorGroup.Disabled
+    for name in (role.Text, role.WindowText, role.ButtonText):
+        palette.setColor(disabled, name, QColor("#7a7a80"))
+    return palette
+
+
+def apply_color_scheme(app: QApplication, scheme: Qt.ColorScheme) -> None:
+    """Make ``app`` dark for ``Qt.ColorScheme.Dark``, light otherwise (not on macOS)."""
+    if sys.platform == "darwin":
+        return  # the native style already follows the system appearance
+    dark = scheme == Qt.ColorScheme.Dark
+    app.setPalette(dark_palette() if dark else app.style().standardPalette())
+    # palette(...) in a stylesheet is resolved when the sheet is set: set it again.
+    sheet = app.styleSheet()
+    if sheet:
+        app.setStyleSheet("")
+        app.setStyleSheet(sheet)
+
+
+def follow_system_theme(app: QApplication) -> None:
+    """Use the system's colour scheme now and whenever it changes."""
+    hints = app.styleHints()
+    apply_color_scheme(app, hints.colorScheme())
+    hints.colorSchemeChanged.connect(lambda scheme: apply_color_scheme(app, scheme))

@@ -30,15 +30,21 @@ MODE_BLURB = {
 
 
 def mode_choice_text(mode: str, full_report) -> str:
-    """"q8 — 8-bit … · 12.0 MB at full context · 1,234 tokens fit in free RAM"."""
+    """"q8 — 8-bit … · 12.0 MB at 8,192 tokens · 8,192 tokens fit in free RAM".
+
+    A model holds no more than its context however much RAM is free, so the
+    tokens that fit are capped there ("all 8,192 tokens fit").
+    """
     text = f"{mode}  —  {MODE_BLURB[mode]}"
     if full_report is None:
         return text
     entry = full_report.for_mode(mode)
     if not entry.supported:
         return text + "  ·  not possible for this model's head size"
-    return (f"{text}  ·  {human_bytes(entry.bytes_needed)} at {full_report.max_context:,} "
-            f"tokens  ·  {entry.tokens_fit_ram:,} tokens fit in free RAM")
+    context = full_report.max_context
+    fit = (f"all {context:,} tokens fit in free RAM" if entry.tokens_fit_ram >= context
+           else f"{entry.tokens_fit_ram:,} tokens fit in free RAM")
+    return f"{text}  ·  {human_bytes(entry.bytes_needed)} at {context:,} tokens  ·  {fit}"
 
 
 class NewChatDialog(QDialog):

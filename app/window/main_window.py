@@ -30,6 +30,12 @@ from app.window.menus import build_menus, build_toolbar
 from app.window.parts import Banner, FileOpenFilter, local_files
 
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
+# Widths in pixels. The chat column keeps room for a line of text and its status
+# lines at the smallest window the app targets (1024 wide, with both side
+# columns); the side columns give way first, down to their minimums.
+CHAT_MIN_WIDTH = 560
+SIDEBAR_WIDTH = (180, 240)  # (minimum, preferred)
+PANEL_WIDTH = (260, 320)
 
 
 class MainWindow(QMainWindow):
@@ -78,12 +84,15 @@ class MainWindow(QMainWindow):
         column.addWidget(self.conversation, 1)
         column.addWidget(self.composer)
         self.panel = MemoryPanel()
+        centre.setMinimumWidth(CHAT_MIN_WIDTH)
+        self.sessions.setMinimumWidth(SIDEBAR_WIDTH[0])
+        self.panel.setMinimumWidth(PANEL_WIDTH[0])
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         self.splitter.addWidget(self.sessions)
         self.splitter.addWidget(centre)
         self.splitter.addWidget(self.panel)
         self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes([250, 800, 330])
+        self.splitter.setSizes([SIDEBAR_WIDTH[1], 800, PANEL_WIDTH[1]])
         self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
         self.panel.setVisible(self.settings.memory_panel_visible)
@@ -118,8 +127,10 @@ class MainWindow(QMainWindow):
 
     def open_model_folder(self) -> None:
         """Pick a model folder and load it."""
-        folder = QFileDialog.getExistingDirectory(self, "Open a model folder")
+        folder = QFileDialog.getExistingDirectory(self, "Open a model folder",
+                                                  self.settings.last_folder)
         if folder:
+            self.settings.last_folder = str(Path(folder).parent)
             # Remembered once it has loaded: a broken folder is not added to the picker.
             self._opened_folder = folder
             self.controller.load_model(folder)
@@ -152,13 +163,15 @@ class MainWindow(QMainWindow):
     def _refresh_sessions(self) -> None:
         current = self.controller.current.id if self.controller.current else None
         self.sessions.set_sessions(self.controller.store.sessions(self.sessions.search.text()),
-                                   current)
+                                   current, self.controller.answering_session)
 
     def _on_session_changed(self, record) -> None:
         self._refresh_sessions()
         title = f"{record.title} — {record.kv_mode}" if record else "Longleaf"
         self.setWindowTitle(f"{title} · Longleaf" if record else title)
         self.reopen_button.setEnabled(record is not None)
+        if self.banner.property("kind") == "info":
+            self.banner.hide()  # a notice is about the chat it was said in
         self.fit.schedule()
 
     def ask_new_chat(self) -> None:
@@ -214,6 +227,7 @@ class MainWindow(QMainWindow):
             "pasted. Paste a part of it, or use a model with a longer context.", "error")
 
     def _on_busy(self, busy: bool) -> None:
+        self._refresh_sessions()  # the answering chat says so in the sidebar
         self.composer.set_generating(busy)
         self.conversation.set_busy(busy)
         self.fit.schedule()
@@ -250,9 +264,11 @@ class MainWindow(QMainWindow):
     def ask_attach(self) -> None:
         """The attach dialog."""
         paths, _ = QFileDialog.getOpenFileNames(
-            self, "Attach documents", "",
+            self, "Attach documents", self.settings.last_folder,
             "Documents (*.txt *.md *.pdf *.docx *.py *.js *.ts *.c *.cpp *.h *.rs *.go *.java "
             "*.swift *.json *.yaml *.toml *.html *.csv);;All files (*)")
+        if paths:
+            self.settings.last_folder = str(Path(paths[0]).parent)
         self.add_files(paths)
 
     def add_files(self, paths: list[str]) -> None:

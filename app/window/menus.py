@@ -78,11 +78,15 @@ def build_toolbar(window: MenuHost) -> None:
     window.model_state.setObjectName("modelState")
     bar.addWidget(window.model_state)
     window.panel_action = QAction("Memory", window, checkable=True)
-    window.panel_action.setChecked(window.panel.isVisible())
+    # isHidden, not isVisible: before the window is first shown nothing is visible.
+    window.panel_action.setChecked(not window.panel.isHidden())
     window.panel_action.toggled.connect(window.set_panel_visible)
     bar.addAction(window.panel_action)
     window.settings_action = QAction("Settings", window)
-    window.settings_action.setShortcut(QKeySequence.StandardKey.Preferences)
+    # Preferences is Cmd+, on macOS only; Ctrl+, is the convention elsewhere too.
+    keys = [*QKeySequence.keyBindings(QKeySequence.StandardKey.Preferences),
+            QKeySequence("Ctrl+,")]
+    window.settings_action.setShortcuts(list({k.toString(): k for k in keys}.values()))
     window.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
     window.settings_action.triggered.connect(window.open_settings)
     bar.addAction(window.settings_action)
@@ -97,6 +101,10 @@ def build_menus(window: MenuHost) -> None:
     file_menu.addSeparator()
     close = file_menu.addAction("Close Window", window.close)
     close.setShortcut(QKeySequence.StandardKey.Close)
+    # Closing the one window quits, with the same saving and engine shutdown.
+    window.quit_action = file_menu.addAction("Quit Longleaf", window.close)
+    window.quit_action.setShortcut(QKeySequence("Ctrl+Q"))
+    window.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
     edit_menu = window.menuBar().addMenu("&Edit")
     for title, key, slot in (
         ("Undo", QKeySequence.StandardKey.Undo, "undo"),

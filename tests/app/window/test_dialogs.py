@@ -8,7 +8,7 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
 from app.settings import Settings
-from app.window.dialogs import SettingsDialog
+from app.window.dialogs import NewChatDialog, SettingsDialog
 from engine.sampling import SamplingParams
 from engine.worker import EngineWorker
 from tests.app.conftest import close_window, open_window
@@ -100,3 +100,28 @@ def test_saved_budget_and_chunk_reach_the_running_engine(qtbot, tiny_llama: Path
         assert worker.guard.budget_bytes == 700 * 2**20
     finally:
         close_window(window)
+
+
+def _full_report(free_bytes: int):
+    from engine.fit import fit_report
+
+    return fit_report(token_count=8192, attention_layers=30, kv_heads=3, head_dim=64,
+                      max_context=8192, page_size=256, available_bytes=free_bytes)
+
+
+def test_new_chat_caps_what_fits_at_the_models_context(qtbot) -> None:
+    dialog = NewChatDialog("q8", _full_report(64 * 2**30))
+    qtbot.addWidget(dialog)
+    text = dialog.buttons["q6"].text()
+    assert "all 8,192 tokens fit in free RAM" in text
+    assert "1,6" not in text  # never more tokens than the model's context
+    tight = NewChatDialog("q8", _full_report(3 * 2**20))
+    qtbot.addWidget(tight)
+    assert "all 8,192" not in tight.buttons["fp16"].text()
+
+
+def test_modes_are_listed_best_quality_first(qtbot) -> None:
+    dialog = NewChatDialog("q8", _full_report(64 * 2**30))
+    qtbot.addWidget(dialog)
+    assert list(dialog.buttons) == ["fp16", "q8", "q6", "q4"]
+    assert dialog.mode() == "q8"

@@ -1,0 +1,138 @@
+"""The main window's frame: menus and shortcuts, file dialogs, column widths, theme.
+
+These need no model: the window is built on the real bridge and never told to
+load one, which is also what a user sees for a moment at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QKeySequence, QPalette
+from PySide6.QtWidgets import QApplication, QFileDialog, QWidget
+
+from app.controller import ChatController
+from app.engine_bridge import EngineBridge
+from app.settings import Settings
+from app.store import HistoryStore
+from app.style import apply_color_scheme
+from app.window.main_window import CHAT_MIN_WIDTH, MainWindow
+from tests.app.conftest import close_window
+
+
+@pytest.fixture
+def bare_window(qtbot) -> Iterator[MainWindow]:
+    """The window as built at start-up, before any model is loaded."""
+    settings = Settings()
+    bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk)
+    window = MainWindow(ChatController(settings, HistoryStore(), bridge))
+    qtbot.addWidget(window)
+    try:
+        yield window
+    finally:
+        close_window(window)
+
+
+def shortcuts(action) -> set[str]:
+    return {key.toString(QKeySequence.SequenceFormat.PortableText) for key in action.shortcuts()}
+
+
+def test_memory_toggles_start_checked_when_the_panel_shows(qtbot, bare_window) -> None:
+    assert bare_window.panel_action.isChecked()  # checked before the window is shown too
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    assert bare_window.panel.isVisible() and bare_window.panel_action.isChecked()
+    bare_window.panel_action.trigger()
+    assert not bare_window.panel.isVisible()
+    assert not Settings().memory_panel_visible
+
+
+def test_quit_and_settings_have_their_shortcuts(bare_window) -> None:
+    assert "Ctrl+Q" in shortcuts(bare_window.quit_action)
+    assert "Ctrl+," in shortcuts(bare_window.settings_action)
+    file_menu = bare_window.menuBar().actions()[0].menu()
+    assert bare_window.quit_action in file_menu.actions()
+
+
+def test_quit_closes_the_window(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    bare_window.quit_action.trigger()
+    assert not bare_window.isVisible()
+    assert bare_window.closed_at is not None  # the same saving and shutdown as a close
+
+
+def test_attach_starts_in_documents_then_where_the_user_left(
+        monkeypatch, bare_window, tmp_path: Path) -> None:
+    folders: list[str] = []
+    picked = tmp_path / "papers" / "a.txt"
+    picked.parent.mkdir()
+    picked.write_text("hello")
+
+    def fake_dialog(parent, caption, folder, filters):
+        folders.append(folder)
+        return [str(picked)], ""
+
+    monkeypatch.setattr(QFileDialog, "getOpenFileNames", fake_dialog)
+    bare_window.ask_attach()
+    bare_window.ask_attach()
+    assert folders[0] != str(Path.cwd()) and Path(folders[0]).is_dir()
+    assert folders[1] == str(picked.parent)
+    assert Settings().last_folder == str(picked.parent)
+    bare_window.loader.wait(10_000)
+
+
+def overlapping(widgets: list[QWidget], window: QWidget) -> list[tuple[str, str]]:
+    """Pairs of visible widgets whose rectangles (in window coordinates) overlap."""
+    rects = [(w.objectName() or type(w).__name__,
+              w.rect().translated(w.mapTo(window, w.rect().topLeft())))
+             for w in widgets if w.isVisible()]
+    return [(a, b) for i, (a, ra) in enumerate(rects) for b, rb in rects[i + 1:]
+            if ra.intersects(rb)]
+
+
+@pytest.mark.parametrize("size", [(1024, 700), (1440, 900)])
+def test_chat_column_keeps_its_room(qtbot, bare_window, size, tmp_path_factory) -> None:
+    bare_window.resize(*size)
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    qtbot.waitUntil(lambda: bare_window.width() == size[0])
+    centre = bare_window.splitter.widget(1)
+    shot = bare_window.grab()
+    shot.save(str(tmp_path_factory.mktemp("shots") / f"window-{size[0]}x{size[1]}.png"))
+    assert centre.width() >= CHAT_MIN_WIDTH
+    assert bare_window.sessions.width() >= 150 and bare_window.panel.width() >= 250
+    columns = [bare_window.sessions, centre, bare_window.panel]
+    assert overlapping(columns, bare_window) == []
+    assert sum(w.width() for w in columns) <= size[0]
+    parts = [bare_window.banner, bare_window.conversation, bare_window.composer]
+    assert overlapping(parts, bare_window) == []
+    assert bare_window.composer.geometry().bottom() <= centre.height()
+
+
+def test_dark_system_scheme_makes_the_window_dark(qtbot, qapp: QApplication, bare_window,
+                                                  tmp_path) -> None:
+    if qapp.style().name().lower() != "fusion":
+        pytest.skip("the native macOS style follows the system by itself")
+    before = qapp.palette()
+    try:
+        bare_window.resize(1024, 700)
+        bare_window.show()
+        qtbot.waitExposed(bare_window)
+        apply_color_scheme(qapp, Qt.ColorScheme.Dark)  # the system switched while running
+        qtbot.wait(50)  # palette change events are delivered through the event loop
+        image = bare_window.grab().toImage()
+        image.save(str(tmp_path / "dark.png"))
+        centre = bare_window.conversation
+        middle = centre.mapTo(bare_window, centre.rect().center())
+        assert image.pixelColor(middle).lightness() < 80
+        assert qapp.palette().color(QPalette.ColorRole.Base).lightness() < 80
+        apply_color_scheme(qapp, Qt.ColorScheme.Light)
+        qtbot.wait(50)
+        image = bare_window.grab().toImage()
+        assert image.pixelColor(middle).lightness() > 200
+    finally:
+        qapp.setPalette(before)
