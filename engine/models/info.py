@@ -277,7 +277,12 @@ def classify_layers(cache: list[Any]) -> dict[str, tuple[int, ...]]:
             return "full"
         # A CacheList (MLA plus indexer, SSM plus attention) is as long as its longest part.
         inner = {kind(c) for c in getattr(layer, "caches", ())}
-        return next((k for k in ("full", "sliding") if k in inner), "other")
+        found = next((k for k in ("full", "sliding") if k in inner), None)
+        if found:
+            return found
+        # A model's own cache class that counts tokens (deepseek_v41's compressed
+        # LayerCache) holds attention state; SSM state (ArraysCache) has no offset.
+        return "full" if isinstance(getattr(layer, "offset", None), int) else "other"
 
     kinds: dict[str, list[int]] = {"full": [], "sliding": [], "other": []}
     for index, layer in enumerate(cache):

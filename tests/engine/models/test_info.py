@@ -18,6 +18,13 @@ def test_cache_lists_count_as_the_attention_they_hold() -> None:
     assert classify_layers(cache) == {"full": (0, 1, 4), "sliding": (2,), "other": (3,)}
 
 
+def test_a_models_own_cache_that_counts_tokens_is_attention() -> None:
+    class LayerCache:  # as deepseek_v41 makes: compressed attention state
+        offset = 0
+
+    assert classify_layers([LayerCache(), ArraysCache(size=2)])["full"] == (0,)
+
+
 def _headers(*names: str) -> dict[str, dict]:
     return {name: {"shape": [2, 2], "dtype": "F32", "data_offsets": [0, 16]} for name in names}
 
