@@ -30,8 +30,8 @@ _PUBLIC = {
     "DownloadProgress": "engine.models.download_transfer",
     "RECOMMENDED_MODELS": "engine.models.catalog",
     "RecommendedModel": "engine.models.catalog",
-    "ModeCost": "engine.models.catalog",
-    "full_context_costs": "engine.models.catalog",
+    "ModeCost": "engine.model_costs",
+    "full_context_costs": "engine.model_costs",
     "read_document": "engine.documents",
     "SamplingParams": "engine.sampling",
     "MODES": "engine.fit",
@@ -118,12 +118,8 @@ if TYPE_CHECKING:
         TokenChunk,
     )
     from engine.fit import MODES
-    from engine.models.catalog import (
-        RECOMMENDED_MODELS,
-        ModeCost,
-        RecommendedModel,
-        full_context_costs,
-    )
+    from engine.model_costs import ModeCost, full_context_costs
+    from engine.models.catalog import RECOMMENDED_MODELS, RecommendedModel
     from engine.models.discovery import discover_models
     from engine.models.download import download_model
     from engine.models.download_transfer import DownloadProgress

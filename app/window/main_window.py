@@ -26,7 +26,9 @@ from app.memory.panel_feed import PanelFeed
 from app.sessions.session_list import SessionList
 from app.store import AttachmentRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
+from app.window.downloads import Downloads
 from app.window.menus import build_menus, build_toolbar
+from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
@@ -54,6 +56,10 @@ class MainWindow(QMainWindow):
         self.attachments: dict[int, AttachmentRecord] = {}
         self.closed_at: float | None = None
         self._opened_folder: str | None = None
+        self.downloads = Downloads(self)
+        self.downloads.progressed.connect(self._on_download_progress)
+        self.downloads.ended.connect(self._on_download_ended)
+        self.models_dialog: ModelsDialog | None = None
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
@@ -140,6 +146,42 @@ class MainWindow(QMainWindow):
         self.controller.load_model(path)
         if self.controller.model_id != path:  # refused (an answer is running)
             self.model_picker.set_current(self.model_picker.current_path)
+
+    def open_models(self) -> None:
+        """The Models dialog: facts of every model, Load, and one-click downloads."""
+        if self.models_dialog is not None:
+            self.models_dialog.raise_()
+            return
+        picker = self.model_picker
+        dialog = ModelsDialog(picker.installed(), picker.recommended, self.downloads.running,
+                              self)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.loadRequested.connect(self._load_from_library)
+        dialog.downloadRequested.connect(self.downloads.start)
+        dialog.cancelRequested.connect(self.downloads.cancel)
+        dialog.destroyed.connect(lambda: setattr(self, "models_dialog", None))
+        self.models_dialog = dialog
+        dialog.show()
+
+    def _load_from_library(self, path: str) -> None:
+        demo = self.model_picker.demo
+        self.choose_model("demo" if demo is not None and str(demo.path) == path else path)
+
+    def _on_download_progress(self, progress) -> None:
+        if self.models_dialog is not None:
+            self.models_dialog.show_progress(progress)
+
+    def _on_download_ended(self, repo_id: str, folder: str | None, message: str,
+                           cancelled: bool) -> None:
+        entry = next((e for e in self.model_picker.recommended if e.repo_id == repo_id), None)
+        if self.models_dialog is not None and entry is not None:
+            self.models_dialog.download_ended(entry, folder)
+        if folder is None:
+            self.banner.show_message(message, "info" if cancelled else "error")
+            return
+        self.banner.show_message(f"Downloaded {repo_id}; loading it.", "info")
+        self.model_picker.refresh(self.settings.model_folders)
+        self.choose_model(folder)
 
     def _on_model_state(self, text: str, ready: bool) -> None:
         self.model_state.setText(("● " if ready else "○ ") + text)
@@ -341,6 +383,8 @@ class MainWindow(QMainWindow):
 
         readers_done = self.loader.wait(int(left() * 1000))
         readers_done = self.model_picker.wait(int(left() * 1000)) and readers_done
+        # A download stopped here resumes from its partial files next time.
+        readers_done = self.downloads.wait_all(left()) and readers_done
         return self.controller.shutdown(left()) and readers_done
 
 

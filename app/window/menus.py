@@ -37,6 +37,7 @@ class MenuHost(Protocol):
     def ask_attach(self) -> None: ...
     def choose_model(self, path: str) -> None: ...
     def open_model_folder(self) -> None: ...
+    def open_models(self) -> None: ...
     def open_settings(self) -> None: ...
     def set_panel_visible(self, visible: bool) -> None: ...
 
@@ -72,6 +73,7 @@ def build_toolbar(window: MenuHost) -> None:
     window.model_picker.set_current(window.settings.last_model)
     window.model_picker.modelChosen.connect(window.choose_model)
     window.model_picker.openFolderRequested.connect(window.open_model_folder)
+    window.model_picker.manageRequested.connect(window.open_models)
     window.model_picker.refresh(window.settings.model_folders)
     bar.addWidget(window.model_picker)
     window.model_state = QLabel()
@@ -96,6 +98,7 @@ def build_menus(window: MenuHost) -> None:
     """Add the File, Edit, Chat and View menus, sharing the toolbar's actions."""
     file_menu = window.menuBar().addMenu("&File")
     file_menu.addAction(window.new_chat_action)
+    file_menu.addAction("Models and Downloads…", window.open_models)
     file_menu.addAction("Open Model Folder…", window.open_model_folder)
     file_menu.addAction("Attach Documents…", window.ask_attach)
     file_menu.addSeparator()

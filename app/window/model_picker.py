@@ -1,7 +1,9 @@
-"""The toolbar's model picker: the demo, discovered models, and "Open folder…".
+"""The toolbar's model picker: the demo, discovered models, "Models…", "Open folder…".
 
+Each model shows its size and context; its tooltip adds the KV cost at full
+context in each mode against this machine's RAM (``app.window.model_library``).
 Discovery reads config files and safetensors headers only, but a big Hugging
-Face cache still takes a moment, so it runs on a pool thread.
+Face cache still takes a moment, so it runs on a pool thread with the arithmetic.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import QComboBox, QWidget
 
 from app.format import human_bytes
+from app.window.model_library import DEMO_SOURCE, ModelEntry, library, short_tokens
 
 DEMO = "demo"
+DEMO_LABEL = "Demo · SmolLM2-135M (built in)"
 OPEN_FOLDER = "__open_folder__"
+MANAGE = "__models__"
 
 
 class _Relay(QObject):
@@ -31,18 +36,25 @@ class _DiscoverJob(QRunnable):
         try:
             from engine import discover_models
 
-            self.relay.done.emit(discover_models(self.folders))
+            found = discover_models(self.folders)
+            self.relay.done.emit((found, library(found.models)))
         except Exception as exc:  # a broken cache must not take the picker down
             self.relay.done.emit(exc)
 
 
-def describe(model) -> str:
-    """A tooltip with the facts that matter for KV memory."""
+def describe(model, entry: ModelEntry | None = None) -> str:
+    """A tooltip with the facts that matter for KV memory, and each mode's full-context cost."""
     info = model.info
     q6 = "" if model.q6_supported else f"\nq6 unavailable: {model.q6_note}"
+    costs = "\n".join(["", "KV cache at full context:", *entry.cost_lines()]) if entry else ""
     return (f"{model.path}\n{info.architecture} · {human_bytes(model.size_bytes)} on disk · "
             f"{info.max_context:,} tokens context\n{info.attention_layers} attention layers × "
-            f"{info.kv_heads} KV heads × head_dim {info.head_dim}{q6}")
+            f"{info.kv_heads} KV heads × head_dim {info.head_dim}{q6}{costs}")
+
+
+def item_text(entry: ModelEntry) -> str:
+    """"mlx-community/Qwen3-4B… · 2.3 GB · 262k context"."""
+    return f"{entry.name} · {entry.size_text()} · {short_tokens(entry.max_context)} context"
 
 
 class ModelPicker(QComboBox):
@@ -50,6 +62,7 @@ class ModelPicker(QComboBox):
 
     modelChosen = Signal(str)
     openFolderRequested = Signal()
+    manageRequested = Signal()
     discovered = Signal(int)  # number of loadable models found
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -63,6 +76,10 @@ class ModelPicker(QComboBox):
         self.current_path = DEMO
         self.models: list = []
         self.skipped: list = []
+        self.demo = None  # the demo's converted folder, once discovered
+        self.entries: dict[str, ModelEntry] = {}  # by path
+        # Shown before the first scan ends; a scan drops those already downloaded.
+        self.recommended: list[ModelEntry] = library([])[1]
         self._fill()
         self.activated.connect(self._on_activated)
 
@@ -81,21 +98,39 @@ class ModelPicker(QComboBox):
             self.insertItem(1, name or Path(path).name, path)
         self.setCurrentIndex(self.findData(path))
 
+    def installed(self) -> list[ModelEntry]:
+        """Entries of the models on disk, the demo first."""
+        demo = [self.entries[str(self.demo.path)]] if self.demo is not None else []
+        return demo + [self.entries[str(m.path)] for m in self.models]
+
     def _on_discovered(self, result) -> None:
         if isinstance(result, Exception):
-            self.models, self.skipped = [], []
+            found, (installed, self.recommended) = None, ([], [])
         else:
-            self.models, self.skipped = list(result.models), list(result.skipped)
+            found, (installed, self.recommended) = result
+        self.entries = {entry.path: entry for entry in installed}
+        models = list(found.models) if found else []
+        # The demo's converted folder is the "Demo" item: listed once, with its facts.
+        self.demo = next((m for m in models if m.source == DEMO_SOURCE), None)
+        self.models = [m for m in models if m.source != DEMO_SOURCE]
+        self.skipped = list(found.skipped) if found else []
         self._fill()
-        self.discovered.emit(len(self.models))
+        self.discovered.emit(len(self.models) + (self.demo is not None))
 
     def _fill(self) -> None:
         self.blockSignals(True)
         self.clear()
-        self.addItem("Demo · SmolLM2-135M (built in)", DEMO)
+        if self.demo is None:
+            self.addItem(DEMO_LABEL, DEMO)
+        else:
+            entry = self.entries[str(self.demo.path)]
+            self.addItem(f"{DEMO_LABEL} · {short_tokens(entry.max_context)} context", DEMO)
+            self.setItemData(0, describe(self.demo, entry), Qt.ItemDataRole.ToolTipRole)
         for model in self.models:
-            self.addItem(model.name, str(model.path))
-            self.setItemData(self.count() - 1, describe(model), Qt.ItemDataRole.ToolTipRole)
+            entry = self.entries[str(model.path)]
+            self.addItem(item_text(entry), str(model.path))
+            self.setItemData(self.count() - 1, describe(model, entry),
+                             Qt.ItemDataRole.ToolTipRole)
         if self.current_path != DEMO and self.findData(self.current_path) < 0:
             self.addItem(Path(self.current_path).name, self.current_path)
         model = self.model()
@@ -105,14 +140,15 @@ class ModelPicker(QComboBox):
             if isinstance(model, QStandardItemModel):
                 model.item(self.count() - 1).setEnabled(False)
         self.insertSeparator(self.count())
+        self.addItem("Models and downloads…", MANAGE)
         self.addItem("Open folder…", OPEN_FOLDER)
         self.setCurrentIndex(max(0, self.findData(self.current_path)))
         self.blockSignals(False)
 
     def _on_activated(self, index: int) -> None:
         data = self.itemData(index)
-        if data == OPEN_FOLDER:
+        if data in (OPEN_FOLDER, MANAGE):
             self.setCurrentIndex(max(0, self.findData(self.current_path)))
-            self.openFolderRequested.emit()
+            (self.openFolderRequested if data == OPEN_FOLDER else self.manageRequested).emit()
         elif data and data != self.current_path:
             self.modelChosen.emit(data)

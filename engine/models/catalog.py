@@ -3,25 +3,15 @@
 The built-in demo model has an 8k context, so the long-context promise needs a
 download: these are mlx-community repos whose facts (layers that keep a KV
 cache, KV heads, head size, trained context) come from their ``config.json``,
-so their KV cost can be shown before a byte is downloaded. Download sizes are
-approximate (the Hub's listing has the exact ones when the download starts).
-
-``full_context_costs`` is the one rule for "262k in q6: 6.1 GB — fits" for a
-discovered model and a recommended one alike: ``kvquant.project_kv_bytes`` at
-the model's context, plus its weights, against the machine's RAM after the
-memory guard's headroom. Arithmetic only; nothing here calls MLX.
+so their KV cost can be shown before a byte is downloaded
+(``engine.model_costs.full_context_costs``). Download sizes are approximate
+(the Hub's listing has the exact ones when the download starts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import psutil
-
-from engine.errors import UnsupportedModeError
-from engine.memory_guard import default_headroom
-
-MODES = ("fp16", "q8", "q6", "q4")  # best quality first, as everywhere in the app
 GB = 10**9
 
 
@@ -68,52 +58,3 @@ RECOMMENDED_MODELS: tuple[RecommendedModel, ...] = (
                      "Qwen3-Next 80B-A3B hybrid, 4-bit: 1 layer in 4 keeps a KV cache",
                      int(44.8 * GB), 262_144, 12, 2, 256),
 )
-
-
-@dataclass(frozen=True)
-class ModeCost:
-    """One KV mode at a model's full context.
-
-    Attributes:
-        mode: the KV mode.
-        kv_bytes: KV bytes at full context (None: the mode cannot store this head size).
-        fits: weights plus those KV bytes fit this machine's RAM after the headroom.
-    """
-
-    mode: str
-    kv_bytes: int | None
-    fits: bool
-
-
-def full_context_costs(
-    *,
-    attention_layers: int,
-    kv_heads: int,
-    head_dim: int,
-    max_context: int,
-    weights_bytes: int,
-    total_ram_bytes: int | None = None,
-) -> tuple[ModeCost, ...]:
-    """Each mode's KV bytes at ``max_context`` and whether the model then fits in RAM.
-
-    Args:
-        attention_layers: layers whose KV cache grows with the context.
-        kv_heads: KV heads per attention layer.
-        head_dim: width of one KV head.
-        max_context: tokens of context.
-        weights_bytes: the model's weights (its size on disk is close enough).
-        total_ram_bytes: the machine's RAM; None reads it now.
-    """
-    from engine.cache.kvquant import project_kv_bytes  # compiles nothing on import
-
-    total = psutil.virtual_memory().total if total_ram_bytes is None else total_ram_bytes
-    room = total - default_headroom(total) - weights_bytes
-    costs = []
-    for mode in MODES:
-        try:
-            kv = project_kv_bytes(attention_layers, kv_heads, head_dim, max_context, mode)
-        except (UnsupportedModeError, ValueError):
-            costs.append(ModeCost(mode, None, False))
-            continue
-        costs.append(ModeCost(mode, kv, kv <= room))
-    return tuple(costs)

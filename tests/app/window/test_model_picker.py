@@ -19,3 +19,40 @@ def test_model_picker_lists_discovered_folders(qtbot, tiny_llama) -> None:
         picker.activated.emit(index)
     assert chosen.args == [str(tiny_llama)]
     picker.wait()
+
+
+def test_the_demos_folder_is_the_demo_item_once_with_its_facts(qtbot, tiny_llama) -> None:
+    import shutil
+
+    from engine.models.discovery import DEMO_FOLDER
+    from engine.paths import models_dir
+
+    shutil.copytree(tiny_llama, models_dir() / DEMO_FOLDER)
+    picker = ModelPicker()
+    qtbot.addWidget(picker)
+    with qtbot.waitSignal(picker.discovered, timeout=30_000):
+        picker.refresh([str(tiny_llama.parent)])
+    texts = [picker.itemText(i) for i in range(picker.count())]
+    assert sum("SmolLM2" in t for t in texts) == 1
+    assert picker.findData(str(models_dir() / DEMO_FOLDER)) < 0
+    assert texts[0].endswith("4k context")
+    assert "in q6: " in picker.itemData(0, 3)
+    tiny = picker.itemText(picker.findData(str(tiny_llama)))
+    assert " · " in tiny and tiny.endswith("4k context")
+    assert "KB" in tiny or "MB" in tiny  # its size on disk
+    tooltip = picker.itemData(picker.findData(str(tiny_llama)), 3)
+    for mode in ("fp16", "q8", "q6", "q4"):
+        assert f"4k in {mode}: " in tooltip
+    assert "— fits" in tooltip
+    assert picker.installed()[0].path == str(models_dir() / DEMO_FOLDER)
+    picker.wait()
+
+
+def test_models_entry_asks_for_the_library(qtbot) -> None:
+    from app.window.model_picker import MANAGE
+
+    picker = ModelPicker()
+    qtbot.addWidget(picker)
+    with qtbot.waitSignal(picker.manageRequested):
+        picker.activated.emit(picker.findData(MANAGE))
+    assert picker.currentData() == DEMO

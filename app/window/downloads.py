@@ -1,0 +1,122 @@
+"""One model download from the Hub, run off the GUI thread, reported as Qt signals.
+
+``engine.download_model`` does the work (resumable, cancellable, disk checked);
+this runs it on its own thread, which makes no MLX call, and hands progress and
+the outcome back to the GUI thread through queued signals.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from PySide6.QtCore import QObject, Qt, Signal
+
+from engine import Cancelled, download_model
+
+
+class ModelDownload(QObject):
+    """Download ``repo_id`` into Longleaf's models folder.
+
+    Signals:
+        progressed(DownloadProgress): now and then while bytes arrive.
+        finished(str): the model folder, complete and verified.
+        failed(str, bool): the message to show, and True when the user cancelled.
+    """
+
+    progressed = Signal(object)
+    finished = Signal(str)
+    failed = Signal(str, bool)
+    _outcome = Signal(object)
+
+    def __init__(self, repo_id: str, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.repo_id = repo_id
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"download {repo_id}")
+        # Emitted on the download thread, handled on this object's (the GUI) thread.
+        self._outcome.connect(self._report, Qt.ConnectionType.QueuedConnection)
+
+    @property
+    def running(self) -> bool:
+        """True from ``start`` until the download thread has ended."""
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start downloading in the background."""
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Stop soon; the bytes so far are kept and the next download resumes."""
+        self._cancel.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Join the download thread for at most ``seconds``; True when it has ended."""
+        if self._thread.ident is not None:
+            self._thread.join(seconds)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            folder = download_model(self.repo_id, on_progress=self.progressed.emit,
+                                    cancel=self._cancel)
+        except Exception as error:  # any failure must reach the banner, not die here
+            self._outcome.emit(error)
+        else:
+            self._outcome.emit(str(folder))
+
+    def _report(self, outcome: object) -> None:
+        if isinstance(outcome, str):
+            self.finished.emit(outcome)
+        elif isinstance(outcome, Cancelled):
+            self.failed.emit(f"Download of {self.repo_id} paused; download it again to "
+                             "resume where it stopped.", True)
+        else:
+            self.failed.emit(f"Could not download {self.repo_id}: {outcome}", False)
+
+
+class Downloads(QObject):
+    """The model downloads running now, at most one per repo.
+
+    Signals:
+        progressed(DownloadProgress): progress of any of them.
+        ended(str, object, str, bool): repo id, the folder (None unless it
+            finished), the message to show otherwise, and whether it was cancelled.
+    """
+
+    progressed = Signal(object)
+    ended = Signal(str, object, str, bool)
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._running: dict[str, ModelDownload] = {}
+
+    @property
+    def running(self) -> set[str]:
+        """Repo ids being downloaded."""
+        return set(self._running)
+
+    def start(self, repo_id: str) -> None:
+        """Start downloading ``repo_id`` unless it already is."""
+        if repo_id in self._running:
+            return
+        download = ModelDownload(repo_id, self)
+        download.progressed.connect(self.progressed)
+        download.finished.connect(lambda folder: self._end(repo_id, folder, "", False))
+        download.failed.connect(lambda text, cancelled: self._end(repo_id, None, text, cancelled))
+        self._running[repo_id] = download
+        download.start()
+
+    def cancel(self, repo_id: str) -> None:
+        """Stop ``repo_id``'s download; it resumes from there next time."""
+        if repo_id in self._running:
+            self._running[repo_id].cancel()
+
+    def wait_all(self, seconds: float) -> bool:
+        """Cancel every download and join their threads; True when all have ended."""
+        for download in self._running.values():
+            download.cancel()
+        return all([download.wait(seconds) for download in self._running.values()])
+
+    def _end(self, repo_id: str, folder: str | None, message: str, cancelled: bool) -> None:
+        self._running.pop(repo_id).wait(5.0)  # it has reported: the thread is ending
+        self.ended.emit(repo_id, folder, message, cancelled)

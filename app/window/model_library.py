@@ -1,0 +1,103 @@
+"""The models a user can pick: those on disk and the recommended ones, with their facts.
+
+Each entry says its size, context length and what its KV cache costs at full
+context in each mode against this machine's RAM ("262k in q6: 14.8 GB — fits"),
+from ``engine.full_context_costs``: arithmetic over the model's facts, no MLX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from app.format import human_bytes
+from engine import RECOMMENDED_MODELS, ModeCost, full_context_costs
+
+DEMO_SOURCE = "demo"  # engine.models.discovery.DEMO
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One row of the model library.
+
+    Attributes:
+        name: what the user reads (the repo id for Hub models).
+        path: the folder to load, or None for a model not downloaded yet.
+        repo_id: the Hub repo to download, or None for one found on disk.
+        size_bytes: size on disk (approximate for a download).
+        max_context: trained context, in tokens.
+        costs: each mode's KV bytes at full context and whether it fits in RAM.
+        summary: a few words on a recommended model ("" otherwise).
+    """
+
+    name: str
+    path: str | None
+    repo_id: str | None
+    size_bytes: int
+    max_context: int
+    costs: tuple[ModeCost, ...]
+    summary: str = ""
+
+    @property
+    def downloaded(self) -> bool:
+        """Whether the model is on disk."""
+        return self.path is not None
+
+    def size_text(self) -> str:
+        """"1.8 GB", or "≈ 1.8 GB" before it is downloaded."""
+        return ("" if self.downloaded else "≈ ") + human_bytes(self.size_bytes)
+
+    def cost_lines(self) -> list[str]:
+        """"262k in q6: 14.8 GB — fits", one line per mode."""
+        return [cost_text(cost, self.max_context) for cost in self.costs]
+
+
+def short_tokens(tokens: int) -> str:
+    """262,144 → "262k"; 8,192 → "8k"; 500 → "500"."""
+    return f"{round(tokens / 1000)}k" if tokens >= 1000 else str(tokens)
+
+
+def cost_text(cost: ModeCost, context: int) -> str:
+    """"262k in q6: 14.8 GB — fits" (or "— too big for this machine's RAM")."""
+    head = f"{short_tokens(context)} in {cost.mode}"
+    if cost.kv_bytes is None:
+        return f"{head}: not possible for this model's head size"
+    verdict = "fits" if cost.fits else "too big for this machine's RAM"
+    return f"{head}: {human_bytes(cost.kv_bytes)} — {verdict}"
+
+
+def installed_entry(model, total_ram: int) -> ModelEntry:
+    """The entry of an ``engine.discover_models`` model."""
+    info = model.info
+    costs = full_context_costs(
+        attention_layers=info.attention_layers, kv_heads=info.kv_heads,
+        head_dim=info.head_dim, max_context=info.max_context,
+        weights_bytes=model.size_bytes, total_ram_bytes=total_ram)
+    return ModelEntry(model.name, str(model.path), None, model.size_bytes,
+                      info.max_context, costs)
+
+
+def recommended_entry(model, total_ram: int) -> ModelEntry:
+    """The entry of an ``engine.RecommendedModel`` not downloaded yet."""
+    costs = full_context_costs(
+        attention_layers=model.attention_layers, kv_heads=model.kv_heads,
+        head_dim=model.head_dim, max_context=model.max_context,
+        weights_bytes=model.approx_size_bytes, total_ram_bytes=total_ram)
+    return ModelEntry(model.repo_id, None, model.repo_id, model.approx_size_bytes,
+                      model.max_context, costs, model.summary)
+
+
+def library(models, total_ram: int | None = None) -> tuple[list[ModelEntry], list[ModelEntry]]:
+    """(models on disk, recommended ones not on disk yet), each with its facts.
+
+    Args:
+        models: ``Discovery.models`` (the demo's converted folder included).
+        total_ram: the machine's RAM; None reads it now.
+    """
+    ram = psutil.virtual_memory().total if total_ram is None else total_ram
+    installed = [installed_entry(model, ram) for model in models]
+    have = {model.name for model in models}
+    wanted = [recommended_entry(model, ram) for model in RECOMMENDED_MODELS
+              if model.repo_id not in have]
+    return installed, wanted

@@ -1,0 +1,42 @@
+"""Model facts as the picker and the Models dialog show them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from app.window.model_library import cost_text, library, short_tokens
+from engine import RECOMMENDED_MODELS, ModeCost
+
+GIB = 2**30
+
+
+def test_short_tokens() -> None:
+    assert [short_tokens(n) for n in (262_144, 131_072, 8192, 4096, 500)] == [
+        "262k", "131k", "8k", "4k", "500"]
+
+
+def test_cost_text_says_what_fits() -> None:
+    assert cost_text(ModeCost("q6", int(6.1 * GIB), True), 262_144) == "262k in q6: 6.1 GB — fits"
+    assert cost_text(ModeCost("fp16", 40 * GIB, False), 262_144) == (
+        "262k in fp16: 40.0 GB — too big for this machine's RAM")
+    assert "not possible" in cost_text(ModeCost("q6", None, False), 8192)
+
+
+def test_recommended_models_leave_the_list_once_downloaded() -> None:
+    installed, wanted = library([], total_ram=16 * GIB)
+    assert installed == []
+    assert [e.repo_id for e in wanted] == [m.repo_id for m in RECOMMENDED_MODELS]
+    small = next(e for e in wanted if "Qwen3-4B" in e.name)
+    assert not small.downloaded and small.size_text().startswith("≈ ")
+    assert [c.mode for c in small.costs] == ["fp16", "q8", "q6", "q4"]
+    # 16 GB: Qwen3 4B holds its 262k context in q4 only.
+    assert [c.fits for c in small.costs] == [False, False, False, True]
+
+    first = RECOMMENDED_MODELS[0]
+    info = SimpleNamespace(attention_layers=first.attention_layers, kv_heads=first.kv_heads,
+                           head_dim=first.head_dim, max_context=first.max_context)
+    found = SimpleNamespace(name=first.repo_id, path="/models/x", size_bytes=GIB, info=info)
+    installed, wanted = library([found], total_ram=16 * GIB)
+    assert [(e.name, e.path, e.size_text()) for e in installed] == [
+        (first.repo_id, "/models/x", "1.0 GB")]
+    assert first.repo_id not in [e.repo_id for e in wanted]
