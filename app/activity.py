@@ -1,7 +1,8 @@
 """The one request the chat runs at a time, an answer or a re-ingest.
 
-Sending, switching chats or models and deleting the shown chat all wait for
-it; ``refuse`` says so in the banner.
+What needs the engine (sending, regenerating, switching models, reopening,
+deleting the answering chat) waits for it; ``refuse`` says so in the banner.
+Reading other chats does not: the answer stays bound to ``session_id``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ class Activity(QObject):
 
     ``request`` is its engine request id, or -1 while it waits for its
     session's KV cache to open (the real id is not known yet); ``kind`` is
-    "chat" or "ingest". Both are None when nothing runs.
+    "chat" or "ingest"; ``session_id`` the session it reads or answers in.
+    All are None when nothing runs.
     """
 
     busyChanged = Signal(bool)
@@ -24,14 +26,17 @@ class Activity(QObject):
         super().__init__(parent)
         self.request: int | None = None
         self.kind: str | None = None
+        self.session_id: str | None = None
 
     @property
     def busy(self) -> bool:
         """True while an answer streams or a conversation is ingested."""
         return self.request is not None
 
-    def set(self, request: int | None, kind: str | None) -> None:
+    def set(self, request: int | None, kind: str | None, session_id: str | None = None) -> None:
         """Record the running request (None, None: nothing runs) and say whether it is busy."""
+        if session_id is not None or request is None:
+            self.session_id = session_id
         self.request, self.kind = request, kind
         self.busyChanged.emit(request is not None)
 
@@ -41,7 +46,7 @@ class Activity(QObject):
 
     def forget(self) -> None:
         """Drop the running request without a signal: the window is closing."""
-        self.request = self.kind = None
+        self.request = self.kind = self.session_id = None
 
     def refuse(self, what: str) -> bool:
         """True, with a message, when ``what`` has to wait for the running request."""

@@ -20,7 +20,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from app.activity import Activity
 from app.chat.answers import Answers
 from app.chat.model import ChatMessage, ChatModel
-from app.chat.recorder import AnswerRecorder
+from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
 from app.loaded_model import LoadedModel
@@ -39,7 +39,7 @@ from engine import (
 )
 
 STATS_POLL_MS = 400
-CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
+MIN_RATE_TOKENS = 256  # a shorter read is mostly fixed overhead, not a rate
 
 
 class ChatController(QObject):
@@ -86,6 +86,7 @@ class ChatController(QObject):
             (self.answers.ingestProgress, self.ingestProgress),
         ):
             source.connect(target)
+        self.answers.measured.connect(self._on_measured)
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
         bridge.tokenChunk.connect(self._on_token)
@@ -143,6 +144,11 @@ class ChatController(QObject):
     def active_kind(self) -> str | None:
         """"chat" or "ingest" while one runs."""
         return self.activity.kind
+
+    @property
+    def answering_session(self) -> str | None:
+        """The session an answer or ingest runs in now, shown or not."""
+        return self.activity.session_id
 
     @property
     def busy(self) -> bool:
@@ -215,6 +221,14 @@ class ChatController(QObject):
         if record is not None and self.model_ready and self.model.rowCount():
             self.answers.start_ingest(record)
         return record
+
+    def prefill_rate(self) -> float | None:
+        """Tokens per second the loaded model last read a long prompt in, on this machine."""
+        return self.store.prefill_rate(self.model_id)
+
+    def _on_measured(self, stats) -> None:
+        if stats.prompt_tokens >= MIN_RATE_TOKENS and stats.prefill_tps > 0:
+            self.store.set_prefill_rate(self.model_id, stats.prefill_tps)
 
     def cache_state(self, session_id: str | None) -> str:
         """Whether a session's KV cache is held now or rebuilt when it is next used."""

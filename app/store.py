@@ -51,6 +51,11 @@ CREATE TABLE IF NOT EXISTS attachments (
     text TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS attachments_by_message ON attachments(message_id);
+CREATE TABLE IF NOT EXISTS measurements (
+    name TEXT PRIMARY KEY,
+    value REAL NOT NULL,
+    updated REAL NOT NULL
+);
 """
 
 
@@ -165,6 +170,19 @@ class HistoryStore:
 
     def _touch(self, session_id: str) -> None:
         self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
+
+    # Measurements ---------------------------------------------------------
+
+    def set_prefill_rate(self, model_id: str, tokens_per_second: float) -> None:
+        """Remember the last prefill rate measured with ``model_id`` on this machine."""
+        self._write("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?)",
+                    (f"prefill_tps:{model_id}", float(tokens_per_second), time.time()))
+
+    def prefill_rate(self, model_id: str) -> float | None:
+        """The last prefill rate measured with ``model_id``, in tokens per second."""
+        row = self._db.execute("SELECT value FROM measurements WHERE name = ?",
+                               (f"prefill_tps:{model_id}",)).fetchone()
+        return float(row[0]) if row else None
 
     # Messages -------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Answers and re-ingests, from the request to how they ended.
 
-Tokens stream into the open chat, the answer is saved as it grows and as it
-ends (complete, stopped, failed), and failures are shown.
+Tokens stream into the answer's own chat (shown or not: the user may read
+other chats meanwhile), the answer is saved as it grows and as it ends
+(complete, stopped, failed), and failures are shown.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity
 from app.chat.model import ChatModel
-from app.chat.recorder import AnswerRecorder
+from app.chat.recorder import AnswerRecorder, stopped_reading
 from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
@@ -36,6 +37,7 @@ class Answers(QObject):
     errorRaised = Signal(str)
     notice = Signal(str)
     ingestProgress = Signal(object)
+    measured = Signal(object)  # the GenerationStats of a request that read tokens in
 
     def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
                  model: ChatModel, activity: Activity, caches: SessionCaches,
@@ -45,33 +47,37 @@ class Answers(QObject):
         self.activity, self.caches, self.sessions = activity, caches, sessions
         self.recorder = AnswerRecorder(store, model, self)
         self._kinds: dict[int, str] = {}  # request id -> "chat" or "ingest"
-        self._sent_row: int | None = None  # the user turn the running answer replies to
+        self._sent_id = 0  # the stored user turn the running answer replies to
+        self._read: tuple[int, int] | None = None  # the running request's last progress
+        sessions.currentSessionChanged.connect(
+            lambda record: self.recorder.show(record.id if record else None))
 
     # Starting -------------------------------------------------------------
 
     def start_chat(self, session: SessionRecord) -> None:
         """Answer the conversation in ``model``, which ends with a user turn."""
         messages = self.model.engine_messages(self.settings.system_prompt)
-        self._sent_row = self.model.rowCount() - 1  # the user turn (sent or regenerated)
+        # The user turn (sent or regenerated) is the last row.
+        self._sent_id = self.model.message(self.model.rowCount() - 1).message_id
         self.recorder.start(session.id)
-        self.activity.set(-1, "chat")
+        self.activity.set(-1, "chat", session.id)
 
         def go() -> None:
             rid = self.bridge.chat(session.id, messages, self.settings.sampling)
             self._kinds[rid] = "chat"
-            self.activity.set(rid, "chat")
+            self.activity.set(rid, "chat", session.id)
 
         self.caches.ensure_open(session, go)
 
     def start_ingest(self, session: SessionRecord) -> None:
         """Read the conversation in ``model`` into ``session``'s new KV cache."""
-        self.activity.set(-1, "ingest")  # reserved until the real id is known
+        self.activity.set(-1, "ingest", session.id)  # reserved until the real id is known
+        messages = self.model.engine_messages(self.settings.system_prompt)
 
         def go() -> None:
-            messages = self.model.engine_messages(self.settings.system_prompt)
             rid = self.bridge.ingest(session.id, messages)
             self._kinds[rid] = "ingest"
-            self.activity.set(rid, "ingest")
+            self.activity.set(rid, "ingest", session.id)
 
         self.caches.ensure_open(session, go)
 
@@ -80,13 +86,12 @@ class Answers(QObject):
     def on_token(self, event: TokenChunk) -> None:
         """Streamed text of the running answer."""
         if event.request_id == self.activity.request and self.activity.kind == "chat":
-            self.model.append_text(event.text)
-            self.recorder.mark_dirty()
+            self.recorder.append(event.text)
 
     def finish_answer(self, status: str, reason: str | None, stats: dict | None = None) -> None:
         """Save how the answer ended and say so."""
         self.recorder.finish(status, reason, stats)
-        self.sessions.touched()
+        self.sessions.sessionsChanged.emit()
         self.answerFinished.emit(status)
 
     def on_finished(self, event: Finished) -> None:
@@ -94,25 +99,54 @@ class Answers(QObject):
         kind = self._kinds.pop(event.request_id, None)
         if event.request_id != self.activity.request:
             return
+        kept = self._kept(event)
+        self._read = None
+        if event.stats is not None:
+            self.measured.emit(event.stats)
         if kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
             reason = {"cancelled": "Stopped", "length": "Reached the answer length limit",
                       "memory": MEMORY_STOP}.get(event.reason)
+            if event.reason == "cancelled" and kept is not None:
+                reason = stopped_reading(*kept)
             if event.reason == "memory":
                 self.errorRaised.emit(MEMORY_STOP)
             self.finish_answer(status, reason, _stats_dict(event.stats))
         elif kind == "ingest":
-            done = "Cancelled re-ingest" if event.reason == "cancelled" else "Conversation ingested"
-            current = self.sessions.current
-            self.notice.emit(f"{done} in {current.kv_mode if current else ''}.")
-        self.sessions.record_tokens(self.bridge.latest_stats())
+            self._report_ingest(event, kept)
+        self.sessions.record_tokens(self.activity.session_id, self.bridge.latest_stats())
         self.activity.clear()
+
+    def _kept(self, event: Finished) -> tuple[int, int] | None:
+        """(kept, total) tokens when reading the conversation in stopped short, else None."""
+        if event.kept_tokens is not None and event.total_tokens is not None:
+            kept, total = event.kept_tokens, event.total_tokens
+        elif event.reason == "cancelled" and self._read is not None:
+            kept, total = self._read  # an engine that does not say: its last progress
+        else:
+            return None
+        return (kept, total) if kept < total else None
+
+    def _report_ingest(self, event: Finished, kept: tuple[int, int] | None) -> None:
+        # Said only while its chat is on screen: it is about that chat.
+        ingested = self.store.session(self.activity.session_id or "")
+        current = self.sessions.current
+        if ingested is None or current is None or current.id != ingested.id:
+            return
+        if event.reason != "cancelled":
+            self.notice.emit(f"Conversation ingested in {ingested.kv_mode}.")
+        elif kept is not None:
+            self.notice.emit(f"Cancelled re-ingest in {ingested.kv_mode}: {kept[0]:,} of "
+                             f"{kept[1]:,} tokens kept; the next send continues from there.")
+        else:
+            self.notice.emit(f"Cancelled re-ingest in {ingested.kv_mode}.")
 
     def on_failed(self, event: Failed) -> None:
         """A chat or ingest failed (the failure is already shown)."""
         kind = self._kinds.pop(event.request_id, None)
         if event.request_id != self.activity.request:
             return
+        self._read = None
         if kind == "chat":
             if event.error_type == "ContextTooLong":
                 self._set_aside_sent_turn()
@@ -129,20 +163,19 @@ class Answers(QObject):
     def on_ingest_progress(self, event: IngestProgress) -> None:
         """Progress of the running ingest (or a long prompt's prefill)."""
         if event.request_id == self.activity.request:
+            self._read = (event.tokens_done, event.tokens_total)
             self.ingestProgress.emit(event)
 
     def _set_aside_sent_turn(self) -> None:
         # A turn the context can't hold would make every later turn fail as well:
         # keep it in the history, marked failed, and leave it out of what the
         # model sees (ChatModel.engine_messages skips it).
-        row = self._sent_row
-        if row is None or row >= self.model.rowCount():
+        if not self._sent_id:
             return
-        message = self.model.message(row)
-        if message.role != "user":
-            return
-        self.store.update_message(message.message_id, status="failed", reason=TOO_LONG_TURN)
-        self.model.update_row(row, status="failed", reason=TOO_LONG_TURN)
+        self.store.update_message(self._sent_id, status="failed", reason=TOO_LONG_TURN)
+        row = self.model.row_of(self._sent_id)
+        if row is not None:
+            self.model.update_row(row, status="failed", reason=TOO_LONG_TURN)
 
 
 def _stats_dict(stats) -> dict | None:

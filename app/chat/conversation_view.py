@@ -27,6 +27,7 @@ from app.chat.model import (
     StatsRole,
     StatusRole,
 )
+from app.chat.recorder import CLOSED_WHILE_ANSWERING, STOPPED_READING
 from app.format import human_bytes
 
 STATUS_TEXT = {
@@ -35,6 +36,10 @@ STATUS_TEXT = {
     "failed": "Failed",
     "interrupted": "Interrupted — the partial answer was kept",
 }
+# Reasons short and common enough to be the row's label instead of its status word.
+REASON_LABELS = {CLOSED_WHILE_ANSWERING: "Closed while answering"}
+COPIED_TEXT = "Copied ✓"
+COPIED_MS = 1500
 
 
 def stats_text(stats: dict | None) -> str:
@@ -101,13 +106,19 @@ class MessageWidget(QFrame):
     def show_message(self, content: str, status: str, reason: str | None, stats: dict | None,
                      attachments: tuple) -> None:
         """Render a row of the model."""
-        self.body.set_markdown(content or ("…" if status == "streaming" else ""))
+        shown = content or ("…" if status == "streaming" else "")
+        if self.role == "user":
+            self.body.set_plain(shown)  # typed text: Shift+Enter line breaks stay
+        else:
+            self.body.set_markdown(shown)
         self.body.setVisible(bool(content) or status == "streaming")
         if attachments:
             self.files.setText("  ".join(
                 f"{a.name} · {human_bytes(a.size)} · {a.tokens:,} tokens" for a in attachments))
         self.files.setVisible(bool(attachments))
-        label = STATUS_TEXT.get(status, "")
+        label = REASON_LABELS.get(reason or "", STATUS_TEXT.get(status, ""))
+        if reason and reason.startswith(STOPPED_READING):
+            label = reason.split(";")[0]  # "Stopped while reading: 1,408 of 4,898 tokens kept"
         if reason and status == "complete":
             label = reason  # e.g. the answer reached its length limit
         # Engine errors are spelled out once, in the window's banner; the row keeps
@@ -119,6 +130,12 @@ class MessageWidget(QFrame):
             self.status.style().unpolish(self.status)
             self.status.style().polish(self.status)
         self.stats.setText(stats_text(stats) if self.role == "assistant" else "")
+
+    def show_copied(self) -> None:
+        """Say on the Copy button that the text is on the clipboard, for a moment."""
+        self.copy_button.setText(COPIED_TEXT)
+        button = self.copy_button  # the context: no call once the row is gone
+        QTimer.singleShot(COPIED_MS, button, lambda: button.setText("Copy"))
 
     def set_actions(self, *, copy: bool, regenerate: bool, edit: bool) -> None:
         """Show only the actions that apply to this row now."""
@@ -184,9 +201,17 @@ class ConversationView(QScrollArea):
             self.model.data(index, ReasonRole), self.model.data(index, StatsRole),
             self.model.data(index, AttachmentsRole) or ())
 
-    def _rebuild(self) -> None:
-        for widget in self.widgets:
+    def _drop(self, widgets: list[MessageWidget]) -> None:
+        # Out of the layout and hidden now: deleteLater waits for the event loop
+        # that called it, and a context menu's nested loop would show the old
+        # chat's rows above the new ones until the menu closes.
+        for widget in widgets:
+            self.layout_.removeWidget(widget)
+            widget.hide()
             widget.deleteLater()
+
+    def _rebuild(self) -> None:
+        self._drop(self.widgets)
         self.widgets = []
         self._on_inserted(QModelIndex(), 0, self.model.rowCount() - 1)
         self._follow = True
@@ -200,8 +225,7 @@ class ConversationView(QScrollArea):
         self._after_change()
 
     def _on_removed(self, _parent, first: int, last: int) -> None:
-        for widget in self.widgets[first:last + 1]:
-            widget.deleteLater()
+        self._drop(self.widgets[first:last + 1])
         del self.widgets[first:last + 1]
         self._after_change()
 
@@ -228,6 +252,7 @@ class ConversationView(QScrollArea):
 
     def _copy(self, widget: MessageWidget) -> None:
         QGuiApplication.clipboard().setText(widget.body.markdown())
+        widget.show_copied()
 
     def _on_scrolled(self, value: int) -> None:
         self._follow = value >= self.verticalScrollBar().maximum() - 40

@@ -126,6 +126,13 @@ class MarkdownView(QTextBrowser):
         self.document().setMarkdown(text, MARKDOWN_FEATURES)
         self._shade_code_blocks()
 
+    def set_plain(self, text: str) -> None:
+        """Show ``text`` as typed, every line break kept (no-op when unchanged)."""
+        if text == self._markdown:
+            return
+        self._markdown = text
+        self.document().setPlainText(text)
+
     def _shade_code_blocks(self) -> None:
         mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         shade = self.palette().color(QPalette.ColorRole.AlternateBase)

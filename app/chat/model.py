@@ -110,6 +110,13 @@ class ChatModel(QAbstractListModel):
         """A copy of one row."""
         return replace(self._rows[row])
 
+    def row_of(self, message_id: int) -> int | None:
+        """The row showing stored message ``message_id``, or None."""
+        for row, message in enumerate(self._rows):
+            if message.message_id == message_id:
+                return row
+        return None
+
     def set_messages(self, messages: list[ChatMessage]) -> None:
         """Replace the whole conversation (switching sessions)."""
         self._timer.stop()

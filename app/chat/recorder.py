@@ -1,4 +1,4 @@
-"""Saves a streaming answer as it grows, so a crash loses at most a second of it."""
+"""Keeps the streaming answer and saves it as it grows, so a crash loses at most a second."""
 
 from __future__ import annotations
 
@@ -10,14 +10,24 @@ from app.chat.model import ChatMessage, ChatModel
 from app.store import HistoryStore
 
 SAVE_INTERVAL_S = 1.0
+CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
+STOPPED_READING = "Stopped while reading"  # how a reason about a cut-short prefill begins
+
+
+def stopped_reading(kept: int, total: int) -> str:
+    """The reason of an answer stopped while the conversation was read in."""
+    return (f"{STOPPED_READING}: {kept:,} of {total:,} tokens kept; "
+            "the next send continues from there")
 
 
 class AnswerRecorder(QObject):
-    """Writes the last row of a ``ChatModel`` to the store while it streams.
+    """The answer streaming now, bound to its session, written to the store as it grows.
 
-    The answer is saved on a flush when a second has passed since the last
-    save, and by a one-second timer when tokens stop arriving; ``finish``
-    records how it ended.
+    Its text lives here, not in the ``ChatModel``: the user may show another
+    chat while it streams, and the answer keeps growing and being saved. The
+    model gets the text only while the answer's session is the one shown
+    (``show``). Saved when a second has passed since the last save, and by a
+    one-second timer when tokens stop arriving; ``finish`` records how it ended.
     """
 
     def __init__(self, store: HistoryStore, model: ChatModel,
@@ -25,11 +35,13 @@ class AnswerRecorder(QObject):
         super().__init__(parent)
         self.store, self.model = store, model
         self.message_id = 0
+        self.session_id: str | None = None
+        self.text = ""
+        self.shown = False
         self._saved_at = 0.0
         self._dirty = False
         self._timer = QTimer(self, interval=int(SAVE_INTERVAL_S * 1000))
         self._timer.timeout.connect(self.save)
-        model.streamFlushed.connect(self._on_flush)
 
     @property
     def recording(self) -> bool:
@@ -37,39 +49,47 @@ class AnswerRecorder(QObject):
         return self.message_id != 0
 
     def start(self, session_id: str) -> int:
-        """Save an empty streaming answer and add its row; returns its id."""
+        """Save an empty streaming answer and add its row to the shown chat; returns its id."""
         self.message_id = self.store.add_message(session_id, "assistant", "", "streaming")
+        self.session_id, self.text, self.shown = session_id, "", True
         self.model.append(ChatMessage("assistant", "", "streaming", self.message_id))
         self._saved_at, self._dirty = time.monotonic(), False
         self._timer.start()
         return self.message_id
 
-    def mark_dirty(self) -> None:
-        """New text arrived (it reaches the model on the next flush)."""
+    def append(self, text: str) -> None:
+        """Streamed text: kept, shown when its chat is, saved at most once a second."""
+        if not self.recording or not text:
+            return
+        self.text += text
+        if self.shown:
+            self.model.append_text(text)
         self._dirty = True
-
-    def _on_flush(self, _content: str) -> None:
         if time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
             self.save()
+
+    def show(self, session_id: str | None) -> None:
+        """Another chat is shown; when it is the answer's, its row gets the text so far."""
+        self.shown = self.recording and session_id == self.session_id
+        if self.shown:
+            row = self.model.row_of(self.message_id)
+            if row is not None:
+                self.model.update_row(row, content=self.text, status="streaming")
 
     def save(self) -> None:
         """Write the text so far, if it changed."""
         if not self.message_id or not self._dirty:
             return
-        self.model.flush()
-        rows = self.model.rowCount()
-        if rows:
-            self.store.update_message(self.message_id,
-                                      content=self.model.message(rows - 1).content)
+        self.store.update_message(self.message_id, content=self.text)
         self._saved_at, self._dirty = time.monotonic(), False
 
     def finish(self, status: str, reason: str | None, stats: dict | None = None) -> None:
         """Record the final text and how the answer ended."""
         self._timer.stop()
-        self.model.flush()
-        rows = self.model.rowCount()
-        content = self.model.message(rows - 1).content if rows else ""
-        self.store.update_message(self.message_id, content=content, status=status,
+        self.store.update_message(self.message_id, content=self.text, status=status,
                                   reason=reason, stats=stats)
-        self.model.update_last(status=status, reason=reason, stats=stats)
-        self.message_id = 0
+        row = self.model.row_of(self.message_id) if self.shown else None
+        if row is not None:
+            self.model.update_row(row, content=self.text, status=status, reason=reason,
+                                  stats=stats)
+        self.message_id, self.session_id, self.shown = 0, None, False

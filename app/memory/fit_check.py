@@ -12,7 +12,7 @@ import time
 
 from PySide6.QtCore import QObject, QTimer
 
-from app.format import human_bytes
+from app.format import human_bytes, human_duration
 from app.settings import KV_MODES
 
 DEBOUNCE_MS = 250
@@ -20,6 +20,15 @@ COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
 SHOW_ABOVE_TOKENS = 1024
 MODES = KV_MODES  # one order everywhere: fp16, q8, q6, q4
 FULL_TTL_S = 3.0
+SHOW_WAIT_ABOVE_TOKENS = 2048  # shorter reads take a few seconds at most
+
+
+def wait_sentence(tokens: int, rate: float | None) -> str:
+    """"Reading 5,400 tokens takes about 5m 00s at 18 tok/s here", or "" when unknown."""
+    if not rate or rate <= 0 or tokens < SHOW_WAIT_ABOVE_TOKENS:
+        return ""
+    return (f"Reading {tokens:,} tokens takes about {human_duration(tokens / rate)} "
+            f"at {rate:,.0f} tok/s here")
 
 
 class FitChecker(QObject):
@@ -107,7 +116,14 @@ class FitChecker(QObject):
             self.composer.show_fit("", True)
             return
         html, ok = fit_html(report, mode, total, estimated)
-        self.composer.show_fit(html, ok)
+        wait = wait_sentence(self.tokens_to_read(prompt), self.controller.prefill_rate())
+        self.composer.show_fit(f"{html}<br>{wait}." if wait else html, ok)
+
+    def tokens_to_read(self, prompt: int) -> int:
+        """Tokens the next send reads in: the prompt, and the whole chat if its cache is gone."""
+        current = self.controller.current
+        held = current is not None and current.id in self.controller.opened
+        return prompt + (0 if held else self.context_tokens())
 
 
 def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[str, bool]:

@@ -27,7 +27,8 @@ class SessionActions(QObject):
         store: the history; sessions and their messages are read from and written to it.
         model: the open conversation, refilled when another session is shown.
         caches: the sessions' KV caches, freed when a session is deleted.
-        activity: the running request; switching and deleting the shown chat wait for it.
+        activity: the running request; deleting its chat and reopening wait for it,
+            reading other chats does not.
         before_switch: called before another session is shown.
     """
 
@@ -45,8 +46,6 @@ class SessionActions(QObject):
 
     def new_session(self, mode: str | None = None, model_id: str = "") -> SessionRecord | None:
         """Start an empty chat in ``mode`` (default from settings) and show it."""
-        if self.activity.refuse("starting a new chat"):
-            return None
         record = self.store.create_session(NEW_TITLE, mode or self.settings.default_mode,
                                            model_id or self.settings.last_model)
         self.sessionsChanged.emit()
@@ -56,8 +55,6 @@ class SessionActions(QObject):
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""
         if self.current and self.current.id == session_id:
-            return
-        if self.activity.refuse("switching chats"):
             return
         self._before_switch()
         self.current = self.store.session(session_id)
@@ -76,8 +73,7 @@ class SessionActions(QObject):
 
     def delete_session(self, session_id: str) -> None:
         """Delete a session and free its cache."""
-        if (self.current and self.current.id == session_id
-                and self.activity.refuse("deleting it")):
+        if session_id == self.activity.session_id and self.activity.refuse("deleting its chat"):
             return
         self.caches.close(session_id)
         self.store.delete_session(session_id)
@@ -110,14 +106,11 @@ class SessionActions(QObject):
         self.select_session(record.id)
         return record
 
-    def touched(self) -> None:
-        """The shown session changed in the store (an answer ended): the list re-reads it."""
-        if self.current is not None:
-            self.sessionsChanged.emit()
-
-    def record_tokens(self, sample: StatsSample | None) -> None:
-        """Save how many tokens the shown session holds, from the engine's latest sample."""
-        if self.current and sample and sample.session_id == self.current.id:
-            self.store.set_tokens(self.current.id, sample.tokens_in_context)
-            self.current = self.store.session(self.current.id)
-            self.sessionsChanged.emit()
+    def record_tokens(self, session_id: str | None, sample: StatsSample | None) -> None:
+        """Save how many tokens ``session_id`` holds, from the engine's latest sample of it."""
+        if session_id is None or sample is None or sample.session_id != session_id:
+            return
+        self.store.set_tokens(session_id, sample.tokens_in_context)
+        if self.current and self.current.id == session_id:
+            self.current = self.store.session(session_id)
+        self.sessionsChanged.emit()

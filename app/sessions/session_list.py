@@ -8,6 +8,7 @@ from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt,
 from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPalette
 from PySide6.QtWidgets import (
     QInputDialog,
+    QLabel,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
@@ -25,6 +26,9 @@ from app.store import SessionRecord
 
 MODE_COLOURS = {"fp16": "#7a7f8c", "q8": "#2f7d5b", "q6": "#3b6fb6", "q4": "#b0662a"}
 RecordRole = Qt.ItemDataRole.UserRole + 1
+AnsweringRole = Qt.ItemDataRole.UserRole + 2
+NO_MATCH = "No chats match"
+ANSWERING = "Answering…"
 
 
 def mode_colour(mode: str) -> QColor:
@@ -42,6 +46,14 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
     box.setDefaultButton(box.addButton(QMessageBox.StandardButton.Cancel))
     box.exec()
     return box.clickedButton() is delete
+
+
+def detail_text(record: SessionRecord, answering: bool) -> str:
+    """The second line of a session: its tokens and last activity, or that it is answering."""
+    # Its token count is only known once the answer ends: say what it is doing.
+    if answering:
+        return ANSWERING
+    return f"{record.tokens:,} tokens · {relative_time(record.updated)}"
 
 
 class SessionDelegate(QStyledItemDelegate):
@@ -95,7 +107,7 @@ class SessionDelegate(QStyledItemDelegate):
         muted = QColor(text_colour)
         muted.setAlphaF(0.65)
         painter.setPen(muted)
-        detail = f"{record.tokens:,} tokens · {relative_time(record.updated)}"
+        detail = detail_text(record, bool(index.data(AnsweringRole)))
         painter.drawText(QRect(inner.left(), inner.top() + 22, inner.width(), 18),
                          Qt.AlignmentFlag.AlignVCenter, detail)
         painter.restore()
@@ -129,15 +141,25 @@ class SessionList(QWidget):
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
         layout.addWidget(self.list, 1)
+        self.no_match = QLabel(NO_MATCH)
+        self.no_match.setObjectName("placeholder")
+        self.no_match.setAlignment(Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignTop)
+        self.no_match.hide()
+        layout.addWidget(self.no_match, 1)
         self._updating = False
 
-    def set_sessions(self, sessions: list[SessionRecord], current: str | None) -> None:
-        """Show ``sessions``, keeping ``current`` selected."""
+    def set_sessions(self, sessions: list[SessionRecord], current: str | None,
+                     answering: str | None = None) -> None:
+        """Show ``sessions``, keeping ``current`` selected; ``answering`` is the one answering."""
         self._updating = True
         self.list.clear()
+        searching = bool(self.search.text().strip())
+        self.no_match.setVisible(searching and not sessions)
+        self.list.setVisible(not (searching and not sessions))
         for record in sessions:
             item = QListWidgetItem(record.title)
             item.setData(RecordRole, record)
+            item.setData(AnsweringRole, record.id == answering)
             # Tooltips guess rich text from the content: make it rich, the title escaped.
             item.setToolTip(f"<p style='white-space:pre'>{html.escape(record.title)}<br>"
                             f"KV mode {record.kv_mode} · model {html.escape(record.model_id)}</p>")

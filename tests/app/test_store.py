@@ -113,8 +113,7 @@ def test_rapid_streaming_writes_while_others_read_never_corrupt(qtbot, monkeypat
         reader.start()
     try:
         for i, piece in enumerate(pieces):
-            model.append_text(piece)
-            recorder.mark_dirty()
+            recorder.append(piece)
             model.flush()  # the 30 ms flush of the streaming path, at once
             if i % 100 == 0:  # the other writes the GUI thread makes meanwhile
                 store.add_message(other.id, "user", f"note {i}")

@@ -49,8 +49,7 @@ def test_recorder_saves_the_growing_answer_even_when_tokens_pause(qtbot) -> None
     model = ChatModel()
     recorder = AnswerRecorder(store, model)
     message_id = recorder.start(session.id)
-    model.append_text("partial answer")
-    recorder.mark_dirty()
+    recorder.append("partial answer")
     # No more tokens arrive: the one-second timer still writes the text.
     qtbot.waitUntil(lambda: store.messages(session.id)[0].content == "partial answer",
                     timeout=5000)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from app.memory.fit_check import fit_html
+from app.memory.fit_check import fit_html, wait_sentence
+from tests.app.conftest import send_and_wait
 
 
 def _report() -> SimpleNamespace:
@@ -19,3 +20,29 @@ def test_the_fit_line_lists_modes_in_the_one_order_used_everywhere() -> None:
     assert ok
     positions = [html.index(f"{mode} ") for mode in ("fp16", "q8", "q6", "q4")]
     assert positions == sorted(positions)
+
+
+def test_the_wait_is_said_from_the_measured_rate_only_for_long_reads() -> None:
+    assert wait_sentence(5400, 18.0) == "Reading 5,400 tokens takes about 5m 00s at 18 tok/s here"
+    assert wait_sentence(5400, None) == ""  # never measured: no guess
+    assert wait_sentence(500, 18.0) == ""
+
+
+def test_before_sending_a_long_text_the_fit_line_says_how_long_reading_takes(
+        qtbot, window) -> None:
+    c = window.controller
+    c.new_session("q8")
+    c.store.set_prefill_rate(c.model_id, 20.0)
+    window.composer.set_text("word " * 3000)
+    window.fit.run()
+    prompt, _ = window.fit.prompt_tokens()
+    assert prompt >= 2048
+    assert wait_sentence(prompt, 20.0) in window.composer.fit.text()
+
+
+def test_a_long_read_records_the_prefill_rate_for_the_loaded_model(qtbot, window) -> None:
+    c = window.controller
+    assert c.prefill_rate() is None
+    assert send_and_wait(qtbot, window, "word " * 400) == "complete"
+    assert c.prefill_rate() is not None and c.prefill_rate() > 0
+    assert c.store.prefill_rate("another model") is None

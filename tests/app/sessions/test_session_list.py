@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QInputDialog, QMessageBox
 
-from app.sessions.session_list import SessionList
+from app.sessions.session_list import (
+    ANSWERING,
+    NO_MATCH,
+    AnsweringRole,
+    RecordRole,
+    SessionList,
+    detail_text,
+)
 from app.store import HistoryStore
 
 
@@ -39,4 +46,40 @@ def test_session_list_search_rename_and_confirmed_delete(qtbot, monkeypatch) -> 
     assert deleted == []
     sidebar.ask_delete(store.session(b.id))
     assert deleted == [b.id]
+    store.close()
+
+
+def test_a_search_without_a_match_says_so(qtbot) -> None:
+    store = HistoryStore()
+    store.create_session("Tax return", "q8", "demo")
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.show()
+    sidebar.set_sessions(store.sessions(), None)
+    assert not sidebar.no_match.isVisible() and sidebar.list.isVisible()
+    sidebar.search.setText("zebra")
+    sidebar.set_sessions(store.sessions("zebra"), None)
+    assert sidebar.no_match.isVisible() and sidebar.no_match.text() == NO_MATCH
+    assert not sidebar.list.isVisible()
+    sidebar.search.setText("tax")
+    sidebar.set_sessions(store.sessions("tax"), None)
+    assert not sidebar.no_match.isVisible() and sidebar.list.count() == 1
+    store.close()
+
+
+def test_the_answering_chat_says_so_instead_of_a_token_count(qtbot) -> None:
+    store = HistoryStore()
+    answering = store.create_session("Answering", "q8", "demo")
+    idle = store.create_session("Idle", "q4", "demo")
+    store.set_tokens(idle.id, 1234)
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.set_sessions(store.sessions(), idle.id, answering.id)
+    lines = {}
+    for row in range(sidebar.list.count()):
+        item = sidebar.list.item(row)
+        record = item.data(RecordRole)
+        lines[record.id] = detail_text(record, bool(item.data(AnsweringRole)))
+    assert lines[answering.id] == ANSWERING
+    assert lines[idle.id].startswith("1,234 tokens · ")
     store.close()

@@ -1,0 +1,60 @@
+"""The conversation pane on its own: rows, labels, Copy."""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QGuiApplication
+
+from app.chat.conversation_view import COPIED_TEXT, ConversationView, MessageWidget
+from app.chat.model import ChatMessage, ChatModel
+from app.chat.recorder import CLOSED_WHILE_ANSWERING
+
+
+def _view(qtbot, rows: list[ChatMessage]) -> tuple[ChatModel, ConversationView]:
+    model = ChatModel()
+    model.set_messages(rows)
+    view = ConversationView(model)
+    qtbot.addWidget(view)
+    view.show()
+    return model, view
+
+
+def _visible_rows(view: ConversationView) -> list[str]:
+    """The rows the column lays out (a widget out of the layout and hidden is gone)."""
+    layout = view.layout_
+    widgets = [layout.itemAt(i).widget() for i in range(layout.count())]
+    return [w.body.markdown() for w in widgets if isinstance(w, MessageWidget)]
+
+
+def test_shift_enter_line_breaks_stay_in_a_sent_message(qtbot) -> None:
+    _, view = _view(qtbot, [ChatMessage("user", "first line\nsecond line\n\nthird")])
+    assert view.widgets[0].body.toPlainText() == "first line\nsecond line\n\nthird"
+
+
+def test_another_chats_rows_replace_the_old_ones_at_once(qtbot) -> None:
+    # No event loop turn between (as inside a context menu's own loop): the old
+    # chat's rows must already be gone, not wait for their deferred deletion.
+    model, view = _view(qtbot, [ChatMessage("user", "old question"),
+                                ChatMessage("assistant", "old answer")])
+    model.set_messages([ChatMessage("user", "new question")])
+    assert _visible_rows(view) == ["new question"]
+    model.truncate(0)
+    assert _visible_rows(view) == []
+
+
+def test_copy_says_it_copied(qtbot) -> None:
+    _, view = _view(qtbot, [ChatMessage("assistant", "**an answer**")])
+    widget = view.widgets[0]
+    widget.copy_button.click()
+    assert QGuiApplication.clipboard().text() == "**an answer**"
+    assert widget.copy_button.text() == COPIED_TEXT
+    qtbot.waitUntil(lambda: widget.copy_button.text() == "Copy", timeout=5000)
+
+
+def test_an_answer_cut_by_closing_the_app_says_so(qtbot) -> None:
+    _, view = _view(qtbot, [
+        ChatMessage("assistant", "half", "stopped", reason=CLOSED_WHILE_ANSWERING),
+        ChatMessage("assistant", "half", "stopped", reason="Stopped")])
+    closed, stopped = view.widgets
+    assert closed.status.text() == "Closed while answering"
+    assert closed.status.toolTip() == CLOSED_WHILE_ANSWERING
+    assert stopped.status.text() == "Stopped"
