@@ -520,3 +520,36 @@ def test_bad_names_are_refused(saved):
     for name in ("../x", "", ".hidden", "a/b"):
         with pytest.raises(ValueError):
             snapshot_info(manifest.parent, name)
+
+
+# -- other sessions' settings ------------------------------------------------------------
+
+
+def test_a_session_with_another_page_size_gets_the_same_rows(models, tmp_path):
+    original = _session(models["llama"])
+    _ingest(original, _user(DOC))
+    save_snapshot(original, tmp_path, "chat")
+    reopened = Session("chat", models["llama"], "q8", page_size=24)  # not a multiple of 16
+    reopened.model_dir = models["llama"].folder
+    count = len(original.tokens)
+    assert load_snapshot(reopened, tmp_path, "chat", original.tokens, keep_last=False) == count
+    pairs = [(a, b) for a, b in zip(original.cache, reopened.cache, strict=True)
+             if isinstance(a, PagedKVCache)]
+    for held, restored in pairs:
+        assert len(restored.block_table) == -(-count // 24)
+        for x, y in zip(held.dequantized_prefix(count, mx.float32),
+                        restored.dequantized_prefix(count, mx.float32), strict=True):
+            assert np.array_equal(np.array(x), np.array(y))
+
+
+def test_pages_beyond_the_kv_budget_are_refused_and_nothing_is_held(models, tmp_path):
+    original = _session(models["llama"])
+    _ingest(original, _user(DOC))
+    save_snapshot(original, tmp_path, "chat")
+    small = Session("chat", models["llama"], "q8", page_size=PAGE, budget_bytes=4096)
+    small.model_dir = models["llama"].folder
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(small, tmp_path, "chat", [*original.tokens, 1])
+    assert caught.value.reason == "budget" and not caught.value.removed
+    assert small.tokens == [] and adapter.cache_tokens(small.cache) == 0
+    assert snapshot_info(tmp_path, "chat") is not None
