@@ -92,7 +92,9 @@ class SessionActions(QObject):
 
         The caller re-ingests it (``Answers.start_ingest``).
         """
-        if self.current is None or self.activity.refuse("reopening the chat"):
+        if self.current is None or self.current.kv_mode == mode:
+            return None  # the chat is in that mode already
+        if self.activity.refuse("reopening the chat"):
             return None
         source = self.current
         record = self.store.create_session(f"{source.title} · {mode}", mode, model_id)
@@ -100,8 +102,10 @@ class SessionActions(QObject):
             if message.status in ("complete", "stopped", "interrupted") and (
                 message.content or message.attachments
             ):
-                self.store.add_message(record.id, message.role, message.content,
-                                       "complete", message.attachments)
+                copied = self.store.add_message(record.id, message.role, message.content,
+                                                "complete", message.attachments)
+                if message.stats:  # how the answer was made stays with its copy
+                    self.store.update_message(copied, stats=message.stats)
         self.sessionsChanged.emit()
         self.select_session(record.id)
         return record

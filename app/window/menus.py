@@ -13,7 +13,8 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QLabel, QMenu, QMenuBar, QToolBar, QToolButton, QWidget
 
 from app.controller import ChatController
-from app.settings import KV_MODES, Settings
+from app.sessions.reopen import fill_reopen_menu
+from app.settings import Settings
 from app.window.model_picker import ModelPicker
 
 
@@ -57,9 +58,10 @@ def build_toolbar(window: MenuHost) -> None:
     window.reopen_button.setText("Reopen in…")
     window.reopen_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
     window.reopen_menu = QMenu(window.reopen_button)
-    for mode in KV_MODES:
-        window.reopen_menu.addAction(f"Reopen in {mode}…",
-                                     lambda m=mode: window.controller.reopen_in(m))
+    # Filled as it opens: the shown chat's own mode is left out, and each asks first.
+    window.reopen_menu.aboutToShow.connect(
+        lambda: fill_reopen_menu(window.reopen_menu, window.controller, window))
+    fill_reopen_menu(window.reopen_menu, window.controller, window)
     window.reopen_button.setMenu(window.reopen_menu)
     bar.addWidget(window.reopen_button)
     spacer = QWidget()
