@@ -39,6 +39,7 @@ from engine import (
 )
 
 STATS_POLL_MS = 400
+CONTINUE_PROMPT = "Continue."  # the user turn the Continue button sends
 MIN_RATE_TOKENS = 256  # a shorter read is mostly fixed overhead, not a rate
 
 
@@ -271,6 +272,10 @@ class ChatController(QObject):
         """Cancel the running answer or ingest (Esc)."""
         if self.active_request is not None and self.active_request >= 0:
             self.bridge.cancel(self.active_request)
+
+    def continue_answer(self) -> bool:
+        """Ask the model to go on after an answer cut at the length limit."""
+        return self.send(CONTINUE_PROMPT)
 
     def can_regenerate(self) -> bool:
         """Whether the last message is an answer that can be generated again."""

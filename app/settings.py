@@ -19,6 +19,10 @@ from engine import SamplingParams, data_dir, private_dir, private_file
 
 # Best quality first, the order every list of modes in the app uses.
 KV_MODES = ("fp16", "q8", "q6", "q4")
+# Small models loop on a phrase without it (the demo model repeated "finally…"
+# for minutes at 1.0); 1.1 over the engine's 64-token window stops that without
+# punishing every common word.
+DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
 SETTINGS_FILE = "settings.ini"
 
@@ -135,7 +139,7 @@ class Settings:
     @property
     def sampling(self) -> SamplingParams:
         """Default sampling parameters."""
-        base = SamplingParams()
+        base = SamplingParams(repetition_penalty=DEFAULT_REPETITION_PENALTY)
         seed = self._get("sampling/seed", -1, int)
         return SamplingParams(
             temperature=self._get("sampling/temperature", base.temperature, float),

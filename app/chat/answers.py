@@ -11,7 +11,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity
 from app.chat.model import ChatModel
-from app.chat.recorder import AnswerRecorder, stopped_reading
+from app.chat.recorder import LENGTH_LIMIT, AnswerRecorder, stopped_reading
 from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
@@ -105,7 +105,7 @@ class Answers(QObject):
             self.measured.emit(event.stats)
         if kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
-            reason = {"cancelled": "Stopped", "length": "Reached the answer length limit",
+            reason = {"cancelled": "Stopped", "length": LENGTH_LIMIT,
                       "memory": MEMORY_STOP}.get(event.reason)
             if event.reason == "cancelled" and kept is not None:
                 reason = stopped_reading(*kept)

@@ -27,7 +27,7 @@ from app.chat.model import (
     StatsRole,
     StatusRole,
 )
-from app.chat.recorder import CLOSED_WHILE_ANSWERING, STOPPED_READING
+from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
 from app.format import human_bytes
 
 STATUS_TEXT = {
@@ -60,6 +60,7 @@ class MessageWidget(QFrame):
     copyRequested = Signal()
     regenerateRequested = Signal()
     editRequested = Signal()
+    continueRequested = Signal()
 
     def __init__(self, role: str, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -90,7 +91,10 @@ class MessageWidget(QFrame):
         self.copy_button = self._action("Copy", self.copyRequested)
         self.regenerate_button = self._action("Regenerate", self.regenerateRequested)
         self.edit_button = self._action("Edit", self.editRequested)
-        for button in (self.copy_button, self.regenerate_button, self.edit_button):
+        self.continue_button = self._action("Continue", self.continueRequested)
+        self.continue_button.setToolTip("The answer stopped at the length limit: go on")
+        for button in (self.continue_button, self.copy_button, self.regenerate_button,
+                       self.edit_button):
             footer.addWidget(button)
         outer.addLayout(footer)
 
@@ -137,8 +141,10 @@ class MessageWidget(QFrame):
         button = self.copy_button  # the context: no call once the row is gone
         QTimer.singleShot(COPIED_MS, button, lambda: button.setText("Copy"))
 
-    def set_actions(self, *, copy: bool, regenerate: bool, edit: bool) -> None:
+    def set_actions(self, *, copy: bool, regenerate: bool, edit: bool,
+                    go_on: bool = False) -> None:
         """Show only the actions that apply to this row now."""
+        self.continue_button.setVisible(go_on)
         self.copy_button.setVisible(copy)
         self.regenerate_button.setVisible(regenerate)
         self.edit_button.setVisible(edit)
@@ -149,6 +155,7 @@ class ConversationView(QScrollArea):
 
     regenerateRequested = Signal()
     editRequested = Signal()
+    continueRequested = Signal()  # the last answer, cut at the length limit, should go on
 
     def __init__(self, model: ChatModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -192,6 +199,7 @@ class ConversationView(QScrollArea):
         widget.copyRequested.connect(lambda w=widget: self._copy(w))
         widget.regenerateRequested.connect(self.regenerateRequested.emit)
         widget.editRequested.connect(self.editRequested.emit)
+        widget.continueRequested.connect(self.continueRequested.emit)
         return widget
 
     def _render(self, row: int) -> None:
@@ -243,11 +251,14 @@ class ConversationView(QScrollArea):
         last_user = max((i for i, w in enumerate(self.widgets) if w.role == "user"), default=-1)
         last = len(self.widgets) - 1
         for row, widget in enumerate(self.widgets):
-            streaming = self.model.data(self.model.index(row), StatusRole) == "streaming"
+            index = self.model.index(row)
+            streaming = self.model.data(index, StatusRole) == "streaming"
+            last_answer = not self.busy and row == last and widget.role == "assistant"
             widget.set_actions(
                 copy=not streaming,
-                regenerate=not self.busy and row == last and widget.role == "assistant",
+                regenerate=last_answer,
                 edit=not self.busy and row == last_user,
+                go_on=last_answer and self.model.data(index, ReasonRole) == LENGTH_LIMIT,
             )
 
     def _copy(self, widget: MessageWidget) -> None:

@@ -11,6 +11,7 @@ from app.store import HistoryStore
 
 SAVE_INTERVAL_S = 1.0
 CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
+LENGTH_LIMIT = "Reached the answer length limit"
 STOPPED_READING = "Stopped while reading"  # how a reason about a cut-short prefill begins
 
 

@@ -122,6 +122,7 @@ class MainWindow(QMainWindow):
         c.editRequested.connect(self._on_edit_requested)
         self.conversation.regenerateRequested.connect(c.regenerate)
         self.conversation.editRequested.connect(c.begin_edit)
+        self.conversation.continueRequested.connect(c.continue_answer)
         self.composer.sendRequested.connect(self.send)
         self.composer.stopRequested.connect(c.stop)
         self.composer.attachRequested.connect(self.ask_attach)
