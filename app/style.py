@@ -81,8 +81,8 @@ def apply_color_scheme(app: QApplication, scheme: Qt.ColorScheme) -> None:
         app.setStyleSheet(sheet)
 
 
-def follow_system_theme(app: QApplication) -> None:
-    """Use the system's colour scheme now and whenever it changes."""
+def follow_system_theme(app: QApplication):
+    """Use the system's colour scheme now and whenever it changes; returns the connection."""
     hints = app.styleHints()
     apply_color_scheme(app, hints.colorScheme())
-    hints.colorSchemeChanged.connect(lambda scheme: apply_color_scheme(app, scheme))
+    return hints.colorSchemeChanged.connect(lambda scheme: apply_color_scheme(app, scheme))

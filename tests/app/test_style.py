@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
-from PySide6.QtGui import QIcon
+import pytest
+from PySide6.QtCore import QObject, Qt
+from PySide6.QtGui import QIcon, QPalette
 from PySide6.QtWidgets import QApplication
 
 from app import style
@@ -38,3 +41,20 @@ def test_a_missing_folder_is_logged_not_fatal(qapp: QApplication, tmp_path: Path
         style.apply_style(qapp)
     assert qapp.styleSheet() == before
     assert "longleaf.qss is missing" in caplog.text
+
+
+def test_the_palette_follows_the_systems_colour_scheme(qapp: QApplication) -> None:
+    if sys.platform == "darwin":
+        pytest.skip("the native macOS style follows the system by itself")
+    before, sheet = qapp.palette(), qapp.styleSheet()
+    connection = style.follow_system_theme(qapp)
+    try:
+        window = QPalette.ColorRole.Window
+        qapp.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Dark)
+        assert qapp.palette().color(window).lightness() < 80
+        assert qapp.styleSheet() == sheet  # set again, so palette(...) colours resolve anew
+        qapp.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
+        assert qapp.palette().color(window).lightness() > 200
+    finally:
+        QObject.disconnect(connection)
+        qapp.setPalette(before)
