@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
+from engine.cache.rotation import rotation_for
 
 PAGE_PARTS: tuple[str, ...] = ("k_codes", "k_scales", "v_codes", "v_scales")
 # Highest precision first: a snapshot converts to its own mode or any later one.
@@ -40,17 +41,29 @@ def can_convert(stored: str, target: str) -> bool:
     return rank(kvquant.normalize_mode(target)) >= rank(kvquant.normalize_mode(stored))
 
 
+def _basis(rotation: Any) -> str | None:
+    return getattr(rotation, "format_id", None)
+
+
 def convert_rows(
-    codes: mx.array, scales: mx.array | None, stored: str, target: str, head_dim: int
+    codes: mx.array, scales: mx.array | None, stored: str, target: str, head_dim: int,
+    source_rotation: Any = None, target_rotation: Any = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Stored rows of mode ``stored`` as mode ``target`` (same or lower precision).
 
-    The rows are dequantized to float32 and quantized again, which is what a fresh
-    cache in ``target`` mode would store for those values.
+    The rows are dequantized to float32, taken out of the stored rotation and into
+    the target's when the two differ (``engine.cache.rotation``), and quantized
+    again: what a fresh ``target`` cache would store for those values.
     """
-    if stored == target:
+    same_basis = _basis(source_rotation) == _basis(target_rotation)
+    if stored == target and same_basis:
         return codes, scales
     values = kvquant.dequantize_rows(codes, scales, kvquant.bits_for(stored), head_dim)
+    if not same_basis:
+        if source_rotation is not None:
+            values = source_rotation.unrotate(values)
+        if target_rotation is not None:
+            values = target_rotation.rotate(values)
     return kvquant.quantize_rows(values, kvquant.bits_for(target))
 
 
@@ -165,7 +178,7 @@ def _repage(rows: mx.array, tokens: int, stored_size: int, page_size: int) -> mx
 
 def _restore_paged(
     layer: PagedKVCache, record: dict, arrays: dict[str, mx.array], tokens: int,
-    stored_mode: str, stored_page_size: int,
+    stored_mode: str, stored_page_size: int, stored_rotation: str | None,
 ) -> None:
     offset = min(record["offset"], tokens)
     pool = layer.pool
@@ -177,8 +190,9 @@ def _restore_paged(
         parts = [None if p is None else _repage(p, offset, stored_page_size, pool.page_size)
                  for p in parts]
         head_dim = record["head_dim"]
-        k = convert_rows(parts[0], parts[1], stored_mode, pool.mode, head_dim)
-        v = convert_rows(parts[2], parts[3], stored_mode, pool.mode, head_dim)
+        rotations = (rotation_for(stored_rotation, head_dim, record["index"]), layer.rotation)
+        k = convert_rows(parts[0], parts[1], stored_mode, pool.mode, head_dim, *rotations)
+        v = convert_rows(parts[2], parts[3], stored_mode, pool.mode, head_dim, *rotations)
         rows = [k[0], k[1], v[0], v[1]]
     layer.state = (*rows, offset, pool.mode, pool.page_size, record["kv_heads"], record["head_dim"])
 
@@ -206,13 +220,15 @@ def _restore_state(layer: Any, record: dict, arrays: dict[str, mx.array], drop: 
 def restore(
     cache: list[Any], records: list[dict], arrays: dict[str, mx.array], *,
     tokens: int, total: int, stored_mode: str, stored_page_size: int,
+    stored_rotation: str | None = None,
     checkpoint: tuple[tuple[int, Any], ...] | None = None,
 ) -> None:
     """Put the stored layers into ``cache``, holding the first ``tokens`` of ``total``.
 
     Paged layers take only the pages those tokens need (converted to the cache's
-    mode when it is lower). Other layers are restored whole and rewound, or, given
-    ``checkpoint`` (states taken at ``tokens``), take its states instead.
+    mode when it is lower, or to its rotation when that differs). Other layers
+    are restored whole and rewound, or, given ``checkpoint`` (states taken at
+    ``tokens``), take its states instead.
 
     Raises:
         LayerMismatch: the records or arrays do not fit the cache.
@@ -222,7 +238,8 @@ def restore(
     from_checkpoint = dict(checkpoint or ())
     for layer, record in zip(cache, records, strict=True):
         if record["kind"] == "paged":
-            _restore_paged(layer, record, arrays, tokens, stored_mode, stored_page_size)
+            _restore_paged(layer, record, arrays, tokens, stored_mode, stored_page_size,
+                           stored_rotation)
             # One layer at a time: a mode conversion's float32 rows of every layer
             # at once would take twice an fp16 cache's memory.
             mx.eval(adapter.eval_targets([layer]))

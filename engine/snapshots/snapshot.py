@@ -35,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import adapter, kvquant
+from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.prompt_ids import common_prefix
 from engine.snapshots import files
@@ -62,11 +63,11 @@ class SnapshotRejected(EngineError):
     """A stored snapshot was not used; the message is a one-line notice for the user.
 
     Attributes:
-        reason: "model" (another model), "format" (another format version or
-            rotation), "corrupt" (incomplete or damaged), "mode" (a higher
-            precision than stored needs a re-read), "diverged" (the conversation
-            differs inside the snapshot before any stored checkpoint and this
-            model's layers cannot rewind),
+        reason: "model" (another model), "format" (another format version or a
+            rotation this version does not know), "corrupt" (incomplete or
+            damaged), "mode" (a higher precision than stored needs a re-read),
+            "diverged" (the conversation differs inside the snapshot before any
+            stored checkpoint and this model's layers cannot rewind),
             or "budget" (the pages do not fit the KV budget).
         removed: whether the snapshot's files were deleted.
     """
@@ -258,12 +259,14 @@ def _check_compatible(manifest: dict[str, Any], session: Any, name: str) -> None
             f"({stored_model.get('name', 'unknown')}); the conversation is read again.",
             reason="model",
         )
-    if manifest.get("rotation") != rotation_id(session.cache):
+    try:
+        rotation_for(manifest.get("rotation"), 4, 0)  # raises for a rotation unknown here
+    except EngineError:
         raise SnapshotRejected(
-            f"Stored KV for {name!r} uses row rotation {manifest.get('rotation')!r}, this "
-            f"cache {rotation_id(session.cache)!r}; the conversation is read again.",
+            f"Stored KV for {name!r} uses row rotation {manifest.get('rotation')!r}, which "
+            "this version cannot read; the conversation is read again.",
             reason="format",
-        )
+        ) from None
     stored_mode = kvquant.normalize_mode(manifest["mode"])
     if not can_convert(stored_mode, session.mode):
         raise SnapshotRejected(
@@ -345,8 +348,9 @@ def load_snapshot(
     Afterwards the session holds that prefix (cache and ``session.tokens``) and
     its next ``chat``/``ingest`` on ``prompt_ids`` ingests only the rest. Pages
     stored in a higher-precision mode than the session's are converted (fp16 to
-    q8/q6/q4, q8 to q6/q4, q6 to q4) without any forward pass. Call from the
-    engine worker thread.
+    q8/q6/q4, q8 to q6/q4, q6 to q4) without any forward pass, and so are pages
+    stored in another row rotation than the session's (``engine.cache.rotation``).
+    Call from the engine worker thread.
 
     When the session already holds at least as long a prefix, nothing is read.
 
@@ -391,7 +395,8 @@ def load_snapshot(
         restore(
             session.cache, manifest["layers"], arrays, tokens=keep, total=stored_tokens,
             stored_mode=kvquant.normalize_mode(manifest["mode"]),
-            stored_page_size=int(manifest["page_size"]), checkpoint=states,
+            stored_page_size=int(manifest["page_size"]),
+            stored_rotation=manifest.get("rotation"), checkpoint=states,
         )
         session.tokens = [int(t) for t in manifest["tokens"][:keep]]
         _restore_checkpoints(session, manifest, arrays, keep)

@@ -404,6 +404,24 @@ def test_kill_9_at_random_moments_of_repeated_writes_never_leaves_a_bad_snapshot
 # -- modes from a snapshot -----------------------------------------------------------
 
 
+def _paged_layers(session: Session) -> list[PagedKVCache]:
+    return [layer for layer in session.cache if isinstance(layer, PagedKVCache)]
+
+
+def _requantized(codes, scales, stored: str, target: str, source, destination):
+    """What conversion must give: stored rows dequantized, moved from the stored
+    rotation to the target's, quantized in the target mode."""
+    values = kvquant.dequantize_rows(
+        mx.array(codes), None if scales is None else mx.array(scales),
+        kvquant.bits_for(stored), codes.shape[-1] if stored == "fp16" else 32)
+    if getattr(source, "format_id", None) != getattr(destination, "format_id", None):
+        if source is not None:
+            values = source.unrotate(values)
+        if destination is not None:
+            values = destination.rotate(values)
+    return kvquant.quantize_rows(values, kvquant.bits_for(target))
+
+
 @pytest.mark.parametrize(("stored", "target"), [("fp16", "q6"), ("fp16", "q4"), ("q8", "q4")])
 def test_a_lower_mode_is_converted_like_fresh_quantization(models, tmp_path, stored, target):
     loaded = models["llama"]
@@ -414,14 +432,15 @@ def test_a_lower_mode_is_converted_like_fresh_quantization(models, tmp_path, sto
     follow = _user(DOC, QUESTION)
     prompt = reopened.render(follow, add_generation_prompt=True)
     assert load_snapshot(reopened, tmp_path, "chat", prompt) == len(original.tokens)
-    bits_in, bits_out = kvquant.bits_for(stored), kvquant.bits_for(target)
-    for held, converted in zip(_pages(original), _pages(reopened), strict=True):
+    layers = zip(_paged_layers(original), _paged_layers(reopened), strict=True)
+    for (source, destination), held, converted in zip(
+        layers, _pages(original), _pages(reopened), strict=True
+    ):
         for codes, scales, (out_codes, out_scales) in (
             (held[0], held[1], converted[:2]), (held[2], held[3], converted[2:]),
         ):
-            values = kvquant.dequantize_rows(
-                mx.array(codes), None if scales is None else mx.array(scales), bits_in, 32)
-            want_codes, want_scales = kvquant.quantize_rows(values, bits_out)
+            want_codes, want_scales = _requantized(
+                codes, scales, stored, target, source.rotation, destination.rotation)
             assert np.array_equal(np.array(want_codes), out_codes)
             assert np.array_equal(np.array(want_scales), out_scales)
     assert reopened.tokens_ingested == 0
@@ -434,10 +453,34 @@ def test_fp16_to_q6_bytes_equal_quantizing_the_fp16_pages_directly(models, tmp_p
     save_snapshot(original, tmp_path, "chat")
     reopened = _session(models["llama"], "q6")
     load_snapshot(reopened, tmp_path, "chat", original.tokens, keep_last=False)
-    for held, converted in zip(_pages(original), _pages(reopened), strict=True):
-        k_codes, k_scales = kvquant.quantize_rows(mx.array(held[0]), 6)
+    for layer, held, converted in zip(
+        _paged_layers(reopened), _pages(original), _pages(reopened), strict=True
+    ):
+        rows = mx.array(held[0]).astype(mx.float32)
+        if layer.rotation is not None:  # q6 stores rows in the Hadamard basis
+            rows = layer.rotation.rotate(rows)
+        k_codes, k_scales = kvquant.quantize_rows(rows, 6)
         assert np.array_equal(np.array(k_codes), converted[0])
         assert np.array_equal(np.array(k_scales), converted[1])
+
+
+def test_pages_in_another_rotation_are_moved_into_the_sessions(models, tmp_path):
+    loaded = models["llama"]
+    original = _session(loaded, "q8")
+    original.cache = adapter.make_cache(loaded.model, "q8", page_size=PAGE, rotate=False)
+    _ingest(original, _user(DOC))
+    save_snapshot(original, tmp_path, "chat")
+    assert json.loads((tmp_path / "chat.json").read_text())["rotation"] is None
+    reopened = _session(loaded, "q8")
+    assert all(layer.rotation is not None for layer in _paged_layers(reopened))
+    load_snapshot(reopened, tmp_path, "chat", original.tokens, keep_last=False)
+    count = len(original.tokens)
+    for held, restored in zip(_paged_layers(original), _paged_layers(reopened), strict=True):
+        keys, _ = restored.dequantized_prefix(count, mx.float32)
+        want, _ = held.dequantized_prefix(count, mx.float32)
+        # Requantized in the rotated basis: close to the stored rows, not equal.
+        error = np.abs(np.array(restored.rotation.unrotate(keys)) - np.array(want)).max()
+        assert 0 < error < 0.05 * np.abs(np.array(want)).max()
 
 
 @pytest.mark.parametrize(("stored", "target"), [("q8", "fp16"), ("q4", "q6"), ("q6", "q8")])
