@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate|agreement|reopen|quality …``: run a benchmark.
+"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx …``: run a benchmark.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -102,7 +102,43 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--tokens", type=int, help="tokens scored one at a time per context")
     quality.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
     quality.add_argument("--mlx-bits", type=_ints, help="mlx-lm anchors, e.g. 8,6,4")
+    longctx = sub.add_parser("longctx", help="one layer to 262k tokens, plus a hybrid ingest")
+    _common(longctx)
+    longctx.add_argument("--contexts", type=_ints, help="e.g. 32k,64k,128k,256k")
+    longctx.add_argument("--q-heads", type=_ints, help="query heads, e.g. 16,24")
+    longctx.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
+    longctx.add_argument("--repeats", type=int, help="timed decode steps per contender")
+    longctx.add_argument("--hybrid-tokens", type=parse_tokens,
+                         help="tokens the hybrid model reads (0: skip that part)")
     return parser
+
+
+def run_longctx(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import longctx_bench, longctx_report, report
+
+    quick = args.quick
+    config = with_changes(
+        longctx_bench.QUICK if quick else longctx_bench.LongContextConfig(),
+        contexts=args.contexts, q_heads=args.q_heads, modes=args.modes,
+        decode_repeats=args.repeats,
+    )
+    hybrid_config = with_changes(
+        longctx_bench.HYBRID_QUICK if quick else longctx_bench.HybridIngestConfig(),
+        tokens=args.hybrid_tokens,
+    )
+    info = report.machine_info()
+    started = time.monotonic()
+
+    def write(results: dict) -> None:
+        results["wall_seconds"] = time.monotonic() - started
+        body = longctx_report.render_longctx_report(results, info, command, report.load_average())
+        report.write_section(args.output, "longctx", body)
+
+    results = longctx_bench.run_layer_bench(config, _progress, partial_results=write)
+    if hybrid_config.tokens:
+        results["hybrid"] = longctx_bench.run_hybrid_ingest(hybrid_config, _progress)
+    write(results)
+    return {"machine": info, **results}
 
 
 def run_cache(args: argparse.Namespace, command: str) -> dict:
@@ -219,6 +255,7 @@ RUNNERS = {
     "agreement": run_agreement,
     "reopen": run_reopen,
     "quality": run_quality,
+    "longctx": run_longctx,
 }
 _STARTED = time.monotonic()
 

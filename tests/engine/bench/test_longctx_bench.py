@@ -1,0 +1,62 @@
+"""engine.bench longctx at toy sizes: every cell measured, the paged transient bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.bench import longctx_bench, longctx_report, report
+from engine.cache import pages
+from engine.cache.attention import scratch_bytes_for
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def layer_run() -> dict:
+    config = longctx_bench.LongContextConfig(
+        contexts=(1024, 4096), q_heads=(8,), modes=("fp16", "q6"), chunk=64,
+        decode_repeats=1, page_size=64, dtype="float32",
+    )
+    return longctx_bench.run_layer_bench(config)
+
+
+def test_every_contender_is_measured_at_every_context(layer_run: dict) -> None:
+    names = {(r["name"], r["context"]) for r in layer_run["rows"]}
+    expected = {"mlx-lm KVCache", "mlx-lm QuantizedKVCache 6-bit", "paged fp16", "paged q6"}
+    assert names == {(n, c) for n in expected for c in (1024, 4096)}
+    for row in layer_run["rows"]:
+        assert row["bytes"] > 0 and row["decode_ms"] > 0
+        if row["kind"] != "mlx-quant":
+            assert row["prefill_s"] > 0 and row["prefill_peak"] > 0
+
+
+def test_paged_chunk_transient_stays_within_a_small_scratch_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a 4 MiB budget, a chunk over 8k tokens stays near 4 MiB (unbounded: ~300 MiB)."""
+    monkeypatch.setattr(pages, "PREFILL_SCRATCH_BYTES", 4 * MIB)
+    config = longctx_bench.LongContextConfig(
+        contexts=(8192,), q_heads=(8,), modes=("q6",), chunk=64, decode_repeats=1,
+        page_size=64, dtype="float32",
+    )
+    rows = [r for r in longctx_bench.run_layer_bench(config)["rows"] if r["kind"] == "paged"]
+    block = scratch_bytes_for(8 * 64, config.kv_heads, config.head_dim, 64, 4 * MIB)
+    unbounded = 4 * 8192 * (3 * 8 * 64 + 8 * config.kv_heads * config.head_dim)
+    chunk_inputs = 4 * 64 * config.head_dim * (8 + 4 * config.kv_heads)
+    assert block <= 4 * MIB < unbounded / 50
+    assert rows[0]["prefill_peak"] <= block + 4 * chunk_inputs + MIB, rows[0]
+
+
+def test_report_has_the_tables_and_verdicts(layer_run: dict, tmp_path: Path) -> None:
+    results = {**layer_run, "wall_seconds": 1.0}
+    body = longctx_report.render_longctx_report(
+        results, report.machine_info(), "python -m engine.bench longctx", "0, 0, 0"
+    )
+    assert "### Verdicts" in body and "decode transient" in body
+    assert body.count("| paged q6 |") == 2  # one row per context in "Every cell"
+    assert "End to end" in body
+    path = tmp_path / "benchmarks.md"
+    report.write_section(path, "longctx", body)
+    assert "<!-- bench:longctx:start -->" in path.read_text()
