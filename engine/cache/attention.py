@@ -37,8 +37,10 @@ PACKED_MAX_TOKENS = 4
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
 PREFILL_SCRATCH_BYTES = pages.PREFILL_SCRATCH_BYTES
 _MLX_GROUP_SIZES = (128, 64, 32)
-# Per block token: scores, exponentials and the mask select, in fp32, per query row.
+# Per block token: scores, exponentials and the mask select, in fp32, per query row;
+# and per key/value row, the unpacked, signed, scaled and transposed fp32 copies.
 _SCORE_COPIES = 3
+_ROW_COPIES = 4
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -57,15 +59,19 @@ def block_tokens(
     """Tokens of one attention block so that its scratch fits ``scratch_bytes``.
 
     Args:
-        query_rows: query heads times new tokens (every row scores every block key).
+        query_rows: query heads times new tokens (every row scores every block key
+            of its KV head).
         kv_heads: KV heads of the layer.
         head_dim: values per head.
         page_size: blocks are whole pages.
         scratch_bytes: the budget for one block's transient arrays.
     """
-    per_token = 4 * (_SCORE_COPIES * query_rows + 2 * 2 * kv_heads * head_dim)
-    pages = max(1, scratch_bytes // (per_token * page_size))
+    pages = max(1, scratch_bytes // (_bytes_per_token(query_rows, kv_heads, head_dim) * page_size))
     return pages * page_size
+
+
+def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int) -> int:
+    return 4 * (_SCORE_COPIES * query_rows + 2 * _ROW_COPIES * kv_heads * head_dim)
 
 
 def scratch_bytes_for(
@@ -73,7 +79,7 @@ def scratch_bytes_for(
 ) -> int:
     """Bytes one block of :func:`block_tokens` tokens takes (at least one page)."""
     tokens = block_tokens(query_rows, kv_heads, head_dim, page_size, scratch_bytes)
-    return 4 * tokens * (_SCORE_COPIES * query_rows + 2 * 2 * kv_heads * head_dim)
+    return tokens * _bytes_per_token(query_rows, kv_heads, head_dim)
 
 
 def paged_attention(
@@ -202,7 +208,7 @@ def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
     store, page_size = cache.store, cache.pool.page_size
     kv_heads, rows, head_dim = view.q.shape
     q = view.q * scale
-    tokens = block_tokens(rows, kv_heads, head_dim, page_size, cache.pool.scratch_bytes)
+    tokens = block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, cache.pool.scratch_bytes)
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
     running_max = mx.full((kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
@@ -243,12 +249,14 @@ def _dequantized_block(
     slab = store.slabs[slab_index]
 
     def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
-        # Heads first, so the reshape to one sequence per head is free.
-        codes = mx.take(codes.swapaxes(0, 1), local, axis=1)
+        # Take pages along the slab's contiguous page axis: taking from a transposed
+        # view copies the whole slab first. Heads go first after dequantizing, a
+        # copy of this block only.
+        codes = mx.take(codes, local, axis=0)
         if scales is not None:
-            scales = mx.take(scales.swapaxes(0, 1), local, axis=1)
+            scales = mx.take(scales, local, axis=0)
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
-        return values.reshape(layout.kv_heads, -1, layout.head_dim)
+        return values.swapaxes(0, 1).reshape(layout.kv_heads, -1, layout.head_dim)
 
     return rows(slab[0], slab[1]), rows(slab[2], slab[3])
 

@@ -98,7 +98,11 @@ class PageStore:
         def scales() -> mx.array | None:
             return None if layout.bits == 16 else mx.zeros((*shape, 1), dtype=mx.float16)
 
-        self.slabs.append([codes(), scales(), codes(), scales()])
+        slab = [codes(), scales(), codes(), scales()]
+        # Allocate now: a reservation that stays lazy would land in whatever step
+        # first writes the slab, and count there as that step's transient.
+        mx.eval([part for part in slab if part is not None])
+        self.slabs.append(slab)
         self._where.extend((len(self.slabs) - 1, local) for local in range(pages))
         for slot in range(self.capacity, self.capacity + pages):
             heapq.heappush(self._free, slot)
