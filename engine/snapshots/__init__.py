@@ -7,16 +7,18 @@ budget. See ``engine.snapshots.snapshot`` for the format and the reopen rules.
 
 from engine.snapshots.fingerprint import model_fingerprint
 from engine.snapshots.layers import can_convert, convert_rows
-from engine.snapshots.snapshot import (
+from engine.snapshots.manifest import (
     FORMAT_VERSION,
-    SnapshotError,
     SnapshotInfo,
-    SnapshotRejected,
     delete_snapshot,
     list_snapshots,
+    snapshot_info,
+)
+from engine.snapshots.snapshot import (
+    SnapshotError,
+    SnapshotRejected,
     load_snapshot,
     save_snapshot,
-    snapshot_info,
 )
 from engine.snapshots.store import SnapshotStore, default_budget, default_snapshot_dir
 

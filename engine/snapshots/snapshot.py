@@ -23,12 +23,9 @@ whose message is one line for the user, and the session holds nothing from it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +46,15 @@ from engine.snapshots.layers import (
     restore,
     rotation_id,
 )
-
-FORMAT = "longleaf-kv-snapshot"
-FORMAT_VERSION = 1
-_SELF_HASH = "manifest_sha256"
+from engine.snapshots.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    Corrupt,
+    data_files,
+    read_manifest,
+    remove_snapshot,
+    sealed,
+)
 
 
 class SnapshotError(EngineError):
@@ -76,70 +78,6 @@ class SnapshotRejected(EngineError):
         super().__init__(message)
         self.reason = reason
         self.removed = removed
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """What the "Stored KV" panel shows of one snapshot (plain values)."""
-
-    name: str
-    tokens: int
-    mode: str
-    page_size: int
-    kv_bytes: int
-    disk_bytes: int
-    created: float
-    last_used: float
-    model: str
-
-
-# -- manifest ------------------------------------------------------------------
-
-
-def _canonical(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _sealed(manifest: dict[str, Any]) -> bytes:
-    digest = hashlib.sha256(_canonical(manifest)).hexdigest()
-    return _canonical({**manifest, _SELF_HASH: digest})
-
-
-class _Corrupt(Exception):
-    pass
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest at ``path`` after checking its own hash; raises _Corrupt if bad."""
-    try:
-        manifest = json.loads(path.read_bytes())
-        sealed = manifest.pop(_SELF_HASH)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise _Corrupt(f"unreadable manifest ({error})") from error
-    if hashlib.sha256(_canonical(manifest)).hexdigest() != sealed:
-        raise _Corrupt("manifest checksum mismatch")
-    data_file = manifest.get("data_file")
-    name = path.name[: -len(files.MANIFEST_SUFFIX)]
-    if not (isinstance(data_file, str) and data_file.startswith(name + ".")
-            and data_file.endswith(files.DATA_SUFFIX) and "/" not in data_file
-            and os.sep not in data_file):
-        raise _Corrupt("manifest names no data file of its own")
-    return manifest
-
-
-def _remove_snapshot(directory: Path, name: str) -> None:
-    """Delete a snapshot's manifest first (so it is never half-trusted), then its data."""
-    manifest = files.manifest_path(directory, name)
-    files.remove(manifest)
-    files.remove(*_data_files(directory, name))
-
-
-def _data_files(directory: Path, name: str) -> list[Path]:
-    prefix = f"{name}."
-    return [
-        p for p in directory.glob(f"{name}.*{files.DATA_SUFFIX}")
-        if p.name.startswith(prefix) and p.name.count(".") == name.count(".") + 2
-    ]
 
 
 # -- save ----------------------------------------------------------------------
@@ -212,8 +150,8 @@ def save_snapshot(
         "layers": records,
         "checkpoints": checkpoints,
     }
-    previous = _data_files(folder, name)
-    files.write_bytes_atomic(manifest_path, _sealed(manifest), label="manifest")
+    previous = data_files(folder, name)
+    files.write_bytes_atomic(manifest_path, sealed(manifest), label="manifest")
     files.remove(*[p for p in previous if p != data_path])
     return manifest_path
 
@@ -236,7 +174,7 @@ def _write_data(path: Path, arrays: dict[str, mx.array]) -> None:
 
 
 def _reject_corrupt(directory: Path, name: str, why: str) -> SnapshotRejected:
-    _remove_snapshot(directory, name)
+    remove_snapshot(directory, name)
     return SnapshotRejected(
         f"Stored KV for {name!r} was incomplete or damaged ({why}); it was removed and "
         "the conversation is read again.",
@@ -375,13 +313,13 @@ def load_snapshot(
         held = min(held, max(len(prompt_ids) - 1, 0))
     manifest_path = files.manifest_path(folder, name)
     if not manifest_path.exists():
-        if _data_files(folder, name):
+        if data_files(folder, name):
             raise _reject_corrupt(folder, name, "its manifest is missing")
         return held
     try:
         manifest = read_manifest(manifest_path)
         stored_tokens = len(manifest["tokens"])
-    except (_Corrupt, KeyError, TypeError) as error:
+    except (Corrupt, KeyError, TypeError) as error:
         raise _reject_corrupt(folder, name, str(error)) from None
     _check_compatible(manifest, session, name)
     keep, checkpoint = _reusable(manifest, prompt_ids, keep_last, name)
@@ -411,60 +349,3 @@ def load_snapshot(
         raise _reject_corrupt(folder, name, f"layers do not fit: {error}") from error
     os.utime(manifest_path)  # last use, for least-recently-used eviction
     return keep
-
-
-# -- listing --------------------------------------------------------------------
-
-
-def snapshot_info(directory: str | Path, name: str) -> SnapshotInfo | None:
-    """The stored snapshot ``name``, or None if there is none (or its manifest is bad).
-
-    Reads the manifest only; the data file's checksum is checked on reopen.
-    """
-    folder = Path(directory)
-    path = files.manifest_path(folder, name)
-    try:
-        manifest = read_manifest(path)
-        stat = path.stat()
-        data_bytes = (folder / manifest["data_file"]).stat().st_size
-        return SnapshotInfo(
-            name=name,
-            tokens=len(manifest["tokens"]),
-            mode=manifest["mode"],
-            page_size=int(manifest["page_size"]),
-            kv_bytes=int(manifest["kv_bytes"]),
-            disk_bytes=data_bytes + stat.st_size,
-            created=float(manifest["created"]),
-            last_used=stat.st_mtime,
-            model=str((manifest.get("model") or {}).get("name", "")),
-        )
-    except (_Corrupt, OSError, KeyError, TypeError, ValueError):
-        return None
-
-
-def list_snapshots(directory: str | Path) -> list[SnapshotInfo]:
-    """Every readable snapshot in ``directory``, most recently used first."""
-    folder = Path(directory)
-    if not folder.is_dir():
-        return []
-    found = []
-    for path in folder.glob(f"*{files.MANIFEST_SUFFIX}"):
-        name = path.name[: -len(files.MANIFEST_SUFFIX)]
-        if name.startswith(files.TEMP_MARK):
-            continue
-        try:
-            info = snapshot_info(folder, name)
-        except ValueError:  # not a name this module writes
-            continue
-        if info is not None:
-            found.append(info)
-    return sorted(found, key=lambda i: i.last_used, reverse=True)
-
-
-def delete_snapshot(directory: str | Path, name: str) -> bool:
-    """Remove snapshot ``name``; returns whether anything was there."""
-    folder = Path(directory)
-    existed = files.manifest_path(folder, name).exists() or bool(_data_files(folder, name))
-    if existed:
-        _remove_snapshot(folder, name)
-    return existed

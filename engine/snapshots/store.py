@@ -13,18 +13,16 @@ from typing import Any
 
 from engine import paths
 from engine.snapshots import files
-from engine.snapshots.snapshot import (
-    SnapshotError,
+from engine.snapshots.manifest import (
+    Corrupt,
     SnapshotInfo,
-    _Corrupt,
-    _data_files,
+    data_files,
     delete_snapshot,
     list_snapshots,
-    load_snapshot,
     read_manifest,
-    save_snapshot,
     snapshot_info,
 )
+from engine.snapshots.snapshot import SnapshotError, load_snapshot, save_snapshot
 
 MAX_DEFAULT_BUDGET = 20 * 10**9  # 20 GB
 FREE_DISK_SHARE = 0.10
@@ -123,9 +121,9 @@ class SnapshotStore:
                 continue
             try:
                 named.add(read_manifest(path)["data_file"])
-            except _Corrupt:
+            except Corrupt:
                 name = path.name[: -len(files.MANIFEST_SUFFIX)]
-                files.remove(path, *_data_files(self.directory, name))
+                files.remove(path, *data_files(self.directory, name))
         for path in self.directory.iterdir():
             leftover = path.name.startswith(files.TEMP_MARK) or (
                 path.name.endswith(files.DATA_SUFFIX) and path.name not in named
