@@ -43,7 +43,7 @@ _PUBLIC = {
         "Finished", "Failed", "ModelLoaded", "SessionOpened")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
-        "ModelLoadError", "DocumentError", "Cancelled", "InsufficientMemory",
+        "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
         "MemoryPressure")},
 }
 
@@ -53,6 +53,7 @@ __all__ = [
     "Cancelled",
     "ContextTooLong",
     "DocumentError",
+    "DocumentTooLong",
     "DownloadProgress",
     "EngineError",
     "EngineWorker",
@@ -99,6 +100,7 @@ if TYPE_CHECKING:
         Cancelled,
         ContextTooLong,
         DocumentError,
+        DocumentTooLong,
         EngineError,
         InsufficientMemory,
         KvBudgetExceeded,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import DocumentError
+from engine.errors import DocumentError, DocumentTooLong
 
 
 def _suffixes(words: str) -> frozenset[str]:
@@ -201,10 +201,11 @@ def _check_length(name: str, chars: int, max_chars: int, *, complete: bool) -> N
     if chars <= max_chars:
         return
     amount = f"{chars:,}" if complete else f"more than {max_chars:,}"
-    raise DocumentError(
+    raise DocumentTooLong(
         f"“{name}” has {amount} characters of text, more than the {max_chars:,} "
         "that fit in this model's context. Attach a part of it, or use a model with a "
-        "longer context."
+        "longer context.",
+        chars if complete else None, max_chars,
     )
 
 

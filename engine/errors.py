@@ -49,6 +49,14 @@ class DocumentError(EngineError):
     """A dropped or attached file cannot be read as text."""
 
 
+class DocumentTooLong(DocumentError):
+    """A file's text is longer than ``max_chars``; ``chars`` when it was read to the end."""
+
+    def __init__(self, message: str, chars: int | None, max_chars: int) -> None:
+        super().__init__(message)
+        self.chars, self.max_chars = chars, max_chars
+
+
 class Cancelled(EngineError):
     """An ingest or generation was cancelled by the user."""
 

@@ -101,6 +101,8 @@ class Composer(QWidget):
     stopRequested = Signal()
     attachRequested = Signal()
     removeAttachment = Signal(int)
+    partAccepted = Signal(int)  # job id of a too-long file whose fitting part is taken
+    partDeclined = Signal(int)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -117,6 +119,7 @@ class Composer(QWidget):
         self.notice.setWordWrap(True)
         self.notice.hide()
         outer.addWidget(self.notice)
+        outer.addWidget(self._offer_row())
         self.fit = QLabel()
         self.fit.setObjectName("fitCheck")
         self.fit.setWordWrap(True)
@@ -147,6 +150,45 @@ class Composer(QWidget):
         outer.addWidget(box)
         self.chips: dict[int, AttachmentChip] = {}
         self.generating = False
+
+    def _offer_row(self) -> QWidget:
+        self.offer_box = QFrame()
+        self.offer_box.setObjectName("inlineNotice")
+        row = QHBoxLayout(self.offer_box)
+        row.setContentsMargins(0, 0, 0, 0)
+        self.offer_label = QLabel()
+        self.offer_label.setWordWrap(True)
+        self.offer_accept = QPushButton()
+        self.offer_decline = QPushButton("Don't attach")
+        self.offer_accept.clicked.connect(lambda: self._answer_offer(self.partAccepted))
+        self.offer_decline.clicked.connect(lambda: self._answer_offer(self.partDeclined))
+        row.addWidget(self.offer_label, 1)
+        row.addWidget(self.offer_accept)
+        row.addWidget(self.offer_decline)
+        self.offer_box.hide()
+        self._offer_job: int | None = None
+        return self.offer_box
+
+    def offer_part(self, job_id: int, message: str, tokens: int) -> None:
+        """Say a file is too long and offer to attach its first ``tokens`` tokens."""
+        if self._offer_job is not None:
+            self.partDeclined.emit(self._offer_job)  # one offer at a time: the older goes
+        self._offer_job = job_id
+        self.offer_label.setText(message)
+        self.offer_accept.setText(f"Attach the first {tokens:,} tokens")
+        self.offer_box.show()
+
+    def _answer_offer(self, signal) -> None:
+        job_id, self._offer_job = self._offer_job, None
+        self.offer_box.hide()
+        if job_id is not None:
+            signal.emit(job_id)
+
+    def offer_parts_from(self, loader) -> None:
+        """Offer the fitting part of each too-long file ``loader`` (a DocumentLoader) reads."""
+        loader.tooLong.connect(lambda job, text, part: self.offer_part(job, text, part.tokens))
+        self.partAccepted.connect(loader.accept_part)
+        self.partDeclined.connect(lambda job: loader.decline_part(job, ""))
 
     def _progress_row(self) -> QWidget:
         self.progress_box = QFrame()

@@ -77,6 +77,15 @@ class FitChecker(QObject):
         self._full = (key, now, report)
         return report
 
+    def room(self) -> int | None:
+        """Tokens a new attachment may have: the context less the chat, attachments and answer."""
+        max_context = self.max_context()
+        if not max_context:
+            return None
+        attached = sum(r.tokens for r in self.parent().attachments.values())
+        used = self.context_tokens() + attached + self.controller.settings.sampling.max_tokens
+        return max(1, max_context - used)
+
     def context_tokens(self) -> int:
         """Tokens the current session's context holds now."""
         current = self.controller.current

@@ -103,6 +103,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
         self.panel.setVisible(self.settings.memory_panel_visible)
         self.composer.edit.filesDropped.connect(self.add_files)
+        self.composer.offer_parts_from(self.loader)
         self.composer.edit.pasteRefused.connect(self._on_paste_refused)
 
     def _connect(self) -> None:
@@ -317,7 +318,7 @@ class MainWindow(QMainWindow):
     def add_files(self, paths: list[str]) -> None:
         """Read files off the GUI thread and show them as chips."""
         self.filesDropped.emit(list(paths))
-        limit = self.fit.max_context() or 131_072
+        limit = self.fit.room() or 131_072
         for path in paths:
             job_id = self.loader.load(path, limit)
             self.composer.add_chip(job_id, Path(path).name)

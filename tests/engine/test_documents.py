@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.documents import is_supported, read_document
-from engine.errors import DocumentError
+from engine.errors import DocumentError, DocumentTooLong
 
 
 def _pdf_with_text(lines: list[str]) -> bytes:
@@ -143,6 +143,9 @@ def test_huge_text_file_is_refused_after_streaming_only_the_start(tmp_path: Path
     with pytest.raises(DocumentError, match=r"more than 3,000,000 characters") as info:
         read_document(path, max_chars=3_000_000)
     assert "fit in this model's context" in str(info.value)
+    # The caller can tell a file too long from one that can't be read, and by how much.
+    assert isinstance(info.value, DocumentTooLong)
+    assert (info.value.chars, info.value.max_chars) == (None, 3_000_000)
 
 
 def test_pdf_text_layer_is_extracted(tmp_path: Path) -> None:

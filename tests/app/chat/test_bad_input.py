@@ -63,8 +63,8 @@ BAD_FILES = [
     ("latin1.csv", lambda p: p.write_bytes("naïve,café,crème\n".encode("latin-1") * 50),
      "“latin1.csv” isn't readable text: 150 of its 850 bytes are not valid UTF-8."),
     ("dump.txt", _sparse_gigabyte,
-     "“dump.txt” has more than {max_chars:,} characters of text, more than the "
-     "{max_chars:,} that fit in this model's context."),
+     "“dump.txt” is 1.0 GB — far more than the {room:,} tokens left in this model's "
+     "context. Split it into smaller files."),
     ("scan.pdf", _blank_pdf, "“scan.pdf” has no text layer (it is probably scanned images, "
      "1 page). Run OCR on it first"),
     ("locked.pdf", lambda p: _encrypted(p.parent, p.name, user_password="secret"),
@@ -94,11 +94,10 @@ def test_every_bad_file_shows_its_message_and_disturbs_nothing(qtbot, window, tm
     qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
     window.composer.set_text("my draft")
     before = _snapshot(window)
-    max_chars = window.fit.max_context() * 8
     for name, make, expected in BAD_FILES:
         path = tmp_path / name
         make(path)
-        message = expected.format(max_chars=max_chars)
+        message = expected.format(room=window.fit.room())
         drop_files(window, [path])
         qtbot.waitUntil(lambda: not window.loader.pending, timeout=20_000)
         assert message in window.composer.notice.text(), (name, window.composer.notice.text())

@@ -96,7 +96,10 @@ def test_fit_check_says_plainly_when_it_wont_fit(qtbot, window, tmp_path) -> Non
     doc = tmp_path / "long.txt"
     doc.write_text(TEXT * 300)  # more tokens than the tiny model's 4,096 context
     drop_files(window, [doc])
+    qtbot.waitUntil(window.composer.offer_box.isVisible, timeout=20_000)
+    window.composer.offer_accept.click()  # the part that fits fills the room left...
     qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.composer.set_text("and a question " * 40)  # ...so a typed question is too much
     window.fit.run()
     assert window.fit.last_total > window.fit.last_report.max_context
     text = window.composer.fit.text()
@@ -110,3 +113,48 @@ def test_documents_opened_on_the_app_icon_are_attached(qtbot, window, tmp_path) 
     QApplication.sendEvent(QApplication.instance(), QFileOpenEvent(str(doc)))
     qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
     assert [r.name for r in window.attachments.values()] == ["from-finder.txt"]
+
+
+def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
+        qtbot, window, tmp_path) -> None:
+    room = window.fit.room()
+    doc = tmp_path / "big.txt"
+    text = TEXT * (room // 8 + 200)  # well past the room left in the context
+    doc.write_text(text)
+    tokens = window.controller.bridge.count_tokens(text)
+    assert tokens > room
+    composer = window.composer
+    drop_files(window, [doc])
+    qtbot.waitUntil(composer.offer_box.isVisible, timeout=60_000)
+    assert composer.offer_label.text() == (
+        f"“big.txt” is {human_bytes(doc.stat().st_size)}, about {tokens:,} tokens — more than "
+        f"the {room:,} tokens left in this model's context.")
+    part_tokens = int(composer.offer_accept.text().split()[3].replace(",", ""))
+    assert 0.8 * room < part_tokens <= room
+    assert not window.attachments  # nothing attached until the user says so
+    composer.offer_accept.click()
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    (record,) = window.attachments.values()
+    assert record.tokens == part_tokens and text.startswith(record.text)
+    assert record.text.endswith("\n")  # cut at a line end
+    assert "Attached the first" in composer.notice.text()
+
+    drop_files(window, [doc])
+    qtbot.waitUntil(composer.offer_box.isVisible, timeout=60_000)
+    composer.offer_decline.click()
+    qtbot.waitUntil(lambda: len(composer.chips) == 1, timeout=20_000)
+    assert list(window.attachments.values()) == [record]
+    assert not composer.offer_box.isVisible()
+
+
+def test_the_fitting_prefix_is_the_longest_that_fits() -> None:
+    from app.chat.attachments import fitting_prefix
+
+    def count(s: str) -> int:
+        return len(s) // 4
+
+    text = "".join(f"line {i:04d} of the document\n" for i in range(1000))
+    part = fitting_prefix(text, 1000, count)
+    assert count(part) <= 1000 and text.startswith(part) and part.endswith("\n")
+    assert count(part) > 900
+    assert fitting_prefix("short", 1000, count) == "short"
