@@ -152,9 +152,12 @@ class Session(ChunkedPrefill):
 
     def reset(self) -> None:
         """Drop every held token and page."""
+        self.cache = []
         self._new_cache()
         self.tokens = []
         self.checkpoints.clear()
+        # The old pages went to MLX's buffer cache: hand them back to the system.
+        mx.clear_cache()
 
     def close(self) -> None:
         """Release the cache's pages."""
