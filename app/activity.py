@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal
 
+REFUSAL = "Stop the current answer before {what}."
+
 
 class Activity(QObject):
     """Which answer or ingest runs now.
@@ -27,6 +29,12 @@ class Activity(QObject):
         self.request: int | None = None
         self.kind: str | None = None
         self.session_id: str | None = None
+
+    @staticmethod
+    def is_refusal(text: str) -> bool:
+        """Whether ``text`` is a refusal of this kind, which is moot once nothing runs."""
+        head, tail = REFUSAL.split("{what}")
+        return text.startswith(head) and text.endswith(tail)
 
     @property
     def busy(self) -> bool:
@@ -51,6 +59,6 @@ class Activity(QObject):
     def refuse(self, what: str) -> bool:
         """True, with a message, when ``what`` has to wait for the running request."""
         if self.busy:
-            self.refused.emit(f"Stop the current answer before {what}.")
+            self.refused.emit(REFUSAL.format(what=what))
             return True
         return False

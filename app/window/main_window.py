@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
@@ -38,6 +38,7 @@ EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
 CHAT_MIN_WIDTH = 560
 SIDEBAR_WIDTH = (180, 240)  # (minimum, preferred)
 PANEL_WIDTH = (260, 320)
+DEFAULT_SIZE = QSize(1380, 860)
 
 
 class MainWindow(QMainWindow):
@@ -51,7 +52,7 @@ class MainWindow(QMainWindow):
         self.settings = controller.settings
         self.setWindowTitle("Longleaf")
         self.setAcceptDrops(True)
-        self.resize(1380, 860)
+        self.resize(initial_size(self.screen().availableSize()))
         self.loader = DocumentLoader(controller.bridge.count_tokens, self)
         self.attachments: dict[int, AttachmentRecord] = {}
         self.closed_at: float | None = None
@@ -272,6 +273,8 @@ class MainWindow(QMainWindow):
 
     def _on_busy(self, busy: bool) -> None:
         self._refresh_sessions()  # the answering chat says so in the sidebar
+        if not busy and self.controller.activity.is_refusal(self.banner.label.text()):
+            self.banner.hide()  # "Stop the current answer before…" is moot once it ended
         self.composer.set_generating(busy)
         self.conversation.set_busy(busy)
         self.fit.schedule()
@@ -388,6 +391,12 @@ class MainWindow(QMainWindow):
         # A download stopped here resumes from its partial files next time.
         readers_done = self.downloads.wait_all(left()) and readers_done
         return self.controller.shutdown(left()) and readers_done
+
+
+def initial_size(available: QSize) -> QSize:
+    """The first window's size: 1380×860, or the whole screen when that is smaller."""
+    return QSize(min(DEFAULT_SIZE.width(), available.width()),
+                 min(DEFAULT_SIZE.height(), available.height()))
 
 
 def _more_than(max_context: int) -> str:

@@ -261,3 +261,17 @@ def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
         ("user", "other chat's question")]
     c.select_session(other.id)  # once stopped, switching works
     assert c.current.id == other.id
+
+
+def test_a_refusal_banner_goes_when_the_answer_ends(qtbot, window) -> None:
+    c = window.controller
+    c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=4000)
+    window.composer.set_text("Tell me a long story")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: c.busy and c.active_request not in (None, -1), timeout=20_000)
+    c.load_model("demo")
+    assert window.banner.isVisible()
+    assert window.banner.label.text() == "Stop the current answer before switching models."
+    with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+        c.stop()
+    assert not window.banner.isVisible()
