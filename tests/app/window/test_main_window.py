@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QKeySequence, QPalette
 from PySide6.QtWidgets import QApplication, QFileDialog, QWidget
 
@@ -19,7 +19,7 @@ from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
-from app.window.main_window import CHAT_MIN_WIDTH, MainWindow
+from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
 from tests.app.conftest import close_window
 
 
@@ -136,3 +136,8 @@ def test_dark_system_scheme_makes_the_window_dark(qtbot, qapp: QApplication, bar
         assert image.pixelColor(middle).lightness() > 200
     finally:
         qapp.setPalette(before)
+
+
+def test_the_first_window_fits_a_small_screen() -> None:
+    assert initial_size(QSize(1024, 700)) == QSize(1024, 700)
+    assert initial_size(QSize(2560, 1440)) == QSize(1380, 860)
