@@ -28,6 +28,7 @@ from app.store import AttachmentRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from app.window.downloads import Downloads
 from app.window.menus import build_menus, build_toolbar
+from app.window.model_picker import DEMO
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 
@@ -198,6 +199,10 @@ class MainWindow(QMainWindow):
             folder, self._opened_folder = self._opened_folder, None
             if folder == self.controller.model_id and folder not in self.settings.model_folders:
                 self.settings.model_folders = [*self.settings.model_folders, folder]
+                self.model_picker.refresh(self.settings.model_folders)
+            elif self.controller.model_id == DEMO and self.model_picker.demo is None:
+                # The first start converts the demo after the picker's scan: scan again
+                # so the Demo item gets its size, context and costs.
                 self.model_picker.refresh(self.settings.model_folders)
             self.model_picker.set_current(self.controller.model_id, text)
             self.fit.schedule()

@@ -141,3 +141,22 @@ def test_dark_system_scheme_makes_the_window_dark(qtbot, qapp: QApplication, bar
 def test_the_first_window_fits_a_small_screen() -> None:
     assert initial_size(QSize(1024, 700)) == QSize(1024, 700)
     assert initial_size(QSize(2560, 1440)) == QSize(1380, 860)
+
+
+def test_the_demo_item_gets_its_facts_once_the_demo_is_converted(
+        qtbot, bare_window, tiny_llama: Path, monkeypatch) -> None:
+    import shutil
+
+    from engine.models.discovery import DEMO_FOLDER
+    from engine.paths import models_dir
+
+    picker = bare_window.model_picker
+    picker.wait()
+    qtbot.wait(50)  # the start-up scan's result is delivered: no demo folder yet
+    assert picker.demo is None
+    shutil.copytree(tiny_llama, models_dir() / DEMO_FOLDER)  # what the first load converts
+    monkeypatch.setattr(ChatController, "model_id", property(lambda self: "demo"))
+    with qtbot.waitSignal(picker.discovered, timeout=30_000):
+        bare_window._on_model_state("SmolLM2-135M-Instruct", True)
+    assert picker.demo is not None
+    assert picker.itemText(0).endswith("4k context")
