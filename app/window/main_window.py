@@ -102,6 +102,9 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setSizes([SIDEBAR_WIDTH[1], 800, PANEL_WIDTH[1]])
         self.splitter.setChildrenCollapsible(False)
+        # Dragging the panel's edge to the right folds it away, like Memory in the toolbar.
+        self.splitter.setCollapsible(2, True)
+        self.splitter.splitterMoved.connect(self._on_splitter_moved)
         self.setCentralWidget(self.splitter)
         self.panel.setVisible(self.settings.memory_panel_visible)
         self.composer.edit.filesDropped.connect(self.add_files)
@@ -351,10 +354,17 @@ class MainWindow(QMainWindow):
 
     # Panel ----------------------------------------------------------------
 
+    def _on_splitter_moved(self, _pos: int, _index: int) -> None:
+        if self.panel.isVisible() and self.splitter.sizes()[2] == 0:
+            self.panel_action.setChecked(False)  # hides it through set_panel_visible
+
     def set_panel_visible(self, visible: bool) -> None:
         """Show or hide the memory panel, and remember the choice."""
         self.panel.setVisible(visible)
         self.settings.memory_panel_visible = visible
+        sizes = self.splitter.sizes()
+        if visible and sizes[2] == 0:  # folded by a drag: open it at its usual width
+            self.splitter.setSizes([sizes[0], sizes[1] - PANEL_WIDTH[1], PANEL_WIDTH[1]])
         if visible:
             self.panel_feed.refresh()
 

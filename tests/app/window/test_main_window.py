@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import QPoint, QSize, Qt
 from PySide6.QtGui import QKeySequence, QPalette
 from PySide6.QtWidgets import QApplication, QFileDialog, QWidget
 
@@ -160,3 +160,22 @@ def test_the_demo_item_gets_its_facts_once_the_demo_is_converted(
         bare_window._on_model_state("SmolLM2-135M-Instruct", True)
     assert picker.demo is not None
     assert picker.itemText(0).endswith("4k context")
+
+
+def test_dragging_the_panels_edge_away_folds_it_and_the_toggle_follows(
+        qtbot, bare_window) -> None:
+    bare_window.resize(1440, 900)
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    handle = bare_window.splitter.handle(2)
+    start = handle.rect().center()
+    qtbot.mousePress(handle, Qt.MouseButton.LeftButton, pos=start)
+    qtbot.mouseMove(handle, start + QPoint(200, 0))
+    qtbot.mouseMove(handle, start + QPoint(400, 0))
+    qtbot.mouseRelease(handle, Qt.MouseButton.LeftButton, pos=start + QPoint(400, 0))
+    qtbot.waitUntil(lambda: not bare_window.panel_action.isChecked(), timeout=5_000)
+    assert not bare_window.panel.isVisible()
+    assert not Settings().memory_panel_visible
+    bare_window.panel_action.trigger()
+    qtbot.waitUntil(lambda: bare_window.panel.width() >= 250, timeout=5_000)
+    assert bare_window.splitter.widget(1).width() >= CHAT_MIN_WIDTH
