@@ -240,8 +240,9 @@ class MemoryPanel(QScrollArea):
                     tint.setAlphaF(0.22)
                     item.setBackground(QBrush(tint))
                 self.table.setItem(row, column, item)
-        now = (f"Now: {now_report.token_count:,} tokens" if self.kv_tokens is not None
-               else f"Now (read again on next send): {now_report.token_count:,} tokens")
+        reread = self.kv_tokens is None and now_report.token_count > 0
+        now = (f"Now (read again on next send): {now_report.token_count:,} tokens" if reread
+               else f"Now: {now_report.token_count:,} tokens")
         self.projection_note.setText(
             f"{now} · full context: {full_report.max_context:,} tokens. "
             "Storage arithmetic, rounded to whole pages.")
