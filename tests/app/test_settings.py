@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings, config_dir
+from app.settings import DEFAULT_REPETITION_PENALTY, Settings, config_dir
 from engine.paths import data_dir
 from engine.sampling import SamplingParams
 
@@ -17,7 +17,7 @@ def test_defaults() -> None:
     assert s.path.parent == config_dir() != data_dir()
     assert (s.default_mode, s.page_size, s.ingest_chunk) == ("q8", 256, 512)
     assert s.memory_budget_bytes is None
-    assert s.sampling == SamplingParams()
+    assert s.sampling == SamplingParams(repetition_penalty=DEFAULT_REPETITION_PENALTY)
     assert s.last_model == "demo"
     assert s.model_folders == []
 
