@@ -32,9 +32,11 @@ ENGINE_THREAD = "longleaf-engine"  # the name the worker contract gives its thre
 
 def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None,
                     chunk_size: int):
-    from engine import EngineWorker
+    from engine import EngineWorker, SnapshotStore
 
-    return EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size)
+    # A chat's KV cache goes to disk when it leaves memory and comes back from there.
+    return EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size,
+                        snapshots=SnapshotStore())
 
 
 class EngineBridge(QObject):

@@ -38,9 +38,10 @@ _PUBLIC = {
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
+    "SnapshotStore": "engine.snapshots.store",
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
-        "Finished", "Failed", "ModelLoaded", "SessionOpened")},
+        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
@@ -68,9 +69,11 @@ __all__ = [
     "ModeCost",
     "ModelLoadError",
     "ModelLoaded",
+    "Notice",
     "RecommendedModel",
     "SamplingParams",
     "SessionOpened",
+    "SnapshotStore",
     "StatsSample",
     "TokenChunk",
     "UnsupportedModeError",
@@ -115,6 +118,7 @@ if TYPE_CHECKING:
         IngestProgress,
         LayerPages,
         ModelLoaded,
+        Notice,
         SessionOpened,
         StatsSample,
         TokenChunk,
@@ -128,4 +132,5 @@ if TYPE_CHECKING:
     from engine.models.info import inspect_model_dir
     from engine.paths import data_dir, private_dir, private_file
     from engine.sampling import SamplingParams
+    from engine.snapshots.store import SnapshotStore
     from engine.worker import EngineWorker

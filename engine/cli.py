@@ -21,6 +21,7 @@ from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
 from engine.fit import MODES, facts_from_info
 from engine.paths import models_dir
 from engine.sampling import SamplingParams
+from engine.snapshots.store import SnapshotStore
 from engine.worker import EngineWorker
 
 SESSION = "cli"
@@ -83,16 +84,23 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
     )
     collector = _Collector(None if args.json else out)
+    session = args.session or SESSION
+    snapshots = None
+    if args.session:
+        # The session's KV cache is stored when the worker shuts down and reused
+        # for the longest matching prefix of the next run's prompt.
+        snapshots = SnapshotStore(args.session_dir)
     # Fixed chunks: the same prompt always prefills the same way (parity, benchmarks).
-    worker = EngineWorker(collector, chunk_size=args.chunk_size, adaptive_chunks=False)
+    worker = EngineWorker(collector, chunk_size=args.chunk_size, adaptive_chunks=False,
+                          snapshots=snapshots)
     worker.start()
     try:
         worker.load_model(args.model)
         collector.wait()
-        worker.open_session(SESSION, args.kv, args.page_size)
+        worker.open_session(session, args.kv, args.page_size)
         collector.wait()
         messages = [{"role": "user", "content": prompt}]
-        worker.chat(SESSION, messages, sampling, threading.Event())
+        worker.chat(session, messages, sampling, threading.Event())
         ending = collector.wait()
     finally:
         worker.shutdown(timeout=10.0)
@@ -103,6 +111,8 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
             "text": "".join(collector.text),
             "tokens": collector.tokens,
             "prompt_tokens": stats.prompt_tokens if stats else 0,
+            "prefill_tokens": stats.prefill_tokens if stats else 0,
+            "reused_tokens": stats.reused_tokens if stats else 0,
             "kv_mode": kvquant.normalize_mode(args.kv),
             "kv_bytes": sample.kv_bytes_allocated if sample else 0,
             "kv_bytes_used": sample.kv_bytes_used if sample else 0,
@@ -224,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--session", help="store the KV cache as this snapshot and reuse it")
+    gen.add_argument("--session-dir", type=Path,
+                     help="folder of --session snapshots (default: the data directory's)")
     gen.set_defaults(handler=generate)
     found = commands.add_parser("models", help="list the models found")
     found.add_argument("--json", action="store_true")

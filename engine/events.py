@@ -84,6 +84,10 @@ class GenerationStats:
     time_to_first_token: float | None
     prefill_tps: float
     decode_tps: float
+    # Tokens this request fed through the model (the rest of the prompt was held),
+    # and how many of the held ones came from a KV snapshot on disk.
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,3 +142,11 @@ class SessionOpened:
     session_id: str
     kv_mode: str
     page_size: int
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A one-line notice about a request that goes on (a stored cache not used)."""
+
+    request_id: int
+    message: str

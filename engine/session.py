@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import mlx.core as mx
+
 from engine import checkpoints, fit
 from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
@@ -81,6 +83,8 @@ class Session(ChunkedPrefill):
             raise EngineError("Page size and chunk size must be at least 1 token.")
         self.session_id = session_id
         self.model = loaded.model
+        # The model's facts; its folder fingerprints the session's KV snapshots.
+        self.info = loaded.info
         self.tokenizer = loaded.tokenizer
         max_context = int(fit.first_fact(loaded.info, ("max_context", "context_length")))
         self.mode = kvquant.normalize_mode(mode)
@@ -317,7 +321,8 @@ class Session(ChunkedPrefill):
             emit, tick, total=len(prompt),
         )
         fed = len(prompt) - kept
-        return GenerationStats(len(prompt), 0, None, fed / seconds if seconds else 0.0, 0.0)
+        return GenerationStats(len(prompt), 0, None, fed / seconds if seconds else 0.0, 0.0,
+                               prefill_tokens=fed)
 
     # -- generation --------------------------------------------------------
 
@@ -399,5 +404,6 @@ class Session(ChunkedPrefill):
             decode_tps=(
                 (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
             ),
+            prefill_tokens=fed,
         )
 

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -31,6 +31,8 @@ from engine.prefill import MIN_CHUNK, activation_value_bytes
 from engine.prompt_ids import clean_text
 from engine.sampling import SamplingParams
 from engine.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, Session
+from engine.snapshots.keeper import SnapshotKeeper
+from engine.snapshots.store import SnapshotStore
 from engine.stats import StatsThrottle, stats_sample
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,9 @@ class EngineWorker:
             keeps max(2 GiB, 15 % of RAM).
         memory_guard: the guard to use (tests inject one with a fake memory
             probe); when given, ``budget_bytes`` and ``headroom_bytes`` are ignored.
+        snapshots: where a session's cache goes when it leaves memory (closed,
+            model switched, quit) and comes back from on its next request; None
+            keeps nothing on disk.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class EngineWorker:
         adaptive_chunks: bool = True,
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
+        snapshots: SnapshotStore | None = None,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -101,6 +107,7 @@ class EngineWorker:
         self._stopping = threading.Event()
         self._throttle = StatsThrottle(stats_interval)
         self._chunk_seconds = 2 * stats_interval if adaptive_chunks else None
+        self._snapshots = SnapshotKeeper(snapshots, self._emit)
 
     # -- public API (any thread) ---------------------------------------------
 
@@ -311,6 +318,7 @@ class EngineWorker:
             self._loaded_bytes = 0
             self._prefill = None
         for session in sessions:
+            self._snapshots.keep(session)
             session.close()
         mx.clear_cache()
 
@@ -344,6 +352,7 @@ class EngineWorker:
         with self._lock:
             replaced = self._sessions.pop(session_id, None)
         if replaced is not None:
+            self._snapshots.keep(replaced)
             replaced.close()
         session = Session(
             session_id, self._loaded, mode, page_size,
@@ -374,6 +383,7 @@ class EngineWorker:
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is not None:
+            self._snapshots.keep(session)
             session.close()
             # Hand the freed pages back to the OS, not just to MLX's buffer cache.
             mx.clear_cache()
@@ -382,6 +392,7 @@ class EngineWorker:
     def _do_chat(self, command: _Command) -> object:
         session_id, messages, sampling = command.args
         session = self._session(session_id)
+        reused = self._restore(session, messages, command.request_id, answer=True)
         self._publish(session)
         try:
             with self._heartbeat():
@@ -394,11 +405,13 @@ class EngineWorker:
             self._publish(session)
         if session.memory_stop:
             log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
+        stats = replace(stats, reused_tokens=reused)
         return Finished(command.request_id, reason, stats, *_kept(session.prefill_stop))
 
     def _do_ingest(self, command: _Command) -> object:
         session_id, messages = command.args
         session = self._session(session_id)
+        reused = self._restore(session, messages, command.request_id, answer=False)
         self._publish(session)
         try:
             with self._heartbeat():
@@ -411,7 +424,16 @@ class EngineWorker:
         finally:
             command.prefill_stop = session.prefill_stop
             self._publish(session)
-        return Finished(command.request_id, "done", stats)
+        return Finished(command.request_id, "done", replace(stats, reused_tokens=reused))
+
+    def _restore(
+        self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
+    ) -> int:
+        """Reopen an empty session from its snapshot; the tokens it brought back."""
+        if session.tokens or self._snapshots.store is None:
+            return 0
+        prompt = session.render(messages, add_generation_prompt=answer)
+        return self._snapshots.restore(session, prompt, request_id, keep_last=answer)
 
 
 def _kept(stop: tuple[int, int] | None) -> tuple[int | None, int | None]:

@@ -161,3 +161,25 @@ def test_demo_fp16_greedy_matches_mlx_lm() -> None:
     expected = _mlx_lm_tokens(loaded.model, loaded.tokenizer, PROMPT, 8)
     assert result["tokens"] == expected
     mx.clear_cache()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_generate_session_reuses_its_stored_cache(
+    model_root: Path, tmp_path: Path, arch: str
+) -> None:
+    folder = make_tiny_model_dir(model_root, arch)
+    prompt = PROMPT * 6
+    argv = ("generate", "--model", str(folder), "--kv", "q8", "--page-size", "16", "--temp",
+            "0", "--max-tokens", "8", "--prompt", prompt, "--json", "--session", "doc",
+            "--session-dir", str(tmp_path / "kv"))
+    first = json.loads(_run(*argv)[1])
+    assert first["reused_tokens"] == 0
+    assert first["prefill_tokens"] == first["prompt_tokens"]
+    assert list((tmp_path / "kv").glob("doc*.json")), "no snapshot stored"
+    again = json.loads(_run(*argv)[1])
+    # Everything but the prompt's last token (it gives the first answer token's logits).
+    assert again["reused_tokens"] == again["prompt_tokens"] - 1
+    assert again["prefill_tokens"] == 1
+    assert again["tokens"] == first["tokens"]
+    plain = json.loads(_run(*argv[:-4])[1])
+    assert plain["reused_tokens"] == 0 and plain["tokens"] == first["tokens"]

@@ -1,0 +1,53 @@
+"""What the worker does with snapshots: keep a cache that leaves memory, restore it on return.
+
+Every call runs on the engine worker thread, between requests: a save never
+races a send because the worker runs one command at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.errors import EngineError
+from engine.events import Notice
+from engine.snapshots.snapshot import SnapshotRejected
+from engine.snapshots.store import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotKeeper:
+    """Saves sessions as they close and reopens them from the longest stored prefix.
+
+    Args:
+        store: the snapshot folder and its disk budget; None keeps nothing on disk.
+        emit: where notices go (a refused snapshot says why in one line).
+    """
+
+    def __init__(self, store: SnapshotStore | None, emit: Callable[[object], None]) -> None:
+        self.store = store
+        self._emit = emit
+
+    def keep(self, session: Any) -> None:
+        """Store the session's cache under its id (nothing held: nothing stored)."""
+        if self.store is None or not session.tokens:
+            return
+        try:
+            self.store.save(session, session.session_id)
+        except EngineError as error:
+            # Losing a snapshot costs a re-read later, never the conversation.
+            log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
+
+    def restore(
+        self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool
+    ) -> int:
+        """Fill an empty session from its snapshot; returns the tokens reused."""
+        if self.store is None or session.tokens:
+            return 0
+        try:
+            return self.store.load(session, session.session_id, prompt, keep_last=keep_last)
+        except SnapshotRejected as rejected:
+            self._emit(Notice(request_id, str(rejected)))
+            return 0
