@@ -360,3 +360,31 @@ def test_fit_check_before_a_chat_is_opened_counts_the_prefill_peak(start_worker,
     # Same model, same smallest chunk: the same transient, opened or not.
     assert report.transient_bytes == session.transient_bytes > 0
     assert report.prefill_peak_bytes > report.transient_bytes + report.for_mode("fp16").bytes_needed
+
+
+def test_a_closed_chat_comes_back_from_its_snapshot(start_worker, model_dirs, tmp_path) -> None:
+    from engine import Notice, SnapshotStore
+
+    store = SnapshotStore(tmp_path / "kv")
+    worker, log = _ready(start_worker, model_dirs["llama"], snapshots=store)
+    first = log.ending(worker.chat("s", MESSAGES, GREEDY, threading.Event()))
+    assert first.stats.reused_tokens == 0
+    assert log.ending(worker.close_session("s")).reason == "done"
+    assert [info.name for info in store.per_snapshot()] == ["s"]
+    log.result(worker.open_session("s", "q8", 16), SessionOpened)
+    again = log.ending(worker.chat("s", MESSAGES, GREEDY, threading.Event()))
+    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1
+    assert again.stats.prefill_tokens == 1
+    texts = [e.text for e in log.events if isinstance(e, TokenChunk)]
+    first_text = "".join(e.text for e in log.for_request(first.request_id)
+                         if isinstance(e, TokenChunk))
+    assert "".join(e.text for e in log.for_request(again.request_id)
+                   if isinstance(e, TokenChunk)) == first_text and texts
+    # A snapshot of another model is refused with a notice, and the chat is read again.
+    log.ending(worker.close_session("s"))
+    log.ending(worker.load_model(str(model_dirs["qwen3"])))
+    log.result(worker.open_session("s", "q8", 16), SessionOpened)
+    other = log.ending(worker.chat("s", MESSAGES, GREEDY, threading.Event()))
+    assert other.stats.reused_tokens == 0
+    notices = [e for e in log.for_request(other.request_id) if isinstance(e, Notice)]
+    assert len(notices) == 1 and "model" in notices[0].message.lower()
