@@ -325,12 +325,8 @@ def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-_VERDICT_WORDS = {
-    "paged": "paged",
-    "mlx-lm": "mlx-lm cache",
-    "refused": "refused",
-    NOT_BUILT: NOT_BUILT,
-}
+_VERDICT_WORDS = {"paged": "paged", "mlx-lm": "mlx-lm cache", "refused": "refused",
+                  NOT_BUILT: NOT_BUILT}
 
 
 def render(rows: list[Row], mlx_lm_version: str) -> str:
