@@ -21,6 +21,7 @@ DEMO = "demo"
 DEMO_LABEL = "Demo · SmolLM2-135M (built in)"
 OPEN_FOLDER = "__open_folder__"
 MANAGE = "__models__"
+PICKER_CHARS = 30  # characters the closed picker shows
 
 
 class _Relay(QObject):
@@ -69,6 +70,10 @@ class ModelPicker(QComboBox):
         super().__init__(parent)
         self.setObjectName("modelPicker")
         self.setMinimumWidth(240)
+        # Long repo names must not widen the toolbar past a 1024-px window: the box
+        # keeps a fixed width and the popup list is as wide as its longest item.
+        self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.setMinimumContentsLength(PICKER_CHARS)
         self.pool = QThreadPool(self)
         self.pool.setMaxThreadCount(1)
         self._relay = _Relay()
@@ -96,6 +101,7 @@ class ModelPicker(QComboBox):
         self.current_path = path
         if self.findData(path) < 0:
             self.insertItem(1, name or Path(path).name, path)
+            self._fit_popup()
         self.setCurrentIndex(self.findData(path))
 
     def installed(self) -> list[ModelEntry]:
@@ -143,7 +149,13 @@ class ModelPicker(QComboBox):
         self.addItem("Models and downloads…", MANAGE)
         self.addItem("Open folder…", OPEN_FOLDER)
         self.setCurrentIndex(max(0, self.findData(self.current_path)))
+        self._fit_popup()
         self.blockSignals(False)
+
+    def _fit_popup(self) -> None:
+        widest = max(self.fontMetrics().horizontalAdvance(self.itemText(i))
+                     for i in range(self.count()))
+        self.view().setMinimumWidth(widest + 40)  # room for the scroll bar and margins
 
     def _on_activated(self, index: int) -> None:
         data = self.itemData(index)
