@@ -117,6 +117,35 @@ def probe_model(model: Any) -> ProbeResult:
     return _fallback(model, tokens, _with_cause(detail, suspect), diff)
 
 
+def depends_on_context(model: Any) -> bool:
+    """Whether the last logits change with the earlier tokens (else a probe shows nothing)."""
+    tokens = _probe_tokens(model)
+    other = [(t + 1) % max(tokens) for t in tokens[:-1]] + tokens[-1:]
+    logits = [model(mx.array(ids)[None])[0, -1].astype(mx.float32) for ids in (tokens, other)]
+    return relative_difference(logits[1], logits[0]) > MAX_REL_DIFF
+
+
+def paged_layers_matter(model: Any) -> bool:
+    """Whether the probe fails once the pages hold zeros.
+
+    Only then does a ``"paged"`` verdict rest on what the cache holds, rather than
+    on layers whose output never reaches the logits (used by the coverage table).
+    """
+    from engine.cache.paged_cache import PagedKVCache
+
+    original = PagedKVCache.update_and_fetch
+
+    def store_zeros(self: PagedKVCache, keys: mx.array, values: mx.array) -> Any:
+        original(self, mx.zeros_like(keys), mx.zeros_like(values))
+        return keys, values
+
+    PagedKVCache.update_and_fetch = store_zeros
+    try:
+        return probe_model(model).verdict != PAGED
+    finally:
+        PagedKVCache.update_and_fetch = original
+
+
 def max_rel_diff_for(model: Any) -> float:
     """The probe's bound for the model's compute dtype (its first float parameter's)."""
     from mlx.utils import tree_flatten

@@ -196,16 +196,26 @@ def test_all_zero_logits_are_refused_not_passed(tiny) -> None:
 
 def test_coverage_skips_tiny_models_whose_logits_ignore_the_context() -> None:
     model = coverage.build_tiny("llama")
-    assert coverage.depends_on_context(model)
+    assert probe.depends_on_context(model)
     for layer in model.model.layers:  # attention and MLP add nothing: no context flows
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-    assert not coverage.depends_on_context(model)
+    assert not probe.depends_on_context(model)
+
+
+def test_coverage_checks_that_pages_reach_the_logits(tiny) -> None:
+    model = _model(tiny, "llama")
+    assert probe.paged_layers_matter(model)
+    assert probe_model(model).verdict == "paged"  # the sabotage is undone
+    for layer in model.model.layers:  # attention adds nothing: pages cannot matter
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    assert not probe.paged_layers_matter(model)
+    tiny.pop("llama")
 
 
 def test_zero_initialized_gains_get_random_values() -> None:
     model = coverage.build_tiny("talkie")
     assert all(mx.any(v).item() for _, v in tree_flatten(model.parameters()))
-    assert coverage.depends_on_context(model)
+    assert probe.depends_on_context(model)
 
 
 def test_a_model_mlx_lm_cannot_run_is_refused(tiny) -> None:
