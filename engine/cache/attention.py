@@ -234,15 +234,24 @@ def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
 
 
 def _blocks(groups: list[Any], pages_per_block: int) -> Any:
-    """(slab index, local slots, logical pages) in pieces of at most ``pages_per_block``."""
+    """(slab index, local slots, logical pages) in pieces of at most ``pages_per_block``.
+
+    Local slots come as a ``slice`` where they are consecutive (the usual case:
+    slots are taken lowest first), so the block is a view of the slab, not a copy.
+    """
     for slab_index, local, logicals in groups:
+        slots = local.tolist()
         for start in range(0, len(logicals), pages_per_block):
             end = start + pages_per_block
-            yield slab_index, local[start:end], logicals[start:end]
+            piece = slots[start:end]
+            if piece == list(range(piece[0], piece[0] + len(piece))):
+                yield slab_index, slice(piece[0], piece[0] + len(piece)), logicals[start:end]
+            else:
+                yield slab_index, local[start:end], logicals[start:end]
 
 
 def _dequantized_block(
-    store: Any, slab_index: int, local: mx.array, dtype: mx.Dtype
+    store: Any, slab_index: int, local: mx.array | slice, dtype: mx.Dtype
 ) -> tuple[mx.array, mx.array]:
     """Keys and values of some pages of one slab as ``[kv_heads, tokens, D]``."""
     layout = store.layout
@@ -252,9 +261,13 @@ def _dequantized_block(
         # Take pages along the slab's contiguous page axis: taking from a transposed
         # view copies the whole slab first. Heads go first after dequantizing, a
         # copy of this block only.
-        codes = mx.take(codes, local, axis=0)
-        if scales is not None:
-            scales = mx.take(scales, local, axis=0)
+        if isinstance(local, slice):
+            codes = codes[local]
+            scales = None if scales is None else scales[local]
+        else:
+            codes = mx.take(codes, local, axis=0)
+            if scales is not None:
+                scales = mx.take(scales, local, axis=0)
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
         return values.swapaxes(0, 1).reshape(layout.kv_heads, -1, layout.head_dim)
 

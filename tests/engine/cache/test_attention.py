@@ -232,3 +232,24 @@ def test_model_dtype_compute_path(
         )
         error = float(mx.abs(out.astype(mx.float32) - expected).max())
         assert error < tolerance, (length, error)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q6"])
+def test_pages_out_of_slot_order_attend_the_same(mode: str) -> None:
+    """Blocks of non-consecutive slots are gathered; consecutive ones are sliced."""
+    cache = _cache(mode, 64, prefix=70)
+    queries = _normal((1, 4, 8, 64), 9)
+    expected = attention.paged_attention(queries, None, None, cache, 0.125, "causal")
+    # Move logical page 1 to a fresh slot: the block table stops being consecutive.
+    store = cache.store
+    cache.pool.ensure(cache.offset + 5 * PAGE_SIZE)
+    old_slot = cache.block_table[1]
+    new_slot = store.capacity - 1
+    slab_index, local = store.locate(old_slot)
+    rows = tuple(None if part is None else part[local] for part in store.slabs[slab_index])
+    store.write(new_slot, 0, rows)
+    cache.block_table[1] = new_slot
+    cache._groups = None
+    assert [s for s in cache.block_table] != sorted(cache.block_table)
+    got = attention.paged_attention(queries, None, None, cache, 0.125, "causal")
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-6)
