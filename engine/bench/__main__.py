@@ -133,6 +133,8 @@ def run_longctx(args: argparse.Namespace, command: str) -> dict:
         results["wall_seconds"] = time.monotonic() - started
         body = longctx_report.render_longctx_report(results, info, command, report.load_average())
         report.write_section(args.output, "longctx", body)
+        if args.json is not None:  # a run stopped early keeps its raw numbers too
+            args.json.write_text(json.dumps({"machine": info, **results}, indent=1, default=str))
 
     results = longctx_bench.run_layer_bench(config, _progress, partial_results=write)
     if hybrid_config.tokens:
