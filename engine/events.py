@@ -136,12 +136,19 @@ class ModelLoaded:
 
 @dataclass(frozen=True)
 class SessionOpened:
-    """A session (model + fixed KV mode + paged cache) is ready."""
+    """A session (model + fixed KV mode + its cache) is ready.
+
+    ``cache_kind`` is "paged", or mlx-lm's own cache ("mlx-lm", "mlx-lm quantized")
+    when the model's load-time probe found the paged cache wrong for it;
+    ``cache_note`` then says why, for the user.
+    """
 
     request_id: int
     session_id: str
     kv_mode: str
     page_size: int
+    cache_kind: str = "paged"
+    cache_note: str = ""
 
 
 @dataclass(frozen=True)

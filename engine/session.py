@@ -27,6 +27,7 @@ from engine.errors import (
 )
 from engine.events import GenerationStats
 from engine.memory_guard import MemoryGuard, PressureWatch
+from engine.models.probe import make_session_cache
 from engine.prefill import MIN_CHUNK, ChunkedPrefill, Emit, activation_value_bytes
 from engine.prompt_ids import (
     common_prefix,
@@ -82,7 +83,11 @@ class Session(ChunkedPrefill):
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")
         self.session_id = session_id
+        self.loaded = loaded
         self.model = loaded.model
+        # Which cache the probe chose ("paged", or mlx-lm's own) and why.
+        self.cache_kind = "paged"
+        self.cache_note = ""
         # The model's facts; its folder fingerprints the session's KV snapshots.
         self.info = loaded.info
         self.tokenizer = loaded.tokenizer
@@ -136,7 +141,10 @@ class Session(ChunkedPrefill):
         self._tokens = ids
 
     def _new_cache(self) -> None:
-        self.cache = adapter.make_cache(self.model, self.mode, page_size=self.page_size)
+        # The load-time probe decides: the paged cache where it gives mlx-lm's
+        # numbers, mlx-lm's own cache (with the reason) where it does not.
+        chosen = make_session_cache(self.loaded, self.mode, self.page_size)
+        self.cache, self.cache_kind, self.cache_note = chosen.cache, chosen.kind, chosen.note
         self._attach_pool()
 
     def _pool(self) -> Any | None:

@@ -361,7 +361,8 @@ class EngineWorker:
         with self._lock:
             self._sessions[session_id] = session
         self._publish(session)
-        return SessionOpened(command.request_id, session_id, session.mode, page_size)
+        return SessionOpened(command.request_id, session_id, session.mode, page_size,
+                             session.cache_kind, session.cache_note)
 
     def _do_configure(self, command: _Command) -> object:
         budget_bytes, chunk_size = command.args

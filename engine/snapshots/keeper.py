@@ -39,6 +39,8 @@ class SnapshotKeeper:
         except EngineError as error:
             # Losing a snapshot costs a re-read later, never the conversation.
             log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
+        except Exception:  # nor may it stop a session from closing
+            log.exception("KV snapshot of %s failed", session.session_id)
 
     def restore(
         self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool

@@ -30,7 +30,7 @@ def _loaded(folder: Path) -> SimpleNamespace:
     model, tokenizer = load(str(folder))
     config = json.loads((folder / "config.json").read_text())
     info = SimpleNamespace(max_context=config["max_position_embeddings"])
-    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info)
+    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
 
 
 @pytest.fixture(scope="module")
@@ -378,3 +378,29 @@ def test_slow_chunks_shrink_so_progress_keeps_flowing(models) -> None:
     fixed.ingest(_user(QUESTION * 16), request_id=1, cancel=rec.cancel, emit=rec,
                  tick=lambda: None)
     assert [p.tokens_done for p in rec.of(IngestProgress)][:2] == [200, 400]
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("fp16", "mlx-lm"), ("q8", "mlx-lm quantized")])
+def test_a_model_the_probe_sends_to_mlx_lm_runs_on_mlx_lms_cache(
+    models, mode: str, kind: str
+) -> None:
+    from dataclasses import replace
+
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from engine.models.loader import load_model
+    from engine.models.probe import ProbeResult
+
+    base = models["llama"]
+    probe = ProbeResult("mlx-lm", "KV-shared layers (test)", 0.5, quantized=True)
+    real = load_model(base.folder, probe=False)
+    loaded = replace(real, model=base.model, tokenizer=base.tokenizer, probe=probe)
+    session = Session("s", loaded, mode, page_size=16)
+    assert session.cache_kind == kind and "KV-shared layers" in session.cache_note
+    expected_type = KVCache if mode == "fp16" else QuantizedKVCache
+    assert all(type(c) is expected_type for c in session.cache)
+    _, stats, rec = _chat(session, _user("Where do longleaf pines grow?"))
+    assert stats.generated_tokens > 0
+    if mode == "fp16":
+        prompt = session.render(_user("Where do longleaf pines grow?"), add_generation_prompt=True)
+        assert rec.ids() == _mlx_lm_greedy(base, prompt, len(rec.ids()))
