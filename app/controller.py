@@ -33,6 +33,7 @@ from engine import (
     Finished,
     IngestProgress,
     ModelLoaded,
+    Notice,
     SessionOpened,
     StatsSample,
     TokenChunk,
@@ -95,6 +96,7 @@ class ChatController(QObject):
         bridge.failed.connect(self._on_failed)
         bridge.modelLoaded.connect(self._on_model_loaded)
         bridge.sessionOpened.connect(self._on_session_opened)
+        bridge.noticeReceived.connect(self._on_engine_notice)
         bridge.statsSample.connect(self._on_stats)
         bridge.ingestProgress.connect(self._on_ingest_progress)
         self.recovered = store.mark_interrupted()
@@ -325,6 +327,12 @@ class ChatController(QObject):
     def _on_session_opened(self, event: SessionOpened) -> None:
         if not self.closed:
             self.caches.on_opened(event)
+            if event.cache_note:  # the model runs on mlx-lm's own cache: say why
+                self.notice.emit(event.cache_note)
+
+    def _on_engine_notice(self, event: Notice) -> None:
+        if not self.closed:
+            self.notice.emit(event.message)
 
     def _on_token(self, event: TokenChunk) -> None:
         if not self.closed:

@@ -20,6 +20,7 @@ from engine import (
     Finished,
     IngestProgress,
     ModelLoaded,
+    Notice,
     SamplingParams,
     SessionOpened,
     StatsSample,
@@ -55,6 +56,7 @@ class EngineBridge(QObject):
     failed = Signal(object)
     modelLoaded = Signal(object)
     sessionOpened = Signal(object)
+    noticeReceived = Signal(object)  # engine.Notice: a request goes on, with news
     busyChanged = Signal(bool)
     _relay = Signal(object)
 
@@ -94,6 +96,8 @@ class EngineBridge(QObject):
             self.modelLoaded.emit(event)
         elif isinstance(event, SessionOpened):
             self.sessionOpened.emit(event)
+        elif isinstance(event, Notice):
+            self.noticeReceived.emit(event)
         elif isinstance(event, Finished | Failed):
             was_busy = self.busy
             self._pending.pop(event.request_id, None)
