@@ -78,12 +78,18 @@ class FitChecker(QObject):
         return report
 
     def room(self) -> int | None:
-        """Tokens a new attachment may have: the context less the chat, attachments and answer."""
+        """Tokens a new attachment may have: the context less the chat, attachments and answer.
+
+        The answer's share is its maximum, but at most a quarter of the context:
+        an answer limit near the context's size would leave no room for any
+        document, and the engine ends an answer that fills the context anyway.
+        """
         max_context = self.max_context()
         if not max_context:
             return None
         attached = sum(r.tokens for r in self.parent().attachments.values())
-        used = self.context_tokens() + attached + self.controller.settings.sampling.max_tokens
+        answer = min(self.controller.settings.sampling.max_tokens, max_context // 4)
+        used = self.context_tokens() + attached + answer
         return max(1, max_context - used)
 
     def context_tokens(self) -> int:
