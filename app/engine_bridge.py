@@ -175,6 +175,15 @@ class EngineBridge(QObject):
         """The worker's last stats snapshot (thread-safe, no MLX call)."""
         return self._worker.latest_stats()
 
+    def stored_snapshot(self, session_id: str):
+        """The KV snapshot the worker keeps on disk for a session, or None (an ``SnapshotInfo``).
+
+        Reads the snapshot's small manifest only; no MLX call.
+        """
+        from engine import snapshot_info, snapshots_dir
+
+        return snapshot_info(snapshots_dir(), session_id)
+
     def fit_check(self, session_id: str | None, token_count: int):
         """Per-mode fit of ``token_count`` tokens (an ``engine.fit.FitReport``)."""
         return self._worker.fit_check(session_id, token_count)

@@ -39,6 +39,8 @@ _PUBLIC = {
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
     "SnapshotStore": "engine.snapshots.store",
+    "snapshot_info": "engine.snapshots.manifest",
+    "snapshots_dir": "engine.paths",
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice")},
@@ -85,6 +87,8 @@ __all__ = [
     "private_dir",
     "private_file",
     "read_document",
+    "snapshot_info",
+    "snapshots_dir",
 ]
 
 
@@ -130,7 +134,8 @@ if TYPE_CHECKING:
     from engine.models.download import download_model
     from engine.models.download_transfer import DownloadProgress
     from engine.models.info import inspect_model_dir
-    from engine.paths import data_dir, private_dir, private_file
+    from engine.paths import data_dir, private_dir, private_file, snapshots_dir
     from engine.sampling import SamplingParams
+    from engine.snapshots.manifest import snapshot_info
     from engine.snapshots.store import SnapshotStore
     from engine.worker import EngineWorker

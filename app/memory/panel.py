@@ -32,7 +32,7 @@ from engine import StatsSample
 PROJECTION_MODES = KV_MODES
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
-NO_CACHE = "No KV cache in memory — read again on next send"
+NO_CACHE = "No KV cache in memory"
 
 
 def ram_level(sample: StatsSample) -> str:
@@ -151,11 +151,19 @@ class MemoryPanel(QScrollArea):
             f"</span>&nbsp; {html.escape(title or '')}<br>"
             f"<span style='opacity:.7'>KV cache: {cache_state}</span>")
 
-    def show_no_cache(self, stored_tokens: int = 0) -> None:
-        """The shown chat has no KV cache in memory: no page, byte or token figure."""
+    def show_no_cache(self, stored_tokens: int = 0, on_disk=None) -> None:
+        """The shown chat has no KV cache in memory: no page, byte or token figure.
+
+        ``on_disk`` is its KV snapshot's ``SnapshotInfo`` when one is stored.
+        """
         self.kv_tokens = None
+        if on_disk is not None:
+            where = (f" — on disk: {on_disk.tokens:,} tokens in {on_disk.mode} · "
+                     f"{human_bytes(on_disk.disk_bytes)}, reopened on next send")
+        else:
+            where = " — read again on next send"
         stored = (f"<br>{stored_tokens:,} tokens in the history" if stored_tokens else "")
-        self.kv_label.setText(f"{NO_CACHE}{stored}")
+        self.kv_label.setText(f"{NO_CACHE}{where}{stored}")
         self.kv_bar.setMaximum(1000)
         self.kv_bar.setValue(0)
         self.pages_label.setText("No pages held")

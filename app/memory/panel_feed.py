@@ -47,8 +47,16 @@ class PanelFeed(QObject):
         if sample is not None:
             self.panel.update_sample(sample, self.controller.total_kv_bytes())
         else:
-            self.panel.show_no_cache(current.tokens if current else 0)
+            self.panel.show_no_cache(current.tokens if current else 0, self._on_disk(session_id))
         self._project(force=True)
+
+    def _on_disk(self, session_id: str | None):
+        if session_id is None:
+            return None
+        try:
+            return self.controller.bridge.stored_snapshot(session_id)
+        except Exception:  # a bridge or engine without snapshots: nothing on disk to say
+            return None
 
     def on_stats(self, sample: StatsSample) -> None:
         """A new sample: shown when it is the current session's (RAM from any)."""

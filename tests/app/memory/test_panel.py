@@ -93,13 +93,21 @@ def test_every_panel_field_follows_the_chat_on_screen(qtbot, window) -> None:
     assert window.panel.kv_tokens == second_tokens
 
 
-def test_a_chat_whose_cache_was_dropped_says_so(qtbot, window) -> None:
+def test_a_chat_whose_cache_was_dropped_says_so_and_what_is_on_disk(qtbot, window) -> None:
     c = window.controller
     c.new_session("q4")
     assert send_and_wait(qtbot, window, "hello") == "complete"
     _follows(qtbot, window, c.current)
-    c.caches.close(c.current.id)
+    held = c.caches.sample_for(c.current.id).tokens_in_context
+    assert c.bridge.stored_snapshot(c.current.id) is None  # in memory, not on disk yet
+    c.caches.close(c.current.id)  # the worker stores it on disk as it leaves memory
+    qtbot.waitUntil(lambda: c.bridge.stored_snapshot(c.current.id) is not None,
+                    timeout=ANSWER_TIMEOUT_MS)
     window.panel_feed.refresh()
     _assert_panel_shows(window, c.current)
-    assert f"{c.current.tokens:,} tokens in the history" in window.panel.kv_label.text()
+    on_disk = c.bridge.stored_snapshot(c.current.id)
+    assert (on_disk.tokens, on_disk.mode) == (held, "q4")
+    text = window.panel.kv_label.text()
+    assert f"on disk: {held:,} tokens in q4 · {human_bytes(on_disk.disk_bytes)}" in text
+    assert f"{c.current.tokens:,} tokens in the history" in text
     assert "read again on next send" in window.panel.projection_note.text()
