@@ -153,6 +153,10 @@ def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[st
               if report.budget_bytes is not None else "")
     head = (f"After this turn: {approx}{total:,} tokens of {report.max_context:,} context · "
             f"KV {per_mode} · {human_bytes(report.available_bytes)} RAM free{budget}")
+    peak = getattr(entry, "prefill_peak_bytes", 0)
+    if peak:
+        # Reading in needs more than the pages: the weights and one chunk's scratch.
+        head += f"<br>Reading it in peaks at ≈ {human_bytes(peak)} (model + KV + scratch)"
     if entry.fits:
         return f"✓ {head}", True
     return f"⚠ {head}<br><b>{wont_fit_sentence(report, mode, total)}</b>", False

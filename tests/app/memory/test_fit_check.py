@@ -22,6 +22,14 @@ def test_the_fit_line_lists_modes_in_the_one_order_used_everywhere() -> None:
     assert positions == sorted(positions)
 
 
+def test_the_fit_line_shows_the_prefill_peak_when_the_engine_knows_it() -> None:
+    report = _report()
+    assert "peaks at" not in fit_html(report, "q6", 1000)[0]
+    report.for_mode("q6").prefill_peak_bytes = 3 << 30
+    html, _ = fit_html(report, "q6", 1000)
+    assert "Reading it in peaks at ≈ 3.0 GB (model + KV + scratch)" in html, html
+
+
 def test_the_wait_is_said_from_the_measured_rate_only_for_long_reads() -> None:
     assert wait_sentence(5400, 18.0) == "Reading 5,400 tokens takes about 5m 00s at 18 tok/s here"
     assert wait_sentence(5400, None) == ""  # never measured: no guess
