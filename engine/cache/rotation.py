@@ -94,7 +94,6 @@ class HadamardRotation:
         self._forward = mx.array(matrix.astype(np.float32))
         self._inverse = mx.array(matrix.T.astype(np.float32))
         self._cast: dict[mx.Dtype, tuple[mx.array, mx.array]] = {}
-        self._exact: mx.array | None = None  # float64 R, built on first CPU use
 
     @property
     def format_id(self) -> str:
@@ -107,22 +106,12 @@ class HadamardRotation:
         return self._cast[dtype]
 
     def rotate(self, x: mx.array) -> mx.array:
-        """``x`` (any leading shape, last axis ``head_dim``) in the rotated basis.
-
-        For rows that will be stored: on the CPU the product is taken in float64 and
-        rounded, because a float32 BLAS matmul rounds a row differently depending on
-        how many rows it is given, and one ulp can flip a quantizer step, making the
-        stored codes depend on the prefill's chunking. (Metal has no float64.)
-        """
-        if mx.default_device().type != mx.cpu:
-            return self.rotate_query(x)
-        if self._exact is None:
-            self._exact = mx.array(rotation_matrix(self.head_dim, self.layer, self.signs))
-        return (x.astype(mx.float64) @ self._exact).astype(x.dtype)
+        """``x`` (any leading shape, last axis ``head_dim``) in the rotated basis."""
+        return x @ self._matrices(x.dtype)[0]
 
     def rotate_query(self, x: mx.array) -> mx.array:
-        """:meth:`rotate` in ``x``'s dtype, for rows that are not stored (queries)."""
-        return x @ self._matrices(x.dtype)[0]
+        """:meth:`rotate` for queries (the dispatcher's name for it; rows not stored)."""
+        return self.rotate(x)
 
     def unrotate(self, x: mx.array) -> mx.array:
         """The inverse of :meth:`rotate`."""
