@@ -37,7 +37,8 @@ STATUS_TEXT = {
     "interrupted": "Interrupted — the partial answer was kept",
 }
 # Reasons short and common enough to be the row's label instead of its status word.
-REASON_LABELS = {CLOSED_WHILE_ANSWERING: "Closed while answering"}
+REASON_LABELS = {CLOSED_WHILE_ANSWERING: "Closed while answering",
+                 LENGTH_LIMIT: "Length limit"}
 COPIED_TEXT = "Copied ✓"
 COPIED_MS = 1500
 
@@ -124,7 +125,9 @@ class MessageWidget(QFrame):
         if reason and reason.startswith(STOPPED_READING):
             label = reason.split(";")[0]  # "Stopped while reading: 1,408 of 4,898 tokens kept"
         if reason and status == "complete":
-            label = reason  # e.g. the answer reached its length limit
+            # Short in the row (a 560 px column wrapped the long one onto 4 lines);
+            # the whole reason is on hover.
+            label = REASON_LABELS.get(reason, reason)
         # Engine errors are spelled out once, in the window's banner; the row keeps
         # a short label with the full reason on hover.
         self.status.setText(label)
