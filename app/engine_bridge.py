@@ -140,9 +140,11 @@ class EngineBridge(QObject):
         """Load a model folder (or "demo"); answers with modelLoaded or failed."""
         return self._track(self._worker.load_model(path), "load")
 
-    def open_session(self, session_id: str, mode: str, page_size: int = 256) -> int:
-        """Open a paged cache for a session in a fixed KV mode."""
-        return self._track(self._worker.open_session(session_id, mode, page_size), "open")
+    def open_session(self, session_id: str, mode: str, page_size: int = 256,
+                     rotate: bool | None = None) -> int:
+        """Open a paged cache for a session in a fixed KV mode (rows rotated or not)."""
+        return self._track(self._worker.open_session(session_id, mode, page_size, rotate),
+                           "open")
 
     def chat(self, session_id: str, messages: list[dict[str, str]],
              sampling: SamplingParams) -> int:

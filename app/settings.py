@@ -109,6 +109,16 @@ class Settings:
         self._set("engine/page_size", int(value))
 
     @property
+    def rotate_kv(self) -> bool | None:
+        """Store q8/q6/q4 rows after a Hadamard rotation (new chats); None: the engine's default."""
+        value = self._qs.value("engine/rotate_kv", None)
+        return None if value is None else self._get("engine/rotate_kv", False, bool)
+
+    @rotate_kv.setter
+    def rotate_kv(self, value: bool | None) -> None:
+        self._set("engine/rotate_kv", value)
+
+    @property
     def ingest_chunk(self) -> int:
         """Tokens prefilled per chunk."""
         return max(16, self._get("engine/ingest_chunk", 512, int))

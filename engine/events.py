@@ -149,6 +149,7 @@ class SessionOpened:
     page_size: int
     cache_kind: str = "paged"
     cache_note: str = ""
+    rotation: str | None = None  # the rows' rotation format id; None: stored as given
 
 
 @dataclass(frozen=True)

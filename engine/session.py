@@ -65,6 +65,8 @@ class Session(ChunkedPrefill):
         scratch_bytes: the prefill attention's scratch per chunk, counted with
             the weights, pages and activations in every memory estimate; None
             takes the page pool's own budget (``fit.PREFILL_SCRATCH_BYTES``).
+        rotate: store q8/q6/q4 rows after a Hadamard rotation; None takes the
+            mode's default (``engine.cache.adapter.rotates_by_default``).
     """
 
     def __init__(
@@ -79,11 +81,13 @@ class Session(ChunkedPrefill):
         chunk_seconds: float | None = None,
         guard: MemoryGuard | None = None,
         scratch_bytes: int | None = None,
+        rotate: bool | None = None,
     ) -> None:
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")
         self.session_id = session_id
         self.loaded = loaded
+        self.rotate = rotate
         self.model = loaded.model
         # Which cache the probe chose ("paged", or mlx-lm's own) and why.
         self.cache_kind = "paged"
@@ -143,9 +147,14 @@ class Session(ChunkedPrefill):
     def _new_cache(self) -> None:
         # The load-time probe decides: the paged cache where it gives mlx-lm's
         # numbers, mlx-lm's own cache (with the reason) where it does not.
-        chosen = make_session_cache(self.loaded, self.mode, self.page_size)
+        chosen = make_session_cache(self.loaded, self.mode, self.page_size, rotate=self.rotate)
         self.cache, self.cache_kind, self.cache_note = chosen.cache, chosen.kind, chosen.note
         self._attach_pool()
+
+    @property
+    def rotation(self) -> str | None:
+        """The format id of the rotation the cache stores rows in (None: as given)."""
+        return adapter.rotation_format(self.cache)
 
     def _pool(self) -> Any | None:
         return next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)

@@ -127,13 +127,17 @@ class EngineWorker:
         return self._submit("load_model", (path,))
 
     def open_session(
-        self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE
+        self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
+        rotate: bool | None = None,
     ) -> int:
         """Open (or replace) a session with a fixed KV mode.
 
+        ``rotate`` stores q8/q6/q4 rows after a Hadamard rotation (None: the mode's
+        default, ``engine.cache.adapter.rotates_by_default``).
+
         -> ``SessionOpened`` then ``Finished("done")``, or ``Failed``.
         """
-        return self._submit("open_session", (session_id, mode, page_size))
+        return self._submit("open_session", (session_id, mode, page_size, rotate))
 
     def chat(
         self,
@@ -345,7 +349,7 @@ class EngineWorker:
         return ModelLoaded(command.request_id, loaded.info)
 
     def _do_open_session(self, command: _Command) -> object:
-        session_id, mode, page_size = command.args
+        session_id, mode, page_size, rotate = command.args
         if self._loaded is None:
             raise EngineError("Load a model before opening a conversation.")
         mode = kvquant.normalize_mode(mode)
@@ -357,12 +361,13 @@ class EngineWorker:
         session = Session(
             session_id, self._loaded, mode, page_size,
             chunk_size=self.chunk_size, chunk_seconds=self._chunk_seconds, guard=self.guard,
+            rotate=rotate,
         )
         with self._lock:
             self._sessions[session_id] = session
         self._publish(session)
         return SessionOpened(command.request_id, session_id, session.mode, page_size,
-                             session.cache_kind, session.cache_note)
+                             session.cache_kind, session.cache_note, session.rotation)
 
     def _do_configure(self, command: _Command) -> object:
         budget_bytes, chunk_size = command.args

@@ -47,7 +47,8 @@ class SessionCaches(QObject):
             self.bridge.close_session(oldest)
             del self.opened[oldest]
             self.samples.pop(oldest, None)
-        rid = self.bridge.open_session(session.id, session.kv_mode, self.settings.page_size)
+        rid = self.bridge.open_session(session.id, session.kv_mode, self.settings.page_size,
+                                       rotate=self.settings.rotate_kv)
         self._then[rid] = then
 
     def owns(self, request_id: int) -> bool:

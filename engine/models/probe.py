@@ -179,7 +179,9 @@ def suspected_cause(model: Any) -> str:
     return ""
 
 
-def make_session_cache(loaded: Any, mode: str, page_size: int) -> SessionCache:
+def make_session_cache(
+    loaded: Any, mode: str, page_size: int, *, rotate: bool | None = None
+) -> SessionCache:
     """The cache a session should hold for ``loaded`` at KV ``mode``.
 
     The paged cache when the load-time probe said ``"paged"``; otherwise mlx-lm's
@@ -191,6 +193,7 @@ def make_session_cache(loaded: Any, mode: str, page_size: int) -> SessionCache:
             one, the paged cache as before the probe existed).
         mode: KV mode name (fp16, q8, q6, q4 or an alias).
         page_size: tokens per page of the paged cache.
+        rotate: rotate the paged cache's rows (None: the mode's default).
 
     Raises:
         UnsupportedModeError: unknown mode, or one that cannot store this model's heads.
@@ -202,7 +205,8 @@ def make_session_cache(loaded: Any, mode: str, page_size: int) -> SessionCache:
     mode = kvquant.normalize_mode(mode)
     probe = getattr(loaded, "probe", None)  # models loaded without a probe stay paged
     if probe is None or probe.verdict == PAGED:
-        return SessionCache(adapter.make_cache(loaded.model, mode, page_size=page_size), PAGED, "")
+        cache = adapter.make_cache(loaded.model, mode, page_size=page_size, rotate=rotate)
+        return SessionCache(cache, PAGED, "")
     if probe.verdict == REFUSED:
         raise ModelLoadError(f"{loaded.info.name} cannot run here: {probe.reason}.")
     bits = kvquant.bits_for(mode)

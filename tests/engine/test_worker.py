@@ -388,3 +388,15 @@ def test_a_closed_chat_comes_back_from_its_snapshot(start_worker, model_dirs, tm
     assert other.stats.reused_tokens == 0
     notices = [e for e in log.for_request(other.request_id) if isinstance(e, Notice)]
     assert len(notices) == 1 and "model" in notices[0].message.lower()
+
+
+def test_open_session_can_rotate_the_rows_and_says_so(start_worker, model_dirs) -> None:
+    worker, log = start_worker()
+    log.result(worker.load_model(str(model_dirs["llama"])), ModelLoaded)
+    rotated = log.result(worker.open_session("r", "q6", 16, rotate=True), SessionOpened)
+    plain = log.result(worker.open_session("p", "q6", 16, rotate=False), SessionOpened)
+    assert rotated.rotation is not None and rotated.rotation.startswith("hadamard")
+    assert plain.rotation is None
+    for session_id in ("r", "p"):
+        ending = log.ending(worker.chat(session_id, MESSAGES, GREEDY, threading.Event()))
+        assert isinstance(ending, Finished) and ending.stats.generated_tokens > 0

@@ -13,7 +13,8 @@ class FakeBridge:
         self.calls: list[tuple[str, str]] = []
         self.last_request = 0
 
-    def open_session(self, session_id: str, mode: str, page_size: int) -> int:
+    def open_session(self, session_id: str, mode: str, page_size: int,
+                     rotate: bool | None = None) -> int:
         self.calls.append(("open", session_id))
         self.last_request += 1
         return self.last_request
@@ -33,7 +34,7 @@ def _open(caches: SessionCaches, bridge: FakeBridge, name: str, ran: list[str]) 
 
 def test_the_least_recently_used_cache_is_closed_first(qtbot) -> None:
     bridge = FakeBridge()
-    caches = SessionCaches(bridge, SimpleNamespace(page_size=256))
+    caches = SessionCaches(bridge, SimpleNamespace(page_size=256, rotate_kv=None))
     ran: list[str] = []
     names = [f"s{i}" for i in range(MAX_OPEN_SESSIONS)]
     for name in names:
@@ -50,7 +51,7 @@ def test_the_least_recently_used_cache_is_closed_first(qtbot) -> None:
 
 def test_a_failed_open_drops_what_waited_and_bytes_count_held_caches_only(qtbot) -> None:
     bridge = FakeBridge()
-    caches = SessionCaches(bridge, SimpleNamespace(page_size=256))
+    caches = SessionCaches(bridge, SimpleNamespace(page_size=256, rotate_kv=None))
     ran: list[str] = []
     caches.ensure_open(_session("a"), lambda: ran.append("a"))
     assert caches.owns(bridge.last_request)

@@ -125,3 +125,23 @@ def test_modes_are_listed_best_quality_first(qtbot) -> None:
     qtbot.addWidget(dialog)
     assert list(dialog.buttons) == ["fp16", "q8", "q6", "q4"]
     assert dialog.mode() == "q8"
+
+
+def test_rotation_is_a_saved_choice_that_new_chats_open_with(qtbot) -> None:
+    settings = Settings()
+    assert settings.rotate_kv is None  # never chosen: the engine's default
+    dialog = SettingsDialog(settings)
+    qtbot.addWidget(dialog)
+    assert not dialog.rotate.isChecked()
+    dialog.rotate.setChecked(True)
+    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
+    assert Settings().rotate_kv is True
+
+    from app.sessions.caches import SessionCaches
+
+    opened: list[tuple] = []
+    bridge = type("Bridge", (), {"open_session": lambda self, *a, **k: opened.append((a, k))
+                                 or 1, "close_session": lambda self, sid: None})()
+    caches = SessionCaches(bridge, Settings())
+    caches.ensure_open(type("Record", (), {"id": "s", "kv_mode": "q6"})(), lambda: None)
+    assert opened and opened[0][1] == {"rotate": True}
