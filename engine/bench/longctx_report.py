@@ -100,7 +100,7 @@ def _hybrid_lines(hybrid: dict[str, Any] | None, tally: GoalTally) -> list[str]:
         return ["End-to-end hybrid ingest: not run."]
     predicted, measured = hybrid["predicted_peak"], hybrid["measured_peak"]
     off = abs(measured - predicted) / predicted if predicted else None
-    tally.check("predicted vs measured prefill peak within 10% (hybrid ingest; |Δ| / predicted)",
+    tally.check("predicted vs measured prefill peak within 10% (hybrid; difference / predicted)",
                 f"{fmt_tokens(hybrid['tokens'])} {hybrid['config'].mode}", off, 0.10)
     return [
         f"Tiny random `qwen3_next` (max_position_embeddings "
