@@ -131,7 +131,7 @@ class MemoryPanel(QScrollArea):
         self.level = "normal"
 
     def set_session(self, title: str | None, mode: str | None, cache_state: str,
-                    session_id: str | None = None) -> None:
+                    session_id: str | None = None, *, rotated: bool = False) -> None:
         """Name the session the numbers belong to.
 
         Showing another session clears every per-session figure: until a sample
@@ -146,8 +146,9 @@ class MemoryPanel(QScrollArea):
             self.session_label.setText("No chat open")
             return
         colour = mode_colour(mode).name()
+        badge = f"{mode} · rotated" if rotated else mode  # rows stored after a Hadamard rotation
         self.session_label.setText(
-            f"<span style='background:{colour};color:white;border-radius:4px'>&nbsp;{mode}&nbsp;"
+            f"<span style='background:{colour};color:white;border-radius:4px'>&nbsp;{badge}&nbsp;"
             f"</span>&nbsp; {html.escape(title or '')}<br>"
             f"<span style='opacity:.7'>KV cache: {cache_state}</span>")
 

@@ -40,9 +40,11 @@ class PanelFeed(QObject):
         """Show the current session: its name, its latest sample (or none) and projections."""
         current = self.controller.current
         session_id = current.id if current else None
+        rotated = bool(session_id and self.controller.caches.rotations.get(session_id))
         self.panel.set_session(current.title if current else None,
                                current.kv_mode if current else None,
-                               self.controller.cache_state(session_id), session_id)
+                               self.controller.cache_state(session_id), session_id,
+                               rotated=rotated)
         sample = self.controller.caches.sample_for(session_id)
         if sample is not None:
             self.panel.update_sample(sample, self.controller.total_kv_bytes())

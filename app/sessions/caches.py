@@ -34,6 +34,7 @@ class SessionCaches(QObject):
         self.bridge, self.settings = bridge, settings
         self.opened: dict[str, str] = {}  # session id -> mode, oldest first
         self.samples: dict[str, StatsSample] = {}
+        self.rotations: dict[str, str | None] = {}  # session id -> its rows' rotation
         self._then: dict[int, Callable[[], None]] = {}  # open request -> what runs once open
 
     def ensure_open(self, session: SessionRecord, then: Callable[[], None]) -> None:
@@ -58,6 +59,7 @@ class SessionCaches(QObject):
     def on_opened(self, event: SessionOpened) -> None:
         """A cache is held: note it and run what waited for it."""
         self.opened[event.session_id] = event.kv_mode
+        self.rotations[event.session_id] = event.rotation
         self.changed.emit()
         then = self._then.pop(event.request_id, None)
         if then is not None:

@@ -111,3 +111,17 @@ def test_a_chat_whose_cache_was_dropped_says_so_and_what_is_on_disk(qtbot, windo
     assert f"on disk: {held:,} tokens in q4 · {human_bytes(on_disk.disk_bytes)}" in text
     assert f"{c.current.tokens:,} tokens in the history" in text
     assert "read again on next send" in window.panel.projection_note.text()
+
+
+def test_the_mode_badge_says_when_the_rows_are_rotated(qtbot, window) -> None:
+    c = window.controller
+    c.settings.rotate_kv = True
+    c.new_session("q6")
+    send_and_wait(qtbot, window, "Hello")
+    qtbot.waitUntil(lambda: "q6 · rotated" in window.panel.session_label.text(), timeout=5000)
+    c.settings.rotate_kv = False
+    c.new_session("q6")
+    send_and_wait(qtbot, window, "Hello")
+    qtbot.waitUntil(lambda: c.current.id in c.caches.rotations, timeout=5000)
+    window.panel_feed.refresh()
+    assert "rotated" not in window.panel.session_label.text()
