@@ -143,6 +143,23 @@ def run_longctx(args: argparse.Namespace, command: str) -> dict:
     return {"machine": info, **results}
 
 
+def _run_sections(
+    args: argparse.Namespace, command: str, name: str, run: Any, render: Any, config: Any
+) -> dict:
+    """Run a benchmark that rewrites its section after each step, and once at the end."""
+    from engine.bench import report
+
+    info = report.machine_info()
+
+    def write(results: dict) -> None:
+        body = render(results, info, command, report.load_average())
+        report.write_section(args.output, name, body)
+
+    results = run(config, _progress, partial_results=write)
+    write(results)
+    return {"machine": info, **results}
+
+
 def run_cache(args: argparse.Namespace, command: str) -> dict:
     from engine.bench import cache_bench, cache_report, report
 
@@ -175,7 +192,7 @@ def run_cache(args: argparse.Namespace, command: str) -> dict:
 
 
 def run_generate(args: argparse.Namespace, command: str) -> dict:
-    from engine.bench import generate_bench, report
+    from engine.bench import generate_bench
 
     base = generate_bench.QUICK if args.quick else generate_bench.GenerateBenchConfig()
     config = with_changes(
@@ -186,15 +203,8 @@ def run_generate(args: argparse.Namespace, command: str) -> dict:
         max_tokens=args.max_tokens,
         repeats=args.repeats,
     )
-    info = report.machine_info()
-
-    def write(results: dict) -> None:
-        body = generate_bench.render_generate_report(results, info, command, report.load_average())
-        report.write_section(args.output, "generate", body)
-
-    results = generate_bench.run_generate_bench(config, _progress, partial_results=write)
-    write(results)
-    return {"machine": info, **results}
+    return _run_sections(args, command, "generate", generate_bench.run_generate_bench,
+                         generate_bench.render_generate_report, config)
 
 
 def run_agreement(args: argparse.Namespace, command: str) -> dict:
@@ -212,24 +222,18 @@ def run_agreement(args: argparse.Namespace, command: str) -> dict:
 
 
 def run_reopen(args: argparse.Namespace, command: str) -> dict:
-    from engine.bench import reopen_bench, report
+    from engine.bench import reopen_bench
 
     base = reopen_bench.QUICK if args.quick else reopen_bench.ReopenBenchConfig()
     config = with_changes(
         base, model=args.model, prompts=args.prompts, mode=args.mode, max_tokens=args.max_tokens
     )
-    info = report.machine_info()
-
-    def write(results: dict) -> None:
-        body = reopen_bench.render_reopen_report(results, info, command, report.load_average())
-        report.write_section(args.output, "reopen", body)
-
-    results = reopen_bench.run_reopen_bench(config, _progress, partial_results=write)
-    return {"machine": info, **results}
+    return _run_sections(args, command, "reopen", reopen_bench.run_reopen_bench,
+                         reopen_bench.render_reopen_report, config)
 
 
 def run_quality(args: argparse.Namespace, command: str) -> dict:
-    from engine.bench import quality_bench, report
+    from engine.bench import quality_bench
 
     base = quality_bench.QUICK if args.quick else quality_bench.QualityBenchConfig()
     config = with_changes(
@@ -240,15 +244,8 @@ def run_quality(args: argparse.Namespace, command: str) -> dict:
         modes=args.modes,
         mlx_bits=args.mlx_bits,
     )
-    info = report.machine_info()
-
-    def write(results: dict) -> None:
-        body = quality_bench.render_quality_report(results, info, command, report.load_average())
-        report.write_section(args.output, "quality", body)
-
-    results = quality_bench.run_quality_bench(config, _progress, partial_results=write)
-    write(results)
-    return {"machine": info, **results}
+    return _run_sections(args, command, "quality", quality_bench.run_quality_bench,
+                         quality_bench.render_quality_report, config)
 
 
 RUNNERS = {
