@@ -60,8 +60,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespac
     return loaded
 
 
-def _session(loaded: SimpleNamespace, mode: str = "q8") -> Session:
-    session = Session("chat", loaded, mode, page_size=PAGE)
+def _session(loaded: SimpleNamespace, mode: str = "q8", rotate: bool | None = None) -> Session:
+    session = Session("chat", loaded, mode, page_size=PAGE, rotate=rotate)
     session.model_dir = loaded.folder
     return session
 
@@ -471,7 +471,7 @@ def test_pages_in_another_rotation_are_moved_into_the_sessions(models, tmp_path)
     _ingest(original, _user(DOC))
     save_snapshot(original, tmp_path, "chat")
     assert json.loads((tmp_path / "chat.json").read_text())["rotation"] is None
-    reopened = _session(loaded, "q8")
+    reopened = _session(loaded, "q8", rotate=True)
     assert all(layer.rotation is not None for layer in _paged_layers(reopened))
     load_snapshot(reopened, tmp_path, "chat", original.tokens, keep_last=False)
     count = len(original.tokens)
