@@ -25,7 +25,13 @@ def _baseline(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]
     """mlx-lm's cache at the same bits: KVCache for fp16, QuantizedKVCache otherwise."""
     kind = "mlx-fp16" if row["mode"] == "fp16" else "mlx-quant"
     return _find(rows, kind=kind, mode=row["mode"], context=row["context"],
-                 q_heads=row["q_heads"])
+                 q_heads=row["q_heads"], run=row.get("run"))
+
+
+def _kv_cache(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] | None:
+    """mlx-lm's KVCache measured next to ``row`` (same run, context and heads)."""
+    return _find(rows, kind="mlx-fp16", context=row["context"], q_heads=row["q_heads"],
+                 run=row.get("run"))
 
 
 def _fmt_ms(value: float | None) -> str:
@@ -61,7 +67,7 @@ def _goals(rows: list[dict[str, Any]], tally: GoalTally) -> None:
         if row["context"] != contexts[0] and first:
             tally.check("chunk transient at this context ≤ 1.1× the smallest context's",
                         where, ratio(row["prefill_peak"], first["prefill_peak"]), 1.1)
-        kv = _find(rows, kind="mlx-fp16", context=row["context"], q_heads=row["q_heads"])
+        kv = _kv_cache(rows, row)
         if row["context"] == 131072 and kv and kv.get("prefill_peak"):
             tally.check("chunk transient ≤ 0.1× mlx-lm KVCache's at 128k", where,
                         ratio(row["prefill_peak"], kv["prefill_peak"]), 0.1)
@@ -82,7 +88,7 @@ def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
     body = []
     for row in (r for r in rows if r["kind"] == "paged"):
         base = _baseline(rows, row)
-        kv = _find(rows, kind="mlx-fp16", context=row["context"], q_heads=row["q_heads"])
+        kv = _kv_cache(rows, row)
         body.append((
             fmt_tokens(row["context"]), row["q_heads"], row["mode"],
             fmt_ratio(ratio(row["bytes"], base and base["bytes"])),
