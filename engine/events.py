@@ -47,7 +47,9 @@ class StatsSample:
     need at its peak: weights + KV pages + checkpoints + the chunk's attention
     scratch and activations (0: no session). Compare with ``mlx_peak_bytes``.
     ``checkpoint_bytes`` is what the session's checkpoints of linear-attention and
-    sliding-window layers hold (``engine.checkpoints``).
+    sliding-window layers hold (``engine.checkpoints``); ``other_cache_bytes`` what
+    the layers that are not paged hold now (sliding windows, linear-attention state,
+    or mlx-lm's own cache where the probe chose it).
     """
 
     session_id: str | None
@@ -73,6 +75,7 @@ class StatsSample:
     layers: tuple[LayerPages, ...] = field(default_factory=tuple)
     prefill_peak_bytes: int = 0
     checkpoint_bytes: int = 0
+    other_cache_bytes: int = 0
 
 
 @dataclass(frozen=True)

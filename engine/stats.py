@@ -149,6 +149,7 @@ def stats_sample(
         layers=_layer_pages(getattr(cache, "layers", ())),
         prefill_peak_bytes=int(prefill_peak_bytes),
         checkpoint_bytes=int(checkpoint_bytes),
+        other_cache_bytes=int(getattr(cache, "other_bytes", 0)),
     )
 
 

@@ -63,6 +63,9 @@ class CacheStats:
     budget_bytes: int | None
     layers: tuple[LayerStats, ...]
     rotation: str | None = None  # format id of the rows' rotation; None: stored as given
+    # Bytes of the layers that are not paged (sliding windows, linear-attention state):
+    # outside the page budget, but memory the session holds all the same.
+    other_bytes: int = 0
 
 
 def _dispatcher(original: Any) -> Any:
@@ -237,6 +240,7 @@ def cache_stats(cache: list[Any]) -> CacheStats:
         budget_bytes=pool.budget_bytes if pool else None,
         layers=layers,
         rotation=rotation_format(cache),
+        other_bytes=sum(int(c.nbytes) for c in cache if not isinstance(c, PagedKVCache)),
     )
 
 

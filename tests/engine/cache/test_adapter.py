@@ -383,3 +383,19 @@ def test_eval_targets_are_the_page_slabs_not_state_copies(
     others = [c for c in cache if not isinstance(c, PagedKVCache)]
     assert len(targets) == len(slabs) + len(others)
     mx.eval(targets)
+
+
+def test_stats_count_the_layers_that_are_not_paged(models: dict[str, Any]) -> None:
+    """Sliding windows and linear-attention state are memory the session holds too."""
+    for arch, kinds in (("gemma3_text", RotatingKVCache), ("qwen3_next", ArraysCache)):
+        model = models[arch]
+        cache = adapter.make_cache(model, "q8", page_size=PAGE_SIZE)
+        assert adapter.cache_stats(cache).other_bytes == 0
+        mx.eval(model(_prompt(model, 40), cache=cache))
+        others = [c for c in cache if isinstance(c, kinds)]
+        assert others, arch
+        expected = sum(int(c.nbytes) for c in cache if not isinstance(c, PagedKVCache))
+        assert adapter.cache_stats(cache).other_bytes == expected > 0, arch
+    llama = adapter.make_cache(models["llama"], "q8", page_size=PAGE_SIZE)
+    mx.eval(models["llama"](_prompt(models["llama"], 40), cache=llama))
+    assert adapter.cache_stats(llama).other_bytes == 0
