@@ -240,8 +240,16 @@ def cache_stats(cache: list[Any]) -> CacheStats:
         budget_bytes=pool.budget_bytes if pool else None,
         layers=layers,
         rotation=rotation_format(cache),
-        other_bytes=sum(int(c.nbytes) for c in cache if not isinstance(c, PagedKVCache)),
+        other_bytes=sum(_held_bytes(c) for c in cache if not isinstance(c, PagedKVCache)),
     )
+
+
+def _held_bytes(layer: Any) -> int:
+    # mlx-lm's caches compute nbytes from arrays they only create on first use.
+    try:
+        return 0 if layer.empty() else int(layer.nbytes)
+    except (AttributeError, TypeError):
+        return 0
 
 
 def eval_targets(cache: list[Any]) -> list[Any]:
