@@ -40,6 +40,14 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def config_only_model(parent: Path) -> Path:
+    """``parent/model`` holding only a ``config.json``: enough to fingerprint."""
+    folder = parent / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return folder
+
+
 def cache_session(cache: list, tokens: int, mode: str, model_dir: Path) -> SimpleNamespace:
     """What ``save_snapshot``/``load_snapshot`` need of a session, around ``cache``."""
     return SimpleNamespace(cache=cache, tokens=list(range(tokens)), mode=mode,
@@ -117,9 +125,7 @@ def run(mib: float, mode: str) -> dict[str, dict[str, float]]:
     tokens = int(mib * 2**20 / per_token) // PAGE_SIZE * PAGE_SIZE
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        model_dir = Path(folder) / "model"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        config_only_model(Path(folder))
         for action in ("save", "load"):
             out = subprocess.run([sys.executable, "-c", _CHILD, action, folder, mode, str(tokens)],
                                  capture_output=True, text=True)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
 from engine import EngineError, EngineWorker, Failed, Finished, StoredKv
-from engine.bench.snapshot_memory import cache_session, filled_cache
+from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
 from engine.snapshots import SnapshotStore, default_budget
 from tests.engine.test_worker import EventLog
 
@@ -20,9 +19,7 @@ TOKENS = 256
 @pytest.fixture
 def store(tmp_path: Path) -> SnapshotStore:
     """Snapshots "a", "b", "c", used in that order (c most recently)."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    model_dir = config_only_model(tmp_path)
     store = SnapshotStore(tmp_path / "kv", budget_bytes=2**30)
     for used, name in enumerate("abc"):
         session = cache_session(filled_cache(MODE, TOKENS, 2), TOKENS, MODE, model_dir)

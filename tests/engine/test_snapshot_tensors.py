@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.bench.snapshot_memory import cache_session, filled_cache
+from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
 from engine.snapshots import SnapshotRejected, load_snapshot, save_snapshot, tensors
 
 MODE = "q8"
@@ -21,10 +21,7 @@ LAYERS = 8
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return folder
+    return config_only_model(tmp_path)
 
 
 def _largest_array(cache: list) -> int:
