@@ -11,7 +11,8 @@ does not load MLX until something needs it.
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
   ingest, chat, cancel, stats), driven from any thread through events.
 - Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample``, ``Finished``,
-  ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``.
+  ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
+  ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
 - Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``,
   ``private_file``, ``private_dir`` (create a user-only file or folder).
@@ -43,7 +44,8 @@ _PUBLIC = {
     "snapshots_dir": "engine.paths",
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
-        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice")},
+        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "QualityReceipt",
+        "QualityProgress", "QualityChecked")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
@@ -72,6 +74,9 @@ __all__ = [
     "ModelLoadError",
     "ModelLoaded",
     "Notice",
+    "QualityChecked",
+    "QualityProgress",
+    "QualityReceipt",
     "RecommendedModel",
     "SamplingParams",
     "SessionOpened",
@@ -123,6 +128,9 @@ if TYPE_CHECKING:
         LayerPages,
         ModelLoaded,
         Notice,
+        QualityChecked,
+        QualityProgress,
+        QualityReceipt,
         SessionOpened,
         StatsSample,
         TokenChunk,
