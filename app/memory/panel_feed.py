@@ -34,6 +34,10 @@ class PanelFeed(QObject):
         controller.cacheChanged.connect(self.refresh)
         controller.currentSessionChanged.connect(lambda _record: self.refresh())
         controller.answerFinished.connect(lambda _status: self.refresh())
+        for signal in (controller.busyChanged, controller.modelStateChanged,
+                       controller.qualityChecked, controller.sessionsChanged):
+            signal.connect(self.refresh_quality)
+        panel.quality_action.triggered.connect(lambda: controller.check_quality())
         self.refresh()
 
     def refresh(self) -> None:
@@ -51,6 +55,13 @@ class PanelFeed(QObject):
         else:
             self.panel.show_no_cache(current.tokens if current else 0, self._on_disk(session_id))
         self._project(force=True)
+        self.refresh_quality()
+
+    def refresh_quality(self, *_args) -> None:
+        """The shown chat's quality receipts, and whether "Check Quality" can run now."""
+        current = self.controller.current
+        self.panel.show_receipts(self.controller.receipts(current.id if current else None),
+                                 self.controller.quality_unavailable())
 
     def _on_disk(self, session_id: str | None):
         if session_id is None:
