@@ -94,6 +94,8 @@ class EngineBridge(QObject):
             self.tokenChunk.emit(event)
         elif isinstance(event, StatsSample):
             self.statsSample.emit(event)
+        elif isinstance(event, QualityProgress):  # before its base class, IngestProgress
+            self.qualityProgress.emit(event)
         elif isinstance(event, IngestProgress):
             self.ingestProgress.emit(event)
         elif isinstance(event, ModelLoaded):
@@ -102,8 +104,6 @@ class EngineBridge(QObject):
             self.sessionOpened.emit(event)
         elif isinstance(event, Notice):
             self.noticeReceived.emit(event)
-        elif isinstance(event, QualityProgress):
-            self.qualityProgress.emit(event)
         elif isinstance(event, QualityChecked):
             self.qualityChecked.emit(event)
         elif isinstance(event, Finished | Failed):

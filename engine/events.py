@@ -187,14 +187,8 @@ class QualityReceipt:
 
 
 @dataclass(frozen=True)
-class QualityProgress:
-    """A quality check's progress, after every chunk of its window."""
-
-    request_id: int
-    tokens_done: int
-    tokens_total: int
-    tokens_per_second: float
-    eta_seconds: float | None
+class QualityProgress(IngestProgress):
+    """A quality check's progress, after every chunk of its window (tokens of the window)."""
 
 
 @dataclass(frozen=True)

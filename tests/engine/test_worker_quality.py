@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from engine import quality_check
-from engine.events import (
-    Failed,
-    Finished,
-    ModelLoaded,
-    QualityChecked,
-    QualityProgress,
-    SessionOpened,
-)
+import engine.quality_check as quality_check
+from engine import Failed, Finished, ModelLoaded, QualityChecked, QualityProgress, SessionOpened
 from engine.worker import THREAD_NAME
 from tests.engine import test_worker
 from tests.engine.test_worker import MESSAGES
