@@ -77,7 +77,7 @@ class ChatController(QObject):
         self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
                                self.sessions, self)
         self.quality = QualityCheck(bridge, settings, store, self.model, self.activity,
-                                    self.caches, self)
+                                    self.caches, self.sessions, self)
         self._editing: tuple[int, int] | None = None  # row, message id
         self._last_stats_time = 0.0
         self.closed = False

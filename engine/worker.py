@@ -52,7 +52,7 @@ UNEXPECTED = (
     "to its last finished step; send the message again, and if it keeps failing, "
     "reload the model."
 )
-# Requests a cancel set while they wait in the queue ends before they start.
+# A request whose cancel was set while it waited in the queue ends before it starts.
 _CANCELLABLE = ("chat", "ingest", "check_quality")
 
 

@@ -14,6 +14,7 @@ from PySide6.QtCore import QObject, Signal
 from app.activity import Activity
 from app.chat.model import ChatModel
 from app.engine_bridge import EngineBridge
+from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
@@ -54,6 +55,8 @@ class QualityCheck(QObject):
     A check is the one running request while it lasts (``activity``), so sending
     waits for it and Stop cancels it; it waits for its chat's KV cache to open
     first (``caches``), which only names the chat's mode and rotation to the engine.
+    The user may read other chats meanwhile (``sessions``): the receipt is said only
+    while its own chat is shown, and kept with it either way.
     """
 
     progress = Signal(object)  # engine.QualityProgress of the running check
@@ -62,10 +65,10 @@ class QualityCheck(QObject):
 
     def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
                  model: ChatModel, activity: Activity, caches: SessionCaches,
-                 parent: QObject | None = None) -> None:
+                 sessions: SessionActions, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.bridge, self.settings, self.store, self.model = bridge, settings, store, model
-        self.activity, self.caches = activity, caches
+        self.activity, self.caches, self.sessions = activity, caches, sessions
         self._requests: set[int] = set()
 
     def unavailable(self, session: SessionRecord | None, model_ready: bool) -> str:
@@ -112,7 +115,9 @@ class QualityCheck(QObject):
             return
         self.store.save_receipt(event.session_id, event.receipt)
         self.checked.emit(event.session_id, event.receipt)
-        self.notice.emit(receipt_line(event.receipt))
+        shown = self.sessions.current
+        if shown is not None and shown.id == event.session_id:  # it is about that chat
+            self.notice.emit(receipt_line(event.receipt))
 
     def on_finished(self, event: Finished) -> None:
         """The check ended (its receipt, if any, came just before)."""

@@ -119,3 +119,18 @@ def test_disabled_with_a_reason(qtbot, window) -> None:
     assert "fp16, the reference itself" in panel.quality_action.toolTip()
     assert not c.check_quality()
     assert "nothing to compare" in window.banner.label.text()
+
+
+def test_a_receipt_stays_with_its_chat_while_another_is_read(qtbot, window) -> None:
+    c = window.controller
+    checked = c.new_session("q6")
+    assert send_and_wait(qtbot, window, "Tell me about the sea.") == "complete"
+    with qtbot.waitSignal(c.qualityChecked, timeout=ANSWER_TIMEOUT_MS) as done:
+        assert c.check_quality()
+        c.new_session("q4")  # read another chat meanwhile
+    assert done.args[0] == checked.id
+    assert "on this document" not in window.banner.label.text()
+    assert _quality_cell(window, "q6") == "—"  # the q4 chat has no q6 receipt
+    assert set(c.store.receipts(checked.id)) == {"q6"}
+    c.select_session(checked.id)
+    assert _quality_cell(window, "q6") == f"{done.args[1].top1:.1%}"
