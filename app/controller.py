@@ -76,8 +76,8 @@ class ChatController(QObject):
                                        before_switch=self.cancel_edit, parent=self)
         self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
                                self.sessions, self)
-        self.quality = QualityCheck(bridge, settings, store, self.model, self.activity,
-                                    self.caches, self.sessions, self)
+        self.quality = QualityCheck(bridge, store, self.activity, self.caches, self.sessions,
+                                    self)
         self._editing: tuple[int, int] | None = None  # row, message id
         self._last_stats_time = 0.0
         self.closed = False
@@ -248,7 +248,8 @@ class ChatController(QObject):
 
     def quality_unavailable(self) -> str:
         """Why "Check quality" cannot run for the shown chat now; "" when it can."""
-        return self.quality.unavailable(self.current, self.model_ready)
+        has_text = bool(self.model.engine_messages(""))
+        return self.quality.unavailable(self.current, self.model_ready, has_text)
 
     def check_quality(self) -> bool:
         """Measure the shown chat's KV mode against fp16 on its last tokens (Stop cancels)."""
@@ -257,7 +258,7 @@ class ChatController(QObject):
             self.errorRaised.emit(reason)
             return False
         assert self.current is not None
-        self.quality.start(self.current)
+        self.quality.start(self.current, self.model.engine_messages(self.settings.system_prompt))
         return True
 
     def receipts(self, session_id: str | None) -> dict:

@@ -12,11 +12,9 @@ import time
 from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity
-from app.chat.model import ChatModel
 from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
-from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
 from engine import Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
 
@@ -63,16 +61,17 @@ class QualityCheck(QObject):
     checked = Signal(str, object)  # session id, QualityReceipt
     notice = Signal(str)
 
-    def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
-                 model: ChatModel, activity: Activity, caches: SessionCaches,
-                 sessions: SessionActions, parent: QObject | None = None) -> None:
+    def __init__(self, bridge: EngineBridge, store: HistoryStore, activity: Activity,
+                 caches: SessionCaches, sessions: SessionActions,
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.bridge, self.settings, self.store, self.model = bridge, settings, store, model
-        self.activity, self.caches, self.sessions = activity, caches, sessions
+        self.bridge, self.store, self.activity = bridge, store, activity
+        self.caches, self.sessions = caches, sessions
         self._requests: set[int] = set()
 
-    def unavailable(self, session: SessionRecord | None, model_ready: bool) -> str:
-        """Why the shown chat cannot be checked now; "" when it can."""
+    def unavailable(self, session: SessionRecord | None, model_ready: bool,
+                    has_text: bool) -> str:
+        """Why ``session`` (with ``has_text``: any message) cannot be checked now; "" if it can."""
         if not model_ready:
             return "Load a model first: the check runs it."
         if session is None:
@@ -82,13 +81,12 @@ class QualityCheck(QObject):
                     else "Wait for the current answer or reading to finish.")
         if session.kv_mode == "fp16":
             return "This chat keeps fp16, the reference itself: there is nothing to compare."
-        if not self.model.engine_messages(""):
+        if not has_text:
             return "Nothing to check yet: send a message or attach a document first."
         return ""
 
-    def start(self, session: SessionRecord) -> None:
-        """Check ``session`` (the shown chat, whose rows are in ``model``)."""
-        messages = self.model.engine_messages(self.settings.system_prompt)
+    def start(self, session: SessionRecord, messages: list[dict[str, str]]) -> None:
+        """Check ``session``, whose conversation the engine reads as ``messages``."""
         self.activity.set(-1, KIND, session.id)  # reserved until the real id is known
         self.notice.emit(f"Checking {session.kv_mode} against fp16 on the last ≤ {WINDOW:,} "
                          "tokens of this chat… Stop cancels.")
