@@ -7,8 +7,9 @@ the answer ended; engine events arrive through the bridge on the GUI thread.
 It owns a few collaborators, each given what it needs when it is made:
 ``Activity`` (the one answer or ingest running), ``LoadedModel`` (which model
 the engine runs), ``SessionCaches`` (which sessions' KV caches the engine
-holds), ``SessionActions`` (the sessions and the one shown) and ``Answers``
-(starting answers and re-ingests and following their events). The controller
+holds), ``SessionActions`` (the sessions and the one shown), ``Answers``
+(starting answers and re-ingests and following their events) and ``QualityCheck``
+(the shown chat's mode against fp16, its receipts kept with the chat). The controller
 sends user turns, routes each engine event to the collaborator that made the
 request, and re-emits their signals as its own.
 """
@@ -24,6 +25,7 @@ from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
 from app.loaded_model import LoadedModel
+from app.memory.quality import QualityCheck
 from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
@@ -34,6 +36,8 @@ from engine import (
     IngestProgress,
     ModelLoaded,
     Notice,
+    QualityChecked,
+    QualityProgress,
     SessionOpened,
     StatsSample,
     TokenChunk,
@@ -58,6 +62,7 @@ class ChatController(QObject):
     editRequested = Signal(str, object)  # text, attachments
     answerFinished = Signal(str)  # final status of the answer
     cacheChanged = Signal()  # a session's KV cache was opened or dropped
+    qualityChecked = Signal(str, object)  # session id, its new QualityReceipt
 
     def __init__(self, settings: Settings, store: HistoryStore, bridge: EngineBridge,
                  parent: QObject | None = None) -> None:
@@ -71,6 +76,8 @@ class ChatController(QObject):
                                        before_switch=self.cancel_edit, parent=self)
         self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
                                self.sessions, self)
+        self.quality = QualityCheck(bridge, store, self.activity, self.caches, self.sessions,
+                                    self)
         self._editing: tuple[int, int] | None = None  # row, message id
         self._last_stats_time = 0.0
         self.closed = False
@@ -86,6 +93,10 @@ class ChatController(QObject):
             (self.answers.errorRaised, self.errorRaised),
             (self.answers.notice, self.notice),
             (self.answers.ingestProgress, self.ingestProgress),
+            # The composer shows a check's progress as it shows a long read's.
+            (self.quality.progress, self.ingestProgress),
+            (self.quality.checked, self.qualityChecked),
+            (self.quality.notice, self.notice),
         ):
             source.connect(target)
         self.answers.measured.connect(self._on_measured)
@@ -99,6 +110,8 @@ class ChatController(QObject):
         bridge.noticeReceived.connect(self._on_engine_notice)
         bridge.statsSample.connect(self._on_stats)
         bridge.ingestProgress.connect(self._on_ingest_progress)
+        bridge.qualityProgress.connect(self._on_quality_progress)
+        bridge.qualityChecked.connect(self._on_quality_checked)
         self.recovered = store.mark_interrupted()
 
     # State the window reads -----------------------------------------------
@@ -235,6 +248,25 @@ class ChatController(QObject):
         if stats.prompt_tokens >= MIN_RATE_TOKENS and stats.prefill_tps > 0:
             self.store.set_prefill_rate(self.model_id, stats.prefill_tps)
 
+    def quality_unavailable(self) -> str:
+        """Why "Check quality" cannot run for the shown chat now; "" when it can."""
+        has_text = bool(self.model.engine_messages(""))
+        return self.quality.unavailable(self.current, self.model_ready, has_text)
+
+    def check_quality(self) -> bool:
+        """Measure the shown chat's KV mode against fp16 on its last tokens (Stop cancels)."""
+        reason = self.quality_unavailable()
+        if reason:
+            self.errorRaised.emit(reason)
+            return False
+        assert self.current is not None
+        self.quality.start(self.current, self.model.engine_messages(self.settings.system_prompt))
+        return True
+
+    def receipts(self, session_id: str | None) -> dict:
+        """The chat's quality receipts by mode (``engine.QualityReceipt``)."""
+        return self.store.receipts(session_id) if session_id else {}
+
     def cache_state(self, session_id: str | None) -> str:
         """Whether a session's KV cache is held now or rebuilt when it is next used."""
         return self.caches.state(session_id)
@@ -344,8 +376,20 @@ class ChatController(QObject):
         if not self.closed:
             self.answers.on_ingest_progress(event)
 
-    def _on_finished(self, event: Finished) -> None:
+    def _on_quality_progress(self, event: QualityProgress) -> None:
         if not self.closed:
+            self.quality.on_progress(event)
+
+    def _on_quality_checked(self, event: QualityChecked) -> None:
+        if not self.closed:
+            self.quality.on_checked(event)
+
+    def _on_finished(self, event: Finished) -> None:
+        if self.closed:
+            return
+        if self.quality.owns(event.request_id):
+            self.quality.on_finished(event)
+        else:
             self.answers.on_finished(event)  # loads and opens end in their own events
 
     def _on_failed(self, event: Failed) -> None:
@@ -358,6 +402,8 @@ class ChatController(QObject):
         if self.caches.owns(event.request_id):
             self.caches.open_failed(event.request_id)
             self.answers.on_open_failed(event.message)
+        elif self.quality.owns(event.request_id):
+            self.quality.on_failed(event)
         else:
             self.answers.on_failed(event)
 

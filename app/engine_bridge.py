@@ -21,6 +21,8 @@ from engine import (
     IngestProgress,
     ModelLoaded,
     Notice,
+    QualityChecked,
+    QualityProgress,
     SamplingParams,
     SessionOpened,
     StatsSample,
@@ -59,6 +61,8 @@ class EngineBridge(QObject):
     sessionOpened = Signal(object)
     noticeReceived = Signal(object)  # engine.Notice: a request goes on, with news
     storedKv = Signal(object)  # engine.StoredKv: the KV snapshots on disk changed
+    qualityProgress = Signal(object)
+    qualityChecked = Signal(object)
     busyChanged = Signal(bool)
     _relay = Signal(object)
 
@@ -93,6 +97,8 @@ class EngineBridge(QObject):
             self.tokenChunk.emit(event)
         elif isinstance(event, StatsSample):
             self.statsSample.emit(event)
+        elif isinstance(event, QualityProgress):  # before its base class, IngestProgress
+            self.qualityProgress.emit(event)
         elif isinstance(event, IngestProgress):
             self.ingestProgress.emit(event)
         elif isinstance(event, ModelLoaded):
@@ -104,6 +110,8 @@ class EngineBridge(QObject):
         elif isinstance(event, StoredKv):
             self.last_stored_kv = event
             self.storedKv.emit(event)
+        elif isinstance(event, QualityChecked):
+            self.qualityChecked.emit(event)
         elif isinstance(event, Finished | Failed):
             was_busy = self.busy
             self._pending.pop(event.request_id, None)
@@ -123,11 +131,11 @@ class EngineBridge(QObject):
 
     @property
     def busy(self) -> bool:
-        """True while a chat or ingest request is running or queued."""
-        return any(kind in ("chat", "ingest") for kind in self._pending.values())
+        """True while a chat, ingest or quality check is running or queued."""
+        return any(kind in ("chat", "ingest", "quality") for kind in self._pending.values())
 
     def request_kind(self, request_id: int) -> str | None:
-        """"load", "open", "chat", "ingest" or "configure" for a pending request."""
+        """"load", "open", "chat", "ingest", "quality" or "configure" for a pending request."""
         return self._pending.get(request_id)
 
     def start(self) -> None:
@@ -163,6 +171,12 @@ class EngineBridge(QObject):
         """Prefill ``messages`` without generating."""
         cancel = threading.Event()
         return self._track(self._worker.ingest(session_id, messages, cancel), "ingest", cancel)
+
+    def check_quality(self, session_id: str, messages: list[dict[str, str]]) -> int:
+        """Measure the session's KV mode against fp16 on the conversation's last tokens."""
+        cancel = threading.Event()
+        rid = self._worker.check_quality(session_id, messages, cancel)
+        return self._track(rid, "quality", cancel)
 
     def cancel(self, request_id: int | None = None) -> None:
         """Cancel one request, or every running one."""

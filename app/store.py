@@ -8,14 +8,18 @@ crash loses at most the last second of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import sqlite3
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import data_dir, private_file
+from engine import QualityReceipt, data_dir, private_file
+
+log = logging.getLogger(__name__)
 
 STATUSES = ("complete", "streaming", "stopped", "failed", "interrupted")
 
@@ -55,6 +59,13 @@ CREATE TABLE IF NOT EXISTS measurements (
     name TEXT PRIMARY KEY,
     value REAL NOT NULL,
     updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS quality_receipts (
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    mode TEXT NOT NULL,
+    receipt TEXT NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (session_id, mode)
 );
 """
 
@@ -184,6 +195,31 @@ class HistoryStore:
                                (f"prefill_tps:{model_id}",)).fetchone()
         return float(row[0]) if row else None
 
+    # Quality receipts -----------------------------------------------------
+
+    def save_receipt(self, session_id: str, receipt: QualityReceipt) -> None:
+        """Keep a chat's quality receipt; it replaces the one of the same mode."""
+        self._write("INSERT OR REPLACE INTO quality_receipts VALUES (?, ?, ?, ?)",
+                    (session_id, receipt.mode, json.dumps(dataclasses.asdict(receipt)),
+                     time.time()))
+
+    def receipts(self, session_id: str) -> dict[str, QualityReceipt]:
+        """A chat's quality receipts by mode (none for a history older than receipts)."""
+        found: dict[str, QualityReceipt] = {}
+        for mode, text in self._db.execute(
+            "SELECT mode, receipt FROM quality_receipts WHERE session_id = ?", (session_id,)
+        ):
+            receipt = _receipt(text)
+            if receipt is not None:
+                found[mode] = receipt
+        return found
+
+    def copy_receipts(self, source_id: str, target_id: str) -> None:
+        """Give a copy of a chat (reopened in another mode) the receipts of its text."""
+        self._write(
+            "INSERT OR REPLACE INTO quality_receipts SELECT ?, mode, receipt, updated "
+            "FROM quality_receipts WHERE session_id = ?", (target_id, source_id))
+
     # Messages -------------------------------------------------------------
 
     def add_message(
@@ -278,6 +314,17 @@ class HistoryStore:
     def integrity_check(self) -> str:
         """SQLite's own integrity check ("ok" when the file is sound)."""
         return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def _receipt(text: str) -> QualityReceipt | None:
+    """A stored receipt; fields a newer version added are ignored, a broken one skipped."""
+    try:
+        values = json.loads(text)
+        known = {f.name for f in dataclasses.fields(QualityReceipt)}
+        return QualityReceipt(**{k: v for k, v in values.items() if k in known})
+    except (TypeError, ValueError, AttributeError):
+        log.warning("a stored quality receipt could not be read; it is left out")
+        return None
 
 
 def _check_status(status: str) -> None:

@@ -11,7 +11,8 @@ does not load MLX until something needs it.
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
   ingest, chat, cancel, stats), driven from any thread through events.
 - Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample``, ``Finished``,
-  ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``.
+  ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
+  ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
 - Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``,
   ``private_file``, ``private_dir`` (create a user-only file or folder).
@@ -44,7 +45,8 @@ _PUBLIC = {
     "snapshots_dir": "engine.paths",
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
-        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv")},
+        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv",
+        "QualityReceipt", "QualityProgress", "QualityChecked")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
@@ -73,6 +75,9 @@ __all__ = [
     "ModelLoadError",
     "ModelLoaded",
     "Notice",
+    "QualityChecked",
+    "QualityProgress",
+    "QualityReceipt",
     "RecommendedModel",
     "SamplingParams",
     "SessionOpened",
@@ -126,6 +131,9 @@ if TYPE_CHECKING:
         LayerPages,
         ModelLoaded,
         Notice,
+        QualityChecked,
+        QualityProgress,
+        QualityReceipt,
         SessionOpened,
         StatsSample,
         StoredKv,

@@ -178,3 +178,40 @@ class StoredKv:
     budget_bytes: int
     total_bytes: int
     snapshots: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class QualityReceipt:
+    """What a chat's KV mode costs against fp16 on the chat's own text.
+
+    Measured teacher-forced over the last ``window_tokens`` of the ``context_tokens``
+    the chat held, read as one standalone window: at each of ``positions`` positions,
+    ``top1`` is the share whose most likely next token is fp16's, ``kl_mean`` and
+    ``kl_p99`` the KL(fp16 ‖ mode) of the next-token distribution (nats). It says
+    nothing about tokens outside that window. ``measured_at`` is seconds since the epoch.
+    """
+
+    mode: str
+    rotated: bool
+    window_tokens: int
+    context_tokens: int
+    positions: int
+    top1: float
+    kl_mean: float
+    kl_p99: float
+    model: str
+    measured_at: float
+
+
+@dataclass(frozen=True)
+class QualityProgress(IngestProgress):
+    """A quality check's progress, after every chunk of its window (tokens of the window)."""
+
+
+@dataclass(frozen=True)
+class QualityChecked:
+    """A quality check finished; ``Finished("done")`` follows."""
+
+    request_id: int
+    session_id: str
+    receipt: QualityReceipt

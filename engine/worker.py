@@ -14,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,7 +24,15 @@ import mlx.core as mx
 from engine import fit
 from engine.cache import kvquant
 from engine.errors import Cancelled, EngineError
-from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
+from engine.events import (
+    Failed,
+    Finished,
+    ModelLoaded,
+    QualityChecked,
+    QualityProgress,
+    SessionOpened,
+    StatsSample,
+)
 from engine.fit import facts_from_info
 from engine.heartbeat import StatsChannel, StatsHeartbeat
 from engine.memory_guard import MemoryGuard
@@ -43,6 +52,8 @@ UNEXPECTED = (
     "to its last finished step; send the message again, and if it keeps failing, "
     "reload the model."
 )
+# A request whose cancel was set while it waited in the queue ends before it starts.
+_CANCELLABLE = ("chat", "ingest", "check_quality")
 
 
 @dataclass
@@ -160,6 +171,20 @@ class EngineWorker:
     ) -> int:
         """Prefill the conversation without answering (e.g. a dropped document)."""
         return self._submit("ingest", (session_id, _copy(messages)), cancel)
+
+    def check_quality(
+        self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event
+    ) -> int:
+        """Measure the session's KV mode against fp16 on the conversation's last tokens.
+
+        Reads the last ``engine.quality_check.WINDOW_TOKENS`` tokens as one window
+        through two fresh caches (the session's own is untouched), with
+        ``QualityProgress`` after every chunk.
+
+        -> ``QualityChecked`` then ``Finished("done")``, ``Finished("cancelled")``,
+        or ``Failed``.
+        """
+        return self._submit("check_quality", (session_id, _copy(messages)), cancel)
 
     def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
         """Change the KV budget of all sessions and the prefill chunk, between requests.
@@ -287,11 +312,11 @@ class EngineWorker:
     def _execute(self, command: _Command) -> None:
         handler = getattr(self, f"_do_{command.name}")
         try:
-            if command.cancel.is_set() and command.name in ("chat", "ingest"):
+            if command.cancel.is_set() and command.name in _CANCELLABLE:
                 ending: object = Finished(command.request_id, "cancelled")
             else:
                 ending = handler(command)
-                if isinstance(ending, ModelLoaded | SessionOpened):
+                if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):
                     # Announce the result, then end the request like every other.
                     self._emit(ending)
                     ending = Finished(command.request_id, "done")
@@ -454,6 +479,31 @@ class EngineWorker:
             command.prefill_stop = session.prefill_stop
             self._publish(session)
         return Finished(command.request_id, "done", replace(stats, reused_tokens=reused))
+
+    def _do_check_quality(self, command: _Command) -> object:
+        from engine.quality_check import check_quality
+
+        session_id, messages = command.args
+        session = self._session(session_id)
+        self.guard.check_pressure("the quality check")
+        # An empty chat renders to a template's bare scaffolding: nothing of the user's.
+        ids = session.render(messages, add_generation_prompt=False) if messages else []
+        started = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            rate = done / max(time.perf_counter() - started, 1e-9)
+            self._emit(QualityProgress(command.request_id, done, total, rate,
+                                       (total - done) / rate))
+
+        try:
+            with self._heartbeat():
+                receipt = check_quality(
+                    session.loaded, ids, session.mode, rotate=session.rotation is not None,
+                    cancel=command.cancel, progress=progress, page_size=session.page_size,
+                )
+        except Cancelled:
+            return Finished(command.request_id, "cancelled")
+        return QualityChecked(command.request_id, session_id, receipt)
 
     def _restore(
         self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool

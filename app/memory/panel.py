@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QBrush, QColor, QFont
+from PySide6.QtGui import QAction, QBrush, QColor, QFont
 from PySide6.QtWidgets import (
     QFrame,
     QHeaderView,
@@ -19,12 +19,14 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QTableWidget,
     QTableWidgetItem,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from app.format import compact_count, human_bytes
 from app.memory.charts import HistoryChart, PagePoolView
+from app.memory.quality import receipt_details, receipt_line
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
 from app.settings import KV_MODES
@@ -34,6 +36,8 @@ PROJECTION_MODES = KV_MODES
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
 NO_CACHE = "No KV cache in memory"
+QUALITY_COLUMN = 3  # same top-1 as fp16, from the chat's quality receipts
+NOT_MEASURED = "Not measured for this chat yet."
 
 
 def ram_level(sample: StatsSample) -> str:
@@ -104,9 +108,11 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(self.ram_detail)
 
         layout.addWidget(_section("KV bytes by mode"))
-        self.table = QTableWidget(len(PROJECTION_MODES), 3)
+        self.table = QTableWidget(len(PROJECTION_MODES), 4)
         self.table.setObjectName("projectionTable")
-        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Free RAM fits"])
+        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Free RAM fits", "vs fp16"])
+        self.table.horizontalHeaderItem(QUALITY_COLUMN).setToolTip(
+            "Share of next tokens that match fp16, from this chat's quality check of each mode")
         self.table.setVerticalHeaderLabels(list(PROJECTION_MODES))
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
@@ -118,6 +124,14 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(self.table)
         self.projection_note = _value_label()
         layout.addWidget(self.projection_note)
+        self.quality_label = _value_label()
+        self.quality_label.setObjectName("qualityReceipt")
+        layout.addWidget(self.quality_label)
+        # Shared with the Chat menu; enabled (with the reason when not) by PanelFeed.
+        self.quality_action = QAction("Check Quality", self)
+        self.quality_button = QToolButton()
+        self.quality_button.setDefaultAction(self.quality_action)
+        layout.addWidget(self.quality_button)
 
         layout.addWidget(_section("History"))
         self.chart = HistoryChart()
@@ -132,6 +146,7 @@ class MemoryPanel(QScrollArea):
         self.now_tokens: int | None = None  # tokens the "Now" column was computed for
         self.samples_shown = 0
         self.level = "normal"
+        self.show_receipts({})
 
     def set_session(self, title: str | None, mode: str | None, cache_state: str,
                     session_id: str | None = None, *, rotated: bool = False) -> None:
@@ -227,13 +242,51 @@ class MemoryPanel(QScrollArea):
             f" active · {human_bytes(sample.mlx_peak_bytes)} peak · "
             f"{human_bytes(sample.mlx_cache_bytes)} cache · pressure {pressure}")
 
+    def show_receipts(self, receipts: dict, unavailable: str = "") -> None:
+        """Show the chat's quality receipts by mode, and whether a check can run now.
+
+        ``receipts`` maps a mode to its ``engine.QualityReceipt``; ``unavailable``
+        is why "Check Quality" cannot run now ("" when it can).
+        """
+        for row, mode in enumerate(PROJECTION_MODES):
+            receipt = receipts.get(mode)
+            if mode == "fp16":
+                item = self._cell("ref", mode)
+                item.setToolTip("fp16 is the reference the other modes are measured against")
+            elif receipt is None:
+                item = self._cell("—", mode)
+                item.setToolTip(NOT_MEASURED)
+            else:
+                item = self._cell(f"{receipt.top1:.1%}", mode)
+                item.setToolTip(receipt_details(receipt))
+            self.table.setItem(row, QUALITY_COLUMN, item)
+        own = receipts.get(self.mode or "")
+        lines = [html.escape(receipt_line(own)) if own is not None else NOT_MEASURED]
+        if unavailable:
+            lines.append(f"<span style='opacity:.7'>{html.escape(unavailable)}</span>")
+        self.quality_label.setText("<br>".join(lines))
+        self.quality_action.setEnabled(not unavailable)
+        self.quality_action.setToolTip(unavailable or "Compare this chat's KV mode with fp16 "
+                                       "on its last ≤ 1,024 tokens")
+
+    def _cell(self, text: str, mode: str) -> QTableWidgetItem:
+        """A right-aligned table cell, bold and tinted in the shown chat's mode."""
+        item = QTableWidgetItem(text)
+        item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        if mode == self.mode:
+            bold = QFont(self.table.font())
+            bold.setBold(True)
+            item.setFont(bold)
+            tint = QColor(mode_colour(mode))
+            tint.setAlphaF(0.22)
+            item.setBackground(QBrush(tint))
+        return item
+
     def update_projection(self, now_report, full_report) -> None:
         """Fill the per-mode table from two ``FitReport``s (now and full context)."""
         if now_report is None or full_report is None:
             return
         self.now_tokens = now_report.token_count
-        bold = QFont(self.table.font())
-        bold.setBold(True)
         for row, mode in enumerate(PROJECTION_MODES):
             now = now_report.for_mode(mode)
             full = full_report.for_mode(mode)
@@ -242,16 +295,8 @@ class MemoryPanel(QScrollArea):
                 human_bytes(full.bytes_needed) if full.supported else "n/a",
                 compact_count(now.tokens_fit_ram) if now.supported else "head_dim",
             )
-            highlight = mode == self.mode
             for column, text in enumerate(cells):
-                item = QTableWidgetItem(text)
-                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                if highlight:
-                    item.setFont(bold)
-                    tint = QColor(mode_colour(mode))
-                    tint.setAlphaF(0.22)
-                    item.setBackground(QBrush(tint))
-                self.table.setItem(row, column, item)
+                self.table.setItem(row, column, self._cell(text, mode))
         reread = self.kv_tokens is None and now_report.token_count > 0
         now = (f"Now (read again on next send): {now_report.token_count:,} tokens" if reread
                else f"Now: {now_report.token_count:,} tokens")

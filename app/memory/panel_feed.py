@@ -36,6 +36,10 @@ class PanelFeed(QObject):
         controller.currentSessionChanged.connect(lambda _record: self.refresh())
         controller.answerFinished.connect(lambda _status: self.refresh())
         self.stored_kv = StoredKvFeed(controller, panel.stored_kv, self)
+        for signal in (controller.busyChanged, controller.modelStateChanged,
+                       controller.qualityChecked, controller.sessionsChanged):
+            signal.connect(self.refresh_quality)
+        panel.quality_action.triggered.connect(lambda: controller.check_quality())
         self.refresh()
 
     def refresh(self) -> None:
@@ -54,6 +58,13 @@ class PanelFeed(QObject):
             self.panel.show_no_cache(current.tokens if current else 0, self._on_disk(session_id))
         self._project(force=True)
         self.stored_kv.show()  # chat titles may have changed
+        self.refresh_quality()
+
+    def refresh_quality(self, *_args) -> None:
+        """The shown chat's quality receipts, and whether "Check Quality" can run now."""
+        current = self.controller.current
+        self.panel.show_receipts(self.controller.receipts(current.id if current else None),
+                                 self.controller.quality_unavailable())
 
     def _on_disk(self, session_id: str | None):
         if session_id is None:

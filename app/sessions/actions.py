@@ -106,6 +106,8 @@ class SessionActions(QObject):
                                                 "complete", message.attachments)
                 if message.stats:  # how the answer was made stays with its copy
                     self.store.update_message(copied, stats=message.stats)
+        # Receipts measured the same text: the copy's per-mode table keeps them.
+        self.store.copy_receipts(source.id, record.id)
         self.sessionsChanged.emit()
         self.select_session(record.id)
         return record

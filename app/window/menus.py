@@ -134,6 +134,8 @@ def build_menus(window: MenuHost) -> None:
     chat_menu.addAction("Regenerate Last Answer", window.controller.regenerate)
     chat_menu.addAction("Edit Last Message", window.controller.begin_edit)
     chat_menu.addMenu(window.reopen_menu).setText("Reopen In")
+    # The memory panel's button: enabled, or disabled with the reason, by its feed.
+    chat_menu.addAction(window.panel.quality_action)
     view_menu = window.menuBar().addMenu("&View")
     view_menu.addAction(window.panel_action)
 

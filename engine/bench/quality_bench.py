@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.bench.report import machine_lines, table
 from engine.cache.kvquant import MODES, bits_for, kv_bytes_per_token
+from engine.quality_check import divergence, log_probs, summarize
 
 MLX_GROUP_SIZE = 64
 _MLX_SCALE_BYTES = 2  # fp16 scale and fp16 bias per group, as on a Mac
@@ -138,7 +139,7 @@ class _Feeder:
             step = min(self.chunk, end - self.position)
             logits = self._forward(self.ids[self.position : self.position + step])
             self.position += step
-        last = _log_probs(logits[0, -1])
+        last = log_probs(logits[0, -1])
         self.prefill_seconds += time.perf_counter() - started
         return last
 
@@ -146,14 +147,7 @@ class _Feeder:
         """Feed one id; the log-probs for the next."""
         logits = self._forward([self.ids[self.position]])
         self.position += 1
-        return _log_probs(logits[0, -1])
-
-
-def _log_probs(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
-    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    mx.eval(out)
-    return out
+        return log_probs(logits[0, -1])
 
 
 def run_variant(
@@ -177,17 +171,9 @@ def run_variant(
 
 def compare(reference: np.ndarray, variant: np.ndarray, targets: list[int]) -> dict[str, float]:
     """KL(reference ‖ variant) per position (mean, p99), top-1 agreement and perplexity."""
-    p = np.exp(reference.astype(np.float64))
-    kl = np.sum(p * (reference.astype(np.float64) - variant.astype(np.float64)), axis=-1)
-    kl = np.maximum(kl, 0.0)  # rounding can make an identical pair read -1e-9
-    same = reference.argmax(axis=-1) == variant.argmax(axis=-1)
+    kl, same = divergence(mx.array(reference), mx.array(variant))
     nll = -variant[np.arange(len(targets)), targets].astype(np.float64)
-    return {
-        "kl_mean": float(kl.mean()),
-        "kl_p99": float(np.percentile(kl, 99)),
-        "top1": float(same.mean()),
-        "ppl": float(np.exp(nll.mean())),
-    }
+    return {**summarize(kl, same), "ppl": float(np.exp(nll.mean()))}
 
 
 def run_quality_bench(
@@ -219,7 +205,7 @@ def run_quality_bench(
         seconds = time.perf_counter() - started
         if variant == REFERENCE:
             reference = scores
-        for context, log_probs in scores.items():
+        for context, scored in scores.items():
             targets = ids[context : context + config.tokens]
             rows.append(
                 {
@@ -230,7 +216,7 @@ def run_quality_bench(
                     "context": context,
                     "bytes_per_token": bytes_per_token(variant, info.head_dim),
                     "seconds": seconds,
-                    **compare(reference[context], log_probs, targets),
+                    **compare(reference[context], scored, targets),
                 }
             )
         if partial_results is not None:

@@ -23,7 +23,10 @@ def _assert_panel_shows(window, record) -> None:
     """Every panel field is the shown chat's: one sample of that session, or none."""
     panel, c = window.panel, window.controller
     assert panel.session_id == record.id
-    assert f">&nbsp;{record.kv_mode}&nbsp;<" in panel.session_label.text()
+    # The badge says how the chat's cache in memory stores rows ("q4 · rotated").
+    rotated = c.caches.rotations.get(record.id)
+    badge = f"{record.kv_mode} · rotated" if rotated else record.kv_mode
+    assert f">&nbsp;{badge}&nbsp;<" in panel.session_label.text()
     assert record.title in panel.session_label.text()
     assert _bold_row(window) == record.kv_mode
     sample = c.caches.sample_for(record.id)

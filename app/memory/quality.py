@@ -1,0 +1,132 @@
+"""The quality receipt of a chat: its KV mode against fp16 on its own last tokens.
+
+``QualityCheck`` runs the check for the shown chat (one request at a time, like an
+answer: Stop cancels it), keeps each receipt with the chat in the history store,
+and says what it measured; the memory panel shows the receipts per mode.
+"""
+
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import QObject, Signal
+
+from app.activity import Activity
+from app.engine_bridge import EngineBridge
+from app.sessions.actions import SessionActions
+from app.sessions.caches import SessionCaches
+from app.store import HistoryStore, SessionRecord
+from engine import Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
+
+KIND = "quality"  # the Activity kind while a check runs
+WINDOW = 1024  # engine.quality_check.WINDOW_TOKENS, named here without importing MLX
+
+
+def receipt_line(receipt: QualityReceipt) -> str:
+    """One sentence that says what was measured, and no more."""
+    badge = f"{receipt.mode} · rotated" if receipt.rotated else receipt.mode
+    if receipt.window_tokens < receipt.context_tokens:
+        scope = f"last {receipt.window_tokens:,} of {receipt.context_tokens:,} tokens"
+    else:
+        scope = f"all {receipt.window_tokens:,} tokens"
+    return (f"{badge} on this document: same next token as fp16 for {receipt.top1:.1%} of "
+            f"{receipt.positions:,} tokens · mean KL {_kl(receipt.kl_mean)} "
+            f"({scope}, read as one window)")
+
+
+def receipt_details(receipt: QualityReceipt) -> str:
+    """The receipt line plus when, on which model, and the tail of the KL."""
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(receipt.measured_at))
+    return (f"{receipt_line(receipt)}\n99th percentile KL {_kl(receipt.kl_p99)} · "
+            f"{receipt.model} · measured {when}")
+
+
+def _kl(value: float) -> str:
+    if value == 0:
+        return "0"
+    return f"{value:.3f}" if value >= 1e-3 else f"{value:.1e}"
+
+
+class QualityCheck(QObject):
+    """Starts quality checks and keeps their receipts with their chats.
+
+    A check is the one running request while it lasts (``activity``), so sending
+    waits for it and Stop cancels it; it waits for its chat's KV cache to open
+    first (``caches``), which only names the chat's mode and rotation to the engine.
+    The user may read other chats meanwhile (``sessions``): the receipt is said only
+    while its own chat is shown, and kept with it either way.
+    """
+
+    progress = Signal(object)  # engine.QualityProgress of the running check
+    checked = Signal(str, object)  # session id, QualityReceipt
+    notice = Signal(str)
+
+    def __init__(self, bridge: EngineBridge, store: HistoryStore, activity: Activity,
+                 caches: SessionCaches, sessions: SessionActions,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.bridge, self.store, self.activity = bridge, store, activity
+        self.caches, self.sessions = caches, sessions
+        self._requests: set[int] = set()
+
+    def unavailable(self, session: SessionRecord | None, model_ready: bool,
+                    has_text: bool) -> str:
+        """Why ``session`` (with ``has_text``: any message) cannot be checked now; "" if it can."""
+        if not model_ready:
+            return "Load a model first: the check runs it."
+        if session is None:
+            return "Open a chat first."
+        if self.activity.busy:
+            return ("A quality check is running; Stop cancels it." if self.activity.kind == KIND
+                    else "Wait for the current answer or reading to finish.")
+        if session.kv_mode == "fp16":
+            return "This chat keeps fp16, the reference itself: there is nothing to compare."
+        if not has_text:
+            return "Nothing to check yet: send a message or attach a document first."
+        return ""
+
+    def start(self, session: SessionRecord, messages: list[dict[str, str]]) -> None:
+        """Check ``session``, whose conversation the engine reads as ``messages``."""
+        self.activity.set(-1, KIND, session.id)  # reserved until the real id is known
+        self.notice.emit(f"Checking {session.kv_mode} against fp16 on the last ≤ {WINDOW:,} "
+                         "tokens of this chat… Stop cancels.")
+
+        def go() -> None:
+            rid = self.bridge.check_quality(session.id, messages)
+            self._requests.add(rid)
+            self.activity.set(rid, KIND, session.id)
+
+        self.caches.ensure_open(session, go)
+
+    def owns(self, request_id: int) -> bool:
+        """Whether ``request_id`` is a check this object started."""
+        return request_id in self._requests
+
+    def on_progress(self, event: QualityProgress) -> None:
+        """Progress of the running check."""
+        if event.request_id == self.activity.request:
+            self.progress.emit(event)
+
+    def on_checked(self, event: QualityChecked) -> None:
+        """A receipt: kept with its chat, and said."""
+        if not self.owns(event.request_id) or self.store.session(event.session_id) is None:
+            return
+        self.store.save_receipt(event.session_id, event.receipt)
+        self.checked.emit(event.session_id, event.receipt)
+        shown = self.sessions.current
+        if shown is not None and shown.id == event.session_id:  # it is about that chat
+            self.notice.emit(receipt_line(event.receipt))
+
+    def on_finished(self, event: Finished) -> None:
+        """The check ended (its receipt, if any, came just before)."""
+        self._requests.discard(event.request_id)
+        if event.reason == "cancelled":
+            self.notice.emit("Quality check cancelled; nothing was stored.")
+        if event.request_id == self.activity.request:
+            self.activity.clear()
+
+    def on_failed(self, event: Failed) -> None:
+        """The check failed (the failure is already shown)."""
+        self._requests.discard(event.request_id)
+        if event.request_id == self.activity.request:
+            self.activity.clear()

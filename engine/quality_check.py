@@ -1,0 +1,145 @@
+"""A quality receipt for one chat: its KV mode against fp16 on its own text.
+
+The last ``WINDOW_TOKENS`` (or fewer) tokens of the chat's context are read as a
+standalone window, teacher-forced, through two fresh caches built the way sessions
+build them: fp16 (the reference) and the chat's mode with its rotation setting. Each
+chunk goes through both caches and the two next-token distributions are compared at
+once (KL(fp16 ‖ mode), same top-1 token); only per-position scores are kept, so memory
+stays bounded by one chunk's logits whatever the vocabulary. The session's own cache
+is never touched. Only the engine's worker thread may call :func:`check_quality`.
+
+:func:`log_probs`, :func:`divergence` and :func:`summarize` are the teacher-forced
+math that ``engine.bench.quality_bench`` uses as well.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import adapter, kvquant
+from engine.errors import Cancelled, EngineError
+from engine.events import QualityReceipt
+from engine.models.probe import make_session_cache
+
+WINDOW_TOKENS = 1024  # both caches of a window this size fit next to any model we load
+CHUNK_TOKENS = 128  # a 248k vocabulary x 128 positions in float32 is 127 MB per cache
+PAGE_SIZE = 256
+
+Progress = Callable[[int, int], None]  # (tokens done, tokens in the window)
+
+
+def log_probs(logits: mx.array) -> mx.array:
+    """Log-softmax over the last axis, in float32, evaluated."""
+    logits = logits.astype(mx.float32)
+    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(out)
+    return out
+
+
+def divergence(reference: mx.array, variant: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """Per position: KL(reference ‖ variant) and whether both pick the same top-1 token.
+
+    Both are log-probabilities ``[positions, vocab]``; only the two small vectors come
+    back to NumPy.
+    """
+    kl = mx.sum(mx.exp(reference) * (reference - variant), axis=-1)
+    kl = mx.maximum(kl, 0.0)  # rounding can make an identical pair read -1e-9
+    same = mx.argmax(reference, axis=-1) == mx.argmax(variant, axis=-1)
+    mx.eval(kl, same)
+    return np.array(kl, dtype=np.float64), np.array(same, dtype=bool)
+
+
+def summarize(kl: np.ndarray, same: np.ndarray) -> dict[str, float]:
+    """Mean and 99th percentile of the KL, and the share of positions with the same top-1."""
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_p99": float(np.percentile(kl, 99)),
+        "top1": float(same.mean()),
+    }
+
+
+def check_quality(
+    loaded: Any,
+    context_ids: list[int],
+    mode: str,
+    *,
+    rotate: bool,
+    window: int | None = None,
+    chunk: int | None = None,
+    page_size: int = PAGE_SIZE,
+    cancel: threading.Event | None = None,
+    progress: Progress | None = None,
+    clock: Callable[[], float] = time.time,
+) -> QualityReceipt:
+    """Compare ``mode`` with fp16 over the last ``window`` tokens of ``context_ids``.
+
+    Args:
+        loaded: the ``LoadedModel`` the chat runs on.
+        context_ids: the chat's whole context, as token ids.
+        mode: the chat's KV mode.
+        rotate: whether the chat's cache stores its rows rotated.
+        window: the most tokens read (the last ones); None: ``WINDOW_TOKENS``.
+        chunk: tokens fed per step, progress and cancel checked between them; None:
+            ``CHUNK_TOKENS``.
+        page_size: tokens per page of both caches (the session's).
+        cancel: set to stop between two chunks (raises ``Cancelled``).
+        progress: called after every chunk with (tokens done, tokens in the window).
+        clock: when the receipt was made, in seconds since the epoch.
+
+    Raises:
+        EngineError: the context is empty, or the window or chunk is under one token.
+        Cancelled: ``cancel`` was set; nothing is kept.
+        UnsupportedModeError: the mode cannot store this model's heads.
+    """
+    window = WINDOW_TOKENS if window is None else window
+    chunk = CHUNK_TOKENS if chunk is None else chunk
+    if window < 1 or chunk < 1:
+        raise EngineError("The quality check needs a window and a chunk of at least 1 token.")
+    if not context_ids:
+        raise EngineError("Nothing to check yet: the chat has no text. Send a message first.")
+    mode = kvquant.normalize_mode(mode)
+    ids = list(context_ids[-window:])
+    caches = [_fresh_cache(loaded, "fp16", False, page_size),
+              _fresh_cache(loaded, mode, rotate, page_size)]
+    # What the mode's cache really stores (mlx-lm's own cache, where the probe chose it,
+    # has no rotation whatever the setting says).
+    rotated = adapter.rotation_format(caches[1]) is not None
+    kls, sames = [], []
+    try:
+        for start in range(0, len(ids), chunk):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"Quality check cancelled after {start:,} of {len(ids):,} "
+                                "tokens; nothing was stored.")
+            piece = ids[start : start + chunk]
+            reference, variant = (_forward(loaded.model, cache, piece) for cache in caches)
+            kl, same = divergence(reference, variant)
+            del reference, variant  # one chunk's logits at a time
+            kls.append(kl)
+            sames.append(same)
+            if progress is not None:
+                progress(start + len(piece), len(ids))
+    finally:
+        caches.clear()
+        mx.clear_cache()  # hand both caches' pages back, not just to MLX's buffer cache
+    return QualityReceipt(
+        mode=mode, rotated=rotated, window_tokens=len(ids), context_tokens=len(context_ids),
+        positions=len(ids), model=loaded.info.name,
+        measured_at=clock(), **summarize(np.concatenate(kls), np.concatenate(sames)),
+    )
+
+
+def _fresh_cache(loaded: Any, mode: str, rotate: bool, page_size: int) -> list[Any]:
+    return make_session_cache(loaded, mode, page_size, rotate=rotate).cache
+
+
+def _forward(model: Any, cache: list[Any], ids: list[int]) -> mx.array:
+    """The log-probs of every position of ``ids``, fed after what ``cache`` holds."""
+    logits = model(mx.array(ids)[None], cache=cache)
+    mx.eval(adapter.eval_targets(cache))
+    return log_probs(logits[0])

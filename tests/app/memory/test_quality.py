@@ -1,0 +1,136 @@
+"""Check Quality: the shown chat's mode against fp16, its receipt shown and kept with the chat."""
+
+from __future__ import annotations
+
+import threading
+
+import engine.quality_check as quality_check
+from app.memory.panel import NOT_MEASURED, PROJECTION_MODES, QUALITY_COLUMN
+from app.memory.quality import receipt_line
+from app.store import HistoryStore
+from engine import QualityReceipt
+from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
+
+RECEIPT = QualityReceipt(mode="q6", rotated=True, window_tokens=1024, context_tokens=5210,
+                         positions=1024, top1=0.987, kl_mean=0.004, kl_p99=0.05, model="m",
+                         measured_at=0.0)
+
+
+def _quality_cell(window, mode: str) -> str:
+    return window.panel.table.item(PROJECTION_MODES.index(mode), QUALITY_COLUMN).text()
+
+
+def test_receipt_line_says_what_was_measured() -> None:
+    assert receipt_line(RECEIPT) == (
+        "q6 · rotated on this document: same next token as fp16 for 98.7% of 1,024 tokens · "
+        "mean KL 0.004 (last 1,024 of 5,210 tokens, read as one window)")
+    whole = QualityReceipt(**{**RECEIPT.__dict__, "rotated": False, "window_tokens": 300,
+                              "context_tokens": 300, "positions": 300, "kl_mean": 2e-5})
+    assert receipt_line(whole) == (
+        "q6 on this document: same next token as fp16 for 98.7% of 300 tokens · "
+        "mean KL 2.0e-05 (all 300 tokens, read as one window)")
+
+
+def test_receipts_are_kept_per_mode_and_old_histories_load(tmp_path) -> None:
+    path = tmp_path / "history.sqlite3"
+    store = HistoryStore(path)
+    record = store.create_session("t", "q6", "demo")
+    # A history from before receipts: no such table.
+    store._db.execute("DROP TABLE quality_receipts")
+    store.close()
+    store = HistoryStore(path)
+    assert store.receipts(record.id) == {}
+    q4 = QualityReceipt(**{**RECEIPT.__dict__, "mode": "q4"})
+    newer = QualityReceipt(**{**RECEIPT.__dict__, "top1": 0.5})
+    for receipt in (RECEIPT, q4, newer):
+        store.save_receipt(record.id, receipt)
+    assert store.receipts(record.id) == {"q6": newer, "q4": q4}  # the newer q6 replaced it
+    copy = store.create_session("t · q8", "q8", "demo")
+    store.copy_receipts(record.id, copy.id)
+    assert store.receipts(copy.id) == store.receipts(record.id)
+    store.delete_session(record.id)
+    assert store.receipts(record.id) == {}
+    store.close()
+
+
+def test_check_quality_shows_and_stores_the_receipt(qtbot, window) -> None:
+    c, panel = window.controller, window.panel
+    record = c.new_session("q4")
+    assert "send a message" in panel.quality_label.text()
+    assert not panel.quality_action.isEnabled()
+    assert send_and_wait(qtbot, window, "Tell me about the sea.") == "complete"
+    qtbot.waitUntil(panel.quality_action.isEnabled, timeout=5_000)
+    assert NOT_MEASURED in panel.quality_label.text()
+    assert _quality_cell(window, "q4") == "—"
+    progress: list = []
+    c.ingestProgress.connect(progress.append)
+    with qtbot.waitSignal(c.qualityChecked, timeout=ANSWER_TIMEOUT_MS) as done:
+        panel.quality_action.trigger()
+        assert c.active_kind == "quality"
+        assert not panel.quality_action.isEnabled()  # one request at a time
+        assert "quality check is running" in panel.quality_label.text()
+    session_id, receipt = done.args
+    assert session_id == record.id and receipt.mode == "q4"
+    assert receipt.context_tokens > 0 and receipt.window_tokens == receipt.positions
+    assert receipt.kl_mean > 0.0 and 0.0 <= receipt.top1 <= 1.0
+    qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)
+    assert progress and progress[-1].tokens_done == receipt.window_tokens
+    line = receipt_line(receipt)
+    assert line in panel.quality_label.text().replace("&amp;", "&")
+    assert window.banner.label.text() == line
+    assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
+    assert c.store.receipts(record.id) == {"q4": receipt}
+    # Shown again after reading another chat.
+    other = c.new_session("q8")
+    assert _quality_cell(window, "q4") == "—" and other.id != record.id
+    c.select_session(record.id)
+    assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
+
+
+def test_stop_cancels_the_check_and_nothing_is_stored(qtbot, window, monkeypatch) -> None:
+    c = window.controller
+    record = c.new_session("q8")
+    assert send_and_wait(qtbot, window, "Tell me about the sea.") == "complete"
+    # Small chunks, and the first one waits for Stop: the check is mid-window when it lands.
+    monkeypatch.setattr(quality_check, "CHUNK_TOKENS", 4)
+    stopped = threading.Event()
+    original = quality_check.divergence
+
+    def wait_for_stop(reference, variant):
+        stopped.wait(30)
+        return original(reference, variant)
+
+    monkeypatch.setattr(quality_check, "divergence", wait_for_stop)
+    assert c.check_quality()
+    qtbot.waitUntil(lambda: (c.active_request or -1) > 0, timeout=ANSWER_TIMEOUT_MS)
+    with qtbot.waitSignal(c.busyChanged, timeout=ANSWER_TIMEOUT_MS,
+                          check_params_cb=lambda busy: not busy):
+        c.stop()
+        stopped.set()
+    assert window.banner.label.text() == "Quality check cancelled; nothing was stored."
+    assert c.store.receipts(record.id) == {}
+
+
+def test_disabled_with_a_reason(qtbot, window) -> None:
+    c, panel = window.controller, window.panel
+    c.new_session("fp16")
+    assert not panel.quality_action.isEnabled()
+    assert "fp16, the reference itself" in panel.quality_label.text()
+    assert "fp16, the reference itself" in panel.quality_action.toolTip()
+    assert not c.check_quality()
+    assert "nothing to compare" in window.banner.label.text()
+
+
+def test_a_receipt_stays_with_its_chat_while_another_is_read(qtbot, window) -> None:
+    c = window.controller
+    checked = c.new_session("q6")
+    assert send_and_wait(qtbot, window, "Tell me about the sea.") == "complete"
+    with qtbot.waitSignal(c.qualityChecked, timeout=ANSWER_TIMEOUT_MS) as done:
+        assert c.check_quality()
+        c.new_session("q4")  # read another chat meanwhile
+    assert done.args[0] == checked.id
+    assert "on this document" not in window.banner.label.text()
+    assert _quality_cell(window, "q6") == "—"  # the q4 chat has no q6 receipt
+    assert set(c.store.receipts(checked.id)) == {"q6"}
+    c.select_session(checked.id)
+    assert _quality_cell(window, "q6") == f"{done.args[1].top1:.1%}"
