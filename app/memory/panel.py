@@ -63,6 +63,13 @@ def _value_label() -> QLabel:
     return label
 
 
+def _fits_text(tokens_fit: int, max_context: int) -> str:
+    """Tokens free RAM holds, capped at the model's context (more is of no use)."""
+    if tokens_fit >= max_context:
+        return f"all {compact_count(max_context)}"
+    return compact_count(tokens_fit)
+
+
 class MemoryPanel(QScrollArea):
     """Live KV, page-pool and RAM view for the current session."""
 
@@ -179,8 +186,10 @@ class MemoryPanel(QScrollArea):
         if on_disk is not None:
             where = (f" — on disk: {on_disk.tokens:,} tokens in {on_disk.mode} · "
                      f"{human_bytes(on_disk.disk_bytes)}, reopened on next send")
-        else:
+        elif stored_tokens:
             where = " — read again on next send"
+        else:
+            where = ""  # a new chat or none: nothing to read again
         stored = (f"<br>{stored_tokens:,} tokens in the history" if stored_tokens else "")
         self.kv_label.setText(f"{NO_CACHE}{where}{stored}")
         self.kv_bar.setMaximum(1000)
@@ -293,7 +302,8 @@ class MemoryPanel(QScrollArea):
             cells = (
                 human_bytes(now.bytes_needed) if now.supported else "n/a",
                 human_bytes(full.bytes_needed) if full.supported else "n/a",
-                compact_count(now.tokens_fit_ram) if now.supported else "head_dim",
+                _fits_text(now.tokens_fit_ram, full_report.max_context)
+                if now.supported else "head_dim",
             )
             for column, text in enumerate(cells):
                 self.table.setItem(row, column, self._cell(text, mode))

@@ -128,3 +128,21 @@ def test_the_mode_badge_says_when_the_rows_are_rotated(qtbot, window) -> None:
     qtbot.waitUntil(lambda: c.current.id in c.caches.rotations, timeout=5000)
     window.panel_feed.refresh()
     assert "rotated" not in window.panel.session_label.text()
+
+
+def test_a_new_chat_has_nothing_to_read_again(qtbot, window) -> None:
+    c = window.controller
+    c.new_session("q8")
+    window.panel_feed.refresh()
+    assert window.panel.kv_label.text() == NO_CACHE
+
+
+def test_free_ram_fits_is_capped_at_the_model_context(window) -> None:
+    from app.memory.panel import _fits_text
+
+    assert _fits_text(10**9, 8192) == "all 8.19 k"
+    assert _fits_text(4000, 8192) == "4.00 k"
+    window.panel_feed.refresh()
+    fits = [window.panel.table.item(row, 2) for row in range(len(PROJECTION_MODES))]
+    # The tiny model's context is far below what free RAM holds, in every mode.
+    assert all(item is not None and item.text().startswith("all ") for item in fits)
