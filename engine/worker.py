@@ -20,10 +20,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import fit
+from engine import fit, reuse
 from engine.cache import kvquant
 from engine.errors import Cancelled, EngineError
-from engine.events import Failed, Finished, ModelLoaded, SessionOpened, StatsSample
+from engine.events import Failed, Finished, ModelLoaded, Notice, SessionOpened, StatsSample
 from engine.fit import facts_from_info
 from engine.heartbeat import StatsChannel, StatsHeartbeat
 from engine.memory_guard import MemoryGuard
@@ -435,11 +435,26 @@ class EngineWorker:
     def _restore(
         self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
     ) -> int:
-        """Reopen an empty session from its snapshot; the tokens it brought back."""
-        if session.tokens or self._snapshots.store is None:
+        """Reopen an empty session from its snapshot, then take a longer prefix another
+        open chat holds (``engine.reuse``); the tokens it brought back."""
+        with self._lock:
+            others = [s for s in self._sessions.values()
+                      if s.tokens and reuse.compatible(session, s)]
+        from_disk = not session.tokens and self._snapshots.store is not None
+        if not others and not from_disk:
             return 0
         prompt = session.render(messages, add_generation_prompt=answer)
-        return self._snapshots.restore(session, prompt, request_id, keep_last=answer)
+        reused = 0
+        if from_disk:
+            reused = self._snapshots.restore(session, prompt, request_id, keep_last=answer)
+        found = reuse.best_offer(session, others, prompt, keep_last=answer)
+        if found is None:
+            return reused
+        taken = reuse.adopt(session, found)
+        if taken:
+            self._emit(Notice(request_id, f"Reused {taken:,} tokens another open chat had "
+                                          "already read; reading only the rest."))
+        return taken
 
 
 def _kept(stop: tuple[int, int] | None) -> tuple[int | None, int | None]:

@@ -1,0 +1,136 @@
+"""A document is read once: a session takes the prefix another open chat holds."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import load
+
+from engine import reuse
+from engine.session import Session
+from tests.engine.tinymodels import make_tiny_model_dir
+
+PAGE = 16
+DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand. " * 6
+QUESTION = "What is the capital of France?"
+OTHER = "Summarise this document, please."
+
+
+def _loaded(folder: Path) -> SimpleNamespace:
+    model, tokenizer = load(str(folder))
+    info = SimpleNamespace(max_context=4096, path=str(folder))
+    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
+    root = tmp_path_factory.mktemp("reuse-models")
+    return {arch: _loaded(make_tiny_model_dir(root, arch)) for arch in ("llama", "qwen3_next")}
+
+
+def _session(loaded: SimpleNamespace, name: str, mode: str = "fp16", **kwargs: Any) -> Session:
+    return Session(name, loaded, mode, page_size=PAGE, **kwargs)
+
+
+def _user(*texts: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text} for text in texts]
+
+
+def _ingest(session: Session, messages: list[dict[str, str]]) -> int:
+    stats = session.ingest(messages, request_id=1, cancel=threading.Event(),
+                           emit=lambda e: None, tick=lambda: None)
+    return stats.prefill_tokens
+
+
+def _share(session: Session, others: list[Session], messages) -> int:
+    prompt = session.render(messages, add_generation_prompt=False)
+    found = reuse.best_offer(session, others, prompt, keep_last=False)
+    return 0 if found is None else reuse.adopt(session, found)
+
+
+def _next_logits(session: Session, token: int = 5) -> np.ndarray:
+    """Logits after one more token (the session's cache moves on by it)."""
+    logits = session.model(mx.array([[token]]), cache=session.cache)[0, -1]
+    session.tokens.append(token)
+    return np.array(logits.astype(mx.float32))
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    # The reused prefix was computed in other chunks than a full read's: float noise.
+    return float(np.max(np.abs(a - b))) <= 1e-3 * float(np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_the_second_chat_reads_only_what_differs_and_answers_alike(models, arch):
+    loaded = models[arch]
+    first = _session(loaded, "a")
+    _ingest(first, _user(DOC))
+    second = _session(loaded, "b")
+    messages = _user(DOC, QUESTION)
+    taken = _share(second, [first], messages)
+    assert taken == len(first.tokens)
+    prompt = second.render(messages, add_generation_prompt=False)
+    assert _ingest(second, messages) == len(prompt) - taken
+    alone = _session(loaded, "c")
+    _ingest(alone, messages)
+    assert second.tokens == alone.tokens
+    assert _close(_next_logits(second), _next_logits(alone))
+    # The donor is untouched.
+    again = _session(loaded, "d")
+    _ingest(again, _user(DOC))
+    assert _close(_next_logits(first), _next_logits(again))
+
+
+def test_a_pure_attention_model_reuses_up_to_where_the_prompts_part(models):
+    loaded = models["llama"]
+    first = _session(loaded, "a")
+    _ingest(first, _user(DOC, QUESTION))
+    second = _session(loaded, "b")
+    messages = _user(DOC, OTHER)
+    prompt = second.render(messages, add_generation_prompt=False)
+    taken = _share(second, [first], messages)
+    parted = next(i for i, (x, y) in enumerate(zip(first.tokens, prompt, strict=False)) if x != y)
+    assert taken == parted
+    _ingest(second, messages)
+    alone = _session(loaded, "c")
+    _ingest(alone, messages)
+    assert _close(_next_logits(second), _next_logits(alone))
+
+
+def test_linear_attention_reuses_only_up_to_a_checkpoint(models):
+    loaded = models["qwen3_next"]
+    first = _session(loaded, "a")
+    _ingest(first, _user(DOC, QUESTION))
+    second = _session(loaded, "b")
+    messages = _user(DOC, OTHER)
+    taken = _share(second, [first], messages)
+    checkpoint = first.checkpoints.at_most(len(first.render(_user(DOC),
+                                                            add_generation_prompt=False)))
+    assert checkpoint is not None and taken == checkpoint.tokens > 0
+    assert second.checkpoints.at_most(taken) is not None
+    _ingest(second, messages)
+    alone = _session(loaded, "c")
+    _ingest(alone, messages)
+    assert _close(_next_logits(second), _next_logits(alone))
+
+
+def test_other_modes_rotations_and_short_prefixes_are_not_reused(models):
+    loaded = models["llama"]
+    first = _session(loaded, "a", mode="q8", rotate=False)
+    _ingest(first, _user(DOC))
+    messages = _user(DOC, QUESTION)
+    for other in (_session(loaded, "b", mode="q4"), _session(loaded, "c", mode="q8", rotate=True)):
+        assert _share(other, [first], messages) == 0 and other.tokens == []
+    # A prefix shorter than a page is not worth a reuse.
+    short = _session(loaded, "d", mode="q8", rotate=False)
+    assert _share(short, [first], _user("The quick", QUESTION)) == 0
+    # A session already holding as much keeps its own.
+    held = _session(loaded, "e", mode="q8", rotate=False)
+    _ingest(held, _user(DOC))
+    assert _share(held, [first], messages) == 0

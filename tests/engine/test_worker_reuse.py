@@ -1,0 +1,47 @@
+"""The worker hands a new chat the prefix another open chat already read."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from engine.events import Finished, ModelLoaded, Notice, SessionOpened
+from engine.worker import EngineWorker
+from tests.engine.test_worker import GREEDY, EventLog
+from tests.engine.tinymodels import make_tiny_model_dir
+
+DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand. " * 6
+
+
+@pytest.fixture
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineWorker, EventLog]]:
+    folder = make_tiny_model_dir(tmp_path_factory.mktemp("reuse-worker"), "llama")
+    log = EventLog()
+    engine = EngineWorker(log)
+    engine.start()
+    log.result(engine.load_model(str(folder)), ModelLoaded)
+    yield engine, log
+    engine.shutdown(timeout=10.0)
+
+
+def test_a_second_chat_on_the_same_document_reads_only_its_question(worker):
+    engine, log = worker
+    for chat in ("a", "b"):
+        log.result(engine.open_session(chat, "q8", 16), SessionOpened)
+    document = [{"role": "user", "content": DOC}]
+    first = log.ending(engine.ingest("a", document, threading.Event()))
+    assert isinstance(first, Finished) and first.stats.reused_tokens == 0
+    messages = [*document, {"role": "user", "content": "What is the capital of France?"}]
+    second = log.ending(engine.chat("b", messages, GREEDY, threading.Event()))
+    assert isinstance(second, Finished) and second.stats.generated_tokens > 0
+    held = first.stats.prompt_tokens
+    assert second.stats.reused_tokens == held
+    assert second.stats.prefill_tokens == second.stats.prompt_tokens - held
+    notices = [e for e in log.for_request(second.request_id) if isinstance(e, Notice)]
+    assert len(notices) == 1 and f"{held:,} tokens" in notices[0].message
+    # Another mode holds other bytes: nothing to share.
+    log.result(engine.open_session("c", "q4", 16), SessionOpened)
+    third = log.ending(engine.ingest("c", document, threading.Event()))
+    assert third.stats.reused_tokens == 0 and third.stats.prefill_tokens == held
