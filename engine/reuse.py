@@ -20,9 +20,8 @@ from typing import Any
 import mlx.core as mx
 
 from engine import checkpoints
-from engine.cache import adapter
+from engine.cache import adapter, sharing
 from engine.cache.paged_cache import PagedKVCache
-from engine.errors import KvBudgetExceeded
 from engine.prompt_ids import common_prefix
 
 
@@ -65,6 +64,7 @@ def compatible(session: Any, donor: Any) -> bool:
         and donor.cache_kind == session.cache_kind == "paged"
         and len(donor.cache) == len(session.cache)
         and _layout(donor) == _layout(session)
+        and all(c.store is not None for c in _paged(session.cache))
     )
 
 
@@ -107,28 +107,18 @@ def best_offer(
     return best
 
 
-def _take_pages(mine: PagedKVCache, theirs: PagedKVCache, tokens: int) -> None:
-    pages = theirs.pool.pages_for(tokens)
-    rows = theirs.store.gather(theirs.block_table[:pages])
-    layout = theirs.store.layout
-    mine.state = (*rows, tokens, mine.pool.mode, mine.pool.page_size, layout.kv_heads,
-                  layout.head_dim)
-
-
 def adopt(session: Any, found: Offer) -> int:
     """Make ``session`` hold ``found``'s prefix; returns the tokens it now holds.
 
-    Whatever ``session`` held is dropped first (the offer beats it). When the pages
-    do not fit its KV budget it holds nothing and reads the prompt as usual.
+    Whatever ``session`` held is dropped first (the offer beats it). The paged
+    layers point at the donor's pages (``engine.cache.sharing``): no page is copied
+    until one of the two writes into a shared one.
     """
     donor, tokens = found.donor, found.tokens
     session.reset()
-    try:
-        for mine, theirs in zip(_paged(session.cache), _paged(donor.cache), strict=True):
-            _take_pages(mine, theirs, tokens)
-    except KvBudgetExceeded:
-        session.reset()
+    if not sharing.can_share(session.cache, donor.cache):
         return 0
+    sharing.share_pages(session.cache, donor.cache, tokens)
     if checkpoints.needs_checkpoints(donor.cache):
         # Its layers hold exactly ``tokens`` when no checkpoint was needed.
         states = found.states or checkpoints.take(donor.cache, tokens, boundary=True)

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import fit, reuse
-from engine.cache import kvquant
+from engine.cache import kvquant, sharing
 from engine.errors import Cancelled, EngineError
 from engine.events import Failed, Finished, ModelLoaded, Notice, SessionOpened, StatsSample
 from engine.fit import facts_from_info
@@ -390,9 +390,14 @@ class EngineWorker:
             session = self._sessions.pop(session_id, None)
         if session is not None:
             self._snapshots.keep(session)
+            with self._lock:
+                partners = [s for s in self._sessions.values()
+                            if sharing.same_group(s.cache, session.cache)]
             session.close()
             # Hand the freed pages back to the OS, not just to MLX's buffer cache.
             mx.clear_cache()
+            for partner in partners:  # their pages are no longer shared: say so
+                self._publish(partner)
         return Finished(command.request_id, "done")
 
     def _do_chat(self, command: _Command) -> object:
@@ -452,6 +457,7 @@ class EngineWorker:
             return reused
         taken = reuse.adopt(session, found)
         if taken:
+            self._publish(found.donor)  # its pages are shared now: the panel says so
             self._emit(Notice(request_id, f"Reused {taken:,} tokens another open chat had "
                                           "already read; reading only the rest."))
         return taken

@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.utils import load
 
 from engine import reuse
+from engine.cache.paged_cache import PagedKVCache
 from engine.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -134,3 +135,73 @@ def test_other_modes_rotations_and_short_prefixes_are_not_reused(models):
     held = _session(loaded, "e", mode="q8", rotate=False)
     _ingest(held, _user(DOC))
     assert _share(held, [first], messages) == 0
+
+
+# -- one document held once --------------------------------------------------------
+
+BOOK = " ".join(f"Line {i}: the longleaf pine keeps its needles for two years." for i in range(152))
+BOOK_PAGE = 64
+
+
+def _book_session(loaded: SimpleNamespace, name: str) -> Session:
+    return Session(name, loaded, "q8", page_size=BOOK_PAGE, rotate=False)
+
+
+def _slots(session: Session) -> list[set[int]]:
+    return [set(c.block_table) for c in session.cache if isinstance(c, PagedKVCache)]
+
+
+def _slab_bytes(session: Session) -> int:
+    stores = {id(c.store): c.store for c in session.cache if isinstance(c, PagedKVCache)}
+    return sum(a.nbytes for s in stores.values() for slab in s.slabs for a in slab if a is not None)
+
+
+def test_two_chats_on_one_6k_token_document_hold_its_pages_once(models):
+    loaded = SimpleNamespace(**{**vars(models["llama"]),
+                                "info": SimpleNamespace(max_context=16384,
+                                                        path=models["llama"].info.path)})
+    first = _book_session(loaded, "a")
+    _ingest(first, _user(BOOK))
+    held = len(first.tokens)
+    assert held >= 6000 and held % BOOK_PAGE  # its last page is partly filled
+    second = _book_session(loaded, "b")
+    messages = _user(BOOK, QUESTION)
+    assert _share(second, [first], messages) == held
+    prompt = second.render(messages, add_generation_prompt=False)
+    assert _ingest(second, messages) == len(prompt) - held  # only what differs is read
+    # One copy of the document's full pages, plus each chat's own pages.
+    layers = zip(_slots(first), _slots(second), strict=True)
+    page_bytes = next(c for c in first.cache if isinstance(c, PagedKVCache)).store.layout.page_bytes
+    shared_pages = held // BOOK_PAGE
+    own_second = -(-len(prompt) // BOOK_PAGE) - shared_pages
+    for mine, theirs in layers:
+        assert len(mine & theirs) == shared_pages and len(theirs - mine) == own_second
+    stats = second.stats()
+    assert stats.shared_bytes == shared_pages * page_bytes * len(_slots(first))
+    stores = [c.store for c in second.cache if isinstance(c, PagedKVCache)]
+    in_use = sum(s.in_use for s in stores) * page_bytes
+    assert in_use == (shared_pages + 1 + own_second) * page_bytes * len(stores)
+    alone = _book_session(loaded, "c")
+    _ingest(alone, messages)
+    # Measured from the slabs: both chats take less than the one that read alone
+    # plus the document again.
+    assert _slab_bytes(second) == second.stats().bytes_allocated
+    assert _slab_bytes(second) < _slab_bytes(alone) + shared_pages * page_bytes * len(stores)
+    assert stats.bytes_once + first.stats().bytes_once == in_use
+    # Both answer as the chat that read everything itself; writing on in one (the
+    # second copied the document's partly filled last page) leaves the other alone.
+    expected_second = _next_logits(alone)
+    assert _close(_next_logits(first), _next_logits(_solo(loaded, BOOK)))
+    assert _close(_next_logits(second), expected_second)
+    # Closing the first keeps the second's pages and frees only the first's own.
+    second.trim_to(len(prompt))
+    first.close()
+    assert sum(s.in_use for s in stores) == (shared_pages + own_second) * len(stores)
+    assert second.stats().shared_bytes == 0
+    assert _close(_next_logits(second), expected_second)
+
+
+def _solo(loaded: SimpleNamespace, text: str) -> Session:
+    session = _book_session(loaded, "solo")
+    _ingest(session, _user(text))
+    return session

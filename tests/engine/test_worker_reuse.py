@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.events import Finished, ModelLoaded, Notice, SessionOpened
+from engine.events import Finished, ModelLoaded, Notice, SessionOpened, StatsSample
 from engine.worker import EngineWorker
 from tests.engine.test_worker import GREEDY, EventLog
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -41,6 +41,14 @@ def test_a_second_chat_on_the_same_document_reads_only_its_question(worker):
     assert second.stats.prefill_tokens == second.stats.prompt_tokens - held
     notices = [e for e in log.for_request(second.request_id) if isinstance(e, Notice)]
     assert len(notices) == 1 and f"{held:,} tokens" in notices[0].message
+    sample = [e for e in log.events if isinstance(e, StatsSample) and e.session_id == "b"][-1]
+    assert sample.kv_shared_bytes > 0 and sample.kv_shared_with == 1
+    assert sample.kv_bytes_once < sample.kv_bytes_used
+    # Closing the first leaves the second its pages, no longer shared.
+    assert log.ending(engine.close_session("a")).reason == "done"
+    sample = [e for e in log.events if isinstance(e, StatsSample) and e.session_id == "b"][-1]
+    assert sample.kv_shared_bytes == 0 and sample.kv_bytes_once == sample.kv_bytes_used
+    log.result(engine.open_session("a", "q8", 16), SessionOpened)
     # Another mode holds other bytes: nothing to share.
     log.result(engine.open_session("c", "q4", 16), SessionOpened)
     third = log.ending(engine.ingest("c", document, threading.Event()))

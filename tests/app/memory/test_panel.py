@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from PySide6.QtCore import Qt
 
 from app.format import human_bytes
-from app.memory.panel import NO_CACHE, PROJECTION_MODES
+from app.memory.panel import NO_CACHE, PROJECTION_MODES, shared_note
 from engine.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
@@ -125,3 +127,12 @@ def test_the_mode_badge_says_when_the_rows_are_rotated(qtbot, window) -> None:
     qtbot.waitUntil(lambda: c.current.id in c.caches.rotations, timeout=5000)
     window.panel_feed.refresh()
     assert "rotated" not in window.panel.session_label.text()
+
+
+def test_the_shared_part_of_a_chats_pages_is_named() -> None:
+    def note(shared: int, others: int) -> str:
+        return shared_note(SimpleNamespace(kv_shared_bytes=shared, kv_shared_with=others))
+
+    assert note(0, 0) == "" and note(0, 1) == ""
+    assert note(4 * 2**20, 1) == f" · {human_bytes(4 * 2**20)} shared with 1 other chat"
+    assert note(2**20, 2).endswith("shared with 2 other chats")
