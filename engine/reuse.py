@@ -68,11 +68,8 @@ def compatible(session: Any, donor: Any) -> bool:
     )
 
 
-def offer(donor: Any, prompt: Sequence[int], *, keep_last: bool) -> Offer | None:
-    """What ``donor`` can hand over toward ``prompt`` (None: not one token)."""
-    keep = common_prefix(donor.tokens, prompt)
-    if keep_last:
-        keep = min(keep, len(prompt) - 1)
+def offer(donor: Any, keep: int) -> Offer | None:
+    """What ``donor`` can hand over of its first ``keep`` tokens (None: nothing)."""
     if keep <= 0:
         return None
     if keep == len(donor.tokens) or not checkpoints.needs_checkpoints(donor.cache):
@@ -90,16 +87,18 @@ def best_offer(
 ) -> Offer | None:
     """The longest prefix another session can give ``session``, when it beats what
     ``session`` holds by at least one page."""
-    held = common_prefix(session.tokens, prompt)
-    if len(prompt) - held < session.page_size:
+    most = len(prompt) - 1 if keep_last else len(prompt)
+    held = min(common_prefix(session.tokens, prompt), most)
+    if most - held < session.page_size:
         return None  # nothing another chat could add is worth a page
     best: Offer | None = None
     for donor in others:
         if not donor.tokens or not compatible(session, donor):
             continue
-        if common_prefix(donor.tokens, prompt) < held + session.page_size:
+        keep = min(common_prefix(donor.tokens, prompt), most)
+        if keep < held + session.page_size:
             continue
-        found = offer(donor, prompt, keep_last=keep_last)
+        found = offer(donor, keep)
         if found is not None and found.tokens >= held + session.page_size and (
             best is None or found.tokens > best.tokens
         ):

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.utils import load
 
 from engine import reuse
 from engine.cache.paged_cache import PagedKVCache
 from engine.session import Session
-from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tinymodels import loaded_for_session, make_tiny_model_dir
 
 PAGE = 16
 DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand. " * 6
@@ -23,16 +21,12 @@ QUESTION = "What is the capital of France?"
 OTHER = "Summarise this document, please."
 
 
-def _loaded(folder: Path) -> SimpleNamespace:
-    model, tokenizer = load(str(folder))
-    info = SimpleNamespace(max_context=4096, path=str(folder))
-    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
     root = tmp_path_factory.mktemp("reuse-models")
-    return {arch: _loaded(make_tiny_model_dir(root, arch)) for arch in ("llama", "qwen3_next")}
+    # 16k: room for the 6k-token document and a question.
+    return {arch: loaded_for_session(make_tiny_model_dir(root, arch), max_context=16384)
+            for arch in ("llama", "qwen3_next")}
 
 
 def _session(loaded: SimpleNamespace, name: str, mode: str = "fp16", **kwargs: Any) -> Session:
@@ -67,6 +61,13 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return float(np.max(np.abs(a - b))) <= 1e-3 * float(np.max(np.abs(b)))
 
 
+def _assert_answers_like_a_full_read(loaded: SimpleNamespace, session: Session, messages) -> None:
+    alone = _session(loaded, "alone")
+    _ingest(alone, messages)
+    assert session.tokens == alone.tokens
+    assert _close(_next_logits(session), _next_logits(alone))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_the_second_chat_reads_only_what_differs_and_answers_alike(models, arch):
     loaded = models[arch]
@@ -78,47 +79,33 @@ def test_the_second_chat_reads_only_what_differs_and_answers_alike(models, arch)
     assert taken == len(first.tokens)
     prompt = second.render(messages, add_generation_prompt=False)
     assert _ingest(second, messages) == len(prompt) - taken
-    alone = _session(loaded, "c")
-    _ingest(alone, messages)
-    assert second.tokens == alone.tokens
-    assert _close(_next_logits(second), _next_logits(alone))
+    _assert_answers_like_a_full_read(loaded, second, messages)
     # The donor is untouched.
     again = _session(loaded, "d")
     _ingest(again, _user(DOC))
     assert _close(_next_logits(first), _next_logits(again))
 
 
-def test_a_pure_attention_model_reuses_up_to_where_the_prompts_part(models):
-    loaded = models["llama"]
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_chats_that_part_midway_reuse_up_to_where_their_layers_can(models, arch):
+    loaded = models[arch]
     first = _session(loaded, "a")
     _ingest(first, _user(DOC, QUESTION))
     second = _session(loaded, "b")
     messages = _user(DOC, OTHER)
     prompt = second.render(messages, add_generation_prompt=False)
     taken = _share(second, [first], messages)
-    parted = next(i for i, (x, y) in enumerate(zip(first.tokens, prompt, strict=False)) if x != y)
-    assert taken == parted
+    if arch == "llama":  # every layer paged: up to the first differing token
+        parted = next(i for i, (x, y) in enumerate(zip(first.tokens, prompt, strict=False))
+                      if x != y)
+        assert taken == parted
+    else:  # linear attention: back to the donor's checkpoint at the document's end
+        document = len(first.render(_user(DOC), add_generation_prompt=False))
+        checkpoint = first.checkpoints.at_most(document)
+        assert checkpoint is not None and taken == checkpoint.tokens > 0
+        assert second.checkpoints.at_most(taken) is not None
     _ingest(second, messages)
-    alone = _session(loaded, "c")
-    _ingest(alone, messages)
-    assert _close(_next_logits(second), _next_logits(alone))
-
-
-def test_linear_attention_reuses_only_up_to_a_checkpoint(models):
-    loaded = models["qwen3_next"]
-    first = _session(loaded, "a")
-    _ingest(first, _user(DOC, QUESTION))
-    second = _session(loaded, "b")
-    messages = _user(DOC, OTHER)
-    taken = _share(second, [first], messages)
-    checkpoint = first.checkpoints.at_most(len(first.render(_user(DOC),
-                                                            add_generation_prompt=False)))
-    assert checkpoint is not None and taken == checkpoint.tokens > 0
-    assert second.checkpoints.at_most(taken) is not None
-    _ingest(second, messages)
-    alone = _session(loaded, "c")
-    _ingest(alone, messages)
-    assert _close(_next_logits(second), _next_logits(alone))
+    _assert_answers_like_a_full_read(loaded, second, messages)
 
 
 def test_other_modes_rotations_and_short_prefixes_are_not_reused(models):
@@ -157,9 +144,7 @@ def _slab_bytes(session: Session) -> int:
 
 
 def test_two_chats_on_one_6k_token_document_hold_its_pages_once(models):
-    loaded = SimpleNamespace(**{**vars(models["llama"]),
-                                "info": SimpleNamespace(max_context=16384,
-                                                        path=models["llama"].info.path)})
+    loaded = models["llama"]
     first = _book_session(loaded, "a")
     _ingest(first, _user(BOOK))
     held = len(first.tokens)
