@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.events import Notice
+from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
 from engine.snapshots.snapshot import SnapshotRejected
 from engine.snapshots.store import SnapshotStore
 
@@ -45,11 +46,37 @@ class SnapshotKeeper:
     def restore(
         self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool
     ) -> int:
-        """Fill an empty session from its snapshot; returns the tokens reused."""
+        """Fill an empty session from its snapshot, or else from the stored chat of
+        its model that starts with the most of ``prompt`` (one document stored once
+        serves every chat about it); returns the tokens reused."""
         if self.store is None or session.tokens:
             return 0
         try:
-            return self.store.load(session, session.session_id, prompt, keep_last=keep_last)
+            held = self.store.load(session, session.session_id, prompt, keep_last=keep_last)
         except SnapshotRejected as rejected:
             self._emit(Notice(request_id, str(rejected)))
+            held = 0
+        return held or self._from_another(session, prompt, request_id, keep_last)
+
+    def _from_another(
+        self, session: Any, prompt: Sequence[int], request_id: int, keep_last: bool
+    ) -> int:
+        try:
+            digest = model_fingerprint(session_model_dir(session))["digest"]
+        except EngineError:
             return 0
+        name = self.store.longest_prefix(prompt, model_digest=digest, exclude=session.session_id,
+                                         at_least=session.page_size)
+        if name is None:
+            return 0
+        try:
+            held = self.store.load(session, name, prompt, keep_last=keep_last)
+        except SnapshotRejected as rejected:
+            # Another chat's snapshot this one cannot use (a higher mode, layers that
+            # cannot rewind there): nothing to tell, the prompt is read as usual.
+            log.info("snapshot %s not reused for %s: %s", name, session.session_id, rejected)
+            return 0
+        if held:
+            self._emit(Notice(request_id, f"Reused {held:,} tokens stored for another chat; "
+                                          "reading only the rest."))
+        return held

@@ -53,3 +53,34 @@ def test_a_second_chat_on_the_same_document_reads_only_its_question(worker):
     log.result(engine.open_session("c", "q4", 16), SessionOpened)
     third = log.ending(engine.ingest("c", document, threading.Event()))
     assert third.stats.reused_tokens == 0 and third.stats.prefill_tokens == held
+
+
+def test_a_new_chat_starts_from_another_chats_stored_document(tmp_path) -> None:
+    from engine.snapshots import SnapshotStore
+
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    log = EventLog()
+    engine = EngineWorker(log, snapshots=SnapshotStore(tmp_path / "kv"))
+    engine.start()
+    try:
+        log.result(engine.load_model(str(folder)), ModelLoaded)
+        document = [{"role": "user", "content": DOC}]
+        log.result(engine.open_session("a", "q8", 16), SessionOpened)
+        first = log.ending(engine.ingest("a", document, threading.Event()))
+        assert log.ending(engine.close_session("a")).reason == "done"  # stored on disk
+        log.result(engine.open_session("b", "q4", 16), SessionOpened)  # a lower mode converts
+        messages = [*document, {"role": "user", "content": "Who wrote it?"}]
+        second = log.ending(engine.ingest("b", messages, threading.Event()))
+        assert isinstance(second, Finished)
+        assert second.stats.reused_tokens == first.stats.prompt_tokens
+        assert second.stats.prefill_tokens == second.stats.prompt_tokens - first.stats.prompt_tokens
+        notices = [e.message for e in log.for_request(second.request_id) if isinstance(e, Notice)]
+        assert notices == [f"Reused {first.stats.prompt_tokens:,} tokens stored for another "
+                           "chat; reading only the rest."]
+        # A snapshot of a document that differs from the first token serves no one.
+        log.result(engine.open_session("c", "q8", 16), SessionOpened)
+        other = [{"role": "user", "content": "Zebras! " + DOC}]
+        third = log.ending(engine.ingest("c", other, threading.Event()))
+        assert third.stats.reused_tokens == 0
+    finally:
+        engine.shutdown(timeout=10.0)
