@@ -108,6 +108,24 @@ def test_chats_that_part_midway_reuse_up_to_where_their_layers_can(models, arch)
     _assert_answers_like_a_full_read(loaded, second, messages)
 
 
+def test_rotated_chats_share_pages_and_answer_exactly_as_one_that_read_in_the_same_steps(models):
+    loaded = models["llama"]
+    first = _session(loaded, "a", mode="q6", rotate=True)
+    _ingest(first, _user(DOC))
+    second = _session(loaded, "b", mode="q6", rotate=True)
+    messages = _user(DOC, QUESTION)
+    assert _share(second, [first], messages) == len(first.tokens)
+    _ingest(second, messages)
+    # The same chunks as the two chats together: the same stored rows, so the same
+    # logits up to the order the attention sums pages in (they sit in other slabs).
+    steps = _session(loaded, "c", mode="q6", rotate=True)
+    _ingest(steps, _user(DOC))
+    _ingest(steps, messages)
+    expected = _next_logits(steps)
+    np.testing.assert_allclose(_next_logits(second), expected, rtol=0,
+                               atol=1e-5 * float(np.max(np.abs(expected))))
+
+
 def test_other_modes_rotations_and_short_prefixes_are_not_reused(models):
     loaded = models["llama"]
     first = _session(loaded, "a", mode="q8", rotate=False)
