@@ -163,6 +163,8 @@ class ChatController(QObject):
     def start(self, model: str | None = None) -> None:
         """Start the engine, load the model and reopen the latest session."""
         self.bridge.start()
+        # Also lists the stored KV for the memory panel, first thing.
+        self.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
         self._poll.start()
         sessions = self.store.sessions()
         if sessions:

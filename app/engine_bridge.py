@@ -24,6 +24,7 @@ from engine import (
     SamplingParams,
     SessionOpened,
     StatsSample,
+    StoredKv,
     TokenChunk,
 )
 
@@ -57,6 +58,7 @@ class EngineBridge(QObject):
     modelLoaded = Signal(object)
     sessionOpened = Signal(object)
     noticeReceived = Signal(object)  # engine.Notice: a request goes on, with news
+    storedKv = Signal(object)  # engine.StoredKv: the KV snapshots on disk changed
     busyChanged = Signal(bool)
     _relay = Signal(object)
 
@@ -74,6 +76,7 @@ class EngineBridge(QObject):
         self._cancels: dict[int, threading.Event] = {}
         self._threads: list[threading.Thread] = []
         self._alive = False
+        self.last_stored_kv: StoredKv | None = None
 
     # Worker thread side ---------------------------------------------------
 
@@ -98,6 +101,9 @@ class EngineBridge(QObject):
             self.sessionOpened.emit(event)
         elif isinstance(event, Notice):
             self.noticeReceived.emit(event)
+        elif isinstance(event, StoredKv):
+            self.last_stored_kv = event
+            self.storedKv.emit(event)
         elif isinstance(event, Finished | Failed):
             was_busy = self.busy
             self._pending.pop(event.request_id, None)
@@ -168,6 +174,14 @@ class EngineBridge(QObject):
         """Apply a new KV budget and ingest chunk once the running request ends."""
         return self._track(self._worker.configure(budget_bytes=budget_bytes,
                                                   chunk_size=chunk_size), "configure")
+
+    def set_snapshot_budget(self, budget_bytes: int | None) -> int:
+        """Apply the stored-KV disk budget (None: default); answers with storedKv."""
+        return self._track(self._worker.set_snapshot_budget(budget_bytes), "stored_kv")
+
+    def clear_stored_kv(self, session_id: str | None = None) -> int:
+        """Delete one chat's stored KV (None: all), on the worker; answers with storedKv."""
+        return self._track(self._worker.clear_snapshots(session_id), "stored_kv")
 
     def close_session(self, session_id: str) -> None:
         """Free a session's pages."""

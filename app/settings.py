@@ -138,6 +138,17 @@ class Settings:
         self._set("engine/memory_budget_bytes", int(value or 0))
 
     @property
+    def stored_kv_budget_bytes(self) -> int | None:
+        """Disk bytes all stored KV snapshots may take, or None for the engine's
+        default (the smaller of 20 GB and 10% of free disk)."""
+        value = self._get("engine/stored_kv_budget_bytes", 0, int)
+        return value if value > 0 else None
+
+    @stored_kv_budget_bytes.setter
+    def stored_kv_budget_bytes(self, value: int | None) -> None:
+        self._set("engine/stored_kv_budget_bytes", int(value or 0) or None)
+
+    @property
     def system_prompt(self) -> str:
         """System message sent first in every new chat."""
         return self._get("chat/system_prompt", DEFAULT_SYSTEM_PROMPT, str)

@@ -39,11 +39,12 @@ _PUBLIC = {
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
     "SnapshotStore": "engine.snapshots.store",
+    "default_budget": "engine.snapshots.store",
     "snapshot_info": "engine.snapshots.manifest",
     "snapshots_dir": "engine.paths",
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
-        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice")},
+        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
@@ -77,9 +78,11 @@ __all__ = [
     "SessionOpened",
     "SnapshotStore",
     "StatsSample",
+    "StoredKv",
     "TokenChunk",
     "UnsupportedModeError",
     "data_dir",
+    "default_budget",
     "discover_models",
     "download_model",
     "full_context_costs",
@@ -125,6 +128,7 @@ if TYPE_CHECKING:
         Notice,
         SessionOpened,
         StatsSample,
+        StoredKv,
         TokenChunk,
     )
     from engine.fit import MODES
@@ -137,5 +141,5 @@ if TYPE_CHECKING:
     from engine.paths import data_dir, private_dir, private_file, snapshots_dir
     from engine.sampling import SamplingParams
     from engine.snapshots.manifest import snapshot_info
-    from engine.snapshots.store import SnapshotStore
+    from engine.snapshots.store import SnapshotStore, default_budget
     from engine.worker import EngineWorker

@@ -7,6 +7,7 @@ tests), so they never hold an ``mx.array`` or any other live engine object.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -167,3 +168,19 @@ class Notice:
 
     request_id: int
     message: str
+
+
+@dataclass(frozen=True)
+class StoredKv:
+    """The KV snapshots on disk, sent after every change to them (save, evict, clear).
+
+    Attributes:
+        budget_bytes: the stored-KV disk budget in force.
+        total_bytes: bytes of every file in the snapshot folder.
+        snapshots: one ``engine.snapshots.SnapshotInfo`` (plain values) per stored
+            chat, most recently used first; ``name`` is the chat's session id.
+    """
+
+    budget_bytes: int
+    total_bytes: int
+    snapshots: tuple[Any, ...] = ()

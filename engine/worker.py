@@ -170,6 +170,21 @@ class EngineWorker:
         """
         return self._submit("configure", (budget_bytes, chunk_size))
 
+    def set_snapshot_budget(self, budget_bytes: int | None) -> int:
+        """Set the stored-KV disk budget (None: the smaller of 20 GB and 10% of free disk).
+
+        -> ``StoredKv`` (after evicting least-recently-used snapshots down to a
+        lower budget), then ``Finished("done")``; ``Failed`` for a negative budget.
+        """
+        return self._submit("snapshot_budget", (budget_bytes,))
+
+    def clear_snapshots(self, session_id: str | None = None) -> int:
+        """Delete one chat's stored KV (None: all of it); -> ``StoredKv``, ``Finished``.
+
+        Runs between requests on the worker thread, so it never races a save.
+        """
+        return self._submit("clear_snapshots", (session_id,))
+
     def close_session(self, session_id: str) -> int:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids)."""
         return self._submit("close_session", (session_id,))
@@ -382,6 +397,14 @@ class EngineWorker:
         for session in sessions:
             session.set_chunk_size(chunk_size)
             self.guard.refresh(session.session_id)
+        return Finished(command.request_id, "done")
+
+    def _do_snapshot_budget(self, command: _Command) -> object:
+        self._snapshots.set_budget(*command.args)
+        return Finished(command.request_id, "done")
+
+    def _do_clear_snapshots(self, command: _Command) -> object:
+        self._snapshots.clear(*command.args)
         return Finished(command.request_id, "done")
 
     def _do_close_session(self, command: _Command) -> object:

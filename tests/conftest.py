@@ -30,6 +30,16 @@ def isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch) ->
     yield root
 
 
+@pytest.fixture
+def loose_umask() -> Iterator[None]:
+    """A umask that would make new files world-readable, as many systems have."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
     """Fail any test that leaves a thread running behind it."""

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from app.format import compact_count, human_bytes
 from app.memory.charts import HistoryChart, PagePoolView
+from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
 from app.settings import KV_MODES
 from engine import StatsSample
@@ -130,6 +131,8 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(_section("History"))
         self.chart = HistoryChart()
         layout.addWidget(self.chart)
+        self.stored_kv = StoredKvSection()
+        layout.addWidget(self.stored_kv)
         layout.addStretch(1)
         self.setWidget(body)
         self.mode: str | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, QTimer
 
 from app.memory.panel import MemoryPanel
+from app.memory.stored_kv import StoredKvFeed
 from engine import StatsSample
 
 PROJECTION_EVERY = 8  # full-context projection refresh, in samples (free RAM drifts slowly)
@@ -34,6 +35,7 @@ class PanelFeed(QObject):
         controller.cacheChanged.connect(self.refresh)
         controller.currentSessionChanged.connect(lambda _record: self.refresh())
         controller.answerFinished.connect(lambda _status: self.refresh())
+        self.stored_kv = StoredKvFeed(controller, panel.stored_kv, self)
         self.refresh()
 
     def refresh(self) -> None:
@@ -51,6 +53,7 @@ class PanelFeed(QObject):
         else:
             self.panel.show_no_cache(current.tokens if current else 0, self._on_disk(session_id))
         self._project(force=True)
+        self.stored_kv.show()  # chat titles may have changed
 
     def _on_disk(self, session_id: str | None):
         if session_id is None:

@@ -20,7 +20,9 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes
 from app.settings import KV_MODES, Settings
-from engine import SamplingParams
+from engine import SamplingParams, default_budget, snapshots_dir
+
+GB = 10**9  # disk sizes in decimal gigabytes, as disks are sold and the default is stated
 
 MODE_BLURB = {
     "fp16": "full precision — largest",
@@ -46,6 +48,26 @@ def mode_choice_text(mode: str, full_report) -> str:
     fit = (f"all {context:,} tokens fit in free RAM" if entry.tokens_fit_ram >= context
            else f"{entry.tokens_fit_ram:,} tokens fit in free RAM")
     return f"{text}  ·  {human_bytes(entry.bytes_needed)} at {context:,} tokens  ·  {fit}"
+
+
+def default_disk_budget_text() -> str:
+    """What "Automatic" means for the stored-KV disk budget on this disk, right now."""
+    try:
+        default = f"{default_budget(snapshots_dir()) / GB:.1f} GB now"
+    except OSError:
+        default = "unknown now"
+    return f"Automatic: smaller of 20 GB and 10% of free disk ({default})"
+
+
+def disk_budget_box(budget_bytes: int | None) -> QDoubleSpinBox:
+    """The stored-KV disk budget in GB; 0 shows (and means) the automatic default."""
+    box = QDoubleSpinBox(minimum=0.0, maximum=100_000.0, decimals=1, singleStep=1.0,
+                         suffix=" GB", value=(budget_bytes or 0) / GB)
+    box.setSpecialValueText(default_disk_budget_text())
+    box.setToolTip("Chats whose KV cache leaves memory are kept on disk, so reopening them "
+                   "reads no document again. Past this budget the least recently used "
+                   "are removed; lowering it removes them right away.")
+    return box
 
 
 class NewChatDialog(QDialog):
@@ -113,6 +135,8 @@ class SettingsDialog(QDialog):
                                value=(budget or 0) // 2**20, suffix=" MiB",
                                specialValueText="Automatic (keep RAM headroom)")
         form.addRow("KV memory budget", self.budget)
+        self.disk_budget = disk_budget_box(settings.stored_kv_budget_bytes)
+        form.addRow("Stored KV disk budget", self.disk_budget)
         sampling = settings.sampling
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05,
                                           value=sampling.temperature)
@@ -152,6 +176,7 @@ class SettingsDialog(QDialog):
         s.rotate_kv = self.rotate.isChecked()
         s.ingest_chunk = self.chunk.value()
         s.memory_budget_bytes = self.budget.value() * 2**20 or None
+        s.stored_kv_budget_bytes = round(self.disk_budget.value() * GB) or None
         s.sampling = SamplingParams(
             temperature=self.temperature.value(), top_p=self.top_p.value(),
             top_k=self.top_k.value(), min_p=self.min_p.value(),

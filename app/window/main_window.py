@@ -376,6 +376,7 @@ class MainWindow(QMainWindow):
             self.model_picker.refresh(self.settings.model_folders)
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
                                              self.settings.ingest_chunk)
+            self.controller.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
 
     def closeEvent(self, event: QCloseEvent) -> None:
         # Nothing here waits: the history is saved and the engine told to stop,

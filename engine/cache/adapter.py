@@ -23,16 +23,10 @@ from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
 from engine.errors import ModelLoadError
 
-# Modes whose rows are rotated unless the caller says otherwise. The quality benchmark
-# (issue 14, docs/benchmarks.md) shows rotation lowering q8/q6/q4's KL to fp16, but with
-# it on, tests/engine/cache/test_chunk_invariance.py fails (gemma3 q6 spread 2.7e-3 >
-# 2e-3; the demo model's q6/q4 top token changes with the chunking). The model's own
-# keys differ by ~1e-6 between chunkings (BLAS rounds by batch size); unrotated, that
-# noise is relative to each value and rarely crosses a quantizer step, rotated, every
-# value mixes the whole row's noise and steps flip far more often (measured: layer 1 of
-# gemma3 stores identical q6 pages for chunks of 64 and 384 unrotated, different ones
-# rotated). Off until that test's bound is settled for rotated rows.
-ROTATED_MODES: frozenset[str] = frozenset()
+# Modes whose rows are rotated unless the caller says otherwise: at the same bytes the
+# rotation lowers the mean KL to fp16 of q8 1.8x, q6 4.0x and q4 2.8x on the demo model
+# (docs/benchmarks.md, quality). fp16 gains nothing (it only moves float16 rounding).
+ROTATED_MODES: frozenset[str] = frozenset({"q8", "q6", "q4"})
 
 _SDPA = "scaled_dot_product_attention"
 _ORIGINAL = "_longleaf_original"

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from engine.cache import kvquant
 from engine.cache.pages import PagePool, PageStore
+from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
 
 
@@ -266,11 +267,19 @@ class PagedKVCache(_BaseCache):
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (self.pool.mode, str(self.pool.page_size), str(self.offset))
+        """Mode, page size, offset, the rotation's format id ("" for none) and the layer."""
+        rotation = "" if self.rotation is None else self.rotation.format_id
+        return (self.pool.mode, str(self.pool.page_size), str(self.offset), rotation,
+                str(self.layer))
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        mode, page_size, offset = v
+        mode, page_size, offset, *rotation = v
         if (kvquant.normalize_mode(mode), int(page_size)) != (self.pool.mode, self.pool.page_size):
             raise EngineError("Saved KV metadata does not match this cache's mode and page size.")
         self.offset = min(int(offset), self.offset)
+        if rotation and self.store is not None:
+            # The pages hold rotated rows: read without their rotation they are noise.
+            format_id, layer = rotation
+            self.layer = int(layer)
+            self.rotation = rotation_for(format_id or None, self.head_dim, self.layer)

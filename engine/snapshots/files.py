@@ -9,7 +9,6 @@ manifest naming data that was not completely written.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
@@ -22,7 +21,6 @@ TEMP_MARK = ".partial-"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_HASH_BLOCK = 1 << 20
 
 # Called with a step name at each stage of a write; tests install one that stops
 # the process there (kill -9) to check what a crash at that step leaves behind.
@@ -114,14 +112,6 @@ def write_bytes_atomic(final: Path, data: bytes, label: str = "file") -> None:
         temp.unlink(missing_ok=True)
         raise
     checkpoint(f"{label}:committed")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        while block := source.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def remove(*paths: Path) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.errors import EngineError
-from engine.events import Notice
+from engine.events import Notice, StoredKv
 from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
 from engine.snapshots.snapshot import SnapshotRejected
 from engine.snapshots.store import SnapshotStore
@@ -42,6 +42,35 @@ class SnapshotKeeper:
             log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
         except Exception:  # nor may it stop a session from closing
             log.exception("KV snapshot of %s failed", session.session_id)
+        self.announce()
+
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """Apply a disk budget (None: the default), evicting down to it, then announce."""
+        if self.store is not None:
+            self.store.set_budget(budget_bytes)
+        self.announce()
+
+    def clear(self, name: str | None = None) -> None:
+        """Delete snapshot ``name`` (None: every snapshot), then announce."""
+        if self.store is not None:
+            if name is None:
+                self.store.clear()
+            else:
+                self.store.delete(name)
+        self.announce()
+
+    def announce(self) -> None:
+        """Emit a ``StoredKv`` listing of what is on disk now."""
+        if self.store is None:
+            self._emit(StoredKv(0, 0))
+            return
+        try:
+            listing = StoredKv(self.store.budget_bytes, self.store.total_bytes(),
+                               tuple(self.store.per_snapshot()))
+        except OSError as error:  # the folder went away: say nothing rather than fail a close
+            log.warning("cannot list stored KV: %s", error)
+            return
+        self._emit(listing)
 
     def restore(
         self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool
@@ -52,11 +81,17 @@ class SnapshotKeeper:
         if self.store is None or session.tokens:
             return 0
         try:
-            held = self.store.load(session, session.session_id, prompt, keep_last=keep_last)
+            reused = self.store.load(session, session.session_id, prompt, keep_last=keep_last)
         except SnapshotRejected as rejected:
             self._emit(Notice(request_id, str(rejected)))
-            held = 0
-        return held or self._from_another(session, prompt, request_id, keep_last)
+            if rejected.removed:
+                self.announce()
+            reused = 0
+        if not reused:
+            reused = self._from_another(session, prompt, request_id, keep_last)
+        if reused:
+            self.announce()  # its "last used" moved
+        return reused
 
     def _from_another(
         self, session: Any, prompt: Sequence[int], request_id: int, keep_last: bool
@@ -70,13 +105,15 @@ class SnapshotKeeper:
         if name is None:
             return 0
         try:
-            held = self.store.load(session, name, prompt, keep_last=keep_last)
+            reused = self.store.load(session, name, prompt, keep_last=keep_last)
         except SnapshotRejected as rejected:
             # Another chat's snapshot this one cannot use (a higher mode, layers that
             # cannot rewind there): nothing to tell, the prompt is read as usual.
             log.info("snapshot %s not reused for %s: %s", name, session.session_id, rejected)
+            if rejected.removed:
+                self.announce()
             return 0
-        if held:
-            self._emit(Notice(request_id, f"Reused {held:,} tokens stored for another chat; "
+        if reused:
+            self._emit(Notice(request_id, f"Reused {reused:,} tokens stored for another chat; "
                                           "reading only the rest."))
-        return held
+        return reused

@@ -184,7 +184,8 @@ def _restore_paged(
     pool = layer.pool
     rows: list[mx.array | None] = [None] * 4
     if offset:
-        parts = [arrays.get(_key(record["index"], p)) for p in PAGE_PARTS]
+        # Popped: each layer's stored pages are let go once that layer is restored.
+        parts = [arrays.pop(_key(record["index"], p), None) for p in PAGE_PARTS]
         if parts[0] is None or parts[2] is None:
             raise LayerMismatch(f"layer {record['index']} lacks its pages")
         parts = [None if p is None else _repage(p, offset, stored_page_size, pool.page_size)
@@ -224,6 +225,9 @@ def restore(
     checkpoint: tuple[tuple[int, Any], ...] | None = None,
 ) -> None:
     """Put the stored layers into ``cache``, holding the first ``tokens`` of ``total``.
+
+    ``arrays`` is a dict or an ``engine.snapshots.tensors.StreamedTensors``; each
+    paged layer's arrays are popped from it as that layer is restored.
 
     Paged layers take only the pages those tokens need (converted to the cache's
     mode when it is lower, or to its rotation when that differs). Other layers

@@ -35,7 +35,7 @@ from engine.cache import adapter, kvquant
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.prompt_ids import common_prefix
-from engine.snapshots import files
+from engine.snapshots import files, tensors
 from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
 from engine.snapshots.layers import (
     LayerMismatch,
@@ -124,15 +124,19 @@ def save_snapshot(
         raise SnapshotError("The session's cache and token ids disagree; not storing it.")
     model_dir = session_model_dir(session)
     fingerprint = model_fingerprint(model_dir)
-    arrays, records = capture(session.cache)
+    # Checkpoints first: a reopen that rewinds to one needs them before the layers.
+    arrays: dict[str, mx.array] = {}
     held_checkpoints = getattr(getattr(session, "checkpoints", None), "kept", None) or []
     checkpoints = capture_checkpoints(
         [c for c in held_checkpoints if 0 < c.tokens <= len(tokens)], arrays
     )
+    layer_arrays, records = capture(session.cache)
+    arrays.update(layer_arrays)
+    del layer_arrays  # the writer empties ``arrays``; no other reference may keep a page
     if before_write is not None:
         before_write(sum(a.nbytes for a in arrays.values()) + 16 * len(tokens))
     data_path = folder / files.new_data_name(name)
-    _write_data(data_path, arrays)
+    data_sha256 = _write_data(data_path, arrays)
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -140,7 +144,7 @@ def save_snapshot(
         "created": time.time(),
         "data_file": data_path.name,
         "data_bytes": data_path.stat().st_size,
-        "data_sha256": files.sha256_file(data_path),
+        "data_sha256": data_sha256,
         "kv_bytes": _kv_bytes(records),
         "mode": session.mode,
         "page_size": int(session.page_size),
@@ -156,18 +160,20 @@ def save_snapshot(
     return manifest_path
 
 
-def _write_data(path: Path, arrays: dict[str, mx.array]) -> None:
+def _write_data(path: Path, arrays: dict[str, mx.array]) -> str:
+    """Stream ``arrays`` into ``path`` atomically; the sha256 of the bytes written."""
     temp = files.temp_path(path)
     files.checkpoint("data:start")
     try:
         metadata = {"format": FORMAT, "version": str(FORMAT_VERSION)}
-        mx.save_safetensors(str(temp), arrays, metadata=metadata)
+        digest = tensors.write_file(temp, arrays, metadata, files.FILE_MODE)
         files.checkpoint("data:written")
         files.commit(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
     files.checkpoint("data:committed")
+    return digest
 
 
 # -- reopen ---------------------------------------------------------------------
@@ -257,7 +263,8 @@ def _restore_checkpoints(
             store.add(Checkpoint(record["tokens"], states, record["boundary"], record["bytes"]))
 
 
-def _verified_arrays(folder: Path, name: str, manifest: dict[str, Any]) -> dict[str, mx.array]:
+def _open_data(folder: Path, name: str, manifest: dict[str, Any]) -> tensors.StreamedTensors:
+    """The data file, opened to be read and checked in one pass (see ``finish``)."""
     data = folder / manifest["data_file"]
     try:
         size = data.stat().st_size
@@ -265,12 +272,15 @@ def _verified_arrays(folder: Path, name: str, manifest: dict[str, Any]) -> dict[
         raise _reject_corrupt(folder, name, "its data file is missing") from None
     if size != manifest.get("data_bytes"):
         raise _reject_corrupt(folder, name, "its data file is truncated")
-    if files.sha256_file(data) != manifest.get("data_sha256"):
-        raise _reject_corrupt(folder, name, "checksum mismatch")
     try:
-        return mx.load(str(data))
-    except Exception as error:  # MLX raises RuntimeError/ValueError for bad files
+        return tensors.StreamedTensors(data, size)
+    except (OSError, tensors.BadTensors) as error:
         raise _reject_corrupt(folder, name, f"unreadable data: {error}") from error
+
+
+def _finish_checked(arrays: tensors.StreamedTensors, manifest: dict[str, Any]) -> None:
+    if arrays.finish() != manifest.get("data_sha256"):
+        raise tensors.BadTensors("checksum mismatch")
 
 
 def load_snapshot(
@@ -325,7 +335,9 @@ def load_snapshot(
     keep, checkpoint = _reusable(manifest, prompt_ids, keep_last, name)
     if keep <= held:
         return held
-    arrays = _verified_arrays(folder, name, manifest)
+    # Restored while it is read and hashed, one layer's arrays at a time; nothing
+    # of it is kept unless the whole file's checksum then matches.
+    arrays = _open_data(folder, name, manifest)
     try:
         states = None
         if checkpoint is not None:
@@ -336,6 +348,7 @@ def load_snapshot(
             stored_page_size=int(manifest["page_size"]),
             stored_rotation=manifest.get("rotation"), checkpoint=states,
         )
+        _finish_checked(arrays, manifest)
         session.tokens = [int(t) for t in manifest["tokens"][:keep]]
         _restore_checkpoints(session, manifest, arrays, keep)
         mx.eval(adapter.eval_targets(session.cache))
@@ -344,8 +357,13 @@ def load_snapshot(
         raise SnapshotRejected(
             f"Stored KV for {name!r} does not fit the KV budget ({error})", reason="budget"
         ) from error
+    except (tensors.BadTensors, OSError) as error:
+        session.reset()
+        raise _reject_corrupt(folder, name, str(error)) from error
     except (LayerMismatch, KeyError, TypeError, ValueError, EngineError) as error:
         session.reset()
         raise _reject_corrupt(folder, name, f"layers do not fit: {error}") from error
+    finally:
+        arrays.close()
     os.utime(manifest_path)  # last use, for least-recently-used eviction
     return keep

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import paths
+from engine.errors import EngineError
 from engine.prompt_ids import common_prefix
 from engine.snapshots import files
 from engine.snapshots.manifest import (
@@ -53,6 +54,18 @@ class SnapshotStore:
         self.directory = files.private_dir(directory or default_snapshot_dir())
         self.budget_bytes = default_budget(self.directory) if budget_bytes is None else budget_bytes
         self.sweep()
+
+    def set_budget(self, budget_bytes: int | None) -> list[str]:
+        """Apply a new budget (None: :func:`default_budget`, computed now).
+
+        Returns:
+            The snapshots evicted, least recently used first, to fit a lower budget.
+        """
+        if budget_bytes is not None and budget_bytes < 0:
+            raise EngineError("The stored-KV disk budget cannot be negative.")
+        self.budget_bytes = default_budget(self.directory) if budget_bytes is None \
+            else budget_bytes
+        return self.evict()
 
     # -- reading and writing --------------------------------------------------
 

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from app.settings import Settings, config_dir
 from app.store import HistoryStore
 from engine.paths import data_dir
-
-
-@pytest.fixture
-def loose_umask() -> Iterator[None]:
-    """A umask that would make new files world-readable, as many systems have."""
-    old = os.umask(0o022)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def _mode(path: Path) -> int:

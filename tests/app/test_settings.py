@@ -17,6 +17,7 @@ def test_defaults() -> None:
     assert s.path.parent == config_dir() != data_dir()
     assert (s.default_mode, s.page_size, s.ingest_chunk) == ("q8", 256, 512)
     assert s.memory_budget_bytes is None
+    assert s.stored_kv_budget_bytes is None  # the engine's: min(20 GB, 10% of free disk)
     assert s.sampling == SamplingParams(repetition_penalty=DEFAULT_REPETITION_PENALTY)
     assert s.last_model == "demo"
     assert s.model_folders == []
@@ -28,6 +29,7 @@ def test_round_trip_through_the_file() -> None:
     s.page_size = 128
     s.ingest_chunk = 1024
     s.memory_budget_bytes = 2 * 2**30
+    s.stored_kv_budget_bytes = 5 * 10**9
     s.sampling = SamplingParams(temperature=0.2, top_k=40, max_tokens=99, seed=7)
     s.system_prompt = "Be brief."
     s.model_folders = ["/models/a", "/models/b", "/models/a"]
@@ -36,6 +38,10 @@ def test_round_trip_through_the_file() -> None:
     again = Settings()
     assert (again.default_mode, again.page_size, again.ingest_chunk) == ("q6", 128, 1024)
     assert again.memory_budget_bytes == 2 * 2**30
+    assert again.stored_kv_budget_bytes == 5 * 10**9
+    again.stored_kv_budget_bytes = None  # back to the default, and the key is gone
+    assert Settings().stored_kv_budget_bytes is None
+    assert "stored_kv_budget_bytes" not in s.path.read_text()
     assert again.sampling == SamplingParams(temperature=0.2, top_k=40, max_tokens=99, seed=7)
     assert again.system_prompt == "Be brief."
     assert again.model_folders == ["/models/a", "/models/b"]

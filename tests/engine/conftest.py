@@ -32,3 +32,25 @@ def tiny_model(tiny_model_dir: Path) -> tuple[Any, Any]:
     from mlx_lm.utils import load
 
     return load(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """SmolLM2-135M (the app's demo model) and its tokenizer, dequantized to float32.
+
+    The CPU backend emulates float16, so the model computes in float32 here.
+    """
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model, load
+
+    from engine.models.demo import ensure_demo_model
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("LONGLEAF_HOME", str(tmp_path_factory.mktemp("demo-home")))
+    try:
+        model, tokenizer = load(str(ensure_demo_model()))
+    finally:
+        patch.undo()
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    return model, tokenizer

@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from engine import paths
 
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
-
-
-@pytest.fixture
-def loose_umask() -> Iterator[None]:
-    """A umask that would make new files world-readable, as many systems have."""
-    old = os.umask(0o022)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def test_data_dir_and_its_subfolders_are_user_only(loose_umask: None) -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import stat
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +12,6 @@ from engine.models.loader import load_model
 from engine.session import Session
 from engine.snapshots.store import SnapshotStore, default_snapshot_dir
 from tests.engine.tinymodels import make_tiny_model_dir
-
-
-@pytest.fixture
-def loose_umask() -> Iterator[None]:
-    """A umask that would make new files world-readable, as many systems have."""
-    old = os.umask(0o022)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def _modes(folder: Path) -> dict[str, int]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
 from app.settings import Settings
 from app.window.dialogs import NewChatDialog, SettingsDialog
+from engine import SnapshotStore, default_budget, snapshots_dir
 from engine.sampling import SamplingParams
 from engine.worker import EngineWorker
 from tests.app.conftest import close_window, open_window
@@ -20,6 +22,7 @@ def _saved() -> Settings:
     s.page_size = 128
     s.ingest_chunk = 1024
     s.memory_budget_bytes = 3 * 2**30
+    s.stored_kv_budget_bytes = 12 * 10**9
     s.sampling = SamplingParams(temperature=0.3, top_p=0.9, top_k=40, max_tokens=99, seed=7)
     s.system_prompt = "Be brief."
     s.model_folders = ["/models/a"]
@@ -32,6 +35,7 @@ def _edit(dialog: SettingsDialog) -> None:
     dialog.page_size.setValue(64)
     dialog.chunk.setValue(256)
     dialog.budget.setValue(0)  # "Automatic"
+    dialog.disk_budget.setValue(2.5)
     dialog.temperature.setValue(0.0)
     dialog.top_k.setValue(0)
     dialog.max_tokens.setValue(500)
@@ -45,6 +49,7 @@ def test_dialog_shows_the_saved_values(qtbot) -> None:
     assert dialog.mode.currentText() == "q6"
     assert (dialog.page_size.value(), dialog.chunk.value()) == (128, 1024)
     assert dialog.budget.value() == 3 * 1024  # MiB
+    assert dialog.disk_budget.value() == 12.0  # GB
     assert (dialog.temperature.value(), dialog.top_p.value()) == (0.3, 0.9)
     assert (dialog.top_k.value(), dialog.max_tokens.value()) == (40, 99)
     assert dialog.system_prompt.toPlainText() == "Be brief."
@@ -59,6 +64,7 @@ def test_save_writes_every_field(qtbot) -> None:
     again = Settings()
     assert (again.default_mode, again.page_size, again.ingest_chunk) == ("q4", 64, 256)
     assert again.memory_budget_bytes is None
+    assert again.stored_kv_budget_bytes == 2_500_000_000
     assert again.sampling == SamplingParams(temperature=0.0, top_p=0.9, top_k=0,
                                             max_tokens=500, seed=7)
     assert again.system_prompt == "Answer in French."
@@ -98,6 +104,49 @@ def test_saved_budget_and_chunk_reach_the_running_engine(qtbot, tiny_llama: Path
         window.open_settings()
         qtbot.waitUntil(lambda: worker.chunk_size == 128, timeout=10_000)
         assert worker.guard.budget_bytes == 700 * 2**20
+    finally:
+        close_window(window)
+
+
+def test_the_automatic_disk_budget_says_what_it_is(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    assert dialog.disk_budget.value() == 0
+    shown = dialog.disk_budget.text()
+    default_gb = default_budget(snapshots_dir()) / 1e9
+    assert "smaller of 20 GB and 10% of free disk" in shown and f"{default_gb:.1f} GB" in shown
+    dialog.disk_budget.setValue(0)
+    dialog.apply()
+    assert Settings().stored_kv_budget_bytes is None
+
+
+def test_a_lowered_disk_budget_reaches_the_running_engines_store(qtbot, tiny_llama: Path,
+                                                               tmp_path: Path) -> None:
+    stores: list[SnapshotStore] = []
+
+    def worker_factory(on_event, budget_bytes, chunk_size):
+        stores.append(SnapshotStore(tmp_path / "kv"))
+        return EngineWorker(on_event, snapshots=stores[0])
+
+    window = open_window(qtbot, tiny_llama, worker_factory=worker_factory)
+    store = stores[0]
+
+    def fill_in_and_save() -> None:
+        dialog = QApplication.activeModalWidget()
+        assert isinstance(dialog, SettingsDialog)
+        dialog.disk_budget.setValue(1.5)
+        dialog.accept()
+
+    try:
+        # Free disk moves as other programs write: the default, give or take.
+        assert store.budget_bytes == pytest.approx(default_budget(store.directory), rel=0.01)
+        QTimer.singleShot(0, fill_in_and_save)
+        window.open_settings()
+        qtbot.waitUntil(lambda: store.budget_bytes == 1_500_000_000, timeout=10_000)
+        qtbot.waitUntil(lambda: window.panel.stored_kv.listing is not None
+                        and window.panel.stored_kv.listing.budget_bytes == 1_500_000_000,
+                        timeout=10_000)
+        assert "1.5 GB budget" in window.panel.stored_kv.summary.text()
     finally:
         close_window(window)
 

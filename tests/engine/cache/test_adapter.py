@@ -116,7 +116,7 @@ def test_paged_modes_match_mlx_lm_every_step(models: dict[str, Any], arch: str) 
     scale = float(np.abs(exact).max())
     errors = {}
     for mode in kvquant.MODES:
-        paged = _run(model, adapter.make_cache(model, mode, page_size=PAGE_SIZE))
+        paged = _run(model, adapter.make_cache(model, mode, page_size=PAGE_SIZE, rotate=False))
         reference = _run(model, _reference_cache(model, mode))
         errors[mode] = _max_error(paged, exact)
         # Same stored rows: every step agrees to float32 noise.
@@ -184,6 +184,8 @@ def test_state_round_trip_continues_identically(models: dict[str, Any]) -> None:
     cache = adapter.make_cache(model, "q4", page_size=PAGE_SIZE)
     _run(model, cache, steps=3)
     restored = [PagedKVCache.from_state(c.state) for c in cache]
+    for layer, original in zip(restored, cache, strict=True):
+        layer.meta_state = original.meta_state  # mlx-lm's protocol: state, then meta_state
     assert [c.offset for c in restored] == [c.offset for c in cache]
     assert [c.nbytes for c in restored] == [c.nbytes for c in cache]
     token = _decode_token(model, 99)
@@ -298,7 +300,7 @@ def test_head_dim_without_an_mlx_group_falls_back_to_dequantize() -> None:
     model = _tiny_llama(40)
     mx.eval(model.parameters())
     builders: dict[str, Callable[[], list[Any]]] = {
-        "paged": lambda: adapter.make_cache(model, "q8", page_size=8),
+        "paged": lambda: adapter.make_cache(model, "q8", page_size=8, rotate=False),
         "reference": lambda: _reference_cache(model, "q8"),
     }
     results = {name: _run(model, build(), steps=4) for name, build in builders.items()}
@@ -308,24 +310,6 @@ def test_head_dim_without_an_mlx_group_falls_back_to_dequantize() -> None:
 def test_cache_stats_of_a_cache_without_paged_layers(tmp_path: Path) -> None:
     stats = adapter.cache_stats([])
     assert stats.tokens == 0 and stats.layers == () and stats.pages_allocated == 0
-
-
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    """SmolLM2-135M (the app's demo model), dequantized to float32 for the CPU."""
-    from mlx_lm.utils import dequantize_model, load
-
-    from engine.models.demo import ensure_demo_model
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv("LONGLEAF_HOME", str(tmp_path_factory.mktemp("demo-home")))
-    try:
-        model, tokenizer = load(str(ensure_demo_model()))
-    finally:
-        patch.undo()
-    model = dequantize_model(model)
-    model.set_dtype(mx.float32)  # the CPU backend emulates float16
-    return model, tokenizer
 
 
 def _greedy(model: Any, cache: list[Any], prompt: list[int], tokens: int) -> list[int]:

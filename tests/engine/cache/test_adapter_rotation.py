@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.cache import adapter
 from engine.cache.paged_cache import PagedKVCache
-from engine.cache.rotation import HadamardRotation, rotation_for
+from engine.cache.rotation import HadamardRotation
 from tests.engine.tinymodels import ARCHS, load_tiny
 
 CHUNKS = (40, 33, 17)
@@ -198,16 +198,16 @@ def test_rotated_cache_trims_and_keeps_agreeing(models: dict[str, Any]) -> None:
     assert _error(np.array(ours), np.array(exact)) < 0.05 * float(mx.abs(exact).max())
 
 
-def test_state_round_trip_needs_the_recorded_rotation(models: dict[str, Any]) -> None:
-    # A layer's state holds its pages only; the rotation is recorded beside it
-    # (CacheStats.rotation, the snapshot manifest) and rebuilt with rotation_for.
+def test_state_round_trip_keeps_the_rotation(models: dict[str, Any]) -> None:
+    # mlx-lm's protocol sets state, then meta_state; the latter names the rotation.
     model = models["qwen3"]
     cache = adapter.make_cache(model, "q4", page_size=PAGE_SIZE, rotate=True)
     _run(model, cache)
-    recorded = adapter.rotation_format(cache)
     restored = [PagedKVCache.from_state(c.state) for c in cache]
     for original, layer in zip(cache, restored, strict=True):
-        layer.rotation = rotation_for(recorded, layer.head_dim, original.layer)
+        layer.meta_state = original.meta_state
+        assert repr(layer.rotation) == repr(original.rotation)
+    assert adapter.rotation_format(restored) == adapter.rotation_format(cache)
     token = mx.array([[7]])
     expected, got = model(token, cache=cache), model(token, cache=restored)
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5)

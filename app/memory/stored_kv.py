@@ -1,0 +1,178 @@
+"""The memory panel's "Stored KV" section: chats' KV caches kept on disk.
+
+The worker sends an ``engine.StoredKv`` listing (plain values) after every save,
+eviction and clear, so nothing here reads a snapshot or calls MLX. Clearing asks
+the worker, which deletes between requests and never while it writes a snapshot;
+the panel changes when the worker's next listing arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.format import relative_time
+from engine import StoredKv
+
+COLUMNS = ("Chat", "Tokens", "Mode", "Size", "Last used")
+UNKNOWN_CHAT = "(chat not in the history)"
+
+
+def disk_size(n: int) -> str:
+    """Bytes on disk in decimal units, as the Settings budget and Finder state them."""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+class StoredKvSection(QWidget):
+    """Bytes on disk against the budget, one row per stored chat, and clear buttons.
+
+    Signals:
+        clearRequested: a session id to clear one chat's stored KV, or None for all
+            (already confirmed by the user).
+    """
+
+    clearRequested = Signal(object)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(6)
+        heading = QLabel("STORED KV")
+        heading.setObjectName("panelSection")
+        layout.addWidget(heading)
+        self.summary = QLabel("Nothing stored yet")
+        self.summary.setObjectName("panelValue")
+        self.summary.setWordWrap(True)
+        layout.addWidget(self.summary)
+        self.bar = QProgressBar(textVisible=False, maximumHeight=8, maximum=1000)
+        layout.addWidget(self.bar)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setObjectName("storedKvTable")
+        self.table.setHorizontalHeaderLabels(list(COLUMNS))
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QTableWidget.SelectionMode.SingleSelection)
+        self.table.setMaximumHeight(160)
+        self.table.itemSelectionChanged.connect(self._update_buttons)
+        layout.addWidget(self.table)
+        buttons = QHBoxLayout()
+        self.clear_one = QPushButton("Clear chat's")
+        self.clear_one.setToolTip("Delete the selected chat's stored KV; its next send "
+                                  "reads the conversation again.")
+        self.clear_one.clicked.connect(self._clear_selected)
+        self.clear_all = QPushButton("Clear all…")
+        self.clear_all.setToolTip("Delete every chat's stored KV from disk.")
+        self.clear_all.clicked.connect(self._confirm_clear_all)
+        buttons.addWidget(self.clear_one)
+        buttons.addWidget(self.clear_all)
+        buttons.addStretch(1)
+        layout.addLayout(buttons)
+        self.listing: StoredKv | None = None
+        self._names: list[str] = []
+        self._update_buttons()
+
+    def show_listing(self, listing: StoredKv, title_of: Callable[[str], str | None]) -> None:
+        """Show the worker's listing; ``title_of`` names a chat from its session id."""
+        self.listing = listing
+        budget = listing.budget_bytes
+        count = len(listing.snapshots)
+        chats = f"{count} chat{'s' if count != 1 else ''}"
+        self.summary.setText(f"<b>{disk_size(listing.total_bytes)}</b> on disk of "
+                             f"{disk_size(budget)} budget · {chats}")
+        self.bar.setValue(min(1000, int(1000 * listing.total_bytes / budget)) if budget else 0)
+        selected = self.selected_name()
+        self._names = [info.name for info in listing.snapshots]
+        self.table.setRowCount(count)
+        for row, info in enumerate(listing.snapshots):
+            cells = (title_of(info.name) or UNKNOWN_CHAT, f"{info.tokens:,}", info.mode,
+                     disk_size(info.disk_bytes), relative_time(info.last_used))
+            for column, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if column:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight
+                                          | Qt.AlignmentFlag.AlignVCenter)
+                self.table.setItem(row, column, item)
+        # Rows move as chats are used: keep the selection on its chat, never on its row
+        # (Qt moves the current row onto a neighbour when rows go).
+        self.table.selectionModel().clearCurrentIndex()
+        self.table.clearSelection()
+        if selected in self._names:
+            self.table.selectRow(self._names.index(selected))
+        self._update_buttons()
+
+    def selected_name(self) -> str | None:
+        """The session id of the selected row, or None."""
+        rows = self.table.selectionModel().selectedRows()
+        return self._names[rows[0].row()] if rows else None
+
+    def _update_buttons(self) -> None:
+        self.clear_one.setEnabled(self.selected_name() is not None)
+        self.clear_all.setEnabled(bool(self._names))
+
+    def _clear_selected(self) -> None:
+        name = self.selected_name()
+        if name is not None:
+            self.clearRequested.emit(name)
+
+    def _confirm_clear_all(self) -> None:
+        answer = QMessageBox.question(
+            self, "Clear stored KV",
+            f"Delete the stored KV of all {len(self._names)} chats from disk? Their "
+            "conversations stay; each is read again on its next send.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel,
+            QMessageBox.StandardButton.Cancel)
+        if answer == QMessageBox.StandardButton.Yes:
+            self.clearRequested.emit(None)
+
+
+class StoredKvFeed(QObject):
+    """Connects the section to the bridge's listings and the history's chat titles.
+
+    Args:
+        controller: the ``ChatController`` (its ``bridge``, its ``store`` of chat
+            titles, and ``closed``: listings sent while the app quits are ignored,
+            the history is closing).
+        section: the section it fills.
+    """
+
+    def __init__(self, controller, section: StoredKvSection,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.controller, self.section = controller, section
+        bridge = controller.bridge
+        bridge.storedKv.connect(self.show)
+        section.clearRequested.connect(bridge.clear_stored_kv)
+        if bridge.last_stored_kv is not None:
+            self.show(bridge.last_stored_kv)
+
+    def show(self, listing: StoredKv | None = None) -> None:
+        """Show ``listing`` (None: the last one again, e.g. after a chat was renamed)."""
+        listing = listing or self.section.listing
+        if listing is not None and not self.controller.closed:
+            self.section.show_listing(listing, self._title)
+
+    def _title(self, session_id: str) -> str | None:
+        record = self.controller.store.session(session_id)
+        return record.title if record is not None else None

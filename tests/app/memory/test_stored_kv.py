@@ -1,0 +1,129 @@
+"""The memory panel's "Stored KV" section lists chats on disk and clears them through the worker."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QMessageBox
+
+from app.memory.stored_kv import UNKNOWN_CHAT, StoredKvFeed, StoredKvSection, disk_size
+from engine import StoredKv
+from engine.snapshots import SnapshotInfo
+from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
+
+
+class FakeBridge(QObject):
+    storedKv = Signal(object)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_stored_kv: StoredKv | None = None
+        self.cleared: list[str | None] = []
+
+    def clear_stored_kv(self, session_id: str | None = None) -> None:
+        self.cleared.append(session_id)
+
+
+class FakeHistory:
+    def __init__(self, titles: dict[str, str]) -> None:
+        self.titles = titles
+
+    def session(self, session_id: str):
+        title = self.titles.get(session_id)
+        return None if title is None else SimpleNamespace(title=title)
+
+
+def _info(name: str, tokens: int, mode: str, disk_bytes: int) -> SnapshotInfo:
+    return SnapshotInfo(name=name, tokens=tokens, mode=mode, page_size=256, kv_bytes=disk_bytes,
+                        disk_bytes=disk_bytes, created=0.0, last_used=0.0, model="tiny")
+
+
+LISTING = StoredKv(budget_bytes=20 * 10**9, total_bytes=3_500_000, snapshots=(
+    _info("chat-1", 5_500, "q8", 2_500_000), _info("gone", 1_000, "q4", 1_000_000)))
+
+
+def _section(qtbot, titles: dict[str, str]) -> tuple[StoredKvSection, FakeBridge, StoredKvFeed]:
+    section = StoredKvSection()
+    qtbot.addWidget(section)
+    bridge = FakeBridge()
+    controller = SimpleNamespace(bridge=bridge, store=FakeHistory(titles), closed=False)
+    feed = StoredKvFeed(controller, section, section)
+    return section, bridge, feed
+
+
+def _rows(section: StoredKvSection) -> list[list[str]]:
+    table = section.table
+    return [[table.item(r, c).text() for c in range(table.columnCount())]
+            for r in range(table.rowCount())]
+
+
+def test_each_stored_chat_is_listed_with_its_title_tokens_mode_and_size(qtbot) -> None:
+    section, bridge, feed = _section(qtbot, {"chat-1": "Walden notes"})
+    assert section.table.rowCount() == 0 and not section.clear_all.isEnabled()
+    bridge.storedKv.emit(LISTING)
+    rows = _rows(section)
+    assert [r[:4] for r in rows] == [["Walden notes", "5,500", "q8", "2.5 MB"],
+                                     [UNKNOWN_CHAT, "1,000", "q4", "1.0 MB"]]
+    assert "3.5 MB</b> on disk of 20.0 GB budget · 2 chats" in section.summary.text()
+    assert section.bar.value() == 0  # 3.5 MB of 20 GB rounds to nothing
+    feed.controller.store.titles["chat-1"] = "Renamed"
+    feed.show()  # the last listing again, with the history's titles now
+    assert _rows(section)[0][0] == "Renamed"
+    feed.controller.closed = True  # quitting: the history is closing, listings wait
+    bridge.storedKv.emit(StoredKv(1, 0))
+    assert section.listing is not None and section.listing.budget_bytes != 1
+
+
+def test_clearing_one_chat_asks_the_worker_and_waits_for_its_listing(qtbot) -> None:
+    section, bridge, _ = _section(qtbot, {"chat-1": "Walden notes"})
+    bridge.storedKv.emit(LISTING)
+    assert not section.clear_one.isEnabled()  # nothing selected
+    section.table.selectRow(1)
+    assert section.selected_name() == "gone" and section.clear_one.isEnabled()
+    section.clear_one.click()
+    assert bridge.cleared == ["gone"]
+    assert section.table.rowCount() == 2  # on disk until the worker says otherwise
+    bridge.storedKv.emit(StoredKv(LISTING.budget_bytes, 2_500_000, LISTING.snapshots[:1]))
+    assert [r[0] for r in _rows(section)] == ["Walden notes"]
+    assert not section.clear_one.isEnabled()
+    section.table.selectRow(0)  # a selection follows its chat when rows move
+    bridge.storedKv.emit(StoredKv(LISTING.budget_bytes, 3_500_000, LISTING.snapshots[::-1]))
+    assert section.selected_name() == "chat-1"
+    assert section.table.selectionModel().selectedRows()[0].row() == 1
+
+
+def test_clear_all_needs_a_confirmation(qtbot, monkeypatch) -> None:
+    section, bridge, _ = _section(qtbot, {})
+    bridge.storedKv.emit(LISTING)
+    answers = [QMessageBox.StandardButton.Cancel, QMessageBox.StandardButton.Yes]
+    monkeypatch.setattr(QMessageBox, "question", lambda *args: answers.pop(0))
+    section.clear_all.click()
+    assert bridge.cleared == []
+    section.clear_all.click()
+    assert bridge.cleared == [None]
+
+
+def test_disk_sizes_are_decimal_like_the_budget() -> None:
+    assert [disk_size(n) for n in (999, 1000, 2_500_000, 20 * 10**9)] == [
+        "999 B", "1.0 KB", "2.5 MB", "20.0 GB"]
+
+
+def test_a_chat_stored_by_the_worker_is_listed_and_cleared_through_it(qtbot, window) -> None:
+    c = window.controller
+    section = window.panel.stored_kv
+    qtbot.waitUntil(lambda: section.listing is not None, timeout=ANSWER_TIMEOUT_MS)
+    assert section.table.rowCount() == 0
+    c.new_session("q4")
+    assert send_and_wait(qtbot, window, "hello") == "complete"
+    record = c.current
+    c.caches.close(record.id)  # leaves memory: the worker stores it and lists it
+    qtbot.waitUntil(lambda: section.table.rowCount() == 1, timeout=ANSWER_TIMEOUT_MS)
+    on_disk = c.bridge.stored_snapshot(record.id)
+    row = _rows(section)[0]
+    assert row[:4] == [record.title, f"{on_disk.tokens:,}", "q4", disk_size(on_disk.disk_bytes)]
+    section.table.selectRow(0)
+    section.clear_one.click()
+    qtbot.waitUntil(lambda: section.table.rowCount() == 0, timeout=ANSWER_TIMEOUT_MS)
+    assert c.bridge.stored_snapshot(record.id) is None
+    assert section.listing.total_bytes == 0
