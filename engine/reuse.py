@@ -2,11 +2,13 @@
 
 Chats of the same model, KV mode, page size and rotation that start with the same
 token ids (one document dropped into several chats, a chat reopened in the same
-mode or duplicated to branch) hold the same pages for that prefix. A session about
-to read a prompt takes the longest such prefix from another held session instead
-of reading it again, under the rules a snapshot reopen follows: paged layers can
-stop at any token; linear-attention and sliding-window layers only where the other
-session holds a checkpoint (``engine.checkpoints``) or at its full length.
+mode or duplicated to branch) would store the same pages for that prefix. A
+session about to read a prompt takes the longest such prefix from another held
+session instead of reading it again, pointing at the same pages
+(``engine.cache.sharing``), under the rules a snapshot reopen follows: paged
+layers can stop at any token; linear-attention and sliding-window layers only
+where the other session holds a checkpoint (``engine.checkpoints``) or at its
+full length, their state copied.
 
 Every function here runs MLX and must be called from the engine worker thread.
 """
