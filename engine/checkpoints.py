@@ -30,14 +30,14 @@ from engine.cache.paged_cache import PagedKVCache
 MAX_BOUNDARIES = 3
 
 
-def _copy(value: Any) -> Any:
+def copy_state(value: Any) -> Any:
     # mx.array(a) copies the data into a new buffer (a copy.copy would share it and,
     # for the conv state, pin the whole chunk it was sliced from); lists are copied
     # because mlx-lm assigns into them in place (ArraysCache.cache[i] = ...).
     if isinstance(value, mx.array):
         return mx.array(value)
     if isinstance(value, list | tuple):
-        return type(value)(_copy(v) for v in value)
+        return type(value)(copy_state(v) for v in value)
     return value
 
 
@@ -75,7 +75,7 @@ class Checkpoint:
 def take(cache: list[Any], tokens: int, *, boundary: bool) -> Checkpoint:
     """Copy the state of ``cache``'s non-paged layers (evaluated now: the layers move on)."""
     states = tuple(
-        (index, _copy(layer.state))
+        (index, copy_state(layer.state))
         for index, layer in enumerate(cache)
         if not isinstance(layer, PagedKVCache)
     )
@@ -164,6 +164,6 @@ def rewind(cache: list[Any], tokens: int, store: CheckpointStore) -> int | None:
         return None
     for index, state in checkpoint.states:
         # A fresh copy: the checkpoint must survive the in-place updates that follow.
-        cache[index].state = _copy(state)
+        cache[index].state = copy_state(state)
     store.drop_after(checkpoint.tokens)
     return checkpoint.tokens

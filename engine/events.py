@@ -77,6 +77,12 @@ class StatsSample:
     prefill_peak_bytes: int = 0
     checkpoint_bytes: int = 0
     other_cache_bytes: int = 0
+    # Pages shared with other open chats (one document read once): the part of
+    # kv_bytes_used they hold too, kv_bytes_used with each shared page divided among
+    # its holders (None: nothing shared), and how many other chats share them.
+    kv_shared_bytes: int = 0
+    kv_bytes_once: int | None = None
+    kv_shared_with: int = 0
 
 
 @dataclass(frozen=True)

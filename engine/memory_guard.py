@@ -189,8 +189,13 @@ class MemoryGuard:
     def held_bytes(self, exclude: str | None = None) -> int:
         """Bytes the attached pools have allocated (all but ``exclude``)."""
         with self._lock:
+            mine = self._pools.get(exclude) if exclude is not None else None
             pools = [p for k, p in self._pools.items() if k != exclude]
-        return sum(int(p.bytes_allocated) for p in pools)
+        # Sessions sharing pages share one pool group: count its slabs once, and
+        # not at all when ``exclude``'s pool is in it.
+        groups = {id(_group(p)): p for p in pools}
+        groups.pop(id(_group(mine)), None)
+        return sum(int(p.bytes_allocated) for p in groups.values())
 
     def kv_share(self, key: str | None = None) -> int | None:
         """Bytes of the KV budget left for ``key``: the budget minus other sessions' pages."""
@@ -300,6 +305,10 @@ class MemoryGuard:
         else:
             message += " Close other apps to free memory, or choose a smaller model."
         raise InsufficientMemory(message, needed_bytes=needed_bytes, free_bytes=total_free)
+
+
+def _group(pool: Any) -> Any:
+    return getattr(pool, "group", pool)
 
 
 class PressureWatch:

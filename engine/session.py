@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import checkpoints, fit
-from engine.cache import adapter, kvquant
+from engine.cache import adapter, kvquant, sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import (
     Cancelled,
@@ -173,6 +173,7 @@ class Session(ChunkedPrefill):
 
     def reset(self) -> None:
         """Drop every held token and page."""
+        sharing.release_pages(self.cache)  # pages shared with other chats stay theirs
         self.cache = []
         self._new_cache()
         self.tokens = []
@@ -185,6 +186,7 @@ class Session(ChunkedPrefill):
         pool = self._pool()
         if pool is not None:
             self.guard.detach(self.session_id, pool)
+        sharing.release_pages(self.cache)
         self.cache = []
         self.tokens = []
         self.checkpoints.clear()

@@ -150,6 +150,9 @@ def stats_sample(
         prefill_peak_bytes=int(prefill_peak_bytes),
         checkpoint_bytes=int(checkpoint_bytes),
         other_cache_bytes=int(getattr(cache, "other_bytes", 0)),
+        kv_shared_bytes=int(getattr(cache, "shared_bytes", 0)),
+        kv_bytes_once=getattr(cache, "bytes_once", None),
+        kv_shared_with=int(getattr(cache, "shared_with", 0)),
     )
 
 

@@ -21,13 +21,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import fit
-from engine.cache import kvquant
+from engine import fit, reuse
+from engine.cache import kvquant, sharing
 from engine.errors import Cancelled, EngineError
 from engine.events import (
     Failed,
     Finished,
     ModelLoaded,
+    Notice,
     QualityChecked,
     QualityProgress,
     SessionOpened,
@@ -438,9 +439,14 @@ class EngineWorker:
             session = self._sessions.pop(session_id, None)
         if session is not None:
             self._snapshots.keep(session)
+            with self._lock:
+                partners = [s for s in self._sessions.values()
+                            if sharing.same_group(s.cache, session.cache)]
             session.close()
             # Hand the freed pages back to the OS, not just to MLX's buffer cache.
             mx.clear_cache()
+            for partner in partners:  # their pages are no longer shared: say so
+                self._publish(partner)
         return Finished(command.request_id, "done")
 
     def _do_chat(self, command: _Command) -> object:
@@ -508,11 +514,27 @@ class EngineWorker:
     def _restore(
         self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
     ) -> int:
-        """Reopen an empty session from its snapshot; the tokens it brought back."""
-        if session.tokens or self._snapshots.store is None:
+        """Reopen an empty session from its snapshot, then take a longer prefix another
+        open chat holds (``engine.reuse``); the tokens it brought back."""
+        with self._lock:
+            others = [s for s in self._sessions.values()
+                      if s.tokens and reuse.compatible(session, s)]
+        from_disk = not session.tokens and self._snapshots.store is not None
+        if not others and not from_disk:
             return 0
         prompt = session.render(messages, add_generation_prompt=answer)
-        return self._snapshots.restore(session, prompt, request_id, keep_last=answer)
+        reused = 0
+        if from_disk:
+            reused = self._snapshots.restore(session, prompt, request_id, keep_last=answer)
+        found = reuse.best_offer(session, others, prompt, keep_last=answer)
+        if found is None:
+            return reused
+        taken = reuse.adopt(session, found)
+        if taken:
+            self._publish(found.donor)  # its pages are shared now: the panel says so
+            self._emit(Notice(request_id, f"Reused {taken:,} tokens another open chat had "
+                                          "already read; reading only the rest."))
+        return taken
 
 
 def _kept(stop: tuple[int, int] | None) -> tuple[int | None, int | None]:

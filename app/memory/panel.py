@@ -50,6 +50,15 @@ def ram_level(sample: StatsSample) -> str:
     return "normal"
 
 
+def shared_note(sample: StatsSample) -> str:
+    """" · 4.1 MiB shared with 1 other chat" when pages are shared, else ""."""
+    others = sample.kv_shared_with
+    if not sample.kv_shared_bytes or not others:
+        return ""
+    chats = "chat" if others == 1 else "chats"
+    return f" · {human_bytes(sample.kv_shared_bytes)} shared with {others} other {chats}"
+
+
 def _section(title: str) -> QLabel:
     label = QLabel(title.upper())
     label.setObjectName("panelSection")
@@ -214,7 +223,7 @@ class MemoryPanel(QScrollArea):
         self.kv_label.setText(
             f"<b>{human_bytes(sample.kv_bytes_used)}</b> used of "
             f"{human_bytes(sample.kv_bytes_allocated)} allocated · "
-            f"{sample.tokens_in_context:,} tokens")
+            f"{sample.tokens_in_context:,} tokens{shared_note(sample)}")
         self.kv_bar.setMaximum(1000)
         self.kv_bar.setValue(int(1000 * sample.kv_bytes_used / allocated))
         self.pages_label.setText(

@@ -107,5 +107,10 @@ class SessionCaches(QObject):
 
     def total_bytes(self) -> int:
         """KV bytes held by every open session, from their latest samples."""
-        return sum(sample.kv_bytes_used for sid, sample in self.samples.items()
-                   if sid in self.opened)
+        # Pages shared between chats count once: each chat reports its part of them.
+        return sum(_once(sample) for sid, sample in self.samples.items() if sid in self.opened)
+
+
+def _once(sample: StatsSample) -> int:
+    once = getattr(sample, "kv_bytes_once", None)
+    return sample.kv_bytes_used if once is None else once

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.cache import kvquant
+from engine.cache import kvquant, sharing
 from engine.cache.attention import paged_attention
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
@@ -60,6 +60,12 @@ class CacheStats:
     # Bytes of the layers that are not paged (sliding windows, linear-attention state):
     # outside the page budget, but memory the session holds all the same.
     other_bytes: int = 0
+    # Of bytes_used, the pages other open chats hold too (engine.cache.sharing);
+    # bytes_once divides each shared page among its holders, so a sum over chats
+    # counts it once; shared_with: other chats in the page group.
+    shared_bytes: int = 0
+    bytes_once: int | None = None
+    shared_with: int = 0
 
 
 def _dispatcher(original: Any) -> Any:
@@ -216,6 +222,8 @@ def cache_stats(cache: list[Any]) -> CacheStats:
     )
     in_use = sum(layer.pages_in_use for layer in layers)
     allocated = sum(c.store.capacity for c in paged if c.store is not None)
+    free = sum(c.store.free_count for c in paged if c.store is not None)
+    shared, once, others = sharing.shared_bytes(cache)
     tokens = cache_tokens(cache)
     page_size = pool.page_size if pool else 0
     fill = 0.0
@@ -227,7 +235,7 @@ def cache_stats(cache: list[Any]) -> CacheStats:
         tokens=tokens,
         pages_in_use=in_use,
         pages_allocated=allocated,
-        pages_free=allocated - in_use,
+        pages_free=free,
         last_page_fill=fill,
         bytes_used=sum(layer.bytes_used for layer in layers),
         bytes_allocated=sum(c.store.capacity * c.store.layout.page_bytes for c in paged if c.store),
@@ -235,6 +243,9 @@ def cache_stats(cache: list[Any]) -> CacheStats:
         layers=layers,
         rotation=rotation_format(cache),
         other_bytes=sum(_held_bytes(c) for c in cache if not isinstance(c, PagedKVCache)),
+        shared_bytes=shared,
+        bytes_once=once,
+        shared_with=others,
     )
 
 

@@ -40,7 +40,7 @@ class PagedKVCache(_BaseCache):
         self.layer = layer
         self.store: PageStore | None = None
         if kv_heads is not None and head_dim is not None:
-            self.store = pool.add_store(kv_heads, head_dim)
+            self.store = pool.add_store(kv_heads, head_dim, holder=self)
         self.block_table: list[int] = []
         self.offset = 0
         # An orthonormal transform applied to every key and value row before it is
@@ -53,7 +53,7 @@ class PagedKVCache(_BaseCache):
 
     def _store_for(self, kv_heads: int, head_dim: int) -> PageStore:
         if self.store is None:
-            self.store = self.pool.add_store(kv_heads, head_dim)
+            self.store = self.pool.add_store(kv_heads, head_dim, holder=self)
         layout = self.store.layout
         if (layout.kv_heads, layout.head_dim) != (kv_heads, head_dim):
             raise EngineError(
@@ -89,11 +89,59 @@ class PagedKVCache(_BaseCache):
             logical, row = divmod(position, page_size)
             if logical == len(self.block_table):
                 self.block_table.append(store.take())
+            elif store.shared(self.block_table[logical]):
+                self._copy_on_write(logical)
             count = min(page_size - row, end - position)
             first = position - start
             piece = tuple(None if r is None else r[:, first : first + count] for r in rows)
             store.write(self.block_table[logical], row, piece)
             position += count
+
+    def _copy_on_write(self, logical: int) -> None:
+        # Another chat reads this page too: write into a copy of it instead.
+        shared = self.block_table[logical]
+        own = self.store.take()
+        self.store.copy_page(shared, own)
+        self.store.give_back([shared])
+        self.block_table[logical] = own
+
+    def copies_due(self, tokens: int) -> int:
+        """Pages a write up to ``tokens`` must copy first (its shared, partly filled
+        last page), for the budget to count."""
+        if tokens <= self.offset or self.offset % self.pool.page_size == 0:
+            return 0
+        return int(self.store.shared(self.block_table[-1]))
+
+    # -- sharing with another session's cache -------------------------------------
+
+    def share_prefix(self, other: PagedKVCache, tokens: int) -> None:
+        """Hold ``other``'s first ``tokens`` tokens by pointing at its pages.
+
+        This cache must hold nothing and its pool must have joined ``other``'s
+        (``PagePool.join``). No page is copied; the first write into a shared
+        page copies that page alone.
+        """
+        if self.block_table or self.pool.stores is not other.pool.stores:
+            raise EngineError("Only an empty cache in the same page group can share pages.")
+        self.store = other.store
+        slots = other.block_table[: self.pool.pages_for(tokens)]
+        self.store.share(slots)
+        self.block_table.extend(slots)
+        self.offset = tokens
+        self._groups = None
+
+    def release(self) -> None:
+        """Give every page back (shared ones stay with their other holders)."""
+        self._drop_last(self.offset, release=True)
+
+    @property
+    def shared_pages(self) -> tuple[int, float]:
+        """(pages held that others hold too, held pages with each shared one
+        divided among its holders): a sum over chats counts every page once."""
+        if self.store is None or not self.pool.shared:
+            return 0, float(len(self.block_table))
+        holders = [self.store.holders(slot) for slot in self.block_table]
+        return sum(1 for h in holders if h > 1), sum(1 / h for h in holders)
 
     # -- reading (for the attention) -------------------------------------------
 

@@ -11,6 +11,12 @@ then reads its storage.
 The :class:`PagePool` owns the byte budget of one session's layers. It reserves
 pages for all of them at once, so running out of budget raises before any layer
 has changed.
+
+Sessions that start with the same tokens share pages (issue 13): their pools
+:meth:`PagePool.join` one group and point into the same stores, where each slot
+counts the block tables that hold it. A slot goes back to the free list when the
+last one gives it back; a shared slot is never written (the holder that writes
+into it copies it first, see ``PagedKVCache._write``).
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
 from engine.cache import kvquant
-from engine.errors import KvBudgetExceeded, UnsupportedModeError
+from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 
 # Slabs double a layer's capacity up to this many bytes, then add half the
 # capacity each: few slabs per layer (each costs two kernels per decode step)
@@ -69,7 +76,7 @@ class PageStore:
 
     Slot ids are dense: slot ``s`` lives in the slab whose range covers ``s``.
     Arrays are ``(k_codes, k_scales, v_codes, v_scales)`` per slab; the scales are
-    None in fp16 mode.
+    None in fp16 mode. Each slot counts the block tables holding it (0: free).
     """
 
     def __init__(self, layout: PageLayout) -> None:
@@ -78,6 +85,7 @@ class PageStore:
         self.capacity = 0
         self._free: list[int] = []
         self._where: list[tuple[int, int]] = []  # slot -> (slab, index in slab)
+        self._refs: list[int] = []  # slot -> block tables holding it
 
     @property
     def free_count(self) -> int:
@@ -104,17 +112,48 @@ class PageStore:
         mx.eval([part for part in slab if part is not None])
         self.slabs.append(slab)
         self._where.extend((len(self.slabs) - 1, local) for local in range(pages))
+        self._refs.extend([0] * pages)
         for slot in range(self.capacity, self.capacity + pages):
             heapq.heappush(self._free, slot)
         self.capacity += pages
 
     def take(self) -> int:
         """A free slot, lowest first so a layer's pages stay in slab order."""
-        return heapq.heappop(self._free)
+        slot = heapq.heappop(self._free)
+        self._refs[slot] = 1
+        return slot
+
+    def share(self, slots: list[int]) -> None:
+        """Count one more holder of each slot (another block table now reads them)."""
+        for slot in slots:
+            self._refs[slot] += 1
+
+    def shared(self, slot: int) -> bool:
+        """Whether more than one block table holds ``slot`` (it must not be written)."""
+        return self._refs[slot] > 1
+
+    def holders(self, slot: int) -> int:
+        return self._refs[slot]
 
     def give_back(self, slots: list[int]) -> None:
+        """Drop one holder of each slot; a slot nobody holds is free again."""
         for slot in slots:
-            heapq.heappush(self._free, slot)
+            self._refs[slot] -= 1
+            if self._refs[slot] == 0:
+                heapq.heappush(self._free, slot)
+
+    def copy_page(self, source: int, target: int) -> None:
+        """Make slot ``target`` hold the same rows as slot ``source``."""
+        from_slab, from_local = self.locate(source)
+        to_slab, to_local = self.locate(target)
+        pages = [None if a is None else a[from_local] for a in self.slabs[from_slab]]
+        # Evaluated first: a slice update of a slab another pending op still reads
+        # would copy the whole slab.
+        mx.eval([p for p in pages if p is not None])
+        slab = self.slabs[to_slab]
+        for part, page in enumerate(pages):
+            if page is not None:
+                slab[part][to_local] = page
 
     def drop_free_tail(self) -> int:
         """Drop the last slabs while every slot in them is free; returns pages dropped.
@@ -132,6 +171,7 @@ class PageStore:
             self._free = [slot for slot in self._free if slot < start]
             heapq.heapify(self._free)
             del self._where[start:]
+            del self._refs[start:]
             self.slabs.pop()
             self.capacity = start
             dropped += pages
@@ -210,6 +250,11 @@ class PagePool:
         self.page_size = page_size
         self.budget_bytes = budget_bytes
         self.stores: list[PageStore] = []
+        # The block table reading each store (a ``PagedKVCache``), for what this
+        # session still needs when its stores are shared; None: the store's only user.
+        self.holders: list[Any] = []
+        # Pools whose sessions share pages: one list, the same stores (see join).
+        self.group: list[PagePool] = [self]
         # The most one prefill chunk's attention may hold on top of the pages
         # (engine.cache.attention walks the pages in blocks that fit it).
         self.scratch_bytes = PREFILL_SCRATCH_BYTES
@@ -217,14 +262,61 @@ class PagePool:
         # step) return without looking at the stores; reset when a store shrinks.
         self._room = 0
 
-    def add_store(self, kv_heads: int, head_dim: int) -> PageStore:
-        """Register one layer's storage (validates the mode against head_dim)."""
+    def add_store(self, kv_heads: int, head_dim: int, holder: Any = None) -> PageStore:
+        """Register one layer's storage (validates the mode against head_dim).
+
+        ``holder`` is the layer's cache (its ``block_table`` and ``offset``).
+        """
+        if self.shared:
+            raise EngineError("A layer cannot join page stores shared with other chats.")
         layout = PageLayout(self.mode, self.page_size, kv_heads, head_dim)
         layout.row_width  # noqa: B018 - raises UnsupportedModeError for a bad head_dim
         store = PageStore(layout)
         self.stores.append(store)
+        self.holders.append(holder)
         self._room = 0
         return store
+
+    # -- sharing pages between sessions ----------------------------------------
+
+    @property
+    def shared(self) -> bool:
+        """Whether another session's pool points into these stores."""
+        return len(self.group) > 1
+
+    def can_join(self, other: PagePool) -> bool:
+        """Whether this pool (holding no page) can point into ``other``'s stores."""
+        return (
+            other is not self
+            and (self.mode, self.page_size) == (other.mode, other.page_size)
+            and [s.layout for s in self.stores] == [s.layout for s in other.stores]
+            and all(s.in_use == 0 for s in self.stores)
+        )
+
+    def join(self, other: PagePool) -> None:
+        """Point this pool's layers into ``other``'s stores, to share its pages.
+
+        Call while this pool holds no page; its own empty stores are dropped. The
+        caller rebinds each layer's cache to ``stores[i]``.
+        """
+        if not self.can_join(other):
+            raise EngineError("These page stores cannot be shared: another layout.")
+        self.leave()
+        self.stores = other.stores
+        self.group = other.group
+        self.group.append(self)
+        for pool in self.group:
+            pool._room = 0
+
+    def leave(self) -> None:
+        """Stop sharing (after every page was given back): the others keep the stores."""
+        if self.shared:
+            self.group.remove(self)
+            for pool in self.group:
+                pool._room = 0
+            self.stores = [PageStore(s.layout) for s in self.stores]
+            self.group = [self]
+        self._room = 0
 
     @property
     def bytes_allocated(self) -> int:
@@ -233,7 +325,8 @@ class PagePool:
     def release_free_tail(self, store: PageStore) -> None:
         """Give back ``store``'s fully free last slabs (after a trim)."""
         if store.drop_free_tail():
-            self._room = 0
+            for pool in self.group:
+                pool._room = 0
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -247,10 +340,11 @@ class PagePool:
         pages = self.pages_for(tokens)
         if pages <= self._room:
             return
-        short = [(s, pages - s.in_use - s.free_count) for s in self.stores]
+        short = [(s, self._needed(index, tokens) - s.free_count)
+                 for index, s in enumerate(self.stores)]
         short = [(s, n) for s, n in short if n > 0]
         if not short:
-            self._room = min((s.capacity for s in self.stores), default=0)
+            self._room = self._reach()
             return
         needed = sum(n * s.layout.page_bytes for s, n in short)
         headroom = math.inf
@@ -272,7 +366,21 @@ class PagePool:
                 # and the budget's last pages are never held idle by one layer.
                 extra = min(extra, int(spare // step_bytes))
             store.add_slab(missing + extra)
-        self._room = min((s.capacity for s in self.stores), default=0)
+        self._room = self._reach()
+
+    def _needed(self, index: int, tokens: int) -> int:
+        """Free slots store ``index`` must give this session to hold ``tokens``."""
+        store, holder = self.stores[index], self.holders[index]
+        if holder is None:  # the store's only user: everything in use is its own
+            return self.pages_for(tokens) - store.in_use
+        return self.pages_for(tokens) - len(holder.block_table) + holder.copies_due(tokens)
+
+    def _reach(self) -> int:
+        """Pages every layer can hold without a new slab; 0 (look again each time)
+        while other sessions take slots from the same stores."""
+        if self.shared:
+            return 0
+        return min((s.capacity for s in self.stores), default=0)
 
     def tokens_fit(self, mode: str | None = None) -> int:
         """Tokens every layer can hold within the budget (in ``mode``, default ours)."""

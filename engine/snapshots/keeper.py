@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.events import Notice, StoredKv
+from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
 from engine.snapshots.snapshot import SnapshotRejected
 from engine.snapshots.store import SnapshotStore
 
@@ -74,7 +75,9 @@ class SnapshotKeeper:
     def restore(
         self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool
     ) -> int:
-        """Fill an empty session from its snapshot; returns the tokens reused."""
+        """Fill an empty session from its snapshot, or else from the stored chat of
+        its model that starts with the most of ``prompt`` (one document stored once
+        serves every chat about it); returns the tokens reused."""
         if self.store is None or session.tokens:
             return 0
         try:
@@ -83,7 +86,34 @@ class SnapshotKeeper:
             self._emit(Notice(request_id, str(rejected)))
             if rejected.removed:
                 self.announce()
-            return 0
+            reused = 0
+        if not reused:
+            reused = self._from_another(session, prompt, request_id, keep_last)
         if reused:
             self.announce()  # its "last used" moved
+        return reused
+
+    def _from_another(
+        self, session: Any, prompt: Sequence[int], request_id: int, keep_last: bool
+    ) -> int:
+        try:
+            digest = model_fingerprint(session_model_dir(session))["digest"]
+        except EngineError:
+            return 0
+        name = self.store.longest_prefix(prompt, model_digest=digest, exclude=session.session_id,
+                                         at_least=session.page_size)
+        if name is None:
+            return 0
+        try:
+            reused = self.store.load(session, name, prompt, keep_last=keep_last)
+        except SnapshotRejected as rejected:
+            # Another chat's snapshot this one cannot use (a higher mode, layers that
+            # cannot rewind there): nothing to tell, the prompt is read as usual.
+            log.info("snapshot %s not reused for %s: %s", name, session.session_id, rejected)
+            if rejected.removed:
+                self.announce()
+            return 0
+        if reused:
+            self._emit(Notice(request_id, f"Reused {reused:,} tokens stored for another chat; "
+                                          "reading only the rest."))
         return reused

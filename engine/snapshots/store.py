@@ -13,6 +13,7 @@ from typing import Any
 
 from engine import paths
 from engine.errors import EngineError
+from engine.prompt_ids import common_prefix
 from engine.snapshots import files
 from engine.snapshots.manifest import (
     Corrupt,
@@ -84,6 +85,27 @@ class SnapshotStore:
     ) -> int:
         """``load_snapshot`` from this folder; a reopen counts as a use."""
         return load_snapshot(session, self.directory, name, prompt_ids, keep_last=keep_last)
+
+    def longest_prefix(
+        self, prompt_ids: Sequence[int], *, model_digest: str, at_least: int, exclude: str = ""
+    ) -> str | None:
+        """The snapshot of model ``model_digest`` (not ``exclude``) that starts with
+        the most tokens of ``prompt_ids``, at least ``at_least``; None if none does."""
+        best, most = None, at_least - 1
+        for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
+            name = path.name[: -len(files.MANIFEST_SUFFIX)]
+            if name.startswith(files.TEMP_MARK) or name == exclude:
+                continue
+            try:
+                manifest = read_manifest(path)
+                if (manifest.get("model") or {}).get("digest") != model_digest:
+                    continue
+                shared = common_prefix(manifest["tokens"], prompt_ids)
+            except (Corrupt, KeyError, TypeError):
+                continue  # its own reopen removes it; here it just serves no one
+            if shared > most:
+                best, most = name, shared
+        return best
 
     def info(self, name: str) -> SnapshotInfo | None:
         return snapshot_info(self.directory, name)

@@ -521,7 +521,9 @@ def test_worker_sessions_share_one_budget(llama, worker_with) -> None:
     report = worker.fit_check("b", ending.stats.prompt_tokens)
     assert report.budget_bytes == 12 * PAGE - held and not report.fits
     assert worker.fit_check(None, 16).budget_bytes == 12 * PAGE - held
-    failed = events.ending(worker.ingest("b", _user(QUESTION * 4), threading.Event()))
+    # Another document: nothing of what "a" holds can be shared.
+    failed = events.ending(worker.ingest("b", _user("Zebras! " + QUESTION * 4),
+                                         threading.Event()))
     assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
     events.ending(worker.close_session("a"))
     assert worker.guard.held_bytes() == 0
@@ -540,11 +542,12 @@ def test_worker_configure_changes_the_budget_between_requests(llama, worker_with
     assert isinstance(applied, Finished) and applied.reason == "done"
     assert worker.fit_check(None, 16).budget_bytes == PAGE
     assert worker.guard.held_bytes() == held  # what "a" holds stays
-    failed = events.ending(worker.ingest("b", _user(QUESTION), threading.Event()))
+    other = _user("Zebras! " + QUESTION)  # nothing in common with what "a" holds
+    failed = events.ending(worker.ingest("b", other, threading.Event()))
     assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
     events.ending(worker.configure(budget_bytes=None, chunk_size=32))
     assert worker.fit_check(None, 16).budget_bytes is None
-    rid = worker.ingest("b", _user(QUESTION), threading.Event())
+    rid = worker.ingest("b", other, threading.Event())
     ending = events.ending(rid)
     assert isinstance(ending, Finished) and ending.reason == "done"
     done = [e.tokens_done for e in events.events

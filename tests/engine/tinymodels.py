@@ -237,3 +237,15 @@ def load_tiny(tmp_path: Path, arch: str, **kwargs: Any) -> tuple[Any, Any]:
     from mlx_lm.utils import load
 
     return load(str(make_tiny_model_dir(tmp_path, arch, **kwargs)))
+
+
+def loaded_for_session(folder: Path, max_context: int = 4096) -> Any:
+    """A tiny model folder loaded the way ``engine.session.Session`` takes it
+    (model, tokenizer, info with its context and path, folder)."""
+    from types import SimpleNamespace
+
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(folder))
+    info = SimpleNamespace(max_context=max_context, path=str(folder))
+    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from PySide6.QtCore import Qt
 
 from app.format import human_bytes
-from app.memory.panel import NO_CACHE, PROJECTION_MODES
+from app.memory.panel import NO_CACHE, PROJECTION_MODES, shared_note
 from engine.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
@@ -146,3 +148,12 @@ def test_free_ram_fits_is_capped_at_the_model_context(window) -> None:
     fits = [window.panel.table.item(row, 2) for row in range(len(PROJECTION_MODES))]
     # The tiny model's context is far below what free RAM holds, in every mode.
     assert all(item is not None and item.text().startswith("all ") for item in fits)
+
+
+def test_the_shared_part_of_a_chats_pages_is_named() -> None:
+    def note(shared: int, others: int) -> str:
+        return shared_note(SimpleNamespace(kv_shared_bytes=shared, kv_shared_with=others))
+
+    assert note(0, 0) == "" and note(0, 1) == ""
+    assert note(4 * 2**20, 1) == f" · {human_bytes(4 * 2**20)} shared with 1 other chat"
+    assert note(2**20, 2).endswith("shared with 2 other chats")

@@ -63,3 +63,15 @@ def test_a_failed_open_drops_what_waited_and_bytes_count_held_caches_only(qtbot)
     assert caches.total_bytes() == 1000
     caches.close_all()
     assert caches.opened == {} and caches.total_bytes() == 0 and ("close", "b") in bridge.calls
+
+
+def test_pages_two_chats_share_count_once_in_the_total(qtbot) -> None:
+    bridge = FakeBridge()
+    caches = SessionCaches(bridge, SimpleNamespace(page_size=256, rotate_kv=None))
+    ran: list[str] = []
+    for name in ("a", "b"):
+        _open(caches, bridge, name, ran)
+    # 800 bytes of pages both hold, 200 of each one's own.
+    caches.note(SimpleNamespace(session_id="a", kv_bytes_used=1000, kv_bytes_once=600))
+    caches.note(SimpleNamespace(session_id="b", kv_bytes_used=1000, kv_bytes_once=600))
+    assert caches.total_bytes() == 1200

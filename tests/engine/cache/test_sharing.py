@@ -1,0 +1,136 @@
+"""Pages shared between caches: reference counts, copy-on-write, release, one budget."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.cache import sharing
+from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PageLayout, PagePool, PageStore
+from engine.errors import KvBudgetExceeded
+from engine.memory_guard import MemoryGuard, MemoryReading
+
+PAGE_SIZE = 16
+KV_HEADS, HEAD_DIM = 2, 64
+
+
+def _rows(length: int, seed: int) -> mx.array:
+    return mx.random.normal((1, KV_HEADS, length, HEAD_DIM), key=mx.random.key(seed))
+
+
+def _cache(mode: str = "q8", budget: int | None = None) -> PagedKVCache:
+    return PagedKVCache(PagePool(mode, PAGE_SIZE, budget), KV_HEADS, HEAD_DIM)
+
+
+def _write(cache: PagedKVCache, length: int, seed: int) -> None:
+    cache.update_and_fetch(_rows(length, seed), _rows(length, seed + 1))
+
+
+def _held(cache: PagedKVCache) -> tuple[np.ndarray, np.ndarray]:
+    k, v = cache.dequantized_prefix(cache.offset, mx.float32)
+    return np.array(k), np.array(v)
+
+
+def test_a_slot_is_free_again_only_when_its_last_holder_gives_it_back() -> None:
+    store = PageStore(PageLayout("q8", PAGE_SIZE, KV_HEADS, HEAD_DIM))
+    store.add_slab(2)
+    slot = store.take()
+    store.share([slot])
+    assert store.shared(slot) and store.in_use == 1
+    store.give_back([slot])
+    assert not store.shared(slot) and store.in_use == 1
+    store.give_back([slot])
+    assert store.in_use == 0 and store.take() == slot
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q6"])
+def test_a_shared_prefix_takes_no_page_and_a_write_copies_only_the_last(mode: str) -> None:
+    first = _cache(mode)
+    _write(first, 40, 0)  # 2 full pages and a partial third
+    before = _held(first)
+    second = _cache(mode)
+    sharing.share_pages([second], [first], 40)
+    store = first.store
+    assert second.store is store and second.block_table == first.block_table
+    assert store.in_use == 3 and all(store.shared(s) for s in first.block_table)
+    np.testing.assert_array_equal(_held(second)[0], before[0])
+    _write(second, 9, 10)  # into the shared third page, then a fourth
+    assert second.block_table[:2] == first.block_table[:2]
+    assert second.block_table[2] != first.block_table[2] and store.in_use == 5
+    assert not store.shared(first.block_table[2])
+    for mine, theirs in zip(_held(second), before, strict=True):
+        np.testing.assert_array_equal(mine[:, :, :40], theirs)
+    # The donor writing on never touches what the other reads.
+    after = _held(second)
+    _write(first, 20, 20)
+    for now, then in zip(_held(second), after, strict=True):
+        np.testing.assert_array_equal(now, then)
+    for now, then in zip(_held(first), before, strict=True):
+        np.testing.assert_array_equal(now[:, :, :40], then)
+
+
+def test_trimming_into_a_shared_page_then_writing_copies_it() -> None:
+    first = _cache()
+    _write(first, 48, 0)  # 3 full pages
+    second = _cache()
+    sharing.share_pages([second], [first], 48)
+    before = _held(first)
+    second.trim(20)  # back into page 2, which the first still reads
+    _write(second, 4, 30)
+    assert second.block_table[:1] == first.block_table[:1]
+    assert second.block_table[1] != first.block_table[1]
+    for now, then in zip(_held(first), before, strict=True):
+        np.testing.assert_array_equal(now, then)
+
+
+def test_the_budget_counts_the_copy_a_write_into_a_shared_page_needs() -> None:
+    three_pages = 3 * PageLayout("q8", PAGE_SIZE, KV_HEADS, HEAD_DIM).page_bytes
+    first = _cache(budget=three_pages)
+    _write(first, 40, 0)
+    assert first.store.free_count == 0
+    second = _cache(budget=three_pages)
+    sharing.share_pages([second], [first], 40)
+    with pytest.raises(KvBudgetExceeded):
+        _write(second, 1, 10)  # one token, but into the shared partial page: a copy
+    assert second.offset == 40 and second.block_table == first.block_table
+    second.trim(8)  # back to whole pages: the next write takes a new page, no copy
+    second.pool.budget_bytes = 4 * three_pages // 3
+    _write(second, 1, 10)
+    assert second.block_table[:2] == first.block_table[:2] and first.store.capacity == 4
+
+
+def test_release_frees_only_the_pages_nobody_else_holds() -> None:
+    first = _cache()
+    _write(first, 40, 0)
+    second = _cache()
+    sharing.share_pages([second], [first], 40)
+    _write(second, 30, 10)
+    store = first.store
+    own = [s for s in second.block_table if s not in first.block_table]
+    assert store.in_use == 3 + len(own)
+    before = _held(first)
+    sharing.release_pages([second])
+    assert store.in_use == 3 and not any(store.shared(s) for s in first.block_table)
+    assert not first.pool.shared and second.block_table == []
+    for now, then in zip(_held(first), before, strict=True):
+        np.testing.assert_array_equal(now, then)
+    # Alone again, the first's pool caches its room as before.
+    _write(first, 1, 40)
+    assert first.offset == 41
+
+
+def test_the_guard_counts_a_page_group_once() -> None:
+    reading = MemoryReading(total_bytes=2**40, available_bytes=2**39)
+    guard = MemoryGuard(budget_bytes=10 * 2**20, headroom_bytes=0, probe=lambda: reading)
+    first, second, third = _cache(), _cache(), _cache()
+    _write(first, 40, 0)
+    _write(third, 40, 5)
+    sharing.share_pages([second], [first], 40)
+    for key, cache in (("a", first), ("b", second), ("c", third)):
+        guard.attach(key, cache.pool)
+    group, alone = first.pool.bytes_allocated, third.pool.bytes_allocated
+    assert guard.held_bytes() == group + alone
+    assert guard.held_bytes(exclude="b") == alone
+    assert guard.kv_share("a") == 10 * 2**20 - alone
