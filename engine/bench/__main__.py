@@ -44,6 +44,10 @@ def _modes(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(normalize_mode(part) for part in text.split(",") if part.strip()))
 
 
+def _modes_or_none(text: str) -> tuple[str, ...]:
+    return () if text.strip().lower() == "none" else _modes(text)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="Markdown file")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
@@ -108,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     longctx.add_argument("--q-heads", type=_ints, help="query heads, e.g. 16,24")
     longctx.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
     longctx.add_argument("--repeats", type=int, help="timed decode steps per contender")
+    longctx.add_argument("--rotated", type=_modes_or_none,
+                         help="modes also run with rotated rows, e.g. q6 ('none': skip)")
     longctx.add_argument("--hybrid-tokens", type=parse_tokens,
                          help="tokens the hybrid model reads (0: skip that part)")
     return parser
@@ -120,7 +126,7 @@ def run_longctx(args: argparse.Namespace, command: str) -> dict:
     config = with_changes(
         longctx_bench.QUICK if quick else longctx_bench.LongContextConfig(),
         contexts=args.contexts, q_heads=args.q_heads, modes=args.modes,
-        decode_repeats=args.repeats,
+        decode_repeats=args.repeats, rotated=args.rotated,
     )
     hybrid_config = with_changes(
         longctx_bench.HYBRID_QUICK if quick else longctx_bench.HybridIngestConfig(),

@@ -14,10 +14,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from engine.cache.attention import paged_attention
+from engine.cache.adapter import attend
 from engine.cache.kvquant import bits_for
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
+from engine.cache.rotation import HadamardRotation
 
 GROUP_SIZE = 64
 
@@ -27,7 +28,7 @@ class Contender:
     """One cache implementation plus the attention function a model would call."""
 
     name: str
-    kind: str  # "paged", "mlx-fp16" or "mlx-quant"
+    kind: str  # "paged", "paged-rotated", "mlx-fp16" or "mlx-quant"
     mode: str  # the KV mode it stores: fp16, q8, q6 or q4
     make_cache: Callable[[int, int, int], Any]  # (kv_heads, head_dim, capacity) -> cache
     attend: Callable[..., mx.array]
@@ -65,8 +66,14 @@ def mlx_needs_presized_buffers(head_dim: int, bits: int) -> bool:
     return head_dim // (32 // bits) != head_dim * bits // 32
 
 
-def contenders(modes: tuple[str, ...], page_size: int, dtype: mx.Dtype) -> list[Contender]:
-    """The paged cache in each mode, mlx-lm's KVCache and its QuantizedKVCache."""
+def contenders(
+    modes: tuple[str, ...], page_size: int, dtype: mx.Dtype, rotated: tuple[str, ...] = ()
+) -> list[Contender]:
+    """The paged cache in each mode, mlx-lm's KVCache and its QuantizedKVCache.
+
+    ``rotated``: modes whose paged cache also runs with Hadamard-rotated rows
+    (kind "paged-rotated"), to measure what the rotation costs.
+    """
     entries = [
         Contender("mlx-lm KVCache", "mlx-fp16", "fp16", lambda h, d, c: KVCache(), mlx_lm_attention)
     ]
@@ -86,22 +93,28 @@ def contenders(modes: tuple[str, ...], page_size: int, dtype: mx.Dtype) -> list[
     for mode in modes:
         make, attend = paged_cache_factory(mode, page_size)
         entries.append(Contender(f"paged {mode}", "paged", mode, make, attend))
+    for mode in rotated:
+        make, attend = paged_cache_factory(mode, page_size, rotate=True)
+        entries.append(Contender(f"paged {mode} rotated", "paged-rotated", mode, make, attend))
     return entries
 
 
 def paged_cache_factory(
-    mode: str, page_size: int
+    mode: str, page_size: int, rotate: bool = False
 ) -> tuple[Callable[[int, int, int], Any], Callable[..., mx.array]]:
     """(make_cache, attend) for the engine's paged cache in ``mode``.
 
-    ``paged_attention`` is what the adapter's dispatcher calls for a PagedKVCache,
+    ``adapter.attend`` is what the adapter's dispatcher calls for a PagedKVCache,
     with the arguments the model passed; calling it directly skips one isinstance.
     """
 
     def make(kv_heads: int, head_dim: int, capacity: int) -> Any:
-        return PagedKVCache(PagePool(mode, page_size), kv_heads, head_dim)
+        cache = PagedKVCache(PagePool(mode, page_size), kv_heads, head_dim)
+        if rotate:
+            cache.rotation = HadamardRotation(head_dim)
+        return cache
 
-    return make, paged_attention
+    return make, attend
 
 
 def held_bytes(entry: Contender, cache: Any) -> int:
@@ -112,6 +125,6 @@ def held_bytes(entry: Contender, cache: Any) -> int:
     counts the rows ``keys_and_values()`` returns; at multiples of its 256-token step
     the two agree.
     """
-    if entry.kind == "paged":
+    if entry.kind.startswith("paged"):
         return int(cache.nbytes)
     return sum(x.nbytes for _, x in tree_flatten(cache.keys_and_values()))

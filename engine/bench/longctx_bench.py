@@ -50,6 +50,8 @@ class LongContextConfig:
     kv_heads: int = 4
     head_dim: int = 256
     modes: tuple[str, ...] = MODES
+    # Modes also run with Hadamard-rotated rows, for the rotation's cost (issue 14).
+    rotated: tuple[str, ...] = ("q6",)
     chunk: int = 512
     decode_repeats: int = 3
     page_size: int = 256
@@ -100,7 +102,7 @@ def fill(cache: Any, kv_heads: int, head_dim: int, tokens: int, dtype: mx.Dtype)
 def _reserve(entry: Contender, cache: Any, tokens: int) -> None:
     # A paged cache adds a slab when it needs pages: KV that stays, not a
     # transient. (mlx-lm's caches regrow by copying their buffer, which is one.)
-    if entry.kind == "paged":
+    if entry.kind.startswith("paged"):
         cache.pool.ensure(cache.offset + tokens)
 
 
@@ -153,7 +155,7 @@ def bench_context(
     """Every contender at one context length, for each query-head count."""
     dtype = getattr(mx, config.dtype)
     rows: list[dict[str, Any]] = []
-    for entry in contenders(config.modes, config.page_size, dtype):
+    for entry in contenders(config.modes, config.page_size, dtype, config.rotated):
         if entry.kind == "mlx-quant" and context > config.mlx_quantized_max_context:
             continue
         progress(f"longctx {context}: fill {entry.name}")
@@ -169,7 +171,7 @@ def bench_context(
             estimate = mlx_chunk_estimate(q_heads, config.chunk, context)
             if entry.kind == "mlx-quant" and not config.mlx_quantized_prefill:
                 row.update(prefill_s=None, prefill_peak=None)
-            elif entry.kind != "paged" and estimate > config.mlx_transient_limit:
+            elif not entry.kind.startswith("paged") and estimate > config.mlx_transient_limit:
                 row.update(prefill_s=None, prefill_peak=None, skipped_estimate=estimate)
             else:
                 row.update(_prefill_chunk(entry, cache, q_heads, config))

@@ -101,6 +101,41 @@ def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
     return table(headers, body)
 
 
+def _rotation_rows(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(rotated row, the same mode's plain paged row) at each context and head count."""
+    pairs = []
+    for row in (r for r in rows if r["kind"] == "paged-rotated"):
+        plain = _find(rows, kind="paged", mode=row["mode"], context=row["context"],
+                      q_heads=row["q_heads"])
+        if plain is not None:
+            pairs.append((row, plain))
+    return pairs
+
+
+def _rotation_goals(rows: list[dict[str, Any]], tally: GoalTally) -> None:
+    for rotated, plain in _rotation_rows(rows):
+        if rotated["context"] != 32768:
+            continue
+        where = f"{rotated['mode']} 32k h{rotated['q_heads']}"
+        tally.check("rotation costs ≤ 5% decode time at 32k", where,
+                    ratio(rotated["decode_ms"], plain["decode_ms"]), 1.05)
+        tally.check("rotation costs ≤ 5% chunk time at 32k", where,
+                    ratio(rotated["prefill_s"], plain["prefill_s"]), 1.05)
+
+
+def _rotation_table(rows: list[dict[str, Any]]) -> list[str]:
+    body = [
+        (fmt_tokens(rotated["context"]), rotated["q_heads"], rotated["mode"],
+         fmt_ratio(ratio(rotated["decode_ms"], plain["decode_ms"])),
+         fmt_ratio(ratio(rotated["prefill_s"], plain["prefill_s"])),
+         fmt_ratio(ratio(rotated["prefill_peak"], plain["prefill_peak"])))
+        for rotated, plain in _rotation_rows(rows)
+    ]
+    headers = ("context", "q heads", "mode", "decode time rotated / plain",
+               "chunk time rotated / plain", "chunk transient rotated / plain")
+    return table(headers, body)
+
+
 def _hybrid_lines(hybrid: dict[str, Any] | None, tally: GoalTally) -> list[str]:
     if hybrid is None:
         return ["End-to-end hybrid ingest: not run."]
@@ -129,6 +164,7 @@ def render_longctx_report(
     rows = results["rows"]
     tally = GoalTally()
     _goals(rows, tally)
+    _rotation_goals(rows, tally)
     hybrid = _hybrid_lines(results.get("hybrid"), tally)
     config = results["config"]
     lines = [
@@ -151,6 +187,10 @@ def render_longctx_report(
         "### Paged cache against mlx-lm",
         "",
         *_ratio_table(rows),
+        "",
+        "### What the rotation costs (Hadamard-rotated rows against the same mode plain)",
+        "",
+        *_rotation_table(rows),
         "",
         "### Every cell",
         "",

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -68,17 +69,25 @@ class CacheStats:
     shared_with: int = 0
 
 
+def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedKVCache,
+           *args: Any, **kwargs: Any) -> mx.array:
+    """Attention over a :class:`PagedKVCache`, in its rotation's basis when it has one.
+
+    What a model's attention call becomes for a paged layer (same arguments).
+    """
+    rotation = cache.rotation
+    if rotation is None:
+        return paged_attention(queries, keys, values, cache, *args, **kwargs)
+    # Keys and values were stored (and returned) rotated by an orthonormal R:
+    # (qR)·(kR) = q·k, and the output, a mix of rotated values, is rotated back.
+    out = paged_attention(rotation.rotate_query(queries), keys, values, cache, *args, **kwargs)
+    return rotation.unrotate(out)
+
+
 def _dispatcher(original: Any) -> Any:
     def scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):
         if isinstance(cache, PagedKVCache):
-            rotation = cache.rotation
-            if rotation is None:
-                return paged_attention(queries, keys, values, cache, *args, **kwargs)
-            # Keys and values were stored (and returned) rotated by an orthonormal R:
-            # (qR)·(kR) = q·k, and the output, a mix of rotated values, is rotated back.
-            rotated = rotation.rotate_query(queries)
-            out = paged_attention(rotated, keys, values, cache, *args, **kwargs)
-            return rotation.unrotate(out)
+            return attend(queries, keys, values, cache, *args, **kwargs)
         return original(queries, keys, values, cache, *args, **kwargs)
 
     setattr(scaled_dot_product_attention, _ORIGINAL, original)

@@ -24,7 +24,8 @@ def layer_run() -> dict:
 
 def test_every_contender_is_measured_at_every_context(layer_run: dict) -> None:
     names = {(r["name"], r["context"]) for r in layer_run["rows"]}
-    expected = {"mlx-lm KVCache", "mlx-lm QuantizedKVCache 6-bit", "paged fp16", "paged q6"}
+    expected = {"mlx-lm KVCache", "mlx-lm QuantizedKVCache 6-bit", "paged fp16", "paged q6",
+                "paged q6 rotated"}
     assert names == {(n, c) for n in expected for c in (1024, 4096)}
     for row in layer_run["rows"]:
         assert row["bytes"] > 0 and row["decode_ms"] > 0
@@ -56,6 +57,8 @@ def test_report_has_the_tables_and_verdicts(layer_run: dict, tmp_path: Path) -> 
     )
     assert "### Verdicts" in body and "decode transient" in body
     assert body.count("| paged q6 |") == 2  # one row per context in "Every cell"
+    rotation = body.split("### What the rotation costs")[1].split("###")[0]
+    assert rotation.count("| q6 |") == 2  # rotated against plain q6 at both contexts
     assert "End to end" in body
     path = tmp_path / "benchmarks.md"
     report.write_section(path, "longctx", body)
