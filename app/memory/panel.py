@@ -126,9 +126,15 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(_section("KV bytes by mode"))
         self.table = QTableWidget(len(PROJECTION_MODES), 4)
         self.table.setObjectName("projectionTable")
-        self.table.setHorizontalHeaderLabels(["Now", "Full context", "Free RAM fits", "vs fp16"])
-        self.table.horizontalHeaderItem(QUALITY_COLUMN).setToolTip(
-            "Share of next tokens that match fp16, from this chat's quality check of each mode")
+        # Short headers: the panel is narrow and Qt clips long ones mid-word.
+        self.table.setHorizontalHeaderLabels(["Now", "Full", "RAM fits", "vs fp16"])
+        for column, tip in enumerate((
+            "KV bytes of this chat's tokens now, in each mode",
+            "KV bytes at the model's full context, in each mode",
+            "Tokens the free RAM holds in each mode (capped at the model's context)",
+            "Share of next tokens that match fp16, from this chat's quality check of each mode",
+        )):
+            self.table.horizontalHeaderItem(column).setToolTip(tip)
         self.table.setVerticalHeaderLabels(list(PROJECTION_MODES))
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
