@@ -36,11 +36,18 @@ PACKED_MAX_TOKENS = 4
 # one dequantized block of keys and values) may take, at any context length; each
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
 PREFILL_SCRATCH_BYTES = pages.PREFILL_SCRATCH_BYTES
+# A decode step walking the pages (fp16, or a head_dim the packed kernels cannot
+# take) has a few score rows, so its blocks are mostly the converted keys and values:
+# a block well inside the CPU's caches is as fast as a large one and keeps the
+# step's transient far below a prefill chunk's.
+DECODE_SCRATCH_BYTES = 16 * 2**20
 _MLX_GROUP_SIZES = (128, 64, 32)
 # Per block token: scores, exponentials and the mask select, in fp32, per query row;
-# and per key/value row, the unpacked, signed, scaled and transposed fp32 copies.
+# and per key/value row, the unpacked, signed, scaled and transposed fp32 copies
+# (a decode block stays page-major: no transposed copy, and short-lived steps).
 _SCORE_COPIES = 3
 _ROW_COPIES = 4
+_DECODE_ROW_COPIES = 2
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -54,7 +61,12 @@ def group_size_for(head_dim: int) -> int | None:
 
 
 def block_tokens(
-    query_rows: int, kv_heads: int, head_dim: int, page_size: int, scratch_bytes: int
+    query_rows: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    scratch_bytes: int,
+    row_copies: int = _ROW_COPIES,
 ) -> int:
     """Tokens of one attention block so that its scratch fits ``scratch_bytes``.
 
@@ -65,13 +77,14 @@ def block_tokens(
         head_dim: values per head.
         page_size: blocks are whole pages.
         scratch_bytes: the budget for one block's transient arrays.
+        row_copies: fp32 copies of each key and value row a block holds at once.
     """
-    pages = max(1, scratch_bytes // (_bytes_per_token(query_rows, kv_heads, head_dim) * page_size))
-    return pages * page_size
+    per_token = _bytes_per_token(query_rows, kv_heads, head_dim, row_copies)
+    return max(1, scratch_bytes // (per_token * page_size)) * page_size
 
 
-def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int) -> int:
-    return 4 * (_SCORE_COPIES * query_rows + 2 * _ROW_COPIES * kv_heads * head_dim)
+def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int, row_copies: int) -> int:
+    return 4 * (_SCORE_COPIES * query_rows + 2 * row_copies * kv_heads * head_dim)
 
 
 def scratch_bytes_for(
@@ -79,7 +92,7 @@ def scratch_bytes_for(
 ) -> int:
     """Bytes one block of :func:`block_tokens` tokens takes (at least one page)."""
     tokens = block_tokens(query_rows, kv_heads, head_dim, page_size, scratch_bytes)
-    return tokens * _bytes_per_token(query_rows, kv_heads, head_dim)
+    return tokens * _bytes_per_token(query_rows, kv_heads, head_dim, _ROW_COPIES)
 
 
 def paged_attention(
@@ -185,15 +198,26 @@ def _fold_mask(mask: mx.array, kv_heads: int, repeats: int, length: int) -> mx.a
 
 
 def _masked(view: _QueryView, scores: mx.array, positions: mx.array) -> mx.array:
-    """``scores`` with every position the queries may not see set to -inf."""
+    """``scores`` with every position the queries may not see set to -inf.
+
+    ``scores`` are ``[pages, kv_heads, rows, n]``: ``positions`` (``pages * n``)
+    are cut the same way.
+    """
     end = view.first + view.length
+    pages = scores.shape[0]
     if isinstance(view.mask, mx.array):
         allowed, additive = view.additive_or_bool(positions, end)
         if additive is not None:
-            scores = scores + additive.astype(scores.dtype)
+            scores = scores + _by_page(additive, pages).astype(scores.dtype)
     else:
         allowed = view.allowed(positions)
-    return mx.where(allowed, scores, -mx.inf)
+    return mx.where(_by_page(allowed, pages), scores, -mx.inf)
+
+
+def _by_page(columns: mx.array, pages: int) -> mx.array:
+    """``[..., rows, pages * n]`` as ``[pages, ..., rows, n]`` (a view)."""
+    split = columns.reshape(*columns.shape[:-1], pages, -1)
+    return mx.moveaxis(split, -2, 0)
 
 
 def _page_positions(logicals: list[int], page_size: int) -> mx.array:
@@ -207,30 +231,58 @@ def _page_positions(logicals: list[int], page_size: int) -> mx.array:
 def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
     store, page_size = cache.store, cache.pool.page_size
     kv_heads, rows, head_dim = view.q.shape
-    q = view.q * scale
-    tokens = block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, cache.pool.scratch_bytes)
+    q = (view.q * scale)[None]
+    # Decode keeps its blocks page-major ([pages, kv_heads, page_size, D]): no
+    # transposed copy of the rows, one small matmul per page. A prefill chunk's
+    # scores dominate its transient; its blocks go heads-first, one matmul per head.
+    decode = view.length <= PACKED_MAX_TOKENS
+    budget = cache.pool.scratch_bytes
+    if decode:
+        budget = min(budget, DECODE_SCRATCH_BYTES)
+    copies = _DECODE_ROW_COPIES if decode else _ROW_COPIES
+    tokens = block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
-    running_max = mx.full((kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
-    running_sum = mx.zeros((kv_heads, rows, 1), dtype=mx.float32)
-    out = mx.zeros((kv_heads, rows, head_dim), dtype=mx.float32)
+    softmax = _OnlineSoftmax.start(kv_heads, rows, head_dim)
     for slab_index, local, logicals in blocks:
-        k_block, v_block = _dequantized_block(store, slab_index, local, view.dtype)
-        scores = _masked(view, q @ k_block.swapaxes(-1, -2), _page_positions(logicals, page_size))
-        block_max = mx.max(scores, axis=-1, keepdims=True)
-        new_max = mx.maximum(running_max, block_max)
-        # A row that has seen only masked positions so far keeps -inf; shift by 0 then.
-        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
-        weights = mx.exp(scores - shift)
-        correction = mx.exp(running_max - shift)
-        running_sum = running_sum * correction + mx.sum(weights, axis=-1, keepdims=True)
-        out = out * correction + (weights.astype(view.dtype) @ v_block).astype(mx.float32)
-        running_max = new_max
+        k_block, v_block = _dequantized_block(store, slab_index, local, view.dtype, decode)
+        scores = q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
+        scores = _masked(view, scores, _page_positions(logicals, page_size))
+        softmax.add(scores, v_block, view.dtype)
         if len(blocks) > 1:
             # Bound the transient to one block: without this the lazy graph may
             # schedule every block's scores before the first merge.
-            mx.eval(out, running_sum, running_max)
-    return out / running_sum
+            mx.eval(softmax.top, softmax.total, softmax.out)
+    return softmax.out / softmax.total
+
+
+@dataclass
+class _OnlineSoftmax:
+    """Running max, sum and weighted values over blocks of ``[pages, kv_heads, rows, n]``."""
+
+    top: mx.array
+    total: mx.array
+    out: mx.array
+
+    @classmethod
+    def start(cls, kv_heads: int, rows: int, head_dim: int) -> _OnlineSoftmax:
+        return cls(
+            mx.full((kv_heads, rows, 1), -mx.inf, dtype=mx.float32),
+            mx.zeros((kv_heads, rows, 1), dtype=mx.float32),
+            mx.zeros((kv_heads, rows, head_dim), dtype=mx.float32),
+        )
+
+    def add(self, scores: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
+        """Merge one block: masked ``scores`` and ``values`` ``[pages, kv_heads, n, D]``."""
+        new_top = mx.maximum(self.top, mx.max(scores, axis=(0, 3), keepdims=True)[0])
+        # A row that has seen only masked positions so far keeps -inf; shift by 0 then.
+        shift = mx.where(new_top == -mx.inf, 0.0, new_top)
+        weights = mx.exp(scores - shift)
+        correction = mx.exp(self.top - shift)
+        self.total = self.total * correction + mx.sum(weights, axis=(0, 3), keepdims=True)[0]
+        mixed = mx.sum(weights.astype(dtype) @ values, axis=0)
+        self.out = self.out * correction + mixed.astype(mx.float32)
+        self.top = new_top
 
 
 def _blocks(groups: list[Any], pages_per_block: int) -> Any:
@@ -251,9 +303,13 @@ def _blocks(groups: list[Any], pages_per_block: int) -> Any:
 
 
 def _dequantized_block(
-    store: Any, slab_index: int, local: mx.array | slice, dtype: mx.Dtype
+    store: Any, slab_index: int, local: mx.array | slice, dtype: mx.Dtype, page_major: bool
 ) -> tuple[mx.array, mx.array]:
-    """Keys and values of some pages of one slab as ``[kv_heads, tokens, D]``."""
+    """Keys and values of some pages of one slab.
+
+    ``[pages, kv_heads, page_size, D]`` when ``page_major``, else ``[1, kv_heads,
+    tokens, D]``.
+    """
     layout = store.layout
     slab = store.slabs[slab_index]
 
@@ -269,7 +325,9 @@ def _dequantized_block(
             if scales is not None:
                 scales = mx.take(scales, local, axis=0)
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
-        return values.swapaxes(0, 1).reshape(layout.kv_heads, -1, layout.head_dim)
+        if page_major:
+            return values
+        return values.swapaxes(0, 1).reshape(1, layout.kv_heads, -1, layout.head_dim)
 
     return rows(slab[0], slab[1]), rows(slab[2], slab[3])
 
@@ -304,7 +362,7 @@ def _attend_packed(view: _QueryView, cache: Any, scale: float, group_size: int) 
 
     position = positions[0] if len(positions) == 1 else mx.concatenate(positions)
     scores = page_scores[0] if len(page_scores) == 1 else mx.concatenate(page_scores, -1)
-    probs = mx.softmax(_masked(view, scores, position), axis=-1, precise=True)
+    probs = mx.softmax(_masked(view, scores[None], position)[0], axis=-1, precise=True)
 
     out = None
     start = 0
