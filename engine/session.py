@@ -118,7 +118,7 @@ class Session(ChunkedPrefill):
         self._scratch_bytes = scratch_bytes
         self.prefill_facts = fit.prefill_facts(
             self.model, activation_value_bytes(),
-            fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes)
+            fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes, page_size)
         self._new_cache()
         # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
         self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
@@ -280,7 +280,8 @@ class Session(ChunkedPrefill):
         held = int(self.stats().bytes_allocated) if self.cache else 0
         held += self.checkpoints.nbytes
         chunk = self._paced_chunk
-        return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk)
+        return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk,
+                                             len(self.tokens) + chunk)
 
     def room_for(self, token_count: int) -> int:
         """Tokens that may follow ``token_count`` tokens; raises if those don't fit.

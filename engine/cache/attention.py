@@ -42,12 +42,18 @@ PREFILL_SCRATCH_BYTES = pages.PREFILL_SCRATCH_BYTES
 # step's transient far below a prefill chunk's.
 DECODE_SCRATCH_BYTES = 16 * 2**20
 _MLX_GROUP_SIZES = (128, 64, 32)
-# Per block token: scores, exponentials and the mask select, in fp32, per query row;
-# and per key/value row, the unpacked, signed, scaled and transposed fp32 copies
-# (a decode block stays page-major: no transposed copy, and short-lived steps).
-_SCORE_COPIES = 3
-_ROW_COPIES = 4
+# What one block holds at its peak, per block token, as mx.get_peak_memory measures
+# it on the CPU backend (tests/engine/cache/test_attention_blocks.py): two fp32
+# scores per query row (the masked scores and their exponentials: MLX reuses the
+# other buffers), one mask byte per query row of a KV head, and fp32 copies of one
+# key row per KV head: keys and values unpacked, scaled and transposed, about five
+# alive at once (a decode block stays page-major: one converted copy of each).
+_SCORE_COPIES = 2
+_ROW_COPIES = 5
 _DECODE_ROW_COPIES = 2
+# Per query row and head value, whatever the block size: the scaled queries, the
+# running output, its rescaled copy and one block's weighted values, in fp32.
+_OUT_COPIES = 4
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -68,7 +74,7 @@ def block_tokens(
     scratch_bytes: int,
     row_copies: int = _ROW_COPIES,
 ) -> int:
-    """Tokens of one attention block so that its scratch fits ``scratch_bytes``.
+    """Tokens of one attention block so that the attention's scratch fits ``scratch_bytes``.
 
     Args:
         query_rows: query heads times new tokens (every row scores every block key
@@ -76,23 +82,53 @@ def block_tokens(
         kv_heads: KV heads of the layer.
         head_dim: values per head.
         page_size: blocks are whole pages.
-        scratch_bytes: the budget for one block's transient arrays.
-        row_copies: fp32 copies of each key and value row a block holds at once.
+        scratch_bytes: the budget for one call's transient arrays.
+        row_copies: fp32 copies of one key row per KV head a block holds at once.
     """
+    room = scratch_bytes - _fixed_bytes(query_rows, head_dim)
     per_token = _bytes_per_token(query_rows, kv_heads, head_dim, row_copies)
-    return max(1, scratch_bytes // (per_token * page_size)) * page_size
+    return max(1, room // (per_token * page_size)) * page_size
+
+
+def chunk_scratch_bytes(
+    chunk: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    scratch_bytes: int,
+    context: int | None = None,
+) -> int:
+    """Bytes the attention of one prefill chunk allocates at its peak, per layer.
+
+    The arithmetic that sizes the attention's blocks (:func:`block_tokens`), so the
+    fit check, the memory guard and the stats predict what it will allocate.
+
+    Args:
+        chunk: new tokens of the chunk.
+        q_heads: query heads of the layer.
+        kv_heads: KV heads of the layer.
+        head_dim: values per head.
+        page_size: tokens per page.
+        scratch_bytes: the pool's scratch budget (``PagePool.scratch_bytes``).
+        context: tokens the layer holds once the chunk is in (None: long enough
+            for full blocks); a shorter context makes a smaller block.
+    """
+    rows = q_heads * chunk
+    tokens = block_tokens(rows, kv_heads, head_dim, page_size, scratch_bytes)
+    if context is not None:
+        tokens = min(tokens, -(-context // page_size) * page_size)
+    per_token = _bytes_per_token(rows, kv_heads, head_dim, _ROW_COPIES)
+    return tokens * per_token + _fixed_bytes(rows, head_dim)
 
 
 def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int, row_copies: int) -> int:
-    return 4 * (_SCORE_COPIES * query_rows + 2 * row_copies * kv_heads * head_dim)
+    mask = query_rows // kv_heads
+    return 4 * (_SCORE_COPIES * query_rows + row_copies * kv_heads * head_dim) + mask
 
 
-def scratch_bytes_for(
-    query_rows: int, kv_heads: int, head_dim: int, page_size: int, scratch_bytes: int
-) -> int:
-    """Bytes one block of :func:`block_tokens` tokens takes (at least one page)."""
-    tokens = block_tokens(query_rows, kv_heads, head_dim, page_size, scratch_bytes)
-    return tokens * _bytes_per_token(query_rows, kv_heads, head_dim, _ROW_COPIES)
+def _fixed_bytes(query_rows: int, head_dim: int) -> int:
+    return 4 * _OUT_COPIES * query_rows * head_dim
 
 
 def paged_attention(
@@ -244,16 +280,30 @@ def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
     softmax = _OnlineSoftmax.start(kv_heads, rows, head_dim)
-    for slab_index, local, logicals in blocks:
-        k_block, v_block = _dequantized_block(store, slab_index, local, view.dtype, decode)
-        scores = q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
-        scores = _masked(view, scores, _page_positions(logicals, page_size))
-        softmax.add(scores, v_block, view.dtype)
+    for block in blocks:
+        _merge_block(softmax, view, q, store, block, page_size, decode)
         if len(blocks) > 1:
             # Bound the transient to one block: without this the lazy graph may
             # schedule every block's scores before the first merge.
             mx.eval(softmax.top, softmax.total, softmax.out)
     return softmax.out / softmax.total
+
+
+def _merge_block(
+    softmax: _OnlineSoftmax,
+    view: _QueryView,
+    q: mx.array,
+    store: Any,
+    block: tuple[int, mx.array | slice, list[int]],
+    page_size: int,
+    page_major: bool,
+) -> None:
+    # Its own frame: once it returns, no Python name holds the block's arrays, so
+    # MLX frees (or reuses) each one as soon as its last consumer ran.
+    slab_index, local, logicals = block
+    k_block, v_block = _dequantized_block(store, slab_index, local, view.dtype, page_major)
+    scores = q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
+    softmax.add(_masked(view, scores, _page_positions(logicals, page_size)), v_block, view.dtype)
 
 
 @dataclass

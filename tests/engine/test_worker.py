@@ -357,8 +357,10 @@ def test_fit_check_before_a_chat_is_opened_counts_the_prefill_peak(start_worker,
     worker, _ = _ready(start_worker, model_dirs["llama"], chunk_size=128)
     report = worker.fit_check(None, 1000)
     session = worker.fit_check("s", 1000)
-    # Same model, same smallest chunk: the same transient, opened or not.
-    assert report.transient_bytes == session.transient_bytes > 0
+    # Same model, same smallest chunk: the same transient, opened or not, but for
+    # the attention's block, whole pages of the chat's size (16 here, 256 before).
+    assert session.transient_bytes > 0
+    assert report.transient_bytes == pytest.approx(session.transient_bytes, rel=0.05)
     assert report.prefill_peak_bytes > report.transient_bytes + report.for_mode("fp16").bytes_needed
 
 

@@ -55,3 +55,53 @@ def test_fp16_decode_transient_is_one_block_at_any_context(monkeypatch) -> None:
     # The converted keys and values of one block, plus the small running arrays.
     assert peaks[1] <= 64 * 1024 + 16 * 1024
     assert peaks[1] <= 1.1 * peaks[0] + 4096
+
+
+# -- what the fit check predicts is what the attention allocates ---------------------
+
+
+@pytest.mark.parametrize(
+    ("chunk", "q_heads", "kv_heads", "head_dim", "page_size", "budget"),
+    [(512, 24, 4, 256, 256, 256 * MIB), (64, 16, 4, 256, 256, 256 * MIB),
+     (512, 4, 2, 32, 256, 256 * MIB), (128, 8, 2, 64, 16, 2 * MIB)],
+)
+def test_predicted_scratch_is_the_block_the_attention_sizes(
+    chunk: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int, budget: int
+) -> None:
+    rows = q_heads * chunk
+    tokens = attention.block_tokens(rows, kv_heads, head_dim, page_size, budget)
+    assert tokens % page_size == 0
+    long = attention.chunk_scratch_bytes(chunk, q_heads, kv_heads, head_dim, page_size, budget)
+    assert long <= budget  # the budget bounds the whole call, queries and output included
+    # One page more per block would no longer fit the budget.
+    per_page = (attention.chunk_scratch_bytes(
+        chunk, q_heads, kv_heads, head_dim, page_size, 2 * budget, tokens + page_size) - long)
+    assert long + per_page > budget
+    # A context shorter than one block makes a block of the context.
+    short = attention.chunk_scratch_bytes(
+        chunk, q_heads, kv_heads, head_dim, page_size, budget, context=page_size)
+    assert short == long - (tokens - page_size) * per_page // page_size
+
+
+@pytest.mark.parametrize(("mode", "head_dim", "q_heads"), [("fp16", 64, 8), ("q6", 64, 8),
+                                                           ("q4", 128, 4)])
+def test_one_chunks_measured_peak_is_the_predicted_scratch(
+    mode: str, head_dim: int, q_heads: int
+) -> None:
+    # A 4 MiB budget over 4,096 held tokens: several full blocks of 16-token pages.
+    budget, chunk = 4 * MIB, 128
+    cache = _cache(mode, head_dim, prefix=4096)
+    cache.pool.scratch_bytes = budget
+    cache.pool.ensure(cache.offset + chunk)
+    keys = _normal((1, cache.kv_heads, chunk, head_dim), 4)
+    queries = _normal((1, q_heads, chunk, head_dim), 5)
+    cache.update_and_fetch(keys, keys)
+    mx.eval(cache.store.slabs)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(attention.paged_attention(queries, keys, keys, cache, head_dim**-0.5, "causal"))
+    measured = mx.get_peak_memory() - before
+    predicted = attention.chunk_scratch_bytes(
+        chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset)
+    assert 0.8 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
