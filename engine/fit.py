@@ -300,7 +300,8 @@ def fit_report(
         prefill: the model's prefill needs; None counts the pages only.
         chunk_tokens: tokens of the prefill chunk whose transient must fit too.
     """
-    transient = prefill.transient_bytes(chunk_tokens, token_count) if prefill else 0
+    # What the guard keeps free of pages: a chunk's transient at any context.
+    transient = prefill.transient_bytes(chunk_tokens) if prefill else 0
     free = max(0, available_bytes - headroom_bytes - transient) + session_bytes_allocated
     entries = []
     for mode in MODES:
@@ -368,6 +369,11 @@ def guarded_fit_report(
     """
     reading = guard.read()
     share = guard.kv_share(session_id)  # one read of a budget the worker may change
+    # What the session's sliding windows and linear-attention state may hold is
+    # kept for them in the budget and in free RAM, as the guard does for its pages.
+    reserved = guard.reserved_bytes(session_id)
+    if share is not None:
+        share = max(0, share - reserved)
     return fit_report(
         token_count=token_count,
         attention_layers=facts.attention_layers,
@@ -377,7 +383,7 @@ def guarded_fit_report(
         page_size=page_size,
         available_bytes=reading.available_bytes,
         budget_bytes=share,
-        headroom_bytes=guard.headroom(reading),
+        headroom_bytes=guard.headroom(reading) + reserved,
         session_mode=session_mode,
         session_bytes_allocated=session_bytes_allocated,
         other_sessions_bytes=guard.held_bytes(exclude=session_id) if share is not None else 0,

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import checkpoints, fit
-from engine.cache import adapter, kvquant
+from engine.cache import adapter, kvquant, other_layers
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import (
     Cancelled,
@@ -129,6 +129,7 @@ class Session(ChunkedPrefill):
         self.kv_token_bytes = -(-kvquant.project_kv_bytes(
             self.facts.attention_layers, self.facts.kv_heads, self.facts.head_dim,
             page_size, self.mode) // page_size)
+        self.guard.refresh(self.session_id)  # with the windows' bound, known now
 
     # -- cache bookkeeping -------------------------------------------------
 
@@ -169,7 +170,8 @@ class Session(ChunkedPrefill):
             # The guard sets and keeps updating the pool's limit: its share of
             # the one KV budget, bounded by free RAM less a prefill chunk's needs.
             self.guard.attach(self.session_id, pool,
-                              self.prefill_facts.transient_bytes(self.smallest_chunk))
+                              self.prefill_facts.transient_bytes(self.smallest_chunk),
+                              lambda: self.other_layers().bound_bytes)
 
     def reset(self) -> None:
         """Drop every held token and page."""
@@ -223,6 +225,14 @@ class Session(ChunkedPrefill):
         if self._needs_checkpoints:
             self.checkpoints.add(checkpoints.take(self.cache, len(self.tokens),
                                                   boundary=boundary))
+
+    def other_layers(self) -> other_layers.OtherLayers:
+        """What the layers outside the pages may hold (sliding windows, linear attention)."""
+        facts = getattr(self, "facts", None)
+        if facts is None:  # the first cache is being made: it holds nothing yet
+            return other_layers.OtherLayers()
+        return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
+                                         activation_value_bytes(), self.chunk_size)
 
     def stats(self) -> Any:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""
