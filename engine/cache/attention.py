@@ -294,14 +294,14 @@ def _merge_block(
     view: _QueryView,
     q: mx.array,
     store: Any,
-    block: tuple[int, mx.array | slice, list[int]],
+    block: list[tuple[int, mx.array | slice, list[int]]],
     page_size: int,
     page_major: bool,
 ) -> None:
     # Its own frame: once it returns, no Python name holds the block's arrays, so
     # MLX frees (or reuses) each one as soon as its last consumer ran.
-    slab_index, local, logicals = block
-    k_block, v_block = _dequantized_block(store, slab_index, local, view.dtype, page_major)
+    logicals = [page for _, _, pages in block for page in pages]
+    k_block, v_block = _dequantized_block(store, block, view.dtype, page_major)
     scores = q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
     softmax.add(_masked(view, scores, _page_positions(logicals, page_size)), v_block, view.dtype)
 
@@ -336,50 +336,67 @@ class _OnlineSoftmax:
 
 
 def _blocks(groups: list[Any], pages_per_block: int) -> Any:
-    """(slab index, local slots, logical pages) in pieces of at most ``pages_per_block``.
+    """Blocks of at most ``pages_per_block`` pages, as (slab index, local slots,
+    logical pages) pieces.
 
-    Local slots come as a ``slice`` where they are consecutive (the usual case:
-    slots are taken lowest first), so the block is a view of the slab, not a copy.
+    A block runs on into the next slab, so its size follows the scratch budget
+    alone (what the fit check predicts), not where slabs happen to end. Local slots
+    come as a ``slice`` where they are consecutive (the usual case: slots are taken
+    lowest first), so a piece is a view of its slab, not a copy.
     """
+    block: list[tuple[int, mx.array | slice, list[int]]] = []
+    size = 0
     for slab_index, local, logicals in groups:
         slots = local.tolist()
-        for start in range(0, len(logicals), pages_per_block):
-            end = start + pages_per_block
+        start = 0
+        while start < len(logicals):
+            end = min(len(logicals), start + pages_per_block - size)
             piece = slots[start:end]
             if piece == list(range(piece[0], piece[0] + len(piece))):
-                yield slab_index, slice(piece[0], piece[0] + len(piece)), logicals[start:end]
+                block.append((slab_index, slice(piece[0], piece[0] + len(piece)),
+                              logicals[start:end]))
             else:
-                yield slab_index, local[start:end], logicals[start:end]
+                block.append((slab_index, local[start:end], logicals[start:end]))
+            size += end - start
+            start = end
+            if size == pages_per_block:
+                yield block
+                block, size = [], 0
+    if block:
+        yield block
 
 
 def _dequantized_block(
-    store: Any, slab_index: int, local: mx.array | slice, dtype: mx.Dtype, page_major: bool
+    store: Any, block: list[Any], dtype: mx.Dtype, page_major: bool
 ) -> tuple[mx.array, mx.array]:
-    """Keys and values of some pages of one slab.
+    """Keys and values of a block's pages.
 
     ``[pages, kv_heads, page_size, D]`` when ``page_major``, else ``[1, kv_heads,
     tokens, D]``.
     """
     layout = store.layout
-    slab = store.slabs[slab_index]
+
+    def stored(part: int) -> mx.array | None:
+        # Take pages along the slab's contiguous page axis: taking from a transposed
+        # view copies the whole slab first. Pieces of several slabs are joined
+        # while still packed, the cheapest copy.
+        pieces = []
+        for slab_index, local, _ in block:
+            array = store.slabs[slab_index][part]
+            if array is None:
+                return None
+            pieces.append(array[local] if isinstance(local, slice)
+                          else mx.take(array, local, axis=0))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
     def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
-        # Take pages along the slab's contiguous page axis: taking from a transposed
-        # view copies the whole slab first. Heads go first after dequantizing, a
-        # copy of this block only.
-        if isinstance(local, slice):
-            codes = codes[local]
-            scales = None if scales is None else scales[local]
-        else:
-            codes = mx.take(codes, local, axis=0)
-            if scales is not None:
-                scales = mx.take(scales, local, axis=0)
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
         if page_major:
             return values
+        # Heads first after dequantizing: a copy of this block only.
         return values.swapaxes(0, 1).reshape(1, layout.kv_heads, -1, layout.head_dim)
 
-    return rows(slab[0], slab[1]), rows(slab[2], slab[3])
+    return rows(stored(0), stored(1)), rows(stored(2), stored(3))
 
 
 # -- decode straight from the packed bytes -----------------------------------------
