@@ -15,7 +15,9 @@ Two paths, neither of which materializes the context:
   cannot take): the pages are walked in blocks; each block is dequantized on its
   own and merged with an online softmax (running max and sum). The block size
   follows from a scratch budget, so a chunk's transient is the same at 32k and
-  at 262k tokens.
+  at 262k tokens; :func:`chunk_scratch_bytes` is that transient, for the
+  estimates. A decode step on this path keeps its blocks page-major and small
+  (``DECODE_SCRATCH_BYTES``).
 """
 
 from __future__ import annotations
