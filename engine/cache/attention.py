@@ -49,10 +49,11 @@ _MLX_GROUP_SIZES = (128, 64, 32)
 # scores per query row (the masked scores and their exponentials: MLX reuses the
 # other buffers), one mask byte per query row of a KV head, and fp32 copies of one
 # key row per KV head: keys and values unpacked, scaled and transposed, about five
-# alive at once (a decode block stays page-major: one converted copy of each).
+# alive at once (a decode block stays page-major: one converted copy of each,
+# and the packed pieces a block joins across a slab end).
 _SCORE_COPIES = 2
 _ROW_COPIES = 5
-_DECODE_ROW_COPIES = 2
+_DECODE_ROW_COPIES = 3
 # Per query row and head value, whatever the block size: the scaled queries, the
 # running output, its rescaled copy and one block's weighted values, in fp32.
 _OUT_COPIES = 4
@@ -238,11 +239,11 @@ def _fold_mask(mask: mx.array, kv_heads: int, repeats: int, length: int) -> mx.a
 def _masked(view: _QueryView, scores: mx.array, positions: mx.array) -> mx.array:
     """``scores`` with every position the queries may not see set to -inf.
 
-    ``scores`` are ``[pages, kv_heads, rows, n]``: ``positions`` (``pages * n``)
-    are cut the same way.
+    ``scores`` are ``[kv_heads, rows, n]``, or ``[pages, kv_heads, rows, n]`` with
+    ``positions`` (``pages * n``) cut the same way.
     """
     end = view.first + view.length
-    pages = scores.shape[0]
+    pages = scores.shape[0] if scores.ndim == 4 else None
     if isinstance(view.mask, mx.array):
         allowed, additive = view.additive_or_bool(positions, end)
         if additive is not None:
@@ -252,8 +253,10 @@ def _masked(view: _QueryView, scores: mx.array, positions: mx.array) -> mx.array
     return mx.where(_by_page(allowed, pages), scores, -mx.inf)
 
 
-def _by_page(columns: mx.array, pages: int) -> mx.array:
-    """``[..., rows, pages * n]`` as ``[pages, ..., rows, n]`` (a view)."""
+def _by_page(columns: mx.array, pages: int | None) -> mx.array:
+    """``[..., rows, pages * n]`` as ``[pages, ..., rows, n]`` (a view; None: as is)."""
+    if pages is None:
+        return columns
     split = columns.reshape(*columns.shape[:-1], pages, -1)
     return mx.moveaxis(split, -2, 0)
 
@@ -431,7 +434,7 @@ def _attend_packed(view: _QueryView, cache: Any, scale: float, group_size: int) 
 
     position = positions[0] if len(positions) == 1 else mx.concatenate(positions)
     scores = page_scores[0] if len(page_scores) == 1 else mx.concatenate(page_scores, -1)
-    probs = mx.softmax(_masked(view, scores[None], position)[0], axis=-1, precise=True)
+    probs = mx.softmax(_masked(view, scores, position), axis=-1, precise=True)
 
     out = None
     start = 0
