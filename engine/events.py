@@ -50,7 +50,9 @@ class StatsSample:
     ``checkpoint_bytes`` is what the session's checkpoints of linear-attention and
     sliding-window layers hold (``engine.checkpoints``); ``other_cache_bytes`` what
     the layers that are not paged hold now (sliding windows, linear-attention state,
-    or mlx-lm's own cache where the probe chose it).
+    or mlx-lm's own cache where the probe chose it); ``other_cache_bound_bytes`` the
+    most the bounded ones may hold, which the KV budget keeps for them, and
+    ``other_cache_kinds`` what they are ("sliding windows, linear attention").
     """
 
     session_id: str | None
@@ -83,6 +85,8 @@ class StatsSample:
     kv_shared_bytes: int = 0
     kv_bytes_once: int | None = None
     kv_shared_with: int = 0
+    other_cache_bound_bytes: int = 0
+    other_cache_kinds: str = ""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from mlx.utils import tree_flatten
 
 from engine.cache import kvquant
-from engine.cache.attention import PREFILL_SCRATCH_BYTES  # one chunk's scratch, any context
+from engine.cache.attention import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.memory_guard import MemoryGuard, default_headroom, human_bytes
@@ -83,20 +83,37 @@ class PrefillFacts:
     Attributes:
         weights_bytes: the loaded model's weights.
         activation_bytes_per_token: activations of one chunk token inside one layer.
-        scratch_bytes: the attention's scratch for one chunk, the same at any context.
+        scratch_bytes: the attention's scratch budget for one chunk, at any context.
+        q_heads: query heads of an attention layer; with ``kv_heads``, ``head_dim``
+            and ``page_size``, the attention's own block arithmetic predicts the
+            scratch (0: count the whole budget).
+        kv_heads: KV heads of an attention layer.
+        head_dim: values per head.
+        page_size: tokens per page.
     """
 
     weights_bytes: int
     activation_bytes_per_token: int
     scratch_bytes: int = PREFILL_SCRATCH_BYTES
+    q_heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    page_size: int = 256
 
-    def transient_bytes(self, chunk: int) -> int:
+    def scratch_for(self, chunk: int, context: int | None = None) -> int:
+        """The attention scratch of one ``chunk``-token chunk (``context``: tokens then held)."""
+        if not (self.q_heads and self.kv_heads and self.head_dim):
+            return self.scratch_bytes
+        return chunk_scratch_bytes(chunk, self.q_heads, self.kv_heads, self.head_dim,
+                                   self.page_size, self.scratch_bytes, context)
+
+    def transient_bytes(self, chunk: int, context: int | None = None) -> int:
         """Bytes one chunk of ``chunk`` tokens needs while it runs (scratch + activations)."""
-        return self.scratch_bytes + chunk * self.activation_bytes_per_token
+        return self.scratch_for(chunk, context) + chunk * self.activation_bytes_per_token
 
-    def peak_bytes(self, kv_bytes: int, chunk: int) -> int:
+    def peak_bytes(self, kv_bytes: int, chunk: int, context: int | None = None) -> int:
         """The prefill peak: weights + ``kv_bytes`` of pages + one chunk's transient."""
-        return self.weights_bytes + kv_bytes + self.transient_bytes(chunk)
+        return self.weights_bytes + kv_bytes + self.transient_bytes(chunk, context)
 
 
 def _arg(args: Any, name: str) -> int:
@@ -104,7 +121,8 @@ def _arg(args: Any, name: str) -> int:
 
 
 def prefill_facts(
-    model: Any, compute_bytes: int, scratch_bytes: int = PREFILL_SCRATCH_BYTES
+    model: Any, compute_bytes: int, scratch_bytes: int = PREFILL_SCRATCH_BYTES,
+    page_size: int = 256,
 ) -> PrefillFacts:
     """Estimate a prefill's needs from an mlx-lm model's config and array shapes.
 
@@ -114,6 +132,7 @@ def prefill_facts(
         model: an mlx-lm model.
         compute_bytes: bytes of one activation value (4 where MLX computes in fp32).
         scratch_bytes: the attention's scratch budget per chunk.
+        page_size: tokens per page (the attention's blocks are whole pages).
     """
     args = getattr(model, "args", None)
     hidden = _arg(args, "hidden_size")
@@ -126,7 +145,8 @@ def prefill_facts(
     mlp = max(_arg(args, "intermediate_size"), experts)
     per_value = _HIDDEN_COPIES * hidden + (heads + 2 * kv_heads) * head_dim + _MLP_COPIES * mlp
     weights = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
-    return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes)
+    return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes,
+                        heads, kv_heads, head_dim, page_size)
 
 
 @dataclass(frozen=True)
@@ -280,6 +300,7 @@ def fit_report(
         prefill: the model's prefill needs; None counts the pages only.
         chunk_tokens: tokens of the prefill chunk whose transient must fit too.
     """
+    # What the guard keeps free of pages: a chunk's transient at any context.
     transient = prefill.transient_bytes(chunk_tokens) if prefill else 0
     free = max(0, available_bytes - headroom_bytes - transient) + session_bytes_allocated
     entries = []
@@ -310,7 +331,8 @@ def fit_report(
             tokens_fit_ram=ram_tokens,
             tokens_fit_budget=budget_tokens,
             tokens_fit=min(limits),
-            prefill_peak_bytes=prefill.peak_bytes(needed, chunk_tokens) if prefill else 0,
+            prefill_peak_bytes=(prefill.peak_bytes(needed, chunk_tokens, token_count)
+                                if prefill else 0),
         ))
     return FitReport(
         token_count=token_count,
@@ -347,6 +369,11 @@ def guarded_fit_report(
     """
     reading = guard.read()
     share = guard.kv_share(session_id)  # one read of a budget the worker may change
+    # What the session's sliding windows and linear-attention state may hold is
+    # kept for them in the budget and in free RAM, as the guard does for its pages.
+    reserved = guard.reserved_bytes(session_id)
+    if share is not None:
+        share = max(0, share - reserved)
     return fit_report(
         token_count=token_count,
         attention_layers=facts.attention_layers,
@@ -356,7 +383,7 @@ def guarded_fit_report(
         page_size=page_size,
         available_bytes=reading.available_bytes,
         budget_bytes=share,
-        headroom_bytes=guard.headroom(reading),
+        headroom_bytes=guard.headroom(reading) + reserved,
         session_mode=session_mode,
         session_bytes_allocated=session_bytes_allocated,
         other_sessions_bytes=guard.held_bytes(exclude=session_id) if share is not None else 0,

@@ -117,6 +117,7 @@ class MemoryGuard:
         self._lock = threading.Lock()
         self._pools: dict[str, Any] = {}
         self._transient: dict[str, int] = {}
+        self._reserved: dict[str, Callable[[], int] | None] = {}
         self._ram_bound: dict[str, bool] = {}
         self._last_check: float | None = None
 
@@ -167,16 +168,28 @@ class MemoryGuard:
 
     # -- one KV budget for every session's pages ----------------------------
 
-    def attach(self, key: str, pool: Any, transient_bytes: int = 0) -> None:
+    def attach(
+        self, key: str, pool: Any, transient_bytes: int = 0,
+        reserved: Callable[[], int] | None = None,
+    ) -> None:
         """Make ``pool`` (a ``PagePool``) draw from this budget, under ``key``.
 
         ``transient_bytes`` stay free of its pages: what one prefill chunk of the
-        session needs while it runs.
+        session needs while it runs. ``reserved`` says what the session's layers
+        outside the pages (sliding windows, linear-attention state) may hold: the
+        budget and free RAM keep that for them too.
         """
         with self._lock:
             self._pools[key] = pool
             self._transient[key] = transient_bytes
+            self._reserved[key] = reserved
         self.refresh(key)
+
+    def reserved_bytes(self, key: str | None) -> int:
+        """What ``key``'s layers outside the pages may hold (0: none, or not attached)."""
+        with self._lock:
+            reserved = self._reserved.get(key)
+        return int(reserved()) if reserved is not None else 0
 
     def detach(self, key: str, pool: Any = None) -> None:
         """Stop counting a closed session's pool (only ``pool``, when given)."""
@@ -184,18 +197,20 @@ class MemoryGuard:
             if pool is None or self._pools.get(key) is pool:
                 self._pools.pop(key, None)
                 self._transient.pop(key, None)
+                self._reserved.pop(key, None)
                 self._ram_bound.pop(key, None)
 
     def held_bytes(self, exclude: str | None = None) -> int:
-        """Bytes the attached pools have allocated (all but ``exclude``)."""
+        """Bytes the attached pools allocated, plus their reserves (all but ``exclude``)."""
         with self._lock:
             mine = self._pools.get(exclude) if exclude is not None else None
-            pools = [p for k, p in self._pools.items() if k != exclude]
+            pools = [(k, p) for k, p in self._pools.items() if k != exclude]
         # Sessions sharing pages share one pool group: count its slabs once, and
-        # not at all when ``exclude``'s pool is in it.
-        groups = {id(_group(p)): p for p in pools}
+        # not at all when ``exclude``'s pool is in it. Reserves are per session.
+        groups = {id(_group(p)): p for _, p in pools}
         groups.pop(id(_group(mine)), None)
-        return sum(int(p.bytes_allocated) for p in groups.values())
+        reserved = sum(self.reserved_bytes(k) for k, _ in pools)
+        return sum(int(p.bytes_allocated) for p in groups.values()) + reserved
 
     def kv_share(self, key: str | None = None) -> int | None:
         """Bytes of the KV budget left for ``key``: the budget minus other sessions' pages."""
@@ -216,8 +231,11 @@ class MemoryGuard:
             transient = self._transient.get(key, 0)
         if pool is None:
             return None
+        reserved = self.reserved_bytes(key)
         share = self.kv_share(key)
-        ram = int(pool.bytes_allocated) + max(0, self.free_bytes(reading) - transient)
+        if share is not None:
+            share = max(0, share - reserved)
+        ram = int(pool.bytes_allocated) + max(0, self.free_bytes(reading) - transient - reserved)
         limit = ram if share is None else min(share, ram)
         pool.budget_bytes = limit
         with self._lock:

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import checkpoints, fit
-from engine.cache import adapter, kvquant, sharing
+from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import (
     Cancelled,
@@ -118,7 +118,7 @@ class Session(ChunkedPrefill):
         self._scratch_bytes = scratch_bytes
         self.prefill_facts = fit.prefill_facts(
             self.model, activation_value_bytes(),
-            fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes)
+            fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes, page_size)
         self._new_cache()
         # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
         self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
@@ -129,6 +129,7 @@ class Session(ChunkedPrefill):
         self.kv_token_bytes = -(-kvquant.project_kv_bytes(
             self.facts.attention_layers, self.facts.kv_heads, self.facts.head_dim,
             page_size, self.mode) // page_size)
+        self.guard.refresh(self.session_id)  # with the windows' bound, known now
 
     # -- cache bookkeeping -------------------------------------------------
 
@@ -169,7 +170,8 @@ class Session(ChunkedPrefill):
             # The guard sets and keeps updating the pool's limit: its share of
             # the one KV budget, bounded by free RAM less a prefill chunk's needs.
             self.guard.attach(self.session_id, pool,
-                              self.prefill_facts.transient_bytes(self.smallest_chunk))
+                              self.prefill_facts.transient_bytes(self.smallest_chunk),
+                              lambda: self.other_layers().bound_bytes)
 
     def reset(self) -> None:
         """Drop every held token and page."""
@@ -225,6 +227,14 @@ class Session(ChunkedPrefill):
         if self._needs_checkpoints:
             self.checkpoints.add(checkpoints.take(self.cache, len(self.tokens),
                                                   boundary=boundary))
+
+    def other_layers(self) -> other_layers.OtherLayers:
+        """What the layers outside the pages may hold (sliding windows, linear attention)."""
+        facts = getattr(self, "facts", None)
+        if facts is None:  # the first cache is being made: it holds nothing yet
+            return other_layers.OtherLayers()
+        return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
+                                         activation_value_bytes(), self.chunk_size)
 
     def stats(self) -> Any:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""
@@ -282,7 +292,8 @@ class Session(ChunkedPrefill):
         held = int(self.stats().bytes_allocated) if self.cache else 0
         held += self.checkpoints.nbytes
         chunk = self._paced_chunk
-        return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk)
+        return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk,
+                                             len(self.tokens) + chunk)
 
     def room_for(self, token_count: int) -> int:
         """Tokens that may follow ``token_count`` tokens; raises if those don't fit.

@@ -112,6 +112,7 @@ def stats_sample(
     memory: MemorySnapshot | None = None,
     prefill_peak_bytes: int = 0,
     checkpoint_bytes: int = 0,
+    other_layers: Any | None = None,
 ) -> StatsSample:
     """Build a ``StatsSample`` from an adapter ``CacheStats`` (or None) and memory.
 
@@ -122,6 +123,8 @@ def stats_sample(
         prefill_peak_bytes: the session's predicted prefill peak
             (``Session.prefill_peak_bytes``), or 0.
         checkpoint_bytes: bytes of the session's checkpoints, or 0.
+        other_layers: the session's ``engine.cache.other_layers.OtherLayers``: the
+            bound its budget keeps for the layers outside the pages, and their kinds.
     """
     memory = memory or memory_snapshot()
     cache = cache_stats
@@ -153,6 +156,8 @@ def stats_sample(
         kv_shared_bytes=int(getattr(cache, "shared_bytes", 0)),
         kv_bytes_once=getattr(cache, "bytes_once", None),
         kv_shared_with=int(getattr(cache, "shared_with", 0)),
+        other_cache_bound_bytes=int(getattr(other_layers, "bound_bytes", 0)),
+        other_cache_kinds=str(getattr(other_layers, "kinds", "")),
     )
 
 

@@ -348,9 +348,11 @@ class EngineWorker:
         cache_stats = session.stats() if live else None
         peak = session.prefill_peak_bytes() if live else 0
         held = session.checkpoints.nbytes if live else 0
+        others = session.other_layers() if live else None
         session_id = session.session_id if session else None
         self._stats.publish(lambda: stats_sample(
-            session_id, cache_stats, prefill_peak_bytes=peak, checkpoint_bytes=held))
+            session_id, cache_stats, prefill_peak_bytes=peak, checkpoint_bytes=held,
+            other_layers=others))
 
     def _heartbeat(self) -> StatsHeartbeat:
         return StatsHeartbeat(self._stats, self._throttle.interval)

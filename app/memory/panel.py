@@ -59,6 +59,14 @@ def shared_note(sample: StatsSample) -> str:
     return f" · {human_bytes(sample.kv_shared_bytes)} shared with {others} other {chats}"
 
 
+def other_layers_line(sample: StatsSample) -> str:
+    """"Other layers: 24.0 MB of ≤ 30.0 MB (sliding windows)" on its own line, or ""."""
+    if not sample.other_cache_kinds:
+        return ""
+    return (f"<br>Other layers: {human_bytes(sample.other_cache_bytes)} of ≤ "
+            f"{human_bytes(sample.other_cache_bound_bytes)} ({sample.other_cache_kinds})")
+
+
 def _section(title: str) -> QLabel:
     label = QLabel(title.upper())
     label.setObjectName("panelSection")
@@ -229,7 +237,7 @@ class MemoryPanel(QScrollArea):
         self.kv_label.setText(
             f"<b>{human_bytes(sample.kv_bytes_used)}</b> used of "
             f"{human_bytes(sample.kv_bytes_allocated)} allocated · "
-            f"{sample.tokens_in_context:,} tokens{shared_note(sample)}")
+            f"{sample.tokens_in_context:,} tokens{shared_note(sample)}{other_layers_line(sample)}")
         self.kv_bar.setMaximum(1000)
         self.kv_bar.setValue(int(1000 * sample.kv_bytes_used / allocated))
         self.pages_label.setText(

@@ -248,7 +248,10 @@ def run_hybrid_ingest(config: HybridIngestConfig, progress: Progress = _silent) 
         text = loaded.tokenizer.decode(ids)
         messages = [{"role": "user", "content": text}]
         total = len(session.render(messages, add_generation_prompt=False))
-        predicted = session.fit_report(total).prefill_peak_bytes
+        # The fit check's arithmetic (pages for every token, one chunk's scratch and
+        # activations) for the chunk this run reads with, at the context it reaches.
+        kv_bytes = session.fit_report(total).for_mode(config.mode).bytes_needed
+        predicted = session.prefill_facts.peak_bytes(kv_bytes, config.chunk, total)
         progress(f"hybrid ingest: {total} tokens in {config.mode}, predicted peak {predicted}")
         mx.clear_cache()
         mx.reset_peak_memory()

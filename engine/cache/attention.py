@@ -15,7 +15,9 @@ Two paths, neither of which materializes the context:
   cannot take): the pages are walked in blocks; each block is dequantized on its
   own and merged with an online softmax (running max and sum). The block size
   follows from a scratch budget, so a chunk's transient is the same at 32k and
-  at 262k tokens.
+  at 262k tokens; :func:`chunk_scratch_bytes` is that transient, for the
+  estimates. A decode step on this path keeps its blocks page-major and small
+  (``DECODE_SCRATCH_BYTES``).
 """
 
 from __future__ import annotations
@@ -36,11 +38,25 @@ PACKED_MAX_TOKENS = 4
 # one dequantized block of keys and values) may take, at any context length; each
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
 PREFILL_SCRATCH_BYTES = pages.PREFILL_SCRATCH_BYTES
+# A decode step walking the pages (fp16, or a head_dim the packed kernels cannot
+# take) has a few score rows, so its blocks are mostly the converted keys and values:
+# a block well inside the CPU's caches is as fast as a large one and keeps the
+# step's transient far below a prefill chunk's.
+DECODE_SCRATCH_BYTES = 16 * 2**20
 _MLX_GROUP_SIZES = (128, 64, 32)
-# Per block token: scores, exponentials and the mask select, in fp32, per query row;
-# and per key/value row, the unpacked, signed, scaled and transposed fp32 copies.
-_SCORE_COPIES = 3
-_ROW_COPIES = 4
+# What one block holds at its peak, per block token, as mx.get_peak_memory measures
+# it on the CPU backend (tests/engine/cache/test_attention_blocks.py): two fp32
+# scores per query row (the masked scores and their exponentials: MLX reuses the
+# other buffers), one mask byte per query row of a KV head, and fp32 copies of one
+# key row per KV head: keys and values unpacked, scaled and transposed, about five
+# alive at once (a decode block stays page-major: one converted copy of each,
+# and the packed pieces a block joins across a slab end).
+_SCORE_COPIES = 2
+_ROW_COPIES = 5
+_DECODE_ROW_COPIES = 3
+# Per query row and head value, whatever the block size: the scaled queries, the
+# running output, its rescaled copy and one block's weighted values, in fp32.
+_OUT_COPIES = 4
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -54,9 +70,14 @@ def group_size_for(head_dim: int) -> int | None:
 
 
 def block_tokens(
-    query_rows: int, kv_heads: int, head_dim: int, page_size: int, scratch_bytes: int
+    query_rows: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    scratch_bytes: int,
+    row_copies: int = _ROW_COPIES,
 ) -> int:
-    """Tokens of one attention block so that its scratch fits ``scratch_bytes``.
+    """Tokens of one attention block so that the attention's scratch fits ``scratch_bytes``.
 
     Args:
         query_rows: query heads times new tokens (every row scores every block key
@@ -64,22 +85,53 @@ def block_tokens(
         kv_heads: KV heads of the layer.
         head_dim: values per head.
         page_size: blocks are whole pages.
-        scratch_bytes: the budget for one block's transient arrays.
+        scratch_bytes: the budget for one call's transient arrays.
+        row_copies: fp32 copies of one key row per KV head a block holds at once.
     """
-    pages = max(1, scratch_bytes // (_bytes_per_token(query_rows, kv_heads, head_dim) * page_size))
-    return pages * page_size
+    room = scratch_bytes - _fixed_bytes(query_rows, head_dim)
+    per_token = _bytes_per_token(query_rows, kv_heads, head_dim, row_copies)
+    return max(1, room // (per_token * page_size)) * page_size
 
 
-def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int) -> int:
-    return 4 * (_SCORE_COPIES * query_rows + 2 * _ROW_COPIES * kv_heads * head_dim)
-
-
-def scratch_bytes_for(
-    query_rows: int, kv_heads: int, head_dim: int, page_size: int, scratch_bytes: int
+def chunk_scratch_bytes(
+    chunk: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    scratch_bytes: int,
+    context: int | None = None,
 ) -> int:
-    """Bytes one block of :func:`block_tokens` tokens takes (at least one page)."""
-    tokens = block_tokens(query_rows, kv_heads, head_dim, page_size, scratch_bytes)
-    return tokens * _bytes_per_token(query_rows, kv_heads, head_dim)
+    """Bytes the attention of one prefill chunk allocates at its peak, per layer.
+
+    The arithmetic that sizes the attention's blocks (:func:`block_tokens`), so the
+    fit check, the memory guard and the stats predict what it will allocate.
+
+    Args:
+        chunk: new tokens of the chunk.
+        q_heads: query heads of the layer.
+        kv_heads: KV heads of the layer.
+        head_dim: values per head.
+        page_size: tokens per page.
+        scratch_bytes: the pool's scratch budget (``PagePool.scratch_bytes``).
+        context: tokens the layer holds once the chunk is in (None: long enough
+            for full blocks); a shorter context makes a smaller block.
+    """
+    rows = q_heads * chunk
+    tokens = block_tokens(rows, kv_heads, head_dim, page_size, scratch_bytes)
+    if context is not None:
+        tokens = min(tokens, -(-context // page_size) * page_size)
+    per_token = _bytes_per_token(rows, kv_heads, head_dim, _ROW_COPIES)
+    return tokens * per_token + _fixed_bytes(rows, head_dim)
+
+
+def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int, row_copies: int) -> int:
+    mask = query_rows // kv_heads
+    return 4 * (_SCORE_COPIES * query_rows + row_copies * kv_heads * head_dim) + mask
+
+
+def _fixed_bytes(query_rows: int, head_dim: int) -> int:
+    return 4 * _OUT_COPIES * query_rows * head_dim
 
 
 def paged_attention(
@@ -185,15 +237,28 @@ def _fold_mask(mask: mx.array, kv_heads: int, repeats: int, length: int) -> mx.a
 
 
 def _masked(view: _QueryView, scores: mx.array, positions: mx.array) -> mx.array:
-    """``scores`` with every position the queries may not see set to -inf."""
+    """``scores`` with every position the queries may not see set to -inf.
+
+    ``scores`` are ``[kv_heads, rows, n]``, or ``[pages, kv_heads, rows, n]`` with
+    ``positions`` (``pages * n``) cut the same way.
+    """
     end = view.first + view.length
+    pages = scores.shape[0] if scores.ndim == 4 else None
     if isinstance(view.mask, mx.array):
         allowed, additive = view.additive_or_bool(positions, end)
         if additive is not None:
-            scores = scores + additive.astype(scores.dtype)
+            scores = scores + _by_page(additive, pages).astype(scores.dtype)
     else:
         allowed = view.allowed(positions)
-    return mx.where(allowed, scores, -mx.inf)
+    return mx.where(_by_page(allowed, pages), scores, -mx.inf)
+
+
+def _by_page(columns: mx.array, pages: int | None) -> mx.array:
+    """``[..., rows, pages * n]`` as ``[pages, ..., rows, n]`` (a view; None: as is)."""
+    if pages is None:
+        return columns
+    split = columns.reshape(*columns.shape[:-1], pages, -1)
+    return mx.moveaxis(split, -2, 0)
 
 
 def _page_positions(logicals: list[int], page_size: int) -> mx.array:
@@ -207,71 +272,136 @@ def _page_positions(logicals: list[int], page_size: int) -> mx.array:
 def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
     store, page_size = cache.store, cache.pool.page_size
     kv_heads, rows, head_dim = view.q.shape
-    q = view.q * scale
-    tokens = block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, cache.pool.scratch_bytes)
+    q = (view.q * scale)[None]
+    # Decode keeps its blocks page-major ([pages, kv_heads, page_size, D]): no
+    # transposed copy of the rows, one small matmul per page. A prefill chunk's
+    # scores dominate its transient; its blocks go heads-first, one matmul per head.
+    decode = view.length <= PACKED_MAX_TOKENS
+    budget = cache.pool.scratch_bytes
+    if decode:
+        budget = min(budget, DECODE_SCRATCH_BYTES)
+    copies = _DECODE_ROW_COPIES if decode else _ROW_COPIES
+    tokens = block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
-    running_max = mx.full((kv_heads, rows, 1), -mx.inf, dtype=mx.float32)
-    running_sum = mx.zeros((kv_heads, rows, 1), dtype=mx.float32)
-    out = mx.zeros((kv_heads, rows, head_dim), dtype=mx.float32)
-    for slab_index, local, logicals in blocks:
-        k_block, v_block = _dequantized_block(store, slab_index, local, view.dtype)
-        scores = _masked(view, q @ k_block.swapaxes(-1, -2), _page_positions(logicals, page_size))
-        block_max = mx.max(scores, axis=-1, keepdims=True)
-        new_max = mx.maximum(running_max, block_max)
-        # A row that has seen only masked positions so far keeps -inf; shift by 0 then.
-        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
-        weights = mx.exp(scores - shift)
-        correction = mx.exp(running_max - shift)
-        running_sum = running_sum * correction + mx.sum(weights, axis=-1, keepdims=True)
-        out = out * correction + (weights.astype(view.dtype) @ v_block).astype(mx.float32)
-        running_max = new_max
+    softmax = _OnlineSoftmax.start(kv_heads, rows, head_dim)
+    for block in blocks:
+        _merge_block(softmax, view, q, store, block, page_size, decode)
         if len(blocks) > 1:
             # Bound the transient to one block: without this the lazy graph may
             # schedule every block's scores before the first merge.
-            mx.eval(out, running_sum, running_max)
-    return out / running_sum
+            mx.eval(softmax.top, softmax.total, softmax.out)
+    return softmax.out / softmax.total
+
+
+def _merge_block(
+    softmax: _OnlineSoftmax,
+    view: _QueryView,
+    q: mx.array,
+    store: Any,
+    block: list[tuple[int, mx.array | slice, list[int]]],
+    page_size: int,
+    page_major: bool,
+) -> None:
+    # Its own frame: once it returns, no Python name holds the block's arrays, so
+    # MLX frees (or reuses) each one as soon as its last consumer ran.
+    logicals = [page for _, _, pages in block for page in pages]
+    k_block, v_block = _dequantized_block(store, block, view.dtype, page_major)
+    scores = q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
+    softmax.add(_masked(view, scores, _page_positions(logicals, page_size)), v_block, view.dtype)
+
+
+@dataclass
+class _OnlineSoftmax:
+    """Running max, sum and weighted values over blocks of ``[pages, kv_heads, rows, n]``."""
+
+    top: mx.array
+    total: mx.array
+    out: mx.array
+
+    @classmethod
+    def start(cls, kv_heads: int, rows: int, head_dim: int) -> _OnlineSoftmax:
+        return cls(
+            mx.full((kv_heads, rows, 1), -mx.inf, dtype=mx.float32),
+            mx.zeros((kv_heads, rows, 1), dtype=mx.float32),
+            mx.zeros((kv_heads, rows, head_dim), dtype=mx.float32),
+        )
+
+    def add(self, scores: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
+        """Merge one block: masked ``scores`` and ``values`` ``[pages, kv_heads, n, D]``."""
+        new_top = mx.maximum(self.top, mx.max(scores, axis=(0, 3), keepdims=True)[0])
+        # A row that has seen only masked positions so far keeps -inf; shift by 0 then.
+        shift = mx.where(new_top == -mx.inf, 0.0, new_top)
+        weights = mx.exp(scores - shift)
+        correction = mx.exp(self.top - shift)
+        self.total = self.total * correction + mx.sum(weights, axis=(0, 3), keepdims=True)[0]
+        mixed = mx.sum(weights.astype(dtype) @ values, axis=0)
+        self.out = self.out * correction + mixed.astype(mx.float32)
+        self.top = new_top
 
 
 def _blocks(groups: list[Any], pages_per_block: int) -> Any:
-    """(slab index, local slots, logical pages) in pieces of at most ``pages_per_block``.
+    """Blocks of at most ``pages_per_block`` pages, as (slab index, local slots,
+    logical pages) pieces.
 
-    Local slots come as a ``slice`` where they are consecutive (the usual case:
-    slots are taken lowest first), so the block is a view of the slab, not a copy.
+    A block runs on into the next slab, so its size follows the scratch budget
+    alone (what the fit check predicts), not where slabs happen to end. Local slots
+    come as a ``slice`` where they are consecutive (the usual case: slots are taken
+    lowest first), so a piece is a view of its slab, not a copy.
     """
+    block: list[tuple[int, mx.array | slice, list[int]]] = []
+    size = 0
     for slab_index, local, logicals in groups:
         slots = local.tolist()
-        for start in range(0, len(logicals), pages_per_block):
-            end = start + pages_per_block
+        start = 0
+        while start < len(logicals):
+            end = min(len(logicals), start + pages_per_block - size)
             piece = slots[start:end]
             if piece == list(range(piece[0], piece[0] + len(piece))):
-                yield slab_index, slice(piece[0], piece[0] + len(piece)), logicals[start:end]
+                block.append((slab_index, slice(piece[0], piece[0] + len(piece)),
+                              logicals[start:end]))
             else:
-                yield slab_index, local[start:end], logicals[start:end]
+                block.append((slab_index, local[start:end], logicals[start:end]))
+            size += end - start
+            start = end
+            if size == pages_per_block:
+                yield block
+                block, size = [], 0
+    if block:
+        yield block
 
 
 def _dequantized_block(
-    store: Any, slab_index: int, local: mx.array | slice, dtype: mx.Dtype
+    store: Any, block: list[Any], dtype: mx.Dtype, page_major: bool
 ) -> tuple[mx.array, mx.array]:
-    """Keys and values of some pages of one slab as ``[kv_heads, tokens, D]``."""
+    """Keys and values of a block's pages.
+
+    ``[pages, kv_heads, page_size, D]`` when ``page_major``, else ``[1, kv_heads,
+    tokens, D]``.
+    """
     layout = store.layout
-    slab = store.slabs[slab_index]
+
+    def stored(part: int) -> mx.array | None:
+        # Take pages along the slab's contiguous page axis: taking from a transposed
+        # view copies the whole slab first. Pieces of several slabs are joined
+        # while still packed, the cheapest copy.
+        pieces = []
+        for slab_index, local, _ in block:
+            array = store.slabs[slab_index][part]
+            if array is None:
+                return None
+            pieces.append(array[local] if isinstance(local, slice)
+                          else mx.take(array, local, axis=0))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
 
     def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
-        # Take pages along the slab's contiguous page axis: taking from a transposed
-        # view copies the whole slab first. Heads go first after dequantizing, a
-        # copy of this block only.
-        if isinstance(local, slice):
-            codes = codes[local]
-            scales = None if scales is None else scales[local]
-        else:
-            codes = mx.take(codes, local, axis=0)
-            if scales is not None:
-                scales = mx.take(scales, local, axis=0)
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
-        return values.swapaxes(0, 1).reshape(layout.kv_heads, -1, layout.head_dim)
+        if page_major:
+            return values
+        # Heads first after dequantizing: a copy of this block only.
+        return values.swapaxes(0, 1).reshape(1, layout.kv_heads, -1, layout.head_dim)
 
-    return rows(slab[0], slab[1]), rows(slab[2], slab[3])
+    return rows(stored(0), stored(1)), rows(stored(2), stored(3))
 
 
 # -- decode straight from the packed bytes -----------------------------------------

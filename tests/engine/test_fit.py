@@ -148,10 +148,10 @@ def test_a_real_chunk_stays_within_the_predicted_transient(wide_llama) -> None:
     _, loaded = wide_llama
     chunk = 256
     session = Session("s", loaded, "fp16", chunk_size=chunk)
-    heads = loaded.model.args.num_attention_heads
-    # The attention's scratch for a first chunk: its scores, exponentials and mask
-    # (fp32, every head, chunk x chunk), far under the 256 MiB budget at this size.
-    scratch = 3 * heads * chunk * chunk * 4
+    # The attention's own block arithmetic: a first chunk's block is the chunk itself,
+    # far under the 256 MiB budget at this size.
+    scratch = session.prefill_facts.scratch_for(chunk, context=chunk)
+    assert scratch < session.prefill_facts.scratch_for(chunk) < PREFILL_SCRATCH_BYTES
     ids = [(7 * i) % 300 + 3 for i in range(chunk)]
     mx.clear_cache()
     before = mx.get_active_memory()

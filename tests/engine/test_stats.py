@@ -103,3 +103,17 @@ def test_throttle_is_due_once_per_interval() -> None:
     now[0] += 0.06
     assert throttle.due()
     assert not throttle.due()
+
+
+def test_stats_sample_carries_the_layers_outside_the_pages() -> None:
+    from engine.cache.other_layers import OtherLayers
+
+    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    cache = FakeCacheStats()
+    cache.other_bytes = 20 * 2**20
+    sample = stats_sample("s1", cache, memory,
+                          other_layers=OtherLayers(24 * 2**20, "sliding windows"))
+    assert sample.other_cache_bytes == 20 * 2**20
+    assert sample.other_cache_bound_bytes == 24 * 2**20
+    assert sample.other_cache_kinds == "sliding windows"
+    assert stats_sample("s1", FakeCacheStats(), memory).other_cache_kinds == ""

@@ -157,3 +157,21 @@ def test_the_shared_part_of_a_chats_pages_is_named() -> None:
     assert note(0, 0) == "" and note(0, 1) == ""
     assert note(4 * 2**20, 1) == f" · {human_bytes(4 * 2**20)} shared with 1 other chat"
     assert note(2**20, 2).endswith("shared with 2 other chats")
+
+
+def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
+    from dataclasses import replace
+
+    from app.memory.panel import MemoryPanel
+    from engine.stats import MemorySnapshot, stats_sample
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("Notes", "q6", "held", "s1")
+    plain = stats_sample("s1", None, MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None))
+    panel.update_sample(plain, 0)
+    assert "Other layers" not in panel.kv_label.text()
+    windows = replace(plain, other_cache_bytes=20 << 20, other_cache_bound_bytes=24 << 20,
+                      other_cache_kinds="sliding windows")
+    panel.update_sample(windows, 0)
+    assert "<br>Other layers: 20.0 MB of ≤ 24.0 MB (sliding windows)" in panel.kv_label.text()

@@ -8,7 +8,7 @@ import pytest
 
 from engine.bench import longctx_bench, longctx_report, report
 from engine.cache import pages
-from engine.cache.attention import scratch_bytes_for
+from engine.cache.attention import chunk_scratch_bytes
 
 MIB = 2**20
 
@@ -43,7 +43,7 @@ def test_paged_chunk_transient_stays_within_a_small_scratch_budget(
         page_size=64, dtype="float32",
     )
     rows = [r for r in longctx_bench.run_layer_bench(config)["rows"] if r["kind"] == "paged"]
-    block = scratch_bytes_for(8 * 64, config.kv_heads, config.head_dim, 64, 4 * MIB)
+    block = chunk_scratch_bytes(64, 8, config.kv_heads, config.head_dim, 64, 4 * MIB)
     unbounded = 4 * 8192 * (3 * 8 * 64 + 8 * config.kv_heads * config.head_dim)
     chunk_inputs = 4 * 64 * config.head_dim * (8 + 4 * config.kv_heads)
     assert block <= 4 * MIB < unbounded / 50

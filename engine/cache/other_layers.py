@@ -1,0 +1,73 @@
+"""The layers a session keeps outside the pages, and the most they can hold.
+
+Sliding-window layers keep mlx-lm's ``RotatingKVCache``: at most its window plus
+one prefill chunk of tokens (mlx-lm keeps ``max_size + chunk - 1`` rows after a
+chunk). Linear-attention layers keep an ``ArraysCache`` whose arrays have a fixed
+size once the first token made them. Both are bounded, so the KV budget reserves
+their bound next to the pages instead of finding out when they grow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+from engine.cache.paged_cache import PagedKVCache
+
+SLIDING = "sliding windows"
+LINEAR = "linear attention"
+
+
+@dataclass(frozen=True)
+class OtherLayers:
+    """What the layers that are not paged may hold.
+
+    Attributes:
+        bound_bytes: the most they hold (a linear-attention state not made yet
+            counts 0 until the first token makes it).
+        kinds: what they are, e.g. "sliding windows, linear attention" ("" if none).
+    """
+
+    bound_bytes: int = 0
+    kinds: str = ""
+
+
+def other_layers(
+    cache: list[Any], kv_heads: int, head_dim: int, value_bytes: int, chunk: int
+) -> OtherLayers:
+    """The bound of every layer of ``cache`` that is not paged (no MLX evaluation).
+
+    Args:
+        cache: a session's per-layer caches.
+        kv_heads: KV heads of a window's layer (used before its first token).
+        head_dim: values per head (likewise).
+        value_bytes: bytes of one key or value (likewise).
+        chunk: the largest prefill chunk.
+    """
+    total, kinds = 0, []
+    for layer in cache:
+        if isinstance(layer, PagedKVCache):
+            continue
+        if isinstance(layer, RotatingKVCache):
+            total += (layer.max_size + chunk - 1) * _row_bytes(layer, kv_heads, head_dim,
+                                                               value_bytes)
+            kind = SLIDING
+        elif isinstance(layer, ArraysCache):
+            total += sum(int(a.nbytes) for a in layer.cache if a is not None)
+            kind = LINEAR
+        else:
+            continue  # mlx-lm's own full cache (no paged layer): not bounded
+        if kind not in kinds:
+            kinds.append(kind)
+    return OtherLayers(total, ", ".join(kinds))
+
+
+def _row_bytes(layer: Any, kv_heads: int, head_dim: int, value_bytes: int) -> int:
+    """Bytes of one token's keys and values in a rotating window."""
+    if layer.keys is None:
+        return 2 * kv_heads * head_dim * value_bytes
+    keys, values = layer.keys, layer.values
+    return (keys.shape[1] * keys.shape[3] * keys.itemsize
+            + values.shape[1] * values.shape[3] * values.itemsize)

@@ -1,0 +1,109 @@
+"""Paged attention walking the pages in blocks: decode blocks, and what a block holds."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.cache import attention
+from tests.engine.cache.test_attention import SAME_ROWS_TOLERANCE, _cache, _normal, _step
+
+MIB = 2**20
+
+
+def _decode_peak(cache, heads: int) -> int:
+    """MLX peak above the memory active before one decode step (the cache excluded)."""
+    head_dim = cache.head_dim
+    keys = _normal((1, cache.kv_heads, 1, head_dim), 1)
+    queries = _normal((1, heads, 1, head_dim), 2)
+    cache.pool.ensure(cache.offset + 1)
+    cache.update_and_fetch(keys, keys)
+    mx.eval(cache.store.slabs)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(attention.paged_attention(queries, keys, keys, cache, head_dim**-0.5, None))
+    return mx.get_peak_memory() - before
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q8"])
+def test_decode_over_many_blocks_matches_reference(mode: str, monkeypatch) -> None:
+    # One page per block: the online softmax merges every page (q8 through its
+    # packed path is unaffected, and must agree as well).
+    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 1)
+    cache = _cache(mode, 64, prefix=70)
+    for step in range(2):
+        got, expected = _step(cache, mode, 1, heads=4, mask=None, seed=30 + 3 * step)
+        np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
+
+
+def test_window_mask_over_decode_blocks(monkeypatch) -> None:
+    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 1)
+    cache = _cache("fp16", 32, prefix=50)
+    total = 51
+    window = (mx.arange(total) >= total - 20)[None]  # reaches back across two pages
+    got, expected = _step(cache, "fp16", 1, heads=4, mask=window, seed=3)
+    np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
+
+
+def test_fp16_decode_transient_is_one_block_at_any_context(monkeypatch) -> None:
+    # 2 KV heads of 128 values, 16-token pages: a 64 KiB decode budget makes
+    # blocks of a few pages, so 4k tokens walk many blocks.
+    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 64 * 1024)
+    peaks = [_decode_peak(_cache("fp16", 128, prefix=tokens), heads=8) for tokens in (512, 4096)]
+    # The converted keys and values of one block, plus the small running arrays.
+    assert peaks[1] <= 64 * 1024 + 16 * 1024
+    assert peaks[1] <= 1.1 * peaks[0] + 4096
+
+
+# -- what the fit check predicts is what the attention allocates ---------------------
+
+
+@pytest.mark.parametrize(
+    ("chunk", "q_heads", "kv_heads", "head_dim", "page_size", "budget"),
+    [(512, 24, 4, 256, 256, 256 * MIB), (64, 16, 4, 256, 256, 256 * MIB),
+     (512, 4, 2, 32, 256, 256 * MIB), (128, 8, 2, 64, 16, 2 * MIB)],
+)
+def test_predicted_scratch_is_the_block_the_attention_sizes(
+    chunk: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int, budget: int
+) -> None:
+    rows = q_heads * chunk
+    tokens = attention.block_tokens(rows, kv_heads, head_dim, page_size, budget)
+    assert tokens % page_size == 0
+    long = attention.chunk_scratch_bytes(chunk, q_heads, kv_heads, head_dim, page_size, budget)
+    assert long <= budget  # the budget bounds the whole call, queries and output included
+    # One page more per block would no longer fit the budget.
+    per_page = (attention.chunk_scratch_bytes(
+        chunk, q_heads, kv_heads, head_dim, page_size, 2 * budget, tokens + page_size) - long)
+    assert long + per_page > budget
+    # A context shorter than one block makes a block of the context.
+    short = attention.chunk_scratch_bytes(
+        chunk, q_heads, kv_heads, head_dim, page_size, budget, context=page_size)
+    assert short == long - (tokens - page_size) * per_page // page_size
+
+
+@pytest.mark.parametrize(("mode", "head_dim", "q_heads", "prefix"),
+                         [("fp16", 64, 8, 4096), ("q6", 64, 8, 4096), ("q4", 128, 4, 4096),
+                          ("q8", 64, 8, 200)])
+def test_one_chunks_measured_peak_is_the_predicted_scratch(
+    mode: str, head_dim: int, q_heads: int, prefix: int
+) -> None:
+    # A 4 MiB budget over 4,096 held tokens: several full blocks of 16-token pages.
+    # Over 200, one block of every page, though the first slabs hold 4, 4 and 8 pages.
+    budget, chunk = 4 * MIB, 128
+    cache = _cache(mode, head_dim, prefix=prefix)
+    cache.pool.scratch_bytes = budget
+    cache.pool.ensure(cache.offset + chunk)
+    keys = _normal((1, cache.kv_heads, chunk, head_dim), 4)
+    queries = _normal((1, q_heads, chunk, head_dim), 5)
+    cache.update_and_fetch(keys, keys)
+    mx.eval(cache.store.slabs)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(attention.paged_attention(queries, keys, keys, cache, head_dim**-0.5, "causal"))
+    measured = mx.get_peak_memory() - before
+    predicted = attention.chunk_scratch_bytes(
+        chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset)
+    assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured, predicted)

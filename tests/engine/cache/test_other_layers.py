@@ -1,0 +1,80 @@
+"""Sliding windows and linear-attention state: bounded, and kept in the KV budget."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+from mlx_lm.utils import load
+
+from engine.cache import other_layers
+from engine.cache.paged_cache import PagedKVCache
+from engine.prefill import activation_value_bytes
+from engine.session import Session
+from tests.engine.tinymodels import TINY_SLIDING_WINDOW, make_tiny_model_dir
+
+MIB = 2**20
+CHUNK = 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
+    root = tmp_path_factory.mktemp("other-layer-models")
+    loaded = {}
+    for arch in ("gemma3_text", "qwen3_next"):
+        model, tokenizer = load(str(make_tiny_model_dir(root, arch)))
+        loaded[arch] = SimpleNamespace(model=model, tokenizer=tokenizer,
+                                       info=SimpleNamespace(max_context=4096))
+    return loaded
+
+
+def _session(loaded: SimpleNamespace, budget: int | None = None) -> Session:
+    return Session("s", loaded, "q8", page_size=16, chunk_size=CHUNK, budget_bytes=budget)
+
+
+def _feed(session: Session, tokens: int) -> None:
+    ids = [(7 * i) % 200 + 3 for i in range(tokens)]
+    session.prefill(ids, request_id=0, cancel=threading.Event(), emit=lambda e: None,
+                    tick=lambda: None)
+
+
+def _unpaged(session: Session) -> list:
+    return [c for c in session.cache if not isinstance(c, PagedKVCache)]
+
+
+def test_sliding_windows_are_bounded_by_window_and_chunk_from_the_start(models) -> None:
+    session = _session(models["gemma3_text"])
+    windows = _unpaged(session)
+    facts = session.facts
+    row = 2 * facts.kv_heads * facts.head_dim * activation_value_bytes()
+    expected = len(windows) * (TINY_SLIDING_WINDOW + CHUNK - 1) * row
+    before = session.other_layers()
+    assert before == other_layers.OtherLayers(expected, other_layers.SLIDING) and windows
+    _feed(session, 5 * TINY_SLIDING_WINDOW)  # wraps every window
+    held = session.stats().other_bytes
+    assert 0 < held <= session.other_layers().bound_bytes == expected
+
+
+def test_linear_attention_state_counts_its_fixed_size_once_made(models) -> None:
+    session = _session(models["qwen3_next"])
+    assert session.other_layers() == other_layers.OtherLayers(0, other_layers.LINEAR)
+    _feed(session, 40)
+    made = session.other_layers().bound_bytes
+    assert made == session.stats().other_bytes > 0
+    _feed(session, 40)  # the state does not grow with the context
+    assert session.other_layers().bound_bytes == made
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+def test_the_kv_budget_keeps_their_bound_beside_the_pages(models, arch: str) -> None:
+    budget = 4 * MIB
+    session = _session(models[arch], budget)
+    _feed(session, 40)
+    reserved = session.other_layers().bound_bytes
+    assert reserved > 0
+    pool = next(c.pool for c in session.cache if isinstance(c, PagedKVCache))
+    assert session.guard.refresh(session.session_id) == pool.budget_bytes == budget - reserved
+    assert session.fit_report(100).budget_bytes == budget - reserved
+    # Another chat sharing the guard sees this one's reserve as held.
+    assert session.guard.kv_share("other") == budget - pool.bytes_allocated - reserved
