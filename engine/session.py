@@ -116,8 +116,10 @@ class Session(ChunkedPrefill):
         # stopped short (cancel, memory, a failed chunk); None when it did not.
         self.prefill_stop: tuple[int, int] | None = None
         self._scratch_bytes = scratch_bytes
+        # Asked of MLX here, on the engine thread: fit checks read it from the GUI thread.
+        self._value_bytes = activation_value_bytes()
         self.prefill_facts = fit.prefill_facts(
-            self.model, activation_value_bytes(),
+            self.model, self._value_bytes,
             fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes, page_size)
         self._new_cache()
         # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
@@ -234,7 +236,7 @@ class Session(ChunkedPrefill):
         if facts is None:  # the first cache is being made: it holds nothing yet
             return other_layers.OtherLayers()
         return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
-                                         activation_value_bytes(), self.chunk_size)
+                                         self._value_bytes, self.chunk_size)
 
     def stats(self) -> Any:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""
