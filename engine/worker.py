@@ -6,6 +6,11 @@ dataclasses of plain values) come out through ``on_event``, called on that
 thread (or, for stats repeated while one MLX step runs long, on the
 ``engine.heartbeat`` thread). Every request ends with exactly one ``Finished``
 or ``Failed``.
+
+The worker owns the thread, the queue and how a request ends; what a request
+does is its collaborators': ``HeldSessions`` (the loaded model and its open
+sessions), ``SessionRequests`` (chat, ingest, quality check) and
+``StatsReporter`` (the stats samples).
 """
 
 from __future__ import annotations
@@ -14,36 +19,33 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 
-from engine import fit, reuse
-from engine.cache import kvquant, sharing
-from engine.errors import Cancelled, EngineError
+from engine import fit
+from engine.commands import Command
+from engine.errors import EngineError
 from engine.events import (
     Failed,
     Finished,
     ModelLoaded,
-    Notice,
     QualityChecked,
-    QualityProgress,
     SessionOpened,
     StatsSample,
 )
 from engine.fit import facts_from_info
-from engine.heartbeat import StatsChannel, StatsHeartbeat
+from engine.held_sessions import HeldSessions
 from engine.memory_guard import MemoryGuard
-from engine.prefill import MIN_CHUNK, activation_value_bytes
+from engine.prefill import MIN_CHUNK
 from engine.prompt_ids import clean_text
 from engine.sampling import SamplingParams
-from engine.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, Session
+from engine.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
+from engine.session_requests import SessionRequests
 from engine.snapshots.keeper import SnapshotKeeper
 from engine.snapshots.store import SnapshotStore
-from engine.stats import StatsThrottle, stats_sample
+from engine.stats_reporter import StatsReporter
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +57,6 @@ UNEXPECTED = (
 )
 # A request whose cancel was set while it waited in the queue ends before it starts.
 _CANCELLABLE = ("chat", "ingest", "check_quality")
-
-
-@dataclass
-class _Command:
-    request_id: int
-    name: str
-    args: tuple[Any, ...] = ()
-    cancel: threading.Event = field(default_factory=threading.Event)
-    # (kept, total) tokens when the request's prefill stopped short, for its ending.
-    prefill_stop: tuple[int, int] | None = None
 
 
 class EngineWorker:
@@ -106,20 +98,29 @@ class EngineWorker:
             budget_bytes=budget_bytes, headroom_bytes=headroom_bytes
         )
         self.chunk_size = chunk_size
-        self._queue: queue.Queue[_Command | None] = queue.Queue()
+        self._queue: queue.Queue[Command | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._loaded: Any = None
-        self._loaded_bytes = 0  # estimated weight bytes of the loaded model
-        self._prefill: fit.PrefillFacts | None = None  # the loaded model's prefill needs
-        self._sessions: dict[str, Session] = {}
-        self._stats = StatsChannel(self._emit)
-        self._current: _Command | None = None
+        self._current: Command | None = None
         self._stopping = threading.Event()
-        self._throttle = StatsThrottle(stats_interval)
-        self._chunk_seconds = 2 * stats_interval if adaptive_chunks else None
+        self._stats = StatsReporter(self._emit, stats_interval)
         self._snapshots = SnapshotKeeper(snapshots, self._emit)
+        self._held = HeldSessions(
+            self.guard, self._snapshots, self._stats, self._emit,
+            chunk_seconds=2 * stats_interval if adaptive_chunks else None,
+        )
+        requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
+        self._handlers: dict[str, Callable[[Command], object]] = {
+            "load_model": self._load_model,
+            "open_session": self._open_session,
+            "configure": self._configure,
+            "snapshot_budget": self._set_snapshot_budget,
+            "clear_snapshots": self._clear_snapshots,
+            "close_session": self._close_session,
+            "chat": requests.chat,
+            "ingest": requests.ingest,
+            "check_quality": requests.check_quality,
+        }
 
     # -- public API (any thread) ---------------------------------------------
 
@@ -225,10 +226,7 @@ class EngineWorker:
         Raises:
             EngineError: no model is loaded, or the session is unknown.
         """
-        with self._lock:
-            loaded = self._loaded
-            prefill = self._prefill
-            session = self._sessions.get(session_id) if session_id is not None else None
+        loaded, prefill, session = self._held.view(session_id)
         if loaded is None:
             raise EngineError("Load a model first.")
         if session_id is not None and session is None:
@@ -247,7 +245,7 @@ class EngineWorker:
         Raises:
             EngineError: no model is loaded.
         """
-        loaded = self._loaded
+        loaded = self._held.loaded
         if loaded is None:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
@@ -270,7 +268,7 @@ class EngineWorker:
         self, name: str, args: tuple[Any, ...], cancel: threading.Event | None = None
     ) -> int:
         request_id = next(self._ids)
-        command = _Command(request_id, name, args, cancel or threading.Event())
+        command = Command(request_id, name, args, cancel or threading.Event())
         if self._stopping.is_set():
             command.cancel.set()
         self._queue.put(command)
@@ -308,111 +306,42 @@ class EngineWorker:
                 break
             if command is not None:
                 self._emit(Finished(command.request_id, "cancelled"))
-        self._release_model()
+        self._held.release()
 
-    def _execute(self, command: _Command) -> None:
-        handler = getattr(self, f"_do_{command.name}")
+    def _execute(self, command: Command) -> None:
         try:
             if command.cancel.is_set() and command.name in _CANCELLABLE:
                 ending: object = Finished(command.request_id, "cancelled")
             else:
-                ending = handler(command)
+                ending = self._handlers[command.name](command)
                 if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):
                     # Announce the result, then end the request like every other.
                     self._emit(ending)
                     ending = Finished(command.request_id, "done")
         except EngineError as error:
             ending = Failed(command.request_id, str(error), type(error).__name__,
-                            *_kept(command.prefill_stop))
+                            *command.kept())
         except Exception as error:
             log.exception("engine request %s failed", command.name)
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
-                            type(error).__name__, *_kept(command.prefill_stop))
+                            type(error).__name__, *command.kept())
         self._emit(ending)
 
-    def _session(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise EngineError(f"No open session named {session_id!r}; open it first.")
-        return session
+    # -- handlers of the requests that change what the engine holds ------------
 
-    def _tick_for(self, session: Session) -> Callable[[], None]:
-        def tick() -> None:
-            if self._throttle.due():
-                self._publish(session)
-        return tick
-
-    def _publish(self, session: Session | None) -> None:
-        live = session is not None and bool(session.cache)
-        cache_stats = session.stats() if live else None
-        peak = session.prefill_peak_bytes() if live else 0
-        held = session.checkpoints.nbytes if live else 0
-        others = session.other_layers() if live else None
-        session_id = session.session_id if session else None
-        self._stats.publish(lambda: stats_sample(
-            session_id, cache_stats, prefill_peak_bytes=peak, checkpoint_bytes=held,
-            other_layers=others))
-
-    def _heartbeat(self) -> StatsHeartbeat:
-        return StatsHeartbeat(self._stats, self._throttle.interval)
-
-    def _release_model(self) -> None:
-        with self._lock:
-            sessions = list(self._sessions.values())
-            self._sessions.clear()
-            self._loaded = None
-            self._loaded_bytes = 0
-            self._prefill = None
-        for session in sessions:
-            self._snapshots.keep(session)
-            session.close()
-        mx.clear_cache()
-
-    def _do_load_model(self, command: _Command) -> object:
-        # Heavy: imports mlx-lm's loaders.
-        from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
-
+    def _load_model(self, command: Command) -> object:
         (path,) = command.args
-        folder = resolve_model_path(path)
-        needed, quantized = estimate_load_bytes(folder)
-        releasable = self._loaded_bytes + self.guard.held_bytes()
-        if self.guard.check_load(needed, name=folder.name, releasable_bytes=releasable,
-                                 quantized=quantized):
-            # Only fits once the current model is gone: unload it first rather
-            # than hold both and swap.
-            self._release_model()
-        loaded = load_model(folder)
-        self._release_model()
-        prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
-        with self._lock:
-            self._loaded = loaded
-            self._loaded_bytes = needed
-            self._prefill = prefill
-        return ModelLoaded(command.request_id, loaded.info)
+        return ModelLoaded(command.request_id, self._held.load(path))
 
-    def _do_open_session(self, command: _Command) -> object:
+    def _open_session(self, command: Command) -> object:
         session_id, mode, page_size, rotate = command.args
-        if self._loaded is None:
-            raise EngineError("Load a model before opening a conversation.")
-        mode = kvquant.normalize_mode(mode)
-        with self._lock:
-            replaced = self._sessions.pop(session_id, None)
-        if replaced is not None:
-            self._snapshots.keep(replaced)
-            replaced.close()
-        session = Session(
-            session_id, self._loaded, mode, page_size,
-            chunk_size=self.chunk_size, chunk_seconds=self._chunk_seconds, guard=self.guard,
-            rotate=rotate,
-        )
-        with self._lock:
-            self._sessions[session_id] = session
-        self._publish(session)
+        session = self._held.open(session_id, mode, page_size, rotate,
+                                  chunk_size=self.chunk_size)
         return SessionOpened(command.request_id, session_id, session.mode, page_size,
                              session.cache_kind, session.cache_note, session.rotation)
 
-    def _do_configure(self, command: _Command) -> object:
+    def _configure(self, command: Command) -> object:
         budget_bytes, chunk_size = command.args
         if budget_bytes is not None and budget_bytes < 0:
             raise EngineError("The KV memory budget cannot be negative.")
@@ -420,128 +349,20 @@ class EngineWorker:
             raise EngineError("The ingest chunk must be at least 1 token.")
         self.guard.budget_bytes = budget_bytes
         self.chunk_size = chunk_size
-        with self._lock:
-            sessions = list(self._sessions.values())
-        for session in sessions:
-            session.set_chunk_size(chunk_size)
-            self.guard.refresh(session.session_id)
+        self._held.set_chunk_size(chunk_size)
         return Finished(command.request_id, "done")
 
-    def _do_snapshot_budget(self, command: _Command) -> object:
+    def _set_snapshot_budget(self, command: Command) -> object:
         self._snapshots.set_budget(*command.args)
         return Finished(command.request_id, "done")
 
-    def _do_clear_snapshots(self, command: _Command) -> object:
+    def _clear_snapshots(self, command: Command) -> object:
         self._snapshots.clear(*command.args)
         return Finished(command.request_id, "done")
 
-    def _do_close_session(self, command: _Command) -> object:
-        (session_id,) = command.args
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
-        if session is not None:
-            self._snapshots.keep(session)
-            with self._lock:
-                partners = [s for s in self._sessions.values()
-                            if sharing.same_group(s.cache, session.cache)]
-            session.close()
-            # Hand the freed pages back to the OS, not just to MLX's buffer cache.
-            mx.clear_cache()
-            for partner in partners:  # their pages are no longer shared: say so
-                self._publish(partner)
+    def _close_session(self, command: Command) -> object:
+        self._held.close(*command.args)
         return Finished(command.request_id, "done")
-
-    def _do_chat(self, command: _Command) -> object:
-        session_id, messages, sampling = command.args
-        session = self._session(session_id)
-        reused = self._restore(session, messages, command.request_id, answer=True)
-        self._publish(session)
-        try:
-            with self._heartbeat():
-                reason, stats = session.chat(
-                    messages, sampling, request_id=command.request_id, cancel=command.cancel,
-                    emit=self._emit, tick=self._tick_for(session),
-                )
-        finally:
-            command.prefill_stop = session.prefill_stop
-            self._publish(session)
-        if session.memory_stop:
-            log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
-        stats = replace(stats, reused_tokens=reused)
-        return Finished(command.request_id, reason, stats, *_kept(session.prefill_stop))
-
-    def _do_ingest(self, command: _Command) -> object:
-        session_id, messages = command.args
-        session = self._session(session_id)
-        reused = self._restore(session, messages, command.request_id, answer=False)
-        self._publish(session)
-        try:
-            with self._heartbeat():
-                stats = session.ingest(
-                    messages, request_id=command.request_id, cancel=command.cancel,
-                    emit=self._emit, tick=self._tick_for(session),
-                )
-        except Cancelled:
-            return Finished(command.request_id, "cancelled", None, *_kept(session.prefill_stop))
-        finally:
-            command.prefill_stop = session.prefill_stop
-            self._publish(session)
-        return Finished(command.request_id, "done", replace(stats, reused_tokens=reused))
-
-    def _do_check_quality(self, command: _Command) -> object:
-        from engine.quality_check import check_quality
-
-        session_id, messages = command.args
-        session = self._session(session_id)
-        self.guard.check_pressure("the quality check")
-        # An empty chat renders to a template's bare scaffolding: nothing of the user's.
-        ids = session.render(messages, add_generation_prompt=False) if messages else []
-        started = time.perf_counter()
-
-        def progress(done: int, total: int) -> None:
-            rate = done / max(time.perf_counter() - started, 1e-9)
-            self._emit(QualityProgress(command.request_id, done, total, rate,
-                                       (total - done) / rate))
-
-        try:
-            with self._heartbeat():
-                receipt = check_quality(
-                    session.loaded, ids, session.mode, rotate=session.rotation is not None,
-                    cancel=command.cancel, progress=progress, page_size=session.page_size,
-                )
-        except Cancelled:
-            return Finished(command.request_id, "cancelled")
-        return QualityChecked(command.request_id, session_id, receipt)
-
-    def _restore(
-        self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
-    ) -> int:
-        """Reopen an empty session from its snapshot, then take a longer prefix another
-        open chat holds (``engine.reuse``); the tokens it brought back."""
-        with self._lock:
-            others = [s for s in self._sessions.values()
-                      if s.tokens and reuse.compatible(session, s)]
-        from_disk = not session.tokens and self._snapshots.store is not None
-        if not others and not from_disk:
-            return 0
-        prompt = session.render(messages, add_generation_prompt=answer)
-        reused = 0
-        if from_disk:
-            reused = self._snapshots.restore(session, prompt, request_id, keep_last=answer)
-        found = reuse.best_offer(session, others, prompt, keep_last=answer)
-        if found is None:
-            return reused
-        taken = reuse.adopt(session, found)
-        if taken:
-            self._publish(found.donor)  # its pages are shared now: the panel says so
-            self._emit(Notice(request_id, f"Reused {taken:,} tokens another open chat had "
-                                          "already read; reading only the rest."))
-        return taken
-
-
-def _kept(stop: tuple[int, int] | None) -> tuple[int | None, int | None]:
-    """(kept, total) tokens of a prefill that stopped short, else Nones (for events)."""
-    return stop or (None, None)
 
 
 def _copy(messages: list[dict[str, str]]) -> list[dict[str, str]]:

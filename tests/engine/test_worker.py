@@ -128,7 +128,7 @@ def test_chat_streams_events_in_order_on_the_engine_thread(start_worker, model_d
     latest = worker.latest_stats()
     assert latest is not None and latest.tokens_in_context > 0 and latest.pages_in_use > 0
     # The predicted prefill peak: the weights and the held pages plus one chunk's needs.
-    weights = worker._prefill.weights_bytes
+    weights = worker._held.prefill.weights_bytes
     assert latest.prefill_peak_bytes > weights + latest.kv_bytes_allocated
 
 

@@ -29,7 +29,7 @@ def test_check_reports_progress_then_the_receipt(start_worker, model_dirs,
     monkeypatch.setattr(quality_check, "WINDOW_TOKENS", 80)
     worker, log, opened = _opened(start_worker, model_dirs["llama"], "q4", rotate=True)
     ingested = log.ending(worker.ingest("s", LONG, threading.Event()))
-    held = worker._sessions["s"].tokens[:]
+    held = worker._held.get("s").tokens[:]
     rid = worker.check_quality("s", LONG, threading.Event())
     checked = log.result(rid, QualityChecked)
     receipt = checked.receipt
@@ -45,7 +45,7 @@ def test_check_reports_progress_then_the_receipt(start_worker, model_dirs,
     events = log.for_request(rid)
     assert events.index(checked) == len(events) - 2  # then Finished("done")
     # Its own caches: the session still holds exactly what it held.
-    assert worker._sessions["s"].tokens == held
+    assert worker._held.get("s").tokens == held
     assert all(src == THREAD_NAME for e, src in zip(log.events, log.sources, strict=True)
                if isinstance(e, QualityProgress | QualityChecked))
 
