@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import heapq
 import math
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,6 +236,30 @@ class PageStore:
         ]
 
 
+class PageGroup:
+    """The pools whose sessions point into the same stores.
+
+    Weakly held: a pool refers to its group and its layers' caches refer to the
+    pool, so strong references back would make cycles, and a closed session's
+    slabs (gigabytes at 262k tokens) would wait for Python's cycle collector.
+    """
+
+    def __init__(self, pool: PagePool) -> None:
+        self._pools: weakref.WeakSet[PagePool] = weakref.WeakSet([pool])
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def __iter__(self) -> Iterator[PagePool]:
+        return iter(list(self._pools))
+
+    def add(self, pool: PagePool) -> None:
+        self._pools.add(pool)
+
+    def discard(self, pool: PagePool) -> None:
+        self._pools.discard(pool)
+
+
 class PagePool:
     """Hands out pages to one session's layers under a shared byte budget.
 
@@ -252,9 +278,9 @@ class PagePool:
         self.stores: list[PageStore] = []
         # The block table reading each store (a ``PagedKVCache``), for what this
         # session still needs when its stores are shared; None: the store's only user.
-        self.holders: list[Any] = []
-        # Pools whose sessions share pages: one list, the same stores (see join).
-        self.group: list[PagePool] = [self]
+        self.holders: list[weakref.ref[Any] | None] = []
+        # Pools whose sessions share pages: one group, the same stores (see join).
+        self.group = PageGroup(self)
         # The most one prefill chunk's attention may hold on top of the pages
         # (engine.cache.attention walks the pages in blocks that fit it).
         self.scratch_bytes = PREFILL_SCRATCH_BYTES
@@ -273,7 +299,8 @@ class PagePool:
         layout.row_width  # noqa: B018 - raises UnsupportedModeError for a bad head_dim
         store = PageStore(layout)
         self.stores.append(store)
-        self.holders.append(holder)
+        # Weak: the holder (a layer's cache) refers to this pool.
+        self.holders.append(None if holder is None else weakref.ref(holder))
         self._room = 0
         return store
 
@@ -304,18 +331,18 @@ class PagePool:
         self.leave()
         self.stores = other.stores
         self.group = other.group
-        self.group.append(self)
+        self.group.add(self)
         for pool in self.group:
             pool._room = 0
 
     def leave(self) -> None:
         """Stop sharing (after every page was given back): the others keep the stores."""
         if self.shared:
-            self.group.remove(self)
+            self.group.discard(self)
             for pool in self.group:
                 pool._room = 0
             self.stores = [PageStore(s.layout) for s in self.stores]
-            self.group = [self]
+            self.group = PageGroup(self)
         self._room = 0
 
     @property
@@ -370,7 +397,8 @@ class PagePool:
 
     def _needed(self, index: int, tokens: int) -> int:
         """Free slots store ``index`` must give this session to hold ``tokens``."""
-        store, holder = self.stores[index], self.holders[index]
+        store, ref = self.stores[index], self.holders[index]
+        holder = ref() if ref is not None else None
         if holder is None:  # the store's only user: everything in use is its own
             return self.pages_for(tokens) - store.in_use
         return self.pages_for(tokens) - len(holder.block_table) + holder.copies_due(tokens)

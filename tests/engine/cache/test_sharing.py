@@ -134,3 +134,23 @@ def test_the_guard_counts_a_page_group_once() -> None:
     assert guard.held_bytes() == group + alone
     assert guard.held_bytes(exclude="b") == alone
     assert guard.kv_share("a") == 10 * 2**20 - alone
+
+
+def test_dropped_caches_free_their_pools_without_the_cycle_collector() -> None:
+    """No reference cycle through the group or the holders: slabs go when the caches go."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()  # a cycle would keep the pools (and their slabs) alive from here on
+    try:
+        alone, donor, sharer = _cache(), _cache(), _cache()
+        _write(alone, 40, 1)
+        _write(donor, 40, 3)
+        sharer.pool.join(donor.pool)
+        sharer.share_prefix(donor, 32)
+        pools = [weakref.ref(c.pool) for c in (alone, donor, sharer)]
+        del alone, donor, sharer
+        assert [ref() for ref in pools] == [None, None, None]
+    finally:
+        gc.enable()
