@@ -134,7 +134,10 @@ def _timed(fn: Callable[[], Any]) -> float:
 def _fresh_memory() -> None:
     # Freed arrays sit in MLX's buffer cache; dropping it keeps one contender's
     # buffers out of the next one's peak. (Caches hold no reference cycles, so
-    # no gc.collect, which costs ~0.2 s a call with mlx-lm imported.)
+    # no gc.collect, which costs ~0.2 s a call with mlx-lm imported.) Arrays whose
+    # last reader is still queued are freed when it runs: wait for the stream first,
+    # or they leave the baseline later and a peak reads below it (seen: -1.5 MiB).
+    mx.synchronize()
     mx.clear_cache()
 
 

@@ -108,6 +108,7 @@ def _reserve(entry: Contender, cache: Any, tokens: int) -> None:
 
 def _measure(fn: Callable[[], Any]) -> tuple[float, int]:
     """(seconds, MLX peak above the memory active before) of one call."""
+    mx.synchronize()  # frees still queued behind pending work would move the baseline
     mx.clear_cache()
     baseline = mx.get_active_memory()
     mx.reset_peak_memory()
