@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 
 from engine.cache import adapter, kvquant
-from engine.cache.attention import paged_attention
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
+from engine.quality_check import divergence, log_probs
 from tests.engine.tinymodels import ARCHS, load_tiny
 
 CHUNKINGS = (64, 128, 384, 1)  # 1: token by token
@@ -57,21 +57,15 @@ def _attend_in_chunks(mode: str, rotate: bool, chunk: int) -> tuple[np.ndarray, 
     values = _normal((1, kv_heads, length, head_dim), 2)
     queries = _normal((1, heads, length, head_dim), 3)
     cache = PagedKVCache(PagePool(mode, 16), kv_heads, head_dim)
-    rotation = HadamardRotation(head_dim) if rotate else None
-    cache.rotation = rotation
+    cache.rotation = HadamardRotation(head_dim) if rotate else None
     outputs = []
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
         k, v = cache.update_and_fetch(keys[:, :, start:end], values[:, :, start:end])
-        q = queries[:, :, start:end]
         mask = "causal" if end - start > 1 else None
-        if rotation is None:
-            out = paged_attention(q, k, v, cache, scale=head_dim**-0.5, mask=mask)
-        else:
-            out = paged_attention(rotation.rotate_query(q), k, v, cache,
-                                  scale=head_dim**-0.5, mask=mask)
-            out = rotation.unrotate(out)
-        outputs.append(out)
+        # What a model's attention call becomes for this cache, rotation included.
+        outputs.append(adapter.attend(queries[:, :, start:end], k, v, cache,
+                                      scale=head_dim**-0.5, mask=mask))
     output = mx.concatenate(outputs, axis=2)
     pages = [np.array(part) for part in cache.state[:4] if part is not None]
     return np.array(output), pages
@@ -174,12 +168,9 @@ def demo_tails(model: Any, mode: str) -> dict[int, np.ndarray]:
 
 
 def mean_kl(reference: np.ndarray, other: np.ndarray) -> float:
-    def log_probs(logits: np.ndarray) -> np.ndarray:
-        shifted = logits - logits.max(-1, keepdims=True)
-        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-    ref, oth = log_probs(reference.astype(np.float64)), log_probs(other.astype(np.float64))
-    return float((np.exp(ref) * (ref - oth)).sum(-1).mean())
+    """Mean KL(reference ‖ other) over positions, with the quality check's own math."""
+    kl, _ = divergence(log_probs(mx.array(reference)), log_probs(mx.array(other)))
+    return float(kl.mean())
 
 
 @pytest.fixture(scope="module")
