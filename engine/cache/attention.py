@@ -22,12 +22,14 @@ Two paths, neither of which materializes the context:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from engine.cache import kvquant, pages
+from engine.cache import kvquant, pages, streams
 from engine.errors import EngineError
 
 # Up to this many new tokens (decode, short drafts) attend the packed pages directly;
@@ -46,17 +48,21 @@ DECODE_SCRATCH_BYTES = 16 * 2**20
 _MLX_GROUP_SIZES = (128, 64, 32)
 # What one block holds at its peak, per block token, as mx.get_peak_memory measures
 # it on the CPU backend (tests/engine/cache/test_attention_blocks.py): two fp32
-# scores per query row (the masked scores and their exponentials: MLX reuses the
-# other buffers), one mask byte per query row of a KV head, and fp32 copies of one
-# key row per KV head: keys and values unpacked, scaled and transposed, about five
-# alive at once (a decode block stays page-major: one converted copy of each,
-# and the packed pieces a block joins across a slab end).
+# scores per query row (the scores and their exponentials or probabilities: MLX
+# reuses the other buffers), one mask byte per query row of a KV head, and fp32
+# copies of one key row per KV head: keys and values unpacked, scaled and
+# transposed, about five alive at once on one stream; split over streams, each
+# group converts its own heads as it goes and about two and a half are (a decode
+# block stays page-major: one converted copy of each, and the packed pieces a
+# block joins across a slab end).
 _SCORE_COPIES = 2
-_ROW_COPIES = 5
-_DECODE_ROW_COPIES = 3
+_ROW_COPIES = 5.0
+_SPLIT_ROW_COPIES = 2.5
+_DECODE_ROW_COPIES = 3.0
 # Per query row and head value, whatever the block size: the scaled queries, the
-# running output, its rescaled copy and one block's weighted values, in fp32.
-_OUT_COPIES = 4
+# running output, its rescaled copy, one block's weighted values before and after
+# their scaling, and the returned output, in fp32 (measured: 5.6-6.2 copies).
+_OUT_COPIES = 6
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -75,7 +81,7 @@ def block_tokens(
     head_dim: int,
     page_size: int,
     scratch_bytes: int,
-    row_copies: int = _ROW_COPIES,
+    row_copies: float | None = None,
 ) -> int:
     """Tokens of one attention block so that the attention's scratch fits ``scratch_bytes``.
 
@@ -86,8 +92,10 @@ def block_tokens(
         head_dim: values per head.
         page_size: blocks are whole pages.
         scratch_bytes: the budget for one call's transient arrays.
-        row_copies: fp32 copies of one key row per KV head a block holds at once.
+        row_copies: fp32 copies of one key row per KV head a block holds at once
+            (None: a prefill chunk's, for how this device splits the heads).
     """
+    row_copies = row_copies or _prefill_row_copies(kv_heads)
     room = scratch_bytes - _fixed_bytes(query_rows, head_dim)
     per_token = _bytes_per_token(query_rows, kv_heads, head_dim, row_copies)
     return max(1, room // (per_token * page_size)) * page_size
@@ -121,13 +129,17 @@ def chunk_scratch_bytes(
     tokens = block_tokens(rows, kv_heads, head_dim, page_size, scratch_bytes)
     if context is not None:
         tokens = min(tokens, -(-context // page_size) * page_size)
-    per_token = _bytes_per_token(rows, kv_heads, head_dim, _ROW_COPIES)
+    per_token = _bytes_per_token(rows, kv_heads, head_dim, _prefill_row_copies(kv_heads))
     return tokens * per_token + _fixed_bytes(rows, head_dim)
 
 
-def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int, row_copies: int) -> int:
+def _prefill_row_copies(kv_heads: int) -> float:
+    return _SPLIT_ROW_COPIES if streams.group_count(kv_heads) > 1 else _ROW_COPIES
+
+
+def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int, row_copies: float) -> int:
     mask = query_rows // kv_heads
-    return 4 * (_SCORE_COPIES * query_rows + row_copies * kv_heads * head_dim) + mask
+    return int(4 * (_SCORE_COPIES * query_rows + row_copies * kv_heads * head_dim)) + mask
 
 
 def _fixed_bytes(query_rows: int, head_dim: int) -> int:
@@ -198,6 +210,19 @@ class _QueryView:
             raise EngineError(f"The paged KV cache cannot apply a {mask!r} attention mask.")
         first = cache.offset - length
         return cls(q, heads, length, first, mask, compute_dtype(queries.dtype))
+
+    def for_heads(self, heads: slice) -> _QueryView:
+        """The view of the KV heads ``heads`` only (their queries and mask rows)."""
+        if heads == slice(0, self.q.shape[0]):
+            return self
+        mask = self.mask
+        if isinstance(mask, mx.array) and mask.shape[0] > 1:
+            mask = mask[heads]
+        return _QueryView(self.q[heads], self.heads, self.length, self.first, mask, self.dtype)
+
+    def sees_whole(self, end: int) -> bool:
+        """Whether every query row may see every stored position before ``end``."""
+        return not isinstance(self.mask, mx.array) and end <= self.first
 
     def allowed(self, positions: mx.array) -> mx.array:
         """Which stored positions each query row may see, as a bool mask.
@@ -272,7 +297,6 @@ def _page_positions(logicals: list[int], page_size: int) -> mx.array:
 def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
     store, page_size = cache.store, cache.pool.page_size
     kv_heads, rows, head_dim = view.q.shape
-    q = (view.q * scale)[None]
     # Decode keeps its blocks page-major ([pages, kv_heads, page_size, D]): no
     # transposed copy of the rows, one small matmul per page. A prefill chunk's
     # scores dominate its transient; its blocks go heads-first, one matmul per head.
@@ -280,24 +304,50 @@ def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
     budget = cache.pool.scratch_bytes
     if decode:
         budget = min(budget, DECODE_SCRATCH_BYTES)
-    copies = _DECODE_ROW_COPIES if decode else _ROW_COPIES
+    copies = _DECODE_ROW_COPIES if decode else None
     tokens = block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
-    softmax = _OnlineSoftmax.start(kv_heads, rows, head_dim)
+    # Each group of heads walks the same blocks on its own stream; together they
+    # hold what one walk over every head would, so the scratch arithmetic holds.
+    groups = [(slice(0, kv_heads), None)] if decode else streams.head_groups(kv_heads)
+    walks = [_HeadWalk.start(view.for_heads(heads), scale, heads, stream)
+             for heads, stream in groups]
     for block in blocks:
-        _merge_block(softmax, view, q, store, block, page_size, decode)
-        if len(blocks) > 1:
+        for walk in walks:
+            with walk.on_stream():
+                _merge_block(walk, store, block, page_size, decode)
+        if len(blocks) > 1 or len(walks) > 1:
             # Bound the transient to one block: without this the lazy graph may
             # schedule every block's scores before the first merge.
-            mx.eval(softmax.top, softmax.total, softmax.out)
-    return softmax.out / softmax.total
+            mx.eval([walk.softmax.state() for walk in walks])
+    outs = [walk.softmax.out / walk.softmax.total for walk in walks]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+@dataclass
+class _HeadWalk:
+    """One group of KV heads walking the blocks: its queries, stream and softmax."""
+
+    view: _QueryView
+    q: mx.array  # scaled queries [1, heads, rows, D]
+    heads: slice
+    stream: mx.Stream | None
+    softmax: _OnlineSoftmax
+
+    @classmethod
+    def start(cls, view: _QueryView, scale: float, heads: slice,
+              stream: mx.Stream | None) -> _HeadWalk:
+        kv_heads, rows, head_dim = view.q.shape
+        return cls(view, (view.q * scale)[None], heads, stream,
+                   _OnlineSoftmax.start(kv_heads, rows, head_dim))
+
+    def on_stream(self) -> Any:
+        return contextlib.nullcontext() if self.stream is None else mx.stream(self.stream)
 
 
 def _merge_block(
-    softmax: _OnlineSoftmax,
-    view: _QueryView,
-    q: mx.array,
+    walk: _HeadWalk,
     store: Any,
     block: list[tuple[int, mx.array | slice, list[int]]],
     page_size: int,
@@ -305,15 +355,24 @@ def _merge_block(
 ) -> None:
     # Its own frame: once it returns, no Python name holds the block's arrays, so
     # MLX frees (or reuses) each one as soon as its last consumer ran.
+    view = walk.view
     logicals = [page for _, _, pages in block for page in pages]
-    k_block, v_block = _dequantized_block(store, block, view.dtype, page_major)
-    scores = q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
-    softmax.add(_masked(view, scores, _page_positions(logicals, page_size)), v_block, view.dtype)
+    k_block, v_block = _dequantized_block(store, block, view.dtype, page_major, walk.heads)
+    scores = walk.q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
+    if not page_major and view.sees_whole((max(logicals) + 1) * page_size):
+        walk.softmax.add_visible(scores, lambda probs: (probs.astype(view.dtype) @ v_block)[0])
+        return
+    masked = _masked(view, scores, _page_positions(logicals, page_size))
+    walk.softmax.add(masked, lambda weights: mx.sum(weights.astype(view.dtype) @ v_block, axis=0))
 
 
 @dataclass
 class _OnlineSoftmax:
-    """Running max, sum and weighted values over blocks of ``[pages, kv_heads, rows, n]``."""
+    """Running max, sum and weighted values over blocks of scores.
+
+    A block's scores are ``[pages, kv_heads, rows, n]``; ``mix`` turns its weights
+    (the same shape) into the weighted sum of the block's values, ``[kv_heads, rows, D]``.
+    """
 
     top: mx.array
     total: mx.array
@@ -327,16 +386,36 @@ class _OnlineSoftmax:
             mx.zeros((kv_heads, rows, head_dim), dtype=mx.float32),
         )
 
-    def add(self, scores: mx.array, values: mx.array, dtype: mx.Dtype) -> None:
-        """Merge one block: masked ``scores`` and ``values`` ``[pages, kv_heads, n, D]``."""
+    def state(self) -> list[mx.array]:
+        return [self.top, self.total, self.out]
+
+    def add(self, scores: mx.array, mix: Callable[[mx.array], mx.array]) -> None:
+        """Merge one block of masked ``scores`` (-inf where a row may not look)."""
         new_top = mx.maximum(self.top, mx.max(scores, axis=(0, 3), keepdims=True)[0])
         # A row that has seen only masked positions so far keeps -inf; shift by 0 then.
         shift = mx.where(new_top == -mx.inf, 0.0, new_top)
         weights = mx.exp(scores - shift)
         correction = mx.exp(self.top - shift)
         self.total = self.total * correction + mx.sum(weights, axis=(0, 3), keepdims=True)[0]
-        mixed = mx.sum(weights.astype(dtype) @ values, axis=0)
-        self.out = self.out * correction + mixed.astype(mx.float32)
+        self.out = self.out * correction + mix(weights).astype(mx.float32)
+        self.top = new_top
+
+    def add_visible(self, scores: mx.array, mix: Callable[[mx.array], mx.array]) -> None:
+        """Merge one block ``[1, kv_heads, rows, n]`` that every row sees whole.
+
+        On the CPU a prefill chunk's time is mostly its exponentials: one fused
+        softmax pass replaces the separate shift, exp and sum passes, and the
+        block's sum comes back as the reciprocal of its largest probability
+        (``exp(0) / sum``).
+        """
+        block_top = mx.max(scores, axis=-1, keepdims=True)[0]
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        block_total = 1.0 / mx.max(probs, axis=-1, keepdims=True)[0]
+        new_top = mx.maximum(self.top, block_top)
+        correction = mx.exp(self.top - new_top)
+        weight = block_total * mx.exp(block_top - new_top)
+        self.total = self.total * correction + weight
+        self.out = self.out * correction + mix(probs).astype(mx.float32) * weight
         self.top = new_top
 
 
@@ -372,11 +451,11 @@ def _blocks(groups: list[Any], pages_per_block: int) -> Any:
 
 
 def _dequantized_block(
-    store: Any, block: list[Any], dtype: mx.Dtype, page_major: bool
+    store: Any, block: list[Any], dtype: mx.Dtype, page_major: bool, heads: slice
 ) -> tuple[mx.array, mx.array]:
-    """Keys and values of a block's pages.
+    """Keys and values of a block's pages, for the KV heads ``heads``.
 
-    ``[pages, kv_heads, page_size, D]`` when ``page_major``, else ``[1, kv_heads,
+    ``[pages, heads, page_size, D]`` when ``page_major``, else ``[1, heads,
     tokens, D]``.
     """
     layout = store.layout
@@ -392,14 +471,15 @@ def _dequantized_block(
                 return None
             pieces.append(array[local] if isinstance(local, slice)
                           else mx.take(array, local, axis=0))
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        joined = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+        return joined if heads == slice(0, layout.kv_heads) else joined[:, heads]
 
     def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
         if page_major:
             return values
         # Heads first after dequantizing: a copy of this block only.
-        return values.swapaxes(0, 1).reshape(1, layout.kv_heads, -1, layout.head_dim)
+        return values.swapaxes(0, 1).reshape(1, values.shape[1], -1, layout.head_dim)
 
     return rows(stored(0), stored(1)), rows(stored(2), stored(3))
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache import attention
+from engine.cache import attention, streams
 from tests.engine.cache.test_attention import SAME_ROWS_TOLERANCE, _cache, _normal, _step
 
 MIB = 2**20
@@ -83,14 +83,17 @@ def test_predicted_scratch_is_the_block_the_attention_sizes(
     assert short == long - (tokens - page_size) * per_page // page_size
 
 
+@pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize(("mode", "head_dim", "q_heads", "prefix"),
                          [("fp16", 64, 8, 4096), ("q6", 64, 8, 4096), ("q4", 128, 4, 4096),
                           ("q8", 64, 8, 200)])
 def test_one_chunks_measured_peak_is_the_predicted_scratch(
-    mode: str, head_dim: int, q_heads: int, prefix: int
+    mode: str, head_dim: int, q_heads: int, prefix: int, cores: int, monkeypatch
 ) -> None:
     # A 4 MiB budget over 4,096 held tokens: several full blocks of 16-token pages.
     # Over 200, one block of every page, though the first slabs hold 4, 4 and 8 pages.
+    # One core walks every head on one stream; two split the heads over two.
+    monkeypatch.setattr(streams, "cpu_cores", lambda: cores)
     budget, chunk = 4 * MIB, 128
     cache = _cache(mode, head_dim, prefix=prefix)
     cache.pool.scratch_bytes = budget
@@ -107,3 +110,29 @@ def test_one_chunks_measured_peak_is_the_predicted_scratch(
     predicted = attention.chunk_scratch_bytes(
         chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset)
     assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q6"])
+def test_heads_split_over_streams_attend_as_one_walk(mode: str, monkeypatch) -> None:
+    # A prefill chunk over several blocks, some seen whole and some masked, with
+    # the KV heads walked on one stream and on two.
+    outputs = []
+    for cores in (1, 2):
+        monkeypatch.setattr(streams, "cpu_cores", lambda cores=cores: cores)
+        cache = _cache(mode, 64, prefix=300)
+        cache.pool.scratch_bytes = 256 * 1024
+        keys = _normal((1, cache.kv_heads, 40, 64), 6)
+        queries = _normal((1, 8, 40, 64), 7)
+        cache.update_and_fetch(keys, keys)
+        outputs.append(np.array(
+            attention.paged_attention(queries, keys, keys, cache, 64**-0.5, "causal")))
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-5)
+
+
+def test_head_groups_cover_every_head_once(monkeypatch) -> None:
+    monkeypatch.setattr(streams, "cpu_cores", lambda: 3)
+    groups = streams.head_groups(8)
+    assert [(g.start, g.stop) for g, _ in groups] == [(0, 2), (2, 5), (5, 8)]
+    assert len({id(stream) for _, stream in groups}) == 3
+    monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
+    assert streams.head_groups(8) == [(slice(0, 8), None)]

@@ -1,0 +1,52 @@
+"""KV heads split over CPU streams, so a prefill chunk's attention uses every core.
+
+On MLX's CPU backend an elementwise op runs on its stream's one thread, and a
+prefill chunk's attention is mostly the exponentials of its scores (about 70% of
+a 512-token chunk at 32k tokens, measured): one stream leaves the other cores idle.
+Heads are independent, so each group of KV heads walks the blocks on its own
+stream. On a GPU one stream already fills the device: no split there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import mlx.core as mx
+
+# A few threads are enough to spread the elementwise work; more only add streams
+# that wait on the same BLAS.
+_MAX_STREAMS = 8
+_local = threading.local()
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
+
+
+def group_count(kv_heads: int) -> int:
+    """How many groups :func:`head_groups` splits ``kv_heads`` into on this device."""
+    if mx.default_device().type != mx.cpu:
+        return 1
+    return max(1, min(kv_heads, cpu_cores(), _MAX_STREAMS))
+
+
+def head_groups(kv_heads: int) -> list[tuple[slice, mx.Stream | None]]:
+    """KV heads in contiguous groups, each with the stream it runs on.
+
+    One group (``None``: the default stream) off the CPU backend or on one core.
+    Streams belong to the calling thread (MLX streams are thread-local), made once.
+    """
+    count = group_count(kv_heads)
+    if count == 1:
+        return [(slice(0, kv_heads), None)]
+    streams: list[mx.Stream] = getattr(_local, "streams", [])
+    while len(streams) < count:
+        streams.append(mx.new_stream(mx.cpu))
+    _local.streams = streams
+    edges = [kv_heads * group // count for group in range(count + 1)]
+    return [(slice(edges[g], edges[g + 1]), streams[g]) for g in range(count)]
