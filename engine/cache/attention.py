@@ -63,6 +63,12 @@ _DECODE_ROW_COPIES = 3.0
 # running output, its rescaled copy, one block's weighted values before and after
 # their scaling, and the returned output, in fp32 (measured: 5.6-6.2 copies).
 _OUT_COPIES = 6
+# A decode step scored from the packed pages holds, per block token, fp32 scores
+# per query row (scores, masked, exponentials), and per KV head MLX's per-group
+# scales and biases of the keys and values (fp32) and a copy of their packed rows
+# (a block joined across slabs, or one group of heads taken out of the pages).
+_PACKED_SCORE_COPIES = 3
+_PACKED_AFFINE_COPIES = 4
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -95,9 +101,36 @@ def block_tokens(
         row_copies: fp32 copies of one key row per KV head a block holds at once
             (None: a prefill chunk's, for how this device splits the heads).
     """
-    row_copies = row_copies or _prefill_row_copies(kv_heads)
+    row_copies = row_copies or _prefill_row_copies(kv_heads, head_dim, None)
     room = scratch_bytes - _fixed_bytes(query_rows, head_dim)
     per_token = _bytes_per_token(query_rows, kv_heads, head_dim, row_copies)
+    return max(1, room // (per_token * page_size)) * page_size
+
+
+def packed_block_tokens(
+    query_rows: int,
+    kv_heads: int,
+    head_dim: int,
+    bits: int,
+    group_size: int,
+    page_size: int,
+    scratch_bytes: int,
+) -> int:
+    """Tokens of one block of a decode step scored straight from the packed pages.
+
+    Args:
+        query_rows: query heads times new tokens.
+        kv_heads: KV heads of the layer.
+        head_dim: values per head.
+        bits: bits per stored value.
+        group_size: MLX group size the pages are read with.
+        page_size: blocks are whole pages.
+        scratch_bytes: the budget for the step's transient arrays.
+    """
+    affine = _PACKED_AFFINE_COPIES * 4 * (head_dim // group_size)
+    packed = 2 * kvquant.packed_dim(head_dim, bits)
+    per_token = 4 * _PACKED_SCORE_COPIES * query_rows + kv_heads * (affine + packed)
+    room = scratch_bytes - _fixed_bytes(query_rows, head_dim)
     return max(1, room // (per_token * page_size)) * page_size
 
 
@@ -126,15 +159,18 @@ def chunk_scratch_bytes(
             for full blocks); a shorter context makes a smaller block.
     """
     rows = q_heads * chunk
-    tokens = block_tokens(rows, kv_heads, head_dim, page_size, scratch_bytes)
+    copies = _prefill_row_copies(kv_heads, head_dim, context)
+    tokens = block_tokens(rows, kv_heads, head_dim, page_size, scratch_bytes, copies)
     if context is not None:
         tokens = min(tokens, -(-context // page_size) * page_size)
-    per_token = _bytes_per_token(rows, kv_heads, head_dim, _prefill_row_copies(kv_heads))
+    per_token = _bytes_per_token(rows, kv_heads, head_dim, copies)
     return tokens * per_token + _fixed_bytes(rows, head_dim)
 
 
-def _prefill_row_copies(kv_heads: int) -> float:
-    return _SPLIT_ROW_COPIES if streams.group_count(kv_heads) > 1 else _ROW_COPIES
+def _prefill_row_copies(kv_heads: int, head_dim: int, context: int | None) -> float:
+    values = streams.SPLIT_MIN_VALUES if context is None else context * kv_heads * head_dim
+    split = streams.group_count(kv_heads, values) > 1
+    return _SPLIT_ROW_COPIES if split else _ROW_COPIES
 
 
 def _bytes_per_token(query_rows: int, kv_heads: int, head_dim: int, row_copies: float) -> int:
@@ -304,20 +340,33 @@ def _attend_blocks(view: _QueryView, cache: Any, scale: float) -> mx.array:
     budget = cache.pool.scratch_bytes
     if decode:
         budget = min(budget, DECODE_SCRATCH_BYTES)
-    copies = _DECODE_ROW_COPIES if decode else None
+    values = cache.offset * kv_heads * head_dim
+    copies = _DECODE_ROW_COPIES if decode else _prefill_row_copies(kv_heads, head_dim, cache.offset)
     tokens = block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
     # Each group of heads walks the same blocks on its own stream; together they
     # hold what one walk over every head would, so the scratch arithmetic holds.
-    groups = [(slice(0, kv_heads), None)] if decode else streams.head_groups(kv_heads)
+    groups = [(slice(0, kv_heads), None)] if decode else streams.head_groups(kv_heads, values)
+    return _walk(view, scale, blocks, groups,
+                 lambda walk, block: _merge_block(walk, store, block, page_size, decode))
+
+
+def _walk(
+    view: _QueryView,
+    scale: float,
+    blocks: list[Any],
+    groups: list[tuple[slice, mx.Stream | None]],
+    merge: Callable[[_HeadWalk, Any], None],
+) -> mx.array:
+    """Every group of heads merges every block; the attention output ``[kv_heads, rows, D]``."""
     walks = [_HeadWalk.start(view.for_heads(heads), scale, heads, stream)
              for heads, stream in groups]
     for block in blocks:
         for walk in walks:
             with walk.on_stream():
-                _merge_block(walk, store, block, page_size, decode)
-        if len(blocks) > 1 or len(walks) > 1:
+                merge(walk, block)
+        if len(blocks) > 1:
             # Bound the transient to one block: without this the lazy graph may
             # schedule every block's scores before the first merge.
             mx.eval([walk.softmax.state() for walk in walks])
@@ -450,6 +499,23 @@ def _blocks(groups: list[Any], pages_per_block: int) -> Any:
         yield block
 
 
+def _stored(store: Any, block: list[Any], part: int, heads: slice) -> mx.array | None:
+    """One stored array (codes or scales of keys or values) of a block's pages and heads.
+
+    Pages are taken along the slab's contiguous page axis (taking from a transposed
+    view copies the whole slab first); pieces of several slabs are joined while
+    still packed, the cheapest copy. None where the mode stores no such array.
+    """
+    pieces = []
+    for slab_index, local, _ in block:
+        array = store.slabs[slab_index][part]
+        if array is None:
+            return None
+        pieces.append(array[local] if isinstance(local, slice) else mx.take(array, local, axis=0))
+    joined = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+    return joined if heads == slice(0, store.layout.kv_heads) else joined[:, heads]
+
+
 def _dequantized_block(
     store: Any, block: list[Any], dtype: mx.Dtype, page_major: bool, heads: slice
 ) -> tuple[mx.array, mx.array]:
@@ -460,28 +526,15 @@ def _dequantized_block(
     """
     layout = store.layout
 
-    def stored(part: int) -> mx.array | None:
-        # Take pages along the slab's contiguous page axis: taking from a transposed
-        # view copies the whole slab first. Pieces of several slabs are joined
-        # while still packed, the cheapest copy.
-        pieces = []
-        for slab_index, local, _ in block:
-            array = store.slabs[slab_index][part]
-            if array is None:
-                return None
-            pieces.append(array[local] if isinstance(local, slice)
-                          else mx.take(array, local, axis=0))
-        joined = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
-        return joined if heads == slice(0, layout.kv_heads) else joined[:, heads]
-
-    def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
+    def rows(part: int) -> mx.array:
+        codes, scales = _stored(store, block, part, heads), _stored(store, block, part + 1, heads)
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
         if page_major:
             return values
         # Heads first after dequantizing: a copy of this block only.
         return values.swapaxes(0, 1).reshape(1, values.shape[1], -1, layout.head_dim)
 
-    return rows(stored(0), stored(1)), rows(stored(2), stored(3))
+    return rows(0), rows(2)
 
 
 # -- decode straight from the packed bytes -----------------------------------------
@@ -490,48 +543,56 @@ def _dequantized_block(
 def _attend_packed(view: _QueryView, cache: Any, scale: float, group_size: int) -> mx.array:
     kv_heads, rows, head_dim = view.q.shape
     store, page_size = cache.store, cache.pool.page_size
-    bits = store.layout.bits
-    q = view.q * scale
-    heads_index = mx.arange(kv_heads, dtype=mx.uint32)
+    heads = streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim)
+    # Split over streams, a step's peak measured about twice one block's (each
+    # stream frees its block as it finishes): the blocks shrink to match.
+    budget = min(cache.pool.scratch_bytes, DECODE_SCRATCH_BYTES) // len(heads)
+    tokens = packed_block_tokens(kv_heads * rows, kv_heads, head_dim, store.layout.bits,
+                                 group_size, page_size, budget)
     groups = cache.page_groups(cache.pool.pages_for(cache.offset))
+    blocks = list(_blocks(groups, tokens // page_size))
+    return _walk(view, scale, blocks, heads,
+                 lambda walk, block: _merge_packed_block(walk, store, block, page_size,
+                                                         group_size))
 
-    page_scores, positions, targets = [], [], []
-    for slab_index, local, logicals in groups:
-        k_codes, k_scales, _, _ = store.slabs[slab_index]
-        slots = k_codes.shape[0]
-        w, s, b = kvquant.as_mlx_affine(k_codes, k_scales, bits, head_dim, group_size, mx.float32)
-        w, s, b = (x.reshape(slots * kv_heads, page_size, -1) for x in (w, s, b))
-        target = local[:, None] * kv_heads + heads_index[None]
-        source = mx.broadcast_to(heads_index[None], target.shape)
-        scores = mx.gather_qmm(
-            q, w, s, b, lhs_indices=source, rhs_indices=target,
-            transpose=True, group_size=group_size, bits=bits,
-        )  # [pages, kv_heads, rows, page_size]
-        count = len(logicals)
-        page_scores.append(scores.transpose(1, 2, 0, 3).reshape(kv_heads, rows, count * page_size))
-        positions.append(_page_positions(logicals, page_size))
-        targets.append(target.reshape(-1))
 
-    position = positions[0] if len(positions) == 1 else mx.concatenate(positions)
-    scores = page_scores[0] if len(page_scores) == 1 else mx.concatenate(page_scores, -1)
-    probs = mx.softmax(_masked(view, scores, position), axis=-1, precise=True)
+def _merge_packed_block(
+    walk: _HeadWalk, store: Any, block: list[Any], page_size: int, group_size: int
+) -> None:
+    # Scores straight from the packed pages, page-major ([pages, heads, rows,
+    # page_size]): the only conversion is the block's scales into MLX's per-group
+    # scales and biases. A group of heads picks its rows by index, so taking its
+    # heads out of the pages copies nothing.
+    view = walk.view
+    heads, rows, head_dim = view.q.shape
+    kv_heads, bits = store.layout.kv_heads, store.layout.bits
+    logicals = [page for _, _, pages in block for page in pages]
+    count = len(logicals)
+    local = mx.arange(heads, dtype=mx.uint32)
+    pages_index = mx.arange(count, dtype=mx.uint32)[:, None]
+    target = (pages_index * kv_heads + walk.heads.start + local[None]).reshape(-1)
+    every_head = slice(0, kv_heads)
 
-    out = None
-    start = 0
-    for (slab_index, _, logicals), target in zip(groups, targets, strict=True):
-        _, _, v_codes, v_scales = store.slabs[slab_index]
-        slots = v_codes.shape[0]
-        w, s, b = kvquant.as_mlx_affine(v_codes, v_scales, bits, head_dim, group_size, view.dtype)
-        w, s, b = (x.reshape(slots * kv_heads, page_size, -1) for x in (w, s, b))
-        count = len(logicals)
-        part = probs[..., start : start + count * page_size]
-        part = part.reshape(kv_heads, rows, count, page_size).transpose(2, 0, 1, 3)
-        part = part.reshape(count * kv_heads, rows, page_size).astype(view.dtype)
+    def affine(part: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
+        codes = _stored(store, block, part, every_head)
+        scales = _stored(store, block, part + 1, every_head)
+        parts = kvquant.as_mlx_affine(codes, scales, bits, head_dim, group_size, dtype)
+        return tuple(x.reshape(count * kv_heads, page_size, -1) for x in parts)
+
+    def mix(weights: mx.array) -> mx.array:
+        w, s, b = affine(2, view.dtype)
+        weights = weights.reshape(count * heads, rows, page_size).astype(view.dtype)
         mixed = mx.gather_qmm(
-            part, w, s, b, lhs_indices=mx.arange(count * kv_heads, dtype=mx.uint32),
+            weights, w, s, b, lhs_indices=mx.arange(count * heads, dtype=mx.uint32),
             rhs_indices=target, transpose=False, group_size=group_size, bits=bits,
         )
-        mixed = mixed.reshape(count, kv_heads, rows, head_dim).sum(axis=0)
-        out = mixed if out is None else out + mixed
-        start += count * page_size
-    return out
+        return mixed.reshape(count, heads, rows, head_dim).sum(axis=0)
+
+    w, s, b = affine(0, mx.float32)
+    scores = mx.gather_qmm(
+        walk.q[0], w, s, b, lhs_indices=mx.tile(local, count), rhs_indices=target,
+        transpose=True, group_size=group_size, bits=bits,
+    ).reshape(count, heads, rows, page_size)
+    if not view.sees_whole((max(logicals) + 1) * page_size):
+        scores = _masked(view, scores, _page_positions(logicals, page_size))
+    walk.softmax.add(scores, mix)

@@ -17,6 +17,10 @@ import mlx.core as mx
 # A few threads are enough to spread the elementwise work; more only add streams
 # that wait on the same BLAS.
 _MAX_STREAMS = 8
+# Below this many stored values per layer (4,096 tokens of 4 KV heads of 256) the
+# work is too small to pay for syncing the streams: a short decode step runs faster
+# on one (and a small model's lazy graph keeps running across layers).
+SPLIT_MIN_VALUES = 2**22
 _local = threading.local()
 
 
@@ -28,20 +32,26 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def group_count(kv_heads: int) -> int:
-    """How many groups :func:`head_groups` splits ``kv_heads`` into on this device."""
-    if mx.default_device().type != mx.cpu:
+def group_count(kv_heads: int, values: int) -> int:
+    """How many groups :func:`head_groups` splits ``kv_heads`` into on this device.
+
+    Args:
+        kv_heads: KV heads of the layer.
+        values: stored values the attention reads (tokens x KV heads x head_dim).
+    """
+    if mx.default_device().type != mx.cpu or values < SPLIT_MIN_VALUES:
         return 1
     return max(1, min(kv_heads, cpu_cores(), _MAX_STREAMS))
 
 
-def head_groups(kv_heads: int) -> list[tuple[slice, mx.Stream | None]]:
+def head_groups(kv_heads: int, values: int) -> list[tuple[slice, mx.Stream | None]]:
     """KV heads in contiguous groups, each with the stream it runs on.
 
-    One group (``None``: the default stream) off the CPU backend or on one core.
-    Streams belong to the calling thread (MLX streams are thread-local), made once.
+    One group (``None``: the default stream) off the CPU backend, on one core, or
+    for little work (see :func:`group_count`). Streams belong to the calling thread
+    (MLX streams are thread-local), made once.
     """
-    count = group_count(kv_heads)
+    count = group_count(kv_heads, values)
     if count == 1:
         return [(slice(0, kv_heads), None)]
     streams: list[mx.Stream] = getattr(_local, "streams", [])

@@ -12,26 +12,47 @@ from tests.engine.cache.test_attention import SAME_ROWS_TOLERANCE, _cache, _norm
 MIB = 2**20
 
 
+def _attention_peak(cache, queries: mx.array, mask, repeats: int = 3) -> int:
+    """MLX peak above the memory active before attending ``queries`` (the cache
+    excluded), the median of ``repeats`` calls.
+
+    One call's peak moves with timing (a buffer is freed once the stream that used
+    it has finished with it, which may come after the next block allocates); the
+    median is what a call holds.
+    """
+    mx.eval(cache.store.slabs)
+    peaks = []
+    for _ in range(repeats):
+        mx.synchronize()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        out = attention.paged_attention(queries, queries, queries, cache,
+                                        cache.head_dim**-0.5, mask)
+        mx.eval(out)
+        del out
+        peaks.append(mx.get_peak_memory() - before)
+    return sorted(peaks)[repeats // 2]
+
+
 def _decode_peak(cache, heads: int) -> int:
     """MLX peak above the memory active before one decode step (the cache excluded)."""
     head_dim = cache.head_dim
     keys = _normal((1, cache.kv_heads, 1, head_dim), 1)
-    queries = _normal((1, heads, 1, head_dim), 2)
     cache.pool.ensure(cache.offset + 1)
     cache.update_and_fetch(keys, keys)
-    mx.eval(cache.store.slabs)
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()
-    mx.eval(attention.paged_attention(queries, keys, keys, cache, head_dim**-0.5, None))
-    return mx.get_peak_memory() - before
+    return _attention_peak(cache, _normal((1, heads, 1, head_dim), 2), None)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "q8"])
-def test_decode_over_many_blocks_matches_reference(mode: str, monkeypatch) -> None:
-    # One page per block: the online softmax merges every page (q8 through its
-    # packed path is unaffected, and must agree as well).
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("mode", ["fp16", "q8", "q6"])
+def test_decode_over_many_blocks_matches_reference(mode: str, split: bool, monkeypatch) -> None:
+    # One page per block: the online softmax merges every page, fp16 pages
+    # converted block by block, q8 and q6 scored straight from the packed bytes;
+    # ``split``: the KV heads on one stream each (packed decode only).
     monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 1)
+    monkeypatch.setattr(streams, "cpu_cores", lambda: 2 if split else 1)
+    monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     cache = _cache(mode, 64, prefix=70)
     for step in range(2):
         got, expected = _step(cache, mode, 1, heads=4, mask=None, seed=30 + 3 * step)
@@ -52,9 +73,24 @@ def test_fp16_decode_transient_is_one_block_at_any_context(monkeypatch) -> None:
     # blocks of a few pages, so 4k tokens walk many blocks.
     monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 64 * 1024)
     peaks = [_decode_peak(_cache("fp16", 128, prefix=tokens), heads=8) for tokens in (512, 4096)]
-    # The converted keys and values of one block, plus the small running arrays.
+    # The converted keys and values of one block, plus the small running arrays
+    # (and what a stream still holds of the block before: more blocks, more such
+    # overlaps); converting the whole context would take 8 MiB.
     assert peaks[1] <= 64 * 1024 + 16 * 1024
-    assert peaks[1] <= 1.1 * peaks[0] + 4096
+    assert peaks[1] <= 1.5 * peaks[0] + 16 * 1024
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_packed_decode_transient_is_one_block_at_any_context(cores: int, monkeypatch) -> None:
+    # q6 pages scored straight from the packed bytes, in blocks of a few pages
+    # under a 64 KiB decode budget: 16k tokens hold as little as 512 do.
+    budget = 64 * 1024
+    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", budget)
+    monkeypatch.setattr(streams, "cpu_cores", lambda: cores)
+    monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
+    peaks = [_decode_peak(_cache("q6", 128, prefix=tokens), heads=8) for tokens in (512, 16384)]
+    assert peaks[1] <= 1.5 * peaks[0] + 16 * 1024
+    assert peaks[1] <= 2 * budget  # a whole-context score row alone would be 512 KiB
 
 
 # -- what the fit check predicts is what the attention allocates ---------------------
@@ -66,8 +102,11 @@ def test_fp16_decode_transient_is_one_block_at_any_context(monkeypatch) -> None:
      (512, 4, 2, 32, 256, 256 * MIB), (128, 8, 2, 64, 16, 2 * MIB)],
 )
 def test_predicted_scratch_is_the_block_the_attention_sizes(
-    chunk: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int, budget: int
+    chunk: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int, budget: int,
+    monkeypatch,
 ) -> None:
+    # One profile at every context (a short context would walk on one stream).
+    monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
     rows = q_heads * chunk
     tokens = attention.block_tokens(rows, kv_heads, head_dim, page_size, budget)
     assert tokens % page_size == 0
@@ -94,6 +133,7 @@ def test_one_chunks_measured_peak_is_the_predicted_scratch(
     # Over 200, one block of every page, though the first slabs hold 4, 4 and 8 pages.
     # One core walks every head on one stream; two split the heads over two.
     monkeypatch.setattr(streams, "cpu_cores", lambda: cores)
+    monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     budget, chunk = 4 * MIB, 128
     cache = _cache(mode, head_dim, prefix=prefix)
     cache.pool.scratch_bytes = budget
@@ -101,21 +141,19 @@ def test_one_chunks_measured_peak_is_the_predicted_scratch(
     keys = _normal((1, cache.kv_heads, chunk, head_dim), 4)
     queries = _normal((1, q_heads, chunk, head_dim), 5)
     cache.update_and_fetch(keys, keys)
-    mx.eval(cache.store.slabs)
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()
-    mx.eval(attention.paged_attention(queries, keys, keys, cache, head_dim**-0.5, "causal"))
-    measured = mx.get_peak_memory() - before
+    measured = _attention_peak(cache, queries, "causal")
     predicted = attention.chunk_scratch_bytes(
         chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset)
-    assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
+    # Never more than predicted (beyond timing noise), and not far less: what a
+    # call holds moves by ~15% with timing (when each stream frees a block).
+    assert 0.75 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
 
 
 @pytest.mark.parametrize("mode", ["fp16", "q6"])
 def test_heads_split_over_streams_attend_as_one_walk(mode: str, monkeypatch) -> None:
     # A prefill chunk over several blocks, some seen whole and some masked, with
     # the KV heads walked on one stream and on two.
+    monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     outputs = []
     for cores in (1, 2):
         monkeypatch.setattr(streams, "cpu_cores", lambda cores=cores: cores)
@@ -131,8 +169,10 @@ def test_heads_split_over_streams_attend_as_one_walk(mode: str, monkeypatch) -> 
 
 def test_head_groups_cover_every_head_once(monkeypatch) -> None:
     monkeypatch.setattr(streams, "cpu_cores", lambda: 3)
-    groups = streams.head_groups(8)
+    many = streams.SPLIT_MIN_VALUES
+    groups = streams.head_groups(8, many)
     assert [(g.start, g.stop) for g, _ in groups] == [(0, 2), (2, 5), (5, 8)]
     assert len({id(stream) for _, stream in groups}) == 3
+    assert streams.head_groups(8, many - 1) == [(slice(0, 8), None)]  # too little work
     monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
-    assert streams.head_groups(8) == [(slice(0, 8), None)]
+    assert streams.head_groups(8, many) == [(slice(0, 8), None)]
