@@ -15,8 +15,8 @@ from typing import Any
 from mlx.utils import tree_flatten
 
 from engine.cache import kvquant
-from engine.cache.attention import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
 from engine.cache.paged_cache import PagedKVCache
+from engine.cache.scratch import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.memory_guard import MemoryGuard, default_headroom, human_bytes
 

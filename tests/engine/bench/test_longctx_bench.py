@@ -8,7 +8,7 @@ import pytest
 
 from engine.bench import longctx_bench, longctx_report, report
 from engine.cache import pages
-from engine.cache.attention import chunk_scratch_bytes
+from engine.cache.scratch import chunk_scratch_bytes
 
 MIB = 2**20
 

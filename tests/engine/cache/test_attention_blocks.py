@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache import attention, streams
+from engine.cache import attention, scratch, streams
 from tests.engine.cache.test_attention import SAME_ROWS_TOLERANCE, _cache, _normal, _step
 
 MIB = 2**20
@@ -50,7 +50,7 @@ def test_decode_over_many_blocks_matches_reference(mode: str, split: bool, monke
     # One page per block: the online softmax merges every page, fp16 pages
     # converted block by block, q8 and q6 scored straight from the packed bytes;
     # ``split``: the KV heads on one stream each (packed decode only).
-    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 1)
+    monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 1)
     monkeypatch.setattr(streams, "cpu_cores", lambda: 2 if split else 1)
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     cache = _cache(mode, 64, prefix=70)
@@ -60,7 +60,7 @@ def test_decode_over_many_blocks_matches_reference(mode: str, split: bool, monke
 
 
 def test_window_mask_over_decode_blocks(monkeypatch) -> None:
-    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 1)
+    monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 1)
     cache = _cache("fp16", 32, prefix=50)
     total = 51
     window = (mx.arange(total) >= total - 20)[None]  # reaches back across two pages
@@ -71,7 +71,7 @@ def test_window_mask_over_decode_blocks(monkeypatch) -> None:
 def test_fp16_decode_transient_is_one_block_at_any_context(monkeypatch) -> None:
     # 2 KV heads of 128 values, 16-token pages: a 64 KiB decode budget makes
     # blocks of a few pages, so 4k tokens walk many blocks.
-    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", 64 * 1024)
+    monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 64 * 1024)
     peaks = [_decode_peak(_cache("fp16", 128, prefix=tokens), heads=8) for tokens in (512, 4096)]
     # The converted keys and values of one block, plus the small running arrays
     # (and what a stream still holds of the block before: more blocks, more such
@@ -85,7 +85,7 @@ def test_packed_decode_transient_is_one_block_at_any_context(cores: int, monkeyp
     # q6 pages scored straight from the packed bytes, in blocks of a few pages
     # under a 64 KiB decode budget: 16k tokens hold as little as 512 do.
     budget = 64 * 1024
-    monkeypatch.setattr(attention, "DECODE_SCRATCH_BYTES", budget)
+    monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", budget)
     monkeypatch.setattr(streams, "cpu_cores", lambda: cores)
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     peaks = [_decode_peak(_cache("q6", 128, prefix=tokens), heads=8) for tokens in (512, 16384)]
@@ -108,16 +108,16 @@ def test_predicted_scratch_is_the_block_the_attention_sizes(
     # One profile at every context (a short context would walk on one stream).
     monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
     rows = q_heads * chunk
-    tokens = attention.block_tokens(rows, kv_heads, head_dim, page_size, budget)
+    tokens = scratch.block_tokens(rows, kv_heads, head_dim, page_size, budget)
     assert tokens % page_size == 0
-    long = attention.chunk_scratch_bytes(chunk, q_heads, kv_heads, head_dim, page_size, budget)
+    long = scratch.chunk_scratch_bytes(chunk, q_heads, kv_heads, head_dim, page_size, budget)
     assert long <= budget  # the budget bounds the whole call, queries and output included
     # One page more per block would no longer fit the budget.
-    per_page = (attention.chunk_scratch_bytes(
+    per_page = (scratch.chunk_scratch_bytes(
         chunk, q_heads, kv_heads, head_dim, page_size, 2 * budget, tokens + page_size) - long)
     assert long + per_page > budget
     # A context shorter than one block makes a block of the context.
-    short = attention.chunk_scratch_bytes(
+    short = scratch.chunk_scratch_bytes(
         chunk, q_heads, kv_heads, head_dim, page_size, budget, context=page_size)
     assert short == long - (tokens - page_size) * per_page // page_size
 
@@ -142,7 +142,7 @@ def test_one_chunks_measured_peak_is_the_predicted_scratch(
     queries = _normal((1, q_heads, chunk, head_dim), 5)
     cache.update_and_fetch(keys, keys)
     measured = _attention_peak(cache, queries, "causal")
-    predicted = attention.chunk_scratch_bytes(
+    predicted = scratch.chunk_scratch_bytes(
         chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset)
     # Never more than predicted (beyond timing noise), and not far less: what a
     # call holds moves by ~15% with timing (when each stream frees a block).
@@ -165,14 +165,3 @@ def test_heads_split_over_streams_attend_as_one_walk(mode: str, monkeypatch) -> 
         outputs.append(np.array(
             attention.paged_attention(queries, keys, keys, cache, 64**-0.5, "causal")))
     np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-5)
-
-
-def test_head_groups_cover_every_head_once(monkeypatch) -> None:
-    monkeypatch.setattr(streams, "cpu_cores", lambda: 3)
-    many = streams.SPLIT_MIN_VALUES
-    groups = streams.head_groups(8, many)
-    assert [(g.start, g.stop) for g, _ in groups] == [(0, 2), (2, 5), (5, 8)]
-    assert len({id(stream) for _, stream in groups}) == 3
-    assert streams.head_groups(8, many - 1) == [(slice(0, 8), None)]  # too little work
-    monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
-    assert streams.head_groups(8, many) == [(slice(0, 8), None)]
