@@ -27,18 +27,19 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
     # transposed copy of the rows, one small matmul per page. A prefill chunk's
     # scores dominate its transient; its blocks go heads-first, one matmul per head.
     decode = view.length <= scratch.PACKED_MAX_TOKENS
+    # Each group of heads walks the same blocks on its own stream; together they
+    # hold what one walk over every head would, so the scratch arithmetic holds.
+    groups = streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim)
     budget = cache.pool.scratch_bytes
     if decode:
-        budget = min(budget, scratch.DECODE_SCRATCH_BYTES)
-    values = cache.offset * kv_heads * head_dim
+        # A split decode step's peak measured about twice one block's (each stream
+        # frees its block as it finishes): its blocks shrink to match.
+        budget = min(budget, scratch.DECODE_SCRATCH_BYTES) // len(groups)
     copies = (scratch.DECODE_ROW_COPIES if decode
               else scratch.prefill_row_copies(kv_heads, head_dim, cache.offset))
     tokens = scratch.block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
-    # Each group of heads walks the same blocks on its own stream; together they
-    # hold what one walk over every head would, so the scratch arithmetic holds.
-    groups = [(slice(0, kv_heads), None)] if decode else streams.head_groups(kv_heads, values)
     return _walk(view, scale, blocks, groups,
                  lambda walk, block: _merge_block(walk, store, block, page_size, decode))
 
@@ -235,8 +236,7 @@ def attend_packed(view: QueryView, cache: Any, scale: float, group_size: int) ->
     kv_heads, rows, head_dim = view.q.shape
     store, page_size = cache.store, cache.pool.page_size
     heads = streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim)
-    # Split over streams, a step's peak measured about twice one block's (each
-    # stream frees its block as it finishes): the blocks shrink to match.
+    # Split, the blocks shrink as a decode step's over converted pages do.
     budget = min(cache.pool.scratch_bytes, scratch.DECODE_SCRATCH_BYTES) // len(heads)
     tokens = scratch.packed_block_tokens(kv_heads * rows, kv_heads, head_dim, store.layout.bits,
                                  group_size, page_size, budget)
