@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal
 
-REFUSAL = "Stop the current answer before {what}."
+REFUSAL = "Stop {running} before {what}."
+# What the Stop button stops, by Activity kind, in the refusal's words.
+RUNNING = {"chat": "the current answer", "ingest": "reading the conversation in",
+           "quality": "the quality check"}
 
 
 class Activity(QObject):
@@ -33,8 +36,8 @@ class Activity(QObject):
     @staticmethod
     def is_refusal(text: str) -> bool:
         """Whether ``text`` is a refusal of this kind, which is moot once nothing runs."""
-        head, tail = REFUSAL.split("{what}")
-        return text.startswith(head) and text.endswith(tail)
+        return any(text.startswith(f"Stop {running} before ") and text.endswith(".")
+                   for running in RUNNING.values())
 
     @property
     def busy(self) -> bool:
@@ -59,6 +62,7 @@ class Activity(QObject):
     def refuse(self, what: str) -> bool:
         """True, with a message, when ``what`` has to wait for the running request."""
         if self.busy:
-            self.refused.emit(REFUSAL.format(what=what))
+            running = RUNNING.get(self.kind or "", RUNNING["chat"])
+            self.refused.emit(REFUSAL.format(running=running, what=what))
             return True
         return False
