@@ -28,7 +28,12 @@ from engine.events import QualityReceipt
 from engine.models.probe import make_session_cache
 
 WINDOW_TOKENS = 1024  # both caches of a window this size fit next to any model we load
-CHUNK_TOKENS = 128  # a 248k vocabulary x 128 positions in float32 is 127 MB per cache
+CHUNK_TOKENS = 128  # the most tokens per step
+# What one step's logits may take: per cache the logits, their float32 copy and
+# log-probs, and the comparison's temporaries, about six float32 rows per token.
+# A 248k vocabulary then steps 45 tokens at a time, a 49k one 128.
+LOGITS_BUDGET_BYTES = 256 * 2**20
+_LOGIT_COPIES = 6
 PAGE_SIZE = 256
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens in the window)
@@ -86,7 +91,8 @@ def check_quality(
         rotate: whether the chat's cache stores its rows rotated.
         window: the most tokens read (the last ones); None: ``WINDOW_TOKENS``.
         chunk: tokens fed per step, progress and cancel checked between them; None:
-            ``CHUNK_TOKENS``.
+            one token first, then what :func:`chunk_for_vocabulary` allows for the
+            vocabulary its logits show.
         page_size: tokens per page of both caches (the session's).
         cancel: set to stop between two chunks (raises ``Cancelled``).
         progress: called after every chunk with (tokens done, tokens in the window).
@@ -98,8 +104,7 @@ def check_quality(
         UnsupportedModeError: the mode cannot store this model's heads.
     """
     window = WINDOW_TOKENS if window is None else window
-    chunk = CHUNK_TOKENS if chunk is None else chunk
-    if window < 1 or chunk < 1:
+    if window < 1 or (chunk is not None and chunk < 1):
         raise EngineError("The quality check needs a window and a chunk of at least 1 token.")
     if not context_ids:
         raise EngineError("Nothing to check yet: the chat has no text. Send a message first.")
@@ -112,18 +117,22 @@ def check_quality(
     rotated = adapter.rotation_format(caches[1]) is not None
     kls, sames = [], []
     try:
-        for start in range(0, len(ids), chunk):
+        start, size = 0, 1 if chunk is None else chunk
+        while start < len(ids):
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"Quality check cancelled after {start:,} of {len(ids):,} "
                                 "tokens; nothing was stored.")
-            piece = ids[start : start + chunk]
+            piece = ids[start : start + size]
             reference, variant = (_forward(loaded.model, cache, piece) for cache in caches)
+            if chunk is None:
+                size = chunk_for_vocabulary(reference.shape[-1])
             kl, same = divergence(reference, variant)
             del reference, variant  # one chunk's logits at a time
             kls.append(kl)
             sames.append(same)
+            start += len(piece)
             if progress is not None:
-                progress(start + len(piece), len(ids))
+                progress(start, len(ids))
     finally:
         caches.clear()
         mx.clear_cache()  # hand both caches' pages back, not just to MLX's buffer cache
@@ -132,6 +141,12 @@ def check_quality(
         positions=len(ids), model=loaded.info.name,
         measured_at=clock(), **summarize(np.concatenate(kls), np.concatenate(sames)),
     )
+
+
+def chunk_for_vocabulary(vocab: int, budget: int | None = None) -> int:
+    """Tokens per step whose logits over ``vocab`` fit ``budget`` (None: the default)."""
+    budget = LOGITS_BUDGET_BYTES if budget is None else budget
+    return max(1, min(CHUNK_TOKENS, budget // (4 * _LOGIT_COPIES * vocab)))
 
 
 def _fresh_cache(loaded: Any, mode: str, rotate: bool, page_size: int) -> list[Any]:

@@ -79,6 +79,26 @@ def test_scores_one_chunk_at_a_time(loaded, ids, monkeypatch) -> None:
     assert progress == [(16, WINDOW), (32, WINDOW), (WINDOW, WINDOW)]
 
 
+def test_steps_shrink_with_the_vocabulary(loaded, ids, monkeypatch) -> None:
+    # The default step: one token, whose logits show the vocabulary, then as many
+    # tokens as the logits budget holds for it.
+    vocab = loaded.model.args.vocab_size
+    assert quality_check.chunk_for_vocabulary(248_320) == 45
+    assert quality_check.chunk_for_vocabulary(49_152) == quality_check.CHUNK_TOKENS
+    monkeypatch.setattr(quality_check, "LOGITS_BUDGET_BYTES", 4 * 6 * vocab * 7)
+    seen: list[int] = []
+
+    def recording(reference, variant):
+        seen.append(reference.shape[0])
+        return divergence(reference, variant)
+
+    monkeypatch.setattr(quality_check, "divergence", recording)
+    stepped = check_quality(loaded, ids, "q8", rotate=False, window=WINDOW)
+    assert seen == [1] + [7] * 5 + [4]
+    whole = check_quality(loaded, ids, "q8", rotate=False, window=WINDOW, chunk=WINDOW)
+    assert stepped.positions == whole.positions == WINDOW
+
+
 def test_cancel_stops_between_chunks(loaded, ids) -> None:
     cancel = threading.Event()
     progress: list[int] = []

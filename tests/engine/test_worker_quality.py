@@ -40,7 +40,8 @@ def test_check_reports_progress_then_the_receipt(start_worker, model_dirs,
     assert receipt.context_tokens == total and receipt.window_tokens == min(80, total)
     assert receipt.kl_mean > 0.0 and 0.0 <= receipt.top1 <= 1.0
     progress = [e for e in log.for_request(rid) if isinstance(e, QualityProgress)]
-    assert [e.tokens_done for e in progress] == [32, 64, 80][: len(progress)]
+    # One token first (its logits show the vocabulary), then steps of 32.
+    assert [e.tokens_done for e in progress] == [1, 33, 65, 80][: len(progress)]
     assert progress[-1].tokens_done == progress[-1].tokens_total == receipt.window_tokens
     events = log.for_request(rid)
     assert events.index(checked) == len(events) - 2  # then Finished("done")
