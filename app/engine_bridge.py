@@ -197,9 +197,9 @@ class EngineBridge(QObject):
         """Delete one chat's stored KV (None: all), on the worker; answers with storedKv."""
         return self._track(self._worker.clear_snapshots(session_id), "stored_kv")
 
-    def close_session(self, session_id: str) -> None:
-        """Free a session's pages."""
-        self._worker.close_session(session_id)
+    def close_session(self, session_id: str, keep: bool = True) -> None:
+        """Free a session's pages, storing its KV first unless ``keep`` is False."""
+        self._worker.close_session(session_id, keep)
 
     def latest_stats(self) -> StatsSample | None:
         """The worker's last stats snapshot (thread-safe, no MLX call)."""

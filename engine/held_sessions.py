@@ -143,13 +143,14 @@ class HeldSessions:
         self._stats.publish(session)
         return session
 
-    def close(self, session_id: str) -> None:
-        """Save and close session ``session_id``, if open, and free its pages."""
+    def close(self, session_id: str, keep: bool = True) -> None:
+        """Save (``keep``) and close session ``session_id``, if open, and free its pages."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is None:
             return
-        self._keeper.keep(session)
+        if keep:
+            self._keeper.keep(session)
         with self._lock:
             partners = [s for s in self._sessions.values()
                         if sharing.same_group(s.cache, session.cache)]

@@ -212,9 +212,12 @@ class EngineWorker:
         """
         return self._submit("clear_snapshots", (session_id,))
 
-    def close_session(self, session_id: str) -> int:
-        """Free a session's pages; -> ``Finished("done")`` (also for unknown ids)."""
-        return self._submit("close_session", (session_id,))
+    def close_session(self, session_id: str, keep: bool = True) -> int:
+        """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
+
+        ``keep``: store its KV first, to reopen it later (False: the chat is deleted).
+        """
+        return self._submit("close_session", (session_id, keep))
 
     def latest_stats(self) -> StatsSample | None:
         """The last snapshot taken; never calls MLX."""

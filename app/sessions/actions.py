@@ -75,7 +75,7 @@ class SessionActions(QObject):
         """Delete a session and free its cache."""
         if session_id == self.activity.session_id and self.activity.refuse("deleting its chat"):
             return
-        self.caches.close(session_id)
+        self.caches.forget(session_id)
         self.store.delete_session(session_id)
         if self.current and self.current.id == session_id:
             self.current = None

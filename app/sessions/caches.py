@@ -76,6 +76,14 @@ class SessionCaches(QObject):
             del self.opened[session_id]
         self.samples.pop(session_id, None)
 
+    def forget(self, session_id: str) -> None:
+        """Free a deleted session's cache without storing it, and delete its stored KV."""
+        if session_id in self.opened:
+            self.bridge.close_session(session_id, keep=False)
+            del self.opened[session_id]
+        self.samples.pop(session_id, None)
+        self.bridge.clear_stored_kv(session_id)
+
     def close_all(self) -> None:
         """Free every cache (a new model is loading)."""
         for session_id in list(self.opened):

@@ -84,3 +84,28 @@ def test_a_new_chat_starts_from_another_chats_stored_document(tmp_path) -> None:
         assert third.stats.reused_tokens == 0
     finally:
         engine.shutdown(timeout=10.0)
+
+
+def test_a_deleted_chat_is_closed_without_storing_and_its_stored_kv_goes(tmp_path) -> None:
+    from engine.snapshots import SnapshotStore
+
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    store = SnapshotStore(tmp_path / "kv")
+    log = EventLog()
+    engine = EngineWorker(log, snapshots=store)
+    engine.start()
+    try:
+        log.result(engine.load_model(str(folder)), ModelLoaded)
+        document = [{"role": "user", "content": DOC}]
+        for name in ("kept", "deleted"):
+            log.result(engine.open_session(name, "q8", 16), SessionOpened)
+            log.ending(engine.ingest(name, document, threading.Event()))
+        log.ending(engine.close_session("kept"))
+        stored = {info.name for info in store.per_snapshot()}
+        assert len(stored) == 1
+        log.ending(engine.close_session("deleted", keep=False))
+        assert {info.name for info in store.per_snapshot()} == stored  # nothing written
+        log.ending(engine.clear_snapshots("kept"))
+        assert store.per_snapshot() == []
+    finally:
+        engine.shutdown(timeout=10.0)

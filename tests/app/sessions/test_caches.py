@@ -19,8 +19,12 @@ class FakeBridge:
         self.last_request += 1
         return self.last_request
 
-    def close_session(self, session_id: str) -> None:
-        self.calls.append(("close", session_id))
+    def close_session(self, session_id: str, keep: bool = True) -> None:
+        self.calls.append(("close" if keep else "close unsaved", session_id))
+
+    def clear_stored_kv(self, session_id: str | None = None) -> int:
+        self.calls.append(("clear stored", session_id or ""))
+        return 0
 
 
 def _session(name: str) -> SimpleNamespace:
@@ -75,3 +79,14 @@ def test_pages_two_chats_share_count_once_in_the_total(qtbot) -> None:
     caches.note(SimpleNamespace(session_id="a", kv_bytes_used=1000, kv_bytes_once=600))
     caches.note(SimpleNamespace(session_id="b", kv_bytes_used=1000, kv_bytes_once=600))
     assert caches.total_bytes() == 1200
+
+
+def test_a_deleted_chat_is_freed_unsaved_and_its_stored_kv_cleared(qtbot) -> None:
+    bridge = FakeBridge()
+    caches = SessionCaches(bridge, SimpleNamespace(page_size=256, rotate_kv=None))
+    _open(caches, bridge, "a", [])
+    caches.forget("a")
+    caches.forget("never opened")  # may still have KV on disk from an earlier run
+    assert bridge.calls[1:] == [("close unsaved", "a"), ("clear stored", "a"),
+                                ("clear stored", "never opened")]
+    assert "a" not in caches.opened
