@@ -49,7 +49,7 @@ def _decode_peak(cache, heads: int) -> int:
 def test_decode_over_many_blocks_matches_reference(mode: str, split: bool, monkeypatch) -> None:
     # One page per block: the online softmax merges every page, fp16 pages
     # converted block by block, q8 and q6 scored straight from the packed bytes;
-    # ``split``: the KV heads on one stream each.
+    # ``split``: the KV heads on one stream each (packed decode only).
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 1)
     monkeypatch.setattr(streams, "cpu_cores", lambda: 2 if split else 1)
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
