@@ -14,7 +14,7 @@ from typing import Any
 
 from mlx.utils import tree_flatten
 
-from engine.cache import kvquant
+from engine.cache import kvquant, streams
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.scratch import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
@@ -90,6 +90,7 @@ class PrefillFacts:
         kv_heads: KV heads of an attention layer.
         head_dim: values per head.
         page_size: tokens per page.
+        head_streams: streams the attention splits a long context's heads over.
     """
 
     weights_bytes: int
@@ -99,13 +100,15 @@ class PrefillFacts:
     kv_heads: int = 0
     head_dim: int = 0
     page_size: int = 256
+    head_streams: int = 1
 
     def scratch_for(self, chunk: int, context: int | None = None) -> int:
         """The attention scratch of one ``chunk``-token chunk (``context``: tokens then held)."""
         if not (self.q_heads and self.kv_heads and self.head_dim):
             return self.scratch_bytes
         return chunk_scratch_bytes(chunk, self.q_heads, self.kv_heads, self.head_dim,
-                                   self.page_size, self.scratch_bytes, context)
+                                   self.page_size, self.scratch_bytes, context,
+                                   self.head_streams)
 
     def transient_bytes(self, chunk: int, context: int | None = None) -> int:
         """Bytes one chunk of ``chunk`` tokens needs while it runs (scratch + activations)."""
@@ -126,7 +129,8 @@ def prefill_facts(
 ) -> PrefillFacts:
     """Estimate a prefill's needs from an mlx-lm model's config and array shapes.
 
-    Reads ``model.args`` and the parameters' sizes only (nothing is evaluated).
+    Reads ``model.args`` and the parameters' sizes only (nothing is evaluated), and
+    the device (for how the attention splits its heads): call it on the engine thread.
 
     Args:
         model: an mlx-lm model.
@@ -146,7 +150,8 @@ def prefill_facts(
     per_value = _HIDDEN_COPIES * hidden + (heads + 2 * kv_heads) * head_dim + _MLP_COPIES * mlp
     weights = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
     return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes,
-                        heads, kv_heads, head_dim, page_size)
+                        heads, kv_heads, head_dim, page_size,
+                        streams.streams_for(kv_heads) if kv_heads else 1)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
     if decode:
         budget = min(budget, scratch.DECODE_SCRATCH_BYTES)
     copies = (scratch.DECODE_ROW_COPIES if decode
-              else scratch.prefill_row_copies(kv_heads, head_dim, cache.offset))
+              else scratch.prefill_row_copies(kv_heads, head_dim, cache.offset,
+                                              streams.streams_for(kv_heads)))
     tokens = scratch.block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
     pages_per_block = tokens // page_size
     blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))

@@ -55,7 +55,7 @@ def block_tokens(
     head_dim: int,
     page_size: int,
     scratch_bytes: int,
-    row_copies: float | None = None,
+    row_copies: float = _ROW_COPIES,
 ) -> int:
     """Tokens of one attention block so that the attention's scratch fits ``scratch_bytes``.
 
@@ -67,9 +67,8 @@ def block_tokens(
         page_size: blocks are whole pages.
         scratch_bytes: the budget for one call's transient arrays.
         row_copies: fp32 copies of one key row per KV head a block holds at once
-            (None: a prefill chunk's, for how this device splits the heads).
+            (default: a prefill chunk's on one stream; see :func:`prefill_row_copies`).
     """
-    row_copies = row_copies or prefill_row_copies(kv_heads, head_dim, None)
     room = scratch_bytes - _fixed_bytes(query_rows, head_dim)
     per_token = _bytes_per_token(query_rows, kv_heads, head_dim, row_copies)
     return max(1, room // (per_token * page_size)) * page_size
@@ -110,6 +109,7 @@ def chunk_scratch_bytes(
     page_size: int,
     scratch_bytes: int,
     context: int | None = None,
+    head_streams: int = 1,
 ) -> int:
     """Bytes the attention of one prefill chunk allocates at its peak, per layer.
 
@@ -125,9 +125,11 @@ def chunk_scratch_bytes(
         scratch_bytes: the pool's scratch budget (``PagePool.scratch_bytes``).
         context: tokens the layer holds once the chunk is in (None: long enough
             for full blocks); a shorter context makes a smaller block.
+        head_streams: streams the heads of a long context split over on this
+            device (``streams.streams_for``, asked on the engine thread).
     """
     rows = q_heads * chunk
-    copies = prefill_row_copies(kv_heads, head_dim, context)
+    copies = prefill_row_copies(kv_heads, head_dim, context, head_streams)
     tokens = block_tokens(rows, kv_heads, head_dim, page_size, scratch_bytes, copies)
     if context is not None:
         tokens = min(tokens, -(-context // page_size) * page_size)
@@ -135,10 +137,13 @@ def chunk_scratch_bytes(
     return tokens * per_token + _fixed_bytes(rows, head_dim)
 
 
-def prefill_row_copies(kv_heads: int, head_dim: int, context: int | None) -> float:
-    """Converted fp32 copies of a key row per KV head a prefill block holds at once."""
+def prefill_row_copies(
+    kv_heads: int, head_dim: int, context: int | None, head_streams: int
+) -> float:
+    """Converted fp32 copies of a key row per KV head a prefill block holds at once,
+    with the heads split over up to ``head_streams`` streams (plain arithmetic)."""
     values = streams.SPLIT_MIN_VALUES if context is None else context * kv_heads * head_dim
-    split = streams.group_count(kv_heads, values) > 1
+    split = streams.split_count(head_streams, values) > 1
     return _SPLIT_ROW_COPIES if split else _ROW_COPIES
 
 

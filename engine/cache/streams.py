@@ -32,16 +32,26 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def group_count(kv_heads: int, values: int) -> int:
-    """How many groups :func:`head_groups` splits ``kv_heads`` into on this device.
+def streams_for(kv_heads: int) -> int:
+    """Streams a long context's ``kv_heads`` split over on this device (1: no split).
 
-    Args:
-        kv_heads: KV heads of the layer.
-        values: stored values the attention reads (tokens x KV heads x head_dim).
+    Asks MLX for the device: call it on the engine thread only.
     """
-    if mx.default_device().type != mx.cpu or values < SPLIT_MIN_VALUES:
+    if mx.default_device().type != mx.cpu:
         return 1
     return max(1, min(kv_heads, cpu_cores(), _MAX_STREAMS))
+
+
+def split_count(available: int, values: int) -> int:
+    """Groups the heads split into, with ``available`` streams for them (see
+    :func:`streams_for`) and ``values`` stored values to read (tokens x KV heads x
+    head_dim). Plain arithmetic, for the estimates on any thread."""
+    return available if values >= SPLIT_MIN_VALUES else 1
+
+
+def group_count(kv_heads: int, values: int) -> int:
+    """How many groups :func:`head_groups` splits ``kv_heads`` into on this device."""
+    return split_count(streams_for(kv_heads), values)
 
 
 def head_groups(kv_heads: int, values: int) -> list[tuple[slice, mx.Stream | None]]:

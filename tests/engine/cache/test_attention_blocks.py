@@ -103,10 +103,7 @@ def test_packed_decode_transient_is_one_block_at_any_context(cores: int, monkeyp
 )
 def test_predicted_scratch_is_the_block_the_attention_sizes(
     chunk: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int, budget: int,
-    monkeypatch,
 ) -> None:
-    # One profile at every context (a short context would walk on one stream).
-    monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
     rows = q_heads * chunk
     tokens = scratch.block_tokens(rows, kv_heads, head_dim, page_size, budget)
     assert tokens % page_size == 0
@@ -143,7 +140,8 @@ def test_one_chunks_measured_peak_is_the_predicted_scratch(
     cache.update_and_fetch(keys, keys)
     measured = _attention_peak(cache, queries, "causal")
     predicted = scratch.chunk_scratch_bytes(
-        chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset)
+        chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset,
+        streams.streams_for(cache.kv_heads))
     # Never more than predicted (beyond timing noise), and not far less: what a
     # call holds moves by ~15% with timing (when each stream frees a block).
     assert 0.75 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
