@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import kvquant, scratch, streams
+from engine.cache.pages import PageBlock
 from engine.cache.query_view import QueryView, masked, page_positions
 
 
@@ -41,8 +42,7 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
               else scratch.prefill_row_copies(kv_heads, head_dim, cache.offset,
                                               streams.streams_for(kv_heads)))
     tokens = scratch.block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
-    pages_per_block = tokens // page_size
-    blocks = list(_blocks(cache.page_groups(cache.pool.pages_for(cache.offset)), pages_per_block))
+    blocks = cache.page_blocks(cache.pool.pages_for(cache.offset), tokens // page_size)
     return _walk(view, scale, blocks, groups,
                  lambda walk, block: _merge_block(walk, store, block, page_size, decode))
 
@@ -50,9 +50,9 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
 def _walk(
     view: QueryView,
     scale: float,
-    blocks: list[Any],
+    blocks: list[PageBlock],
     groups: list[tuple[slice, mx.Stream | None]],
-    merge: Callable[[_HeadWalk, Any], None],
+    merge: Callable[[_HeadWalk, PageBlock], None],
 ) -> mx.array:
     """Every group of heads merges every block; the attention output ``[kv_heads, rows, D]``."""
     walks = [_HeadWalk.start(view.for_heads(heads), scale, heads, stream)
@@ -93,20 +93,19 @@ class _HeadWalk:
 def _merge_block(
     walk: _HeadWalk,
     store: Any,
-    block: list[tuple[int, mx.array | slice, list[int]]],
+    block: PageBlock,
     page_size: int,
     page_major: bool,
 ) -> None:
     # Its own frame: once it returns, no Python name holds the block's arrays, so
     # MLX frees (or reuses) each one as soon as its last consumer ran.
     view = walk.view
-    logicals = [page for _, _, pages in block for page in pages]
     k_block, v_block = _dequantized_block(store, block, view.dtype, page_major, walk.heads)
     scores = walk.q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
-    if not page_major and view.sees_whole((max(logicals) + 1) * page_size):
+    if not page_major and view.sees_whole((block.last + 1) * page_size):
         walk.softmax.add_visible(scores, lambda probs: (probs.astype(view.dtype) @ v_block)[0])
         return
-    hidden = masked(view, scores, page_positions(logicals, page_size))
+    hidden = masked(view, scores, page_positions(block.logicals, page_size))
     walk.softmax.add(hidden, lambda weights: mx.sum(weights.astype(view.dtype) @ v_block, axis=0))
 
 
@@ -163,38 +162,7 @@ class _OnlineSoftmax:
         self.top = new_top
 
 
-def _blocks(groups: list[Any], pages_per_block: int) -> Any:
-    """Blocks of at most ``pages_per_block`` pages, as (slab index, local slots,
-    logical pages) pieces.
-
-    A block runs on into the next slab, so its size follows the scratch budget
-    alone (what the fit check predicts), not where slabs happen to end. Local slots
-    come as a ``slice`` where they are consecutive (the usual case: slots are taken
-    lowest first), so a piece is a view of its slab, not a copy.
-    """
-    block: list[tuple[int, mx.array | slice, list[int]]] = []
-    size = 0
-    for slab_index, local, logicals in groups:
-        slots = local.tolist()
-        start = 0
-        while start < len(logicals):
-            end = min(len(logicals), start + pages_per_block - size)
-            piece = slots[start:end]
-            if piece == list(range(piece[0], piece[0] + len(piece))):
-                block.append((slab_index, slice(piece[0], piece[0] + len(piece)),
-                              logicals[start:end]))
-            else:
-                block.append((slab_index, local[start:end], logicals[start:end]))
-            size += end - start
-            start = end
-            if size == pages_per_block:
-                yield block
-                block, size = [], 0
-    if block:
-        yield block
-
-
-def _stored(store: Any, block: list[Any], part: int, heads: slice) -> mx.array | None:
+def _stored(store: Any, block: PageBlock, part: int, heads: slice) -> mx.array | None:
     """One stored array (codes or scales of keys or values) of a block's pages and heads.
 
     Pages are taken along the slab's contiguous page axis (taking from a transposed
@@ -202,7 +170,7 @@ def _stored(store: Any, block: list[Any], part: int, heads: slice) -> mx.array |
     still packed, the cheapest copy. None where the mode stores no such array.
     """
     pieces = []
-    for slab_index, local, _ in block:
+    for slab_index, local in block.pieces:
         array = store.slabs[slab_index][part]
         if array is None:
             return None
@@ -212,7 +180,7 @@ def _stored(store: Any, block: list[Any], part: int, heads: slice) -> mx.array |
 
 
 def _dequantized_block(
-    store: Any, block: list[Any], dtype: mx.Dtype, page_major: bool, heads: slice
+    store: Any, block: PageBlock, dtype: mx.Dtype, page_major: bool, heads: slice
 ) -> tuple[mx.array, mx.array]:
     """Keys and values of a block's pages, for the KV heads ``heads``.
 
@@ -244,15 +212,14 @@ def attend_packed(view: QueryView, cache: Any, scale: float, group_size: int) ->
     budget = min(cache.pool.scratch_bytes, scratch.DECODE_SCRATCH_BYTES) // len(heads)
     tokens = scratch.packed_block_tokens(kv_heads * rows, kv_heads, head_dim, store.layout.bits,
                                  group_size, page_size, budget)
-    groups = cache.page_groups(cache.pool.pages_for(cache.offset))
-    blocks = list(_blocks(groups, tokens // page_size))
+    blocks = cache.page_blocks(cache.pool.pages_for(cache.offset), tokens // page_size)
     return _walk(view, scale, blocks, heads,
                  lambda walk, block: _merge_packed_block(walk, store, block, page_size,
                                                          group_size))
 
 
 def _merge_packed_block(
-    walk: _HeadWalk, store: Any, block: list[Any], page_size: int, group_size: int
+    walk: _HeadWalk, store: Any, block: PageBlock, page_size: int, group_size: int
 ) -> None:
     # Scores straight from the packed pages, page-major ([pages, heads, rows,
     # page_size]): the only conversion is the block's scales into MLX's per-group
@@ -261,8 +228,7 @@ def _merge_packed_block(
     view = walk.view
     heads, rows, head_dim = view.q.shape
     kv_heads, bits = store.layout.kv_heads, store.layout.bits
-    logicals = [page for _, _, pages in block for page in pages]
-    count = len(logicals)
+    count = len(block.logicals)
     local = mx.arange(heads, dtype=mx.uint32)
     pages_index = mx.arange(count, dtype=mx.uint32)[:, None]
     target = (pages_index * kv_heads + walk.heads.start + local[None]).reshape(-1)
@@ -288,6 +254,6 @@ def _merge_packed_block(
         walk.q[0], w, s, b, lhs_indices=mx.tile(local, count), rhs_indices=target,
         transpose=True, group_size=group_size, bits=bits,
     ).reshape(count, heads, rows, page_size)
-    if not view.sees_whole((max(logicals) + 1) * page_size):
-        scores = masked(view, scores, page_positions(logicals, page_size))
+    if not view.sees_whole((block.last + 1) * page_size):
+        scores = masked(view, scores, page_positions(block.logicals, page_size))
     walk.softmax.add(scores, mix)

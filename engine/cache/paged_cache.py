@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from engine.cache import kvquant
-from engine.cache.pages import PagePool, PageStore
+from engine.cache.pages import PageBlock, PagePool, PageStore, blocks_of
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
 
@@ -47,7 +47,8 @@ class PagedKVCache(_BaseCache):
         # quantized (``engine.cache.rotation``); attention then works in the rotated
         # basis: queries rotated in, the output rotated back. None: rows as given.
         self.rotation: Any = None
-        self._groups: tuple[tuple[int, ...], list[Any]] | None = None
+        # Block table key -> its page groups and their blocks per block size.
+        self._groups: tuple[tuple[int, ...], list[Any], dict[int, list[PageBlock]]] | None = None
 
     # -- writing -------------------------------------------------------------
 
@@ -161,8 +162,20 @@ class PagedKVCache(_BaseCache):
         """
         key = tuple(self.block_table[:pages])
         if self._groups is None or self._groups[0] != key:
-            self._groups = (key, self.store.group(list(key)))
+            self._groups = (key, self.store.group(list(key)), {})
         return self._groups[1]
+
+    def page_blocks(self, pages: int, pages_per_block: int) -> list[PageBlock]:
+        """The first ``pages`` pages cut into attention blocks (:func:`blocks_of`).
+
+        Cached with the page groups: a decode step inside one page does no Python
+        work over the whole block table.
+        """
+        groups = self.page_groups(pages)
+        blocks = self._groups[2]
+        if pages_per_block not in blocks:
+            blocks[pages_per_block] = blocks_of(groups, pages_per_block)
+        return blocks[pages_per_block]
 
     def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """The first ``tokens`` cached keys and values as ``[1, kv_heads, tokens, D]``."""
