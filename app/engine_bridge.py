@@ -215,7 +215,7 @@ class EngineBridge(QObject):
         return snapshot_info(snapshots_dir(), session_id)
 
     def fit_check(self, session_id: str | None, token_count: int):
-        """Per-mode fit of ``token_count`` tokens (an ``engine.fit.FitReport``)."""
+        """Per-mode fit of ``token_count`` tokens (an ``engine.memory.fit.FitReport``)."""
         return self._worker.fit_check(session_id, token_count)
 
     def count_tokens(self, text: str) -> int:

@@ -24,18 +24,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
-    "EngineWorker": "engine.worker",
+    "EngineWorker": "engine.runtime.worker",
     "discover_models": "engine.models.discovery",
     "inspect_model_dir": "engine.models.info",
     "download_model": "engine.models.download",
     "DownloadProgress": "engine.models.download_transfer",
     "RECOMMENDED_MODELS": "engine.models.catalog",
     "RecommendedModel": "engine.models.catalog",
-    "ModeCost": "engine.model_costs",
-    "full_context_costs": "engine.model_costs",
-    "read_document": "engine.documents",
-    "SamplingParams": "engine.sampling",
-    "MODES": "engine.fit",
+    "ModeCost": "engine.memory.model_costs",
+    "full_context_costs": "engine.memory.model_costs",
+    "read_document": "engine.documents.reader",
+    "SamplingParams": "engine.session.sampling",
+    "MODES": "engine.memory.fit",
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
@@ -110,7 +110,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from engine.documents import read_document
+    from engine.documents.reader import read_document
     from engine.errors import (
         Cancelled,
         ContextTooLong,
@@ -139,15 +139,15 @@ if TYPE_CHECKING:
         StoredKv,
         TokenChunk,
     )
-    from engine.fit import MODES
-    from engine.model_costs import ModeCost, full_context_costs
+    from engine.memory.fit import MODES
+    from engine.memory.model_costs import ModeCost, full_context_costs
     from engine.models.catalog import RECOMMENDED_MODELS, RecommendedModel
     from engine.models.discovery import discover_models
     from engine.models.download import download_model
     from engine.models.download_transfer import DownloadProgress
     from engine.models.info import inspect_model_dir
     from engine.paths import data_dir, private_dir, private_file, snapshots_dir
-    from engine.sampling import SamplingParams
+    from engine.runtime.worker import EngineWorker
+    from engine.session.sampling import SamplingParams
     from engine.snapshots.manifest import snapshot_info
     from engine.snapshots.store import SnapshotStore, default_budget
-    from engine.worker import EngineWorker

@@ -18,11 +18,11 @@ from typing import Any, TextIO
 from engine.cache import kvquant
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
-from engine.fit import MODES, facts_from_info
+from engine.memory.fit import MODES, facts_from_info
 from engine.paths import models_dir
-from engine.sampling import SamplingParams
+from engine.runtime.worker import EngineWorker
+from engine.session.sampling import SamplingParams
 from engine.snapshots.store import SnapshotStore
-from engine.worker import EngineWorker
 
 SESSION = "cli"
 REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever

@@ -48,7 +48,7 @@ class StatsSample:
     need at its peak: weights + KV pages + checkpoints + the chunk's attention
     scratch and activations (0: no session). Compare with ``mlx_peak_bytes``.
     ``checkpoint_bytes`` is what the session's checkpoints of linear-attention and
-    sliding-window layers hold (``engine.checkpoints``); ``other_cache_bytes`` what
+    sliding-window layers hold (``engine.session.checkpoints``); ``other_cache_bytes`` what
     the layers that are not paged hold now (sliding windows, linear-attention state,
     or mlx-lm's own cache where the probe chose it); ``other_cache_bound_bytes`` the
     most the bounded ones may hold, which the KV budget keeps for them, and

@@ -71,11 +71,11 @@ def icon_source() -> Path:
 def document_suffixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(text-and-source suffixes, rich-document suffixes) without dots.
 
-    Taken from ``engine.documents`` so the icon accepts exactly what the app reads.
+    Taken from ``engine.documents.reader`` so the icon accepts exactly what the app reads.
     """
     sys.path.insert(0, str(ROOT))
     try:
-        from engine import documents
+        from engine.documents import reader as documents
     finally:
         sys.path.remove(str(ROOT))
     plain = sorted(s.lstrip(".") for s in documents.TEXT_SUFFIXES | documents.SOURCE_SUFFIXES)

@@ -94,6 +94,9 @@ def test_models_never_import_the_runtime() -> None:
 
 def test_import_scan_sees_absolute_and_relative_imports() -> None:
     """The scan the layer rules rely on finds both spellings (so those rules can fail)."""
-    source = "from engine.session import Session\nfrom . import kvquant\nimport engine.worker\n"
+    source = (
+        "from engine.session.session import Session\nfrom . import kvquant\n"
+        "import engine.runtime.worker\n"
+    )
     found = engine_imports(source, "engine.cache")
-    assert found == {"engine.session", "engine.cache.kvquant", "engine.worker"}
+    assert found == {"engine.session.session", "engine.cache.kvquant", "engine.runtime.worker"}

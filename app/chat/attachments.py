@@ -1,6 +1,6 @@
 """Reading dropped files off the GUI thread.
 
-Each file is parsed (``engine.documents``) and its tokens counted on a pool
+Each file is parsed (``engine.documents.reader``) and its tokens counted on a pool
 thread; the result comes back to the GUI thread through a queued signal. A
 file longer than the room in the context is measured in tokens and offered
 cut to the part that fits (``tooLong``); the user takes it or not.

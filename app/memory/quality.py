@@ -19,7 +19,7 @@ from app.store import HistoryStore, SessionRecord
 from engine import Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
 
 KIND = "quality"  # the Activity kind while a check runs
-WINDOW = 1024  # engine.quality_check.WINDOW_TOKENS, named here without importing MLX
+WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without importing MLX
 
 
 def receipt_line(receipt: QualityReceipt) -> str:

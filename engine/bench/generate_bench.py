@@ -5,7 +5,7 @@ prompt token ids (the chat-template rendering of one user message) and greedy
 sampling, and both generate exactly ``max_tokens`` tokens (end-of-turn tokens do
 not stop a benchmark run, so every run decodes the same number of steps).
 
-- engine: ``engine.session.Session(mode).chat(...)``, the code path the worker runs
+- engine: ``engine.session.session.Session(mode).chat(...)``, the code path the worker runs
   (paged cache, chunked prefill of ``Session``'s default chunk size).
 - mlx-lm: ``mlx_lm.generate.generate_step`` with a fresh ``make_prompt_cache`` and
   ``kv_bits`` None / 8 / 6 / 4 (group 64, ``quantized_kv_start=0`` so the cache is
@@ -67,14 +67,14 @@ def prompt_messages(tokenizer: Any, target_tokens: int, render: Callable) -> lis
 
 
 def _sampling(max_tokens: int) -> Any:
-    from engine.sampling import SamplingParams
+    from engine.session.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
 
 
 def run_engine(loaded: Any, mode: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
     """One greedy answer through a fresh engine Session in ``mode``."""
-    from engine.session import Session
+    from engine.session.session import Session
 
     session = Session("bench", loaded, mode)
     session.end_ids = frozenset()  # decode exactly max_tokens steps, like mlx-lm below

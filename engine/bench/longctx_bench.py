@@ -239,7 +239,7 @@ def run_hybrid_ingest(config: HybridIngestConfig, progress: Progress = _silent) 
     import threading
 
     from engine.models.loader import load_model
-    from engine.session import Session
+    from engine.session.session import Session
 
     with tempfile.TemporaryDirectory() as root:
         loaded = load_model(_tiny_hybrid_dir(root, config.context))

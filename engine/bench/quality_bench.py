@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.bench.report import machine_lines, table
 from engine.cache.kvquant import MODES, bits_for, kv_bytes_per_token
-from engine.quality_check import divergence, log_probs, summarize
+from engine.session.quality_check import divergence, log_probs, summarize
 
 MLX_GROUP_SIZE = 64
 _MLX_SCALE_BYTES = 2  # fp16 scale and fp16 bias per group, as on a Mac

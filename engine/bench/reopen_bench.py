@@ -43,7 +43,7 @@ QUICK = ReopenBenchConfig(prompts=(512,), max_tokens=8, follow_up_tokens=4)
 
 
 def _answer(session: Any, messages: list[dict], max_tokens: int) -> tuple[list[int], Any]:
-    from engine.sampling import SamplingParams
+    from engine.session.sampling import SamplingParams
 
     tokens: list[int] = []
 
@@ -58,7 +58,7 @@ def _answer(session: Any, messages: list[dict], max_tokens: int) -> tuple[list[i
 
 
 def _session(loaded: Any, mode: str) -> Any:
-    from engine.session import Session
+    from engine.session.session import Session
 
     session = Session("bench", loaded, mode)
     session.model_dir = loaded.info.path  # the snapshot's model fingerprint reads it

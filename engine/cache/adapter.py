@@ -3,7 +3,7 @@
 mlx-lm models call ``cache.update_and_fetch`` and then ``scaled_dot_product_attention``
 looked up in their own module. :func:`make_cache` gives attention layers a
 :class:`PagedKVCache` and swaps that module-level name for a dispatcher that sends
-paged caches to :func:`engine.cache.attention.paged_attention` and every other cache to
+paged caches to :func:`engine.cache.attention.dispatch.paged_attention` and every other cache to
 mlx-lm's original function, unchanged.
 """
 
@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.cache import kvquant, sharing
-from engine.cache.attention import paged_attention
+from engine.cache.attention.dispatch import paged_attention
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation

@@ -1,7 +1,7 @@
 """PagedKVCache: one attention layer's paged, quantized KV cache in mlx-lm's protocol.
 
 ``update_and_fetch`` quantizes the new rows into the layer's pages and returns the
-new chunk itself at full precision; :func:`engine.cache.attention.paged_attention` (which
+new chunk itself at full precision; :func:`engine.cache.attention.dispatch.paged_attention` (which
 the adapter routes every PagedKVCache to) attends that chunk plus the cached pages.
 """
 

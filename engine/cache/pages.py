@@ -327,7 +327,7 @@ class PagePool:
         # Pools whose sessions share pages: one group, the same stores (see join).
         self.group = PageGroup(self)
         # The most one prefill chunk's attention may hold on top of the pages
-        # (engine.cache.attention walks the pages in blocks that fit it).
+        # (engine.cache.attention.dispatch walks the pages in blocks that fit it).
         self.scratch_bytes = PREFILL_SCRATCH_BYTES
         # Pages every store already has room for, so most calls (two per layer per
         # step) return without looking at the stores; reset when a store shrinks.

@@ -4,7 +4,7 @@ The built-in demo model has an 8k context, so the long-context promise needs a
 download: these are mlx-community repos whose facts (layers that keep a KV
 cache, KV heads, head size, trained context) come from their ``config.json``,
 so their KV cost can be shown before a byte is downloaded
-(``engine.model_costs.full_context_costs``). Download sizes are approximate
+(``engine.memory.model_costs.full_context_costs``). Download sizes are approximate
 (the Hub's listing has the exact ones when the download starts).
 """
 

@@ -1,6 +1,6 @@
 """KV snapshots on disk: a conversation's cache stored once and reopened (issue 13).
 
-``save_snapshot``/``load_snapshot`` work on an ``engine.session.Session`` from the
+``save_snapshot``/``load_snapshot`` work on an ``engine.session.session.Session`` from the
 engine worker thread; :class:`SnapshotStore` keeps a folder of them under a disk
 budget. See ``engine.snapshots.snapshot`` for the format and the reopen rules.
 """

@@ -116,7 +116,7 @@ def _checkpoint_key(number: int, index: int) -> str:
 
 
 def capture_checkpoints(kept: list[Any], arrays: dict[str, mx.array]) -> list[dict]:
-    """Records of a session's checkpoints (``engine.checkpoints.Checkpoint``)."""
+    """Records of a session's checkpoints (``engine.session.checkpoints.Checkpoint``)."""
     records = []
     for number, checkpoint in enumerate(kept):
         layers = []

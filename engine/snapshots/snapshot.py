@@ -10,7 +10,7 @@ the commit point (see ``engine.snapshots.files``).
 Reopen restores the longest stored prefix of the new prompt. Paged layers trim
 to any length; linear-attention and wrapped sliding-window layers cannot, so
 when the prompt leaves the stored ids before their end, those layers come from
-the newest stored checkpoint (``engine.checkpoints``: taken at message
+the newest stored checkpoint (``engine.session.checkpoints``: taken at message
 boundaries and prefill ends) at or before that point, and the paged layers are
 cut there too. With no such checkpoint the snapshot is not used.
 
@@ -34,7 +34,7 @@ import mlx.core as mx
 from engine.cache import adapter, kvquant
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
-from engine.prompt_ids import common_prefix
+from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files, tensors
 from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
 from engine.snapshots.layers import (
@@ -101,7 +101,7 @@ def save_snapshot(
     either the old snapshot or the new one, never a mix.
 
     Args:
-        session: an ``engine.session.Session`` (cache, tokens, mode, page size and
+        session: an ``engine.session.session.Session`` (cache, tokens, mode, page size and
             the folder of its model, see ``session_model_dir``).
         directory: the snapshot folder (created owner-only if missing).
         name: the snapshot's name, e.g. the chat's id.
@@ -255,7 +255,7 @@ def _restore_checkpoints(
     records = manifest.get("checkpoints") or []
     if store is None or not records:
         return
-    from engine.checkpoints import Checkpoint
+    from engine.session.checkpoints import Checkpoint
 
     for number, record in enumerate(records):
         if record["tokens"] <= tokens:
@@ -303,7 +303,7 @@ def load_snapshot(
     When the session already holds at least as long a prefix, nothing is read.
 
     Args:
-        session: the ``engine.session.Session`` to fill (normally fresh).
+        session: the ``engine.session.session.Session`` to fill (normally fresh).
         directory: the snapshot folder.
         name: the snapshot's name.
         prompt_ids: the token ids the session will be asked to continue from.

@@ -13,7 +13,7 @@ from typing import Any
 
 from engine import paths
 from engine.errors import EngineError
-from engine.prompt_ids import common_prefix
+from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files
 from engine.snapshots.manifest import (
     Corrupt,

@@ -13,7 +13,7 @@ from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
 from app.window.main_window import MainWindow
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 from tests.engine.tinymodels import make_tiny_model_dir
 
 MODEL_LOAD_TIMEOUT_MS = 120_000

@@ -24,8 +24,8 @@ from PySide6.QtCore import QTimer
 
 from app.__main__ import build_window, create_app, finish
 from app.settings import Settings
-from engine.sampling import SamplingParams
-from engine.session import Session
+from engine.session.sampling import SamplingParams
+from engine.session.session import Session
 
 
 def slow_chunks(seconds: float) -> None:

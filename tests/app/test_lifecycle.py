@@ -13,8 +13,8 @@ from app.chat.recorder import STOPPED_READING
 from app.controller import CLOSED_WHILE_ANSWERING
 from app.settings import Settings
 from app.store import HistoryStore
-from engine.sampling import SamplingParams
-from engine.session import Session
+from engine.session.sampling import SamplingParams
+from engine.session.session import Session
 from tests.app.chat.test_documents_drop import TEXT, drop_files
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window
 from tests.app.test_persistence import read_until, start_child

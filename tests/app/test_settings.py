@@ -9,7 +9,7 @@ import pytest
 
 from app.settings import DEFAULT_REPETITION_PENALTY, Settings, config_dir
 from engine.paths import data_dir
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 
 
 def test_defaults() -> None:

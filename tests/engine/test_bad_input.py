@@ -19,9 +19,9 @@ import mlx.core as mx
 import pytest
 
 from engine.events import Failed, Finished, ModelLoaded, TokenChunk
-from engine.memory_guard import GIB, MemoryGuard, MemoryReading
-from engine.sampling import SamplingParams
-from engine.worker import EngineWorker
+from engine.memory.guard import GIB, MemoryGuard, MemoryReading
+from engine.runtime.worker import EngineWorker
+from engine.session.sampling import SamplingParams
 from tests.engine.tinymodels import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.models.loader import load_model
-from engine.session import Session
+from engine.session.session import Session
 from engine.snapshots.store import SnapshotStore, default_snapshot_dir
 from tests.engine.tinymodels import make_tiny_model_dir
 

@@ -240,7 +240,7 @@ def load_tiny(tmp_path: Path, arch: str, **kwargs: Any) -> tuple[Any, Any]:
 
 
 def loaded_for_session(folder: Path, max_context: int = 4096) -> Any:
-    """A tiny model folder loaded the way ``engine.session.Session`` takes it
+    """A tiny model folder loaded the way ``engine.session.session.Session`` takes it
     (model, tokenizer, info with its context and path, folder)."""
     from types import SimpleNamespace
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.fit import MODES
+from engine.memory.fit import MODES
 from tests.packaging.conftest import PACKAGING, load_packaging_module
 
 pytestmark = [

@@ -9,7 +9,7 @@ import tomllib
 import pytest
 from PySide6.QtGui import QImage
 
-from engine import documents
+from engine.documents import reader as documents
 from tests.packaging.conftest import PACKAGING, load_packaging_module
 
 config = load_packaging_module("bundle_config")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.self_test import main, run_self_test
-from engine.fit import MODES
+from engine.memory.fit import MODES
 from tests.engine.tinymodels import make_tiny_model_dir
 
 

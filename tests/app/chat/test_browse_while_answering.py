@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt
 
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.app.memory.test_panel import _assert_panel_shows
 

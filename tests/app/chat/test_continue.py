@@ -5,7 +5,7 @@ from __future__ import annotations
 from app.chat.recorder import LENGTH_LIMIT
 from app.controller import CONTINUE_PROMPT
 from app.settings import DEFAULT_REPETITION_PENALTY, Settings
-from engine.sampling import build_logits_processors
+from engine.session.sampling import build_logits_processors
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
 

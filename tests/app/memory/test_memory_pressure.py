@@ -1,7 +1,7 @@
 """How the window shows the engine's memory guard: stops, refusals, and recovery.
 
 The worker gets a memory guard whose probe the test steers (as in
-tests/engine/test_memory_guard.py); nothing here uses real memory pressure.
+tests/engine/memory/test_guard.py); nothing here uses real memory pressure.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 
 from app.chat.answers import MEMORY_STOP
-from engine.memory_guard import GIB, MemoryGuard
-from engine.sampling import SamplingParams
-from engine.worker import EngineWorker
+from engine.memory.guard import GIB, MemoryGuard
+from engine.runtime.worker import EngineWorker
+from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window, send_and_wait
-from tests.engine.test_memory_guard import FakeMemory
+from tests.engine.memory.test_guard import FakeMemory
 from tests.engine.tinymodels import make_tiny_model_dir
 
 

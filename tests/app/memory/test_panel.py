@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt
 
 from app.format import human_bytes
 from app.memory.panel import NO_CACHE, PROJECTION_MODES, shared_note
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
 
@@ -163,7 +163,7 @@ def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
     from dataclasses import replace
 
     from app.memory.panel import MemoryPanel
-    from engine.stats import MemorySnapshot, stats_sample
+    from engine.memory.stats import MemorySnapshot, stats_sample
 
     panel = MemoryPanel()
     qtbot.addWidget(panel)

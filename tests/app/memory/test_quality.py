@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-import engine.quality_check as quality_check
+import engine.session.quality_check as quality_check
 from app.memory.panel import NOT_MEASURED, PROJECTION_MODES, QUALITY_COLUMN
 from app.memory.quality import receipt_line
 from app.store import HistoryStore

@@ -11,7 +11,7 @@ from PySide6.QtCore import QTimer
 from app.format import human_bytes
 from app.sessions.session_list import RecordRole
 from app.window.dialogs import NewChatDialog
-from engine.sampling import SamplingParams
+from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
 

@@ -11,8 +11,8 @@ from PySide6.QtWidgets import QApplication, QDialogButtonBox
 from app.settings import Settings
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from engine import SnapshotStore, default_budget, snapshots_dir
-from engine.sampling import SamplingParams
-from engine.worker import EngineWorker
+from engine.runtime.worker import EngineWorker
+from engine.session.sampling import SamplingParams
 from tests.app.conftest import close_window, open_window
 
 
@@ -152,7 +152,7 @@ def test_a_lowered_disk_budget_reaches_the_running_engines_store(qtbot, tiny_lla
 
 
 def _full_report(free_bytes: int):
-    from engine.fit import fit_report
+    from engine.memory.fit import fit_report
 
     return fit_report(token_count=8192, attention_layers=30, kv_heads=3, head_dim=64,
                       max_context=8192, page_size=256, available_bytes=free_bytes)

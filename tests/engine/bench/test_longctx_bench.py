@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from engine.bench import longctx_bench, longctx_report, report
-from engine.cache import pages, streams
-from engine.cache.scratch import chunk_scratch_bytes
+from engine.cache import pages
+from engine.cache.attention import streams
+from engine.cache.attention.scratch import chunk_scratch_bytes
 
 MIB = 2**20
 

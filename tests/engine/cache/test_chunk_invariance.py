@@ -29,7 +29,7 @@ from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
-from engine.quality_check import divergence, log_probs
+from engine.session.quality_check import divergence, log_probs
 from tests.engine.tinymodels import ARCHS, load_tiny
 
 CHUNKINGS = (64, 128, 384, 1)  # 1: token by token

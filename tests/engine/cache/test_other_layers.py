@@ -10,8 +10,8 @@ from mlx_lm.utils import load
 
 from engine.cache import other_layers
 from engine.cache.paged_cache import PagedKVCache
-from engine.prefill import activation_value_bytes
-from engine.session import Session
+from engine.session.prefill import activation_value_bytes
+from engine.session.session import Session
 from tests.engine.tinymodels import TINY_SLIDING_WINDOW, make_tiny_model_dir
 
 MIB = 2**20

@@ -26,7 +26,7 @@ from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PageLayout, PagePool
 from engine.errors import KvBudgetExceeded
-from engine.memory_guard import GIB, MemoryGuard, MemoryReading
+from engine.memory.guard import GIB, MemoryGuard, MemoryReading
 
 KV_HEADS, HEAD_DIM = 1, 8
 SESSIONS = ("a", "b")

@@ -10,7 +10,7 @@ from engine.cache import sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PageLayout, PagePool, PageStore
 from engine.errors import KvBudgetExceeded
-from engine.memory_guard import MemoryGuard, MemoryReading
+from engine.memory.guard import MemoryGuard, MemoryReading
 
 PAGE_SIZE = 16
 KV_HEADS, HEAD_DIM = 2, 64

@@ -1,4 +1,4 @@
-"""engine.models.probe and engine.models.coverage: one test per family of outcome.
+"""engine.models.probe and engine.bench.coverage: one test per family of outcome.
 
 Tiny models come from ``coverage.build_tiny`` (a config from each class's
 ``ModelArgs``, mlx's random initial weights), so the architectures under test are
@@ -18,9 +18,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+from engine.bench import coverage
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ModelLoadError
-from engine.models import coverage, probe
+from engine.models import probe
 from engine.models.loader import load_model
 from engine.models.probe import MAX_REL_DIFF, ProbeResult, make_session_cache, probe_model
 from tests.engine.tinymodels import make_tiny_model_dir

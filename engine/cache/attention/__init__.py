@@ -1,0 +1,1 @@
+"""Paged attention: dispatch, the block walk, query views, scratch sizing and CPU streams."""

@@ -1,0 +1,1 @@
+"""Documents to text: plain text, PDF and DOCX, with limits against bombs."""

@@ -1,0 +1,1 @@
+"""Memory accounting: the guard, the fit arithmetic, model costs and RAM readings."""

@@ -1,0 +1,398 @@
+"""Will this many tokens fit? Pure arithmetic over model facts and free memory.
+
+No MLX call happens here, so the app may ask from any thread while the engine is
+busy (e.g. to warn before a document is dropped). Besides the KV pages, a prefill
+needs the weights, one chunk's attention scratch and its activations at once: the
+"prefill peak" that every estimate (this report, the guard, the stats) counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlx.utils import tree_flatten
+
+from engine.cache import kvquant
+from engine.cache.attention import streams
+from engine.cache.attention.scratch import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
+from engine.cache.paged_cache import PagedKVCache
+from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
+from engine.memory.guard import MemoryGuard, default_headroom, human_bytes
+
+MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
+# Per chunk token, the arrays one layer keeps alive at once (the layers run one after
+# another): the residual, its norm, the attention output and its projection
+# (hidden-wide), queries, keys and values, and the MLP's gate, up and their product.
+# The vocabulary projection is not among them: prefill evaluates the cache only.
+_HIDDEN_COPIES = 4
+_MLP_COPIES = 3
+
+
+def ram_headroom(total: int) -> int:
+    """Bytes of RAM the KV cache must leave free on a machine with ``total`` bytes."""
+    # One rule for the whole engine: the memory guard's default headroom.
+    return default_headroom(total)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the session needs to know about a model to size its cache."""
+
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+
+
+def first_fact(info: Any, names: Sequence[str]) -> Any:
+    """The first of ``names`` that ``info`` has (ModelInfo spellings vary by source)."""
+    for name in names:
+        value = getattr(info, name, None)
+        if value is not None:
+            return value
+    raise EngineError(f"Model facts lack {names[0]}; reload the model.")
+
+
+def facts_from_info(info: Any) -> ModelFacts:
+    """Read the sizing facts from an ``engine.models.info.ModelInfo``."""
+    return ModelFacts(
+        attention_layers=int(first_fact(info, ("attention_layers", "num_attention_layers"))),
+        kv_heads=int(first_fact(info, ("kv_heads", "num_kv_heads"))),
+        head_dim=int(first_fact(info, ("head_dim",))),
+        max_context=int(first_fact(info, ("max_context", "context_length"))),
+    )
+
+
+def facts_from_cache(cache: list[Any], max_context: int) -> ModelFacts | None:
+    """Sizing facts of the layers that really hold pages (None: no paged layer).
+
+    Preferred over the model's config: sliding-window and linear-attention layers
+    keep mlx-lm's own bounded caches and take no pages.
+    """
+    paged = [layer for layer in cache if isinstance(layer, PagedKVCache)]
+    if not paged or paged[0].store is None:
+        return None
+    return ModelFacts(len(paged), paged[0].kv_heads, paged[0].head_dim, max_context)
+
+
+@dataclass(frozen=True)
+class PrefillFacts:
+    """What reading a prompt in needs in memory besides the KV pages.
+
+    Attributes:
+        weights_bytes: the loaded model's weights.
+        activation_bytes_per_token: activations of one chunk token inside one layer.
+        scratch_bytes: the attention's scratch budget for one chunk, at any context.
+        q_heads: query heads of an attention layer; with ``kv_heads``, ``head_dim``
+            and ``page_size``, the attention's own block arithmetic predicts the
+            scratch (0: count the whole budget).
+        kv_heads: KV heads of an attention layer.
+        head_dim: values per head.
+        page_size: tokens per page.
+        head_streams: streams the attention splits a long context's heads over.
+    """
+
+    weights_bytes: int
+    activation_bytes_per_token: int
+    scratch_bytes: int = PREFILL_SCRATCH_BYTES
+    q_heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    page_size: int = 256
+    head_streams: int = 1
+
+    def scratch_for(self, chunk: int, context: int | None = None) -> int:
+        """The attention scratch of one ``chunk``-token chunk (``context``: tokens then held)."""
+        if not (self.q_heads and self.kv_heads and self.head_dim):
+            return self.scratch_bytes
+        return chunk_scratch_bytes(chunk, self.q_heads, self.kv_heads, self.head_dim,
+                                   self.page_size, self.scratch_bytes, context,
+                                   self.head_streams)
+
+    def transient_bytes(self, chunk: int, context: int | None = None) -> int:
+        """Bytes one chunk of ``chunk`` tokens needs while it runs (scratch + activations)."""
+        return self.scratch_for(chunk, context) + chunk * self.activation_bytes_per_token
+
+    def peak_bytes(self, kv_bytes: int, chunk: int, context: int | None = None) -> int:
+        """The prefill peak: weights + ``kv_bytes`` of pages + one chunk's transient."""
+        return self.weights_bytes + kv_bytes + self.transient_bytes(chunk, context)
+
+
+def _arg(args: Any, name: str) -> int:
+    return int(getattr(args, name, 0) or 0)
+
+
+def prefill_facts(
+    model: Any, compute_bytes: int, scratch_bytes: int = PREFILL_SCRATCH_BYTES,
+    page_size: int = 256,
+) -> PrefillFacts:
+    """Estimate a prefill's needs from an mlx-lm model's config and array shapes.
+
+    Reads ``model.args`` and the parameters' sizes only (nothing is evaluated), and
+    the device (for how the attention splits its heads): call it on the engine thread.
+
+    Args:
+        model: an mlx-lm model.
+        compute_bytes: bytes of one activation value (4 where MLX computes in fp32).
+        scratch_bytes: the attention's scratch budget per chunk.
+        page_size: tokens per page (the attention's blocks are whole pages).
+    """
+    args = getattr(model, "args", None)
+    hidden = _arg(args, "hidden_size")
+    heads = _arg(args, "num_attention_heads")
+    kv_heads = _arg(args, "num_key_value_heads") or heads
+    head_dim = _arg(args, "head_dim") or (hidden // heads if heads else 0)
+    # A MoE layer runs its chosen experts (and a shared one) on every token.
+    experts = (_arg(args, "moe_intermediate_size") * _arg(args, "num_experts_per_tok")
+               + _arg(args, "shared_expert_intermediate_size"))
+    mlp = max(_arg(args, "intermediate_size"), experts)
+    per_value = _HIDDEN_COPIES * hidden + (heads + 2 * kv_heads) * head_dim + _MLP_COPIES * mlp
+    weights = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
+    return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes,
+                        heads, kv_heads, head_dim, page_size,
+                        streams.streams_for(kv_heads) if kv_heads else 1)
+
+
+@dataclass(frozen=True)
+class ModeFit:
+    """How ``token_count`` tokens fare in one KV mode.
+
+    Attributes:
+        mode: the KV mode.
+        supported: False when the mode cannot store this model's heads.
+        bytes_needed: KV bytes for the tokens, rounded up to whole pages.
+        fits_context: within the model's maximum context.
+        fits_budget: within the page pool's byte budget (True without a budget).
+        fits_ram: within free RAM now, after the safety headroom.
+        tokens_fit_ram: tokens this mode could hold in free RAM now.
+        tokens_fit_budget: tokens the budget holds in this mode (None: no budget).
+        tokens_fit: tokens this mode can hold in all (context, budget, RAM).
+        prefill_peak_bytes: weights + these KV bytes + one chunk's scratch and
+            activations: what reading the tokens in needs at its peak (0: unknown).
+    """
+
+    mode: str
+    supported: bool
+    bytes_needed: int
+    fits_context: bool
+    fits_budget: bool
+    fits_ram: bool
+    tokens_fit_ram: int
+    tokens_fit_budget: int | None
+    tokens_fit: int
+    prefill_peak_bytes: int = 0
+
+    @property
+    def fits(self) -> bool:
+        """True when the mode is usable and every limit holds."""
+        return self.supported and self.fits_context and self.fits_budget and self.fits_ram
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Whether ``token_count`` tokens fit, per KV mode, and what to do if not.
+
+    ``free_bytes`` is what the pages may take: free RAM after the headroom and
+    after ``transient_bytes``, one prefill chunk's scratch and activations.
+    """
+
+    token_count: int
+    max_context: int
+    budget_bytes: int | None
+    available_bytes: int
+    session_mode: str | None
+    modes: tuple[ModeFit, ...]
+    free_bytes: int = 0
+    other_sessions_bytes: int = 0
+    prefill: PrefillFacts | None = None
+    chunk_tokens: int = 0
+    transient_bytes: int = 0
+
+    @property
+    def prefill_peak_bytes(self) -> int:
+        """The prefill peak in the session's mode (else the suggested one, else fp16)."""
+        return self.for_mode(self.session_mode or self.suggested_mode or "fp16").prefill_peak_bytes
+
+    def for_mode(self, mode: str) -> ModeFit:
+        """Return the entry for ``mode`` (any accepted alias)."""
+        wanted = kvquant.normalize_mode(mode)
+        return next(entry for entry in self.modes if entry.mode == wanted)
+
+    @property
+    def fits(self) -> bool:
+        """True when the session's mode fits (or any mode, without a session)."""
+        if self.session_mode is not None:
+            return self.for_mode(self.session_mode).fits
+        return any(entry.fits for entry in self.modes)
+
+    @property
+    def suggested_mode(self) -> str | None:
+        """The best-quality mode that fits, or None when none does."""
+        return next((entry.mode for entry in self.modes if entry.fits), None)
+
+    def message(self) -> str:
+        """A sentence a user can act on when the tokens do not fit."""
+        mode = self.session_mode or "fp16"
+        entry = self.for_mode(mode)
+        limits = [f"the model's context is {self.max_context:,} tokens"]
+        if self.budget_bytes is not None:
+            others = (f", {human_bytes(self.other_sessions_bytes)} of the budget held by "
+                      "other open conversations" if self.other_sessions_bytes else "")
+            limits.append(f"the KV budget left for it ({human_bytes(self.budget_bytes)}"
+                          f"{others}) holds {entry.tokens_fit_budget or 0:,} tokens in {mode}")
+        reading = (f" and {human_bytes(self.transient_bytes)} for reading it in"
+                   if self.transient_bytes else "")
+        limits.append(f"free RAM ({human_bytes(self.free_bytes)} after the safety headroom"
+                      f"{reading}) holds about {entry.tokens_fit_ram:,} tokens in {mode}")
+        needed = (f" ({human_bytes(entry.bytes_needed)} of KV in {mode})"
+                  if entry.supported else "")
+        text = (f"This conversation needs {self.token_count:,} tokens{needed} but only "
+                f"{entry.tokens_fit:,} fit in {mode}: " + "; ".join(limits) + ".")
+        if not entry.fits_context:
+            return text + " No KV mode raises the model's context: shorten the " \
+                          "conversation or start a new one."
+        suggestion = self.suggested_mode
+        if suggestion is not None and suggestion != mode:
+            return text + f" Reopen this conversation in {suggestion} to fit it."
+        return text + " Close other sessions or apps to free memory, or shorten " \
+                      "the conversation."
+
+    def raise_if_too_long(self) -> None:
+        """Raise ``ContextTooLong`` with ``message()`` unless the tokens fit."""
+        if not self.fits:
+            raise ContextTooLong(self.message())
+
+
+def _round_to_pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size) * page_size
+
+
+def fit_report(
+    *,
+    token_count: int,
+    attention_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    page_size: int,
+    available_bytes: int,
+    budget_bytes: int | None = None,
+    headroom_bytes: int = 0,
+    session_mode: str | None = None,
+    session_bytes_allocated: int = 0,
+    other_sessions_bytes: int = 0,
+    prefill: PrefillFacts | None = None,
+    chunk_tokens: int = 0,
+) -> FitReport:
+    """Project whether ``token_count`` tokens fit, for every KV mode.
+
+    Args:
+        token_count: tokens the session would hold in total.
+        attention_layers: layers that keep a growing KV cache.
+        kv_heads: KV heads per attention layer.
+        head_dim: values per head.
+        max_context: the model's maximum context in tokens.
+        page_size: tokens per page.
+        available_bytes: free system memory now.
+        budget_bytes: the page pool's byte budget, or None for no budget.
+        headroom_bytes: memory to leave free for activations and the OS.
+        session_mode: the session's fixed mode, or None without a session.
+        session_bytes_allocated: KV bytes the session already holds; they count as
+            usable again by every mode (growing in place, or reopening elsewhere).
+        other_sessions_bytes: KV bytes other open sessions hold; ``budget_bytes`` is
+            then what they leave of the one shared budget (for the message).
+        prefill: the model's prefill needs; None counts the pages only.
+        chunk_tokens: tokens of the prefill chunk whose transient must fit too.
+    """
+    # What the guard keeps free of pages: a chunk's transient at any context.
+    transient = prefill.transient_bytes(chunk_tokens) if prefill else 0
+    free = max(0, available_bytes - headroom_bytes - transient) + session_bytes_allocated
+    entries = []
+    for mode in MODES:
+        try:
+            page_bytes = kvquant.project_kv_bytes(
+                attention_layers, kv_heads, head_dim, page_size, mode
+            )
+        except (UnsupportedModeError, ValueError):
+            entries.append(ModeFit(mode, False, 0, False, False, False, 0, 0, 0))
+            continue
+        page_bytes = max(page_bytes, 1)
+        needed = _round_to_pages(token_count, page_size) // page_size * page_bytes
+        ram_tokens = free // page_bytes * page_size
+        budget_tokens = (
+            budget_bytes // page_bytes * page_size if budget_bytes is not None else None
+        )
+        limits = [max_context, ram_tokens]
+        if budget_tokens is not None:
+            limits.append(budget_tokens)
+        entries.append(ModeFit(
+            mode=mode,
+            supported=True,
+            bytes_needed=needed,
+            fits_context=token_count <= max_context,
+            fits_budget=budget_bytes is None or needed <= budget_bytes,
+            fits_ram=needed <= free,
+            tokens_fit_ram=ram_tokens,
+            tokens_fit_budget=budget_tokens,
+            tokens_fit=min(limits),
+            prefill_peak_bytes=(prefill.peak_bytes(needed, chunk_tokens, token_count)
+                                if prefill else 0),
+        ))
+    return FitReport(
+        token_count=token_count,
+        max_context=max_context,
+        budget_bytes=budget_bytes,
+        available_bytes=available_bytes,
+        session_mode=kvquant.normalize_mode(session_mode) if session_mode else None,
+        modes=tuple(entries),
+        free_bytes=free,
+        other_sessions_bytes=other_sessions_bytes,
+        prefill=prefill,
+        chunk_tokens=chunk_tokens,
+        transient_bytes=transient,
+    )
+
+
+def guarded_fit_report(
+    guard: MemoryGuard,
+    facts: ModelFacts,
+    token_count: int,
+    page_size: int,
+    *,
+    session_id: str | None = None,
+    session_mode: str | None = None,
+    session_bytes_allocated: int = 0,
+    prefill: PrefillFacts | None = None,
+    chunk_tokens: int = 0,
+) -> FitReport:
+    """``fit_report`` with the guard's free RAM, headroom and KV budget share filled in.
+
+    ``session_id`` names the session asking (None: a chat not opened yet), whose
+    own pages are not counted against it; ``prefill`` and ``chunk_tokens`` add the
+    prefill peak (see :func:`fit_report`).
+    """
+    reading = guard.read()
+    share = guard.kv_share(session_id)  # one read of a budget the worker may change
+    # What the session's sliding windows and linear-attention state may hold is
+    # kept for them in the budget and in free RAM, as the guard does for its pages.
+    reserved = guard.reserved_bytes(session_id)
+    if share is not None:
+        share = max(0, share - reserved)
+    return fit_report(
+        token_count=token_count,
+        attention_layers=facts.attention_layers,
+        kv_heads=facts.kv_heads,
+        head_dim=facts.head_dim,
+        max_context=facts.max_context,
+        page_size=page_size,
+        available_bytes=reading.available_bytes,
+        budget_bytes=share,
+        headroom_bytes=guard.headroom(reading) + reserved,
+        session_mode=session_mode,
+        session_bytes_allocated=session_bytes_allocated,
+        other_sessions_bytes=guard.held_bytes(exclude=session_id) if share is not None else 0,
+        prefill=prefill,
+        chunk_tokens=chunk_tokens,
+    )

@@ -1,0 +1,1 @@
+"""The engine runtime: the worker thread, its requests and what it reports."""

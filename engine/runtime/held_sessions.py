@@ -1,0 +1,196 @@
+"""The loaded model and the sessions open on it, as the engine worker holds them.
+
+A session leaves memory (replaced by one of the same id, closed, or its model
+unloaded) through its snapshot on disk, and an empty session about to read a
+conversation comes back from it; any session may also take a longer prefix
+another open chat holds (``engine.session.reuse``).
+
+Every method but ``view`` is called on the engine worker thread (most run MLX);
+``view`` reads under a lock from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from engine.cache import kvquant, sharing
+from engine.errors import EngineError
+from engine.events import Notice
+from engine.memory import fit
+from engine.memory.guard import MemoryGuard
+from engine.runtime.stats_reporter import StatsReporter
+from engine.session import reuse
+from engine.session.prefill import activation_value_bytes
+from engine.session.session import Session
+from engine.snapshots.keeper import SnapshotKeeper
+
+if TYPE_CHECKING:
+    from engine.models.info import ModelInfo
+
+
+class HeldSessions:
+    """Loads a model, opens and closes its sessions, and refills them before a read.
+
+    Args:
+        guard: the memory guard the model load and every session's pages go through.
+        keeper: saves a session's cache as it leaves memory and restores it on return.
+        stats: publishes a session's stats when its pages change hands.
+        emit: sends events (the notice of a prefix taken from another chat).
+        chunk_seconds: the prefill chunk time above which a session shrinks its
+            chunks, or None for fixed chunks.
+    """
+
+    def __init__(
+        self,
+        guard: MemoryGuard,
+        keeper: SnapshotKeeper,
+        stats: StatsReporter,
+        emit: Callable[[object], None],
+        *,
+        chunk_seconds: float | None,
+    ) -> None:
+        self._guard = guard
+        self._keeper = keeper
+        self._stats = stats
+        self._emit = emit
+        self._chunk_seconds = chunk_seconds
+        self._lock = threading.Lock()
+        self.loaded: Any = None
+        self.loaded_bytes = 0  # estimated weight bytes of the loaded model
+        self.prefill: fit.PrefillFacts | None = None  # the loaded model's prefill needs
+        self._sessions: dict[str, Session] = {}
+
+    def view(self, session_id: str | None) -> tuple[Any, fit.PrefillFacts | None, Session | None]:
+        """The loaded model, its prefill facts and session ``session_id`` (None if not open)."""
+        with self._lock:
+            session = self._sessions.get(session_id) if session_id is not None else None
+            return self.loaded, self.prefill, session
+
+    def get(self, session_id: str) -> Session:
+        """The open session ``session_id``.
+
+        Raises:
+            EngineError: no session of that id is open.
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise EngineError(f"No open session named {session_id!r}; open it first.")
+        return session
+
+    def load(self, path: str) -> ModelInfo:
+        """Load "demo" or a model folder in place of the current model; its facts.
+
+        Raises:
+            InsufficientMemory: the weights would not fit in free RAM, even with
+                the current model gone.
+        """
+        # Heavy: imports mlx-lm's loaders.
+        from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
+
+        folder = resolve_model_path(path)
+        needed, quantized = estimate_load_bytes(folder)
+        releasable = self.loaded_bytes + self._guard.held_bytes()
+        if self._guard.check_load(needed, name=folder.name, releasable_bytes=releasable,
+                                  quantized=quantized):
+            # Only fits once the current model is gone: unload it first rather
+            # than hold both and swap.
+            self.release()
+        loaded = load_model(folder)
+        self.release()
+        prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
+        with self._lock:
+            self.loaded = loaded
+            self.loaded_bytes = needed
+            self.prefill = prefill
+        return loaded.info
+
+    def release(self) -> None:
+        """Unload the model, saving and closing every session first."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            self.loaded = None
+            self.loaded_bytes = 0
+            self.prefill = None
+        for session in sessions:
+            self._keeper.keep(session)
+            session.close()
+        mx.clear_cache()
+
+    def open(
+        self, session_id: str, mode: str, page_size: int, rotate: bool | None, *,
+        chunk_size: int,
+    ) -> Session:
+        """Open session ``session_id`` empty, saving and closing one it replaces."""
+        if self.loaded is None:
+            raise EngineError("Load a model before opening a conversation.")
+        mode = kvquant.normalize_mode(mode)
+        with self._lock:
+            replaced = self._sessions.pop(session_id, None)
+        if replaced is not None:
+            self._keeper.keep(replaced)
+            replaced.close()
+        session = Session(
+            session_id, self.loaded, mode, page_size,
+            chunk_size=chunk_size, chunk_seconds=self._chunk_seconds, guard=self._guard,
+            rotate=rotate,
+        )
+        with self._lock:
+            self._sessions[session_id] = session
+        self._stats.publish(session)
+        return session
+
+    def close(self, session_id: str, keep: bool = True) -> None:
+        """Save (``keep``) and close session ``session_id``, if open, and free its pages."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        if keep:
+            self._keeper.keep(session)
+        with self._lock:
+            partners = [s for s in self._sessions.values()
+                        if sharing.same_group(s.cache, session.cache)]
+        session.close()
+        # Hand the freed pages back to the OS, not just to MLX's buffer cache.
+        mx.clear_cache()
+        for partner in partners:  # their pages are no longer shared: say so
+            self._stats.publish(partner)
+
+    def set_chunk_size(self, chunk_size: int) -> None:
+        """Prefill every open session in chunks of ``chunk_size`` tokens from now on,
+        and have the guard re-plan their reserves under its (new) budget."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.set_chunk_size(chunk_size)
+            self._guard.refresh(session.session_id)
+
+    def restore(
+        self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
+    ) -> int:
+        """Reopen an empty session from its snapshot, then take a longer prefix another
+        open chat holds (``engine.session.reuse``); the tokens it brought back."""
+        with self._lock:
+            others = [s for s in self._sessions.values()
+                      if s.tokens and reuse.compatible(session, s)]
+        from_disk = not session.tokens and self._keeper.store is not None
+        if not others and not from_disk:
+            return 0
+        prompt = session.render(messages, add_generation_prompt=answer)
+        reused = 0
+        if from_disk:
+            reused = self._keeper.restore(session, prompt, request_id, keep_last=answer)
+        found = reuse.best_offer(session, others, prompt, keep_last=answer)
+        if found is None:
+            return reused
+        taken = reuse.adopt(session, found)
+        if taken:
+            self._stats.publish(found.donor)  # its pages are shared now: the panel says so
+            self._emit(Notice(request_id, f"Reused {taken:,} tokens another open chat had "
+                                          "already read; reading only the rest."))
+        return taken

@@ -1,0 +1,118 @@
+"""The requests that run on an open session's conversation: chat, ingest, check_quality.
+
+Each handler is given its ``Command`` on the engine worker thread and returns
+the event that ends it; on the way it streams the session's events and keeps
+its stats flowing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from engine.errors import Cancelled
+from engine.events import Finished, QualityChecked, QualityProgress
+from engine.memory.guard import MemoryGuard
+from engine.runtime.commands import Command
+from engine.runtime.held_sessions import HeldSessions
+from engine.runtime.stats_reporter import StatsReporter
+from engine.session.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class SessionRequests:
+    """Answers, ingests and quality checks on the sessions ``held`` keeps open.
+
+    Args:
+        held: the open sessions, refilled before each read.
+        stats: publishes the session's stats as the request runs.
+        guard: refuses a quality check while system memory is critical.
+        emit: sends the request's streamed events.
+    """
+
+    def __init__(
+        self,
+        held: HeldSessions,
+        stats: StatsReporter,
+        guard: MemoryGuard,
+        emit: Callable[[object], None],
+    ) -> None:
+        self._held = held
+        self._stats = stats
+        self._guard = guard
+        self._emit = emit
+
+    def chat(self, command: Command) -> object:
+        """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
+        session_id, messages, sampling = command.args
+        session = self._held.get(session_id)
+        reused = self._held.restore(session, messages, command.request_id, answer=True)
+        with self._reading(session, command):
+            reason, stats = session.chat(
+                messages, sampling, request_id=command.request_id, cancel=command.cancel,
+                emit=self._emit, tick=self._stats.tick_for(session),
+            )
+        if session.memory_stop:
+            log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
+        stats = replace(stats, reused_tokens=reused)
+        return Finished(command.request_id, reason, stats, *command.kept())
+
+    def ingest(self, command: Command) -> object:
+        """Read the conversation into the session's cache without answering."""
+        session_id, messages = command.args
+        session = self._held.get(session_id)
+        reused = self._held.restore(session, messages, command.request_id, answer=False)
+        try:
+            with self._reading(session, command):
+                stats = session.ingest(
+                    messages, request_id=command.request_id, cancel=command.cancel,
+                    emit=self._emit, tick=self._stats.tick_for(session),
+                )
+        except Cancelled:
+            return Finished(command.request_id, "cancelled", None, *command.kept())
+        return Finished(command.request_id, "done", replace(stats, reused_tokens=reused))
+
+    def check_quality(self, command: Command) -> object:
+        """Measure the session's KV mode against fp16 on the conversation's last tokens."""
+        from engine.session.quality_check import check_quality
+
+        session_id, messages = command.args
+        session = self._held.get(session_id)
+        self._guard.check_pressure("the quality check")
+        # An empty chat renders to a template's bare scaffolding: nothing of the user's.
+        ids = session.render(messages, add_generation_prompt=False) if messages else []
+        try:
+            with self._stats.heartbeat():
+                receipt = check_quality(
+                    session.loaded, ids, session.mode, rotate=session.rotation is not None,
+                    cancel=command.cancel, progress=self._progress(command.request_id),
+                    page_size=session.page_size,
+                )
+        except Cancelled:
+            return Finished(command.request_id, "cancelled")
+        return QualityChecked(command.request_id, session_id, receipt)
+
+    @contextmanager
+    def _reading(self, session: Session, command: Command) -> Iterator[None]:
+        """Publish the session's stats around a read, with the heartbeat on during it;
+        record on ``command`` where its prefill stopped, however it ends."""
+        self._stats.publish(session)
+        try:
+            with self._stats.heartbeat():
+                yield
+        finally:
+            command.prefill_stop = session.prefill_stop
+            self._stats.publish(session)
+
+    def _progress(self, request_id: int) -> Callable[[int, int], None]:
+        """A progress callback that sends ``QualityProgress`` with rate and time left."""
+        started = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            rate = done / max(time.perf_counter() - started, 1e-9)
+            self._emit(QualityProgress(request_id, done, total, rate, (total - done) / rate))
+        return progress

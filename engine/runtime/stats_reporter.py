@@ -1,0 +1,51 @@
+"""The worker's stats of a session: sent when due, when its pages change, and
+repeated by a heartbeat while one MLX step runs long (``engine.runtime.heartbeat``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.events import StatsSample
+from engine.memory.stats import StatsThrottle, stats_sample
+from engine.runtime.heartbeat import StatsChannel, StatsHeartbeat
+
+
+class StatsReporter:
+    """Takes a session's ``StatsSample`` and sends it; keeps the newest.
+
+    Args:
+        emit: sends an event (see ``StatsChannel``).
+        interval: seconds between samples while a request runs.
+    """
+
+    def __init__(self, emit: Callable[[object], None], interval: float) -> None:
+        self._channel = StatsChannel(emit)
+        self._throttle = StatsThrottle(interval)
+
+    def latest(self) -> StatsSample | None:
+        """The last sample taken; never calls MLX."""
+        return self._channel.latest()
+
+    def publish(self, session: Any) -> None:
+        """Send a sample of ``session`` (None or an empty cache: memory only) now."""
+        live = session is not None and bool(session.cache)
+        cache_stats = session.stats() if live else None
+        peak = session.prefill_peak_bytes() if live else 0
+        held = session.checkpoints.nbytes if live else 0
+        others = session.other_layers() if live else None
+        session_id = session.session_id if session else None
+        self._channel.publish(lambda: stats_sample(
+            session_id, cache_stats, prefill_peak_bytes=peak, checkpoint_bytes=held,
+            other_layers=others))
+
+    def tick_for(self, session: Any) -> Callable[[], None]:
+        """A callback for between MLX steps: publishes ``session`` once a sample is due."""
+        def tick() -> None:
+            if self._throttle.due():
+                self.publish(session)
+        return tick
+
+    def heartbeat(self) -> StatsHeartbeat:
+        """A context manager that repeats the newest sample while a step runs long."""
+        return StatsHeartbeat(self._channel, self._throttle.interval)

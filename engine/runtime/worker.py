@@ -1,0 +1,373 @@
+"""The engine worker: one dedicated thread that owns every MLX call.
+
+MLX streams are thread-local, so the engine never hops threads: commands go into
+a queue, one thread named "longleaf-engine" runs them in order, and events (frozen
+dataclasses of plain values) come out through ``on_event``, called on that
+thread (or, for stats repeated while one MLX step runs long, on the
+``engine.runtime.heartbeat`` thread). Every request ends with exactly one ``Finished``
+or ``Failed``.
+
+The worker owns the thread, the queue and how a request ends; what a request
+does is its collaborators': ``HeldSessions`` (the loaded model and its open
+sessions), ``SessionRequests`` (chat, ingest, quality check) and
+``StatsReporter`` (the stats samples).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from engine.errors import EngineError
+from engine.events import (
+    Failed,
+    Finished,
+    ModelLoaded,
+    QualityChecked,
+    SessionOpened,
+    StatsSample,
+)
+from engine.memory import fit
+from engine.memory.fit import facts_from_info
+from engine.memory.guard import MemoryGuard
+from engine.runtime.commands import Command
+from engine.runtime.held_sessions import HeldSessions
+from engine.runtime.session_requests import SessionRequests
+from engine.runtime.stats_reporter import StatsReporter
+from engine.session.prefill import MIN_CHUNK
+from engine.session.prompt_ids import clean_text
+from engine.session.sampling import SamplingParams
+from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
+from engine.snapshots.keeper import SnapshotKeeper
+from engine.snapshots.store import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+THREAD_NAME = "longleaf-engine"
+UNEXPECTED = (
+    "The engine hit an unexpected error ({detail}). The conversation's cache went back "
+    "to its last finished step; send the message again, and if it keeps failing, "
+    "reload the model."
+)
+# A request whose cancel was set while it waited in the queue ends before it starts.
+_CANCELLABLE = ("chat", "ingest", "check_quality")
+
+
+class EngineWorker:
+    """Runs engine commands on one thread and reports them as events.
+
+    Args:
+        on_event: called with each event, on the worker thread (stats samples also
+            on the heartbeat thread); it must be thread-safe.
+        budget_bytes: bytes the KV pages of ALL open sessions may take together,
+            or None to be bounded only by free RAM minus the guard's headroom.
+        chunk_size: tokens per prefill chunk.
+        stats_interval: seconds between ``StatsSample`` events while busy.
+        adaptive_chunks: shrink prefill chunks that take longer than two stats
+            intervals, so stats and progress arrive at >= 2 Hz on slow machines
+            too; False keeps chunk boundaries fixed (reproducible prefill).
+        headroom_bytes: RAM to keep free for the system and other apps; None
+            keeps max(2 GiB, 15 % of RAM).
+        memory_guard: the guard to use (tests inject one with a fake memory
+            probe); when given, ``budget_bytes`` and ``headroom_bytes`` are ignored.
+        snapshots: where a session's cache goes when it leaves memory (closed,
+            model switched, quit) and comes back from on its next request; None
+            keeps nothing on disk.
+    """
+
+    def __init__(
+        self,
+        on_event: Callable[[object], None],
+        *,
+        budget_bytes: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+        stats_interval: float = 0.25,
+        adaptive_chunks: bool = True,
+        headroom_bytes: int | None = None,
+        memory_guard: MemoryGuard | None = None,
+        snapshots: SnapshotStore | None = None,
+    ) -> None:
+        self._on_event = on_event
+        self.guard = memory_guard or MemoryGuard(
+            budget_bytes=budget_bytes, headroom_bytes=headroom_bytes
+        )
+        self.chunk_size = chunk_size
+        self._queue: queue.Queue[Command | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._ids = itertools.count(1)
+        self._current: Command | None = None
+        self._stopping = threading.Event()
+        self._stats = StatsReporter(self._emit, stats_interval)
+        self._snapshots = SnapshotKeeper(snapshots, self._emit)
+        self._held = HeldSessions(
+            self.guard, self._snapshots, self._stats, self._emit,
+            chunk_seconds=2 * stats_interval if adaptive_chunks else None,
+        )
+        requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
+        self._handlers: dict[str, Callable[[Command], object]] = {
+            "load_model": self._load_model,
+            "open_session": self._open_session,
+            "configure": self._configure,
+            "snapshot_budget": self._set_snapshot_budget,
+            "clear_snapshots": self._clear_snapshots,
+            "close_session": self._close_session,
+            "chat": requests.chat,
+            "ingest": requests.ingest,
+            "check_quality": requests.check_quality,
+        }
+
+    # -- public API (any thread) ---------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread.start()
+
+    def load_model(self, path: str) -> int:
+        """Load "demo" or a model folder.
+
+        -> ``ModelLoaded`` then ``Finished("done")``, or ``Failed``.
+
+        Loading a model closes the sessions of the previous one. A model whose
+        weights would not fit in free RAM (after the guard's headroom) fails with
+        ``InsufficientMemory`` naming the numbers, before anything is loaded.
+        """
+        return self._submit("load_model", (path,))
+
+    def open_session(
+        self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
+        rotate: bool | None = None,
+    ) -> int:
+        """Open (or replace) a session with a fixed KV mode.
+
+        ``rotate`` stores q8/q6/q4 rows after a Hadamard rotation (None: the mode's
+        default, ``engine.cache.adapter.rotates_by_default``).
+
+        -> ``SessionOpened`` then ``Finished("done")``, or ``Failed``.
+        """
+        return self._submit("open_session", (session_id, mode, page_size, rotate))
+
+    def chat(
+        self,
+        session_id: str,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        cancel: threading.Event,
+    ) -> int:
+        """Answer the conversation's last user turn, streaming ``TokenChunk`` events.
+
+        Ends with ``Finished`` ("stop", "length", "cancelled", or "memory" when
+        system memory turned critical or free RAM ran out mid-answer; the partial
+        answer stays in the cache) or ``Failed`` (e.g. ``ContextTooLong``, or
+        ``MemoryPressure`` when memory was critical before the answer began).
+        """
+        return self._submit("chat", (session_id, _copy(messages), sampling), cancel)
+
+    def ingest(
+        self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event
+    ) -> int:
+        """Prefill the conversation without answering (e.g. a dropped document)."""
+        return self._submit("ingest", (session_id, _copy(messages)), cancel)
+
+    def check_quality(
+        self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event
+    ) -> int:
+        """Measure the session's KV mode against fp16 on the conversation's last tokens.
+
+        Reads the last ``engine.session.quality_check.WINDOW_TOKENS`` tokens as one window
+        through two fresh caches (the session's own is untouched), with
+        ``QualityProgress`` after every chunk.
+
+        -> ``QualityChecked`` then ``Finished("done")``, ``Finished("cancelled")``,
+        or ``Failed``.
+        """
+        return self._submit("check_quality", (session_id, _copy(messages)), cancel)
+
+    def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
+        """Change the KV budget of all sessions and the prefill chunk, between requests.
+
+        -> ``Finished("done")``, or ``Failed`` for a negative budget or a chunk
+        under one token. Pages already held stay; the new budget limits the pages
+        taken from now on.
+        """
+        return self._submit("configure", (budget_bytes, chunk_size))
+
+    def set_snapshot_budget(self, budget_bytes: int | None) -> int:
+        """Set the stored-KV disk budget (None: the smaller of 20 GB and 10% of free disk).
+
+        -> ``StoredKv`` (after evicting least-recently-used snapshots down to a
+        lower budget), then ``Finished("done")``; ``Failed`` for a negative budget.
+        """
+        return self._submit("snapshot_budget", (budget_bytes,))
+
+    def clear_snapshots(self, session_id: str | None = None) -> int:
+        """Delete one chat's stored KV (None: all of it); -> ``StoredKv``, ``Finished``.
+
+        Runs between requests on the worker thread, so it never races a save.
+        """
+        return self._submit("clear_snapshots", (session_id,))
+
+    def close_session(self, session_id: str, keep: bool = True) -> int:
+        """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
+
+        ``keep``: store its KV first, to reopen it later (False: the chat is deleted).
+        """
+        return self._submit("close_session", (session_id, keep))
+
+    def latest_stats(self) -> StatsSample | None:
+        """The last snapshot taken; never calls MLX."""
+        return self._stats.latest()
+
+    def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
+        """Whether ``token_count`` tokens fit, per mode; pure arithmetic.
+
+        Raises:
+            EngineError: no model is loaded, or the session is unknown.
+        """
+        loaded, prefill, session = self._held.view(session_id)
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        if session_id is not None and session is None:
+            raise EngineError(f"No open session named {session_id!r}; open it first.")
+        if session is not None:
+            return session.fit_report(token_count)
+        # A chat not opened yet: the model's facts and the default page size.
+        facts = facts_from_info(loaded.info)
+        return fit.guarded_fit_report(self.guard, facts, token_count, DEFAULT_PAGE_SIZE,
+                                      prefill=prefill,
+                                      chunk_tokens=min(MIN_CHUNK, self.chunk_size))
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` encodes to with the loaded model's tokenizer.
+
+        Raises:
+            EngineError: no model is loaded.
+        """
+        loaded = self._held.loaded
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Cancel running and queued work and join the thread."""
+        self._stopping.set()
+        current = self._current
+        if current is not None:
+            current.cancel.set()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("engine thread did not stop within %.1f s", timeout)
+
+    # -- worker thread ---------------------------------------------------------
+
+    def _submit(
+        self, name: str, args: tuple[Any, ...], cancel: threading.Event | None = None
+    ) -> int:
+        request_id = next(self._ids)
+        command = Command(request_id, name, args, cancel or threading.Event())
+        if self._stopping.is_set():
+            command.cancel.set()
+        self._queue.put(command)
+        return request_id
+
+    def _emit(self, event: object) -> None:
+        try:
+            self._on_event(event)
+        except Exception:
+            log.exception("on_event raised on %r; the engine carries on", type(event).__name__)
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # MLX no longer cleans a thread's streams up by itself; without this the
+            # process aborts at exit ("terminate called without an active exception").
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        while True:
+            command = self._queue.get()
+            if command is None:
+                break
+            self._current = command
+            if self._stopping.is_set():
+                command.cancel.set()
+            self._execute(command)
+            self._current = None
+        # Requests queued behind the sentinel still get their one ending.
+        while True:
+            try:
+                command = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if command is not None:
+                self._emit(Finished(command.request_id, "cancelled"))
+        self._held.release()
+
+    def _execute(self, command: Command) -> None:
+        try:
+            if command.cancel.is_set() and command.name in _CANCELLABLE:
+                ending: object = Finished(command.request_id, "cancelled")
+            else:
+                ending = self._handlers[command.name](command)
+                if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):
+                    # Announce the result, then end the request like every other.
+                    self._emit(ending)
+                    ending = Finished(command.request_id, "done")
+        except EngineError as error:
+            ending = Failed(command.request_id, str(error), type(error).__name__,
+                            *command.kept())
+        except Exception as error:
+            log.exception("engine request %s failed", command.name)
+            detail = f"{type(error).__name__}: {error}"
+            ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
+                            type(error).__name__, *command.kept())
+        self._emit(ending)
+
+    # -- handlers of the requests that change what the engine holds ------------
+
+    def _load_model(self, command: Command) -> object:
+        (path,) = command.args
+        return ModelLoaded(command.request_id, self._held.load(path))
+
+    def _open_session(self, command: Command) -> object:
+        session_id, mode, page_size, rotate = command.args
+        session = self._held.open(session_id, mode, page_size, rotate,
+                                  chunk_size=self.chunk_size)
+        return SessionOpened(command.request_id, session_id, session.mode, page_size,
+                             session.cache_kind, session.cache_note, session.rotation)
+
+    def _configure(self, command: Command) -> object:
+        budget_bytes, chunk_size = command.args
+        if budget_bytes is not None and budget_bytes < 0:
+            raise EngineError("The KV memory budget cannot be negative.")
+        if chunk_size < 1:
+            raise EngineError("The ingest chunk must be at least 1 token.")
+        self.guard.budget_bytes = budget_bytes
+        self.chunk_size = chunk_size
+        self._held.set_chunk_size(chunk_size)
+        return Finished(command.request_id, "done")
+
+    def _set_snapshot_budget(self, command: Command) -> object:
+        self._snapshots.set_budget(*command.args)
+        return Finished(command.request_id, "done")
+
+    def _clear_snapshots(self, command: Command) -> object:
+        self._snapshots.clear(*command.args)
+        return Finished(command.request_id, "done")
+
+    def _close_session(self, command: Command) -> object:
+        self._held.close(*command.args)
+        return Finished(command.request_id, "done")
+
+
+def _copy(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    # The caller's list may change while the request waits in the queue.
+    return [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -1,0 +1,1 @@
+"""One chat's session: its prompt ids, prefill, sampling, checkpoints and prefix reuse."""

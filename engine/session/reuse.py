@@ -1,0 +1,133 @@
+"""Reuse what another open chat already read: one document is read once (issue 13).
+
+Chats of the same model, KV mode, page size and rotation that start with the same
+token ids (one document dropped into several chats, a chat reopened in the same
+mode or duplicated to branch) would store the same pages for that prefix. A
+session about to read a prompt takes the longest such prefix from another held
+session instead of reading it again, pointing at the same pages
+(``engine.cache.sharing``), under the rules a snapshot reopen follows: paged
+layers can stop at any token; linear-attention and sliding-window layers only
+where the other session holds a checkpoint (``engine.session.checkpoints``) or at its
+full length, their state copied.
+
+Every function here runs MLX and must be called from the engine worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from engine.cache import adapter, sharing
+from engine.cache.paged_cache import PagedKVCache
+from engine.session import checkpoints
+from engine.session.prompt_ids import common_prefix
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A prefix another session can hand over.
+
+    Attributes:
+        donor: the ``engine.session.session.Session`` that holds it.
+        tokens: how many of its first tokens to take.
+        states: the donor's checkpoint at ``tokens`` for its non-paged layers, or
+            None: copy their current state (the donor holds exactly ``tokens``), or
+            the model's layers are all paged.
+    """
+
+    donor: Any
+    tokens: int
+    states: checkpoints.Checkpoint | None = None
+
+
+def _paged(cache: list[Any]) -> list[PagedKVCache]:
+    return [c for c in cache if isinstance(c, PagedKVCache)]
+
+
+def _layout(session: Any) -> tuple:
+    """What must match for two sessions' pages to be interchangeable."""
+    return tuple(
+        (c.layer, getattr(c.rotation, "format_id", None),
+         None if c.store is None else (c.store.layout.kv_heads, c.store.layout.head_dim))
+        for c in _paged(session.cache)
+    )
+
+
+def compatible(session: Any, donor: Any) -> bool:
+    """Whether ``donor``'s pages can serve ``session`` as they are."""
+    return (
+        donor is not session
+        and donor.loaded is session.loaded
+        and (donor.mode, donor.page_size) == (session.mode, session.page_size)
+        and donor.cache_kind == session.cache_kind == "paged"
+        and len(donor.cache) == len(session.cache)
+        and _layout(donor) == _layout(session)
+        and all(c.store is not None for c in _paged(session.cache))
+    )
+
+
+def offer(donor: Any, keep: int) -> Offer | None:
+    """What ``donor`` can hand over of its first ``keep`` tokens (None: nothing)."""
+    if keep <= 0:
+        return None
+    if keep == len(donor.tokens) or not checkpoints.needs_checkpoints(donor.cache):
+        return Offer(donor, keep)
+    # Linear-attention and wrapped window state cannot rewind: stop at the newest
+    # checkpoint the donor took at or before the point where the prompts part.
+    taken = donor.checkpoints.at_most(keep)
+    if taken is None or taken.tokens <= 0:
+        return None
+    return Offer(donor, taken.tokens, taken)
+
+
+def best_offer(
+    session: Any, others: Iterable[Any], prompt: Sequence[int], *, keep_last: bool
+) -> Offer | None:
+    """The longest prefix another session can give ``session``, when it beats what
+    ``session`` holds by at least one page."""
+    most = len(prompt) - 1 if keep_last else len(prompt)
+    held = min(common_prefix(session.tokens, prompt), most)
+    if most - held < session.page_size:
+        return None  # nothing another chat could add is worth a page
+    best: Offer | None = None
+    for donor in others:
+        if not donor.tokens or not compatible(session, donor):
+            continue
+        keep = min(common_prefix(donor.tokens, prompt), most)
+        if keep < held + session.page_size:
+            continue
+        found = offer(donor, keep)
+        if found is not None and found.tokens >= held + session.page_size and (
+            best is None or found.tokens > best.tokens
+        ):
+            best = found
+    return best
+
+
+def adopt(session: Any, found: Offer) -> int:
+    """Make ``session`` hold ``found``'s prefix; returns the tokens it now holds.
+
+    Whatever ``session`` held is dropped first (the offer beats it). The paged
+    layers point at the donor's pages (``engine.cache.sharing``): no page is copied
+    until one of the two writes into a shared one.
+    """
+    donor, tokens = found.donor, found.tokens
+    session.reset()
+    if not sharing.can_share(session.cache, donor.cache):
+        return 0
+    sharing.share_pages(session.cache, donor.cache, tokens)
+    if checkpoints.needs_checkpoints(donor.cache):
+        # Its layers hold exactly ``tokens`` when no checkpoint was needed.
+        states = found.states or checkpoints.take(donor.cache, tokens, boundary=True)
+        for index, state in states.states:
+            session.cache[index].state = checkpoints.copy_state(state)
+        for kept in [*donor.checkpoints.kept, states]:
+            if kept.tokens <= tokens:
+                session.checkpoints.add(kept)  # frozen, and copied again on every use
+    session.tokens = [int(t) for t in donor.tokens[:tokens]]
+    mx.eval(adapter.eval_targets(session.cache))
+    return tokens

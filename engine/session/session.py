@@ -1,0 +1,442 @@
+"""A chat session: one model, a fixed KV mode, a paged cache and the ids it holds.
+
+Each turn renders the whole conversation with the chat template, keeps the
+longest prefix of token ids the cache already holds, trims the rest and ingests
+only what is new, so a long conversation is never prefilled twice. Every method
+here runs MLX and must be called from the engine worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from engine.cache import adapter, kvquant, other_layers, sharing
+from engine.cache.paged_cache import PagedKVCache
+from engine.errors import (
+    Cancelled,
+    ContextTooLong,
+    EngineError,
+)
+from engine.events import GenerationStats
+from engine.memory import fit
+from engine.memory.guard import MemoryGuard, PressureWatch
+from engine.models.probe import make_session_cache
+from engine.session import checkpoints
+from engine.session.prefill import MIN_CHUNK, ChunkedPrefill, Emit, activation_value_bytes
+from engine.session.prompt_ids import (
+    common_prefix,
+    end_of_turn_ids,
+    message_boundaries,
+    render_conversation,
+)
+from engine.session.sampling import AnswerStream, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK = 512
+DEFAULT_PAGE_SIZE = 256
+
+
+class Session(ChunkedPrefill):
+    """A model plus a paged KV cache in one fixed mode, and the ids the cache holds.
+
+    Args:
+        session_id: the app's name for the conversation.
+        loaded: an ``engine.models.loader.LoadedModel`` (model, tokenizer, info).
+        mode: KV mode name or alias; fixed for the session's life.
+        page_size: tokens per page.
+        budget_bytes: byte budget of the session's page pool, or None; ignored
+            when ``guard`` is given (the guard's one budget applies).
+        chunk_size: tokens per prefill chunk (the most; see ``chunk_seconds``).
+        chunk_seconds: when set, a chunk that took longer shrinks the next ones
+            (down to ``MIN_CHUNK``) so progress and stats keep flowing on slow
+            machines; the first chunk is ``MIN_CHUNK`` and each later prefill
+            starts from the size the last one settled on. None keeps every chunk
+            at ``chunk_size`` (reproducible chunk boundaries, for benchmarks and
+            parity checks).
+        guard: the memory guard whose one KV budget and RAM headroom every
+            session's pages share; None makes a guard for this session alone.
+        scratch_bytes: the prefill attention's scratch per chunk, counted with
+            the weights, pages and activations in every memory estimate; None
+            takes the page pool's own budget (``fit.PREFILL_SCRATCH_BYTES``).
+        rotate: store q8/q6/q4 rows after a Hadamard rotation; None takes the
+            mode's default (``engine.cache.adapter.rotates_by_default``).
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        loaded: Any,
+        mode: str,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        *,
+        budget_bytes: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+        chunk_seconds: float | None = None,
+        guard: MemoryGuard | None = None,
+        scratch_bytes: int | None = None,
+        rotate: bool | None = None,
+    ) -> None:
+        if page_size < 1 or chunk_size < 1:
+            raise EngineError("Page size and chunk size must be at least 1 token.")
+        self.session_id = session_id
+        self.loaded = loaded
+        self.rotate = rotate
+        self.model = loaded.model
+        # Which cache the probe chose ("paged", or mlx-lm's own) and why.
+        self.cache_kind = "paged"
+        self.cache_note = ""
+        # The model's facts; its folder fingerprints the session's KV snapshots.
+        self.info = loaded.info
+        self.tokenizer = loaded.tokenizer
+        max_context = int(fit.first_fact(loaded.info, ("max_context", "context_length")))
+        self.mode = kvquant.normalize_mode(mode)
+        self.page_size = page_size
+        self.guard = guard if guard is not None else MemoryGuard(budget_bytes=budget_bytes)
+        self.chunk_size = chunk_size
+        self.chunk_seconds = chunk_seconds
+        # Paced prefill probes with a small chunk: a full one can take many
+        # seconds on a slow machine, with no progress, stats or Stop meanwhile.
+        self._paced_chunk = chunk_size if chunk_seconds is None else min(MIN_CHUNK, chunk_size)
+        self.clock: Callable[[], float] = time.perf_counter
+        self.end_ids = end_of_turn_ids(self.tokenizer)
+        self.checkpoints = checkpoints.CheckpointStore()
+        self._tokens: list[int] = []
+        # Counters the tests and benchmarks read: what was actually computed.
+        self.tokens_ingested = 0
+        # Why the last request stopped for memory, for logs (None: it did not).
+        self.memory_stop: str | None = None
+        # (tokens kept, tokens of the conversation) when the last request's prefill
+        # stopped short (cancel, memory, a failed chunk); None when it did not.
+        self.prefill_stop: tuple[int, int] | None = None
+        self._scratch_bytes = scratch_bytes
+        # Asked of MLX here, on the engine thread: fit checks read it from the GUI thread.
+        self._value_bytes = activation_value_bytes()
+        self.prefill_facts = fit.prefill_facts(
+            self.model, self._value_bytes,
+            fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes, page_size)
+        self._new_cache()
+        # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
+        self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
+        self.facts = (fit.facts_from_cache(self.cache, max_context)
+                      or fit.facts_from_info(loaded.info))
+        # KV bytes one more token takes over every paged layer (pages come whole,
+        # but per token is what sizes a chunk).
+        self.kv_token_bytes = -(-kvquant.project_kv_bytes(
+            self.facts.attention_layers, self.facts.kv_heads, self.facts.head_dim,
+            page_size, self.mode) // page_size)
+        self.guard.refresh(self.session_id)  # with the windows' bound, known now
+
+    # -- cache bookkeeping -------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids the cache holds, in order (extended in place as tokens are fed)."""
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, ids: list[int]) -> None:
+        # Whoever replaces the ids (a snapshot reopen) replaced the cache's state
+        # too: checkpoints past the prefix both share no longer describe it.
+        self.checkpoints.drop_after(common_prefix(self._tokens, ids))
+        self._tokens = ids
+
+    def _new_cache(self) -> None:
+        # The load-time probe decides: the paged cache where it gives mlx-lm's
+        # numbers, mlx-lm's own cache (with the reason) where it does not.
+        chosen = make_session_cache(self.loaded, self.mode, self.page_size, rotate=self.rotate)
+        self.cache, self.cache_kind, self.cache_note = chosen.cache, chosen.kind, chosen.note
+        self._attach_pool()
+
+    @property
+    def rotation(self) -> str | None:
+        """The format id of the rotation the cache stores rows in (None: as given)."""
+        return adapter.rotation_format(self.cache)
+
+    def _pool(self) -> Any | None:
+        return next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)
+
+    def _attach_pool(self) -> None:
+        pool = self._pool()
+        budget = getattr(pool, "scratch_bytes", None)
+        if self._scratch_bytes is None and isinstance(budget, int):
+            # The attention bounds a chunk's scratch by its pool's budget: count that one.
+            self.prefill_facts = replace(self.prefill_facts, scratch_bytes=budget)
+        if pool is not None:
+            # The guard sets and keeps updating the pool's limit: its share of
+            # the one KV budget, bounded by free RAM less a prefill chunk's needs.
+            self.guard.attach(self.session_id, pool,
+                              self.prefill_facts.transient_bytes(self.smallest_chunk),
+                              lambda: self.other_layers().bound_bytes)
+
+    def reset(self) -> None:
+        """Drop every held token and page."""
+        sharing.release_pages(self.cache)  # pages shared with other chats stay theirs
+        self.cache = []
+        self._new_cache()
+        self.tokens = []
+        self.checkpoints.clear()
+        # The old pages went to MLX's buffer cache: hand them back to the system.
+        mx.clear_cache()
+
+    def close(self) -> None:
+        """Release the cache's pages."""
+        pool = self._pool()
+        if pool is not None:
+            self.guard.detach(self.session_id, pool)
+        sharing.release_pages(self.cache)
+        self.cache = []
+        self.tokens = []
+        self.checkpoints.clear()
+
+    def trim_to(self, length: int) -> None:
+        """Keep at most the first ``length`` held tokens.
+
+        Paged layers trim exactly. Linear-attention and wrapped sliding-window
+        layers go back to the newest checkpoint at or before ``length``, so fewer
+        tokens may stay held; the caller feeds the rest again.
+        """
+        if len(self.tokens) > length:
+            self._rewind(length)
+
+    def rollback(self) -> None:
+        """Bring every layer back to the tokens held, after a step that failed midway.
+
+        A failed forward pass may have left some layers a chunk ahead (or behind).
+        """
+        offsets = [o for o in (getattr(c, "offset", None) for c in self.cache)
+                   if isinstance(o, int)]
+        self._rewind(min([len(self.tokens), *offsets]))
+
+    def _rewind(self, length: int) -> None:
+        kept = checkpoints.rewind(self.cache, length, self.checkpoints)
+        if kept is None:
+            # No checkpoint reaches back that far: start over rather than hold
+            # state that disagrees with the ids.
+            log.info("cache of %s cannot go back to %d tokens; rebuilding",
+                     self.session_id, length)
+            self.reset()
+            return
+        del self.tokens[kept:]
+
+    def _checkpoint(self, *, boundary: bool) -> None:
+        if self._needs_checkpoints:
+            self.checkpoints.add(checkpoints.take(self.cache, len(self.tokens),
+                                                  boundary=boundary))
+
+    def other_layers(self) -> other_layers.OtherLayers:
+        """What the layers outside the pages may hold (sliding windows, linear attention)."""
+        facts = getattr(self, "facts", None)
+        if facts is None:  # the first cache is being made: it holds nothing yet
+            return other_layers.OtherLayers()
+        return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
+                                         self._value_bytes, self.chunk_size)
+
+    def stats(self) -> Any:
+        """The adapter's ``CacheStats`` (no MLX evaluation)."""
+        return adapter.cache_stats(self.cache)
+
+    # -- templates ---------------------------------------------------------
+
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
+        """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
+        return render_conversation(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt
+        )
+
+    def _boundaries(self, messages: list[dict[str, str]], prompt: list[int],
+                    kept: int) -> list[int]:
+        """Where earlier messages end in ``prompt``'s part still to feed.
+
+        Prefill cuts its chunks there and checkpoints them, so an edit of a later
+        message goes back no further. Only models that need checkpoints pay for
+        the extra renders.
+        """
+        if not self._needs_checkpoints:
+            return []
+        return message_boundaries(self.tokenizer, messages, prompt, after=kept,
+                                  most=checkpoints.MAX_BOUNDARIES - 1)
+
+    # -- limits ------------------------------------------------------------
+
+    def fit_report(self, token_count: int) -> fit.FitReport:
+        """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
+        held = self.stats() if self.cache else None
+        return fit.guarded_fit_report(
+            self.guard, self.facts, token_count, self.page_size, session_id=self.session_id,
+            session_mode=self.mode,
+            session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
+            prefill=self.prefill_facts, chunk_tokens=self.smallest_chunk,
+        )
+
+    @property
+    def smallest_chunk(self) -> int:
+        """The chunk every memory limit reserves room for.
+
+        Prefill shrinks its chunks (down to one token) when free RAM holds no
+        larger one; below this size it spends more on overhead than on tokens.
+        """
+        return min(MIN_CHUNK, self.chunk_size)
+
+    def prefill_peak_bytes(self) -> int:
+        """The peak the next prefill chunk is expected to reach (no MLX evaluation).
+
+        Weights, the pages held plus the chunk's, the checkpoints, the chunk's
+        attention scratch and its activations, for the chunk the next prefill
+        starts with.
+        """
+        held = int(self.stats().bytes_allocated) if self.cache else 0
+        held += self.checkpoints.nbytes
+        chunk = self._paced_chunk
+        return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk,
+                                             len(self.tokens) + chunk)
+
+    def room_for(self, token_count: int) -> int:
+        """Tokens that may follow ``token_count`` tokens; raises if those don't fit.
+
+        Raises:
+            ContextTooLong: the tokens exceed the context, the budget or free RAM.
+        """
+        report = self.fit_report(token_count)
+        report.raise_if_too_long()
+        return report.for_mode(self.mode).tokens_fit - token_count
+
+    # -- prefill -----------------------------------------------------------
+
+    def sync(self, prompt: list[int], *, keep_last: bool) -> int:
+        """Trim the cache to its longest prefix of ``prompt``; returns tokens kept.
+
+        With ``keep_last`` at least one prompt token stays unfed, because the
+        first generated token needs the logits of the prompt's last position.
+        A model with layers that cannot trim may keep fewer (back to its newest
+        checkpoint); the caller feeds ``prompt`` from the returned count.
+        """
+        keep = common_prefix(self.tokens, prompt)
+        if keep_last:
+            keep = min(keep, len(prompt) - 1)
+        self.trim_to(keep)
+        return len(self.tokens)
+
+    def ingest(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+    ) -> GenerationStats:
+        """Prefill the conversation without generating (e.g. a dropped document).
+
+        Raises:
+            ContextTooLong: the conversation does not fit.
+            Cancelled: cancelled between chunks; the chunks done stay held and the
+                next request continues from them (``prefill_stop`` says how many).
+            MemoryPressure: memory was (or turned) critical; the chunks done stay.
+        """
+        self.memory_stop = None
+        self.prefill_stop = None
+        self.guard.check_pressure("reading the conversation in")
+        prompt = self.render(messages, add_generation_prompt=False)
+        self.guard.refresh(self.session_id)
+        self.room_for(len(prompt))
+        kept = self.sync(prompt, keep_last=False)
+        watch = self.guard.watch(self.session_id, cancel)
+        seconds = self._guarded_prefill(
+            prompt[kept:], self._boundaries(messages, prompt, kept), request_id, watch,
+            emit, tick, total=len(prompt),
+        )
+        fed = len(prompt) - kept
+        return GenerationStats(len(prompt), 0, None, fed / seconds if seconds else 0.0, 0.0,
+                               prefill_tokens=fed)
+
+    # -- generation --------------------------------------------------------
+
+    def _memory_reason(self, reason: str, watch: PressureWatch, cut_short: bool) -> str:
+        """Tell an answer stopped for memory apart from a user's cancel or a length limit."""
+        if reason == "cancelled" and watch.tripped is not None and not watch.cancel.is_set():
+            self.memory_stop = watch.tripped
+            return "memory"
+        if reason == "length" and cut_short and self.guard.ram_bound(self.session_id):
+            # The pool refused a page because free RAM (not the budget) ran out.
+            self.memory_stop = "free RAM reached the safety headroom"
+            return "memory"
+        return reason
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+    ) -> tuple[str, GenerationStats]:
+        """Answer the conversation's last turn, streaming ``TokenChunk`` events.
+
+        Returns:
+            The finish reason ("stop", "length", "cancelled", or "memory" when
+            system memory turned critical or free RAM ran out mid-answer) and the
+            timings.
+
+        Raises:
+            ContextTooLong: the conversation (plus one answer token) does not fit.
+            MemoryPressure: memory was critical before the answer could start.
+        """
+        started = time.perf_counter()
+        self.memory_stop = None
+        self.prefill_stop = None
+        self.guard.check_pressure("the answer")
+        prompt = self.render(messages, add_generation_prompt=True)
+        if not prompt:
+            raise EngineError("Nothing to answer: the conversation is empty.")
+        self.guard.refresh(self.session_id)
+        room = self.room_for(len(prompt))
+        if room < 1:
+            raise ContextTooLong(self.fit_report(len(prompt) + 1).message())
+        kept = self.sync(prompt, keep_last=True)
+        watch = self.guard.watch(self.session_id, cancel)
+        try:
+            prefill_seconds = self._guarded_prefill(
+                prompt[kept:-1], self._boundaries(messages, prompt, kept), request_id,
+                watch, emit, tick, total=len(prompt),
+            )
+        except Cancelled:
+            return "cancelled", GenerationStats(len(prompt), 0, None, 0.0, 0.0)
+        max_tokens = min(sampling.max_tokens, room)
+        generation = AnswerStream(
+            self.model, self.cache, self.tokenizer, self.end_ids, self.tokens,
+            sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
+        )
+        try:
+            reason = generation.run(prompt, max_tokens)
+        except Exception:
+            # A failed step may leave layers at different lengths.
+            self.rollback()
+            raise
+        reason = self._memory_reason(reason, watch, len(generation.generated) < max_tokens)
+        fed = len(prompt) - kept
+        first_step = generation.first_token_at - generation.started
+        prefill_total = prefill_seconds + first_step
+        decode_seconds = generation.last_token_at - generation.first_token_at
+        return reason, GenerationStats(
+            prompt_tokens=len(prompt),
+            generated_tokens=len(generation.generated),
+            time_to_first_token=(
+                generation.first_token_at - started if generation.generated else None
+            ),
+            prefill_tps=fed / prefill_total if prefill_total > 0 else 0.0,
+            decode_tps=(
+                (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
+            ),
+            prefill_tokens=fed,
+        )
+

@@ -1,0 +1,173 @@
+"""FitReport arithmetic: context, page budget and RAM limits per KV mode."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load
+
+from engine.cache import kvquant
+from engine.errors import ContextTooLong
+from engine.memory.fit import MODES, PREFILL_SCRATCH_BYTES, PrefillFacts, fit_report, prefill_facts
+from engine.session.session import Session
+from tests.engine.tinymodels import make_tiny_model_dir
+
+GIB = 2**30
+MIB = 2**20
+# A 16-layer, 4-KV-head, head_dim 256 model at 256 tokens per page.
+MODEL = {"attention_layers": 16, "kv_heads": 4, "head_dim": 256, "page_size": 256}
+
+
+def _report(**kwargs):
+    args = {"max_context": 262_144, "available_bytes": 64 * GIB, **MODEL, **kwargs}
+    return fit_report(**args)
+
+
+def test_bytes_needed_follow_kvquant_rounded_to_pages() -> None:
+    report = _report(token_count=1000)
+    for mode in MODES:
+        expected = kvquant.project_kv_bytes(16, 4, 256, 1024, mode)  # 4 whole pages
+        assert report.for_mode(mode).bytes_needed == expected
+    assert report.for_mode("q8").bytes_needed == 16 * 4 * 1024 * 516
+
+
+def test_everything_fits_when_small() -> None:
+    report = _report(token_count=4096, session_mode="q6")
+    assert report.fits and report.suggested_mode == "fp16"
+    report.raise_if_too_long()
+
+
+def test_full_context_in_ram_suggests_the_best_mode_that_fits() -> None:
+    # fp16 at 262k needs 16 GiB, q8 ~8.06 GiB, q6 ~6.06 GiB, q4 ~4.06 GiB.
+    report = _report(token_count=262_144, available_bytes=7 * GIB, session_mode="fp16")
+    assert [report.for_mode(m).fits for m in MODES] == [False, False, True, True]
+    assert not report.fits and report.suggested_mode == "q6"
+    fp16 = report.for_mode("fp16")
+    assert fp16.tokens_fit_ram == 7 * GIB // kvquant.project_kv_bytes(16, 4, 256, 256, "fp16") * 256
+    with pytest.raises(ContextTooLong, match="q6") as error:
+        report.raise_if_too_long()
+    assert "262,144" in str(error.value) and f"{fp16.tokens_fit:,}" in str(error.value)
+
+
+def test_headroom_and_held_bytes_shift_the_ram_limit() -> None:
+    held = kvquant.project_kv_bytes(16, 4, 256, 256, "q8")
+    base = _report(token_count=10, available_bytes=GIB, session_mode="q8")
+    less = _report(token_count=10, available_bytes=GIB, headroom_bytes=GIB // 2, session_mode="q8")
+    more = _report(token_count=10, available_bytes=GIB, session_mode="q8",
+                   session_bytes_allocated=held)
+    q8 = [r.for_mode("q8").tokens_fit_ram for r in (base, less, more)]
+    assert q8[1] < q8[0] < q8[2] and q8[2] - q8[0] == 256
+
+
+def test_context_limit_cannot_be_fixed_by_a_mode() -> None:
+    report = _report(token_count=9000, max_context=8192, session_mode="q4")
+    assert not report.fits and report.suggested_mode is None
+    assert all(m.tokens_fit == 8192 for m in report.modes)
+    message = report.message()
+    assert "9,000" in message and "8,192" in message and "shorten" in message
+
+
+def test_page_budget_limits_tokens() -> None:
+    budget = kvquant.project_kv_bytes(16, 4, 256, 256 * 10, "q4")  # ten q4 pages
+    report = _report(token_count=2000, budget_bytes=budget, session_mode="q8")
+    assert report.for_mode("q4").tokens_fit == 2560 and report.for_mode("q4").fits
+    assert not report.for_mode("q8").fits_budget
+    assert report.suggested_mode == "q4"
+    assert "budget" in report.message() and "q4" in report.message()
+
+
+def test_q6_unsupported_head_dim_is_reported_not_raised() -> None:
+    report = _report(token_count=100, head_dim=66)
+    assert not report.for_mode("q6").supported and not report.for_mode("q6").fits
+    assert report.for_mode("q8").fits
+
+
+def test_aliases_are_accepted() -> None:
+    report = _report(token_count=10, session_mode="8bit")
+    assert report.session_mode == "q8" and report.for_mode("int4").mode == "q4"
+
+
+# -- the prefill peak ----------------------------------------------------------------
+
+PREFILL = PrefillFacts(weights_bytes=14 * GIB, activation_bytes_per_token=160 * 1024,
+                       scratch_bytes=256 * MIB)
+
+
+def test_prefill_peak_is_weights_kv_scratch_and_one_chunks_activations() -> None:
+    report = _report(token_count=131_072, prefill=PREFILL, chunk_tokens=512, session_mode="q6")
+    transient = 256 * MIB + 512 * 160 * 1024
+    assert report.transient_bytes == transient
+    for mode in MODES:
+        entry = report.for_mode(mode)
+        assert entry.prefill_peak_bytes == 14 * GIB + entry.bytes_needed + transient
+    assert report.prefill_peak_bytes == report.for_mode("q6").prefill_peak_bytes
+    pages_only = _report(token_count=131_072, session_mode="q6")
+    assert pages_only.prefill_peak_bytes == 0 and pages_only.transient_bytes == 0
+
+
+def test_the_prefill_transient_must_fit_free_ram_beside_the_pages() -> None:
+    # q6 at 262k needs ~6.06 GiB of pages: 6.3 GiB free holds them, but not once one
+    # prefill chunk needs 512 MiB (256 MiB scratch, 256 tokens of 1 MiB) beside them.
+    available = int(6.3 * GIB)
+    assert _report(token_count=262_144, available_bytes=available, session_mode="q6").fits
+    chunk = PrefillFacts(weights_bytes=0, activation_bytes_per_token=MIB, scratch_bytes=256 * MIB)
+    report = _report(token_count=262_144, available_bytes=available, session_mode="q6",
+                     prefill=chunk, chunk_tokens=256)
+    assert not report.fits and report.suggested_mode == "q4"
+    page = kvquant.project_kv_bytes(16, 4, 256, 256, "q6")
+    assert report.for_mode("q6").tokens_fit_ram == (available - 512 * MIB) // page * 256
+    assert "after the safety headroom and 512.0 MiB for reading it in" in report.message()
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SimpleNamespace]:
+    # Wide enough that the MLP's activations, not per-call overhead, dominate a chunk.
+    folder = make_tiny_model_dir(tmp_path_factory.mktemp("fit-models"), "llama",
+                                 hidden_size=256, intermediate_size=1024)
+    model, tokenizer = load(str(folder))
+    return folder, SimpleNamespace(model=model, tokenizer=tokenizer,
+                                   info=SimpleNamespace(max_context=4096))
+
+
+def test_prefill_facts_count_every_weight_and_the_compute_width(wide_llama) -> None:
+    folder, loaded = wide_llama
+    facts = prefill_facts(loaded.model, compute_bytes=4)
+    stored = (folder / "model.safetensors").stat().st_size  # float32 weights plus a header
+    assert 0 < stored - facts.weights_bytes < 64 * 1024
+    assert facts.weights_bytes == sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+    assert prefill_facts(loaded.model, compute_bytes=2).activation_bytes_per_token * 2 == \
+        facts.activation_bytes_per_token
+
+
+def test_a_real_chunk_stays_within_the_predicted_transient(wide_llama) -> None:
+    _, loaded = wide_llama
+    chunk = 256
+    session = Session("s", loaded, "fp16", chunk_size=chunk)
+    # The attention's own block arithmetic: a first chunk's block is the chunk itself,
+    # far under the 256 MiB budget at this size.
+    scratch = session.prefill_facts.scratch_for(chunk, context=chunk)
+    assert scratch < session.prefill_facts.scratch_for(chunk) < PREFILL_SCRATCH_BYTES
+    ids = [(7 * i) % 300 + 3 for i in range(chunk)]
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    session.prefill(ids, request_id=0, cancel=threading.Event(), emit=lambda e: None,
+                    tick=lambda: None)
+    measured = mx.get_peak_memory() - before
+    pages = session.stats().bytes_allocated  # whole slabs, as allocated
+    predicted = scratch + chunk * session.prefill_facts.activation_bytes_per_token + pages
+    # An upper bound, and not a wild one.
+    assert measured <= predicted <= 3 * measured
+
+
+def test_a_session_counts_the_scratch_budget_its_attention_keeps(wide_llama) -> None:
+    _, loaded = wide_llama
+    session = Session("s", loaded, "q8")
+    pool = next(layer.pool for layer in session.cache if hasattr(layer, "pool"))
+    assert session.prefill_facts.scratch_bytes == pool.scratch_bytes == PREFILL_SCRATCH_BYTES
+    assert Session("e", loaded, "q8", scratch_bytes=MIB).prefill_facts.scratch_bytes == MIB

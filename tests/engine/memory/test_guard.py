@@ -1,0 +1,601 @@
+"""The memory guard: one KV budget for every session, RAM headroom, pressure stops and
+model-load refusals, all driven by a fake memory probe (no real memory pressure)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from mlx_lm.utils import load
+
+from engine.cache import adapter
+from engine.cache.pages import PagePool
+from engine.errors import ContextTooLong, InsufficientMemory, KvBudgetExceeded, MemoryPressure
+from engine.events import (
+    Failed,
+    Finished,
+    IngestProgress,
+    ModelLoaded,
+    SessionOpened,
+    StatsSample,
+    TokenChunk,
+)
+from engine.memory.guard import (
+    GIB,
+    MIB,
+    MemoryGuard,
+    MemoryReading,
+    default_floor,
+    default_headroom,
+    human_bytes,
+    system_memory,
+)
+from engine.models.loader import estimate_load_bytes
+from engine.runtime.worker import EngineWorker
+from engine.session.sampling import SamplingParams
+from engine.session.session import Session
+from tests.engine.tinymodels import make_tiny_model_dir
+
+QUESTION = "What is the capital of France? The quick brown fox jumps over the lazy dog."
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+# Tiny llama: 2 layers x 2 KV heads x head_dim 32; an fp16 16-token page of both
+# layers takes 2 * 16 * 2 * 128 = 8 KiB.
+PAGE = 8192
+
+
+class FakeMemory:
+    """A memory probe tests steer: total, available and macOS pressure level."""
+
+    def __init__(self, available: int = 16 * GIB, total: int = 32 * GIB) -> None:
+        self.total = total
+        self.available = available
+        self.pressure: str | None = None
+        self.reads = 0
+
+    def __call__(self) -> MemoryReading:
+        self.reads += 1
+        return MemoryReading(self.total, self.available, self.pressure)
+
+
+def _guard(memory: FakeMemory, **kwargs: Any) -> MemoryGuard:
+    args = {"headroom_bytes": 0, "floor_bytes": 0, "check_interval": 0.0, **kwargs}
+    return MemoryGuard(probe=memory, **args)
+
+
+def _pool() -> PagePool:
+    pool = PagePool("fp16", 16)
+    for _ in range(2):
+        pool.add_store(2, 32)  # the tiny llama's layers: PAGE bytes per page
+    return pool
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    folder = make_tiny_model_dir(tmp_path_factory.mktemp("guard-models"), "llama")
+    model, tokenizer = load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    info = SimpleNamespace(max_context=config["max_position_embeddings"])
+    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
+
+
+class Recorder:
+    """Collects events and runs ``on_event(event, count)`` hooks to change memory."""
+
+    def __init__(self, hook=None) -> None:
+        self.events: list[Any] = []
+        self.cancel = threading.Event()
+        self.hook = hook
+
+    def __call__(self, event: object) -> None:
+        self.events.append(event)
+        if self.hook:
+            self.hook(event, self)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _chat(session: Session, messages, recorder: Recorder, sampling=GREEDY, tick=None):
+    return session.chat(messages, sampling, request_id=1, cancel=recorder.cancel,
+                        emit=recorder, tick=tick or (lambda: None))
+
+
+def _ingest(session: Session, messages, recorder: Recorder):
+    return session.ingest(messages, request_id=1, cancel=recorder.cancel, emit=recorder,
+                          tick=lambda: None)
+
+
+# -- the arithmetic ------------------------------------------------------------
+
+
+def test_default_headroom_and_floor() -> None:
+    assert default_headroom(8 * GIB) == 2 * GIB  # small machines keep 2 GiB
+    assert default_headroom(64 * GIB) == int(64 * GIB * 0.15)
+    assert default_floor(8 * GIB) == 512 * MIB
+    assert default_floor(64 * GIB) == int(64 * GIB * 0.05)
+    memory = FakeMemory(available=3 * GIB, total=8 * GIB)
+    guard = MemoryGuard(probe=memory)
+    assert guard.free_bytes() == 1 * GIB
+    assert guard.floor(memory()) < guard.headroom(memory())
+    memory.available = GIB
+    assert guard.free_bytes() == 0
+
+
+def test_system_probe_reads_this_machine() -> None:
+    reading = system_memory()
+    assert 0 < reading.available_bytes <= reading.total_bytes
+    assert reading.pressure_level in (None, "normal", "warning", "critical")
+    guard = MemoryGuard()  # the defaults every worker gets
+    assert guard.headroom(reading) == default_headroom(reading.total_bytes) >= 2 * GIB
+    assert guard.free_bytes(reading) == max(0, reading.available_bytes - guard.headroom(reading))
+
+
+def test_critical_pressure_from_floor_or_macos_level() -> None:
+    memory = FakeMemory(available=600 * MIB, total=8 * GIB)
+    guard = MemoryGuard(probe=memory)
+    assert guard.critical() is None
+    memory.pressure = "warning"
+    assert guard.critical() is None  # warning is normal life on macOS
+    memory.pressure = "critical"
+    assert guard.critical() == "macOS reports critical memory pressure (600.0 MiB available)"
+    memory.pressure = None
+    memory.available = 400 * MIB
+    assert guard.critical() == ("system memory is critically low (400.0 MiB available of "
+                                "8.00 GiB, below the 512.0 MiB safety floor)")
+    with pytest.raises(MemoryPressure, match=r"did not start the answer: system memory is "
+                                             r"critically low .*Close other apps"):
+        guard.check_pressure("the answer")
+
+
+def test_poll_probes_at_most_once_per_interval() -> None:
+    memory = FakeMemory()
+    now = [0.0]
+    guard = MemoryGuard(probe=memory, check_interval=0.5, clock=lambda: now[0])
+    assert guard.poll(None) is None and memory.reads == 1
+    now[0] = 0.4
+    guard.poll(None)
+    assert memory.reads == 1
+    now[0] = 0.9
+    guard.poll(None)
+    assert memory.reads == 2
+
+
+# -- one budget for every session's pages ---------------------------------------
+
+
+def test_all_pools_together_stay_within_one_budget() -> None:
+    guard = _guard(FakeMemory(), budget_bytes=10 * PAGE)
+    first, second = _pool(), _pool()
+    guard.attach("a", first)
+    guard.attach("b", second)
+    first.ensure(16 * 6)  # six pages
+    assert first.bytes_allocated == 6 * PAGE
+    guard.refresh("b")
+    assert guard.kv_share("b") == 4 * PAGE and second.budget_bytes == 4 * PAGE
+    with pytest.raises(KvBudgetExceeded, match="holds 64 tokens"):
+        second.ensure(16 * 5)
+    second.ensure(16 * 4)
+    assert first.bytes_allocated + second.bytes_allocated <= 10 * PAGE
+    assert guard.held_bytes() == 10 * PAGE and not guard.ram_bound("b")
+    # Closing a session gives its share back to the others.
+    guard.detach("a", first)
+    guard.refresh("b")
+    assert second.budget_bytes == 10 * PAGE
+    second.ensure(16 * 10)
+
+
+def test_detach_ignores_a_replaced_pool() -> None:
+    guard = _guard(FakeMemory(), budget_bytes=10 * PAGE)
+    old, new = _pool(), _pool()
+    guard.attach("s", old)
+    guard.attach("s", new)  # the session was reopened under the same id
+    guard.detach("s", old)
+    new.ensure(16)
+    assert guard.held_bytes() == new.bytes_allocated > 0
+
+
+def test_free_ram_bounds_pools_without_a_budget() -> None:
+    memory = FakeMemory(available=3 * PAGE)
+    guard = _guard(memory)
+    pool = _pool()
+    guard.attach("s", pool)
+    assert pool.budget_bytes == 3 * PAGE and guard.ram_bound("s")
+    pool.ensure(16 * 3)
+    memory.available = 0  # the pages took what was free
+    guard.refresh("s")
+    assert pool.budget_bytes == 3 * PAGE  # what it holds stays usable
+    with pytest.raises(KvBudgetExceeded):
+        pool.ensure(16 * 4)
+
+
+
+def test_pages_leave_free_ram_for_the_prefill_transient() -> None:
+    memory = FakeMemory(available=8 * PAGE)
+    guard = _guard(memory)
+    pool = _pool()
+    guard.attach("s", pool, transient_bytes=5 * PAGE)
+    assert pool.budget_bytes == 3 * PAGE
+    memory.available = 4 * PAGE  # less than the transient: no new page, none taken back
+    guard.refresh("s")
+    assert pool.budget_bytes == pool.bytes_allocated == 0
+
+
+def test_chunk_room_is_what_free_ram_holds_beside_the_scratch() -> None:
+    memory = FakeMemory(available=10 * MIB)
+    guard = _guard(memory, headroom_bytes=2 * MIB)
+    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=4 * MIB) == 64
+    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=8 * MIB) == 0
+    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=9 * MIB) == 0
+
+
+def test_prefill_chunks_shrink_to_what_free_ram_holds(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory)
+    session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=200,
+                      scratch_bytes=MIB)
+    facts = session.prefill_facts
+    # Free RAM for the scratch and 100 tokens of activations and pages, no more.
+    memory.available = facts.scratch_bytes + 100 * (facts.activation_bytes_per_token
+                                                    + session.kv_token_bytes)
+    recorder = Recorder()
+    _ingest(session, _user(QUESTION * 8), recorder)
+    done = [e.tokens_done for e in recorder.of(IngestProgress)]
+    steps = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert steps[:-1] == [100] * (len(steps) - 1) and 0 < steps[-1] <= 100
+    assert done[-1] == len(session.tokens) > 200
+
+
+# -- model loads ---------------------------------------------------------------
+
+
+def test_model_load_refusal_names_needed_free_and_a_fitting_size() -> None:
+    memory = FakeMemory(available=5 * GIB, total=16 * GIB)
+    guard = MemoryGuard(probe=memory)  # default headroom: 2.4 GiB on 16 GiB
+    assert guard.check_load(2 * GIB, name="small") is False
+    assert guard.check_load(3 * GIB, name="swap", releasable_bytes=GIB) is True
+    with pytest.raises(InsufficientMemory) as error:
+        guard.check_load(8 * GIB, name="Big-8B", quantized=False)
+    message = str(error.value)
+    assert message.startswith("Loading Big-8B needs about 8.00 GiB of memory, but only "
+                              "2.60 GiB is free for it (5.00 GiB available, 2.40 GiB kept free")
+    assert "A 4-bit version of this model (about 2.50 GiB) would fit" in message
+    assert error.value.needed_bytes == 8 * GIB
+    assert error.value.free_bytes == 5 * GIB - int(16 * GIB * 0.15)
+    with pytest.raises(InsufficientMemory, match="choose a smaller model"):
+        guard.check_load(30 * GIB, name="Huge", quantized=False)
+
+
+def test_load_estimate_comes_from_safetensors_headers(tmp_path: Path) -> None:
+    folder = make_tiny_model_dir(tmp_path, "llama", dtype="float16")
+    needed, quantized = estimate_load_bytes(folder)
+    data = (folder / "model.safetensors").stat().st_size
+    header = int.from_bytes((folder / "model.safetensors").read_bytes()[:8], "little")
+    # CPU backend: float16 weights are computed in float32, twice their file size.
+    assert needed == 2 * (data - 8 - header) and not quantized
+
+
+# -- sessions ------------------------------------------------------------------
+
+
+def test_second_session_gets_what_the_first_leaves_of_the_budget(llama) -> None:
+    guard = _guard(FakeMemory(), budget_bytes=12 * PAGE)
+    first = Session("a", llama, "fp16", page_size=16, guard=guard, chunk_size=512)
+    _ingest(first, _user(QUESTION * 4), Recorder())
+    held = guard.held_bytes()
+    assert held >= 4 * PAGE
+    second = Session("b", llama, "fp16", page_size=16, guard=guard)
+    report = second.fit_report(len(first.tokens))
+    assert report.budget_bytes == 12 * PAGE - held and report.other_sessions_bytes == held
+    with pytest.raises(ContextTooLong) as error:
+        _ingest(second, _user(QUESTION * 4), Recorder())
+    message = str(error.value)
+    assert f"needs {len(first.tokens):,} tokens" in message
+    assert "of the budget held by other open conversations" in message
+    assert "Reopen this conversation in q" in message
+    assert second.tokens == []
+    first.close()
+    _ingest(second, _user(QUESTION * 4), Recorder())
+    assert adapter.cache_tokens(second.cache) == len(second.tokens) > 0
+
+
+def test_ingest_past_free_ram_is_refused_up_front_with_numbers(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory)
+    session = Session("s", llama, "fp16", page_size=16, guard=guard, scratch_bytes=MIB)
+    # Free RAM holds one prefill chunk's scratch and activations plus three pages.
+    transient = session.prefill_facts.transient_bytes(session.smallest_chunk)
+    assert transient > MIB
+    memory.available = 3 * PAGE + transient
+    with pytest.raises(ContextTooLong) as error:
+        _ingest(session, _user(QUESTION * 4), Recorder())
+    message = str(error.value)
+    assert (f"free RAM (24.0 KiB after the safety headroom and {human_bytes(transient)} for "
+            "reading it in) holds about 48 tokens in fp16") in message
+    assert re.search(r"Reopen this conversation in q[864] to fit it\.$", message)
+    assert session.tokens == [] and session.tokens_ingested == 0
+
+
+def test_generation_stops_with_reason_memory_when_pressure_turns_critical(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory, floor_bytes=GIB)
+
+    ticks = []
+
+    def squeeze() -> None:  # called after every generated token
+        ticks.append(1)
+        if len(ticks) == 3:
+            memory.available = GIB // 2  # another app grabbed memory
+
+    session = Session("s", llama, "q8", page_size=16, guard=guard)
+    recorder = Recorder()
+    reason, stats = _chat(session, _user(QUESTION), recorder, tick=squeeze)
+    assert reason == "memory" and session.memory_stop.startswith("system memory is critically")
+    # Three ticks: one after the prefill chunk, one per token: stopped after token 2.
+    assert stats.generated_tokens == 2
+    assert adapter.cache_tokens(session.cache) == len(session.tokens)
+    # Memory recovers: the same conversation continues in the same cache.
+    memory.available = 16 * GIB
+    answer = "".join(c.text for c in recorder.of(TokenChunk))
+    follow = [*_user(QUESTION), {"role": "assistant", "content": answer}, *_user("And?")]
+    reason, _ = _chat(session, follow, Recorder(), SamplingParams(temperature=0.0, max_tokens=3))
+    assert reason in ("length", "stop")
+
+
+def test_answer_that_outgrows_free_ram_ends_as_memory_not_length(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory)
+
+    def fill() -> None:
+        memory.available = 0  # nothing more is free: the pages held are all
+
+    session = Session("s", llama, "fp16", page_size=16, guard=guard)
+    reason, stats = _chat(session, _user("Hi"), Recorder(),
+                          SamplingParams(temperature=0.0, max_tokens=2000), tick=fill)
+    assert reason == "memory" and 0 < stats.generated_tokens < 2000
+    held = session.stats()
+    assert held.tokens == len(session.tokens) <= held.pages_allocated // 2 * 16
+
+
+def test_ingest_stops_cleanly_between_chunks_under_pressure(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory, floor_bytes=GIB)
+
+    def squeeze(event: object, recorder: Recorder) -> None:
+        if isinstance(event, IngestProgress) and event.tokens_done >= 64:
+            memory.pressure = "critical"
+
+    session = Session("s", llama, "q4", page_size=16, guard=guard, chunk_size=32)
+    first = _user(QUESTION)
+    _ingest(session, first, Recorder())
+    messages = [*first, {"role": "assistant", "content": "ok"}, *_user(QUESTION * 8)]
+    prompt = session.render(messages, add_generation_prompt=False)
+    start = len(session.tokens)
+    recorder = Recorder(squeeze)
+    with pytest.raises(MemoryPressure) as error:
+        _ingest(session, messages, recorder)
+    # Every chunk read stays held, not just whole messages.
+    held = prompt[: start + recorder.of(IngestProgress)[-1].tokens_done]
+    assert str(error.value) == (
+        "Longleaf stopped reading the conversation in: macOS reports critical memory "
+        f"pressure (16.00 GiB available). It kept {len(held):,} of {len(prompt):,} tokens; "
+        "close other apps or conversations to free memory, then send again to continue "
+        "from there.")
+    assert session.tokens == held and adapter.cache_tokens(session.cache) == len(held)
+    assert session.prefill_stop == (len(held), len(prompt))
+    assert len(recorder.of(IngestProgress)) >= 2
+    # A request that starts under pressure changes nothing.
+    with pytest.raises(MemoryPressure, match="did not start the answer"):
+        _chat(session, messages, Recorder())
+    assert session.tokens == held
+
+
+def test_user_cancel_is_still_cancelled_not_memory(llama) -> None:
+    guard = _guard(FakeMemory())
+    session = Session("s", llama, "fp16", page_size=16, guard=guard)
+
+    recorder = Recorder()
+    reason, _ = _chat(session, _user(QUESTION), recorder, tick=recorder.cancel.set)
+    assert reason == "cancelled" and session.memory_stop is None
+
+
+# -- worker ----------------------------------------------------------------------
+
+
+class Events:
+    def __init__(self, hook=None) -> None:
+        self.events: list[Any] = []
+        self.changed = threading.Condition()
+        self.hook = hook
+
+    def __call__(self, event: object) -> None:
+        if self.hook:
+            self.hook(event, self)
+        with self.changed:
+            self.events.append(event)
+            self.changed.notify_all()
+
+    def ending(self, request_id: int) -> Finished | Failed:
+        def done(events: list[Any]) -> bool:
+            return any(isinstance(e, Finished | Failed) and e.request_id == request_id
+                       for e in events)
+        with self.changed:
+            assert self.changed.wait_for(lambda: done(self.events), 60.0)
+            return next(e for e in self.events if isinstance(e, Finished | Failed)
+                        and e.request_id == request_id)
+
+
+@pytest.fixture
+def worker_with():
+    workers: list[EngineWorker] = []
+
+    def start(
+        memory: FakeMemory, hook=None, stats_interval: float = 0.25, **kwargs: Any
+    ) -> tuple[EngineWorker, Events]:
+        events = Events(hook)
+        worker = EngineWorker(events, memory_guard=_guard(memory, **kwargs),
+                              stats_interval=stats_interval)
+        worker.start()
+        workers.append(worker)
+        return worker, events
+
+    yield start
+    for worker in workers:
+        worker.shutdown(timeout=10.0)
+
+
+def test_worker_refuses_a_model_that_does_not_fit_and_keeps_the_loaded_one(
+    llama, worker_with, tmp_path: Path
+) -> None:
+    big = make_tiny_model_dir(tmp_path, "llama", intermediate_size=4096)
+    memory = FakeMemory()
+    worker, events = worker_with(memory)
+    assert isinstance(events.ending(worker.load_model(str(llama.folder))), Finished)
+    assert isinstance(events.ending(worker.open_session("s", "q8", 16)), Finished)
+    small, _ = estimate_load_bytes(llama.folder)
+    needed, _ = estimate_load_bytes(big)
+    assert needed > 4 * small
+    memory.available = needed // 4  # less than the weights, even after unloading
+    failed = events.ending(worker.load_model(str(big)))
+    assert isinstance(failed, Failed) and failed.error_type == "InsufficientMemory"
+    assert failed.message.startswith(f"Loading {big.name} needs about ")
+    assert f"is free for it ({needed / 4 / 2**20:.1f} MiB available" in failed.message
+    # The refusal changed nothing: the open session still answers.
+    memory.available = 16 * GIB
+    ending = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
+    assert isinstance(ending, Finished) and ending.reason in ("stop", "length")
+
+
+def test_worker_unloads_first_when_only_that_makes_room(llama, worker_with) -> None:
+    memory = FakeMemory()
+    worker, events = worker_with(memory)
+    events.ending(worker.load_model(str(llama.folder)))
+    events.ending(worker.open_session("s", "fp16", 16))
+    needed, _ = estimate_load_bytes(llama.folder)
+    memory.available = needed - 1  # fits only once the current model is released
+    ending = events.ending(worker.load_model(str(llama.folder)))
+    assert isinstance(ending, Finished) and ending.reason == "done"
+    assert any(isinstance(e, ModelLoaded) for e in events.events)
+    failed = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
+    assert isinstance(failed, Failed) and "No open session named 's'" in failed.message
+
+
+def test_worker_chat_ends_with_reason_memory(llama, worker_with) -> None:
+    memory = FakeMemory()
+
+    def squeeze(event: object, events: Events) -> None:
+        # Stats come after every token (interval 0): squeeze once tokens are held.
+        if isinstance(event, StatsSample) and event.tokens_in_context > 0:
+            memory.available = GIB // 2
+
+    worker, events = worker_with(memory, squeeze, floor_bytes=GIB, stats_interval=0.0)
+    events.ending(worker.load_model(str(llama.folder)))
+    opened = events.ending(worker.open_session("s", "q6", 16))
+    assert isinstance(opened, Finished)
+    assert any(isinstance(e, SessionOpened) for e in events.events)
+    ending = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
+    assert isinstance(ending, Finished) and ending.reason == "memory"
+    assert ending.stats.generated_tokens >= 1
+    # Starting again while memory is still critical is refused with the numbers.
+    failed = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
+    assert isinstance(failed, Failed) and failed.error_type == "MemoryPressure"
+    assert "512.0 MiB available" in failed.message
+
+
+def test_worker_sessions_share_one_budget(llama, worker_with) -> None:
+    worker, events = worker_with(FakeMemory(), budget_bytes=12 * PAGE)
+    events.ending(worker.load_model(str(llama.folder)))
+    for name in ("a", "b"):
+        events.ending(worker.open_session(name, "fp16", 16))
+    ending = events.ending(worker.ingest("a", _user(QUESTION * 4), threading.Event()))
+    assert isinstance(ending, Finished) and ending.reason == "done"
+    held = worker.guard.held_bytes()
+    report = worker.fit_check("b", ending.stats.prompt_tokens)
+    assert report.budget_bytes == 12 * PAGE - held and not report.fits
+    assert worker.fit_check(None, 16).budget_bytes == 12 * PAGE - held
+    # Another document: nothing of what "a" holds can be shared.
+    failed = events.ending(worker.ingest("b", _user("Zebras! " + QUESTION * 4),
+                                         threading.Event()))
+    assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
+    events.ending(worker.close_session("a"))
+    assert worker.guard.held_bytes() == 0
+    ending = events.ending(worker.ingest("b", _user(QUESTION * 4), threading.Event()))
+    assert isinstance(ending, Finished) and ending.reason == "done"
+
+
+def test_worker_configure_changes_the_budget_between_requests(llama, worker_with) -> None:
+    worker, events = worker_with(FakeMemory(), budget_bytes=12 * PAGE)
+    events.ending(worker.load_model(str(llama.folder)))
+    for name in ("a", "b"):
+        events.ending(worker.open_session(name, "fp16", 16))
+    events.ending(worker.ingest("a", _user(QUESTION * 4), threading.Event()))
+    held = worker.guard.held_bytes()
+    applied = events.ending(worker.configure(budget_bytes=held + PAGE, chunk_size=32))
+    assert isinstance(applied, Finished) and applied.reason == "done"
+    assert worker.fit_check(None, 16).budget_bytes == PAGE
+    assert worker.guard.held_bytes() == held  # what "a" holds stays
+    other = _user("Zebras! " + QUESTION)  # nothing in common with what "a" holds
+    failed = events.ending(worker.ingest("b", other, threading.Event()))
+    assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
+    events.ending(worker.configure(budget_bytes=None, chunk_size=32))
+    assert worker.fit_check(None, 16).budget_bytes is None
+    rid = worker.ingest("b", other, threading.Event())
+    ending = events.ending(rid)
+    assert isinstance(ending, Finished) and ending.reason == "done"
+    done = [e.tokens_done for e in events.events
+            if isinstance(e, IngestProgress) and e.request_id == rid]
+    steps = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert len(steps) > 1 and max(steps) <= 32  # the new chunk size applies too
+    bad = events.ending(worker.configure(budget_bytes=-1, chunk_size=32))
+    assert isinstance(bad, Failed) and "cannot be negative" in bad.message
+
+
+def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) -> None:
+    memory = FakeMemory()
+    guard = _guard(memory)
+
+    def fill(event: object, recorder: Recorder) -> None:
+        if isinstance(event, IngestProgress):
+            memory.available = 0  # the pages already taken are all there is
+
+    session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=16)
+    transient = human_bytes(session.prefill_facts.transient_bytes(session.smallest_chunk))
+    messages = _user(QUESTION * 8)
+    with pytest.raises(ContextTooLong) as error:
+        _ingest(session, messages, Recorder(fill))
+    held = session.stats().bytes_allocated
+    prompt = session.render(messages, add_generation_prompt=False)
+    assert str(error.value).startswith(f"This conversation needs {len(prompt):,} tokens")
+    assert (f"free RAM ({held / 1024:.1f} KiB after the safety headroom and {transient} for "
+            f"reading it in) holds about {held // PAGE * 16} tokens in fp16") in str(error.value)
+    # The chunks read before RAM ran out stay held, and the message says how many.
+    kept = len(session.tokens)
+    assert str(error.value).endswith(f"Longleaf kept {kept:,} of {len(prompt):,} tokens.")
+    assert 0 < kept < len(prompt) and session.tokens == prompt[:kept]
+    assert adapter.cache_tokens(session.cache) == kept
+    assert 0 < held < len(prompt) // 16 * PAGE
+
+
+def test_worker_ingest_stopped_by_pressure_fails_with_what_it_kept(llama, worker_with) -> None:
+    memory = FakeMemory()
+
+    def squeeze(event: object, events: Events) -> None:
+        if isinstance(event, IngestProgress) and event.tokens_done >= 32:
+            memory.pressure = "critical"
+
+    worker, events = worker_with(memory, squeeze)
+    worker.chunk_size = 16
+    events.ending(worker.load_model(str(llama.folder)))
+    events.ending(worker.open_session("s", "q8", 16))
+    failed = events.ending(worker.ingest("s", _user(QUESTION * 4), threading.Event()))
+    assert isinstance(failed, Failed) and failed.error_type == "MemoryPressure"
+    assert failed.kept_tokens == 32 and failed.total_tokens > 32
+    assert f"kept 32 of {failed.total_tokens:,} tokens" in failed.message

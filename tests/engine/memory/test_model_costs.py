@@ -1,0 +1,40 @@
+"""The full-context KV cost rule: each mode, its bytes, whether the model then fits."""
+
+from __future__ import annotations
+
+from engine.cache.kvquant import project_kv_bytes
+from engine.memory.guard import default_headroom
+from engine.memory.model_costs import full_context_costs
+
+GIB = 2**30
+
+
+def test_each_mode_costs_what_the_page_format_stores() -> None:
+    costs = full_context_costs(attention_layers=36, kv_heads=8, head_dim=128,
+                               max_context=262_144, weights_bytes=0,
+                               total_ram_bytes=1024 * GIB)
+    assert [c.mode for c in costs] == ["fp16", "q8", "q6", "q4"]
+    for cost in costs:
+        assert cost.kv_bytes == project_kv_bytes(36, 8, 128, 262_144, cost.mode)
+        assert cost.fits
+    assert costs[0].kv_bytes > costs[1].kv_bytes > costs[2].kv_bytes > costs[3].kv_bytes
+
+
+def test_fits_counts_the_weights_and_the_headroom() -> None:
+    kv_q8 = project_kv_bytes(4, 2, 64, 8192, "q8")
+    total = 64 * GIB
+    room = total - default_headroom(total)
+    exactly = full_context_costs(attention_layers=4, kv_heads=2, head_dim=64, max_context=8192,
+                                 weights_bytes=room - kv_q8, total_ram_bytes=total)
+    over = full_context_costs(attention_layers=4, kv_heads=2, head_dim=64, max_context=8192,
+                              weights_bytes=room - kv_q8 + 1, total_ram_bytes=total)
+    assert [c.fits for c in exactly] == [False, True, True, True]
+    assert [c.fits for c in over] == [False, False, True, True]
+
+
+def test_a_head_size_q6_cannot_pack_has_no_q6_cost() -> None:
+    costs = {c.mode: c for c in full_context_costs(
+        attention_layers=2, kv_heads=2, head_dim=30, max_context=1024, weights_bytes=0,
+        total_ram_bytes=64 * GIB)}
+    assert costs["q6"].kv_bytes is None and not costs["q6"].fits
+    assert costs["q8"].kv_bytes is not None

@@ -1,0 +1,119 @@
+"""Memory snapshots, StatsSample assembly and the emission throttle."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+import pytest
+
+from engine.events import LayerPages, StatsSample
+from engine.memory.stats import (
+    MemorySnapshot,
+    StatsThrottle,
+    memory_snapshot,
+    pressure_level,
+    stats_sample,
+)
+
+
+@dataclass
+class FakeLayer:
+    layer: int
+    pages_in_use: int
+    tokens: int
+    bytes_used: int
+
+
+@dataclass
+class FakeCacheStats:
+    mode: str = "q6"
+    page_size: int = 256
+    tokens: int = 300
+    pages_in_use: int = 4
+    pages_allocated: int = 6
+    pages_free: int = 2
+    last_page_fill: float = 44 / 256
+    bytes_used: int = 1000
+    bytes_allocated: int = 1500
+    budget_bytes: int | None = None
+    layers: tuple = (FakeLayer(0, 2, 300, 500), FakeLayer(1, 2, 300, 500))
+
+
+def test_memory_snapshot_is_plausible() -> None:
+    mx.eval(mx.ones((256, 256)))
+    snap = memory_snapshot()
+    assert snap.system_total_bytes > 0
+    assert 0 <= snap.system_available_bytes <= snap.system_total_bytes
+    assert 0.0 <= snap.system_used_percent <= 100.0
+    assert 0 < snap.process_rss_bytes < snap.system_total_bytes
+    assert snap.mlx_peak_bytes >= snap.mlx_active_bytes >= 0
+    assert snap.mlx_cache_bytes >= 0 and snap.swap_used_bytes >= 0
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS reports a real level")
+def test_pressure_level_is_none_off_macos() -> None:
+    assert pressure_level() is None
+
+
+@pytest.mark.skipif(sys.platform != "darwin", reason="needs macOS sysctl")
+def test_pressure_level_on_macos() -> None:
+    assert pressure_level() in ("normal", "warning", "critical")
+
+
+def test_stats_sample_copies_cache_and_memory_fields() -> None:
+    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, "normal")
+    sample = stats_sample("s1", FakeCacheStats(), memory)
+    assert isinstance(sample, StatsSample)
+    assert (sample.session_id, sample.kv_mode, sample.tokens_in_context) == ("s1", "q6", 300)
+    assert (sample.kv_bytes_used, sample.kv_bytes_allocated) == (1000, 1500)
+    assert (sample.pages_in_use, sample.pages_allocated, sample.pages_free) == (4, 6, 2)
+    assert sample.page_size == 256 and sample.last_page_fill == pytest.approx(44 / 256)
+    assert (sample.mlx_active_bytes, sample.mlx_peak_bytes, sample.mlx_cache_bytes) == (1, 2, 3)
+    assert (sample.process_rss_bytes, sample.system_total_bytes) == (4, 5)
+    assert (sample.system_available_bytes, sample.system_used_percent) == (6, 7.5)
+    assert (sample.swap_used_bytes, sample.pressure_level) == (8, "normal")
+    assert sample.layers == (LayerPages(0, 2, 300, 500), LayerPages(1, 2, 300, 500))
+    assert sample.prefill_peak_bytes == 0  # not given: unknown
+
+
+def test_stats_sample_carries_the_predicted_prefill_peak() -> None:
+    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    sample = stats_sample("s1", FakeCacheStats(), memory, prefill_peak_bytes=3 * 2**30,
+                          checkpoint_bytes=5 * 2**20)
+    assert sample.prefill_peak_bytes == 3 * 2**30 and sample.kv_bytes_allocated == 1500
+    assert sample.checkpoint_bytes == 5 * 2**20
+
+
+def test_stats_sample_without_a_session_reports_zero_pages() -> None:
+    sample = stats_sample(None, None)
+    assert sample.session_id is None and sample.kv_mode is None
+    assert sample.pages_allocated == 0 and sample.layers == ()
+    assert sample.system_total_bytes > 0
+
+
+def test_throttle_is_due_once_per_interval() -> None:
+    now = [100.0]
+    throttle = StatsThrottle(0.25, clock=lambda: now[0])
+    assert throttle.due()          # the first call is always due
+    assert not throttle.due()
+    now[0] += 0.2
+    assert not throttle.due()
+    now[0] += 0.06
+    assert throttle.due()
+    assert not throttle.due()
+
+
+def test_stats_sample_carries_the_layers_outside_the_pages() -> None:
+    from engine.cache.other_layers import OtherLayers
+
+    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    cache = FakeCacheStats()
+    cache.other_bytes = 20 * 2**20
+    sample = stats_sample("s1", cache, memory,
+                          other_layers=OtherLayers(24 * 2**20, "sliding windows"))
+    assert sample.other_cache_bytes == 20 * 2**20
+    assert sample.other_cache_bound_bytes == 24 * 2**20
+    assert sample.other_cache_kinds == "sliding windows"
+    assert stats_sample("s1", FakeCacheStats(), memory).other_cache_kinds == ""

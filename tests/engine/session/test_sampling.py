@@ -1,0 +1,74 @@
+"""SamplingParams validation and the mlx-lm samplers built from it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from engine.errors import EngineError
+from engine.session.sampling import (
+    REPETITION_CONTEXT,
+    SamplingParams,
+    build_logits_processors,
+    build_sampler,
+    seed_sampling,
+)
+
+LOGITS = mx.array([[0.1, 3.0, 2.5, -1.0, 2.9, 0.0]])
+LOGPROBS = LOGITS - mx.logsumexp(LOGITS, keepdims=True)
+
+
+def _draws(params: SamplingParams, n: int = 200) -> set[int]:
+    sampler = build_sampler(params)
+    seed_sampling(params)
+    return {int(sampler(LOGPROBS).item()) for _ in range(n)}
+
+
+def test_defaults_match_the_worker_contract() -> None:
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.7, 1.0, 0, 0.0)
+    assert (p.repetition_penalty, p.max_tokens, p.seed) == (1.0, 512, None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+     ("min_p", 1.0), ("repetition_penalty", 0.0), ("max_tokens", 0)],
+)
+def test_invalid_settings_raise_an_engine_error_naming_the_field(field: str, value) -> None:
+    with pytest.raises(EngineError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_temperature_zero_is_greedy() -> None:
+    assert _draws(SamplingParams(temperature=0.0), 5) == {1}
+
+
+def test_top_k_limits_the_candidates() -> None:
+    assert _draws(SamplingParams(temperature=5.0, top_k=2, seed=1)) == {1, 4}
+    assert len(_draws(SamplingParams(temperature=5.0, seed=1))) > 2
+
+
+def test_top_p_and_min_p_drop_unlikely_tokens() -> None:
+    assert _draws(SamplingParams(temperature=1.0, min_p=0.5, seed=2)) <= {1, 2, 4}
+    assert _draws(SamplingParams(temperature=1.0, top_p=0.3, seed=3)) <= {1, 4}
+
+
+def test_same_seed_same_draws() -> None:
+    params = SamplingParams(temperature=1.0, seed=7)
+    sampler = build_sampler(params)
+    seed_sampling(params)
+    first = [int(sampler(LOGPROBS).item()) for _ in range(20)]
+    seed_sampling(params)
+    second = [int(sampler(LOGPROBS).item()) for _ in range(20)]
+    assert first == second
+
+
+def test_repetition_penalty_lowers_recent_tokens_only() -> None:
+    assert build_logits_processors(SamplingParams()) == []
+    (processor,) = build_logits_processors(SamplingParams(repetition_penalty=2.0))
+    out = processor(mx.array([1, 3]), mx.array(LOGITS))
+    assert out[0, 1].item() == pytest.approx(1.5)   # positive logit divided
+    assert out[0, 3].item() == pytest.approx(-2.0)  # negative logit multiplied
+    assert out[0, 2].item() == pytest.approx(2.5)   # untouched
+    assert REPETITION_CONTEXT >= 20

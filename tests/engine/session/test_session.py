@@ -1,0 +1,406 @@
+"""Sessions on tiny models: greedy parity with mlx-lm, reuse of held tokens,
+chunked and cancellable ingest, streamed generation and context limits."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load
+
+from engine.cache import adapter
+from engine.errors import Cancelled, ContextTooLong
+from engine.events import IngestProgress, TokenChunk
+from engine.session.prompt_ids import common_prefix
+from engine.session.sampling import AnswerStream, SamplingParams
+from engine.session.session import Session
+from tests.engine.tinymodels import make_tiny_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+QUESTION = "What is the capital of France? The quick brown fox jumps over the lazy dog."
+
+
+def _loaded(folder: Path) -> SimpleNamespace:
+    model, tokenizer = load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    info = SimpleNamespace(max_context=config["max_position_embeddings"])
+    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
+    root = tmp_path_factory.mktemp("session-models")
+    return {
+        arch: _loaded(make_tiny_model_dir(root, arch))
+        for arch in ("llama", "qwen3", "qwen3_next", "gemma3_text")
+    }
+
+
+class Recorder:
+    """Collects events; optionally sets ``cancel`` after the n-th event of a type."""
+
+    def __init__(self, cancel_after: tuple[type, int] | None = None) -> None:
+        self.events: list[Any] = []
+        self.cancel = threading.Event()
+        self.cancel_after = cancel_after
+
+    def __call__(self, event: object) -> None:
+        self.events.append(event)
+        if self.cancel_after and len(self.of(self.cancel_after[0])) >= self.cancel_after[1]:
+            self.cancel.set()
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def ids(self) -> list[int]:
+        return [i for chunk in self.of(TokenChunk) for i in chunk.token_ids]
+
+
+def _chat(session: Session, messages, sampling=GREEDY, recorder: Recorder | None = None):
+    recorder = recorder or Recorder()
+    reason, stats = session.chat(
+        messages, sampling, request_id=1, cancel=recorder.cancel, emit=recorder, tick=lambda: None
+    )
+    return reason, stats, recorder
+
+
+def _mlx_lm_greedy(loaded: SimpleNamespace, prompt: list[int], max_tokens: int) -> list[int]:
+    out = []
+    for token, _ in generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens):
+        if token in loaded.tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_next", "gemma3_text"])
+def test_fp16_greedy_matches_mlx_lm_generate(models, arch: str) -> None:
+    loaded = models[arch]
+    session = Session("s", loaded, "fp16")
+    reason, stats, rec = _chat(session, _user(QUESTION))
+    prompt = session.render(_user(QUESTION), add_generation_prompt=True)
+    assert rec.ids() == _mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+    assert reason == "length" and stats.generated_tokens == GREEDY.max_tokens
+    assert stats.prompt_tokens == len(prompt) and stats.time_to_first_token is not None
+    assert stats.prefill_tps > 0 and stats.decode_tps > 0
+    # The cache holds exactly the ids the session says it holds.
+    assert adapter.cache_tokens(session.cache) == len(session.tokens)
+    assert session.tokens[: len(prompt)] == prompt
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_multi_chunk_prefill_gives_the_same_tokens(models, arch: str) -> None:
+    loaded = models[arch]
+    messages = _user(QUESTION * 3)
+    session = Session("s", loaded, "fp16", page_size=16, chunk_size=16)
+    _, _, rec = _chat(session, messages)
+    prompt = session.render(messages, add_generation_prompt=True)
+    progress = rec.of(IngestProgress)
+    assert len(progress) == -(-(len(prompt) - 1) // 16)
+    assert rec.ids() == _mlx_lm_greedy(loaded, prompt, GREEDY.max_tokens)
+
+
+def test_ingest_progress_counts_up_to_the_total(models) -> None:
+    session = Session("s", models["llama"], "q8", page_size=16, chunk_size=10)
+    rec = Recorder()
+    stats = session.ingest(_user(QUESTION * 2), request_id=7, cancel=rec.cancel, emit=rec,
+                           tick=lambda: None)
+    progress = rec.of(IngestProgress)
+    total = len(session.render(_user(QUESTION * 2), add_generation_prompt=False))
+    assert [p.tokens_done for p in progress] == [min(total, 10 * i) for i in
+                                                 range(1, len(progress) + 1)]
+    assert all(p.tokens_total == total and p.request_id == 7 for p in progress)
+    assert progress[-1].eta_seconds == 0 and all(p.tokens_per_second > 0 for p in progress)
+    assert stats.prompt_tokens == total and session.tokens_ingested == total
+
+
+def _answer_text(rec: Recorder) -> str:
+    return "".join(chunk.text for chunk in rec.of(TokenChunk))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_three_turn_chat_reprefills_nothing_it_holds(models, arch: str) -> None:
+    session = Session("s", models[arch], "q6")
+    messages = _user(QUESTION)
+    previous_prompt: list[int] = []
+    for turn in range(3):
+        prompt = session.render(messages, add_generation_prompt=True)
+        held = list(session.tokens)
+        reusable = common_prefix(held, prompt)
+        # Everything the previous turn's prompt shares with this one is still held.
+        assert reusable >= common_prefix(previous_prompt, prompt)
+        before = session.tokens_ingested
+        _, _, rec = _chat(session, messages, SamplingParams(temperature=0.0, max_tokens=8))
+        # Only the tokens not held are fed; the prompt's last token goes with decoding.
+        assert session.tokens_ingested - before == len(prompt) - 1 - reusable
+        if turn:
+            assert reusable > len(previous_prompt) // 2
+        previous_prompt = prompt
+        messages = [*messages, {"role": "assistant", "content": _answer_text(rec)},
+                    {"role": "user", "content": f"Turn {turn + 2}: tell me more."}]
+
+
+def test_ingested_conversation_is_extended_not_reingested(models) -> None:
+    session = Session("s", models["llama"], "q4")
+    history = [*_user(QUESTION), {"role": "assistant", "content": "The capital is Paris."}]
+    rec = Recorder()
+    session.ingest(history, request_id=1, cancel=rec.cancel, emit=rec, tick=lambda: None)
+    held = len(session.tokens)
+    assert session.tokens_ingested == held
+    messages = [*history, *_user("And of Germany?")]
+    _chat(session, messages)
+    prompt = session.render(messages, add_generation_prompt=True)
+    assert session.tokens_ingested == len(prompt) - 1  # nothing ingested twice
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
+def test_regenerate_and_edit_trim_and_answer_like_a_fresh_session(models, arch: str) -> None:
+    loaded = models[arch]
+    session = Session("s", loaded, "fp16")
+    first = _chat(session, _user(QUESTION))[2].ids()
+    before = session.tokens_ingested
+    again = _chat(session, _user(QUESTION))[2].ids()  # regenerate: trims the answer
+    assert again == first
+    if arch == "llama":  # trimmable: the prompt was not ingested again
+        assert session.tokens_ingested == before
+    edited = _user(QUESTION.replace("France", "Spain"))
+    answer = _chat(session, edited)[2].ids()
+    assert answer == _chat(Session("fresh", loaded, "fp16"), edited)[2].ids()
+    assert adapter.cache_tokens(session.cache) == len(session.tokens)
+
+
+def test_mismatched_retokenization_is_trimmed_and_stays_correct(models) -> None:
+    loaded = models["qwen3"]
+    session = Session("s", loaded, "fp16")
+    _chat(session, _user(QUESTION))
+    messages = [*_user(QUESTION), {"role": "assistant", "content": " odd  spacing\n"},
+                *_user("Again?")]
+    prompt = session.render(messages, add_generation_prompt=True)
+    assert common_prefix(session.tokens, prompt) < len(session.tokens)  # must trim
+    answer = _chat(session, messages)[2].ids()
+    assert answer == _chat(Session("fresh", loaded, "fp16"), messages)[2].ids()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_cancelled_ingest_keeps_the_chunks_read_and_a_usable_session(models, arch) -> None:
+    loaded = models[arch]
+    session = Session("s", loaded, "q8", page_size=16, chunk_size=8)
+    messages = [*_user(QUESTION), {"role": "assistant", "content": "Paris."},
+                *_user(QUESTION * 2)]
+    _chat(session, messages[:1], SamplingParams(temperature=0.0, max_tokens=2))
+    rec = Recorder(cancel_after=(IngestProgress, 2))
+    reason, _, _ = _chat(session, messages, recorder=rec)
+    assert reason == "cancelled" and not rec.of(TokenChunk)
+    prompt = session.render(messages, add_generation_prompt=True)
+    kept = session.sync(prompt, keep_last=True)  # what the two chunks left held
+    assert kept == len(session.tokens) == session.prefill_stop[0]
+    assert session.tokens == prompt[:kept] and kept > len(prompt) // 3
+    assert adapter.cache_tokens(session.cache) == len(session.tokens)
+    answer = _chat(session, messages)[2].ids()
+    assert answer == _chat(Session("fresh", loaded, "q8", page_size=16), messages)[2].ids()
+
+
+def test_ingest_cancelled_before_start_raises_and_changes_nothing(models) -> None:
+    session = Session("s", models["llama"], "fp16")
+    rec = Recorder()
+    rec.cancel.set()
+    with pytest.raises(Cancelled):
+        session.ingest(_user(QUESTION), request_id=1, cancel=rec.cancel, emit=rec,
+                       tick=lambda: None)
+    assert session.tokens == [] and adapter.cache_tokens(session.cache) == 0
+
+
+def test_generation_cancels_between_tokens(models) -> None:
+    session = Session("s", models["qwen3"], "fp16")  # its greedy answer is printable
+    rec = Recorder(cancel_after=(TokenChunk, 2))
+    reason, stats, _ = _chat(session, _user(QUESTION), SamplingParams(temperature=0.0,
+                                                                      max_tokens=200),
+                             recorder=rec)
+    assert reason == "cancelled" and stats.generated_tokens <= 3
+    assert adapter.cache_tokens(session.cache) == len(session.tokens)
+
+
+def test_stops_on_end_of_turn_without_streaming_it(models) -> None:
+    loaded = models["gemma3_text"]  # its greedy answer varies, so a stop token can be picked
+    prompt = Session("p", loaded, "fp16").render(_user(QUESTION), add_generation_prompt=True)
+    reference = _mlx_lm_greedy(loaded, prompt, 24)
+    stop_at = next(i for i, t in enumerate(reference) if t not in reference[:i] and i > 0)
+    session = Session("s", loaded, "fp16")
+    session.end_ids = frozenset({reference[stop_at]})
+    reason, stats, rec = _chat(session, _user(QUESTION))
+    assert reason == "stop" and rec.ids() == reference[:stop_at]
+    assert stats.generated_tokens == stop_at
+    # The end-of-turn token was fed, so the next turn's template extends the cache.
+    assert session.tokens[-1] == reference[stop_at]
+
+
+def test_sampling_with_a_seed_is_reproducible(models) -> None:
+    sampling = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05,
+                              repetition_penalty=1.3, max_tokens=12, seed=11)
+    runs = [_chat(Session(f"s{i}", models["qwen3"], "q4"), _user(QUESTION), sampling)[2].ids()
+            for i in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_streamed_text_never_splits_a_character(models) -> None:
+    session = Session("s", models["llama"], "fp16")
+    text = "Zürich 東京 🌲🔥 café naïve"
+    ids = session.tokenizer.encode(text, add_special_tokens=False)
+    rec = Recorder()
+    answer = AnswerStream(session.model, session.cache, session.tokenizer, session.end_ids, [],
+                          GREEDY, request_id=1, cancel=rec.cancel, emit=rec, tick=lambda: None)
+    for token in ids:
+        answer.stream(token)
+    answer.flush()
+    chunks = rec.of(TokenChunk)
+    assert "".join(c.text for c in chunks) == text
+    assert [i for c in chunks for i in c.token_ids] == ids
+    assert all("\ufffd" not in c.text for c in chunks)
+    assert any(len(c.token_ids) > 1 for c in chunks)  # multi-token characters waited
+
+
+def test_too_long_for_the_model_context_is_refused_with_numbers(tmp_path: Path) -> None:
+    loaded = _loaded(make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=48))
+    session = Session("s", loaded, "fp16", page_size=16)
+    with pytest.raises(ContextTooLong, match="48") as error:
+        _chat(session, _user(QUESTION * 3))
+    assert "shorten" in str(error.value)
+    assert session.tokens == [] and session.tokens_ingested == 0
+
+
+def test_answer_is_cut_at_the_context_limit(tmp_path: Path) -> None:
+    loaded = _loaded(make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=48))
+    session = Session("s", loaded, "fp16", page_size=16)
+    prompt = session.render(_user("Hi"), add_generation_prompt=True)
+    reason, stats, _ = _chat(session, _user("Hi"), SamplingParams(temperature=0.0,
+                                                                  max_tokens=500))
+    assert reason == "length" and stats.generated_tokens == 48 - len(prompt)
+    assert adapter.cache_tokens(session.cache) <= 48
+
+
+def test_page_budget_refusal_names_a_mode_that_fits(models) -> None:
+    loaded = models["llama"]
+    # llama tiny: 2 layers x 2 KV heads x head_dim 32 -> an fp16 16-token page is 8 KiB.
+    session = Session("s", loaded, "fp16", page_size=16, budget_bytes=2 * 8192)
+    prompt = session.render(_user(QUESTION * 2), add_generation_prompt=True)
+    report = session.fit_report(len(prompt))
+    assert not report.fits and report.suggested_mode in ("q8", "q6", "q4")
+    with pytest.raises(ContextTooLong, match=report.suggested_mode):
+        _chat(session, _user(QUESTION * 2))
+    assert session.tokens == []
+    roomy = Session("s2", loaded, report.suggested_mode, page_size=16, budget_bytes=2 * 8192)
+    reason, _, rec = _chat(roomy, _user(QUESTION * 2), SamplingParams(temperature=0.0,
+                                                                      max_tokens=4))
+    assert rec.ids() and reason in ("length", "stop")
+
+
+def test_quantized_session_reports_its_pages(models) -> None:
+    session = Session("s", models["qwen3_next"], "q6", page_size=16)
+    _chat(session, _user(QUESTION), SamplingParams(temperature=0.0, max_tokens=4))
+    stats = session.stats()
+    assert stats.mode == "q6" and stats.tokens == len(session.tokens)
+    assert stats.pages_in_use == 2 * -(-len(session.tokens) // 16)  # two attention layers
+    assert stats.bytes_used > 0 and stats.bytes_allocated >= stats.bytes_used
+    session.close()
+    assert session.tokens == []
+
+
+def test_page_budget_reached_mid_answer_ends_it_cleanly(models, monkeypatch) -> None:
+    session = Session("s", models["llama"], "fp16", page_size=16, budget_bytes=3 * 8192)
+    # Bypass the up-front clamp so the pool itself runs out while decoding.
+    monkeypatch.setattr(session, "room_for", lambda count: 10_000)
+    reason, stats, _ = _chat(session, _user("Hi"), SamplingParams(temperature=0.0,
+                                                                  max_tokens=500))
+    assert reason == "length" and 0 < stats.generated_tokens < 500
+    assert adapter.cache_tokens(session.cache) == len(session.tokens) == 48  # 3 pages
+
+
+def _chunk_sizes(session: Session, messages: list[dict[str, str]], step: float) -> list[int]:
+    """Ingest ``messages`` with every chunk "taking" ``step`` seconds; the chunk sizes."""
+    clock = iter(range(10_000))
+    session.clock = lambda: next(clock) * step
+    rec = Recorder()
+    session.ingest(messages, request_id=1, cancel=rec.cancel, emit=rec, tick=lambda: None)
+    done = [p.tokens_done for p in rec.of(IngestProgress)]
+    return [b - a for a, b in zip([0, *done], done, strict=False)]
+
+
+def test_paced_chunks_grow_when_fast_and_the_next_turn_starts_where_they_settled(
+    models,
+) -> None:
+    session = Session("s", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
+    first = _user(QUESTION * 16)
+    fast = _chunk_sizes(session, first, step=0.01)
+    assert fast[:3] == [64, 200, 200]
+    second = [*first, {"role": "assistant", "content": "Paris."}, *_user(QUESTION * 16)]
+    slow = _chunk_sizes(session, second, step=1.0)
+    # Not a fresh 64-token probe: the first turn showed 200 tokens are quick.
+    assert slow[:3] == [200, 100, 64]
+
+
+def test_a_new_chunk_size_applies_to_fixed_and_paced_sessions(models) -> None:
+    fixed = Session("f", models["llama"], "fp16", chunk_size=16)
+    fixed.set_chunk_size(48)
+    assert _chunk_sizes(fixed, _user(QUESTION * 4), step=1.0)[:2] == [48, 48]
+    paced = Session("p", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
+    assert _chunk_sizes(paced, _user(QUESTION * 16), step=0.01)[:2] == [64, 200]
+    paced.set_chunk_size(100)  # smaller than what it settled on: takes effect at once
+    follow_up = [*_user(QUESTION * 16), {"role": "assistant", "content": "Paris."},
+                 *_user(QUESTION * 16)]
+    assert _chunk_sizes(paced, follow_up, step=0.01)[:2] == [100, 100]
+
+
+def test_slow_chunks_shrink_so_progress_keeps_flowing(models) -> None:
+    session = Session("s", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
+    ticks = iter(range(10_000))
+    session.clock = lambda: float(next(ticks))  # every chunk "takes" one second
+    rec = Recorder()
+    session.ingest(_user(QUESTION * 16), request_id=1, cancel=rec.cancel, emit=rec,
+                   tick=lambda: None)
+    done = [p.tokens_done for p in rec.of(IngestProgress)]
+    sizes = [b - a for a, b in zip([0, *done], done, strict=False)]
+    # A paced prefill probes with the smallest chunk, and a 1 s chunk never grows.
+    assert set(sizes[:-1]) == {64} and len(sizes) > 3
+    assert done[-1] == len(session.tokens)
+    fixed = Session("f", models["llama"], "fp16", chunk_size=200)
+    fixed.clock = session.clock
+    rec = Recorder()
+    fixed.ingest(_user(QUESTION * 16), request_id=1, cancel=rec.cancel, emit=rec,
+                 tick=lambda: None)
+    assert [p.tokens_done for p in rec.of(IngestProgress)][:2] == [200, 400]
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("fp16", "mlx-lm"), ("q8", "mlx-lm quantized")])
+def test_a_model_the_probe_sends_to_mlx_lm_runs_on_mlx_lms_cache(
+    models, mode: str, kind: str
+) -> None:
+    from dataclasses import replace
+
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from engine.models.loader import load_model
+    from engine.models.probe import ProbeResult
+
+    base = models["llama"]
+    probe = ProbeResult("mlx-lm", "KV-shared layers (test)", 0.5, quantized=True)
+    real = load_model(base.folder, probe=False)
+    loaded = replace(real, model=base.model, tokenizer=base.tokenizer, probe=probe)
+    session = Session("s", loaded, mode, page_size=16)
+    assert session.cache_kind == kind and "KV-shared layers" in session.cache_note
+    expected_type = KVCache if mode == "fp16" else QuantizedKVCache
+    assert all(type(c) is expected_type for c in session.cache)
+    _, stats, rec = _chat(session, _user("Where do longleaf pines grow?"))
+    assert stats.generated_tokens > 0
+    if mode == "fp16":
+        prompt = session.render(_user("Where do longleaf pines grow?"), add_generation_prompt=True)
+        assert rec.ids() == _mlx_lm_greedy(base, prompt, len(rec.ids()))

@@ -1,0 +1,87 @@
+"""The stored-KV disk budget applied live, and listings and clears through the worker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine import EngineError, EngineWorker, Failed, Finished, StoredKv
+from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
+from engine.snapshots import SnapshotStore, default_budget
+from tests.engine.runtime.test_worker import EventLog
+
+MODE = "q8"
+TOKENS = 256
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SnapshotStore:
+    """Snapshots "a", "b", "c", used in that order (c most recently)."""
+    model_dir = config_only_model(tmp_path)
+    store = SnapshotStore(tmp_path / "kv", budget_bytes=2**30)
+    for used, name in enumerate("abc"):
+        session = cache_session(filled_cache(MODE, TOKENS, 2), TOKENS, MODE, model_dir)
+        manifest = store.save(session, name)
+        os.utime(manifest, (1000 + used, 1000 + used))
+    return store
+
+
+def _names(store: SnapshotStore) -> list[str]:
+    return [info.name for info in store.per_snapshot()]
+
+
+def test_a_lowered_budget_evicts_the_least_recently_used(store):
+    os.utime(store.directory / "a.json", (2000, 2000))  # "a" reopened last
+    one = store.info("b").disk_bytes
+    assert store.set_budget(2 * one + one // 2) == ["b"]
+    assert _names(store) == ["a", "c"] and store.total_bytes() <= store.budget_bytes
+    assert store.set_budget(10 * one) == []  # a higher one evicts nothing
+
+
+def test_no_budget_means_the_default_and_a_negative_one_is_refused(store):
+    assert store.set_budget(None) == []
+    assert store.budget_bytes == default_budget(store.directory)
+    with pytest.raises(EngineError, match="negative"):
+        store.set_budget(-1)
+
+
+def _listing(log: EventLog, request_id: int) -> StoredKv:
+    ending = log.ending(request_id)
+    assert isinstance(ending, Finished), ending
+    listings = [e for e in log.events if isinstance(e, StoredKv)]
+    return listings[-1]
+
+
+def test_the_worker_applies_the_budget_lists_and_clears(store):
+    log = EventLog()
+    worker = EngineWorker(log, snapshots=store)
+    worker.start()
+    try:
+        one = store.info("a").disk_bytes
+        listing = _listing(log, worker.set_snapshot_budget(2 * one + one // 2))
+        assert [i.name for i in listing.snapshots] == ["c", "b"]  # "a" was the oldest
+        assert listing.budget_bytes == store.budget_bytes
+        assert listing.total_bytes == store.total_bytes()
+        listing = _listing(log, worker.clear_snapshots("c"))
+        assert [i.name for i in listing.snapshots] == ["b"] == _names(store)
+        listing = _listing(log, worker.clear_snapshots())
+        assert listing.snapshots == () and listing.total_bytes == 0
+        assert list(store.directory.iterdir()) == []
+        failed = log.ending(worker.set_snapshot_budget(-5))
+        assert isinstance(failed, Failed) and "negative" in failed.message
+    finally:
+        worker.shutdown(timeout=10.0)
+
+
+def test_a_worker_without_a_store_lists_nothing():
+    log = EventLog()
+    worker = EngineWorker(log)
+    worker.start()
+    try:
+        listing = _listing(log, worker.set_snapshot_budget(10**9))
+        assert listing == StoredKv(0, 0)
+        assert _listing(log, worker.clear_snapshots()) == StoredKv(0, 0)
+    finally:
+        worker.shutdown(timeout=10.0)
