@@ -20,7 +20,7 @@ from engine.bench.__main__ import parse_tokens
 from engine.cache.kvquant import project_kv_bytes
 from tests.engine.tinymodels import make_tiny_model_dir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONTEXTS = (256, 512)
 HEAD_DIMS = (64, 128)  # 128 exercises the pre-sized mlx-lm 6-bit baseline
 MODES = ("fp16", "q8", "q6", "q4")

@@ -37,7 +37,7 @@ from engine.snapshots import (
 from engine.snapshots import files as snapshot_files
 from tests.engine.tinymodels import make_tiny_model_dir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PAGE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand. " * 8
