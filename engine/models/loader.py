@@ -36,6 +36,8 @@ class LoadedModel:
 
     Only the engine's worker thread may touch ``model`` and ``tokenizer``.
     ``probe`` says which KV cache gives this model's numbers (None: not probed).
+    ``fingerprint`` is the weights' fingerprint taken at load
+    (``engine.snapshots.fingerprint``; None: not taken), which stored KV must match.
     """
 
     model: Any
@@ -43,6 +45,7 @@ class LoadedModel:
     info: ModelInfo
     config: dict[str, Any]
     probe: ProbeResult | None = None
+    fingerprint: dict[str, Any] | None = None
 
 
 def resolve_model_path(path: str | Path) -> Path:

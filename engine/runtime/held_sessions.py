@@ -11,6 +11,7 @@ Every method but ``view`` is called on the engine worker thread (most run MLX);
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
 from engine.session.prefill import activation_value_bytes
 from engine.session.session import Session
+from engine.snapshots.fingerprint import model_fingerprint
 from engine.snapshots.keeper import SnapshotKeeper
 
 if TYPE_CHECKING:
@@ -99,7 +101,10 @@ class HeldSessions:
             # Only fits once the current model is gone: unload it first rather
             # than hold both and swap.
             self.release()
-        loaded = load_model(folder)
+        # Once per load, here on the worker thread: every save and reopen of this
+        # model's sessions checks stored KV against these weights.
+        fingerprint = model_fingerprint(folder)
+        loaded = dataclasses.replace(load_model(folder), fingerprint=fingerprint)
         self.release()
         prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
         with self._lock:

@@ -16,6 +16,8 @@ from engine.errors import EngineError
 from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files
 from engine.snapshots.manifest import (
+    FORMAT_VERSION,
+    SET_ASIDE,
     Corrupt,
     SnapshotInfo,
     data_files,
@@ -98,8 +100,9 @@ class SnapshotStore:
                 continue
             try:
                 manifest = read_manifest(path)
-                if (manifest.get("model") or {}).get("digest") != model_digest:
-                    continue
+                if manifest.get("version") != FORMAT_VERSION or (
+                        manifest.get("model") or {}).get("digest") != model_digest:
+                    continue  # other weights (or unchecked ones) serve no other chat
                 shared = common_prefix(manifest["tokens"], prompt_ids)
             except (Corrupt, KeyError, TypeError):
                 continue  # its own reopen removes it; here it just serves no one
@@ -115,8 +118,25 @@ class SnapshotStore:
         return list_snapshots(self.directory)
 
     def total_bytes(self) -> int:
-        """Bytes of every file in the folder, leftovers of interrupted writes included."""
-        return sum(p.stat().st_size for p in self.directory.iterdir() if p.is_file())
+        """Bytes of every file in the folder, leftovers of interrupted writes and
+        snapshots set aside included."""
+        return sum(p.stat().st_size for p in self._files())
+
+    def _files(self) -> list[Path]:
+        aside = self.directory / SET_ASIDE
+        found = [p for p in self.directory.iterdir() if p.is_file()]
+        return found + ([p for p in aside.iterdir() if p.is_file()] if aside.is_dir() else [])
+
+    def _drop_set_aside(self, incoming: int) -> None:
+        """Delete set-aside files, oldest first, until ``incoming`` more bytes fit."""
+        aside = self.directory / SET_ASIDE
+        if not aside.is_dir():
+            return
+        for path in sorted((p for p in aside.iterdir() if p.is_file()),
+                           key=lambda p: p.stat().st_mtime):
+            if self.total_bytes() + incoming <= self.budget_bytes:
+                return
+            path.unlink(missing_ok=True)
 
     # -- removing ----------------------------------------------------------------
 
@@ -131,6 +151,7 @@ class SnapshotStore:
         for path in self.directory.iterdir():
             if path.is_file() and path.name.endswith((files.DATA_SUFFIX, files.MANIFEST_SUFFIX)):
                 path.unlink(missing_ok=True)
+        shutil.rmtree(self.directory / SET_ASIDE, ignore_errors=True)
 
     def evict(self, incoming: int = 0, keep: Iterable[str] = ()) -> list[str]:
         """Delete least-recently-used snapshots until ``incoming`` more bytes fit.
@@ -138,6 +159,7 @@ class SnapshotStore:
         Returns:
             The names deleted, oldest first.
         """
+        self._drop_set_aside(incoming)  # kept only while nothing else needs the room
         keep = set(keep)
         removed: list[str] = []
         candidates = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
