@@ -159,3 +159,29 @@ def test_a_disk_full_before_the_manifest_removes_the_data_at_once(models, tmp_pa
     reopened = _session(models["llama"])
     stored = json.loads(manifest.read_text())["tokens"]
     assert load_snapshot(reopened, tmp_path, "chat", [*stored, 1]) == len(stored)
+
+
+def test_snapshots_set_aside_count_against_the_budget_and_go_first(models, tmp_path):
+    from engine.snapshots.manifest import SET_ASIDE
+
+    old = _session(models["llama"])
+    _ingest(old, _user(DOC))
+    _reseal(save_snapshot(old, tmp_path, "old"), lambda m: m.update(version=1))
+    with pytest.raises(SnapshotRejected):
+        load_snapshot(_session(models["llama"]), tmp_path, "old", [*old.tokens, 1])
+    aside = tmp_path / SET_ASIDE
+    store = SnapshotStore(tmp_path)  # its start-up sweep leaves the set-aside folder alone
+    aside_bytes = sum(p.stat().st_size for p in aside.iterdir())
+    assert aside_bytes > 0 and store.total_bytes() == aside_bytes
+    live = _session(models["llama"])
+    _ingest(live, _user(QUESTION))
+    store.save(live, "live")
+    assert store.total_bytes() > aside_bytes
+    # A budget that holds the live snapshot alone: the set-aside one goes, not it.
+    assert store.set_budget(store.total_bytes() - aside_bytes) == []
+    assert list(aside.iterdir()) == [] and store.info("live") is not None
+    _reseal(tmp_path / "live.json", lambda m: m.update(version=1))
+    with pytest.raises(SnapshotRejected):
+        load_snapshot(_session(models["llama"]), tmp_path, "live", [*live.tokens, 1])
+    store.clear()
+    assert not aside.exists() and list(tmp_path.iterdir()) == []
