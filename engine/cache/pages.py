@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import kvquant
+from engine.cache.modes import MODES
 from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 
 # Slabs double a layer's capacity up to this many bytes, then add half the
@@ -40,7 +41,6 @@ from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 MAX_SLAB_BYTES = 32 * 2**20
 MIN_SLAB_PAGES = 4
 PREFILL_SCRATCH_BYTES = 256 * 2**20
-_MODES_BY_QUALITY = ("fp16", "q8", "q6", "q4")
 
 
 @dataclass(frozen=True)
@@ -468,7 +468,7 @@ class PagePool:
     def _exceeded(self, tokens: int) -> KvBudgetExceeded:
         fit = self.tokens_fit()
         suggestion = None
-        for mode in _MODES_BY_QUALITY[_MODES_BY_QUALITY.index(self.mode) + 1 :]:
+        for mode in MODES[MODES.index(self.mode) + 1 :]:
             try:
                 if self.tokens_fit(mode) >= tokens:
                     suggestion = mode

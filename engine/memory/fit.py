@@ -17,11 +17,11 @@ from mlx.utils import tree_flatten
 from engine.cache import kvquant
 from engine.cache.attention import streams
 from engine.cache.attention.scratch import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
+from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.memory.guard import MemoryGuard, default_headroom, human_bytes
 
-MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
 # Per chunk token, the arrays one layer keeps alive at once (the layers run one after
 # another): the residual, its norm, the attention output and its projection
 # (hidden-wide), queries, keys and values, and the MLP's gate, up and their product.
