@@ -20,7 +20,8 @@ from engine.cache.attention.scratch import PREFILL_SCRATCH_BYTES, chunk_scratch_
 from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
-from engine.memory.guard import MemoryGuard, default_headroom, human_bytes
+from engine.format import human_bytes
+from engine.memory.guard import MemoryGuard, default_headroom
 
 # Per chunk token, the arrays one layer keeps alive at once (the layers run one after
 # another): the residual, its norm, the attention output and its projection

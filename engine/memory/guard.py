@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from engine.errors import EngineError, InsufficientMemory, MemoryPressure
+from engine.format import human_bytes
 from engine.memory.stats import pressure_level
 
 GIB = 2**30
@@ -71,15 +72,6 @@ def default_headroom(total_bytes: int) -> int:
 def default_floor(total_bytes: int) -> int:
     """Available bytes below which memory counts as critical."""
     return max(MIN_FLOOR, int(total_bytes * FLOOR_SHARE))
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes as KiB, MiB or GiB, the unit a user reads at a glance."""
-    if abs(n) < MIB:
-        return f"{n / 1024:.1f} KiB"
-    if abs(n) < GIB:
-        return f"{n / MIB:.1f} MiB"
-    return f"{n / GIB:.2f} GiB"
 
 
 class MemoryGuard:

@@ -121,7 +121,7 @@ def test_the_prefill_transient_must_fit_free_ram_beside_the_pages() -> None:
     assert not report.fits and report.suggested_mode == "q4"
     page = kvquant.project_kv_bytes(16, 4, 256, 256, "q6")
     assert report.for_mode("q6").tokens_fit_ram == (available - 512 * MIB) // page * 256
-    assert "after the safety headroom and 512.0 MiB for reading it in" in report.message()
+    assert "after the safety headroom and 512.0 MB for reading it in" in report.message()
 
 
 @pytest.fixture(scope="module")
