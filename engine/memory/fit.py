@@ -16,9 +16,10 @@ from mlx.utils import tree_flatten
 
 from engine.cache import kvquant
 from engine.cache.attention import streams
-from engine.cache.attention.scratch import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
+from engine.cache.attention.scratch import chunk_scratch_bytes
 from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.format import human_bytes
 from engine.memory.guard import MemoryGuard, default_headroom

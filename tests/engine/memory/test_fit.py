@@ -12,8 +12,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load
 
 from engine.cache import kvquant
+from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong
-from engine.memory.fit import MODES, PREFILL_SCRATCH_BYTES, PrefillFacts, fit_report, prefill_facts
+from engine.memory.fit import MODES, PrefillFacts, fit_report, prefill_facts
 from engine.session.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
 
