@@ -267,15 +267,18 @@ class Session(ChunkedPrefill):
 
     # -- limits ------------------------------------------------------------
 
+    def fit_inputs(self) -> fit.FitInputs:
+        """What a fit check of this session needs, as frozen values (engine thread)."""
+        held = int(self.stats().bytes_allocated) if self.cache else 0
+        return fit.FitInputs(
+            self.facts, self.page_size, self.guard.view(), prefill=self.prefill_facts,
+            chunk_tokens=self.smallest_chunk, session_id=self.session_id,
+            session_mode=self.mode, session_bytes_allocated=held,
+        )
+
     def fit_report(self, token_count: int) -> fit.FitReport:
         """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
-        held = self.stats() if self.cache else None
-        return fit.guarded_fit_report(
-            self.guard, self.facts, token_count, self.page_size, session_id=self.session_id,
-            session_mode=self.mode,
-            session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
-            prefill=self.prefill_facts, chunk_tokens=self.smallest_chunk,
-        )
+        return fit.guarded_fit_report(self.fit_inputs(), self.guard.read(), token_count)
 
     @property
     def smallest_chunk(self) -> int:
