@@ -1,4 +1,4 @@
-"""KV row quantization: the storage format of the paged cache (issue 3, section 1).
+"""KV row quantization: the storage format of the paged cache.
 
 One symmetric quantizer serves every quantized mode: per row (one token of one KV
 head, ``head_dim`` values) ``scale = max|row| / qmax`` stored as float16, and

@@ -12,7 +12,7 @@ The :class:`PagePool` owns the byte budget of one session's layers. It reserves
 pages for all of them at once, so running out of budget raises before any layer
 has changed.
 
-Sessions that start with the same tokens share pages (issue 13): their pools
+Sessions that start with the same tokens share pages: their pools
 :meth:`PagePool.join` one group and point into the same stores, where each slot
 counts the block tables that hold it. A slot goes back to the free list when the
 last one gives it back; a shared slot is never written (the holder that writes

@@ -25,7 +25,7 @@ from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.format import human_bytes
-from engine.memory.guard import BudgetView, MemoryReading, default_headroom
+from engine.memory.guard import BudgetView, MemoryReading
 
 # Per chunk token, the arrays one layer keeps alive at once (the layers run one after
 # another): the residual, its norm, the attention output and its projection
@@ -33,12 +33,6 @@ from engine.memory.guard import BudgetView, MemoryReading, default_headroom
 # The vocabulary projection is not among them: prefill evaluates the cache only.
 _HIDDEN_COPIES = 4
 _MLP_COPIES = 3
-
-
-def ram_headroom(total: int) -> int:
-    """Bytes of RAM the KV cache must leave free on a machine with ``total`` bytes."""
-    # One rule for the whole engine: the memory guard's default headroom.
-    return default_headroom(total)
 
 
 @dataclass(frozen=True)
