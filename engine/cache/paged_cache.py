@@ -14,7 +14,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from engine.cache import kvquant
-from engine.cache.pages import PageBlock, PagePool, PageStore, blocks_of
+from engine.cache.attention.blocks import PageBlock, blocks_of
+from engine.cache.pages import PagePool, PageStore
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
 

@@ -18,8 +18,8 @@ import mlx.core as mx
 
 from engine.cache import kvquant
 from engine.cache.attention import scratch, streams
+from engine.cache.attention.blocks import PageBlock
 from engine.cache.attention.query_view import QueryView, masked, page_positions
-from engine.cache.pages import PageBlock
 
 
 def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
