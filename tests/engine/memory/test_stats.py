@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
 
+from engine.cache.adapter import CacheStats, LayerStats
 from engine.events import LayerPages, StatsSample
 from engine.memory.stats import (
     MemorySnapshot,
@@ -18,27 +19,12 @@ from engine.memory.stats import (
 )
 
 
-@dataclass
-class FakeLayer:
-    layer: int
-    pages_in_use: int
-    tokens: int
-    bytes_used: int
-
-
-@dataclass
-class FakeCacheStats:
-    mode: str = "q6"
-    page_size: int = 256
-    tokens: int = 300
-    pages_in_use: int = 4
-    pages_allocated: int = 6
-    pages_free: int = 2
-    last_page_fill: float = 44 / 256
-    bytes_used: int = 1000
-    bytes_allocated: int = 1500
-    budget_bytes: int | None = None
-    layers: tuple = (FakeLayer(0, 2, 300, 500), FakeLayer(1, 2, 300, 500))
+def cache_stats(**changes) -> CacheStats:
+    layers = (LayerStats(0, 2, 300, 500), LayerStats(1, 2, 300, 500))
+    stats = CacheStats(mode="q6", page_size=256, tokens=300, pages_in_use=4, pages_allocated=6,
+                       pages_free=2, last_page_fill=44 / 256, bytes_used=1000,
+                       bytes_allocated=1500, budget_bytes=None, layers=layers)
+    return dataclasses.replace(stats, **changes)
 
 
 def test_memory_snapshot_is_plausible() -> None:
@@ -64,7 +50,7 @@ def test_pressure_level_on_macos() -> None:
 
 def test_stats_sample_copies_cache_and_memory_fields() -> None:
     memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, "normal")
-    sample = stats_sample("s1", FakeCacheStats(), memory)
+    sample = stats_sample("s1", cache_stats(), memory)
     assert isinstance(sample, StatsSample)
     assert (sample.session_id, sample.kv_mode, sample.tokens_in_context) == ("s1", "q6", 300)
     assert (sample.kv_bytes_used, sample.kv_bytes_allocated) == (1000, 1500)
@@ -80,7 +66,7 @@ def test_stats_sample_copies_cache_and_memory_fields() -> None:
 
 def test_stats_sample_carries_the_predicted_prefill_peak() -> None:
     memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
-    sample = stats_sample("s1", FakeCacheStats(), memory, prefill_peak_bytes=3 * 2**30,
+    sample = stats_sample("s1", cache_stats(), memory, prefill_peak_bytes=3 * 2**30,
                           checkpoint_bytes=5 * 2**20)
     assert sample.prefill_peak_bytes == 3 * 2**30 and sample.kv_bytes_allocated == 1500
     assert sample.checkpoint_bytes == 5 * 2**20
@@ -109,11 +95,10 @@ def test_stats_sample_carries_the_layers_outside_the_pages() -> None:
     from engine.cache.other_layers import OtherLayers
 
     memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
-    cache = FakeCacheStats()
-    cache.other_bytes = 20 * 2**20
+    cache = cache_stats(other_bytes=20 * 2**20)
     sample = stats_sample("s1", cache, memory,
                           other_layers=OtherLayers(24 * 2**20, "sliding windows"))
     assert sample.other_cache_bytes == 20 * 2**20
     assert sample.other_cache_bound_bytes == 24 * 2**20
     assert sample.other_cache_kinds == "sliding windows"
-    assert stats_sample("s1", FakeCacheStats(), memory).other_cache_kinds == ""
+    assert stats_sample("s1", cache_stats(), memory).other_cache_kinds == ""
