@@ -1,7 +1,7 @@
-"""Cheap snapshots of KV pages, MLX memory and system memory.
+"""Cheap samples of KV pages, MLX memory and system memory.
 
 Nothing here evaluates an MLX graph: the MLX counters are allocator reads and
-the page numbers come from ``engine.cache.adapter.cache_stats``, so a snapshot is safe
+the page numbers come from ``engine.cache.adapter.cache_stats``, so a sample is safe
 to take several times a second while a model is generating.
 """
 
@@ -27,7 +27,7 @@ _libc: Any = None
 
 
 @dataclass(frozen=True)
-class MemorySnapshot:
+class MemoryUsage:
     """MLX, process and system memory at one instant, in bytes."""
 
     mlx_active_bytes: int
@@ -81,9 +81,9 @@ def system_readings() -> dict[str, Any]:
     }
 
 
-def memory_snapshot() -> MemorySnapshot:
+def memory_usage() -> MemoryUsage:
     """Return MLX allocator counters plus psutil's process and system memory."""
-    return MemorySnapshot(
+    return MemoryUsage(
         mlx_active_bytes=int(mx.get_active_memory()),
         mlx_peak_bytes=int(mx.get_peak_memory()),
         mlx_cache_bytes=int(mx.get_cache_memory()),
@@ -122,7 +122,7 @@ def _kv_fields(cache: CacheStats | None) -> dict[str, Any]:
 def stats_sample(
     session_id: str | None,
     cache_stats: CacheStats | None,
-    memory: MemorySnapshot | None = None,
+    memory: MemoryUsage | None = None,
     prefill_peak_bytes: int = 0,
     checkpoint_bytes: int = 0,
     other_layers: OtherLayers | None = None,
@@ -132,14 +132,14 @@ def stats_sample(
     Args:
         session_id: the session the pages belong to, or None when idle.
         cache_stats: ``engine.cache.adapter.CacheStats`` of that session, or None.
-        memory: a snapshot to use; taken now when None.
+        memory: the memory usage to use; read now when None.
         prefill_peak_bytes: the session's predicted prefill peak
             (``Session.prefill_peak_bytes``), or 0.
         checkpoint_bytes: bytes of the session's checkpoints, or 0.
         other_layers: the session's ``engine.cache.other_layers.OtherLayers``: the
             bound its budget keeps for the layers outside the pages, and their kinds.
     """
-    memory = memory or memory_snapshot()
+    memory = memory or memory_usage()
     others = other_layers or OtherLayers()
     return StatsSample(
         session_id=session_id,
@@ -162,10 +162,10 @@ def stats_sample(
 
 
 class StatsThrottle:
-    """Says when the next snapshot is due, so callers emit at a steady rate.
+    """Says when the next sample is due, so callers emit at a steady rate.
 
     Args:
-        interval: seconds between snapshots; 0.25 gives 4 Hz, comfortably above
+        interval: seconds between samples; 0.25 gives 4 Hz, comfortably above
             the 2 Hz the live panel needs.
         clock: monotonic clock, injectable for tests.
     """
@@ -176,7 +176,7 @@ class StatsThrottle:
         self._last: float | None = None
 
     def due(self) -> bool:
-        """Return True (and restart the interval) when a snapshot is due."""
+        """Return True (and restart the interval) when a sample is due."""
         now = self._clock()
         if self._last is not None and now - self._last < self.interval:
             return False

@@ -164,12 +164,12 @@ def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
     from dataclasses import replace
 
     from app.memory.panel import MemoryPanel
-    from engine.memory.stats import MemorySnapshot, stats_sample
+    from engine.memory.stats import MemoryUsage, stats_sample
 
     panel = MemoryPanel()
     qtbot.addWidget(panel)
     panel.set_session("Notes", "q6", "held", "s1")
-    plain = stats_sample("s1", None, MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None))
+    plain = stats_sample("s1", None, MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None))
     panel.update_sample(plain, 0)
     assert "Other layers" not in panel.kv_label.text()
     windows = replace(plain, other_cache_bytes=20 << 20, other_cache_bound_bytes=24 << 20,

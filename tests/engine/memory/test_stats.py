@@ -11,9 +11,9 @@ import pytest
 from engine.cache.adapter import CacheStats, LayerStats
 from engine.events import LayerPages, StatsSample
 from engine.memory.stats import (
-    MemorySnapshot,
+    MemoryUsage,
     StatsThrottle,
-    memory_snapshot,
+    memory_usage,
     pressure_level,
     stats_sample,
 )
@@ -27,9 +27,9 @@ def cache_stats(**changes) -> CacheStats:
     return dataclasses.replace(stats, **changes)
 
 
-def test_memory_snapshot_is_plausible() -> None:
+def test_memory_usage_is_plausible() -> None:
     mx.eval(mx.ones((256, 256)))
-    snap = memory_snapshot()
+    snap = memory_usage()
     assert snap.system_total_bytes > 0
     assert 0 <= snap.system_available_bytes <= snap.system_total_bytes
     assert 0.0 <= snap.system_used_percent <= 100.0
@@ -49,7 +49,7 @@ def test_pressure_level_on_macos() -> None:
 
 
 def test_stats_sample_copies_cache_and_memory_fields() -> None:
-    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, "normal")
+    memory = MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, "normal")
     sample = stats_sample("s1", cache_stats(), memory)
     assert isinstance(sample, StatsSample)
     assert (sample.session_id, sample.kv_mode, sample.tokens_in_context) == ("s1", "q6", 300)
@@ -65,7 +65,7 @@ def test_stats_sample_copies_cache_and_memory_fields() -> None:
 
 
 def test_stats_sample_carries_the_predicted_prefill_peak() -> None:
-    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    memory = MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None)
     sample = stats_sample("s1", cache_stats(), memory, prefill_peak_bytes=3 * 2**30,
                           checkpoint_bytes=5 * 2**20)
     assert sample.prefill_peak_bytes == 3 * 2**30 and sample.kv_bytes_allocated == 1500
@@ -94,7 +94,7 @@ def test_throttle_is_due_once_per_interval() -> None:
 def test_stats_sample_carries_the_layers_outside_the_pages() -> None:
     from engine.cache.other_layers import OtherLayers
 
-    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    memory = MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None)
     cache = cache_stats(other_bytes=20 * 2**20)
     sample = stats_sample("s1", cache, memory,
                           other_layers=OtherLayers(24 * 2**20, "sliding windows"))
