@@ -43,7 +43,6 @@ from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files, tensors
 from engine.snapshots.fingerprint import session_fingerprint, session_model_dir
 from engine.snapshots.layers import (
-    MODES_BY_PRECISION,
     LayerMismatch,
     can_convert,
     capture,
@@ -267,8 +266,7 @@ def _check_shape(manifest: dict[str, Any]) -> None:
     tokens = manifest["tokens"]
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens) or not tokens:
         raise ValueError("its token ids are not a list of integers")
-    if kvquant.normalize_mode(manifest["mode"]) not in MODES_BY_PRECISION:
-        raise ValueError(f"unknown mode {manifest['mode']!r}")
+    kvquant.normalize_mode(manifest["mode"])  # raises for a mode this version lacks
     page_size = manifest["page_size"]
     if type(page_size) is not int or page_size <= 0:
         raise ValueError(f"page size {page_size!r}")
