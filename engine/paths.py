@@ -114,14 +114,28 @@ def use_private_temp_dir() -> Path:
     """Point ``TMPDIR`` (this process and every child it starts) at :func:`temp_dir`.
 
     Call before MLX is first imported: it looks its kernel folder up through the
-    C++ temp-directory lookup, which reads ``TMPDIR``.
+    C++ temp-directory lookup, which reads ``TMPDIR``. When that folder cannot be
+    made (a read-only or foreign cache folder), a fresh ``mkdtemp`` folder (0700,
+    an unguessable name, so nobody can have planted anything in it) stands in and
+    is removed when the process exits.
 
     Returns:
         The folder.
     """
-    path = temp_dir()
-    os.environ["TMPDIR"] = str(path)
     import tempfile
 
+    try:
+        path = temp_dir()
+    except OSError as error:
+        import atexit
+        import logging
+        import shutil
+
+        path = Path(tempfile.mkdtemp(prefix="longleaf-"))
+        atexit.register(shutil.rmtree, path, True)
+        logging.getLogger(__name__).warning(
+            "no private temp folder in Longleaf's cache folder (%s); using %s until exit",
+            error, path)
+    os.environ["TMPDIR"] = str(path)
     tempfile.tempdir = None  # Python's own temp files follow on their next use
     return path

@@ -89,7 +89,8 @@ def _file_digests(files: list[Path]) -> list[dict[str, Any]]:
         known = _known.get(resolved)
         if known is None or known[0] != key:
             if cached is None:
-                cached = _read_cache().get("files", {})
+                cached = _read_cache().get("files")
+                cached = cached if isinstance(cached, dict) else {}
             entry = cached.get(resolved)
             if isinstance(entry, dict) and entry.get("key") == key:
                 known = (key, str(entry["blake3"]))

@@ -91,3 +91,21 @@ def test_the_test_suite_itself_runs_with_a_private_tmpdir() -> None:
     assert stat.S_IMODE(tmpdir.stat().st_mode) == 0o700
     assert tmpdir.stat().st_uid == os.getuid()
     assert tmpdir.name == "tmp" and tmpdir.parent.name == "cache"
+
+
+def test_an_unusable_cache_folder_falls_back_to_a_fresh_private_folder(tmp_path: Path) -> None:
+    shared_tmp = tmp_path / "shared-tmp"
+    shared_tmp.mkdir()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")  # LONGLEAF_HOME below a file: nothing can be made
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import os, stat, engine; t = os.environ['TMPDIR']; s = os.stat(t);"
+         "print(t, oct(stat.S_IMODE(s.st_mode)), s.st_uid == os.getuid())"],
+        env=_child_env(shared_tmp, blocker / "home"), capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    folder, mode, mine = result.stdout.split()
+    assert Path(folder).parent == shared_tmp and Path(folder).name.startswith("longleaf-")
+    assert (mode, mine) == ("0o700", "True")
+    assert list(shared_tmp.iterdir()) == []  # removed at exit
