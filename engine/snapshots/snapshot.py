@@ -233,7 +233,15 @@ def _check_compatible(
             reason="format",
         )
     stored_model = manifest.get("model") or {}
-    if stored_model.get("digest") != session_fingerprint(session)["digest"]:
+    try:
+        digest = session_fingerprint(session)["digest"]
+    except EngineError as error:  # this model's files, not the snapshot, are the problem
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} cannot be checked against this model ({error}); it is "
+            "kept, and the conversation is read again.",
+            reason="model",
+        ) from error
+    if stored_model.get("digest") != digest:
         same_name = stored_model.get("name") == session_model_dir(session).name
         raise _set_aside(
             directory, name,

@@ -185,3 +185,15 @@ def test_snapshots_set_aside_count_against_the_budget_and_go_first(models, tmp_p
         load_snapshot(_session(models["llama"]), tmp_path, "live", [*live.tokens, 1])
     store.clear()
     assert not aside.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_model_that_cannot_be_fingerprinted_keeps_the_snapshot(models, tmp_path):
+    stored = _session(models["llama"])
+    _ingest(stored, _user(DOC))
+    manifest = save_snapshot(stored, tmp_path, "chat")
+    reopened = _session(models["llama"])
+    reopened.model_dir = tmp_path / "gone"  # its weights cannot be read now
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(reopened, tmp_path, "chat", [*stored.tokens, 1])
+    assert caught.value.reason == "model" and not (caught.value.removed or caught.value.set_aside)
+    assert manifest.exists() and reopened.tokens == []
