@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ import pytest
 _RUN_HOME = Path(tempfile.mkdtemp(prefix="longleaf-tests-"))
 _PREVIOUS_HOME = os.environ.get("LONGLEAF_HOME")
 os.environ["LONGLEAF_HOME"] = str(_RUN_HOME)
+# Also when the run stops before pytest_unconfigure (a conftest that fails to import).
+atexit.register(shutil.rmtree, _RUN_HOME, True)
 
 
 @pytest.fixture(autouse=True)
