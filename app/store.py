@@ -142,18 +142,25 @@ class HistoryOpened:
     unsaved: str = ""
 
 
-def open_history(path: Path | None = None) -> tuple[HistoryStore, HistoryOpened]:
+def open_history(path: Path | None = None,
+                 writable: bool = True) -> tuple[HistoryStore, HistoryOpened]:
     """Open the history whatever state its file and folder are in; never raises.
 
     A damaged database is moved aside and what SQLite can still read of it is
     copied into a fresh one. A folder that cannot be written (read-only, full,
     missing) gives a history in memory holding what could be read: it works for
     this run, and ``HistoryOpened.unsaved`` says nothing of it will be kept.
+    ``writable=False`` (the data folder's lock could not be taken) does the same.
     """
     try:
         path = path or default_path()
     except OSError as error:  # the data folder itself cannot be made or fixed
         return _in_memory(None, _unwritable(None, error))
+    if not writable:
+        return _in_memory(path, (
+            f"Longleaf could not lock its data folder {path.parent}, so it cannot rule out "
+            "another Longleaf writing the same history: your chats are shown, but nothing "
+            "of this session will be saved."))
     try:
         return HistoryStore(path), HistoryOpened()
     except sqlite3.DatabaseError as error:

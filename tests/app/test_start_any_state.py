@@ -1,0 +1,63 @@
+"""The window opens whatever state the data folder is in, and says what happened."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+from app.__main__ import build_window
+from app.store import HistoryStore, default_path
+from tests.app.conftest import MODEL_LOAD_TIMEOUT_MS, close_window
+
+
+def _open(qtbot, model: Path):
+    window = build_window(str(model))
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: window.controller.model_ready, timeout=MODEL_LOAD_TIMEOUT_MS)
+    return window
+
+
+def test_a_damaged_history_opens_the_window_with_a_banner(qtbot, tiny_llama, capfd) -> None:
+    path = default_path()
+    store = HistoryStore(path)
+    for c in range(6):
+        record = store.create_session(f"chat {c}", "q8", "demo")
+        for m in range(20):
+            store.add_message(record.id, "user", f"message {m} " + "text " * 400)
+    store.close()
+    with sqlite3.connect(path) as db:
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[(pages // 2) * 4096:(pages // 2 + 1) * 4096] = os.urandom(4096)
+    path.write_bytes(bytes(data))
+    window = _open(qtbot, tiny_llama)
+    try:
+        text = window.banner.label.text()
+        assert window.banner.isVisible() and "damaged" in text and "6 chats" in text
+        (damaged,) = path.parent.glob("history.damaged-*.sqlite3")
+        assert str(damaged) in text and damaged.read_bytes() == bytes(data)
+        assert len(window.controller.store.sessions()) == 6
+    finally:
+        close_window(window)
+    assert "Traceback" not in "".join(capfd.readouterr())
+
+
+def test_an_unusable_data_folder_opens_the_window_with_a_message(qtbot, tiny_llama, tmp_path,
+                                                                 monkeypatch, capfd) -> None:
+    # Tests run as root, where a 0500 folder can still be written: a data folder
+    # under a file is one no one can create or write.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LONGLEAF_HOME", str(blocker / "longleaf"))
+    monkeypatch.setenv("LONGLEAF_CONFIG_HOME", str(tmp_path / "config"))
+    window = _open(qtbot, tiny_llama)
+    try:
+        text = window.banner.label.text()
+        assert window.banner.isVisible() and "cannot write" in text and "saved" in text
+        window.controller.new_session()  # the history works, in memory
+        assert window.controller.store.sessions()
+    finally:
+        close_window(window)
+    assert "Traceback" not in "".join(capfd.readouterr())
