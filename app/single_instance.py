@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -28,13 +30,18 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 def socket_name(folder: Path) -> str:
     """The local socket of the app that holds ``folder``: a path inside it when short
-    enough for a Unix socket, else a per-user runtime folder (never the shared /tmp)."""
+    enough for a Unix socket, else the user's own runtime folder (never the shared
+    /tmp, where Qt would put a bare name)."""
     inside = folder / SOCKET_NAME
     if len(str(inside).encode()) <= MAX_SOCKET_PATH:
         return str(inside)
-    runtime = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.RuntimeLocation)
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or (
+        QStandardPaths.writableLocation(QStandardPaths.StandardLocation.RuntimeLocation)
+        if sys.platform == "darwin" else "")
+    if not runtime:
+        return str(inside)  # too long to listen on: a second launch then waits and says so
     digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-    return str(Path(runtime or folder) / f"longleaf-{digest}.sock")
+    return str(Path(runtime) / f"longleaf-{digest}.sock")
 
 
 class InstanceLock(QObject):
@@ -55,7 +62,11 @@ class InstanceLock(QObject):
 
     def acquire(self) -> bool:
         """Take the lock now if no live process holds it; True when this one does."""
-        return self._lock.tryLock(0)
+        if not self._lock.tryLock(0):
+            return False
+        # QLockFile leaves the umask's mode; everything in the data folder is user-only.
+        os.chmod(self.folder / LOCK_NAME, 0o600)
+        return True
 
     def held_elsewhere(self) -> bool:
         """After a failed ``acquire``: True when another live process holds the lock
