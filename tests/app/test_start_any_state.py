@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 from pathlib import Path
 
 from app.__main__ import build_window
@@ -27,10 +26,9 @@ def test_a_damaged_history_opens_the_window_with_a_banner(qtbot, tiny_llama, cap
         for m in range(20):
             store.add_message(record.id, "user", f"message {m} " + "text " * 400)
     store.close()
-    with sqlite3.connect(path) as db:
-        pages = db.execute("PRAGMA page_count").fetchone()[0]
     data = bytearray(path.read_bytes())
-    data[(pages // 2) * 4096:(pages // 2 + 1) * 4096] = os.urandom(4096)
+    leaf = data.index(b"message 10 ") // 4096  # a leaf of the messages table
+    data[leaf * 4096:(leaf + 1) * 4096] = os.urandom(4096)
     path.write_bytes(bytes(data))
     window = _open(qtbot, tiny_llama)
     try:
