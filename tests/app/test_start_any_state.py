@@ -59,3 +59,18 @@ def test_an_unusable_data_folder_opens_the_window_with_a_message(qtbot, tiny_lla
     finally:
         close_window(window)
     assert "Traceback" not in "".join(capfd.readouterr())
+
+
+def test_the_demo_in_an_unusable_data_folder_fails_with_a_message(qtbot, tmp_path, monkeypatch,
+                                                                  capfd) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LONGLEAF_HOME", str(blocker / "longleaf"))
+    monkeypatch.setenv("LONGLEAF_CONFIG_HOME", str(tmp_path / "config"))
+    window = build_window("demo")
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: "demo model is converted" in window.banner.label.text(),
+                    timeout=MODEL_LOAD_TIMEOUT_MS)
+    close_window(window)
+    assert "Traceback" not in "".join(capfd.readouterr())
