@@ -47,14 +47,16 @@ def build_window(model: str | None = None, owns_data: bool = True):
     controller = ChatController(settings, store, bridge)
     window = MainWindow(controller)
     controller.start(model)
-    notes = [history_note(opened)] if history_note(opened) else []
-    if controller.recovered:
+    about_history = history_note(opened)
+    notes = [about_history] if about_history else []
+    # Without the lock, "streaming" answers may be another Longleaf's live ones.
+    if controller.recovered and owns_data:
         notes.append(
             f"Longleaf quit unexpectedly last time; {controller.recovered} unfinished answer"
             f"{'s were' if controller.recovered != 1 else ' was'} kept and marked interrupted.")
     if notes:
-        window.banner.show_message(" ".join(notes), "error" if len(notes) > 1 or
-                                   not controller.recovered else "info")
+        # A damaged or unsaved history stays on screen until dismissed.
+        window.banner.show_message(" ".join(notes), "error" if about_history else "info")
     return window
 
 
@@ -125,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     lock, code = take_data_folder(args.files)
     if code is not None:
         return code
+    if lock is not None:
+        # Listening at once: a launch meanwhile connects, and its files are read
+        # once the event loop runs, after the window below exists.
+        lock.listen()
     # No lock and a data folder: it could not hold a lock file; write nothing to it.
     window = build_window(args.model, owns_data=lock is not None or not _has_data_folder())
     if lock is not None:
         lock.filesReceived.connect(lambda paths: bring_files(window, paths))
-        lock.listen()
     window.show()
     if args.files:
         window.add_files(args.files)
