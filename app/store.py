@@ -251,7 +251,7 @@ class HistoryStore:
     def recover_from(self, source: Path) -> Recovered:
         """Copy what can be read of the database ``source`` into this (empty) history."""
         try:
-            db = sqlite3.connect(f"{source.resolve().as_uri()}?mode=ro", uri=True)
+            db = _read_only(source)
         except sqlite3.Error as error:
             log.warning("nothing could be read from %s: %s", source, error)
             return Recovered(0, 0, 0)
@@ -448,6 +448,25 @@ class HistoryStore:
     def integrity_check(self) -> str:
         """SQLite's own integrity check ("ok" when the file is sound)."""
         return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def _read_only(source: Path) -> sqlite3.Connection:
+    """A read-only connection to ``source``, also in a folder that cannot be written.
+
+    A WAL database opened read-only needs its -shm file, which SQLite cannot create
+    in a read-only folder; ``immutable`` reads the file as it is instead (a
+    cleanly closed history has nothing in a WAL file to miss).
+    """
+    uri = source.resolve().as_uri()
+    db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
+    try:
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.DatabaseError as error:
+        db.close()
+        if _code(error) in _CORRUPT_CODES:
+            return sqlite3.connect(f"{uri}?mode=ro", uri=True)  # recovery reads around it
+    return sqlite3.connect(f"{uri}?immutable=1", uri=True)
 
 
 def _receipt(text: str) -> QualityReceipt | None:
