@@ -9,8 +9,10 @@ crash loses at most the last second of it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
 import sqlite3
 import time
 import uuid
@@ -156,6 +158,8 @@ def open_history(path: Path | None = None,
         path = path or default_path()
     except OSError as error:  # the data folder itself cannot be made or fixed
         return _in_memory(None, _unwritable(None, error))
+    if not writable and not os.access(path.parent, os.W_OK):
+        return _in_memory(path, _unwritable(path, OSError(errno.EROFS, "it is read-only")))
     if not writable:
         return _in_memory(path, (
             f"Longleaf could not lock its data folder {path.parent}, so it cannot rule out "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from app.__main__ import build_window
 from app.store import HistoryStore, default_path
 from tests.app.conftest import MODEL_LOAD_TIMEOUT_MS, close_window
@@ -73,4 +75,51 @@ def test_the_demo_in_an_unusable_data_folder_fails_with_a_message(qtbot, tmp_pat
     qtbot.waitUntil(lambda: "demo model is converted" in window.banner.label.text(),
                     timeout=MODEL_LOAD_TIMEOUT_MS)
     close_window(window)
+    assert "Traceback" not in "".join(capfd.readouterr())
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A real read-only file system (a tmpfs remounted ro), where the test can mount one."""
+    import subprocess
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("this machine does not let the test mount a file system")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_read_only_file_system_opens_the_window_with_the_history(
+        qtbot, tiny_llama, read_only_mount, tmp_path, monkeypatch, capfd) -> None:
+    import subprocess
+
+    from app.__main__ import take_data_folder
+
+    home = read_only_mount / "longleaf"
+    monkeypatch.setenv("LONGLEAF_HOME", str(home))
+    monkeypatch.setenv("LONGLEAF_CONFIG_HOME", str(tmp_path / "config"))
+    store = HistoryStore()
+    record = store.create_session("kept", "q8", "demo")
+    store.add_message(record.id, "user", "what I wrote")
+    store.close()
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_mount)], check=True)
+    lock, code = take_data_folder([])
+    assert (lock, code) == (None, None)  # no lock file can be made: open without one
+    window = build_window(str(tiny_llama), owns_data=False)
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: window.controller.model_ready, timeout=MODEL_LOAD_TIMEOUT_MS)
+    try:
+        text = window.banner.label.text()
+        assert "cannot write" in text and "read-only" in text
+        (shown,) = window.controller.store.sessions()
+        assert shown.title == "kept"
+        assert [m.content for m in window.controller.store.messages(shown.id)] == ["what I wrote"]
+    finally:
+        close_window(window)
     assert "Traceback" not in "".join(capfd.readouterr())
