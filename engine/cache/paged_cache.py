@@ -45,6 +45,10 @@ class PagedKVCache(_BaseCache):
             self.store = pool.add_store(kv_heads, head_dim, holder=self)
         self.block_table: list[int] = []
         self.offset = 0
+        # mlx-lm's pipelined forward makes the stage's send depend on the last
+        # layer's ``keys`` (``cache.keys = mx.depends(cache.keys, h)``); what it
+        # sets here is evaluated with the pages (``adapter.eval_targets``).
+        self._dependency: mx.array | None = None
         # An orthonormal transform applied to every key and value row before it is
         # quantized (``engine.cache.rotation``); attention then works in the rotated
         # basis: queries rotated in, the output rotated back. None: rows as given.
@@ -54,6 +58,20 @@ class PagedKVCache(_BaseCache):
         # the cache in constant time instead of comparing the whole table.
         self._table_version = 0
         self._groups: tuple[tuple[int, int], list[Any], dict[int, list[PageBlock]]] | None = None
+
+    @property
+    def keys(self) -> mx.array:
+        """mlx-lm's pipeline hook: an array the stage's send is made to depend on."""
+        return mx.zeros((0,)) if self._dependency is None else self._dependency
+
+    @keys.setter
+    def keys(self, value: mx.array | None) -> None:
+        self._dependency = value
+
+    @property
+    def pipeline_dependency(self) -> mx.array | None:
+        """What a pipeline stage's forward made depend on this layer (None: nothing)."""
+        return self._dependency
 
     # -- writing -------------------------------------------------------------
 
