@@ -116,6 +116,8 @@ class FitChecker(QObject):
 
     def run(self) -> None:
         """Compute and show the fit line."""
+        if self.controller.closed:  # a check scheduled just before the window closed
+            return
         prompt, estimated = self.prompt_tokens()
         answer = self.controller.settings.sampling.max_tokens
         total = self.context_tokens() + prompt + answer

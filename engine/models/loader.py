@@ -92,8 +92,8 @@ def load_model(
         raise invalid_config_error(folder, config, error) from error
     except (ValueError, RuntimeError, KeyError, OSError) as error:
         raise ModelLoadError(
-            f"mlx-lm could not load the weights in {folder}: {error}. The files may be "
-            "incomplete or from a different model; download the model again."
+            f"mlx-lm could not load the weights in {folder}: {_summarized(error)}. The "
+            "files may be incomplete or from a different model; download the model again."
         ) from error
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
@@ -109,6 +109,20 @@ def load_model(
     info = build_model_info(folder, config, kinds, count_parameters(config, shapes))
     result = _probe(model, info) if probe else None
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, config=config, probe=result)
+
+
+def _summarized(error: Exception, shown: int = 3) -> str:
+    """A load error cut to its first line and the first ``shown`` names it lists.
+
+    MLX lists every missing or unexpected parameter, one per line; a folder that
+    lacks thousands of them would otherwise give a message of megabytes.
+    """
+    first, *rest = str(error).splitlines() or [type(error).__name__]
+    names = [line.strip().rstrip(",.") for line in rest if line.strip()]
+    if not names:
+        return first if len(first) <= 500 else first[:499] + "…"
+    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+    return f"{first.rstrip(': ')} ({', '.join(names[:shown])}{more})"
 
 
 def _probe(model: Any, info: ModelInfo) -> ProbeResult:

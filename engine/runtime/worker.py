@@ -215,7 +215,14 @@ class EngineWorker:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
 
         ``keep``: store its KV first, to reopen it later (False: the chat is deleted).
+        An answer or read running in that session is cancelled first, so the close
+        does not wait for it to finish; it ends ``Finished("cancelled")`` with what
+        it had produced kept in the cache (and so in the stored KV).
         """
+        current = self._current
+        if (current is not None and current.name in _CANCELLABLE
+                and current.args and current.args[0] == session_id):
+            current.cancel.set()
         return self._submit("close_session", (session_id, keep))
 
     def latest_stats(self) -> StatsSample | None:

@@ -149,7 +149,8 @@ class SnapshotStore:
             self.delete(info.name)
         self.sweep()
         for path in self.directory.iterdir():
-            if path.is_file() and path.name.endswith((files.DATA_SUFFIX, files.MANIFEST_SUFFIX)):
+            if (path.is_file() and path.name.endswith((files.DATA_SUFFIX, files.MANIFEST_SUFFIX))
+                    and files.left_by_dead_writer(path.name)):
                 path.unlink(missing_ok=True)
         shutil.rmtree(self.directory / SET_ASIDE, ignore_errors=True)
 
@@ -171,7 +172,12 @@ class SnapshotStore:
 
     def sweep(self) -> None:
         """Remove what interrupted writes left: temp files, data no manifest names,
-        manifests that fail their own checksum (with their data)."""
+        manifests that fail their own checksum (with their data).
+
+        Temp and data files another live process is writing (the CLI, a second
+        app, a server on the same folder) are left alone: their names record the
+        writer's process id (``files.left_by_dead_writer``).
+        """
         named: set[str] = set()
         for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
             if path.name.startswith(files.TEMP_MARK):
@@ -185,7 +191,7 @@ class SnapshotStore:
             leftover = path.name.startswith(files.TEMP_MARK) or (
                 path.name.endswith(files.DATA_SUFFIX) and path.name not in named
             )
-            if path.is_file() and leftover:
+            if path.is_file() and leftover and files.left_by_dead_writer(path.name):
                 path.unlink(missing_ok=True)
 
     def _make_room(self, size: int, name: str) -> None:
