@@ -90,6 +90,7 @@ class EngineWorker:
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
+        pipeline: Any = None,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -106,7 +107,7 @@ class EngineWorker:
         self._snapshots = SnapshotKeeper(snapshots, self._emit)
         self._held = HeldSessions(
             self.guard, self._snapshots, self._stats, self._emit,
-            chunk_seconds=2 * stats_interval if adaptive_chunks else None,
+            chunk_seconds=2 * stats_interval if adaptive_chunks else None, pipeline=pipeline,
         )
         requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
         self._handlers: dict[str, Callable[[Command], object]] = {
