@@ -6,7 +6,6 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QPushButton
 
 from app.sessions.session_list import RecordRole, StateRole, detail_text
-
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.app.memory.test_panel import _assert_panel_shows
@@ -45,7 +44,8 @@ def test_other_chats_can_be_read_while_an_answer_streams_into_its_own(qtbot, win
         assert c.activity.states() == {answering.id: "answering", other.id: "waiting"}
         assert _sidebar_line(window, answering.id) == "Answering…"
         assert _sidebar_line(window, other.id) == "Waiting…"
-        composer.waiting_box.findChild(QPushButton).click()  # Cancel: out of the line; the other chat answers on
+        # Cancel: out of the line; the other chat answers on.
+        composer.waiting_box.findChild(QPushButton).click()
         assert not composer.waiting_box.isVisible() and c.activity.job_of(other.id) is None
         assert c.activity.states() == {answering.id: "answering"}
         c.send("and another thing")  # in line again, short this time
