@@ -109,11 +109,6 @@ class SessionCaches(QObject):
             return None
         return self.samples.get(session_id)
 
-    @property
-    def kv_bytes(self) -> dict[str, int]:
-        """Each session's KV bytes, from its latest stats sample."""
-        return {sid: sample.kv_bytes_used for sid, sample in self.samples.items()}
-
     def total_bytes(self) -> int:
         """KV bytes held by every open session, from their latest samples."""
         # Pages shared between chats count once: each chat reports its part of them.

@@ -295,6 +295,7 @@ class MainWindow(QMainWindow):
         if states != self._shown_states:
             self._shown_states = states
             self._refresh_sessions()  # each chat with a job says so in the sidebar
+            self.panel_feed.refresh_quality()  # whether this chat can be checked now
         current = self.controller.current
         job = activity.job_of(current.id if current else None)
         ahead = activity.ahead_of(job) if job is not None else None
