@@ -117,6 +117,8 @@ class FitChecker(QObject):
 
     def run(self) -> None:
         """Compute and show the fit line."""
+        if self.controller.closed:
+            return  # a debounce that fires after the window closed: the history is shut
         prompt, estimated = self.prompt_tokens()
         answer = self.controller.settings.sampling.max_tokens
         total = self.context_tokens() + prompt + answer
