@@ -13,7 +13,6 @@ never calls into MLX: it only enqueues requests and reads thread-safe snapshots
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -31,7 +30,6 @@ from engine import (
 
 GIL_SWITCH_INTERVAL_S = 0.001
 Handler = Callable[[object], None]  # gets every event of its one request, on the GUI thread
-log = logging.getLogger(__name__)
 
 
 def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None,
@@ -132,7 +130,10 @@ class EngineBridge(QObject):
         return len(self._handlers)
 
     def forget_all(self) -> None:
-        """Unregister every handler: the window is closing, late events reach no one."""
+        """Unregister every handler: the window is closing, late events reach no one.
+
+        ``cancel`` still reaches every request that has not ended.
+        """
         self._handlers.clear()
 
     def start(self) -> None:
