@@ -252,6 +252,17 @@ class EngineWorker:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
 
+    @property
+    def alive(self) -> bool:
+        """True from ``start`` until the worker thread has ended."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for the thread to end; True once it has."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel running and queued work and join the thread."""
         self._stopping.set()
@@ -259,9 +270,7 @@ class EngineWorker:
         if current is not None:
             current.cancel.set()
         self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self.join(timeout):
             log.warning("engine thread did not stop within %.1f s", timeout)
 
     # -- worker thread ---------------------------------------------------------
