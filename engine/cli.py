@@ -90,9 +90,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         # The session's KV cache is stored when the worker shuts down and reused
         # for the longest matching prefix of the next run's prompt.
         snapshots = SnapshotStore(args.session_dir)
-    # Fixed chunks: the same prompt always prefills the same way (parity, benchmarks).
-    worker = EngineWorker(collector, chunk_size=args.chunk_size, adaptive_chunks=False,
-                          snapshots=snapshots)
+    worker = EngineWorker(collector, chunk_size=args.chunk_size, snapshots=snapshots)
     worker.start()
     try:
         worker.load_model(args.model)

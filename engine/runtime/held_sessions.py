@@ -40,8 +40,6 @@ class HeldSessions:
         keeper: saves a session's cache as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
-        chunk_seconds: the prefill chunk time above which a session shrinks its
-            chunks, or None for fixed chunks.
     """
 
     def __init__(
@@ -50,14 +48,11 @@ class HeldSessions:
         keeper: SnapshotKeeper,
         stats: StatsReporter,
         emit: Callable[[object], None],
-        *,
-        chunk_seconds: float | None,
     ) -> None:
         self._guard = guard
         self._keeper = keeper
         self._stats = stats
         self._emit = emit
-        self._chunk_seconds = chunk_seconds
         self._lock = threading.Lock()
         self.loaded: Any = None
         self.loaded_bytes = 0  # estimated weight bytes of the loaded model
@@ -136,7 +131,7 @@ class HeldSessions:
             replaced.close()
         session = Session(
             session_id, self.loaded, mode, page_size,
-            chunk_size=chunk_size, chunk_seconds=self._chunk_seconds, guard=self._guard,
+            chunk_size=chunk_size, guard=self._guard,
             rotate=rotate,
         )
         with self._lock:

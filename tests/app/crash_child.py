@@ -33,14 +33,15 @@ def slow_chunks(seconds: float) -> None:
 
     The first stays fast so that progress is reported before the slow ones.
     """
-    forward = Session._forward
+    forward = Session.forward
 
     def slow_forward(self: Session, ids: list[int]) -> None:
+        first = not self.tokens
         forward(self, ids)
-        if self.tokens_ingested:
+        if not first:
             time.sleep(seconds)
 
-    Session._forward = slow_forward
+    Session.forward = slow_forward
 
 
 def say(line: str) -> None:
