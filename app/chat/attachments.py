@@ -8,9 +8,10 @@ cut to the part that fits (``tooLong``); the user takes it or not.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal, Slot
 
@@ -22,7 +23,6 @@ CHARS_PER_TOKEN_BOUND = 8  # no tokenizer packs more characters into one token
 # Text read to count a file that is too long, so the refusal says its tokens and
 # the part that fits can be offered; longer files are refused by their size.
 READ_CAP_CHARS = 4 * 1024 * 1024
-CUT_TRIES = 8  # token counts spent finding the longest prefix that fits
 
 
 class TooLong:
@@ -32,22 +32,22 @@ class TooLong:
         self.message, self.part = message, part
 
 
-def fitting_prefix(text: str, max_tokens: int, count_tokens: Callable[[str], int]) -> str:
-    """The longest prefix of ``text`` (cut at a line end when one is near) within ``max_tokens``."""
-    total = count_tokens(text)
-    if total <= max_tokens:
-        return text
-    cut = int(len(text) * max_tokens / total)
-    for _ in range(CUT_TRIES):
-        if cut <= 0 or count_tokens(text[:cut]) <= max_tokens:
-            break
-        cut = int(cut * 0.95)
-    else:
-        return ""
+def fitting_prefix(text: str, max_tokens: int, ends: Sequence[int]) -> tuple[str, int]:
+    """The longest prefix of ``text`` (cut at a line end when one is near) within
+    ``max_tokens``, and its tokens.
+
+    ``ends`` says where each of ``text``'s tokens ends (one tokenization of the
+    whole text): the cut is found on those offsets, never by tokenizing again.
+    """
+    if len(ends) <= max_tokens:
+        return text, len(ends)
+    if max_tokens < 1:
+        return "", 0
+    cut = ends[max_tokens - 1]
     line_end = text.rfind("\n", 0, cut)
     if line_end > cut * 0.9:
         cut = line_end + 1  # a whole last line reads better than half of one
-    return text[:cut]
+    return text[:cut], bisect.bisect_right(ends, cut)
 
 
 def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) -> str:
@@ -63,20 +63,20 @@ class _Relay(QObject):
 
 class _ReadJob(QRunnable):
     def __init__(self, job_id: int, path: str, max_tokens: int,
-                 count_tokens: Callable[[str], int], relay: _Relay) -> None:
+                 token_ends: Callable[[str], Sequence[int]], relay: _Relay) -> None:
         super().__init__()
         self.job_id, self.path, self.max_tokens = job_id, path, max_tokens
-        self.count_tokens, self.relay = count_tokens, relay
+        self.token_ends, self.relay = token_ends, relay
         self.setAutoDelete(True)
 
     def run(self) -> None:
         max_chars = max(1, self.max_tokens) * CHARS_PER_TOKEN_BOUND
         try:
             doc = read_document(self.path, max_chars=max(max_chars, READ_CAP_CHARS))
-            tokens = self.count_tokens(doc.text)
-            record = AttachmentRecord(doc.name, doc.size_bytes, doc.sha256, tokens, doc.text)
-            if tokens > self.max_tokens:
-                self.relay.done.emit(self.job_id, self._too_long(record), doc.notes)
+            ends = self.token_ends(doc.text)  # the one tokenization of this file
+            record = AttachmentRecord(doc.name, doc.size_bytes, doc.sha256, len(ends), doc.text)
+            if len(ends) > self.max_tokens:
+                self.relay.done.emit(self.job_id, self._too_long(record, ends), doc.notes)
             else:
                 self.relay.done.emit(self.job_id, record, doc.notes)
         except DocumentTooLong:
@@ -91,13 +91,12 @@ class _ReadJob(QRunnable):
             self.relay.done.emit(self.job_id, None, f"Couldn't read the file: {exc}")
 
 
-    def _too_long(self, whole: AttachmentRecord) -> TooLong:
-        text = fitting_prefix(whole.text, self.max_tokens, self.count_tokens)
+    def _too_long(self, whole: AttachmentRecord, ends: Sequence[int]) -> TooLong:
+        text, tokens = fitting_prefix(whole.text, self.max_tokens, ends)
         message = too_long_message(whole.name, whole.size, whole.tokens, self.max_tokens)
         if not text:
             return TooLong(message, None)
-        part = AttachmentRecord(whole.name, whole.size, whole.sha256,
-                                self.count_tokens(text), text)
+        part = AttachmentRecord(whole.name, whole.size, whole.sha256, tokens, text)
         return TooLong(message, part)
 
 
@@ -105,7 +104,7 @@ class DocumentLoader(QObject):
     """Reads files on a private thread pool and reports on the GUI thread.
 
     Args:
-        count_tokens: thread-safe token counter (the engine bridge's).
+        token_ends: where each token of a text ends, thread-safe (the engine bridge's).
     """
 
     loaded = Signal(int, object, object)  # job id, AttachmentRecord, notes tuple
@@ -113,9 +112,10 @@ class DocumentLoader(QObject):
     tooLong = Signal(int, str, object)  # job id, message, the part that fits (or None)
     started = Signal(int, str)  # job id, file name
 
-    def __init__(self, count_tokens: Callable[[str], int], parent: QObject | None = None) -> None:
+    def __init__(self, token_ends: Callable[[str], Sequence[int]],
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.count_tokens = count_tokens
+        self.token_ends = token_ends
         self.pool = QThreadPool(self)
         self.pool.setMaxThreadCount(1)
         self._relay = _Relay()
@@ -131,7 +131,7 @@ class DocumentLoader(QObject):
         job_id = next(self._ids)
         self.pending.add(job_id)
         self.started.emit(job_id, Path(path).name)
-        self.pool.start(_ReadJob(job_id, path, max_tokens, self.count_tokens, self._relay))
+        self.pool.start(_ReadJob(job_id, path, max_tokens, self.token_ends, self._relay))
         return job_id
 
     def accept_part(self, job_id: int) -> None:

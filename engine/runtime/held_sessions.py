@@ -166,17 +166,20 @@ class HeldSessions:
             self._guard.refresh(session.session_id)
 
     def restore(
-        self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
+        self, session: Session, prompt: list[int], request_id: int, *, answer: bool
     ) -> int:
         """Reopen an empty session from its snapshot, then take a longer prefix another
-        open chat holds (``engine.session.reuse``); the tokens it brought back."""
+        open chat holds (``engine.session.reuse``); the tokens it brought back.
+
+        ``prompt`` is the request's ids of the conversation (rendered once, by the
+        request); ``answer`` says whether its last token is still to be fed.
+        """
         with self._lock:
             others = [s for s in self._sessions.values()
                       if s.tokens and reuse.compatible(session, s)]
         from_disk = not session.tokens and self._keeper.store is not None
         if not others and not from_disk:
             return 0
-        prompt = session.render(messages, add_generation_prompt=answer)
         reused = 0
         if from_disk:
             reused = self._keeper.restore(session, prompt, request_id, keep_last=answer)

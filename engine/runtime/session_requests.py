@@ -50,12 +50,14 @@ class SessionRequests:
         """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
         session_id, messages, sampling = command.args
         session = self._held.get(session_id)
-        reused = self._held.restore(session, messages, command.request_id, answer=True)
+        # Rendered and tokenized once for the whole request.
+        prompt = session.prompt(messages, add_generation_prompt=True)
+        reused = self._held.restore(session, prompt.ids, command.request_id, answer=True)
         try:
             with self._reading(session):
                 reason, stats = session.chat(
                     messages, sampling, request_id=command.request_id, cancel=command.cancel,
-                    emit=self._emit, tick=self._stats.tick_for(session),
+                    emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
                 )
         except Cancelled as stop:
             # Stopped while reading the conversation in: no answer, the chunks read stay.
@@ -71,12 +73,13 @@ class SessionRequests:
         """Read the conversation into the session's cache without answering."""
         session_id, messages = command.args
         session = self._held.get(session_id)
-        reused = self._held.restore(session, messages, command.request_id, answer=False)
+        prompt = session.prompt(messages, add_generation_prompt=False)
+        reused = self._held.restore(session, prompt.ids, command.request_id, answer=False)
         try:
             with self._reading(session):
                 stats = session.ingest(
                     messages, request_id=command.request_id, cancel=command.cancel,
-                    emit=self._emit, tick=self._stats.tick_for(session),
+                    emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
                 )
         except Cancelled as stop:
             return Finished(command.request_id, "cancelled", None, stop.kept_tokens,

@@ -40,7 +40,7 @@ from engine.runtime.commands import Command
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.prompt_ids import clean_text
+from engine.session.prompt_ids import clean_text, token_ends
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
 from engine.snapshots.keeper import SnapshotKeeper
@@ -247,6 +247,18 @@ class EngineWorker:
         if loaded is None:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
+
+    def token_ends(self, text: str) -> list[int]:
+        """Where each of ``text``'s tokens ends, in characters, from one tokenization
+        with the loaded model's tokenizer (``len`` of it is the token count).
+
+        Raises:
+            EngineError: no model is loaded.
+        """
+        loaded = self._held.loaded
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        return token_ends(loaded.tokenizer, text)
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel running and queued work and join the thread."""

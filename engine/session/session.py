@@ -26,12 +26,7 @@ from engine.memory.guard import MemoryGuard, PressureWatch
 from engine.models.probe import make_session_cache
 from engine.session import checkpoints
 from engine.session.prefill import ChunkedPrefill, Emit, PrefillResult, activation_value_bytes
-from engine.session.prompt_ids import (
-    common_prefix,
-    end_of_turn_ids,
-    message_boundaries,
-    render_conversation,
-)
+from engine.session.prompt_ids import Prompt, common_prefix, end_of_turn_ids, render_prompt
 from engine.session.sampling import AnswerStream, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -234,24 +229,28 @@ class Session:
 
     # -- templates ---------------------------------------------------------
 
+    def prompt(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> Prompt:
+        """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
+
+        A request makes it once and hands it to every step that reads the ids.
+        """
+        return render_prompt(self.tokenizer, messages,
+                             add_generation_prompt=add_generation_prompt)
+
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
         """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
-        return render_conversation(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt
-        )
+        return self.prompt(messages, add_generation_prompt=add_generation_prompt).ids
 
-    def _boundaries(self, messages: list[dict[str, str]], prompt: list[int],
-                    kept: int) -> list[int]:
+    def _boundaries(self, prompt: Prompt, kept: int) -> list[int]:
         """Where earlier messages end in ``prompt``'s part still to feed.
 
         Prefill cuts its chunks there and checkpoints them, so an edit of a later
-        message goes back no further. Only models that need checkpoints pay for
-        the extra renders.
+        message goes back no further. Only models that need checkpoints look.
         """
         if not self._needs_checkpoints:
             return []
-        return message_boundaries(self.tokenizer, messages, prompt, after=kept,
-                                  most=checkpoints.MAX_BOUNDARIES - 1)
+        return prompt.boundaries(self.tokenizer, after=kept,
+                                 most=checkpoints.MAX_BOUNDARIES - 1)
 
     # -- limits ------------------------------------------------------------
 
@@ -374,8 +373,12 @@ class Session:
         cancel: threading.Event,
         emit: Emit,
         tick: Callable[[], None],
+        prompt: Prompt | None = None,
     ) -> GenerationStats:
         """Prefill the conversation without generating (e.g. a dropped document).
+
+        ``prompt`` is the request's own rendering of ``messages`` (without the
+        generation prompt), when it made one already.
 
         Raises:
             ContextTooLong: the conversation does not fit.
@@ -385,15 +388,16 @@ class Session:
         """
         self.memory_stop = None
         self.guard.check_pressure("reading the conversation in")
-        prompt = self.render(messages, add_generation_prompt=False)
+        rendered = prompt or self.prompt(messages, add_generation_prompt=False)
+        ids = rendered.ids
         self.guard.refresh(self.session_id)
-        self.room_for(len(prompt))
-        kept = self.sync(prompt, keep_last=False)
+        self.room_for(len(ids))
+        kept = self.sync(ids, keep_last=False)
         watch = self.guard.watch(self.session_id, cancel)
-        read = self.prefill(prompt[kept:], request_id=request_id, cancel=watch, emit=emit,
-                            tick=tick, boundaries=self._boundaries(messages, prompt, kept),
-                            total=len(prompt))
-        return GenerationStats(len(prompt), 0, None,
+        read = self.prefill(ids[kept:], request_id=request_id, cancel=watch, emit=emit,
+                            tick=tick, boundaries=self._boundaries(rendered, kept),
+                            total=len(ids))
+        return GenerationStats(len(ids), 0, None,
                                read.read / read.seconds if read.seconds else 0.0, 0.0,
                                prefill_tokens=read.read)
 
@@ -419,8 +423,12 @@ class Session:
         cancel: threading.Event,
         emit: Emit,
         tick: Callable[[], None],
+        prompt: Prompt | None = None,
     ) -> tuple[str, GenerationStats]:
         """Answer the conversation's last turn, streaming ``TokenChunk`` events.
+
+        ``prompt`` is the request's own rendering of ``messages`` (with the
+        generation prompt), when it made one already.
 
         Returns:
             The finish reason ("stop", "length", "cancelled", or "memory" when
@@ -436,7 +444,8 @@ class Session:
         started = time.perf_counter()
         self.memory_stop = None
         self.guard.check_pressure("the answer")
-        prompt = self.render(messages, add_generation_prompt=True)
+        rendered = prompt or self.prompt(messages, add_generation_prompt=True)
+        prompt = rendered.ids
         if not prompt:
             raise EngineError("Nothing to answer: the conversation is empty.")
         self.guard.refresh(self.session_id)
@@ -446,7 +455,7 @@ class Session:
         kept = self.sync(prompt, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
         read = self.prefill(prompt[kept:-1], request_id=request_id, cancel=watch, emit=emit,
-                            tick=tick, boundaries=self._boundaries(messages, prompt, kept),
+                            tick=tick, boundaries=self._boundaries(rendered, kept),
                             total=len(prompt))
         prefill_seconds = read.seconds
         max_tokens = min(sampling.max_tokens, room)

@@ -196,7 +196,8 @@ def test_follow_up_that_diverges_in_the_answer_reingests_only_the_answer(models,
     # restored state is exactly what the first prompt left.
     fresh = Session("fresh", loaded, "fp16", chunk_size=16)
     _feed(fresh, asked[:-1])
-    _feed(fresh, prompt[:-1], fresh._boundaries(follow, prompt, len(asked) - 1))
+    rendered = fresh.prompt(follow, add_generation_prompt=True)
+    _feed(fresh, prompt[:-1], fresh._boundaries(rendered, len(asked) - 1))
     expected = _next_logits(fresh, prompt)
     got = _next_logits(session, prompt)
     assert mx.array_equal(got, expected).item()
