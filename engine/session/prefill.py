@@ -171,7 +171,18 @@ class ChunkedPrefill:
                     end - begin, watch, request_id, emit, tick)
                 if short or watch.is_set():
                     return self._stopped(read, total, start, watch, short)
-                self.target.forward(ids[begin - base:end - base])
+                try:
+                    self.target.forward(ids[begin - base:end - base])
+                except KvBudgetExceeded:
+                    # Free RAM, not the budget, refused the pages: wait for it once, and
+                    # try the same chunk again (a second refusal is the answer).
+                    if not self.guard.ram_bound(self.key):
+                        raise
+                    short = self._wait_for_room(self.chunk_size, watch, request_id, emit,
+                                                tick, pages=True)
+                    if short or watch.is_set():
+                        return self._stopped(read, total, start, watch, short)
+                    self.target.forward(ids[begin - base:end - base])
                 read = end - base
                 self.target.checkpoint(boundary=end in boundaries or read == len(ids))
                 mx.clear_cache()
@@ -197,11 +208,15 @@ class ChunkedPrefill:
         return PrefillResult(read, len(self.target.tokens), total, self.clock() - start)
 
     def _wait_for_room(self, tokens: int, watch: PressureWatch, request_id: int, emit: Emit,
-                       tick: Callable[[], None]) -> int:
+                       tick: Callable[[], None], *, pages: bool = False) -> int:
         """Wait (with a notice) until free RAM holds a chunk of ``tokens``; 0 once it does
-        or the read was stopped meanwhile, else the bytes that never came free."""
+        or the read was stopped meanwhile, else the bytes that never came free.
+
+        With ``pages`` the chunk's pages were just refused: wait even if free RAM
+        seems to hold the chunk now (the pool's limit is brought up to date).
+        """
         needed = self.target.chunk_bytes(tokens)
-        if self.guard.free_bytes() >= needed:
+        if not pages and self.guard.free_bytes() >= needed:
             return 0
         emit(Notice(request_id, f"Waiting for {human_bytes(needed)} of free memory to read "
                                 f"the next {tokens:,} tokens; close other apps to continue."))
@@ -209,7 +224,11 @@ class ChunkedPrefill:
         for _ in range(math.ceil(self.memory_wait / MEMORY_POLL_SECONDS)):
             self.sleep(MEMORY_POLL_SECONDS)
             tick()
-            if watch.is_set() or self.guard.free_bytes() >= needed:
+            if watch.is_set():
+                return 0
+            if self.guard.free_bytes() >= needed:
+                # The pool's limit was set while RAM was short: give it back its share.
+                self.guard.refresh(self.key)
                 return 0
         return needed
 
