@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import time
 
+from engine.format import human_bytes
 
-def human_bytes(n: float | None) -> str:
-    """1536 -> "1.5 KB" (binary units, one decimal above bytes)."""
-    if n is None:
-        return "—"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1024 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TB"
+__all__ = ["human_bytes", "human_duration", "relative_time"]
 
 
 def human_duration(seconds: float | None) -> str:

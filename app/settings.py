@@ -16,9 +16,9 @@ import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
 from engine import SamplingParams, data_dir, private_dir, private_file
+from engine.cache.modes import DEFAULT_MODE, MODES
 
 # Best quality first, the order every list of modes in the app uses.
-KV_MODES = ("fp16", "q8", "q6", "q4")
 # Small models loop on a phrase without it (the demo model repeated "finally…"
 # for minutes at 1.0); 1.1 over the engine's 64-token window stops that without
 # punishing every common word.
@@ -90,13 +90,13 @@ class Settings:
     @property
     def default_mode(self) -> str:
         """KV mode a new chat starts with."""
-        mode = self._get("engine/default_mode", "q8", str)
-        return mode if mode in KV_MODES else "q8"
+        mode = self._get("engine/default_mode", DEFAULT_MODE, str)
+        return mode if mode in MODES else DEFAULT_MODE
 
     @default_mode.setter
     def default_mode(self, mode: str) -> None:
-        if mode not in KV_MODES:
-            raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(KV_MODES)}")
+        if mode not in MODES:
+            raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(MODES)}")
         self._set("engine/default_mode", mode)
 
     @property

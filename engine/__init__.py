@@ -35,7 +35,7 @@ _PUBLIC = {
     "full_context_costs": "engine.memory.model_costs",
     "read_document": "engine.documents.reader",
     "SamplingParams": "engine.session.sampling",
-    "MODES": "engine.memory.fit",
+    "MODES": "engine.cache.modes",
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
@@ -110,6 +110,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from engine.cache.modes import MODES
     from engine.documents.reader import read_document
     from engine.errors import (
         Cancelled,
@@ -139,7 +140,6 @@ if TYPE_CHECKING:
         StoredKv,
         TokenChunk,
     )
-    from engine.memory.fit import MODES
     from engine.memory.model_costs import ModeCost, full_context_costs
     from engine.models.catalog import RECOMMENDED_MODELS, RecommendedModel
     from engine.models.discovery import discover_models

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.cache import kvquant
+from engine.cache.modes import MODES
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
-from engine.memory.fit import MODES, facts_from_info
+from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams

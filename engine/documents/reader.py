@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import DocumentError, DocumentTooLong
+from engine.format import human_bytes
 
 
 def _suffixes(words: str) -> frozenset[str]:
@@ -134,8 +135,8 @@ def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_
     if suffix in PDF_SUFFIXES or suffix in DOCX_SUFFIXES:
         if size > MAX_CONTAINER_BYTES:
             raise DocumentError(
-                f"“{name}” is {_human(size)}; Longleaf reads PDF and Word files up to "
-                f"{_human(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
+                f"“{name}” is {human_bytes(size)}; Longleaf reads PDF and Word files up to "
+                f"{human_bytes(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
             )
         data = _read_all(p, size)
         digest = hashlib.sha256(data).hexdigest()
@@ -312,7 +313,7 @@ def _pdf_text(name: str, data: bytes) -> str:
     except LimitReachedError as exc:
         raise DocumentError(
             f"“{name}” holds a compressed stream that unpacks to more than "
-            f"{_human(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
+            f"{human_bytes(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
             "built to exhaust memory, so Longleaf did not read it. Export the text you "
             "need to a .txt file and drop that."
         ) from exc
@@ -381,7 +382,7 @@ class _UnpackBudget:
             self.unpacked += len(stream.get_data())
             if self.unpacked > MAX_PDF_UNPACKED_BYTES:
                 raise DocumentError(
-                    f"“{self.name}” unpacks to more than {_human(MAX_PDF_UNPACKED_BYTES)} of "
+                    f"“{self.name}” unpacks to more than {human_bytes(MAX_PDF_UNPACKED_BYTES)} of "
                     f"page content by page {number:,} of {self.pages:,}; Longleaf reads PDFs "
                     f"up to that. Split it, or export its text to a .txt file."
                 )
@@ -468,8 +469,8 @@ def _check_docx_members(name: str, data: bytes) -> None:
     declared = sum(member.file_size for member in members)
     if declared > MAX_DOCX_UNPACKED_BYTES:
         raise DocumentError(
-            f"“{name}” is {_human(len(data))} but says it unpacks to {_human(declared)}; "
-            f"Longleaf unpacks Word files up to {_human(MAX_DOCX_UNPACKED_BYTES)}. It may be "
+            f"“{name}” is {human_bytes(len(data))} but says it unpacks to {human_bytes(declared)}; "
+            f"Longleaf unpacks Word files up to {human_bytes(MAX_DOCX_UNPACKED_BYTES)}. It may be "
             "built to exhaust memory; if it is a real document, save its text as .txt and "
             "drop that."
         )
@@ -486,7 +487,7 @@ def _check_ratio(name: str, member: zipfile.ZipInfo) -> None:
     if ratio > MAX_COMPRESSION_RATIO:
         raise DocumentError(
             f"“{name}” looks like a zip bomb: its part {member.filename} unpacks from "
-            f"{_human(member.compress_size)} to {_human(member.file_size)} ({ratio:,.0f} "
+            f"{human_bytes(member.compress_size)} to {human_bytes(member.file_size)} ({ratio:,.0f} "
             f"times; Word files stay under {MAX_COMPRESSION_RATIO}). Longleaf did not open it."
         )
 
@@ -521,7 +522,7 @@ def _inflate_counting(name: str, raw: memoryview, member: zipfile.ZipInfo) -> tu
             if size > member.file_size:
                 raise DocumentError(
                     f"“{name}” is not a genuine Word file: its part {member.filename} says "
-                    f"it unpacks to {_human(member.file_size)} but holds more. It may be "
+                    f"it unpacks to {human_bytes(member.file_size)} but holds more. It may be "
                     "built to exhaust memory, so Longleaf stopped unpacking it."
                 )
             crc = zlib.crc32(block, crc)
@@ -541,10 +542,3 @@ def _member_start(name: str, data: bytes, member: zipfile.ZipInfo) -> int:
     return offset + 30 + name_length + extra_length
 
 
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1024 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GB"

@@ -34,7 +34,6 @@ from engine.events import (
     StatsSample,
 )
 from engine.memory import fit
-from engine.memory.fit import facts_from_info
 from engine.memory.guard import MemoryGuard
 from engine.runtime.commands import Command
 from engine.runtime.held_sessions import HeldSessions
@@ -99,7 +98,8 @@ class EngineWorker:
         self._ids = itertools.count(1)
         self._current: Command | None = None
         self._stopping = threading.Event()
-        self._stats = StatsReporter(self._emit, stats_interval)
+        self._stats = StatsReporter(self._emit, stats_interval,
+                                    after_publish=self._publish_fit)
         self._snapshots = SnapshotKeeper(snapshots, self._emit)
         self._held = HeldSessions(
             self.guard, self._snapshots, self._stats, self._emit,
@@ -224,18 +224,10 @@ class EngineWorker:
         Raises:
             EngineError: no model is loaded, or the session is unknown.
         """
-        loaded, prefill, session = self._held.view(session_id)
-        if loaded is None:
-            raise EngineError("Load a model first.")
-        if session_id is not None and session is None:
-            raise EngineError(f"No open session named {session_id!r}; open it first.")
-        if session is not None:
-            return session.fit_report(token_count)
-        # A chat not opened yet: the model's facts and the default page size.
-        facts = facts_from_info(loaded.info)
-        return fit.guarded_fit_report(self.guard, facts, token_count, DEFAULT_PAGE_SIZE,
-                                      prefill=prefill,
-                                      chunk_tokens=self.chunk_size)
+        # Frozen values the worker published, and a fresh reading of system memory:
+        # nothing here touches a live session or pool.
+        inputs = self._held.fit_inputs(session_id)
+        return fit.guarded_fit_report(inputs, self.guard.read(), token_count)
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` encodes to with the loaded model's tokenizer.
@@ -326,6 +318,7 @@ class EngineWorker:
                 ending = self._handlers[command.name](command)
                 if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):
                     # Announce the result, then end the request like every other.
+                    self._publish_fit()
                     self._emit(ending)
                     ending = Finished(command.request_id, "done")
         except EngineError as error:
@@ -336,9 +329,14 @@ class EngineWorker:
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
                             type(error).__name__)
+        # Before the end is announced, so a fit check it prompts sees what it changed.
+        self._publish_fit()
         self._emit(ending)
 
     # -- handlers of the requests that change what the engine holds ------------
+
+    def _publish_fit(self) -> None:
+        self._held.publish_fit(self.chunk_size)
 
     def _load_model(self, command: Command) -> object:
         (path,) = command.args

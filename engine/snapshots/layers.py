@@ -15,12 +15,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.cache import adapter, kvquant
+from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.rotation import rotation_for
 
 PAGE_PARTS: tuple[str, ...] = ("k_codes", "k_scales", "v_codes", "v_scales")
 # Highest precision first: a snapshot converts to its own mode or any later one.
-MODES_BY_PRECISION: tuple[str, ...] = ("fp16", "q8", "q6", "q4")
 
 
 class LayerMismatch(Exception):
@@ -37,7 +37,7 @@ def rotation_id(cache: list[Any]) -> str | None:
 
 def can_convert(stored: str, target: str) -> bool:
     """Whether pages stored in ``stored`` mode can become ``target`` without a re-read."""
-    rank = MODES_BY_PRECISION.index
+    rank = MODES.index
     return rank(kvquant.normalize_mode(target)) >= rank(kvquant.normalize_mode(stored))
 
 

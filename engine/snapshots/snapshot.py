@@ -1,4 +1,4 @@
-"""Save a session's KV cache to disk and reopen it: the snapshot format (issue 13).
+"""Save a session's KV cache to disk and reopen it: the snapshot format.
 
 A snapshot is ``NAME.json`` (the manifest: token ids, mode, page size, format
 version, rotation, model fingerprint, per-layer records, the session's
