@@ -48,7 +48,6 @@ class Answers(QObject):
         self.recorder = AnswerRecorder(store, model, self)
         self._kinds: dict[int, str] = {}  # request id -> "chat" or "ingest"
         self._sent_id = 0  # the stored user turn the running answer replies to
-        self._read: tuple[int, int] | None = None  # the running request's last progress
         sessions.currentSessionChanged.connect(
             lambda record: self.recorder.show(record.id if record else None))
 
@@ -100,7 +99,6 @@ class Answers(QObject):
         if event.request_id != self.activity.request:
             return
         kept = self._kept(event)
-        self._read = None
         if event.stats is not None:
             self.measured.emit(event.stats)
         if kind == "chat":
@@ -119,13 +117,10 @@ class Answers(QObject):
 
     def _kept(self, event: Finished) -> tuple[int, int] | None:
         """(kept, total) tokens when reading the conversation in stopped short, else None."""
-        if event.kept_tokens is not None and event.total_tokens is not None:
-            kept, total = event.kept_tokens, event.total_tokens
-        elif event.reason == "cancelled" and self._read is not None:
-            kept, total = self._read  # an engine that does not say: its last progress
-        else:
+        kept, total = event.kept_tokens, event.total_tokens  # the engine's stop says
+        if kept is None or total is None or kept >= total:
             return None
-        return (kept, total) if kept < total else None
+        return kept, total
 
     def _report_ingest(self, event: Finished, kept: tuple[int, int] | None) -> None:
         # Said only while its chat is on screen: it is about that chat.
@@ -146,7 +141,6 @@ class Answers(QObject):
         kind = self._kinds.pop(event.request_id, None)
         if event.request_id != self.activity.request:
             return
-        self._read = None
         if kind == "chat":
             if event.error_type == "ContextTooLong":
                 self._set_aside_sent_turn()
@@ -163,7 +157,6 @@ class Answers(QObject):
     def on_ingest_progress(self, event: IngestProgress) -> None:
         """Progress of the running ingest (or a long prompt's prefill)."""
         if event.request_id == self.activity.request:
-            self._read = (event.tokens_done, event.tokens_total)
             self.ingestProgress.emit(event)
 
     def _set_aside_sent_turn(self) -> None:
