@@ -327,6 +327,7 @@ class Session:
         mx.eval(adapter.eval_targets(self.cache))
         # Only a finished chunk counts as held: a failure above rolls back to here.
         self.tokens.extend(ids)
+        self.tokens_ingested += len(ids)
 
     def set_chunk_size(self, chunk_size: int) -> None:
         """Prefill in chunks of ``chunk_size`` tokens from the next prefill on."""
@@ -364,7 +365,6 @@ class Session:
         result = prefill.run(ids, list(boundaries or ()), request_id=request_id, watch=cancel,
                              emit=emit, tick=tick,
                              total=len(self.tokens) + len(ids) if total is None else total)
-        self.tokens_ingested += result.read
         self.memory_stop = result.memory
         result.raise_if_stopped()
         return result

@@ -36,9 +36,8 @@ def slow_chunks(seconds: float) -> None:
     forward = Session.forward
 
     def slow_forward(self: Session, ids: list[int]) -> None:
-        first = not self.tokens
         forward(self, ids)
-        if not first:
+        if self.tokens_ingested > len(ids):
             time.sleep(seconds)
 
     Session.forward = slow_forward
