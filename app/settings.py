@@ -8,6 +8,7 @@ along into its ``config`` folder, so tests never touch the real user's settings.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +26,7 @@ from engine.cache.modes import DEFAULT_MODE, MODES
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
 SETTINGS_FILE = "settings.ini"
+log = logging.getLogger(__name__)
 
 
 def config_dir() -> Path:
@@ -40,9 +42,12 @@ def config_dir() -> Path:
 def default_settings_path() -> Path:
     """``settings.ini`` in ``config_dir()``, moved there from the data folder once."""
     path = config_dir() / SETTINGS_FILE
-    older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
-    if not path.exists() and older.is_file() and older != path:
-        shutil.move(older, path)
+    try:
+        older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
+        if not path.exists() and older.is_file() and older != path:
+            shutil.move(older, path)
+    except OSError as error:  # an unusable data folder: the window says so; settings go on
+        log.warning("settings were not looked for in the data folder: %s", error)
     return path
 
 

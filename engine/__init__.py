@@ -23,6 +23,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.paths import use_private_temp_dir
+
+# Before anything imports MLX: its CPU backend compiles kernels into $TMPDIR and
+# loads whatever libraries it finds there, so that folder must be the user's own.
+# Every Longleaf process (app, CLI, bench, server, the ranks and children they
+# start, which inherit TMPDIR) imports this package first.
+use_private_temp_dir()
+
 _PUBLIC = {
     "EngineWorker": "engine.runtime.worker",
     "discover_models": "engine.models.discovery",

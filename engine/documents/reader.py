@@ -247,14 +247,15 @@ def _stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[st
     text = "".join(parts)
     notes: tuple[str, ...] = ()
     if replaced:
+        label = encoding.upper().removesuffix("-LE").removesuffix("-BE")
         if replaced > max(16, MAX_REPLACED_SHARE * total):
             raise DocumentError(
                 f"“{name}” isn't readable text: {replaced:,} of its {total:,} bytes are not "
-                "valid UTF-8. Save it as UTF-8 text and try again."
+                f"valid {label}. Save it as UTF-8 text and try again."
             )
         notes = (
             f"{replaced:,} byte{'s' if replaced != 1 else ''} of “{name}” were not valid "
-            "UTF-8 and were replaced with �.",
+            f"{label} and were replaced with �.",
         )
     return text, digest.hexdigest(), notes
 
@@ -262,6 +263,11 @@ def _stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[st
 def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
     if head.startswith(codecs.BOM_UTF8):
         return "utf-8", len(codecs.BOM_UTF8)
+    # UTF-32's little-endian mark begins with UTF-16's, so it is looked for first.
+    if head.startswith(codecs.BOM_UTF32_LE):
+        return "utf-32-le", len(codecs.BOM_UTF32_LE)
+    if head.startswith(codecs.BOM_UTF32_BE):
+        return "utf-32-be", len(codecs.BOM_UTF32_BE)
     if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return "utf-16", 0
     if b"\x00" in head:
@@ -281,7 +287,7 @@ def _count_replaced(text: str, block: bytes, encoding: str) -> int:
     if not found:
         return 0
     # A genuine U+FFFD in the file is not a decoding error.
-    genuine = block.count("\ufffd".encode(encoding if encoding == "utf-8" else "utf-16-le"))
+    genuine = block.count("\ufffd".encode("utf-16-le" if encoding == "utf-16" else encoding))
     return max(0, found - genuine)
 
 
@@ -311,12 +317,7 @@ def _pdf_text(name: str, data: bytes) -> str:
     except DocumentError:
         raise
     except LimitReachedError as exc:
-        raise DocumentError(
-            f"“{name}” holds a compressed stream that unpacks to more than "
-            f"{human_bytes(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
-            "built to exhaust memory, so Longleaf did not read it. Export the text you "
-            "need to a .txt file and drop that."
-        ) from exc
+        raise _pdf_limit_error(name, exc) from exc
     except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise DocumentError(
             f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
@@ -334,6 +335,33 @@ def _pdf_text(name: str, data: bytes) -> str:
             "or ocrmypdf, then drop the result."
         )
     return text
+
+
+def _pdf_limit_error(name: str, exc: Exception) -> DocumentError:
+    """The refusal for one of pypdf's safety limits, naming the limit that was hit.
+
+    pypdf has one exception type for all its limits; only its message tells an
+    unpacked stream that grew too large from a structure nested or looped past
+    its bounds (a page tree, outlines, form fields).
+    """
+    detail = str(exc).strip()
+    if "decompress" in detail.lower():
+        return DocumentError(
+            f"“{name}” holds a compressed stream that unpacks to more than "
+            f"{human_bytes(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
+            "built to exhaust memory, so Longleaf did not read it. Export the text you "
+            "need to a .txt file and drop that."
+        )
+    if "page tree" in detail.lower():
+        return DocumentError(
+            f"“{name}” has its pages nested inside each other deeper than any ordinary PDF "
+            f"({detail.rstrip('.')}); it may be built to exhaust the reader, so Longleaf "
+            "did not read it. Print it to a new PDF (Print → Save as PDF) and drop that."
+        )
+    return DocumentError(
+        f"“{name}” goes past a safety limit of the PDF reader ({detail.rstrip('.')}), so "
+        "Longleaf did not read it. Print it to a new PDF (Print → Save as PDF) and drop that."
+    )
 
 
 def _pdf_limits() -> contextlib.AbstractContextManager[Any]:

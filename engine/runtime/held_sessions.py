@@ -11,6 +11,7 @@ MLX); ``fit_inputs`` reads, under a lock, the frozen values ``publish_fit`` left
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
 from engine.session.prefill import activation_value_bytes
 from engine.session.session import DEFAULT_PAGE_SIZE, Session
+from engine.snapshots.fingerprint import model_fingerprint
 from engine.snapshots.keeper import SnapshotKeeper
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ class HeldSessions:
         keeper: saves a session's cache as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
+        pipeline: an ``mx.distributed`` group: load only this rank's pipeline stage
+            of each model (``engine.models.loader.load_model``); None: every layer.
     """
 
     def __init__(
@@ -48,7 +52,10 @@ class HeldSessions:
         keeper: SnapshotKeeper,
         stats: StatsReporter,
         emit: Callable[[object], None],
+        *,
+        pipeline: Any = None,
     ) -> None:
+        self._pipeline = pipeline
         self._guard = guard
         self._keeper = keeper
         self._stats = stats
@@ -118,7 +125,11 @@ class HeldSessions:
             # Only fits once the current model is gone: unload it first rather
             # than hold both and swap.
             self.release()
-        loaded = load_model(folder)
+        # Once per load, here on the worker thread: every save and reopen of this
+        # model's sessions checks stored KV against these weights.
+        fingerprint = model_fingerprint(folder)
+        loaded = load_model(folder, pipeline=self._pipeline)
+        loaded = dataclasses.replace(loaded, fingerprint=fingerprint)
         self.release()
         prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
         with self._lock:

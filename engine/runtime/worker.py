@@ -87,6 +87,7 @@ class EngineWorker:
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
+        pipeline: Any = None,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -103,6 +104,7 @@ class EngineWorker:
         self._snapshots = SnapshotKeeper(snapshots, self._emit)
         self._held = HeldSessions(
             self.guard, self._snapshots, self._stats, self._emit,
+            pipeline=pipeline,
         )
         requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
         self._handlers: dict[str, Callable[[Command], object]] = {
@@ -211,7 +213,14 @@ class EngineWorker:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
 
         ``keep``: store its KV first, to reopen it later (False: the chat is deleted).
+        An answer or read running in that session is cancelled first, so the close
+        does not wait for it to finish; it ends ``Finished("cancelled")`` with what
+        it had produced kept in the cache (and so in the stored KV).
         """
+        current = self._current
+        if (current is not None and current.name in _CANCELLABLE
+                and current.args and current.args[0] == session_id):
+            current.cancel.set()
         return self._submit("close_session", (session_id, keep))
 
     def latest_stats(self) -> StatsSample | None:
@@ -252,6 +261,17 @@ class EngineWorker:
             raise EngineError("Load a model first.")
         return token_ends(loaded.tokenizer, text)
 
+    @property
+    def alive(self) -> bool:
+        """True from ``start`` until the worker thread has ended."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for the thread to end; True once it has."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel running and queued work and join the thread."""
         self._stopping.set()
@@ -259,9 +279,7 @@ class EngineWorker:
         if current is not None:
             current.cancel.set()
         self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self.join(timeout):
             log.warning("engine thread did not stop within %.1f s", timeout)
 
     # -- worker thread ---------------------------------------------------------

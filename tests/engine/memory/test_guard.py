@@ -292,8 +292,9 @@ def test_load_estimate_comes_from_safetensors_headers(tmp_path: Path) -> None:
     needed, quantized = estimate_load_bytes(folder)
     data = (folder / "model.safetensors").stat().st_size
     header = int.from_bytes((folder / "model.safetensors").read_bytes()[:8], "little")
-    # CPU backend: float16 weights are computed in float32, twice their file size.
-    assert needed == 2 * (data - 8 - header) and not quantized
+    # CPU backend: float16 weights are computed in float32, twice their file size,
+    # plus the load-time probe's working set (tests/engine/models/test_load_estimate.py).
+    assert needed > 2 * (data - 8 - header) and not quantized
 
 
 # -- sessions ------------------------------------------------------------------
