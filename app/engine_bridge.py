@@ -232,6 +232,10 @@ class EngineBridge(QObject):
         """Tokens in ``text`` under the loaded model's tokenizer (any thread)."""
         return self._worker.count_tokens(text)
 
+    def token_ends(self, text: str) -> list[int]:
+        """Where each token of ``text`` ends, in characters (any thread; one tokenization)."""
+        return self._worker.token_ends(text)
+
     @property
     def running(self) -> bool:
         """True while the engine thread is alive (it may be finishing a prefill chunk)."""

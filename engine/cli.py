@@ -126,10 +126,10 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         # The session's KV cache is stored when the worker shuts down and reused
         # for the longest matching prefix of the next run's prompt.
         snapshots = SnapshotStore(args.session_dir)
-    # Fixed chunks: the same prompt always prefills the same way (parity, benchmarks,
-    # and a pipeline's ranks, which must run the same steps in lock-step).
-    worker = EngineWorker(collector, chunk_size=args.chunk_size, adaptive_chunks=False,
-                          snapshots=snapshots, pipeline=pipeline)
+    # A pipeline's ranks run the same steps in lock-step: the chunk plan, from token
+    # positions and the chunk setting only, is the same on every rank.
+    worker = EngineWorker(collector, chunk_size=args.chunk_size, snapshots=snapshots,
+                          pipeline=pipeline)
     worker.start()
     try:
         worker.load_model(args.model)

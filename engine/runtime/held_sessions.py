@@ -25,7 +25,7 @@ from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
-from engine.session.prefill import MIN_CHUNK, activation_value_bytes
+from engine.session.prefill import activation_value_bytes
 from engine.session.session import DEFAULT_PAGE_SIZE, Session
 from engine.snapshots.fingerprint import model_fingerprint
 from engine.snapshots.keeper import SnapshotKeeper
@@ -44,8 +44,6 @@ class HeldSessions:
         emit: sends events (the notice of a prefix taken from another chat).
         pipeline: an ``mx.distributed`` group: load only this rank's pipeline stage
             of each model (``engine.models.loader.load_model``); None: every layer.
-        chunk_seconds: the prefill chunk time above which a session shrinks its
-            chunks, or None for fixed chunks.
     """
 
     def __init__(
@@ -55,7 +53,6 @@ class HeldSessions:
         stats: StatsReporter,
         emit: Callable[[object], None],
         *,
-        chunk_seconds: float | None,
         pipeline: Any = None,
     ) -> None:
         self._pipeline = pipeline
@@ -63,7 +60,6 @@ class HeldSessions:
         self._keeper = keeper
         self._stats = stats
         self._emit = emit
-        self._chunk_seconds = chunk_seconds
         self._lock = threading.Lock()
         self.loaded: Any = None
         self.loaded_bytes = 0  # estimated weight bytes of the loaded model
@@ -81,7 +77,7 @@ class HeldSessions:
             board = {sid: session.fit_inputs() for sid, session in self._sessions.items()}
             board[None] = fit.FitInputs(
                 fit.facts_from_info(self.loaded.info), DEFAULT_PAGE_SIZE, self._guard.view(),
-                prefill=self.prefill, chunk_tokens=min(MIN_CHUNK, chunk_size))
+                prefill=self.prefill, chunk_tokens=chunk_size)
         with self._lock:
             self._fit = board
 
@@ -170,7 +166,7 @@ class HeldSessions:
             replaced.close()
         session = Session(
             session_id, self.loaded, mode, page_size,
-            chunk_size=chunk_size, chunk_seconds=self._chunk_seconds, guard=self._guard,
+            chunk_size=chunk_size, guard=self._guard,
             rotate=rotate,
         )
         with self._lock:
@@ -205,17 +201,20 @@ class HeldSessions:
             self._guard.refresh(session.session_id)
 
     def restore(
-        self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
+        self, session: Session, prompt: list[int], request_id: int, *, answer: bool
     ) -> int:
         """Reopen an empty session from its snapshot, then take a longer prefix another
-        open chat holds (``engine.session.reuse``); the tokens it brought back."""
+        open chat holds (``engine.session.reuse``); the tokens it brought back.
+
+        ``prompt`` is the request's ids of the conversation (rendered once, by the
+        request); ``answer`` says whether its last token is still to be fed.
+        """
         with self._lock:
             others = [s for s in self._sessions.values()
                       if s.tokens and reuse.compatible(session, s)]
         from_disk = not session.tokens and self._keeper.store is not None
         if not others and not from_disk:
             return 0
-        prompt = session.render(messages, add_generation_prompt=answer)
         reused = 0
         if from_disk:
             reused = self._keeper.restore(session, prompt, request_id, keep_last=answer)

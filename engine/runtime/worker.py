@@ -39,7 +39,7 @@ from engine.runtime.commands import Command
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.prompt_ids import clean_text
+from engine.session.prompt_ids import clean_text, token_ends
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
 from engine.snapshots.keeper import SnapshotKeeper
@@ -65,11 +65,9 @@ class EngineWorker:
             on the heartbeat thread); it must be thread-safe.
         budget_bytes: bytes the KV pages of ALL open sessions may take together,
             or None to be bounded only by free RAM minus the guard's headroom.
-        chunk_size: tokens per prefill chunk.
+        chunk_size: tokens per prefill chunk (chunks end at its multiples, so
+            the same conversation is read the same way under any load).
         stats_interval: seconds between ``StatsSample`` events while busy.
-        adaptive_chunks: shrink prefill chunks that take longer than two stats
-            intervals, so stats and progress arrive at >= 2 Hz on slow machines
-            too; False keeps chunk boundaries fixed (reproducible prefill).
         headroom_bytes: RAM to keep free for the system and other apps; None
             keeps max(2 GiB, 15 % of RAM).
         memory_guard: the guard to use (tests inject one with a fake memory
@@ -86,7 +84,6 @@ class EngineWorker:
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         stats_interval: float = 0.25,
-        adaptive_chunks: bool = True,
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
@@ -107,7 +104,7 @@ class EngineWorker:
         self._snapshots = SnapshotKeeper(snapshots, self._emit)
         self._held = HeldSessions(
             self.guard, self._snapshots, self._stats, self._emit,
-            chunk_seconds=2 * stats_interval if adaptive_chunks else None, pipeline=pipeline,
+            pipeline=pipeline,
         )
         requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
         self._handlers: dict[str, Callable[[Command], object]] = {
@@ -252,6 +249,18 @@ class EngineWorker:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
 
+    def token_ends(self, text: str) -> list[int]:
+        """Where each of ``text``'s tokens ends, in characters, from one tokenization
+        with the loaded model's tokenizer (``len`` of it is the token count).
+
+        Raises:
+            EngineError: no model is loaded.
+        """
+        loaded = self._held.loaded
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        return token_ends(loaded.tokenizer, text)
+
     @property
     def alive(self) -> bool:
         """True from ``start`` until the worker thread has ended."""
@@ -332,12 +341,12 @@ class EngineWorker:
                     ending = Finished(command.request_id, "done")
         except EngineError as error:
             ending = Failed(command.request_id, str(error), type(error).__name__,
-                            *command.kept())
+                            error.kept_tokens, error.total_tokens)
         except Exception as error:
             log.exception("engine request %s failed", command.name)
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
-                            type(error).__name__, *command.kept())
+                            type(error).__name__)
         # Before the end is announced, so a fit check it prompts sees what it changed.
         self._publish_fit()
         self._emit(ending)
