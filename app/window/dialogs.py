@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 from app.format import human_bytes
 from app.settings import Settings
 from engine import SamplingParams, default_budget, snapshots_dir
+from engine.cache.adapter import rotates_by_default
 from engine.cache.modes import MODES
 
 GB = 10**9  # disk sizes in decimal gigabytes, as disks are sold and the default is stated
@@ -127,7 +128,10 @@ class SettingsDialog(QDialog):
             "store it: same bytes, closer to fp16 (q6's KL to fp16 about 4x lower on the "
             "demo model). The last digits of an answer can then depend on how the text "
             "was split into chunks.")
-        self.rotate.setChecked(bool(settings.rotate_kv))
+        # Unset means "the mode's default": show that, not a blanket "off".
+        rotate = settings.rotate_kv
+        self.rotate.setChecked(rotates_by_default(settings.default_mode) if rotate is None
+                               else rotate)
         form.addRow("", self.rotate)
         self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk)
         form.addRow("Ingest chunk (tokens)", self.chunk)
@@ -168,21 +172,33 @@ class SettingsDialog(QDialog):
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)
         self.accepted.connect(self.apply)
+        # What the widgets showed at opening: only fields edited since then are written,
+        # so an unset default (None, "the engine decides") or a value the widgets round
+        # survives a Save untouched.
+        self._shown = self._values()
+
+    def _values(self) -> dict[str, object]:
+        """The widgets' values, by Settings field name, in the settings' own units."""
+        return {
+            "default_mode": self.mode.currentText(),
+            "page_size": self.page_size.value(),
+            "rotate_kv": self.rotate.isChecked(),
+            "ingest_chunk": self.chunk.value(),
+            "memory_budget_bytes": self.budget.value() * 2**20 or None,
+            "stored_kv_budget_bytes": round(self.disk_budget.value() * GB) or None,
+            "sampling": SamplingParams(
+                temperature=self.temperature.value(), top_p=self.top_p.value(),
+                top_k=self.top_k.value(), min_p=self.min_p.value(),
+                repetition_penalty=self.repetition.value(),
+                max_tokens=self.max_tokens.value(), seed=self.settings.sampling.seed),
+            "system_prompt": self.system_prompt.toPlainText().strip(),
+            "model_folders": [f.strip() for f in self.folders.toPlainText().splitlines()
+                              if f.strip()],
+        }
 
     def apply(self) -> None:
-        """Write the edited values to the settings."""
-        s = self.settings
-        s.default_mode = self.mode.currentText()
-        s.page_size = self.page_size.value()
-        s.rotate_kv = self.rotate.isChecked()
-        s.ingest_chunk = self.chunk.value()
-        s.memory_budget_bytes = self.budget.value() * 2**20 or None
-        s.stored_kv_budget_bytes = round(self.disk_budget.value() * GB) or None
-        s.sampling = SamplingParams(
-            temperature=self.temperature.value(), top_p=self.top_p.value(),
-            top_k=self.top_k.value(), min_p=self.min_p.value(),
-            repetition_penalty=self.repetition.value(), max_tokens=self.max_tokens.value(),
-            seed=s.sampling.seed)
-        s.system_prompt = self.system_prompt.toPlainText().strip()
-        s.model_folders = [f.strip() for f in self.folders.toPlainText().splitlines() if f.strip()]
-        s.sync()
+        """Write the fields the user edited to the settings; leave the others as they were."""
+        for name, value in self._values().items():
+            if value != self._shown[name]:
+                setattr(self.settings, name, value)
+        self.settings.sync()

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QApplication, QDialogButtonBox
 from app.settings import Settings
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from engine import SnapshotStore, default_budget, snapshots_dir
+from engine.cache.adapter import rotates_by_default
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import close_window, open_window
@@ -179,9 +180,10 @@ def test_modes_are_listed_best_quality_first(qtbot) -> None:
 def test_rotation_is_a_saved_choice_that_new_chats_open_with(qtbot) -> None:
     settings = Settings()
     assert settings.rotate_kv is None  # never chosen: the engine's default
+    settings.default_mode = "fp16"  # a mode that doesn't rotate by default
     dialog = SettingsDialog(settings)
     qtbot.addWidget(dialog)
-    assert not dialog.rotate.isChecked()
+    assert not dialog.rotate.isChecked() and not rotates_by_default("fp16")
     dialog.rotate.setChecked(True)
     dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
     assert Settings().rotate_kv is True
@@ -195,3 +197,59 @@ def test_rotation_is_a_saved_choice_that_new_chats_open_with(qtbot) -> None:
     caches.ensure_open(type("Record", (), {"id": "s", "kv_mode": "q6"})(), lambda: None,
                        lambda _failed: None)
     assert opened and opened[0][0][3] is True  # (session, mode, page size, rotate, handler)
+
+
+# A value other than the default for every Settings field, chosen so the dialog's widgets
+# would round or misread it if Save rewrote it (a disk budget of 12.345678901 GB, a page
+# size off the spin box's step, a system prompt with surrounding blanks, ...).
+_STORED = {
+    "default_mode": "q4",
+    "page_size": 100,
+    "rotate_kv": False,
+    "ingest_chunk": 333,
+    "memory_budget_bytes": 3 * 2**30 + 12345,
+    "stored_kv_budget_bytes": 12_345_678_901,
+    "system_prompt": "  Be brief.  ",
+    "sampling": SamplingParams(temperature=0.333, top_p=0.87, top_k=41, min_p=0.013,
+                               repetition_penalty=1.07, max_tokens=77, seed=5),
+    "model_folders": ["/models/a", "/models/b"],
+    "last_model": "/models/a/m",
+    "last_folder": "/docs",
+    "memory_panel_visible": False,
+    "window_geometry": b"\x01\x02geometry",
+}
+_FIELDS = [name for name, member in vars(Settings).items()
+           if isinstance(member, property) and member.fset is not None]
+
+
+def _stored_keys(settings: Settings) -> dict[str, object]:
+    return {key: settings._qs.value(key) for key in settings._qs.allKeys()}
+
+
+def test_every_settings_field_has_a_stored_value_to_check() -> None:
+    assert sorted(_STORED) == sorted(_FIELDS), "add the new Settings field to _STORED"
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["unset", "stored"])
+@pytest.mark.parametrize("field", _FIELDS)
+def test_save_without_edits_changes_nothing(qtbot, field: str, stored: bool) -> None:
+    settings = Settings()
+    if stored:
+        setattr(settings, field, _STORED[field])
+        settings.sync()
+    before_value, before_keys = getattr(Settings(), field), _stored_keys(Settings())
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
+    again = Settings()
+    assert getattr(again, field) == before_value
+    assert _stored_keys(again) == before_keys
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q8", "q6", "q4"])
+def test_an_unset_rotation_shows_the_modes_default(qtbot, mode: str) -> None:
+    settings = Settings()
+    settings.default_mode = mode
+    dialog = SettingsDialog(settings)
+    qtbot.addWidget(dialog)
+    assert dialog.rotate.isChecked() == rotates_by_default(mode)
