@@ -296,6 +296,7 @@ class MemoryPanel(QScrollArea):
         if unavailable:
             lines.append(f"<span style='opacity:.7'>{html.escape(unavailable)}</span>")
         self.quality_label.setText("<br>".join(lines))
+        self.quality_label.setToolTip(receipt_details(own) if own is not None else "")
         self.quality_action.setEnabled(not unavailable)
         self.quality_action.setToolTip(unavailable or "Compare this chat's KV mode with fp16 "
                                        "on its last ≤ 1,024 tokens")

@@ -22,23 +22,39 @@ KIND = "quality"  # the Activity kind while a check runs
 WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without importing MLX
 
 
+# Verdict bands on the mean KL to fp16 (nats), upper bounds; docs/benchmarks.md
+# ("Quality verdict bands") names the quality-bench rows behind each cut-off.
+VERDICTS = ((1e-3, "Indistinguishable from fp16"), (2e-2, "Minor differences from fp16"),
+            (0.2, "Noticeable differences from fp16"))
+LARGE = "Large differences from fp16"
+
+
+def verdict(kl_mean: float) -> str:
+    """The plain verdict for a mean KL to fp16."""
+    return next((words for bound, words in VERDICTS if kl_mean < bound), LARGE)
+
+
 def receipt_line(receipt: QualityReceipt) -> str:
-    """One sentence that says what was measured, and no more."""
+    """The verdict in plain words; the numbers are in ``receipt_details``."""
     badge = f"{receipt.mode} · rotated" if receipt.rotated else receipt.mode
+    return f"{verdict(receipt.kl_mean)} ({badge}, this chat)"
+
+
+def receipt_numbers(receipt: QualityReceipt) -> str:
+    """What was measured: agreement, mean KL and the tokens read."""
     if receipt.window_tokens < receipt.context_tokens:
         scope = f"last {receipt.window_tokens:,} of {receipt.context_tokens:,} tokens"
     else:
         scope = f"all {receipt.window_tokens:,} tokens"
-    return (f"{badge} on this document: same next token as fp16 for {receipt.top1:.1%} of "
-            f"{receipt.positions:,} tokens · mean KL {_kl(receipt.kl_mean)} "
-            f"({scope}, read as one window)")
+    return (f"Same next token as fp16 for {receipt.top1:.1%} of {receipt.positions:,} "
+            f"tokens · mean KL {_kl(receipt.kl_mean)} ({scope}, read as one window)")
 
 
 def receipt_details(receipt: QualityReceipt) -> str:
-    """The receipt line plus when, on which model, and the tail of the KL."""
+    """The verdict, the numbers, the tail of the KL, the model and when."""
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(receipt.measured_at))
-    return (f"{receipt_line(receipt)}\n99th percentile KL {_kl(receipt.kl_p99)} · "
-            f"{receipt.model} · measured {when}")
+    return (f"{receipt_line(receipt)}\n{receipt_numbers(receipt)}\n99th percentile KL "
+            f"{_kl(receipt.kl_p99)} · {receipt.model} · measured {when}")
 
 
 def _kl(value: float) -> str:

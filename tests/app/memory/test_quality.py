@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 import engine.session.quality_check as quality_check
 from app.memory.panel import NOT_MEASURED, QUALITY_COLUMN
-from app.memory.quality import receipt_line
+from app.memory.quality import receipt_details, receipt_line, receipt_numbers, verdict
 from app.store import HistoryStore
 from engine import QualityReceipt
 from engine.cache.modes import MODES
@@ -21,15 +23,27 @@ def _quality_cell(window, mode: str) -> str:
     return window.panel.table.item(MODES.index(mode), QUALITY_COLUMN).text()
 
 
-def test_receipt_line_says_what_was_measured() -> None:
-    assert receipt_line(RECEIPT) == (
-        "q6 · rotated on this document: same next token as fp16 for 98.7% of 1,024 tokens · "
+def test_receipt_line_gives_a_verdict_and_the_details_the_numbers() -> None:
+    assert receipt_line(RECEIPT) == "Minor differences from fp16 (q6 · rotated, this chat)"
+    assert receipt_numbers(RECEIPT) == (
+        "Same next token as fp16 for 98.7% of 1,024 tokens · "
         "mean KL 0.004 (last 1,024 of 5,210 tokens, read as one window)")
+    assert receipt_numbers(RECEIPT) in receipt_details(RECEIPT)
     whole = QualityReceipt(**{**RECEIPT.__dict__, "rotated": False, "window_tokens": 300,
                               "context_tokens": 300, "positions": 300, "kl_mean": 2e-5})
-    assert receipt_line(whole) == (
-        "q6 on this document: same next token as fp16 for 98.7% of 300 tokens · "
+    assert receipt_line(whole) == "Indistinguishable from fp16 (q6, this chat)"
+    assert receipt_numbers(whole) == (
+        "Same next token as fp16 for 98.7% of 300 tokens · "
         "mean KL 2.0e-05 (all 300 tokens, read as one window)")
+
+
+@pytest.mark.parametrize(("kl", "words"), [
+    (3.87e-4, "Indistinguishable"), (6.93e-4, "Indistinguishable"),  # q8 rows
+    (2.40e-3, "Minor"), (4.46e-3, "Minor"), (1.80e-2, "Minor"),  # q6 rows
+    (1.36e-1, "Noticeable"),  # rotated q4
+    (3.76e-1, "Large"), (0.452, "Large")])  # plain q4; the unrotated q6 the issue saw
+def test_verdict_bands_follow_the_quality_bench(kl: float, words: str) -> None:
+    assert verdict(kl).startswith(words)
 
 
 def test_receipts_are_kept_per_mode_and_old_histories_load(tmp_path) -> None:
