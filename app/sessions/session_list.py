@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, Signal
+from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPalette
 from PySide6.QtWidgets import (
     QInputDialog,
@@ -151,6 +151,10 @@ class SessionList(QWidget):
         self.no_match.hide()
         layout.addWidget(self.no_match, 1)
         self._updating = False
+        # Rows paint "5 min ago" from the clock: repaint them now and then so it stays true.
+        self.clock = QTimer(self, interval=30_000)
+        self.clock.timeout.connect(self.list.viewport().update)
+        self.clock.start()
 
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
                      states: dict[str, str] | None = None) -> None:

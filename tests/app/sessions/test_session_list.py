@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QInputDialog, QMessageBox
 
 from app.sessions.session_list import (
@@ -86,4 +87,27 @@ def test_a_chat_with_a_job_says_what_it_does_instead_of_a_token_count(qtbot) -> 
     assert lines[waiting.id] == "Waiting…"
     assert lines[idle.id].startswith("1,234 tokens · ")
     assert detail_text(idle, "reading") == "Reading…"
+    store.close()
+
+
+def test_relative_times_are_repainted_as_the_clock_moves(qtbot, monkeypatch) -> None:
+    import app.sessions.session_list as session_list
+
+    store = HistoryStore()
+    store.create_session("Tax return", "q8", "demo")
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.show()
+    sidebar.set_sessions(store.sessions(), None)
+    qtbot.waitExposed(sidebar)
+    painted: list[str] = []
+    real = session_list.detail_text
+    monkeypatch.setattr(session_list, "detail_text",
+                        lambda *a: painted.append(real(*a)) or painted[-1])
+    qtbot.wait(50)
+    painted.clear()
+    clock = sidebar.findChild(QTimer)
+    assert clock is not None and clock.isActive() and clock.interval() <= 60_000
+    clock.timeout.emit()
+    qtbot.waitUntil(lambda: bool(painted), timeout=2_000)
     store.close()
