@@ -63,6 +63,8 @@ def _walk(
     schedule makes the block's stored pages wait inside the graph (none).
     """
     in_graph = schedule.current() == schedule.GPU
+    if in_graph:
+        blocks = _by_slab(blocks)
     walks = [_HeadWalk.start(view.for_heads(heads), scale, heads, stream)
              for heads, stream in groups]
     for index, block in enumerate(blocks):
@@ -75,6 +77,27 @@ def _walk(
             schedule.host_sync([walk.softmax.state() for walk in walks])
     outs = [walk.softmax.out / walk.softmax.total for walk in walks]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def _by_slab(blocks: list[PageBlock]) -> list[PageBlock]:
+    """Each block cut where it crosses into another slab.
+
+    The GPU schedule's blocks are large; joining a block's pieces of two slabs
+    would copy the block's packed pages, so each piece merges as a block of its own.
+    """
+    cut = []
+    for block in blocks:
+        if len(block.pieces) == 1:
+            cut.append(block)
+            continue
+        start = 0
+        for piece in block.pieces:
+            local = piece[1]
+            count = local.stop - local.start if isinstance(local, slice) else local.size
+            logicals = block.logicals[start:start + count]
+            cut.append(PageBlock([piece], logicals, max(logicals)))
+            start += count
+    return cut
 
 
 @dataclass
