@@ -36,7 +36,7 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
     # 32k, 10x at 262k, measured), though 16 heads ran 1.2x faster.
     groups = ([(slice(0, kv_heads), None)] if decode
               else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
-    budget = cache.pool.scratch_bytes
+    budget = cache.pool.scratch_bytes // scratch.blocks_in_flight()
     if decode:
         budget = min(budget, scratch.decode_scratch_bytes())
     copies = (scratch.DECODE_ROW_COPIES if decode

@@ -28,7 +28,12 @@ DECODE_SCRATCH_BYTES = 16 * 2**20
 # The GPU schedule's decode blocks (:mod:`engine.cache.attention.schedule`): the
 # host never waits between them, so a block is sized for few kernel launches per
 # layer rather than for a cache; its transient stays far below a prefill chunk's.
-GPU_DECODE_SCRATCH_BYTES = 64 * 2**20
+GPU_DECODE_SCRATCH_BYTES = 32 * 2**20
+# Blocks of the GPU schedule's graph alive at once: the host allocates the next
+# block's buffers while the device still works on the one before (on the CPU
+# backend a chunk of full blocks measured up to twice one block's scratch), so
+# its prefill blocks take half the budget and the chunk stays within it.
+_GPU_BLOCKS_IN_FLIGHT = 2
 # What one block holds at its peak, per block token, as mx.get_peak_memory measures
 # it on the CPU backend (tests/engine/cache/attention/test_block_walk.py): two fp32
 # scores per query row (the scores and their exponentials or probabilities: MLX
@@ -57,6 +62,11 @@ _PACKED_AFFINE_COPIES = 4
 def decode_scratch_bytes() -> int:
     """The scratch budget of one decode step's blocks under the current schedule."""
     return GPU_DECODE_SCRATCH_BYTES if schedule.current() == schedule.GPU else DECODE_SCRATCH_BYTES
+
+
+def blocks_in_flight() -> int:
+    """Prefill blocks alive at once under the current schedule (their budget's share)."""
+    return _GPU_BLOCKS_IN_FLIGHT if schedule.current() == schedule.GPU else 1
 
 
 def block_tokens(
