@@ -2,9 +2,12 @@
 
 A prefill chunk dequantizes one block at a time (:func:`attend_blocks`); a decode
 step on quantized pages scores each block straight from the packed bytes with
-``mx.gather_qmm`` (:func:`attend_packed`). Either way only one block's scratch is
-alive at once, so the transient is the same at 32k and at 262k tokens; on the CPU
-the KV heads walk on one stream per core (:mod:`engine.cache.attention.streams`).
+``mx.gather_qmm`` (:func:`attend_packed`). Either way a block waits for the one
+before (the host waits under the CPU schedule; the graph orders them under the
+GPU schedule, :mod:`engine.cache.attention.schedule`), so only a block's scratch
+or two is alive at once and the transient is the same at 32k and at 262k tokens;
+on the CPU the KV heads walk on one stream per core
+(:mod:`engine.cache.attention.streams`).
 """
 
 from __future__ import annotations
