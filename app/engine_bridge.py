@@ -9,6 +9,7 @@ snapshots (stats, fit checks, token counts).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from engine import (
     TokenChunk,
 )
 
+log = logging.getLogger(__name__)
+
 GIL_SWITCH_INTERVAL_S = 0.001
 ENGINE_THREAD = "longleaf-engine"  # the name the worker contract gives its thread
 
@@ -39,8 +42,13 @@ def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None
     from engine import EngineWorker, SnapshotStore
 
     # A chat's KV cache goes to disk when it leaves memory and comes back from there.
+    try:
+        snapshots = SnapshotStore()
+    except OSError as error:  # an unwritable data folder: chats are read again instead
+        log.warning("stored KV is off: its folder cannot be used (%s)", error)
+        snapshots = None
     return EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size,
-                        snapshots=SnapshotStore())
+                        snapshots=snapshots)
 
 
 class EngineBridge(QObject):

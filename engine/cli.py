@@ -16,15 +16,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.cache import kvquant
+from engine.cache.modes import MODES
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
-from engine.memory.fit import MODES, facts_from_info
+from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from engine.snapshots.store import SnapshotStore
 
 SESSION = "cli"
+SESSION_PREFIX = "cli-"
 REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever
 
 
@@ -84,7 +86,9 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         seed=args.seed,
     )
     collector = _Collector(None if args.json else out)
-    session = args.session or SESSION
+    # Stored as "cli-<name>": the app names its chats' snapshots by a bare hex id,
+    # so a CLI run on the same data folder never replaces or deletes a chat's KV.
+    session = f"{SESSION_PREFIX}{args.session}" if args.session else SESSION
     snapshots = None
     if args.session:
         # The session's KV cache is stored when the worker shuts down and reused

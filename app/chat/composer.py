@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes, human_duration
+from app.format import human_bytes, human_duration, visible_text
 from app.store import AttachmentRecord
 
 
@@ -79,7 +79,7 @@ class AttachmentChip(QFrame):
         layout = QHBoxLayout(self)
         layout.setContentsMargins(10, 3, 4, 3)
         layout.setSpacing(4)
-        self.label = QLabel(f"{name} · reading…")
+        self.label = QLabel(f"{visible_text(name)} · reading…")
         layout.addWidget(self.label)
         close = QToolButton(self)
         close.setText("✕")
@@ -91,7 +91,8 @@ class AttachmentChip(QFrame):
     def set_record(self, record: AttachmentRecord) -> None:
         """Show the parsed file's size and token count."""
         self.label.setText(
-            f"{record.name} · {human_bytes(record.size)} · {record.tokens:,} tokens")
+            f"{visible_text(record.name)} · {human_bytes(record.size)} · "
+            f"{record.tokens:,} tokens")
 
 
 class Composer(QWidget):

@@ -13,12 +13,11 @@ import time
 from PySide6.QtCore import QObject, QTimer
 
 from app.format import human_bytes, human_duration
-from app.settings import KV_MODES
+from engine.cache.modes import MODES
 
 DEBOUNCE_MS = 250
 COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
 SHOW_ABOVE_TOKENS = 1024
-MODES = KV_MODES  # one order everywhere: fp16, q8, q6, q4
 FULL_TTL_S = 3.0
 SHOW_WAIT_ABOVE_TOKENS = 2048  # shorter reads take a few seconds at most
 
@@ -117,6 +116,8 @@ class FitChecker(QObject):
 
     def run(self) -> None:
         """Compute and show the fit line."""
+        if self.controller.closed:  # a check scheduled just before the window closed
+            return
         prompt, estimated = self.prompt_tokens()
         answer = self.controller.settings.sampling.max_tokens
         total = self.context_tokens() + prompt + answer

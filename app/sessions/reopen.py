@@ -12,14 +12,14 @@ from PySide6.QtWidgets import QMenu, QMessageBox, QWidget
 
 from app.format import human_bytes
 from app.memory.fit_check import wait_sentence
-from app.settings import KV_MODES
+from engine.cache.modes import MODES
 
 
 def fill_reopen_menu(menu: QMenu, controller, parent: QWidget) -> None:
     """Put one action per mode other than the shown chat's into ``menu``."""
     menu.clear()
     current = controller.current
-    for mode in KV_MODES:
+    for mode in MODES:
         if current is not None and mode == current.kv_mode:
             continue
         menu.addAction(f"Reopen in {mode}…",

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import relative_time
+from app.format import relative_time, visible_text
 from app.store import SessionRecord
 
 MODE_COLOURS = {"fp16": "#7a7f8c", "q8": "#2f7d5b", "q6": "#3b6fb6", "q4": "#b0662a"}
@@ -39,7 +39,7 @@ def mode_colour(mode: str) -> QColor:
 def confirm_delete(parent: QWidget, title: str) -> bool:
     """Ask before deleting a chat; Cancel is the default."""
     box = QMessageBox(QMessageBox.Icon.Warning, "Delete chat",
-                      f"Delete “{title}” and all its messages?", parent=parent)
+                      f"Delete “{visible_text(title)}” and all its messages?", parent=parent)
     box.setTextFormat(Qt.TextFormat.PlainText)  # a title is the user's text, never markup
     box.setInformativeText("This can't be undone.")
     delete = box.addButton("Delete", QMessageBox.ButtonRole.DestructiveRole)
@@ -91,7 +91,8 @@ class SessionDelegate(QStyledItemDelegate):
         font.setBold(True)
         painter.setFont(font)
         painter.setPen(text_colour)
-        title = painter.fontMetrics().elidedText(record.title, Qt.TextElideMode.ElideRight,
+        title = painter.fontMetrics().elidedText(visible_text(record.title),
+                                                 Qt.TextElideMode.ElideRight,
                                                  title_rect.width())
         painter.drawText(title_rect, Qt.AlignmentFlag.AlignVCenter, title)
         badge_rect = QRect(inner.right() - badge_width, inner.top() + 2, badge_width, 16)
@@ -157,11 +158,12 @@ class SessionList(QWidget):
         self.no_match.setVisible(searching and not sessions)
         self.list.setVisible(not (searching and not sessions))
         for record in sessions:
-            item = QListWidgetItem(record.title)
+            item = QListWidgetItem(visible_text(record.title))
             item.setData(RecordRole, record)
             item.setData(AnsweringRole, record.id == answering)
             # Tooltips guess rich text from the content: make it rich, the title escaped.
-            item.setToolTip(f"<p style='white-space:pre'>{html.escape(record.title)}<br>"
+            shown = html.escape(visible_text(record.title))
+            item.setToolTip(f"<p style='white-space:pre'>{shown}<br>"
                             f"KV mode {record.kv_mode} · model {html.escape(record.model_id)}</p>")
             self.list.addItem(item)
             if record.id == current:

@@ -20,6 +20,7 @@ from app.chat.attachments import CHARS_PER_TOKEN_BOUND, DocumentLoader
 from app.chat.composer import Composer
 from app.chat.conversation_view import ConversationView
 from app.controller import ChatController
+from app.format import visible_text
 from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
 from app.memory.panel_feed import PanelFeed
@@ -220,7 +221,7 @@ class MainWindow(QMainWindow):
 
     def _on_session_changed(self, record) -> None:
         self._refresh_sessions()
-        title = f"{record.title} — {record.kv_mode}" if record else "Longleaf"
+        title = f"{visible_text(record.title)} — {record.kv_mode}" if record else "Longleaf"
         self.setWindowTitle(f"{title} · Longleaf" if record else title)
         self.reopen_button.setEnabled(record is not None)
         if self.banner.property("kind") == "info":

@@ -9,7 +9,7 @@ backend (tests/engine/cache/attention/test_block_walk.py).
 
 from __future__ import annotations
 
-from engine.cache import kvquant, pages
+from engine.cache import kvquant
 from engine.cache.attention import schedule, streams
 
 # Up to this many new tokens (decode, short drafts) attend the packed pages directly;
@@ -19,7 +19,6 @@ PACKED_MAX_TOKENS = 4
 # The most one prefill chunk's attention scratch (scores, their exponentials and
 # one dequantized block of keys and values) may take, at any context length; each
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
-PREFILL_SCRATCH_BYTES = pages.PREFILL_SCRATCH_BYTES
 # A decode step walking the pages (fp16, or a head_dim the packed kernels cannot
 # take) has a few score rows, so its blocks are mostly the converted keys and values:
 # a block well inside the CPU's caches is as fast as a large one and keeps the
@@ -30,9 +29,9 @@ DECODE_SCRATCH_BYTES = 16 * 2**20
 # layer rather than for a cache; its transient stays far below a prefill chunk's.
 GPU_DECODE_SCRATCH_BYTES = 32 * 2**20
 # Blocks of the GPU schedule's graph alive at once: the host allocates the next
-# block's buffers while the device still works on the one before (on the CPU
-# backend a chunk of full blocks measured up to twice one block's scratch), so
-# its prefill blocks take half the budget and the chunk stays within it.
+# block's buffers while the device still works on the one before (a chunk of
+# full blocks reaches about twice one block's scratch; docs/benchmarks.md,
+# attention schedules), so its prefill blocks take half the budget.
 _GPU_BLOCKS_IN_FLIGHT = 2
 # What one block holds at its peak, per block token, as mx.get_peak_memory measures
 # it on the CPU backend (tests/engine/cache/attention/test_block_walk.py): two fp32
