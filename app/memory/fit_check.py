@@ -13,6 +13,7 @@ import time
 from PySide6.QtCore import QObject, QTimer
 
 from app.format import human_bytes, human_duration
+from engine import EngineError
 from engine.cache.modes import MODES
 
 DEBOUNCE_MS = 250
@@ -56,7 +57,7 @@ class FitChecker(QObject):
         session_id = current.id if current and current.id in self.controller.opened else None
         try:
             return self.controller.bridge.fit_check(session_id, max(0, tokens))
-        except Exception:  # no model yet, or the worker is shutting down
+        except EngineError:  # no model any more, or the session has just closed
             return None
 
     def max_context(self) -> int | None:
@@ -110,7 +111,7 @@ class FitChecker(QObject):
         if len(text) <= COUNT_INLINE_CHARS:
             try:
                 return attached + self.controller.bridge.count_tokens(text), False
-            except Exception:
+            except EngineError:  # no model loaded: estimated below
                 pass
         return attached + len(text) // 4, True
 

@@ -70,10 +70,8 @@ class PanelFeed(QObject):
     def _on_disk(self, session_id: str | None):
         if session_id is None:
             return None
-        try:
-            return self.controller.bridge.stored_snapshot(session_id)
-        except Exception:  # a bridge or engine without snapshots: nothing on disk to say
-            return None
+        # Reads a small manifest; a missing or bad one is None, never an error.
+        return self.controller.bridge.stored_snapshot(session_id)
 
     def on_stats(self, sample: StatsSample) -> None:
         """A new sample: shown when it is the current session's (RAM from any)."""

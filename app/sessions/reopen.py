@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QMenu, QMessageBox, QWidget
 
 from app.format import human_bytes
 from app.memory.fit_check import wait_sentence
+from engine import EngineError
 from engine.cache.modes import MODES
 
 
@@ -53,7 +54,7 @@ def _kv_bytes(controller, mode: str, tokens: int) -> str:
         return ""
     try:
         report = controller.bridge.fit_check(None, tokens)
-    except Exception:  # no model, or the worker is shutting down: say nothing
+    except EngineError:  # no model any more: say nothing
         return ""
     entry = report.for_mode(mode)
     return human_bytes(entry.bytes_needed) if entry.supported else ""

@@ -58,7 +58,8 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def load_model(
-    path: str | Path, *, compute_dtype: mx.Dtype | None = None, probe: bool = True
+    path: str | Path, *, compute_dtype: mx.Dtype | None = None, probe: bool = True,
+    pipeline: Any = None,
 ) -> LoadedModel:
     """Load a model folder (or ``"demo"``) through mlx-lm's loader.
 
@@ -69,6 +70,9 @@ def load_model(
             very slowly, and is kept as stored on Metal.
         probe: run ``engine.models.probe.probe_model`` (paged cache against
             mlx-lm's own) and keep its result in ``LoadedModel.probe``.
+        pipeline: an ``mx.distributed`` group: keep only this rank's layers
+            (mlx-lm's ``pipeline`` split: rank 0 holds the last layers); every
+            rank must load the same model in the same order.
 
     Returns:
         The model, tokenizer, ``ModelInfo`` and probe result.
@@ -103,6 +107,8 @@ def load_model(
             "model again or copy its tokenizer files into the folder."
         ) from error
     model = _set_compute_dtype(model, compute_dtype)
+    if pipeline is not None and pipeline.size() > 1:
+        _split(model, pipeline, folder, config)
     kinds = classify_layers(make_prompt_cache(model))
     # Counted by the same rule as inspect_model_dir's headers, so both agree.
     shapes = {name: {"shape": a.shape} for name, a in tree_flatten(model.parameters())}
@@ -123,6 +129,20 @@ def _summarized(error: Exception, shown: int = 3) -> str:
         return first if len(first) <= 500 else first[:499] + "…"
     more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
     return f"{first.rstrip(': ')} ({', '.join(names[:shown])}{more})"
+
+
+def _split(model: Any, group: Any, folder: Path, config: dict[str, Any]) -> None:
+    inner = getattr(model, "model", None)
+    if not callable(getattr(inner, "pipeline", None)):
+        raise ModelLoadError(
+            f"{folder.name} cannot be split across machines: mlx-lm has no pipeline "
+            f"split for its architecture ({config.get('model_type', 'unknown')}). Use one "
+            "machine, or a model mlx-lm can split (for example qwen2, qwen3_next, qwen3_5)."
+        )
+    try:
+        inner.pipeline(group)
+    except ValueError as error:  # more ranks than layers
+        raise ModelLoadError(f"{folder.name} cannot be split that way: {error}.") from error
 
 
 def _probe(model: Any, info: ModelInfo) -> ProbeResult:

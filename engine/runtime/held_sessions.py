@@ -42,6 +42,8 @@ class HeldSessions:
         keeper: saves a session's cache as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
+        pipeline: an ``mx.distributed`` group: load only this rank's pipeline stage
+            of each model (``engine.models.loader.load_model``); None: every layer.
         chunk_seconds: the prefill chunk time above which a session shrinks its
             chunks, or None for fixed chunks.
     """
@@ -54,7 +56,9 @@ class HeldSessions:
         emit: Callable[[object], None],
         *,
         chunk_seconds: float | None,
+        pipeline: Any = None,
     ) -> None:
+        self._pipeline = pipeline
         self._guard = guard
         self._keeper = keeper
         self._stats = stats
@@ -128,7 +132,8 @@ class HeldSessions:
         # Once per load, here on the worker thread: every save and reopen of this
         # model's sessions checks stored KV against these weights.
         fingerprint = model_fingerprint(folder)
-        loaded = dataclasses.replace(load_model(folder), fingerprint=fingerprint)
+        loaded = load_model(folder, pipeline=self._pipeline)
+        loaded = dataclasses.replace(loaded, fingerprint=fingerprint)
         self.release()
         prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
         with self._lock:

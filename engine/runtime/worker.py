@@ -90,6 +90,7 @@ class EngineWorker:
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
+        pipeline: Any = None,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -106,7 +107,7 @@ class EngineWorker:
         self._snapshots = SnapshotKeeper(snapshots, self._emit)
         self._held = HeldSessions(
             self.guard, self._snapshots, self._stats, self._emit,
-            chunk_seconds=2 * stats_interval if adaptive_chunks else None,
+            chunk_seconds=2 * stats_interval if adaptive_chunks else None, pipeline=pipeline,
         )
         requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
         self._handlers: dict[str, Callable[[Command], object]] = {
@@ -251,6 +252,17 @@ class EngineWorker:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
 
+    @property
+    def alive(self) -> bool:
+        """True from ``start`` until the worker thread has ended."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for the thread to end; True once it has."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel running and queued work and join the thread."""
         self._stopping.set()
@@ -258,9 +270,7 @@ class EngineWorker:
         if current is not None:
             current.cancel.set()
         self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self.join(timeout):
             log.warning("engine thread did not stop within %.1f s", timeout)
 
     # -- worker thread ---------------------------------------------------------
