@@ -48,6 +48,12 @@ def _modes_or_none(text: str) -> tuple[str, ...]:
     return () if text.strip().lower() == "none" else _modes(text)
 
 
+def _schedules(text: str) -> tuple[str, ...]:
+    from engine.cache.attention.schedule import parse
+
+    return tuple(dict.fromkeys(parse(part) for part in text.split(",") if part.strip()))
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="Markdown file")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
@@ -116,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="modes also run with rotated rows, e.g. q6 ('none': skip)")
     longctx.add_argument("--hybrid-tokens", type=parse_tokens,
                          help="tokens the hybrid model reads (0: skip that part)")
+    longctx.add_argument("--schedules", type=_schedules,
+                         help="attention schedules of the paged cells, e.g. cpu,gpu")
+    longctx.add_argument("--no-mlx", action="store_true",
+                         help="the paged cells only, without mlx-lm's caches")
     return parser
 
 
@@ -126,7 +136,8 @@ def run_longctx(args: argparse.Namespace, command: str) -> dict:
     config = with_changes(
         longctx_bench.QUICK if quick else longctx_bench.LongContextConfig(),
         contexts=args.contexts, q_heads=args.q_heads, modes=args.modes,
-        decode_repeats=args.repeats, rotated=args.rotated,
+        decode_repeats=args.repeats, rotated=args.rotated, schedules=args.schedules,
+        mlx_baselines=False if args.no_mlx else None,
     )
     hybrid_config = with_changes(
         longctx_bench.HYBRID_QUICK if quick else longctx_bench.HybridIngestConfig(),
