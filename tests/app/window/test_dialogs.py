@@ -190,7 +190,7 @@ def test_rotation_is_a_saved_choice_that_new_chats_open_with(qtbot) -> None:
 
     opened: list[tuple] = []
     bridge = type("Bridge", (), {"open_session": lambda self, *a, **k: opened.append((a, k))
-                                 or 1, "close_session": lambda self, sid, keep=True: None})()
+                                 or 1, "close_session": lambda self, sid, store=True: None})()
     caches = SessionCaches(bridge, Settings())
     caches.ensure_open(type("Record", (), {"id": "s", "kv_mode": "q6"})(), lambda: None,
                        lambda _failed: None)
