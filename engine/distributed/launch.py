@@ -154,7 +154,10 @@ def _reports(folder: Path, ranks: int) -> dict[int, dict[str, Any]]:
 def _failure(done: subprocess.CompletedProcess[str], suspects: list[int]) -> str:
     stderr = done.stderr or ""
     exited = {int(rank): int(code) for rank, code in _EXITED.findall(stderr)}
-    failed = sorted(set(suspects) & set(exited)) or sorted(exited) or suspects
+    # mlx.launch warns in the order the ranks end, and stops the others only
+    # after the first: that one is the cause, the rest (SIGTERM) followed it.
+    first = [next(iter(exited))] if exited else []
+    failed = suspects if len(suspects) == 1 else first or suspects
     lines = [line for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     if errors:
@@ -164,6 +167,6 @@ def _failure(done: subprocess.CompletedProcess[str], suspects: list[int]) -> str
     elif failed and failed[0] in exited:
         detail = f": its process exited with code {exited[failed[0]]}"
     else:
-        detail = f": {lines[-1]}" if lines else ": its process stopped without a report"
+        detail = f": {lines[-1]}" if lines else ": its process ended without a report"
     which = ", ".join(f"rank {rank}" for rank in failed) or "a rank"
     return f"The pipeline run failed on {which} (this machine){detail}"
