@@ -218,7 +218,11 @@ class EngineBridge(QObject):
         """
         from engine import snapshot_info, snapshots_dir
 
-        return snapshot_info(snapshots_dir(), session_id)
+        try:
+            folder = snapshots_dir()
+        except OSError:  # an unusable data folder holds no stored KV (it is off)
+            return None
+        return snapshot_info(folder, session_id)
 
     def fit_check(self, session_id: str | None, token_count: int):
         """Per-mode fit of ``token_count`` tokens (an ``engine.memory.fit.FitReport``)."""
