@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from engine.cache import kvquant
 from engine.cache.modes import MODES
-from engine.distributed.launch import launch, rank_report_dir, write_rank_report
+from engine.distributed.launch import launch, rank_report_dir, write_rank_pid, write_rank_report
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
 from engine.memory.fit import facts_from_info
@@ -94,6 +94,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     import mlx.core as mx
 
     group = mx.distributed.init()
+    write_rank_pid(report_dir, group.rank())
     result, collector = _run(args, None, pipeline=group)
     sample = collector.stats
     write_rank_report(report_dir, group.rank(), {

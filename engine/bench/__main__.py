@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx …``: run a benchmark.
+"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx|pipeline``.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -126,7 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="attention schedules of the paged cells, e.g. cpu,gpu")
     longctx.add_argument("--no-mlx", action="store_true",
                          help="the paged cells only, without mlx-lm's caches")
+    pipeline = sub.add_parser("pipeline", help="tiny hybrid model: 1 process vs 2 local ranks")
+    _common(pipeline)
+    pipeline.add_argument("--contexts", type=_ints, help="prompt lengths, e.g. 8k,32k")
+    pipeline.add_argument("--max-tokens", type=int, help="tokens generated per run")
+    pipeline.add_argument("--mode", help="KV mode, e.g. fp16")
     return parser
+
+
+def run_pipeline(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import pipeline_bench
+
+    base = pipeline_bench.QUICK if args.quick else pipeline_bench.PipelineBenchConfig()
+    config = with_changes(base, contexts=args.contexts, max_tokens=args.max_tokens,
+                          mode=args.mode)
+    return _run_sections(args, command, "pipeline", pipeline_bench.run_pipeline_bench,
+                         pipeline_bench.render_pipeline_report, config)
 
 
 def run_longctx(args: argparse.Namespace, command: str) -> dict:
@@ -272,6 +287,7 @@ RUNNERS = {
     "reopen": run_reopen,
     "quality": run_quality,
     "longctx": run_longctx,
+    "pipeline": run_pipeline,
 }
 _STARTED = time.monotonic()
 
