@@ -8,6 +8,9 @@ import pytest
 
 from tests.engine.server.conftest import Served
 
+# This SDK version no longer takes temperature as an argument; the server still reads it.
+GREEDY = {"temperature": 0}
+
 
 def client(served: Served) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=served.url, api_key=served.key, max_retries=0)
@@ -17,7 +20,7 @@ def test_message_not_streamed(served: Served) -> None:
     reply = client(served).messages.create(
         model="anything", max_tokens=5, system="You are terse.",
         messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
-        temperature=0)
+        extra_body=GREEDY)
     assert reply.role == "assistant" and reply.model == served.bridge.model_id
     assert reply.content[0].type == "text"
     assert reply.stop_reason in ("end_turn", "max_tokens")
@@ -28,11 +31,11 @@ def test_message_not_streamed(served: Served) -> None:
 def test_message_streamed_matches_not_streamed(served: Served) -> None:
     messages = [{"role": "user", "content": "Tell a story"}]
     whole = client(served).messages.create(model="m", max_tokens=8, messages=messages,
-                                           temperature=0)
+                                           extra_body=GREEDY)
     kinds: list[str] = []
     text = ""
     with client(served).messages.stream(model="m", max_tokens=8, messages=messages,
-                                        temperature=0) as stream:
+                                        extra_body=GREEDY) as stream:
         for event in stream:
             kinds.append(event.type)
             if event.type == "content_block_delta":
@@ -51,10 +54,10 @@ def test_message_streamed_matches_not_streamed(served: Served) -> None:
 def test_resent_conversation_reads_the_cache(served: Served) -> None:
     api = client(served)
     turns = [{"role": "user", "content": "Remember these words: " + "apple pear " * 40}]
-    first = api.messages.create(model="m", max_tokens=3, messages=turns, temperature=0)
+    first = api.messages.create(model="m", max_tokens=3, messages=turns, extra_body=GREEDY)
     resent = [*turns, {"role": "assistant", "content": first.content[0].text or "ok"},
               {"role": "user", "content": "Which?"}]
-    again = api.messages.create(model="m", max_tokens=3, messages=resent, temperature=0)
+    again = api.messages.create(model="m", max_tokens=3, messages=resent, extra_body=GREEDY)
     total = again.usage.input_tokens + again.usage.cache_read_input_tokens
     assert again.usage.cache_read_input_tokens >= 0.9 * total
 
@@ -64,7 +67,7 @@ def test_count_tokens_matches_usage(served: Served) -> None:
     counted = client(served).messages.count_tokens(model="m", messages=messages,
                                                    system="Be brief.")
     reply = client(served).messages.create(model="m", max_tokens=1, messages=messages,
-                                           system="Be brief.", temperature=0)
+                                           system="Be brief.", extra_body=GREEDY)
     assert counted.input_tokens == reply.usage.input_tokens + \
         (reply.usage.cache_read_input_tokens or 0)
 
@@ -73,10 +76,10 @@ def test_stop_sequence(served: Served) -> None:
     api = client(served)
     messages = [{"role": "user", "content": "Say many things"}]
     free = api.messages.create(model="m", max_tokens=12, messages=messages,
-                               temperature=0).content[0].text
+                               extra_body=GREEDY).content[0].text
     assert len(free) > 3
     stop = free[2:4]
-    cut = api.messages.create(model="m", max_tokens=12, messages=messages, temperature=0,
+    cut = api.messages.create(model="m", max_tokens=12, messages=messages, extra_body=GREEDY,
                               stop_sequences=[stop])
     assert cut.content[0].text == free[:free.index(stop)]
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
