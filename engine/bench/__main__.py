@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx …``: run a benchmark.
+"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx|serve …``: a benchmark.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -116,7 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
                          help="modes also run with rotated rows, e.g. q6 ('none': skip)")
     longctx.add_argument("--hybrid-tokens", type=parse_tokens,
                          help="tokens the hybrid model reads (0: skip that part)")
+    serve = sub.add_parser("serve", help="demo model: HTTP server TTFT, resent and restarted")
+    _common(serve)
+    serve.add_argument("--tokens", type=parse_tokens, help="conversation tokens (about)")
+    serve.add_argument("--max-tokens", type=int, help="answer tokens per request")
+    serve.add_argument("--no-mlx", action="store_true", help="skip mlx_lm.server")
     return parser
+
+
+def run_serve(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import report, serve_bench
+
+    tokens = args.tokens or (1024 if args.quick else 7000)
+    info = report.machine_info()
+    results = serve_bench.run(tokens, args.max_tokens or (16 if args.quick else 64),
+                              mlx_lm=not args.no_mlx)
+    body = "\n".join([f"`{command}`", "", *report.machine_lines(info, report.load_average()),
+                      "", serve_bench.report(results)])
+    report.write_section(args.output, "serve", body)
+    return results
 
 
 def run_longctx(args: argparse.Namespace, command: str) -> dict:
@@ -261,6 +279,7 @@ RUNNERS = {
     "reopen": run_reopen,
     "quality": run_quality,
     "longctx": run_longctx,
+    "serve": run_serve,
 }
 _STARTED = time.monotonic()
 
