@@ -354,7 +354,6 @@ class Run:
                     return
         finally:
             self.cancel.set()  # a client gone mid-stream stops the engine
-            self.bridge.done(self.ticket)
 
     def _stop_at(self, text: str) -> int | None:
         found = [(text.find(s), s) for s in self.stops if s in text]

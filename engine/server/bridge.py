@@ -146,6 +146,10 @@ class EngineBridge:
             ticket = self._tickets.get(request_id)
             if ticket is not None and isinstance(event, Finished | Failed):
                 del self._tickets[request_id]
+                if request_id == ticket.chat_id:
+                    # Counted by the engine's ending, not the handler's: a handler
+                    # whose stream never started still frees its place.
+                    self._in_flight -= 1
         if ticket is not None:
             ticket.put(event)
 
@@ -207,11 +211,6 @@ class EngineBridge:
             ticket.chat_id = self.worker.chat(name, messages, sampling, cancel)
             self._tickets[ticket.chat_id] = ticket
         return ticket
-
-    def done(self, ticket: Ticket) -> None:
-        """The request's handler is finished with it (also after a cancel)."""
-        with self._lock:
-            self._in_flight -= 1
 
     def forget(self, ticket: Ticket) -> None:
         """Drop the session a failed request ran on from the ones to continue."""
