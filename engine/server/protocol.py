@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.cache import kvquant
+from engine.cache.modes import MODES
 from engine.errors import EngineError
 from engine.session.sampling import SamplingParams
 
-MODE_SUFFIXES = ("fp16", "q8", "q6", "q4")
 MAX_STOPS = 16
 
 
@@ -96,9 +96,9 @@ def mode_from(model: str, body: dict) -> str | None:
     mode = body.get("kv_mode")
     if mode is None and "@" in model:
         mode = model.rsplit("@", 1)[1]
-        if mode not in MODE_SUFFIXES:
+        if mode not in MODES:
             raise BadRequest(f"The model id suffix '@{mode}' is not a KV mode; use one of "
-                             + ", ".join(f"@{m}" for m in MODE_SUFFIXES) + ".", "model")
+                             + ", ".join(f"@{m}" for m in MODES) + ".", "model")
     if mode is None:
         return None
     if not isinstance(mode, str):
