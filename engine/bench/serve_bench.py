@@ -64,7 +64,8 @@ def conversation(tokens: int, extra_turn: bool) -> list[dict[str, str]]:
 
 def _stream(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float,
                                                                                 dict]:
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+    # "default_model" is mlx_lm.server's name for its --model; Longleaf answers any id.
+    body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = None
