@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.cache import kvquant
-from engine.cache.modes import MODES
+from engine.cache.modes import DEFAULT_MODE, MODES
 from engine.distributed.launch import launch, rank_report_dir, write_rank_report
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default="127.0.0.1",
                      help="address to bind (default: this machine only)")
     api.add_argument("--port", type=int, default=1234)
-    api.add_argument("--kv", default="q8", help="default KV mode: fp16, q8, q6 or q4")
+    api.add_argument("--kv", default=DEFAULT_MODE, choices=MODES,
+                     help=f"KV mode of requests that ask for none (default {DEFAULT_MODE})")
     api.add_argument("--api-key", default=None, help="require this key on every request")
     api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
     api.add_argument("--queue-limit", type=int, default=16,

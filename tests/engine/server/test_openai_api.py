@@ -177,3 +177,19 @@ def test_malformed_requests_leave_it_answering(served: Served) -> None:
     ok = client(served).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "still there?"}], max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_model_suffix_and_kv_mode_pick_the_mode(served: Served) -> None:
+    api = client(served)
+    by_suffix = api.chat.completions.create(
+        model="m@q6", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    by_field = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"kv_mode": "q4"})
+    default = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert by_suffix.model_extra["kv_mode"] == "q6"
+    assert by_field.model_extra["kv_mode"] == "q4"
+    assert default.model_extra["kv_mode"] == served.bridge.kv_mode
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model="m@q3", messages=[{"role": "user", "content": "x"}])
