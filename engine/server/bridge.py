@@ -216,7 +216,7 @@ class EngineBridge:
         """Drop the session a failed request ran on from the ones to continue."""
         with self._lock:
             if self._sessions.pop(ticket.session, None) is not None:
-                self.worker.close_session(ticket.session, keep=False)
+                self.worker.close_session(ticket.session, store=False)
 
     def _continued(self, prompt: list[int], mode: str) -> str | None:
         best, most = None, 0
@@ -231,7 +231,7 @@ class EngineBridge:
     def _open(self, mode: str, ticket: Ticket) -> str:
         while len(self._sessions) >= self.max_sessions:
             evicted, _ = self._sessions.popitem(last=False)
-            self.worker.close_session(evicted, keep=True)
+            self.worker.close_session(evicted, store=True)
         name = f"{API_SESSION_PREFIX}{secrets.token_hex(6)}"
         opened = self.worker.open_session(name, mode)
         self._tickets[opened] = ticket
