@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx|pipeline``.
+"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx|pipeline|serve``.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--contexts", type=_ints, help="prompt lengths, e.g. 8k,32k")
     pipeline.add_argument("--max-tokens", type=int, help="tokens generated per run")
     pipeline.add_argument("--mode", help="KV mode, e.g. fp16")
+    serve = sub.add_parser("serve", help="demo model: HTTP server TTFT, resent and restarted")
+    _common(serve)
+    serve.add_argument("--tokens", type=parse_tokens, help="conversation tokens (about)")
+    serve.add_argument("--max-tokens", type=int, help="answer tokens per request")
+    serve.add_argument("--no-mlx", action="store_true", help="skip mlx_lm.server")
     return parser
 
 
@@ -142,6 +147,19 @@ def run_pipeline(args: argparse.Namespace, command: str) -> dict:
                           mode=args.mode)
     return _run_sections(args, command, "pipeline", pipeline_bench.run_pipeline_bench,
                          pipeline_bench.render_pipeline_report, config)
+
+
+def run_serve(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import report, serve_bench
+
+    tokens = args.tokens or (1024 if args.quick else 7000)
+    info = report.machine_info()
+    results = serve_bench.run(tokens, args.max_tokens or (16 if args.quick else 64),
+                              mlx_lm=not args.no_mlx)
+    body = "\n".join([f"`{command}`", "", *report.machine_lines(info, report.load_average()),
+                      "", serve_bench.report(results)])
+    report.write_section(args.output, "serve", body)
+    return results
 
 
 def run_longctx(args: argparse.Namespace, command: str) -> dict:
@@ -288,6 +306,7 @@ RUNNERS = {
     "quality": run_quality,
     "longctx": run_longctx,
     "pipeline": run_pipeline,
+    "serve": run_serve,
 }
 _STARTED = time.monotonic()
 

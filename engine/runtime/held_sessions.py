@@ -33,6 +33,16 @@ from engine.snapshots.stored_sessions import StoredSessions
 if TYPE_CHECKING:
     from engine.models.info import ModelInfo
 
+# Sessions of the local API server are named with this prefix. Cached tokens and
+# response times tell a client whether a text is already held, so API sessions
+# and the app's chats never take each other's prefixes.
+API_SESSION_PREFIX = "api-"
+
+
+def same_partition(a: str, b: str) -> bool:
+    """Whether sessions ``a`` and ``b`` may reuse each other's KV (both API or neither)."""
+    return a.startswith(API_SESSION_PREFIX) == b.startswith(API_SESSION_PREFIX)
+
 
 class HeldSessions:
     """Loads a model, opens and closes its sessions, and refills them before a read.
@@ -211,7 +221,8 @@ class HeldSessions:
         """
         with self._lock:
             others = [s for s in self._sessions.values()
-                      if s.tokens and reuse.compatible(session, s)]
+                      if s.tokens and reuse.compatible(session, s)
+                      and same_partition(s.session_id, session.session_id)]
         from_disk = not session.tokens and self._stored.snapshots is not None
         if not others and not from_disk:
             return 0
