@@ -23,7 +23,7 @@ from app.chat.answers import TOO_LONG_TURN
 from tests.app.chat.test_documents_drop import TEXT, drop_files
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.engine.documents.test_matrix import _encrypted
-from tests.engine.test_bad_input import BROKEN_FOLDERS
+from tests.engine.runtime.test_bad_input import BROKEN_FOLDERS
 
 
 def _blank_pdf(path: Path) -> None:
