@@ -154,6 +154,12 @@ class SettingsDialog(QDialog):
         form.addRow("Repetition penalty", self.repetition)
         self.max_tokens = QSpinBox(minimum=1, maximum=1_000_000, value=sampling.max_tokens)
         form.addRow("Max answer tokens", self.max_tokens)
+        self.speculative = QCheckBox("Speculative decoding from the chat's own text")
+        self.speculative.setToolTip(
+            "Proposes the next tokens from the document and conversation and checks them "
+            "in one pass: the same answer, faster when it quotes or restates the text.")
+        self.speculative.setChecked(settings.speculative)
+        form.addRow("", self.speculative)
         self.system_prompt = QPlainTextEdit(settings.system_prompt)
         self.system_prompt.setFixedHeight(80)
         form.addRow("System prompt", self.system_prompt)
@@ -182,6 +188,7 @@ class SettingsDialog(QDialog):
             top_k=self.top_k.value(), min_p=self.min_p.value(),
             repetition_penalty=self.repetition.value(), max_tokens=self.max_tokens.value(),
             seed=s.sampling.seed)
+        s.speculative = self.speculative.isChecked()
         s.system_prompt = self.system_prompt.toPlainText().strip()
         s.model_folders = [f.strip() for f in self.folders.toPlainText().splitlines() if f.strip()]
         s.sync()
