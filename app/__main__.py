@@ -28,26 +28,85 @@ def create_app(argv: list[str]) -> QApplication:
     return app
 
 
-def build_window(model: str | None = None):
-    """Settings, history, engine and window, wired together and started."""
+def build_window(model: str | None = None, owns_data: bool = True):
+    """Settings, history, engine and window, wired together and started.
+
+    ``owns_data``: this process holds the data folder's lock. Without it the
+    history is read into memory and nothing is written to the folder's history
+    (another Longleaf may be writing it).
+    """
     from app.controller import ChatController
     from app.engine_bridge import EngineBridge
     from app.settings import Settings
-    from app.store import HistoryStore
+    from app.store import open_history
     from app.window.main_window import MainWindow
 
     settings = Settings()
-    store = HistoryStore()
+    store, opened = open_history(writable=owns_data)
     bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk)
     controller = ChatController(settings, store, bridge)
     window = MainWindow(controller)
     controller.start(model)
-    if controller.recovered:
-        window.banner.show_message(
+    about_history = history_note(opened)
+    notes = [about_history] if about_history else []
+    # Without the lock, "streaming" answers may be another Longleaf's live ones.
+    if controller.recovered and owns_data:
+        notes.append(
             f"Longleaf quit unexpectedly last time; {controller.recovered} unfinished answer"
-            f"{'s were' if controller.recovered != 1 else ' was'} kept and marked interrupted.",
-            "info")
+            f"{'s were' if controller.recovered != 1 else ' was'} kept and marked interrupted.")
+    if notes:
+        # A damaged or unsaved history stays on screen until dismissed.
+        window.banner.show_message(" ".join(notes), "error" if about_history else "info")
     return window
+
+
+def history_note(opened) -> str:
+    """What the banner says about how the history opened ("" when all is well)."""
+    parts = []
+    if opened.damaged is not None:
+        parts.append(
+            f"The chat history was damaged. {_count(opened.chats, 'chat')} and "
+            f"{_count(opened.messages, 'message')} were recovered; the damaged file is kept "
+            f"at {opened.damaged}.")
+    if opened.unsaved:
+        parts.append(opened.unsaved)
+    return " ".join(parts)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'s' if n != 1 else ''}"
+
+
+def take_data_folder(files: list[str]):
+    """The data folder's lock for this process, or why this launch should not open.
+
+    Returns:
+        ``(lock, exit_code)``: the held ``InstanceLock`` (None when the folder
+        cannot hold one: unwritable) and None to go on; or ``(None, code)`` when
+        another Longleaf holds the folder: it was handed ``files`` (0), or it
+        does not answer (1, with a message on stderr).
+    """
+    from app.single_instance import InstanceLock, hand_over_or_take
+    from engine import data_dir
+
+    try:
+        folder = data_dir()
+    except OSError:
+        return None, None  # the history opens in memory and says why
+    lock = InstanceLock(folder)
+    if lock.acquire():
+        return lock, None
+    if not lock.held_elsewhere():
+        log.warning("the data folder %s cannot hold a lock file; opening without one", folder)
+        return None, None
+    try:
+        if hand_over_or_take(lock, files):
+            return None, 0
+    except TimeoutError as error:
+        print(f"Longleaf is already running with {folder}, but {error}. Close it (or end "
+              "its process) and start Longleaf again.", file=sys.stderr)
+        return None, 1
+    return lock, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,12 +124,45 @@ def main(argv: list[str] | None = None) -> int:
     args, qt_args = parser.parse_known_args(args_in)
     app = create_app([sys.argv[0], *qt_args])
     app.setAttribute(Qt.ApplicationAttribute.AA_DontShowIconsInMenus, True)
-    window = build_window(args.model)
+    lock, code = take_data_folder(args.files)
+    if code is not None:
+        return code
+    if lock is not None:
+        # Listening at once: a launch meanwhile connects, and its files are read
+        # once the event loop runs, after the window below exists.
+        lock.listen()
+    # No lock and a data folder: it could not hold a lock file; write nothing to it.
+    window = build_window(args.model, owns_data=lock is not None or not _has_data_folder())
+    if lock is not None:
+        lock.filesReceived.connect(lambda paths: bring_files(window, paths))
     window.show()
     if args.files:
         window.add_files(args.files)
     code = app.exec()
-    return finish(window, code)
+    try:
+        return finish(window, code)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _has_data_folder() -> bool:
+    from engine import data_dir
+
+    try:
+        data_dir()
+    except OSError:
+        return False
+    return True
+
+
+def bring_files(window, paths: list[str]) -> None:
+    """Files a second launch handed over: attached as if dropped, the window raised."""
+    window.add_files(paths)
+    if window.isMinimized():
+        window.showNormal()
+    window.raise_()
+    window.activateWindow()
 
 
 def finish(window, code: int) -> int:

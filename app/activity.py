@@ -1,37 +1,72 @@
-"""The one request the chat runs at a time, an answer or a re-ingest.
+"""The work chats give the engine: one job runs, the others wait in line.
 
-What needs the engine (sending, regenerating, switching models, reopening,
-deleting the answering chat) waits for it; ``refuse`` says so in the banner.
-Reading other chats does not: the answer stays bound to ``session_id``.
+The engine runs one request at a time. A job (an answer, a re-ingest, a quality
+check) belongs to its chat; a chat has at most one. When one runs, a job sent
+in another chat waits here, not in the engine, and starts by itself when the
+one ahead of it ends; cancelling it then costs nothing. What is about one chat
+(sending again, editing, deleting it, Stop) waits only for that chat's own job;
+switching models waits for all of them. ``refuse`` says so in the banner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from PySide6.QtCore import QObject, Signal
 
+from engine import IngestProgress
+
 REFUSAL = "Stop {running} before {what}."
-# What the Stop button stops, by Activity kind, in the refusal's words.
+# What the Stop button stops, by job kind, in the refusal's words.
 RUNNING = {"chat": "the current answer", "ingest": "reading the conversation in",
            "quality": "the quality check"}
+WAITING = "waiting"
+# What a chat's job is doing, as the sidebar says it (the key is the state).
+STATES = {"answering": "Answering…", "reading": "Reading…", "checking": "Checking quality…",
+          WAITING: "Waiting…"}
+
+
+@dataclass(eq=False)
+class Job:
+    """One chat's request, from the send to its end.
+
+    ``request`` is its engine request id once submitted (None while it waits in
+    line or for its chat's KV cache to open); ``progress`` the last reading
+    progress, ``answering`` whether its answer's first text has arrived.
+    """
+
+    session_id: str
+    kind: str  # "chat", "ingest" or "quality"
+    title: str
+    start: Callable[[Job], None]
+    dropped: Callable[[Job], None]  # called when it is cancelled before it started
+    request: int | None = None
+    progress: IngestProgress | None = None
+    answering: bool = False
+    started: bool = False
+    stopping: bool = False  # Stop was pressed: cancelled as soon as it has a request
+
+    @property
+    def state(self) -> str:
+        """"waiting", "reading", "answering" or "checking"."""
+        if not self.started:
+            return WAITING
+        if self.kind == "quality":
+            return "checking"
+        return "answering" if self.answering else "reading"
 
 
 class Activity(QObject):
-    """Which answer or ingest runs now.
+    """The jobs of every chat: the first in ``jobs`` runs, the rest wait in order."""
 
-    ``request`` is its engine request id, or -1 while it waits for its
-    session's KV cache to open (the real id is not known yet); ``kind`` is
-    "chat" or "ingest"; ``session_id`` the session it reads or answers in.
-    All are None when nothing runs.
-    """
-
-    busyChanged = Signal(bool)
+    changed = Signal()  # a job was added, started, moved on or ended
+    busyChanged = Signal(bool)  # whether any job runs or waits
     refused = Signal(str)  # the message saying what has to wait
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.request: int | None = None
-        self.kind: str | None = None
-        self.session_id: str | None = None
+        self.jobs: list[Job] = []
 
     @staticmethod
     def is_refusal(text: str) -> bool:
@@ -41,28 +76,110 @@ class Activity(QObject):
 
     @property
     def busy(self) -> bool:
-        """True while an answer streams or a conversation is ingested."""
-        return self.request is not None
+        """True while any chat's job runs or waits."""
+        return bool(self.jobs)
 
-    def set(self, request: int | None, kind: str | None, session_id: str | None = None) -> None:
-        """Record the running request (None, None: nothing runs) and say whether it is busy."""
-        if session_id is not None or request is None:
-            self.session_id = session_id
-        self.request, self.kind = request, kind
-        self.busyChanged.emit(request is not None)
+    @property
+    def running(self) -> Job | None:
+        """The job the engine works on (or whose cache opens), if any."""
+        return self.jobs[0] if self.jobs and self.jobs[0].started else None
 
-    def clear(self) -> None:
-        """Nothing runs any more."""
-        self.set(None, None)
+    def job_of(self, session_id: str | None) -> Job | None:
+        """The job of chat ``session_id``, running or waiting."""
+        return next((job for job in self.jobs if job.session_id == session_id), None)
+
+    def job_with(self, request_id: int) -> Job | None:
+        """The job whose engine request is ``request_id``."""
+        return next((job for job in self.jobs if job.request == request_id), None)
+
+    def ahead_of(self, job: Job) -> Job | None:
+        """The job ``job`` waits for, or None when it runs."""
+        return None if job.started or not self.jobs else self.jobs[0]
+
+    def states(self) -> dict[str, str]:
+        """Each chat with a job -> its state ("answering", "waiting", …)."""
+        return {job.session_id: job.state for job in self.jobs}
+
+    def add(self, session_id: str, kind: str, title: str, start: Callable[[Job], None],
+            dropped: Callable[[Job], None]) -> Job:
+        """Queue a job for ``session_id``; it starts now when nothing else runs.
+
+        The caller has checked the chat has no job yet (``refuse_in``).
+        """
+        job = Job(session_id, kind, title, start, dropped)
+        self.jobs.append(job)
+        if len(self.jobs) == 1:
+            self.busyChanged.emit(True)
+        self._start_next()
+        self.changed.emit()
+        return job
+
+    def submitted(self, job: Job, request_id: int) -> bool:
+        """The engine took ``job`` as ``request_id``; True when Stop came first (cancel it)."""
+        job.request = request_id
+        self.changed.emit()
+        return job.stopping
+
+    def stop(self, job: Job, cancel: Callable[[int], None]) -> None:
+        """Stop ``job``: out of the line if it waits, else its request is cancelled."""
+        if self.drop(job):
+            return
+        job.stopping = True
+        if job.request is not None:
+            cancel(job.request)
+
+    def note(self, job: Job, progress: IngestProgress | None = None,
+             answering: bool = False) -> None:
+        """What ``job`` does now: its reading progress, or that its answer streams."""
+        before = job.state
+        if progress is not None:
+            job.progress = progress
+        job.answering = job.answering or answering
+        if job.state != before:
+            self.changed.emit()
+
+    def end(self, job: Job) -> None:
+        """``job`` ended (finished, failed, stopped); the next one in line starts."""
+        if job not in self.jobs:
+            return
+        self.jobs.remove(job)
+        self._start_next()
+        self.changed.emit()
+        if not self.jobs:
+            self.busyChanged.emit(False)
+
+    def drop(self, job: Job) -> bool:
+        """Cancel ``job`` while it waits in line; False when it has started already."""
+        if job.started or job not in self.jobs:
+            return False
+        self.jobs.remove(job)
+        job.dropped(job)
+        self.changed.emit()
+        if not self.jobs:
+            self.busyChanged.emit(False)
+        return True
 
     def forget(self) -> None:
-        """Drop the running request without a signal: the window is closing."""
-        self.request = self.kind = self.session_id = None
+        """Drop every job without a signal: the window is closing."""
+        self.jobs.clear()
+
+    def _start_next(self) -> None:
+        if self.jobs and not self.jobs[0].started:
+            job = self.jobs[0]
+            job.started = True
+            job.start(job)
 
     def refuse(self, what: str) -> bool:
-        """True, with a message, when ``what`` has to wait for the running request."""
-        if self.busy:
-            running = RUNNING.get(self.kind or "", RUNNING["chat"])
-            self.refused.emit(REFUSAL.format(running=running, what=what))
-            return True
-        return False
+        """True, with a message, when ``what`` has to wait for every job to end."""
+        return self._refuse(self.running or (self.jobs[0] if self.jobs else None), what)
+
+    def refuse_in(self, session_id: str | None, what: str) -> bool:
+        """True, with a message, when ``what`` has to wait for chat ``session_id``'s job."""
+        return self._refuse(self.job_of(session_id), what)
+
+    def _refuse(self, job: Job | None, what: str) -> bool:
+        if job is None:
+            return False
+        running = RUNNING.get(job.kind, RUNNING["chat"])
+        self.refused.emit(REFUSAL.format(running=running, what=what))
+        return True

@@ -1,17 +1,18 @@
 """What the window does, without widgets: sessions, sending, streaming, saving.
 
-The controller is the only writer to the history store. It saves a user
-message when it is sent, the growing answer at least once a second, and how
-the answer ended; engine events arrive through the bridge on the GUI thread.
+The controller saves a user message when it is sent; the answer is saved as it
+grows and as it ends by its recorder (``Answers``). Engine events arrive
+through the bridge on the GUI thread, each one at the handler of the request
+it belongs to.
 
 It owns a few collaborators, each given what it needs when it is made:
-``Activity`` (the one answer or ingest running), ``LoadedModel`` (which model
-the engine runs), ``SessionCaches`` (which sessions' KV caches the engine
-holds), ``SessionActions`` (the sessions and the one shown), ``Answers``
-(starting answers and re-ingests and following their events) and ``QualityCheck``
-(the shown chat's mode against fp16, its receipts kept with the chat). The controller
-sends user turns, routes each engine event to the collaborator that made the
-request, and re-emits their signals as its own.
+``Activity`` (each chat's job: the one running and those waiting in line),
+``LoadedModel`` (which model the engine runs), ``SessionCaches`` (which
+sessions' KV caches the engine holds), ``SessionActions`` (the sessions and the
+one shown), ``Answers`` (starting answers and re-ingests and following their
+events) and ``QualityCheck`` (the shown chat's mode against fp16, its receipts
+kept with the chat). Each submits its own requests with its own handler; the
+controller sends user turns and re-emits the collaborators' signals as its own.
 """
 
 from __future__ import annotations
@@ -30,18 +31,7 @@ from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
-from engine import (
-    Failed,
-    Finished,
-    IngestProgress,
-    ModelLoaded,
-    Notice,
-    QualityChecked,
-    QualityProgress,
-    SessionOpened,
-    StatsSample,
-    TokenChunk,
-)
+from engine import Failed, Notice, StatsSample
 
 STATS_POLL_MS = 400
 CONTINUE_PROMPT = "Continue."  # the user turn the Continue button sends
@@ -56,7 +46,8 @@ class ChatController(QObject):
     modelStateChanged = Signal(str, bool)  # description, ready
     errorRaised = Signal(str)
     notice = Signal(str)
-    busyChanged = Signal(bool)
+    busyChanged = Signal(bool)  # whether any chat has a job running or waiting
+    activityChanged = Signal()  # a chat's job started, moved on, waits or ended
     ingestProgress = Signal(object)
     statsUpdated = Signal(object)
     editRequested = Signal(str, object)  # text, attachments
@@ -83,10 +74,12 @@ class ChatController(QObject):
         self.closed = False
         for source, target in (
             (self.activity.busyChanged, self.busyChanged),
+            (self.activity.changed, self.activityChanged),
             (self.activity.refused, self.errorRaised),
             (self.loaded_model.stateChanged, self.modelStateChanged),
             (self.loaded_model.errorRaised, self.errorRaised),
             (self.caches.changed, self.cacheChanged),
+            (self.caches.notice, self.notice),
             (self.sessions.sessionsChanged, self.sessionsChanged),
             (self.sessions.currentSessionChanged, self.currentSessionChanged),
             (self.answers.answerFinished, self.answerFinished),
@@ -97,21 +90,18 @@ class ChatController(QObject):
             (self.quality.progress, self.ingestProgress),
             (self.quality.checked, self.qualityChecked),
             (self.quality.notice, self.notice),
+            (self.quality.errorRaised, self.errorRaised),
         ):
             source.connect(target)
         self.answers.measured.connect(self._on_measured)
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
-        bridge.tokenChunk.connect(self._on_token)
-        bridge.finished.connect(self._on_finished)
-        bridge.failed.connect(self._on_failed)
-        bridge.modelLoaded.connect(self._on_model_loaded)
-        bridge.sessionOpened.connect(self._on_session_opened)
-        bridge.noticeReceived.connect(self._on_engine_notice)
-        bridge.statsSample.connect(self._on_stats)
-        bridge.ingestProgress.connect(self._on_ingest_progress)
-        bridge.qualityProgress.connect(self._on_quality_progress)
-        bridge.qualityChecked.connect(self._on_quality_checked)
+        # Events of no one request; each request's own go to its handler.
+        self._subscriptions = ((bridge.statsSample, self._on_stats),
+                               (bridge.noticeReceived, self._on_engine_notice),
+                               (bridge.failed, self._on_failed))
+        for signal, slot in self._subscriptions:
+            signal.connect(slot)
         self.recovered = store.mark_interrupted()
 
     # State the window reads -----------------------------------------------
@@ -142,34 +132,37 @@ class ChatController(QObject):
         return self.caches.opened
 
     @property
-    def session_bytes(self) -> dict[str, int]:
-        """Each session's KV bytes, from its latest stats sample."""
-        return self.caches.kv_bytes
-
-    @property
     def recorder(self) -> AnswerRecorder:
         """Saves the streaming answer."""
         return self.answers.recorder
 
     @property
     def active_request(self) -> int | None:
-        """The running answer or ingest's request id (-1 while its cache opens)."""
-        return self.activity.request
+        """The running job's request id (None while none runs or its cache opens)."""
+        job = self.activity.running
+        return job.request if job else None
 
     @property
     def active_kind(self) -> str | None:
-        """"chat" or "ingest" while one runs."""
-        return self.activity.kind
+        """"chat", "ingest" or "quality" while one runs."""
+        job = self.activity.running
+        return job.kind if job else None
 
     @property
     def answering_session(self) -> str | None:
-        """The session an answer or ingest runs in now, shown or not."""
-        return self.activity.session_id
+        """The session a job runs in now, shown or not."""
+        job = self.activity.running
+        return job.session_id if job else None
 
     @property
     def busy(self) -> bool:
-        """True while an answer streams or a conversation is ingested."""
+        """True while any chat's job runs or waits."""
         return self.activity.busy
+
+    @property
+    def busy_here(self) -> bool:
+        """True while the shown chat has a job, running or waiting."""
+        return self.activity.job_of(self.current.id if self.current else None) is not None
 
     # Lifecycle ------------------------------------------------------------
 
@@ -193,11 +186,16 @@ class ChatController(QObject):
         """
         if self.closed:
             return
-        self._poll.stop()
-        if self.activity.kind == "chat" and self.recorder.recording:
-            self.answers.finish_answer("stopped", CLOSED_WHILE_ANSWERING)
-        # Events still queued from the worker must not touch the closing store.
         self.closed = True
+        self._poll.stop()
+        running = self.activity.running
+        if running is not None and running.kind == "chat" and self.recorder.recording:
+            self.answers.finish_answer("stopped", CLOSED_WHILE_ANSWERING)
+        # Events still queued from the worker must not touch the closing store:
+        # no handler or subscriber is left to get them.
+        self.bridge.forget_all()
+        for signal, slot in self._subscriptions:
+            signal.disconnect(slot)
         self.activity.forget()
         self.bridge.cancel()
 
@@ -281,7 +279,8 @@ class ChatController(QObject):
         """Save and send a user turn; False (with an error shown) when it can't be sent."""
         if not text.strip() and not attachments:
             return False
-        if self.activity.refuse("sending another message"):
+        if self.activity.refuse_in(self.current.id if self.current else None,
+                                   "sending another message"):
             return False
         if not self.model_ready:
             self.errorRaised.emit("The model is still loading; your message is kept — "
@@ -305,9 +304,13 @@ class ChatController(QObject):
         return True
 
     def stop(self) -> None:
-        """Cancel the running answer or ingest (Esc)."""
-        if self.active_request is not None and self.active_request >= 0:
-            self.bridge.cancel(self.active_request)
+        """Stop the shown chat's job (Esc): out of the line, or its request cancelled.
+
+        Another chat's job goes on: Stop stops only what this chat started.
+        """
+        job = self.activity.job_of(self.current.id if self.current else None)
+        if job is not None:
+            self.activity.stop(job, self.bridge.cancel)
 
     def continue_answer(self) -> bool:
         """Ask the model to go on after an answer cut at the length limit."""
@@ -316,7 +319,8 @@ class ChatController(QObject):
     def can_regenerate(self) -> bool:
         """Whether the last message is an answer that can be generated again."""
         rows = self.model.rowCount()
-        return not self.busy and rows >= 2 and self.model.message(rows - 1).role == "assistant"
+        return (not self.busy_here and rows >= 2
+                and self.model.message(rows - 1).role == "assistant")
 
     def regenerate(self) -> None:
         """Drop the last answer and generate it again."""
@@ -337,7 +341,8 @@ class ChatController(QObject):
     def begin_edit(self) -> None:
         """Put the last user message back in the composer; sending replaces it."""
         row = self.last_user_row()
-        if row is None or self.activity.refuse("editing"):
+        if row is None or self.activity.refuse_in(self.current.id if self.current else None,
+                                                  "editing"):
             return
         message = self.model.message(row)
         self._editing = (row, message.message_id)
@@ -352,64 +357,16 @@ class ChatController(QObject):
         """True while the composer holds an edited earlier message."""
         return self._editing is not None
 
-    # Engine events: each goes to the collaborator that made the request ----
-
-    def _on_model_loaded(self, event: ModelLoaded) -> None:
-        if not self.closed:
-            self.loaded_model.on_loaded(event)
-
-    def _on_session_opened(self, event: SessionOpened) -> None:
-        if not self.closed:
-            self.caches.on_opened(event)
-            if event.cache_note:  # the model runs on mlx-lm's own cache: say why
-                self.notice.emit(event.cache_note)
+    # Engine events of no one request -------------------------------------
 
     def _on_engine_notice(self, event: Notice) -> None:
-        if not self.closed:
-            self.notice.emit(event.message)
-
-    def _on_token(self, event: TokenChunk) -> None:
-        if not self.closed:
-            self.answers.on_token(event)
-
-    def _on_ingest_progress(self, event: IngestProgress) -> None:
-        if not self.closed:
-            self.answers.on_ingest_progress(event)
-
-    def _on_quality_progress(self, event: QualityProgress) -> None:
-        if not self.closed:
-            self.quality.on_progress(event)
-
-    def _on_quality_checked(self, event: QualityChecked) -> None:
-        if not self.closed:
-            self.quality.on_checked(event)
-
-    def _on_finished(self, event: Finished) -> None:
-        if self.closed:
-            return
-        if self.quality.owns(event.request_id):
-            self.quality.on_finished(event)
-        else:
-            self.answers.on_finished(event)  # loads and opens end in their own events
+        self.notice.emit(event.message)
 
     def _on_failed(self, event: Failed) -> None:
-        if self.closed:
-            return
-        if self.loaded_model.owns(event.request_id):
-            self.loaded_model.on_failed(event)  # says why itself
-            return
+        # A request without a handler (settings applied, stored KV cleared) failed.
         self.errorRaised.emit(event.message)
-        if self.caches.owns(event.request_id):
-            self.caches.open_failed(event.request_id)
-            self.answers.on_open_failed(event.message)
-        elif self.quality.owns(event.request_id):
-            self.quality.on_failed(event)
-        else:
-            self.answers.on_failed(event)
 
     def _on_stats(self, sample: StatsSample) -> None:
-        if self.closed:
-            return
         if sample.timestamp <= self._last_stats_time:
             return
         self._last_stats_time = sample.timestamp

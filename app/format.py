@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import time
+import unicodedata
 
+from engine.format import human_bytes
 
-def human_bytes(n: float | None) -> str:
-    """1536 -> "1.5 KB" (binary units, one decimal above bytes)."""
-    if n is None:
-        return "—"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1024 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TB"
+__all__ = ["human_bytes", "human_duration", "relative_time"]
 
 
 def human_duration(seconds: float | None) -> str:
@@ -67,3 +60,22 @@ def title_from(text: str, limit: int = 60) -> str:
     if space > limit // 2:
         cut = cut[:space]
     return cut.rstrip(" ,;:.-") + "…"
+
+
+
+# Unicode "format" characters change how the text around them is shown without
+# showing themselves: bidirectional overrides, isolates and marks (U+202E makes
+# "invoice\u202efdp.exe" read as "invoiceexe.pdf"), zero-width spaces and joiners.
+# Controls and line/paragraph separators are no part of a one-line name either.
+_HIDDEN_CATEGORIES = frozenset({"Cf", "Cc", "Zl", "Zp"})
+
+
+def visible_text(text: str) -> str:
+    """``text`` with invisible and control characters shown as ⟨U+XXXX⟩.
+
+    For names shown to the user (attached files, chat titles), so a name reads as
+    the characters it is made of; what is stored and sent keeps them.
+    """
+    return "".join(
+        f"⟨U+{ord(ch):04X}⟩" if unicodedata.category(ch) in _HIDDEN_CATEGORIES else ch
+        for ch in text)

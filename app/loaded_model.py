@@ -51,12 +51,14 @@ class LoadedModel(QObject):
         self.ready = False
         self.path = path
         self.stateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
-        self._request = self.bridge.load_model(path)
+        self._request = self.bridge.load_model(path, self._handle)
         self._paths[self._request] = path
 
-    def owns(self, request_id: int) -> bool:
-        """Whether ``request_id`` is a load still waiting for its answer."""
-        return request_id in self._paths
+    def _handle(self, event: object) -> None:
+        if isinstance(event, ModelLoaded):
+            self.on_loaded(event)
+        elif isinstance(event, Failed):
+            self.on_failed(event)
 
     def on_loaded(self, event: ModelLoaded) -> None:
         """A load finished: ready, unless a newer load is queued behind it."""

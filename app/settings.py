@@ -8,6 +8,7 @@ along into its ``config`` folder, so tests never touch the real user's settings.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -16,15 +17,16 @@ import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
 from engine import SamplingParams, data_dir, private_dir, private_file
+from engine.cache.modes import DEFAULT_MODE, MODES
 
 # Best quality first, the order every list of modes in the app uses.
-KV_MODES = ("fp16", "q8", "q6", "q4")
 # Small models loop on a phrase without it (the demo model repeated "finally…"
 # for minutes at 1.0); 1.1 over the engine's 64-token window stops that without
 # punishing every common word.
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
 SETTINGS_FILE = "settings.ini"
+log = logging.getLogger(__name__)
 
 
 def config_dir() -> Path:
@@ -40,9 +42,12 @@ def config_dir() -> Path:
 def default_settings_path() -> Path:
     """``settings.ini`` in ``config_dir()``, moved there from the data folder once."""
     path = config_dir() / SETTINGS_FILE
-    older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
-    if not path.exists() and older.is_file() and older != path:
-        shutil.move(older, path)
+    try:
+        older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
+        if not path.exists() and older.is_file() and older != path:
+            shutil.move(older, path)
+    except OSError as error:  # an unusable data folder: the window says so; settings go on
+        log.warning("settings were not looked for in the data folder: %s", error)
     return path
 
 
@@ -90,13 +95,13 @@ class Settings:
     @property
     def default_mode(self) -> str:
         """KV mode a new chat starts with."""
-        mode = self._get("engine/default_mode", "q8", str)
-        return mode if mode in KV_MODES else "q8"
+        mode = self._get("engine/default_mode", DEFAULT_MODE, str)
+        return mode if mode in MODES else DEFAULT_MODE
 
     @default_mode.setter
     def default_mode(self, mode: str) -> None:
-        if mode not in KV_MODES:
-            raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(KV_MODES)}")
+        if mode not in MODES:
+            raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(MODES)}")
         self._set("engine/default_mode", mode)
 
     @property

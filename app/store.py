@@ -9,14 +9,17 @@ crash loses at most the last second of it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
 import sqlite3
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.history_recovery import Recovered, recover
 from engine import QualityReceipt, data_dir, private_file
 
 log = logging.getLogger(__name__)
@@ -113,6 +116,108 @@ def default_path() -> Path:
     return data_dir() / "history.sqlite3"
 
 
+# SQLite's primary result codes (the low byte of an extended code).
+_CORRUPT_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB
+# SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL,
+# SQLITE_CANTOPEN: the file may be sound, but it cannot be written here now.
+_UNWRITABLE_CODES = (3, 5, 6, 8, 10, 13, 14)
+
+
+class DamagedHistory(sqlite3.DatabaseError):
+    """SQLite's structure check found a damaged page."""
+
+
+@dataclass(frozen=True)
+class HistoryOpened:
+    """How the history opened, for the window to tell the user.
+
+    Attributes:
+        damaged: where a damaged history was moved (kept, never deleted), or None.
+        chats: chats recovered from it (or copied for a read-only history).
+        messages: messages recovered from it.
+        unsaved: why nothing of this run will be saved ("" when it will be).
+    """
+
+    damaged: Path | None = None
+    chats: int = 0
+    messages: int = 0
+    unsaved: str = ""
+
+
+def open_history(path: Path | None = None,
+                 writable: bool = True) -> tuple[HistoryStore, HistoryOpened]:
+    """Open the history whatever state its file and folder are in; never raises.
+
+    A damaged database is moved aside and what SQLite can still read of it is
+    copied into a fresh one. A folder that cannot be written (read-only, full,
+    missing) gives a history in memory holding what could be read: it works for
+    this run, and ``HistoryOpened.unsaved`` says nothing of it will be kept.
+    ``writable=False`` (the data folder's lock could not be taken) does the same.
+    """
+    try:
+        path = path or default_path()
+    except OSError as error:  # the data folder itself cannot be made or fixed
+        return _in_memory(None, _unwritable(None, error))
+    if not writable and not os.access(path.parent, os.W_OK):
+        return _in_memory(path, _unwritable(path, OSError(errno.EROFS, "it is read-only")))
+    if not writable:
+        return _in_memory(path, (
+            f"Longleaf could not lock its data folder {path.parent}, so it cannot rule out "
+            "another Longleaf writing the same history: your chats are shown, but nothing "
+            "of this session will be saved."))
+    try:
+        return HistoryStore(path), HistoryOpened()
+    except sqlite3.DatabaseError as error:
+        if not isinstance(error, DamagedHistory) and _code(error) not in _CORRUPT_CODES:
+            if isinstance(error, sqlite3.OperationalError) or _code(error) in _UNWRITABLE_CODES:
+                return _in_memory(path, _unwritable(path, error))
+            raise
+        log.warning("the history %s is damaged (%s); recovering what can be read", path, error)
+    except OSError as error:
+        return _in_memory(path, _unwritable(path, error))
+    try:
+        damaged = _move_aside(path)
+    except OSError as error:
+        return _in_memory(path, _unwritable(path, error), damaged=path)
+    store = HistoryStore(path)
+    recovered = store.recover_from(damaged)
+    return store, HistoryOpened(damaged, recovered.chats, recovered.messages)
+
+
+def _code(error: sqlite3.Error) -> int:
+    return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF
+
+
+def _unwritable(path: Path | None, error: Exception) -> str:
+    where = path.parent if path is not None else "its data folder"
+    detail = getattr(error, "strerror", None) or str(error)
+    return (f"Longleaf cannot write to {where} ({detail}), so nothing you do in this "
+            "session will be saved. Free some space or fix the folder's permissions, "
+            "then restart Longleaf.")
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename the damaged database (and its WAL files) to a dated name beside it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    damaged = path.with_name(f"{path.stem}.damaged-{stamp}{path.suffix}")
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            side.replace(damaged.with_name(damaged.name + suffix))
+    path.replace(damaged)
+    return damaged
+
+
+def _in_memory(path: Path | None, unsaved: str,
+               damaged: Path | None = None) -> tuple[HistoryStore, HistoryOpened]:
+    log.warning("%s", unsaved)
+    store = HistoryStore.in_memory(path)
+    recovered = store.recover_from(path) if path is not None and path.is_file() else None
+    if recovered is None:
+        return store, HistoryOpened(damaged, unsaved=unsaved)
+    return store, HistoryOpened(damaged, recovered.chats, recovered.messages, unsaved)
+
+
 class HistoryStore:
     """The history database; the app's only writer to it.
 
@@ -120,14 +225,47 @@ class HistoryStore:
         path: database file; defaults to :func:`default_path`.
     """
 
-    def __init__(self, path: Path | None = None) -> None:
-        # Created user-only first: SQLite gives its -wal and -shm files the same mode.
-        self.path = private_file(path or default_path())
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(SCHEMA)
+    def __init__(self, path: Path | None = None, *, memory: bool = False) -> None:
+        if memory:
+            self.path = path or Path(":memory:")
+            self._db = sqlite3.connect(":memory:", isolation_level=None)
+        else:
+            # Created user-only first: SQLite gives its -wal and -shm files the same mode.
+            self.path = private_file(path or default_path())
+            self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(SCHEMA)
+            # Every page's structure, read once: a damaged page is found here, at
+            # start-up, rather than on the send that first reads it.
+            verdict = self._db.execute("PRAGMA quick_check(1)").fetchone()[0]
+            if verdict != "ok":
+                raise DamagedHistory(f"database disk image is malformed: {verdict}")
+        except BaseException:
+            self._db.close()
+            raise
+
+    @classmethod
+    def in_memory(cls, shown_path: Path | None = None) -> HistoryStore:
+        """An empty history held in memory only (``shown_path`` is the file it stands for)."""
+        return cls(shown_path, memory=True)
+
+    def recover_from(self, source: Path) -> Recovered:
+        """Copy what can be read of the database ``source`` into this (empty) history."""
+        try:
+            db = _read_only(source)
+        except sqlite3.Error as error:
+            log.warning("nothing could be read from %s: %s", source, error)
+            return Recovered(0, 0, 0)
+        try:
+            return recover(db, self._db, STATUSES)
+        except sqlite3.DatabaseError as error:  # not even the table list can be read
+            log.warning("nothing could be read from %s: %s", source, error)
+            return Recovered(0, 0, 0)
+        finally:
+            db.close()
 
     def close(self) -> None:
         """Checkpoint and close the database."""
@@ -314,6 +452,25 @@ class HistoryStore:
     def integrity_check(self) -> str:
         """SQLite's own integrity check ("ok" when the file is sound)."""
         return str(self._db.execute("PRAGMA integrity_check").fetchone()[0])
+
+
+def _read_only(source: Path) -> sqlite3.Connection:
+    """A read-only connection to ``source``, also in a folder that cannot be written.
+
+    A WAL database opened read-only needs its -shm file, which SQLite cannot create
+    in a read-only folder; ``immutable`` reads the file as it is instead (a
+    cleanly closed history has nothing in a WAL file to miss).
+    """
+    uri = source.resolve().as_uri()
+    db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
+    try:
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.DatabaseError as error:
+        db.close()
+        if _code(error) in _CORRUPT_CODES:
+            return sqlite3.connect(f"{uri}?mode=ro", uri=True)  # recovery reads around it
+    return sqlite3.connect(f"{uri}?immutable=1", uri=True)
 
 
 def _receipt(text: str) -> QualityReceipt | None:

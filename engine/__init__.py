@@ -23,6 +23,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.paths import use_private_temp_dir
+
+# Before anything imports MLX: its CPU backend compiles kernels into $TMPDIR and
+# loads whatever libraries it finds there, so that folder must be the user's own.
+# Every Longleaf process (app, CLI, bench, server, the ranks and children they
+# start, which inherit TMPDIR) imports this package first.
+use_private_temp_dir()
+
 _PUBLIC = {
     "EngineWorker": "engine.runtime.worker",
     "discover_models": "engine.models.discovery",
@@ -35,7 +43,7 @@ _PUBLIC = {
     "full_context_costs": "engine.memory.model_costs",
     "read_document": "engine.documents.reader",
     "SamplingParams": "engine.session.sampling",
-    "MODES": "engine.memory.fit",
+    "MODES": "engine.cache.modes",
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
@@ -110,6 +118,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from engine.cache.modes import MODES
     from engine.documents.reader import read_document
     from engine.errors import (
         Cancelled,
@@ -139,7 +148,6 @@ if TYPE_CHECKING:
         StoredKv,
         TokenChunk,
     )
-    from engine.memory.fit import MODES
     from engine.memory.model_costs import ModeCost, full_context_costs
     from engine.models.catalog import RECOMMENDED_MODELS, RecommendedModel
     from engine.models.discovery import discover_models

@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.cache import kvquant
+from engine.cache.modes import MODES
+from engine.distributed.launch import launch, rank_report_dir, write_rank_report
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
-from engine.memory.fit import MODES, facts_from_info
+from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from engine.snapshots.store import SnapshotStore
 
 SESSION = "cli"
+SESSION_PREFIX = "cli-"
 REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever
 
 
@@ -77,22 +80,56 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def generate(args: argparse.Namespace, out: TextIO) -> int:
     """Run one prompt through a fresh session and print the answer."""
+    report_dir = rank_report_dir()
+    if args.pipeline > 1 and report_dir is None:
+        if args.session:
+            raise EngineError("--session cannot be combined with --pipeline yet: stored KV "
+                              "is kept per machine only for a single machine.")
+        return launch(args.argv, args.pipeline, args.seed, out)
+    if report_dir is None:
+        result, collector = _run(args, None if args.json else out, pipeline=None)
+        out.write(json.dumps(result) + "\n" if args.json else "\n")
+        return 0
+    # One rank of a pipeline launch: the launcher prints what rank 0 reports.
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    result, collector = _run(args, None, pipeline=group)
+    sample = collector.stats
+    write_rank_report(report_dir, group.rank(), {
+        "result": result if args.json else None,
+        "text": "".join(collector.text),
+        "rank_stats": {
+            "rank": group.rank(),
+            "layers": [layer.layer for layer in sample.layers] if sample else [],
+            "kv_bytes": sample.kv_bytes_allocated if sample else 0,
+            "pages_in_use": sample.pages_in_use if sample else 0,
+        },
+    })
+    return 0
+
+
+def _run(args: argparse.Namespace, stream: TextIO | None,
+         pipeline: Any) -> tuple[dict[str, Any], _Collector]:
     prompt = _read_prompt(args)
     sampling = SamplingParams(
         temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
         seed=args.seed, speculative=args.speculative,
     )
-    collector = _Collector(None if args.json else out)
-    session = args.session or SESSION
+    collector = _Collector(stream)
+    # Stored as "cli-<name>": the app names its chats' snapshots by a bare hex id,
+    # so a CLI run on the same data folder never replaces or deletes a chat's KV.
+    session = f"{SESSION_PREFIX}{args.session}" if args.session else SESSION
     snapshots = None
     if args.session:
         # The session's KV cache is stored when the worker shuts down and reused
         # for the longest matching prefix of the next run's prompt.
         snapshots = SnapshotStore(args.session_dir)
-    # Fixed chunks: the same prompt always prefills the same way (parity, benchmarks).
+    # Fixed chunks: the same prompt always prefills the same way (parity, benchmarks,
+    # and a pipeline's ranks, which must run the same steps in lock-step).
     worker = EngineWorker(collector, chunk_size=args.chunk_size, adaptive_chunks=False,
-                          snapshots=snapshots)
+                          snapshots=snapshots, pipeline=pipeline)
     worker.start()
     try:
         worker.load_model(args.model)
@@ -106,31 +143,27 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         worker.shutdown(timeout=10.0)
     stats = ending.stats
     sample = collector.stats
-    if args.json:
-        result = {
-            "text": "".join(collector.text),
-            "tokens": collector.tokens,
-            "prompt_tokens": stats.prompt_tokens if stats else 0,
-            "prefill_tokens": stats.prefill_tokens if stats else 0,
-            "reused_tokens": stats.reused_tokens if stats else 0,
-            "kv_mode": kvquant.normalize_mode(args.kv),
-            "kv_bytes": sample.kv_bytes_allocated if sample else 0,
-            "kv_bytes_used": sample.kv_bytes_used if sample else 0,
-            "pages_in_use": sample.pages_in_use if sample else 0,
-            "pages_allocated": sample.pages_allocated if sample else 0,
-            "peak_memory_bytes": sample.mlx_peak_bytes if sample else 0,
-            "prefill_tps": stats.prefill_tps if stats else 0.0,
-            "decode_tps": stats.decode_tps if stats else 0.0,
-            "draft_tokens": stats.draft_tokens if stats else 0,
-            "accepted_tokens": stats.accepted_tokens if stats else 0,
-            "decode_steps": stats.decode_steps if stats else 0,
-            "time_to_first_token": stats.time_to_first_token if stats else None,
-            "finish_reason": ending.reason,
-        }
-        out.write(json.dumps(result) + "\n")
-    else:
-        out.write("\n")
-    return 0
+    result = {
+        "text": "".join(collector.text),
+        "tokens": collector.tokens,
+        "prompt_tokens": stats.prompt_tokens if stats else 0,
+        "prefill_tokens": stats.prefill_tokens if stats else 0,
+        "reused_tokens": stats.reused_tokens if stats else 0,
+        "kv_mode": kvquant.normalize_mode(args.kv),
+        "kv_bytes": sample.kv_bytes_allocated if sample else 0,
+        "kv_bytes_used": sample.kv_bytes_used if sample else 0,
+        "pages_in_use": sample.pages_in_use if sample else 0,
+        "pages_allocated": sample.pages_allocated if sample else 0,
+        "peak_memory_bytes": sample.mlx_peak_bytes if sample else 0,
+        "prefill_tps": stats.prefill_tps if stats else 0.0,
+        "decode_tps": stats.decode_tps if stats else 0.0,
+        "draft_tokens": stats.draft_tokens if stats else 0,
+        "accepted_tokens": stats.accepted_tokens if stats else 0,
+        "decode_steps": stats.decode_steps if stats else 0,
+        "time_to_first_token": stats.time_to_first_token if stats else None,
+        "finish_reason": ending.reason,
+    }
+    return result, collector
 
 
 def find_models() -> list[tuple[str, str]]:
@@ -242,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--session", help="store the KV cache as this snapshot and reuse it")
     gen.add_argument("--session-dir", type=Path,
                      help="folder of --session snapshots (default: the data directory's)")
+    gen.add_argument("--pipeline", type=int, default=1, metavar="N",
+                     help="split the model over N local processes (MLX ring backend)")
     gen.set_defaults(handler=generate)
     found = commands.add_parser("models", help="list the models found")
     found.add_argument("--json", action="store_true")
@@ -256,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run the CLI; returns the exit status (1 on an engine error)."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for a pipeline's ranks
     out = out or sys.stdout
     try:
         return args.handler(args, out)

@@ -42,7 +42,7 @@ class LayerPages:
 
 @dataclass(frozen=True)
 class StatsSample:
-    """One snapshot of KV, page-pool and memory state; cheap to take often.
+    """One sample of KV, page-pool and memory state; cheap to take often.
 
     ``prefill_peak_bytes`` is what the session's next prefill chunk is expected to
     need at its peak: weights + KV pages + checkpoints + the chunk's attention

@@ -81,3 +81,61 @@ def snapshots_dir() -> Path:
 def logs_dir() -> Path:
     """Return the folder for log files; they may quote what the user wrote."""
     return data_subdir("logs")
+
+
+def cache_dir() -> Path:
+    """Return the user-only folder for what Longleaf can rebuild (weight digests,
+    MLX's compiled kernels): ``$LONGLEAF_HOME/cache`` when set, else the platform's
+    cache location (``$XDG_CACHE_HOME/Longleaf`` on Linux)."""
+    override = os.environ.get("LONGLEAF_HOME")
+    path = Path(override) / "cache" if override else Path(
+        platformdirs.user_cache_dir(APP_NAME, False))
+    return private_dir(path)
+
+
+def temp_dir() -> Path:
+    """Return the user-only folder Longleaf's processes use as ``TMPDIR``.
+
+    MLX's CPU backend compiles kernels into ``$TMPDIR/mlx/<version>/cpu`` and loads
+    any library it finds there; in the shared ``/tmp`` another local user could
+    plant one. This folder is the current user's alone, or this raises.
+
+    Raises:
+        PermissionError: the folder exists but belongs to another user.
+    """
+    path = private_dir(cache_dir() / "tmp")
+    owner = path.stat().st_uid
+    if hasattr(os, "getuid") and owner != os.getuid():
+        raise PermissionError(f"{path} belongs to another user (uid {owner}).")
+    return path
+
+
+def use_private_temp_dir() -> Path:
+    """Point ``TMPDIR`` (this process and every child it starts) at :func:`temp_dir`.
+
+    Call before MLX is first imported: it looks its kernel folder up through the
+    C++ temp-directory lookup, which reads ``TMPDIR``. When that folder cannot be
+    made (a read-only or foreign cache folder), a fresh ``mkdtemp`` folder (0700,
+    an unguessable name, so nobody can have planted anything in it) stands in and
+    is removed when the process exits.
+
+    Returns:
+        The folder.
+    """
+    import tempfile
+
+    try:
+        path = temp_dir()
+    except OSError as error:
+        import atexit
+        import logging
+        import shutil
+
+        path = Path(tempfile.mkdtemp(prefix="longleaf-"))
+        atexit.register(shutil.rmtree, path, True)
+        logging.getLogger(__name__).warning(
+            "no private temp folder in Longleaf's cache folder (%s); using %s until exit",
+            error, path)
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # Python's own temp files follow on their next use
+    return path

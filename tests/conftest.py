@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Before any test module imports engine (and through it MLX): engine's import points
+# TMPDIR at a user-only folder inside Longleaf's cache directory, which here is a
+# folder of this run's own (mkdtemp: 0700, an unguessable name), never the real
+# user's cache; it goes at the end of the run, so nothing is left in /tmp.
+_RUN_HOME = Path(tempfile.mkdtemp(prefix="longleaf-tests-"))
+_PREVIOUS_HOME = os.environ.get("LONGLEAF_HOME")
+os.environ["LONGLEAF_HOME"] = str(_RUN_HOME)
+# Also when the run stops before pytest_unconfigure (a conftest that fails to import).
+atexit.register(shutil.rmtree, _RUN_HOME, True)
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +77,11 @@ def no_leaked_threads() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     # mlx[cpu] emulates fp16 slowly; keep tests deterministic and single-device.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _PREVIOUS_HOME is None:
+        os.environ.pop("LONGLEAF_HOME", None)
+    else:
+        os.environ["LONGLEAF_HOME"] = _PREVIOUS_HOME
+    shutil.rmtree(_RUN_HOME, ignore_errors=True)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ENGINE = Path(__file__).resolve().parents[1] / "engine"
 FORBIDDEN = ("PySide6", "PyQt5", "PyQt6", "shiboken6", "qtpy", "app")
 
@@ -79,17 +81,44 @@ def layer_offenders(folder: Path, allowed: tuple[str, ...]) -> dict[str, list[st
     return offenders
 
 
-def test_cache_is_the_bottom_layer() -> None:
-    """engine/cache imports only itself and engine.errors: never the runtime or models."""
-    offenders = layer_offenders(ENGINE / "cache", ("engine.cache", "engine.errors"))
-    assert not offenders, f"engine/cache imports from above it: {offenders}"
+# Each package of the engine and what it may import of the rest: the cache at the
+# bottom, then models and memory accounting, sessions, snapshots, the runtime;
+# front ends (cli, server, bench) on top, imported by nothing below them.
+BASE = ("engine.errors", "engine.events", "engine.format", "engine.paths")
+LAYERS: dict[str, tuple[str, ...]] = {
+    "cache": ("engine.cache", "engine.errors"),
+    "documents": ("engine.documents", "engine.errors", "engine.format"),
+    "models": ("engine.models", "engine.cache", *BASE),
+    "memory": ("engine.memory", "engine.cache", *BASE),
+    "session": ("engine.session", "engine.cache", "engine.memory", "engine.models", *BASE),
+    "snapshots": ("engine.snapshots", "engine.session", "engine.cache", "engine.memory",
+                  "engine.models", *BASE),
+    "runtime": ("engine.runtime", "engine.session", "engine.snapshots", "engine.cache",
+                "engine.memory", "engine.models", "engine.documents", *BASE),
+}
 
 
-def test_models_never_import_the_runtime() -> None:
-    """engine/models may use the cache layer, errors and paths, not sessions or the worker."""
-    allowed = ("engine.cache", "engine.models", "engine.errors", "engine.paths")
-    offenders = layer_offenders(ENGINE / "models", allowed)
-    assert not offenders, f"engine/models imports the runtime: {offenders}"
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_each_layer_imports_only_what_sits_below_it(layer: str) -> None:
+    offenders = layer_offenders(ENGINE / layer, LAYERS[layer])
+    assert not offenders, f"engine/{layer} imports from above it: {offenders}"
+
+
+def test_every_engine_package_has_a_layer_rule() -> None:
+    """A new package must say where it sits (front ends and the API aside)."""
+    front_ends = {"bench", "server", "distributed"}
+    packages = {p.name for p in ENGINE.iterdir() if (p / "__init__.py").exists()}
+    assert packages - front_ends - set(LAYERS) == set()
+
+
+@pytest.mark.parametrize("folder", ["documents", "memory/guard.py", "memory/model_costs.py"])
+def test_parsing_and_budget_arithmetic_import_no_mlx(folder: str) -> None:
+    """Documents and the guard's arithmetic run without MLX (tests, other threads)."""
+    target = ENGINE / folder
+    paths = [target] if target.is_file() else list(target.rglob("*.py"))
+    offenders = sorted(str(p.relative_to(ENGINE.parent)) for p in paths
+                       if "mlx" in imported_roots(p) or "mlx_lm" in imported_roots(p))
+    assert not offenders, f"these import MLX: {offenders}"
 
 
 def test_import_scan_sees_absolute_and_relative_imports() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal
 
-from app.activity import Activity
+from app.activity import Activity, Job
 from app.chat.model import ChatModel
 from app.chat.recorder import LENGTH_LIMIT, AnswerRecorder, stopped_reading
 from app.engine_bridge import EngineBridge
@@ -26,11 +26,13 @@ MEMORY_STOP = ("Stopped to protect your computer: system memory turned critical 
 
 
 class Answers(QObject):
-    """Starts chat and ingest requests and follows their engine events to the end.
+    """Starts chat and ingest requests and follows each one's events to its end.
 
-    One runs at a time (``activity``); it waits for its session's KV cache to
-    open first (``caches``). The answer streams into ``model`` and the
-    recorder saves it; the shown session (``sessions``) learns its new length.
+    Each is a job of its chat (``activity``): it waits in line while another
+    chat's job runs, then for its session's KV cache to open (``caches``). The
+    bridge hands every event of its request to the handler it was submitted
+    with. The answer streams into the recorder, which fills ``model`` while its
+    chat is shown (``sessions``).
     """
 
     answerFinished = Signal(str)  # final status of the answer
@@ -46,47 +48,64 @@ class Answers(QObject):
         self.bridge, self.settings, self.store, self.model = bridge, settings, store, model
         self.activity, self.caches, self.sessions = activity, caches, sessions
         self.recorder = AnswerRecorder(store, model, self)
-        self._kinds: dict[int, str] = {}  # request id -> "chat" or "ingest"
-        self._sent_id = 0  # the stored user turn the running answer replies to
-        self._read: tuple[int, int] | None = None  # the running request's last progress
         sessions.currentSessionChanged.connect(
             lambda record: self.recorder.show(record.id if record else None))
 
     # Starting -------------------------------------------------------------
 
-    def start_chat(self, session: SessionRecord) -> None:
+    def start_chat(self, session: SessionRecord) -> Job:
         """Answer the conversation in ``model``, which ends with a user turn."""
         messages = self.model.engine_messages(self.settings.system_prompt)
         # The user turn (sent or regenerated) is the last row.
-        self._sent_id = self.model.message(self.model.rowCount() - 1).message_id
-        self.recorder.start(session.id)
-        self.activity.set(-1, "chat", session.id)
+        sent_id = self.model.message(self.model.rowCount() - 1).message_id
+        return self.activity.add(session.id, "chat", session.title,
+                                 lambda job: self._run(job, session, messages, sent_id),
+                                 self._dropped)
 
-        def go() -> None:
-            rid = self.bridge.chat(session.id, messages, self.settings.sampling)
-            self._kinds[rid] = "chat"
-            self.activity.set(rid, "chat", session.id)
-
-        self.caches.ensure_open(session, go)
-
-    def start_ingest(self, session: SessionRecord) -> None:
+    def start_ingest(self, session: SessionRecord) -> Job:
         """Read the conversation in ``model`` into ``session``'s new KV cache."""
-        self.activity.set(-1, "ingest", session.id)  # reserved until the real id is known
         messages = self.model.engine_messages(self.settings.system_prompt)
+        return self.activity.add(session.id, "ingest", session.title,
+                                 lambda job: self._run(job, session, messages, 0),
+                                 self._dropped)
 
-        def go() -> None:
-            rid = self.bridge.ingest(session.id, messages)
-            self._kinds[rid] = "ingest"
-            self.activity.set(rid, "ingest", session.id)
+    def _run(self, job: Job, session: SessionRecord, messages: list[dict[str, str]],
+             sent_id: int) -> None:
+        # Its turn has come: the answer's row is made now, in its own chat.
+        if job.kind == "chat":
+            self.recorder.start(session.id, self._shown(session.id))
 
-        self.caches.ensure_open(session, go)
+        def handle(event: object) -> None:
+            self._handle(job, sent_id, event)
 
-    # Engine events --------------------------------------------------------
+        def submit() -> None:
+            if job.kind == "chat":
+                rid = self.bridge.chat(session.id, messages, self.settings.sampling, handle)
+            else:
+                rid = self.bridge.ingest(session.id, messages, handle)
+            if self.activity.submitted(job, rid):  # Stop was pressed while the cache opened
+                self.bridge.cancel(rid)
 
-    def on_token(self, event: TokenChunk) -> None:
-        """Streamed text of the running answer."""
-        if event.request_id == self.activity.request and self.activity.kind == "chat":
-            self.recorder.append(event.text)
+        self.caches.ensure_open(session, submit, lambda event: self._open_failed(job, event))
+
+    def _shown(self, session_id: str) -> bool:
+        current = self.sessions.current
+        return current is not None and current.id == session_id
+
+    # Engine events of one request ----------------------------------------
+
+    def _handle(self, job: Job, sent_id: int, event: object) -> None:
+        if isinstance(event, TokenChunk):
+            if job.kind == "chat":
+                self.recorder.append(event.text)
+                self.activity.note(job, answering=True)
+        elif isinstance(event, IngestProgress):
+            self.activity.note(job, progress=event)
+            self.ingestProgress.emit(event)
+        elif isinstance(event, Finished):
+            self._finished(job, event)
+        elif isinstance(event, Failed):
+            self._failed(job, sent_id, event)
 
     def finish_answer(self, status: str, reason: str | None, stats: dict | None = None) -> None:
         """Save how the answer ended and say so."""
@@ -94,16 +113,11 @@ class Answers(QObject):
         self.sessions.sessionsChanged.emit()
         self.answerFinished.emit(status)
 
-    def on_finished(self, event: Finished) -> None:
-        """A request ended: the answer is saved, the ingest reported."""
-        kind = self._kinds.pop(event.request_id, None)
-        if event.request_id != self.activity.request:
-            return
-        kept = self._kept(event)
-        self._read = None
+    def _finished(self, job: Job, event: Finished) -> None:
+        kept = _kept(event, job.progress)
         if event.stats is not None:
             self.measured.emit(event.stats)
-        if kind == "chat":
+        if job.kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
             reason = {"cancelled": "Stopped", "length": LENGTH_LIMIT,
                       "memory": MEMORY_STOP}.get(event.reason)
@@ -112,26 +126,16 @@ class Answers(QObject):
             if event.reason == "memory":
                 self.errorRaised.emit(MEMORY_STOP)
             self.finish_answer(status, reason, _stats_dict(event.stats))
-        elif kind == "ingest":
-            self._report_ingest(event, kept)
-        self.sessions.record_tokens(self.activity.session_id, self.bridge.latest_stats())
-        self.activity.clear()
-
-    def _kept(self, event: Finished) -> tuple[int, int] | None:
-        """(kept, total) tokens when reading the conversation in stopped short, else None."""
-        if event.kept_tokens is not None and event.total_tokens is not None:
-            kept, total = event.kept_tokens, event.total_tokens
-        elif event.reason == "cancelled" and self._read is not None:
-            kept, total = self._read  # an engine that does not say: its last progress
         else:
-            return None
-        return (kept, total) if kept < total else None
+            self._report_ingest(job.session_id, event, kept)
+        self.sessions.record_tokens(job.session_id, self.bridge.latest_stats())
+        self.activity.end(job)
 
-    def _report_ingest(self, event: Finished, kept: tuple[int, int] | None) -> None:
+    def _report_ingest(self, session_id: str, event: Finished,
+                       kept: tuple[int, int] | None) -> None:
         # Said only while its chat is on screen: it is about that chat.
-        ingested = self.store.session(self.activity.session_id or "")
-        current = self.sessions.current
-        if ingested is None or current is None or current.id != ingested.id:
+        ingested = self.store.session(session_id)
+        if ingested is None or not self._shown(session_id):
             return
         if event.reason != "cancelled":
             self.notice.emit(f"Conversation ingested in {ingested.kv_mode}.")
@@ -141,41 +145,48 @@ class Answers(QObject):
         else:
             self.notice.emit(f"Cancelled re-ingest in {ingested.kv_mode}.")
 
-    def on_failed(self, event: Failed) -> None:
-        """A chat or ingest failed (the failure is already shown)."""
-        kind = self._kinds.pop(event.request_id, None)
-        if event.request_id != self.activity.request:
-            return
-        self._read = None
-        if kind == "chat":
+    def _failed(self, job: Job, sent_id: int, event: Failed) -> None:
+        self.errorRaised.emit(event.message)
+        if job.kind == "chat":
             if event.error_type == "ContextTooLong":
-                self._set_aside_sent_turn()
+                self._set_aside_sent_turn(sent_id)
             self.finish_answer("failed", event.message)
-        self.activity.clear()
+        self.activity.end(job)
 
-    def on_open_failed(self, message: str) -> None:
-        """The session's KV cache could not be opened: the request waiting on it ends."""
-        if self.activity.request == -1:
-            if self.activity.kind == "chat":
-                self.finish_answer("failed", message)
-            self.activity.clear()
+    def _open_failed(self, job: Job, event: Failed) -> None:
+        # The session's KV cache could not be opened: the job waiting on it ends.
+        self.errorRaised.emit(event.message)
+        if job.kind == "chat":
+            self.finish_answer("failed", event.message)
+        self.activity.end(job)
 
-    def on_ingest_progress(self, event: IngestProgress) -> None:
-        """Progress of the running ingest (or a long prompt's prefill)."""
-        if event.request_id == self.activity.request:
-            self._read = (event.tokens_done, event.tokens_total)
-            self.ingestProgress.emit(event)
+    def _dropped(self, job: Job) -> None:
+        # Cancelled while it waited in line: the engine never saw it.
+        if job.kind == "chat" and self._shown(job.session_id):
+            self.notice.emit("Not sent: your message is kept. Edit it to send it again.")
 
-    def _set_aside_sent_turn(self) -> None:
+    def _set_aside_sent_turn(self, sent_id: int) -> None:
         # A turn the context can't hold would make every later turn fail as well:
         # keep it in the history, marked failed, and leave it out of what the
         # model sees (ChatModel.engine_messages skips it).
-        if not self._sent_id:
+        if not sent_id:
             return
-        self.store.update_message(self._sent_id, status="failed", reason=TOO_LONG_TURN)
-        row = self.model.row_of(self._sent_id)
+        self.store.update_message(sent_id, status="failed", reason=TOO_LONG_TURN)
+        row = self.model.row_of(sent_id)
         if row is not None:
             self.model.update_row(row, status="failed", reason=TOO_LONG_TURN)
+
+
+def _kept(event: Finished, read: IngestProgress | None) -> tuple[int, int] | None:
+    """(kept, total) tokens when reading the conversation in stopped short, else None."""
+    if event.kept_tokens is not None and event.total_tokens is not None:
+        kept, total = event.kept_tokens, event.total_tokens
+    elif event.reason == "cancelled" and read is not None:
+        # An engine that does not say: its last progress.
+        kept, total = read.tokens_done, read.tokens_total
+    else:
+        return None
+    return (kept, total) if kept < total else None
 
 
 def _stats_dict(stats) -> dict | None:

@@ -1,7 +1,7 @@
 """Reading dropped files off the GUI thread.
 
 Each file is parsed (``engine.documents.reader``) and its tokens counted on a pool
-thread; the result comes back to the GUI thread through a queued signal. A
+thread (``app.background``); the result comes back on the GUI thread. A
 file longer than the room in the context is measured in tokens and offered
 cut to the part that fits (``tooLong``); the user takes it or not.
 """
@@ -12,8 +12,9 @@ import itertools
 import os
 from collections.abc import Callable
 
-from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal, Slot
+from PySide6.QtCore import QObject, Signal
 
+from app.background import Background
 from app.format import human_bytes
 from app.store import AttachmentRecord
 from engine import DocumentTooLong, EngineError, read_document
@@ -57,48 +58,38 @@ def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) 
             "tokens left in this model's context.")
 
 
-class _Relay(QObject):
-    done = Signal(int, object, object)  # job id, AttachmentRecord | TooLong | None, detail
+def read_attachment(path: str, max_tokens: int, count_tokens: Callable[[str], int]
+                    ) -> tuple[AttachmentRecord | TooLong | None, object]:
+    """Read and count one file (on a pool thread): the record or what is too long, and notes.
+
+    A file too long even to count comes back as (None, the refusal).
+
+    Raises:
+        EngineError: the file cannot be read (``engine.documents.reader``).
+    """
+    max_chars = max(1, max_tokens) * CHARS_PER_TOKEN_BOUND
+    try:
+        doc = read_document(path, max_chars=max(max_chars, READ_CAP_CHARS))
+    except DocumentTooLong:
+        name = os.path.basename(path)
+        size = os.stat(path).st_size
+        return None, (too_long_message(name, size, None, max_tokens)
+                      + " Split it into smaller files.")
+    tokens = count_tokens(doc.text)
+    record = AttachmentRecord(doc.name, doc.size_bytes, doc.sha256, tokens, doc.text)
+    if tokens > max_tokens:
+        return _too_long(record, max_tokens, count_tokens), doc.notes
+    return record, doc.notes
 
 
-class _ReadJob(QRunnable):
-    def __init__(self, job_id: int, path: str, max_tokens: int,
-                 count_tokens: Callable[[str], int], relay: _Relay) -> None:
-        super().__init__()
-        self.job_id, self.path, self.max_tokens = job_id, path, max_tokens
-        self.count_tokens, self.relay = count_tokens, relay
-        self.setAutoDelete(True)
-
-    def run(self) -> None:
-        max_chars = max(1, self.max_tokens) * CHARS_PER_TOKEN_BOUND
-        try:
-            doc = read_document(self.path, max_chars=max(max_chars, READ_CAP_CHARS))
-            tokens = self.count_tokens(doc.text)
-            record = AttachmentRecord(doc.name, doc.size_bytes, doc.sha256, tokens, doc.text)
-            if tokens > self.max_tokens:
-                self.relay.done.emit(self.job_id, self._too_long(record), doc.notes)
-            else:
-                self.relay.done.emit(self.job_id, record, doc.notes)
-        except DocumentTooLong:
-            name = os.path.basename(self.path)
-            size = os.stat(self.path).st_size
-            self.relay.done.emit(self.job_id, None,
-                                 too_long_message(name, size, None, self.max_tokens)
-                                 + " Split it into smaller files.")
-        except EngineError as exc:
-            self.relay.done.emit(self.job_id, None, str(exc))
-        except Exception as exc:  # never let a worker thread die silently
-            self.relay.done.emit(self.job_id, None, f"Couldn't read the file: {exc}")
-
-
-    def _too_long(self, whole: AttachmentRecord) -> TooLong:
-        text = fitting_prefix(whole.text, self.max_tokens, self.count_tokens)
-        message = too_long_message(whole.name, whole.size, whole.tokens, self.max_tokens)
-        if not text:
-            return TooLong(message, None)
-        part = AttachmentRecord(whole.name, whole.size, whole.sha256,
-                                self.count_tokens(text), text)
-        return TooLong(message, part)
+def _too_long(whole: AttachmentRecord, max_tokens: int,
+              count_tokens: Callable[[str], int]) -> TooLong:
+    text = fitting_prefix(whole.text, max_tokens, count_tokens)
+    message = too_long_message(whole.name, whole.size, whole.tokens, max_tokens)
+    if not text:
+        return TooLong(message, None)
+    part = AttachmentRecord(whole.name, whole.size, whole.sha256, count_tokens(text), text)
+    return TooLong(message, part)
 
 
 class DocumentLoader(QObject):
@@ -116,10 +107,7 @@ class DocumentLoader(QObject):
     def __init__(self, count_tokens: Callable[[str], int], parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.count_tokens = count_tokens
-        self.pool = QThreadPool(self)
-        self.pool.setMaxThreadCount(1)
-        self._relay = _Relay()
-        self._relay.done.connect(self._finish, Qt.ConnectionType.QueuedConnection)
+        self.jobs = Background(threads=1, parent=self)
         self._ids = itertools.count(1)
         self.pending: set[int] = set()
         self.offered: dict[int, AttachmentRecord] = {}  # job id -> part offered
@@ -131,7 +119,8 @@ class DocumentLoader(QObject):
         job_id = next(self._ids)
         self.pending.add(job_id)
         self.started.emit(job_id, Path(path).name)
-        self.pool.start(_ReadJob(job_id, path, max_tokens, self.count_tokens, self._relay))
+        self.jobs.run(lambda: read_attachment(path, max_tokens, self.count_tokens),
+                      lambda outcome: self._finish(job_id, outcome))
         return job_id
 
     def accept_part(self, job_id: int) -> None:
@@ -146,9 +135,14 @@ class DocumentLoader(QObject):
         if self.offered.pop(job_id, None) is not None:
             self.failed.emit(job_id, message)
 
-    @Slot(int, object, object)
-    def _finish(self, job_id: int, record: AttachmentRecord | None, detail) -> None:
+    def _finish(self, job_id: int, outcome: object) -> None:
         self.pending.discard(job_id)
+        if isinstance(outcome, EngineError):
+            record, detail = None, str(outcome)
+        elif isinstance(outcome, BaseException):  # a bug, logged: the user still hears of it
+            record, detail = None, f"Couldn't read the file: {outcome}"
+        else:
+            record, detail = outcome
         if record is None:
             self.failed.emit(job_id, str(detail))
         elif isinstance(record, TooLong):
@@ -162,4 +156,4 @@ class DocumentLoader(QObject):
 
     def wait(self, msecs: int = 5000) -> bool:
         """Block until every job has finished (shutdown and tests)."""
-        return self.pool.waitForDone(msecs)
+        return self.jobs.wait(msecs)

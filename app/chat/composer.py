@@ -16,8 +16,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes, human_duration
+from app.format import human_bytes, human_duration, visible_text
 from app.store import AttachmentRecord
+
+READING = "Reading the conversation"
+WAITING = "Waiting for ‘{title}’ to finish…"
 
 
 def _local_files(mime: QMimeData) -> list[str]:
@@ -79,7 +82,7 @@ class AttachmentChip(QFrame):
         layout = QHBoxLayout(self)
         layout.setContentsMargins(10, 3, 4, 3)
         layout.setSpacing(4)
-        self.label = QLabel(f"{name} · reading…")
+        self.label = QLabel(f"{visible_text(name)} · reading…")
         layout.addWidget(self.label)
         close = QToolButton(self)
         close.setText("✕")
@@ -91,7 +94,8 @@ class AttachmentChip(QFrame):
     def set_record(self, record: AttachmentRecord) -> None:
         """Show the parsed file's size and token count."""
         self.label.setText(
-            f"{record.name} · {human_bytes(record.size)} · {record.tokens:,} tokens")
+            f"{visible_text(record.name)} · {human_bytes(record.size)} · "
+            f"{record.tokens:,} tokens")
 
 
 class Composer(QWidget):
@@ -127,6 +131,7 @@ class Composer(QWidget):
         self.fit.hide()
         outer.addWidget(self.fit)
         outer.addWidget(self._progress_row())
+        outer.addWidget(self._waiting_row())
         box = QFrame()
         box.setObjectName("inputBox")
         row = QHBoxLayout(box)
@@ -195,7 +200,7 @@ class Composer(QWidget):
         self.progress_box.setObjectName("ingestBox")
         row = QHBoxLayout(self.progress_box)
         row.setContentsMargins(10, 4, 4, 4)
-        self.progress_title = QLabel("Reading the conversation")
+        self.progress_title = QLabel(READING)
         self.progress = QProgressBar()
         self.progress.setTextVisible(False)
         self.progress.setFixedHeight(8)
@@ -209,6 +214,30 @@ class Composer(QWidget):
         row.addWidget(cancel)
         self.progress_box.hide()
         return self.progress_box
+
+    def _waiting_row(self) -> QWidget:
+        self.waiting_box = QFrame()
+        self.waiting_box.setObjectName("ingestBox")
+        row = QHBoxLayout(self.waiting_box)
+        row.setContentsMargins(10, 4, 4, 4)
+        self.waiting_label = QLabel()
+        self.waiting_label.setObjectName("ingestLabel")
+        self.waiting_label.setTextFormat(Qt.TextFormat.PlainText)  # a title is the user's text
+        cancel = QPushButton("Cancel")
+        cancel.setToolTip("Take this message out of the line; it stays in the chat")
+        cancel.clicked.connect(self.stopRequested.emit)
+        row.addWidget(self.waiting_label, 1)
+        row.addWidget(cancel)
+        self.waiting_box.hide()
+        return self.waiting_box
+
+    def show_waiting(self, title: str | None) -> None:
+        """Say this chat's message waits for chat ``title`` to finish (None: it doesn't)."""
+        if title is None:
+            self.waiting_box.hide()
+            return
+        self.waiting_label.setText(WAITING.format(title=title))
+        self.waiting_box.show()
 
     def _send_or_stop(self) -> None:
         (self.stopRequested if self.generating else self.sendRequested).emit()
@@ -232,8 +261,10 @@ class Composer(QWidget):
         if not generating:
             self.progress_box.hide()
 
-    def show_progress(self, done: int, total: int, tps: float, eta: float | None) -> None:
+    def show_progress(self, done: int, total: int, tps: float, eta: float | None,
+                      title: str = READING) -> None:
         """Ingest progress: tokens done / total, tok/s and ETA."""
+        self.progress_title.setText(title)
         self.progress_box.show()
         self.progress.setMaximum(max(1, total))
         self.progress.setValue(min(done, total))

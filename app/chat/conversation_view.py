@@ -28,7 +28,7 @@ from app.chat.model import (
     StatusRole,
 )
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
-from app.format import human_bytes
+from app.format import human_bytes, visible_text
 
 STATUS_TEXT = {
     "streaming": "Answering…",
@@ -119,7 +119,8 @@ class MessageWidget(QFrame):
         self.body.setVisible(bool(content) or status == "streaming")
         if attachments:
             self.files.setText("  ".join(
-                f"{a.name} · {human_bytes(a.size)} · {a.tokens:,} tokens" for a in attachments))
+                f"{visible_text(a.name)} · {human_bytes(a.size)} · {a.tokens:,} tokens"
+                for a in attachments))
         self.files.setVisible(bool(attachments))
         label = REASON_LABELS.get(reason or "", STATUS_TEXT.get(status, ""))
         if reason and reason.startswith(STOPPED_READING):

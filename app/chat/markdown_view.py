@@ -2,11 +2,19 @@
 
 Qt's own Markdown importer builds the document; a syntax highlighter colours
 the fenced code blocks it marks with their language. Nothing here parses
-Markdown by hand.
+Markdown itself beyond finding where a streamed answer may be cut in two:
+
+A streamed answer only grows. Re-importing all of it at every flush would cost
+time proportional to the whole answer, so the document is kept as settled
+blocks plus a tail: text after the last blank line that begins a block nothing
+before it can change (outside a code fence, not a list item, quote, table or
+rule that could join or continue what came before). Each flush imports only the
+tail again; what the tail has settled moves into the settled part.
 """
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 from pygments.lexers import get_lexer_by_name, guess_lexer
@@ -24,12 +32,43 @@ from PySide6.QtGui import (
     QTextCharFormat,
     QTextCursor,
     QTextDocument,
+    QTextDocumentFragment,
     QTextFormat,
 )
 from PySide6.QtWidgets import QSizePolicy, QTextBrowser, QWidget
 
 MARKDOWN_FEATURES = (QTextDocument.MarkdownFeature.MarkdownDialectGitHub
                      | QTextDocument.MarkdownFeature.MarkdownNoHTML)
+FENCE = re.compile(r" {0,3}(```|~~~)")
+# A line that may join or continue the block before it even after a blank line
+# (list items, quotes, tables, rules, indented code, setext underlines).
+JOINS = re.compile(r"[\s>|*+\-_=]|\d+[.)]|.*\|")
+RULE = re.compile(r" {0,3}([-*_])( *\1){2,} *$")  # a thematic break: Qt's import of one ends oddly
+
+
+def settled_end(text: str, start: int = 0) -> int:
+    """Where the last cut of ``text`` at or after ``start`` is (``start`` when there is none).
+
+    A cut is the start of a complete line that follows a blank line (not after a
+    rule) outside a code fence, begins a paragraph, heading or fence, and so starts a block that
+    renders the same whether the text before it is imported with it or alone.
+    ``start`` must itself be a cut (or 0).
+    """
+    cut, in_fence, blank_before, after_rule = start, False, False, False
+    position = start
+    while True:
+        end = text.find("\n", position)
+        if end < 0:
+            return cut  # the last line is not complete yet: no cut in it
+        line = text[position:end]
+        if not in_fence and blank_before and not after_rule and line and not JOINS.match(line):
+            cut = position
+        if FENCE.match(line):
+            in_fence = not in_fence
+        blank_before = not line.strip()
+        if not blank_before:
+            after_rule = not in_fence and bool(RULE.match(line))
+        position = end + 1
 
 
 def is_dark(palette: QPalette) -> bool:
@@ -110,6 +149,8 @@ class MarkdownView(QTextBrowser):
         self.setStyleSheet("QTextBrowser { background: transparent; }")
         self.document().setDocumentMargin(2)
         self._markdown = ""
+        self._cut = 0  # where in ``_markdown`` the tail begins
+        self._tail_at: int | None = None  # where in the document the tail's blocks begin
         self._highlighter = CodeHighlighter(self.document(), is_dark(self.palette()))
         self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
 
@@ -118,27 +159,72 @@ class MarkdownView(QTextBrowser):
         return self._markdown
 
     def set_markdown(self, text: str) -> None:
-        """Show ``text`` as Markdown (no-op when unchanged)."""
+        """Show ``text`` as Markdown (no-op when unchanged).
+
+        When ``text`` extends what is shown (a streamed answer), only the blocks
+        after the last cut are imported again.
+        """
         if text == self._markdown:
             return
+        document = self.document()
+        if self._markdown and text.startswith(self._markdown) and self._tail_at is not None:
+            cursor = QTextCursor(document)
+            cursor.setPosition(self._tail_at)  # the tail's blocks go, and the break before them
+            cursor.movePosition(QTextCursor.MoveOperation.End,
+                                QTextCursor.MoveMode.KeepAnchor)
+            cursor.removeSelectedText()
+            if self._tail_at > 0:
+                cursor.deletePreviousChar()
+        else:
+            document.clear()
+            self._cut = 0
         self._markdown = text
-        # Raw HTML in a model's answer is shown as text, never rendered.
-        self.document().setMarkdown(text, MARKDOWN_FEATURES)
-        self._shade_code_blocks()
+        cut = settled_end(text, self._cut)
+        if cut > self._cut:
+            self._append(text[self._cut:cut])
+            self._cut = cut
+        self._tail_at = self._append(text[self._cut:])
+
+    def _append(self, markdown: str) -> int:
+        """Import ``markdown`` (which starts at a cut) at the document's end; where it begins."""
+        document = self.document()
+        if document.isEmpty():
+            # Raw HTML in a model's answer is shown as text, never rendered.
+            document.setMarkdown(markdown, MARKDOWN_FEATURES)
+            self._shade_code_blocks(document.begin())
+            return 0
+        part = QTextDocument()
+        part.setMarkdown(markdown, MARKDOWN_FEATURES)
+        cursor = QTextCursor(document)
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        listed = cursor.block().textList()
+        if listed is not None:
+            listed.remove(cursor.block())
+        start = cursor.position()
+        cursor.insertFragment(QTextDocumentFragment(part))
+        # The fragment's first block lands in the block made for it, keeping that
+        # block's plain format: give it its own.
+        first = QTextCursor(document)
+        first.setPosition(start)
+        first.setBlockFormat(part.begin().blockFormat())
+        first.setBlockCharFormat(part.begin().charFormat())
+        self._shade_code_blocks(first.block())
+        return start
 
     def set_plain(self, text: str) -> None:
         """Show ``text`` as typed, every line break kept (no-op when unchanged)."""
         if text == self._markdown:
             return
-        self._markdown = text
+        self._markdown, self._cut, self._tail_at = text, 0, None
         self.document().setPlainText(text)
 
-    def _shade_code_blocks(self) -> None:
+    def _shade_code_blocks(self, block) -> None:
+        """Shade the fenced code blocks from ``block`` to the end."""
         mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         shade = self.palette().color(QPalette.ColorRole.AlternateBase)
         if shade == self.palette().color(QPalette.ColorRole.Base):
             shade = shade.darker(106)
-        block = self.document().begin()
         cursor = QTextCursor(self.document())
         while block.isValid():
             fmt = block.blockFormat()

@@ -49,11 +49,12 @@ class AnswerRecorder(QObject):
         """True while an answer streams."""
         return self.message_id != 0
 
-    def start(self, session_id: str) -> int:
-        """Save an empty streaming answer and add its row to the shown chat; returns its id."""
+    def start(self, session_id: str, shown: bool = True) -> int:
+        """Save an empty streaming answer, its row added when its chat is ``shown``; its id."""
         self.message_id = self.store.add_message(session_id, "assistant", "", "streaming")
-        self.session_id, self.text, self.shown = session_id, "", True
-        self.model.append(ChatMessage("assistant", "", "streaming", self.message_id))
+        self.session_id, self.text, self.shown = session_id, "", shown
+        if shown:
+            self.model.append(ChatMessage("assistant", "", "streaming", self.message_id))
         self._saved_at, self._dirty = time.monotonic(), False
         self._timer.start()
         return self.message_id

@@ -13,12 +13,12 @@ import time
 from PySide6.QtCore import QObject, QTimer
 
 from app.format import human_bytes, human_duration
-from app.settings import KV_MODES
+from engine import EngineError
+from engine.cache.modes import MODES
 
 DEBOUNCE_MS = 250
 COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
 SHOW_ABOVE_TOKENS = 1024
-MODES = KV_MODES  # one order everywhere: fp16, q8, q6, q4
 FULL_TTL_S = 3.0
 SHOW_WAIT_ABOVE_TOKENS = 2048  # shorter reads take a few seconds at most
 
@@ -57,7 +57,7 @@ class FitChecker(QObject):
         session_id = current.id if current and current.id in self.controller.opened else None
         try:
             return self.controller.bridge.fit_check(session_id, max(0, tokens))
-        except Exception:  # no model yet, or the worker is shutting down
+        except EngineError:  # no model any more, or the session has just closed
             return None
 
     def max_context(self) -> int | None:
@@ -111,12 +111,14 @@ class FitChecker(QObject):
         if len(text) <= COUNT_INLINE_CHARS:
             try:
                 return attached + self.controller.bridge.count_tokens(text), False
-            except Exception:
+            except EngineError:  # no model loaded: estimated below
                 pass
         return attached + len(text) // 4, True
 
     def run(self) -> None:
         """Compute and show the fit line."""
+        if self.controller.closed:  # a check scheduled just before the window closed
+            return
         prompt, estimated = self.prompt_tokens()
         answer = self.controller.settings.sampling.max_tokens
         total = self.context_tokens() + prompt + answer

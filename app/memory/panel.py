@@ -29,10 +29,9 @@ from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.quality import receipt_details, receipt_line
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
-from app.settings import KV_MODES
 from engine import StatsSample
+from engine.cache.modes import MODES
 
-PROJECTION_MODES = KV_MODES
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
 NO_CACHE = "No KV cache in memory"
@@ -132,7 +131,7 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(self.ram_detail)
 
         layout.addWidget(_section("KV bytes by mode"))
-        self.table = QTableWidget(len(PROJECTION_MODES), 4)
+        self.table = QTableWidget(len(MODES), 4)
         self.table.setObjectName("projectionTable")
         # Short headers: the panel is narrow and Qt clips long ones mid-word.
         self.table.setHorizontalHeaderLabels(["Now", "Full", "RAM fits", "vs fp16"])
@@ -143,14 +142,14 @@ class MemoryPanel(QScrollArea):
             "Share of next tokens that match fp16, from this chat's quality check of each mode",
         )):
             self.table.horizontalHeaderItem(column).setToolTip(tip)
-        self.table.setVerticalHeaderLabels(list(PROJECTION_MODES))
+        self.table.setVerticalHeaderLabels(list(MODES))
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         self.table.verticalHeader().setDefaultSectionSize(24)
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
         self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
-        self.table.setFixedHeight(26 + 24 * len(PROJECTION_MODES) + 4)
+        self.table.setFixedHeight(26 + 24 * len(MODES) + 4)
         layout.addWidget(self.table)
         self.projection_note = _value_label()
         layout.addWidget(self.projection_note)
@@ -280,7 +279,7 @@ class MemoryPanel(QScrollArea):
         ``receipts`` maps a mode to its ``engine.QualityReceipt``; ``unavailable``
         is why "Check Quality" cannot run now ("" when it can).
         """
-        for row, mode in enumerate(PROJECTION_MODES):
+        for row, mode in enumerate(MODES):
             receipt = receipts.get(mode)
             if mode == "fp16":
                 item = self._cell("ref", mode)
@@ -319,7 +318,7 @@ class MemoryPanel(QScrollArea):
         if now_report is None or full_report is None:
             return
         self.now_tokens = now_report.token_count
-        for row, mode in enumerate(PROJECTION_MODES):
+        for row, mode in enumerate(MODES):
             now = now_report.for_mode(mode)
             full = full_report.for_mode(mode)
             cells = (

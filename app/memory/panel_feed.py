@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, QTimer
 
+from app.format import visible_text
 from app.memory.panel import MemoryPanel
 from app.memory.stored_kv import StoredKvFeed
 from engine import StatsSample
@@ -47,7 +48,7 @@ class PanelFeed(QObject):
         current = self.controller.current
         session_id = current.id if current else None
         rotated = bool(session_id and self.controller.caches.rotations.get(session_id))
-        self.panel.set_session(current.title if current else None,
+        self.panel.set_session(visible_text(current.title) if current else None,
                                current.kv_mode if current else None,
                                self.controller.cache_state(session_id), session_id,
                                rotated=rotated)
@@ -69,10 +70,8 @@ class PanelFeed(QObject):
     def _on_disk(self, session_id: str | None):
         if session_id is None:
             return None
-        try:
-            return self.controller.bridge.stored_snapshot(session_id)
-        except Exception:  # a bridge or engine without snapshots: nothing on disk to say
-            return None
+        # Reads a small manifest; a missing or bad one is None, never an error.
+        return self.controller.bridge.stored_snapshot(session_id)
 
     def on_stats(self, sample: StatsSample) -> None:
         """A new sample: shown when it is the current session's (RAM from any)."""

@@ -11,7 +11,7 @@ import time
 
 from PySide6.QtCore import QObject, Signal
 
-from app.activity import Activity
+from app.activity import Activity, Job
 from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
@@ -50,16 +50,18 @@ def _kl(value: float) -> str:
 class QualityCheck(QObject):
     """Starts quality checks and keeps their receipts with their chats.
 
-    A check is the one running request while it lasts (``activity``), so sending
-    waits for it and Stop cancels it; it waits for its chat's KV cache to open
-    first (``caches``), which only names the chat's mode and rotation to the engine.
-    The user may read other chats meanwhile (``sessions``): the receipt is said only
-    while its own chat is shown, and kept with it either way.
+    A check is its chat's job while it lasts (``activity``), so sending in that
+    chat waits for it and Stop cancels it; it waits in line behind other chats'
+    jobs, then for its chat's KV cache to open (``caches``), which only names the
+    chat's mode and rotation to the engine. The user may read other chats
+    meanwhile (``sessions``): the receipt is said only while its own chat is
+    shown, and kept with it either way.
     """
 
     progress = Signal(object)  # engine.QualityProgress of the running check
     checked = Signal(str, object)  # session id, QualityReceipt
     notice = Signal(str)
+    errorRaised = Signal(str)
 
     def __init__(self, bridge: EngineBridge, store: HistoryStore, activity: Activity,
                  caches: SessionCaches, sessions: SessionActions,
@@ -67,7 +69,6 @@ class QualityCheck(QObject):
         super().__init__(parent)
         self.bridge, self.store, self.activity = bridge, store, activity
         self.caches, self.sessions = caches, sessions
-        self._requests: set[int] = set()
 
     def unavailable(self, session: SessionRecord | None, model_ready: bool,
                     has_text: bool) -> str:
@@ -76,57 +77,61 @@ class QualityCheck(QObject):
             return "Load a model first: the check runs it."
         if session is None:
             return "Open a chat first."
-        if self.activity.busy:
-            return ("A quality check is running; Stop cancels it." if self.activity.kind == KIND
-                    else "Wait for the current answer or reading to finish.")
+        job = self.activity.job_of(session.id)
+        if job is not None:
+            return ("A quality check is running; Stop cancels it." if job.kind == KIND
+                    else "Wait for this chat's answer or reading to finish.")
         if session.kv_mode == "fp16":
             return "This chat keeps fp16, the reference itself: there is nothing to compare."
         if not has_text:
             return "Nothing to check yet: send a message or attach a document first."
         return ""
 
-    def start(self, session: SessionRecord, messages: list[dict[str, str]]) -> None:
+    def start(self, session: SessionRecord, messages: list[dict[str, str]]) -> Job:
         """Check ``session``, whose conversation the engine reads as ``messages``."""
-        self.activity.set(-1, KIND, session.id)  # reserved until the real id is known
-        self.notice.emit(f"Checking {session.kv_mode} against fp16 on the last ≤ {WINDOW:,} "
-                         "tokens of this chat… Stop cancels.")
+        return self.activity.add(session.id, KIND, session.title,
+                                 lambda job: self._run(job, session, messages),
+                                 lambda _job: None)
 
-        def go() -> None:
-            rid = self.bridge.check_quality(session.id, messages)
-            self._requests.add(rid)
-            self.activity.set(rid, KIND, session.id)
+    def _run(self, job: Job, session: SessionRecord, messages: list[dict[str, str]]) -> None:
+        if self._shown(session.id):
+            self.notice.emit(f"Checking {session.kv_mode} against fp16 on the last "
+                             f"≤ {WINDOW:,} tokens of this chat… Stop cancels.")
 
-        self.caches.ensure_open(session, go)
+        def submit() -> None:
+            rid = self.bridge.check_quality(session.id, messages,
+                                            lambda event: self._handle(job, event))
+            if self.activity.submitted(job, rid):  # Stop was pressed while the cache opened
+                self.bridge.cancel(rid)
 
-    def owns(self, request_id: int) -> bool:
-        """Whether ``request_id`` is a check this object started."""
-        return request_id in self._requests
+        self.caches.ensure_open(session, submit, lambda event: self._failed(job, event))
 
-    def on_progress(self, event: QualityProgress) -> None:
-        """Progress of the running check."""
-        if event.request_id == self.activity.request:
+    def _shown(self, session_id: str) -> bool:
+        shown = self.sessions.current
+        return shown is not None and shown.id == session_id
+
+    def _handle(self, job: Job, event: object) -> None:
+        if isinstance(event, QualityProgress):
+            self.activity.note(job, progress=event)
             self.progress.emit(event)
+        elif isinstance(event, QualityChecked):
+            self._checked(event)
+        elif isinstance(event, Finished):
+            if event.reason == "cancelled":
+                self.notice.emit("Quality check cancelled; nothing was stored.")
+            self.activity.end(job)
+        elif isinstance(event, Failed):
+            self._failed(job, event)
 
-    def on_checked(self, event: QualityChecked) -> None:
-        """A receipt: kept with its chat, and said."""
-        if not self.owns(event.request_id) or self.store.session(event.session_id) is None:
-            return
+    def _checked(self, event: QualityChecked) -> None:
+        # A receipt: kept with its chat, and said while that chat is shown.
+        if self.store.session(event.session_id) is None:
+            return  # deleted meanwhile
         self.store.save_receipt(event.session_id, event.receipt)
         self.checked.emit(event.session_id, event.receipt)
-        shown = self.sessions.current
-        if shown is not None and shown.id == event.session_id:  # it is about that chat
+        if self._shown(event.session_id):
             self.notice.emit(receipt_line(event.receipt))
 
-    def on_finished(self, event: Finished) -> None:
-        """The check ended (its receipt, if any, came just before)."""
-        self._requests.discard(event.request_id)
-        if event.reason == "cancelled":
-            self.notice.emit("Quality check cancelled; nothing was stored.")
-        if event.request_id == self.activity.request:
-            self.activity.clear()
-
-    def on_failed(self, event: Failed) -> None:
-        """The check failed (the failure is already shown)."""
-        self._requests.discard(event.request_id)
-        if event.request_id == self.activity.request:
-            self.activity.clear()
+    def _failed(self, job: Job, event: Failed) -> None:
+        self.errorRaised.emit(event.message)
+        self.activity.end(job)

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import relative_time
+from app.format import relative_time, visible_text
 from engine import StoredKv
 
 COLUMNS = ("Chat", "Tokens", "Mode", "Size", "Last used")
@@ -175,4 +175,4 @@ class StoredKvFeed(QObject):
 
     def _title(self, session_id: str) -> str | None:
         record = self.controller.store.session(session_id)
-        return record.title if record is not None else None
+        return visible_text(record.title) if record is not None else None

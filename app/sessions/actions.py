@@ -27,8 +27,8 @@ class SessionActions(QObject):
         store: the history; sessions and their messages are read from and written to it.
         model: the open conversation, refilled when another session is shown.
         caches: the sessions' KV caches, freed when a session is deleted.
-        activity: the running request; deleting its chat and reopening wait for it,
-            reading other chats does not.
+        activity: the chats' jobs; deleting a chat and reopening it wait for its own
+            job, reading other chats does not.
         before_switch: called before another session is shown.
     """
 
@@ -73,7 +73,7 @@ class SessionActions(QObject):
 
     def delete_session(self, session_id: str) -> None:
         """Delete a session and free its cache."""
-        if session_id == self.activity.session_id and self.activity.refuse("deleting its chat"):
+        if self.activity.refuse_in(session_id, "deleting its chat"):
             return
         self.caches.forget(session_id)
         self.store.delete_session(session_id)
@@ -94,7 +94,7 @@ class SessionActions(QObject):
         """
         if self.current is None or self.current.kv_mode == mode:
             return None  # the chat is in that mode already
-        if self.activity.refuse("reopening the chat"):
+        if self.activity.refuse_in(self.current.id, "reopening the chat"):
             return None
         source = self.current
         record = self.store.create_session(f"{source.title} · {mode}", mode, model_id)

@@ -13,7 +13,7 @@ from PySide6.QtCore import QObject, Signal
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import SessionRecord
-from engine import SessionOpened, StatsSample
+from engine import Failed, SessionOpened, StatsSample
 
 MAX_OPEN_SESSIONS = 3
 
@@ -27,6 +27,7 @@ class SessionCaches(QObject):
     """
 
     changed = Signal()  # a session's KV cache was opened
+    notice = Signal(str)  # the model runs on mlx-lm's own cache, and why
 
     def __init__(self, bridge: EngineBridge, settings: Settings,
                  parent: QObject | None = None) -> None:
@@ -35,10 +36,13 @@ class SessionCaches(QObject):
         self.opened: dict[str, str] = {}  # session id -> mode, oldest first
         self.samples: dict[str, StatsSample] = {}
         self.rotations: dict[str, str | None] = {}  # session id -> its rows' rotation
-        self._then: dict[int, Callable[[], None]] = {}  # open request -> what runs once open
 
-    def ensure_open(self, session: SessionRecord, then: Callable[[], None]) -> None:
-        """Run ``then`` once ``session``'s cache is held (now, when it already is)."""
+    def ensure_open(self, session: SessionRecord, then: Callable[[], None],
+                    failed: Callable[[Failed], None]) -> None:
+        """Run ``then`` once ``session``'s cache is held (now, when it already is).
+
+        When the engine cannot open it, ``failed`` gets the ``Failed`` instead.
+        """
         if session.id in self.opened:
             self.opened[session.id] = self.opened.pop(session.id)  # most recent last
             then()
@@ -48,26 +52,23 @@ class SessionCaches(QObject):
             self.bridge.close_session(oldest)
             del self.opened[oldest]
             self.samples.pop(oldest, None)
-        rid = self.bridge.open_session(session.id, session.kv_mode, self.settings.page_size,
-                                       rotate=self.settings.rotate_kv)
-        self._then[rid] = then
 
-    def owns(self, request_id: int) -> bool:
-        """Whether ``request_id`` opens a cache and is still waiting for its answer."""
-        return request_id in self._then
+        def handle(event: object) -> None:
+            if isinstance(event, SessionOpened):
+                self._opened(event)
+                then()
+            elif isinstance(event, Failed):
+                failed(event)
 
-    def on_opened(self, event: SessionOpened) -> None:
-        """A cache is held: note it and run what waited for it."""
+        self.bridge.open_session(session.id, session.kv_mode, self.settings.page_size,
+                                 self.settings.rotate_kv, handle)
+
+    def _opened(self, event: SessionOpened) -> None:
         self.opened[event.session_id] = event.kv_mode
         self.rotations[event.session_id] = event.rotation
         self.changed.emit()
-        then = self._then.pop(event.request_id, None)
-        if then is not None:
-            then()
-
-    def open_failed(self, request_id: int) -> None:
-        """Opening failed: what waited for it will not run."""
-        self._then.pop(request_id, None)
+        if event.cache_note:  # the model runs on mlx-lm's own cache: say why
+            self.notice.emit(event.cache_note)
 
     def close(self, session_id: str) -> None:
         """Free a session's cache, if the engine holds it."""
@@ -107,11 +108,6 @@ class SessionCaches(QObject):
         if session_id is None or session_id not in self.opened:
             return None
         return self.samples.get(session_id)
-
-    @property
-    def kv_bytes(self) -> dict[str, int]:
-        """Each session's KV bytes, from its latest stats sample."""
-        return {sid: sample.kv_bytes_used for sid, sample in self.samples.items()}
 
     def total_bytes(self) -> int:
         """KV bytes held by every open session, from their latest samples."""

@@ -12,14 +12,15 @@ from PySide6.QtWidgets import QMenu, QMessageBox, QWidget
 
 from app.format import human_bytes
 from app.memory.fit_check import wait_sentence
-from app.settings import KV_MODES
+from engine import EngineError
+from engine.cache.modes import MODES
 
 
 def fill_reopen_menu(menu: QMenu, controller, parent: QWidget) -> None:
     """Put one action per mode other than the shown chat's into ``menu``."""
     menu.clear()
     current = controller.current
-    for mode in KV_MODES:
+    for mode in MODES:
         if current is not None and mode == current.kv_mode:
             continue
         menu.addAction(f"Reopen in {mode}…",
@@ -53,7 +54,7 @@ def _kv_bytes(controller, mode: str, tokens: int) -> str:
         return ""
     try:
         report = controller.bridge.fit_check(None, tokens)
-    except Exception:  # no model, or the worker is shutting down: say nothing
+    except EngineError:  # no model any more: say nothing
         return ""
     entry = report.for_mode(mode)
     return human_bytes(entry.bytes_needed) if entry.supported else ""

@@ -21,14 +21,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import relative_time
+from app.format import relative_time, visible_text
 from app.store import SessionRecord
 
 MODE_COLOURS = {"fp16": "#7a7f8c", "q8": "#2f7d5b", "q6": "#3b6fb6", "q4": "#b0662a"}
 RecordRole = Qt.ItemDataRole.UserRole + 1
-AnsweringRole = Qt.ItemDataRole.UserRole + 2
+StateRole = Qt.ItemDataRole.UserRole + 2  # what the chat's job does now, or ""
 NO_MATCH = "No chats match"
 ANSWERING = "Answering…"
+# A chat's job, as its row says it (app.activity's states).
+STATE_TEXT = {"answering": ANSWERING, "reading": "Reading…",
+              "checking": "Checking quality…", "waiting": "Waiting…"}
 
 
 def mode_colour(mode: str) -> QColor:
@@ -39,7 +42,7 @@ def mode_colour(mode: str) -> QColor:
 def confirm_delete(parent: QWidget, title: str) -> bool:
     """Ask before deleting a chat; Cancel is the default."""
     box = QMessageBox(QMessageBox.Icon.Warning, "Delete chat",
-                      f"Delete “{title}” and all its messages?", parent=parent)
+                      f"Delete “{visible_text(title)}” and all its messages?", parent=parent)
     box.setTextFormat(Qt.TextFormat.PlainText)  # a title is the user's text, never markup
     box.setInformativeText("This can't be undone.")
     delete = box.addButton("Delete", QMessageBox.ButtonRole.DestructiveRole)
@@ -48,11 +51,11 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
     return box.clickedButton() is delete
 
 
-def detail_text(record: SessionRecord, answering: bool) -> str:
-    """The second line of a session: its tokens and last activity, or that it is answering."""
-    # Its token count is only known once the answer ends: say what it is doing.
-    if answering:
-        return ANSWERING
+def detail_text(record: SessionRecord, state: str = "") -> str:
+    """The second line of a session: its tokens and last activity, or what its job does."""
+    # Its token count is only known once the job ends: say what it is doing.
+    if state:
+        return STATE_TEXT.get(state, ANSWERING)
     return f"{record.tokens:,} tokens · {relative_time(record.updated)}"
 
 
@@ -91,7 +94,8 @@ class SessionDelegate(QStyledItemDelegate):
         font.setBold(True)
         painter.setFont(font)
         painter.setPen(text_colour)
-        title = painter.fontMetrics().elidedText(record.title, Qt.TextElideMode.ElideRight,
+        title = painter.fontMetrics().elidedText(visible_text(record.title),
+                                                 Qt.TextElideMode.ElideRight,
                                                  title_rect.width())
         painter.drawText(title_rect, Qt.AlignmentFlag.AlignVCenter, title)
         badge_rect = QRect(inner.right() - badge_width, inner.top() + 2, badge_width, 16)
@@ -107,7 +111,7 @@ class SessionDelegate(QStyledItemDelegate):
         muted = QColor(text_colour)
         muted.setAlphaF(0.65)
         painter.setPen(muted)
-        detail = detail_text(record, bool(index.data(AnsweringRole)))
+        detail = detail_text(record, index.data(StateRole) or "")
         painter.drawText(QRect(inner.left(), inner.top() + 22, inner.width(), 18),
                          Qt.AlignmentFlag.AlignVCenter, detail)
         painter.restore()
@@ -149,19 +153,20 @@ class SessionList(QWidget):
         self._updating = False
 
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
-                     answering: str | None = None) -> None:
-        """Show ``sessions``, keeping ``current`` selected; ``answering`` is the one answering."""
+                     states: dict[str, str] | None = None) -> None:
+        """Show ``sessions``, ``current`` selected; ``states``: chat id -> its job's state."""
         self._updating = True
         self.list.clear()
         searching = bool(self.search.text().strip())
         self.no_match.setVisible(searching and not sessions)
         self.list.setVisible(not (searching and not sessions))
         for record in sessions:
-            item = QListWidgetItem(record.title)
+            item = QListWidgetItem(visible_text(record.title))
             item.setData(RecordRole, record)
-            item.setData(AnsweringRole, record.id == answering)
+            item.setData(StateRole, (states or {}).get(record.id, ""))
             # Tooltips guess rich text from the content: make it rich, the title escaped.
-            item.setToolTip(f"<p style='white-space:pre'>{html.escape(record.title)}<br>"
+            shown = html.escape(visible_text(record.title))
+            item.setToolTip(f"<p style='white-space:pre'>{shown}<br>"
                             f"KV mode {record.kv_mode} · model {html.escape(record.model_id)}</p>")
             self.list.addItem(item)
             if record.id == current:

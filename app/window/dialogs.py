@@ -19,8 +19,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import human_bytes
-from app.settings import KV_MODES, Settings
+from app.settings import Settings
 from engine import SamplingParams, default_budget, snapshots_dir
+from engine.cache.modes import MODES
 
 GB = 10**9  # disk sizes in decimal gigabytes, as disks are sold and the default is stated
 
@@ -84,7 +85,7 @@ class NewChatDialog(QDialog):
         layout.addWidget(intro)
         self.group = QButtonGroup(self)
         self.buttons: dict[str, QRadioButton] = {}
-        for mode in KV_MODES:
+        for mode in MODES:
             button = QRadioButton(mode_choice_text(mode, full_report))
             supported = full_report is None or full_report.for_mode(mode).supported
             button.setEnabled(supported)
@@ -114,7 +115,7 @@ class SettingsDialog(QDialog):
         self.setMinimumWidth(460)
         form = QFormLayout(self)
         self.mode = QComboBox()
-        self.mode.addItems(list(KV_MODES))
+        self.mode.addItems(list(MODES))
         self.mode.setCurrentText(settings.default_mode)
         form.addRow("Default KV mode", self.mode)
         self.page_size = QSpinBox(minimum=16, maximum=4096, singleStep=16,

@@ -1,24 +1,26 @@
 """One model download from the Hub, run off the GUI thread, reported as Qt signals.
 
 ``engine.download_model`` does the work (resumable, cancellable, disk checked);
-this runs it on its own thread, which makes no MLX call, and hands progress and
-the outcome back to the GUI thread through queued signals.
+this runs it as a background job (``app.background``), which makes no MLX call,
+and hands progress and the outcome back to the GUI thread.
 """
 
 from __future__ import annotations
 
 import threading
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QObject, Signal
 
-from engine import Cancelled, download_model
+from app.background import Background
+from engine import Cancelled, EngineError, download_model
 
 
 class ModelDownload(QObject):
     """Download ``repo_id`` into Longleaf's models folder.
 
     Signals:
-        progressed(DownloadProgress): now and then while bytes arrive.
+        progressed(DownloadProgress): now and then while bytes arrive (queued to
+            receivers on the GUI thread).
         finished(str): the model folder, complete and verified.
         failed(str, bool): the message to show, and True when the user cancelled.
     """
@@ -26,52 +28,45 @@ class ModelDownload(QObject):
     progressed = Signal(object)
     finished = Signal(str)
     failed = Signal(str, bool)
-    _outcome = Signal(object)
 
     def __init__(self, repo_id: str, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.repo_id = repo_id
         self._cancel = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"download {repo_id}")
-        # Emitted on the download thread, handled on this object's (the GUI) thread.
-        self._outcome.connect(self._report, Qt.ConnectionType.QueuedConnection)
+        self._job = Background(threads=1, parent=self)
+        self._started = self._reported = False
 
     @property
     def running(self) -> bool:
-        """True from ``start`` until the download thread has ended."""
-        return self._thread.is_alive()
+        """True from ``start`` until the download has reported how it ended."""
+        return self._started and not self._reported
 
     def start(self) -> None:
         """Start downloading in the background."""
-        self._thread.start()
+        self._started = True
+        self._job.run(lambda: str(download_model(self.repo_id, on_progress=self.progressed.emit,
+                                                 cancel=self._cancel)), self._report)
 
     def cancel(self) -> None:
         """Stop soon; the bytes so far are kept and the next download resumes."""
         self._cancel.set()
 
     def wait(self, seconds: float) -> bool:
-        """Join the download thread for at most ``seconds``; True when it has ended."""
-        if self._thread.ident is not None:
-            self._thread.join(seconds)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            folder = download_model(self.repo_id, on_progress=self.progressed.emit,
-                                    cancel=self._cancel)
-        except Exception as error:  # any failure must reach the banner, not die here
-            self._outcome.emit(error)
-        else:
-            self._outcome.emit(str(folder))
+        """Wait at most ``seconds`` for the download's thread to end; True when it has."""
+        return self._job.wait(int(seconds * 1000))
 
     def _report(self, outcome: object) -> None:
+        self._reported = True
         if isinstance(outcome, str):
             self.finished.emit(outcome)
         elif isinstance(outcome, Cancelled):
             self.failed.emit(f"Download of {self.repo_id} paused; download it again to "
                              "resume where it stopped.", True)
-        else:
+        elif isinstance(outcome, EngineError):
             self.failed.emit(f"Could not download {self.repo_id}: {outcome}", False)
+        else:  # a bug (logged by the job): still said, so the dialog does not wait forever
+            self.failed.emit(f"Could not download {self.repo_id}: {type(outcome).__name__}: "
+                             f"{outcome}", False)
 
 
 class Downloads(QObject):

@@ -17,9 +17,10 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.attachments import CHARS_PER_TOKEN_BOUND, DocumentLoader
-from app.chat.composer import Composer
+from app.chat.composer import READING, Composer
 from app.chat.conversation_view import ConversationView
 from app.controller import ChatController
+from app.format import visible_text
 from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
 from app.memory.panel_feed import PanelFeed
@@ -32,6 +33,7 @@ from app.window.model_picker import DEMO
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 
+CHECKING = "Checking quality"  # the progress row's title while a quality check reads
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
 # Widths in pixels. The chat column keeps room for a line of text and its status
 # lines at the smallest window the app targets (1024 wide, with both side
@@ -62,6 +64,7 @@ class MainWindow(QMainWindow):
         self.downloads.progressed.connect(self._on_download_progress)
         self.downloads.ended.connect(self._on_download_ended)
         self.models_dialog: ModelsDialog | None = None
+        self._shown_states: dict[str, str] = {}
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
@@ -123,8 +126,8 @@ class MainWindow(QMainWindow):
         c.errorRaised.connect(lambda text: self.banner.show_message(text, "error"))
         c.notice.connect(lambda text: self.banner.show_message(text, "info"))
         c.busyChanged.connect(self._on_busy)
-        c.ingestProgress.connect(lambda e: self.composer.show_progress(
-            e.tokens_done, e.tokens_total, e.tokens_per_second, e.eta_seconds))
+        c.activityChanged.connect(self._show_activity)
+        c.ingestProgress.connect(lambda _event: self._show_activity())
         c.editRequested.connect(self._on_edit_requested)
         self.conversation.regenerateRequested.connect(c.regenerate)
         self.conversation.editRequested.connect(c.begin_edit)
@@ -216,15 +219,16 @@ class MainWindow(QMainWindow):
     def _refresh_sessions(self) -> None:
         current = self.controller.current.id if self.controller.current else None
         self.sessions.set_sessions(self.controller.store.sessions(self.sessions.search.text()),
-                                   current, self.controller.answering_session)
+                                   current, self.controller.activity.states())
 
     def _on_session_changed(self, record) -> None:
         self._refresh_sessions()
-        title = f"{record.title} — {record.kv_mode}" if record else "Longleaf"
+        title = f"{visible_text(record.title)} — {record.kv_mode}" if record else "Longleaf"
         self.setWindowTitle(f"{title} · Longleaf" if record else title)
         self.reopen_button.setEnabled(record is not None)
         if self.banner.property("kind") == "info":
             self.banner.hide()  # a notice is about the chat it was said in
+        self._show_activity()
         self.fit.schedule()
 
     def ask_new_chat(self) -> None:
@@ -237,9 +241,10 @@ class MainWindow(QMainWindow):
     # Sending --------------------------------------------------------------
 
     def send(self) -> None:
-        """Send the composer's text and attachments; keep them if it can't be sent."""
-        if self.controller.busy:
-            return
+        """Send the composer's text and attachments; keep them if it can't be sent.
+
+        While another chat's job runs, the message waits in line and starts by itself.
+        """
         if self.loader.pending:
             self.banner.show_message("Still reading an attached file; send again in a moment.",
                                      "info")
@@ -280,12 +285,32 @@ class MainWindow(QMainWindow):
             "pasted. Paste a part of it, or use a model with a longer context.", "error")
 
     def _on_busy(self, busy: bool) -> None:
-        self._refresh_sessions()  # the answering chat says so in the sidebar
         if not busy and self.controller.activity.is_refusal(self.banner.label.text()):
             self.banner.hide()  # "Stop the current answer before…" is moot once it ended
-        self.composer.set_generating(busy)
-        self.conversation.set_busy(busy)
         self.fit.schedule()
+
+    def _show_activity(self) -> None:
+        """The composer and the rows show the shown chat's own job only; the sidebar all."""
+        activity = self.controller.activity
+        states = activity.states()
+        if states != self._shown_states:
+            self._shown_states = states
+            self._refresh_sessions()  # each chat with a job says so in the sidebar
+            self.panel_feed.refresh_quality()  # whether this chat can be checked now
+        current = self.controller.current
+        job = activity.job_of(current.id if current else None)
+        ahead = activity.ahead_of(job) if job is not None else None
+        self.composer.set_generating(job is not None and job.started)
+        self.composer.show_waiting(ahead.title if ahead is not None else None)
+        progress = job.progress if job is not None and job.state in ("reading", "checking") \
+            else None
+        if progress is None:
+            self.composer.progress_box.hide()
+        else:
+            self.composer.show_progress(
+                progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
+                progress.eta_seconds, CHECKING if job.kind == "quality" else READING)
+        self.conversation.set_busy(job is not None)
 
     def _on_edit_requested(self, text: str, attachments) -> None:
         self.composer.set_text(text)

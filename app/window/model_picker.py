@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QStandardItemModel
 from PySide6.QtWidgets import QComboBox, QWidget
 
+from app.background import Background
 from app.format import human_bytes
 from app.window.model_library import DEMO_SOURCE, ModelEntry, library, short_tokens
 
@@ -24,23 +25,12 @@ MANAGE = "__models__"
 PICKER_CHARS = 30  # characters the closed picker shows
 
 
-class _Relay(QObject):
-    done = Signal(object)
+def _discover(folders: list[str]) -> tuple:
+    """The models in ``folders`` and the caches, and their library entries (a pool thread)."""
+    from engine import discover_models
 
-
-class _DiscoverJob(QRunnable):
-    def __init__(self, folders: list[str], relay: _Relay) -> None:
-        super().__init__()
-        self.folders, self.relay = folders, relay
-
-    def run(self) -> None:
-        try:
-            from engine import discover_models
-
-            found = discover_models(self.folders)
-            self.relay.done.emit((found, library(found.models)))
-        except Exception as exc:  # a broken cache must not take the picker down
-            self.relay.done.emit(exc)
+    found = discover_models(folders)
+    return found, library(found.models)
 
 
 def describe(model, entry: ModelEntry | None = None) -> str:
@@ -74,10 +64,7 @@ class ModelPicker(QComboBox):
         # keeps a fixed width and the popup list is as wide as its longest item.
         self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.setMinimumContentsLength(PICKER_CHARS)
-        self.pool = QThreadPool(self)
-        self.pool.setMaxThreadCount(1)
-        self._relay = _Relay()
-        self._relay.done.connect(self._on_discovered, Qt.ConnectionType.QueuedConnection)
+        self.jobs = Background(threads=1, parent=self)
         self.current_path = DEMO
         self.models: list = []
         self.skipped: list = []
@@ -90,11 +77,12 @@ class ModelPicker(QComboBox):
 
     def refresh(self, folders: list[str]) -> None:
         """Rescan in the background (startup, or after the folders changed)."""
-        self.pool.start(_DiscoverJob(list(folders), self._relay))
+        folders = list(folders)
+        self.jobs.run(lambda: _discover(folders), self._on_discovered)
 
     def wait(self, msecs: int = 5000) -> bool:
         """Block until a running scan has finished (shutdown and tests)."""
-        return self.pool.waitForDone(msecs)
+        return self.jobs.wait(msecs)
 
     def set_current(self, path: str, name: str | None = None) -> None:
         """Show ``path`` as the loaded model, adding it when it was not listed."""
@@ -110,7 +98,7 @@ class ModelPicker(QComboBox):
         return demo + [self.entries[str(m.path)] for m in self.models]
 
     def _on_discovered(self, result) -> None:
-        if isinstance(result, Exception):
+        if isinstance(result, BaseException):  # a broken cache must not take the picker down
             found, (installed, self.recommended) = None, ([], [])
         else:
             found, (installed, self.recommended) = result

@@ -18,6 +18,7 @@ from engine.bench.report import (
     ratio,
     table,
 )
+from engine.cache.modes import MODES
 
 DECODE_GOAL_QUANT = 1.0
 DECODE_GOAL_FP16 = 1.2
@@ -42,7 +43,7 @@ def _quant_modes(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _paged_modes(rows: list[dict[str, Any]]) -> list[str]:
-    return [m for m in ("fp16", "q8", "q6", "q4") if _one(rows, kind="paged", mode=m)]
+    return [m for m in MODES if _one(rows, kind="paged", mode=m)]
 
 
 def _decode_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:

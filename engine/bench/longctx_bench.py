@@ -50,7 +50,7 @@ class LongContextConfig:
     kv_heads: int = 4
     head_dim: int = 256
     modes: tuple[str, ...] = MODES
-    # Modes also run with Hadamard-rotated rows, for the rotation's cost (issue 14).
+    # Modes also run with Hadamard-rotated rows, for the rotation's cost.
     rotated: tuple[str, ...] = ("q6",)
     chunk: int = 512
     decode_repeats: int = 3

@@ -1,4 +1,4 @@
-"""What each KV storage costs in next-token quality, teacher-forced (issue 14).
+"""What each KV storage costs in next-token quality, teacher-forced.
 
 One text (Python's own ``pydoc_data.topics``, sorted by topic) is fed to the demo
 model through each cache variant: the first ``context`` tokens as a chunked prefill,
@@ -231,7 +231,7 @@ def _row(results: dict[str, Any], variant: str, context: int) -> dict[str, Any] 
 
 
 def verdicts(results: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(goal, context, verdict with the numbers) for each of issue 14's quality goals."""
+    """(goal, context, verdict with the numbers) for each quality goal."""
     goals = (
         ("rotated q6 mean KL ≤ 0.5× mlx-lm 6-bit", "engine q6 rotated", "mlx-lm 6-bit g64", 0.5),
         ("rotated q4 mean KL ≤ 0.4× unrotated q4", "engine q4 rotated", "engine q4", 0.4),
@@ -290,7 +290,7 @@ def render_quality_report(
             cells,
         ),
         "",
-        "### Goals (issue 14)",
+        "### Goals",
         "",
         *table(("goal", "context", "verdict"), verdicts(results)),
     ]

@@ -1,4 +1,4 @@
-"""Reopening a saved chat from its KV snapshot vs reading it again (issue 13).
+"""Reopening a saved chat from its KV snapshot vs reading it again.
 
 Engine only, on ``Session`` objects as the worker drives them: a chat about a
 long passage is answered (full ingest), its cache is saved as a snapshot, and

@@ -173,15 +173,28 @@ def make_cache(
     rotate = rotates_by_default(pool.mode) if rotate is None else rotate
     install_attention(model)
     cache = make_prompt_cache(model)
+    first = first_layer(model)
     for index, layer_cache in enumerate(cache):
         if type(layer_cache) is KVCache:
             kv_heads, head_dim = _attention_shape(model, index)
             _check_dispatch(model, index)
-            paged = PagedKVCache(pool, kv_heads, head_dim, layer=index)
+            # The model's own layer number, also on a pipeline stage that holds
+            # only some layers: rotations, snapshots and stats match one process.
+            paged = PagedKVCache(pool, kv_heads, head_dim, layer=first + index)
             if rotate and head_dim is not None:
-                paged.rotation = HadamardRotation(head_dim, layer=index)
+                paged.rotation = HadamardRotation(head_dim, layer=first + index)
             cache[index] = paged
     return cache
+
+
+def first_layer(model: nn.Module) -> int:
+    """The model's number of its first local layer: 0, or a pipeline stage's first.
+
+    mlx-lm's ``pipeline(group, split)`` keeps the layers ``start_idx`` onwards on
+    a rank (``model.layers`` then lists only those).
+    """
+    inner = getattr(model, "model", model)
+    return int(getattr(inner, "start_idx", 0) or 0)
 
 
 def rotation_format(cache: list[Any]) -> str | None:
@@ -270,13 +283,16 @@ def eval_targets(cache: list[Any]) -> list[Any]:
     """Arrays whose evaluation completes a forward pass's cache writes.
 
     A paged layer's ``state`` gathers (copies) every held page, so its page slabs
-    are evaluated instead; other layers use ``state`` as mlx-lm's prefill does.
+    are evaluated instead, with what a pipeline stage made depend on them (its send
+    to the next stage); other layers use ``state`` as mlx-lm's prefill does.
     """
     targets: list[Any] = []
     for layer in cache:
         if isinstance(layer, PagedKVCache):
             if layer.store is not None:
                 targets.extend(a for slab in layer.store.slabs for a in slab if a is not None)
+            if layer.pipeline_dependency is not None:
+                targets.append(layer.pipeline_dependency)  # the stage's send
         else:
             targets.append(layer.state)
     return targets

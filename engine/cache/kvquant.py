@@ -1,4 +1,4 @@
-"""KV row quantization: the storage format of the paged cache (issue 3, section 1).
+"""KV row quantization: the storage format of the paged cache.
 
 One symmetric quantizer serves every quantized mode: per row (one token of one KV
 head, ``head_dim`` values) ``scale = max|row| / qmax`` stored as float16, and
@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from engine.cache.modes import MODES
 from engine.errors import UnsupportedModeError
 
-MODES: tuple[str, ...] = ("fp16", "q8", "q6", "q4")
+__all__ = ["MODES"]  # re-exported: kvquant is where the storage code looks for it
 
 # Every width-dependent number comes from a table and an unknown width raises:
 # the seed PR found two `x if bits == 8 else y` expressions that put a new width

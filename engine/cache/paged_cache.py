@@ -1,8 +1,9 @@
 """PagedKVCache: one attention layer's paged, quantized KV cache in mlx-lm's protocol.
 
-``update_and_fetch`` quantizes the new rows into the layer's pages and returns the
-new chunk itself at full precision; :func:`engine.cache.attention.dispatch.paged_attention` (which
-the adapter routes every PagedKVCache to) attends that chunk plus the cached pages.
+``update_and_fetch`` quantizes the new rows into the layer's pages; the adapter
+routes every PagedKVCache to :func:`engine.cache.attention.dispatch.paged_attention`,
+which reads only the stored pages, the new chunk's own rows included, so every
+position attends the same quantized rows whatever the chunking.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from engine.cache import kvquant
-from engine.cache.pages import PageBlock, PagePool, PageStore, blocks_of
+from engine.cache.attention.blocks import PageBlock, blocks_of
+from engine.cache.pages import PagePool, PageStore
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
 
@@ -43,12 +45,33 @@ class PagedKVCache(_BaseCache):
             self.store = pool.add_store(kv_heads, head_dim, holder=self)
         self.block_table: list[int] = []
         self.offset = 0
+        # mlx-lm's pipelined forward makes the stage's send depend on the last
+        # layer's ``keys`` (``cache.keys = mx.depends(cache.keys, h)``); what it
+        # sets here is evaluated with the pages (``adapter.eval_targets``).
+        self._dependency: mx.array | None = None
         # An orthonormal transform applied to every key and value row before it is
         # quantized (``engine.cache.rotation``); attention then works in the rotated
         # basis: queries rotated in, the output rotated back. None: rows as given.
         self.rotation: Any = None
-        # Block table key -> its page groups and their blocks per block size.
-        self._groups: tuple[tuple[int, ...], list[Any], dict[int, list[PageBlock]]] | None = None
+        # (pages, table version) -> its page groups and their blocks per block size.
+        # The version counts the block table's changes, so a decode step checks
+        # the cache in constant time instead of comparing the whole table.
+        self._table_version = 0
+        self._groups: tuple[tuple[int, int], list[Any], dict[int, list[PageBlock]]] | None = None
+
+    @property
+    def keys(self) -> mx.array:
+        """mlx-lm's pipeline hook: an array the stage's send is made to depend on."""
+        return mx.zeros((0,)) if self._dependency is None else self._dependency
+
+    @keys.setter
+    def keys(self, value: mx.array | None) -> None:
+        self._dependency = value
+
+    @property
+    def pipeline_dependency(self) -> mx.array | None:
+        """What a pipeline stage's forward made depend on this layer (None: nothing)."""
+        return self._dependency
 
     # -- writing -------------------------------------------------------------
 
@@ -64,7 +87,11 @@ class PagedKVCache(_BaseCache):
         return self.store
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the new rows; return them unchanged for the attention to use."""
+        """Store the new rows (rotated when the layer rotates them) and return them.
+
+        mlx-lm's attention call receives what this returns, but the paged path
+        ignores it and reads the stored pages instead.
+        """
         batch, kv_heads, length, head_dim = keys.shape
         if batch != 1:
             raise EngineError("The paged KV cache holds one sequence; batch size must be 1.")
@@ -90,6 +117,7 @@ class PagedKVCache(_BaseCache):
             logical, row = divmod(position, page_size)
             if logical == len(self.block_table):
                 self.block_table.append(store.take())
+                self._table_version += 1
             elif store.shared(self.block_table[logical]):
                 self._copy_on_write(logical)
             count = min(page_size - row, end - position)
@@ -105,6 +133,7 @@ class PagedKVCache(_BaseCache):
         self.store.copy_page(shared, own)
         self.store.give_back([shared])
         self.block_table[logical] = own
+        self._table_version += 1
 
     def copies_due(self, tokens: int) -> int:
         """Pages a write up to ``tokens`` must copy first (its shared, partly filled
@@ -128,6 +157,7 @@ class PagedKVCache(_BaseCache):
         slots = other.block_table[: self.pool.pages_for(tokens)]
         self.store.share(slots)
         self.block_table.extend(slots)
+        self._table_version += 1
         self.offset = tokens
         self._groups = None
 
@@ -157,19 +187,19 @@ class PagedKVCache(_BaseCache):
     def page_groups(self, pages: int) -> list[Any]:
         """The first ``pages`` pages split by slab, as :meth:`PageStore.group` gives.
 
-        Cached: decode steps inside one page reuse it instead of rebuilding index
-        arrays over the whole block table every step.
+        Cached until the block table changes: decode steps inside one page reuse
+        it instead of rebuilding index arrays over the whole block table.
         """
-        key = tuple(self.block_table[:pages])
+        key = (pages, self._table_version)
         if self._groups is None or self._groups[0] != key:
-            self._groups = (key, self.store.group(list(key)), {})
+            self._groups = (key, self.store.group(self.block_table[:pages]), {})
         return self._groups[1]
 
     def page_blocks(self, pages: int, pages_per_block: int) -> list[PageBlock]:
         """The first ``pages`` pages cut into attention blocks (:func:`blocks_of`).
 
         Cached with the page groups: a decode step inside one page does no Python
-        work over the whole block table.
+        work over the block table.
         """
         groups = self.page_groups(pages)
         blocks = self._groups[2]
@@ -221,7 +251,9 @@ class PagedKVCache(_BaseCache):
         keep = self.pool.pages_for(self.offset)
         if self.store is not None:
             self.store.give_back(self.block_table[keep:])
-        del self.block_table[keep:]
+        if keep < len(self.block_table):
+            del self.block_table[keep:]
+            self._table_version += 1
         if self.store is not None and release:
             self.pool.release_free_tail(self.store)
             self._groups = None
@@ -274,6 +306,7 @@ class PagedKVCache(_BaseCache):
         for page in range(self.pool.pages_for(offset)):
             slot = self.store.take()
             self.block_table.append(slot)
+            self._table_version += 1
             rows = (k_codes, k_scales, v_codes, v_scales)
             self.store.write(slot, 0, tuple(None if r is None else r[page] for r in rows))
         self.offset = offset

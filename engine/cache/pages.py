@@ -12,7 +12,7 @@ The :class:`PagePool` owns the byte budget of one session's layers. It reserves
 pages for all of them at once, so running out of budget raises before any layer
 has changed.
 
-Sessions that start with the same tokens share pages (issue 13): their pools
+Sessions that start with the same tokens share pages: their pools
 :meth:`PagePool.join` one group and point into the same stores, where each slot
 counts the block tables that hold it. A slot goes back to the free list when the
 last one gives it back; a shared slot is never written (the holder that writes
@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import kvquant
+from engine.cache.modes import MODES
 from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 
 # Slabs double a layer's capacity up to this many bytes, then add half the
@@ -40,7 +41,6 @@ from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 MAX_SLAB_BYTES = 32 * 2**20
 MIN_SLAB_PAGES = 4
 PREFILL_SCRATCH_BYTES = 256 * 2**20
-_MODES_BY_QUALITY = ("fp16", "q8", "q6", "q4")
 
 
 @dataclass(frozen=True)
@@ -236,51 +236,6 @@ class PageStore:
         ]
 
 
-@dataclass(frozen=True)
-class PageBlock:
-    """Pages the attention reads as one block: (slab index, local slots) pieces.
-
-    ``logicals`` are the block's logical page numbers in piece order, ``last`` the
-    highest of them.
-    """
-
-    pieces: list[tuple[int, mx.array | slice]]
-    logicals: list[int]
-    last: int
-
-
-def blocks_of(groups: list[tuple[int, mx.array, list[int]]],
-              pages_per_block: int) -> list[PageBlock]:
-    """:meth:`PageStore.group`'s pieces cut into blocks of at most ``pages_per_block``.
-
-    A block runs on into the next slab, so its size follows the scratch budget
-    alone (what the fit check predicts), not where slabs happen to end. Local slots
-    come as a ``slice`` where they are consecutive (the usual case: slots are taken
-    lowest first), so a piece is a view of its slab, not a copy.
-    """
-    blocks: list[PageBlock] = []
-    pieces: list[tuple[int, mx.array | slice]] = []
-    logicals: list[int] = []
-    for slab_index, local, slab_logicals in groups:
-        slots = local.tolist()
-        start = 0
-        while start < len(slab_logicals):
-            end = min(len(slab_logicals), start + pages_per_block - len(logicals))
-            piece = slots[start:end]
-            if piece == list(range(piece[0], piece[0] + len(piece))):
-                pieces.append((slab_index, slice(piece[0], piece[0] + len(piece))))
-            else:
-                pieces.append((slab_index, local[start:end]))
-            logicals += slab_logicals[start:end]
-            start = end
-            if len(logicals) == pages_per_block:
-                blocks.append(PageBlock(pieces, logicals, max(logicals)))
-                pieces, logicals = [], []
-    if logicals:
-        blocks.append(PageBlock(pieces, logicals, max(logicals)))
-    return blocks
-
-
 class PageGroup:
     """The pools whose sessions point into the same stores.
 
@@ -468,7 +423,7 @@ class PagePool:
     def _exceeded(self, tokens: int) -> KvBudgetExceeded:
         fit = self.tokens_fit()
         suggestion = None
-        for mode in _MODES_BY_QUALITY[_MODES_BY_QUALITY.index(self.mode) + 1 :]:
+        for mode in MODES[MODES.index(self.mode) + 1 :]:
             try:
                 if self.tokens_fit(mode) >= tokens:
                     suggestion = mode

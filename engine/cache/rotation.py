@@ -1,4 +1,4 @@
-"""An orthonormal Hadamard rotation of key and value rows (issue 14).
+"""An orthonormal Hadamard rotation of key and value rows.
 
 The per-row quantizer takes one scale per row from ``max|row|``, so a single outlier
 channel sets the step for every other value in the row. Multiplying each row by an
@@ -20,7 +20,7 @@ Format ``hadamard-v1`` (what snapshots and sessions record):
 So ``rotate(x) = x @ R`` with ``R = diag(signs) · blockdiag(H_n / sqrt(n))``, and
 ``unrotate(y) = y @ Rᵀ``. One dense ``head_dim × head_dim`` matmul per call: on this
 CPU it is faster than a fast Walsh–Hadamard transform (log2(D) small elementwise
-passes) at head_dim 64/128/256 (measured in issue 14, see docs/benchmarks.md).
+passes) at head_dim 64/128/256 (measured: docs/benchmarks.md).
 """
 
 from __future__ import annotations

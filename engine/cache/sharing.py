@@ -1,4 +1,4 @@
-"""Pages shared between sessions' caches: one document held once in memory (issue 13).
+"""Pages shared between sessions' caches: one document held once in memory.
 
 A cache made by ``engine.cache.adapter.make_cache`` joins another's page group and
 points its block tables at that cache's first pages (reference-counted slots in

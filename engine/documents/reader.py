@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import DocumentError, DocumentTooLong
+from engine.format import human_bytes
 
 
 def _suffixes(words: str) -> frozenset[str]:
@@ -134,8 +135,8 @@ def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_
     if suffix in PDF_SUFFIXES or suffix in DOCX_SUFFIXES:
         if size > MAX_CONTAINER_BYTES:
             raise DocumentError(
-                f"“{name}” is {_human(size)}; Longleaf reads PDF and Word files up to "
-                f"{_human(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
+                f"“{name}” is {human_bytes(size)}; Longleaf reads PDF and Word files up to "
+                f"{human_bytes(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
             )
         data = _read_all(p, size)
         digest = hashlib.sha256(data).hexdigest()
@@ -246,14 +247,15 @@ def _stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[st
     text = "".join(parts)
     notes: tuple[str, ...] = ()
     if replaced:
+        label = encoding.upper().removesuffix("-LE").removesuffix("-BE")
         if replaced > max(16, MAX_REPLACED_SHARE * total):
             raise DocumentError(
                 f"“{name}” isn't readable text: {replaced:,} of its {total:,} bytes are not "
-                "valid UTF-8. Save it as UTF-8 text and try again."
+                f"valid {label}. Save it as UTF-8 text and try again."
             )
         notes = (
             f"{replaced:,} byte{'s' if replaced != 1 else ''} of “{name}” were not valid "
-            "UTF-8 and were replaced with �.",
+            f"{label} and were replaced with �.",
         )
     return text, digest.hexdigest(), notes
 
@@ -261,6 +263,11 @@ def _stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[st
 def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
     if head.startswith(codecs.BOM_UTF8):
         return "utf-8", len(codecs.BOM_UTF8)
+    # UTF-32's little-endian mark begins with UTF-16's, so it is looked for first.
+    if head.startswith(codecs.BOM_UTF32_LE):
+        return "utf-32-le", len(codecs.BOM_UTF32_LE)
+    if head.startswith(codecs.BOM_UTF32_BE):
+        return "utf-32-be", len(codecs.BOM_UTF32_BE)
     if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return "utf-16", 0
     if b"\x00" in head:
@@ -280,7 +287,7 @@ def _count_replaced(text: str, block: bytes, encoding: str) -> int:
     if not found:
         return 0
     # A genuine U+FFFD in the file is not a decoding error.
-    genuine = block.count("\ufffd".encode(encoding if encoding == "utf-8" else "utf-16-le"))
+    genuine = block.count("\ufffd".encode("utf-16-le" if encoding == "utf-16" else encoding))
     return max(0, found - genuine)
 
 
@@ -310,12 +317,7 @@ def _pdf_text(name: str, data: bytes) -> str:
     except DocumentError:
         raise
     except LimitReachedError as exc:
-        raise DocumentError(
-            f"“{name}” holds a compressed stream that unpacks to more than "
-            f"{_human(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
-            "built to exhaust memory, so Longleaf did not read it. Export the text you "
-            "need to a .txt file and drop that."
-        ) from exc
+        raise _pdf_limit_error(name, exc) from exc
     except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise DocumentError(
             f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
@@ -333,6 +335,33 @@ def _pdf_text(name: str, data: bytes) -> str:
             "or ocrmypdf, then drop the result."
         )
     return text
+
+
+def _pdf_limit_error(name: str, exc: Exception) -> DocumentError:
+    """The refusal for one of pypdf's safety limits, naming the limit that was hit.
+
+    pypdf has one exception type for all its limits; only its message tells an
+    unpacked stream that grew too large from a structure nested or looped past
+    its bounds (a page tree, outlines, form fields).
+    """
+    detail = str(exc).strip()
+    if "decompress" in detail.lower():
+        return DocumentError(
+            f"“{name}” holds a compressed stream that unpacks to more than "
+            f"{human_bytes(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
+            "built to exhaust memory, so Longleaf did not read it. Export the text you "
+            "need to a .txt file and drop that."
+        )
+    if "page tree" in detail.lower():
+        return DocumentError(
+            f"“{name}” has its pages nested inside each other deeper than any ordinary PDF "
+            f"({detail.rstrip('.')}); it may be built to exhaust the reader, so Longleaf "
+            "did not read it. Print it to a new PDF (Print → Save as PDF) and drop that."
+        )
+    return DocumentError(
+        f"“{name}” goes past a safety limit of the PDF reader ({detail.rstrip('.')}), so "
+        "Longleaf did not read it. Print it to a new PDF (Print → Save as PDF) and drop that."
+    )
 
 
 def _pdf_limits() -> contextlib.AbstractContextManager[Any]:
@@ -381,7 +410,7 @@ class _UnpackBudget:
             self.unpacked += len(stream.get_data())
             if self.unpacked > MAX_PDF_UNPACKED_BYTES:
                 raise DocumentError(
-                    f"“{self.name}” unpacks to more than {_human(MAX_PDF_UNPACKED_BYTES)} of "
+                    f"“{self.name}” unpacks to more than {human_bytes(MAX_PDF_UNPACKED_BYTES)} of "
                     f"page content by page {number:,} of {self.pages:,}; Longleaf reads PDFs "
                     f"up to that. Split it, or export its text to a .txt file."
                 )
@@ -468,8 +497,8 @@ def _check_docx_members(name: str, data: bytes) -> None:
     declared = sum(member.file_size for member in members)
     if declared > MAX_DOCX_UNPACKED_BYTES:
         raise DocumentError(
-            f"“{name}” is {_human(len(data))} but says it unpacks to {_human(declared)}; "
-            f"Longleaf unpacks Word files up to {_human(MAX_DOCX_UNPACKED_BYTES)}. It may be "
+            f"“{name}” is {human_bytes(len(data))} but says it unpacks to {human_bytes(declared)}; "
+            f"Longleaf unpacks Word files up to {human_bytes(MAX_DOCX_UNPACKED_BYTES)}. It may be "
             "built to exhaust memory; if it is a real document, save its text as .txt and "
             "drop that."
         )
@@ -486,7 +515,7 @@ def _check_ratio(name: str, member: zipfile.ZipInfo) -> None:
     if ratio > MAX_COMPRESSION_RATIO:
         raise DocumentError(
             f"“{name}” looks like a zip bomb: its part {member.filename} unpacks from "
-            f"{_human(member.compress_size)} to {_human(member.file_size)} ({ratio:,.0f} "
+            f"{human_bytes(member.compress_size)} to {human_bytes(member.file_size)} ({ratio:,.0f} "
             f"times; Word files stay under {MAX_COMPRESSION_RATIO}). Longleaf did not open it."
         )
 
@@ -521,7 +550,7 @@ def _inflate_counting(name: str, raw: memoryview, member: zipfile.ZipInfo) -> tu
             if size > member.file_size:
                 raise DocumentError(
                     f"“{name}” is not a genuine Word file: its part {member.filename} says "
-                    f"it unpacks to {_human(member.file_size)} but holds more. It may be "
+                    f"it unpacks to {human_bytes(member.file_size)} but holds more. It may be "
                     "built to exhaust memory, so Longleaf stopped unpacking it."
                 )
             crc = zlib.crc32(block, crc)
@@ -541,10 +570,3 @@ def _member_start(name: str, data: bytes, member: zipfile.ZipInfo) -> int:
     return offset + 30 + name_length + extra_length
 
 
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1024 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GB"

@@ -1,7 +1,10 @@
 """Will this many tokens fit? Pure arithmetic over model facts and free memory.
 
-No MLX call happens here, so the app may ask from any thread while the engine is
-busy (e.g. to warn before a document is dropped). Besides the KV pages, a prefill
+The report is a pure function of frozen values (``FitInputs``, which the engine
+worker publishes, and a memory reading), so the app may ask from any thread
+while the engine is busy (e.g. to warn before a document is dropped); only
+``prefill_facts``, which reads the loaded model and asks MLX how many streams
+the heads split over, runs on the engine thread. Besides the KV pages, a prefill
 needs the weights, one chunk's attention scratch and its activations at once: the
 "prefill peak" that every estimate (this report, the guard, the stats) counts.
 """
@@ -16,24 +19,20 @@ from mlx.utils import tree_flatten
 
 from engine.cache import kvquant
 from engine.cache.attention import streams
-from engine.cache.attention.scratch import PREFILL_SCRATCH_BYTES, chunk_scratch_bytes
+from engine.cache.attention.scratch import chunk_scratch_bytes
+from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
-from engine.memory.guard import MemoryGuard, default_headroom, human_bytes
+from engine.format import human_bytes
+from engine.memory.guard import BudgetView, MemoryReading
 
-MODES = ("fp16", "q8", "q6", "q4")  # best quality first: the suggestion prefers the left
 # Per chunk token, the arrays one layer keeps alive at once (the layers run one after
 # another): the residual, its norm, the attention output and its projection
 # (hidden-wide), queries, keys and values, and the MLP's gate, up and their product.
 # The vocabulary projection is not among them: prefill evaluates the cache only.
 _HIDDEN_COPIES = 4
 _MLP_COPIES = 3
-
-
-def ram_headroom(total: int) -> int:
-    """Bytes of RAM the KV cache must leave free on a machine with ``total`` bytes."""
-    # One rule for the whole engine: the memory guard's default headroom.
-    return default_headroom(total)
 
 
 @dataclass(frozen=True)
@@ -355,44 +354,52 @@ def fit_report(
     )
 
 
-def guarded_fit_report(
-    guard: MemoryGuard,
-    facts: ModelFacts,
-    token_count: int,
-    page_size: int,
-    *,
-    session_id: str | None = None,
-    session_mode: str | None = None,
-    session_bytes_allocated: int = 0,
-    prefill: PrefillFacts | None = None,
-    chunk_tokens: int = 0,
-) -> FitReport:
-    """``fit_report`` with the guard's free RAM, headroom and KV budget share filled in.
+@dataclass(frozen=True)
+class FitInputs:
+    """Everything a fit check needs, frozen on the engine thread.
 
-    ``session_id`` names the session asking (None: a chat not opened yet), whose
-    own pages are not counted against it; ``prefill`` and ``chunk_tokens`` add the
-    prefill peak (see :func:`fit_report`).
+    The worker publishes one per open session (and one for a chat not opened
+    yet) with every stats sample and every finished request, so a fit check on
+    any thread reads these values, never a live session or pool.
     """
-    reading = guard.read()
-    share = guard.kv_share(session_id)  # one read of a budget the worker may change
+
+    facts: ModelFacts
+    page_size: int
+    budget: BudgetView
+    prefill: PrefillFacts | None = None
+    chunk_tokens: int = 0
+    session_id: str | None = None  # None: a chat not opened yet
+    session_mode: str | None = None
+    session_bytes_allocated: int = 0
+
+
+def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: int) -> FitReport:
+    """``fit_report`` for ``inputs`` with free RAM from ``reading``: pure, any thread.
+
+    The asking session's own pages are not counted against it; its prefill
+    facts and chunk add the prefill peak (see :func:`fit_report`).
+    """
+    budget, session_id = inputs.budget, inputs.session_id
+    share = budget.kv_share(session_id)
     # What the session's sliding windows and linear-attention state may hold is
     # kept for them in the budget and in free RAM, as the guard does for its pages.
-    reserved = guard.reserved_bytes(session_id)
+    reserved = budget.reserved_bytes(session_id)
     if share is not None:
         share = max(0, share - reserved)
+    facts = inputs.facts
     return fit_report(
         token_count=token_count,
         attention_layers=facts.attention_layers,
         kv_heads=facts.kv_heads,
         head_dim=facts.head_dim,
         max_context=facts.max_context,
-        page_size=page_size,
+        page_size=inputs.page_size,
         available_bytes=reading.available_bytes,
         budget_bytes=share,
-        headroom_bytes=guard.headroom(reading) + reserved,
-        session_mode=session_mode,
-        session_bytes_allocated=session_bytes_allocated,
-        other_sessions_bytes=guard.held_bytes(exclude=session_id) if share is not None else 0,
-        prefill=prefill,
-        chunk_tokens=chunk_tokens,
+        headroom_bytes=budget.headroom(reading) + reserved,
+        session_mode=inputs.session_mode,
+        session_bytes_allocated=inputs.session_bytes_allocated,
+        other_sessions_bytes=budget.held_bytes(exclude=session_id) if share is not None else 0,
+        prefill=inputs.prefill,
+        chunk_tokens=inputs.chunk_tokens,
     )

@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from engine.errors import EngineError, InsufficientMemory, MemoryPressure
+from engine.format import human_bytes
 from engine.memory.stats import pressure_level
 
 GIB = 2**30
@@ -57,6 +58,52 @@ class MemoryReading:
 MemoryProbe = Callable[[], MemoryReading]
 
 
+@dataclass(frozen=True)
+class Hold:
+    """One attached session's pages and reserve, as plain numbers."""
+
+    key: str
+    group: int  # sessions sharing pages share one group: its slabs count once
+    bytes_allocated: int
+    reserved_bytes: int
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    """The KV budget and what every session holds of it, frozen at one instant.
+
+    The guard builds one on the engine thread; fit checks on any other thread
+    read it instead of the live pools.
+    """
+
+    budget_bytes: int | None
+    headroom_bytes: int | None
+    holds: tuple[Hold, ...] = ()
+
+    def headroom(self, reading: MemoryReading) -> int:
+        """Bytes kept free on this machine."""
+        if self.headroom_bytes is not None:
+            return self.headroom_bytes
+        return default_headroom(reading.total_bytes)
+
+    def reserved_bytes(self, key: str | None) -> int:
+        """What ``key``'s layers outside the pages may hold (0: none, or not attached)."""
+        return sum(h.reserved_bytes for h in self.holds if h.key == key)
+
+    def held_bytes(self, exclude: str | None = None) -> int:
+        """Bytes the attached pools allocated, plus their reserves (all but ``exclude``)."""
+        others = [h for h in self.holds if h.key != exclude]
+        mine = {h.group for h in self.holds if h.key == exclude}
+        groups = {h.group: h.bytes_allocated for h in others if h.group not in mine}
+        return sum(groups.values()) + sum(h.reserved_bytes for h in others)
+
+    def kv_share(self, key: str | None = None) -> int | None:
+        """Bytes of the KV budget left for ``key``: the budget minus other sessions' pages."""
+        if self.budget_bytes is None:
+            return None
+        return max(0, self.budget_bytes - self.held_bytes(exclude=key))
+
+
 def system_memory() -> MemoryReading:
     """Read psutil's system memory and, on macOS, the kernel's pressure level."""
     virtual = psutil.virtual_memory()
@@ -71,15 +118,6 @@ def default_headroom(total_bytes: int) -> int:
 def default_floor(total_bytes: int) -> int:
     """Available bytes below which memory counts as critical."""
     return max(MIN_FLOOR, int(total_bytes * FLOOR_SHARE))
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes as KiB, MiB or GiB, the unit a user reads at a glance."""
-    if abs(n) < MIB:
-        return f"{n / 1024:.1f} KiB"
-    if abs(n) < GIB:
-        return f"{n / MIB:.1f} MiB"
-    return f"{n / GIB:.2f} GiB"
 
 
 class MemoryGuard:
@@ -129,9 +167,7 @@ class MemoryGuard:
 
     def headroom(self, reading: MemoryReading) -> int:
         """Bytes kept free on this machine."""
-        if self.headroom_bytes is not None:
-            return self.headroom_bytes
-        return default_headroom(reading.total_bytes)
+        return BudgetView(None, self.headroom_bytes).headroom(reading)
 
     def floor(self, reading: MemoryReading) -> int:
         """Available bytes below which memory is critical."""
@@ -200,24 +236,23 @@ class MemoryGuard:
                 self._reserved.pop(key, None)
                 self._ram_bound.pop(key, None)
 
+    def view(self) -> BudgetView:
+        """The budget and every attached pool's bytes, frozen (call on the engine thread)."""
+        with self._lock:
+            pools = list(self._pools.items())
+        holds = tuple(
+            Hold(key, id(_group(pool)), int(pool.bytes_allocated), self.reserved_bytes(key))
+            for key, pool in pools
+        )
+        return BudgetView(self.budget_bytes, self.headroom_bytes, holds)
+
     def held_bytes(self, exclude: str | None = None) -> int:
         """Bytes the attached pools allocated, plus their reserves (all but ``exclude``)."""
-        with self._lock:
-            mine = self._pools.get(exclude) if exclude is not None else None
-            pools = [(k, p) for k, p in self._pools.items() if k != exclude]
-        # Sessions sharing pages share one pool group: count its slabs once, and
-        # not at all when ``exclude``'s pool is in it. Reserves are per session.
-        groups = {id(_group(p)): p for _, p in pools}
-        groups.pop(id(_group(mine)), None)
-        reserved = sum(self.reserved_bytes(k) for k, _ in pools)
-        return sum(int(p.bytes_allocated) for p in groups.values()) + reserved
+        return self.view().held_bytes(exclude)
 
     def kv_share(self, key: str | None = None) -> int | None:
         """Bytes of the KV budget left for ``key``: the budget minus other sessions' pages."""
-        budget = self.budget_bytes  # read once: the worker may change it meanwhile
-        if budget is None:
-            return None
-        return max(0, budget - self.held_bytes(exclude=key))
+        return self.view().kv_share(key)
 
     def refresh(self, key: str, reading: MemoryReading | None = None) -> int | None:
         """Set ``key``'s pool limit to what it may hold now; returns that limit.

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import psutil
 
+from engine.cache.modes import MODES
 from engine.errors import UnsupportedModeError
 from engine.memory.guard import default_headroom
-
-MODES = ("fp16", "q8", "q6", "q4")  # best quality first, as everywhere in the app
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""Cheap snapshots of KV pages, MLX memory and system memory.
+"""Cheap samples of KV pages, MLX memory and system memory.
 
 Nothing here evaluates an MLX graph: the MLX counters are allocator reads and
-the page numbers come from ``engine.cache.adapter.cache_stats``, so a snapshot is safe
+the page numbers come from ``engine.cache.adapter.cache_stats``, so a sample is safe
 to take several times a second while a model is generating.
 """
 
@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
+from engine.cache.adapter import CacheStats
+from engine.cache.other_layers import OtherLayers
 from engine.events import LayerPages, StatsSample
 
 # kern.memorystatus_vm_pressure_level values (xnu's kern_memorystatus.h).
@@ -25,7 +27,7 @@ _libc: Any = None
 
 
 @dataclass(frozen=True)
-class MemorySnapshot:
+class MemoryUsage:
     """MLX, process and system memory at one instant, in bytes."""
 
     mlx_active_bytes: int
@@ -79,9 +81,9 @@ def system_readings() -> dict[str, Any]:
     }
 
 
-def memory_snapshot() -> MemorySnapshot:
+def memory_usage() -> MemoryUsage:
     """Return MLX allocator counters plus psutil's process and system memory."""
-    return MemorySnapshot(
+    return MemoryUsage(
         mlx_active_bytes=int(mx.get_active_memory()),
         mlx_peak_bytes=int(mx.get_peak_memory()),
         mlx_cache_bytes=int(mx.get_cache_memory()),
@@ -89,56 +91,59 @@ def memory_snapshot() -> MemorySnapshot:
     )
 
 
-def _layer_pages(layers: Any) -> tuple[LayerPages, ...]:
-    result = []
-    for index, layer in enumerate(layers or ()):
-        if isinstance(layer, LayerPages):
-            result.append(layer)
-            continue
-        result.append(
-            LayerPages(
-                layer=int(getattr(layer, "layer", index)),
-                pages_in_use=int(getattr(layer, "pages_in_use", 0)),
-                tokens=int(getattr(layer, "tokens", 0)),
-                bytes_used=int(getattr(layer, "bytes_used", 0)),
-            )
-        )
-    return tuple(result)
+def _kv_fields(cache: CacheStats | None) -> dict[str, Any]:
+    """StatsSample's page fields from the cache's own stats (all zero without pages)."""
+    if cache is None:
+        return dict(kv_mode=None, tokens_in_context=0, kv_bytes_used=0, kv_bytes_allocated=0,
+                    pages_in_use=0, pages_allocated=0, pages_free=0, page_size=0,
+                    last_page_fill=0.0)
+    return dict(
+        kv_mode=cache.mode,
+        tokens_in_context=cache.tokens,
+        kv_bytes_used=cache.bytes_used,
+        kv_bytes_allocated=cache.bytes_allocated,
+        pages_in_use=cache.pages_in_use,
+        pages_allocated=cache.pages_allocated,
+        pages_free=cache.pages_free,
+        page_size=cache.page_size,
+        last_page_fill=cache.last_page_fill,
+        layers=tuple(
+            LayerPages(layer=layer.layer, pages_in_use=layer.pages_in_use,
+                       tokens=layer.tokens, bytes_used=layer.bytes_used)
+            for layer in cache.layers
+        ),
+        other_cache_bytes=cache.other_bytes,
+        kv_shared_bytes=cache.shared_bytes,
+        kv_bytes_once=cache.bytes_once,
+        kv_shared_with=cache.shared_with,
+    )
 
 
 def stats_sample(
     session_id: str | None,
-    cache_stats: Any | None,
-    memory: MemorySnapshot | None = None,
+    cache_stats: CacheStats | None,
+    memory: MemoryUsage | None = None,
     prefill_peak_bytes: int = 0,
     checkpoint_bytes: int = 0,
-    other_layers: Any | None = None,
+    other_layers: OtherLayers | None = None,
 ) -> StatsSample:
-    """Build a ``StatsSample`` from an adapter ``CacheStats`` (or None) and memory.
+    """Build a ``StatsSample`` from the cache's ``CacheStats`` (or None) and memory.
 
     Args:
         session_id: the session the pages belong to, or None when idle.
         cache_stats: ``engine.cache.adapter.CacheStats`` of that session, or None.
-        memory: a snapshot to use; taken now when None.
+        memory: the memory usage to use; read now when None.
         prefill_peak_bytes: the session's predicted prefill peak
             (``Session.prefill_peak_bytes``), or 0.
         checkpoint_bytes: bytes of the session's checkpoints, or 0.
         other_layers: the session's ``engine.cache.other_layers.OtherLayers``: the
             bound its budget keeps for the layers outside the pages, and their kinds.
     """
-    memory = memory or memory_snapshot()
-    cache = cache_stats
+    memory = memory or memory_usage()
+    others = other_layers or OtherLayers()
     return StatsSample(
         session_id=session_id,
-        kv_mode=getattr(cache, "mode", None),
-        tokens_in_context=int(getattr(cache, "tokens", 0)),
-        kv_bytes_used=int(getattr(cache, "bytes_used", 0)),
-        kv_bytes_allocated=int(getattr(cache, "bytes_allocated", 0)),
-        pages_in_use=int(getattr(cache, "pages_in_use", 0)),
-        pages_allocated=int(getattr(cache, "pages_allocated", 0)),
-        pages_free=int(getattr(cache, "pages_free", 0)),
-        page_size=int(getattr(cache, "page_size", 0)),
-        last_page_fill=float(getattr(cache, "last_page_fill", 0.0)),
+        **_kv_fields(cache_stats),
         mlx_active_bytes=memory.mlx_active_bytes,
         mlx_peak_bytes=memory.mlx_peak_bytes,
         mlx_cache_bytes=memory.mlx_cache_bytes,
@@ -149,23 +154,18 @@ def stats_sample(
         swap_used_bytes=memory.swap_used_bytes,
         pressure_level=memory.pressure_level,
         timestamp=time.time(),
-        layers=_layer_pages(getattr(cache, "layers", ())),
         prefill_peak_bytes=int(prefill_peak_bytes),
         checkpoint_bytes=int(checkpoint_bytes),
-        other_cache_bytes=int(getattr(cache, "other_bytes", 0)),
-        kv_shared_bytes=int(getattr(cache, "shared_bytes", 0)),
-        kv_bytes_once=getattr(cache, "bytes_once", None),
-        kv_shared_with=int(getattr(cache, "shared_with", 0)),
-        other_cache_bound_bytes=int(getattr(other_layers, "bound_bytes", 0)),
-        other_cache_kinds=str(getattr(other_layers, "kinds", "")),
+        other_cache_bound_bytes=others.bound_bytes,
+        other_cache_kinds=others.kinds,
     )
 
 
 class StatsThrottle:
-    """Says when the next snapshot is due, so callers emit at a steady rate.
+    """Says when the next sample is due, so callers emit at a steady rate.
 
     Args:
-        interval: seconds between snapshots; 0.25 gives 4 Hz, comfortably above
+        interval: seconds between samples; 0.25 gives 4 Hz, comfortably above
             the 2 Hz the live panel needs.
         clock: monotonic clock, injectable for tests.
     """
@@ -176,7 +176,7 @@ class StatsThrottle:
         self._last: float | None = None
 
     def due(self) -> bool:
-        """Return True (and restart the interval) when a snapshot is due."""
+        """Return True (and restart the interval) when a sample is due."""
         now = self._clock()
         if self._last is not None and now - self._last < self.interval:
             return False

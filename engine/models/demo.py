@@ -89,10 +89,17 @@ def ensure_demo_model() -> Path:
         ModelLoadError: the demo package is missing or its GGUF is unreadable.
     """
     gguf = demo_gguf_path()
-    target = models_dir() / DEMO_NAME
-    if is_converted(target, gguf):
-        return target
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=target.parent))
+    try:
+        target = models_dir() / DEMO_NAME
+        if is_converted(target, gguf):
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=target.parent))
+    except OSError as error:  # a read-only, full or missing data folder
+        raise ModelLoadError(
+            f"The demo model is converted into Longleaf's data folder on first use, and that "
+            f"folder cannot be written ({error.strerror or error}). Fix the folder or free "
+            "some space, or open a model folder instead."
+        ) from error
     try:
         convert_gguf(gguf, staging)
         if target.exists():

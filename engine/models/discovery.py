@@ -8,6 +8,7 @@ no weights loaded), so listing is fast and needs no MLX device.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -140,7 +141,9 @@ def discover_models(
         for root in lmstudio_roots():
             candidates += _folder_candidates(root, LMSTUDIO)
     if include_longleaf:
-        candidates += _folder_candidates(models_dir(), LONGLEAF)
+        # An unusable data folder holds no models of Longleaf's own to find.
+        with contextlib.suppress(OSError):
+            candidates += _folder_candidates(models_dir(), LONGLEAF)
     for folder in extra_folders:
         candidates += _folder_candidates(Path(folder).expanduser(), FOLDER)
 

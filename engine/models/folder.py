@@ -17,6 +17,8 @@ from engine.errors import ModelLoadError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 _MAX_HEADER_BYTES = 100 * 2**20
+# MLX indexes arrays with 32-bit integers: no dimension can be larger.
+MAX_DIMENSION = 2**31 - 1
 
 
 def check_model_dir(folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]], Any]:
@@ -61,7 +63,24 @@ def read_config(folder: Path) -> dict[str, Any]:
             f"{config_path} has no model_type, so the architecture is unknown. "
             "Download the model again or pick an mlx-lm model."
         )
+    _check_sizes(config, config_path)
     return config
+
+
+def _check_sizes(config: dict[str, Any], config_path: Path) -> None:
+    """Refuse a size no MLX array can have, before a model class tries to build it."""
+    sections = [config] + [v for k, v in config.items() if k.endswith("_config")
+                           and isinstance(v, dict)]
+    for section in sections:
+        for key, value in section.items():
+            is_size = key.endswith("_size") or key.startswith("num_") or key == "head_dim"
+            if (is_size and isinstance(value, int) and not isinstance(value, bool)
+                    and value > MAX_DIMENSION):
+                raise ModelLoadError(
+                    f"{config_path} says {key} is {value:,}, more than MLX can hold in one "
+                    f"array dimension ({MAX_DIMENSION:,}); the file is damaged or not a real "
+                    "model. Download the model again."
+                )
 
 
 def _model_classes(config: dict[str, Any], folder: Path) -> tuple[Any, Any]:

@@ -36,6 +36,8 @@ class LoadedModel:
 
     Only the engine's worker thread may touch ``model`` and ``tokenizer``.
     ``probe`` says which KV cache gives this model's numbers (None: not probed).
+    ``fingerprint`` is the weights' fingerprint taken at load
+    (``engine.snapshots.fingerprint``; None: not taken), which stored KV must match.
     """
 
     model: Any
@@ -43,6 +45,7 @@ class LoadedModel:
     info: ModelInfo
     config: dict[str, Any]
     probe: ProbeResult | None = None
+    fingerprint: dict[str, Any] | None = None
 
 
 def resolve_model_path(path: str | Path) -> Path:
@@ -55,7 +58,8 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def load_model(
-    path: str | Path, *, compute_dtype: mx.Dtype | None = None, probe: bool = True
+    path: str | Path, *, compute_dtype: mx.Dtype | None = None, probe: bool = True,
+    pipeline: Any = None,
 ) -> LoadedModel:
     """Load a model folder (or ``"demo"``) through mlx-lm's loader.
 
@@ -66,6 +70,9 @@ def load_model(
             very slowly, and is kept as stored on Metal.
         probe: run ``engine.models.probe.probe_model`` (paged cache against
             mlx-lm's own) and keep its result in ``LoadedModel.probe``.
+        pipeline: an ``mx.distributed`` group: keep only this rank's layers
+            (mlx-lm's ``pipeline`` split: rank 0 holds the last layers); every
+            rank must load the same model in the same order.
 
     Returns:
         The model, tokenizer, ``ModelInfo`` and probe result.
@@ -89,8 +96,8 @@ def load_model(
         raise invalid_config_error(folder, config, error) from error
     except (ValueError, RuntimeError, KeyError, OSError) as error:
         raise ModelLoadError(
-            f"mlx-lm could not load the weights in {folder}: {error}. The files may be "
-            "incomplete or from a different model; download the model again."
+            f"mlx-lm could not load the weights in {folder}: {_summarized(error)}. The "
+            "files may be incomplete or from a different model; download the model again."
         ) from error
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
@@ -100,12 +107,42 @@ def load_model(
             "model again or copy its tokenizer files into the folder."
         ) from error
     model = _set_compute_dtype(model, compute_dtype)
+    if pipeline is not None and pipeline.size() > 1:
+        _split(model, pipeline, folder, config)
     kinds = classify_layers(make_prompt_cache(model))
     # Counted by the same rule as inspect_model_dir's headers, so both agree.
     shapes = {name: {"shape": a.shape} for name, a in tree_flatten(model.parameters())}
     info = build_model_info(folder, config, kinds, count_parameters(config, shapes))
     result = _probe(model, info) if probe else None
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, config=config, probe=result)
+
+
+def _summarized(error: Exception, shown: int = 3) -> str:
+    """A load error cut to its first line and the first ``shown`` names it lists.
+
+    MLX lists every missing or unexpected parameter, one per line; a folder that
+    lacks thousands of them would otherwise give a message of megabytes.
+    """
+    first, *rest = str(error).splitlines() or [type(error).__name__]
+    names = [line.strip().rstrip(",.") for line in rest if line.strip()]
+    if not names:
+        return first if len(first) <= 500 else first[:499] + "…"
+    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+    return f"{first.rstrip(': ')} ({', '.join(names[:shown])}{more})"
+
+
+def _split(model: Any, group: Any, folder: Path, config: dict[str, Any]) -> None:
+    inner = getattr(model, "model", None)
+    if not callable(getattr(inner, "pipeline", None)):
+        raise ModelLoadError(
+            f"{folder.name} cannot be split across machines: mlx-lm has no pipeline "
+            f"split for its architecture ({config.get('model_type', 'unknown')}). Use one "
+            "machine, or a model mlx-lm can split (for example qwen2, qwen3_next, qwen3_5)."
+        )
+    try:
+        inner.pipeline(group)
+    except ValueError as error:  # more ranks than layers
+        raise ModelLoadError(f"{folder.name} cannot be split that way: {error}.") from error
 
 
 def _probe(model: Any, info: ModelInfo) -> ProbeResult:
@@ -120,7 +157,7 @@ def _probe(model: Any, info: ModelInfo) -> ProbeResult:
 
 def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> Any:
     if dtype is None:
-        if mx.default_device().type == mx.gpu and mx.metal.is_available():
+        if not _computes_on_cpu():
             return model
         dtype = mx.float32
         model = _dequantize_for_cpu(model)
@@ -135,27 +172,63 @@ def _dequantize_for_cpu(model: Any) -> Any:
     a float layer gets (measured on the demo: 25.6 s vs 2.1 s for a 64-token
     forward); Metal has fused kernels, so there the weights stay packed.
     """
-    import psutil
     from mlx_lm.utils import dequantize_model, get_total_parameters
 
     if not any(hasattr(m, "scales") for _, m in model.named_modules()):
         return model
-    float_bytes = get_total_parameters(model) * 4
-    if float_bytes > psutil.virtual_memory().available // 2:
+    if not _unpacks_on_cpu(get_total_parameters(model) * _FLOAT32_BYTES):
         return model
     return dequantize_model(model)
 
 
 _HALF_DTYPES = frozenset({"F16", "BF16"})
+_FLOAT32_BYTES = 4
+# mlx-lm's KVCache grows in steps of this many tokens (``KVCache.step``).
+_KV_STEP = 256
+
+
+def _computes_on_cpu() -> bool:
+    """Whether the weights are computed on the CPU backend (unpacked or widened)."""
+    return not (mx.default_device().type == mx.gpu and mx.metal.is_available())
+
+
+def _unpacks_on_cpu(float_bytes: int) -> bool:
+    """Whether ``_dequantize_for_cpu`` unpacks weights taking ``float_bytes`` as float32."""
+    import psutil
+
+    return float_bytes <= psutil.virtual_memory().available // 2
+
+
+def _probe_bytes(config: dict[str, Any], value_bytes: int) -> int:
+    """What the load-time probe holds above the weights.
+
+    Its tokens' float32 logits a few times over (mlx-lm's run, the paged run and
+    their comparison), the widest MLP activation twice, and per layer mlx-lm's
+    cache of one ``_KV_STEP``, keys and values.
+    """
+    from engine.models.probe import _CHUNKS, _DECODE_STEPS
+
+    text = config.get("text_config") or config
+    tokens = sum(_CHUNKS) + _DECODE_STEPS
+    heads = int(text.get("num_attention_heads") or 1)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text.get("hidden_size") or 0) // heads)
+    activations = tokens * _FLOAT32_BYTES * (
+        5 * int(text.get("vocab_size") or 0) + 2 * int(text.get("intermediate_size") or 0))
+    caches = int(text.get("num_hidden_layers") or 0) * 2 * _KV_STEP * kv_heads * head_dim
+    return activations + caches * value_bytes
 
 
 def estimate_load_bytes(folder: Path) -> tuple[int, bool]:
-    """Memory the loaded weights will take, from the safetensors headers alone.
+    """Peak memory of loading the folder (``load_model``), from the safetensors
+    headers and config alone.
 
-    The tensors' data sizes, with float16/bfloat16 tensors counted twice on the
-    CPU backend (they are computed in float32 there). Quantized weights that the
-    CPU backend unpacks to float are not counted twice: the loader unpacks them
-    only when that fits in half of the available memory.
+    On Metal the weights stay as stored. On the CPU backend every float weight
+    ends as float32; quantized weights are first unpacked (when that fits in half
+    of the available memory, as the loader decides), and while that runs the
+    packed weights and the largest unpacked tensor are held besides. Then the
+    load-time probe runs a few tokens (``_probe_bytes``). The peak is the larger
+    of the conversion's and the probe's.
 
     Returns:
         ``(bytes, quantized)``: the estimate and whether the weights are quantized.
@@ -164,10 +237,31 @@ def estimate_load_bytes(folder: Path) -> tuple[int, bool]:
         ModelLoadError: the folder fails ``check_model_dir``.
     """
     config, headers, _ = check_model_dir(folder)
-    widen = not (mx.default_device().type == mx.gpu and mx.metal.is_available())
-    total = 0
-    for entry in headers.values():
-        start, end = entry["data_offsets"]
-        size = int(end) - int(start)
-        total += 2 * size if widen and entry.get("dtype") in _HALF_DTYPES else size
-    return total, quantization_bits(config) is not None
+    quantized = quantization_bits(config) is not None
+    stored = sum(int(e["data_offsets"][1]) - int(e["data_offsets"][0]) for e in headers.values())
+    if not _computes_on_cpu():
+        return stored + _probe_bytes(config, 2), quantized
+    float_bytes = count_parameters(config, headers) * _FLOAT32_BYTES
+    if quantized and _unpacks_on_cpu(float_bytes):
+        largest = max(_unpacked_elements(config, headers, name) for name in headers)
+        converting = float_bytes + stored + largest * _FLOAT32_BYTES
+        return max(converting, float_bytes + _probe_bytes(config, _FLOAT32_BYTES)), quantized
+    # Packed (quantized, too large to unpack) or float: half tensors are cast to float32.
+    final = sum(_final_bytes(e) for e in headers.values())
+    largest = max(_final_bytes(e) for e in headers.values())
+    converting = final + (largest if final != stored else 0)
+    return max(converting, final + _probe_bytes(config, _FLOAT32_BYTES)), quantized
+
+
+def _final_bytes(entry: dict[str, Any]) -> int:
+    size = int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
+    return 2 * size if entry.get("dtype") in _HALF_DTYPES else size
+
+
+def _unpacked_elements(config: dict[str, Any], headers: dict[str, Any], name: str) -> int:
+    """Elements of tensor ``name`` once unpacked (0 for a quantized layer's scales)."""
+    scales = f"{name.rpartition('.')[0]}.scales"
+    if name.endswith((".scales", ".biases")):
+        return 0
+    own = {name: headers[name], **({scales: headers[scales]} if scales in headers else {})}
+    return count_parameters(config, own)

@@ -1,8 +1,8 @@
 """Stats that keep flowing while one MLX step runs long.
 
 A prefill chunk or a decode step at a long context can take seconds on a slow
-machine, and the worker thread cannot take a snapshot in the middle of one. While
-a request runs, a heartbeat thread repeats the worker's last snapshot once it is
+machine, and the worker thread cannot take a sample in the middle of one. While
+a request runs, a heartbeat thread repeats the worker's last sample once it is
 late, with fresh process and system memory from psutil. The KV pages and MLX
 counters stay as the worker last read them: MLX is only ever called on the worker
 thread, and the pages cannot change until the step ends anyway.
@@ -33,10 +33,10 @@ def with_fresh_system_memory(sample: StatsSample) -> StatsSample:
 
 
 class StatsChannel:
-    """Where snapshots are stamped, kept and sent, from either thread, in time order.
+    """Where samples are stamped, kept and sent, from either thread, in time order.
 
-    Taking, storing and sending a snapshot happen under one lock, so listeners see
-    timestamps only ever increase and the newest snapshot is the one kept.
+    Taking, storing and sending a sample happen under one lock, so listeners see
+    timestamps only ever increase and the newest sample is the one kept.
 
     Args:
         emit: sends an event; called with the lock held, so it must not wait on
@@ -49,11 +49,11 @@ class StatsChannel:
         self._sample: StatsSample | None = None
 
     def latest(self) -> StatsSample | None:
-        """The newest snapshot, or None before the first."""
+        """The newest sample, or None before the first."""
         return self._sample
 
     def publish(self, take: Callable[[], StatsSample]) -> StatsSample:
-        """Take a snapshot with ``take()``, keep it and send it."""
+        """Take a sample with ``take()``, keep it and send it."""
         with self._publish_lock:
             sample = take()
             self._sample = sample
@@ -61,10 +61,10 @@ class StatsChannel:
             return sample
 
     def repeat_if_late(self, late_after: float) -> float:
-        """Resend the newest snapshot refreshed if it is ``late_after`` seconds old.
+        """Resend the newest sample refreshed if it is ``late_after`` seconds old.
 
         Returns:
-            Seconds until the newest snapshot will be late (0 after a resend).
+            Seconds until the newest sample will be late (0 after a resend).
         """
         with self._publish_lock:
             sample = self._sample
@@ -79,11 +79,11 @@ class StatsChannel:
 
 
 class StatsHeartbeat:
-    """A context manager whose thread resends the channel's snapshot when it is late.
+    """A context manager whose thread resends the channel's sample when it is late.
 
     Args:
         channel: the worker's stats channel.
-        interval: the worker's seconds between snapshots; a snapshot older than
+        interval: the worker's seconds between samples; a sample older than
             ``LATE_FACTOR`` intervals is resent.
     """
 

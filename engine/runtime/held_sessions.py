@@ -5,12 +5,13 @@ unloaded) through its snapshot on disk, and an empty session about to read a
 conversation comes back from it; any session may also take a longer prefix
 another open chat holds (``engine.session.reuse``).
 
-Every method but ``view`` is called on the engine worker thread (most run MLX);
-``view`` reads under a lock from any thread.
+Every method but ``fit_inputs`` is called on the engine worker thread (most run
+MLX); ``fit_inputs`` reads, under a lock, the frozen values ``publish_fit`` left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,8 +25,9 @@ from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
-from engine.session.prefill import activation_value_bytes
-from engine.session.session import Session
+from engine.session.prefill import MIN_CHUNK, activation_value_bytes
+from engine.session.session import DEFAULT_PAGE_SIZE, Session
+from engine.snapshots.fingerprint import model_fingerprint
 from engine.snapshots.keeper import SnapshotKeeper
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ class HeldSessions:
         keeper: saves a session's cache as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
+        pipeline: an ``mx.distributed`` group: load only this rank's pipeline stage
+            of each model (``engine.models.loader.load_model``); None: every layer.
         chunk_seconds: the prefill chunk time above which a session shrinks its
             chunks, or None for fixed chunks.
     """
@@ -52,7 +56,9 @@ class HeldSessions:
         emit: Callable[[object], None],
         *,
         chunk_seconds: float | None,
+        pipeline: Any = None,
     ) -> None:
+        self._pipeline = pipeline
         self._guard = guard
         self._keeper = keeper
         self._stats = stats
@@ -63,12 +69,36 @@ class HeldSessions:
         self.loaded_bytes = 0  # estimated weight bytes of the loaded model
         self.prefill: fit.PrefillFacts | None = None  # the loaded model's prefill needs
         self._sessions: dict[str, Session] = {}
+        self._fit: dict[str | None, fit.FitInputs] = {}  # replaced whole, never mutated
 
-    def view(self, session_id: str | None) -> tuple[Any, fit.PrefillFacts | None, Session | None]:
-        """The loaded model, its prefill facts and session ``session_id`` (None if not open)."""
+    def publish_fit(self, chunk_size: int) -> None:
+        """Freeze what fit checks need of the model and each open session.
+
+        ``chunk_size`` is the engine's chunk for a chat not opened yet.
+        """
+        board: dict[str | None, fit.FitInputs] = {}
+        if self.loaded is not None:
+            board = {sid: session.fit_inputs() for sid, session in self._sessions.items()}
+            board[None] = fit.FitInputs(
+                fit.facts_from_info(self.loaded.info), DEFAULT_PAGE_SIZE, self._guard.view(),
+                prefill=self.prefill, chunk_tokens=min(MIN_CHUNK, chunk_size))
         with self._lock:
-            session = self._sessions.get(session_id) if session_id is not None else None
-            return self.loaded, self.prefill, session
+            self._fit = board
+
+    def fit_inputs(self, session_id: str | None) -> fit.FitInputs:
+        """The last frozen fit inputs of ``session_id`` (None: a chat not opened yet).
+
+        Raises:
+            EngineError: no model is loaded, or the session is not open.
+        """
+        with self._lock:
+            board = self._fit
+        if not board:
+            raise EngineError("Load a model first.")
+        inputs = board.get(session_id)
+        if inputs is None:
+            raise EngineError(f"No open session named {session_id!r}; open it first.")
+        return inputs
 
     def get(self, session_id: str) -> Session:
         """The open session ``session_id``.
@@ -99,7 +129,11 @@ class HeldSessions:
             # Only fits once the current model is gone: unload it first rather
             # than hold both and swap.
             self.release()
-        loaded = load_model(folder)
+        # Once per load, here on the worker thread: every save and reopen of this
+        # model's sessions checks stored KV against these weights.
+        fingerprint = model_fingerprint(folder)
+        loaded = load_model(folder, pipeline=self._pipeline)
+        loaded = dataclasses.replace(loaded, fingerprint=fingerprint)
         self.release()
         prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
         with self._lock:

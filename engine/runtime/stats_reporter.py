@@ -17,11 +17,17 @@ class StatsReporter:
     Args:
         emit: sends an event (see ``StatsChannel``).
         interval: seconds between samples while a request runs.
+        after_publish: called (on the engine thread) after each sample is taken,
+            to freeze with it what fit checks read from other threads.
     """
 
-    def __init__(self, emit: Callable[[object], None], interval: float) -> None:
+    def __init__(
+        self, emit: Callable[[object], None], interval: float,
+        after_publish: Callable[[], None] = lambda: None,
+    ) -> None:
         self._channel = StatsChannel(emit)
         self._throttle = StatsThrottle(interval)
+        self._after_publish = after_publish
 
     def latest(self) -> StatsSample | None:
         """The last sample taken; never calls MLX."""
@@ -38,6 +44,7 @@ class StatsReporter:
         self._channel.publish(lambda: stats_sample(
             session_id, cache_stats, prefill_peak_bytes=peak, checkpoint_bytes=held,
             other_layers=others))
+        self._after_publish()
 
     def tick_for(self, session: Any) -> Callable[[], None]:
         """A callback for between MLX steps: publishes ``session`` once a sample is due."""

@@ -34,13 +34,11 @@ from engine.events import (
     StatsSample,
 )
 from engine.memory import fit
-from engine.memory.fit import facts_from_info
 from engine.memory.guard import MemoryGuard
 from engine.runtime.commands import Command
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.prefill import MIN_CHUNK
 from engine.session.prompt_ids import clean_text
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
@@ -92,6 +90,7 @@ class EngineWorker:
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
+        pipeline: Any = None,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -103,11 +102,12 @@ class EngineWorker:
         self._ids = itertools.count(1)
         self._current: Command | None = None
         self._stopping = threading.Event()
-        self._stats = StatsReporter(self._emit, stats_interval)
+        self._stats = StatsReporter(self._emit, stats_interval,
+                                    after_publish=self._publish_fit)
         self._snapshots = SnapshotKeeper(snapshots, self._emit)
         self._held = HeldSessions(
             self.guard, self._snapshots, self._stats, self._emit,
-            chunk_seconds=2 * stats_interval if adaptive_chunks else None,
+            chunk_seconds=2 * stats_interval if adaptive_chunks else None, pipeline=pipeline,
         )
         requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
         self._handlers: dict[str, Callable[[Command], object]] = {
@@ -216,7 +216,14 @@ class EngineWorker:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
 
         ``keep``: store its KV first, to reopen it later (False: the chat is deleted).
+        An answer or read running in that session is cancelled first, so the close
+        does not wait for it to finish; it ends ``Finished("cancelled")`` with what
+        it had produced kept in the cache (and so in the stored KV).
         """
+        current = self._current
+        if (current is not None and current.name in _CANCELLABLE
+                and current.args and current.args[0] == session_id):
+            current.cancel.set()
         return self._submit("close_session", (session_id, keep))
 
     def latest_stats(self) -> StatsSample | None:
@@ -229,18 +236,10 @@ class EngineWorker:
         Raises:
             EngineError: no model is loaded, or the session is unknown.
         """
-        loaded, prefill, session = self._held.view(session_id)
-        if loaded is None:
-            raise EngineError("Load a model first.")
-        if session_id is not None and session is None:
-            raise EngineError(f"No open session named {session_id!r}; open it first.")
-        if session is not None:
-            return session.fit_report(token_count)
-        # A chat not opened yet: the model's facts and the default page size.
-        facts = facts_from_info(loaded.info)
-        return fit.guarded_fit_report(self.guard, facts, token_count, DEFAULT_PAGE_SIZE,
-                                      prefill=prefill,
-                                      chunk_tokens=min(MIN_CHUNK, self.chunk_size))
+        # Frozen values the worker published, and a fresh reading of system memory:
+        # nothing here touches a live session or pool.
+        inputs = self._held.fit_inputs(session_id)
+        return fit.guarded_fit_report(inputs, self.guard.read(), token_count)
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` encodes to with the loaded model's tokenizer.
@@ -253,6 +252,17 @@ class EngineWorker:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
 
+    @property
+    def alive(self) -> bool:
+        """True from ``start`` until the worker thread has ended."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for the thread to end; True once it has."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Cancel running and queued work and join the thread."""
         self._stopping.set()
@@ -260,9 +270,7 @@ class EngineWorker:
         if current is not None:
             current.cancel.set()
         self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self.join(timeout):
             log.warning("engine thread did not stop within %.1f s", timeout)
 
     # -- worker thread ---------------------------------------------------------
@@ -319,6 +327,7 @@ class EngineWorker:
                 ending = self._handlers[command.name](command)
                 if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):
                     # Announce the result, then end the request like every other.
+                    self._publish_fit()
                     self._emit(ending)
                     ending = Finished(command.request_id, "done")
         except EngineError as error:
@@ -329,9 +338,14 @@ class EngineWorker:
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
                             type(error).__name__, *command.kept())
+        # Before the end is announced, so a fit check it prompts sees what it changed.
+        self._publish_fit()
         self._emit(ending)
 
     # -- handlers of the requests that change what the engine holds ------------
+
+    def _publish_fit(self) -> None:
+        self._held.publish_fit(self.chunk_size)
 
     def _load_model(self, command: Command) -> object:
         (path,) = command.args

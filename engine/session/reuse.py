@@ -1,4 +1,4 @@
-"""Reuse what another open chat already read: one document is read once (issue 13).
+"""Reuse what another open chat already read: one document is read once.
 
 Chats of the same model, KV mode, page size and rotation that start with the same
 token ids (one document dropped into several chats, a chat reopened in the same

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.paged_cache import PagedKVCache
+from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import (
     Cancelled,
     ContextTooLong,
@@ -65,7 +66,7 @@ class Session(ChunkedPrefill):
             session's pages share; None makes a guard for this session alone.
         scratch_bytes: the prefill attention's scratch per chunk, counted with
             the weights, pages and activations in every memory estimate; None
-            takes the page pool's own budget (``fit.PREFILL_SCRATCH_BYTES``).
+            takes the page pool's own budget (``PREFILL_SCRATCH_BYTES``).
         rotate: store q8/q6/q4 rows after a Hadamard rotation; None takes the
             mode's default (``engine.cache.adapter.rotates_by_default``).
     """
@@ -123,7 +124,7 @@ class Session(ChunkedPrefill):
         self._value_bytes = activation_value_bytes()
         self.prefill_facts = fit.prefill_facts(
             self.model, self._value_bytes,
-            fit.PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes, page_size)
+            PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes, page_size)
         self._new_cache()
         # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
         self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
@@ -268,15 +269,18 @@ class Session(ChunkedPrefill):
 
     # -- limits ------------------------------------------------------------
 
+    def fit_inputs(self) -> fit.FitInputs:
+        """What a fit check of this session needs, as frozen values (engine thread)."""
+        held = int(self.stats().bytes_allocated) if self.cache else 0
+        return fit.FitInputs(
+            self.facts, self.page_size, self.guard.view(), prefill=self.prefill_facts,
+            chunk_tokens=self.smallest_chunk, session_id=self.session_id,
+            session_mode=self.mode, session_bytes_allocated=held,
+        )
+
     def fit_report(self, token_count: int) -> fit.FitReport:
         """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
-        held = self.stats() if self.cache else None
-        return fit.guarded_fit_report(
-            self.guard, self.facts, token_count, self.page_size, session_id=self.session_id,
-            session_mode=self.mode,
-            session_bytes_allocated=int(getattr(held, "bytes_allocated", 0) or 0),
-            prefill=self.prefill_facts, chunk_tokens=self.smallest_chunk,
-        )
+        return fit.guarded_fit_report(self.fit_inputs(), self.guard.read(), token_count)
 
     @property
     def smallest_chunk(self) -> int:

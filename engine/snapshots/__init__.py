@@ -1,4 +1,4 @@
-"""KV snapshots on disk: a conversation's cache stored once and reopened (issue 13).
+"""KV snapshots on disk: a conversation's cache stored once and reopened.
 
 ``save_snapshot``/``load_snapshot`` work on an ``engine.session.session.Session`` from the
 engine worker thread; :class:`SnapshotStore` keeps a folder of them under a disk

@@ -56,14 +56,51 @@ def manifest_path(directory: Path, name: str) -> Path:
 
 
 def new_data_name(name: str) -> str:
-    """A data file name no earlier snapshot of ``name`` used."""
-    return f"{check_name(name)}.{secrets.token_hex(6)}{DATA_SUFFIX}"
+    """A data file name no earlier snapshot of ``name`` used, with this process's id.
+
+    The id lets another process's sweep tell a data file whose manifest is still
+    being written from one a dead writer left behind.
+    """
+    return f"{check_name(name)}.{secrets.token_hex(6)}-p{os.getpid()}{DATA_SUFFIX}"
 
 
 def temp_path(final: Path) -> Path:
-    """A temporary sibling of ``final``; ends in the same suffix (mx.save_safetensors
-    appends ``.safetensors`` to names that lack it)."""
-    return final.with_name(f"{TEMP_MARK}{secrets.token_hex(6)}-{final.name}")
+    """A temporary sibling of ``final``, named with this process's id; ends in the
+    same suffix (mx.save_safetensors appends ``.safetensors`` to names that lack it)."""
+    return final.with_name(f"{TEMP_MARK}{os.getpid()}-{secrets.token_hex(6)}-{final.name}")
+
+
+_TEMP_OWNER = re.compile(re.escape(TEMP_MARK) + r"(\d+)-[0-9a-f]{12}-")
+_DATA_OWNER = re.compile(r"\.[0-9a-f]{12}-p(\d+)" + re.escape(DATA_SUFFIX) + "$")
+
+
+def owner_pid(file_name: str) -> int | None:
+    """The id of the process that wrote a temp or data file, None when not recorded."""
+    found = _TEMP_OWNER.match(file_name) or _DATA_OWNER.search(file_name)
+    return int(found.group(1)) if found else None
+
+
+def left_by_dead_writer(file_name: str) -> bool:
+    """Whether a leftover file may be swept: no other live process may still write it.
+
+    A file of this process is sweepable (its store writes and sweeps on one thread,
+    never both at once), and so is one that records no writer (written before ids
+    were recorded). A live process of that id keeps the file, even when the id was
+    reused by another program: a file kept too long costs disk until a later start,
+    one swept too early loses another Longleaf's save.
+    """
+    pid = owner_pid(file_name)
+    if pid is None or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, run by another user
+        return False
+    except OSError:  # no way to ask (e.g. a platform without signals): keep it
+        return False
+    return False
 
 
 def fsync_file(path: Path) -> None:

@@ -1,53 +1,115 @@
 """A model folder's fingerprint: what must match before stored KV may be reused.
 
-KV rows are only meaningful to the exact weights that made them, so the
-fingerprint covers ``config.json`` (its bytes) and every safetensors weight
-file's name, size and header (names, dtypes, shapes and offsets of every
-tensor), plus a hash of the first and last 64 KiB of its tensor data: two
-fine-tunes of one architecture share config, sizes and headers, and only the
-weights tell them apart. Reading headers and samples, not whole weights, keeps
-it cheap at any model size.
+KV rows are only meaningful to the exact weights that made them, and a LoRA
+merge or an in-place update changes tensors in the middle of a file while
+names, shapes and offsets stay the same. So the fingerprint hashes
+``config.json`` and every byte of every safetensors weight file (BLAKE3,
+streamed). Hashing a large model takes seconds, so each file's digest is kept
+in a user-only file in Longleaf's cache folder, keyed by the file's path,
+device, inode, size, mtime_ns and ctime_ns: any write to the file changes its
+ctime, so a second load of unchanged weights costs a ``stat`` per file.
+
+The worker fingerprints a model once per load (on its own thread) and every
+save and reopen of that model's sessions uses that one value.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
+import blake3
+
+from engine import paths
 from engine.errors import EngineError
 
-_HEADER_LENGTH = struct.Struct("<Q")
-_SAMPLE_BYTES = 64 * 1024
+log = logging.getLogger(__name__)
+
+# Part of every digest: a fingerprint made under other rules never matches.
+SCHEME = "blake3-every-byte-1"
+_CHUNK_BYTES = 16 * 1024 * 1024
+_CACHE_NAME = "weight-digests.json"
+# Digests computed or read in this process, by the same key as the file cache.
+_known: dict[str, tuple[list[int], str]] = {}
 
 
-def _weight_facts(path: Path) -> dict[str, Any]:
-    size = path.stat().st_size
-    with open(path, "rb") as source:
-        prefix = source.read(_HEADER_LENGTH.size)
-        if len(prefix) != _HEADER_LENGTH.size:
-            raise EngineError(f"{path.name} is too short to be a safetensors file.")
-        (length,) = _HEADER_LENGTH.unpack(prefix)
-        header = source.read(length)
-        sample = hashlib.sha256(source.read(_SAMPLE_BYTES))
-        source.seek(max(source.tell(), size - _SAMPLE_BYTES))
-        sample.update(source.read(_SAMPLE_BYTES))
-    return {
-        "name": path.name,
-        "size": size,
-        "header_sha256": hashlib.sha256(prefix + header).hexdigest(),
-        "sample_sha256": sample.hexdigest(),
-    }
+def _stat_key(stat: os.stat_result) -> list[int]:
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def _cache_path() -> Path:
+    return paths.cache_dir() / _CACHE_NAME
+
+
+def _read_cache() -> dict[str, Any]:
+    try:
+        cached = json.loads(_cache_path().read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        log.warning("weight digest cache unreadable, hashing again: %s", error)
+        return {}
+    return cached if isinstance(cached, dict) and cached.get("scheme") == SCHEME else {}
+
+
+def _write_cache(entries: dict[str, Any]) -> None:
+    path = _cache_path()
+    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, paths.PRIVATE_FILE_MODE)
+        with os.fdopen(descriptor, "w") as out:
+            json.dump({"scheme": SCHEME, "files": entries}, out)
+        os.replace(temp, path)
+    except OSError as error:  # a cache: the next load hashes again
+        log.warning("weight digests not cached: %s", error)
+        temp.unlink(missing_ok=True)
+
+
+def hash_file(path: Path) -> str:
+    """BLAKE3 of every byte of ``path``, read in fixed-size chunks."""
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as source:
+        while count := source.readinto(buffer):
+            digest.update(view[:count])
+    return digest.hexdigest()
+
+
+def _file_digests(files: list[Path]) -> list[dict[str, Any]]:
+    """Name, size and digest of each file, from the caches where the key still fits."""
+    cached = None
+    facts = []
+    for path in files:
+        resolved = str(path.resolve())
+        key = _stat_key(path.stat())
+        known = _known.get(resolved)
+        if known is None or known[0] != key:
+            if cached is None:
+                cached = _read_cache().get("files")
+                cached = cached if isinstance(cached, dict) else {}
+            entry = cached.get(resolved)
+            if isinstance(entry, dict) and entry.get("key") == key:
+                known = (key, str(entry["blake3"]))
+            else:
+                known = (key, hash_file(path))
+                if _stat_key(path.stat()) != key:  # written while it was read
+                    raise EngineError(f"{path.name} changed while Longleaf read it; load again.")
+                cached[resolved] = {"key": key, "blake3": known[1]}
+                _write_cache(cached)
+            _known[resolved] = known
+        facts.append({"name": path.name, "size": key[2], "blake3": known[1]})
+    return facts
 
 
 def model_fingerprint(folder: str | Path) -> dict[str, Any]:
     """The fingerprint of a model folder as plain JSON values.
 
     Returns:
-        ``{"digest", "config_sha256", "weights": [{"name", "size", "header_sha256",
-        "sample_sha256"}]}``;
+        ``{"digest", "scheme", "config", "weights": [{"name", "size", "blake3"}]}``;
         two folders hold the same model when their digests are equal.
 
     Raises:
@@ -55,13 +117,13 @@ def model_fingerprint(folder: str | Path) -> dict[str, Any]:
     """
     folder = Path(folder)
     try:
-        config = (folder / "config.json").read_bytes()
-        weights = [_weight_facts(p) for p in sorted(folder.glob("*.safetensors"))]
+        config = blake3.blake3((folder / "config.json").read_bytes()).hexdigest()
+        weights = _file_digests(sorted(folder.glob("*.safetensors")))
     except OSError as error:
         raise EngineError(f"Cannot read the model folder {folder}: {error}") from error
-    facts = {"config_sha256": hashlib.sha256(config).hexdigest(), "weights": weights}
+    facts = {"scheme": SCHEME, "config": config, "weights": weights}
     canonical = json.dumps(facts, sort_keys=True, separators=(",", ":"))
-    return {"digest": hashlib.sha256(canonical.encode()).hexdigest(), **facts}
+    return {"digest": blake3.blake3(canonical.encode()).hexdigest(), **facts}
 
 
 def session_model_dir(session: Any) -> Path:
@@ -85,3 +147,19 @@ def session_model_dir(session: Any) -> Path:
         "This session does not record its model folder, so its KV cache cannot be "
         "stored with a model fingerprint."
     )
+
+
+def session_fingerprint(session: Any) -> dict[str, Any]:
+    """The fingerprint of the weights ``session`` runs on.
+
+    The one taken when its model was loaded (``LoadedModel.fingerprint``), so a
+    file changed on disk after the load never vouches for KV the old weights
+    made; a session built without one fingerprints its model's folder.
+
+    Raises:
+        EngineError: the session names no model folder, or it cannot be read.
+    """
+    pinned = getattr(getattr(session, "loaded", None), "fingerprint", None)
+    if isinstance(pinned, dict) and pinned.get("digest"):
+        return pinned
+    return model_fingerprint(session_model_dir(session))

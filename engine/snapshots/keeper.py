@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.events import Notice, StoredKv
-from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
+from engine.snapshots.fingerprint import session_fingerprint
 from engine.snapshots.snapshot import SnapshotRejected
 from engine.snapshots.store import SnapshotStore
 
@@ -84,7 +84,7 @@ class SnapshotKeeper:
             reused = self.store.load(session, session.session_id, prompt, keep_last=keep_last)
         except SnapshotRejected as rejected:
             self._emit(Notice(request_id, str(rejected)))
-            if rejected.removed:
+            if rejected.removed or rejected.set_aside:
                 self.announce()
             reused = 0
         if not reused:
@@ -97,7 +97,7 @@ class SnapshotKeeper:
         self, session: Any, prompt: Sequence[int], request_id: int, keep_last: bool
     ) -> int:
         try:
-            digest = model_fingerprint(session_model_dir(session))["digest"]
+            digest = session_fingerprint(session)["digest"]
         except EngineError:
             return 0
         name = self.store.longest_prefix(prompt, model_digest=digest, exclude=session.session_id,
@@ -110,7 +110,7 @@ class SnapshotKeeper:
             # Another chat's snapshot this one cannot use (a higher mode, layers that
             # cannot rewind there): nothing to tell, the prompt is read as usual.
             log.info("snapshot %s not reused for %s: %s", name, session.session_id, rejected)
-            if rejected.removed:
+            if rejected.removed or rejected.set_aside:
                 self.announce()
             return 0
         if reused:

@@ -15,12 +15,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.cache import adapter, kvquant
+from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.rotation import rotation_for
 
 PAGE_PARTS: tuple[str, ...] = ("k_codes", "k_scales", "v_codes", "v_scales")
 # Highest precision first: a snapshot converts to its own mode or any later one.
-MODES_BY_PRECISION: tuple[str, ...] = ("fp16", "q8", "q6", "q4")
 
 
 class LayerMismatch(Exception):
@@ -37,7 +37,7 @@ def rotation_id(cache: list[Any]) -> str | None:
 
 def can_convert(stored: str, target: str) -> bool:
     """Whether pages stored in ``stored`` mode can become ``target`` without a re-read."""
-    rank = MODES_BY_PRECISION.index
+    rank = MODES.index
     return rank(kvquant.normalize_mode(target)) >= rank(kvquant.normalize_mode(stored))
 
 
@@ -176,6 +176,33 @@ def _repage(rows: mx.array, tokens: int, stored_size: int, page_size: int) -> mx
     return flat.reshape(flat.shape[0], pages, page_size, -1).swapaxes(0, 1)
 
 
+def _row_layout(mode: str, head_dim: int) -> tuple[mx.Dtype, int, bool]:
+    """Dtype and width of one stored row of ``mode``, and whether it has a scale."""
+    bits = kvquant.bits_for(mode)
+    if bits == kvquant.bits_for("fp16"):
+        return mx.float16, head_dim, False
+    return mx.uint8, kvquant.packed_dim(head_dim, bits), True
+
+
+def check_rows(
+    parts: list[mx.array | None], mode: str, pages: int, kv_heads: int, page_size: int,
+    head_dim: int, what: str,
+) -> None:
+    """Raise LayerMismatch unless ``parts`` (k codes, k scales, v codes, v scales) are
+    ``pages`` pages of ``mode`` rows: dtypes and shapes, never the values."""
+    dtype, width, scaled = _row_layout(mode, head_dim)
+    shape = (pages, kv_heads, page_size)
+    for codes, scales in (parts[:2], parts[2:]):
+        if codes is None or codes.dtype != dtype or tuple(codes.shape) != (*shape, width):
+            found = None if codes is None else f"{codes.dtype} {tuple(codes.shape)}"
+            raise LayerMismatch(f"{what} holds {found}, not {mode} rows {(*shape, width)}")
+        if scaled != (scales is not None) or (
+            scales is not None
+            and (scales.dtype != mx.float16 or tuple(scales.shape) != (*shape, 1))
+        ):
+            raise LayerMismatch(f"{what} has scales that do not fit {mode} rows")
+
+
 def _restore_paged(
     layer: PagedKVCache, record: dict, arrays: dict[str, mx.array], tokens: int,
     stored_mode: str, stored_page_size: int, stored_rotation: str | None,
@@ -186,15 +213,19 @@ def _restore_paged(
     if offset:
         # Popped: each layer's stored pages are let go once that layer is restored.
         parts = [arrays.pop(_key(record["index"], p), None) for p in PAGE_PARTS]
-        if parts[0] is None or parts[2] is None:
-            raise LayerMismatch(f"layer {record['index']} lacks its pages")
+        what = f"layer {record['index']}"
+        head_dim, kv_heads = record["head_dim"], record["kv_heads"]
+        # The data must be what the manifest says it is, before any of it is converted.
+        check_rows(parts, stored_mode, record["pages"], kv_heads, stored_page_size, head_dim,
+                   f"{what}'s stored data")
         parts = [None if p is None else _repage(p, offset, stored_page_size, pool.page_size)
                  for p in parts]
-        head_dim = record["head_dim"]
         rotations = (rotation_for(stored_rotation, head_dim, record["index"]), layer.rotation)
         k = convert_rows(parts[0], parts[1], stored_mode, pool.mode, head_dim, *rotations)
         v = convert_rows(parts[2], parts[3], stored_mode, pool.mode, head_dim, *rotations)
         rows = [k[0], k[1], v[0], v[1]]
+        check_rows(rows, pool.mode, pool.pages_for(offset), kv_heads, pool.page_size, head_dim,
+                   f"{what} as restored")
     layer.state = (*rows, offset, pool.mode, pool.page_size, record["kv_heads"], record["head_dim"])
 
 

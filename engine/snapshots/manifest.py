@@ -18,8 +18,11 @@ from typing import Any
 from engine.snapshots import files
 
 FORMAT = "longleaf-kv-snapshot"
-FORMAT_VERSION = 1
+# 2: the model fingerprint covers every weight byte (``engine.snapshots.fingerprint``);
+# version 1 snapshots cannot be checked against the weights and are set aside.
+FORMAT_VERSION = 2
 _SELF_HASH = "manifest_sha256"
+SET_ASIDE = "set-aside"
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,22 @@ def remove_snapshot(directory: Path, name: str) -> None:
     manifest = files.manifest_path(directory, name)
     files.remove(manifest)
     files.remove(*data_files(directory, name))
+
+
+def set_aside(directory: Path, name: str) -> None:
+    """Move snapshot ``name`` into the ``set-aside`` folder: kept, never reused.
+
+    A snapshot set aside earlier under the same name is replaced. Set-aside files
+    count against the disk budget and are the first to go (``SnapshotStore.evict``).
+    """
+    aside = files.private_dir(directory / SET_ASIDE)
+    remove_snapshot(aside, name)
+    manifest = files.manifest_path(directory, name)
+    if manifest.exists():  # first: the folder never holds a manifest without its data
+        os.replace(manifest, aside / manifest.name)
+    for path in data_files(directory, name):
+        os.replace(path, aside / path.name)
+    files.fsync_dir(directory)
 
 
 def data_files(directory: Path, name: str) -> list[Path]:

@@ -1,4 +1,4 @@
-"""Save a session's KV cache to disk and reopen it: the snapshot format (issue 13).
+"""Save a session's KV cache to disk and reopen it: the snapshot format.
 
 A snapshot is ``NAME.json`` (the manifest: token ids, mode, page size, format
 version, rotation, model fingerprint, per-layer records, the session's
@@ -14,11 +14,16 @@ the newest stored checkpoint (``engine.session.checkpoints``: taken at message
 boundaries and prefill ends) at or before that point, and the paged layers are
 cut there too. With no such checkpoint the snapshot is not used.
 
-Reopen trusts nothing it has not checked: the manifest's own hash, the format
-version, the model fingerprint and the data file's size and sha256. A snapshot
-of another model or format is refused and kept; a corrupt or incomplete one is
-refused and removed. Either way the caller gets a :class:`SnapshotRejected`
-whose message is one line for the user, and the session holds nothing from it.
+Reopen trusts nothing it has not checked: the manifest's own hash and shape,
+the format version, the model fingerprint (every weight byte), the data file's
+size and sha256, each layer's dtypes and shapes against the manifest, and after
+restoring, that the cache holds the tokens it claims. A snapshot of other
+weights or of an older format (which cannot be checked against the weights) is
+set aside (moved into ``set-aside/``, never tried again); one of a newer format
+is refused and kept; a corrupt, incomplete or inconsistent one, or one whose
+restore fails in any way, is removed. Either way the caller gets a
+:class:`SnapshotRejected` whose message is one line for the user, and the
+session holds nothing from it.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files, tensors
-from engine.snapshots.fingerprint import model_fingerprint, session_model_dir
+from engine.snapshots.fingerprint import session_fingerprint, session_model_dir
 from engine.snapshots.layers import (
     LayerMismatch,
     can_convert,
@@ -54,6 +59,7 @@ from engine.snapshots.manifest import (
     read_manifest,
     remove_snapshot,
     sealed,
+    set_aside,
 )
 
 
@@ -72,12 +78,16 @@ class SnapshotRejected(EngineError):
             stored checkpoint and this model's layers cannot rewind),
             or "budget" (the pages do not fit the KV budget).
         removed: whether the snapshot's files were deleted.
+        set_aside: whether they were moved into the ``set-aside`` folder.
     """
 
-    def __init__(self, message: str, *, reason: str, removed: bool = False) -> None:
+    def __init__(
+        self, message: str, *, reason: str, removed: bool = False, set_aside: bool = False
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.removed = removed
+        self.set_aside = set_aside
 
 
 # -- save ----------------------------------------------------------------------
@@ -123,7 +133,7 @@ def save_snapshot(
     if adapter.cache_tokens(session.cache) != len(tokens):
         raise SnapshotError("The session's cache and token ids disagree; not storing it.")
     model_dir = session_model_dir(session)
-    fingerprint = model_fingerprint(model_dir)
+    fingerprint = session_fingerprint(session)
     # Checkpoints first: a reopen that rewinds to one needs them before the layers.
     arrays: dict[str, mx.array] = {}
     held_checkpoints = getattr(getattr(session, "checkpoints", None), "kept", None) or []
@@ -155,7 +165,16 @@ def save_snapshot(
         "checkpoints": checkpoints,
     }
     previous = data_files(folder, name)
-    files.write_bytes_atomic(manifest_path, sealed(manifest), label="manifest")
+    try:
+        files.write_bytes_atomic(manifest_path, sealed(manifest), label="manifest")
+    except BaseException as error:
+        # Nothing names the new data now: it goes at once, not at the next start.
+        files.remove(data_path)
+        if isinstance(error, OSError):
+            raise SnapshotError(
+                f"This conversation's KV was not stored: {error.strerror or error}."
+            ) from error
+        raise
     files.remove(*[p for p in previous if p != data_path])
     return manifest_path
 
@@ -189,19 +208,49 @@ def _reject_corrupt(directory: Path, name: str, why: str) -> SnapshotRejected:
     )
 
 
-def _check_compatible(manifest: dict[str, Any], session: Any, name: str) -> None:
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+def _set_aside(directory: Path, name: str, message: str, reason: str) -> SnapshotRejected:
+    set_aside(directory, name)
+    return SnapshotRejected(message, reason=reason, set_aside=True)
+
+
+def _check_compatible(
+    manifest: dict[str, Any], session: Any, name: str, directory: Path
+) -> None:
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT or not isinstance(version, int):
+        raise _reject_corrupt(directory, name, "not a Longleaf KV snapshot")
+    if version < FORMAT_VERSION:
+        raise _set_aside(
+            directory, name,
+            "Stored KV from an earlier version of Longleaf cannot be checked against this "
+            "model's weights, so it was set aside; the conversation is read again.",
+            "format",
+        )
+    if version > FORMAT_VERSION:
         raise SnapshotRejected(
-            f"Stored KV for {name!r} has format version {manifest.get('version')!r}, not "
-            f"{FORMAT_VERSION}; the conversation is read again.",
+            f"Stored KV for {name!r} has format version {version}, newer than this "
+            f"version's {FORMAT_VERSION}; it is kept, and the conversation is read again.",
             reason="format",
         )
     stored_model = manifest.get("model") or {}
-    if stored_model.get("digest") != model_fingerprint(session_model_dir(session))["digest"]:
+    try:
+        digest = session_fingerprint(session)["digest"]
+    except EngineError as error:  # this model's files, not the snapshot, are the problem
         raise SnapshotRejected(
-            f"Stored KV for {name!r} was made by another model "
-            f"({stored_model.get('name', 'unknown')}); the conversation is read again.",
+            f"Stored KV for {name!r} cannot be checked against this model ({error}); it is "
+            "kept, and the conversation is read again.",
             reason="model",
+        ) from error
+    if stored_model.get("digest") != digest:
+        same_name = stored_model.get("name") == session_model_dir(session).name
+        raise _set_aside(
+            directory, name,
+            "Stored KV from a different version of this model was set aside; the "
+            "conversation is read again." if same_name else
+            f"Stored KV for {name!r} was made by another model "
+            f"({stored_model.get('name', 'unknown')}) and was set aside; the conversation "
+            "is read again.",
+            "model",
         )
     try:
         rotation_for(manifest.get("rotation"), 4, 0)  # raises for a rotation unknown here
@@ -218,6 +267,39 @@ def _check_compatible(manifest: dict[str, Any], session: Any, name: str) -> None
             "precision and needs the conversation read again.",
             reason="mode",
         )
+
+
+def _check_shape(manifest: dict[str, Any]) -> None:
+    """Raise ValueError unless the manifest's records agree with its token list."""
+    tokens = manifest["tokens"]
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens) or not tokens:
+        raise ValueError("its token ids are not a list of integers")
+    kvquant.normalize_mode(manifest["mode"])  # raises for a mode this version lacks
+    page_size = manifest["page_size"]
+    if type(page_size) is not int or page_size <= 0:
+        raise ValueError(f"page size {page_size!r}")
+    for record in manifest["layers"]:
+        if record["kind"] == "paged":
+            # Saved only when the cache held exactly the listed tokens.
+            if record["offset"] != len(tokens):
+                raise ValueError(f"layer {record['index']} holds {record['offset']} of "
+                                 f"{len(tokens)} tokens")
+            if record["pages"] != -(-record["offset"] // page_size):
+                raise ValueError(f"layer {record['index']} lists {record['pages']} pages")
+        elif record["kind"] != "state":
+            raise ValueError(f"layer kind {record['kind']!r}")
+
+
+def _check_restored(session: Any, tokens: int, rotation: str | None) -> None:
+    """Raise LayerMismatch unless every layer holds ``tokens`` tokens, in the rotation
+    the session had before the restore."""
+    held = adapter.cache_tokens(session.cache)
+    offsets = {c.offset for c in session.cache
+               if isinstance(getattr(c, "offset", None), int)}
+    if held != tokens or offsets - {tokens}:
+        raise LayerMismatch(f"the cache holds {sorted(offsets)} tokens, not {tokens}")
+    if rotation_id(session.cache) != rotation:
+        raise LayerMismatch("the restore changed the cache's row rotation")
 
 
 def _reusable(
@@ -328,13 +410,18 @@ def load_snapshot(
         return held
     try:
         manifest = read_manifest(manifest_path)
+        _check_compatible(manifest, session, name, folder)
+        _check_shape(manifest)
         stored_tokens = len(manifest["tokens"])
-    except (Corrupt, KeyError, TypeError) as error:
+        keep, checkpoint = _reusable(manifest, prompt_ids, keep_last, name)
+    except SnapshotRejected:
+        raise
+    except (Corrupt, KeyError, TypeError, ValueError, IndexError, AttributeError,
+            EngineError) as error:
         raise _reject_corrupt(folder, name, str(error)) from None
-    _check_compatible(manifest, session, name)
-    keep, checkpoint = _reusable(manifest, prompt_ids, keep_last, name)
     if keep <= held:
         return held
+    rotation = rotation_id(session.cache)
     # Restored while it is read and hashed, one layer's arrays at a time; nothing
     # of it is kept unless the whole file's checksum then matches.
     arrays = _open_data(folder, name, manifest)
@@ -349,6 +436,7 @@ def load_snapshot(
             stored_rotation=manifest.get("rotation"), checkpoint=states,
         )
         _finish_checked(arrays, manifest)
+        _check_restored(session, keep, rotation)
         session.tokens = [int(t) for t in manifest["tokens"][:keep]]
         _restore_checkpoints(session, manifest, arrays, keep)
         mx.eval(adapter.eval_targets(session.cache))
@@ -360,7 +448,10 @@ def load_snapshot(
     except (tensors.BadTensors, OSError) as error:
         session.reset()
         raise _reject_corrupt(folder, name, str(error)) from error
-    except (LayerMismatch, KeyError, TypeError, ValueError, EngineError) as error:
+    except Exception as error:
+        # Whatever a restore raises (a record that lies about its data, a state an
+        # mlx-lm cache class refuses) means this snapshot cannot be trusted: it goes,
+        # and the conversation is read again rather than a send failing on it.
         session.reset()
         raise _reject_corrupt(folder, name, f"layers do not fit: {error}") from error
     finally:

@@ -16,6 +16,8 @@ from engine.errors import EngineError
 from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files
 from engine.snapshots.manifest import (
+    FORMAT_VERSION,
+    SET_ASIDE,
     Corrupt,
     SnapshotInfo,
     data_files,
@@ -98,8 +100,9 @@ class SnapshotStore:
                 continue
             try:
                 manifest = read_manifest(path)
-                if (manifest.get("model") or {}).get("digest") != model_digest:
-                    continue
+                if manifest.get("version") != FORMAT_VERSION or (
+                        manifest.get("model") or {}).get("digest") != model_digest:
+                    continue  # other weights (or unchecked ones) serve no other chat
                 shared = common_prefix(manifest["tokens"], prompt_ids)
             except (Corrupt, KeyError, TypeError):
                 continue  # its own reopen removes it; here it just serves no one
@@ -115,8 +118,25 @@ class SnapshotStore:
         return list_snapshots(self.directory)
 
     def total_bytes(self) -> int:
-        """Bytes of every file in the folder, leftovers of interrupted writes included."""
-        return sum(p.stat().st_size for p in self.directory.iterdir() if p.is_file())
+        """Bytes of every file in the folder, leftovers of interrupted writes and
+        snapshots set aside included."""
+        return sum(p.stat().st_size for p in self._files())
+
+    def _files(self) -> list[Path]:
+        aside = self.directory / SET_ASIDE
+        found = [p for p in self.directory.iterdir() if p.is_file()]
+        return found + ([p for p in aside.iterdir() if p.is_file()] if aside.is_dir() else [])
+
+    def _drop_set_aside(self, incoming: int) -> None:
+        """Delete set-aside files, oldest first, until ``incoming`` more bytes fit."""
+        aside = self.directory / SET_ASIDE
+        if not aside.is_dir():
+            return
+        for path in sorted((p for p in aside.iterdir() if p.is_file()),
+                           key=lambda p: p.stat().st_mtime):
+            if self.total_bytes() + incoming <= self.budget_bytes:
+                return
+            path.unlink(missing_ok=True)
 
     # -- removing ----------------------------------------------------------------
 
@@ -129,8 +149,10 @@ class SnapshotStore:
             self.delete(info.name)
         self.sweep()
         for path in self.directory.iterdir():
-            if path.is_file() and path.name.endswith((files.DATA_SUFFIX, files.MANIFEST_SUFFIX)):
+            if (path.is_file() and path.name.endswith((files.DATA_SUFFIX, files.MANIFEST_SUFFIX))
+                    and files.left_by_dead_writer(path.name)):
                 path.unlink(missing_ok=True)
+        shutil.rmtree(self.directory / SET_ASIDE, ignore_errors=True)
 
     def evict(self, incoming: int = 0, keep: Iterable[str] = ()) -> list[str]:
         """Delete least-recently-used snapshots until ``incoming`` more bytes fit.
@@ -138,6 +160,7 @@ class SnapshotStore:
         Returns:
             The names deleted, oldest first.
         """
+        self._drop_set_aside(incoming)  # kept only while nothing else needs the room
         keep = set(keep)
         removed: list[str] = []
         candidates = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
@@ -149,7 +172,12 @@ class SnapshotStore:
 
     def sweep(self) -> None:
         """Remove what interrupted writes left: temp files, data no manifest names,
-        manifests that fail their own checksum (with their data)."""
+        manifests that fail their own checksum (with their data).
+
+        Temp and data files another live process is writing (the CLI, a second
+        app, a server on the same folder) are left alone: their names record the
+        writer's process id (``files.left_by_dead_writer``).
+        """
         named: set[str] = set()
         for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
             if path.name.startswith(files.TEMP_MARK):
@@ -163,7 +191,7 @@ class SnapshotStore:
             leftover = path.name.startswith(files.TEMP_MARK) or (
                 path.name.endswith(files.DATA_SUFFIX) and path.name not in named
             )
-            if path.is_file() and leftover:
+            if path.is_file() and leftover and files.left_by_dead_writer(path.name):
                 path.unlink(missing_ok=True)
 
     def _make_room(self, size: int, name: str) -> None:

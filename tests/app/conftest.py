@@ -45,7 +45,8 @@ def open_window(qtbot, model: Path, max_tokens: int = 24, **bridge_args) -> Main
     controller = ChatController(settings, store, bridge)
     window = MainWindow(controller)
     qtbot.addWidget(window)
-    with qtbot.waitSignal(bridge.modelLoaded, timeout=MODEL_LOAD_TIMEOUT_MS):
+    with qtbot.waitSignal(controller.modelStateChanged, timeout=MODEL_LOAD_TIMEOUT_MS,
+                          check_params_cb=lambda _text, ready: ready):
         controller.start(str(model))
     window.show()
     return window

@@ -233,11 +233,16 @@ def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
         c.begin_edit()
         c.regenerate()
         window.composer.set_text("another question")
-        window.send()
+        window.send()  # this chat's own answer runs: refused, the draft stays
+        assert window.composer.text() == "another question"
         c.select_session(other.id)  # reading another chat needs no engine
         assert c.current.id == other.id
         assert [m.content for m in c.model.messages()] == ["other chat's question"]
-        window.send()
+        window.send()  # another chat's message waits in line behind the answer
+        assert window.composer.text() == ""
+        running = "answering" if phase == "answering" else "reading"
+        assert c.activity.states() == {session.id: running, other.id: "waiting"}
+        c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=8)
         c.select_session(session.id)
     finally:
         release.set()
@@ -246,20 +251,24 @@ def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
         "Stop the current answer before reopening the chat.",
         "Stop the current answer before deleting its chat.",
         "Stop the current answer before editing.",
+        "Stop the current answer before sending another message.",
     ]
     assert c.current.id == session.id and c.model_id == model_before and c.busy
     assert window.model_picker.currentData() == model_before  # the picker shows what runs
-    assert [s.id for s in c.store.sessions()] == sessions_before
-    assert window.composer.text() == "another question"  # the draft waits
+    # None deleted, none made (the other chat, sent to, moved to the top).
+    assert sorted(s.id for s in c.store.sessions()) == sorted(sessions_before)
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS) as finished:
         c.stop()
     assert finished.args == ["stopped"]
     user, answer = c.store.messages(session.id)
     assert user.content == "Tell me a long story" and answer.status == "stopped"
     assert answer.content == c.model.message(1).content  # streamed text went to this chat
-    assert [(m.role, m.content) for m in c.store.messages(other.id)] == [
-        ("user", "other chat's question")]
-    c.select_session(other.id)  # once stopped, switching works
+    # The other chat's message started by itself once the answer ahead of it ended.
+    qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)
+    assert [(m.role, m.content) for m in c.store.messages(other.id)][:2] == [
+        ("user", "other chat's question"), ("user", "another question")]
+    assert c.store.messages(other.id)[-1].status == "complete"
+    c.select_session(other.id)
     assert c.current.id == other.id
 
 

@@ -237,7 +237,7 @@ def test_million_character_paste_is_refused_with_numbers(chatting) -> None:
     messages = [{"role": "user", "content": paste}]
     failed = _failed(events, engine.chat("s", messages, GREEDY, threading.Event()))
     assert failed.error_type == "ContextTooLong"
-    needed = re.match(r"This conversation needs ([\d,]+) tokens \([\d.]+ MiB of KV in q8\)",
+    needed = re.match(r"This conversation needs ([\d,]+) tokens \([\d.]+ MB of KV in q8\)",
                       failed.message)
     assert needed and tokens < int(needed[1].replace(",", "")) < tokens + 32  # + template
     assert "but only 4,096 fit in q8: the model's context is 4,096 tokens" in failed.message

@@ -175,7 +175,8 @@ def test_generate_session_reuses_its_stored_cache(
     first = json.loads(_run(*argv)[1])
     assert first["reused_tokens"] == 0
     assert first["prefill_tokens"] == first["prompt_tokens"]
-    assert list((tmp_path / "kv").glob("doc*.json")), "no snapshot stored"
+    # Under the CLI's own name, never one an app chat could have.
+    assert [p.name for p in (tmp_path / "kv").glob("*.json")] == ["cli-doc.json"]
     again = json.loads(_run(*argv)[1])
     # Everything but the prompt's last token (it gives the first answer token's logits).
     assert again["reused_tokens"] == again["prompt_tokens"] - 1

@@ -18,8 +18,8 @@ import mlx.core as mx
 
 from engine.cache import kvquant
 from engine.cache.attention import scratch, streams
+from engine.cache.attention.blocks import PageBlock
 from engine.cache.attention.query_view import QueryView, masked, page_positions
-from engine.cache.pages import PageBlock
 
 
 def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
@@ -32,8 +32,7 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
     # Each group of heads walks the same blocks on its own stream; together they
     # hold what one walk over every head would, so the scratch arithmetic holds.
     # A decode step's many small matmuls stay on one stream: split, two streams'
-    # BLAS threads fought over the cores (fp16 at 24 query heads: 1.8x slower at
-    # 32k, 10x at 262k, measured), though 16 heads ran 1.2x faster.
+    # BLAS threads fight over the cores (docs/benchmarks.md, long-context section).
     groups = ([(slice(0, kv_heads), None)] if decode
               else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
     budget = cache.pool.scratch_bytes
@@ -208,7 +207,7 @@ def attend_packed(view: QueryView, cache: Any, scale: float, group_size: int) ->
     kv_heads, rows, head_dim = view.q.shape
     store, page_size = cache.store, cache.pool.page_size
     heads = streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim)
-    # Split over streams, a step's peak measured about twice one block's (each
+    # Split over streams, a step's peak reaches about twice one block's (each
     # stream frees its block as it finishes): the blocks shrink to match.
     budget = min(cache.pool.scratch_bytes, scratch.DECODE_SCRATCH_BYTES) // len(heads)
     tokens = scratch.packed_block_tokens(kv_heads * rows, kv_heads, head_dim, store.layout.bits,

@@ -31,8 +31,8 @@ class QueryView:
         _, heads, length, head_dim = queries.shape
         kv_heads = cache.kv_heads
         repeats = heads // kv_heads
-        # Q·Kᵀ in fp32 even on Metal: fp16 queries and scales push q8's error from
-        # ~1% towards ~1.4% (measured in issue 3).
+        # Q·Kᵀ in fp32 even on Metal: fp16 queries and scales measurably raise
+        # q8's error (docs/benchmarks.md).
         q = queries[0].astype(mx.float32).reshape(kv_heads, repeats * length, head_dim)
         if isinstance(mask, mx.array):
             mask = fold_mask(mask, kv_heads, repeats, length)

@@ -9,7 +9,7 @@ backend (tests/engine/cache/attention/test_block_walk.py).
 
 from __future__ import annotations
 
-from engine.cache import kvquant, pages
+from engine.cache import kvquant
 from engine.cache.attention import streams
 
 # Up to this many new tokens (decode, and a speculative verification of the last
@@ -20,7 +20,6 @@ PACKED_MAX_TOKENS = 9
 # The most one prefill chunk's attention scratch (scores, their exponentials and
 # one dequantized block of keys and values) may take, at any context length; each
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
-PREFILL_SCRATCH_BYTES = pages.PREFILL_SCRATCH_BYTES
 # A decode step walking the pages (fp16, or a head_dim the packed kernels cannot
 # take) has a few score rows, so its blocks are mostly the converted keys and values:
 # a block well inside the CPU's caches is as fast as a large one and keeps the

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QPushButton
 
+from app.sessions.session_list import RecordRole, StateRole, detail_text
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.app.memory.test_panel import _assert_panel_shows
@@ -29,20 +31,49 @@ def test_other_chats_can_be_read_while_an_answer_streams_into_its_own(qtbot, win
         c.model.flush()
         assert [(m.role, m.content) for m in c.model.messages()] == other_rows
         _assert_panel_shows(window, c.current)  # the answering chat's samples are not shown
-        # Sending needs the engine: it waits, and says so.
-        window.composer.set_text("and another thing")
-        assert not c.send("and another thing")
+        # This chat's composer shows this chat only: no Stop, no reading progress of the other.
+        composer = window.composer
+        assert composer.send_button.text() == "Send" and not composer.progress_box.isVisible()
+        assert not composer.waiting_box.isVisible()
+        # A message sent here waits in line, says for whom, and Cancel takes it out of it.
+        composer.set_text("and another thing")
+        qtbot.keyClick(composer.edit, Qt.Key.Key_Return)
+        title = c.store.session(answering.id).title
+        assert composer.text() == "" and composer.waiting_box.isVisible()
+        assert composer.waiting_label.text() == f"Waiting for ‘{title}’ to finish…"
+        assert c.activity.states() == {answering.id: "answering", other.id: "waiting"}
+        assert _sidebar_line(window, answering.id) == "Answering…"
+        assert _sidebar_line(window, other.id) == "Waiting…"
+        # Cancel: out of the line; the other chat answers on.
+        composer.waiting_box.findChild(QPushButton).click()
+        assert not composer.waiting_box.isVisible() and c.activity.job_of(other.id) is None
+        assert c.activity.states() == {answering.id: "answering"}
+        c.send("and another thing")  # in line again, short this time
+        c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=8)
         # Back to the answering chat: the answer so far is there, and keeps streaming.
         c.select_session(answering.id)
         assert c.model.message(1).content == c.recorder.text
         assert c.model.message(1).status == "streaming"
+        assert composer.send_button.text() == "Stop" and not composer.waiting_box.isVisible()
         c.stop()
     assert finished.args == ["stopped"]
     saved = c.store.messages(answering.id)[-1]
     assert saved.content == c.model.message(1).content and saved.status == "stopped"
-    assert [(m.role, m.content) for m in c.store.messages(other.id)] == other_rows
+    # The waiting message started by itself once the answer ahead of it ended.
+    qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)
+    rows = [(m.role, m.content, m.status) for m in c.store.messages(other.id)]
+    assert [(r, t) for r, t, _s in rows[:len(other_rows)]] == other_rows
+    assert [r[0] for r in rows[len(other_rows):]] == ["user", "user", "assistant"]
+    assert rows[-1][2] == "complete" and rows[-2][1] == "and another thing"
     assert c.store.session(answering.id).tokens > 0
 
+
+def _sidebar_line(window, session_id: str) -> str:
+    for row in range(window.sessions.list.count()):
+        item = window.sessions.list.item(row)
+        if item.data(RecordRole).id == session_id:
+            return detail_text(item.data(RecordRole), item.data(StateRole))
+    raise AssertionError(f"{session_id} is not in the sidebar")
 
 def test_the_chat_answering_cannot_be_deleted_but_others_can(qtbot, window) -> None:
     c = window.controller

@@ -50,7 +50,7 @@ def test_memory_turning_critical_mid_answer_is_saved_explained_and_recovers(
         assert send_and_wait(qtbot, window, "Go on") == "failed"
         text = window.banner.label.text()
         assert text.startswith("Longleaf did not start the answer: system memory is critically "
-                               "low (512.0 MiB available")
+                               "low (512.0 MB available")
         assert c.store.messages(c.current.id)[-1].reason == text
 
         memory.available = 16 * GIB  # other apps closed

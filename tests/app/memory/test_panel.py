@@ -7,14 +7,15 @@ from types import SimpleNamespace
 from PySide6.QtCore import Qt
 
 from app.format import human_bytes
-from app.memory.panel import NO_CACHE, PROJECTION_MODES, shared_note
+from app.memory.panel import NO_CACHE, shared_note
+from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
 
 def _bold_row(window) -> str | None:
     table = window.panel.table
-    for row, mode in enumerate(PROJECTION_MODES):
+    for row, mode in enumerate(MODES):
         item = table.item(row, 0)
         if item is not None and item.font().bold():
             return mode
@@ -145,7 +146,7 @@ def test_free_ram_fits_is_capped_at_the_model_context(window) -> None:
     assert _fits_text(10**9, 8192) == "all 8.19 k"
     assert _fits_text(4000, 8192) == "4.00 k"
     window.panel_feed.refresh()
-    fits = [window.panel.table.item(row, 2) for row in range(len(PROJECTION_MODES))]
+    fits = [window.panel.table.item(row, 2) for row in range(len(MODES))]
     # The tiny model's context is far below what free RAM holds, in every mode.
     assert all(item is not None and item.text().startswith("all ") for item in fits)
 
@@ -163,12 +164,12 @@ def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
     from dataclasses import replace
 
     from app.memory.panel import MemoryPanel
-    from engine.memory.stats import MemorySnapshot, stats_sample
+    from engine.memory.stats import MemoryUsage, stats_sample
 
     panel = MemoryPanel()
     qtbot.addWidget(panel)
     panel.set_session("Notes", "q6", "held", "s1")
-    plain = stats_sample("s1", None, MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None))
+    plain = stats_sample("s1", None, MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None))
     panel.update_sample(plain, 0)
     assert "Other layers" not in panel.kv_label.text()
     windows = replace(plain, other_cache_bytes=20 << 20, other_cache_bound_bytes=24 << 20,

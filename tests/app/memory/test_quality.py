@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 
 import engine.session.quality_check as quality_check
-from app.memory.panel import NOT_MEASURED, PROJECTION_MODES, QUALITY_COLUMN
+from app.memory.panel import NOT_MEASURED, QUALITY_COLUMN
 from app.memory.quality import receipt_line
 from app.store import HistoryStore
 from engine import QualityReceipt
+from engine.cache.modes import MODES
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
 RECEIPT = QualityReceipt(mode="q6", rotated=True, window_tokens=1024, context_tokens=5210,
@@ -17,7 +18,7 @@ RECEIPT = QualityReceipt(mode="q6", rotated=True, window_tokens=1024, context_to
 
 
 def _quality_cell(window, mode: str) -> str:
-    return window.panel.table.item(PROJECTION_MODES.index(mode), QUALITY_COLUMN).text()
+    return window.panel.table.item(MODES.index(mode), QUALITY_COLUMN).text()
 
 
 def test_receipt_line_says_what_was_measured() -> None:

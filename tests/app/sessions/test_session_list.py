@@ -7,9 +7,9 @@ from PySide6.QtWidgets import QInputDialog, QMessageBox
 from app.sessions.session_list import (
     ANSWERING,
     NO_MATCH,
-    AnsweringRole,
     RecordRole,
     SessionList,
+    StateRole,
     detail_text,
 )
 from app.store import HistoryStore
@@ -67,19 +67,23 @@ def test_a_search_without_a_match_says_so(qtbot) -> None:
     store.close()
 
 
-def test_the_answering_chat_says_so_instead_of_a_token_count(qtbot) -> None:
+def test_a_chat_with_a_job_says_what_it_does_instead_of_a_token_count(qtbot) -> None:
     store = HistoryStore()
     answering = store.create_session("Answering", "q8", "demo")
+    waiting = store.create_session("Waiting", "q6", "demo")
     idle = store.create_session("Idle", "q4", "demo")
     store.set_tokens(idle.id, 1234)
     sidebar = SessionList()
     qtbot.addWidget(sidebar)
-    sidebar.set_sessions(store.sessions(), idle.id, answering.id)
+    sidebar.set_sessions(store.sessions(), idle.id,
+                         {answering.id: "answering", waiting.id: "waiting"})
     lines = {}
     for row in range(sidebar.list.count()):
         item = sidebar.list.item(row)
         record = item.data(RecordRole)
-        lines[record.id] = detail_text(record, bool(item.data(AnsweringRole)))
+        lines[record.id] = detail_text(record, item.data(StateRole))
     assert lines[answering.id] == ANSWERING
+    assert lines[waiting.id] == "Waiting…"
     assert lines[idle.id].startswith("1,234 tokens · ")
+    assert detail_text(idle, "reading") == "Reading…"
     store.close()

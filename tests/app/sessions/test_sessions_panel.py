@@ -18,11 +18,9 @@ from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 @pytest.mark.parametrize("mode", ["q8", "q6", "q4", "fp16"])
 def test_a_new_session_per_mode(qtbot, window, mode) -> None:
     c = window.controller
-    opened = []
-    c.bridge.sessionOpened.connect(opened.append)
     record = c.new_session(mode)
     assert send_and_wait(qtbot, window, "hello there") == "complete"
-    assert [(e.session_id, e.kv_mode) for e in opened] == [(record.id, mode)]
+    assert c.caches.opened == {record.id: mode}
     sample = c.bridge.latest_stats()
     assert sample.session_id == record.id and sample.kv_mode == mode
     assert sample.tokens_in_context > 0
@@ -102,8 +100,8 @@ def test_reopen_in_another_mode_reingests_the_conversation(qtbot, window) -> Non
     c.new_session("q8")
     send_and_wait(qtbot, window, "Remember the pines")
     source = c.current
-    with qtbot.waitSignal(c.bridge.finished, timeout=ANSWER_TIMEOUT_MS,
-                          check_params_cb=lambda e: e.reason == "done"):
+    with qtbot.waitSignal(c.bridge.ended, timeout=ANSWER_TIMEOUT_MS,
+                          check_params_cb=lambda e: getattr(e, "reason", "") == "done"):
         reopened = c.reopen_in("q4")
     assert reopened.kv_mode == "q4" and c.current.id == reopened.id
     qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)

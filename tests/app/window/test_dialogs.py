@@ -192,5 +192,6 @@ def test_rotation_is_a_saved_choice_that_new_chats_open_with(qtbot) -> None:
     bridge = type("Bridge", (), {"open_session": lambda self, *a, **k: opened.append((a, k))
                                  or 1, "close_session": lambda self, sid, keep=True: None})()
     caches = SessionCaches(bridge, Settings())
-    caches.ensure_open(type("Record", (), {"id": "s", "kv_mode": "q6"})(), lambda: None)
-    assert opened and opened[0][1] == {"rotate": True}
+    caches.ensure_open(type("Record", (), {"id": "s", "kv_mode": "q6"})(), lambda: None,
+                       lambda _failed: None)
+    assert opened and opened[0][0][3] is True  # (session, mode, page size, rotate, handler)

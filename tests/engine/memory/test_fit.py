@@ -12,8 +12,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load
 
 from engine.cache import kvquant
+from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong
-from engine.memory.fit import MODES, PREFILL_SCRATCH_BYTES, PrefillFacts, fit_report, prefill_facts
+from engine.memory.fit import MODES, PrefillFacts, fit_report, prefill_facts
 from engine.session.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -121,7 +122,7 @@ def test_the_prefill_transient_must_fit_free_ram_beside_the_pages() -> None:
     assert not report.fits and report.suggested_mode == "q4"
     page = kvquant.project_kv_bytes(16, 4, 256, 256, "q6")
     assert report.for_mode("q6").tokens_fit_ram == (available - 512 * MIB) // page * 256
-    assert "after the safety headroom and 512.0 MiB for reading it in" in report.message()
+    assert "after the safety headroom and 512.0 MB for reading it in" in report.message()
 
 
 @pytest.fixture(scope="module")

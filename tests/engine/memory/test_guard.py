@@ -25,6 +25,7 @@ from engine.events import (
     StatsSample,
     TokenChunk,
 )
+from engine.format import human_bytes
 from engine.memory.guard import (
     GIB,
     MIB,
@@ -32,7 +33,6 @@ from engine.memory.guard import (
     MemoryReading,
     default_floor,
     default_headroom,
-    human_bytes,
     system_memory,
 )
 from engine.models.loader import estimate_load_bytes
@@ -146,11 +146,11 @@ def test_critical_pressure_from_floor_or_macos_level() -> None:
     memory.pressure = "warning"
     assert guard.critical() is None  # warning is normal life on macOS
     memory.pressure = "critical"
-    assert guard.critical() == "macOS reports critical memory pressure (600.0 MiB available)"
+    assert guard.critical() == "macOS reports critical memory pressure (600.0 MB available)"
     memory.pressure = None
     memory.available = 400 * MIB
-    assert guard.critical() == ("system memory is critically low (400.0 MiB available of "
-                                "8.00 GiB, below the 512.0 MiB safety floor)")
+    assert guard.critical() == ("system memory is critically low (400.0 MB available of "
+                                "8.0 GB, below the 512.0 MB safety floor)")
     with pytest.raises(MemoryPressure, match=r"did not start the answer: system memory is "
                                              r"critically low .*Close other apps"):
         guard.check_pressure("the answer")
@@ -265,9 +265,9 @@ def test_model_load_refusal_names_needed_free_and_a_fitting_size() -> None:
     with pytest.raises(InsufficientMemory) as error:
         guard.check_load(8 * GIB, name="Big-8B", quantized=False)
     message = str(error.value)
-    assert message.startswith("Loading Big-8B needs about 8.00 GiB of memory, but only "
-                              "2.60 GiB is free for it (5.00 GiB available, 2.40 GiB kept free")
-    assert "A 4-bit version of this model (about 2.50 GiB) would fit" in message
+    assert message.startswith("Loading Big-8B needs about 8.0 GB of memory, but only "
+                              "2.6 GB is free for it (5.0 GB available, 2.4 GB kept free")
+    assert "A 4-bit version of this model (about 2.5 GB) would fit" in message
     assert error.value.needed_bytes == 8 * GIB
     assert error.value.free_bytes == 5 * GIB - int(16 * GIB * 0.15)
     with pytest.raises(InsufficientMemory, match="choose a smaller model"):
@@ -279,8 +279,9 @@ def test_load_estimate_comes_from_safetensors_headers(tmp_path: Path) -> None:
     needed, quantized = estimate_load_bytes(folder)
     data = (folder / "model.safetensors").stat().st_size
     header = int.from_bytes((folder / "model.safetensors").read_bytes()[:8], "little")
-    # CPU backend: float16 weights are computed in float32, twice their file size.
-    assert needed == 2 * (data - 8 - header) and not quantized
+    # CPU backend: float16 weights are computed in float32, twice their file size,
+    # plus the load-time probe's working set (tests/engine/models/test_load_estimate.py).
+    assert needed > 2 * (data - 8 - header) and not quantized
 
 
 # -- sessions ------------------------------------------------------------------
@@ -318,7 +319,7 @@ def test_ingest_past_free_ram_is_refused_up_front_with_numbers(llama) -> None:
     with pytest.raises(ContextTooLong) as error:
         _ingest(session, _user(QUESTION * 4), Recorder())
     message = str(error.value)
-    assert (f"free RAM (24.0 KiB after the safety headroom and {human_bytes(transient)} for "
+    assert (f"free RAM (24.0 KB after the safety headroom and {human_bytes(transient)} for "
             "reading it in) holds about 48 tokens in fp16") in message
     assert re.search(r"Reopen this conversation in q[864] to fit it\.$", message)
     assert session.tokens == [] and session.tokens_ingested == 0
@@ -386,7 +387,7 @@ def test_ingest_stops_cleanly_between_chunks_under_pressure(llama) -> None:
     held = prompt[: start + recorder.of(IngestProgress)[-1].tokens_done]
     assert str(error.value) == (
         "Longleaf stopped reading the conversation in: macOS reports critical memory "
-        f"pressure (16.00 GiB available). It kept {len(held):,} of {len(prompt):,} tokens; "
+        f"pressure (16.0 GB available). It kept {len(held):,} of {len(prompt):,} tokens; "
         "close other apps or conversations to free memory, then send again to continue "
         "from there.")
     assert session.tokens == held and adapter.cache_tokens(session.cache) == len(held)
@@ -467,7 +468,7 @@ def test_worker_refuses_a_model_that_does_not_fit_and_keeps_the_loaded_one(
     failed = events.ending(worker.load_model(str(big)))
     assert isinstance(failed, Failed) and failed.error_type == "InsufficientMemory"
     assert failed.message.startswith(f"Loading {big.name} needs about ")
-    assert f"is free for it ({needed / 4 / 2**20:.1f} MiB available" in failed.message
+    assert f"is free for it ({needed / 4 / 2**20:.1f} MB available" in failed.message
     # The refusal changed nothing: the open session still answers.
     memory.available = 16 * GIB
     ending = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
@@ -507,7 +508,7 @@ def test_worker_chat_ends_with_reason_memory(llama, worker_with) -> None:
     # Starting again while memory is still critical is refused with the numbers.
     failed = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
     assert isinstance(failed, Failed) and failed.error_type == "MemoryPressure"
-    assert "512.0 MiB available" in failed.message
+    assert "512.0 MB available" in failed.message
 
 
 def test_worker_sessions_share_one_budget(llama, worker_with) -> None:
@@ -574,7 +575,7 @@ def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) 
     held = session.stats().bytes_allocated
     prompt = session.render(messages, add_generation_prompt=False)
     assert str(error.value).startswith(f"This conversation needs {len(prompt):,} tokens")
-    assert (f"free RAM ({held / 1024:.1f} KiB after the safety headroom and {transient} for "
+    assert (f"free RAM ({held / 1024:.1f} KB after the safety headroom and {transient} for "
             f"reading it in) holds about {held // PAGE * 16} tokens in fp16") in str(error.value)
     # The chunks read before RAM ran out stay held, and the message says how many.
     kept = len(session.tokens)

@@ -2,48 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
 
+from engine.cache.adapter import CacheStats, LayerStats
 from engine.events import LayerPages, StatsSample
 from engine.memory.stats import (
-    MemorySnapshot,
+    MemoryUsage,
     StatsThrottle,
-    memory_snapshot,
+    memory_usage,
     pressure_level,
     stats_sample,
 )
 
 
-@dataclass
-class FakeLayer:
-    layer: int
-    pages_in_use: int
-    tokens: int
-    bytes_used: int
+def cache_stats(**changes) -> CacheStats:
+    layers = (LayerStats(0, 2, 300, 500), LayerStats(1, 2, 300, 500))
+    stats = CacheStats(mode="q6", page_size=256, tokens=300, pages_in_use=4, pages_allocated=6,
+                       pages_free=2, last_page_fill=44 / 256, bytes_used=1000,
+                       bytes_allocated=1500, budget_bytes=None, layers=layers)
+    return dataclasses.replace(stats, **changes)
 
 
-@dataclass
-class FakeCacheStats:
-    mode: str = "q6"
-    page_size: int = 256
-    tokens: int = 300
-    pages_in_use: int = 4
-    pages_allocated: int = 6
-    pages_free: int = 2
-    last_page_fill: float = 44 / 256
-    bytes_used: int = 1000
-    bytes_allocated: int = 1500
-    budget_bytes: int | None = None
-    layers: tuple = (FakeLayer(0, 2, 300, 500), FakeLayer(1, 2, 300, 500))
-
-
-def test_memory_snapshot_is_plausible() -> None:
+def test_memory_usage_is_plausible() -> None:
     mx.eval(mx.ones((256, 256)))
-    snap = memory_snapshot()
+    snap = memory_usage()
     assert snap.system_total_bytes > 0
     assert 0 <= snap.system_available_bytes <= snap.system_total_bytes
     assert 0.0 <= snap.system_used_percent <= 100.0
@@ -63,8 +49,8 @@ def test_pressure_level_on_macos() -> None:
 
 
 def test_stats_sample_copies_cache_and_memory_fields() -> None:
-    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, "normal")
-    sample = stats_sample("s1", FakeCacheStats(), memory)
+    memory = MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, "normal")
+    sample = stats_sample("s1", cache_stats(), memory)
     assert isinstance(sample, StatsSample)
     assert (sample.session_id, sample.kv_mode, sample.tokens_in_context) == ("s1", "q6", 300)
     assert (sample.kv_bytes_used, sample.kv_bytes_allocated) == (1000, 1500)
@@ -79,8 +65,8 @@ def test_stats_sample_copies_cache_and_memory_fields() -> None:
 
 
 def test_stats_sample_carries_the_predicted_prefill_peak() -> None:
-    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
-    sample = stats_sample("s1", FakeCacheStats(), memory, prefill_peak_bytes=3 * 2**30,
+    memory = MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    sample = stats_sample("s1", cache_stats(), memory, prefill_peak_bytes=3 * 2**30,
                           checkpoint_bytes=5 * 2**20)
     assert sample.prefill_peak_bytes == 3 * 2**30 and sample.kv_bytes_allocated == 1500
     assert sample.checkpoint_bytes == 5 * 2**20
@@ -108,12 +94,11 @@ def test_throttle_is_due_once_per_interval() -> None:
 def test_stats_sample_carries_the_layers_outside_the_pages() -> None:
     from engine.cache.other_layers import OtherLayers
 
-    memory = MemorySnapshot(1, 2, 3, 4, 5, 6, 7.5, 8, None)
-    cache = FakeCacheStats()
-    cache.other_bytes = 20 * 2**20
+    memory = MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None)
+    cache = cache_stats(other_bytes=20 * 2**20)
     sample = stats_sample("s1", cache, memory,
                           other_layers=OtherLayers(24 * 2**20, "sliding windows"))
     assert sample.other_cache_bytes == 20 * 2**20
     assert sample.other_cache_bound_bytes == 24 * 2**20
     assert sample.other_cache_kinds == "sliding windows"
-    assert stats_sample("s1", FakeCacheStats(), memory).other_cache_kinds == ""
+    assert stats_sample("s1", cache_stats(), memory).other_cache_kinds == ""

@@ -407,3 +407,41 @@ def test_open_session_can_rotate_the_rows_and_says_so(start_worker, model_dirs) 
     for session_id in ("r", "p"):
         ending = log.ending(worker.chat(session_id, MESSAGES, GREEDY, threading.Event()))
         assert isinstance(ending, Finished) and ending.stats.generated_tokens > 0
+
+
+def test_closing_a_chat_mid_answer_cancels_the_answer(model_dirs, tmp_path,
+                                                      monkeypatch) -> None:
+    from engine import SnapshotStore
+    from engine.session.sampling import AnswerStream
+
+    log = EventLog()
+    closes: list[int] = []
+    chats: list[int] = []
+    answer = SamplingParams(temperature=0.0, max_tokens=400)
+    streamed = AnswerStream.stream
+
+    def stream(self: AnswerStream, token: int) -> None:
+        streamed(self, token)
+        # The window closes the chat while its answer streams: here, on the engine
+        # thread after the first token, so the answer cannot have ended before.
+        if self.request_id in chats and not closes:
+            closes.append(worker.close_session("s"))
+
+    monkeypatch.setattr(AnswerStream, "stream", stream)
+    worker = EngineWorker(log, snapshots=SnapshotStore(tmp_path / "kv"))
+    worker.start()
+    try:
+        log.result(worker.load_model(str(model_dirs["llama"])), ModelLoaded)
+        log.result(worker.open_session("full", "q8", 16), SessionOpened)
+        full = log.ending(worker.chat("full", MESSAGES, answer, threading.Event()))
+        assert full.stats.generated_tokens > 8  # long enough for a cut to show
+        log.result(worker.open_session("s", "q8", 16), SessionOpened)
+        chats.append(worker.chat("s", MESSAGES, answer, threading.Event()))
+        ending = log.ending(chats[0])
+        assert isinstance(ending, Finished) and ending.reason == "cancelled", ending
+        assert 0 < ending.stats.generated_tokens < full.stats.generated_tokens
+        assert log.ending(closes[0]).reason == "done"
+        # The partial answer went to the stored KV, as a close after an answer does.
+        assert "s" in [info.name for info in worker._snapshots.store.per_snapshot()]
+    finally:
+        worker.shutdown(timeout=10.0)

@@ -271,25 +271,56 @@ def test_a_manifest_without_data_is_removed(models, saved):
     _assert_rejected_and_removed(models, manifest.parent, [*session.tokens, 1])
 
 
+def _reseal(manifest: Path, change) -> None:
+    """Rewrite the manifest through ``change`` and seal it again, as an attacker or a
+    buggy writer could: its own checksum then passes."""
+    from engine.snapshots.manifest import sealed
+
+    record = json.loads(manifest.read_text())
+    record.pop("manifest_sha256")
+    change(record)
+    manifest.write_bytes(sealed(record))
+
+
+def _set_aside_files(folder: Path) -> list[str]:
+    return sorted(p.name.split(".")[0] + p.suffix for p in (folder / "set-aside").iterdir())
+
+
 @pytest.mark.parametrize("other", ["llama-seed1", "qwen3_next"])
-def test_another_models_snapshot_is_refused_and_kept(models, saved, other):
+def test_another_models_snapshot_is_set_aside_once(models, saved, other):
     session, manifest = saved
     stranger = _session(models[other])
     with pytest.raises(SnapshotRejected) as caught:
         load_snapshot(stranger, manifest.parent, "chat", [*session.tokens, 1])
-    assert caught.value.reason == "model" and not caught.value.removed
+    assert caught.value.reason == "model" and caught.value.set_aside
+    assert not caught.value.removed
+    assert "another model" in str(caught.value) and "set aside" in str(caught.value)
     assert stranger.tokens == [] and adapter.cache_tokens(stranger.cache) == 0
-    assert manifest.exists() and _data_file(manifest).exists()
+    assert not manifest.exists()
+    assert _set_aside_files(manifest.parent) == ["chat.json", "chat.safetensors"]
+    # Told once: the next reopen finds nothing to refuse.
+    assert load_snapshot(stranger, manifest.parent, "chat", [*session.tokens, 1]) == 0
 
 
-def test_another_format_version_is_refused_and_kept(models, saved, monkeypatch):
-    from engine.snapshots import snapshot
-
+def test_an_older_format_version_is_set_aside_once(models, saved):
     session, manifest = saved
-    monkeypatch.setattr(snapshot, "FORMAT_VERSION", 2)
+    _reseal(manifest, lambda m: m.update(version=1))
+    reopened = _session(models["llama"])
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(reopened, manifest.parent, "chat", [*session.tokens, 1])
+    assert caught.value.reason == "format" and caught.value.set_aside
+    assert "earlier version of Longleaf" in str(caught.value)
+    assert _set_aside_files(manifest.parent) == ["chat.json", "chat.safetensors"]
+    assert load_snapshot(reopened, manifest.parent, "chat", [*session.tokens, 1]) == 0
+
+
+def test_a_newer_format_version_is_refused_and_kept(models, saved):
+    session, manifest = saved
+    _reseal(manifest, lambda m: m.update(version=99))
     with pytest.raises(SnapshotRejected) as caught:
         load_snapshot(_session(models["llama"]), manifest.parent, "chat", [*session.tokens, 1])
-    assert caught.value.reason == "format" and manifest.exists()
+    assert caught.value.reason == "format" and not caught.value.set_aside
+    assert manifest.exists() and _data_file(manifest).exists()
 
 
 def test_files_are_private(saved):

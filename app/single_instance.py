@@ -1,0 +1,159 @@
+"""One Longleaf per data folder.
+
+The running app holds a lock file in its data folder; a second launch on the
+same folder does not open a second window (which would mark the first one's
+live answer interrupted and sweep its half-written files) but hands the files
+it was given to the first through a local socket, which attaches them as if
+they had been dropped on its window, and exits. QLockFile records the holder's
+pid and host, so a lock a crashed app left is taken over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from PySide6.QtCore import QLockFile, QObject, QStandardPaths, Signal
+from PySide6.QtNetwork import QLocalServer, QLocalSocket
+
+LOCK_NAME = "longleaf.lock"
+SOCKET_NAME = "longleaf.sock"
+MAX_SOCKET_PATH = 100  # sun_path is 104 bytes on macOS, 108 on Linux
+CONNECT_MS = 2000
+HANDOFF_WAIT_S = 10.0  # a first instance that holds the lock may still be starting
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+def socket_name(folder: Path) -> str:
+    """The local socket of the app that holds ``folder``: a path inside it when short
+    enough for a Unix socket, else the user's own runtime folder (never the shared
+    /tmp, where Qt would put a bare name)."""
+    inside = folder / SOCKET_NAME
+    if len(str(inside).encode()) <= MAX_SOCKET_PATH:
+        return str(inside)
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or (
+        QStandardPaths.writableLocation(QStandardPaths.StandardLocation.RuntimeLocation)
+        if sys.platform == "darwin" else "")
+    if not runtime:
+        return str(inside)  # too long to listen on: a second launch then waits and says so
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    return str(Path(runtime) / f"longleaf-{digest}.sock")
+
+
+class InstanceLock(QObject):
+    """The data folder's lock, and the server that takes files from later launches.
+
+    Args:
+        folder: the data folder.
+    """
+
+    filesReceived = Signal(list)  # absolute paths
+
+    def __init__(self, folder: Path, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.folder = folder
+        self._lock = QLockFile(str(folder / LOCK_NAME))
+        self._lock.setStaleLockTime(0)  # stale only when its holder is gone, never by age
+        self._server: QLocalServer | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock now if no live process holds it; True when this one does."""
+        if not self._lock.tryLock(0):
+            return False
+        # QLockFile leaves the umask's mode; everything in the data folder is user-only.
+        os.chmod(self.folder / LOCK_NAME, 0o600)
+        return True
+
+    def held_elsewhere(self) -> bool:
+        """After a failed ``acquire``: True when another live process holds the lock
+        (False when the lock file could not be made at all, e.g. a read-only folder)."""
+        return self._lock.error() == QLockFile.LockError.LockFailedError
+
+    def listen(self) -> bool:
+        """Start taking files from later launches; call once the lock is held."""
+        name = socket_name(self.folder)
+        QLocalServer.removeServer(name)  # a crashed holder's socket file; we hold the lock
+        server = QLocalServer(self)
+        server.setSocketOptions(QLocalServer.SocketOption.UserAccessOption)
+        server.newConnection.connect(self._on_connection)
+        if not server.listen(name):
+            return False
+        self._server = server
+        return True
+
+    def release(self) -> None:
+        """Stop listening and give the lock up."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._lock.unlock()
+
+    def _on_connection(self) -> None:
+        assert self._server is not None
+        while self._server.hasPendingConnections():
+            socket = self._server.nextPendingConnection()
+            received = bytearray()
+
+            def read(socket: QLocalSocket = socket, received: bytearray = received) -> None:
+                received.extend(bytes(socket.readAll().data()))
+                if len(received) > MAX_MESSAGE_BYTES:
+                    socket.abort()
+
+            def done(socket: QLocalSocket = socket, received: bytearray = received) -> None:
+                read()
+                socket.deleteLater()
+                paths = _paths(bytes(received))
+                if paths:
+                    self.filesReceived.emit(paths)
+
+            socket.readyRead.connect(read)
+            socket.disconnected.connect(done)
+
+
+def _paths(message: bytes) -> list[str]:
+    try:
+        files = json.loads(message.decode("utf-8")).get("files", [])
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return []
+    return [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
+
+
+def hand_over(folder: Path, files: list[str]) -> bool:
+    """Send ``files`` to the app that holds ``folder``; True once it has them."""
+    socket = QLocalSocket()
+    socket.connectToServer(socket_name(folder))
+    if not socket.waitForConnected(CONNECT_MS):
+        return False
+    absolute = [str(Path(f).absolute()) for f in files]
+    socket.write(json.dumps({"files": absolute}).encode("utf-8"))
+    sent = socket.waitForBytesWritten(CONNECT_MS) or not socket.bytesToWrite()
+    socket.disconnectFromServer()
+    if socket.state() != QLocalSocket.LocalSocketState.UnconnectedState:
+        socket.waitForDisconnected(CONNECT_MS)
+    return sent
+
+
+def hand_over_or_take(lock: InstanceLock, files: list[str],
+                      wait_s: float = HANDOFF_WAIT_S) -> bool:
+    """While another live process holds the lock, hand ``files`` to it.
+
+    Returns:
+        True when the running app took them (this launch should exit); False when
+        the lock is now this process's (the other one exited meanwhile).
+
+    Raises:
+        TimeoutError: the holder neither answers nor exits within ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        if hand_over(lock.folder, files):
+            return True
+        if lock.acquire():
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Longleaf that holds {lock.folder} does not answer")
+        time.sleep(0.2)

@@ -1,0 +1,1 @@
+"""Running one model over several processes (machines) with MLX's distributed engine."""

@@ -1,0 +1,213 @@
+"""The controller driven through the request registry by a scripted engine.
+
+A fake worker stands behind the real ``EngineBridge``: it records each request
+and the test plays the engine's events back, so every step of the routing is
+checked (which handler gets an event, what waits in line, what Stop stops)
+without a model or a thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from app.controller import ChatController
+from app.engine_bridge import EngineBridge
+from app.settings import Settings
+from app.store import HistoryStore
+from engine import (
+    Failed,
+    Finished,
+    IngestProgress,
+    ModelLoaded,
+    Notice,
+    SamplingParams,
+    SessionOpened,
+    TokenChunk,
+)
+
+
+class ScriptedWorker:
+    """Takes requests like ``EngineWorker`` and answers only when the test says."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.requests: list[tuple[int, str, tuple, threading.Event | None]] = []
+        self.alive = False
+
+    def _take(self, name: str, *args, cancel: threading.Event | None = None) -> int:
+        request_id = next(self._ids)
+        self.requests.append((request_id, name, args, cancel))
+        return request_id
+
+    def last(self, name: str) -> tuple[int, tuple, threading.Event | None]:
+        request_id, _name, args, cancel = [r for r in self.requests if r[1] == name][-1]
+        return request_id, args, cancel
+
+    def names(self) -> list[str]:
+        return [r[1] for r in self.requests]
+
+    def start(self) -> None:
+        self.alive = True
+
+    def join(self, _timeout: float | None = None) -> bool:
+        return not self.alive
+
+    def shutdown(self, _timeout: float = 2.0) -> None:
+        self.alive = False
+
+    def load_model(self, path):
+        return self._take("load", path)
+
+    def open_session(self, session_id, mode, page_size, rotate):
+        return self._take("open", session_id, mode)
+
+    def chat(self, session_id, messages, sampling, cancel):
+        return self._take("chat", session_id, messages, cancel=cancel)
+
+    def ingest(self, session_id, messages, cancel):
+        return self._take("ingest", session_id, messages, cancel=cancel)
+
+    def check_quality(self, session_id, messages, cancel):
+        return self._take("quality", session_id, messages, cancel=cancel)
+
+    def configure(self, *, budget_bytes, chunk_size):
+        return self._take("configure", budget_bytes, chunk_size)
+
+    def set_snapshot_budget(self, budget_bytes):
+        return self._take("snapshot_budget", budget_bytes)
+
+    def clear_snapshots(self, session_id):
+        return self._take("clear_snapshots", session_id)
+
+    def close_session(self, session_id, keep):
+        return self._take("close", session_id, keep)
+
+    def latest_stats(self):
+        return None
+
+    def fit_check(self, session_id, token_count):
+        return SimpleNamespace(max_context=8192)
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+
+@pytest.fixture
+def app(qtbot):
+    worker = ScriptedWorker()
+    bridge = EngineBridge(worker_factory=lambda *_args: worker)
+    settings = Settings()
+    settings.sampling = SamplingParams(temperature=0.0, max_tokens=8, seed=0)
+    store = HistoryStore()
+    controller = ChatController(settings, store, bridge)
+    controller.start("tiny")
+    rid, _args, _cancel = worker.last("load")
+    bridge._dispatch(ModelLoaded(rid, SimpleNamespace(name="tiny")))
+    bridge._dispatch(Finished(rid, "done"))
+    bridge._dispatch(Finished(worker.last("snapshot_budget")[0], "done"))
+    assert controller.model_ready and bridge.pending == 0
+    yield SimpleNamespace(c=controller, bridge=bridge, worker=worker, store=store)
+    controller.shutdown(0)
+    store.close()
+
+
+def _open(app, session_id: str) -> None:
+    rid, args, _cancel = app.worker.last("open")
+    assert args[0] == session_id
+    app.bridge._dispatch(SessionOpened(rid, session_id, args[1], 256))
+    app.bridge._dispatch(Finished(rid, "done"))
+
+
+def _answer(app, session_id: str) -> str:
+    return [m for m in app.store.messages(session_id) if m.role == "assistant"][-1].content
+
+
+def test_each_event_reaches_the_request_it_belongs_to(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    assert c.send("first question")
+    _open(app, a.id)
+    chat_a, _args, cancel_a = worker.last("chat")
+    bridge._dispatch(IngestProgress(chat_a, 3, 10, 100.0, 0.1))
+    assert c.activity.states() == {a.id: "reading"}
+    bridge._dispatch(TokenChunk(chat_a, "Pines ", (1,)))
+    assert c.activity.states() == {a.id: "answering"}
+
+    b = c.new_session("q4")  # shown now; A answers on
+    assert c.send("second question")
+    assert worker.names().count("chat") == 1, "B waits in line, not in the engine"
+    assert c.activity.states() == {a.id: "answering", b.id: "waiting"}
+    assert not c.can_regenerate()
+    bridge._dispatch(TokenChunk(chat_a, "grow.", (2,)))
+    bridge._dispatch(TokenChunk(999, "stray", (3,)))  # no request 999: reaches no one
+    c.stop()  # Stop in B stops B's own message, never A
+    assert not cancel_a.is_set() and c.activity.job_of(b.id) is None
+    assert c.send("second question, again")
+    bridge._dispatch(Finished(chat_a, "stop"))
+    assert _answer(app, a.id) == "Pines grow."
+    assert [m.status for m in app.store.messages(a.id)] == ["complete", "complete"]
+    # A ended: B started by itself, its own cache first.
+    _open(app, b.id)
+    chat_b, args, _cancel = worker.last("chat")
+    assert args[0] == b.id and args[1][-1]["content"] == "second question, again"
+    bridge._dispatch(TokenChunk(chat_b, "Yes.", (4,)))
+    c.model.flush()  # streamed text reaches the rows in batches
+    assert c.model.message(c.model.rowCount() - 1).content == "Yes."  # B is shown
+    bridge._dispatch(TokenChunk(chat_a, "late", (5,)))  # A's request has ended
+    bridge._dispatch(Finished(chat_b, "stop"))
+    assert _answer(app, a.id) == "Pines grow." and _answer(app, b.id) == "Yes."
+    assert not c.busy and bridge.pending == 0
+
+
+def test_stop_during_the_open_cancels_once_the_request_exists(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    c.stop()  # its cache is still opening: no request to cancel yet
+    _open(app, a.id)
+    chat_a, _args, cancel = worker.last("chat")
+    assert cancel.is_set()
+    bridge._dispatch(Finished(chat_a, "cancelled"))
+    assert [m.status for m in app.store.messages(a.id)] == ["complete", "stopped"]
+    assert not c.busy
+
+
+def test_failures_go_to_their_request_and_those_of_none_to_the_banner(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    said: list[str] = []
+    c.errorRaised.connect(said.append)
+    a = c.new_session("q8")
+    c.send("hello")
+    rid, _args, _cancel = worker.last("open")
+    bridge._dispatch(Failed(rid, "Not enough memory to open this chat.", "OutOfMemory"))
+    assert said == ["Not enough memory to open this chat."]
+    assert [m.status for m in app.store.messages(a.id)] == ["complete", "failed"]
+    assert not c.busy
+    configure = bridge.configure(-1, 512)
+    bridge._dispatch(Failed(configure, "The KV memory budget cannot be negative.", "E"))
+    assert said[-1] == "The KV memory budget cannot be negative."
+    notices: list[str] = []
+    c.notice.connect(notices.append)
+    bridge._dispatch(Notice(0, "The stored KV cache is from another model."))
+    assert notices == ["The stored KV cache is from another model."]
+
+
+def test_after_close_no_event_touches_the_history(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    _open(app, a.id)
+    chat_a, _args, cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(chat_a, "Hi", (1,)))
+    c.close()
+    assert cancel.is_set()
+    answer = app.store.messages(a.id)[-1]
+    bridge._dispatch(TokenChunk(chat_a, " there", (2,)))
+    bridge._dispatch(Finished(chat_a, "stop"))
+    bridge._dispatch(Notice(chat_a, "late"))
+    assert app.store.messages(a.id)[-1] == answer and answer.status == "stopped"
+    assert bridge.pending == 0

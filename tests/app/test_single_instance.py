@@ -1,0 +1,96 @@
+"""One Longleaf per data folder: a second launch hands its files over and exits 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.__main__ import take_data_folder
+from app.single_instance import InstanceLock, hand_over_or_take, socket_name
+from app.store import HistoryStore
+from engine import data_dir
+
+
+@pytest.fixture
+def first(qapp):
+    """The running app's lock and server on the test's data folder."""
+    lock = InstanceLock(data_dir())
+    assert lock.acquire() and lock.listen()
+    yield lock
+    lock.release()
+
+
+def test_a_second_lock_on_the_folder_is_refused_while_the_first_lives(first) -> None:
+    second = InstanceLock(data_dir())
+    assert not second.acquire() and second.held_elsewhere()
+    first.release()
+    assert second.acquire()  # taken over once the first is gone
+    second.release()
+
+
+def test_files_given_to_a_second_launch_reach_the_first(qtbot, first, tmp_path) -> None:
+    doc = tmp_path / "notes.txt"
+    doc.write_text("hello")
+    second = InstanceLock(data_dir())
+    assert not second.acquire()
+    with qtbot.waitSignal(first.filesReceived, timeout=10_000) as got:
+        assert hand_over_or_take(second, [str(doc)], wait_s=5.0)
+    assert got.args[0] == [str(doc)]
+
+
+def test_take_data_folder_hands_over_and_says_exit_0(qtbot, first, tmp_path) -> None:
+    with qtbot.waitSignal(first.filesReceived, timeout=10_000) as got:
+        lock, code = take_data_folder([str(tmp_path / "a.md")])
+    assert (lock, code) == (None, 0) and got.args[0] == [str(tmp_path / "a.md")]
+
+
+def test_a_second_app_process_hands_its_file_over_and_exits_0(qtbot, first, tmp_path) -> None:
+    """``python -m app FILE`` on a folder another live Longleaf holds; no window, no
+    history write (its live answers would otherwise be marked interrupted)."""
+    store = HistoryStore()
+    session = store.create_session("live", "q8", "demo")
+    store.add_message(session.id, "assistant", "streaming…", "streaming")
+    doc = tmp_path / "from-second.md"
+    doc.write_text("# hi")
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    received: list[list[str]] = []
+    first.filesReceived.connect(received.append)
+    child = subprocess.Popen([sys.executable, "-m", "app", "relative.txt", str(doc)],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+    qtbot.waitUntil(lambda: child.poll() is not None, timeout=60_000)
+    output = child.stdout.read().decode()
+    assert child.returncode == 0, output
+    assert "Traceback" not in output
+    qtbot.waitUntil(lambda: bool(received), timeout=5_000)
+    assert received == [[str(tmp_path / "relative.txt"), str(doc)]]
+    (message,) = store.messages(session.id)
+    assert message.status == "streaming"  # the first one's live answer is untouched
+    store.close()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "import os, sys; from pathlib import Path; from PySide6.QtCore import QLockFile;"
+         f"lock = QLockFile({str(data_dir() / 'longleaf.lock')!r}); lock.setStaleLockTime(0);"
+         "assert lock.tryLock(0); os._exit(0)"],  # dies holding it
+        env=dict(os.environ), capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    assert (data_dir() / "longleaf.lock").exists()
+    lock = InstanceLock(data_dir())
+    assert lock.acquire()
+    lock.release()
+
+
+def test_the_socket_is_never_in_the_shared_tmp_root(tmp_path, monkeypatch) -> None:
+    assert Path(socket_name(tmp_path)).parent == tmp_path
+    deep = tmp_path / ("x" * 120)  # past a Unix socket path's length
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    assert Path(socket_name(deep)).parent == tmp_path / "run"
