@@ -80,12 +80,27 @@ def _messages() -> list[dict[str, str]]:
 @pytest.mark.parametrize("mode", ["fp16", "q6"])
 def test_greedy_answer_matches_plain_decoding(tiny, arch: str, mode: str) -> None:
     plain = Session("plain", tiny[arch], mode)
-    _, _, expected = _answer(plain, _messages(), GREEDY)
+    plain_reason, _, expected = _answer(plain, _messages(), GREEDY)
     spec = Session("spec", tiny[arch], mode)
-    _, stats, got = _answer(spec, _messages(), replace(GREEDY, speculative="lookup"))
+    reason, stats, got = _answer(spec, _messages(), replace(GREEDY, speculative="lookup"))
+    assert reason == plain_reason
     assert stats.draft_tokens > 0 and stats.decode_steps <= len(got) + 1
     first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
     assert first is None, (arch, mode, first, expected, got)
     assert len(got) == len(expected)
     # The cache holds exactly the ids the session says it holds.
     assert spec.stats().tokens == len(spec.tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_sampled_answers_with_processors_keep_the_cache_consistent(tiny, arch: str) -> None:
+    sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1,
+                              max_tokens=30, seed=5)
+    session = Session("sampled", tiny[arch], "q8")
+    reason, stats, ids = _answer(session, _messages(), sampling)
+    assert reason in ("stop", "length") and 0 < len(ids) <= 30
+    assert stats.accepted_tokens <= stats.draft_tokens
+    assert session.stats().tokens == len(session.tokens)
+    # Same seed, same answer: every decision is made from token counts.
+    again = Session("again", tiny[arch], "q8")
+    assert _answer(again, _messages(), sampling)[2] == ids
