@@ -261,7 +261,12 @@ class AnswerStream:
                 self.draft_tokens += len(draft)
                 self.accepted_tokens += accepted
                 reason, kept = self._emit(sampled[:accepted + 1], max_tokens)
-                self._keep([pending, *draft], base, 1 + min(kept, accepted))
+                # As in plain decoding an end-of-turn token stays fed, so the next
+                # turn's template extends the cache.
+                fed_end = reason == "stop" and kept < accepted
+                self._keep([pending, *draft], base, 1 + min(kept, accepted) + fed_end)
+                if reason == "stop" and not fed_end:
+                    self._feed(sampled[accepted])
                 if reason is not None:
                     return reason
                 pending = sampled[accepted]
@@ -316,6 +321,17 @@ class AnswerStream:
             if len(self.generated) >= max_tokens:
                 return "length", i
         return None, len(tokens)
+
+    def _feed(self, token: int) -> None:
+        """Feed one token without sampling after it (an answer's end-of-turn token)."""
+        try:
+            adapter.ensure_capacity(self.cache, 1)
+        except KvBudgetExceeded:
+            return  # as plain decoding: at the budget the end token stays unfed
+        self.model(mx.array([token])[None], cache=self.cache)
+        mx.eval(adapter.eval_targets(self.cache))
+        self.held.append(token)
+        self.index.extend([token])
 
     def _keep(self, fed: list[int], base: int, count: int) -> None:
         """Keep the first ``count`` of the ``fed`` tokens in the cache, drop the rest.
