@@ -38,7 +38,8 @@ class SamplingParams:
         seed: random seed for reproducible sampling, or None.
         speculative: "lookup" proposes tokens found in the chat's own text and
             verifies them in one forward pass (same answer, fewer passes);
-            "off" decodes one token per pass.
+            "off" decodes one token per pass (the default until the benchmark
+            shows lookup never slower: docs/benchmarks.md).
     """
 
     temperature: float = 0.7
@@ -48,7 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int = 512
     seed: int | None = None
-    speculative: str = "lookup"
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         problems = []
