@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from engine.cache import kvquant
 from engine.cache.modes import MODES
-from engine.distributed.launch import launch, rank_report_dir, write_rank_report
+from engine.distributed.launch import launch, rank_report_dir, write_rank_pid, write_rank_report
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
 from engine.memory.fit import facts_from_info
@@ -94,6 +94,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     import mlx.core as mx
 
     group = mx.distributed.init()
+    write_rank_pid(report_dir, group.rank())
     result, collector = _run(args, None, pipeline=group)
     sample = collector.stats
     write_rank_report(report_dir, group.rank(), {
@@ -126,10 +127,10 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         # The session's KV cache is stored when the worker shuts down and reused
         # for the longest matching prefix of the next run's prompt.
         snapshots = SnapshotStore(args.session_dir)
-    # Fixed chunks: the same prompt always prefills the same way (parity, benchmarks,
-    # and a pipeline's ranks, which must run the same steps in lock-step).
-    worker = EngineWorker(collector, chunk_size=args.chunk_size, adaptive_chunks=False,
-                          snapshots=snapshots, pipeline=pipeline)
+    # A pipeline's ranks run the same steps in lock-step: the chunk plan, from token
+    # positions and the chunk setting only, is the same on every rank.
+    worker = EngineWorker(collector, chunk_size=args.chunk_size, snapshots=snapshots,
+                          pipeline=pipeline)
     worker.start()
     try:
         worker.load_model(args.model)

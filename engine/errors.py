@@ -7,7 +7,21 @@ class EngineError(Exception):
     """Base of every error the engine reports to the app.
 
     The message says what went wrong and what the user can do about it.
+
+    Attributes:
+        kept_tokens: when the error stopped reading a conversation in midway,
+            the tokens of it the cache still holds (the next request continues
+            from them); None otherwise.
+        total_tokens: the conversation's tokens, beside ``kept_tokens``.
     """
+
+    kept_tokens: int | None = None
+    total_tokens: int | None = None
+
+    def stopped_reading(self, kept: int, total: int) -> EngineError:
+        """This error, saying it stopped a read at ``kept`` of ``total`` tokens."""
+        self.kept_tokens, self.total_tokens = kept, total
+        return self
 
 
 class UnsupportedModeError(EngineError, ValueError):

@@ -8,9 +8,10 @@ cut to the part that fits (``tooLong``); the user takes it or not.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from PySide6.QtCore import QObject, Signal
 
@@ -23,7 +24,6 @@ CHARS_PER_TOKEN_BOUND = 8  # no tokenizer packs more characters into one token
 # Text read to count a file that is too long, so the refusal says its tokens and
 # the part that fits can be offered; longer files are refused by their size.
 READ_CAP_CHARS = 4 * 1024 * 1024
-CUT_TRIES = 8  # token counts spent finding the longest prefix that fits
 
 
 class TooLong:
@@ -33,22 +33,22 @@ class TooLong:
         self.message, self.part = message, part
 
 
-def fitting_prefix(text: str, max_tokens: int, count_tokens: Callable[[str], int]) -> str:
-    """The longest prefix of ``text`` (cut at a line end when one is near) within ``max_tokens``."""
-    total = count_tokens(text)
-    if total <= max_tokens:
-        return text
-    cut = int(len(text) * max_tokens / total)
-    for _ in range(CUT_TRIES):
-        if cut <= 0 or count_tokens(text[:cut]) <= max_tokens:
-            break
-        cut = int(cut * 0.95)
-    else:
-        return ""
+def fitting_prefix(text: str, max_tokens: int, ends: Sequence[int]) -> tuple[str, int]:
+    """The longest prefix of ``text`` (cut at a line end when one is near) within
+    ``max_tokens``, and its tokens.
+
+    ``ends`` says where each of ``text``'s tokens ends (one tokenization of the
+    whole text): the cut is found on those offsets, never by tokenizing again.
+    """
+    if len(ends) <= max_tokens:
+        return text, len(ends)
+    if max_tokens < 1:
+        return "", 0
+    cut = ends[max_tokens - 1]
     line_end = text.rfind("\n", 0, cut)
     if line_end > cut * 0.9:
         cut = line_end + 1  # a whole last line reads better than half of one
-    return text[:cut]
+    return text[:cut], bisect.bisect_right(ends, cut)
 
 
 def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) -> str:
@@ -58,7 +58,7 @@ def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) 
             "tokens left in this model's context.")
 
 
-def read_attachment(path: str, max_tokens: int, count_tokens: Callable[[str], int]
+def read_attachment(path: str, max_tokens: int, token_ends: Callable[[str], Sequence[int]]
                     ) -> tuple[AttachmentRecord | TooLong | None, object]:
     """Read and count one file (on a pool thread): the record or what is too long, and notes.
 
@@ -75,20 +75,19 @@ def read_attachment(path: str, max_tokens: int, count_tokens: Callable[[str], in
         size = os.stat(path).st_size
         return None, (too_long_message(name, size, None, max_tokens)
                       + " Split it into smaller files.")
-    tokens = count_tokens(doc.text)
-    record = AttachmentRecord(doc.name, doc.size_bytes, doc.sha256, tokens, doc.text)
-    if tokens > max_tokens:
-        return _too_long(record, max_tokens, count_tokens), doc.notes
+    ends = token_ends(doc.text)  # the one tokenization of this file
+    record = AttachmentRecord(doc.name, doc.size_bytes, doc.sha256, len(ends), doc.text)
+    if len(ends) > max_tokens:
+        return _too_long(record, max_tokens, ends), doc.notes
     return record, doc.notes
 
 
-def _too_long(whole: AttachmentRecord, max_tokens: int,
-              count_tokens: Callable[[str], int]) -> TooLong:
-    text = fitting_prefix(whole.text, max_tokens, count_tokens)
+def _too_long(whole: AttachmentRecord, max_tokens: int, ends: Sequence[int]) -> TooLong:
+    text, tokens = fitting_prefix(whole.text, max_tokens, ends)
     message = too_long_message(whole.name, whole.size, whole.tokens, max_tokens)
     if not text:
         return TooLong(message, None)
-    part = AttachmentRecord(whole.name, whole.size, whole.sha256, count_tokens(text), text)
+    part = AttachmentRecord(whole.name, whole.size, whole.sha256, tokens, text)
     return TooLong(message, part)
 
 
@@ -96,7 +95,7 @@ class DocumentLoader(QObject):
     """Reads files on a private thread pool and reports on the GUI thread.
 
     Args:
-        count_tokens: thread-safe token counter (the engine bridge's).
+        token_ends: where each token of a text ends, thread-safe (the engine bridge's).
     """
 
     loaded = Signal(int, object, object)  # job id, AttachmentRecord, notes tuple
@@ -104,9 +103,10 @@ class DocumentLoader(QObject):
     tooLong = Signal(int, str, object)  # job id, message, the part that fits (or None)
     started = Signal(int, str)  # job id, file name
 
-    def __init__(self, count_tokens: Callable[[str], int], parent: QObject | None = None) -> None:
+    def __init__(self, token_ends: Callable[[str], Sequence[int]],
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.count_tokens = count_tokens
+        self.token_ends = token_ends
         self.jobs = Background(threads=1, parent=self)
         self._ids = itertools.count(1)
         self.pending: set[int] = set()
@@ -119,7 +119,7 @@ class DocumentLoader(QObject):
         job_id = next(self._ids)
         self.pending.add(job_id)
         self.started.emit(job_id, Path(path).name)
-        self.jobs.run(lambda: read_attachment(path, max_tokens, self.count_tokens),
+        self.jobs.run(lambda: read_attachment(path, max_tokens, self.token_ends),
                       lambda outcome: self._finish(job_id, outcome))
         return job_id
 

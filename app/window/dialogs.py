@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -23,6 +25,7 @@ from app.settings import Settings
 from engine import SamplingParams, default_budget, snapshots_dir
 from engine.cache.modes import MODES
 
+SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 GB = 10**9  # disk sizes in decimal gigabytes, as disks are sold and the default is stated
 
 MODE_BLURB = {
@@ -127,7 +130,8 @@ class SettingsDialog(QDialog):
             "store it: same bytes, closer to fp16 (q6's KL to fp16 about 4x lower on the "
             "demo model). The last digits of an answer can then depend on how the text "
             "was split into chunks.")
-        self.rotate.setChecked(bool(settings.rotate_kv))
+        # Unset means the engine's default, which rotates every quantized mode.
+        self.rotate.setChecked(True if settings.rotate_kv is None else settings.rotate_kv)
         form.addRow("", self.rotate)
         self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk)
         form.addRow("Ingest chunk (tokens)", self.chunk)
@@ -142,7 +146,7 @@ class SettingsDialog(QDialog):
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05,
                                           value=sampling.temperature)
         form.addRow("Temperature", self.temperature)
-        self.top_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05,
+        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1.0, singleStep=0.05,
                                     value=sampling.top_p)
         form.addRow("Top-p", self.top_p)
         self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.top_k)
@@ -155,12 +159,6 @@ class SettingsDialog(QDialog):
         form.addRow("Repetition penalty", self.repetition)
         self.max_tokens = QSpinBox(minimum=1, maximum=1_000_000, value=sampling.max_tokens)
         form.addRow("Max answer tokens", self.max_tokens)
-        self.speculative = QCheckBox("Speculative decoding from the chat's own text")
-        self.speculative.setToolTip(
-            "Proposes the next tokens from the document and conversation and checks them "
-            "in one pass: the same answer, faster when it quotes or restates the text.")
-        self.speculative.setChecked(settings.speculative)
-        form.addRow("", self.speculative)
         self.system_prompt = QPlainTextEdit(settings.system_prompt)
         self.system_prompt.setFixedHeight(80)
         form.addRow("System prompt", self.system_prompt)
@@ -174,22 +172,40 @@ class SettingsDialog(QDialog):
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)
         self.accepted.connect(self.apply)
+        # What the widgets show at open (rounded, clamped): a field the user leaves
+        # alone reads back the same and is not written.
+        self._shown = self.edited()
+
+    def edited(self) -> dict[str, object]:
+        """The widgets' values, by the name of the setting each one edits."""
+        seed = self.settings.sampling.seed
+        return {
+            "default_mode": self.mode.currentText(),
+            "page_size": self.page_size.value(),
+            "rotate_kv": self.rotate.isChecked(),
+            "ingest_chunk": self.chunk.value(),
+            "memory_budget_bytes": self.budget.value() * 2**20 or None,
+            "stored_kv_budget_bytes": round(self.disk_budget.value() * GB) or None,
+            "sampling": SamplingParams(
+                temperature=self.temperature.value(), top_p=self.top_p.value(),
+                top_k=self.top_k.value(), min_p=self.min_p.value(),
+                repetition_penalty=self.repetition.value(),
+                max_tokens=self.max_tokens.value(), seed=seed),
+            "system_prompt": self.system_prompt.toPlainText().strip(),
+            "model_folders": [f.strip() for f in self.folders.toPlainText().splitlines()
+                              if f.strip()],
+        }
 
     def apply(self) -> None:
-        """Write the edited values to the settings."""
+        """Write the fields the user changed (and only those) to the settings."""
         s = self.settings
-        s.default_mode = self.mode.currentText()
-        s.page_size = self.page_size.value()
-        s.rotate_kv = self.rotate.isChecked()
-        s.ingest_chunk = self.chunk.value()
-        s.memory_budget_bytes = self.budget.value() * 2**20 or None
-        s.stored_kv_budget_bytes = round(self.disk_budget.value() * GB) or None
-        s.sampling = SamplingParams(
-            temperature=self.temperature.value(), top_p=self.top_p.value(),
-            top_k=self.top_k.value(), min_p=self.min_p.value(),
-            repetition_penalty=self.repetition.value(), max_tokens=self.max_tokens.value(),
-            seed=s.sampling.seed)
-        s.speculative = self.speculative.isChecked()
-        s.system_prompt = self.system_prompt.toPlainText().strip()
-        s.model_folders = [f.strip() for f in self.folders.toPlainText().splitlines() if f.strip()]
+        for name, value in self.edited().items():
+            shown = self._shown[name]
+            if value == shown:
+                continue
+            if name == "sampling":  # one key per spin box: keep the untouched ones as stored
+                changed = {key: getattr(value, key) for key in SAMPLING_KEYS
+                           if getattr(value, key) != getattr(shown, key)}
+                value = replace(s.sampling, **changed)
+            setattr(s, name, value)
         s.sync()

@@ -56,7 +56,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("Longleaf")
         self.setAcceptDrops(True)
         self.resize(initial_size(self.screen().availableSize()))
-        self.loader = DocumentLoader(controller.bridge.count_tokens, self)
+        self.loader = DocumentLoader(controller.bridge.token_ends, self)
         self.attachments: dict[int, AttachmentRecord] = {}
         self.closed_at: float | None = None
         self._opened_folder: str | None = None

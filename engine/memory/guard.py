@@ -10,7 +10,9 @@ free for the system and other apps, and:
   within free RAM minus the headroom, minus what the session's prefill chunk
   needs while it runs (attention scratch and activations), so pages never take
   the memory the next chunk needs;
-- sizes prefill chunks so one chunk's transient fits free RAM;
+- tells a prefill whether free RAM holds its next chunk's transient (the
+  chunk's size is the setting's, never shrunk to fit: a read that does not fit
+  waits or stops, see ``engine.session.prefill``);
 - refuses a model load whose weights would not fit, naming the numbers;
 - watches system memory while the engine works and reports critical pressure
   (available memory below a floor, or macOS's "critical" pressure level), so a
@@ -276,19 +278,6 @@ class MemoryGuard:
         with self._lock:
             self._ram_bound[key] = share is None or ram < share
         return limit
-
-    def chunk_room(self, token_bytes: int, fixed_bytes: int) -> int:
-        """Tokens of the largest prefill chunk whose transient fits free RAM now.
-
-        Args:
-            token_bytes: bytes each chunk token needs (activations and new pages).
-            fixed_bytes: bytes any chunk needs (the attention scratch).
-
-        Returns:
-            The tokens, 0 when not even one fits.
-        """
-        room = self.free_bytes() - fixed_bytes
-        return max(0, room // max(1, token_bytes))
 
     def ram_bound(self, key: str) -> bool:
         """Whether free RAM, not the KV budget, set ``key``'s pool limit last."""

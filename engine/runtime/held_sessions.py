@@ -25,10 +25,10 @@ from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
-from engine.session.prefill import MIN_CHUNK, activation_value_bytes
+from engine.session.prefill import activation_value_bytes
 from engine.session.session import DEFAULT_PAGE_SIZE, Session
 from engine.snapshots.fingerprint import model_fingerprint
-from engine.snapshots.keeper import SnapshotKeeper
+from engine.snapshots.stored_sessions import StoredSessions
 
 if TYPE_CHECKING:
     from engine.models.info import ModelInfo
@@ -39,31 +39,27 @@ class HeldSessions:
 
     Args:
         guard: the memory guard the model load and every session's pages go through.
-        keeper: saves a session's cache as it leaves memory and restores it on return.
+        stored: saves a session's cache to disk as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
         pipeline: an ``mx.distributed`` group: load only this rank's pipeline stage
             of each model (``engine.models.loader.load_model``); None: every layer.
-        chunk_seconds: the prefill chunk time above which a session shrinks its
-            chunks, or None for fixed chunks.
     """
 
     def __init__(
         self,
         guard: MemoryGuard,
-        keeper: SnapshotKeeper,
+        stored: StoredSessions,
         stats: StatsReporter,
         emit: Callable[[object], None],
         *,
-        chunk_seconds: float | None,
         pipeline: Any = None,
     ) -> None:
         self._pipeline = pipeline
         self._guard = guard
-        self._keeper = keeper
+        self._stored = stored
         self._stats = stats
         self._emit = emit
-        self._chunk_seconds = chunk_seconds
         self._lock = threading.Lock()
         self.loaded: Any = None
         self.loaded_bytes = 0  # estimated weight bytes of the loaded model
@@ -81,7 +77,7 @@ class HeldSessions:
             board = {sid: session.fit_inputs() for sid, session in self._sessions.items()}
             board[None] = fit.FitInputs(
                 fit.facts_from_info(self.loaded.info), DEFAULT_PAGE_SIZE, self._guard.view(),
-                prefill=self.prefill, chunk_tokens=min(MIN_CHUNK, chunk_size))
+                prefill=self.prefill, chunk_tokens=chunk_size)
         with self._lock:
             self._fit = board
 
@@ -151,7 +147,7 @@ class HeldSessions:
             self.loaded_bytes = 0
             self.prefill = None
         for session in sessions:
-            self._keeper.keep(session)
+            self._stored.store(session)
             session.close()
         mx.clear_cache()
 
@@ -166,11 +162,11 @@ class HeldSessions:
         with self._lock:
             replaced = self._sessions.pop(session_id, None)
         if replaced is not None:
-            self._keeper.keep(replaced)
+            self._stored.store(replaced)
             replaced.close()
         session = Session(
             session_id, self.loaded, mode, page_size,
-            chunk_size=chunk_size, chunk_seconds=self._chunk_seconds, guard=self._guard,
+            chunk_size=chunk_size, guard=self._guard,
             rotate=rotate,
         )
         with self._lock:
@@ -178,14 +174,14 @@ class HeldSessions:
         self._stats.publish(session)
         return session
 
-    def close(self, session_id: str, keep: bool = True) -> None:
-        """Save (``keep``) and close session ``session_id``, if open, and free its pages."""
+    def close(self, session_id: str, store: bool = True) -> None:
+        """Save (``store``) and close session ``session_id``, if open, and free its pages."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is None:
             return
-        if keep:
-            self._keeper.keep(session)
+        if store:
+            self._stored.store(session)
         with self._lock:
             partners = [s for s in self._sessions.values()
                         if sharing.same_group(s.cache, session.cache)]
@@ -205,20 +201,23 @@ class HeldSessions:
             self._guard.refresh(session.session_id)
 
     def restore(
-        self, session: Session, messages: list[dict[str, str]], request_id: int, *, answer: bool
+        self, session: Session, prompt: list[int], request_id: int, *, answer: bool
     ) -> int:
         """Reopen an empty session from its snapshot, then take a longer prefix another
-        open chat holds (``engine.session.reuse``); the tokens it brought back."""
+        open chat holds (``engine.session.reuse``); the tokens it brought back.
+
+        ``prompt`` is the request's ids of the conversation (rendered once, by the
+        request); ``answer`` says whether its last token is still to be fed.
+        """
         with self._lock:
             others = [s for s in self._sessions.values()
                       if s.tokens and reuse.compatible(session, s)]
-        from_disk = not session.tokens and self._keeper.store is not None
+        from_disk = not session.tokens and self._stored.snapshots is not None
         if not others and not from_disk:
             return 0
-        prompt = session.render(messages, add_generation_prompt=answer)
         reused = 0
         if from_disk:
-            reused = self._keeper.restore(session, prompt, request_id, keep_last=answer)
+            reused = self._stored.restore(session, prompt, request_id, keep_last=answer)
         found = reuse.best_offer(session, others, prompt, keep_last=answer)
         if found is None:
             return reused

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from engine.errors import Cancelled
-from engine.events import Finished, QualityChecked, QualityProgress
+from engine.events import Finished, GenerationStats, QualityChecked, QualityProgress
 from engine.memory.guard import MemoryGuard
 from engine.runtime.commands import Command
 from engine.runtime.held_sessions import HeldSessions
@@ -50,30 +50,40 @@ class SessionRequests:
         """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
         session_id, messages, sampling = command.args
         session = self._held.get(session_id)
-        reused = self._held.restore(session, messages, command.request_id, answer=True)
-        with self._reading(session, command):
-            reason, stats = session.chat(
-                messages, sampling, request_id=command.request_id, cancel=command.cancel,
-                emit=self._emit, tick=self._stats.tick_for(session),
-            )
+        # Rendered and tokenized once for the whole request.
+        prompt = session.prompt(messages, add_generation_prompt=True)
+        reused = self._held.restore(session, prompt.ids, command.request_id, answer=True)
+        try:
+            with self._reading(session):
+                reason, stats = session.chat(
+                    messages, sampling, request_id=command.request_id, cancel=command.cancel,
+                    emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
+                )
+        except Cancelled as stop:
+            # Stopped while reading the conversation in: no answer, the chunks read stay.
+            stats = GenerationStats(stop.total_tokens or 0, 0, None, 0.0, 0.0,
+                                    reused_tokens=reused)
+            return Finished(command.request_id, "cancelled", stats, stop.kept_tokens,
+                            stop.total_tokens)
         if session.memory_stop:
             log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
-        stats = replace(stats, reused_tokens=reused)
-        return Finished(command.request_id, reason, stats, *command.kept())
+        return Finished(command.request_id, reason, replace(stats, reused_tokens=reused))
 
     def ingest(self, command: Command) -> object:
         """Read the conversation into the session's cache without answering."""
         session_id, messages = command.args
         session = self._held.get(session_id)
-        reused = self._held.restore(session, messages, command.request_id, answer=False)
+        prompt = session.prompt(messages, add_generation_prompt=False)
+        reused = self._held.restore(session, prompt.ids, command.request_id, answer=False)
         try:
-            with self._reading(session, command):
+            with self._reading(session):
                 stats = session.ingest(
                     messages, request_id=command.request_id, cancel=command.cancel,
-                    emit=self._emit, tick=self._stats.tick_for(session),
+                    emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
                 )
-        except Cancelled:
-            return Finished(command.request_id, "cancelled", None, *command.kept())
+        except Cancelled as stop:
+            return Finished(command.request_id, "cancelled", None, stop.kept_tokens,
+                            stop.total_tokens)
         return Finished(command.request_id, "done", replace(stats, reused_tokens=reused))
 
     def check_quality(self, command: Command) -> object:
@@ -97,15 +107,13 @@ class SessionRequests:
         return QualityChecked(command.request_id, session_id, receipt)
 
     @contextmanager
-    def _reading(self, session: Session, command: Command) -> Iterator[None]:
-        """Publish the session's stats around a read, with the heartbeat on during it;
-        record on ``command`` where its prefill stopped, however it ends."""
+    def _reading(self, session: Session) -> Iterator[None]:
+        """Publish the session's stats around a read, with the heartbeat on during it."""
         self._stats.publish(session)
         try:
             with self._stats.heartbeat():
                 yield
         finally:
-            command.prefill_stop = session.prefill_stop
             self._stats.publish(session)
 
     def _progress(self, request_id: int) -> Callable[[int, int], None]:

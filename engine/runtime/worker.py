@@ -39,11 +39,11 @@ from engine.runtime.commands import Command
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.prompt_ids import clean_text
+from engine.session.prompt_ids import clean_text, token_ends
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
-from engine.snapshots.keeper import SnapshotKeeper
 from engine.snapshots.store import SnapshotStore
+from engine.snapshots.stored_sessions import StoredSessions
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,9 @@ class EngineWorker:
             on the heartbeat thread); it must be thread-safe.
         budget_bytes: bytes the KV pages of ALL open sessions may take together,
             or None to be bounded only by free RAM minus the guard's headroom.
-        chunk_size: tokens per prefill chunk.
+        chunk_size: tokens per prefill chunk (chunks end at its multiples, so
+            the same conversation is read the same way under any load).
         stats_interval: seconds between ``StatsSample`` events while busy.
-        adaptive_chunks: shrink prefill chunks that take longer than two stats
-            intervals, so stats and progress arrive at >= 2 Hz on slow machines
-            too; False keeps chunk boundaries fixed (reproducible prefill).
         headroom_bytes: RAM to keep free for the system and other apps; None
             keeps max(2 GiB, 15 % of RAM).
         memory_guard: the guard to use (tests inject one with a fake memory
@@ -86,7 +84,6 @@ class EngineWorker:
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         stats_interval: float = 0.25,
-        adaptive_chunks: bool = True,
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
@@ -104,10 +101,10 @@ class EngineWorker:
         self._stopping = threading.Event()
         self._stats = StatsReporter(self._emit, stats_interval,
                                     after_publish=self._publish_fit)
-        self._snapshots = SnapshotKeeper(snapshots, self._emit)
+        self._stored = StoredSessions(snapshots, self._emit)
         self._held = HeldSessions(
-            self.guard, self._snapshots, self._stats, self._emit,
-            chunk_seconds=2 * stats_interval if adaptive_chunks else None, pipeline=pipeline,
+            self.guard, self._stored, self._stats, self._emit,
+            pipeline=pipeline,
         )
         requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
         self._handlers: dict[str, Callable[[Command], object]] = {
@@ -212,10 +209,10 @@ class EngineWorker:
         """
         return self._submit("clear_snapshots", (session_id,))
 
-    def close_session(self, session_id: str, keep: bool = True) -> int:
+    def close_session(self, session_id: str, store: bool = True) -> int:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
 
-        ``keep``: store its KV first, to reopen it later (False: the chat is deleted).
+        ``store``: store its KV on disk first, to reopen it later (False: the chat is deleted).
         An answer or read running in that session is cancelled first, so the close
         does not wait for it to finish; it ends ``Finished("cancelled")`` with what
         it had produced kept in the cache (and so in the stored KV).
@@ -224,7 +221,7 @@ class EngineWorker:
         if (current is not None and current.name in _CANCELLABLE
                 and current.args and current.args[0] == session_id):
             current.cancel.set()
-        return self._submit("close_session", (session_id, keep))
+        return self._submit("close_session", (session_id, store))
 
     def latest_stats(self) -> StatsSample | None:
         """The last snapshot taken; never calls MLX."""
@@ -251,6 +248,18 @@ class EngineWorker:
         if loaded is None:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
+
+    def token_ends(self, text: str) -> list[int]:
+        """Where each of ``text``'s tokens ends, in characters, from one tokenization
+        with the loaded model's tokenizer (``len`` of it is the token count).
+
+        Raises:
+            EngineError: no model is loaded.
+        """
+        loaded = self._held.loaded
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        return token_ends(loaded.tokenizer, text)
 
     @property
     def alive(self) -> bool:
@@ -332,12 +341,12 @@ class EngineWorker:
                     ending = Finished(command.request_id, "done")
         except EngineError as error:
             ending = Failed(command.request_id, str(error), type(error).__name__,
-                            *command.kept())
+                            error.kept_tokens, error.total_tokens)
         except Exception as error:
             log.exception("engine request %s failed", command.name)
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
-                            type(error).__name__, *command.kept())
+                            type(error).__name__)
         # Before the end is announced, so a fit check it prompts sees what it changed.
         self._publish_fit()
         self._emit(ending)
@@ -370,11 +379,11 @@ class EngineWorker:
         return Finished(command.request_id, "done")
 
     def _set_snapshot_budget(self, command: Command) -> object:
-        self._snapshots.set_budget(*command.args)
+        self._stored.set_budget(*command.args)
         return Finished(command.request_id, "done")
 
     def _clear_snapshots(self, command: Command) -> object:
-        self._snapshots.clear(*command.args)
+        self._stored.clear(*command.args)
         return Finished(command.request_id, "done")
 
     def _close_session(self, command: Command) -> object:

@@ -1,191 +1,286 @@
-"""Chunked prefill: how a session feeds a prompt to its cache, and what stops it.
+"""Chunked prefill: how new ids reach a session's cache, and what stops them.
 
-A mixin of :class:`engine.session.session.Session`, which owns the state it uses (model,
-cache, held ids, guard, checkpoints). Chunks are paced so progress and stats keep
-flowing on slow machines; whatever stops a prefill (a cancel, memory pressure, the
-KV budget, a failed allocation), the chunks that finished stay held and the error
-says how many.
+The chunk plan comes from token positions and the chunk size setting only:
+chunks end at multiples of the chunk size, at message boundaries and at the end
+of what is new. In a quantized mode the model's own matmuls round by chunk
+length, so a plan that followed the clock or free RAM would give the same chat a
+different answer on a busy machine. When free RAM cannot hold the planned chunk
+the read waits for it (with a notice), and stops where it is if it never comes.
+
+Whatever stops a prefill (a cancel, memory, the KV budget, a failed allocation),
+the chunks that finished stay held, and the error in the result says how many.
 """
 
 from __future__ import annotations
 
-import threading
+import math
+import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import mlx.core as mx
 
-from engine.cache import adapter
 from engine.errors import (
     Cancelled,
     ContextTooLong,
+    EngineError,
     InsufficientMemory,
     KvBudgetExceeded,
     MemoryPressure,
 )
-from engine.events import IngestProgress
-from engine.memory.guard import PressureWatch
+from engine.events import IngestProgress, Notice
+from engine.memory.guard import MemoryGuard, PressureWatch, human_bytes
 
 Emit = Callable[[object], None]
-MIN_CHUNK = 64  # below this, prefill spends more on per-call overhead than on tokens
+# How long a read waits for free RAM to hold its next chunk before it stops.
+MEMORY_WAIT_SECONDS = 30.0
+# How often a waiting read looks at free RAM (and at Stop) again.
+MEMORY_POLL_SECONDS = 0.25
 
 
-class _NoRoom(Exception):
-    """Free RAM cannot hold even a one-token prefill chunk's scratch and activations."""
+@dataclass(frozen=True)
+class PrefillResult:
+    """What one prefill did.
+
+    Attributes:
+        read: tokens it fed through the model.
+        kept: tokens the cache holds when it ended (of the conversation).
+        total: tokens of the conversation it was reading in.
+        seconds: how long it took.
+        stop: why it ended before reading everything (an error that says how
+            many tokens it kept), None when it read everything.
+        memory: the memory reading that stopped it, for logs; None when memory
+            did not.
+    """
+
+    read: int
+    kept: int
+    total: int
+    seconds: float
+    stop: EngineError | None = None
+    memory: str | None = None
+
+    def raise_if_stopped(self) -> None:
+        """Raise ``stop``, if the prefill stopped short."""
+        if self.stop is not None:
+            raise self.stop
+
+
+class PrefillTarget(Protocol):
+    """What a prefill needs of the session it reads into."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    def forward(self, ids: list[int]) -> None:
+        """Run ``ids`` through the model into the cache and hold them, or change nothing."""
+
+    def checkpoint(self, *, boundary: bool) -> None:
+        """Keep what layers that cannot trim need to come back to this point."""
+
+    def rollback(self) -> None:
+        """Bring every layer back to the tokens held, after a failed step."""
+
+    def chunk_bytes(self, tokens: int) -> int:
+        """Free RAM a chunk of ``tokens`` needs while it runs."""
+
+    def fit_report(self, token_count: int) -> Any:
+        """Whether ``token_count`` tokens fit (a ``fit.FitReport``)."""
+
+
+def chunk_plan(start: int, stop: int, chunk_size: int,
+               boundaries: list[int] | tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """The chunks that feed positions ``start`` to ``stop``, as (begin, end) positions.
+
+    A chunk ends at the next multiple of ``chunk_size``, the next of ``boundaries``
+    or ``stop``, whichever comes first: the same positions give the same chunks,
+    however the read is paced or resumed.
+    """
+    cuts = sorted(b for b in boundaries if start < b < stop)
+    chunks: list[tuple[int, int]] = []
+    done = start
+    while done < stop:
+        end = min((done // chunk_size + 1) * chunk_size, stop)
+        while cuts and cuts[0] <= done:
+            cuts.pop(0)
+        if cuts and cuts[0] < end:
+            end = cuts.pop(0)
+        chunks.append((done, end))
+        done = end
+    return chunks
 
 
 class ChunkedPrefill:
-    """Prefill in chunks for a Session (see the module docstring)."""
+    """Feeds ids to a session's cache along the chunk plan (see the module docstring).
 
-    # Provided by Session.
-    model: Any
-    cache: list[Any]
-    tokens: list[int]
-    chunk_size: int
-    chunk_seconds: float | None
-    clock: Callable[[], float]
-    _paced_chunk: int
-    guard: Any
-    prefill_facts: Any
-    kv_token_bytes: int
+    Args:
+        target: the session read into.
+        guard: the memory guard whose free RAM each chunk must fit.
+        key: the session's name with ``guard``.
+        chunk_size: tokens per chunk (the setting).
+        clock: seconds, for timings and the memory wait.
+        sleep: waits while free RAM cannot hold the next chunk.
+        memory_wait: seconds to wait for free RAM before the read stops.
+    """
 
-    def _forward(self, ids: list[int]) -> None:
-        # Raises KvBudgetExceeded before any layer changes.
-        adapter.ensure_capacity(self.cache, len(ids))
-        self.model(mx.array(ids)[None], cache=self.cache)
-        # Evaluating the cache (not the logits) runs every layer but skips the
-        # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
-        mx.eval(adapter.eval_targets(self.cache))
-        # Only a finished chunk counts as held: a failure above rolls back to here.
-        self.tokens.extend(ids)
-
-    def prefill(
+    def __init__(
         self,
-        ids: list[int],
+        target: PrefillTarget,
+        guard: MemoryGuard,
+        key: str,
+        chunk_size: int,
         *,
-        request_id: int,
-        cancel: threading.Event | PressureWatch,
-        emit: Emit,
-        tick: Callable[[], None],
-        boundaries: list[int] | None = None,
-    ) -> float:
-        """Feed ``ids`` to the cache in chunks; returns the seconds it took.
-
-        ``boundaries`` (token counts, e.g. where messages end) also end a chunk;
-        a model that needs checkpoints gets one there and after every chunk.
-
-        Raises:
-            Cancelled: ``cancel`` was set (or, for a ``PressureWatch``, memory turned
-                critical) between two chunks; the chunks done stay held.
-        """
-        start = self.clock()
-        base = len(self.tokens)
-        newest = self.checkpoints.newest()
-        if ids and (newest is None or newest.tokens != base):
-            self._checkpoint(boundary=True)  # e.g. after an answer: a failure comes back here
-        cuts = [b - base for b in boundaries or () if 0 < b - base < len(ids)]
-        done = 0
-        size = self._paced_chunk
-        while done < len(ids):
-            if cancel.is_set():
-                raise Cancelled("Ingest cancelled.")
-            end = min([done + self._fitting(size), len(ids), *(c for c in cuts if c > done)])
-            chunk = ids[done:end]
-            began = self.clock()
-            self._forward(chunk)
-            if len(chunk) == size:
-                # Short chunks (the last one, or cut at a message) are mostly
-                # per-call overhead: a poor guide for the next size.
-                size = self._next_chunk(size, self.clock() - began)
-                self._paced_chunk = size
-            done += len(chunk)
-            self.tokens_ingested += len(chunk)
-            self._checkpoint(boundary=done in cuts or done == len(ids))
-            mx.clear_cache()
-            elapsed = max(self.clock() - start, 1e-9)
-            rate = done / elapsed
-            eta = (len(ids) - done) / rate if rate > 0 else None
-            emit(IngestProgress(request_id, done, len(ids), rate, eta))
-            tick()
-        return self.clock() - start
-
-    def _fitting(self, size: int) -> int:
-        """``size``, or fewer tokens when free RAM holds no larger chunk's peak.
-
-        Raises:
-            _NoRoom: not even one token's chunk fits.
-        """
-        facts = self.prefill_facts
-        room = self.guard.chunk_room(facts.activation_bytes_per_token + self.kv_token_bytes,
-                                     facts.scratch_bytes)
-        if room < 1:
-            raise _NoRoom("free RAM cannot hold one more prefill chunk")
-        return min(size, room)
-
-    def set_chunk_size(self, chunk_size: int) -> None:
-        """Use ``chunk_size`` as the largest prefill chunk from the next one on."""
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+        memory_wait: float = MEMORY_WAIT_SECONDS,
+    ) -> None:
+        self.target = target
+        self.guard = guard
+        self.key = key
         self.chunk_size = chunk_size
-        paced = self.chunk_seconds is not None
-        self._paced_chunk = min(self._paced_chunk, chunk_size) if paced else chunk_size
-        self._attach_pool()  # the guard keeps the new chunk's transient free of pages
+        self.clock = clock
+        self.sleep = sleep
+        self.memory_wait = memory_wait
 
-    def _next_chunk(self, last: int, seconds: float) -> int:
-        if self.chunk_seconds is None or seconds <= 0:
-            return self.chunk_size
-        scaled = int(last * self.chunk_seconds / seconds)
-        return max(min(MIN_CHUNK, self.chunk_size), min(self.chunk_size, scaled))
-
-    def _kept(self, total: int) -> str:
-        """Record where the prefill stopped; the words for it ("kept 8 of 20 tokens")."""
-        self.prefill_stop = (len(self.tokens), total)
-        return f"kept {len(self.tokens):,} of {total:,} tokens"
-
-    def _guarded_prefill(
+    def run(
         self,
         ids: list[int],
         boundaries: list[int],
+        *,
         request_id: int,
         watch: PressureWatch,
         emit: Emit,
         tick: Callable[[], None],
-        *,
         total: int,
-    ) -> float:
-        # Whatever stops a prefill, the chunks that finished stay held: never a reset.
+    ) -> PrefillResult:
+        """Feed ``ids`` after the held tokens; what was read and why it stopped, if it did.
+
+        ``boundaries`` (token positions, e.g. where messages end) also end a chunk;
+        a model that needs checkpoints gets one there and after every chunk.
+        ``total`` is the conversation's length, for the words of a stop.
+        Exceptions that are neither memory nor a stop propagate, the cache rolled
+        back to the tokens held.
+        """
+        start = self.clock()
+        base = len(self.target.tokens)
+        read = 0
         try:
-            return self.prefill(ids, request_id=request_id, cancel=watch, emit=emit, tick=tick,
-                                boundaries=boundaries)
-        except Cancelled:
-            kept = self._kept(total)
-            if watch.tripped is not None and not watch.cancel.is_set():
-                self.memory_stop = watch.tripped
-                raise MemoryPressure(
-                    f"Longleaf stopped reading the conversation in: {watch.tripped}. It {kept}; "
-                    "close other apps or conversations to free memory, then send again "
-                    "to continue from there."
-                ) from None
-            raise
-        except (_NoRoom, KvBudgetExceeded) as error:
+            for begin, end in chunk_plan(base, base + len(ids), self.chunk_size, boundaries):
+                short = 0 if watch.is_set() else self._wait_for_room(
+                    end - begin, watch, request_id, emit, tick)
+                if short or watch.is_set():
+                    return self._stopped(read, total, start, watch, short)
+                try:
+                    self.target.forward(ids[begin - base:end - base])
+                except KvBudgetExceeded:
+                    # Free RAM, not the budget, refused the pages: wait for it once, and
+                    # try the same chunk again (a second refusal is the answer).
+                    if not self.guard.ram_bound(self.key):
+                        raise
+                    short = self._wait_for_room(self.chunk_size, watch, request_id, emit,
+                                                tick, pages=True)
+                    if short or watch.is_set():
+                        return self._stopped(read, total, start, watch, short)
+                    self.target.forward(ids[begin - base:end - base])
+                read = end - base
+                self.target.checkpoint(boundary=end in boundaries or read == len(ids))
+                mx.clear_cache()
+                elapsed = max(self.clock() - start, 1e-9)
+                rate = read / elapsed
+                eta = (len(ids) - read) / rate if rate > 0 else None
+                emit(IngestProgress(request_id, read, len(ids), rate, eta))
+                tick()
+        except KvBudgetExceeded as error:
             # Raised before the chunk touched any layer.
-            kept = f"Longleaf {self._kept(total)}."
-            if isinstance(error, _NoRoom) or self.guard.ram_bound(self.session_id):
-                # Free RAM, not the configured budget, ran out: say so with numbers.
-                self.memory_stop = str(error)
-                raise ContextTooLong(f"{self.fit_report(total).message()} {kept}") from error
-            raise KvBudgetExceeded(
-                f"{error} {kept}", tokens_requested=error.tokens_requested,
-                tokens_fit=error.tokens_fit, suggested_mode=error.suggested_mode,
-            ) from error
+            return self._refused(error, read, total, start)
         except Exception as error:
-            self.rollback()
+            self.target.rollback()
             if not _out_of_memory(error):
                 raise
-            self.memory_stop = str(error)
-            raise InsufficientMemory(
+            kept = len(self.target.tokens)
+            stop = InsufficientMemory(
                 f"Longleaf ran out of memory reading the conversation in ({error}). "
-                f"It {self._kept(total)}; close other apps or conversations, or "
+                f"It {_kept_words(kept, total)}; close other apps or conversations, or "
                 "lower the ingest chunk, then send again to continue from there."
-            ) from error
+            ).stopped_reading(kept, total)
+            return PrefillResult(read, kept, total, self.clock() - start, stop, str(error))
+        return PrefillResult(read, len(self.target.tokens), total, self.clock() - start)
+
+    def _wait_for_room(self, tokens: int, watch: PressureWatch, request_id: int, emit: Emit,
+                       tick: Callable[[], None], *, pages: bool = False) -> int:
+        """Wait (with a notice) until free RAM holds a chunk of ``tokens``; 0 once it does
+        or the read was stopped meanwhile, else the bytes that never came free.
+
+        With ``pages`` the chunk's pages were just refused: wait even if free RAM
+        seems to hold the chunk now (the pool's limit is brought up to date).
+        """
+        needed = self.target.chunk_bytes(tokens)
+        if not pages and self.guard.free_bytes() >= needed:
+            return 0
+        emit(Notice(request_id, f"Waiting for {human_bytes(needed)} of free memory to read "
+                                f"the next {tokens:,} tokens; close other apps to continue."))
+        # Counted in polls, not read off the clock: a test's sleep need not pass time.
+        for _ in range(math.ceil(self.memory_wait / MEMORY_POLL_SECONDS)):
+            self.sleep(MEMORY_POLL_SECONDS)
+            tick()
+            if watch.is_set():
+                return 0
+            if self.guard.free_bytes() >= needed:
+                # The pool's limit was set while RAM was short: give it back its share.
+                self.guard.refresh(self.key)
+                return 0
+        return needed
+
+    def _stopped(self, read: int, total: int, start: float, watch: PressureWatch,
+                 short: int) -> PrefillResult:
+        """The result of a read stopped between two chunks: by Stop, memory or no room."""
+        kept = len(self.target.tokens)
+        words = _kept_words(kept, total)
+        seconds = self.clock() - start
+        if watch.cancel.is_set():
+            stop: EngineError = Cancelled("Ingest cancelled.")
+            return PrefillResult(read, kept, total, seconds, stop.stopped_reading(kept, total))
+        if watch.tripped is not None:
+            stop = MemoryPressure(
+                f"Longleaf stopped reading the conversation in: {watch.tripped}. It {words}; "
+                "close other apps or conversations to free memory, then send again "
+                "to continue from there.")
+            return PrefillResult(read, kept, total, seconds, stop.stopped_reading(kept, total),
+                                 watch.tripped)
+        reason = f"free RAM did not come to hold the next prefill chunk ({human_bytes(short)})"
+        # Free RAM, not the configured budget, ran out: the fit report says so with numbers.
+        stop = ContextTooLong(
+            f"{self.target.fit_report(total).message()} Longleaf waited "
+            f"{self.memory_wait:g} s for the {human_bytes(short)} of free memory its next "
+            f"chunk needs. Longleaf {words}.")
+        return PrefillResult(read, kept, total, seconds, stop.stopped_reading(kept, total),
+                             reason)
+
+    def _refused(self, error: KvBudgetExceeded, read: int, total: int,
+                 start: float) -> PrefillResult:
+        """The result of a chunk the page pool refused: the budget, or free RAM, is full."""
+        kept = len(self.target.tokens)
+        words = f"Longleaf {_kept_words(kept, total)}."
+        seconds = self.clock() - start
+        if self.guard.ram_bound(self.key):
+            # Free RAM, not the configured budget, ran out: say so with numbers.
+            stop: EngineError = ContextTooLong(
+                f"{self.target.fit_report(total).message()} {words}")
+            stop.__cause__ = error
+            return PrefillResult(read, kept, total, seconds, stop.stopped_reading(kept, total),
+                                 str(error))
+        stop = KvBudgetExceeded(
+            f"{error} {words}", tokens_requested=error.tokens_requested,
+            tokens_fit=error.tokens_fit, suggested_mode=error.suggested_mode,
+        )
+        stop.__cause__ = error
+        return PrefillResult(read, kept, total, seconds, stop.stopped_reading(kept, total))
+
+
+def _kept_words(kept: int, total: int) -> str:
+    """The words for where a read stopped ("kept 8 of 20 tokens")."""
+    return f"kept {kept:,} of {total:,} tokens"
 
 
 def activation_value_bytes() -> int:

@@ -1,13 +1,20 @@
 """A conversation as token ids: the chat template, end-of-turn ids, shared prefixes.
 
-The session renders the whole conversation every turn and compares the ids with
-the ones its cache holds; these functions need only the tokenizer, no MLX.
+A request renders and tokenizes the whole conversation once (``render_prompt``)
+and compares the ids with the ones its cache holds; where earlier messages end
+comes from the same encoding's character offsets, not from tokenizing the
+conversation again per message. These functions need only the tokenizer, no MLX.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # End-of-turn markers of common chat templates; added to the tokenizer's EOS ids
 # when the vocabulary has them, so a turn ends even if generation_config forgot.
@@ -44,21 +51,120 @@ def end_of_turn_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A conversation rendered and tokenized once.
+
+    Attributes:
+        ids: its token ids, as ``mlx_lm generate`` renders them.
+        messages: the messages it was rendered from (text cleaned).
+        text: the rendered text (None for a base model, whose ids also hold
+            the tokenizer's special tokens).
+        starts: where each token starts in ``text``, in characters (None when
+            the tokenizer does not say).
+    """
+
+    ids: list[int]
+    messages: list[dict[str, str]]
+    text: str | None = None
+    starts: list[int] | None = None
+
+    def boundaries(self, tokenizer: Any, *, after: int, most: int) -> list[int]:
+        """Token counts of ``ids`` that end a message, past ``after``; at most ``most``.
+
+        Renders the text of the conversation cut after each earlier message,
+        newest first (the template only: no tokenizer), keeps the cuts ``text``
+        starts with and maps each to the token that starts there; some templates
+        render a partial conversation differently, and a cut inside a token is
+        no boundary. Stops at the first boundary at or before ``after``.
+        """
+        if self.text is None or self.starts is None:
+            return message_boundaries(tokenizer, self.messages, self.ids, after=after,
+                                      most=most)
+        found: list[int] = []
+        for count in range(len(self.messages) - 1, 0, -1):
+            if len(found) >= most:
+                break
+            try:
+                cut = _template_text(tokenizer, self.messages[:count],
+                                     add_generation_prompt=False)
+            except Exception as error:  # some templates refuse partial conversations
+                log.debug("no boundary after message %d: %s", count, error)
+                continue
+            position = bisect.bisect_left(self.starts, len(cut))
+            if position <= after:
+                break
+            if (position < len(self.ids) and self.starts[position] == len(cut)
+                    and self.text.startswith(cut)):
+                found.append(position)
+        return sorted(found)
+
+
+def _template_text(tokenizer: Any, messages: list[dict[str, str]], *,
+                   add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _backend(tokenizer: Any) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer`` behind an mlx-lm/HF tokenizer, if there is one."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(inner, "_tokenizer", None)
+    return backend if hasattr(backend, "encode_batch") else None
+
+
+def encode_with_starts(tokenizer: Any, text: str) -> tuple[list[int], list[int] | None]:
+    """``text``'s ids (no special tokens added) and where each starts, in characters.
+
+    The starts are None when the tokenizer has no fast backend to ask.
+    """
+    backend = _backend(tokenizer)
+    if backend is None:
+        return list(tokenizer.encode(text, add_special_tokens=False)), None
+    encoding = backend.encode(text, add_special_tokens=False)
+    return list(encoding.ids), [start for start, _ in encoding.offsets]
+
+
+def token_ends(tokenizer: Any, text: str) -> list[int]:
+    """Where each of ``text``'s tokens ends, in characters (one tokenization).
+
+    A tokenizer without a fast backend gives no offsets: the ends are then
+    summed from each token decoded alone (near, not exact, where a character
+    spans two tokens).
+    """
+    text = clean_text(text)
+    backend = _backend(tokenizer)
+    if backend is not None:
+        encoding = backend.encode(text, add_special_tokens=False)
+        return [end for _, end in encoding.offsets]
+    ends, end = [], 0
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        end += len(tokenizer.decode([token]))
+        ends.append(min(end, len(text)))
+    return ends
+
+
+def render_prompt(
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool
+) -> Prompt:
+    """The conversation rendered the way ``mlx_lm generate`` does, tokenized once."""
+    if not messages:
+        return Prompt([], [])
+    messages = [{**m, "content": clean_text(m["content"])} for m in messages]
+    if getattr(tokenizer, "has_chat_template", False):
+        text = _template_text(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        ids, starts = encode_with_starts(tokenizer, text)
+        return Prompt(ids, messages, text, starts)
+    # Base models have no template: the contents, one after another.
+    text = "\n\n".join(message["content"] for message in messages)
+    return Prompt(list(tokenizer.encode(text, add_special_tokens=True)), messages)
+
+
 def render_conversation(
     tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool
 ) -> list[int]:
     """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
-    if not messages:
-        return []
-    messages = [{**m, "content": clean_text(m["content"])} for m in messages]
-    if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    # Base models have no template: the contents, one after another.
-    text = "\n\n".join(message["content"] for message in messages)
-    return list(tokenizer.encode(text, add_special_tokens=True))
+    return render_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt).ids
 
 
 def message_boundaries(
@@ -67,7 +173,9 @@ def message_boundaries(
 ) -> list[int]:
     """Token counts of ``prompt`` that end a message, past ``after``; at most ``most``.
 
-    Renders the conversation cut after each earlier message, newest first, and keeps
+    For tokenizers that give no character offsets (``Prompt.boundaries`` asks
+    this one then): renders and tokenizes the conversation cut after each
+    earlier message, newest first, and keeps
     the lengths whose ids ``prompt`` starts with (some templates render a partial
     conversation differently). Stops at the first boundary at or before ``after``.
     """

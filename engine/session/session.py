@@ -20,32 +20,25 @@ import mlx.core as mx
 from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
-from engine.errors import (
-    Cancelled,
-    ContextTooLong,
-    EngineError,
-)
+from engine.errors import ContextTooLong, EngineError
 from engine.events import GenerationStats
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard, PressureWatch
 from engine.models.probe import make_session_cache
 from engine.session import checkpoints, speculative
-from engine.session.prefill import MIN_CHUNK, ChunkedPrefill, Emit, activation_value_bytes
-from engine.session.prompt_ids import (
-    common_prefix,
-    end_of_turn_ids,
-    message_boundaries,
-    render_conversation,
-)
+from engine.session.prefill import ChunkedPrefill, Emit, PrefillResult, activation_value_bytes
+from engine.session.prompt_ids import Prompt, common_prefix, end_of_turn_ids, render_prompt
 from engine.session.sampling import AnswerStream, SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Tokens per prefill chunk unless the settings say otherwise: small enough that a
+# slow machine finishes one in about a second, so Stop and progress stay responsive.
 DEFAULT_CHUNK = 512
 DEFAULT_PAGE_SIZE = 256
 
 
-class Session(ChunkedPrefill):
+class Session:
     """A model plus a paged KV cache in one fixed mode, and the ids the cache holds.
 
     Args:
@@ -55,13 +48,9 @@ class Session(ChunkedPrefill):
         page_size: tokens per page.
         budget_bytes: byte budget of the session's page pool, or None; ignored
             when ``guard`` is given (the guard's one budget applies).
-        chunk_size: tokens per prefill chunk (the most; see ``chunk_seconds``).
-        chunk_seconds: when set, a chunk that took longer shrinks the next ones
-            (down to ``MIN_CHUNK``) so progress and stats keep flowing on slow
-            machines; the first chunk is ``MIN_CHUNK`` and each later prefill
-            starts from the size the last one settled on. None keeps every chunk
-            at ``chunk_size`` (reproducible chunk boundaries, for benchmarks and
-            parity checks).
+        chunk_size: tokens per prefill chunk; chunks end at its multiples (and at
+            message boundaries), never sized by timing or free RAM
+            (``engine.session.prefill``).
         guard: the memory guard whose one KV budget and RAM headroom every
             session's pages share; None makes a guard for this session alone.
         scratch_bytes: the prefill attention's scratch per chunk, counted with
@@ -80,7 +69,6 @@ class Session(ChunkedPrefill):
         *,
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,
-        chunk_seconds: float | None = None,
         guard: MemoryGuard | None = None,
         scratch_bytes: int | None = None,
         rotate: bool | None = None,
@@ -102,11 +90,9 @@ class Session(ChunkedPrefill):
         self.page_size = page_size
         self.guard = guard if guard is not None else MemoryGuard(budget_bytes=budget_bytes)
         self.chunk_size = chunk_size
-        self.chunk_seconds = chunk_seconds
-        # Paced prefill probes with a small chunk: a full one can take many
-        # seconds on a slow machine, with no progress, stats or Stop meanwhile.
-        self._paced_chunk = chunk_size if chunk_seconds is None else min(MIN_CHUNK, chunk_size)
+        # Timings of a prefill, and its wait for free RAM (injectable in tests).
         self.clock: Callable[[], float] = time.perf_counter
+        self.sleep: Callable[[float], None] = time.sleep
         self.end_ids = end_of_turn_ids(self.tokenizer)
         self.checkpoints = checkpoints.CheckpointStore()
         # Where speculative decoding looks up its drafts; kept between answers.
@@ -116,9 +102,6 @@ class Session(ChunkedPrefill):
         self.tokens_ingested = 0
         # Why the last request stopped for memory, for logs (None: it did not).
         self.memory_stop: str | None = None
-        # (tokens kept, tokens of the conversation) when the last request's prefill
-        # stopped short (cancel, memory, a failed chunk); None when it did not.
-        self.prefill_stop: tuple[int, int] | None = None
         self._scratch_bytes = scratch_bytes
         # Asked of MLX here, on the engine thread: fit checks read it from the GUI thread.
         self._value_bytes = activation_value_bytes()
@@ -176,7 +159,7 @@ class Session(ChunkedPrefill):
             # The guard sets and keeps updating the pool's limit: its share of
             # the one KV budget, bounded by free RAM less a prefill chunk's needs.
             self.guard.attach(self.session_id, pool,
-                              self.prefill_facts.transient_bytes(self.smallest_chunk),
+                              self.prefill_facts.transient_bytes(self.chunk_size),
                               lambda: self.other_layers().bound_bytes)
 
     def reset(self) -> None:
@@ -229,7 +212,8 @@ class Session(ChunkedPrefill):
             return
         del self.tokens[kept:]
 
-    def _checkpoint(self, *, boundary: bool) -> None:
+    def checkpoint(self, *, boundary: bool) -> None:
+        """Keep what layers that cannot trim need to come back to the tokens held."""
         if self._needs_checkpoints:
             self.checkpoints.add(checkpoints.take(self.cache, len(self.tokens),
                                                   boundary=boundary))
@@ -248,24 +232,28 @@ class Session(ChunkedPrefill):
 
     # -- templates ---------------------------------------------------------
 
+    def prompt(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> Prompt:
+        """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
+
+        A request makes it once and hands it to every step that reads the ids.
+        """
+        return render_prompt(self.tokenizer, messages,
+                             add_generation_prompt=add_generation_prompt)
+
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
         """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
-        return render_conversation(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt
-        )
+        return self.prompt(messages, add_generation_prompt=add_generation_prompt).ids
 
-    def _boundaries(self, messages: list[dict[str, str]], prompt: list[int],
-                    kept: int) -> list[int]:
+    def _boundaries(self, prompt: Prompt, kept: int) -> list[int]:
         """Where earlier messages end in ``prompt``'s part still to feed.
 
         Prefill cuts its chunks there and checkpoints them, so an edit of a later
-        message goes back no further. Only models that need checkpoints pay for
-        the extra renders.
+        message goes back no further. Only models that need checkpoints look.
         """
         if not self._needs_checkpoints:
             return []
-        return message_boundaries(self.tokenizer, messages, prompt, after=kept,
-                                  most=checkpoints.MAX_BOUNDARIES - 1)
+        return prompt.boundaries(self.tokenizer, after=kept,
+                                 most=checkpoints.MAX_BOUNDARIES - 1)
 
     # -- limits ------------------------------------------------------------
 
@@ -274,7 +262,7 @@ class Session(ChunkedPrefill):
         held = int(self.stats().bytes_allocated) if self.cache else 0
         return fit.FitInputs(
             self.facts, self.page_size, self.guard.view(), prefill=self.prefill_facts,
-            chunk_tokens=self.smallest_chunk, session_id=self.session_id,
+            chunk_tokens=self.chunk_size, session_id=self.session_id,
             session_mode=self.mode, session_bytes_allocated=held,
         )
 
@@ -282,14 +270,12 @@ class Session(ChunkedPrefill):
         """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
         return fit.guarded_fit_report(self.fit_inputs(), self.guard.read(), token_count)
 
-    @property
-    def smallest_chunk(self) -> int:
-        """The chunk every memory limit reserves room for.
-
-        Prefill shrinks its chunks (down to one token) when free RAM holds no
-        larger one; below this size it spends more on overhead than on tokens.
-        """
-        return min(MIN_CHUNK, self.chunk_size)
+    def chunk_bytes(self, tokens: int) -> int:
+        """Free RAM a prefill chunk of ``tokens`` needs while it runs: the attention
+        scratch, the activations and the chunk's new pages (no MLX)."""
+        facts = self.prefill_facts
+        return facts.scratch_bytes + tokens * (facts.activation_bytes_per_token
+                                               + self.kv_token_bytes)
 
     def prefill_peak_bytes(self) -> int:
         """The peak the next prefill chunk is expected to reach (no MLX evaluation).
@@ -300,7 +286,7 @@ class Session(ChunkedPrefill):
         """
         held = int(self.stats().bytes_allocated) if self.cache else 0
         held += self.checkpoints.nbytes
-        chunk = self._paced_chunk
+        chunk = self.chunk_size
         return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk,
                                              len(self.tokens) + chunk)
 
@@ -330,6 +316,61 @@ class Session(ChunkedPrefill):
         self.trim_to(keep)
         return len(self.tokens)
 
+    def forward(self, ids: list[int]) -> None:
+        """Run ``ids`` through the model into the cache and hold them.
+
+        Raises:
+            KvBudgetExceeded: the pages cannot hold them; no layer changed.
+        """
+        adapter.ensure_capacity(self.cache, len(ids))
+        self.model(mx.array(ids)[None], cache=self.cache)
+        # Evaluating the cache (not the logits) runs every layer but skips the
+        # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
+        mx.eval(adapter.eval_targets(self.cache))
+        # Only a finished chunk counts as held: a failure above rolls back to here.
+        self.tokens.extend(ids)
+        self.tokens_ingested += len(ids)
+
+    def set_chunk_size(self, chunk_size: int) -> None:
+        """Prefill in chunks of ``chunk_size`` tokens from the next prefill on."""
+        self.chunk_size = chunk_size
+        self._attach_pool()  # the guard keeps the new chunk's transient free of pages
+
+    def prefill(
+        self,
+        ids: list[int],
+        *,
+        request_id: int,
+        cancel: threading.Event | PressureWatch,
+        emit: Emit,
+        tick: Callable[[], None],
+        boundaries: list[int] | None = None,
+        total: int | None = None,
+    ) -> PrefillResult:
+        """Feed ``ids`` after the held tokens, in chunks (no template, no fit check).
+
+        ``boundaries`` (token positions, e.g. where messages end) also end a chunk;
+        a model that needs checkpoints gets one there. ``total`` is the length of
+        the conversation ``ids`` end, for the words of a stop (default: held + ids).
+
+        Raises:
+            EngineError: whatever stopped it short (``Cancelled``, ``MemoryPressure``,
+                ``ContextTooLong``, ...), saying how many tokens it kept.
+        """
+        if not isinstance(cancel, PressureWatch):
+            cancel = self.guard.watch(self.session_id, cancel)
+        newest = self.checkpoints.newest()
+        if ids and (newest is None or newest.tokens != len(self.tokens)):
+            self.checkpoint(boundary=True)  # e.g. after an answer: a failure comes back here
+        prefill = ChunkedPrefill(self, self.guard, self.session_id, self.chunk_size,
+                                 clock=self.clock, sleep=self.sleep)
+        result = prefill.run(ids, list(boundaries or ()), request_id=request_id, watch=cancel,
+                             emit=emit, tick=tick,
+                             total=len(self.tokens) + len(ids) if total is None else total)
+        self.memory_stop = result.memory
+        result.raise_if_stopped()
+        return result
+
     def ingest(
         self,
         messages: list[dict[str, str]],
@@ -338,30 +379,33 @@ class Session(ChunkedPrefill):
         cancel: threading.Event,
         emit: Emit,
         tick: Callable[[], None],
+        prompt: Prompt | None = None,
     ) -> GenerationStats:
         """Prefill the conversation without generating (e.g. a dropped document).
+
+        ``prompt`` is the request's own rendering of ``messages`` (without the
+        generation prompt), when it made one already.
 
         Raises:
             ContextTooLong: the conversation does not fit.
             Cancelled: cancelled between chunks; the chunks done stay held and the
-                next request continues from them (``prefill_stop`` says how many).
+                next request continues from them (the error says how many).
             MemoryPressure: memory was (or turned) critical; the chunks done stay.
         """
         self.memory_stop = None
-        self.prefill_stop = None
         self.guard.check_pressure("reading the conversation in")
-        prompt = self.render(messages, add_generation_prompt=False)
+        rendered = prompt or self.prompt(messages, add_generation_prompt=False)
+        ids = rendered.ids
         self.guard.refresh(self.session_id)
-        self.room_for(len(prompt))
-        kept = self.sync(prompt, keep_last=False)
+        self.room_for(len(ids))
+        kept = self.sync(ids, keep_last=False)
         watch = self.guard.watch(self.session_id, cancel)
-        seconds = self._guarded_prefill(
-            prompt[kept:], self._boundaries(messages, prompt, kept), request_id, watch,
-            emit, tick, total=len(prompt),
-        )
-        fed = len(prompt) - kept
-        return GenerationStats(len(prompt), 0, None, fed / seconds if seconds else 0.0, 0.0,
-                               prefill_tokens=fed)
+        read = self.prefill(ids[kept:], request_id=request_id, cancel=watch, emit=emit,
+                            tick=tick, boundaries=self._boundaries(rendered, kept),
+                            total=len(ids))
+        return GenerationStats(len(ids), 0, None,
+                               read.read / read.seconds if read.seconds else 0.0, 0.0,
+                               prefill_tokens=read.read)
 
     # -- generation --------------------------------------------------------
 
@@ -385,8 +429,12 @@ class Session(ChunkedPrefill):
         cancel: threading.Event,
         emit: Emit,
         tick: Callable[[], None],
+        prompt: Prompt | None = None,
     ) -> tuple[str, GenerationStats]:
         """Answer the conversation's last turn, streaming ``TokenChunk`` events.
+
+        ``prompt`` is the request's own rendering of ``messages`` (with the
+        generation prompt), when it made one already.
 
         Returns:
             The finish reason ("stop", "length", "cancelled", or "memory" when
@@ -396,12 +444,14 @@ class Session(ChunkedPrefill):
         Raises:
             ContextTooLong: the conversation (plus one answer token) does not fit.
             MemoryPressure: memory was critical before the answer could start.
+            Cancelled: cancelled while reading the conversation in; the chunks
+                done stay held (the error says how many).
         """
         started = time.perf_counter()
         self.memory_stop = None
-        self.prefill_stop = None
         self.guard.check_pressure("the answer")
-        prompt = self.render(messages, add_generation_prompt=True)
+        rendered = prompt or self.prompt(messages, add_generation_prompt=True)
+        prompt = rendered.ids
         if not prompt:
             raise EngineError("Nothing to answer: the conversation is empty.")
         self.guard.refresh(self.session_id)
@@ -410,13 +460,10 @@ class Session(ChunkedPrefill):
             raise ContextTooLong(self.fit_report(len(prompt) + 1).message())
         kept = self.sync(prompt, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
-        try:
-            prefill_seconds = self._guarded_prefill(
-                prompt[kept:-1], self._boundaries(messages, prompt, kept), request_id,
-                watch, emit, tick, total=len(prompt),
-            )
-        except Cancelled:
-            return "cancelled", GenerationStats(len(prompt), 0, None, 0.0, 0.0)
+        read = self.prefill(prompt[kept:-1], request_id=request_id, cancel=watch, emit=emit,
+                            tick=tick, boundaries=self._boundaries(rendered, kept),
+                            total=len(prompt))
+        prefill_seconds = read.seconds
         max_tokens = min(sampling.max_tokens, room)
         generation = AnswerStream(
             self.model, self.cache, self.tokenizer, self.end_ids, self.tokens,

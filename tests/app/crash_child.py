@@ -33,14 +33,14 @@ def slow_chunks(seconds: float) -> None:
 
     The first stays fast so that progress is reported before the slow ones.
     """
-    forward = Session._forward
+    forward = Session.forward
 
     def slow_forward(self: Session, ids: list[int]) -> None:
         forward(self, ids)
-        if self.tokens_ingested:
+        if self.tokens_ingested > len(ids):
             time.sleep(seconds)
 
-    Session._forward = slow_forward
+    Session.forward = slow_forward
 
 
 def say(line: str) -> None:

@@ -98,17 +98,17 @@ def test_closing_mid_ingest_returns_at_once_and_saves_the_history(qtbot, tiny_ll
     settings.ingest_chunk = 16
     settings.sync()
     in_chunk, release = threading.Event(), threading.Event()
-    forward = Session._forward
+    forward = Session.forward
 
     def stuck_forward(self: Session, ids: list[int]) -> None:
         # From the second chunk on, the engine thread is stuck inside a chunk the
         # way a big model's chunk is stuck in MLX: cancel can't reach it.
         forward(self, ids)
-        if self.tokens_ingested:
+        if self.tokens_ingested > len(ids):
             in_chunk.set()
             release.wait(60)
 
-    monkeypatch.setattr(Session, "_forward", stuck_forward)
+    monkeypatch.setattr(Session, "forward", stuck_forward)
     window = open_window(qtbot, tiny_llama)
     c = window.controller
     doc = tmp_path / "long.md"
@@ -205,14 +205,14 @@ def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
     c.store.add_message(other.id, "user", "other chat's question")
     in_chunk, release = threading.Event(), threading.Event()
     if phase == "ingesting":
-        forward = Session._forward
+        forward = Session.forward
 
         def stuck_forward(self: Session, ids: list[int]) -> None:
             forward(self, ids)
             in_chunk.set()
             release.wait(60)
 
-        monkeypatch.setattr(Session, "_forward", stuck_forward)
+        monkeypatch.setattr(Session, "forward", stuck_forward)
     else:
         c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=4000)
     errors: list[str] = []

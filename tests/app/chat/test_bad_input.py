@@ -1,7 +1,7 @@
 """The app's bad-input matrix: what the window shows, and that nothing else changes.
 
 The readers' and the engine's exact messages are pinned by
-tests/engine/documents/test_matrix.py and tests/engine/test_bad_input.py; these
+tests/engine/documents/test_matrix.py and tests/engine/runtime/test_bad_input.py; these
 tests check that the window shows them where the user looks (the inline notice
 for files, the banner for models and prompts) and that the draft, the attached
 files and the conversation are left as they were.

@@ -150,11 +150,10 @@ def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
 def test_the_fitting_prefix_is_the_longest_that_fits() -> None:
     from app.chat.attachments import fitting_prefix
 
-    def count(s: str) -> int:
-        return len(s) // 4
-
     text = "".join(f"line {i:04d} of the document\n" for i in range(1000))
-    part = fitting_prefix(text, 1000, count)
-    assert count(part) <= 1000 and text.startswith(part) and part.endswith("\n")
-    assert count(part) > 900
-    assert fitting_prefix("short", 1000, count) == "short"
+    ends = list(range(4, len(text) + 1, 4))  # a token every four characters
+    part, tokens = fitting_prefix(text, 1000, ends)
+    assert tokens == len(part) // 4 and text.startswith(part) and part.endswith("\n")
+    assert 900 < tokens <= 1000
+    assert fitting_prefix("short", 1000, [5]) == ("short", 1)
+    assert fitting_prefix(text, 0, ends) == ("", 0)

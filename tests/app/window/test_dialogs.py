@@ -181,17 +181,81 @@ def test_rotation_is_a_saved_choice_that_new_chats_open_with(qtbot) -> None:
     assert settings.rotate_kv is None  # never chosen: the engine's default
     dialog = SettingsDialog(settings)
     qtbot.addWidget(dialog)
-    assert not dialog.rotate.isChecked()
-    dialog.rotate.setChecked(True)
+    assert dialog.rotate.isChecked()  # what the engine does when not told
+    dialog.rotate.setChecked(False)
     dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
-    assert Settings().rotate_kv is True
+    assert Settings().rotate_kv is False
 
     from app.sessions.caches import SessionCaches
 
     opened: list[tuple] = []
     bridge = type("Bridge", (), {"open_session": lambda self, *a, **k: opened.append((a, k))
-                                 or 1, "close_session": lambda self, sid, keep=True: None})()
+                                 or 1, "close_session": lambda self, sid, store=True: None})()
     caches = SessionCaches(bridge, Settings())
     caches.ensure_open(type("Record", (), {"id": "s", "kv_mode": "q6"})(), lambda: None,
                        lambda _failed: None)
-    assert opened and opened[0][0][3] is True  # (session, mode, page size, rotate, handler)
+    assert opened and opened[0][0][3] is False  # (session, mode, page size, rotate, handler)
+
+
+# A value for every setting that differs from its default and that a widget could
+# misshow (outside a spin box's range, more decimals than shown, padded text).
+# A field added to Settings without a value here fails its parametrized case.
+SET_VALUES = {
+    "default_mode": "q6",
+    "page_size": 8192,
+    "rotate_kv": False,
+    "ingest_chunk": 777,
+    "memory_budget_bytes": 3 * 2**30 + 12_345,
+    "stored_kv_budget_bytes": 12_345_678_901,
+    "system_prompt": "  Be brief.\n",
+    "sampling": SamplingParams(temperature=0.123, top_p=0.951, top_k=40, min_p=0.051,
+                               repetition_penalty=1.234, max_tokens=2_000_000, seed=7),
+    "model_folders": ["/models/a", "/models/b"],
+    "last_model": "/models/a/m",
+    "last_folder": "/",
+    "memory_panel_visible": False,
+    "window_geometry": b"\x01\x02geometry",
+}
+
+
+def _save_untouched() -> None:
+    dialog = SettingsDialog(Settings())
+    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
+    dialog.deleteLater()
+
+
+def _everything(settings: Settings) -> dict:
+    return {name: getattr(settings, name) for name in Settings.fields()}
+
+
+@pytest.mark.parametrize("state", ["unset", "set"])
+@pytest.mark.parametrize("field", Settings.fields())
+def test_save_changes_no_field_the_user_did_not_touch(qtbot, field: str, state: str) -> None:
+    settings = Settings()
+    if state == "set":
+        setattr(settings, field, SET_VALUES[field])
+        settings.sync()
+    before, values = Settings().stored(), _everything(Settings())
+    _save_untouched()
+    assert Settings().stored() == before
+    assert _everything(Settings()) == values
+
+
+def test_unset_rotation_shows_the_engines_default_and_stays_unset(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    assert dialog.rotate.isChecked()  # the engine rotates q8/q6/q4 unless told not to
+    dialog.apply()
+    assert Settings().rotate_kv is None
+    dialog.rotate.setChecked(False)
+    dialog.apply()
+    assert Settings().rotate_kv is False
+
+
+def test_one_changed_sampling_value_writes_only_that_key(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.temperature.setValue(0.2)
+    dialog.apply()
+    assert set(Settings().stored()) == {"sampling/temperature"}
+    assert Settings().sampling.temperature == 0.2

@@ -78,7 +78,7 @@ def test_reference_is_exact_and_q4_is_worse_than_q8(quality_run: tuple[str, dict
 
 def test_goals_table_has_each_goal_per_context(quality_run: tuple[str, dict]) -> None:
     markdown, _ = quality_run
-    goals = _table_after(markdown, "### Goals (issue 14)")
+    goals = _table_after(markdown, "### Goals")
     assert [(g[0][:10], int(g[1])) for g in goals] == [
         (goal, c) for c in CONTEXTS for goal in ("rotated q6", "rotated q4", "rotated q8")
     ]

@@ -15,12 +15,19 @@ from mlx_lm.utils import load
 
 from engine.cache import adapter
 from engine.cache.pages import PagePool
-from engine.errors import ContextTooLong, InsufficientMemory, KvBudgetExceeded, MemoryPressure
+from engine.errors import (
+    Cancelled,
+    ContextTooLong,
+    InsufficientMemory,
+    KvBudgetExceeded,
+    MemoryPressure,
+)
 from engine.events import (
     Failed,
     Finished,
     IngestProgress,
     ModelLoaded,
+    Notice,
     SessionOpened,
     StatsSample,
     TokenChunk,
@@ -229,29 +236,35 @@ def test_pages_leave_free_ram_for_the_prefill_transient() -> None:
     assert pool.budget_bytes == pool.bytes_allocated == 0
 
 
-def test_chunk_room_is_what_free_ram_holds_beside_the_scratch() -> None:
-    memory = FakeMemory(available=10 * MIB)
-    guard = _guard(memory, headroom_bytes=2 * MIB)
-    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=4 * MIB) == 64
-    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=8 * MIB) == 0
-    assert guard.chunk_room(token_bytes=64 * 1024, fixed_bytes=9 * MIB) == 0
-
-
-def test_prefill_chunks_shrink_to_what_free_ram_holds(llama) -> None:
+def test_a_chunk_free_ram_cannot_hold_waits_and_goes_on_at_its_planned_size(llama) -> None:
     memory = FakeMemory()
     guard = _guard(memory)
-    session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=200,
+    session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=64,
                       scratch_bytes=MIB)
-    facts = session.prefill_facts
-    # Free RAM for the scratch and 100 tokens of activations and pages, no more.
-    memory.available = facts.scratch_bytes + 100 * (facts.activation_bytes_per_token
-                                                    + session.kv_token_bytes)
-    recorder = Recorder()
+    plenty = memory.available
+
+    def squeeze(event: object, recorder: Recorder) -> None:
+        if isinstance(event, IngestProgress) and event.tokens_done == 64:
+            # Free RAM for the scratch and 32 tokens of activations and pages: half a chunk.
+            memory.available = session.chunk_bytes(32) + guard.headroom(memory())
+
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:
+            memory.available = plenty  # another app quit
+
+    session.sleep = sleep
+    recorder = Recorder(squeeze)
     _ingest(session, _user(QUESTION * 8), recorder)
+    assert len(waits) == 3
+    notices = [e.message for e in recorder.events if isinstance(e, Notice)]
+    assert len(notices) == 1 and notices[0].startswith("Waiting for ")
     done = [e.tokens_done for e in recorder.of(IngestProgress)]
     steps = [b - a for a, b in zip([0, *done], done, strict=False)]
-    assert steps[:-1] == [100] * (len(steps) - 1) and 0 < steps[-1] <= 100
-    assert done[-1] == len(session.tokens) > 200
+    assert steps[:-1] == [64] * (len(steps) - 1) and 0 < steps[-1] <= 64
+    assert done[-1] == len(session.tokens) > 128
 
 
 # -- model loads ---------------------------------------------------------------
@@ -313,7 +326,7 @@ def test_ingest_past_free_ram_is_refused_up_front_with_numbers(llama) -> None:
     guard = _guard(memory)
     session = Session("s", llama, "fp16", page_size=16, guard=guard, scratch_bytes=MIB)
     # Free RAM holds one prefill chunk's scratch and activations plus three pages.
-    transient = session.prefill_facts.transient_bytes(session.smallest_chunk)
+    transient = session.prefill_facts.transient_bytes(session.chunk_size)
     assert transient > MIB
     memory.available = 3 * PAGE + transient
     with pytest.raises(ContextTooLong) as error:
@@ -391,7 +404,7 @@ def test_ingest_stops_cleanly_between_chunks_under_pressure(llama) -> None:
         "close other apps or conversations to free memory, then send again to continue "
         "from there.")
     assert session.tokens == held and adapter.cache_tokens(session.cache) == len(held)
-    assert session.prefill_stop == (len(held), len(prompt))
+    assert (error.value.kept_tokens, error.value.total_tokens) == (len(held), len(prompt))
     assert len(recorder.of(IngestProgress)) >= 2
     # A request that starts under pressure changes nothing.
     with pytest.raises(MemoryPressure, match="did not start the answer"):
@@ -406,6 +419,11 @@ def test_user_cancel_is_still_cancelled_not_memory(llama) -> None:
     recorder = Recorder()
     reason, _ = _chat(session, _user(QUESTION), recorder, tick=recorder.cancel.set)
     assert reason == "cancelled" and session.memory_stop is None
+    reading = Session("r", llama, "fp16", page_size=16, guard=guard, chunk_size=16)
+    recorder = Recorder()  # stopped after the first of several chunks: while reading in
+    with pytest.raises(Cancelled):
+        _chat(reading, _user(QUESTION * 4), recorder, tick=recorder.cancel.set)
+    assert reading.memory_stop is None and len(reading.tokens) == 16
 
 
 # -- worker ----------------------------------------------------------------------
@@ -568,7 +586,8 @@ def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) 
             memory.available = 0  # the pages already taken are all there is
 
     session = Session("s", llama, "fp16", page_size=16, guard=guard, chunk_size=16)
-    transient = human_bytes(session.prefill_facts.transient_bytes(session.smallest_chunk))
+    session.sleep = lambda seconds: None  # RAM never comes back: no need to wait for it
+    transient = human_bytes(session.prefill_facts.transient_bytes(session.chunk_size))
     messages = _user(QUESTION * 8)
     with pytest.raises(ContextTooLong) as error:
         _ingest(session, messages, Recorder(fill))
@@ -579,6 +598,7 @@ def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) 
             f"reading it in) holds about {held // PAGE * 16} tokens in fp16") in str(error.value)
     # The chunks read before RAM ran out stay held, and the message says how many.
     kept = len(session.tokens)
+    assert "Longleaf waited 30 s for the " in str(error.value)
     assert str(error.value).endswith(f"Longleaf kept {kept:,} of {len(prompt):,} tokens.")
     assert 0 < kept < len(prompt) and session.tokens == prompt[:kept]
     assert adapter.cache_tokens(session.cache) == kept

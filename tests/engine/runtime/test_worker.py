@@ -161,15 +161,15 @@ def test_stats_follow_the_interval(start_worker, model_dirs) -> None:
 
 def test_samples_keep_coming_while_a_chunk_runs_long(start_worker, model_dirs,
                                                      monkeypatch) -> None:
-    forward = Session._forward
+    forward = Session.forward
 
     def slow_forward(self: Session, chunk: list[int]) -> None:
         forward(self, chunk)
         time.sleep(0.4)  # one chunk of a big model on a slow machine
 
-    monkeypatch.setattr(Session, "_forward", slow_forward)
+    monkeypatch.setattr(Session, "forward", slow_forward)
     worker, log = _ready(start_worker, model_dirs["llama"], stats_interval=0.05,
-                         chunk_size=16, adaptive_chunks=False)
+                         chunk_size=16)
     rid = worker.ingest("s", [{"role": "user", "content": QUESTION * 3}], threading.Event())
     ending = log.ending(rid)
     with log.changed:
@@ -333,7 +333,7 @@ def test_cancelled_ingest_says_what_it_kept_and_the_next_one_continues(model_dir
         if isinstance(event, IngestProgress) and event.tokens_done >= 16:
             cancel.set()  # on the engine thread, between two chunks
 
-    worker = EngineWorker(on_event, chunk_size=8, adaptive_chunks=False)
+    worker = EngineWorker(on_event, chunk_size=8)
     worker.start()
     try:
         log.result(worker.load_model(str(model_dirs["llama"])), ModelLoaded)
@@ -442,6 +442,6 @@ def test_closing_a_chat_mid_answer_cancels_the_answer(model_dirs, tmp_path,
         assert 0 < ending.stats.generated_tokens < full.stats.generated_tokens
         assert log.ending(closes[0]).reason == "done"
         # The partial answer went to the stored KV, as a close after an answer does.
-        assert "s" in [info.name for info in worker._snapshots.store.per_snapshot()]
+        assert "s" in [info.name for info in worker._stored.snapshots.per_snapshot()]
     finally:
         worker.shutdown(timeout=10.0)

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from mlx_lm.utils import load
 
 from engine.cache import adapter
-from engine.errors import InsufficientMemory
+from engine.errors import Cancelled, InsufficientMemory
 from engine.events import IngestProgress, TokenChunk
 from engine.session import checkpoints
 from engine.session.checkpoints import Checkpoint, CheckpointStore
@@ -196,7 +196,8 @@ def test_follow_up_that_diverges_in_the_answer_reingests_only_the_answer(models,
     # restored state is exactly what the first prompt left.
     fresh = Session("fresh", loaded, "fp16", chunk_size=16)
     _feed(fresh, asked[:-1])
-    _feed(fresh, prompt[:-1], fresh._boundaries(follow, prompt, len(asked) - 1))
+    rendered = fresh.prompt(follow, add_generation_prompt=True)
+    _feed(fresh, prompt[:-1], fresh._boundaries(rendered, len(asked) - 1))
     expected = _next_logits(fresh, prompt)
     got = _next_logits(session, prompt)
     assert mx.array_equal(got, expected).item()
@@ -225,17 +226,18 @@ def test_cancel_keeps_the_ingested_prefix_and_the_next_send_continues(models, ar
     messages = _user(DOCUMENT)
     prompt = session.render(messages, add_generation_prompt=True)
     recorder = Recorder(cancel_after=3)
-    reason, _ = _chat(session, messages, recorder)
+    with pytest.raises(Cancelled) as stopped:
+        _chat(session, messages, recorder)
     done = [e.tokens_done for e in recorder.events if isinstance(e, IngestProgress)]
-    assert reason == "cancelled" and not recorder.ids()
+    assert not recorder.ids()
     # Three chunks were read and stay held: not rewound to a message boundary.
     assert len(session.tokens) == done[-1] == 24
-    assert session.tokens == prompt[:24] and session.prefill_stop == (24, len(prompt))
+    assert (stopped.value.kept_tokens, stopped.value.total_tokens) == (24, len(prompt))
+    assert session.tokens == prompt[:24]
     assert adapter.cache_tokens(session.cache) == 24
     before = session.tokens_ingested
     answer = _chat(session, messages)[1].ids()
     assert session.tokens_ingested - before == len(prompt) - 1 - 24
-    assert session.prefill_stop is None
     fresh = Session("fresh", loaded, "q8", page_size=16, chunk_size=8)
     assert answer == _chat(fresh, messages)[1].ids()
 
@@ -270,7 +272,7 @@ def test_a_failed_allocation_keeps_the_chunks_that_finished(models, arch, error)
         _chat(session, messages)
     assert f"kept 24 of {len(prompt):,} tokens" in str(raised.value)
     assert session.tokens == prompt[:24] and adapter.cache_tokens(session.cache) == 24
-    assert session.prefill_stop == (24, len(prompt))
+    assert (raised.value.kept_tokens, raised.value.total_tokens) == (24, len(prompt))
     session.model = loaded.model
     answer = _chat(session, messages)[1].ids()
     fresh = Session("fresh", loaded, "q6", page_size=16, chunk_size=8)

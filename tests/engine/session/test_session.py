@@ -17,6 +17,7 @@ from mlx_lm.utils import load
 from engine.cache import adapter
 from engine.errors import Cancelled, ContextTooLong
 from engine.events import IngestProgress, TokenChunk
+from engine.session.prefill import chunk_plan
 from engine.session.prompt_ids import common_prefix
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
@@ -199,11 +200,14 @@ def test_cancelled_ingest_keeps_the_chunks_read_and_a_usable_session(models, arc
                 *_user(QUESTION * 2)]
     _chat(session, messages[:1], SamplingParams(temperature=0.0, max_tokens=2))
     rec = Recorder(cancel_after=(IngestProgress, 2))
-    reason, _, _ = _chat(session, messages, recorder=rec)
-    assert reason == "cancelled" and not rec.of(TokenChunk)
+    with pytest.raises(Cancelled) as stopped:
+        _chat(session, messages, recorder=rec)
+    assert not rec.of(TokenChunk)
     prompt = session.render(messages, add_generation_prompt=True)
+    assert (stopped.value.kept_tokens, stopped.value.total_tokens) == (len(session.tokens),
+                                                                       len(prompt))
     kept = session.sync(prompt, keep_last=True)  # what the two chunks left held
-    assert kept == len(session.tokens) == session.prefill_stop[0]
+    assert kept == len(session.tokens) == stopped.value.kept_tokens
     assert session.tokens == prompt[:kept] and kept > len(prompt) // 3
     assert adapter.cache_tokens(session.cache) == len(session.tokens)
     answer = _chat(session, messages)[2].ids()
@@ -335,49 +339,27 @@ def _chunk_sizes(session: Session, messages: list[dict[str, str]], step: float) 
     return [b - a for a, b in zip([0, *done], done, strict=False)]
 
 
-def test_paced_chunks_grow_when_fast_and_the_next_turn_starts_where_they_settled(
-    models,
-) -> None:
-    session = Session("s", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
-    first = _user(QUESTION * 16)
-    fast = _chunk_sizes(session, first, step=0.01)
-    assert fast[:3] == [64, 200, 200]
-    second = [*first, {"role": "assistant", "content": "Paris."}, *_user(QUESTION * 16)]
-    slow = _chunk_sizes(session, second, step=1.0)
-    # Not a fresh 64-token probe: the first turn showed 200 tokens are quick.
-    assert slow[:3] == [200, 100, 64]
+def test_the_chunk_plan_ends_chunks_at_multiples_of_the_size_and_at_boundaries() -> None:
+    assert chunk_plan(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    # A read that starts mid-chunk (a held prefix) catches up with the same grid.
+    assert chunk_plan(6, 17, 4) == [(6, 8), (8, 12), (12, 16), (16, 17)]
+    assert chunk_plan(0, 10, 4, [3, 4, 9, 10, 12]) == [(0, 3), (3, 4), (4, 8), (8, 9),
+                                                       (9, 10)]
+    assert chunk_plan(5, 5, 4) == []
 
 
-def test_a_new_chunk_size_applies_to_fixed_and_paced_sessions(models) -> None:
-    fixed = Session("f", models["llama"], "fp16", chunk_size=16)
-    fixed.set_chunk_size(48)
-    assert _chunk_sizes(fixed, _user(QUESTION * 4), step=1.0)[:2] == [48, 48]
-    paced = Session("p", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
-    assert _chunk_sizes(paced, _user(QUESTION * 16), step=0.01)[:2] == [64, 200]
-    paced.set_chunk_size(100)  # smaller than what it settled on: takes effect at once
-    follow_up = [*_user(QUESTION * 16), {"role": "assistant", "content": "Paris."},
-                 *_user(QUESTION * 16)]
-    assert _chunk_sizes(paced, follow_up, step=0.01)[:2] == [100, 100]
+def test_chunks_are_the_same_on_a_slow_and_a_fast_machine(models) -> None:
+    fast = _chunk_sizes(Session("f", models["llama"], "fp16", chunk_size=64),
+                        _user(QUESTION * 16), step=0.001)
+    slow = _chunk_sizes(Session("s", models["llama"], "fp16", chunk_size=64),
+                        _user(QUESTION * 16), step=5.0)
+    assert fast == slow and fast[:-1] == [64] * (len(fast) - 1) and len(fast) > 2
 
 
-def test_slow_chunks_shrink_so_progress_keeps_flowing(models) -> None:
-    session = Session("s", models["llama"], "fp16", chunk_size=200, chunk_seconds=0.5)
-    ticks = iter(range(10_000))
-    session.clock = lambda: float(next(ticks))  # every chunk "takes" one second
-    rec = Recorder()
-    session.ingest(_user(QUESTION * 16), request_id=1, cancel=rec.cancel, emit=rec,
-                   tick=lambda: None)
-    done = [p.tokens_done for p in rec.of(IngestProgress)]
-    sizes = [b - a for a, b in zip([0, *done], done, strict=False)]
-    # A paced prefill probes with the smallest chunk, and a 1 s chunk never grows.
-    assert set(sizes[:-1]) == {64} and len(sizes) > 3
-    assert done[-1] == len(session.tokens)
-    fixed = Session("f", models["llama"], "fp16", chunk_size=200)
-    fixed.clock = session.clock
-    rec = Recorder()
-    fixed.ingest(_user(QUESTION * 16), request_id=1, cancel=rec.cancel, emit=rec,
-                 tick=lambda: None)
-    assert [p.tokens_done for p in rec.of(IngestProgress)][:2] == [200, 400]
+def test_a_new_chunk_size_applies_from_the_next_prefill(models) -> None:
+    session = Session("f", models["llama"], "fp16", chunk_size=16)
+    session.set_chunk_size(48)
+    assert _chunk_sizes(session, _user(QUESTION * 4), step=1.0)[:2] == [48, 48]
 
 
 @pytest.mark.parametrize(("mode", "kind"), [("fp16", "mlx-lm"), ("q8", "mlx-lm quantized")])

@@ -1,0 +1,62 @@
+"""One rendering per request: the ids, the message boundaries from the same encoding's
+character offsets, and a document's token ends, checked against tokenizing again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from engine.session.prompt_ids import message_boundaries, render_prompt, token_ends
+from tests.engine.tinymodels import make_tiny_model_dir
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Where do longleaf pines grow?"},
+     {"role": "assistant", "content": "In the southeastern United States."},
+     {"role": "user", "content": "How tall?"}],
+    [{"role": "system", "content": "Answer briefly."},
+     {"role": "user", "content": "Ünïcode — “quotes” 日本語 🌲 and\n\nblank lines\n"},
+     {"role": "assistant", "content": "  leading spaces, trailing newline\n"},
+     {"role": "user", "content": "<|im_end|> typed by the user, and <think>tags</think>"},
+     {"role": "assistant", "content": "ok"},
+     {"role": "user", "content": "x" * 300}],
+]
+
+
+@pytest.fixture(scope="module", params=["demo", "qwen3_next"])
+def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if request.param == "demo":
+        _model, demo = request.getfixturevalue("demo_model")
+        return demo
+    return load_tokenizer(make_tiny_model_dir(tmp_path_factory.mktemp("tok"), "qwen3_next"))
+
+
+def _encode_again(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=generation)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("generation", [True, False])
+def test_boundaries_from_offsets_are_those_of_tokenizing_each_cut(tokenizer, messages,
+                                                                  generation) -> None:
+    prompt = render_prompt(tokenizer, messages, add_generation_prompt=generation)
+    assert prompt.starts is not None  # the fast path, not the fallback
+    assert prompt.ids == _encode_again(tokenizer, messages, generation)
+    for after in (0, 5, len(prompt.ids) // 2):
+        for most in (1, 2, 10):
+            expected = message_boundaries(tokenizer, messages, prompt.ids, after=after,
+                                          most=most)
+            assert prompt.boundaries(tokenizer, after=after, most=most) == expected
+    assert len(prompt.boundaries(tokenizer, after=0, most=10)) == len(messages) - 1
+
+
+def test_token_ends_cut_a_document_at_whole_tokens(tokenizer) -> None:
+    text = " ".join(f"Longleaf pine {i}: Pinus palustris, ünïcode 🌲." for i in range(200))
+    ends = token_ends(tokenizer, text)
+    assert len(ends) == len(tokenizer.encode(text, add_special_tokens=False))
+    assert ends == sorted(ends) and ends[-1] == len(text)
+    for count in (1, 7, len(ends) // 3, len(ends) - 1):
+        assert len(tokenizer.encode(text[:ends[count - 1]], add_special_tokens=False)) == count
