@@ -122,25 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="modes also run with rotated rows, e.g. q6 ('none': skip)")
     longctx.add_argument("--hybrid-tokens", type=parse_tokens,
                          help="tokens the hybrid model reads (0: skip that part)")
-<<<<<<< HEAD
-    spec = sub.add_parser("speculative", help="demo model: decode with and without drafts")
-    _common(spec)
-    spec.add_argument("--model", default="demo", help="model directory or 'demo'")
-    spec.add_argument("--modes", type=_modes, help="e.g. fp16,q6")
-    spec.add_argument("--document-tokens", type=parse_tokens, help="e.g. 5k")
-    spec.add_argument("--max-tokens", type=int, help="tokens per answer")
-    return parser
-
-
-def run_speculative(args: argparse.Namespace, command: str) -> dict:
-    from engine.bench import speculative_bench
-
-    base = speculative_bench.QUICK if args.quick else speculative_bench.SpeculativeConfig()
-    config = with_changes(base, model=args.model, modes=args.modes,
-                          document_tokens=args.document_tokens, max_tokens=args.max_tokens)
-    return _run_sections(args, command, "speculative", speculative_bench.run_speculative_bench,
-                         speculative_bench.render_report, config)
-=======
     longctx.add_argument("--schedules", type=_schedules,
                          help="attention schedules of the paged cells, e.g. cpu,gpu")
     longctx.add_argument("--no-mlx", action="store_true",
@@ -150,6 +131,12 @@ def run_speculative(args: argparse.Namespace, command: str) -> dict:
     pipeline.add_argument("--contexts", type=_ints, help="prompt lengths, e.g. 8k,32k")
     pipeline.add_argument("--max-tokens", type=int, help="tokens generated per run")
     pipeline.add_argument("--mode", help="KV mode, e.g. fp16")
+    spec = sub.add_parser("speculative", help="demo model: decode with and without drafts")
+    _common(spec)
+    spec.add_argument("--model", default="demo", help="model directory or 'demo'")
+    spec.add_argument("--modes", type=_modes, help="e.g. fp16,q6")
+    spec.add_argument("--document-tokens", type=parse_tokens, help="e.g. 5k")
+    spec.add_argument("--max-tokens", type=int, help="tokens per answer")
     return parser
 
 
@@ -161,7 +148,16 @@ def run_pipeline(args: argparse.Namespace, command: str) -> dict:
                           mode=args.mode)
     return _run_sections(args, command, "pipeline", pipeline_bench.run_pipeline_bench,
                          pipeline_bench.render_pipeline_report, config)
->>>>>>> main
+
+
+def run_speculative(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import speculative_bench
+
+    base = speculative_bench.QUICK if args.quick else speculative_bench.SpeculativeConfig()
+    config = with_changes(base, model=args.model, modes=args.modes,
+                          document_tokens=args.document_tokens, max_tokens=args.max_tokens)
+    return _run_sections(args, command, "speculative", speculative_bench.run_speculative_bench,
+                         speculative_bench.render_report, config)
 
 
 def run_longctx(args: argparse.Namespace, command: str) -> dict:
@@ -307,11 +303,8 @@ RUNNERS = {
     "reopen": run_reopen,
     "quality": run_quality,
     "longctx": run_longctx,
-<<<<<<< HEAD
-    "speculative": run_speculative,
-=======
     "pipeline": run_pipeline,
->>>>>>> main
+    "speculative": run_speculative,
 }
 _STARTED = time.monotonic()
 
