@@ -187,6 +187,7 @@ class Settings:
             ),
             max_tokens=self._get("sampling/max_tokens", base.max_tokens, int),
             seed=None if seed < 0 else seed,
+            speculative="lookup" if self.speculative else "off",
         )
 
     @sampling.setter
@@ -200,6 +201,15 @@ class Settings:
                 self._set(f"sampling/{key}", getattr(params, key))
         if params.seed != current.seed:
             self._set("sampling/seed", -1 if params.seed is None else params.seed)
+
+    @property
+    def speculative(self) -> bool:
+        """Draft answer tokens from the chat's own text and verify them in one pass."""
+        return self._get("engine/speculative", SamplingParams().speculative == "lookup", bool)
+
+    @speculative.setter
+    def speculative(self, value: bool) -> None:
+        self._set("engine/speculative", bool(value))
 
     @property
     def model_folders(self) -> list[str]:

@@ -116,7 +116,7 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
     sampling = SamplingParams(
         temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
-        seed=args.seed,
+        seed=args.seed, speculative=args.speculative,
     )
     collector = _Collector(stream)
     # Stored as "cli-<name>": the app names its chats' snapshots by a bare hex id,
@@ -158,6 +158,9 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         "peak_memory_bytes": sample.mlx_peak_bytes if sample else 0,
         "prefill_tps": stats.prefill_tps if stats else 0.0,
         "decode_tps": stats.decode_tps if stats else 0.0,
+        "draft_tokens": stats.draft_tokens if stats else 0,
+        "accepted_tokens": stats.accepted_tokens if stats else 0,
+        "decode_steps": stats.decode_steps if stats else 0,
         "time_to_first_token": stats.time_to_first_token if stats else None,
         "finish_reason": ending.reason,
     }
@@ -283,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=defaults.min_p)
     gen.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--speculative", choices=("off", "lookup"), default=defaults.speculative,
+                     help="draft tokens from the prompt's own text and verify them in one pass")
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--session", help="store the KV cache as this snapshot and reuse it")

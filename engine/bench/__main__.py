@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokens", type=parse_tokens, help="conversation tokens (about)")
     serve.add_argument("--max-tokens", type=int, help="answer tokens per request")
     serve.add_argument("--no-mlx", action="store_true", help="skip mlx_lm.server")
+    spec = sub.add_parser("speculative", help="demo model: decode with and without drafts")
+    _common(spec)
+    spec.add_argument("--model", default="demo", help="model directory or 'demo'")
+    spec.add_argument("--modes", type=_modes, help="e.g. fp16,q6")
+    spec.add_argument("--document-tokens", type=parse_tokens, help="e.g. 5k")
+    spec.add_argument("--max-tokens", type=int, help="tokens per answer")
     return parser
 
 
@@ -160,6 +166,16 @@ def run_serve(args: argparse.Namespace, command: str) -> dict:
                       "", serve_bench.report(results)])
     report.write_section(args.output, "serve", body)
     return results
+
+
+def run_speculative(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import speculative_bench
+
+    base = speculative_bench.QUICK if args.quick else speculative_bench.SpeculativeConfig()
+    config = with_changes(base, model=args.model, modes=args.modes,
+                          document_tokens=args.document_tokens, max_tokens=args.max_tokens)
+    return _run_sections(args, command, "speculative", speculative_bench.run_speculative_bench,
+                         speculative_bench.render_report, config)
 
 
 def run_longctx(args: argparse.Namespace, command: str) -> dict:
@@ -307,6 +323,7 @@ RUNNERS = {
     "longctx": run_longctx,
     "pipeline": run_pipeline,
     "serve": run_serve,
+    "speculative": run_speculative,
 }
 _STARTED = time.monotonic()
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 from engine.cache import kvquant
 from engine.cache.attention import schedule, streams
 
-# Up to this many new tokens (decode, short drafts) attend the packed pages directly;
-# the score matrix [heads, tokens, context] grows with the chunk, so longer chunks
-# walk the pages in blocks instead.
-PACKED_MAX_TOKENS = 4
+# Up to this many new tokens (decode, and a speculative verification of the last
+# token plus up to 8 drafted ones) read the pages the way a decode step does: packed
+# pages directly, fp16 pages page-major; the score matrix [heads, tokens, context]
+# grows with the chunk, so longer chunks walk the pages in prefill blocks instead.
+PACKED_MAX_TOKENS = 9
 # The most one prefill chunk's attention scratch (scores, their exponentials and
 # one dequantized block of keys and values) may take, at any context length; each
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
