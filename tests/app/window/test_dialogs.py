@@ -214,6 +214,7 @@ SET_VALUES = {
     "last_model": "/models/a/m",
     "last_folder": "/",
     "memory_panel_visible": False,
+    "speculative": True,
     "window_geometry": b"\x01\x02geometry",
 }
 
