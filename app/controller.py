@@ -7,7 +7,7 @@ it belongs to.
 
 It owns a few collaborators, each given what it needs when it is made:
 ``Activity`` (each chat's job: the one running and those waiting in line),
-``LoadedModel`` (which model the engine runs), ``SessionCaches`` (which
+``ModelState`` (which model the engine runs), ``SessionCaches`` (which
 sessions' KV caches the engine holds), ``SessionActions`` (the sessions and the
 one shown), ``Answers`` (starting answers and re-ingests and following their
 events) and ``QualityCheck`` (the shown chat's mode against fp16, its receipts
@@ -25,8 +25,8 @@ from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
-from app.loaded_model import LoadedModel
 from app.memory.quality import QualityCheck
+from app.model_state import ModelState
 from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
@@ -61,7 +61,7 @@ class ChatController(QObject):
         self.settings, self.store, self.bridge = settings, store, bridge
         self.model = ChatModel(self)
         self.activity = Activity(self)
-        self.loaded_model = LoadedModel(bridge, settings, self)
+        self.model_state = ModelState(bridge, settings, self)
         self.caches = SessionCaches(bridge, settings, self)
         self.sessions = SessionActions(store, settings, self.model, self.caches, self.activity,
                                        before_switch=self.cancel_edit, parent=self)
@@ -76,8 +76,8 @@ class ChatController(QObject):
             (self.activity.busyChanged, self.busyChanged),
             (self.activity.changed, self.activityChanged),
             (self.activity.refused, self.errorRaised),
-            (self.loaded_model.stateChanged, self.modelStateChanged),
-            (self.loaded_model.errorRaised, self.errorRaised),
+            (self.model_state.stateChanged, self.modelStateChanged),
+            (self.model_state.errorRaised, self.errorRaised),
             (self.caches.changed, self.cacheChanged),
             (self.caches.notice, self.notice),
             (self.sessions.sessionsChanged, self.sessionsChanged),
@@ -114,17 +114,17 @@ class ChatController(QObject):
     @property
     def model_id(self) -> str:
         """The model folder (or "demo") loaded or loading."""
-        return self.loaded_model.path
+        return self.model_state.path
 
     @property
     def model_info(self) -> object | None:
         """The loaded model's ``ModelInfo``."""
-        return self.loaded_model.info
+        return self.model_state.info
 
     @property
     def model_ready(self) -> bool:
         """Whether a model is loaded and chats can use it."""
-        return self.loaded_model.ready
+        return self.model_state.ready
 
     @property
     def opened(self) -> dict[str, str]:
@@ -211,7 +211,7 @@ class ChatController(QObject):
         if self.activity.refuse("switching models"):
             return
         self.caches.close_all()
-        self.loaded_model.load(path)
+        self.model_state.load(path)
 
     # Sessions -------------------------------------------------------------
 

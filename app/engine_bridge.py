@@ -203,9 +203,9 @@ class EngineBridge(QObject):
         """Delete one chat's stored KV (None: all), on the worker; answers with storedKv."""
         return self._submit(self._worker.clear_snapshots(session_id), None)
 
-    def close_session(self, session_id: str, keep: bool = True) -> None:
-        """Free a session's pages, storing its KV first unless ``keep`` is False."""
-        self._submit(self._worker.close_session(session_id, keep), None)
+    def close_session(self, session_id: str, store: bool = True) -> None:
+        """Free a session's pages, storing its KV first unless ``store`` is False."""
+        self._submit(self._worker.close_session(session_id, store), None)
 
     def latest_stats(self) -> StatsSample | None:
         """The worker's last stats snapshot (thread-safe, no MLX call)."""

@@ -92,6 +92,16 @@ class Settings:
         """Write pending changes to disk."""
         self._qs.sync()
 
+    def stored(self) -> dict[str, object]:
+        """Every key the file holds now, with its raw value (what a user set)."""
+        return {key: self._qs.value(key) for key in self._qs.allKeys()}
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The names of every setting (each property that can be written)."""
+        return tuple(name for name, attr in vars(cls).items()
+                     if isinstance(attr, property) and attr.fset is not None)
+
     @property
     def default_mode(self) -> str:
         """KV mode a new chat starts with."""
@@ -177,14 +187,29 @@ class Settings:
             ),
             max_tokens=self._get("sampling/max_tokens", base.max_tokens, int),
             seed=None if seed < 0 else seed,
+            speculative="lookup" if self.speculative else "off",
         )
 
     @sampling.setter
     def sampling(self, params: SamplingParams) -> None:
+        # Only the values that differ are written: a key left unset keeps following
+        # the default (and, later, a model's own generation defaults).
+        current = self.sampling
         for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "max_tokens"):
-            self._set(f"sampling/{key}", getattr(params, key))
-        self._set("sampling/seed", -1 if params.seed is None else params.seed)
+            if getattr(params, key) != getattr(current, key):
+                self._set(f"sampling/{key}", getattr(params, key))
+        if params.seed != current.seed:
+            self._set("sampling/seed", -1 if params.seed is None else params.seed)
+
+    @property
+    def speculative(self) -> bool:
+        """Draft answer tokens from the chat's own text and verify them in one pass."""
+        return self._get("engine/speculative", SamplingParams().speculative == "lookup", bool)
+
+    @speculative.setter
+    def speculative(self, value: bool) -> None:
+        self._set("engine/speculative", bool(value))
 
     @property
     def model_folders(self) -> list[str]:

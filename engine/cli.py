@@ -1,4 +1,4 @@
-"""Headless command line: ``python -m engine generate|models|info``.
+"""Headless command line: ``python -m engine generate|models|info|serve``.
 
 It drives the same ``EngineWorker`` the app uses, so a script, a benchmark or a
 check sees exactly what the GUI would.
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.cache import kvquant
-from engine.cache.modes import MODES
-from engine.distributed.launch import launch, rank_report_dir, write_rank_report
+from engine.cache.modes import DEFAULT_MODE, MODES
+from engine.distributed.launch import launch, rank_report_dir, write_rank_pid, write_rank_report
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
 from engine.memory.fit import facts_from_info
@@ -94,6 +94,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     import mlx.core as mx
 
     group = mx.distributed.init()
+    write_rank_pid(report_dir, group.rank())
     result, collector = _run(args, None, pipeline=group)
     sample = collector.stats
     write_rank_report(report_dir, group.rank(), {
@@ -115,7 +116,7 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
     sampling = SamplingParams(
         temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
-        seed=args.seed,
+        seed=args.seed, speculative=args.speculative,
     )
     collector = _Collector(stream)
     # Stored as "cli-<name>": the app names its chats' snapshots by a bare hex id,
@@ -157,6 +158,9 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         "peak_memory_bytes": sample.mlx_peak_bytes if sample else 0,
         "prefill_tps": stats.prefill_tps if stats else 0.0,
         "decode_tps": stats.decode_tps if stats else 0.0,
+        "draft_tokens": stats.draft_tokens if stats else 0,
+        "accepted_tokens": stats.accepted_tokens if stats else 0,
+        "decode_steps": stats.decode_steps if stats else 0,
         "time_to_first_token": stats.time_to_first_token if stats else None,
         "finish_reason": ending.reason,
     }
@@ -246,6 +250,23 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB ({nbytes:,} bytes)"
 
 
+def serve(args: argparse.Namespace, out: TextIO) -> int:
+    """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
+    from engine.server.bridge import EngineBridge
+    from engine.server.serve import server_snapshot_dir, uvicorn_server
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        raise EngineError("Serving beyond this machine needs --api-key: anyone on the "
+                          "network could otherwise use the model.")
+    bridge = EngineBridge(args.model, args.kv, server_snapshot_dir(),
+                          max_sessions=args.sessions, queue_limit=args.queue_limit)
+    out.write(f"Longleaf serving {bridge.model_id} on http://{args.host}:{args.port} "
+              f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
+    out.flush()
+    uvicorn_server(bridge, args.host, args.port, args.api_key).run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m engine`` argument parser."""
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
@@ -265,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=defaults.min_p)
     gen.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--speculative", choices=("off", "lookup"), default=defaults.speculative,
+                     help="draft tokens from the prompt's own text and verify them in one pass")
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--session", help="store the KV cache as this snapshot and reuse it")
@@ -276,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
     found = commands.add_parser("models", help="list the models found")
     found.add_argument("--json", action="store_true")
     found.set_defaults(handler=models)
+    api = commands.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API")
+    api.add_argument("--model", required=True, help='a model folder, or "demo"')
+    api.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default: this machine only)")
+    api.add_argument("--port", type=int, default=1234)
+    api.add_argument("--kv", default=DEFAULT_MODE, choices=MODES,
+                     help=f"KV mode of requests that ask for none (default {DEFAULT_MODE})")
+    api.add_argument("--api-key", default=None, help="require this key on every request")
+    api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
+    api.add_argument("--queue-limit", type=int, default=16,
+                     help="requests waiting at once before answering 429")
+    api.set_defaults(handler=serve)
     facts = commands.add_parser("info", help="model facts and KV size per mode")
     facts.add_argument("model", help='a model folder, or "demo"')
     facts.add_argument("--json", action="store_true")

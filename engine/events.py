@@ -102,6 +102,12 @@ class GenerationStats:
     # and how many of the held ones came from a KV snapshot on disk.
     prefill_tokens: int = 0
     reused_tokens: int = 0
+    # Speculative decoding: tokens proposed, proposed tokens accepted (the token
+    # each verification adds of its own not counted), and the answer's forward
+    # passes, so accepted tokens per step = generated_tokens / decode_steps.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_steps: int = 0
 
 
 @dataclass(frozen=True)

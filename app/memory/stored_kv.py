@@ -78,7 +78,7 @@ class StoredKvSection(QWidget):
         self.table.itemSelectionChanged.connect(self._update_buttons)
         layout.addWidget(self.table)
         buttons = QHBoxLayout()
-        self.clear_one = QPushButton("Clear chat's")
+        self.clear_one = QPushButton("Delete selected")
         self.clear_one.setToolTip("Delete the selected chat's stored KV; its next send "
                                   "reads the conversation again.")
         self.clear_one.clicked.connect(self._clear_selected)

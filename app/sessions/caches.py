@@ -80,7 +80,7 @@ class SessionCaches(QObject):
     def forget(self, session_id: str) -> None:
         """Free a deleted session's cache without storing it, and delete its stored KV."""
         if session_id in self.opened:
-            self.bridge.close_session(session_id, keep=False)
+            self.bridge.close_session(session_id, store=False)
             del self.opened[session_id]
         self.samples.pop(session_id, None)
         self.bridge.clear_stored_kv(session_id)

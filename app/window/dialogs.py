@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -21,9 +23,9 @@ from PySide6.QtWidgets import (
 from app.format import human_bytes
 from app.settings import Settings
 from engine import SamplingParams, default_budget, snapshots_dir
-from engine.cache.adapter import rotates_by_default
 from engine.cache.modes import MODES
 
+SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 GB = 10**9  # disk sizes in decimal gigabytes, as disks are sold and the default is stated
 
 MODE_BLURB = {
@@ -128,10 +130,8 @@ class SettingsDialog(QDialog):
             "store it: same bytes, closer to fp16 (q6's KL to fp16 about 4x lower on the "
             "demo model). The last digits of an answer can then depend on how the text "
             "was split into chunks.")
-        # Unset means "the mode's default": show that, not a blanket "off".
-        rotate = settings.rotate_kv
-        self.rotate.setChecked(rotates_by_default(settings.default_mode) if rotate is None
-                               else rotate)
+        # Unset means the engine's default, which rotates every quantized mode.
+        self.rotate.setChecked(True if settings.rotate_kv is None else settings.rotate_kv)
         form.addRow("", self.rotate)
         self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk)
         form.addRow("Ingest chunk (tokens)", self.chunk)
@@ -146,7 +146,7 @@ class SettingsDialog(QDialog):
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05,
                                           value=sampling.temperature)
         form.addRow("Temperature", self.temperature)
-        self.top_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05,
+        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1.0, singleStep=0.05,
                                     value=sampling.top_p)
         form.addRow("Top-p", self.top_p)
         self.top_k = QSpinBox(minimum=0, maximum=1000, value=sampling.top_k)
@@ -172,13 +172,13 @@ class SettingsDialog(QDialog):
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)
         self.accepted.connect(self.apply)
-        # What the widgets showed at opening: only fields edited since then are written,
-        # so an unset default (None, "the engine decides") or a value the widgets round
-        # survives a Save untouched.
-        self._shown = self._values()
+        # What the widgets show at open (rounded, clamped): a field the user leaves
+        # alone reads back the same and is not written.
+        self._shown = self.edited()
 
-    def _values(self) -> dict[str, object]:
-        """The widgets' values, by Settings field name, in the settings' own units."""
+    def edited(self) -> dict[str, object]:
+        """The widgets' values, by the name of the setting each one edits."""
+        seed = self.settings.sampling.seed
         return {
             "default_mode": self.mode.currentText(),
             "page_size": self.page_size.value(),
@@ -190,15 +190,22 @@ class SettingsDialog(QDialog):
                 temperature=self.temperature.value(), top_p=self.top_p.value(),
                 top_k=self.top_k.value(), min_p=self.min_p.value(),
                 repetition_penalty=self.repetition.value(),
-                max_tokens=self.max_tokens.value(), seed=self.settings.sampling.seed),
+                max_tokens=self.max_tokens.value(), seed=seed),
             "system_prompt": self.system_prompt.toPlainText().strip(),
             "model_folders": [f.strip() for f in self.folders.toPlainText().splitlines()
                               if f.strip()],
         }
 
     def apply(self) -> None:
-        """Write the fields the user edited to the settings; leave the others as they were."""
-        for name, value in self._values().items():
-            if value != self._shown[name]:
-                setattr(self.settings, name, value)
-        self.settings.sync()
+        """Write the fields the user changed (and only those) to the settings."""
+        s = self.settings
+        for name, value in self.edited().items():
+            shown = self._shown[name]
+            if value == shown:
+                continue
+            if name == "sampling":  # one key per spin box: keep the untouched ones as stored
+                changed = {key: getattr(value, key) for key in SAMPLING_KEYS
+                           if getattr(value, key) != getattr(shown, key)}
+                value = replace(s.sampling, **changed)
+            setattr(s, name, value)
+        s.sync()

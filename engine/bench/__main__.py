@@ -1,4 +1,4 @@
-"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx …``: run a benchmark.
+"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx|pipeline|serve``.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -46,6 +46,12 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def _modes_or_none(text: str) -> tuple[str, ...]:
     return () if text.strip().lower() == "none" else _modes(text)
+
+
+def _schedules(text: str) -> tuple[str, ...]:
+    from engine.cache.attention.schedule import parse
+
+    return tuple(dict.fromkeys(parse(part) for part in text.split(",") if part.strip()))
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +122,60 @@ def build_parser() -> argparse.ArgumentParser:
                          help="modes also run with rotated rows, e.g. q6 ('none': skip)")
     longctx.add_argument("--hybrid-tokens", type=parse_tokens,
                          help="tokens the hybrid model reads (0: skip that part)")
+    longctx.add_argument("--schedules", type=_schedules,
+                         help="attention schedules of the paged cells, e.g. cpu,gpu")
+    longctx.add_argument("--no-mlx", action="store_true",
+                         help="the paged cells only, without mlx-lm's caches")
+    pipeline = sub.add_parser("pipeline", help="tiny hybrid model: 1 process vs 2 local ranks")
+    _common(pipeline)
+    pipeline.add_argument("--contexts", type=_ints, help="prompt lengths, e.g. 8k,32k")
+    pipeline.add_argument("--max-tokens", type=int, help="tokens generated per run")
+    pipeline.add_argument("--mode", help="KV mode, e.g. fp16")
+    serve = sub.add_parser("serve", help="demo model: HTTP server TTFT, resent and restarted")
+    _common(serve)
+    serve.add_argument("--tokens", type=parse_tokens, help="conversation tokens (about)")
+    serve.add_argument("--max-tokens", type=int, help="answer tokens per request")
+    serve.add_argument("--no-mlx", action="store_true", help="skip mlx_lm.server")
+    spec = sub.add_parser("speculative", help="demo model: decode with and without drafts")
+    _common(spec)
+    spec.add_argument("--model", default="demo", help="model directory or 'demo'")
+    spec.add_argument("--modes", type=_modes, help="e.g. fp16,q6")
+    spec.add_argument("--document-tokens", type=parse_tokens, help="e.g. 5k")
+    spec.add_argument("--max-tokens", type=int, help="tokens per answer")
     return parser
+
+
+def run_pipeline(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import pipeline_bench
+
+    base = pipeline_bench.QUICK if args.quick else pipeline_bench.PipelineBenchConfig()
+    config = with_changes(base, contexts=args.contexts, max_tokens=args.max_tokens,
+                          mode=args.mode)
+    return _run_sections(args, command, "pipeline", pipeline_bench.run_pipeline_bench,
+                         pipeline_bench.render_pipeline_report, config)
+
+
+def run_serve(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import report, serve_bench
+
+    tokens = args.tokens or (1024 if args.quick else 7000)
+    info = report.machine_info()
+    results = serve_bench.run(tokens, args.max_tokens or (16 if args.quick else 64),
+                              mlx_lm=not args.no_mlx)
+    body = "\n".join([f"`{command}`", "", *report.machine_lines(info, report.load_average()),
+                      "", serve_bench.report(results)])
+    report.write_section(args.output, "serve", body)
+    return results
+
+
+def run_speculative(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import speculative_bench
+
+    base = speculative_bench.QUICK if args.quick else speculative_bench.SpeculativeConfig()
+    config = with_changes(base, model=args.model, modes=args.modes,
+                          document_tokens=args.document_tokens, max_tokens=args.max_tokens)
+    return _run_sections(args, command, "speculative", speculative_bench.run_speculative_bench,
+                         speculative_bench.render_report, config)
 
 
 def run_longctx(args: argparse.Namespace, command: str) -> dict:
@@ -126,7 +185,8 @@ def run_longctx(args: argparse.Namespace, command: str) -> dict:
     config = with_changes(
         longctx_bench.QUICK if quick else longctx_bench.LongContextConfig(),
         contexts=args.contexts, q_heads=args.q_heads, modes=args.modes,
-        decode_repeats=args.repeats, rotated=args.rotated,
+        decode_repeats=args.repeats, rotated=args.rotated, schedules=args.schedules,
+        mlx_baselines=False if args.no_mlx else None,
     )
     hybrid_config = with_changes(
         longctx_bench.HYBRID_QUICK if quick else longctx_bench.HybridIngestConfig(),
@@ -261,6 +321,9 @@ RUNNERS = {
     "reopen": run_reopen,
     "quality": run_quality,
     "longctx": run_longctx,
+    "pipeline": run_pipeline,
+    "serve": run_serve,
+    "speculative": run_speculative,
 }
 _STARTED = time.monotonic()
 

@@ -8,7 +8,11 @@ CPU), then measured at the end of the context:
 - bytes held;
 - one decode step: time (median of a few) and transient peak (MLX peak memory
   above what was active before the step, the cache included in neither);
-- one 512-token prefill chunk: time and transient peak, likewise.
+- one 512-token prefill chunk: time and transient peak, likewise;
+- the paged cache under each attention schedule (``cpu``: the host waits on each
+  page block; ``gpu``: one lazy graph, :mod:`engine.cache.attention.schedule`),
+  with the host synchronizations its attention made per decode step and per
+  chunk (``decode_host_syncs``, ``chunk_host_syncs``).
 
 mlx-lm's caches materialize the whole score matrix of a chunk; where that
 would not fit this machine next to the other caches, the cell is skipped and
@@ -17,6 +21,7 @@ says how much it would have needed.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -36,9 +41,15 @@ from engine.bench.cache_bench import (
     default_dtype_name,
 )
 from engine.bench.contenders import Contender, contenders, held_bytes
+from engine.cache.attention import schedule
 from engine.cache.kvquant import MODES
 
 GIB = 2**30
+
+
+def _own_schedule_first() -> tuple[str, ...]:
+    own = schedule.backend_schedule()
+    return (own, *(name for name in schedule.SCHEDULES if name != own))
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,11 @@ class LongContextConfig:
     # The decode goals against mlx-lm's QuantizedKVCache cover 32k-128k; past this
     # its cells are left out to keep a CPU run within an hour.
     mlx_quantized_max_context: int = 131072
+    # The attention schedules each paged cell runs under; the first is the one the
+    # comparisons with mlx-lm read (the backend's own by default).
+    schedules: tuple[str, ...] = field(default_factory=_own_schedule_first)
+    # mlx-lm's caches as baselines (off: the paged cells only, a shorter run).
+    mlx_baselines: bool = True
     dtype: str = field(default_factory=default_dtype_name)
 
 
@@ -122,16 +138,19 @@ def _decode(entry: Contender, cache: Any, q_heads: int, config: LongContextConfi
     dtype = getattr(mx, config.dtype)
     shape_q = (1, q_heads, 1, config.head_dim)
     shape_kv = (1, config.kv_heads, 1, config.head_dim)
-    samples = []
+    samples, syncs = [], []
     _reserve(entry, cache, config.decode_repeats + 1)
     for step in range(config.decode_repeats + 1):  # the first compiles and warms up
         queries = _random(shape_q, dtype, 11 + step)
         keys, values = _random(shape_kv, dtype, 21 + step), _random(shape_kv, dtype, 31 + step)
+        before = schedule.host_syncs()
         samples.append(_measure(partial(attention_step, entry, cache, queries, keys, values)))
+        syncs.append(schedule.host_syncs() - before)
     timed = samples[1:]
     return {
         "decode_ms": 1000 * statistics.median(s for s, _ in timed),
         "decode_peak": max(p for _, p in timed),
+        "decode_host_syncs": max(syncs[1:]),
     }
 
 
@@ -141,13 +160,36 @@ def _prefill_chunk(entry: Contender, cache: Any, q_heads: int, config: LongConte
     shape_kv = (1, config.kv_heads, config.chunk, config.head_dim)
     keys, values = _random(shape_kv, dtype, 42), _random(shape_kv, dtype, 43)
     _reserve(entry, cache, config.chunk)
+    before = schedule.host_syncs()
     seconds, peak = _measure(partial(attention_step, entry, cache, queries, keys, values))
-    return {"prefill_s": seconds, "prefill_peak": peak}
+    return {"prefill_s": seconds, "prefill_peak": peak,
+            "chunk_host_syncs": schedule.host_syncs() - before}
 
 
 def _row(entry: Contender, context: int, q_heads: int) -> dict[str, Any]:
     return {"name": entry.name, "kind": entry.kind, "mode": entry.mode,
             "context": context, "q_heads": q_heads}
+
+
+def _is_paged(entry: Contender) -> bool:
+    return entry.kind.startswith("paged")
+
+
+def _measure_cell(
+    entry: Contender, cache: Any, q_heads: int, context: int, config: LongContextConfig
+) -> dict[str, Any]:
+    """One decode step and one prefill chunk of ``entry`` (the cache left as found)."""
+    row = _decode(entry, cache, q_heads, config)
+    cache.trim(config.decode_repeats + 1)
+    estimate = mlx_chunk_estimate(q_heads, config.chunk, context)
+    if entry.kind == "mlx-quant" and not config.mlx_quantized_prefill:
+        row.update(prefill_s=None, prefill_peak=None)
+    elif not _is_paged(entry) and estimate > config.mlx_transient_limit:
+        row.update(prefill_s=None, prefill_peak=None, skipped_estimate=estimate)
+    else:
+        row.update(_prefill_chunk(entry, cache, q_heads, config))
+        cache.trim(config.chunk)
+    return row
 
 
 def bench_context(
@@ -159,25 +201,21 @@ def bench_context(
     for entry in contenders(config.modes, config.page_size, dtype, config.rotated):
         if entry.kind == "mlx-quant" and context > config.mlx_quantized_max_context:
             continue
+        if not (config.mlx_baselines or _is_paged(entry)):
+            continue
         progress(f"longctx {context}: fill {entry.name}")
         capacity = context + config.chunk + 8 * config.page_size
         cache = entry.make_cache(config.kv_heads, config.head_dim, capacity)
         fill(cache, config.kv_heads, config.head_dim, context, dtype)
         held = held_bytes(entry, cache)
         for q_heads in config.q_heads:
-            row = {**_row(entry, context, q_heads), "bytes": held}
-            progress(f"longctx {context}: {entry.name}, {q_heads} query heads")
-            row.update(_decode(entry, cache, q_heads, config))
-            cache.trim(config.decode_repeats + 1)
-            estimate = mlx_chunk_estimate(q_heads, config.chunk, context)
-            if entry.kind == "mlx-quant" and not config.mlx_quantized_prefill:
-                row.update(prefill_s=None, prefill_peak=None)
-            elif not entry.kind.startswith("paged") and estimate > config.mlx_transient_limit:
-                row.update(prefill_s=None, prefill_peak=None, skipped_estimate=estimate)
-            else:
-                row.update(_prefill_chunk(entry, cache, q_heads, config))
-                cache.trim(config.chunk)
-            rows.append(row)
+            for name in config.schedules if _is_paged(entry) else (None,):
+                row = {**_row(entry, context, q_heads), "bytes": held, "schedule": name}
+                progress(f"longctx {context}: {entry.name}, {q_heads} query heads"
+                         + (f", {name} schedule" if name else ""))
+                with schedule.forced(name) if name else contextlib.nullcontext():
+                    row.update(_measure_cell(entry, cache, q_heads, context, config))
+                rows.append(row)
         del cache
         mx.clear_cache()
     return rows

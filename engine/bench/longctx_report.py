@@ -13,6 +13,7 @@ from engine.bench.report import (
     ratio,
     table,
 )
+from engine.cache.pages import PREFILL_SCRATCH_BYTES
 
 MIB = 2**20
 
@@ -136,6 +137,51 @@ def _rotation_table(rows: list[dict[str, Any]]) -> list[str]:
     return table(headers, body)
 
 
+def _schedule_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("schedule") is not None]
+
+
+def _fmt_count(value: int | None) -> str:
+    return "n/a" if value is None else str(value)
+
+
+def _schedule_goals(rows: list[dict[str, Any]], tally: GoalTally) -> None:
+    paged = _schedule_rows(rows)
+    contexts = sorted({r["context"] for r in paged})
+    for row in paged:
+        where = f"{row['name']} {fmt_tokens(row['context'])} h{row['q_heads']}"
+        if row["schedule"] != "gpu":
+            continue
+        if row.get("prefill_peak") is not None:
+            tally.check(f"gpu schedule: chunk transient ≤ the scratch budget "
+                        f"({fmt_bytes(PREFILL_SCRATCH_BYTES)})", where,
+                        row["prefill_peak"] / PREFILL_SCRATCH_BYTES, 1.0)
+        tally.check("gpu schedule: ≤ 2 host syncs per layer per decode step", where,
+                    row["decode_host_syncs"], 2)
+        tally.check("gpu schedule: decode transient ≤ 128 MiB per layer", where,
+                    row["decode_peak"] / (128 * MIB), 1.0)
+        first = _find(paged, name=row["name"], schedule="gpu", q_heads=row["q_heads"],
+                      context=contexts[0])
+        if first and row.get("chunk_host_syncs") is not None and row is not first:
+            tally.check("gpu schedule: host syncs per chunk no more than at the smallest "
+                        "context (extra syncs)", where,
+                        row["chunk_host_syncs"] - first["chunk_host_syncs"], 0)
+
+
+def _schedule_table(rows: list[dict[str, Any]]) -> list[str]:
+    body = [
+        (fmt_tokens(r["context"]), r["q_heads"], r["name"], r["schedule"],
+         _fmt_count(r.get("decode_host_syncs")), fmt_bytes(r["decode_peak"]),
+         _fmt_ms(r["decode_ms"]), _fmt_count(r.get("chunk_host_syncs")),
+         fmt_bytes(r["prefill_peak"]), _fmt_s(r["prefill_s"]))
+        for r in _schedule_rows(rows)
+    ]
+    headers = ("context", "q heads", "cache", "schedule", "decode host syncs",
+               "decode transient", "decode ms", "chunk host syncs", "chunk transient",
+               "chunk (512) s")
+    return table(headers, body)
+
+
 def _hybrid_lines(hybrid: dict[str, Any] | None, tally: GoalTally) -> list[str]:
     if hybrid is None:
         return ["End-to-end hybrid ingest: not run."]
@@ -161,12 +207,17 @@ def render_longctx_report(
     results: dict[str, Any], info: dict[str, Any], command: str, load_after: str
 ) -> str:
     """The whole ``longctx`` section."""
-    rows = results["rows"]
+    config = results["config"]
+    every_row = results["rows"]
+    # The comparisons with mlx-lm read the paged cells of the first schedule run
+    # (the backend's own unless told otherwise); the schedule table shows them all.
+    own = config.schedules[0] if config.schedules else None
+    rows = [r for r in every_row if r.get("schedule") in (None, own)]
     tally = GoalTally()
     _goals(rows, tally)
     _rotation_goals(rows, tally)
+    _schedule_goals(every_row, tally)
     hybrid = _hybrid_lines(results.get("hybrid"), tally)
-    config = results["config"]
     lines = [
         "## Long context: one layer at the seed's scale (`engine.bench longctx`)",
         "",
@@ -191,6 +242,10 @@ def render_longctx_report(
         "### What the rotation costs (Hadamard-rotated rows against the same mode plain)",
         "",
         *_rotation_table(rows),
+        "",
+        f"### Attention schedules (host synchronizations per layer; comparisons above: {own})",
+        "",
+        *_schedule_table(every_row),
         "",
         "### Every cell",
         "",

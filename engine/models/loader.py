@@ -210,13 +210,20 @@ def _probe_bytes(config: dict[str, Any], value_bytes: int) -> int:
 
     text = config.get("text_config") or config
     tokens = sum(_CHUNKS) + _DECODE_STEPS
-    heads = int(text.get("num_attention_heads") or 1)
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or int(text.get("hidden_size") or 0) // heads)
+    heads = _count(text, "num_attention_heads") or 1
+    kv_heads = _count(text, "num_key_value_heads") or heads
+    head_dim = _count(text, "head_dim") or _count(text, "hidden_size") // heads
     activations = tokens * _FLOAT32_BYTES * (
-        5 * int(text.get("vocab_size") or 0) + 2 * int(text.get("intermediate_size") or 0))
-    caches = int(text.get("num_hidden_layers") or 0) * 2 * _KV_STEP * kv_heads * head_dim
+        5 * _count(text, "vocab_size") + 2 * _count(text, "intermediate_size"))
+    caches = _count(text, "num_hidden_layers") * 2 * _KV_STEP * kv_heads * head_dim
     return activations + caches * value_bytes
+
+
+def _count(config: dict[str, Any], key: str) -> int:
+    # An estimate only: a value of the wrong type counts 0 here, and the load
+    # itself refuses the config with a message naming the field.
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def estimate_load_bytes(folder: Path) -> tuple[int, bool]:

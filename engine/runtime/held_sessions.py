@@ -28,10 +28,20 @@ from engine.session import reuse
 from engine.session.prefill import activation_value_bytes
 from engine.session.session import DEFAULT_PAGE_SIZE, Session
 from engine.snapshots.fingerprint import model_fingerprint
-from engine.snapshots.keeper import SnapshotKeeper
+from engine.snapshots.stored_sessions import StoredSessions
 
 if TYPE_CHECKING:
     from engine.models.info import ModelInfo
+
+# Sessions of the local API server are named with this prefix. Cached tokens and
+# response times tell a client whether a text is already held, so API sessions
+# and the app's chats never take each other's prefixes.
+API_SESSION_PREFIX = "api-"
+
+
+def same_partition(a: str, b: str) -> bool:
+    """Whether sessions ``a`` and ``b`` may reuse each other's KV (both API or neither)."""
+    return a.startswith(API_SESSION_PREFIX) == b.startswith(API_SESSION_PREFIX)
 
 
 class HeldSessions:
@@ -39,7 +49,7 @@ class HeldSessions:
 
     Args:
         guard: the memory guard the model load and every session's pages go through.
-        keeper: saves a session's cache as it leaves memory and restores it on return.
+        stored: saves a session's cache to disk as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
         pipeline: an ``mx.distributed`` group: load only this rank's pipeline stage
@@ -49,7 +59,7 @@ class HeldSessions:
     def __init__(
         self,
         guard: MemoryGuard,
-        keeper: SnapshotKeeper,
+        stored: StoredSessions,
         stats: StatsReporter,
         emit: Callable[[object], None],
         *,
@@ -57,7 +67,7 @@ class HeldSessions:
     ) -> None:
         self._pipeline = pipeline
         self._guard = guard
-        self._keeper = keeper
+        self._stored = stored
         self._stats = stats
         self._emit = emit
         self._lock = threading.Lock()
@@ -147,7 +157,7 @@ class HeldSessions:
             self.loaded_bytes = 0
             self.prefill = None
         for session in sessions:
-            self._keeper.keep(session)
+            self._stored.store(session)
             session.close()
         mx.clear_cache()
 
@@ -162,7 +172,7 @@ class HeldSessions:
         with self._lock:
             replaced = self._sessions.pop(session_id, None)
         if replaced is not None:
-            self._keeper.keep(replaced)
+            self._stored.store(replaced)
             replaced.close()
         session = Session(
             session_id, self.loaded, mode, page_size,
@@ -174,14 +184,14 @@ class HeldSessions:
         self._stats.publish(session)
         return session
 
-    def close(self, session_id: str, keep: bool = True) -> None:
-        """Save (``keep``) and close session ``session_id``, if open, and free its pages."""
+    def close(self, session_id: str, store: bool = True) -> None:
+        """Save (``store``) and close session ``session_id``, if open, and free its pages."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is None:
             return
-        if keep:
-            self._keeper.keep(session)
+        if store:
+            self._stored.store(session)
         with self._lock:
             partners = [s for s in self._sessions.values()
                         if sharing.same_group(s.cache, session.cache)]
@@ -211,13 +221,14 @@ class HeldSessions:
         """
         with self._lock:
             others = [s for s in self._sessions.values()
-                      if s.tokens and reuse.compatible(session, s)]
-        from_disk = not session.tokens and self._keeper.store is not None
+                      if s.tokens and reuse.compatible(session, s)
+                      and same_partition(s.session_id, session.session_id)]
+        from_disk = not session.tokens and self._stored.snapshots is not None
         if not others and not from_disk:
             return 0
         reused = 0
         if from_disk:
-            reused = self._keeper.restore(session, prompt, request_id, keep_last=answer)
+            reused = self._stored.restore(session, prompt, request_id, keep_last=answer)
         found = reuse.best_offer(session, others, prompt, keep_last=answer)
         if found is None:
             return reused

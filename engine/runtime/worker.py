@@ -42,8 +42,8 @@ from engine.runtime.stats_reporter import StatsReporter
 from engine.session.prompt_ids import clean_text, token_ends
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
-from engine.snapshots.keeper import SnapshotKeeper
 from engine.snapshots.store import SnapshotStore
+from engine.snapshots.stored_sessions import StoredSessions
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ class EngineWorker:
         self._stopping = threading.Event()
         self._stats = StatsReporter(self._emit, stats_interval,
                                     after_publish=self._publish_fit)
-        self._snapshots = SnapshotKeeper(snapshots, self._emit)
+        self._stored = StoredSessions(snapshots, self._emit)
         self._held = HeldSessions(
-            self.guard, self._snapshots, self._stats, self._emit,
+            self.guard, self._stored, self._stats, self._emit,
             pipeline=pipeline,
         )
         requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
@@ -209,10 +209,10 @@ class EngineWorker:
         """
         return self._submit("clear_snapshots", (session_id,))
 
-    def close_session(self, session_id: str, keep: bool = True) -> int:
+    def close_session(self, session_id: str, store: bool = True) -> int:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
 
-        ``keep``: store its KV first, to reopen it later (False: the chat is deleted).
+        ``store``: store its KV on disk first, to reopen it later (False: the chat is deleted).
         An answer or read running in that session is cancelled first, so the close
         does not wait for it to finish; it ends ``Finished("cancelled")`` with what
         it had produced kept in the cache (and so in the stored KV).
@@ -221,7 +221,7 @@ class EngineWorker:
         if (current is not None and current.name in _CANCELLABLE
                 and current.args and current.args[0] == session_id):
             current.cancel.set()
-        return self._submit("close_session", (session_id, keep))
+        return self._submit("close_session", (session_id, store))
 
     def latest_stats(self) -> StatsSample | None:
         """The last snapshot taken; never calls MLX."""
@@ -379,11 +379,11 @@ class EngineWorker:
         return Finished(command.request_id, "done")
 
     def _set_snapshot_budget(self, command: Command) -> object:
-        self._snapshots.set_budget(*command.args)
+        self._stored.set_budget(*command.args)
         return Finished(command.request_id, "done")
 
     def _clear_snapshots(self, command: Command) -> object:
-        self._snapshots.clear(*command.args)
+        self._stored.clear(*command.args)
         return Finished(command.request_id, "done")
 
     def _close_session(self, command: Command) -> object:

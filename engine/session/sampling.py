@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from engine.cache import adapter
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.events import TokenChunk
+from engine.session import checkpoints, speculative
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -35,6 +36,10 @@ class SamplingParams:
         repetition_penalty: > 1 discourages repeating recent tokens; 1.0 disables it.
         max_tokens: most tokens to generate.
         seed: random seed for reproducible sampling, or None.
+        speculative: "lookup" proposes tokens found in the chat's own text and
+            verifies them in one forward pass (same answer, fewer passes);
+            "off" decodes one token per pass (the default until the benchmark
+            shows lookup never slower: docs/benchmarks.md).
     """
 
     temperature: float = 0.7
@@ -44,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int = 512
     seed: int | None = None
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         problems = []
@@ -61,6 +67,9 @@ class SamplingParams:
             )
         if self.max_tokens < 1:
             problems.append(f"max_tokens must be >= 1 (got {self.max_tokens})")
+        if self.speculative not in speculative.MODES:
+            problems.append(f"speculative must be one of {', '.join(speculative.MODES)} "
+                            f"(got {self.speculative!r})")
         if problems:
             raise EngineError("Invalid sampling settings: " + "; ".join(problems) + ".")
 
@@ -105,6 +114,8 @@ class AnswerStream:
         cancel: checked after every token.
         emit: receives the ``TokenChunk`` events.
         tick: called after every token (stats).
+        index: the session's n-gram index of the ids it holds, for drafts (kept
+            between answers); None builds one from ``held`` when speculating.
     """
 
     def __init__(
@@ -120,6 +131,7 @@ class AnswerStream:
         cancel: threading.Event,
         emit: Callable[[object], None],
         tick: Callable[[], None],
+        index: speculative.ContextIndex | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -138,6 +150,15 @@ class AnswerStream:
         self.started = time.perf_counter()
         self.first_token_at = self.started
         self.last_token_at = self.started
+        self.speculate = sampling.speculative == "lookup"
+        self.index = index
+        # What speculation did: tokens proposed, proposed tokens accepted, and the
+        # forward passes the answer took (the first one, over the prompt's last
+        # token, included).
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.steps = 0
+        self._saved: checkpoints.Checkpoint | None = None
         seed_sampling(sampling)
 
     def _step(self, token: mx.array) -> mx.array:
@@ -170,9 +191,12 @@ class AnswerStream:
 
     def run(self, prompt: list[int], max_tokens: int) -> str:
         """Generate up to ``max_tokens`` tokens; returns "stop", "length" or "cancelled"."""
+        if self.speculate:
+            return self._run_speculative(prompt, max_tokens)
         self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
         self.held.append(prompt[-1])
         y = self._step(mx.array(prompt[-1:]))
+        self.steps += 1
         mx.async_eval(y)
         reason = "length"
         try:
@@ -181,6 +205,7 @@ class AnswerStream:
                 # the device computes while Python detokenizes.
                 queue_next = len(self.generated) + 1 < max_tokens and not self.cancel.is_set()
                 if queue_next:
+                    self.steps += 1
                     try:
                         next_y = self._step(y)
                         mx.async_eval(next_y)
@@ -209,3 +234,126 @@ class AnswerStream:
         finally:
             self.flush()
         return reason
+
+    # -- speculative decoding ------------------------------------------------
+
+    def _run_speculative(self, prompt: list[int], max_tokens: int) -> str:
+        """Draft from the held ids, verify each draft in one pass (see speculative.py)."""
+        self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
+        if self.index is None:
+            self.index = speculative.ContextIndex()
+        self.index.sync(self.held)
+        drafter = speculative.Drafter()
+        pending = prompt[-1]  # sampled (or the prompt's last) but not fed yet
+        try:
+            while True:
+                room = max_tokens - len(self.generated)
+                size = drafter.draft_size(room - 1)
+                draft = self.index.propose([pending], size) if size else []
+                try:
+                    sampled, base = self._verify(pending, draft)
+                except KvBudgetExceeded:
+                    if not draft:
+                        return "length"  # as plain decoding: the budget ends the answer
+                    drafter.cooling = 1  # no room for the draft's rows: one token now
+                    continue
+                accepted = speculative.accepted_prefix(draft, sampled)
+                drafter.record(len(draft), accepted)
+                self.draft_tokens += len(draft)
+                self.accepted_tokens += accepted
+                reason, kept = self._emit(sampled[:accepted + 1], max_tokens)
+                # As in plain decoding an end-of-turn token stays fed, so the next
+                # turn's template extends the cache.
+                fed_end = reason == "stop" and kept < accepted
+                self._keep([pending, *draft], base, 1 + min(kept, accepted) + fed_end)
+                if reason == "stop" and not fed_end:
+                    self._feed(sampled[accepted])
+                if reason is not None:
+                    return reason
+                pending = sampled[accepted]
+        finally:
+            self.flush()
+
+    def _verify(self, pending: int, draft: list[int]) -> tuple[list[int], int]:
+        """One forward pass over ``pending`` and ``draft``; the token sampled at each.
+
+        Returns the sampled tokens (one per fed token) and how many tokens the
+        cache held before. Layers that cannot trim are checkpointed first, so
+        ``_keep`` can bring them back.
+        """
+        fed = [pending, *draft]
+        adapter.ensure_capacity(self.cache, len(fed))  # raises before any layer changes
+        base = len(self.held)
+        self._saved = (checkpoints.take(self.cache, base, boundary=False)
+                       if draft and checkpoints.needs_checkpoints(self.cache) else None)
+        logits = self.model(mx.array(fed)[None], cache=self.cache)[0]
+        self.steps += 1
+        history = mx.concat([self.history, mx.array(fed, dtype=mx.int32)])
+        start = self.history.size
+        rows = []
+        for i in range(len(fed)):
+            row = logits[i:i + 1]
+            # Each position sees the tokens before it, as plain decoding would.
+            seen = history[:start + i + 1][-REPETITION_CONTEXT:]
+            for processor in self.processors:
+                row = processor(seen, row)
+            rows.append(row)
+        rows = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        return self.sampler(logprobs).tolist(), base
+
+    def _emit(self, tokens: list[int], max_tokens: int) -> tuple[str | None, int]:
+        """Stream ``tokens`` in order until one ends the answer.
+
+        Returns the finish reason (None: go on) and how many tokens came before the
+        one that ended it (all of them when none did).
+        """
+        for i, token in enumerate(tokens):
+            self.last_token_at = time.perf_counter()
+            if not self.generated:
+                self.first_token_at = self.last_token_at
+            if token in self.end_ids:
+                return "stop", i
+            self.generated.append(token)
+            self.stream(token)
+            self.tick()
+            if self.cancel.is_set():
+                return "cancelled", i
+            if len(self.generated) >= max_tokens:
+                return "length", i
+        return None, len(tokens)
+
+    def _feed(self, token: int) -> None:
+        """Feed one token without sampling after it (an answer's end-of-turn token)."""
+        try:
+            adapter.ensure_capacity(self.cache, 1)
+        except KvBudgetExceeded:
+            return  # as plain decoding: at the budget the end token stays unfed
+        self.model(mx.array([token])[None], cache=self.cache)
+        mx.eval(adapter.eval_targets(self.cache))
+        self.held.append(token)
+        self.index.extend([token])
+
+    def _keep(self, fed: list[int], base: int, count: int) -> None:
+        """Keep the first ``count`` of the ``fed`` tokens in the cache, drop the rest.
+
+        Paged layers trim (their pages go back to the pool); a layer that cannot
+        trim gets its checkpointed state back and the kept tokens fed again.
+        """
+        saved, self._saved = self._saved, None
+        self.history = mx.concat([self.history, mx.array(fed[:count], dtype=mx.int32)])
+        self.history = self.history[-REPETITION_CONTEXT:]
+        target = base + count
+        if count < len(fed):
+            store = checkpoints.CheckpointStore()
+            if saved is not None:
+                store.add(saved)
+            held = checkpoints.rewind(self.cache, target, store)
+            if held is None:
+                raise EngineError("The cache could not go back after a draft; "
+                                  "turn speculative decoding off in Settings.")
+            if held < target:
+                self.model(mx.array(fed[held - base:count])[None], cache=self.cache)
+                mx.eval(adapter.eval_targets(self.cache))
+        self.held.extend(fed[:count])
+        self.index.extend(fed[:count])

@@ -25,7 +25,7 @@ from engine.events import GenerationStats
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard, PressureWatch
 from engine.models.probe import make_session_cache
-from engine.session import checkpoints
+from engine.session import checkpoints, speculative
 from engine.session.prefill import ChunkedPrefill, Emit, PrefillResult, activation_value_bytes
 from engine.session.prompt_ids import Prompt, common_prefix, end_of_turn_ids, render_prompt
 from engine.session.sampling import AnswerStream, SamplingParams
@@ -95,6 +95,8 @@ class Session:
         self.sleep: Callable[[float], None] = time.sleep
         self.end_ids = end_of_turn_ids(self.tokenizer)
         self.checkpoints = checkpoints.CheckpointStore()
+        # Where speculative decoding looks up its drafts; kept between answers.
+        self.context_index = speculative.ContextIndex()
         self._tokens: list[int] = []
         # Counters the tests and benchmarks read: what was actually computed.
         self.tokens_ingested = 0
@@ -466,6 +468,7 @@ class Session:
         generation = AnswerStream(
             self.model, self.cache, self.tokenizer, self.end_ids, self.tokens,
             sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
+            index=self.context_index,
         )
         try:
             reason = generation.run(prompt, max_tokens)
@@ -489,5 +492,8 @@ class Session:
                 (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
             ),
             prefill_tokens=fed,
+            draft_tokens=generation.draft_tokens,
+            accepted_tokens=generation.accepted_tokens,
+            decode_steps=generation.steps,
         )
 

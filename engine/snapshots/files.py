@@ -1,4 +1,4 @@
-"""Crash-safe files for KV snapshots: private folders, atomic replace, checksums.
+"""Crash-safe files for KV snapshots: atomic replace, checksums.
 
 A snapshot named ``N`` is two files in one folder: ``N.json`` (the manifest) and
 ``N.<nonce>.safetensors`` (the arrays) named by the manifest. The manifest is
@@ -19,7 +19,6 @@ MANIFEST_SUFFIX = ".json"
 DATA_SUFFIX = ".safetensors"
 TEMP_MARK = ".partial-"
 FILE_MODE = 0o600
-DIR_MODE = 0o700
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 # Called with a step name at each stage of a write; tests install one that stops
@@ -41,14 +40,6 @@ def check_name(name: str) -> str:
             "starting with a letter or digit."
         )
     return name
-
-
-def private_dir(directory: str | Path) -> Path:
-    """Create ``directory`` (owner-only) if needed and return it."""
-    path = Path(directory)
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    os.chmod(path, DIR_MODE)
-    return path
 
 
 def manifest_path(directory: Path, name: str) -> Path:

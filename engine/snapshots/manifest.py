@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import paths
 from engine.snapshots import files
 
 FORMAT = "longleaf-kv-snapshot"
@@ -86,7 +87,7 @@ def set_aside(directory: Path, name: str) -> None:
     A snapshot set aside earlier under the same name is replaced. Set-aside files
     count against the disk budget and are the first to go (``SnapshotStore.evict``).
     """
-    aside = files.private_dir(directory / SET_ASIDE)
+    aside = paths.private_dir(directory / SET_ASIDE)
     remove_snapshot(aside, name)
     manifest = files.manifest_path(directory, name)
     if manifest.exists():  # first: the folder never holds a manifest without its data

@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine import paths
 from engine.cache import adapter, kvquant
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
@@ -125,7 +126,7 @@ def save_snapshot(
         SnapshotError: the session holds nothing, or its cache and ids disagree.
         EngineError: the model folder cannot be fingerprinted.
     """
-    folder = files.private_dir(directory)
+    folder = paths.private_dir(directory)
     manifest_path = files.manifest_path(folder, name)
     tokens = [int(t) for t in session.tokens]
     if not tokens:

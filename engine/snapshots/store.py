@@ -39,7 +39,7 @@ def default_snapshot_dir() -> Path:
 
 def default_budget(directory: str | Path) -> int:
     """The smaller of 20 GB and 10% of the free space on ``directory``'s disk."""
-    free = shutil.disk_usage(files.private_dir(directory)).free
+    free = shutil.disk_usage(paths.private_dir(directory)).free
     return int(min(MAX_DEFAULT_BUDGET, free * FREE_DISK_SHARE))
 
 
@@ -53,7 +53,7 @@ class SnapshotStore:
     """
 
     def __init__(self, directory: str | Path | None = None, budget_bytes: int | None = None):
-        self.directory = files.private_dir(directory or default_snapshot_dir())
+        self.directory = paths.private_dir(directory or default_snapshot_dir())
         self.budget_bytes = default_budget(self.directory) if budget_bytes is None else budget_bytes
         self.sweep()
 

@@ -83,8 +83,8 @@ class ScriptedWorker:
     def clear_snapshots(self, session_id):
         return self._take("clear_snapshots", session_id)
 
-    def close_session(self, session_id, keep):
-        return self._take("close", session_id, keep)
+    def close_session(self, session_id, store):
+        return self._take("close", session_id, store)
 
     def latest_stats(self):
         return None

@@ -184,3 +184,21 @@ def test_generate_session_reuses_its_stored_cache(
     assert again["tokens"] == first["tokens"]
     plain = json.loads(_run(*argv[:-4])[1])
     assert plain["reused_tokens"] == 0 and plain["tokens"] == first["tokens"]
+
+
+def test_generate_reports_speculation_and_can_turn_it_off(model_root: Path, tmp_path: Path) -> None:
+    folder = make_tiny_model_dir(model_root, "llama")
+    prompt_file = tmp_path / "repeat.txt"
+    prompt_file.write_text(PROMPT * 6, encoding="utf-8")
+    runs = {}
+    for mode in ("off", "lookup"):
+        status, out = _run("generate", "--model", str(folder), "--temp", "0", "--max-tokens",
+                           "24", "--prompt-file", str(prompt_file), "--speculative", mode,
+                           "--json")
+        assert status == 0
+        runs[mode] = json.loads(out)
+    assert runs["off"]["draft_tokens"] == runs["off"]["accepted_tokens"] == 0
+    looked_up = runs["lookup"]
+    assert looked_up["draft_tokens"] > 0
+    assert 0 <= looked_up["accepted_tokens"] <= looked_up["draft_tokens"]
+    assert looked_up["tokens"] == runs["off"]["tokens"]

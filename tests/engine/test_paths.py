@@ -5,6 +5,8 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+import pytest
+
 from engine import paths
 
 
@@ -26,6 +28,22 @@ def test_private_dir_tightens_an_existing_open_folder(tmp_path: Path) -> None:
 
     assert paths.private_dir(folder) == folder
     assert _mode(folder) == 0o700
+
+
+def test_private_dir_refuses_a_folder_it_cannot_make_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Already 0700 is not enough: a folder whose mode Longleaf cannot set (another
+    user's, a read-only disk) is refused, not trusted."""
+    folder = tmp_path / "foreign"
+    folder.mkdir(mode=0o700)
+
+    def not_owner(self: Path, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(Path, "chmod", not_owner)
+    with pytest.raises(PermissionError):
+        paths.private_dir(str(folder))
 
 
 def test_private_dir_leaves_existing_parents_alone(tmp_path: Path, loose_umask: None) -> None:

@@ -31,7 +31,8 @@ def checkout(tmp_path: Path) -> Path:
     python.parent.mkdir(parents=True)
     python.write_text(
         "#!/usr/bin/env bash\n"
-        'if [[ "$1 $2" == "-m pip" ]]; then echo "$*" >> "$(dirname "$0")/../pip.log"; exit 0; fi\n'
+        'if [[ "$1 $2" == "-m pip" ]]; then\n'
+        '  echo "$* warnings=$PYTHONWARNINGS" >> "$(dirname "$0")/../pip.log"; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n')
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     return tmp_path
@@ -67,6 +68,22 @@ def test_a_changed_pyproject_installs_again(tmp_path: Path) -> None:
     setup(root)
     (root / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "2"\n')
     assert any("install -q -e ." in call for call in setup(root))
+
+
+def test_the_editable_install_hides_setuptools_note_and_no_other_warning(tmp_path: Path) -> None:
+    root = checkout(tmp_path)
+    call = next(c for c in setup(root) if "install -q -e ." in c)
+    filters = call.split(" warnings=", 1)[1]
+    assert filters
+    # setuptools' note, as pip re-emits it, and a warning that must still show.
+    emit = ("import warnings\n"
+            "warnings.warn('Editable installation.\\n!!\\n  Please be careful with folders "
+            "in your working directory with the same name as your package', UserWarning)\n"
+            "warnings.warn('Some other build problem', UserWarning)\n")
+    shown = subprocess.run([sys.executable, "-c", emit], capture_output=True, text=True,
+                           env={"PYTHONWARNINGS": filters}, timeout=60).stderr
+    assert "Editable installation" not in shown and "same name" not in shown
+    assert "Some other build problem" in shown
 
 
 def test_a_failed_install_leaves_no_stamp(tmp_path: Path) -> None:

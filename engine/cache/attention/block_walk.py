@@ -2,9 +2,12 @@
 
 A prefill chunk dequantizes one block at a time (:func:`attend_blocks`); a decode
 step on quantized pages scores each block straight from the packed bytes with
-``mx.gather_qmm`` (:func:`attend_packed`). Either way only one block's scratch is
-alive at once, so the transient is the same at 32k and at 262k tokens; on the CPU
-the KV heads walk on one stream per core (:mod:`engine.cache.attention.streams`).
+``mx.gather_qmm`` (:func:`attend_packed`). Either way a block waits for the one
+before (the host waits under the CPU schedule; the graph orders them under the
+GPU schedule, :mod:`engine.cache.attention.schedule`), so only a block's scratch
+or two is alive at once and the transient is the same at 32k and at 262k tokens;
+on the CPU the KV heads walk on one stream per core
+(:mod:`engine.cache.attention.streams`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import kvquant
-from engine.cache.attention import scratch, streams
+from engine.cache.attention import schedule, scratch, streams
 from engine.cache.attention.blocks import PageBlock
 from engine.cache.attention.query_view import QueryView, masked, page_positions
 
@@ -35,9 +38,9 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
     # BLAS threads fight over the cores (docs/benchmarks.md, long-context section).
     groups = ([(slice(0, kv_heads), None)] if decode
               else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
-    budget = cache.pool.scratch_bytes
+    budget = cache.pool.scratch_bytes // scratch.blocks_in_flight()
     if decode:
-        budget = min(budget, scratch.DECODE_SCRATCH_BYTES)
+        budget = min(budget, scratch.decode_scratch_bytes())
     copies = (scratch.DECODE_ROW_COPIES if decode
               else scratch.prefill_row_copies(kv_heads, head_dim, cache.offset,
                                               streams.streams_for(kv_heads)))
@@ -54,19 +57,49 @@ def _walk(
     groups: list[tuple[slice, mx.Stream | None]],
     merge: Callable[[_HeadWalk, PageBlock], None],
 ) -> mx.array:
-    """Every group of heads merges every block; the attention output ``[kv_heads, rows, D]``."""
+    """Every group of heads merges every block; the attention output ``[kv_heads, rows, D]``.
+
+    Without an order between blocks the lazy graph may schedule every block's
+    scores before the first merge; each block waits for the state before it. The
+    CPU schedule makes the host wait (one synchronization per block), the GPU
+    schedule makes the block's stored pages wait inside the graph (none).
+    """
+    in_graph = schedule.current() == schedule.GPU
+    if in_graph:
+        blocks = _by_slab(blocks)
     walks = [_HeadWalk.start(view.for_heads(heads), scale, heads, stream)
              for heads, stream in groups]
-    for block in blocks:
+    for index, block in enumerate(blocks):
         for walk in walks:
             with walk.on_stream():
                 merge(walk, block)
-        if len(blocks) > 1:
-            # Bound the transient to one block: without this the lazy graph may
-            # schedule every block's scores before the first merge.
-            mx.eval([walk.softmax.state() for walk in walks])
+            if in_graph:
+                walk.after = walk.softmax.state()
+        if not in_graph and index + 1 < len(blocks):
+            schedule.host_sync([walk.softmax.state() for walk in walks])
     outs = [walk.softmax.out / walk.softmax.total for walk in walks]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def _by_slab(blocks: list[PageBlock]) -> list[PageBlock]:
+    """Each block cut where it crosses into another slab.
+
+    The GPU schedule's blocks are large; joining a block's pieces of two slabs
+    would copy the block's packed pages, so each piece merges as a block of its own.
+    """
+    cut = []
+    for block in blocks:
+        if len(block.pieces) == 1:
+            cut.append(block)
+            continue
+        start = 0
+        for piece in block.pieces:
+            local = piece[1]
+            count = local.stop - local.start if isinstance(local, slice) else local.size
+            logicals = block.logicals[start:start + count]
+            cut.append(PageBlock([piece], logicals, max(logicals)))
+            start += count
+    return cut
 
 
 @dataclass
@@ -78,6 +111,8 @@ class _HeadWalk:
     heads: slice
     stream: mx.Stream | None
     softmax: _OnlineSoftmax
+    # What the next block's stored pages wait for (the GPU schedule); None: nothing.
+    after: list[mx.array] | None = None
 
     @classmethod
     def start(cls, view: QueryView, scale: float, heads: slice,
@@ -85,6 +120,10 @@ class _HeadWalk:
         kv_heads, rows, head_dim = view.q.shape
         return cls(view, (view.q * scale)[None], heads, stream,
                    _OnlineSoftmax.start(kv_heads, rows, head_dim))
+
+    def stored(self, store: Any, block: PageBlock, part: int, heads: slice) -> mx.array | None:
+        """:func:`_stored`, ordered after the state of the block before (if told)."""
+        return _stored(store, block, part, heads, self.after)
 
     def on_stream(self) -> Any:
         return contextlib.nullcontext() if self.stream is None else mx.stream(self.stream)
@@ -100,13 +139,25 @@ def _merge_block(
     # Its own frame: once it returns, no Python name holds the block's arrays, so
     # MLX frees (or reuses) each one as soon as its last consumer ran.
     view = walk.view
-    k_block, v_block = _dequantized_block(store, block, view.dtype, page_major, walk.heads)
-    scores = walk.q @ k_block.swapaxes(-1, -2)  # [pages or 1, kv_heads, rows, tokens]
+    # fp16 pages on a GPU are read as they are stored: the queries and weights
+    # meet them in fp16 (as mlx-lm's own fp16 attention does), and only the block's
+    # scores, a few rows, are widened. Converting the keys would write and read a
+    # copy of every stored value; on the CPU, which emulates fp16, it is cheaper.
+    dtype = mx.float16 if _reads_fp16_pages(store, view) else view.dtype
+    k_block, v_block = _dequantized_block(walk, store, block, dtype, page_major)
+    q = walk.q if dtype == mx.float32 else walk.q.astype(dtype)
+    scores = (q @ k_block.swapaxes(-1, -2)).astype(mx.float32)  # [pages or 1, kv_heads, rows, n]
     if not page_major and view.sees_whole((block.last + 1) * page_size):
-        walk.softmax.add_visible(scores, lambda probs: (probs.astype(view.dtype) @ v_block)[0])
+        walk.softmax.add_visible(scores, lambda probs: (probs.astype(dtype) @ v_block)[0])
         return
     hidden = masked(view, scores, page_positions(block.logicals, page_size))
-    walk.softmax.add(hidden, lambda weights: mx.sum(weights.astype(view.dtype) @ v_block, axis=0))
+    walk.softmax.add(hidden, lambda weights: mx.sum(weights.astype(dtype) @ v_block, axis=0))
+
+
+def _reads_fp16_pages(store: Any, view: QueryView) -> bool:
+    """Whether the GPU schedule scores fp16 pages without converting them."""
+    return (store.layout.bits == 16 and view.dtype != mx.float32
+            and schedule.current() == schedule.GPU)
 
 
 @dataclass
@@ -162,12 +213,15 @@ class _OnlineSoftmax:
         self.top = new_top
 
 
-def _stored(store: Any, block: PageBlock, part: int, heads: slice) -> mx.array | None:
+def _stored(
+    store: Any, block: PageBlock, part: int, heads: slice, after: list[mx.array] | None = None
+) -> mx.array | None:
     """One stored array (codes or scales of keys or values) of a block's pages and heads.
 
     Pages are taken along the slab's contiguous page axis (taking from a transposed
     view copies the whole slab first); pieces of several slabs are joined while
     still packed, the cheapest copy. None where the mode stores no such array.
+    ``after``: arrays every piece waits for in the graph (nothing is read before).
     """
     pieces = []
     for slab_index, local in block.pieces:
@@ -175,14 +229,16 @@ def _stored(store: Any, block: PageBlock, part: int, heads: slice) -> mx.array |
         if array is None:
             return None
         pieces.append(array[local] if isinstance(local, slice) else mx.take(array, local, axis=0))
+    if after is not None:
+        pieces = mx.depends(pieces, after)
     joined = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
     return joined if heads == slice(0, store.layout.kv_heads) else joined[:, heads]
 
 
 def _dequantized_block(
-    store: Any, block: PageBlock, dtype: mx.Dtype, page_major: bool, heads: slice
+    walk: _HeadWalk, store: Any, block: PageBlock, dtype: mx.Dtype, page_major: bool
 ) -> tuple[mx.array, mx.array]:
-    """Keys and values of a block's pages, for the KV heads ``heads``.
+    """Keys and values of a block's pages, for the walk's KV heads.
 
     ``[pages, heads, page_size, D]`` when ``page_major``, else ``[1, heads,
     tokens, D]``.
@@ -190,7 +246,8 @@ def _dequantized_block(
     layout = store.layout
 
     def rows(part: int) -> mx.array:
-        codes, scales = _stored(store, block, part, heads), _stored(store, block, part + 1, heads)
+        codes = walk.stored(store, block, part, walk.heads)
+        scales = walk.stored(store, block, part + 1, walk.heads)
         values = kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim, dtype)
         if page_major:
             return values
@@ -209,7 +266,7 @@ def attend_packed(view: QueryView, cache: Any, scale: float, group_size: int) ->
     heads = streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim)
     # Split over streams, a step's peak reaches about twice one block's (each
     # stream frees its block as it finishes): the blocks shrink to match.
-    budget = min(cache.pool.scratch_bytes, scratch.DECODE_SCRATCH_BYTES) // len(heads)
+    budget = min(cache.pool.scratch_bytes, scratch.decode_scratch_bytes()) // len(heads)
     tokens = scratch.packed_block_tokens(kv_heads * rows, kv_heads, head_dim, store.layout.bits,
                                  group_size, page_size, budget)
     blocks = cache.page_blocks(cache.pool.pages_for(cache.offset), tokens // page_size)
@@ -235,8 +292,8 @@ def _merge_packed_block(
     every_head = slice(0, kv_heads)
 
     def affine(part: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
-        codes = _stored(store, block, part, every_head)
-        scales = _stored(store, block, part + 1, every_head)
+        codes = walk.stored(store, block, part, every_head)
+        scales = walk.stored(store, block, part + 1, every_head)
         parts = kvquant.as_mlx_affine(codes, scales, bits, head_dim, group_size, dtype)
         return tuple(x.reshape(count * kv_heads, page_size, -1) for x in parts)
 

@@ -16,6 +16,10 @@ transient is the same at 32k and at 262k tokens (:mod:`engine.cache.attention.sc
 - everything else (prefill chunks, fp16 pages, head dims MLX's quantized kernels
   cannot take): each block is dequantized on its own; a prefill chunk's blocks
   fill the pool's scratch budget, a decode step's stay page-major and small.
+
+Blocks follow each other by the backend's schedule
+(:mod:`engine.cache.attention.schedule`): the host waits on each on the CPU; on a
+GPU the whole call is one lazy graph.
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ backend (tests/engine/cache/attention/test_block_walk.py).
 from __future__ import annotations
 
 from engine.cache import kvquant
-from engine.cache.attention import streams
+from engine.cache.attention import schedule, streams
 
-# Up to this many new tokens (decode, short drafts) attend the packed pages directly;
-# the score matrix [heads, tokens, context] grows with the chunk, so longer chunks
-# walk the pages in blocks instead.
-PACKED_MAX_TOKENS = 4
+# Up to this many new tokens (decode, and a speculative verification of the last
+# token plus up to 8 drafted ones) read the pages the way a decode step does: packed
+# pages directly, fp16 pages page-major; the score matrix [heads, tokens, context]
+# grows with the chunk, so longer chunks walk the pages in prefill blocks instead.
+PACKED_MAX_TOKENS = 9
 # The most one prefill chunk's attention scratch (scores, their exponentials and
 # one dequantized block of keys and values) may take, at any context length; each
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
@@ -24,6 +25,15 @@ PACKED_MAX_TOKENS = 4
 # a block well inside the CPU's caches is as fast as a large one and keeps the
 # step's transient far below a prefill chunk's.
 DECODE_SCRATCH_BYTES = 16 * 2**20
+# The GPU schedule's decode blocks (:mod:`engine.cache.attention.schedule`): the
+# host never waits between them, so a block is sized for few kernel launches per
+# layer rather than for a cache; its transient stays far below a prefill chunk's.
+GPU_DECODE_SCRATCH_BYTES = 32 * 2**20
+# Blocks of the GPU schedule's graph alive at once: the host allocates the next
+# block's buffers while the device still works on the one before (a chunk of
+# full blocks reaches about twice one block's scratch; docs/benchmarks.md,
+# attention schedules), so its prefill blocks take half the budget.
+_GPU_BLOCKS_IN_FLIGHT = 2
 # What one block holds at its peak, per block token, as mx.get_peak_memory measures
 # it on the CPU backend (tests/engine/cache/attention/test_block_walk.py): two fp32
 # scores per query row (the scores and their exponentials or probabilities: MLX
@@ -47,6 +57,16 @@ _OUT_COPIES = 6
 # (a block joined across slabs, or one group of heads taken out of the pages).
 _PACKED_SCORE_COPIES = 3
 _PACKED_AFFINE_COPIES = 4
+
+
+def decode_scratch_bytes() -> int:
+    """The scratch budget of one decode step's blocks under the current schedule."""
+    return GPU_DECODE_SCRATCH_BYTES if schedule.current() == schedule.GPU else DECODE_SCRATCH_BYTES
+
+
+def blocks_in_flight() -> int:
+    """Prefill blocks alive at once under the current schedule (their budget's share)."""
+    return _GPU_BLOCKS_IN_FLIGHT if schedule.current() == schedule.GPU else 1
 
 
 def block_tokens(

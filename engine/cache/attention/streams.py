@@ -14,6 +14,8 @@ import threading
 
 import mlx.core as mx
 
+from engine.cache.attention import schedule
+
 # A few threads are enough to spread the elementwise work; more only add streams
 # that wait on the same BLAS.
 _MAX_STREAMS = 8
@@ -35,9 +37,10 @@ def cpu_cores() -> int:
 def streams_for(kv_heads: int) -> int:
     """Streams a long context's ``kv_heads`` split over on this device (1: no split).
 
-    Asks MLX for the device: call it on the engine thread only.
+    Asks MLX for the device: call it on the engine thread only. The GPU schedule
+    walks every head on one stream, as it would on a GPU.
     """
-    if mx.default_device().type != mx.cpu:
+    if mx.default_device().type != mx.cpu or schedule.current() == schedule.GPU:
         return 1
     return max(1, min(kv_heads, cpu_cores(), _MAX_STREAMS))
 

@@ -1,7 +1,7 @@
 """The app's bad-input matrix: what the window shows, and that nothing else changes.
 
 The readers' and the engine's exact messages are pinned by
-tests/engine/documents/test_matrix.py and tests/engine/test_bad_input.py; these
+tests/engine/documents/test_matrix.py and tests/engine/runtime/test_bad_input.py; these
 tests check that the window shows them where the user looks (the inline notice
 for files, the banner for models and prompts) and that the draft, the attached
 files and the conversation are left as they were.
@@ -23,7 +23,7 @@ from app.chat.answers import TOO_LONG_TURN
 from tests.app.chat.test_documents_drop import TEXT, drop_files
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.engine.documents.test_matrix import _encrypted
-from tests.engine.test_bad_input import BROKEN_FOLDERS
+from tests.engine.runtime.test_bad_input import BROKEN_FOLDERS
 
 
 def _blank_pdf(path: Path) -> None:

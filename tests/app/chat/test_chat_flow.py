@@ -87,7 +87,7 @@ def test_edit_and_resend_replaces_the_last_turn(qtbot, window) -> None:
 
 def test_sending_while_the_model_loads_keeps_the_text(qtbot, window) -> None:
     c = window.controller
-    c.loaded_model.ready = False  # as during a model switch
+    c.model_state.ready = False  # as during a model switch
     errors: list[str] = []
     c.errorRaised.connect(errors.append)
     window.composer.set_text("don't lose me")
@@ -95,7 +95,7 @@ def test_sending_while_the_model_loads_keeps_the_text(qtbot, window) -> None:
     assert window.composer.text() == "don't lose me"
     assert errors and "still loading" in errors[0]
     assert window.banner.isVisible() and "still loading" in window.banner.label.text()
-    c.loaded_model.ready = True
+    c.model_state.ready = True
 
 
 def test_interrupted_rows_show_their_status(qtbot, window) -> None:

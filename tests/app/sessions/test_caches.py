@@ -24,8 +24,8 @@ class FakeBridge:
     def deliver(self, event) -> None:
         self.handlers[event.request_id](event)
 
-    def close_session(self, session_id: str, keep: bool = True) -> None:
-        self.calls.append(("close" if keep else "close unsaved", session_id))
+    def close_session(self, session_id: str, store: bool = True) -> None:
+        self.calls.append(("close" if store else "close unsaved", session_id))
 
     def clear_stored_kv(self, session_id: str | None = None) -> int:
         self.calls.append(("clear stored", session_id or ""))

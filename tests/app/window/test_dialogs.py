@@ -11,7 +11,6 @@ from PySide6.QtWidgets import QApplication, QDialogButtonBox
 from app.settings import Settings
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from engine import SnapshotStore, default_budget, snapshots_dir
-from engine.cache.adapter import rotates_by_default
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import close_window, open_window
@@ -180,76 +179,84 @@ def test_modes_are_listed_best_quality_first(qtbot) -> None:
 def test_rotation_is_a_saved_choice_that_new_chats_open_with(qtbot) -> None:
     settings = Settings()
     assert settings.rotate_kv is None  # never chosen: the engine's default
-    settings.default_mode = "fp16"  # a mode that doesn't rotate by default
     dialog = SettingsDialog(settings)
     qtbot.addWidget(dialog)
-    assert not dialog.rotate.isChecked() and not rotates_by_default("fp16")
-    dialog.rotate.setChecked(True)
+    assert dialog.rotate.isChecked()  # what the engine does when not told
+    dialog.rotate.setChecked(False)
     dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
-    assert Settings().rotate_kv is True
+    assert Settings().rotate_kv is False
 
     from app.sessions.caches import SessionCaches
 
     opened: list[tuple] = []
     bridge = type("Bridge", (), {"open_session": lambda self, *a, **k: opened.append((a, k))
-                                 or 1, "close_session": lambda self, sid, keep=True: None})()
+                                 or 1, "close_session": lambda self, sid, store=True: None})()
     caches = SessionCaches(bridge, Settings())
     caches.ensure_open(type("Record", (), {"id": "s", "kv_mode": "q6"})(), lambda: None,
                        lambda _failed: None)
-    assert opened and opened[0][0][3] is True  # (session, mode, page size, rotate, handler)
+    assert opened and opened[0][0][3] is False  # (session, mode, page size, rotate, handler)
 
 
-# A value other than the default for every Settings field, chosen so the dialog's widgets
-# would round or misread it if Save rewrote it (a disk budget of 12.345678901 GB, a page
-# size off the spin box's step, a system prompt with surrounding blanks, ...).
-_STORED = {
-    "default_mode": "q4",
-    "page_size": 100,
+# A value for every setting that differs from its default and that a widget could
+# misshow (outside a spin box's range, more decimals than shown, padded text).
+# A field added to Settings without a value here fails its parametrized case.
+SET_VALUES = {
+    "default_mode": "q6",
+    "page_size": 8192,
     "rotate_kv": False,
-    "ingest_chunk": 333,
-    "memory_budget_bytes": 3 * 2**30 + 12345,
+    "ingest_chunk": 777,
+    "memory_budget_bytes": 3 * 2**30 + 12_345,
     "stored_kv_budget_bytes": 12_345_678_901,
-    "system_prompt": "  Be brief.  ",
-    "sampling": SamplingParams(temperature=0.333, top_p=0.87, top_k=41, min_p=0.013,
-                               repetition_penalty=1.07, max_tokens=77, seed=5),
+    "system_prompt": "  Be brief.\n",
+    "sampling": SamplingParams(temperature=0.123, top_p=0.951, top_k=40, min_p=0.051,
+                               repetition_penalty=1.234, max_tokens=2_000_000, seed=7),
     "model_folders": ["/models/a", "/models/b"],
     "last_model": "/models/a/m",
-    "last_folder": "/docs",
+    "last_folder": "/",
     "memory_panel_visible": False,
+    "speculative": True,
     "window_geometry": b"\x01\x02geometry",
 }
-_FIELDS = [name for name, member in vars(Settings).items()
-           if isinstance(member, property) and member.fset is not None]
 
 
-def _stored_keys(settings: Settings) -> dict[str, object]:
-    return {key: settings._qs.value(key) for key in settings._qs.allKeys()}
+def _save_untouched() -> None:
+    dialog = SettingsDialog(Settings())
+    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
+    dialog.deleteLater()
 
 
-def test_every_settings_field_has_a_stored_value_to_check() -> None:
-    assert sorted(_STORED) == sorted(_FIELDS), "add the new Settings field to _STORED"
+def _everything(settings: Settings) -> dict:
+    return {name: getattr(settings, name) for name in Settings.fields()}
 
 
-@pytest.mark.parametrize("stored", [False, True], ids=["unset", "stored"])
-@pytest.mark.parametrize("field", _FIELDS)
-def test_save_without_edits_changes_nothing(qtbot, field: str, stored: bool) -> None:
+@pytest.mark.parametrize("state", ["unset", "set"])
+@pytest.mark.parametrize("field", Settings.fields())
+def test_save_changes_no_field_the_user_did_not_touch(qtbot, field: str, state: str) -> None:
     settings = Settings()
-    if stored:
-        setattr(settings, field, _STORED[field])
+    if state == "set":
+        setattr(settings, field, SET_VALUES[field])
         settings.sync()
-    before_value, before_keys = getattr(Settings(), field), _stored_keys(Settings())
+    before, values = Settings().stored(), _everything(Settings())
+    _save_untouched()
+    assert Settings().stored() == before
+    assert _everything(Settings()) == values
+
+
+def test_unset_rotation_shows_the_engines_default_and_stays_unset(qtbot) -> None:
     dialog = SettingsDialog(Settings())
     qtbot.addWidget(dialog)
-    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
-    again = Settings()
-    assert getattr(again, field) == before_value
-    assert _stored_keys(again) == before_keys
+    assert dialog.rotate.isChecked()  # the engine rotates q8/q6/q4 unless told not to
+    dialog.apply()
+    assert Settings().rotate_kv is None
+    dialog.rotate.setChecked(False)
+    dialog.apply()
+    assert Settings().rotate_kv is False
 
 
-@pytest.mark.parametrize("mode", ["fp16", "q8", "q6", "q4"])
-def test_an_unset_rotation_shows_the_modes_default(qtbot, mode: str) -> None:
-    settings = Settings()
-    settings.default_mode = mode
-    dialog = SettingsDialog(settings)
+def test_one_changed_sampling_value_writes_only_that_key(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
     qtbot.addWidget(dialog)
-    assert dialog.rotate.isChecked() == rotates_by_default(mode)
+    dialog.temperature.setValue(0.2)
+    dialog.apply()
+    assert set(Settings().stored()) == {"sampling/temperature"}
+    assert Settings().sampling.temperature == 0.2

@@ -34,6 +34,22 @@ def test_every_contender_is_measured_at_every_context(layer_run: dict) -> None:
             assert row["prefill_s"] > 0 and row["prefill_peak"] > 0
 
 
+def test_paged_cells_run_under_both_schedules_with_their_host_syncs(layer_run: dict) -> None:
+    paged = [r for r in layer_run["rows"] if r["kind"].startswith("paged")]
+    cells = {(r["name"], r["context"], r["schedule"]) for r in paged}
+    assert len(cells) == len(paged) == 2 * len({(r["name"], r["context"]) for r in paged})
+    for row in paged:
+        assert row["decode_host_syncs"] >= 0 and row["chunk_host_syncs"] >= 0
+        if row["schedule"] == "gpu":
+            assert row["decode_host_syncs"] == row["chunk_host_syncs"] == 0, row
+    # The CPU schedule waits once per block: fp16 decode blocks at 4k are several.
+    cpu = next(r for r in paged if r["schedule"] == "cpu" and r["mode"] == "fp16"
+               and r["context"] == 4096 and r["kind"] == "paged")
+    assert cpu["decode_host_syncs"] > 0, cpu
+    assert all(r.get("schedule") is None for r in layer_run["rows"]
+               if not r["kind"].startswith("paged"))
+
+
 def test_paged_chunk_transient_stays_within_a_small_scratch_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -58,7 +74,11 @@ def test_report_has_the_tables_and_verdicts(layer_run: dict, tmp_path: Path) -> 
         results, report.machine_info(), "python -m engine.bench longctx", "0, 0, 0"
     )
     assert "### Verdicts" in body and "decode transient" in body
-    assert body.count("| paged q6 |") == 2  # one row per context in "Every cell"
+    cells = body.split("### Every cell")[1]
+    assert cells.count("| paged q6 |") == 2  # one row per context, the first schedule's
+    schedules = body.split("### Attention schedules")[1].split("###")[0]
+    assert schedules.count("| paged q6 | cpu |") == schedules.count("| paged q6 | gpu |") == 2
+    assert "gpu schedule: ≤ 2 host syncs per layer per decode step | **met**" in body
     rotation = body.split("### What the rotation costs")[1].split("###")[0]
     assert rotation.count("| q6 |") == 2  # rotated against plain q6 at both contexts
     assert "End to end" in body

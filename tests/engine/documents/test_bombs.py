@@ -22,7 +22,7 @@ import docx
 import pypdf  # noqa: F401  imported here so no import lands in the traced refusals
 import pytest
 
-from engine.documents import reader as documents
+from engine.documents import limits, pdf
 from engine.documents.reader import read_document
 from engine.errors import DocumentError
 
@@ -155,7 +155,7 @@ def test_docx_member_that_lies_about_its_size_is_stopped_one_block_past_the_lie(
         "unpacking it."
     )
     # The file itself (1.5 MB) and a few inflate blocks, however much the member holds.
-    assert peak < 8 * documents.INFLATE_BLOCK
+    assert peak < 8 * limits.INFLATE_BLOCK
 
 
 def test_docx_member_compressed_past_the_ratio_limit_is_refused(tmp_path: Path) -> None:
@@ -198,7 +198,7 @@ def test_pdf_stream_bomb_is_refused_at_the_stream_limit(tmp_path: Path) -> None:
 def test_pdf_streams_past_the_file_budget_are_refused_with_the_page(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(documents, "MAX_PDF_UNPACKED_BYTES", 3 * MIB)
+    monkeypatch.setattr(pdf, "MAX_PDF_UNPACKED_BYTES", 3 * MIB)
     path = tmp_path / "long.pdf"
     # Each page's stream is under the per-stream limit; together they are not.
     path.write_bytes(_pdf([_zlib_spaces(1) for _ in range(10)]))
@@ -214,7 +214,7 @@ def test_pdf_streams_past_the_file_budget_are_refused_with_the_page(
 def test_pdf_with_too_many_pages_is_refused_before_reading_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(documents, "MAX_PDF_PAGES", 3)
+    monkeypatch.setattr(pdf, "MAX_PDF_PAGES", 3)
     path = tmp_path / "book.pdf"
     path.write_bytes(_pdf([zlib.compress(b"BT ET") for _ in range(4)]))
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.documents.reader import DEFAULT_MAX_CHARS, READ_BLOCK, read_document
+from engine.documents.limits import DEFAULT_MAX_CHARS, READ_BLOCK
+from engine.documents.reader import read_document
 from engine.errors import DocumentError
 from tests.engine.documents.test_reader import _pdf_with_text
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.documents.reader import READ_BLOCK, read_document
+from engine.documents.limits import READ_BLOCK
+from engine.documents.reader import read_document
 from engine.errors import DocumentError
 
 

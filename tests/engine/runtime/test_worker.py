@@ -442,6 +442,6 @@ def test_closing_a_chat_mid_answer_cancels_the_answer(model_dirs, tmp_path,
         assert 0 < ending.stats.generated_tokens < full.stats.generated_tokens
         assert log.ending(closes[0]).reason == "done"
         # The partial answer went to the stored KV, as a close after an answer does.
-        assert "s" in [info.name for info in worker._snapshots.store.per_snapshot()]
+        assert "s" in [info.name for info in worker._stored.snapshots.per_snapshot()]
     finally:
         worker.shutdown(timeout=10.0)

@@ -103,7 +103,7 @@ def test_a_deleted_chat_is_closed_without_storing_and_its_stored_kv_goes(tmp_pat
         log.ending(engine.close_session("kept"))
         stored = {info.name for info in store.per_snapshot()}
         assert len(stored) == 1
-        log.ending(engine.close_session("deleted", keep=False))
+        log.ending(engine.close_session("deleted", store=False))
         assert {info.name for info in store.per_snapshot()} == stored  # nothing written
         log.ending(engine.clear_snapshots("kept"))
         assert store.per_snapshot() == []

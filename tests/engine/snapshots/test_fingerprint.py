@@ -112,13 +112,13 @@ def test_stored_kv_of_other_weights_is_never_reused_and_told_once(three_copies, 
         # Another chat's KV of the old weights serves no new chat ...
         fresh, notices = _reading(log, engine, "y", document)
         assert fresh.stats.reused_tokens == 0 and notices == []
-        assert log.ending(engine.close_session("y", keep=False)).reason == "done"
+        assert log.ending(engine.close_session("y", store=False)).reason == "done"
         # ... nor its own chat: read again, told once.
         again, notices = _reading(log, engine, "x", [*document, QUESTION])
         assert again.stats.reused_tokens == 0
         assert again.stats.prefill_tokens == again.stats.prompt_tokens
         assert notices == [SET_ASIDE]
-        assert log.ending(engine.close_session("x", keep=False)).reason == "done"
+        assert log.ending(engine.close_session("x", store=False)).reason == "done"
         later, notices = _reading(log, engine, "x", [*document, QUESTION])
         assert later.stats.reused_tokens == 0 and notices == []
 

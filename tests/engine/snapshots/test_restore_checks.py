@@ -115,7 +115,7 @@ def test_the_send_that_finds_a_lying_snapshot_answers_like_a_fresh_read(tmp_path
         log.result(engine.load_model(str(folder)), ModelLoaded)
         log.result(engine.open_session("fresh", "q8", 16), SessionOpened)
         _, (expected, _) = _answer(log, engine, "fresh", messages)
-        assert log.ending(engine.close_session("fresh", keep=False)).reason == "done"
+        assert log.ending(engine.close_session("fresh", store=False)).reason == "done"
         log.result(engine.open_session("x", "fp16", 16), SessionOpened)
         log.ending(engine.ingest("x", messages[:1], threading.Event()))
         assert log.ending(engine.close_session("x")).reason == "done"

@@ -10,6 +10,7 @@ import pytest
 
 from engine.cache import kvquant
 from engine.cache.attention import dispatch as attention
+from engine.cache.attention import query_view
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.errors import EngineError
@@ -218,7 +219,7 @@ def test_model_dtype_compute_path(
     Measured max errors vs float32 over the same rows: ~1.5e-3 (float16),
     ~1.2e-2 (bfloat16), i.e. the dtype's own rounding.
     """
-    monkeypatch.setattr(attention, "compute_dtype", lambda model_dtype: model_dtype)
+    monkeypatch.setattr(query_view, "compute_dtype", lambda model_dtype: model_dtype)
     cache = _cache(mode, 64, prefix=70)
     for length, mask in ((1, None), (3, "causal"), (20, "causal")):
         keys = _normal((1, KV_HEADS, length, 64), length).astype(dtype)

@@ -23,7 +23,7 @@ def model_name(info: object, fallback: str = "") -> str:
     return fallback
 
 
-class LoadedModel(QObject):
+class ModelState(QObject):
     """Loads models through the bridge and follows their ``ModelLoaded`` and ``Failed``.
 
     ``path`` is the folder (or "demo") loaded or loading, ``info`` its

@@ -1,8 +1,8 @@
 """Bad input, engine level: each case asserts the message a user sees (``Failed.message``
 from the worker) or that the engine handled it and stays usable.
 
-Documents have their own matrix in test_documents_matrix.py; the memory cases
-are in test_memory_guard.py.
+Documents have their own matrix in tests/engine/documents/test_matrix.py; the
+memory cases are in tests/engine/memory/test_guard.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""What the worker does with snapshots: keep a cache that leaves memory, restore it on return.
+"""What the worker does with snapshots: store a cache that leaves memory, restore it on return.
+
+HeldSessions are the sessions in memory; these are the ones stored on disk.
 
 Every call runs on the engine worker thread, between requests: a save never
 races a send because the worker runs one command at a time.
@@ -19,24 +21,24 @@ from engine.snapshots.store import SnapshotStore
 log = logging.getLogger(__name__)
 
 
-class SnapshotKeeper:
+class StoredSessions:
     """Saves sessions as they close and reopens them from the longest stored prefix.
 
     Args:
-        store: the snapshot folder and its disk budget; None keeps nothing on disk.
+        snapshots: the snapshot folder and its disk budget; None stores nothing on disk.
         emit: where notices go (a refused snapshot says why in one line).
     """
 
-    def __init__(self, store: SnapshotStore | None, emit: Callable[[object], None]) -> None:
-        self.store = store
+    def __init__(self, snapshots: SnapshotStore | None, emit: Callable[[object], None]) -> None:
+        self.snapshots = snapshots
         self._emit = emit
 
-    def keep(self, session: Any) -> None:
+    def store(self, session: Any) -> None:
         """Store the session's cache under its id (nothing held: nothing stored)."""
-        if self.store is None or not session.tokens:
+        if self.snapshots is None or not session.tokens:
             return
         try:
-            self.store.save(session, session.session_id)
+            self.snapshots.save(session, session.session_id)
         except EngineError as error:
             # Losing a snapshot costs a re-read later, never the conversation.
             log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
@@ -46,27 +48,27 @@ class SnapshotKeeper:
 
     def set_budget(self, budget_bytes: int | None) -> None:
         """Apply a disk budget (None: the default), evicting down to it, then announce."""
-        if self.store is not None:
-            self.store.set_budget(budget_bytes)
+        if self.snapshots is not None:
+            self.snapshots.set_budget(budget_bytes)
         self.announce()
 
     def clear(self, name: str | None = None) -> None:
         """Delete snapshot ``name`` (None: every snapshot), then announce."""
-        if self.store is not None:
+        if self.snapshots is not None:
             if name is None:
-                self.store.clear()
+                self.snapshots.clear()
             else:
-                self.store.delete(name)
+                self.snapshots.delete(name)
         self.announce()
 
     def announce(self) -> None:
         """Emit a ``StoredKv`` listing of what is on disk now."""
-        if self.store is None:
+        if self.snapshots is None:
             self._emit(StoredKv(0, 0))
             return
         try:
-            listing = StoredKv(self.store.budget_bytes, self.store.total_bytes(),
-                               tuple(self.store.per_snapshot()))
+            listing = StoredKv(self.snapshots.budget_bytes, self.snapshots.total_bytes(),
+                               tuple(self.snapshots.per_snapshot()))
         except OSError as error:  # the folder went away: say nothing rather than fail a close
             log.warning("cannot list stored KV: %s", error)
             return
@@ -78,10 +80,10 @@ class SnapshotKeeper:
         """Fill an empty session from its snapshot, or else from the stored chat of
         its model that starts with the most of ``prompt`` (one document stored once
         serves every chat about it); returns the tokens reused."""
-        if self.store is None or session.tokens:
+        if self.snapshots is None or session.tokens:
             return 0
         try:
-            reused = self.store.load(session, session.session_id, prompt, keep_last=keep_last)
+            reused = self.snapshots.load(session, session.session_id, prompt, keep_last=keep_last)
         except SnapshotRejected as rejected:
             self._emit(Notice(request_id, str(rejected)))
             if rejected.removed or rejected.set_aside:
@@ -100,12 +102,12 @@ class SnapshotKeeper:
             digest = session_fingerprint(session)["digest"]
         except EngineError:
             return 0
-        name = self.store.longest_prefix(prompt, model_digest=digest, exclude=session.session_id,
-                                         at_least=session.page_size)
+        name = self.snapshots.longest_prefix(
+            prompt, model_digest=digest, exclude=session.session_id, at_least=session.page_size)
         if name is None:
             return 0
         try:
-            reused = self.store.load(session, name, prompt, keep_last=keep_last)
+            reused = self.snapshots.load(session, name, prompt, keep_last=keep_last)
         except SnapshotRejected as rejected:
             # Another chat's snapshot this one cannot use (a higher mode, layers that
             # cannot rewind there): nothing to tell, the prompt is read as usual.

@@ -1,0 +1,57 @@
+"""Reading a dropped file's bytes, and the messages for what the file system refuses."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from engine.documents.limits import MAX_CONTAINER_BYTES
+from engine.errors import DocumentError
+
+
+def stat_size(p: Path) -> int:
+    """The file's size, refusing folders and unreadable paths."""
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise os_error(p.name, exc) from exc
+    if p.is_dir():
+        raise DocumentError(f"“{p.name}” is a folder; drop the files inside it instead.")
+    return st.st_size
+
+
+def os_error(name: str, exc: OSError) -> DocumentError:
+    """A message the user can act on for a failed open or read."""
+    if exc.errno == errno.ELOOP:
+        return DocumentError(
+            f"“{name}” is a symbolic link that points back to itself (a link loop); "
+            "drop the real file instead."
+        )
+    if isinstance(exc, FileNotFoundError):
+        return DocumentError(
+            f"“{name}” is gone — it was moved or deleted before it could be read."
+        )
+    if isinstance(exc, PermissionError):
+        return DocumentError(f"Longleaf isn't allowed to read “{name}”; check its permissions.")
+    return DocumentError(f"“{name}” could not be read: {exc.strerror or exc}.")
+
+
+def read_all(p: Path, size: int) -> bytes:
+    """The whole file (a PDF or .docx, already capped in size)."""
+    try:
+        with p.open("rb") as handle:
+            # Sized from stat: read(n) allocates n bytes up front.
+            data = handle.read(min(size, MAX_CONTAINER_BYTES) + 1)
+    except OSError as exc:
+        raise os_error(p.name, exc) from exc
+    if len(data) != size and not p.exists():
+        raise vanished(p.name)
+    return data
+
+
+def vanished(name: str) -> DocumentError:
+    """The refusal for a file that changed while it was read."""
+    return DocumentError(
+        f"“{name}” changed or disappeared while it was being read; "
+        "wait until it is written completely and drop it again."
+    )

@@ -1,0 +1,186 @@
+"""PDF text through its text layer with pypdf, refused past a page count and an unpack budget.
+
+Every stream that text extraction unpacks is charged against a per-stream and
+a per-file limit as it is unpacked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+from collections.abc import Iterator
+from typing import Any
+
+from engine.documents.limits import (
+    MAX_FORM_DEPTH,
+    MAX_PDF_PAGES,
+    MAX_PDF_STREAM_BYTES,
+    MAX_PDF_UNPACKED_BYTES,
+)
+from engine.errors import DocumentError
+from engine.format import human_bytes
+
+
+def pdf_text(name: str, data: bytes) -> str:
+    """The text layer of a PDF, page by page, within the unpack limits."""
+    import pypdf
+    from pypdf.errors import LimitReachedError, PdfReadError
+
+    try:
+        with _pdf_limits():
+            reader = pypdf.PdfReader(io.BytesIO(data))
+            if reader.is_encrypted and not _pdf_unlock(reader):
+                raise DocumentError(
+                    f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
+                    "copy (e.g. Print → Save as PDF) and drop that."
+                )
+            count = len(reader.pages)
+            if count > MAX_PDF_PAGES:
+                raise DocumentError(
+                    f"“{name}” has {count:,} pages; Longleaf reads PDFs of up to "
+                    f"{MAX_PDF_PAGES:,} pages. Split it and attach a part."
+                )
+            budget = _UnpackBudget(name, count)
+            pages = []
+            for number, page in enumerate(reader.pages, start=1):
+                budget.charge(page, number)
+                pages.append(page.extract_text() or "")
+    except DocumentError:
+        raise
+    except LimitReachedError as exc:
+        raise _pdf_limit_error(name, exc) from exc
+    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise DocumentError(
+            f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
+            "Re-export it and try again."
+        ) from exc
+    except Exception as exc:  # pypdf raises many internal types on broken input
+        raise DocumentError(
+            f"“{name}” could not be read as a PDF ({type(exc).__name__}: {exc})."
+        ) from exc
+    text = "\n\n".join(t.strip() for t in pages if t.strip())
+    if not text:
+        raise DocumentError(
+            f"“{name}” has no text layer (it is probably scanned images, {len(pages)} "
+            f"page{'s' if len(pages) != 1 else ''}). Run OCR on it first, e.g. Preview "
+            "or ocrmypdf, then drop the result."
+        )
+    return text
+
+
+def _pdf_limit_error(name: str, exc: Exception) -> DocumentError:
+    """The refusal for one of pypdf's safety limits, naming the limit that was hit.
+
+    pypdf has one exception type for all its limits; only its message tells an
+    unpacked stream that grew too large from a structure nested or looped past
+    its bounds (a page tree, outlines, form fields).
+    """
+    detail = str(exc).strip()
+    if "decompress" in detail.lower():
+        return DocumentError(
+            f"“{name}” holds a compressed stream that unpacks to more than "
+            f"{human_bytes(MAX_PDF_STREAM_BYTES)}, more than any page's text needs; it may be "
+            "built to exhaust memory, so Longleaf did not read it. Export the text you "
+            "need to a .txt file and drop that."
+        )
+    if "page tree" in detail.lower():
+        return DocumentError(
+            f"“{name}” has its pages nested inside each other deeper than any ordinary PDF "
+            f"({detail.rstrip('.')}); it may be built to exhaust the reader, so Longleaf "
+            "did not read it. Print it to a new PDF (Print → Save as PDF) and drop that."
+        )
+    return DocumentError(
+        f"“{name}” goes past a safety limit of the PDF reader ({detail.rstrip('.')}), so "
+        "Longleaf did not read it. Print it to a new PDF (Print → Save as PDF) and drop that."
+    )
+
+
+def _pdf_limits() -> contextlib.AbstractContextManager[Any]:
+    """pypdf's per-stream output limits, lowered to ``MAX_PDF_STREAM_BYTES``.
+
+    The configuration is a context variable, so other threads keep theirs. pypdf
+    before 7 has no configuration object and keeps its own 75 MB limits; the
+    per-file budget still applies there.
+    """
+    import pypdf
+
+    apply = getattr(pypdf, "apply_configuration", None)
+    if apply is None:
+        return contextlib.nullcontext()
+    known = {field.name for field in dataclasses.fields(pypdf.Configuration)}
+    wanted = (
+        "zlib_maximum_output_length",
+        "lzw_maximum_output_length",
+        "run_length_maximum_output_length",
+        "brotli_maximum_output_length",
+        "jbig2_maximum_output_length",
+        "array_based_stream_maximum_output_length",
+    )
+    return apply(**{key: MAX_PDF_STREAM_BYTES for key in wanted if key in known})
+
+
+class _UnpackBudget:
+    """Counts the bytes of every stream text extraction unpacks, once each.
+
+    A page's content streams, its form XObjects (nested) and its fonts' ToUnicode
+    maps are unpacked here, before ``extract_text`` reads them from pypdf's
+    cache, so the file is refused at most one stream past the limit.
+    """
+
+    def __init__(self, name: str, pages: int) -> None:
+        self.name = name
+        self.pages = pages
+        self.unpacked = 0
+        self._seen: set[int] = set()
+
+    def charge(self, page: Any, number: int) -> None:
+        for stream in _text_streams(page, MAX_FORM_DEPTH):
+            if id(stream) in self._seen:
+                continue
+            self._seen.add(id(stream))
+            self.unpacked += len(stream.get_data())
+            if self.unpacked > MAX_PDF_UNPACKED_BYTES:
+                raise DocumentError(
+                    f"“{self.name}” unpacks to more than {human_bytes(MAX_PDF_UNPACKED_BYTES)} of "
+                    f"page content by page {number:,} of {self.pages:,}; Longleaf reads PDFs "
+                    f"up to that. Split it, or export its text to a .txt file."
+                )
+
+
+def _text_streams(holder: Any, depth: int) -> Iterator[Any]:
+    """The streams ``extract_text`` unpacks for a page or form XObject."""
+    from pypdf.generic import StreamObject
+
+    contents = _resolved(holder, "/Contents")
+    if isinstance(contents, StreamObject):
+        yield contents
+    elif isinstance(contents, list):
+        yield from (s for part in contents if isinstance(s := part.get_object(), StreamObject))
+    resources = _resolved(holder, "/Resources")
+    if not isinstance(resources, dict):
+        return
+    fonts = _resolved(resources, "/Font")
+    for font in fonts.values() if isinstance(fonts, dict) else ():
+        cmap = _resolved(font.get_object(), "/ToUnicode")
+        if isinstance(cmap, StreamObject):
+            yield cmap
+    forms = _resolved(resources, "/XObject")
+    for entry in forms.values() if isinstance(forms, dict) and depth > 0 else ():
+        form = entry.get_object()
+        if isinstance(form, StreamObject) and form.get("/Subtype") == "/Form":
+            yield form
+            yield from _text_streams(form, depth - 1)
+
+
+def _resolved(holder: Any, key: str) -> Any:
+    value = holder.get(key) if isinstance(holder, dict) else None
+    return value.get_object() if value is not None else None
+
+
+def _pdf_unlock(reader: object) -> bool:
+    try:
+        return bool(reader.decrypt(""))  # type: ignore[attr-defined]
+    except Exception:  # missing AES provider or a real password: both mean locked
+        return False
+

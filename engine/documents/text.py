@@ -1,0 +1,99 @@
+"""Plain text and source code, streamed block by block (a 1 GB file is never loaded whole).
+
+The encoding is sniffed from a byte-order mark (UTF-8, UTF-16, UTF-32), else
+UTF-8; bytes that do not decode are replaced and counted, and a file with too
+many of them, or with NUL bytes, is refused as not text.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+from pathlib import Path
+
+from engine.documents.files import os_error, vanished
+from engine.documents.limits import MAX_REPLACED_SHARE, READ_BLOCK, check_length
+from engine.errors import DocumentError
+
+
+def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str, ...]]:
+    """The text, its SHA-256 and notes on replaced bytes, read block by block."""
+    name = p.name
+    digest = hashlib.sha256()
+    parts: list[str] = []
+    chars = 0
+    replaced = 0
+    total = 0
+    try:
+        with p.open("rb") as handle:
+            head = handle.read(READ_BLOCK)
+            encoding, skip = _sniff_encoding(name, head)
+            decoder = codecs.getincrementaldecoder(encoding)(errors="replace")
+            block = head
+            first = True
+            while block:
+                digest.update(block)
+                total += len(block)
+                text = decoder.decode(block[skip:] if first else block)
+                first = False
+                replaced += _count_replaced(text, block, encoding)
+                parts.append(text)
+                chars += len(text)
+                check_length(name, chars, max_chars, complete=False)
+                # NULs past the sniffed head: binary data appended to text.
+                if encoding == "utf-8" and "\x00" in text:
+                    raise _binary(name)
+                block = handle.read(READ_BLOCK)
+            tail = decoder.decode(b"", final=True)
+    except OSError as exc:
+        raise os_error(name, exc) from exc
+    if total != size:  # truncated, grown or deleted while we read it
+        raise vanished(name)
+    replaced += tail.count("\ufffd")
+    parts.append(tail)
+    text = "".join(parts)
+    notes: tuple[str, ...] = ()
+    if replaced:
+        label = encoding.upper().removesuffix("-LE").removesuffix("-BE")
+        if replaced > max(16, MAX_REPLACED_SHARE * total):
+            raise DocumentError(
+                f"“{name}” isn't readable text: {replaced:,} of its {total:,} bytes are not "
+                f"valid {label}. Save it as UTF-8 text and try again."
+            )
+        notes = (
+            f"{replaced:,} byte{'s' if replaced != 1 else ''} of “{name}” were not valid "
+            f"{label} and were replaced with �.",
+        )
+    return text, digest.hexdigest(), notes
+
+
+def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
+    if head.startswith(codecs.BOM_UTF8):
+        return "utf-8", len(codecs.BOM_UTF8)
+    # UTF-32's little-endian mark begins with UTF-16's, so it is looked for first.
+    if head.startswith(codecs.BOM_UTF32_LE):
+        return "utf-32-le", len(codecs.BOM_UTF32_LE)
+    if head.startswith(codecs.BOM_UTF32_BE):
+        return "utf-32-be", len(codecs.BOM_UTF32_BE)
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16", 0
+    if b"\x00" in head:
+        raise _binary(name)
+    return "utf-8", 0
+
+
+def _binary(name: str) -> DocumentError:
+    return DocumentError(
+        f"“{name}” looks like a binary file, not text (it contains NUL bytes). "
+        "Drop a text, Markdown, source, PDF or .docx file instead."
+    )
+
+
+def _count_replaced(text: str, block: bytes, encoding: str) -> int:
+    found = text.count("\ufffd")
+    if not found:
+        return 0
+    # A genuine U+FFFD in the file is not a decoding error.
+    genuine = block.count("\ufffd".encode("utf-16-le" if encoding == "utf-16" else encoding))
+    return max(0, found - genuine)
+

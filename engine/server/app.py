@@ -1,0 +1,403 @@
+"""The Starlette application: OpenAI and Anthropic endpoints over the engine bridge.
+
+Every handler runs on the server's event loop and waits on the bridge's events;
+nothing here touches MLX. Errors come back in the shape of the API asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from engine.errors import EngineError
+from engine.events import Failed, Finished, SessionOpened, TokenChunk
+from engine.server import protocol
+from engine.server.bridge import EngineBridge, QueueFull, Ticket
+from engine.server.protocol import BadRequest, ChatRequest
+
+MAX_BODY_BYTES = 32 * 2**20
+DEFAULT_MAX_TOKENS = 512
+DISCONNECT_POLL = 0.2
+MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
+
+
+class ApiError(Exception):
+    """An HTTP error answered in the shape of the API the request used."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers or {}
+
+
+@dataclass
+class Outcome:
+    """How one generation ended."""
+
+    finish: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    mode: str
+
+
+def _is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    """``error`` as the OpenAI or the Anthropic error object."""
+    if _is_anthropic(request):
+        kind = {401: "authentication_error", 413: "request_too_large",
+                429: "rate_limit_error", 404: "not_found_error"}.get(error.status, error.kind)
+        if error.status >= 500 and kind == "invalid_request_error":
+            kind = "api_error"
+        body: dict = {"type": "error", "error": {"type": kind, "message": error.message}}
+    else:
+        body = {"error": {"message": error.message, "type": error.kind,
+                          "param": error.param, "code": error.code}}
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+class Server:
+    """The routes, bound to one bridge and one optional API key."""
+
+    def __init__(self, bridge: EngineBridge, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.bridge = bridge
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> Starlette:
+        """The ASGI application (no CORS middleware: browsers' other origins are refused)."""
+        routes = [
+            Route("/health", self._wrap(self.health, auth=False), methods=["GET"]),
+            Route("/v1/models", self._wrap(self.models), methods=["GET"]),
+            Route("/v1/chat/completions", self._wrap(self.chat_completions), methods=["POST"]),
+            Route("/v1/messages", self._wrap(self.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._wrap(self.count_tokens),
+                  methods=["POST"]),
+        ]
+        return Starlette(routes=routes)
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _wrap(self, handler, *, auth: bool = True):
+        async def endpoint(request: Request):
+            try:
+                if auth:
+                    self._check_key(request)
+                return await handler(request)
+            except ApiError as error:
+                return error_response(request, error)
+            except BadRequest as error:
+                return error_response(request, ApiError(400, str(error), param=error.param,
+                                                        code=error.code))
+        return endpoint
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("x-api-key", "")
+        bearer = request.headers.get("authorization", "")
+        if bearer.lower().startswith("bearer "):
+            given = given or bearer[7:].strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise ApiError(401, "Missing or wrong API key: send it as 'Authorization: "
+                                "Bearer KEY' or 'x-api-key: KEY'.", "authentication_error",
+                           code="invalid_api_key")
+
+    def _check_ready(self) -> None:
+        if not self.bridge.ready.is_set():
+            message = self.bridge.load_error or "The model is still loading; try again shortly."
+            raise ApiError(503, message, "server_error", headers={"Retry-After": "5"})
+
+    async def _body(self, request: Request) -> object:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"The request body is over {self.max_body_bytes:,} bytes.")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.max_body_bytes:
+                raise ApiError(413, f"The request body is over {self.max_body_bytes:,} bytes.")
+        try:
+            return json.loads(bytes(data))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ApiError(400, f"The request body is not valid JSON: {error}.") from error
+
+    # -- endpoints -------------------------------------------------------------
+
+    async def health(self, request: Request) -> JSONResponse:
+        if not self.bridge.ready.is_set():
+            status = "error" if self.bridge.load_error else "loading"
+            return JSONResponse({"status": status, "message": self.bridge.load_error},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "model": self.bridge.model_id})
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        model = {"id": self.bridge.model_id, "object": "model", "created": 0,
+                 "owned_by": "longleaf", "context_length": self.bridge.max_context,
+                 "kv_mode": self.bridge.kv_mode}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def count_tokens(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        chat = protocol.anthropic_messages(await self._body(request), counting=True)
+        prompt = self.bridge.render(chat.messages)  # quick; a thread pool would outlive requests
+        return JSONResponse({"input_tokens": len(prompt)})
+
+    async def chat_completions(self, request: Request):
+        self._check_ready()
+        chat = protocol.openai_chat(await self._body(request), DEFAULT_MAX_TOKENS)
+        run = await self._start(chat)
+        created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        model = self._model_name(chat)
+        if not chat.stream:
+            text, outcome = await self._collect(request, run)
+            return JSONResponse({
+                "id": ident, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": outcome.finish, "logprobs": None}],
+                "usage": _openai_usage(outcome), "kv_mode": outcome.mode,
+            })
+
+        def chunk(delta: dict, finish: str | None) -> str:
+            return json.dumps({"id": ident, "object": "chat.completion.chunk",
+                               "created": created, "model": model,
+                               "choices": [{"index": 0, "delta": delta,
+                                            "finish_reason": finish}]})
+
+        async def events() -> AsyncIterator[dict]:
+            yield {"data": chunk({"role": "assistant", "content": ""}, None)}
+            try:
+                async for piece in _guarded(run):
+                    if isinstance(piece, str):
+                        yield {"data": chunk({"content": piece}, None)}
+                    else:
+                        yield {"data": chunk({}, piece.finish)}
+                        if chat.include_usage:
+                            yield {"data": json.dumps({
+                                "id": ident, "object": "chat.completion.chunk",
+                                "created": created, "model": model, "choices": [],
+                                "usage": _openai_usage(piece), "kv_mode": piece.mode})}
+            except ApiError as error:
+                yield {"data": error_response(request, error).body.decode()}
+            yield {"data": "[DONE]"}
+        return EventSourceResponse(events(), ping=15)
+
+    async def messages(self, request: Request):
+        self._check_ready()
+        chat = protocol.anthropic_messages(await self._body(request))
+        run = await self._start(chat)
+        ident, model = f"msg_{uuid.uuid4().hex}", self._model_name(chat)
+        if not chat.stream:
+            text, outcome = await self._collect(request, run)
+            return JSONResponse({
+                "id": ident, "type": "message", "role": "assistant", "model": model,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": _anthropic_stop(outcome, run.stopped_by),
+                "stop_sequence": run.stopped_by, "usage": _anthropic_usage(outcome),
+                "kv_mode": outcome.mode,
+            })
+
+        def event(kind: str, data: dict) -> dict:
+            return {"event": kind, "data": json.dumps({"type": kind, **data})}
+
+        async def events() -> AsyncIterator[dict]:
+            yield event("message_start", {"message": {
+                "id": ident, "type": "message", "role": "assistant", "model": model,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0}}})
+            yield event("content_block_start", {"index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
+            try:
+                async for piece in _guarded(run):
+                    if isinstance(piece, str):
+                        yield event("content_block_delta", {"index": 0, "delta": {
+                            "type": "text_delta", "text": piece}})
+                        continue
+                    yield event("content_block_stop", {"index": 0})
+                    yield event("message_delta", {
+                        "delta": {"stop_reason": _anthropic_stop(piece, run.stopped_by),
+                                  "stop_sequence": run.stopped_by},
+                        "usage": _anthropic_usage(piece)})
+                    yield event("message_stop", {})
+            except ApiError as error:
+                body = json.loads(error_response(request, error).body)
+                yield {"event": "error", "data": json.dumps(body)}
+        return EventSourceResponse(events(), ping=15)
+
+    # -- generation ------------------------------------------------------------
+
+    def _model_name(self, chat: ChatRequest) -> str:
+        return self.bridge.model_id
+
+    async def _start(self, chat: ChatRequest) -> Run:
+        mode = chat.mode or self.bridge.kv_mode
+        prompt = self.bridge.render(chat.messages)  # quick; a thread pool would outlive requests
+        context = self.bridge.max_context
+        if len(prompt) + 1 > context:
+            raise ApiError(400, f"This model's maximum context length is {context:,} tokens; "
+                                f"the messages take {len(prompt):,} tokens and the answer "
+                                "needs at least one more.", param="messages",
+                           code="context_length_exceeded")
+        try:
+            fit = self.bridge.fit(len(prompt) + 1, mode)
+        except EngineError as error:
+            raise ApiError(503, str(error), "server_error") from error
+        if not fit.supported:
+            raise ApiError(400, f"KV mode {mode} cannot store this model's heads.",
+                           param="kv_mode")
+        if not fit.fits:
+            report = self.bridge.worker.fit_check(None, len(prompt) + 1)
+            raise ApiError(507, report.message(), "insufficient_memory",
+                           code="insufficient_memory")
+        cancel = threading.Event()
+        try:
+            ticket = self.bridge.submit(chat.messages, prompt, mode, chat.sampling, cancel,
+                                        asyncio.get_running_loop())
+        except QueueFull as error:
+            raise ApiError(429, str(error), "rate_limit_error",
+                           headers={"Retry-After": "2"}) from error
+        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt))
+
+    async def _collect(self, request: Request, run: Run) -> tuple[str, Outcome]:
+        """The whole answer; a client that leaves cancels it."""
+        watcher = asyncio.create_task(_watch_disconnect(request, run.cancel))
+        try:
+            parts: list[str] = []
+            async for piece in run.pieces():
+                if isinstance(piece, str):
+                    parts.append(piece)
+                else:
+                    return "".join(parts), piece
+        finally:
+            watcher.cancel()
+        raise ApiError(500, "The engine ended the request without an answer.", "server_error")
+
+
+async def _guarded(run: Run) -> AsyncIterator[str | Outcome]:
+    """``run``'s pieces; a stream cut off by its client cancels the engine request."""
+    pieces = run.pieces()
+    try:
+        async for piece in pieces:
+            yield piece
+    finally:
+        run.cancel.set()
+        await pieces.aclose()
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(DISCONNECT_POLL)
+
+
+class Run:
+    """One generation's pieces of text as they come, cut at the first stop sequence."""
+
+    def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
+                 stops: tuple[str, ...], prompt_tokens: int) -> None:
+        self.bridge, self.ticket, self.cancel = bridge, ticket, cancel
+        self.stops = stops
+        self.prompt_tokens = prompt_tokens
+        self.stopped_by: str | None = None
+        self.mode = ticket.mode
+
+    async def pieces(self) -> AsyncIterator[str | Outcome]:
+        """Text deltas, then one ``Outcome``; raises ``ApiError`` for a failure."""
+        held = ""  # text that may be the start of a stop sequence
+        generated = 0
+        keep = max((len(s) for s in self.stops), default=1) - 1
+        try:
+            while True:
+                event = await self.ticket.queue.get()
+                if isinstance(event, SessionOpened):
+                    self.mode = event.kv_mode
+                elif isinstance(event, Failed):
+                    self.bridge.forget(self.ticket)
+                    raise _engine_error(event)
+                elif isinstance(event, TokenChunk) and self.stopped_by is None:
+                    generated += len(event.token_ids)
+                    held += event.text
+                    cut = self._stop_at(held)
+                    if cut is not None:
+                        self.cancel.set()  # the engine stops within one token
+                        if held[:cut]:
+                            yield held[:cut]
+                        held = ""
+                    elif len(held) > keep:
+                        yield held[:len(held) - keep]
+                        held = held[len(held) - keep:]
+                elif isinstance(event, Finished) and event.request_id == self.ticket.chat_id:
+                    if held and self.stopped_by is None:
+                        yield held
+                    yield self._outcome(event, generated)
+                    return
+        finally:
+            self.cancel.set()  # a client gone mid-stream stops the engine
+
+    def _stop_at(self, text: str) -> int | None:
+        found = [(text.find(s), s) for s in self.stops if s in text]
+        if not found:
+            return None
+        index, stop = min(found)
+        self.stopped_by = stop
+        return index
+
+    def _outcome(self, event: Finished, generated: int) -> Outcome:
+        stats = event.stats
+        prompt = stats.prompt_tokens if stats and stats.prompt_tokens else self.prompt_tokens
+        fed = stats.prefill_tokens if stats else prompt
+        finish = "stop" if self.stopped_by or event.reason == "stop" else "length"
+        if event.reason == "cancelled" and self.stopped_by is None:
+            finish = "cancelled"
+        return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode)
+
+
+def _engine_error(event: Failed) -> ApiError:
+    if event.error_type == "ContextTooLong":
+        return ApiError(400, event.message, param="messages", code="context_length_exceeded")
+    if event.error_type in MEMORY_ERRORS:
+        return ApiError(507, event.message, "insufficient_memory", code="insufficient_memory")
+    if event.error_type in ("EngineError", "UnsupportedModeError"):
+        return ApiError(400, event.message)
+    return ApiError(500, event.message, "server_error")
+
+
+def _openai_usage(outcome: Outcome) -> dict:
+    return {"prompt_tokens": outcome.prompt_tokens,
+            "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
+
+
+def _anthropic_usage(outcome: Outcome) -> dict:
+    return {"input_tokens": outcome.prompt_tokens - outcome.cached_tokens,
+            "output_tokens": outcome.completion_tokens,
+            "cache_read_input_tokens": outcome.cached_tokens,
+            "cache_creation_input_tokens": 0}
+
+
+def _anthropic_stop(outcome: Outcome, stopped_by: str | None) -> str:
+    if stopped_by is not None:
+        return "stop_sequence"
+    return "end_turn" if outcome.finish == "stop" else "max_tokens"

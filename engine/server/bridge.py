@@ -1,0 +1,238 @@
+"""The server's side of the engine worker: requests in, events out, sessions picked.
+
+The bridge never touches MLX or a live engine object: it submits commands to the
+``EngineWorker`` and routes the frozen events that come back to the request that
+asked, through an ``asyncio`` queue of the server's event loop. It renders
+prompts with its own tokenizer instance (loaded from the model folder after the
+worker loaded the model) to choose which server session a request continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.cache import kvquant
+from engine.errors import EngineError
+from engine.events import Failed, Finished, ModelLoaded
+from engine.runtime.held_sessions import API_SESSION_PREFIX
+from engine.runtime.worker import EngineWorker
+from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
+from engine.session.sampling import SamplingParams
+from engine.snapshots.store import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT = 3600.0
+
+
+class QueueFull(EngineError):
+    """More requests wait for the engine than the server's queue limit allows."""
+
+
+@dataclass
+class Ticket:
+    """One HTTP request's events, delivered on the server's event loop.
+
+    Attributes:
+        loop: the event loop the request's handler awaits on.
+        queue: the events of every engine request made for it, in order.
+        chat_id: the id of its chat request (its ``Finished`` ends the ticket).
+        session: the server session it runs on.
+        mode: the KV mode of that session.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    chat_id: int = 0
+    session: str = ""
+    mode: str = ""
+
+    def put(self, event: object) -> None:
+        """Hand ``event`` to the handler (called on the worker thread)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+class EngineBridge:
+    """Owns the worker and the server's sessions; every method is thread-safe.
+
+    Args:
+        model: a model folder or "demo".
+        kv_mode: the KV mode of requests that do not ask for one.
+        snapshot_dir: the server's own stored-KV folder (never the app's: API
+            requests reuse only KV made by API requests).
+        max_sessions: server sessions held in memory; the least recently used
+            one is stored as a snapshot when another is needed.
+        queue_limit: requests that may wait for or run on the engine at once.
+    """
+
+    def __init__(self, model: str, kv_mode: str, snapshot_dir: Path | None, *,
+                 max_sessions: int = 4, queue_limit: int = 16,
+                 worker: EngineWorker | None = None) -> None:
+        self.model = model
+        self.kv_mode = kvquant.normalize_mode(kv_mode)
+        self.max_sessions = max(1, max_sessions)
+        self.queue_limit = max(1, queue_limit)
+        store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else None
+        self.worker = worker or EngineWorker(self._on_event, snapshots=store)
+        self.ready = threading.Event()
+        self.info: Any = None
+        self.load_error: str | None = None
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._tickets: dict[int, Ticket] = {}
+        self._sessions: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        self._in_flight = 0
+        self._loading = threading.Event()
+        self._load_id = 0
+
+    # -- life ------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Start the worker, load the model and the server's tokenizer (blocks)."""
+        from mlx_lm.utils import load_tokenizer
+
+        self.worker.start()
+        with self._lock:
+            self._load_id = self.worker.load_model(self.model)
+        self._loading.wait(LOAD_TIMEOUT)
+        if self.info is None:
+            self.load_error = self.load_error or "The model did not load in time."
+            return
+        import json
+
+        folder = Path(self.info.path)
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            self._tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+        except (OSError, ValueError) as error:
+            self.load_error = f"The tokenizer in {folder} cannot be read: {error}"
+            return
+        self.ready.set()
+
+    def shutdown(self) -> None:
+        """Stop the worker; its sessions are stored as snapshots on the way out."""
+        self.worker.shutdown(timeout=30.0)
+
+    @property
+    def model_id(self) -> str:
+        """The loaded model's id: "demo" for the embedded one, else its folder name."""
+        if self.model == "demo":
+            return "demo"
+        return Path(self.model).expanduser().name or str(self.model)
+
+    @property
+    def max_context(self) -> int:
+        """The loaded model's context in tokens."""
+        return int(getattr(self.info, "max_context", 0) or 0)
+
+    # -- events (worker thread) ------------------------------------------------
+
+    def _on_event(self, event: object) -> None:
+        request_id = getattr(event, "request_id", None)
+        if request_id is None:
+            return
+        with self._lock:
+            if request_id == self._load_id:
+                self._loaded(event)
+                return
+            ticket = self._tickets.get(request_id)
+            if ticket is not None and isinstance(event, Finished | Failed):
+                del self._tickets[request_id]
+                if request_id == ticket.chat_id:
+                    # Counted by the engine's ending, not the handler's: a handler
+                    # whose stream never started still frees its place.
+                    self._in_flight -= 1
+        if ticket is not None:
+            ticket.put(event)
+
+    def _loaded(self, event: object) -> None:
+        if isinstance(event, ModelLoaded):
+            self.info = event.info
+        elif isinstance(event, Failed):
+            self.load_error = event.message
+            self._loading.set()
+        elif isinstance(event, Finished):
+            self._loading.set()
+
+    # -- requests (server threads) ---------------------------------------------
+
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt ids the engine will read for ``messages`` (with the reply's opening)."""
+        with self._tokenizer_lock:
+            return render_conversation(self._tokenizer, messages, add_generation_prompt=True)
+
+    def count(self, text: str) -> int:
+        """Tokens ``text`` encodes to."""
+        with self._tokenizer_lock:
+            return len(self._tokenizer.encode(clean_text(text), add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        with self._tokenizer_lock:
+            return self._tokenizer.decode(ids)
+
+    def fit(self, token_count: int, mode: str) -> Any:
+        """The guard's ``ModeFit`` for ``token_count`` tokens in ``mode`` (arithmetic only)."""
+        return self.worker.fit_check(None, token_count).for_mode(mode)
+
+    def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: str,
+               sampling: SamplingParams, cancel: threading.Event,
+               loop: asyncio.AbstractEventLoop) -> Ticket:
+        """Queue a chat on the session that holds the most of ``prompt``.
+
+        A held session of the same mode whose last prompt ``prompt`` continues is
+        reused; otherwise a new one opens (the least recently used stored and
+        closed first when all are taken), and the engine fills it from the other
+        server sessions or the server's stored KV, whichever holds the longest prefix.
+
+        Raises:
+            QueueFull: the queue limit is reached.
+        """
+        ticket = Ticket(loop)
+        with self._lock:
+            if self._in_flight >= self.queue_limit:
+                raise QueueFull(f"{self._in_flight} requests are already waiting for the "
+                                "engine; try again shortly.")
+            self._in_flight += 1
+            name = self._continued(prompt, mode)
+            if name is None:
+                name = self._open(mode, ticket)
+            self._sessions[name] = (mode, list(prompt))
+            self._sessions.move_to_end(name)
+            ticket.session, ticket.mode = name, mode
+            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel)
+            self._tickets[ticket.chat_id] = ticket
+        return ticket
+
+    def forget(self, ticket: Ticket) -> None:
+        """Drop the session a failed request ran on from the ones to continue."""
+        with self._lock:
+            if self._sessions.pop(ticket.session, None) is not None:
+                self.worker.close_session(ticket.session, store=False)
+
+    def _continued(self, prompt: list[int], mode: str) -> str | None:
+        best, most = None, 0
+        for name, (held_mode, held) in self._sessions.items():
+            if held_mode != mode or not held:
+                continue
+            shared = common_prefix(held, prompt)
+            if shared >= len(held) - 1 and shared > most:
+                best, most = name, shared
+        return best
+
+    def _open(self, mode: str, ticket: Ticket) -> str:
+        while len(self._sessions) >= self.max_sessions:
+            evicted, _ = self._sessions.popitem(last=False)
+            self.worker.close_session(evicted, store=True)
+        name = f"{API_SESSION_PREFIX}{secrets.token_hex(6)}"
+        opened = self.worker.open_session(name, mode)
+        self._tickets[opened] = ticket
+        return name

@@ -1,0 +1,50 @@
+"""Run the server: the engine bridge, its model load, and uvicorn on one address."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import uvicorn
+
+from engine.server.app import Server
+from engine.server.bridge import EngineBridge
+
+log = logging.getLogger(__name__)
+
+
+def server_snapshot_dir() -> Path:
+    """The server's own stored-KV folder, beside the app's and never shared with it."""
+    from engine import paths
+
+    return paths.snapshots_dir().parent / "server-kv-snapshots"
+
+
+def make_app(bridge: EngineBridge, api_key: str | None = None):
+    """The ASGI app; its lifespan loads the model in the background and stops the worker."""
+    server = Server(bridge, api_key)
+    app = server.app()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app) -> AsyncIterator[None]:
+        loader = threading.Thread(target=bridge.load, name="longleaf-server-load", daemon=True)
+        loader.start()  # /health answers 503 until it is done
+        try:
+            yield
+        finally:
+            loader.join()
+            bridge.shutdown()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def uvicorn_server(bridge: EngineBridge, host: str, port: int,
+                   api_key: str | None = None) -> uvicorn.Server:
+    """A uvicorn server for ``bridge`` (not started)."""
+    config = uvicorn.Config(make_app(bridge, api_key), host=host, port=port,
+                            log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)

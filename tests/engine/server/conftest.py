@@ -1,0 +1,67 @@
+"""A real uvicorn server on 127.0.0.1 (ephemeral port) over a tiny model, per module."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.server.bridge import EngineBridge
+from engine.server.serve import uvicorn_server
+from tests.engine.tinymodels import make_tiny_model_dir
+
+API_KEY = "test-key-123"
+
+
+@dataclass
+class Served:
+    """A running server: its base URL, key and bridge."""
+
+    url: str
+    key: str
+    bridge: EngineBridge
+
+
+def start_server(folder: Path, snapshots: Path, **bridge_args) -> tuple[Served, callable]:
+    """Start a server in a thread; returns it and the function that stops it."""
+    bridge = EngineBridge(str(folder), "fp16", snapshots, **bridge_args)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn_server(bridge, "127.0.0.1", port, API_KEY)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name="test-uvicorn")
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"server did not become healthy: {bridge.load_error}")
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+    return Served(url, API_KEY, bridge), stop
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A llama-type tiny model behind the server."""
+    root = tmp_path_factory.mktemp("server")
+    folder = make_tiny_model_dir(root, "llama")
+    running, stop = start_server(folder, root / "kv", queue_limit=3, max_sessions=2)
+    yield running
+    stop()

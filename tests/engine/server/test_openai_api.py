@@ -1,0 +1,195 @@
+"""The OpenAI endpoints through the official ``openai`` SDK, against a live server."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.engine.server.conftest import Served
+
+
+def client(served: Served, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0,
+                         **kwargs)
+
+
+def conversation(turns: int) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "You answer briefly. " * 20}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: " + "tell me more " * 30})
+        messages.append({"role": "assistant", "content": f"Answer {turn} " * 10})
+    messages.append({"role": "user", "content": "And now?"})
+    return messages
+
+
+def test_models_and_health(served: Served) -> None:
+    models = client(served).models.list()
+    assert [m.id for m in models.data] == [served.bridge.model_id]
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_not_streamed_with_usage(served: Served) -> None:
+    reply = client(served).chat.completions.create(
+        model="anything", messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=5, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 5
+    assert reply.usage.prompt_tokens > 0
+    assert reply.model == served.bridge.model_id
+
+
+def test_chat_streamed_matches_not_streamed(served: Served) -> None:
+    messages = [{"role": "user", "content": "Count with me"}]
+    whole = client(served).chat.completions.create(
+        model="m", messages=messages, max_tokens=8, temperature=0)
+    stream = client(served).chat.completions.create(
+        model="m", messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+
+
+def test_resent_conversation_is_cached(served: Served) -> None:
+    api = client(served)
+    first = api.chat.completions.create(model="m@fp16", messages=conversation(3),
+                                        max_tokens=3, temperature=0)
+    resent = [*conversation(3), {"role": "assistant", "content": first.choices[0].message.content},
+              {"role": "user", "content": "One more thing?"}]
+    again = api.chat.completions.create(model="m@fp16", messages=resent,
+                                        max_tokens=3, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < again.usage.prompt_tokens
+    assert cached >= first.usage.prompt_tokens - 1
+    # The new turn is short: almost all of the resent prompt comes from the cache.
+    assert cached >= 0.95 * again.usage.prompt_tokens
+
+
+def test_stop_sequence_cuts_the_answer(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Say many things"}]
+    free = api.chat.completions.create(model="m", messages=messages, max_tokens=12,
+                                       temperature=0).choices[0].message.content
+    assert len(free) > 3
+    stop = free[2:4]
+    cut = api.chat.completions.create(model="m", messages=messages, max_tokens=12,
+                                      temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == free[:free.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_cancelled_stream_then_good_request(served: Served) -> None:
+    api = client(served)
+    stream = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Go on and on"}],
+        max_tokens=400, temperature=0, stream=True)
+    for _ in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    reply = api.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_concurrent_requests_are_queued(served: Served) -> None:
+    results: list[object] = []
+
+    def ask(index: int) -> None:
+        try:
+            reply = client(served).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"Number {index}"}],
+                max_tokens=4, temperature=0)
+            results.append(reply.choices[0].finish_reason)
+        except openai.RateLimitError as error:
+            assert error.response.headers["retry-after"]
+            results.append(error.status_code)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    answered = [r for r in results if r in ("stop", "length")]
+    assert len(results) == 6
+    # The queue limit is 3: whoever came past it was told to retry, none was dropped.
+    assert answered
+    assert all(r in ("stop", "length", 429) for r in results)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "extra_body": {"kv_mode": "q3"}},
+     "kv_mode"),
+])
+def test_bad_fields_are_400(served: Served, body: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(served).chat.completions.create(model="m", **body)
+    assert raised.value.body["param"] == param
+
+
+def test_errors_have_the_documented_status(served: Served) -> None:
+    url = served.url + "/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {served.key}"}
+    assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
+    assert httpx.post(url, json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(served.url + "/v1/models").status_code == 401
+    assert httpx.get(served.url + "/v1/models", headers={"x-api-key": served.key}).status_code \
+        == 200
+    big = b"{" + b" " * (33 * 2**20) + b"}"
+    assert httpx.post(url, content=big, headers=auth).status_code == 413
+    long = [{"role": "user", "content": "word " * 6000}]
+    reply = httpx.post(url, json={"messages": long}, headers=auth, timeout=60)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+    assert "4,096" in reply.json()["error"]["message"]
+
+
+def test_malformed_requests_leave_it_answering(served: Served) -> None:
+    import random
+
+    rng = random.Random(7)
+    auth = {"Authorization": f"Bearer {served.key}"}
+    values = [None, 1, -1, 1e308, "x", [], {}, [1], {"role": "user"}, True, "\udc80"]
+    keys = ["messages", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream",
+            "stream_options", "model", "kv_mode", "max_completion_tokens"]
+    for _ in range(150):
+        body = {rng.choice(keys): rng.choice(values) for _ in range(rng.randint(0, 4))}
+        body.setdefault("max_tokens", 1)
+        raw = rng.choice([None, b"", b"[", b"\xff\xfe", b"null", b"123"])
+        if raw is None:
+            # json.dumps escapes the lone surrogate, as a careless client would send it.
+            reply = httpx.post(served.url + "/v1/chat/completions",
+                               content=json.dumps(body).encode(), headers=auth, timeout=60)
+        else:
+            reply = httpx.post(served.url + "/v1/chat/completions", content=raw,
+                               headers=auth, timeout=60)
+        assert reply.status_code in (200, 400), (body, reply.text)
+    ok = client(served).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "still there?"}], max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_model_suffix_and_kv_mode_pick_the_mode(served: Served) -> None:
+    api = client(served)
+    by_suffix = api.chat.completions.create(
+        model="m@q6", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    by_field = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"kv_mode": "q4"})
+    default = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert by_suffix.model_extra["kv_mode"] == "q6"
+    assert by_field.model_extra["kv_mode"] == "q4"
+    assert default.model_extra["kv_mode"] == served.bridge.kv_mode
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model="m@q3", messages=[{"role": "user", "content": "x"}])

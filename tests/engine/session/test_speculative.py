@@ -1,0 +1,106 @@
+"""Speculative decoding from the chat's own text: drafts, acceptance, exact answers."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from engine.events import TokenChunk
+from engine.session import speculative
+from engine.session.sampling import SamplingParams
+from engine.session.session import Session
+from tests.engine.tinymodels import CORPUS, loaded_for_session, make_tiny_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, speculative="off")
+
+
+def test_index_proposes_what_followed_the_longest_suffix() -> None:
+    index = speculative.ContextIndex()
+    index.extend([1, 2, 3, 4, 5, 9, 3, 4, 7, 8])
+    # "3 4" occurred twice; the latest one was followed by 7 8.
+    assert index.propose([3, 4], 2) == [7, 8]
+    # The longer suffix "2 3 4" wins over "3 4".
+    assert index.propose([2, 3, 4], 3) == [5, 9, 3]
+    assert index.propose([42], 3) == []
+
+
+def test_index_survives_a_cut_and_continues_a_loop() -> None:
+    index = speculative.ContextIndex()
+    index.sync([5, 6, 7, 5, 6, 8])
+    index.sync([5, 6, 7])  # a cut: the entry for "5 6" -> 8 is stale
+    # What followed "5 6" after the cut is unknown: never the stale 8.
+    assert index.propose([5, 6], 2) == []
+    index.extend([5, 6, 9])
+    assert index.propose([5, 6], 1) == [9]
+    index.sync([1, 2, 1, 2])
+    # The match runs into the pending token: the loop goes on.
+    assert index.propose([1], 4) == [2, 1]
+
+
+def test_drafter_adapts_and_cools_down_on_token_counts() -> None:
+    drafter = speculative.Drafter()
+    for _ in range(8):
+        drafter.record(drafter.draft_size(100), drafter.draft_size(100))
+    assert drafter.size == speculative.MAX_DRAFT
+    drafter = speculative.Drafter()
+    for _ in range(8):
+        drafter.record(max(drafter.draft_size(100), 2), 0)
+    assert drafter.cooling > 0
+    assert drafter.draft_size(100) == 0
+
+
+def test_accepted_prefix_is_the_samplers_agreement() -> None:
+    assert speculative.accepted_prefix([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert speculative.accepted_prefix([4, 5], [4, 5, 3]) == 2
+    assert speculative.accepted_prefix([], [3]) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("spec-models")
+    return {arch: loaded_for_session(make_tiny_model_dir(root, arch))
+            for arch in ("llama", "qwen3_next", "gemma3_text")}
+
+
+def _answer(session: Session, messages, sampling: SamplingParams):
+    events: list[object] = []
+    reason, stats = session.chat(messages, sampling, request_id=1, cancel=threading.Event(),
+                                 emit=events.append, tick=lambda: None)
+    ids = [i for e in events if isinstance(e, TokenChunk) for i in e.token_ids]
+    return reason, stats, ids
+
+
+def _messages() -> list[dict[str, str]]:
+    return [{"role": "user", "content": CORPUS + "\nRepeat the text above."}]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
+@pytest.mark.parametrize("mode", ["fp16", "q6"])
+def test_greedy_answer_matches_plain_decoding(tiny, arch: str, mode: str) -> None:
+    plain = Session("plain", tiny[arch], mode)
+    plain_reason, _, expected = _answer(plain, _messages(), GREEDY)
+    spec = Session("spec", tiny[arch], mode)
+    reason, stats, got = _answer(spec, _messages(), replace(GREEDY, speculative="lookup"))
+    assert reason == plain_reason
+    assert stats.draft_tokens > 0 and stats.decode_steps <= len(got) + 1
+    first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
+    assert first is None, (arch, mode, first, expected, got)
+    assert len(got) == len(expected)
+    # The cache holds exactly the ids the session says it holds.
+    assert spec.stats().tokens == len(spec.tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_sampled_answers_with_processors_keep_the_cache_consistent(tiny, arch: str) -> None:
+    sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1,
+                              max_tokens=30, seed=5)
+    session = Session("sampled", tiny[arch], "q8")
+    reason, stats, ids = _answer(session, _messages(), sampling)
+    assert reason in ("stop", "length") and 0 < len(ids) <= 30
+    assert stats.accepted_tokens <= stats.draft_tokens
+    assert session.stats().tokens == len(session.tokens)
+    # Same seed, same answer: every decision is made from token counts.
+    again = Session("again", tiny[arch], "q8")
+    assert _answer(again, _messages(), sampling)[2] == ids
