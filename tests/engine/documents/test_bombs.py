@@ -25,6 +25,7 @@ import pytest
 from engine.documents import limits, pdf
 from engine.documents.reader import read_document
 from engine.errors import DocumentError
+from tests.engine.documents.pdf_files import assemble_pdf
 
 MIB = 1024 * 1024
 # What a refusal may allocate; reading the bombs before the fix took 1.5 GB.
@@ -90,17 +91,7 @@ def _pdf(contents: list[bytes]) -> bytes:
                        b"/BaseFont /Helvetica >> >> >> >>" % (4 + 2 * index))
         objects.append(b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(content)
                        + content + b"\nendstream")
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1, xref)
-    return bytes(out)
+    return assemble_pdf(objects)
 
 
 def _zlib_spaces(mebibytes: int) -> bytes:

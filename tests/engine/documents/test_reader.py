@@ -11,6 +11,7 @@ import pytest
 
 from engine.documents.reader import is_supported, read_document
 from engine.errors import DocumentError, DocumentTooLong
+from tests.engine.documents.pdf_files import assemble_pdf
 
 
 def _pdf_with_text(lines: list[str]) -> bytes:
@@ -30,20 +31,7 @@ def _pdf_with_text(lines: list[str]) -> bytes:
         + content
         + b"\nendstream",
     ]
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    for offset in offsets:
-        out += b"%010d 00000 n \n" % offset
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1,
-        xref,
-    )
-    return bytes(out)
+    return assemble_pdf(objects)
 
 
 def test_plain_text_and_source_are_read_with_their_hash(tmp_path: Path) -> None:

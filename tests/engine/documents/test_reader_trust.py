@@ -10,6 +10,7 @@ import pytest
 from engine.documents.limits import READ_BLOCK
 from engine.documents.reader import read_document
 from engine.errors import DocumentError
+from tests.engine.documents.pdf_files import assemble_pdf
 
 
 @pytest.mark.parametrize("bom, codec", [(codecs.BOM_UTF32_LE, "utf-32-le"),
@@ -46,18 +47,7 @@ def _nested_pages_pdf(depth: int) -> bytes:
         "0 R /Resources << /Font << /F1 << /Type /Font /Subtype /Type1 /BaseFont /Helvetica "
         ">> >> >> >>".encode())
     objects.append(b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream")
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    for offset in offsets:
-        out += b"%010d 00000 n \n" % offset
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1, xref)
-    return bytes(out)
+    return assemble_pdf(objects)
 
 
 def test_a_shallow_page_tree_is_read(tmp_path: Path) -> None:
