@@ -7,6 +7,7 @@ every file it creates is user-only (0600), whatever the process umask says.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -22,8 +23,8 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
 
     Parents that already exist keep their mode: they are the user's folders,
     not Longleaf's. The mode is set even when it already reads 0700, so a
-    folder Longleaf cannot chmod (another user's, a read-only disk) is refused
-    here rather than trusted.
+    folder Longleaf cannot chmod (another user's) is refused here rather than
+    trusted; on a read-only disk a folder already ours and 0700 is accepted.
 
     Returns:
         ``path`` as a ``Path``.
@@ -34,8 +35,19 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
     folder = Path(path)
     # mkdir's mode is filtered by the umask and ignored for a folder that exists.
     folder.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    folder.chmod(PRIVATE_DIR_MODE)
+    try:
+        folder.chmod(PRIVATE_DIR_MODE)
+    except OSError as error:
+        # A read-only disk: nobody can write there, so a folder that is already
+        # ours and user-only may still be read (the history opens read-only).
+        if error.errno != errno.EROFS or not _already_private(folder):
+            raise
     return folder
+
+
+def _already_private(folder: Path) -> bool:
+    stat = folder.stat()
+    return stat.st_uid == os.getuid() and stat.st_mode & 0o777 == PRIVATE_DIR_MODE
 
 
 def private_file(path: Path) -> Path:

@@ -56,16 +56,18 @@ def _read_cache() -> dict[str, Any]:
 
 
 def _write_cache(entries: dict[str, Any]) -> None:
-    path = _cache_path()
-    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    temp: Path | None = None
     try:
+        path = _cache_path()
+        temp = path.with_name(f".{path.name}.{os.getpid()}")
         descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, paths.PRIVATE_FILE_MODE)
         with os.fdopen(descriptor, "w") as out:
             json.dump({"scheme": SCHEME, "files": entries}, out)
         os.replace(temp, path)
     except OSError as error:  # a cache: the next load hashes again
         log.warning("weight digests not cached: %s", error)
-        temp.unlink(missing_ok=True)
+        if temp is not None:
+            temp.unlink(missing_ok=True)
 
 
 def hash_file(path: Path) -> str:

@@ -116,7 +116,7 @@ def test_a_read_only_file_system_opens_the_window_with_the_history(
     qtbot.waitUntil(lambda: window.controller.model_ready, timeout=MODEL_LOAD_TIMEOUT_MS)
     try:
         text = window.banner.label.text()
-        assert "cannot write" in text and "read-only" in text
+        assert "cannot write" in text and "read-only" in text.lower()
         (shown,) = window.controller.store.sessions()
         assert shown.title == "kept"
         assert [m.content for m in window.controller.store.messages(shown.id)] == ["what I wrote"]
