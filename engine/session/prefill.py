@@ -30,7 +30,8 @@ from engine.errors import (
     MemoryPressure,
 )
 from engine.events import IngestProgress, Notice
-from engine.memory.guard import MemoryGuard, PressureWatch, human_bytes
+from engine.format import human_bytes
+from engine.memory.guard import MemoryGuard, PressureWatch
 
 Emit = Callable[[object], None]
 # How long a read waits for free RAM to hold its next chunk before it stops.
