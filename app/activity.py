@@ -21,10 +21,7 @@ REFUSAL = "Stop {running} before {what}."
 # What the Stop button stops, by job kind, in the refusal's words.
 RUNNING = {"chat": "the current answer", "ingest": "reading the conversation in",
            "quality": "the quality check"}
-WAITING = "waiting"
-# What a chat's job is doing, as the sidebar says it (the key is the state).
-STATES = {"answering": "Answering…", "reading": "Reading…", "checking": "Checking quality…",
-          WAITING: "Waiting…"}
+WAITING = "waiting"  # app.sessions.chat_state says each state in words
 
 
 @dataclass(eq=False)

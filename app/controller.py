@@ -29,6 +29,7 @@ from app.memory.quality import QualityCheck
 from app.model_state import ModelState
 from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import SessionCaches
+from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import Failed, Notice, StatsSample
@@ -266,8 +267,31 @@ class ChatController(QObject):
         return self.store.receipts(session_id) if session_id else {}
 
     def cache_state(self, session_id: str | None) -> str:
-        """Whether a session's KV cache is held now or rebuilt when it is next used."""
-        return self.caches.state(session_id)
+        """The chat's one state sentence ("In memory: …", "On disk: …", "Answering…")."""
+        facts = self.chat_facts(session_id)
+        return state_sentence(facts) if facts is not None else ""
+
+    def chat_facts(self, session_id: str | None) -> ChatFacts | None:
+        """What is known of a chat (its job, memory, snapshot, history), or None."""
+        record = self.store.session(session_id) if session_id else None
+        if record is None:
+            return None
+        snapshots = self.stored_snapshots()
+        if record.id not in snapshots:  # the listing may not have come yet: its manifest
+            info = self.bridge.stored_snapshot(record.id)
+            if info is not None:
+                snapshots[record.id] = info
+        return facts_of(record, self.activity, self.caches, snapshots)
+
+    def stored_snapshots(self) -> dict:
+        """Session id -> ``SnapshotInfo`` of each chat's KV snapshot on disk, from the listing."""
+        listing = getattr(self.bridge, "last_stored_kv", None)
+        return {info.name: info for info in listing.snapshots} if listing else {}
+
+    def all_chat_facts(self, records) -> dict[str, ChatFacts]:
+        """Each of ``records`` -> its facts, for the sidebar (no file is read)."""
+        snapshots = self.stored_snapshots()
+        return {r.id: facts_of(r, self.activity, self.caches, snapshots) for r in records}
 
     def total_kv_bytes(self) -> int:
         """KV bytes held by every open session, from their latest samples."""

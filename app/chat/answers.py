@@ -138,12 +138,13 @@ class Answers(QObject):
         if ingested is None or not self._shown(session_id):
             return
         if event.reason != "cancelled":
-            self.notice.emit(f"Conversation ingested in {ingested.kv_mode}.")
+            self.notice.emit(f"Read the conversation in: it is in memory in {ingested.kv_mode}.")
         elif kept is not None:
-            self.notice.emit(f"Cancelled re-ingest in {ingested.kv_mode}: {kept[0]:,} of "
-                             f"{kept[1]:,} tokens kept; the next send continues from there.")
+            self.notice.emit(f"Stopped reading the conversation in: {kept[0]:,} of "
+                             f"{kept[1]:,} tokens kept in {ingested.kv_mode}; the next message "
+                             "reads the rest.")
         else:
-            self.notice.emit(f"Cancelled re-ingest in {ingested.kv_mode}.")
+            self.notice.emit(f"Stopped reading the conversation in ({ingested.kv_mode}).")
 
     def _failed(self, job: Job, sent_id: int, event: Failed) -> None:
         self.errorRaised.emit(event.message)
@@ -198,4 +199,7 @@ def _stats_dict(stats) -> dict | None:
         "ttft": stats.time_to_first_token,
         "prefill_tps": stats.prefill_tps,
         "decode_tps": stats.decode_tps,
+        # Tokens read in, and how many of those held came from the chat's snapshot on disk.
+        "prefill_tokens": stats.prefill_tokens,
+        "reused_tokens": stats.reused_tokens,
     }

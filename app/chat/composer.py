@@ -17,10 +17,10 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import human_bytes, human_duration, visible_text
+from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sentence
 from app.store import AttachmentRecord
 
-READING = "Reading the conversation"
-WAITING = "Waiting for ‘{title}’ to finish…"
+READING = JOB_WORDS[ChatState.READING]
 
 
 def _local_files(mime: QMimeData) -> list[str]:
@@ -236,7 +236,7 @@ class Composer(QWidget):
         if title is None:
             self.waiting_box.hide()
             return
-        self.waiting_label.setText(WAITING.format(title=title))
+        self.waiting_label.setText(state_sentence(ChatFacts(job="waiting", waiting_for=title)))
         self.waiting_box.show()
 
     def _send_or_stop(self) -> None:
@@ -261,15 +261,21 @@ class Composer(QWidget):
         if not generating:
             self.progress_box.hide()
 
-    def show_progress(self, done: int, total: int, tps: float, eta: float | None,
+    def show_progress(self, done: int, total: int, tps: float | None, eta: float | None,
                       title: str = READING) -> None:
-        """Ingest progress: tokens done / total, tok/s and ETA."""
+        """Reading progress: tokens done / total, with tok/s and time left when ``tps`` is given.
+
+        A quality check passes None: its first chunk is mostly set-up, so a rate
+        from it would promise minutes that are not there.
+        """
         self.progress_title.setText(title)
         self.progress_box.show()
         self.progress.setMaximum(max(1, total))
         self.progress.setValue(min(done, total))
+        counts = f"{done:,} / {total:,} tokens"
         self.progress_label.setText(
-            f"{done:,} / {total:,} tokens · {tps:,.0f} tok/s · ETA {human_duration(eta)}")
+            counts if tps is None else
+            f"{counts} · {tps:,.0f} tok/s · ETA {human_duration(eta)}")
         if done >= total:
             self.progress_box.hide()
 

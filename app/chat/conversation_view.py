@@ -29,6 +29,7 @@ from app.chat.model import (
 )
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
 from app.format import human_bytes, visible_text
+from app.sessions.chat_state import reuse_sentence
 
 STATUS_TEXT = {
     "streaming": "Answering…",
@@ -44,12 +45,18 @@ COPIED_MS = 1500
 
 
 def stats_text(stats: dict | None) -> str:
-    """"128 tokens · TTFT 0.21 s · 34.2 tok/s" for an answer's stats."""
+    """An answer's stats line, "128 tokens · first word in 0.21 s · 34.2 tok/s".
+
+    It begins "Reused 3,930 stored tokens, read 120 new" when the chat's KV
+    snapshot on disk was used.
+    """
     if not stats:
         return ""
-    parts = [f"{stats.get('generated_tokens', 0):,} tokens"]
+    reused = reuse_sentence(stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0))
+    parts = [reused] if reused else []
+    parts.append(f"{stats.get('generated_tokens', 0):,} tokens")
     if stats.get("ttft") is not None:
-        parts.append(f"TTFT {stats['ttft']:.2f} s")
+        parts.append(f"first word in {stats['ttft']:.2f} s")
     if stats.get("decode_tps"):
         parts.append(f"{stats['decode_tps']:.1f} tok/s")
     return " · ".join(parts)

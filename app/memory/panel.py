@@ -8,6 +8,7 @@ over the model's facts and never touches MLX.
 from __future__ import annotations
 
 import html
+from types import SimpleNamespace
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QBrush, QColor, QFont
@@ -34,7 +35,13 @@ from engine.cache.modes import MODES
 
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
-NO_CACHE = "No KV cache in memory"
+NO_CACHE = "Nothing of this chat in memory now"
+KV_TIP = ("The KV cache: what the model keeps of each token it has read, so it does not "
+          "read them again. It grows with the chat, in the chat's KV mode.")
+PAGES_TIP = ("Pages are per layer: each attention layer keeps its own pages of the chat's "
+             "tokens, so a short chat still holds one page in every layer.")
+STORAGE_NOTE = ("Sizes are storage arithmetic for whole pages: the last page of each layer "
+                "counts in full.")
 QUALITY_COLUMN = 3  # same top-1 as fp16, from the chat's quality receipts
 NOT_MEASURED = "Not measured for this chat yet."
 
@@ -79,6 +86,24 @@ def _value_label() -> QLabel:
     return label
 
 
+def pages_text(sample: StatsSample) -> str:
+    """The page figures, saying that pages are per layer."""
+    layers = len(sample.layers)
+    per = sample.pages_in_use / layers if layers else 0
+    about = "" if per == int(per) else "about "
+    where = f" across {layers} layers ({about}{per:,.0f} per layer)" if layers else ""
+    return (f"{sample.pages_in_use:,} pages in use{where} · {sample.pages_allocated:,} "
+            f"allocated · {sample.pages_free:,} free · last page {sample.last_page_fill:.0%} "
+            f"full · {sample.page_size} tokens a page")
+
+
+def fits_sentence(tokens_fit: int, max_context: int, mode: str) -> str:
+    """"Fits in free memory: the whole context" or how many tokens of it, in ``mode``."""
+    if tokens_fit >= max_context:
+        return f"Fits in free memory: the whole context ({max_context:,} tokens) in {mode}."
+    return f"Fits in free memory: {tokens_fit:,} of {max_context:,} tokens in {mode}."
+
+
 def _fits_text(tokens_fit: int, max_context: int) -> str:
     """Tokens free RAM holds, capped at the model's context (more is of no use)."""
     if tokens_fit >= max_context:
@@ -107,38 +132,33 @@ class MemoryPanel(QScrollArea):
         self.session_label = _value_label()
         layout.addWidget(self.session_label)
 
-        layout.addWidget(_section("KV cache"))
+        layout.addWidget(_section("Memory this chat uses"))
         self.kv_bar = QProgressBar(textVisible=False, maximumHeight=8)
         self.kv_label = _value_label()
+        self.kv_label.setToolTip(KV_TIP)
         self.kv_total_label = _value_label()
         layout.addWidget(self.kv_label)
         layout.addWidget(self.kv_bar)
         layout.addWidget(self.kv_total_label)
 
-        layout.addWidget(_section("Pages"))
-        self.pages_label = _value_label()
-        layout.addWidget(self.pages_label)
-        self.pool = PagePoolView()
-        layout.addWidget(self.pool)
-
         layout.addWidget(_section("System memory"))
         self.ram_bar = QProgressBar(textVisible=False, maximumHeight=8)
         self.ram_bar.setObjectName("ramGauge")
         self.ram_label = _value_label()
-        self.ram_detail = _value_label()
+        self.ram_label.setToolTip("Memory of the whole computer, used by every app; Longleaf "
+                                  "stops an answer before it runs out")
         layout.addWidget(self.ram_label)
         layout.addWidget(self.ram_bar)
-        layout.addWidget(self.ram_detail)
 
-        layout.addWidget(_section("KV bytes by mode"))
+        layout.addWidget(_section("Memory by KV mode"))
         self.table = QTableWidget(len(MODES), 4)
         self.table.setObjectName("projectionTable")
         # Short headers: the panel is narrow and Qt clips long ones mid-word.
-        self.table.setHorizontalHeaderLabels(["Now", "Full", "RAM fits", "vs fp16"])
+        self.table.setHorizontalHeaderLabels(["Now", "Full", "Fits", "vs fp16"])
         for column, tip in enumerate((
-            "KV bytes of this chat's tokens now, in each mode",
-            "KV bytes at the model's full context, in each mode",
-            "Tokens the free RAM holds in each mode (capped at the model's context)",
+            "Memory this chat's tokens take now, in each mode",
+            "Memory the model's whole context would take, in each mode",
+            "Tokens that fit in free memory in each mode (at most the model's context)",
             "Share of next tokens that match fp16, from this chat's quality check of each mode",
         )):
             self.table.horizontalHeaderItem(column).setToolTip(tip)
@@ -151,6 +171,8 @@ class MemoryPanel(QScrollArea):
         self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
         self.table.setFixedHeight(26 + 24 * len(MODES) + 4)
         layout.addWidget(self.table)
+        self.fits_label = _value_label()
+        layout.addWidget(self.fits_label)
         self.projection_note = _value_label()
         layout.addWidget(self.projection_note)
         self.quality_label = _value_label()
@@ -161,6 +183,36 @@ class MemoryPanel(QScrollArea):
         self.quality_button = QToolButton()
         self.quality_button.setDefaultAction(self.quality_action)
         layout.addWidget(self.quality_button)
+
+        # The engineering numbers, folded away until asked for.
+        self.details_button = QToolButton(text="Details", checkable=True)
+        self.details_button.setObjectName("detailsToggle")
+        self.details_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.details_button.setArrowType(Qt.ArrowType.RightArrow)
+        self.details_button.setAutoRaise(True)
+        self.details_button.setToolTip("Bytes allocated, pages per layer and the memory "
+                                       "allocator's own counters")
+        self.details_button.toggled.connect(self._show_details)
+        layout.addWidget(self.details_button)
+        self.details = QWidget()
+        self.details.setObjectName("panelDetails")
+        inner = QVBoxLayout(self.details)
+        inner.setContentsMargins(0, 0, 0, 0)
+        inner.setSpacing(6)
+        self.kv_detail = _value_label()
+        inner.addWidget(self.kv_detail)
+        self.pages_label = _value_label()
+        self.pages_label.setToolTip(PAGES_TIP)
+        inner.addWidget(self.pages_label)
+        self.pool = PagePoolView()
+        inner.addWidget(self.pool)
+        self.ram_detail = _value_label()
+        inner.addWidget(self.ram_detail)
+        self.storage_note = _value_label()
+        self.storage_note.setText(STORAGE_NOTE)
+        inner.addWidget(self.storage_note)
+        self.details.hide()
+        layout.addWidget(self.details)
 
         layout.addWidget(_section("History"))
         self.chart = HistoryChart()
@@ -179,7 +231,7 @@ class MemoryPanel(QScrollArea):
 
     def set_session(self, title: str | None, mode: str | None, cache_state: str,
                     session_id: str | None = None, *, rotated: bool = False) -> None:
-        """Name the session the numbers belong to.
+        """Name the session the numbers belong to; ``cache_state`` is its state sentence.
 
         Showing another session clears every per-session figure: until a sample
         of that session arrives, the panel says it holds no cache rather than
@@ -197,23 +249,16 @@ class MemoryPanel(QScrollArea):
         self.session_label.setText(
             f"<span style='background:{colour};color:white;border-radius:4px'>&nbsp;{badge}&nbsp;"
             f"</span>&nbsp; {html.escape(title or '')}<br>"
-            f"<span style='opacity:.7'>KV cache: {cache_state}</span>")
+            f"<span style='opacity:.7'>{html.escape(cache_state)}</span>")
 
-    def show_no_cache(self, stored_tokens: int = 0, on_disk=None) -> None:
+    def show_no_cache(self) -> None:
         """The shown chat has no KV cache in memory: no page, byte or token figure.
 
-        ``on_disk`` is its KV snapshot's ``SnapshotInfo`` when one is stored.
+        Where the chat is instead (on disk, or new) is the state sentence's to say.
         """
         self.kv_tokens = None
-        if on_disk is not None:
-            where = (f" — on disk: {on_disk.tokens:,} tokens in {on_disk.mode} · "
-                     f"{human_bytes(on_disk.disk_bytes)}, reopened on next send")
-        elif stored_tokens:
-            where = " — read again on next send"
-        else:
-            where = ""  # a new chat or none: nothing to read again
-        stored = (f"<br>{stored_tokens:,} tokens in the history" if stored_tokens else "")
-        self.kv_label.setText(f"{NO_CACHE}{where}{stored}")
+        self.kv_label.setText(NO_CACHE)
+        self.kv_detail.setText("")
         self.kv_bar.setMaximum(1000)
         self.kv_bar.setValue(0)
         self.pages_label.setText("No pages held")
@@ -224,31 +269,46 @@ class MemoryPanel(QScrollArea):
         """Show one stats snapshot; False when its KV figures belong to another session.
 
         System memory is shown from any sample (it is the same for every chat);
-        the KV, page and history figures only from the shown session's own.
+        the KV, page and history figures only from the shown session's own. A
+        cache that holds no token (opened for a quality check, say) is no cache.
         """
         self._update_ram(sample)
-        self.kv_total_label.setText(f"All open chats: {human_bytes(total_kv_bytes)}")
+        self._update_ram_detail(sample)
+        self.kv_total_label.setText(f"All open chats together: {human_bytes(total_kv_bytes)}")
         if sample.session_id is None or sample.session_id != self.session_id:
             return False
         self.samples_shown += 1
+        if not sample.tokens_in_context:
+            self.show_no_cache()
+            self.kv_label.setText(f"{NO_CACHE}{other_layers_line(sample)}")
+            return True
         self.kv_tokens = sample.tokens_in_context
         allocated = max(sample.kv_bytes_allocated, 1)
         self.kv_label.setText(
-            f"<b>{human_bytes(sample.kv_bytes_used)}</b> used of "
-            f"{human_bytes(sample.kv_bytes_allocated)} allocated · "
+            f"<b>{human_bytes(sample.kv_bytes_used)}</b> for "
             f"{sample.tokens_in_context:,} tokens{shared_note(sample)}{other_layers_line(sample)}")
+        self.kv_detail.setText(
+            f"KV {human_bytes(sample.kv_bytes_used)} used of "
+            f"{human_bytes(sample.kv_bytes_allocated)} allocated")
         self.kv_bar.setMaximum(1000)
         self.kv_bar.setValue(int(1000 * sample.kv_bytes_used / allocated))
-        self.pages_label.setText(
-            f"{sample.pages_in_use:,} in use · {sample.pages_allocated:,} allocated · "
-            f"{sample.pages_free:,} free · last page {sample.last_page_fill:.0%} full "
-            f"({sample.page_size} tokens/page)")
+        self.pages_label.setText(pages_text(sample))
         self.pool.set_pages(sample.pages_in_use, sample.pages_allocated, sample.pages_free,
                             sample.last_page_fill, mode_colour(self.mode or "q8"))
         per = self.pool.pages_per_cell()
-        self.pool.setToolTip("" if per == 1 else f"Each square is {per} pages")
+        self.pool.setToolTip(PAGES_TIP if per == 1 else f"Each square is {per} pages. {PAGES_TIP}")
         self.chart.add(sample.kv_bytes_used, sample.process_rss_bytes)
         return True
+
+    def _show_details(self, shown: bool) -> None:
+        self.details.setVisible(shown)
+        self.details_button.setArrowType(Qt.ArrowType.DownArrow if shown
+                                         else Qt.ArrowType.RightArrow)
+
+    def show_system_memory(self, readings: dict) -> None:
+        """The gauge from ``engine.memory.stats.system_readings``: RAM is the computer's,
+        shown whether or not the shown chat holds anything."""
+        self._update_ram(SimpleNamespace(**readings))
 
     def _update_ram(self, sample: StatsSample) -> None:
         level = ram_level(sample)
@@ -264,14 +324,19 @@ class MemoryPanel(QScrollArea):
                    "critical": " — critical: stop or close chats"}.get(self.level, "")
         self.ram_label.setText(
             f"<b>{sample.system_used_percent:.0f}%</b> used · "
-            f"{human_bytes(sample.system_available_bytes)} available of "
+            f"{human_bytes(sample.system_available_bytes)} free of "
             f"{human_bytes(sample.system_total_bytes)}{warning}")
-        pressure = sample.pressure_level or "n/a on this OS"
-        self.ram_detail.setText(
-            f"Swap {human_bytes(sample.swap_used_bytes)} · Longleaf RSS "
-            f"{human_bytes(sample.process_rss_bytes)}<br>MLX {human_bytes(sample.mlx_active_bytes)}"
-            f" active · {human_bytes(sample.mlx_peak_bytes)} peak · "
-            f"{human_bytes(sample.mlx_cache_bytes)} cache · pressure {pressure}")
+
+    def _update_ram_detail(self, sample: StatsSample) -> None:
+        lines = [f"Longleaf uses {human_bytes(sample.process_rss_bytes)} · swap "
+                 f"{human_bytes(sample.swap_used_bytes)}"]
+        if sample.mlx_active_bytes:
+            lines.append(f"MLX {human_bytes(sample.mlx_active_bytes)} active · "
+                         f"{human_bytes(sample.mlx_peak_bytes)} peak · "
+                         f"{human_bytes(sample.mlx_cache_bytes)} cache")
+        if sample.pressure_level:  # macOS only: other systems have no such reading
+            lines.append(f"Memory pressure (macOS): {sample.pressure_level}")
+        self.ram_detail.setText("<br>".join(lines))
 
     def show_receipts(self, receipts: dict, unavailable: str = "") -> None:
         """Show the chat's quality receipts by mode, and whether a check can run now.
@@ -330,9 +395,10 @@ class MemoryPanel(QScrollArea):
             )
             for column, text in enumerate(cells):
                 self.table.setItem(row, column, self._cell(text, mode))
-        reread = self.kv_tokens is None and now_report.token_count > 0
-        now = (f"Now (read again on next send): {now_report.token_count:,} tokens" if reread
-               else f"Now: {now_report.token_count:,} tokens")
         self.projection_note.setText(
-            f"{now} · full context: {full_report.max_context:,} tokens. "
-            "Storage arithmetic, rounded to whole pages.")
+            f"Now: {now_report.token_count:,} tokens · full context: "
+            f"{full_report.max_context:,} tokens.")
+        own = self.mode or ""
+        entry = now_report.for_mode(own) if own in MODES else None
+        self.fits_label.setText(fits_sentence(entry.tokens_fit_ram, full_report.max_context, own)
+                                if entry is not None and entry.supported else "")

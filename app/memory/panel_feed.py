@@ -14,8 +14,10 @@ from app.format import visible_text
 from app.memory.panel import MemoryPanel
 from app.memory.stored_kv import StoredKvFeed
 from engine import StatsSample
+from engine.memory.stats import system_readings
 
 PROJECTION_EVERY = 8  # full-context projection refresh, in samples (free RAM drifts slowly)
+RAM_EVERY_MS = 2000  # the system memory gauge between samples
 
 
 class PanelFeed(QObject):
@@ -36,6 +38,15 @@ class PanelFeed(QObject):
         controller.cacheChanged.connect(self.refresh)
         controller.currentSessionChanged.connect(lambda _record: self.refresh())
         controller.answerFinished.connect(lambda _status: self.refresh())
+        # The chat's state sentence changes as its job starts, moves on and ends.
+        controller.activityChanged.connect(self.refresh_state)
+        controller.ingestProgress.connect(lambda _progress: self.refresh_state())
+        controller.bridge.storedKv.connect(
+            lambda _listing: controller.closed or self.refresh_state())
+        # Samples come only while the engine works: the gauge reads the system itself.
+        self._ram = QTimer(self, interval=RAM_EVERY_MS)
+        self._ram.timeout.connect(lambda: self.show_system_memory(only_visible=True))
+        self._ram.start()
         self.stored_kv = StoredKvFeed(controller, panel.stored_kv, self)
         for signal in (controller.busyChanged, controller.modelStateChanged,
                        controller.qualityChecked, controller.sessionsChanged):
@@ -47,19 +58,26 @@ class PanelFeed(QObject):
         """Show the current session: its name, its latest sample (or none) and projections."""
         current = self.controller.current
         session_id = current.id if current else None
+        self.refresh_state()
+        sample = self.controller.caches.sample_for(session_id)
+        if sample is not None:
+            self.panel.update_sample(sample, self.controller.total_kv_bytes())
+        else:
+            self.panel.show_no_cache()
+        self.show_system_memory()
+        self._project(force=True)
+        self.stored_kv.show()  # chat titles may have changed
+        self.refresh_quality()
+
+    def refresh_state(self) -> None:
+        """Say the shown chat's state again (its job moved on, or its snapshot changed)."""
+        current = self.controller.current
+        session_id = current.id if current else None
         rotated = bool(session_id and self.controller.caches.rotations.get(session_id))
         self.panel.set_session(visible_text(current.title) if current else None,
                                current.kv_mode if current else None,
                                self.controller.cache_state(session_id), session_id,
                                rotated=rotated)
-        sample = self.controller.caches.sample_for(session_id)
-        if sample is not None:
-            self.panel.update_sample(sample, self.controller.total_kv_bytes())
-        else:
-            self.panel.show_no_cache(current.tokens if current else 0, self._on_disk(session_id))
-        self._project(force=True)
-        self.stored_kv.show()  # chat titles may have changed
-        self.refresh_quality()
 
     def refresh_quality(self, *_args) -> None:
         """The shown chat's quality receipts, and whether "Check Quality" can run now."""
@@ -67,11 +85,10 @@ class PanelFeed(QObject):
         self.panel.show_receipts(self.controller.receipts(current.id if current else None),
                                  self.controller.quality_unavailable())
 
-    def _on_disk(self, session_id: str | None):
-        if session_id is None:
-            return None
-        # Reads a small manifest; a missing or bad one is None, never an error.
-        return self.controller.bridge.stored_snapshot(session_id)
+    def show_system_memory(self, only_visible: bool = False) -> None:
+        """Read the computer's memory now (psutil, no MLX): the gauge never waits for a sample."""
+        if not only_visible or self.panel.isVisible():
+            self.panel.show_system_memory(system_readings())
 
     def on_stats(self, sample: StatsSample) -> None:
         """A new sample: shown when it is the current session's (RAM from any)."""

@@ -92,12 +92,6 @@ class SessionCaches(QObject):
         self.opened.clear()
         self.samples.clear()
 
-    def state(self, session_id: str | None) -> str:
-        """Whether a session's KV cache is held now or rebuilt when it is next used."""
-        if session_id is None:
-            return ""
-        return "kept in memory" if session_id in self.opened else "rebuilt on next send"
-
     def note(self, sample: StatsSample) -> None:
         """Keep a stats sample as its session's latest."""
         if sample.session_id:

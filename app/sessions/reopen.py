@@ -15,16 +15,27 @@ from app.memory.fit_check import wait_sentence
 from engine import EngineError
 from engine.cache.modes import MODES
 
+REOPEN_TIP = ("Copy this chat into a new chat that keeps its memory (the KV cache) in another "
+              "mode: smaller modes fit longer chats in less memory, at a small cost in "
+              "exactness. The copy reads the conversation in again; this chat stays as it is.")
+# What each mode is, in a few words, for the menu's tooltips.
+MODE_WORDS = {"fp16": "the reference: exact, and the largest",
+              "q8": "about half of fp16's memory, nearly exact",
+              "q6": "smaller again, with minor differences",
+              "q4": "the smallest, with the most differences"}
+
 
 def fill_reopen_menu(menu: QMenu, controller, parent: QWidget) -> None:
     """Put one action per mode other than the shown chat's into ``menu``."""
     menu.clear()
+    menu.setToolTipsVisible(True)
     current = controller.current
     for mode in MODES:
         if current is not None and mode == current.kv_mode:
             continue
-        menu.addAction(f"Reopen in {mode}…",
-                       lambda m=mode: ask_reopen(controller, m, parent))
+        action = menu.addAction(f"Reopen in {mode}…",
+                                lambda m=mode: ask_reopen(controller, m, parent))
+        action.setToolTip(f"A copy of this chat in {mode}: {MODE_WORDS.get(mode, mode)}")
 
 
 def reopen_text(controller, mode: str) -> str:

@@ -22,16 +22,14 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import relative_time, visible_text
+from app.sessions.chat_state import ChatFacts, ChatState, sidebar_line
 from app.store import SessionRecord
 
 MODE_COLOURS = {"fp16": "#7a7f8c", "q8": "#2f7d5b", "q6": "#3b6fb6", "q4": "#b0662a"}
 RecordRole = Qt.ItemDataRole.UserRole + 1
-StateRole = Qt.ItemDataRole.UserRole + 2  # what the chat's job does now, or ""
+StateRole = Qt.ItemDataRole.UserRole + 2  # the chat's ChatFacts (or its job's state, or "")
 NO_MATCH = "No chats match"
-ANSWERING = "Answering…"
-# A chat's job, as its row says it (app.activity's states).
-STATE_TEXT = {"answering": ANSWERING, "reading": "Reading…",
-              "checking": "Checking quality…", "waiting": "Waiting…"}
+ANSWERING = ChatState.ANSWERING.value
 
 
 def mode_colour(mode: str) -> QColor:
@@ -51,12 +49,14 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
     return box.clickedButton() is delete
 
 
-def detail_text(record: SessionRecord, state: str = "") -> str:
-    """The second line of a session: its tokens and last activity, or what its job does."""
-    # Its token count is only known once the job ends: say what it is doing.
-    if state:
-        return STATE_TEXT.get(state, ANSWERING)
-    return f"{record.tokens:,} tokens · {relative_time(record.updated)}"
+def detail_text(record: SessionRecord, state: ChatFacts | str = "") -> str:
+    """The second line of a session: its state, tokens and last activity, or its job.
+
+    ``state`` is the chat's ``ChatFacts``, or only its job's state ("" for none).
+    """
+    facts = state if isinstance(state, ChatFacts) else ChatFacts(
+        job=state, history_tokens=record.tokens)
+    return sidebar_line(facts, relative_time(record.updated))
 
 
 class SessionDelegate(QStyledItemDelegate):
@@ -111,7 +111,9 @@ class SessionDelegate(QStyledItemDelegate):
         muted = QColor(text_colour)
         muted.setAlphaF(0.65)
         painter.setPen(muted)
-        detail = detail_text(record, index.data(StateRole) or "")
+        detail = painter.fontMetrics().elidedText(
+            detail_text(record, index.data(StateRole) or ""), Qt.TextElideMode.ElideRight,
+            inner.width())
         painter.drawText(QRect(inner.left(), inner.top() + 22, inner.width(), 18),
                          Qt.AlignmentFlag.AlignVCenter, detail)
         painter.restore()
@@ -157,8 +159,8 @@ class SessionList(QWidget):
         self.clock.start()
 
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
-                     states: dict[str, str] | None = None) -> None:
-        """Show ``sessions``, ``current`` selected; ``states``: chat id -> its job's state."""
+                     states: dict[str, ChatFacts | str] | None = None) -> None:
+        """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``."""
         self._updating = True
         self.list.clear()
         searching = bool(self.search.text().strip())

@@ -24,6 +24,7 @@ from app.format import visible_text
 from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
 from app.memory.panel_feed import PanelFeed
+from app.sessions.chat_state import JOB_WORDS, ChatState
 from app.sessions.session_list import SessionList
 from app.store import AttachmentRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
@@ -33,7 +34,7 @@ from app.window.model_picker import DEMO
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 
-CHECKING = "Checking quality"  # the progress row's title while a quality check reads
+CHECKING = JOB_WORDS[ChatState.CHECKING]  # the progress row's title while a check reads
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
 # Widths in pixels. The chat column keeps room for a line of text and its status
 # lines at the smallest window the app targets (1024 wide, with both side
@@ -121,6 +122,9 @@ class MainWindow(QMainWindow):
         self.sessions.deleteRequested.connect(c.delete_session)
         self.sessions.searchChanged.connect(lambda _t: self._refresh_sessions())
         c.sessionsChanged.connect(self._refresh_sessions)
+        # A row says whether its chat is in memory or on disk: those change too.
+        c.cacheChanged.connect(self._refresh_sessions)
+        c.bridge.storedKv.connect(lambda _listing: c.closed or self._refresh_sessions())
         c.currentSessionChanged.connect(self._on_session_changed)
         c.modelStateChanged.connect(self._on_model_state)
         c.errorRaised.connect(lambda text: self.banner.show_message(text, "error"))
@@ -218,8 +222,8 @@ class MainWindow(QMainWindow):
 
     def _refresh_sessions(self) -> None:
         current = self.controller.current.id if self.controller.current else None
-        self.sessions.set_sessions(self.controller.store.sessions(self.sessions.search.text()),
-                                   current, self.controller.activity.states())
+        records = self.controller.store.sessions(self.sessions.search.text())
+        self.sessions.set_sessions(records, current, self.controller.all_chat_facts(records))
 
     def _on_session_changed(self, record) -> None:
         self._refresh_sessions()
@@ -306,10 +310,13 @@ class MainWindow(QMainWindow):
             else None
         if progress is None:
             self.composer.progress_box.hide()
+        elif job.kind == "quality":  # no rate: see Composer.show_progress
+            self.composer.show_progress(progress.tokens_done, progress.tokens_total, None, None,
+                                        CHECKING)
         else:
             self.composer.show_progress(
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
-                progress.eta_seconds, CHECKING if job.kind == "quality" else READING)
+                progress.eta_seconds, READING)
         self.conversation.set_busy(job is not None)
 
     def _on_edit_requested(self, text: str, attachments) -> None:

@@ -13,7 +13,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QLabel, QMenu, QMenuBar, QToolBar, QToolButton, QWidget
 
 from app.controller import ChatController
-from app.sessions.reopen import fill_reopen_menu
+from app.sessions.reopen import REOPEN_TIP, fill_reopen_menu
 from app.settings import Settings
 from app.window.model_picker import ModelPicker
 
@@ -56,6 +56,7 @@ def build_toolbar(window: MenuHost) -> None:
     bar.addAction(window.new_chat_action)
     window.reopen_button = QToolButton()
     window.reopen_button.setText("Reopen in…")
+    window.reopen_button.setToolTip(REOPEN_TIP)
     window.reopen_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
     window.reopen_menu = QMenu(window.reopen_button)
     # Filled as it opens: the shown chat's own mode is left out, and each asks first.

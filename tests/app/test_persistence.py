@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from app.sessions.session_list import RecordRole, StateRole, detail_text
 from app.store import HistoryStore, default_path
 from tests.app.chat.test_documents_drop import TEXT
 from tests.app.conftest import close_window, open_window, send_and_wait
@@ -36,8 +37,21 @@ def test_history_round_trips_across_a_restart(qtbot, tiny_llama) -> None:
         assert after == before and len(after) == 4
         assert len(second.conversation.widgets) == 4
         assert second.conversation.widgets[0].body.markdown() == before[0][1]
-        assert c.cache_state(session.id) == "rebuilt on next send"
-        assert send_and_wait(qtbot, second, "And again?") == "complete"  # cache rebuilt
+        # The chat is on disk, said once, with the tokens its snapshot holds, and the
+        # sidebar counts the same tokens.
+        on_disk = c.bridge.stored_snapshot(session.id)
+        assert on_disk is not None and on_disk.tokens > 0
+        assert c.cache_state(session.id).startswith(f"On disk: {on_disk.tokens:,} tokens stored")
+        row = next(second.sessions.list.item(i) for i in range(second.sessions.list.count())
+                   if second.sessions.list.item(i).data(RecordRole).id == session.id)
+        line = detail_text(row.data(RecordRole), row.data(StateRole))
+        assert line.startswith(f"On disk · {on_disk.tokens:,} tokens · ")
+        assert send_and_wait(qtbot, second, "And again?") == "complete"  # cache reopened
+        stats = c.model.message(c.model.rowCount() - 1).stats
+        assert stats["reused_tokens"] > 0
+        said = second.conversation.widgets[-1].stats.text()
+        assert (f"Reused {stats['reused_tokens']:,} stored tokens, read "
+                f"{stats['prefill_tokens']:,} new") in said
     finally:
         close_window(second)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel
 
 from app.format import human_bytes
 from app.memory.panel import NO_CACHE, shared_note
@@ -46,7 +47,8 @@ def _assert_panel_shows(window, record) -> None:
     assert human_bytes(sample.kv_bytes_used) in text
     assert panel.pool.in_use == sample.pages_in_use
     assert panel.pool.allocated == sample.pages_allocated
-    assert f"{sample.pages_in_use:,} in use" in panel.pages_label.text()
+    assert f"{sample.pages_in_use:,} pages in use across " in panel.pages_label.text()
+    assert "per layer" in panel.pages_label.text()
     # The "Now" column is computed for the same token count as the KV line.
     assert panel.now_tokens == sample.tokens_in_context
     assert f"Now: {sample.tokens_in_context:,} tokens" in panel.projection_note.text()
@@ -113,10 +115,16 @@ def test_a_chat_whose_cache_was_dropped_says_so_and_what_is_on_disk(qtbot, windo
     _assert_panel_shows(window, c.current)
     on_disk = c.bridge.stored_snapshot(c.current.id)
     assert (on_disk.tokens, on_disk.mode) == (held, "q4")
-    text = window.panel.kv_label.text()
-    assert f"on disk: {held:,} tokens in q4 · {human_bytes(on_disk.disk_bytes)}" in text
-    assert f"{c.current.tokens:,} tokens in the history" in text
-    assert "read again on next send" in window.panel.projection_note.text()
+    # One sentence says where the chat is; nothing else on the panel says it another way.
+    sentence = (f"On disk: {held:,} tokens stored ({human_bytes(on_disk.disk_bytes)}); the "
+                "next message reopens them instead of reading the chat again.")
+    assert sentence in window.panel.session_label.text()
+    assert window.panel.kv_label.text() == NO_CACHE
+    assert window.panel.projection_note.text().startswith(f"Now: {held:,} tokens · ")
+    everything = " ".join(label.text() for label in window.panel.findChildren(QLabel))
+    for other_wording in ("rebuilt on next send", "reopened on next send",
+                          "read again on next send"):
+        assert other_wording not in everything
 
 
 def test_the_mode_badge_says_when_the_rows_are_rotated(qtbot, window) -> None:
@@ -138,6 +146,42 @@ def test_a_new_chat_has_nothing_to_read_again(qtbot, window) -> None:
     c.new_session("q8")
     window.panel_feed.refresh()
     assert window.panel.kv_label.text() == NO_CACHE
+    label = window.panel.session_label.text()
+    assert "New chat: nothing to read yet." in label and "rebuilt" not in label
+    assert c.cache_state(c.current.id) == "New chat: nothing to read yet."
+
+
+def test_the_system_memory_gauge_shows_ram_when_the_chat_holds_nothing(qtbot, window) -> None:
+    c = window.controller
+    c.new_session("q8")
+    window.panel.ram_label.setText("—")
+    window.panel_feed.refresh()
+    assert c.caches.sample_for(c.current.id) is None
+    text = window.panel.ram_label.text()
+    assert text != "—" and "% </b>" not in text and "free of" in text
+    assert window.panel.ram_bar.value() > 0
+
+
+def test_engineering_numbers_are_under_details_and_plain_words_first(qtbot, window) -> None:
+    panel = window.panel
+    assert send_and_wait(qtbot, window, "hello") == "complete"
+    qtbot.waitUntil(lambda: panel.kv_tokens is not None, timeout=ANSWER_TIMEOUT_MS)
+    assert not panel.details.isVisible()
+    for label in (panel.pages_label, panel.ram_detail, panel.kv_detail, panel.storage_note):
+        assert panel.details.isAncestorOf(label)
+    assert "MLX" in panel.ram_detail.text() and "allocated" in panel.kv_detail.text()
+    shown = " ".join(label.text() for label in panel.findChildren(QLabel)
+                     if label.isVisible())
+    for jargon in ("MLX", "allocated", "pressure n/a", "tokens/page", "RAM fits",
+                   "Storage arithmetic"):
+        assert jargon not in shown
+    sections = [label.text() for label in panel.findChildren(QLabel)
+                if label.objectName() == "panelSection"]
+    assert "MEMORY THIS CHAT USES" in sections
+    assert panel.fits_label.text().startswith("Fits in free memory: the whole context (")
+    assert "per layer" in panel.pages_label.toolTip()
+    panel.details_button.click()
+    assert panel.details.isVisible() and panel.pages_label.isVisible()
 
 
 def test_free_ram_fits_is_capped_at_the_model_context(window) -> None:
@@ -169,7 +213,8 @@ def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
     panel = MemoryPanel()
     qtbot.addWidget(panel)
     panel.set_session("Notes", "q6", "held", "s1")
-    plain = stats_sample("s1", None, MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None))
+    plain = replace(stats_sample("s1", None, MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None)),
+                    tokens_in_context=10)
     panel.update_sample(plain, 0)
     assert "Other layers" not in panel.kv_label.text()
     windows = replace(plain, other_cache_bytes=20 << 20, other_cache_bound_bytes=24 << 20,

@@ -25,6 +25,10 @@ def test_the_menu_offers_every_mode_but_the_chats_own(qtbot, window, mode) -> No
     offered = [a.text() for a in window.reopen_menu.actions()]
     assert offered == [f"Reopen in {m}…" for m in ("fp16", "q8", "q6", "q4") if m != mode]
     assert window.controller.reopen_in(mode) is None  # and asking for it directly does nothing
+    # Each says what the mode is; the button says what reopening does.
+    assert all(a.toolTip().startswith("A copy of this chat in ") for a in
+               window.reopen_menu.actions())
+    assert "reads the conversation in again" in window.reopen_button.toolTip()
 
 
 def test_reopen_asks_first_keeps_answer_stats_and_its_notice_stays_in_its_chat(
@@ -45,7 +49,7 @@ def test_reopen_asks_first_keeps_answer_stats_and_its_notice_stays_in_its_chat(
     _answer_with(monkeypatch, "Reopen in q6", seen)
     with qtbot.waitSignal(c.notice, timeout=ANSWER_TIMEOUT_MS) as notice:
         ask_reopen(c, "q6", window)
-    assert notice.args == ["Conversation ingested in q6."]
+    assert notice.args == ["Read the conversation in: it is in memory in q6."]
     qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)
     assert c.current.kv_mode == "q6" and c.current.id != source.id
     old = c.store.messages(source.id)
@@ -53,6 +57,6 @@ def test_reopen_asks_first_keeps_answer_stats_and_its_notice_stays_in_its_chat(
     assert [(m.role, m.content, m.stats) for m in new] == [
         (m.role, m.content, m.stats) for m in old]
     assert new[-1].stats and new[-1].stats["generated_tokens"] > 0
-    assert window.banner.isVisible() and "ingested in q6" in window.banner.label.text()
+    assert window.banner.isVisible() and "in memory in q6" in window.banner.label.text()
     c.select_session(other.id)
     assert not window.banner.isVisible()  # the notice was about the reopened chat

@@ -85,7 +85,7 @@ def test_a_chat_with_a_job_says_what_it_does_instead_of_a_token_count(qtbot) -> 
         lines[record.id] = detail_text(record, item.data(StateRole))
     assert lines[answering.id] == ANSWERING
     assert lines[waiting.id] == "Waiting…"
-    assert lines[idle.id].startswith("1,234 tokens · ")
+    assert lines[idle.id].startswith("On disk · 1,234 tokens · ")
     assert detail_text(idle, "reading") == "Reading…"
     store.close()
 

@@ -110,4 +110,5 @@ def test_reopen_in_another_mode_reingests_the_conversation(qtbot, window) -> Non
     assert new == old
     assert c.bridge.latest_stats().kv_mode == "q4"
     assert c.bridge.latest_stats().tokens_in_context > 0
-    assert c.cache_state(reopened.id) == "kept in memory"
+    held = c.bridge.latest_stats().tokens_in_context
+    assert c.cache_state(reopened.id) == f"In memory: {held:,} tokens, ready to answer at once."
