@@ -27,6 +27,9 @@ WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without 
 VERDICTS = ((1e-3, "Indistinguishable from fp16"), (2e-2, "Minor differences from fp16"),
             (0.2, "Noticeable differences from fp16"))
 LARGE = "Large differences from fp16"
+# Why the check's count of a chat can be above the one the panel and sidebar show.
+COUNTED = ("The check read the chat as {tokens:,} tokens: closed as a finished turn, with "
+           "the end-of-turn marks that its KV cache reads only with the next message.")
 
 
 def verdict(kl_mean: float) -> str:
@@ -41,20 +44,24 @@ def receipt_line(receipt: QualityReceipt) -> str:
 
 
 def receipt_numbers(receipt: QualityReceipt) -> str:
-    """What was measured: agreement, mean KL and the tokens read."""
-    if receipt.window_tokens < receipt.context_tokens:
-        scope = f"last {receipt.window_tokens:,} of {receipt.context_tokens:,} tokens"
-    else:
-        scope = f"all {receipt.window_tokens:,} tokens"
-    return (f"Same next token as fp16 for {receipt.top1:.1%} of {receipt.positions:,} "
-            f"tokens · mean KL {_kl(receipt.kl_mean)} ({scope}, read as one window)")
+    """What was measured: agreement and mean KL over the window the check read.
+
+    No total of the chat's tokens here: the check counts the chat closed as a
+    finished turn, a token or two more than its KV cache holds (see
+    ``receipt_details``), and the chat's own count is said elsewhere.
+    """
+    scope = (f"the last {receipt.window_tokens:,} tokens"
+             if receipt.window_tokens < receipt.context_tokens else "the whole chat")
+    return (f"Same next token as fp16 for {receipt.top1:.1%} of {scope} · mean KL "
+            f"{_kl(receipt.kl_mean)} (read as one window)")
 
 
 def receipt_details(receipt: QualityReceipt) -> str:
-    """The verdict, the numbers, the tail of the KL, the model and when."""
+    """The verdict, the numbers, the tail of the KL, what was read, the model and when."""
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(receipt.measured_at))
     return (f"{receipt_line(receipt)}\n{receipt_numbers(receipt)}\n99th percentile KL "
-            f"{_kl(receipt.kl_p99)} · {receipt.model} · measured {when}")
+            f"{_kl(receipt.kl_p99)} · {receipt.model} · measured {when}\n"
+            f"{COUNTED.format(tokens=receipt.context_tokens)}")
 
 
 def _kl(value: float) -> str:

@@ -26,15 +26,16 @@ def _quality_cell(window, mode: str) -> str:
 def test_receipt_line_gives_a_verdict_and_the_details_the_numbers() -> None:
     assert receipt_line(RECEIPT) == "Minor differences from fp16 (q6 · rotated, this chat)"
     assert receipt_numbers(RECEIPT) == (
-        "Same next token as fp16 for 98.7% of 1,024 tokens · "
-        "mean KL 0.004 (last 1,024 of 5,210 tokens, read as one window)")
+        "Same next token as fp16 for 98.7% of the last 1,024 tokens · "
+        "mean KL 0.004 (read as one window)")
     assert receipt_numbers(RECEIPT) in receipt_details(RECEIPT)
+    assert "read the chat as 5,210 tokens: closed as a finished turn" in receipt_details(RECEIPT)
     whole = QualityReceipt(**{**RECEIPT.__dict__, "rotated": False, "window_tokens": 300,
                               "context_tokens": 300, "positions": 300, "kl_mean": 2e-5})
     assert receipt_line(whole) == "Indistinguishable from fp16 (q6, this chat)"
     assert receipt_numbers(whole) == (
-        "Same next token as fp16 for 98.7% of 300 tokens · "
-        "mean KL 2.0e-05 (all 300 tokens, read as one window)")
+        "Same next token as fp16 for 98.7% of the whole chat · "
+        "mean KL 2.0e-05 (read as one window)")
 
 
 @pytest.mark.parametrize(("kl", "words"), [
@@ -149,3 +150,70 @@ def test_a_receipt_stays_with_its_chat_while_another_is_read(qtbot, window) -> N
     assert set(c.store.receipts(checked.id)) == {"q6"}
     c.select_session(checked.id)
     assert _quality_cell(window, "q6") == f"{done.args[1].top1:.1%}"
+
+
+def _row_line(window, session_id: str) -> str:
+    from app.sessions.session_list import RecordRole, StateRole, detail_text
+
+    items = (window.sessions.list.item(i) for i in range(window.sessions.list.count()))
+    item = next(i for i in items if i.data(RecordRole).id == session_id)
+    return detail_text(item.data(RecordRole), item.data(StateRole))
+
+
+def test_a_running_check_says_checking_everywhere_without_a_rate(qtbot, window,
+                                                                 monkeypatch) -> None:
+    c = window.controller
+    record = c.new_session("q8")
+    assert send_and_wait(qtbot, window, "Tell me about the sea.") == "complete"
+    monkeypatch.setattr(quality_check, "CHUNK_TOKENS", 4)
+    stopped = threading.Event()
+    original = quality_check.divergence
+    calls: list[int] = []
+
+    def wait_for_stop(reference, variant):
+        calls.append(1)
+        if len(calls) > 1:  # the first chunk (one token) is said, the second waits
+            stopped.wait(30)
+        return original(reference, variant)
+
+    monkeypatch.setattr(quality_check, "divergence", wait_for_stop)
+    assert c.check_quality()
+    # The first chunk's progress has come: the row shows counts only.
+    qtbot.waitUntil(lambda: window.composer.progress_box.isVisible(), timeout=ANSWER_TIMEOUT_MS)
+    composer = window.composer
+    assert composer.progress_title.text() == "Checking quality"
+    label = composer.progress_label.text()
+    assert " / " in label and label.endswith(" tokens")
+    assert "tok/s" not in label and "ETA" not in label
+    assert _row_line(window, record.id) == "Checking quality…"
+    assert "Checking quality…" in window.panel.session_label.text()
+    with qtbot.waitSignal(c.busyChanged, timeout=ANSWER_TIMEOUT_MS,
+                          check_params_cb=lambda busy: not busy):
+        c.stop()
+        stopped.set()
+
+
+def test_a_check_on_a_stored_chat_leaves_it_on_disk_with_one_count(qtbot, window) -> None:
+    c, panel = window.controller, window.panel
+    record = c.new_session("q6")
+    assert send_and_wait(qtbot, window, "Tell me about the sea.") == "complete"
+    c.caches.close(record.id)  # stored on disk as it leaves memory
+    qtbot.waitUntil(lambda: c.bridge.stored_snapshot(record.id) is not None,
+                    timeout=ANSWER_TIMEOUT_MS)
+    stored = c.bridge.stored_snapshot(record.id).tokens
+    with qtbot.waitSignal(c.qualityChecked, timeout=ANSWER_TIMEOUT_MS) as done:
+        assert c.check_quality()
+    qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)
+    window.panel_feed.refresh()
+    # Its cache was opened for the check but holds nothing: still on disk, said once.
+    label = panel.session_label.text()
+    assert f"On disk: {stored:,} tokens stored" in label and "in memory" not in label.lower()
+    assert "0 tokens" not in panel.kv_label.text() and "0 B" not in panel.kv_label.text()
+    assert _row_line(window, record.id).startswith(f"On disk · {stored:,} tokens · ")
+    # The receipt names no other count of the chat than the one shown everywhere;
+    # its details say why the check's own count is a little higher.
+    receipt = done.args[1]
+    assert 0 <= receipt.context_tokens - stored <= 8  # the closing marks of one turn
+    shown = panel.quality_label.text() + " " + receipt_numbers(receipt)
+    assert f"{receipt.context_tokens:,}" not in shown.replace(f"{stored:,}", "")
+    assert "end-of-turn marks" in panel.quality_label.toolTip()
