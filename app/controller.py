@@ -313,17 +313,21 @@ class ChatController(QObject):
         if self.current is None and self.new_session() is None:
             return False
         assert self.current is not None
+        retitle = self.current.title == NEW_TITLE
         if self._editing is not None:
             row, message_id = self._editing
             self._editing = None
+            # The title came from the first message (not from a rename): it follows the edit.
+            retitle = retitle or (row == self._first_user_row()
+                                  and self.current.title == _title_of(self.model.message(row)))
             self.store.delete_messages_from(self.current.id, message_id)
             self.model.truncate(row)
         message_id = self.store.add_message(self.current.id, "user", text, "complete", attachments)
         self.model.append(ChatMessage("user", text, "complete", message_id,
                                       attachments=attachments))
-        if self.current.title == NEW_TITLE:
-            title = title_from(text.strip() or attachments[0].name)
-            self.rename_session(self.current.id, title)
+        if retitle:
+            self.rename_session(self.current.id, _title_of(self.model.message(
+                self.model.rowCount() - 1)))
         self.answers.start_chat(self.current)
         return True
 
@@ -354,6 +358,10 @@ class ChatController(QObject):
         self.store.delete_messages_from(self.current.id, self.model.message(row).message_id)
         self.model.truncate(row)
         self.answers.start_chat(self.current)
+
+    def _first_user_row(self) -> int | None:
+        return next((row for row in range(self.model.rowCount())
+                     if self.model.message(row).role == "user"), None)
 
     def last_user_row(self) -> int | None:
         """Row of the last user message, when it can be edited and resent."""
@@ -401,3 +409,9 @@ class ChatController(QObject):
         sample = self.bridge.latest_stats()
         if sample is not None:
             self._on_stats(sample)
+
+
+def _title_of(message: ChatMessage) -> str:
+    """The title a chat gets from its first message: its text, else its first file's name."""
+    return title_from(message.content.strip() or
+                      (message.attachments[0].name if message.attachments else ""))

@@ -48,19 +48,22 @@ def compact_count(n: int) -> str:
     return f"{n:,}"
 
 
-def title_from(text: str, limit: int = 60) -> str:
-    """A chat title from its first message: the first line, cut at a word with "…"."""
+def title_from(text: str, limit: int = 200) -> str:
+    """A chat title from its first message: its first line, at most ``limit`` characters.
+
+    No "…" is stored: a title is elided where it is painted, to the width it has
+    there; a first line longer than ``limit`` is cut at a word.
+    """
     stripped = text.strip()
     line = stripped.splitlines()[0].strip() if stripped else ""
     if len(line) <= limit:
         return line
-    cut = line[: limit - 1]
+    cut = line[:limit]
     space = cut.rfind(" ")
     # A cut inside the last word reads as a typo; drop back to the word before it.
     if space > limit // 2:
         cut = cut[:space]
-    return cut.rstrip(" ,;:.-") + "…"
-
+    return cut.rstrip(" ,;:.-")
 
 
 # Unicode "format" characters change how the text around them is shown without

@@ -16,14 +16,16 @@ from app.format import title_from
         ("What is the capital of France?", "What is the capital of France?"),
         ("  first line\nsecond line", "first line"),
         ("Write a Python function that adds two numbers. Use a code block.",
-         "Write a Python function that adds two numbers. Use a code…"),
-        ("x" * 80, "x" * 59 + "…"),  # one long word: cut inside it
+         "Write a Python function that adds two numbers. Use a code block."),
+        ("word " * 60, ("word " * 40).strip()),  # cut at a word, no "…"
+        ("x" * 300, "x" * 200),  # one long word: cut inside it
         ("", ""),
     ],
 )
 def test_title_from_first_message(text: str, title: str) -> None:
+    # Titles are stored whole (up to 200 characters) and elided only where painted.
     assert title_from(text) == title
-    assert len(title_from(text)) <= 60
+    assert len(title_from(text)) <= 200 and "…" not in title_from(text)
 
 
 def test_panel_shows_a_title_as_text(qtbot) -> None:

@@ -83,6 +83,17 @@ def test_edit_and_resend_replaces_the_last_turn(qtbot, window) -> None:
     assert [(r[0], r[1]) for r in rows][:1] == [("user", "Edited question")]
     assert len(rows) == 2
     assert _stored(window) == rows
+    # The title came from the first message: it follows its edit.
+    assert c.current.title == c.store.session(c.current.id).title == "Edited question"
+
+
+def test_editing_the_first_message_keeps_a_title_the_user_chose(qtbot, window) -> None:
+    c = window.controller
+    send_and_wait(qtbot, window, "Original question")
+    c.rename_session(c.current.id, "My own title")
+    window.conversation.widgets[0].edit_button.click()
+    send_and_wait(qtbot, window, "Edited question")
+    assert c.current.title == "My own title"
 
 
 def test_sending_while_the_model_loads_keeps_the_text(qtbot, window) -> None:
