@@ -55,7 +55,8 @@ def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) 
     """The refusal, in tokens and the file's real size."""
     amount = f", about {tokens:,} tokens — more" if tokens is not None else " — far more"
     return (f"“{name}” is {human_bytes(size)}{amount} than the {max_tokens:,} "
-            "tokens left in this model's context.")
+            "tokens left in this model's context (after the chat so far and room for the "
+            "answer).")
 
 
 def read_attachment(path: str, max_tokens: int, token_ends: Callable[[str], Sequence[int]]
@@ -87,6 +88,9 @@ def _too_long(whole: AttachmentRecord, max_tokens: int, ends: Sequence[int]) -> 
     message = too_long_message(whole.name, whole.size, whole.tokens, max_tokens)
     if not text:
         return TooLong(message, None)
+    if tokens < max_tokens:  # the offer's count is lower than the room: say why
+        message += (f" The part offered, {tokens:,} tokens, ends at the last whole line "
+                    "that fits.")
     part = AttachmentRecord(whole.name, whole.size, whole.sha256, tokens, text)
     return TooLong(message, part)
 

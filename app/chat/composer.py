@@ -179,6 +179,7 @@ class Composer(QWidget):
         if self._offer_job is not None:
             self.partDeclined.emit(self._offer_job)  # one offer at a time: the older goes
         self._offer_job = job_id
+        self.show_notice("")  # what was said of an earlier file is not about this one
         self.offer_label.setText(message)
         self.offer_accept.setText(f"Attach the first {tokens:,} tokens")
         self.offer_box.show()

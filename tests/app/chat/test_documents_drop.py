@@ -126,11 +126,15 @@ def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
     composer = window.composer
     drop_files(window, [doc])
     qtbot.waitUntil(composer.offer_box.isVisible, timeout=60_000)
-    assert composer.offer_label.text() == (
-        f"“big.txt” is {human_bytes(doc.stat().st_size)}, about {tokens:,} tokens — more than "
-        f"the {room:,} tokens left in this model's context.")
     part_tokens = int(composer.offer_accept.text().split()[3].replace(",", ""))
     assert 0.8 * room < part_tokens <= room
+    said = (f"“big.txt” is {human_bytes(doc.stat().st_size)}, about {tokens:,} tokens — more "
+            f"than the {room:,} tokens left in this model's context (after the chat so far "
+            "and room for the answer).")
+    if part_tokens < room:  # two counts side by side: the offer says why they differ
+        said += (f" The part offered, {part_tokens:,} tokens, ends at the last whole line "
+                 "that fits.")
+    assert composer.offer_label.text() == said
     assert not window.attachments  # nothing attached until the user says so
     composer.offer_accept.click()
     qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
@@ -139,8 +143,10 @@ def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
     assert record.text.endswith("\n")  # cut at a line end
     assert "Attached the first" in composer.notice.text()
 
+    composer.show_notice("“old.pdf” could not be read.")  # an old error, then a new offer
     drop_files(window, [doc])
     qtbot.waitUntil(composer.offer_box.isVisible, timeout=60_000)
+    assert not composer.notice.isVisible()
     composer.offer_decline.click()
     qtbot.waitUntil(lambda: len(composer.chips) == 1, timeout=20_000)
     assert list(window.attachments.values()) == [record]
