@@ -42,6 +42,20 @@ REASON_LABELS = {CLOSED_WHILE_ANSWERING: "Closed while answering",
                  LENGTH_LIMIT: "Length limit"}
 COPIED_TEXT = "Copied ✓"
 COPIED_MS = 1500
+# A user message longer than this shows its start, with "Show all" for the rest.
+COLLAPSE_CHARS = 1500
+COLLAPSE_LINES = 25
+SHOW_ALL = "Show all"
+SHOW_LESS = "Show less"
+
+
+def collapsed(text: str) -> str | None:
+    """The start of a long message (its first lines, at most ``COLLAPSE_CHARS``), or None."""
+    lines = text.split("\n")
+    if len(text) <= COLLAPSE_CHARS and len(lines) <= COLLAPSE_LINES:
+        return None
+    start = "\n".join(lines[:COLLAPSE_LINES])[:COLLAPSE_CHARS]
+    return start.rstrip() + " …"
 
 
 def stats_text(stats: dict | None) -> str:
@@ -87,6 +101,16 @@ class MessageWidget(QFrame):
         outer.addWidget(self.files)
         self.body = MarkdownView(self)
         outer.addWidget(self.body)
+        # Long pasted text shows its start; the whole of it is one click away.
+        self.text = ""
+        self.expanded = False
+        self.show_all = QToolButton(self)
+        self.show_all.setObjectName("messageAction")
+        self.show_all.setAutoRaise(True)
+        self.show_all.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.show_all.clicked.connect(self._toggle_all)
+        self.show_all.hide()
+        outer.addWidget(self.show_all, 0, Qt.AlignmentFlag.AlignLeft)
         footer = QHBoxLayout()
         footer.setSpacing(6)
         self.status = QLabel()
@@ -120,7 +144,8 @@ class MessageWidget(QFrame):
         """Render a row of the model."""
         shown = content or ("…" if status == "streaming" else "")
         if self.role == "user":
-            self.body.set_plain(shown)  # typed text: Shift+Enter line breaks stay
+            self.text = shown
+            self._show_user_text()
         else:
             self.body.set_markdown(shown)
         self.body.setVisible(bool(content) or status == "streaming")
@@ -145,6 +170,23 @@ class MessageWidget(QFrame):
             self.status.style().unpolish(self.status)
             self.status.style().polish(self.status)
         self.stats.setText(stats_text(stats) if self.role == "assistant" else "")
+
+    def _show_user_text(self) -> None:
+        start = collapsed(self.text)
+        # Typed text: Shift+Enter line breaks stay.
+        self.body.set_plain(self.text if start is None or self.expanded else start)
+        self.show_all.setVisible(start is not None)
+        hidden = len(self.text) - len(start or "")
+        self.show_all.setText(SHOW_LESS if self.expanded else f"{SHOW_ALL} ({hidden:,} more "
+                                                               "characters)")
+
+    def _toggle_all(self) -> None:
+        self.expanded = not self.expanded
+        self._show_user_text()
+
+    def full_text(self) -> str:
+        """The message's whole text, also while it is shown collapsed."""
+        return self.text if self.role == "user" else self.body.markdown()
 
     def show_copied(self) -> None:
         """Say on the Copy button that the text is on the clipboard, for a moment."""
@@ -273,7 +315,7 @@ class ConversationView(QScrollArea):
             )
 
     def _copy(self, widget: MessageWidget) -> None:
-        QGuiApplication.clipboard().setText(widget.body.markdown())
+        QGuiApplication.clipboard().setText(widget.full_text())
         widget.show_copied()
 
     def _on_scrolled(self, value: int) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from PySide6.QtGui import QGuiApplication
 
-from app.chat.conversation_view import COPIED_TEXT, ConversationView, MessageWidget
+from app.chat.conversation_view import (
+    COLLAPSE_CHARS,
+    COPIED_TEXT,
+    SHOW_ALL,
+    ConversationView,
+    MessageWidget,
+    collapsed,
+)
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING
 
@@ -58,3 +65,22 @@ def test_an_answer_cut_by_closing_the_app_says_so(qtbot) -> None:
     assert closed.status.text() == "Closed while answering"
     assert closed.status.toolTip() == CLOSED_WHILE_ANSWERING
     assert stopped.status.text() == "Stopped"
+
+
+def test_a_long_user_message_is_collapsed_with_show_all(qtbot) -> None:
+    paste = "\n".join(f"line {i}: " + "words " * 30 for i in range(100))  # ~18,000 characters
+    _model, view = _view(qtbot, [ChatMessage("user", paste, "complete", 1),
+                                 ChatMessage("user", "short", "complete", 2)])
+    long_row, short_row = view.widgets
+    assert not short_row.show_all.isVisible()
+    assert short_row.body.markdown() == "short"
+    shown = long_row.body.markdown()
+    assert len(shown) <= COLLAPSE_CHARS + 2 and paste.startswith(shown.removesuffix(" …"))
+    assert long_row.show_all.isVisible() and long_row.show_all.text().startswith(SHOW_ALL)
+    long_row.show_all.click()
+    assert long_row.body.markdown() == paste and long_row.show_all.text() == "Show less"
+    long_row.show_all.click()
+    assert long_row.body.markdown() == shown
+    long_row.copy_button.click()  # Copy takes the whole message, collapsed or not
+    assert QGuiApplication.clipboard().text() == paste
+    assert collapsed("\n".join(["x"] * 30)) is not None  # many short lines collapse too
