@@ -151,14 +151,16 @@ def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[st
         (f"<b>{m} {human_bytes(report.for_mode(m).bytes_needed)}</b>" if m == mode
          else f"{m} {human_bytes(report.for_mode(m).bytes_needed)}")
         for m in MODES if report.for_mode(m).supported)
-    budget = (f" · budget {human_bytes(report.budget_bytes)}"
+    budget = (f" · your limit {human_bytes(report.budget_bytes)}"
               if report.budget_bytes is not None else "")
-    head = (f"After this turn: {approx}{total:,} tokens of {report.max_context:,} context · "
-            f"KV {per_mode} · {human_bytes(report.available_bytes)} RAM free{budget}")
+    head = (f"After this message: {approx}{total:,} of {report.max_context:,} tokens · "
+            f"memory for them: {per_mode} · {human_bytes(report.available_bytes)} free"
+            f"{budget}")
     peak = getattr(entry, "prefill_peak_bytes", 0)
     if peak:
         # Reading in needs more than the pages: the weights and one chunk's scratch.
-        head += f"<br>Reading it in peaks at ≈ {human_bytes(peak)} (model + KV + scratch)"
+        head += (f"<br>Reading it in needs up to ≈ {human_bytes(peak)} at once (the model, "
+                 "this memory and working space)")
     if entry.fits:
         return f"✓ {head}", True
     return f"⚠ {head}<br><b>{wont_fit_sentence(report, mode, total)}</b>", False
@@ -171,7 +173,7 @@ def wont_fit_sentence(report, mode: str, total: int) -> str:
         return (f"This won't fit: {total:,} tokens is more than the model's context of "
                 f"{report.max_context:,} tokens in any mode. Remove an attachment or start "
                 "a new chat.")
-    limit = "the KV budget" if not entry.fits_budget else "free RAM"
+    limit = "your memory limit (Settings)" if not entry.fits_budget else "free memory"
     better = next((m for m in ("q8", "q6", "q4")
                    if m != mode and report.for_mode(m).fits), None)
     text = (f"This won't fit in {mode}: it needs {human_bytes(entry.bytes_needed)} but "

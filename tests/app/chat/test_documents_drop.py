@@ -85,7 +85,7 @@ def test_fit_check_numbers_match_the_kv_projection(qtbot, window, tiny_llama, tm
     report = window.fit.last_report
     pages = -(-window.fit.last_total // 256) * 256
     text = window.composer.fit.text()
-    assert window.composer.fit.isVisible() and f"{window.fit.last_total:,} tokens" in text
+    assert window.composer.fit.isVisible() and f"{window.fit.last_total:,} of " in text
     for mode in ("fp16", "q8", "q6", "q4"):
         expected = project_kv_bytes(layers, kv_heads, head_dim, pages, mode)
         assert report.for_mode(mode).bytes_needed == expected

@@ -24,10 +24,18 @@ def test_the_fit_line_lists_modes_in_the_one_order_used_everywhere() -> None:
 
 def test_the_fit_line_shows_the_prefill_peak_when_the_engine_knows_it() -> None:
     report = _report()
-    assert "peaks at" not in fit_html(report, "q6", 1000)[0]
+    assert "Reading it in" not in fit_html(report, "q6", 1000)[0]
     report.for_mode("q6").prefill_peak_bytes = 3 << 30
     html, _ = fit_html(report, "q6", 1000)
-    assert "Reading it in peaks at ≈ 3.0 GB (model + KV + scratch)" in html, html
+    assert ("Reading it in needs up to ≈ 3.0 GB at once (the model, this memory and "
+            "working space)") in html, html
+
+
+def test_the_fit_line_speaks_plainly() -> None:
+    html, _ = fit_html(_report(), "q6", 1000)
+    assert html.startswith("✓ After this message: 1,000 of 8,192 tokens · memory for them: ")
+    for jargon in ("KV", "RAM", "budget", "turn", "scratch"):
+        assert jargon not in html
 
 
 def test_the_wait_is_said_from_the_measured_rate_only_for_long_reads() -> None:
