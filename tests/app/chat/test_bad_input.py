@@ -64,7 +64,7 @@ BAD_FILES = [
      "“latin1.csv” isn't readable text: 150 of its 850 bytes are not valid UTF-8."),
     ("dump.txt", _sparse_gigabyte,
      "“dump.txt” is 1.0 GB — far more than the {room:,} tokens left in this model's "
-     "context. Split it into smaller files."),
+     "context (after the chat so far and room for the answer). Split it into smaller files."),
     ("scan.pdf", _blank_pdf, "“scan.pdf” has no text layer (it is probably scanned images, "
      "1 page). Run OCR on it first"),
     ("locked.pdf", lambda p: _encrypted(p.parent, p.name, user_password="secret"),
