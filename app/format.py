@@ -24,6 +24,16 @@ def human_duration(seconds: float | None) -> str:
     return f"{hours}h {minutes:02d}m"
 
 
+def disk_size(n: int) -> str:
+    """Bytes on disk in decimal units, as the Settings budget and Finder state them."""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
 def relative_time(timestamp: float, now: float | None = None) -> str:
     """A last-activity label: "just now", "5 min ago", "yesterday", "3 Mar"."""
     delta = (now or time.time()) - timestamp

@@ -274,7 +274,7 @@ class MemoryPanel(QScrollArea):
         """
         self._update_ram(sample)
         self._update_ram_detail(sample)
-        self.kv_total_label.setText(f"All open chats together: {human_bytes(total_kv_bytes)}")
+        self.show_total(total_kv_bytes)
         if sample.session_id is None or sample.session_id != self.session_id:
             return False
         self.samples_shown += 1
@@ -299,6 +299,10 @@ class MemoryPanel(QScrollArea):
         self.pool.setToolTip(PAGES_TIP if per == 1 else f"Each square is {per} pages. {PAGES_TIP}")
         self.chart.add(sample.kv_bytes_used, sample.process_rss_bytes)
         return True
+
+    def show_total(self, total_kv_bytes: int) -> None:
+        """The KV bytes every chat held in memory takes together."""
+        self.kv_total_label.setText(f"All open chats together: {human_bytes(total_kv_bytes)}")
 
     def _show_details(self, shown: bool) -> None:
         self.details.setVisible(shown)

@@ -64,6 +64,7 @@ class PanelFeed(QObject):
             self.panel.update_sample(sample, self.controller.total_kv_bytes())
         else:
             self.panel.show_no_cache()
+            self.panel.show_total(self.controller.total_kv_bytes())
         self.show_system_memory()
         self._project(force=True)
         self.stored_kv.show()  # chat titles may have changed

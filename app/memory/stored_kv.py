@@ -24,21 +24,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import relative_time, visible_text
+from app.format import disk_size, relative_time, visible_text
 from engine import StoredKv
 
 COLUMNS = ("Chat", "Tokens", "Mode", "Size", "Last used")
 UNKNOWN_CHAT = "(chat not in the history)"
-
-
-def disk_size(n: int) -> str:
-    """Bytes on disk in decimal units, as the Settings budget and Finder state them."""
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"
 
 
 class StoredKvSection(QWidget):

@@ -26,7 +26,7 @@ class SessionCaches(QObject):
     of a session always comes from one snapshot of that session.
     """
 
-    changed = Signal()  # a session's KV cache was opened
+    changed = Signal()  # a session's KV cache was opened, or closed by ``close``
     notice = Signal(str)  # the model runs on mlx-lm's own cache, and why
 
     def __init__(self, bridge: EngineBridge, settings: Settings,
@@ -75,6 +75,7 @@ class SessionCaches(QObject):
         if session_id in self.opened:
             self.bridge.close_session(session_id)
             del self.opened[session_id]
+            self.changed.emit()  # the chat is on disk now, not in memory
         self.samples.pop(session_id, None)
 
     def forget(self, session_id: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from app.format import human_bytes
+from app.format import disk_size
 
 
 class ChatState(Enum):
@@ -47,6 +47,7 @@ class ChatFacts:
     ``snapshot``: its KV snapshot on disk (an ``SnapshotInfo``: tokens, mode,
     disk_bytes), or None. ``waiting_for``: the title of the chat it waits for.
     ``progress``: (done, total) tokens of the read or check under way.
+    Sizes on disk are said in decimal units, as the Stored KV table says them.
     """
 
     job: str = ""
@@ -96,11 +97,11 @@ def state_sentence(facts: ChatFacts) -> str:
     if state is ChatState.ON_DISK:
         snapshot = facts.snapshot
         if snapshot is not None and _stored(facts) >= tokens:
-            return (f"On disk: {tokens:,} tokens stored ({human_bytes(snapshot.disk_bytes)}); "
+            return (f"On disk: {tokens:,} tokens stored ({disk_size(snapshot.disk_bytes)}); "
                     "the next message reopens them instead of reading the chat again.")
         if snapshot is not None:
             return (f"On disk: {_stored(facts):,} of its {tokens:,} tokens stored "
-                    f"({human_bytes(snapshot.disk_bytes)}); the next message reopens them "
+                    f"({disk_size(snapshot.disk_bytes)}); the next message reopens them "
                     "and reads the rest.")
         return f"On disk as text: the next message reads its {tokens:,} tokens in again."
     if state is ChatState.WAITING:
