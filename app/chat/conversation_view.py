@@ -50,11 +50,21 @@ SHOW_LESS = "Show less"
 
 
 def collapsed(text: str) -> str | None:
-    """The start of a long message (its first lines, at most ``COLLAPSE_CHARS``), or None."""
+    """The start of a long message, cut at a line or word end and marked " …", or None.
+
+    At most ``COLLAPSE_LINES`` lines and ``COLLAPSE_CHARS`` characters are kept.
+    """
     lines = text.split("\n")
     if len(text) <= COLLAPSE_CHARS and len(lines) <= COLLAPSE_LINES:
         return None
-    start = "\n".join(lines[:COLLAPSE_LINES])[:COLLAPSE_CHARS]
+    start = "\n".join(lines[:COLLAPSE_LINES])
+    if len(start) > COLLAPSE_CHARS:
+        start = start[:COLLAPSE_CHARS]
+        # A whole last line reads best, then a whole word; never half of one.
+        line_end = start.rfind("\n")
+        end = line_end if line_end > COLLAPSE_CHARS * 0.8 else start.rfind(" ")
+        if end > COLLAPSE_CHARS // 2:
+            start = start[:end]
     return start.rstrip() + " …"
 
 
@@ -176,7 +186,7 @@ class MessageWidget(QFrame):
         # Typed text: Shift+Enter line breaks stay.
         self.body.set_plain(self.text if start is None or self.expanded else start)
         self.show_all.setVisible(start is not None)
-        hidden = len(self.text) - len(start or "")
+        hidden = len(self.text) - len((start or "").removesuffix(" …"))
         self.show_all.setText(SHOW_LESS if self.expanded else f"{SHOW_ALL} ({hidden:,} more "
                                                                "characters)")
 

@@ -76,6 +76,7 @@ def test_a_long_user_message_is_collapsed_with_show_all(qtbot) -> None:
     assert short_row.body.markdown() == "short"
     shown = long_row.body.markdown()
     assert len(shown) <= COLLAPSE_CHARS + 2 and paste.startswith(shown.removesuffix(" …"))
+    assert paste[len(shown) - 2] in " \n"  # cut at a word or line end, never inside a word
     assert long_row.show_all.isVisible() and long_row.show_all.text().startswith(SHOW_ALL)
     long_row.show_all.click()
     assert long_row.body.markdown() == paste and long_row.show_all.text() == "Show less"
