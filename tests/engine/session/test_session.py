@@ -386,3 +386,23 @@ def test_a_model_the_probe_sends_to_mlx_lm_runs_on_mlx_lms_cache(
     if mode == "fp16":
         prompt = session.render(_user("Where do longleaf pines grow?"), add_generation_prompt=True)
         assert rec.ids() == _mlx_lm_greedy(base, prompt, len(rec.ids()))
+
+
+def test_each_progress_times_its_own_chunk_from_the_context_before_it(models) -> None:
+    session = Session("s", models["llama"], "q8", page_size=16, chunk_size=10)
+    rec = Recorder()
+    session.ingest(_user(QUESTION), request_id=1, cancel=rec.cancel, emit=rec, tick=lambda: None)
+    first = rec.of(IngestProgress)
+    session.ingest(_user(QUESTION * 2), request_id=2, cancel=rec.cancel, emit=rec,
+                   tick=lambda: None)
+    second = rec.of(IngestProgress)[len(first):]
+    for progress in (first, second):
+        # Chunks tile the read: each starts where the one before it ended.
+        assert [p.chunk_start + p.chunk_tokens for p in progress[:-1]] == \
+            [p.chunk_start for p in progress[1:]]
+        assert all(p.chunk_tokens > 0 and p.chunk_seconds > 0 for p in progress)
+    # The longer conversation's read starts after the prefix the first one left held.
+    total = len(session.render(_user(QUESTION * 2), add_generation_prompt=False))
+    assert 0 < second[0].chunk_start <= first[-1].tokens_done
+    assert second[0].chunk_start + second[-1].tokens_total == total
+    assert sum(p.chunk_tokens for p in second) == second[-1].tokens_done
