@@ -31,11 +31,11 @@ from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
-from engine import Failed, Notice, StatsSample
+from engine import Failed, IngestProgress, Notice, StatsSample
+from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
 CONTINUE_PROMPT = "Continue."  # the user turn the Continue button sends
-MIN_RATE_TOKENS = 256  # a shorter read is mostly fixed overhead, not a rate
 
 
 class ChatController(QObject):
@@ -93,7 +93,9 @@ class ChatController(QObject):
             (self.quality.errorRaised, self.errorRaised),
         ):
             source.connect(target)
-        self.answers.measured.connect(self._on_measured)
+        # Reads of answers and re-ingests teach the rate model; a quality check's
+        # reads (two caches, one window) are not the reading a send does.
+        self.answers.ingestProgress.connect(self._on_read_chunk)
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
         # Events of no one request; each request's own go to its handler.
@@ -238,13 +240,31 @@ class ChatController(QObject):
             self.answers.start_ingest(record)
         return record
 
-    def prefill_rate(self) -> float | None:
-        """Tokens per second the loaded model last read a long prompt in, on this machine."""
-        return self.store.prefill_rate(self.model_id)
+    def prefill_rate(self) -> PrefillRate | None:
+        """How fast the loaded model reads on this machine at each context length
+        (None before its first timed read)."""
+        return fit(self.settings.prefill_timings(self.model_id))
 
-    def _on_measured(self, stats) -> None:
-        if stats.prompt_tokens >= MIN_RATE_TOKENS and stats.prefill_tps > 0:
-            self.store.set_prefill_rate(self.model_id, stats.prefill_tps)
+    def read_eta(self, progress: IngestProgress) -> float | None:
+        """Seconds left of a read, from the rate model at the context it has reached.
+
+        The rest of the read runs from where the last chunk ended to the end, each
+        token slower than the one before; the engine's own figure (an average
+        rate so far) stands in before any chunk was timed, and for a quality
+        check, whose progress times no chunk.
+        """
+        rate = self.prefill_rate()
+        if rate is None or not progress.chunk_tokens:
+            return progress.eta_seconds
+        at = progress.chunk_start + progress.chunk_tokens
+        return rate.seconds(at, at + progress.tokens_total - progress.tokens_done)
+
+    def _on_read_chunk(self, progress: IngestProgress) -> None:
+        if progress.chunk_tokens and progress.chunk_seconds > 0:
+            timing = ChunkTiming(progress.chunk_tokens, progress.chunk_start,
+                                 progress.chunk_seconds)
+            self.settings.set_prefill_timings(
+                self.model_id, remember(self.settings.prefill_timings(self.model_id), timing))
 
     def quality_unavailable(self) -> str:
         """Why "Check quality" cannot run for the shown chat now; "" when it can."""

@@ -12,12 +12,14 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from urllib.parse import quote
 
 import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
 from engine import SamplingParams, data_dir, private_dir, private_file
 from engine.cache.modes import DEFAULT_MODE, MODES
+from engine.memory import prefill_rate
 
 # Best quality first, the order every list of modes in the app uses.
 # Small models loop on a phrase without it (the demo model repeated "finally…"
@@ -49,6 +51,11 @@ def default_settings_path() -> Path:
     except OSError as error:  # an unusable data folder: the window says so; settings go on
         log.warning("settings were not looked for in the data folder: %s", error)
     return path
+
+
+def _timings_key(model_id: str) -> str:
+    # A model id is a folder path: quoted, its slashes make no INI groups.
+    return f"prefill_timings/{quote(model_id, safe='')}"
 
 
 def documents_dir() -> str:
@@ -210,6 +217,15 @@ class Settings:
     @speculative.setter
     def speculative(self, value: bool) -> None:
         self._set("engine/speculative", bool(value))
+
+    def prefill_timings(self, model_id: str) -> tuple[prefill_rate.ChunkTiming, ...]:
+        """The prefill chunks timed with ``model_id`` on this machine, oldest first."""
+        return prefill_rate.loads(self._get(_timings_key(model_id), "", str))
+
+    def set_prefill_timings(self, model_id: str,
+                            timings: tuple[prefill_rate.ChunkTiming, ...]) -> None:
+        """Keep ``model_id``'s chunk timings (a measurement: not one of ``fields()``)."""
+        self._set(_timings_key(model_id), prefill_rate.dumps(timings) if timings else None)
 
     @property
     def model_folders(self) -> list[str]:

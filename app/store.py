@@ -320,19 +320,6 @@ class HistoryStore:
     def _touch(self, session_id: str) -> None:
         self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
 
-    # Measurements ---------------------------------------------------------
-
-    def set_prefill_rate(self, model_id: str, tokens_per_second: float) -> None:
-        """Remember the last prefill rate measured with ``model_id`` on this machine."""
-        self._write("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?)",
-                    (f"prefill_tps:{model_id}", float(tokens_per_second), time.time()))
-
-    def prefill_rate(self, model_id: str) -> float | None:
-        """The last prefill rate measured with ``model_id``, in tokens per second."""
-        row = self._db.execute("SELECT value FROM measurements WHERE name = ?",
-                               (f"prefill_tps:{model_id}",)).fetchone()
-        return float(row[0]) if row else None
-
     # Quality receipts -----------------------------------------------------
 
     def save_receipt(self, session_id: str, receipt: QualityReceipt) -> None:

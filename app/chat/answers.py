@@ -39,7 +39,6 @@ class Answers(QObject):
     errorRaised = Signal(str)
     notice = Signal(str)
     ingestProgress = Signal(object)
-    measured = Signal(object)  # the GenerationStats of a request that read tokens in
 
     def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
                  model: ChatModel, activity: Activity, caches: SessionCaches,
@@ -115,8 +114,6 @@ class Answers(QObject):
 
     def _finished(self, job: Job, event: Finished) -> None:
         kept = _kept(event, job.progress)
-        if event.stats is not None:
-            self.measured.emit(event.stats)
         if job.kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
             reason = {"cancelled": "Stopped", "length": LENGTH_LIMIT,

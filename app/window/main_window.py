@@ -309,7 +309,7 @@ class MainWindow(QMainWindow):
         else:
             self.composer.show_progress(
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
-                progress.eta_seconds, CHECKING if job.kind == "quality" else READING)
+                self.controller.read_eta(progress), CHECKING if job.kind == "quality" else READING)
         self.conversation.set_busy(job is not None)
 
     def _on_edit_requested(self, text: str, attachments) -> None:
