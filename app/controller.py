@@ -35,6 +35,7 @@ from engine import Failed, IngestProgress, Notice, StatsSample
 from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
+QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
 CONTINUE_PROMPT = "Continue."  # the user turn the Continue button sends
 
 
@@ -105,6 +106,9 @@ class ChatController(QObject):
         for signal, slot in self._subscriptions:
             signal.connect(slot)
         self.recovered = store.mark_interrupted()
+        # The chat on screen, kept as it changes: a crash reopens on it too.
+        self.sessions.currentSessionChanged.connect(
+            lambda record: store.set_last_session(record.id if record else None))
 
     # State the window reads -----------------------------------------------
 
@@ -169,15 +173,22 @@ class ChatController(QObject):
     # Lifecycle ------------------------------------------------------------
 
     def start(self, model: str | None = None) -> None:
-        """Start the engine, load the model and reopen the latest session."""
+        """Start the engine, load the model and show the chat on screen at the last quit."""
         self.bridge.start()
         # Also lists the stored KV for the memory panel, first thing.
         self.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
         self._poll.start()
-        sessions = self.store.sessions()
+        shown = self.store.last_session()
+        sessions = self.store.sessions() if shown is None else [shown]
         if sessions:
             self.select_session(sessions[0].id)
         self.load_model(model or self.settings.last_model)
+
+    def quit_question(self) -> str:
+        """What to ask before quitting: "" unless an answer is being written now."""
+        job = self.activity.running
+        answering = job is not None and job.kind == "chat" and job.answering
+        return QUIT_WHILE_ANSWERING if answering and not self.closed else ""
 
     def close(self) -> None:
         """Save the partial answer and cancel all engine work, without waiting.
