@@ -406,3 +406,20 @@ def test_each_progress_times_its_own_chunk_from_the_context_before_it(models) ->
     assert 0 < second[0].chunk_start <= first[-1].tokens_done
     assert second[0].chunk_start + second[-1].tokens_total == total
     assert sum(p.chunk_tokens for p in second) == second[-1].tokens_done
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_conversation_ending_with_an_answer_continues_it_in_place(models, arch) -> None:
+    loaded = models[arch]
+    session = Session("s", loaded, "fp16", page_size=16, chunk_size=16)
+    question = _user(QUESTION)
+    _chat(session, question)
+    answer = "Once upon a time, far away"  # an answer cut short (random weights make none)
+    messages = [*question, {"role": "assistant", "content": answer}]
+    prompt = session.prompt(messages, add_generation_prompt=True)
+    # The answer's own text ends the prompt: no end of turn, no new turn after it.
+    assert prompt.text.endswith(answer)
+    assert prompt.text.startswith(session.prompt(question, add_generation_prompt=True).text)
+    _, _, rec = _chat(session, messages)
+    assert rec.ids() == _mlx_lm_greedy(loaded, prompt.ids, GREEDY.max_tokens)
+    assert adapter.cache_tokens(session.cache) == len(session.tokens)
