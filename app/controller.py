@@ -36,7 +36,6 @@ from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
-CONTINUE_PROMPT = "Continue."  # the user turn the Continue button sends
 
 
 class ChatController(QObject):
@@ -344,8 +343,24 @@ class ChatController(QObject):
             self.activity.stop(job, self.bridge.cancel)
 
     def continue_answer(self) -> bool:
-        """Ask the model to go on after an answer cut at the length limit."""
-        return self.send(CONTINUE_PROMPT)
+        """Let the last answer go on from where it ended; its bubble grows.
+
+        The model reads the conversation up to the end of that answer's text (no
+        new turn) and writes on; the answer's one message keeps all of it.
+        """
+        rows = self.model.rowCount()
+        last = self.model.message(rows - 1) if rows else None
+        if self.current is None or last is None or last.role != "assistant" \
+                or not last.content:
+            return False
+        if self.activity.refuse_in(self.current.id, "continuing the answer"):
+            return False
+        if not self.model_ready:
+            self.errorRaised.emit("The model is still loading; press Continue again in a "
+                                  "moment.")
+            return False
+        self.answers.start_continue(self.current, last.message_id)
+        return True
 
     def can_regenerate(self) -> bool:
         """Whether the last message is an answer that can be generated again."""

@@ -108,17 +108,23 @@ def _template_text(tokenizer: Any, messages: list[dict[str, str]], *,
         messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _cut_after(text: str, final: str) -> str:
-    """``text`` up to the end of its last copy of the message ``final``.
+def _continued_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The conversation rendered up to the end of its final (assistant) message's text.
 
-    Stripped first, as templates often trim a message (transformers cuts the same way).
+    Cut after the last copy of that text, stripped, as templates often trim a
+    message (transformers cuts the same way); an answer of nothing but spaces
+    goes right after the opening of the answer's turn.
     """
-    final = final.strip()
-    end = text.rfind(final) if final else -1
+    final = messages[-1]["content"]
+    stripped = final.strip()
+    if not stripped:
+        return _template_text(tokenizer, messages[:-1], add_generation_prompt=True) + final
+    text = _template_text(tokenizer, messages, add_generation_prompt=False)
+    end = text.rfind(stripped)
     if end < 0:
         raise EngineError("This model's chat template drops the answer to continue, so it "
                           "cannot go on from where the answer ended; send a new message.")
-    return text[:end + len(final)]
+    return text[:end + len(stripped)]
 
 
 def _backend(tokenizer: Any) -> Any | None:
@@ -174,11 +180,11 @@ def render_prompt(
         return Prompt([], [])
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if getattr(tokenizer, "has_chat_template", False):
-        continuing = add_generation_prompt and messages[-1]["role"] == "assistant"
-        text = _template_text(tokenizer, messages,
-                              add_generation_prompt=add_generation_prompt and not continuing)
-        if continuing:
-            text = _cut_after(text, messages[-1]["content"])
+        if add_generation_prompt and messages[-1]["role"] == "assistant":
+            text = _continued_text(tokenizer, messages)
+        else:
+            text = _template_text(tokenizer, messages,
+                                  add_generation_prompt=add_generation_prompt)
         ids, starts = encode_with_starts(tokenizer, text)
         return Prompt(ids, messages, text, starts)
     # Base models have no template: the contents, one after another.

@@ -81,3 +81,9 @@ def test_continuing_an_answer_the_template_drops_says_so() -> None:
         render_prompt(_DroppingTemplate(), messages, add_generation_prompt=True)
     # Read without an answer to come, the same conversation renders as it is.
     assert render_prompt(_DroppingTemplate(), messages, add_generation_prompt=False).ids
+
+
+def test_an_answer_of_only_spaces_continues_right_after_its_turn_opens() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\n"}]
+    prompt = render_prompt(_DroppingTemplate(), messages, add_generation_prompt=True)
+    assert prompt.text == "<user>hi<assistant>\n\n"
