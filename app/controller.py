@@ -31,7 +31,7 @@ from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
-from engine import Failed, IngestProgress, Notice, StatsSample
+from engine import Failed, IngestProgress, Notice, SamplingParams, StatsSample
 from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
@@ -66,7 +66,7 @@ class ChatController(QObject):
         self.sessions = SessionActions(store, settings, self.model, self.caches, self.activity,
                                        before_switch=self.cancel_edit, parent=self)
         self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
-                               self.sessions, self)
+                               self.sessions, self, sampling=self.sampling)
         self.quality = QualityCheck(bridge, store, self.activity, self.caches, self.sessions,
                                     self)
         self._editing: tuple[int, int] | None = None  # row, message id
@@ -249,6 +249,11 @@ class ChatController(QObject):
         if record is not None and self.model_ready and self.model.rowCount():
             self.answers.start_ingest(record)
         return record
+
+    def sampling(self) -> SamplingParams:
+        """How answers pick tokens: each key set in Settings, else the loaded model's
+        own default (its generation_config.json), else the app's."""
+        return self.settings.sampling_for(self.model_state.generation_defaults())
 
     def prefill_rate(self) -> PrefillRate | None:
         """How fast the loaded model reads on this machine at each context length

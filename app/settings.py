@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -28,6 +30,8 @@ from engine.memory import prefill_rate
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
 SETTINGS_FILE = "settings.ini"
+# The sampling keys a model's generation_config.json may give a default for.
+MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 log = logging.getLogger(__name__)
 
 
@@ -196,6 +200,14 @@ class Settings:
             seed=None if seed < 0 else seed,
             speculative="lookup" if self.speculative else "off",
         )
+
+    def sampling_for(self, model_defaults: Mapping[str, float | int]) -> SamplingParams:
+        """``sampling`` with the model's own defaults (its generation_config.json) for
+        every key the user has not set here; a key set in Settings wins."""
+        stored = {key for key in MODEL_SAMPLING_KEYS if self._qs.contains(f"sampling/{key}")}
+        taken = {key: value for key, value in model_defaults.items()
+                 if key in MODEL_SAMPLING_KEYS and key not in stored}
+        return replace(self.sampling, **taken)
 
     @sampling.setter
     def sampling(self, params: SamplingParams) -> None:

@@ -7,6 +7,8 @@ other chats meanwhile), the answer is saved as it grows and as it ends
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity, Job
@@ -17,7 +19,7 @@ from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
-from engine import Failed, Finished, IngestProgress, TokenChunk
+from engine import Failed, Finished, IngestProgress, SamplingParams, TokenChunk
 
 TOO_LONG_TURN = ("Too long for the model's context; kept here but not sent with later "
                  "messages. Edit it to a shorter one, or reopen the chat in a smaller KV mode.")
@@ -42,9 +44,11 @@ class Answers(QObject):
 
     def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
                  model: ChatModel, activity: Activity, caches: SessionCaches,
-                 sessions: SessionActions, parent: QObject | None = None) -> None:
+                 sessions: SessionActions, parent: QObject | None = None, *,
+                 sampling: Callable[[], SamplingParams]) -> None:
         super().__init__(parent)
         self.bridge, self.settings, self.store, self.model = bridge, settings, store, model
+        self.sampling = sampling  # the settings over the loaded model's own defaults
         self.activity, self.caches, self.sessions = activity, caches, sessions
         self.recorder = AnswerRecorder(store, model, self)
         sessions.currentSessionChanged.connect(
@@ -93,7 +97,7 @@ class Answers(QObject):
 
         def submit() -> None:
             if job.kind == "chat":
-                rid = self.bridge.chat(session.id, messages, self.settings.sampling, handle)
+                rid = self.bridge.chat(session.id, messages, self.sampling(), handle)
             else:
                 rid = self.bridge.ingest(session.id, messages, handle)
             if self.activity.submitted(job, rid):  # Stop was pressed while the cache opened
