@@ -32,11 +32,11 @@ from app.sessions.caches import SessionCaches
 from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
-from engine import Failed, Notice, StatsSample
+from engine import Failed, IngestProgress, Notice, SamplingParams, StatsSample
+from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
-CONTINUE_PROMPT = "Continue."  # the user turn the Continue button sends
-MIN_RATE_TOKENS = 256  # a shorter read is mostly fixed overhead, not a rate
+QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
 
 
 class ChatController(QObject):
@@ -67,7 +67,7 @@ class ChatController(QObject):
         self.sessions = SessionActions(store, settings, self.model, self.caches, self.activity,
                                        before_switch=self.cancel_edit, parent=self)
         self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
-                               self.sessions, self)
+                               self.sessions, self, sampling=self.sampling)
         self.quality = QualityCheck(bridge, store, self.activity, self.caches, self.sessions,
                                     self)
         self._editing: tuple[int, int] | None = None  # row, message id
@@ -94,7 +94,9 @@ class ChatController(QObject):
             (self.quality.errorRaised, self.errorRaised),
         ):
             source.connect(target)
-        self.answers.measured.connect(self._on_measured)
+        # Reads of answers and re-ingests teach the rate model; a quality check's
+        # reads (two caches, one window) are not the reading a send does.
+        self.answers.ingestProgress.connect(self._on_read_chunk)
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
         # Events of no one request; each request's own go to its handler.
@@ -104,6 +106,9 @@ class ChatController(QObject):
         for signal, slot in self._subscriptions:
             signal.connect(slot)
         self.recovered = store.mark_interrupted()
+        # The chat on screen, kept as it changes: a crash reopens on it too.
+        self.sessions.currentSessionChanged.connect(
+            lambda record: store.set_last_session(record.id if record else None))
 
     # State the window reads -----------------------------------------------
 
@@ -168,15 +173,22 @@ class ChatController(QObject):
     # Lifecycle ------------------------------------------------------------
 
     def start(self, model: str | None = None) -> None:
-        """Start the engine, load the model and reopen the latest session."""
+        """Start the engine, load the model and show the chat on screen at the last quit."""
         self.bridge.start()
         # Also lists the stored KV for the memory panel, first thing.
         self.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
         self._poll.start()
-        sessions = self.store.sessions()
+        shown = self.store.last_session()
+        sessions = self.store.sessions() if shown is None else [shown]
         if sessions:
             self.select_session(sessions[0].id)
         self.load_model(model or self.settings.last_model)
+
+    def quit_question(self) -> str:
+        """What to ask before quitting: "" unless an answer is being written now."""
+        job = self.activity.running
+        answering = job is not None and job.kind == "chat" and job.answering
+        return QUIT_WHILE_ANSWERING if answering and not self.closed else ""
 
     def close(self) -> None:
         """Save the partial answer and cancel all engine work, without waiting.
@@ -239,13 +251,36 @@ class ChatController(QObject):
             self.answers.start_ingest(record)
         return record
 
-    def prefill_rate(self) -> float | None:
-        """Tokens per second the loaded model last read a long prompt in, on this machine."""
-        return self.store.prefill_rate(self.model_id)
+    def sampling(self) -> SamplingParams:
+        """How answers pick tokens: each key set in Settings, else the loaded model's
+        own default (its generation_config.json), else the app's."""
+        return self.settings.sampling_for(self.model_state.generation_defaults())
 
-    def _on_measured(self, stats) -> None:
-        if stats.prompt_tokens >= MIN_RATE_TOKENS and stats.prefill_tps > 0:
-            self.store.set_prefill_rate(self.model_id, stats.prefill_tps)
+    def prefill_rate(self) -> PrefillRate | None:
+        """How fast the loaded model reads on this machine at each context length
+        (None before its first timed read)."""
+        return fit(self.settings.prefill_timings(self.model_id))
+
+    def read_eta(self, progress: IngestProgress) -> float | None:
+        """Seconds left of a read, from the rate model at the context it has reached.
+
+        The rest of the read runs from where the last chunk ended to the end, each
+        token slower than the one before; the engine's own figure (an average
+        rate so far) stands in before any chunk was timed, and for a quality
+        check, whose progress times no chunk.
+        """
+        rate = self.prefill_rate()
+        if rate is None or not progress.chunk_tokens:
+            return progress.eta_seconds
+        at = progress.chunk_start + progress.chunk_tokens
+        return rate.seconds(at, at + progress.tokens_total - progress.tokens_done)
+
+    def _on_read_chunk(self, progress: IngestProgress) -> None:
+        if progress.chunk_tokens and progress.chunk_seconds > 0:
+            timing = ChunkTiming(progress.chunk_tokens, progress.chunk_start,
+                                 progress.chunk_seconds)
+            self.settings.set_prefill_timings(
+                self.model_id, remember(self.settings.prefill_timings(self.model_id), timing))
 
     def quality_unavailable(self) -> str:
         """Why "Check quality" cannot run for the shown chat now; "" when it can."""
@@ -341,8 +376,24 @@ class ChatController(QObject):
             self.activity.stop(job, self.bridge.cancel)
 
     def continue_answer(self) -> bool:
-        """Ask the model to go on after an answer cut at the length limit."""
-        return self.send(CONTINUE_PROMPT)
+        """Let the last answer go on from where it ended; its bubble grows.
+
+        The model reads the conversation up to the end of that answer's text (no
+        new turn) and writes on; the answer's one message keeps all of it.
+        """
+        rows = self.model.rowCount()
+        last = self.model.message(rows - 1) if rows else None
+        if self.current is None or last is None or last.role != "assistant" \
+                or not last.content:
+            return False
+        if self.activity.refuse_in(self.current.id, "continuing the answer"):
+            return False
+        if not self.model_ready:
+            self.errorRaised.emit("The model is still loading; press Continue again in a "
+                                  "moment.")
+            return False
+        self.answers.start_continue(self.current, last.message_id)
+        return True
 
     def can_regenerate(self) -> bool:
         """Whether the last message is an answer that can be generated again."""

@@ -29,6 +29,7 @@ COLUMNS = {
     "attachments": ("id", "message_id", "name", "size", "sha256", "tokens", "text"),
     "measurements": ("name", "value", "updated"),
     "quality_receipts": ("session_id", "mode", "receipt", "updated"),
+    "drafts": ("session_id", "text", "updated"),
 }
 
 
@@ -109,6 +110,9 @@ def recover(source: sqlite3.Connection, target: sqlite3.Connection,
         _insert(target, "quality_receipts", [
             row for row in readable_rows(source, "quality_receipts")
             if row[0] in sessions and _texts(row[1:3]) and _numbers(row[3:])])
+        _insert(target, "drafts", [row for row in readable_rows(source, "drafts")
+                                   if row[0] in sessions and _texts(row[1:2])
+                                   and _numbers(row[2:])])
     except BaseException:
         target.execute("ROLLBACK")
         raise

@@ -12,6 +12,7 @@ from PySide6.QtCore import QObject, Signal
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from engine import EngineError, Failed, ModelLoaded
+from engine.models.generation_defaults import generation_defaults
 
 
 def model_name(info: object, fallback: str = "") -> str:
@@ -43,6 +44,7 @@ class ModelState(QObject):
         self._request: int | None = None  # the newest load: the one that decides
         self._previous: tuple[str, object] | None = None  # kept while a load runs
         self._paths: dict[int, str] = {}  # every load in flight -> its folder
+        self._defaults: tuple[str, dict[str, float | int]] = ("", {})
 
     def load(self, path: str) -> None:
         """Ask the engine to load a model folder or "demo"."""
@@ -53,6 +55,15 @@ class ModelState(QObject):
         self.stateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
         self._request = self.bridge.load_model(path, self._handle)
         self._paths[self._request] = path
+
+    def generation_defaults(self) -> dict[str, float | int]:
+        """The loaded model's own sampling defaults (its generation_config.json)."""
+        folder = getattr(self.info, "path", None) if self.ready else None
+        if not folder:
+            return {}
+        if self._defaults[0] != folder:  # read once per model, not once per answer
+            self._defaults = (folder, generation_defaults(folder))
+        return self._defaults[1]
 
     def _handle(self, event: object) -> None:
         if isinstance(event, ModelLoaded):

@@ -11,13 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
+from urllib.parse import quote
 
 import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
 from engine import SamplingParams, data_dir, private_dir, private_file
 from engine.cache.modes import DEFAULT_MODE, MODES
+from engine.memory import prefill_rate
 
 # Best quality first, the order every list of modes in the app uses.
 # Small models loop on a phrase without it (the demo model repeated "finally…"
@@ -26,6 +30,8 @@ from engine.cache.modes import DEFAULT_MODE, MODES
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
 SETTINGS_FILE = "settings.ini"
+# The sampling keys a model's generation_config.json may give a default for.
+MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +55,11 @@ def default_settings_path() -> Path:
     except OSError as error:  # an unusable data folder: the window says so; settings go on
         log.warning("settings were not looked for in the data folder: %s", error)
     return path
+
+
+def _timings_key(model_id: str) -> str:
+    # A model id is a folder path: quoted, its slashes make no INI groups.
+    return f"prefill_timings/{quote(model_id, safe='')}"
 
 
 def documents_dir() -> str:
@@ -190,6 +201,14 @@ class Settings:
             speculative="lookup" if self.speculative else "off",
         )
 
+    def sampling_for(self, model_defaults: Mapping[str, float | int]) -> SamplingParams:
+        """``sampling`` with the model's own defaults (its generation_config.json) for
+        every key the user has not set here; a key set in Settings wins."""
+        stored = {key for key in MODEL_SAMPLING_KEYS if self._qs.contains(f"sampling/{key}")}
+        taken = {key: value for key, value in model_defaults.items()
+                 if key in MODEL_SAMPLING_KEYS and key not in stored}
+        return replace(self.sampling, **taken)
+
     @sampling.setter
     def sampling(self, params: SamplingParams) -> None:
         # Only the values that differ are written: a key left unset keeps following
@@ -210,6 +229,15 @@ class Settings:
     @speculative.setter
     def speculative(self, value: bool) -> None:
         self._set("engine/speculative", bool(value))
+
+    def prefill_timings(self, model_id: str) -> tuple[prefill_rate.ChunkTiming, ...]:
+        """The prefill chunks timed with ``model_id`` on this machine, oldest first."""
+        return prefill_rate.loads(self._get(_timings_key(model_id), "", str))
+
+    def set_prefill_timings(self, model_id: str,
+                            timings: tuple[prefill_rate.ChunkTiming, ...]) -> None:
+        """Keep ``model_id``'s chunk timings (a measurement: not one of ``fields()``)."""
+        self._set(_timings_key(model_id), prefill_rate.dumps(timings) if timings else None)
 
     @property
     def model_folders(self) -> list[str]:

@@ -70,7 +70,19 @@ CREATE TABLE IF NOT EXISTS quality_receipts (
     updated REAL NOT NULL,
     PRIMARY KEY (session_id, mode)
 );
+CREATE TABLE IF NOT EXISTS drafts (
+    session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+    text TEXT NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS app_state (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 """
+# app_state names: the chat on screen, and what was typed while no chat was.
+LAST_SESSION = "last_session"
+NO_CHAT_DRAFT = "draft"
 
 
 @dataclass(frozen=True)
@@ -320,18 +332,49 @@ class HistoryStore:
     def _touch(self, session_id: str) -> None:
         self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
 
-    # Measurements ---------------------------------------------------------
+    # Drafts and the chat on screen ----------------------------------------
 
-    def set_prefill_rate(self, model_id: str, tokens_per_second: float) -> None:
-        """Remember the last prefill rate measured with ``model_id`` on this machine."""
-        self._write("INSERT OR REPLACE INTO measurements VALUES (?, ?, ?)",
-                    (f"prefill_tps:{model_id}", float(tokens_per_second), time.time()))
+    def set_draft(self, session_id: str | None, text: str) -> None:
+        """Keep what is typed in a chat's composer (None: while no chat is shown).
 
-    def prefill_rate(self, model_id: str) -> float | None:
-        """The last prefill rate measured with ``model_id``, in tokens per second."""
-        row = self._db.execute("SELECT value FROM measurements WHERE name = ?",
-                               (f"prefill_tps:{model_id}",)).fetchone()
-        return float(row[0]) if row else None
+        Empty text deletes the draft; a chat deleted meanwhile keeps none.
+        """
+        if session_id is None:
+            self._set_state(NO_CHAT_DRAFT, text)
+        elif not text:
+            self._write("DELETE FROM drafts WHERE session_id = ?", (session_id,))
+        else:
+            self._write("INSERT OR REPLACE INTO drafts SELECT ?, ?, ? "
+                        "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
+                        (session_id, text, time.time(), session_id))
+
+    def draft(self, session_id: str | None) -> str:
+        """The text left typed in a chat's composer ("" when none)."""
+        if session_id is None:
+            return self._state(NO_CHAT_DRAFT) or ""
+        row = self._db.execute("SELECT text FROM drafts WHERE session_id = ?",
+                               (session_id,)).fetchone()
+        return str(row[0]) if row else ""
+
+    def set_last_session(self, session_id: str | None) -> None:
+        """Remember the chat on screen, to show it again at the next start."""
+        self._set_state(LAST_SESSION, session_id or "")
+
+    def last_session(self) -> SessionRecord | None:
+        """The chat that was on screen last, if it still exists."""
+        session_id = self._state(LAST_SESSION)
+        return self.session(session_id) if session_id else None
+
+    def _set_state(self, name: str, value: str) -> None:
+        if value:
+            self._write("INSERT OR REPLACE INTO app_state VALUES (?, ?)", (name, value))
+        else:
+            self._write("DELETE FROM app_state WHERE name = ?", (name,))
+
+    def _state(self, name: str) -> str | None:
+        row = self._db.execute("SELECT value FROM app_state WHERE name = ?",
+                               (name,)).fetchone()
+        return str(row[0]) if row else None
 
     # Quality receipts -----------------------------------------------------
 

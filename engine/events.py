@@ -28,6 +28,12 @@ class IngestProgress:
     tokens_total: int
     tokens_per_second: float
     eta_seconds: float | None
+    # The chunk just read: its tokens, the context held before it and its seconds
+    # (the model's work only, never a wait for memory), for a rate model that knows
+    # reading slows as the context grows (engine.memory.prefill_rate). 0: not timed.
+    chunk_tokens: int = 0
+    chunk_start: int = 0
+    chunk_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ other chats meanwhile), the answer is saved as it grows and as it ends
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity, Job
@@ -17,7 +19,7 @@ from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
-from engine import Failed, Finished, IngestProgress, TokenChunk
+from engine import Failed, Finished, IngestProgress, SamplingParams, TokenChunk
 
 TOO_LONG_TURN = ("Too long for the model's context; kept here but not sent with later "
                  "messages. Edit it to a shorter one, or reopen the chat in a smaller KV mode.")
@@ -39,13 +41,14 @@ class Answers(QObject):
     errorRaised = Signal(str)
     notice = Signal(str)
     ingestProgress = Signal(object)
-    measured = Signal(object)  # the GenerationStats of a request that read tokens in
 
     def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
                  model: ChatModel, activity: Activity, caches: SessionCaches,
-                 sessions: SessionActions, parent: QObject | None = None) -> None:
+                 sessions: SessionActions, parent: QObject | None = None, *,
+                 sampling: Callable[[], SamplingParams]) -> None:
         super().__init__(parent)
         self.bridge, self.settings, self.store, self.model = bridge, settings, store, model
+        self.sampling = sampling  # the settings over the loaded model's own defaults
         self.activity, self.caches, self.sessions = activity, caches, sessions
         self.recorder = AnswerRecorder(store, model, self)
         sessions.currentSessionChanged.connect(
@@ -62,6 +65,15 @@ class Answers(QObject):
                                  lambda job: self._run(job, session, messages, sent_id),
                                  self._dropped)
 
+    def start_continue(self, session: SessionRecord, message_id: int) -> Job:
+        """Let the answer ``message_id``, the conversation's last row, go on in place."""
+        messages = self.model.engine_messages(self.settings.system_prompt)
+        text = self.model.message(self.model.rowCount() - 1).content
+        return self.activity.add(session.id, "chat", session.title,
+                                 lambda job: self._run(job, session, messages, 0,
+                                                       (message_id, text)),
+                                 self._dropped)
+
     def start_ingest(self, session: SessionRecord) -> Job:
         """Read the conversation in ``model`` into ``session``'s new KV cache."""
         messages = self.model.engine_messages(self.settings.system_prompt)
@@ -70,23 +82,29 @@ class Answers(QObject):
                                  self._dropped)
 
     def _run(self, job: Job, session: SessionRecord, messages: list[dict[str, str]],
-             sent_id: int) -> None:
-        # Its turn has come: the answer's row is made now, in its own chat.
-        if job.kind == "chat":
+             sent_id: int, continued: tuple[int, str] | None = None) -> None:
+        # Its turn has come: the answer's row is made now, in its own chat (or, for
+        # Continue, the answer it extends records again).
+        if continued is not None:
+            self.recorder.resume(session.id, *continued, self._shown(session.id))
+        elif job.kind == "chat":
             self.recorder.start(session.id, self._shown(session.id))
+        # A failed Continue keeps the answer it extends: "failed" would leave it unseen.
+        failed = "stopped" if continued is not None else "failed"
 
         def handle(event: object) -> None:
-            self._handle(job, sent_id, event)
+            self._handle(job, sent_id, event, failed)
 
         def submit() -> None:
             if job.kind == "chat":
-                rid = self.bridge.chat(session.id, messages, self.settings.sampling, handle)
+                rid = self.bridge.chat(session.id, messages, self.sampling(), handle)
             else:
                 rid = self.bridge.ingest(session.id, messages, handle)
             if self.activity.submitted(job, rid):  # Stop was pressed while the cache opened
                 self.bridge.cancel(rid)
 
-        self.caches.ensure_open(session, submit, lambda event: self._open_failed(job, event))
+        self.caches.ensure_open(session, submit,
+                                lambda event: self._open_failed(job, event, failed))
 
     def _shown(self, session_id: str) -> bool:
         current = self.sessions.current
@@ -94,7 +112,7 @@ class Answers(QObject):
 
     # Engine events of one request ----------------------------------------
 
-    def _handle(self, job: Job, sent_id: int, event: object) -> None:
+    def _handle(self, job: Job, sent_id: int, event: object, failed: str) -> None:
         if isinstance(event, TokenChunk):
             if job.kind == "chat":
                 self.recorder.append(event.text)
@@ -105,7 +123,7 @@ class Answers(QObject):
         elif isinstance(event, Finished):
             self._finished(job, event)
         elif isinstance(event, Failed):
-            self._failed(job, sent_id, event)
+            self._failed(job, sent_id, event, failed)
 
     def finish_answer(self, status: str, reason: str | None, stats: dict | None = None) -> None:
         """Save how the answer ended and say so."""
@@ -115,8 +133,6 @@ class Answers(QObject):
 
     def _finished(self, job: Job, event: Finished) -> None:
         kept = _kept(event, job.progress)
-        if event.stats is not None:
-            self.measured.emit(event.stats)
         if job.kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
             reason = {"cancelled": "Stopped", "length": LENGTH_LIMIT,
@@ -146,19 +162,19 @@ class Answers(QObject):
         else:
             self.notice.emit(f"Stopped reading the conversation in ({ingested.kv_mode}).")
 
-    def _failed(self, job: Job, sent_id: int, event: Failed) -> None:
+    def _failed(self, job: Job, sent_id: int, event: Failed, status: str) -> None:
         self.errorRaised.emit(event.message)
         if job.kind == "chat":
             if event.error_type == "ContextTooLong":
                 self._set_aside_sent_turn(sent_id)
-            self.finish_answer("failed", event.message)
+            self.finish_answer(status, event.message)
         self.activity.end(job)
 
-    def _open_failed(self, job: Job, event: Failed) -> None:
+    def _open_failed(self, job: Job, event: Failed, status: str) -> None:
         # The session's KV cache could not be opened: the job waiting on it ends.
         self.errorRaised.emit(event.message)
         if job.kind == "chat":
-            self.finish_answer("failed", event.message)
+            self.finish_answer(status, event.message)
         self.activity.end(job)
 
     def _dropped(self, job: Job) -> None:

@@ -59,6 +59,17 @@ class AnswerRecorder(QObject):
         self._timer.start()
         return self.message_id
 
+    def resume(self, session_id: str, message_id: int, text: str, shown: bool = True) -> None:
+        """Go on recording the saved answer ``message_id`` (Continue): its text grows."""
+        self.message_id, self.session_id, self.text, self.shown = (
+            message_id, session_id, text, shown)
+        self.store.update_message(message_id, status="streaming", reason="")
+        row = self.model.row_of(message_id) if shown else None
+        if row is not None:
+            self.model.update_row(row, content=text, status="streaming", reason=None)
+        self._saved_at, self._dirty = time.monotonic(), False
+        self._timer.start()
+
     def append(self, text: str) -> None:
         """Streamed text: kept, shown when its chat is, saved at most once a second."""
         if not self.recording or not text:

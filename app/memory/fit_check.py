@@ -15,6 +15,7 @@ from PySide6.QtCore import QObject, QTimer
 from app.format import human_bytes, human_duration
 from engine import EngineError
 from engine.cache.modes import MODES
+from engine.memory.prefill_rate import PrefillRate
 
 DEBOUNCE_MS = 250
 COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
@@ -23,12 +24,19 @@ FULL_TTL_S = 3.0
 SHOW_WAIT_ABOVE_TOKENS = 2048  # shorter reads take a few seconds at most
 
 
-def wait_sentence(tokens: int, rate: float | None) -> str:
-    """"Reading 5,400 tokens takes about 5m 00s at 18 tok/s here", or "" when unknown."""
-    if not rate or rate <= 0 or tokens < SHOW_WAIT_ABOVE_TOKENS:
+def wait_sentence(new: int, reused: int, rate: PrefillRate | None) -> str:
+    """"Reading 2,249 new tokens (2,098 reused) takes about 50s here", or "" for a short read.
+
+    ``reused`` tokens are held already (the chat's cache, or its snapshot on disk):
+    the read starts after them, where each token costs more than at the start.
+    """
+    if new < SHOW_WAIT_ABOVE_TOKENS:
         return ""
-    return (f"Reading {tokens:,} tokens takes about {human_duration(tokens / rate)} "
-            f"at {rate:,.0f} tok/s here")
+    what = (f"Reading {new:,} new tokens ({reused:,} reused)" if reused
+            else f"Reading {new:,} tokens")
+    if rate is None:
+        return f"{what} · first read on this machine: no estimate yet"
+    return f"{what} takes about {human_duration(rate.seconds(reused, reused + new))} here"
 
 
 class FitChecker(QObject):
@@ -133,14 +141,25 @@ class FitChecker(QObject):
             self.composer.show_fit("", True)
             return
         html, ok = fit_html(report, mode, total, estimated)
-        wait = wait_sentence(self.tokens_to_read(prompt), self.controller.prefill_rate())
+        wait = wait_sentence(*self.tokens_to_read(prompt), self.controller.prefill_rate())
         self.composer.show_fit(f"{html}<br>{wait}." if wait else html, ok)
 
-    def tokens_to_read(self, prompt: int) -> int:
-        """Tokens the next send reads in: the prompt, and the whole chat if its cache is gone."""
+    def tokens_to_read(self, prompt: int) -> tuple[int, int]:
+        """(new, reused): the tokens the next send reads in, and those it starts from.
+
+        A held cache keeps the whole chat; a chat whose cache left memory starts
+        from its KV snapshot on disk (in the chat's mode), and reads the rest again.
+        """
         current = self.controller.current
-        held = current is not None and current.id in self.controller.opened
-        return prompt + (0 if held else self.context_tokens())
+        context = self.context_tokens()
+        if current is None:
+            return prompt, 0
+        if current.id in self.controller.opened:
+            return prompt, context
+        snapshot = self.controller.bridge.stored_snapshot(current.id)
+        reused = (min(snapshot.tokens, context)
+                  if snapshot is not None and snapshot.mode == current.kv_mode else 0)
+        return context - reused + prompt, reused
 
 
 def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[str, bool]:

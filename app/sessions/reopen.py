@@ -51,7 +51,7 @@ def reopen_text(controller, mode: str) -> str:
         parts.append(f" ({tokens:,} tokens)")
     parts.append(". The original chat stays as it is, in "
                  f"{current.kv_mode}.")
-    wait = wait_sentence(tokens, controller.prefill_rate())
+    wait = wait_sentence(tokens, 0, controller.prefill_rate())
     if wait:
         parts.append(f" {wait}.")
     size = _kv_bytes(controller, mode, tokens)

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
     QMainWindow,
+    QMessageBox,
     QSplitter,
     QVBoxLayout,
     QWidget,
@@ -19,6 +20,7 @@ from PySide6.QtWidgets import (
 from app.chat.attachments import CHARS_PER_TOKEN_BOUND, DocumentLoader
 from app.chat.composer import READING, Composer
 from app.chat.conversation_view import ConversationView
+from app.chat.drafts import Drafts
 from app.controller import ChatController
 from app.format import visible_text
 from app.memory.fit_check import FitChecker
@@ -33,6 +35,7 @@ from app.window.menus import build_menus, build_toolbar
 from app.window.model_picker import DEMO
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
+from app.window.quit_box import QUIT, quit_box
 
 CHECKING = JOB_WORDS[ChatState.CHECKING]  # the progress row's title while a check reads
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
@@ -68,6 +71,8 @@ class MainWindow(QMainWindow):
         self._shown_states: dict[str, str] = {}
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
+        self.drafts = Drafts(controller, self.composer, self)
+        self.quit_box: QMessageBox | None = None  # asking whether to quit mid-answer
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
         build_toolbar(self)
         build_menus(self)
@@ -316,7 +321,7 @@ class MainWindow(QMainWindow):
         else:
             self.composer.show_progress(
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
-                progress.eta_seconds, READING)
+                self.controller.read_eta(progress), READING)
         self.conversation.set_busy(job is not None)
 
     def _on_edit_requested(self, text: str, attachments) -> None:
@@ -414,13 +419,31 @@ class MainWindow(QMainWindow):
         # Nothing here waits: the history is saved and the engine told to stop,
         # and the window goes away at once. ``finish_closing`` then joins the
         # threads, after the window is gone.
+        question = self.controller.quit_question()
+        if question and not self._quit_confirmed():
+            event.ignore()
+            self._ask_quit(question)
+            return
         if self.closed_at is None:
             self.closed_at = time.monotonic()
+        self.drafts.save_now()
         self.settings.window_geometry = bytes(self.saveGeometry().data())
         self.settings.sync()
         QApplication.instance().removeEventFilter(self.file_open_filter)
         self.controller.close()
         event.accept()
+
+    def _quit_confirmed(self) -> bool:
+        box = self.quit_box
+        return box is not None and box.clickedButton() is box.button(QUIT)
+
+    def _ask_quit(self, question: str) -> None:
+        """Ask without blocking (a sheet on macOS); Quit closes the window again."""
+        if self.quit_box is not None and self.quit_box.isVisible():
+            return
+        self.quit_box = quit_box(question, self)
+        self.quit_box.finished.connect(lambda _r: self._quit_confirmed() and self.close())
+        self.quit_box.open()
 
     def finish_closing(self, within: float = EXIT_WITHIN_S) -> bool:
         """Join the file readers and the engine thread after the window closed.

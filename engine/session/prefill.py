@@ -172,6 +172,7 @@ class ChunkedPrefill:
                     end - begin, watch, request_id, emit, tick)
                 if short or watch.is_set():
                     return self._stopped(read, total, start, watch, short)
+                chunk_began = self.clock()
                 try:
                     self.target.forward(ids[begin - base:end - base])
                 except KvBudgetExceeded:
@@ -183,14 +184,17 @@ class ChunkedPrefill:
                                                 tick, pages=True)
                     if short or watch.is_set():
                         return self._stopped(read, total, start, watch, short)
+                    chunk_began = self.clock()
                     self.target.forward(ids[begin - base:end - base])
                 read = end - base
                 self.target.checkpoint(boundary=end in boundaries or read == len(ids))
                 mx.clear_cache()
-                elapsed = max(self.clock() - start, 1e-9)
+                now = self.clock()
+                elapsed = max(now - start, 1e-9)
                 rate = read / elapsed
                 eta = (len(ids) - read) / rate if rate > 0 else None
-                emit(IngestProgress(request_id, read, len(ids), rate, eta))
+                emit(IngestProgress(request_id, read, len(ids), rate, eta,
+                                    end - begin, begin, now - chunk_began))
                 tick()
         except KvBudgetExceeded as error:
             # Raised before the chunk touched any layer.

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import EngineError
+
 log = logging.getLogger(__name__)
 
 # End-of-turn markers of common chat templates; added to the tokenizer's EOS ids
@@ -106,6 +108,25 @@ def _template_text(tokenizer: Any, messages: list[dict[str, str]], *,
         messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def _continued_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The conversation rendered up to the end of its final (assistant) message's text.
+
+    Cut after the last copy of that text, stripped, as templates often trim a
+    message (transformers cuts the same way); an answer of nothing but spaces
+    goes right after the opening of the answer's turn.
+    """
+    final = messages[-1]["content"]
+    stripped = final.strip()
+    if not stripped:
+        return _template_text(tokenizer, messages[:-1], add_generation_prompt=True) + final
+    text = _template_text(tokenizer, messages, add_generation_prompt=False)
+    end = text.rfind(stripped)
+    if end < 0:
+        raise EngineError("This model's chat template drops the answer to continue, so it "
+                          "cannot go on from where the answer ended; send a new message.")
+    return text[:end + len(stripped)]
+
+
 def _backend(tokenizer: Any) -> Any | None:
     """The Rust ``tokenizers.Tokenizer`` behind an mlx-lm/HF tokenizer, if there is one."""
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
@@ -147,12 +168,23 @@ def token_ends(tokenizer: Any, text: str) -> list[int]:
 def render_prompt(
     tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool
 ) -> Prompt:
-    """The conversation rendered the way ``mlx_lm generate`` does, tokenized once."""
+    """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
+
+    Asked for the answer (``add_generation_prompt``) of a conversation that ends
+    with an assistant message, it continues that message: the prompt ends where
+    its text ends, without an end of turn or a new turn (what transformers calls
+    ``continue_final_message``, and a final assistant message means in the
+    Anthropic API: the answer starts with it).
+    """
     if not messages:
         return Prompt([], [])
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if getattr(tokenizer, "has_chat_template", False):
-        text = _template_text(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        if add_generation_prompt and messages[-1]["role"] == "assistant":
+            text = _continued_text(tokenizer, messages)
+        else:
+            text = _template_text(tokenizer, messages,
+                                  add_generation_prompt=add_generation_prompt)
         ids, starts = encode_with_starts(tokenizer, text)
         return Prompt(ids, messages, text, starts)
     # Base models have no template: the contents, one after another.

@@ -13,6 +13,7 @@ from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
 from app.window.main_window import MainWindow
+from app.window.quit_box import QUIT
 from engine.session.sampling import SamplingParams
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -53,8 +54,13 @@ def open_window(qtbot, model: Path, max_tokens: int = 24, **bridge_args) -> Main
 
 
 def close_window(window: MainWindow, within: float = 60.0) -> None:
-    """Close like a user does, join the worker as the app's exit does, close the database."""
+    """Close like a user does, join the worker as the app's exit does, close the database.
+
+    Mid-answer the window asks first; the user answers Quit.
+    """
     window.close()
+    if window.isVisible() and window.quit_box is not None:
+        window.quit_box.button(QUIT).click()
     assert window.finish_closing(within), "the engine thread did not stop"
     window.controller.store.close()
 

@@ -24,6 +24,7 @@ from PySide6.QtCore import QTimer
 
 from app.__main__ import build_window, create_app, finish
 from app.settings import Settings
+from app.window.quit_box import QUIT
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 
@@ -86,6 +87,8 @@ def main() -> None:
         if args.close_on_answer and window.isVisible():
             say("closing")
             window.close()
+            if window.quit_box is not None:  # asked mid-answer: Quit, keeping the answer
+                window.quit_box.button(QUIT).click()
 
     controller.model.streamFlushed.connect(on_answer_text)
 

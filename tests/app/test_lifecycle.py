@@ -238,6 +238,8 @@ def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
         c.select_session(other.id)  # reading another chat needs no engine
         assert c.current.id == other.id
         assert [m.content for m in c.model.messages()] == ["other chat's question"]
+        assert window.composer.text() == ""  # the draft stays with its own chat
+        window.composer.set_text("another question")
         window.send()  # another chat's message waits in line behind the answer
         assert window.composer.text() == ""
         running = "answering" if phase == "answering" else "reading"

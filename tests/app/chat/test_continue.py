@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from app.chat.recorder import LENGTH_LIMIT
-from app.controller import CONTINUE_PROMPT
 from app.settings import DEFAULT_REPETITION_PENALTY, Settings
 from engine.session.sampling import build_logits_processors
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
@@ -27,8 +26,12 @@ def test_an_answer_cut_at_the_length_limit_offers_continue(qtbot, window) -> Non
         window.conversation.widgets[0])
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
         last.continue_button.click()
-    rows = [(m.role, m.content) for m in c.store.messages(c.current.id)]
-    assert [r for r, _ in rows] == ["user", "assistant", "user", "assistant"]
-    assert rows[2][1] == CONTINUE_PROMPT and rows[3][1]
-    assert not window.conversation.widgets[1].continue_button.isVisibleTo(
-        window.conversation.widgets[1])  # only the last answer goes on
+    # The same answer grew: no "Continue." turn, no second bubble.
+    rows = [(m.role, m.content, m.status) for m in c.store.messages(c.current.id)]
+    assert [r for r, _, _ in rows] == ["user", "assistant"]
+    assert rows[1][1].startswith(cut.content) and len(rows[1][1]) > len(cut.content)
+    assert rows[1][2] == "complete"
+    assert len(window.conversation.widgets) == 2
+    assert c.model.message(1).content == rows[1][1]
+    assert window.conversation.widgets[1].continue_button.isVisibleTo(
+        window.conversation.widgets[1])  # cut at the limit again: it can go on again

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from app.memory.fit_check import fit_html, wait_sentence
-from tests.app.conftest import send_and_wait
+from app.settings import Settings
+from engine import IngestProgress
+from engine.memory.prefill_rate import ChunkTiming, PrefillRate
+from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
 
 def _report() -> SimpleNamespace:
@@ -38,27 +43,75 @@ def test_the_fit_line_speaks_plainly() -> None:
         assert jargon not in html
 
 
-def test_the_wait_is_said_from_the_measured_rate_only_for_long_reads() -> None:
-    assert wait_sentence(5400, 18.0) == "Reading 5,400 tokens takes about 5m 00s at 18 tok/s here"
-    assert wait_sentence(5400, None) == ""  # never measured: no guess
-    assert wait_sentence(500, 18.0) == ""
+def test_the_wait_counts_only_new_tokens_and_says_when_nothing_was_measured() -> None:
+    rate = PrefillRate(0.01, 1e-5)
+    # From 2,098 held tokens to 4,347: ∫ (0.01 + 1e-5·c) dc = 22.49 + 72.47 s.
+    assert wait_sentence(2249, 2098, rate) == \
+        "Reading 2,249 new tokens (2,098 reused) takes about 1m 35s here"
+    assert wait_sentence(4347, 0, rate) == "Reading 4,347 tokens takes about 2m 18s here"
+    assert wait_sentence(4347, 0, None) == \
+        "Reading 4,347 tokens · first read on this machine: no estimate yet"
+    assert wait_sentence(500, 4000, rate) == ""  # a short read: no sentence
 
 
-def test_before_sending_a_long_text_the_fit_line_says_how_long_reading_takes(
+def _timings(rate: PrefillRate, total: int, chunk: int = 512) -> tuple[ChunkTiming, ...]:
+    return tuple(ChunkTiming(min(chunk, total - c), c, rate.seconds(c, min(c + chunk, total)))
+                 for c in range(0, total, chunk))
+
+
+def test_before_any_read_the_fit_line_says_there_is_no_estimate_yet(qtbot, window) -> None:
+    c = window.controller
+    c.new_session("q8")
+    window.composer.set_text("word " * 3000)
+    window.fit.run()
+    assert "first read on this machine: no estimate yet" in window.composer.fit.text()
+
+
+def test_the_fit_line_counts_what_the_held_cache_and_the_snapshot_already_hold(
         qtbot, window) -> None:
     c = window.controller
     c.new_session("q8")
-    c.store.set_prefill_rate(c.model_id, 20.0)
+    assert send_and_wait(qtbot, window, "word " * 300) == "complete"
+    rate = PrefillRate(2e-3, 1e-6)
+    c.settings.set_prefill_timings(c.model_id, _timings(rate, 4096))
     window.composer.set_text("word " * 3000)
-    window.fit.run()
     prompt, _ = window.fit.prompt_tokens()
-    assert prompt >= 2048
-    assert wait_sentence(prompt, 20.0) in window.composer.fit.text()
+    context = window.fit.context_tokens()
+    assert prompt >= 2048 and context > 300
+    # Held in memory: only the new text is read, after the whole chat.
+    assert window.fit.tokens_to_read(prompt) == (prompt, context)
+    window.fit.run()
+    assert wait_sentence(prompt, context, c.prefill_rate()) in window.composer.fit.text()
+    assert f"({context:,} reused)" in window.composer.fit.text()
+    # Out of memory, on disk: the snapshot's tokens are reused, the rest read again.
+    c.caches.close(c.current.id)
+    qtbot.waitUntil(lambda: c.bridge.stored_snapshot(c.current.id) is not None,
+                    timeout=ANSWER_TIMEOUT_MS)
+    stored = c.bridge.stored_snapshot(c.current.id).tokens
+    context = window.fit.context_tokens()
+    assert 0 < stored <= context
+    assert window.fit.tokens_to_read(prompt) == (context - stored + prompt, stored)
 
 
-def test_a_long_read_records_the_prefill_rate_for_the_loaded_model(qtbot, window) -> None:
+def test_reads_teach_the_rate_model_which_survives_a_restart_and_gives_the_eta(
+        qtbot, window) -> None:
     c = window.controller
     assert c.prefill_rate() is None
-    assert send_and_wait(qtbot, window, "word " * 400) == "complete"
-    assert c.prefill_rate() is not None and c.prefill_rate() > 0
-    assert c.store.prefill_rate("another model") is None
+    c.settings.ingest_chunk = 64
+    window.composer.set_text("word " * 400)
+    with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+        c.send(window.composer.text())
+    timed = c.settings.prefill_timings(c.model_id)
+    assert timed and all(t.tokens > 0 and t.seconds > 0 for t in timed)
+    assert c.prefill_rate() is not None
+    # Kept in the settings file per model: a new Settings on the same file has them.
+    c.settings.sync()
+    assert Settings(c.settings.path).prefill_timings(c.model_id) == timed
+    assert Settings(c.settings.path).prefill_timings("another model") == ()
+    # The ETA at a point of a read is the rate model's integral over what is left.
+    rate = PrefillRate(0.01, 1e-5)
+    c.settings.set_prefill_timings(c.model_id, _timings(rate, 6000))
+    progress = IngestProgress(1, 1024, 4096, 50.0, 61.0, 512, 2512, 9.0)
+    assert c.read_eta(progress) == pytest.approx(rate.seconds(3024, 3024 + 3072), rel=1e-6)
+    # Before any chunk was timed the engine's own figure stands.
+    assert c.read_eta(IngestProgress(1, 0, 4096, 0.0, 61.0)) == 61.0

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from engine.errors import EngineError
 from engine.session.prompt_ids import message_boundaries, render_prompt, token_ends
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -60,3 +61,29 @@ def test_token_ends_cut_a_document_at_whole_tokens(tokenizer) -> None:
     assert ends == sorted(ends) and ends[-1] == len(text)
     for count in (1, 7, len(ends) // 3, len(ends) - 1):
         assert len(tokenizer.encode(text[:ends[count - 1]], add_special_tokens=False)) == count
+
+
+class _DroppingTemplate:
+    """A chat template that leaves the last answer out, as some trim history."""
+
+    has_chat_template = True
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return "<user>" + messages[0]["content"] + "<assistant>"
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+def test_continuing_an_answer_the_template_drops_says_so() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    with pytest.raises(EngineError, match="cannot go on from where the answer ended"):
+        render_prompt(_DroppingTemplate(), messages, add_generation_prompt=True)
+    # Read without an answer to come, the same conversation renders as it is.
+    assert render_prompt(_DroppingTemplate(), messages, add_generation_prompt=False).ids
+
+
+def test_an_answer_of_only_spaces_continues_right_after_its_turn_opens() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\n"}]
+    prompt = render_prompt(_DroppingTemplate(), messages, add_generation_prompt=True)
+    assert prompt.text == "<user>hi<assistant>\n\n"

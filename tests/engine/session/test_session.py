@@ -386,3 +386,40 @@ def test_a_model_the_probe_sends_to_mlx_lm_runs_on_mlx_lms_cache(
     if mode == "fp16":
         prompt = session.render(_user("Where do longleaf pines grow?"), add_generation_prompt=True)
         assert rec.ids() == _mlx_lm_greedy(base, prompt, len(rec.ids()))
+
+
+def test_each_progress_times_its_own_chunk_from_the_context_before_it(models) -> None:
+    session = Session("s", models["llama"], "q8", page_size=16, chunk_size=10)
+    rec = Recorder()
+    session.ingest(_user(QUESTION), request_id=1, cancel=rec.cancel, emit=rec, tick=lambda: None)
+    first = rec.of(IngestProgress)
+    session.ingest(_user(QUESTION * 2), request_id=2, cancel=rec.cancel, emit=rec,
+                   tick=lambda: None)
+    second = rec.of(IngestProgress)[len(first):]
+    for progress in (first, second):
+        # Chunks tile the read: each starts where the one before it ended.
+        assert [p.chunk_start + p.chunk_tokens for p in progress[:-1]] == \
+            [p.chunk_start for p in progress[1:]]
+        assert all(p.chunk_tokens > 0 and p.chunk_seconds > 0 for p in progress)
+    # The longer conversation's read starts after the prefix the first one left held.
+    total = len(session.render(_user(QUESTION * 2), add_generation_prompt=False))
+    assert 0 < second[0].chunk_start <= first[-1].tokens_done
+    assert second[0].chunk_start + second[-1].tokens_total == total
+    assert sum(p.chunk_tokens for p in second) == second[-1].tokens_done
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_conversation_ending_with_an_answer_continues_it_in_place(models, arch) -> None:
+    loaded = models[arch]
+    session = Session("s", loaded, "fp16", page_size=16, chunk_size=16)
+    question = _user(QUESTION)
+    _chat(session, question)
+    answer = "Once upon a time, far away"  # an answer cut short (random weights make none)
+    messages = [*question, {"role": "assistant", "content": answer}]
+    prompt = session.prompt(messages, add_generation_prompt=True)
+    # The answer's own text ends the prompt: no end of turn, no new turn after it.
+    assert prompt.text.endswith(answer)
+    assert prompt.text.startswith(session.prompt(question, add_generation_prompt=True).text)
+    _, _, rec = _chat(session, messages)
+    assert rec.ids() == _mlx_lm_greedy(loaded, prompt.ids, GREEDY.max_tokens)
+    assert adapter.cache_tokens(session.cache) == len(session.tokens)
