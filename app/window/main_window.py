@@ -39,9 +39,12 @@ EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
 # lines at the smallest window the app targets (1024 wide, with both side
 # columns); the side columns give way first, down to their minimums.
 CHAT_MIN_WIDTH = 560
-SIDEBAR_WIDTH = (180, 240)  # (minimum, preferred)
-PANEL_WIDTH = (260, 320)
+SIDEBAR_WIDTH = (156, 240)  # (minimum, preferred)
+PANEL_WIDTH = (306, 330)  # its table of modes needs this much in the stylesheet's font
 DEFAULT_SIZE = QSize(1380, 860)
+# The three columns' minimums side by side, and the height at which the memory
+# panel's top sections show without scrolling (tests/app/window/test_layout.py).
+MINIMUM_SIZE = QSize(1024, 700)
 
 
 class MainWindow(QMainWindow):
@@ -55,6 +58,7 @@ class MainWindow(QMainWindow):
         self.settings = controller.settings
         self.setWindowTitle("Longleaf")
         self.setAcceptDrops(True)
+        self.setMinimumSize(MINIMUM_SIZE)
         self.resize(initial_size(self.screen().availableSize()))
         self.loader = DocumentLoader(controller.bridge.token_ends, self)
         self.attachments: dict[int, AttachmentRecord] = {}
@@ -99,6 +103,9 @@ class MainWindow(QMainWindow):
         self.sessions.setMinimumWidth(SIDEBAR_WIDTH[0])
         self.panel.setMinimumWidth(PANEL_WIDTH[0])
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        # A hairline between columns, as the stylesheet draws it: the columns' minimums
+        # add up to MINIMUM_SIZE's width with no room for wider handles.
+        self.splitter.setHandleWidth(1)
         self.splitter.addWidget(self.sessions)
         self.splitter.addWidget(centre)
         self.splitter.addWidget(self.panel)
