@@ -170,8 +170,11 @@ class MainWindow(QMainWindow):
             self.models_dialog.raise_()
             return
         picker = self.model_picker
+        loaded = self.controller.model_id
+        if loaded == DEMO:
+            loaded = str(picker.demo.path) if picker.demo is not None else None
         dialog = ModelsDialog(picker.installed(), picker.recommended, self.downloads.running,
-                              self)
+                              self, loaded=loaded)
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.loadRequested.connect(self._load_from_library)
         dialog.downloadRequested.connect(self.downloads.start)
@@ -191,10 +194,13 @@ class MainWindow(QMainWindow):
     def _on_download_ended(self, repo_id: str, folder: str | None, message: str,
                            cancelled: bool) -> None:
         entry = next((e for e in self.model_picker.recommended if e.repo_id == repo_id), None)
-        if self.models_dialog is not None and entry is not None:
-            self.models_dialog.download_ended(entry, folder)
+        shown = self.models_dialog is not None and entry is not None
+        if shown:
+            # Said in the dialog, beside its Retry, not in the banner behind it.
+            self.models_dialog.download_ended(entry, folder, message, cancelled)
         if folder is None:
-            self.banner.show_message(message, "info" if cancelled else "error")
+            if not shown:
+                self.banner.show_message(message, "info" if cancelled else "error")
             return
         self.banner.show_message(f"Downloaded {repo_id}; loading it.", "info")
         self.model_picker.refresh(self.settings.model_folders)

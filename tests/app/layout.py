@@ -202,11 +202,24 @@ def _cell(view: QTableView, index: QModelIndex, margin: int) -> list[str]:
         return [f"{where}: ends at {rect.right()} px, past the view's {view.viewport().width()}"]
     if width > rect.width() - margin + SLACK and _elided_with_tooltip(view, index, text):
         return []
+    if width > rect.width() - margin + SLACK and view.wordWrap():
+        # Wrapped onto more lines: fine while the row is tall enough for all of them.
+        doc = _document(text, metrics_font(font, view), rich=False)
+        doc.setTextWidth(max(rect.width() - margin, 1))
+        if doc.idealWidth() <= rect.width() - margin + SLACK \
+                and doc.size().height() <= rect.height() + SLACK:
+            return []
+        return [f"{where}: wraps to {doc.size().height():.0f} px in {rect.height()} px"]
     if width > rect.width() - margin + SLACK:
         return [f"{where}: {width} px in {rect.width() - margin} px"]
     if lines * metrics.height() > rect.height() + SLACK:
         return [f"{where}: {lines} lines in {rect.height()} px"]
     return []
+
+
+def metrics_font(font: object, view: QTableView) -> QFont:
+    """A cell's own font, or its view's."""
+    return font if isinstance(font, QFont) else view.font()
 
 
 def _elided_with_tooltip(view: QTableView, index: QModelIndex, text: str) -> bool:
