@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtCore import QEvent, QSize, Qt, Signal
 from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
@@ -28,7 +28,7 @@ from app.sessions.session_list import SessionList
 from app.store import AttachmentRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from app.window.downloads import Downloads
-from app.window.menus import build_menus, build_toolbar
+from app.window.menus import build_menus, build_toolbar, set_toolbar_icons
 from app.window.model_picker import DEMO
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
@@ -415,6 +415,11 @@ class MainWindow(QMainWindow):
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
                                              self.settings.ingest_chunk)
             self.controller.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange and hasattr(self, "settings_action"):
+            set_toolbar_icons(self)  # the icons are drawn in the palette's text colour
 
     def closeEvent(self, event: QCloseEvent) -> None:
         # Nothing here waits: the history is saved and the engine told to stop,
