@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QAction, QKeySequence, QPalette
 from PySide6.QtWidgets import (
     QApplication,
@@ -27,6 +27,7 @@ from app.settings import Settings
 from app.window.icons import toolbar_icon
 from app.window.model_picker import ModelPicker
 
+TOOLBAR_ICON = 18  # pixels: the size of a Mac toolbar's symbols beside their words
 ABOUT = ("<b>Longleaf</b> {version}<br>Long-context chat with local models on Apple "
          "Silicon: a paged, quantized KV cache (fp16, q8, q6, q4) and a live view of the "
          "memory it takes.")
@@ -69,6 +70,7 @@ def build_toolbar(window: MenuHost) -> None:
     bar.setMovable(False)
     # Icon and word side by side: a Mac toolbar's symbols, and still one row at 1024 px.
     bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+    bar.setIconSize(QSize(TOOLBAR_ICON, TOOLBAR_ICON))
     window.addToolBar(bar)
     window.models_action = QAction("Models and Downloads…", window)
     window.models_action.triggered.connect(window.open_models)

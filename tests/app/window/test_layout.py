@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QSize
+from PySide6.QtGui import QColor
 
+from app.memory.charts import CELL, GAP, MAX_ROWS, PagePoolView
 from app.style import apply_style
 from app.window.main_window import MINIMUM_SIZE
 from app.window.model_picker import demo_item_text
@@ -92,5 +94,26 @@ def test_the_panels_top_sections_show_without_scrolling(qtbot, chatted, size) ->
     panel = chatted.panel
     assert panel.verticalScrollBar().value() == 0
     # Everything above the history chart is in view without scrolling.
+    top = panel.chart.mapTo(panel.widget(), panel.chart.rect().topLeft()).y()
+    assert top <= panel.viewport().height()
+
+
+def test_a_big_page_pool_keeps_to_a_few_rows(qtbot) -> None:
+    pool = PagePoolView()
+    qtbot.addWidget(pool)
+    pool.resize(280, 40)
+    # The demo model after one answer: 30 layers' pages, most of the pool still free.
+    pool.set_pages(30, 120, 90, 0.27, QColor("#2f7d5b"))
+    assert pool.height() <= MAX_ROWS * (CELL + GAP)
+    assert pool.pages_per_cell() > 1  # and the tooltip says how many pages a square is
+    pool.set_pages(3, 8, 4, 0.5, QColor("#2f7d5b"))
+    assert pool.pages_per_cell() == 1  # a small pool keeps a square per page
+
+
+def test_the_top_sections_fit_with_the_demo_models_page_pool(qtbot, chatted) -> None:
+    show_at(qtbot, chatted, MINIMUM_SIZE)
+    panel = chatted.panel
+    panel.pool.set_pages(30, 120, 90, 0.27, QColor("#2f7d5b"))
+    qtbot.wait(50)
     top = panel.chart.mapTo(panel.widget(), panel.chart.rect().topLeft()).y()
     assert top <= panel.viewport().height()
