@@ -35,6 +35,7 @@ COLUMNS = ("Model", "Size", "Context", "fp16", "q8", "q6", "q4", "On this machin
 VERDICT_COLUMN = len(COLUMNS) - 2
 ACTION_COLUMN = len(COLUMNS) - 1
 LOADED = "Loaded"
+DIALOG_SIZE = (1000, 460)
 FITS = "#2f7d5b"
 TOO_BIG = "#c0392b"
 
@@ -51,7 +52,8 @@ class ModelsDialog(QDialog):
                  loaded: str | None = None, total_ram: int | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Models")
-        self.resize(1040, 460)
+        room = self.screen().availableSize()  # fits a 1024-px screen with a margin
+        self.resize(min(DIALOG_SIZE[0], room.width() - 40), min(DIALOG_SIZE[1], room.height()))
         self.loaded = loaded  # the folder of the model in use
         self.total_ram = psutil.virtual_memory().total if total_ram is None else total_ram
         self.entries: dict[str, ModelEntry] = {}  # by path or repo id
