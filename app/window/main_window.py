@@ -42,6 +42,7 @@ CHAT_MIN_WIDTH = 560
 SIDEBAR_WIDTH = (156, 240)  # (minimum, preferred)
 PANEL_WIDTH = (306, 330)  # its table of modes needs this much in the stylesheet's font
 DEFAULT_SIZE = QSize(1380, 860)
+MODEL_STATE_WIDTH = 200  # the toolbar's model state text, in pixels at most
 # The three columns' minimums side by side, and the height at which the memory
 # panel's top sections show without scrolling (tests/app/window/test_layout.py).
 MINIMUM_SIZE = QSize(1024, 700)
@@ -207,7 +208,11 @@ class MainWindow(QMainWindow):
         self.choose_model(folder)
 
     def _on_model_state(self, text: str, ready: bool) -> None:
-        self.model_state.setText(("● " if ready else "○ ") + text)
+        # A long model name is shortened in the middle: the toolbar keeps one row at 1024 px.
+        shown = ("● " if ready else "○ ") + text
+        self.model_state.setText(self.model_state.fontMetrics().elidedText(
+            shown, Qt.TextElideMode.ElideMiddle, MODEL_STATE_WIDTH))
+        self.model_state.setToolTip(shown if self.model_state.text() != shown else "")
         self.model_state.setProperty("ready", ready)
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)

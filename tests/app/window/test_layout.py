@@ -14,14 +14,19 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import QSize
 from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QToolButton
 
+from app.controller import ChatController
+from app.engine_bridge import EngineBridge
 from app.memory.charts import CELL, GAP, MAX_ROWS, PagePoolView
+from app.settings import Settings
+from app.store import HistoryStore
 from app.style import apply_style
-from app.window.main_window import MINIMUM_SIZE
+from app.window.main_window import MINIMUM_SIZE, MainWindow
 from app.window.model_picker import demo_item_text
 from engine import StoredKv
 from engine.snapshots.manifest import SnapshotInfo
-from tests.app.conftest import send_and_wait
+from tests.app.conftest import close_window, send_and_wait
 from tests.app.layout import clipped_texts
 
 LONG_TITLE = "Summarise the quarterly report and list every open question"
@@ -71,6 +76,8 @@ def test_no_text_of_the_window_is_cut(qtbot, chatted, size, tmp_path) -> None:
     assert not clipped, "\n".join(clipped)
     for widget in (chatted.model_picker, chatted.model_state, chatted.reopen_button):
         assert widget.isVisible(), "the toolbar folded a control into its overflow menu"
+    overflow = chatted.findChild(QToolButton, "qt_toolbar_ext_button")
+    assert overflow is None or not overflow.isVisible(), "the toolbar does not fit"
 
 
 def test_the_minimum_size_is_what_fits(qtbot, chatted) -> None:
@@ -117,3 +124,20 @@ def test_the_top_sections_fit_with_the_demo_models_page_pool(qtbot, chatted) -> 
     qtbot.wait(50)
     top = panel.chart.mapTo(panel.widget(), panel.chart.rect().topLeft()).y()
     assert top <= panel.viewport().height()
+
+
+def test_a_long_model_name_keeps_the_toolbar_on_one_row(qtbot, styled, tmp_path) -> None:
+    settings = Settings()
+    window = MainWindow(ChatController(settings, HistoryStore(), EngineBridge(
+        settings.memory_budget_bytes, settings.ingest_chunk)))
+    qtbot.addWidget(window)
+    try:
+        window._on_model_state("Loading Qwen3-Next-80B-A3B-Instruct-4bit-converted-here…", False)
+        window.show()
+        show_at(qtbot, window, MINIMUM_SIZE)
+        overflow = window.findChild(QToolButton, "qt_toolbar_ext_button")
+        assert overflow is None or not overflow.isVisible(), "the toolbar does not fit"
+        assert clipped_texts(window.model_state) == []
+        assert "converted-here" in window.model_state.toolTip()
+    finally:
+        close_window(window)
