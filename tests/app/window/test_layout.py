@@ -22,7 +22,7 @@ from app.memory.charts import CELL, GAP, MAX_ROWS, PagePoolView
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_style
-from app.window.main_window import MINIMUM_SIZE, MainWindow
+from app.window.main_window import DEFAULT_SIZE, MINIMUM_SIZE, MainWindow
 from app.window.model_picker import demo_item_text
 from engine import StoredKv
 from engine.snapshots.manifest import SnapshotInfo
@@ -67,7 +67,7 @@ def show_at(qtbot, window, size: QSize) -> None:
     qtbot.wait(100)  # layouts settle after the resize
 
 
-@pytest.mark.parametrize("size", [QSize(1024, 700), MINIMUM_SIZE])
+@pytest.mark.parametrize("size", [QSize(1024, 700), MINIMUM_SIZE, DEFAULT_SIZE])
 def test_no_text_of_the_window_is_cut(qtbot, chatted, size, tmp_path) -> None:
     show_at(qtbot, chatted, size)
     shots = Path(os.environ.get("LONGLEAF_SHOTS", str(tmp_path)))
