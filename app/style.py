@@ -19,6 +19,10 @@ from PySide6.QtWidgets import QApplication
 log = logging.getLogger(__name__)
 ICON = "longleaf.png"
 STYLESHEET = "longleaf.qss"
+# Longleaf's green, where the stylesheet draws an accent (Send, progress, "ready").
+# On macOS the user's own accent colour takes its place: the system's, not ours.
+ACCENTS = ("#2f7d5b", "#276a4d")
+NATIVE_ACCENT = "palette(highlight)"
 
 
 def resources_dir() -> Path:
@@ -44,7 +48,21 @@ def apply_style(app: QApplication) -> None:
     if (folder / ICON).is_file():
         app.setWindowIcon(QIcon(str(folder / ICON)))
     if (folder / STYLESHEET).is_file():
-        app.setStyleSheet((folder / STYLESHEET).read_text(encoding="utf-8"))
+        sheet = (folder / STYLESHEET).read_text(encoding="utf-8")
+        app.setStyleSheet(stylesheet_for(sheet, sys.platform))
+
+
+def stylesheet_for(sheet: str, platform: str) -> str:
+    """``sheet`` as ``platform`` shows it: on macOS the system accent replaces ours.
+
+    The stylesheet sets no font family and sizes only the small print, so the
+    system font (San Francisco on macOS) is what every widget uses.
+    """
+    if platform != "darwin":
+        return sheet
+    for colour in ACCENTS:
+        sheet = sheet.replace(colour, NATIVE_ACCENT)
+    return sheet
 
 
 def dark_palette() -> QPalette:

@@ -333,5 +333,7 @@ class ConversationView(QScrollArea):
 
     def _on_range(self, _low: int, high: int) -> None:
         if self._follow:
-            QTimer.singleShot(0, lambda: self.verticalScrollBar().setValue(
+            # With the view as context: a range change while the window is destroyed
+            # queues a scroll that must not run on the deleted view.
+            QTimer.singleShot(0, self, lambda: self.verticalScrollBar().setValue(
                 self.verticalScrollBar().maximum()))

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QSizePolicy, QWidget
 from app.format import human_bytes
 
 MAX_CELLS = 320
+MAX_ROWS = 4  # the grid's height at most: the panel's top sections fit a 700-px window
 MIN_CHART_SPAN = 20
 CELL = 9
 GAP = 2
@@ -51,9 +52,10 @@ class PagePoolView(QWidget):
         self._fit_height()
 
     def pages_per_cell(self) -> int:
-        """How many pages one cell stands for (the pool may be huge)."""
+        """How many pages one cell stands for (the pool may be huge), at most
+        ``MAX_ROWS`` rows of cells at the grid's width."""
         total = self.allocated + self.free
-        return max(1, math.ceil(total / MAX_CELLS))
+        return max(1, math.ceil(total / min(MAX_CELLS, MAX_ROWS * self._columns())))
 
     def _columns(self) -> int:
         return max(1, (self.width() + GAP) // (CELL + GAP))

@@ -124,8 +124,10 @@ class MemoryPanel(QScrollArea):
         body = QWidget()
         body.setObjectName("memoryBody")
         layout = QVBoxLayout(body)
-        layout.setContentsMargins(14, 12, 14, 12)
-        layout.setSpacing(6)
+        # Tight margins: at a 700-px window the sections down to Check Quality show
+        # without scrolling, and the table of modes fits the panel's minimum width.
+        layout.setContentsMargins(8, 8, 8, 8)
+        layout.setSpacing(4)
         self.title = QLabel("Memory")
         self.title.setObjectName("panelTitle")
         layout.addWidget(self.title)
@@ -163,7 +165,12 @@ class MemoryPanel(QScrollArea):
         )):
             self.table.horizontalHeaderItem(column).setToolTip(tip)
         self.table.setVerticalHeaderLabels(list(MODES))
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        # Columns as wide as their widest cell, the bold row included: a stretched
+        # column can be narrower than its text and cut it.
+        self.table.horizontalHeader().setSectionResizeMode(
+            QHeaderView.ResizeMode.ResizeToContents)
+        self.table.setWordWrap(False)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         self.table.verticalHeader().setDefaultSectionSize(24)
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
@@ -375,6 +382,8 @@ class MemoryPanel(QScrollArea):
         item = QTableWidgetItem(text)
         item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if mode == self.mode:
+            # The table's own font (its stylesheet size), bold: read when the cell is
+            # made, so cells made before the panel was first shown are made again then.
             bold = QFont(self.table.font())
             bold.setBold(True)
             item.setFont(bold)

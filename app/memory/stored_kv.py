@@ -61,6 +61,11 @@ class StoredKvSection(QWidget):
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setVisible(False)
+        # One line per chat: a long title is shortened at its end (whole in its tooltip)
+        # rather than wrapped into a row too short for two lines.
+        self.table.setWordWrap(False)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QTableWidget.SelectionMode.SingleSelection)
@@ -100,6 +105,8 @@ class StoredKvSection(QWidget):
                      disk_size(info.disk_bytes), relative_time(info.last_used))
             for column, text in enumerate(cells):
                 item = QTableWidgetItem(text)
+                if not column:
+                    item.setToolTip(text)
                 if column:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight
                                           | Qt.AlignmentFlag.AlignVCenter)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPalette
+from PySide6.QtGui import QAction, QColor, QFont, QFontMetrics, QPainter, QPalette
 from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
@@ -30,6 +30,11 @@ RecordRole = Qt.ItemDataRole.UserRole + 1
 StateRole = Qt.ItemDataRole.UserRole + 2  # the chat's ChatFacts (or its job's state, or "")
 NO_MATCH = "No chats match"
 ANSWERING = ChatState.ANSWERING.value
+ROW_HEIGHT = 54
+ROW_MIN_WIDTH = 120
+RENAME_WIDTH = (400, 700)  # the Rename dialog's title field in pixels: at least, at most
+RENAME_FRAME = 24  # the line edit's frame and text margins around a title
+BADGE_PADDING = 7  # pixels each side of the mode in its badge
 
 
 def mode_colour(mode: str) -> QColor:
@@ -49,6 +54,32 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
     return box.clickedButton() is delete
 
 
+def mode_badge_font(font: QFont) -> QFont:
+    """The mode badge's font: bold, a little smaller than the row's."""
+    badge = QFont(font)
+    badge.setPointSizeF(max(7.0, font.pointSizeF() * 0.8))
+    badge.setBold(True)
+    return badge
+
+
+def mode_badge_width(badge_font: QFont, mode: str) -> int:
+    """Pixels of a row's mode badge: the mode in the badge's own (bold) font, padded."""
+    return QFontMetrics(badge_font).horizontalAdvance(mode) + 2 * BADGE_PADDING
+
+
+def rename_dialog(parent: QWidget, title: str) -> QInputDialog:
+    """The Rename dialog, wide enough to show the whole title being edited (within reason)."""
+    dialog = QInputDialog(parent)
+    dialog.setWindowTitle("Rename chat")
+    dialog.setLabelText("Title:")
+    dialog.setTextValue(title)
+    # The dialog sizes itself to its line edit when shown: widen the edit, not the dialog.
+    edit = dialog.findChild(QLineEdit)
+    room = edit.fontMetrics().horizontalAdvance(title) + RENAME_FRAME
+    edit.setMinimumWidth(max(RENAME_WIDTH[0], min(room, RENAME_WIDTH[1])))
+    return dialog
+
+
 def detail_text(record: SessionRecord, state: ChatFacts | str = "") -> str:
     """The second line of a session: its state, tokens and last activity, or its job.
 
@@ -63,7 +94,8 @@ class SessionDelegate(QStyledItemDelegate):
     """Two lines per session: title and mode badge; tokens and last activity."""
 
     def sizeHint(self, option: QStyleOptionViewItem, index) -> QSize:
-        return QSize(200, 54)
+        # No width of its own: a row is as wide as the list, which never scrolls sideways.
+        return QSize(ROW_MIN_WIDTH, ROW_HEIGHT)
 
     def paint(self, painter: QPainter, option: QStyleOptionViewItem,
               index: QModelIndex | QPersistentModelIndex) -> None:
@@ -83,12 +115,9 @@ class SessionDelegate(QStyledItemDelegate):
             painter.drawRoundedRect(rect, 7, 7)
         text_colour = palette.color(
             QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.Text)
-        badge = f" {record.kv_mode} "
         font = QFont(option.font)
-        badge_font = QFont(font)
-        badge_font.setPointSizeF(max(7.0, font.pointSizeF() * 0.8))
-        badge_font.setBold(True)
-        badge_width = painter.fontMetrics().horizontalAdvance(badge) + 8
+        badge_font = mode_badge_font(font)
+        badge_width = mode_badge_width(badge_font, record.kv_mode)
         inner = rect.adjusted(10, 6, -10, -6)
         title_rect = QRect(inner.left(), inner.top(), inner.width() - badge_width - 6, 20)
         font.setBold(True)
@@ -143,6 +172,9 @@ class SessionList(QWidget):
         self.list.setItemDelegate(SessionDelegate(self.list))
         self.list.setMouseTracking(True)
         self.list.setFrameShape(QListWidget.Shape.NoFrame)
+        # Rows elide their titles to the list's width; nothing is ever off to the side.
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setHorizontalScrollMode(QListWidget.ScrollMode.ScrollPerPixel)
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
@@ -203,9 +235,10 @@ class SessionList(QWidget):
 
     def ask_rename(self, record: SessionRecord) -> None:
         """Ask for a new title."""
-        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=record.title)
-        if ok and title.strip():
-            self.renameRequested.emit(record.id, title.strip())
+        dialog = rename_dialog(self, record.title)
+        title = dialog.textValue().strip() if dialog.exec() else ""
+        if title:
+            self.renameRequested.emit(record.id, title)
 
     def ask_delete(self, record: SessionRecord) -> None:
         """Confirm, then delete."""

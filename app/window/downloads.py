@@ -7,12 +7,21 @@ and hands progress and the outcome back to the GUI thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from PySide6.QtCore import QObject, Signal
 
 from app.background import Background
 from engine import Cancelled, EngineError, download_model
+from engine.models.download_plan import HubUnreachable
+
+log = logging.getLogger(__name__)
+
+
+def unreachable_text(host: str) -> str:
+    """What a download says when the Hub can't be reached at all."""
+    return f"Can't reach {host} — check the network, then Retry."
 
 
 class ModelDownload(QObject):
@@ -62,6 +71,10 @@ class ModelDownload(QObject):
         elif isinstance(outcome, Cancelled):
             self.failed.emit(f"Download of {self.repo_id} paused; download it again to "
                              "resume where it stopped.", True)
+        elif isinstance(outcome, HubUnreachable):
+            # The engine's message carries the socket error for a terminal; here words do.
+            log.info("download of %s: %s", self.repo_id, outcome)
+            self.failed.emit(unreachable_text(outcome.host), False)
         elif isinstance(outcome, EngineError):
             self.failed.emit(f"Could not download {self.repo_id}: {outcome}", False)
         else:  # a bug (logged by the job): still said, so the dialog does not wait forever

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtCore import QEvent, QSize, Qt, Signal
 from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
@@ -31,7 +31,7 @@ from app.sessions.session_list import SessionList
 from app.store import AttachmentRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from app.window.downloads import Downloads
-from app.window.menus import build_menus, build_toolbar
+from app.window.menus import build_menus, build_toolbar, set_toolbar_icons
 from app.window.model_picker import DEMO
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
@@ -43,9 +43,13 @@ EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
 # lines at the smallest window the app targets (1024 wide, with both side
 # columns); the side columns give way first, down to their minimums.
 CHAT_MIN_WIDTH = 560
-SIDEBAR_WIDTH = (180, 240)  # (minimum, preferred)
-PANEL_WIDTH = (260, 320)
+SIDEBAR_WIDTH = (156, 240)  # (minimum, preferred)
+PANEL_WIDTH = (306, 330)  # its table of modes needs this much in the stylesheet's font
 DEFAULT_SIZE = QSize(1380, 860)
+MODEL_STATE_WIDTH = 200  # the toolbar's model state text, in pixels at most
+# The three columns' minimums side by side, and the height at which the memory
+# panel's top sections show without scrolling (tests/app/window/test_layout.py).
+MINIMUM_SIZE = QSize(1024, 700)
 
 
 class MainWindow(QMainWindow):
@@ -59,6 +63,7 @@ class MainWindow(QMainWindow):
         self.settings = controller.settings
         self.setWindowTitle("Longleaf")
         self.setAcceptDrops(True)
+        self.setMinimumSize(MINIMUM_SIZE)
         self.resize(initial_size(self.screen().availableSize()))
         self.loader = DocumentLoader(controller.bridge.token_ends, self)
         self.attachments: dict[int, AttachmentRecord] = {}
@@ -105,6 +110,9 @@ class MainWindow(QMainWindow):
         self.sessions.setMinimumWidth(SIDEBAR_WIDTH[0])
         self.panel.setMinimumWidth(PANEL_WIDTH[0])
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        # A hairline between columns, as the stylesheet draws it: the columns' minimums
+        # add up to MINIMUM_SIZE's width with no room for wider handles.
+        self.splitter.setHandleWidth(1)
         self.splitter.addWidget(self.sessions)
         self.splitter.addWidget(centre)
         self.splitter.addWidget(self.panel)
@@ -172,8 +180,11 @@ class MainWindow(QMainWindow):
             self.models_dialog.raise_()
             return
         picker = self.model_picker
+        loaded = self.controller.model_id
+        if loaded == DEMO:
+            loaded = str(picker.demo.path) if picker.demo is not None else None
         dialog = ModelsDialog(picker.installed(), picker.recommended, self.downloads.running,
-                              self)
+                              self, loaded=loaded)
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.loadRequested.connect(self._load_from_library)
         dialog.downloadRequested.connect(self.downloads.start)
@@ -193,17 +204,24 @@ class MainWindow(QMainWindow):
     def _on_download_ended(self, repo_id: str, folder: str | None, message: str,
                            cancelled: bool) -> None:
         entry = next((e for e in self.model_picker.recommended if e.repo_id == repo_id), None)
-        if self.models_dialog is not None and entry is not None:
-            self.models_dialog.download_ended(entry, folder)
+        shown = self.models_dialog is not None and entry is not None
+        if shown:
+            # Said in the dialog, beside its Retry, not in the banner behind it.
+            self.models_dialog.download_ended(entry, folder, message, cancelled)
         if folder is None:
-            self.banner.show_message(message, "info" if cancelled else "error")
+            if not shown:
+                self.banner.show_message(message, "info" if cancelled else "error")
             return
         self.banner.show_message(f"Downloaded {repo_id}; loading it.", "info")
         self.model_picker.refresh(self.settings.model_folders)
         self.choose_model(folder)
 
     def _on_model_state(self, text: str, ready: bool) -> None:
-        self.model_state.setText(("● " if ready else "○ ") + text)
+        # A long model name is shortened in the middle: the toolbar keeps one row at 1024 px.
+        shown = ("● " if ready else "○ ") + text
+        self.model_state.setText(self.model_state.fontMetrics().elidedText(
+            shown, Qt.TextElideMode.ElideMiddle, MODEL_STATE_WIDTH))
+        self.model_state.setToolTip(shown if self.model_state.text() != shown else "")
         self.model_state.setProperty("ready", ready)
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)
@@ -414,6 +432,11 @@ class MainWindow(QMainWindow):
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
                                              self.settings.ingest_chunk)
             self.controller.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange and hasattr(self, "settings_action"):
+            set_toolbar_icons(self)  # the icons are drawn in the palette's text colour
 
     def closeEvent(self, event: QCloseEvent) -> None:
         # Nothing here waits: the history is saved and the engine told to stop,

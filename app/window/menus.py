@@ -8,14 +8,29 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QLabel, QMenu, QMenuBar, QToolBar, QToolButton, QWidget
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtGui import QAction, QKeySequence, QPalette
+from PySide6.QtWidgets import (
+    QApplication,
+    QLabel,
+    QMenu,
+    QMenuBar,
+    QMessageBox,
+    QToolBar,
+    QToolButton,
+    QWidget,
+)
 
 from app.controller import ChatController
 from app.sessions.reopen import REOPEN_TIP, fill_reopen_menu
 from app.settings import Settings
+from app.window.icons import toolbar_icon
 from app.window.model_picker import ModelPicker
+
+TOOLBAR_ICON = 18  # pixels: the size of a Mac toolbar's symbols beside their words
+ABOUT = ("<b>Longleaf</b> {version}<br>Long-context chat with local models on Apple "
+         "Silicon: a paged, quantized KV cache (fp16, q8, q6, q4) and a live view of the "
+         "memory it takes.")
 
 
 class MenuHost(Protocol):
@@ -41,6 +56,11 @@ class MenuHost(Protocol):
     def open_models(self) -> None: ...
     def open_settings(self) -> None: ...
     def set_panel_visible(self, visible: bool) -> None: ...
+    def palette(self) -> QPalette: ...
+    def showMinimized(self) -> None: ...
+    def isFullScreen(self) -> bool: ...
+    def showFullScreen(self) -> None: ...
+    def showNormal(self) -> None: ...
 
 
 def build_toolbar(window: MenuHost) -> None:
@@ -48,10 +68,14 @@ def build_toolbar(window: MenuHost) -> None:
     bar = QToolBar("Main")
     bar.setObjectName("mainToolbar")
     bar.setMovable(False)
-    bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+    # Icon and word side by side: a Mac toolbar's symbols, and still one row at 1024 px.
+    bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+    bar.setIconSize(QSize(TOOLBAR_ICON, TOOLBAR_ICON))
     window.addToolBar(bar)
+    window.models_action = QAction("Models and Downloads…", window)
+    window.models_action.triggered.connect(window.open_models)
     window.new_chat_action = QAction("New Chat", window)
-    window.new_chat_action.setShortcut(QKeySequence.StandardKey.New)
+    window.new_chat_action.setShortcuts(QKeySequence.StandardKey.New)
     window.new_chat_action.triggered.connect(window.ask_new_chat)
     bar.addAction(window.new_chat_action)
     window.reopen_button = QToolButton()
@@ -64,6 +88,7 @@ def build_toolbar(window: MenuHost) -> None:
         lambda: fill_reopen_menu(window.reopen_menu, window.controller, window))
     fill_reopen_menu(window.reopen_menu, window.controller, window)
     window.reopen_button.setMenu(window.reopen_menu)
+    window.reopen_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
     bar.addWidget(window.reopen_button)
     spacer = QWidget()
     spacer.setSizePolicy(spacer.sizePolicy().horizontalPolicy().Expanding,
@@ -87,30 +112,65 @@ def build_toolbar(window: MenuHost) -> None:
     window.panel_action.setChecked(not window.panel.isHidden())
     window.panel_action.toggled.connect(window.set_panel_visible)
     bar.addAction(window.panel_action)
-    window.settings_action = QAction("Settings", window)
+    window.settings_action = QAction("Settings…", window)
     # Preferences is Cmd+, on macOS only; Ctrl+, is the convention elsewhere too.
-    keys = [*QKeySequence.keyBindings(QKeySequence.StandardKey.Preferences),
-            QKeySequence("Ctrl+,")]
-    window.settings_action.setShortcuts(list({k.toString(): k for k in keys}.values()))
+    window.settings_action.setShortcuts(
+        standard_keys(QKeySequence.StandardKey.Preferences, "Ctrl+,"))
+    # macOS moves it to the application menu as "Settings…".
     window.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
     window.settings_action.triggered.connect(window.open_settings)
     bar.addAction(window.settings_action)
+    window.settings_action.setIconText("Settings")  # the toolbar's word, without the dots
+    set_toolbar_icons(window)
+
+
+def standard_keys(key: QKeySequence.StandardKey, fallback: str) -> list[QKeySequence]:
+    """The platform's keys for ``key`` (⌘ on macOS), plus ``fallback`` where it has none."""
+    keys = [*QKeySequence.keyBindings(key), QKeySequence(fallback)]
+    return list({k.toString(): k for k in keys}.values())
+
+
+def set_toolbar_icons(window: MenuHost) -> None:
+    """Give the toolbar's actions their icons, in the window's palette (again on a change)."""
+    palette = window.palette()
+    window.new_chat_action.setIcon(toolbar_icon("new-chat", palette))
+    window.reopen_button.setIcon(toolbar_icon("reopen", palette))
+    window.panel_action.setIcon(toolbar_icon("memory", palette))
+    window.settings_action.setIcon(toolbar_icon("settings", palette))
+    window.models_action.setIcon(toolbar_icon("models", palette))
+
+
+def show_about(window: QWidget) -> None:
+    """The About box: what Longleaf is, and its version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        number = version("longleaf")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        number = ""
+    QMessageBox.about(window, "About Longleaf", ABOUT.format(version=number))
 
 
 def build_menus(window: MenuHost) -> None:
     """Add the File, Edit, Chat and View menus, sharing the toolbar's actions."""
     file_menu = window.menuBar().addMenu("&File")
     file_menu.addAction(window.new_chat_action)
-    file_menu.addAction("Models and Downloads…", window.open_models)
+    file_menu.addAction(window.models_action)
     file_menu.addAction("Open Model Folder…", window.open_model_folder)
-    file_menu.addAction("Attach Documents…", window.ask_attach)
+    attach = file_menu.addAction("Attach Documents…", window.ask_attach)
+    attach.setShortcut(QKeySequence.StandardKey.Open)
     file_menu.addSeparator()
-    close = file_menu.addAction("Close Window", window.close)
-    close.setShortcut(QKeySequence.StandardKey.Close)
+    window.close_action = file_menu.addAction("Close Window", window.close)
+    window.close_action.setShortcuts(QKeySequence.StandardKey.Close)
     # Closing the one window quits, with the same saving and engine shutdown.
     window.quit_action = file_menu.addAction("Quit Longleaf", window.close)
-    window.quit_action.setShortcut(QKeySequence("Ctrl+Q"))
+    window.quit_action.setShortcuts(standard_keys(QKeySequence.StandardKey.Quit, "Ctrl+Q"))
     window.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
+    # The roles put About, Settings… and Quit in macOS's application menu; elsewhere
+    # they stay where they are added here.
+    window.about_action = QAction("About Longleaf", window)
+    window.about_action.setMenuRole(QAction.MenuRole.AboutRole)
+    window.about_action.triggered.connect(lambda: show_about(window))
     edit_menu = window.menuBar().addMenu("&Edit")
     for title, key, slot in (
         ("Undo", QKeySequence.StandardKey.Undo, "undo"),
@@ -139,6 +199,16 @@ def build_menus(window: MenuHost) -> None:
     chat_menu.addAction(window.panel.quality_action)
     view_menu = window.menuBar().addMenu("&View")
     view_menu.addAction(window.panel_action)
+    full_screen = view_menu.addAction("Toggle Full Screen", lambda: (
+        window.showNormal() if window.isFullScreen() else window.showFullScreen()))
+    full_screen.setShortcuts(standard_keys(QKeySequence.StandardKey.FullScreen, "F11"))
+    window_menu = window.menuBar().addMenu("&Window")
+    minimize = window_menu.addAction("Minimize", window.showMinimized)
+    minimize.setShortcut(QKeySequence("Ctrl+M"))  # ⌘M on macOS (Qt maps Ctrl to ⌘)
+    help_menu = window.menuBar().addMenu("&Help")
+    help_menu.addAction(window.about_action)
+    help_menu.addAction("About Qt", QApplication.aboutQt).setMenuRole(
+        QAction.MenuRole.AboutQtRole)
 
 
 def _edit_focused_widget(window: MenuHost, slot: str) -> None:

@@ -15,6 +15,7 @@ from app.format import human_bytes
 from engine import RECOMMENDED_MODELS, ModeCost, full_context_costs
 
 DEMO_SOURCE = "demo"  # engine.models.discovery.DEMO
+MIN_USEFUL_CONTEXT = 4096  # tokens: less than this holds no document worth a long-context model
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,25 @@ def cost_text(cost: ModeCost, context: int) -> str:
         return f"{head}: not possible for this model's head size"
     verdict = "fits" if cost.fits else "too big for this machine's RAM"
     return f"{head}: {human_bytes(cost.kv_bytes)} — {verdict}"
+
+
+def fit_advice(entry: ModelEntry, total_ram: int) -> tuple[bool, str]:
+    """(whether it fits, what to do): a model's verdict for this machine, in words.
+
+    "Fits: the whole 262k context in q8"; "Too big at its full 262k context here.
+    Fits in q4 up to 120k tokens."; or, when not even a useful context fits beside
+    its weights, "Too big for this machine's 24 GB of RAM: choose a smaller model."
+    """
+    whole = short_tokens(entry.max_context)
+    best = next((cost for cost in entry.costs if cost.fits), None)  # best quality first
+    if best is not None:
+        return True, f"Fits: the whole {whole} context in {best.mode}"
+    most = max(entry.costs, key=lambda cost: cost.tokens_fit)
+    if most.tokens_fit >= MIN_USEFUL_CONTEXT:
+        return False, (f"Too big at its full {whole} context here. Fits in {most.mode} up to "
+                       f"{short_tokens(most.tokens_fit)} tokens.")
+    return False, (f"Too big for this machine's {human_bytes(total_ram)} of RAM: choose a "
+                   "smaller model.")
 
 
 def installed_entry(model, total_ram: int) -> ModelEntry:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QStandardItemModel
-from PySide6.QtWidgets import QComboBox, QWidget
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtGui import QFontMetrics, QStandardItemModel
+from PySide6.QtWidgets import QComboBox, QStyle, QStyleOptionComboBox, QWidget
 
 from app.background import Background
 from app.format import human_bytes
@@ -22,7 +22,7 @@ DEMO = "demo"
 DEMO_LABEL = "Demo · SmolLM2-135M (built in)"
 OPEN_FOLDER = "__open_folder__"
 MANAGE = "__models__"
-PICKER_CHARS = 30  # characters the closed picker shows
+PICKER_TEXT_WIDTH = (180, 300)  # pixels of text the closed picker shows: at least, at most
 
 
 def _discover(folders: list[str]) -> tuple:
@@ -43,9 +43,22 @@ def describe(model, entry: ModelEntry | None = None) -> str:
             f"{info.kv_heads} KV heads × head_dim {info.head_dim}{q6}{costs}")
 
 
-def item_text(entry: ModelEntry) -> str:
-    """"mlx-community/Qwen3-4B… · 2.3 GB · 262k context"."""
-    return f"{entry.name} · {entry.size_text()} · {short_tokens(entry.max_context)} context"
+def demo_item_text(max_context: int) -> str:
+    """The Demo item once its facts are known: "Demo · SmolLM2-135M (built in) · 8k context"."""
+    return f"{DEMO_LABEL} · {short_tokens(max_context)} context"
+
+
+def item_text(entry: ModelEntry, metrics: QFontMetrics) -> str:
+    """"mlx-community/Qwen3-4B · 2.3 GB · 262k context", the name shortened in the middle
+    when the whole would not fit the closed picker (its tooltip has the full path)."""
+    facts = f" · {entry.size_text()} · {short_tokens(entry.max_context)} context"
+    return fitted_name(entry.name, facts, metrics) + facts
+
+
+def fitted_name(name: str, after: str, metrics: QFontMetrics) -> str:
+    """``name``, elided in the middle so that ``name + after`` fits the closed picker."""
+    room = PICKER_TEXT_WIDTH[1] - metrics.horizontalAdvance(after)
+    return metrics.elidedText(name, Qt.TextElideMode.ElideMiddle, max(room, 40))
 
 
 class ModelPicker(QComboBox):
@@ -59,11 +72,9 @@ class ModelPicker(QComboBox):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("modelPicker")
-        self.setMinimumWidth(240)
-        # Long repo names must not widen the toolbar past a 1024-px window: the box
-        # keeps a fixed width and the popup list is as wide as its longest item.
-        self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.setMinimumContentsLength(PICKER_CHARS)
+        # The box is as wide as the shown model's text (names are shortened to fit a
+        # 1024-px window's toolbar); the popup list is as wide as its longest item.
+        self.currentIndexChanged.connect(self.updateGeometry)
         self.jobs = Background(threads=1, parent=self)
         self.current_path = DEMO
         self.models: list = []
@@ -88,7 +99,7 @@ class ModelPicker(QComboBox):
         """Show ``path`` as the loaded model, adding it when it was not listed."""
         self.current_path = path
         if self.findData(path) < 0:
-            self.insertItem(1, name or Path(path).name, path)
+            self.insertItem(1, fitted_name(name or Path(path).name, "", self.fontMetrics()), path)
             self._fit_popup()
         self.setCurrentIndex(self.findData(path))
 
@@ -118,15 +129,16 @@ class ModelPicker(QComboBox):
             self.addItem(DEMO_LABEL, DEMO)
         else:
             entry = self.entries[str(self.demo.path)]
-            self.addItem(f"{DEMO_LABEL} · {short_tokens(entry.max_context)} context", DEMO)
+            self.addItem(demo_item_text(entry.max_context), DEMO)
             self.setItemData(0, describe(self.demo, entry), Qt.ItemDataRole.ToolTipRole)
         for model in self.models:
             entry = self.entries[str(model.path)]
-            self.addItem(item_text(entry), str(model.path))
+            self.addItem(item_text(entry, self.fontMetrics()), str(model.path))
             self.setItemData(self.count() - 1, describe(model, entry),
                              Qt.ItemDataRole.ToolTipRole)
         if self.current_path != DEMO and self.findData(self.current_path) < 0:
-            self.addItem(Path(self.current_path).name, self.current_path)
+            self.addItem(fitted_name(Path(self.current_path).name, "", self.fontMetrics()),
+                         self.current_path)
         model = self.model()
         for skipped in self.skipped:
             self.addItem(f"{skipped.name} — can't open", None)
@@ -139,6 +151,23 @@ class ModelPicker(QComboBox):
         self.setCurrentIndex(max(0, self.findData(self.current_path)))
         self._fit_popup()
         self.blockSignals(False)
+
+    def sizeHint(self) -> QSize:
+        """Room for the shown model's text, within ``PICKER_TEXT_WIDTH``."""
+        option = QStyleOptionComboBox()
+        self.initStyleOption(option)
+        text = self.fontMetrics().horizontalAdvance(self.currentText())
+        text = max(PICKER_TEXT_WIDTH[0], min(text, PICKER_TEXT_WIDTH[1]))
+        size = self.style().sizeFromContents(QStyle.ContentsType.CT_ComboBox, option,
+                                             QSize(text, self.fontMetrics().height()), self)
+        return QSize(size.width(), super().sizeHint().height())
+
+    def minimumSizeHint(self) -> QSize:
+        return self.sizeHint()
+
+    def setItemText(self, index: int, text: str) -> None:
+        super().setItemText(index, text)
+        self.updateGeometry()
 
     def _fit_popup(self) -> None:
         widest = max(self.fontMetrics().horizontalAdvance(self.itemText(i))

@@ -1,19 +1,24 @@
 """Models and downloads: every model on disk and the recommended ones, side by side.
 
-One row per model: size, context, and its KV cache at full context in each
-mode against this machine's RAM; "Load" for a model on disk, "Download" for a
+One row per model: size, context, its KV cache at full context in each mode
+against this machine's RAM, and the verdict in words (what fits, or what would);
+"Loaded" for the model in use, "Load" for another on disk, "Download" for a
 recommended one (one click, through ``ModelDownload``), "Cancel" while it runs.
+A download that fails says why in the dialog, with Retry.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import psutil
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
+    QFrame,
+    QHBoxLayout,
     QHeaderView,
     QLabel,
     QPushButton,
@@ -24,10 +29,13 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import human_bytes, human_duration
-from app.window.model_library import ModelEntry, cost_text, short_tokens
+from app.window.model_library import ModelEntry, cost_text, fit_advice, short_tokens
 
-COLUMNS = ("Model", "Size", "Context", "fp16", "q8", "q6", "q4", "")
+COLUMNS = ("Model", "Size", "Context", "fp16", "q8", "q6", "q4", "On this machine", "")
+VERDICT_COLUMN = len(COLUMNS) - 2
 ACTION_COLUMN = len(COLUMNS) - 1
+LOADED = "Loaded"
+DIALOG_SIZE = (1000, 460)
 FITS = "#2f7d5b"
 TOO_BIG = "#c0392b"
 
@@ -40,10 +48,15 @@ class ModelsDialog(QDialog):
     cancelRequested = Signal(str)
 
     def __init__(self, installed: list[ModelEntry], recommended: list[ModelEntry],
-                 downloading: set[str] = frozenset(), parent: QWidget | None = None) -> None:
+                 downloading: set[str] = frozenset(), parent: QWidget | None = None, *,
+                 loaded: str | None = None, total_ram: int | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Models")
-        self.resize(900, 420)
+        room = self.screen().availableSize()  # fits a 1024-px screen with a margin
+        self.resize(min(DIALOG_SIZE[0], room.width() - 40), min(DIALOG_SIZE[1], room.height()))
+        self.loaded = loaded  # the folder of the model in use
+        self.total_ram = psutil.virtual_memory().total if total_ram is None else total_ram
+        self.entries: dict[str, ModelEntry] = {}  # by path or repo id
         layout = QVBoxLayout(self)
         intro = QLabel(
             f"KV cache at each model's full context, per mode: <span style='color:{FITS}'>green"
@@ -59,10 +72,17 @@ class ModelsDialog(QDialog):
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
         header = self.table.horizontalHeader()
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for column in range(1, len(COLUMNS)):
+        for column in range(len(COLUMNS)):
             header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
+        # The name and the verdict share the room; a long verdict wraps onto two lines.
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        header.setSectionResizeMode(VERDICT_COLUMN, QHeaderView.ResizeMode.Stretch)
+        self.table.setWordWrap(True)
+        self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         layout.addWidget(self.table, 1)
+        self.error = DownloadError()
+        self.error.retryRequested.connect(self._retry)
+        layout.addWidget(self.error)
         self.rows: dict[str, int] = {}  # path or repo id -> row
         for entry in [*installed, *recommended]:
             self._add_row(entry, entry.repo_id in downloading)
@@ -74,6 +94,7 @@ class ModelsDialog(QDialog):
         row = self.table.rowCount()
         self.table.insertRow(row)
         self.rows[entry.path or entry.repo_id] = row
+        self.entries[entry.path or entry.repo_id] = entry
         name = QTableWidgetItem(entry.name)
         name.setToolTip(entry.summary or entry.path or "")
         self.table.setItem(row, 0, name)
@@ -86,10 +107,23 @@ class ModelsDialog(QDialog):
                 cell.setForeground(QColor(FITS if cost.fits else TOO_BIG))
             cell.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             self.table.setItem(row, column, cell)
+        fits, advice = fit_advice(entry, self.total_ram)
+        verdict = QTableWidgetItem(advice)
+        verdict.setToolTip("\n".join(entry.cost_lines()))
+        if not fits:
+            verdict.setForeground(QColor(TOO_BIG))
+        self.table.setItem(row, VERDICT_COLUMN, verdict)
         self._set_action(entry, downloading)
 
     def _set_action(self, entry: ModelEntry, downloading: bool) -> None:
         key = entry.path or entry.repo_id
+        if entry.downloaded and entry.path == self.loaded:
+            label = QLabel(LOADED)
+            label.setObjectName(f"action:{key}")
+            label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+            label.setToolTip("The model in use now")
+            self.table.setCellWidget(self.rows[key], ACTION_COLUMN, label)
+            return
         if entry.downloaded:
             button = QPushButton("Load")
             button.clicked.connect(lambda: self._load(key))
@@ -102,8 +136,9 @@ class ModelsDialog(QDialog):
         button.setObjectName(f"action:{key}")
         self.table.setCellWidget(self.rows[key], ACTION_COLUMN, button)
 
-    def action_button(self, key: str) -> QPushButton:
-        """The Load/Download/Cancel button of the row for ``key`` (a path or repo id)."""
+    def action_button(self, key: str) -> QPushButton | QLabel:
+        """The Load/Download/Cancel button of the row for ``key`` (a path or repo id),
+        or its "Loaded" label for the model in use."""
         return self.table.cellWidget(self.rows[key], ACTION_COLUMN)
 
     def _load(self, path: str) -> None:
@@ -111,8 +146,14 @@ class ModelsDialog(QDialog):
         self.accept()
 
     def _download(self, entry: ModelEntry) -> None:
+        self.error.clear()
         self._set_action(entry, downloading=True)
         self.downloadRequested.emit(entry.repo_id)
+
+    def _retry(self, repo_id: str) -> None:
+        entry = self.entries.get(repo_id)
+        if entry is not None:
+            self._download(entry)
 
     def show_progress(self, progress) -> None:
         """Show a ``DownloadProgress`` in its row's size cell."""
@@ -125,11 +166,57 @@ class ModelsDialog(QDialog):
         self.table.item(row, 1).setText(
             f"{share:.0%} of {human_bytes(progress.bytes_total)}{eta}")
 
-    def download_ended(self, entry: ModelEntry, folder: str | None) -> None:
-        """The row of a download that stopped: Load once in ``folder``, else Download again."""
+    def download_ended(self, entry: ModelEntry, folder: str | None, message: str = "",
+                       cancelled: bool = False) -> None:
+        """The row of a download that stopped: Load once in ``folder``, else Download again.
+
+        ``message`` says why it stopped; a failure shows it here with Retry.
+        """
         row = self.rows.pop(entry.repo_id)
+        self.entries.pop(entry.repo_id, None)
         if folder is not None:
             entry = replace(entry, path=folder)
-        self.rows[entry.path or entry.repo_id] = row
+        key = entry.path or entry.repo_id
+        self.rows[key], self.entries[key] = row, entry
         self.table.item(row, 1).setText(entry.size_text())
         self._set_action(entry, downloading=False)
+        if folder is None and message:
+            self.error.show_message(message, None if cancelled else entry.repo_id)
+
+
+class DownloadError(QFrame):
+    """Why a download stopped, in words, with Retry for a failure; hidden otherwise."""
+
+    retryRequested = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("errorBanner")
+        self.setProperty("kind", "error")
+        row = QHBoxLayout(self)
+        row.setContentsMargins(10, 6, 6, 6)
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextFormat(Qt.TextFormat.PlainText)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.retry = QPushButton("Retry")
+        self.retry.clicked.connect(lambda: self.retryRequested.emit(self.repo_id or ""))
+        row.addWidget(self.label, 1)
+        row.addWidget(self.retry, 0, Qt.AlignmentFlag.AlignTop)
+        self.repo_id: str | None = None
+        self.hide()
+
+    def show_message(self, text: str, retry: str | None) -> None:
+        """Show ``text``; ``retry`` is the repo Retry downloads again (None: no Retry)."""
+        self.repo_id = retry
+        self.label.setText(text)
+        self.setProperty("kind", "error" if retry else "info")
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.retry.setVisible(retry is not None)
+        self.show()
+
+    def clear(self) -> None:
+        """Hide it (a new download started)."""
+        self.repo_id = None
+        self.hide()

@@ -16,6 +16,8 @@ from engine.cache.modes import MODES
 from engine.errors import UnsupportedModeError
 from engine.memory.guard import default_headroom
 
+FIT_STEP = 1024  # tokens: "fits up to 120k" needs no finer grain
+
 
 @dataclass(frozen=True)
 class ModeCost:
@@ -25,11 +27,15 @@ class ModeCost:
         mode: the KV mode.
         kv_bytes: KV bytes at full context (None: the mode cannot store this head size).
         fits: weights plus those KV bytes fit this machine's RAM after the headroom.
+        tokens_fit: the most tokens of context whose KV fits beside the weights in
+            this mode, at most the full context, in whole steps of ``FIT_STEP``
+            (0: none, or the mode cannot store this head size).
     """
 
     mode: str
     kv_bytes: int | None
     fits: bool
+    tokens_fit: int = 0
 
 
 def full_context_costs(
@@ -62,5 +68,20 @@ def full_context_costs(
         except (UnsupportedModeError, ValueError):
             costs.append(ModeCost(mode, None, False))
             continue
-        costs.append(ModeCost(mode, kv, kv <= room))
+        fit = max_context if kv <= room else _tokens_that_fit(
+            room, attention_layers, kv_heads, head_dim, max_context, mode)
+        costs.append(ModeCost(mode, kv, kv <= room, fit))
     return tuple(costs)
+
+
+def _tokens_that_fit(room: int, attention_layers: int, kv_heads: int, head_dim: int,
+                     max_context: int, mode: str) -> int:
+    """Whole ``FIT_STEP``s of context whose KV fits in ``room`` bytes (a bisection)."""
+    from engine.cache.kvquant import project_kv_bytes
+
+    low, high = 0, max_context // FIT_STEP  # in steps; ``low`` always fits
+    while low < high:
+        middle = (low + high + 1) // 2
+        kv = project_kv_bytes(attention_layers, kv_heads, head_dim, middle * FIT_STEP, mode)
+        low, high = (middle, high) if kv <= room else (low, middle - 1)
+    return low * FIT_STEP

@@ -195,6 +195,18 @@ def _stays_inside(root: Path, path: Path) -> bool:
     return not path.is_symlink() and path.parent.resolve().is_relative_to(root.resolve())
 
 
+class HubUnreachable(EngineError):
+    """The Hub could not be reached at all (no network, DNS, refused connection).
+
+    Attributes:
+        host: the Hub's host name, for a message in fewer words than this one's.
+    """
+
+    def __init__(self, message: str, host: str) -> None:
+        super().__init__(message)
+        self.host = host
+
+
 def hub_error(
     error: Exception, repo_id: str, endpoint: str, revision: str = "main"
 ) -> EngineError:
@@ -224,8 +236,9 @@ def hub_error(
             f"{host} refused the download of {repo_id} (HTTP {status}). Try again later."
         )
     if isinstance(error, (httpx2.TransportError, OSError)):
-        return EngineError(
-            f"Cannot reach {host} ({error}). Check your internet connection and try again."
+        return HubUnreachable(
+            f"Cannot reach {host} ({error}). Check your internet connection and try again.",
+            host,
         )
     return EngineError(f"Downloading {repo_id} failed: {error}")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QInputDialog, QMessageBox
+from PySide6.QtWidgets import QInputDialog, QLineEdit, QMessageBox
 
 from app.sessions.session_list import (
     ANSWERING,
@@ -12,6 +12,7 @@ from app.sessions.session_list import (
     SessionList,
     StateRole,
     detail_text,
+    rename_dialog,
 )
 from app.store import HistoryStore
 
@@ -28,7 +29,11 @@ def test_session_list_search_rename_and_confirmed_delete(qtbot, monkeypatch) -> 
         sidebar.list.setCurrentRow(1)
     assert selected.args == [a.id]
 
-    monkeypatch.setattr(QInputDialog, "getText", lambda *args, **kw: ("Taxes 2025", True))
+    def rename(dialog: QInputDialog) -> int:
+        dialog.setTextValue("Taxes 2025")
+        return 1
+
+    monkeypatch.setattr(QInputDialog, "exec", rename)
     with qtbot.waitSignal(sidebar.renameRequested) as renamed:
         sidebar.ask_rename(store.session(a.id))
     assert renamed.args == [a.id, "Taxes 2025"]
@@ -111,3 +116,14 @@ def test_relative_times_are_repainted_as_the_clock_moves(qtbot, monkeypatch) -> 
     clock.timeout.emit()
     qtbot.waitUntil(lambda: bool(painted), timeout=2_000)
     store.close()
+
+
+def test_the_rename_dialog_shows_a_long_title_whole(qtbot) -> None:
+    title = "Summarise the quarterly report and list every open question"
+    dialog = rename_dialog(None, title)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    edit = dialog.findChild(QLineEdit)
+    assert edit.width() >= edit.fontMetrics().horizontalAdvance(title)
+

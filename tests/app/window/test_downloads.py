@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import pytest
 
+from app.window.downloads import unreachable_text
 from engine import RECOMMENDED_MODELS
 from engine.models.download_plan import destination_for
 from tests.app.window.test_main_window import bare_window  # noqa: F401 - a fixture
@@ -59,10 +61,28 @@ def test_a_failed_download_says_why_and_can_be_retried(qtbot, bare_window, hub, 
     dialog.action_button(REPO).click()  # the server has no such repo
     qtbot.waitUntil(lambda: not bare_window.downloads.running, timeout=60_000)
     assert loaded == []
-    assert not bare_window.banner.isHidden()
-    assert f"Could not download {REPO}" in bare_window.banner.label.text()
-    assert bare_window.banner.property("kind") == "error"
+    # Said in the dialog, not in the window's banner behind it.
+    assert bare_window.banner.isHidden()
+    assert dialog.error.isVisible() and dialog.error.retry.isVisible()
+    assert f"Could not download {REPO}" in dialog.error.label.text()
     assert dialog.action_button(REPO).text() == "Download"
+
+
+def test_an_unreachable_hub_is_said_in_words_with_retry(qtbot, bare_window,  # noqa: F811
+                                                        monkeypatch) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(bare_window, "choose_model", lambda path: None)
+    dialog = open_library(qtbot, bare_window)
+    dialog.action_button(REPO).click()
+    qtbot.waitUntil(lambda: not bare_window.downloads.running, timeout=60_000)
+    assert dialog.error.label.text() == unreachable_text(f"127.0.0.1:{port}")
+    assert "Errno" not in dialog.error.label.text()
+    dialog.error.retry.click()
+    assert REPO in bare_window.downloads.running
+    qtbot.waitUntil(lambda: not bare_window.downloads.running, timeout=60_000)
 
 
 def test_cancel_keeps_the_bytes_and_shows_progress_meanwhile(
@@ -82,8 +102,7 @@ def test_cancel_keeps_the_bytes_and_shows_progress_meanwhile(
     dialog.action_button(REPO).click()  # Cancel
     hub.release.set()
     qtbot.waitUntil(lambda: not bare_window.downloads.running, timeout=60_000)
-    assert "paused" in bare_window.banner.label.text()
-    assert bare_window.banner.property("kind") == "info"
+    assert "paused" in dialog.error.label.text() and not dialog.error.retry.isVisible()
     assert dialog.action_button(REPO).text() == "Download"
     assert dialog.table.item(dialog.rows[REPO], 1).text().startswith("≈ ")
     partial = destination_for(REPO) / ".longleaf-partial" / "model.safetensors"

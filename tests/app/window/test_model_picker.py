@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from app.window.model_picker import DEMO, ModelPicker
+from tests.app.layout import clipped_texts
 
 
 def test_model_picker_lists_discovered_folders(qtbot, tiny_llama) -> None:
@@ -66,6 +67,9 @@ def test_long_names_do_not_widen_the_toolbar(qtbot) -> None:
     picker.show()  # a combo box sizes itself to its items when first shown
     qtbot.waitExposed(picker)
     assert picker.width() <= 360
-    assert picker.view().minimumWidth() > picker.fontMetrics().horizontalAdvance(long_name)
+    assert clipped_texts(picker) == []  # shortened in the middle, never cut
+    assert picker.currentData() == "/models/" + long_name
     picker._fill()  # after a scan too
-    assert picker.view().minimumWidth() > picker.fontMetrics().horizontalAdvance(long_name)
+    assert picker.width() <= 360 and clipped_texts(picker) == []
+    assert picker.view().minimumWidth() >= picker.fontMetrics().horizontalAdvance(
+        picker.currentText())

@@ -38,3 +38,21 @@ def test_a_head_size_q6_cannot_pack_has_no_q6_cost() -> None:
         total_ram_bytes=64 * GIB)}
     assert costs["q6"].kv_bytes is None and not costs["q6"].fits
     assert costs["q8"].kv_bytes is not None
+
+
+def test_a_mode_that_does_not_fit_says_how_much_context_would() -> None:
+    from engine.memory.model_costs import FIT_STEP
+
+    weights, ram = 10 * 2**30, 24 * 2**30
+    costs = {c.mode: c for c in full_context_costs(
+        attention_layers=48, kv_heads=8, head_dim=128, max_context=262_144,
+        weights_bytes=weights, total_ram_bytes=ram)}
+    q4 = costs["q4"]
+    assert not q4.fits and 0 < q4.tokens_fit < 262_144 and q4.tokens_fit % FIT_STEP == 0
+    room = ram - default_headroom(ram) - weights
+    assert project_kv_bytes(48, 8, 128, q4.tokens_fit, "q4") <= room
+    assert project_kv_bytes(48, 8, 128, q4.tokens_fit + FIT_STEP, "q4") > room
+    assert costs["fp16"].tokens_fit < costs["q8"].tokens_fit < q4.tokens_fit
+    tiny = full_context_costs(attention_layers=2, kv_heads=1, head_dim=64, max_context=4096,
+                              weights_bytes=weights, total_ram_bytes=ram)
+    assert all(c.fits and c.tokens_fit == 4096 for c in tiny)
