@@ -58,32 +58,33 @@ class LocalServerHost(QObject):
         self.bridge, self.settings, self.model_state = bridge, settings, model_state
         self.server: LocalServer | None = None
         self.status = ServerStatus("off")
-        self._config: tuple[str, int, str] | None = None
+        self._config: tuple[str, int, str, str] | None = None  # host, port, key, KV mode
         self._shared = False  # the worker keeps API sessions and chats apart until told
         self._retired: list[LocalServer] = []  # stopped, still owed their requests' endings
         self._relay.connect(self._refresh, Qt.ConnectionType.QueuedConnection)
         model_state.stateChanged.connect(self._on_model_state)
 
     def apply(self) -> None:
-        """Follow the settings: start, restart (port, network or key changed) or stop."""
+        """Follow the settings: start, restart (port, network, key or default KV mode
+        changed) or stop."""
         s = self.settings
         if s.server_share_chats != self._shared:
             self._shared = s.server_share_chats
             self.bridge.worker.share_chats_with_api(self._shared)
-        config = ((server_host(s.server_allow_network), s.server_port, s.server_api_key)
-                  if s.server_enabled else None)
+        config = ((server_host(s.server_allow_network), s.server_port, s.server_api_key,
+                   s.default_mode) if s.server_enabled else None)
         if config == self._config and self.server is not None and self.server.running:
             return
         self.stop()
         self._config = config
         if config is None:
             return
-        host, port, key = config
+        host, port, key, mode = config
         if host != server_host(False) and not key:
             self._failed(ServerStatus("failed", message=NEEDS_KEY))
             return
         server = LocalServer(self.bridge.worker, host=host, port=port, api_key=key or None,
-                             kv_mode=s.default_mode, on_status=lambda _status: self._relay.emit())
+                             kv_mode=mode, on_status=lambda _status: self._relay.emit())
         self.bridge.add_claim(server.claim)
         try:
             server.start()
