@@ -181,3 +181,51 @@ def test_a_port_in_use_is_a_message_and_the_app_stays_up(qtbot, tiny_llama: Path
             assert window.controller.model_ready  # the app goes on
         finally:
             close_window(window)
+
+
+def test_network_access_listens_everywhere_and_asks_for_the_key(qtbot, tiny_llama: Path) -> None:
+    port = _free_port()
+    _enable(port)
+    settings = Settings()
+    settings.server_allow_network = True
+    settings.server_api_key = "ll-secret"
+    settings.sync()
+    window = open_window(qtbot, tiny_llama)
+    try:
+        _wait_ready(qtbot, window)
+        assert window.controller.local_server.server.host == "0.0.0.0"
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        good = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer ll-secret"},
+                         timeout=10)
+        assert good.status_code == 200 and good.json()["data"][0]["id"] == tiny_llama.name
+    finally:
+        close_window(window)
+
+
+def test_quitting_while_an_api_answer_streams_ends_every_thread(qtbot, tiny_llama: Path) -> None:
+    port = _free_port()
+    _enable(port)
+    window = open_window(qtbot, tiny_llama)
+    host = window.controller.local_server
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            for _chunk in _client(port).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": DOC}], max_tokens=4000,
+                    temperature=0, stream=True):
+                pass
+        except (openai.APIError, httpx.HTTPError) as error:  # cut off by the quit
+            errors.append(error)
+
+    client = threading.Thread(target=stream, name="test-client")
+    try:
+        _wait_ready(qtbot, window)
+        client.start()
+        qtbot.waitUntil(lambda: host.status.state == "answering", timeout=30_000)
+    finally:
+        close_window(window)
+    client.join(60)
+    assert not client.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("longleaf")]
