@@ -79,6 +79,12 @@ class LocalServerPage(QWidget):
         form.addRow(self.share)
         self.openai_url, self.copy_openai = self._address_row(form, "OpenAI clients")
         self.anthropic_url, self.copy_anthropic = self._address_row(form, "Anthropic clients")
+        self.elsewhere = QLabel("From another device, use this computer's network address "
+                                "in place of 127.0.0.1.")
+        self.elsewhere.setWordWrap(True)
+        self.elsewhere.setVisible(self.allow_network.isChecked())
+        self.allow_network.toggled.connect(self.elsewhere.setVisible)
+        form.addRow(self.elsewhere)
         self.problem = QLabel()
         self.problem.setObjectName("settingsProblem")
         self.problem.setWordWrap(True)
