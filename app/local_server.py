@@ -28,6 +28,10 @@ def status_text(status: ServerStatus) -> str:
         waiting = status.in_flight - 1
         more = f" ({waiting} more waiting)" if waiting > 0 else ""
         return f"Local server: answering a request…{more}"
+    if status.state == "waiting":
+        requests = "a request waits" if status.in_flight == 1 else \
+            f"{status.in_flight} requests wait"
+        return f"Local server: {requests} for the engine…"
     if status.state == "loading":
         return f"Local server on {status.url}: {status.message or 'waiting for the model'}"
     if status.state == "ready":

@@ -48,7 +48,8 @@ class ServerStatus:
 
     Attributes:
         state: "off", "loading" (listening, no model ready yet), "ready",
-            "answering" (requests in flight) or "failed".
+            "waiting" (its requests wait for the engine, or have not sent their
+            first event yet), "answering" (one of them has begun) or "failed".
         url: the base URL on this computer, e.g. "http://127.0.0.1:1234".
         in_flight: requests waiting for or running on the engine.
         message: why it failed, or why no model is ready.
@@ -87,6 +88,7 @@ class AttachedBridge(EngineBridge):
                          worker=worker)
         self._on_change = on_change
         self._models: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._running: set[int] = set()  # chat requests the engine has begun on
 
     def load(self) -> None:
         """Serve each model the front end loads, in turn, until ``stop_loading`` (blocks)."""
@@ -124,13 +126,20 @@ class AttachedBridge(EngineBridge):
     def claim(self, event: object) -> bool:
         """Take ``event`` when it belongs to one of the server's requests (worker thread)."""
         request_id = getattr(event, "request_id", None)
+        ending = isinstance(event, Finished | Failed)
         with self._lock:
-            mine = request_id is not None and request_id in self._tickets
-        if mine:
+            ticket = self._tickets.get(request_id) if request_id is not None else None
+            began = (ticket is not None and ticket.chat_id == request_id and not ending
+                     and request_id not in self._running)
+            if began:
+                self._running.add(request_id)
+            elif ending:
+                self._running.discard(request_id)
+        if ticket is not None:
             self._on_event(event)
-            if isinstance(event, Finished | Failed):
+            if began or ending:
                 self._on_change()
-        return mine
+        return ticket is not None
 
     def submit(self, *args: Any, **kwargs: Any) -> Ticket:
         """``EngineBridge.submit``, announced."""
@@ -143,6 +152,12 @@ class AttachedBridge(EngineBridge):
         """Whether no request of the server's waits for an event any more."""
         with self._lock:
             return not self._tickets
+
+    @property
+    def answering(self) -> bool:
+        """Whether the engine is on one of the server's requests now."""
+        with self._lock:
+            return bool(self._running)
 
     @property
     def in_flight(self) -> int:
@@ -196,7 +211,8 @@ class LocalServer:
             return ServerStatus("off", self.url)
         busy = self.bridge.in_flight
         if busy:
-            return ServerStatus("answering", self.url, busy)
+            return ServerStatus("answering" if self.bridge.answering else "waiting",
+                                self.url, busy)
         if not self.bridge.ready.is_set():
             return ServerStatus("loading", self.url, 0, self.bridge.load_error or "")
         return ServerStatus("ready", self.url)

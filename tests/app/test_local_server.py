@@ -18,6 +18,7 @@ from PySide6.QtCore import Qt
 
 from app.settings import Settings
 from app.window.main_window import MainWindow
+from engine.events import Finished
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window
 
 DOC = ("Longleaf pines grow in sandy soil across the coastal plain, and fire keeps the "
@@ -81,29 +82,39 @@ def test_the_app_serves_openai_clients_on_its_own_engine(qtbot, served) -> None:
 
 def test_a_chat_answer_and_an_api_request_wait_for_each_other(qtbot, served) -> None:
     window, port = served
-    host = window.controller.local_server
-    states: list[str] = []
-    host.statusChanged.connect(lambda status: states.append(status.state))
+    host, controller = window.controller.local_server, window.controller
+    seen: list[tuple[str, bool]] = []  # (server state, whether the app's chat runs)
+    host.statusChanged.connect(lambda status: seen.append((status.state, controller.busy)))
     replies: list[object] = []
+    ended: list[tuple[int, bool]] = []  # (request id, the server's), on the engine thread
 
     def ask() -> None:
         replies.append(_client(port).chat.completions.create(
             model="m", messages=[{"role": "user", "content": DOC}], max_tokens=8,
             temperature=0))
 
+    def note(event: object) -> bool:
+        if isinstance(event, Finished) and event.stats is not None:  # an answer ended
+            ended.append((event.request_id, event.request_id in host.server.bridge._tickets))
+        return False
+
+    # Ahead of the server's own claim, so it sees both kinds of request end.
+    controller.bridge._claims = (note, *controller.bridge._claims)
+
     window.composer.set_text(DOC)
     client = threading.Thread(target=ask, name="test-client")
-    with qtbot.waitSignal(window.controller.answerFinished, timeout=ANSWER_TIMEOUT_MS) as done:
+    with qtbot.waitSignal(controller.answerFinished, timeout=ANSWER_TIMEOUT_MS) as done:
         qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
         client.start()  # queued behind the chat on the one engine thread
     assert done.args[0] != "failed"
     client.join(120)
+    controller.bridge.remove_claim(note)
     assert not client.is_alive() and replies
     assert replies[0].choices[0].message.content is not None
+    assert ("waiting", True) in seen  # in line while the chat answered...
+    assert [mine for _rid, mine in ended] == [False, True]  # ...and answered after it
     qtbot.waitUntil(lambda: host.status.state == "ready", timeout=10_000)
-    assert "answering" in states
-    # The app's chat still works after the API request had the engine.
-    last = window.controller.model.message(window.controller.model.rowCount() - 1)
+    last = controller.model.message(controller.model.rowCount() - 1)
     assert last.role == "assistant" and last.content
 
 
