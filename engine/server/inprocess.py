@@ -263,6 +263,8 @@ class LocalServer:
             self._failure = f"The local server stopped: {error}"
         finally:
             self._socket.close()
+        if self._failure:
+            self._announce()  # the front end learns it is down without asking
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app) -> AsyncIterator[None]:
