@@ -2,7 +2,8 @@
 
 Shown only while the local server runs. The sessions come from the server's
 own list (name, KV mode, tokens of its last prompt); their bytes from each
-one's latest ``StatsSample``, which the worker sends as it reads or answers.
+one's latest ``StatsSample``, which the worker sends as it reads or answers
+(kept here: the chats' ``SessionCaches`` keeps only the chats').
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class ApiSessionsFeed(QObject):
     """Fills ``section`` from the controller's local server and its stats samples.
 
     Args:
-        controller: the ``ChatController`` (its ``local_server`` and ``caches``).
+        controller: the ``ChatController`` (its ``local_server`` and stats samples).
         section: the section it fills.
     """
 
@@ -62,18 +63,23 @@ class ApiSessionsFeed(QObject):
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.controller, self.section = controller, section
+        self._samples: dict[str, StatsSample] = {}  # each held API session's latest
         controller.local_server.statusChanged.connect(lambda _status: self.refresh())
         controller.statsUpdated.connect(self._on_stats)
         self.refresh()
 
     def _on_stats(self, sample: StatsSample) -> None:
         if sample.session_id and sample.session_id.startswith(API_SESSION_PREFIX):
+            self._samples[sample.session_id] = sample
             self.refresh()
 
     def refresh(self) -> None:
         """Show the server's sessions now."""
         host = self.controller.local_server
-        samples = self.controller.caches.samples
-        lines = [session_line(s.name, s.mode, s.tokens, samples.get(s.name))
-                 for s in host.sessions()]
+        sessions = host.sessions()
+        held = {s.name for s in sessions}
+        # A session the server let go of (stored, or its model unloaded) is not shown.
+        self._samples = {name: s for name, s in self._samples.items() if name in held}
+        lines = [session_line(s.name, s.mode, s.tokens, self._samples.get(s.name))
+                 for s in sessions]
         self.section.show_sessions(host.running, lines)
