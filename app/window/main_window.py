@@ -140,6 +140,7 @@ class MainWindow(QMainWindow):
         c.ingestProgress.connect(lambda _event: self._show_activity())
         c.editRequested.connect(self._on_edit_requested)
         c.local_server.statusChanged.connect(self._show_server_status)
+        c.busyChanged.connect(lambda _busy: self._show_server_status())
         self.conversation.regenerateRequested.connect(c.regenerate)
         self.conversation.editRequested.connect(c.begin_edit)
         self.conversation.continueRequested.connect(c.continue_answer)
@@ -323,8 +324,11 @@ class MainWindow(QMainWindow):
                 progress.eta_seconds, CHECKING if job.kind == "quality" else READING)
         self.conversation.set_busy(job is not None)
 
-    def _show_server_status(self, status) -> None:
+    def _show_server_status(self, status=None) -> None:
+        status = status or self.controller.local_server.status
         text = status_text(status)
+        if status.state == "answering" and self.controller.busy:
+            text += " Your chat's turn comes next."  # one engine: the chat is in line
         self.server_status.setText(text)
         self.server_status.setProperty("state", status.state)
         self.statusBar().setVisible(bool(text))
