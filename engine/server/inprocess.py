@@ -112,16 +112,20 @@ class AttachedBridge(EngineBridge):
         ahead of the load in the worker's queue."""
         self.ready.clear()
         self.load_error = message
-        self.shutdown()
+        self.close_sessions()
         self._on_change()
 
-    def shutdown(self) -> None:
-        """Store and close the server's sessions; the worker itself goes on."""
+    def close_sessions(self) -> None:
+        """Store and close the server's sessions (queued on the worker)."""
         with self._lock:
             names = list(self._sessions)
             self._sessions.clear()
         for name in names:
             self.worker.close_session(name, store=True)
+
+    def shutdown(self) -> None:
+        """The server is going: its sessions are stored and closed; the worker goes on."""
+        self.close_sessions()
 
     def claim(self, event: object) -> bool:
         """Take ``event`` when it belongs to one of the server's requests (worker thread)."""
