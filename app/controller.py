@@ -17,6 +17,8 @@ controller sends user turns and re-emits the collaborators' signals as its own.
 
 from __future__ import annotations
 
+import time
+
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.activity import Activity
@@ -25,6 +27,7 @@ from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
+from app.local_server import LocalServerHost
 from app.memory.quality import QualityCheck
 from app.model_state import ModelState
 from app.sessions.actions import NEW_TITLE, SessionActions
@@ -70,6 +73,8 @@ class ChatController(QObject):
                                self.sessions, self, sampling=self.sampling)
         self.quality = QualityCheck(bridge, store, self.activity, self.caches, self.sessions,
                                     self)
+        # The OpenAI/Anthropic server on the same worker, when Settings turn it on.
+        self.local_server = LocalServerHost(bridge, settings, self.model_state, self)
         self._editing: tuple[int, int] | None = None  # row, message id
         self._last_stats_time = 0.0
         self.closed = False
@@ -92,6 +97,7 @@ class ChatController(QObject):
             (self.quality.checked, self.qualityChecked),
             (self.quality.notice, self.notice),
             (self.quality.errorRaised, self.errorRaised),
+            (self.local_server.errorRaised, self.errorRaised),
         ):
             source.connect(target)
         # Reads of answers and re-ingests teach the rate model; a quality check's
@@ -178,6 +184,7 @@ class ChatController(QObject):
         # Also lists the stored KV for the memory panel, first thing.
         self.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
         self._poll.start()
+        self.local_server.apply()
         shown = self.store.last_session()
         sessions = self.store.sessions() if shown is None else [shown]
         if sessions:
@@ -210,12 +217,17 @@ class ChatController(QObject):
         for signal, slot in self._subscriptions:
             signal.disconnect(slot)
         self.activity.forget()
+        self.local_server.request_stop()
         self.bridge.cancel()
 
     def shutdown(self, timeout: float = 2.0) -> bool:
-        """``close``, then join the engine thread; True once it has ended."""
+        """``close``, then join the local server's and the engine's threads; True once
+        both have ended."""
         self.close()
-        return self.bridge.shutdown(timeout)
+        started = time.monotonic()
+        server_done = self.local_server.stop(timeout)
+        left = max(0.05, timeout - (time.monotonic() - started))
+        return self.bridge.shutdown(left) and server_done
 
     # Models ---------------------------------------------------------------
 

@@ -86,13 +86,33 @@ class EngineBridge(QObject):
         self._cancels: dict[int, threading.Event] = {}
         self._started = False
         self.last_stored_kv: StoredKv | None = None
+        # Front ends beside the window on the same worker (the local server): each
+        # takes its own requests' events on the engine thread, before the GUI sees them.
+        self._claims: tuple[Callable[[object], bool], ...] = ()
 
     # Worker thread side ---------------------------------------------------
 
     def _on_worker_event(self, event: object) -> None:
         # Runs on the engine thread: only hand the event over.
+        for claim in self._claims:
+            if claim(event):
+                return
         with contextlib.suppress(RuntimeError):  # the bridge is gone after shutdown
             self._relay.emit(event)
+
+    @property
+    def worker(self):
+        """The engine worker, for another front end on the same engine thread."""
+        return self._worker
+
+    def add_claim(self, claim: Callable[[object], bool]) -> None:
+        """Offer every worker event to ``claim`` first (on the engine thread); an event
+        it returns True for is its own and never reaches the window."""
+        self._claims = (*self._claims, claim)
+
+    def remove_claim(self, claim: Callable[[object], bool]) -> None:
+        """Stop offering events to ``claim``."""
+        self._claims = tuple(c for c in self._claims if c != claim)
 
     # GUI thread side ------------------------------------------------------
 

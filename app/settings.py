@@ -32,6 +32,7 @@ DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly a
 SETTINGS_FILE = "settings.ini"
 # The sampling keys a model's generation_config.json may give a default for.
 MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+DEFAULT_SERVER_PORT = 1234  # LM Studio's, so tools set up for it find Longleaf too
 log = logging.getLogger(__name__)
 
 
@@ -238,6 +239,52 @@ class Settings:
                             timings: tuple[prefill_rate.ChunkTiming, ...]) -> None:
         """Keep ``model_id``'s chunk timings (a measurement: not one of ``fields()``)."""
         self._set(_timings_key(model_id), prefill_rate.dumps(timings) if timings else None)
+
+    @property
+    def server_enabled(self) -> bool:
+        """Run the local OpenAI/Anthropic-compatible server while the app runs."""
+        return self._get("server/enabled", False, bool)
+
+    @server_enabled.setter
+    def server_enabled(self, value: bool) -> None:
+        self._set("server/enabled", bool(value))
+
+    @property
+    def server_port(self) -> int:
+        """The local server's TCP port."""
+        port = self._get("server/port", DEFAULT_SERVER_PORT, int)
+        return port if 1 <= port <= 65535 else DEFAULT_SERVER_PORT
+
+    @server_port.setter
+    def server_port(self, value: int) -> None:
+        self._set("server/port", int(value))
+
+    @property
+    def server_allow_network(self) -> bool:
+        """Listen on every network interface, not only this computer's (needs an API key)."""
+        return self._get("server/allow_network", False, bool)
+
+    @server_allow_network.setter
+    def server_allow_network(self, value: bool) -> None:
+        self._set("server/allow_network", bool(value))
+
+    @property
+    def server_api_key(self) -> str:
+        """The key clients must send ("" for none: only allowed on this computer)."""
+        return self._get("server/api_key", "", str)
+
+    @server_api_key.setter
+    def server_api_key(self, key: str) -> None:
+        self._set("server/api_key", key.strip() or None)
+
+    @property
+    def server_share_chats(self) -> bool:
+        """Let API requests reuse the KV of the app's own chats (off: API only)."""
+        return self._get("server/share_chats", False, bool)
+
+    @server_share_chats.setter
+    def server_share_chats(self, value: bool) -> None:
+        self._set("server/share_chats", bool(value))
 
     @property
     def model_folders(self) -> list[str]:

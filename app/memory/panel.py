@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import compact_count, human_bytes
+from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.quality import receipt_details, receipt_line
 from app.memory.stored_kv import StoredKvSection
@@ -224,6 +225,8 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(_section("History"))
         self.chart = HistoryChart()
         layout.addWidget(self.chart)
+        self.api_sessions = ApiSessionsSection()  # hidden while the local server is off
+        layout.addWidget(self.api_sessions)
         self.stored_kv = StoredKvSection()
         layout.addWidget(self.stored_kv)
         layout.addStretch(1)

@@ -26,9 +26,11 @@ from PySide6.QtWidgets import (
 
 from app.format import disk_size, relative_time, visible_text
 from engine import StoredKv
+from engine.runtime.held_sessions import API_SESSION_PREFIX
 
 COLUMNS = ("Chat", "Tokens", "Mode", "Size", "Last used")
 UNKNOWN_CHAT = "(chat not in the history)"
+API_SESSION = "Local server (API session)"
 
 
 class StoredKvSection(QWidget):
@@ -171,5 +173,7 @@ class StoredKvFeed(QObject):
             self.section.show_listing(listing, self._title)
 
     def _title(self, session_id: str) -> str | None:
+        if session_id.startswith(API_SESSION_PREFIX):
+            return API_SESSION
         record = self.controller.store.session(session_id)
         return visible_text(record.title) if record is not None else None

@@ -14,6 +14,7 @@ from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import SessionRecord
 from engine import Failed, SessionOpened, StatsSample
+from engine.runtime.held_sessions import API_SESSION_PREFIX
 
 MAX_OPEN_SESSIONS = 3
 
@@ -94,8 +95,8 @@ class SessionCaches(QObject):
         self.samples.clear()
 
     def note(self, sample: StatsSample) -> None:
-        """Keep a stats sample as its session's latest."""
-        if sample.session_id:
+        """Keep a stats sample as its session's latest (the local server's are not chats')."""
+        if sample.session_id and not sample.session_id.startswith(API_SESSION_PREFIX):
             self.samples[sample.session_id] = sample
 
     def sample_for(self, session_id: str | None) -> StatsSample | None:

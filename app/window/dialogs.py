@@ -16,12 +16,14 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QRadioButton,
     QSpinBox,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
 
 from app.format import human_bytes
 from app.settings import Settings
+from app.window.server_settings import LocalServerPage
 from engine import SamplingParams, default_budget, snapshots_dir
 from engine.cache.modes import MODES
 
@@ -109,21 +111,49 @@ class NewChatDialog(QDialog):
 
 
 class SettingsDialog(QDialog):
-    """Edit the user's preferences; ``apply()`` writes them."""
+    """Edit the user's preferences, one tab per subject; ``apply()`` writes them."""
 
     def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.settings = settings
         self.setWindowTitle("Settings")
-        self.setMinimumWidth(460)
-        form = QFormLayout(self)
+        self.setMinimumWidth(520)
+        layout = QVBoxLayout(self)
+        self.tabs = QTabWidget()
+        layout.addWidget(self.tabs)
+        self._chats_page(settings)
+        self._answers_page(settings)
+        self._storage_page(settings)
+        self.server = LocalServerPage(settings)
+        self.tabs.addTab(self.server, "Local server")
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save
+                                   | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout.addWidget(buttons)
+        self.accepted.connect(self.apply)
+        # What the widgets show at open (rounded, clamped): a field the user leaves
+        # alone reads back the same and is not written.
+        self._shown = self.edited()
+
+    def _page(self, title: str) -> QFormLayout:
+        page = QWidget()
+        self.tabs.addTab(page, title)
+        return QFormLayout(page)
+
+    def _chats_page(self, settings: Settings) -> None:
+        form = self._page("Chats")
         self.mode = QComboBox()
         self.mode.addItems(list(MODES))
         self.mode.setCurrentText(settings.default_mode)
-        form.addRow("Default KV mode", self.mode)
+        self.mode.setToolTip("How a new chat stores its keys and values; fixed for the chat's "
+                             "life (Reopen in… copies it into another mode).")
+        form.addRow("New chats store their memory as", self.mode)
         self.page_size = QSpinBox(minimum=16, maximum=4096, singleStep=16,
-                                  value=settings.page_size)
-        form.addRow("Page size (tokens, new chats)", self.page_size)
+                                  value=settings.page_size, suffix=" tokens")
+        self.page_size.setToolTip("The cache grows by pages of this many tokens (per layer). "
+                                  "New chats only.")
+        form.addRow("Memory grows in pages of", self.page_size)
         self.rotate = QCheckBox("Rotate keys and values before quantizing (new chats)")
         self.rotate.setToolTip(
             "A Hadamard rotation spreads outlier channels over each row before q8/q6/q4 "
@@ -133,15 +163,14 @@ class SettingsDialog(QDialog):
         # Unset means the engine's default, which rotates every quantized mode.
         self.rotate.setChecked(True if settings.rotate_kv is None else settings.rotate_kv)
         form.addRow("", self.rotate)
-        self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk)
-        form.addRow("Ingest chunk (tokens)", self.chunk)
-        budget = settings.memory_budget_bytes
-        self.budget = QSpinBox(minimum=0, maximum=1024 * 1024, singleStep=256,
-                               value=(budget or 0) // 2**20, suffix=" MiB",
-                               specialValueText="Automatic (keep RAM headroom)")
-        form.addRow("KV memory budget", self.budget)
-        self.disk_budget = disk_budget_box(settings.stored_kv_budget_bytes)
-        form.addRow("Stored KV disk budget", self.disk_budget)
+        self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk,
+                              suffix=" tokens")
+        self.chunk.setToolTip("Longer chunks read a document faster and take more memory "
+                              "while they are read; Stop takes effect between chunks.")
+        form.addRow("Read documents in chunks of", self.chunk)
+
+    def _answers_page(self, settings: Settings) -> None:
+        form = self._page("Answers")
         sampling = settings.sampling
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05,
                                           value=sampling.temperature)
@@ -158,23 +187,38 @@ class SettingsDialog(QDialog):
                                          value=sampling.repetition_penalty)
         form.addRow("Repetition penalty", self.repetition)
         self.max_tokens = QSpinBox(minimum=1, maximum=1_000_000, value=sampling.max_tokens)
-        form.addRow("Max answer tokens", self.max_tokens)
+        form.addRow("Longest answer (tokens)", self.max_tokens)
+        self.speculative = QCheckBox("Speculative decoding from the chat's own text")
+        self.speculative.setToolTip(
+            "Guess the next few tokens from the document and conversation and check them in "
+            "one step: the same answer, faster when it quotes or restates the text.")
+        self.speculative.setChecked(settings.speculative)
+        form.addRow("", self.speculative)
         self.system_prompt = QPlainTextEdit(settings.system_prompt)
         self.system_prompt.setFixedHeight(80)
         form.addRow("System prompt", self.system_prompt)
+
+    def _storage_page(self, settings: Settings) -> None:
+        form = self._page("Memory && storage")
+        budget = settings.memory_budget_bytes
+        self.budget = QSpinBox(minimum=0, maximum=1024 * 1024, singleStep=256,
+                               value=(budget or 0) // 2**20, suffix=" MiB",
+                               specialValueText="Automatic (keep RAM headroom)")
+        self.budget.setToolTip("The most memory all open chats' caches may take together.")
+        form.addRow("Memory for chats' caches", self.budget)
+        self.disk_budget = disk_budget_box(settings.stored_kv_budget_bytes)
+        form.addRow("Disk for stored caches", self.disk_budget)
         self.folders = QPlainTextEdit("\n".join(settings.model_folders))
         self.folders.setPlaceholderText("One folder per line")
         self.folders.setFixedHeight(60)
         form.addRow("Model folders", self.folders)
-        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save
-                                   | QDialogButtonBox.StandardButton.Cancel)
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
-        self.accepted.connect(self.apply)
-        # What the widgets show at open (rounded, clamped): a field the user leaves
-        # alone reads back the same and is not written.
-        self._shown = self.edited()
+
+    def accept(self) -> None:
+        """Save, unless a value cannot be used: then say why and stay open."""
+        if self.server.problem_text():
+            self.tabs.setCurrentWidget(self.server)
+            return
+        super().accept()
 
     def edited(self) -> dict[str, object]:
         """The widgets' values, by the name of the setting each one edits."""
@@ -194,6 +238,8 @@ class SettingsDialog(QDialog):
             "system_prompt": self.system_prompt.toPlainText().strip(),
             "model_folders": [f.strip() for f in self.folders.toPlainText().splitlines()
                               if f.strip()],
+            "speculative": self.speculative.isChecked(),
+            **self.server.values(),
         }
 
     def apply(self) -> None:

@@ -10,6 +10,7 @@ from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
+    QLabel,
     QMainWindow,
     QMessageBox,
     QSplitter,
@@ -23,6 +24,8 @@ from app.chat.conversation_view import ConversationView
 from app.chat.drafts import Drafts
 from app.controller import ChatController
 from app.format import visible_text
+from app.local_server import status_text
+from app.memory.api_sessions import ApiSessionsFeed
 from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
 from app.memory.panel_feed import PanelFeed
@@ -79,6 +82,7 @@ class MainWindow(QMainWindow):
         self.drafts = Drafts(controller, self.composer, self)
         self.quit_box: QMessageBox | None = None  # asking whether to quit mid-answer
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
+        self.api_sessions_feed = ApiSessionsFeed(controller, self.panel.api_sessions, self)
         build_toolbar(self)
         build_menus(self)
         self._connect()
@@ -124,6 +128,12 @@ class MainWindow(QMainWindow):
         self.splitter.splitterMoved.connect(self._on_splitter_moved)
         self.setCentralWidget(self.splitter)
         self.panel.setVisible(self.settings.memory_panel_visible)
+        # The local server's one line, in a status bar shown only while it is on.
+        self.server_status = QLabel()
+        self.server_status.setObjectName("serverStatus")
+        self.statusBar().addWidget(self.server_status, 1)
+        self.statusBar().setSizeGripEnabled(False)
+        self.statusBar().hide()
         self.composer.edit.filesDropped.connect(self.add_files)
         self.composer.offer_parts_from(self.loader)
         self.composer.edit.pasteRefused.connect(self._on_paste_refused)
@@ -146,6 +156,8 @@ class MainWindow(QMainWindow):
         c.activityChanged.connect(self._show_activity)
         c.ingestProgress.connect(lambda _event: self._show_activity())
         c.editRequested.connect(self._on_edit_requested)
+        c.local_server.statusChanged.connect(self._show_server_status)
+        c.busyChanged.connect(lambda _busy: self._show_server_status())
         self.conversation.regenerateRequested.connect(c.regenerate)
         self.conversation.editRequested.connect(c.begin_edit)
         self.conversation.continueRequested.connect(c.continue_answer)
@@ -342,6 +354,15 @@ class MainWindow(QMainWindow):
                 self.controller.read_eta(progress), READING)
         self.conversation.set_busy(job is not None)
 
+    def _show_server_status(self, status=None) -> None:
+        status = status or self.controller.local_server.status
+        text = status_text(status)
+        if status.state == "answering" and self.controller.busy:
+            text += " Your chat's turn comes next."  # one engine: the chat is in line
+        self.server_status.setText(text)
+        self.server_status.setProperty("state", status.state)
+        self.statusBar().setVisible(bool(text))
+
     def _on_edit_requested(self, text: str, attachments) -> None:
         self.composer.set_text(text)
         self.attachments.clear()
@@ -432,6 +453,7 @@ class MainWindow(QMainWindow):
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
                                              self.settings.ingest_chunk)
             self.controller.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
+            self.controller.local_server.apply()
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)

@@ -44,6 +44,12 @@ def same_partition(a: str, b: str) -> bool:
     return a.startswith(API_SESSION_PREFIX) == b.startswith(API_SESSION_PREFIX)
 
 
+def may_reuse(a: str, b: str, *, share_chats: bool) -> bool:
+    """Whether ``a`` may take ``b``'s KV: within a partition always, across it only when
+    the user shares the app's chats with the local server (``share_chats``)."""
+    return share_chats or same_partition(a, b)
+
+
 class HeldSessions:
     """Loads a model, opens and closes its sessions, and refills them before a read.
 
@@ -75,6 +81,8 @@ class HeldSessions:
         self.loaded_bytes = 0  # estimated weight bytes of the loaded model
         self.prefill: fit.PrefillFacts | None = None  # the loaded model's prefill needs
         self._sessions: dict[str, Session] = {}
+        # Set between requests by the worker: API sessions and chats reuse each other.
+        self.share_chats = False
         self._fit: dict[str | None, fit.FitInputs] = {}  # replaced whole, never mutated
 
     def publish_fit(self, chunk_size: int) -> None:
@@ -222,13 +230,17 @@ class HeldSessions:
         with self._lock:
             others = [s for s in self._sessions.values()
                       if s.tokens and reuse.compatible(session, s)
-                      and same_partition(s.session_id, session.session_id)]
+                      and may_reuse(session.session_id, s.session_id,
+                                    share_chats=self.share_chats)]
         from_disk = not session.tokens and self._stored.snapshots is not None
         if not others and not from_disk:
             return 0
         reused = 0
         if from_disk:
-            reused = self._stored.restore(session, prompt, request_id, keep_last=answer)
+            def allowed(name: str) -> bool:
+                return may_reuse(session.session_id, name, share_chats=self.share_chats)
+            reused = self._stored.restore(session, prompt, request_id, keep_last=answer,
+                                          allow=allowed)
         found = reuse.best_offer(session, others, prompt, keep_last=answer)
         if found is None:
             return reused

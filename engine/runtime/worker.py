@@ -114,6 +114,7 @@ class EngineWorker:
             "snapshot_budget": self._set_snapshot_budget,
             "clear_snapshots": self._clear_snapshots,
             "close_session": self._close_session,
+            "api_sharing": self._set_api_sharing,
             "chat": requests.chat,
             "ingest": requests.ingest,
             "check_quality": requests.check_quality,
@@ -208,6 +209,13 @@ class EngineWorker:
         Runs between requests on the worker thread, so it never races a save.
         """
         return self._submit("clear_snapshots", (session_id,))
+
+    def share_chats_with_api(self, share: bool) -> int:
+        """Let API sessions (``api-…``) and the app's chats reuse each other's KV, in
+        memory and on disk (``share``), or keep them apart (the default); between
+        requests. -> ``Finished("done")``.
+        """
+        return self._submit("api_sharing", (bool(share),))
 
     def close_session(self, session_id: str, store: bool = True) -> int:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
@@ -384,6 +392,10 @@ class EngineWorker:
 
     def _clear_snapshots(self, command: Command) -> object:
         self._stored.clear(*command.args)
+        return Finished(command.request_id, "done")
+
+    def _set_api_sharing(self, command: Command) -> object:
+        (self._held.share_chats,) = command.args
         return Finished(command.request_id, "done")
 
     def _close_session(self, command: Command) -> object:

@@ -97,8 +97,6 @@ class EngineBridge:
 
     def load(self) -> None:
         """Start the worker, load the model and the server's tokenizer (blocks)."""
-        from mlx_lm.utils import load_tokenizer
-
         self.worker.start()
         with self._lock:
             self._load_id = self.worker.load_model(self.model)
@@ -106,15 +104,24 @@ class EngineBridge:
         if self.info is None:
             self.load_error = self.load_error or "The model did not load in time."
             return
+        self.use_model(self.info)
+
+    def use_model(self, info: Any) -> None:
+        """Serve the model the worker loaded (its ``ModelInfo``): read the server's own
+        tokenizer from its folder, then answer requests (blocks while it reads)."""
         import json
 
-        folder = Path(self.info.path)
+        from mlx_lm.utils import load_tokenizer
+
+        folder = Path(info.path)
         try:
             config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-            self._tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+            tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
         except (OSError, ValueError) as error:
             self.load_error = f"The tokenizer in {folder} cannot be read: {error}"
             return
+        with self._tokenizer_lock:
+            self.info, self._tokenizer, self.load_error = info, tokenizer, None
         self.ready.set()
 
     def shutdown(self) -> None:

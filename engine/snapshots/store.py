@@ -7,7 +7,7 @@ which survives restarts without a separate index file to keep consistent.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +89,17 @@ class SnapshotStore:
         return load_snapshot(session, self.directory, name, prompt_ids, keep_last=keep_last)
 
     def longest_prefix(
-        self, prompt_ids: Sequence[int], *, model_digest: str, at_least: int, exclude: str = ""
+        self, prompt_ids: Sequence[int], *, model_digest: str, at_least: int, exclude: str = "",
+        allow: Callable[[str], bool] | None = None,
     ) -> str | None:
-        """The snapshot of model ``model_digest`` (not ``exclude``) that starts with
-        the most tokens of ``prompt_ids``, at least ``at_least``; None if none does."""
+        """The snapshot of model ``model_digest`` (not ``exclude``; one ``allow`` accepts
+        by name, when given) that starts with the most tokens of ``prompt_ids``, at
+        least ``at_least``; None if none does."""
         best, most = None, at_least - 1
         for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
             name = path.name[: -len(files.MANIFEST_SUFFIX)]
-            if name.startswith(files.TEMP_MARK) or name == exclude:
+            if name.startswith(files.TEMP_MARK) or name == exclude or (
+                    allow is not None and not allow(name)):
                 continue
             try:
                 manifest = read_manifest(path)

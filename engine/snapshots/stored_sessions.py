@@ -75,11 +75,13 @@ class StoredSessions:
         self._emit(listing)
 
     def restore(
-        self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool
+        self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool,
+        allow: Callable[[str], bool] | None = None,
     ) -> int:
         """Fill an empty session from its snapshot, or else from the stored chat of
         its model that starts with the most of ``prompt`` (one document stored once
-        serves every chat about it); returns the tokens reused."""
+        serves every chat about it; only those ``allow`` accepts by name, when given);
+        returns the tokens reused."""
         if self.snapshots is None or session.tokens:
             return 0
         try:
@@ -90,20 +92,22 @@ class StoredSessions:
                 self.announce()
             reused = 0
         if not reused:
-            reused = self._from_another(session, prompt, request_id, keep_last)
+            reused = self._from_another(session, prompt, request_id, keep_last, allow)
         if reused:
             self.announce()  # its "last used" moved
         return reused
 
     def _from_another(
-        self, session: Any, prompt: Sequence[int], request_id: int, keep_last: bool
+        self, session: Any, prompt: Sequence[int], request_id: int, keep_last: bool,
+        allow: Callable[[str], bool] | None,
     ) -> int:
         try:
             digest = session_fingerprint(session)["digest"]
         except EngineError:
             return 0
         name = self.snapshots.longest_prefix(
-            prompt, model_digest=digest, exclude=session.session_id, at_least=session.page_size)
+            prompt, model_digest=digest, exclude=session.session_id, at_least=session.page_size,
+            allow=allow)
         if name is None:
             return 0
         try:

@@ -215,6 +215,11 @@ SET_VALUES = {
     "last_folder": "/",
     "memory_panel_visible": False,
     "speculative": True,
+    "server_enabled": True,
+    "server_port": 80,  # under the port box's minimum: shown as 1024, never written
+    "server_allow_network": True,
+    "server_api_key": "  ll-key  ",
+    "server_share_chats": True,
     "window_geometry": b"\x01\x02geometry",
 }
 
@@ -260,3 +265,70 @@ def test_one_changed_sampling_value_writes_only_that_key(qtbot) -> None:
     dialog.apply()
     assert set(Settings().stored()) == {"sampling/temperature"}
     assert Settings().sampling.temperature == 0.2
+
+
+def test_settings_are_in_sections_that_fit_a_700_px_screen(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    titles = [dialog.tabs.tabText(i) for i in range(dialog.tabs.count())]
+    assert titles == ["Chats", "Answers", "Memory && storage", "Local server"]
+    dialog.show()
+    assert dialog.sizeHint().height() <= 700
+    assert dialog.minimumSizeHint().height() <= 700
+    labels = {dialog.tabs.widget(0).layout().labelForField(w).text()
+              for w in (dialog.mode, dialog.page_size, dialog.chunk)}
+    assert "Read documents in chunks of" in labels
+    assert not any("ngest" in text or "KV" in text for text in labels)
+
+
+def test_speculative_checkbox_writes_only_its_setting(qtbot) -> None:
+    before = Settings().speculative
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    assert dialog.speculative.isChecked() == before
+    dialog.speculative.setChecked(not before)
+    dialog.apply()
+    assert set(Settings().stored()) == {"engine/speculative"}
+    assert Settings().sampling.speculative == ("off" if before else "lookup")
+
+
+def test_local_server_is_off_and_private_by_default(qtbot) -> None:
+    settings = Settings()
+    assert not settings.server_enabled and settings.server_port == 1234
+    assert not settings.server_allow_network and not settings.server_share_chats
+    assert settings.server_api_key == ""
+    dialog = SettingsDialog(settings)
+    qtbot.addWidget(dialog)
+    page = dialog.server
+    assert page.openai_url.text() == "http://127.0.0.1:1234/v1"
+    assert page.anthropic_url.text() == "http://127.0.0.1:1234"
+    page.port.setValue(4321)
+    assert page.openai_url.text() == "http://127.0.0.1:4321/v1"
+    page.copy_openai.click()
+    assert QApplication.clipboard().text() == "http://127.0.0.1:4321/v1"
+    page.copy_anthropic.click()
+    assert QApplication.clipboard().text() == "http://127.0.0.1:4321"
+
+
+def test_network_access_without_a_key_is_refused_with_a_reason(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.show()
+    page = dialog.server
+    page.enabled.setChecked(True)
+    page.allow_network.setChecked(True)
+    dialog.tabs.setCurrentIndex(0)
+    save = dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save)
+    save.click()
+    assert dialog.isVisible() and dialog.tabs.currentWidget() is page
+    assert "API key" in page.problem.text() and page.problem.isVisible()
+    assert Settings().stored() == {}  # nothing saved
+    page.generate.click()
+    key = page.api_key.text()
+    assert key.startswith("ll-") and len(key) > 20
+    save.click()
+    assert not dialog.isVisible()
+    again = Settings()
+    assert again.server_enabled and again.server_allow_network
+    assert again.server_api_key == key
+    assert not again.server_share_chats

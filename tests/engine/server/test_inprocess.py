@@ -1,0 +1,76 @@
+"""The local server on a worker another front end owns (no Qt): claims, model, start, stop."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.events import ModelLoaded
+from engine.runtime.worker import EngineWorker
+from engine.server.inprocess import LocalServer, ServerUnavailable
+from tests.engine.runtime.test_worker import EventLog
+from tests.engine.tinymodels import make_tiny_model_dir
+
+
+def test_serves_the_front_ends_model_and_leaves_its_worker_running(tmp_path: Path) -> None:
+    folder = make_tiny_model_dir(tmp_path, "llama")
+    front_end = EventLog()  # what the owning front end gets: never the server's events
+    statuses: list[str] = []
+    server: LocalServer | None = None
+
+    def on_event(event: object) -> None:
+        if server is None or not server.claim(event):
+            front_end(event)
+
+    worker = EngineWorker(on_event)
+    worker.start()
+    try:
+        loaded = front_end.result(worker.load_model(str(folder)), ModelLoaded)
+        server = LocalServer(worker, host="127.0.0.1", port=_free_port(), api_key=None,
+                             kv_mode="q8",
+                             on_status=lambda status: statuses.append(status.state))
+        server.start()
+        url = f"http://127.0.0.1:{server.port}"
+        assert httpx.get(url + "/health", timeout=10).status_code == 503  # no model given yet
+        server.model_loaded(str(folder), loaded.info)
+        assert server.bridge.ready.wait(60)
+        seen = len(front_end.events)
+        reply = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat \
+            .completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens > 0 and reply.model == folder.name
+        # Its requests' events were the server's; stats samples (no request) still reach
+        # the front end, nothing else did.
+        assert all(getattr(e, "request_id", None) is None for e in front_end.events[seen:])
+        assert {"ready", "waiting", "answering"} <= set(statuses)
+        assert server.stop()
+        assert worker.alive  # the front end's worker goes on
+    finally:
+        if server is not None:
+            server.stop()
+        worker.shutdown(timeout=10.0)
+    assert not [t for t in threading.enumerate() if t.name.startswith("longleaf-server")]
+
+
+def test_a_port_in_use_raises_and_leaves_nothing_running() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        worker = EngineWorker(lambda _event: None)
+        server = LocalServer(worker, host="127.0.0.1", port=port, api_key=None, kv_mode="q8",
+                             on_status=lambda _status: None)
+        with pytest.raises(ServerUnavailable, match=f"Port {port} is already in use"):
+            server.start()
+        assert not server.running
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
