@@ -14,6 +14,7 @@ import logging
 import secrets
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.worker import EngineWorker
+from engine.server.tools import ToolSyntax
 from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
 from engine.session.sampling import SamplingParams
 from engine.snapshots.store import SnapshotStore
@@ -86,6 +88,10 @@ class EngineBridge:
         self.load_error: str | None = None
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
+        # One thread renders prompts off the server's event loop (a long
+        # conversation takes a while to tokenize); started with the model, so
+        # no thread appears or lingers per request.
+        self._renderer = ThreadPoolExecutor(1, thread_name_prefix="longleaf-server-render")
         self._lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}
         self._sessions: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
@@ -115,11 +121,13 @@ class EngineBridge:
         except (OSError, ValueError) as error:
             self.load_error = f"The tokenizer in {folder} cannot be read: {error}"
             return
+        self._renderer.submit(int).result()  # its thread starts now, not mid-request
         self.ready.set()
 
     def shutdown(self) -> None:
         """Stop the worker; its sessions are stored as snapshots on the way out."""
         self.worker.shutdown(timeout=30.0)
+        self._renderer.shutdown(wait=True, cancel_futures=True)
 
     @property
     def model_id(self) -> str:
@@ -164,10 +172,25 @@ class EngineBridge:
 
     # -- requests (server threads) ---------------------------------------------
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt ids the engine will read for ``messages`` (with the reply's opening)."""
+    def render(self, messages: list[dict[str, str]],
+               tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids the engine will read for ``messages`` (with the reply's opening).
+
+        Slow for a long conversation: call it off the event loop.
+        """
         with self._tokenizer_lock:
-            return render_conversation(self._tokenizer, messages, add_generation_prompt=True)
+            return render_conversation(self._tokenizer, messages, add_generation_prompt=True,
+                                       tools=tools)
+
+    def render_later(self, messages: list[dict[str, str]],
+                     tools: list[dict] | None = None) -> Future:
+        """``render`` on the bridge's render thread; await it with ``asyncio.wrap_future``."""
+        return self._renderer.submit(self.render, messages, tools)
+
+    @property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How the loaded model marks tool calls, or None where its tokenizer does not say."""
+        return ToolSyntax.of(self._tokenizer)
 
     def count(self, text: str) -> int:
         """Tokens ``text`` encodes to."""
@@ -185,7 +208,7 @@ class EngineBridge:
 
     def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: str,
                sampling: SamplingParams, cancel: threading.Event,
-               loop: asyncio.AbstractEventLoop) -> Ticket:
+               loop: asyncio.AbstractEventLoop, tools: list[dict] | None = None) -> Ticket:
         """Queue a chat on the session that holds the most of ``prompt``.
 
         A held session of the same mode whose last prompt ``prompt`` continues is
@@ -208,7 +231,7 @@ class EngineBridge:
             self._sessions[name] = (mode, list(prompt))
             self._sessions.move_to_end(name)
             ticket.session, ticket.mode = name, mode
-            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel)
+            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel, tools=tools)
             self._tickets[ticket.chat_id] = ticket
         return ticket
 

@@ -62,12 +62,14 @@ class Prompt:
             the tokenizer's special tokens).
         starts: where each token starts in ``text``, in characters (None when
             the tokenizer does not say).
+        tools: the tool definitions the template rendered (None: none).
     """
 
     ids: list[int]
     messages: list[dict[str, str]]
     text: str | None = None
     starts: list[int] | None = None
+    tools: list[dict] | None = None
 
     def boundaries(self, tokenizer: Any, *, after: int, most: int) -> list[int]:
         """Token counts of ``ids`` that end a message, past ``after``; at most ``most``.
@@ -80,14 +82,14 @@ class Prompt:
         """
         if self.text is None or self.starts is None:
             return message_boundaries(tokenizer, self.messages, self.ids, after=after,
-                                      most=most)
+                                      most=most, tools=self.tools)
         found: list[int] = []
         for count in range(len(self.messages) - 1, 0, -1):
             if len(found) >= most:
                 break
             try:
                 cut = _template_text(tokenizer, self.messages[:count],
-                                     add_generation_prompt=False)
+                                     add_generation_prompt=False, tools=self.tools)
             except Exception as error:  # some templates refuse partial conversations
                 log.debug("no boundary after message %d: %s", count, error)
                 continue
@@ -101,9 +103,12 @@ class Prompt:
 
 
 def _template_text(tokenizer: Any, messages: list[dict[str, str]], *,
-                   add_generation_prompt: bool) -> str:
+                   add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    # Tools only when there are some: a template without tool support then
+    # renders exactly as it always did.
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def _backend(tokenizer: Any) -> Any | None:
@@ -145,31 +150,39 @@ def token_ends(tokenizer: Any, text: str) -> list[int]:
 
 
 def render_prompt(
-    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+    tools: list[dict] | None = None,
 ) -> Prompt:
-    """The conversation rendered the way ``mlx_lm generate`` does, tokenized once."""
+    """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
+
+    ``tools`` (OpenAI-style function definitions) go to the chat template, as
+    ``mlx_lm.server`` passes them; a base model has no template to take them.
+    """
     if not messages:
         return Prompt([], [])
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if getattr(tokenizer, "has_chat_template", False):
-        text = _template_text(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        text = _template_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                              tools=tools)
         ids, starts = encode_with_starts(tokenizer, text)
-        return Prompt(ids, messages, text, starts)
+        return Prompt(ids, messages, text, starts, tools or None)
     # Base models have no template: the contents, one after another.
     text = "\n\n".join(message["content"] for message in messages)
     return Prompt(list(tokenizer.encode(text, add_special_tokens=True)), messages)
 
 
 def render_conversation(
-    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
-    return render_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt).ids
+    return render_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                         tools=tools).ids
 
 
 def message_boundaries(
     tokenizer: Any, messages: list[dict[str, str]], prompt: list[int], *, after: int,
-    most: int,
+    most: int, tools: list[dict] | None = None,
 ) -> list[int]:
     """Token counts of ``prompt`` that end a message, past ``after``; at most ``most``.
 
@@ -184,7 +197,8 @@ def message_boundaries(
         if len(found) >= most:
             break
         try:
-            ids = render_conversation(tokenizer, messages[:count], add_generation_prompt=False)
+            ids = render_conversation(tokenizer, messages[:count], add_generation_prompt=False,
+                                      tools=tools)
         except Exception:  # some templates refuse partial conversations
             continue
         if len(ids) <= after:

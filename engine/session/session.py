@@ -232,13 +232,15 @@ class Session:
 
     # -- templates ---------------------------------------------------------
 
-    def prompt(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> Prompt:
+    def prompt(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> Prompt:
         """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
 
-        A request makes it once and hands it to every step that reads the ids.
+        A request makes it once and hands it to every step that reads the ids;
+        ``tools`` go to the chat template.
         """
         return render_prompt(self.tokenizer, messages,
-                             add_generation_prompt=add_generation_prompt)
+                             add_generation_prompt=add_generation_prompt, tools=tools)
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
         """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
