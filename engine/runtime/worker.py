@@ -157,11 +157,14 @@ class EngineWorker:
         sampling: SamplingParams,
         cancel: threading.Event,
         tools: list[dict] | None = None,
+        template: bool = True,
     ) -> int:
         """Answer the conversation's last user turn, streaming ``TokenChunk`` events.
 
         ``tools`` (OpenAI-style function definitions, plain JSON values) go to
         the chat template; messages may carry ``tool_calls`` and "tool" turns.
+        ``template=False`` continues the contents as plain text instead (a text
+        completion), without the chat template.
 
         Ends with ``Finished`` ("stop", "length", "cancelled", or "memory" when
         system memory turned critical or free RAM ran out mid-answer; the partial
@@ -169,7 +172,7 @@ class EngineWorker:
         ``MemoryPressure`` when memory was critical before the answer began).
         """
         return self._submit("chat", (session_id, _copy(messages), sampling,
-                                     copy.deepcopy(tools)), cancel)
+                                     copy.deepcopy(tools), template), cancel)
 
     def ingest(
         self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event

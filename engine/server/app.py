@@ -30,6 +30,7 @@ from engine.server.tools import ToolCall, ToolCallReader
 
 MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_MAX_TOKENS = 512
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
 
@@ -89,6 +90,7 @@ class Server:
             Route("/health", self._wrap(self.health, auth=False), methods=["GET"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
             Route("/v1/chat/completions", self._wrap(self.chat_completions), methods=["POST"]),
+            Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/v1/messages", self._wrap(self.messages), methods=["POST"]),
             Route("/v1/messages/count_tokens", self._wrap(self.count_tokens),
                   methods=["POST"]),
@@ -211,6 +213,41 @@ class Server:
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15)
 
+    async def completions(self, request: Request):
+        self._check_ready()
+        chat = protocol.openai_completion(await self._body(request), COMPLETION_MAX_TOKENS)
+        run = await self._start(chat)
+        created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        model = self._model_name(chat)
+        echoed = chat.messages[0]["content"] if chat.echo else ""
+
+        def body(text: str, finish: str | None) -> dict:
+            return {"id": ident, "object": "text_completion", "created": created,
+                    "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                 "finish_reason": finish}]}
+        if not chat.stream:
+            text, _, outcome = await self._collect(request, run)
+            return JSONResponse({**body(echoed + text, outcome.finish),
+                                 "usage": _openai_usage(outcome), "kv_mode": outcome.mode})
+
+        async def events() -> AsyncIterator[dict]:
+            if echoed:
+                yield {"data": json.dumps(body(echoed, None))}
+            try:
+                async for piece in _guarded(run):
+                    if isinstance(piece, str):
+                        yield {"data": json.dumps(body(piece, None))}
+                        continue
+                    yield {"data": json.dumps(body("", piece.finish))}
+                    if chat.include_usage:
+                        yield {"data": json.dumps({**body("", None), "choices": [],
+                                                   "usage": _openai_usage(piece),
+                                                   "kv_mode": piece.mode})}
+            except ApiError as error:
+                yield {"data": error_response(request, error).body.decode()}
+            yield {"data": "[DONE]"}
+        return EventSourceResponse(events(), ping=15)
+
     async def messages(self, request: Request):
         self._check_ready()
         chat = protocol.anthropic_messages(await self._body(request))
@@ -279,12 +316,14 @@ class Server:
         mode = chat.mode or self.bridge.kv_mode
         # Off the event loop: a long conversation takes a while to render and
         # tokenize, and other connections keep being answered meanwhile.
-        prompt = await asyncio.wrap_future(self.bridge.render_later(chat.messages, chat.tools))
+        prompt = await asyncio.wrap_future(
+            self.bridge.render_later(chat.messages, chat.tools, chat.template))
         context = self.bridge.max_context
         if len(prompt) + 1 > context:
+            field, verb = ("messages", "take") if chat.template else ("prompt", "takes")
             raise ApiError(400, f"This model's maximum context length is {context:,} tokens; "
-                                f"the messages take {len(prompt):,} tokens and the answer "
-                                "needs at least one more.", param="messages",
+                                f"the {field} {verb} {len(prompt):,} tokens and the answer "
+                                "needs at least one more.", param=field,
                            code="context_length_exceeded")
         try:
             fit = self.bridge.fit(len(prompt) + 1, mode)
@@ -300,7 +339,8 @@ class Server:
         cancel = threading.Event()
         try:
             ticket = self.bridge.submit(chat.messages, prompt, mode, chat.sampling, cancel,
-                                        asyncio.get_running_loop(), chat.tools)
+                                        asyncio.get_running_loop(), chat.tools,
+                                        chat.template)
         except QueueFull as error:
             raise ApiError(429, str(error), "rate_limit_error",
                            headers={"Retry-After": "2"}) from error

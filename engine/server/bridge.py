@@ -172,20 +172,20 @@ class EngineBridge:
 
     # -- requests (server threads) ---------------------------------------------
 
-    def render(self, messages: list[dict[str, str]],
-               tools: list[dict] | None = None) -> list[int]:
+    def render(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
+               template: bool = True) -> list[int]:
         """The prompt ids the engine will read for ``messages`` (with the reply's opening).
 
         Slow for a long conversation: call it off the event loop.
         """
         with self._tokenizer_lock:
             return render_conversation(self._tokenizer, messages, add_generation_prompt=True,
-                                       tools=tools)
+                                       tools=tools, template=template)
 
-    def render_later(self, messages: list[dict[str, str]],
-                     tools: list[dict] | None = None) -> Future:
+    def render_later(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
+                     template: bool = True) -> Future:
         """``render`` on the bridge's render thread; await it with ``asyncio.wrap_future``."""
-        return self._renderer.submit(self.render, messages, tools)
+        return self._renderer.submit(self.render, messages, tools, template)
 
     @property
     def tool_syntax(self) -> ToolSyntax | None:
@@ -208,7 +208,8 @@ class EngineBridge:
 
     def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: str,
                sampling: SamplingParams, cancel: threading.Event,
-               loop: asyncio.AbstractEventLoop, tools: list[dict] | None = None) -> Ticket:
+               loop: asyncio.AbstractEventLoop, tools: list[dict] | None = None,
+               template: bool = True) -> Ticket:
         """Queue a chat on the session that holds the most of ``prompt``.
 
         A held session of the same mode whose last prompt ``prompt`` continues is
@@ -231,7 +232,8 @@ class EngineBridge:
             self._sessions[name] = (mode, list(prompt))
             self._sessions.move_to_end(name)
             ticket.session, ticket.mode = name, mode
-            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel, tools=tools)
+            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel, tools=tools,
+                                              template=template)
             self._tickets[ticket.chat_id] = ticket
         return ticket
 

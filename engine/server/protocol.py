@@ -41,6 +41,8 @@ class ChatRequest:
     mode: str | None
     model: str
     tools: list[dict] | None = None
+    template: bool = True  # False: a text completion, the prompt read as plain text
+    echo: bool = False  # a text completion's answer starts with its prompt
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -275,6 +277,40 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
         stop=_stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         mode=mode_from(model, body), model=model, tools=_tools(body, anthropic=False),
+    )
+
+
+def openai_completion(body: Any, default_max: int) -> ChatRequest:
+    """Read an OpenAI ``/v1/completions`` body (a plain text prompt, no chat template)."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string (batches of prompts and token "
+                         "ids are not supported: send one request per prompt).", "prompt")
+    for name in ("n", "best_of"):
+        if _integer(body, (name,), 1, 1) != 1:
+            raise BadRequest(f"'{name}' > 1 is not supported: ask for one choice per "
+                             "request.", name)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false.", "stream")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be true or false.", "echo")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object.", "stream_options")
+    model = _model(body)
+    max_tokens = _integer(body, ("max_tokens",), default_max, 1)
+    return ChatRequest(
+        messages=[{"role": "user", "content": prompt}],
+        sampling=_sampling(body, int(max_tokens), body.get("seed")),
+        stop=_stops(body.get("stop"), "stop"), stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        mode=mode_from(model, body), model=model, template=False, echo=echo,
     )
 
 

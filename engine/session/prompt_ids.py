@@ -151,17 +151,19 @@ def token_ends(tokenizer: Any, text: str) -> list[int]:
 
 def render_prompt(
     tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, template: bool = True,
 ) -> Prompt:
     """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
 
     ``tools`` (OpenAI-style function definitions) go to the chat template, as
     ``mlx_lm.server`` passes them; a base model has no template to take them.
+    ``template=False`` reads the contents as plain text even where the model has
+    a chat template (a text completion's prompt).
     """
     if not messages:
         return Prompt([], [])
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
-    if getattr(tokenizer, "has_chat_template", False):
+    if template and getattr(tokenizer, "has_chat_template", False):
         text = _template_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
                               tools=tools)
         ids, starts = encode_with_starts(tokenizer, text)
@@ -173,11 +175,11 @@ def render_prompt(
 
 def render_conversation(
     tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, template: bool = True,
 ) -> list[int]:
     """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
     return render_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                         tools=tools).ids
+                         tools=tools, template=template).ids
 
 
 def message_boundaries(
