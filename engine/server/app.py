@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -57,6 +59,26 @@ class Outcome:
     mode: str
 
 
+def cors_origins(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The allowed origins, checked: each a ``scheme://host[:port]``, never a wildcard.
+
+    Raises:
+        EngineError: an origin is a wildcard or not an origin.
+    """
+    origins = []
+    for value in values or ():
+        origin = value.strip().rstrip("/")
+        if "*" in origin:
+            raise EngineError("Name each allowed origin (e.g. http://localhost:3000): a "
+                              "wildcard would let any web page use the model.")
+        scheme, _, rest = origin.partition("://")
+        if scheme not in ("http", "https") or not rest or "/" in rest:
+            raise EngineError(f"{value!r} is not an origin: write scheme://host[:port], "
+                              "e.g. http://localhost:3000.")
+        origins.append(origin)
+    return tuple(origins)
+
+
 def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
@@ -79,13 +101,19 @@ class Server:
     """The routes, bound to one bridge and one optional API key."""
 
     def __init__(self, bridge: EngineBridge, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 cors_origins: tuple[str, ...] = ()) -> None:
         self.bridge = bridge
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.cors_origins = cors_origins
 
     def app(self) -> Starlette:
-        """The ASGI application (no CORS middleware: browsers' other origins are refused)."""
+        """The ASGI application.
+
+        Web pages of other origins may call it only from ``cors_origins``, each
+        named: without any, no CORS headers are sent and browsers refuse them.
+        """
         routes = [
             Route("/health", self._wrap(self.health, auth=False), methods=["GET"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
@@ -95,7 +123,12 @@ class Server:
             Route("/v1/messages/count_tokens", self._wrap(self.count_tokens),
                   methods=["POST"]),
         ]
-        return Starlette(routes=routes)
+        middleware = []
+        if self.cors_origins:
+            middleware.append(Middleware(
+                CORSMiddleware, allow_origins=list(self.cors_origins),
+                allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+        return Starlette(routes=routes, middleware=middleware)
 
     # -- plumbing --------------------------------------------------------------
 
