@@ -260,8 +260,15 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
         raise EngineError("Serving beyond this machine needs --api-key: anyone on the "
                           "network could otherwise use the model.")
     origins = cors_origins(args.cors_origin)
+    from engine import paths
+
+    if args.kv_disk_budget is not None and args.kv_disk_budget < 0:
+        raise EngineError("--kv-disk-budget cannot be negative.")
+    budget = None if args.kv_disk_budget is None else int(args.kv_disk_budget * 1e9)
+    # The app's stored KV counts against the same budget: one user, one disk.
     bridge = EngineBridge(args.model, args.kv, server_snapshot_dir(),
-                          max_sessions=args.sessions, queue_limit=args.queue_limit)
+                          max_sessions=args.sessions, queue_limit=args.queue_limit,
+                          snapshot_budget=budget, counted_with=(paths.snapshots_dir(),))
     out.write(f"Longleaf serving {bridge.model_id} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()
@@ -312,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
     api.add_argument("--queue-limit", type=int, default=16,
                      help="requests waiting at once before answering 429")
+    api.add_argument("--kv-disk-budget", type=float, default=None, metavar="GB",
+                     help="stored-KV disk budget, the app's stored chats included "
+                          "(default: the smaller of 20 GB and 10%% of free disk)")
     api.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="let web pages of ORIGIN (e.g. http://localhost:3000) call the "
                           "API; repeatable; none by default")

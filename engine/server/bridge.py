@@ -72,16 +72,22 @@ class EngineBridge:
         max_sessions: server sessions held in memory; the least recently used
             one is stored as a snapshot when another is needed.
         queue_limit: requests that may wait for or run on the engine at once.
+        snapshot_budget: the stored-KV disk budget in bytes (None: the default,
+            as the app's).
+        counted_with: other snapshot folders (the app's) whose bytes count
+            against that budget with the server's own.
     """
 
     def __init__(self, model: str, kv_mode: str, snapshot_dir: Path | None, *,
                  max_sessions: int = 4, queue_limit: int = 16,
-                 worker: EngineWorker | None = None) -> None:
+                 worker: EngineWorker | None = None, snapshot_budget: int | None = None,
+                 counted_with: tuple[Path, ...] = ()) -> None:
         self.model = model
         self.kv_mode = kvquant.normalize_mode(kv_mode)
         self.max_sessions = max(1, max_sessions)
         self.queue_limit = max(1, queue_limit)
-        store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else None
+        store = None if snapshot_dir is None else SnapshotStore(
+            snapshot_dir, snapshot_budget, counted_with=counted_with)
         self.worker = worker or EngineWorker(self._on_event, snapshots=store)
         self.ready = threading.Event()
         self.info: Any = None
