@@ -260,8 +260,14 @@ class EngineBridge:
         return best
 
     def _open(self, mode: str, ticket: Ticket) -> str:
-        while len(self._sessions) >= self.max_sessions:
-            evicted, _ = self._sessions.popitem(last=False)
+        # Only idle sessions are evicted: closing one cancels the answer running
+        # in it. With every held session busy the server holds one more for a
+        # while (the queue limit bounds how many); later opens evict back down.
+        busy = {waiting.session for waiting in self._tickets.values()}
+        idle = [name for name in self._sessions if name not in busy]
+        while len(self._sessions) >= self.max_sessions and idle:
+            evicted = idle.pop(0)  # least recently used first
+            del self._sessions[evicted]
             self.worker.close_session(evicted, store=True)
         name = f"{API_SESSION_PREFIX}{secrets.token_hex(6)}"
         opened = self.worker.open_session(name, mode)

@@ -243,8 +243,11 @@ def _model(body: dict) -> str:
 
 
 def _sampling(body: dict, max_tokens: int, seed: Any) -> SamplingParams:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"'seed' must be an integer (got {seed!r}).", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not -2**63 <= seed < 2**64):
+        raise BadRequest(f"'seed' must be a 64-bit integer (got {seed!r}).", "seed")
+    if seed is not None:
+        seed %= 2**64  # MLX seeds are unsigned; a negative one still picks one stream
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise BadRequest("'top_p' must be greater than 0.", "top_p")
