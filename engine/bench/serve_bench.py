@@ -50,12 +50,19 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def conversation(tokens: int, extra_turn: bool) -> list[dict[str, str]]:
-    """About ``tokens`` tokens of an agent's context; ``extra_turn`` adds one short turn."""
+def conversation(tokens: int, extra_turn: bool,
+                 count: Callable[[list[dict[str, str]]], int] | None = None
+                 ) -> list[dict[str, str]]:
+    """About ``tokens`` tokens of an agent's context; ``extra_turn`` adds one short turn.
+
+    ``count`` gives a conversation's tokens as the model renders it (None: about
+    four characters a token).
+    """
+    count = count or (lambda turns: len(json.dumps(turns)) // 4)
     messages = [{"role": "system", "content": "You are a coding agent. Tools: read, edit, run. "
                  + "Follow the repository's conventions and keep answers short. " * 20}]
     turn = 0
-    while len(json.dumps(messages)) < tokens * 4:  # about four characters a token
+    while count(messages) < tokens:
         messages.append({"role": "user", "content": f"Step {turn}: here is file {turn}.py:\n"
                          + f"def f{turn}(x):\n    return x * {turn} + 1\n" * 12})
         messages.append({"role": "assistant", "content": f"Read file {turn}.py; f{turn} "
@@ -142,27 +149,32 @@ def _timed(name: str, label: str, url: str, messages: list[dict[str, str]],
     return Timing(name, label, int(usage.get("prompt_tokens") or 0), int(cached), ttft, rate)
 
 
-def _three(name: str, start: Callable[[], Running], tokens: int,
-           max_tokens: int) -> list[Timing]:
+def _three(name: str, start: Callable[[], Running], first: list[dict[str, str]],
+           resent: list[dict[str, str]], max_tokens: int) -> list[Timing]:
     """First request, the same resent with one more turn, and that again after a restart."""
     server = start()
     try:
-        results = [_timed(name, "first", server.url, conversation(tokens, False), max_tokens),
-                   _timed(name, "resent +1 turn", server.url, conversation(tokens, True),
-                          max_tokens)]
+        results = [_timed(name, "first", server.url, first, max_tokens),
+                   _timed(name, "resent +1 turn", server.url, resent, max_tokens)]
     finally:
         server.stop()
     server = start()
     try:
-        results.append(_timed(name, "after restart", server.url, conversation(tokens, True),
-                              max_tokens))
+        results.append(_timed(name, "after restart", server.url, resent, max_tokens))
     finally:
         server.stop()
     return results
 
 
-def _cli_rate(env: dict[str, str], tokens: int, max_tokens: int) -> float:
-    prompt = conversation(tokens, True)
+def token_counter(folder: Path) -> Callable[[list[dict[str, str]]], int]:
+    """Tokens of a conversation as ``folder``'s chat template renders it."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    return lambda turns: len(tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+
+
+def _cli_rate(env: dict[str, str], prompt: list[dict[str, str]], max_tokens: int) -> float:
     text = "\n\n".join(m["content"] for m in prompt)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
         handle.write(text)
@@ -201,10 +213,12 @@ def _on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def _pair(model: str, reference_folder: Path | None, home: str, env: dict[str, str],
-          tokens: int, max_tokens: int, label: str) -> list[Timing]:
+def _pair(model: str, folder: Path, reference_folder: Path | None, home: str,
+          env: dict[str, str], tokens: int, max_tokens: int, label: str) -> list[Timing]:
     """Longleaf's server on ``model`` and (when given) ``mlx_lm.server`` on the folder."""
     logs = Path(home)
+    count = token_counter(folder)
+    first, resent = conversation(tokens, False, count), conversation(tokens, True, count)
 
     def longleaf() -> Running:
         port = _port()
@@ -212,23 +226,26 @@ def _pair(model: str, reference_folder: Path | None, home: str, env: dict[str, s
                         "--port", str(port), "--kv", "q8"], port, env,
                        logs / f"longleaf-{label}.log")
 
-    timings = _three(f"longleaf ({label})", longleaf, tokens, max_tokens)
+    timings = _three(f"longleaf ({label})", longleaf, first, resent, max_tokens)
     if reference_folder is not None:
         def reference() -> Running:
             port = _port()
             return Running([sys.executable, "-m", "mlx_lm", "server", "--model",
                             str(reference_folder), "--port", str(port)], port, env,
                            logs / f"mlx_lm-{label}.log")
-        timings += _three(f"mlx_lm.server ({label})", reference, tokens, max_tokens)
+        timings += _three(f"mlx_lm.server ({label})", reference, first, resent, max_tokens)
     return timings
 
 
 def run(tokens: int = 7000, max_tokens: int = 64, mlx_lm: bool = True,
-        hybrid_tokens: int = 16000) -> dict:
+        hybrid_tokens: int = 16000, mlx_tokens: int | None = None) -> dict:
     """Measure Longleaf's server, the CLI and (optionally) mlx_lm.server; plain results.
 
     The demo model answers a conversation of about ``tokens`` tokens; a tiny
     hybrid (qwen3_next, random weights) one of about ``hybrid_tokens`` (0: skip).
+    ``mlx_tokens`` (when smaller than ``tokens``) sizes a second demo
+    conversation that both servers answer, for a CPU where mlx_lm.server would
+    take hours over the long one.
     """
     from engine.models.loader import resolve_model_path
 
@@ -239,20 +256,27 @@ def run(tokens: int = 7000, max_tokens: int = 64, mlx_lm: bool = True,
     if mlx_lm:
         reference = float32_copy(demo, Path(home) / "demo-float32") if _on_cpu() else demo
     load = [os.getloadavg()[0]]
-    timings = _pair("demo", reference, home, env, tokens, max_tokens, "demo")
+    short = mlx_tokens is not None and mlx_tokens < tokens
+    timings = _pair("demo", demo, None if short else reference, home, env, tokens,
+                    max_tokens, "demo")
     load.append(os.getloadavg()[0])
+    if short and reference is not None:
+        timings += _pair("demo", demo, reference, home, env, mlx_tokens, max_tokens,
+                         f"demo {mlx_tokens:,}")
+        load.append(os.getloadavg()[0])
     if hybrid_tokens:
         from tests.engine.tinymodels import make_tiny_model_dir
 
         hybrid = make_tiny_model_dir(Path(home), "qwen3_next",
                                      max_position_embeddings=4 * hybrid_tokens)
-        timings += _pair(str(hybrid), hybrid if mlx_lm else None, home, env, hybrid_tokens,
-                         max_tokens, "tiny hybrid")
+        timings += _pair(str(hybrid), hybrid, hybrid if mlx_lm else None, home, env,
+                         hybrid_tokens, max_tokens, "tiny hybrid")
         load.append(os.getloadavg()[0])
-    cli = _cli_rate(env, tokens, max_tokens)
+    cli = _cli_rate(env, conversation(tokens, True, token_counter(demo)), max_tokens)
     load.append(os.getloadavg()[0])
     shutil.rmtree(home, ignore_errors=True)
     return {"tokens": tokens, "hybrid_tokens": hybrid_tokens, "max_tokens": max_tokens,
+            "mlx_tokens": mlx_tokens if short else None,
             "cli_decode_tps": cli, "load_1min": load,
             "reference_float32": bool(reference is not None and reference != demo),
             "timings": [asdict(t) for t in timings]}
@@ -288,7 +312,8 @@ def verdicts(results: dict) -> list[str]:
         rows.append(f"| server decode ≥ 0.95× the CLI's | {_verdict(ratio >= 0.95)} | "
                     f"{rate:.1f} vs {results['cli_decode_tps']:.1f} tok/s ({ratio:.2f}×; "
                     f"mean of the server's {len(rates)} requests) |")
-    for label, request in (("demo", "after restart"), ("tiny hybrid", "resent +1 turn"),
+    demo = f"demo {results['mlx_tokens']:,}" if results.get("mlx_tokens") else "demo"
+    for label, request in ((demo, "after restart"), ("tiny hybrid", "resent +1 turn"),
                            ("tiny hybrid", "after restart")):
         ours = _find(results, f"longleaf ({label})", request)
         theirs = _find(results, f"mlx_lm.server ({label})", request)
@@ -314,6 +339,10 @@ def report(results: dict) -> str:
         lines += ["mlx_lm.server ran on a float32 copy of the demo folder: MLX's CPU backend "
                   "emulates float16, and on the float16 folder mlx_lm.server did not finish "
                   "one 7k-token prompt; Longleaf computes in float32 on the CPU too.", ""]
+    if results.get("mlx_tokens"):
+        lines += [f"Against mlx_lm.server the demo conversation is about "
+                  f"{results['mlx_tokens']:,} tokens (both servers, same requests): its "
+                  "prompt processing is too slow on this CPU for the long one.", ""]
     lines += ["| goal | verdict | numbers |", "|---|---|---|", *verdicts(results), "",
               "| server | request | prompt tokens | cached | TTFT s | TTFT / first | "
               "decode tok/s |", "|---|---|---:|---:|---:|---:|---:|"]
