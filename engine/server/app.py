@@ -35,6 +35,9 @@ DEFAULT_MAX_TOKENS = 512
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
+ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
+                    "not_found_error", "request_too_large", "rate_limit_error", "api_error",
+                    "overloaded_error")
 
 
 class ApiError(Exception):
@@ -88,8 +91,8 @@ def error_response(request: Request, error: ApiError) -> JSONResponse:
     if _is_anthropic(request):
         kind = {401: "authentication_error", 413: "request_too_large",
                 429: "rate_limit_error", 404: "not_found_error"}.get(error.status, error.kind)
-        if error.status >= 500 and kind == "invalid_request_error":
-            kind = "api_error"
+        if kind not in ANTHROPIC_ERRORS:  # its SDKs know these types only
+            kind = "api_error" if error.status >= 500 else "invalid_request_error"
         body: dict = {"type": "error", "error": {"type": kind, "message": error.message}}
     else:
         body = {"error": {"message": error.message, "type": error.kind,
