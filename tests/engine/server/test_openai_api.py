@@ -213,3 +213,29 @@ def test_model_suffix_and_kv_mode_pick_the_mode(served: Served) -> None:
     assert default.model_extra["kv_mode"] == served.bridge.kv_mode
     with pytest.raises(openai.BadRequestError):
         api.chat.completions.create(model="m@q3", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_slow_render_does_not_stall_other_connections(served: Served, monkeypatch) -> None:
+    """Rendering runs off the event loop: while one request's prompt is still being
+    tokenized (held here until released), the server answers others."""
+    entered, release = threading.Event(), threading.Event()
+    render = served.bridge.render
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(served.bridge, "render", held)
+    results: list[object] = []
+    slow = threading.Thread(target=lambda: results.append(client(served).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "A long one"}], max_tokens=2)))
+    slow.start()
+    try:
+        assert entered.wait(60)
+        assert httpx.get(served.url + "/health", timeout=20).status_code == 200
+        assert client(served).models.list().data
+    finally:
+        release.set()
+        slow.join(120)
+    assert results and results[0].choices[0].finish_reason in ("stop", "length")
