@@ -215,8 +215,13 @@ def _on_cpu() -> bool:
 
 def _pair(model: str, folder: Path, reference_folder: Path | None, home: str,
           env: dict[str, str], tokens: int, max_tokens: int, label: str) -> list[Timing]:
-    """Longleaf's server on ``model`` and (when given) ``mlx_lm.server`` on the folder."""
-    logs = Path(home)
+    """Longleaf's server on ``model`` and (when given) ``mlx_lm.server`` on the folder.
+
+    Each pair has a data folder of its own: no stored KV of an earlier pair warms it.
+    """
+    logs = Path(home) / label
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**env, "LONGLEAF_HOME": str(logs)}
     count = token_counter(folder)
     first, resent = conversation(tokens, False, count), conversation(tokens, True, count)
 
