@@ -252,18 +252,27 @@ def _size(nbytes: int) -> str:
 
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
+    from engine.server.app import cors_origins
     from engine.server.bridge import EngineBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         raise EngineError("Serving beyond this machine needs --api-key: anyone on the "
                           "network could otherwise use the model.")
+    origins = cors_origins(args.cors_origin)
+    from engine import paths
+
+    if args.kv_disk_budget is not None and args.kv_disk_budget < 0:
+        raise EngineError("--kv-disk-budget cannot be negative.")
+    budget = None if args.kv_disk_budget is None else int(args.kv_disk_budget * 1e9)
+    # The app's stored KV counts against the same budget: one user, one disk.
     bridge = EngineBridge(args.model, args.kv, server_snapshot_dir(),
-                          max_sessions=args.sessions, queue_limit=args.queue_limit)
+                          max_sessions=args.sessions, queue_limit=args.queue_limit,
+                          snapshot_budget=budget, counted_with=(paths.snapshots_dir(),))
     out.write(f"Longleaf serving {bridge.model_id} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()
-    uvicorn_server(bridge, args.host, args.port, args.api_key).run()
+    uvicorn_server(bridge, args.host, args.port, args.api_key, origins).run()
     return 0
 
 
@@ -310,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
     api.add_argument("--queue-limit", type=int, default=16,
                      help="requests waiting at once before answering 429")
+    api.add_argument("--kv-disk-budget", type=float, default=None, metavar="GB",
+                     help="stored-KV disk budget, the app's stored chats included "
+                          "(default: the smaller of 20 GB and 10%% of free disk)")
+    api.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="let web pages of ORIGIN (e.g. http://localhost:3000) call the "
+                          "API; repeatable; none by default")
     api.set_defaults(handler=serve)
     facts = commands.add_parser("info", help="model facts and KV size per mode")
     facts.add_argument("model", help='a model folder, or "demo"')

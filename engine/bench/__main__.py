@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokens", type=parse_tokens, help="conversation tokens (about)")
     serve.add_argument("--max-tokens", type=int, help="answer tokens per request")
     serve.add_argument("--no-mlx", action="store_true", help="skip mlx_lm.server")
+    serve.add_argument("--mlx-tokens", type=parse_tokens,
+                       help="a shorter demo conversation for the mlx_lm.server pair")
+    serve.add_argument("--hybrid-tokens", type=parse_tokens,
+                       help="tiny hybrid conversation tokens (about; 0 skips it)")
     spec = sub.add_parser("speculative", help="demo model: decode with and without drafts")
     _common(spec)
     spec.add_argument("--model", default="demo", help="model directory or 'demo'")
@@ -160,8 +164,11 @@ def run_serve(args: argparse.Namespace, command: str) -> dict:
 
     tokens = args.tokens or (1024 if args.quick else 7000)
     info = report.machine_info()
+    hybrid = args.hybrid_tokens if args.hybrid_tokens is not None else (
+        2048 if args.quick else 16000)
     results = serve_bench.run(tokens, args.max_tokens or (16 if args.quick else 64),
-                              mlx_lm=not args.no_mlx)
+                              mlx_lm=not args.no_mlx, hybrid_tokens=hybrid,
+                              mlx_tokens=args.mlx_tokens)
     body = "\n".join([f"`{command}`", "", *report.machine_lines(info, report.load_average()),
                       "", serve_bench.report(results)])
     report.write_section(args.output, "serve", body)

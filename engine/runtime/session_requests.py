@@ -48,10 +48,11 @@ class SessionRequests:
 
     def chat(self, command: Command) -> object:
         """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
-        session_id, messages, sampling = command.args
+        session_id, messages, sampling, tools, template = command.args
         session = self._held.get(session_id)
         # Rendered and tokenized once for the whole request.
-        prompt = session.prompt(messages, add_generation_prompt=True)
+        prompt = session.prompt(messages, add_generation_prompt=True, tools=tools,
+                                template=template)
         reused = self._held.restore(session, prompt.ids, command.request_id, answer=True)
         try:
             with self._reading(session):

@@ -15,6 +15,7 @@ sessions), ``SessionRequests`` (chat, ingest, quality check) and
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import queue
@@ -156,15 +157,23 @@ class EngineWorker:
         messages: list[dict[str, str]],
         sampling: SamplingParams,
         cancel: threading.Event,
+        tools: list[dict] | None = None,
+        template: bool = True,
     ) -> int:
         """Answer the conversation's last user turn, streaming ``TokenChunk`` events.
+
+        ``tools`` (OpenAI-style function definitions, plain JSON values) go to
+        the chat template; messages may carry ``tool_calls`` and "tool" turns.
+        ``template=False`` continues the contents as plain text instead (a text
+        completion), without the chat template.
 
         Ends with ``Finished`` ("stop", "length", "cancelled", or "memory" when
         system memory turned critical or free RAM ran out mid-answer; the partial
         answer stays in the cache) or ``Failed`` (e.g. ``ContextTooLong``, or
         ``MemoryPressure`` when memory was critical before the answer began).
         """
-        return self._submit("chat", (session_id, _copy(messages), sampling), cancel)
+        return self._submit("chat", (session_id, _copy(messages), sampling,
+                                     copy.deepcopy(tools), template), cancel)
 
     def ingest(
         self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event
@@ -403,6 +412,13 @@ class EngineWorker:
         return Finished(command.request_id, "done")
 
 
+# The keys of a message that templates read beside role and content.
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
 def _copy(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    # The caller's list may change while the request waits in the queue.
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    # The caller's list may change while the request waits in the queue; a tool
+    # turn's extra keys (tool_calls, tool_call_id) are plain JSON values.
+    return [{"role": m["role"], "content": m["content"],
+             **copy.deepcopy({key: m[key] for key in TOOL_KEYS if key in m})}
+            for m in messages]

@@ -13,10 +13,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -26,11 +28,16 @@ from engine.events import Failed, Finished, SessionOpened, TokenChunk
 from engine.server import protocol
 from engine.server.bridge import EngineBridge, QueueFull, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
+from engine.server.tools import ToolCall, ToolCallReader
 
 MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_MAX_TOKENS = 512
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
+ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
+                    "not_found_error", "request_too_large", "rate_limit_error", "api_error",
+                    "overloaded_error")
 
 
 class ApiError(Exception):
@@ -55,6 +62,26 @@ class Outcome:
     mode: str
 
 
+def cors_origins(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The allowed origins, checked: each a ``scheme://host[:port]``, never a wildcard.
+
+    Raises:
+        EngineError: an origin is a wildcard or not an origin.
+    """
+    origins = []
+    for value in values or ():
+        origin = value.strip().rstrip("/")
+        if "*" in origin:
+            raise EngineError("Name each allowed origin (e.g. http://localhost:3000): a "
+                              "wildcard would let any web page use the model.")
+        scheme, _, rest = origin.partition("://")
+        if scheme not in ("http", "https") or not rest or "/" in rest:
+            raise EngineError(f"{value!r} is not an origin: write scheme://host[:port], "
+                              "e.g. http://localhost:3000.")
+        origins.append(origin)
+    return tuple(origins)
+
+
 def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
@@ -64,8 +91,8 @@ def error_response(request: Request, error: ApiError) -> JSONResponse:
     if _is_anthropic(request):
         kind = {401: "authentication_error", 413: "request_too_large",
                 429: "rate_limit_error", 404: "not_found_error"}.get(error.status, error.kind)
-        if error.status >= 500 and kind == "invalid_request_error":
-            kind = "api_error"
+        if kind not in ANTHROPIC_ERRORS:  # its SDKs know these types only
+            kind = "api_error" if error.status >= 500 else "invalid_request_error"
         body: dict = {"type": "error", "error": {"type": kind, "message": error.message}}
     else:
         body = {"error": {"message": error.message, "type": error.kind,
@@ -77,22 +104,34 @@ class Server:
     """The routes, bound to one bridge and one optional API key."""
 
     def __init__(self, bridge: EngineBridge, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 cors_origins: tuple[str, ...] = ()) -> None:
         self.bridge = bridge
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.cors_origins = cors_origins
 
     def app(self) -> Starlette:
-        """The ASGI application (no CORS middleware: browsers' other origins are refused)."""
+        """The ASGI application.
+
+        Web pages of other origins may call it only from ``cors_origins``, each
+        named: without any, no CORS headers are sent and browsers refuse them.
+        """
         routes = [
             Route("/health", self._wrap(self.health, auth=False), methods=["GET"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
             Route("/v1/chat/completions", self._wrap(self.chat_completions), methods=["POST"]),
+            Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/v1/messages", self._wrap(self.messages), methods=["POST"]),
             Route("/v1/messages/count_tokens", self._wrap(self.count_tokens),
                   methods=["POST"]),
         ]
-        return Starlette(routes=routes)
+        middleware = []
+        if self.cors_origins:
+            middleware.append(Middleware(
+                CORSMiddleware, allow_origins=list(self.cors_origins),
+                allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+        return Starlette(routes=routes, middleware=middleware)
 
     # -- plumbing --------------------------------------------------------------
 
@@ -159,7 +198,7 @@ class Server:
     async def count_tokens(self, request: Request) -> JSONResponse:
         self._check_ready()
         chat = protocol.anthropic_messages(await self._body(request), counting=True)
-        prompt = self.bridge.render(chat.messages)  # quick; a thread pool would outlive requests
+        prompt = await asyncio.wrap_future(self.bridge.render_later(chat.messages, chat.tools))
         return JSONResponse({"input_tokens": len(prompt)})
 
     async def chat_completions(self, request: Request):
@@ -169,10 +208,13 @@ class Server:
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         model = self._model_name(chat)
         if not chat.stream:
-            text, outcome = await self._collect(request, run)
+            text, calls, outcome = await self._collect(request, run)
+            message: dict = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                message["tool_calls"] = [_openai_call(call) for call in calls]
             return JSONResponse({
                 "id": ident, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": 0, "message": message,
                              "finish_reason": outcome.finish, "logprobs": None}],
                 "usage": _openai_usage(outcome), "kv_mode": outcome.mode,
             })
@@ -185,10 +227,16 @@ class Server:
 
         async def events() -> AsyncIterator[dict]:
             yield {"data": chunk({"role": "assistant", "content": ""}, None)}
+            calls = 0
             try:
                 async for piece in _guarded(run):
                     if isinstance(piece, str):
                         yield {"data": chunk({"content": piece}, None)}
+                    elif isinstance(piece, ToolCall):
+                        # One delta per call, its arguments whole: the SDKs join deltas.
+                        yield {"data": chunk({"tool_calls": [
+                            {"index": calls, **_openai_call(piece)}]}, None)}
+                        calls += 1
                     else:
                         yield {"data": chunk({}, piece.finish)}
                         if chat.include_usage:
@@ -201,16 +249,53 @@ class Server:
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15)
 
+    async def completions(self, request: Request):
+        self._check_ready()
+        chat = protocol.openai_completion(await self._body(request), COMPLETION_MAX_TOKENS)
+        run = await self._start(chat)
+        created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        model = self._model_name(chat)
+        echoed = chat.messages[0]["content"] if chat.echo else ""
+
+        def body(text: str, finish: str | None) -> dict:
+            return {"id": ident, "object": "text_completion", "created": created,
+                    "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                 "finish_reason": finish}]}
+        if not chat.stream:
+            text, _, outcome = await self._collect(request, run)
+            return JSONResponse({**body(echoed + text, outcome.finish),
+                                 "usage": _openai_usage(outcome), "kv_mode": outcome.mode})
+
+        async def events() -> AsyncIterator[dict]:
+            if echoed:
+                yield {"data": json.dumps(body(echoed, None))}
+            try:
+                async for piece in _guarded(run):
+                    if isinstance(piece, str):
+                        yield {"data": json.dumps(body(piece, None))}
+                        continue
+                    yield {"data": json.dumps(body("", piece.finish))}
+                    if chat.include_usage:
+                        yield {"data": json.dumps({**body("", None), "choices": [],
+                                                   "usage": _openai_usage(piece),
+                                                   "kv_mode": piece.mode})}
+            except ApiError as error:
+                yield {"data": error_response(request, error).body.decode()}
+            yield {"data": "[DONE]"}
+        return EventSourceResponse(events(), ping=15)
+
     async def messages(self, request: Request):
         self._check_ready()
         chat = protocol.anthropic_messages(await self._body(request))
         run = await self._start(chat)
         ident, model = f"msg_{uuid.uuid4().hex}", self._model_name(chat)
         if not chat.stream:
-            text, outcome = await self._collect(request, run)
+            text, calls, outcome = await self._collect(request, run)
+            content = [{"type": "text", "text": text}] if text or not calls else []
+            content += [_anthropic_call(call) for call in calls]
             return JSONResponse({
                 "id": ident, "type": "message", "role": "assistant", "model": model,
-                "content": [{"type": "text", "text": text}],
+                "content": content,
                 "stop_reason": _anthropic_stop(outcome, run.stopped_by),
                 "stop_sequence": run.stopped_by, "usage": _anthropic_usage(outcome),
                 "kv_mode": outcome.mode,
@@ -226,13 +311,28 @@ class Server:
                 "usage": {"input_tokens": 0, "output_tokens": 0}}})
             yield event("content_block_start", {"index": 0,
                                                 "content_block": {"type": "text", "text": ""}})
+            index, text_open = 0, True  # the block being written, and whether it is text
             try:
                 async for piece in _guarded(run):
                     if isinstance(piece, str):
-                        yield event("content_block_delta", {"index": 0, "delta": {
+                        if not text_open:
+                            index, text_open = index + 1, True
+                            yield event("content_block_start", {
+                                "index": index, "content_block": {"type": "text", "text": ""}})
+                        yield event("content_block_delta", {"index": index, "delta": {
                             "type": "text_delta", "text": piece}})
                         continue
-                    yield event("content_block_stop", {"index": 0})
+                    if text_open:
+                        yield event("content_block_stop", {"index": index})
+                        text_open = False
+                    if isinstance(piece, ToolCall):
+                        index += 1
+                        yield event("content_block_start", {"index": index, "content_block": {
+                            **_anthropic_call(piece), "input": {}}})
+                        yield event("content_block_delta", {"index": index, "delta": {
+                            "type": "input_json_delta", "partial_json": piece.arguments}})
+                        yield event("content_block_stop", {"index": index})
+                        continue
                     yield event("message_delta", {
                         "delta": {"stop_reason": _anthropic_stop(piece, run.stopped_by),
                                   "stop_sequence": run.stopped_by},
@@ -250,12 +350,16 @@ class Server:
 
     async def _start(self, chat: ChatRequest) -> Run:
         mode = chat.mode or self.bridge.kv_mode
-        prompt = self.bridge.render(chat.messages)  # quick; a thread pool would outlive requests
+        # Off the event loop: a long conversation takes a while to render and
+        # tokenize, and other connections keep being answered meanwhile.
+        prompt = await asyncio.wrap_future(
+            self.bridge.render_later(chat.messages, chat.tools, chat.template))
         context = self.bridge.max_context
         if len(prompt) + 1 > context:
+            field, verb = ("messages", "take") if chat.template else ("prompt", "takes")
             raise ApiError(400, f"This model's maximum context length is {context:,} tokens; "
-                                f"the messages take {len(prompt):,} tokens and the answer "
-                                "needs at least one more.", param="messages",
+                                f"the {field} {verb} {len(prompt):,} tokens and the answer "
+                                "needs at least one more.", param=field,
                            code="context_length_exceeded")
         try:
             fit = self.bridge.fit(len(prompt) + 1, mode)
@@ -271,30 +375,37 @@ class Server:
         cancel = threading.Event()
         try:
             ticket = self.bridge.submit(chat.messages, prompt, mode, chat.sampling, cancel,
-                                        asyncio.get_running_loop())
+                                        asyncio.get_running_loop(), chat.tools,
+                                        chat.template)
         except QueueFull as error:
             raise ApiError(429, str(error), "rate_limit_error",
                            headers={"Retry-After": "2"}) from error
-        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt))
+        syntax = self.bridge.tool_syntax if chat.tools else None
+        reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
+        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader)
 
-    async def _collect(self, request: Request, run: Run) -> tuple[str, Outcome]:
-        """The whole answer; a client that leaves cancels it."""
+    async def _collect(self, request: Request,
+                       run: Run) -> tuple[str, list[ToolCall], Outcome]:
+        """The whole answer and its tool calls; a client that leaves cancels it."""
         watcher = asyncio.create_task(_watch_disconnect(request, run.cancel))
         try:
             parts: list[str] = []
-            async for piece in run.pieces():
+            calls: list[ToolCall] = []
+            async for piece in run.parts():
                 if isinstance(piece, str):
                     parts.append(piece)
+                elif isinstance(piece, ToolCall):
+                    calls.append(piece)
                 else:
-                    return "".join(parts), piece
+                    return "".join(parts), calls, piece
         finally:
             watcher.cancel()
         raise ApiError(500, "The engine ended the request without an answer.", "server_error")
 
 
-async def _guarded(run: Run) -> AsyncIterator[str | Outcome]:
-    """``run``'s pieces; a stream cut off by its client cancels the engine request."""
-    pieces = run.pieces()
+async def _guarded(run: Run) -> AsyncIterator[str | ToolCall | Outcome]:
+    """``run``'s parts; a stream cut off by its client cancels the engine request."""
+    pieces = run.parts()
     try:
         async for piece in pieces:
             yield piece
@@ -315,12 +426,38 @@ class Run:
     """One generation's pieces of text as they come, cut at the first stop sequence."""
 
     def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
-                 stops: tuple[str, ...], prompt_tokens: int) -> None:
+                 stops: tuple[str, ...], prompt_tokens: int,
+                 reader: ToolCallReader | None = None) -> None:
         self.bridge, self.ticket, self.cancel = bridge, ticket, cancel
         self.stops = stops
+        self.reader = reader
         self.prompt_tokens = prompt_tokens
         self.stopped_by: str | None = None
         self.mode = ticket.mode
+
+    async def parts(self) -> AsyncIterator[str | ToolCall | Outcome]:
+        """The answer's text and tool calls, then one ``Outcome``.
+
+        Without a tool syntax (no tools asked, or a model that defines none) the
+        text comes as the model wrote it. An answer that made a call and then
+        ended its turn finishes with "tool_calls".
+        """
+        pieces = self.pieces()
+        try:
+            async for piece in pieces:
+                if self.reader is None:
+                    yield piece
+                elif isinstance(piece, str):
+                    for part in self.reader.feed(piece):
+                        yield part
+                else:
+                    for part in self.reader.finish():
+                        yield part
+                    if self.reader.calls and piece.finish == "stop" and not self.stopped_by:
+                        piece = replace(piece, finish="tool_calls")
+                    yield piece
+        finally:
+            await pieces.aclose()
 
     async def pieces(self) -> AsyncIterator[str | Outcome]:
         """Text deltas, then one ``Outcome``; raises ``ApiError`` for a failure."""
@@ -383,6 +520,15 @@ def _engine_error(event: Failed) -> ApiError:
     return ApiError(500, event.message, "server_error")
 
 
+def _openai_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _anthropic_call(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.input()}
+
+
 def _openai_usage(outcome: Outcome) -> dict:
     return {"prompt_tokens": outcome.prompt_tokens,
             "completion_tokens": outcome.completion_tokens,
@@ -400,4 +546,6 @@ def _anthropic_usage(outcome: Outcome) -> dict:
 def _anthropic_stop(outcome: Outcome, stopped_by: str | None) -> str:
     if stopped_by is not None:
         return "stop_sequence"
+    if outcome.finish == "tool_calls":
+        return "tool_use"
     return "end_turn" if outcome.finish == "stop" else "max_tokens"

@@ -14,6 +14,7 @@ import logging
 import secrets
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.worker import EngineWorker
+from engine.server.tools import ToolSyntax
 from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
 from engine.session.sampling import SamplingParams
 from engine.snapshots.store import SnapshotStore
@@ -70,22 +72,32 @@ class EngineBridge:
         max_sessions: server sessions held in memory; the least recently used
             one is stored as a snapshot when another is needed.
         queue_limit: requests that may wait for or run on the engine at once.
+        snapshot_budget: the stored-KV disk budget in bytes (None: the default,
+            as the app's).
+        counted_with: other snapshot folders (the app's) whose bytes count
+            against that budget with the server's own.
     """
 
     def __init__(self, model: str, kv_mode: str, snapshot_dir: Path | None, *,
                  max_sessions: int = 4, queue_limit: int = 16,
-                 worker: EngineWorker | None = None) -> None:
+                 worker: EngineWorker | None = None, snapshot_budget: int | None = None,
+                 counted_with: tuple[Path, ...] = ()) -> None:
         self.model = model
         self.kv_mode = kvquant.normalize_mode(kv_mode)
         self.max_sessions = max(1, max_sessions)
         self.queue_limit = max(1, queue_limit)
-        store = SnapshotStore(snapshot_dir) if snapshot_dir is not None else None
+        store = None if snapshot_dir is None else SnapshotStore(
+            snapshot_dir, snapshot_budget, counted_with=counted_with)
         self.worker = worker or EngineWorker(self._on_event, snapshots=store)
         self.ready = threading.Event()
         self.info: Any = None
         self.load_error: str | None = None
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
+        # One thread renders prompts off the server's event loop (a long
+        # conversation takes a while to tokenize); started with the model, so
+        # no thread appears or lingers per request.
+        self._renderer = ThreadPoolExecutor(1, thread_name_prefix="longleaf-server-render")
         self._lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}
         self._sessions: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
@@ -122,11 +134,13 @@ class EngineBridge:
             return
         with self._tokenizer_lock:
             self.info, self._tokenizer, self.load_error = info, tokenizer, None
+        self._renderer.submit(int).result()  # its thread starts now, not mid-request
         self.ready.set()
 
     def shutdown(self) -> None:
         """Stop the worker; its sessions are stored as snapshots on the way out."""
         self.worker.shutdown(timeout=30.0)
+        self._renderer.shutdown(wait=True, cancel_futures=True)
 
     @property
     def model_id(self) -> str:
@@ -171,10 +185,25 @@ class EngineBridge:
 
     # -- requests (server threads) ---------------------------------------------
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt ids the engine will read for ``messages`` (with the reply's opening)."""
+    def render(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
+               template: bool = True) -> list[int]:
+        """The prompt ids the engine will read for ``messages`` (with the reply's opening).
+
+        Slow for a long conversation: call it off the event loop.
+        """
         with self._tokenizer_lock:
-            return render_conversation(self._tokenizer, messages, add_generation_prompt=True)
+            return render_conversation(self._tokenizer, messages, add_generation_prompt=True,
+                                       tools=tools, template=template)
+
+    def render_later(self, messages: list[dict[str, str]], tools: list[dict] | None = None,
+                     template: bool = True) -> Future:
+        """``render`` on the bridge's render thread; await it with ``asyncio.wrap_future``."""
+        return self._renderer.submit(self.render, messages, tools, template)
+
+    @property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How the loaded model marks tool calls, or None where its tokenizer does not say."""
+        return ToolSyntax.of(self._tokenizer)
 
     def count(self, text: str) -> int:
         """Tokens ``text`` encodes to."""
@@ -192,7 +221,8 @@ class EngineBridge:
 
     def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: str,
                sampling: SamplingParams, cancel: threading.Event,
-               loop: asyncio.AbstractEventLoop) -> Ticket:
+               loop: asyncio.AbstractEventLoop, tools: list[dict] | None = None,
+               template: bool = True) -> Ticket:
         """Queue a chat on the session that holds the most of ``prompt``.
 
         A held session of the same mode whose last prompt ``prompt`` continues is
@@ -215,7 +245,8 @@ class EngineBridge:
             self._sessions[name] = (mode, list(prompt))
             self._sessions.move_to_end(name)
             ticket.session, ticket.mode = name, mode
-            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel)
+            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel, tools=tools,
+                                              template=template)
             self._tickets[ticket.chat_id] = ticket
         return ticket
 
@@ -236,8 +267,14 @@ class EngineBridge:
         return best
 
     def _open(self, mode: str, ticket: Ticket) -> str:
-        while len(self._sessions) >= self.max_sessions:
-            evicted, _ = self._sessions.popitem(last=False)
+        # Only idle sessions are evicted: closing one cancels the answer running
+        # in it. With every held session busy the server holds one more for a
+        # while (the queue limit bounds how many); later opens evict back down.
+        busy = {waiting.session for waiting in self._tickets.values()}
+        idle = [name for name in self._sessions if name not in busy]
+        while len(self._sessions) >= self.max_sessions and idle:
+            evicted = idle.pop(0)  # least recently used first
+            del self._sessions[evicted]
             self.worker.close_session(evicted, store=True)
         name = f"{API_SESSION_PREFIX}{secrets.token_hex(6)}"
         opened = self.worker.open_session(name, mode)

@@ -126,6 +126,7 @@ class AttachedBridge(EngineBridge):
     def shutdown(self) -> None:
         """The server is going: its sessions are stored and closed; the worker goes on."""
         self.close_sessions()
+        self._renderer.shutdown(wait=True, cancel_futures=True)
 
     def claim(self, event: object) -> bool:
         """Take ``event`` when it belongs to one of the server's requests (worker thread)."""

@@ -6,6 +6,7 @@ bad value raises ``BadRequest`` with a message a developer can act on.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from engine.errors import EngineError
 from engine.session.sampling import SamplingParams
 
 MAX_STOPS = 16
+MAX_TOOLS = 128
 
 
 class BadRequest(EngineError):
@@ -38,6 +40,9 @@ class ChatRequest:
     include_usage: bool
     mode: str | None
     model: str
+    tools: list[dict] | None = None
+    template: bool = True  # False: a text completion, the prompt read as plain text
+    echo: bool = False  # a text completion's answer starts with its prompt
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -109,7 +114,81 @@ def mode_from(model: str, body: dict) -> str | None:
         raise BadRequest(str(error), "kv_mode") from error
 
 
-def _messages(raw: Any, roles: tuple[str, ...], system: str | None) -> list[dict[str, str]]:
+def _arguments(value: Any, where: str) -> dict:
+    """A tool call's arguments as an object (templates render them as JSON)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError as error:
+            raise BadRequest(f"{where} arguments are not valid JSON: {error}.",
+                             "messages") from error
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where} arguments must be a JSON object.", "messages")
+    return value
+
+
+def _call(ident: Any, name: Any, arguments: dict, where: str) -> dict:
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"{where} needs a function name.", "messages")
+    return {"id": str(ident or ""), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _openai_message(message: dict, index: int) -> dict:
+    where = f"messages[{index}]"
+    role = message["role"]
+    content = message.get("content")
+    out: dict = {"role": role, "content": "" if content is None else _text(content, where)}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = message["tool_calls"]
+        if not isinstance(calls, list):
+            raise BadRequest(f"{where}.tool_calls must be a list.", "messages")
+        out["tool_calls"] = []
+        for number, call in enumerate(calls):
+            spot = f"{where}.tool_calls[{number}]"
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                raise BadRequest(f"{spot} must be an object with a 'function'.", "messages")
+            out["tool_calls"].append(_call(call.get("id"), function.get("name"),
+                                           _arguments(function.get("arguments", {}), spot),
+                                           spot))
+    if role == "tool":
+        ident = message.get("tool_call_id")
+        if ident is not None:
+            out["tool_call_id"] = str(ident)
+    return out
+
+
+def _anthropic_message(message: dict, index: int) -> list[dict]:
+    """One Anthropic message as template messages: tool results become "tool" turns."""
+    where = f"messages[{index}]"
+    role, content = message["role"], message.get("content", "")
+    if not isinstance(content, list):
+        return [{"role": role, "content": _text(content, where)}]
+    out: list[dict] = []
+    text: list[dict] = []
+    calls: list[dict] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use" and role == "assistant":
+            calls.append(_call(block.get("id"), block.get("name"),
+                               _arguments(block.get("input", {}), where), where))
+        elif kind == "tool_result" and role == "user":
+            result = block.get("content", "")
+            out.append({"role": "tool", "content": _text(result, f"{where} tool_result"),
+                        "tool_call_id": str(block.get("tool_use_id") or "")})
+        else:
+            text.append(block)
+    if text or calls or not out:
+        turn: dict = {"role": role, "content": _text(text, where)}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    return out
+
+
+def _messages(raw: Any, roles: tuple[str, ...], system: str | None, *,
+              anthropic: bool = False) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list.", "messages")
     messages = [] if not system else [{"role": "system", "content": system}]
@@ -121,12 +200,39 @@ def _messages(raw: Any, roles: tuple[str, ...], system: str | None) -> list[dict
         if role not in roles:
             raise BadRequest(f"messages[{index}].role must be one of {', '.join(roles)} "
                              f"(got {role!r}).", "messages")
-        messages.append({"role": role,
-                         "content": _text(message.get("content", ""), f"messages[{index}]")})
+        message = {**message, "role": role}
+        if anthropic:
+            messages.extend(_anthropic_message(message, index))
+        else:
+            messages.append(_openai_message(message, index))
     if messages[-1]["role"] == "assistant":
         raise BadRequest("The last message must be the user's: continuing an assistant "
                          "message is not supported.", "messages")
     return messages
+
+
+def _tools(body: dict, anthropic: bool) -> list[dict] | None:
+    """The request's tools in the form chat templates read (OpenAI's function tools)."""
+    tools = body.get("tools")
+    if tools is None or body.get("tool_choice") in ("none", {"type": "none"}):
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools.", "tools")
+    out = []
+    for index, tool in enumerate(tools):
+        function = tool if anthropic else (tool.get("function") if isinstance(tool, dict)
+                                           else None)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            shape = "a 'name'" if anthropic else "a 'function' with a 'name'"
+            raise BadRequest(f"tools[{index}] must be an object with {shape}.", "tools")
+        schema = function.get("input_schema" if anthropic else "parameters", {})
+        if not isinstance(schema, dict):
+            raise BadRequest(f"tools[{index}]'s parameter schema must be an object.", "tools")
+        entry = {"name": function["name"], "parameters": schema}
+        if isinstance(function.get("description"), str):
+            entry["description"] = function["description"]
+        out.append({"type": "function", "function": entry})
+    return out or None
 
 
 def _model(body: dict) -> str:
@@ -137,8 +243,11 @@ def _model(body: dict) -> str:
 
 
 def _sampling(body: dict, max_tokens: int, seed: Any) -> SamplingParams:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"'seed' must be an integer (got {seed!r}).", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not -2**63 <= seed < 2**64):
+        raise BadRequest(f"'seed' must be a 64-bit integer (got {seed!r}).", "seed")
+    if seed is not None:
+        seed %= 2**64  # MLX seeds are unsigned; a negative one still picks one stream
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise BadRequest("'top_p' must be greater than 0.", "top_p")
@@ -165,11 +274,46 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
     model = _model(body)
     max_tokens = _integer(body, ("max_completion_tokens", "max_tokens"), default_max, 1)
     return ChatRequest(
-        messages=_messages(body.get("messages"), ("system", "user", "assistant"), None),
+        messages=_messages(body.get("messages"), ("system", "user", "assistant", "tool"),
+                           None),
         sampling=_sampling(body, int(max_tokens), body.get("seed")),
         stop=_stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
-        mode=mode_from(model, body), model=model,
+        mode=mode_from(model, body), model=model, tools=_tools(body, anthropic=False),
+    )
+
+
+def openai_completion(body: Any, default_max: int) -> ChatRequest:
+    """Read an OpenAI ``/v1/completions`` body (a plain text prompt, no chat template)."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string (batches of prompts and token "
+                         "ids are not supported: send one request per prompt).", "prompt")
+    for name in ("n", "best_of"):
+        if _integer(body, (name,), 1, 1) != 1:
+            raise BadRequest(f"'{name}' > 1 is not supported: ask for one choice per "
+                             "request.", name)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false.", "stream")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be true or false.", "echo")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object.", "stream_options")
+    model = _model(body)
+    max_tokens = _integer(body, ("max_tokens",), default_max, 1)
+    return ChatRequest(
+        messages=[{"role": "user", "content": prompt}],
+        sampling=_sampling(body, int(max_tokens), body.get("seed")),
+        stop=_stops(body.get("stop"), "stop"), stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        mode=mode_from(model, body), model=model, template=False, echo=echo,
     )
 
 
@@ -192,8 +336,10 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false.", "stream")
     return ChatRequest(
-        messages=_messages(body.get("messages"), ("user", "assistant"), _system(body)),
+        messages=_messages(body.get("messages"), ("user", "assistant"), _system(body),
+                           anthropic=True),
         sampling=_sampling(body, max_tokens, None),
         stop=_stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model,
+        tools=_tools(body, anthropic=True),
     )

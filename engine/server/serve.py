@@ -23,9 +23,10 @@ def server_snapshot_dir() -> Path:
     return paths.snapshots_dir().parent / "server-kv-snapshots"
 
 
-def make_app(bridge: EngineBridge, api_key: str | None = None):
+def make_app(bridge: EngineBridge, api_key: str | None = None,
+             cors_origins: tuple[str, ...] = ()):
     """The ASGI app; its lifespan loads the model in the background and stops the worker."""
-    server = Server(bridge, api_key)
+    server = Server(bridge, api_key, cors_origins=cors_origins)
     app = server.app()
 
     @contextlib.asynccontextmanager
@@ -43,8 +44,9 @@ def make_app(bridge: EngineBridge, api_key: str | None = None):
 
 
 def uvicorn_server(bridge: EngineBridge, host: str, port: int,
-                   api_key: str | None = None) -> uvicorn.Server:
+                   api_key: str | None = None,
+                   cors_origins: tuple[str, ...] = ()) -> uvicorn.Server:
     """A uvicorn server for ``bridge`` (not started)."""
-    config = uvicorn.Config(make_app(bridge, api_key), host=host, port=port,
+    config = uvicorn.Config(make_app(bridge, api_key, cors_origins), host=host, port=port,
                             log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return uvicorn.Server(config)

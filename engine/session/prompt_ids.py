@@ -64,12 +64,14 @@ class Prompt:
             the tokenizer's special tokens).
         starts: where each token starts in ``text``, in characters (None when
             the tokenizer does not say).
+        tools: the tool definitions the template rendered (None: none).
     """
 
     ids: list[int]
     messages: list[dict[str, str]]
     text: str | None = None
     starts: list[int] | None = None
+    tools: list[dict] | None = None
 
     def boundaries(self, tokenizer: Any, *, after: int, most: int) -> list[int]:
         """Token counts of ``ids`` that end a message, past ``after``; at most ``most``.
@@ -82,14 +84,14 @@ class Prompt:
         """
         if self.text is None or self.starts is None:
             return message_boundaries(tokenizer, self.messages, self.ids, after=after,
-                                      most=most)
+                                      most=most, tools=self.tools)
         found: list[int] = []
         for count in range(len(self.messages) - 1, 0, -1):
             if len(found) >= most:
                 break
             try:
                 cut = _template_text(tokenizer, self.messages[:count],
-                                     add_generation_prompt=False)
+                                     add_generation_prompt=False, tools=self.tools)
             except Exception as error:  # some templates refuse partial conversations
                 log.debug("no boundary after message %d: %s", count, error)
                 continue
@@ -103,12 +105,16 @@ class Prompt:
 
 
 def _template_text(tokenizer: Any, messages: list[dict[str, str]], *,
-                   add_generation_prompt: bool) -> str:
+                   add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    # Tools only when there are some: a template without tool support then
+    # renders exactly as it always did.
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
-def _continued_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def _continued_text(tokenizer: Any, messages: list[dict[str, str]],
+                    tools: list[dict] | None = None) -> str:
     """The conversation rendered up to the end of its final (assistant) message's text.
 
     Cut after the last copy of that text, stripped, as templates often trim a
@@ -118,8 +124,9 @@ def _continued_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     final = messages[-1]["content"]
     stripped = final.strip()
     if not stripped:
-        return _template_text(tokenizer, messages[:-1], add_generation_prompt=True) + final
-    text = _template_text(tokenizer, messages, add_generation_prompt=False)
+        return _template_text(tokenizer, messages[:-1], add_generation_prompt=True,
+                              tools=tools) + final
+    text = _template_text(tokenizer, messages, add_generation_prompt=False, tools=tools)
     end = text.rfind(stripped)
     if end < 0:
         raise EngineError("This model's chat template drops the answer to continue, so it "
@@ -166,7 +173,8 @@ def token_ends(tokenizer: Any, text: str) -> list[int]:
 
 
 def render_prompt(
-    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+    tools: list[dict] | None = None, template: bool = True,
 ) -> Prompt:
     """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
 
@@ -175,33 +183,40 @@ def render_prompt(
     its text ends, without an end of turn or a new turn (what transformers calls
     ``continue_final_message``, and a final assistant message means in the
     Anthropic API: the answer starts with it).
+
+    ``tools`` (OpenAI-style function definitions) go to the chat template, as
+    ``mlx_lm.server`` passes them; a base model has no template to take them.
+    ``template=False`` reads the contents as plain text even where the model has
+    a chat template (a text completion's prompt).
     """
     if not messages:
         return Prompt([], [])
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
-    if getattr(tokenizer, "has_chat_template", False):
+    if template and getattr(tokenizer, "has_chat_template", False):
         if add_generation_prompt and messages[-1]["role"] == "assistant":
-            text = _continued_text(tokenizer, messages)
+            text = _continued_text(tokenizer, messages, tools)
         else:
             text = _template_text(tokenizer, messages,
-                                  add_generation_prompt=add_generation_prompt)
+                                  add_generation_prompt=add_generation_prompt, tools=tools)
         ids, starts = encode_with_starts(tokenizer, text)
-        return Prompt(ids, messages, text, starts)
+        return Prompt(ids, messages, text, starts, tools or None)
     # Base models have no template: the contents, one after another.
     text = "\n\n".join(message["content"] for message in messages)
     return Prompt(list(tokenizer.encode(text, add_special_tokens=True)), messages)
 
 
 def render_conversation(
-    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+    tools: list[dict] | None = None, template: bool = True,
 ) -> list[int]:
     """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
-    return render_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt).ids
+    return render_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                         tools=tools, template=template).ids
 
 
 def message_boundaries(
     tokenizer: Any, messages: list[dict[str, str]], prompt: list[int], *, after: int,
-    most: int,
+    most: int, tools: list[dict] | None = None,
 ) -> list[int]:
     """Token counts of ``prompt`` that end a message, past ``after``; at most ``most``.
 
@@ -216,7 +231,8 @@ def message_boundaries(
         if len(found) >= most:
             break
         try:
-            ids = render_conversation(tokenizer, messages[:count], add_generation_prompt=False)
+            ids = render_conversation(tokenizer, messages[:count], add_generation_prompt=False,
+                                      tools=tools)
         except Exception:  # some templates refuse partial conversations
             continue
         if len(ids) <= after:

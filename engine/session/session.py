@@ -232,13 +232,16 @@ class Session:
 
     # -- templates ---------------------------------------------------------
 
-    def prompt(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> Prompt:
+    def prompt(self, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+               tools: list[dict] | None = None, template: bool = True) -> Prompt:
         """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
 
-        A request makes it once and hands it to every step that reads the ids.
+        A request makes it once and hands it to every step that reads the ids;
+        ``tools`` go to the chat template; ``template=False`` reads plain text.
         """
         return render_prompt(self.tokenizer, messages,
-                             add_generation_prompt=add_generation_prompt)
+                             add_generation_prompt=add_generation_prompt, tools=tools,
+                             template=template)
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
         """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""

@@ -50,11 +50,16 @@ class SnapshotStore:
         directory: the folder (created owner-only).
         budget_bytes: most bytes all snapshots may take on disk; None for
             :func:`default_budget`, computed now.
+        counted_with: other snapshot folders whose bytes count against this
+            budget too (never evicted from here), so that two stores of one
+            user (the app's and the server's) stay within one stored-KV budget.
     """
 
-    def __init__(self, directory: str | Path | None = None, budget_bytes: int | None = None):
+    def __init__(self, directory: str | Path | None = None, budget_bytes: int | None = None,
+                 *, counted_with: Iterable[str | Path] = ()):
         self.directory = paths.private_dir(directory or default_snapshot_dir())
         self.budget_bytes = default_budget(self.directory) if budget_bytes is None else budget_bytes
+        self.counted_with = tuple(Path(p) for p in counted_with)
         self.sweep()
 
     def set_budget(self, budget_bytes: int | None) -> list[str]:
@@ -125,10 +130,18 @@ class SnapshotStore:
         snapshots set aside included."""
         return sum(p.stat().st_size for p in self._files())
 
+    def counted_bytes(self) -> int:
+        """What counts against the budget: this folder and the ``counted_with`` ones."""
+        others = 0
+        for folder in self.counted_with:
+            try:
+                others += sum(p.stat().st_size for p in _folder_files(folder))
+            except OSError:  # a folder not made yet, or going away: nothing of it counts
+                continue
+        return self.total_bytes() + others
+
     def _files(self) -> list[Path]:
-        aside = self.directory / SET_ASIDE
-        found = [p for p in self.directory.iterdir() if p.is_file()]
-        return found + ([p for p in aside.iterdir() if p.is_file()] if aside.is_dir() else [])
+        return _folder_files(self.directory)
 
     def _drop_set_aside(self, incoming: int) -> None:
         """Delete set-aside files, oldest first, until ``incoming`` more bytes fit."""
@@ -137,7 +150,7 @@ class SnapshotStore:
             return
         for path in sorted((p for p in aside.iterdir() if p.is_file()),
                            key=lambda p: p.stat().st_mtime):
-            if self.total_bytes() + incoming <= self.budget_bytes:
+            if self.counted_bytes() + incoming <= self.budget_bytes:
                 return
             path.unlink(missing_ok=True)
 
@@ -167,7 +180,7 @@ class SnapshotStore:
         keep = set(keep)
         removed: list[str] = []
         candidates = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
-        while candidates and self.total_bytes() + incoming > self.budget_bytes:
+        while candidates and self.counted_bytes() + incoming > self.budget_bytes:
             victim = candidates.pop(0)
             self.delete(victim.name)
             removed.append(victim.name)
@@ -208,3 +221,12 @@ class SnapshotStore:
         replaced = self.info(name)
         freed = replaced.disk_bytes if replaced else 0
         self.evict(max(0, size - freed), keep={name})
+
+
+def _folder_files(directory: Path) -> list[Path]:
+    """The files of a snapshot folder, the snapshots set aside included."""
+    if not directory.is_dir():
+        return []
+    aside = directory / SET_ASIDE
+    found = [p for p in directory.iterdir() if p.is_file()]
+    return found + ([p for p in aside.iterdir() if p.is_file()] if aside.is_dir() else [])

@@ -85,3 +85,23 @@ def test_a_worker_without_a_store_lists_nothing():
         assert _listing(log, worker.clear_snapshots()) == StoredKv(0, 0)
     finally:
         worker.shutdown(timeout=10.0)
+
+
+def test_another_folder_counted_with_a_store_shares_its_budget(store, tmp_path):
+    """The server's store counts the app's stored KV against one budget, and only
+    ever evicts its own snapshots."""
+    one = store.info("a").disk_bytes
+    app_kv = tmp_path / "app-kv"
+    app_kv.mkdir()
+    (app_kv / "chat.safetensors").write_bytes(b"\0" * one)
+    server = SnapshotStore(store.directory, budget_bytes=10 * one, counted_with=(app_kv,))
+    assert server.counted_bytes() == server.total_bytes() + one
+    # Three of its own and one of the app's fit in 3.5 snapshots' worth only
+    # once its least recently used one goes.
+    assert server.set_budget(3 * one + one // 2) == ["a"]
+    assert _names(server) == ["c", "b"]
+    assert (app_kv / "chat.safetensors").exists()
+    assert server.counted_bytes() <= server.budget_bytes
+    missing = SnapshotStore(store.directory, budget_bytes=10 * one,
+                            counted_with=(tmp_path / "not-made-yet",))
+    assert missing.counted_bytes() == missing.total_bytes()

@@ -1,0 +1,147 @@
+"""Tool calls in a streamed answer: the model's markers found, their text parsed.
+
+A model whose tokenizer defines tool calling (mlx-lm's ``TokenizerWrapper``:
+``tool_call_start``, ``tool_call_end``, ``tool_parser``, picked from the chat
+template by mlx-lm) writes each call between two markers, e.g. Qwen's
+``<tool_call>`` … ``</tool_call>``. ``ToolCallReader`` reads the answer's text as
+it streams: text outside the markers passes through, text inside is held and
+parsed by mlx-lm's own parser when the end marker (or the answer's end) comes.
+No MLX here: it runs on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: ``arguments`` is its JSON text (as OpenAI sends it)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def input(self) -> dict:
+        """The arguments as an object (Anthropic's ``tool_use.input``)."""
+        value = json.loads(self.arguments)
+        return value if isinstance(value, dict) else {"value": value}
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """How a model marks and writes its calls (from its tokenizer)."""
+
+    start: str
+    end: str
+    parser: Any  # mlx-lm's parse_tool_call(text, tools) -> dict or list of dicts
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolSyntax | None:
+        """The syntax of ``tokenizer``, or None where it defines no tool calling."""
+        if not getattr(tokenizer, "has_tool_calling", False):
+            return None
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "",
+                   tokenizer.tool_parser)
+
+
+class ToolCallReader:
+    """Splits streamed text into plain text and ``ToolCall``s.
+
+    Args:
+        syntax: the model's markers and parser.
+        tools: the request's tools as the template got them (some parsers read
+            the parameter types from them).
+    """
+
+    def __init__(self, syntax: ToolSyntax, tools: list[dict] | None) -> None:
+        self.syntax = syntax
+        self.tools = tools
+        self.held = ""  # text that may be the start of a marker
+        self.call: str | None = None  # the text of the call being read, if inside one
+        self.calls = 0
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        """The pieces ``text`` completes (text held back may start a marker)."""
+        self.held += text
+        out: list[str | ToolCall] = []
+        while self.held:
+            marker = self.syntax.end if self.call is not None else self.syntax.start
+            if not marker:  # a format whose calls run to the answer's end
+                self.call = (self.call or "") + self.held
+                self.held = ""
+                break
+            found = self.held.find(marker)
+            if found < 0:
+                keep = _partial_suffix(self.held, marker)
+                self._emit(out, self.held[:len(self.held) - keep])
+                self.held = self.held[len(self.held) - keep:]
+                break
+            self._emit(out, self.held[:found])
+            self.held = self.held[found + len(marker):]
+            if self.call is None:
+                self.call = ""
+            else:
+                out.extend(self._parsed(self.call))
+                self.call = None
+        return out
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left at the answer's end: a call cut short is parsed if it can be."""
+        out: list[str | ToolCall] = []
+        if self.call is not None:
+            call, self.call = self.call + self.held, None
+            self.held = ""
+            out.extend(self._parsed(call))
+        elif self.held:
+            out.append(self.held)
+            self.held = ""
+        return out
+
+    def _emit(self, out: list[str | ToolCall], text: str) -> None:
+        if not text:
+            return
+        if self.call is not None:
+            self.call += text
+        else:
+            out.append(text)
+
+    def _parsed(self, text: str) -> list[str | ToolCall]:
+        """``text``'s calls; text no parser can read comes back as it was written."""
+        try:
+            parsed = self.syntax.parser(text, self.tools)
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            found = [self._call(call) for call in calls]
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            # Nothing the model wrote is lost: an unreadable call stays text.
+            log.warning("tool call not parsed (%s: %s)", type(error).__name__, error)
+            return [self.syntax.start + text + self.syntax.end]
+        self.calls += len(found)
+        return found
+
+    @staticmethod
+    def _call(parsed: dict) -> ToolCall:
+        name = parsed["name"]
+        if not isinstance(name, str) or not name:
+            raise ValueError("a tool call without a name")
+        arguments = parsed.get("arguments", {})
+        if isinstance(arguments, str):
+            json.loads(arguments)  # OpenAI clients parse it: it must be JSON
+        else:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        ident = parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}"
+        return ToolCall(str(ident), name, arguments)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that starts ``marker``."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,85 @@
+"""``POST /v1/completions`` (plain text, as editors' autocompletion uses it) through the
+official ``openai`` SDK, against a live server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from tests.engine.server.conftest import Served
+
+PROMPT = "def attention(queries, keys, values, scale):\n    scores = "
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+
+
+def test_completion_reads_the_prompt_as_plain_text(served: Served) -> None:
+    reply = client(served).completions.create(model="m", prompt=PROMPT, max_tokens=6,
+                                              temperature=0)
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and reply.model == served.bridge.model_id
+    assert choice.finish_reason in ("stop", "length")
+    assert 0 < reply.usage.completion_tokens <= 6
+    tokenizer = load_tokenizer(Path(served.bridge.info.path))
+    # No chat template around it: exactly the prompt's own tokens.
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+
+
+def test_streamed_matches_not_streamed_and_echo(served: Served) -> None:
+    api = client(served)
+    whole = api.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+    chunks = list(api.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    echoed = api.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    echo=True)
+    assert echoed.choices[0].text == PROMPT + whole.choices[0].text
+
+
+def test_a_longer_prompt_reads_the_cache(served: Served) -> None:
+    api = client(served)
+    code = "".join(f"def f{i}(x):\n    return x * {i} + 1\n" for i in range(30))
+    first = api.completions.create(model="m", prompt=code, max_tokens=2, temperature=0)
+    again = api.completions.create(model="m", prompt=code + "def g(x):\n    return ",
+                                   max_tokens=2, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 2
+    assert cached >= 0.95 * again.usage.prompt_tokens
+
+
+def test_stop_and_unknown_fields(served: Served) -> None:
+    api = client(served)
+    free = api.completions.create(model="m", prompt=PROMPT, max_tokens=12,
+                                  temperature=0).choices[0].text
+    assert len(free) > 3
+    stop = free[2:4]
+    cut = api.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
+                                 stop=stop, user="someone", frequency_penalty=0.5,
+                                 extra_body={"suffix_whatever": 1})
+    assert cut.choices[0].text == free[:free.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "word " * 6000}, "prompt"),
+])
+def test_bad_completions_are_400(served: Served, body: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(served).completions.create(model="m", **body)
+    assert raised.value.body["param"] == param

@@ -1,0 +1,79 @@
+"""The server's stored KV across a restart, and a prompt too big for memory refused
+(507, before anything is allocated) with the server still answering."""
+
+from __future__ import annotations
+
+import time
+
+import anthropic
+import httpx
+import openai
+
+from tests.engine.server.conftest import Served, start_server
+from tests.engine.server.test_openai_api import conversation
+from tests.engine.tinymodels import make_tiny_model_dir
+
+
+def test_a_resent_conversation_reuses_stored_kv_after_a_restart(tmp_path) -> None:
+    folder, kv = make_tiny_model_dir(tmp_path, "llama"), tmp_path / "kv"
+    running, stop = start_server(folder, kv)
+    try:
+        api = openai.OpenAI(base_url=running.url + "/v1", api_key=running.key, max_retries=0)
+        first = api.chat.completions.create(model="m", messages=conversation(4),
+                                            max_tokens=3, temperature=0)
+        answer = first.choices[0].message.content
+    finally:
+        stop()  # the held session is stored as a snapshot on the way out
+    assert any(kv.iterdir())
+    running, stop = start_server(folder, kv)
+    try:
+        api = openai.OpenAI(base_url=running.url + "/v1", api_key=running.key, max_retries=0)
+        resent = [*conversation(4), {"role": "assistant", "content": answer},
+                  {"role": "user", "content": "One more thing?"}]
+        again = api.chat.completions.create(model="m", messages=resent, max_tokens=3,
+                                            temperature=0)
+    finally:
+        stop()
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 1
+    assert cached >= 0.95 * again.usage.prompt_tokens
+
+
+def _budget(served: Served, budget: int | None, fits: bool) -> None:
+    """Set the KV budget and wait until the worker has published it."""
+    served.bridge.worker.configure(budget_bytes=budget, chunk_size=512)
+    deadline = time.monotonic() + 60
+    while served.bridge.fit(2000, "fp16").fits != fits:
+        assert time.monotonic() < deadline, "the budget was not applied"
+        time.sleep(0.05)
+
+
+def test_a_prompt_too_big_for_memory_is_507_before_any_allocation(served: Served) -> None:
+    api = openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+    # Room for a few hundred fp16 tokens of this tiny model's KV, not for 2,000.
+    _budget(served, 2**19, fits=False)
+    try:
+        held = dict(served.bridge._sessions)
+        big = [{"role": "user", "content": "word " * 1000}]
+        reply = httpx.post(served.url + "/v1/chat/completions", timeout=120,
+                           headers={"Authorization": f"Bearer {served.key}"},
+                           json={"model": "m@fp16", "messages": big, "max_tokens": 2})
+        assert reply.status_code == 507
+        error = reply.json()["error"]
+        assert error["code"] == "insufficient_memory" and "fit" in error["message"]
+        claude = anthropic.Anthropic(base_url=served.url, api_key=served.key, max_retries=0)
+        try:
+            claude.messages.create(model="m@fp16", max_tokens=2, messages=big)
+        except anthropic.APIStatusError as refused:
+            assert refused.status_code == 507
+            assert refused.body["type"] == "error"
+            assert refused.body["error"]["type"] == "api_error"
+        else:
+            raise AssertionError("the Anthropic request was not refused")
+        assert served.bridge._sessions == held  # no session opened for them
+        small = api.chat.completions.create(
+            model="m@fp16", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert small.choices[0].finish_reason in ("stop", "length")
+    finally:
+        _budget(served, None, fits=True)
+    assert httpx.get(served.url + "/health").status_code == 200

@@ -1,0 +1,201 @@
+"""Tools: rendered into a real tool-aware chat template, calls parsed from a forced
+answer and returned in the OpenAI and the Anthropic format."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from mlx_lm.tool_parsers import json_tools
+from mlx_lm.utils import load_tokenizer
+
+from engine.server import protocol
+from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
+from engine.session import sampling
+from engine.session.prompt_ids import render_conversation
+from tests.engine.server.conftest import Served, start_server
+from tests.engine.server.tool_models import make_tool_model_dir, scripted_sampler
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+                     "input_schema": WEATHER["function"]["parameters"]}
+JSON_SYNTAX = ToolSyntax(json_tools.tool_call_start, json_tools.tool_call_end,
+                         json_tools.parse_tool_call)
+
+
+@pytest.fixture(scope="module")
+def tooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("server-tools")
+    running, stop = start_server(make_tool_model_dir(root), root / "kv")
+    yield running
+    stop()
+
+
+@pytest.fixture
+def forced(tooled: Served, monkeypatch: pytest.MonkeyPatch):
+    """Make every answer write ``text`` (then end its turn)."""
+    tokenizer = load_tokenizer(Path(tooled.bridge.info.path))
+
+    def force(text: str) -> None:
+        monkeypatch.setattr(sampling, "build_sampler", scripted_sampler(tokenizer, text))
+    return force
+
+
+def read_all(reader: ToolCallReader, text: str, step: int) -> list[str | ToolCall]:
+    parts: list[str | ToolCall] = []
+    for start in range(0, len(text), step):
+        parts += reader.feed(text[start:start + step])
+    return parts + reader.finish()
+
+
+def joined(parts: list[str | ToolCall]) -> list[str | ToolCall]:
+    out: list[str | ToolCall] = []
+    for part in parts:
+        if isinstance(part, str) and out and isinstance(out[-1], str):
+            out[-1] += part
+        else:
+            out.append(part)
+    return out
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_reader_splits_text_and_calls_however_the_text_comes(step: int) -> None:
+    text = "Let me look. <tools> are fine. " + CALL + CALL.replace("Paris", "Oslo") + " Done."
+    parts = joined(read_all(ToolCallReader(JSON_SYNTAX, [WEATHER]), text, step))
+    assert parts[0] == "Let me look. <tools> are fine. "
+    assert [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)] == \
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert parts[-1] == " Done."
+
+
+def test_unreadable_call_stays_text_and_a_cut_call_is_still_read() -> None:
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert joined(read_all(ToolCallReader(JSON_SYNTAX, None), broken, 3)) == [broken]
+    cut = CALL[:-len("</tool_call>")]  # the answer hit its end before the end marker
+    parts = read_all(ToolCallReader(JSON_SYNTAX, None), cut, 4)
+    assert len(parts) == 1 and isinstance(parts[0], ToolCall)
+    assert parts[0].input() == {"city": "Paris"}
+
+
+def test_tools_and_tool_results_render_into_the_template(tmp_path) -> None:
+    tokenizer = load_tokenizer(make_tool_model_dir(tmp_path))
+    openai_body = {"tools": [WEATHER], "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]}
+    anthropic_body = {"max_tokens": 5, "system": "Be brief.", "tools": [ANTHROPIC_WEATHER],
+                      "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1",
+                                           "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                      "content": [{"type": "text", "text": "sunny, 21 C"}]}]}]}
+    chat = protocol.openai_chat(openai_body, 5)
+    text = tokenizer.decode(render_conversation(tokenizer, chat.messages,
+                                                add_generation_prompt=True, tools=chat.tools))
+    # The tool is listed in the system turn, before the instructions that follow the list.
+    assert '"name": "get_weather"' in text.split("For each function call")[0]
+    assert CALL in text  # the call as the model would write it
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    other = protocol.anthropic_messages(anthropic_body)
+    assert render_conversation(tokenizer, other.messages, add_generation_prompt=True,
+                               tools=other.tools) == \
+        render_conversation(tokenizer, chat.messages, add_generation_prompt=True,
+                            tools=chat.tools)
+    plain = render_conversation(tokenizer, chat.messages[:2], add_generation_prompt=True)
+    assert "<tools>" not in tokenizer.decode(plain)
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": {"name": "x"}},
+    {"tools": [{"type": "function"}]},
+    {"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+        {"role": "tool", "content": "y"}]},
+])
+def test_bad_tools_are_400(body: dict) -> None:
+    with pytest.raises(protocol.BadRequest):
+        protocol.openai_chat({"messages": [{"role": "user", "content": "x"}], **body}, 5)
+
+
+def test_openai_tool_call_not_streamed_then_streamed(tooled: Served, forced) -> None:
+    forced(CALL)
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = api.chat.completions.create(model="m", messages=messages, tools=[WEATHER],
+                                        max_tokens=80)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(api.chat.completions.create(model="m", messages=messages, tools=[WEATHER],
+                                              max_tokens=80, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [t for d in deltas for t in (d.tool_calls or [])]
+    assert [(t.index, t.function.name) for t in streamed] == [(0, "get_weather")]
+    assert json.loads(streamed[0].function.arguments) == {"city": "Paris"}
+    assert not "".join(d.content or "" for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The tool's result goes back; the conversation so far comes from the cache.
+    forced("It is sunny.")
+    follow = [*messages, choice.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = api.chat.completions.create(model="m", messages=follow, tools=[WEATHER],
+                                         max_tokens=80)
+    assert answer.choices[0].message.content == "It is sunny."
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
+
+
+def test_without_tools_the_markers_are_text(tooled: Served, forced) -> None:
+    forced(CALL)
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    reply = api.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Say it"}], max_tokens=80)
+    assert reply.choices[0].message.content == CALL
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_anthropic_tool_use_not_streamed_then_streamed(tooled: Served, forced) -> None:
+    forced("Checking. " + CALL)
+    api = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = api.messages.create(model="m", max_tokens=80, messages=messages,
+                                tools=[ANTHROPIC_WEATHER])
+    assert reply.stop_reason == "tool_use"
+    assert [b.type for b in reply.content] == ["text", "tool_use"]
+    assert reply.content[0].text == "Checking. "
+    assert reply.content[1].name == "get_weather"
+    assert reply.content[1].input == {"city": "Paris"}
+    kinds = []
+    with api.messages.stream(model="m", max_tokens=80, messages=messages,
+                             tools=[ANTHROPIC_WEATHER]) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"city": "Paris"}
+    assert final.content[0].text == "Checking. "
+    forced("Sunny.")
+    follow = [*messages, {"role": "assistant", "content": [b.model_dump() for b in final.content]},
+              {"role": "user", "content": [{"type": "tool_result",
+                                            "tool_use_id": final.content[1].id,
+                                            "content": "sunny, 21 C"}]}]
+    answer = api.messages.create(model="m", max_tokens=80, messages=follow,
+                                 tools=[ANTHROPIC_WEATHER])
+    assert answer.content[0].text == "Sunny." and answer.stop_reason == "end_turn"

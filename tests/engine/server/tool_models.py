@@ -1,0 +1,73 @@
+"""A tiny model folder with a tool-aware (Qwen2.5 / Hermes-style) chat template, and a
+sampler double that forces the model to write a scripted answer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from tests.engine.tinymodels import make_tiny_model_dir
+
+# Qwen2.5's tool template, cut to what these tests render: the tools listed in
+# the system turn, calls as <tool_call> JSON, results as <tool_response> turns.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n"
+    "{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}\n{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tool_model_dir(root: Path) -> Path:
+    """A tiny llama folder whose tokenizer_config holds ``TOOL_TEMPLATE``."""
+    base = make_tiny_model_dir(root, "llama")
+    folder = root / "tiny-llama-tools"
+    if not folder.exists():
+        shutil.copytree(base, folder)
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["chat_template"] = TOOL_TEMPLATE
+        config_path.write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def scripted_sampler(tokenizer: Any, text: str) -> Callable[[Any], Callable]:
+    """A ``build_sampler`` double: every answer writes ``text``, then ends its turn.
+
+    It replaces the sampler only, so the tokens still go through the engine's
+    real decode loop, detokenizer and server.
+    """
+    script = list(tokenizer.encode(text, add_special_tokens=False))
+    end = tokenizer.eos_token_id
+
+    def build(_params: Any) -> Callable:
+        tokens = iter(script)
+
+        def sample(logprobs: mx.array) -> mx.array:
+            return mx.array([next(tokens, end)], dtype=mx.uint32)
+        return sample
+    return build
