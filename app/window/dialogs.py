@@ -113,9 +113,14 @@ class NewChatDialog(QDialog):
 class SettingsDialog(QDialog):
     """Edit the user's preferences, one tab per subject; ``apply()`` writes them."""
 
-    def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
+    def __init__(self, settings: Settings, parent: QWidget | None = None,
+                 sampling: SamplingParams | None = None) -> None:
+        """``sampling`` is what answers use now (the loaded model's own defaults under
+        the user's settings); without it, the settings' own values are shown."""
         super().__init__(parent)
         self.settings = settings
+        self._model_sampling = sampling is not None
+        self.sampling = sampling or settings.sampling
         self.setWindowTitle("Settings")
         self.setMinimumWidth(520)
         layout = QVBoxLayout(self)
@@ -171,7 +176,12 @@ class SettingsDialog(QDialog):
 
     def _answers_page(self, settings: Settings) -> None:
         form = self._page("Answers")
-        sampling = settings.sampling
+        sampling = self.sampling
+        if self._model_sampling:
+            note = QLabel("Values you have not changed follow the loaded model's own "
+                          "defaults (its generation_config.json).")
+            note.setWordWrap(True)
+            form.addRow(note)
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05,
                                           value=sampling.temperature)
         form.addRow("Temperature", self.temperature)
@@ -222,7 +232,7 @@ class SettingsDialog(QDialog):
 
     def edited(self) -> dict[str, object]:
         """The widgets' values, by the name of the setting each one edits."""
-        seed = self.settings.sampling.seed
+        seed = self.sampling.seed
         return {
             "default_mode": self.mode.currentText(),
             "page_size": self.page_size.value(),

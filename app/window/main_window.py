@@ -448,7 +448,7 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         """The Settings dialog."""
-        if SettingsDialog(self.settings, self).exec():
+        if SettingsDialog(self.settings, self, self.controller.sampling()).exec():
             self.model_picker.refresh(self.settings.model_folders)
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
                                              self.settings.ingest_chunk)

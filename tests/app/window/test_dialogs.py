@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,19 @@ def test_one_changed_sampling_value_writes_only_that_key(qtbot) -> None:
     dialog.apply()
     assert set(Settings().stored()) == {"sampling/temperature"}
     assert Settings().sampling.temperature == 0.2
+
+
+def test_the_answers_page_shows_the_models_defaults_and_saves_only_an_edit(qtbot) -> None:
+    model = replace(Settings().sampling, temperature=0.6, top_p=0.95)  # generation_config's
+    dialog = SettingsDialog(Settings(), sampling=model)
+    qtbot.addWidget(dialog)
+    assert (dialog.temperature.value(), dialog.top_p.value()) == (0.6, 0.95)
+    dialog.apply()
+    assert Settings().stored() == {}  # untouched: answers keep following the model
+    dialog.top_p.setValue(0.8)
+    dialog.apply()
+    assert set(Settings().stored()) == {"sampling/top_p"}
+    assert Settings().sampling_for({"temperature": 0.6, "top_p": 0.95}).top_p == 0.8
 
 
 def test_settings_are_in_sections_that_fit_a_700_px_screen(qtbot) -> None:
