@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from engine.bench.speculative_bench import batch_noise, first_divergence
 from engine.events import TokenChunk
 from engine.session import speculative
 from engine.session.sampling import SamplingParams
@@ -137,18 +138,40 @@ def _messages() -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
 @pytest.mark.parametrize("mode", ["fp16", "q6"])
-def test_greedy_answer_matches_plain_decoding(tiny, arch: str, mode: str) -> None:
+def test_greedy_answer_agrees_with_plain_decoding_up_to_a_near_tie(tiny, arch: str,
+                                                                  mode: str) -> None:
     plain = Session("plain", tiny[arch], mode)
     plain_reason, _, expected = _answer(plain, _messages(), GREEDY)
     spec = Session("spec", tiny[arch], mode)
     reason, stats, got = _answer(spec, _messages(), replace(GREEDY, speculative="lookup"))
-    assert reason == plain_reason
     assert stats.draft_tokens > 0 and stats.decode_steps <= len(got) + 1
-    first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
-    assert first is None, (arch, mode, first, expected, got)
-    assert len(got) == len(expected)
     # The cache holds exactly the ids the session says it holds.
     assert spec.stats().tokens == len(spec.tokens)
+    first = first_divergence(expected, got)
+    if first is None:
+        assert (reason, len(got)) == (plain_reason, len(expected))
+        return
+    # A (k+1)-row verification rounds the model's matmuls differently from one row:
+    # the answers may part only where plain decoding's own batch-size noise (one row
+    # a pass vs MAX_DRAFT + 1 rows, measured here on the same answer) can flip the
+    # top token.
+    prompt = plain.prompt(_messages(), add_generation_prompt=True).ids
+    noise = batch_noise(plain, prompt, expected, speculative.MAX_DRAFT + 1)
+    assert noise.margins[first] < noise.threshold, (arch, mode, first, noise)
+
+
+def test_batch_noise_is_small_next_to_the_margins(tiny) -> None:
+    session = Session("noise", tiny["llama"], "fp16")
+    _, _, answer = _answer(session, _messages(), GREEDY)
+    prompt = session.prompt(_messages(), add_generation_prompt=True).ids
+    noise = batch_noise(session, prompt, answer, speculative.MAX_DRAFT + 1)
+    assert len(noise.margins) == len(noise.deltas) == len(answer)
+    # Batching moves logits by rounding only: far less than a typical margin, and
+    # a flip only ever happens at a near-tie.
+    assert 0 <= noise.threshold < float(np.median(noise.margins))
+    assert all(noise.margins[i] < noise.threshold for i in noise.flips)
+    # The session is back at the prompt, ready for the next answer.
+    assert session.tokens == prompt[:-1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
