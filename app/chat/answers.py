@@ -198,4 +198,7 @@ def _stats_dict(stats) -> dict | None:
         "ttft": stats.time_to_first_token,
         "prefill_tps": stats.prefill_tps,
         "decode_tps": stats.decode_tps,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "decode_steps": stats.decode_steps,
     }

@@ -44,7 +44,10 @@ COPIED_MS = 1500
 
 
 def stats_text(stats: dict | None) -> str:
-    """"128 tokens · TTFT 0.21 s · 34.2 tok/s" for an answer's stats."""
+    """"128 tokens · TTFT 0.21 s · 34.2 tok/s" for an answer's stats.
+
+    A speculative answer adds "2.4 tokens/step": generated tokens per forward pass.
+    """
     if not stats:
         return ""
     parts = [f"{stats.get('generated_tokens', 0):,} tokens"]
@@ -52,6 +55,8 @@ def stats_text(stats: dict | None) -> str:
         parts.append(f"TTFT {stats['ttft']:.2f} s")
     if stats.get("decode_tps"):
         parts.append(f"{stats['decode_tps']:.1f} tok/s")
+    if stats.get("draft_tokens") and stats.get("decode_steps"):
+        parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens/step")
     return " · ".join(parts)
 
 

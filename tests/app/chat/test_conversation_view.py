@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtGui import QGuiApplication
 
-from app.chat.conversation_view import COPIED_TEXT, ConversationView, MessageWidget
+from app.chat.conversation_view import COPIED_TEXT, ConversationView, MessageWidget, stats_text
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING
 
@@ -58,3 +58,11 @@ def test_an_answer_cut_by_closing_the_app_says_so(qtbot) -> None:
     assert closed.status.text() == "Closed while answering"
     assert closed.status.toolTip() == CLOSED_WHILE_ANSWERING
     assert stopped.status.text() == "Stopped"
+
+
+def test_stats_line_shows_tokens_per_step_of_a_speculative_answer() -> None:
+    plain = {"generated_tokens": 48, "ttft": 0.5, "decode_tps": 12.0, "draft_tokens": 0,
+             "accepted_tokens": 0, "decode_steps": 48}
+    assert "tokens/step" not in stats_text(plain)
+    drafted = {**plain, "draft_tokens": 40, "accepted_tokens": 30, "decode_steps": 18}
+    assert stats_text(drafted).endswith("12.0 tok/s · 2.7 tokens/step")
