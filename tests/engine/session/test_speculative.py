@@ -145,8 +145,10 @@ def test_greedy_answer_agrees_with_plain_decoding_up_to_a_near_tie(tiny, arch: s
     spec = Session("spec", tiny[arch], mode)
     reason, stats, got = _answer(spec, _messages(), replace(GREEDY, speculative="lookup"))
     assert stats.draft_tokens > 0 and stats.decode_steps <= len(got) + 1
-    # The cache holds exactly the ids the session says it holds.
+    # The cache holds exactly the ids the session says it holds, and so does the
+    # index (plain passes during a cool-down included).
     assert spec.stats().tokens == len(spec.tokens)
+    assert spec.context_index.ids.tolist() == spec.tokens
     first = first_divergence(expected, got)
     if first is None:
         assert (reason, len(got)) == (plain_reason, len(expected))
