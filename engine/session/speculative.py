@@ -95,7 +95,10 @@ class ContextIndex:
     def sync(self, ids: Sequence[int]) -> None:
         """Make the index describe ``ids``: keep the common prefix, index the rest.
 
-        Slots past a cut are emptied (one pass over the table, once per answer).
+        After a cut the table is rebuilt from the kept ids (one vectorized pass,
+        once per answer that follows a cut): the cut tokens' n-grams had replaced
+        the kept ids' entries (an answer quoting the document points the document's
+        n-grams at itself), and emptying their slots would lose the document's.
         """
         target = np.asarray(ids, dtype=np.int32)
         limit = min(self._len, len(target))
@@ -104,7 +107,7 @@ class ContextIndex:
         keep = int(differ[0]) if differ.size else limit
         if keep < self._len:
             self._len = keep
-            self._table[self._table > keep] = -1  # a follower past the cut
+            self._resize(keep)
         self.extend(target[keep:])
 
     def extend(self, new: Sequence[int] | np.ndarray) -> None:

@@ -31,11 +31,16 @@ def test_index_proposes_what_followed_the_longest_suffix() -> None:
 def test_index_survives_a_cut_and_continues_a_loop() -> None:
     index = speculative.ContextIndex()
     index.sync([5, 6, 7, 5, 6, 8])
-    index.sync([5, 6, 7])  # a cut: the entry for "5 6" -> 8 is stale
-    # What followed "5 6" after the cut is unknown: never the stale 8.
-    assert index.propose([5, 6], 2) == []
+    index.sync([5, 6, 7])  # a cut: the entry for "5 6" -> 8 is gone
+    # What followed "5 6" in the kept ids, never the cut 8.
+    assert index.propose([5, 6], 2) == [7, 5]
     index.extend([5, 6, 9])
     assert index.propose([5, 6], 1) == [9]
+    # A cut answer that repeated the document does not cost the document's entries.
+    index.sync([4, 1, 2, 3, 5])
+    index.extend([1, 2, 3, 9])
+    index.sync([4, 1, 2, 3, 5])
+    assert index.propose([2, 3], 2) == [5, 1]
     index.sync([1, 2, 1, 2])
     # The match runs into the pending token: the loop goes on past it.
     assert index.propose([1], 4) == [2, 1, 2, 1]
