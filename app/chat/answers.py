@@ -218,4 +218,7 @@ def _stats_dict(stats) -> dict | None:
         # Tokens read in, and how many of those held came from the chat's snapshot on disk.
         "prefill_tokens": stats.prefill_tokens,
         "reused_tokens": stats.reused_tokens,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "decode_steps": stats.decode_steps,
     }

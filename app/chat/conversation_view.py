@@ -72,7 +72,8 @@ def stats_text(stats: dict | None) -> str:
     """An answer's stats line, "128 tokens · first word in 0.21 s · 34.2 tok/s".
 
     It begins "Reused 3,930 stored tokens, read 120 new" when the chat's KV
-    snapshot on disk was used.
+    snapshot on disk was used; a speculative answer adds "2.4 tokens/step":
+    generated tokens per forward pass.
     """
     if not stats:
         return ""
@@ -83,6 +84,8 @@ def stats_text(stats: dict | None) -> str:
         parts.append(f"first word in {stats['ttft']:.2f} s")
     if stats.get("decode_tps"):
         parts.append(f"{stats['decode_tps']:.1f} tok/s")
+    if stats.get("draft_tokens") and stats.get("decode_steps"):
+        parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens/step")
     return " · ".join(parts)
 
 

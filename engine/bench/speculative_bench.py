@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import adapter
+from engine.errors import EngineError
 from engine.events import TokenChunk
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +68,78 @@ def _answer(session: Any, messages: list[dict], sampling: Any) -> dict[str, Any]
             "steps": stats.decode_steps}
 
 
+@dataclass(frozen=True)
+class BatchNoise:
+    """How far an answer's logits move when its positions are batched, as in a verification.
+
+    Attributes:
+        margins: top-1 minus top-2 logit of each position, fed one token a step.
+        deltas: the largest logit difference of each position between one row a
+            step and ``rows`` rows a pass.
+        flips: positions whose top token differs between the two.
+    """
+
+    margins: tuple[float, ...]
+    deltas: tuple[float, ...]
+    flips: tuple[int, ...]
+
+    @property
+    def threshold(self) -> float:
+        """The margin below which batching can flip the top token: twice the largest shift.
+
+        A flip needs top-1 to fall and top-2 to rise by a margin in total, and no
+        logit moved by more than ``max(deltas)``.
+        """
+        return 2 * max(self.deltas, default=0.0)
+
+
+def _logits(session: Any, ids: list[int]) -> np.ndarray:
+    adapter.ensure_capacity(session.cache, len(ids))
+    out = session.model(mx.array(ids)[None], cache=session.cache)[0].astype(mx.float32)
+    session.tokens.extend(ids)
+    return np.array(out)
+
+
+def batch_noise(session: Any, prompt: list[int], answer: list[int], rows: int) -> BatchNoise:
+    """Plain decoding's own batch-size noise on ``answer`` (greedy, after ``prompt``).
+
+    Feeds the answer after the prompt twice, teacher-forced: one token a pass (plain
+    decoding) and ``rows`` tokens a pass (a verification of ``rows - 1`` drafts), and
+    compares the logits of every position. The session is left holding ``prompt``
+    but its last token.
+    """
+    base = len(prompt) - 1
+    kept = session.sync(prompt, keep_last=True)
+    session.prefill(prompt[kept:-1], request_id=0, cancel=threading.Event(),
+                    emit=lambda _: None, tick=lambda: None)
+    session.checkpoint(boundary=True)
+    fed = [prompt[-1], *answer[:-1]]
+    single = np.concatenate([_logits(session, [token]) for token in fed])
+    session.trim_to(base)
+    if len(session.tokens) != base:
+        raise EngineError("The cache could not go back to the prompt to measure batch noise.")
+    batched = np.concatenate([_logits(session, fed[i:i + rows])
+                              for i in range(0, len(fed), rows)])
+    session.trim_to(base)
+    top2 = np.sort(single, axis=-1)[:, -2:]
+    return BatchNoise(
+        margins=tuple(float(m) for m in top2[:, 1] - top2[:, 0]),
+        deltas=tuple(float(d) for d in np.abs(single - batched).max(axis=-1)),
+        flips=tuple(int(i) for i in np.flatnonzero(single.argmax(-1) != batched.argmax(-1))),
+    )
+
+
+def blas_library() -> str:
+    """The BLAS library this process loaded (Linux; MLX's matmuls on the CPU go through it)."""
+    try:
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8")
+    except OSError:
+        return "?"
+    names = {Path(line.split()[-1]).name for line in maps.splitlines()
+             if "blas" in line.rsplit("/", 1)[-1].lower()}
+    return ", ".join(sorted(names)) or "?"
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first index where two answers differ (None: one is a prefix of the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
@@ -74,11 +151,13 @@ def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], N
     from engine.models.loader import load_model
     from engine.session.sampling import SamplingParams
     from engine.session.session import Session
+    from engine.session.speculative import MAX_DRAFT
 
     loaded = load_model(config.model)
     doc = document(loaded.tokenizer, config.document_tokens)
     rows: list[dict[str, Any]] = []
-    results = {"config": dataclasses.asdict(config), "model": loaded.info.name, "rows": rows}
+    results = {"config": dataclasses.asdict(config), "model": loaded.info.name, "rows": rows,
+               "blas": blas_library()}
     plain = SamplingParams(temperature=0.0, max_tokens=config.max_tokens, speculative="off")
     for mode in config.modes:
         session = Session("bench", loaded, mode)
@@ -89,6 +168,10 @@ def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], N
             progress(f"speculative {mode} {question}: lookup")
             on = _answer(session, messages, dataclasses.replace(plain, speculative="lookup"))
             generated = len(on["ids"])
+            first = first_divergence(off["ids"], on["ids"])
+            prompt = session.prompt(messages, add_generation_prompt=True).ids
+            progress(f"speculative {mode} {question}: batch noise")
+            noise = batch_noise(session, prompt, off["ids"], MAX_DRAFT + 1)
             rows.append({
                 "mode": mode, "question": question, "tokens": generated,
                 "off_tps": off["decode_tps"], "on_tps": on["decode_tps"],
@@ -96,7 +179,12 @@ def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], N
                 "draft_tokens": on["draft_tokens"], "accepted_tokens": on["accepted_tokens"],
                 "steps": on["steps"],
                 "tokens_per_step": generated / on["steps"] if on["steps"] else 0.0,
-                "first_divergence": first_divergence(off["ids"], on["ids"]),
+                "first_divergence": first,
+                "divergence_margin": None if first is None else noise.margins[first],
+                "noise_threshold": noise.threshold,
+                "noise_flips": len(noise.flips),
+                "flip_margin": max((noise.margins[i] for i in noise.flips), default=None),
+                "min_margin": min(noise.margins, default=None),
             })
             if partial_results is not None:
                 partial_results(results)
@@ -113,24 +201,35 @@ def render_report(results: dict, info: dict, command: str, load: str) -> str:
         f"{results['config']['document_tokens']}-token document (the repo's docs), "
         f"{results['config']['max_tokens']} tokens per answer; off and on run back to back "
         f"on the same held document. Load average at the end: {load} "
-        f"(MLX {info.get('mlx', '?')}, {info.get('platform', '?')}).",
+        f"(MLX {info.get('mlx', '?')}, {info.get('platform', '?')}); BLAS loaded: "
+        f"{results.get('blas', '?')}.",
         "",
         "| mode | question | tokens | off tok/s | on tok/s | on/off | drafted | accepted "
-        "| tokens/step | Metal estimate | first divergence |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| tokens/step | Metal estimate | first divergence (margin) | batch noise: "
+        "threshold, flips (largest flip margin) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in results["rows"]:
-        div = "none" if row["first_divergence"] is None else str(row["first_divergence"])
+        div = ("none" if row["first_divergence"] is None
+               else f"{row['first_divergence']} ({row['divergence_margin']:.3f})")
+        flips = row.get("noise_flips", 0)
+        noise = (f"{row.get('noise_threshold', 0.0):.3f}, {flips}"
+                 + (f" ({row['flip_margin']:.3f})" if flips else ""))
         lines.append(
             f"| {row['mode']} | {row['question']} | {row['tokens']} | {row['off_tps']:.1f} "
             f"| {row['on_tps']:.1f} | {row['ratio']:.2f}x | {row['draft_tokens']} "
             f"| {row['accepted_tokens']} | {row['tokens_per_step']:.2f} "
-            f"| {row['tokens_per_step']:.2f}x | {div} |")
+            f"| {row['tokens_per_step']:.2f}x | {div} | {noise} |")
     lines += [
         "",
         "Metal estimate: where verifying k tokens costs about one decode step (decode is "
         "bound by reading the weights and the KV once), the speed-up is the tokens per "
         "step, (generated tokens) / (forward passes); on this CPU a (k+1)-token pass "
         "costs more than one step, so the measured ratio is lower.",
+        "",
+        "Batch noise: the plain answer fed again one token a pass and "
+        "MAX_DRAFT + 1 tokens a pass; threshold = twice the largest logit shift "
+        "between the two (a flip needs a top-1/top-2 margin below it); a first "
+        "divergence's margin is plain decoding's top-1 minus top-2 logit there.",
     ]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from typing import Any
 from engine.cache import kvquant
 from engine.cache.modes import MODES
 from engine.errors import EngineError
+from engine.session import speculative
 from engine.session.sampling import SamplingParams
 
 MAX_STOPS = 16
@@ -254,8 +255,17 @@ def _sampling(body: dict, max_tokens: int, seed: Any) -> SamplingParams:
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
         top_k=int(_integer(body, ("top_k",), 0, 0) or 0), max_tokens=max_tokens,
-        seed=seed,
+        seed=seed, speculative=_speculative(body),
     )
+
+
+def _speculative(body: dict) -> str:
+    """Longleaf's extension: ``"speculative": "off" | "lookup"`` (the engine's default)."""
+    value = body.get("speculative", SamplingParams.speculative)
+    if value not in speculative.MODES:
+        raise BadRequest(f"'speculative' must be one of {', '.join(speculative.MODES)} "
+                         f"(got {value!r}).", "speculative")
+    return value
 
 
 def openai_chat(body: Any, default_max: int) -> ChatRequest:

@@ -191,88 +191,108 @@ class AnswerStream:
 
     def run(self, prompt: list[int], max_tokens: int) -> str:
         """Generate up to ``max_tokens`` tokens; returns "stop", "length" or "cancelled"."""
-        if self.speculate:
-            return self._run_speculative(prompt, max_tokens)
         self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
-        self.held.append(prompt[-1])
-        y = self._step(mx.array(prompt[-1:]))
-        self.steps += 1
-        mx.async_eval(y)
-        reason = "length"
         try:
-            while True:
-                # Queue the next step before reading this token (mlx-lm's overlap):
-                # the device computes while Python detokenizes.
-                queue_next = len(self.generated) + 1 < max_tokens and not self.cancel.is_set()
-                if queue_next:
-                    self.steps += 1
-                    try:
-                        next_y = self._step(y)
-                        mx.async_eval(next_y)
-                    except KvBudgetExceeded:
-                        # Raised before any layer changed: end this answer at the
-                        # budget, as if it had reached its length limit.
-                        queue_next = False
-                token = int(y.item())
-                self.last_token_at = time.perf_counter()
-                if not self.generated:
-                    self.first_token_at = self.last_token_at
-                if queue_next:
-                    self.held.append(token)
-                if token in self.end_ids:
-                    reason = "stop"
-                    break
-                self.generated.append(token)
-                self.stream(token)
-                self.tick()
-                if self.cancel.is_set():
-                    reason = "cancelled"
-                    break
-                if not queue_next:
-                    break
-                y = next_y
+            if self.speculate:
+                return self._run_speculative(prompt, max_tokens)
+            return self._decode(prompt[-1], max_tokens, max_tokens)[0] or "length"
         finally:
             self.flush()
-        return reason
+
+    def _hold(self, token: int) -> None:
+        self.held.append(token)
+        if self.speculate:
+            self.index.extend([token])
+
+    def _decode(self, token: int, count: int, max_tokens: int) -> tuple[str | None, int]:
+        """Plain decoding from the unfed ``token``: up to ``count`` tokens, one a pass.
+
+        Returns the finish reason (None: ``count`` tokens made, the answer goes on)
+        and the last token sampled, which is not fed yet when the reason is None.
+        """
+        y = self._step(mx.array([token]))
+        self._hold(token)
+        self.steps += 1
+        mx.async_eval(y)
+        made = 0
+        while True:
+            made += 1
+            # Queue the next step before reading this token (mlx-lm's overlap):
+            # the device computes while Python detokenizes.
+            room = made < count and len(self.generated) + 1 < max_tokens
+            queue_next = room and not self.cancel.is_set()
+            if queue_next:
+                self.steps += 1
+                try:
+                    next_y = self._step(y)
+                    mx.async_eval(next_y)
+                except KvBudgetExceeded:
+                    # Raised before any layer changed: end this answer at the
+                    # budget, as if it had reached its length limit.
+                    queue_next = room = False
+                    max_tokens = len(self.generated) + 1
+            token = int(y.item())
+            self.last_token_at = time.perf_counter()
+            if not self.generated:
+                self.first_token_at = self.last_token_at
+            if queue_next:
+                self._hold(token)
+            if token in self.end_ids:
+                return "stop", token
+            self.generated.append(token)
+            self.stream(token)
+            self.tick()
+            if self.cancel.is_set():
+                return "cancelled", token
+            if not queue_next:
+                return (None if made >= count and len(self.generated) < max_tokens
+                        else "length"), token
+            y = next_y
 
     # -- speculative decoding ------------------------------------------------
 
     def _run_speculative(self, prompt: list[int], max_tokens: int) -> str:
         """Draft from the held ids, verify each draft in one pass (see speculative.py)."""
-        self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
         if self.index is None:
             self.index = speculative.ContextIndex()
         self.index.sync(self.held)
         drafter = speculative.Drafter()
         pending = prompt[-1]  # sampled (or the prompt's last) but not fed yet
-        try:
-            while True:
-                room = max_tokens - len(self.generated)
-                size = drafter.draft_size(room - 1)
-                draft = self.index.propose([pending], size) if size else []
+        while True:
+            room = max_tokens - len(self.generated)
+            if drafter.cooling:
+                # Drafting paused: plain passes, each queued before the last is read.
+                count, drafter.cooling = min(drafter.cooling, room), 0
                 try:
-                    sampled, base = self._verify(pending, draft)
+                    reason, pending = self._decode(pending, count, max_tokens)
                 except KvBudgetExceeded:
-                    if not draft:
-                        return "length"  # as plain decoding: the budget ends the answer
-                    drafter.cooling = 1  # no room for the draft's rows: one token now
-                    continue
-                accepted = speculative.accepted_prefix(draft, sampled)
-                drafter.record(len(draft), accepted)
-                self.draft_tokens += len(draft)
-                self.accepted_tokens += accepted
-                reason, kept = self._emit(sampled[:accepted + 1], max_tokens)
-                # As in plain decoding an end-of-turn token stays fed, so the next
-                # turn's template extends the cache.
-                fed_end = reason == "stop" and kept < accepted
-                self._keep([pending, *draft], base, 1 + min(kept, accepted) + fed_end)
-                if reason == "stop" and not fed_end:
-                    self._feed(sampled[accepted])
+                    return "length"  # as plain decoding: the budget ends the answer
                 if reason is not None:
                     return reason
-                pending = sampled[accepted]
-        finally:
-            self.flush()
+                continue
+            size = drafter.draft_size(room - 1)
+            draft = self.index.propose([pending], size) if size else []
+            try:
+                sampled, base = self._verify(pending, draft)
+            except KvBudgetExceeded:
+                if not draft:
+                    return "length"  # as plain decoding: the budget ends the answer
+                drafter.cooling = 1  # no room for the draft's rows: one token now
+                continue
+            accepted = speculative.accepted_prefix(draft, sampled)
+            drafter.record(len(draft), accepted)
+            self.draft_tokens += len(draft)
+            self.accepted_tokens += accepted
+            reason, kept = self._emit(sampled[:accepted + 1], max_tokens)
+            # As in plain decoding an end-of-turn token stays fed, so the next
+            # turn's template extends the cache.
+            fed_end = reason == "stop" and kept < accepted
+            self._keep([pending, *draft], base, 1 + min(kept, accepted) + fed_end)
+            if reason == "stop" and not fed_end:
+                self._feed(sampled[accepted])
+            if reason is not None:
+                return reason
+            pending = sampled[accepted]
 
     def _verify(self, pending: int, draft: list[int]) -> tuple[list[int], int]:
         """One forward pass over ``pending`` and ``draft``; the token sampled at each.

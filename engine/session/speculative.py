@@ -13,15 +13,17 @@ Verification (in :class:`engine.session.sampling.AnswerStream`) runs one forward
 pass over the last token and the draft and keeps the longest prefix the sampler
 would have produced; :func:`accepted_prefix` is that rule.
 
-Memory: the index holds one entry per n-gram length per token (about 100 bytes of
-Python objects each, see docs/benchmarks.md), built once per session and extended
-by the new tokens only.
+Memory: the index is two numpy arrays, the ids and a table of positions (a few
+tens of bytes per held token, see docs/benchmarks.md), built once per session and
+extended by the new tokens only.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+
+import numpy as np
 
 # Longest and shortest n-gram looked up (longest first).
 MAX_NGRAM = 4
@@ -37,82 +39,136 @@ LOW_ACCEPTANCE = 0.15
 WINDOW_TOKENS = 16
 FIRST_COOLDOWN = 16
 MAX_COOLDOWN = 256
-# Token ids are packed into one int key per n-gram; below any real vocabulary's size.
-_ID_BITS = 24
+# The index's table has at least this many slots per n-gram it holds, so most
+# n-grams keep their own slot (a collision only loses the older entry: every
+# lookup checks the ids).
+SLOTS_PER_ENTRY = 2
+MIN_SLOTS = 1 << 12
 MODES = ("off", "lookup")
+# Multiplicative hashing (Knuth): the top bits of the product are the slot.
+_HASH_SEED = 0x9E3779B97F4A7C15
+_HASH_MUL = np.uint64(0xBF58476D1CE4E5B9)
+# The table is filled this many n-gram ends at a time, so a whole document's first
+# indexing has a bounded transient.
+_INDEX_BLOCK = 1 << 16
 
 
-def _key(ids: Sequence[int]) -> int:
-    key = len(ids)
-    for token in ids:
-        key = (key << _ID_BITS) | token
-    return key
+def _slots(ids: np.ndarray, ends: np.ndarray, n: int, bits: int) -> np.ndarray:
+    """The table slot of each n-gram ``ids[end - n:end]`` (one definition for all)."""
+    h = np.full(ends.shape, (_HASH_SEED * n) % 2**64, dtype=np.uint64)
+    for j in range(n, 0, -1):
+        h = (h ^ ids[ends - j].astype(np.uint64)) * _HASH_MUL
+    return (h >> np.uint64(64 - bits)).astype(np.int64)
 
 
 class ContextIndex:
     """The latest position after every n-gram of a token sequence, extended as it grows.
 
-    ``position(ngram)`` is the index of the token that followed the n-gram's latest
-    occurrence whose follower is known, so a lookup never finds the suffix itself.
+    Two numpy arrays: the ids (int32) and a hash table of int32 positions, one
+    slot per n-gram of 1 to ``MAX_NGRAM`` tokens holding the index of the token
+    that followed its latest occurrence. A lookup checks the ids at that
+    position, so a collision or a stale slot costs a miss, never a wrong draft.
+    Memory: 4 bytes per id (a buffer that doubles) and a table of 4-byte slots,
+    between ``SLOTS_PER_ENTRY x MAX_NGRAM`` and four times that per id (it doubles
+    too, rebuilt from the ids in one vectorized pass).
     """
 
     def __init__(self) -> None:
-        self.ids: list[int] = []
-        self._after: dict[int, int] = {}
+        self._ids = np.zeros(MIN_SLOTS, dtype=np.int32)
+        self._len = 0
+        self._bits = MIN_SLOTS.bit_length() - 1
+        self._table = np.full(MIN_SLOTS, -1, dtype=np.int32)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self._len
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The indexed ids (a view: valid until the next change)."""
+        return self._ids[:self._len]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the index holds (ids buffer and table)."""
+        return self._ids.nbytes + self._table.nbytes
 
     def sync(self, ids: Sequence[int]) -> None:
         """Make the index describe ``ids``: keep the common prefix, index the rest.
 
-        Entries past a cut are left in place and checked on lookup, so a cut costs
-        nothing and the next tokens overwrite them.
+        After a cut the table is rebuilt from the kept ids (one vectorized pass,
+        once per answer that follows a cut): the cut tokens' n-grams had replaced
+        the kept ids' entries (an answer quoting the document points the document's
+        n-grams at itself), and emptying their slots would lose the document's.
         """
-        keep = 0
-        limit = min(len(self.ids), len(ids))
-        # The held ids usually extend the indexed ones: check the end first.
-        if self.ids[:limit] == list(ids[:limit]):
-            keep = limit
-        else:
-            while keep < limit and self.ids[keep] == ids[keep]:
-                keep += 1
-        del self.ids[keep:]
-        if not keep:
-            self._after.clear()  # a new conversation: drop the old one's entries
-        self.extend(ids[keep:])
+        target = np.asarray(ids, dtype=np.int32)
+        limit = min(self._len, len(target))
+        held = self._ids[:limit]
+        differ = np.flatnonzero(held != target[:limit])
+        keep = int(differ[0]) if differ.size else limit
+        if keep < self._len:
+            self._len = keep
+            self._resize(keep)
+        self.extend(target[keep:])
 
-    def extend(self, new: Sequence[int]) -> None:
+    def extend(self, new: Sequence[int] | np.ndarray) -> None:
         """Append ``new`` ids; O(len(new) x MAX_NGRAM)."""
-        ids, after = self.ids, self._after
-        for token in new:
-            end = len(ids)  # the n-grams ending just before ``token`` now have a follower
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
-                after[_key(ids[end - n:end])] = end
-            ids.append(token)
+        new = np.asarray(new, dtype=np.int32)
+        if not new.size:
+            return
+        start, end = self._len, self._len + new.size
+        if end > self._ids.size:
+            grown = np.zeros(max(end, 2 * self._ids.size), dtype=np.int32)
+            grown[:start] = self._ids[:start]
+            self._ids = grown
+        self._ids[start:end] = new
+        self._len = end
+        if SLOTS_PER_ENTRY * MAX_NGRAM * end > self._table.size:
+            self._resize(end)
+        else:
+            self._index(start, end)
+
+    def _resize(self, tokens: int) -> None:
+        wanted = max(MIN_SLOTS, SLOTS_PER_ENTRY * MAX_NGRAM * 2 * tokens)
+        self._bits = (wanted - 1).bit_length()
+        self._table = np.full(1 << self._bits, -1, dtype=np.int32)
+        self._index(0, tokens)
+
+    def _index(self, start: int, end: int) -> None:
+        """Point the n-grams that end at positions ``start..end-1`` at those positions."""
+        for block in range(start, end, _INDEX_BLOCK):
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                self._index_block(np.arange(max(block, n), min(end, block + _INDEX_BLOCK)), n)
+
+    def _index_block(self, ends: np.ndarray, n: int) -> None:
+        if ends.size:
+            slots = _slots(self._ids, ends, n, self._bits)
+            # Latest wins within one block: the last occurrence of each slot.
+            last = slots.size - 1 - np.unique(slots[::-1], return_index=True)[1]
+            self._table[slots[last]] = ends[last]
 
     def propose(self, pending: Sequence[int], count: int) -> list[int]:
         """The ``count`` ids that followed the longest suffix seen before.
 
         The sequence is the indexed ids followed by ``pending`` (the few tokens
         not indexed yet). Empty when no suffix of ``MIN_NGRAM`` to ``MAX_NGRAM``
-        tokens occurred before.
+        tokens occurred before. A match close to the end (the text repeating
+        itself) continues the repetition past the end of what is known.
         """
         if count < 1:
             return []
         ids = self.ids
-        tail = ids[-MAX_NGRAM:] + list(pending)
-        for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
-            suffix = tail[len(tail) - n:]
-            at = self._after.get(_key(suffix))
-            if at is None or at > len(ids) or at < n or ids[at - n:at] != suffix:
-                continue  # never seen, or an entry past a cut (see ``sync``)
-            found = ids[at:at + count]
-            if len(found) < count:
-                # The match runs into the pending tokens (a loop): they follow on.
-                found = (found + list(pending))[:count]
-            if found:
-                return found
+        tail = np.concatenate([ids[-MAX_NGRAM:], np.asarray(pending, dtype=np.int32)])
+        for n in range(min(MAX_NGRAM, tail.size), MIN_NGRAM - 1, -1):
+            at = int(self._table[_slots(tail, np.array([tail.size]), n, self._bits)[0]])
+            if at < n or at >= self._len or not np.array_equal(ids[at - n:at], tail[-n:]):
+                continue  # never seen, a collision, or emptied
+            known = ids[at:at + count].tolist()
+            if len(known) < count:
+                # The match runs into the last tokens: the text repeats itself with
+                # period ``len(whole)``, so the repetition goes on.
+                whole = [*ids[at:].tolist(), *pending]
+                known = [whole[i % len(whole)] for i in range(count)]
+            return known
         return []
 
 

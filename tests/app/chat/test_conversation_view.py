@@ -11,6 +11,7 @@ from app.chat.conversation_view import (
     ConversationView,
     MessageWidget,
     collapsed,
+    stats_text,
 )
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING
@@ -85,3 +86,11 @@ def test_a_long_user_message_is_collapsed_with_show_all(qtbot) -> None:
     long_row.copy_button.click()  # Copy takes the whole message, collapsed or not
     assert QGuiApplication.clipboard().text() == paste
     assert collapsed("\n".join(["x"] * 30)) is not None  # many short lines collapse too
+
+
+def test_stats_line_shows_tokens_per_step_of_a_speculative_answer() -> None:
+    plain = {"generated_tokens": 48, "ttft": 0.5, "decode_tps": 12.0, "draft_tokens": 0,
+             "accepted_tokens": 0, "decode_steps": 48}
+    assert "tokens/step" not in stats_text(plain)
+    drafted = {**plain, "draft_tokens": 40, "accepted_tokens": 30, "decode_steps": 18}
+    assert stats_text(drafted).endswith("12.0 tok/s · 2.7 tokens/step")

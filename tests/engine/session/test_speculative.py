@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
+from engine.bench.speculative_bench import batch_noise, first_divergence
 from engine.events import TokenChunk
 from engine.session import speculative
 from engine.session.sampling import SamplingParams
@@ -29,14 +31,77 @@ def test_index_proposes_what_followed_the_longest_suffix() -> None:
 def test_index_survives_a_cut_and_continues_a_loop() -> None:
     index = speculative.ContextIndex()
     index.sync([5, 6, 7, 5, 6, 8])
-    index.sync([5, 6, 7])  # a cut: the entry for "5 6" -> 8 is stale
-    # What followed "5 6" after the cut is unknown: never the stale 8.
-    assert index.propose([5, 6], 2) == []
+    index.sync([5, 6, 7])  # a cut: the entry for "5 6" -> 8 is gone
+    # What followed "5 6" in the kept ids, never the cut 8.
+    assert index.propose([5, 6], 2) == [7, 5]
     index.extend([5, 6, 9])
     assert index.propose([5, 6], 1) == [9]
+    # A cut answer that repeated the document does not cost the document's entries.
+    index.sync([4, 1, 2, 3, 5])
+    index.extend([1, 2, 3, 9])
+    index.sync([4, 1, 2, 3, 5])
+    assert index.propose([2, 3], 1) == [5]
     index.sync([1, 2, 1, 2])
-    # The match runs into the pending token: the loop goes on.
-    assert index.propose([1], 4) == [2, 1]
+    # The match runs into the pending token: the loop goes on past it.
+    assert index.propose([1], 4) == [2, 1, 2, 1]
+    index.sync([7, 8, 9, 7, 8])
+    assert index.propose([9], 5) == [7, 8, 9, 7, 8]
+
+
+def _reference(ids: list[int], pending: list[int], count: int) -> list[int] | None:
+    """The longest suffix's latest earlier occurrence, by brute force (None: no match)."""
+    whole = ids + pending
+    for n in range(speculative.MAX_NGRAM, speculative.MIN_NGRAM - 1, -1):
+        suffix = whole[-n:]
+        for at in range(len(ids) - 1, n - 1, -1):
+            if ids[at - n:at] == suffix:
+                return whole[at:at + count]
+    return None
+
+
+def _follows_an_occurrence(whole: list[int], held: int, draft: list[int]) -> bool:
+    """Whether ``draft`` is what followed an earlier occurrence of a suffix of ``whole``."""
+    for n in range(speculative.MAX_NGRAM, speculative.MIN_NGRAM - 1, -1):
+        for at in range(n, held):
+            if whole[at - n:at] == whole[-n:]:
+                rest = whole[at:]
+                if [rest[i % len(rest)] for i in range(len(draft))] == draft:
+                    return True
+    return False
+
+
+def test_index_agrees_with_a_brute_force_search() -> None:
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 40, 3000).tolist()
+    index = speculative.ContextIndex()
+    index.sync(ids[:1000])
+    index.extend(ids[1000:2900])  # grows the table: rebuilt from the ids
+    agreed = 0
+    for end in range(2900, 3000):
+        held, pending = ids[:end], [ids[end]]
+        got = index.propose(pending, 6)
+        want = _reference(held, pending, 6)
+        assert (want is None) == (got == [])
+        # A collision may cost the latest occurrence, never a wrong draft.
+        assert _follows_an_occurrence(held + pending, len(held), got)
+        agreed += got[:len(want)] == want if want else 1
+        index.extend(pending)
+    # The table is lossy (no probing): most lookups still find the latest occurrence.
+    assert agreed >= 80
+
+
+def test_index_memory_at_262k_tokens_is_a_few_bytes_per_token() -> None:
+    tokens = 262_144
+    ids = np.random.default_rng(0).integers(0, 49_152, tokens, dtype=np.int32)
+    index = speculative.ContextIndex()
+    index.sync(ids[:100_000])
+    index.extend(ids[100_000:])
+    assert len(index) == tokens
+    # ids (int32, a doubling buffer) and a power-of-two table of int32 slots.
+    assert index.nbytes <= 4 * 2 * tokens + 4 * 4 * speculative.SLOTS_PER_ENTRY * (
+        speculative.MAX_NGRAM * tokens)
+    # A 4-gram of the document proposes what followed it there.
+    assert index.propose(ids[5000:5004].tolist(), 4) == ids[5004:5008].tolist()
 
 
 def test_drafter_adapts_and_cools_down_on_token_counts() -> None:
@@ -78,18 +143,42 @@ def _messages() -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
 @pytest.mark.parametrize("mode", ["fp16", "q6"])
-def test_greedy_answer_matches_plain_decoding(tiny, arch: str, mode: str) -> None:
+def test_greedy_answer_agrees_with_plain_decoding_up_to_a_near_tie(tiny, arch: str,
+                                                                  mode: str) -> None:
     plain = Session("plain", tiny[arch], mode)
     plain_reason, _, expected = _answer(plain, _messages(), GREEDY)
     spec = Session("spec", tiny[arch], mode)
     reason, stats, got = _answer(spec, _messages(), replace(GREEDY, speculative="lookup"))
-    assert reason == plain_reason
     assert stats.draft_tokens > 0 and stats.decode_steps <= len(got) + 1
-    first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
-    assert first is None, (arch, mode, first, expected, got)
-    assert len(got) == len(expected)
-    # The cache holds exactly the ids the session says it holds.
+    # The cache holds exactly the ids the session says it holds, and so does the
+    # index (plain passes during a cool-down included).
     assert spec.stats().tokens == len(spec.tokens)
+    assert spec.context_index.ids.tolist() == spec.tokens
+    first = first_divergence(expected, got)
+    if first is None:
+        assert (reason, len(got)) == (plain_reason, len(expected))
+        return
+    # A (k+1)-row verification rounds the model's matmuls differently from one row:
+    # the answers may part only where plain decoding's own batch-size noise (one row
+    # a pass vs MAX_DRAFT + 1 rows, measured here on the same answer) can flip the
+    # top token.
+    prompt = plain.prompt(_messages(), add_generation_prompt=True).ids
+    noise = batch_noise(plain, prompt, expected, speculative.MAX_DRAFT + 1)
+    assert noise.margins[first] < noise.threshold, (arch, mode, first, noise)
+
+
+def test_batch_noise_is_small_next_to_the_margins(tiny) -> None:
+    session = Session("noise", tiny["llama"], "fp16")
+    _, _, answer = _answer(session, _messages(), GREEDY)
+    prompt = session.prompt(_messages(), add_generation_prompt=True).ids
+    noise = batch_noise(session, prompt, answer, speculative.MAX_DRAFT + 1)
+    assert len(noise.margins) == len(noise.deltas) == len(answer)
+    # Batching moves logits by rounding only: far less than a typical margin, and
+    # a flip only ever happens at a near-tie.
+    assert 0 <= noise.threshold < float(np.median(noise.margins))
+    assert all(noise.margins[i] < noise.threshold for i in noise.flips)
+    # The session is back at the prompt, ready for the next answer.
+    assert session.tokens == prompt[:-1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
