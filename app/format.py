@@ -76,6 +76,17 @@ def title_from(text: str, limit: int = 200) -> str:
     return cut.rstrip(" ,;:.-")
 
 
+def short_title(title: str, limit: int = 40) -> str:
+    """``title`` for a sentence: whole when short, else cut at a word with "…"."""
+    if len(title) <= limit:
+        return title
+    cut = title[:limit - 1]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:.-") + "…"
+
+
 # Unicode "format" characters change how the text around them is shown without
 # showing themselves: bidirectional overrides, isolates and marks (U+202E makes
 # "invoice\u202efdp.exe" read as "invoiceexe.pdf"), zero-width spaces and joiners.

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import compact_count, human_bytes
+from app.format import compact_count, human_bytes, short_title
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.quality import receipt_details, receipt_line
@@ -258,7 +258,7 @@ class MemoryPanel(QScrollArea):
         badge = f"{mode} · rotated" if rotated else mode  # rows stored after a Hadamard rotation
         self.session_label.setText(
             f"<span style='background:{colour};color:white;border-radius:4px'>&nbsp;{badge}&nbsp;"
-            f"</span>&nbsp; {html.escape(title or '')}<br>"
+            f"</span>&nbsp; {html.escape(short_title(title or '', 60))}<br>"
             f"<span style='opacity:.7'>{html.escape(cache_state)}</span>")
 
     def show_no_cache(self) -> None:

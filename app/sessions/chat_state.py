@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from app.format import disk_size
+from app.format import disk_size, short_title
 
 
 class ChatState(Enum):
@@ -105,7 +105,7 @@ def state_sentence(facts: ChatFacts) -> str:
                     "and reads the rest.")
         return f"On disk as text: the next message reads its {tokens:,} tokens in again."
     if state is ChatState.WAITING:
-        return (f"Waiting for ‘{facts.waiting_for}’ to finish…" if facts.waiting_for
+        return (f"Waiting for ‘{short_title(facts.waiting_for)}’ to finish…" if facts.waiting_for
                 else ChatState.WAITING.value)
     what = JOB_WORDS[state]
     if facts.progress is not None and state is not ChatState.ANSWERING:

@@ -72,3 +72,10 @@ def test_the_sidebar_says_a_jobs_state_and_an_idle_chats_place() -> None:
 def test_the_reuse_of_a_snapshot_is_said() -> None:
     assert reuse_sentence(3930, 120) == "Reused 3,930 stored tokens, read 120 new"
     assert reuse_sentence(0, 120) == ""
+
+
+def test_a_chat_waiting_behind_a_long_title_names_it_in_a_few_words() -> None:
+    title = "Section 1. The longleaf pine (Pinus palustris) grows in the coastal plain " * 3
+    sentence = state_sentence(ChatFacts(job="waiting", waiting_for=title.strip()))
+    assert sentence.startswith("Waiting for ‘Section 1. The longleaf pine") and len(sentence) < 64
+    assert "…’ to finish…" in sentence
