@@ -69,11 +69,29 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO) -> in
         raise EngineError(_failure(done, lost or missing))
     first = reports[0]
     if first.get("result") is not None:
-        result = dict(first["result"], ranks=[reports[r]["rank_stats"] for r in range(ranks)])
+        shares = [reports[r]["rank_stats"] for r in range(ranks)]
+        result = dict(first["result"], ranks=shares, pool=pool_fit(shares))
         out.write(json.dumps(result) + "\n")
     else:
         out.write(first["text"] + "\n")
     return int(first.get("status", 0))
+
+
+def pool_fit(shares: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens that fit on the pool per KV mode, and the rank that limits each.
+
+    Every rank holds every token for its own layers, so the pool holds what its
+    tightest rank holds.
+    """
+    tokens: dict[str, int | None] = {}
+    tight: dict[str, int | None] = {}
+    modes = dict.fromkeys(mode for share in shares for mode in share.get("tokens_fit", {}))
+    for mode in modes:
+        fits = [(share["tokens_fit"][mode], share["rank"]) for share in shares
+                if share.get("tokens_fit", {}).get(mode) is not None]
+        least = min(fits) if len(fits) == len(shares) else None
+        tokens[mode], tight[mode] = (least[0], least[1]) if least else (None, None)
+    return {"tokens_fit": tokens, "tight_rank": tight}
 
 
 def write_rank_report(folder: Path, rank: int, report: dict[str, Any]) -> None:
