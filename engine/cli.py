@@ -85,8 +85,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def generate(args: argparse.Namespace, out: TextIO) -> int:
     """Run one prompt through a fresh session and print the answer."""
     report_dir = rank_report_dir()
-    if args.pipeline > 1 and report_dir is None:
-        return launch(args.argv, args.pipeline, args.seed, out)
+    if (args.pipeline > 1 or args.hostfile) and report_dir is None:
+        return launch(args.argv, args.pipeline, args.seed, out, args.hostfile)
     if report_dir is None:
         result, collector = _run(args, None if args.json else out, pipeline=None)
         out.write(json.dumps(result) + "\n" if args.json else "\n")
@@ -277,6 +277,10 @@ def _size(nbytes: int) -> str:
 
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
+    if args.pipeline > 1:
+        raise EngineError("serve --pipeline is not available yet: the API server runs one "
+                          "engine in this process. Try a split model with "
+                          "'python -m engine generate --pipeline N', or serve it on one machine.")
     from engine.server.bridge import EngineBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
 
@@ -329,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder of --session snapshots (default: the data directory's)")
     gen.add_argument("--pipeline", type=int, default=1, metavar="N",
                      help="split the model over N local processes (MLX ring backend)")
+    gen.add_argument("--hostfile", type=Path, default=None,
+                     help="split the model over the hosts of this MLX hostfile (mlx.launch's "
+                          "JSON format) instead of local processes")
     gen.add_argument("--split", type=_layer_counts, default=None, metavar="A,B",
                      help="layers per rank with --pipeline, rank 0 (the last layers) first")
     gen.set_defaults(handler=generate)
@@ -346,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
     api.add_argument("--queue-limit", type=int, default=16,
                      help="requests waiting at once before answering 429")
+    api.add_argument("--pipeline", type=int, default=1, metavar="N",
+                     help="not available yet for the server (refused with the reason)")
     api.set_defaults(handler=serve)
     facts = commands.add_parser("info", help="model facts and KV size per mode")
     facts.add_argument("model", help='a model folder, or "demo"')
