@@ -3,8 +3,8 @@
 Rank 0 owns the tokenizer, sampling, the sessions' token ids and every decision
 (which chunk next, when to stop, cancel, save). The other ranks (followers,
 ``engine.distributed.follower``) hold only their layers' caches and do what each
-command says. A command is a small int32 header, broadcast with an ``all_sum``
-(the followers add zeros), then, for a forward pass, the token ids the same way:
+command says. A command is a small int32 header, broadcast (an ``all_gather`` of which every rank
+keeps rank 0's part), then, for a forward pass, the token ids the same way:
 no second RPC stack, and the collectives stay in the order both sides queue them.
 
 The header's first field is the protocol version: a follower that reads another
@@ -46,8 +46,12 @@ class PipelineDesync(EngineError):
 
 
 def broadcast(group: Any, values: mx.array) -> mx.array:
-    """Rank 0's ``values`` on every rank (lazy; the others pass zeros of the same shape)."""
-    return mx.distributed.all_sum(values, group=group)
+    """Rank 0's ``values`` on every rank (lazy; the others pass zeros of the same shape).
+
+    An ``all_gather`` keeping rank 0's part: the ring backend's ``all_sum`` of a few
+    ints costs far more than its ``all_gather`` (measured in docs/benchmarks.md).
+    """
+    return mx.distributed.all_gather(values, group=group)[:values.shape[0]]
 
 
 def header(op: int, slot: int = 0, *args: int) -> mx.array:

@@ -1,11 +1,12 @@
-"""``python -m engine generate --pipeline N``: the same command on N local ranks.
+"""``python -m engine generate --pipeline N``: the same command on N ranks.
 
 The process the user started launches N copies of itself with ``mlx.launch``
-(ring backend) and waits; each rank runs the ordinary CLI on a model split by
-mlx-lm's ``pipeline`` (rank 0 holds the last layers), in lock-step because every
-rank computes the same logits after mlx-lm's all_gather and samples them with the
-same seed. Each rank writes a report into a folder the launcher names; the
-launcher prints rank 0's output with every rank's share of the KV cache.
+(ring backend, or the hosts and backend of an MLX hostfile) and waits; each rank
+loads its stage of a model split by mlx-lm's ``pipeline`` (rank 0 holds the last
+layers). Rank 0 runs the request and commands the others
+(``engine.distributed.commands``); they follow (``engine.distributed.follower``).
+Each rank writes a report into a folder the launcher names; the launcher prints
+rank 0's output with every rank's share of the KV cache and the pool's fit.
 
 MLX collectives have no timeout, so the launcher watches its ranks: each writes
 its pid into the folder once its group is up, and a rank whose process is gone
