@@ -19,12 +19,12 @@ from engine.cache import kvquant
 from engine.cache.modes import DEFAULT_MODE, MODES
 from engine.distributed.launch import launch, rank_report_dir, write_rank_pid, write_rank_report
 from engine.errors import EngineError
-from engine.events import Failed, Finished, ModelLoaded, StatsSample, TokenChunk
+from engine.events import Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
 from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
-from engine.snapshots.store import SnapshotStore
+from engine.snapshots.store import SnapshotStore, default_snapshot_dir
 
 SESSION = "cli"
 SESSION_PREFIX = "cli-"
@@ -42,6 +42,8 @@ class _Collector:
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.stats: StatsSample | None = None
+        self.notices: list[str] = []  # e.g. why stored KV was not used
+        self.rank_stats: dict[str, Any] = {}  # a pipeline rank 0's share of the cache
 
     def __call__(self, event: object) -> None:
         if isinstance(event, TokenChunk):
@@ -52,6 +54,8 @@ class _Collector:
                 self.stream.flush()
         elif isinstance(event, StatsSample):
             self.stats = event
+        elif isinstance(event, Notice):
+            self.notices.append(event.message)
         elif isinstance(event, ModelLoaded):
             self.info = event.info
         elif isinstance(event, Finished | Failed):
@@ -81,11 +85,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def generate(args: argparse.Namespace, out: TextIO) -> int:
     """Run one prompt through a fresh session and print the answer."""
     report_dir = rank_report_dir()
-    if args.pipeline > 1 and report_dir is None:
-        if args.session:
-            raise EngineError("--session cannot be combined with --pipeline yet: stored KV "
-                              "is kept per machine only for a single machine.")
-        return launch(args.argv, args.pipeline, args.seed, out)
+    if (args.pipeline > 1 or args.hostfile) and report_dir is None:
+        return launch(args.argv, args.pipeline, args.seed, out, args.hostfile)
     if report_dir is None:
         result, collector = _run(args, None if args.json else out, pipeline=None)
         out.write(json.dumps(result) + "\n" if args.json else "\n")
@@ -95,17 +96,22 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
 
     group = mx.distributed.init()
     write_rank_pid(report_dir, group.rank())
-    result, collector = _run(args, None, pipeline=group)
-    sample = collector.stats
+    if group.rank() != 0:
+        # A follower: no prompt, no sampling; it does what rank 0's commands say.
+        from engine.distributed.follower import follow
+
+        snapshots = (Path(args.session_dir or default_snapshot_dir())
+                     if args.session else None)
+        write_rank_report(report_dir, group.rank(),
+                          {"rank_stats": follow(args.model, group, snapshots, args.split)})
+        return 0
+    from engine.distributed.commands import Pipeline
+
+    result, collector = _run(args, None, pipeline=Pipeline(group, args.split))
     write_rank_report(report_dir, group.rank(), {
         "result": result if args.json else None,
         "text": "".join(collector.text),
-        "rank_stats": {
-            "rank": group.rank(),
-            "layers": [layer.layer for layer in sample.layers] if sample else [],
-            "kv_bytes": sample.kv_bytes_allocated if sample else 0,
-            "pages_in_use": sample.pages_in_use if sample else 0,
-        },
+        "rank_stats": collector.rank_stats,
     })
     return 0
 
@@ -140,6 +146,8 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         messages = [{"role": "user", "content": prompt}]
         worker.chat(session, messages, sampling, threading.Event())
         ending = collector.wait()
+        if pipeline is not None:
+            collector.rank_stats = _rank_stats(worker, session, 0, collector)
     finally:
         worker.shutdown(timeout=10.0)
     stats = ending.stats
@@ -163,8 +171,25 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         "decode_steps": stats.decode_steps if stats else 0,
         "time_to_first_token": stats.time_to_first_token if stats else None,
         "finish_reason": ending.reason,
+        "notices": collector.notices,
     }
     return result, collector
+
+
+def _rank_stats(worker: EngineWorker, session: str, rank: int,
+                collector: _Collector) -> dict[str, Any]:
+    """Rank 0's share of the cache, as a follower reports its own."""
+    sample = collector.stats
+    tokens = len(collector.tokens)
+    report = worker.fit_check(session, tokens)
+    return {
+        "rank": rank,
+        "layers": [layer.layer for layer in sample.layers] if sample else [],
+        "kv_bytes": sample.kv_bytes_allocated if sample else 0,
+        "pages_in_use": sample.pages_in_use if sample else 0,
+        "free_bytes": report.free_bytes,
+        "tokens_fit": {m.mode: (m.tokens_fit if m.supported else None) for m in report.modes},
+    }
 
 
 def find_models() -> list[tuple[str, str]]:
@@ -252,6 +277,10 @@ def _size(nbytes: int) -> str:
 
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
+    if args.pipeline > 1:
+        raise EngineError("serve --pipeline is not available yet: the API server runs one "
+                          "engine in this process. Try a split model with "
+                          "'python -m engine generate --pipeline N', or serve it on one machine.")
     from engine.server.app import cors_origins
     from engine.server.bridge import EngineBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
@@ -274,6 +303,15 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     out.flush()
     uvicorn_server(bridge, args.host, args.port, args.api_key, origins).run()
     return 0
+
+
+def _layer_counts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--split takes layer counts separated by commas, e.g. 10,14 (not {text!r})"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder of --session snapshots (default: the data directory's)")
     gen.add_argument("--pipeline", type=int, default=1, metavar="N",
                      help="split the model over N local processes (MLX ring backend)")
+    gen.add_argument("--hostfile", type=Path, default=None,
+                     help="split the model over the hosts of this MLX hostfile (mlx.launch's "
+                          "JSON format) instead of local processes")
+    gen.add_argument("--split", type=_layer_counts, default=None, metavar="A,B",
+                     help="layers per rank with --pipeline, rank 0 (the last layers) first")
     gen.set_defaults(handler=generate)
     found = commands.add_parser("models", help="list the models found")
     found.add_argument("--json", action="store_true")
@@ -325,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="let web pages of ORIGIN (e.g. http://localhost:3000) call the "
                           "API; repeatable; none by default")
+    api.add_argument("--pipeline", type=int, default=1, metavar="N",
+                     help="not available yet for the server (refused with the reason)")
     api.set_defaults(handler=serve)
     facts = commands.add_parser("info", help="model facts and KV size per mode")
     facts.add_argument("model", help='a model folder, or "demo"')

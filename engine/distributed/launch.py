@@ -1,11 +1,12 @@
-"""``python -m engine generate --pipeline N``: the same command on N local ranks.
+"""``python -m engine generate --pipeline N``: the same command on N ranks.
 
 The process the user started launches N copies of itself with ``mlx.launch``
-(ring backend) and waits; each rank runs the ordinary CLI on a model split by
-mlx-lm's ``pipeline`` (rank 0 holds the last layers), in lock-step because every
-rank computes the same logits after mlx-lm's all_gather and samples them with the
-same seed. Each rank writes a report into a folder the launcher names; the
-launcher prints rank 0's output with every rank's share of the KV cache.
+(ring backend, or the hosts and backend of an MLX hostfile) and waits; each rank
+loads its stage of a model split by mlx-lm's ``pipeline`` (rank 0 holds the last
+layers). Rank 0 runs the request and commands the others
+(``engine.distributed.commands``); they follow (``engine.distributed.follower``).
+Each rank writes a report into a folder the launcher names; the launcher prints
+rank 0's output with every rank's share of the KV cache and the pool's fit.
 
 MLX collectives have no timeout, so the launcher watches its ranks: each writes
 its pid into the folder once its group is up, and a rank whose process is gone
@@ -32,6 +33,7 @@ from typing import Any, TextIO
 from engine.errors import EngineError
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
+LOCAL_HOSTS = frozenset({"127.0.0.1"})  # mlx.launch starts these without ssh
 RANK_TIMEOUT = 24 * 3600.0
 POLL_SECONDS = 0.25
 # A lost rank's peers get this long to stop on their own (mlx.launch terminates
@@ -47,33 +49,107 @@ def rank_report_dir() -> Path | None:
     return Path(folder) if folder else None
 
 
-def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO) -> int:
+def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
+           hostfile: Path | None = None) -> int:
     """Run ``python -m engine <argv>`` on ``ranks`` local ranks; print rank 0's output.
 
+    With ``hostfile`` (MLX's own JSON hostfile, as ``mlx.launch --hostfile`` reads
+    it) the ranks are its hosts, started by mlx.launch (ssh, except for 127.0.0.1)
+    with the backend the file names (ring by default). Ranks on other machines
+    report on their own disk; their share is not collected here.
+
     Raises:
-        EngineError: mlx.launch is missing, or a rank failed (named, with its error).
+        EngineError: mlx.launch is missing, the hostfile is unusable, or a rank
+            failed (named, with its error).
     """
     launcher = Path(sys.executable).with_name("mlx.launch")
     if not launcher.exists():
         raise EngineError("MLX's launcher (mlx.launch) is not installed beside this Python.")
+    hosts = None if hostfile is None else read_hostfile(hostfile)
+    if hosts is not None:
+        ranks = len(hosts)
+    local = [r for r in range(ranks) if hosts is None or hosts[r] in LOCAL_HOSTS]
     # Every rank samples the same token only if every rank draws the same numbers.
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
-        command = [str(launcher), "-n", str(ranks), "--backend", "ring",
-                   sys.executable, "-m", "engine", *argv, "--seed", str(seed)]
+        command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
         env = {**os.environ, REPORT_DIR: folder}
         done, lost = _supervise(command, env, Path(folder), ranks)
         reports = _reports(Path(folder), ranks)
+    for rank in range(ranks):
+        if rank not in local and rank not in reports:
+            reports[rank] = {"rank_stats": {"rank": rank, "host": hosts[rank],
+                                            "collected": False}}
     missing = [rank for rank in range(ranks) if rank not in reports]
     if done.returncode != 0 or missing:
         raise EngineError(_failure(done, lost or missing))
     first = reports[0]
     if first.get("result") is not None:
-        result = dict(first["result"], ranks=[reports[r]["rank_stats"] for r in range(ranks)])
+        shares = [reports[r]["rank_stats"] for r in range(ranks)]
+        result = dict(first["result"], ranks=shares, pool=pool_fit(shares))
         out.write(json.dumps(result) + "\n")
     else:
         out.write(first["text"] + "\n")
     return int(first.get("status", 0))
+
+
+def read_hostfile(path: Path) -> list[str]:
+    """The ssh host of each rank in an MLX hostfile, rank 0 first.
+
+    Raises:
+        EngineError: the file is missing or not an MLX hostfile, or names under 2 hosts.
+    """
+    from mlx._distributed_utils.common import Hostfile
+
+    try:
+        hosts = [host.ssh_hostname for host in Hostfile.from_file(str(path)).hosts]
+    except ValueError as error:
+        raise EngineError(f"{error}. An MLX hostfile is JSON: "
+                          '{"hosts": [{"ssh": "mac1.local", "ips": ["10.0.0.1"]}, ...]}.'
+                          ) from None
+    if len(hosts) < 2:
+        raise EngineError(f"The hostfile {path} names {len(hosts)} host; a pipeline needs "
+                          "at least 2.")
+    return hosts
+
+
+def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int,
+                   folder: str, hostfile: Path | None = None) -> list[str]:
+    """The mlx.launch command line of a pipeline run (local ranks, or a hostfile's)."""
+    where = (["-n", str(ranks), "--backend", "ring"] if hostfile is None else
+             ["--hostfile", str(hostfile), "--env", f"{REPORT_DIR}={folder}"])
+    return [str(launcher), *where, sys.executable, "-m", "engine", *_without_hostfile(argv),
+            "--seed", str(seed)]
+
+
+def _without_hostfile(argv: Sequence[str]) -> list[str]:
+    # The ranks run the command without it: they are the hosts it names.
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--hostfile":
+            skip = True
+        elif not arg.startswith("--hostfile="):
+            kept.append(arg)
+    return kept
+
+
+def pool_fit(shares: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Tokens that fit on the pool per KV mode, and the rank that limits each.
+
+    Every rank holds every token for its own layers, so the pool holds what its
+    tightest rank holds.
+    """
+    tokens: dict[str, int | None] = {}
+    tight: dict[str, int | None] = {}
+    modes = dict.fromkeys(mode for share in shares for mode in share.get("tokens_fit", {}))
+    for mode in modes:
+        fits = [(share["tokens_fit"][mode], share["rank"]) for share in shares
+                if share.get("tokens_fit", {}).get(mode) is not None]
+        least = min(fits) if len(fits) == len(shares) else None
+        tokens[mode], tight[mode] = (least[0], least[1]) if least else (None, None)
+    return {"tokens_fit": tokens, "tight_rank": tight}
 
 
 def write_rank_report(folder: Path, rank: int, report: dict[str, Any]) -> None:

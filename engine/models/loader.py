@@ -8,6 +8,7 @@ download gives a message a user can act on; the facts it reports are a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ def resolve_model_path(path: str | Path) -> Path:
 def load_model(
     path: str | Path, *, compute_dtype: mx.Dtype | None = None, probe: bool = True,
     pipeline: Any = None,
+    split: Sequence[int] | None = None,
 ) -> LoadedModel:
     """Load a model folder (or ``"demo"``) through mlx-lm's loader.
 
@@ -73,6 +75,7 @@ def load_model(
         pipeline: an ``mx.distributed`` group: keep only this rank's layers
             (mlx-lm's ``pipeline`` split: rank 0 holds the last layers); every
             rank must load the same model in the same order.
+        split: layers per rank, rank 0 first (None: mlx-lm's even split).
 
     Returns:
         The model, tokenizer, ``ModelInfo`` and probe result.
@@ -108,7 +111,7 @@ def load_model(
         ) from error
     model = _set_compute_dtype(model, compute_dtype)
     if pipeline is not None and pipeline.size() > 1:
-        _split(model, pipeline, folder, config)
+        _split(model, pipeline, folder, config, split)
     kinds = classify_layers(make_prompt_cache(model))
     # Counted by the same rule as inspect_model_dir's headers, so both agree.
     shapes = {name: {"shape": a.shape} for name, a in tree_flatten(model.parameters())}
@@ -131,7 +134,8 @@ def _summarized(error: Exception, shown: int = 3) -> str:
     return f"{first.rstrip(': ')} ({', '.join(names[:shown])}{more})"
 
 
-def _split(model: Any, group: Any, folder: Path, config: dict[str, Any]) -> None:
+def _split(model: Any, group: Any, folder: Path, config: dict[str, Any],
+           split: Sequence[int] | None) -> None:
     inner = getattr(model, "model", None)
     if not callable(getattr(inner, "pipeline", None)):
         raise ModelLoadError(
@@ -140,7 +144,7 @@ def _split(model: Any, group: Any, folder: Path, config: dict[str, Any]) -> None
             "machine, or a model mlx-lm can split (for example qwen2, qwen3_next, qwen3_5)."
         )
     try:
-        inner.pipeline(group)
+        inner.pipeline(group, None if split is None else list(split))
     except ValueError as error:  # more ranks than layers
         raise ModelLoadError(f"{folder.name} cannot be split that way: {error}.") from error
 

@@ -58,8 +58,10 @@ class HeldSessions:
         stored: saves a session's cache to disk as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
-        pipeline: an ``mx.distributed`` group: load only this rank's pipeline stage
-            of each model (``engine.models.loader.load_model``); None: every layer.
+        pipeline: rank 0 of a pipeline (``engine.distributed.commands.Pipeline``):
+            load only this rank's stage of the model (``engine.models.loader.load_model``)
+            and send every session's cache operations to the other ranks; None:
+            every layer, here.
     """
 
     def __init__(
@@ -72,6 +74,8 @@ class HeldSessions:
         pipeline: Any = None,
     ) -> None:
         self._pipeline = pipeline
+        # Rank 0's command channel to the pipeline's other ranks (made at the load).
+        self._conductor: Any = None
         self._guard = guard
         self._stored = stored
         self._stats = stats
@@ -136,6 +140,9 @@ class HeldSessions:
         from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
 
         folder = resolve_model_path(path)
+        if self._conductor is not None:
+            raise EngineError("A model split across machines stays the one it was started "
+                              "with; restart the pipeline to load another.")
         needed, quantized = estimate_load_bytes(folder)
         releasable = self.loaded_bytes + self._guard.held_bytes()
         if self._guard.check_load(needed, name=folder.name, releasable_bytes=releasable,
@@ -146,8 +153,15 @@ class HeldSessions:
         # Once per load, here on the worker thread: every save and reopen of this
         # model's sessions checks stored KV against these weights.
         fingerprint = model_fingerprint(folder)
-        loaded = load_model(folder, pipeline=self._pipeline)
+        group = None if self._pipeline is None else self._pipeline.group
+        loaded = load_model(folder, pipeline=group,
+                            split=None if group is None else self._pipeline.split)
         loaded = dataclasses.replace(loaded, fingerprint=fingerprint)
+        if group is not None and group.size() > 1:
+            # The other ranks' weights and the split join the fingerprint stored KV
+            # is checked against.
+            self._conductor = self._pipeline.conduct(loaded)
+            loaded = dataclasses.replace(loaded, fingerprint=self._conductor.fingerprint)
         self.release()
         prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
         with self._lock:
@@ -182,10 +196,12 @@ class HeldSessions:
         if replaced is not None:
             self._stored.store(replaced)
             replaced.close()
+        followers = (None if self._conductor is None
+                     else self._conductor.open(mode, page_size, rotate, chunk_size))
         session = Session(
             session_id, self.loaded, mode, page_size,
             chunk_size=chunk_size, guard=self._guard,
-            rotate=rotate,
+            rotate=rotate, followers=followers,
         )
         with self._lock:
             self._sessions[session_id] = session
@@ -209,6 +225,12 @@ class HeldSessions:
         for partner in partners:  # their pages are no longer shared: say so
             self._stats.publish(partner)
 
+    def stop_followers(self) -> None:
+        """Tell a pipeline's other ranks to end (after ``release``; nothing on one machine)."""
+        if self._conductor is not None:
+            self._conductor.stop()
+            self._conductor = None
+
     def set_chunk_size(self, chunk_size: int) -> None:
         """Prefill every open session in chunks of ``chunk_size`` tokens from now on,
         and have the guard re-plan their reserves under its (new) budget."""
@@ -227,6 +249,12 @@ class HeldSessions:
         ``prompt`` is the request's ids of the conversation (rendered once, by the
         request); ``answer`` says whether its last token is still to be fed.
         """
+        if session.followers is not None:
+            # Another open chat's pages would need its other ranks' pages too: only
+            # stored KV, which every rank keeps for its own layers.
+            if session.tokens or self._stored.snapshots is None:
+                return 0
+            return self._stored.restore(session, prompt, request_id, keep_last=answer)
         with self._lock:
             others = [s for s in self._sessions.values()
                       if s.tokens and reuse.compatible(session, s)

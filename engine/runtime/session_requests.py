@@ -8,12 +8,13 @@ its stats flowing.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from engine.errors import Cancelled
+from engine.errors import Cancelled, EngineError
 from engine.events import Finished, GenerationStats, QualityChecked, QualityProgress
 from engine.memory.guard import MemoryGuard
 from engine.runtime.commands import Command
@@ -55,7 +56,7 @@ class SessionRequests:
                                 template=template)
         reused = self._held.restore(session, prompt.ids, command.request_id, answer=True)
         try:
-            with self._reading(session):
+            with self._reading(session, command.cancel):
                 reason, stats = session.chat(
                     messages, sampling, request_id=command.request_id, cancel=command.cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
@@ -77,7 +78,7 @@ class SessionRequests:
         prompt = session.prompt(messages, add_generation_prompt=False)
         reused = self._held.restore(session, prompt.ids, command.request_id, answer=False)
         try:
-            with self._reading(session):
+            with self._reading(session, command.cancel):
                 stats = session.ingest(
                     messages, request_id=command.request_id, cancel=command.cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
@@ -93,6 +94,9 @@ class SessionRequests:
 
         session_id, messages = command.args
         session = self._held.get(session_id)
+        if session.followers is not None:
+            raise EngineError("Check Quality is not available for a model split across "
+                              "machines yet; it needs every layer in one process.")
         self._guard.check_pressure("the quality check")
         # An empty chat renders to a template's bare scaffolding: nothing of the user's.
         ids = session.render(messages, add_generation_prompt=False) if messages else []
@@ -108,13 +112,16 @@ class SessionRequests:
         return QualityChecked(command.request_id, session_id, receipt)
 
     @contextmanager
-    def _reading(self, session: Session) -> Iterator[None]:
-        """Publish the session's stats around a read, with the heartbeat on during it."""
+    def _reading(self, session: Session, cancel: threading.Event) -> Iterator[None]:
+        """Publish the session's stats around a read, with the heartbeat on during it
+        (and a pipeline's other ranks told the read ended, so they check their tokens)."""
         self._stats.publish(session)
         try:
             with self._stats.heartbeat():
                 yield
         finally:
+            if session.followers is not None:
+                session.followers.end(len(session.tokens), cancel.is_set())
             self._stats.publish(session)
 
     def _progress(self, request_id: int) -> Callable[[int, int], None]:

@@ -344,6 +344,7 @@ class EngineWorker:
             if command is not None:
                 self._emit(Finished(command.request_id, "cancelled"))
         self._held.release()
+        self._held.stop_followers()
 
     def _execute(self, command: Command) -> None:
         try:

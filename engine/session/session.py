@@ -72,6 +72,7 @@ class Session:
         guard: MemoryGuard | None = None,
         scratch_bytes: int | None = None,
         rotate: bool | None = None,
+        followers: Any = None,
     ) -> None:
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")
@@ -79,6 +80,9 @@ class Session:
         self.loaded = loaded
         self.rotate = rotate
         self.model = loaded.model
+        # A pipeline's other ranks (``engine.distributed.commands.SessionLink``):
+        # every cache operation below is sent to them first. None: one machine.
+        self.followers = followers
         # Which cache the probe chose ("paged", or mlx-lm's own) and why.
         self.cache_kind = "paged"
         self.cache_note = ""
@@ -166,6 +170,8 @@ class Session:
         """Drop every held token and page."""
         sharing.release_pages(self.cache)  # pages shared with other chats stay theirs
         self.cache = []
+        if self.followers is not None:
+            self.followers.reset()
         self._new_cache()
         self.tokens = []
         self.checkpoints.clear()
@@ -181,6 +187,8 @@ class Session:
         self.cache = []
         self.tokens = []
         self.checkpoints.clear()
+        if self.followers is not None:
+            self.followers.close()
 
     def trim_to(self, length: int) -> None:
         """Keep at most the first ``length`` held tokens.
@@ -190,7 +198,7 @@ class Session:
         tokens may stay held; the caller feeds the rest again.
         """
         if len(self.tokens) > length:
-            self._rewind(length)
+            self.rewind(length)
 
     def rollback(self) -> None:
         """Bring every layer back to the tokens held, after a step that failed midway.
@@ -199,9 +207,10 @@ class Session:
         """
         offsets = [o for o in (getattr(c, "offset", None) for c in self.cache)
                    if isinstance(o, int)]
-        self._rewind(min([len(self.tokens), *offsets]))
+        self.rewind(min([len(self.tokens), *offsets]))
 
-    def _rewind(self, length: int) -> None:
+    def rewind(self, length: int) -> None:
+        """Go back to ``length`` tokens, or to the newest checkpoint before (else reset)."""
         kept = checkpoints.rewind(self.cache, length, self.checkpoints)
         if kept is None:
             # No checkpoint reaches back that far: start over rather than hold
@@ -211,10 +220,14 @@ class Session:
             self.reset()
             return
         del self.tokens[kept:]
+        if self.followers is not None:
+            self.followers.rewind(length, kept)
 
     def checkpoint(self, *, boundary: bool) -> None:
         """Keep what layers that cannot trim need to come back to the tokens held."""
         if self._needs_checkpoints:
+            if self.followers is not None:
+                self.followers.checkpoint(boundary, len(self.tokens))
             self.checkpoints.add(checkpoints.take(self.cache, len(self.tokens),
                                                   boundary=boundary))
 
@@ -301,7 +314,10 @@ class Session:
         """
         report = self.fit_report(token_count)
         report.raise_if_too_long()
-        return report.for_mode(self.mode).tokens_fit - token_count
+        room = report.for_mode(self.mode).tokens_fit - token_count
+        if self.followers is not None:  # every rank's own pages and free RAM
+            room = min(room, self.followers.room(token_count, self.mode))
+        return room
 
     # -- prefill -----------------------------------------------------------
 
@@ -326,6 +342,8 @@ class Session:
             KvBudgetExceeded: the pages cannot hold them; no layer changed.
         """
         adapter.ensure_capacity(self.cache, len(ids))
+        if self.followers is not None:
+            self.followers.prefill(ids, len(self.tokens))
         self.model(mx.array(ids)[None], cache=self.cache)
         # Evaluating the cache (not the logits) runs every layer but skips the
         # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
@@ -468,8 +486,9 @@ class Session:
                             total=len(prompt))
         prefill_seconds = read.seconds
         max_tokens = min(sampling.max_tokens, room)
+        model = self.model if self.followers is None else self.followers.decoding(self.model)
         generation = AnswerStream(
-            self.model, self.cache, self.tokenizer, self.end_ids, self.tokens,
+            model, self.cache, self.tokenizer, self.end_ids, self.tokens,
             sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
             index=self.context_index,
         )

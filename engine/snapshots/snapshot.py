@@ -242,6 +242,15 @@ def _check_compatible(
             "kept, and the conversation is read again.",
             reason="model",
         ) from error
+    stored_split = (stored_model.get("pipeline") or {}).get("split")
+    split = (session_fingerprint(session).get("pipeline") or {}).get("split")
+    if stored_split != split:
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} holds the model's layers split as "
+            f"{_split_words(stored_split)}; this run has {_split_words(split)}. It is kept "
+            "for that split, and the conversation is read again.",
+            reason="split",
+        )
     if stored_model.get("digest") != digest:
         same_name = stored_model.get("name") == session_model_dir(session).name
         raise _set_aside(
@@ -268,6 +277,15 @@ def _check_compatible(
             "precision and needs the conversation read again.",
             reason="mode",
         )
+
+
+def _split_words(split: list[list[int]] | None) -> str:
+    """A pipeline split in words: "layers 0-2 on rank 1, layer 3 on rank 0"."""
+    if not split:
+        return "all layers on one machine"
+    spans = sorted(enumerate(split), key=lambda item: item[1][0])
+    return ", ".join((f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}")
+                     + f" on rank {rank}" for rank, (start, end) in spans)
 
 
 def _check_shape(manifest: dict[str, Any]) -> None:

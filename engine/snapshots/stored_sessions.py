@@ -37,6 +37,12 @@ class StoredSessions:
         """Store the session's cache under its id (nothing held: nothing stored)."""
         if self.snapshots is None or not session.tokens:
             return
+        followers = getattr(session, "followers", None)
+        if followers is not None and not followers.save(session.session_id):
+            # A pipeline's KV is whole only with every rank's layers: all or none.
+            log.warning("KV snapshot of %s not saved: another rank could not store its "
+                        "layers", session.session_id)
+            return
         try:
             self.snapshots.save(session, session.session_id)
         except EngineError as error:
@@ -85,7 +91,7 @@ class StoredSessions:
         if self.snapshots is None or session.tokens:
             return 0
         try:
-            reused = self.snapshots.load(session, session.session_id, prompt, keep_last=keep_last)
+            reused = self._load(session, session.session_id, prompt, keep_last)
         except SnapshotRejected as rejected:
             self._emit(Notice(request_id, str(rejected)))
             if rejected.removed or rejected.set_aside:
@@ -95,6 +101,17 @@ class StoredSessions:
             reused = self._from_another(session, prompt, request_id, keep_last, allow)
         if reused:
             self.announce()  # its "last used" moved
+        return reused
+
+    def _load(self, session: Any, name: str, prompt: Sequence[int], keep_last: bool) -> int:
+        """Snapshot ``name`` into ``session``; on a pipeline, into every rank's layers."""
+        reused = self.snapshots.load(session, name, prompt, keep_last=keep_last)
+        followers = getattr(session, "followers", None)
+        if reused and followers is not None and not followers.restore(name, reused):
+            session.reset()
+            raise SnapshotRejected(
+                f"Stored KV for {name!r} is incomplete on another machine of the pipeline; "
+                "the conversation is read again.", reason="pipeline")
         return reused
 
     def _from_another(
@@ -111,7 +128,7 @@ class StoredSessions:
         if name is None:
             return 0
         try:
-            reused = self.snapshots.load(session, name, prompt, keep_last=keep_last)
+            reused = self._load(session, name, prompt, keep_last)
         except SnapshotRejected as rejected:
             # Another chat's snapshot this one cannot use (a higher mode, layers that
             # cannot rewind there): nothing to tell, the prompt is read as usual.

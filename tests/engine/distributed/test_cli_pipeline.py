@@ -47,6 +47,17 @@ def test_two_ranks_answer_as_one_process(hybrid: Path, sampling: tuple[str, ...]
     # Rank 0 holds the last full-attention layer, rank 1 the first: half the pages each.
     assert [r["layers"] for r in ranks] == [[3], [1]]
     assert sum(r["kv_bytes"] for r in ranks) == one["kv_bytes"]
+    # Each rank's KV is its share of the full-attention layers (goal: within 5%).
+    layers = sum(len(r["layers"]) for r in ranks)
+    for rank in ranks:
+        share = one["kv_bytes"] * len(rank["layers"]) / layers
+        assert abs(rank["kv_bytes"] - share) <= 0.05 * share, (rank, one["kv_bytes"])
+        assert rank["free_bytes"] > 0 and rank["tokens_fit"]["q6"] > 0
+    # The pool holds what its tightest rank holds, and says which rank that is.
+    pool = two["pool"]
+    for mode, tokens in pool["tokens_fit"].items():
+        assert tokens == min(r["tokens_fit"][mode] for r in ranks)
+        assert ranks[pool["tight_rank"][mode]]["tokens_fit"][mode] == tokens
 
 
 def test_a_model_mlx_lm_cannot_split_is_refused_by_name(tmp_path: Path) -> None:

@@ -28,9 +28,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(model: Path, mode: str, out: Path, ranks: int) -> list[dict]:
+def _run(model: Path, mode: str | None, out: Path, ranks: int,
+         child: Path = CHILD) -> list[dict]:
     out.mkdir()
-    command = [sys.executable, str(CHILD), str(model), mode, str(out)]
+    command = [sys.executable, str(child), str(model), *([mode] if mode else []), str(out)]
     if ranks > 1:
         command = [str(LAUNCH), "-n", str(ranks), "--backend", "ring", *command]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=240,

@@ -1,0 +1,241 @@
+"""Rank 0's commands to a pipeline's other ranks, over ``mx.distributed`` itself.
+
+Rank 0 owns the tokenizer, sampling, the sessions' token ids and every decision
+(which chunk next, when to stop, cancel, save). The other ranks (followers,
+``engine.distributed.follower``) hold only their layers' caches and do what each
+command says. A command is a small int32 header, broadcast (an ``all_gather`` of which every rank
+keeps rank 0's part), then, for a forward pass, the token ids the same way:
+no second RPC stack, and the collectives stay in the order both sides queue them.
+
+The header's first field is the protocol version: a follower that reads another
+version stops with an error instead of guessing. A decode step's token rides in
+the header (one collective per step). Questions (fit, save, restore) are answered by an
+``all_gather`` of one fixed-size reply row per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import blake3
+import mlx.core as mx
+
+from engine.cache.modes import MODES
+from engine.errors import ContextTooLong, EngineError
+
+VERSION = 1
+HEADER = 8  # version, op, slot, four arguments, the decode token
+REPLY = 8  # one follower answer: status, then op-specific values
+NAME_BYTES = 64  # a rank's host name, as bytes in int32s
+
+# Operations (the header's second field).
+OPEN, PREFILL, DECODE, CHECKPOINT, REWIND, RESET, CLOSE, END, FIT, SAVE, RESTORE, STOP = range(
+    1, 13)
+OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
+            CHECKPOINT: "checkpoint", REWIND: "rewind", RESET: "reset", CLOSE: "close",
+            END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
+            STOP: "stop"}
+ROTATE_CODES = {None: -1, False: 0, True: 1}
+
+
+class PipelineDesync(EngineError):
+    """A rank's cache no longer agrees with rank 0's commands."""
+
+
+def broadcast(group: Any, values: mx.array) -> mx.array:
+    """Rank 0's ``values`` on every rank (lazy; the others pass zeros of the same shape).
+
+    An ``all_gather`` keeping rank 0's part: the ring backend's ``all_sum`` of a few
+    ints costs far more than its ``all_gather`` (measured in docs/benchmarks.md).
+    """
+    return mx.distributed.all_gather(values, group=group)[:values.shape[0]]
+
+
+def header(op: int, slot: int = 0, *args: int) -> mx.array:
+    """A command header with up to four integer arguments (the token field zero)."""
+    fields = [VERSION, op, slot, *args][:HEADER - 1]
+    return mx.array(fields + [0] * (HEADER - len(fields)), dtype=mx.int32)
+
+
+def _gather_text(group: Any, text: str) -> list[str]:
+    raw = text.encode("utf-8")[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
+    gathered = mx.distributed.all_gather(mx.array(list(raw), dtype=mx.int32), group=group)
+    rows = gathered.reshape(group.size(), NAME_BYTES).tolist()
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in rows]
+
+
+def pipeline_identity(group: Any, loaded: Any) -> tuple[list[str], dict[str, Any]]:
+    """Every rank's host name, and the fingerprint of the whole split model.
+
+    Run by every rank at the same point after its load (two ``all_gather``). The
+    fingerprint is this rank's own weights' (``LoadedModel.fingerprint``) with the
+    split and every rank's weight digest folded into its digest, so stored KV of
+    one rank is only ever restored under the same split of the same weights.
+    """
+    names = _gather_text(group, socket.gethostname())
+    own = loaded.fingerprint or {}
+    digests = _gather_text(group, str(own.get("digest", "")))
+    inner = loaded.model.model
+    layers = mx.distributed.all_gather(
+        mx.array([inner.start_idx, inner.end_idx], dtype=mx.int32), group=group)
+    split = [list(pair) for pair in layers.reshape(group.size(), 2).tolist()]
+    record = {"split": split, "ranks": [{"rank": r, "host": names[r], "digest": digests[r]}
+                                        for r in range(group.size())]}
+    folded = blake3.blake3(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    return names, {**own, "digest": folded, "pipeline": record}
+
+
+def gather_replies(group: Any, row: Sequence[int]) -> list[list[int]]:
+    """Each rank's reply row (rank 0's is its own), in rank order."""
+    values = mx.array(list(row)[:REPLY] + [0] * (REPLY - len(row)), dtype=mx.int32)
+    return mx.distributed.all_gather(values, group=group).reshape(group.size(), REPLY).tolist()
+
+
+class Pipeline:
+    """Rank 0's pipeline as its engine holds it: the group, and a channel per model."""
+
+    def __init__(self, group: Any, split: Sequence[int] | None = None) -> None:
+        self.group = group
+        self.split = split  # layers per rank, rank 0 first (None: mlx-lm's even split)
+
+    def conduct(self, loaded: Any) -> Conductor:
+        """The command channel for ``loaded``, this rank's stage (the followers' load
+        of the same model meets it here)."""
+        return Conductor(self.group, loaded)
+
+
+class Conductor:
+    """Rank 0's end of the command channel; one per pipeline group and model.
+
+    Every method runs on rank 0's engine thread, in the order the engine acts,
+    so the followers replay exactly the cache operations rank 0 performs.
+    """
+
+    def __init__(self, group: Any, loaded: Any) -> None:
+        self.group = group
+        self.names, self.fingerprint = pipeline_identity(group, loaded)
+        self._slots = 0
+
+    def machine(self, rank: int) -> str:
+        """How a message names a rank: its number and host."""
+        return f"rank {rank} ({self.names[rank]})"
+
+    def send(self, op: int, slot: int = 0, *args: int) -> None:
+        """A command without a payload, run on the followers now."""
+        mx.eval(broadcast(self.group, header(op, slot, *args)))
+
+    def ask(self, op: int, slot: int = 0, *args: int) -> list[list[int]]:
+        """A command whose followers each answer one row; rank 0's row is zeros."""
+        self.send(op, slot, *args)
+        return gather_replies(self.group, [0])
+
+    def open(self, mode: str, page_size: int, rotate: bool | None, chunk_size: int) -> SessionLink:
+        """Open a follower session; the link rank 0's session drives it through."""
+        self._slots += 1
+        self.send(OPEN, self._slots, MODES.index(mode), page_size, ROTATE_CODES[rotate],
+                  chunk_size)
+        return SessionLink(self, self._slots)
+
+    def stop(self) -> None:
+        """Tell the followers to write their reports and end."""
+        self.send(STOP)
+
+
+class SessionLink:
+    """One session's commands: what rank 0's ``Session`` does, the followers repeat."""
+
+    def __init__(self, conductor: Conductor, slot: int) -> None:
+        self.conductor = conductor
+        self.slot = slot
+
+    def prefill(self, ids: list[int], position: int) -> None:
+        """Feed ``ids`` (a prefill chunk) at ``position`` into the followers' layers."""
+        conductor = self.conductor
+        conductor.send(PREFILL, self.slot, len(ids), position)
+        mx.eval(broadcast(conductor.group, mx.array(ids, dtype=mx.int32)))
+
+    def decoding(self, model: Any) -> Any:
+        """``model`` for the answer loop: each call is first sent as a decode step."""
+        return _DecodeSteps(model, self)
+
+    def checkpoint(self, boundary: bool, position: int) -> None:
+        self.conductor.send(CHECKPOINT, self.slot, int(boundary), position)
+
+    def rewind(self, length: int, kept: int) -> None:
+        """The followers go back to ``length`` tokens and must keep ``kept``, as rank 0 did."""
+        self.conductor.send(REWIND, self.slot, length, kept)
+
+    def reset(self) -> None:
+        self.conductor.send(RESET, self.slot)
+
+    def close(self) -> None:
+        self.conductor.send(CLOSE, self.slot)
+
+    def save(self, name: str) -> bool:
+        """Each follower stores its layers as snapshot ``name``; True when all did."""
+        return all(ok for ok, *_ in self._named(SAVE, name)[1:])
+
+    def restore(self, name: str, tokens: int) -> bool:
+        """Each follower restores ``tokens`` tokens of its snapshot ``name``, as rank 0
+        did of its own; True when every one holds exactly that many now."""
+        return all(ok and kept == tokens for ok, kept, *_ in self._named(RESTORE, name, tokens)[1:])
+
+    def _named(self, op: int, name: str, *args: int) -> list[list[int]]:
+        raw = list(name.encode("utf-8"))
+        conductor = self.conductor
+        conductor.send(op, self.slot, len(raw), *args)
+        mx.eval(broadcast(conductor.group, mx.array(raw, dtype=mx.int32)))
+        return gather_replies(conductor.group, [0])
+
+    def end(self, held: int, cancelled: bool) -> None:
+        """A request ended with ``held`` tokens in the cache (the followers check theirs)."""
+        self.conductor.send(END, self.slot, held, int(cancelled))
+
+    def room(self, token_count: int, mode: str) -> int:
+        """Tokens that may follow ``token_count`` on the tightest follower, in ``mode``.
+
+        Raises:
+            ContextTooLong: a follower's own pages or free RAM cannot hold them,
+                named with its host, before any rank allocates for them.
+        """
+        conductor = self.conductor
+        replies = conductor.ask(FIT, self.slot, token_count)
+        room: int | None = None
+        for rank, (fits, *per_mode) in enumerate(replies[1:], start=1):
+            fit_tokens, free_mib = per_mode[MODES.index(mode)], per_mode[len(MODES)]
+            if not fits:
+                raise ContextTooLong(
+                    f"This conversation needs {token_count:,} tokens but "
+                    f"{conductor.machine(rank)} holds only {max(fit_tokens, 0):,} in {mode} "
+                    f"for its layers (free RAM after its safety headroom: {free_mib:,} MiB). "
+                    "Free memory on that machine, give it fewer layers, or choose a "
+                    "smaller KV mode.")
+            room = fit_tokens - token_count if room is None else min(room, fit_tokens - token_count)
+        return 0 if room is None else room
+
+
+class _DecodeSteps:
+    """The model as the answer loop calls it, each call broadcast as a decode step.
+
+    The token rides in the header, evaluated before the step is built: mlx-lm's
+    ``recv_like`` does not depend on the step's input, so a lazy broadcast could be
+    scheduled after rank 0's receive, which waits for a follower still waiting for
+    the header. The follower cannot start a step before its token exists anyway.
+    """
+
+    def __init__(self, model: Any, link: SessionLink) -> None:
+        self.model = model
+        self.link = link
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        if inputs.size != 1:
+            raise EngineError("Speculative decoding is not available over a pipeline yet; "
+                              "turn it off for this model.")
+        fixed = header(DECODE, self.link.slot)[:HEADER - 1]
+        sent = broadcast(self.link.conductor.group,
+                         mx.concatenate([fixed, inputs.reshape(1).astype(mx.int32)]))
+        mx.eval(sent)
+        return self.model(sent[HEADER - 1:].reshape(inputs.shape), cache=cache)

@@ -1,0 +1,238 @@
+"""A pipeline rank other than 0: its layers' caches, driven by rank 0's commands.
+
+A follower has no tokenizer use, no sampling and no schedule of its own: it
+reads a command header (``engine.distributed.commands``), does what it says to
+the session it names (the same ``Session`` class rank 0 uses, so pages,
+checkpoints and rewinds happen the same way on its layers) and reads the next.
+A cancel on rank 0 is simply the end of its commands: a follower stops after
+the chunk in flight. A command it cannot follow (another protocol version, a
+cache that disagrees with rank 0's token count) ends the follower with an error,
+which the launcher's watchdog turns into the group's error naming this rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engine.cache import adapter
+from engine.cache.modes import MODES
+from engine.distributed import commands as c
+from engine.errors import EngineError
+from engine.memory.guard import MemoryGuard
+from engine.session.session import Session
+from engine.snapshots.files import manifest_path
+from engine.snapshots.manifest import Corrupt, read_manifest
+from engine.snapshots.snapshot import load_snapshot, save_snapshot
+
+log = logging.getLogger(__name__)
+_ROTATIONS = {code: rotate for rotate, code in c.ROTATE_CODES.items()}
+
+
+class Follower:
+    """Follows rank 0 until it says stop.
+
+    Args:
+        group: the pipeline's ``mx.distributed`` group (this rank is not 0).
+        loaded: this rank's stage of the model (``engine.models.loader.load_model``).
+        guard: this rank's own page budget and memory guard.
+    """
+
+    def __init__(self, group: Any, loaded: Any, guard: MemoryGuard,
+                 snapshots: Path | None = None) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.names, fingerprint = c.pipeline_identity(group, loaded)
+        self.loaded = dataclasses.replace(loaded, fingerprint=fingerprint)
+        self.guard = guard
+        self.snapshots = snapshots  # this rank's folder of stored KV (None: none)
+        self.sessions: dict[int, Session] = {}
+        self.ends: list[int] = []  # tokens held at each request's end, as rank 0 held them
+        self.cancelled = 0
+        self.last: dict[str, Any] = {}  # this rank's stats at the last request's end
+        self._handlers = {
+            c.OPEN: self._open, c.PREFILL: self._prefill, c.DECODE: self._decode,
+            c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
+            c.CLOSE: self._close, c.END: self._end, c.FIT: self._fit,
+            c.SAVE: self._save, c.RESTORE: self._restore,
+        }
+
+    def run(self) -> dict[str, Any]:
+        """Follow commands until ``STOP``; this rank's report."""
+        while True:
+            fields = c.broadcast(self.group, mx.zeros((c.HEADER,), dtype=mx.int32)).tolist()
+            version, op, slot, *args = fields
+            if version != c.VERSION:
+                raise c.PipelineDesync(
+                    f"rank 0 speaks command version {version}, this rank {c.VERSION}: run the "
+                    "same Longleaf version on every machine.")
+            if op == c.STOP:
+                return self.report()
+            handler = self._handlers.get(op)
+            if handler is None:
+                raise c.PipelineDesync(f"rank 0 sent an unknown command ({op}).")
+            handler(slot, *args)
+
+    def report(self) -> dict[str, Any]:
+        """This rank's share of the cache at the last request's end (plain values)."""
+        return {"rank": self.rank, "host": self.names[self.rank], "ends": self.ends,
+                "cancelled": self.cancelled, **self.last}
+
+    # -- commands ------------------------------------------------------------
+
+    def _session(self, slot: int, op: int) -> Session:
+        session = self.sessions.get(slot)
+        if session is None:
+            raise c.PipelineDesync(f"rank 0 sent a {c.OP_NAMES[op]} for a session this rank "
+                                   "does not hold.")
+        return session
+
+    def _expect(self, session: Session, tokens: int, op: int) -> None:
+        if len(session.tokens) != tokens:
+            raise c.PipelineDesync(
+                f"this rank holds {len(session.tokens):,} tokens where rank 0 holds "
+                f"{tokens:,} (at a {c.OP_NAMES[op]}).")
+
+    def _open(self, slot: int, mode: int, page_size: int, rotate: int, chunk: int,
+              _token: int) -> None:
+        old = self.sessions.pop(slot, None)
+        if old is not None:
+            old.close()
+        self.sessions[slot] = Session(f"rank{self.rank}-{slot}", self.loaded, MODES[mode],
+                                      page_size, chunk_size=chunk, guard=self.guard,
+                                      rotate=_ROTATIONS[rotate])
+
+    def _prefill(self, slot: int, count: int, position: int, *_: int) -> None:
+        session = self._session(slot, c.PREFILL)
+        ids = c.broadcast(self.group, mx.zeros((count,), dtype=mx.int32)).tolist()
+        self._expect(session, position, c.PREFILL)
+        session.forward(ids)
+
+    def _decode(self, slot: int, *args: int) -> None:
+        session = self._session(slot, c.DECODE)
+        token = args[-1]
+        adapter.ensure_capacity(session.cache, 1)
+        # Evaluating the logits runs mlx-lm's all_gather, which rank 0 waits on.
+        mx.eval(session.model(mx.array([[token]]), cache=session.cache))
+        session.tokens.append(token)
+
+    def _checkpoint(self, slot: int, boundary: int, position: int, *_: int) -> None:
+        session = self._session(slot, c.CHECKPOINT)
+        self._expect(session, position, c.CHECKPOINT)
+        session.checkpoint(boundary=bool(boundary))
+
+    def _rewind(self, slot: int, length: int, kept: int, *_: int) -> None:
+        session = self._session(slot, c.REWIND)
+        session.rewind(length)
+        self._expect(session, kept, c.REWIND)
+
+    def _reset(self, slot: int, *_: int) -> None:
+        self._session(slot, c.RESET).reset()
+
+    def _close(self, slot: int, *_: int) -> None:
+        self._session(slot, c.CLOSE).close()
+        del self.sessions[slot]
+
+    def _end(self, slot: int, held: int, cancelled: int, *_: int) -> None:
+        session = self._session(slot, c.END)
+        self._expect(session, held, c.END)
+        self.ends.append(held)
+        self.cancelled += cancelled
+        self.last = rank_stats(session, self.rank)
+        mx.clear_cache()
+
+    def _fit(self, slot: int, token_count: int, *_: int) -> None:
+        session = self._session(slot, c.FIT)
+        c.gather_replies(self.group, fit_reply(session, token_count))
+
+    def _name(self, length: int) -> str:
+        raw = c.broadcast(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()
+        return bytes(raw).decode("utf-8")
+
+    def _save(self, slot: int, length: int, *_: int) -> None:
+        session, name = self._session(slot, c.SAVE), self._name(length)
+        ok = self.snapshots is not None
+        if ok:
+            try:
+                save_snapshot(session, self.snapshots, name)
+            except EngineError as error:  # rank 0 then stores nothing either
+                log.warning("rank %d: KV snapshot %s not saved: %s", self.rank, name, error)
+                ok = False
+        c.gather_replies(self.group, [int(ok)])
+
+    def _restore(self, slot: int, length: int, tokens: int, *_: int) -> None:
+        session, name = self._session(slot, c.RESTORE), self._name(length)
+        kept = 0
+        if self.snapshots is not None:
+            try:
+                stored = read_manifest(manifest_path(self.snapshots, name))["tokens"]
+                kept = load_snapshot(session, self.snapshots, name, stored[:tokens],
+                                     keep_last=False)
+            except (EngineError, Corrupt, OSError, KeyError) as error:
+                log.warning("rank %d: KV snapshot %s not restored: %s", self.rank, name, error)
+                session.reset()
+        c.gather_replies(self.group, [1, kept])
+
+
+def fit_reply(session: Session, token_count: int) -> list[int]:
+    """A rank's answer to a fit check: fits (1/0), tokens fit per mode (-1: unsupported),
+    free RAM after the headroom in MiB, its KV bytes in KiB."""
+    report = session.fit_report(token_count)
+    per_mode = [m.tokens_fit if m.supported else -1 for m in report.modes]
+    return [int(report.fits), *per_mode, report.free_bytes >> 20,
+            int(session.stats().bytes_allocated) >> 10]
+
+
+def rank_stats(session: Session, rank: int) -> dict[str, Any]:
+    """A rank's layers, KV bytes, pages, free RAM and tokens that fit per mode."""
+    stats = session.stats()
+    report = session.fit_report(len(session.tokens))
+    return {
+        "rank": rank,
+        "layers": [layer.layer for layer in stats.layers],
+        "kv_bytes": int(stats.bytes_allocated),
+        "pages_in_use": int(stats.pages_in_use),
+        "free_bytes": int(report.free_bytes),
+        "tokens_fit": {m.mode: (m.tokens_fit if m.supported else None) for m in report.modes},
+    }
+
+
+def follow(path: str, group: Any, snapshots: Path | None = None,
+           split: Sequence[int] | None = None) -> dict[str, Any]:
+    """Load this rank's stage of ``path`` and follow rank 0 until it stops; the report.
+
+    ``snapshots`` is the folder rank 0 stores its KV in; this rank keeps its own
+    layers' snapshots in its ``rank<N>`` subfolder (None: no stored KV); ``split``
+    the layers per rank, rank 0 first, as rank 0 was given it.
+
+    Raises:
+        InsufficientMemory: the weights do not fit this machine's free RAM (named).
+        ModelLoadError: the model cannot be loaded or split (as on rank 0).
+    """
+    from engine.errors import InsufficientMemory
+    from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
+    from engine.snapshots.fingerprint import model_fingerprint
+
+    guard = MemoryGuard()
+    folder = resolve_model_path(path)
+    needed, quantized = estimate_load_bytes(folder)
+    try:
+        guard.check_load(needed, name=folder.name, releasable_bytes=0, quantized=quantized)
+    except InsufficientMemory as error:
+        raise InsufficientMemory(f"On rank {group.rank()} ({socket.gethostname()}): "
+                                 f"{error}") from error
+    loaded = load_model(folder, pipeline=group, split=split)
+    loaded = dataclasses.replace(loaded, fingerprint=model_fingerprint(folder))
+    folder_kv = None if snapshots is None else Path(snapshots) / f"rank{group.rank()}"
+    follower = Follower(group, loaded, guard, folder_kv)
+    try:
+        return follower.run()
+    finally:
+        for session in follower.sessions.values():
+            session.close()

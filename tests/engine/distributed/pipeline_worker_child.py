@@ -1,0 +1,72 @@
+"""One rank of a two-request session through the engine worker (run by mlx.launch).
+
+Usage: ``python pipeline_worker_child.py MODEL_DIR OUT_DIR``. Rank 0 drives an
+``EngineWorker`` on its pipeline group: a long prompt cancelled after its first
+prefill chunk, then the same prompt answered in full; every other rank only
+follows rank 0's commands (``engine.distributed.follower.follow``). Each rank
+writes ``rank<N>.json``. Run without the launcher it is the single-process
+reference.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.distributed.commands import Pipeline
+from engine.distributed.follower import follow
+from engine.events import Failed, Finished, IngestProgress, TokenChunk
+from engine.runtime.worker import EngineWorker
+from engine.session.sampling import SamplingParams
+
+PROMPT = "Count the sheep in the meadow, one by one, slowly. " * 24
+CHUNK = 16
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    group = mx.distributed.init()
+    report = follow(model_dir, group) if group.rank() != 0 else lead(model_dir, group)
+    Path(out_dir, f"rank{group.rank()}.json").write_text(json.dumps(report))
+
+
+def lead(model_dir: str, group: object) -> dict:
+    ended: queue.Queue = queue.Queue()
+    cancel = threading.Event()
+    tokens: list[int] = []
+
+    def on_event(event: object) -> None:
+        if isinstance(event, IngestProgress):
+            cancel.set()  # on the worker thread, between two chunks
+        elif isinstance(event, TokenChunk):
+            tokens.extend(event.token_ids)
+        elif isinstance(event, Finished | Failed):
+            ended.put(event)
+
+    worker = EngineWorker(on_event, chunk_size=CHUNK,
+                          pipeline=Pipeline(group) if group.size() > 1 else None)
+    worker.start()
+    try:
+        worker.load_model(model_dir)
+        ended.get(timeout=200)
+        worker.open_session("s", "q8", 16)
+        ended.get(timeout=200)
+        messages = [{"role": "user", "content": PROMPT}]
+        sampling = SamplingParams(temperature=0.0, max_tokens=6)
+        worker.chat("s", messages, sampling, cancel)
+        first = ended.get(timeout=200)
+        worker.chat("s", messages, sampling, threading.Event())
+        second = ended.get(timeout=200)
+    finally:
+        worker.shutdown(timeout=30.0)
+    return {"rank": 0, "first": [first.reason, first.kept_tokens, first.total_tokens],
+            "second": second.reason, "tokens": tokens,
+            "prefill_tokens": second.stats.prefill_tokens if second.stats else None}
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
