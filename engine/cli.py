@@ -86,6 +86,11 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     """Run one prompt through a fresh session and print the answer."""
     report_dir = rank_report_dir()
     if (args.pipeline > 1 or args.hostfile) and report_dir is None:
+        if args.speculative == "lookup":
+            # The followers run rank 0's commands one decode step at a time; a
+            # k-token verification and its rewind are not commands they know yet.
+            raise EngineError("Speculative decoding is not available over a pipeline yet: "
+                              "run with --speculative off, or without --pipeline.")
         return launch(args.argv, args.pipeline, args.seed, out, args.hostfile)
     if report_dir is None:
         result, collector = _run(args, None if args.json else out, pipeline=None)
