@@ -131,6 +131,8 @@ class MessageWidget(QFrame):
         self.status.setWordWrap(True)
         self.stats = QLabel()
         self.stats.setObjectName("messageStats")
+        # Wraps before the buttons beside it are pushed out of a narrow column.
+        self.stats.setWordWrap(True)
         footer.addWidget(self.status, 1)
         footer.addWidget(self.stats)
         self.copy_button = self._action("Copy", self.copyRequested)

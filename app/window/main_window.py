@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QSplitter,
+    QStyle,
     QVBoxLayout,
     QWidget,
 )
@@ -110,9 +111,13 @@ class MainWindow(QMainWindow):
         column.addWidget(self.conversation, 1)
         column.addWidget(self.composer)
         self.panel = MemoryPanel()
-        centre.setMinimumWidth(CHAT_MIN_WIDTH)
+        # The panel scrolls once its sections outgrow the window (a long title, the
+        # quality receipts): its scroll bar's width is kept beside the table of
+        # modes, and taken from the chat column, whose message footers wrap.
+        scroll_bar = self.style().pixelMetric(QStyle.PixelMetric.PM_ScrollBarExtent)
+        centre.setMinimumWidth(CHAT_MIN_WIDTH - scroll_bar)
         self.sessions.setMinimumWidth(SIDEBAR_WIDTH[0])
-        self.panel.setMinimumWidth(PANEL_WIDTH[0])
+        self.panel.setMinimumWidth(PANEL_WIDTH[0] + scroll_bar)
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         # A hairline between columns, as the stylesheet draws it: the columns' minimums
         # add up to MINIMUM_SIZE's width with no room for wider handles.

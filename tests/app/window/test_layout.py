@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from app.style import apply_style
 from app.window.main_window import DEFAULT_SIZE, MINIMUM_SIZE, MainWindow
 from app.window.model_picker import demo_item_text
 from engine import StoredKv
+from engine.events import QualityReceipt
 from engine.snapshots.manifest import SnapshotInfo
 from tests.app.conftest import close_window, send_and_wait
 from tests.app.layout import clipped_texts
@@ -78,6 +80,20 @@ def test_no_text_of_the_window_is_cut(qtbot, chatted, size, tmp_path) -> None:
         assert widget.isVisible(), "the toolbar folded a control into its overflow menu"
     overflow = chatted.findChild(QToolButton, "qt_toolbar_ext_button")
     assert overflow is None or not overflow.isVisible(), "the toolbar does not fit"
+
+
+@pytest.mark.parametrize("size", [QSize(1024, 700), MINIMUM_SIZE])
+def test_no_text_is_cut_when_both_columns_scroll(qtbot, chatted, size) -> None:
+    # A long paste makes the conversation scroll, and the quality receipts make the
+    # panel scroll too: each scroll bar takes width its column must still have.
+    paste = "\n".join(f"Line {i} of a pasted report, with enough words to wrap." for i in range(40))
+    assert send_and_wait(qtbot, chatted, paste) == "complete"
+    receipt = QualityReceipt("q8", True, 1024, 5_007, 1_023, 0.996, 0.004, 0.05, "m", time.time())
+    chatted.panel.show_receipts({"q8": receipt, "q4": replace(receipt, mode="q4", top1=0.871)})
+    show_at(qtbot, chatted, size)
+    assert chatted.conversation.verticalScrollBar().isVisible()
+    clipped = clipped_texts(chatted)
+    assert not clipped, "\n".join(clipped)
 
 
 def test_the_minimum_size_is_what_fits(qtbot, chatted) -> None:
