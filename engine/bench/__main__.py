@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a shorter demo conversation for the mlx_lm.server pair")
     serve.add_argument("--hybrid-tokens", type=parse_tokens,
                        help="tiny hybrid conversation tokens (about; 0 skips it)")
+    serve.add_argument("--decode-only", action="store_true",
+                       help="only the server's decode rate against the CLI's, interleaved")
     spec = sub.add_parser("speculative", help="demo model: decode with and without drafts")
     _common(spec)
     spec.add_argument("--model", default="demo", help="model directory or 'demo'")
@@ -162,8 +164,15 @@ def run_pipeline(args: argparse.Namespace, command: str) -> dict:
 def run_serve(args: argparse.Namespace, command: str) -> dict:
     from engine.bench import report, serve_bench
 
-    tokens = args.tokens or (1024 if args.quick else 7000)
     info = report.machine_info()
+    if args.decode_only:
+        results = serve_bench.decode_overhead(2 if args.quick else 3,
+                                              args.max_tokens or (16 if args.quick else 128))
+        body = "\n".join([f"`{command}`", "", *report.machine_lines(info, report.load_average()),
+                          "", serve_bench.decode_report(results)])
+        report.write_section(args.output, "serve-decode", body)
+        return results
+    tokens = args.tokens or (1024 if args.quick else 7000)
     hybrid = args.hybrid_tokens if args.hybrid_tokens is not None else (
         2048 if args.quick else 16000)
     results = serve_bench.run(tokens, args.max_tokens or (16 if args.quick else 64),

@@ -287,6 +287,55 @@ def run(tokens: int = 7000, max_tokens: int = 64, mlx_lm: bool = True,
             "timings": [asdict(t) for t in timings]}
 
 
+DECODE_PROMPT = ("Write a long story about a forest of longleaf pines, the fires that "
+                 "keep it open and the birds that nest in it. " * 6)
+
+
+def decode_overhead(runs: int = 3, max_tokens: int = 128) -> dict:
+    """The server's decode rate against the CLI's on one short prompt, interleaved.
+
+    Both answer the same prompt greedily in q8; each run of one is followed by a
+    run of the other, so a change in the machine's load falls on both. The rates
+    are the server's as a streaming client sees them and the CLI's own.
+    """
+    home = tempfile.mkdtemp(prefix="longleaf-serve-decode-")
+    env = {**os.environ, "LONGLEAF_HOME": home}
+    port = _port()
+    server = Running([sys.executable, "-m", "engine", "serve", "--model", "demo",
+                      "--port", str(port), "--kv", "q8"], port, env, Path(home) / "serve.log")
+    prompt = [{"role": "user", "content": DECODE_PROMPT}]
+    served, cli, load = [], [], [os.getloadavg()[0]]
+    try:
+        for _ in range(runs):
+            served.append(_stream(server.url, prompt, max_tokens)[1])
+            cli.append(_cli_rate(env, prompt, max_tokens))
+            load.append(os.getloadavg()[0])
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return {"max_tokens": max_tokens, "server_tps": served, "cli_tps": cli, "load_1min": load}
+
+
+def decode_report(results: dict) -> str:
+    """The decode comparison as Markdown: each pair, the medians, the verdict."""
+    served, cli = sorted(results["server_tps"]), sorted(results["cli_tps"])
+    server_median, cli_median = served[len(served) // 2], cli[len(cli) // 2]
+    ratio = server_median / cli_median
+    overhead_ms = 1000 / server_median - 1000 / cli_median
+    rows = ["| run | server tok/s | CLI tok/s |", "|---:|---:|---:|"]
+    rows += [f"| {i + 1} | {a:.1f} | {b:.1f} |"
+             for i, (a, b) in enumerate(zip(results["server_tps"], results["cli_tps"],
+                                            strict=True))]
+    load = ", ".join(f"{x:.1f}" for x in results["load_1min"])
+    return "\n".join([
+        f"Demo model, q8, greedy, {results['max_tokens']} answer tokens, a short prompt; "
+        f"server and CLI interleaved; 1-min load average during the run: {load}.", "",
+        *rows, "",
+        f"Medians: server {server_median:.1f} tok/s, CLI {cli_median:.1f} tok/s "
+        f"({ratio:.2f}×); the server's own cost per token: {overhead_ms:+.1f} ms.", "",
+        f"Server decode ≥ 0.95× the CLI's: {_verdict(ratio >= 0.95)}."])
+
+
 def _find(results: dict, server: str, request: str) -> dict | None:
     return next((t for t in results["timings"]
                  if t["server"] == server and t["request"] == request), None)
