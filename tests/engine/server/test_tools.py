@@ -316,3 +316,16 @@ def test_anthropic_stream_of_a_call_alone_opens_no_text_block(tooled: Served, fo
                                 tools=[ANTHROPIC_WEATHER], tool_choice={"type": "any"})
     assert [b.type for b in reply.content] == ["text"] and reply.stop_reason == "end_turn"
     assert reply.model_extra["tool_choice_met"] is False
+
+
+def test_anthropic_stream_of_an_empty_answer_has_one_empty_text_block(tooled: Served,
+                                                                      forced) -> None:
+    forced("")
+    api = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    with api.messages.stream(model="m", max_tokens=20, messages=MESSAGES,
+                             tools=[ANTHROPIC_WEATHER]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", "")]
+    assert kinds.index("content_block_start") < kinds.index("message_delta")
+    assert final.stop_reason == "end_turn"
