@@ -252,6 +252,10 @@ class EngineBridge(QObject):
         """Tokens in ``text`` under the loaded model's tokenizer (any thread)."""
         return self._worker.count_tokens(text)
 
+    def turn_overhead(self, system_prompt: str):
+        """Tokens the chat template adds to a message (a ``prompt_ids.TurnOverhead``)."""
+        return self._worker.turn_overhead(system_prompt)
+
     def token_ends(self, text: str) -> list[int]:
         """Where each token of ``text`` ends, in characters (any thread; one tokenization)."""
         return self._worker.token_ends(text)

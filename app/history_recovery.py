@@ -30,6 +30,7 @@ COLUMNS = {
     "measurements": ("name", "value", "updated"),
     "quality_receipts": ("session_id", "mode", "receipt", "updated"),
     "drafts": ("session_id", "text", "updated"),
+    "draft_attachments": ("session_id", "records"),
 }
 
 
@@ -113,6 +114,9 @@ def recover(source: sqlite3.Connection, target: sqlite3.Connection,
         _insert(target, "drafts", [row for row in readable_rows(source, "drafts")
                                    if row[0] in sessions and _texts(row[1:2])
                                    and _numbers(row[2:])])
+        _insert(target, "draft_attachments", [
+            row for row in readable_rows(source, "draft_attachments")
+            if row[0] in sessions and _texts(row[1:2])])
     except BaseException:
         target.execute("ROLLBACK")
         raise

@@ -75,6 +75,10 @@ CREATE TABLE IF NOT EXISTS drafts (
     text TEXT NOT NULL,
     updated REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS draft_attachments (
+    session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+    records TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS app_state (
     name TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -83,6 +87,7 @@ CREATE TABLE IF NOT EXISTS app_state (
 # app_state names: the chat on screen, and what was typed while no chat was.
 LAST_SESSION = "last_session"
 NO_CHAT_DRAFT = "draft"
+NO_CHAT_DRAFT_ATTACHMENTS = "draft_attachments"
 
 
 @dataclass(frozen=True)
@@ -334,19 +339,33 @@ class HistoryStore:
 
     # Drafts and the chat on screen ----------------------------------------
 
-    def set_draft(self, session_id: str | None, text: str) -> None:
-        """Keep what is typed in a chat's composer (None: while no chat is shown).
+    def set_draft(self, session_id: str | None, text: str,
+                  attachments: tuple[AttachmentRecord, ...] = ()) -> None:
+        """Keep what is in a chat's composer (None: while no chat is shown).
 
-        Empty text deletes the draft; a chat deleted meanwhile keeps none.
+        The attachments are kept whole (their text too): an attachment not yet
+        sent is stored nowhere else. Empty text deletes the text, no attachments
+        the attachments; a chat deleted meanwhile keeps none.
         """
+        records = json.dumps([dataclasses.asdict(a) for a in attachments]) if attachments else ""
         if session_id is None:
             self._set_state(NO_CHAT_DRAFT, text)
-        elif not text:
-            self._write("DELETE FROM drafts WHERE session_id = ?", (session_id,))
-        else:
-            self._write("INSERT OR REPLACE INTO drafts SELECT ?, ?, ? "
-                        "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
-                        (session_id, text, time.time(), session_id))
+            self._set_state(NO_CHAT_DRAFT_ATTACHMENTS, records)
+            return
+        with self._db:
+            if text:
+                self._db.execute("INSERT OR REPLACE INTO drafts SELECT ?, ?, ? "
+                                 "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
+                                 (session_id, text, time.time(), session_id))
+            else:
+                self._db.execute("DELETE FROM drafts WHERE session_id = ?", (session_id,))
+            if records:
+                self._db.execute("INSERT OR REPLACE INTO draft_attachments SELECT ?, ? "
+                                 "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
+                                 (session_id, records, session_id))
+            else:
+                self._db.execute("DELETE FROM draft_attachments WHERE session_id = ?",
+                                 (session_id,))
 
     def draft(self, session_id: str | None) -> str:
         """The text left typed in a chat's composer ("" when none)."""
@@ -355,6 +374,23 @@ class HistoryStore:
         row = self._db.execute("SELECT text FROM drafts WHERE session_id = ?",
                                (session_id,)).fetchone()
         return str(row[0]) if row else ""
+
+    def draft_attachments(self, session_id: str | None) -> tuple[AttachmentRecord, ...]:
+        """The attachments left unsent in a chat's composer, in their order."""
+        if session_id is None:
+            text = self._state(NO_CHAT_DRAFT_ATTACHMENTS)
+        else:
+            row = self._db.execute("SELECT records FROM draft_attachments WHERE session_id = ?",
+                                   (session_id,)).fetchone()
+            text = row[0] if row else None
+        if not text:
+            return ()
+        try:
+            return tuple(AttachmentRecord(**item) for item in json.loads(text))
+        except (ValueError, TypeError, AttributeError) as error:
+            # Damaged: the draft's text still comes back.
+            log.warning("draft attachments unreadable: %s", error)
+            return ()
 
     def set_last_session(self, session_id: str | None) -> None:
         """Remember the chat on screen, to show it again at the next start."""

@@ -7,6 +7,7 @@ other chats meanwhile), the answer is saved as it grows and as it ends
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
@@ -118,6 +119,10 @@ class Answers(QObject):
                 self.recorder.append(event.text)
                 self.activity.note(job, answering=True)
         elif isinstance(event, IngestProgress):
+            if job.kind == "chat":
+                # The prompt's last token is read by the step that makes the first
+                # word: counted, the total is what the send reads (the fit line's count).
+                event = dataclasses.replace(event, tokens_total=event.tokens_total + 1)
             self.activity.note(job, progress=event)
             self.ingestProgress.emit(event)
         elif isinstance(event, Finished):

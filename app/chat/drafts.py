@@ -1,38 +1,61 @@
-"""What is typed in the composer, kept per chat across chat switches and restarts.
+"""What is in the composer, kept per chat across chat switches and restarts.
 
-Each chat's draft lives in the history with the chat (``HistoryStore.set_draft``),
-saved a moment after the typing stops, so a crash loses at most that moment;
-switching chats saves the one left at once and shows the one opened. Text
-typed while no chat is shown goes with the chat the next send or New Chat
-makes. Attachments are not part of a draft.
+Each chat's draft (the typed text and the attachments not yet sent) lives in
+the history with the chat (``HistoryStore.set_draft``), saved a moment after
+the typing stops and at once when an attachment comes or goes, so a crash
+loses at most that moment; switching chats saves the one left at once and
+shows the one opened. What is in the composer while no chat is shown goes
+with the chat the next send or New Chat makes. A file still being read when
+the chat changes is not part of the draft (it is dropped with its chip).
 """
 
 from __future__ import annotations
 
+import itertools
+
 from PySide6.QtCore import QObject, QTimer
+
+from app.store import AttachmentRecord
 
 SAVE_AFTER_MS = 400
 
 
 class Drafts(QObject):
-    """Keeps ``composer``'s text as the draft of the chat ``controller`` shows."""
+    """Keeps ``composer``'s text and ``attachments`` as the draft of the chat shown.
 
-    def __init__(self, controller, composer, parent: QObject | None = None) -> None:
+    ``attachments`` is the window's dict of the composer's attachments by chip id
+    (changed in place); the window calls ``save_now`` when it changes.
+    """
+
+    def __init__(self, controller, composer, attachments: dict[int, AttachmentRecord],
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.store, self.composer = controller.store, composer
+        self.store, self.composer, self.attachments = controller.store, composer, attachments
         current = controller.current
         self.session_id: str | None = current.id if current else None
         self._loading = False
+        self._restored_ids = itertools.count(-1, -1)  # the loader's job ids are positive
         self._timer = QTimer(self, singleShot=True, interval=SAVE_AFTER_MS)
         self._timer.timeout.connect(self.save_now)
         composer.edit.textChanged.connect(self._typed)
         controller.currentSessionChanged.connect(self._switched)
-        self._show(self.store.draft(self.session_id))
+        self._show(self.store.draft(self.session_id),
+                   self.store.draft_attachments(self.session_id))
 
     def save_now(self) -> None:
-        """Write the shown chat's draft (the window closes, or the typing paused)."""
+        """Write the shown chat's draft (the window closes, the typing paused, a file came)."""
         self._timer.stop()
-        self.store.set_draft(self.session_id, self.composer.text())
+        self.store.set_draft(self.session_id, self.composer.text(),
+                             tuple(self.attachments.values()))
+
+    def show_attachments(self, records: tuple[AttachmentRecord, ...]) -> None:
+        """Put ``records`` in the composer in place of its attachments, as chips."""
+        self.attachments.clear()
+        self.composer.clear_chips()
+        for record in records:
+            chip_id = next(self._restored_ids)
+            self.attachments[chip_id] = record
+            self.composer.add_chip(chip_id, record.name).set_record(record)
 
     def _typed(self) -> None:
         if self._loading:
@@ -46,19 +69,22 @@ class Drafts(QObject):
         new_id = record.id if record is not None else None
         if new_id == self.session_id:  # renamed, or its count changed: the same chat
             return
-        text = self.composer.text()
+        held = bool(self.composer.text() or self.attachments)
         draft = self.store.draft(new_id)
-        if self.session_id is None and new_id is not None and text and not draft:
-            # Typed before any chat existed: the chat just made (a send, New Chat) takes it.
+        files = self.store.draft_attachments(new_id)
+        if self.session_id is None and new_id is not None and held and not (draft or files):
+            # Made before any chat existed: the chat just made (a send, New Chat) takes it.
             self.store.set_draft(None, "")
             self.session_id = new_id
             self.save_now()
             return
         self.save_now()
         self.session_id = new_id
-        self._show(draft)
+        self._show(draft, files)
 
-    def _show(self, text: str) -> None:
+    def _show(self, text: str, files: tuple[AttachmentRecord, ...]) -> None:
+        if files or self.attachments:
+            self.show_attachments(files)
         if text == self.composer.text():
             return
         self._loading = True

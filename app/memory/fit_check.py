@@ -12,6 +12,9 @@ import time
 
 from PySide6.QtCore import QObject, QTimer
 
+from app.chat.answers import MEMORY_STOP
+from app.chat.model import ChatMessage, engine_content
+from app.chat.recorder import LENGTH_LIMIT
 from app.format import human_bytes, human_duration
 from engine import EngineError
 from engine.cache.modes import MODES
@@ -49,6 +52,7 @@ class FitChecker(QObject):
         self.last_total = 0
         self.last_prompt_tokens = 0
         self._full: tuple | None = None
+        self._documents: tuple[tuple, int] | None = None  # (the files, their blocks' tokens)
         self._timer = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._timer.timeout.connect(self.run)
         composer.edit.textChanged.connect(self.schedule)
@@ -111,17 +115,51 @@ class FitChecker(QObject):
         return current.tokens
 
     def prompt_tokens(self) -> tuple[int, bool]:
-        """Tokens of what the composer holds; True when estimated."""
-        attached = sum(r.tokens for r in self.parent().attachments.values())
+        """Tokens the engine will read for what the composer holds; True when estimated.
+
+        The message as the engine gets it (``engine_content``: the attachments'
+        document blocks, then the text) plus what the chat template adds around
+        it (``EngineWorker.turn_overhead``: the system prompt on a chat's first
+        message, role markers, the generation prompt, the previous answer's end
+        of turn), so it is the ``prefill_tokens`` the send then reports for a
+        chat whose cache is held. Only the typed text is tokenized per keystroke.
+        """
+        records = tuple(self.parent().attachments.values())
         text = self.composer.text()
-        if not text:
-            return attached, False
+        if not text and not records:
+            return 0, False
+        joined = "\n\n" + text if records and text else text  # as engine_content joins
+        bridge = self.controller.bridge
         if len(text) <= COUNT_INLINE_CHARS:
             try:
-                return attached + self.controller.bridge.count_tokens(text), False
+                overhead = bridge.turn_overhead(self.controller.settings.system_prompt)
+                template = overhead.after(self._last_ending())
+                return (template + self._documents_tokens(records)
+                        + (bridge.count_tokens(joined) if joined else 0)), False
             except EngineError:  # no model loaded: estimated below
                 pass
-        return attached + len(text) // 4, True
+        return sum(r.tokens for r in records) + len(joined) // 4, True
+
+    def _last_ending(self) -> str | None:
+        """How the chat's last answer ended, as the engine says it (None: no message yet)."""
+        model = self.controller.model
+        if not model.rowCount():
+            return None
+        last = model.message(model.rowCount() - 1)
+        if last.role != "assistant":
+            return "cancelled"  # no answer to end: the cache holds the chat as it is
+        return {LENGTH_LIMIT: "length", MEMORY_STOP: "memory"}.get(
+            last.reason, "cancelled" if last.status == "stopped" else "stop")
+
+    def _documents_tokens(self, records: tuple) -> int:
+        """Tokens of the attachments' document blocks, counted once per set of files."""
+        if not records:
+            return 0
+        key = tuple((r.name, r.sha256, r.tokens) for r in records)
+        if self._documents is None or self._documents[0] != key:
+            blocks = engine_content(ChatMessage("user", "", attachments=records))
+            self._documents = (key, self.controller.bridge.count_tokens(blocks))
+        return self._documents[1]
 
     def run(self) -> None:
         """Compute and show the fit line."""

@@ -80,7 +80,7 @@ class MainWindow(QMainWindow):
         self._shown_states: dict[str, str] = {}
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
-        self.drafts = Drafts(controller, self.composer, self)
+        self.drafts = Drafts(controller, self.composer, self.attachments, self)
         self.quit_box: QMessageBox | None = None  # asking whether to quit mid-answer
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
         self.api_sessions_feed = ApiSessionsFeed(controller, self.panel.api_sessions, self)
@@ -303,6 +303,7 @@ class MainWindow(QMainWindow):
             self.composer.set_text("")
             self.attachments.clear()
             self.composer.clear_chips()
+            self.drafts.save_now()  # the attachments sent are no draft any more
             self.composer.show_notice("")
             self.banner.hide()
             self.fit.schedule()
@@ -370,12 +371,8 @@ class MainWindow(QMainWindow):
 
     def _on_edit_requested(self, text: str, attachments) -> None:
         self.composer.set_text(text)
-        self.attachments.clear()
-        self.composer.clear_chips()
-        for record in attachments:
-            job_id = -len(self.attachments) - 1
-            self.attachments[job_id] = record
-            self.composer.add_chip(job_id, record.name).set_record(record)
+        self.drafts.show_attachments(tuple(attachments))
+        self.drafts.save_now()
         self.banner.show_message("Editing your last message: sending replaces it and its answer.",
                                  "info")
 
@@ -421,6 +418,7 @@ class MainWindow(QMainWindow):
             return
         chip.set_record(record)
         self.attachments[job_id] = record
+        self.drafts.save_now()
         self.composer.show_notice(" ".join(notes))
         self.fit.schedule()
 
@@ -431,6 +429,7 @@ class MainWindow(QMainWindow):
     def _remove_attachment(self, job_id: int) -> None:
         self.attachments.pop(job_id, None)
         self.composer.remove_chip(job_id)
+        self.drafts.save_now()
         self.fit.schedule()
 
     # Panel ----------------------------------------------------------------

@@ -20,6 +20,7 @@ import itertools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ from engine.runtime.commands import Command
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.prompt_ids import clean_text, token_ends
+from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
 from engine.snapshots.store import SnapshotStore
@@ -100,6 +101,7 @@ class EngineWorker:
         self._ids = itertools.count(1)
         self._current: Command | None = None
         self._stopping = threading.Event()
+        self._overhead: tuple[weakref.ref, str, TurnOverhead] | None = None
         self._stats = StatsReporter(self._emit, stats_interval,
                                     after_publish=self._publish_fit)
         self._stored = StoredSessions(snapshots, self._emit)
@@ -265,6 +267,28 @@ class EngineWorker:
         if loaded is None:
             raise EngineError("Load a model first.")
         return len(loaded.tokenizer.encode(clean_text(text), add_special_tokens=False))
+
+    def turn_overhead(self, system_prompt: str = "") -> TurnOverhead:
+        """Tokens the loaded model's chat template adds to a user message's text.
+
+        Computed once per model and system prompt (a tiny conversation rendered
+        three times; the tokenizer only, no MLX), so a count per keystroke is
+        the text's tokens plus these, whatever the conversation's length.
+
+        Raises:
+            EngineError: no model is loaded.
+        """
+        loaded = self._held.loaded
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        # One model and system prompt at a time; a weak reference, so an unloaded
+        # model is neither kept alive nor mistaken for the next one.
+        held = self._overhead
+        if held is not None and held[0]() is loaded and held[1] == system_prompt:
+            return held[2]
+        overhead = turn_overhead(loaded.tokenizer, system_prompt)
+        self._overhead = (weakref.ref(loaded), system_prompt, overhead)
+        return overhead
 
     def token_ends(self, text: str) -> list[int]:
         """Where each of ``text``'s tokens ends, in characters, from one tokenization

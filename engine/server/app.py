@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -29,6 +30,8 @@ from engine.server import protocol
 from engine.server.bridge import EngineBridge, QueueFull, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_MAX_TOKENS = 512
@@ -60,6 +63,7 @@ class Outcome:
     cached_tokens: int
     completion_tokens: int
     mode: str
+    tool_choice_met: bool | None = None  # None: the request forced no call
 
 
 def cors_origins(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -217,13 +221,14 @@ class Server:
                 "choices": [{"index": 0, "message": message,
                              "finish_reason": outcome.finish, "logprobs": None}],
                 "usage": _openai_usage(outcome), "kv_mode": outcome.mode,
+                **_choice_met(outcome),
             })
 
-        def chunk(delta: dict, finish: str | None) -> str:
+        def chunk(delta: dict, finish: str | None, **extra) -> str:
             return json.dumps({"id": ident, "object": "chat.completion.chunk",
                                "created": created, "model": model,
                                "choices": [{"index": 0, "delta": delta,
-                                            "finish_reason": finish}]})
+                                            "finish_reason": finish}], **extra})
 
         async def events() -> AsyncIterator[dict]:
             yield {"data": chunk({"role": "assistant", "content": ""}, None)}
@@ -238,7 +243,7 @@ class Server:
                             {"index": calls, **_openai_call(piece)}]}, None)}
                         calls += 1
                     else:
-                        yield {"data": chunk({}, piece.finish)}
+                        yield {"data": chunk({}, piece.finish, **_choice_met(piece))}
                         if chat.include_usage:
                             yield {"data": json.dumps({
                                 "id": ident, "object": "chat.completion.chunk",
@@ -298,7 +303,7 @@ class Server:
                 "content": content,
                 "stop_reason": _anthropic_stop(outcome, run.stopped_by),
                 "stop_sequence": run.stopped_by, "usage": _anthropic_usage(outcome),
-                "kv_mode": outcome.mode,
+                "kv_mode": outcome.mode, **_choice_met(outcome),
             })
 
         def event(kind: str, data: dict) -> dict:
@@ -309,12 +314,14 @@ class Server:
                 "id": ident, "type": "message", "role": "assistant", "model": model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": 0, "output_tokens": 0}}})
-            yield event("content_block_start", {"index": 0,
-                                                "content_block": {"type": "text", "text": ""}})
-            index, text_open = 0, True  # the block being written, and whether it is text
+            # A text block opens with the first text: an answer that only calls
+            # a tool starts with its tool_use block, as Anthropic's own do.
+            index, text_open = -1, False  # the last block opened, and whether it is text
             try:
                 async for piece in _guarded(run):
                     if isinstance(piece, str):
+                        if not piece:
+                            continue
                         if not text_open:
                             index, text_open = index + 1, True
                             yield event("content_block_start", {
@@ -333,10 +340,15 @@ class Server:
                             "type": "input_json_delta", "partial_json": piece.arguments}})
                         yield event("content_block_stop", {"index": index})
                         continue
+                    if index < 0:  # nothing written: one empty text block, as not streamed
+                        index = 0
+                        yield event("content_block_start", {
+                            "index": 0, "content_block": {"type": "text", "text": ""}})
+                        yield event("content_block_stop", {"index": 0})
                     yield event("message_delta", {
                         "delta": {"stop_reason": _anthropic_stop(piece, run.stopped_by),
                                   "stop_sequence": run.stopped_by},
-                        "usage": _anthropic_usage(piece)})
+                        "usage": _anthropic_usage(piece), **_choice_met(piece)})
                     yield event("message_stop", {})
             except ApiError as error:
                 body = json.loads(error_response(request, error).body)
@@ -372,6 +384,12 @@ class Server:
             report = self.bridge.worker.fit_check(None, len(prompt) + 1)
             raise ApiError(507, report.message(), "insufficient_memory",
                            code="insufficient_memory")
+        syntax = self.bridge.tool_syntax if chat.tools else None
+        if chat.tool_choice != "auto" and syntax is None:
+            raise ApiError(400, "'tool_choice' asks for a tool call, but this model's chat "
+                                "template defines no tool calling: its answer could not "
+                                "be read as a call. Send tool_choice 'auto' or 'none'.",
+                           param="tool_choice")
         cancel = threading.Event()
         try:
             ticket = self.bridge.submit(chat.messages, prompt, mode, chat.sampling, cancel,
@@ -380,9 +398,9 @@ class Server:
         except QueueFull as error:
             raise ApiError(429, str(error), "rate_limit_error",
                            headers={"Retry-After": "2"}) from error
-        syntax = self.bridge.tool_syntax if chat.tools else None
         reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
-        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader)
+        wanted = None if chat.tool_choice == "auto" else chat.tool_name or ""
+        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted)
 
     async def _collect(self, request: Request,
                        run: Run) -> tuple[str, list[ToolCall], Outcome]:
@@ -427,10 +445,11 @@ class Run:
 
     def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
                  stops: tuple[str, ...], prompt_tokens: int,
-                 reader: ToolCallReader | None = None) -> None:
+                 reader: ToolCallReader | None = None, wanted: str | None = None) -> None:
         self.bridge, self.ticket, self.cancel = bridge, ticket, cancel
         self.stops = stops
         self.reader = reader
+        self.wanted = wanted  # a call the request forced: "" any, else that tool's name
         self.prompt_tokens = prompt_tokens
         self.stopped_by: str | None = None
         self.mode = ticket.mode
@@ -440,21 +459,30 @@ class Run:
 
         Without a tool syntax (no tools asked, or a model that defines none) the
         text comes as the model wrote it. An answer that made a call and then
-        ended its turn finishes with "tool_calls".
+        ended its turn finishes with "tool_calls". Decoding is not constrained: a
+        forced call the answer did not make is said in ``Outcome.tool_choice_met``.
         """
         pieces = self.pieces()
+        names: list[str] = []
         try:
             async for piece in pieces:
                 if self.reader is None:
                     yield piece
                 elif isinstance(piece, str):
                     for part in self.reader.feed(piece):
+                        names += [part.name] if isinstance(part, ToolCall) else []
                         yield part
                 else:
                     for part in self.reader.finish():
+                        names += [part.name] if isinstance(part, ToolCall) else []
                         yield part
                     if self.reader.calls and piece.finish == "stop" and not self.stopped_by:
                         piece = replace(piece, finish="tool_calls")
+                    if self.wanted is not None:
+                        met = bool(names) if not self.wanted else self.wanted in names
+                        if not met:
+                            log.info("the answer did not make the call tool_choice asked for")
+                        piece = replace(piece, tool_choice_met=met)
                     yield piece
         finally:
             await pieces.aclose()
@@ -518,6 +546,13 @@ def _engine_error(event: Failed) -> ApiError:
     if event.error_type in ("EngineError", "UnsupportedModeError"):
         return ApiError(400, event.message)
     return ApiError(500, event.message, "server_error")
+
+
+def _choice_met(outcome: Outcome) -> dict:
+    """Longleaf's field for a forced tool choice: whether the answer made that call."""
+    if outcome.tool_choice_met is None:
+        return {}
+    return {"tool_choice_met": outcome.tool_choice_met}
 
 
 def _openai_call(call: ToolCall) -> dict:

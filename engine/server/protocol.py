@@ -44,6 +44,8 @@ class ChatRequest:
     tools: list[dict] | None = None
     template: bool = True  # False: a text completion, the prompt read as plain text
     echo: bool = False  # a text completion's answer starts with its prompt
+    tool_choice: str = "auto"  # "auto", "required" (any call) or "named" (tool_name's)
+    tool_name: str | None = None
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -212,11 +214,51 @@ def _messages(raw: Any, roles: tuple[str, ...], system: str | None, *,
     return messages
 
 
-def _tools(body: dict, anthropic: bool) -> list[dict] | None:
-    """The request's tools in the form chat templates read (OpenAI's function tools)."""
+def _tool_choice(body: dict, anthropic: bool) -> tuple[str, str | None]:
+    """The request's ``tool_choice`` as ("none" | "auto" | "required" | "named", name).
+
+    OpenAI sends "none" / "auto" / "required" or ``{"type": "function",
+    "function": {"name": N}}``; Anthropic ``{"type": "none" | "auto" | "any" |
+    "tool", "name": N}``.
+    """
+    value = body.get("tool_choice")
+    if value is None:
+        return "auto", None
+    if anthropic:
+        kind = value.get("type") if isinstance(value, dict) else None
+        kinds = {"none": "none", "auto": "auto", "any": "required", "tool": "named"}
+        shape = ('an object {"type": "auto" | "any" | "none"} or {"type": "tool", '
+                 '"name": NAME}')
+        name = value.get("name") if kind == "tool" else None
+    elif isinstance(value, str):
+        kind, name = value, None
+        kinds = {"none": "none", "auto": "auto", "required": "required"}
+        shape = '"none", "auto", "required" or {"type": "function", "function": {"name": NAME}}'
+    else:
+        function = value.get("function") if isinstance(value, dict) else None
+        kind = "function" if isinstance(value, dict) and value.get("type") == "function" \
+            and isinstance(function, dict) else None
+        kinds = {"function": "named"}
+        shape = '"none", "auto", "required" or {"type": "function", "function": {"name": NAME}}'
+        name = function.get("name") if kind else None
+    if kind not in kinds or (kinds[kind] == "named" and (not isinstance(name, str) or not name)):
+        raise BadRequest(f"'tool_choice' must be {shape} (got {value!r}).", "tool_choice")
+    return kinds[kind], name
+
+
+def _tools(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | None]:
+    """The request's tools in the form chat templates read (OpenAI's function tools),
+    with its tool choice: "none" offers no tools; a choice of one tool must name a
+    listed one."""
     tools = body.get("tools")
-    if tools is None or body.get("tool_choice") in ("none", {"type": "none"}):
-        return None
+    choice, name = _tool_choice(body, anthropic)
+    if choice == "none":
+        return None, "auto", None
+    if tools is None or tools == []:
+        if choice != "auto":
+            raise BadRequest("'tool_choice' asks for a tool call but the request lists no "
+                             "'tools'.", "tool_choice")
+        return None, "auto", None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools.", "tools")
     out = []
@@ -233,7 +275,15 @@ def _tools(body: dict, anthropic: bool) -> list[dict] | None:
         if isinstance(function.get("description"), str):
             entry["description"] = function["description"]
         out.append({"type": "function", "function": entry})
-    return out or None
+    if name is not None and name not in {tool["function"]["name"] for tool in out}:
+        raise BadRequest(f"'tool_choice' names the tool {name!r}, which is not in 'tools'.",
+                         "tool_choice")
+    return out, choice, name
+
+
+def _tool_fields(body: dict, anthropic: bool) -> dict:
+    tools, choice, name = _tools(body, anthropic)
+    return {"tools": tools, "tool_choice": choice, "tool_name": name}
 
 
 def _model(body: dict) -> str:
@@ -289,7 +339,7 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
         sampling=_sampling(body, int(max_tokens), body.get("seed")),
         stop=_stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
-        mode=mode_from(model, body), model=model, tools=_tools(body, anthropic=False),
+        mode=mode_from(model, body), model=model, **_tool_fields(body, anthropic=False),
     )
 
 
@@ -351,5 +401,5 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
         sampling=_sampling(body, max_tokens, None),
         stop=_stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model,
-        tools=_tools(body, anthropic=True),
+        **_tool_fields(body, anthropic=True),
     )

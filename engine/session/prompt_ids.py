@@ -214,6 +214,65 @@ def render_conversation(
                          tools=tools, template=template).ids
 
 
+@dataclass(frozen=True)
+class TurnOverhead:
+    """Tokens the chat template adds around one more user message's text.
+
+    Attributes:
+        first: a chat's first message: the system prompt, the role markers and
+            the generation prompt (with the tokenizer's BOS).
+        later: a later message, after an answer the cache holds whole: the end
+            of that answer's turn, the role markers and the generation prompt.
+        end_held: 1 when the model's end-of-turn token is what the template puts
+            after an answer: an answer that ended on it fed it to the cache already.
+    """
+
+    first: int
+    later: int
+    end_held: int = 0
+
+    def after(self, ending: str | None) -> int:
+        """The overhead of a message after an answer that ended so (None: a first message).
+
+        ``ending`` is the answer's finish reason: "stop" (its end-of-turn token
+        is held when ``end_held``), "length" (its last token was sampled but
+        never fed: the next message reads it), or "cancelled" (held whole).
+        """
+        if ending is None:
+            return self.first
+        if ending == "stop":
+            return self.later - self.end_held
+        if ending in ("length", "memory"):
+            return self.later + 1
+        return self.later
+
+
+PROBE_QUESTION, PROBE_ANSWER = "Hello there", "Hi"
+
+
+def turn_overhead(tokenizer: Any, system_prompt: str = "") -> TurnOverhead:
+    """What one more user turn costs beyond its text, from a tiny conversation.
+
+    Renders the conversation with and without one more user turn and subtracts,
+    so a front end can say what the engine will read for a message (its text's
+    tokens plus these) without rendering the whole conversation again. A later
+    turn is measured from the previous answer's text, rendered as the prompt
+    that continues it: what the cache holds of an answer it fed whole.
+    """
+    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    question = {"role": "user", "content": PROBE_QUESTION}
+    answer = {"role": "assistant", "content": PROBE_ANSWER}
+    text = len(tokenizer.encode(PROBE_QUESTION, add_special_tokens=False))
+    first = render_prompt(tokenizer, [*head, question], add_generation_prompt=True).ids
+    held = render_prompt(tokenizer, [*head, question, answer], add_generation_prompt=True).ids
+    after = render_prompt(tokenizer, [*head, question, answer, question],
+                          add_generation_prompt=True).ids
+    kept = common_prefix(held, after)
+    end_held = int(kept < len(after) and after[kept] in end_of_turn_ids(tokenizer))
+    return TurnOverhead(first=max(0, len(first) - text),
+                        later=max(0, len(after) - kept - text), end_held=end_held)
+
+
 def message_boundaries(
     tokenizer: Any, messages: list[dict[str, str]], prompt: list[int], *, after: int,
     most: int, tools: list[dict] | None = None,

@@ -28,6 +28,7 @@ from engine import (
     SessionOpened,
     TokenChunk,
 )
+from engine.session.prompt_ids import TurnOverhead
 
 
 class ScriptedWorker:
@@ -94,6 +95,9 @@ class ScriptedWorker:
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
+
+    def turn_overhead(self, system_prompt: str):
+        return TurnOverhead(first=3, later=2)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent, QFileOpenEvent
 from PySide6.QtWidgets import QApplication
 
+from app.chat.model import ChatMessage, engine_content
 from app.format import human_bytes
 from engine.cache.kvquant import project_kv_bytes
 
@@ -81,7 +82,12 @@ def test_fit_check_numbers_match_the_kv_projection(qtbot, window, tiny_llama, tm
     window.fit.run()
     (record,) = window.attachments.values()
     answer = window.controller.settings.sampling.max_tokens
-    assert window.fit.last_total == window.fit.context_tokens() + record.tokens + answer
+    # The document as the engine reads it: in its block, in the chat's first turn.
+    bridge = window.controller.bridge
+    read = (bridge.count_tokens(engine_content(ChatMessage("user", "", attachments=(record,))))
+            + bridge.turn_overhead(window.controller.settings.system_prompt).first)
+    assert read > record.tokens
+    assert window.fit.last_total == window.fit.context_tokens() + read + answer
     report = window.fit.last_report
     pages = -(-window.fit.last_total // 256) * 256
     text = window.composer.fit.text()

@@ -101,3 +101,46 @@ def test_quitting_mid_answer_asks_and_keeps_the_partial_answer(qtbot, tiny_llama
         assert answer.status == "stopped" and len(answer.content) > grown
     finally:
         close_window(window)
+
+
+def test_unsent_attachments_are_part_of_the_draft_across_switches_and_restarts(
+        qtbot, tiny_llama, tmp_path) -> None:
+    doc = tmp_path / "pines.md"
+    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 10)
+    first = open_window(qtbot, tiny_llama)
+    c = first.controller
+    with_file = c.new_session("q8")
+    first.add_files([str(doc)])
+    qtbot.waitUntil(lambda: bool(first.attachments), timeout=20_000)
+    (record,) = first.attachments.values()
+    _type(qtbot, first, "what grows here?")
+    other = c.new_session("q6")
+    assert not first.attachments and not first.composer.chips  # the new chat has none
+    c.select_session(with_file.id)
+    assert tuple(first.attachments.values()) == (record,)
+    (chip,) = first.composer.chips.values()
+    assert "pines.md" in chip.label.text()
+    # Stored with the chat at once, text included: the file itself is not needed again.
+    assert c.store.draft_attachments(with_file.id) == (record,)
+    assert c.store.draft_attachments(other.id) == ()
+    close_window(first)
+    doc.unlink()
+
+    second = open_window(qtbot, tiny_llama)
+    try:
+        assert second.controller.current.id == with_file.id
+        assert second.composer.text() == "what grows here?"
+        assert tuple(second.attachments.values()) == (record,)
+        # Removing the chip removes it from the draft; sending leaves no draft.
+        (chip_id,) = second.composer.chips
+        second._remove_attachment(chip_id)
+        assert second.controller.store.draft_attachments(with_file.id) == ()
+        second.drafts.show_attachments((record,))
+        second.drafts.save_now()
+        with qtbot.waitSignal(second.controller.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+            second.send()
+        assert second.controller.model.message(0).attachments == (record,)
+        assert second.controller.store.draft_attachments(with_file.id) == ()
+        assert second.controller.store.draft(with_file.id) == ""
+    finally:
+        close_window(second)

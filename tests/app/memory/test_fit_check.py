@@ -115,3 +115,36 @@ def test_reads_teach_the_rate_model_which_survives_a_restart_and_gives_the_eta(
     assert c.read_eta(progress) == pytest.approx(rate.seconds(3024, 3024 + 3072), rel=1e-6)
     # Before any chunk was timed the engine's own figure stands.
     assert c.read_eta(IngestProgress(1, 0, 4096, 0.0, 61.0)) == 61.0
+
+
+def test_the_fit_lines_count_is_what_the_engine_reads_for_the_message(
+        qtbot, window, tmp_path) -> None:
+    # The composer's text alone leaves out the chat template's tokens: the system
+    # prompt on a first message, role markers, the generation prompt, and on a
+    # later one the previous answer's end of turn.
+    c = window.controller
+    c.new_session("q8")
+    totals: list[int] = []
+    c.answers.ingestProgress.connect(lambda event: totals.append(event.tokens_total))
+    for text in ("Where do longleaf pines grow?", "And how tall do they get, usually?"):
+        window.composer.set_text(text)
+        counted, estimated = window.fit.prompt_tokens()
+        assert not estimated
+        assert counted > c.bridge.count_tokens(text)
+        assert send_and_wait(qtbot, window, text) == "complete"
+        stats = c.model.message(c.model.rowCount() - 1).stats
+        assert counted == stats["prefill_tokens"], (text, counted, stats)
+        # The progress row's total is the same count.
+        assert totals[-1] == counted
+    # An attachment is read inside its document block. (A new chat: the tiny
+    # model's random answers need not tokenize again into the ids it made, and a
+    # cache keeps only the ids that match the conversation rendered anew.)
+    c.new_session("q8")
+    doc = tmp_path / "pines.md"
+    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 5)
+    window.add_files([str(doc)])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.composer.set_text("Summarize it.")
+    counted, _ = window.fit.prompt_tokens()
+    assert send_and_wait(qtbot, window, "Summarize it.") == "complete"
+    assert counted == c.model.message(c.model.rowCount() - 1).stats["prefill_tokens"]

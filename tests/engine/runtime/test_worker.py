@@ -301,7 +301,12 @@ def test_fit_check_and_count_tokens(start_worker, model_dirs) -> None:
         worker.fit_check(None, 100)
     with pytest.raises(EngineError):
         worker.count_tokens("hello")
+    with pytest.raises(EngineError):
+        worker.turn_overhead("")
     log.ending(worker.load_model(str(model_dirs["llama"])))
+    overhead = worker.turn_overhead("Be brief.")
+    assert worker.turn_overhead("Be brief.") is overhead  # computed once per system prompt
+    assert worker.turn_overhead("") is not overhead
     report = worker.fit_check(None, 100)
     assert report.fits and report.session_mode is None and report.max_context == 4096
     assert not worker.fit_check(None, 5000).fits

@@ -199,3 +199,133 @@ def test_anthropic_tool_use_not_streamed_then_streamed(tooled: Served, forced) -
     answer = api.messages.create(model="m", max_tokens=80, messages=follow,
                                  tools=[ANTHROPIC_WEATHER])
     assert answer.content[0].text == "Sunny." and answer.stop_reason == "end_turn"
+
+
+MESSAGES = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(("choice", "expected"), [
+    (None, ("auto", None)), ("auto", ("auto", None)), ("required", ("required", None)),
+    ({"type": "function", "function": {"name": "get_weather"}}, ("named", "get_weather")),
+])
+def test_openai_tool_choice_is_read(choice, expected) -> None:
+    body = {"messages": MESSAGES, "tools": [WEATHER]}
+    chat = protocol.openai_chat({**body, "tool_choice": choice} if choice else body, 5)
+    assert (chat.tool_choice, chat.tool_name) == expected and chat.tools
+
+
+@pytest.mark.parametrize(("choice", "expected"), [
+    ({"type": "auto"}, ("auto", None)), ({"type": "any"}, ("required", None)),
+    ({"type": "tool", "name": "get_weather"}, ("named", "get_weather")),
+    ({"type": "auto", "disable_parallel_tool_use": True}, ("auto", None)),
+])
+def test_anthropic_tool_choice_is_read(choice, expected) -> None:
+    chat = protocol.anthropic_messages({"max_tokens": 5, "messages": MESSAGES,
+                                        "tools": [ANTHROPIC_WEATHER], "tool_choice": choice})
+    assert (chat.tool_choice, chat.tool_name) == expected and chat.tools
+
+
+def test_tool_choice_none_offers_no_tools() -> None:
+    chat = protocol.openai_chat({"messages": MESSAGES, "tools": [WEATHER],
+                                 "tool_choice": "none"}, 5)
+    assert chat.tools is None and chat.tool_choice == "auto"
+    other = protocol.anthropic_messages({"max_tokens": 5, "messages": MESSAGES,
+                                         "tools": [ANTHROPIC_WEATHER],
+                                         "tool_choice": {"type": "none"}})
+    assert other.tools is None and other.tool_choice == "auto"
+
+
+@pytest.mark.parametrize(("anthropic_api", "body"), [
+    (False, {"tools": [WEATHER], "tool_choice": "any"}),
+    (False, {"tools": [WEATHER], "tool_choice": {"type": "function"}}),
+    (False, {"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                 "function": {"name": "other"}}}),
+    (False, {"tool_choice": "required"}),
+    (True, {"tools": [ANTHROPIC_WEATHER], "tool_choice": "auto"}),
+    (True, {"tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool"}}),
+    (True, {"tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool", "name": "other"}}),
+    (True, {"tool_choice": {"type": "any"}}),
+])
+def test_bad_tool_choice_is_400(anthropic_api: bool, body: dict) -> None:
+    with pytest.raises(protocol.BadRequest) as raised:
+        if anthropic_api:
+            protocol.anthropic_messages({"max_tokens": 5, "messages": MESSAGES, **body})
+        else:
+            protocol.openai_chat({"messages": MESSAGES, **body}, 5)
+    assert raised.value.param == "tool_choice"
+
+
+def test_openai_forced_tool_choice_says_whether_the_answer_made_the_call(
+        tooled: Served, forced) -> None:
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced(CALL)
+    reply = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                        tool_choice=named, max_tokens=80)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert reply.model_extra["tool_choice_met"] is True
+    forced("No call.")
+    reply = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                        tool_choice="required", max_tokens=80)
+    # Decoding is not constrained: the answer ends normally and says so.
+    assert reply.choices[0].message.content == "No call."
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.model_extra["tool_choice_met"] is False
+    chunks = list(api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                              tool_choice="required", max_tokens=80,
+                                              stream=True))
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert last.model_extra["tool_choice_met"] is False
+    auto = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                       max_tokens=80)
+    assert "tool_choice_met" not in (auto.model_extra or {})
+
+
+def test_forced_tool_choice_on_a_model_without_tool_calling_is_400(
+        tooled: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(tooled.bridge), "tool_syntax", property(lambda self: None))
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                    tool_choice="required", max_tokens=5)
+    assert "tool_choice" in str(raised.value)
+    other = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError):
+        other.messages.create(model="m", max_tokens=5, messages=MESSAGES,
+                              tools=[ANTHROPIC_WEATHER], tool_choice={"type": "any"})
+
+
+def test_anthropic_stream_of_a_call_alone_opens_no_text_block(tooled: Served, forced) -> None:
+    forced(CALL)
+    api = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    events = []
+    with api.messages.stream(model="m", max_tokens=80, messages=MESSAGES,
+                             tools=[ANTHROPIC_WEATHER],
+                             tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        for event in stream:
+            events.append(event)
+        final = stream.get_final_message()
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [(e.index, e.content_block.type) for e in starts] == [(0, "tool_use")]
+    assert [b.type for b in final.content] == ["tool_use"]
+    assert final.content[0].input == {"city": "Paris"} and final.stop_reason == "tool_use"
+    delta = next(e for e in events if e.type == "message_delta")
+    assert delta.model_extra["tool_choice_met"] is True
+    forced("Sunny.")
+    reply = api.messages.create(model="m", max_tokens=80, messages=MESSAGES,
+                                tools=[ANTHROPIC_WEATHER], tool_choice={"type": "any"})
+    assert [b.type for b in reply.content] == ["text"] and reply.stop_reason == "end_turn"
+    assert reply.model_extra["tool_choice_met"] is False
+
+
+def test_anthropic_stream_of_an_empty_answer_has_one_empty_text_block(tooled: Served,
+                                                                      forced) -> None:
+    forced("")
+    api = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    with api.messages.stream(model="m", max_tokens=20, messages=MESSAGES,
+                             tools=[ANTHROPIC_WEATHER]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", "")]
+    assert kinds.index("content_block_start") < kinds.index("message_delta")
+    assert final.stop_reason == "end_turn"

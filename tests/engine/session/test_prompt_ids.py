@@ -9,7 +9,13 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from engine.errors import EngineError
-from engine.session.prompt_ids import message_boundaries, render_prompt, token_ends
+from engine.session.prompt_ids import (
+    common_prefix,
+    message_boundaries,
+    render_prompt,
+    token_ends,
+    turn_overhead,
+)
 from tests.engine.tinymodels import make_tiny_model_dir
 
 CONVERSATIONS = [
@@ -87,3 +93,23 @@ def test_an_answer_of_only_spaces_continues_right_after_its_turn_opens() -> None
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\n"}]
     prompt = render_prompt(_DroppingTemplate(), messages, add_generation_prompt=True)
     assert prompt.text == "<user>hi<assistant>\n\n"
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_the_turn_overhead_plus_the_text_is_what_the_engine_reads(tokenizer, messages) -> None:
+    # What a send reads: the rendered conversation past what the cache holds
+    # (the previous prompt and the answer's fed tokens), as Session.chat syncs it.
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    overhead = turn_overhead(tokenizer, system)
+    head = messages[:1] if system else []
+    text = messages[-1]["content"]
+    count = len(tokenizer.encode(text, add_special_tokens=False))
+    first = render_prompt(tokenizer, [*head, messages[-1]], add_generation_prompt=True).ids
+    assert len(first) == overhead.after(None) + count
+    prompt = render_prompt(tokenizer, messages, add_generation_prompt=True).ids
+    answered = render_prompt(tokenizer, messages[:-1], add_generation_prompt=True).ids
+    eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())[:1]
+    for ending, held in (("cancelled", answered), ("length", answered[:-1]),
+                         ("stop", answered + eos)):
+        read = len(prompt) - common_prefix(held, prompt)
+        assert read == overhead.after(ending) + count, ending
