@@ -9,9 +9,10 @@ one's latest ``StatsSample``, which the worker sends as it reads or answers
 from __future__ import annotations
 
 from PySide6.QtCore import QObject
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.format import human_bytes
+from app.memory.labels import section_heading, value_label
 from engine import StatsSample
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 
@@ -34,14 +35,11 @@ class ApiSessionsSection(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(6)
-        heading = QLabel("API SESSIONS")
-        heading.setObjectName("panelSection")
+        heading = section_heading("API sessions")
         heading.setToolTip("Conversations the local server keeps in memory for other apps; "
                            "the least recently used goes to disk when another is needed.")
         layout.addWidget(heading)
-        self.rows = QLabel(NONE_YET)
-        self.rows.setObjectName("panelValue")
-        self.rows.setWordWrap(True)
+        self.rows = value_label(NONE_YET)
         layout.addWidget(self.rows)
         self.hide()
 

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 from app.format import compact_count, human_bytes, short_title
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
+from app.memory.labels import section_heading, value_label
 from app.memory.quality import receipt_details, receipt_line
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
@@ -72,19 +73,6 @@ def other_layers_line(sample: StatsSample) -> str:
         return ""
     return (f"<br>Other layers: {human_bytes(sample.other_cache_bytes)} of ≤ "
             f"{human_bytes(sample.other_cache_bound_bytes)} ({sample.other_cache_kinds})")
-
-
-def _section(title: str) -> QLabel:
-    label = QLabel(title.upper())
-    label.setObjectName("panelSection")
-    return label
-
-
-def _value_label() -> QLabel:
-    label = QLabel("—")
-    label.setObjectName("panelValue")
-    label.setWordWrap(True)
-    return label
 
 
 def pages_text(sample: StatsSample) -> str:
@@ -132,28 +120,28 @@ class MemoryPanel(QScrollArea):
         self.title = QLabel("Memory")
         self.title.setObjectName("panelTitle")
         layout.addWidget(self.title)
-        self.session_label = _value_label()
+        self.session_label = value_label()
         layout.addWidget(self.session_label)
 
-        layout.addWidget(_section("Memory this chat uses"))
+        layout.addWidget(section_heading("Memory this chat uses"))
         self.kv_bar = QProgressBar(textVisible=False, maximumHeight=8)
-        self.kv_label = _value_label()
+        self.kv_label = value_label()
         self.kv_label.setToolTip(KV_TIP)
-        self.kv_total_label = _value_label()
+        self.kv_total_label = value_label()
         layout.addWidget(self.kv_label)
         layout.addWidget(self.kv_bar)
         layout.addWidget(self.kv_total_label)
 
-        layout.addWidget(_section("System memory"))
+        layout.addWidget(section_heading("System memory"))
         self.ram_bar = QProgressBar(textVisible=False, maximumHeight=8)
         self.ram_bar.setObjectName("ramGauge")
-        self.ram_label = _value_label()
+        self.ram_label = value_label()
         self.ram_label.setToolTip("Memory of the whole computer, used by every app; Longleaf "
                                   "stops an answer before it runs out")
         layout.addWidget(self.ram_label)
         layout.addWidget(self.ram_bar)
 
-        layout.addWidget(_section("Memory by KV mode"))
+        layout.addWidget(section_heading("Memory by KV mode"))
         self.table = QTableWidget(len(MODES), 4)
         self.table.setObjectName("projectionTable")
         # Short headers: the panel is narrow and Qt clips long ones mid-word.
@@ -179,11 +167,11 @@ class MemoryPanel(QScrollArea):
         self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
         self.table.setFixedHeight(26 + 24 * len(MODES) + 4)
         layout.addWidget(self.table)
-        self.fits_label = _value_label()
+        self.fits_label = value_label()
         layout.addWidget(self.fits_label)
-        self.projection_note = _value_label()
+        self.projection_note = value_label()
         layout.addWidget(self.projection_note)
-        self.quality_label = _value_label()
+        self.quality_label = value_label()
         self.quality_label.setObjectName("qualityReceipt")
         layout.addWidget(self.quality_label)
         # Shared with the Chat menu; enabled (with the reason when not) by PanelFeed.
@@ -207,22 +195,22 @@ class MemoryPanel(QScrollArea):
         inner = QVBoxLayout(self.details)
         inner.setContentsMargins(0, 0, 0, 0)
         inner.setSpacing(6)
-        self.kv_detail = _value_label()
+        self.kv_detail = value_label()
         inner.addWidget(self.kv_detail)
-        self.pages_label = _value_label()
+        self.pages_label = value_label()
         self.pages_label.setToolTip(PAGES_TIP)
         inner.addWidget(self.pages_label)
         self.pool = PagePoolView()
         inner.addWidget(self.pool)
-        self.ram_detail = _value_label()
+        self.ram_detail = value_label()
         inner.addWidget(self.ram_detail)
-        self.storage_note = _value_label()
+        self.storage_note = value_label()
         self.storage_note.setText(STORAGE_NOTE)
         inner.addWidget(self.storage_note)
         self.details.hide()
         layout.addWidget(self.details)
 
-        layout.addWidget(_section("History"))
+        layout.addWidget(section_heading("History"))
         self.chart = HistoryChart()
         layout.addWidget(self.chart)
         self.api_sessions = ApiSessionsSection()  # hidden while the local server is off

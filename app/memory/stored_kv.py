@@ -14,7 +14,6 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
-    QLabel,
     QMessageBox,
     QProgressBar,
     QPushButton,
@@ -25,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import disk_size, relative_time, visible_text
+from app.memory.labels import section_heading, value_label
 from engine import StoredKv
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 
@@ -48,12 +48,8 @@ class StoredKvSection(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(6)
-        heading = QLabel("STORED KV")
-        heading.setObjectName("panelSection")
-        layout.addWidget(heading)
-        self.summary = QLabel("Nothing stored yet")
-        self.summary.setObjectName("panelValue")
-        self.summary.setWordWrap(True)
+        layout.addWidget(section_heading("Stored KV"))
+        self.summary = value_label("Nothing stored yet")
         layout.addWidget(self.summary)
         self.bar = QProgressBar(textVisible=False, maximumHeight=8, maximum=1000)
         layout.addWidget(self.bar)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import Finished, ModelLoaded, SessionOpened
+from engine.events import Finished, SessionOpened
 from engine.runtime.held_sessions import may_reuse
 from engine.runtime.worker import EngineWorker
 from engine.snapshots.store import SnapshotStore
-from tests.engine.runtime.test_worker import GREEDY, EventLog
+from tests.engine.runtime.test_worker import GREEDY, EventLog, loaded_worker
 from tests.engine.tinymodels import make_tiny_model_dir
 
 DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand. " * 6
@@ -27,13 +27,9 @@ QUESTION = [*DOCUMENT, {"role": "user", "content": "Which trees?"}]
 @pytest.fixture
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineWorker, EventLog]]:
     root = tmp_path_factory.mktemp("api-sharing")
-    folder = make_tiny_model_dir(root, "llama")
-    log = EventLog()
-    engine = EngineWorker(log, snapshots=SnapshotStore(Path(root) / "kv"))
-    engine.start()
-    log.result(engine.load_model(str(folder)), ModelLoaded)
-    yield engine, log
-    engine.shutdown(timeout=10.0)
+    with loaded_worker(make_tiny_model_dir(root, "llama"),
+                       snapshots=SnapshotStore(Path(root) / "kv")) as running:
+        yield running
 
 
 def _answer(engine: EngineWorker, log: EventLog, name: str) -> Finished:

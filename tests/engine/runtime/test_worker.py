@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -73,6 +74,19 @@ class EventLog:
         assert isinstance(ending, Finished) and ending.reason == "done", ending
         (event,) = [e for e in self.for_request(request_id) if isinstance(e, kind)]
         return event
+
+
+@contextlib.contextmanager
+def loaded_worker(folder: Path, **kwargs: Any) -> Iterator[tuple[EngineWorker, EventLog]]:
+    """A started worker with ``folder``'s model loaded, shut down on the way out."""
+    log = EventLog()
+    engine = EngineWorker(log, **kwargs)
+    engine.start()
+    try:
+        log.result(engine.load_model(str(folder)), ModelLoaded)
+        yield engine, log
+    finally:
+        engine.shutdown(timeout=10.0)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from engine.events import Finished, ModelLoaded, Notice, SessionOpened, StatsSample
 from engine.runtime.worker import EngineWorker
-from tests.engine.runtime.test_worker import GREEDY, EventLog
+from tests.engine.runtime.test_worker import GREEDY, EventLog, loaded_worker
 from tests.engine.tinymodels import make_tiny_model_dir
 
 DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand. " * 6
@@ -18,12 +18,8 @@ DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand.
 @pytest.fixture
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineWorker, EventLog]]:
     folder = make_tiny_model_dir(tmp_path_factory.mktemp("reuse-worker"), "llama")
-    log = EventLog()
-    engine = EngineWorker(log)
-    engine.start()
-    log.result(engine.load_model(str(folder)), ModelLoaded)
-    yield engine, log
-    engine.shutdown(timeout=10.0)
+    with loaded_worker(folder) as running:
+        yield running
 
 
 def test_a_second_chat_on_the_same_document_reads_only_its_question(worker):

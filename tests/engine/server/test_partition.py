@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.events import Finished, ModelLoaded, SessionOpened
+from engine.events import Finished, SessionOpened
 from engine.runtime.held_sessions import same_partition
 from engine.runtime.worker import EngineWorker
-from tests.engine.runtime.test_worker import GREEDY, EventLog
+from tests.engine.runtime.test_worker import GREEDY, EventLog, loaded_worker
 from tests.engine.tinymodels import make_tiny_model_dir
 
 DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand. " * 6
@@ -19,12 +19,8 @@ DOC = "The quick brown fox jumps over the lazy dog. Longleaf pines grow in sand.
 @pytest.fixture
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineWorker, EventLog]]:
     folder = make_tiny_model_dir(tmp_path_factory.mktemp("partition-worker"), "llama")
-    log = EventLog()
-    engine = EngineWorker(log)
-    engine.start()
-    log.result(engine.load_model(str(folder)), ModelLoaded)
-    yield engine, log
-    engine.shutdown(timeout=10.0)
+    with loaded_worker(folder) as running:
+        yield running
 
 
 def test_partitions() -> None:
