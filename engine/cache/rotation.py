@@ -92,7 +92,10 @@ class HadamardRotation:
         self.signs = signs
         matrix = rotation_matrix(head_dim, layer, signs)
         self._forward = mx.array(matrix.astype(np.float32))
-        self._inverse = mx.array(matrix.T.astype(np.float32))
+        # Row-major like the forward matrix: a transposed (column-major) one makes
+        # BLAS round a many-row unrotate differently from a one-row one, so a
+        # speculative verification's outputs would not be a decode step's.
+        self._inverse = mx.array(np.ascontiguousarray(matrix.T, dtype=np.float32))
         self._cast: dict[mx.Dtype, tuple[mx.array, mx.array]] = {}
 
     @property

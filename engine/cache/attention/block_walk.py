@@ -44,7 +44,8 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
     copies = (scratch.DECODE_ROW_COPIES if decode
               else scratch.prefill_row_copies(kv_heads, head_dim, cache.offset,
                                               streams.streams_for(kv_heads)))
-    tokens = scratch.block_tokens(kv_heads * rows, kv_heads, head_dim, page_size, budget, copies)
+    query_rows = scratch.decode_query_rows(view.heads) if decode else kv_heads * rows
+    tokens = scratch.block_tokens(query_rows, kv_heads, head_dim, page_size, budget, copies)
     blocks = cache.page_blocks(cache.pool.pages_for(cache.offset), tokens // page_size)
     return _walk(view, scale, blocks, groups,
                  lambda walk, block: _merge_block(walk, store, block, page_size, decode))
@@ -146,12 +147,37 @@ def _merge_block(
     dtype = mx.float16 if _reads_fp16_pages(store, view) else view.dtype
     k_block, v_block = _dequantized_block(walk, store, block, dtype, page_major)
     q = walk.q if dtype == mx.float32 else walk.q.astype(dtype)
-    scores = (q @ k_block.swapaxes(-1, -2)).astype(mx.float32)  # [pages or 1, kv_heads, rows, n]
-    if not page_major and view.sees_whole((block.last + 1) * page_size):
-        walk.softmax.add_visible(scores, lambda probs: (probs.astype(dtype) @ v_block)[0])
+    if not page_major:
+        scores = (q @ k_block.swapaxes(-1, -2)).astype(mx.float32)  # [1, kv_heads, rows, n]
+        if view.sees_whole((block.last + 1) * page_size):
+            walk.softmax.add_visible(scores, lambda probs: (probs.astype(dtype) @ v_block)[0])
+            return
+        hidden = masked(view, scores, page_positions(block.logicals, page_size))
+        walk.softmax.add(hidden, lambda weights: mx.sum(weights.astype(dtype) @ v_block, axis=0))
         return
-    hidden = masked(view, scores, page_positions(block.logicals, page_size))
-    walk.softmax.add(hidden, lambda weights: mx.sum(weights.astype(dtype) @ v_block, axis=0))
+    length = view.length
+    scores = _by_position(q, k_block.swapaxes(-1, -2), length).astype(mx.float32)
+    hidden = masked(view, scores, page_positions(block.logicals, page_size))  # [pages, ...]
+    walk.softmax.add(hidden, lambda weights: mx.sum(
+        _by_position(weights.astype(dtype), v_block, length), axis=0))
+
+
+def _by_position(rows: mx.array, right: mx.array, length: int) -> mx.array:
+    """``rows @ right``, each position's rows multiplied on their own.
+
+    ``rows`` are ``[..., kv_heads, repeats * length, n]`` (GQA folded, position
+    fastest), ``right`` ``[..., kv_heads, n, m]``. A matmul's rounding depends on
+    how many rows it has; multiplied a position at a time, the ``repeats`` rows of
+    each position meet the pages in a matmul of a decode step's shape, so a
+    speculative verification of ``length`` tokens gives each token the numbers a
+    one-token step would.
+    """
+    if length == 1:
+        return rows @ right
+    *lead, kv_heads, count, inner = rows.shape
+    split = rows.reshape(*lead, kv_heads, count // length, length, inner)
+    out = mx.moveaxis(split, -2, -4) @ mx.expand_dims(right, -4)  # [..., length, kv, repeats, m]
+    return mx.moveaxis(out, -4, -2).reshape(*out.shape[:-4], kv_heads, count, out.shape[-1])
 
 
 def _reads_fp16_pages(store: Any, view: QueryView) -> bool:
@@ -261,14 +287,15 @@ def _dequantized_block(
 
 
 def attend_packed(view: QueryView, cache: Any, scale: float, group_size: int) -> mx.array:
-    kv_heads, rows, head_dim = view.q.shape
+    kv_heads, _, head_dim = view.q.shape
     store, page_size = cache.store, cache.pool.page_size
     heads = streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim)
     # Split over streams, a step's peak reaches about twice one block's (each
     # stream frees its block as it finishes): the blocks shrink to match.
     budget = min(cache.pool.scratch_bytes, scratch.decode_scratch_bytes()) // len(heads)
-    tokens = scratch.packed_block_tokens(kv_heads * rows, kv_heads, head_dim, store.layout.bits,
-                                 group_size, page_size, budget)
+    tokens = scratch.packed_block_tokens(scratch.decode_query_rows(view.heads), kv_heads,
+                                         head_dim, store.layout.bits, group_size, page_size,
+                                         budget)
     blocks = cache.page_blocks(cache.pool.pages_for(cache.offset), tokens // page_size)
     return _walk(view, scale, blocks, heads,
                  lambda walk, block: _merge_packed_block(walk, store, block, page_size,

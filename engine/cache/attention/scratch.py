@@ -59,6 +59,17 @@ _PACKED_SCORE_COPIES = 3
 _PACKED_AFFINE_COPIES = 4
 
 
+def decode_query_rows(heads: int) -> int:
+    """Query rows a decode-path call's blocks are sized for, whatever its token count.
+
+    Sized for the most tokens that path takes, every call of up to
+    ``PACKED_MAX_TOKENS`` tokens cuts the pages into the same blocks, so a
+    speculative verification merges its online softmax block for block as a
+    one-token step does (and stays inside the decode budget).
+    """
+    return heads * PACKED_MAX_TOKENS
+
+
 def decode_scratch_bytes() -> int:
     """The scratch budget of one decode step's blocks under the current schedule."""
     return GPU_DECODE_SCRATCH_BYTES if schedule.current() == schedule.GPU else DECODE_SCRATCH_BYTES

@@ -1,4 +1,11 @@
-"""A speculative verification (up to 9 new tokens) reads the pages the way decode does."""
+"""A speculative verification (up to 9 new tokens) reads the pages the way decode does.
+
+Not "close to": the same numbers. A quantized page store rounds each key and value
+to its grid, so a last-bit difference in one layer's attention output can move a
+later layer's stored row by a whole quantization step; every row of a k-token
+verification must therefore come out bit for bit as k one-token decode steps
+would give it, in every mode, rotated or not, across several page blocks.
+"""
 
 from __future__ import annotations
 
@@ -7,53 +14,75 @@ import numpy as np
 import pytest
 
 from engine.cache import kvquant
+from engine.cache.adapter import attend
 from engine.cache.attention import block_walk, scratch
-from engine.cache.attention import dispatch as attention
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
+from engine.cache.rotation import HadamardRotation
 
 PAGE_SIZE = 16
-KV_HEADS = 2
-HEADS = 8
+KV_HEADS = 3
+HEADS = 9
 HEAD_DIM = 64
 VERIFY_TOKENS = 9  # the last accepted token and a draft of 8
-# The same stored rows on the same path; only the softmax's row count differs.
-SAME_PATH_TOLERANCE = 1e-5
+PREFIX = 300
+# Small enough that the prefix walks several blocks of pages.
+DECODE_BUDGET = 96 * 1024
 
 
-def _normal(shape: tuple[int, ...], seed: int) -> mx.array:
-    return mx.random.normal(shape, key=mx.random.key(seed))
+def _rows(heads: int, length: int, seed: int) -> mx.array:
+    """``[1, heads, length, D]`` laid out as mlx-lm's attention gets it (a transposed view)."""
+    flat = mx.random.normal((1, length, heads * HEAD_DIM), key=mx.random.key(seed))
+    return flat.reshape(1, length, heads, HEAD_DIM).transpose(0, 2, 1, 3)
 
 
-def _filled(mode: str, prefix: int) -> PagedKVCache:
-    cache = PagedKVCache(PagePool(mode, PAGE_SIZE), KV_HEADS, HEAD_DIM)
-    shape = (1, KV_HEADS, prefix, HEAD_DIM)
-    cache.update_and_fetch(_normal(shape, 1), _normal(shape, 2))
+def _filled(mode: str, rotate: bool) -> PagedKVCache:
+    cache = PagedKVCache(PagePool(mode, PAGE_SIZE), KV_HEADS, HEAD_DIM, layer=2)
+    if rotate:
+        cache.rotation = HadamardRotation(HEAD_DIM, layer=2)
+    cache.update_and_fetch(_rows(KV_HEADS, PREFIX, 1), _rows(KV_HEADS, PREFIX, 2))
     return cache
 
 
-@pytest.mark.parametrize("mode", kvquant.MODES)
-def test_verification_rows_match_single_token_decode(mode: str, monkeypatch) -> None:
-    assert scratch.PACKED_MAX_TOKENS >= VERIFY_TOKENS
-    prefix, scale = 70, HEAD_DIM**-0.5
-    shape = (1, KV_HEADS, VERIFY_TOKENS, HEAD_DIM)
-    keys, values = _normal(shape, 3), _normal(shape, 4)
-    queries = _normal((1, HEADS, VERIFY_TOKENS, HEAD_DIM), 5)
+def _blocks_walked(monkeypatch) -> list[tuple[str, int]]:
+    """Records each attention call's path and how many blocks it walks."""
+    calls: list[tuple[str, int]] = []
     paths: list[str] = []
     for name in ("attend_packed", "attend_blocks"):
         original = getattr(block_walk, name)
         monkeypatch.setattr(block_walk, name,
                             lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
-    decode = _filled(mode, prefix)
+    walk = block_walk._walk
+
+    def counted(view, scale, blocks, *args, **kwargs):
+        calls.append((paths[-1], len(blocks)))
+        return walk(view, scale, blocks, *args, **kwargs)
+
+    monkeypatch.setattr(block_walk, "_walk", counted)
+    return calls
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("mode", kvquant.MODES)
+def test_verification_rows_are_single_token_decode_bit_for_bit(
+    mode: str, rotate: bool, monkeypatch
+) -> None:
+    assert scratch.PACKED_MAX_TOKENS >= VERIFY_TOKENS
+    monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", DECODE_BUDGET)
+    blocks = _blocks_walked(monkeypatch)
+    keys, values = _rows(KV_HEADS, VERIFY_TOKENS, 3), _rows(KV_HEADS, VERIFY_TOKENS, 4)
+    queries = _rows(HEADS, VERIFY_TOKENS, 5)
+    scale = HEAD_DIM**-0.5
+    decode = _filled(mode, rotate)
     singles = []
     for i in range(VERIFY_TOKENS):
-        decode.update_and_fetch(keys[:, :, i:i + 1], values[:, :, i:i + 1])
-        singles.append(attention.paged_attention(queries[:, :, i:i + 1], None, None, decode,
-                                                 scale=scale, mask=None))
-    single_paths, paths[:] = list(paths), []
-    verify = _filled(mode, prefix)
-    verify.update_and_fetch(keys, values)
-    got = attention.paged_attention(queries, None, None, verify, scale=scale, mask="causal")
-    assert paths == single_paths[:1]  # the one verification call took decode's path
-    expected = mx.concatenate(singles, axis=2)
-    np.testing.assert_allclose(np.array(got), np.array(expected), atol=SAME_PATH_TOLERANCE)
+        k, v = decode.update_and_fetch(keys[:, :, i:i + 1], values[:, :, i:i + 1])
+        singles.append(attend(queries[:, :, i:i + 1], k, v, decode, scale=scale, mask=None))
+    single_blocks, blocks[:] = list(blocks), []
+    verify = _filled(mode, rotate)
+    k, v = verify.update_and_fetch(keys, values)
+    got = attend(queries, k, v, verify, scale=scale, mask="causal")
+    assert min(count for _, count in single_blocks) > 1  # the context spans several blocks
+    # Decode's path, cut into the blocks the last decode step walked.
+    assert blocks == single_blocks[-1:]
+    np.testing.assert_array_equal(np.array(got), np.array(mx.concatenate(singles, axis=2)))
