@@ -50,7 +50,9 @@ def _decode_peak(cache, heads: int) -> int:
 def test_decode_over_many_blocks_matches_reference(mode: str, split: bool, monkeypatch) -> None:
     # One page per block: the online softmax merges every page, fp16 pages
     # converted block by block, q8 and q6 scored straight from the packed bytes;
-    # ``split``: the KV heads on one stream each (packed decode only).
+    # ``split``: the KV heads on one stream each (packed decode only). The packed
+    # path is the GPU schedule's; forced here so the CPU runs it too.
+    monkeypatch.setattr(attention, "reads_packed_pages", lambda: True)
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 1)
     monkeypatch.setattr(streams, "cpu_cores", lambda: 2 if split else 1)
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
@@ -69,11 +71,14 @@ def test_window_mask_over_decode_blocks(monkeypatch) -> None:
     np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
 
 
-def test_fp16_decode_transient_is_one_block_at_any_context(monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["fp16", "q6"])
+def test_dequantized_decode_transient_is_one_block_at_any_context(mode: str, monkeypatch) -> None:
     # 2 KV heads of 128 values, 16-token pages: a 64 KiB decode budget makes
-    # blocks of a few pages, so 4k tokens walk many blocks.
+    # blocks of a few pages, so 4k tokens walk many blocks (q6: the CPU's path,
+    # each block converted on its own).
+    monkeypatch.setattr(attention, "reads_packed_pages", lambda: False)
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 64 * 1024)
-    peaks = [_decode_peak(_cache("fp16", 128, prefix=tokens), heads=8) for tokens in (512, 4096)]
+    peaks = [_decode_peak(_cache(mode, 128, prefix=tokens), heads=8) for tokens in (512, 4096)]
     # The converted keys and values of one block, plus the small running arrays
     # (and what a stream still holds of the block before: more blocks, more such
     # overlaps); converting the whole context would take 8 MiB.
@@ -86,6 +91,7 @@ def test_packed_decode_transient_is_one_block_at_any_context(cores: int, monkeyp
     # q6 pages scored straight from the packed bytes, in blocks of a few pages
     # under a 64 KiB decode budget: 16k tokens hold as little as 512 do.
     budget = 64 * 1024
+    monkeypatch.setattr(attention, "reads_packed_pages", lambda: True)
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", budget)
     monkeypatch.setattr(streams, "cpu_cores", lambda: cores)
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)

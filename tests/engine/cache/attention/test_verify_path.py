@@ -15,7 +15,7 @@ import pytest
 
 from engine.cache import kvquant
 from engine.cache.adapter import attend
-from engine.cache.attention import block_walk, scratch
+from engine.cache.attention import block_walk, dispatch, scratch
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
@@ -62,12 +62,16 @@ def _blocks_walked(monkeypatch) -> list[tuple[str, int]]:
     return calls
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("mode", kvquant.MODES)
 def test_verification_rows_are_single_token_decode_bit_for_bit(
-    mode: str, rotate: bool, monkeypatch
+    mode: str, rotate: bool, packed: bool, monkeypatch
 ) -> None:
+    # ``packed``: quantized pages scored from their bytes (the GPU schedule's
+    # decode path) rather than converted block by block (the CPU's).
     assert scratch.PACKED_MAX_TOKENS >= VERIFY_TOKENS
+    monkeypatch.setattr(dispatch, "reads_packed_pages", lambda: packed)
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", DECODE_BUDGET)
     blocks = _blocks_walked(monkeypatch)
     keys, values = _rows(KV_HEADS, VERIFY_TOKENS, 3), _rows(KV_HEADS, VERIFY_TOKENS, 4)
