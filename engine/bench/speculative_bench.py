@@ -27,11 +27,15 @@ from engine.events import TokenChunk
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = {
-    "quote": "Quote, word for word, the first paragraph of the section titled "
-             "'Rules the code keeps' in the document above.",
+    # {start}: the opening words of a paragraph the cut document holds (quote_start).
+    "quote": 'Quote, word for word, the paragraph of the document above that begins "{start}".',
     "summarize": "Summarize the document above in five sentences.",
     "unrelated": "What is the boiling point of water on top of Mount Everest, and why?",
 }
+# The quoted paragraph: the last one of plain prose with at least this many words
+# (else the longest), named by this many of its first words.
+QUOTE_MIN_WORDS = 30
+QUOTE_START_WORDS = 8
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,25 @@ def document(tokenizer: Any, tokens: int) -> str:
     while len(ids) < tokens:
         ids = ids + ids
     return tokenizer.decode(ids[:tokens])
+
+
+def quote_start(doc: str) -> str:
+    """The first words of the document's last prose paragraph (what the quote question names).
+
+    Taken from the document as cut, so the paragraph is always in it: a fixed
+    section title can fall past the cut.
+    """
+    prose = [p for p in doc.split("\n\n") if p.strip()[:1].isalpha() and "```" not in p]
+    if not prose:
+        raise EngineError("The benchmark document has no paragraph of prose to quote.")
+    long = [p for p in prose if len(p.split()) >= QUOTE_MIN_WORDS]
+    chosen = long[-1] if long else max(prose, key=lambda p: len(p.split()))
+    return " ".join(chosen.split()[:QUOTE_START_WORDS])
+
+
+def question(name: str, doc: str) -> str:
+    """The text of question ``name`` about ``doc``."""
+    return QUESTIONS[name].format(start=quote_start(doc)) if name == "quote" else QUESTIONS[name]
 
 
 def _answer(session: Any, messages: list[dict], sampling: Any) -> dict[str, Any]:
@@ -157,23 +180,23 @@ def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], N
     doc = document(loaded.tokenizer, config.document_tokens)
     rows: list[dict[str, Any]] = []
     results = {"config": dataclasses.asdict(config), "model": loaded.info.name, "rows": rows,
-               "blas": blas_library()}
+               "blas": blas_library(), "quote_question": question("quote", doc)}
     plain = SamplingParams(temperature=0.0, max_tokens=config.max_tokens, speculative="off")
     for mode in config.modes:
         session = Session("bench", loaded, mode)
-        for question in config.questions:
-            messages = [{"role": "user", "content": f"{doc}\n\n{QUESTIONS[question]}"}]
-            progress(f"speculative {mode} {question}: off")
+        for name in config.questions:
+            messages = [{"role": "user", "content": f"{doc}\n\n{question(name, doc)}"}]
+            progress(f"speculative {mode} {name}: off")
             off = _answer(session, messages, plain)
-            progress(f"speculative {mode} {question}: lookup")
+            progress(f"speculative {mode} {name}: lookup")
             on = _answer(session, messages, dataclasses.replace(plain, speculative="lookup"))
             generated = len(on["ids"])
             first = first_divergence(off["ids"], on["ids"])
             prompt = session.prompt(messages, add_generation_prompt=True).ids
-            progress(f"speculative {mode} {question}: batch noise")
+            progress(f"speculative {mode} {name}: batch noise")
             noise = batch_noise(session, prompt, off["ids"], MAX_DRAFT + 1)
             rows.append({
-                "mode": mode, "question": question, "tokens": generated,
+                "mode": mode, "question": name, "tokens": generated,
                 "off_tps": off["decode_tps"], "on_tps": on["decode_tps"],
                 "ratio": on["decode_tps"] / off["decode_tps"] if off["decode_tps"] else 0.0,
                 "draft_tokens": on["draft_tokens"], "accepted_tokens": on["accepted_tokens"],
@@ -203,6 +226,9 @@ def render_report(results: dict, info: dict, command: str, load: str) -> str:
         f"on the same held document. Load average at the end: {load} "
         f"(MLX {info.get('mlx', '?')}, {info.get('platform', '?')}); BLAS loaded: "
         f"{results.get('blas', '?')}.",
+        "",
+        f"Questions: quote: {results.get('quote_question', '?')} summarize: "
+        f"{QUESTIONS['summarize']} unrelated: {QUESTIONS['unrelated']}",
         "",
         "| mode | question | tokens | off tok/s | on tok/s | on/off | drafted | accepted "
         "| tokens/step | Metal estimate | first divergence (margin) | batch noise: "

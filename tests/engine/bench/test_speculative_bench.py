@@ -6,6 +6,7 @@ from pathlib import Path
 
 from engine.bench.speculative_bench import (
     SpeculativeConfig,
+    quote_start,
     render_report,
     run_speculative_bench,
 )
@@ -28,3 +29,11 @@ def test_bench_reports_every_question_with_its_margins(tmp_path: Path) -> None:
     report = render_report(results, {"mlx": "x", "platform": "y"}, "cmd", "1.0")
     assert report.count("| q6 |") == len(rows)
     assert "BLAS loaded" in report and "Batch noise" in report
+
+
+def test_quote_question_names_a_paragraph_the_cut_document_holds() -> None:
+    doc = "# Title\n\nShort one.\n\n```\ncode code\n```\n\n" + " ".join(
+        f"word{i}" for i in range(40)) + "\n\n- a list item\n\nLast words here."
+    assert quote_start(doc) == " ".join(f"word{i}" for i in range(8))
+    # With no long paragraph, the longest prose one.
+    assert quote_start("Two words.\n\nThree words here.") == "Three words here."
