@@ -14,16 +14,16 @@ from engine.cache.attention import schedule, streams
 
 # Up to this many new tokens (decode, and a speculative verification of the last
 # token plus up to 8 drafted ones) read the pages the way a decode step does: packed
-# pages directly, fp16 pages page-major; the score matrix [heads, tokens, context]
+# pages directly (GPU schedule), else page-major; the score matrix [heads, tokens, context]
 # grows with the chunk, so longer chunks walk the pages in prefill blocks instead.
 PACKED_MAX_TOKENS = 9
 # The most one prefill chunk's attention scratch (scores, their exponentials and
 # one dequantized block of keys and values) may take, at any context length; each
 # pool carries its own (``PagePool.scratch_bytes``), this is the default.
-# A decode step walking the pages (fp16, or a head_dim the packed kernels cannot
-# take) has a few score rows, so its blocks are mostly the converted keys and values:
-# a block well inside the CPU's caches is as fast as a large one and keeps the
-# step's transient far below a prefill chunk's.
+# A decode step walking the pages (fp16, any mode on the CPU, or a head_dim the
+# packed kernels cannot take) has a few score rows, so its blocks are mostly the
+# converted keys and values: a block well inside the CPU's caches is as fast as a
+# large one and keeps the step's transient far below a prefill chunk's.
 DECODE_SCRATCH_BYTES = 16 * 2**20
 # The GPU schedule's decode blocks (:mod:`engine.cache.attention.schedule`): the
 # host never waits between them, so a block is sized for few kernel launches per
