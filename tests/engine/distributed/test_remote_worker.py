@@ -7,6 +7,7 @@ fail fast, restart with load_model, shut down without leaving a process.
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import signal
@@ -192,3 +193,19 @@ def test_a_model_mlx_lm_cannot_split_fails_its_load_before_any_process_starts(
     assert isinstance(failed, Failed) and failed.error_type == "ModelLoadError"
     assert "cannot be split across machines" in failed.message and "llama" in failed.message
     assert not any(isinstance(e, PipelineLost) for e in recorder.events)
+
+
+def test_the_remote_worker_has_the_in_process_workers_public_surface() -> None:
+    """A front end built for EngineWorker drives RemoteWorker unchanged."""
+    def public(cls: type) -> dict[str, object]:
+        return {name: value for name, value in vars(cls).items() if not name.startswith("_")}
+
+    local, remote = public(EngineWorker), public(RemoteWorker)
+    assert set(local) == set(remote)
+    for name, value in local.items():
+        if isinstance(value, property):
+            assert isinstance(remote[name], property), name
+            continue
+        ours, theirs = inspect.signature(value), inspect.signature(remote[name])
+        assert list(ours.parameters.values()) == list(theirs.parameters.values()), name
+        assert ours.return_annotation == theirs.return_annotation, name
