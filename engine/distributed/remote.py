@@ -30,11 +30,13 @@ import pickle
 import queue
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +92,6 @@ class _Run:
     group: Group
     listener: Listener
     address: tuple[str, int]
-    key: bytes
     conn: Connection | None = None
     ended: threading.Event = field(default_factory=threading.Event)
     forced: str | None = None  # why this side ended the group, if it did
@@ -468,7 +469,7 @@ class RemoteWorker:
         address = listener.address
         env = {**os.environ, REPORT_DIR: folder, ADDRESS_ENV: f"{address[0]}:{address[1]}",
                KEY_ENV: key.hex()}
-        run = _Run(Group(command, env, Path(folder), ranks, hosts), listener, address, key)
+        run = _Run(Group(command, env, Path(folder), ranks, hosts), listener, address)
         with self._lock:  # before the watcher can report its loss
             self._run = run
         watcher = threading.Thread(target=self._watch, args=(run,),
@@ -478,15 +479,14 @@ class RemoteWorker:
         return run
 
     def _connect(self, run: _Run) -> bool:
-        # The watcher wakes a still-waiting accept by connecting itself when the
-        # group ends first; that connection is then no rank 0.
+        # The watcher wakes a still-waiting accept when the group ends first.
         timer = threading.Timer(CONNECT_TIMEOUT, self._force_end, (run, "rank 0 did not "
                                 f"connect within {CONNECT_TIMEOUT:.0f} s"))
         timer.daemon = True
         timer.start()
         try:
             conn = run.listener.accept()
-        except (OSError, EOFError) as error:
+        except (OSError, EOFError, AuthenticationError) as error:
             log.info("pipeline rank 0 did not connect: %s", error)
             return False
         finally:
@@ -548,16 +548,16 @@ class RemoteWorker:
         done, lost = run.group.watch()
         run.ended.set()
         if run.conn is None:
-            # Wake an accept still waiting for a rank 0 that will never come.
-            # (Refused or cut: the accept has ended already.)
-            with contextlib.suppress(OSError, EOFError):
-                Client(run.address, authkey=run.key).close()
+            # Wake an accept still waiting for a rank 0 that will never come: a bare
+            # connection fails its handshake at once. (Refused: it has ended already.)
+            with contextlib.suppress(OSError):
+                socket.create_connection(run.address, timeout=2.0).close()
         shutil.rmtree(run.group.folder, ignore_errors=True)
         if run.stopping:
             return
         message = (f"The pipeline run failed: {run.forced}" if run.forced
                    else run.group.failure(done, lost))
-        self._lose(run, f"{message}. Load the model again to restart it.")
+        self._lose(run, f"{message.rstrip('.')}. Load the model again to restart it.")
 
     def _lose(self, run: _Run, message: str) -> None:
         with self._lock:
