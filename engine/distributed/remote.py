@@ -103,8 +103,8 @@ class RemoteWorker:
     """``EngineWorker``'s surface over a pipeline group in child processes.
 
     Args:
-        on_event: called with each event, on this worker's relay or control
-            thread; it must be thread-safe.
+        on_event: called with each event, in order, on one thread of this worker
+            (never the one reading the connection, so it may ask rank 0 a question).
         budget_bytes: rank 0's KV page budget (None: free RAM minus its headroom);
             every other rank guards its own memory.
         chunk_size: tokens per prefill chunk.
