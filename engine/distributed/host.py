@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.distributed.launch import rank_report_dir, write_rank_pid, write_rank_report
-from engine.distributed.remote import ADDRESS_ENV, CANCELLABLE, KEY_ENV
+from engine.distributed.link import ADDRESS_ENV, KEY_ENV
+from engine.distributed.remote import CANCELLABLE
 from engine.errors import EngineError
 from engine.events import Failed, Finished
 from engine.runtime.worker import UNEXPECTED
