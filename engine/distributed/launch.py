@@ -49,9 +49,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
         EngineError: mlx.launch is missing, the hostfile is unusable, or a rank
             failed (named, with its error).
     """
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    if not launcher.exists():
-        raise EngineError("MLX's launcher (mlx.launch) is not installed beside this Python.")
+    launcher = launcher_path()
     hosts = None if hostfile is None else read_hostfile(hostfile)
     if hosts is not None:
         ranks = len(hosts)
@@ -81,6 +79,18 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     return int(first.get("status", 0))
 
 
+def launcher_path() -> Path:
+    """MLX's launcher beside this Python.
+
+    Raises:
+        EngineError: it is not installed.
+    """
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        raise EngineError("MLX's launcher (mlx.launch) is not installed beside this Python.")
+    return launcher
+
+
 def read_hostfile(path: Path) -> list[str]:
     """The ssh host of each rank in an MLX hostfile, rank 0 first.
 
@@ -101,13 +111,16 @@ def read_hostfile(path: Path) -> list[str]:
     return hosts
 
 
-def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int,
-                   folder: str, hostfile: Path | None = None) -> list[str]:
-    """The mlx.launch command line of a pipeline run (local ranks, or a hostfile's)."""
+def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int | None,
+                   folder: str, hostfile: Path | None = None,
+                   module: str = "engine") -> list[str]:
+    """The mlx.launch command line of a pipeline run (local ranks, or a hostfile's):
+    ``python -m <module> <argv>`` on every rank (with ``--seed``, unless None)."""
     where = (["-n", str(ranks), "--backend", "ring"] if hostfile is None else
              ["--hostfile", str(hostfile), "--env", f"{REPORT_DIR}={folder}"])
-    return [str(launcher), *where, sys.executable, "-m", "engine", *_without_hostfile(argv),
-            "--seed", str(seed)]
+    seeded = [] if seed is None else ["--seed", str(seed)]
+    return [str(launcher), *where, sys.executable, "-m", module, *_without_hostfile(argv),
+            *seeded]
 
 
 def _without_hostfile(argv: Sequence[str]) -> list[str]:
