@@ -70,14 +70,6 @@ def probe(model_folder: str | None) -> dict[str, Any]:
     return facts
 
 
-def is_this_machine(host: str) -> bool:
-    """Whether ``host`` names the machine this runs on (by address or by name)."""
-    if host in LOCAL_HOSTS or host == "localhost":
-        return True
-    name = socket.gethostname()
-    return host.lower() in {name.lower(), f"{name.split('.')[0].lower()}.local"}
-
-
 def probe_command(host: str, model_folder: str | None,
                   connect_timeout: int = CONNECT_TIMEOUT_S) -> list[str]:
     """The command that asks ``host`` for its facts, as mlx.launch would start a rank there."""
@@ -155,7 +147,7 @@ def check_hosts(hostfile: Path, model_folder: str | Path | None,
 
     Each distinct host is asked once (concurrently), over ssh with key login only
     (``BatchMode``), except 127.0.0.1, which is asked here as mlx.launch starts it.
-    The first host must be this machine: the app runs rank 0.
+    The first host must be this machine as 127.0.0.1: the app runs rank 0 there.
 
     Args:
         hostfile: an MLX hostfile (JSON, as ``mlx.launch --hostfile`` reads it).
@@ -184,11 +176,10 @@ def check_hosts(hostfile: Path, model_folder: str | Path | None,
             lambda host: _ask(host, folder, connect_timeout, timeout), distinct), strict=True))
     checks = [verdict(rank, host, here, answers[host], folder)
               for rank, host in enumerate(hosts)]
-    if not is_this_machine(hosts[0]):
+    if hosts[0] not in LOCAL_HOSTS:
         checks[0] = HostCheck(hosts[0], False,
                               f"Rank 0 ({hosts[0]}) must be this Mac: Longleaf runs the "
-                              "first machine itself. Put 127.0.0.1 (or this Mac's name) "
-                              "first in the hostfile.")
+                              "first machine itself. Put 127.0.0.1 first in the hostfile.")
     return checks
 
 
