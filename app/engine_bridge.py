@@ -103,7 +103,8 @@ class EngineBridge(QObject):
         # Front ends beside the window on the same worker (the local server): each
         # takes its own requests' events on the engine thread, before the GUI sees them;
         # a claim sees only the events of the worker current when it was added.
-        self._claims: tuple[tuple[int, Callable[[object], bool]], ...] = ()
+        self._claims: tuple[Callable[[object], bool], ...] = ()
+        self._claim_owners: dict[Callable[[object], bool], int] = {}  # claim -> its offset
 
     # Worker thread side ---------------------------------------------------
 
@@ -112,8 +113,8 @@ class EngineBridge(QObject):
 
         def on_event(event: object) -> None:
             # Runs on the engine thread: only hand the event over.
-            for owner, claim in self._claims:
-                if owner == offset and claim(event):
+            for claim in self._claims:
+                if self._claim_owners.get(claim, offset) == offset and claim(event):
                     return
             if offset and isinstance(getattr(event, "request_id", None), int):
                 event = replace(event, request_id=event.request_id + offset)
@@ -130,11 +131,13 @@ class EngineBridge(QObject):
     def add_claim(self, claim: Callable[[object], bool]) -> None:
         """Offer every worker event to ``claim`` first (on the engine thread); an event
         it returns True for is its own and never reaches the window."""
-        self._claims = (*self._claims, (self._offset, claim))
+        self._claims = (*self._claims, claim)
+        self._claim_owners[claim] = self._offset
 
     def remove_claim(self, claim: Callable[[object], bool]) -> None:
         """Stop offering events to ``claim``."""
-        self._claims = tuple(c for c in self._claims if c[1] != claim)
+        self._claims = tuple(c for c in self._claims if c != claim)
+        self._claim_owners.pop(claim, None)
 
     def replace_worker(self, worker_factory: Callable | None = None) -> None:
         """Run every request from now on on a new worker built by ``worker_factory``
