@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import pickle
 import sys
 import threading
 from multiprocessing.connection import Client, Connection
@@ -25,6 +26,7 @@ from engine.distributed.launch import rank_report_dir, write_rank_pid, write_ran
 from engine.distributed.remote import ADDRESS_ENV, CANCELLABLE, KEY_ENV
 from engine.errors import EngineError
 from engine.events import Failed, Finished
+from engine.runtime.worker import UNEXPECTED
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,13 @@ class Host:
                 self.conn.send(message)
         except (OSError, ValueError) as error:  # the app is gone; serve() ends
             log.warning("cannot reach the app: %s", error)
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            # Events are plain values by design; one that is not still ends its request.
+            log.exception("cannot send %r to the app", type(message[-1]).__name__)
+            event = message[-1]
+            if message[0] == "event" and isinstance(event, Finished | Failed):
+                self._send(("event", Failed(event.request_id, UNEXPECTED.format(
+                    detail=f"{type(error).__name__}: {error}"), type(error).__name__)))
 
     def _on_event(self, event: object) -> None:
         request_id = getattr(event, "request_id", None)

@@ -26,14 +26,17 @@ import copy
 import itertools
 import logging
 import os
+import pickle
 import queue
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +46,10 @@ from engine.distributed.launch import REPORT_DIR, launch_command, launcher_path,
 from engine.errors import EngineError, ModelLoadError
 from engine.events import Failed, Finished, PipelineLost, StatsSample
 from engine.memory import fit
+from engine.runtime.worker import check_settings
 from engine.session.prompt_ids import TurnOverhead
 from engine.session.sampling import SamplingParams
+from engine.session.session import DEFAULT_PAGE_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +92,6 @@ class _Run:
     group: Group
     listener: Listener
     address: tuple[str, int]
-    key: bytes
     conn: Connection | None = None
     ended: threading.Event = field(default_factory=threading.Event)
     forced: str | None = None  # why this side ended the group, if it did
@@ -168,7 +172,7 @@ class RemoteWorker:
         """
         return self._submit("load_model", (path,))
 
-    def open_session(self, session_id: str, mode: str, page_size: int = 256,
+    def open_session(self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
                      rotate: bool | None = None) -> int:
         """As ``EngineWorker.open_session``, on rank 0 (each rank its layers)."""
         return self._submit("open_session", (session_id, mode, page_size, rotate))
@@ -318,27 +322,24 @@ class RemoteWorker:
         if name in ("configure", "set_snapshot_budget", "share_chats_with_api"):
             self._settings[name] = (args, kwargs)
         if name == "configure":
-            budget, chunk = kwargs["budget_bytes"], kwargs["chunk_size"]
-            if (budget is None or budget >= 0) and chunk >= 1:  # the next group's too
-                self._budget_bytes, self._chunk_size = budget, chunk
+            try:
+                check_settings(kwargs["budget_bytes"], kwargs["chunk_size"])
+            except EngineError as error:
+                self._settings.pop(name)
+                self._emit(Failed(request_id, str(error), type(error).__name__))
+                return
+            # Also the next group's.
+            self._budget_bytes, self._chunk_size = kwargs["budget_bytes"], kwargs["chunk_size"]
         if name == "load_model":
             self._start(request_id, args[0])
             return
         if not self._connected:
-            self._answer_alone(request_id, name, kwargs)
+            self._answer_alone(request_id, name)
             return
         self._send_call(request_id, name, args, kwargs, cancel)
 
-    def _answer_alone(self, request_id: int, name: str, kwargs: dict[str, Any]) -> None:
+    def _answer_alone(self, request_id: int, name: str) -> None:
         # No group answers: settings wait for the next one, everything else fails.
-        if name == "configure":
-            budget, chunk = kwargs["budget_bytes"], kwargs["chunk_size"]
-            if (budget is not None and budget < 0) or chunk < 1:
-                self._settings.pop(name, None)
-                self._emit(Failed(request_id, "The KV memory budget cannot be negative, "
-                                  "and the ingest chunk must be at least 1 token.",
-                                  "EngineError"))
-                return
         if name in ("configure", "set_snapshot_budget", "share_chats_with_api",
                     "close_session"):
             self._emit(Finished(request_id, "done"))
@@ -351,7 +352,13 @@ class RemoteWorker:
                    kwargs: dict[str, Any], cancel: threading.Event) -> None:
         with self._lock:
             self._pending[request_id] = _Request(name, cancel)
-        if not self._send(("call", request_id, name, args, kwargs)):
+        try:
+            sent = self._send(("call", request_id, name, args, kwargs))
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            self._end(request_id, Failed(request_id, f"This request cannot be sent to the "
+                                         f"pipeline ({error}).", EngineError.__name__))
+            return
+        if not sent:
             return  # the group is going: its loss ends this request
         with self._lock:
             request = self._pending.get(request_id)
@@ -462,7 +469,7 @@ class RemoteWorker:
         address = listener.address
         env = {**os.environ, REPORT_DIR: folder, ADDRESS_ENV: f"{address[0]}:{address[1]}",
                KEY_ENV: key.hex()}
-        run = _Run(Group(command, env, Path(folder), ranks, hosts), listener, address, key)
+        run = _Run(Group(command, env, Path(folder), ranks, hosts), listener, address)
         with self._lock:  # before the watcher can report its loss
             self._run = run
         watcher = threading.Thread(target=self._watch, args=(run,),
@@ -472,15 +479,14 @@ class RemoteWorker:
         return run
 
     def _connect(self, run: _Run) -> bool:
-        # The watcher wakes a still-waiting accept by connecting itself when the
-        # group ends first; that connection is then no rank 0.
+        # The watcher wakes a still-waiting accept when the group ends first.
         timer = threading.Timer(CONNECT_TIMEOUT, self._force_end, (run, "rank 0 did not "
                                 f"connect within {CONNECT_TIMEOUT:.0f} s"))
         timer.daemon = True
         timer.start()
         try:
             conn = run.listener.accept()
-        except (OSError, EOFError) as error:
+        except (OSError, EOFError, AuthenticationError) as error:
             log.info("pipeline rank 0 did not connect: %s", error)
             return False
         finally:
@@ -542,16 +548,16 @@ class RemoteWorker:
         done, lost = run.group.watch()
         run.ended.set()
         if run.conn is None:
-            # Wake an accept still waiting for a rank 0 that will never come.
-            # (Refused or cut: the accept has ended already.)
-            with contextlib.suppress(OSError, EOFError):
-                Client(run.address, authkey=run.key).close()
+            # Wake an accept still waiting for a rank 0 that will never come: a bare
+            # connection fails its handshake at once. (Refused: it has ended already.)
+            with contextlib.suppress(OSError):
+                socket.create_connection(run.address, timeout=2.0).close()
         shutil.rmtree(run.group.folder, ignore_errors=True)
         if run.stopping:
             return
         message = (f"The pipeline run failed: {run.forced}" if run.forced
                    else run.group.failure(done, lost))
-        self._lose(run, f"{message}. Load the model again to restart it.")
+        self._lose(run, f"{message.rstrip('.')}. Load the model again to restart it.")
 
     def _lose(self, run: _Run, message: str) -> None:
         with self._lock:
@@ -583,6 +589,9 @@ class RemoteWorker:
             self._connected = False
             if self._run is run:
                 self._run = None
+            for request_id in sorted(self._pending):  # rank 0 stopped before ending them
+                self._emit(Finished(request_id, "cancelled"))
+            self._pending.clear()
 
     def _watch_cancels(self) -> None:
         # An Event cannot be waited on together with others: look at the in-flight
@@ -609,11 +618,8 @@ class RemoteWorker:
 
 def _check_splittable(path: str) -> None:
     """Refuse, before any process starts, a folder that is no model or cannot be split."""
-    from engine.models.folder import read_config
-    from engine.models.loader import resolve_model_path
-    from engine.models.split import can_split, no_split_message
+    from engine.models.split import split_refusal
 
-    folder = resolve_model_path(path)
-    config = read_config(folder)
-    if not can_split(folder):
-        raise ModelLoadError(no_split_message(folder.name, str(config["model_type"])))
+    refusal = split_refusal(path)
+    if refusal is not None:
+        raise ModelLoadError(refusal)

@@ -20,16 +20,27 @@ def can_split(folder: str | Path) -> bool:
 
     False also for a folder that is not a model mlx-lm knows (its load says why).
     """
-    from engine.models.folder import _model_classes, read_config
-    from engine.models.loader import resolve_model_path
+    return split_refusal(folder) is None
 
+
+def split_refusal(folder: str | Path) -> str | None:
+    """Why the model in ``folder`` cannot be split across machines; None when it can."""
+    from engine.models.demo import DEMO_ARCHITECTURE, DEMO_NAME
+    from engine.models.folder import _model_classes, read_config
+    from engine.models.loader import DEMO
+
+    if str(folder) == DEMO:
+        # Known without converting it (which only the engine thread may do).
+        return no_split_message(DEMO_NAME, DEMO_ARCHITECTURE)
+    path = Path(folder).expanduser()
     try:
-        path = resolve_model_path(folder)
         config = read_config(path)
         model_class, _ = _model_classes(config, path)
-    except ModelLoadError:
-        return False
-    return _has_pipeline(sys.modules[model_class.__module__])
+    except ModelLoadError as error:
+        return str(error)
+    if _has_pipeline(sys.modules[model_class.__module__]):
+        return None
+    return no_split_message(path.name, str(config["model_type"]))
 
 
 def no_split_message(name: str, model_type: str) -> str:
