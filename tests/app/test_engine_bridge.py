@@ -127,3 +127,22 @@ def test_a_lost_pipeline_says_when_the_model_does_not_fit_here(qtbot, lost,
     # A late failure of a request the pipeline still owed reaches no one twice.
     lost.remote[0].on_event(Failed(99, "gone", "GroupLost"))
     qtbot.wait(20)
+
+
+def test_turning_other_macs_off_loads_the_model_here(qtbot, lost) -> None:
+    lost.c.settings.pipeline_enabled = False
+    lost.c.machines_changed()
+    assert lost.bridge.worker is lost.local[1] and lost.c.machines.pipeline is None
+    assert lost.local[1].last("load")[1] == ("big",)
+    lost.c.machines_changed()  # nothing changed since: no second load
+    assert lost.local[1].names().count("load") == 1
+
+
+def test_a_missing_hostfile_loads_on_this_mac_and_says_why(qtbot, lost, tmp_path) -> None:
+    errors: list[str] = []
+    lost.c.errorRaised.connect(errors.append)
+    lost.c.settings.pipeline_hostfile = str(tmp_path / "gone.json")
+    lost.c.load_model("big")
+    assert lost.bridge.worker is lost.local[1]
+    assert "gone.json" in errors[0] and errors[0].endswith("on this Mac alone.")
+    assert lost.local[1].last("load")[1] == ("big",)
