@@ -71,7 +71,8 @@ def test_a_lost_mac_ends_the_answer_keeps_the_chat_and_falls_back(qtbot, tmp_pat
         # Back on this machine: the model loads in-process, the banner says so.
         qtbot.waitUntil(lambda: controller.model_ready, timeout=PIPELINE_TIMEOUT_MS)
         assert isinstance(controller.bridge.worker, EngineWorker)
-        assert "this Mac alone" in window.banner.label.text()
+        banner = window.banner.label.text()
+        assert "rank 1" in banner and "this Mac alone" in banner, banner
         controller.settings.sampling = short
         assert send_and_wait(qtbot, window, "And now?") == "complete"
         assert controller.model.message(5).content
