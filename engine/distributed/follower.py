@@ -66,7 +66,7 @@ class Follower:
     def run(self) -> dict[str, Any]:
         """Follow commands until ``STOP``; this rank's report."""
         while True:
-            fields = c.broadcast(self.group, mx.zeros((c.HEADER,), dtype=mx.int32)).tolist()
+            fields = c.receive(self.group, mx.zeros((c.HEADER,), dtype=mx.int32)).tolist()
             version, op, slot, *args = fields
             if version != c.VERSION:
                 raise c.PipelineDesync(
@@ -110,7 +110,7 @@ class Follower:
 
     def _prefill(self, slot: int, count: int, position: int, *_: int) -> None:
         session = self._session(slot, c.PREFILL)
-        ids = c.broadcast(self.group, mx.zeros((count,), dtype=mx.int32)).tolist()
+        ids = c.receive(self.group, mx.zeros((count,), dtype=mx.int32)).tolist()
         self._expect(session, position, c.PREFILL)
         session.forward(ids)
 
@@ -118,8 +118,9 @@ class Follower:
         session = self._session(slot, c.DECODE)
         token = args[-1]
         adapter.ensure_capacity(session.cache, 1)
-        # Evaluating the logits runs mlx-lm's all_gather, which rank 0 waits on.
-        mx.eval(session.model(mx.array([[token]]), cache=session.cache))
+        # The inner model's output ends in mlx-lm's all_gather, which rank 0 waits
+        # on; only rank 0 samples, so this rank skips the vocabulary projection.
+        mx.eval(session.model.model(mx.array([[token]]), cache=session.cache))
         session.tokens.append(token)
 
     def _checkpoint(self, slot: int, boundary: int, position: int, *_: int) -> None:
@@ -152,7 +153,7 @@ class Follower:
         c.gather_replies(self.group, fit_reply(session, token_count))
 
     def _name(self, length: int) -> str:
-        raw = c.broadcast(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()
+        raw = c.receive(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()
         return bytes(raw).decode("utf-8")
 
     def _save(self, slot: int, length: int, *_: int) -> None:

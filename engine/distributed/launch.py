@@ -73,7 +73,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
         command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
-        env = {**os.environ, REPORT_DIR: folder}
+        env = {**os.environ, REPORT_DIR: folder, **local_threads(len(local))}
         done, lost = _supervise(command, env, Path(folder), ranks)
         reports = _reports(Path(folder), ranks)
     for rank in range(ranks):
@@ -91,6 +91,20 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     else:
         out.write(first["text"] + "\n")
     return int(first.get("status", 0))
+
+
+def local_threads(local_ranks: int) -> dict[str, str]:
+    """BLAS thread counts for ranks that share this machine: each its share of the cores.
+
+    The launcher's environment reaches only the ranks it starts here (ssh does not
+    pass it on), and a pipeline's stages run one after the other, so each rank's
+    BLAS pool sized for the whole machine would spin against the other stage.
+    A count the user set is kept.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = str(max(1, (cores or 1) // max(1, local_ranks)))
+    return {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
+                                                           "OMP_NUM_THREADS")}
 
 
 def read_hostfile(path: Path) -> list[str]:
