@@ -56,6 +56,7 @@ class Follower:
         self.ends: list[int] = []  # tokens held at each request's end, as rank 0 held them
         self.cancelled = 0
         self.last: dict[str, Any] = {}  # this rank's stats at the last request's end
+        self._step: mx.array | None = None  # the decode step in flight
         self._handlers = {
             c.OPEN: self._open, c.PREFILL: self._prefill, c.DECODE: self._decode,
             c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
@@ -120,7 +121,10 @@ class Follower:
         adapter.ensure_capacity(session.cache, 1)
         # The inner model's output ends in mlx-lm's all_gather, which rank 0 waits
         # on; only rank 0 samples, so this rank skips the vocabulary projection.
-        mx.eval(session.model.model(mx.array([[token]]), cache=session.cache))
+        # Not waited for: the next command's receive queues behind it, so it
+        # starts the moment the step ends, without a host sync in between.
+        self._step = session.model.model(mx.array([[token]]), cache=session.cache)
+        mx.async_eval(self._step)
         session.tokens.append(token)
 
     def _checkpoint(self, slot: int, boundary: int, position: int, *_: int) -> None:
@@ -220,6 +224,7 @@ def follow(path: str, group: Any, snapshots: Path | None = None,
     from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
     from engine.snapshots.fingerprint import model_fingerprint
 
+    c.share_cores(group)
     guard = MemoryGuard()
     folder = resolve_model_path(path)
     needed, quantized = estimate_load_bytes(folder)

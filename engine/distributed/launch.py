@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from engine.errors import EngineError
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
+LOCAL_RANKS = "LONGLEAF_LOCAL_RANKS"  # set when every rank runs on this machine
 LOCAL_HOSTS = frozenset({"127.0.0.1"})  # mlx.launch starts these without ssh
 RANK_TIMEOUT = 24 * 3600.0
 POLL_SECONDS = 0.25
@@ -74,6 +75,8 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
         command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
         env = {**os.environ, REPORT_DIR: folder, **local_threads(len(local))}
+        if len(local) == ranks:  # each rank keeps to its share of the cores
+            env[LOCAL_RANKS] = str(ranks)
         done, lost = _supervise(command, env, Path(folder), ranks)
         reports = _reports(Path(folder), ranks)
     for rank in range(ranks):
