@@ -50,6 +50,25 @@ def rank_report_dir() -> Path | None:
     return Path(folder) if folder else None
 
 
+def local_rank_env(local_ranks: int, ranks: int) -> dict[str, str]:
+    """What the launcher adds to the environment of the ranks it starts on this machine.
+
+    BLAS threads: each rank its share of the cores (a count the user set is kept),
+    since the stages run one after the other and a pool sized for the whole machine
+    spins against the other stage. When every rank is local, ``LOCAL_RANKS`` tells
+    them to pin themselves to their share (``commands.share_cores``). The
+    launcher's environment reaches only the ranks it starts here (ssh does not
+    pass it on).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = str(max(1, (cores or 1) // max(1, local_ranks)))
+    env = {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
+                                                          "OMP_NUM_THREADS")}
+    if local_ranks == ranks:
+        env[LOCAL_RANKS] = str(ranks)
+    return env
+
+
 def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
            hostfile: Path | None = None) -> int:
     """Run ``python -m engine <argv>`` on ``ranks`` local ranks; print rank 0's output.
@@ -74,9 +93,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
         command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
-        env = {**os.environ, REPORT_DIR: folder, **local_threads(len(local))}
-        if len(local) == ranks:  # each rank keeps to its share of the cores
-            env[LOCAL_RANKS] = str(ranks)
+        env = {**os.environ, REPORT_DIR: folder, **local_rank_env(len(local), ranks)}
         done, lost = _supervise(command, env, Path(folder), ranks)
         reports = _reports(Path(folder), ranks)
     for rank in range(ranks):
@@ -94,20 +111,6 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     else:
         out.write(first["text"] + "\n")
     return int(first.get("status", 0))
-
-
-def local_threads(local_ranks: int) -> dict[str, str]:
-    """BLAS thread counts for ranks that share this machine: each its share of the cores.
-
-    The launcher's environment reaches only the ranks it starts here (ssh does not
-    pass it on), and a pipeline's stages run one after the other, so each rank's
-    BLAS pool sized for the whole machine would spin against the other stage.
-    A count the user set is kept.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = str(max(1, (cores or 1) // max(1, local_ranks)))
-    return {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
-                                                           "OMP_NUM_THREADS")}
 
 
 def read_hostfile(path: Path) -> list[str]:
