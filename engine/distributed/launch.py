@@ -33,7 +33,6 @@ from typing import Any, TextIO
 from engine.errors import EngineError
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
-LOCAL_RANKS = "LONGLEAF_LOCAL_RANKS"  # set when every rank runs on this machine
 LOCAL_HOSTS = frozenset({"127.0.0.1"})  # mlx.launch starts these without ssh
 RANK_TIMEOUT = 24 * 3600.0
 POLL_SECONDS = 0.25
@@ -48,6 +47,9 @@ def rank_report_dir() -> Path | None:
     """The folder a launched rank reports into; None outside a pipeline launch."""
     folder = os.environ.get(REPORT_DIR)
     return Path(folder) if folder else None
+
+
+LOCAL_RANKS = "LONGLEAF_LOCAL_RANKS"  # set when every rank runs on this machine
 
 
 def local_rank_env(local_ranks: int, ranks: int) -> dict[str, str]:
