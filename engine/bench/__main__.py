@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--contexts", type=_ints, help="prompt lengths, e.g. 8k,32k")
     pipeline.add_argument("--max-tokens", type=int, help="tokens generated per run")
     pipeline.add_argument("--mode", help="KV mode, e.g. fp16")
+    pipeline.add_argument("--repeats", type=int, help="1-rank/2-rank pairs per context")
     serve = sub.add_parser("serve", help="demo model: HTTP server TTFT, resent and restarted")
     _common(serve)
     serve.add_argument("--tokens", type=parse_tokens, help="conversation tokens (about)")
@@ -156,7 +157,7 @@ def run_pipeline(args: argparse.Namespace, command: str) -> dict:
 
     base = pipeline_bench.QUICK if args.quick else pipeline_bench.PipelineBenchConfig()
     config = with_changes(base, contexts=args.contexts, max_tokens=args.max_tokens,
-                          mode=args.mode)
+                          mode=args.mode, repeats=args.repeats)
     return _run_sections(args, command, "pipeline", pipeline_bench.run_pipeline_bench,
                          pipeline_bench.render_pipeline_report, config)
 

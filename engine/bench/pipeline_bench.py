@@ -5,13 +5,17 @@ Each run is the real CLI (``python -m engine generate --json``, with
 model built the way the tests build theirs, so the difference between the rows
 is what the pipeline costs: the processes, the hidden-state send, mlx-lm's
 all_gather and the lock-step, on the same cores. The prompt is filler text cut
-to the wanted token count with the model's own tokenizer.
+to the wanted token count with the model's own tokenizer. One and two ranks
+alternate ``repeats`` times per context, so a shared machine's load falls on
+both alike, and the overhead is the median of each pair's difference. The ring
+backend's floor (``engine.bench.ring_floor``) runs once at the start.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,9 +39,10 @@ class PipelineBenchConfig:
     max_tokens: int = 64
     mode: str = "fp16"
     chunk_size: int = 512
+    repeats: int = 2
 
 
-QUICK = PipelineBenchConfig(contexts=(1024,), max_tokens=16)
+QUICK = PipelineBenchConfig(contexts=(1024,), max_tokens=16, repeats=1)
 
 
 def _tiny_model(folder: Path) -> Path:
@@ -62,33 +67,55 @@ def _run_once(model: Path, prompt_file: Path, ranks: int, config: PipelineBenchC
                "--json"]
     if ranks > 1:
         command += ["--pipeline", str(ranks)]
-    env = {**os.environ}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+    load = os.getloadavg()[0]
+    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
     result = json.loads(done.stdout.strip().splitlines()[-1])
     keep = ("prompt_tokens", "tokens", "prefill_tps", "decode_tps", "time_to_first_token")
-    return {key: result[key] if key != "tokens" else len(result[key]) for key in keep}
+    return {"load": load, "ids": result["tokens"],
+            **{key: result[key] if key != "tokens" else len(result[key]) for key in keep}}
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def ring_floor() -> dict:
+    """The ring backend's message costs between two local ranks (engine.bench.ring_floor)."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    command = [str(launcher), "-n", "2", "--backend", "ring", sys.executable, "-m",
+               "engine.bench.ring_floor"]
+    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
+                          check=False)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(rows[-1])
 
 
 def run_pipeline_bench(config: PipelineBenchConfig, progress: Callable[[str], None],
                        partial_results: Callable[[dict], None] | None = None) -> dict:
     """Every context at every rank count; returns the rows (and the config)."""
     results: dict[str, Any] = {"config": asdict(config), "rows": []}
+    progress("pipeline: the ring backend's floor")
+    results["floor"] = ring_floor()
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as folder:
         model = _tiny_model(Path(folder))
         for context in config.contexts:
             prompt_file = Path(folder) / f"prompt-{context}.txt"
             prompt_file.write_text(_prompt(model, context), encoding="utf-8")
-            for ranks in config.ranks:
-                progress(f"pipeline: {context} tokens on {ranks} rank(s)")
-                row = {"context": context, "ranks": ranks,
-                       **_run_once(model, prompt_file, ranks, config)}
-                results["rows"].append(row)
-                if partial_results is not None:
-                    partial_results(results)
+            for repeat in range(config.repeats):
+                for ranks in config.ranks:
+                    progress(f"pipeline: {context} tokens on {ranks} rank(s), run {repeat + 1}")
+                    row = {"context": context, "ranks": ranks, "repeat": repeat,
+                           **_run_once(model, prompt_file, ranks, config)}
+                    results["rows"].append(row)
+                    if partial_results is not None:
+                        partial_results(results)
     return results
 
 
@@ -97,36 +124,58 @@ def _ms_per_token(row: dict | None) -> float | None:
 
 
 def render_pipeline_report(results: dict, info: dict, command: str, load_after: str) -> str:
-    """The Markdown section: rows, the per-token overhead and the prefill ratio."""
+    """The Markdown section: the floor, the rows, the per-token overhead and the prefill ratio."""
+    config = results["config"]
     lines = ["## Pipeline: one process vs two local ranks (ring backend)", "",
              f"Command: `{command}`", "", *report.machine_lines(info, load_after), "",
              "Tiny random-weight qwen3_next (hybrid), greedy, "
-             f"{results['config']['mode']}, chunks of {results['config']['chunk_size']}.", ""]
+             f"{config['mode']}, chunks of {config['chunk_size']}; 1 and 2 ranks alternate "
+             f"{config.get('repeats', 1)} time(s) per context.", ""]
+    floor = results.get("floor") or {}
+    if floor:
+        lines += ["The ring backend's floor on this machine (2 local ranks, one message "
+                  "evaluated alone): " + ", ".join(
+                      f"{name.replace(' ms', '')} {value:.3f} ms" if name.endswith(" ms")
+                      else f"{name} {value:.2f}" if isinstance(value, float) else
+                      f"{name}: {value}" for name, value in floor.items()) + ".", ""]
     rows = results["rows"]
     lines += report.table(
-        ["context", "ranks", "prompt tokens", "TTFT s", "prefill tok/s", "decode tok/s",
-         "ms/token"],
-        [[report.fmt_tokens(r["context"]), r["ranks"], r.get("prompt_tokens", "-"),
-          _fmt(r.get("time_to_first_token"), 2), _fmt(r.get("prefill_tps"), 0),
-          _fmt(r.get("decode_tps"), 1), _fmt(_ms_per_token(r), 2)]
-         if "error" not in r else [report.fmt_tokens(r["context"]), r["ranks"], r["error"],
-                                   "", "", "", ""]
+        ["context", "ranks", "load at start", "prompt tokens", "TTFT s", "prefill tok/s",
+         "decode tok/s", "ms/token"],
+        [[report.fmt_tokens(r["context"]), r["ranks"], _fmt(r.get("load"), 1),
+          r.get("prompt_tokens", "-"), _fmt(r.get("time_to_first_token"), 2),
+          _fmt(r.get("prefill_tps"), 0), _fmt(r.get("decode_tps"), 1),
+          _fmt(_ms_per_token(r), 2)]
+         if "error" not in r else [report.fmt_tokens(r["context"]), r["ranks"], "",
+                                   r["error"], "", "", "", ""]
          for r in rows])
-    lines += ["", "Against one process at the same context "
+    lines += ["", "Against one process at the same context, the median over the runs' pairs "
               "(goals: ≤ 2 ms per decode token, prefill ≥ 0.8×):", ""]
     verdicts = []
     for context in dict.fromkeys(r["context"] for r in rows):
-        by_ranks = {r["ranks"]: r for r in rows if r["context"] == context and "error" not in r}
-        one, two = by_ranks.get(1), by_ranks.get(2)
-        if not one or not two:
+        overheads, prefills, same = [], [], True
+        for repeat in dict.fromkeys(r.get("repeat", 0) for r in rows):
+            by_ranks = {r["ranks"]: r for r in rows if r["context"] == context
+                        and r.get("repeat", 0) == repeat and "error" not in r}
+            one, two = by_ranks.get(1), by_ranks.get(2)
+            if not one or not two:
+                continue
+            same = same and one.get("ids") == two.get("ids")
+            one_ms, two_ms = _ms_per_token(one), _ms_per_token(two)
+            if one_ms is not None and two_ms is not None:
+                overheads.append(two_ms - one_ms)
+            prefill = report.ratio(two["prefill_tps"], one["prefill_tps"])
+            if prefill is not None:
+                prefills.append(prefill)
+        if not prefills:
             continue
-        one_ms, two_ms = _ms_per_token(one), _ms_per_token(two)
-        overhead = two_ms - one_ms if one_ms is not None and two_ms is not None else None
-        prefill = report.ratio(two["prefill_tps"], one["prefill_tps"])
+        overhead = statistics.median(overheads) if overheads else None
+        prefill = statistics.median(prefills)
         verdicts.append([report.fmt_tokens(context), _fmt(overhead, 2) + _goal(overhead, 2.0),
-                         report.fmt_ratio(prefill) + _goal(-(prefill or 0), -0.8)])
-    lines += report.table(["context", "decode overhead ms/token", "prefill 2 ranks / 1"],
-                          verdicts)
+                         report.fmt_ratio(prefill) + _goal(-prefill, -0.8),
+                         "yes" if same else "NO"])
+    lines += report.table(["context", "decode overhead ms/token", "prefill 2 ranks / 1",
+                           "same tokens"], verdicts)
     return "\n".join(lines) + "\n"
 
 

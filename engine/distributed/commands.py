@@ -3,19 +3,25 @@
 Rank 0 owns the tokenizer, sampling, the sessions' token ids and every decision
 (which chunk next, when to stop, cancel, save). The other ranks (followers,
 ``engine.distributed.follower``) hold only their layers' caches and do what each
-command says. A command is a small int32 header, broadcast (an ``all_gather`` of which every rank
-keeps rank 0's part), then, for a forward pass, the token ids the same way:
-no second RPC stack, and the collectives stay in the order both sides queue them.
+command says. A command is a small int32 header, then, for a forward pass, the
+token ids, each passed down the pipeline by ``mx.distributed`` send/recv: rank 0
+sends to the first stage (the last rank) and each follower hands it on to the
+rank after it, before its own work, so the command travels the way the hidden
+states do. No second RPC stack, and the messages stay in the order both sides
+queue them. A plain send/recv between neighbours is the ring backend's cheapest
+message (no collective thread pool; measured in docs/benchmarks.md).
 
 The header's first field is the protocol version: a follower that reads another
 version stops with an error instead of guessing. A decode step's token rides in
-the header (one collective per step). Questions (fit, save, restore) are answered by an
+the header (one message per step). Questions (fit, save, restore) are answered by an
 ``all_gather`` of one fixed-size reply row per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +30,7 @@ import blake3
 import mlx.core as mx
 
 from engine.cache.modes import MODES
+from engine.distributed.launch import LOCAL_RANKS
 from engine.errors import ContextTooLong, EngineError
 
 VERSION = 1
@@ -45,13 +52,44 @@ class PipelineDesync(EngineError):
     """A rank's cache no longer agrees with rank 0's commands."""
 
 
-def broadcast(group: Any, values: mx.array) -> mx.array:
-    """Rank 0's ``values`` on every rank (lazy; the others pass zeros of the same shape).
+def post(group: Any, values: mx.array) -> mx.array:
+    """On rank 0: ``values`` sent to the pipeline's first stage (lazy, like any send)."""
+    return mx.distributed.send(values, group.size() - 1, group=group)
 
-    An ``all_gather`` keeping rank 0's part: the ring backend's ``all_sum`` of a few
-    ints costs far more than its ``all_gather`` (measured in docs/benchmarks.md).
+
+def receive(group: Any, like: mx.array) -> mx.array:
+    """On a follower: rank 0's values (shaped as ``like``), handed on to the next rank.
+
+    Lazy: the forward to the rank after this one is part of the returned array, so
+    reading the values sends them on, before this rank starts its own work.
     """
-    return mx.distributed.all_gather(values, group=group)[:values.shape[0]]
+    rank, size = group.rank(), group.size()
+    values = mx.distributed.recv_like(like, (rank + 1) % size, group=group)
+    if rank > 1:
+        values = mx.distributed.send(values, rank - 1, group=group)
+    return values
+
+
+def share_cores(group: Any) -> None:
+    """Keep this rank's threads on its own share of the cores when every rank runs here.
+
+    The stages run one after the other, and a rank waiting for the other polls its
+    sockets (the ring backend does not sleep in a receive): on shared cores that
+    poll and the other rank's BLAS threads slow the stage that is computing. Pinned,
+    each rank's wait spins on its own cores. Only where the OS lets a process pin
+    its threads (Linux) and the launcher said all ranks are local.
+    """
+    if os.environ.get(LOCAL_RANKS) != str(group.size()) or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // group.size())
+    start = group.rank() * share % len(cores)
+    mine = set(cores[start:start + share])
+    # Every thread already running (BLAS, MLX's stream and the ring's sockets);
+    # threads started later inherit the mask from the thread that starts them.
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(thread), mine)
 
 
 def header(op: int, slot: int = 0, *args: int) -> mx.array:
@@ -100,6 +138,7 @@ class Pipeline:
     def __init__(self, group: Any, split: Sequence[int] | None = None) -> None:
         self.group = group
         self.split = split  # layers per rank, rank 0 first (None: mlx-lm's even split)
+        share_cores(group)
 
     def conduct(self, loaded: Any) -> Conductor:
         """The command channel for ``loaded``, this rank's stage (the followers' load
@@ -123,9 +162,15 @@ class Conductor:
         """How a message names a rank: its number and host."""
         return f"rank {rank} ({self.names[rank]})"
 
-    def send(self, op: int, slot: int = 0, *args: int) -> None:
-        """A command without a payload, run on the followers now."""
-        mx.eval(broadcast(self.group, header(op, slot, *args)))
+    def send(self, op: int, slot: int = 0, *args: int, payload: list[int] | None = None) -> None:
+        """A command (and its int32 ``payload``, if any), sent before this returns."""
+        sent = post(self.group, header(op, slot, *args))
+        if payload is not None:
+            # Queued first: the order of two sends within one eval is not defined,
+            # and the followers read the header first.
+            mx.async_eval(sent)
+            sent = post(self.group, mx.array(payload, dtype=mx.int32))
+        mx.eval(sent)
 
     def ask(self, op: int, slot: int = 0, *args: int) -> list[list[int]]:
         """A command whose followers each answer one row; rank 0's row is zeros."""
@@ -153,9 +198,7 @@ class SessionLink:
 
     def prefill(self, ids: list[int], position: int) -> None:
         """Feed ``ids`` (a prefill chunk) at ``position`` into the followers' layers."""
-        conductor = self.conductor
-        conductor.send(PREFILL, self.slot, len(ids), position)
-        mx.eval(broadcast(conductor.group, mx.array(ids, dtype=mx.int32)))
+        self.conductor.send(PREFILL, self.slot, len(ids), position, payload=ids)
 
     def decoding(self, model: Any) -> Any:
         """``model`` for the answer loop: each call is first sent as a decode step."""
@@ -185,10 +228,8 @@ class SessionLink:
 
     def _named(self, op: int, name: str, *args: int) -> list[list[int]]:
         raw = list(name.encode("utf-8"))
-        conductor = self.conductor
-        conductor.send(op, self.slot, len(raw), *args)
-        mx.eval(broadcast(conductor.group, mx.array(raw, dtype=mx.int32)))
-        return gather_replies(conductor.group, [0])
+        self.conductor.send(op, self.slot, len(raw), *args, payload=raw)
+        return gather_replies(self.conductor.group, [0])
 
     def end(self, held: int, cancelled: bool) -> None:
         """A request ended with ``held`` tokens in the cache (the followers check theirs)."""
@@ -218,12 +259,14 @@ class SessionLink:
 
 
 class _DecodeSteps:
-    """The model as the answer loop calls it, each call broadcast as a decode step.
+    """The model as the answer loop calls it, each call sent as a decode step first.
 
-    The token rides in the header, evaluated before the step is built: mlx-lm's
-    ``recv_like`` does not depend on the step's input, so a lazy broadcast could be
-    scheduled after rank 0's receive, which waits for a follower still waiting for
-    the header. The follower cannot start a step before its token exists anyway.
+    The step's token rides in its header, sent lazily: the answer loop builds step
+    n+1 before it reads step n's token, so the header leaves as soon as the device
+    has sampled that token, with no host sync in between. It is queued ahead of the
+    step's forward pass on purpose: mlx-lm's ``recv_like`` does not depend on the
+    step's input, and a receive queued first would wait for a follower still
+    waiting for the header.
     """
 
     def __init__(self, model: Any, link: SessionLink) -> None:
@@ -235,7 +278,6 @@ class _DecodeSteps:
             raise EngineError("Speculative decoding is not available over a pipeline yet; "
                               "turn it off for this model.")
         fixed = header(DECODE, self.link.slot)[:HEADER - 1]
-        sent = broadcast(self.link.conductor.group,
-                         mx.concatenate([fixed, inputs.reshape(1).astype(mx.int32)]))
-        mx.eval(sent)
-        return self.model(sent[HEADER - 1:].reshape(inputs.shape), cache=cache)
+        message = mx.concatenate([fixed, inputs.reshape(1).astype(mx.int32)])
+        mx.async_eval(post(self.link.conductor.group, message))
+        return self.model(inputs, cache=cache)

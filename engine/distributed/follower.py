@@ -56,6 +56,7 @@ class Follower:
         self.ends: list[int] = []  # tokens held at each request's end, as rank 0 held them
         self.cancelled = 0
         self.last: dict[str, Any] = {}  # this rank's stats at the last request's end
+        self._step: mx.array | None = None  # the decode step in flight
         self._handlers = {
             c.OPEN: self._open, c.PREFILL: self._prefill, c.DECODE: self._decode,
             c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
@@ -66,7 +67,7 @@ class Follower:
     def run(self) -> dict[str, Any]:
         """Follow commands until ``STOP``; this rank's report."""
         while True:
-            fields = c.broadcast(self.group, mx.zeros((c.HEADER,), dtype=mx.int32)).tolist()
+            fields = c.receive(self.group, mx.zeros((c.HEADER,), dtype=mx.int32)).tolist()
             version, op, slot, *args = fields
             if version != c.VERSION:
                 raise c.PipelineDesync(
@@ -110,7 +111,7 @@ class Follower:
 
     def _prefill(self, slot: int, count: int, position: int, *_: int) -> None:
         session = self._session(slot, c.PREFILL)
-        ids = c.broadcast(self.group, mx.zeros((count,), dtype=mx.int32)).tolist()
+        ids = c.receive(self.group, mx.zeros((count,), dtype=mx.int32)).tolist()
         self._expect(session, position, c.PREFILL)
         session.forward(ids)
 
@@ -118,8 +119,18 @@ class Follower:
         session = self._session(slot, c.DECODE)
         token = args[-1]
         adapter.ensure_capacity(session.cache, 1)
-        # Evaluating the logits runs mlx-lm's all_gather, which rank 0 waits on.
-        mx.eval(session.model(mx.array([[token]]), cache=session.cache))
+        # The inner model's output ends in mlx-lm's all_gather, which rank 0 waits
+        # on; only rank 0 samples, so this rank skips the vocabulary projection.
+        # Not waited for: the next command's receive queues behind it, so it
+        # starts the moment the step ends, without a host sync in between.
+        self._step = session.model.model(mx.array([[token]]), cache=session.cache)
+        mx.async_eval(self._step)
+        last = session.cache[-1]
+        if getattr(last, "pipeline_dependency", None) is not None:
+            # mlx-lm chains each step's send onto the last layer's ``keys`` hook; the
+            # step's output reaches the send already, and the chain, never evaluated
+            # in decode, would grow by a node (and a hidden state) per token.
+            last.keys = None
         session.tokens.append(token)
 
     def _checkpoint(self, slot: int, boundary: int, position: int, *_: int) -> None:
@@ -152,7 +163,7 @@ class Follower:
         c.gather_replies(self.group, fit_reply(session, token_count))
 
     def _name(self, length: int) -> str:
-        raw = c.broadcast(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()
+        raw = c.receive(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()
         return bytes(raw).decode("utf-8")
 
     def _save(self, slot: int, length: int, *_: int) -> None:
@@ -219,6 +230,7 @@ def follow(path: str, group: Any, snapshots: Path | None = None,
     from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
     from engine.snapshots.fingerprint import model_fingerprint
 
+    c.share_cores(group)
     guard = MemoryGuard()
     folder = resolve_model_path(path)
     needed, quantized = estimate_load_bytes(folder)

@@ -38,6 +38,35 @@ def rank_report_dir() -> Path | None:
     return Path(folder) if folder else None
 
 
+LOCAL_RANKS = "LONGLEAF_LOCAL_RANKS"  # set when every rank runs on this machine
+
+
+def local_rank_env(local_ranks: int, ranks: int) -> dict[str, str]:
+    """What the launcher adds to the environment of the ranks it starts on this machine.
+
+    BLAS threads: each rank its share of the cores (a count the user set is kept),
+    since the stages run one after the other and a pool sized for the whole machine
+    spins against the other stage. When every rank is local, ``LOCAL_RANKS`` tells
+    them to pin themselves to their share (``commands.share_cores``). The
+    launcher's environment reaches only the ranks it starts here (ssh does not
+    pass it on).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = str(max(1, (cores or 1) // max(1, local_ranks)))
+    env = {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
+                                                          "OMP_NUM_THREADS")}
+    if local_ranks == ranks:
+        env[LOCAL_RANKS] = str(ranks)
+    return env
+
+
+def rank_environment(folder: str, ranks: int, hosts: Sequence[str] | None) -> dict[str, str]:
+    """The environment mlx.launch starts the ranks with: the report folder and,
+    for the ranks on this machine, their share of its cores."""
+    local = ranks if hosts is None else sum(host in LOCAL_HOSTS for host in hosts)
+    return {**os.environ, REPORT_DIR: folder, **local_rank_env(local, ranks)}
+
+
 def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
            hostfile: Path | None = None) -> int:
     """Run ``python -m engine <argv>`` on ``ranks`` local ranks; print rank 0's output.
@@ -60,7 +89,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
         command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
-        env = {**os.environ, REPORT_DIR: folder}
+        env = rank_environment(folder, ranks, hosts)
         group = Group(command, env, Path(folder), ranks, hosts)
         done, lost = group.watch()
         reports = _reports(Path(folder), ranks)

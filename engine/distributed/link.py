@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import shutil
 import socket
@@ -25,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.distributed.group import LOCAL_HOSTS, LOST_RANK_GRACE, Group
-from engine.distributed.launch import REPORT_DIR, launch_command, launcher_path, read_hostfile
+from engine.distributed.launch import (
+    launch_command,
+    launcher_path,
+    rank_environment,
+    read_hostfile,
+)
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,7 @@ class Link:
         folder = tempfile.mkdtemp(prefix="pipeline-")
         command = launch_command(launcher, argv, ranks, None, folder, hostfile,
                                  module=HOST_MODULE)
-        env = {**os.environ, REPORT_DIR: folder,
+        env = {**rank_environment(folder, ranks, hosts),
                ADDRESS_ENV: f"{self._address[0]}:{self._address[1]}", KEY_ENV: key.hex()}
         self.group = Group(command, env, Path(folder), ranks, hosts)
 
