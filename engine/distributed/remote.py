@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 
 CANCELLABLE = ("chat", "ingest", "check_quality")
 NO_MODEL = "Load a model first."
-READ_TIMEOUT = 30.0
+# The window asks these questions (fit checks, token counts) on its own thread: a
+# lost rank 0 must not freeze it for long.
+READ_TIMEOUT = 5.0
+STOP_TIMEOUT = 30.0
 CANCEL_POLL = 0.05
 
 
@@ -185,11 +188,13 @@ class RemoteWorker:
         return self._submit("close_session", (session_id, store))
 
     def latest_stats(self) -> StatsSample | None:
-        """Rank 0's last stats sample (the last one seen while no group answers)."""
-        try:
-            return self._read("latest_stats")
-        except EngineError:
-            return self._last_stats
+        """Rank 0's last stats sample, as it arrived; never waits for rank 0.
+
+        Rank 0 sends every sample it takes, in order with the other events, so the
+        last one received is the one its worker holds (the window polls this often,
+        and must not wait on a busy or lost group).
+        """
+        return self._last_stats
 
     def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
         """As ``EngineWorker.fit_check``, asked of rank 0.
@@ -392,7 +397,7 @@ class RemoteWorker:
     def _start(self, request_id: int, path: str) -> None:
         previous = self._run
         if previous is not None:
-            self._stop_run(previous, READ_TIMEOUT)
+            self._stop_run(previous, STOP_TIMEOUT)
         self._lost = None
         with self._lock:
             self._pending[request_id] = _Request("load_model", threading.Event())
