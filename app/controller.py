@@ -28,14 +28,23 @@ from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
 from app.local_server import LocalServerHost
+from app.machines import Machines, fits_here
 from app.memory.quality import QualityCheck
-from app.model_state import ModelState
+from app.model_state import ModelState, model_name
 from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import SessionCaches
 from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
-from engine import Failed, IngestProgress, Notice, SamplingParams, StatsSample
+from engine import (
+    EngineError,
+    Failed,
+    IngestProgress,
+    Notice,
+    PipelineLost,
+    SamplingParams,
+    StatsSample,
+)
 from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
@@ -75,6 +84,8 @@ class ChatController(QObject):
                                     self)
         # The OpenAI/Anthropic server on the same worker, when Settings turn it on.
         self.local_server = LocalServerHost(bridge, settings, self.model_state, self)
+        # This Mac's engine thread, or a pipeline over other Macs for a model that splits.
+        self.machines = Machines(bridge, settings, self)
         self._editing: tuple[int, int] | None = None  # row, message id
         self._last_stats_time = 0.0
         self.closed = False
@@ -108,7 +119,8 @@ class ChatController(QObject):
         # Events of no one request; each request's own go to its handler.
         self._subscriptions = ((bridge.statsSample, self._on_stats),
                                (bridge.noticeReceived, self._on_engine_notice),
-                               (bridge.failed, self._on_failed))
+                               (bridge.failed, self._on_failed),
+                               (bridge.pipelineLost, self._on_pipeline_lost))
         for signal, slot in self._subscriptions:
             signal.connect(slot)
         self.recovered = store.mark_interrupted()
@@ -236,7 +248,68 @@ class ChatController(QObject):
         if self.activity.refuse("switching models"):
             return
         self.caches.close_all()
+        self._choose_machines(path)
         self.model_state.load(path)
+
+    def machines_changed(self) -> None:
+        """Settings → Use other Macs changed: load the model again where it now runs."""
+        if not self.model_id or self.machines.wanted(self.model_id) == self.machines.pipeline:
+            return
+        if self.busy:
+            self.notice.emit("The new Use other Macs setting applies when the model is "
+                             "loaded next.")
+            return
+        self.load_model(self.model_id)
+
+    def _choose_machines(self, path: str) -> None:
+        try:
+            changed = self.machines.prepare(path)
+        except EngineError as error:  # the hostfile is gone or broken: this Mac alone
+            self.errorRaised.emit(f"{error} Loading the model on this Mac alone.")
+            changed = self.machines.fall_back()
+        if changed:
+            self._worker_replaced()
+
+    def _worker_replaced(self) -> None:
+        # The new worker starts with no API server and the default stored-KV budget.
+        self.local_server.worker_replaced()
+        self.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
+
+    def _on_pipeline_lost(self, event: PipelineLost) -> None:
+        # Every running request has had its Failed (its bubble names the machine).
+        if not self.machines.fall_back():
+            return  # the pipeline was replaced already
+        self._worker_replaced()
+        path = self.model_id
+        name = model_name(self.model_info, path)
+        problem = fits_here(path)
+        if problem:
+            self.model_state.drop(f"No model ({name} does not fit on this Mac alone)")
+            self.errorRaised.emit(
+                f"{event.message} {name} does not fit on this Mac alone, so no model is "
+                f"loaded: {problem} Your chats are kept; bring the other Mac back and "
+                "load the model again, or choose a smaller one.")
+            return
+        self.notice.emit(f"{event.message} Longleaf goes on with {name} on this Mac "
+                         "alone; your chats are kept.")
+
+        def load_here() -> None:  # not load_model: that would start the pipeline again
+            self.caches.close_all()
+            self.model_state.load(path)
+
+        self._when_idle(load_here)
+
+    def _when_idle(self, then) -> None:
+        if not self.activity.busy:
+            then()
+            return
+
+        def check(busy: bool) -> None:
+            if not busy:
+                self.activity.busyChanged.disconnect(check)
+                then()
+
+        self.activity.busyChanged.connect(check)
 
     # Sessions -------------------------------------------------------------
 

@@ -5,9 +5,14 @@ event to the GUI thread through a queued signal. There, an event of a request
 goes to exactly the handler that request was submitted with (answer, ingest,
 quality check, open, load), and the request's ending (``Finished`` or
 ``Failed``) unregisters it. Events of no one request (stats samples, notices,
-the stored-KV listing) go to whoever subscribed to their signal. The GUI thread
-never calls into MLX: it only enqueues requests and reads thread-safe snapshots
-(stats, fit checks, token counts).
+the stored-KV listing, a lost pipeline) go to whoever subscribed to their
+signal. The GUI thread never calls into MLX: it only enqueues requests and reads
+thread-safe snapshots (stats, fit checks, token counts).
+
+The worker can be replaced (the in-process engine by a pipeline over other
+Macs, and back): each worker numbers its requests from 1, so the bridge adds a
+per-worker offset to the ids it hands out and to its events' ids, and the
+requests of the worker replaced still end at their handlers.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
@@ -24,6 +30,7 @@ from engine import (
     Failed,
     Finished,
     Notice,
+    PipelineLost,
     SamplingParams,
     StatsSample,
     StoredKv,
@@ -33,6 +40,8 @@ log = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.001
 Handler = Callable[[object], None]  # gets every event of its one request, on the GUI thread
+ID_SPAN = 1 << 40  # request ids of one worker: the next worker's are offset past them
+RETIRE_TIMEOUT_S = 30.0  # a replaced worker's thread gets this long to end (off the GUI thread)
 
 
 def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None,
@@ -58,8 +67,8 @@ class EngineBridge(QObject):
         worker_factory: builds the worker from ``(on_event, budget_bytes, chunk_size)``.
 
     Signals:
-        statsSample(StatsSample), noticeReceived(Notice), storedKv(StoredKv): events
-            of no one request, for their subscribers.
+        statsSample(StatsSample), noticeReceived(Notice), storedKv(StoredKv),
+            pipelineLost(PipelineLost): events of no one request, for their subscribers.
         failed(Failed): a request submitted without a handler failed (configure,
             stored-KV budget or clearing): its message is for the user.
         ended(object): the ending of any request, after its handler has seen it.
@@ -68,6 +77,7 @@ class EngineBridge(QObject):
     statsSample = Signal(object)
     noticeReceived = Signal(object)  # engine.Notice: a request goes on, with news
     storedKv = Signal(object)  # engine.StoredKv: the KV snapshots on disk changed
+    pipelineLost = Signal(object)  # engine.PipelineLost: the worker's machines are gone
     failed = Signal(object)
     ended = Signal(object)
     _relay = Signal(object)
@@ -81,24 +91,37 @@ class EngineBridge(QObject):
     ) -> None:
         super().__init__(parent)
         self._relay.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
-        self._worker = worker_factory(self._on_worker_event, budget_bytes, chunk_size)
+        self._settings = (budget_bytes, chunk_size)  # what a replacing worker is built with
+        self._own_factory = worker_factory
+        self._offset = 0  # added to the ids of the current worker's requests
+        self._worker = worker_factory(self._events_from(0), budget_bytes, chunk_size)
+        self._retiring: list[tuple[object, int]] = []  # replaced workers, their offsets
         self._handlers: dict[int, Handler | None] = {}
         self._cancels: dict[int, threading.Event] = {}
         self._started = False
         self.last_stored_kv: StoredKv | None = None
         # Front ends beside the window on the same worker (the local server): each
-        # takes its own requests' events on the engine thread, before the GUI sees them.
+        # takes its own requests' events on the engine thread, before the GUI sees them;
+        # a claim sees only the events of the worker current when it was added.
         self._claims: tuple[Callable[[object], bool], ...] = ()
+        self._claim_owners: dict[Callable[[object], bool], int] = {}  # claim -> its offset
 
     # Worker thread side ---------------------------------------------------
 
-    def _on_worker_event(self, event: object) -> None:
-        # Runs on the engine thread: only hand the event over.
-        for claim in self._claims:
-            if claim(event):
-                return
-        with contextlib.suppress(RuntimeError):  # the bridge is gone after shutdown
-            self._relay.emit(event)
+    def _events_from(self, offset: int) -> Callable[[object], None]:
+        """The ``on_event`` of the worker whose request ids are offset by ``offset``."""
+
+        def on_event(event: object) -> None:
+            # Runs on the engine thread: only hand the event over.
+            for claim in self._claims:
+                if self._claim_owners.get(claim, offset) == offset and claim(event):
+                    return
+            if offset and isinstance(getattr(event, "request_id", None), int):
+                event = replace(event, request_id=event.request_id + offset)
+            with contextlib.suppress(RuntimeError):  # the bridge is gone after shutdown
+                self._relay.emit(event)
+
+        return on_event
 
     @property
     def worker(self):
@@ -109,10 +132,41 @@ class EngineBridge(QObject):
         """Offer every worker event to ``claim`` first (on the engine thread); an event
         it returns True for is its own and never reaches the window."""
         self._claims = (*self._claims, claim)
+        self._claim_owners[claim] = self._offset
 
     def remove_claim(self, claim: Callable[[object], bool]) -> None:
         """Stop offering events to ``claim``."""
         self._claims = tuple(c for c in self._claims if c != claim)
+        self._claim_owners.pop(claim, None)
+
+    def replace_worker(self, worker_factory: Callable | None = None) -> None:
+        """Run every request from now on on a new worker built by ``worker_factory``
+        (None: the factory this bridge was made with, the in-process engine).
+
+        The handlers stay registered: the old worker's running and queued
+        requests still end at theirs, and the old worker is shut down once the
+        last of them has ended. Front ends holding ``worker`` must take the new one.
+        """
+        old, old_offset = self._worker, self._offset
+        self._offset = old_offset + ID_SPAN
+        budget_bytes, chunk_size = self._settings
+        factory = worker_factory or self._own_factory
+        self._worker = factory(self._events_from(self._offset), budget_bytes, chunk_size)
+        if self._started:
+            self._worker.start()
+        self._retiring.append((old, old_offset))
+        self._retire_idle()
+
+    def _retire_idle(self) -> None:
+        """Shut down each replaced worker none of whose requests is pending any more."""
+        for entry in list(self._retiring):
+            worker, offset = entry
+            if any(offset <= rid < offset + ID_SPAN for rid in self._handlers):
+                continue
+            self._retiring.remove(entry)
+            if self._started:  # joined off the GUI thread: a load or chunk may be inside MLX
+                threading.Thread(target=worker.shutdown, args=(RETIRE_TIMEOUT_S,),
+                                 name="retire-engine", daemon=True).start()
 
     # GUI thread side ------------------------------------------------------
 
@@ -125,6 +179,8 @@ class EngineBridge(QObject):
         elif isinstance(event, StoredKv):
             self.last_stored_kv = event
             self.storedKv.emit(event)
+        elif isinstance(event, PipelineLost):
+            self.pipelineLost.emit(event)
         else:
             self._deliver(event)
 
@@ -144,9 +200,12 @@ class EngineBridge(QObject):
             self.failed.emit(event)
         if ending:
             self.ended.emit(event)
+            if self._retiring:
+                self._retire_idle()
 
     def _submit(self, request_id: int, handler: Handler | None,
                 cancel: threading.Event | None = None) -> int:
+        request_id += self._offset  # the worker's own id, made unique across workers
         self._handlers[request_id] = handler
         if cancel is not None:
             self._cancels[request_id] = cancel
@@ -212,6 +271,7 @@ class EngineBridge(QObject):
 
     def configure(self, budget_bytes: int | None, chunk_size: int) -> int:
         """Apply a new KV budget and ingest chunk once the running request ends."""
+        self._settings = (budget_bytes, chunk_size)
         return self._submit(self._worker.configure(budget_bytes=budget_bytes,
                                                    chunk_size=chunk_size), None)
 
@@ -274,5 +334,8 @@ class EngineBridge(QObject):
         self.cancel()
         if not self._started:
             return not self.running
+        # A replaced worker still owed an ending stops now too (a pipeline's processes).
+        for worker, _offset in self._retiring:
+            worker.shutdown(timeout)
         self._worker.shutdown(timeout)  # asks once; a second call only waits again
         return self._worker.join(0)

@@ -101,6 +101,12 @@ class LocalServerHost(QObject):
             server.model_loaded(self.model_state.path, self.model_state.info)
         self._refresh()
 
+    def worker_replaced(self) -> None:
+        """The bridge runs a new worker (another machine set): the server moves to it."""
+        self._shared = False  # a new worker keeps API sessions and chats apart until told
+        self.stop()
+        self.apply()
+
     def _failed(self, status: ServerStatus) -> None:
         self._set(status)
         self.errorRaised.emit(status.message)

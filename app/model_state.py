@@ -56,6 +56,13 @@ class ModelState(QObject):
         self._request = self.bridge.load_model(path, self._handle)
         self._paths[self._request] = path
 
+    def drop(self, description: str) -> None:
+        """The engine no longer has the model (its machines are gone): not ready until
+        the next load; ``description`` says so."""
+        self.ready = False
+        self._previous = None
+        self.stateChanged.emit(description, False)
+
     def generation_defaults(self) -> dict[str, float | int]:
         """The loaded model's own sampling defaults (its generation_config.json)."""
         folder = getattr(self.info, "path", None) if self.ready else None

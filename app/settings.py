@@ -63,6 +63,23 @@ def _timings_key(model_id: str) -> str:
     return f"prefill_timings/{quote(model_id, safe='')}"
 
 
+def parse_split(text: str) -> tuple[int, ...] | None:
+    """"10,14" -> (10, 14): layers per machine, the first machine first; "" -> None.
+
+    Raises:
+        ValueError: not whole numbers of at least one layer separated by commas
+            (its message says what is expected).
+    """
+    parts = [part.strip() for part in text.split(",")] if text.strip() else []
+    if not parts:
+        return None
+    if not all(part.isdigit() and int(part) > 0 for part in parts) or len(parts) < 2:
+        raise ValueError(f"The layer split {text.strip()!r} is not one whole number of "
+                         "layers (at least 1) per Mac, separated by commas, this Mac "
+                         "first: for example 10,14. Leave it empty for an even split.")
+    return tuple(int(part) for part in parts)
+
+
 def documents_dir() -> str:
     """The user's Documents folder (their home when the platform names none)."""
     folder = QStandardPaths.writableLocation(
@@ -285,6 +302,36 @@ class Settings:
     @server_share_chats.setter
     def server_share_chats(self, value: bool) -> None:
         self._set("server/share_chats", bool(value))
+
+    @property
+    def pipeline_enabled(self) -> bool:
+        """Split models that can be split across the Macs of ``pipeline_hostfile``."""
+        return self._get("pipeline/enabled", False, bool)
+
+    @pipeline_enabled.setter
+    def pipeline_enabled(self, value: bool) -> None:
+        self._set("pipeline/enabled", bool(value))
+
+    @property
+    def pipeline_hostfile(self) -> str:
+        """The MLX hostfile (JSON) naming the Macs, this one first ("" for none)."""
+        return self._get("pipeline/hostfile", "", str)
+
+    @pipeline_hostfile.setter
+    def pipeline_hostfile(self, path: str) -> None:
+        self._set("pipeline/hostfile", str(path).strip() or None)
+
+    @property
+    def pipeline_split(self) -> tuple[int, ...] | None:
+        """Layers per Mac, this one first; None: mlx-lm's even split."""
+        try:
+            return parse_split(self._get("pipeline/split", "", str))
+        except ValueError:  # edited by hand into something unusable: the even split
+            return None
+
+    @pipeline_split.setter
+    def pipeline_split(self, split: tuple[int, ...] | None) -> None:
+        self._set("pipeline/split", ",".join(map(str, split)) if split else None)
 
     @property
     def model_folders(self) -> list[str]:

@@ -33,6 +33,8 @@ use_private_temp_dir()
 
 _PUBLIC = {
     "EngineWorker": "engine.runtime.worker",
+    "RemoteWorker": "engine.distributed.remote",
+    "can_split": "engine.models.split",
     "discover_models": "engine.models.discovery",
     "inspect_model_dir": "engine.models.info",
     "download_model": "engine.models.download",
@@ -54,7 +56,7 @@ _PUBLIC = {
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv",
-        "QualityReceipt", "QualityProgress", "QualityChecked")},
+        "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
@@ -83,10 +85,12 @@ __all__ = [
     "ModelLoadError",
     "ModelLoaded",
     "Notice",
+    "PipelineLost",
     "QualityChecked",
     "QualityProgress",
     "QualityReceipt",
     "RecommendedModel",
+    "RemoteWorker",
     "SamplingParams",
     "SessionOpened",
     "SnapshotStore",
@@ -94,6 +98,7 @@ __all__ = [
     "StoredKv",
     "TokenChunk",
     "UnsupportedModeError",
+    "can_split",
     "data_dir",
     "default_budget",
     "discover_models",
@@ -119,6 +124,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from engine.cache.modes import MODES
+    from engine.distributed.remote import RemoteWorker
     from engine.documents.reader import read_document
     from engine.errors import (
         Cancelled,
@@ -140,6 +146,7 @@ if TYPE_CHECKING:
         LayerPages,
         ModelLoaded,
         Notice,
+        PipelineLost,
         QualityChecked,
         QualityProgress,
         QualityReceipt,
@@ -154,6 +161,7 @@ if TYPE_CHECKING:
     from engine.models.download import download_model
     from engine.models.download_transfer import DownloadProgress
     from engine.models.info import inspect_model_dir
+    from engine.models.split import can_split
     from engine.paths import data_dir, private_dir, private_file, snapshots_dir
     from engine.runtime.worker import EngineWorker
     from engine.session.sampling import SamplingParams

@@ -237,3 +237,15 @@ class QualityChecked:
     request_id: int
     session_id: str
     receipt: QualityReceipt
+
+
+@dataclass(frozen=True)
+class PipelineLost:
+    """The engine's pipeline group is gone (a rank died, a link dropped, its launcher
+    ended); sent once, after every request that was running got its ``Failed``.
+
+    Every request after it fails at once with ``message`` (which names the rank and
+    its host) until the next ``load_model`` starts the group again.
+    """
+
+    message: str

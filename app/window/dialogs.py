@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes
 from app.settings import Settings
+from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
 from engine import SamplingParams, default_budget, snapshots_dir
 from engine.cache.modes import MODES
@@ -114,9 +115,12 @@ class SettingsDialog(QDialog):
     """Edit the user's preferences, one tab per subject; ``apply()`` writes them."""
 
     def __init__(self, settings: Settings, parent: QWidget | None = None,
-                 sampling: SamplingParams | None = None) -> None:
+                 sampling: SamplingParams | None = None,
+                 model_folder: str | None = None) -> None:
         """``sampling`` is what answers use now (the loaded model's own defaults under
-        the user's settings); without it, the settings' own values are shown."""
+        the user's settings); without it, the settings' own values are shown.
+        ``model_folder`` is the loaded model's, which "Check hosts" looks for on
+        every Mac."""
         super().__init__(parent)
         self.settings = settings
         self._model_sampling = sampling is not None
@@ -131,6 +135,8 @@ class SettingsDialog(QDialog):
         self._storage_page(settings)
         self.server = LocalServerPage(settings)
         self.tabs.addTab(self.server, "Local server")
+        self.macs = OtherMacsPage(settings, model_folder)
+        self.tabs.addTab(self.macs, "Use other Macs")
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save
                                    | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
@@ -228,6 +234,9 @@ class SettingsDialog(QDialog):
         if self.server.problem_text():
             self.tabs.setCurrentWidget(self.server)
             return
+        if self.macs.problem_text():
+            self.tabs.setCurrentWidget(self.macs)
+            return
         super().accept()
 
     def edited(self) -> dict[str, object]:
@@ -250,6 +259,7 @@ class SettingsDialog(QDialog):
                               if f.strip()],
             "speculative": self.speculative.isChecked(),
             **self.server.values(),
+            **self.macs.values(),
         }
 
     def apply(self) -> None:

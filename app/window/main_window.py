@@ -452,12 +452,14 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         """The Settings dialog."""
-        if SettingsDialog(self.settings, self, self.controller.sampling()).exec():
+        if SettingsDialog(self.settings, self, self.controller.sampling(),
+                          model_folder=self.controller.model_id).exec():
             self.model_picker.refresh(self.settings.model_folders)
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
                                              self.settings.ingest_chunk)
             self.controller.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
             self.controller.local_server.apply()
+            self.controller.machines_changed()
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)

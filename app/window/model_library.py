@@ -13,6 +13,7 @@ import psutil
 
 from app.format import human_bytes
 from engine import RECOMMENDED_MODELS, ModeCost, full_context_costs
+from engine.models.split import can_split
 
 DEMO_SOURCE = "demo"  # engine.models.discovery.DEMO
 MIN_USEFUL_CONTEXT = 4096  # tokens: less than this holds no document worth a long-context model
@@ -30,6 +31,8 @@ class ModelEntry:
         max_context: trained context, in tokens.
         costs: each mode's KV bytes at full context and whether it fits in RAM.
         summary: a few words on a recommended model ("" otherwise).
+        splittable: whether its layers can be split across Macs (Settings → Use
+            other Macs); known only for a model on disk.
     """
 
     name: str
@@ -39,6 +42,7 @@ class ModelEntry:
     max_context: int
     costs: tuple[ModeCost, ...]
     summary: str = ""
+    splittable: bool = False
 
     @property
     def downloaded(self) -> bool:
@@ -48,6 +52,13 @@ class ModelEntry:
     def size_text(self) -> str:
         """"1.8 GB", or "≈ 1.8 GB" before it is downloaded."""
         return ("" if self.downloaded else "≈ ") + human_bytes(self.size_bytes)
+
+    def split_text(self) -> str:
+        """Whether "Use other Macs" can split it, in words ("" before it is downloaded)."""
+        if not self.downloaded:
+            return ""
+        return ("Can be split across Macs (Settings → Use other Macs)" if self.splittable
+                else "Runs on one Mac only: its architecture cannot be split across Macs")
 
     def cost_lines(self) -> list[str]:
         """"262k in q6: 14.8 GB — fits", one line per mode."""
@@ -95,7 +106,7 @@ def installed_entry(model, total_ram: int) -> ModelEntry:
         head_dim=info.head_dim, max_context=info.max_context,
         weights_bytes=model.size_bytes, total_ram_bytes=total_ram)
     return ModelEntry(model.name, str(model.path), None, model.size_bytes,
-                      info.max_context, costs)
+                      info.max_context, costs, splittable=can_split(model.path))
 
 
 def recommended_entry(model, total_ram: int) -> ModelEntry:

@@ -38,9 +38,10 @@ def describe(model, entry: ModelEntry | None = None) -> str:
     info = model.info
     q6 = "" if model.q6_supported else f"\nq6 unavailable: {model.q6_note}"
     costs = "\n".join(["", "KV cache at full context:", *entry.cost_lines()]) if entry else ""
+    split = f"\n{entry.split_text()}" if entry else ""
     return (f"{model.path}\n{info.architecture} · {human_bytes(model.size_bytes)} on disk · "
             f"{info.max_context:,} tokens context\n{info.attention_layers} attention layers × "
-            f"{info.kv_heads} KV heads × head_dim {info.head_dim}{q6}{costs}")
+            f"{info.kv_heads} KV heads × head_dim {info.head_dim}{q6}{split}{costs}")
 
 
 def demo_item_text(max_context: int) -> str:

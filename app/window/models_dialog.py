@@ -96,7 +96,8 @@ class ModelsDialog(QDialog):
         self.rows[entry.path or entry.repo_id] = row
         self.entries[entry.path or entry.repo_id] = entry
         name = QTableWidgetItem(entry.name)
-        name.setToolTip(entry.summary or entry.path or "")
+        name.setToolTip("\n".join(filter(None, (entry.summary or entry.path,
+                                                 entry.split_text()))))
         self.table.setItem(row, 0, name)
         self.table.setItem(row, 1, QTableWidgetItem(entry.size_text()))
         self.table.setItem(row, 2, QTableWidgetItem(f"{short_tokens(entry.max_context)} tokens"))

@@ -8,40 +8,27 @@ layers). Rank 0 runs the request and commands the others
 Each rank writes a report into a folder the launcher names; the launcher prints
 rank 0's output with every rank's share of the KV cache and the pool's fit.
 
-MLX collectives have no timeout, so the launcher watches its ranks: each writes
-its pid into the folder once its group is up, and a rank whose process is gone
-without a report ends the whole group after a short grace, with an error naming
-that rank, instead of leaving its peers blocked in a send or receive.
+MLX collectives have no timeout, so the launcher watches its ranks
+(``engine.distributed.group``): a rank whose process is gone without a report
+ends the whole group after a short grace, with an error naming that rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from engine.distributed.group import LOCAL_HOSTS, Group
 from engine.errors import EngineError
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
 LOCAL_RANKS = "LONGLEAF_LOCAL_RANKS"  # set when every rank runs on this machine
-LOCAL_HOSTS = frozenset({"127.0.0.1"})  # mlx.launch starts these without ssh
-RANK_TIMEOUT = 24 * 3600.0
-POLL_SECONDS = 0.25
-# A lost rank's peers get this long to stop on their own (mlx.launch terminates
-# them when it notices) before the launcher kills the whole group.
-LOST_RANK_GRACE = 3.0
-# mlx.launch's own warning when a rank ends with an error (not when it stops it).
-_EXITED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
 
 def rank_report_dir() -> Path | None:
@@ -63,9 +50,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
         EngineError: mlx.launch is missing, the hostfile is unusable, or a rank
             failed (named, with its error).
     """
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    if not launcher.exists():
-        raise EngineError("MLX's launcher (mlx.launch) is not installed beside this Python.")
+    launcher = launcher_path()
     hosts = None if hostfile is None else read_hostfile(hostfile)
     if hosts is not None:
         ranks = len(hosts)
@@ -74,10 +59,9 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
         command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
-        env = {**os.environ, REPORT_DIR: folder, **local_threads(len(local))}
-        if len(local) == ranks:  # each rank keeps to its share of the cores
-            env[LOCAL_RANKS] = str(ranks)
-        done, lost = _supervise(command, env, Path(folder), ranks)
+        env = rank_environment(folder, ranks, hosts)
+        group = Group(command, env, Path(folder), ranks, hosts)
+        done, lost = group.watch()
         reports = _reports(Path(folder), ranks)
     for rank in range(ranks):
         if rank not in local and rank not in reports:
@@ -85,7 +69,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
                                             "collected": False}}
     missing = [rank for rank in range(ranks) if rank not in reports]
     if done.returncode != 0 or missing:
-        raise EngineError(_failure(done, lost or missing))
+        raise EngineError(group.failure(done, lost or missing))
     first = reports[0]
     if first.get("result") is not None:
         shares = [reports[r]["rank_stats"] for r in range(ranks)]
@@ -94,6 +78,16 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     else:
         out.write(first["text"] + "\n")
     return int(first.get("status", 0))
+
+
+def rank_environment(folder: str, ranks: int, hosts: Sequence[str] | None) -> dict[str, str]:
+    """The environment mlx.launch gives the ranks: the report folder and, for the
+    ranks on this machine, their share of its cores."""
+    local = ranks if hosts is None else sum(host in LOCAL_HOSTS for host in hosts)
+    env = {**os.environ, REPORT_DIR: folder, **local_threads(local)}
+    if local == ranks:  # each rank keeps to its share of the cores
+        env[LOCAL_RANKS] = str(ranks)
+    return env
 
 
 def local_threads(local_ranks: int) -> dict[str, str]:
@@ -108,6 +102,18 @@ def local_threads(local_ranks: int) -> dict[str, str]:
     share = str(max(1, (cores or 1) // max(1, local_ranks)))
     return {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
                                                            "OMP_NUM_THREADS")}
+
+
+def launcher_path() -> Path:
+    """MLX's launcher beside this Python.
+
+    Raises:
+        EngineError: it is not installed.
+    """
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        raise EngineError("MLX's launcher (mlx.launch) is not installed beside this Python.")
+    return launcher
 
 
 def read_hostfile(path: Path) -> list[str]:
@@ -130,13 +136,16 @@ def read_hostfile(path: Path) -> list[str]:
     return hosts
 
 
-def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int,
-                   folder: str, hostfile: Path | None = None) -> list[str]:
-    """The mlx.launch command line of a pipeline run (local ranks, or a hostfile's)."""
+def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int | None,
+                   folder: str, hostfile: Path | None = None,
+                   module: str = "engine") -> list[str]:
+    """The mlx.launch command line of a pipeline run (local ranks, or a hostfile's):
+    ``python -m <module> <argv>`` on every rank (with ``--seed``, unless None)."""
     where = (["-n", str(ranks), "--backend", "ring"] if hostfile is None else
              ["--hostfile", str(hostfile), "--env", f"{REPORT_DIR}={folder}"])
-    return [str(launcher), *where, sys.executable, "-m", "engine", *_without_hostfile(argv),
-            "--seed", str(seed)]
+    seeded = [] if seed is None else ["--seed", str(seed)]
+    return [str(launcher), *where, sys.executable, "-m", module, *_without_hostfile(argv),
+            *seeded]
 
 
 def _without_hostfile(argv: Sequence[str]) -> list[str]:
@@ -182,59 +191,6 @@ def write_rank_pid(folder: Path, rank: int) -> None:
     (folder / f"rank{rank}.pid").write_text(str(os.getpid()), encoding="utf-8")
 
 
-def _supervise(command: list[str], env: dict[str, str], folder: Path,
-               ranks: int) -> tuple[subprocess.CompletedProcess[str], list[int]]:
-    """Run mlx.launch to its end; stop its group once a rank is lost. Returns the ranks lost."""
-    # A session of its own: the launcher, its shells and every rank share one
-    # process group that can be ended at once.
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + RANK_TIMEOUT
-    lost: list[int] = []
-    lost_at = 0.0
-    try:
-        while True:
-            try:
-                stdout, stderr = process.communicate(timeout=POLL_SECONDS)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            now = time.monotonic()
-            if not lost:
-                lost, lost_at = _lost_ranks(folder, ranks), now
-            if (lost and now - lost_at > LOST_RANK_GRACE) or now > deadline:
-                _end_group(process)
-    finally:
-        if process.poll() is None:  # interrupted: leave no rank behind
-            _end_group(process)
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), lost
-
-
-def _lost_ranks(folder: Path, ranks: int) -> list[int]:
-    """Ranks whose process has gone without writing a report."""
-    lost = []
-    for rank in range(ranks):
-        pid_file, report = folder / f"rank{rank}.pid", folder / f"rank{rank}.json"
-        if pid_file.exists() and not report.exists() and not _alive(pid_file):
-            lost.append(rank)
-    return lost
-
-
-def _alive(pid_file: Path) -> bool:
-    try:
-        os.kill(int(pid_file.read_text(encoding="utf-8")), 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, ValueError):  # not ours to signal, or a pid still being written
-        return True
-    return True
-
-
-def _end_group(process: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the group has ended already
-        os.killpg(process.pid, signal.SIGKILL)
-
-
 def _reports(folder: Path, ranks: int) -> dict[int, dict[str, Any]]:
     reports = {}
     for rank in range(ranks):
@@ -242,24 +198,3 @@ def _reports(folder: Path, ranks: int) -> dict[int, dict[str, Any]]:
         if path.exists():
             reports[rank] = json.loads(path.read_text(encoding="utf-8"))
     return reports
-
-
-def _failure(done: subprocess.CompletedProcess[str], suspects: list[int]) -> str:
-    stderr = done.stderr or ""
-    exited = {int(rank): int(code) for rank, code in _EXITED.findall(stderr)}
-    # mlx.launch warns in the order the ranks end, and stops the others only
-    # after the first: that one is the cause, the rest (SIGTERM) followed it.
-    first = [next(iter(exited))] if exited else []
-    failed = suspects if len(suspects) == 1 else first or suspects
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:")]
-    if errors:
-        detail = f": {errors[-1]}"
-    elif failed and exited.get(failed[0], 0) < 0:
-        detail = f": its process was killed (signal {-exited[failed[0]]})"
-    elif failed and failed[0] in exited:
-        detail = f": its process exited with code {exited[failed[0]]}"
-    else:
-        detail = f": {lines[-1]}" if lines else ": its process ended without a report"
-    which = ", ".join(f"rank {rank}" for rank in failed) or "a rank"
-    return f"The pipeline run failed on {which} (this machine){detail}"

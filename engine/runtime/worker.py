@@ -411,10 +411,7 @@ class EngineWorker:
 
     def _configure(self, command: Command) -> object:
         budget_bytes, chunk_size = command.args
-        if budget_bytes is not None and budget_bytes < 0:
-            raise EngineError("The KV memory budget cannot be negative.")
-        if chunk_size < 1:
-            raise EngineError("The ingest chunk must be at least 1 token.")
+        check_settings(budget_bytes, chunk_size)
         self.guard.budget_bytes = budget_bytes
         self.chunk_size = chunk_size
         self._held.set_chunk_size(chunk_size)
@@ -435,6 +432,18 @@ class EngineWorker:
     def _close_session(self, command: Command) -> object:
         self._held.close(*command.args)
         return Finished(command.request_id, "done")
+
+
+def check_settings(budget_bytes: int | None, chunk_size: int) -> None:
+    """Refuse a KV budget or prefill chunk ``configure`` cannot take.
+
+    Raises:
+        EngineError: a negative budget, or a chunk under one token.
+    """
+    if budget_bytes is not None and budget_bytes < 0:
+        raise EngineError("The KV memory budget cannot be negative.")
+    if chunk_size < 1:
+        raise EngineError("The ingest chunk must be at least 1 token.")
 
 
 # The keys of a message that templates read beside role and content.

@@ -33,7 +33,8 @@ def configure(settings: Settings, max_tokens: int = 24) -> None:
     settings.system_prompt = "You are terse."
 
 
-def open_window(qtbot, model: Path, max_tokens: int = 24, **bridge_args) -> MainWindow:
+def open_window(qtbot, model: Path, max_tokens: int = 24,
+                load_timeout_ms: int = MODEL_LOAD_TIMEOUT_MS, **bridge_args) -> MainWindow:
     """Build the whole app on the real worker and wait until the model is loaded.
 
     ``bridge_args`` go to ``EngineBridge`` (e.g. a ``worker_factory`` whose worker
@@ -46,7 +47,7 @@ def open_window(qtbot, model: Path, max_tokens: int = 24, **bridge_args) -> Main
     controller = ChatController(settings, store, bridge)
     window = MainWindow(controller)
     qtbot.addWidget(window)
-    with qtbot.waitSignal(controller.modelStateChanged, timeout=MODEL_LOAD_TIMEOUT_MS,
+    with qtbot.waitSignal(controller.modelStateChanged, timeout=load_timeout_ms,
                           check_params_cb=lambda _text, ready: ready):
         controller.start(str(model))
     window.show()

@@ -221,6 +221,9 @@ SET_VALUES = {
     "server_allow_network": True,
     "server_api_key": "  ll-key  ",
     "server_share_chats": True,
+    "pipeline_enabled": True,  # without a hostfile: refused, so nothing is written
+    "pipeline_hostfile": "/macs/hosts.json",
+    "pipeline_split": (10, 14),
     "window_geometry": b"\x01\x02geometry",
 }
 
@@ -285,7 +288,8 @@ def test_settings_are_in_sections_that_fit_a_700_px_screen(qtbot) -> None:
     dialog = SettingsDialog(Settings())
     qtbot.addWidget(dialog)
     titles = [dialog.tabs.tabText(i) for i in range(dialog.tabs.count())]
-    assert titles == ["Chats", "Answers", "Memory && storage", "Local server"]
+    assert titles == ["Chats", "Answers", "Memory && storage", "Local server",
+                      "Use other Macs"]
     dialog.show()
     assert dialog.sizeHint().height() <= 700
     assert dialog.minimumSizeHint().height() <= 700

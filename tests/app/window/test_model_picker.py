@@ -73,3 +73,18 @@ def test_long_names_do_not_widen_the_toolbar(qtbot) -> None:
     assert picker.width() <= 360 and clipped_texts(picker) == []
     assert picker.view().minimumWidth() >= picker.fontMetrics().horizontalAdvance(
         picker.currentText())
+
+
+def test_each_model_says_whether_it_can_be_split_across_macs(qtbot, tmp_path) -> None:
+    from tests.engine.tinymodels import make_tiny_model_dir
+
+    folders = {arch: make_tiny_model_dir(tmp_path, arch) for arch in ("llama", "qwen3_next")}
+    picker = ModelPicker()
+    qtbot.addWidget(picker)
+    with qtbot.waitSignal(picker.discovered, timeout=60_000):
+        picker.refresh([str(tmp_path)])
+    tips = {arch: picker.itemData(picker.findData(str(folder)), 3)
+            for arch, folder in folders.items()}
+    assert "Can be split across Macs" in tips["qwen3_next"]
+    assert "Runs on one Mac only" in tips["llama"]
+    picker.wait()

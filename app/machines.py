@@ -1,0 +1,117 @@
+"""Which engine runs the model: a thread of this Mac, or a pipeline over other Macs.
+
+With "Use other Macs" on (Settings) a model that can be split runs on a
+``RemoteWorker``: its pipeline group (this Mac first, as rank 0, then the
+hostfile's other Macs) runs as child processes with the same requests and
+events as the in-process ``EngineWorker``. Every other model, and every model
+with the setting off, runs in-process as before. When the group is lost, the
+bridge goes back to the in-process engine (the controller then reloads the model
+here if it fits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from PySide6.QtCore import QObject
+
+from app.engine_bridge import EngineBridge
+from app.settings import Settings
+from engine import EngineError
+
+LOCAL = "this Mac"
+
+
+def can_split_model(path: str) -> bool:
+    """Whether the model at ``path`` (a folder, or "demo") can be split across Macs."""
+    from engine.models.split import can_split
+
+    return path != "demo" and can_split(path)
+
+
+def fits_here(path: str) -> str:
+    """"" when the model's weights fit in this Mac's free memory, else why not (the
+    engine's own message); from the weight headers, without loading anything."""
+    from engine.memory.guard import MemoryGuard
+    from engine.models.loader import estimate_load_bytes, resolve_model_path
+
+    try:
+        folder = resolve_model_path(path)
+        needed, quantized = estimate_load_bytes(folder)
+        MemoryGuard().check_load(needed, name=folder.name, quantized=quantized)
+    except EngineError as error:
+        return str(error)
+    return ""
+
+
+class Machines(QObject):
+    """Chooses the bridge's worker for each model load, and falls back to this Mac.
+
+    ``where`` is what runs now: ``LOCAL``, or the hostfile of a pipeline;
+    ``pipeline`` that pipeline's (hostfile, split), None on this Mac alone.
+
+    Args:
+        bridge: the app's engine bridge; its own worker factory is the in-process one.
+        settings: "Use other Macs" (``pipeline_enabled``, ``pipeline_hostfile``,
+            ``pipeline_split``).
+        remote_worker: builds a pipeline worker (``RemoteWorker``'s signature);
+            None: ``engine.distributed.remote.RemoteWorker``.
+    """
+
+    def __init__(self, bridge: EngineBridge, settings: Settings,
+                 parent: QObject | None = None,
+                 remote_worker: Callable | None = None) -> None:
+        super().__init__(parent)
+        self.bridge, self.settings = bridge, settings
+        self.remote_worker = remote_worker
+        self.where = LOCAL
+        self.pipeline: tuple[str, tuple[int, ...] | None] | None = None  # hostfile, split
+
+    def wanted(self, path: str) -> tuple[str, tuple[int, ...] | None] | None:
+        """The pipeline (hostfile, split) that should run ``path``; None: this Mac alone."""
+        s = self.settings
+        if not (s.pipeline_enabled and s.pipeline_hostfile) or not can_split_model(path):
+            return None
+        return s.pipeline_hostfile, s.pipeline_split
+
+    def prepare(self, path: str) -> bool:
+        """Make the bridge's worker the one that should load ``path``; True if it changed.
+
+        Raises:
+            EngineError: the hostfile cannot be read (its message).
+        """
+        pipeline = self.wanted(path)
+        if pipeline == self.pipeline:
+            return False
+        if pipeline is None:
+            self.bridge.replace_worker()
+        else:
+            self.bridge.replace_worker(self._factory(*pipeline))
+        self.pipeline = pipeline
+        self.where = LOCAL if pipeline is None else pipeline[0]
+        return True
+
+    def fall_back(self) -> bool:
+        """Back to the in-process engine after the pipeline was lost; False if none ran."""
+        if self.pipeline is None:
+            return False
+        self.bridge.replace_worker()
+        self.pipeline = None
+        self.where = LOCAL
+        return True
+
+    def _factory(self, hostfile: str, split: tuple[int, ...] | None) -> Callable:
+        from engine.distributed.launch import read_hostfile
+
+        ranks = len(read_hostfile(Path(hostfile)))
+        remote_worker = self.remote_worker
+        if remote_worker is None:
+            from engine.distributed.remote import RemoteWorker as remote_worker
+
+        def build(on_event: Callable[[object], None], budget_bytes: int | None,
+                  chunk_size: int):
+            return remote_worker(on_event, budget_bytes, chunk_size, ranks=ranks,
+                                 hostfile=Path(hostfile), split=split)
+
+        return build

@@ -1,0 +1,141 @@
+"""One mlx.launch run of a pipeline's ranks, watched until it ends.
+
+MLX collectives have no timeout, so the ranks are watched from outside: each
+writes its pid into the run's folder once its group is up, and a rank whose
+process is gone without a report ends the whole group after a short grace,
+instead of leaving its peers blocked in a send or receive. The launcher, its
+shells and every local rank share one process group, ended at once. Both the
+CLI's ``--pipeline`` run (``engine.distributed.launch``) and the app's engine
+child (``engine.distributed.remote``) run their ranks through this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+LOCAL_HOSTS = frozenset({"127.0.0.1"})  # mlx.launch starts these without ssh
+RANK_TIMEOUT = 24 * 3600.0
+POLL_SECONDS = 0.25
+# A lost rank's peers get this long to stop on their own (mlx.launch terminates
+# them when it notices) before the whole group is killed.
+LOST_RANK_GRACE = 3.0
+# mlx.launch's own warning when a rank ends with an error (not when it stops it).
+_EXITED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
+
+
+class Group:
+    """A running ``mlx.launch`` command and the folder its ranks report into.
+
+    Args:
+        command: the mlx.launch command line.
+        env: its environment.
+        folder: where each rank writes ``rank<N>.pid`` and ``rank<N>.json``.
+        ranks: how many ranks it starts.
+        hosts: each rank's ssh host, rank 0 first (None: all on this machine).
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], folder: Path, ranks: int,
+                 hosts: Sequence[str] | None = None) -> None:
+        self.folder = folder
+        self.ranks = ranks
+        self.hosts = None if hosts is None else list(hosts)
+        # A session of its own: the launcher, its shells and every local rank
+        # share one process group that can be ended at once.
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True)
+
+    def watch(self, stop: threading.Event | None = None,
+              timeout: float = RANK_TIMEOUT) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+        """Wait for the run to end; end it once a rank is lost, ``stop`` is set or
+        ``timeout`` passes. Returns its outcome and the ranks lost."""
+        deadline = time.monotonic() + timeout
+        lost: list[int] = []
+        lost_at = 0.0
+        try:
+            while True:
+                try:
+                    stdout, stderr = self.process.communicate(timeout=POLL_SECONDS)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                now = time.monotonic()
+                if not lost:
+                    lost, lost_at = self.lost_ranks(), now
+                if ((lost and now - lost_at > LOST_RANK_GRACE) or now > deadline
+                        or (stop is not None and stop.is_set())):
+                    self.end()
+        finally:
+            if self.process.poll() is None:  # interrupted: leave no rank behind
+                self.end()
+        done = subprocess.CompletedProcess(self.process.args, self.process.returncode,
+                                           stdout, stderr)
+        return done, lost
+
+    def lost_ranks(self) -> list[int]:
+        """Ranks whose process has gone without writing a report."""
+        lost = []
+        for rank in range(self.ranks):
+            pid_file = self.folder / f"rank{rank}.pid"
+            report = self.folder / f"rank{rank}.json"
+            if pid_file.exists() and not report.exists() and not _alive(pid_file):
+                lost.append(rank)
+        return lost
+
+    def pids(self) -> dict[int, int]:
+        """The pid of each rank that has written one (ranks on this machine)."""
+        pids = {}
+        for rank in range(self.ranks):
+            with contextlib.suppress(OSError, ValueError):  # not written (yet)
+                pids[rank] = int((self.folder / f"rank{rank}.pid").read_text(encoding="utf-8"))
+        return pids
+
+    def end(self) -> None:
+        """Kill the launcher's whole process group (every local rank with it)."""
+        with contextlib.suppress(ProcessLookupError):  # the group has ended already
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def machine(self, rank: int) -> str:
+        """How a message names a rank's machine."""
+        host = None if self.hosts is None else self.hosts[rank]
+        return "this machine" if host is None or host in LOCAL_HOSTS else host
+
+    def failure(self, done: subprocess.CompletedProcess[str], suspects: list[int]) -> str:
+        """Why the run failed, naming the rank (and its machine) that caused it."""
+        stderr = done.stderr or ""
+        exited = {int(rank): int(code) for rank, code in _EXITED.findall(stderr)}
+        # mlx.launch warns in the order the ranks end, and stops the others only
+        # after the first: that one is the cause, the rest (SIGTERM) followed it.
+        first = [next(iter(exited))] if exited else []
+        failed = suspects if len(suspects) == 1 else first or suspects
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error:")]
+        if errors:
+            detail = f": {errors[-1]}"
+        elif failed and exited.get(failed[0], 0) < 0:
+            detail = f": its process was killed (signal {-exited[failed[0]]})"
+        elif failed and failed[0] in exited:
+            detail = f": its process exited with code {exited[failed[0]]}"
+        else:
+            detail = f": {lines[-1]}" if lines else ": its process ended without a report"
+        which = ", ".join(f"rank {rank}" for rank in failed) or "a rank"
+        where = f" ({self.machine(failed[0])})" if failed else ""
+        return f"The pipeline run failed on {which}{where}{detail}"
+
+
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text(encoding="utf-8")), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):  # not ours to signal, or a pid still being written
+        return True
+    return True

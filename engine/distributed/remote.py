@@ -1,0 +1,629 @@
+"""The engine in child processes: a pipeline group the app can stop, restart or drop.
+
+``RemoteWorker`` has ``EngineWorker``'s public surface, so a front end drives
+either one the same way. ``load_model`` (re)starts a pipeline group for that
+model through mlx.launch (``engine.distributed.group`` watches it): rank 0
+(``engine.distributed.host``) runs an ``EngineWorker`` on the group and connects
+back over ``multiprocessing.connection`` (127.0.0.1, a random authkey in its
+environment); the other ranks follow rank 0 as in the CLI's pipeline run.
+
+On the wire (pickled tuples of plain values and frozen events), app to rank 0:
+``("call", request_id, name, args, kwargs)``, ``("cancel", request_id)``,
+``("read", call_id, name, args)``, ``("shutdown", timeout)``; rank 0 to app:
+``("event", event)`` with the app's request ids, ``("reply", call_id, ok, value)``.
+Request ids are this side's, numbered as ``EngineWorker`` numbers them.
+
+A lost group (a rank died, a link dropped, the launcher ended) ends every
+request in flight with ``Failed`` naming the rank and its machine, then sends
+``PipelineLost`` once; later requests fail at once with that message until the
+next ``load_model`` starts a new group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import logging
+import pickle
+import queue
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from engine import errors
+from engine.distributed.group import LOCAL_HOSTS, LOST_RANK_GRACE, Group
+from engine.distributed.launch import (
+    launch_command,
+    launcher_path,
+    rank_environment,
+    read_hostfile,
+)
+from engine.errors import EngineError, ModelLoadError
+from engine.events import Failed, Finished, PipelineLost, StatsSample
+from engine.memory import fit
+from engine.runtime.worker import check_settings
+from engine.session.prompt_ids import TurnOverhead
+from engine.session.sampling import SamplingParams
+from engine.session.session import DEFAULT_PAGE_SIZE
+
+log = logging.getLogger(__name__)
+
+ADDRESS_ENV = "LONGLEAF_ENGINE_ADDRESS"  # where rank 0 connects back to ("host:port")
+KEY_ENV = "LONGLEAF_ENGINE_KEY"  # the connection's authkey, hex
+CANCELLABLE = ("chat", "ingest", "check_quality")
+NO_MODEL = "Load a model first."
+# Rank 0 connects once MLX is imported and its group is up; loading comes after.
+CONNECT_TIMEOUT = 300.0
+READ_TIMEOUT = 30.0
+CANCEL_POLL = 0.05
+# After the connection drops, the watcher gets this long to see the group end
+# (its lost-rank grace included) before the group is ended by force.
+DROP_GRACE = LOST_RANK_GRACE + 3.0
+
+
+class GroupLost(EngineError):
+    """The pipeline group is gone; its message names the rank and machine."""
+
+
+@dataclass
+class _Request:
+    name: str
+    cancel: threading.Event
+    sent: bool = False
+    cancel_sent: bool = False
+
+
+@dataclass
+class _Read:
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    value: Any = None
+
+
+@dataclass
+class _Run:
+    """One started group: its processes, its connection and its threads."""
+
+    group: Group
+    listener: Listener
+    address: tuple[str, int]
+    conn: Connection | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
+    forced: str | None = None  # why this side ended the group, if it did
+    stopping: bool = False  # this side asked it to stop: its end is no loss
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class RemoteWorker:
+    """``EngineWorker``'s surface over a pipeline group in child processes.
+
+    Args:
+        on_event: called with each event, on this worker's relay or control
+            thread; it must be thread-safe.
+        budget_bytes: rank 0's KV page budget (None: free RAM minus its headroom);
+            every other rank guards its own memory.
+        chunk_size: tokens per prefill chunk.
+        ranks: local ranks to start with the ring backend (ignored with ``hostfile``).
+        hostfile: an MLX hostfile (``mlx.launch --hostfile``): its hosts are the
+            ranks, the first of them this machine (127.0.0.1), where rank 0 runs.
+        split: layers per rank, rank 0 (the last layers) first (None: mlx-lm's
+            even split).
+    """
+
+    def __init__(
+        self,
+        on_event: Callable[[object], None],
+        budget_bytes: int | None = None,
+        chunk_size: int = 512,
+        *,
+        ranks: int = 2,
+        hostfile: Path | None = None,
+        split: Sequence[int] | None = None,
+    ) -> None:
+        self._on_event = on_event
+        self._budget_bytes = budget_bytes
+        self._chunk_size = chunk_size
+        self._ranks = ranks
+        self._hostfile = None if hostfile is None else Path(hostfile)
+        self._split = None if split is None else [int(n) for n in split]
+        self._ids = itertools.count(1)
+        self._reads = itertools.count(1)
+        self._lock = threading.Lock()  # the state below
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, _Request] = {}
+        self._waiting: dict[int, _Read] = {}
+        self._run: _Run | None = None
+        self._connected = False
+        self._lost: str | None = None
+        self._settings: dict[str, tuple[Any, ...]] = {}  # replayed on every new group
+        self._last_stats: StatsSample | None = None
+        self._outbox: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        # Every event goes out on one thread, in order, never the one that reads
+        # the connection: ``on_event`` may ask rank 0 a question (a fit check).
+        self._events: queue.Queue[object] = queue.Queue()
+        self._stopping = threading.Event()
+        self._wake = threading.Condition(self._lock)
+        self._control = threading.Thread(target=self._serve, name="longleaf-pipeline",
+                                         daemon=True)
+        self._canceller = threading.Thread(target=self._watch_cancels,
+                                           name="longleaf-pipeline-cancel", daemon=True)
+        self._delivery = threading.Thread(target=self._deliver_events,
+                                          name="longleaf-pipeline-events", daemon=True)
+
+    # -- public API (any thread), as EngineWorker's -----------------------------
+
+    def start(self) -> None:
+        """Start the control thread; the group starts with the first ``load_model``."""
+        self._control.start()
+        self._canceller.start()
+        self._delivery.start()
+
+    def load_model(self, path: str) -> int:
+        """(Re)start the pipeline group for the model at ``path`` and load it there.
+
+        -> ``ModelLoaded`` then ``Finished("done")``, or ``Failed`` (a model mlx-lm
+        cannot split, a group that could not start, named by rank and machine).
+        The previous group, if any, is stopped first (its sessions stored).
+        """
+        return self._submit("load_model", (path,))
+
+    def open_session(self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
+                     rotate: bool | None = None) -> int:
+        """As ``EngineWorker.open_session``, on rank 0 (each rank its layers)."""
+        return self._submit("open_session", (session_id, mode, page_size, rotate))
+
+    def chat(self, session_id: str, messages: list[dict[str, str]], sampling: SamplingParams,
+             cancel: threading.Event, tools: list[dict] | None = None,
+             template: bool = True) -> int:
+        """As ``EngineWorker.chat``; setting ``cancel`` reaches every rank within a chunk."""
+        return self._submit("chat", (session_id, copy.deepcopy(messages), sampling),
+                            {"tools": copy.deepcopy(tools), "template": template}, cancel)
+
+    def ingest(self, session_id: str, messages: list[dict[str, str]],
+               cancel: threading.Event) -> int:
+        """As ``EngineWorker.ingest``."""
+        return self._submit("ingest", (session_id, copy.deepcopy(messages)), cancel=cancel)
+
+    def check_quality(self, session_id: str, messages: list[dict[str, str]],
+                      cancel: threading.Event) -> int:
+        """As ``EngineWorker.check_quality``."""
+        return self._submit("check_quality", (session_id, copy.deepcopy(messages)),
+                            cancel=cancel)
+
+    def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
+        """As ``EngineWorker.configure``; also kept for the next group."""
+        return self._submit("configure", (), {"budget_bytes": budget_bytes,
+                                              "chunk_size": chunk_size})
+
+    def set_snapshot_budget(self, budget_bytes: int | None) -> int:
+        """As ``EngineWorker.set_snapshot_budget``; also kept for the next group."""
+        return self._submit("set_snapshot_budget", (budget_bytes,))
+
+    def clear_snapshots(self, session_id: str | None = None) -> int:
+        """As ``EngineWorker.clear_snapshots`` (rank 0's, and each rank its own)."""
+        return self._submit("clear_snapshots", (session_id,))
+
+    def share_chats_with_api(self, share: bool) -> int:
+        """As ``EngineWorker.share_chats_with_api``; also kept for the next group."""
+        return self._submit("share_chats_with_api", (bool(share),))
+
+    def close_session(self, session_id: str, store: bool = True) -> int:
+        """As ``EngineWorker.close_session`` (rank 0 cancels that session's request)."""
+        return self._submit("close_session", (session_id, store))
+
+    def latest_stats(self) -> StatsSample | None:
+        """Rank 0's last stats sample (the last one seen while no group answers)."""
+        try:
+            return self._read("latest_stats")
+        except EngineError:
+            return self._last_stats
+
+    def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
+        """As ``EngineWorker.fit_check``, asked of rank 0.
+
+        Raises:
+            EngineError: no model is loaded, the session is unknown, or no group runs.
+        """
+        return self._read("fit_check", session_id, token_count)
+
+    def count_tokens(self, text: str) -> int:
+        """As ``EngineWorker.count_tokens``, asked of rank 0.
+
+        Raises:
+            EngineError: no model is loaded, or no group runs.
+        """
+        return self._read("count_tokens", text)
+
+    def turn_overhead(self, system_prompt: str = "") -> TurnOverhead:
+        """As ``EngineWorker.turn_overhead``, asked of rank 0.
+
+        Raises:
+            EngineError: no model is loaded, or no group runs.
+        """
+        return self._read("turn_overhead", system_prompt)
+
+    def token_ends(self, text: str) -> list[int]:
+        """As ``EngineWorker.token_ends``, asked of rank 0.
+
+        Raises:
+            EngineError: no model is loaded, or no group runs.
+        """
+        return self._read("token_ends", text)
+
+    @property
+    def alive(self) -> bool:
+        """True from ``start`` until the control thread has ended."""
+        return self._control.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for this worker's threads; True once ended."""
+        threads = (self._control, self._canceller, self._delivery)
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(timeout)
+        return not any(thread.is_alive() for thread in threads)
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Stop the group (rank 0 stores its sessions, as ``EngineWorker`` does) and
+        end its processes: what has not stopped within ``timeout`` is killed, so no
+        process is left behind."""
+        self._stopping.set()
+        with self._lock:
+            run = self._run
+            self._wake.notify_all()
+        if run is not None:
+            self._stop_run(run, timeout)
+        self._outbox.put(None)
+        if not self.join(timeout):
+            log.warning("pipeline worker did not stop within %.1f s", timeout)
+
+    # -- requests ------------------------------------------------------------
+
+    def _submit(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                cancel: threading.Event | None = None) -> int:
+        request_id = next(self._ids)
+        self._outbox.put((request_id, name, args, kwargs or {}, cancel or threading.Event()))
+        return request_id
+
+    def _serve(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                break
+            if self._stopping.is_set():
+                self._emit(Finished(item[0], "cancelled"))
+            else:
+                self._handle(*item)
+        run = self._run  # one started while shutdown looked
+        if run is not None:
+            self._stop_run(run, 1.0)
+        # Requests never answered, and those queued behind the stop, still end once.
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._emit(Finished(item[0], "cancelled"))
+        with self._lock:
+            left = sorted(self._pending)
+            self._pending.clear()
+        for request_id in left:
+            self._emit(Finished(request_id, "cancelled"))
+        self._events.put(None)
+
+    def _handle(self, request_id: int, name: str, args: tuple[Any, ...],
+                kwargs: dict[str, Any], cancel: threading.Event) -> None:
+        if name in ("configure", "set_snapshot_budget", "share_chats_with_api"):
+            self._settings[name] = (args, kwargs)
+        if name == "configure":
+            try:
+                check_settings(kwargs["budget_bytes"], kwargs["chunk_size"])
+            except EngineError as error:
+                self._settings.pop(name)
+                self._emit(Failed(request_id, str(error), type(error).__name__))
+                return
+            # Also the next group's.
+            self._budget_bytes, self._chunk_size = kwargs["budget_bytes"], kwargs["chunk_size"]
+        if name == "load_model":
+            self._start(request_id, args[0])
+            return
+        if not self._connected:
+            self._answer_alone(request_id, name)
+            return
+        self._send_call(request_id, name, args, kwargs, cancel)
+
+    def _answer_alone(self, request_id: int, name: str) -> None:
+        # No group answers: settings wait for the next one, everything else fails.
+        if name in ("configure", "set_snapshot_budget", "share_chats_with_api",
+                    "close_session"):
+            self._emit(Finished(request_id, "done"))
+        elif self._lost is not None:
+            self._emit(Failed(request_id, self._lost, GroupLost.__name__))
+        else:
+            self._emit(Failed(request_id, NO_MODEL, EngineError.__name__))
+
+    def _send_call(self, request_id: int, name: str, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], cancel: threading.Event) -> None:
+        with self._lock:
+            self._pending[request_id] = _Request(name, cancel)
+        try:
+            sent = self._send(("call", request_id, name, args, kwargs))
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            self._end(request_id, Failed(request_id, f"This request cannot be sent to the "
+                                         f"pipeline ({error}).", EngineError.__name__))
+            return
+        if not sent:
+            return  # the group is going: its loss ends this request
+        with self._lock:
+            request = self._pending.get(request_id)
+            if request is not None:
+                request.sent = True
+                self._wake.notify_all()
+
+    def _send(self, message: tuple[Any, ...]) -> bool:
+        run = self._run
+        if run is None or run.conn is None:
+            return False
+        try:
+            with self._send_lock:
+                run.conn.send(message)
+        except (OSError, ValueError) as error:  # the connection is gone
+            log.info("pipeline connection lost while sending: %s", error)
+            return False
+        return True
+
+    def _read(self, name: str, *args: Any) -> Any:
+        read = _Read()
+        call_id = next(self._reads)
+        with self._lock:
+            if not self._connected:
+                raise GroupLost(self._lost) if self._lost else EngineError(NO_MODEL)
+            self._waiting[call_id] = read
+        try:
+            if not self._send(("read", call_id, name, args)):
+                raise GroupLost(self._lost or "The pipeline's connection was lost.")
+            if not read.done.wait(READ_TIMEOUT):
+                raise EngineError(f"The pipeline's rank 0 did not answer within "
+                                  f"{READ_TIMEOUT:.0f} s.")
+        finally:
+            with self._lock:
+                self._waiting.pop(call_id, None)
+        if read.ok:
+            return read.value
+        kind, message = read.value
+        error_class = getattr(errors, kind, None)
+        if not (isinstance(error_class, type) and issubclass(error_class, EngineError)):
+            error_class = GroupLost if kind == GroupLost.__name__ else EngineError
+        raise error_class(message)
+
+    def _emit(self, event: object) -> None:
+        self._events.put(event)
+
+    def _deliver_events(self) -> None:
+        while True:
+            event = self._events.get()
+            if event is None:
+                break
+            try:
+                self._on_event(event)
+            except Exception:
+                log.exception("on_event raised on %r; the engine carries on",
+                              type(event).__name__)
+
+    def _end(self, request_id: int, event: object) -> None:
+        """Emit a request's ending, unless it has had one."""
+        with self._lock:
+            if self._pending.pop(request_id, None) is None:
+                return
+            self._emit(event)
+
+    # -- the group -----------------------------------------------------------
+
+    def _start(self, request_id: int, path: str) -> None:
+        previous = self._run
+        if previous is not None:
+            self._stop_run(previous, READ_TIMEOUT)
+        self._connected, self._lost = False, None
+        with self._lock:
+            self._pending[request_id] = _Request("load_model", threading.Event())
+        try:
+            _check_splittable(path)
+            run = self._launch(path)
+        except EngineError as error:
+            self._end(request_id, Failed(request_id, str(error), type(error).__name__))
+            return
+        if not self._connect(run):
+            return  # the watcher reports why the group ended
+        for name, (args, kwargs) in self._settings.items():
+            if name != "configure":  # rank 0 started with the budget and chunk
+                self._send(("call", 0, name, args, kwargs))
+        self._send(("call", request_id, "load_model", (path,), {}))
+        with self._lock:
+            request = self._pending.get(request_id)
+            if request is not None:
+                request.sent = True
+
+    def _launch(self, path: str) -> _Run:
+        hosts = None if self._hostfile is None else read_hostfile(self._hostfile)
+        if hosts is not None and hosts[0] not in LOCAL_HOSTS:
+            raise EngineError(
+                f"The first host of {self._hostfile} is {hosts[0]}; it must be this Mac "
+                "(127.0.0.1), where the app runs the pipeline's rank 0.")
+        ranks = self._ranks if hosts is None else len(hosts)
+        key = secrets.token_bytes(32)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        folder = tempfile.mkdtemp(prefix="pipeline-")
+        argv = ["--model", str(path), "--chunk", str(self._chunk_size)]
+        if self._budget_bytes is not None:
+            argv += ["--budget", str(self._budget_bytes)]
+        if self._split is not None:
+            argv += ["--split", ",".join(map(str, self._split))]
+        command = launch_command(launcher_path(), argv, ranks, None, folder, self._hostfile,
+                                 module="engine.distributed.host")
+        address = listener.address
+        env = {**rank_environment(folder, ranks, hosts),
+               ADDRESS_ENV: f"{address[0]}:{address[1]}", KEY_ENV: key.hex()}
+        run = _Run(Group(command, env, Path(folder), ranks, hosts), listener, address)
+        with self._lock:  # before the watcher can report its loss
+            self._run = run
+        watcher = threading.Thread(target=self._watch, args=(run,),
+                                   name="longleaf-pipeline-watch", daemon=True)
+        run.threads.append(watcher)
+        watcher.start()
+        return run
+
+    def _connect(self, run: _Run) -> bool:
+        # The watcher wakes a still-waiting accept when the group ends first.
+        timer = threading.Timer(CONNECT_TIMEOUT, self._force_end, (run, "rank 0 did not "
+                                f"connect within {CONNECT_TIMEOUT:.0f} s"))
+        timer.daemon = True
+        timer.start()
+        try:
+            conn = run.listener.accept()
+        except (OSError, EOFError, AuthenticationError) as error:
+            log.info("pipeline rank 0 did not connect: %s", error)
+            return False
+        finally:
+            timer.cancel()
+            run.listener.close()
+        if run.ended.is_set() or run.stopping:
+            conn.close()
+            return False
+        run.conn = conn
+        relay = threading.Thread(target=self._relay, args=(run,),
+                                 name="longleaf-pipeline-relay", daemon=True)
+        run.threads.append(relay)
+        self._connected = True
+        relay.start()
+        return True
+
+    def _relay(self, run: _Run) -> None:
+        conn = run.conn
+        assert conn is not None
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "event":
+                self._deliver(message[1])
+            elif message[0] == "reply":
+                _, call_id, ok, value = message
+                with self._lock:
+                    read = self._waiting.get(call_id)
+                if read is not None:
+                    read.ok, read.value = ok, value
+                    read.done.set()
+        self._connected = False
+        conn.close()
+        if not run.stopping and not run.ended.wait(DROP_GRACE):
+            self._force_end(run, "rank 0 (this machine) closed its connection to the app")
+
+    def _deliver(self, event: object) -> None:
+        if isinstance(event, StatsSample):
+            self._last_stats = event
+        request_id = getattr(event, "request_id", None)
+        if request_id is None:
+            self._emit(event)
+        elif isinstance(event, Finished | Failed):
+            self._end(request_id, event)
+        else:
+            with self._lock:
+                if request_id in self._pending:  # a lost request has had its Failed
+                    self._emit(event)
+
+    def _force_end(self, run: _Run, why: str) -> None:
+        if run.ended.is_set():
+            return
+        run.forced = why
+        run.group.end()
+
+    def _watch(self, run: _Run) -> None:
+        done, lost = run.group.watch()
+        run.ended.set()
+        if run.conn is None:
+            # Wake an accept still waiting for a rank 0 that will never come: a bare
+            # connection fails its handshake at once. (Refused: it has ended already.)
+            with contextlib.suppress(OSError):
+                socket.create_connection(run.address, timeout=2.0).close()
+        shutil.rmtree(run.group.folder, ignore_errors=True)
+        if run.stopping:
+            return
+        message = (f"The pipeline run failed: {run.forced}" if run.forced
+                   else run.group.failure(done, lost))
+        self._lose(run, f"{message.rstrip('.')}. Load the model again to restart it.")
+
+    def _lose(self, run: _Run, message: str) -> None:
+        with self._lock:
+            if self._run is not run:
+                return
+            self._lost = message
+            self._connected = False
+            for request_id in sorted(self._pending):
+                self._emit(Failed(request_id, message, GroupLost.__name__))
+            self._pending.clear()
+            self._emit(PipelineLost(message))
+            reads = list(self._waiting.values())
+        for read in reads:
+            read.ok, read.value = False, (GroupLost.__name__, message)
+            read.done.set()
+
+    def _stop_run(self, run: _Run, timeout: float) -> None:
+        """Ask rank 0 to stop, wait ``timeout`` for the group to end, then end it."""
+        run.stopping = True
+        if run.conn is not None:
+            self._send(("shutdown", timeout))
+        if not run.ended.wait(timeout + 1.0):
+            run.group.end()
+        run.ended.wait(5.0)
+        for thread in run.threads:
+            if thread is not threading.current_thread():
+                thread.join(5.0)
+        with self._lock:
+            self._connected = False
+            if self._run is run:
+                self._run = None
+            for request_id in sorted(self._pending):  # rank 0 stopped before ending them
+                self._emit(Finished(request_id, "cancelled"))
+            self._pending.clear()
+
+    def _watch_cancels(self) -> None:
+        # An Event cannot be waited on together with others: look at the in-flight
+        # requests' every CANCEL_POLL while any can be cancelled.
+        with self._lock:
+            while not self._stopping.is_set():
+                due = [request_id for request_id, request in self._pending.items()
+                       if request.name in CANCELLABLE and request.sent
+                       and not request.cancel_sent and request.cancel.is_set()]
+                for request_id in due:
+                    self._pending[request_id].cancel_sent = True
+                watching = any(request.name in CANCELLABLE and not request.cancel_sent
+                               for request in self._pending.values())
+                if due:
+                    self._lock.release()
+                    try:
+                        for request_id in due:
+                            self._send(("cancel", request_id))
+                    finally:
+                        self._lock.acquire()
+                    continue
+                self._wake.wait(CANCEL_POLL if watching else None)
+
+
+def _check_splittable(path: str) -> None:
+    """Refuse, before any process starts, a folder that is no model or cannot be split."""
+    from engine.models.split import split_refusal
+
+    refusal = split_refusal(path)
+    if refusal is not None:
+        raise ModelLoadError(refusal)

@@ -1,0 +1,113 @@
+"""Settings → "Use other Macs": off by default, saved, a bad split refused, hosts checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from PySide6.QtWidgets import QDialogButtonBox
+
+from app.settings import Settings
+from app.window.dialogs import SettingsDialog
+from tests.app.layout import clipped_texts
+
+
+def _hostfile(tmp_path: Path, hosts: list[str]) -> Path:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps({"hosts": [{"ssh": host, "ips": ["127.0.0.1"]}
+                                          for host in hosts]}), encoding="utf-8")
+    return path
+
+
+def _dialog(qtbot, model_folder: str | None = None) -> SettingsDialog:
+    dialog = SettingsDialog(Settings(), model_folder=model_folder)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    return dialog
+
+
+def _save(dialog: SettingsDialog) -> None:
+    dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save).click()
+
+
+def test_off_by_default_and_saved_once_set(qtbot, tmp_path: Path) -> None:
+    settings = Settings()
+    assert not settings.pipeline_enabled and settings.pipeline_hostfile == ""
+    assert settings.pipeline_split is None
+    dialog = _dialog(qtbot)
+    page = dialog.macs
+    assert not page.enabled.isChecked()
+    assert "stays on this Mac" in page.intro.text() and "naming it" in page.intro.text()
+    hosts = _hostfile(tmp_path, ["127.0.0.1", "mac2.local"])
+    page.enabled.setChecked(True)
+    page.hostfile.setText(f" {hosts} ")
+    page.split.setText("10, 14")
+    _save(dialog)
+    assert not dialog.isVisible()
+    again = Settings()
+    assert again.pipeline_enabled and again.pipeline_hostfile == str(hosts)
+    assert again.pipeline_split == (10, 14)
+    reopened = _dialog(qtbot)
+    shown = reopened.macs
+    assert shown.enabled.isChecked() and shown.split.text() == "10,14"
+    assert shown.hostfile.text() == str(hosts)
+
+
+def test_an_invalid_split_is_refused_with_a_message(qtbot, tmp_path: Path) -> None:
+    dialog = _dialog(qtbot)
+    page = dialog.macs
+    for text, words in (("10;14", "for example 10,14"), ("0,24", "at least 1"),
+                        ("24", "for example 10,14")):
+        page.split.setText(text)
+        dialog.tabs.setCurrentIndex(0)
+        _save(dialog)
+        assert dialog.isVisible() and dialog.tabs.currentWidget() is page
+        assert words in page.problem.text() and page.problem.isVisible()
+    # One number per Mac of the hostfile.
+    page.enabled.setChecked(True)
+    page.hostfile.setText(str(_hostfile(tmp_path, ["127.0.0.1", "a", "b"])))
+    page.split.setText("10,14")
+    _save(dialog)
+    assert dialog.isVisible() and "the hostfile names 3" in page.problem.text()
+    assert Settings().stored() == {}  # nothing saved
+
+
+def test_on_without_a_usable_hostfile_is_refused(qtbot, tmp_path: Path) -> None:
+    dialog = _dialog(qtbot)
+    page = dialog.macs
+    page.enabled.setChecked(True)
+    _save(dialog)
+    assert dialog.isVisible() and "Choose the hostfile" in page.problem.text()
+    (tmp_path / "bad.json").write_text("{", encoding="utf-8")
+    page.hostfile.setText(str(tmp_path / "bad.json"))
+    _save(dialog)
+    assert dialog.isVisible() and "An MLX hostfile is JSON" in page.problem.text()
+    page.enabled.setChecked(False)  # off: a hostfile being edited is not in the way
+    _save(dialog)
+    assert not dialog.isVisible()
+
+
+def test_check_hosts_shows_each_host(qtbot, tmp_path: Path) -> None:
+    dialog = _dialog(qtbot, model_folder="demo")  # no folder to compare: reachability only
+    page = dialog.macs
+    page.hostfile.setText(str(_hostfile(tmp_path, ["127.0.0.1", "mac-two.invalid"])))
+    page.check.click()
+    assert not page.check.isEnabled() and page.result.text() == "Checking hosts…"
+    qtbot.waitUntil(page.check.isEnabled, timeout=60_000)
+    lines = page.result.text().splitlines()
+    assert lines[0].startswith("✓ Rank 0 (127.0.0.1): reachable")
+    assert lines[1].startswith("✗ Rank 1 (mac-two.invalid) cannot be reached by ssh")
+
+
+def test_no_text_of_the_page_is_cut_within_700_px(qtbot, tmp_path: Path) -> None:
+    dialog = _dialog(qtbot)
+    dialog.tabs.setCurrentWidget(dialog.macs)
+    page = dialog.macs
+    page.split.setText("x")
+    page.problem_text()  # the longest message shown with the check's lines
+    page.result.setText("✓ Rank 0 (127.0.0.1): reachable, Longleaf 0.1.0 (no model folder "
+                        "to compare).\n✗ Rank 1 (mac-two.invalid) cannot be reached by ssh.")
+    page.result.show()
+    qtbot.wait(50)
+    assert dialog.sizeHint().height() <= 700
+    assert clipped_texts(dialog) == []
