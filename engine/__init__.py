@@ -56,7 +56,7 @@ _PUBLIC = {
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv",
-        "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost")},
+        "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost", "RankShare")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
