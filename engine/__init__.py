@@ -10,7 +10,8 @@ does not load MLX until something needs it.
   ``full_context_costs`` (what a model's KV takes at full context, per mode).
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
   ingest, chat, cancel, stats), driven from any thread through events.
-- Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample``, ``Finished``,
+- Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample`` (with a pipeline's
+  ``RankShare`` per machine), ``Finished``,
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
   ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
@@ -89,6 +90,7 @@ __all__ = [
     "QualityChecked",
     "QualityProgress",
     "QualityReceipt",
+    "RankShare",
     "RecommendedModel",
     "RemoteWorker",
     "SamplingParams",
@@ -150,6 +152,7 @@ if TYPE_CHECKING:
         QualityChecked,
         QualityProgress,
         QualityReceipt,
+        RankShare,
         SessionOpened,
         StatsSample,
         StoredKv,
