@@ -126,6 +126,12 @@ class Follower:
         # starts the moment the step ends, without a host sync in between.
         self._step = session.model.model(mx.array([[token]]), cache=session.cache)
         mx.async_eval(self._step)
+        last = session.cache[-1]
+        if getattr(last, "pipeline_dependency", None) is not None:
+            # mlx-lm chains each step's send onto the last layer's ``keys`` hook; the
+            # step's output reaches the send already, and the chain, never evaluated
+            # in decode, would grow by a node (and a hidden state) per token.
+            last.keys = None
         session.tokens.append(token)
 
     def _checkpoint(self, slot: int, boundary: int, position: int, *_: int) -> None:
