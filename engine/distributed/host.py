@@ -18,12 +18,14 @@ import os
 import pickle
 import sys
 import threading
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
 from engine.distributed.launch import rank_report_dir, write_rank_pid, write_rank_report
-from engine.distributed.remote import ADDRESS_ENV, CANCELLABLE, KEY_ENV
+from engine.distributed.link import ADDRESS_ENV, KEY_ENV
+from engine.distributed.remote import CANCELLABLE
 from engine.errors import EngineError
 from engine.events import Failed, Finished
 from engine.runtime.worker import UNEXPECTED
@@ -154,7 +156,10 @@ def _lead(group: Any, args: argparse.Namespace) -> None:
 
     host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
     key = bytes.fromhex(os.environ.pop(KEY_ENV))
-    conn = Client((host, int(port)), authkey=key)
+    try:
+        conn = Client((host, int(port)), authkey=key)
+    except (OSError, AuthenticationError) as error:
+        raise EngineError(f"Rank 0 cannot reach the app ({error}).") from error
     folder = _snapshot_dir()
     snapshots = None if folder is None else SnapshotStore(folder)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from engine.errors import EngineError
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
 LOCAL_RANKS = "LONGLEAF_LOCAL_RANKS"  # set when every rank runs on this machine
+DEFAULT_RING_PORT = 32323  # mlx.launch's own --starting-port
 
 
 def rank_report_dir() -> Path | None:
@@ -141,11 +143,38 @@ def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int | 
                    module: str = "engine") -> list[str]:
     """The mlx.launch command line of a pipeline run (local ranks, or a hostfile's):
     ``python -m <module> <argv>`` on every rank (with ``--seed``, unless None)."""
-    where = (["-n", str(ranks), "--backend", "ring"] if hostfile is None else
+    # Local ranks listen on ports of their own: mlx.launch's fixed default would
+    # meet any other local group's (another run, a test beside it) and cut both.
+    where = (["-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks))]
+             if hostfile is None else
              ["--hostfile", str(hostfile), "--env", f"{REPORT_DIR}={folder}"])
     seeded = [] if seed is None else ["--seed", str(seed)]
     return [str(launcher), *where, sys.executable, "-m", module, *_without_hostfile(argv),
             *seeded]
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 right now.
+
+    Best effort: another process may take one before the ranks listen; then
+    mlx.launch's default start is as good as any.
+    """
+    for _ in range(64):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count <= 65536 and all(_free(first + i) for i in range(1, count)):
+            return first
+    return DEFAULT_RING_PORT
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _without_hostfile(argv: Sequence[str]) -> list[str]:

@@ -2,10 +2,10 @@
 
 ``RemoteWorker`` has ``EngineWorker``'s public surface, so a front end drives
 either one the same way. ``load_model`` (re)starts a pipeline group for that
-model through mlx.launch (``engine.distributed.group`` watches it): rank 0
-(``engine.distributed.host``) runs an ``EngineWorker`` on the group and connects
-back over ``multiprocessing.connection`` (127.0.0.1, a random authkey in its
-environment); the other ranks follow rank 0 as in the CLI's pipeline run.
+model (``engine.distributed.link``): rank 0 (``engine.distributed.host``) runs
+an ``EngineWorker`` on the group and connects back over
+``multiprocessing.connection``; the other ranks follow rank 0 as in the CLI's
+pipeline run.
 
 On the wire (pickled tuples of plain values and frozen events), app to rank 0:
 ``("call", request_id, name, args, kwargs)``, ``("cancel", request_id)``,
@@ -21,32 +21,19 @@ next ``load_model`` starts a new group.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import logging
 import pickle
 import queue
-import secrets
-import shutil
-import socket
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
 from engine import errors
-from engine.distributed.group import LOCAL_HOSTS, LOST_RANK_GRACE, Group
-from engine.distributed.launch import (
-    launch_command,
-    launcher_path,
-    rank_environment,
-    read_hostfile,
-)
+from engine.distributed.link import Link
 from engine.errors import EngineError, ModelLoadError
 from engine.events import Failed, Finished, PipelineLost, StatsSample
 from engine.memory import fit
@@ -57,17 +44,10 @@ from engine.session.session import DEFAULT_PAGE_SIZE
 
 log = logging.getLogger(__name__)
 
-ADDRESS_ENV = "LONGLEAF_ENGINE_ADDRESS"  # where rank 0 connects back to ("host:port")
-KEY_ENV = "LONGLEAF_ENGINE_KEY"  # the connection's authkey, hex
 CANCELLABLE = ("chat", "ingest", "check_quality")
 NO_MODEL = "Load a model first."
-# Rank 0 connects once MLX is imported and its group is up; loading comes after.
-CONNECT_TIMEOUT = 300.0
 READ_TIMEOUT = 30.0
 CANCEL_POLL = 0.05
-# After the connection drops, the watcher gets this long to see the group end
-# (its lost-rank grace included) before the group is ended by force.
-DROP_GRACE = LOST_RANK_GRACE + 3.0
 
 
 class GroupLost(EngineError):
@@ -89,26 +69,12 @@ class _Read:
     value: Any = None
 
 
-@dataclass
-class _Run:
-    """One started group: its processes, its connection and its threads."""
-
-    group: Group
-    listener: Listener
-    address: tuple[str, int]
-    conn: Connection | None = None
-    ended: threading.Event = field(default_factory=threading.Event)
-    forced: str | None = None  # why this side ended the group, if it did
-    stopping: bool = False  # this side asked it to stop: its end is no loss
-    threads: list[threading.Thread] = field(default_factory=list)
-
-
 class RemoteWorker:
     """``EngineWorker``'s surface over a pipeline group in child processes.
 
     Args:
-        on_event: called with each event, on this worker's relay or control
-            thread; it must be thread-safe.
+        on_event: called with each event, in order, on one thread of this worker
+            (never the one reading the connection, so it may ask rank 0 a question).
         budget_bytes: rank 0's KV page budget (None: free RAM minus its headroom);
             every other rank guards its own memory.
         chunk_size: tokens per prefill chunk.
@@ -138,11 +104,9 @@ class RemoteWorker:
         self._ids = itertools.count(1)
         self._reads = itertools.count(1)
         self._lock = threading.Lock()  # the state below
-        self._send_lock = threading.Lock()
         self._pending: dict[int, _Request] = {}
         self._waiting: dict[int, _Read] = {}
-        self._run: _Run | None = None
-        self._connected = False
+        self._run: Link | None = None
         self._lost: str | None = None
         self._settings: dict[str, tuple[Any, ...]] = {}  # replayed on every new group
         self._last_stats: StatsSample | None = None
@@ -337,7 +301,7 @@ class RemoteWorker:
         if name == "load_model":
             self._start(request_id, args[0])
             return
-        if not self._connected:
+        if not self._connected():
             self._answer_alone(request_id, name)
             return
         self._send_call(request_id, name, args, kwargs, cancel)
@@ -371,22 +335,18 @@ class RemoteWorker:
                 self._wake.notify_all()
 
     def _send(self, message: tuple[Any, ...]) -> bool:
-        run = self._run
-        if run is None or run.conn is None:
-            return False
-        try:
-            with self._send_lock:
-                run.conn.send(message)
-        except (OSError, ValueError) as error:  # the connection is gone
-            log.info("pipeline connection lost while sending: %s", error)
-            return False
-        return True
+        link = self._run
+        return link is not None and link.send(message)
+
+    def _connected(self) -> bool:
+        link = self._run
+        return link is not None and link.connected
 
     def _read(self, name: str, *args: Any) -> Any:
         read = _Read()
         call_id = next(self._reads)
         with self._lock:
-            if not self._connected:
+            if not self._connected():
                 raise GroupLost(self._lost) if self._lost else EngineError(NO_MODEL)
             self._waiting[call_id] = read
         try:
@@ -433,16 +393,24 @@ class RemoteWorker:
         previous = self._run
         if previous is not None:
             self._stop_run(previous, READ_TIMEOUT)
-        self._connected, self._lost = False, None
+        self._lost = None
         with self._lock:
             self._pending[request_id] = _Request("load_model", threading.Event())
         try:
             _check_splittable(path)
-            run = self._launch(path)
+            argv = ["--model", str(path), "--chunk", str(self._chunk_size)]
+            if self._budget_bytes is not None:
+                argv += ["--budget", str(self._budget_bytes)]
+            if self._split is not None:
+                argv += ["--split", ",".join(map(str, self._split))]
+            link = Link(argv, self._ranks, self._hostfile, self._on_message, self._lose)
         except EngineError as error:
             self._end(request_id, Failed(request_id, str(error), type(error).__name__))
             return
-        if not self._connect(run):
+        with self._lock:  # before the watcher can report its loss
+            self._run = link
+        link.start()
+        if not link.connect():
             return  # the watcher reports why the group ended
         for name, (args, kwargs) in self._settings.items():
             if name != "configure":  # rank 0 started with the budget and chunk
@@ -453,81 +421,16 @@ class RemoteWorker:
             if request is not None:
                 request.sent = True
 
-    def _launch(self, path: str) -> _Run:
-        hosts = None if self._hostfile is None else read_hostfile(self._hostfile)
-        if hosts is not None and hosts[0] not in LOCAL_HOSTS:
-            raise EngineError(
-                f"The first host of {self._hostfile} is {hosts[0]}; it must be this Mac "
-                "(127.0.0.1), where the app runs the pipeline's rank 0.")
-        ranks = self._ranks if hosts is None else len(hosts)
-        key = secrets.token_bytes(32)
-        listener = Listener(("127.0.0.1", 0), authkey=key)
-        folder = tempfile.mkdtemp(prefix="pipeline-")
-        argv = ["--model", str(path), "--chunk", str(self._chunk_size)]
-        if self._budget_bytes is not None:
-            argv += ["--budget", str(self._budget_bytes)]
-        if self._split is not None:
-            argv += ["--split", ",".join(map(str, self._split))]
-        command = launch_command(launcher_path(), argv, ranks, None, folder, self._hostfile,
-                                 module="engine.distributed.host")
-        address = listener.address
-        env = {**rank_environment(folder, ranks, hosts),
-               ADDRESS_ENV: f"{address[0]}:{address[1]}", KEY_ENV: key.hex()}
-        run = _Run(Group(command, env, Path(folder), ranks, hosts), listener, address)
-        with self._lock:  # before the watcher can report its loss
-            self._run = run
-        watcher = threading.Thread(target=self._watch, args=(run,),
-                                   name="longleaf-pipeline-watch", daemon=True)
-        run.threads.append(watcher)
-        watcher.start()
-        return run
-
-    def _connect(self, run: _Run) -> bool:
-        # The watcher wakes a still-waiting accept when the group ends first.
-        timer = threading.Timer(CONNECT_TIMEOUT, self._force_end, (run, "rank 0 did not "
-                                f"connect within {CONNECT_TIMEOUT:.0f} s"))
-        timer.daemon = True
-        timer.start()
-        try:
-            conn = run.listener.accept()
-        except (OSError, EOFError, AuthenticationError) as error:
-            log.info("pipeline rank 0 did not connect: %s", error)
-            return False
-        finally:
-            timer.cancel()
-            run.listener.close()
-        if run.ended.is_set() or run.stopping:
-            conn.close()
-            return False
-        run.conn = conn
-        relay = threading.Thread(target=self._relay, args=(run,),
-                                 name="longleaf-pipeline-relay", daemon=True)
-        run.threads.append(relay)
-        self._connected = True
-        relay.start()
-        return True
-
-    def _relay(self, run: _Run) -> None:
-        conn = run.conn
-        assert conn is not None
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                break
-            if message[0] == "event":
-                self._deliver(message[1])
-            elif message[0] == "reply":
-                _, call_id, ok, value = message
-                with self._lock:
-                    read = self._waiting.get(call_id)
-                if read is not None:
-                    read.ok, read.value = ok, value
-                    read.done.set()
-        self._connected = False
-        conn.close()
-        if not run.stopping and not run.ended.wait(DROP_GRACE):
-            self._force_end(run, "rank 0 (this machine) closed its connection to the app")
+    def _on_message(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "event":
+            self._deliver(message[1])
+        elif message[0] == "reply":
+            _, call_id, ok, value = message
+            with self._lock:
+                read = self._waiting.get(call_id)
+            if read is not None:
+                read.ok, read.value = ok, value
+                read.done.set()
 
     def _deliver(self, event: object) -> None:
         if isinstance(event, StatsSample):
@@ -542,33 +445,11 @@ class RemoteWorker:
                 if request_id in self._pending:  # a lost request has had its Failed
                     self._emit(event)
 
-    def _force_end(self, run: _Run, why: str) -> None:
-        if run.ended.is_set():
-            return
-        run.forced = why
-        run.group.end()
-
-    def _watch(self, run: _Run) -> None:
-        done, lost = run.group.watch()
-        run.ended.set()
-        if run.conn is None:
-            # Wake an accept still waiting for a rank 0 that will never come: a bare
-            # connection fails its handshake at once. (Refused: it has ended already.)
-            with contextlib.suppress(OSError):
-                socket.create_connection(run.address, timeout=2.0).close()
-        shutil.rmtree(run.group.folder, ignore_errors=True)
-        if run.stopping:
-            return
-        message = (f"The pipeline run failed: {run.forced}" if run.forced
-                   else run.group.failure(done, lost))
-        self._lose(run, f"{message.rstrip('.')}. Load the model again to restart it.")
-
-    def _lose(self, run: _Run, message: str) -> None:
+    def _lose(self, link: Link, message: str) -> None:
         with self._lock:
-            if self._run is not run:
+            if self._run is not link:
                 return
             self._lost = message
-            self._connected = False
             for request_id in sorted(self._pending):
                 self._emit(Failed(request_id, message, GroupLost.__name__))
             self._pending.clear()
@@ -578,20 +459,11 @@ class RemoteWorker:
             read.ok, read.value = False, (GroupLost.__name__, message)
             read.done.set()
 
-    def _stop_run(self, run: _Run, timeout: float) -> None:
-        """Ask rank 0 to stop, wait ``timeout`` for the group to end, then end it."""
-        run.stopping = True
-        if run.conn is not None:
-            self._send(("shutdown", timeout))
-        if not run.ended.wait(timeout + 1.0):
-            run.group.end()
-        run.ended.wait(5.0)
-        for thread in run.threads:
-            if thread is not threading.current_thread():
-                thread.join(5.0)
+    def _stop_run(self, link: Link, timeout: float) -> None:
+        """Stop ``link``'s group; what rank 0 did not end ends cancelled."""
+        link.stop(timeout)
         with self._lock:
-            self._connected = False
-            if self._run is run:
+            if self._run is link:
                 self._run = None
             for request_id in sorted(self._pending):  # rank 0 stopped before ending them
                 self._emit(Finished(request_id, "cancelled"))

@@ -19,6 +19,7 @@ def can_split(folder: str | Path) -> bool:
     """True when mlx-lm has a pipeline split for the model in ``folder`` (or "demo").
 
     False also for a folder that is not a model mlx-lm knows (its load says why).
+    Read from mlx-lm's classes, not an instance: the load itself has the last word.
     """
     return split_refusal(folder) is None
 
@@ -38,7 +39,7 @@ def split_refusal(folder: str | Path) -> str | None:
         model_class, _ = _model_classes(config, path)
     except ModelLoadError as error:
         return str(error)
-    if _has_pipeline(sys.modules[model_class.__module__]):
+    if _has_pipeline(model_class):
         return None
     return no_split_message(path.name, str(config["model_type"]))
 
@@ -50,9 +51,12 @@ def no_split_message(name: str, model_type: str) -> str:
             "machine, or a model mlx-lm can split (for example qwen2, qwen3_next, qwen3_5).")
 
 
-def _has_pipeline(module: object) -> bool:
-    # The inner model (``Model.model``, or a wrapper's ``language_model.model``) is
-    # the module's one class with the mixin; the outer Model never has it.
+def _has_pipeline(model_class: type) -> bool:
+    # The mixin is on the inner model (``Model.model``, or a wrapper's
+    # ``language_model.model``), a class of the module that defines the outer Model
+    # or one it derives from (qwen3_5_moe's Model is qwen3_5's).
     mixin = importlib.import_module("mlx_lm.models.pipeline").PipelineMixin
+    modules = {sys.modules[cls.__module__] for cls in model_class.__mro__
+               if cls.__module__.startswith("mlx_lm.")}
     return any(isinstance(value, type) and issubclass(value, mixin) and value is not mixin
-               for value in vars(module).values())
+               for module in modules for value in vars(module).values())

@@ -8,6 +8,7 @@ fail fast, restart with load_model, shut down without leaving a process.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import queue
 import signal
@@ -85,6 +86,20 @@ def _one_process(model: Path) -> list[int]:
         worker.shutdown(timeout=30.0)
 
 
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    """The tiny hybrid model, and its greedy answer to PROMPT in one process."""
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3_next")
+    return model, _one_process(model)
+
+
+def _hostfile(folder: Path, hosts: list[str]) -> Path:
+    path = folder / "hosts.json"
+    path.write_text(json.dumps({"backend": "ring", "hosts": [
+        {"ssh": host, "ips": [host]} for host in hosts]}), encoding="utf-8")
+    return path
+
+
 def _rank_pids() -> dict[int, int]:
     # The group's folder is in this process's (private) temp folder.
     pids = {}
@@ -97,9 +112,9 @@ def _children() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
-def test_a_remote_pipeline_answers_cancels_loses_a_rank_and_restarts(tmp_path: Path) -> None:
-    model = make_tiny_model_dir(tmp_path, "qwen3_next")
-    expected = _one_process(model)
+def test_a_remote_pipeline_answers_cancels_loses_a_rank_and_restarts(
+        qwen3_next: tuple[Path, list[int]]) -> None:
+    model, expected = qwen3_next
     before = _children()
     recorder = Recorder()
     worker = RemoteWorker(recorder, chunk_size=CHUNK, ranks=2)
@@ -193,6 +208,46 @@ def test_a_model_mlx_lm_cannot_split_fails_its_load_before_any_process_starts(
     assert isinstance(failed, Failed) and failed.error_type == "ModelLoadError"
     assert "cannot be split across machines" in failed.message and "llama" in failed.message
     assert not any(isinstance(e, PipelineLost) for e in recorder.events)
+
+
+@pytest.mark.slow
+def test_a_hostfile_of_this_machine_twice_runs_the_remote_pipeline(
+        qwen3_next: tuple[Path, list[int]], tmp_path: Path) -> None:
+    """The app's "other Macs" path: mlx.launch --hostfile, rank 0 on 127.0.0.1."""
+    model, expected = qwen3_next
+    before = _children()
+    recorder = Recorder()
+    worker = RemoteWorker(recorder, chunk_size=CHUNK,
+                          hostfile=_hostfile(tmp_path, ["127.0.0.1", "127.0.0.1"]))
+    worker.start()
+    try:
+        assert isinstance(recorder.ending(worker.load_model(str(model))), Finished)
+        assert isinstance(recorder.ending(worker.open_session("s", "q8", 16)), Finished)
+        answer = worker.chat("s", [{"role": "user", "content": PROMPT}], GREEDY,
+                             threading.Event())
+        assert isinstance(recorder.ending(answer), Finished)
+        seen = _rank_pids()
+    finally:
+        worker.shutdown(timeout=30.0)
+    assert worker.join(10.0)
+    assert recorder.tokens(answer) == expected
+    assert sorted(seen) == [0, 1] and not any(psutil.pid_exists(p) for p in seen.values())
+    assert _children() <= before
+
+
+def test_a_hostfile_whose_first_host_is_another_machine_is_refused(
+        qwen3_next: tuple[Path, list[int]], tmp_path: Path) -> None:
+    model, _ = qwen3_next
+    recorder = Recorder()
+    worker = RemoteWorker(recorder, hostfile=_hostfile(tmp_path, ["mac1.local", "127.0.0.1"]))
+    worker.start()
+    try:
+        failed = recorder.ending(worker.load_model(str(model)), timeout=60)
+    finally:
+        worker.shutdown()
+    assert worker.join(5.0)
+    assert isinstance(failed, Failed) and "mac1.local" in failed.message
+    assert "must be this Mac (127.0.0.1)" in failed.message
 
 
 def test_the_remote_worker_has_the_in_process_workers_public_surface() -> None:
