@@ -275,10 +275,14 @@ class SessionLink:
         self.conductor.send(op, self.slot, len(raw), *args, payload=raw)
         return gather_replies(self.conductor.group, [0])
 
-    def end(self, held: int, cancelled: bool) -> None:
+    def end(self, held: int, cancelled: bool, answer: bool = True) -> None:
         """A request ended with ``held`` tokens in the cache (the followers check theirs
-        and answer with their memory)."""
-        self.heard(self.conductor.ask(END, self.slot, held, int(cancelled)))
+        and, with ``answer``, reply with their memory). No reply after an unexpected
+        error: the group may be gone, and a gather would race the watchdog's message."""
+        if answer:
+            self.heard(self.conductor.ask(END, self.slot, held, int(cancelled), 1))
+        else:
+            self.conductor.send(END, self.slot, held, int(cancelled), 0)
 
     def room(self, token_count: int, mode: str) -> int:
         """Tokens that may follow ``token_count`` on the tightest follower, in ``mode``.

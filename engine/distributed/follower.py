@@ -151,14 +151,15 @@ class Follower:
         self._session(slot, c.CLOSE).close()
         del self.sessions[slot]
 
-    def _end(self, slot: int, held: int, cancelled: int, *_: int) -> None:
+    def _end(self, slot: int, held: int, cancelled: int, answer: int, *_: int) -> None:
         session = self._session(slot, c.END)
         self._expect(session, held, c.END)
         self.ends.append(held)
         self.cancelled += cancelled
         self.last = rank_stats(session, self.rank)
         mx.clear_cache()
-        c.gather_replies(self.group, memory_reply(session, held))
+        if answer:
+            c.gather_replies(self.group, memory_reply(session, held))
 
     def _fit(self, slot: int, token_count: int, *_: int) -> None:
         session = self._session(slot, c.FIT)
