@@ -84,26 +84,28 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
 
 def rank_environment(folder: str, ranks: int, hosts: Sequence[str] | None) -> dict[str, str]:
     """The environment mlx.launch gives the ranks: the report folder and, for the
-    ranks on this machine, their share of its cores."""
+    ranks on this machine, their share of its cores (``local_rank_env``)."""
     local = ranks if hosts is None else sum(host in LOCAL_HOSTS for host in hosts)
-    env = {**os.environ, REPORT_DIR: folder, **local_threads(local)}
-    if local == ranks:  # each rank keeps to its share of the cores
-        env[LOCAL_RANKS] = str(ranks)
-    return env
+    return {**os.environ, REPORT_DIR: folder, **local_rank_env(local, ranks)}
 
 
-def local_threads(local_ranks: int) -> dict[str, str]:
-    """BLAS thread counts for ranks that share this machine: each its share of the cores.
+def local_rank_env(local_ranks: int, ranks: int) -> dict[str, str]:
+    """What the launcher adds to the environment of the ranks it starts on this machine.
 
-    The launcher's environment reaches only the ranks it starts here (ssh does not
-    pass it on), and a pipeline's stages run one after the other, so each rank's
-    BLAS pool sized for the whole machine would spin against the other stage.
-    A count the user set is kept.
+    BLAS threads: each rank its share of the cores (a count the user set is kept),
+    since the stages run one after the other and a pool sized for the whole machine
+    spins against the other stage. When every rank is local, ``LOCAL_RANKS`` tells
+    them to pin themselves to their share (``commands.share_cores``). The
+    launcher's environment reaches only the ranks it starts here (ssh does not
+    pass it on).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     share = str(max(1, (cores or 1) // max(1, local_ranks)))
-    return {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
-                                                           "OMP_NUM_THREADS")}
+    env = {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
+                                                          "OMP_NUM_THREADS")}
+    if local_ranks == ranks:
+        env[LOCAL_RANKS] = str(ranks)
+    return env
 
 
 def launcher_path() -> Path:
