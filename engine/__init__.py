@@ -10,7 +10,8 @@ does not load MLX until something needs it.
   ``full_context_costs`` (what a model's KV takes at full context, per mode).
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
   ingest, chat, cancel, stats), driven from any thread through events.
-- Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample``, ``Finished``,
+- Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample`` (with a pipeline's
+  ``RankShare`` per machine), ``Finished``,
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
   ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
@@ -56,7 +57,7 @@ _PUBLIC = {
     **{name: "engine.events" for name in (
         "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv",
-        "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost")},
+        "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost", "RankShare")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
@@ -89,6 +90,7 @@ __all__ = [
     "QualityChecked",
     "QualityProgress",
     "QualityReceipt",
+    "RankShare",
     "RecommendedModel",
     "RemoteWorker",
     "SamplingParams",
@@ -150,6 +152,7 @@ if TYPE_CHECKING:
         QualityChecked,
         QualityProgress,
         QualityReceipt,
+        RankShare,
         SessionOpened,
         StatsSample,
         StoredKv,

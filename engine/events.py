@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.cache.modes import MODES
+
 
 @dataclass(frozen=True)
 class TokenChunk:
@@ -44,6 +46,45 @@ class LayerPages:
     pages_in_use: int
     tokens: int
     bytes_used: int
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One machine of a pipeline: its part of a session's cache and its memory.
+
+    Attributes:
+        rank: the pipeline rank (0 runs the app's engine).
+        host: the machine's host name.
+        layers: the model layers it runs, first and one past the last (one
+            process's numbering; rank 0 holds the last layers).
+        kv_bytes: KV bytes of the session's pages in use on its layers.
+        pages_in_use: pages of the session it holds (every layer's).
+        free_bytes: free RAM on that machine (before the safety headroom).
+        tokens_fit: per mode (``engine.cache.modes.MODES`` order), the tokens its
+            own pages and free RAM hold for this session (None: the mode cannot
+            store the model); empty where not projected.
+
+    A follower's figures are those it gave at its last reply to rank 0 (the
+    session's open, a request's fit check and its end); rank 0's are live.
+    """
+
+    rank: int
+    host: str
+    layers: tuple[int, int]
+    kv_bytes: int
+    pages_in_use: int
+    free_bytes: int
+    tokens_fit: tuple[int | None, ...] = ()
+
+    @property
+    def machine(self) -> str:
+        """How a message names this machine: "rank 1 (mac2)"."""
+        return f"rank {self.rank} ({self.host})"
+
+    def tokens_in(self, mode: str) -> int | None:
+        """Tokens this machine holds in ``mode`` (None: unsupported or not projected)."""
+        index = MODES.index(mode)
+        return self.tokens_fit[index] if index < len(self.tokens_fit) else None
 
 
 @dataclass(frozen=True)
@@ -93,6 +134,8 @@ class StatsSample:
     kv_shared_with: int = 0
     other_cache_bound_bytes: int = 0
     other_cache_kinds: str = ""
+    # A pipeline's machines, rank 0 first (empty on one machine).
+    ranks: tuple[RankShare, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ Tokens after this turn (context + attachments + typed text + the answer's
 maximum) against the model's context, the page budget and free RAM, with the
 KV bytes each mode would need — from the worker's ``fit_check``, which is pure
 arithmetic over ``engine.cache.kvquant.project_kv_bytes`` and never touches MLX.
+For a model split across machines it also says what the machines hold together
+and which one is the tight one.
 """
 
 from __future__ import annotations
@@ -218,9 +220,40 @@ def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[st
         # Reading in needs more than the pages: the weights and one chunk's scratch.
         head += (f"<br>Reading it in needs up to ≈ {human_bytes(peak)} at once (the model, "
                  "this memory and working space)")
-    if entry.fits:
+    pool = pool_sentence(report, mode)
+    if pool:
+        head += f"<br>{pool}"
+    short = _machine_short(report, mode, total)
+    if entry.fits and short is None:
         return f"✓ {head}", True
-    return f"⚠ {head}<br><b>{wont_fit_sentence(report, mode, total)}</b>", False
+    why = wont_fit_sentence(report, mode, total) if short is None else short
+    return f"⚠ {head}<br><b>{why}</b>", False
+
+
+def pool_sentence(report, mode: str) -> str:
+    """"On 2 machines: 12,288 tokens fit in q8 · rank 1 (mac2) is the tight one", or ""
+    on one machine."""
+    ranks = getattr(report, "ranks", ())
+    tokens = report.pool_tokens(mode) if len(ranks) > 1 else None
+    if tokens is None:
+        return ""
+    tight = report.tight_machine(mode)
+    text = f"On {len(ranks)} machines: {min(tokens, report.max_context):,} tokens fit in {mode}"
+    if tight is not None:
+        text += (f" · {tight.machine} is the tight one ({human_bytes(tight.free_bytes)} "
+                 "free there)")
+    return text
+
+
+def _machine_short(report, mode: str, total: int) -> str | None:
+    """Why another machine of a pipeline cannot hold ``total`` tokens (None: it can)."""
+    tight = report.tight_machine(mode) if len(getattr(report, "ranks", ())) > 1 else None
+    held = tight.tokens_in(mode) if tight is not None else None
+    # Rank 0's own limits (its budget among them) are the plain sentence's to say.
+    if held is None or held >= total or tight.rank == 0 or not report.for_mode(mode).fits_context:
+        return None
+    return (f"This won't fit in {mode}: {tight.machine} holds only {held:,} tokens for its "
+            "layers. Free memory on that machine, or use a smaller mode.")
 
 
 def wont_fit_sentence(report, mode: str, total: int) -> str:

@@ -2,7 +2,9 @@
 
 Fed by ``StatsSample``s (>= 2 Hz while the engine works, polled otherwise);
 the projection table comes from the worker's fit check, which is arithmetic
-over the model's facts and never touches MLX.
+over the model's facts and never touches MLX. A model split across machines
+adds a row per machine (its layers, KV, pages and free RAM), and the projection
+is then the machines' together: what the tightest of them holds.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from app.memory.labels import section_heading, value_label
 from app.memory.quality import receipt_details, receipt_line
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
-from engine import StatsSample
+from engine import RankShare, StatsSample
 from engine.cache.modes import MODES
 
 RAM_WARNING_PERCENT = 80.0
@@ -45,6 +47,10 @@ PAGES_TIP = ("Pages are per layer: each attention layer keeps its own pages of t
 STORAGE_NOTE = ("Sizes are storage arithmetic for whole pages: the last page of each layer "
                 "counts in full.")
 QUALITY_COLUMN = 3  # same top-1 as fp16, from the chat's quality receipts
+MACHINES_TIP = ("The model is split across these machines: each runs its layers and keeps "
+                "this chat's pages for them, so each needs room for every token. Another "
+                "machine's figures are as of its last reply (the chat's open, a message's "
+                "start and end).")
 NOT_MEASURED = "Not measured for this chat yet."
 
 
@@ -86,11 +92,23 @@ def pages_text(sample: StatsSample) -> str:
             f"full · {sample.page_size} tokens a page")
 
 
-def fits_sentence(tokens_fit: int, max_context: int, mode: str) -> str:
-    """"Fits in free memory: the whole context" or how many tokens of it, in ``mode``."""
+def fits_sentence(tokens_fit: int, max_context: int, mode: str, machines: int = 1,
+                  tight: RankShare | None = None) -> str:
+    """"Fits in free memory: the whole context" or how many tokens of it, in ``mode``;
+    on ``machines`` > 1, what they hold together and the ``tight`` one that limits it."""
+    where = "free memory" if machines <= 1 else f"the free memory of {machines} machines"
     if tokens_fit >= max_context:
-        return f"Fits in free memory: the whole context ({max_context:,} tokens) in {mode}."
-    return f"Fits in free memory: {tokens_fit:,} of {max_context:,} tokens in {mode}."
+        return f"Fits in {where}: the whole context ({max_context:,} tokens) in {mode}."
+    text = f"Fits in {where}: {tokens_fit:,} of {max_context:,} tokens in {mode}."
+    return text + (f" The tight one: {tight.machine}." if tight is not None else "")
+
+
+def machine_line(share: RankShare) -> str:
+    """One machine of a pipeline: "<b>mac2</b> · layers 0–11 · 4.0 MB in 8 pages · 9 GB free"."""
+    first, end = share.layers
+    return (f"<b>{html.escape(share.host)}</b> · layers {first}–{end - 1} · "
+            f"{human_bytes(share.kv_bytes)} in {share.pages_in_use:,} pages · "
+            f"{human_bytes(share.free_bytes)} free")
 
 
 def _fits_text(tokens_fit: int, max_context: int) -> str:
@@ -140,6 +158,15 @@ class MemoryPanel(QScrollArea):
                                   "stops an answer before it runs out")
         layout.addWidget(self.ram_label)
         layout.addWidget(self.ram_bar)
+
+        # Only for a model split across machines.
+        self.machines_heading = section_heading("Machines")
+        self.machines_label = value_label()
+        self.machines_label.setObjectName("machines")
+        self.machines_label.setToolTip(MACHINES_TIP)
+        layout.addWidget(self.machines_heading)
+        layout.addWidget(self.machines_label)
+        self.show_machines(())
 
         layout.addWidget(section_heading("Memory by KV mode"))
         self.table = QTableWidget(len(MODES), 4)
@@ -255,6 +282,7 @@ class MemoryPanel(QScrollArea):
         Where the chat is instead (on disk, or new) is the state sentence's to say.
         """
         self.kv_tokens = None
+        self.show_machines(())
         self.kv_label.setText(NO_CACHE)
         self.kv_detail.setText("")
         self.kv_bar.setMaximum(1000)
@@ -279,7 +307,9 @@ class MemoryPanel(QScrollArea):
         if not sample.tokens_in_context:
             self.show_no_cache()
             self.kv_label.setText(f"{NO_CACHE}{other_layers_line(sample)}")
+            self.show_machines(sample.ranks)
             return True
+        self.show_machines(sample.ranks)
         self.kv_tokens = sample.tokens_in_context
         allocated = max(sample.kv_bytes_allocated, 1)
         self.kv_label.setText(
@@ -297,6 +327,13 @@ class MemoryPanel(QScrollArea):
         self.pool.setToolTip(PAGES_TIP if per == 1 else f"Each square is {per} pages. {PAGES_TIP}")
         self.chart.add(sample.kv_bytes_used, sample.process_rss_bytes)
         return True
+
+    def show_machines(self, ranks: tuple[RankShare, ...]) -> None:
+        """A row per machine of a pipeline, rank 0 first (hidden on one machine)."""
+        shown = len(ranks) > 1
+        self.machines_heading.setVisible(shown)
+        self.machines_label.setVisible(shown)
+        self.machines_label.setText("<br>".join(machine_line(share) for share in ranks))
 
     def show_total(self, total_kv_bytes: int) -> None:
         """The KV bytes every chat held in memory takes together."""
@@ -388,13 +425,14 @@ class MemoryPanel(QScrollArea):
         if now_report is None or full_report is None:
             return
         self.now_tokens = now_report.token_count
+        machines = len(now_report.ranks)
         for row, mode in enumerate(MODES):
             now = now_report.for_mode(mode)
             full = full_report.for_mode(mode)
             cells = (
                 human_bytes(now.bytes_needed) if now.supported else "n/a",
                 human_bytes(full.bytes_needed) if full.supported else "n/a",
-                _fits_text(now.tokens_fit_ram, full_report.max_context)
+                _fits_text(_fit_tokens(now_report, mode), full_report.max_context)
                 if now.supported else "head_dim",
             )
             for column, text in enumerate(cells):
@@ -404,5 +442,14 @@ class MemoryPanel(QScrollArea):
             f"{full_report.max_context:,} tokens.")
         own = self.mode or ""
         entry = now_report.for_mode(own) if own in MODES else None
-        self.fits_label.setText(fits_sentence(entry.tokens_fit_ram, full_report.max_context, own)
-                                if entry is not None and entry.supported else "")
+        self.fits_label.setText(
+            fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
+                          machines, now_report.tight_machine(own))
+            if entry is not None and entry.supported else "")
+
+
+def _fit_tokens(report, mode: str) -> int:
+    """Tokens free memory holds in ``mode``: this machine's, or on a pipeline the
+    machines' together (their tightest)."""
+    pool = report.pool_tokens(mode) if report.ranks else None
+    return pool if pool is not None else report.for_mode(mode).tokens_fit_ram

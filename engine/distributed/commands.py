@@ -13,8 +13,10 @@ message (no collective thread pool; measured in docs/benchmarks.md).
 
 The header's first field is the protocol version: a follower that reads another
 version stops with an error instead of guessing. A decode step's token rides in
-the header (one message per step). Questions (fit, save, restore) are answered by an
-``all_gather`` of one fixed-size reply row per rank.
+the header (one message per step). Questions (open, fit, end, save, restore) are
+answered by an ``all_gather`` of one fixed-size reply row per rank; open, fit and
+end answer with the rank's memory (``memory_row``), so rank 0 knows every
+machine's share of a session once per request, never per token.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import mlx.core as mx
 from engine.cache.modes import MODES
 from engine.distributed.launch import LOCAL_RANKS
 from engine.errors import ContextTooLong, EngineError
+from engine.events import RankShare
 
-VERSION = 1
+VERSION = 2
 HEADER = 8  # version, op, slot, four arguments, the decode token
-REPLY = 8  # one follower answer: status, then op-specific values
+REPLY = 12  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
 
 # Operations (the header's second field).
@@ -46,6 +49,14 @@ OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
             END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
             STOP: "stop"}
 ROTATE_CODES = {None: -1, False: 0, True: 1}
+# A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
+# the tokens that fit per mode (MODES order; -1: unsupported), free RAM its pages
+# may take after the safety headroom (MiB), its KV bytes in use (two int32 halves,
+# exact), its pages in use, and free RAM before the headroom (MiB).
+FITS, TOKENS = 0, 1
+ROOM_MIB = TOKENS + len(MODES)
+KV_HIGH, KV_LOW, PAGES, FREE_MIB = ROOM_MIB + 1, ROOM_MIB + 2, ROOM_MIB + 3, ROOM_MIB + 4
+_LOW_BITS = 31
 
 
 class PipelineDesync(EngineError):
@@ -126,6 +137,14 @@ def pipeline_identity(group: Any, loaded: Any) -> tuple[list[str], dict[str, Any
     return names, {**own, "digest": folded, "pipeline": record}
 
 
+def memory_row(fits: bool, tokens_fit: Sequence[int | None], room_bytes: int, kv_bytes: int,
+               pages: int, free_bytes: int) -> list[int]:
+    """A rank's memory reply (see ``FITS``..``FREE_MIB``), as int32 values."""
+    tokens = [-1 if t is None else min(t, 2**31 - 1) for t in tokens_fit]
+    return [int(fits), *tokens, room_bytes >> 20, kv_bytes >> _LOW_BITS,
+            kv_bytes & (2**_LOW_BITS - 1), pages, free_bytes >> 20]
+
+
 def gather_replies(group: Any, row: Sequence[int]) -> list[list[int]]:
     """Each rank's reply row (rank 0's is its own), in rank order."""
     values = mx.array(list(row)[:REPLY] + [0] * (REPLY - len(row)), dtype=mx.int32)
@@ -156,11 +175,19 @@ class Conductor:
     def __init__(self, group: Any, loaded: Any) -> None:
         self.group = group
         self.names, self.fingerprint = pipeline_identity(group, loaded)
+        self.layers = [(first, end) for first, end in self.fingerprint["pipeline"]["split"]]
         self._slots = 0
 
     def machine(self, rank: int) -> str:
         """How a message names a rank: its number and host."""
         return f"rank {rank} ({self.names[rank]})"
+
+    def share(self, rank: int, row: Sequence[int]) -> RankShare:
+        """Rank ``rank``'s memory reply (``memory_row``) as its ``RankShare``."""
+        tokens = tuple(None if t < 0 else t for t in row[TOKENS:ROOM_MIB])
+        return RankShare(rank, self.names[rank], self.layers[rank],
+                         (row[KV_HIGH] << _LOW_BITS) + row[KV_LOW], row[PAGES],
+                         row[FREE_MIB] << 20, tokens)
 
     def send(self, op: int, slot: int = 0, *args: int, payload: list[int] | None = None) -> None:
         """A command (and its int32 ``payload``, if any), sent before this returns."""
@@ -180,9 +207,11 @@ class Conductor:
     def open(self, mode: str, page_size: int, rotate: bool | None, chunk_size: int) -> SessionLink:
         """Open a follower session; the link rank 0's session drives it through."""
         self._slots += 1
-        self.send(OPEN, self._slots, MODES.index(mode), page_size, ROTATE_CODES[rotate],
-                  chunk_size)
-        return SessionLink(self, self._slots)
+        replies = self.ask(OPEN, self._slots, MODES.index(mode), page_size,
+                           ROTATE_CODES[rotate], chunk_size)
+        link = SessionLink(self, self._slots)
+        link.heard(replies)
+        return link
 
     def stop(self) -> None:
         """Tell the followers to write their reports and end."""
@@ -195,6 +224,21 @@ class SessionLink:
     def __init__(self, conductor: Conductor, slot: int) -> None:
         self.conductor = conductor
         self.slot = slot
+        # The followers' shares as they last replied (open, fit check, request end).
+        self.shares: tuple[RankShare, ...] = ()
+
+    def heard(self, replies: list[list[int]]) -> None:
+        """Keep the followers' memory replies (rank 0's own row is not one)."""
+        self.shares = tuple(self.conductor.share(rank, row)
+                            for rank, row in enumerate(replies) if rank)
+
+    def machines(self, kv_bytes: int, pages_in_use: int, free_bytes: int,
+                 tokens_fit: tuple[int | None, ...] = ()) -> tuple[RankShare, ...]:
+        """Every machine's share, rank 0's from these figures (its own, live)."""
+        conductor = self.conductor
+        own = RankShare(0, conductor.names[0], conductor.layers[0], kv_bytes, pages_in_use,
+                        free_bytes, tokens_fit)
+        return (own, *self.shares)
 
     def prefill(self, ids: list[int], position: int) -> None:
         """Feed ``ids`` (a prefill chunk) at ``position`` into the followers' layers."""
@@ -231,9 +275,14 @@ class SessionLink:
         self.conductor.send(op, self.slot, len(raw), *args, payload=raw)
         return gather_replies(self.conductor.group, [0])
 
-    def end(self, held: int, cancelled: bool) -> None:
-        """A request ended with ``held`` tokens in the cache (the followers check theirs)."""
-        self.conductor.send(END, self.slot, held, int(cancelled))
+    def end(self, held: int, cancelled: bool, answer: bool = True) -> None:
+        """A request ended with ``held`` tokens in the cache (the followers check theirs
+        and, with ``answer``, reply with their memory). No reply after an unexpected
+        error: the group may be gone, and a gather would race the watchdog's message."""
+        if answer:
+            self.heard(self.conductor.ask(END, self.slot, held, int(cancelled), 1))
+        else:
+            self.conductor.send(END, self.slot, held, int(cancelled), 0)
 
     def room(self, token_count: int, mode: str) -> int:
         """Tokens that may follow ``token_count`` on the tightest follower, in ``mode``.
@@ -244,10 +293,11 @@ class SessionLink:
         """
         conductor = self.conductor
         replies = conductor.ask(FIT, self.slot, token_count)
+        self.heard(replies)
         room: int | None = None
-        for rank, (fits, *per_mode) in enumerate(replies[1:], start=1):
-            fit_tokens, free_mib = per_mode[MODES.index(mode)], per_mode[len(MODES)]
-            if not fits:
+        for rank, row in enumerate(replies[1:], start=1):
+            fit_tokens, free_mib = row[TOKENS + MODES.index(mode)], row[ROOM_MIB]
+            if not row[FITS]:
                 raise ContextTooLong(
                     f"This conversation needs {token_count:,} tokens but "
                     f"{conductor.machine(rank)} holds only {max(fit_tokens, 0):,} in {mode} "

@@ -108,6 +108,7 @@ class Follower:
         self.sessions[slot] = Session(f"rank{self.rank}-{slot}", self.loaded, MODES[mode],
                                       page_size, chunk_size=chunk, guard=self.guard,
                                       rotate=_ROTATIONS[rotate])
+        c.gather_replies(self.group, memory_reply(self.sessions[slot], 0))
 
     def _prefill(self, slot: int, count: int, position: int, *_: int) -> None:
         session = self._session(slot, c.PREFILL)
@@ -150,17 +151,19 @@ class Follower:
         self._session(slot, c.CLOSE).close()
         del self.sessions[slot]
 
-    def _end(self, slot: int, held: int, cancelled: int, *_: int) -> None:
+    def _end(self, slot: int, held: int, cancelled: int, answer: int, *_: int) -> None:
         session = self._session(slot, c.END)
         self._expect(session, held, c.END)
         self.ends.append(held)
         self.cancelled += cancelled
         self.last = rank_stats(session, self.rank)
         mx.clear_cache()
+        if answer:
+            c.gather_replies(self.group, memory_reply(session, held))
 
     def _fit(self, slot: int, token_count: int, *_: int) -> None:
         session = self._session(slot, c.FIT)
-        c.gather_replies(self.group, fit_reply(session, token_count))
+        c.gather_replies(self.group, memory_reply(session, token_count))
 
     def _name(self, length: int) -> str:
         raw = c.receive(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()
@@ -191,13 +194,13 @@ class Follower:
         c.gather_replies(self.group, [1, kept])
 
 
-def fit_reply(session: Session, token_count: int) -> list[int]:
-    """A rank's answer to a fit check: fits (1/0), tokens fit per mode (-1: unsupported),
-    free RAM after the headroom in MiB, its KV bytes in KiB."""
+def memory_reply(session: Session, token_count: int) -> list[int]:
+    """A rank's memory for ``token_count`` tokens of ``session`` (``commands.memory_row``)."""
     report = session.fit_report(token_count)
-    per_mode = [m.tokens_fit if m.supported else -1 for m in report.modes]
-    return [int(report.fits), *per_mode, report.free_bytes >> 20,
-            int(session.stats().bytes_allocated) >> 10]
+    stats = session.stats() if session.cache else None
+    return c.memory_row(report.fits, [m.tokens_fit if m.supported else None for m in report.modes],
+                        report.free_bytes, int(stats.bytes_used) if stats else 0,
+                        int(stats.pages_in_use) if stats else 0, report.available_bytes)
 
 
 def rank_stats(session: Session, rank: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ needs the weights, one chunk's attention scratch and its activations at once: th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
+from engine.events import RankShare
 from engine.format import human_bytes
 from engine.memory.guard import BudgetView, MemoryReading
 
@@ -195,6 +197,10 @@ class FitReport:
 
     ``free_bytes`` is what the pages may take: free RAM after the headroom and
     after ``transient_bytes``, one prefill chunk's scratch and activations.
+
+    On a pipeline, ``ranks`` holds every machine's share, rank 0 first (empty on
+    one machine); the rest of the report is rank 0's own, and ``pool_tokens`` and
+    ``tight_machine`` say what the machines hold together.
     """
 
     token_count: int
@@ -208,6 +214,22 @@ class FitReport:
     prefill: PrefillFacts | None = None
     chunk_tokens: int = 0
     transient_bytes: int = 0
+    ranks: tuple[RankShare, ...] = ()
+
+    def pool_tokens(self, mode: str) -> int | None:
+        """Tokens the pipeline's machines hold together in ``mode``: its tightest
+        machine's, as each holds every token for its own layers (None: one machine,
+        or a machine cannot store the mode)."""
+        fits = [share.tokens_in(mode) for share in self.ranks]
+        return None if not fits or None in fits else min(fits)
+
+    def tight_machine(self, mode: str) -> RankShare | None:
+        """The machine that holds the fewest tokens in ``mode``, when that is fewer
+        than the model's context (None: one machine, or every one holds it all)."""
+        tokens = self.pool_tokens(mode)
+        if tokens is None or tokens >= self.max_context:
+            return None
+        return next(share for share in self.ranks if share.tokens_in(mode) == tokens)
 
     @property
     def prefill_peak_bytes(self) -> int:
@@ -371,6 +393,9 @@ class FitInputs:
     session_id: str | None = None  # None: a chat not opened yet
     session_mode: str | None = None
     session_bytes_allocated: int = 0
+    # A pipeline's machines (``RankShare``), rank 0 first; its free RAM and tokens
+    # are filled in by each check. Empty on one machine.
+    ranks: tuple[RankShare, ...] = ()
 
 
 def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: int) -> FitReport:
@@ -387,7 +412,7 @@ def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: i
     if share is not None:
         share = max(0, share - reserved)
     facts = inputs.facts
-    return fit_report(
+    report = fit_report(
         token_count=token_count,
         attention_layers=facts.attention_layers,
         kv_heads=facts.kv_heads,
@@ -403,3 +428,9 @@ def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: i
         prefill=inputs.prefill,
         chunk_tokens=inputs.chunk_tokens,
     )
+    if not inputs.ranks:
+        return report
+    own = dataclasses.replace(
+        inputs.ranks[0], free_bytes=reading.available_bytes,
+        tokens_fit=tuple(m.tokens_fit if m.supported else None for m in report.modes))
+    return dataclasses.replace(report, ranks=(own, *inputs.ranks[1:]))

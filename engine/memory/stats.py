@@ -19,7 +19,7 @@ import psutil
 
 from engine.cache.adapter import CacheStats
 from engine.cache.other_layers import OtherLayers
-from engine.events import LayerPages, StatsSample
+from engine.events import LayerPages, RankShare, StatsSample
 
 # kern.memorystatus_vm_pressure_level values (xnu's kern_memorystatus.h).
 _PRESSURE_NAMES = {1: "normal", 2: "warning", 4: "critical"}
@@ -126,6 +126,7 @@ def stats_sample(
     prefill_peak_bytes: int = 0,
     checkpoint_bytes: int = 0,
     other_layers: OtherLayers | None = None,
+    ranks: tuple[RankShare, ...] = (),
 ) -> StatsSample:
     """Build a ``StatsSample`` from the cache's ``CacheStats`` (or None) and memory.
 
@@ -138,6 +139,7 @@ def stats_sample(
         checkpoint_bytes: bytes of the session's checkpoints, or 0.
         other_layers: the session's ``engine.cache.other_layers.OtherLayers``: the
             bound its budget keeps for the layers outside the pages, and their kinds.
+        ranks: a pipeline's machines, rank 0 first (empty on one machine).
     """
     memory = memory or memory_usage()
     others = other_layers or OtherLayers()
@@ -158,6 +160,7 @@ def stats_sample(
         checkpoint_bytes=int(checkpoint_bytes),
         other_cache_bound_bytes=others.bound_bytes,
         other_cache_kinds=others.kinds,
+        ranks=ranks,
     )
 
 

@@ -28,8 +28,14 @@ JOIN_TIMEOUT_S = 5.0
 
 
 def with_fresh_system_memory(sample: StatsSample) -> StatsSample:
-    """``sample`` with psutil's readings and the timestamp taken now."""
-    return dataclasses.replace(sample, **system_readings(), timestamp=time.time())
+    """``sample`` with psutil's readings and the timestamp taken now (rank 0's free
+    RAM among a pipeline's machines too)."""
+    readings = system_readings()
+    ranks = sample.ranks
+    if ranks:
+        ranks = (dataclasses.replace(ranks[0], free_bytes=readings["system_available_bytes"]),
+                 *ranks[1:])
+    return dataclasses.replace(sample, **readings, ranks=ranks, timestamp=time.time())
 
 
 class StatsChannel:

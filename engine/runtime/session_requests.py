@@ -116,12 +116,18 @@ class SessionRequests:
         """Publish the session's stats around a read, with the heartbeat on during it
         (and a pipeline's other ranks told the read ended, so they check their tokens)."""
         self._stats.publish(session)
+        expected = True  # ended, or failed with an EngineError: the group still answers
         try:
             with self._stats.heartbeat():
                 yield
+        except EngineError:
+            raise
+        except BaseException:
+            expected = False
+            raise
         finally:
             if session.followers is not None:
-                session.followers.end(len(session.tokens), cancel.is_set())
+                session.followers.end(len(session.tokens), cancel.is_set(), answer=expected)
             self._stats.publish(session)
 
     def _progress(self, request_id: int) -> Callable[[int, int], None]:

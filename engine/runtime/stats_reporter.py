@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.events import StatsSample
-from engine.memory.stats import StatsThrottle, stats_sample
+from engine.memory.stats import StatsThrottle, memory_usage, stats_sample
 from engine.runtime.heartbeat import StatsChannel, StatsHeartbeat
 
 
@@ -41,9 +41,18 @@ class StatsReporter:
         held = session.checkpoints.nbytes if live else 0
         others = session.other_layers() if live else None
         session_id = session.session_id if session else None
-        self._channel.publish(lambda: stats_sample(
-            session_id, cache_stats, prefill_peak_bytes=peak, checkpoint_bytes=held,
-            other_layers=others))
+        # A pipeline's machines: rank 0's pages now, the others' as they last said
+        # (at the session's open, a request's fit check and its end).
+        followers = session.followers if live else None
+
+        def take() -> StatsSample:
+            memory = memory_usage()
+            ranks = () if followers is None else followers.machines(
+                int(cache_stats.bytes_used), int(cache_stats.pages_in_use),
+                memory.system_available_bytes)
+            return stats_sample(session_id, cache_stats, memory, prefill_peak_bytes=peak,
+                                checkpoint_bytes=held, other_layers=others, ranks=ranks)
+        self._channel.publish(take)
         self._after_publish()
 
     def tick_for(self, session: Any) -> Callable[[], None]:

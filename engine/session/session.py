@@ -275,11 +275,15 @@ class Session:
 
     def fit_inputs(self) -> fit.FitInputs:
         """What a fit check of this session needs, as frozen values (engine thread)."""
-        held = int(self.stats().bytes_allocated) if self.cache else 0
+        stats = self.stats() if self.cache else None
+        held = int(stats.bytes_allocated) if stats else 0
+        # A pipeline's machines: rank 0's pages now, the others' as they last said.
+        ranks = () if self.followers is None else self.followers.machines(
+            int(stats.bytes_used) if stats else 0, int(stats.pages_in_use) if stats else 0, 0)
         return fit.FitInputs(
             self.facts, self.page_size, self.guard.view(), prefill=self.prefill_facts,
             chunk_tokens=self.chunk_size, session_id=self.session_id,
-            session_mode=self.mode, session_bytes_allocated=held,
+            session_mode=self.mode, session_bytes_allocated=held, ranks=ranks,
         )
 
     def fit_report(self, token_count: int) -> fit.FitReport:

@@ -20,13 +20,15 @@ from PySide6.QtWidgets import QToolButton
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
 from app.memory.charts import CELL, GAP, MAX_ROWS, PagePoolView
+from app.memory.fit_check import fit_html
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_style
 from app.window.main_window import DEFAULT_SIZE, MINIMUM_SIZE, MainWindow
 from app.window.model_picker import demo_item_text
 from engine import StoredKv
-from engine.events import QualityReceipt
+from engine.cache.modes import MODES
+from engine.events import QualityReceipt, RankShare
 from engine.snapshots.manifest import SnapshotInfo
 from tests.app.conftest import close_window, send_and_wait
 from tests.app.layout import clipped_texts
@@ -92,6 +94,36 @@ def test_no_text_is_cut_when_both_columns_scroll(qtbot, chatted, size) -> None:
     chatted.panel.show_receipts({"q8": receipt, "q4": replace(receipt, mode="q4", top1=0.871)})
     show_at(qtbot, chatted, size)
     assert chatted.conversation.verticalScrollBar().isVisible()
+    clipped = clipped_texts(chatted)
+    assert not clipped, "\n".join(clipped)
+
+
+@pytest.mark.parametrize("size", [QSize(1024, 700), MINIMUM_SIZE])
+def test_no_text_is_cut_with_a_model_split_across_machines(qtbot, chatted, size,
+                                                           tmp_path) -> None:
+    # Two machines with long host names, the small one short of the context in q8:
+    # the panel's rows per machine, its projection and the fit line naming it.
+    show_at(qtbot, chatted, size)
+    controller, panel = chatted.controller, chatted.panel
+    sample = controller.caches.sample_for(controller.current.id)
+    now, full = chatted.fit.report_for(sample.tokens_in_context), chatted.fit.full_context_report()
+    context = now.max_context
+    ranks = (
+        RankShare(0, "Johns-Mac-Studio.local", (12, 24), sample.kv_bytes_used // 2,
+                  sample.pages_in_use // 2, 51 << 30, (context,) * len(MODES)),
+        RankShare(1, "Johns-MacBook-Air.local", (0, 12), sample.kv_bytes_used // 2,
+                  sample.pages_in_use // 2, 1 << 30, (context // 8, context // 4, 3 * context // 8,
+                                                      context // 2)),
+    )
+    controller.statsUpdated.emit(replace(sample, ranks=ranks))
+    panel.update_projection(replace(now, ranks=ranks), replace(full, ranks=ranks))
+    html, ok = fit_html(replace(now, ranks=ranks), "q8", context // 2)
+    chatted.composer.show_fit(html, ok)
+    qtbot.wait(100)  # layouts settle after the new lines
+    shots = Path(os.environ.get("LONGLEAF_SHOTS", str(tmp_path)))
+    chatted.grab().save(str(shots / f"machines-{size.width()}x{size.height()}.png"))
+    assert panel.machines_label.isVisible() and "Johns-MacBook-Air.local" in html
+    assert "The tight one: rank 1 (Johns-MacBook-Air.local)." in panel.fits_label.text()
     clipped = clipped_texts(chatted)
     assert not clipped, "\n".join(clipped)
 

@@ -3,13 +3,15 @@
 Usage: ``python pipeline_worker_child.py MODEL_DIR OUT_DIR``. Rank 0 drives an
 ``EngineWorker`` on its pipeline group: a long prompt cancelled after its first
 prefill chunk, then the same prompt answered in full; every other rank only
-follows rank 0's commands (``engine.distributed.follower.follow``). Each rank
-writes ``rank<N>.json``. Run without the launcher it is the single-process
-reference.
+follows rank 0's commands (``engine.distributed.follower.follow``). Rank 0 also
+records its last stats sample and a fit check after the second request (every
+machine's share of the cache). Each rank writes ``rank<N>.json``. Run without
+the launcher it is the single-process reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import sys
@@ -61,9 +63,20 @@ def lead(model_dir: str, group: object) -> dict:
         first = ended.get(timeout=200)
         worker.chat("s", messages, sampling, threading.Event())
         second = ended.get(timeout=200)
+        sample = worker.latest_stats()
+        report = worker.fit_check("s", sample.tokens_in_context)
     finally:
         worker.shutdown(timeout=30.0)
-    return {"rank": 0, "first": [first.reason, first.kept_tokens, first.total_tokens],
+    return {"kv_bytes": sample.kv_bytes_used, "pages": sample.pages_in_use,
+            "layers": [layer.layer for layer in sample.layers],
+            "sample_ranks": [dataclasses.asdict(share) for share in sample.ranks],
+            "fit_ranks": [dataclasses.asdict(share) for share in report.ranks],
+            "max_context": report.max_context,
+            "pool": {mode: report.pool_tokens(mode) for mode in ("fp16", "q8", "q6", "q4")},
+            "tight": {mode: getattr(report.tight_machine(mode), "rank", None)
+                      for mode in ("fp16", "q8", "q6", "q4")},
+            "own_fit": {m.mode: m.tokens_fit for m in report.modes},
+            "rank": 0, "first": [first.reason, first.kept_tokens, first.total_tokens],
             "second": second.reason, "tokens": tokens,
             "prefill_tokens": second.stats.prefill_tokens if second.stats else None}
 

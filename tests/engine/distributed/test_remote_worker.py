@@ -140,6 +140,9 @@ def test_a_remote_pipeline_answers_cancels_loses_a_rank_and_restarts(
         assert recorder.tokens(second) == expected
         assert worker.count_tokens("one two three") > 0
         assert worker.fit_check("s", 100).fits
+        # Both machines' shares reach the app through rank 0's connection.
+        assert [share.rank for share in worker.latest_stats().ranks] == [0, 1]
+        assert [share.rank for share in worker.fit_check("s", 100).ranks] == [0, 1]
 
         # Rank 1 killed mid-answer: the answer and the request queued behind it fail.
         pids = _rank_pids()
