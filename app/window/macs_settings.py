@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
 
 from app.background import Background
 from app.settings import Settings, parse_split
+from app.window.parts import ProblemLabel
 from engine import EngineError
 
 INTRO = (
@@ -101,10 +102,7 @@ class OtherMacsPage(QWidget):
         self.result.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.result.hide()
         form.addRow(self.result)
-        self.problem = QLabel()
-        self.problem.setObjectName("settingsProblem")
-        self.problem.setWordWrap(True)
-        self.problem.hide()
+        self.problem = ProblemLabel()
         form.addRow(self.problem)
 
     def _choose_hostfile(self) -> None:
@@ -158,9 +156,7 @@ class OtherMacsPage(QWidget):
     def problem_text(self) -> str:
         """Why these values cannot be saved ("" when they can); also shown on the page."""
         text = self._problem()
-        self.problem.setText(text)
-        self.problem.setVisible(bool(text))
-        return text
+        return self.problem.say(text)
 
     def _problem(self) -> str:
         try:

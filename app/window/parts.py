@@ -52,3 +52,19 @@ class Banner(QFrame):
         self.style().unpolish(self)
         self.style().polish(self)
         self.show()
+
+
+class ProblemLabel(QLabel):
+    """A settings page's line saying why its values cannot be saved; hidden when none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setObjectName("settingsProblem")
+        self.setWordWrap(True)
+        self.hide()
+
+    def say(self, text: str) -> str:
+        """Show ``text`` ("" hides the line); returns it."""
+        self.setText(text)
+        self.setVisible(bool(text))
+        return text

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.settings import Settings
+from app.window.parts import ProblemLabel
 
 LOCAL_HOST = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
@@ -85,10 +86,7 @@ class LocalServerPage(QWidget):
         self.elsewhere.setVisible(self.allow_network.isChecked())
         self.allow_network.toggled.connect(self.elsewhere.setVisible)
         form.addRow(self.elsewhere)
-        self.problem = QLabel()
-        self.problem.setObjectName("settingsProblem")
-        self.problem.setWordWrap(True)
-        self.problem.hide()
+        self.problem = ProblemLabel()
         form.addRow(self.problem)
         self.port.valueChanged.connect(self._show_addresses)
         self._show_addresses()
@@ -123,6 +121,4 @@ class LocalServerPage(QWidget):
         """Why these values cannot be saved ("" when they can); also shown on the page."""
         text = NEEDS_KEY if (self.allow_network.isChecked()
                              and not self.api_key.text().strip()) else ""
-        self.problem.setText(text)
-        self.problem.setVisible(bool(text))
-        return text
+        return self.problem.say(text)
