@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import errors
-from engine.distributed.link import Link
+from engine.distributed.link import DROP_GRACE, Link
 from engine.errors import EngineError, ModelLoadError
 from engine.events import Failed, Finished, PipelineLost, StatsSample
 from engine.memory import fit
@@ -50,6 +50,8 @@ NO_MODEL = "Load a model first."
 # lost rank 0 must not freeze it for long.
 READ_TIMEOUT = 5.0
 STOP_TIMEOUT = 30.0
+# How MLX's ring and JACCL backends begin their errors.
+LINK_ERROR_TAGS = ("[ring]", "[jaccl]")
 CANCEL_POLL = 0.05
 
 
@@ -443,6 +445,12 @@ class RemoteWorker:
         request_id = getattr(event, "request_id", None)
         if request_id is None:
             self._emit(event)
+        elif isinstance(event, Failed) and _link_failure(event):
+            # Rank 0's collective saw its peer go before the watcher did: the
+            # watcher's Failed names the machine, so this one waits for it.
+            timer = threading.Timer(DROP_GRACE, self._end, (request_id, event))
+            timer.daemon = True
+            timer.start()
         elif isinstance(event, Finished | Failed):
             self._end(request_id, event)
         else:
@@ -495,6 +503,11 @@ class RemoteWorker:
                         self._lock.acquire()
                     continue
                 self._wake.wait(CANCEL_POLL if watching else None)
+
+
+def _link_failure(event: Failed) -> bool:
+    """Whether rank 0's request failed in one of MLX's distributed backends (a peer lost)."""
+    return any(tag in event.message for tag in LINK_ERROR_TAGS)
 
 
 def _check_splittable(path: str) -> None:
