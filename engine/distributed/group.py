@@ -3,7 +3,10 @@
 MLX collectives have no timeout, so the ranks are watched from outside: each
 writes its pid into the run's folder once its group is up, and a rank whose
 process is gone without a report ends the whole group after a short grace,
-instead of leaving its peers blocked in a send or receive. The launcher, its
+instead of leaving its peers blocked in a send or receive. Each rank also beats
+(``engine.distributed.alive``) through the launcher's output, which the watcher
+reads as it comes: a rank silent too long is stalled, and ends the group at
+once, wherever it runs. The launcher, its
 shells and every local rank share one process group, ended at once. Both the
 CLI's ``--pipeline`` run (``engine.distributed.launch``) and the app's engine
 child (``engine.distributed.remote``) run their ranks through this.
@@ -18,8 +21,12 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
+
+from engine.distributed.alive import STALL_SECONDS, beating_rank
 
 LOCAL_HOSTS = frozenset({"127.0.0.1"})  # mlx.launch starts these without ssh
 RANK_TIMEOUT = 24 * 3600.0
@@ -27,6 +34,8 @@ POLL_SECONDS = 0.25
 # A lost rank's peers get this long to stop on their own (mlx.launch terminates
 # them when it notices) before the whole group is killed.
 LOST_RANK_GRACE = 3.0
+# The launcher's output lines kept for the failure message (its last lines).
+OUTPUT_LINES = 400
 # mlx.launch's own warning when a rank ends with an error (not when it stops it).
 _EXITED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
@@ -52,33 +61,68 @@ class Group:
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True,
                                         start_new_session=True)
+        self.stalled: list[int] = []  # ranks that stopped beating (set by ``watch``)
+        self._beats: dict[int, float] = {}  # each rank's last sign of life (monotonic)
+        self._output = {name: deque[str](maxlen=OUTPUT_LINES) for name in ("stdout", "stderr")}
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, self._output[name]),
+                             name=f"longleaf-pipeline-{name}", daemon=True)
+            for name, stream in (("stdout", self.process.stdout),
+                                 ("stderr", self.process.stderr))]
+        for reader in self._readers:
+            reader.start()
 
     def watch(self, stop: threading.Event | None = None,
               timeout: float = RANK_TIMEOUT) -> tuple[subprocess.CompletedProcess[str], list[int]]:
-        """Wait for the run to end; end it once a rank is lost, ``stop`` is set or
-        ``timeout`` passes. Returns its outcome and the ranks lost."""
+        """Wait for the run to end; end it once a rank is lost or stalled, ``stop`` is
+        set or ``timeout`` passes. Returns its outcome and the ranks lost."""
         deadline = time.monotonic() + timeout
         lost: list[int] = []
         lost_at = 0.0
         try:
             while True:
                 try:
-                    stdout, stderr = self.process.communicate(timeout=POLL_SECONDS)
+                    self.process.wait(timeout=POLL_SECONDS)
                     break
                 except subprocess.TimeoutExpired:
                     pass
                 now = time.monotonic()
                 if not lost:
                     lost, lost_at = self.lost_ranks(), now
-                if ((lost and now - lost_at > LOST_RANK_GRACE) or now > deadline
+                if not lost and (stalled := self.stalled_ranks(now)):
+                    # No grace: nobody else will end a stalled rank's peers.
+                    self.stalled = lost = stalled
+                    lost_at = now - LOST_RANK_GRACE
+                if ((lost and now - lost_at >= LOST_RANK_GRACE) or now > deadline
                         or (stop is not None and stop.is_set())):
                     self.end()
         finally:
             if self.process.poll() is None:  # interrupted: leave no rank behind
                 self.end()
+        for reader in self._readers:
+            reader.join(POLL_SECONDS * 8)
+        stdout, stderr = ("".join(self._output[name]) for name in ("stdout", "stderr"))
         done = subprocess.CompletedProcess(self.process.args, self.process.returncode,
                                            stdout, stderr)
         return done, lost
+
+    def stalled_ranks(self, now: float) -> list[int]:
+        """Ranks that beat once and then fell silent for ``STALL_SECONDS``, without a
+        report (a rank that has reported may end quietly)."""
+        beats = dict(self._beats)
+        return [rank for rank, last in sorted(beats.items())
+                if now - last > STALL_SECONDS
+                and not (self.folder / f"rank{rank}.json").exists()]
+
+    def _read(self, stream: IO[str] | None, lines: deque[str]) -> None:
+        if stream is None:
+            return
+        for line in stream:
+            rank = beating_rank(line)
+            if rank is None:
+                lines.append(line)
+            else:
+                self._beats[rank] = time.monotonic()
 
     def lost_ranks(self) -> list[int]:
         """Ranks whose process has gone without writing a report."""
@@ -118,7 +162,10 @@ class Group:
         failed = suspects if len(suspects) == 1 else first or suspects
         lines = [line for line in stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error:")]
-        if errors:
+        if failed and failed[0] in self.stalled:
+            detail = (f": it stopped responding (no sign of life for {STALL_SECONDS:.0f} s; "
+                      "is the machine asleep, or its process stopped?)")
+        elif errors:
             detail = f": {errors[-1]}"
         elif failed and exited.get(failed[0], 0) < 0:
             detail = f": its process was killed (signal {-exited[failed[0]]})"

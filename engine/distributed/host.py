@@ -23,7 +23,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from engine.distributed.launch import rank_report_dir, write_rank_pid, write_rank_report
+from engine.distributed.launch import rank_report_dir, rank_started, write_rank_report
 from engine.distributed.link import ADDRESS_ENV, KEY_ENV
 from engine.distributed.remote import CANCELLABLE
 from engine.errors import EngineError
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     group = mx.distributed.init()
     rank = group.rank()
-    write_rank_pid(folder, rank)
+    rank_started(folder, rank)
     try:
         if rank != 0:
             from engine.distributed.follower import follow

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from engine.distributed.alive import guard_links, start_beating
 from engine.distributed.group import LOCAL_HOSTS, Group
 from engine.errors import EngineError
 
@@ -217,9 +218,13 @@ def write_rank_report(folder: Path, rank: int, report: dict[str, Any]) -> None:
     partial.replace(path)
 
 
-def write_rank_pid(folder: Path, rank: int) -> None:
-    """Tell the launcher which process is this rank, so it can notice it dying."""
+def rank_started(folder: Path, rank: int) -> None:
+    """Once this rank's group is up: tell the launcher which process it is (so it can
+    notice it dying), guard the group's links and start beating (``alive``), so it
+    can notice a stall too."""
     (folder / f"rank{rank}.pid").write_text(str(os.getpid()), encoding="utf-8")
+    guard_links()
+    start_beating(rank)
 
 
 def _reports(folder: Path, ranks: int) -> dict[int, dict[str, Any]]:

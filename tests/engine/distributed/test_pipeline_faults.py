@@ -1,4 +1,4 @@
-"""A rank that dies mid-answer ends ``generate --pipeline 2`` with an error naming it."""
+"""A rank that dies or stalls mid-answer ends ``generate --pipeline 2`` with an error naming it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.engine.distributed.test_pipeline_cache import LAUNCH, REPO
 from tests.engine.tinymodels import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
-BOUND = 10.0  # the issue's bound for the error after a rank dies
+BOUND = 10.0  # the bound for the error after a rank dies or stalls
 
 
 def _wait_for(pattern: str, folder: Path, process: subprocess.Popen[str]) -> Path:
@@ -29,7 +29,13 @@ def _wait_for(pattern: str, folder: Path, process: subprocess.Popen[str]) -> Pat
     raise AssertionError(f"no {pattern} under {folder}")
 
 
-def test_a_killed_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sent", "says"), [
+    (signal.SIGKILL, "its process was killed"),
+    # Stopped, not gone: its pid lives on, only its silence tells.
+    (signal.SIGSTOP, "it stopped responding"),
+], ids=["killed", "stopped"])
+def test_a_lost_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path, sent: signal.Signals,
+                                                          says: str) -> None:
     model = make_tiny_model_dir(tmp_path, "qwen3_next")
     # The launcher's report folder is in Longleaf's private temp folder: make it ours.
     runs = tmp_path / "home"
@@ -46,7 +52,7 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> N
         time.sleep(3.0)  # past loading and the short prefill: the ranks are decoding
         assert process.poll() is None, "the answer ended before rank 1 could be killed"
         assert not rank1.with_suffix(".json").exists()
-        os.kill(int(rank1.read_text()), signal.SIGKILL)
+        os.kill(int(rank1.read_text()), sent)
         killed = time.monotonic()
         _, stderr = process.communicate(timeout=60)
         took = time.monotonic() - killed
@@ -56,4 +62,5 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path) -> N
             process.communicate()
     assert process.returncode == 1, stderr[-3000:]
     assert "failed on rank 1 " in stderr and "rank 0" not in stderr, stderr[-3000:]
+    assert says in stderr, stderr[-3000:]
     assert took <= BOUND, f"the error came {took:.1f} s after the kill"

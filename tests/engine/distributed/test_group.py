@@ -1,0 +1,54 @@
+"""The group watcher: a rank that falls silent ends its group, named, in bounded time."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.distributed import group as group_module
+from engine.distributed.group import Group
+
+# Stands in for mlx.launch: relays two ranks' beats, then rank 1 falls silent.
+_RANKS = textwrap.dedent("""
+    import sys, time
+    for second in range(600):
+        print("longleaf:alive 0", file=sys.stderr, flush=True)
+        if second < 2:
+            print("longleaf:alive 1", flush=True)  # over ssh -tt: on stdout
+        print("ordinary output", file=sys.stderr, flush=True)
+        time.sleep(0.1)
+""")
+
+
+def test_a_rank_that_stops_beating_ends_the_group_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(group_module, "STALL_SECONDS", 1.0)
+    group = Group([sys.executable, "-c", _RANKS], {}, tmp_path, 2)
+    started = time.monotonic()
+    done, lost = group.watch()
+    took = time.monotonic() - started
+    assert lost == [1] and group.stalled == [1]
+    assert took < 10.0, f"the stall was noticed after {took:.1f} s"
+    message = group.failure(done, lost)
+    assert message.startswith("The pipeline run failed on rank 1 (this machine): it stopped "
+                              "responding"), message
+    # Beats never reach the output kept for messages; the rest does.
+    assert "longleaf:alive" not in done.stdout + done.stderr
+    assert "ordinary output" in done.stderr
+
+
+def test_a_rank_that_reported_may_fall_silent(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(group_module, "STALL_SECONDS", 0.5)
+    (tmp_path / "rank1.json").write_text("{}", encoding="utf-8")
+    quiet = textwrap.dedent("""
+        import sys, time
+        print("longleaf:alive 1", file=sys.stderr, flush=True)
+        time.sleep(2.5)
+    """)
+    done, lost = Group([sys.executable, "-c", quiet], {}, tmp_path, 2).watch()
+    assert done.returncode == 0 and lost == []
