@@ -13,8 +13,9 @@ is lost.
 
 A link between two ranks that drops while both processes run (a cable pulled,
 a Mac gone from the network) beats on: the ranks' own TCP sockets get keepalive
-probes and a bound on unacknowledged data instead, so the receive fails and the
-rank ends with the ring's error.
+probes instead, so the receive of the rank waiting on the dead link fails and it
+ends with the ring's error. (No bound on unacknowledged data: a sender blocked
+by a peer that is busy and not reading yet must not count as a dead link.)
 """
 
 from __future__ import annotations
@@ -40,10 +41,6 @@ BEAT_LINE = re.compile(rf"{_BEAT} (\d+)")
 KEEPALIVE_IDLE = 2
 KEEPALIVE_INTERVAL = 1
 KEEPALIVE_PROBES = 4
-# Unacknowledged data (a send into a dead link) fails after this long (Linux
-# TCP_USER_TIMEOUT; macOS TCP_RXT_CONNDROPTIME).
-UNACKED_SECONDS = 8
-_MACOS_RXT_CONNDROPTIME = 0x80  # <netinet/tcp.h>; Python does not name it
 
 
 def start_beating(rank: int, stream: TextIO | None = None,
@@ -75,8 +72,8 @@ def beating_rank(line: str) -> int | None:
 
 
 def guard_links() -> int:
-    """Give every TCP socket this process holds keepalive probes and an unacked-data
-    bound (call once the group is up: its sockets are open then). Returns how many."""
+    """Give every TCP socket this process holds keepalive probes (call once the group
+    is up: its sockets are open then). Returns how many."""
     guarded = 0
     for fd in _open_fds():
         with contextlib.suppress(OSError):
@@ -94,7 +91,7 @@ def guard_links() -> int:
 
 
 def keep_alive(sock: socket.socket) -> None:
-    """Keepalive probes and an unacked-data bound on one TCP socket (see the constants)."""
+    """Keepalive probes on one TCP socket (see the constants)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = getattr(socket, "TCP_KEEPIDLE", None) or getattr(socket, "TCP_KEEPALIVE", None)
     if idle is not None:
@@ -103,10 +100,6 @@ def keep_alive(sock: socket.socket) -> None:
                           ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_SECONDS * 1000)
-    elif sys.platform == "darwin":
-        sock.setsockopt(socket.IPPROTO_TCP, _MACOS_RXT_CONNDROPTIME, UNACKED_SECONDS)
 
 
 def _open_fds() -> list[int]:
