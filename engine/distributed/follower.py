@@ -27,7 +27,7 @@ from engine.distributed import commands as c
 from engine.errors import EngineError
 from engine.memory.guard import MemoryGuard
 from engine.session.session import Session
-from engine.snapshots.files import manifest_path
+from engine.snapshots.files import manifest_path, rank_folder
 from engine.snapshots.manifest import Corrupt, read_manifest
 from engine.snapshots.snapshot import load_snapshot, save_snapshot
 
@@ -244,7 +244,7 @@ def follow(path: str, group: Any, snapshots: Path | None = None,
                                  f"{error}") from error
     loaded = load_model(folder, pipeline=group, split=split)
     loaded = dataclasses.replace(loaded, fingerprint=model_fingerprint(folder))
-    folder_kv = None if snapshots is None else Path(snapshots) / f"rank{group.rank()}"
+    folder_kv = None if snapshots is None else rank_folder(Path(snapshots), group.rank())
     follower = Follower(group, loaded, guard, folder_kv)
     try:
         return follower.run()

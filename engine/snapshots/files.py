@@ -42,6 +42,22 @@ def check_name(name: str) -> str:
     return name
 
 
+# A pipeline's other ranks keep their layers' snapshots in ``rank<N>`` beside rank 0's.
+_RANK_FOLDER = re.compile(r"rank[1-9][0-9]*")
+
+
+def rank_folder(directory: Path, rank: int) -> Path:
+    """Where pipeline rank ``rank`` (not 0) keeps its layers' snapshots of ``directory``'s."""
+    return directory / f"rank{rank}"
+
+
+def rank_folders(directory: Path) -> list[Path]:
+    """The pipeline ranks' snapshot folders inside ``directory`` (on this machine)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and _RANK_FOLDER.fullmatch(p.name))
+
+
 def manifest_path(directory: Path, name: str) -> Path:
     return directory / f"{check_name(name)}{MANIFEST_SUFFIX}"
 

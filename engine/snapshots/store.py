@@ -157,6 +157,9 @@ class SnapshotStore:
     # -- removing ----------------------------------------------------------------
 
     def delete(self, name: str) -> bool:
+        """Remove snapshot ``name``, with the pipeline ranks' parts of it on this machine."""
+        for folder in files.rank_folders(self.directory):
+            delete_snapshot(folder, name)
         return delete_snapshot(self.directory, name)
 
     def clear(self) -> None:
@@ -169,6 +172,8 @@ class SnapshotStore:
                     and files.left_by_dead_writer(path.name)):
                 path.unlink(missing_ok=True)
         shutil.rmtree(self.directory / SET_ASIDE, ignore_errors=True)
+        for folder in files.rank_folders(self.directory):  # parts no rank 0 manifest names
+            shutil.rmtree(folder, ignore_errors=True)
 
     def evict(self, incoming: int = 0, keep: Iterable[str] = ()) -> list[str]:
         """Delete least-recently-used snapshots until ``incoming`` more bytes fit.
@@ -224,9 +229,11 @@ class SnapshotStore:
 
 
 def _folder_files(directory: Path) -> list[Path]:
-    """The files of a snapshot folder, the snapshots set aside included."""
+    """The files of a snapshot folder: the snapshots set aside and the parts a
+    pipeline's other ranks on this machine store (``files.rank_folders``) included."""
     if not directory.is_dir():
         return []
-    aside = directory / SET_ASIDE
+    inner = [directory / SET_ASIDE, *files.rank_folders(directory)]
     found = [p for p in directory.iterdir() if p.is_file()]
-    return found + ([p for p in aside.iterdir() if p.is_file()] if aside.is_dir() else [])
+    return found + [p for folder in inner if folder.is_dir()
+                    for p in folder.iterdir() if p.is_file()]

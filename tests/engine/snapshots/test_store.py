@@ -10,6 +10,8 @@ import pytest
 from engine import EngineError, EngineWorker, Failed, Finished, StoredKv
 from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
 from engine.snapshots import SnapshotStore, default_budget
+from engine.snapshots.files import rank_folder
+from engine.snapshots.snapshot import save_snapshot
 from tests.engine.runtime.test_worker import EventLog
 
 MODE = "q8"
@@ -105,3 +107,25 @@ def test_another_folder_counted_with_a_store_shares_its_budget(store, tmp_path):
     missing = SnapshotStore(store.directory, budget_bytes=10 * one,
                             counted_with=(tmp_path / "not-made-yet",))
     assert missing.counted_bytes() == missing.total_bytes()
+
+
+def test_a_pipeline_ranks_parts_count_are_evicted_and_cleared_with_rank_0s(store, tmp_path):
+    # Rank 1 of a local pipeline stores its layers' part of every chat beside rank 0's.
+    rank1 = rank_folder(store.directory, 1)
+    rank1.mkdir()
+    model_dir = config_only_model(tmp_path)
+    for name in "abc":
+        save_snapshot(cache_session(filled_cache(MODE, TOKENS, 2), TOKENS, MODE, model_dir),
+                      rank1, name)
+    part = sum(p.stat().st_size for p in rank1.iterdir())
+    own = sum(info.disk_bytes for info in store.per_snapshot())
+    assert store.total_bytes() >= own + part  # the budget sees every rank's bytes here
+    one = store.info("a").disk_bytes + part // 3
+    # Evicting "a" (least recently used) takes rank 1's part of "a" with it.
+    assert store.set_budget(2 * one + one // 2) == ["a"]
+    assert sorted(p.name.split(".")[0] for p in rank1.glob("*.json")) == ["b", "c"]
+    assert store.total_bytes() <= store.budget_bytes
+    store.delete("b")
+    assert [p.name.split(".")[0] for p in rank1.glob("*.json")] == ["c"]
+    store.clear()
+    assert not rank1.exists() and store.total_bytes() == 0
