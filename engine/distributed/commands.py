@@ -36,18 +36,18 @@ from engine.distributed.launch import LOCAL_RANKS
 from engine.errors import ContextTooLong, EngineError
 from engine.events import RankShare
 
-VERSION = 2
+VERSION = 3
 HEADER = 8  # version, op, slot, four arguments, the decode token
 REPLY = 12  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
 
 # Operations (the header's second field).
-OPEN, PREFILL, DECODE, CHECKPOINT, REWIND, RESET, CLOSE, END, FIT, SAVE, RESTORE, STOP = range(
-    1, 13)
+(OPEN, PREFILL, DECODE, CHECKPOINT, REWIND, RESET, CLOSE, END, FIT, SAVE, RESTORE, STOP,
+ ADOPT) = range(1, 14)
 OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
             CHECKPOINT: "checkpoint", REWIND: "rewind", RESET: "reset", CLOSE: "close",
             END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
-            STOP: "stop"}
+            STOP: "stop", ADOPT: "prefix from another chat"}
 ROTATE_CODES = {None: -1, False: 0, True: 1}
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
 # the tokens that fit per mode (MODES order; -1: unsupported), free RAM its pages
@@ -260,6 +260,12 @@ class SessionLink:
 
     def close(self) -> None:
         self.conductor.send(CLOSE, self.slot)
+
+    def adopt(self, donor: SessionLink, tokens: int) -> bool:
+        """Each follower's session takes the first ``tokens`` tokens of ``donor``'s, as
+        rank 0's did (``engine.session.reuse.adopt``); True when every one holds them."""
+        replies = self.conductor.ask(ADOPT, self.slot, donor.slot, tokens)
+        return all(ok and held == tokens for ok, held, *_ in replies[1:])
 
     def save(self, name: str) -> bool:
         """Each follower stores its layers as snapshot ``name``; True when all did."""

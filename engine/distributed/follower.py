@@ -26,6 +26,7 @@ from engine.cache.modes import MODES
 from engine.distributed import commands as c
 from engine.errors import EngineError
 from engine.memory.guard import MemoryGuard
+from engine.session import reuse
 from engine.session.session import Session
 from engine.snapshots.files import manifest_path, rank_folder
 from engine.snapshots.manifest import Corrupt, read_manifest
@@ -61,7 +62,7 @@ class Follower:
             c.OPEN: self._open, c.PREFILL: self._prefill, c.DECODE: self._decode,
             c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
             c.CLOSE: self._close, c.END: self._end, c.FIT: self._fit,
-            c.SAVE: self._save, c.RESTORE: self._restore,
+            c.SAVE: self._save, c.RESTORE: self._restore, c.ADOPT: self._adopt,
         }
 
     def run(self) -> dict[str, Any]:
@@ -164,6 +165,15 @@ class Follower:
     def _fit(self, slot: int, token_count: int, *_: int) -> None:
         session = self._session(slot, c.FIT)
         c.gather_replies(self.group, memory_reply(session, token_count))
+
+    def _adopt(self, slot: int, donor_slot: int, tokens: int, *_: int) -> None:
+        session, donor = self._session(slot, c.ADOPT), self._session(donor_slot, c.ADOPT)
+        # The same offer rank 0 took: this rank holds the same ids and checkpoints.
+        found = reuse.offer(donor, tokens) if reuse.compatible(session, donor) else None
+        held = reuse.adopt(session, found) if found is not None and found.tokens == tokens else 0
+        if held != tokens:
+            session.reset()  # rank 0 resets too: every rank reads the prompt again
+        c.gather_replies(self.group, [int(held == tokens), held])
 
     def _name(self, length: int) -> str:
         raw = c.receive(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()

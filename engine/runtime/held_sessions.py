@@ -249,12 +249,6 @@ class HeldSessions:
         ``prompt`` is the request's ids of the conversation (rendered once, by the
         request); ``answer`` says whether its last token is still to be fed.
         """
-        if session.followers is not None:
-            # Another open chat's pages would need its other ranks' pages too: only
-            # stored KV, which every rank keeps for its own layers.
-            if session.tokens or self._stored.snapshots is None:
-                return 0
-            return self._stored.restore(session, prompt, request_id, keep_last=answer)
         with self._lock:
             others = [s for s in self._sessions.values()
                       if s.tokens and reuse.compatible(session, s)

@@ -10,6 +10,9 @@ layers can stop at any token; linear-attention and sliding-window layers only
 where the other session holds a checkpoint (``engine.session.checkpoints``) or at its
 full length, their state copied.
 
+On a pipeline, rank 0's session decides and each other rank's session takes the
+same prefix of its own layers' pages (``SessionLink.adopt``).
+
 Every function here runs MLX and must be called from the engine worker thread.
 """
 
@@ -130,4 +133,10 @@ def adopt(session: Any, found: Offer) -> int:
                 session.checkpoints.add(kept)  # frozen, and copied again on every use
     session.tokens = [int(t) for t in donor.tokens[:tokens]]
     mx.eval(adapter.eval_targets(session.cache))
+    followers = getattr(session, "followers", None)
+    if followers is not None and not followers.adopt(donor.followers, tokens):
+        # A pipeline's other ranks could not take the same prefix of their layers:
+        # none is taken anywhere, and the prompt is read.
+        session.reset()
+        return 0
     return tokens

@@ -2,11 +2,12 @@
 
 Usage: ``python pipeline_worker_child.py MODEL_DIR OUT_DIR``. Rank 0 drives an
 ``EngineWorker`` on its pipeline group: a long prompt cancelled after its first
-prefill chunk, then the same prompt answered in full; every other rank only
-follows rank 0's commands (``engine.distributed.follower.follow``). Rank 0 also
-records its last stats sample and a fit check after the second request (every
-machine's share of the cache). Each rank writes ``rank<N>.json``. Run without
-the launcher it is the single-process reference.
+prefill chunk, then the same prompt answered in full, then the same prompt in a
+second chat, which takes the first chat's pages instead of reading it; every
+other rank only follows rank 0's commands (``engine.distributed.follower.follow``).
+Rank 0 also records its last stats sample and a fit check after the second
+request (every machine's share of the cache). Each rank writes ``rank<N>.json``.
+Run without the launcher it is the single-process reference.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import mlx.core as mx
 
 from engine.distributed.commands import Pipeline
 from engine.distributed.follower import follow
-from engine.events import Failed, Finished, IngestProgress, TokenChunk
+from engine.events import Failed, Finished, IngestProgress, Notice, TokenChunk
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 
@@ -40,9 +41,12 @@ def lead(model_dir: str, group: object) -> dict:
     ended: queue.Queue = queue.Queue()
     cancel = threading.Event()
     tokens: list[int] = []
+    notices: list[str] = []
 
     def on_event(event: object) -> None:
-        if isinstance(event, IngestProgress):
+        if isinstance(event, Notice):
+            notices.append(event.message)
+        elif isinstance(event, IngestProgress):
             cancel.set()  # on the worker thread, between two chunks
         elif isinstance(event, TokenChunk):
             tokens.extend(event.token_ids)
@@ -65,6 +69,11 @@ def lead(model_dir: str, group: object) -> dict:
         second = ended.get(timeout=200)
         sample = worker.latest_stats()
         report = worker.fit_check("s", sample.tokens_in_context)
+        answered = len(tokens)
+        worker.open_session("t", "q8", 16)
+        ended.get(timeout=200)
+        worker.chat("t", messages, sampling, threading.Event())
+        third = ended.get(timeout=200)
     finally:
         worker.shutdown(timeout=30.0)
     return {"kv_bytes": sample.kv_bytes_used, "pages": sample.pages_in_use,
@@ -77,8 +86,10 @@ def lead(model_dir: str, group: object) -> dict:
                       for mode in ("fp16", "q8", "q6", "q4")},
             "own_fit": {m.mode: m.tokens_fit for m in report.modes},
             "rank": 0, "first": [first.reason, first.kept_tokens, first.total_tokens],
-            "second": second.reason, "tokens": tokens,
-            "prefill_tokens": second.stats.prefill_tokens if second.stats else None}
+            "second": second.reason, "tokens": tokens[:answered],
+            "prefill_tokens": second.stats.prefill_tokens if second.stats else None,
+            "third": [third.reason, third.stats.prefill_tokens if third.stats else None],
+            "third_tokens": tokens[answered:], "notices": notices}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Rank 0 commands, the other ranks follow: a cancel mid-prefill stops every rank.
 
+A second chat of the same prompt takes the first chat's pages on every rank.
+
 The followers have no schedule of their own: rank 0's cancel is the end of its
 commands, so they stop after the chunk in flight and hold what rank 0 holds; the
 next request on the same group continues from there. Their replies to the
@@ -37,7 +39,7 @@ def test_a_cancel_mid_prefill_stops_every_rank_and_the_next_request_works(
     assert reason == "cancelled" and 0 < kept < total, lead
     # Stopped within one chunk of the cancel, on every rank at the same token.
     assert kept <= 2 * 16
-    assert follower["ends"] == [kept, follower["ends"][1]] and follower["cancelled"] == 1
+    assert follower["ends"][0] == kept and follower["cancelled"] == 1
     # The next request continues from the kept chunks and answers as one process does.
     assert lead["second"] == one["second"] and lead["tokens"] == one["tokens"]
     assert lead["prefill_tokens"] == total - kept
@@ -79,3 +81,15 @@ def test_the_stats_and_the_fit_check_carry_every_machines_share(
         assert (tight is None) == (min(fits) >= lead["max_context"])
         if tight is not None:
             assert fits[tight] == min(fits)
+
+
+def test_a_second_chat_takes_the_first_chats_pages_on_every_rank(
+        runs: tuple[dict, dict, dict]) -> None:
+    one, lead, follower = runs
+    reused = [n for n in one["notices"] if "another open chat" in n]
+    assert reused and [n for n in lead["notices"] if "another open chat" in n] == reused
+    # It read only what the first chat's pages did not hold, and answered as one process.
+    assert lead["third"] == one["third"] and lead["third"][1] < lead["prefill_tokens"]
+    assert lead["third_tokens"] == one["third_tokens"] == one["tokens"]
+    # Rank 1 took the same prefix (its END check held) and answered the third request.
+    assert len(follower["ends"]) == 3
