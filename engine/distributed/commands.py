@@ -43,11 +43,11 @@ NAME_BYTES = 64  # a rank's host name, as bytes in int32s
 
 # Operations (the header's second field).
 (OPEN, PREFILL, DECODE, CHECKPOINT, REWIND, RESET, CLOSE, END, FIT, SAVE, RESTORE, STOP,
- ADOPT) = range(1, 14)
+ ADOPT, PRUNE) = range(1, 15)
 OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
             CHECKPOINT: "checkpoint", REWIND: "rewind", RESET: "reset", CLOSE: "close",
             END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
-            STOP: "stop", ADOPT: "prefix from another chat"}
+            STOP: "stop", ADOPT: "prefix from another chat", PRUNE: "stored KV kept"}
 ROTATE_CODES = {None: -1, False: 0, True: 1}
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
 # the tokens that fit per mode (MODES order; -1: unsupported), free RAM its pages
@@ -212,6 +212,13 @@ class Conductor:
         link = SessionLink(self, self._slots)
         link.heard(replies)
         return link
+
+    def prune(self, names: Sequence[str]) -> None:
+        """The followers delete their parts of every stored snapshot not in ``names``
+        (rank 0's, after it stored, evicted or deleted one), so each machine's
+        stored KV goes with rank 0's."""
+        raw = list("\n".join(names).encode("utf-8"))
+        self.send(PRUNE, 0, len(raw), payload=raw or None)
 
     def stop(self) -> None:
         """Tell the followers to write their reports and end."""

@@ -29,7 +29,7 @@ from engine.memory.guard import MemoryGuard
 from engine.session import reuse
 from engine.session.session import Session
 from engine.snapshots.files import manifest_path, rank_folder
-from engine.snapshots.manifest import Corrupt, read_manifest
+from engine.snapshots.manifest import Corrupt, delete_snapshot, list_snapshots, read_manifest
 from engine.snapshots.snapshot import load_snapshot, save_snapshot
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Follower:
             c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
             c.CLOSE: self._close, c.END: self._end, c.FIT: self._fit,
             c.SAVE: self._save, c.RESTORE: self._restore, c.ADOPT: self._adopt,
+            c.PRUNE: self._prune,
         }
 
     def run(self) -> dict[str, Any]:
@@ -174,6 +175,14 @@ class Follower:
         if held != tokens:
             session.reset()  # rank 0 resets too: every rank reads the prompt again
         c.gather_replies(self.group, [int(held == tokens), held])
+
+    def _prune(self, _slot: int, length: int, *_: int) -> None:
+        kept = set(self._name(length).split("\n")) if length else set()
+        if self.snapshots is None:
+            return
+        for info in list_snapshots(self.snapshots):
+            if info.name not in kept:
+                delete_snapshot(self.snapshots, info.name)
 
     def _name(self, length: int) -> str:
         raw = c.receive(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()

@@ -225,6 +225,12 @@ class HeldSessions:
         for partner in partners:  # their pages are no longer shared: say so
             self._stats.publish(partner)
 
+    def prune_followers(self, names: list[str]) -> None:
+        """A pipeline's other ranks keep their parts of these stored snapshots only
+        (nothing on one machine)."""
+        if self._conductor is not None:
+            self._conductor.prune(names)
+
     def stop_followers(self) -> None:
         """Tell a pipeline's other ranks to end (after ``release``; nothing on one machine)."""
         if self._conductor is not None:

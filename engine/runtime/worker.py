@@ -104,7 +104,8 @@ class EngineWorker:
         self._overhead: tuple[weakref.ref, str, TurnOverhead] | None = None
         self._stats = StatsReporter(self._emit, stats_interval,
                                     after_publish=self._publish_fit)
-        self._stored = StoredSessions(snapshots, self._emit)
+        self._stored = StoredSessions(
+            snapshots, self._emit, mirror=lambda names: self._held.prune_followers(names))
         self._held = HeldSessions(
             self.guard, self._stored, self._stats, self._emit,
             pipeline=pipeline,

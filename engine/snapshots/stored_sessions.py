@@ -27,11 +27,15 @@ class StoredSessions:
     Args:
         snapshots: the snapshot folder and its disk budget; None stores nothing on disk.
         emit: where notices go (a refused snapshot says why in one line).
+        mirror: called with the names on disk after every change, so a pipeline's
+            other ranks drop their parts of any snapshot rank 0 no longer has.
     """
 
-    def __init__(self, snapshots: SnapshotStore | None, emit: Callable[[object], None]) -> None:
+    def __init__(self, snapshots: SnapshotStore | None, emit: Callable[[object], None],
+                 mirror: Callable[[list[str]], None] | None = None) -> None:
         self.snapshots = snapshots
         self._emit = emit
+        self._mirror = mirror
 
     def store(self, session: Any) -> None:
         """Store the session's cache under its id (nothing held: nothing stored)."""
@@ -79,6 +83,8 @@ class StoredSessions:
             log.warning("cannot list stored KV: %s", error)
             return
         self._emit(listing)
+        if self._mirror is not None:
+            self._mirror([info.name for info in listing.snapshots])
 
     def restore(
         self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool,

@@ -1,6 +1,7 @@
 """Stored KV of a pipeline: each rank its layers, one manifest naming the split.
 
-A second run of the same chat on the same split reads only what is new; a run on
+A second run of the same chat on the same split reads only what is new (and the
+other rank keeps parts of rank 0's snapshots only); a run on
 another split of the same model refuses the stored KV with the reason, and reads
 the conversation again.
 """
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
 from engine.snapshots.files import manifest_path
 from engine.snapshots.manifest import read_manifest
+from engine.snapshots.snapshot import save_snapshot
 from tests.engine.distributed.test_cli_pipeline import _generate, _json
 from tests.engine.distributed.test_pipeline_cache import LAUNCH
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -39,7 +42,15 @@ def test_a_pipeline_chat_is_stored_per_rank_and_reopened_on_the_same_split(
     assert follower["tokens"] == manifest["tokens"]
     assert follower["kv_bytes"] > 0 and manifest["kv_bytes"] > 0
 
+    # A part rank 0 holds no snapshot of (left by an older run): rank 1 drops it when
+    # rank 0's stored KV changes, so a follower's disk goes with rank 0's budget.
+    stale = cache_session(filled_cache("q8", 32, 1), 32, "q8", config_only_model(tmp_path))
+    save_snapshot(stale, store / "rank1", "cli-gone")
+    assert manifest_path(store / "rank1", "cli-gone").exists()
+
     second = _json(_generate(model, *run, "--split", "2,2"))
+    assert not manifest_path(store / "rank1", "cli-gone").exists()
+    assert manifest_path(store / "rank1", "cli-chat").exists()
     # Only the prompt's last token is fed again (it gives the first answer token).
     assert second["reused_tokens"] == second["prompt_tokens"] - 1
     assert second["prefill_tokens"] == 1, second
