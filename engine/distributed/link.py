@@ -42,6 +42,8 @@ CONNECT_TIMEOUT = 300.0
 # After the connection drops, the watcher gets this long to see the group end
 # (its lost-rank grace included) before the group is ended by force.
 DROP_GRACE = LOST_RANK_GRACE + 3.0
+# The lost group's message ends with what the app's user can do.
+RESTART_HINT = "Load the model again to restart it."
 
 
 class Link:
@@ -184,4 +186,4 @@ class Link:
             return
         message = (f"The pipeline run failed: {self._forced}" if self._forced
                    else self.group.failure(done, lost))
-        self._on_lost(self, f"{message.rstrip('.')}. Load the model again to restart it.")
+        self._on_lost(self, f"{message.rstrip('.')}. {RESTART_HINT}")
