@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from engine.distributed.fallback import fits_here
-from engine.distributed.link import RESTART_HINT
+from engine.distributed.link import RESTART_HINT, hostfile_hosts
 from engine.distributed.remote import GroupLost, RemoteWorker
 from engine.events import Failed, PipelineLost
 from engine.runtime.worker import EngineWorker
@@ -46,7 +46,7 @@ class PipelineBridge(EngineBridge):
         **bridge_args: ``EngineBridge``'s other keyword arguments.
 
     Raises:
-        EngineError: the hostfile cannot be read.
+        EngineError: the hostfile cannot be read, or puts rank 0 on another machine.
     """
 
     def __init__(self, model: str, kv_mode: str, snapshot_dir: Path | None, *,
@@ -54,9 +54,7 @@ class PipelineBridge(EngineBridge):
                  split: Sequence[int] | None = None, snapshot_budget: int | None = None,
                  **bridge_args) -> None:
         if hostfile is not None:
-            from engine.distributed.launch import read_hostfile
-
-            ranks = len(read_hostfile(hostfile))
+            ranks = len(hostfile_hosts(hostfile))
         self._ranks = ranks
         self._generation = 0  # the worker whose events count; the next one is +1
         self._fallback: threading.Thread | None = None
