@@ -89,6 +89,18 @@ def test_a_pipeline_server_answers_as_one_machine_and_says_where_it_runs(
         model="m", messages=MESSAGES, max_tokens=6, extra_body={"temperature": 0.0})
     assert reply.content[0].text == expected
 
+    # A client that leaves mid-answer cancels it on every rank: the next answer
+    # does not wait behind a long one.
+    stream = _openai(pipeline).chat.completions.create(
+        model="m", messages=MESSAGES, temperature=0.0, max_tokens=100000, stream=True)
+    chunks = iter(stream)
+    while not next(chunks).choices[0].delta.content:
+        pass
+    stream.close()
+    assert _openai(pipeline).with_options(timeout=120).chat.completions.create(
+        model="m", messages=MESSAGES, temperature=0.0,
+        max_tokens=6).choices[0].message.content == expected
+
     with pytest.raises(openai.BadRequestError, match="not available over a pipeline"):
         _openai(pipeline).chat.completions.create(
             model="m", messages=MESSAGES, max_tokens=6, extra_body={"speculative": "lookup"})
