@@ -8,6 +8,7 @@ machine alone.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import time
@@ -130,6 +131,22 @@ def test_a_lost_rank_ends_the_answer_naming_it_and_the_server_goes_on_alone(
     assert httpx.get(pipeline.url + "/health").json()["machines"] == 1
     assert _greedy(pipeline) == expected
     pipeline.stop()
+
+
+@pytest.mark.slow
+def test_a_hostfile_of_this_machine_twice_serves_the_same_answer(
+        model: Path, expected: str, tmp_path: Path) -> None:
+    """``serve --hostfile FILE``: mlx.launch's hostfile path, rank 0 on 127.0.0.1."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [
+        {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2}), encoding="utf-8")
+    running, stop = start_server(model, tmp_path / "kv", bridge_type=PipelineBridge,
+                                 hostfile=hostfile)
+    try:
+        assert httpx.get(running.url + "/health").json()["machines"] == 2
+        assert _greedy(running) == expected
+    finally:
+        stop()
 
 
 def test_serving_a_model_mlx_lm_cannot_split_is_refused_before_any_rank_starts(
