@@ -107,7 +107,7 @@ class PipelineBridge(EngineBridge):
                 return
             self._generation += 1
             self.ready.clear()
-            self.info = None
+            self.info = None  # the next load's, on this machine
             self._loading.clear()
             # Requests sent after the loss would fail with it: end them now.
             stale = {id(ticket): ticket for ticket in self._tickets.values()}
@@ -127,8 +127,8 @@ class PipelineBridge(EngineBridge):
             self._fallback = threading.Thread(target=self._fall_back, args=(old, problem),
                                               name="longleaf-server-fallback", daemon=True)
             self._fallback.start()
-        log.warning("%s %s", message, "The server goes on with the model on this machine "
-                    "alone." if not problem else self.load_error)
+        log.warning("%s", self.load_error if problem else
+                    f"{message} The server goes on with the model on this machine alone.")
 
     def _fall_back(self, old: RemoteWorker, problem: str) -> None:
         old.shutdown(timeout=RETIRE_TIMEOUT)  # the group is gone: its threads end
