@@ -28,7 +28,7 @@ from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import title_from
 from app.local_server import LocalServerHost
-from app.machines import Machines, fits_here
+from app.machines import Machines
 from app.memory.quality import QualityCheck
 from app.model_state import ModelState, model_name
 from app.sessions.actions import NEW_TITLE, SessionActions
@@ -45,6 +45,7 @@ from engine import (
     SamplingParams,
     StatsSample,
 )
+from engine.distributed.fallback import fits_here
 from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400

@@ -18,7 +18,6 @@ from PySide6.QtCore import QObject
 
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
-from engine import EngineError
 
 LOCAL = "this Mac"
 
@@ -28,21 +27,6 @@ def can_split_model(path: str) -> bool:
     from engine.models.split import can_split
 
     return path != "demo" and can_split(path)
-
-
-def fits_here(path: str) -> str:
-    """"" when the model's weights fit in this Mac's free memory, else why not (the
-    engine's own message); from the weight headers, without loading anything."""
-    from engine.memory.guard import MemoryGuard
-    from engine.models.loader import estimate_load_bytes, resolve_model_path
-
-    try:
-        folder = resolve_model_path(path)
-        needed, quantized = estimate_load_bytes(folder)
-        MemoryGuard().check_load(needed, name=folder.name, quantized=quantized)
-    except EngineError as error:
-        return str(error)
-    return ""
 
 
 class Machines(QObject):

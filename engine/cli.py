@@ -282,10 +282,6 @@ def _size(nbytes: int) -> str:
 
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
-    if args.pipeline > 1:
-        raise EngineError("serve --pipeline is not available yet: the API server runs one "
-                          "engine in this process. Try a split model with "
-                          "'python -m engine generate --pipeline N', or serve it on one machine.")
     from engine.server.app import cors_origins
     from engine.server.bridge import EngineBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
@@ -298,16 +294,42 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.kv_disk_budget is not None and args.kv_disk_budget < 0:
         raise EngineError("--kv-disk-budget cannot be negative.")
+    _check_pipeline(args)
     budget = None if args.kv_disk_budget is None else int(args.kv_disk_budget * 1e9)
     # The app's stored KV counts against the same budget: one user, one disk.
-    bridge = EngineBridge(args.model, args.kv, server_snapshot_dir(),
-                          max_sessions=args.sessions, queue_limit=args.queue_limit,
-                          snapshot_budget=budget, counted_with=(paths.snapshots_dir(),))
-    out.write(f"Longleaf serving {bridge.model_id} on http://{args.host}:{args.port} "
+    options = {"max_sessions": args.sessions, "queue_limit": args.queue_limit,
+               "snapshot_budget": budget, "counted_with": (paths.snapshots_dir(),)}
+    where = ""
+    if args.pipeline > 1 or args.hostfile is not None:
+        from engine.server.pipeline import PipelineBridge
+
+        bridge: EngineBridge = PipelineBridge(
+            args.model, args.kv, server_snapshot_dir(), ranks=args.pipeline,
+            hostfile=args.hostfile, split=args.split, **options)
+        where = (f" over {bridge.machines} machines ({args.hostfile})" if args.hostfile
+                 else f" over {bridge.machines} local ranks")
+    else:
+        bridge = EngineBridge(args.model, args.kv, server_snapshot_dir(), **options)
+    out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()
     uvicorn_server(bridge, args.host, args.port, args.api_key, origins).run()
     return 0
+
+
+def _check_pipeline(args: argparse.Namespace) -> None:
+    """Refuse, before any rank starts, a pipeline that cannot run."""
+    from engine.models.split import split_refusal
+
+    if args.pipeline < 1:
+        raise EngineError("--pipeline takes the number of ranks, 1 or more.")
+    if args.hostfile is None and args.pipeline == 1:
+        if args.split is not None:
+            raise EngineError("--split needs --pipeline N or --hostfile FILE.")
+        return
+    refusal = split_refusal(args.model)
+    if refusal is not None:
+        raise EngineError(refusal)
 
 
 def _layer_counts(text: str) -> list[int]:
@@ -374,7 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let web pages of ORIGIN (e.g. http://localhost:3000) call the "
                           "API; repeatable; none by default")
     api.add_argument("--pipeline", type=int, default=1, metavar="N",
-                     help="not available yet for the server (refused with the reason)")
+                     help="split the model over N local processes (MLX ring backend); "
+                          "if a rank is lost, the server goes on on this machine alone "
+                          "when the model fits here")
+    api.add_argument("--hostfile", type=Path, default=None,
+                     help="split the model over the hosts of this MLX hostfile (mlx.launch's "
+                          "JSON format), this machine (127.0.0.1) first")
+    api.add_argument("--split", type=_layer_counts, default=None, metavar="A,B",
+                     help="layers per rank with --pipeline or --hostfile, rank 0 (the last "
+                          "layers) first")
     api.set_defaults(handler=serve)
     facts = commands.add_parser("info", help="model facts and KV size per mode")
     facts.add_argument("model", help='a model folder, or "demo"')

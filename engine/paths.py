@@ -95,6 +95,11 @@ def snapshots_dir() -> Path:
     return data_subdir("kv-snapshots")
 
 
+def server_snapshots_dir() -> Path:
+    """Return the API server's own folder of saved KV caches, never shared with the app's."""
+    return data_subdir("server-kv-snapshots")
+
+
 def logs_dir() -> Path:
     """Return the folder for log files; they may quote what the user wrote."""
     return data_subdir("logs")

@@ -1,12 +1,13 @@
 """One rank of the app's pipeline engine, started by ``engine.distributed.remote``.
 
 ``python -m engine.distributed.host --model PATH [--chunk N] [--budget BYTES]
-[--split 10,14]`` runs on every rank under mlx.launch. Rank 0 runs an
-``EngineWorker`` on the pipeline group (with the stored KV of this machine's
-data folder) and serves the app's connection: each call it reads becomes a
-worker call, each event the worker sends goes back with the app's request id.
-The other ranks follow rank 0 (``engine.distributed.follower``), each with its
-own ``rank<N>`` folder of stored KV, as in the CLI's pipeline run.
+[--split 10,14] [--kv-store app|server]`` runs on every rank under mlx.launch.
+Rank 0 runs an ``EngineWorker`` on the pipeline group (with the stored KV of
+this machine's data folder: the app's, or the API server's own) and serves its
+front end's connection: each call it reads becomes a worker call, each event
+the worker sends goes back with the front end's request id. The other ranks
+follow rank 0 (``engine.distributed.follower``), each with its own ``rank<N>``
+folder of stored KV in the same store of its own machine's data folder.
 """
 
 from __future__ import annotations
@@ -139,11 +140,16 @@ class Host:
         self._send(("reply", call_id, True, value))
 
 
-def _snapshot_dir() -> Path | None:
-    from engine.snapshots.store import default_snapshot_dir
+KV_STORES = ("app", "server")
+
+
+def _snapshot_dir(store: str) -> Path | None:
+    """This machine's folder of ``store`` ("app": the app's chats, "server": the API
+    server's own, so API requests never reuse a chat's KV)."""
+    from engine import paths
 
     try:
-        return default_snapshot_dir()
+        return paths.server_snapshots_dir() if store == "server" else paths.snapshots_dir()
     except OSError as error:  # an unwritable data folder: chats are read again instead
         log.warning("stored KV is off: its folder cannot be used (%s)", error)
         return None
@@ -160,8 +166,11 @@ def _lead(group: Any, args: argparse.Namespace) -> None:
         conn = Client((host, int(port)), authkey=key)
     except (OSError, AuthenticationError) as error:
         raise EngineError(f"Rank 0 cannot reach the app ({error}).") from error
-    folder = _snapshot_dir()
-    snapshots = None if folder is None else SnapshotStore(folder)
+    folder = _snapshot_dir(args.kv_store)
+    # The app's stored KV counts against the server's budget: one user, one disk.
+    counted = (_snapshot_dir("app"),) if args.kv_store == "server" else ()
+    snapshots = None if folder is None else SnapshotStore(
+        folder, counted_with=[path for path in counted if path is not None])
 
     def make_worker(on_event: Any) -> EngineWorker:
         return EngineWorker(on_event, budget_bytes=args.budget, chunk_size=args.chunk,
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--split", type=lambda text: [int(n) for n in text.split(",")],
                         default=None)
+    parser.add_argument("--kv-store", choices=KV_STORES, default="app")
     args = parser.parse_args(argv)
     folder = rank_report_dir()
     if folder is None:
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank != 0:
             from engine.distributed.follower import follow
 
-            report = follow(args.model, group, _snapshot_dir(), args.split)
+            report = follow(args.model, group, _snapshot_dir(args.kv_store), args.split)
             write_rank_report(folder, rank, {"rank_stats": report})
         else:
             _lead(group, args)

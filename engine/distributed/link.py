@@ -42,6 +42,22 @@ CONNECT_TIMEOUT = 300.0
 # After the connection drops, the watcher gets this long to see the group end
 # (its lost-rank grace included) before the group is ended by force.
 DROP_GRACE = LOST_RANK_GRACE + 3.0
+# The lost group's message ends with what the app's user can do.
+RESTART_HINT = "Load the model again to restart it."
+
+
+def hostfile_hosts(hostfile: Path) -> list[str]:
+    """The ssh host of each rank in ``hostfile``, checked to put rank 0 on this machine.
+
+    Raises:
+        EngineError: the hostfile is unusable, or its first host is another machine.
+    """
+    hosts = read_hostfile(hostfile)
+    if hosts[0] not in LOCAL_HOSTS:
+        raise EngineError(
+            f"The first host of {hostfile} is {hosts[0]}; it must be this Mac "
+            "(127.0.0.1), where Longleaf runs the pipeline's rank 0.")
+    return hosts
 
 
 class Link:
@@ -63,11 +79,7 @@ class Link:
     def __init__(self, argv: Sequence[str], ranks: int, hostfile: Path | None,
                  on_message: Callable[[tuple[Any, ...]], None],
                  on_lost: Callable[[Link, str], None]) -> None:
-        hosts = None if hostfile is None else read_hostfile(hostfile)
-        if hosts is not None and hosts[0] not in LOCAL_HOSTS:
-            raise EngineError(
-                f"The first host of {hostfile} is {hosts[0]}; it must be this Mac "
-                "(127.0.0.1), where the app runs the pipeline's rank 0.")
+        hosts = None if hostfile is None else hostfile_hosts(hostfile)
         ranks = ranks if hosts is None else len(hosts)
         launcher = launcher_path()
         self._on_message = on_message
@@ -184,4 +196,4 @@ class Link:
             return
         message = (f"The pipeline run failed: {self._forced}" if self._forced
                    else self.group.failure(done, lost))
-        self._on_lost(self, f"{message.rstrip('.')}. Load the model again to restart it.")
+        self._on_lost(self, f"{message.rstrip('.')}. {RESTART_HINT}")

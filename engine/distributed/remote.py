@@ -88,6 +88,8 @@ class RemoteWorker:
             ranks, the first of them this machine (127.0.0.1), where rank 0 runs.
         split: layers per rank, rank 0 (the last layers) first (None: mlx-lm's
             even split).
+        kv_store: whose stored KV the ranks keep, in each machine's data folder:
+            "app" (the app's chats) or "server" (the API server's own).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class RemoteWorker:
         ranks: int = 2,
         hostfile: Path | None = None,
         split: Sequence[int] | None = None,
+        kv_store: str = "app",
     ) -> None:
         self._on_event = on_event
         self._budget_bytes = budget_bytes
@@ -106,6 +109,7 @@ class RemoteWorker:
         self._ranks = ranks
         self._hostfile = None if hostfile is None else Path(hostfile)
         self._split = None if split is None else [int(n) for n in split]
+        self._kv_store = kv_store
         self._ids = itertools.count(1)
         self._reads = itertools.count(1)
         self._lock = threading.Lock()  # the state below
@@ -405,7 +409,8 @@ class RemoteWorker:
             self._pending[request_id] = _Request("load_model", threading.Event())
         try:
             _check_splittable(path)
-            argv = ["--model", str(path), "--chunk", str(self._chunk_size)]
+            argv = ["--model", str(path), "--chunk", str(self._chunk_size),
+                    "--kv-store", self._kv_store]
             if self._budget_bytes is not None:
                 argv += ["--budget", str(self._budget_bytes)]
             if self._split is not None:

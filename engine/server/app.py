@@ -27,7 +27,7 @@ from starlette.routing import Route
 from engine.errors import EngineError
 from engine.events import Failed, Finished, SessionOpened, TokenChunk
 from engine.server import protocol
-from engine.server.bridge import EngineBridge, QueueFull, Ticket
+from engine.server.bridge import LOADING, EngineBridge, NotReady, QueueFull, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader
 
@@ -38,6 +38,9 @@ DEFAULT_MAX_TOKENS = 512
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
+SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline yet: send "
+                       "\"speculative\": \"off\" (the default), or serve the model on one "
+                       "machine.")
 ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
                     "not_found_error", "request_too_large", "rate_limit_error", "api_error",
                     "overloaded_error")
@@ -166,8 +169,7 @@ class Server:
 
     def _check_ready(self) -> None:
         if not self.bridge.ready.is_set():
-            message = self.bridge.load_error or "The model is still loading; try again shortly."
-            raise ApiError(503, message, "server_error", headers={"Retry-After": "5"})
+            raise _not_ready(self.bridge.load_error or LOADING)
 
     async def _body(self, request: Request) -> object:
         declared = request.headers.get("content-length")
@@ -190,13 +192,14 @@ class Server:
             status = "error" if self.bridge.load_error else "loading"
             return JSONResponse({"status": status, "message": self.bridge.load_error},
                                 status_code=503)
-        return JSONResponse({"status": "ok", "model": self.bridge.model_id})
+        return JSONResponse({"status": "ok", "model": self.bridge.model_id,
+                             "machines": self.bridge.machines})
 
     async def models(self, request: Request) -> JSONResponse:
         self._check_ready()
         model = {"id": self.bridge.model_id, "object": "model", "created": 0,
                  "owned_by": "longleaf", "context_length": self.bridge.max_context,
-                 "kv_mode": self.bridge.kv_mode}
+                 "kv_mode": self.bridge.kv_mode, "machines": self.bridge.machines}
         return JSONResponse({"object": "list", "data": [model]})
 
     async def count_tokens(self, request: Request) -> JSONResponse:
@@ -362,6 +365,10 @@ class Server:
 
     async def _start(self, chat: ChatRequest) -> Run:
         mode = chat.mode or self.bridge.kv_mode
+        if chat.sampling.speculative == "lookup" and self.bridge.machines > 1:
+            # The other ranks follow rank 0 one decode step at a time; a draft's
+            # verification and rewind are not steps they know yet.
+            raise ApiError(400, SPECULATIVE_REFUSAL, param="speculative")
         # Off the event loop: a long conversation takes a while to render and
         # tokenize, and other connections keep being answered meanwhile.
         prompt = await asyncio.wrap_future(
@@ -398,6 +405,8 @@ class Server:
         except QueueFull as error:
             raise ApiError(429, str(error), "rate_limit_error",
                            headers={"Retry-After": "2"}) from error
+        except NotReady as error:
+            raise _not_ready(str(error)) from error
         reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
         wanted = None if chat.tool_choice == "auto" else chat.tool_name or ""
         return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted)
@@ -538,9 +547,15 @@ class Run:
         return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode)
 
 
+def _not_ready(message: str) -> ApiError:
+    return ApiError(503, message, "server_error", headers={"Retry-After": "5"})
+
+
 def _engine_error(event: Failed) -> ApiError:
     if event.error_type == "ContextTooLong":
         return ApiError(400, event.message, param="messages", code="context_length_exceeded")
+    if event.error_type == "GroupLost":  # a machine of the pipeline is gone
+        return _not_ready(event.message)
     if event.error_type in MEMORY_ERRORS:
         return ApiError(507, event.message, "insufficient_memory", code="insufficient_memory")
     if event.error_type in ("EngineError", "UnsupportedModeError"):

@@ -32,10 +32,15 @@ from engine.snapshots.store import SnapshotStore
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT = 3600.0
+LOADING = "The model is still loading; try again shortly."
 
 
 class QueueFull(EngineError):
     """More requests wait for the engine than the server's queue limit allows."""
+
+
+class NotReady(EngineError):
+    """No model is ready to answer: it is loading, or (the message) why none is."""
 
 
 @dataclass
@@ -86,9 +91,9 @@ class EngineBridge:
         self.kv_mode = kvquant.normalize_mode(kv_mode)
         self.max_sessions = max(1, max_sessions)
         self.queue_limit = max(1, queue_limit)
-        store = None if snapshot_dir is None else SnapshotStore(
+        self.snapshots = None if snapshot_dir is None else SnapshotStore(
             snapshot_dir, snapshot_budget, counted_with=counted_with)
-        self.worker = worker or EngineWorker(self._on_event, snapshots=store)
+        self.worker = worker or EngineWorker(self._on_event, snapshots=self.snapshots)
         self.ready = threading.Event()
         self.info: Any = None
         self.load_error: str | None = None
@@ -148,6 +153,11 @@ class EngineBridge:
         if self.model == "demo":
             return "demo"
         return Path(self.model).expanduser().name or str(self.model)
+
+    @property
+    def machines(self) -> int:
+        """The machines the engine runs on now (a pipeline's ranks; 1: this one alone)."""
+        return 1
 
     @property
     def max_context(self) -> int:
@@ -232,9 +242,14 @@ class EngineBridge:
 
         Raises:
             QueueFull: the queue limit is reached.
+            NotReady: the model went away since the request began (a lost pipeline).
         """
         ticket = Ticket(loop)
         with self._lock:
+            # Under the lock that a worker's replacement holds: a request either
+            # reaches the old worker before it goes, or is refused here.
+            if not self.ready.is_set():
+                raise NotReady(self.load_error or LOADING)
             if self._in_flight >= self.queue_limit:
                 raise QueueFull(f"{self._in_flight} requests are already waiting for the "
                                 "engine; try again shortly.")

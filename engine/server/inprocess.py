@@ -153,6 +153,13 @@ class AttachedBridge(EngineBridge):
         return ticket
 
     @property
+    def machines(self) -> int:
+        """The machines the front end's worker runs on: a pipeline's ranks, as its last
+        stats sample names them (1 on this machine alone)."""
+        sample = self.worker.latest_stats()
+        return max(1, len(sample.ranks)) if sample is not None else 1
+
+    @property
     def idle(self) -> bool:
         """Whether no request of the server's waits for an event any more."""
         with self._lock:

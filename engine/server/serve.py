@@ -20,7 +20,7 @@ def server_snapshot_dir() -> Path:
     """The server's own stored-KV folder, beside the app's and never shared with it."""
     from engine import paths
 
-    return paths.snapshots_dir().parent / "server-kv-snapshots"
+    return paths.server_snapshots_dir()
 
 
 def make_app(bridge: EngineBridge, api_key: str | None = None,

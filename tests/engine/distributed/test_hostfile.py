@@ -1,4 +1,4 @@
-"""``generate --hostfile FILE``: MLX's own hostfile and launcher; ``serve --pipeline`` refused."""
+"""``generate|serve --hostfile FILE``: MLX's own hostfile and launcher."""
 
 from __future__ import annotations
 
@@ -47,10 +47,17 @@ def test_an_unusable_hostfile_is_refused_with_the_format(tmp_path: Path, content
     assert "MLX hostfile is JSON" in err.getvalue() or "at least 2" in err.getvalue()
 
 
-def test_serve_with_a_pipeline_is_refused_with_what_to_do_instead(
+def test_serve_refuses_an_unusable_hostfile_before_serving(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["serve", "--model", "m", "--pipeline", "2"]) == 1
-    assert "generate --pipeline N" in capsys.readouterr().err
+    served = []
+    monkeypatch.setattr("engine.server.serve.uvicorn_server", lambda *a, **k: served.append(a))
+    model = make_tiny_model_dir(tmp_path, "qwen3_next")
+    path = tmp_path / "hosts.json"
+    path.write_text("not json", encoding="utf-8")
+    assert cli.main(["serve", "--model", str(model), "--hostfile", str(path)]) == 1
+    assert "MLX hostfile is JSON" in capsys.readouterr().err
+    assert served == []
 
 
 @pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")

@@ -28,9 +28,10 @@ class Served:
     bridge: EngineBridge
 
 
-def start_server(folder: Path, snapshots: Path, **bridge_args) -> tuple[Served, callable]:
+def start_server(folder: Path, snapshots: Path, bridge_type: type = EngineBridge,
+                 **bridge_args) -> tuple[Served, callable]:
     """Start a server in a thread; returns it and the function that stops it."""
-    bridge = EngineBridge(str(folder), "fp16", snapshots, **bridge_args)
+    bridge = bridge_type(str(folder), "fp16", snapshots, **bridge_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -1,10 +1,12 @@
-"""``python -m engine serve``: its options and the refusal to serve the network keyless."""
+"""``python -m engine serve``: its options, and what it refuses before serving."""
 
 from __future__ import annotations
 
 import io
+import json
 
 from engine import cli
+from tests.engine.tinymodels import make_tiny_model_dir
 
 
 def test_serve_options_default_to_this_machine() -> None:
@@ -25,3 +27,21 @@ def test_the_disk_budget_option(capsys) -> None:
     assert cli.build_parser().parse_args(["serve", "--model", "demo"]).kv_disk_budget is None
     assert cli.main(["serve", "--model", "demo", "--kv-disk-budget", "-1"], io.StringIO()) == 1
     assert "negative" in capsys.readouterr().err
+
+
+def test_pipeline_options_that_cannot_run_are_refused_before_serving(
+        tmp_path, monkeypatch, capsys) -> None:
+    served = []
+    monkeypatch.setattr("engine.server.serve.uvicorn_server", lambda *a, **k: served.append(a))
+    assert cli.main(["serve", "--model", "demo", "--split", "10,14"], io.StringIO()) == 1
+    assert "--split needs --pipeline N or --hostfile FILE" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", "demo", "--pipeline", "0"], io.StringIO()) == 1
+    assert "--pipeline takes the number of ranks" in capsys.readouterr().err
+    model = make_tiny_model_dir(tmp_path, "qwen3_next")
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [
+        {"ssh": host, "ips": [host]} for host in ("mac1.local", "127.0.0.1")]}))
+    assert cli.main(["serve", "--model", str(model), "--hostfile", str(hostfile)],
+                    io.StringIO()) == 1
+    assert "must be this Mac (127.0.0.1)" in capsys.readouterr().err
+    assert served == []

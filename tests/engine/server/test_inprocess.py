@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -12,7 +13,7 @@ import pytest
 
 from engine.events import ModelLoaded
 from engine.runtime.worker import EngineWorker
-from engine.server.inprocess import LocalServer, ServerUnavailable
+from engine.server.inprocess import AttachedBridge, LocalServer, ServerUnavailable
 from tests.engine.runtime.test_worker import EventLog
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -74,3 +75,19 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_the_local_server_counts_the_machines_its_front_ends_worker_runs_on() -> None:
+    """The app's worker may be a pipeline's: its stats name the ranks (speculative
+    decoding is then refused per request, and /health says so)."""
+    sample = None
+    worker = SimpleNamespace(latest_stats=lambda: sample)
+    bridge = AttachedBridge(worker, "q8", lambda: None, max_sessions=1, queue_limit=1)
+    try:
+        assert bridge.machines == 1  # nothing sampled yet
+        sample = SimpleNamespace(ranks=())
+        assert bridge.machines == 1
+        sample = SimpleNamespace(ranks=("rank 0", "rank 1", "rank 2"))
+        assert bridge.machines == 3
+    finally:
+        bridge.shutdown()
