@@ -35,7 +35,7 @@ def _rank_pid(rank: int) -> int:
 
 
 def test_a_lost_mac_ends_the_answer_keeps_the_chat_and_falls_back(qtbot, tmp_path) -> None:
-    model = make_tiny_model_dir(tmp_path, "qwen3_next")
+    model = make_tiny_model_dir(tmp_path, "qwen3_next", endless=True)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps({"backend": "ring", "hosts": [
         {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2}), encoding="utf-8")

@@ -139,3 +139,17 @@ def test_dtype_option(tmp_path: Path) -> None:
 def test_unknown_arch_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="known: llama"):
         make_tiny_model_dir(tmp_path, "gpt2")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])  # tied and untied output heads
+def test_an_endless_model_never_ends_its_turn(tmp_path: Path, arch: str) -> None:
+    from engine.session.prompt_ids import end_of_turn_ids
+
+    model, tokenizer = load_tiny(tmp_path, arch, endless=True)
+    assert make_tiny_model_dir(tmp_path, arch, endless=True) != make_tiny_model_dir(tmp_path, arch)
+    ends = end_of_turn_ids(tokenizer)
+    assert ends
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=300,
+                                               sampler=make_sampler(temp=0.0))]
+    assert len(tokens) == 300 and not ends & set(tokens)

@@ -180,6 +180,25 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[
     return weights
 
 
+def _silence_end_of_turn(weights: dict[str, mx.array]) -> None:
+    # A zero row scores 0 for every hidden state, while the largest of the other
+    # random logits is positive for all but a vanishing share of states.
+    from tokenizers import Tokenizer
+
+    from engine.session.prompt_ids import END_OF_TURN
+
+    tokenizer = Tokenizer.from_str(tokenizer_json())
+    ids = [i for i in (tokenizer.token_to_id(marker) for marker in (EOS_TOKEN, *END_OF_TURN))
+           if i is not None]
+    name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    head = weights[name]
+    rows = mx.arange(head.shape[0])
+    ending = mx.zeros((head.shape[0],), dtype=mx.bool_)
+    for i in ids:
+        ending = ending | (rows == i)
+    weights[name] = mx.where(ending[:, None], mx.zeros_like(head), head)
+
+
 def _write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
     tokenizer_config = {
@@ -198,7 +217,8 @@ def _write_tokenizer(folder: Path) -> None:
 
 
 def make_tiny_model_dir(
-    tmp_path: Path, arch: str, *, seed: int = 0, dtype: str = "float32", **overrides: Any
+    tmp_path: Path, arch: str, *, seed: int = 0, dtype: str = "float32", endless: bool = False,
+    **overrides: Any
 ) -> Path:
     """Write a tiny random-weight mlx-lm model folder and return its path.
 
@@ -208,6 +228,9 @@ def make_tiny_model_dir(
         seed: seed of the random weights; same seed, same weights.
         dtype: weight dtype name ("float32", "float16", "bfloat16"); float32 by
             default because the CPU backend emulates float16.
+        endless: zero the output rows of every end-of-turn token, so that greedy
+            decoding never ends an answer by itself (for tests that act mid-answer
+            and must not race the model's own end of turn).
         **overrides: top-level ``config.json`` keys to replace (e.g. num_hidden_layers).
 
     Returns:
@@ -215,12 +238,14 @@ def make_tiny_model_dir(
         overrides in one ``tmp_path`` never collide.
     """
     config = tiny_config(arch, **overrides)
-    key = json.dumps([config, seed, dtype], sort_keys=True)
+    key = json.dumps([config, seed, dtype, endless], sort_keys=True)
     folder = Path(tmp_path) / f"tiny-{arch}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     if (folder / "model.safetensors").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     weights = _random_weights(config, seed, getattr(mx, dtype))
+    if endless:
+        _silence_end_of_turn(weights)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(folder)
     # Written last: its presence marks the folder complete.

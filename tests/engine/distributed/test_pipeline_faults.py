@@ -36,7 +36,7 @@ def _wait_for(pattern: str, folder: Path, process: subprocess.Popen[str]) -> Pat
 ], ids=["killed", "stopped"])
 def test_a_lost_rank_ends_the_run_with_an_error_naming_it(tmp_path: Path, sent: signal.Signals,
                                                           says: str) -> None:
-    model = make_tiny_model_dir(tmp_path, "qwen3_next")
+    model = make_tiny_model_dir(tmp_path, "qwen3_next", endless=True)
     # The launcher's report folder is in Longleaf's private temp folder: make it ours.
     runs = tmp_path / "home"
     env = {**os.environ, "LONGLEAF_HOME": str(runs)}

@@ -89,7 +89,7 @@ def _one_process(model: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
     """The tiny hybrid model, and its greedy answer to PROMPT in one process."""
-    model = make_tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3_next")
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3_next", endless=True)
     return model, _one_process(model)
 
 

@@ -45,7 +45,7 @@ def _greedy(served: Served) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3_next")
+    return make_tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3_next", endless=True)
 
 
 @pytest.fixture(scope="module")
