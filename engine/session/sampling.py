@@ -152,6 +152,7 @@ class AnswerStream:
         self.last_token_at = self.started
         self.speculate = sampling.speculative == "lookup"
         self.index = index
+        self.drafter: speculative.Drafter | None = None
         # What speculation did: tokens proposed, proposed tokens accepted, and the
         # forward passes the answer took (the first one, over the prompt's last
         # token, included).
@@ -203,12 +204,17 @@ class AnswerStream:
         self.held.append(token)
         if self.speculate:
             self.index.extend([token])
+            if self.drafter is not None:
+                self.drafter.watch(token, self.index)
 
-    def _decode(self, token: int, count: int, max_tokens: int) -> tuple[str | None, int]:
+    def _decode(self, token: int, count: int, max_tokens: int,
+                until: Callable[[], bool] | None = None) -> tuple[str | None, int]:
         """Plain decoding from the unfed ``token``: up to ``count`` tokens, one a pass.
 
-        Returns the finish reason (None: ``count`` tokens made, the answer goes on)
-        and the last token sampled, which is not fed yet when the reason is None.
+        ``until`` is asked before each next pass is queued; True ends the run early.
+        Returns the finish reason (None: ``count`` tokens made or ``until`` said so,
+        the answer goes on) and the last token sampled, which is not fed yet when
+        the reason is None.
         """
         y = self._step(mx.array([token]))
         self._hold(token)
@@ -220,6 +226,8 @@ class AnswerStream:
             # Queue the next step before reading this token (mlx-lm's overlap):
             # the device computes while Python detokenizes.
             room = made < count and len(self.generated) + 1 < max_tokens
+            paused = room and until is not None and until()
+            room = room and not paused
             queue_next = room and not self.cancel.is_set()
             if queue_next:
                 self.steps += 1
@@ -245,7 +253,7 @@ class AnswerStream:
             if self.cancel.is_set():
                 return "cancelled", token
             if not queue_next:
-                return (None if made >= count and len(self.generated) < max_tokens
+                return (None if (made >= count or paused) and len(self.generated) < max_tokens
                         else "length"), token
             y = next_y
 
@@ -256,31 +264,32 @@ class AnswerStream:
         if self.index is None:
             self.index = speculative.ContextIndex()
         self.index.sync(self.held)
-        drafter = speculative.Drafter()
+        backend = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        self.drafter = drafter = speculative.Drafter(speculative.ROW_COST[backend])
         pending = prompt[-1]  # sampled (or the prompt's last) but not fed yet
         while True:
             room = max_tokens - len(self.generated)
-            if drafter.cooling:
-                # Drafting paused: plain passes, each queued before the last is read.
-                count, drafter.cooling = min(drafter.cooling, room), 0
-                try:
-                    reason, pending = self._decode(pending, count, max_tokens)
-                except KvBudgetExceeded:
-                    return "length"  # as plain decoding: the budget ends the answer
+            proposal = self.index.propose([pending], speculative.MAX_DRAFT)
+            size = drafter.draft_size(proposal, room - 1)
+            if not size:
+                proposal = drafter.continuation(pending)
+                size = drafter.draft_size(proposal, room - 1)
+            draft = proposal.tokens[:size]
+            if not draft:
+                reason, pending = self._decode_plainly(pending, room, max_tokens)
                 if reason is not None:
                     return reason
                 continue
-            size = drafter.draft_size(room - 1)
-            draft = self.index.propose([pending], size) if size else []
             try:
                 sampled, base = self._verify(pending, draft)
             except KvBudgetExceeded:
-                if not draft:
-                    return "length"  # as plain decoding: the budget ends the answer
-                drafter.cooling = 1  # no room for the draft's rows: one token now
+                # No room for the draft's rows: one plain token now.
+                reason, pending = self._decode_plainly(pending, 1, max_tokens)
+                if reason is not None:
+                    return reason
                 continue
             accepted = speculative.accepted_prefix(draft, sampled)
-            drafter.record(len(draft), accepted)
+            drafter.record(proposal.ngram, len(draft), accepted)
             self.draft_tokens += len(draft)
             self.accepted_tokens += accepted
             reason, kept = self._emit(sampled[:accepted + 1], max_tokens)
@@ -293,6 +302,17 @@ class AnswerStream:
             if reason is not None:
                 return reason
             pending = sampled[accepted]
+
+    def _decode_plainly(self, pending: int, count: int, max_tokens: int) -> tuple[str | None, int]:
+        """Plain passes, each queued before the last is read, until a draft pays again.
+
+        The drafter scores the proposals it skipped against the tokens these make
+        (``_hold``), so drafting resumes as soon as the text starts repeating.
+        """
+        try:
+            return self._decode(pending, count, max_tokens, until=self.drafter.wants_draft)
+        except KvBudgetExceeded:
+            return "length", pending  # as plain decoding: the budget ends the answer
 
     def _verify(self, pending: int, draft: list[int]) -> tuple[list[int], int]:
         """One forward pass over ``pending`` and ``draft``; the token sampled at each.

@@ -4,10 +4,17 @@ Answers about a document quote it, restate its names and numbers and repeat the
 conversation's phrasing. :class:`ContextIndex` maps every recent n-gram (1 to
 ``MAX_NGRAM`` tokens) of the session's ids to the latest place it occurred, so the
 longest suffix of the tokens so far that occurred before proposes the tokens that
-followed it there (prompt lookup decoding). :class:`Drafter` decides how many to
-propose from how many of its recent proposals were accepted, and stops proposing
-for a while when few are: every decision comes from token counts, never from
-timing, so the same chat gives the same answer on a busy machine.
+followed it there (prompt lookup decoding).
+
+:class:`Drafter` decides whether a proposal is worth a verification and how many of
+its tokens to verify. It keeps, per matched n-gram length, an estimate of how often
+a proposed token is accepted, learnt from verified drafts and, while it does not
+draft, from scoring the proposals plain decoding's own tokens would have accepted
+(free: a lookup per token). A draft is verified only when the expected tokens per
+pass beat plain decoding's one by a margin, with a verification's extra rows priced
+at a fixed share of a step per backend. Every decision comes from token counts and
+that constant, never from timing, so the same chat takes the same passes on a busy
+machine.
 
 Verification (in :class:`engine.session.sampling.AnswerStream`) runs one forward
 pass over the last token and the draft and keeps the longest prefix the sampler
@@ -20,25 +27,31 @@ extended by the new tokens only.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 # Longest and shortest n-gram looked up (longest first).
 MAX_NGRAM = 4
 MIN_NGRAM = 1
-# Draft lengths the drafter moves between.
-MIN_DRAFT = 2
+# Longest draft verified in one pass.
 MAX_DRAFT = 8
-# Acceptance is judged over this many recent verifications.
-WINDOW = 8
-# Below this fraction of drafted tokens accepted (with at least WINDOW_TOKENS of
-# them drafted), drafting pauses for a cool-down, doubling each time it recurs.
-LOW_ACCEPTANCE = 0.15
-WINDOW_TOKENS = 16
-FIRST_COOLDOWN = 16
-MAX_COOLDOWN = 256
+# What verifying each drafted token adds to a pass, as a share of one plain step.
+# On Metal a step is bound by reading the weights and the KV once, so extra query
+# rows cost little; on a CPU they cost compute (see docs/benchmarks.md).
+ROW_COST = {"gpu": 0.05, "cpu": 0.25}
+# A draft is verified only when its expected tokens per unit of cost beat plain
+# decoding's one token per step by this factor.
+GAIN_MARGIN = 1.1
+# Prior acceptance per matched n-gram length (index n - 1) and its weight in tokens:
+# a one-token match rarely predicts the next tokens, a four-token match often does.
+PRIOR_ACCEPTANCE = (0.15, 0.3, 0.45, 0.6)
+PRIOR_WEIGHT = 2.0
+# Each proposed token judged (accepted, or the first rejected) scales its match
+# length's older counts by this factor: the estimate follows the last ten or so,
+# as the text moves between quoting and paraphrasing.
+DECAY = 0.9
 # The index's table has at least this many slots per n-gram it holds, so most
 # n-grams keep their own slot (a collision only loses the older entry: every
 # lookup checks the ids).
@@ -59,6 +72,16 @@ def _slots(ids: np.ndarray, ends: np.ndarray, n: int, bits: int) -> np.ndarray:
     for j in range(n, 0, -1):
         h = (h ^ ids[ends - j].astype(np.uint64)) * _HASH_MUL
     return (h >> np.uint64(64 - bits)).astype(np.int64)
+
+
+class Proposal(NamedTuple):
+    """Tokens looked up for what comes next, and the length of the n-gram matched."""
+
+    tokens: list[int]
+    ngram: int
+
+
+NO_PROPOSAL = Proposal([], 0)
 
 
 class ContextIndex:
@@ -146,16 +169,16 @@ class ContextIndex:
             last = slots.size - 1 - np.unique(slots[::-1], return_index=True)[1]
             self._table[slots[last]] = ends[last]
 
-    def propose(self, pending: Sequence[int], count: int) -> list[int]:
+    def propose(self, pending: Sequence[int], count: int) -> Proposal:
         """The ``count`` ids that followed the longest suffix seen before.
 
         The sequence is the indexed ids followed by ``pending`` (the few tokens
-        not indexed yet). Empty when no suffix of ``MIN_NGRAM`` to ``MAX_NGRAM``
-        tokens occurred before. A match close to the end (the text repeating
+        not indexed yet). ``NO_PROPOSAL`` when no suffix of ``MIN_NGRAM`` to
+        ``MAX_NGRAM`` tokens occurred before. A match close to the end (the text repeating
         itself) continues the repetition past the end of what is known.
         """
         if count < 1:
-            return []
+            return NO_PROPOSAL
         ids = self.ids
         tail = np.concatenate([ids[-MAX_NGRAM:], np.asarray(pending, dtype=np.int32)])
         for n in range(min(MAX_NGRAM, tail.size), MIN_NGRAM - 1, -1):
@@ -168,44 +191,96 @@ class ContextIndex:
                 # period ``len(whole)``, so the repetition goes on.
                 whole = [*ids[at:].tolist(), *pending]
                 known = [whole[i % len(whole)] for i in range(count)]
-            return known
-        return []
+            return Proposal(known, n)
+        return NO_PROPOSAL
 
 
 class Drafter:
-    """How many tokens to propose, from the recent acceptance (token counts only)."""
+    """Whether to verify a proposal and how much of it (token counts only).
 
-    def __init__(self) -> None:
-        self.size = MIN_DRAFT * 2
-        self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)
-        self.cooling = 0
-        self._next_cooldown = FIRST_COOLDOWN
+    Args:
+        row_cost: what each drafted token adds to a pass, as a share of a plain
+            step (``ROW_COST`` of the backend).
+    """
 
-    def draft_size(self, room: int) -> int:
-        """Tokens to propose now, at most ``room`` (0 while cooling down)."""
-        if self.cooling > 0:
-            self.cooling -= 1
+    def __init__(self, row_cost: float) -> None:
+        self.row_cost = row_cost
+        # Per matched n-gram length: accepted proposed tokens, and rejections.
+        self.hits = [p * PRIOR_WEIGHT for p in PRIOR_ACCEPTANCE]
+        self.misses = [(1 - p) * PRIOR_WEIGHT for p in PRIOR_ACCEPTANCE]
+        self._watched: Proposal = NO_PROPOSAL
+        self._matched = 0
+
+    def acceptance(self, ngram: int) -> float:
+        """The estimated chance that a proposed token after an ``ngram`` match is kept."""
+        i = ngram - MIN_NGRAM
+        return self.hits[i] / (self.hits[i] + self.misses[i])
+
+    def draft_size(self, proposal: Proposal, room: int) -> int:
+        """How many of ``proposal``'s tokens to verify, at most ``room``; 0: decode plainly.
+
+        The size that maximizes the expected tokens per unit of cost,
+        ``(1 + p + ... + p^k) / (1 + row_cost * k)`` for an acceptance ``p`` per
+        token (a draft is kept up to its first rejection), provided that beats
+        plain decoding by ``GAIN_MARGIN``.
+        """
+        limit = min(len(proposal.tokens), room, MAX_DRAFT)
+        if limit < 1:
             return 0
-        return max(0, min(self.size, room))
+        p = self.acceptance(proposal.ngram)
+        best, best_gain, expected, term = 0, GAIN_MARGIN, 1.0, 1.0
+        for k in range(1, limit + 1):
+            term *= p
+            expected += term
+            gain = expected / (1 + self.row_cost * k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, ngram: int, drafted: int, accepted: int) -> None:
         """Learn from one verification of ``drafted`` tokens, ``accepted`` of them kept."""
         if drafted < 1:
             return
-        self.recent.append((drafted, accepted))
-        total = sum(d for d, _ in self.recent)
-        kept = sum(a for _, a in self.recent)
-        rate = kept / total
-        wanted = round(MIN_DRAFT + rate * (MAX_DRAFT - MIN_DRAFT))
-        self.size = max(MIN_DRAFT, min(MAX_DRAFT, wanted))
-        if total >= WINDOW_TOKENS and rate < LOW_ACCEPTANCE:
-            # The text is not repeating itself: stop paying for verifications a while.
-            self.cooling = self._next_cooldown
-            self._next_cooldown = min(MAX_COOLDOWN, self._next_cooldown * 2)
-            self.recent.clear()
-            self.size = MIN_DRAFT
-        elif rate >= 2 * LOW_ACCEPTANCE:
-            self._next_cooldown = FIRST_COOLDOWN
+        i, rejected = ngram - MIN_NGRAM, int(accepted < drafted)
+        fade = DECAY ** (accepted + rejected)
+        self.hits[i] = self.hits[i] * fade + accepted
+        self.misses[i] = self.misses[i] * fade + rejected
+        self._watched = NO_PROPOSAL
+
+    def watch(self, token: int, index: ContextIndex) -> None:
+        """Score the proposal plain decoding left unverified against its next ``token``.
+
+        Called for each token plain decoding holds, after ``index`` holds it too;
+        the proposal for the tokens after it is looked up then, before any later
+        token is indexed, exactly as a verification would have proposed it.
+        """
+        watched = self._watched
+        if watched.tokens:
+            if token == watched.tokens[self._matched]:
+                self._matched += 1
+                if self._matched < len(watched.tokens):
+                    return
+                self.record(watched.ngram, self._matched, self._matched)
+            else:
+                self.record(watched.ngram, self._matched + 1, self._matched)
+        self._watched = index.propose([], MAX_DRAFT)
+        self._matched = 0
+
+    def wants_draft(self) -> bool:
+        """Whether the proposal being watched is worth verifying now."""
+        return self.draft_size(self._watched, MAX_DRAFT) > 0
+
+    def continuation(self, pending: int) -> Proposal:
+        """The rest of the watched proposal after ``pending``, if it predicted ``pending``.
+
+        Plain decoding pauses when the watched proposal is worth verifying; the
+        token it was computing when it paused may already be a fresh, shorter
+        match, so the draft goes on from the proposal that earned the pause.
+        """
+        watched, at = self._watched, self._matched
+        if at < len(watched.tokens) and watched.tokens[at] == pending:
+            return Proposal(watched.tokens[at + 1:], watched.ngram)
+        return NO_PROPOSAL
 
 
 def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:

@@ -18,7 +18,7 @@ def client(served: Served) -> openai.OpenAI:
 
 
 @pytest.fixture
-def verifications(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def verifications(monkeypatch: pytest.MonkeyPatch, always_draft: None) -> list[int]:
     """How many tokens each verification pass proposed (the server runs in this process)."""
     drafted: list[int] = []
     verify = AnswerStream._verify

@@ -22,10 +22,10 @@ def test_index_proposes_what_followed_the_longest_suffix() -> None:
     index = speculative.ContextIndex()
     index.extend([1, 2, 3, 4, 5, 9, 3, 4, 7, 8])
     # "3 4" occurred twice; the latest one was followed by 7 8.
-    assert index.propose([3, 4], 2) == [7, 8]
+    assert index.propose([3, 4], 2).tokens == [7, 8]
     # The longer suffix "2 3 4" wins over "3 4".
-    assert index.propose([2, 3, 4], 3) == [5, 9, 3]
-    assert index.propose([42], 3) == []
+    assert index.propose([2, 3, 4], 3).tokens == [5, 9, 3]
+    assert index.propose([42], 3).tokens == []
 
 
 def test_index_survives_a_cut_and_continues_a_loop() -> None:
@@ -33,19 +33,19 @@ def test_index_survives_a_cut_and_continues_a_loop() -> None:
     index.sync([5, 6, 7, 5, 6, 8])
     index.sync([5, 6, 7])  # a cut: the entry for "5 6" -> 8 is gone
     # What followed "5 6" in the kept ids, never the cut 8.
-    assert index.propose([5, 6], 2) == [7, 5]
+    assert index.propose([5, 6], 2).tokens == [7, 5]
     index.extend([5, 6, 9])
-    assert index.propose([5, 6], 1) == [9]
+    assert index.propose([5, 6], 1).tokens == [9]
     # A cut answer that repeated the document does not cost the document's entries.
     index.sync([4, 1, 2, 3, 5])
     index.extend([1, 2, 3, 9])
     index.sync([4, 1, 2, 3, 5])
-    assert index.propose([2, 3], 1) == [5]
+    assert index.propose([2, 3], 1).tokens == [5]
     index.sync([1, 2, 1, 2])
     # The match runs into the pending token: the loop goes on past it.
-    assert index.propose([1], 4) == [2, 1, 2, 1]
+    assert index.propose([1], 4).tokens == [2, 1, 2, 1]
     index.sync([7, 8, 9, 7, 8])
-    assert index.propose([9], 5) == [7, 8, 9, 7, 8]
+    assert index.propose([9], 5).tokens == [7, 8, 9, 7, 8]
 
 
 def _reference(ids: list[int], pending: list[int], count: int) -> list[int] | None:
@@ -79,7 +79,7 @@ def test_index_agrees_with_a_brute_force_search() -> None:
     agreed = 0
     for end in range(2900, 3000):
         held, pending = ids[:end], [ids[end]]
-        got = index.propose(pending, 6)
+        got = index.propose(pending, 6).tokens
         want = _reference(held, pending, 6)
         assert (want is None) == (got == [])
         # A collision may cost the latest occurrence, never a wrong draft.
@@ -101,19 +101,74 @@ def test_index_memory_at_262k_tokens_is_a_few_bytes_per_token() -> None:
     assert index.nbytes <= 4 * 2 * tokens + 4 * 4 * speculative.SLOTS_PER_ENTRY * (
         speculative.MAX_NGRAM * tokens)
     # A 4-gram of the document proposes what followed it there.
-    assert index.propose(ids[5000:5004].tolist(), 4) == ids[5004:5008].tolist()
+    assert index.propose(ids[5000:5004].tolist(), 4).tokens == ids[5004:5008].tolist()
 
 
-def test_drafter_adapts_and_cools_down_on_token_counts() -> None:
-    drafter = speculative.Drafter()
-    for _ in range(8):
-        drafter.record(drafter.draft_size(100), drafter.draft_size(100))
-    assert drafter.size == speculative.MAX_DRAFT
-    drafter = speculative.Drafter()
-    for _ in range(8):
-        drafter.record(max(drafter.draft_size(100), 2), 0)
-    assert drafter.cooling > 0
-    assert drafter.draft_size(100) == 0
+def test_index_says_how_long_a_suffix_it_matched() -> None:
+    index = speculative.ContextIndex()
+    index.extend([1, 2, 3, 4, 5, 9, 3, 4, 7, 8])
+    assert index.propose([2, 3, 4], 2) == speculative.Proposal([5, 9], 3)
+    assert index.propose([8, 3, 4], 2) == speculative.Proposal([7, 8], 2)
+    assert index.propose([42], 2) == speculative.NO_PROPOSAL
+
+
+def _drafter(backend: str = "cpu") -> speculative.Drafter:
+    return speculative.Drafter(speculative.ROW_COST[backend])
+
+
+def test_drafter_verifies_only_what_pays_for_its_rows() -> None:
+    four, one = speculative.Proposal([7] * 8, 4), speculative.Proposal([7] * 8, 1)
+    # The priors: a four-token match is worth a short draft, a one-token match is not.
+    assert _drafter().draft_size(four, 100) > 0
+    assert _drafter().draft_size(one, 100) == 0
+    assert _drafter().draft_size(four, 0) == 0
+    assert _drafter().draft_size(speculative.NO_PROPOSAL, 100) == 0
+    # Where a row costs little (Metal), a weaker match pays.
+    two = speculative.Proposal([7] * 8, 2)
+    assert _drafter().draft_size(two, 100) == 0 and _drafter("gpu").draft_size(two, 100) > 0
+
+    sure = _drafter()
+    for _ in range(20):
+        sure.record(4, 8, 8)
+    assert sure.acceptance(4) > 0.9
+    # Long drafts once they are always accepted, still bounded by the room left.
+    assert sure.draft_size(four, 100) >= 6
+    assert sure.draft_size(four, 3) == 3
+    for _ in range(20):
+        sure.record(4, 2, 0)
+    assert sure.acceptance(4) < 0.2 and sure.draft_size(four, 100) == 0
+    # Each match length learns on its own.
+    assert sure.acceptance(3) == pytest.approx(speculative.PRIOR_ACCEPTANCE[2])
+
+
+def test_drafter_learns_from_proposals_plain_decoding_left_unverified() -> None:
+    index = speculative.ContextIndex()
+    drafter = _drafter()
+    for ngram in range(speculative.MIN_NGRAM, speculative.MAX_NGRAM + 1):
+        for _ in range(3):
+            drafter.record(ngram, 4, 0)
+    phrase = list(range(11, 31))
+    index.extend([1, 2, *phrase, 3, 4])
+    before = [drafter.acceptance(n) for n in (1, 4)]
+    # The answer repeats the document's phrase: each token is held, then watched.
+    wanted = []
+    for token in phrase:
+        index.extend([token])
+        drafter.watch(token, index)
+        wanted.append(drafter.wants_draft())
+    after = [drafter.acceptance(n) for n in (1, 4)]
+    assert after[0] > 0.5 > before[0] and after[1] > 0.5 > before[1]
+    # Pessimistic at first, it asks for a draft once the repetition has shown.
+    assert not wanted[0] and wanted[-1]
+    # The watched proposal goes on where plain decoding paused: in the document
+    # the phrase was followed by 3 4.
+    assert drafter.continuation(3).tokens[:1] == [4]
+    # ...and a token it did not predict counts as a rejection.
+    misses = drafter.misses[3]
+    assert drafter.continuation(99) == speculative.NO_PROPOSAL
+    index.extend([99])
+    drafter.watch(99, index)
+    assert drafter.misses[3] > misses
 
 
 def test_accepted_prefix_is_the_samplers_agreement() -> None:
@@ -143,15 +198,20 @@ def _messages() -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
 @pytest.mark.parametrize("mode", ["fp16", "q6"])
-def test_greedy_answer_agrees_with_plain_decoding_up_to_a_near_tie(tiny, arch: str,
-                                                                  mode: str) -> None:
+@pytest.mark.parametrize("policy", ["always", "learnt"])
+def test_greedy_answer_agrees_with_plain_decoding_up_to_a_near_tie(
+        tiny, arch: str, mode: str, policy: str, request: pytest.FixtureRequest) -> None:
+    if policy == "always":
+        request.getfixturevalue("always_draft")
     plain = Session("plain", tiny[arch], mode)
     plain_reason, _, expected = _answer(plain, _messages(), GREEDY)
     spec = Session("spec", tiny[arch], mode)
     reason, stats, got = _answer(spec, _messages(), replace(GREEDY, speculative="lookup"))
-    assert stats.draft_tokens > 0 and stats.decode_steps <= len(got) + 1
+    assert stats.decode_steps <= len(got) + 1
+    if policy == "always":
+        assert stats.draft_tokens > 0
     # The cache holds exactly the ids the session says it holds, and so does the
-    # index (plain passes during a cool-down included).
+    # index (plain passes between drafts included).
     assert spec.stats().tokens == len(spec.tokens)
     assert spec.context_index.ids.tolist() == spec.tokens
     first = first_divergence(expected, got)
@@ -182,13 +242,14 @@ def test_batch_noise_is_small_next_to_the_margins(tiny) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.usefixtures("always_draft")
 def test_sampled_answers_with_processors_keep_the_cache_consistent(tiny, arch: str) -> None:
     sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1,
-                              max_tokens=30, seed=5)
+                              max_tokens=30, seed=5, speculative="lookup")
     session = Session("sampled", tiny[arch], "q8")
     reason, stats, ids = _answer(session, _messages(), sampling)
     assert reason in ("stop", "length") and 0 < len(ids) <= 30
-    assert stats.accepted_tokens <= stats.draft_tokens
+    assert stats.draft_tokens > 0 and stats.accepted_tokens <= stats.draft_tokens
     assert session.stats().tokens == len(session.tokens)
     # Same seed, same answer: every decision is made from token counts.
     again = Session("again", tiny[arch], "q8")
