@@ -36,7 +36,7 @@ from engine.distributed.launch import LOCAL_RANKS
 from engine.errors import ContextTooLong, EngineError
 from engine.events import RankShare
 
-VERSION = 3
+VERSION = 4
 HEADER = 8  # version, op, slot, four arguments, the decode token
 REPLY = 12  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
@@ -52,10 +52,12 @@ ROTATE_CODES = {None: -1, False: 0, True: 1}
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
 # the tokens that fit per mode (MODES order; -1: unsupported), free RAM its pages
 # may take after the safety headroom (MiB), its KV bytes in use (two int32 halves,
-# exact), its pages in use, and free RAM before the headroom (MiB).
+# exact), its pages in use, free RAM before the headroom (MiB), and whether its
+# layers need checkpoints to rewind (1/0).
 FITS, TOKENS = 0, 1
 ROOM_MIB = TOKENS + len(MODES)
 KV_HIGH, KV_LOW, PAGES, FREE_MIB = ROOM_MIB + 1, ROOM_MIB + 2, ROOM_MIB + 3, ROOM_MIB + 4
+RIGID = FREE_MIB + 1
 _LOW_BITS = 31
 
 
@@ -138,11 +140,11 @@ def pipeline_identity(group: Any, loaded: Any) -> tuple[list[str], dict[str, Any
 
 
 def memory_row(fits: bool, tokens_fit: Sequence[int | None], room_bytes: int, kv_bytes: int,
-               pages: int, free_bytes: int) -> list[int]:
-    """A rank's memory reply (see ``FITS``..``FREE_MIB``), as int32 values."""
+               pages: int, free_bytes: int, needs_checkpoints: bool) -> list[int]:
+    """A rank's memory reply (see ``FITS``..``RIGID``), as int32 values."""
     tokens = [-1 if t is None else min(t, 2**31 - 1) for t in tokens_fit]
     return [int(fits), *tokens, room_bytes >> 20, kv_bytes >> _LOW_BITS,
-            kv_bytes & (2**_LOW_BITS - 1), pages, free_bytes >> 20]
+            kv_bytes & (2**_LOW_BITS - 1), pages, free_bytes >> 20, int(needs_checkpoints)]
 
 
 def gather_replies(group: Any, row: Sequence[int]) -> list[list[int]]:
@@ -233,11 +235,15 @@ class SessionLink:
         self.slot = slot
         # The followers' shares as they last replied (open, fit check, request end).
         self.shares: tuple[RankShare, ...] = ()
+        # Whether any follower's layers need checkpoints to rewind: then rank 0
+        # takes them and rewinds to them too, even where its own layers could trim.
+        self.needs_checkpoints = False
 
     def heard(self, replies: list[list[int]]) -> None:
         """Keep the followers' memory replies (rank 0's own row is not one)."""
         self.shares = tuple(self.conductor.share(rank, row)
                             for rank, row in enumerate(replies) if rank)
+        self.needs_checkpoints = any(row[RIGID] for row in replies[1:])
 
     def machines(self, kv_bytes: int, pages_in_use: int, free_bytes: int,
                  tokens_fit: tuple[int | None, ...] = ()) -> tuple[RankShare, ...]:

@@ -141,9 +141,11 @@ class Follower:
         self._expect(session, position, c.CHECKPOINT)
         session.checkpoint(boundary=bool(boundary))
 
-    def _rewind(self, slot: int, length: int, kept: int, *_: int) -> None:
+    def _rewind(self, slot: int, _length: int, kept: int, *_: int) -> None:
         session = self._session(slot, c.REWIND)
-        session.rewind(length)
+        # Where rank 0 went: its checkpoints are this rank's (taken at the same
+        # commands), so the same count is reachable here, whatever length rank 0 asked for.
+        session.rewind(kept)
         self._expect(session, kept, c.REWIND)
 
     def _reset(self, slot: int, *_: int) -> None:
@@ -219,7 +221,8 @@ def memory_reply(session: Session, token_count: int) -> list[int]:
     stats = session.stats() if session.cache else None
     return c.memory_row(report.fits, [m.tokens_fit if m.supported else None for m in report.modes],
                         report.free_bytes, int(stats.bytes_used) if stats else 0,
-                        int(stats.pages_in_use) if stats else 0, report.available_bytes)
+                        int(stats.pages_in_use) if stats else 0, report.available_bytes,
+                        session.needs_checkpoints)
 
 
 def rank_stats(session: Session, rank: int) -> dict[str, Any]:

@@ -140,19 +140,21 @@ class CheckpointStore:
         self.kept = []
 
 
-def rewind(cache: list[Any], tokens: int, store: CheckpointStore) -> int | None:
+def rewind(cache: list[Any], tokens: int, store: CheckpointStore, *,
+           exact: bool = True) -> int | None:
     """Bring every layer of ``cache`` back to at most ``tokens`` tokens.
 
-    Layers that can trim are trimmed exactly to ``tokens``. Otherwise the newest
-    checkpoint at ``C <= tokens`` is restored into the non-paged layers and the
-    paged layers are trimmed to ``C``.
+    Layers that can trim are trimmed exactly to ``tokens`` (unless ``exact`` is
+    False: another rank's layers cannot, so this one goes where they go).
+    Otherwise the newest checkpoint at ``C <= tokens`` is restored into the
+    non-paged layers and the paged layers are trimmed to ``C``.
 
     Returns:
         The tokens every layer now holds (``tokens``, or a checkpoint's ``C``), or
         None when no checkpoint reaches back that far (the cache is unchanged
         unless a paged layer was already shorter; reset it then).
     """
-    if _trim_layers_to(cache, tokens):
+    if exact and _trim_layers_to(cache, tokens):
         store.drop_after(tokens)
         return tokens
     checkpoint = store.at_most(tokens)

@@ -77,7 +77,7 @@ def offer(donor: Any, keep: int) -> Offer | None:
     """What ``donor`` can hand over of its first ``keep`` tokens (None: nothing)."""
     if keep <= 0:
         return None
-    if keep == len(donor.tokens) or not checkpoints.needs_checkpoints(donor.cache):
+    if keep == len(donor.tokens) or not donor.needs_checkpoints:
         return Offer(donor, keep)
     # Linear-attention and wrapped window state cannot rewind: stop at the newest
     # checkpoint the donor took at or before the point where the prompts part.
@@ -123,7 +123,7 @@ def adopt(session: Any, found: Offer) -> int:
     if not sharing.can_share(session.cache, donor.cache):
         return 0
     sharing.share_pages(session.cache, donor.cache, tokens)
-    if checkpoints.needs_checkpoints(donor.cache):
+    if donor.needs_checkpoints:
         # Its layers hold exactly ``tokens`` when no checkpoint was needed.
         states = found.states or checkpoints.take(donor.cache, tokens, boundary=True)
         for index, state in states.states:

@@ -113,8 +113,13 @@ class Session:
             self.model, self._value_bytes,
             PREFILL_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes, page_size)
         self._new_cache()
-        # Linear-attention and sliding-window layers cannot trim: keep checkpoints.
-        self._needs_checkpoints = checkpoints.needs_checkpoints(self.cache)
+        # Linear-attention and sliding-window layers cannot trim: keep checkpoints,
+        # also where only another rank of a pipeline has such layers (its rewinds
+        # go to checkpoints, so this rank's must go to the same ones).
+        own = checkpoints.needs_checkpoints(self.cache)
+        elsewhere = bool(getattr(followers, "needs_checkpoints", False))
+        self._needs_checkpoints = own or elsewhere
+        self._rewinds_exactly = not elsewhere or own
         self.facts = (fit.facts_from_cache(self.cache, max_context)
                       or fit.facts_from_info(loaded.info))
         # KV bytes one more token takes over every paged layer (pages come whole,
@@ -211,7 +216,8 @@ class Session:
 
     def rewind(self, length: int) -> None:
         """Go back to ``length`` tokens, or to the newest checkpoint before (else reset)."""
-        kept = checkpoints.rewind(self.cache, length, self.checkpoints)
+        kept = checkpoints.rewind(self.cache, length, self.checkpoints,
+                                  exact=self._rewinds_exactly)
         if kept is None:
             # No checkpoint reaches back that far: start over rather than hold
             # state that disagrees with the ids.
@@ -222,6 +228,11 @@ class Session:
         del self.tokens[kept:]
         if self.followers is not None:
             self.followers.rewind(length, kept)
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """Whether rewinding this session goes back to checkpoints (on some rank)."""
+        return self._needs_checkpoints
 
     def checkpoint(self, *, boundary: bool) -> None:
         """Keep what layers that cannot trim need to come back to the tokens held."""
