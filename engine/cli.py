@@ -24,6 +24,7 @@ from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
+from engine.snapshots.files import check_name
 from engine.snapshots.store import SnapshotStore, default_snapshot_dir
 
 SESSION = "cli"
@@ -341,6 +342,16 @@ def _layer_counts(text: str) -> list[int]:
         ) from None
 
 
+def _session_name(text: str) -> str:
+    try:
+        check_name(f"{SESSION_PREFIX}{text}")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--session names a file: use letters, digits, '_', '-' or '.' (not {text!r})"
+        ) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m engine`` argument parser."""
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
@@ -364,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft tokens from the prompt's own text and verify them in one pass")
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.add_argument("--session", help="store the KV cache as this snapshot and reuse it")
+    gen.add_argument("--session", type=_session_name,
+                     help="store the KV cache as this snapshot and reuse it")
     gen.add_argument("--session-dir", type=Path,
                      help="folder of --session snapshots (default: the data directory's)")
     gen.add_argument("--pipeline", type=int, default=1, metavar="N",

@@ -4,8 +4,10 @@
 and in the same folder, over ``ssh`` (except for 127.0.0.1, which it starts
 here). So each host is asked the same way: this module runs there as
 ``python -m engine.distributed.hosts FOLDER`` and prints what that host has
-(its Longleaf version and the model folder's weight digest), and the answers
-are compared with this machine's. Nothing here loads MLX; a check of a large
+(its Longleaf version, its network addresses and the model folder's weight
+digest), and the answers are compared with this machine's and the hostfile's:
+each host must own the addresses the hostfile gives its ring links, else the
+ranks would wait for each other at start. Nothing here loads MLX; a check of a large
 model hashes its weights once per machine (the digests are cached by
 ``engine.snapshots.fingerprint``).
 """
@@ -25,7 +27,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from engine.distributed.launch import LOCAL_HOSTS, read_hostfile
+import psutil
+
+from engine.distributed.launch import LOCAL_HOSTS, read_hostfile, ring_addresses
 from engine.errors import EngineError
 
 CONNECT_TIMEOUT_S = 5  # ssh's own: how long a host may take to answer at all
@@ -51,12 +55,13 @@ def longleaf_version() -> str:
 
 
 def probe(model_folder: str | None) -> dict[str, Any]:
-    """What this machine has: its Longleaf version and the model folder's digest.
+    """What this machine has: its Longleaf version, addresses and the model folder's digest.
 
     ``model`` is ``{"digest": ...}``, or ``{"error": ...}`` when the folder is
     missing or unreadable here; absent without a folder to check.
     """
-    facts: dict[str, Any] = {"version": longleaf_version(), "host": socket.gethostname()}
+    facts: dict[str, Any] = {"version": longleaf_version(), "host": socket.gethostname(),
+                             "addresses": own_addresses()}
     if model_folder is not None:
         if not Path(model_folder).is_dir():
             facts["model"] = {"error": "missing"}
@@ -68,6 +73,14 @@ def probe(model_folder: str | None) -> dict[str, Any]:
             except EngineError as error:
                 facts["model"] = {"error": str(error)}
     return facts
+
+
+def own_addresses() -> list[str]:
+    """Every IPv4 and IPv6 address of this machine's network interfaces."""
+    families = (socket.AF_INET, socket.AF_INET6)
+    return sorted({address.address.split("%")[0]  # an IPv6 link-local's zone
+                   for addresses in psutil.net_if_addrs().values()
+                   for address in addresses if address.family in families})
 
 
 def probe_command(host: str, model_folder: str | None,
@@ -112,8 +125,9 @@ def _ask(host: str, model_folder: str | None, connect_timeout: int,
 
 
 def verdict(rank: int, host: str, here: dict[str, Any], there: dict[str, Any] | str,
-            model_folder: str | None) -> HostCheck:
-    """Compare one host's facts with this machine's; the message names the host."""
+            model_folder: str | None, ring: Sequence[str] = ()) -> HostCheck:
+    """Compare one host's facts with this machine's and with the addresses the
+    hostfile gives its ring links (``ring``); the message names the host."""
     name = f"Rank {rank} ({host})"
     if isinstance(there, str):
         return HostCheck(host, False, f"{name} {there}.")
@@ -121,6 +135,15 @@ def verdict(rank: int, host: str, here: dict[str, Any], there: dict[str, Any] | 
         return HostCheck(host, False,
                          f"{name} runs Longleaf {there.get('version')}, this Mac runs "
                          f"{here['version']}: install the same version on both.")
+    owned = set(there.get("addresses") or ())
+    missing = [address for address in ring if address not in owned]
+    if missing:
+        shown = ", ".join(sorted(owned - {"127.0.0.1", "::1"})[:4]) or "none but loopback"
+        return HostCheck(host, False,
+                         f"{name} does not have the address {', '.join(missing)} the "
+                         f"hostfile gives its link to the other Macs (it has {shown}): "
+                         "set that address on its Thunderbolt Bridge or network "
+                         "interface, or correct the hostfile's \"ips\".")
     if model_folder is None:
         return HostCheck(host, True, f"{name}: reachable, Longleaf {here['version']} "
                                      "(no model folder to compare).")
@@ -174,7 +197,8 @@ def check_hosts(hostfile: Path, model_folder: str | Path | None,
     with ThreadPoolExecutor(max_workers=len(distinct)) as pool:
         answers = dict(zip(distinct, pool.map(
             lambda host: _ask(host, folder, connect_timeout, timeout), distinct), strict=True))
-    checks = [verdict(rank, host, here, answers[host], folder)
+    rings = ring_addresses(Path(hostfile))
+    checks = [verdict(rank, host, here, answers[host], folder, rings[rank])
               for rank, host in enumerate(hosts)]
     if hosts[0] not in LOCAL_HOSTS:
         checks[0] = HostCheck(hosts[0], False,

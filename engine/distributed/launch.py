@@ -141,6 +141,14 @@ def read_hostfile(path: Path) -> list[str]:
     return hosts
 
 
+def ring_addresses(path: Path) -> list[tuple[str, ...]]:
+    """The addresses each rank's ring links use (the hostfile's ``ips``), rank 0 first;
+    read after ``read_hostfile`` accepted the file."""
+    from mlx._distributed_utils.common import Hostfile
+
+    return [tuple(host.ips) for host in Hostfile.from_file(str(path)).hosts]
+
+
 def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int | None,
                    folder: str, hostfile: Path | None = None,
                    module: str = "engine") -> list[str]:

@@ -108,6 +108,17 @@ def test_bad_kv_mode_is_reported(model_root: Path, capsys) -> None:
     assert status == 1 and "q6_k" in capsys.readouterr().err
 
 
+def test_a_session_name_that_is_no_file_name_is_refused_before_loading(
+        tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _run("generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi",
+             "--session", "chat 1,3")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--session names a file" in err and "'chat 1,3'" in err
+    assert "unexpected" not in err
+
+
 def test_models_lists_folders_in_the_models_dir(model_root: Path) -> None:
     source = make_tiny_model_dir(model_root, "llama")
     target = models_dir() / "my-tiny-llama"

@@ -66,3 +66,17 @@ def test_other_versions_weights_or_no_folder_are_named(tmp_path: Path) -> None:
     gone = {**here, "model": {"error": "missing"}}
     assert f"has no folder {model}" in verdict(1, "b", here, gone, str(model)).message
     assert verdict(1, "b", here, dict(here), str(model)).ok
+
+
+def test_a_ring_address_the_host_does_not_have_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "hosts.json"
+    # 192.0.2.0/24 is reserved for documentation (RFC 5737): no machine has it.
+    path.write_text(json.dumps({"backend": "ring", "hosts": [
+        {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
+        {"ssh": "127.0.0.1", "ips": ["192.0.2.7"]}]}), encoding="utf-8")
+    checks = check_hosts(path, None)
+    assert checks[0].ok, checks
+    assert not checks[1].ok
+    assert checks[1].message.startswith(
+        "Rank 1 (127.0.0.1) does not have the address 192.0.2.7 the hostfile gives its link")
+    assert "127.0.0.1" in probe(None)["addresses"]
