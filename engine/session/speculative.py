@@ -238,7 +238,8 @@ class Drafter:
         return best
 
     def record(self, ngram: int, drafted: int, accepted: int) -> None:
-        """Learn from one verification of ``drafted`` tokens, ``accepted`` of them kept."""
+        """Learn from one judged draft (verified, or scored by ``watch``) of
+        ``drafted`` tokens after an ``ngram`` match, ``accepted`` of them kept."""
         if drafted < 1:
             return
         i, rejected = ngram - MIN_NGRAM, int(accepted < drafted)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from engine.bench.speculative_bench import batch_noise, first_divergence
 from engine.events import TokenChunk
 from engine.session import speculative
-from engine.session.sampling import SamplingParams
+from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
 from tests.engine.tinymodels import CORPUS, loaded_for_session, make_tiny_model_dir
 
@@ -169,6 +170,70 @@ def test_drafter_learns_from_proposals_plain_decoding_left_unverified() -> None:
     index.extend([99])
     drafter.watch(99, index)
     assert drafter.misses[3] > misses
+
+
+class _Counter:
+    """A cache layer that only counts its tokens, and trims like a paged one."""
+
+    def __init__(self, tokens: int) -> None:
+        self.offset = tokens
+        self.state = ()
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, count: int) -> int:
+        self.offset -= count
+        return count
+
+
+class _Scripted:
+    """A model whose next token after position p is ``script[p + 1]``, whatever it is fed:
+    the answer is known, so the drafter's choices show in the passes alone."""
+
+    def __init__(self, script: list[int], vocab: int) -> None:
+        self.script, self.vocab, self.passes = script, vocab, []
+
+    def __call__(self, inputs: mx.array, cache: list[_Counter]) -> mx.array:
+        start, count = cache[0].offset, inputs.shape[1]
+        cache[0].offset += count
+        self.passes.append(count)
+        nexts = mx.array([self.script[p + 1] for p in range(start, start + count)])
+        return (mx.arange(self.vocab)[None] == nexts[:, None]).astype(mx.float32)[None] * 10
+
+
+def _scripted_answer(tokenizer, prompt: list[int], answer: list[int]) -> tuple[AnswerStream,
+                                                                               _Scripted]:
+    vocab = len(tokenizer.get_vocab())
+    model = _Scripted(prompt + answer + [answer[-1]], vocab)
+    cache = [_Counter(len(prompt) - 1)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=len(answer), speculative="lookup")
+    stream = AnswerStream(model, cache, tokenizer, frozenset(), list(prompt[:-1]), sampling,
+                          request_id=1, cancel=threading.Event(), emit=lambda _: None,
+                          tick=lambda: None)
+    assert stream.run(prompt, len(answer)) == "length"
+    assert stream.generated == answer and cache[0].offset == len(prompt) + len(answer) - 1
+    return stream, model
+
+
+def test_drafts_go_where_the_answer_repeats_the_context_and_nowhere_else(tiny) -> None:
+    tokenizer = tiny["llama"].tokenizer
+    rng = np.random.default_rng(7)
+    words = [i for i in range(10, len(tokenizer.get_vocab())) if i not in (0, 2)]
+    document = rng.choice(words, 3000).tolist()
+    prompt = [*document, *rng.choice(words, 5).tolist()]
+
+    # A quote: after a few plain tokens show the match, long drafts, nearly all kept.
+    quote, _ = _scripted_answer(tokenizer, prompt, document[1200:1296])
+    assert quote.steps <= 96 / 3 and quote.accepted_tokens >= 0.9 * quote.draft_tokens
+    # A loop of the answer's own making is found the same way.
+    loop, _ = _scripted_answer(tokenizer, prompt, rng.choice(words, 6).tolist() * 16)
+    assert loop.steps <= 96 / 2
+    # Text the context never held: one-token matches abound (every id is in the
+    # document), yet hardly a draft is verified, so plain decoding's cost stays.
+    fresh, model = _scripted_answer(tokenizer, prompt, rng.choice(words, 96).tolist())
+    assert fresh.draft_tokens <= 4 and fresh.steps >= 96 - 1
+    assert sum(count > 1 for count in model.passes) <= 4
 
 
 def test_accepted_prefix_is_the_samplers_agreement() -> None:
