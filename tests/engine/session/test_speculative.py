@@ -119,14 +119,14 @@ def _drafter(backend: str = "cpu") -> speculative.Drafter:
 
 def test_drafter_verifies_only_what_pays_for_its_rows() -> None:
     four, one = speculative.Proposal([7] * 8, 4), speculative.Proposal([7] * 8, 1)
-    # The priors: a four-token match is worth a short draft, a one-token match is not.
-    assert _drafter().draft_size(four, 100) > 0
-    assert _drafter().draft_size(one, 100) == 0
-    assert _drafter().draft_size(four, 0) == 0
-    assert _drafter().draft_size(speculative.NO_PROPOSAL, 100) == 0
-    # Where a row costs little (Metal), a weaker match pays.
-    two = speculative.Proposal([7] * 8, 2)
-    assert _drafter().draft_size(two, 100) == 0 and _drafter("gpu").draft_size(two, 100) > 0
+    # The priors: on a CPU no match is worth a draft before the text shows it repeats.
+    assert [_drafter().draft_size(speculative.Proposal([7] * 8, n), 100)
+            for n in range(1, 5)] == [0, 0, 0, 0]
+    # Where a row costs little (Metal), a longer match pays at once, a single token not.
+    assert _drafter("gpu").draft_size(four, 100) > 0
+    assert _drafter("gpu").draft_size(one, 100) == 0
+    assert _drafter("gpu").draft_size(four, 0) == 0
+    assert _drafter("gpu").draft_size(speculative.NO_PROPOSAL, 100) == 0
 
     sure = _drafter()
     for _ in range(20):
@@ -138,7 +138,8 @@ def test_drafter_verifies_only_what_pays_for_its_rows() -> None:
     for _ in range(20):
         sure.record(4, 2, 0)
     assert sure.acceptance(4) < 0.2 and sure.draft_size(four, 100) == 0
-    # Each match length learns on its own.
+    # Each match length learns on its own: a shorter match's successes never
+    # shield a longer one's failures.
     assert sure.acceptance(3) == pytest.approx(speculative.PRIOR_ACCEPTANCE[2])
 
 
