@@ -136,7 +136,9 @@ def verdict(rank: int, host: str, here: dict[str, Any], there: dict[str, Any] | 
                          f"{name} runs Longleaf {there.get('version')}, this Mac runs "
                          f"{here['version']}: install the same version on both.")
     owned = set(there.get("addresses") or ())
-    missing = [address for address in ring if address not in owned]
+    # A host that does not list its addresses (a source tree of other code) is
+    # not refused for it: mlx.launch then says at start which link fails.
+    missing = [address for address in ring if address not in owned] if owned else []
     if missing:
         shown = ", ".join(sorted(owned - {"127.0.0.1", "::1"})[:4]) or "none but loopback"
         return HostCheck(host, False,

@@ -79,4 +79,7 @@ def test_a_ring_address_the_host_does_not_have_is_named(tmp_path: Path) -> None:
     assert not checks[1].ok
     assert checks[1].message.startswith(
         "Rank 1 (127.0.0.1) does not have the address 192.0.2.7 the hostfile gives its link")
-    assert "127.0.0.1" in probe(None)["addresses"]
+    here = probe(None)
+    assert "127.0.0.1" in here["addresses"]
+    unlisted = {key: value for key, value in here.items() if key != "addresses"}
+    assert verdict(1, "b", here, unlisted, None, ["192.0.2.7"]).ok
