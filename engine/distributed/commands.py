@@ -49,6 +49,7 @@ OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
             END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
             STOP: "stop", ADOPT: "prefix from another chat", PRUNE: "stored KV kept"}
 ROTATE_CODES = {None: -1, False: 0, True: 1}
+UNOPENED = 0  # the slot of a fit check for a chat not opened yet (sessions count from 1)
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
 # the tokens that fit per mode (MODES order; -1: unsupported), free RAM its pages
 # may take after the safety headroom (MiB), its KV bytes in use (two int32 halves,
@@ -214,6 +215,14 @@ class Conductor:
         link = SessionLink(self, self._slots)
         link.heard(replies)
         return link
+
+    def unopened_machines(self, chunk_size: int) -> tuple[RankShare, ...]:
+        """Every machine's share of a chat not opened yet, rank 0's a placeholder
+        (its own fit check fills it in): each follower answers for a new session
+        of its layers, read in ``chunk_size`` chunks."""
+        replies = self.ask(FIT, UNOPENED, 0, chunk_size)
+        own = RankShare(0, self.names[0], self.layers[0], 0, 0, 0, ())
+        return (own, *(self.share(rank, row) for rank, row in enumerate(replies) if rank))
 
     def prune(self, names: Sequence[str]) -> None:
         """The followers delete their parts of every stored snapshot not in ``names``

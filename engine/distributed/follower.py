@@ -25,9 +25,11 @@ from engine.cache import adapter
 from engine.cache.modes import MODES
 from engine.distributed import commands as c
 from engine.errors import EngineError
+from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.session import reuse
-from engine.session.session import Session
+from engine.session.prefill import activation_value_bytes
+from engine.session.session import DEFAULT_PAGE_SIZE, Session
 from engine.snapshots.files import manifest_path, rank_folder
 from engine.snapshots.manifest import Corrupt, delete_snapshot, list_snapshots, read_manifest
 from engine.snapshots.snapshot import load_snapshot, save_snapshot
@@ -58,6 +60,7 @@ class Follower:
         self.cancelled = 0
         self.last: dict[str, Any] = {}  # this rank's stats at the last request's end
         self._step: mx.array | None = None  # the decode step in flight
+        self._unopened_prefill: fit.PrefillFacts | None = None  # of chats not opened yet
         self._handlers = {
             c.OPEN: self._open, c.PREFILL: self._prefill, c.DECODE: self._decode,
             c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
@@ -165,9 +168,24 @@ class Follower:
         if answer:
             c.gather_replies(self.group, memory_reply(session, held))
 
-    def _fit(self, slot: int, token_count: int, *_: int) -> None:
+    def _fit(self, slot: int, token_count: int, chunk: int, *_: int) -> None:
+        if slot == c.UNOPENED:
+            c.gather_replies(self.group, self._unopened_reply(token_count, chunk))
+            return
         session = self._session(slot, c.FIT)
         c.gather_replies(self.group, memory_reply(session, token_count))
+
+    def _unopened_reply(self, token_count: int, chunk: int) -> list[int]:
+        """This rank's memory for ``token_count`` tokens of a new session of its layers."""
+        if self._unopened_prefill is None:
+            self._unopened_prefill = fit.prefill_facts(self.loaded.model,
+                                                       activation_value_bytes())
+        # The loaded info describes this rank's layers only.
+        inputs = fit.FitInputs(fit.facts_from_info(self.loaded.info), DEFAULT_PAGE_SIZE,
+                               self.guard.view(), prefill=self._unopened_prefill,
+                               chunk_tokens=chunk)
+        return _memory_row(fit.guarded_fit_report(inputs, self.guard.read(), token_count),
+                           None, needs_checkpoints=False)
 
     def _adopt(self, slot: int, donor_slot: int, tokens: int, *_: int) -> None:
         session, donor = self._session(slot, c.ADOPT), self._session(donor_slot, c.ADOPT)
@@ -217,12 +235,16 @@ class Follower:
 
 def memory_reply(session: Session, token_count: int) -> list[int]:
     """A rank's memory for ``token_count`` tokens of ``session`` (``commands.memory_row``)."""
-    report = session.fit_report(token_count)
-    stats = session.stats() if session.cache else None
+    return _memory_row(session.fit_report(token_count),
+                       session.stats() if session.cache else None,
+                       needs_checkpoints=session.needs_checkpoints)
+
+
+def _memory_row(report: Any, stats: Any, *, needs_checkpoints: bool) -> list[int]:
     return c.memory_row(report.fits, [m.tokens_fit if m.supported else None for m in report.modes],
                         report.free_bytes, int(stats.bytes_used) if stats else 0,
                         int(stats.pages_in_use) if stats else 0, report.available_bytes,
-                        session.needs_checkpoints)
+                        needs_checkpoints)
 
 
 def rank_stats(session: Session, rank: int) -> dict[str, Any]:

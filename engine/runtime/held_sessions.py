@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from engine.cache import kvquant, sharing
 from engine.errors import EngineError
-from engine.events import Notice
+from engine.events import Notice, RankShare
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.runtime.stats_reporter import StatsReporter
@@ -88,6 +88,8 @@ class HeldSessions:
         # Set between requests by the worker: API sessions and chats reuse each other.
         self.share_chats = False
         self._fit: dict[str | None, fit.FitInputs] = {}  # replaced whole, never mutated
+        # A pipeline's machines for a chat not opened yet, as they last answered.
+        self._unopened: tuple[RankShare, ...] = ()
 
     def publish_fit(self, chunk_size: int) -> None:
         """Freeze what fit checks need of the model and each open session.
@@ -97,11 +99,25 @@ class HeldSessions:
         board: dict[str | None, fit.FitInputs] = {}
         if self.loaded is not None:
             board = {sid: session.fit_inputs() for sid, session in self._sessions.items()}
-            board[None] = fit.FitInputs(
-                fit.facts_from_info(self.loaded.info), DEFAULT_PAGE_SIZE, self._guard.view(),
-                prefill=self.prefill, chunk_tokens=chunk_size)
+            board[None] = self._unopened_fit(chunk_size)
         with self._lock:
             self._fit = board
+
+    def refresh_unopened(self, chunk_size: int) -> None:
+        """On a pipeline, ask every follower for its share of a chat not opened yet.
+
+        Between requests that ended well only: after a failure the group may be
+        gone, and a gather would wait on it. Stats samples reuse the answer.
+        """
+        if self._conductor is not None and self.loaded is not None:
+            self._unopened = self._conductor.unopened_machines(chunk_size)
+
+    def _unopened_fit(self, chunk_size: int) -> fit.FitInputs:
+        # On a pipeline the loaded info describes this rank's layers only; each
+        # follower answered for its own share.
+        return fit.FitInputs(fit.facts_from_info(self.loaded.info), DEFAULT_PAGE_SIZE,
+                             self._guard.view(), prefill=self.prefill, chunk_tokens=chunk_size,
+                             ranks=self._unopened if self._conductor is not None else ())
 
     def fit_inputs(self, session_id: str | None) -> fit.FitInputs:
         """The last frozen fit inputs of ``session_id`` (None: a chat not opened yet).
@@ -161,6 +177,7 @@ class HeldSessions:
             # The other ranks' weights and the split join the fingerprint stored KV
             # is checked against.
             self._conductor = self._pipeline.conduct(loaded)
+            self._unopened = ()
             loaded = dataclasses.replace(loaded, fingerprint=self._conductor.fingerprint)
         self.release()
         prefill = fit.prefill_facts(loaded.model, activation_value_bytes())

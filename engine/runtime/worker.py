@@ -390,6 +390,8 @@ class EngineWorker:
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
                             type(error).__name__)
+        if isinstance(ending, Finished):
+            self._held.refresh_unopened(self.chunk_size)
         # Before the end is announced, so a fit check it prompts sees what it changed.
         self._publish_fit()
         self._emit(ending)

@@ -143,6 +143,12 @@ def test_a_remote_pipeline_answers_cancels_loses_a_rank_and_restarts(
         # Both machines' shares reach the app through rank 0's connection.
         assert [share.rank for share in worker.latest_stats().ranks] == [0, 1]
         assert [share.rank for share in worker.fit_check("s", 100).ranks] == [0, 1]
+        # A chat not opened yet is sized as the open one is: each machine its layers,
+        # every one answering (whole pages either way at a multiple of both sizes).
+        opened, unopened = worker.fit_check("s", 4096), worker.fit_check(None, 4096)
+        assert [share.rank for share in unopened.ranks] == [0, 1]
+        assert unopened.for_mode("q8").bytes_needed == opened.for_mode("q8").bytes_needed
+        assert unopened.ranks[1].tokens_in("q8") >= opened.ranks[1].tokens_in("q8") > 0
 
         # Rank 1 killed mid-answer: the answer and the request queued behind it fail.
         pids = _rank_pids()
