@@ -223,7 +223,7 @@ def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[st
     pool = pool_sentence(report, mode)
     if pool:
         head += f"<br>{pool}"
-    short = _machine_short(report, mode, total)
+    short = report.machine_short(mode, total) if len(getattr(report, "ranks", ())) > 1 else None
     if entry.fits and short is None:
         return f"✓ {head}", True
     why = wont_fit_sentence(report, mode, total) if short is None else short
@@ -243,17 +243,6 @@ def pool_sentence(report, mode: str) -> str:
         text += (f" · {tight.machine} is the tight one ({human_bytes(tight.free_bytes)} "
                  "free there)")
     return text
-
-
-def _machine_short(report, mode: str, total: int) -> str | None:
-    """Why another machine of a pipeline cannot hold ``total`` tokens (None: it can)."""
-    tight = report.tight_machine(mode) if len(getattr(report, "ranks", ())) > 1 else None
-    held = tight.tokens_in(mode) if tight is not None else None
-    # Rank 0's own limits (its budget among them) are the plain sentence's to say.
-    if held is None or held >= total or tight.rank == 0 or not report.for_mode(mode).fits_context:
-        return None
-    return (f"This won't fit in {mode}: {tight.machine} holds only {held:,} tokens for its "
-            "layers. Free memory on that machine, or use a smaller mode.")
 
 
 def wont_fit_sentence(report, mode: str, total: int) -> str:

@@ -231,6 +231,18 @@ class FitReport:
             return None
         return next(share for share in self.ranks if share.tokens_in(mode) == tokens)
 
+    def machine_short(self, mode: str, tokens: int) -> str | None:
+        """Why another machine of the pipeline cannot hold ``tokens`` in ``mode``
+        (None: every one can, or the limit is rank 0's own, which the report's
+        other sentences say)."""
+        tight = self.tight_machine(mode)
+        held = tight.tokens_in(mode) if tight is not None else None
+        if (held is None or held >= tokens or tight.rank == 0
+                or not self.for_mode(mode).fits_context):
+            return None
+        return (f"This won't fit in {mode}: {tight.machine} holds only {held:,} tokens for its "
+                "layers. Free memory on that machine, or use a smaller mode.")
+
     @property
     def prefill_peak_bytes(self) -> int:
         """The prefill peak in the session's mode (else the suggested one, else fp16)."""

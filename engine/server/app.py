@@ -381,15 +381,16 @@ class Server:
                                 "needs at least one more.", param=field,
                            code="context_length_exceeded")
         try:
-            fit = self.bridge.fit(len(prompt) + 1, mode)
+            report = self.bridge.fit(len(prompt) + 1)
         except EngineError as error:
             raise ApiError(503, str(error), "server_error") from error
+        fit = report.for_mode(mode)
         if not fit.supported:
             raise ApiError(400, f"KV mode {mode} cannot store this model's heads.",
                            param="kv_mode")
-        if not fit.fits:
-            report = self.bridge.worker.fit_check(None, len(prompt) + 1)
-            raise ApiError(507, report.message(), "insufficient_memory",
+        short = None if not fit.fits else report.machine_short(mode, len(prompt) + 1)
+        if not fit.fits or short is not None:
+            raise ApiError(507, short or report.message(), "insufficient_memory",
                            code="insufficient_memory")
         syntax = self.bridge.tool_syntax if chat.tools else None
         if chat.tool_choice != "auto" and syntax is None:

@@ -225,9 +225,10 @@ class EngineBridge:
         with self._tokenizer_lock:
             return self._tokenizer.decode(ids)
 
-    def fit(self, token_count: int, mode: str) -> Any:
-        """The guard's ``ModeFit`` for ``token_count`` tokens in ``mode`` (arithmetic only)."""
-        return self.worker.fit_check(None, token_count).for_mode(mode)
+    def fit(self, token_count: int) -> Any:
+        """The guard's ``FitReport`` for ``token_count`` tokens of a new conversation,
+        every machine's share included on a pipeline (arithmetic only)."""
+        return self.worker.fit_check(None, token_count)
 
     def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: str,
                sampling: SamplingParams, cancel: threading.Event,

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import anthropic
 import httpx
 import openai
+import pytest
 
+from engine.cache.modes import MODES
+from engine.events import RankShare
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.test_openai_api import conversation
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -43,7 +47,7 @@ def _budget(served: Served, budget: int | None, fits: bool) -> None:
     """Set the KV budget and wait until the worker has published it."""
     served.bridge.worker.configure(budget_bytes=budget, chunk_size=512)
     deadline = time.monotonic() + 60
-    while served.bridge.fit(2000, "fp16").fits != fits:
+    while served.bridge.fit(2000).for_mode("fp16").fits != fits:
         assert time.monotonic() < deadline, "the budget was not applied"
         time.sleep(0.05)
 
@@ -77,3 +81,34 @@ def test_a_prompt_too_big_for_memory_is_507_before_any_allocation(served: Served
     finally:
         _budget(served, None, fits=True)
     assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_a_prompt_another_machine_cannot_hold_is_507_naming_it(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pipeline's report for a new conversation (as rank 0 builds it from every
+    # follower's answer), here with rank 1 short of memory for this prompt.
+    worker = served.bridge.worker
+    plain = worker.fit_check
+
+    def two_machines(session_id, token_count):
+        report = plain(session_id, token_count)
+        own = RankShare(0, "studio", (2, 4), 0, 0, 2**34, (4096,) * len(MODES))
+        small = RankShare(1, "macbook-air", (0, 2), 0, 0, 2**30, (300,) * len(MODES))
+        return dataclasses.replace(report, ranks=(own, small))
+
+    monkeypatch.setattr(worker, "fit_check", two_machines)
+    held = dict(served.bridge._sessions)
+    reply = httpx.post(served.url + "/v1/chat/completions", timeout=120,
+                       headers={"Authorization": f"Bearer {served.key}"},
+                       json={"model": "m@q8", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "word " * 400}]})
+    assert reply.status_code == 507
+    error = reply.json()["error"]
+    assert error["code"] == "insufficient_memory"
+    assert error["message"].startswith(
+        "This won't fit in q8: rank 1 (macbook-air) holds only 300 tokens for its layers.")
+    assert served.bridge._sessions == held
+    short = openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+    assert short.chat.completions.create(
+        model="m@q8", messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2).choices[0].finish_reason in ("stop", "length")
