@@ -382,6 +382,10 @@ class EngineWorker:
                     self._publish_fit()
                     self._emit(ending)
                     ending = Finished(command.request_id, "done")
+            if isinstance(ending, Finished):
+                # Only after a request that ended well: after a failure a pipeline's
+                # group may be gone. A failing refresh fails the request like any step.
+                self._held.refresh_unopened(self.chunk_size)
         except EngineError as error:
             ending = Failed(command.request_id, str(error), type(error).__name__,
                             error.kept_tokens, error.total_tokens)
@@ -390,8 +394,6 @@ class EngineWorker:
             detail = f"{type(error).__name__}: {error}"
             ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
                             type(error).__name__)
-        if isinstance(ending, Finished):
-            self._held.refresh_unopened(self.chunk_size)
         # Before the end is announced, so a fit check it prompts sees what it changed.
         self._publish_fit()
         self._emit(ending)

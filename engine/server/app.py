@@ -388,10 +388,10 @@ class Server:
         if not fit.supported:
             raise ApiError(400, f"KV mode {mode} cannot store this model's heads.",
                            param="kv_mode")
-        short = None if not fit.fits else report.machine_short(mode, len(prompt) + 1)
-        if not fit.fits or short is not None:
-            raise ApiError(507, short or report.message(), "insufficient_memory",
-                           code="insufficient_memory")
+        # Rank 0's own limits first, then (on a pipeline) another machine's.
+        why = report.message() if not fit.fits else report.machine_short(mode, len(prompt) + 1)
+        if why is not None:
+            raise ApiError(507, why, "insufficient_memory", code="insufficient_memory")
         syntax = self.bridge.tool_syntax if chat.tools else None
         if chat.tool_choice != "auto" and syntax is None:
             raise ApiError(400, "'tool_choice' asks for a tool call, but this model's chat "
