@@ -12,11 +12,15 @@ queue them. A plain send/recv between neighbours is the ring backend's cheapest
 message (no collective thread pool; measured in docs/benchmarks.md).
 
 The header's first field is the protocol version: a follower that reads another
-version stops with an error instead of guessing. A decode step's token rides in
-the header (one message per step). Questions (open, fit, end, save, restore) are
-answered by an ``all_gather`` of one fixed-size reply row per rank; open, fit and
-end answer with the rank's memory (``memory_row``), so rank 0 knows every
-machine's share of a session once per request, never per token.
+version stops with an error instead of guessing. A prefill chunk's header says
+whether the chunk ends a message, and each follower checkpoints its layers right
+after it: rank 0 may send the next chunk before its own stage of this one (its
+prefill reads ahead), so a checkpoint command of its own would arrive too late.
+A decode step's token rides in the header (one message per step). Questions
+(open, fit, end, save, restore) are answered by an ``all_gather`` of one
+fixed-size reply row per rank; open, fit and end answer with the rank's memory
+(``memory_row``), so rank 0 knows every machine's share of a session once per
+request, never per token.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from engine.cache.modes import MODES
 from engine.distributed.launch import LOCAL_RANKS
 from engine.errors import ContextTooLong, EngineError
 from engine.events import RankShare
+from engine.session.prefill import Chunk
 
-VERSION = 4
+VERSION = 5
 HEADER = 8  # version, op, slot, four arguments, the decode token
 REPLY = 12  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
@@ -262,9 +267,11 @@ class SessionLink:
                         free_bytes, tokens_fit)
         return (own, *self.shares)
 
-    def prefill(self, ids: list[int], position: int) -> None:
-        """Feed ``ids`` (a prefill chunk) at ``position`` into the followers' layers."""
-        self.conductor.send(PREFILL, self.slot, len(ids), position, payload=ids)
+    def prefill(self, chunk: Chunk, position: int) -> None:
+        """Feed ``chunk`` at ``position`` into the followers' layers; each checkpoints
+        its layers after it, as rank 0 does."""
+        self.conductor.send(PREFILL, self.slot, len(chunk.ids), position, int(chunk.boundary),
+                            payload=chunk.ids)
 
     def decoding(self, model: Any) -> Any:
         """``model`` for the answer loop: each call is first sent as a decode step."""

@@ -28,7 +28,7 @@ from engine.errors import EngineError
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.session import reuse
-from engine.session.prefill import activation_value_bytes
+from engine.session.prefill import Chunk, activation_value_bytes
 from engine.session.session import DEFAULT_PAGE_SIZE, Session
 from engine.snapshots.files import manifest_path, rank_folder
 from engine.snapshots.manifest import Corrupt, delete_snapshot, list_snapshots, read_manifest
@@ -115,11 +115,13 @@ class Follower:
                                       rotate=_ROTATIONS[rotate])
         c.gather_replies(self.group, memory_reply(self.sessions[slot], 0))
 
-    def _prefill(self, slot: int, count: int, position: int, *_: int) -> None:
+    def _prefill(self, slot: int, count: int, position: int, boundary: int, *_: int) -> None:
         session = self._session(slot, c.PREFILL)
         ids = c.receive(self.group, mx.zeros((count,), dtype=mx.int32)).tolist()
         self._expect(session, position, c.PREFILL)
-        session.forward(ids)
+        # Checkpointed here, right after the chunk: rank 0 may have sent the next
+        # chunk already, so a checkpoint command of its own would come too late.
+        session.forward(Chunk(ids, bool(boundary)))
 
     def _decode(self, slot: int, *args: int) -> None:
         session = self._session(slot, c.DECODE)

@@ -9,6 +9,11 @@ the read waits for it (with a notice), and stops where it is if it never comes.
 
 Whatever stops a prefill (a cancel, memory, the KV budget, a failed allocation),
 the chunks that finished stay held, and the error in the result says how many.
+
+On a pipeline the other ranks may be sent the next chunk ahead, so that they
+read it while this rank runs its own layers of the current one; a chunk sent
+ahead is read whatever happens meanwhile (a cancel, a memory stop), so a stop
+lands one chunk later there than on one machine.
 """
 
 from __future__ import annotations
@@ -68,17 +73,28 @@ class PrefillResult:
             raise self.stop
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of the plan: its ids, and whether it ends where a message does."""
+
+    ids: list[int]
+    boundary: bool
+
+
 class PrefillTarget(Protocol):
     """What a prefill needs of the session it reads into."""
 
     @property
     def tokens(self) -> list[int]: ...
 
-    def forward(self, ids: list[int]) -> None:
-        """Run ``ids`` through the model into the cache and hold them, or change nothing."""
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether ``forward`` can send the next chunk ahead (other ranks read it)."""
 
-    def checkpoint(self, *, boundary: bool) -> None:
-        """Keep what layers that cannot trim need to come back to this point."""
+    def forward(self, chunk: Chunk, *, ahead: Chunk | None = None,
+                announced: bool = False) -> bool:
+        """Run ``chunk`` into the cache, hold and checkpoint it, or change nothing;
+        whether ``ahead`` was sent on (then it is the next chunk forwarded, ``announced``)."""
 
     def rollback(self) -> None:
         """Bring every layer back to the tokens held, after a failed step."""
@@ -166,18 +182,26 @@ class ChunkedPrefill:
         start = self.clock()
         base = len(self.target.tokens)
         read = 0
+        plan = [Chunk(ids[begin - base:end - base], end in boundaries or end == base + len(ids))
+                for begin, end in chunk_plan(base, base + len(ids), self.chunk_size, boundaries)]
+        announced = False
         try:
-            for begin, end in chunk_plan(base, base + len(ids), self.chunk_size, boundaries):
-                short = 0 if watch.is_set() else self._wait_for_room(
-                    end - begin, watch, request_id, emit, tick)
-                if short or watch.is_set():
-                    return self._stopped(read, total, start, watch, short)
+            for index, chunk in enumerate(plan):
+                size = len(chunk.ids)
+                # A chunk sent ahead is already in the other ranks' layers: read it.
+                if not announced:
+                    short = 0 if watch.is_set() else self._wait_for_room(
+                        size, watch, request_id, emit, tick)
+                    if short or watch.is_set():
+                        return self._stopped(read, total, start, watch, short)
+                ahead = self._ahead(plan[index + 1:index + 2], watch)
                 chunk_began = self.clock()
                 try:
-                    self.target.forward(ids[begin - base:end - base])
+                    announced = self.target.forward(chunk, ahead=ahead, announced=announced)
                 except KvBudgetExceeded:
                     # Free RAM, not the budget, refused the pages: wait for it once, and
-                    # try the same chunk again (a second refusal is the answer).
+                    # try the same chunk again (a second refusal is the answer). Nothing
+                    # was sent ahead: the refusal comes before any rank reads.
                     if not self.guard.ram_bound(self.key):
                         raise
                     short = self._wait_for_room(self.chunk_size, watch, request_id, emit,
@@ -185,16 +209,15 @@ class ChunkedPrefill:
                     if short or watch.is_set():
                         return self._stopped(read, total, start, watch, short)
                     chunk_began = self.clock()
-                    self.target.forward(ids[begin - base:end - base])
-                read = end - base
-                self.target.checkpoint(boundary=end in boundaries or read == len(ids))
+                    announced = self.target.forward(chunk)
+                read += size
                 mx.clear_cache()
                 now = self.clock()
                 elapsed = max(now - start, 1e-9)
                 rate = read / elapsed
                 eta = (len(ids) - read) / rate if rate > 0 else None
                 emit(IngestProgress(request_id, read, len(ids), rate, eta,
-                                    end - begin, begin, now - chunk_began))
+                                    size, base + read - size, now - chunk_began))
                 tick()
         except KvBudgetExceeded as error:
             # Raised before the chunk touched any layer.
@@ -211,6 +234,16 @@ class ChunkedPrefill:
             ).stopped_reading(kept, total)
             return PrefillResult(read, kept, total, self.clock() - start, stop, str(error))
         return PrefillResult(read, len(self.target.tokens), total, self.clock() - start)
+
+    def _ahead(self, following: list[Chunk], watch: PressureWatch) -> Chunk | None:
+        """The next chunk, to send ahead, when there is one, the target sends chunks
+        ahead, nothing asked the read to stop and free RAM holds it now."""
+        if not following or not self.target.reads_ahead or watch.is_set():
+            return None
+        chunk = following[0]
+        if self.guard.free_bytes() < self.target.chunk_bytes(len(chunk.ids)):
+            return None
+        return chunk
 
     def _wait_for_room(self, tokens: int, watch: PressureWatch, request_id: int, emit: Emit,
                        tick: Callable[[], None], *, pages: bool = False) -> int:

@@ -20,13 +20,19 @@ import mlx.core as mx
 from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
-from engine.errors import ContextTooLong, EngineError
+from engine.errors import ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard, PressureWatch
 from engine.models.probe import make_session_cache
 from engine.session import checkpoints, speculative
-from engine.session.prefill import ChunkedPrefill, Emit, PrefillResult, activation_value_bytes
+from engine.session.prefill import (
+    Chunk,
+    ChunkedPrefill,
+    Emit,
+    PrefillResult,
+    activation_value_bytes,
+)
 from engine.session.prompt_ids import Prompt, common_prefix, end_of_turn_ids, render_prompt
 from engine.session.sampling import AnswerStream, SamplingParams
 
@@ -236,9 +242,12 @@ class Session:
 
     def checkpoint(self, *, boundary: bool) -> None:
         """Keep what layers that cannot trim need to come back to the tokens held."""
+        if self._needs_checkpoints and self.followers is not None:
+            self.followers.checkpoint(boundary, len(self.tokens))
+        self._keep_checkpoint(boundary)
+
+    def _keep_checkpoint(self, boundary: bool) -> None:
         if self._needs_checkpoints:
-            if self.followers is not None:
-                self.followers.checkpoint(boundary, len(self.tokens))
             self.checkpoints.add(checkpoints.take(self.cache, len(self.tokens),
                                                   boundary=boundary))
 
@@ -350,15 +359,36 @@ class Session:
         self.trim_to(keep)
         return len(self.tokens)
 
-    def forward(self, ids: list[int]) -> None:
-        """Run ``ids`` through the model into the cache and hold them.
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether ``forward`` may send the next chunk ahead: a pipeline's other
+        ranks read it while this rank runs its own layers of the current one."""
+        return self.followers is not None
+
+    def forward(self, chunk: Chunk, *, ahead: Chunk | None = None,
+                announced: bool = False) -> bool:
+        """Run ``chunk`` through the model into the cache, hold and checkpoint it.
+
+        On a pipeline the other ranks are sent ``chunk`` first, unless the last
+        forward sent it ahead (``announced``), and then ``ahead`` too when the
+        pages hold both. Returns whether ``ahead`` was sent: it must be the next
+        chunk forwarded (with ``announced``), since the other ranks read it.
 
         Raises:
-            KvBudgetExceeded: the pages cannot hold them; no layer changed.
+            KvBudgetExceeded: the pages cannot hold ``chunk``; no layer changed and
+                nothing was sent.
         """
-        adapter.ensure_capacity(self.cache, len(ids))
+        ids = chunk.ids
+        if not announced:  # an announced chunk's pages were reserved when it was sent
+            adapter.ensure_capacity(self.cache, len(ids))
+        sent_ahead = False
         if self.followers is not None:
-            self.followers.prefill(ids, len(self.tokens))
+            position = len(self.tokens)
+            if not announced:
+                self.followers.prefill(chunk, position)
+            sent_ahead = ahead is not None and self._reserve(len(ids) + len(ahead.ids))
+            if sent_ahead:
+                self.followers.prefill(ahead, position + len(ids))
         self.model(mx.array(ids)[None], cache=self.cache)
         # Evaluating the cache (not the logits) runs every layer but skips the
         # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
@@ -366,6 +396,17 @@ class Session:
         # Only a finished chunk counts as held: a failure above rolls back to here.
         self.tokens.extend(ids)
         self.tokens_ingested += len(ids)
+        # The other ranks checkpoint their layers after the chunk, as its command says.
+        self._keep_checkpoint(chunk.boundary)
+        return sent_ahead
+
+    def _reserve(self, tokens: int) -> bool:
+        """Whether the pages can hold ``tokens`` more tokens (reserved if they can)."""
+        try:
+            adapter.ensure_capacity(self.cache, tokens)
+        except KvBudgetExceeded:
+            return False
+        return True
 
     def set_chunk_size(self, chunk_size: int) -> None:
         """Prefill in chunks of ``chunk_size`` tokens from the next prefill on."""
