@@ -324,20 +324,35 @@ def quantization_bits(config: dict[str, Any]) -> int | None:
     return None
 
 
-def build_model_info(
-    folder: Path, config: dict[str, Any], kinds: dict[str, tuple[int, ...]], parameters: int
-) -> ModelInfo:
-    """Assemble a folder's ``ModelInfo`` from its config and ``classify_layers`` kinds.
+def require_attention(folder: Path, config: dict[str, Any],
+                      kinds: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a model whose ``classify_layers`` kinds hold no attention layer.
 
     Raises:
         ModelLoadError: the model has no attention layer, so no KV cache to page.
     """
-    attention = tuple(sorted(kinds["full"] + kinds["sliding"]))
-    if not attention:
+    if not kinds["full"] and not kinds["sliding"]:
         raise ModelLoadError(
             f"{folder.name} ({config['model_type']}) has no attention layers, so it keeps "
             "no KV cache for Longleaf to page. Choose a transformer model instead."
         )
+
+
+def build_model_info(
+    folder: Path, config: dict[str, Any], kinds: dict[str, tuple[int, ...]], parameters: int,
+    *, stage: bool = False,
+) -> ModelInfo:
+    """Assemble a folder's ``ModelInfo`` from its config and ``classify_layers`` kinds.
+
+    With ``stage`` the kinds are one pipeline rank's layers, which may hold no
+    attention layer (other ranks' do; the whole model was checked before the split).
+
+    Raises:
+        ModelLoadError: the model has no attention layer, so no KV cache to page.
+    """
+    if not stage:
+        require_attention(folder, config, kinds)
+    attention = tuple(sorted(kinds["full"] + kinds["sliding"]))
     kv_heads, head_dim = _attention_shape(config)
     context = max_context(config)
     full_layers = len(kinds["full"])

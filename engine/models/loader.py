@@ -8,7 +8,8 @@ download gives a message a user can act on; the facts it reports are a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from engine.models.info import (
     count_parameters,
     invalid_config_error,
     quantization_bits,
+    require_attention,
 )
 from engine.models.probe import REFUSED, ProbeResult, probe_model
 
@@ -110,12 +112,16 @@ def load_model(
             "model again or copy its tokenizer files into the folder."
         ) from error
     model = _set_compute_dtype(model, compute_dtype)
-    if pipeline is not None and pipeline.size() > 1:
+    stage = pipeline is not None and pipeline.size() > 1
+    if stage:
+        # A rank may hold only layers without a KV cache; the whole model may not.
+        require_attention(folder, config, classify_layers(make_prompt_cache(model)))
         _split(model, pipeline, folder, config, split)
     kinds = classify_layers(make_prompt_cache(model))
     # Counted by the same rule as inspect_model_dir's headers, so both agree.
     shapes = {name: {"shape": a.shape} for name, a in tree_flatten(model.parameters())}
-    info = build_model_info(folder, config, kinds, count_parameters(config, shapes))
+    info = build_model_info(folder, config, kinds, count_parameters(config, shapes),
+                            stage=stage)
     result = _probe(model, info) if probe else None
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, config=config, probe=result)
 
@@ -151,10 +157,32 @@ def _probe(model: Any, info: ModelInfo) -> ProbeResult:
     # The weights (unpacked or cast above) are materialized here rather than by the
     # probe's first forward, so the probe's cost is its own.
     mx.eval(model.parameters())
-    result = probe_model(model)
+    with _stage_alone(model):
+        result = probe_model(model)
     if result.verdict == REFUSED:
         raise ModelLoadError(f"{info.name} ({info.architecture}) cannot run: {result.reason}.")
     return result
+
+
+@contextlib.contextmanager
+def _stage_alone(model: Any) -> Iterator[None]:
+    """A pipeline rank's layers run as a model of their own, with no messages.
+
+    Each rank probes its own layers' caches: a probe that ran the split forward
+    would wait on the other ranks, whose probes may run other passes (a rank
+    with no paged layer skips the paged run).
+    """
+    inner = getattr(model, "model", None)
+    size = getattr(inner, "pipeline_size", 1)
+    if size == 1:
+        yield
+        return
+    rank = inner.pipeline_rank
+    inner.pipeline_rank, inner.pipeline_size = 0, 1
+    try:
+        yield
+    finally:
+        inner.pipeline_rank, inner.pipeline_size = rank, size
 
 
 def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> Any:

@@ -2,9 +2,11 @@
 
 With ``--split 1,3`` rank 0 holds only the tiny hybrid's last layer (full attention,
 which trims to any token) and rank 1 the linear-attention layers (which go back
-only to a checkpoint). An edit in the middle of the last message makes the session
-go back to where the prompts part: every rank must land on the same checkpoint,
-and the answer must be the one a single process gives.
+only to a checkpoint). With ``--split 3,1`` rank 1 holds only the first layer, a
+linear-attention one: no page at all, so its load-time probe runs other passes
+than rank 0's. An edit in the middle of the last message makes the session go
+back to where the prompts part: every rank must land on the same checkpoint, and
+the answer must be the one a single process gives.
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ def _answers(worker: EngineWorker | RemoteWorker, recorder: Recorder,
         worker.shutdown(timeout=30.0)
 
 
-def test_an_edit_rewinds_every_rank_to_the_same_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("split", [[1, 3], [3, 1]])
+def test_an_edit_rewinds_every_rank_to_the_same_checkpoint(tmp_path: Path,
+                                                           split: list[int]) -> None:
     model = make_tiny_model_dir(tmp_path, "qwen3_next")
     one = Recorder()
     expected = _answers(EngineWorker(one, chunk_size=CHUNK), one, model)
     two = Recorder()
-    got = _answers(RemoteWorker(two, chunk_size=CHUNK, ranks=2, split=[1, 3]), two, model)
+    got = _answers(RemoteWorker(two, chunk_size=CHUNK, ranks=2, split=split), two, model)
     assert [tokens for _, tokens in got] == [tokens for _, tokens in expected]
     assert got[1][1] != got[2][1]  # the edit changes the answer
     # The edit reads again from the checkpoint before the change, as one process does.
