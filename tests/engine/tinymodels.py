@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -273,4 +274,14 @@ def loaded_for_session(folder: Path, max_context: int = 4096) -> Any:
 
     model, tokenizer = load(str(folder))
     info = SimpleNamespace(max_context=max_context, path=str(folder))
+    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
+
+
+def load_tiny_model(folder: Path) -> SimpleNamespace:
+    """A tiny model folder loaded by mlx-lm, with the facts a ``Session`` reads."""
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    info = SimpleNamespace(max_context=config["max_position_embeddings"])
     return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)

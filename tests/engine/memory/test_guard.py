@@ -3,7 +3,6 @@ model-load refusals, all driven by a fake memory probe (no real memory pressure)
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from pathlib import Path
@@ -11,7 +10,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from mlx_lm.utils import load
 
 from engine.cache import adapter
 from engine.cache.pages import PagePool
@@ -46,7 +44,7 @@ from engine.models.loader import estimate_load_bytes
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
-from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tinymodels import load_tiny_model, make_tiny_model_dir
 
 QUESTION = "What is the capital of France? The quick brown fox jumps over the lazy dog."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
@@ -83,11 +81,8 @@ def _pool() -> PagePool:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    folder = make_tiny_model_dir(tmp_path_factory.mktemp("guard-models"), "llama")
-    model, tokenizer = load(str(folder))
-    config = json.loads((folder / "config.json").read_text())
-    info = SimpleNamespace(max_context=config["max_position_embeddings"])
-    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
+    return load_tiny_model(make_tiny_model_dir(tmp_path_factory.mktemp("guard-models"),
+                                               "llama"))
 
 
 class Recorder:

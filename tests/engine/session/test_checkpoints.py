@@ -5,16 +5,13 @@ held."""
 
 from __future__ import annotations
 
-import json
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
-from mlx_lm.utils import load
 
 from engine.cache import adapter
 from engine.errors import Cancelled, InsufficientMemory
@@ -23,7 +20,7 @@ from engine.session import checkpoints
 from engine.session.checkpoints import Checkpoint, CheckpointStore
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
-from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tinymodels import load_tiny_model, make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 QUESTION = "What is the capital of France? The quick brown fox jumps over the lazy dog."
@@ -33,17 +30,10 @@ ALL = ("llama", "qwen3_next", "gemma3_text")
 UNTRIMMABLE = ("qwen3_next", "gemma3_text")
 
 
-def _loaded(folder: Path) -> SimpleNamespace:
-    model, tokenizer = load(str(folder))
-    config = json.loads((folder / "config.json").read_text())
-    info = SimpleNamespace(max_context=config["max_position_embeddings"])
-    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
     root = tmp_path_factory.mktemp("checkpoint-models")
-    return {arch: _loaded(make_tiny_model_dir(root, arch)) for arch in ALL}
+    return {arch: load_tiny_model(make_tiny_model_dir(root, arch)) for arch in ALL}
 
 
 class Recorder:

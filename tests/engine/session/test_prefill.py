@@ -3,31 +3,26 @@ rank 0 runs its own layers of the current one, and a chunk sent ahead is read.""
 
 from __future__ import annotations
 
-import json
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from mlx_lm.utils import load
 
 from engine.cache import adapter
 from engine.errors import Cancelled, KvBudgetExceeded
 from engine.events import IngestProgress
 from engine.session.prefill import Chunk
 from engine.session.session import Session
-from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tinymodels import load_tiny_model, make_tiny_model_dir
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    folder = make_tiny_model_dir(tmp_path_factory.mktemp("prefill-models"), "qwen3_next")
-    model, tokenizer = load(str(folder))
-    config = json.loads((folder / "config.json").read_text())
-    info = SimpleNamespace(max_context=config["max_position_embeddings"])
-    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
+    return load_tiny_model(make_tiny_model_dir(tmp_path_factory.mktemp("prefill-models"),
+                                               "qwen3_next"))
 
 
 class Followers:

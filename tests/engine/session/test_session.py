@@ -3,7 +3,6 @@ chunked and cancellable ingest, streamed generation and context limits."""
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +11,6 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load
 
 from engine.cache import adapter
 from engine.errors import Cancelled, ContextTooLong
@@ -21,24 +19,17 @@ from engine.session.prefill import chunk_plan
 from engine.session.prompt_ids import common_prefix
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
-from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tinymodels import load_tiny_model, make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 QUESTION = "What is the capital of France? The quick brown fox jumps over the lazy dog."
-
-
-def _loaded(folder: Path) -> SimpleNamespace:
-    model, tokenizer = load(str(folder))
-    config = json.loads((folder / "config.json").read_text())
-    info = SimpleNamespace(max_context=config["max_position_embeddings"])
-    return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SimpleNamespace]:
     root = tmp_path_factory.mktemp("session-models")
     return {
-        arch: _loaded(make_tiny_model_dir(root, arch))
+        arch: load_tiny_model(make_tiny_model_dir(root, arch))
         for arch in ("llama", "qwen3", "qwen3_next", "gemma3_text")
     }
 
@@ -274,7 +265,7 @@ def test_streamed_text_never_splits_a_character(models) -> None:
 
 
 def test_too_long_for_the_model_context_is_refused_with_numbers(tmp_path: Path) -> None:
-    loaded = _loaded(make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=48))
+    loaded = load_tiny_model(make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=48))
     session = Session("s", loaded, "fp16", page_size=16)
     with pytest.raises(ContextTooLong, match="48") as error:
         _chat(session, _user(QUESTION * 3))
@@ -283,7 +274,7 @@ def test_too_long_for_the_model_context_is_refused_with_numbers(tmp_path: Path) 
 
 
 def test_answer_is_cut_at_the_context_limit(tmp_path: Path) -> None:
-    loaded = _loaded(make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=48))
+    loaded = load_tiny_model(make_tiny_model_dir(tmp_path, "llama", max_position_embeddings=48))
     session = Session("s", loaded, "fp16", page_size=16)
     prompt = session.render(_user("Hi"), add_generation_prompt=True)
     reason, stats, _ = _chat(session, _user("Hi"), SamplingParams(temperature=0.0,
