@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from PySide6.QtCore import QTimer
 
 from app.__main__ import build_window, create_app, finish
 from app.settings import Settings
 from app.window.quit_box import QUIT
+from engine.session.prefill import Chunk
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 
@@ -36,10 +38,11 @@ def slow_chunks(seconds: float) -> None:
     """
     forward = Session.forward
 
-    def slow_forward(self: Session, ids: list[int]) -> None:
-        forward(self, ids)
-        if self.tokens_ingested > len(ids):
+    def slow_forward(self: Session, chunk: Chunk, **options: Any) -> bool:
+        sent_ahead = forward(self, chunk, **options)
+        if self.tokens_ingested > len(chunk.ids):
             time.sleep(seconds)
+        return sent_ahead
 
     Session.forward = slow_forward
 

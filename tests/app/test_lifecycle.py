@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from typing import Any
 
 import pytest
 from PySide6.QtCore import Qt
@@ -13,6 +14,7 @@ from app.chat.recorder import STOPPED_READING
 from app.controller import CLOSED_WHILE_ANSWERING
 from app.settings import Settings
 from app.store import HistoryStore
+from engine.session.prefill import Chunk
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 from tests.app.chat.test_documents_drop import TEXT, drop_files
@@ -100,13 +102,14 @@ def test_closing_mid_ingest_returns_at_once_and_saves_the_history(qtbot, tiny_ll
     in_chunk, release = threading.Event(), threading.Event()
     forward = Session.forward
 
-    def stuck_forward(self: Session, ids: list[int]) -> None:
+    def stuck_forward(self: Session, chunk: Chunk, **options: Any) -> bool:
         # From the second chunk on, the engine thread is stuck inside a chunk the
         # way a big model's chunk is stuck in MLX: cancel can't reach it.
-        forward(self, ids)
-        if self.tokens_ingested > len(ids):
+        sent_ahead = forward(self, chunk, **options)
+        if self.tokens_ingested > len(chunk.ids):
             in_chunk.set()
             release.wait(60)
+        return sent_ahead
 
     monkeypatch.setattr(Session, "forward", stuck_forward)
     window = open_window(qtbot, tiny_llama)
@@ -207,10 +210,11 @@ def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
     if phase == "ingesting":
         forward = Session.forward
 
-        def stuck_forward(self: Session, ids: list[int]) -> None:
-            forward(self, ids)
+        def stuck_forward(self: Session, chunk: Chunk, **options: Any) -> bool:
+            sent_ahead = forward(self, chunk, **options)
             in_chunk.set()
             release.wait(60)
+            return sent_ahead
 
         monkeypatch.setattr(Session, "forward", stuck_forward)
     else:

@@ -17,6 +17,7 @@ import pytest
 from engine.events import Finished, IngestProgress, Notice, TokenChunk
 from engine.memory.guard import GIB, MemoryGuard, MemoryReading
 from engine.runtime.worker import EngineWorker
+from engine.session.prefill import Chunk
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 from tests.engine.runtime.test_worker import EventLog
@@ -101,9 +102,10 @@ def test_a_slow_machine_short_of_memory_gives_the_same_tokens(model_dirs, arch, 
 
     forward = Session.forward
 
-    def slow_forward(self: Session, ids: list[int]) -> None:
-        forward(self, ids)
+    def slow_forward(self: Session, chunk: Chunk, **options: Any) -> bool:
+        sent_ahead = forward(self, chunk, **options)
         time.sleep(0.1)  # five stats intervals a chunk: a slow, busy machine
+        return sent_ahead
 
     monkeypatch.setattr(Session, "forward", slow_forward)
     memory = ShortOfMemory(squeezed_reads=3)

@@ -24,6 +24,7 @@ from engine.events import (
 )
 from engine.runtime.heartbeat import THREAD_NAME as HEARTBEAT_THREAD
 from engine.runtime.worker import THREAD_NAME, EngineWorker
+from engine.session.prefill import Chunk
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -177,9 +178,10 @@ def test_samples_keep_coming_while_a_chunk_runs_long(start_worker, model_dirs,
                                                      monkeypatch) -> None:
     forward = Session.forward
 
-    def slow_forward(self: Session, chunk: list[int]) -> None:
-        forward(self, chunk)
+    def slow_forward(self: Session, chunk: Chunk, **options: Any) -> bool:
+        sent_ahead = forward(self, chunk, **options)
         time.sleep(0.4)  # one chunk of a big model on a slow machine
+        return sent_ahead
 
     monkeypatch.setattr(Session, "forward", slow_forward)
     worker, log = _ready(start_worker, model_dirs["llama"], stats_interval=0.05,
