@@ -25,9 +25,7 @@ request, never per token.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +34,6 @@ import blake3
 import mlx.core as mx
 
 from engine.cache.modes import MODES
-from engine.distributed.launch import LOCAL_RANKS
 from engine.errors import ContextTooLong, EngineError
 from engine.events import RankShare
 from engine.session.prefill import Chunk
@@ -87,28 +84,6 @@ def receive(group: Any, like: mx.array) -> mx.array:
     if rank > 1:
         values = mx.distributed.send(values, rank - 1, group=group)
     return values
-
-
-def share_cores(group: Any) -> None:
-    """Keep this rank's threads on its own share of the cores when every rank runs here.
-
-    The stages run one after the other, and a rank waiting for the other polls its
-    sockets (the ring backend does not sleep in a receive): on shared cores that
-    poll and the other rank's BLAS threads slow the stage that is computing. Pinned,
-    each rank's wait spins on its own cores. Only where the OS lets a process pin
-    its threads (Linux) and the launcher said all ranks are local.
-    """
-    if os.environ.get(LOCAL_RANKS) != str(group.size()) or not hasattr(os, "sched_setaffinity"):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // group.size())
-    start = group.rank() * share % len(cores)
-    mine = set(cores[start:start + share])
-    # Every thread already running (BLAS, MLX's stream and the ring's sockets);
-    # threads started later inherit the mask from the thread that starts them.
-    for thread in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
-            os.sched_setaffinity(int(thread), mine)
 
 
 def header(op: int, slot: int = 0, *args: int) -> mx.array:
@@ -165,7 +140,6 @@ class Pipeline:
     def __init__(self, group: Any, split: Sequence[int] | None = None) -> None:
         self.group = group
         self.split = split  # layers per rank, rank 0 first (None: mlx-lm's even split)
-        share_cores(group)
 
     def conduct(self, loaded: Any) -> Conductor:
         """The command channel for ``loaded``, this rank's stage (the followers' load

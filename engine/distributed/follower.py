@@ -279,7 +279,6 @@ def follow(path: str, group: Any, snapshots: Path | None = None,
     from engine.models.loader import estimate_load_bytes, load_model, resolve_model_path
     from engine.snapshots.fingerprint import model_fingerprint
 
-    c.share_cores(group)
     guard = MemoryGuard()
     folder = resolve_model_path(path)
     needed, quantized = estimate_load_bytes(folder)

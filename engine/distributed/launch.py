@@ -30,7 +30,6 @@ from engine.distributed.group import LOCAL_HOSTS, Group
 from engine.errors import EngineError
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
-LOCAL_RANKS = "LONGLEAF_LOCAL_RANKS"  # set when every rank runs on this machine
 DEFAULT_RING_PORT = 32323  # mlx.launch's own --starting-port
 
 
@@ -87,26 +86,21 @@ def rank_environment(folder: str, ranks: int, hosts: Sequence[str] | None) -> di
     """The environment mlx.launch gives the ranks: the report folder and, for the
     ranks on this machine, their share of its cores (``local_rank_env``)."""
     local = ranks if hosts is None else sum(host in LOCAL_HOSTS for host in hosts)
-    return {**os.environ, REPORT_DIR: folder, **local_rank_env(local, ranks)}
+    return {**os.environ, REPORT_DIR: folder, **local_rank_env(local)}
 
 
-def local_rank_env(local_ranks: int, ranks: int) -> dict[str, str]:
+def local_rank_env(local_ranks: int) -> dict[str, str]:
     """What the launcher adds to the environment of the ranks it starts on this machine.
 
     BLAS threads: each rank its share of the cores (a count the user set is kept),
     since the stages run one after the other and a pool sized for the whole machine
-    spins against the other stage. When every rank is local, ``LOCAL_RANKS`` tells
-    them to pin themselves to their share (``commands.share_cores``). The
-    launcher's environment reaches only the ranks it starts here (ssh does not
-    pass it on).
+    spins against the other stage. The launcher's environment reaches only the
+    ranks it starts here (ssh does not pass it on).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     share = str(max(1, (cores or 1) // max(1, local_ranks)))
-    env = {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
-                                                          "OMP_NUM_THREADS")}
-    if local_ranks == ranks:
-        env[LOCAL_RANKS] = str(ranks)
-    return env
+    return {name: os.environ.get(name, share) for name in ("OPENBLAS_NUM_THREADS",
+                                                           "OMP_NUM_THREADS")}
 
 
 def launcher_path() -> Path:
