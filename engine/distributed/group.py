@@ -36,6 +36,9 @@ POLL_SECONDS = 0.25
 LOST_RANK_GRACE = 3.0
 # The launcher's output lines kept for the failure message (its last lines).
 OUTPUT_LINES = 400
+# More than the launcher's stdin pipe and every rank's stdin pipe hold (64 KiB each
+# on Linux and macOS), for up to a dozen ranks.
+STDIN_FILL = 1 << 20
 # mlx.launch's own warning when a rank ends with an error (not when it stops it).
 _EXITED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
@@ -58,9 +61,11 @@ class Group:
         self.hosts = None if hosts is None else list(hosts)
         # A session of its own: the launcher, its shells and every local rank
         # share one process group that can be ended at once.
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, start_new_session=True)
+        threading.Thread(target=_fill, args=(self.process.stdin,),
+                         name="longleaf-pipeline-stdin", daemon=True).start()
         self.stalled: list[int] = []  # ranks that stopped beating (set by ``watch``)
         self._beats: dict[int, float] = {}  # each rank's last sign of life (monotonic)
         self._output = {name: deque[str](maxlen=OUTPUT_LINES) for name in ("stdout", "stderr")}
@@ -99,6 +104,9 @@ class Group:
         finally:
             if self.process.poll() is None:  # interrupted: leave no rank behind
                 self.end()
+            with contextlib.suppress(OSError):  # the launcher is gone: nothing to tell
+                if self.process.stdin is not None:
+                    self.process.stdin.close()
         for reader in self._readers:
             reader.join(POLL_SECONDS * 8)
         stdout, stderr = ("".join(self._output[name]) for name in ("stdout", "stderr"))
@@ -176,6 +184,19 @@ class Group:
         which = ", ".join(f"rank {rank}" for rank in failed) or "a rank"
         where = f" ({self.machine(failed[0])})" if failed else ""
         return f"The pipeline run failed on {which}{where}{detail}"
+
+
+def _fill(stdin: IO[str] | None) -> None:
+    # mlx.launch hands its stdin on to every rank's stdin pipe, and each rank's
+    # thread select()s on that pipe for writing: a pipe with room is always
+    # writable, so the launcher spins and takes a core from the ranks. The ranks
+    # never read stdin; once their pipes are full the launcher blocks. The pipe
+    # stays open until the run ends (at end of file the launcher spins too).
+    if stdin is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # the launcher ended first
+        stdin.write("\n" * STDIN_FILL)
+        stdin.flush()
 
 
 def _alive(pid_file: Path) -> bool:
