@@ -86,11 +86,14 @@ def _env() -> dict[str, str]:
 
 def ring_floor() -> dict:
     """The ring backend's message costs between two local ranks (engine.bench.ring_floor)."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    command = [str(launcher), "-n", "2", "--backend", "ring", sys.executable, "-m",
+    from engine.distributed.group import Group
+    from engine.distributed.launch import launcher_path
+
+    command = [str(launcher_path()), "-n", "2", "--backend", "ring", sys.executable, "-m",
                "engine.bench.ring_floor"]
-    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
-                          check=False)
+    # Through the pipeline's own Group: the launcher is run the way the CLI runs it.
+    with tempfile.TemporaryDirectory(prefix="ring-floor-") as folder:
+        done, _ = Group(command, _env(), Path(folder), 2).watch()
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
