@@ -207,7 +207,8 @@ class SettingsDialog(QDialog):
         self.speculative = QCheckBox("Speculative decoding from the chat's own text")
         self.speculative.setToolTip(
             "Guess the next few tokens from the document and conversation and check them in "
-            "one step: the same answer, faster when it quotes or restates the text.")
+            "one step: the same answer, faster when it quotes or restates the text. "
+            "On this Mac only: with other Macs, answers decode one token at a time.")
         self.speculative.setChecked(settings.speculative)
         form.addRow("", self.speculative)
         self.system_prompt = QPlainTextEdit(settings.system_prompt)

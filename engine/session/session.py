@@ -542,7 +542,13 @@ class Session:
                             total=len(prompt))
         prefill_seconds = read.seconds
         max_tokens = min(sampling.max_tokens, room)
-        model = self.model if self.followers is None else self.followers.decoding(self.model)
+        model = self.model
+        if self.followers is not None:
+            model = self.followers.decoding(self.model)
+            # The other ranks follow one decode step at a time; a draft's verification
+            # and rewind are not steps they know. The CLI and the server refuse such a
+            # request outright; the app's setting (one for every chat) answers plainly.
+            sampling = replace(sampling, speculative="off")
         generation = AnswerStream(
             model, self.cache, self.tokenizer, self.end_ids, self.tokens,
             sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,

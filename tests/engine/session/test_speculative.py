@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine.bench.speculative_bench import batch_noise, first_divergence
+from engine.errors import EngineError
 from engine.events import TokenChunk
 from engine.session import speculative
 from engine.session.sampling import AnswerStream, SamplingParams
@@ -320,3 +321,56 @@ def test_sampled_answers_with_processors_keep_the_cache_consistent(tiny, arch: s
     # Same seed, same answer: every decision is made from token counts.
     again = Session("again", tiny[arch], "q8")
     assert _answer(again, _messages(), sampling)[2] == ids
+
+
+class _OneStepFollowers:
+    """A pipeline's other ranks as rank 0's answer loop meets them: they follow
+    one decode step a call and know no verification (as ``SessionLink``)."""
+
+    needs_checkpoints = False
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []  # tokens per call of the answer loop
+
+    def prefill(self, chunk: object, position: int) -> None:
+        pass
+
+    def checkpoint(self, boundary: bool, position: int) -> None:
+        pass
+
+    def rewind(self, length: int, kept: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def room(self, token_count: int, mode: str) -> int:
+        return 1 << 20
+
+    def machines(self, *figures: object) -> tuple:
+        return ()
+
+    def decoding(self, model):
+        def step(inputs: mx.array, cache: list) -> mx.array:
+            self.steps.append(inputs.size)
+            if inputs.size != 1:
+                raise EngineError("a verification reached the other ranks")
+            return model(inputs, cache=cache)
+        return step
+
+
+@pytest.mark.usefixtures("always_draft")
+def test_a_pipeline_asked_to_speculate_answers_plainly(tiny) -> None:
+    # The app's setting is one for every chat; over other Macs it must not fail
+    # the answer at its first draft.
+    plain_reason, _, expected = _answer(Session("plain", tiny["qwen3_next"], "q8"),
+                                        _messages(), GREEDY)
+    followers = _OneStepFollowers()
+    rank0 = Session("rank0", tiny["qwen3_next"], "q8", followers=followers)
+    reason, stats, got = _answer(rank0, _messages(), replace(GREEDY, speculative="lookup"))
+    assert (reason, got) == (plain_reason, expected)
+    assert stats.draft_tokens == 0 and stats.decode_steps == len(got)
+    assert followers.steps and set(followers.steps) == {1}
