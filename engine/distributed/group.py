@@ -64,8 +64,12 @@ class Group:
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, start_new_session=True)
-        threading.Thread(target=_fill, args=(self.process.stdin,),
-                         name="longleaf-pipeline-stdin", daemon=True).start()
+        # Kept open either way (at end of file the launcher's main loop spins). Filled
+        # only when every rank is here: over ``ssh -tt`` a rank's stdin is a terminal
+        # that echoes what it gets and, with ssh's buffers between, never fills.
+        if self.hosts is None or all(host in LOCAL_HOSTS for host in self.hosts):
+            threading.Thread(target=_fill, args=(self.process.stdin,),
+                             name="longleaf-pipeline-stdin", daemon=True).start()
         self.stalled: list[int] = []  # ranks that stopped beating (set by ``watch``)
         self._beats: dict[int, float] = {}  # each rank's last sign of life (monotonic)
         self._output = {name: deque[str](maxlen=OUTPUT_LINES) for name in ("stdout", "stderr")}
@@ -190,8 +194,7 @@ def _fill(stdin: IO[str] | None) -> None:
     # mlx.launch hands its stdin on to every rank's stdin pipe, and each rank's
     # thread select()s on that pipe for writing: a pipe with room is always
     # writable, so the launcher spins and takes a core from the ranks. The ranks
-    # never read stdin; once their pipes are full the launcher blocks. The pipe
-    # stays open until the run ends (at end of file the launcher spins too).
+    # never read stdin; once their pipes are full the launcher blocks.
     if stdin is None:
         return
     with contextlib.suppress(OSError, ValueError):  # the launcher ended first

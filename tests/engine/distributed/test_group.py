@@ -54,13 +54,19 @@ def test_a_rank_that_reported_may_fall_silent(tmp_path: Path,
     assert done.returncode == 0 and lost == []
 
 
-def test_the_launchers_stdin_is_filled_and_stays_open_while_it_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("hosts", "fill"), [
+    (None, group_module.STDIN_FILL),
+    (["127.0.0.1", "127.0.0.1"], group_module.STDIN_FILL),
+    (["127.0.0.1", "studio.local"], 0),  # a terminal over ssh -tt: it would echo it
+])
+def test_the_launchers_stdin_is_filled_and_stays_open_while_it_runs(
+        tmp_path: Path, hosts: list[str] | None, fill: int) -> None:
     # Stands in for mlx.launch forwarding stdin: everything written arrives, and
     # no end of file follows while the run lasts (mlx.launch spins at one).
     reader = textwrap.dedent(f"""
         import select, sys
         got = 0
-        while got < {group_module.STDIN_FILL}:
+        while got < {fill}:
             chunk = sys.stdin.buffer.read1(1 << 16)
             if not chunk:
                 sys.exit("end of file after " + str(got) + " bytes")
@@ -68,6 +74,6 @@ def test_the_launchers_stdin_is_filled_and_stays_open_while_it_runs(tmp_path: Pa
         readable, _, _ = select.select([sys.stdin], [], [], 1.0)
         print("open" if not readable else "more or end of file")
     """)
-    done, lost = Group([sys.executable, "-c", reader], {}, tmp_path, 1).watch()
+    done, lost = Group([sys.executable, "-c", reader], {}, tmp_path, 1, hosts).watch()
     assert (done.returncode, lost) == (0, []), done.stderr
     assert done.stdout.strip() == "open"
