@@ -289,7 +289,11 @@ class AnswerStream:
                     return reason
                 continue
             accepted = speculative.accepted_prefix(draft, sampled)
-            drafter.record(proposal.ngram, len(draft), accepted)
+            # The token sampled after the draft scores the proposal's next one too,
+            # for free: the drafter learns from every token the pass judged.
+            judged = proposal.tokens[:len(sampled)]
+            drafter.record(proposal.match_length, len(judged),
+                           speculative.accepted_prefix(judged, sampled))
             self.draft_tokens += len(draft)
             self.accepted_tokens += accepted
             reason, kept = self._emit(sampled[:accepted + 1], max_tokens)

@@ -7,14 +7,17 @@ longest suffix of the tokens so far that occurred before proposes the tokens tha
 followed it there (prompt lookup decoding).
 
 :class:`Drafter` decides whether a proposal is worth a verification and how many of
-its tokens to verify. It keeps, per matched n-gram length, an estimate of how often
-a proposed token is accepted, learnt from verified drafts and, while it does not
-draft, from scoring the proposals plain decoding's own tokens would have accepted
-(free: a lookup per token). A draft is verified only when the expected tokens per
-pass beat plain decoding's one by a margin, with a verification's extra rows priced
-at a fixed share of a step per backend. Every decision comes from token counts and
-that constant, never from timing, so the same chat takes the same passes on a busy
-machine.
+its tokens to verify. A proposal's match length is how far back the text before it
+agrees with the text before its source (the n-gram looked up, extended backwards):
+it grows by one with every token a quote or a loop copies, and the chance that the
+next token is copied too grows with it. The drafter keeps an estimate of that
+chance per band of match lengths, learnt token by token from verified drafts and,
+while it does not draft, from scoring the proposals plain decoding's own tokens
+would have accepted (free: a lookup per token). A draft is verified only when the
+expected tokens per pass beat plain decoding's one by a margin, with a
+verification's extra rows priced at a fixed share of a step per backend. Every
+decision comes from token counts and that constant, never from timing, so the same
+chat takes the same passes on a busy machine.
 
 Verification (in :class:`engine.session.sampling.AnswerStream`) runs one forward
 pass over the last token and the draft and keeps the longest prefix the sampler
@@ -27,6 +30,7 @@ extended by the new tokens only.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -44,16 +48,24 @@ ROW_COST = {"gpu": 0.05, "cpu": 0.25}
 # A draft is verified only when its expected tokens per unit of cost beat plain
 # decoding's one token per step by this factor.
 GAIN_MARGIN = 1.1
-# Prior acceptance per matched n-gram length (index n - 1) and its weight in tokens:
-# a longer match predicts more often, but every prior is low enough that a CPU
-# verifies nothing blind. A blind draft costs on every answer that does not repeat
-# the context, while scoring the skipped proposals finds one that does within a
-# few tokens.
-PRIOR_ACCEPTANCE = (0.1, 0.2, 0.3, 0.35)
+# Match lengths are measured back this far; a longer match counts as this long.
+MAX_MATCH = 8
+# The bands of match lengths that learn apart: the shortest length of each band.
+# Short matches are told apart one by one (a one-token match is chance, a four-token
+# one is a phrase); a long match is a quote or a loop whatever its exact length, so
+# one band holds them all and a copy learns in one estimate as it goes on.
+MATCH_BANDS = (1, 2, 3, 4, 5, MAX_MATCH)
+# Prior acceptance per band and its weight in tokens: a longer match predicts more
+# often. Up to four tokens the priors are low enough that a CPU verifies nothing
+# blind: such matches abound in text that does not repeat the context, where every
+# blind draft is a cost. A long match, which such text rarely makes, drafts a few
+# tokens at once; scoring the skipped proposals corrects every band within a few
+# tokens.
+PRIOR_ACCEPTANCE = (0.1, 0.2, 0.3, 0.35, 0.4, 0.55)
 PRIOR_WEIGHT = 2.0
-# Each proposed token judged (accepted, or the first rejected) scales its match
-# length's older counts by this factor: the estimate follows the last ten or so,
-# as the text moves between quoting and paraphrasing.
+# Each proposed token judged (accepted, or the first rejected) scales its band's
+# older counts by this factor: the estimate follows the last ten or so, as the text
+# moves between quoting and paraphrasing.
 DECAY = 0.9
 # The index's table has at least this many slots per n-gram it holds, so most
 # n-grams keep their own slot (a collision only loses the older entry: every
@@ -78,10 +90,16 @@ def _slots(ids: np.ndarray, ends: np.ndarray, n: int, bits: int) -> np.ndarray:
 
 
 class Proposal(NamedTuple):
-    """Tokens looked up for what comes next, and the length of the n-gram matched."""
+    """Tokens looked up for what comes next, and the length of the match (at most
+    ``MAX_MATCH``): how many tokens before them agree with the text so far."""
 
     tokens: list[int]
-    ngram: int
+    match_length: int
+
+
+def band(match_length: int) -> int:
+    """The index in ``MATCH_BANDS`` of the band that holds ``match_length``."""
+    return bisect.bisect_right(MATCH_BANDS, match_length) - 1
 
 
 NO_PROPOSAL = Proposal([], 0)
@@ -183,7 +201,7 @@ class ContextIndex:
         if count < 1:
             return NO_PROPOSAL
         ids = self.ids
-        tail = np.concatenate([ids[-MAX_NGRAM:], np.asarray(pending, dtype=np.int32)])
+        tail = np.concatenate([ids[-MAX_MATCH:], np.asarray(pending, dtype=np.int32)])
         for n in range(min(MAX_NGRAM, tail.size), MIN_NGRAM - 1, -1):
             at = int(self._table[_slots(tail, np.array([tail.size]), n, self._bits)[0]])
             if at < n or at >= self._len or not np.array_equal(ids[at - n:at], tail[-n:]):
@@ -194,8 +212,16 @@ class ContextIndex:
                 # period ``len(whole)``, so the repetition goes on.
                 whole = [*ids[at:].tolist(), *pending]
                 known = [whole[i % len(whole)] for i in range(count)]
-            return Proposal(known, n)
+            return Proposal(known, _match_length(ids[max(0, at - MAX_MATCH):at], tail))
         return NO_PROPOSAL
+
+
+def _match_length(before: np.ndarray, tail: np.ndarray) -> int:
+    """How many last tokens of ``before`` equal the last tokens of ``tail``, at most
+    ``MAX_MATCH``."""
+    n = min(before.size, tail.size, MAX_MATCH)
+    differ = np.flatnonzero(before[before.size - n:][::-1] != tail[tail.size - n:][::-1])
+    return int(differ[0]) if differ.size else n
 
 
 class Drafter:
@@ -208,71 +234,81 @@ class Drafter:
 
     def __init__(self, row_cost: float) -> None:
         self.row_cost = row_cost
-        # Per matched n-gram length: accepted proposed tokens, and rejections.
+        # Per band of match lengths: accepted proposed tokens, and rejections.
         self.hits = [p * PRIOR_WEIGHT for p in PRIOR_ACCEPTANCE]
         self.misses = [(1 - p) * PRIOR_WEIGHT for p in PRIOR_ACCEPTANCE]
         self._watched: Proposal = NO_PROPOSAL
         self._matched = 0
 
-    def acceptance(self, ngram: int) -> float:
-        """The estimated chance that a proposed token after an ``ngram`` match is kept."""
-        i = ngram - MIN_NGRAM
+    def acceptance(self, match_length: int) -> float:
+        """The estimated chance that a token proposed after a match this long is kept."""
+        i = band(match_length)
         return self.hits[i] / (self.hits[i] + self.misses[i])
 
     def draft_size(self, proposal: Proposal, room: int) -> int:
         """How many of ``proposal``'s tokens to verify, at most ``room``; 0: decode plainly.
 
         The size that maximizes the expected tokens per unit of cost,
-        ``(1 + p + ... + p^k) / (1 + row_cost * k)`` for an acceptance ``p`` per
-        token (a draft is kept up to its first rejection), provided that beats
-        plain decoding by ``GAIN_MARGIN``.
+        ``(1 + p1 + p1 p2 + ...) / (1 + row_cost * k)``, where ``p1`` is the
+        acceptance at the proposal's match length and each accepted token makes
+        the match one longer (a draft is kept up to its first rejection),
+        provided that beats plain decoding by ``GAIN_MARGIN``.
         """
         limit = min(len(proposal.tokens), room, MAX_DRAFT)
-        if limit < 1:
-            return 0
-        p = self.acceptance(proposal.ngram)
         best, best_gain, expected, term = 0, GAIN_MARGIN, 1.0, 1.0
         for k in range(1, limit + 1):
-            term *= p
+            term *= self.acceptance(proposal.match_length + k - 1)
             expected += term
             gain = expected / (1 + self.row_cost * k)
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
 
-    def record(self, ngram: int, drafted: int, accepted: int) -> None:
+    def record(self, match_length: int, drafted: int, accepted: int) -> None:
         """Learn from one judged draft (verified, or scored by ``watch``) of
-        ``drafted`` tokens after an ``ngram`` match, ``accepted`` of them kept."""
-        if drafted < 1:
-            return
-        i, rejected = ngram - MIN_NGRAM, int(accepted < drafted)
-        fade = DECAY ** (accepted + rejected)
-        self.hits[i] = self.hits[i] * fade + accepted
-        self.misses[i] = self.misses[i] * fade + rejected
-        self._watched = NO_PROPOSAL
+        ``drafted`` tokens after a match of ``match_length``, ``accepted`` kept.
+
+        Each accepted token counts at the match length it was proposed at, which
+        grows along the draft; the first rejected one (if any) at the next.
+        """
+        for i in range(accepted):
+            self._judge(match_length + i, True)
+        if accepted < drafted:
+            self._judge(match_length + accepted, False)
+        self._watched = NO_PROPOSAL  # stale: the verified tokens moved the text on
+
+    def _judge(self, match_length: int, kept: bool) -> None:
+        i = band(match_length)
+        self.hits[i] = self.hits[i] * DECAY + kept
+        self.misses[i] = self.misses[i] * DECAY + (not kept)
 
     def watch(self, token: int, index: ContextIndex) -> None:
         """Score the proposal plain decoding left unverified against its next ``token``.
 
-        Called for each token plain decoding holds, after ``index`` holds it too;
-        the proposal for the tokens after it is looked up then, before any later
-        token is indexed, exactly as a verification would have proposed it.
+        Called for each token plain decoding holds, after ``index`` holds it too.
+        Each token is judged as it comes, so a quote's first copied tokens already
+        raise the estimate for the longer match that follows. A new proposal is
+        looked up when the watched one missed or ran out, before any later token
+        is indexed, exactly as a verification would have proposed it.
         """
-        watched = self._watched
+        watched, at = self._watched, self._matched
         if watched.tokens:
-            if token == watched.tokens[self._matched]:
+            kept = token == watched.tokens[at]
+            self._judge(watched.match_length + at, kept)
+            if kept and at + 1 < len(watched.tokens):
                 self._matched += 1
-                if self._matched < len(watched.tokens):
-                    return
-                self.record(watched.ngram, self._matched, self._matched)
-            else:
-                self.record(watched.ngram, self._matched + 1, self._matched)
+                return
         self._watched = index.propose([], MAX_DRAFT)
         self._matched = 0
 
+    def _rest(self) -> Proposal:
+        """What the watched proposal still predicts, at the match length it has reached."""
+        watched, at = self._watched, self._matched
+        return Proposal(watched.tokens[at:], min(MAX_MATCH, watched.match_length + at))
+
     def wants_draft(self) -> bool:
-        """Whether the proposal being watched is worth verifying now."""
-        return self.draft_size(self._watched, MAX_DRAFT) > 0
+        """Whether the rest of the proposal being watched is worth verifying now."""
+        return self.draft_size(self._rest(), MAX_DRAFT) > 0
 
     def continuation(self, pending: int) -> Proposal:
         """The rest of the watched proposal after ``pending``, if it predicted ``pending``.
@@ -281,9 +317,9 @@ class Drafter:
         token it was computing when it paused may already be a fresh, shorter
         match, so the draft goes on from the proposal that earned the pause.
         """
-        watched, at = self._watched, self._matched
-        if at < len(watched.tokens) and watched.tokens[at] == pending:
-            return Proposal(watched.tokens[at + 1:], watched.ngram)
+        rest = self._rest()
+        if rest.tokens[:1] == [pending]:
+            return Proposal(rest.tokens[1:], min(MAX_MATCH, rest.match_length + 1))
         return NO_PROPOSAL
 
 

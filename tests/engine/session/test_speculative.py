@@ -120,9 +120,13 @@ def _drafter(backend: str = "cpu") -> speculative.Drafter:
 
 def test_drafter_verifies_only_what_pays_for_its_rows() -> None:
     four, one = speculative.Proposal([7] * 8, 4), speculative.Proposal([7] * 8, 1)
-    # The priors: on a CPU no match is worth a draft before the text shows it repeats.
-    assert [_drafter().draft_size(speculative.Proposal([7] * 8, n), 100)
-            for n in range(1, 5)] == [0, 0, 0, 0]
+    # The priors: on a CPU no match of up to four tokens is worth a draft before
+    # the text shows it repeats; a long one (a quote, a loop) is, a longer draft
+    # the longer it is.
+    sizes = [_drafter().draft_size(speculative.Proposal([7] * 8, n), 100)
+             for n in range(1, speculative.MAX_MATCH + 1)]
+    assert sizes[:4] == [0, 0, 0, 0] and sizes[-1] > 0
+    assert sizes == sorted(sizes)
     # Where a row costs little (Metal), a longer match pays at once, a single token not.
     assert _drafter("gpu").draft_size(four, 100) > 0
     assert _drafter("gpu").draft_size(one, 100) == 0
@@ -147,31 +151,47 @@ def test_drafter_verifies_only_what_pays_for_its_rows() -> None:
 def test_drafter_learns_from_proposals_plain_decoding_left_unverified() -> None:
     index = speculative.ContextIndex()
     drafter = _drafter()
-    for ngram in range(speculative.MIN_NGRAM, speculative.MAX_NGRAM + 1):
+    for length in speculative.MATCH_BANDS:
         for _ in range(3):
-            drafter.record(ngram, 4, 0)
+            drafter.record(length, 4, 0)
     phrase = list(range(11, 31))
     index.extend([1, 2, *phrase, 3, 4])
-    before = [drafter.acceptance(n) for n in (1, 4)]
+    lengths = (1, 4, speculative.MAX_MATCH)
+    before = [drafter.acceptance(n) for n in lengths]
     # The answer repeats the document's phrase: each token is held, then watched.
     wanted = []
     for token in phrase:
         index.extend([token])
         drafter.watch(token, index)
         wanted.append(drafter.wants_draft())
-    after = [drafter.acceptance(n) for n in (1, 4)]
-    assert after[0] > 0.5 > before[0] and after[1] > 0.5 > before[1]
+    after = [drafter.acceptance(n) for n in lengths]
+    # The copy's tokens were judged at the match length each was proposed at: the
+    # first at one token, then ever longer ones.
+    assert after[0] > before[0] and after[1] > before[1]
+    assert after[2] > 0.5 > before[2]
     # Pessimistic at first, it asks for a draft once the repetition has shown.
     assert not wanted[0] and wanted[-1]
     # The watched proposal goes on where plain decoding paused: in the document
     # the phrase was followed by 3 4.
     assert drafter.continuation(3).tokens[:1] == [4]
-    # ...and a token it did not predict counts as a rejection.
-    misses = drafter.misses[3]
+    assert drafter.continuation(3).match_length == speculative.MAX_MATCH
+    # ...and a token it did not predict counts as a rejection at the match reached.
+    misses = drafter.misses[-1]
     assert drafter.continuation(99) == speculative.NO_PROPOSAL
     index.extend([99])
     drafter.watch(99, index)
-    assert drafter.misses[3] > misses
+    assert drafter.misses[-1] > misses
+
+
+def test_a_proposal_knows_how_long_its_match_runs_back() -> None:
+    index = speculative.ContextIndex()
+    phrase = list(range(11, 41))
+    index.extend([1, 2, *phrase[:8], 3, *phrase, 4])
+    # The lookup key is at most four tokens; the match is measured further back.
+    assert index.propose([11, 12, 13, 14, 15, 16], 2) == speculative.Proposal([17, 18], 6)
+    assert index.propose(phrase[:20], 2).match_length == speculative.MAX_MATCH
+    assert index.propose([9, 14], 1) == speculative.Proposal([15], 1)
+    assert [speculative.band(n) for n in (1, 4, 5, 7, 8, 99)] == [0, 3, 4, 4, 5, 5]
 
 
 class _Counter:
@@ -227,7 +247,7 @@ def test_drafts_go_where_the_answer_repeats_the_context_and_nowhere_else(tiny) -
 
     # A quote: after a few plain tokens show the match, long drafts, nearly all kept.
     quote, _ = _scripted_answer(tokenizer, prompt, document[1200:1296])
-    assert quote.steps <= 96 / 3 and quote.accepted_tokens >= 0.9 * quote.draft_tokens
+    assert quote.steps <= 96 / 4 and quote.accepted_tokens >= 0.9 * quote.draft_tokens
     # A loop of the answer's own making is found the same way.
     loop, _ = _scripted_answer(tokenizer, prompt, rng.choice(words, 6).tolist() * 16)
     assert loop.steps <= 96 / 2
