@@ -121,8 +121,8 @@ def _drafter(backend: str = "cpu") -> speculative.Drafter:
 def test_drafter_verifies_only_what_pays_for_its_rows() -> None:
     four, one = speculative.Proposal([7] * 8, 4), speculative.Proposal([7] * 8, 1)
     # The priors: on a CPU no match of up to four tokens is worth a draft before
-    # the text shows it repeats; a long one (a quote, a loop) is, a longer draft
-    # the longer it is.
+    # the text shows it repeats; a long one (a quote, a loop) is, and a longer
+    # match never gets a shorter draft.
     sizes = [_drafter().draft_size(speculative.Proposal([7] * 8, n), 100)
              for n in range(1, speculative.MAX_MATCH + 1)]
     assert sizes[:4] == [0, 0, 0, 0] and sizes[-1] > 0
