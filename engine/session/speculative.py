@@ -58,8 +58,8 @@ MATCH_BANDS = (1, 2, 3, 4, 5, MAX_MATCH)
 # Prior acceptance per band and its weight in tokens: a longer match predicts more
 # often. Up to four tokens the priors are low enough that a CPU verifies nothing
 # blind: such matches abound in text that does not repeat the context, where every
-# blind draft is a cost. A long match, which such text rarely makes, drafts a few
-# tokens at once; scoring the skipped proposals corrects every band within a few
+# blind draft is a cost. A long match, which such text rarely makes, drafts one
+# token at once; scoring the skipped proposals corrects every band within a few
 # tokens.
 PRIOR_ACCEPTANCE = (0.1, 0.2, 0.3, 0.35, 0.4, 0.55)
 PRIOR_WEIGHT = 2.0
