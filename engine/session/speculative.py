@@ -44,7 +44,7 @@ MAX_DRAFT = 8
 # What verifying each drafted token adds to a pass, as a share of one plain step.
 # On Metal a step is bound by reading the weights and the KV once, so extra query
 # rows cost little; on a CPU they cost compute (see docs/benchmarks.md).
-ROW_COST = {"gpu": 0.05, "cpu": 0.25}
+ROW_COST = {"gpu": 0.05, "cpu": 0.2}
 # A draft is verified only when its expected tokens per unit of cost beat plain
 # decoding's one token per step by this factor.
 GAIN_MARGIN = 1.1
@@ -56,11 +56,11 @@ MAX_MATCH = 8
 # one band holds them all and a copy learns in one estimate as it goes on.
 MATCH_BANDS = (1, 2, 3, 4, 5, MAX_MATCH)
 # Prior acceptance per band and its weight in tokens: a longer match predicts more
-# often. Up to four tokens the priors are low enough that a CPU verifies nothing
+# often. Up to three tokens the priors are low enough that a CPU verifies nothing
 # blind: such matches abound in text that does not repeat the context, where every
-# blind draft is a cost. A long match, which such text rarely makes, drafts one
-# token at once; scoring the skipped proposals corrects every band within a few
-# tokens.
+# blind draft is a cost. A match of four tokens or more, which such text rarely
+# makes, drafts one token at once; scoring the skipped proposals corrects every
+# band within a few tokens.
 PRIOR_ACCEPTANCE = (0.1, 0.2, 0.3, 0.35, 0.4, 0.55)
 PRIOR_WEIGHT = 2.0
 # Each proposed token judged (accepted, or the first rejected) scales its band's

@@ -120,12 +120,12 @@ def _drafter(backend: str = "cpu") -> speculative.Drafter:
 
 def test_drafter_verifies_only_what_pays_for_its_rows() -> None:
     four, one = speculative.Proposal([7] * 8, 4), speculative.Proposal([7] * 8, 1)
-    # The priors: on a CPU no match of up to four tokens is worth a draft before
-    # the text shows it repeats; a long one (a quote, a loop) is, and a longer
-    # match never gets a shorter draft.
+    # The priors: on a CPU no match of up to three tokens is worth a draft before
+    # the text shows it repeats; a longer one (a phrase, a quote, a loop) is, and a
+    # longer match never gets a shorter draft.
     sizes = [_drafter().draft_size(speculative.Proposal([7] * 8, n), 100)
              for n in range(1, speculative.MAX_MATCH + 1)]
-    assert sizes[:4] == [0, 0, 0, 0] and sizes[-1] > 0
+    assert sizes[:3] == [0, 0, 0] and sizes[3] > 0
     assert sizes == sorted(sizes)
     # Where a row costs little (Metal), a longer match pays at once, a single token not.
     assert _drafter("gpu").draft_size(four, 100) > 0
