@@ -128,15 +128,16 @@ def batch_noise(session: Any, prompt: list[int], answer: list[int], rows: int) -
 
     Feeds the answer after the prompt twice, teacher-forced: one token a pass (plain
     decoding) and ``rows`` tokens a pass (a verification of ``rows - 1`` drafts), and
-    compares the logits of every position. The session is left holding ``prompt``
-    but its last token.
+    compares the logits of every position, the one after the answer's last token
+    included (where the answer chose to stop). The session is left holding
+    ``prompt`` but its last token.
     """
     base = len(prompt) - 1
     kept = session.sync(prompt, keep_last=True)
     session.prefill(prompt[kept:-1], request_id=0, cancel=threading.Event(),
                     emit=lambda _: None, tick=lambda: None)
     session.checkpoint(boundary=True)
-    fed = [prompt[-1], *answer[:-1]]
+    fed = [prompt[-1], *answer]
     single = np.concatenate([_logits(session, [token]) for token in fed])
     session.trim_to(base)
     if len(session.tokens) != base:
@@ -164,8 +165,15 @@ def blas_library() -> str:
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where two answers differ (None: one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    """The first index where two answers differ (None: they are the same).
+
+    Where one answer is a prefix of the other, they differ where the shorter one
+    ended: there one decoding chose to stop and the other a token.
+    """
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None and len(a) != len(b):
+        return min(len(a), len(b))
+    return first
 
 
 def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], None],
@@ -197,6 +205,7 @@ def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], N
             noise = batch_noise(session, prompt, off["ids"], MAX_DRAFT + 1)
             rows.append({
                 "mode": mode, "question": name, "tokens": generated,
+                "off_tokens": len(off["ids"]), "positions": len(noise.margins),
                 "off_tps": off["decode_tps"], "on_tps": on["decode_tps"],
                 "ratio": on["decode_tps"] / off["decode_tps"] if off["decode_tps"] else 0.0,
                 "draft_tokens": on["draft_tokens"], "accepted_tokens": on["accepted_tokens"],
@@ -241,8 +250,11 @@ def render_report(results: dict, info: dict, command: str, load: str) -> str:
         flips = row.get("noise_flips", 0)
         noise = (f"{row.get('noise_threshold', 0.0):.3f}, {flips}"
                  + (f" ({row['flip_margin']:.3f})" if flips else ""))
+        off_tokens = row.get("off_tokens", row["tokens"])
+        tokens = (str(row["tokens"]) if off_tokens == row["tokens"]
+                  else f"{off_tokens} off, {row['tokens']} on")
         lines.append(
-            f"| {row['mode']} | {row['question']} | {row['tokens']} | {row['off_tps']:.1f} "
+            f"| {row['mode']} | {row['question']} | {tokens} | {row['off_tps']:.1f} "
             f"| {row['on_tps']:.1f} | {row['ratio']:.2f}x | {row['draft_tokens']} "
             f"| {row['accepted_tokens']} | {row['tokens_per_step']:.2f} "
             f"| {row['tokens_per_step']:.2f}x | {div} | {noise} |")

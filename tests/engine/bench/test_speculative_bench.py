@@ -6,6 +6,7 @@ from pathlib import Path
 
 from engine.bench.speculative_bench import (
     SpeculativeConfig,
+    first_divergence,
     quote_start,
     render_report,
     run_speculative_bench,
@@ -23,12 +24,23 @@ def test_bench_reports_every_question_with_its_margins(tmp_path: Path) -> None:
     for row in rows:
         assert 0 < row["tokens"] <= 10 and row["steps"] >= 1
         assert row["accepted_tokens"] <= row["draft_tokens"]
+        # A margin for every position of the plain answer and for where it stopped.
+        assert row["positions"] == row["off_tokens"] + 1
         # Any divergence must sit at a near-tie of plain decoding's batch noise.
         if row["first_divergence"] is not None:
             assert row["divergence_margin"] < row["noise_threshold"]
     report = render_report(results, {"mlx": "x", "platform": "y"}, "cmd", "1.0")
     assert report.count("| q6 |") == len(rows)
     assert "BLAS loaded" in report and "Batch noise" in report
+
+
+def test_an_answer_that_stops_early_diverges_where_it_stopped() -> None:
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    # One decoding chose to stop at index 2, the other a token.
+    assert first_divergence([1, 2], [1, 2, 3, 4]) == 2
+    assert first_divergence([1, 2, 3, 4], [1, 2]) == 2
+    assert first_divergence([], [7]) == 0
 
 
 def test_quote_question_names_a_paragraph_the_cut_document_holds() -> None:

@@ -319,7 +319,8 @@ def test_batch_noise_is_small_next_to_the_margins(tiny) -> None:
     _, _, answer = _answer(session, _messages(), GREEDY)
     prompt = session.prompt(_messages(), add_generation_prompt=True).ids
     noise = batch_noise(session, prompt, answer, speculative.MAX_DRAFT + 1)
-    assert len(noise.margins) == len(noise.deltas) == len(answer)
+    # Every position of the answer, and the one where it stopped.
+    assert len(noise.margins) == len(noise.deltas) == len(answer) + 1
     # Batching moves logits by rounding only: far less than a typical margin, and
     # a flip only ever happens at a near-tie.
     assert 0 <= noise.threshold < float(np.median(noise.margins))
