@@ -13,7 +13,7 @@ from mlx_lm.utils import load_tokenizer
 from engine.session import sampling
 from engine.session.prompt_ids import common_prefix
 from tests.engine.server.conftest import Served, start_server
-from tests.engine.server.tool_models import scripted_sampler
+from tests.engine.server.tool_models import scripted_processors
 from tests.engine.tinymodels import make_tiny_model_dir
 
 
@@ -51,7 +51,8 @@ def test_resent_hybrid_answer_is_not_read_again(hybrid: Served,
     linear-attention state after the answer continues, no checkpoint before it."""
     tokenizer = load_tokenizer(Path(hybrid.bridge.info.path))
     answer = "It scales its input and adds one."
-    monkeypatch.setattr(sampling, "build_sampler", scripted_sampler(tokenizer, answer))
+    monkeypatch.setattr(sampling, "build_logits_processors",
+                        scripted_processors(tokenizer, answer))
     api = openai.OpenAI(base_url=hybrid.url + "/v1", api_key=hybrid.key, max_retries=0)
     messages = [{"role": "system", "content": "Answer in one line. " * 30},
                 {"role": "user", "content": "What does it do? " + "def f(x): return x " * 40}]

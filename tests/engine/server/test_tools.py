@@ -18,7 +18,7 @@ from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
 from engine.session import sampling
 from engine.session.prompt_ids import render_conversation
 from tests.engine.server.conftest import Served, start_server
-from tests.engine.server.tool_models import make_tool_model_dir, scripted_sampler
+from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {"type": "function", "function": {
@@ -45,7 +45,8 @@ def forced(tooled: Served, monkeypatch: pytest.MonkeyPatch):
     tokenizer = load_tokenizer(Path(tooled.bridge.info.path))
 
     def force(text: str) -> None:
-        monkeypatch.setattr(sampling, "build_sampler", scripted_sampler(tokenizer, text))
+        monkeypatch.setattr(sampling, "build_logits_processors",
+                            scripted_processors(tokenizer, text))
     return force
 
 

@@ -1,5 +1,5 @@
 """A tiny model folder with a tool-aware (Qwen2.5 / Hermes-style) chat template, and a
-sampler double that forces the model to write a scripted answer."""
+logits double that forces the model to write a scripted answer."""
 
 from __future__ import annotations
 
@@ -55,19 +55,44 @@ def make_tool_model_dir(root: Path) -> Path:
     return folder
 
 
-def scripted_sampler(tokenizer: Any, text: str) -> Callable[[Any], Callable]:
-    """A ``build_sampler`` double: every answer writes ``text``, then ends its turn.
+# How many of the prompt's last tokens mark where an answer starts.
+ANCHOR = 4
 
-    It replaces the sampler only, so the tokens still go through the engine's
-    real decode loop, detokenizer and server.
+
+def scripted_processors(tokenizer: Any, text: str) -> Callable[[Any], list[Callable]]:
+    """A ``build_logits_processors`` double: every answer writes ``text``, then ends its turn.
+
+    The token forced at each position follows from the tokens before it, as a
+    model's would: the answer so far is what came after the prompt's last tokens.
+    So a speculative verification judges its drafts as it would the model's, and
+    the tokens still go through the engine's real sampler, decode loop,
+    detokenizer and server.
     """
     script = list(tokenizer.encode(text, add_special_tokens=False))
     end = tokenizer.eos_token_id
 
-    def build(_params: Any) -> Callable:
-        tokens = iter(script)
+    def build(_params: Any) -> list[Callable]:
+        anchor: list[int] = []  # the prompt's last tokens, seen by the first call
 
-        def sample(logprobs: mx.array) -> mx.array:
-            return mx.array([next(tokens, end)], dtype=mx.uint32)
-        return sample
+        def force(history: mx.array, logits: mx.array) -> mx.array:
+            seen = history.tolist()
+            if not anchor:
+                anchor.extend(seen[-ANCHOR:])
+            written = _written(seen, anchor, script)
+            token = script[written] if written is not None and written < len(script) else end
+            return mx.where(mx.arange(logits.shape[-1])[None] == token, 0.0, -mx.inf)
+        return [force]
     return build
+
+
+def _written(seen: list[int], anchor: list[int], script: list[int]) -> int | None:
+    """How much of ``script`` follows ``anchor`` in the tokens ``seen`` (None: not it).
+
+    ``seen`` is the processors' window: it may have lost the prompt, or some of it.
+    """
+    for written in range(len(script) + 1):
+        context = anchor + script[:written]
+        shown = min(len(seen), len(context))
+        if seen[len(seen) - shown:] == context[len(context) - shown:]:
+            return written
+    return None
