@@ -18,9 +18,12 @@ Format ``hadamard-v1`` (what snapshots and sessions record):
   scaled by ``1/sqrt(size)``.
 
 So ``rotate(x) = x @ R`` with ``R = diag(signs) · blockdiag(H_n / sqrt(n))``, and
-``unrotate(y) = y @ Rᵀ``. One dense ``head_dim × head_dim`` matmul per call: on this
-CPU it is faster than a fast Walsh–Hadamard transform (log2(D) small elementwise
-passes) at head_dim 64/128/256 (measured: docs/benchmarks.md).
+``unrotate(y) = y @ Rᵀ``. A prefill chunk takes one dense ``head_dim × head_dim``
+matmul: on the CPU it is faster than a fast Walsh–Hadamard transform at head_dim
+64/128/256 (measured: docs/benchmarks.md). A decode step and a speculative
+verification take MLX's transform instead: a matmul rounds by how many rows it
+holds (BLAS picks its kernel by shape), the transform rounds every row the same
+way, so a verified token gets the numbers its decode step would have.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from engine.cache.attention.scratch import PACKED_MAX_TOKENS
 from engine.errors import EngineError
 
 FORMAT = "hadamard-v1"
@@ -92,25 +96,38 @@ class HadamardRotation:
         self.signs = signs
         matrix = rotation_matrix(head_dim, layer, signs)
         self._forward = mx.array(matrix.astype(np.float32))
-        # Row-major like the forward matrix: a transposed (column-major) one makes
-        # BLAS round a many-row unrotate differently from a one-row one, so a
-        # speculative verification's outputs would not be a decode step's.
         self._inverse = mx.array(np.ascontiguousarray(matrix.T, dtype=np.float32))
-        self._cast: dict[mx.Dtype, tuple[mx.array, mx.array]] = {}
+        self._signs = mx.array(layer_signs(head_dim, layer).astype(np.float32) if signs
+                               else np.ones(head_dim, dtype=np.float32))
+        self._blocks = power_of_two_blocks(head_dim)
+        self._cast: dict[mx.Dtype, tuple[mx.array, mx.array, mx.array]] = {}
 
     @property
     def format_id(self) -> str:
         """What the stored rows are: ``hadamard-v1`` plus its sign rule."""
         return f"{FORMAT}+signs" if self.signs else FORMAT
 
-    def _matrices(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    def _matrices(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
         if dtype not in self._cast:
-            self._cast[dtype] = (self._forward.astype(dtype), self._inverse.astype(dtype))
+            self._cast[dtype] = (self._forward.astype(dtype), self._inverse.astype(dtype),
+                                 self._signs.astype(dtype))
         return self._cast[dtype]
 
+    def _transform(self, x: mx.array) -> mx.array:
+        """``x @ blockdiag(H_n / sqrt(n))``: one Walsh–Hadamard transform per block."""
+        if len(self._blocks) == 1:
+            return mx.hadamard_transform(x)
+        starts = np.cumsum((0, *self._blocks[:-1]))
+        return mx.concatenate([mx.hadamard_transform(x[..., start:start + size])
+                               for start, size in zip(starts, self._blocks, strict=True)],
+                              axis=-1)
+
     def rotate(self, x: mx.array) -> mx.array:
-        """``x`` (any leading shape, last axis ``head_dim``) in the rotated basis."""
-        return x @ self._matrices(x.dtype)[0]
+        """``x`` (``[..., tokens, head_dim]``) in the rotated basis."""
+        forward, _, signs = self._matrices(x.dtype)
+        if _decode_sized(x):
+            return self._transform(x * signs)
+        return x @ forward
 
     def rotate_query(self, x: mx.array) -> mx.array:
         """:meth:`rotate` for queries (the dispatcher's name for it; rows not stored)."""
@@ -118,10 +135,18 @@ class HadamardRotation:
 
     def unrotate(self, x: mx.array) -> mx.array:
         """The inverse of :meth:`rotate`."""
-        return x @ self._matrices(x.dtype)[1]
+        _, inverse, signs = self._matrices(x.dtype)
+        if _decode_sized(x):
+            return self._transform(x) * signs
+        return x @ inverse
 
     def __repr__(self) -> str:
         return f"HadamardRotation({self.format_id}, head_dim={self.head_dim}, layer={self.layer})"
+
+
+def _decode_sized(x: mx.array) -> bool:
+    """A decode step's or a verification's rows (per head), not a prefill chunk's."""
+    return x.ndim >= 2 and x.shape[-2] <= PACKED_MAX_TOKENS
 
 
 def rotation_for(format_id: str | None, head_dim: int, layer: int) -> HadamardRotation | None:

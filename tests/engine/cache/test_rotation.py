@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from engine.cache import kvquant
+from engine.cache.attention.scratch import PACKED_MAX_TOKENS
 from engine.cache.rotation import (
     FORMAT,
     HadamardRotation,
@@ -67,6 +68,25 @@ def test_round_trip_and_dot_products(head_dim: int) -> None:
         np.linalg.norm(np.array(k), axis=-1),
         rtol=1e-5,
     )
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("signs", [True, False])
+def test_decode_rows_are_rotated_the_same_in_any_number(head_dim: int, signs: bool) -> None:
+    rotation = HadamardRotation(head_dim, layer=2, signs=signs)
+    rng = np.random.default_rng(head_dim)
+    x = mx.array(rng.standard_normal((1, 3, PACKED_MAX_TOKENS, head_dim)).astype(np.float32))
+    chunk = mx.concatenate([x] * 4, axis=2)  # a prefill chunk's rows take the matmul
+    matrix = rotation_matrix(head_dim, 2, signs)
+    for got in (rotation.rotate(x), rotation.rotate(chunk)[:, :, :PACKED_MAX_TOKENS]):
+        np.testing.assert_allclose(np.array(got), np.array(x) @ matrix, atol=1e-5)
+    np.testing.assert_allclose(np.array(rotation.unrotate(x)), np.array(x) @ matrix.T,
+                               atol=1e-5)
+    # A verification's rows come out bit for bit as one decode step's each.
+    for turn in (rotation.rotate, rotation.unrotate):
+        one_by_one = mx.concatenate([turn(x[:, :, i:i + 1]) for i in range(x.shape[2])],
+                                    axis=2)
+        np.testing.assert_array_equal(np.array(turn(x)), np.array(one_by_one))
 
 
 def test_keeps_dtype() -> None:
