@@ -23,6 +23,7 @@ from engine.events import Failed, Finished, ModelLoaded, Notice, StatsSample, To
 from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.worker import EngineWorker
+from engine.session import speculative
 from engine.session.sampling import SamplingParams
 from engine.snapshots.files import check_name
 from engine.snapshots.store import SnapshotStore, default_snapshot_dir
@@ -90,6 +91,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         if args.speculative == "lookup":
             # The followers run rank 0's commands one decode step at a time; a
             # k-token verification and its rewind are not commands they know yet.
+            # Left at its default, speculation is off on a pipeline (Session.chat).
             raise EngineError("Speculative decoding is not available over a pipeline yet: "
                               "run with --speculative off, or without --pipeline.")
         return launch(args.argv, args.pipeline, args.seed, out, args.hostfile)
@@ -128,7 +130,7 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
     sampling = SamplingParams(
         temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
-        seed=args.seed, speculative=args.speculative,
+        seed=args.seed, speculative=args.speculative or SamplingParams.speculative,
     )
     collector = _Collector(stream)
     # Stored as "cli-<name>": the app names its chats' snapshots by a bare hex id,
@@ -371,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=defaults.min_p)
     gen.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--speculative", choices=("off", "lookup"), default=defaults.speculative,
-                     help="draft tokens from the prompt's own text and verify them in one pass")
+    gen.add_argument("--speculative", choices=speculative.MODES, default=None,
+                     help="draft tokens from the prompt's own text and verify them in one "
+                          f"pass (default: {defaults.speculative}; off over a pipeline)")
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--session", type=_session_name,

@@ -25,7 +25,8 @@ from engine.session.session import Session
 DOCUMENT = " ".join(
     f"Longleaf pine stand {i} grows on sandy soil; fire every {2 + i % 5} years keeps it open."
     for i in range(40))
-ANSWER = SamplingParams(temperature=0.0, max_tokens=32)
+# The held answer goes in one decoding step at a time (see above), not in verifications.
+ANSWER = SamplingParams(temperature=0.0, max_tokens=32, speculative="off")
 QUIET: dict[str, Any] = {"request_id": 0, "emit": lambda event: None, "tick": lambda: None}
 
 

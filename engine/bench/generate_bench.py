@@ -69,7 +69,8 @@ def prompt_messages(tokenizer: Any, target_tokens: int, render: Callable) -> lis
 def _sampling(max_tokens: int) -> Any:
     from engine.session.sampling import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
+    # One token a pass, as mlx_lm.generate decodes (the speculative bench has its own rows).
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, speculative="off")
 
 
 def run_engine(loaded: Any, mode: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:

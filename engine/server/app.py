@@ -39,8 +39,8 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
 SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline yet: send "
-                       "\"speculative\": \"off\" (the default), or serve the model on one "
-                       "machine.")
+                       "\"speculative\": \"off\" or leave it out (answers decode plainly "
+                       "there), or serve the model on one machine.")
 ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
                     "not_found_error", "request_too_large", "rate_limit_error", "api_error",
                     "overloaded_error")
@@ -365,9 +365,11 @@ class Server:
 
     async def _start(self, chat: ChatRequest) -> Run:
         mode = chat.mode or self.bridge.kv_mode
-        if chat.sampling.speculative == "lookup" and self.bridge.machines > 1:
+        if (chat.speculative_asked and chat.sampling.speculative == "lookup"
+                and self.bridge.machines > 1):
             # The other ranks follow rank 0 one decode step at a time; a draft's
-            # verification and rewind are not steps they know yet.
+            # verification and rewind are not steps they know yet. Left to the
+            # default, the answer decodes plainly there instead (Session.chat).
             raise ApiError(400, SPECULATIVE_REFUSAL, param="speculative")
         # Off the event loop: a long conversation takes a while to render and
         # tokenize, and other connections keep being answered meanwhile.

@@ -46,6 +46,9 @@ class ChatRequest:
     echo: bool = False  # a text completion's answer starts with its prompt
     tool_choice: str = "auto"  # "auto", "required" (any call) or "named" (tool_name's)
     tool_name: str | None = None
+    # The client named "speculative" itself: on a pipeline "lookup" is refused then,
+    # and left to the default it is off (Session.chat).
+    speculative_asked: bool = False
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -337,6 +340,7 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
         messages=_messages(body.get("messages"), ("system", "user", "assistant", "tool"),
                            None),
         sampling=_sampling(body, int(max_tokens), body.get("seed")),
+        speculative_asked="speculative" in body,
         stop=_stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         mode=mode_from(model, body), model=model, **_tool_fields(body, anthropic=False),
@@ -371,6 +375,7 @@ def openai_completion(body: Any, default_max: int) -> ChatRequest:
     return ChatRequest(
         messages=[{"role": "user", "content": prompt}],
         sampling=_sampling(body, int(max_tokens), body.get("seed")),
+        speculative_asked="speculative" in body,
         stop=_stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         mode=mode_from(model, body), model=model, template=False, echo=echo,
@@ -399,6 +404,7 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
         messages=_messages(body.get("messages"), ("user", "assistant"), _system(body),
                            anthropic=True),
         sampling=_sampling(body, max_tokens, None),
+        speculative_asked="speculative" in body,
         stop=_stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model,
         **_tool_fields(body, anthropic=True),

@@ -36,10 +36,10 @@ class SamplingParams:
         repetition_penalty: > 1 discourages repeating recent tokens; 1.0 disables it.
         max_tokens: most tokens to generate.
         seed: random seed for reproducible sampling, or None.
-        speculative: "lookup" proposes tokens found in the chat's own text and
-            verifies them in one forward pass (same answer, fewer passes);
-            "off" decodes one token per pass (the default until the benchmark
-            shows lookup never slower: docs/benchmarks.md).
+        speculative: "lookup" (the default) proposes tokens found in the chat's
+            own text and verifies them in one forward pass (same answer, fewer
+            passes; never slower beyond noise, docs/benchmarks.md); "off"
+            decodes one token per pass.
     """
 
     temperature: float = 0.7
@@ -49,7 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int = 512
     seed: int | None = None
-    speculative: str = "off"
+    speculative: str = "lookup"
 
     def __post_init__(self) -> None:
         problems = []

@@ -19,6 +19,8 @@ def test_defaults() -> None:
     assert s.memory_budget_bytes is None
     assert s.stored_kv_budget_bytes is None  # the engine's: min(20 GB, 10% of free disk)
     assert s.sampling == SamplingParams(repetition_penalty=DEFAULT_REPETITION_PENALTY)
+    # Lookup never decodes slower beyond noise (docs/benchmarks.md): on until turned off.
+    assert s.speculative and s.sampling.speculative == "lookup"
     assert s.last_model == "demo"
     assert s.model_folders == []
 

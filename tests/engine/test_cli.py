@@ -202,12 +202,15 @@ def test_generate_reports_speculation_and_can_turn_it_off(model_root: Path, tmp_
     prompt_file = tmp_path / "repeat.txt"
     prompt_file.write_text(PROMPT * 6, encoding="utf-8")
     runs = {}
-    for mode in ("off", "lookup"):
+    for mode in ("off", "lookup", None):
+        chosen = () if mode is None else ("--speculative", mode)
         status, out = _run("generate", "--model", str(folder), "--temp", "0", "--max-tokens",
-                           "24", "--prompt-file", str(prompt_file), "--speculative", mode,
-                           "--json")
+                           "24", "--prompt-file", str(prompt_file), *chosen, "--json")
         assert status == 0
         runs[mode] = json.loads(out)
+    # The default is the app's, lookup; its drafts follow from token counts alone.
+    assert runs[None]["draft_tokens"] == runs["lookup"]["draft_tokens"]
+    assert runs[None]["accepted_tokens"] == runs["lookup"]["accepted_tokens"]
     assert runs["off"]["draft_tokens"] == runs["off"]["accepted_tokens"] == 0
     looked_up = runs["lookup"]
     assert looked_up["draft_tokens"] > 0

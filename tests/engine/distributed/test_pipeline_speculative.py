@@ -1,4 +1,5 @@
-"""``generate --pipeline 2 --speculative lookup`` is refused, with what to do instead."""
+"""``generate --pipeline 2 --speculative lookup`` is refused, with what to do instead;
+left to the default, a pipeline decodes plainly."""
 
 from __future__ import annotations
 
@@ -20,4 +21,6 @@ def test_speculative_decoding_over_a_pipeline_is_refused_before_any_rank_starts(
     assert launched == []
     assert main(["generate", "--model", "demo", "--prompt", "hi", "--pipeline", "2",
                  "--speculative", "off"], out=io.StringIO()) == 0
-    assert len(launched) == 1
+    assert main(["generate", "--model", "demo", "--prompt", "hi", "--pipeline", "2"],
+                out=io.StringIO()) == 0
+    assert len(launched) == 2

@@ -78,8 +78,8 @@ def _free_port() -> int:
 
 
 def test_the_local_server_counts_the_machines_its_front_ends_worker_runs_on() -> None:
-    """The app's worker may be a pipeline's: its stats name the ranks (speculative
-    decoding is then refused per request, and /health says so)."""
+    """The app's worker may be a pipeline's: its stats name the ranks (an explicit
+    speculative request is then refused, and /health says so)."""
     sample = None
     worker = SimpleNamespace(latest_stats=lambda: sample)
     bridge = AttachedBridge(worker, "q8", lambda: None, max_sessions=1, queue_limit=1)
