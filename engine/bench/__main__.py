@@ -149,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--modes", type=_modes, help="e.g. fp16,q6")
     spec.add_argument("--document-tokens", type=parse_tokens, help="e.g. 5k")
     spec.add_argument("--max-tokens", type=int, help="tokens per answer")
+    spec.add_argument("--pairs", type=int, help="off/on pairs per question")
     return parser
 
 
@@ -190,7 +191,8 @@ def run_speculative(args: argparse.Namespace, command: str) -> dict:
 
     base = speculative_bench.QUICK if args.quick else speculative_bench.SpeculativeConfig()
     config = with_changes(base, model=args.model, modes=args.modes,
-                          document_tokens=args.document_tokens, max_tokens=args.max_tokens)
+                          document_tokens=args.document_tokens, max_tokens=args.max_tokens,
+                          pairs=args.pairs)
     return _run_sections(args, command, "speculative", speculative_bench.run_speculative_bench,
                          speculative_bench.render_report, config)
 

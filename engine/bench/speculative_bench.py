@@ -47,9 +47,13 @@ class SpeculativeConfig:
     document_tokens: int = 5000
     max_tokens: int = 96
     questions: tuple[str, ...] = tuple(QUESTIONS)
+    # Off/on pairs per question. One answer's rate moves by tens of percent on a
+    # shared CPU while its tokens and drafts stay the same, so a verdict needs
+    # several pairs; their order alternates so neither side always runs second.
+    pairs: int = 3
 
 
-QUICK = SpeculativeConfig(modes=("fp16",), document_tokens=1200, max_tokens=32)
+QUICK = SpeculativeConfig(modes=("fp16",), document_tokens=1200, max_tokens=32, pairs=1)
 
 
 def document(tokenizer: Any, tokens: int) -> str:
@@ -176,9 +180,40 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return first
 
 
+def _pairs(session: Any, messages: list[dict], plain: Any, pairs: int, mode: str, name: str,
+           progress: Callable[[str], None]) -> tuple[dict, dict, list[float], bool]:
+    """``pairs`` off/on answers in alternating order; each side's median-rate answer.
+
+    Returns the off and on answers whose rates are the medians, the on/off ratio of
+    each pair, and whether every repeat of a side gave the same tokens and drafts.
+    """
+    lookup = dataclasses.replace(plain, speculative="lookup")
+    answers: dict[str, list[dict]] = {"off": [], "lookup": []}
+    for pair in range(pairs):
+        order = ("off", "lookup") if pair % 2 == 0 else ("lookup", "off")
+        for side in order:
+            progress(f"speculative {mode} {name}: {side} ({pair + 1} of {pairs})")
+            answers[side].append(_answer(session, messages,
+                                         plain if side == "off" else lookup))
+    ratios = [on["decode_tps"] / off["decode_tps"] if off["decode_tps"] else 0.0
+              for off, on in zip(answers["off"], answers["lookup"], strict=True)]
+    same = all(_same_work(runs[0], run) for runs in answers.values() for run in runs)
+    return _median_rate(answers["off"]), _median_rate(answers["lookup"]), ratios, same
+
+
+def _same_work(a: dict, b: dict) -> bool:
+    keys = ("ids", "draft_tokens", "accepted_tokens", "steps")
+    return all(a[key] == b[key] for key in keys)
+
+
+def _median_rate(answers: list[dict]) -> dict:
+    ranked = sorted(answers, key=lambda answer: answer["decode_tps"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], None],
                           partial_results: Callable[[dict], None] | None = None) -> dict:
-    """Every mode x question, off then on; plain-value results."""
+    """Every mode x question, off and on in pairs; plain-value results."""
     from engine.models.loader import load_model
     from engine.session.sampling import SamplingParams
     from engine.session.session import Session
@@ -194,10 +229,8 @@ def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], N
         session = Session("bench", loaded, mode)
         for name in config.questions:
             messages = [{"role": "user", "content": f"{doc}\n\n{question(name, doc)}"}]
-            progress(f"speculative {mode} {name}: off")
-            off = _answer(session, messages, plain)
-            progress(f"speculative {mode} {name}: lookup")
-            on = _answer(session, messages, dataclasses.replace(plain, speculative="lookup"))
+            off, on, pair_ratios, repeats_agree = _pairs(session, messages, plain,
+                                                         config.pairs, mode, name, progress)
             generated = len(on["ids"])
             first = first_divergence(off["ids"], on["ids"])
             prompt = session.prompt(messages, add_generation_prompt=True).ids
@@ -207,7 +240,8 @@ def run_speculative_bench(config: SpeculativeConfig, progress: Callable[[str], N
                 "mode": mode, "question": name, "tokens": generated,
                 "off_tokens": len(off["ids"]), "positions": len(noise.margins),
                 "off_tps": off["decode_tps"], "on_tps": on["decode_tps"],
-                "ratio": on["decode_tps"] / off["decode_tps"] if off["decode_tps"] else 0.0,
+                "ratio": float(np.median(pair_ratios)), "pair_ratios": pair_ratios,
+                "repeats_agree": repeats_agree,
                 "draft_tokens": on["draft_tokens"], "accepted_tokens": on["accepted_tokens"],
                 "steps": on["steps"],
                 "tokens_per_step": generated / on["steps"] if on["steps"] else 0.0,
@@ -231,18 +265,20 @@ def render_report(results: dict, info: dict, command: str, load: str) -> str:
         "",
         f"`{command}` on {results['model']}, greedy, a "
         f"{results['config']['document_tokens']}-token document (the repo's docs), "
-        f"{results['config']['max_tokens']} tokens per answer; off and on run back to back "
-        f"on the same held document. Load average at the end: {load} "
+        f"{results['config']['max_tokens']} tokens per answer; "
+        f"{results['config'].get('pairs', 1)} off/on pair(s) per question in alternating "
+        "order on the same held document (tok/s: each side's median; on/off: the median "
+        f"of the pairs' ratios, every pair's listed). Load average at the end: {load} "
         f"(MLX {info.get('mlx', '?')}, {info.get('platform', '?')}); BLAS loaded: "
         f"{results.get('blas', '?')}.",
         "",
         f"Questions: quote: {results.get('quote_question', '?')} summarize: "
         f"{QUESTIONS['summarize']} unrelated: {QUESTIONS['unrelated']}",
         "",
-        "| mode | question | tokens | off tok/s | on tok/s | on/off | drafted | accepted "
+        "| mode | question | tokens | off tok/s | on tok/s | on/off | pairs | drafted | accepted "
         "| tokens/step | Metal estimate | first divergence (margin) | batch noise: "
         "threshold, flips (largest flip margin) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
     ]
     for row in results["rows"]:
         div = ("none" if row["first_divergence"] is None
@@ -253,9 +289,12 @@ def render_report(results: dict, info: dict, command: str, load: str) -> str:
         off_tokens = row.get("off_tokens", row["tokens"])
         tokens = (str(row["tokens"]) if off_tokens == row["tokens"]
                   else f"{off_tokens} off, {row['tokens']} on")
+        pairs = " ".join(f"{r:.2f}" for r in row.get("pair_ratios", [row["ratio"]]))
+        if not row.get("repeats_agree", True):
+            pairs += " (repeats differ)"
         lines.append(
             f"| {row['mode']} | {row['question']} | {tokens} | {row['off_tps']:.1f} "
-            f"| {row['on_tps']:.1f} | {row['ratio']:.2f}x | {row['draft_tokens']} "
+            f"| {row['on_tps']:.1f} | {row['ratio']:.2f}x | {pairs} | {row['draft_tokens']} "
             f"| {row['accepted_tokens']} | {row['tokens_per_step']:.2f} "
             f"| {row['tokens_per_step']:.2f}x | {div} | {noise} |")
     lines += [
@@ -264,6 +303,9 @@ def render_report(results: dict, info: dict, command: str, load: str) -> str:
         "bound by reading the weights and the KV once), the speed-up is the tokens per "
         "step, (generated tokens) / (forward passes); on this CPU a (k+1)-token pass "
         "costs more than one step, so the measured ratio is lower.",
+        "",
+        "Pairs: every repeat of a side is the same greedy answer with the same drafts "
+        "(else marked \"repeats differ\"), so the pairs' ratios differ by timing alone.",
         "",
         "Batch noise: the plain answer fed again one token a pass and "
         "MAX_DRAFT + 1 tokens a pass; threshold = twice the largest logit shift "

@@ -17,13 +17,15 @@ from tests.engine.tinymodels import make_tiny_model_dir
 def test_bench_reports_every_question_with_its_margins(tmp_path: Path) -> None:
     folder = make_tiny_model_dir(tmp_path, "llama")
     config = SpeculativeConfig(model=str(folder), modes=("q6",), document_tokens=300,
-                               max_tokens=10)
+                               max_tokens=10, pairs=2)
     results = run_speculative_bench(config, progress=lambda _: None)
     rows = results["rows"]
     assert [r["question"] for r in rows] == list(config.questions)
     for row in rows:
         assert 0 < row["tokens"] <= 10 and row["steps"] >= 1
         assert row["accepted_tokens"] <= row["draft_tokens"]
+        # Greedy answers repeat exactly, drafts included: pairs differ by timing alone.
+        assert len(row["pair_ratios"]) == 2 and row["repeats_agree"]
         # A margin for every position of the plain answer and for where it stopped.
         assert row["positions"] == row["off_tokens"] + 1
         # Any divergence must sit at a near-tie of plain decoding's batch noise.
