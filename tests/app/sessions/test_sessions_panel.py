@@ -83,7 +83,10 @@ def _largest_tick_gap(qtbot, window, prompt: str) -> tuple[float, int]:
 def test_event_loop_never_stalls_while_the_model_generates(qtbot, window) -> None:
     c = window.controller
     send_and_wait(qtbot, window, "Warm up")  # opens the session and its cache first
-    c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=150)
+    # The tiny model loops, and speculative decoding (on by default) writes a loop
+    # several tokens a pass: 150 tokens took fewer than ten ticks, too short to see
+    # a stall, so the answer is long enough to span dozens of ticks either way.
+    c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=800)
     # A stall the app causes shows in every run; a busy CI machine (other
     # processes on 2 cores) can preempt any single run, so take the best of three.
     runs = []
