@@ -81,6 +81,14 @@ _HASH_MUL = np.uint64(0xBF58476D1CE4E5B9)
 _INDEX_BLOCK = 1 << 16
 
 
+def _table_bits(tokens: int) -> int:
+    """log2 of the table's size for ``tokens`` ids: the smallest power of two with
+    ``SLOTS_PER_ENTRY`` slots per entry. A function of the length alone, so the same
+    ids index the same way however they came."""
+    wanted = max(MIN_SLOTS, SLOTS_PER_ENTRY * MAX_NGRAM * tokens)
+    return (wanted - 1).bit_length()
+
+
 def _slots(ids: np.ndarray, ends: np.ndarray, n: int, bits: int) -> np.ndarray:
     """The table slot of each n-gram ``ids[end - n:end]`` (one definition for all)."""
     h = np.full(ends.shape, (_HASH_SEED * n) % 2**64, dtype=np.uint64)
@@ -113,7 +121,7 @@ class ContextIndex:
     that followed its latest occurrence. A lookup checks the ids at that
     position, so a collision or a stale slot costs a miss, never a wrong draft.
     Memory: 4 bytes per id (a buffer that doubles) and a table of 4-byte slots,
-    between ``SLOTS_PER_ENTRY x MAX_NGRAM`` and four times that per id (it doubles
+    between one and two times ``SLOTS_PER_ENTRY x MAX_NGRAM`` per id (it doubles
     too, rebuilt from the ids in one vectorized pass).
     """
 
@@ -166,14 +174,13 @@ class ContextIndex:
             self._ids = grown
         self._ids[start:end] = new
         self._len = end
-        if SLOTS_PER_ENTRY * MAX_NGRAM * end > self._table.size:
+        if _table_bits(end) != self._bits:
             self._resize(end)
         else:
             self._index(start, end)
 
     def _resize(self, tokens: int) -> None:
-        wanted = max(MIN_SLOTS, SLOTS_PER_ENTRY * MAX_NGRAM * 2 * tokens)
-        self._bits = (wanted - 1).bit_length()
+        self._bits = _table_bits(tokens)
         self._table = np.full(1 << self._bits, -1, dtype=np.int32)
         self._index(0, tokens)
 
@@ -186,9 +193,13 @@ class ContextIndex:
     def _index_block(self, ends: np.ndarray, n: int) -> None:
         if ends.size:
             slots = _slots(self._ids, ends, n, self._bits)
-            # Latest wins within one block: the last occurrence of each slot.
+            # The latest position wins a slot, whatever the n-gram's length, so the
+            # table is the same however the ids came (at once, token by token, or
+            # after a cut): the last occurrence of each slot in this block, then
+            # the later of it and what the slot holds.
             last = slots.size - 1 - np.unique(slots[::-1], return_index=True)[1]
-            self._table[slots[last]] = ends[last]
+            held = self._table[slots[last]]
+            self._table[slots[last]] = np.maximum(held, ends[last])
 
     def propose(self, pending: Sequence[int], count: int) -> Proposal:
         """The ``count`` ids that followed the longest suffix seen before.
