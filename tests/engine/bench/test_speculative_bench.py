@@ -7,6 +7,7 @@ from pathlib import Path
 from engine.bench.speculative_bench import (
     SpeculativeConfig,
     first_divergence,
+    metal_estimate,
     quote_start,
     render_report,
     run_speculative_bench,
@@ -23,6 +24,10 @@ def test_bench_reports_every_question_with_its_margins(tmp_path: Path) -> None:
     assert [r["question"] for r in rows] == list(config.questions)
     for row in rows:
         assert 0 < row["tokens"] <= 10 and row["steps"] >= 1
+        if row["tokens"] == row["off_tokens"] == config.max_tokens:
+            # Cut at the same length, each accepted token saved plain decoding a pass.
+            assert row["off_steps"] - row["steps"] == row["accepted_tokens"]
+            assert row["metal_estimate"] == row["off_steps"] / row["steps"]
         assert row["accepted_tokens"] <= row["draft_tokens"]
         # Greedy answers repeat exactly, drafts included: pairs differ by timing alone.
         assert len(row["pair_ratios"]) == 2 and row["repeats_agree"]
@@ -43,6 +48,19 @@ def test_an_answer_that_stops_early_diverges_where_it_stopped() -> None:
     assert first_divergence([1, 2], [1, 2, 3, 4]) == 2
     assert first_divergence([1, 2, 3, 4], [1, 2]) == 2
     assert first_divergence([], [7]) == 0
+
+
+def test_metal_estimate_compares_tokens_per_pass_with_plain_decodings() -> None:
+    # An answer that ends itself: plain decoding took 16 passes for 14 tokens (the
+    # prompt's last token and one queued past the end), and so did an answer that
+    # drafted nothing: no speed-up, where tokens per pass alone says 0.88.
+    stopped = {"ids": list(range(14)), "steps": 16}
+    assert metal_estimate(stopped, dict(stopped)) == 1.0
+    assert metal_estimate({"ids": list(range(48)), "steps": 48},
+                          {"ids": list(range(48)), "steps": 21}) == 48 / 21
+    # Answers of different lengths (a near-tie moved the end) compare per token.
+    assert metal_estimate({"ids": list(range(20)), "steps": 22},
+                          {"ids": list(range(48)), "steps": 43}) == (48 / 43) / (20 / 22)
 
 
 def test_quote_question_names_a_paragraph_the_cut_document_holds() -> None:
