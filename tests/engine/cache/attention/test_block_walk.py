@@ -13,13 +13,12 @@ from tests.engine.cache.attention.test_dispatch import SAME_ROWS_TOLERANCE, _cac
 MIB = 2**20
 
 
-def _attention_peak(cache, queries: mx.array, mask, repeats: int = 3) -> int:
+def _attention_peaks(cache, queries: mx.array, mask, repeats: int) -> list[int]:
     """MLX peak above the memory active before attending ``queries`` (the cache
-    excluded), the median of ``repeats`` calls.
+    excluded), for each of ``repeats`` calls.
 
     One call's peak moves with timing (a buffer is freed once the stream that used
-    it has finished with it, which may come after the next block allocates); the
-    median is what a call holds.
+    it has finished with it, which may come after the next block allocates).
     """
     mx.eval(cache.store.slabs)
     peaks = []
@@ -33,7 +32,12 @@ def _attention_peak(cache, queries: mx.array, mask, repeats: int = 3) -> int:
         mx.eval(out)
         del out
         peaks.append(mx.get_peak_memory() - before)
-    return sorted(peaks)[repeats // 2]
+    return peaks
+
+
+def _attention_peak(cache, queries: mx.array, mask, repeats: int = 3) -> int:
+    """The median of :func:`_attention_peaks`: what a call holds."""
+    return sorted(_attention_peaks(cache, queries, mask, repeats))[repeats // 2]
 
 
 def _decode_peak(cache, heads: int) -> int:
@@ -145,12 +149,13 @@ def test_one_chunks_measured_peak_is_the_predicted_scratch(
     keys = _normal((1, cache.kv_heads, chunk, head_dim), 4)
     queries = _normal((1, q_heads, chunk, head_dim), 5)
     cache.update_and_fetch(keys, keys)
-    measured = _attention_peak(cache, queries, "causal")
+    # The worst of five calls: the prediction must cover every call, and one call
+    # in a few dozen lets a stream free its block early and holds ~15% less.
+    measured = max(_attention_peaks(cache, queries, "causal", repeats=5))
     predicted = scratch.chunk_scratch_bytes(
         chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset,
         streams.streams_for(cache.kv_heads))
-    # Never more than predicted (beyond timing noise), and not far less: what a
-    # call holds moves by ~15% with timing (when each stream frees a block).
+    # Never more than predicted (beyond timing noise), and not far less.
     assert 0.75 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
 
 
