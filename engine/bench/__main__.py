@@ -1,4 +1,5 @@
-"""``python -m engine.bench cache|generate|agreement|reopen|quality|longctx|pipeline|serve``.
+"""``python -m engine.bench COMMAND``: cache, generate, agreement, reopen, quality, longctx,
+pipeline, serve, speculative, kernels.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
 which BLAS the process actually loaded.
@@ -150,7 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--document-tokens", type=parse_tokens, help="e.g. 5k")
     spec.add_argument("--max-tokens", type=int, help="tokens per answer")
     spec.add_argument("--pairs", type=int, help="off/on pairs per question")
+    kernels = sub.add_parser("kernels", help="one layer's graph: Metal kernels, bytes, host time")
+    _common(kernels)
+    kernels.add_argument("--contexts", type=_ints, help="e.g. 32k,128k,256k")
+    kernels.add_argument("--modes", type=_modes, help="e.g. fp16,q6")
+    kernels.add_argument("--repeats", type=int, help="host-time repeats per decode graph")
+    kernels.add_argument("--no-chunks", action="store_true", help="decode steps only")
     return parser
+
+
+def run_kernels(args: argparse.Namespace, command: str) -> dict:
+    from engine.bench import kernels_bench
+
+    base = kernels_bench.QUICK if args.quick else kernels_bench.KernelsConfig()
+    config = with_changes(base, contexts=args.contexts, modes=args.modes,
+                          host_repeats=args.repeats, chunks=False if args.no_chunks else None)
+    return _run_sections(args, command, "kernels", kernels_bench.run_kernels_bench,
+                         kernels_bench.render_kernels_report, config)
 
 
 def run_pipeline(args: argparse.Namespace, command: str) -> dict:
@@ -343,6 +360,7 @@ RUNNERS = {
     "pipeline": run_pipeline,
     "serve": run_serve,
     "speculative": run_speculative,
+    "kernels": run_kernels,
 }
 _STARTED = time.monotonic()
 

@@ -179,6 +179,16 @@ class PageStore:
             dropped += pages
         return dropped
 
+    def arrays(self) -> list[mx.array]:
+        """Every array the store holds its rows in."""
+        return [part for slab in self.slabs for part in slab if part is not None]
+
+    def replace_arrays(self, arrays: list[mx.array]) -> None:
+        """Hold ``arrays`` (:meth:`arrays`' order and shapes) instead (graph counts)."""
+        it = iter(arrays)
+        self.slabs = [[None if part is None else next(it) for part in slab]
+                      for slab in self.slabs]
+
     def locate(self, slot: int) -> tuple[int, int]:
         """(slab index, index inside the slab) of a slot."""
         return self._where[slot]
