@@ -93,10 +93,10 @@ def mlx_chunk_estimate(q_heads: int, chunk: int, context: int) -> int:
 
 
 def stored_arrays(cache: Any) -> list[mx.array]:
-    """The arrays a cache keeps its rows in (a paged cache's slabs, else its state)."""
+    """The arrays a cache keeps its rows in (a paged cache's storage, else its state)."""
     store = getattr(cache, "store", None)
     if store is not None:
-        return [part for slab in store.slabs for part in slab if part is not None]
+        return store.arrays()
     return [leaf for _, leaf in tree_flatten(cache.state) if isinstance(leaf, mx.array)]
 
 

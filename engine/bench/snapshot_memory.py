@@ -102,7 +102,7 @@ def child(action: str, folder: str, mode: str, tokens: str) -> dict[str, float]:
         result = _measure(lambda: save_snapshot(session, Path(folder) / "kv", "chat"))
         result["kv_mib"] = sum(layer.nbytes for layer in session.cache) / 2**20
         return result
-    # A cache that held the pages once and gave them back keeps its slabs: the
+    # A cache that held the pages once and gave them back keeps its storage: the
     # load then measures what it needs beyond the pages themselves.
     cache = filled_cache(mode, tokens_n)
     for layer in cache:

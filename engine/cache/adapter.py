@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.cache import kvquant, sharing
+from engine.cache.attention import schedule
 from engine.cache.attention.dispatch import paged_attention
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
@@ -70,17 +71,20 @@ class CacheStats:
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedKVCache,
-           *args: Any, **kwargs: Any) -> mx.array:
+           scale: float, mask: Any = None, sinks: mx.array | None = None) -> mx.array:
     """Attention over a :class:`PagedKVCache`, in its rotation's basis when it has one.
 
     What a model's attention call becomes for a paged layer (same arguments).
     """
     rotation = cache.rotation
     if rotation is None:
-        return paged_attention(queries, keys, values, cache, *args, **kwargs)
+        return paged_attention(queries, keys, values, cache, scale, mask, sinks)
     # Keys and values were stored (and returned) rotated by an orthonormal R:
     # (qR)·(kR) = q·k, and the output, a mix of rotated values, is rotated back.
-    out = paged_attention(rotation.rotate_query(queries), keys, values, cache, *args, **kwargs)
+    # The GPU schedule folds the scale into the query's rotation (one kernel less).
+    folded = scale if schedule.current() == schedule.GPU else 1.0
+    rotated = rotation.rotate_query(queries, folded)
+    out = paged_attention(rotated, keys, values, cache, scale / folded, mask, sinks)
     return rotation.unrotate(out)
 
 
@@ -282,15 +286,15 @@ def _held_bytes(layer: Any) -> int:
 def eval_targets(cache: list[Any]) -> list[Any]:
     """Arrays whose evaluation completes a forward pass's cache writes.
 
-    A paged layer's ``state`` gathers (copies) every held page, so its page slabs
-    are evaluated instead, with what a pipeline stage made depend on them (its send
-    to the next stage); other layers use ``state`` as mlx-lm's prefill does.
+    A paged layer's ``state`` gathers (copies) every held page, so its storage
+    arrays are evaluated instead, with what a pipeline stage made depend on them
+    (its send to the next stage); other layers use ``state`` as mlx-lm's prefill does.
     """
     targets: list[Any] = []
     for layer in cache:
         if isinstance(layer, PagedKVCache):
             if layer.store is not None:
-                targets.extend(a for slab in layer.store.slabs for a in slab if a is not None)
+                targets.extend(layer.store.arrays())
             if layer.pipeline_dependency is not None:
                 targets.append(layer.pipeline_dependency)  # the stage's send
         else:

@@ -4,8 +4,15 @@ One symmetric quantizer serves every quantized mode: per row (one token of one K
 head, ``head_dim`` values) ``scale = max|row| / qmax`` stored as float16, and
 ``q = clip(round(x / scale), -qmax, qmax)``. Codes are biased into an unsigned
 field (``u = q + qmax + 1``) and packed as a little-endian bit stream, which is
-bit-identical to MLX's affine quantized layout (value ``i`` at bit ``bits * i``),
-so :func:`as_mlx_affine` can hand the stored bytes to ``mx.quantized_matmul``.
+bit-identical to MLX's affine quantized layout (value ``i`` at bit ``bits * i``).
+That is the seed's row format (:func:`row_format_bytes`), the one snapshots store.
+
+In memory each row keeps its scale in the form MLX's quantized kernels read, so
+``mx.quantized_matmul`` computes ``q @ K^T`` straight from the stored bytes with
+nothing converted per step: a float16 scale and bias (``-bias * scale``) per MLX
+group of the row (:func:`affine_scales`; 8 bytes a row at head_dim 256 instead of
+the format's 2). A scale is capped where its bias would overflow float16, so the
+quantized modes hold what fp16 holds (about ±63k).
 
 The fp16 mode stores the values themselves: ``quantize_rows(x, 16)`` returns the
 float16 values (``[..., head_dim]``, i.e. ``2 * head_dim`` bytes per row) and
@@ -18,6 +25,7 @@ import functools
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from engine.cache import fusion
 from engine.cache.modes import MODES
@@ -33,8 +41,8 @@ _QMAX_BY_BITS: dict[int, int] = {8: 127, 6: 31, 4: 7}
 _BIAS_BY_BITS: dict[int, int] = {8: 128, 6: 32, 4: 8}
 # (values per packed group, bytes per packed group)
 _GROUP_BY_BITS: dict[int, tuple[int, int]] = {16: (1, 2), 8: (1, 1), 6: (4, 3), 4: (2, 1)}
-_SCALE_BYTES = 2  # one float16 scale per row
-_MLX_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+_SCALE_BYTES = 2  # one float16 scale (or bias) per row, or per MLX group of a row
+_MLX_GROUP_SIZES: tuple[int, ...] = (128, 64, 32)  # largest first: fewest scales per row
 
 _ALIASES: dict[str, str] = {
     "q8": "q8", "8": "q8", "8bit": "q8", "int8": "q8", "uint8": "q8", "q80": "q8",
@@ -125,8 +133,33 @@ def packed_dim(head_dim: int, bits: int) -> int:
     return head_dim // values * nbytes
 
 
+def mlx_group_size(head_dim: int) -> int | None:
+    """Largest MLX group size that divides ``head_dim`` (None: MLX's quantized
+    kernels cannot read this model's rows)."""
+    return next((g for g in _MLX_GROUP_SIZES if head_dim % g == 0), None)
+
+
+def scale_groups(head_dim: int) -> int:
+    """Scales (and biases) a row keeps in memory: one per MLX group, or one."""
+    group = mlx_group_size(head_dim)
+    return head_dim // group if group else 1
+
+
 def kv_bytes_per_token(head_dim: int, mode: str) -> int:
-    """Bytes one token takes for one KV head, keys and values together, scales included."""
+    """Bytes one token takes for one KV head in memory, keys and values together.
+
+    Codes plus a float16 scale and bias per MLX group (:func:`scale_groups`);
+    fp16 stores the values alone.
+    """
+    bits = bits_for(mode)
+    if bits == _BITS_BY_MODE["fp16"]:
+        return 2 * packed_dim(head_dim, bits)
+    return 2 * (packed_dim(head_dim, bits) + 2 * _SCALE_BYTES * scale_groups(head_dim))
+
+
+def row_format_bytes(head_dim: int, mode: str) -> int:
+    """Bytes of one token of one KV head in the seed's row format (codes and one
+    float16 scale per row, keys and values): what a snapshot stores."""
     bits = bits_for(mode)
     scale_bytes = 0 if bits == _BITS_BY_MODE["fp16"] else _SCALE_BYTES
     return 2 * (packed_dim(head_dim, bits) + scale_bytes)
@@ -137,19 +170,41 @@ def project_kv_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, mod
     return layers * kv_heads * tokens * kv_bytes_per_token(head_dim, mode)
 
 
-def _row_scales(x: mx.array, qmax: int) -> mx.array:
+@functools.cache
+def scale_cap(bits: int) -> float:
+    """The largest float16 scale whose bias (``-bias * scale``) is finite in float16."""
+    cap = np.float16(_FP16_MAX / bias_for(bits))
+    while float(cap) * bias_for(bits) > _FP16_MAX:
+        cap = np.nextafter(cap, np.float16(0))
+    return float(cap)
+
+
+def _row_scales(x: mx.array, qmax: int, cap: float) -> mx.array:
     """Float16 scales, rounded up so that ``max|row| / scale <= qmax`` after storage.
 
     Rounding the scale down to float16 would push the largest value past qmax and
     the clip would break ``|x - x_hat| <= scale / 2``; rounding up never does.
-    Scales that would overflow float16 saturate at its maximum (values beyond
-    ``qmax * 65504`` then clip).
+    Scales saturate at ``cap`` (:func:`scale_cap`; values beyond ``qmax * cap`` clip).
     """
     exact = mx.maximum(mx.max(mx.abs(x), axis=-1, keepdims=True) / qmax, _SCALE_FLOOR)
-    exact = mx.minimum(exact, _FP16_MAX)
+    exact = mx.minimum(exact, cap)
     stored = exact.astype(mx.float16)
-    bumped = (stored.view(mx.uint16) + 1).view(mx.float16)
-    return mx.where(stored.astype(mx.float32) < exact, bumped, stored)
+    return mx.where(stored.astype(mx.float32) < exact, _next_up(stored), stored)
+
+
+def _next_up(stored: mx.array) -> mx.array:
+    """The next float16 above each positive ``stored``, elementwise (fusable).
+
+    Adding between half an ulp and one ulp rounds to the next value: for a normal
+    float16 ``v`` in ``[2^e, 2^(e+1))`` the ulp is ``2^(e-10)`` and
+    ``v * 1.01 * 2^-11`` lies in ``[0.505, 1.01)`` ulps; a subnormal's ulp is
+    ``2^-24``, so 0.6 of it. (Bit arithmetic on a view would break the compiled
+    quantizer into three kernels.)
+    """
+    value = stored.astype(mx.float32)
+    normal = value * (1 + 1.01 * 2.0**-11)
+    subnormal = value + 0.6 * 2.0**-24
+    return mx.where(value < 2.0**-14, subnormal, normal).astype(mx.float16)
 
 
 def _pack8(u: mx.array) -> mx.array:
@@ -161,12 +216,15 @@ def _unpack8(packed: mx.array) -> mx.array:
 
 
 def _pack6(u: mx.array) -> mx.array:
+    # Byte k of a group of four codes holds the bits of codes k and k + 1 that fall
+    # in it: ``(u[k] >> 2k) | (u[k + 1] << (6 - 2k))`` (the seed's three formulas).
+    # Elementwise over two strided views, so a compiled quantizer packs in the
+    # kernel that computes the codes: no stack, no copy.
     groups = u.reshape(*u.shape[:-1], -1, 4)
-    u0, u1, u2, u3 = (groups[..., i] for i in range(4))
-    byte0 = u0 | ((u1 & 0x03) << 6)
-    byte1 = (u1 >> 2) | ((u2 & 0x0F) << 4)
-    byte2 = (u2 >> 4) | ((u3 & 0x3F) << 2)
-    return mx.stack([byte0, byte1, byte2], axis=-1).reshape(*u.shape[:-1], -1)
+    shift = mx.array([0, 2, 4], dtype=mx.uint8)
+    low = groups[..., 0:3] >> shift
+    high = (groups[..., 1:4] << (6 - shift)) & 0xFF
+    return (low | high).reshape(*u.shape[:-1], -1)
 
 
 def _unpack6(packed: mx.array) -> mx.array:
@@ -241,14 +299,60 @@ def _quantize_packed(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     qmax, bias = qmax_for(bits), bias_for(bits)
     pack, _ = _table(_PACKERS, bits, "packer")
     values = x.astype(mx.float32)
-    scales = _row_scales(values, qmax)
+    scales = _row_scales(values, qmax, scale_cap(bits))
     q = mx.clip(mx.round(values / scales.astype(mx.float32)), -qmax, qmax)
     return pack((q + bias).astype(mx.uint8)), scales
 
 
+def _quantize_affine(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    codes, scales = _quantize_packed(x, bits)
+    return codes, _scale_and_bias(scales, bits)
+
+
+def _scale_and_bias(scales: mx.array, bits: int) -> mx.array:
+    """``[2, ..., 1]``: each row's scale, then its bias ``-bias * scale`` (exact in
+    float16: the bias is a power of two and the scale is capped)."""
+    factors = mx.array([1.0, -bias_for(bits)], dtype=mx.float16).reshape(
+        2, *([1] * scales.ndim))
+    return scales.astype(mx.float16)[None] * factors
+
+
+def quantize_for_store(x: mx.array, bits: int, groups: int) -> tuple[mx.array, mx.array | None]:
+    """Rows of ``x`` in the in-memory format: codes and MLX scales and biases.
+
+    Args:
+        x: values, any float dtype, ``[..., head_dim]``.
+        bits: 8, 6 or 4; 16 stores the float16 values unchanged.
+        groups: scales per row (:func:`scale_groups`).
+
+    Returns:
+        ``(codes, scale_and_bias)``: codes as :func:`quantize_rows` gives them and
+        float16 ``[2, ..., groups]`` (scales, then biases; a broadcast view of one per
+        row); for 16 bits the float16 values and None.
+    """
+    if bits == _BITS_BY_MODE["fp16"]:
+        return _to_fp16(x), None
+    packed_dim(x.shape[-1], bits)  # validates head_dim before any work
+    codes, scale_and_bias = _compiled_quantizer(bits, affine=True)(x)
+    return codes, mx.broadcast_to(scale_and_bias, (*scale_and_bias.shape[:-1], groups))
+
+
+def affine_scales(scales: mx.array, bits: int, groups: int) -> mx.array:
+    """Row scales (``[..., 1]``, the row format's) as the in-memory ``[2, ..., groups]``.
+
+    A scale above :func:`scale_cap` (stored before the cap) is capped: its bias
+    would be infinite.
+    """
+    capped = mx.minimum(scales.astype(mx.float32), scale_cap(bits))
+    pairs = _scale_and_bias(capped, bits)
+    return mx.broadcast_to(pairs, (*pairs.shape[:-1], groups))
+
+
 @functools.cache
-def _compiled_quantizer(bits: int) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
-    """``_quantize_packed`` for ``bits``, compiled on first call.
+def _compiled_quantizer(
+    bits: int, affine: bool = False
+) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    """``_quantize_packed`` (or ``_quantize_affine``) for ``bits``, compiled on first call.
 
     One decode step quantizes a single row per head and layer, where per-op launch
     overhead dominates; compiling fuses the dozen element-wise ops (bit-identical
@@ -256,7 +360,8 @@ def _compiled_quantizer(bits: int) -> Callable[[mx.array], tuple[mx.array, mx.ar
     module (as model discovery does on a pool thread) calls no MLX function.
     """
     _table(_PACKERS, bits, "quantizer")
-    return fusion.compiled(functools.partial(_quantize_packed, bits=bits))
+    quantize = _quantize_affine if affine else _quantize_packed
+    return fusion.compiled(functools.partial(quantize, bits=bits))
 
 
 def dequantize_rows(
@@ -285,66 +390,3 @@ def dequantize_rows(
     _, unpack = _table(_PACKERS, bits, "unpacker")
     signed = unpack(codes).astype(mx.float32) - bias_for(bits)
     return (signed * scales.astype(mx.float32)).astype(dtype)
-
-
-def as_mlx_affine(
-    codes: mx.array,
-    scales: mx.array,
-    bits: int,
-    head_dim: int,
-    group_size: int,
-    dtype: mx.Dtype | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Reinterpret stored rows as MLX affine-quantized weights, without repacking.
-
-    ``mx.dequantize(w, s, b, group_size, bits)`` of the result equals
-    :func:`dequantize_rows`, so ``mx.quantized_matmul(q, w, s, b, transpose=True)``
-    computes ``q @ K^T`` straight from the pages.
-
-    Args:
-        codes: packed uint8 rows ``[..., packed_dim]``, contiguous in the last axis.
-        scales: float16 row scales ``[..., 1]``.
-        bits: 8, 6 or 4.
-        head_dim: values per row; must be a multiple of ``group_size``.
-        group_size: MLX group size, 32, 64 or 128.
-        dtype: dtype of the returned scales and biases (default: that of ``scales``).
-            The biases are ``-bias * scale``, which overflows float16 for scales above
-            ``65504 / bias``; pass float32 if scales can be that large. bfloat16
-            gives float32: its 8-bit mantissa cannot hold a float16 scale, which
-            added ~0.08 to q8's 0.05 worst-case error on values.
-
-    Returns:
-        ``(w, scales, biases)``: uint32 words ``[..., packed_dim / 4]`` viewing the same
-        bytes, and per-group scales and biases ``[..., head_dim / group_size]``.
-
-    Raises:
-        UnsupportedModeError: bits, group size or head_dim do not fit MLX's layout.
-    """
-    bias = bias_for(bits)
-    if group_size not in _MLX_GROUP_SIZES:
-        raise UnsupportedModeError(
-            f"MLX quantized kernels take group sizes {_MLX_GROUP_SIZES}, not {group_size}."
-        )
-    if head_dim % group_size:
-        raise UnsupportedModeError(
-            f"head_dim {head_dim} is not a multiple of the MLX group size {group_size}; "
-            "use a smaller group size or dequantize_rows for this model."
-        )
-    row_bytes = packed_dim(head_dim, bits)
-    if codes.shape[-1] != row_bytes:
-        raise UnsupportedModeError(
-            f"Packed rows hold {codes.shape[-1]} bytes, but {bits}-bit rows of "
-            f"head_dim {head_dim} hold {row_bytes}."
-        )
-    # head_dim % group_size == 0 with group_size >= 32 makes every width's row a
-    # whole number of 32-bit words, so the uint32 view never straddles rows.
-    words = codes.view(mx.uint32)
-    groups = head_dim // group_size
-    out_dtype = dtype if dtype is not None else scales.dtype
-    if out_dtype == mx.bfloat16:
-        # MLX's quantized kernels promote the other operand, so a bf16 model's
-        # probabilities or queries meet float32 scales without a caller change.
-        out_dtype = mx.float32
-    group_scales = mx.repeat(scales.astype(out_dtype), groups, axis=-1)
-    biases = -bias * group_scales
-    return words, group_scales, biases

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from engine.cache import kvquant
-from engine.cache.attention.blocks import PageBlock, blocks_of
 from engine.cache.pages import PagePool, PageStore
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
@@ -53,11 +53,11 @@ class PagedKVCache(_BaseCache):
         # quantized (``engine.cache.rotation``); attention then works in the rotated
         # basis: queries rotated in, the output rotated back. None: rows as given.
         self.rotation: Any = None
-        # (pages, table version) -> its page groups and their blocks per block size.
         # The version counts the block table's changes, so a decode step checks
-        # the cache in constant time instead of comparing the whole table.
+        # what it memoized from the table in constant time.
         self._table_version = 0
-        self._groups: tuple[tuple[int, int], list[Any], dict[int, list[PageBlock]]] | None = None
+        # (table version, end column, positions or None): see ``columns``.
+        self._columns: tuple[int, int, mx.array | None] | None = None
 
     @property
     def keys(self) -> mx.array:
@@ -101,30 +101,40 @@ class PagedKVCache(_BaseCache):
         self.pool.ensure(self.offset + length)
         if self.rotation is not None:
             keys, values = self.rotation.rotate(keys), self.rotation.rotate(values)
-        bits = store.layout.bits
-        k_codes, k_scales = kvquant.quantize_rows(keys[0], bits)
-        v_codes, v_scales = kvquant.quantize_rows(values[0], bits)
+        bits, groups = store.layout.bits, store.layout.groups
+        # squeeze, not [0]: an integer index is a gather (a kernel) in MLX.
+        k_codes, k_scales = kvquant.quantize_for_store(keys.squeeze(0), bits, groups)
+        v_codes, v_scales = kvquant.quantize_for_store(values.squeeze(0), bits, groups)
         self._write((k_codes, k_scales, v_codes, v_scales), self.offset)
         self.offset += length
         return keys, values
 
     def _write(self, rows: tuple[mx.array | None, ...], start: int) -> None:
-        store = self.store
+        """Write rows from position ``start`` on: one write per run of consecutive
+        slots (a decode step's row, or a whole chunk when the table is in order)."""
         page_size = self.pool.page_size
-        end = start + rows[0].shape[1]
+        end = start + rows[0].shape[-2]
         position = start
         while position < end:
             logical, row = divmod(position, page_size)
-            if logical == len(self.block_table):
-                self.block_table.append(store.take())
-                self._table_version += 1
-            elif store.shared(self.block_table[logical]):
-                self._copy_on_write(logical)
+            slot = last = self._writable_slot(logical)
             count = min(page_size - row, end - position)
+            while position + count < end and self._writable_slot(logical + 1) == last + 1:
+                logical, last = logical + 1, last + 1
+                count = min(count + page_size, end - position)
             first = position - start
-            piece = tuple(None if r is None else r[:, first : first + count] for r in rows)
-            store.write(self.block_table[logical], row, piece)
+            piece = tuple(None if r is None else r[..., first : first + count, :] for r in rows)
+            self.store.write(slot, row, piece)
             position += count
+
+    def _writable_slot(self, logical: int) -> int:
+        """The slot of logical page ``logical``, taken if new, copied if shared."""
+        if logical == len(self.block_table):
+            self.block_table.append(self.store.take())
+            self._table_version += 1
+        elif self.store.shared(self.block_table[logical]):
+            self._copy_on_write(logical)
+        return self.block_table[logical]
 
     def _copy_on_write(self, logical: int) -> None:
         # Another chat reads this page too: write into a copy of it instead.
@@ -159,7 +169,6 @@ class PagedKVCache(_BaseCache):
         self.block_table.extend(slots)
         self._table_version += 1
         self.offset = tokens
-        self._groups = None
 
     def release(self) -> None:
         """Give every page back (shared ones stay with their other holders)."""
@@ -184,40 +193,44 @@ class PagedKVCache(_BaseCache):
     def head_dim(self) -> int:
         return self.store.layout.head_dim
 
-    def page_groups(self, pages: int) -> list[Any]:
-        """The first ``pages`` pages split by slab, as :meth:`PageStore.group` gives.
+    def columns(self) -> tuple[int, mx.array | None]:
+        """Which token columns of the store the attention reads, and where they sit.
 
-        Cached until the block table changes: decode steps inside one page reuse
-        it instead of rebuilding index arrays over the whole block table.
+        Returns ``(end, positions)``: the attention reads columns ``[0, end)`` of
+        every part. ``positions`` is None when the block table is in slot order
+        (logical page ``i`` in slot ``i``, the usual case): column ``c`` then holds
+        position ``c`` and ``end`` is the offset. Otherwise (pages shared with
+        another chat, or copied on write) ``positions`` gives each column's
+        position, or -1 where this cache holds no row, and ``end`` covers its
+        highest slot. Memoized per block table: a decode step inside a page does
+        no Python work over the table.
         """
-        key = (pages, self._table_version)
-        if self._groups is None or self._groups[0] != key:
-            self._groups = (key, self.store.group(self.block_table[:pages]), {})
-        return self._groups[1]
+        if self._columns is None or self._columns[0] != self._table_version:
+            self._columns = (self._table_version, *self._columns_of_table())
+        _, end, positions = self._columns
+        return (self.offset, None) if positions is None else (end, positions)
 
-    def page_blocks(self, pages: int, pages_per_block: int) -> list[PageBlock]:
-        """The first ``pages`` pages cut into attention blocks (:func:`blocks_of`).
-
-        Cached with the page groups: a decode step inside one page does no Python
-        work over the block table.
-        """
-        groups = self.page_groups(pages)
-        blocks = self._groups[2]
-        if pages_per_block not in blocks:
-            blocks[pages_per_block] = blocks_of(groups, pages_per_block)
-        return blocks[pages_per_block]
+    def _columns_of_table(self) -> tuple[int, mx.array | None]:
+        table = self.block_table
+        if table == list(range(len(table))):
+            return len(table) * self.pool.page_size, None
+        page_size = self.pool.page_size
+        end = (max(table) + 1) * page_size
+        positions = np.full(end, -1, dtype=np.int32)
+        for logical, slot in enumerate(table):
+            positions[slot * page_size:(slot + 1) * page_size] = np.arange(
+                logical * page_size, (logical + 1) * page_size, dtype=np.int32)
+        return end, mx.array(positions)
 
     def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """The first ``tokens`` cached keys and values as ``[1, kv_heads, tokens, D]``."""
         pages = self.pool.pages_for(tokens)
-        gathered = self.store.gather(self.block_table[:pages], heads_first=True)
-        k_codes, k_scales, v_codes, v_scales = gathered
+        k_codes, k_scales, v_codes, v_scales = self.store.gather(self.block_table[:pages])
         bits, head_dim = self.store.layout.bits, self.head_dim
 
         def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
-            # Gathered heads-first, so this reshape is free: no transpose copy.
             values = kvquant.dequantize_rows(codes, scales, bits, head_dim, dtype)
-            return values.reshape(self.kv_heads, -1, head_dim)[None, :, :tokens]
+            return values.swapaxes(0, 1).reshape(self.kv_heads, -1, head_dim)[None, :, :tokens]
 
         return rows(k_codes, k_scales), rows(v_codes, v_scales)
 
@@ -256,7 +269,6 @@ class PagedKVCache(_BaseCache):
             self._table_version += 1
         if self.store is not None and release:
             self.pool.release_free_tail(self.store)
-            self._groups = None
         return n
 
     @property
@@ -301,14 +313,19 @@ class PagedKVCache(_BaseCache):
                 )
             self._store_for(int(kv_heads), int(head_dim))
             self.pool.ensure(offset)
-        # Keep the slabs reserved above: the pages are rewritten into them.
+        # Keep the storage reserved above: the pages are rewritten into it.
         self._drop_last(self.offset, release=False)
+        layout = self.store.layout if self.store is not None else None
         for page in range(self.pool.pages_for(offset)):
             slot = self.store.take()
             self.block_table.append(slot)
             self._table_version += 1
-            rows = (k_codes, k_scales, v_codes, v_scales)
-            self.store.write(slot, 0, tuple(None if r is None else r[page] for r in rows))
+            rows = [k_codes[page], k_scales, v_codes[page], v_scales]
+            for part in (1, 3):  # row scales (the snapshot's format) as MLX's pairs
+                if rows[part] is not None:
+                    rows[part] = kvquant.affine_scales(rows[part][page], layout.bits,
+                                                       layout.groups)
+            self.store.write(slot, 0, tuple(rows))
         self.offset = offset
 
     @property

@@ -1,12 +1,17 @@
 """Pages of KV storage: one layer's page store and the pool that budgets them all.
 
-A page holds ``page_size`` tokens of one layer, for every KV head: packed codes and
-float16 row scales for keys and values, page-major (``[pages, kv_heads, page_size,
-packed]``). Each layer's pages live in that layer's own slabs (arrays of many
-pages). Slabs are added, never grown: allocating a page never copies a page that
-exists. Layers never share a slab because MLX copies a whole array on a slice update
-while any other reader of it is pending, and in one forward pass every layer writes
-then reads its storage.
+A page holds ``page_size`` tokens of one layer, for every KV head. A layer's pages
+live in four arrays (keys' codes, their scales and biases, values' codes, theirs),
+heads first and tokens next: slot ``s`` holds tokens ``s * page_size`` to
+``(s + 1) * page_size`` of every head's rows (``[kv_heads, capacity * page_size,
+width]``; scales and biases ``[2, kv_heads, capacity * page_size, groups]``, see
+``engine.cache.kvquant``). Each head's rows are then one contiguous run, so the
+attention reads a layer's keys or values with one GPU op at any context instead of
+one per block of pages. A layer grows by copying its arrays into larger ones (one
+array at a time, so the transient is one array of one layer), shrinks the same way
+once most of it is free, and never shares an array with another layer: MLX copies
+a whole array on a slice update while any other reader of it is pending, and in one
+forward pass every layer writes then reads its storage.
 
 The :class:`PagePool` owns the byte budget of one session's layers. It reserves
 pages for all of them at once, so running out of budget raises before any layer
@@ -34,13 +39,14 @@ from engine.cache import kvquant
 from engine.cache.modes import MODES
 from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 
-# Slabs double a layer's capacity up to this many bytes, then add half the
-# capacity each: few slabs per layer (each costs two kernels per decode step)
-# while the idle tail a layer allocates ahead stays at most one slab, a third of
-# what it holds, and within the budget's spare room.
-MAX_SLAB_BYTES = 32 * 2**20
-MIN_SLAB_PAGES = 4
+# A layer grows by doubling up to this many bytes, then by half its capacity: few
+# growth copies over a long context, while the idle room a layer allocates ahead
+# stays at most a third of what it holds, and within the budget's spare room.
+MAX_GROWTH_BYTES = 32 * 2**20
+MIN_GROWTH_PAGES = 4
 PREFILL_SCRATCH_BYTES = 256 * 2**20
+# Parts of a layer's storage, in the order every tuple of them follows.
+PARTS = ("k_codes", "k_scales", "v_codes", "v_scales")
 
 
 @dataclass(frozen=True)
@@ -64,29 +70,53 @@ class PageLayout:
         return kvquant.packed_dim(self.head_dim, self.bits)
 
     @property
+    def groups(self) -> int:
+        """Scales (and biases) per row in memory (``kvquant.scale_groups``)."""
+        return kvquant.scale_groups(self.head_dim)
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one page, keys and values, codes and scales."""
+        """Bytes of one page in memory, keys and values, codes, scales and biases."""
         per_token = kvquant.kv_bytes_per_token(self.head_dim, self.mode)
         return self.page_size * self.kv_heads * per_token
 
     def with_mode(self, mode: str) -> PageLayout:
         return PageLayout(mode, self.page_size, self.kv_heads, self.head_dim)
 
+    def empty(self, pages: int) -> list[mx.array | None]:
+        """Zeroed storage for ``pages`` slots, in :data:`PARTS` order."""
+        tokens = pages * self.page_size
+        if self.bits == 16:
+            values = (self.kv_heads, tokens, self.head_dim)
+            return [mx.zeros(values, mx.float16), None, mx.zeros(values, mx.float16), None]
+        codes = (self.kv_heads, tokens, self.row_width)
+        scales = (2, self.kv_heads, tokens, self.groups)
+        return [mx.zeros(codes, mx.uint8), mx.zeros(scales, mx.float16),
+                mx.zeros(codes, mx.uint8), mx.zeros(scales, mx.float16)]
+
+
+def _resized(part: mx.array, tokens: int) -> mx.array:
+    """``part`` with room for ``tokens`` tokens (axis -2), the rows it keeps copied."""
+    shape = (*part.shape[:-2], tokens, part.shape[-1])
+    grown = mx.zeros(shape, part.dtype)
+    kept = min(tokens, part.shape[-2])
+    grown[..., :kept, :] = part[..., :kept, :]
+    mx.eval(grown)  # one array at a time: the transient is one part of one layer
+    return grown
+
 
 class PageStore:
-    """One layer's page slots, held in slabs, with a free list of slot ids.
+    """One layer's page slots, with a free list of slot ids.
 
-    Slot ids are dense: slot ``s`` lives in the slab whose range covers ``s``.
-    Arrays are ``(k_codes, k_scales, v_codes, v_scales)`` per slab; the scales are
-    None in fp16 mode. Each slot counts the block tables holding it (0: free).
+    ``parts`` are the storage arrays in :data:`PARTS` order (the scales None in
+    fp16 mode). Each slot counts the block tables holding it (0: free).
     """
 
     def __init__(self, layout: PageLayout) -> None:
         self.layout = layout
-        self.slabs: list[list[mx.array | None]] = []
+        self.parts: list[mx.array | None] = [None] * len(PARTS)
         self.capacity = 0
         self._free: list[int] = []
-        self._where: list[tuple[int, int]] = []  # slot -> (slab, index in slab)
         self._refs: list[int] = []  # slot -> block tables holding it
 
     @property
@@ -97,30 +127,24 @@ class PageStore:
     def in_use(self) -> int:
         return self.capacity - len(self._free)
 
-    def add_slab(self, pages: int) -> None:
-        layout = self.layout
-        shape = (pages, layout.kv_heads, layout.page_size)
-        code_dtype = mx.float16 if layout.bits == 16 else mx.uint8
-
-        def codes() -> mx.array:
-            return mx.zeros((*shape, layout.row_width), dtype=code_dtype)
-
-        def scales() -> mx.array | None:
-            return None if layout.bits == 16 else mx.zeros((*shape, 1), dtype=mx.float16)
-
-        slab = [codes(), scales(), codes(), scales()]
-        # Allocate now: a reservation that stays lazy would land in whatever step
-        # first writes the slab, and count there as that step's transient.
-        mx.eval([part for part in slab if part is not None])
-        self.slabs.append(slab)
-        self._where.extend((len(self.slabs) - 1, local) for local in range(pages))
+    def grow(self, pages: int) -> None:
+        """Room for ``pages`` more slots; the rows held are copied into the new arrays."""
+        self._resize(self.capacity + pages)
         self._refs.extend([0] * pages)
         for slot in range(self.capacity, self.capacity + pages):
             heapq.heappush(self._free, slot)
         self.capacity += pages
 
+    def _resize(self, pages: int) -> None:
+        if self.capacity == 0 or pages == 0:
+            self.parts = self.layout.empty(pages) if pages else [None] * len(PARTS)
+            mx.eval([p for p in self.parts if p is not None])
+            return
+        tokens = pages * self.layout.page_size
+        self.parts = [None if p is None else _resized(p, tokens) for p in self.parts]
+
     def take(self) -> int:
-        """A free slot, lowest first so a layer's pages stay in slab order."""
+        """A free slot, lowest first so a layer's pages stay in order."""
         slot = heapq.heappop(self._free)
         self._refs[slot] = 1
         return slot
@@ -146,104 +170,92 @@ class PageStore:
 
     def copy_page(self, source: int, target: int) -> None:
         """Make slot ``target`` hold the same rows as slot ``source``."""
-        from_slab, from_local = self.locate(source)
-        to_slab, to_local = self.locate(target)
-        pages = [None if a is None else a[from_local] for a in self.slabs[from_slab]]
-        # Evaluated first: a slice update of a slab another pending op still reads
-        # would copy the whole slab.
-        mx.eval([p for p in pages if p is not None])
-        slab = self.slabs[to_slab]
-        for part, page in enumerate(pages):
-            if page is not None:
-                slab[part][to_local] = page
+        rows = self.rows(source, 0, self.layout.page_size)
+        # Copied out first: a slice update whose update still views the array it
+        # writes into would copy the whole array.
+        rows = tuple(None if r is None else mx.contiguous(r) for r in rows)
+        mx.eval([r for r in rows if r is not None])
+        self.write(target, 0, rows)
 
     def drop_free_tail(self) -> int:
-        """Drop the last slabs while every slot in them is free; returns pages dropped.
+        """Shrink past the free slots at the end, once they are most of the store.
 
-        Slots are dense and taken lowest first, so after a trim the free slots
-        gather in the last slabs: dropping them hands their memory back (to MLX's
-        buffer cache; ``mx.clear_cache`` returns it to the system).
+        Slots are taken lowest first, so after a trim the free slots gather at the
+        end: shrinking hands their memory back (to MLX's buffer cache;
+        ``mx.clear_cache`` returns it to the system). A store shrinks when the free
+        tail is at least half of it (or all of it), keeping a quarter of what it
+        still holds as room, so trimming and writing again does not copy it back
+        and forth. Returns the pages dropped.
         """
-        dropped = 0
-        while self.slabs:
-            pages = self.slabs[-1][0].shape[0]
-            start = self.capacity - pages
-            if sum(1 for slot in self._free if slot >= start) < pages:
-                break
-            self._free = [slot for slot in self._free if slot < start]
-            heapq.heapify(self._free)
-            del self._where[start:]
-            del self._refs[start:]
-            self.slabs.pop()
-            self.capacity = start
-            dropped += pages
+        free = set(self._free)
+        end = self.capacity
+        while end and end - 1 in free:
+            end -= 1
+        keep = 0 if end == 0 else min(self.capacity, end + end // 4)
+        if self.capacity - keep < max(1, self.capacity // 2) and keep:
+            return 0
+        dropped = self.capacity - keep
+        self._free = [slot for slot in self._free if slot < keep]
+        heapq.heapify(self._free)
+        del self._refs[keep:]
+        self._resize(keep)
+        self.capacity = keep
         return dropped
+
+    def write(self, slot: int, row: int, rows: tuple[mx.array | None, ...]) -> None:
+        """Write ``[kv_heads, n, width]`` rows at ``row`` of slot ``slot`` and on,
+        in place, through as many consecutive slots as they fill.
+
+        ``rows`` are the storage parts (:data:`PARTS`), scales and biases ``[2,
+        kv_heads, n, groups]``.
+        """
+        start = slot * self.layout.page_size + row
+        parts = list(self.parts)
+        for index, value in enumerate(rows):
+            if value is None:
+                continue
+            target = parts[index]
+            target[..., start : start + value.shape[-2], :] = value
+            parts[index] = target
+        self.parts = parts
+
+    def rows(self, slot: int, row: int, count: int) -> tuple[mx.array | None, ...]:
+        """Views of ``count`` rows of slot ``slot`` from ``row`` on, per part."""
+        start = slot * self.layout.page_size + row
+        return tuple(None if p is None else p[..., start : start + count, :] for p in self.parts)
+
+    def columns(self, part: int, end: int) -> mx.array | None:
+        """Part ``part`` (:data:`PARTS`) up to token column ``end``: a view."""
+        array = self.parts[part]
+        return None if array is None else array[..., :end, :]
+
+    def gather(self, slots: list[int]) -> list[mx.array | None]:
+        """Copies of the given pages, page-major, in the row format snapshots keep.
+
+        ``[n, kv_heads, page_size, width]`` codes and ``[n, kv_heads, page_size, 1]``
+        row scales per part (None where the mode stores none).
+        """
+        size, heads = self.layout.page_size, self.layout.kv_heads
+        index = mx.array(slots, dtype=mx.uint32)
+        gathered: list[mx.array | None] = []
+        for name, part in zip(PARTS, self.parts, strict=True):
+            if part is None:
+                gathered.append(None)
+                continue
+            if name.endswith("scales"):
+                part = part[0, ..., :1]  # every group of a row holds the row's scale
+            paged = part.reshape(heads, -1, size, part.shape[-1])
+            gathered.append(mx.take(paged, index, axis=1).swapaxes(0, 1))
+        return gathered
 
     def arrays(self) -> list[mx.array]:
         """Every array the store holds its rows in."""
-        return [part for slab in self.slabs for part in slab if part is not None]
+        return [part for part in self.parts if part is not None]
 
     def replace_arrays(self, arrays: list[mx.array]) -> None:
         """Hold ``arrays`` (:meth:`arrays`' order and shapes) instead (graph counts)."""
         it = iter(arrays)
-        self.slabs = [[None if part is None else next(it) for part in slab]
-                      for slab in self.slabs]
-
-    def locate(self, slot: int) -> tuple[int, int]:
-        """(slab index, index inside the slab) of a slot."""
-        return self._where[slot]
-
-    def write(self, slot: int, row: int, rows: tuple[mx.array | None, ...]) -> None:
-        """Write ``[kv_heads, n, width]`` rows at ``row`` of a page, in place.
-
-        ``rows`` is ``(k_codes, k_scales, v_codes, v_scales)``.
-        """
-        slab_index, local = self.locate(slot)
-        slab = self.slabs[slab_index]
-        for part, value in enumerate(rows):
-            if value is None:
-                continue
-            target = slab[part]
-            target[local, :, row : row + value.shape[1], :] = value
-            slab[part] = target
-
-    def gather(self, slots: list[int], heads_first: bool = False) -> list[mx.array | None]:
-        """Copies of the given pages in the given order.
-
-        Page-major ``[n, kv_heads, page_size, w]``, or with ``heads_first``
-        ``[kv_heads, n, page_size, w]`` (one gather, ready to read as a sequence).
-        """
-        axis = 1 if heads_first else 0
-        groups = self.group(slots)
-        parts: list[mx.array | None] = []
-        for part in range(4):
-            if self.slabs[0][part] is None:
-                parts.append(None)
-                continue
-            pieces = []
-            for slab_index, local, _ in groups:
-                pages = self.slabs[slab_index][part]
-                pages = pages.swapaxes(0, 1) if heads_first else pages
-                pieces.append(mx.take(pages, local, axis=axis))
-            parts.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=axis))
-        order = [p for _, _, positions in groups for p in positions]
-        if order != sorted(order):
-            inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
-            parts = [None if p is None else mx.take(p, inverse, axis=axis) for p in parts]
-        return parts
-
-    def group(self, slots: list[int]) -> list[tuple[int, mx.array, list[int]]]:
-        """Split logical pages by slab: (slab index, local indices, logical page numbers)."""
-        by_slab: dict[int, tuple[list[int], list[int]]] = {}
-        for logical, slot in enumerate(slots):
-            slab_index, local = self.locate(slot)
-            locals_, logicals = by_slab.setdefault(slab_index, ([], []))
-            locals_.append(local)
-            logicals.append(logical)
-        return [
-            (index, mx.array(locals_, dtype=mx.uint32), logicals)
-            for index, (locals_, logicals) in sorted(by_slab.items())
-        ]
+        self.parts = [None if part is None else next(it) for part in self.parts]
 
 
 class PageGroup:
@@ -251,7 +263,7 @@ class PageGroup:
 
     Weakly held: a pool refers to its group and its layers' caches refer to the
     pool, so strong references back would make cycles, and a closed session's
-    slabs (gigabytes at 262k tokens) would wait for Python's cycle collector.
+    storage (gigabytes at 262k tokens) would wait for Python's cycle collector.
     """
 
     def __init__(self, pool: PagePool) -> None:
@@ -292,7 +304,7 @@ class PagePool:
         # Pools whose sessions share pages: one group, the same stores (see join).
         self.group = PageGroup(self)
         # The most one prefill chunk's attention may hold on top of the pages
-        # (engine.cache.attention.dispatch walks the pages in blocks that fit it).
+        # (engine.cache.attention.dispatch walks the columns in blocks that fit it).
         self.scratch_bytes = PREFILL_SCRATCH_BYTES
         # Pages every store already has room for, so most calls (two per layer per
         # step) return without looking at the stores; reset when a store shrinks.
@@ -360,7 +372,7 @@ class PagePool:
         return sum(s.capacity * s.layout.page_bytes for s in self.stores)
 
     def release_free_tail(self, store: PageStore) -> None:
-        """Give back ``store``'s fully free last slabs (after a trim)."""
+        """Shrink ``store`` past its free last slots, when they are most of it (after a trim)."""
         if store.drop_free_tail():
             for pool in self.group:
                 pool._room = 0
@@ -392,17 +404,17 @@ class PagePool:
         spare = headroom - needed
         step_bytes = sum(s.layout.page_bytes for s, _ in short)
         for store, missing in short:
-            # Past MAX_SLAB_BYTES a slab is half the layer's capacity, so a 262k
-            # cache is ~a dozen slabs per layer (each costs kernels every decode
-            # step), not a hundred, and the idle tail stays at most a third.
-            cap = max(1, MAX_SLAB_BYTES // store.layout.page_bytes, store.capacity // 2)
-            grow = min(max(store.capacity, MIN_SLAB_PAGES), cap)
+            # Past MAX_GROWTH_BYTES a layer grows by half its capacity, so a 262k
+            # cache is copied about a dozen times over its whole fill, not hundreds,
+            # and the idle room stays at most a third.
+            cap = max(1, MAX_GROWTH_BYTES // store.layout.page_bytes, store.capacity // 2)
+            grow = min(max(store.capacity, MIN_GROWTH_PAGES), cap)
             extra = max(0, grow - missing)
             if spare != math.inf:
                 # Every short layer grows by the same slack, so layers stay symmetric
                 # and the budget's last pages are never held idle by one layer.
                 extra = min(extra, int(spare // step_bytes))
-            store.add_slab(missing + extra)
+            store.grow(missing + extra)
         self._room = self._reach()
 
     def _needed(self, index: int, tokens: int) -> int:
@@ -414,7 +426,7 @@ class PagePool:
         return self.pages_for(tokens) - len(holder.block_table) + holder.copies_due(tokens)
 
     def _reach(self) -> int:
-        """Pages every layer can hold without a new slab; 0 (look again each time)
+        """Pages every layer can hold without growing; 0 (look again each time)
         while other sessions take slots from the same stores."""
         if self.shared:
             return 0

@@ -20,10 +20,12 @@ Format ``hadamard-v1`` (what snapshots and sessions record):
 So ``rotate(x) = x @ R`` with ``R = diag(signs) · blockdiag(H_n / sqrt(n))``, and
 ``unrotate(y) = y @ Rᵀ``. A prefill chunk takes one dense ``head_dim × head_dim``
 matmul: on the CPU it is faster than a fast Walsh–Hadamard transform at head_dim
-64/128/256 (measured: docs/benchmarks.md). A decode step and a speculative
-verification take MLX's transform instead: a matmul rounds by how many rows it
-holds (BLAS picks its kernel by shape), the transform rounds every row the same
-way, so a verified token gets the numbers its decode step would have.
+64/128/256 (measured: docs/benchmarks.md). Under the GPU attention schedule
+every call does, one kernel (a query's with the attention's scale folded into
+``R``). Under the CPU schedule a decode step and a speculative verification take
+MLX's transform instead: a matmul rounds by how many rows it holds (BLAS picks its
+kernel by shape), the transform rounds every row the same way, so a verified
+token gets the numbers its decode step would have.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from engine.cache.attention import schedule
 from engine.cache.attention.scratch import PACKED_MAX_TOKENS
 from engine.errors import EngineError
 
@@ -101,6 +104,7 @@ class HadamardRotation:
                                else np.ones(head_dim, dtype=np.float32))
         self._blocks = power_of_two_blocks(head_dim)
         self._cast: dict[mx.Dtype, tuple[mx.array, mx.array, mx.array]] = {}
+        self._scaled_forward: dict[tuple[mx.Dtype, float], mx.array] = {}
 
     @property
     def format_id(self) -> str:
@@ -125,23 +129,39 @@ class HadamardRotation:
     def rotate(self, x: mx.array) -> mx.array:
         """``x`` (``[..., tokens, head_dim]``) in the rotated basis."""
         forward, _, signs = self._matrices(x.dtype)
-        if _decode_sized(x):
+        if _per_row(x):
             return self._transform(x * signs)
         return x @ forward
 
-    def rotate_query(self, x: mx.array) -> mx.array:
-        """:meth:`rotate` for queries (the dispatcher's name for it; rows not stored)."""
-        return self.rotate(x)
+    def rotate_query(self, x: mx.array, scale: float = 1.0) -> mx.array:
+        """:meth:`rotate` for queries, times ``scale`` (the dispatcher's name; rows
+        not stored). Under the GPU schedule the scale rides in the matmul's matrix."""
+        if _per_row(x):
+            rotated = self.rotate(x)
+            return rotated if scale == 1.0 else rotated * scale
+        return x @ self._scaled(x.dtype, scale)
+
+    def _scaled(self, dtype: mx.Dtype, scale: float) -> mx.array:
+        key = (dtype, scale)
+        if key not in self._scaled_forward:
+            self._scaled_forward[key] = (self._forward * scale).astype(dtype)
+        return self._scaled_forward[key]
 
     def unrotate(self, x: mx.array) -> mx.array:
         """The inverse of :meth:`rotate`."""
         _, inverse, signs = self._matrices(x.dtype)
-        if _decode_sized(x):
+        if _per_row(x):
             return self._transform(x) * signs
         return x @ inverse
 
     def __repr__(self) -> str:
         return f"HadamardRotation({self.format_id}, head_dim={self.head_dim}, layer={self.layer})"
+
+
+def _per_row(x: mx.array) -> bool:
+    """Whether ``x`` takes the transform that rounds each row alike: a decode step's or
+    a verification's rows (per head) under the CPU schedule."""
+    return schedule.current() == schedule.CPU and _decode_sized(x)
 
 
 def _decode_sized(x: mx.array) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 from mlx.utils import tree_flatten
 
 from engine.cache import kvquant
-from engine.cache.attention import streams
+from engine.cache.attention import schedule, streams
 from engine.cache.attention.scratch import chunk_scratch_bytes
 from engine.cache.modes import MODES
 from engine.cache.paged_cache import PagedKVCache
@@ -93,6 +93,7 @@ class PrefillFacts:
         head_dim: values per head.
         page_size: tokens per page.
         head_streams: streams the attention splits a long context's heads over.
+        gpu_schedule: the attention runs the GPU schedule's blocks.
     """
 
     weights_bytes: int
@@ -103,6 +104,7 @@ class PrefillFacts:
     head_dim: int = 0
     page_size: int = 256
     head_streams: int = 1
+    gpu_schedule: bool = False
 
     def scratch_for(self, chunk: int, context: int | None = None) -> int:
         """The attention scratch of one ``chunk``-token chunk (``context``: tokens then held)."""
@@ -110,7 +112,7 @@ class PrefillFacts:
             return self.scratch_bytes
         return chunk_scratch_bytes(chunk, self.q_heads, self.kv_heads, self.head_dim,
                                    self.page_size, self.scratch_bytes, context,
-                                   self.head_streams)
+                                   self.head_streams, self.gpu_schedule)
 
     def transient_bytes(self, chunk: int, context: int | None = None) -> int:
         """Bytes one chunk of ``chunk`` tokens needs while it runs (scratch + activations)."""
@@ -153,7 +155,8 @@ def prefill_facts(
     weights = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
     return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes,
                         heads, kv_heads, head_dim, page_size,
-                        streams.streams_for(kv_heads) if kv_heads else 1)
+                        streams.streams_for(kv_heads) if kv_heads else 1,
+                        schedule.current() == schedule.GPU)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class Hold:
     """One attached session's pages and reserve, as plain numbers."""
 
     key: str
-    group: int  # sessions sharing pages share one group: its slabs count once
+    group: int  # sessions sharing pages share one group: its storage counts once
     bytes_allocated: int
     reserved_bytes: int
 

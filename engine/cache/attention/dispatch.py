@@ -5,25 +5,21 @@ query attends the *stored* keys and values of every position up to its own,
 its own chunk included, exactly as a decode step would. A token's logits then do
 not depend on how the prompt was cut into chunks.
 
-Two paths, neither of which materializes the context; both walk the pages in
-blocks merged with an online softmax (running max and sum,
-:mod:`engine.cache.attention.block_walk`), sized from a scratch budget so a call's
-transient is the same at 32k and at 262k tokens (:mod:`engine.cache.attention.scratch`):
+Two schedules (:mod:`engine.cache.attention.schedule`), neither of which
+materializes a dequantized context:
 
-- few new tokens on quantized pages (decode) under the GPU schedule: scores
-  straight from the packed pages with ``mx.gather_qmm`` (the stored bytes are
-  MLX's affine layout), GQA folded into rows, in blocks of ``DECODE_SCRATCH_BYTES``.
-- everything else (prefill chunks, fp16 pages, any decode on the CPU, head dims
-  MLX's quantized kernels cannot take): each block is dequantized on its own; a
-  prefill chunk's blocks fill the pool's scratch budget, a decode step's stay
-  page-major and small.
+- ``gpu`` (Metal, CUDA): :mod:`engine.cache.attention.gpu` reads a decode step's
+  whole context with one op per part of the storage (the packed pages through
+  ``mx.quantized_matmul``, fp16 pages through the fused SDPA) and a prefill
+  chunk's in large blocks, all in one lazy graph in the model's 16-bit dtype.
+- ``cpu``: :mod:`engine.cache.attention.block_walk` dequantizes one block of
+  columns at a time in fp32 and merges it into an online softmax, the host
+  waiting on each block, the heads of a prefill chunk split over the cores.
 
-Either decode path gives a speculative verification of up to ``PACKED_MAX_TOKENS``
-tokens, row for row, the numbers one-token decode steps would give.
-
-Blocks follow each other by the backend's schedule
-(:mod:`engine.cache.attention.schedule`): the host waits on each on the CPU; on a
-GPU the whole call is one lazy graph.
+Each schedule gives a speculative verification of up to ``PACKED_MAX_TOKENS``
+tokens, row for row, the numbers its one-token decode steps would give (on the
+CPU backend; MLX's GPU kernels may round a verification's rows apart, within the
+dtype's rounding).
 """
 
 from __future__ import annotations
@@ -32,31 +28,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.cache.attention import block_walk, schedule
+from engine.cache.attention import block_walk, gpu, schedule
 from engine.cache.attention.query_view import QueryView, compute_dtype
 from engine.cache.attention.scratch import PACKED_MAX_TOKENS
 from engine.errors import EngineError
 
-__all__ = ["PACKED_MAX_TOKENS", "compute_dtype", "group_size_for", "paged_attention",
-           "reads_packed_pages"]
-
-_MLX_GROUP_SIZES = (128, 64, 32)
-
-
-def group_size_for(head_dim: int) -> int | None:
-    """Largest MLX group size that divides ``head_dim`` (None: no packed path)."""
-    return next((g for g in _MLX_GROUP_SIZES if head_dim % g == 0), None)
-
-
-def reads_packed_pages() -> bool:
-    """Whether a decode step scores quantized pages straight from the packed bytes.
-
-    Under the GPU schedule the packed kernels read a fraction of fp16's bytes. On
-    the CPU, MLX's quantized matmul unpacks the pages again for every query row:
-    converting each block once and multiplying is faster for one token and several
-    times faster for a verification's nine (docs/benchmarks.md, speculative).
-    """
-    return schedule.current() == schedule.GPU
+__all__ = ["PACKED_MAX_TOKENS", "compute_dtype", "paged_attention"]
 
 
 def paged_attention(
@@ -88,11 +65,11 @@ def paged_attention(
         raise EngineError(
             "This model uses attention sinks, which the paged KV cache does not support."
         )
-    view = QueryView.of(queries, cache, mask)
-    bits = cache.store.layout.bits
-    group_size = group_size_for(cache.head_dim)
-    if view.length <= PACKED_MAX_TOKENS and bits != 16 and group_size and reads_packed_pages():
-        out = block_walk.attend_packed(view, cache, scale, group_size)
+    if schedule.current() == schedule.GPU:
+        prepared = gpu.prepared_queries(queries)
+        view = QueryView.of(prepared, cache, mask, dtype=prepared.dtype)
+        out = gpu.attend(prepared, view, cache, scale)
     else:
+        view = QueryView.of(queries, cache, mask)
         out = block_walk.attend_blocks(view, cache, scale)
     return out.reshape(1, view.heads, view.length, cache.head_dim).astype(queries.dtype)

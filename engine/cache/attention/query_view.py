@@ -17,7 +17,10 @@ def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
 
 @dataclass(frozen=True)
 class QueryView:
-    """The queries folded for GQA (``[kv_heads, repeats * L, D]``) and their mask."""
+    """The queries folded for GQA (``[kv_heads, repeats * L, D]``) and their mask.
+
+    Row ``r * L + l`` is query head ``r`` of its KV head at the chunk's position ``l``.
+    """
 
     q: mx.array
     heads: int
@@ -27,13 +30,14 @@ class QueryView:
     dtype: mx.Dtype
 
     @classmethod
-    def of(cls, queries: mx.array, cache: Any, mask: Any) -> QueryView:
+    def of(cls, queries: mx.array, cache: Any, mask: Any,
+           dtype: mx.Dtype = mx.float32) -> QueryView:
+        """The view of ``queries`` (``[1, heads, L, D]``) with ``q`` in ``dtype``."""
         _, heads, length, head_dim = queries.shape
         kv_heads = cache.kv_heads
         repeats = heads // kv_heads
-        # Q·Kᵀ in fp32 even on Metal: fp16 queries and scales measurably raise
-        # q8's error (docs/benchmarks.md).
-        q = queries[0].astype(mx.float32).reshape(kv_heads, repeats * length, head_dim)
+        # squeeze, not [0]: an integer index is a gather (a kernel) in MLX.
+        q = queries.squeeze(0).astype(dtype).reshape(kv_heads, repeats * length, head_dim)
         if isinstance(mask, mx.array):
             mask = fold_mask(mask, kv_heads, repeats, length)
         elif mask is not None and mask != "causal":
@@ -50,30 +54,52 @@ class QueryView:
             mask = mask[heads]
         return QueryView(self.q[heads], self.heads, self.length, self.first, mask, self.dtype)
 
-    def sees_whole(self, end: int) -> bool:
-        """Whether every query row may see every stored position before ``end``."""
-        return not isinstance(self.mask, mx.array) and end <= self.first
+    @property
+    def end(self) -> int:
+        """One past the last position the queries attend (the cache's offset)."""
+        return self.first + self.length
+
+    def sees_whole(self, start: int, stop: int, positions: mx.array | None) -> bool:
+        """Whether every query row may see every stored column in ``[start, stop)``.
+
+        ``positions``: each column's position (None: column ``c`` holds position ``c``).
+        """
+        return positions is None and not isinstance(self.mask, mx.array) and stop <= self.first
 
     def allowed(self, positions: mx.array) -> mx.array:
-        """Which stored positions each query row may see, as a bool mask.
+        """Which stored positions each query row may see, as a bool mask (no mask
+        array: :meth:`hide` applies one).
 
-        Columns past the cache's end (the unwritten rest of a page) are never
-        allowed; "causal" lets each query see positions up to its own.
+        Positions past the cache's end (the unwritten rest of a page) and columns
+        the cache does not hold (position -1) are never allowed; "causal" lets each
+        query see positions up to its own.
         """
+        held = positions >= 0
         if self.mask == "causal" and self.length > 1:
             rows = self.q.shape[1]
             query_position = self.first + mx.arange(rows, dtype=mx.int32) % self.length
-            return (positions[None] <= query_position[:, None])[None]
-        return (positions < self.first + self.length)[None, None]
+            return (held[None] & (positions[None] <= query_position[:, None]))[None]
+        return (held & (positions < self.end))[None, None]
 
-    def additive_or_bool(self, positions: mx.array, end: int) -> tuple[Any, Any]:
+    def _mask_columns(self, positions: mx.array) -> tuple[mx.array, mx.array | None]:
         """The folded mask array's columns at ``positions``: (bool allowed, additive)."""
-        column = mx.minimum(positions, end - 1)
+        column = mx.clip(positions, 0, self.end - 1)
         picked = mx.take(self.mask, column, axis=-1)
-        inside = (positions < end)[None, None]
+        inside = ((positions >= 0) & (positions < self.end))[None, None]
         if picked.dtype == mx.bool_:
             return picked & inside, None
         return inside, picked
+
+    def hide(self, scores: mx.array, positions: mx.array, hidden: float = -mx.inf) -> mx.array:
+        """``scores`` (``[kv_heads or 1, rows, n]``) with every column the queries may
+        not see at ``positions`` set to ``hidden``, an additive mask's values added."""
+        if isinstance(self.mask, mx.array):
+            allowed, additive = self._mask_columns(positions)
+            if additive is not None:
+                scores = scores + additive.astype(scores.dtype)
+        else:
+            allowed = self.allowed(positions)
+        return mx.where(allowed, scores, mx.array(hidden, scores.dtype))
 
 
 def fold_mask(mask: mx.array, kv_heads: int, repeats: int, length: int) -> mx.array:
@@ -91,31 +117,9 @@ def fold_mask(mask: mx.array, kv_heads: int, repeats: int, length: int) -> mx.ar
     return mask.reshape(kv_heads, repeats * length, columns)
 
 
-def masked(view: QueryView, scores: mx.array, positions: mx.array) -> mx.array:
-    """``scores`` with every position the queries may not see set to -inf.
-
-    ``scores`` are ``[kv_heads, rows, n]``, or ``[pages, kv_heads, rows, n]`` with
-    ``positions`` (``pages * n``) cut the same way.
-    """
-    end = view.first + view.length
-    pages = scores.shape[0] if scores.ndim == 4 else None
-    if isinstance(view.mask, mx.array):
-        allowed, additive = view.additive_or_bool(positions, end)
-        if additive is not None:
-            scores = scores + by_page(additive, pages).astype(scores.dtype)
-    else:
-        allowed = view.allowed(positions)
-    return mx.where(by_page(allowed, pages), scores, -mx.inf)
-
-
-def by_page(columns: mx.array, pages: int | None) -> mx.array:
-    """``[..., rows, pages * n]`` as ``[pages, ..., rows, n]`` (a view; None: as is)."""
-    if pages is None:
-        return columns
-    split = columns.reshape(*columns.shape[:-1], pages, -1)
-    return mx.moveaxis(split, -2, 0)
-
-
-def page_positions(logicals: list[int], page_size: int) -> mx.array:
-    logical = mx.array(logicals, dtype=mx.int32)[:, None] * page_size
-    return (logical + mx.arange(page_size, dtype=mx.int32)[None]).reshape(-1)
+def column_positions(start: int, stop: int, positions: mx.array | None) -> mx.array:
+    """Positions of the stored columns ``[start, stop)`` (``positions`` from
+    ``PagedKVCache.columns``; None: each column holds its own position)."""
+    if positions is None:
+        return mx.arange(start, stop, dtype=mx.int32)
+    return positions[start:stop]

@@ -353,19 +353,18 @@ def test_models_that_bypass_mlx_lm_attention_are_refused() -> None:
 
 
 @pytest.mark.parametrize("mode", ["fp16", "q4"])
-def test_eval_targets_are_the_page_slabs_not_state_copies(
+def test_eval_targets_are_the_page_storage_not_state_copies(
     models: dict[str, Any], mode: str
 ) -> None:
     model = models["qwen3_next"]
     cache = adapter.make_cache(model, mode, page_size=PAGE_SIZE)
     model(_prompt(model, 40), cache=cache)
     targets = adapter.eval_targets(cache)
-    slabs = [a for c in cache if isinstance(c, PagedKVCache) for s in c.store.slabs for a in s]
-    slabs = [a for a in slabs if a is not None]
-    assert len(slabs) == (4 if mode == "q4" else 2) * 2  # two paged layers, one slab each
-    assert all(any(t is a for t in targets) for a in slabs)
+    storage = [a for c in cache if isinstance(c, PagedKVCache) for a in c.store.arrays()]
+    assert len(storage) == (4 if mode == "q4" else 2) * 2  # two paged layers
+    assert all(any(t is a for t in targets) for a in storage)
     others = [c for c in cache if not isinstance(c, PagedKVCache)]
-    assert len(targets) == len(slabs) + len(others)
+    assert len(targets) == len(storage) + len(others)
     mx.eval(targets)
 
 

@@ -30,7 +30,9 @@ def test_every_head_dim_packs_or_is_refused_by_name(mode: str) -> None:
         row = kvquant.packed_dim(head_dim, bits)
         assert row * 8 == head_dim * bits  # no padding bits, whatever the width
         scale = 0 if mode == "fp16" else 2
-        assert kvquant.kv_bytes_per_token(head_dim, mode) == 2 * (row + scale)
+        assert kvquant.row_format_bytes(head_dim, mode) == 2 * (row + scale)
+        in_memory = 0 if mode == "fp16" else 4 * kvquant.scale_groups(head_dim)
+        assert kvquant.kv_bytes_per_token(head_dim, mode) == 2 * (row + in_memory)
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""PagePool and PageStore: free list, slab growth without copies, budget, sizes."""
+"""PagePool and PageStore: free list, growth and shrinking, budget, sizes."""
 
 from __future__ import annotations
 
@@ -15,21 +15,22 @@ from engine.errors import KvBudgetExceeded, UnsupportedModeError
 def test_page_bytes_follow_the_storage_arithmetic(mode: str) -> None:
     layout = PageLayout(mode, 256, 4, 256)
     assert layout.page_bytes == 256 * 4 * kvquant.kv_bytes_per_token(256, mode)
-    spec = {"q8": 516, "q6": 388, "q4": 260, "fp16": 1024}  # bytes per token per head
-    assert layout.page_bytes == 256 * 4 * spec[mode]
+    in_memory = {"q8": 528, "q6": 400, "q4": 272, "fp16": 1024}  # bytes per token per head
+    assert layout.page_bytes == 256 * 4 * in_memory[mode]
 
 
-def test_slab_shapes_are_page_major() -> None:
+def test_storage_is_heads_first_with_a_scale_and_bias_per_group() -> None:
     pool = PagePool("q6", 16)
     store = pool.add_store(kv_heads=2, head_dim=64)
     pool.ensure(1)
-    k_codes, k_scales, v_codes, v_scales = store.slabs[0]
+    k_codes, k_scales, v_codes, v_scales = store.parts
     for codes, scales in ((k_codes, k_scales), (v_codes, v_scales)):
-        assert codes.shape == (4, 2, 16, 48) and codes.dtype == mx.uint8
-        assert scales.shape == (4, 2, 16, 1) and scales.dtype == mx.float16
+        assert codes.shape == (2, 4 * 16, 48) and codes.dtype == mx.uint8
+        assert scales.shape == (2, 2, 4 * 16, 1) and scales.dtype == mx.float16
+    assert sum(a.nbytes for a in store.arrays()) == 4 * store.layout.page_bytes
     fp16 = PagePool("fp16", 16).add_store(2, 64)
-    fp16.add_slab(1)
-    assert fp16.slabs[0][0].dtype == mx.float16 and fp16.slabs[0][1] is None
+    fp16.grow(1)
+    assert fp16.parts[0].dtype == mx.float16 and fp16.parts[1] is None
 
 
 def test_q6_needs_head_dim_divisible_by_4() -> None:
@@ -44,35 +45,37 @@ def test_bad_page_size() -> None:
 
 def test_free_list_hands_out_lowest_slot_first() -> None:
     store = PagePool("q8", 16).add_store(2, 32)
-    store.add_slab(4)
+    store.grow(4)
     taken = [store.take() for _ in range(3)]
     assert taken == [0, 1, 2] and store.in_use == 3 and store.free_count == 1
     store.give_back([1, 0])
     assert store.take() == 0 and store.take() == 1 and store.take() == 3
 
 
-def test_growth_adds_slabs_and_never_touches_existing_pages() -> None:
+def test_growth_keeps_every_row_it_held() -> None:
     pool = PagePool("q4", 16)
     store = pool.add_store(2, 32)
     pool.ensure(16)
-    first = list(store.slabs[0])
+    slot = store.take()
+    rows = mx.random.randint(0, 255, (2, 16, 16), key=mx.random.key(0)).astype(mx.uint8)
+    pairs = mx.random.uniform(shape=(2, 2, 16, 1), key=mx.random.key(1)).astype(mx.float16)
+    store.write(slot, 0, (rows, pairs, rows, pairs))
     sizes = []
     for tokens in (16 * 5, 16 * 9, 16 * 17, 16 * 40):
         pool.ensure(tokens)
         for slot in range(store.in_use, pool.pages_for(tokens)):
             assert store.take() == slot
         sizes.append(store.capacity)
-    # The first slab's arrays are the very same objects: nothing was regrown/copied.
-    assert all(a is b for a, b in zip(store.slabs[0], first, strict=True))
-    assert [s[0].shape[0] for s in store.slabs] == [4, 4, 8, 16, 32]
-    assert sizes == [8, 16, 32, 64]
-    assert store.locate(0) == (0, 0) and store.locate(9) == (2, 1) and store.locate(63) == (4, 31)
+    assert sizes == [8, 16, 32, 64]  # doubling: few copies over a growing context
+    held = store.rows(0, 0, 16)
+    np.testing.assert_array_equal(np.array(held[0]), np.array(rows))
+    np.testing.assert_array_equal(np.array(held[1]), np.array(pairs))
 
 
-def test_slabs_stop_doubling_at_the_cap_then_add_half_the_capacity(
+def test_growth_stops_doubling_at_the_cap_then_adds_half_the_capacity(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(pages, "MAX_SLAB_BYTES", 8 * PageLayout("q8", 4, 1, 32).page_bytes)
+    monkeypatch.setattr(pages, "MAX_GROWTH_BYTES", 8 * PageLayout("q8", 4, 1, 32).page_bytes)
     pool = PagePool("q8", 4)
     store = pool.add_store(1, 32)
     sizes = []
@@ -80,10 +83,10 @@ def test_slabs_stop_doubling_at_the_cap_then_add_half_the_capacity(
         before = store.capacity
         pool.ensure(tokens)
         if store.capacity != before:
-            sizes.append((before, store.slabs[-1][0].shape[0]))
+            sizes.append((before, store.capacity - before))
     assert all(size <= max(8, before // 2, 4) for before, size in sizes), sizes
     assert [size for _, size in sizes[:3]] == [4, 4, 8]  # doubling up to the cap
-    assert store.capacity >= 399 and len(store.slabs) <= 12
+    assert store.capacity >= 399 and len(sizes) <= 12
 
 
 def test_budget_is_all_or_nothing_across_layers() -> None:
@@ -140,35 +143,41 @@ def test_unbudgeted_pool_always_fits() -> None:
 
 def test_write_and_gather_rows_in_place() -> None:
     store = PagePool("q8", 8).add_store(2, 32)
-    store.add_slab(3)
-    store.add_slab(2)
+    store.grow(5)
     rows = mx.random.randint(0, 255, (2, 5, 32), key=mx.random.key(0)).astype(mx.uint8)
     scales = mx.random.uniform(shape=(2, 5, 1), key=mx.random.key(1)).astype(mx.float16)
-    store.write(3, 2, (rows, scales, rows, scales))  # slot 3 is in the second slab
+    pairs = kvquant.affine_scales(scales, 8, 1)
+    store.write(3, 2, (rows, pairs, rows, pairs))
     k_codes, k_scales, _, _ = store.gather([3, 0])
     np.testing.assert_array_equal(np.array(k_codes[0, :, 2:7]), np.array(rows))
     np.testing.assert_array_equal(np.array(k_scales[0, :, 2:7]), np.array(scales))
     assert not np.array(k_codes[0, :, :2]).any() and not np.array(k_codes[1]).any()
 
 
-def test_gather_heads_first_is_the_transposed_page_major_copy() -> None:
+def test_a_write_runs_on_through_consecutive_slots() -> None:
+    store = PagePool("fp16", 4).add_store(1, 32)
+    store.grow(4)
+    rows = mx.arange(10 * 32, dtype=mx.float16).reshape(1, 10, 32)
+    store.write(1, 1, (rows, None, rows, None))  # slot 1 from row 1, then slots 2 and 3
+    np.testing.assert_array_equal(np.array(store.columns(0, 16)[0, 5:15]), np.array(rows[0]))
+
+
+def test_gather_is_page_major_in_the_row_format() -> None:
     store = PagePool("q6", 4).add_store(3, 32)
-    store.add_slab(2)
-    store.add_slab(3)
+    store.grow(5)
     for slot in range(5):
         codes = mx.full((3, 4, 24), slot + 1, dtype=mx.uint8) + mx.arange(3)[:, None, None]
-        store.write(slot, 0, (codes, None, codes, None))
-    table = [4, 0, 2, 1]
-    page_major = store.gather(table)
-    heads_first = store.gather(table, heads_first=True)
-    for a, b in zip(page_major, heads_first, strict=True):
-        if a is not None:
-            np.testing.assert_array_equal(np.array(a.swapaxes(0, 1)), np.array(b))
-    assert np.array(page_major[0])[:, 0, 0, 0].tolist() == [5, 1, 3, 2]
+        pairs = kvquant.affine_scales(mx.full((3, 4, 1), slot + 1, mx.float16), 6, 1)
+        store.write(slot, 0, (codes, pairs, codes, pairs))
+    k_codes, k_scales, _, _ = store.gather([4, 0, 2, 1])
+    assert k_codes.shape == (4, 3, 4, 24) and k_scales.shape == (4, 3, 4, 1)
+    assert np.array(k_codes)[:, 0, 0, 0].tolist() == [5, 1, 3, 2]
+    assert np.array(k_codes)[0, :, 0, 0].tolist() == [5, 6, 7]
+    assert np.array(k_scales)[:, 0, 0, 0].tolist() == [5, 1, 3, 2]
 
 
-def test_trim_gives_the_free_tail_slabs_back() -> None:
-    """Trimmed and closed sessions used to keep their slabs (371 MiB after 20k -> 0)."""
+def test_trim_gives_the_free_tail_back() -> None:
+    """Trimmed and closed sessions used to keep their storage (371 MiB after 20k -> 0)."""
     from engine.cache.paged_cache import PagedKVCache
 
     pool = PagePool("q8", page_size=16)
@@ -188,9 +197,12 @@ def test_trim_gives_the_free_tail_slabs_back() -> None:
     assert cache.offset == 1000 and pool.bytes_allocated > 0
 
 
-def test_slabs_grow_with_the_layer_so_a_long_context_has_few() -> None:
+def test_a_long_context_grows_a_layer_a_dozen_times_not_hundreds() -> None:
     pool = PagePool("fp16", page_size=256)
-    store = pool.add_store(4, 256)  # 1 MiB pages: MAX_SLAB_BYTES alone would cap slabs at 32
-    pool.ensure(262144)
-    assert store.capacity >= 1024
-    assert len(store.slabs) <= 12
+    store = pool.add_store(4, 256)  # 1 MiB pages
+    growths = 0
+    for tokens in range(512, 262144 + 1, 512):
+        before = store.capacity
+        pool.ensure(tokens)
+        growths += store.capacity != before
+    assert store.capacity >= 1024 and growths <= 14

@@ -35,7 +35,7 @@ def _held(cache: PagedKVCache) -> tuple[np.ndarray, np.ndarray]:
 
 def test_a_slot_is_free_again_only_when_its_last_holder_gives_it_back() -> None:
     store = PageStore(PageLayout("q8", PAGE_SIZE, KV_HEADS, HEAD_DIM))
-    store.add_slab(2)
+    store.grow(2)
     slot = store.take()
     store.share([slot])
     assert store.shared(slot) and store.in_use == 1
@@ -137,12 +137,12 @@ def test_the_guard_counts_a_page_group_once() -> None:
 
 
 def test_dropped_caches_free_their_pools_without_the_cycle_collector() -> None:
-    """No reference cycle through the group or the holders: slabs go when the caches go."""
+    """No reference cycle through the group or the holders: storage goes when the caches go."""
     import gc
     import weakref
 
     gc.collect()
-    gc.disable()  # a cycle would keep the pools (and their slabs) alive from here on
+    gc.disable()  # a cycle would keep the pools (and their storage) alive from here on
     try:
         alone, donor, sharer = _cache(), _cache(), _cache()
         _write(alone, 40, 1)

@@ -160,7 +160,7 @@ def test_a_real_chunk_stays_within_the_predicted_transient(wide_llama) -> None:
     session.prefill(ids, request_id=0, cancel=threading.Event(), emit=lambda e: None,
                     tick=lambda: None)
     measured = mx.get_peak_memory() - before
-    pages = session.stats().bytes_allocated  # whole slabs, as allocated
+    pages = session.stats().bytes_allocated  # the storage, as allocated
     predicted = scratch + chunk * session.prefill_facts.activation_bytes_per_token + pages
     # An upper bound, and not a wild one.
     assert measured <= predicted <= 3 * measured

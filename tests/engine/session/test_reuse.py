@@ -117,7 +117,7 @@ def test_rotated_chats_share_pages_and_answer_exactly_as_one_that_read_in_the_sa
     assert _share(second, [first], messages) == len(first.tokens)
     _ingest(second, messages)
     # The same chunks as the two chats together: the same stored rows, so the same
-    # logits up to the order the attention sums pages in (they sit in other slabs).
+    # logits up to the order the attention sums pages in (they sit in other slots).
     steps = _session(loaded, "c", mode="q6", rotate=True)
     _ingest(steps, _user(DOC))
     _ingest(steps, messages)
@@ -158,7 +158,7 @@ def _slots(session: Session) -> list[set[int]]:
 
 def _slab_bytes(session: Session) -> int:
     stores = {id(c.store): c.store for c in session.cache if isinstance(c, PagedKVCache)}
-    return sum(a.nbytes for s in stores.values() for slab in s.slabs for a in slab if a is not None)
+    return sum(a.nbytes for s in stores.values() for a in s.arrays())
 
 
 def test_two_chats_on_one_6k_token_document_hold_its_pages_once(models):
@@ -186,7 +186,7 @@ def test_two_chats_on_one_6k_token_document_hold_its_pages_once(models):
     assert in_use == (shared_pages + 1 + own_second) * page_bytes * len(stores)
     alone = _book_session(loaded, "c")
     _ingest(alone, messages)
-    # Measured from the slabs: both chats take less than the one that read alone
+    # Measured from the storage: both chats take less than the one that read alone
     # plus the document again.
     assert _slab_bytes(second) == second.stats().bytes_allocated
     assert _slab_bytes(second) < _slab_bytes(alone) + shared_pages * page_bytes * len(stores)

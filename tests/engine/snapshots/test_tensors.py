@@ -52,7 +52,7 @@ def test_a_load_reads_verifies_and_restores_without_holding_the_file(model_dir, 
     save_snapshot(cache_session(cache, TOKENS, MODE, model_dir), tmp_path / "kv", "chat")
     expected = [[np.array(a) for a in layer.state[:4]] for layer in cache]
     target = filled_cache(MODE, TOKENS, LAYERS)
-    for layer in target:  # slabs kept, pages given back: the load refills them
+    for layer in target:  # storage kept, pages given back: the load refills them
         layer._drop_last(layer.offset, release=False)
     session = cache_session(target, 0, MODE, model_dir)
     prompt = list(range(TOKENS))
@@ -62,7 +62,7 @@ def test_a_load_reads_verifies_and_restores_without_holding_the_file(model_dir, 
     restored = [[np.array(a) for a in layer.state[:4]] for layer in target]
     assert all(np.array_equal(r, e) for rs, es in zip(restored, expected, strict=True)
                for r, e in zip(rs, es, strict=True))
-    # One array read plus the rewrite of one layer's page slabs; holding the whole
+    # One array read plus the rewrite of one layer's page storage; holding the whole
     # file until the end (as mx.load's dict did) is the cache's size again.
     assert extra < sum(layer.nbytes for layer in cache) / 2
 

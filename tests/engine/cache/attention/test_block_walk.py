@@ -1,4 +1,5 @@
-"""Paged attention walking the pages in blocks: decode blocks, and what a block holds."""
+"""The CPU schedule's walk over the stored columns in blocks: decode blocks, and what a
+block holds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.cache.attention import dispatch as attention
-from engine.cache.attention import scratch, streams
+from engine.cache.attention import schedule, scratch, streams
 from tests.engine.cache.attention.test_dispatch import SAME_ROWS_TOLERANCE, _cache, _normal, _step
 
 MIB = 2**20
@@ -21,7 +22,7 @@ def _attention_peak(cache, queries: mx.array, mask, repeats: int = 5) -> int:
     it has finished with it, which may come after the next block allocates); a
     bound must hold for every call.
     """
-    mx.eval(cache.store.slabs)
+    mx.eval(cache.store.arrays())
     peaks = []
     for _ in range(repeats + 1):
         mx.synchronize()
@@ -45,17 +46,16 @@ def _decode_peak(cache, heads: int) -> int:
     return _attention_peak(cache, _normal((1, heads, 1, head_dim), 2), None)
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.fixture(autouse=True)
+def cpu_schedule():
+    with schedule.forced(schedule.CPU):
+        yield
+
+
 @pytest.mark.parametrize("mode", ["fp16", "q8", "q6"])
-def test_decode_over_many_blocks_matches_reference(mode: str, split: bool, monkeypatch) -> None:
-    # One page per block: the online softmax merges every page, fp16 pages
-    # converted block by block, q8 and q6 scored straight from the packed bytes;
-    # ``split``: the KV heads on one stream each (packed decode only). The packed
-    # path is the GPU schedule's; forced here so the CPU runs it too.
-    monkeypatch.setattr(attention, "reads_packed_pages", lambda: True)
+def test_decode_over_many_blocks_matches_reference(mode: str, monkeypatch) -> None:
+    # One page per block: the online softmax merges every page.
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 1)
-    monkeypatch.setattr(streams, "cpu_cores", lambda: 2 if split else 1)
-    monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     cache = _cache(mode, 64, prefix=70)
     for step in range(2):
         got, expected = _step(cache, mode, 1, heads=4, mask=None, seed=30 + 3 * step)
@@ -72,32 +72,15 @@ def test_window_mask_over_decode_blocks(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("mode", ["fp16", "q6"])
-def test_dequantized_decode_transient_is_one_block_at_any_context(mode: str, monkeypatch) -> None:
+def test_decode_transient_is_one_block_at_any_context(mode: str, monkeypatch) -> None:
     # 2 KV heads of 128 values, 16-token pages: a 64 KiB decode budget makes
-    # blocks of a few pages, so 4k tokens walk many blocks (q6: the CPU's path,
-    # each block converted on its own).
-    monkeypatch.setattr(attention, "reads_packed_pages", lambda: False)
+    # blocks of a few pages, so 4k tokens walk many blocks, each converted on its own.
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 64 * 1024)
     peaks = [_decode_peak(_cache(mode, 128, prefix=tokens), heads=8) for tokens in (512, 4096)]
-    # The converted keys and values of one block, plus the small running arrays
-    # (and what a stream still holds of the block before: more blocks, more such
-    # overlaps); converting the whole context would take 8 MiB.
+    # The converted keys and values of one block, plus the small running arrays;
+    # converting the whole context would take 8 MiB.
     assert peaks[1] <= 64 * 1024 + 16 * 1024
     assert peaks[1] <= 1.5 * peaks[0] + 16 * 1024
-
-
-@pytest.mark.parametrize("cores", [1, 2])
-def test_packed_decode_transient_is_one_block_at_any_context(cores: int, monkeypatch) -> None:
-    # q6 pages scored straight from the packed bytes, in blocks of a few pages
-    # under a 64 KiB decode budget: 16k tokens hold as little as 512 do.
-    budget = 64 * 1024
-    monkeypatch.setattr(attention, "reads_packed_pages", lambda: True)
-    monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", budget)
-    monkeypatch.setattr(streams, "cpu_cores", lambda: cores)
-    monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
-    peaks = [_decode_peak(_cache("q6", 128, prefix=tokens), heads=8) for tokens in (512, 16384)]
-    assert peaks[1] <= 1.5 * peaks[0] + 16 * 1024
-    assert peaks[1] <= 2 * budget  # a whole-context score row alone would be 512 KiB
 
 
 # -- what the fit check predicts is what the attention allocates ---------------------
@@ -134,8 +117,8 @@ def test_one_chunks_measured_peak_is_the_predicted_scratch(
     mode: str, head_dim: int, q_heads: int, prefix: int, cores: int, monkeypatch
 ) -> None:
     # A 4 MiB budget over 4,096 held tokens: several full blocks of 16-token pages.
-    # Over 200, one block of every page, though the first slabs hold 4, 4 and 8 pages.
-    # One core walks every head on one stream; two split the heads over two.
+    # Over 200, one block of every page. One core walks every head on one stream;
+    # two split the heads over two.
     monkeypatch.setattr(streams, "cpu_cores", lambda: cores)
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     budget, chunk = 4 * MIB, 128

@@ -1,4 +1,5 @@
-"""Paged attention against a float64 NumPy reference over the same stored rows."""
+"""Paged attention against a float64 NumPy reference over the same stored rows, under
+both attention schedules (the CPU's block walk, the GPU's whole-context reads)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from engine.cache import kvquant
 from engine.cache.attention import dispatch as attention
-from engine.cache.attention import query_view
+from engine.cache.attention import schedule
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.errors import EngineError
@@ -19,6 +20,12 @@ PAGE_SIZE = 16
 KV_HEADS = 2
 # Same stored rows, float32 kernels vs float64 NumPy: measured <= 3e-7.
 SAME_ROWS_TOLERANCE = 2e-5
+
+
+@pytest.fixture(autouse=True, params=schedule.SCHEDULES)
+def attention_schedule(request: pytest.FixtureRequest):
+    with schedule.forced(request.param):
+        yield request.param
 
 
 def _normal(shape: tuple[int, ...], seed: int) -> mx.array:
@@ -125,18 +132,30 @@ def test_prefill_chunk_dequantizes_prefix_once(mode: str) -> None:
     np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
 
 
-@pytest.mark.parametrize("mode", ["q8", "q4", "fp16"])
-def test_out_of_order_pages_across_slabs(mode: str) -> None:
-    cache = _cache(mode, 64, prefix=16)
-    cache.update_and_fetch(*(_normal((1, KV_HEADS, 84, 64), s) for s in (3, 4)))  # 2 slabs
+def _move_page(cache: PagedKVCache, logical: int, slot: int) -> None:
+    """Hold logical page ``logical`` in ``slot`` instead (a copy of its rows)."""
     store = cache.store
-    assert len(store.slabs) == 2
+    store.copy_page(cache.block_table[logical], slot)
+    cache.block_table[logical] = slot
+    cache._table_version += 1
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp16"])
+def test_out_of_order_pages(mode: str) -> None:
+    cache = _cache(mode, 64, prefix=16)
+    cache.update_and_fetch(*(_normal((1, KV_HEADS, 84, 64), s) for s in (3, 4)))
+    store = cache.store
     pages = store.gather(cache.block_table)
-    shuffled = [cache.block_table[i] for i in (4, 1, 6, 0, 3, 5, 2)]
-    for logical, slot in enumerate(shuffled):
-        store.write(slot, 0, tuple(None if p is None else p[logical] for p in pages))
-    cache.block_table = shuffled
-    for part, expected in zip(store.gather(shuffled), pages, strict=True):
+    order = (4, 1, 6, 0, 3, 5, 2)
+    cache.pool.ensure(cache.offset + len(order) * PAGE_SIZE)
+    spare = [store.take() for _ in order]  # move every page out, then back shuffled
+    for logical, slot in enumerate(spare):
+        _move_page(cache, logical, slot)
+    for logical, page in enumerate(order):
+        _move_page(cache, logical, page)
+    store.give_back(spare)
+    assert cache.block_table == list(order)
+    for part, expected in zip(store.gather(cache.block_table), pages, strict=True):
         if expected is not None:
             np.testing.assert_array_equal(np.array(part), np.array(expected))
     got, expected = _step(cache, mode, 1, heads=4, mask=None, seed=40)
@@ -182,13 +201,6 @@ def test_compute_dtype_and_output_dtype_on_cpu() -> None:
     assert out.dtype == mx.float16 and out.shape == (1, 4, 1, 32)
 
 
-def test_group_size_choice() -> None:
-    assert attention.group_size_for(256) == 128
-    assert attention.group_size_for(64) == 64
-    assert attention.group_size_for(96) == 32
-    assert attention.group_size_for(40) is None
-
-
 def test_attention_sinks_are_refused() -> None:
     cache = _cache("q8", 32, prefix=4)
     keys = _normal((1, KV_HEADS, 1, 32), 1)
@@ -209,17 +221,15 @@ def test_any_page_size(page_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
             np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(mx.float16, 3e-3), (mx.bfloat16, 3e-2)])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(mx.float16, 5e-3), (mx.bfloat16, 3e-2)])
 @pytest.mark.parametrize("mode", ["fp16", "q8", "q4"])
-def test_model_dtype_compute_path(
-    dtype: mx.Dtype, tolerance: float, mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The Metal path (compute in the model's dtype), run here on the CPU.
+def test_model_dtype_compute_path(dtype: mx.Dtype, tolerance: float, mode: str) -> None:
+    """A 16-bit model: the GPU schedule computes in float16, the CPU's in float32.
 
-    Measured max errors vs float32 over the same rows: ~1.5e-3 (float16),
-    ~1.2e-2 (bfloat16), i.e. the dtype's own rounding.
+    Measured max errors vs float32 over the same rows: ~1.5e-3 (float16 pages),
+    ~3.4e-3 (quantized pages: float16 scores and probabilities, as mlx-lm computes
+    them), ~1.2e-2 (bfloat16 output), i.e. the dtype's own rounding.
     """
-    monkeypatch.setattr(query_view, "compute_dtype", lambda model_dtype: model_dtype)
     cache = _cache(mode, 64, prefix=70)
     for length, mask in ((1, None), (3, "causal"), (20, "causal")):
         keys = _normal((1, KV_HEADS, length, 64), length).astype(dtype)
@@ -238,20 +248,18 @@ def test_model_dtype_compute_path(
 
 @pytest.mark.parametrize("mode", ["fp16", "q6"])
 def test_pages_out_of_slot_order_attend_the_same(mode: str) -> None:
-    """Blocks of non-consecutive slots are gathered; consecutive ones are sliced."""
+    """A block table out of slot order reads the columns by their positions."""
     cache = _cache(mode, 64, prefix=70)
     queries = _normal((1, 4, 8, 64), 9)
     expected = attention.paged_attention(queries, None, None, cache, 0.125, "causal")
     # Move logical page 1 to a fresh slot: the block table stops being consecutive.
-    store = cache.store
     cache.pool.ensure(cache.offset + 5 * PAGE_SIZE)
-    old_slot = cache.block_table[1]
+    store = cache.store
     new_slot = store.capacity - 1
-    slab_index, local = store.locate(old_slot)
-    rows = tuple(None if part is None else part[local] for part in store.slabs[slab_index])
-    store.write(new_slot, 0, rows)
-    cache.block_table[1] = new_slot
-    cache._groups = None
-    assert [s for s in cache.block_table] != sorted(cache.block_table)
+    store.give_back([cache.block_table[1]])
+    store.share([new_slot])
+    _move_page(cache, 1, new_slot)
+    assert cache.block_table != sorted(cache.block_table)
+    assert cache.columns()[1] is not None
     got = attention.paged_attention(queries, None, None, cache, 0.125, "causal")
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 
 from engine.cache import kvquant
 from engine.cache.adapter import attend
-from engine.cache.attention import query_view, schedule, scratch, streams
+from engine.cache.attention import schedule, scratch, streams
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
@@ -23,16 +23,16 @@ HEAD_DIM = 64
 
 def _cache(mode: str, prefix: int, rotated: bool = False, head_dim: int = HEAD_DIM,
            kv_heads: int = KV_HEADS, page_size: int = PAGE_SIZE) -> PagedKVCache:
-    """A cache holding ``prefix`` random rows, written in pieces so its pages span slabs."""
+    """A cache holding ``prefix`` random rows, written in pieces (its storage grows)."""
     cache = PagedKVCache(PagePool(mode, page_size), kv_heads, head_dim)
     if rotated:
         cache.rotation = HadamardRotation(head_dim)
-    piece = 64 if prefix <= 1024 else 4096  # small writes grow the pool slab by slab
+    piece = 64 if prefix <= 1024 else 4096  # small writes grow the storage step by step
     for start in range(0, prefix, piece):
         n = min(piece, prefix - start)
         shape = (1, kv_heads, n, head_dim)
         cache.update_and_fetch(_normal(shape, start + 1), _normal(shape, start + 2))
-        mx.eval(cache.store.slabs)
+        mx.eval(cache.store.arrays())
     return cache
 
 
@@ -43,9 +43,8 @@ def _attend(cache: PagedKVCache, queries: mx.array, mask: object) -> mx.array:
 
 
 def _small_blocks(monkeypatch: pytest.MonkeyPatch, cache: PagedKVCache) -> None:
-    """Blocks of a page or a few under either schedule: every walk merges many."""
+    """Blocks of a page or a few: the CPU's walk and the GPU's prefill merge many."""
     monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 1)
-    monkeypatch.setattr(scratch, "GPU_DECODE_SCRATCH_BYTES", 1)
     cache.pool.scratch_bytes = 256 * 1024
 
 
@@ -62,11 +61,10 @@ def _both(cache: PagedKVCache, queries: mx.array, mask: object) -> dict[str, np.
 def test_schedules_attend_alike_in_every_mode(
     mode: str, rotated: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 600 tokens of 16-token pages: 38 pages over slabs of 4, 4, 8, 16 and more;
-    # decode steps and a prefill chunk, each over many blocks.
+    # 600 tokens of 16-token pages: decode steps and a prefill chunk, the CPU's
+    # over many blocks, the GPU's prefill too.
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
     cache = _cache(mode, prefix=600, rotated=rotated)
-    assert len(cache.store.slabs) > 2
     _small_blocks(monkeypatch, cache)
     for step in range(2):
         keys = _normal((1, KV_HEADS, 1, HEAD_DIM), 50 + step)
@@ -79,17 +77,16 @@ def test_schedules_attend_alike_in_every_mode(
     np.testing.assert_allclose(outputs["gpu"], outputs["cpu"], atol=SAME_ROWS_TOLERANCE)
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(mx.float16, 3e-3), (mx.bfloat16, 3e-2)])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(mx.float16, 5e-3), (mx.bfloat16, 3e-2)])
 @pytest.mark.parametrize("mode", ["fp16", "q8", "q4"])
 def test_gpu_schedule_in_the_model_dtype(
     mode: str, dtype: mx.Dtype, tolerance: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The GPU's own arithmetic (fp16 compute; fp16 pages scored uncast), run here.
+    """The GPU's own arithmetic (float16 queries, scores and probabilities), run here.
 
-    Against fp32 attention over the same stored rows, within fp16's rounding (the
-    CPU schedule's model-dtype path is held to the same in test_dispatch).
+    Against fp32 attention over the same stored rows, within fp16's rounding, for
+    a decode step and a prefill chunk over many blocks.
     """
-    monkeypatch.setattr(query_view, "compute_dtype", lambda model_dtype: model_dtype)
     cache = _cache(mode, prefix=300)
     _small_blocks(monkeypatch, cache)
     with schedule.forced(schedule.GPU):
@@ -132,23 +129,22 @@ def test_host_syncs_per_decode_step_and_chunk(mode: str, monkeypatch: pytest.Mon
         _small_blocks(monkeypatch, cache)
         cache.pool.scratch_bytes = 64 * 1024
         decode[tokens], chunk[tokens] = _syncs(cache, 1), _syncs(cache, 32)
-    assert all(count["gpu"] <= 2 for count in decode.values()), decode
-    assert len({count["gpu"] for count in chunk.values()}) == 1, chunk
+    assert all(count["gpu"] == 0 for count in [*decode.values(), *chunk.values()])
     # What the counter counts: the CPU schedule's syncs grow with the blocks.
     assert decode[4096]["cpu"] > 4 * decode[256]["cpu"] > 0, decode
     assert chunk[4096]["cpu"] > 4 * chunk[256]["cpu"] > 0, chunk
 
 
-def _decode_transient(cache: PagedKVCache, q_heads: int) -> int:
+def _decode_transient(cache: PagedKVCache, q_heads: int, dtype: mx.Dtype = mx.float32) -> int:
     """Worst MLX peak above the active memory of three decode steps after a warm-up."""
     peaks = []
     cache.pool.ensure(cache.offset + 4)
     for step in range(4):
-        keys = _normal((1, cache.kv_heads, 1, cache.head_dim), 90 + step)
-        queries = _normal((1, q_heads, 1, cache.head_dim), 95 + step)
+        keys = _normal((1, cache.kv_heads, 1, cache.head_dim), 90 + step).astype(dtype)
+        queries = _normal((1, q_heads, 1, cache.head_dim), 95 + step).astype(dtype)
         mx.eval(keys, queries)
         cache.update_and_fetch(keys, keys)
-        mx.eval(cache.store.slabs)
+        mx.eval(cache.store.arrays())
         mx.synchronize()
         mx.clear_cache()
         before = mx.get_active_memory()
@@ -159,23 +155,19 @@ def _decode_transient(cache: PagedKVCache, q_heads: int) -> int:
     return max(peaks[1:])
 
 
-@pytest.mark.parametrize("mode", ["fp16", "q6"])
-def test_gpu_decode_transient_is_bounded_at_long_contexts(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The bench's layer (4 KV heads of 256, 16 query heads, 256-token pages) at
-    # 16k and 64k tokens: one lazy graph per step, never the whole context at once
-    # (fp16's context alone, converted to fp32, would be 512 MiB at 64k).
-    caches = [_cache(mode, tokens, head_dim=256, kv_heads=4, page_size=256)
+def test_gpu_decode_transient_is_a_few_score_rows() -> None:
+    # The bench's layer (4 KV heads of 256, 16 query heads, 256-token pages) in
+    # fp16 at 16k and 64k tokens, 16-bit queries as on a GPU: one op over the whole
+    # context holds its score rows (16 x 64k float16 = 2 MiB here), never the
+    # context converted (512 MiB in fp32 at 64k). (Quantized pages: the CPU
+    # backend's quantized matmul copies a strided view where Metal's reads it in
+    # place, so test_gpu bounds their graph instead.)
+    caches = [_cache("fp16", tokens, head_dim=256, kv_heads=4, page_size=256)
               for tokens in (16384, 65536)]
     with schedule.forced(schedule.GPU):
-        peaks = [_decode_transient(cache, q_heads=16) for cache in caches]
-        assert max(peaks) <= 128 * MIB, peaks
-        # Blocks smaller than a slab at both contexts: a step holds what it held
-        # at a quarter of the context (the default blocks reach the slab sizes).
-        monkeypatch.setattr(scratch, "GPU_DECODE_SCRATCH_BYTES", 4 * MIB)
-        peaks = [_decode_transient(cache, q_heads=16) for cache in caches]
-    assert peaks[1] <= 1.1 * peaks[0] + MIB, peaks
+        peaks = [_decode_transient(cache, q_heads=16, dtype=mx.float16) for cache in caches]
+    rows = [16 * cache.offset * 2 for cache in caches]  # one float16 score row each
+    assert all(peak <= 3 * row + MIB for peak, row in zip(peaks, rows, strict=True)), peaks
 
 
 def test_schedule_is_read_once_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,4 +191,3 @@ def test_gpu_schedule_walks_every_head_on_one_stream(monkeypatch: pytest.MonkeyP
         assert streams.streams_for(4) == 4
     with schedule.forced(schedule.GPU):
         assert streams.streams_for(4) == 1
-        assert scratch.decode_scratch_bytes() == scratch.GPU_DECODE_SCRATCH_BYTES

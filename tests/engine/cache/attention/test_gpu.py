@@ -1,0 +1,125 @@
+"""The GPU schedule's attention on a GPU's terms: its graphs counted, its prefill's memory.
+
+The decode step's graph is traced (``engine.bench.graph_count``) for the seed's
+layer shape (4 KV heads of 256, 16 query heads, 256-token pages): its Metal
+kernels must not grow with the context, its bytes must stay near the KV bytes it
+reads, and nothing in it may be as large as the context converted.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.bench import graph_count, kernels_bench
+from engine.cache.attention import dispatch as attention
+from engine.cache.attention import schedule, scratch
+from engine.cache.kvquant import MODES
+from tests.engine.cache.attention.test_block_walk import _attention_peak
+from tests.engine.cache.attention.test_dispatch import SAME_ROWS_TOLERANCE, _cache, _normal, _step
+
+MIB = 2**20
+CONFIG = kernels_bench.KernelsConfig(contexts=(4096, 16384), host_repeats=0)
+
+
+@pytest.fixture(autouse=True)
+def gpu_schedule():
+    with schedule.forced(schedule.GPU):
+        yield
+
+
+def _longleaf(mode: str) -> kernels_bench.Layer:
+    return next(layer for layer in kernels_bench.layers((mode,)) if layer.kind == "longleaf")
+
+
+def _decode(mode: str, context: int) -> tuple[dict, kernels_bench.Layer]:
+    layer = _longleaf(mode)
+    cache = layer.make(CONFIG, context)
+    return kernels_bench.measure(layer, cache, CONFIG, 1, 0), layer
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_decode_step_is_a_fixed_few_kernels_at_any_context(mode: str) -> None:
+    short, _ = _decode(mode, 4096)
+    long, layer = _decode(mode, 16384)
+    assert long["kernels"] == short["kernels"] <= 40, (short, long)
+    assert not long["unknown"]
+    # Its bytes are the stored rows it reads, near enough: the scores, a few rows
+    # of them, and the rotation's matrices are what comes on top.
+    held = kernels_bench.held_bytes(CONFIG, layer, 16384)
+    limit = 1.1 if mode == "fp16" else 1.2
+    assert (long["read"] + long["written"]) / held <= limit
+
+
+def test_a_decode_step_holds_nothing_the_size_of_the_context() -> None:
+    # Traced at 16k in q6: no array the step computes is larger than its score
+    # rows (16 query heads x 16k columns, 16-bit), let alone the context converted
+    # (4 heads x 16k x 256 values: 32 MiB in fp16).
+    layer = _longleaf("q6")
+    cache = layer.make(CONFIG, 16384)
+    q, k, v = kernels_bench._inputs(CONFIG, 1)
+    cache.pool.ensure(cache.offset + 1)
+    undo = kernels_bench._Undo(cache)
+    held = kernels_bench.storage(cache)
+    try:
+        nodes, _ = graph_count.trace(
+            lambda q, k, v, *a: kernels_bench._traced_step(layer, cache, q, k, v, a),
+            q, k, v, *held)
+    finally:
+        undo()
+    computed = [out.nbytes for node in nodes if node.name not in graph_count._VIEWS
+                and node.name != "SliceUpdate" for out in node.outputs]
+    score_rows = 16 * (16384 + 1) * 2
+    assert max(computed) <= score_rows
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q8", "q6"])
+def test_a_prefill_chunk_over_many_blocks_matches_reference(mode: str) -> None:
+    cache = _cache(mode, 64, prefix=300)
+    cache.pool.scratch_bytes = 64 * 1024  # blocks of a page or two: many merges
+    for seed, mask in ((3, "causal"), (9, None)):
+        got, expected = _step(cache, mode, 40, heads=4, mask=mask, seed=seed)
+        np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
+
+
+def test_a_row_a_block_hides_whole_merges_with_no_weight() -> None:
+    # A chunk whose later queries' blocks come after its earlier queries' positions:
+    # each early row sees none of the last block, which must add nothing (no NaN).
+    cache = _cache("q8", 64, prefix=16)
+    cache.pool.scratch_bytes = 32 * 1024
+    got, expected = _step(cache, "q8", 64, heads=4, mask="causal", seed=5)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
+
+
+@pytest.mark.parametrize(("mode", "prefix"), [("fp16", 4096), ("q6", 1024)])
+def test_one_chunks_measured_peak_is_the_predicted_scratch(mode: str, prefix: int) -> None:
+    # 16-bit queries, as a GPU computes; a 4 MiB budget over 16-token pages: many
+    # blocks (q6's fewer: the CPU backend's float16 quantized matmul is slow). The
+    # CPU backend runs one block at a time where a GPU may hold two (which the
+    # prediction counts), so the measure here is about half the prediction, and
+    # never above it.
+    budget, chunk, q_heads, head_dim = 4 * MIB, 128, 8, 64
+    cache = _cache(mode, head_dim, prefix=prefix)
+    cache.pool.scratch_bytes = budget
+    cache.pool.ensure(cache.offset + chunk)
+    keys = _normal((1, cache.kv_heads, chunk, head_dim), 4).astype(mx.float16)
+    cache.update_and_fetch(keys, keys)
+    queries = _normal((1, q_heads, chunk, head_dim), 5).astype(mx.float16)
+    # One stream, one block at a time: the peak does not move between calls.
+    measured = _attention_peak(cache, queries, "causal", repeats=1)
+    predicted = scratch.chunk_scratch_bytes(
+        chunk, q_heads, cache.kv_heads, head_dim, cache.pool.page_size, budget, cache.offset,
+        gpu=True)
+    assert predicted <= budget
+    assert 0.35 * predicted <= measured <= 1.1 * predicted, (measured, predicted)
+
+
+def test_the_schedules_differ_only_by_the_dtypes_rounding() -> None:
+    cache = _cache("q6", 64, prefix=200)
+    queries = _normal((1, 4, 1, 64), 8)
+    gpu = attention.paged_attention(queries, None, None, cache, 0.125)
+    with schedule.forced(schedule.CPU):
+        cpu = attention.paged_attention(queries, None, None, cache, 0.125)
+    np.testing.assert_allclose(np.array(gpu), np.array(cpu), atol=SAME_ROWS_TOLERANCE)
