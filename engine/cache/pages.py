@@ -80,6 +80,13 @@ class PageLayout:
         per_token = kvquant.kv_bytes_per_token(self.head_dim, self.mode)
         return self.page_size * self.kv_heads * per_token
 
+    def part_bytes(self, tokens: int) -> int:
+        """Bytes of the largest storage array holding ``tokens`` tokens: what growing
+        a layer holds twice for a moment (its old copy and the new array)."""
+        width = self.head_dim * 2 if self.bits == 16 else self.row_width
+        pages = -(-tokens // self.page_size)
+        return pages * self.page_size * self.kv_heads * max(width, 2 * 2 * self.groups)
+
     def with_mode(self, mode: str) -> PageLayout:
         return PageLayout(mode, self.page_size, self.kv_heads, self.head_dim)
 
@@ -141,7 +148,13 @@ class PageStore:
             mx.eval([p for p in self.parts if p is not None])
             return
         tokens = pages * self.layout.page_size
-        self.parts = [None if p is None else _resized(p, tokens) for p in self.parts]
+        self.parts = list(self.parts)
+        for index, part in enumerate(self.parts):
+            if part is not None:
+                # Replaced before the next is copied: the old array is freed, so the
+                # transient is one part (PageLayout.part_bytes), not the layer.
+                self.parts[index] = _resized(part, tokens)
+                del part
 
     def take(self) -> int:
         """A free slot, lowest first so a layer's pages stay in order."""
@@ -376,6 +389,10 @@ class PagePool:
         if store.drop_free_tail():
             for pool in self.group:
                 pool._room = 0
+
+    def growth_transient_bytes(self, tokens: int) -> int:
+        """What growing a layer to ``tokens`` tokens holds beyond the pages, at most."""
+        return max((s.layout.part_bytes(tokens) for s in self.stores), default=0)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -95,7 +95,8 @@ class Session:
         # The model's facts; its folder fingerprints the session's KV snapshots.
         self.info = loaded.info
         self.tokenizer = loaded.tokenizer
-        max_context = int(fit.first_fact(loaded.info, ("max_context", "context_length")))
+        self.max_context = max_context = int(
+            fit.first_fact(loaded.info, ("max_context", "context_length")))
         self.mode = kvquant.normalize_mode(mode)
         self.page_size = page_size
         self.guard = guard if guard is not None else MemoryGuard(budget_bytes=budget_bytes)
@@ -172,9 +173,11 @@ class Session:
             self.prefill_facts = replace(self.prefill_facts, scratch_bytes=budget)
         if pool is not None:
             # The guard sets and keeps updating the pool's limit: its share of
-            # the one KV budget, bounded by free RAM less a prefill chunk's needs.
-            self.guard.attach(self.session_id, pool,
-                              self.prefill_facts.transient_bytes(self.chunk_size),
+            # the one KV budget, bounded by free RAM less a prefill chunk's needs
+            # (or what growing a layer's storage holds for a moment, if more).
+            transient = max(self.prefill_facts.transient_bytes(self.chunk_size),
+                            pool.growth_transient_bytes(self.max_context))
+            self.guard.attach(self.session_id, pool, transient,
                               lambda: self.other_layers().bound_bytes)
 
     def reset(self) -> None:

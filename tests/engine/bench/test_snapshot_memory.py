@@ -41,7 +41,9 @@ def test_reopen_bench_reuses_the_snapshot_and_answers_like_the_uninterrupted_cha
         assert row["reopen_ingested"] == row["follow_up_prompt_tokens"] - row["reused_tokens"]
         assert row["reread_ingested"] == row["follow_up_prompt_tokens"]
         assert row["reopened"] == row["uninterrupted"] and len(row["reopened"]) == 8
-        assert row["disk_bytes"] > row["kv_bytes_held"] > 0
+        # A snapshot keeps the seed's row format: one scale a row where memory holds
+        # a scale and a bias per MLX group (at head_dim 64, 2 of 52 bytes a row).
+        assert row["disk_bytes"] > 0.9 * row["kv_bytes_held"] > 0
         assert cells[2] == str(row["reused_tokens"]) and cells[-1] == "yes"
     # The snapshots went to a temporary folder that is gone again.
     assert not list(tmp_path.glob("**/*.safetensors.partial*"))

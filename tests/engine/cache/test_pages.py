@@ -206,3 +206,23 @@ def test_a_long_context_grows_a_layer_a_dozen_times_not_hundreds() -> None:
         pool.ensure(tokens)
         growths += store.capacity != before
     assert store.capacity >= 1024 and growths <= 14
+
+
+def test_growing_holds_one_old_array_at_a_time() -> None:
+    # fp16, 2 heads of 64: each of the two arrays is 256 KiB at 64 pages of 16.
+    pool = PagePool("fp16", 16)
+    store = pool.add_store(2, 64)
+    pool.ensure(64 * 16)
+    old_part = store.layout.part_bytes(64 * 16)
+    mx.synchronize()
+    mx.clear_cache()
+    other = mx.get_active_memory() - sum(a.nbytes for a in store.arrays())
+    mx.reset_peak_memory()
+    pool.ensure(65 * 16)  # doubles: two new 512 KiB arrays
+    peak = mx.get_peak_memory() - other
+    new_total = sum(a.nbytes for a in store.arrays())
+    assert new_total == 2 * 2 * old_part
+    # The new arrays and one old one at most, and a scalar or two (keeping both old
+    # arrays would hold 1.5 MiB).
+    assert peak <= new_total + old_part + 1024
+    assert pool.growth_transient_bytes(64 * 16) == old_part

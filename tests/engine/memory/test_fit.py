@@ -34,7 +34,8 @@ def test_bytes_needed_follow_kvquant_rounded_to_pages() -> None:
     for mode in MODES:
         expected = kvquant.project_kv_bytes(16, 4, 256, 1024, mode)  # 4 whole pages
         assert report.for_mode(mode).bytes_needed == expected
-    assert report.for_mode("q8").bytes_needed == 16 * 4 * 1024 * 516
+    # Held in memory: 256 one-byte codes and two scales and biases a row, K and V.
+    assert report.for_mode("q8").bytes_needed == 16 * 4 * 1024 * 528
 
 
 def test_everything_fits_when_small() -> None:
