@@ -414,3 +414,23 @@ def test_a_conversation_ending_with_an_answer_continues_it_in_place(models, arch
     _, _, rec = _chat(session, messages)
     assert rec.ids() == _mlx_lm_greedy(loaded, prompt.ids, GREEDY.max_tokens)
     assert adapter.cache_tokens(session.cache) == len(session.tokens)
+
+
+def test_the_next_step_is_queued_while_the_host_handles_a_token(models, monkeypatch) -> None:
+    # mlx-lm's overlap: step t+1's graph is built and queued (async_eval) before
+    # the host reads, detokenizes and reports step t's token, so the device computes
+    # meanwhile. At the k-th token's tick, k + 1 steps are queued (the last token's,
+    # at the length limit, queues none).
+    session = Session("s", models["qwen3"], "q6")
+    queued: list[int] = []
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: queued.append(1) or async_eval(*a))
+    at_tick: list[int] = []
+    recorder = Recorder()
+    plain = SamplingParams(temperature=0.0, max_tokens=6, speculative="off")
+    session.chat(_user(QUESTION), plain, request_id=1, cancel=recorder.cancel, emit=recorder,
+                 tick=lambda: at_tick.append(len(queued)))
+    made = len(recorder.ids())
+    decoding = [count for count in at_tick if count]  # the read's ticks queue nothing
+    assert made >= 3
+    assert decoding[:made - 1] == [k + 1 for k in range(1, made)], at_tick
