@@ -83,13 +83,15 @@ def fault(cause: str, folder: str | os.PathLike[str], doing: str, retry: str) ->
     return DiskFault(text, folder=where, cause=cause)
 
 
-def fault_of(error: BaseException, *, retry: str = "try again") -> DiskFault | None:
+def fault_of(error: BaseException, *, retry: str = "try again",
+             folder: str | os.PathLike[str] | None = None) -> DiskFault | None:
     """The ``DiskFault`` that ``error`` stands for, or None when it is not about a disk.
 
-    Recognizes an ``OSError`` whose errno says full, read-only or not permitted,
-    and MLX's failed kernel compile (in ``$TMPDIR``, which Longleaf points at its
-    cache folder), whose cause is read from the compiler's words or, failing
-    that, from a probe of the folder.
+    Recognizes an ``OSError`` whose errno says full, read-only or not permitted
+    (named by its file's folder, else ``folder``), and MLX's failed kernel
+    compile (in ``$TMPDIR``, which Longleaf points at its cache folder), whose
+    cause is read from the compiler's words or, failing that, from a probe of
+    the folder.
     """
     if isinstance(error, DiskFault):
         return error
@@ -97,19 +99,19 @@ def fault_of(error: BaseException, *, retry: str = "try again") -> DiskFault | N
         cause = cause_of_errno(error.errno)
         if cause is None:
             return None
-        target = Path(error.filename) if error.filename else None
-        folder = target.parent if target is not None else kernel_folder()
-        return fault(cause, folder, "Longleaf could not write a file it needs", retry)
+        where = (Path(error.filename).parent if error.filename
+                 else Path(folder) if folder is not None else kernel_folder())
+        return fault(cause, where, "Longleaf could not write a file it needs", retry)
     text = str(error)
     if not isinstance(error, RuntimeError) or _MLX_COMPILE not in text:
         return None
-    folder = kernel_folder()
-    cause = next((c for words, c in _TEXT_CAUSE if words in text), None) or probe(folder)
+    kernels = kernel_folder()
+    cause = next((c for words, c in _TEXT_CAUSE if words in text), None) or probe(kernels)
     doing = "Longleaf could not prepare the model's compute kernels"
     if cause is None:
         # The folder takes files again (space came back meanwhile): it may pass now.
         return DiskFault(
-            f"{doing}: the compiler could not write into {folder}. Check that the disk "
+            f"{doing}: the compiler could not write into {kernels}. Check that the disk "
             f"holding it has free space and can be written, then {retry}.",
-            folder=str(folder), cause=UNWRITABLE)
-    return fault(cause, folder, doing, retry)
+            folder=str(kernels), cause=UNWRITABLE)
+    return fault(cause, kernels, doing, retry)
