@@ -295,6 +295,17 @@ class Settings:
         self._set("server/api_key", key.strip() or None)
 
     @property
+    def server_allowed_hosts(self) -> tuple[str, ...]:
+        """Names besides this computer's that the keyless server answers requests for
+        (``server/allowed_hosts`` in settings.ini, comma-separated; no widget)."""
+        text = self._get("server/allowed_hosts", "", str)
+        return tuple(name.strip() for name in text.split(",") if name.strip())
+
+    @server_allowed_hosts.setter
+    def server_allowed_hosts(self, names: tuple[str, ...]) -> None:
+        self._set("server/allowed_hosts", ",".join(names) or None)
+
+    @property
     def server_share_chats(self) -> bool:
         """Let API requests reuse the KV of the app's own chats (off: API only)."""
         return self._get("server/share_chats", False, bool)
