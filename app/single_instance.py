@@ -139,8 +139,8 @@ def _alive(pid: int) -> bool:
 def _paths(message: bytes) -> list[str]:
     try:
         files = json.loads(message.decode("utf-8")).get("files", [])
-    except (UnicodeDecodeError, ValueError, AttributeError):
-        return []
+    except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return []  # not a launch of Longleaf's: nothing to attach
     return [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
 
 

@@ -7,6 +7,7 @@ check sees exactly what the GUI would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -317,7 +318,11 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()
-    uvicorn_server(bridge, args.host, args.port, args.api_key, origins, allowed).run()
+    # uvicorn shuts down (sessions stored) and then raises Ctrl-C again for the
+    # caller: here it is the asked-for way to stop, not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn_server(bridge, args.host, args.port, args.api_key, origins, allowed).run()
+    out.write("Longleaf server stopped; its sessions are stored.\n")
     return 0
 
 

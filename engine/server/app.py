@@ -254,6 +254,9 @@ class Server:
             return json.loads(bytes(data))
         except (ValueError, UnicodeDecodeError) as error:
             raise ApiError(400, f"The request body is not valid JSON: {error}.") from error
+        except RecursionError:  # Python's parser recurses once per level
+            raise ApiError(400, "The request body nests its JSON deeper than Python can "
+                                "read (about 1,000 levels); no API request needs that.") from None
 
     # -- endpoints -------------------------------------------------------------
 

@@ -109,6 +109,13 @@ def test_a_dead_holders_lock_in_a_read_only_folder_opens_without_a_lock(monkeypa
     assert InstanceLock(data_dir()).held_elsewhere()
 
 
+def test_a_message_nested_past_the_parser_attaches_nothing() -> None:
+    from app.single_instance import _paths
+
+    assert _paths(b"[" * 100_000 + b"]" * 100_000) == []  # was a RecursionError
+    assert _paths(b'{"files": ["/a.txt"]}') == ["/a.txt"]
+
+
 def test_the_socket_is_never_in_the_shared_tmp_root(tmp_path, monkeypatch) -> None:
     assert Path(socket_name(tmp_path)).parent == tmp_path
     deep = tmp_path / ("x" * 120)  # past a Unix socket path's length
