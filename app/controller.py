@@ -37,6 +37,7 @@ from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import (
+    DiskFault,
     EngineError,
     Failed,
     IngestProgress,
@@ -50,6 +51,8 @@ from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
+QUIT_UNSAVED = ("Longleaf could not save every answer of this session yet (its data folder "
+                "is full or read-only). Quit anyway and lose what was not saved?")
 
 
 class ChatController(QObject):
@@ -208,7 +211,11 @@ class ChatController(QObject):
         """What to ask before quitting: "" unless an answer is being written now."""
         job = self.activity.running
         answering = job is not None and job.kind == "chat" and job.answering
-        return QUIT_WHILE_ANSWERING if answering and not self.closed else ""
+        if self.closed:
+            return ""
+        if self.recorder.pending and not self.recorder.flush():
+            return QUIT_UNSAVED
+        return QUIT_WHILE_ANSWERING if answering else ""
 
     def close(self) -> None:
         """Save the partial answer and cancel all engine work, without waiting.
@@ -431,19 +438,14 @@ class ChatController(QObject):
             self.errorRaised.emit("The model is still loading; your message is kept — "
                                   "send it again in a moment.")
             return False
-        if self.current is None and self.new_session() is None:
+        try:
+            saved = self._save_turn(text, attachments)
+        except DiskFault as fault:
+            self.errorRaised.emit(f"Your message was not sent; it is still in the box. {fault}")
             return False
-        assert self.current is not None
-        retitle = self.current.title == NEW_TITLE
-        if self._editing is not None:
-            row, message_id = self._editing
-            self._editing = None
-            # The title came from the first message (not from a rename): it follows the edit.
-            retitle = retitle or (row == self._first_user_row()
-                                  and self.current.title == _title_of(self.model.message(row)))
-            self.store.delete_messages_from(self.current.id, message_id)
-            self.model.truncate(row)
-        message_id = self.store.add_message(self.current.id, "user", text, "complete", attachments)
+        if saved is None:
+            return False
+        message_id, retitle = saved
         self.model.append(ChatMessage("user", text, "complete", message_id,
                                       attachments=attachments))
         if retitle:
@@ -451,6 +453,30 @@ class ChatController(QObject):
                 self.model.rowCount() - 1)))
         self.answers.start_chat(self.current)
         return True
+
+    def _save_turn(self, text: str,
+                   attachments: tuple[AttachmentRecord, ...]) -> tuple[int, bool] | None:
+        """Save the user turn (in place of the one edited); its id and whether the
+        chat takes its title from it, or None when no chat could be made.
+
+        Raises:
+            DiskFault: the history cannot be written now (the turn stays in the box).
+        """
+        if self.current is None and self.new_session() is None:
+            return None
+        assert self.current is not None
+        retitle = self.current.title == NEW_TITLE
+        if self._editing is not None:
+            row, message_id = self._editing
+            # The title came from the first message (not from a rename): it follows the edit.
+            retitle = retitle or (row == self._first_user_row()
+                                  and self.current.title == _title_of(self.model.message(row)))
+            self.store.delete_messages_from(self.current.id, message_id)
+            self._editing = None
+            self.model.truncate(row)
+        message_id = self.store.add_message(self.current.id, "user", text, "complete",
+                                            attachments)
+        return message_id, retitle
 
     def stop(self) -> None:
         """Stop the shown chat's job (Esc): out of the line, or its request cancelled.

@@ -15,6 +15,8 @@ from app.engine_bridge import EngineBridge
 from app.model_state import ModelState
 from app.settings import Settings
 from app.window.server_settings import NEEDS_KEY, server_host
+from engine import EngineError
+from engine.server.app import host_names
 from engine.server.inprocess import ApiSession, LocalServer, ServerStatus, ServerUnavailable
 
 JOIN_TIMEOUT_S = 10.0
@@ -76,19 +78,25 @@ class LocalServerHost(QObject):
             self._shared = s.server_share_chats
             self.bridge.worker.share_chats_with_api(self._shared)
         config = ((server_host(s.server_allow_network), s.server_port, s.server_api_key,
-                   s.default_mode) if s.server_enabled else None)
+                   s.default_mode, s.server_allowed_hosts) if s.server_enabled else None)
         if config == self._config and self.server is not None and self.server.running:
             return
         self.stop()
         self._config = config
         if config is None:
             return
-        host, port, key, mode = config
+        host, port, key, mode, names = config
         if host != server_host(False) and not key:
             self._failed(ServerStatus("failed", message=NEEDS_KEY))
             return
+        try:
+            allowed = host_names(names)
+        except EngineError as error:
+            self._failed(ServerStatus("failed", message=str(error)))
+            return
         server = LocalServer(self.bridge.worker, host=host, port=port, api_key=key or None,
-                             kv_mode=mode, on_status=lambda _status: self._relay.emit())
+                             kv_mode=mode, on_status=lambda _status: self._relay.emit(),
+                             allowed_hosts=allowed)
         self.bridge.add_claim(server.claim)
         try:
             server.start()

@@ -36,19 +36,39 @@ DEFAULT_SERVER_PORT = 1234  # LM Studio's, so tools set up for it find Longleaf 
 log = logging.getLogger(__name__)
 
 
-def config_dir() -> Path:
-    """The user-only folder that holds the settings file, created if missing."""
+def _config_path() -> Path:
+    """Where the settings folder is (nothing is created)."""
     override = os.environ.get("LONGLEAF_CONFIG_HOME")
     if override:
-        return private_dir(Path(override))
-    if os.environ.get("LONGLEAF_HOME"):
-        return private_dir(data_dir() / "config")
-    return private_dir(Path(platformdirs.user_config_dir("Longleaf", False)))
+        return Path(override)
+    home = os.environ.get("LONGLEAF_HOME")
+    if home:
+        return Path(home) / "config"
+    return Path(platformdirs.user_config_dir("Longleaf", False))
+
+
+def config_dir() -> Path:
+    """The user-only folder that holds the settings file, created if missing.
+
+    Raises:
+        OSError: it cannot be made (a read-only or full disk).
+    """
+    if not os.environ.get("LONGLEAF_CONFIG_HOME") and os.environ.get("LONGLEAF_HOME"):
+        return private_dir(data_dir() / "config")  # the data folder made user-only first
+    return private_dir(_config_path())
 
 
 def default_settings_path() -> Path:
-    """``settings.ini`` in ``config_dir()``, moved there from the data folder once."""
-    path = config_dir() / SETTINGS_FILE
+    """``settings.ini`` in ``config_dir()``, moved there from the data folder once.
+
+    A settings folder that cannot be made still gives its path: the settings
+    read nothing there and keep changes for this run only.
+    """
+    try:
+        path = config_dir() / SETTINGS_FILE
+    except OSError as error:
+        log.warning("settings are kept for this run only: %s", error)
+        return _config_path() / SETTINGS_FILE
     try:
         older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
         if not path.exists() and older.is_file() and older != path:
@@ -95,8 +115,14 @@ class Settings:
     """
 
     def __init__(self, path: Path | None = None) -> None:
-        # Created user-only first: QSettings keeps an existing file's mode.
-        self.path = private_file(path or default_settings_path())
+        self.path = path or default_settings_path()
+        try:
+            # Created user-only first: QSettings keeps an existing file's mode.
+            private_file(self.path)
+        except OSError as error:
+            # A read-only or full disk: QSettings reads what is there and keeps
+            # changes in memory (its own writes fail quietly).
+            log.warning("settings are kept for this run only: %s", error)
         self._qs = QSettings(str(self.path), QSettings.Format.IniFormat)
 
     def _get(self, key: str, default, kind: type):
@@ -293,6 +319,17 @@ class Settings:
     @server_api_key.setter
     def server_api_key(self, key: str) -> None:
         self._set("server/api_key", key.strip() or None)
+
+    @property
+    def server_allowed_hosts(self) -> tuple[str, ...]:
+        """Names besides this computer's that the keyless server answers requests for
+        (``server/allowed_hosts`` in settings.ini, comma-separated; no widget)."""
+        text = self._get("server/allowed_hosts", "", str)
+        return tuple(name.strip() for name in text.split(",") if name.strip())
+
+    @server_allowed_hosts.setter
+    def server_allowed_hosts(self, names: tuple[str, ...]) -> None:
+        self._set("server/allowed_hosts", ",".join(names) or None)
 
     @property
     def server_share_chats(self) -> bool:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QLockFile, QObject, QStandardPaths, Signal
+from PySide6.QtCore import QLockFile, QObject, QStandardPaths, QSysInfo, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 
 LOCK_NAME = "longleaf.lock"
@@ -69,9 +69,20 @@ class InstanceLock(QObject):
         return True
 
     def held_elsewhere(self) -> bool:
-        """After a failed ``acquire``: True when another live process holds the lock
-        (False when the lock file could not be made at all, e.g. a read-only folder)."""
-        return self._lock.error() == QLockFile.LockError.LockFailedError
+        """After a failed ``acquire``: True when another live process holds the lock.
+
+        False when the lock file could not be made at all, and when it names a
+        process of this machine that is gone but could not be taken over: a
+        crashed run's lock in a folder that turned read-only. Either way no
+        Longleaf can be writing there.
+        """
+        if self._lock.error() != QLockFile.LockError.LockFailedError:
+            return False
+        info = self._lock.getLockInfo()
+        if not info:
+            return True
+        pid, host, _app = info
+        return host != QSysInfo.machineHostName() or _alive(pid)
 
     def listen(self) -> bool:
         """Start taking files from later launches; call once the lock is held."""
@@ -114,11 +125,22 @@ class InstanceLock(QObject):
             socket.disconnected.connect(done)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's, or no way to ask: assume it runs
+        return True
+    return True
+
+
 def _paths(message: bytes) -> list[str]:
     try:
         files = json.loads(message.decode("utf-8")).get("files", [])
-    except (UnicodeDecodeError, ValueError, AttributeError):
-        return []
+    except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return []  # not a launch of Longleaf's: nothing to attach
     return [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
 
 

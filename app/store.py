@@ -16,11 +16,13 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.history_recovery import Recovered, recover
-from engine import QualityReceipt, data_dir, private_file
+from engine import DiskFault, QualityReceipt, data_dir, disk, private_file
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,10 @@ _CORRUPT_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB
 # SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL,
 # SQLITE_CANTOPEN: the file may be sound, but it cannot be written here now.
 _UNWRITABLE_CODES = (3, 5, 6, 8, 10, 13, 14)
+
+
+# Why a write failed, by SQLite's primary result code (None: ask the folder).
+_WRITE_FAULTS = {13: disk.FULL, 8: disk.READ_ONLY, 3: disk.UNWRITABLE, 10: None, 14: None}
 
 
 class DamagedHistory(sqlite3.DatabaseError):
@@ -288,8 +294,28 @@ class HistoryStore:
         """Checkpoint and close the database."""
         self._db.close()
 
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A write; a disk that is full or read-only raises ``DiskFault``, in words.
+
+        Raises:
+            DiskFault: the history's folder cannot take the write now (nothing of
+                it was written; the caller keeps what it could not save).
+        """
+        try:
+            with self._db:
+                yield
+        except sqlite3.OperationalError as error:
+            code = _code(error)
+            if code not in _WRITE_FAULTS:
+                raise
+            folder = self.path.parent
+            cause = _WRITE_FAULTS[code] or disk.probe(folder) or disk.UNWRITABLE
+            raise disk.fault(cause, folder, "Longleaf could not save your chat history",
+                             "try again") from error
+
     def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        with self._db:
+        with self._writing():
             return self._db.execute(sql, args)
 
     # Sessions -------------------------------------------------------------
@@ -331,8 +357,13 @@ class HistoryStore:
         self._write("DELETE FROM sessions WHERE id = ?", (session_id,))
 
     def set_tokens(self, session_id: str, tokens: int) -> None:
-        """Record how many tokens the session's context holds."""
-        self._write("UPDATE sessions SET tokens = ? WHERE id = ?", (int(tokens), session_id))
+        """Record how many tokens the session's context holds (a count the engine
+        gives again: a disk that cannot take it now is logged, not raised)."""
+        try:
+            self._write("UPDATE sessions SET tokens = ? WHERE id = ?",
+                        (int(tokens), session_id))
+        except DiskFault as fault:
+            log.warning("token count of %s not saved: %s", session_id, fault)
 
     def _touch(self, session_id: str) -> None:
         self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
@@ -352,7 +383,7 @@ class HistoryStore:
             self._set_state(NO_CHAT_DRAFT, text)
             self._set_state(NO_CHAT_DRAFT_ATTACHMENTS, records)
             return
-        with self._db:
+        with self._writing():
             if text:
                 self._db.execute("INSERT OR REPLACE INTO drafts SELECT ?, ?, ? "
                                  "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
@@ -393,8 +424,12 @@ class HistoryStore:
             return ()
 
     def set_last_session(self, session_id: str | None) -> None:
-        """Remember the chat on screen, to show it again at the next start."""
-        self._set_state(LAST_SESSION, session_id or "")
+        """Remember the chat on screen, to show it again at the next start (a
+        convenience: a disk that cannot take it now is logged, not raised)."""
+        try:
+            self._set_state(LAST_SESSION, session_id or "")
+        except DiskFault as fault:
+            log.warning("the chat on screen was not saved: %s", fault)
 
     def last_session(self) -> SessionRecord | None:
         """The chat that was on screen last, if it still exists."""
@@ -450,7 +485,7 @@ class HistoryStore:
         """Save a message (and its attachments) at once; returns its id."""
         _check_status(status)
         now = time.time()
-        with self._db:
+        with self._writing():
             cursor = self._db.execute(
                 "INSERT INTO messages (session_id, role, content, status, created, updated) "
                 "VALUES (?, ?, ?, ?, ?, ?)",

@@ -61,7 +61,7 @@ _PUBLIC = {
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
-        "MemoryPressure")},
+        "MemoryPressure", "DiskFault")},
 }
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "RECOMMENDED_MODELS",
     "Cancelled",
     "ContextTooLong",
+    "DiskFault",
     "DocumentError",
     "DocumentTooLong",
     "DownloadProgress",
@@ -131,6 +132,7 @@ if TYPE_CHECKING:
     from engine.errors import (
         Cancelled,
         ContextTooLong,
+        DiskFault,
         DocumentError,
         DocumentTooLong,
         EngineError,

@@ -7,6 +7,7 @@ check sees exactly what the GUI would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -285,7 +286,7 @@ def _size(nbytes: int) -> str:
 
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
-    from engine.server.app import cors_origins
+    from engine.server.app import cors_origins, host_names
     from engine.server.bridge import EngineBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
 
@@ -293,6 +294,7 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
         raise EngineError("Serving beyond this machine needs --api-key: anyone on the "
                           "network could otherwise use the model.")
     origins = cors_origins(args.cors_origin)
+    allowed = host_names(args.allow_host)
     from engine import paths
 
     if args.kv_disk_budget is not None and args.kv_disk_budget < 0:
@@ -316,7 +318,11 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()
-    uvicorn_server(bridge, args.host, args.port, args.api_key, origins).run()
+    # uvicorn shuts down (sessions stored) and then raises Ctrl-C again for the
+    # caller: here it is the asked-for way to stop, not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn_server(bridge, args.host, args.port, args.api_key, origins, allowed).run()
+    out.write("Longleaf server stopped; its sessions are stored.\n")
     return 0
 
 
@@ -410,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="let web pages of ORIGIN (e.g. http://localhost:3000) call the "
                           "API; repeatable; none by default")
+    api.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                     help="answer requests addressed to NAME too (without --api-key only "
+                          "localhost, 127.0.0.1 and [::1] are answered); repeatable")
     api.add_argument("--pipeline", type=int, default=1, metavar="N",
                      help="split the model over N local processes (MLX ring backend); "
                           "if a rank is lost, the server goes on on this machine alone "

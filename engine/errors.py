@@ -91,3 +91,17 @@ class InsufficientMemory(EngineError):
 
 class MemoryPressure(EngineError):
     """System memory turned critical, so the engine stopped (or did not start) work."""
+
+
+class DiskFault(EngineError):
+    """A folder Longleaf writes to is full, read-only or may not be written.
+
+    Attributes:
+        folder: the folder (or file) the write was for, as a string.
+        cause: "full", "read-only" or "unwritable".
+    """
+
+    def __init__(self, message: str, *, folder: str, cause: str) -> None:
+        super().__init__(message)
+        self.folder = folder
+        self.cause = cause

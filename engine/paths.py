@@ -51,11 +51,14 @@ def _already_private(folder: Path) -> bool:
 
 
 def private_file(path: Path) -> Path:
-    """Create ``path`` empty if missing, and make it user-only (0600).
+    """Create ``path`` empty if missing (0600), and make it user-only.
 
     Call it before handing the path to a library that creates the file itself
     (SQLite, QSettings): they keep an existing file's mode, and SQLite gives its
     -wal and -shm files the database's mode.
+
+    An existing file loses only what others may do with it: one the user made
+    read-only (0400) stays read-only, never silently writable again.
 
     Returns:
         ``path``.
@@ -63,8 +66,9 @@ def private_file(path: Path) -> Path:
     # O_CREAT with 0600 closes the window in which the file exists group-readable.
     descriptor = os.open(path, os.O_CREAT | os.O_RDONLY, PRIVATE_FILE_MODE)
     try:
-        if os.fstat(descriptor).st_mode & 0o777 != PRIVATE_FILE_MODE:
-            os.fchmod(descriptor, PRIVATE_FILE_MODE)
+        mode = os.fstat(descriptor).st_mode & 0o777
+        if mode & 0o077:
+            os.fchmod(descriptor, mode & 0o700 or PRIVATE_FILE_MODE)
     finally:
         os.close(descriptor)
     return path

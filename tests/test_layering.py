@@ -84,7 +84,7 @@ def layer_offenders(folder: Path, allowed: tuple[str, ...]) -> dict[str, list[st
 # Each package of the engine and what it may import of the rest: the cache at the
 # bottom, then models and memory accounting, sessions, snapshots, the runtime;
 # front ends (cli, server, bench) on top, imported by nothing below them.
-BASE = ("engine.errors", "engine.events", "engine.format", "engine.paths")
+BASE = ("engine.errors", "engine.disk", "engine.events", "engine.format", "engine.paths")
 LAYERS: dict[str, tuple[str, ...]] = {
     "cache": ("engine.cache", "engine.errors"),
     "documents": ("engine.documents", "engine.errors", "engine.format"),

@@ -2,12 +2,14 @@
 
 Tokens stream into the answer's own chat (shown or not: the user may read
 other chats meanwhile), the answer is saved as it grows and as it ends
-(complete, stopped, failed), and failures are shown.
+(complete, stopped, failed), and failures are shown. Every ending ends its job,
+whatever the history can still save: the recorder keeps what it cannot write.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
@@ -20,7 +22,9 @@ from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
-from engine import Failed, Finished, IngestProgress, SamplingParams, TokenChunk
+from engine import DiskFault, Failed, Finished, IngestProgress, SamplingParams, TokenChunk
+
+log = logging.getLogger(__name__)
 
 TOO_LONG_TURN = ("Too long for the model's context; kept here but not sent with later "
                  "messages. Edit it to a shorter one, or reopen the chat in a smaller KV mode.")
@@ -52,6 +56,8 @@ class Answers(QObject):
         self.sampling = sampling  # the settings over the loaded model's own defaults
         self.activity, self.caches, self.sessions = activity, caches, sessions
         self.recorder = AnswerRecorder(store, model, self)
+        self.recorder.unsaved.connect(self.errorRaised)
+        self.recorder.saved.connect(self.notice)
         sessions.currentSessionChanged.connect(
             lambda record: self.recorder.show(record.id if record else None))
 
@@ -89,7 +95,12 @@ class Answers(QObject):
         if continued is not None:
             self.recorder.resume(session.id, *continued, self._shown(session.id))
         elif job.kind == "chat":
-            self.recorder.start(session.id, self._shown(session.id))
+            try:
+                self.recorder.start(session.id, self._shown(session.id))
+            except DiskFault as fault:  # no row for the answer: it does not start
+                self.errorRaised.emit(f"The answer was not started. {fault}")
+                self.activity.end(job)
+                return
         # A failed Continue keeps the answer it extends: "failed" would leave it unseen.
         failed = "stopped" if continued is not None else "failed"
 
@@ -137,6 +148,12 @@ class Answers(QObject):
         self.answerFinished.emit(status)
 
     def _finished(self, job: Job, event: Finished) -> None:
+        try:
+            self._record_finished(job, event)
+        finally:  # the chat never stays busy, whatever recording its end did
+            self.activity.end(job)
+
+    def _record_finished(self, job: Job, event: Finished) -> None:
         kept = _kept(event, job.progress)
         if job.kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
@@ -150,7 +167,6 @@ class Answers(QObject):
         else:
             self._report_ingest(job.session_id, event, kept)
         self.sessions.record_tokens(job.session_id, self.bridge.latest_stats())
-        self.activity.end(job)
 
     def _report_ingest(self, session_id: str, event: Finished,
                        kept: tuple[int, int] | None) -> None:
@@ -168,19 +184,28 @@ class Answers(QObject):
             self.notice.emit(f"Stopped reading the conversation in ({ingested.kv_mode}).")
 
     def _failed(self, job: Job, sent_id: int, event: Failed, status: str) -> None:
-        self.errorRaised.emit(event.message)
-        if job.kind == "chat":
-            if event.error_type == "ContextTooLong":
-                self._set_aside_sent_turn(sent_id)
-            self.finish_answer(status, event.message)
-        self.activity.end(job)
+        try:
+            if job.kind == "chat":
+                if event.error_type == "ContextTooLong":
+                    self._set_aside_sent_turn(sent_id)
+                self.finish_answer(status, event.message)
+            self.errorRaised.emit(self._with_unsaved(event.message))
+        finally:  # the chat never stays busy, whatever recording the failure did
+            self.activity.end(job)
 
     def _open_failed(self, job: Job, event: Failed, status: str) -> None:
         # The session's KV cache could not be opened: the job waiting on it ends.
-        self.errorRaised.emit(event.message)
-        if job.kind == "chat":
-            self.finish_answer(status, event.message)
-        self.activity.end(job)
+        try:
+            if job.kind == "chat":
+                self.finish_answer(status, event.message)
+            self.errorRaised.emit(self._with_unsaved(event.message))
+        finally:
+            self.activity.end(job)
+
+    def _with_unsaved(self, message: str) -> str:
+        """``message``, and that the answer waits unsaved when it does (one banner)."""
+        unsaved = self.recorder.unsaved_reason
+        return f"{message} {unsaved}" if unsaved and unsaved not in message else message
 
     def _dropped(self, job: Job) -> None:
         # Cancelled while it waited in line: the engine never saw it.
@@ -193,7 +218,10 @@ class Answers(QObject):
         # model sees (ChatModel.engine_messages skips it).
         if not sent_id:
             return
-        self.store.update_message(sent_id, status="failed", reason=TOO_LONG_TURN)
+        try:
+            self.store.update_message(sent_id, status="failed", reason=TOO_LONG_TURN)
+        except DiskFault as fault:  # set aside for this run all the same
+            log.warning("the turn set aside was not saved as such: %s", fault)
         row = self.model.row_of(sent_id)
         if row is not None:
             self.model.update_row(row, status="failed", reason=TOO_LONG_TURN)

@@ -6,16 +6,22 @@ the typing stops and at once when an attachment comes or goes, so a crash
 loses at most that moment; switching chats saves the one left at once and
 shows the one opened. What is in the composer while no chat is shown goes
 with the chat the next send or New Chat makes. A file still being read when
-the chat changes is not part of the draft (it is dropped with its chip).
+the chat changes is not part of the draft (it is dropped with its chip). A draft
+the history cannot take (a full or read-only disk) is kept in memory for the
+run and shown again when its chat is.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 
 from PySide6.QtCore import QObject, QTimer
 
 from app.store import AttachmentRecord
+from engine import DiskFault
+
+log = logging.getLogger(__name__)
 
 SAVE_AFTER_MS = 400
 
@@ -37,16 +43,33 @@ class Drafts(QObject):
         self._restored_ids = itertools.count(-1, -1)  # the loader's job ids are positive
         self._timer = QTimer(self, singleShot=True, interval=SAVE_AFTER_MS)
         self._timer.timeout.connect(self.save_now)
+        # Drafts the history could not take, by chat: the newest word on them.
+        self._unsaved: dict[str | None, tuple[str, tuple[AttachmentRecord, ...]]] = {}
         composer.edit.textChanged.connect(self._typed)
         controller.currentSessionChanged.connect(self._switched)
-        self._show(self.store.draft(self.session_id),
-                   self.store.draft_attachments(self.session_id))
+        self._show(*self._draft(self.session_id))
 
     def save_now(self) -> None:
         """Write the shown chat's draft (the window closes, the typing paused, a file came)."""
         self._timer.stop()
-        self.store.set_draft(self.session_id, self.composer.text(),
-                             tuple(self.attachments.values()))
+        self._save(self.session_id, self.composer.text(), tuple(self.attachments.values()))
+
+    def _save(self, session_id: str | None, text: str,
+              files: tuple[AttachmentRecord, ...]) -> None:
+        try:
+            self.store.set_draft(session_id, text, files)
+        except DiskFault as fault:
+            if session_id not in self._unsaved:
+                log.warning("draft kept in memory only: %s", fault)
+            self._unsaved[session_id] = (text, files)
+            return
+        self._unsaved.pop(session_id, None)
+
+    def _draft(self, session_id: str | None) -> tuple[str, tuple[AttachmentRecord, ...]]:
+        """The draft of ``session_id``: the one kept in memory, else the saved one."""
+        if session_id in self._unsaved:
+            return self._unsaved[session_id]
+        return self.store.draft(session_id), self.store.draft_attachments(session_id)
 
     def show_attachments(self, records: tuple[AttachmentRecord, ...]) -> None:
         """Put ``records`` in the composer in place of its attachments, as chips."""
@@ -70,11 +93,10 @@ class Drafts(QObject):
         if new_id == self.session_id:  # renamed, or its count changed: the same chat
             return
         held = bool(self.composer.text() or self.attachments)
-        draft = self.store.draft(new_id)
-        files = self.store.draft_attachments(new_id)
+        draft, files = self._draft(new_id)
         if self.session_id is None and new_id is not None and held and not (draft or files):
             # Made before any chat existed: the chat just made (a send, New Chat) takes it.
-            self.store.set_draft(None, "")
+            self._save(None, "", ())
             self.session_id = new_id
             self.save_now()
             return

@@ -1,15 +1,25 @@
-"""Keeps the streaming answer and saves it as it grows, so a crash loses at most a second."""
+"""Keeps the streaming answer and saves it as it grows, so a crash loses at most a second.
+
+A disk that fills up or turns read-only mid-answer never stops an answer from
+ending: what cannot be written is kept here, said once, and written as soon as
+the history takes writes again (tried every ``RETRY_INTERVAL_S``).
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.chat.model import ChatMessage, ChatModel
 from app.store import HistoryStore
+from engine import DiskFault, disk
+
+log = logging.getLogger(__name__)
 
 SAVE_INTERVAL_S = 1.0
+RETRY_INTERVAL_S = 5.0
 CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
 LENGTH_LIMIT = "Reached the answer length limit"
 STOPPED_READING = "Stopped while reading"  # how a reason about a cut-short prefill begins
@@ -29,7 +39,14 @@ class AnswerRecorder(QObject):
     model gets the text only while the answer's session is the one shown
     (``show``). Saved when a second has passed since the last save, and by a
     one-second timer when tokens stop arriving; ``finish`` records how it ended.
+
+    No method raises when the history cannot be written: the writes wait in
+    ``pending`` (they are in the chat model already), ``unsaved`` says why once,
+    and ``saved`` says so when they are written after all.
     """
+
+    unsaved = Signal(str)  # why answers are kept in this window only, said once
+    saved = Signal(str)  # the answers kept only here were written after all
 
     def __init__(self, store: HistoryStore, model: ChatModel,
                  parent: QObject | None = None) -> None:
@@ -39,10 +56,14 @@ class AnswerRecorder(QObject):
         self.session_id: str | None = None
         self.text = ""
         self.shown = False
+        self.pending: dict[int, dict] = {}  # message id -> the fields not written yet
+        self.unsaved_reason = ""  # why ``pending`` is not written ("" while none waits)
         self._saved_at = 0.0
         self._dirty = False
         self._timer = QTimer(self, interval=int(SAVE_INTERVAL_S * 1000))
         self._timer.timeout.connect(self.save)
+        self._retry = QTimer(self, interval=int(RETRY_INTERVAL_S * 1000))
+        self._retry.timeout.connect(self.flush)
 
     @property
     def recording(self) -> bool:
@@ -50,7 +71,11 @@ class AnswerRecorder(QObject):
         return self.message_id != 0
 
     def start(self, session_id: str, shown: bool = True) -> int:
-        """Save an empty streaming answer, its row added when its chat is ``shown``; its id."""
+        """Save an empty streaming answer, its row added when its chat is ``shown``; its id.
+
+        Raises:
+            DiskFault: the history cannot take the answer's row (nothing started).
+        """
         self.message_id = self.store.add_message(session_id, "assistant", "", "streaming")
         self.session_id, self.text, self.shown = session_id, "", shown
         if shown:
@@ -63,7 +88,7 @@ class AnswerRecorder(QObject):
         """Go on recording the saved answer ``message_id`` (Continue): its text grows."""
         self.message_id, self.session_id, self.text, self.shown = (
             message_id, session_id, text, shown)
-        self.store.update_message(message_id, status="streaming", reason="")
+        self._write(message_id, status="streaming", reason="")
         row = self.model.row_of(message_id) if shown else None
         if row is not None:
             self.model.update_row(row, content=text, status="streaming", reason=None)
@@ -93,16 +118,49 @@ class AnswerRecorder(QObject):
         """Write the text so far, if it changed."""
         if not self.message_id or not self._dirty:
             return
-        self.store.update_message(self.message_id, content=self.text)
+        self._write(self.message_id, content=self.text)
         self._saved_at, self._dirty = time.monotonic(), False
 
     def finish(self, status: str, reason: str | None, stats: dict | None = None) -> None:
-        """Record the final text and how the answer ended."""
+        """Record the final text and how the answer ended (kept here if it cannot be)."""
         self._timer.stop()
-        self.store.update_message(self.message_id, content=self.text, status=status,
-                                  reason=reason, stats=stats)
+        self._write(self.message_id, content=self.text, status=status, reason=reason,
+                    stats=stats)
         row = self.model.row_of(self.message_id) if self.shown else None
         if row is not None:
             self.model.update_row(row, content=self.text, status=status, reason=reason,
                                   stats=stats)
         self.message_id, self.session_id, self.shown = 0, None, False
+
+    def flush(self) -> bool:
+        """Write what waits in ``pending``; True when nothing waits any more."""
+        for message_id in list(self.pending):
+            try:
+                self.store.update_message(message_id, **self.pending[message_id])
+            except DiskFault as fault:
+                self._cannot_save(fault)
+                return False
+            del self.pending[message_id]
+        self._retry.stop()
+        if self.unsaved_reason:
+            self.unsaved_reason = ""
+            self.saved.emit("The answers Longleaf could not save before are saved now.")
+        return True
+
+    def _write(self, message_id: int, **fields: object) -> None:
+        # Later fields of a message replace earlier ones; None means "unchanged".
+        waiting = self.pending.setdefault(message_id, {})
+        waiting.update({name: value for name, value in fields.items() if value is not None})
+        self.flush()
+
+    def _cannot_save(self, fault: DiskFault) -> None:
+        if not self._retry.isActive():
+            self._retry.start()
+        if self.unsaved_reason:
+            return  # said once per spell
+        log.warning("answer kept unsaved: %s", fault)
+        self.unsaved_reason = str(disk.fault(
+            fault.cause, fault.folder,
+            "The answer is kept in this window but could not be saved", "Longleaf saves it "
+            "by itself (until then, closing Longleaf loses it)"))
+        self.unsaved.emit(self.unsaved_reason)

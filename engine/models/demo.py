@@ -153,10 +153,16 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     Raises:
         ModelLoadError: the file is unreadable or not a llama model.
     """
+    # MLX's GGUF reader opens the file read-write, which a file of a root-owned
+    # venv or a read-only app bundle refuses: it reads a private copy instead.
+    copy = out_dir / f".source-{os.getpid()}.gguf"
     try:
-        tensors, metadata = mx.load(str(gguf), return_metadata=True)
+        shutil.copyfile(gguf, copy)
+        tensors, metadata = mx.load(str(copy), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as error:
         raise ModelLoadError(f"Cannot read the GGUF file {gguf}: {error}") from error
+    finally:
+        copy.unlink(missing_ok=True)  # the arrays were read into memory
     architecture = metadata.get("general.architecture")
     if architecture != DEMO_ARCHITECTURE:
         raise ModelLoadError(

@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine import disk
 from engine.errors import EngineError
 from engine.events import (
     Failed,
@@ -55,6 +56,7 @@ UNEXPECTED = (
     "to its last finished step; send the message again, and if it keeps failing, "
     "reload the model."
 )
+RETRY = "send the message again"
 # A request whose cancel was set while it waited in the queue ends before it starts.
 _CANCELLABLE = ("chat", "ingest", "check_quality")
 
@@ -390,10 +392,7 @@ class EngineWorker:
             ending = Failed(command.request_id, str(error), type(error).__name__,
                             error.kept_tokens, error.total_tokens)
         except Exception as error:
-            log.exception("engine request %s failed", command.name)
-            detail = f"{type(error).__name__}: {error}"
-            ending = Failed(command.request_id, UNEXPECTED.format(detail=detail),
-                            type(error).__name__)
+            ending = _unexpected_ending(command, error)
         # Before the end is announced, so a fit check it prompts sees what it changed.
         self._publish_fit()
         self._emit(ending)
@@ -437,6 +436,21 @@ class EngineWorker:
     def _close_session(self, command: Command) -> object:
         self._held.close(*command.args)
         return Finished(command.request_id, "done")
+
+
+def _unexpected_ending(command: Command, error: Exception) -> Failed:
+    """How a request that raised outside the ``EngineError`` family ends.
+
+    A disk that filled up or turned read-only is said as such, in one log line;
+    anything else is a bug, logged with its traceback.
+    """
+    fault = disk.fault_of(error, retry=RETRY)
+    if fault is not None:
+        log.warning("engine request %s failed: %s", command.name, fault)
+        return Failed(command.request_id, str(fault), type(fault).__name__)
+    log.exception("engine request %s failed", command.name)
+    detail = f"{type(error).__name__}: {error}"
+    return Failed(command.request_id, UNEXPECTED.format(detail=detail), type(error).__name__)
 
 
 def check_settings(budget_bytes: int | None, chunk_size: int) -> None:

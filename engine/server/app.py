@@ -41,6 +41,9 @@ MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
 SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline yet: send "
                        "\"speculative\": \"off\" or leave it out (answers decode plainly "
                        "there), or serve the model on one machine.")
+# Names a keyless server answers to: this computer's own (a web page that rebinds its
+# own name to 127.0.0.1 still sends that name as the Host).
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
                     "not_found_error", "request_too_large", "rate_limit_error", "api_error",
                     "overloaded_error")
@@ -89,6 +92,36 @@ def cors_origins(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     return tuple(origins)
 
 
+def host_names(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Extra host names a keyless server answers to, checked: names, no ports or wildcards.
+
+    Raises:
+        EngineError: a value is a wildcard, a URL or holds a port.
+    """
+    names = []
+    for value in values or ():
+        name = value.strip().lower().rstrip(".")
+        if name.startswith("[") and name.endswith("]"):
+            name = name[1:-1]  # an IPv6 address as a URL writes it
+        elif name.count(":") == 1:
+            name = ""  # name:port
+        if not name or "*" in name or "/" in name:
+            raise EngineError(f"{value!r} is not a host name: give the name alone, e.g. "
+                              "my-mac.local (no scheme, port or wildcard).")
+        names.append(name)
+    return tuple(names)
+
+
+def _request_host(request: Request) -> str | None:
+    """The name the request was addressed to (its Host header, without the port)."""
+    host = request.headers.get("host", "").strip().lower()
+    if not host:
+        return None  # HTTP/1.0 without a Host: no browser sends such a request
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0].rstrip(".") if host.count(":") == 1 else host
+
+
 def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
@@ -96,7 +129,7 @@ def _is_anthropic(request: Request) -> bool:
 def error_response(request: Request, error: ApiError) -> JSONResponse:
     """``error`` as the OpenAI or the Anthropic error object."""
     if _is_anthropic(request):
-        kind = {401: "authentication_error", 413: "request_too_large",
+        kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
                 429: "rate_limit_error", 404: "not_found_error"}.get(error.status, error.kind)
         if kind not in ANTHROPIC_ERRORS:  # its SDKs know these types only
             kind = "api_error" if error.status >= 500 else "invalid_request_error"
@@ -108,15 +141,27 @@ def error_response(request: Request, error: ApiError) -> JSONResponse:
 
 
 class Server:
-    """The routes, bound to one bridge and one optional API key."""
+    """The routes, bound to one bridge and one optional API key.
+
+    Without a key, any web page the user opens could send requests to a server
+    on this computer: by renaming its own host to 127.0.0.1 (DNS rebinding), or
+    with a cross-origin "simple" POST (a form, ``text/plain``) that a browser
+    sends without asking. So a keyless server answers only requests addressed
+    to ``LOCAL_HOSTS``, the address it listens on or ``allowed_hosts`` (403),
+    and reads only bodies sent as ``application/json`` (415), which a page of
+    another origin cannot send without the CORS approval it does not get.
+    """
 
     def __init__(self, bridge: EngineBridge, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES,
-                 cors_origins: tuple[str, ...] = ()) -> None:
+                 cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
+                 allowed_hosts: tuple[str, ...] = ()) -> None:
         self.bridge = bridge
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.cors_origins = cors_origins
+        named = (*LOCAL_HOSTS, *host_names([bind_host] if bind_host else []), *allowed_hosts)
+        self.allowed_hosts = frozenset(named)
 
     def app(self) -> Starlette:
         """The ASGI application.
@@ -145,6 +190,7 @@ class Server:
     def _wrap(self, handler, *, auth: bool = True):
         async def endpoint(request: Request):
             try:
+                self._check_host(request)
                 if auth:
                     self._check_key(request)
                 return await handler(request)
@@ -167,11 +213,35 @@ class Server:
                                 "Bearer KEY' or 'x-api-key: KEY'.", "authentication_error",
                            code="invalid_api_key")
 
+    def _check_host(self, request: Request) -> None:
+        if self.api_key is not None:
+            return
+        host = _request_host(request)
+        if host is not None and host not in self.allowed_hosts:
+            raise ApiError(
+                403, f"This server has no API key, so it answers only requests addressed to "
+                f"this computer (localhost, 127.0.0.1, [::1]), not to {host!r}: a web page "
+                "could reach it under that name. Use http://127.0.0.1 with the server's "
+                f"port, allow the name (--allow-host {host}), or set an API key.",
+                "permission_error", code="host_not_allowed")
+
+    def _check_json(self, request: Request) -> None:
+        if self.api_key is not None:
+            return
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(
+                415, "Send the request body as JSON, with 'Content-Type: application/json' "
+                f"(this one was {kind or 'not given'!r}): without an API key the server "
+                "reads no other body, since any web page could send one.",
+                code="unsupported_media_type")
+
     def _check_ready(self) -> None:
         if not self.bridge.ready.is_set():
             raise _not_ready(self.bridge.load_error or LOADING)
 
     async def _body(self, request: Request) -> object:
+        self._check_json(request)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"The request body is over {self.max_body_bytes:,} bytes.")
@@ -184,6 +254,9 @@ class Server:
             return json.loads(bytes(data))
         except (ValueError, UnicodeDecodeError) as error:
             raise ApiError(400, f"The request body is not valid JSON: {error}.") from error
+        except RecursionError:  # Python's parser recurses once per level
+            raise ApiError(400, "The request body nests its JSON deeper than Python can "
+                                "read (about 1,000 levels); no API request needs that.") from None
 
     # -- endpoints -------------------------------------------------------------
 

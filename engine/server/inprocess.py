@@ -196,12 +196,16 @@ class LocalServer:
         on_status: called with a ``ServerStatus`` whenever it changes, from any thread.
         max_sessions: API sessions held in memory besides the front end's own.
         queue_limit: requests that may wait for the engine at once (more get 429).
+        allowed_hosts: names besides this computer's that requests may be
+            addressed to while there is no API key (see ``engine.server.app.Server``).
     """
 
     def __init__(self, worker: EngineWorker, *, host: str, port: int, api_key: str | None,
                  kv_mode: str, on_status: Callable[[ServerStatus], None],
-                 max_sessions: int = 2, queue_limit: int = 16) -> None:
+                 max_sessions: int = 2, queue_limit: int = 16,
+                 allowed_hosts: tuple[str, ...] = ()) -> None:
         self.host, self.port, self.api_key = host, port, api_key or None
+        self.allowed_hosts = allowed_hosts
         self._on_status = on_status
         self.bridge = AttachedBridge(worker, kv_mode, self._announce,
                                      max_sessions=max_sessions, queue_limit=queue_limit)
@@ -250,7 +254,8 @@ class LocalServer:
         from engine.server.serve import make_app
 
         self._socket = _bind(self.host, self.port)
-        app = make_app(self.bridge, self.api_key)
+        app = make_app(self.bridge, self.api_key, bind_host=self.host,
+                       allowed_hosts=self.allowed_hosts)
         app.router.lifespan_context = self._lifespan
         config = uvicorn.Config(app, log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -24,9 +24,15 @@ def server_snapshot_dir() -> Path:
 
 
 def make_app(bridge: EngineBridge, api_key: str | None = None,
-             cors_origins: tuple[str, ...] = ()):
-    """The ASGI app; its lifespan loads the model in the background and stops the worker."""
-    server = Server(bridge, api_key, cors_origins=cors_origins)
+             cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
+             allowed_hosts: tuple[str, ...] = ()):
+    """The ASGI app; its lifespan loads the model in the background and stops the worker.
+
+    Without ``api_key`` it answers only requests addressed to this computer,
+    ``bind_host`` or ``allowed_hosts`` (see ``Server``).
+    """
+    server = Server(bridge, api_key, cors_origins=cors_origins, bind_host=bind_host,
+                    allowed_hosts=allowed_hosts)
     app = server.app()
 
     @contextlib.asynccontextmanager
@@ -44,9 +50,10 @@ def make_app(bridge: EngineBridge, api_key: str | None = None,
 
 
 def uvicorn_server(bridge: EngineBridge, host: str, port: int,
-                   api_key: str | None = None,
-                   cors_origins: tuple[str, ...] = ()) -> uvicorn.Server:
+                   api_key: str | None = None, cors_origins: tuple[str, ...] = (),
+                   allowed_hosts: tuple[str, ...] = ()) -> uvicorn.Server:
     """A uvicorn server for ``bridge`` (not started)."""
-    config = uvicorn.Config(make_app(bridge, api_key, cors_origins), host=host, port=port,
+    app = make_app(bridge, api_key, cors_origins, bind_host=host, allowed_hosts=allowed_hosts)
+    config = uvicorn.Config(app, host=host, port=port,
                             log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return uvicorn.Server(config)

@@ -9,6 +9,7 @@ manifest naming data that was not completely written.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -20,6 +21,8 @@ DATA_SUFFIX = ".safetensors"
 TEMP_MARK = ".partial-"
 FILE_MODE = 0o600
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+log = logging.getLogger(__name__)
 
 # Called with a step name at each stage of a write; tests install one that stops
 # the process there (kill -9) to check what a crash at that step leaves behind.
@@ -153,13 +156,30 @@ def write_bytes_atomic(final: Path, data: bytes, label: str = "file") -> None:
         checkpoint(f"{label}:written")
         commit(temp, final)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        discard(temp)
         raise
     checkpoint(f"{label}:committed")
 
 
 def remove(*paths: Path) -> None:
+    """Delete ``paths`` (missing ones are fine).
+
+    Raises:
+        OSError: one cannot be deleted (a read-only disk); those before it are gone.
+    """
     for path in paths:
         path.unlink(missing_ok=True)
     if paths:
         fsync_dir(paths[0].parent)
+
+
+def discard(path: Path) -> None:
+    """Delete ``path`` if it can be, for a handler cleaning up after a failed write.
+
+    Never raises: on a read-only disk the write that failed left nothing to
+    delete, and a second error would hide the first (a leftover is swept later).
+    """
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        log.info("could not remove %s: %s", path, error)

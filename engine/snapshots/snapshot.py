@@ -28,6 +28,7 @@ session holds nothing from it.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import paths
+from engine import disk, paths
 from engine.cache import adapter, kvquant
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
@@ -62,6 +63,8 @@ from engine.snapshots.manifest import (
     sealed,
     set_aside,
 )
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotError(EngineError):
@@ -147,7 +150,10 @@ def save_snapshot(
     if before_write is not None:
         before_write(sum(a.nbytes for a in arrays.values()) + 16 * len(tokens))
     data_path = folder / files.new_data_name(name)
-    data_sha256 = _write_data(data_path, arrays)
+    try:
+        data_sha256 = _write_data(data_path, arrays)
+    except OSError as error:
+        raise _not_stored(error, folder) from error
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -170,14 +176,23 @@ def save_snapshot(
         files.write_bytes_atomic(manifest_path, sealed(manifest), label="manifest")
     except BaseException as error:
         # Nothing names the new data now: it goes at once, not at the next start.
-        files.remove(data_path)
+        files.discard(data_path)
         if isinstance(error, OSError):
-            raise SnapshotError(
-                f"This conversation's KV was not stored: {error.strerror or error}."
-            ) from error
+            raise _not_stored(error, folder) from error
         raise
-    files.remove(*[p for p in previous if p != data_path])
+    try:
+        files.remove(*[p for p in previous if p != data_path])
+    except OSError as error:  # the new snapshot is in force; the sweep takes the rest
+        log.info("an earlier data file of %s stays until the next sweep: %s", name, error)
     return manifest_path
+
+
+def _not_stored(error: OSError, folder: Path) -> SnapshotError:
+    """The error a write into ``folder`` that failed with ``error`` raises, in words."""
+    fault = disk.fault_of(error, retry="it is stored again when the chat next closes",
+                          folder=folder)
+    detail = str(fault) if fault is not None else f"{error.strerror or error}."
+    return SnapshotError(f"This conversation's KV was not stored. {detail}")
 
 
 def _write_data(path: Path, arrays: dict[str, mx.array]) -> str:
@@ -190,7 +205,7 @@ def _write_data(path: Path, arrays: dict[str, mx.array]) -> str:
         files.checkpoint("data:written")
         files.commit(temp, path)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        files.discard(temp)
         raise
     files.checkpoint("data:committed")
     return digest
@@ -200,7 +215,14 @@ def _write_data(path: Path, arrays: dict[str, mx.array]) -> str:
 
 
 def _reject_corrupt(directory: Path, name: str, why: str) -> SnapshotRejected:
-    remove_snapshot(directory, name)
+    try:
+        remove_snapshot(directory, name)
+    except OSError as error:  # a read-only disk: it stays, and is not used this time
+        return SnapshotRejected(
+            f"Stored KV for {name!r} could not be read ({why}); it could not be removed "
+            f"either ({error.strerror or error}), and the conversation is read again.",
+            reason="corrupt",
+        )
     return SnapshotRejected(
         f"Stored KV for {name!r} was incomplete or damaged ({why}); it was removed and "
         "the conversation is read again.",
@@ -210,7 +232,12 @@ def _reject_corrupt(directory: Path, name: str, why: str) -> SnapshotRejected:
 
 
 def _set_aside(directory: Path, name: str, message: str, reason: str) -> SnapshotRejected:
-    set_aside(directory, name)
+    try:
+        set_aside(directory, name)
+    except OSError as error:  # a read-only disk: it stays where it is, unused
+        log.warning("snapshot %s not set aside: %s", name, error)
+        return SnapshotRejected(message.replace(" was set aside", " was not used"),
+                                reason=reason)
     return SnapshotRejected(message, reason=reason, set_aside=True)
 
 
@@ -475,5 +502,17 @@ def load_snapshot(
         raise _reject_corrupt(folder, name, f"layers do not fit: {error}") from error
     finally:
         arrays.close()
-    os.utime(manifest_path)  # last use, for least-recently-used eviction
+    _touch(manifest_path)
     return keep
+
+
+def _touch(manifest_path: Path) -> None:
+    """Mark the snapshot used now, for least-recently-used eviction.
+
+    A disk that takes no write (read-only) keeps the old time: the snapshot is
+    restored all the same, it only looks older to the eviction.
+    """
+    try:
+        os.utime(manifest_path)
+    except OSError as error:
+        log.info("last use of %s not recorded: %s", manifest_path.name, error)

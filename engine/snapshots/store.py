@@ -207,13 +207,14 @@ class SnapshotStore:
                 named.add(read_manifest(path)["data_file"])
             except Corrupt:
                 name = path.name[: -len(files.MANIFEST_SUFFIX)]
-                files.remove(path, *data_files(self.directory, name))
+                for leftover in (path, *data_files(self.directory, name)):
+                    files.discard(leftover)  # a read-only disk keeps it: never reused
         for path in self.directory.iterdir():
             leftover = path.name.startswith(files.TEMP_MARK) or (
                 path.name.endswith(files.DATA_SUFFIX) and path.name not in named
             )
             if path.is_file() and leftover and files.left_by_dead_writer(path.name):
-                path.unlink(missing_ok=True)
+                files.discard(path)
 
     def _make_room(self, size: int, name: str) -> None:
         if size > self.budget_bytes:

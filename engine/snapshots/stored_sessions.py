@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine import disk
 from engine.errors import EngineError
 from engine.events import Notice, StoredKv
 from engine.snapshots.fingerprint import session_fingerprint
@@ -36,6 +37,7 @@ class StoredSessions:
         self.snapshots = snapshots
         self._emit = emit
         self._mirror = mirror
+        self._told: set[str] = set()  # why saves failed, each said once per run
 
     def store(self, session: Any) -> None:
         """Store the session's cache under its id (nothing held: nothing stored)."""
@@ -52,9 +54,24 @@ class StoredSessions:
         except EngineError as error:
             # Losing a snapshot costs a re-read later, never the conversation.
             log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
-        except Exception:  # nor may it stop a session from closing
+            self._tell_not_stored(str(error))
+        except OSError as error:  # making room (evicting) on a disk that takes no write
+            log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
+            fault = disk.fault_of(error)
+            detail = str(fault) if fault is not None else f"({error.strerror or error})."
+            self._tell_not_stored(f"This conversation's KV was not stored. {detail}")
+        except Exception as error:  # nor may it stop a session from closing
             log.exception("KV snapshot of %s failed", session.session_id)
+            self._tell_not_stored(f"This conversation's KV was not stored ({error}).")
         self.announce()
+
+    def _tell_not_stored(self, why: str) -> None:
+        """Say once per run, per reason, that a chat will be read again next time."""
+        if why in self._told:
+            return
+        self._told.add(why)
+        self._emit(Notice(0, f"{why} Reopened later, the conversation is read again "
+                             "(this is said once)."))
 
     def set_budget(self, budget_bytes: int | None) -> None:
         """Apply a disk budget (None: the default), evicting down to it, then announce."""
@@ -103,6 +120,12 @@ class StoredSessions:
             if rejected.removed or rejected.set_aside:
                 self.announce()
             reused = 0
+        except OSError as error:  # the disk fails a read: a cache miss, never a failed send
+            session.reset()
+            self._emit(Notice(request_id, f"Stored KV for this chat could not be read "
+                                          f"({error.strerror or error}); the conversation "
+                                          "is read again."))
+            reused = 0
         if not reused:
             reused = self._from_another(session, prompt, request_id, keep_last, allow)
         if reused:
@@ -141,6 +164,10 @@ class StoredSessions:
             log.info("snapshot %s not reused for %s: %s", name, session.session_id, rejected)
             if rejected.removed or rejected.set_aside:
                 self.announce()
+            return 0
+        except OSError as error:  # its disk fails a read: the prompt is read as usual
+            session.reset()
+            log.warning("snapshot %s not reused for %s: %s", name, session.session_id, error)
             return 0
         if reused:
             self._emit(Notice(request_id, f"Reused {reused:,} tokens stored for another chat; "

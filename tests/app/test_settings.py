@@ -66,6 +66,22 @@ def test_lives_in_the_config_folder_not_among_the_data(monkeypatch, tmp_path) ->
         assert Settings().path == tmp_path / "xdg" / "Longleaf" / "settings.ini"
 
 
+def test_a_read_only_data_folder_without_a_config_folder_keeps_settings_for_the_run(
+        monkeypatch, tmp_path) -> None:
+    from tests.engine.read_only import make_read_only
+
+    home = tmp_path / "read-only-home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("LONGLEAF_HOME", str(home))
+    monkeypatch.delenv("LONGLEAF_CONFIG_HOME", raising=False)
+    make_read_only(home, monkeypatch)  # no config/ can be made there
+    s = Settings()  # was an OSError (a traceback at start)
+    assert s.path == home / "config" / "settings.ini" and s.default_mode == "q8"
+    s.default_mode = "q6"
+    assert s.default_mode == "q6"  # kept for this run
+    assert list(home.iterdir()) == []
+
+
 def test_an_older_data_folder_file_moves_to_the_config_folder() -> None:
     (data_dir() / "settings.ini").write_text("[engine]\ndefault_mode=q4\n")
     s = Settings()

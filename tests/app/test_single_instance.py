@@ -89,6 +89,33 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path) -> None:
     lock.release()
 
 
+def test_a_dead_holders_lock_in_a_read_only_folder_opens_without_a_lock(monkeypatch) -> None:
+    from PySide6.QtCore import QLockFile, QSysInfo
+
+    # A crashed run's lock (its pid is gone) in a folder that turned read-only:
+    # QLockFile finds it stale but cannot remove it, so it fails as if it were held.
+    # Probed on a real read-only tmpfs before the change: no window, rc 1, "Longleaf
+    # is already running … does not answer".
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (data_dir() / "longleaf.lock").write_text(
+        f"{dead}\nLongleaf\n{QSysInfo.machineHostName()}\n")
+    monkeypatch.setattr(QLockFile, "tryLock", lambda self, timeout=0: False)
+    monkeypatch.setattr(QLockFile, "error", lambda self: QLockFile.LockError.LockFailedError)
+    assert take_data_folder([]) == (None, None)  # opens, writing nothing to the folder
+    # A live holder still counts as one.
+    (data_dir() / "longleaf.lock").write_text(
+        f"{os.getpid()}\nLongleaf\n{QSysInfo.machineHostName()}\n")
+    assert InstanceLock(data_dir()).held_elsewhere()
+
+
+def test_a_message_nested_past_the_parser_attaches_nothing() -> None:
+    from app.single_instance import _paths
+
+    assert _paths(b"[" * 100_000 + b"]" * 100_000) == []  # was a RecursionError
+    assert _paths(b'{"files": ["/a.txt"]}') == ["/a.txt"]
+
+
 def test_the_socket_is_never_in_the_shared_tmp_root(tmp_path, monkeypatch) -> None:
     assert Path(socket_name(tmp_path)).parent == tmp_path
     deep = tmp_path / ("x" * 120)  # past a Unix socket path's length

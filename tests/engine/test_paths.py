@@ -68,3 +68,13 @@ def test_private_file_is_created_user_only_and_keeps_its_content(
     assert _mode(new) == 0o600
     assert _mode(old) == 0o600
     assert old.read_text() == "[general]\nkept=1\n"
+
+
+@pytest.mark.parametrize(("before", "after"), [(0o400, 0o400), (0o444, 0o400),
+                                               (0o640, 0o600), (0o604, 0o600)])
+def test_private_file_keeps_a_read_only_file_read_only(tmp_path: Path, before, after) -> None:
+    history = tmp_path / "history.sqlite3"
+    history.write_bytes(b"")
+    history.chmod(before)
+    paths.private_file(history)
+    assert _mode(history) == after  # was 0600 for all: the user's 0400 made writable

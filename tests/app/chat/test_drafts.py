@@ -34,6 +34,24 @@ def test_each_chat_keeps_its_own_draft_across_switches(qtbot, window) -> None:
     assert c.store.draft(first.id) == ""
 
 
+def test_drafts_the_history_cannot_take_stay_in_memory_across_switches(qtbot, window) -> None:
+    c = window.controller
+    first = c.new_session("q8")
+    second = c.new_session("q4")
+    c.select_session(first.id)
+    c.store._db.execute("PRAGMA query_only = 1")  # a read-only disk, as SQLite reports it
+    try:
+        _type(qtbot, window, "typed while the disk refuses writes")
+        c.select_session(second.id)  # saves the draft left: refused, kept in memory
+        assert window.composer.text() == ""
+        c.select_session(first.id)
+        assert window.composer.text() == "typed while the disk refuses writes"
+    finally:
+        c.store._db.execute("PRAGMA query_only = 0")
+    c.select_session(second.id)  # the disk takes writes again: the draft is saved
+    assert c.store.draft(first.id) == "typed while the disk refuses writes"
+
+
 def test_text_typed_before_any_chat_goes_with_the_chat_the_send_makes(qtbot, window) -> None:
     c = window.controller
     assert c.current is None

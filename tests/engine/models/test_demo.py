@@ -246,3 +246,28 @@ def test_tokenizer_json_marks_only_control_tokens_special() -> None:
 
     tokenizer = Tokenizer.from_str(json.dumps(document))
     assert tokenizer.encode("ab<|x|>").ids == [3, 0]
+
+
+def test_the_demo_converts_from_an_install_the_user_cannot_write(tmp_path, monkeypatch) -> None:
+    """MLX's GGUF reader opens its file read-write (O_RDWR|O_APPEND), which a root-owned
+    venv or a read-only app bundle refuses ("gguf_init failed"). Root writes through
+    permission bits, so the refusal of the installed file is injected here; the
+    conversion must read a private copy, and leave none behind."""
+    from engine.models import demo
+
+    installed = demo.demo_gguf_path()
+    read: list[Path] = []
+    load = demo.mx.load
+
+    def refusing_the_installed_file(path, *args, **kwargs):
+        read.append(Path(path))
+        if Path(path) == installed:
+            raise RuntimeError(f"[load_gguf] gguf_init failed for {path}")
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(demo.mx, "load", refusing_the_installed_file)
+    monkeypatch.setenv("LONGLEAF_HOME", str(tmp_path / "home"))
+    folder = ensure_demo_model()
+    assert (folder / "config.json").is_file() and read and installed not in read
+    assert read[0].suffix == ".gguf" and not read[0].exists()  # a copy, removed after
+    assert not list(folder.glob("*.gguf")) and not list(folder.glob(".*.gguf"))

@@ -466,3 +466,43 @@ def test_closing_a_chat_mid_answer_cancels_the_answer(model_dirs, tmp_path,
         assert "s" in [info.name for info in worker._stored.snapshots.per_snapshot()]
     finally:
         worker.shutdown(timeout=10.0)
+
+
+# What MLX's CPU backend raised when the disk holding its kernel folder filled up
+# mid-answer (captured on a full tmpfs), and when that folder turned read-only.
+COMPILE_FAILED = (
+    "[Compile::eval_cpu] Failed to compile function Df4IExpAEf4_contiguous: Failed to "
+    'execute command with return code 1: "g++ -std=c++17 -O3 -Wall -fPIC -shared -I '
+    '"/venv/mlx/include" "{tmp}/mlx/0.32.4/cpu/tmp_21f4257c.cpp" -o '
+    '"{tmp}/mlx/0.32.4/cpu/tmp_21f4257c.so" 2>&1", the output is: {output}')
+NO_SPACE = "{tmp}/mlx/0.32.4/cpu/tmp_21f4257c.cpp:1: fatal error: error closing x.s: " \
+    "No space left on device\ncompilation terminated."
+NOT_WRITTEN = "cc1plus: fatal error: {tmp}/mlx/0.32.4/cpu/tmp_1a3735dc.cpp: No such file " \
+    "or directory\ncompilation terminated."
+
+
+@pytest.mark.parametrize(("output", "said"), [(NO_SPACE, "is full"),
+                                              (NOT_WRITTEN, "read-only disk")])
+def test_a_kernel_compile_into_a_full_or_read_only_folder_is_said_in_words(
+    start_worker, model_dirs, monkeypatch, caplog, output: str, said: str
+) -> None:
+    from engine import disk
+
+    tmp = str(disk.kernel_folder())
+    worker, log = _ready(start_worker, model_dirs["llama"])
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(COMPILE_FAILED.format(tmp=tmp, output=output.format(tmp=tmp)))
+
+    monkeypatch.setattr(Session, "chat", broken)
+    # The read-only case names no cause: the folder itself is asked (here: read-only).
+    monkeypatch.setattr(disk, "probe", lambda folder: disk.READ_ONLY)
+    with caplog.at_level(logging.WARNING, logger="engine.runtime.worker"):
+        ending = log.ending(worker.chat("s", MESSAGES, GREEDY, threading.Event()))
+    assert isinstance(ending, Failed) and ending.error_type == "DiskFault"
+    assert said in ending.message and tmp in ending.message
+    assert "g++" not in ending.message and "send the message again" in ending.message
+    assert not any(record.exc_info for record in caplog.records)  # one line, no traceback
+    monkeypatch.undo()
+    assert isinstance(log.ending(worker.chat("s", MESSAGES, GREEDY, threading.Event())),
+                      Finished)

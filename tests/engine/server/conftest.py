@@ -28,14 +28,15 @@ class Served:
     bridge: EngineBridge
 
 
-def start_server(folder: Path, snapshots: Path, bridge_type: type = EngineBridge,
+def start_server(folder: Path, snapshots: Path, bridge_type: type = EngineBridge, *,
+                 api_key: str | None = API_KEY, allowed_hosts: tuple[str, ...] = (),
                  **bridge_args) -> tuple[Served, callable]:
     """Start a server in a thread; returns it and the function that stops it."""
     bridge = bridge_type(str(folder), "fp16", snapshots, **bridge_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn_server(bridge, "127.0.0.1", port, API_KEY)
+    server = uvicorn_server(bridge, "127.0.0.1", port, api_key, allowed_hosts=allowed_hosts)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="test-uvicorn")
     thread.start()
@@ -55,7 +56,7 @@ def start_server(folder: Path, snapshots: Path, bridge_type: type = EngineBridge
         server.should_exit = True
         thread.join(60)
         sock.close()
-    return Served(url, API_KEY, bridge), stop
+    return Served(url, api_key or "", bridge), stop
 
 
 @pytest.fixture(scope="module")

@@ -45,3 +45,44 @@ def test_pipeline_options_that_cannot_run_are_refused_before_serving(
                     io.StringIO()) == 1
     assert "must be this Mac (127.0.0.1)" in capsys.readouterr().err
     assert served == []
+
+
+def test_ctrl_c_stops_the_server_cleanly_with_its_sessions_stored(tmp_path) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    model = make_tiny_model_dir(tmp_path, "llama")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "LONGLEAF_HOME": str(tmp_path / "home")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", str(port)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert reply.status_code == 200
+        server.send_signal(signal.SIGINT)
+        out, err = server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 0, err  # was -2, after a CancelledError traceback
+    assert "Traceback" not in err and "stopped" in out
+    assert list((tmp_path / "home" / "server-kv-snapshots").glob("*.json"))

@@ -157,6 +157,17 @@ def test_bad_fields_are_400(served: Served, body: dict, param: str) -> None:
     assert raised.value.body["param"] == param
 
 
+def test_json_nested_past_the_parser_is_a_400_in_each_apis_shape(served: Served) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000  # was a 500 in text/plain and a traceback
+    for path, auth in (("/v1/chat/completions", {"Authorization": f"Bearer {served.key}"}),
+                       ("/v1/messages", {"x-api-key": served.key})):
+        reply = httpx.post(served.url + path, content=deep, timeout=60,
+                           headers={**auth, "Content-Type": "application/json"})
+        assert reply.status_code == 400 and "nests its JSON deeper" in reply.text
+        assert reply.headers["content-type"] == "application/json"
+    assert reply.json()["type"] == "error"  # Anthropic's shape
+
+
 def test_errors_have_the_documented_status(served: Served) -> None:
     url = served.url + "/v1/chat/completions"
     auth = {"Authorization": f"Bearer {served.key}"}

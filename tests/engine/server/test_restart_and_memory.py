@@ -13,6 +13,7 @@ import pytest
 
 from engine.cache.modes import MODES
 from engine.events import RankShare
+from tests.engine.read_only import make_read_only
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.test_openai_api import conversation
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -41,6 +42,28 @@ def test_a_resent_conversation_reuses_stored_kv_after_a_restart(tmp_path) -> Non
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 1
     assert cached >= 0.95 * again.usage.prompt_tokens
+
+
+def test_a_read_only_kv_folder_after_a_restart_answers_from_it(tmp_path, monkeypatch) -> None:
+    folder, kv = make_tiny_model_dir(tmp_path, "llama"), tmp_path / "kv"
+    running, stop = start_server(folder, kv)
+    try:
+        api = openai.OpenAI(base_url=running.url + "/v1", api_key=running.key, max_retries=0)
+        first = api.chat.completions.create(model="m", messages=conversation(4),
+                                            max_tokens=3, temperature=0)
+    finally:
+        stop()
+    # The data folder is on a read-only disk now: reopening cannot stamp "last used",
+    # and nothing new can be stored (was: a 500 on every request reusing it).
+    make_read_only(kv, monkeypatch)
+    running, stop = start_server(folder, kv)
+    try:
+        api = openai.OpenAI(base_url=running.url + "/v1", api_key=running.key, max_retries=0)
+        again = api.chat.completions.create(model="m", messages=conversation(4),
+                                            max_tokens=3, temperature=0)
+    finally:
+        stop()
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
 
 
 def _budget(served: Served, budget: int | None, fits: bool) -> None:

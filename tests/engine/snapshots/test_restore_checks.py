@@ -151,8 +151,9 @@ def test_a_disk_full_before_the_manifest_removes_the_data_at_once(models, tmp_pa
         written(path, data, label)
 
     monkeypatch.setattr(snapshot_module.files, "write_bytes_atomic", full)
-    with pytest.raises(SnapshotError, match="No space left on device"):
+    with pytest.raises(SnapshotError, match="KV was not stored") as caught:
         save_snapshot(session, tmp_path, "chat")
+    assert f"the disk holding {tmp_path} is full" in str(caught.value)
     # The new data file went with the failure; the earlier snapshot is whole.
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     monkeypatch.undo()

@@ -1,0 +1,124 @@
+"""Answers end whatever the history can still save: a disk that fills up or turns
+read-only mid-answer never leaves the chat busy, and nothing written is lost."""
+
+from __future__ import annotations
+
+import sqlite3
+from types import SimpleNamespace
+
+import pytest
+
+from app.controller import QUIT_UNSAVED, ChatController
+from app.engine_bridge import EngineBridge
+from app.settings import Settings
+from app.store import HistoryStore
+from engine import Failed, Finished, ModelLoaded, SamplingParams, TokenChunk
+from tests.app.test_controller import ScriptedWorker, _open
+
+# What the worker says when the disk under MLX's kernel folder filled up mid-answer.
+DISK_FULL = ("Longleaf could not prepare the model's compute kernels: the disk holding "
+             "/data/cache/tmp is full. Free some space on it, then send the message again.")
+
+
+@pytest.fixture
+def chat(qtbot):
+    worker = ScriptedWorker()
+    bridge = EngineBridge(worker_factory=lambda *_args: worker)
+    settings = Settings()
+    settings.sampling = SamplingParams(temperature=0.0, max_tokens=8, seed=0)
+    store = HistoryStore()  # a file in the test's data folder
+    controller = ChatController(settings, store, bridge)
+    controller.start("tiny")
+    rid, _args, _cancel = worker.last("load")
+    bridge._dispatch(ModelLoaded(rid, SimpleNamespace(name="tiny")))
+    bridge._dispatch(Finished(rid, "done"))
+    bridge._dispatch(Finished(worker.last("snapshot_budget")[0], "done"))
+    said: dict[str, list[str]] = {"errors": [], "notices": []}
+    controller.errorRaised.connect(said["errors"].append)
+    controller.notice.connect(said["notices"].append)
+    yield SimpleNamespace(c=controller, bridge=bridge, worker=worker, store=store, said=said)
+    controller.shutdown(0)
+    store.close()
+
+
+def _full(store: HistoryStore) -> None:
+    """The database may not grow by a page and its tables' pages hold no more rows:
+    SQLite's own "database or disk is full"."""
+    filler = store.create_session("filler", "q8", "tiny")
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")
+    for size in (4096, 256, 16, 1):  # what room is left in the pages, filled
+        for sql, args in (("INSERT INTO app_state VALUES (hex(randomblob(8)), ?)", ()),
+                          ("INSERT INTO messages (session_id, role, content, status, created, "
+                           "updated) VALUES (?, 'user', ?, 'complete', 0, 0)", (filler.id,))):
+            try:
+                while True:
+                    store._db.execute(sql, (*args, "x" * size))
+            except sqlite3.OperationalError:
+                continue
+
+
+def _read_only(store: HistoryStore) -> None:
+    """Every write refused: SQLite's own "attempt to write a readonly database"."""
+    store._db.execute("PRAGMA query_only = 1")
+
+
+def _space_back(store: HistoryStore) -> None:
+    store._db.execute("PRAGMA query_only = 0")
+    store._db.execute("PRAGMA max_page_count = 1073741823")
+    store._db.execute("DELETE FROM app_state WHERE value LIKE 'x%'")
+    store._db.execute("DELETE FROM sessions WHERE title = 'filler'")
+
+
+@pytest.mark.parametrize(("fault", "words"), [(_full, "is full"),
+                                              (_read_only, "read-only disk")])
+def test_a_disk_that_fails_mid_answer_ends_the_answer_and_keeps_it(chat, fault, words):
+    c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
+    session = c.new_session("q8")
+    assert c.send("What grows in sand?")
+    _open(chat, session.id)
+    rid, _args, _cancel = worker.last("chat")
+    answer = "Pines grow in sand. " * 2000  # more than the database's free pages hold
+    bridge._dispatch(TokenChunk(rid, answer, (1,)))
+    fault(store)
+    bridge._dispatch(Failed(rid, DISK_FULL, "DiskFault"))
+
+    # The job ended: Stop has nothing to stop and the chat is not busy.
+    assert not c.activity.busy and c.activity.job_of(session.id) is None
+    banner = chat.said["errors"][-1]
+    assert banner.startswith(DISK_FULL) and "kept in this window" in banner and words in banner
+    row = c.model.message(c.model.rowCount() - 1)
+    assert (row.content, row.status) == (answer, "failed")
+    # Sending while the disk still refuses: the message stays in the box, said why.
+    assert not c.send("And in clay?")
+    assert "still in the box" in chat.said["errors"][-1]
+    assert "Stop the current answer" not in " ".join(chat.said["errors"])
+
+    # Quitting now would lose the answer: the quit question says so.
+    assert c.quit_question() == QUIT_UNSAVED
+    _space_back(store)
+    assert c.recorder.flush()  # what its retry timer does every few seconds
+    assert c.quit_question() == ""
+    saved = [m for m in store.messages(session.id) if m.role == "assistant"][-1]
+    assert (saved.content, saved.status, saved.reason) == (answer, "failed", DISK_FULL)
+    assert chat.said["notices"][-1].startswith("The answers Longleaf could not save")
+    assert c.send("And in clay?")
+    assert worker.last("chat")[0] != rid
+
+
+def test_an_answer_that_cannot_get_its_row_does_not_start(chat):
+    c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
+    first = c.new_session("q8")
+    assert c.send("What grows in sand?")
+    _open(chat, first.id)
+    second = c.new_session("q8")
+    assert c.send("What grows in clay?")  # saved; its answer waits for the first one
+    _read_only(store)
+    bridge._dispatch(Finished(worker.last("chat")[0], "stop"))
+    # The second chat's turn came, but its answer could not get a row: not started.
+    assert worker.names().count("chat") == 1 and not c.activity.busy
+    assert chat.said["errors"][-1].startswith("The answer was not started.")
+    _space_back(store)
+    assert c.send("What grows in clay?")
+    _open(chat, second.id)
+    assert worker.names().count("chat") == 2

@@ -1,0 +1,114 @@
+"""Stored KV that cannot be read, touched or written is a cache miss with one
+notice, never a failed send (a read-only or full data folder)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+
+from engine.events import Failed, Finished, Notice, SessionOpened
+from engine.session.sampling import SamplingParams
+from engine.snapshots import SnapshotStore, tensors
+from tests.engine.read_only import make_read_only
+from tests.engine.runtime.test_worker import loaded_worker
+from tests.engine.snapshots.test_snapshot import DOC, QUESTION
+from tests.engine.tinymodels import make_tiny_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+MESSAGES = [{"role": "user", "content": DOC}, {"role": "user", "content": QUESTION}]
+
+
+def _send(engine, log, chat: str) -> tuple[Finished, list[str]]:
+    log.result(engine.open_session(chat, "q8", 16), SessionOpened)
+    ending = log.ending(engine.chat(chat, MESSAGES, GREEDY, threading.Event()))
+    assert isinstance(ending, Finished), ending
+    notices = [e.message for e in log.for_request(ending.request_id) if isinstance(e, Notice)]
+    return ending, notices
+
+
+def test_a_read_only_snapshot_folder_reopens_chats_and_says_once_it_stores_none(
+        tmp_path, monkeypatch):
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    kv = tmp_path / "kv"
+    with loaded_worker(folder, snapshots=SnapshotStore(kv)) as (engine, log):
+        stored, _ = _send(engine, log, "x")
+        assert isinstance(log.ending(engine.close_session("x")), Finished)
+        make_read_only(kv, monkeypatch)
+        # The stored chat comes back whole, though its "last used" cannot be written.
+        again, notices = _send(engine, log, "x")
+        assert again.stats.reused_tokens >= stored.stats.prompt_tokens - 1 and notices == []
+        # A chat sharing its document reuses it too.
+        shared, notices = _send(engine, log, "y")
+        assert shared.stats.reused_tokens > 0 and notices[0].startswith("Reused")
+        for chat in ("x", "y"):
+            assert isinstance(log.ending(engine.close_session(chat)), Finished)
+        monkeypatch.undo()
+    told = [e.message for e in log.events if isinstance(e, Notice) and e.request_id == 0]
+    assert len(told) == 1 and "read-only disk" in told[0] and str(kv) in told[0]
+    assert "read again" in told[0]
+    assert not any(isinstance(e, Failed) for e in log.events)
+    assert sorted(p.name for p in kv.iterdir() if p.suffix == ".json") == ["x.json"]
+
+
+def test_a_snapshot_that_cannot_be_read_or_removed_is_a_miss_with_one_notice(
+        tmp_path, monkeypatch):
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    kv = tmp_path / "kv"
+    with loaded_worker(folder, snapshots=SnapshotStore(kv)) as (engine, log):
+        _send(engine, log, "x")
+        assert isinstance(log.ending(engine.close_session("x")), Finished)
+
+        def failing_disk(*args, **kwargs):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(tensors, "StreamedTensors", failing_disk)
+        make_read_only(kv, monkeypatch)
+        ending, notices = _send(engine, log, "x")
+        assert ending.stats.reused_tokens == 0 and len(notices) == 1
+        assert "could not be removed either" in notices[0] and "read again" in notices[0]
+        monkeypatch.undo()
+        assert (kv / "x.json").exists()  # kept: the fault may be the disk's, not its own
+    assert not any(isinstance(e, Failed) for e in log.events)
+
+
+def test_a_read_that_fails_outside_the_snapshot_checks_is_a_miss(tmp_path, monkeypatch):
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    kv = tmp_path / "kv"
+    with loaded_worker(folder, snapshots=SnapshotStore(kv)) as (engine, log):
+        _send(engine, log, "x")
+        assert isinstance(log.ending(engine.close_session("x")), Finished)
+        from engine.snapshots import snapshot
+
+        def unreadable(path: Path):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+        monkeypatch.setattr(snapshot, "read_manifest", unreadable)
+        ending, notices = _send(engine, log, "x")
+        assert ending.stats.reused_tokens == 0
+        assert len(notices) == 1 and "could not be read" in notices[0]
+    assert not any(isinstance(e, Failed) for e in log.events)
+
+
+def test_a_full_disk_on_the_data_write_is_one_line_and_one_notice(tmp_path, monkeypatch,
+                                                                   caplog):
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    kv = tmp_path / "kv"
+
+    def full(path: Path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(tensors, "write_file", full)
+    with (loaded_worker(folder, snapshots=SnapshotStore(kv)) as (engine, log),
+          caplog.at_level(logging.INFO, logger="engine.snapshots")):
+        for chat in ("x", "y"):
+            _send(engine, log, chat)
+            assert isinstance(log.ending(engine.close_session(chat)), Finished)
+    told = [e.message for e in log.events if isinstance(e, Notice) and e.request_id == 0]
+    assert len(told) == 1 and told[0].startswith("This conversation's KV was not stored.")
+    assert f"the disk holding {kv} is full" in told[0]
+    warned = [r for r in caplog.records if "not saved" in r.getMessage()]
+    assert len(warned) == 2 and not any(r.exc_info for r in caplog.records)
+    assert not [p for p in kv.iterdir() if p.is_file()]
