@@ -281,6 +281,9 @@ class MainWindow(QMainWindow):
         dialog = NewChatDialog(self.settings.default_mode, full, self)
         if dialog.exec():
             self.controller.new_session(dialog.mode())
+            # The dialog hands the focus back to whatever had it (often the toolbar's
+            # model picker): the question typed next belongs in the new chat's box.
+            self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
 
     # Sending --------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QPoint, QSize, Qt
+from PySide6.QtCore import QPoint, QSize, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QPalette
 from PySide6.QtWidgets import QApplication, QFileDialog, QStyle, QWidget
 
@@ -181,3 +181,27 @@ def test_dragging_the_panels_edge_away_folds_it_and_the_toggle_follows(
     bare_window.panel_action.trigger()
     qtbot.waitUntil(lambda: bare_window.panel.width() >= 250, timeout=5_000)
     assert bare_window.splitter.widget(1).width() >= CHAT_MIN_WIDTH
+
+
+def test_typing_right_after_new_chat_goes_to_the_composer(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    bare_window.activateWindow()
+    bare_window.model_picker.setFocus()  # where the toolbar's New Chat left it
+    qtbot.waitUntil(lambda: bare_window.model_picker.hasFocus(), timeout=5_000)
+
+    def start_chat() -> None:
+        dialog = QApplication.activeModalWidget()
+        assert dialog is not None
+        qtbot.keyClick(dialog, Qt.Key.Key_Return)  # "Start chat" is the default button
+
+    QTimer.singleShot(0, start_chat)
+    bare_window.ask_new_chat()
+    # The window is active again (the offscreen platform needs telling), its focus
+    # where the app left it.
+    bare_window.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is not None, timeout=5_000)
+    typed = QApplication.focusWidget()
+    assert typed is bare_window.composer.edit
+    qtbot.keyClicks(typed, "Summarise it")
+    assert bare_window.composer.text() == "Summarise it"
