@@ -137,7 +137,10 @@ class Answers(QObject):
         self.answerFinished.emit(status)
 
     def _finished(self, job: Job, event: Finished) -> None:
-        kept = _kept(event, job.progress)
+        # Once the answer streams, a stop cuts the answer, not the read: its last
+        # read progress says nothing of the stop.
+        kept = _kept(event, None if job.answering else job.progress,
+                     counted_last=job.kind == "chat")
         if job.kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
             reason = {"cancelled": "Stopped", "length": LENGTH_LIMIT,
@@ -199,13 +202,19 @@ class Answers(QObject):
             self.model.update_row(row, status="failed", reason=TOO_LONG_TURN)
 
 
-def _kept(event: Finished, read: IngestProgress | None) -> tuple[int, int] | None:
-    """(kept, total) tokens when reading the conversation in stopped short, else None."""
+def _kept(event: Finished, read: IngestProgress | None,
+          counted_last: bool = False) -> tuple[int, int] | None:
+    """(kept, total) tokens when reading the conversation in stopped short, else None.
+
+    ``counted_last``: ``read``'s total counts the prompt's last token, which only
+    the answer's first step reads (a chat's progress): a read that reached the
+    token before it was whole.
+    """
     if event.kept_tokens is not None and event.total_tokens is not None:
         kept, total = event.kept_tokens, event.total_tokens
     elif event.reason == "cancelled" and read is not None:
         # An engine that does not say: its last progress.
-        kept, total = read.tokens_done, read.tokens_total
+        kept, total = read.tokens_done, read.tokens_total - (1 if counted_last else 0)
     else:
         return None
     return (kept, total) if kept < total else None

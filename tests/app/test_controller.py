@@ -215,3 +215,44 @@ def test_after_close_no_event_touches_the_history(app) -> None:
     bridge._dispatch(Notice(chat_a, "late"))
     assert app.store.messages(a.id)[-1] == answer and answer.status == "stopped"
     assert bridge.pending == 0
+
+
+def test_a_stop_while_answering_says_stopped_not_stopped_while_reading(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    # The whole prompt but its last token was read; the answer's first step reads that one.
+    bridge._dispatch(IngestProgress(chat_a, 35, 35, 100.0, 0.0))
+    bridge._dispatch(TokenChunk(chat_a, "Pines", (1,)))
+    c.stop()
+    bridge._dispatch(Finished(chat_a, "cancelled"))
+    answer = app.store.messages(a.id)[-1]
+    assert (answer.content, answer.status, answer.reason) == ("Pines", "stopped", "Stopped")
+
+
+def test_a_stop_while_reading_says_how_much_was_kept(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    bridge._dispatch(IngestProgress(chat_a, 512, 2000, 100.0, 15.0))
+    c.stop()
+    bridge._dispatch(Finished(chat_a, "cancelled", None, 512, 2001))
+    answer = app.store.messages(a.id)[-1]
+    assert answer.status == "stopped"
+    assert answer.reason.startswith("Stopped while reading: 512 of 2,001 tokens kept")
+
+
+def test_a_stop_after_the_whole_read_before_any_word_says_stopped(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    bridge._dispatch(IngestProgress(chat_a, 10, 10, 100.0, 0.0))  # all but the last token
+    c.stop()
+    bridge._dispatch(Finished(chat_a, "cancelled"))  # the first step made no text yet
+    assert app.store.messages(a.id)[-1].reason == "Stopped"
