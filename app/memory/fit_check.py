@@ -18,6 +18,7 @@ from app.chat.answers import MEMORY_STOP
 from app.chat.model import ChatMessage, engine_content
 from app.chat.recorder import LENGTH_LIMIT
 from app.format import human_bytes, human_duration
+from app.store import AttachmentRecord
 from engine import EngineError
 from engine.cache.modes import MODES
 from engine.memory.prefill_rate import PrefillRate
@@ -27,6 +28,9 @@ COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
 SHOW_ABOVE_TOKENS = 1024
 FULL_TTL_S = 3.0
 SHOW_WAIT_ABOVE_TOKENS = 2048  # shorter reads take a few seconds at most
+# A file's first and last tokens may tokenize otherwise beside its document
+# block's newlines than alone: its room keeps one token for each.
+BLOCK_SLACK = 2
 
 
 def wait_sentence(new: int, reused: int, rate: PrefillRate | None) -> str:
@@ -91,19 +95,31 @@ class FitChecker(QObject):
         self._full = (key, now, report)
         return report
 
-    def room(self) -> int | None:
-        """Tokens a new attachment may have: the context less the chat, attachments and answer.
+    def answer_reserve(self) -> int:
+        """Tokens the fit line and the attachment offers keep for the answer.
 
-        The answer's share is its maximum, but at most a quarter of the context:
-        an answer limit near the context's size would leave no room for any
-        document, and the engine ends an answer that fills the context anyway.
+        Its maximum, but at most a quarter of the context: an answer limit near
+        the context's size would leave no room for any document, and the engine
+        ends an answer that fills the context anyway.
+        """
+        max_tokens = self.controller.settings.sampling.max_tokens
+        max_context = self.max_context()
+        return min(max_tokens, max_context // 4) if max_context else max_tokens
+
+    def room(self, name: str = "") -> int | None:
+        """Tokens a new attachment named ``name`` may have, so the message still fits.
+
+        The context less what the fit line counts besides the file's own text:
+        the chat, the chat template's tokens around the message, the other
+        attachments' blocks, the typed text, this file's own document block
+        and the answer's reserve.
         """
         max_context = self.max_context()
         if not max_context:
             return None
-        attached = sum(r.tokens for r in self.parent().attachments.values())
-        answer = min(self.controller.settings.sampling.max_tokens, max_context // 4)
-        used = self.context_tokens() + attached + answer
+        records = (*self.parent().attachments.values(), _empty_file(name))
+        around, _estimated = self.prompt_tokens(records)
+        used = self.context_tokens() + around + BLOCK_SLACK + self.answer_reserve()
         return max(1, max_context - used)
 
     def context_tokens(self) -> int:
@@ -116,7 +132,7 @@ class FitChecker(QObject):
             return sample.tokens_in_context
         return current.tokens
 
-    def prompt_tokens(self) -> tuple[int, bool]:
+    def prompt_tokens(self, records: tuple | None = None) -> tuple[int, bool]:
         """Tokens the engine will read for what the composer holds; True when estimated.
 
         The message as the engine gets it (``engine_content``: the attachments'
@@ -125,8 +141,10 @@ class FitChecker(QObject):
         message, role markers, the generation prompt, the previous answer's end
         of turn), so it is the ``prefill_tokens`` the send then reports for a
         chat whose cache is held. Only the typed text is tokenized per keystroke.
+        ``records`` stand in for the composer's attachments.
         """
-        records = tuple(self.parent().attachments.values())
+        if records is None:
+            records = tuple(self.parent().attachments.values())
         text = self.composer.text()
         if not text and not records:
             return 0, False
@@ -168,7 +186,7 @@ class FitChecker(QObject):
         if self.controller.closed:  # a check scheduled just before the window closed
             return
         prompt, estimated = self.prompt_tokens()
-        answer = self.controller.settings.sampling.max_tokens
+        answer = self.answer_reserve()
         total = self.context_tokens() + prompt + answer
         report = self.report_for(total)
         self.last_report, self.last_total, self.last_prompt_tokens = report, total, prompt
@@ -200,6 +218,11 @@ class FitChecker(QObject):
         reused = (min(snapshot.tokens, context)
                   if snapshot is not None and snapshot.mode == current.kv_mode else 0)
         return context - reused + prompt, reused
+
+
+def _empty_file(name: str) -> AttachmentRecord:
+    """A file of no text: its document block is what a file adds besides its text."""
+    return AttachmentRecord(name, 0, "", 0, "")
 
 
 def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[str, bool]:

@@ -410,9 +410,8 @@ class MainWindow(QMainWindow):
     def add_files(self, paths: list[str]) -> None:
         """Read files off the GUI thread and show them as chips."""
         self.filesDropped.emit(list(paths))
-        limit = self.fit.room() or 131_072
         for path in paths:
-            job_id = self.loader.load(path, limit)
+            job_id = self.loader.load(path, self.fit.room(Path(path).name) or 131_072)
             self.composer.add_chip(job_id, Path(path).name)
 
     def _on_loaded(self, job_id: int, record: AttachmentRecord, notes: tuple) -> None:

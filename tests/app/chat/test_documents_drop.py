@@ -113,6 +113,22 @@ def test_fit_check_says_plainly_when_it_wont_fit(qtbot, window, tmp_path) -> Non
     assert window.composer.fit.property("ok") is False
 
 
+def test_the_part_offered_fits_once_it_is_attached(qtbot, window, tmp_path) -> None:
+    # The offer leaves room for what the fit line adds to the file's own tokens:
+    # the chat template's, the document block's and the answer's reserve.
+    window.controller.new_session("q8")
+    doc = tmp_path / "long.txt"
+    doc.write_text(TEXT * 300)  # more tokens than the tiny model's 4,096 context
+    drop_files(window, [doc])
+    qtbot.waitUntil(window.composer.offer_box.isVisible, timeout=20_000)
+    window.composer.offer_accept.click()
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.fit.run()
+    report = window.fit.last_report
+    assert window.fit.last_total <= report.max_context
+    assert window.composer.fit.property("ok") is True, window.composer.fit.text()
+
+
 def test_documents_opened_on_the_app_icon_are_attached(qtbot, window, tmp_path) -> None:
     doc = tmp_path / "from-finder.txt"
     doc.write_text(TEXT)
@@ -123,7 +139,7 @@ def test_documents_opened_on_the_app_icon_are_attached(qtbot, window, tmp_path) 
 
 def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
         qtbot, window, tmp_path) -> None:
-    room = window.fit.room()
+    room = window.fit.room("big.txt")
     doc = tmp_path / "big.txt"
     text = TEXT * (room // 8 + 200)  # well past the room left in the context
     doc.write_text(text)
