@@ -21,6 +21,10 @@ from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sente
 from app.store import AttachmentRecord
 
 READING = JOB_WORDS[ChatState.READING]
+# Said the moment Stop or Cancel is pressed: the engine stops between two parts
+# of a read (or two words of an answer), and a part may take a while to end.
+STOPPING_READ = "Stopping after this part…"
+STOPPING = "Stopping…"
 
 
 def _local_files(mime: QMimeData) -> list[str]:
@@ -207,12 +211,12 @@ class Composer(QWidget):
         self.progress.setFixedHeight(8)
         self.progress_label = QLabel()
         self.progress_label.setObjectName("ingestLabel")
-        cancel = QPushButton("Cancel")
-        cancel.clicked.connect(self.stopRequested.emit)
+        self.progress_cancel = QPushButton("Cancel")
+        self.progress_cancel.clicked.connect(self.stopRequested.emit)
         row.addWidget(self.progress_title)
         row.addWidget(self.progress, 1)
         row.addWidget(self.progress_label)
-        row.addWidget(cancel)
+        row.addWidget(self.progress_cancel)
         self.progress_box.hide()
         return self.progress_box
 
@@ -252,31 +256,39 @@ class Composer(QWidget):
         self.edit.setPlainText(text)
         self.edit.setFocus()
 
-    def set_generating(self, generating: bool) -> None:
-        """Turn Send into Stop while an answer streams."""
+    def set_generating(self, generating: bool, stopping: bool = False) -> None:
+        """Turn Send into Stop while an answer streams, and into a pressed "Stopping…"
+        from the Stop until the engine says the job ended."""
         self.generating = generating
-        self.send_button.setText("Stop" if generating else "Send")
+        self.send_button.setText((STOPPING if stopping else "Stop") if generating else "Send")
+        self.send_button.setEnabled(not (generating and stopping))
         self.send_button.setProperty("stop", generating)
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
+        self.progress_cancel.setEnabled(not stopping)
         if not generating:
             self.progress_box.hide()
 
     def show_progress(self, done: int, total: int, tps: float | None, eta: float | None,
-                      title: str = READING) -> None:
+                      title: str = READING, stopping: bool = False) -> None:
         """Reading progress: tokens done / total, with tok/s and time left when ``tps`` is given.
 
         A quality check passes None: its first chunk is mostly set-up, so a rate
-        from it would promise minutes that are not there.
+        from it would promise minutes that are not there. ``stopping``: Cancel
+        was pressed and the engine ends the part it reads first.
         """
         self.progress_title.setText(title)
         self.progress_box.show()
         self.progress.setMaximum(max(1, total))
         self.progress.setValue(min(done, total))
         counts = f"{done:,} / {total:,} tokens"
-        self.progress_label.setText(
-            counts if tps is None else
-            f"{counts} · {tps:,.0f} tok/s · ETA {human_duration(eta)}")
+        if stopping:
+            self.progress_label.setText(STOPPING_READ)
+        else:
+            self.progress_label.setText(
+                counts if tps is None else
+                f"{counts} · {tps:,.0f} tok/s · ETA {human_duration(eta)}")
+        self.progress_cancel.setEnabled(not stopping)
         if done >= total:
             self.progress_box.hide()
 

@@ -348,7 +348,8 @@ class MainWindow(QMainWindow):
         current = self.controller.current
         job = activity.job_of(current.id if current else None)
         ahead = activity.ahead_of(job) if job is not None else None
-        self.composer.set_generating(job is not None and job.started)
+        stopping = job is not None and job.stopping
+        self.composer.set_generating(job is not None and job.started, stopping)
         self.composer.show_waiting(ahead.title if ahead is not None else None)
         progress = job.progress if job is not None and job.state in ("reading", "checking") \
             else None
@@ -356,11 +357,11 @@ class MainWindow(QMainWindow):
             self.composer.progress_box.hide()
         elif job.kind == "quality":  # no rate: see Composer.show_progress
             self.composer.show_progress(progress.tokens_done, progress.tokens_total, None, None,
-                                        CHECKING)
+                                        CHECKING, stopping)
         else:
             self.composer.show_progress(
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
-                self.controller.read_eta(progress), READING)
+                self.controller.read_eta(progress), READING, stopping)
         self.conversation.set_busy(job is not None)
 
     def _show_server_status(self, status=None) -> None:

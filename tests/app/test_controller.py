@@ -8,122 +8,20 @@ without a model or a thread.
 
 from __future__ import annotations
 
-import itertools
-import threading
-from types import SimpleNamespace
-
 import pytest
 
-from app.controller import ChatController
-from app.engine_bridge import EngineBridge
-from app.settings import Settings
-from app.store import HistoryStore
-from engine import (
-    Failed,
-    Finished,
-    IngestProgress,
-    ModelLoaded,
-    Notice,
-    SamplingParams,
-    SessionOpened,
-    TokenChunk,
-)
-from engine.session.prompt_ids import TurnOverhead
-
-
-class ScriptedWorker:
-    """Takes requests like ``EngineWorker`` and answers only when the test says."""
-
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-        self.requests: list[tuple[int, str, tuple, threading.Event | None]] = []
-        self.alive = False
-
-    def _take(self, name: str, *args, cancel: threading.Event | None = None) -> int:
-        request_id = next(self._ids)
-        self.requests.append((request_id, name, args, cancel))
-        return request_id
-
-    def last(self, name: str) -> tuple[int, tuple, threading.Event | None]:
-        request_id, _name, args, cancel = [r for r in self.requests if r[1] == name][-1]
-        return request_id, args, cancel
-
-    def names(self) -> list[str]:
-        return [r[1] for r in self.requests]
-
-    def start(self) -> None:
-        self.alive = True
-
-    def join(self, _timeout: float | None = None) -> bool:
-        return not self.alive
-
-    def shutdown(self, _timeout: float = 2.0) -> None:
-        self.alive = False
-
-    def load_model(self, path):
-        return self._take("load", path)
-
-    def open_session(self, session_id, mode, page_size, rotate):
-        return self._take("open", session_id, mode)
-
-    def chat(self, session_id, messages, sampling, cancel):
-        return self._take("chat", session_id, messages, cancel=cancel)
-
-    def ingest(self, session_id, messages, cancel):
-        return self._take("ingest", session_id, messages, cancel=cancel)
-
-    def check_quality(self, session_id, messages, cancel):
-        return self._take("quality", session_id, messages, cancel=cancel)
-
-    def configure(self, *, budget_bytes, chunk_size):
-        return self._take("configure", budget_bytes, chunk_size)
-
-    def set_snapshot_budget(self, budget_bytes):
-        return self._take("snapshot_budget", budget_bytes)
-
-    def clear_snapshots(self, session_id):
-        return self._take("clear_snapshots", session_id)
-
-    def close_session(self, session_id, store):
-        return self._take("close", session_id, store)
-
-    def latest_stats(self):
-        return None
-
-    def fit_check(self, session_id, token_count):
-        return SimpleNamespace(max_context=8192)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def turn_overhead(self, system_prompt: str):
-        return TurnOverhead(first=3, later=2)
+from engine import Failed, Finished, IngestProgress, Notice, TokenChunk
+from tests.app.scripted import close_scripted, open_session, scripted_app
 
 
 @pytest.fixture
 def app(qtbot):
-    worker = ScriptedWorker()
-    bridge = EngineBridge(worker_factory=lambda *_args: worker)
-    settings = Settings()
-    settings.sampling = SamplingParams(temperature=0.0, max_tokens=8, seed=0)
-    store = HistoryStore()
-    controller = ChatController(settings, store, bridge)
-    controller.start("tiny")
-    rid, _args, _cancel = worker.last("load")
-    bridge._dispatch(ModelLoaded(rid, SimpleNamespace(name="tiny")))
-    bridge._dispatch(Finished(rid, "done"))
-    bridge._dispatch(Finished(worker.last("snapshot_budget")[0], "done"))
-    assert controller.model_ready and bridge.pending == 0
-    yield SimpleNamespace(c=controller, bridge=bridge, worker=worker, store=store)
-    controller.shutdown(0)
-    store.close()
+    scripted = scripted_app(qtbot)
+    yield scripted
+    close_scripted(scripted)
 
 
-def _open(app, session_id: str) -> None:
-    rid, args, _cancel = app.worker.last("open")
-    assert args[0] == session_id
-    app.bridge._dispatch(SessionOpened(rid, session_id, args[1], 256))
-    app.bridge._dispatch(Finished(rid, "done"))
+_open = open_session
 
 
 def _answer(app, session_id: str) -> str:

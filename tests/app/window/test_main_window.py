@@ -20,7 +20,9 @@ from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
 from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
+from engine import Finished, IngestProgress, TokenChunk
 from tests.app.conftest import close_window
+from tests.app.scripted import close_scripted, open_session, scripted_app
 
 
 @pytest.fixture
@@ -205,3 +207,51 @@ def test_typing_right_after_new_chat_goes_to_the_composer(qtbot, bare_window) ->
     assert typed is bare_window.composer.edit
     qtbot.keyClicks(typed, "Summarise it")
     assert bare_window.composer.text() == "Summarise it"
+
+
+@pytest.fixture
+def scripted(qtbot):
+    """The window on a scripted engine: the test plays the engine's events."""
+    app = scripted_app(qtbot, window=True)
+    yield app
+    close_scripted(app)
+
+
+def _send(scripted, text: str = "Summarise it") -> tuple[int, object]:
+    """Send ``text`` in a new chat; the engine opened its cache and took the answer."""
+    chat = scripted.c.new_session("q8")
+    scripted.window.composer.set_text(text)
+    scripted.window.send()
+    open_session(scripted, chat.id)
+    rid, _args, cancel = scripted.worker.last("chat")
+    return rid, cancel
+
+
+def test_cancel_of_a_read_says_so_at_once_while_the_engine_ends_its_part(scripted) -> None:
+    bridge, composer = scripted.bridge, scripted.window.composer
+    rid, cancel = _send(scripted)
+    bridge._dispatch(IngestProgress(rid, 512, 7756, 30.0, 240.0, 512, 0, 17.0))
+    assert composer.progress_box.isVisible() and composer.progress_cancel.isEnabled()
+    composer.progress_cancel.click()
+    # No engine event yet: the row says it is stopping, and nothing can be pressed twice.
+    assert cancel.is_set()
+    assert composer.progress_label.text() == "Stopping after this part…"
+    assert not composer.progress_cancel.isEnabled()
+    assert composer.send_button.text() == "Stopping…" and not composer.send_button.isEnabled()
+    # The part in the engine ends and reports: still stopping, not reading on.
+    bridge._dispatch(IngestProgress(rid, 1024, 7756, 30.0, 220.0, 512, 512, 17.0))
+    assert composer.progress_label.text() == "Stopping after this part…"
+    bridge._dispatch(Finished(rid, "cancelled", None, 1024, 7757))
+    assert not composer.progress_box.isVisible()
+    assert composer.send_button.text() == "Send" and composer.send_button.isEnabled()
+
+
+def test_stop_of_an_answer_says_stopping_until_it_ended(scripted) -> None:
+    bridge, composer = scripted.bridge, scripted.window.composer
+    rid, cancel = _send(scripted)
+    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    composer.send_button.click()  # Stop
+    assert cancel.is_set()
+    assert composer.send_button.text() == "Stopping…" and not composer.send_button.isEnabled()
+    bridge._dispatch(Finished(rid, "cancelled"))
+    assert composer.send_button.text() == "Send" and composer.send_button.isEnabled()
