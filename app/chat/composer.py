@@ -159,6 +159,8 @@ class Composer(QWidget):
         outer.addWidget(box)
         self.chips: dict[int, AttachmentChip] = {}
         self.generating = False
+        self.stopping = False
+        self.send_blocked = ""  # why the message can't be sent as it is, or ""
 
     def _offer_row(self) -> QWidget:
         self.offer_box = QFrame()
@@ -259,15 +261,25 @@ class Composer(QWidget):
     def set_generating(self, generating: bool, stopping: bool = False) -> None:
         """Turn Send into Stop while an answer streams, and into a pressed "Stopping…"
         from the Stop until the engine says the job ended."""
-        self.generating = generating
+        self.generating, self.stopping = generating, stopping
         self.send_button.setText((STOPPING if stopping else "Stop") if generating else "Send")
-        self.send_button.setEnabled(not (generating and stopping))
+        self._enable_send()
         self.send_button.setProperty("stop", generating)
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
         self.progress_cancel.setEnabled(not stopping)
         if not generating:
             self.progress_box.hide()
+
+    def block_send(self, reason: str) -> None:
+        """Turn Send off while the message can't be sent as it is (``reason``; "": on)."""
+        self.send_blocked = reason
+        self._enable_send()
+
+    def _enable_send(self) -> None:
+        blocked = bool(self.send_blocked) and not self.generating
+        self.send_button.setEnabled(not (self.generating and self.stopping) and not blocked)
+        self.send_button.setToolTip(self.send_blocked if blocked else "")
 
     def show_progress(self, done: int, total: int, tps: float | None, eta: float | None,
                       title: str = READING, stopping: bool = False) -> None:

@@ -28,6 +28,8 @@ COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
 SHOW_ABOVE_TOKENS = 1024
 FULL_TTL_S = 3.0
 SHOW_WAIT_ABOVE_TOKENS = 2048  # shorter reads take a few seconds at most
+TOO_LONG_TO_SEND = ("This message is longer than the model's context in any mode: remove an "
+                    "attachment or shorten it, or start a new chat.")
 # A file's first and last tokens may tokenize otherwise beside its document
 # block's newlines than alone: its room keeps one token for each.
 BLOCK_SLACK = 2
@@ -197,10 +199,14 @@ class FitChecker(QObject):
             report.for_mode(mode).fits)
         if report is None or quiet:
             self.composer.show_fit("", True)
+            self.composer.block_send("")
             return
-        html, ok = fit_html(report, mode, total, estimated)
+        answer_room = report.max_context - self.context_tokens() - prompt
+        html, ok = fit_html(report, mode, total, estimated, answer_room)
         wait = wait_sentence(*self.tokens_to_read(prompt), self.controller.prefill_rate())
         self.composer.show_fit(f"{html}<br>{wait}." if wait else html, ok)
+        # An estimate (a long paste) never turns Send off: the engine's own count decides.
+        self.composer.block_send(TOO_LONG_TO_SEND if answer_room < 1 and not estimated else "")
 
     def tokens_to_read(self, prompt: int) -> tuple[int, int]:
         """(new, reused): the tokens the next send reads in, and those it starts from.
@@ -225,8 +231,13 @@ def _empty_file(name: str) -> AttachmentRecord:
     return AttachmentRecord(name, 0, "", 0, "")
 
 
-def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[str, bool]:
-    """The fit line as rich text, and whether the turn fits in ``mode``."""
+def fit_html(report, mode: str, total: int, estimated: bool = False,
+             answer_room: int | None = None) -> tuple[str, bool]:
+    """The fit line as rich text, and whether the turn fits in ``mode``.
+
+    ``answer_room``: the tokens the context leaves for the answer after the
+    message, when known (below 1: the message itself does not fit).
+    """
     entry = report.for_mode(mode)
     approx = "≈" if estimated else ""
     per_mode = " · ".join(
@@ -249,7 +260,8 @@ def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[st
     short = report.machine_short(mode, total) if len(getattr(report, "ranks", ())) > 1 else None
     if entry.fits and short is None:
         return f"✓ {head}", True
-    why = wont_fit_sentence(report, mode, total) if short is None else short
+    why = (wont_fit_sentence(report, mode, total, answer_room) if short is None
+           else short)
     return f"⚠ {head}<br><b>{why}</b>", False
 
 
@@ -268,13 +280,22 @@ def pool_sentence(report, mode: str) -> str:
     return text
 
 
-def wont_fit_sentence(report, mode: str, total: int) -> str:
-    """Plain words: why the turn won't fit in ``mode`` and which mode would."""
+def wont_fit_sentence(report, mode: str, total: int, answer_room: int | None = None) -> str:
+    """Plain words: why the turn won't fit in ``mode`` and which mode would.
+
+    Past the context, a message that still fits leaves the answer less room
+    (the engine ends it at the context): said so, and it can be sent. One that
+    does not fit itself cannot be sent (``TOO_LONG_TO_SEND``).
+    """
     entry = report.for_mode(mode)
+    if not entry.fits_context and answer_room is not None and answer_room >= 1:
+        return (f"The answer has room for only {answer_room:,} tokens: the model's context "
+                f"ends at {report.max_context:,} tokens in any mode. Remove an attachment "
+                "or start a new chat for a longer answer.")
     if not entry.fits_context:
         return (f"This won't fit: {total:,} tokens is more than the model's context of "
                 f"{report.max_context:,} tokens in any mode. Remove an attachment or start "
-                "a new chat.")
+                "a new chat; Send is off until it fits.")
     limit = "your memory limit (Settings)" if not entry.fits_budget else "free memory"
     better = next((m for m in ("q8", "q6", "q4")
                    if m != mode and report.for_mode(m).fits), None)

@@ -297,7 +297,8 @@ class MainWindow(QMainWindow):
                                      "info")
             return
         text = self.composer.text()
-        too_long = self._too_long_to_send(text)
+        self.fit.run()  # the typing's debounced check may not have run yet
+        too_long = self._too_long_to_send(text) or self.composer.send_blocked
         if too_long:
             self.banner.show_message(too_long, "error")
             return

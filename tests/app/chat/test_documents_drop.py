@@ -111,6 +111,16 @@ def test_fit_check_says_plainly_when_it_wont_fit(qtbot, window, tmp_path) -> Non
     text = window.composer.fit.text()
     assert "won't fit" in text and f"{window.fit.last_report.max_context:,} tokens" in text
     assert window.composer.fit.property("ok") is False
+    # What the line says is what Send does: it is off, and Return sends nothing.
+    assert not window.composer.send_button.isEnabled()
+    assert "longer than the model's context" in window.composer.send_button.toolTip()
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    assert not window.controller.busy and window.controller.model.rowCount() == 0
+    assert "longer than the model's context" in window.banner.label.text()
+    # Shortened, the message fits: Send is on again.
+    window.composer.set_text("and a question")
+    window.fit.run()
+    assert window.composer.send_button.isEnabled()
 
 
 def test_the_part_offered_fits_once_it_is_attached(qtbot, window, tmp_path) -> None:

@@ -43,6 +43,28 @@ def test_the_fit_line_speaks_plainly() -> None:
         assert jargon not in html
 
 
+def _past_the_context() -> SimpleNamespace:
+    report = _report()
+    for mode in ("fp16", "q8", "q6", "q4"):
+        entry = report.for_mode(mode)
+        entry.fits, entry.fits_context, entry.fits_budget = False, False, True
+    return report
+
+
+def test_a_message_that_fits_but_leaves_the_answer_short_says_so_and_can_be_sent() -> None:
+    html, ok = fit_html(_past_the_context(), "q8", 8_213, answer_room=491)
+    assert not ok
+    assert ("The answer has room for only 491 tokens: the model's context ends at 8,192 "
+            "tokens in any mode.") in html
+    assert "won't fit" not in html
+
+
+def test_a_message_past_the_context_says_send_is_off() -> None:
+    html, _ = fit_html(_past_the_context(), "q8", 9_000, answer_room=-300)
+    assert ("This won't fit: 9,000 tokens is more than the model's context of 8,192 tokens "
+            "in any mode.") in html and "Send is off until it fits" in html
+
+
 def test_the_wait_counts_only_new_tokens_and_says_when_nothing_was_measured() -> None:
     rate = PrefillRate(0.01, 1e-5)
     # From 2,098 held tokens to 4,347: ∫ (0.01 + 1e-5·c) dc = 22.49 + 72.47 s.
