@@ -152,7 +152,9 @@ class Answers(QObject):
             self.finish_answer(status, reason, _stats_dict(event.stats))
         else:
             self._report_ingest(job.session_id, event, kept)
-        self.sessions.record_tokens(job.session_id, self.bridge.latest_stats())
+        whole = kept[1] if kept is not None and event.kept_tokens is not None else None
+        self.caches.read_ended(job.session_id, whole)
+        self.sessions.record_tokens(job.session_id, self.bridge.latest_stats(), whole)
         self.activity.end(job)
 
     def _report_ingest(self, session_id: str, event: Finished,

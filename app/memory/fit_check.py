@@ -125,14 +125,22 @@ class FitChecker(QObject):
         return max(1, max_context - used)
 
     def context_tokens(self) -> int:
-        """Tokens the current session's context holds now."""
+        """Tokens the current session's conversation has now (held, or to read again)."""
         current = self.controller.current
         if current is None:
             return 0
-        sample = self.controller.bridge.latest_stats() if self.controller.model_ready else None
-        if sample is not None and sample.session_id == current.id:
-            return sample.tokens_in_context
+        held = self._held_tokens()
+        if held is not None:
+            return max(held, self.controller.caches.whole_of(current.id) or 0)
         return current.tokens
+
+    def _held_tokens(self) -> int | None:
+        """Tokens the engine's latest sample says the current session holds, if it is its."""
+        current = self.controller.current
+        sample = self.controller.bridge.latest_stats() if self.controller.model_ready else None
+        if current is not None and sample is not None and sample.session_id == current.id:
+            return sample.tokens_in_context
+        return None
 
     def prompt_tokens(self, records: tuple | None = None) -> tuple[int, bool]:
         """Tokens the engine will read for what the composer holds; True when estimated.
@@ -219,7 +227,10 @@ class FitChecker(QObject):
         if current is None:
             return prompt, 0
         if current.id in self.controller.opened:
-            return prompt, context
+            # A read stopped short left part of the chat to read first.
+            held = self._held_tokens()
+            held = context if held is None else min(held, context)
+            return context - held + prompt, held
         snapshot = self.controller.bridge.stored_snapshot(current.id)
         reused = (min(snapshot.tokens, context)
                   if snapshot is not None and snapshot.mode == current.kv_mode else 0)

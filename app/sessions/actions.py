@@ -112,11 +112,16 @@ class SessionActions(QObject):
         self.select_session(record.id)
         return record
 
-    def record_tokens(self, session_id: str | None, sample: StatsSample | None) -> None:
-        """Save how many tokens ``session_id`` holds, from the engine's latest sample of it."""
+    def record_tokens(self, session_id: str | None, sample: StatsSample | None,
+                      whole: int | None = None) -> None:
+        """Save how many tokens ``session_id`` has, from the engine's latest sample of it.
+
+        ``whole``: the conversation's tokens when its read stopped short, which
+        the history keeps rather than the part read.
+        """
         if session_id is None or sample is None or sample.session_id != session_id:
             return
-        self.store.set_tokens(session_id, sample.tokens_in_context)
+        self.store.set_tokens(session_id, max(sample.tokens_in_context, whole or 0))
         if self.current and self.current.id == session_id:
             self.current = self.store.session(session_id)
         self.sessionsChanged.emit()

@@ -47,6 +47,8 @@ class ChatFacts:
     ``snapshot``: its KV snapshot on disk (an ``SnapshotInfo``: tokens, mode,
     disk_bytes), or None. ``waiting_for``: the title of the chat it waits for.
     ``progress``: (done, total) tokens of the read or check under way.
+    ``whole_tokens``: the conversation's tokens while memory holds only the part
+    of it a stopped read kept (None: memory holds all it has read).
     Sizes on disk are said in decimal units, as the Stored KV table says them.
     """
 
@@ -56,6 +58,7 @@ class ChatFacts:
     snapshot: object | None = None
     waiting_for: str = ""
     progress: tuple[int, int] | None = None
+    whole_tokens: int | None = None
 
 
 def chat_state(facts: ChatFacts) -> ChatState:
@@ -93,6 +96,9 @@ def state_sentence(facts: ChatFacts) -> str:
     if state is ChatState.NEW:
         return "New chat: nothing to read yet."
     if state is ChatState.IN_MEMORY:
+        if facts.whole_tokens is not None and facts.whole_tokens > tokens:
+            return (f"In memory: {tokens:,} of its {facts.whole_tokens:,} tokens; the next "
+                    f"message reads the other {facts.whole_tokens - tokens:,} first.")
         return f"In memory: {tokens:,} tokens, ready to answer at once."
     if state is ChatState.ON_DISK:
         snapshot = facts.snapshot
@@ -152,4 +158,5 @@ def facts_of(record, activity, caches, snapshots: dict) -> ChatFacts:
         snapshot=snapshots.get(record.id),
         waiting_for=ahead.title if ahead is not None else "",
         progress=(progress.tokens_done, progress.tokens_total) if progress is not None else None,
+        whole_tokens=caches.whole_of(record.id),
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 from app.controller import ChatController
@@ -17,6 +19,7 @@ from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
 from engine import EngineError, Finished, ModelLoaded, SamplingParams, SessionOpened
+from engine.memory.stats import MemoryUsage, stats_sample
 from engine.session.prompt_ids import TurnOverhead
 
 
@@ -27,6 +30,7 @@ class ScriptedWorker:
         self._ids = itertools.count(1)
         self.requests: list[tuple[int, str, tuple, threading.Event | None]] = []
         self.alive = False
+        self.stats = None  # what latest_stats returns: a test sets it
 
     def _take(self, name: str, *args, cancel: threading.Event | None = None) -> int:
         request_id = next(self._ids)
@@ -77,7 +81,7 @@ class ScriptedWorker:
         return self._take("close", session_id, store)
 
     def latest_stats(self):
-        return None
+        return self.stats
 
     def fit_check(self, session_id, token_count):
         return SimpleNamespace(max_context=8192)
@@ -127,6 +131,14 @@ def scripted_app(qtbot, window: bool = False) -> SimpleNamespace:
         shown.show()
     return SimpleNamespace(c=controller, bridge=bridge, worker=worker, store=store,
                            window=shown)
+
+
+def sample(session_id: str, tokens: int, kv_bytes: int = 0, mode: str = "q8"):
+    """A stats sample of ``session_id`` holding ``tokens`` tokens in ``kv_bytes``."""
+    memory = MemoryUsage(1 << 30, 1 << 30, 0, 2 << 30, 16 << 30, 8 << 30, 50.0, 0, None)
+    plain = stats_sample(session_id, None, memory)
+    return replace(plain, kv_mode=mode, tokens_in_context=tokens, kv_bytes_used=kv_bytes,
+                   kv_bytes_allocated=kv_bytes, timestamp=time.time())
 
 
 def close_scripted(app: SimpleNamespace) -> None:

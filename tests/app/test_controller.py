@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Failed, Finished, IngestProgress, Notice, TokenChunk
-from tests.app.scripted import close_scripted, open_session, scripted_app
+from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
 @pytest.fixture
@@ -154,3 +154,27 @@ def test_a_stop_after_the_whole_read_before_any_word_says_stopped(app) -> None:
     c.stop()
     bridge._dispatch(Finished(chat_a, "cancelled"))  # the first step made no text yet
     assert app.store.messages(a.id)[-1].reason == "Stopped"
+
+
+def test_a_chat_whose_read_was_stopped_says_what_the_next_message_reads_first(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("Summarise the report")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    bridge._dispatch(IngestProgress(chat_a, 1536, 7756, 30.0, 200.0, 512, 1024, 17.0))
+    c.stop()
+    worker.stats = sample(a.id, 1536)
+    c.caches.note(worker.stats)
+    bridge._dispatch(Finished(chat_a, "cancelled", None, 1536, 7757))
+    assert c.cache_state(a.id) == ("In memory: 1,536 of its 7,757 tokens; the next message "
+                                   "reads the other 6,221 first.")
+    assert app.store.session(a.id).tokens == 7757  # the history keeps the whole count
+    # The next read takes it all in: in memory, whole.
+    assert c.send("And the conclusions?")
+    chat_b, _args, _cancel = worker.last("chat")
+    worker.stats = sample(a.id, 7790)
+    c.caches.note(worker.stats)
+    bridge._dispatch(TokenChunk(chat_b, "Yes.", (1,)))
+    bridge._dispatch(Finished(chat_b, "stop"))
+    assert c.cache_state(a.id) == "In memory: 7,790 tokens, ready to answer at once."

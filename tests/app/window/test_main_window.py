@@ -22,7 +22,7 @@ from app.style import apply_color_scheme
 from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
 from engine import Finished, IngestProgress, TokenChunk
 from tests.app.conftest import close_window
-from tests.app.scripted import close_scripted, open_session, scripted_app
+from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
 @pytest.fixture
@@ -255,3 +255,13 @@ def test_stop_of_an_answer_says_stopping_until_it_ended(scripted) -> None:
     assert composer.send_button.text() == "Stopping…" and not composer.send_button.isEnabled()
     bridge._dispatch(Finished(rid, "cancelled"))
     assert composer.send_button.text() == "Send" and composer.send_button.isEnabled()
+
+
+def test_after_a_stopped_read_the_fit_line_counts_the_rest_to_read(scripted) -> None:
+    c, bridge, window = scripted.c, scripted.bridge, scripted.window
+    rid, _cancel = _send(scripted)
+    c.stop()
+    scripted.worker.stats = sample(c.current.id, 1536)
+    bridge._dispatch(Finished(rid, "cancelled", None, 1536, 7757))
+    assert window.fit.context_tokens() == 7757
+    assert window.fit.tokens_to_read(40) == (6221 + 40, 1536)
