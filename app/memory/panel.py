@@ -65,7 +65,7 @@ def ram_level(sample: StatsSample) -> str:
 
 
 def shared_note(sample: StatsSample) -> str:
-    """" · 4.1 MiB shared with 1 other chat" when pages are shared, else ""."""
+    """" · 4.1 MB shared with 1 other chat" when pages are shared, else ""."""
     others = sample.kv_shared_with
     if not sample.kv_shared_bytes or not others:
         return ""

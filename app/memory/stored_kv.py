@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import disk_size, relative_time, visible_text
+from app.format import human_bytes, relative_time, visible_text
 from app.memory.labels import section_heading, value_label
 from engine import StoredKv
 from engine.runtime.held_sessions import API_SESSION_PREFIX
@@ -92,15 +92,15 @@ class StoredKvSection(QWidget):
         budget = listing.budget_bytes
         count = len(listing.snapshots)
         chats = f"{count} chat{'s' if count != 1 else ''}"
-        self.summary.setText(f"<b>{disk_size(listing.total_bytes)}</b> on disk of "
-                             f"{disk_size(budget)} budget · {chats}")
+        self.summary.setText(f"<b>{human_bytes(listing.total_bytes)}</b> on disk of "
+                             f"{human_bytes(budget)} budget · {chats}")
         self.bar.setValue(min(1000, int(1000 * listing.total_bytes / budget)) if budget else 0)
         selected = self.selected_name()
         self._names = [info.name for info in listing.snapshots]
         self.table.setRowCount(count)
         for row, info in enumerate(listing.snapshots):
             cells = (title_of(info.name) or UNKNOWN_CHAT, f"{info.tokens:,}", info.mode,
-                     disk_size(info.disk_bytes), relative_time(info.last_used))
+                     human_bytes(info.disk_bytes), relative_time(info.last_used))
             for column, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 if not column:

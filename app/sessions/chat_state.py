@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from app.format import disk_size, short_title
+from app.format import human_bytes, short_title
 
 
 class ChatState(Enum):
@@ -49,7 +49,6 @@ class ChatFacts:
     ``progress``: (done, total) tokens of the read or check under way.
     ``whole_tokens``: the conversation's tokens while memory holds only the part
     of it a stopped read kept (None: memory holds all it has read).
-    Sizes on disk are said in decimal units, as the Stored KV table says them.
     """
 
     job: str = ""
@@ -103,11 +102,11 @@ def state_sentence(facts: ChatFacts) -> str:
     if state is ChatState.ON_DISK:
         snapshot = facts.snapshot
         if snapshot is not None and _stored(facts) >= tokens:
-            return (f"On disk: {tokens:,} tokens stored ({disk_size(snapshot.disk_bytes)}); "
+            return (f"On disk: {tokens:,} tokens stored ({human_bytes(snapshot.disk_bytes)}); "
                     "the next message reopens them instead of reading the chat again.")
         if snapshot is not None:
             return (f"On disk: {_stored(facts):,} of its {tokens:,} tokens stored "
-                    f"({disk_size(snapshot.disk_bytes)}); the next message reopens them "
+                    f"({human_bytes(snapshot.disk_bytes)}); the next message reopens them "
                     "and reads the rest.")
         return f"On disk as text: the next message reads its {tokens:,} tokens in again."
     if state is ChatState.WAITING:

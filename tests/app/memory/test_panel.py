@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
-from app.format import disk_size, human_bytes
+from app.format import human_bytes
 from app.memory.panel import NO_CACHE, shared_note
 from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
@@ -116,7 +116,7 @@ def test_a_chat_whose_cache_was_dropped_says_so_and_what_is_on_disk(qtbot, windo
     on_disk = c.bridge.stored_snapshot(c.current.id)
     assert (on_disk.tokens, on_disk.mode) == (held, "q4")
     # One sentence says where the chat is; nothing else on the panel says it another way.
-    sentence = (f"On disk: {held:,} tokens stored ({disk_size(on_disk.disk_bytes)}); the "
+    sentence = (f"On disk: {held:,} tokens stored ({human_bytes(on_disk.disk_bytes)}); the "
                 "next message reopens them instead of reading the chat again.")
     assert sentence in window.panel.session_label.text()
     assert window.panel.kv_label.text() == NO_CACHE

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QMessageBox
 
-from app.memory.stored_kv import UNKNOWN_CHAT, StoredKvFeed, StoredKvSection, disk_size
+from app.format import human_bytes
+from app.memory.stored_kv import UNKNOWN_CHAT, StoredKvFeed, StoredKvSection
 from engine import StoredKv
 from engine.snapshots import SnapshotInfo
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
@@ -39,8 +40,8 @@ def _info(name: str, tokens: int, mode: str, disk_bytes: int) -> SnapshotInfo:
                         disk_bytes=disk_bytes, created=0.0, last_used=0.0, model="tiny")
 
 
-LISTING = StoredKv(budget_bytes=20 * 10**9, total_bytes=3_500_000, snapshots=(
-    _info("chat-1", 5_500, "q8", 2_500_000), _info("gone", 1_000, "q4", 1_000_000)))
+LISTING = StoredKv(budget_bytes=20 * 2**30, total_bytes=7 * 2**19, snapshots=(
+    _info("chat-1", 5_500, "q8", 5 * 2**19), _info("gone", 1_000, "q4", 2**20)))
 
 
 def _section(qtbot, titles: dict[str, str]) -> tuple[StoredKvSection, FakeBridge, StoredKvFeed]:
@@ -104,9 +105,22 @@ def test_clear_all_needs_a_confirmation(qtbot, monkeypatch) -> None:
     assert bridge.cleared == [None]
 
 
-def test_disk_sizes_are_decimal_like_the_budget() -> None:
-    assert [disk_size(n) for n in (999, 1000, 2_500_000, 20 * 10**9)] == [
-        "999 B", "1.0 KB", "2.5 MB", "20.0 GB"]
+def test_a_cache_is_the_same_size_in_memory_and_on_disk(qtbot) -> None:
+    # One formatter for every size: 46,032,896 bytes read 43.9 MB in the panel's
+    # sentence, the Stored KV table and its summary alike.
+    from app.memory.panel import MemoryPanel
+    from app.sessions.chat_state import ChatFacts, state_sentence
+
+    size = 46_032_896
+    info = SnapshotInfo("s1", 4_662, "q8", 256, size, size, 0.0, 0.0, "m")
+    section = StoredKvSection()
+    qtbot.addWidget(section)
+    section.show_listing(StoredKv(20 * 2**30, size, (info,)), lambda _id: "Report")
+    assert _rows(section)[0][3] == "43.9 MB" == human_bytes(size)
+    assert section.summary.text().startswith("<b>43.9 MB</b> on disk of 20.0 GB budget")
+    sentence = state_sentence(ChatFacts(history_tokens=4_662, snapshot=info))
+    assert "(43.9 MB)" in sentence
+    assert MemoryPanel  # the panel says its sizes with the same human_bytes
 
 
 def test_a_chat_stored_by_the_worker_is_listed_and_cleared_through_it(qtbot, window) -> None:
@@ -121,7 +135,7 @@ def test_a_chat_stored_by_the_worker_is_listed_and_cleared_through_it(qtbot, win
     qtbot.waitUntil(lambda: section.table.rowCount() == 1, timeout=ANSWER_TIMEOUT_MS)
     on_disk = c.bridge.stored_snapshot(record.id)
     row = _rows(section)[0]
-    assert row[:4] == [record.title, f"{on_disk.tokens:,}", "q4", disk_size(on_disk.disk_bytes)]
+    assert row[:4] == [record.title, f"{on_disk.tokens:,}", "q4", human_bytes(on_disk.disk_bytes)]
     section.table.selectRow(0)
     section.clear_one.click()
     qtbot.waitUntil(lambda: section.table.rowCount() == 0, timeout=ANSWER_TIMEOUT_MS)
