@@ -314,9 +314,11 @@ class ChatController(QObject):
 
     # Sessions -------------------------------------------------------------
 
-    def new_session(self, mode: str | None = None) -> SessionRecord | None:
-        """Start an empty chat in ``mode`` (default from settings)."""
-        return self.sessions.new_session(mode, self.model_id)
+    def new_session(self, mode: str | None = None,
+                    keep_blank: bool = False) -> SessionRecord | None:
+        """Start an empty chat in ``mode`` (default from settings); with ``keep_blank``
+        an empty chat on screen is kept instead (``SessionActions.new_session``)."""
+        return self.sessions.new_session(mode, self.model_id, keep_blank)
 
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""

@@ -326,6 +326,10 @@ class HistoryStore:
         """Give a session a new title."""
         self._write("UPDATE sessions SET title = ? WHERE id = ?", (title.strip(), session_id))
 
+    def set_mode(self, session_id: str, kv_mode: str) -> None:
+        """Give a chat with nothing in it yet another KV mode."""
+        self._write("UPDATE sessions SET kv_mode = ? WHERE id = ?", (kv_mode, session_id))
+
     def delete_session(self, session_id: str) -> None:
         """Delete a session with its messages and attachments."""
         self._write("DELETE FROM sessions WHERE id = ?", (session_id,))

@@ -44,13 +44,38 @@ class SessionActions(QObject):
         self._before_switch = before_switch
         self.current: SessionRecord | None = None
 
-    def new_session(self, mode: str | None = None, model_id: str = "") -> SessionRecord | None:
-        """Start an empty chat in ``mode`` (default from settings) and show it."""
-        record = self.store.create_session(NEW_TITLE, mode or self.settings.default_mode,
+    def new_session(self, mode: str | None = None, model_id: str = "",
+                    keep_blank: bool = False) -> SessionRecord | None:
+        """Start an empty chat in ``mode`` (default from settings) and show it.
+
+        ``keep_blank``: an empty chat on screen (nothing typed in it either) is
+        that chat already: it is kept, in ``mode``, so pressing New Chat again
+        piles up no empty chats.
+        """
+        mode = mode or self.settings.default_mode
+        if keep_blank and self._blank(self.current):
+            return self._set_mode(self.current, mode)
+        record = self.store.create_session(NEW_TITLE, mode,
                                            model_id or self.settings.last_model)
         self.sessionsChanged.emit()
         self.select_session(record.id)
         return record
+
+    def _blank(self, record: SessionRecord | None) -> bool:
+        """Whether ``record`` is an untitled chat with no message and no job."""
+        return (record is not None and record.title == NEW_TITLE and not self.model.rowCount()
+                and self.activity.job_of(record.id) is None
+                and not self.store.messages(record.id))
+
+    def _set_mode(self, record: SessionRecord, mode: str) -> SessionRecord:
+        if record.kv_mode == mode:
+            return record
+        self.caches.forget(record.id)  # nothing of it is held or stored in the old mode
+        self.store.set_mode(record.id, mode)
+        self.current = self.store.session(record.id)
+        self.currentSessionChanged.emit(self.current)
+        self.sessionsChanged.emit()
+        return self.current
 
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""

@@ -280,7 +280,9 @@ class MainWindow(QMainWindow):
         full = self.fit.full_context_report()
         dialog = NewChatDialog(self.settings.default_mode, full, self)
         if dialog.exec():
-            self.controller.new_session(dialog.mode())
+            # A chat with nothing in it, not even a draft, is the new chat already.
+            blank = not self.composer.text().strip() and not self.attachments
+            self.controller.new_session(dialog.mode(), keep_blank=blank)
             # The dialog hands the focus back to whatever had it (often the toolbar's
             # model picker): the question typed next belongs in the new chat's box.
             self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)

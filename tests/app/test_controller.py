@@ -178,3 +178,4 @@ def test_a_chat_whose_read_was_stopped_says_what_the_next_message_reads_first(ap
     bridge._dispatch(TokenChunk(chat_b, "Yes.", (1,)))
     bridge._dispatch(Finished(chat_b, "stop"))
     assert c.cache_state(a.id) == "In memory: 7,790 tokens, ready to answer at once."
+

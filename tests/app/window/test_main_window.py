@@ -265,3 +265,33 @@ def test_after_a_stopped_read_the_fit_line_counts_the_rest_to_read(scripted) -> 
     bridge._dispatch(Finished(rid, "cancelled", None, 1536, 7757))
     assert window.fit.context_tokens() == 7757
     assert window.fit.tokens_to_read(40) == (6221 + 40, 1536)
+
+
+def _new_chat(qtbot, window, mode: str) -> None:
+    """New Chat, the mode picked in its dialog, Start chat."""
+
+    def start_chat() -> None:
+        dialog = QApplication.activeModalWidget()
+        dialog.buttons[mode].setChecked(True)
+        qtbot.keyClick(dialog, Qt.Key.Key_Return)
+
+    QTimer.singleShot(0, start_chat)
+    window.ask_new_chat()
+
+
+def test_new_chat_on_an_empty_chat_keeps_it_instead_of_piling_up_another(
+        qtbot, scripted) -> None:
+    c, window = scripted.c, scripted.window
+    _new_chat(qtbot, window, "q8")
+    first = c.current
+    _new_chat(qtbot, window, "q8")
+    _new_chat(qtbot, window, "q4")  # the same empty chat, in the mode now chosen
+    assert c.current.id == first.id and c.current.kv_mode == "q4"
+    assert [s.id for s in c.store.sessions()] == [first.id]
+    window.composer.set_text("half a thought")  # a draft is something: a new chat then
+    _new_chat(qtbot, window, "q8")
+    assert c.current.id != first.id and len(c.store.sessions()) == 2
+    window.composer.set_text("hello")
+    window.send()  # a chat with a message is no empty chat either
+    _new_chat(qtbot, window, "q8")
+    assert len(c.store.sessions()) == 3
