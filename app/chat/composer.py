@@ -190,6 +190,11 @@ class Composer(QWidget):
         self.offer_accept.setText(f"Attach the first {tokens:,} tokens")
         self.offer_box.show()
 
+    def withdraw_offer(self) -> None:
+        """Decline the offer shown, if any (its chat is no longer on screen)."""
+        if self._offer_job is not None:
+            self._answer_offer(self.partDeclined)
+
     def _answer_offer(self, signal) -> None:
         job_id, self._offer_job = self._offer_job, None
         self.offer_box.hide()

@@ -78,6 +78,7 @@ class MainWindow(QMainWindow):
         self.downloads.ended.connect(self._on_download_ended)
         self.models_dialog: ModelsDialog | None = None
         self._shown_states: dict[str, str] = {}
+        self._shown_chat: str | None = None
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
         self.drafts = Drafts(controller, self.composer, self.attachments, self)
@@ -272,6 +273,13 @@ class MainWindow(QMainWindow):
         self.reopen_button.setEnabled(record is not None)
         if self.banner.property("kind") == "info":
             self.banner.hide()  # a notice is about the chat it was said in
+        shown = record.id if record is not None else None
+        if shown != self._shown_chat:
+            # What the composer said of a file, and a file's offer, are about the
+            # draft of the chat they were said in.
+            self._shown_chat = shown
+            self.composer.show_notice("")
+            self.composer.withdraw_offer()
         self._show_activity()
         self.fit.schedule()
 

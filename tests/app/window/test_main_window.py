@@ -295,3 +295,18 @@ def test_new_chat_on_an_empty_chat_keeps_it_instead_of_piling_up_another(
     window.send()  # a chat with a message is no empty chat either
     _new_chat(qtbot, window, "q8")
     assert len(c.store.sessions()) == 3
+
+
+def test_a_composer_notice_stays_with_the_chat_it_was_said_in(scripted) -> None:
+    c, composer = scripted.c, scripted.window.composer
+    first = c.new_session("q8")
+    composer.set_text("a draft")
+    c.new_session("q4")
+    composer.offer_part(7, "“big.txt” is too long.", 4000)
+    composer.show_notice("Attached the first 7,968 tokens of “report.pdf”.")
+    c.select_session(first.id)
+    assert not composer.notice.isVisible() and not composer.offer_box.isVisible()
+    c.rename_session(first.id, "Pines")  # the same chat: what it says stays
+    composer.show_notice("“old.pdf” could not be read.")
+    c.rename_session(first.id, "Longleaf pines")
+    assert composer.notice.isVisible()
