@@ -69,10 +69,11 @@ class Answers(QObject):
     def start_continue(self, session: SessionRecord, message_id: int) -> Job:
         """Let the answer ``message_id``, the conversation's last row, go on in place."""
         messages = self.model.engine_messages(self.settings.system_prompt)
-        text = self.model.message(self.model.rowCount() - 1).content
+        answer = self.model.message(self.model.rowCount() - 1)
         return self.activity.add(session.id, "chat", session.title,
                                  lambda job: self._run(job, session, messages, 0,
-                                                       (message_id, text)),
+                                                       (message_id, answer.content,
+                                                        answer.stats)),
                                  self._dropped)
 
     def start_ingest(self, session: SessionRecord) -> Job:
@@ -83,11 +84,12 @@ class Answers(QObject):
                                  self._dropped)
 
     def _run(self, job: Job, session: SessionRecord, messages: list[dict[str, str]],
-             sent_id: int, continued: tuple[int, str] | None = None) -> None:
+             sent_id: int, continued: tuple[int, str, dict | None] | None = None) -> None:
         # Its turn has come: the answer's row is made now, in its own chat (or, for
         # Continue, the answer it extends records again).
         if continued is not None:
-            self.recorder.resume(session.id, *continued, self._shown(session.id))
+            message_id, text, stats = continued
+            self.recorder.resume(session.id, message_id, text, self._shown(session.id), stats)
         elif job.kind == "chat":
             self.recorder.start(session.id, self._shown(session.id))
         # A failed Continue keeps the answer it extends: "failed" would leave it unseen.
@@ -131,8 +133,8 @@ class Answers(QObject):
             self._failed(job, sent_id, event, failed)
 
     def finish_answer(self, status: str, reason: str | None, stats: dict | None = None) -> None:
-        """Save how the answer ended and say so."""
-        self.recorder.finish(status, reason, stats)
+        """Save how the answer ended and say so; a continued answer's stats count all of it."""
+        self.recorder.finish(status, reason, merged_stats(self.recorder.earlier_stats, stats))
         self.sessions.sessionsChanged.emit()
         self.answerFinished.emit(status)
 
@@ -220,6 +222,23 @@ def _kept(event: Finished, read: IngestProgress | None,
     else:
         return None
     return (kept, total) if kept < total else None
+
+
+def merged_stats(earlier: dict | None, later: dict | None) -> dict | None:
+    """The stats of an answer made in pieces (Continue): its tokens and steps added up,
+    its rate over all of them, its first word the first piece's."""
+    if not earlier or not later:
+        return later or earlier
+    merged = dict(later)
+    for key in ("generated_tokens", "prefill_tokens", "draft_tokens", "accepted_tokens",
+                "decode_steps"):
+        merged[key] = (earlier.get(key) or 0) + (later.get(key) or 0)
+    merged["ttft"] = earlier.get("ttft") if earlier.get("ttft") is not None else later.get("ttft")
+    merged["reused_tokens"] = earlier.get("reused_tokens", 0)
+    seconds = sum(part["generated_tokens"] / part["decode_tps"] for part in (earlier, later)
+                  if part.get("decode_tps") and part.get("generated_tokens"))
+    merged["decode_tps"] = merged["generated_tokens"] / seconds if seconds else 0.0
+    return merged
 
 
 def _stats_dict(stats) -> dict | None:

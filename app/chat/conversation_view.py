@@ -28,7 +28,7 @@ from app.chat.model import (
     StatusRole,
 )
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
-from app.format import human_bytes, visible_text
+from app.format import human_bytes, human_duration, visible_text
 from app.sessions.chat_state import reuse_sentence
 
 STATUS_TEXT = {
@@ -68,25 +68,42 @@ def collapsed(text: str) -> str | None:
     return start.rstrip() + " …"
 
 
+SPECULATIVE_TIP = ("Speculative decoding: the next words are looked up in the chat's own "
+                   "text and the model checks them together, so each of its steps can add "
+                   "more than one token.")
+
+
 def stats_text(stats: dict | None) -> str:
-    """An answer's stats line, "128 tokens · first word in 0.21 s · 34.2 tok/s".
+    """An answer's stats line, "128 tokens · first word in 0.2 s · 34.2 tokens/s".
 
     It begins "Reused 3,930 stored tokens, read 120 new" when the chat's KV
-    snapshot on disk was used; a speculative answer adds "2.4 tokens/step":
-    generated tokens per forward pass.
+    snapshot on disk was used; a speculative answer adds "2.4 tokens a step"
+    (``SPECULATIVE_TIP`` says what that is). An answer with no token (a read
+    stopped before it) has no line. Each part keeps to one line: a narrow
+    column wraps between parts, never inside one.
     """
-    if not stats:
+    if not stats or not stats.get("generated_tokens"):
         return ""
-    reused = reuse_sentence(stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0))
-    parts = [reused] if reused else []
-    parts.append(f"{stats.get('generated_tokens', 0):,} tokens")
+    parts = [f"{stats['generated_tokens']:,} tokens"]
     if stats.get("ttft") is not None:
-        parts.append(f"first word in {stats['ttft']:.2f} s")
+        parts.append(f"first word in {_seconds(stats['ttft'])}")
     if stats.get("decode_tps"):
-        parts.append(f"{stats['decode_tps']:.1f} tok/s")
+        parts.append(f"{stats['decode_tps']:.1f} tokens/s")
     if stats.get("draft_tokens") and stats.get("decode_steps"):
-        parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens/step")
-    return " · ".join(parts)
+        parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens a step")
+    parts = [_unbroken(part) for part in parts]
+    reused = reuse_sentence(stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0))
+    return " · ".join([reused, *parts] if reused else parts)
+
+
+def _unbroken(text: str) -> str:
+    """``text`` that a wrapping label keeps on one line (a number with its unit)."""
+    return text.replace(" ", "\u00a0")
+
+
+def _seconds(seconds: float) -> str:
+    """0.213 -> "0.2 s"; 547.2 -> "9m 07s": a wait as a person would say it."""
+    return f"{seconds:.1f} s" if seconds < 60 else human_duration(seconds)
 
 
 class MessageWidget(QFrame):
@@ -165,9 +182,10 @@ class MessageWidget(QFrame):
             self.body.set_markdown(shown)
         self.body.setVisible(bool(content) or status == "streaming")
         if attachments:
+            # A line may wrap in a name or between facts, never inside a number's.
             self.files.setText("  ".join(
-                f"{visible_text(a.name)} · {human_bytes(a.size)} · {a.tokens:,} tokens"
-                for a in attachments))
+                f"{visible_text(a.name)} · {_unbroken(human_bytes(a.size))} · "
+                f"{_unbroken(f'{a.tokens:,} tokens')}" for a in attachments))
         self.files.setVisible(bool(attachments))
         label = REASON_LABELS.get(reason or "", STATUS_TEXT.get(status, ""))
         if reason and reason.startswith(STOPPED_READING):
@@ -184,7 +202,9 @@ class MessageWidget(QFrame):
             self.status.setProperty("state", status)
             self.status.style().unpolish(self.status)
             self.status.style().polish(self.status)
-        self.stats.setText(stats_text(stats) if self.role == "assistant" else "")
+        line = stats_text(stats) if self.role == "assistant" else ""
+        self.stats.setText(line)
+        self.stats.setToolTip(SPECULATIVE_TIP if "tokens\u00a0a\u00a0step" in line else "")
 
     def _show_user_text(self) -> None:
         start = collapsed(self.text)
@@ -323,7 +343,7 @@ class ConversationView(QScrollArea):
             streaming = self.model.data(index, StatusRole) == "streaming"
             last_answer = not self.busy and row == last and widget.role == "assistant"
             widget.set_actions(
-                copy=not streaming,
+                copy=not streaming and bool(self.model.data(index)),
                 regenerate=last_answer,
                 edit=not self.busy and row == last_user,
                 go_on=last_answer and self.model.data(index, ReasonRole) == LENGTH_LIMIT,

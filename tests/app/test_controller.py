@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Failed, Finished, IngestProgress, Notice, TokenChunk
+from engine import Failed, Finished, GenerationStats, IngestProgress, Notice, TokenChunk
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
@@ -179,3 +179,21 @@ def test_a_chat_whose_read_was_stopped_says_what_the_next_message_reads_first(ap
     bridge._dispatch(Finished(chat_b, "stop"))
     assert c.cache_state(a.id) == "In memory: 7,790 tokens, ready to answer at once."
 
+
+
+def test_a_continued_answers_stats_count_every_piece(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("Tell me everything")
+    _open(app, a.id)
+    first, _args, _cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(first, "Pines grow", (1, 2)))
+    bridge._dispatch(Finished(first, "length", GenerationStats(20, 8, 0.5, 40.0, 4.0, 20)))
+    assert c.continue_answer()
+    second, _args, _cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(second, " tall", (3,)))
+    bridge._dispatch(Finished(second, "stop", GenerationStats(30, 12, 0.3, 40.0, 2.0, 3)))
+    stats = app.store.messages(a.id)[-1].stats
+    assert stats["generated_tokens"] == 20 and stats["ttft"] == 0.5
+    assert stats["decode_tps"] == pytest.approx(20 / (8 / 4.0 + 12 / 2.0))
+    assert stats["prefill_tokens"] == 23
