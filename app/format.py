@@ -29,6 +29,12 @@ def human_duration(seconds: float | None) -> str:
     return f"{hours}h {minutes:02d}m"
 
 
+def unbroken(text: str) -> str:
+    """``text`` that a wrapping label keeps on one line (a number with its unit): a
+    line of figures wraps between them, never inside one ("3,393 / tokens")."""
+    return text.replace(" ", "\u00a0")
+
+
 def relative_time(timestamp: float, now: float | None = None) -> str:
     """A last-activity label: "just now", "5 min ago", "yesterday", "3 Mar"."""
     delta = (now or time.time()) - timestamp

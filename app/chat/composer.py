@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QMimeData, QSize, Qt, Signal
+import time
+
+from PySide6.QtCore import QMimeData, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QFrame,
@@ -16,7 +18,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes, human_duration, visible_text
+from app.format import human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sentence
 from app.store import AttachmentRecord
 
@@ -25,6 +27,7 @@ READING = JOB_WORDS[ChatState.READING]
 # of a read (or two words of an answer), and a part may take a while to end.
 STOPPING_READ = "Stopping after this part…"
 STOPPING = "Stopping…"
+FIRST_PART = "Reading the first part…"
 
 
 def _local_files(mime: QMimeData) -> list[str]:
@@ -208,23 +211,37 @@ class Composer(QWidget):
         self.partDeclined.connect(lambda job: loader.decline_part(job, ""))
 
     def _progress_row(self) -> QWidget:
+        # The title, the bar under it and the figures under that, Cancel beside
+        # them: the figures get the column's whole width, and wrap between facts.
         self.progress_box = QFrame()
         self.progress_box.setObjectName("ingestBox")
         row = QHBoxLayout(self.progress_box)
-        row.setContentsMargins(10, 4, 4, 4)
+        row.setContentsMargins(10, 6, 6, 6)
+        column = QVBoxLayout()
+        column.setSpacing(4)
         self.progress_title = QLabel(READING)
         self.progress = QProgressBar()
         self.progress.setTextVisible(False)
         self.progress.setFixedHeight(8)
         self.progress_label = QLabel()
         self.progress_label.setObjectName("ingestLabel")
+        self.progress_label.setWordWrap(True)
+        column.addWidget(self.progress_title)
+        column.addWidget(self.progress)
+        column.addWidget(self.progress_label)
         self.progress_cancel = QPushButton("Cancel")
         self.progress_cancel.clicked.connect(self.stopRequested.emit)
-        row.addWidget(self.progress_title)
-        row.addWidget(self.progress, 1)
-        row.addWidget(self.progress_label)
-        row.addWidget(self.progress_cancel)
+        row.addLayout(column, 1)
+        row.addWidget(self.progress_cancel, 0, Qt.AlignmentFlag.AlignVCenter)
         self.progress_box.hide()
+        # The time left counts down between the engine's reports (each part of a
+        # read takes a while): the last estimate less the time since it came.
+        self._eta_at: float | None = None
+        self._figures = ""
+        self._stopping = False
+        self.clock = time.monotonic
+        self._countdown = QTimer(self, interval=1000)
+        self._countdown.timeout.connect(self._show_figures)
         return self.progress_box
 
     def _waiting_row(self) -> QWidget:
@@ -275,6 +292,7 @@ class Composer(QWidget):
         self.progress_cancel.setEnabled(not stopping)
         if not generating:
             self.progress_box.hide()
+            self._countdown.stop()
 
     def block_send(self, reason: str) -> None:
         """Turn Send off while the message can't be sent as it is (``reason``; "": on)."""
@@ -288,7 +306,8 @@ class Composer(QWidget):
 
     def show_progress(self, done: int, total: int, tps: float | None, eta: float | None,
                       title: str = READING, stopping: bool = False) -> None:
-        """Reading progress: tokens done / total, with tok/s and time left when ``tps`` is given.
+        """Reading progress: tokens done / total, with the rate and time left when
+        ``tps`` is given.
 
         A quality check passes None: its first chunk is mostly set-up, so a rate
         from it would promise minutes that are not there. ``stopping``: Cancel
@@ -298,16 +317,43 @@ class Composer(QWidget):
         self.progress_box.show()
         self.progress.setMaximum(max(1, total))
         self.progress.setValue(min(done, total))
-        counts = f"{done:,} / {total:,} tokens"
-        if stopping:
-            self.progress_label.setText(STOPPING_READ)
-        else:
-            self.progress_label.setText(
-                counts if tps is None else
-                f"{counts} · {tps:,.0f} tok/s · ETA {human_duration(eta)}")
+        self._figures = " · ".join(unbroken(part) for part in (
+            [f"{done:,} / {total:,} tokens"]
+            + ([] if tps is None else [f"{tps:,.0f} tokens/s"])))
+        self._eta_at = None if tps is None or eta is None else self.clock() + eta
+        self._stopping = stopping
+        self._show_figures()
         self.progress_cancel.setEnabled(not stopping)
         if done >= total:
             self.progress_box.hide()
+
+    def show_starting(self, title: str = READING, stopping: bool = False) -> None:
+        """A read under way whose first part has not ended yet: no count to show yet.
+
+        The first part of a first read takes longest (the model's first run
+        prepares its kernels): a moving bar says it is working.
+        """
+        self.progress_title.setText(title)
+        self.progress.setMaximum(0)  # a busy bar: no part has ended yet
+        self._figures, self._eta_at, self._stopping = FIRST_PART, None, stopping
+        self._show_figures()
+        self.progress_cancel.setEnabled(not stopping)
+        self.progress_box.show()
+
+    def _show_figures(self) -> None:
+        if self._stopping:
+            self.progress_label.setText(STOPPING_READ)
+            self._countdown.stop()
+            return
+        text = self._figures
+        if self._eta_at is not None:
+            left = self._eta_at - self.clock()
+            text += " · " + unbroken(f"about {human_duration(left)} left" if left >= 1
+                                      else "almost done")
+            self._countdown.start()
+        else:
+            self._countdown.stop()
+        self.progress_label.setText(text)
 
     def add_chip(self, job_id: int, name: str) -> AttachmentChip:
         """Show a chip for a file being read."""

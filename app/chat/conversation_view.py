@@ -28,8 +28,8 @@ from app.chat.model import (
     StatusRole,
 )
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
-from app.format import human_bytes, human_duration, visible_text
-from app.sessions.chat_state import reuse_sentence
+from app.format import human_bytes, human_duration, unbroken, visible_text
+from app.sessions.chat_state import JOB_WORDS, ChatState, reuse_sentence
 
 STATUS_TEXT = {
     "streaming": "Answering…",
@@ -37,6 +37,7 @@ STATUS_TEXT = {
     "failed": "Failed",
     "interrupted": "Interrupted — the partial answer was kept",
 }
+READING_LABEL = f"{JOB_WORDS[ChatState.READING]}…"  # an answer whose chat is read first
 # Reasons short and common enough to be the row's label instead of its status word.
 REASON_LABELS = {CLOSED_WHILE_ANSWERING: "Closed while answering",
                  LENGTH_LIMIT: "Length limit"}
@@ -91,14 +92,10 @@ def stats_text(stats: dict | None) -> str:
         parts.append(f"{stats['decode_tps']:.1f} tokens/s")
     if stats.get("draft_tokens") and stats.get("decode_steps"):
         parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens a step")
-    parts = [_unbroken(part) for part in parts]
+    parts = [unbroken(part) for part in parts]
     reused = reuse_sentence(stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0))
     return " · ".join([reused, *parts] if reused else parts)
 
-
-def _unbroken(text: str) -> str:
-    """``text`` that a wrapping label keeps on one line (a number with its unit)."""
-    return text.replace(" ", "\u00a0")
 
 
 def _seconds(seconds: float) -> str:
@@ -172,8 +169,9 @@ class MessageWidget(QFrame):
         return button
 
     def show_message(self, content: str, status: str, reason: str | None, stats: dict | None,
-                     attachments: tuple) -> None:
-        """Render a row of the model."""
+                     attachments: tuple, reading: bool = False) -> None:
+        """Render a row of the model; ``reading``: a streaming answer whose chat is
+        still being read (no word yet)."""
         shown = content or ("…" if status == "streaming" else "")
         if self.role == "user":
             self.text = shown
@@ -184,10 +182,12 @@ class MessageWidget(QFrame):
         if attachments:
             # A line may wrap in a name or between facts, never inside a number's.
             self.files.setText("  ".join(
-                f"{visible_text(a.name)} · {_unbroken(human_bytes(a.size))} · "
-                f"{_unbroken(f'{a.tokens:,} tokens')}" for a in attachments))
+                f"{visible_text(a.name)} · {unbroken(human_bytes(a.size))} · "
+                f"{unbroken(f'{a.tokens:,} tokens')}" for a in attachments))
         self.files.setVisible(bool(attachments))
         label = REASON_LABELS.get(reason or "", STATUS_TEXT.get(status, ""))
+        if status == "streaming" and reading and not content:
+            label = READING_LABEL
         if reason and reason.startswith(STOPPED_READING):
             label = reason.split(";")[0]  # "Stopped while reading: 1,408 of 4,898 tokens kept"
         if reason and status == "complete":
@@ -249,6 +249,7 @@ class ConversationView(QScrollArea):
         super().__init__(parent)
         self.model = model
         self.busy = False
+        self.reading = False
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -276,9 +277,13 @@ class ConversationView(QScrollArea):
         model.dataChanged.connect(self._on_changed)
         self._rebuild()
 
-    def set_busy(self, busy: bool) -> None:
-        """Hide regenerate/edit while an answer streams."""
-        self.busy = busy
+    def set_busy(self, busy: bool, reading: bool = False) -> None:
+        """Hide regenerate/edit while an answer streams; ``reading``: its chat is still
+        being read, so its row says so rather than "Answering…"."""
+        changed = reading != self.reading
+        self.busy, self.reading = busy, reading
+        if changed and self.widgets:
+            self._render(len(self.widgets) - 1)
         self._refresh_actions()
 
     def _make(self, row: int) -> MessageWidget:
@@ -295,7 +300,8 @@ class ConversationView(QScrollArea):
         self.widgets[row].show_message(
             self.model.data(index) or "", self.model.data(index, StatusRole),
             self.model.data(index, ReasonRole), self.model.data(index, StatsRole),
-            self.model.data(index, AttachmentsRole) or ())
+            self.model.data(index, AttachmentsRole) or (),
+            reading=self.reading and row == len(self.widgets) - 1)
 
     def _drop(self, widgets: list[MessageWidget]) -> None:
         # Out of the layout and hidden now: deleteLater waits for the event loop

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from app.format import human_bytes, short_title
+from app.format import compact_count, human_bytes, short_title
 
 
 class ChatState(Enum):
@@ -33,7 +33,7 @@ JOB_STATES = {"waiting": ChatState.WAITING, "reading": ChatState.READING,
 
 
 # A running job's words, also the composer's progress row title.
-JOB_WORDS = {ChatState.READING: "Reading the conversation in",
+JOB_WORDS = {ChatState.READING: "Reading the conversation",
              ChatState.ANSWERING: "Answering", ChatState.CHECKING: "Checking quality"}
 
 
@@ -121,13 +121,26 @@ def state_sentence(facts: ChatFacts) -> str:
 
 def sidebar_line(facts: ChatFacts, when: str) -> str:
     """A sidebar row's second line: the state's word, tokens and last activity (idle)."""
+    return sidebar_lines(facts, when)[0]
+
+
+def sidebar_lines(facts: ChatFacts, when: str) -> list[str]:
+    """A sidebar row's second line, longest first; a narrow row shows the first that fits.
+
+    Whole facts are left out from the end rather than a number cut ("5,17…").
+    """
     state = chat_state(facts)
+    if state in (ChatState.READING, ChatState.CHECKING) and facts.progress is not None:
+        done, total = facts.progress
+        return [f"{state.value} {done * 100 // max(1, total)}%", state.value]
     if state in (ChatState.WAITING, ChatState.READING, ChatState.ANSWERING,
                  ChatState.CHECKING):
-        return state.value
+        return [state.value]
     if state is ChatState.NEW:
-        return f"{state.value} · {when}"
-    return f"{state.value} · {chat_tokens(facts):,} tokens · {when}"
+        return [f"{state.value} · {when}", state.value]
+    tokens = chat_tokens(facts)
+    return [f"{state.value} · {tokens:,} tokens · {when}", f"{state.value} · {tokens:,} tokens",
+            f"{state.value} · {compact_count(tokens)} tokens", state.value]
 
 
 def reuse_sentence(reused: int, read: int) -> str:

@@ -362,10 +362,13 @@ class MainWindow(QMainWindow):
         stopping = job is not None and job.stopping
         self.composer.set_generating(job is not None and job.started, stopping)
         self.composer.show_waiting(ahead.title if ahead is not None else None)
-        progress = job.progress if job is not None and job.state in ("reading", "checking") \
-            else None
-        if progress is None:
+        reading = job is not None and job.started and job.state in ("reading", "checking")
+        progress = job.progress if reading else None
+        title = CHECKING if job is not None and job.kind == "quality" else READING
+        if not reading:
             self.composer.progress_box.hide()
+        elif progress is None:  # the first part is still being read
+            self.composer.show_starting(title, stopping)
         elif job.kind == "quality":  # no rate: see Composer.show_progress
             self.composer.show_progress(progress.tokens_done, progress.tokens_total, None, None,
                                         CHECKING, stopping)
@@ -373,7 +376,7 @@ class MainWindow(QMainWindow):
             self.composer.show_progress(
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
                 self.controller.read_eta(progress), READING, stopping)
-        self.conversation.set_busy(job is not None)
+        self.conversation.set_busy(job is not None, reading=reading and job.kind == "chat")
 
     def _show_server_status(self, status=None) -> None:
         status = status or self.controller.local_server.status

@@ -310,3 +310,36 @@ def test_a_composer_notice_stays_with_the_chat_it_was_said_in(scripted) -> None:
     composer.show_notice("“old.pdf” could not be read.")
     c.rename_session(first.id, "Longleaf pines")
     assert composer.notice.isVisible()
+
+
+def test_a_read_shows_it_is_working_before_its_first_part_ends(scripted) -> None:
+    bridge, window = scripted.bridge, scripted.window
+    composer = window.composer
+    rid, _cancel = _send(scripted)
+    # No progress from the engine yet: the first part of a first read takes longest.
+    assert composer.progress_box.isVisible()
+    assert composer.progress_title.text() == "Reading the conversation"
+    assert composer.progress_label.text() == "Reading the first part…"
+    assert composer.progress.maximum() == 0  # a busy bar
+    assert window.conversation.widgets[-1].status.text() == "Reading the conversation…"
+    bridge._dispatch(IngestProgress(rid, 512, 7756, 30.0, 240.0, 512, 0, 17.0))
+    assert composer.progress.maximum() == 7757
+    assert composer.progress_label.text().startswith("512\u00a0/\u00a07,757\u00a0tokens")
+    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    scripted.c.model.flush()
+    assert not composer.progress_box.isVisible()
+    assert window.conversation.widgets[-1].status.text() == "Answering…"
+
+
+def test_the_time_left_counts_down_between_the_engines_reports(scripted) -> None:
+    composer = scripted.window.composer
+    now = [100.0]
+    composer.clock = lambda: now[0]
+    composer.show_progress(512, 7_757, 15.0, 372.0)
+    assert composer.progress_label.text().endswith("about\u00a06m\u00a012s\u00a0left")
+    now[0] += 60  # a minute later, no new report: the countdown timer ticks
+    composer._countdown.timeout.emit()
+    assert composer.progress_label.text().endswith("about\u00a05m\u00a012s\u00a0left")
+    now[0] += 400  # past the estimate
+    composer._countdown.timeout.emit()
+    assert composer.progress_label.text().endswith("almost\u00a0done")
