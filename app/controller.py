@@ -373,7 +373,8 @@ class ChatController(QObject):
     def quality_unavailable(self) -> str:
         """Why "Check quality" cannot run for the shown chat now; "" when it can."""
         has_text = bool(self.model.engine_messages(""))
-        return self.quality.unavailable(self.current, self.model_ready, has_text)
+        loading = self.model_state.loading and not self.model_ready
+        return self.quality.unavailable(self.current, self.model_ready, has_text, loading)
 
     def check_quality(self) -> bool:
         """Measure the shown chat's KV mode against fp16 on its last tokens (Stop cancels)."""

@@ -46,6 +46,11 @@ class ModelState(QObject):
         self._paths: dict[int, str] = {}  # every load in flight -> its folder
         self._defaults: tuple[str, dict[str, float | int]] = ("", {})
 
+    @property
+    def loading(self) -> bool:
+        """True while a model load is in flight."""
+        return bool(self._paths)
+
     def load(self, path: str) -> None:
         """Ask the engine to load a model folder or "demo"."""
         if self.ready:

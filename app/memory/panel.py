@@ -39,7 +39,7 @@ from engine.cache.modes import MODES
 
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
-NO_CACHE = "Nothing of this chat in memory now"
+NO_CACHE = "None of it in memory now"
 KV_TIP = ("The KV cache: what the model keeps of each token it has read, so it does not "
           "read them again. It grows with the chat, in the chat's KV mode.")
 PAGES_TIP = ("Pages are per layer: each attention layer keeps its own pages of the chat's "
@@ -147,7 +147,6 @@ class MemoryPanel(QScrollArea):
         self.kv_label.setToolTip(KV_TIP)
         self.kv_total_label = value_label()
         layout.addWidget(self.kv_label)
-        layout.addWidget(self.kv_bar)
         layout.addWidget(self.kv_total_label)
 
         layout.addWidget(section_heading("System memory"))
@@ -172,9 +171,9 @@ class MemoryPanel(QScrollArea):
         self.table = QTableWidget(len(MODES), 4)
         self.table.setObjectName("projectionTable")
         # Short headers: the panel is narrow and Qt clips long ones mid-word.
-        self.table.setHorizontalHeaderLabels(["Now", "Full", "Fits", "vs fp16"])
+        self.table.setHorizontalHeaderLabels(["Chat", "Full", "Fits", "vs fp16"])
         for column, tip in enumerate((
-            "Memory this chat's tokens take now, in each mode",
+            "Memory this chat's tokens take in each mode, in memory now or not",
             "Memory the model's whole context would take, in each mode",
             "Tokens that fit in free memory in each mode (at most the model's context)",
             "Share of next tokens that match fp16, from this chat's quality check of each mode",
@@ -222,8 +221,11 @@ class MemoryPanel(QScrollArea):
         inner = QVBoxLayout(self.details)
         inner.setContentsMargins(0, 0, 0, 0)
         inner.setSpacing(6)
+        # How full the pages allocated are: the bar under the line that says it.
         self.kv_detail = value_label()
         inner.addWidget(self.kv_detail)
+        self.kv_bar.setToolTip("Bytes of the chat's pages in use, of those allocated")
+        inner.addWidget(self.kv_bar)
         self.pages_label = value_label()
         self.pages_label.setToolTip(PAGES_TIP)
         inner.addWidget(self.pages_label)
@@ -249,7 +251,7 @@ class MemoryPanel(QScrollArea):
         self.mode: str | None = None
         self.session_id: str | None = None
         self.kv_tokens: int | None = None  # tokens of the shown sample; None: no cache
-        self.now_tokens: int | None = None  # tokens the "Now" column was computed for
+        self.now_tokens: int | None = None  # tokens the "Chat" column was computed for
         self.samples_shown = 0
         self.level = "normal"
         self.show_receipts({})
@@ -263,7 +265,7 @@ class MemoryPanel(QScrollArea):
         keep the previous chat's numbers.
         """
         if session_id != self.session_id or self.mode != mode:
-            self.chart.clear()
+            self.chart.show_session(session_id)
             self.show_no_cache()
         self.mode, self.session_id = mode, session_id
         if mode is None:
@@ -438,8 +440,8 @@ class MemoryPanel(QScrollArea):
             for column, text in enumerate(cells):
                 self.table.setItem(row, column, self._cell(text, mode))
         self.projection_note.setText(
-            f"Now: {now_report.token_count:,} tokens · full context: "
-            f"{full_report.max_context:,} tokens.")
+            f"Chat: its {now_report.token_count:,} tokens · full: the model's whole "
+            f"context, {full_report.max_context:,} tokens.")
         own = self.mode or ""
         entry = now_report.for_mode(own) if own in MODES else None
         self.fits_label.setText(

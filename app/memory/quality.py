@@ -94,10 +94,14 @@ class QualityCheck(QObject):
         self.caches, self.sessions = caches, sessions
 
     def unavailable(self, session: SessionRecord | None, model_ready: bool,
-                    has_text: bool) -> str:
-        """Why ``session`` (with ``has_text``: any message) cannot be checked now; "" if it can."""
+                    has_text: bool, loading: bool = False) -> str:
+        """Why ``session`` (with ``has_text``: any message) cannot be checked now; "" if it can.
+
+        ``loading``: a model is being loaded (not ready yet).
+        """
         if not model_ready:
-            return "Load a model first: the check runs it."
+            return ("The model is loading: check once it is ready." if loading
+                    else "Load a model first: the check runs it.")
         if session is None:
             return "Open a chat first."
         job = self.activity.job_of(session.id)

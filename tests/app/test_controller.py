@@ -197,3 +197,10 @@ def test_a_continued_answers_stats_count_every_piece(app) -> None:
     assert stats["generated_tokens"] == 20 and stats["ttft"] == 0.5
     assert stats["decode_tps"] == pytest.approx(20 / (8 / 4.0 + 12 / 2.0))
     assert stats["prefill_tokens"] == 23
+
+
+def test_check_quality_while_the_model_loads_says_it_loads(app) -> None:
+    c = app.c
+    c.new_session("q8")
+    c.load_model("other")
+    assert c.quality_unavailable() == "The model is loading: check once it is ready."
