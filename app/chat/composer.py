@@ -252,6 +252,7 @@ class Composer(QWidget):
         self.waiting_label = QLabel()
         self.waiting_label.setObjectName("ingestLabel")
         self.waiting_label.setTextFormat(Qt.TextFormat.PlainText)  # a title is the user's text
+        self.waiting_label.setWordWrap(True)
         cancel = QPushButton("Cancel")
         cancel.setToolTip("Take this message out of the line; it stays in the chat")
         cancel.clicked.connect(self.stopRequested.emit)
@@ -260,12 +261,14 @@ class Composer(QWidget):
         self.waiting_box.hide()
         return self.waiting_box
 
-    def show_waiting(self, title: str | None) -> None:
-        """Say this chat's message waits for chat ``title`` to finish (None: it doesn't)."""
+    def show_waiting(self, title: str | None, ahead: str = "") -> None:
+        """Say this chat's message waits for chat ``title`` to finish (None: it doesn't);
+        ``ahead`` says how far that chat is ("reading: 512 / 3,552 tokens, …")."""
         if title is None:
             self.waiting_box.hide()
             return
-        self.waiting_label.setText(state_sentence(ChatFacts(job="waiting", waiting_for=title)))
+        sentence = state_sentence(ChatFacts(job="waiting", waiting_for=title))
+        self.waiting_label.setText(f"{sentence} It is {ahead}." if ahead else sentence)
         self.waiting_box.show()
 
     def _send_or_stop(self) -> None:

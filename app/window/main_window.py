@@ -24,7 +24,7 @@ from app.chat.composer import READING, Composer
 from app.chat.conversation_view import ConversationView
 from app.chat.drafts import Drafts
 from app.controller import ChatController
-from app.format import visible_text
+from app.format import human_duration, unbroken, visible_text
 from app.local_server import status_text
 from app.memory.api_sessions import ApiSessionsFeed
 from app.memory.fit_check import FitChecker
@@ -361,7 +361,8 @@ class MainWindow(QMainWindow):
         ahead = activity.ahead_of(job) if job is not None else None
         stopping = job is not None and job.stopping
         self.composer.set_generating(job is not None and job.started, stopping)
-        self.composer.show_waiting(ahead.title if ahead is not None else None)
+        self.composer.show_waiting(ahead.title if ahead is not None else None,
+                                   self._how_far(ahead) if ahead is not None else "")
         reading = job is not None and job.started and job.state in ("reading", "checking")
         progress = job.progress if reading else None
         title = CHECKING if job is not None and job.kind == "quality" else READING
@@ -377,6 +378,21 @@ class MainWindow(QMainWindow):
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
                 self.controller.read_eta(progress), READING, stopping)
         self.conversation.set_busy(job is not None, reading=reading and job.kind == "chat")
+
+    def _how_far(self, job) -> str:
+        """How far the job a message waits for is: "reading: 512 / 3,552 tokens, about
+        39s left", "answering", or "" before it says."""
+        progress = job.progress
+        if job.state == "answering":
+            return "answering"
+        if progress is None or job.state not in ("reading", "checking"):
+            return ""
+        what = "reading" if job.state == "reading" else "checking quality"
+        figures = [f"{progress.tokens_done:,} / {progress.tokens_total:,} tokens"]
+        eta = self.controller.read_eta(progress) if job.state == "reading" else None
+        if eta is not None:
+            figures.append(f"about {human_duration(eta)} left")
+        return f"{what}: " + ", ".join(unbroken(part) for part in figures)
 
     def _show_server_status(self, status=None) -> None:
         status = status or self.controller.local_server.status

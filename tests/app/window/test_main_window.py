@@ -343,3 +343,21 @@ def test_the_time_left_counts_down_between_the_engines_reports(scripted) -> None
     now[0] += 400  # past the estimate
     composer._countdown.timeout.emit()
     assert composer.progress_label.text().endswith("almost\u00a0done")
+
+
+def test_a_message_waiting_in_line_says_how_far_the_chat_ahead_is(scripted) -> None:
+    c, bridge, composer = scripted.c, scripted.bridge, scripted.window.composer
+    rid, _cancel = _send(scripted, "Summarise the report")
+    ahead = c.current
+    c.new_session("q8")
+    composer.set_text("Name three pines.")
+    scripted.window.send()
+    assert composer.waiting_box.isVisible()
+    assert composer.waiting_label.text() == "Waiting for ‘Summarise the report’ to finish…"
+    bridge._dispatch(IngestProgress(rid, 512, 3551, 80.0, 38.0))
+    assert composer.waiting_label.text().replace("\u00a0", " ") == (
+        "Waiting for ‘Summarise the report’ to finish… It is reading: 512 / 3,552 tokens, "
+        "about 38s left.")
+    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    assert composer.waiting_label.text().endswith("It is answering.")
+    assert ahead.id != c.current.id
