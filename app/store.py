@@ -423,6 +423,7 @@ class HistoryStore:
         self._write("INSERT OR REPLACE INTO quality_receipts VALUES (?, ?, ?, ?)",
                     (session_id, receipt.mode, json.dumps(dataclasses.asdict(receipt)),
                      time.time()))
+        self._write("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
 
     def receipts(self, session_id: str) -> dict[str, QualityReceipt]:
         """A chat's quality receipts by mode (none for a history older than receipts)."""
@@ -495,6 +496,11 @@ class HistoryStore:
             sets.append("stats = ?")
             args.append(json.dumps(stats))
         self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
+        if status is not None and status != "streaming":
+            # An answer that ended is the chat's latest activity, as a question is.
+            self._write("UPDATE sessions SET updated = ? WHERE id = "
+                        "(SELECT session_id FROM messages WHERE id = ?)",
+                        (time.time(), message_id))
 
     def messages(self, session_id: str) -> list[MessageRecord]:
         """A session's messages in order, with their attachments."""
