@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import (
+    QEvent,
+    QModelIndex,
+    QPersistentModelIndex,
+    QRect,
+    QSize,
+    Qt,
+    QTimer,
+    Signal,
+)
 from PySide6.QtGui import QAction, QColor, QFont, QFontMetrics, QPainter, QPalette
 from PySide6.QtWidgets import (
     QInputDialog,
@@ -172,6 +181,13 @@ class SessionDelegate(QStyledItemDelegate):
         painter.restore()
 
 
+def _in_shown_order(sessions: list[SessionRecord],
+                    shown: list[SessionRecord]) -> list[SessionRecord]:
+    """``sessions`` with those already shown in their shown order, new ones first."""
+    places = {record.id: place for place, record in enumerate(shown)}
+    return sorted(sessions, key=lambda record: places.get(record.id, -1))
+
+
 class SessionList(QWidget):
     """Search box and session list, with rename and delete (confirmed)."""
 
@@ -209,14 +225,37 @@ class SessionList(QWidget):
         self.no_match.hide()
         layout.addWidget(self.no_match, 1)
         self._updating = False
+        # While the pointer is over the rows they keep their order (a click must land
+        # on the row it was aimed at); the newest order comes when it leaves.
+        self._pointer_in = False
+        self._held: tuple | None = None
+        self.list.viewport().installEventFilter(self)
         # Rows paint "5 min ago" from the clock: repaint them now and then so it stays true.
         self.clock = QTimer(self, interval=30_000)
         self.clock.timeout.connect(self.list.viewport().update)
         self.clock.start()
 
+    def eventFilter(self, watched, event: QEvent) -> bool:
+        if watched is self.list.viewport():
+            if event.type() == QEvent.Type.Enter:
+                self._pointer_in = True
+            elif event.type() == QEvent.Type.Leave:
+                self._pointer_in = False
+                if self._held is not None:
+                    held, self._held = self._held, None
+                    self.set_sessions(*held)
+        return super().eventFilter(watched, event)
+
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
                      states: dict[str, ChatFacts | str] | None = None) -> None:
-        """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``."""
+        """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``.
+
+        Under the pointer the rows shown keep their places (new chats on top) until
+        it leaves the list.
+        """
+        if self._pointer_in and self.list.count():
+            self._held = (sessions, current, states)
+            sessions = _in_shown_order(sessions, self.records())
         self._updating = True
         self.list.clear()
         searching = bool(self.search.text().strip())

@@ -148,3 +148,23 @@ def test_a_narrow_row_leaves_out_whole_facts_instead_of_cutting_a_number(qtbot) 
     reading = ChatFacts(job="reading", progress=(512, 7_757))
     assert detail_lines(record, reading) == ["Reading… 6%", "Reading…"]
     store.close()
+
+
+def test_rows_keep_their_places_under_the_pointer_and_move_when_it_leaves(qtbot) -> None:
+    from PySide6.QtCore import QEvent
+    from PySide6.QtWidgets import QApplication
+
+    store = HistoryStore()
+    a = store.create_session("A", "q8", "demo")
+    b = store.create_session("B", "q8", "demo")
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.show()
+    sidebar.set_sessions([b, a], None)
+    QApplication.sendEvent(sidebar.list.viewport(), QEvent(QEvent.Type.Enter))
+    c = store.create_session("C", "q8", "demo")
+    sidebar.set_sessions([a, c, b], None)  # A answered: it would jump to the top
+    assert [r.title for r in sidebar.records()] == ["C", "B", "A"]
+    QApplication.sendEvent(sidebar.list.viewport(), QEvent(QEvent.Type.Leave))
+    assert [r.title for r in sidebar.records()] == ["A", "C", "B"]
+    store.close()
