@@ -11,6 +11,7 @@ and which one is the tight one.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QTimer
 
@@ -170,6 +171,17 @@ class FitChecker(QObject):
                 pass
         return sum(r.tokens for r in records) + len(joined) // 4, True
 
+    def _formatting(self, prompt: int) -> int:
+        """Of ``prompt``, the tokens that are neither the files' nor the typed text's own:
+        the chat template's around the message and the files' document markers."""
+        own = sum(r.tokens for r in self.parent().attachments.values())
+        text = self.composer.text()
+        try:
+            own += self.controller.bridge.count_tokens(text) if text else 0
+        except EngineError:
+            return 0
+        return max(0, prompt - own)
+
     def _last_ending(self) -> str | None:
         """How the chat's last answer ended, as the engine says it (None: no message yet)."""
         model = self.controller.model
@@ -209,8 +221,10 @@ class FitChecker(QObject):
             self.composer.show_fit("", True)
             self.composer.block_send("")
             return
-        answer_room = report.max_context - self.context_tokens() - prompt
-        html, ok = fit_html(report, mode, total, estimated, answer_room)
+        context = self.context_tokens()
+        answer_room = report.max_context - context - prompt
+        parts = TokenParts(context, prompt, 0 if estimated else self._formatting(prompt), answer)
+        html, ok = fit_html(report, mode, total, estimated, answer_room, parts)
         wait = wait_sentence(*self.tokens_to_read(prompt), self.controller.prefill_rate())
         self.composer.show_fit(f"{html}<br>{wait}." if wait else html, ok)
         # An estimate (a long paste) never turns Send off: the engine's own count decides.
@@ -242,12 +256,36 @@ def _empty_file(name: str) -> AttachmentRecord:
     return AttachmentRecord(name, 0, "", 0, "")
 
 
+@dataclass(frozen=True)
+class TokenParts:
+    """What the fit line's total is made of: the chat held or to read again, this
+    message (``formatting`` of it the chat template's and the files' markers) and
+    the answer's reserve."""
+
+    chat: int
+    message: int
+    formatting: int
+    answer: int
+
+    def words(self) -> str:
+        """"the chat 1,200 + this message 4,716 (54 of them chat formatting) + 512 kept
+        for the answer"."""
+        parts = [f"the chat {self.chat:,}"] if self.chat else []
+        message = f"this message {self.message:,}"
+        if self.formatting:
+            message += f" ({self.formatting:,} of them chat formatting)"
+        parts += [message, f"{self.answer:,} kept for the answer"]
+        return " + ".join(parts)
+
+
 def fit_html(report, mode: str, total: int, estimated: bool = False,
-             answer_room: int | None = None) -> tuple[str, bool]:
+             answer_room: int | None = None,
+             parts: TokenParts | None = None) -> tuple[str, bool]:
     """The fit line as rich text, and whether the turn fits in ``mode``.
 
     ``answer_room``: the tokens the context leaves for the answer after the
-    message, when known (below 1: the message itself does not fit).
+    message, when known (below 1: the message itself does not fit). ``parts``:
+    what the total is made of, said after it.
     """
     entry = report.for_mode(mode)
     approx = "≈" if estimated else ""
@@ -257,8 +295,9 @@ def fit_html(report, mode: str, total: int, estimated: bool = False,
         for m in MODES if report.for_mode(m).supported)
     budget = (f" · your limit {human_bytes(report.budget_bytes)}"
               if report.budget_bytes is not None else "")
-    head = (f"After this message: {approx}{total:,} of {report.max_context:,} tokens · "
-            f"memory for them: {per_mode} · {human_bytes(report.available_bytes)} free"
+    made_of = f" ({parts.words()})" if parts is not None else ""
+    head = (f"After this message: {approx}{total:,} of {report.max_context:,} tokens"
+            f"{made_of} · memory for them: {per_mode} · {human_bytes(report.available_bytes)} free"
             f"{budget}")
     peak = getattr(entry, "prefill_peak_bytes", 0)
     if peak:

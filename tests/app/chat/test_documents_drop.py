@@ -137,6 +137,11 @@ def test_the_part_offered_fits_once_it_is_attached(qtbot, window, tmp_path) -> N
     report = window.fit.last_report
     assert window.fit.last_total <= report.max_context
     assert window.composer.fit.property("ok") is True, window.composer.fit.text()
+    # The line names what its total holds besides the file's own tokens.
+    (record,) = window.attachments.values()
+    formatting = window.fit.last_prompt_tokens - record.tokens
+    assert (f"this message {window.fit.last_prompt_tokens:,} ({formatting:,} of them chat "
+            "formatting) + 24 kept for the answer") in window.composer.fit.text()
 
 
 def test_documents_opened_on_the_app_icon_are_attached(qtbot, window, tmp_path) -> None:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.memory.fit_check import fit_html, wait_sentence
+from app.memory.fit_check import TokenParts, fit_html, wait_sentence
 from app.settings import Settings
 from engine import IngestProgress
 from engine.memory.prefill_rate import ChunkTiming, PrefillRate
@@ -170,3 +170,12 @@ def test_the_fit_lines_count_is_what_the_engine_reads_for_the_message(
     counted, _ = window.fit.prompt_tokens()
     assert send_and_wait(qtbot, window, "Summarize it.") == "complete"
     assert counted == c.model.message(c.model.rowCount() - 1).stats["prefill_tokens"]
+
+
+def test_the_fit_line_names_what_its_total_is_made_of() -> None:
+    parts = TokenParts(chat=0, message=4_716, formatting=54, answer=512)
+    html, _ = fit_html(_report(), "q6", 5_228, parts=parts)
+    assert html.startswith("✓ After this message: 5,228 of 8,192 tokens (this message 4,716 "
+                           "(54 of them chat formatting) + 512 kept for the answer) · ")
+    later = TokenParts(chat=1_200, message=40, formatting=0, answer=512)
+    assert later.words() == "the chat 1,200 + this message 40 + 512 kept for the answer"
