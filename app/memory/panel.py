@@ -31,7 +31,7 @@ from app.format import compact_count, human_bytes, short_title
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
-from app.memory.quality import receipt_details, receipt_line
+from app.memory.quality import advice, receipt_details, receipt_line, receipt_summary
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
 from engine import RankShare, StatsSample
@@ -398,7 +398,9 @@ class MemoryPanel(QScrollArea):
                 item.setToolTip(receipt_details(receipt))
             self.table.setItem(row, QUALITY_COLUMN, item)
         own = receipts.get(self.mode or "")
-        lines = [html.escape(receipt_line(own)) if own is not None else NOT_MEASURED]
+        lines = ([html.escape(receipt_line(own)),
+                  f"<span style='opacity:.7'>{html.escape(receipt_summary(own))}</span>",
+                  html.escape(advice(own))] if own is not None else [NOT_MEASURED])
         if unavailable:
             lines.append(f"<span style='opacity:.7'>{html.escape(unavailable)}</span>")
         self.quality_label.setText("<br>".join(lines))
