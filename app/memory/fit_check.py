@@ -316,7 +316,7 @@ def fit_html(report, mode: str, total: int, estimated: bool = False,
 
 
 def pool_sentence(report, mode: str) -> str:
-    """"On 2 machines: 12,288 tokens fit in q8 · rank 1 (mac2) is the tight one", or ""
+    """"On 2 machines: 12,288 tokens fit in q8 · mac2 is the tight one", or ""
     on one machine."""
     ranks = getattr(report, "ranks", ())
     tokens = report.pool_tokens(mode) if len(ranks) > 1 else None
@@ -325,7 +325,7 @@ def pool_sentence(report, mode: str) -> str:
     tight = report.tight_machine(mode)
     text = f"On {len(ranks)} machines: {min(tokens, report.max_context):,} tokens fit in {mode}"
     if tight is not None:
-        text += (f" · {tight.machine} is the tight one ({human_bytes(tight.free_bytes)} "
+        text += (f" · {tight.host} is the tight one ({human_bytes(tight.free_bytes)} "
                  "free there)")
     return text
 

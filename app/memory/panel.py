@@ -100,7 +100,7 @@ def fits_sentence(tokens_fit: int, max_context: int, mode: str, machines: int = 
     if tokens_fit >= max_context:
         return f"Fits in {where}: the whole context ({max_context:,} tokens) in {mode}."
     text = f"Fits in {where}: {tokens_fit:,} of {max_context:,} tokens in {mode}."
-    return text + (f" The tight one: {tight.machine}." if tight is not None else "")
+    return text + (f" The tight one: {tight.host}." if tight is not None else "")
 
 
 def machine_line(share: RankShare) -> str:

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFormLayout,
     QLabel,
+    QMessageBox,
     QPlainTextEdit,
     QRadioButton,
     QSpinBox,
@@ -243,7 +244,25 @@ class SettingsDialog(QDialog):
         if self.macs.problem_text():
             self.tabs.setCurrentWidget(self.macs)
             return
+        if not self._failed_macs_accepted():
+            self.tabs.setCurrentWidget(self.macs)
+            return
         super().accept()
+
+    def _failed_macs_accepted(self) -> bool:
+        """True unless a Mac of the hostfile failed its check and the user does not
+        want to save it anyway."""
+        failed = self.macs.failed_hosts()
+        if not failed:
+            return True
+        answer = QMessageBox.question(
+            self, "Use other Macs",
+            f"{' and '.join(failed)} failed the host check. Save the hostfile anyway? "
+            "A model that can be split then tries every Mac when it loads, and goes on "
+            "with this Mac alone if one cannot start.",
+            QMessageBox.StandardButton.Save | QMessageBox.StandardButton.Cancel,
+            QMessageBox.StandardButton.Cancel)
+        return answer == QMessageBox.StandardButton.Save
 
     def edited(self) -> dict[str, object]:
         """The widgets' values, by the name of the setting each one edits."""
