@@ -84,7 +84,7 @@ class AttachmentChip(QFrame):
 
     def __init__(self, job_id: int, name: str, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.job_id = job_id
+        self.job_id, self.name = job_id, name
         self.setObjectName("chip")
         layout = QHBoxLayout(self)
         layout.setContentsMargins(10, 3, 4, 3)
@@ -97,6 +97,10 @@ class AttachmentChip(QFrame):
         close.setToolTip("Remove this attachment")
         close.clicked.connect(lambda: self.removeRequested.emit(self.job_id))
         layout.addWidget(close)
+
+    def set_waiting(self) -> None:
+        """The file was read and is too long: it waits for the user's choice."""
+        self.label.setText(f"{visible_text(self.name)} · too long: choose below")
 
     def set_record(self, record: AttachmentRecord) -> None:
         """Show the parsed file's size and token count."""
@@ -188,6 +192,9 @@ class Composer(QWidget):
         if self._offer_job is not None:
             self.partDeclined.emit(self._offer_job)  # one offer at a time: the older goes
         self._offer_job = job_id
+        chip = self.chips.get(job_id)
+        if chip is not None:  # read already: it waits for the choice below, not reading
+            chip.set_waiting()
         self.show_notice("")  # what was said of an earlier file is not about this one
         self.offer_label.setText(message)
         self.offer_accept.setText(f"Attach the first {tokens:,} tokens")

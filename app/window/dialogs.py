@@ -156,7 +156,11 @@ class SettingsDialog(QDialog):
     def _page(self, title: str) -> QFormLayout:
         page = QWidget()
         self.tabs.addTab(page, title)
-        return QFormLayout(page)
+        form = QFormLayout(page)
+        # Numbers and menus keep their own width, as in a Mac's settings; only text
+        # boxes (a prompt, folders) take the row.
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+        return form
 
     def _chats_page(self, settings: Settings) -> None:
         form = self._page("Chats")

@@ -163,6 +163,8 @@ def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
     composer = window.composer
     drop_files(window, [doc])
     qtbot.waitUntil(composer.offer_box.isVisible, timeout=60_000)
+    (chip,) = composer.chips.values()  # read, and waiting for the choice: not "reading…"
+    assert chip.label.text() == "big.txt · too long: choose below"
     part_tokens = int(composer.offer_accept.text().split()[3].replace(",", ""))
     assert 0.8 * room < part_tokens <= room
     said = (f"“big.txt” is {human_bytes(doc.stat().st_size)}, about {tokens:,} tokens — more "

@@ -352,3 +352,15 @@ def test_network_access_without_a_key_is_refused_with_a_reason(qtbot) -> None:
     assert again.server_enabled and again.server_allow_network
     assert again.server_api_key == key
     assert not again.server_share_chats
+
+
+def test_numbers_keep_their_own_width_and_text_boxes_take_the_row(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.tabs.setCurrentIndex(2)  # Memory & storage
+    dialog.resize(900, 600)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    for box in (dialog.budget, dialog.disk_budget):
+        assert box.width() <= box.sizeHint().width() + 1
+    assert dialog.folders.width() > dialog.budget.width()
