@@ -160,7 +160,7 @@ class MainWindow(QMainWindow):
         c.notice.connect(lambda text: self.banner.show_message(text, "info"))
         c.busyChanged.connect(self._on_busy)
         c.activityChanged.connect(self._show_activity)
-        c.ingestProgress.connect(lambda _event: self._show_activity())
+        c.ingestProgress.connect(self._on_progress)
         c.editRequested.connect(self._on_edit_requested)
         c.local_server.statusChanged.connect(self._show_server_status)
         c.busyChanged.connect(lambda _busy: self._show_server_status())
@@ -393,6 +393,10 @@ class MainWindow(QMainWindow):
         if eta is not None:
             figures.append(f"about {human_duration(eta)} left")
         return f"{what}: " + ", ".join(unbroken(part) for part in figures)
+
+    def _on_progress(self, _event) -> None:
+        self._show_activity()
+        self._refresh_sessions()  # a reading chat's row says how far it is
 
     def _show_server_status(self, status=None) -> None:
         status = status or self.controller.local_server.status

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import QApplication, QFileDialog, QStyle, QWidget
 
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
+from app.sessions.session_list import RecordRole, StateRole, detail_text
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
@@ -325,6 +326,9 @@ def test_a_read_shows_it_is_working_before_its_first_part_ends(scripted) -> None
     bridge._dispatch(IngestProgress(rid, 512, 7756, 30.0, 240.0, 512, 0, 17.0))
     assert composer.progress.maximum() == 7757
     assert composer.progress_label.text().startswith("512\u00a0/\u00a07,757\u00a0tokens")
+    rows = window.sessions.list
+    assert detail_text(rows.item(0).data(RecordRole), rows.item(0).data(StateRole)) == (
+        "Reading… 6%")
     bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
     scripted.c.model.flush()
     assert not composer.progress_box.isVisible()
