@@ -57,9 +57,9 @@ class ModelState(QObject):
             self._previous = (self.path, self.info)
         self.ready = False
         self.path = path
-        self.stateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
         self._request = self.bridge.load_model(path, self._handle)
-        self._paths[self._request] = path
+        self._paths[self._request] = path  # loading, for whoever hears the state below
+        self.stateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
 
     def drop(self, description: str) -> None:
         """The engine no longer has the model (its machines are gone): not ready until

@@ -193,9 +193,12 @@ class MemoryPanel(QScrollArea):
         self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
         self.table.setFixedHeight(26 + 24 * len(MODES) + 4)
         layout.addWidget(self.table)
-        self.fits_label = value_label()
+        # Empty (and out of the way) until a model's projection fills them: no bare "—".
+        self.fits_label = value_label("")
+        self.fits_label.hide()
         layout.addWidget(self.fits_label)
-        self.projection_note = value_label()
+        self.projection_note = value_label("")
+        self.projection_note.hide()
         layout.addWidget(self.projection_note)
         self.quality_label = value_label()
         self.quality_label.setObjectName("qualityReceipt")
@@ -444,12 +447,14 @@ class MemoryPanel(QScrollArea):
         self.projection_note.setText(
             f"Chat: its {now_report.token_count:,} tokens · full: the model's whole "
             f"context, {full_report.max_context:,} tokens.")
+        self.projection_note.show()
         own = self.mode or ""
         entry = now_report.for_mode(own) if own in MODES else None
         self.fits_label.setText(
             fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
                           machines, now_report.tight_machine(own))
             if entry is not None and entry.supported else "")
+        self.fits_label.setVisible(bool(self.fits_label.text()))
 
 
 def _fit_tokens(report, mode: str) -> int:

@@ -204,3 +204,12 @@ def test_check_quality_while_the_model_loads_says_it_loads(app) -> None:
     c.new_session("q8")
     c.load_model("other")
     assert c.quality_unavailable() == "The model is loading: check once it is ready."
+
+
+def test_whoever_hears_a_load_start_sees_the_model_loading(app) -> None:
+    c = app.c
+    c.new_session("q8")
+    heard: list[str] = []
+    c.modelStateChanged.connect(lambda _text, _ready: heard.append(c.quality_unavailable()))
+    c.load_model("other")
+    assert heard == ["The model is loading: check once it is ready."]

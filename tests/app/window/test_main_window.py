@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import QPoint, QSize, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QPalette
-from PySide6.QtWidgets import QApplication, QFileDialog, QStyle, QWidget
+from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QStyle, QWidget
 
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
@@ -365,3 +365,11 @@ def test_a_message_waiting_in_line_says_how_far_the_chat_ahead_is(scripted) -> N
     bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
     assert composer.waiting_label.text().endswith("It is answering.")
     assert ahead.id != c.current.id
+
+
+def test_before_a_model_is_loaded_the_panel_shows_no_bare_dashes(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    panel = bare_window.panel
+    shown = [label.text() for label in panel.findChildren(QLabel) if label.isVisible()]
+    assert "—" not in shown, shown
