@@ -121,9 +121,13 @@ class Activity(QObject):
         """Stop ``job``: out of the line if it waits, else its request is cancelled."""
         if self.drop(job):
             return
+        if job.stopping:
+            return
         job.stopping = True
         if job.request is not None:
             cancel(job.request)
+        # Said at once: the engine sees the cancel only between two parts of a read.
+        self.changed.emit()
 
     def note(self, job: Job, progress: IngestProgress | None = None,
              answering: bool = False) -> None:

@@ -321,9 +321,11 @@ class ChatController(QObject):
 
     # Sessions -------------------------------------------------------------
 
-    def new_session(self, mode: str | None = None) -> SessionRecord | None:
-        """Start an empty chat in ``mode`` (default from settings)."""
-        return self.sessions.new_session(mode, self.model_id)
+    def new_session(self, mode: str | None = None,
+                    keep_blank: bool = False) -> SessionRecord | None:
+        """Start an empty chat in ``mode`` (default from settings); with ``keep_blank``
+        an empty chat on screen is kept instead (``SessionActions.new_session``)."""
+        return self.sessions.new_session(mode, self.model_id, keep_blank)
 
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""
@@ -378,7 +380,8 @@ class ChatController(QObject):
     def quality_unavailable(self) -> str:
         """Why "Check quality" cannot run for the shown chat now; "" when it can."""
         has_text = bool(self.model.engine_messages(""))
-        return self.quality.unavailable(self.current, self.model_ready, has_text)
+        loading = self.model_state.loading and not self.model_ready
+        return self.quality.unavailable(self.current, self.model_ready, has_text, loading)
 
     def check_quality(self) -> bool:
         """Measure the shown chat's KV mode against fp16 on its last tokens (Stop cancels)."""

@@ -1,4 +1,9 @@
-"""Human units for bytes, durations and times, shared by the widgets."""
+"""Human units for bytes, durations and times, shared by the widgets.
+
+Every size the user sees, in memory or on disk, is said by one formatter,
+``human_bytes`` (the engine's, so its messages agree): a chat's cache is the
+same number in the memory panel and in Stored KV.
+"""
 
 from __future__ import annotations
 
@@ -24,14 +29,10 @@ def human_duration(seconds: float | None) -> str:
     return f"{hours}h {minutes:02d}m"
 
 
-def disk_size(n: int) -> str:
-    """Bytes on disk in decimal units, as the Settings budget and Finder state them."""
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"
+def unbroken(text: str) -> str:
+    """``text`` that a wrapping label keeps on one line (a number with its unit): a
+    line of figures wraps between them, never inside one ("3,393 / tokens")."""
+    return text.replace(" ", "\u00a0")
 
 
 def relative_time(timestamp: float, now: float | None = None) -> str:

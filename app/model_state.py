@@ -46,15 +46,20 @@ class ModelState(QObject):
         self._paths: dict[int, str] = {}  # every load in flight -> its folder
         self._defaults: tuple[str, dict[str, float | int]] = ("", {})
 
+    @property
+    def loading(self) -> bool:
+        """True while a model load is in flight."""
+        return bool(self._paths)
+
     def load(self, path: str) -> None:
         """Ask the engine to load a model folder or "demo"."""
         if self.ready:
             self._previous = (self.path, self.info)
         self.ready = False
         self.path = path
-        self.stateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
         self._request = self.bridge.load_model(path, self._handle)
-        self._paths[self._request] = path
+        self._paths[self._request] = path  # loading, for whoever hears the state below
+        self.stateChanged.emit(f"Loading {model_name(None, path) or path}…", False)
 
     def drop(self, description: str) -> None:
         """The engine no longer has the model (its machines are gone): not ready until

@@ -352,6 +352,10 @@ class HistoryStore:
         """Give a session a new title."""
         self._write("UPDATE sessions SET title = ? WHERE id = ?", (title.strip(), session_id))
 
+    def set_mode(self, session_id: str, kv_mode: str) -> None:
+        """Give a chat with nothing in it yet another KV mode."""
+        self._write("UPDATE sessions SET kv_mode = ? WHERE id = ?", (kv_mode, session_id))
+
     def delete_session(self, session_id: str) -> None:
         """Delete a session with its messages and attachments."""
         self._write("DELETE FROM sessions WHERE id = ?", (session_id,))
@@ -454,6 +458,7 @@ class HistoryStore:
         self._write("INSERT OR REPLACE INTO quality_receipts VALUES (?, ?, ?, ?)",
                     (session_id, receipt.mode, json.dumps(dataclasses.asdict(receipt)),
                      time.time()))
+        self._write("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
 
     def receipts(self, session_id: str) -> dict[str, QualityReceipt]:
         """A chat's quality receipts by mode (none for a history older than receipts)."""
@@ -526,6 +531,11 @@ class HistoryStore:
             sets.append("stats = ?")
             args.append(json.dumps(stats))
         self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
+        if status is not None and status != "streaming":
+            # An answer that ended is the chat's latest activity, as a question is.
+            self._write("UPDATE sessions SET updated = ? WHERE id = "
+                        "(SELECT session_id FROM messages WHERE id = ?)",
+                        (time.time(), message_id))
 
     def messages(self, session_id: str) -> list[MessageRecord]:
         """A session's messages in order, with their attachments."""

@@ -3,7 +3,7 @@
 Not a test: it drives the real window through a short walkthrough and saves one PNG
 per state. Run it under a display (Xvfb on Linux) with a private HOME, e.g.::
 
-    Xvfb :99 & DISPLAY=:99 HOME=$(mktemp -d) python scripts/screenshots.py shots/
+    Xvfb :99 & DISPLAY=:99 HOME=$(mktemp -d) PYTHONPATH=. python scripts/screenshots.py shots/
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import QEventLoop
-from PySide6.QtWidgets import QApplication, QWidget
+from PySide6.QtWidgets import QWidget
 
+from app.__main__ import create_app
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
@@ -31,7 +32,7 @@ DOCUMENT = "\n\n".join(
 
 
 def main(out: Path) -> None:
-    app = QApplication(sys.argv)
+    app = create_app(sys.argv)  # the stylesheet and style the app itself runs with
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings()
     settings.sampling = SamplingParams(temperature=0.0, max_tokens=40, seed=0)
@@ -64,8 +65,12 @@ def main(out: Path) -> None:
     shot("1-new-chat.png")
 
     window.composer.set_text(f"{DOCUMENT}\n\nWhen did stand 12 recover?")
+    window.fit.run()
+    shot("1b-fit-line.png")  # what the message holds, before it is sent
     window.send()
     first = controller.current.id
+    wait_until(lambda: state_of(first) == "reading")
+    shot("2a-first-part.png")  # no part read yet: a busy bar
     wait_until(lambda: state_of(first) == "reading"
                and controller.activity.job_of(first).progress is not None)
     shot("2-reading.png")
@@ -92,6 +97,19 @@ def main(out: Path) -> None:
     window.panel_feed.refresh()
     shot("7-quality-receipt.png")
 
+    # A long read cancelled: "Stopping after this part…" at once, then what was kept.
+    controller.new_session("q8")
+    window.composer.set_text(f"{DOCUMENT}\n\n{DOCUMENT}\n\nSummarise the survey.")
+    window.send()
+    third = controller.current.id
+    wait_until(lambda: state_of(third) == "reading"
+               and controller.activity.job_of(third).progress is not None)
+    window.composer.progress_cancel.click()
+    shot("10-stopping.png")
+    wait_until(lambda: state_of(third) is None)
+    window.panel_feed.refresh()
+    shot("11-stopped-read.png")
+
     window.open_models()
     wait_until(lambda: window.models_dialog is not None, 10)
     shot("8-models-dialog.png", window.models_dialog)
@@ -100,6 +118,8 @@ def main(out: Path) -> None:
     window.resize(window.minimumSize())
     shot("9-minimum-size.png")
     window.resize(1380, 860)
+    controller.select_session(first)  # the README's: answered, stored and checked
+    window.panel_feed.refresh()
     shot("screenshot.png")
     window.close()
     window.finish_closing(10)

@@ -75,10 +75,11 @@ class Answers(QObject):
     def start_continue(self, session: SessionRecord, message_id: int) -> Job:
         """Let the answer ``message_id``, the conversation's last row, go on in place."""
         messages = self.model.engine_messages(self.settings.system_prompt)
-        text = self.model.message(self.model.rowCount() - 1).content
+        answer = self.model.message(self.model.rowCount() - 1)
         return self.activity.add(session.id, "chat", session.title,
                                  lambda job: self._run(job, session, messages, 0,
-                                                       (message_id, text)),
+                                                       (message_id, answer.content,
+                                                        answer.stats)),
                                  self._dropped)
 
     def start_ingest(self, session: SessionRecord) -> Job:
@@ -89,11 +90,12 @@ class Answers(QObject):
                                  self._dropped)
 
     def _run(self, job: Job, session: SessionRecord, messages: list[dict[str, str]],
-             sent_id: int, continued: tuple[int, str] | None = None) -> None:
+             sent_id: int, continued: tuple[int, str, dict | None] | None = None) -> None:
         # Its turn has come: the answer's row is made now, in its own chat (or, for
         # Continue, the answer it extends records again).
         if continued is not None:
-            self.recorder.resume(session.id, *continued, self._shown(session.id))
+            message_id, text, stats = continued
+            self.recorder.resume(session.id, message_id, text, self._shown(session.id), stats)
         elif job.kind == "chat":
             try:
                 self.recorder.start(session.id, self._shown(session.id))
@@ -142,8 +144,8 @@ class Answers(QObject):
             self._failed(job, sent_id, event, failed)
 
     def finish_answer(self, status: str, reason: str | None, stats: dict | None = None) -> None:
-        """Save how the answer ended and say so."""
-        self.recorder.finish(status, reason, stats)
+        """Save how the answer ended and say so; a continued answer's stats count all of it."""
+        self.recorder.finish(status, reason, merged_stats(self.recorder.earlier_stats, stats))
         self.sessions.sessionsChanged.emit()
         self.answerFinished.emit(status)
 
@@ -154,7 +156,10 @@ class Answers(QObject):
             self.activity.end(job)
 
     def _record_finished(self, job: Job, event: Finished) -> None:
-        kept = _kept(event, job.progress)
+        # Once the answer streams, a stop cuts the answer, not the read: its last
+        # read progress says nothing of the stop.
+        kept = _kept(event, None if job.answering else job.progress,
+                     counted_last=job.kind == "chat")
         if job.kind == "chat":
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
             reason = {"cancelled": "Stopped", "length": LENGTH_LIMIT,
@@ -166,7 +171,9 @@ class Answers(QObject):
             self.finish_answer(status, reason, _stats_dict(event.stats))
         else:
             self._report_ingest(job.session_id, event, kept)
-        self.sessions.record_tokens(job.session_id, self.bridge.latest_stats())
+        whole = kept[1] if kept is not None and event.kept_tokens is not None else None
+        self.caches.read_ended(job.session_id, whole)
+        self.sessions.record_tokens(job.session_id, self.bridge.latest_stats(), whole)
 
     def _report_ingest(self, session_id: str, event: Finished,
                        kept: tuple[int, int] | None) -> None:
@@ -227,16 +234,39 @@ class Answers(QObject):
             self.model.update_row(row, status="failed", reason=TOO_LONG_TURN)
 
 
-def _kept(event: Finished, read: IngestProgress | None) -> tuple[int, int] | None:
-    """(kept, total) tokens when reading the conversation in stopped short, else None."""
+def _kept(event: Finished, read: IngestProgress | None,
+          counted_last: bool = False) -> tuple[int, int] | None:
+    """(kept, total) tokens when reading the conversation in stopped short, else None.
+
+    ``counted_last``: ``read``'s total counts the prompt's last token, which only
+    the answer's first step reads (a chat's progress): a read that reached the
+    token before it was whole.
+    """
     if event.kept_tokens is not None and event.total_tokens is not None:
         kept, total = event.kept_tokens, event.total_tokens
     elif event.reason == "cancelled" and read is not None:
         # An engine that does not say: its last progress.
-        kept, total = read.tokens_done, read.tokens_total
+        kept, total = read.tokens_done, read.tokens_total - (1 if counted_last else 0)
     else:
         return None
     return (kept, total) if kept < total else None
+
+
+def merged_stats(earlier: dict | None, later: dict | None) -> dict | None:
+    """The stats of an answer made in pieces (Continue): its tokens and steps added up,
+    its rate over all of them, its first word the first piece's."""
+    if not earlier or not later:
+        return later or earlier
+    merged = dict(later)
+    for key in ("generated_tokens", "prefill_tokens", "draft_tokens", "accepted_tokens",
+                "decode_steps"):
+        merged[key] = (earlier.get(key) or 0) + (later.get(key) or 0)
+    merged["ttft"] = earlier.get("ttft") if earlier.get("ttft") is not None else later.get("ttft")
+    merged["reused_tokens"] = earlier.get("reused_tokens", 0)
+    seconds = sum(part["generated_tokens"] / part["decode_tps"] for part in (earlier, later)
+                  if part.get("decode_tps") and part.get("generated_tokens"))
+    merged["decode_tps"] = merged["generated_tokens"] / seconds if seconds else 0.0
+    return merged
 
 
 def _stats_dict(stats) -> dict | None:

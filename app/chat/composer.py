@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QMimeData, QSize, Qt, Signal
+import time
+
+from PySide6.QtCore import QMimeData, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QFrame,
@@ -16,11 +18,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes, human_duration, visible_text
+from app.format import human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sentence
 from app.store import AttachmentRecord
 
 READING = JOB_WORDS[ChatState.READING]
+# Said the moment Stop or Cancel is pressed: the engine stops between two parts
+# of a read (or two words of an answer), and a part may take a while to end.
+STOPPING_READ = "Stopping after this part…"
+STOPPING = "Stopping…"
+FIRST_PART = "Reading the first part…"
 
 
 def _local_files(mime: QMimeData) -> list[str]:
@@ -77,7 +84,7 @@ class AttachmentChip(QFrame):
 
     def __init__(self, job_id: int, name: str, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.job_id = job_id
+        self.job_id, self.name = job_id, name
         self.setObjectName("chip")
         layout = QHBoxLayout(self)
         layout.setContentsMargins(10, 3, 4, 3)
@@ -90,6 +97,10 @@ class AttachmentChip(QFrame):
         close.setToolTip("Remove this attachment")
         close.clicked.connect(lambda: self.removeRequested.emit(self.job_id))
         layout.addWidget(close)
+
+    def set_waiting(self) -> None:
+        """The file was read and is too long: it waits for the user's choice."""
+        self.label.setText(f"{visible_text(self.name)} · too long: choose below")
 
     def set_record(self, record: AttachmentRecord) -> None:
         """Show the parsed file's size and token count."""
@@ -155,6 +166,8 @@ class Composer(QWidget):
         outer.addWidget(box)
         self.chips: dict[int, AttachmentChip] = {}
         self.generating = False
+        self.stopping = False
+        self.send_blocked = ""  # why the message can't be sent as it is, or ""
 
     def _offer_row(self) -> QWidget:
         self.offer_box = QFrame()
@@ -179,10 +192,18 @@ class Composer(QWidget):
         if self._offer_job is not None:
             self.partDeclined.emit(self._offer_job)  # one offer at a time: the older goes
         self._offer_job = job_id
+        chip = self.chips.get(job_id)
+        if chip is not None:  # read already: it waits for the choice below, not reading
+            chip.set_waiting()
         self.show_notice("")  # what was said of an earlier file is not about this one
         self.offer_label.setText(message)
         self.offer_accept.setText(f"Attach the first {tokens:,} tokens")
         self.offer_box.show()
+
+    def withdraw_offer(self) -> None:
+        """Decline the offer shown, if any (its chat is no longer on screen)."""
+        if self._offer_job is not None:
+            self._answer_offer(self.partDeclined)
 
     def _answer_offer(self, signal) -> None:
         job_id, self._offer_job = self._offer_job, None
@@ -197,23 +218,37 @@ class Composer(QWidget):
         self.partDeclined.connect(lambda job: loader.decline_part(job, ""))
 
     def _progress_row(self) -> QWidget:
+        # The title, the bar under it and the figures under that, Cancel beside
+        # them: the figures get the column's whole width, and wrap between facts.
         self.progress_box = QFrame()
         self.progress_box.setObjectName("ingestBox")
         row = QHBoxLayout(self.progress_box)
-        row.setContentsMargins(10, 4, 4, 4)
+        row.setContentsMargins(10, 6, 6, 6)
+        column = QVBoxLayout()
+        column.setSpacing(4)
         self.progress_title = QLabel(READING)
         self.progress = QProgressBar()
         self.progress.setTextVisible(False)
         self.progress.setFixedHeight(8)
         self.progress_label = QLabel()
         self.progress_label.setObjectName("ingestLabel")
-        cancel = QPushButton("Cancel")
-        cancel.clicked.connect(self.stopRequested.emit)
-        row.addWidget(self.progress_title)
-        row.addWidget(self.progress, 1)
-        row.addWidget(self.progress_label)
-        row.addWidget(cancel)
+        self.progress_label.setWordWrap(True)
+        column.addWidget(self.progress_title)
+        column.addWidget(self.progress)
+        column.addWidget(self.progress_label)
+        self.progress_cancel = QPushButton("Cancel")
+        self.progress_cancel.clicked.connect(self.stopRequested.emit)
+        row.addLayout(column, 1)
+        row.addWidget(self.progress_cancel, 0, Qt.AlignmentFlag.AlignVCenter)
         self.progress_box.hide()
+        # The time left counts down between the engine's reports (each part of a
+        # read takes a while): the last estimate less the time since it came.
+        self._eta_at: float | None = None
+        self._figures = ""
+        self._stopping = False
+        self.clock = time.monotonic
+        self._countdown = QTimer(self, interval=1000)
+        self._countdown.timeout.connect(self._show_figures)
         return self.progress_box
 
     def _waiting_row(self) -> QWidget:
@@ -224,6 +259,7 @@ class Composer(QWidget):
         self.waiting_label = QLabel()
         self.waiting_label.setObjectName("ingestLabel")
         self.waiting_label.setTextFormat(Qt.TextFormat.PlainText)  # a title is the user's text
+        self.waiting_label.setWordWrap(True)
         cancel = QPushButton("Cancel")
         cancel.setToolTip("Take this message out of the line; it stays in the chat")
         cancel.clicked.connect(self.stopRequested.emit)
@@ -232,12 +268,14 @@ class Composer(QWidget):
         self.waiting_box.hide()
         return self.waiting_box
 
-    def show_waiting(self, title: str | None) -> None:
-        """Say this chat's message waits for chat ``title`` to finish (None: it doesn't)."""
+    def show_waiting(self, title: str | None, ahead: str = "") -> None:
+        """Say this chat's message waits for chat ``title`` to finish (None: it doesn't);
+        ``ahead`` says how far that chat is ("reading: 512 / 3,552 tokens, …")."""
         if title is None:
             self.waiting_box.hide()
             return
-        self.waiting_label.setText(state_sentence(ChatFacts(job="waiting", waiting_for=title)))
+        sentence = state_sentence(ChatFacts(job="waiting", waiting_for=title))
+        self.waiting_label.setText(f"{sentence} It is {ahead}." if ahead else sentence)
         self.waiting_box.show()
 
     def _send_or_stop(self) -> None:
@@ -252,33 +290,80 @@ class Composer(QWidget):
         self.edit.setPlainText(text)
         self.edit.setFocus()
 
-    def set_generating(self, generating: bool) -> None:
-        """Turn Send into Stop while an answer streams."""
-        self.generating = generating
-        self.send_button.setText("Stop" if generating else "Send")
+    def set_generating(self, generating: bool, stopping: bool = False) -> None:
+        """Turn Send into Stop while an answer streams, and into a pressed "Stopping…"
+        from the Stop until the engine says the job ended."""
+        self.generating, self.stopping = generating, stopping
+        self.send_button.setText((STOPPING if stopping else "Stop") if generating else "Send")
+        self._enable_send()
         self.send_button.setProperty("stop", generating)
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
+        self.progress_cancel.setEnabled(not stopping)
         if not generating:
             self.progress_box.hide()
+            self._countdown.stop()
+
+    def block_send(self, reason: str) -> None:
+        """Turn Send off while the message can't be sent as it is (``reason``; "": on)."""
+        self.send_blocked = reason
+        self._enable_send()
+
+    def _enable_send(self) -> None:
+        blocked = bool(self.send_blocked) and not self.generating
+        self.send_button.setEnabled(not (self.generating and self.stopping) and not blocked)
+        self.send_button.setToolTip(self.send_blocked if blocked else "")
 
     def show_progress(self, done: int, total: int, tps: float | None, eta: float | None,
-                      title: str = READING) -> None:
-        """Reading progress: tokens done / total, with tok/s and time left when ``tps`` is given.
+                      title: str = READING, stopping: bool = False) -> None:
+        """Reading progress: tokens done / total, with the rate and time left when
+        ``tps`` is given.
 
         A quality check passes None: its first chunk is mostly set-up, so a rate
-        from it would promise minutes that are not there.
+        from it would promise minutes that are not there. ``stopping``: Cancel
+        was pressed and the engine ends the part it reads first.
         """
         self.progress_title.setText(title)
         self.progress_box.show()
         self.progress.setMaximum(max(1, total))
         self.progress.setValue(min(done, total))
-        counts = f"{done:,} / {total:,} tokens"
-        self.progress_label.setText(
-            counts if tps is None else
-            f"{counts} · {tps:,.0f} tok/s · ETA {human_duration(eta)}")
+        self._figures = " · ".join(unbroken(part) for part in (
+            [f"{done:,} / {total:,} tokens"]
+            + ([] if tps is None else [f"{tps:,.0f} tokens/s"])))
+        self._eta_at = None if tps is None or eta is None else self.clock() + eta
+        self._stopping = stopping
+        self._show_figures()
+        self.progress_cancel.setEnabled(not stopping)
         if done >= total:
             self.progress_box.hide()
+
+    def show_starting(self, title: str = READING, stopping: bool = False) -> None:
+        """A read under way whose first part has not ended yet: no count to show yet.
+
+        The first part of a first read takes longest (the model's first run
+        prepares its kernels): a moving bar says it is working.
+        """
+        self.progress_title.setText(title)
+        self.progress.setMaximum(0)  # a busy bar: no part has ended yet
+        self._figures, self._eta_at, self._stopping = FIRST_PART, None, stopping
+        self._show_figures()
+        self.progress_cancel.setEnabled(not stopping)
+        self.progress_box.show()
+
+    def _show_figures(self) -> None:
+        if self._stopping:
+            self.progress_label.setText(STOPPING_READ)
+            self._countdown.stop()
+            return
+        text = self._figures
+        if self._eta_at is not None:
+            left = self._eta_at - self.clock()
+            text += " · " + unbroken(f"about {human_duration(left)} left" if left >= 1
+                                      else "almost done")
+            self._countdown.start()
+        else:
+            self._countdown.stop()
+        self.progress_label.setText(text)
 
     def add_chip(self, job_id: int, name: str) -> AttachmentChip:
         """Show a chip for a file being read."""

@@ -28,8 +28,8 @@ from app.chat.model import (
     StatusRole,
 )
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
-from app.format import human_bytes, visible_text
-from app.sessions.chat_state import reuse_sentence
+from app.format import human_bytes, human_duration, unbroken, visible_text
+from app.sessions.chat_state import JOB_WORDS, ChatState, reuse_sentence
 
 STATUS_TEXT = {
     "streaming": "Answering…",
@@ -37,6 +37,7 @@ STATUS_TEXT = {
     "failed": "Failed",
     "interrupted": "Interrupted — the partial answer was kept",
 }
+READING_LABEL = f"{JOB_WORDS[ChatState.READING]}…"  # an answer whose chat is read first
 # Reasons short and common enough to be the row's label instead of its status word.
 REASON_LABELS = {CLOSED_WHILE_ANSWERING: "Closed while answering",
                  LENGTH_LIMIT: "Length limit"}
@@ -68,25 +69,38 @@ def collapsed(text: str) -> str | None:
     return start.rstrip() + " …"
 
 
+SPECULATIVE_TIP = ("Speculative decoding: the next words are looked up in the chat's own "
+                   "text and the model checks them together, so each of its steps can add "
+                   "more than one token.")
+
+
 def stats_text(stats: dict | None) -> str:
-    """An answer's stats line, "128 tokens · first word in 0.21 s · 34.2 tok/s".
+    """An answer's stats line, "128 tokens · first word in 0.2 s · 34.2 tokens/s".
 
     It begins "Reused 3,930 stored tokens, read 120 new" when the chat's KV
-    snapshot on disk was used; a speculative answer adds "2.4 tokens/step":
-    generated tokens per forward pass.
+    snapshot on disk was used; a speculative answer adds "2.4 tokens a step"
+    (``SPECULATIVE_TIP`` says what that is). An answer with no token (a read
+    stopped before it) has no line. Each part keeps to one line: a narrow
+    column wraps between parts, never inside one.
     """
-    if not stats:
+    if not stats or not stats.get("generated_tokens"):
         return ""
-    reused = reuse_sentence(stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0))
-    parts = [reused] if reused else []
-    parts.append(f"{stats.get('generated_tokens', 0):,} tokens")
+    parts = [f"{stats['generated_tokens']:,} tokens"]
     if stats.get("ttft") is not None:
-        parts.append(f"first word in {stats['ttft']:.2f} s")
+        parts.append(f"first word in {_seconds(stats['ttft'])}")
     if stats.get("decode_tps"):
-        parts.append(f"{stats['decode_tps']:.1f} tok/s")
+        parts.append(f"{stats['decode_tps']:.1f} tokens/s")
     if stats.get("draft_tokens") and stats.get("decode_steps"):
-        parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens/step")
-    return " · ".join(parts)
+        parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens a step")
+    parts = [unbroken(part) for part in parts]
+    reused = reuse_sentence(stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0))
+    return " · ".join([reused, *parts] if reused else parts)
+
+
+
+def _seconds(seconds: float) -> str:
+    """0.213 -> "0.2 s"; 547.2 -> "9m 07s": a wait as a person would say it."""
+    return f"{seconds:.1f} s" if seconds < 60 else human_duration(seconds)
 
 
 class MessageWidget(QFrame):
@@ -155,8 +169,9 @@ class MessageWidget(QFrame):
         return button
 
     def show_message(self, content: str, status: str, reason: str | None, stats: dict | None,
-                     attachments: tuple) -> None:
-        """Render a row of the model."""
+                     attachments: tuple, reading: bool = False) -> None:
+        """Render a row of the model; ``reading``: a streaming answer whose chat is
+        still being read (no word yet)."""
         shown = content or ("…" if status == "streaming" else "")
         if self.role == "user":
             self.text = shown
@@ -165,11 +180,14 @@ class MessageWidget(QFrame):
             self.body.set_markdown(shown)
         self.body.setVisible(bool(content) or status == "streaming")
         if attachments:
+            # A line may wrap in a name or between facts, never inside a number's.
             self.files.setText("  ".join(
-                f"{visible_text(a.name)} · {human_bytes(a.size)} · {a.tokens:,} tokens"
-                for a in attachments))
+                f"{visible_text(a.name)} · {unbroken(human_bytes(a.size))} · "
+                f"{unbroken(f'{a.tokens:,} tokens')}" for a in attachments))
         self.files.setVisible(bool(attachments))
         label = REASON_LABELS.get(reason or "", STATUS_TEXT.get(status, ""))
+        if status == "streaming" and reading and not content:
+            label = READING_LABEL
         if reason and reason.startswith(STOPPED_READING):
             label = reason.split(";")[0]  # "Stopped while reading: 1,408 of 4,898 tokens kept"
         if reason and status == "complete":
@@ -184,7 +202,9 @@ class MessageWidget(QFrame):
             self.status.setProperty("state", status)
             self.status.style().unpolish(self.status)
             self.status.style().polish(self.status)
-        self.stats.setText(stats_text(stats) if self.role == "assistant" else "")
+        line = stats_text(stats) if self.role == "assistant" else ""
+        self.stats.setText(line)
+        self.stats.setToolTip(SPECULATIVE_TIP if "tokens\u00a0a\u00a0step" in line else "")
 
     def _show_user_text(self) -> None:
         start = collapsed(self.text)
@@ -229,6 +249,7 @@ class ConversationView(QScrollArea):
         super().__init__(parent)
         self.model = model
         self.busy = False
+        self.reading = False
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -256,9 +277,13 @@ class ConversationView(QScrollArea):
         model.dataChanged.connect(self._on_changed)
         self._rebuild()
 
-    def set_busy(self, busy: bool) -> None:
-        """Hide regenerate/edit while an answer streams."""
-        self.busy = busy
+    def set_busy(self, busy: bool, reading: bool = False) -> None:
+        """Hide regenerate/edit while an answer streams; ``reading``: its chat is still
+        being read, so its row says so rather than "Answering…"."""
+        changed = reading != self.reading
+        self.busy, self.reading = busy, reading
+        if changed and self.widgets:
+            self._render(len(self.widgets) - 1)
         self._refresh_actions()
 
     def _make(self, row: int) -> MessageWidget:
@@ -275,7 +300,8 @@ class ConversationView(QScrollArea):
         self.widgets[row].show_message(
             self.model.data(index) or "", self.model.data(index, StatusRole),
             self.model.data(index, ReasonRole), self.model.data(index, StatsRole),
-            self.model.data(index, AttachmentsRole) or ())
+            self.model.data(index, AttachmentsRole) or (),
+            reading=self.reading and row == len(self.widgets) - 1)
 
     def _drop(self, widgets: list[MessageWidget]) -> None:
         # Out of the layout and hidden now: deleteLater waits for the event loop
@@ -323,7 +349,7 @@ class ConversationView(QScrollArea):
             streaming = self.model.data(index, StatusRole) == "streaming"
             last_answer = not self.busy and row == last and widget.role == "assistant"
             widget.set_actions(
-                copy=not streaming,
+                copy=not streaming and bool(self.model.data(index)),
                 regenerate=last_answer,
                 edit=not self.busy and row == last_user,
                 go_on=last_answer and self.model.data(index, ReasonRole) == LENGTH_LIMIT,

@@ -58,6 +58,7 @@ class AnswerRecorder(QObject):
         self.shown = False
         self.pending: dict[int, dict] = {}  # message id -> the fields not written yet
         self.unsaved_reason = ""  # why ``pending`` is not written ("" while none waits)
+        self.earlier_stats: dict | None = None  # what a continued answer's pieces made
         self._saved_at = 0.0
         self._dirty = False
         self._timer = QTimer(self, interval=int(SAVE_INTERVAL_S * 1000))
@@ -78,16 +79,22 @@ class AnswerRecorder(QObject):
         """
         self.message_id = self.store.add_message(session_id, "assistant", "", "streaming")
         self.session_id, self.text, self.shown = session_id, "", shown
+        self.earlier_stats = None
         if shown:
             self.model.append(ChatMessage("assistant", "", "streaming", self.message_id))
         self._saved_at, self._dirty = time.monotonic(), False
         self._timer.start()
         return self.message_id
 
-    def resume(self, session_id: str, message_id: int, text: str, shown: bool = True) -> None:
-        """Go on recording the saved answer ``message_id`` (Continue): its text grows."""
+    def resume(self, session_id: str, message_id: int, text: str, shown: bool = True,
+               stats: dict | None = None) -> None:
+        """Go on recording the saved answer ``message_id`` (Continue): its text grows.
+
+        ``stats``: what the answer's earlier pieces made, added to this one's.
+        """
         self.message_id, self.session_id, self.text, self.shown = (
             message_id, session_id, text, shown)
+        self.earlier_stats = stats
         self._write(message_id, status="streaming", reason="")
         row = self.model.row_of(message_id) if shown else None
         if row is not None:
@@ -131,6 +138,7 @@ class AnswerRecorder(QObject):
             self.model.update_row(row, content=self.text, status=status, reason=reason,
                                   stats=stats)
         self.message_id, self.session_id, self.shown = 0, None, False
+        self.earlier_stats = None
 
     def flush(self) -> bool:
         """Write what waits in ``pending``; True when nothing waits any more."""

@@ -19,12 +19,13 @@ from engine.runtime.held_sessions import API_SESSION_PREFIX
 NONE_YET = "None yet: the first request opens one."
 
 
-def session_line(name: str, mode: str, tokens: int, sample: StatsSample | None) -> str:
-    """"api-3f2a9c · q8 · 1,234 tokens · 2.1 MB" (bytes once a sample of it arrived)."""
+def session_line(number: int, mode: str, tokens: int, sample: StatsSample | None) -> str:
+    """"Another app's chat 1 · q8 · 1,234 tokens · 2.1 MB" (bytes once a sample of it
+    arrived). The server's own id of it ("api-3f2a9c…") means nothing to a reader."""
     if sample is not None:
         tokens = sample.tokens_in_context
     size = f" · {human_bytes(sample.kv_bytes_used)}" if sample is not None else ""
-    return f"{name} · {mode} · {tokens:,} tokens{size}"
+    return f"Another app's chat {number} · {mode} · {tokens:,} tokens{size}"
 
 
 class ApiSessionsSection(QWidget):
@@ -78,6 +79,6 @@ class ApiSessionsFeed(QObject):
         held = {s.name for s in sessions}
         # A session the server let go of (stored, or its model unloaded) is not shown.
         self._samples = {name: s for name, s in self._samples.items() if name in held}
-        lines = [session_line(s.name, s.mode, s.tokens, self._samples.get(s.name))
-                 for s in sessions]
+        lines = [session_line(number, s.mode, s.tokens, self._samples.get(s.name))
+                 for number, s in enumerate(sessions, 1)]
         self.section.show_sessions(host.running, lines)

@@ -107,6 +107,9 @@ class PagePoolView(QWidget):
         painter.drawRects(free)
 
 
+KEPT_HISTORIES = 16  # chats whose history is kept while another is shown
+
+
 class HistoryChart(QWidget):
     """Two lines over time: KV bytes used and process RSS."""
 
@@ -114,6 +117,9 @@ class HistoryChart(QWidget):
         super().__init__(parent)
         self.kv: deque[int] = deque(maxlen=capacity)
         self.rss: deque[int] = deque(maxlen=capacity)
+        # The chat whose history is shown, and the others' kept for a switch back.
+        self.session_id: str | None = None
+        self._kept: dict[str, tuple[deque[int], deque[int]]] = {}
         self.kv_colour = QColor("#2f7d5b")
         self.rss_colour = QColor("#8a6bd1")
         self.setMinimumHeight(90)
@@ -126,9 +132,23 @@ class HistoryChart(QWidget):
         self.update()
 
     def clear(self) -> None:
-        """Forget the history (a new session)."""
+        """Forget the history shown."""
         self.kv.clear()
         self.rss.clear()
+        self.update()
+
+    def show_session(self, session_id: str | None) -> None:
+        """Show ``session_id``'s own history, kept while other chats were shown."""
+        if session_id == self.session_id:
+            return
+        if self.session_id is not None:
+            self._kept[self.session_id] = (self.kv, self.rss)
+            while len(self._kept) > KEPT_HISTORIES:
+                self._kept.pop(next(iter(self._kept)))
+        self.session_id = session_id
+        capacity = self.kv.maxlen
+        self.kv, self.rss = self._kept.pop(session_id, (deque(maxlen=capacity),
+                                                       deque(maxlen=capacity)))
         self.update()
 
     def _line(self, values: deque[int], top: float, rect: QRectF) -> QPolygonF:

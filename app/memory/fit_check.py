@@ -11,6 +11,7 @@ and which one is the tight one.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QTimer
 
@@ -18,6 +19,7 @@ from app.chat.answers import MEMORY_STOP
 from app.chat.model import ChatMessage, engine_content
 from app.chat.recorder import LENGTH_LIMIT
 from app.format import human_bytes, human_duration
+from app.store import AttachmentRecord
 from engine import EngineError
 from engine.cache.modes import MODES
 from engine.memory.prefill_rate import PrefillRate
@@ -27,6 +29,11 @@ COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
 SHOW_ABOVE_TOKENS = 1024
 FULL_TTL_S = 3.0
 SHOW_WAIT_ABOVE_TOKENS = 2048  # shorter reads take a few seconds at most
+TOO_LONG_TO_SEND = ("This message is longer than the model's context in any mode: remove an "
+                    "attachment or shorten it, or start a new chat.")
+# A file's first and last tokens may tokenize otherwise beside its document
+# block's newlines than alone: its room keeps one token for each.
+BLOCK_SLACK = 2
 
 
 def wait_sentence(new: int, reused: int, rate: PrefillRate | None) -> str:
@@ -91,32 +98,52 @@ class FitChecker(QObject):
         self._full = (key, now, report)
         return report
 
-    def room(self) -> int | None:
-        """Tokens a new attachment may have: the context less the chat, attachments and answer.
+    def answer_reserve(self) -> int:
+        """Tokens the fit line and the attachment offers keep for the answer.
 
-        The answer's share is its maximum, but at most a quarter of the context:
-        an answer limit near the context's size would leave no room for any
-        document, and the engine ends an answer that fills the context anyway.
+        Its maximum, but at most a quarter of the context: an answer limit near
+        the context's size would leave no room for any document, and the engine
+        ends an answer that fills the context anyway.
+        """
+        max_tokens = self.controller.settings.sampling.max_tokens
+        max_context = self.max_context()
+        return min(max_tokens, max_context // 4) if max_context else max_tokens
+
+    def room(self, name: str = "") -> int | None:
+        """Tokens a new attachment named ``name`` may have, so the message still fits.
+
+        The context less what the fit line counts besides the file's own text:
+        the chat, the chat template's tokens around the message, the other
+        attachments' blocks, the typed text, this file's own document block
+        and the answer's reserve.
         """
         max_context = self.max_context()
         if not max_context:
             return None
-        attached = sum(r.tokens for r in self.parent().attachments.values())
-        answer = min(self.controller.settings.sampling.max_tokens, max_context // 4)
-        used = self.context_tokens() + attached + answer
+        records = (*self.parent().attachments.values(), _empty_file(name))
+        around, _estimated = self.prompt_tokens(records)
+        used = self.context_tokens() + around + BLOCK_SLACK + self.answer_reserve()
         return max(1, max_context - used)
 
     def context_tokens(self) -> int:
-        """Tokens the current session's context holds now."""
+        """Tokens the current session's conversation has now (held, or to read again)."""
         current = self.controller.current
         if current is None:
             return 0
-        sample = self.controller.bridge.latest_stats() if self.controller.model_ready else None
-        if sample is not None and sample.session_id == current.id:
-            return sample.tokens_in_context
+        held = self._held_tokens()
+        if held is not None:
+            return max(held, self.controller.caches.whole_of(current.id) or 0)
         return current.tokens
 
-    def prompt_tokens(self) -> tuple[int, bool]:
+    def _held_tokens(self) -> int | None:
+        """Tokens the engine's latest sample says the current session holds, if it is its."""
+        current = self.controller.current
+        sample = self.controller.bridge.latest_stats() if self.controller.model_ready else None
+        if current is not None and sample is not None and sample.session_id == current.id:
+            return sample.tokens_in_context
+        return None
+
+    def prompt_tokens(self, records: tuple | None = None) -> tuple[int, bool]:
         """Tokens the engine will read for what the composer holds; True when estimated.
 
         The message as the engine gets it (``engine_content``: the attachments'
@@ -125,8 +152,10 @@ class FitChecker(QObject):
         message, role markers, the generation prompt, the previous answer's end
         of turn), so it is the ``prefill_tokens`` the send then reports for a
         chat whose cache is held. Only the typed text is tokenized per keystroke.
+        ``records`` stand in for the composer's attachments.
         """
-        records = tuple(self.parent().attachments.values())
+        if records is None:
+            records = tuple(self.parent().attachments.values())
         text = self.composer.text()
         if not text and not records:
             return 0, False
@@ -141,6 +170,17 @@ class FitChecker(QObject):
             except EngineError:  # no model loaded: estimated below
                 pass
         return sum(r.tokens for r in records) + len(joined) // 4, True
+
+    def _formatting(self, prompt: int) -> int:
+        """Of ``prompt``, the tokens that are neither the files' nor the typed text's own:
+        the chat template's around the message and the files' document markers."""
+        own = sum(r.tokens for r in self.parent().attachments.values())
+        text = self.composer.text()
+        try:
+            own += self.controller.bridge.count_tokens(text) if text else 0
+        except EngineError:
+            return 0
+        return max(0, prompt - own)
 
     def _last_ending(self) -> str | None:
         """How the chat's last answer ended, as the engine says it (None: no message yet)."""
@@ -168,7 +208,7 @@ class FitChecker(QObject):
         if self.controller.closed:  # a check scheduled just before the window closed
             return
         prompt, estimated = self.prompt_tokens()
-        answer = self.controller.settings.sampling.max_tokens
+        answer = self.answer_reserve()
         total = self.context_tokens() + prompt + answer
         report = self.report_for(total)
         self.last_report, self.last_total, self.last_prompt_tokens = report, total, prompt
@@ -179,10 +219,16 @@ class FitChecker(QObject):
             report.for_mode(mode).fits)
         if report is None or quiet:
             self.composer.show_fit("", True)
+            self.composer.block_send("")
             return
-        html, ok = fit_html(report, mode, total, estimated)
+        context = self.context_tokens()
+        answer_room = report.max_context - context - prompt
+        parts = TokenParts(context, prompt, 0 if estimated else self._formatting(prompt), answer)
+        html, ok = fit_html(report, mode, total, estimated, answer_room, parts)
         wait = wait_sentence(*self.tokens_to_read(prompt), self.controller.prefill_rate())
         self.composer.show_fit(f"{html}<br>{wait}." if wait else html, ok)
+        # An estimate (a long paste) never turns Send off: the engine's own count decides.
+        self.composer.block_send(TOO_LONG_TO_SEND if answer_room < 1 and not estimated else "")
 
     def tokens_to_read(self, prompt: int) -> tuple[int, int]:
         """(new, reused): the tokens the next send reads in, and those it starts from.
@@ -195,15 +241,52 @@ class FitChecker(QObject):
         if current is None:
             return prompt, 0
         if current.id in self.controller.opened:
-            return prompt, context
+            # A read stopped short left part of the chat to read first.
+            held = self._held_tokens()
+            held = context if held is None else min(held, context)
+            return context - held + prompt, held
         snapshot = self.controller.bridge.stored_snapshot(current.id)
         reused = (min(snapshot.tokens, context)
                   if snapshot is not None and snapshot.mode == current.kv_mode else 0)
         return context - reused + prompt, reused
 
 
-def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[str, bool]:
-    """The fit line as rich text, and whether the turn fits in ``mode``."""
+def _empty_file(name: str) -> AttachmentRecord:
+    """A file of no text: its document block is what a file adds besides its text."""
+    return AttachmentRecord(name, 0, "", 0, "")
+
+
+@dataclass(frozen=True)
+class TokenParts:
+    """What the fit line's total is made of: the chat held or to read again, this
+    message (``formatting`` of it the chat template's and the files' markers) and
+    the answer's reserve."""
+
+    chat: int
+    message: int
+    formatting: int
+    answer: int
+
+    def words(self) -> str:
+        """"the chat 1,200 + this message 4,716 (54 of them chat formatting) + 512 kept
+        for the answer"."""
+        parts = [f"the chat {self.chat:,}"] if self.chat else []
+        message = f"this message {self.message:,}"
+        if self.formatting:
+            message += f" ({self.formatting:,} of them chat formatting)"
+        parts += [message, f"{self.answer:,} kept for the answer"]
+        return " + ".join(parts)
+
+
+def fit_html(report, mode: str, total: int, estimated: bool = False,
+             answer_room: int | None = None,
+             parts: TokenParts | None = None) -> tuple[str, bool]:
+    """The fit line as rich text, and whether the turn fits in ``mode``.
+
+    ``answer_room``: the tokens the context leaves for the answer after the
+    message, when known (below 1: the message itself does not fit). ``parts``:
+    what the total is made of, said after it.
+    """
     entry = report.for_mode(mode)
     approx = "≈" if estimated else ""
     per_mode = " · ".join(
@@ -212,8 +295,9 @@ def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[st
         for m in MODES if report.for_mode(m).supported)
     budget = (f" · your limit {human_bytes(report.budget_bytes)}"
               if report.budget_bytes is not None else "")
-    head = (f"After this message: {approx}{total:,} of {report.max_context:,} tokens · "
-            f"memory for them: {per_mode} · {human_bytes(report.available_bytes)} free"
+    made_of = f" ({parts.words()})" if parts is not None else ""
+    head = (f"After this message: {approx}{total:,} of {report.max_context:,} tokens"
+            f"{made_of} · memory for them: {per_mode} · {human_bytes(report.available_bytes)} free"
             f"{budget}")
     peak = getattr(entry, "prefill_peak_bytes", 0)
     if peak:
@@ -226,12 +310,13 @@ def fit_html(report, mode: str, total: int, estimated: bool = False) -> tuple[st
     short = report.machine_short(mode, total) if len(getattr(report, "ranks", ())) > 1 else None
     if entry.fits and short is None:
         return f"✓ {head}", True
-    why = wont_fit_sentence(report, mode, total) if short is None else short
+    why = (wont_fit_sentence(report, mode, total, answer_room) if short is None
+           else short)
     return f"⚠ {head}<br><b>{why}</b>", False
 
 
 def pool_sentence(report, mode: str) -> str:
-    """"On 2 machines: 12,288 tokens fit in q8 · rank 1 (mac2) is the tight one", or ""
+    """"On 2 machines: 12,288 tokens fit in q8 · mac2 is the tight one", or ""
     on one machine."""
     ranks = getattr(report, "ranks", ())
     tokens = report.pool_tokens(mode) if len(ranks) > 1 else None
@@ -240,18 +325,27 @@ def pool_sentence(report, mode: str) -> str:
     tight = report.tight_machine(mode)
     text = f"On {len(ranks)} machines: {min(tokens, report.max_context):,} tokens fit in {mode}"
     if tight is not None:
-        text += (f" · {tight.machine} is the tight one ({human_bytes(tight.free_bytes)} "
+        text += (f" · {tight.host} is the tight one ({human_bytes(tight.free_bytes)} "
                  "free there)")
     return text
 
 
-def wont_fit_sentence(report, mode: str, total: int) -> str:
-    """Plain words: why the turn won't fit in ``mode`` and which mode would."""
+def wont_fit_sentence(report, mode: str, total: int, answer_room: int | None = None) -> str:
+    """Plain words: why the turn won't fit in ``mode`` and which mode would.
+
+    Past the context, a message that still fits leaves the answer less room
+    (the engine ends it at the context): said so, and it can be sent. One that
+    does not fit itself cannot be sent (``TOO_LONG_TO_SEND``).
+    """
     entry = report.for_mode(mode)
+    if not entry.fits_context and answer_room is not None and answer_room >= 1:
+        return (f"The answer has room for only {answer_room:,} tokens: the model's context "
+                f"ends at {report.max_context:,} tokens in any mode. Remove an attachment "
+                "or start a new chat for a longer answer.")
     if not entry.fits_context:
         return (f"This won't fit: {total:,} tokens is more than the model's context of "
                 f"{report.max_context:,} tokens in any mode. Remove an attachment or start "
-                "a new chat.")
+                "a new chat; Send is off until it fits.")
     limit = "your memory limit (Settings)" if not entry.fits_budget else "free memory"
     better = next((m for m in ("q8", "q6", "q4")
                    if m != mode and report.for_mode(m).fits), None)

@@ -31,7 +31,7 @@ from app.format import compact_count, human_bytes, short_title
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
-from app.memory.quality import receipt_details, receipt_line
+from app.memory.quality import advice, receipt_details, receipt_line, receipt_summary
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
 from engine import RankShare, StatsSample
@@ -39,7 +39,7 @@ from engine.cache.modes import MODES
 
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
-NO_CACHE = "Nothing of this chat in memory now"
+NO_CACHE = "None of it in memory now"
 KV_TIP = ("The KV cache: what the model keeps of each token it has read, so it does not "
           "read them again. It grows with the chat, in the chat's KV mode.")
 PAGES_TIP = ("Pages are per layer: each attention layer keeps its own pages of the chat's "
@@ -65,7 +65,7 @@ def ram_level(sample: StatsSample) -> str:
 
 
 def shared_note(sample: StatsSample) -> str:
-    """" · 4.1 MiB shared with 1 other chat" when pages are shared, else ""."""
+    """" · 4.1 MB shared with 1 other chat" when pages are shared, else ""."""
     others = sample.kv_shared_with
     if not sample.kv_shared_bytes or not others:
         return ""
@@ -100,7 +100,7 @@ def fits_sentence(tokens_fit: int, max_context: int, mode: str, machines: int = 
     if tokens_fit >= max_context:
         return f"Fits in {where}: the whole context ({max_context:,} tokens) in {mode}."
     text = f"Fits in {where}: {tokens_fit:,} of {max_context:,} tokens in {mode}."
-    return text + (f" The tight one: {tight.machine}." if tight is not None else "")
+    return text + (f" The tight one: {tight.host}." if tight is not None else "")
 
 
 def machine_line(share: RankShare) -> str:
@@ -147,7 +147,6 @@ class MemoryPanel(QScrollArea):
         self.kv_label.setToolTip(KV_TIP)
         self.kv_total_label = value_label()
         layout.addWidget(self.kv_label)
-        layout.addWidget(self.kv_bar)
         layout.addWidget(self.kv_total_label)
 
         layout.addWidget(section_heading("System memory"))
@@ -172,9 +171,9 @@ class MemoryPanel(QScrollArea):
         self.table = QTableWidget(len(MODES), 4)
         self.table.setObjectName("projectionTable")
         # Short headers: the panel is narrow and Qt clips long ones mid-word.
-        self.table.setHorizontalHeaderLabels(["Now", "Full", "Fits", "vs fp16"])
+        self.table.setHorizontalHeaderLabels(["Chat", "Full", "Fits", "vs fp16"])
         for column, tip in enumerate((
-            "Memory this chat's tokens take now, in each mode",
+            "Memory this chat's tokens take in each mode, in memory now or not",
             "Memory the model's whole context would take, in each mode",
             "Tokens that fit in free memory in each mode (at most the model's context)",
             "Share of next tokens that match fp16, from this chat's quality check of each mode",
@@ -194,9 +193,12 @@ class MemoryPanel(QScrollArea):
         self.table.setFocusPolicy(Qt.FocusPolicy.NoFocus)
         self.table.setFixedHeight(26 + 24 * len(MODES) + 4)
         layout.addWidget(self.table)
-        self.fits_label = value_label()
+        # Empty (and out of the way) until a model's projection fills them: no bare "—".
+        self.fits_label = value_label("")
+        self.fits_label.hide()
         layout.addWidget(self.fits_label)
-        self.projection_note = value_label()
+        self.projection_note = value_label("")
+        self.projection_note.hide()
         layout.addWidget(self.projection_note)
         self.quality_label = value_label()
         self.quality_label.setObjectName("qualityReceipt")
@@ -222,8 +224,11 @@ class MemoryPanel(QScrollArea):
         inner = QVBoxLayout(self.details)
         inner.setContentsMargins(0, 0, 0, 0)
         inner.setSpacing(6)
+        # How full the pages allocated are: the bar under the line that says it.
         self.kv_detail = value_label()
         inner.addWidget(self.kv_detail)
+        self.kv_bar.setToolTip("Bytes of the chat's pages in use, of those allocated")
+        inner.addWidget(self.kv_bar)
         self.pages_label = value_label()
         self.pages_label.setToolTip(PAGES_TIP)
         inner.addWidget(self.pages_label)
@@ -249,7 +254,7 @@ class MemoryPanel(QScrollArea):
         self.mode: str | None = None
         self.session_id: str | None = None
         self.kv_tokens: int | None = None  # tokens of the shown sample; None: no cache
-        self.now_tokens: int | None = None  # tokens the "Now" column was computed for
+        self.now_tokens: int | None = None  # tokens the "Chat" column was computed for
         self.samples_shown = 0
         self.level = "normal"
         self.show_receipts({})
@@ -263,7 +268,7 @@ class MemoryPanel(QScrollArea):
         keep the previous chat's numbers.
         """
         if session_id != self.session_id or self.mode != mode:
-            self.chart.clear()
+            self.chart.show_session(session_id)
             self.show_no_cache()
         self.mode, self.session_id = mode, session_id
         if mode is None:
@@ -396,7 +401,9 @@ class MemoryPanel(QScrollArea):
                 item.setToolTip(receipt_details(receipt))
             self.table.setItem(row, QUALITY_COLUMN, item)
         own = receipts.get(self.mode or "")
-        lines = [html.escape(receipt_line(own)) if own is not None else NOT_MEASURED]
+        lines = ([html.escape(receipt_line(own)),
+                  f"<span style='opacity:.7'>{html.escape(receipt_summary(own))}</span>",
+                  html.escape(advice(own))] if own is not None else [NOT_MEASURED])
         if unavailable:
             lines.append(f"<span style='opacity:.7'>{html.escape(unavailable)}</span>")
         self.quality_label.setText("<br>".join(lines))
@@ -438,14 +445,16 @@ class MemoryPanel(QScrollArea):
             for column, text in enumerate(cells):
                 self.table.setItem(row, column, self._cell(text, mode))
         self.projection_note.setText(
-            f"Now: {now_report.token_count:,} tokens · full context: "
-            f"{full_report.max_context:,} tokens.")
+            f"Chat: its {now_report.token_count:,} tokens · full: the model's whole "
+            f"context, {full_report.max_context:,} tokens.")
+        self.projection_note.show()
         own = self.mode or ""
         entry = now_report.for_mode(own) if own in MODES else None
         self.fits_label.setText(
             fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
                           machines, now_report.tight_machine(own))
             if entry is not None and entry.supported else "")
+        self.fits_label.setVisible(bool(self.fits_label.text()))
 
 
 def _fit_tokens(report, mode: str) -> int:

@@ -1,6 +1,6 @@
 """Keeps the memory panel on the chat shown in the window.
 
-Every per-session figure on the panel (KV line, pages, history, the "Now"
+Every per-session figure on the panel (KV line, pages, history, the "Chat"
 column) comes from the shown session's own latest ``StatsSample``, which
 ``SessionCaches`` keeps per session; a chat whose cache is not held says so
 instead of showing another chat's numbers.

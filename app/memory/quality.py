@@ -43,6 +43,30 @@ def receipt_line(receipt: QualityReceipt) -> str:
     return f"{verdict(receipt.kl_mean)} ({badge}, this chat)"
 
 
+# The next mode up (closer to fp16) and down (more context in the same memory).
+LARGER = {"q4": "q6", "q6": "q8", "q8": "fp16"}
+SMALLER = {"q8": "q6", "q6": "q4"}
+
+
+def advice(receipt: QualityReceipt) -> str:
+    """What to do about the verdict: keep the mode, or which one to reopen the chat in."""
+    mode, kl = receipt.mode, receipt.kl_mean
+    if kl < VERDICTS[0][0]:
+        smaller = SMALLER.get(mode)
+        more = (f" If you need more context in the same memory, try {smaller}: reopen the "
+                "chat in it and check again." if smaller else "")
+        return f"Keep {mode}: it answers as fp16 would.{more}"
+    if kl < VERDICTS[1][0]:
+        return (f"Keep {mode} for everyday use; for exact quotes and figures, "
+                f"{LARGER[mode]} stays closer to fp16.")
+    return f"Reopen this chat in {LARGER[mode]}: its answers stay closer to fp16."
+
+
+def receipt_summary(receipt: QualityReceipt) -> str:
+    """The numbers in a line the panel can hold: "98.7% same next token · mean KL 0.004"."""
+    return f"{receipt.top1:.1%} same next token as fp16 · mean KL {_kl(receipt.kl_mean)}"
+
+
 def receipt_numbers(receipt: QualityReceipt) -> str:
     """What was measured: agreement and mean KL over the window the check read.
 
@@ -94,10 +118,14 @@ class QualityCheck(QObject):
         self.caches, self.sessions = caches, sessions
 
     def unavailable(self, session: SessionRecord | None, model_ready: bool,
-                    has_text: bool) -> str:
-        """Why ``session`` (with ``has_text``: any message) cannot be checked now; "" if it can."""
+                    has_text: bool, loading: bool = False) -> str:
+        """Why ``session`` (with ``has_text``: any message) cannot be checked now; "" if it can.
+
+        ``loading``: a model is being loaded (not ready yet).
+        """
         if not model_ready:
-            return "Load a model first: the check runs it."
+            return ("The model is loading: check once it is ready." if loading
+                    else "Load a model first: the check runs it.")
         if session is None:
             return "Open a chat first."
         job = self.activity.job_of(session.id)
@@ -153,7 +181,7 @@ class QualityCheck(QObject):
         self.store.save_receipt(event.session_id, event.receipt)
         self.checked.emit(event.session_id, event.receipt)
         if self._shown(event.session_id):
-            self.notice.emit(receipt_line(event.receipt))
+            self.notice.emit(f"{receipt_line(event.receipt)} {advice(event.receipt)}")
 
     def _failed(self, job: Job, event: Failed) -> None:
         self.errorRaised.emit(event.message)

@@ -23,12 +23,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import disk_size, relative_time, visible_text
+from app.format import human_bytes, relative_time, visible_text
 from app.memory.labels import section_heading, value_label
 from engine import StoredKv
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 
-COLUMNS = ("Chat", "Tokens", "Mode", "Size", "Last used")
+# The chat's name gets the room: its tokens and mode are in the row's tooltip (and in
+# the chat's own state sentence), so a narrow panel does not cut names to a few letters.
+COLUMNS = ("Chat", "Size", "Last used")
+ROW_HEIGHT = 24
 UNKNOWN_CHAT = "(chat not in the history)"
 API_SESSION = "Local server (API session)"
 
@@ -67,7 +70,11 @@ class StoredKvSection(QWidget):
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QTableWidget.SelectionMode.SingleSelection)
-        self.table.setMaximumHeight(160)
+        # As tall as its rows: the panel scrolls, never a table inside it.
+        self.table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
+        self.table.verticalHeader().setDefaultSectionSize(ROW_HEIGHT)
+        self._fit_height()
         self.table.itemSelectionChanged.connect(self._update_buttons)
         layout.addWidget(self.table)
         buttons = QHBoxLayout()
@@ -91,20 +98,19 @@ class StoredKvSection(QWidget):
         self.listing = listing
         budget = listing.budget_bytes
         count = len(listing.snapshots)
-        chats = f"{count} chat{'s' if count != 1 else ''}"
-        self.summary.setText(f"<b>{disk_size(listing.total_bytes)}</b> on disk of "
-                             f"{disk_size(budget)} budget · {chats}")
+        self.summary.setText(f"<b>{human_bytes(listing.total_bytes)}</b> on disk of "
+                             f"{human_bytes(budget)} budget · {_what(listing)}")
         self.bar.setValue(min(1000, int(1000 * listing.total_bytes / budget)) if budget else 0)
         selected = self.selected_name()
         self._names = [info.name for info in listing.snapshots]
         self.table.setRowCount(count)
         for row, info in enumerate(listing.snapshots):
-            cells = (title_of(info.name) or UNKNOWN_CHAT, f"{info.tokens:,}", info.mode,
-                     disk_size(info.disk_bytes), relative_time(info.last_used))
+            title = title_of(info.name) or UNKNOWN_CHAT
+            cells = (title, human_bytes(info.disk_bytes), relative_time(info.last_used))
+            tip = f"{title}\n{info.tokens:,} tokens in {info.mode}, {human_bytes(info.disk_bytes)}"
             for column, text in enumerate(cells):
                 item = QTableWidgetItem(text)
-                if not column:
-                    item.setToolTip(text)
+                item.setToolTip(tip)
                 if column:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight
                                           | Qt.AlignmentFlag.AlignVCenter)
@@ -115,7 +121,13 @@ class StoredKvSection(QWidget):
         self.table.clearSelection()
         if selected in self._names:
             self.table.selectRow(self._names.index(selected))
+        self._fit_height()
         self._update_buttons()
+
+    def _fit_height(self) -> None:
+        header = self.table.horizontalHeader().sizeHint().height()
+        rows = max(1, self.table.rowCount())
+        self.table.setFixedHeight(header + rows * ROW_HEIGHT + 2 * self.table.frameWidth())
 
     def selected_name(self) -> str | None:
         """The session id of the selected row, or None."""
@@ -140,6 +152,16 @@ class StoredKvSection(QWidget):
             QMessageBox.StandardButton.Cancel)
         if answer == QMessageBox.StandardButton.Yes:
             self.clearRequested.emit(None)
+
+
+def _what(listing: StoredKv) -> str:
+    """"3 chats · 2 local-server sessions": the chats and the API's sessions apart."""
+    api = sum(info.name.startswith(API_SESSION_PREFIX) for info in listing.snapshots)
+    chats = len(listing.snapshots) - api
+    text = f"{chats} chat{'s' if chats != 1 else ''}"
+    if api:
+        text += f" · {api} local-server session{'s' if api != 1 else ''}"
+    return text
 
 
 class StoredKvFeed(QObject):

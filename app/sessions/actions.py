@@ -44,13 +44,38 @@ class SessionActions(QObject):
         self._before_switch = before_switch
         self.current: SessionRecord | None = None
 
-    def new_session(self, mode: str | None = None, model_id: str = "") -> SessionRecord | None:
-        """Start an empty chat in ``mode`` (default from settings) and show it."""
-        record = self.store.create_session(NEW_TITLE, mode or self.settings.default_mode,
+    def new_session(self, mode: str | None = None, model_id: str = "",
+                    keep_blank: bool = False) -> SessionRecord | None:
+        """Start an empty chat in ``mode`` (default from settings) and show it.
+
+        ``keep_blank``: an empty chat on screen (nothing typed in it either) is
+        that chat already: it is kept, in ``mode``, so pressing New Chat again
+        piles up no empty chats.
+        """
+        mode = mode or self.settings.default_mode
+        if keep_blank and self._blank(self.current):
+            return self._set_mode(self.current, mode)
+        record = self.store.create_session(NEW_TITLE, mode,
                                            model_id or self.settings.last_model)
         self.sessionsChanged.emit()
         self.select_session(record.id)
         return record
+
+    def _blank(self, record: SessionRecord | None) -> bool:
+        """Whether ``record`` is an untitled chat with no message and no job."""
+        return (record is not None and record.title == NEW_TITLE and not self.model.rowCount()
+                and self.activity.job_of(record.id) is None
+                and not self.store.messages(record.id))
+
+    def _set_mode(self, record: SessionRecord, mode: str) -> SessionRecord:
+        if record.kv_mode == mode:
+            return record
+        self.caches.forget(record.id)  # nothing of it is held or stored in the old mode
+        self.store.set_mode(record.id, mode)
+        self.current = self.store.session(record.id)
+        self.currentSessionChanged.emit(self.current)
+        self.sessionsChanged.emit()
+        return self.current
 
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""
@@ -112,11 +137,16 @@ class SessionActions(QObject):
         self.select_session(record.id)
         return record
 
-    def record_tokens(self, session_id: str | None, sample: StatsSample | None) -> None:
-        """Save how many tokens ``session_id`` holds, from the engine's latest sample of it."""
+    def record_tokens(self, session_id: str | None, sample: StatsSample | None,
+                      whole: int | None = None) -> None:
+        """Save how many tokens ``session_id`` has, from the engine's latest sample of it.
+
+        ``whole``: the conversation's tokens when its read stopped short, which
+        the history keeps rather than the part read.
+        """
         if session_id is None or sample is None or sample.session_id != session_id:
             return
-        self.store.set_tokens(session_id, sample.tokens_in_context)
+        self.store.set_tokens(session_id, max(sample.tokens_in_context, whole or 0))
         if self.current and self.current.id == session_id:
             self.current = self.store.session(session_id)
         self.sessionsChanged.emit()

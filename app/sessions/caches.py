@@ -37,6 +37,9 @@ class SessionCaches(QObject):
         self.opened: dict[str, str] = {}  # session id -> mode, oldest first
         self.samples: dict[str, StatsSample] = {}
         self.rotations: dict[str, str | None] = {}  # session id -> its rows' rotation
+        # Session id -> the conversation's tokens, while its cache holds only the
+        # part a stopped read kept: the next message reads the rest first.
+        self.partial: dict[str, int] = {}
 
     def ensure_open(self, session: SessionRecord, then: Callable[[], None],
                     failed: Callable[[Failed], None]) -> None:
@@ -52,7 +55,7 @@ class SessionCaches(QObject):
             oldest = next(iter(self.opened))
             self.bridge.close_session(oldest)
             del self.opened[oldest]
-            self.samples.pop(oldest, None)
+            self._drop(oldest)
 
         def handle(event: object) -> None:
             if isinstance(event, SessionOpened):
@@ -77,14 +80,14 @@ class SessionCaches(QObject):
             self.bridge.close_session(session_id)
             del self.opened[session_id]
             self.changed.emit()  # the chat is on disk now, not in memory
-        self.samples.pop(session_id, None)
+        self._drop(session_id)
 
     def forget(self, session_id: str) -> None:
         """Free a deleted session's cache without storing it, and delete its stored KV."""
         if session_id in self.opened:
             self.bridge.close_session(session_id, store=False)
             del self.opened[session_id]
-        self.samples.pop(session_id, None)
+        self._drop(session_id)
         self.bridge.clear_stored_kv(session_id)
 
     def close_all(self) -> None:
@@ -93,6 +96,23 @@ class SessionCaches(QObject):
             self.bridge.close_session(session_id)
         self.opened.clear()
         self.samples.clear()
+        self.partial.clear()
+
+    def _drop(self, session_id: str) -> None:
+        self.samples.pop(session_id, None)
+        self.partial.pop(session_id, None)
+
+    def read_ended(self, session_id: str, whole: int | None) -> None:
+        """A read of ``session_id`` ended: stopped short of its ``whole`` tokens, or
+        (None) with the whole conversation held."""
+        if whole is None:
+            self.partial.pop(session_id, None)
+        else:
+            self.partial[session_id] = whole
+
+    def whole_of(self, session_id: str | None) -> int | None:
+        """The conversation's tokens while its held cache keeps only part of them."""
+        return self.partial.get(session_id) if session_id in self.opened else None
 
     def note(self, sample: StatsSample) -> None:
         """Keep a stats sample as its session's latest (the local server's are not chats')."""

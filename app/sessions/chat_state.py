@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from app.format import disk_size, short_title
+from app.format import compact_count, human_bytes, short_title
 
 
 class ChatState(Enum):
@@ -33,7 +33,7 @@ JOB_STATES = {"waiting": ChatState.WAITING, "reading": ChatState.READING,
 
 
 # A running job's words, also the composer's progress row title.
-JOB_WORDS = {ChatState.READING: "Reading the conversation in",
+JOB_WORDS = {ChatState.READING: "Reading the conversation",
              ChatState.ANSWERING: "Answering", ChatState.CHECKING: "Checking quality"}
 
 
@@ -47,7 +47,8 @@ class ChatFacts:
     ``snapshot``: its KV snapshot on disk (an ``SnapshotInfo``: tokens, mode,
     disk_bytes), or None. ``waiting_for``: the title of the chat it waits for.
     ``progress``: (done, total) tokens of the read or check under way.
-    Sizes on disk are said in decimal units, as the Stored KV table says them.
+    ``whole_tokens``: the conversation's tokens while memory holds only the part
+    of it a stopped read kept (None: memory holds all it has read).
     """
 
     job: str = ""
@@ -56,6 +57,7 @@ class ChatFacts:
     snapshot: object | None = None
     waiting_for: str = ""
     progress: tuple[int, int] | None = None
+    whole_tokens: int | None = None
 
 
 def chat_state(facts: ChatFacts) -> ChatState:
@@ -93,15 +95,18 @@ def state_sentence(facts: ChatFacts) -> str:
     if state is ChatState.NEW:
         return "New chat: nothing to read yet."
     if state is ChatState.IN_MEMORY:
+        if facts.whole_tokens is not None and facts.whole_tokens > tokens:
+            return (f"In memory: {tokens:,} of its {facts.whole_tokens:,} tokens; the next "
+                    f"message reads the other {facts.whole_tokens - tokens:,} first.")
         return f"In memory: {tokens:,} tokens, ready to answer at once."
     if state is ChatState.ON_DISK:
         snapshot = facts.snapshot
         if snapshot is not None and _stored(facts) >= tokens:
-            return (f"On disk: {tokens:,} tokens stored ({disk_size(snapshot.disk_bytes)}); "
+            return (f"On disk: {tokens:,} tokens stored ({human_bytes(snapshot.disk_bytes)}); "
                     "the next message reopens them instead of reading the chat again.")
         if snapshot is not None:
             return (f"On disk: {_stored(facts):,} of its {tokens:,} tokens stored "
-                    f"({disk_size(snapshot.disk_bytes)}); the next message reopens them "
+                    f"({human_bytes(snapshot.disk_bytes)}); the next message reopens them "
                     "and reads the rest.")
         return f"On disk as text: the next message reads its {tokens:,} tokens in again."
     if state is ChatState.WAITING:
@@ -116,13 +121,26 @@ def state_sentence(facts: ChatFacts) -> str:
 
 def sidebar_line(facts: ChatFacts, when: str) -> str:
     """A sidebar row's second line: the state's word, tokens and last activity (idle)."""
+    return sidebar_lines(facts, when)[0]
+
+
+def sidebar_lines(facts: ChatFacts, when: str) -> list[str]:
+    """A sidebar row's second line, longest first; a narrow row shows the first that fits.
+
+    Whole facts are left out from the end rather than a number cut ("5,17…").
+    """
     state = chat_state(facts)
+    if state in (ChatState.READING, ChatState.CHECKING) and facts.progress is not None:
+        done, total = facts.progress
+        return [f"{state.value} {done * 100 // max(1, total)}%", state.value]
     if state in (ChatState.WAITING, ChatState.READING, ChatState.ANSWERING,
                  ChatState.CHECKING):
-        return state.value
+        return [state.value]
     if state is ChatState.NEW:
-        return f"{state.value} · {when}"
-    return f"{state.value} · {chat_tokens(facts):,} tokens · {when}"
+        return [f"{state.value} · {when}", state.value]
+    tokens = chat_tokens(facts)
+    return [f"{state.value} · {tokens:,} tokens · {when}", f"{state.value} · {tokens:,} tokens",
+            f"{state.value} · {compact_count(tokens)} tokens", state.value]
 
 
 def reuse_sentence(reused: int, read: int) -> str:
@@ -152,4 +170,5 @@ def facts_of(record, activity, caches, snapshots: dict) -> ChatFacts:
         snapshot=snapshots.get(record.id),
         waiting_for=ahead.title if ahead is not None else "",
         progress=(progress.tokens_done, progress.tokens_total) if progress is not None else None,
+        whole_tokens=caches.whole_of(record.id),
     )

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRect, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import (
+    QEvent,
+    QModelIndex,
+    QPersistentModelIndex,
+    QRect,
+    QSize,
+    Qt,
+    QTimer,
+    Signal,
+)
 from PySide6.QtGui import QAction, QColor, QFont, QFontMetrics, QPainter, QPalette
 from PySide6.QtWidgets import (
     QInputDialog,
@@ -22,7 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import relative_time, visible_text
-from app.sessions.chat_state import ChatFacts, ChatState, sidebar_line
+from app.sessions.chat_state import ChatFacts, ChatState, sidebar_lines
 from app.store import SessionRecord
 
 MODE_COLOURS = {"fp16": "#7a7f8c", "q8": "#2f7d5b", "q6": "#3b6fb6", "q4": "#b0662a"}
@@ -80,14 +89,35 @@ def rename_dialog(parent: QWidget, title: str) -> QInputDialog:
     return dialog
 
 
+def detail_font(font: QFont) -> QFont:
+    """A row's second line's font: a little smaller than the row's."""
+    small = QFont(font)
+    small.setPointSizeF(max(7.0, font.pointSizeF() * 0.88))
+    return small
+
+
 def detail_text(record: SessionRecord, state: ChatFacts | str = "") -> str:
     """The second line of a session: its state, tokens and last activity, or its job.
 
     ``state`` is the chat's ``ChatFacts``, or only its job's state ("" for none).
     """
+    return detail_lines(record, state)[0]
+
+
+def detail_lines(record: SessionRecord, state: ChatFacts | str = "") -> list[str]:
+    """``detail_text`` and its shorter forms, longest first."""
     facts = state if isinstance(state, ChatFacts) else ChatFacts(
         job=state, history_tokens=record.tokens)
-    return sidebar_line(facts, relative_time(record.updated))
+    return sidebar_lines(facts, relative_time(record.updated))
+
+
+def fitting_detail(record: SessionRecord, state: ChatFacts | str, metrics: QFontMetrics,
+                   width: int) -> str:
+    """The longest form of a row's second line that fits ``width`` pixels (the shortest,
+    elided, when none does)."""
+    lines = detail_lines(record, state)
+    fitting = next((line for line in lines if metrics.horizontalAdvance(line) <= width), None)
+    return fitting or metrics.elidedText(lines[-1], Qt.TextElideMode.ElideRight, width)
 
 
 class SessionDelegate(QStyledItemDelegate):
@@ -96,6 +126,13 @@ class SessionDelegate(QStyledItemDelegate):
     def sizeHint(self, option: QStyleOptionViewItem, index) -> QSize:
         # No width of its own: a row is as wide as the list, which never scrolls sideways.
         return QSize(ROW_MIN_WIDTH, ROW_HEIGHT)
+
+    @staticmethod
+    def detail_for(font: QFont, rect: QRect, record: SessionRecord,
+                   state: ChatFacts | str) -> str:
+        """The second line a row in ``rect`` shows, in the list's ``font``."""
+        width = rect.adjusted(6, 3, -6, -3).adjusted(10, 6, -10, -6).width()
+        return fitting_detail(record, state, QFontMetrics(detail_font(font)), width)
 
     def paint(self, painter: QPainter, option: QStyleOptionViewItem,
               index: QModelIndex | QPersistentModelIndex) -> None:
@@ -134,18 +171,21 @@ class SessionDelegate(QStyledItemDelegate):
         painter.setFont(badge_font)
         painter.setPen(QColor("white"))
         painter.drawText(badge_rect, Qt.AlignmentFlag.AlignCenter, record.kv_mode)
-        small = QFont(option.font)
-        small.setPointSizeF(max(7.0, option.font.pointSizeF() * 0.88))
-        painter.setFont(small)
+        painter.setFont(detail_font(option.font))
         muted = QColor(text_colour)
         muted.setAlphaF(0.65)
         painter.setPen(muted)
-        detail = painter.fontMetrics().elidedText(
-            detail_text(record, index.data(StateRole) or ""), Qt.TextElideMode.ElideRight,
-            inner.width())
+        detail = self.detail_for(option.font, option.rect, record, index.data(StateRole) or "")
         painter.drawText(QRect(inner.left(), inner.top() + 22, inner.width(), 18),
                          Qt.AlignmentFlag.AlignVCenter, detail)
         painter.restore()
+
+
+def _in_shown_order(sessions: list[SessionRecord],
+                    shown: list[SessionRecord]) -> list[SessionRecord]:
+    """``sessions`` with those already shown in their shown order, new ones first."""
+    places = {record.id: place for place, record in enumerate(shown)}
+    return sorted(sessions, key=lambda record: places.get(record.id, -1))
 
 
 class SessionList(QWidget):
@@ -185,14 +225,37 @@ class SessionList(QWidget):
         self.no_match.hide()
         layout.addWidget(self.no_match, 1)
         self._updating = False
+        # While the pointer is over the rows they keep their order (a click must land
+        # on the row it was aimed at); the newest order comes when it leaves.
+        self._pointer_in = False
+        self._held: tuple | None = None
+        self.list.viewport().installEventFilter(self)
         # Rows paint "5 min ago" from the clock: repaint them now and then so it stays true.
         self.clock = QTimer(self, interval=30_000)
         self.clock.timeout.connect(self.list.viewport().update)
         self.clock.start()
 
+    def eventFilter(self, watched, event: QEvent) -> bool:
+        if watched is self.list.viewport():
+            if event.type() == QEvent.Type.Enter:
+                self._pointer_in = True
+            elif event.type() == QEvent.Type.Leave:
+                self._pointer_in = False
+                if self._held is not None:
+                    held, self._held = self._held, None
+                    self.set_sessions(*held)
+        return super().eventFilter(watched, event)
+
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
                      states: dict[str, ChatFacts | str] | None = None) -> None:
-        """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``."""
+        """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``.
+
+        Under the pointer the rows shown keep their places (new chats on top) until
+        it leaves the list.
+        """
+        if self._pointer_in and self.list.count():
+            self._held = (sessions, current, states)
+            sessions = _in_shown_order(sessions, self.records())
         self._updating = True
         self.list.clear()
         searching = bool(self.search.text().strip())

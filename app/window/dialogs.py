@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFormLayout,
     QLabel,
+    QMessageBox,
     QPlainTextEdit,
     QRadioButton,
     QSpinBox,
@@ -27,9 +28,13 @@ from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
 from engine import SamplingParams, default_budget, snapshots_dir
 from engine.cache.modes import MODES
+from engine.snapshots.store import MAX_DEFAULT_BUDGET
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
-GB = 10**9  # disk sizes in decimal gigabytes, as disks are sold and the default is stated
+# A gigabyte as every size in the app is said (``human_bytes``: 1,024³ bytes, as
+# macOS states memory), so a budget typed here reads back the same in Stored KV.
+GB = 2**30
+MB = 2**20
 
 MODE_BLURB = {
     "fp16": "full precision — largest",
@@ -60,10 +65,11 @@ def mode_choice_text(mode: str, full_report) -> str:
 def default_disk_budget_text() -> str:
     """What "Automatic" means for the stored-KV disk budget on this disk, right now."""
     try:
-        default = f"{default_budget(snapshots_dir()) / GB:.1f} GB now"
+        default = f"{human_bytes(default_budget(snapshots_dir()))} now"
     except OSError:
         default = "unknown now"
-    return f"Automatic: smaller of 20 GB and 10% of free disk ({default})"
+    return (f"Automatic: smaller of {human_bytes(MAX_DEFAULT_BUDGET)} and 10% of free disk "
+            f"({default})")
 
 
 def disk_budget_box(budget_bytes: int | None) -> QDoubleSpinBox:
@@ -150,7 +156,11 @@ class SettingsDialog(QDialog):
     def _page(self, title: str) -> QFormLayout:
         page = QWidget()
         self.tabs.addTab(page, title)
-        return QFormLayout(page)
+        form = QFormLayout(page)
+        # Numbers and menus keep their own width, as in a Mac's settings; only text
+        # boxes (a prompt, folders) take the row.
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.ExpandingFieldsGrow)
+        return form
 
     def _chats_page(self, settings: Settings) -> None:
         form = self._page("Chats")
@@ -219,7 +229,7 @@ class SettingsDialog(QDialog):
         form = self._page("Memory && storage")
         budget = settings.memory_budget_bytes
         self.budget = QSpinBox(minimum=0, maximum=1024 * 1024, singleStep=256,
-                               value=(budget or 0) // 2**20, suffix=" MiB",
+                               value=(budget or 0) // MB, suffix=" MB",
                                specialValueText="Automatic (keep RAM headroom)")
         self.budget.setToolTip("The most memory all open chats' caches may take together.")
         form.addRow("Memory for chats' caches", self.budget)
@@ -238,7 +248,25 @@ class SettingsDialog(QDialog):
         if self.macs.problem_text():
             self.tabs.setCurrentWidget(self.macs)
             return
+        if not self._failed_macs_accepted():
+            self.tabs.setCurrentWidget(self.macs)
+            return
         super().accept()
+
+    def _failed_macs_accepted(self) -> bool:
+        """True unless a Mac of the hostfile failed its check and the user does not
+        want to save it anyway."""
+        failed = self.macs.failed_hosts()
+        if not failed:
+            return True
+        answer = QMessageBox.question(
+            self, "Use other Macs",
+            f"{' and '.join(failed)} failed the host check. Save the hostfile anyway? "
+            "A model that can be split then tries every Mac when it loads, and goes on "
+            "with this Mac alone if one cannot start.",
+            QMessageBox.StandardButton.Save | QMessageBox.StandardButton.Cancel,
+            QMessageBox.StandardButton.Cancel)
+        return answer == QMessageBox.StandardButton.Save
 
     def edited(self) -> dict[str, object]:
         """The widgets' values, by the name of the setting each one edits."""
@@ -248,7 +276,7 @@ class SettingsDialog(QDialog):
             "page_size": self.page_size.value(),
             "rotate_kv": self.rotate.isChecked(),
             "ingest_chunk": self.chunk.value(),
-            "memory_budget_bytes": self.budget.value() * 2**20 or None,
+            "memory_budget_bytes": self.budget.value() * MB or None,
             "stored_kv_budget_bytes": round(self.disk_budget.value() * GB) or None,
             "sampling": SamplingParams(
                 temperature=self.temperature.value(), top_p=self.top_p.value(),

@@ -34,6 +34,7 @@ HOSTFILE_HELP = ('MLX\'s hostfile (as mlx.launch reads it): JSON such as {"hosts
                  "ssh with a key, without a password.")
 NEEDS_HOSTFILE = ("Choose the hostfile that names the Macs (MLX's JSON format), or turn "
                   "\"Use other Macs\" off.")
+CHECK_NEEDS_HOSTFILE = "Choose the hostfile that names the Macs (MLX's JSON format) first."
 
 
 def hosts_of(hostfile: str) -> list[str]:
@@ -52,7 +53,31 @@ def check_text(outcome: object) -> str:
     if isinstance(outcome, BaseException):
         return str(outcome) if isinstance(outcome, EngineError) else (
             f"The host check failed: {type(outcome).__name__}: {outcome}")
-    return "\n".join(("✓ " if check.ok else "✗ ") + check.message for check in outcome)
+    return "\n".join(("✓ " if check.ok else "✗ ") + _named(rank, check)
+                     for rank, check in enumerate(outcome))
+
+
+def _named(rank: int, check) -> str:
+    """A check's message naming the Mac as a person would: "This Mac" or its host
+    name, not the engine's "Rank 1 (mac2)"."""
+    engine_name = f"Rank {rank} ({check.host})"
+    return check.message.replace(engine_name, "This Mac" if rank == 0 else check.host, 1)
+
+
+def split_note(model_folder: str | None) -> str:
+    """Whether the loaded model can use other Macs, in words ("" with none loaded)."""
+    if not model_folder:
+        return ""
+    from app.machines import can_split_model
+
+    name = "The built-in demo model" if model_folder == "demo" else (
+        f"The loaded model ({Path(model_folder).name})")
+    try:
+        if can_split_model(model_folder):
+            return f"{name} can be split across Macs."
+    except (OSError, ValueError, EngineError):  # an unreadable config: it is not split
+        pass
+    return f"{name} cannot be split: it runs on this Mac alone, whatever is set here."
 
 
 class OtherMacsPage(QWidget):
@@ -76,6 +101,11 @@ class OtherMacsPage(QWidget):
         self.enabled = QCheckBox("Use other Macs for models that can be split")
         self.enabled.setChecked(settings.pipeline_enabled)
         form.addRow(self.enabled)
+        self.model_note = QLabel(split_note(model_folder))
+        self.model_note.setWordWrap(True)
+        self.model_note.setVisible(bool(self.model_note.text()))
+        form.addRow(self.model_note)
+        self._checked_hosts: tuple[str, list] | None = None  # (hostfile, its checks)
         self.hostfile = QLineEdit(settings.pipeline_hostfile)
         self.hostfile.setPlaceholderText("hosts.json")
         self.hostfile.setToolTip(HOSTFILE_HELP)
@@ -116,7 +146,7 @@ class OtherMacsPage(QWidget):
         """Check every Mac of the hostfile on a pool thread; the result shows below."""
         hostfile = self.hostfile.text().strip()
         if not hostfile:
-            self._show_result(NEEDS_HOSTFILE)
+            self._show_result(CHECK_NEEDS_HOSTFILE)
             return
         folder = self.model_folder
         folder = folder if folder and Path(folder).is_dir() else None
@@ -128,11 +158,23 @@ class OtherMacsPage(QWidget):
 
             return check_hosts(Path(hostfile), folder)
 
-        self.jobs.run(work, self._checked)
+        self.jobs.run(work, lambda outcome: self._checked(hostfile, outcome))
 
-    def _checked(self, outcome: object) -> None:
+    def _checked(self, hostfile: str, outcome: object) -> None:
         self.check.setEnabled(True)
+        if not isinstance(outcome, BaseException):
+            self._checked_hosts = (hostfile, list(outcome))
         self._show_result(check_text(outcome))
+
+    def failed_hosts(self) -> list[str]:
+        """The Macs that failed the last check of the hostfile to be saved, while on."""
+        if not self.enabled.isChecked() or self._checked_hosts is None:
+            return []
+        hostfile, checks = self._checked_hosts
+        if hostfile != self.hostfile.text().strip():
+            return []
+        return ["this Mac" if rank == 0 else check.host
+                for rank, check in enumerate(checks) if not check.ok]
 
     def _show_result(self, text: str) -> None:
         self.result.setText(text)

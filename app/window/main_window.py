@@ -24,7 +24,7 @@ from app.chat.composer import READING, Composer
 from app.chat.conversation_view import ConversationView
 from app.chat.drafts import Drafts
 from app.controller import ChatController
-from app.format import visible_text
+from app.format import human_duration, unbroken, visible_text
 from app.local_server import status_text
 from app.memory.api_sessions import ApiSessionsFeed
 from app.memory.fit_check import FitChecker
@@ -78,6 +78,7 @@ class MainWindow(QMainWindow):
         self.downloads.ended.connect(self._on_download_ended)
         self.models_dialog: ModelsDialog | None = None
         self._shown_states: dict[str, str] = {}
+        self._shown_chat: str | None = None
         self._build()
         self.fit = FitChecker(controller, self.composer, self)
         self.drafts = Drafts(controller, self.composer, self.attachments, self)
@@ -159,7 +160,7 @@ class MainWindow(QMainWindow):
         c.notice.connect(lambda text: self.banner.show_message(text, "info"))
         c.busyChanged.connect(self._on_busy)
         c.activityChanged.connect(self._show_activity)
-        c.ingestProgress.connect(lambda _event: self._show_activity())
+        c.ingestProgress.connect(self._on_progress)
         c.editRequested.connect(self._on_edit_requested)
         c.local_server.statusChanged.connect(self._show_server_status)
         c.busyChanged.connect(lambda _busy: self._show_server_status())
@@ -272,6 +273,13 @@ class MainWindow(QMainWindow):
         self.reopen_button.setEnabled(record is not None)
         if self.banner.property("kind") == "info":
             self.banner.hide()  # a notice is about the chat it was said in
+        shown = record.id if record is not None else None
+        if shown != self._shown_chat:
+            # What the composer said of a file, and a file's offer, are about the
+            # draft of the chat they were said in.
+            self._shown_chat = shown
+            self.composer.show_notice("")
+            self.composer.withdraw_offer()
         self._show_activity()
         self.fit.schedule()
 
@@ -280,7 +288,12 @@ class MainWindow(QMainWindow):
         full = self.fit.full_context_report()
         dialog = NewChatDialog(self.settings.default_mode, full, self)
         if dialog.exec():
-            self.controller.new_session(dialog.mode())
+            # A chat with nothing in it, not even a draft, is the new chat already.
+            blank = not self.composer.text().strip() and not self.attachments
+            self.controller.new_session(dialog.mode(), keep_blank=blank)
+            # The dialog hands the focus back to whatever had it (often the toolbar's
+            # model picker): the question typed next belongs in the new chat's box.
+            self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
 
     # Sending --------------------------------------------------------------
 
@@ -294,7 +307,8 @@ class MainWindow(QMainWindow):
                                      "info")
             return
         text = self.composer.text()
-        too_long = self._too_long_to_send(text)
+        self.fit.run()  # the typing's debounced check may not have run yet
+        too_long = self._too_long_to_send(text) or self.composer.send_blocked
         if too_long:
             self.banner.show_message(too_long, "error")
             return
@@ -345,20 +359,44 @@ class MainWindow(QMainWindow):
         current = self.controller.current
         job = activity.job_of(current.id if current else None)
         ahead = activity.ahead_of(job) if job is not None else None
-        self.composer.set_generating(job is not None and job.started)
-        self.composer.show_waiting(ahead.title if ahead is not None else None)
-        progress = job.progress if job is not None and job.state in ("reading", "checking") \
-            else None
-        if progress is None:
+        stopping = job is not None and job.stopping
+        self.composer.set_generating(job is not None and job.started, stopping)
+        self.composer.show_waiting(ahead.title if ahead is not None else None,
+                                   self._how_far(ahead) if ahead is not None else "")
+        reading = job is not None and job.started and job.state in ("reading", "checking")
+        progress = job.progress if reading else None
+        title = CHECKING if job is not None and job.kind == "quality" else READING
+        if not reading:
             self.composer.progress_box.hide()
+        elif progress is None:  # the first part is still being read
+            self.composer.show_starting(title, stopping)
         elif job.kind == "quality":  # no rate: see Composer.show_progress
             self.composer.show_progress(progress.tokens_done, progress.tokens_total, None, None,
-                                        CHECKING)
+                                        CHECKING, stopping)
         else:
             self.composer.show_progress(
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
-                self.controller.read_eta(progress), READING)
-        self.conversation.set_busy(job is not None)
+                self.controller.read_eta(progress), READING, stopping)
+        self.conversation.set_busy(job is not None, reading=reading and job.kind == "chat")
+
+    def _how_far(self, job) -> str:
+        """How far the job a message waits for is: "reading: 512 / 3,552 tokens, about
+        39s left", "answering", or "" before it says."""
+        progress = job.progress
+        if job.state == "answering":
+            return "answering"
+        if progress is None or job.state not in ("reading", "checking"):
+            return ""
+        what = "reading" if job.state == "reading" else "checking quality"
+        figures = [f"{progress.tokens_done:,} / {progress.tokens_total:,} tokens"]
+        eta = self.controller.read_eta(progress) if job.state == "reading" else None
+        if eta is not None:
+            figures.append(f"about {human_duration(eta)} left")
+        return f"{what}: " + ", ".join(unbroken(part) for part in figures)
+
+    def _on_progress(self, _event) -> None:
+        self._show_activity()
+        self._refresh_sessions()  # a reading chat's row says how far it is
 
     def _show_server_status(self, status=None) -> None:
         status = status or self.controller.local_server.status
@@ -407,9 +445,8 @@ class MainWindow(QMainWindow):
     def add_files(self, paths: list[str]) -> None:
         """Read files off the GUI thread and show them as chips."""
         self.filesDropped.emit(list(paths))
-        limit = self.fit.room() or 131_072
         for path in paths:
-            job_id = self.loader.load(path, limit)
+            job_id = self.loader.load(path, self.fit.room(Path(path).name) or 131_072)
             self.composer.add_chip(job_id, Path(path).name)
 
     def _on_loaded(self, job_id: int, record: AttachmentRecord, notes: tuple) -> None:

@@ -79,6 +79,7 @@ def build_toolbar(window: MenuHost) -> None:
     window.new_chat_action.triggered.connect(window.ask_new_chat)
     bar.addAction(window.new_chat_action)
     window.reopen_button = QToolButton()
+    window.reopen_button.setObjectName("reopenButton")
     window.reopen_button.setText("Reopen in…")
     window.reopen_button.setToolTip(REOPEN_TIP)
     window.reopen_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 # mlx-lm's default window for the repetition penalty; long enough to stop loops,
 # short enough not to punish every common word in a long answer.
 REPETITION_CONTEXT = 64
+# Ids of the prompt that give a continued answer's first word its context (a few
+# cover a character split over tokens).
+PRIMER_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ class AnswerStream:
         tick: called after every token (stats).
         index: the session's n-gram index of the ids it holds, for drafts (kept
             between answers); None builds one from ``held`` when speculating.
+        after: the ids whose text the answer goes on from (a continued answer, a
+            plain-text completion); empty when it starts a turn of its own.
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class AnswerStream:
         emit: Callable[[object], None],
         tick: Callable[[], None],
         index: speculative.ContextIndex | None = None,
+        after: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.cache = cache
@@ -145,6 +151,7 @@ class AnswerStream:
         self.tick = tick
         self.generated: list[int] = []
         self.detokenizer = tokenizer.detokenizer
+        self._prime(after)
         self.pending_ids: list[int] = []
         self.history = mx.array([], dtype=mx.int32)
         self.started = time.perf_counter()
@@ -172,6 +179,22 @@ class AnswerStream:
                 logits = processor(self.history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return self.sampler(logprobs)
+
+    def _prime(self, after: Sequence[int]) -> None:
+        """Give the detokenizer the text the answer goes on from, then forget it.
+
+        mlx-lm's detokenizers drop the leading space of a stream's first word,
+        right for a new turn but gluing a continuation to the word before it
+        ("and" + "agility"). A few ids of context make the first word a later
+        one; ``finalize`` lets out what they held back, so none of it comes out
+        again with the answer's first token.
+        """
+        if not after:
+            return
+        for token in after[-PRIMER_TOKENS:]:
+            self.detokenizer.add_token(token)
+        self.detokenizer.finalize()
+        _ = self.detokenizer.last_segment  # the prompt's own text, not the answer's
 
     def stream(self, token: int) -> None:
         """Detokenize one token; emit text once it holds only whole characters."""

@@ -8,122 +8,20 @@ without a model or a thread.
 
 from __future__ import annotations
 
-import itertools
-import threading
-from types import SimpleNamespace
-
 import pytest
 
-from app.controller import ChatController
-from app.engine_bridge import EngineBridge
-from app.settings import Settings
-from app.store import HistoryStore
-from engine import (
-    Failed,
-    Finished,
-    IngestProgress,
-    ModelLoaded,
-    Notice,
-    SamplingParams,
-    SessionOpened,
-    TokenChunk,
-)
-from engine.session.prompt_ids import TurnOverhead
-
-
-class ScriptedWorker:
-    """Takes requests like ``EngineWorker`` and answers only when the test says."""
-
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-        self.requests: list[tuple[int, str, tuple, threading.Event | None]] = []
-        self.alive = False
-
-    def _take(self, name: str, *args, cancel: threading.Event | None = None) -> int:
-        request_id = next(self._ids)
-        self.requests.append((request_id, name, args, cancel))
-        return request_id
-
-    def last(self, name: str) -> tuple[int, tuple, threading.Event | None]:
-        request_id, _name, args, cancel = [r for r in self.requests if r[1] == name][-1]
-        return request_id, args, cancel
-
-    def names(self) -> list[str]:
-        return [r[1] for r in self.requests]
-
-    def start(self) -> None:
-        self.alive = True
-
-    def join(self, _timeout: float | None = None) -> bool:
-        return not self.alive
-
-    def shutdown(self, _timeout: float = 2.0) -> None:
-        self.alive = False
-
-    def load_model(self, path):
-        return self._take("load", path)
-
-    def open_session(self, session_id, mode, page_size, rotate):
-        return self._take("open", session_id, mode)
-
-    def chat(self, session_id, messages, sampling, cancel):
-        return self._take("chat", session_id, messages, cancel=cancel)
-
-    def ingest(self, session_id, messages, cancel):
-        return self._take("ingest", session_id, messages, cancel=cancel)
-
-    def check_quality(self, session_id, messages, cancel):
-        return self._take("quality", session_id, messages, cancel=cancel)
-
-    def configure(self, *, budget_bytes, chunk_size):
-        return self._take("configure", budget_bytes, chunk_size)
-
-    def set_snapshot_budget(self, budget_bytes):
-        return self._take("snapshot_budget", budget_bytes)
-
-    def clear_snapshots(self, session_id):
-        return self._take("clear_snapshots", session_id)
-
-    def close_session(self, session_id, store):
-        return self._take("close", session_id, store)
-
-    def latest_stats(self):
-        return None
-
-    def fit_check(self, session_id, token_count):
-        return SimpleNamespace(max_context=8192)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def turn_overhead(self, system_prompt: str):
-        return TurnOverhead(first=3, later=2)
+from engine import Failed, Finished, GenerationStats, IngestProgress, Notice, TokenChunk
+from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
 @pytest.fixture
 def app(qtbot):
-    worker = ScriptedWorker()
-    bridge = EngineBridge(worker_factory=lambda *_args: worker)
-    settings = Settings()
-    settings.sampling = SamplingParams(temperature=0.0, max_tokens=8, seed=0)
-    store = HistoryStore()
-    controller = ChatController(settings, store, bridge)
-    controller.start("tiny")
-    rid, _args, _cancel = worker.last("load")
-    bridge._dispatch(ModelLoaded(rid, SimpleNamespace(name="tiny")))
-    bridge._dispatch(Finished(rid, "done"))
-    bridge._dispatch(Finished(worker.last("snapshot_budget")[0], "done"))
-    assert controller.model_ready and bridge.pending == 0
-    yield SimpleNamespace(c=controller, bridge=bridge, worker=worker, store=store)
-    controller.shutdown(0)
-    store.close()
+    scripted = scripted_app(qtbot)
+    yield scripted
+    close_scripted(scripted)
 
 
-def _open(app, session_id: str) -> None:
-    rid, args, _cancel = app.worker.last("open")
-    assert args[0] == session_id
-    app.bridge._dispatch(SessionOpened(rid, session_id, args[1], 256))
-    app.bridge._dispatch(Finished(rid, "done"))
+_open = open_session
 
 
 def _answer(app, session_id: str) -> str:
@@ -215,3 +113,103 @@ def test_after_close_no_event_touches_the_history(app) -> None:
     bridge._dispatch(Notice(chat_a, "late"))
     assert app.store.messages(a.id)[-1] == answer and answer.status == "stopped"
     assert bridge.pending == 0
+
+
+def test_a_stop_while_answering_says_stopped_not_stopped_while_reading(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    # The whole prompt but its last token was read; the answer's first step reads that one.
+    bridge._dispatch(IngestProgress(chat_a, 35, 35, 100.0, 0.0))
+    bridge._dispatch(TokenChunk(chat_a, "Pines", (1,)))
+    c.stop()
+    bridge._dispatch(Finished(chat_a, "cancelled"))
+    answer = app.store.messages(a.id)[-1]
+    assert (answer.content, answer.status, answer.reason) == ("Pines", "stopped", "Stopped")
+
+
+def test_a_stop_while_reading_says_how_much_was_kept(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    bridge._dispatch(IngestProgress(chat_a, 512, 2000, 100.0, 15.0))
+    c.stop()
+    bridge._dispatch(Finished(chat_a, "cancelled", None, 512, 2001))
+    answer = app.store.messages(a.id)[-1]
+    assert answer.status == "stopped"
+    assert answer.reason.startswith("Stopped while reading: 512 of 2,001 tokens kept")
+
+
+def test_a_stop_after_the_whole_read_before_any_word_says_stopped(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("hello")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    bridge._dispatch(IngestProgress(chat_a, 10, 10, 100.0, 0.0))  # all but the last token
+    c.stop()
+    bridge._dispatch(Finished(chat_a, "cancelled"))  # the first step made no text yet
+    assert app.store.messages(a.id)[-1].reason == "Stopped"
+
+
+def test_a_chat_whose_read_was_stopped_says_what_the_next_message_reads_first(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("Summarise the report")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    bridge._dispatch(IngestProgress(chat_a, 1536, 7756, 30.0, 200.0, 512, 1024, 17.0))
+    c.stop()
+    worker.stats = sample(a.id, 1536)
+    c.caches.note(worker.stats)
+    bridge._dispatch(Finished(chat_a, "cancelled", None, 1536, 7757))
+    assert c.cache_state(a.id) == ("In memory: 1,536 of its 7,757 tokens; the next message "
+                                   "reads the other 6,221 first.")
+    assert app.store.session(a.id).tokens == 7757  # the history keeps the whole count
+    # The next read takes it all in: in memory, whole.
+    assert c.send("And the conclusions?")
+    chat_b, _args, _cancel = worker.last("chat")
+    worker.stats = sample(a.id, 7790)
+    c.caches.note(worker.stats)
+    bridge._dispatch(TokenChunk(chat_b, "Yes.", (1,)))
+    bridge._dispatch(Finished(chat_b, "stop"))
+    assert c.cache_state(a.id) == "In memory: 7,790 tokens, ready to answer at once."
+
+
+
+def test_a_continued_answers_stats_count_every_piece(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    c.send("Tell me everything")
+    _open(app, a.id)
+    first, _args, _cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(first, "Pines grow", (1, 2)))
+    bridge._dispatch(Finished(first, "length", GenerationStats(20, 8, 0.5, 40.0, 4.0, 20)))
+    assert c.continue_answer()
+    second, _args, _cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(second, " tall", (3,)))
+    bridge._dispatch(Finished(second, "stop", GenerationStats(30, 12, 0.3, 40.0, 2.0, 3)))
+    stats = app.store.messages(a.id)[-1].stats
+    assert stats["generated_tokens"] == 20 and stats["ttft"] == 0.5
+    assert stats["decode_tps"] == pytest.approx(20 / (8 / 4.0 + 12 / 2.0))
+    assert stats["prefill_tokens"] == 23
+
+
+def test_check_quality_while_the_model_loads_says_it_loads(app) -> None:
+    c = app.c
+    c.new_session("q8")
+    c.load_model("other")
+    assert c.quality_unavailable() == "The model is loading: check once it is ready."
+
+
+def test_whoever_hears_a_load_start_sees_the_model_loading(app) -> None:
+    c = app.c
+    c.new_session("q8")
+    heard: list[str] = []
+    c.modelStateChanged.connect(lambda _text, _ready: heard.append(c.quality_unavailable()))
+    c.load_model("other")
+    assert heard == ["The model is loading: check once it is ready."]

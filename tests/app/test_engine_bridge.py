@@ -14,7 +14,7 @@ from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
 from engine import Failed, Finished, ModelLoaded, PipelineLost, TokenChunk
-from tests.app.test_controller import ScriptedWorker
+from tests.app.scripted import ScriptedWorker
 
 
 class EventfulWorker(ScriptedWorker):

@@ -75,10 +75,10 @@ def test_the_app_serves_openai_clients_on_its_own_engine(qtbot, served) -> None:
     assert reply.usage.completion_tokens > 0
     # The worker is the app's: the API session is listed in the panel as one.
     section = window.panel.api_sessions
-    # "api-… · q8 · N tokens · bytes", the bytes from the session's own stats sample.
+    # "Another app's chat 1 · q8 · N tokens · bytes", the bytes from its own stats sample.
     qtbot.waitUntil(lambda: section.rows.text().count(" · ") == 3, timeout=10_000)
     name, mode, tokens, size = section.rows.text().split(" · ")
-    assert name.startswith("api-") and mode == window.settings.default_mode
+    assert name == "Another app's chat 1" and mode == window.settings.default_mode
     assert tokens.endswith(" tokens") and size.endswith("B")
     assert not section.isHidden()
     assert window.controller.local_server.sessions()[0].name.startswith("api-")

@@ -139,3 +139,28 @@ def test_rapid_streaming_writes_while_others_read_never_corrupt(qtbot, monkeypat
     assert len(again.messages(other.id)) == 15
     assert again.integrity_check() == "ok"
     again.close()
+
+
+def test_an_answer_ending_and_a_quality_check_count_as_the_chats_activity(
+        monkeypatch) -> None:
+    import app.store as store_module
+    from engine.events import QualityReceipt
+
+    now = [1_000.0]
+    monkeypatch.setattr(store_module.time, "time", lambda: now[0])
+    store = HistoryStore()
+    chat = store.create_session("Pines", "q8", "demo")
+    store.add_message(chat.id, "user", "Where do they grow?", "complete")
+    now[0] = 2_000.0
+    answer = store.add_message(chat.id, "assistant", "", "streaming")
+    now[0] = 2_500.0
+    store.update_message(answer, content="In the south")  # still streaming: no activity yet
+    assert store.session(chat.id).updated == 2_000.0
+    now[0] = 3_000.0
+    store.update_message(answer, content="In the south.", status="complete")
+    assert store.session(chat.id).updated == 3_000.0
+    now[0] = 4_000.0
+    store.save_receipt(chat.id, QualityReceipt("q8", True, 1024, 5_007, 1_023, 0.996, 0.004,
+                                               0.05, "m", now[0]))
+    assert store.session(chat.id).updated == 4_000.0
+    store.close()

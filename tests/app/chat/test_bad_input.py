@@ -97,7 +97,7 @@ def test_every_bad_file_shows_its_message_and_disturbs_nothing(qtbot, window, tm
     for name, make, expected in BAD_FILES:
         path = tmp_path / name
         make(path)
-        message = expected.format(room=window.fit.room())
+        message = expected.format(room=window.fit.room(name))
         drop_files(window, [path])
         qtbot.waitUntil(lambda: not window.loader.pending, timeout=20_000)
         assert message in window.composer.notice.text(), (name, window.composer.notice.text())

@@ -40,7 +40,8 @@ def test_other_chats_can_be_read_while_an_answer_streams_into_its_own(qtbot, win
         qtbot.keyClick(composer.edit, Qt.Key.Key_Return)
         title = c.store.session(answering.id).title
         assert composer.text() == "" and composer.waiting_box.isVisible()
-        assert composer.waiting_label.text() == f"Waiting for ‘{title}’ to finish…"
+        assert composer.waiting_label.text() == (f"Waiting for ‘{title}’ to finish… "
+                                                 "It is answering.")
         assert c.activity.states() == {answering.id: "answering", other.id: "waiting"}
         assert _sidebar_line(window, answering.id) == "Answering…"
         assert _sidebar_line(window, other.id) == "Waiting…"

@@ -31,7 +31,8 @@ def test_answer_streams_into_the_model_and_is_saved(qtbot, window) -> None:
     assert _stored(window) == _rows(window)
     stats = c.model.message(1).stats
     assert stats["generated_tokens"] > 0 and stats["decode_tps"] > 0
-    assert f"{stats['generated_tokens']:,} tokens" in window.conversation.widgets[1].stats.text()
+    shown = window.conversation.widgets[1].stats.text()
+    assert f"{stats['generated_tokens']:,}\u00a0tokens" in shown
     assert c.current.title == "What is the capital of France?"
     assert window.composer.text() == ""  # sent text leaves the composer
 

@@ -8,6 +8,7 @@ from app.chat.conversation_view import (
     COLLAPSE_CHARS,
     COPIED_TEXT,
     SHOW_ALL,
+    SPECULATIVE_TIP,
     ConversationView,
     MessageWidget,
     collapsed,
@@ -15,6 +16,7 @@ from app.chat.conversation_view import (
 )
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING
+from app.store import AttachmentRecord
 
 
 def _view(qtbot, rows: list[ChatMessage]) -> tuple[ChatModel, ConversationView]:
@@ -88,9 +90,41 @@ def test_a_long_user_message_is_collapsed_with_show_all(qtbot) -> None:
     assert collapsed("\n".join(["x"] * 30)) is not None  # many short lines collapse too
 
 
-def test_stats_line_shows_tokens_per_step_of_a_speculative_answer() -> None:
+def _plain(text: str) -> str:
+    return text.replace("\u00a0", " ")
+
+
+def test_stats_line_says_a_speculative_answers_tokens_a_step_in_plain_words(qtbot) -> None:
     plain = {"generated_tokens": 48, "ttft": 0.5, "decode_tps": 12.0, "draft_tokens": 0,
              "accepted_tokens": 0, "decode_steps": 48}
-    assert "tokens/step" not in stats_text(plain)
+    assert _plain(stats_text(plain)) == "48 tokens · first word in 0.5 s · 12.0 tokens/s"
     drafted = {**plain, "draft_tokens": 40, "accepted_tokens": 30, "decode_steps": 18}
-    assert stats_text(drafted).endswith("12.0 tok/s · 2.7 tokens/step")
+    assert _plain(stats_text(drafted)).endswith("12.0 tokens/s · 2.7 tokens a step")
+    _, view = _view(qtbot, [ChatMessage("assistant", "ok", "complete", stats=drafted)])
+    assert view.widgets[0].stats.toolTip() == SPECULATIVE_TIP
+
+
+def test_a_long_first_word_wait_is_said_in_minutes_and_parts_never_break_inside() -> None:
+    line = stats_text({"generated_tokens": 1_234, "ttft": 547.2, "decode_tps": 1.9})
+    assert _plain(line) == "1,234 tokens · first word in 9m 07s · 1.9 tokens/s"
+    assert all(" " not in part for part in line.split(" · "))  # wraps between parts only
+
+
+def test_a_read_stopped_before_any_word_leaves_no_empty_stats_or_copy(qtbot) -> None:
+    stats = {"generated_tokens": 0, "ttft": None, "decode_tps": 0.0, "prefill_tokens": 1536}
+    _, view = _view(qtbot, [
+        ChatMessage("user", "Summarise it", "complete", 1),
+        ChatMessage("assistant", "", "stopped", 2,
+                    reason="Stopped while reading: 1,536 of 7,757 tokens kept; the next send "
+                           "continues from there", stats=stats)])
+    row = view.widgets[1]
+    assert row.stats.text() == "" and not row.copy_button.isVisibleTo(row)
+    assert row.status.text() == "Stopped while reading: 1,536 of 7,757 tokens kept"
+    assert row.regenerate_button.isVisibleTo(row)  # the way to ask again
+
+
+def test_an_attachment_line_keeps_each_number_with_its_unit() -> None:
+    line = MessageWidget("user")
+    line.show_message("", "complete", None, None,
+                      (AttachmentRecord("report.pdf", 1_200_000, "x", 3_393, "text"),))
+    assert "3,393\u00a0tokens" in line.files.text() and "1.1\u00a0MB" in line.files.text()

@@ -111,6 +111,37 @@ def test_fit_check_says_plainly_when_it_wont_fit(qtbot, window, tmp_path) -> Non
     text = window.composer.fit.text()
     assert "won't fit" in text and f"{window.fit.last_report.max_context:,} tokens" in text
     assert window.composer.fit.property("ok") is False
+    # What the line says is what Send does: it is off, and Return sends nothing.
+    assert not window.composer.send_button.isEnabled()
+    assert "longer than the model's context" in window.composer.send_button.toolTip()
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    assert not window.controller.busy and window.controller.model.rowCount() == 0
+    assert "longer than the model's context" in window.banner.label.text()
+    # Shortened, the message fits: Send is on again.
+    window.composer.set_text("and a question")
+    window.fit.run()
+    assert window.composer.send_button.isEnabled()
+
+
+def test_the_part_offered_fits_once_it_is_attached(qtbot, window, tmp_path) -> None:
+    # The offer leaves room for what the fit line adds to the file's own tokens:
+    # the chat template's, the document block's and the answer's reserve.
+    window.controller.new_session("q8")
+    doc = tmp_path / "long.txt"
+    doc.write_text(TEXT * 300)  # more tokens than the tiny model's 4,096 context
+    drop_files(window, [doc])
+    qtbot.waitUntil(window.composer.offer_box.isVisible, timeout=20_000)
+    window.composer.offer_accept.click()
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    window.fit.run()
+    report = window.fit.last_report
+    assert window.fit.last_total <= report.max_context
+    assert window.composer.fit.property("ok") is True, window.composer.fit.text()
+    # The line names what its total holds besides the file's own tokens.
+    (record,) = window.attachments.values()
+    formatting = window.fit.last_prompt_tokens - record.tokens
+    assert (f"this message {window.fit.last_prompt_tokens:,} ({formatting:,} of them chat "
+            "formatting) + 24 kept for the answer") in window.composer.fit.text()
 
 
 def test_documents_opened_on_the_app_icon_are_attached(qtbot, window, tmp_path) -> None:
@@ -123,7 +154,7 @@ def test_documents_opened_on_the_app_icon_are_attached(qtbot, window, tmp_path) 
 
 def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
         qtbot, window, tmp_path) -> None:
-    room = window.fit.room()
+    room = window.fit.room("big.txt")
     doc = tmp_path / "big.txt"
     text = TEXT * (room // 8 + 200)  # well past the room left in the context
     doc.write_text(text)
@@ -132,6 +163,8 @@ def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
     composer = window.composer
     drop_files(window, [doc])
     qtbot.waitUntil(composer.offer_box.isVisible, timeout=60_000)
+    (chip,) = composer.chips.values()  # read, and waiting for the choice: not "reading…"
+    assert chip.label.text() == "big.txt · too long: choose below"
     part_tokens = int(composer.offer_accept.text().split()[3].replace(",", ""))
     assert 0.8 * room < part_tokens <= room
     said = (f"“big.txt” is {human_bytes(doc.stat().st_size)}, about {tokens:,} tokens — more "

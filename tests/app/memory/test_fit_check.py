@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.memory.fit_check import fit_html, wait_sentence
+from app.memory.fit_check import TokenParts, fit_html, wait_sentence
 from app.settings import Settings
 from engine import IngestProgress
 from engine.memory.prefill_rate import ChunkTiming, PrefillRate
@@ -41,6 +41,28 @@ def test_the_fit_line_speaks_plainly() -> None:
     assert html.startswith("✓ After this message: 1,000 of 8,192 tokens · memory for them: ")
     for jargon in ("KV", "RAM", "budget", "turn", "scratch"):
         assert jargon not in html
+
+
+def _past_the_context() -> SimpleNamespace:
+    report = _report()
+    for mode in ("fp16", "q8", "q6", "q4"):
+        entry = report.for_mode(mode)
+        entry.fits, entry.fits_context, entry.fits_budget = False, False, True
+    return report
+
+
+def test_a_message_that_fits_but_leaves_the_answer_short_says_so_and_can_be_sent() -> None:
+    html, ok = fit_html(_past_the_context(), "q8", 8_213, answer_room=491)
+    assert not ok
+    assert ("The answer has room for only 491 tokens: the model's context ends at 8,192 "
+            "tokens in any mode.") in html
+    assert "won't fit" not in html
+
+
+def test_a_message_past_the_context_says_send_is_off() -> None:
+    html, _ = fit_html(_past_the_context(), "q8", 9_000, answer_room=-300)
+    assert ("This won't fit: 9,000 tokens is more than the model's context of 8,192 tokens "
+            "in any mode.") in html and "Send is off until it fits" in html
 
 
 def test_the_wait_counts_only_new_tokens_and_says_when_nothing_was_measured() -> None:
@@ -148,3 +170,12 @@ def test_the_fit_lines_count_is_what_the_engine_reads_for_the_message(
     counted, _ = window.fit.prompt_tokens()
     assert send_and_wait(qtbot, window, "Summarize it.") == "complete"
     assert counted == c.model.message(c.model.rowCount() - 1).stats["prefill_tokens"]
+
+
+def test_the_fit_line_names_what_its_total_is_made_of() -> None:
+    parts = TokenParts(chat=0, message=4_716, formatting=54, answer=512)
+    html, _ = fit_html(_report(), "q6", 5_228, parts=parts)
+    assert html.startswith("✓ After this message: 5,228 of 8,192 tokens (this message 4,716 "
+                           "(54 of them chat formatting) + 512 kept for the answer) · ")
+    later = TokenParts(chat=1_200, message=40, formatting=0, answer=512)
+    assert later.words() == "the chat 1,200 + this message 40 + 512 kept for the answer"

@@ -68,7 +68,7 @@ def test_the_projection_is_the_machines_together_and_names_the_tight_one(qtbot) 
     panel.update_projection(_report(300), _report(CONTEXT))
     assert panel.fits_label.text() == (
         "Fits in the free memory of 2 machines: 3,000 of 8,192 tokens in q8. "
-        "The tight one: rank 1 (macbook-air).")
+        "The tight one: macbook-air.")
     # The "Fits" column is the tightest machine's, per mode.
     for row, mode in enumerate(MODES):
         expected = RANKS[1].tokens_in(mode)
@@ -82,7 +82,7 @@ def test_the_projection_is_the_machines_together_and_names_the_tight_one(qtbot) 
 def test_the_fit_line_says_what_the_machines_hold_and_which_one_is_short() -> None:
     html, ok = fit_html(_report(1000), "q8", 1000)
     assert ok
-    assert ("On 2 machines: 3,000 tokens fit in q8 · rank 1 (macbook-air) is the tight one "
+    assert ("On 2 machines: 3,000 tokens fit in q8 · macbook-air is the tight one "
             f"({human_bytes(2 * GIB)} free there)") in html
     # Rank 0 holds it, the small machine does not: the line says which machine.
     html, ok = fit_html(_report(4000), "q8", 4000)

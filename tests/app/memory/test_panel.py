@@ -7,8 +7,8 @@ from types import SimpleNamespace
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
-from app.format import disk_size, human_bytes
-from app.memory.panel import NO_CACHE, shared_note
+from app.format import human_bytes
+from app.memory.panel import NO_CACHE, MemoryPanel, shared_note
 from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
@@ -49,9 +49,9 @@ def _assert_panel_shows(window, record) -> None:
     assert panel.pool.allocated == sample.pages_allocated
     assert f"{sample.pages_in_use:,} pages in use across " in panel.pages_label.text()
     assert "per layer" in panel.pages_label.text()
-    # The "Now" column is computed for the same token count as the KV line.
+    # The "Chat" column is computed for the same token count as the KV line.
     assert panel.now_tokens == sample.tokens_in_context
-    assert f"Now: {sample.tokens_in_context:,} tokens" in panel.projection_note.text()
+    assert f"Chat: its {sample.tokens_in_context:,} tokens" in panel.projection_note.text()
 
 
 def _follows(qtbot, window, record) -> None:
@@ -116,12 +116,12 @@ def test_a_chat_whose_cache_was_dropped_says_so_and_what_is_on_disk(qtbot, windo
     on_disk = c.bridge.stored_snapshot(c.current.id)
     assert (on_disk.tokens, on_disk.mode) == (held, "q4")
     # One sentence says where the chat is; nothing else on the panel says it another way.
-    sentence = (f"On disk: {held:,} tokens stored ({disk_size(on_disk.disk_bytes)}); the "
+    sentence = (f"On disk: {held:,} tokens stored ({human_bytes(on_disk.disk_bytes)}); the "
                 "next message reopens them instead of reading the chat again.")
     assert sentence in window.panel.session_label.text()
     assert window.panel.kv_label.text() == NO_CACHE
     assert window.panel.kv_total_label.text() == "All open chats together: 0 B"
-    assert window.panel.projection_note.text().startswith(f"Now: {held:,} tokens · ")
+    assert window.panel.projection_note.text().startswith(f"Chat: its {held:,} tokens · ")
     everything = " ".join(label.text() for label in window.panel.findChildren(QLabel))
     for other_wording in ("rebuilt on next send", "reopened on next send",
                           "read again on next send"):
@@ -222,3 +222,23 @@ def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
                       other_cache_kinds="sliding windows")
     panel.update_sample(windows, 0)
     assert "<br>Other layers: 20.0 MB of ≤ 24.0 MB (sliding windows)" in panel.kv_label.text()
+
+
+def test_the_panel_keeps_each_chats_history_and_labels_what_it_shows(qtbot) -> None:
+    from tests.app.scripted import sample
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.show()
+    panel.set_session("A", "q8", "", "a")
+    for tokens in (100, 200, 300):
+        panel.update_sample(sample("a", tokens, tokens * 1000), 0)
+    panel.set_session("B", "q4", "", "b")
+    assert list(panel.chart.kv) == []  # B's own history, empty so far
+    panel.update_sample(sample("b", 50, 50_000), 0)
+    panel.set_session("A", "q8", "", "a")  # back to A: its history is still there
+    assert list(panel.chart.kv) == [100_000, 200_000, 300_000]
+    # No bar without a label: how full the pages are sits under the line saying it.
+    assert panel.details.isAncestorOf(panel.kv_bar) and not panel.kv_bar.isVisible()
+    # The table's first column is the chat's tokens in each mode, held now or not.
+    assert panel.table.horizontalHeaderItem(0).text() == "Chat"

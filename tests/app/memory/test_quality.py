@@ -8,7 +8,14 @@ import pytest
 
 import engine.session.quality_check as quality_check
 from app.memory.panel import NOT_MEASURED, QUALITY_COLUMN
-from app.memory.quality import receipt_details, receipt_line, receipt_numbers, verdict
+from app.memory.quality import (
+    advice,
+    receipt_details,
+    receipt_line,
+    receipt_numbers,
+    receipt_summary,
+    verdict,
+)
 from app.store import HistoryStore
 from engine import QualityReceipt
 from engine.cache.modes import MODES
@@ -36,6 +43,29 @@ def test_receipt_line_gives_a_verdict_and_the_details_the_numbers() -> None:
     assert receipt_numbers(whole) == (
         "Same next token as fp16 for 98.7% of the whole chat · "
         "mean KL 2.0e-05 (read as one window)")
+
+
+def test_a_verdict_says_what_to_do_and_the_panel_shows_its_numbers(qtbot) -> None:
+    from dataclasses import replace
+
+    from app.memory.panel import MemoryPanel
+
+    assert advice(RECEIPT) == ("Keep q6 for everyday use; for exact quotes and figures, q8 "
+                               "stays closer to fp16.")
+    assert advice(replace(RECEIPT, kl_mean=2e-4)).startswith(
+        "Keep q6: it answers as fp16 would. If you need more context in the same memory, "
+        "try q4")
+    assert advice(replace(RECEIPT, mode="q4", kl_mean=0.3)) == (
+        "Reopen this chat in q6: its answers stay closer to fp16.")
+    assert advice(replace(RECEIPT, mode="q4", kl_mean=2e-4)) == (
+        "Keep q4: it answers as fp16 would.")
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("Pines", "q6", "", "s1")
+    panel.show_receipts({"q6": RECEIPT})
+    shown = panel.quality_label.text()
+    assert receipt_summary(RECEIPT) == "98.7% same next token as fp16 · mean KL 0.004"
+    assert receipt_summary(RECEIPT) in shown and advice(RECEIPT) in shown
 
 
 @pytest.mark.parametrize(("kl", "words"), [
@@ -93,7 +123,7 @@ def test_check_quality_shows_and_stores_the_receipt(qtbot, window) -> None:
     assert progress and progress[-1].tokens_done == receipt.window_tokens
     line = receipt_line(receipt)
     assert line in panel.quality_label.text().replace("&amp;", "&")
-    assert window.banner.label.text() == line
+    assert window.banner.label.text() == f"{line} {advice(receipt)}"
     assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
     assert c.store.receipts(record.id) == {"q4": receipt}
     # Shown again after reading another chat.
@@ -179,13 +209,13 @@ def test_a_running_check_says_checking_everywhere_without_a_rate(qtbot, window,
     monkeypatch.setattr(quality_check, "divergence", wait_for_stop)
     assert c.check_quality()
     # The first chunk's progress has come: the row shows counts only.
-    qtbot.waitUntil(lambda: window.composer.progress_box.isVisible(), timeout=ANSWER_TIMEOUT_MS)
     composer = window.composer
+    qtbot.waitUntil(lambda: "/" in composer.progress_label.text(), timeout=ANSWER_TIMEOUT_MS)
     assert composer.progress_title.text() == "Checking quality"
-    label = composer.progress_label.text()
+    label = composer.progress_label.text().replace("\u00a0", " ")
     assert " / " in label and label.endswith(" tokens")
-    assert "tok/s" not in label and "ETA" not in label
-    assert _row_line(window, record.id) == "Checking quality…"
+    assert "tokens/s" not in label and "left" not in label
+    assert _row_line(window, record.id).startswith("Checking quality…")
     assert "Checking quality…" in window.panel.session_label.text()
     with qtbot.waitSignal(c.busyChanged, timeout=ANSWER_TIMEOUT_MS,
                           check_params_cb=lambda busy: not busy):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QMessageBox
 
-from app.memory.stored_kv import UNKNOWN_CHAT, StoredKvFeed, StoredKvSection, disk_size
+from app.format import human_bytes
+from app.memory.stored_kv import UNKNOWN_CHAT, StoredKvFeed, StoredKvSection
 from engine import StoredKv
 from engine.snapshots import SnapshotInfo
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
@@ -39,8 +40,8 @@ def _info(name: str, tokens: int, mode: str, disk_bytes: int) -> SnapshotInfo:
                         disk_bytes=disk_bytes, created=0.0, last_used=0.0, model="tiny")
 
 
-LISTING = StoredKv(budget_bytes=20 * 10**9, total_bytes=3_500_000, snapshots=(
-    _info("chat-1", 5_500, "q8", 2_500_000), _info("gone", 1_000, "q4", 1_000_000)))
+LISTING = StoredKv(budget_bytes=20 * 2**30, total_bytes=7 * 2**19, snapshots=(
+    _info("chat-1", 5_500, "q8", 5 * 2**19), _info("gone", 1_000, "q4", 2**20)))
 
 
 def _section(qtbot, titles: dict[str, str]) -> tuple[StoredKvSection, FakeBridge, StoredKvFeed]:
@@ -63,8 +64,8 @@ def test_each_stored_chat_is_listed_with_its_title_tokens_mode_and_size(qtbot) -
     assert section.table.rowCount() == 0 and not section.clear_all.isEnabled()
     bridge.storedKv.emit(LISTING)
     rows = _rows(section)
-    assert [r[:4] for r in rows] == [["Walden notes", "5,500", "q8", "2.5 MB"],
-                                     [UNKNOWN_CHAT, "1,000", "q4", "1.0 MB"]]
+    assert [r[:2] for r in rows] == [["Walden notes", "2.5 MB"], [UNKNOWN_CHAT, "1.0 MB"]]
+    assert section.table.item(0, 0).toolTip() == "Walden notes\n5,500 tokens in q8, 2.5 MB"
     assert "3.5 MB</b> on disk of 20.0 GB budget · 2 chats" in section.summary.text()
     assert section.bar.value() == 0  # 3.5 MB of 20 GB rounds to nothing
     feed.controller.store.titles["chat-1"] = "Renamed"
@@ -104,9 +105,22 @@ def test_clear_all_needs_a_confirmation(qtbot, monkeypatch) -> None:
     assert bridge.cleared == [None]
 
 
-def test_disk_sizes_are_decimal_like_the_budget() -> None:
-    assert [disk_size(n) for n in (999, 1000, 2_500_000, 20 * 10**9)] == [
-        "999 B", "1.0 KB", "2.5 MB", "20.0 GB"]
+def test_a_cache_is_the_same_size_in_memory_and_on_disk(qtbot) -> None:
+    # One formatter for every size: 46,032,896 bytes read 43.9 MB in the panel's
+    # sentence, the Stored KV table and its summary alike.
+    from app.memory.panel import MemoryPanel
+    from app.sessions.chat_state import ChatFacts, state_sentence
+
+    size = 46_032_896
+    info = SnapshotInfo("s1", 4_662, "q8", 256, size, size, 0.0, 0.0, "m")
+    section = StoredKvSection()
+    qtbot.addWidget(section)
+    section.show_listing(StoredKv(20 * 2**30, size, (info,)), lambda _id: "Report")
+    assert _rows(section)[0][1] == "43.9 MB" == human_bytes(size)
+    assert section.summary.text().startswith("<b>43.9 MB</b> on disk of 20.0 GB budget")
+    sentence = state_sentence(ChatFacts(history_tokens=4_662, snapshot=info))
+    assert "(43.9 MB)" in sentence
+    assert MemoryPanel  # the panel says its sizes with the same human_bytes
 
 
 def test_a_chat_stored_by_the_worker_is_listed_and_cleared_through_it(qtbot, window) -> None:
@@ -121,9 +135,24 @@ def test_a_chat_stored_by_the_worker_is_listed_and_cleared_through_it(qtbot, win
     qtbot.waitUntil(lambda: section.table.rowCount() == 1, timeout=ANSWER_TIMEOUT_MS)
     on_disk = c.bridge.stored_snapshot(record.id)
     row = _rows(section)[0]
-    assert row[:4] == [record.title, f"{on_disk.tokens:,}", "q4", disk_size(on_disk.disk_bytes)]
+    assert row[:2] == [record.title, human_bytes(on_disk.disk_bytes)]
+    assert f"{on_disk.tokens:,} tokens in q4" in section.table.item(0, 0).toolTip()
     section.table.selectRow(0)
     section.clear_one.click()
     qtbot.waitUntil(lambda: section.table.rowCount() == 0, timeout=ANSWER_TIMEOUT_MS)
     assert c.bridge.stored_snapshot(record.id) is None
     assert section.listing.total_bytes == 0
+
+
+def test_chats_and_local_server_sessions_are_counted_apart_and_nothing_scrolls_inside(
+        qtbot) -> None:
+    section = StoredKvSection()
+    qtbot.addWidget(section)
+    infos = tuple(_info(name, 1_000, "q8", 2**20) for name in
+                  ("a", "b", "c", "api-b437e0b85135", "api-0c1d2e3f4a5b"))
+    section.show_listing(StoredKv(20 * 2**30, 5 * 2**20, infos), lambda name: name.upper())
+    assert section.summary.text().endswith("· 3 chats · 2 local-server sessions")
+    table = section.table
+    rows = sum(table.rowHeight(r) for r in range(table.rowCount()))
+    assert table.height() >= table.horizontalHeader().height() + rows
+    assert table.verticalScrollBarPolicy() == Qt.ScrollBarPolicy.ScrollBarAlwaysOff

@@ -35,7 +35,7 @@ def test_every_state_has_its_own_sentence() -> None:
     assert sentences[ChatState.IN_MEMORY] == "In memory: 5,007 tokens, ready to answer at once."
     assert sentences[ChatState.ON_DISK].startswith("On disk: 3,930 tokens stored (")
     assert sentences[ChatState.WAITING] == "Waiting for ‘A’ to finish…"
-    assert sentences[ChatState.READING] == "Reading the conversation in… 2,499 / 4,706 tokens"
+    assert sentences[ChatState.READING] == "Reading the conversation… 2,499 / 4,706 tokens"
     assert sentences[ChatState.CHECKING] == "Checking quality… 1 / 1,024 tokens"
 
 

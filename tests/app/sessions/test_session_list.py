@@ -106,8 +106,8 @@ def test_relative_times_are_repainted_as_the_clock_moves(qtbot, monkeypatch) -> 
     sidebar.set_sessions(store.sessions(), None)
     qtbot.waitExposed(sidebar)
     painted: list[str] = []
-    real = session_list.detail_text
-    monkeypatch.setattr(session_list, "detail_text",
+    real = session_list.detail_lines
+    monkeypatch.setattr(session_list, "detail_lines",
                         lambda *a: painted.append(real(*a)) or painted[-1])
     qtbot.wait(50)
     painted.clear()
@@ -127,3 +127,44 @@ def test_the_rename_dialog_shows_a_long_title_whole(qtbot) -> None:
     edit = dialog.findChild(QLineEdit)
     assert edit.width() >= edit.fontMetrics().horizontalAdvance(title)
 
+
+
+def test_a_narrow_row_leaves_out_whole_facts_instead_of_cutting_a_number(qtbot) -> None:
+    from PySide6.QtGui import QFont, QFontMetrics
+
+    from app.sessions.chat_state import ChatFacts
+    from app.sessions.session_list import detail_lines, fitting_detail
+
+    store = HistoryStore()
+    record = store.create_session("Report", "q8", "demo")
+    facts = ChatFacts(held_tokens=5_172, history_tokens=5_172)
+    metrics = QFontMetrics(QFont())
+    lines = detail_lines(record, facts)
+    assert lines == ["In memory · 5,172 tokens · just now", "In memory · 5,172 tokens",
+                     "In memory · 5.17 k tokens", "In memory"]
+    for width in range(metrics.horizontalAdvance("In memory"), 400, 7):
+        shown = fitting_detail(record, facts, metrics, width)
+        assert shown in lines and metrics.horizontalAdvance(shown) <= width
+    reading = ChatFacts(job="reading", progress=(512, 7_757))
+    assert detail_lines(record, reading) == ["Reading… 6%", "Reading…"]
+    store.close()
+
+
+def test_rows_keep_their_places_under_the_pointer_and_move_when_it_leaves(qtbot) -> None:
+    from PySide6.QtCore import QEvent
+    from PySide6.QtWidgets import QApplication
+
+    store = HistoryStore()
+    a = store.create_session("A", "q8", "demo")
+    b = store.create_session("B", "q8", "demo")
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.show()
+    sidebar.set_sessions([b, a], None)
+    QApplication.sendEvent(sidebar.list.viewport(), QEvent(QEvent.Type.Enter))
+    c = store.create_session("C", "q8", "demo")
+    sidebar.set_sessions([a, c, b], None)  # A answered: it would jump to the top
+    assert [r.title for r in sidebar.records()] == ["C", "B", "A"]
+    QApplication.sendEvent(sidebar.list.viewport(), QEvent(QEvent.Type.Leave))
+    assert [r.title for r in sidebar.records()] == ["A", "C", "B"]
+    store.close()

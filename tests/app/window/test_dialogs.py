@@ -9,6 +9,7 @@ import pytest
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
+from app.format import human_bytes
 from app.settings import Settings
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from engine import SnapshotStore, default_budget, snapshots_dir
@@ -23,7 +24,7 @@ def _saved() -> Settings:
     s.page_size = 128
     s.ingest_chunk = 1024
     s.memory_budget_bytes = 3 * 2**30
-    s.stored_kv_budget_bytes = 12 * 10**9
+    s.stored_kv_budget_bytes = 12 * 2**30
     s.sampling = SamplingParams(temperature=0.3, top_p=0.9, top_k=40, max_tokens=99, seed=7)
     s.system_prompt = "Be brief."
     s.model_folders = ["/models/a"]
@@ -49,7 +50,7 @@ def test_dialog_shows_the_saved_values(qtbot) -> None:
     qtbot.addWidget(dialog)
     assert dialog.mode.currentText() == "q6"
     assert (dialog.page_size.value(), dialog.chunk.value()) == (128, 1024)
-    assert dialog.budget.value() == 3 * 1024  # MiB
+    assert dialog.budget.value() == 3 * 1024  # MB
     assert dialog.disk_budget.value() == 12.0  # GB
     assert (dialog.temperature.value(), dialog.top_p.value()) == (0.3, 0.9)
     assert (dialog.top_k.value(), dialog.max_tokens.value()) == (40, 99)
@@ -65,7 +66,7 @@ def test_save_writes_every_field(qtbot) -> None:
     again = Settings()
     assert (again.default_mode, again.page_size, again.ingest_chunk) == ("q4", 64, 256)
     assert again.memory_budget_bytes is None
-    assert again.stored_kv_budget_bytes == 2_500_000_000
+    assert again.stored_kv_budget_bytes == int(2.5 * 2**30)
     assert again.sampling == SamplingParams(temperature=0.0, top_p=0.9, top_k=0,
                                             max_tokens=500, seed=7)
     assert again.system_prompt == "Answer in French."
@@ -114,8 +115,9 @@ def test_the_automatic_disk_budget_says_what_it_is(qtbot) -> None:
     qtbot.addWidget(dialog)
     assert dialog.disk_budget.value() == 0
     shown = dialog.disk_budget.text()
-    default_gb = default_budget(snapshots_dir()) / 1e9
-    assert "smaller of 20 GB and 10% of free disk" in shown and f"{default_gb:.1f} GB" in shown
+    # Said as every size is said: 20 GB (10⁹ bytes each) reads 18.6 GB.
+    assert "smaller of 18.6 GB and 10% of free disk" in shown
+    assert f"({human_bytes(default_budget(snapshots_dir()))} now)" in shown
     dialog.disk_budget.setValue(0)
     dialog.apply()
     assert Settings().stored_kv_budget_bytes is None
@@ -143,9 +145,9 @@ def test_a_lowered_disk_budget_reaches_the_running_engines_store(qtbot, tiny_lla
         assert store.budget_bytes == pytest.approx(default_budget(store.directory), rel=0.01)
         QTimer.singleShot(0, fill_in_and_save)
         window.open_settings()
-        qtbot.waitUntil(lambda: store.budget_bytes == 1_500_000_000, timeout=10_000)
+        qtbot.waitUntil(lambda: store.budget_bytes == int(1.5 * 2**30), timeout=10_000)
         qtbot.waitUntil(lambda: window.panel.stored_kv.listing is not None
-                        and window.panel.stored_kv.listing.budget_bytes == 1_500_000_000,
+                        and window.panel.stored_kv.listing.budget_bytes == int(1.5 * 2**30),
                         timeout=10_000)
         assert "1.5 GB budget" in window.panel.stored_kv.summary.text()
     finally:
@@ -350,3 +352,15 @@ def test_network_access_without_a_key_is_refused_with_a_reason(qtbot) -> None:
     assert again.server_enabled and again.server_allow_network
     assert again.server_api_key == key
     assert not again.server_share_chats
+
+
+def test_numbers_keep_their_own_width_and_text_boxes_take_the_row(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.tabs.setCurrentIndex(2)  # Memory & storage
+    dialog.resize(900, 600)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    for box in (dialog.budget, dialog.disk_budget):
+        assert box.width() <= box.sizeHint().width() + 1
+    assert dialog.folders.width() > dialog.budget.width()

@@ -17,12 +17,16 @@ from PySide6.QtCore import QSize
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QToolButton
 
+from app.chat.composer import READING
+from app.chat.model import ChatMessage
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
 from app.memory.charts import CELL, GAP, MAX_ROWS, PagePoolView
 from app.memory.fit_check import fit_html
+from app.sessions.chat_state import ChatFacts
+from app.sessions.session_list import RecordRole, SessionDelegate, StateRole, detail_lines
 from app.settings import Settings
-from app.store import HistoryStore
+from app.store import AttachmentRecord, HistoryStore
 from app.style import apply_style
 from app.window.main_window import DEFAULT_SIZE, MINIMUM_SIZE, MainWindow
 from app.window.model_picker import demo_item_text
@@ -123,7 +127,7 @@ def test_no_text_is_cut_with_a_model_split_across_machines(qtbot, chatted, size,
     shots = Path(os.environ.get("LONGLEAF_SHOTS", str(tmp_path)))
     chatted.grab().save(str(shots / f"machines-{size.width()}x{size.height()}.png"))
     assert panel.machines_label.isVisible() and "Johns-MacBook-Air.local" in html
-    assert "The tight one: rank 1 (Johns-MacBook-Air.local)." in panel.fits_label.text()
+    assert "The tight one: Johns-MacBook-Air.local." in panel.fits_label.text()
     clipped = clipped_texts(chatted)
     assert not clipped, "\n".join(clipped)
 
@@ -189,3 +193,42 @@ def test_a_long_model_name_keeps_the_toolbar_on_one_row(qtbot, styled, tmp_path)
         assert "converted-here" in window.model_state.toolTip()
     finally:
         close_window(window)
+
+
+def sidebar_lines_cut(window) -> list[str]:
+    """Each sidebar row whose second line no whole form of fits (it is painted elided)."""
+    rows = window.sessions.list
+    cut = []
+    for i in range(rows.count()):
+        item = rows.item(i)
+        record, state = item.data(RecordRole), item.data(StateRole) or ""
+        shown = SessionDelegate.detail_for(rows.font(), rows.visualItemRect(item), record,
+                                           state)
+        if shown not in detail_lines(record, state):
+            cut.append(f"sidebar row {record.title!r}: {shown!r}")
+    return cut
+
+
+@pytest.mark.parametrize("size", [QSize(1024, 700), MINIMUM_SIZE])
+def test_no_text_is_cut_while_a_long_chat_is_read(qtbot, chatted, size) -> None:
+    # What a user sees while a 7,757-token chat is read: the progress row with its
+    # rate and time left, a sidebar with that chat reading and others in memory with
+    # five-digit counts, and a message whose attachment line has the file's figures.
+    c, composer = chatted.controller, chatted.composer
+    show_at(qtbot, chatted, size)
+    c.model.append(ChatMessage("user", "Summarise it", attachments=(
+        AttachmentRecord("Quarterly report for the board, final.pdf", 1_234_567, "x", 3_393,
+                         "text"),)))
+    composer.set_generating(True)
+    composer.show_progress(512, 7_757, 15.4, 372.0, READING)
+    records = c.store.sessions()
+    reading = c.store.create_session("A long report", "q6", "demo")
+    records = [reading, *records]
+    facts = {r.id: ChatFacts(held_tokens=51_720, history_tokens=51_720) for r in records}
+    facts[reading.id] = ChatFacts(job="reading", progress=(512, 7_757))
+    chatted.sessions.set_sessions(records, c.current.id, facts)
+    qtbot.wait(100)  # layouts settle after the new rows
+    assert composer.progress_box.isVisible()
+    clipped = clipped_texts(chatted) + sidebar_lines_cut(chatted)
+    assert not clipped, "\n".join(clipped)
+    assert "tokens/s" in composer.progress_label.text() and "left" in composer.progress_label.text()

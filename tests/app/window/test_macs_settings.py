@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from PySide6.QtWidgets import QDialogButtonBox
+from PySide6.QtWidgets import QDialogButtonBox, QMessageBox
 
 from app.settings import Settings
 from app.window.dialogs import SettingsDialog
@@ -87,7 +87,7 @@ def test_on_without_a_usable_hostfile_is_refused(qtbot, tmp_path: Path) -> None:
     assert not dialog.isVisible()
 
 
-def test_check_hosts_shows_each_host(qtbot, tmp_path: Path) -> None:
+def test_check_hosts_shows_each_host(qtbot, tmp_path: Path, monkeypatch) -> None:
     dialog = _dialog(qtbot, model_folder="demo")  # no folder to compare: reachability only
     page = dialog.macs
     page.hostfile.setText(str(_hostfile(tmp_path, ["127.0.0.1", "mac-two.invalid"])))
@@ -95,8 +95,33 @@ def test_check_hosts_shows_each_host(qtbot, tmp_path: Path) -> None:
     assert not page.check.isEnabled() and page.result.text() == "Checking hosts…"
     qtbot.waitUntil(page.check.isEnabled, timeout=60_000)
     lines = page.result.text().splitlines()
-    assert lines[0].startswith("✓ Rank 0 (127.0.0.1): reachable")
-    assert lines[1].startswith("✗ Rank 1 (mac-two.invalid) cannot be reached by ssh")
+    # Each Mac by its name, not the engine's rank numbers.
+    assert lines[0].startswith("✓ This Mac: reachable")
+    assert lines[1].startswith("✗ mac-two.invalid cannot be reached by ssh")
+    assert "Rank" not in page.result.text()
+    # Saving that hostfile asks first, and Cancel keeps the dialog open.
+    page.enabled.setChecked(True)
+    asked: list[str] = []
+
+    def answer(_parent, _title, text, *_args):
+        asked.append(text)
+        return QMessageBox.StandardButton.Cancel
+
+    monkeypatch.setattr(QMessageBox, "question", answer)
+    _save(dialog)
+    assert asked and asked[0].startswith("mac-two.invalid failed the host check.")
+    assert dialog.isVisible() and not Settings().pipeline_enabled
+
+
+def test_check_without_a_hostfile_asks_for_one_and_says_the_model_runs_here(qtbot) -> None:
+    dialog = _dialog(qtbot, model_folder="demo")
+    page = dialog.macs
+    assert not page.enabled.isChecked()
+    page.check.click()
+    assert page.result.text() == ("Choose the hostfile that names the Macs (MLX's JSON "
+                                  "format) first.")
+    assert page.model_note.text() == ("The built-in demo model cannot be split: it runs on "
+                                      "this Mac alone, whatever is set here.")
 
 
 def test_no_text_of_the_page_is_cut_within_700_px(qtbot, tmp_path: Path) -> None:
@@ -105,8 +130,8 @@ def test_no_text_of_the_page_is_cut_within_700_px(qtbot, tmp_path: Path) -> None
     page = dialog.macs
     page.split.setText("x")
     page.problem_text()  # the longest message shown with the check's lines
-    page.result.setText("✓ Rank 0 (127.0.0.1): reachable, Longleaf 0.1.0 (no model folder "
-                        "to compare).\n✗ Rank 1 (mac-two.invalid) cannot be reached by ssh.")
+    page.result.setText("✓ This Mac: reachable, Longleaf 0.1.0 (no model folder "
+                        "to compare).\n✗ mac-two.invalid cannot be reached by ssh.")
     page.result.show()
     qtbot.wait(50)
     assert dialog.sizeHint().height() <= 700

@@ -10,17 +10,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QPoint, QSize, Qt
+from PySide6.QtCore import QPoint, QSize, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QPalette
-from PySide6.QtWidgets import QApplication, QFileDialog, QStyle, QWidget
+from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QStyle, QWidget
 
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
+from app.sessions.session_list import RecordRole, StateRole, detail_text
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
 from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
+from engine import Finished, IngestProgress, TokenChunk
 from tests.app.conftest import close_window
+from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
 @pytest.fixture
@@ -181,3 +184,192 @@ def test_dragging_the_panels_edge_away_folds_it_and_the_toggle_follows(
     bare_window.panel_action.trigger()
     qtbot.waitUntil(lambda: bare_window.panel.width() >= 250, timeout=5_000)
     assert bare_window.splitter.widget(1).width() >= CHAT_MIN_WIDTH
+
+
+def test_typing_right_after_new_chat_goes_to_the_composer(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    bare_window.activateWindow()
+    bare_window.model_picker.setFocus()  # where the toolbar's New Chat left it
+    qtbot.waitUntil(lambda: bare_window.model_picker.hasFocus(), timeout=5_000)
+
+    def start_chat() -> None:
+        dialog = QApplication.activeModalWidget()
+        assert dialog is not None
+        qtbot.keyClick(dialog, Qt.Key.Key_Return)  # "Start chat" is the default button
+
+    QTimer.singleShot(0, start_chat)
+    bare_window.ask_new_chat()
+    # The window is active again (the offscreen platform needs telling), its focus
+    # where the app left it.
+    bare_window.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is not None, timeout=5_000)
+    typed = QApplication.focusWidget()
+    assert typed is bare_window.composer.edit
+    qtbot.keyClicks(typed, "Summarise it")
+    assert bare_window.composer.text() == "Summarise it"
+
+
+@pytest.fixture
+def scripted(qtbot):
+    """The window on a scripted engine: the test plays the engine's events."""
+    app = scripted_app(qtbot, window=True)
+    yield app
+    close_scripted(app)
+
+
+def _send(scripted, text: str = "Summarise it") -> tuple[int, object]:
+    """Send ``text`` in a new chat; the engine opened its cache and took the answer."""
+    chat = scripted.c.new_session("q8")
+    scripted.window.composer.set_text(text)
+    scripted.window.send()
+    open_session(scripted, chat.id)
+    rid, _args, cancel = scripted.worker.last("chat")
+    return rid, cancel
+
+
+def test_cancel_of_a_read_says_so_at_once_while_the_engine_ends_its_part(scripted) -> None:
+    bridge, composer = scripted.bridge, scripted.window.composer
+    rid, cancel = _send(scripted)
+    bridge._dispatch(IngestProgress(rid, 512, 7756, 30.0, 240.0, 512, 0, 17.0))
+    assert composer.progress_box.isVisible() and composer.progress_cancel.isEnabled()
+    composer.progress_cancel.click()
+    # No engine event yet: the row says it is stopping, and nothing can be pressed twice.
+    assert cancel.is_set()
+    assert composer.progress_label.text() == "Stopping after this part…"
+    assert not composer.progress_cancel.isEnabled()
+    assert composer.send_button.text() == "Stopping…" and not composer.send_button.isEnabled()
+    # The part in the engine ends and reports: still stopping, not reading on.
+    bridge._dispatch(IngestProgress(rid, 1024, 7756, 30.0, 220.0, 512, 512, 17.0))
+    assert composer.progress_label.text() == "Stopping after this part…"
+    bridge._dispatch(Finished(rid, "cancelled", None, 1024, 7757))
+    assert not composer.progress_box.isVisible()
+    assert composer.send_button.text() == "Send" and composer.send_button.isEnabled()
+
+
+def test_stop_of_an_answer_says_stopping_until_it_ended(scripted) -> None:
+    bridge, composer = scripted.bridge, scripted.window.composer
+    rid, cancel = _send(scripted)
+    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    composer.send_button.click()  # Stop
+    assert cancel.is_set()
+    assert composer.send_button.text() == "Stopping…" and not composer.send_button.isEnabled()
+    bridge._dispatch(Finished(rid, "cancelled"))
+    assert composer.send_button.text() == "Send" and composer.send_button.isEnabled()
+
+
+def test_after_a_stopped_read_the_fit_line_counts_the_rest_to_read(scripted) -> None:
+    c, bridge, window = scripted.c, scripted.bridge, scripted.window
+    rid, _cancel = _send(scripted)
+    c.stop()
+    scripted.worker.stats = sample(c.current.id, 1536)
+    bridge._dispatch(Finished(rid, "cancelled", None, 1536, 7757))
+    assert window.fit.context_tokens() == 7757
+    assert window.fit.tokens_to_read(40) == (6221 + 40, 1536)
+
+
+def _new_chat(qtbot, window, mode: str) -> None:
+    """New Chat, the mode picked in its dialog, Start chat."""
+
+    def start_chat() -> None:
+        dialog = QApplication.activeModalWidget()
+        dialog.buttons[mode].setChecked(True)
+        qtbot.keyClick(dialog, Qt.Key.Key_Return)
+
+    QTimer.singleShot(0, start_chat)
+    window.ask_new_chat()
+
+
+def test_new_chat_on_an_empty_chat_keeps_it_instead_of_piling_up_another(
+        qtbot, scripted) -> None:
+    c, window = scripted.c, scripted.window
+    _new_chat(qtbot, window, "q8")
+    first = c.current
+    _new_chat(qtbot, window, "q8")
+    _new_chat(qtbot, window, "q4")  # the same empty chat, in the mode now chosen
+    assert c.current.id == first.id and c.current.kv_mode == "q4"
+    assert [s.id for s in c.store.sessions()] == [first.id]
+    window.composer.set_text("half a thought")  # a draft is something: a new chat then
+    _new_chat(qtbot, window, "q8")
+    assert c.current.id != first.id and len(c.store.sessions()) == 2
+    window.composer.set_text("hello")
+    window.send()  # a chat with a message is no empty chat either
+    _new_chat(qtbot, window, "q8")
+    assert len(c.store.sessions()) == 3
+
+
+def test_a_composer_notice_stays_with_the_chat_it_was_said_in(scripted) -> None:
+    c, composer = scripted.c, scripted.window.composer
+    first = c.new_session("q8")
+    composer.set_text("a draft")
+    c.new_session("q4")
+    composer.offer_part(7, "“big.txt” is too long.", 4000)
+    composer.show_notice("Attached the first 7,968 tokens of “report.pdf”.")
+    c.select_session(first.id)
+    assert not composer.notice.isVisible() and not composer.offer_box.isVisible()
+    c.rename_session(first.id, "Pines")  # the same chat: what it says stays
+    composer.show_notice("“old.pdf” could not be read.")
+    c.rename_session(first.id, "Longleaf pines")
+    assert composer.notice.isVisible()
+
+
+def test_a_read_shows_it_is_working_before_its_first_part_ends(scripted) -> None:
+    bridge, window = scripted.bridge, scripted.window
+    composer = window.composer
+    rid, _cancel = _send(scripted)
+    # No progress from the engine yet: the first part of a first read takes longest.
+    assert composer.progress_box.isVisible()
+    assert composer.progress_title.text() == "Reading the conversation"
+    assert composer.progress_label.text() == "Reading the first part…"
+    assert composer.progress.maximum() == 0  # a busy bar
+    assert window.conversation.widgets[-1].status.text() == "Reading the conversation…"
+    bridge._dispatch(IngestProgress(rid, 512, 7756, 30.0, 240.0, 512, 0, 17.0))
+    assert composer.progress.maximum() == 7757
+    assert composer.progress_label.text().startswith("512\u00a0/\u00a07,757\u00a0tokens")
+    rows = window.sessions.list
+    assert detail_text(rows.item(0).data(RecordRole), rows.item(0).data(StateRole)) == (
+        "Reading… 6%")
+    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    scripted.c.model.flush()
+    assert not composer.progress_box.isVisible()
+    assert window.conversation.widgets[-1].status.text() == "Answering…"
+
+
+def test_the_time_left_counts_down_between_the_engines_reports(scripted) -> None:
+    composer = scripted.window.composer
+    now = [100.0]
+    composer.clock = lambda: now[0]
+    composer.show_progress(512, 7_757, 15.0, 372.0)
+    assert composer.progress_label.text().endswith("about\u00a06m\u00a012s\u00a0left")
+    now[0] += 60  # a minute later, no new report: the countdown timer ticks
+    composer._countdown.timeout.emit()
+    assert composer.progress_label.text().endswith("about\u00a05m\u00a012s\u00a0left")
+    now[0] += 400  # past the estimate
+    composer._countdown.timeout.emit()
+    assert composer.progress_label.text().endswith("almost\u00a0done")
+
+
+def test_a_message_waiting_in_line_says_how_far_the_chat_ahead_is(scripted) -> None:
+    c, bridge, composer = scripted.c, scripted.bridge, scripted.window.composer
+    rid, _cancel = _send(scripted, "Summarise the report")
+    ahead = c.current
+    c.new_session("q8")
+    composer.set_text("Name three pines.")
+    scripted.window.send()
+    assert composer.waiting_box.isVisible()
+    assert composer.waiting_label.text() == "Waiting for ‘Summarise the report’ to finish…"
+    bridge._dispatch(IngestProgress(rid, 512, 3551, 80.0, 38.0))
+    assert composer.waiting_label.text().replace("\u00a0", " ") == (
+        "Waiting for ‘Summarise the report’ to finish… It is reading: 512 / 3,552 tokens, "
+        "about 38s left.")
+    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    assert composer.waiting_label.text().endswith("It is answering.")
+    assert ahead.id != c.current.id
+
+
+def test_before_a_model_is_loaded_the_panel_shows_no_bare_dashes(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    panel = bare_window.panel
+    shown = [label.text() for label in panel.findChildren(QLabel) if label.isVisible()]
+    assert "—" not in shown, shown

@@ -55,11 +55,12 @@ def _demo_tokenizer_dir(root: Path) -> Path:
     return root
 
 
-def _stream(tokenizer: Any, ids: list[int]) -> list[TokenChunk]:
+def _stream(tokenizer: Any, ids: list[int], after: list[int] | None = None
+            ) -> list[TokenChunk]:
     chunks: list[TokenChunk] = []
     answer = AnswerStream(None, [], tokenizer, frozenset(), [], SamplingParams(),
                           request_id=1, cancel=threading.Event(), emit=chunks.append,
-                          tick=lambda: None)
+                          tick=lambda: None, after=after or ())
     for token in ids:
         answer.stream(token)
     answer.flush()
@@ -108,6 +109,26 @@ def test_random_token_ids_never_split_a_character(tokenizer: Any, data: st.DataO
                              min_size=1, max_size=40))
     streamed = _check_chunks(_stream(tokenizer, ids), ids)
     assert streamed == _whole(tokenizer, ids)
+
+
+def test_an_answer_that_goes_on_keeps_the_space_before_its_first_word(tokenizer) -> None:
+    before = tokenizer.encode("Pines grow in size and", add_special_tokens=False)
+    more = tokenizer.encode(" agility over the years.", add_special_tokens=False)
+    assert tokenizer.decode(before + more) == "Pines grow in size and agility over the years."
+    continued = _check_chunks(_stream(tokenizer, more, after=before), more)
+    assert continued == " agility over the years."
+    # A new turn's first word still loses the space the model wrote before it.
+    assert _check_chunks(_stream(tokenizer, more), more) == "agility over the years."
+
+
+@settings(FUZZ, max_examples=60)
+@given(before=TEXT, text=TEXT)
+def test_a_continuation_streams_back_whole_after_any_text(tokenizer: Any, before: str,
+                                                           text: str) -> None:
+    head = tokenizer.encode(before, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assume(tokenizer.decode(ids, clean_up_tokenization_spaces=False) == text)
+    assert _check_chunks(_stream(tokenizer, ids, after=head), ids) == text
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -89,6 +89,17 @@ def test_continuing_an_answer_the_template_drops_says_so() -> None:
     assert render_prompt(_DroppingTemplate(), messages, add_generation_prompt=False).ids
 
 
+def test_a_prompt_says_whether_the_answer_goes_on_from_its_text(tokenizer) -> None:
+    question = [{"role": "user", "content": "Where do pines grow?"}]
+    cut = [*question, {"role": "assistant", "content": "In size and"}]
+    assert not render_prompt(tokenizer, question, add_generation_prompt=True).continues
+    assert render_prompt(tokenizer, cut, add_generation_prompt=True).continues
+    assert not render_prompt(tokenizer, cut, add_generation_prompt=False).continues
+    # A text completion's prompt is plain text: the answer goes on from it.
+    assert render_prompt(tokenizer, question, add_generation_prompt=True,
+                         template=False).continues
+
+
 def test_an_answer_of_only_spaces_continues_right_after_its_turn_opens() -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\n"}]
     prompt = render_prompt(_DroppingTemplate(), messages, add_generation_prompt=True)
