@@ -65,6 +65,9 @@ class Prompt:
         starts: where each token starts in ``text``, in characters (None when
             the tokenizer does not say).
         tools: the tool definitions the template rendered (None: none).
+        continues: the ids end inside a text the answer goes on with (plain
+            text, or a final assistant message continued), not at the opening
+            of a new turn.
     """
 
     ids: list[int]
@@ -72,6 +75,7 @@ class Prompt:
     text: str | None = None
     starts: list[int] | None = None
     tools: list[dict] | None = None
+    continues: bool = False
 
     def boundaries(self, tokenizer: Any, *, after: int, most: int) -> list[int]:
         """Token counts of ``ids`` that end a message, past ``after``; at most ``most``.
@@ -193,16 +197,18 @@ def render_prompt(
         return Prompt([], [])
     messages = [{**m, "content": clean_text(m["content"])} for m in messages]
     if template and getattr(tokenizer, "has_chat_template", False):
-        if add_generation_prompt and messages[-1]["role"] == "assistant":
+        continues = add_generation_prompt and messages[-1]["role"] == "assistant"
+        if continues:
             text = _continued_text(tokenizer, messages, tools)
         else:
             text = _template_text(tokenizer, messages,
                                   add_generation_prompt=add_generation_prompt, tools=tools)
         ids, starts = encode_with_starts(tokenizer, text)
-        return Prompt(ids, messages, text, starts, tools or None)
+        return Prompt(ids, messages, text, starts, tools or None, continues)
     # Base models have no template: the contents, one after another.
     text = "\n\n".join(message["content"] for message in messages)
-    return Prompt(list(tokenizer.encode(text, add_special_tokens=True)), messages)
+    return Prompt(list(tokenizer.encode(text, add_special_tokens=True)), messages,
+                  continues=True)
 
 
 def render_conversation(

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from engine.cache import adapter
 from engine.errors import EngineError, KvBudgetExceeded
-from engine.events import TokenChunk
+from engine.events import TokenChunk, TokenLogprob
 from engine.session import checkpoints, speculative
 
 Sampler = Callable[[mx.array], mx.array]
@@ -22,6 +24,12 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 # mlx-lm's default window for the repetition penalty; long enough to stop loops,
 # short enough not to punish every common word in a long answer.
 REPETITION_CONTEXT = 64
+# Most alternatives a request may ask for per token (OpenAI's own limit).
+MAX_TOP_LOGPROBS = 20
+# Stands in for text before the answer in a detokenizer that continues a text:
+# mlx-lm's streaming detokenizers drop the first space of an answer that starts
+# their text, which a continuation ("is" -> " Paris") needs.
+_CONTINUED = "\x00"
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,13 @@ class SamplingParams:
         top_k: keep only the k most likely tokens; 0 disables it.
         min_p: drop tokens below this fraction of the top token's probability.
         repetition_penalty: > 1 discourages repeating recent tokens; 1.0 disables it.
+        presence_penalty: subtracted from the logit of every token seen in the
+            recent tokens (``REPETITION_CONTEXT``, the prompt's included); 0 disables it.
+        frequency_penalty: subtracted once per occurrence in those tokens; 0
+            disables it.
+        logit_bias: (token id, bias) pairs added to those tokens' logits.
+        logprobs: None returns no log probabilities; n >= 0 returns each sampled
+            token's and its n most likely alternatives (``TokenChunk.logprobs``).
         max_tokens: most tokens to generate.
         seed: random seed for reproducible sampling, or None.
         speculative: "lookup" (the default) proposes tokens found in the chat's
@@ -47,6 +62,10 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
     max_tokens: int = 512
     seed: int | None = None
     speculative: str = "lookup"
@@ -65,6 +84,9 @@ class SamplingParams:
             problems.append(
                 f"repetition_penalty must be > 0 (got {self.repetition_penalty})"
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS} "
+                            f"(got {self.logprobs})")
         if self.max_tokens < 1:
             problems.append(f"max_tokens must be >= 1 (got {self.max_tokens})")
         if self.speculative not in speculative.MODES:
@@ -86,11 +108,16 @@ def build_sampler(params: SamplingParams) -> Sampler:
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
     """Return mlx-lm's logits processors for these settings (may be empty)."""
-    if params.repetition_penalty == 1.0:
-        return []
     return make_logits_processors(
-        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) or None,
+        # 1.0 multiplies by one: no processor, so plain answers keep their fast path.
+        repetition_penalty=None if params.repetition_penalty == 1.0
+        else params.repetition_penalty,
         repetition_context_size=REPETITION_CONTEXT,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=REPETITION_CONTEXT,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=REPETITION_CONTEXT,
     )
 
 
@@ -116,6 +143,9 @@ class AnswerStream:
         tick: called after every token (stats).
         index: the session's n-gram index of the ids it holds, for drafts (kept
             between answers); None builds one from ``held`` when speculating.
+        continues: the prompt ends inside a text the answer continues (a text
+            completion, an assistant message finished), so the answer's first
+            space is part of its text.
     """
 
     def __init__(
@@ -132,6 +162,7 @@ class AnswerStream:
         emit: Callable[[object], None],
         tick: Callable[[], None],
         index: speculative.ContextIndex | None = None,
+        continues: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -145,12 +176,21 @@ class AnswerStream:
         self.tick = tick
         self.generated: list[int] = []
         self.detokenizer = tokenizer.detokenizer
+        if continues:
+            _keep_first_space(self.detokenizer)
         self.pending_ids: list[int] = []
+        # Log probabilities asked for: the scores of each queued step, read in
+        # the order its tokens are.
+        self.top_logprobs = sampling.logprobs
+        self.scores: deque[mx.array] = deque()
+        self.pending_logprobs: list[TokenLogprob] = []
         self.history = mx.array([], dtype=mx.int32)
         self.started = time.perf_counter()
         self.first_token_at = self.started
         self.last_token_at = self.started
-        self.speculate = sampling.speculative == "lookup"
+        # A verification scores several tokens in one pass; log probabilities are
+        # read one decode step at a time, so a request for them decodes plainly.
+        self.speculate = sampling.speculative == "lookup" and sampling.logprobs is None
         self.index = index
         self.drafter: speculative.Drafter | None = None
         # What speculation did: tokens proposed, proposed tokens accepted, and the
@@ -171,7 +211,23 @@ class AnswerStream:
             for processor in self.processors:
                 logits = processor(self.history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if self.top_logprobs is not None:
+            self.scores.append(logprobs)
         return self.sampler(logprobs)
+
+    def _score(self, token: int) -> None:
+        """Read the log probabilities of the step that sampled ``token`` (steps are
+        read in the order they were queued), when the request asked for them."""
+        if self.top_logprobs is None or not self.scores:
+            return
+        row = self.scores.popleft().reshape(-1)
+        if token in self.end_ids:
+            return  # the end of the turn is no part of the answer's text
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top_logprobs:
+            ids = mx.argsort(-row)[:self.top_logprobs]
+            top = tuple(zip(ids.tolist(), row[ids].tolist(), strict=True))
+        self.pending_logprobs.append(TokenLogprob(token, row[token].item(), top))
 
     def stream(self, token: int) -> None:
         """Detokenize one token; emit text once it holds only whole characters."""
@@ -179,16 +235,25 @@ class AnswerStream:
         self.pending_ids.append(token)
         text = self.detokenizer.last_segment
         if text:
-            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
-            self.pending_ids = []
+            self._send(text)
+
+    def _send(self, text: str) -> None:
+        self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids),
+                             tuple(self.pending_logprobs)))
+        self.pending_ids = []
+        self.pending_logprobs = []
 
     def flush(self) -> None:
-        """Emit whatever the detokenizer still holds back."""
+        """Emit whatever the detokenizer still holds back.
+
+        Held back means the text so far ends inside a character: an answer cut
+        at its length limit there ends before that character, never with the
+        replacement character the partial bytes decode to.
+        """
         self.detokenizer.finalize()
-        text = self.detokenizer.last_segment
+        text = self.detokenizer.last_segment.rstrip("\ufffd")
         if text or self.pending_ids:
-            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
-            self.pending_ids = []
+            self._send(text)
 
     def run(self, prompt: list[int], max_tokens: int) -> str:
         """Generate up to ``max_tokens`` tokens; returns "stop", "length" or "cancelled"."""
@@ -240,6 +305,7 @@ class AnswerStream:
                     queue_next = room = False
                     max_tokens = len(self.generated) + 1
             token = int(y.item())
+            self._score(token)
             self.last_token_at = time.perf_counter()
             if not self.generated:
                 self.first_token_at = self.last_token_at
@@ -401,3 +467,16 @@ class AnswerStream:
                 mx.eval(adapter.eval_targets(self.cache))
         self.held.extend(fed[:count])
         self.index.extend(fed[:count])
+
+
+def _keep_first_space(detokenizer: Any) -> None:
+    """Make mlx-lm's streaming ``detokenizer`` keep the space that starts its text.
+
+    Its BPE and SentencePiece detokenizers drop a leading space while their text
+    is empty (right for an answer that opens a turn); a stand-in already in the
+    text, never emitted, keeps it for an answer that continues a text. Others
+    decode the ids as the tokenizer does and keep it anyway.
+    """
+    if isinstance(detokenizer, BPEStreamingDetokenizer | SPMStreamingDetokenizer):
+        detokenizer.text = _CONTINUED
+        detokenizer.offset = len(_CONTINUED)

@@ -552,7 +552,7 @@ class Session:
         generation = AnswerStream(
             model, self.cache, self.tokenizer, self.end_ids, self.tokens,
             sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
-            index=self.context_index,
+            index=self.context_index, continues=rendered.continues,
         )
         try:
             reason = generation.run(prompt, max_tokens)
