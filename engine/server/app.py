@@ -18,14 +18,16 @@ from dataclasses import dataclass, replace
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from engine.cache.modes import MODES
 from engine.errors import EngineError
-from engine.events import Failed, Finished, SessionOpened, TokenChunk
+from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import protocol
 from engine.server.bridge import LOADING, EngineBridge, NotReady, QueueFull, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
@@ -37,6 +39,11 @@ MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_MAX_TOKENS = 512
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
+# A stream with nothing to send for this long (a long read of the prompt, a wait
+# behind other requests) sends an event that changes nothing: clients such as
+# Claude Code end a stream after a while without events, and do not count
+# SSE comments or Anthropic's ping events.
+KEEPALIVE_SECONDS = 10.0
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
 SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline yet: send "
                        "\"speculative\": \"off\" or leave it out (answers decode plainly "
@@ -58,6 +65,13 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
         self.param, self.code, self.headers = param, code, headers or {}
+
+
+class KeepAlive:
+    """Nothing came from the engine for a while: a stream sends a harmless event."""
+
+
+KEEPALIVE = KeepAlive()
 
 
 @dataclass
@@ -126,6 +140,19 @@ def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
 
+def too_long(prompt_tokens: int, context: int, *, anthropic: bool, field: str = "messages",
+             verb: str = "take") -> ApiError:
+    """The 400 for a prompt the context cannot hold, worded as each API words it
+    (Claude Code reads Anthropic's wording to compact the conversation)."""
+    if anthropic:
+        return ApiError(400, f"prompt is too long: {prompt_tokens} tokens > {context - 1} "
+                             "maximum", param=field, code="context_length_exceeded")
+    return ApiError(400, f"This model's maximum context length is {context:,} tokens; "
+                         f"the {field} {verb} {prompt_tokens:,} tokens and the answer "
+                         "needs at least one more.", param=field,
+                    code="context_length_exceeded")
+
+
 def error_response(request: Request, error: ApiError) -> JSONResponse:
     """``error`` as the OpenAI or the Anthropic error object."""
     if _is_anthropic(request):
@@ -155,8 +182,10 @@ class Server:
     def __init__(self, bridge: EngineBridge, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES,
                  cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
-                 allowed_hosts: tuple[str, ...] = ()) -> None:
+                 allowed_hosts: tuple[str, ...] = (),
+                 keepalive: float = KEEPALIVE_SECONDS) -> None:
         self.bridge = bridge
+        self.keepalive = keepalive
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.cors_origins = cors_origins
@@ -170,8 +199,10 @@ class Server:
         named: without any, no CORS headers are sent and browsers refuse them.
         """
         routes = [
+            Route("/", self._wrap(self.root, auth=False), methods=["GET", "HEAD"]),
             Route("/health", self._wrap(self.health, auth=False), methods=["GET"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._wrap(self.model), methods=["GET"]),
             Route("/v1/chat/completions", self._wrap(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/v1/messages", self._wrap(self.messages), methods=["POST"]),
@@ -183,7 +214,18 @@ class Server:
             middleware.append(Middleware(
                 CORSMiddleware, allow_origins=list(self.cors_origins),
                 allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
-        return Starlette(routes=routes, middleware=middleware)
+        return Starlette(routes=routes, middleware=middleware,
+                         exception_handlers={HTTPException: self._http_error})
+
+    async def _http_error(self, request: Request, error: HTTPException) -> Response:
+        """Starlette's own errors (no such route, a method it does not take) as JSON."""
+        if error.status_code == 404:
+            message = (f"There is no {request.url.path} here: this server answers "
+                       "/v1/chat/completions, /v1/completions, /v1/messages and /v1/models.")
+        else:
+            message = f"{request.method} {request.url.path}: {error.detail}."
+        return error_response(request, ApiError(error.status_code, message,
+                                                headers=dict(error.headers or {})))
 
     # -- plumbing --------------------------------------------------------------
 
@@ -260,6 +302,10 @@ class Server:
 
     # -- endpoints -------------------------------------------------------------
 
+    async def root(self, request: Request) -> Response:
+        """What a client that checks the server is up (Claude Code, Ollama's) asks first."""
+        return PlainTextResponse("Longleaf is running")
+
     async def health(self, request: Request) -> JSONResponse:
         if not self.bridge.ready.is_set():
             status = "error" if self.bridge.load_error else "loading"
@@ -268,18 +314,29 @@ class Server:
         return JSONResponse({"status": "ok", "model": self.bridge.model_id,
                              "machines": self.bridge.machines})
 
+    def _model_entry(self) -> dict:
+        return {"id": self.bridge.model_id, "object": "model", "created": 0,
+                "owned_by": "longleaf", "context_length": self.bridge.max_context,
+                "kv_mode": self.bridge.kv_mode, "machines": self.bridge.machines}
+
     async def models(self, request: Request) -> JSONResponse:
         self._check_ready()
-        model = {"id": self.bridge.model_id, "object": "model", "created": 0,
-                 "owned_by": "longleaf", "context_length": self.bridge.max_context,
-                 "kv_mode": self.bridge.kv_mode, "machines": self.bridge.machines}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        asked = request.path_params["model"]
+        name, _, mode = asked.partition("@")
+        if name != self.bridge.model_id or (mode and mode not in MODES):
+            raise ApiError(404, f"The model {asked!r} does not exist here: this server "
+                                f"serves {self.bridge.model_id!r} (add @fp16, @q8, @q6 or "
+                                "@q4 for a KV mode).", param="model", code="model_not_found")
+        return JSONResponse({**self._model_entry(), "id": asked})
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         self._check_ready()
         chat = protocol.anthropic_messages(await self._body(request), counting=True)
-        prompt = await asyncio.wrap_future(self.bridge.render_later(chat.messages, chat.tools))
-        return JSONResponse({"input_tokens": len(prompt)})
+        return JSONResponse({"input_tokens": len(await self._render(chat))})
 
     async def chat_completions(self, request: Request):
         self._check_ready()
@@ -287,6 +344,7 @@ class Server:
         run = await self._start(chat)
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         model = self._model_name(chat)
+        logprobs = chat.sampling.logprobs is not None
         if not chat.stream:
             text, calls, outcome = await self._collect(request, run)
             message: dict = {"role": "assistant", "content": text if text or not calls else None}
@@ -294,16 +352,17 @@ class Server:
                 message["tool_calls"] = [_openai_call(call) for call in calls]
             return JSONResponse({
                 "id": ident, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message,
-                             "finish_reason": outcome.finish, "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": outcome.finish,
+                             "logprobs": self._chat_logprobs(run) if logprobs else None}],
                 "usage": _openai_usage(outcome), "kv_mode": outcome.mode,
                 **_choice_met(outcome),
             })
 
         def chunk(delta: dict, finish: str | None, **extra) -> str:
+            scores = self._chat_logprobs(run) if logprobs and "content" in delta else None
             return json.dumps({"id": ident, "object": "chat.completion.chunk",
                                "created": created, "model": model,
-                               "choices": [{"index": 0, "delta": delta,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": scores,
                                             "finish_reason": finish}], **extra})
 
         async def events() -> AsyncIterator[dict]:
@@ -311,6 +370,8 @@ class Server:
             calls = 0
             try:
                 async for piece in _guarded(run):
+                    if isinstance(piece, KeepAlive):
+                        continue  # SSE comments (ping) keep this stream's clients waiting
                     if isinstance(piece, str):
                         yield {"data": chunk({"content": piece}, None)}
                     elif isinstance(piece, ToolCall):
@@ -330,6 +391,39 @@ class Server:
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15)
 
+    def _chat_logprobs(self, run: Run) -> dict:
+        """Chat's ``logprobs`` object for the tokens read since the last call."""
+        taken = run.take_logprobs()
+        texts = self.bridge.token_texts([t.token_id for t in taken])
+        tops = self.bridge.token_texts([i for t in taken for i, _ in t.top])
+        content, at = [], 0
+        for entry, text in zip(taken, texts, strict=True):
+            alternatives = []
+            for _, value in entry.top:
+                alternatives.append(_scored(tops[at], value))
+                at += 1
+            content.append({**_scored(text, entry.logprob), "top_logprobs": alternatives})
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(self, run: Run, offset: int) -> dict:
+        """/v1/completions' ``logprobs`` object; ``offset`` is where its text starts."""
+        taken = run.take_logprobs()
+        texts = self.bridge.token_texts([t.token_id for t in taken])
+        tops = self.bridge.token_texts([i for t in taken for i, _ in t.top])
+        offsets, at = [], offset
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        top_logprobs, at = [], 0
+        for entry in taken:
+            alternatives = {}
+            for _, value in entry.top:
+                alternatives.setdefault(tops[at], value)
+                at += 1
+            top_logprobs.append(alternatives)
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in taken],
+                "top_logprobs": top_logprobs, "text_offset": offsets}
+
     async def completions(self, request: Request):
         self._check_ready()
         chat = protocol.openai_completion(await self._body(request), COMPLETION_MAX_TOKENS)
@@ -337,23 +431,30 @@ class Server:
         created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         model = self._model_name(chat)
         echoed = chat.messages[0]["content"] if chat.echo else ""
+        logprobs = chat.sampling.logprobs is not None
 
-        def body(text: str, finish: str | None) -> dict:
+        def body(text: str, finish: str | None, scores: dict | None = None) -> dict:
             return {"id": ident, "object": "text_completion", "created": created,
-                    "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                    "model": model, "choices": [{"index": 0, "text": text, "logprobs": scores,
                                                  "finish_reason": finish}]}
         if not chat.stream:
             text, _, outcome = await self._collect(request, run)
-            return JSONResponse({**body(echoed + text, outcome.finish),
+            scores = self._completion_logprobs(run, len(echoed)) if logprobs else None
+            return JSONResponse({**body(echoed + text, outcome.finish, scores),
                                  "usage": _openai_usage(outcome), "kv_mode": outcome.mode})
 
         async def events() -> AsyncIterator[dict]:
             if echoed:
                 yield {"data": json.dumps(body(echoed, None))}
+            written = len(echoed)
             try:
                 async for piece in _guarded(run):
+                    if isinstance(piece, KeepAlive):
+                        continue
                     if isinstance(piece, str):
-                        yield {"data": json.dumps(body(piece, None))}
+                        scores = self._completion_logprobs(run, written) if logprobs else None
+                        written += len(piece)
+                        yield {"data": json.dumps(body(piece, None, scores))}
                         continue
                     yield {"data": json.dumps(body("", piece.finish))}
                     if chat.include_usage:
@@ -381,55 +482,7 @@ class Server:
                 "stop_sequence": run.stopped_by, "usage": _anthropic_usage(outcome),
                 "kv_mode": outcome.mode, **_choice_met(outcome),
             })
-
-        def event(kind: str, data: dict) -> dict:
-            return {"event": kind, "data": json.dumps({"type": kind, **data})}
-
-        async def events() -> AsyncIterator[dict]:
-            yield event("message_start", {"message": {
-                "id": ident, "type": "message", "role": "assistant", "model": model,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}})
-            # A text block opens with the first text: an answer that only calls
-            # a tool starts with its tool_use block, as Anthropic's own do.
-            index, text_open = -1, False  # the last block opened, and whether it is text
-            try:
-                async for piece in _guarded(run):
-                    if isinstance(piece, str):
-                        if not piece:
-                            continue
-                        if not text_open:
-                            index, text_open = index + 1, True
-                            yield event("content_block_start", {
-                                "index": index, "content_block": {"type": "text", "text": ""}})
-                        yield event("content_block_delta", {"index": index, "delta": {
-                            "type": "text_delta", "text": piece}})
-                        continue
-                    if text_open:
-                        yield event("content_block_stop", {"index": index})
-                        text_open = False
-                    if isinstance(piece, ToolCall):
-                        index += 1
-                        yield event("content_block_start", {"index": index, "content_block": {
-                            **_anthropic_call(piece), "input": {}}})
-                        yield event("content_block_delta", {"index": index, "delta": {
-                            "type": "input_json_delta", "partial_json": piece.arguments}})
-                        yield event("content_block_stop", {"index": index})
-                        continue
-                    if index < 0:  # nothing written: one empty text block, as not streamed
-                        index = 0
-                        yield event("content_block_start", {
-                            "index": 0, "content_block": {"type": "text", "text": ""}})
-                        yield event("content_block_stop", {"index": 0})
-                    yield event("message_delta", {
-                        "delta": {"stop_reason": _anthropic_stop(piece, run.stopped_by),
-                                  "stop_sequence": run.stopped_by},
-                        "usage": _anthropic_usage(piece), **_choice_met(piece)})
-                    yield event("message_stop", {})
-            except ApiError as error:
-                body = json.loads(error_response(request, error).body)
-                yield {"event": "error", "data": json.dumps(body)}
-        return EventSourceResponse(events(), ping=15)
+        return EventSourceResponse(_anthropic_events(request, run, ident, model), ping=15)
 
     # -- generation ------------------------------------------------------------
 
@@ -444,17 +497,14 @@ class Server:
             # verification and rewind are not steps they know yet. Left to the
             # default, the answer decodes plainly there instead (Session.chat).
             raise ApiError(400, SPECULATIVE_REFUSAL, param="speculative")
-        # Off the event loop: a long conversation takes a while to render and
-        # tokenize, and other connections keep being answered meanwhile.
-        prompt = await asyncio.wrap_future(
-            self.bridge.render_later(chat.messages, chat.tools, chat.template))
+        syntax = self._tool_syntax(chat)
+        self._check_bias(chat)
+        prompt = await self._render(chat)
         context = self.bridge.max_context
         if len(prompt) + 1 > context:
             field, verb = ("messages", "take") if chat.template else ("prompt", "takes")
-            raise ApiError(400, f"This model's maximum context length is {context:,} tokens; "
-                                f"the {field} {verb} {len(prompt):,} tokens and the answer "
-                                "needs at least one more.", param=field,
-                           code="context_length_exceeded")
+            raise too_long(len(prompt), context, anthropic=chat.anthropic, field=field,
+                           verb=verb)
         try:
             report = self.bridge.fit(len(prompt) + 1)
         except EngineError as error:
@@ -466,13 +516,13 @@ class Server:
         # Rank 0's own limits first, then (on a pipeline) another machine's.
         why = report.message() if not fit.fits else report.machine_short(mode, len(prompt) + 1)
         if why is not None:
+            if chat.anthropic:
+                # Its API has no other answer for a prompt that does not fit, and
+                # Claude Code compacts the conversation on this one.
+                log.info("prompt of %d tokens refused: %s", len(prompt), why)
+                fitting = min(fit.tokens_fit, report.pool_tokens(mode) or fit.tokens_fit)
+                raise too_long(len(prompt), fitting, anthropic=True)
             raise ApiError(507, why, "insufficient_memory", code="insufficient_memory")
-        syntax = self.bridge.tool_syntax if chat.tools else None
-        if chat.tool_choice != "auto" and syntax is None:
-            raise ApiError(400, "'tool_choice' asks for a tool call, but this model's chat "
-                                "template defines no tool calling: its answer could not "
-                                "be read as a call. Send tool_choice 'auto' or 'none'.",
-                           param="tool_choice")
         cancel = threading.Event()
         try:
             ticket = self.bridge.submit(chat.messages, prompt, mode, chat.sampling, cancel,
@@ -485,7 +535,45 @@ class Server:
             raise _not_ready(str(error)) from error
         reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
         wanted = None if chat.tool_choice == "auto" else chat.tool_name or ""
-        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted)
+        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted,
+                   keepalive=self.keepalive if chat.stream else 0.0, single_call=chat.single_call,
+                   anthropic=chat.anthropic)
+
+    async def _render(self, chat: ChatRequest) -> list[int]:
+        """The request's prompt ids, rendered off the event loop (a long conversation
+        takes a while to render and tokenize; other connections go on meanwhile)."""
+        try:
+            return await asyncio.wrap_future(
+                self.bridge.render_later(chat.messages, chat.tools, chat.template))
+        except EngineError as error:  # e.g. a template that drops the message to continue
+            raise ApiError(400, str(error), param="messages") from error
+
+    def _tool_syntax(self, chat: ChatRequest):
+        """How the model marks its calls, for a request with tools (None: no tools).
+
+        Tools for a model whose chat template defines no tool calling are refused:
+        the template would drop them, and the answer could never be read as a call.
+        """
+        if not chat.tools:
+            return None
+        syntax = self.bridge.tool_syntax
+        if syntax is None:
+            raise ApiError(400, f"'tools' were sent, but this model's chat template "
+                                f"({self.bridge.model_id}) defines no tool calling: it "
+                                "would never see them, and its answer could not be read "
+                                "as a call. Serve a model with tool calling (Qwen2.5 or "
+                                "later, Llama 3.1, Mistral…), or leave 'tools' out "
+                                "(tool_choice 'none' does).", param="tools",
+                           code="tools_unsupported")
+        return syntax
+
+    def _check_bias(self, chat: ChatRequest) -> None:
+        vocab = self.bridge.vocab_size
+        for ident, _ in chat.sampling.logit_bias:
+            if ident >= vocab:
+                raise ApiError(400, f"'logit_bias' names token id {ident}, but this model's "
+                                    f"tokenizer has {vocab:,} tokens (ids 0 to {vocab - 1}).",
+                               param="logit_bias")
 
     async def _collect(self, request: Request,
                        run: Run) -> tuple[str, list[ToolCall], Outcome]:
@@ -499,14 +587,74 @@ class Server:
                     parts.append(piece)
                 elif isinstance(piece, ToolCall):
                     calls.append(piece)
-                else:
+                elif isinstance(piece, Outcome):
                     return "".join(parts), calls, piece
         finally:
             watcher.cancel()
         raise ApiError(500, "The engine ended the request without an answer.", "server_error")
 
 
-async def _guarded(run: Run) -> AsyncIterator[str | ToolCall | Outcome]:
+def _anthropic_event(kind: str, data: dict) -> dict:
+    return {"event": kind, "data": json.dumps({"type": kind, **data})}
+
+
+async def _anthropic_events(request: Request, run: Run, ident: str,
+                            model: str) -> AsyncIterator[dict]:
+    """A streamed Anthropic message: ``message_start`` … ``message_stop``.
+
+    A text block opens with the first text: an answer that only calls a tool
+    starts with its tool_use block, as Anthropic's own do. While the engine has
+    nothing to say (reading a long prompt), an empty text delta goes out now and
+    then: Claude Code ends a stream that sends no event but ``ping`` for a while.
+    """
+    event = _anthropic_event
+    reused = run.ticket.reused
+    yield event("message_start", {"message": {
+        "id": ident, "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": run.prompt_tokens - reused, "output_tokens": 0,
+                  "cache_read_input_tokens": reused, "cache_creation_input_tokens": 0}}})
+    index, text_open = -1, False  # the last block opened, and whether it is text
+    try:
+        async for piece in _guarded(run):
+            if isinstance(piece, str | KeepAlive):
+                if isinstance(piece, str) and not piece:
+                    continue
+                if not text_open:
+                    index, text_open = index + 1, True
+                    yield event("content_block_start", {
+                        "index": index, "content_block": {"type": "text", "text": ""}})
+                text = piece if isinstance(piece, str) else ""
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "text_delta", "text": text}})
+                continue
+            if text_open:
+                yield event("content_block_stop", {"index": index})
+                text_open = False
+            if isinstance(piece, ToolCall):
+                index += 1
+                yield event("content_block_start", {"index": index, "content_block": {
+                    **_anthropic_call(piece), "input": {}}})
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": piece.arguments}})
+                yield event("content_block_stop", {"index": index})
+                continue
+            if index < 0:  # nothing written: one empty text block, as not streamed
+                index = 0
+                yield event("content_block_start", {
+                    "index": 0, "content_block": {"type": "text", "text": ""}})
+                yield event("content_block_stop", {"index": 0})
+            yield event("message_delta", {
+                "delta": {"stop_reason": _anthropic_stop(piece, run.stopped_by),
+                          "stop_sequence": run.stopped_by},
+                "usage": _anthropic_usage(piece), **_choice_met(piece)})
+            yield event("message_stop", {})
+    except ApiError as error:
+        body = json.loads(error_response(request, error).body)
+        yield {"event": "error", "data": json.dumps(body)}
+
+
+async def _guarded(run: Run) -> AsyncIterator[str | ToolCall | Outcome | KeepAlive]:
     """``run``'s parts; a stream cut off by its client cancels the engine request."""
     pieces = run.parts()
     try:
@@ -526,11 +674,20 @@ async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
 
 
 class Run:
-    """One generation's pieces of text as they come, cut at the first stop sequence."""
+    """One generation's pieces of text as they come, cut at the first stop sequence.
+
+    Args:
+        keepalive: seconds without an engine event after which ``parts`` yields
+            ``KEEPALIVE`` (0: never).
+        single_call: keep the answer's first tool call only (parallel calls refused).
+        anthropic: word a prompt that turns out too long as Anthropic's API does.
+    """
 
     def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
                  stops: tuple[str, ...], prompt_tokens: int,
-                 reader: ToolCallReader | None = None, wanted: str | None = None) -> None:
+                 reader: ToolCallReader | None = None, wanted: str | None = None, *,
+                 keepalive: float = 0.0, single_call: bool = False,
+                 anthropic: bool = False) -> None:
         self.bridge, self.ticket, self.cancel = bridge, ticket, cancel
         self.stops = stops
         self.reader = reader
@@ -538,8 +695,17 @@ class Run:
         self.prompt_tokens = prompt_tokens
         self.stopped_by: str | None = None
         self.mode = ticket.mode
+        self.keepalive = keepalive
+        self.single_call = single_call
+        self.anthropic = anthropic
+        self.logprobs: list[TokenLogprob] = []  # read so far, not yet taken
 
-    async def parts(self) -> AsyncIterator[str | ToolCall | Outcome]:
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log probabilities of the tokens read since the last call."""
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
+    async def parts(self) -> AsyncIterator[str | ToolCall | Outcome | KeepAlive]:
         """The answer's text and tool calls, then one ``Outcome``.
 
         Without a tool syntax (no tools asked, or a model that defines none) the
@@ -551,42 +717,60 @@ class Run:
         names: list[str] = []
         try:
             async for piece in pieces:
-                if self.reader is None:
+                if self.reader is None or isinstance(piece, KeepAlive):
                     yield piece
-                elif isinstance(piece, str):
-                    for part in self.reader.feed(piece):
-                        names += [part.name] if isinstance(part, ToolCall) else []
-                        yield part
-                else:
-                    for part in self.reader.finish():
-                        names += [part.name] if isinstance(part, ToolCall) else []
-                        yield part
-                    if self.reader.calls and piece.finish == "stop" and not self.stopped_by:
-                        piece = replace(piece, finish="tool_calls")
-                    if self.wanted is not None:
-                        met = bool(names) if not self.wanted else self.wanted in names
-                        if not met:
-                            log.info("the answer did not make the call tool_choice asked for")
-                        piece = replace(piece, tool_choice_met=met)
-                    yield piece
+                    continue
+                parts = self.reader.feed(piece) if isinstance(piece, str) \
+                    else self.reader.finish()
+                for part in parts:
+                    if isinstance(part, ToolCall):
+                        if self.single_call and names:
+                            log.info("a parallel tool call dropped: the request allows one")
+                            continue
+                        names.append(part.name)
+                    yield part
+                if not isinstance(piece, str):
+                    yield self._ended(piece, names)
         finally:
             await pieces.aclose()
 
-    async def pieces(self) -> AsyncIterator[str | Outcome]:
+    def _ended(self, outcome: Outcome, names: list[str]) -> Outcome:
+        if names and outcome.finish == "stop" and not self.stopped_by:
+            outcome = replace(outcome, finish="tool_calls")
+        if self.wanted is not None:
+            met = bool(names) if not self.wanted else self.wanted in names
+            if not met:
+                log.info("the answer did not make the call tool_choice asked for")
+            outcome = replace(outcome, tool_choice_met=met)
+        return outcome
+
+    async def _next_event(self) -> object:
+        """The engine's next event for this request, or ``KEEPALIVE`` after a silence."""
+        if not self.keepalive:
+            return await self.ticket.queue.get()
+        try:
+            return await asyncio.wait_for(self.ticket.queue.get(), self.keepalive)
+        except TimeoutError:
+            return KEEPALIVE
+
+    async def pieces(self) -> AsyncIterator[str | Outcome | KeepAlive]:
         """Text deltas, then one ``Outcome``; raises ``ApiError`` for a failure."""
         held = ""  # text that may be the start of a stop sequence
         generated = 0
         keep = max((len(s) for s in self.stops), default=1) - 1
         try:
             while True:
-                event = await self.ticket.queue.get()
-                if isinstance(event, SessionOpened):
+                event = await self._next_event()
+                if isinstance(event, KeepAlive):
+                    yield event
+                elif isinstance(event, SessionOpened):
                     self.mode = event.kv_mode
                 elif isinstance(event, Failed):
                     self.bridge.forget(self.ticket)
-                    raise _engine_error(event)
+                    raise self._failure(event)
                 elif isinstance(event, TokenChunk) and self.stopped_by is None:
                     generated += len(event.token_ids)
+                    self.logprobs.extend(event.logprobs)
                     held += event.text
                     cut = self._stop_at(held)
                     if cut is not None:
@@ -604,6 +788,13 @@ class Run:
                     return
         finally:
             self.cancel.set()  # a client gone mid-stream stops the engine
+
+    def _failure(self, event: Failed) -> ApiError:
+        if event.error_type == "ContextTooLong" and self.anthropic:
+            log.info("prompt of %d tokens refused: %s", self.prompt_tokens, event.message)
+            fitting = event.kept_tokens or self.prompt_tokens
+            return too_long(self.prompt_tokens, fitting, anthropic=True)
+        return _engine_error(event)
 
     def _stop_at(self, text: str) -> int | None:
         found = [(text.find(s), s) for s in self.stops if s in text]
@@ -644,6 +835,10 @@ def _choice_met(outcome: Outcome) -> dict:
     if outcome.tool_choice_met is None:
         return {}
     return {"tool_choice_met": outcome.tool_choice_met}
+
+
+def _scored(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def _openai_call(call: ToolCall) -> dict:
