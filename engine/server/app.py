@@ -28,7 +28,7 @@ from starlette.routing import Route
 from engine.cache.modes import MODES
 from engine.errors import EngineError
 from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
-from engine.server import protocol
+from engine.server import protocol, responses
 from engine.server.bridge import LOADING, EngineBridge, NotReady, QueueFull, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader
@@ -206,6 +206,7 @@ class Server:
             Route("/v1/chat/completions", self._wrap(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/v1/messages", self._wrap(self.messages), methods=["POST"]),
+            Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
             Route("/v1/messages/count_tokens", self._wrap(self.count_tokens),
                   methods=["POST"]),
         ]
@@ -221,7 +222,8 @@ class Server:
         """Starlette's own errors (no such route, a method it does not take) as JSON."""
         if error.status_code == 404:
             message = (f"There is no {request.url.path} here: this server answers "
-                       "/v1/chat/completions, /v1/completions, /v1/messages and /v1/models.")
+                       "/v1/chat/completions, /v1/completions, /v1/responses, "
+                       "/v1/messages, /v1/models and Ollama's /api.")
         else:
             message = f"{request.method} {request.url.path}: {error.detail}."
         return error_response(request, ApiError(error.status_code, message,
@@ -484,6 +486,18 @@ class Server:
             })
         return EventSourceResponse(_anthropic_events(request, run, ident, model), ping=15)
 
+    async def responses(self, request: Request):
+        self._check_ready()
+        asked = responses.read(await self._body(request))
+        run = await self._start(asked.chat)
+        writer = responses.ResponseWriter(asked, self._model_name(asked.chat))
+        if not asked.chat.stream:
+            text, calls, outcome = await self._collect(request, run)
+            return JSONResponse(writer.whole(
+                text, [(c.id, c.name, c.arguments) for c in calls], outcome.finish,
+                _responses_usage(outcome), _extra(outcome)))
+        return EventSourceResponse(_responses_events(run, writer), ping=15)
+
     # -- generation ------------------------------------------------------------
 
     def _model_name(self, chat: ChatRequest) -> str:
@@ -536,7 +550,7 @@ class Server:
         reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
         wanted = None if chat.tool_choice == "auto" else chat.tool_name or ""
         return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted,
-                   keepalive=self.keepalive if chat.stream else 0.0, single_call=chat.single_call,
+                   keepalive=self.keepalive if chat.stream else 0.0, max_calls=chat.max_calls,
                    anthropic=chat.anthropic)
 
     async def _render(self, chat: ChatRequest) -> list[int]:
@@ -592,6 +606,40 @@ class Server:
         finally:
             watcher.cancel()
         raise ApiError(500, "The engine ended the request without an answer.", "server_error")
+
+
+async def _responses_events(run: Run, writer: responses.ResponseWriter) -> AsyncIterator[dict]:
+    """A streamed response: ``response.created`` … ``response.completed``; while the
+    engine reads a long prompt, ``response.in_progress`` now and then (Codex ends a
+    stream that sends no event for a while)."""
+    for event in writer.started():
+        yield event
+    try:
+        async for piece in _guarded(run):
+            if isinstance(piece, KeepAlive):
+                yield writer.waiting()
+            elif isinstance(piece, str):
+                for event in writer.add_text(piece) if piece else ():
+                    yield event
+            elif isinstance(piece, ToolCall):
+                for event in writer.add_call(piece.id, piece.name, piece.arguments):
+                    yield event
+            else:
+                for event in writer.finished(piece.finish, _responses_usage(piece),
+                                             _extra(piece)):
+                    yield event
+    except ApiError as error:
+        yield writer.failed(error.message, error.code)
+
+
+def _responses_usage(outcome: Outcome) -> dict:
+    return responses.usage(outcome.prompt_tokens, outcome.cached_tokens,
+                           outcome.completion_tokens)
+
+
+def _extra(outcome: Outcome) -> dict:
+    """Longleaf's own fields of a response: its KV mode and a forced choice's result."""
+    return {"kv_mode": outcome.mode, **_choice_met(outcome)}
 
 
 def _anthropic_event(kind: str, data: dict) -> dict:
@@ -679,14 +727,14 @@ class Run:
     Args:
         keepalive: seconds without an engine event after which ``parts`` yields
             ``KEEPALIVE`` (0: never).
-        single_call: keep the answer's first tool call only (parallel calls refused).
+        max_calls: keep the answer's first calls only (None: every call).
         anthropic: word a prompt that turns out too long as Anthropic's API does.
     """
 
     def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
                  stops: tuple[str, ...], prompt_tokens: int,
                  reader: ToolCallReader | None = None, wanted: str | None = None, *,
-                 keepalive: float = 0.0, single_call: bool = False,
+                 keepalive: float = 0.0, max_calls: int | None = None,
                  anthropic: bool = False) -> None:
         self.bridge, self.ticket, self.cancel = bridge, ticket, cancel
         self.stops = stops
@@ -696,7 +744,7 @@ class Run:
         self.stopped_by: str | None = None
         self.mode = ticket.mode
         self.keepalive = keepalive
-        self.single_call = single_call
+        self.max_calls = max_calls
         self.anthropic = anthropic
         self.logprobs: list[TokenLogprob] = []  # read so far, not yet taken
 
@@ -724,8 +772,9 @@ class Run:
                     else self.reader.finish()
                 for part in parts:
                     if isinstance(part, ToolCall):
-                        if self.single_call and names:
-                            log.info("a parallel tool call dropped: the request allows one")
+                        if self.max_calls is not None and len(names) >= self.max_calls:
+                            log.info("a tool call dropped: the request allows %d",
+                                     self.max_calls)
                             continue
                         names.append(part.name)
                     yield part

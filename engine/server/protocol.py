@@ -46,7 +46,7 @@ class ChatRequest:
     # The client named "speculative" itself: on a pipeline "lookup" is refused then,
     # and left to the default it is off (Session.chat).
     speculative_asked: bool = False
-    single_call: bool = False  # parallel tool calls refused: the first call only
+    max_calls: int | None = None  # the answer's first calls kept (1: parallel refused)
     anthropic: bool = False  # errors worded as Anthropic's API words them
 
 
@@ -60,7 +60,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def _integer(body: dict, names: tuple[str, ...], default: int | None,
+def integer(body: dict, names: tuple[str, ...], default: int | None,
              low: int) -> int | None:
     for name in names:
         value = body.get(name)
@@ -83,7 +83,7 @@ def _stops(value: Any, name: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _text(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
     """A message's text: a string, or text blocks joined (OpenAI parts, Anthropic blocks).
 
     ``kinds`` are the block types read as text (each carries a "text" string).
@@ -127,7 +127,7 @@ def mode_from(model: str, body: dict) -> str | None:
         raise BadRequest(str(error), "kv_mode") from error
 
 
-def _arguments(value: Any, where: str) -> dict:
+def arguments_of(value: Any, where: str) -> dict:
     """A tool call's arguments as an object (templates render them as JSON)."""
     if isinstance(value, str):
         try:
@@ -140,7 +140,7 @@ def _arguments(value: Any, where: str) -> dict:
     return value
 
 
-def _call(ident: Any, name: Any, arguments: dict, where: str) -> dict:
+def call_of(ident: Any, name: Any, arguments: dict, where: str) -> dict:
     if not isinstance(name, str) or not name:
         raise BadRequest(f"{where} needs a function name.", "messages")
     return {"id": str(ident or ""), "type": "function",
@@ -151,7 +151,7 @@ def _openai_message(message: dict, index: int) -> dict:
     where = f"messages[{index}]"
     role = message["role"]
     content = message.get("content")
-    out: dict = {"role": role, "content": "" if content is None else _text(content, where)}
+    out: dict = {"role": role, "content": "" if content is None else text_of(content, where)}
     if role == "assistant" and message.get("tool_calls") is not None:
         calls = message["tool_calls"]
         if not isinstance(calls, list):
@@ -162,8 +162,8 @@ def _openai_message(message: dict, index: int) -> dict:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
                 raise BadRequest(f"{spot} must be an object with a 'function'.", "messages")
-            out["tool_calls"].append(_call(call.get("id"), function.get("name"),
-                                           _arguments(function.get("arguments", {}), spot),
+            out["tool_calls"].append(call_of(call.get("id"), function.get("name"),
+                                           arguments_of(function.get("arguments", {}), spot),
                                            spot))
     if role == "tool":
         ident = message.get("tool_call_id")
@@ -177,7 +177,7 @@ def _anthropic_message(message: dict, index: int) -> list[dict]:
     where = f"messages[{index}]"
     role, content = message["role"], message.get("content", "")
     if not isinstance(content, list):
-        return [{"role": role, "content": _text(content, where)}]
+        return [{"role": role, "content": text_of(content, where)}]
     out: list[dict] = []
     text: list[dict] = []
     calls: list[dict] = []
@@ -193,16 +193,16 @@ def _anthropic_message(message: dict, index: int) -> list[dict]:
                 thoughts.append(block["thinking"])
             continue
         if kind == "tool_use" and role == "assistant":
-            calls.append(_call(block.get("id"), block.get("name"),
-                               _arguments(block.get("input", {}), where), where))
+            calls.append(call_of(block.get("id"), block.get("name"),
+                               arguments_of(block.get("input", {}), where), where))
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
-            out.append({"role": "tool", "content": _text(result, f"{where} tool_result"),
+            out.append({"role": "tool", "content": text_of(result, f"{where} tool_result"),
                         "tool_call_id": str(block.get("tool_use_id") or "")})
         else:
             text.append(block)
     if text or calls or thoughts or not out:
-        turn: dict = {"role": role, "content": _text(text, where)}
+        turn: dict = {"role": role, "content": text_of(text, where)}
         if calls:
             turn["tool_calls"] = calls
         if thoughts:
@@ -228,7 +228,7 @@ def _checked(raw: Any, roles: tuple[str, ...]) -> list[dict]:
     return out
 
 
-def _continuable(messages: list[dict]) -> list[dict]:
+def continuable(messages: list[dict]) -> list[dict]:
     """``messages``, checked that a last assistant message can be continued.
 
     A conversation that ends with an assistant message is answered by going on
@@ -244,7 +244,7 @@ def _continuable(messages: list[dict]) -> list[dict]:
 
 def _openai_messages(raw: Any) -> list[dict]:
     turns = _checked(raw, ("system", "user", "assistant", "tool"))
-    return _continuable([_openai_message(m, i) for i, m in enumerate(turns)])
+    return continuable([_openai_message(m, i) for i, m in enumerate(turns)])
 
 
 def _with_text(message: dict, text: str, *, after: bool) -> dict:
@@ -261,7 +261,7 @@ def _with_text(message: dict, text: str, *, after: bool) -> dict:
     return {**message, "content": [*blocks, block] if after else [block, *blocks]}
 
 
-def _fold_system(turns: list[dict]) -> tuple[list[str], list[tuple[int, dict]]]:
+def fold_system(turns: list[dict]) -> tuple[list[str], list[tuple[int, dict]]]:
     """System messages inside an Anthropic conversation, folded where templates take them.
 
     Chat templates read a system prompt only first, so (as Claude Code's agents
@@ -283,7 +283,7 @@ def _fold_system(turns: list[dict]) -> tuple[list[str], list[tuple[int, dict]]]:
                 waiting = []
             out.append((index, message))
             continue
-        text = _text(message.get("content", ""), f"messages[{index}]")
+        text = text_of(message.get("content", ""), f"messages[{index}]")
         if not out:
             head.append(text)
         elif out[-1][1]["role"] == "user" and not waiting:
@@ -296,7 +296,7 @@ def _fold_system(turns: list[dict]) -> tuple[list[str], list[tuple[int, dict]]]:
 
 
 def _anthropic_conversation(raw: Any, system: str | None) -> list[dict]:
-    head, turns = _fold_system(_checked(raw, ("user", "assistant", "system")))
+    head, turns = fold_system(_checked(raw, ("user", "assistant", "system")))
     if not turns:
         raise BadRequest("'messages' needs a user message besides system messages.",
                          "messages")
@@ -304,7 +304,7 @@ def _anthropic_conversation(raw: Any, system: str | None) -> list[dict]:
     messages = [{"role": "system", "content": prompt}] if prompt else []
     for index, message in turns:
         messages.extend(_anthropic_message(message, index))
-    return _continuable(messages)
+    return continuable(messages)
 
 
 def _tool_choice(body: dict, anthropic: bool) -> tuple[str, str | None]:
@@ -381,10 +381,11 @@ def _tool_fields(body: dict, anthropic: bool) -> dict:
         single = isinstance(value, dict) and value.get("disable_parallel_tool_use") is True
     else:
         single = body.get("parallel_tool_calls") is False
-    return {"tools": tools, "tool_choice": choice, "tool_name": name, "single_call": single}
+    return {"tools": tools, "tool_choice": choice, "tool_name": name,
+            "max_calls": 1 if single else None}
 
 
-def _model(body: dict) -> str:
+def model_name(body: dict) -> str:
     model = body.get("model", "")
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string.", "model")
@@ -416,7 +417,7 @@ def logit_bias(value: Any, name: str = "logit_bias") -> tuple[tuple[int, float],
     return tuple(pairs)
 
 
-def _sampling(body: dict, max_tokens: int, seed: Any, *,
+def sampling_params(body: dict, max_tokens: int, seed: Any, *,
               logprobs: int | None = None) -> SamplingParams:
     """The sampling fields every API shares (and the extensions other servers read:
     ``top_k``, ``min_p``, ``repetition_penalty``)."""
@@ -428,7 +429,7 @@ def _sampling(body: dict, max_tokens: int, seed: Any, *,
         raise BadRequest("'repetition_penalty' must be greater than 0.", "repetition_penalty")
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
-        top_k=int(_integer(body, ("top_k",), 0, 0) or 0),
+        top_k=int(integer(body, ("top_k",), 0, 0) or 0),
         min_p=_number(body, "min_p", 0.0, 0.0, 0.999), repetition_penalty=repetition,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -442,7 +443,7 @@ def _chat_logprobs(body: dict) -> int | None:
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise BadRequest("'logprobs' must be true or false.", "logprobs")
-    top = _integer(body, ("top_logprobs",), None, 0)
+    top = integer(body, ("top_logprobs",), None, 0)
     if top is not None and top > MAX_TOP_LOGPROBS:
         raise BadRequest(f"'top_logprobs' must be from 0 to {MAX_TOP_LOGPROBS}.",
                          "top_logprobs")
@@ -464,7 +465,7 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
     """Read an OpenAI ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
-    n = _integer(body, ("n",), 1, 1)
+    n = integer(body, ("n",), 1, 1)
     if n != 1:
         raise BadRequest("'n' > 1 is not supported: ask for one choice per request.", "n")
     fields.check(body, fields.CHAT)
@@ -474,11 +475,11 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object.", "stream_options")
-    model = _model(body)
-    max_tokens = _integer(body, ("max_completion_tokens", "max_tokens"), default_max, 1)
+    model = model_name(body)
+    max_tokens = integer(body, ("max_completion_tokens", "max_tokens"), default_max, 1)
     return ChatRequest(
         messages=_openai_messages(body.get("messages")),
-        sampling=_sampling(body, int(max_tokens), body.get("seed"),
+        sampling=sampling_params(body, int(max_tokens), body.get("seed"),
                            logprobs=_chat_logprobs(body)),
         speculative_asked="speculative" in body,
         stop=_stops(body.get("stop"), "stop"), stream=stream,
@@ -498,11 +499,11 @@ def openai_completion(body: Any, default_max: int) -> ChatRequest:
         raise BadRequest("'prompt' must be a non-empty string (batches of prompts and token "
                          "ids are not supported: send one request per prompt).", "prompt")
     for name in ("n", "best_of"):
-        if _integer(body, (name,), 1, 1) != 1:
+        if integer(body, (name,), 1, 1) != 1:
             raise BadRequest(f"'{name}' > 1 is not supported: ask for one choice per "
                              "request.", name)
     fields.check(body, fields.COMPLETIONS)
-    logprobs = _integer(body, ("logprobs",), None, 0)
+    logprobs = integer(body, ("logprobs",), None, 0)
     if logprobs is not None and logprobs > COMPLETION_TOP_LOGPROBS:
         raise BadRequest(f"'logprobs' must be from 0 to {COMPLETION_TOP_LOGPROBS}.",
                          "logprobs")
@@ -515,11 +516,11 @@ def openai_completion(body: Any, default_max: int) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object.", "stream_options")
-    model = _model(body)
-    max_tokens = _integer(body, ("max_tokens",), default_max, 1)
+    model = model_name(body)
+    max_tokens = integer(body, ("max_tokens",), default_max, 1)
     return ChatRequest(
         messages=[{"role": "user", "content": prompt}],
-        sampling=_sampling(body, int(max_tokens), body.get("seed"), logprobs=logprobs),
+        sampling=sampling_params(body, int(max_tokens), body.get("seed"), logprobs=logprobs),
         speculative_asked="speculative" in body,
         stop=_stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
@@ -531,7 +532,7 @@ def _system(body: dict) -> str | None:
     system = body.get("system")
     if system is None:
         return None
-    return _text(system, "system")
+    return text_of(system, "system")
 
 
 def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
@@ -539,8 +540,8 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     fields.check(body, fields.COUNT_TOKENS if counting else fields.MESSAGES)
-    model = _model(body)
-    max_tokens = _integer(body, ("max_tokens",), 1 if counting else None, 1)
+    model = model_name(body)
+    max_tokens = integer(body, ("max_tokens",), 1 if counting else None, 1)
     if max_tokens is None:
         raise BadRequest("'max_tokens' is required.", "max_tokens")
     stream = body.get("stream", False)
@@ -548,7 +549,7 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
         raise BadRequest("'stream' must be true or false.", "stream")
     return ChatRequest(
         messages=_anthropic_conversation(body.get("messages"), _system(body)),
-        sampling=_sampling(body, max_tokens, None),
+        sampling=sampling_params(body, max_tokens, None),
         speculative_asked="speculative" in body,
         stop=_stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model, anthropic=True,
