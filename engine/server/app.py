@@ -22,13 +22,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.cache.modes import MODES
 from engine.errors import EngineError
 from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
-from engine.server import protocol, responses
+from engine.server import ollama, protocol, responses
 from engine.server.bridge import LOADING, EngineBridge, NotReady, QueueFull, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader
@@ -140,6 +140,10 @@ def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
 
+def _is_ollama(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
 def too_long(prompt_tokens: int, context: int, *, anthropic: bool, field: str = "messages",
              verb: str = "take") -> ApiError:
     """The 400 for a prompt the context cannot hold, worded as each API words it
@@ -154,8 +158,10 @@ def too_long(prompt_tokens: int, context: int, *, anthropic: bool, field: str = 
 
 
 def error_response(request: Request, error: ApiError) -> JSONResponse:
-    """``error`` as the OpenAI or the Anthropic error object."""
-    if _is_anthropic(request):
+    """``error`` as the OpenAI, the Anthropic or the Ollama error object."""
+    if _is_ollama(request):
+        body: dict = {"error": error.message}
+    elif _is_anthropic(request):
         kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
                 429: "rate_limit_error", 404: "not_found_error"}.get(error.status, error.kind)
         if kind not in ANTHROPIC_ERRORS:  # its SDKs know these types only
@@ -207,6 +213,13 @@ class Server:
             Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/v1/messages", self._wrap(self.messages), methods=["POST"]),
             Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
+            Route("/api/version", self._wrap(self.ollama_version), methods=["GET"]),
+            Route("/api/tags", self._wrap(self.ollama_tags), methods=["GET"]),
+            Route("/api/ps", self._wrap(self.ollama_ps), methods=["GET"]),
+            Route("/api/show", self._wrap(self.ollama_show), methods=["POST"]),
+            Route("/api/chat", self._wrap(self.ollama_chat), methods=["POST"]),
+            Route("/api/generate", self._wrap(self.ollama_generate), methods=["POST"]),
+            Route("/api/pull", self._wrap(self.ollama_pull), methods=["POST"]),
             Route("/v1/messages/count_tokens", self._wrap(self.count_tokens),
                   methods=["POST"]),
         ]
@@ -498,6 +511,93 @@ class Server:
                 _responses_usage(outcome), _extra(outcome)))
         return EventSourceResponse(_responses_events(run, writer), ping=15)
 
+    # -- Ollama ----------------------------------------------------------------
+
+    async def ollama_version(self, request: Request) -> JSONResponse:
+        return JSONResponse({"version": ollama.VERSION})
+
+    async def ollama_tags(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        return JSONResponse({"models": [ollama.model_entry(self.bridge.model_id,
+                                                           self.bridge.info)]})
+
+    async def ollama_ps(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        entry = ollama.model_entry(self.bridge.model_id, self.bridge.info)
+        return JSONResponse({"models": [{**entry, "expires_at": "2999-01-01T00:00:00Z",
+                                         "size_vram": 0,
+                                         "context_length": self.bridge.max_context}]})
+
+    async def ollama_show(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        body = await self._body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("model") or body.get("name"),
+                                                        str):
+            raise ApiError(400, "'model' must be a model name.", param="model")
+        return JSONResponse(ollama.show(self.bridge.model_id, self.bridge.info,
+                                        self.bridge.chat_template,
+                                        self.bridge.tool_syntax is not None))
+
+    async def ollama_pull(self, request: Request) -> JSONResponse:
+        raise ApiError(501, ollama.PULL_REFUSAL)
+
+    async def ollama_chat(self, request: Request) -> Response:
+        self._check_ready()
+        chat = ollama.chat_request(await self._body(request), self.bridge.max_context)
+        return await self._ollama_answer(request, chat, chat_api=True)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        self._check_ready()
+        body = await self._body(request)
+        if isinstance(body, dict) and not body.get("prompt") and not body.get("messages"):
+            # An empty prompt loads the model, in Ollama: here it is loaded already.
+            return JSONResponse({"model": protocol.model_name(body), "created_at": ollama.now(),
+                                 "response": "", "done": True, "done_reason": "load"})
+        chat = ollama.generate_request(body, self.bridge.max_context)
+        return await self._ollama_answer(request, chat, chat_api=False)
+
+    async def _ollama_answer(self, request: Request, chat: ChatRequest, *,
+                             chat_api: bool) -> Response:
+        started = time.perf_counter()
+        run = await self._start(chat)
+        model = chat.model or ollama.tag(self.bridge.model_id)
+
+        def line(text: str, calls: list[ToolCall] = ()) -> dict:
+            if not chat_api:
+                return {"model": model, "created_at": ollama.now(), "response": text,
+                        "done": False}
+            message: dict = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [_ollama_call(call) for call in calls]
+            return {"model": model, "created_at": ollama.now(), "message": message,
+                    "done": False}
+
+        def last(outcome: Outcome) -> dict:
+            # Ollama counts the prompt tokens it evaluated: a cached prefix is not.
+            return ollama.final_line(model, outcome.finish,
+                                     outcome.prompt_tokens - outcome.cached_tokens,
+                                     outcome.completion_tokens,
+                                     time.perf_counter() - started, chat=chat_api)
+        if not chat.stream:
+            text, calls, outcome = await self._collect(request, run)
+            whole = {**last(outcome), **{k: v for k, v in line(text, calls).items()
+                                        if k in ("message", "response")}}
+            return JSONResponse(whole)
+
+        async def lines() -> AsyncIterator[str]:
+            try:
+                async for piece in _guarded(run):
+                    if isinstance(piece, KeepAlive | str):
+                        text = piece if isinstance(piece, str) else ""
+                        yield json.dumps(line(text)) + "\n"
+                    elif isinstance(piece, ToolCall):
+                        yield json.dumps(line("", [piece])) + "\n"
+                    else:
+                        yield json.dumps(last(piece)) + "\n"
+            except ApiError as error:
+                yield json.dumps({"error": error.message}) + "\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
     # -- generation ------------------------------------------------------------
 
     def _model_name(self, chat: ChatRequest) -> str:
@@ -514,7 +614,7 @@ class Server:
         syntax = self._tool_syntax(chat)
         self._check_bias(chat)
         prompt = await self._render(chat)
-        context = self.bridge.max_context
+        context = min(self.bridge.max_context, chat.context or self.bridge.max_context)
         if len(prompt) + 1 > context:
             field, verb = ("messages", "take") if chat.template else ("prompt", "takes")
             raise too_long(len(prompt), context, anthropic=chat.anthropic, field=field,
@@ -538,8 +638,12 @@ class Server:
                 raise too_long(len(prompt), fitting, anthropic=True)
             raise ApiError(507, why, "insufficient_memory", code="insufficient_memory")
         cancel = threading.Event()
+        sampling = chat.sampling
+        if chat.context is not None:  # a request's own context bounds its answer too
+            sampling = replace(sampling, max_tokens=min(sampling.max_tokens,
+                                                        context - len(prompt)))
         try:
-            ticket = self.bridge.submit(chat.messages, prompt, mode, chat.sampling, cancel,
+            ticket = self.bridge.submit(chat.messages, prompt, mode, sampling, cancel,
                                         asyncio.get_running_loop(), chat.tools,
                                         chat.template)
         except QueueFull as error:
@@ -888,6 +992,10 @@ def _choice_met(outcome: Outcome) -> dict:
 
 def _scored(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _ollama_call(call: ToolCall) -> dict:
+    return {"function": {"name": call.name, "arguments": call.input()}}
 
 
 def _openai_call(call: ToolCall) -> dict:

@@ -235,6 +235,13 @@ class EngineBridge:
             return [self._tokenizer.decode([i]) for i in ids]
 
     @property
+    def chat_template(self) -> str:
+        """The loaded model's chat template ("" for a base model)."""
+        with self._tokenizer_lock:
+            template = getattr(self._tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else ""
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the tokenizer knows (ids from 0 to this, exclusive)."""
         with self._tokenizer_lock:

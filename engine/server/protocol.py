@@ -48,6 +48,7 @@ class ChatRequest:
     speculative_asked: bool = False
     max_calls: int | None = None  # the answer's first calls kept (1: parallel refused)
     anthropic: bool = False  # errors worded as Anthropic's API words them
+    context: int | None = None  # a context smaller than the model's (Ollama's num_ctx)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -72,7 +73,7 @@ def integer(body: dict, names: tuple[str, ...], default: int | None,
     return default
 
 
-def _stops(value: Any, name: str) -> tuple[str, ...]:
+def stops(value: Any, name: str) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
@@ -339,7 +340,7 @@ def _tool_choice(body: dict, anthropic: bool) -> tuple[str, str | None]:
     return kinds[kind], name
 
 
-def _tools(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | None]:
+def tools_of(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | None]:
     """The request's tools in the form chat templates read (OpenAI's function tools),
     with its tool choice: "none" offers no tools; a choice of one tool must name a
     listed one."""
@@ -375,7 +376,7 @@ def _tools(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | N
 
 
 def _tool_fields(body: dict, anthropic: bool) -> dict:
-    tools, choice, name = _tools(body, anthropic)
+    tools, choice, name = tools_of(body, anthropic)
     if anthropic:
         value = body.get("tool_choice")
         single = isinstance(value, dict) and value.get("disable_parallel_tool_use") is True
@@ -482,7 +483,7 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
         sampling=sampling_params(body, int(max_tokens), body.get("seed"),
                            logprobs=_chat_logprobs(body)),
         speculative_asked="speculative" in body,
-        stop=_stops(body.get("stop"), "stop"), stream=stream,
+        stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         mode=mode_from(model, body), model=model, **_tool_fields(body, anthropic=False),
     )
@@ -522,7 +523,7 @@ def openai_completion(body: Any, default_max: int) -> ChatRequest:
         messages=[{"role": "user", "content": prompt}],
         sampling=sampling_params(body, int(max_tokens), body.get("seed"), logprobs=logprobs),
         speculative_asked="speculative" in body,
-        stop=_stops(body.get("stop"), "stop"), stream=stream,
+        stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         mode=mode_from(model, body), model=model, template=False, echo=echo,
     )
@@ -551,7 +552,7 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
         messages=_anthropic_conversation(body.get("messages"), _system(body)),
         sampling=sampling_params(body, max_tokens, None),
         speculative_asked="speculative" in body,
-        stop=_stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
+        stop=stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model, anthropic=True,
         **_tool_fields(body, anthropic=True),
     )
