@@ -53,6 +53,8 @@ OPTIONS = {
     "logits_all": refused("the API returns no logits"),
     "vocab_only": refused("the model is loaded whole", lambda v: v is False),
     "embedding_only": refused("this server answers; it does not embed", lambda v: v is False),
+    "f16_kv": accepted("the KV cache's precision is the request's kv_mode or the "
+                       "server's --kv"),
     **{name: HARDWARE for name in ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram",
                                    "use_mmap", "use_mlock", "num_thread")},
 }
