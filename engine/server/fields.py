@@ -76,8 +76,9 @@ STOP = honoured("the answer ends before the first one")
 TOOLS = honoured("function tools go to the model's chat template (a 400 when it has "
                  "no tool calling)")
 ADVICE = accepted("advice for a reasoning model; the model reasons as its template does")
-NO_STRUCTURE = ("structured output is not supported yet: ask for JSON in the prompt "
-                "and validate the answer")
+STRUCTURED = honoured("JSON (json_object) or a JSON schema (json_schema): the answer is "
+                      "decoded to it, every token checked by llguidance's grammar; not "
+                      "with tools")
 
 CHAT = {
     "messages": honoured("system/developer, user, assistant (a last one is continued) "
@@ -103,8 +104,7 @@ CHAT = {
     "presence_penalty": PENALTY,
     "frequency_penalty": PENALTY,
     "n": refused("one choice per request: send n requests", lambda v: v == 1),
-    "response_format": refused(NO_STRUCTURE,
-                               lambda v: isinstance(v, dict) and v.get("type") == "text"),
+    "response_format": STRUCTURED,
     "audio": refused("this server reads and writes text only"),
     "modalities": refused("this server writes text only",
                           lambda v: isinstance(v, list) and set(v) <= {"text"}),
@@ -162,8 +162,8 @@ _MESSAGES_COMMON = {
                             "disable_parallel_tool_use keeps the first call only"),
     "thinking": accepted("a permission to think, not a demand: the model thinks as its "
                          "template does and this server returns no thinking blocks"),
-    "output_config": refused(NO_STRUCTURE,
-                             lambda v: isinstance(v, dict) and v.get("format") is None),
+    "output_config": honoured("format (a json_schema) is decoded to, every token checked "
+                              "by llguidance's grammar; effort is advice"),
     "cache_control": CACHING,
     "speed": TIER,
     "user_profile_id": BOOKKEEPING,

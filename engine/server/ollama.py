@@ -13,7 +13,7 @@ import datetime
 import hashlib
 from typing import Any
 
-from engine.server import fields, protocol
+from engine.server import fields, protocol, structured
 from engine.server.errors import BadRequest
 from engine.server.fields import accepted, honoured, refused
 from engine.server.protocol import ChatRequest
@@ -63,7 +63,7 @@ _COMMON = {
     "model": honoured("any name serves the loaded model"),
     "stream": honoured("NDJSON lines, on by default"),
     "options": honoured("each option as listed in engine.server.ollama.OPTIONS"),
-    "format": refused(fields.NO_STRUCTURE, lambda v: v == ""),
+    "format": honoured("\"json\" or a JSON schema: the answer is decoded to it"),
     "keep_alive": accepted("the model stays loaded while the server runs"),
     "think": accepted("the model thinks as its template does; thinking comes back as text"),
     "logprobs": refused("log probabilities are not on Ollama's API here: use "
@@ -100,7 +100,7 @@ def _options(body: dict) -> dict:
     return options
 
 
-def _sampling(options: dict, context: int) -> SamplingParams:
+def _sampling(options: dict, context: int, body: dict) -> SamplingParams:
     """Ollama's options in the engine's terms."""
     predict = protocol.integer(options, ("num_predict",), DEFAULT_MAX_TOKENS, -2)
     if predict is None or predict < 1:
@@ -110,8 +110,10 @@ def _sampling(options: dict, context: int) -> SamplingParams:
              "repetition_penalty": options.get("repeat_penalty"),
              "presence_penalty": options.get("presence_penalty"),
              "frequency_penalty": options.get("frequency_penalty")}
+    grammar = protocol.structured_grammar(structured.ollama_format(body.get("format")),
+                                          body, "format")
     return protocol.sampling_params({k: v for k, v in named.items() if v is not None},
-                                    int(predict), options.get("seed"))
+                                    int(predict), options.get("seed"), grammar=grammar)
 
 
 def _stream(body: dict) -> bool:
@@ -138,7 +140,7 @@ def chat_request(body: Any, context: int) -> ChatRequest:
     messages = protocol.continuable([_message(m, i) for i, m in enumerate(raw)])
     tools, choice, name = protocol.tools_of({"tools": body.get("tools")}, anthropic=False)
     return ChatRequest(
-        messages=messages, sampling=_sampling(options, context),
+        messages=messages, sampling=_sampling(options, context, body),
         stop=protocol.stops(options.get("stop"), "options.stop"), stream=_stream(body),
         include_usage=True, mode=protocol.mode_from(_name(body), body), model=_name(body),
         tools=tools, tool_choice=choice, tool_name=name, context=context_limit(body))
@@ -193,7 +195,7 @@ def generate_request(body: Any, context: int) -> ChatRequest:
     if system and not raw:
         messages.insert(0, {"role": "system", "content": system})
     return ChatRequest(
-        messages=messages, sampling=_sampling(options, context),
+        messages=messages, sampling=_sampling(options, context, body),
         stop=protocol.stops(options.get("stop"), "options.stop"), stream=_stream(body),
         include_usage=True, mode=protocol.mode_from(_name(body), body), model=_name(body),
         template=not raw, context=context_limit(body))

@@ -14,7 +14,7 @@ from typing import Any
 from engine.cache import kvquant
 from engine.cache.modes import MODES
 from engine.errors import EngineError
-from engine.server import fields
+from engine.server import fields, structured
 from engine.server.errors import BadRequest
 from engine.session import speculative
 from engine.session.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -419,7 +419,7 @@ def logit_bias(value: Any, name: str = "logit_bias") -> tuple[tuple[int, float],
 
 
 def sampling_params(body: dict, max_tokens: int, seed: Any, *,
-              logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
     """The sampling fields every API shares (and the extensions other servers read:
     ``top_k``, ``min_p``, ``repetition_penalty``)."""
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -434,9 +434,19 @@ def sampling_params(body: dict, max_tokens: int, seed: Any, *,
         min_p=_number(body, "min_p", 0.0, 0.0, 0.999), repetition_penalty=repetition,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        logit_bias=logit_bias(body.get("logit_bias")), logprobs=logprobs,
+        logit_bias=logit_bias(body.get("logit_bias")), logprobs=logprobs, grammar=grammar,
         max_tokens=max_tokens, seed=_seed(seed), speculative=_speculative(body),
     )
+
+
+def structured_grammar(grammar: str | None, body: dict, param: str) -> str | None:
+    """``grammar``, refused beside ``tools``: an answer held to a schema could
+    never be a tool call."""
+    tools = body.get("tools")
+    if grammar is not None and tools and body.get("tool_choice") != "none":
+        raise BadRequest(f"'{param}' and 'tools' cannot be used together yet: the answer "
+                         "is held to the schema, so it could never call a tool.", param)
+    return grammar
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -481,7 +491,10 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
     return ChatRequest(
         messages=_openai_messages(body.get("messages")),
         sampling=sampling_params(body, int(max_tokens), body.get("seed"),
-                           logprobs=_chat_logprobs(body)),
+                                 logprobs=_chat_logprobs(body),
+                                 grammar=structured_grammar(
+                                     structured.openai_format(body.get("response_format")),
+                                     body, "response_format")),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
@@ -550,7 +563,10 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
         raise BadRequest("'stream' must be true or false.", "stream")
     return ChatRequest(
         messages=_anthropic_conversation(body.get("messages"), _system(body)),
-        sampling=sampling_params(body, max_tokens, None),
+        sampling=sampling_params(body, max_tokens, None, grammar=None if counting else
+                                 structured_grammar(
+                                     structured.anthropic_format(body.get("output_config")),
+                                     body, "output_config")),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model, anthropic=True,

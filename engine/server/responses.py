@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server import fields, protocol
+from engine.server import fields, protocol, structured
 from engine.server.errors import BadRequest
 from engine.server.fields import BOOKKEEPING, CACHING, TIER, accepted, honoured, refused
 from engine.server.protocol import ChatRequest
@@ -65,9 +65,7 @@ FIELDS = {
                        f"({', '.join(HARMLESS_INCLUDES)})",
                        lambda v: isinstance(v, list) and set(v) <= set(HARMLESS_INCLUDES)),
     "reasoning": fields.ADVICE,
-    "text": refused(fields.NO_STRUCTURE, lambda v: isinstance(v, dict) and (
-        v.get("format") is None
-        or (isinstance(v["format"], dict) and v["format"].get("type") == "text"))),
+    "text": fields.STRUCTURED,
     "truncation": refused("a conversation too long is refused, not cut", lambda v: v ==
                           "disabled"),
     "top_logprobs": refused("log probabilities are not on /v1/responses yet: use "
@@ -125,7 +123,10 @@ def read(body: Any) -> ResponsesRequest:
         calls = 1
     chat = ChatRequest(
         messages=_messages(body.get("input"), instructions),
-        sampling=protocol.sampling_params(body, int(max_tokens), None),
+        sampling=protocol.sampling_params(body, int(max_tokens), None,
+                                          grammar=protocol.structured_grammar(
+                                              structured.responses_format(body.get("text")),
+                                              body, "text")),
         speculative_asked="speculative" in body, stop=(), stream=stream,
         include_usage=True, mode=protocol.mode_from(model, body), model=model,
         tools=None if choice == "none" else tools or None,

@@ -49,6 +49,8 @@ class SamplingParams:
         logit_bias: (token id, bias) pairs added to those tokens' logits.
         logprobs: None returns no log probabilities; n >= 0 returns each sampled
             token's and its n most likely alternatives (``TokenChunk.logprobs``).
+        grammar: an llguidance grammar (``constraint.json_schema_grammar``) the
+            answer must follow, or None.
         max_tokens: most tokens to generate.
         seed: random seed for reproducible sampling, or None.
         speculative: "lookup" (the default) proposes tokens found in the chat's
@@ -66,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    grammar: str | None = None
     max_tokens: int = 512
     seed: int | None = None
     speculative: str = "lookup"
@@ -170,6 +173,11 @@ class AnswerStream:
         self.held = held
         self.sampler = build_sampler(sampling)
         self.processors = build_logits_processors(sampling)
+        if sampling.grammar is not None:
+            from engine.session.constraint import GrammarMask
+
+            # Last: the bias and penalties must not bring back a token it rules out.
+            self.processors.append(GrammarMask(sampling.grammar, tokenizer, end_ids))
         self.request_id = request_id
         self.cancel = cancel
         self.emit = emit
@@ -188,9 +196,11 @@ class AnswerStream:
         self.started = time.perf_counter()
         self.first_token_at = self.started
         self.last_token_at = self.started
-        # A verification scores several tokens in one pass; log probabilities are
-        # read one decode step at a time, so a request for them decodes plainly.
-        self.speculate = sampling.speculative == "lookup" and sampling.logprobs is None
+        # A verification scores several tokens in one pass; log probabilities and
+        # a grammar's masks are read one decode step at a time, so such a request
+        # decodes plainly.
+        self.speculate = (sampling.speculative == "lookup" and sampling.logprobs is None
+                          and sampling.grammar is None)
         self.index = index
         self.drafter: speculative.Drafter | None = None
         # What speculation did: tokens proposed, proposed tokens accepted, and the

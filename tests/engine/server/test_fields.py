@@ -78,7 +78,11 @@ ORDINARY = {
     "options": {"temperature": 0}, "raw": True, "num_ctx": 2048, "num_predict": 8,
     "repeat_penalty": 1.1, "min_p": 0.05, "numa": False, "num_batch": 512, "num_gpu": 1,
     "main_gpu": 0, "low_vram": False, "use_mmap": True, "use_mlock": False,
-    "num_thread": 4, "f16_kv": True,
+    "num_thread": 4, "f16_kv": True, "response_format": SCHEMA,
+    "output_config": {"effort": "low", "format": {"type": "json_schema",
+                                                  "schema": {"type": "object"}}},
+    "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+    "format": "json",
 }
 REFUSED = {
     "n": 2, "best_of": 2, "response_format": {"type": "json_object"}, "audio": {"voice": "x"},

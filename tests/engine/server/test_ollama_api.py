@@ -86,8 +86,8 @@ def test_options_are_honoured(served: Served) -> None:
         api.chat(model="m", messages=messages, options={"mirostat": 2})
     assert "options.mirostat" in raised.value.error
     with pytest.raises(ollama.ResponseError) as raised:
-        api.chat(model="m", messages=messages, format="json")
-    assert "format" in raised.value.error
+        api.chat(model="m", messages=messages, format={"$ref": "#/nowhere"})
+    assert "format" in raised.value.error and "nowhere" in raised.value.error
 
 
 def test_a_resent_chat_reads_the_cache(served: Served) -> None:

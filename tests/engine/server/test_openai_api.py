@@ -316,7 +316,11 @@ def test_logit_bias_is_applied(served: Served) -> None:
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),

@@ -90,7 +90,8 @@ def test_a_resent_conversation_reads_the_cache(served: Served) -> None:
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"store": True}, "store"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x",
+                          "schema": {"$ref": "#/nowhere"}}}}, "text"),
     ({"background": True}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools"),
