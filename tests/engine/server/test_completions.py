@@ -140,3 +140,14 @@ def test_logprobs_of_a_completion(served: Served) -> None:
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs
               for t in c.choices[0].logprobs.tokens]
     assert tokens == scores.tokens
+
+
+def test_a_continued_assistant_message_keeps_its_first_space(served: Served, forced) -> None:
+    """The app's Continue and Anthropic's prefill: the answer goes on after the text."""
+    forced(" Paris.")
+    messages = [{"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    chat = openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+    reply = chat.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                         temperature=0)
+    assert reply.choices[0].message.content == " Paris."
