@@ -64,7 +64,10 @@ class GrammarMask:
     Each call after the first reads the token the previous step sampled (the
     last of ``history``) into the matcher, so decoding waits for it: the
     next step cannot be queued before the mask it needs exists. Once the
-    grammar is complete only the end of the turn remains.
+    grammar is complete only the end of the turn remains. A speculative
+    verification calls it once per row, so each row is masked after the draft
+    tokens before it; ``valid_prefix`` keeps drafts to what the grammar allows
+    and ``rewind`` takes the rejected ones back out.
 
     Raises:
         GrammarError: the grammar cannot be compiled for this tokenizer.
@@ -82,6 +85,23 @@ class GrammarMask:
             self.matcher.consume_token(int(history[-1].item()))
         self.started = True
         return mx.where(self.allowed(logits.shape[-1]), logits, -mx.inf)
+
+    def valid_prefix(self, pending: int, draft: list[int]) -> int:
+        """How many of ``draft`` the grammar allows after the unread ``pending``."""
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return 0
+        if not self.started:  # ``pending`` is the prompt's last token, not the answer's
+            return self.matcher.validate_tokens(draft)
+        if not self.matcher.consume_token(pending):
+            return 0
+        valid = self.matcher.validate_tokens(draft)
+        self.matcher.rollback(1)
+        return valid
+
+    def rewind(self, count: int) -> None:
+        """Take back the last ``count`` tokens read (drafts the verification rejected)."""
+        if count > 0 and not self.matcher.rollback(count):
+            raise GrammarError("The grammar could not take back rejected draft tokens.")
 
     def allowed(self, size: int) -> mx.array:
         """The tokens allowed next, as a (1, ``size``) boolean row."""

@@ -173,11 +173,13 @@ class AnswerStream:
         self.held = held
         self.sampler = build_sampler(sampling)
         self.processors = build_logits_processors(sampling)
+        self.grammar = None
         if sampling.grammar is not None:
             from engine.session.constraint import GrammarMask
 
             # Last: the bias and penalties must not bring back a token it rules out.
-            self.processors.append(GrammarMask(sampling.grammar, tokenizer, end_ids))
+            self.grammar = GrammarMask(sampling.grammar, tokenizer, end_ids)
+            self.processors.append(self.grammar)
         self.request_id = request_id
         self.cancel = cancel
         self.emit = emit
@@ -196,11 +198,9 @@ class AnswerStream:
         self.started = time.perf_counter()
         self.first_token_at = self.started
         self.last_token_at = self.started
-        # A verification scores several tokens in one pass; log probabilities and
-        # a grammar's masks are read one decode step at a time, so such a request
-        # decodes plainly.
-        self.speculate = (sampling.speculative == "lookup" and sampling.logprobs is None
-                          and sampling.grammar is None)
+        # A verification scores several tokens in one pass; log probabilities are
+        # read one decode step at a time, so a request for them decodes plainly.
+        self.speculate = sampling.speculative == "lookup" and sampling.logprobs is None
         self.index = index
         self.drafter: speculative.Drafter | None = None
         # What speculation did: tokens proposed, proposed tokens accepted, and the
@@ -351,6 +351,8 @@ class AnswerStream:
                 proposal = drafter.continuation(pending)
                 size = drafter.draft_size(proposal, room - 1)
             draft = proposal.tokens[:size]
+            if self.grammar is not None:  # a draft the grammar forbids could never be kept
+                draft = draft[:self.grammar.valid_prefix(pending, draft)]
             if not draft:
                 reason, pending = self._decode_plainly(pending, room, max_tokens)
                 if reason is not None:
@@ -365,6 +367,8 @@ class AnswerStream:
                     return reason
                 continue
             accepted = speculative.accepted_prefix(draft, sampled)
+            if self.grammar is not None:
+                self.grammar.rewind(len(draft) - accepted)
             # The token sampled after the draft scores the proposal's next one too,
             # for free: the drafter learns from every token the pass judged.
             judged = proposal.tokens[:len(sampled)]
