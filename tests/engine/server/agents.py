@@ -18,17 +18,23 @@ INSTALL_HINT = ("install the pinned agent CLIs with `bash scripts/setup.sh --tes
 def agent_binary(name: str) -> Path:
     """The installed CLI ``name`` ("claude", "codex"); skips the test, saying why, when
     it is not installed or does not run here."""
-    binary = CLIENTS / "node_modules" / ".bin" / name
-    if not binary.exists():
-        why = "node/npm are not on this machine" if shutil.which("npm") is None \
-            else f"tests/clients has no {name}"
-        pytest.skip(f"{name} CLI not installed ({why}): {INSTALL_HINT}")
-    try:
-        subprocess.run([str(binary), "--version"], capture_output=True, timeout=120,
-                       check=True)
-    except (OSError, subprocess.SubprocessError) as error:
+    modules = CLIENTS / "node_modules"
+    # npm's link, else the platform package's own binary (claude's link is a stub
+    # until its install script copies the binary over it, which npm may not run).
+    found = [modules / ".bin" / name, *sorted(modules.glob(f"@*/{name}-*/{name}"))]
+    error: Exception | None = None
+    for binary in (path for path in found if path.exists()):
+        try:
+            subprocess.run([str(binary), "--version"], capture_output=True, timeout=120,
+                           check=True)
+            return binary
+        except (OSError, subprocess.SubprocessError) as failed:
+            error = failed
+    if error is not None:
         pytest.skip(f"the {name} CLI does not run on this machine: {error}")
-    return binary
+    why = "node/npm are not on this machine" if shutil.which("npm") is None \
+        else f"tests/clients has no {name}"
+    pytest.skip(f"{name} CLI not installed ({why}): {INSTALL_HINT}")
 
 
 def quiet_env(home: Path, **extra: str) -> dict[str, str]:
