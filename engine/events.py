@@ -13,12 +13,34 @@ from engine.cache.modes import MODES
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log probability and the most likely alternatives.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its natural-log probability under the model's distribution
+            (after logit bias and penalties, before temperature and top-p).
+        top: the most likely tokens at that position as (token id, logprob),
+            most likely first; empty unless asked for.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenChunk:
-    """Detokenized text that never splits a UTF-8 character."""
+    """Detokenized text that never splits a UTF-8 character.
+
+    ``logprobs`` has one entry per id of ``token_ids`` when the request asked
+    for log probabilities, else it is empty.
+    """
 
     request_id: int
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ if [[ "$(uname -s)" == "Linux" ]] && command -v apt-get >/dev/null; then
     fi
 fi
 
+# The agent CLIs the server tests drive unmodified (tests/clients/package.json,
+# pinned by its lockfile): with --test, where npm is present. Without npm those
+# tests are skipped and say why. npm runs only when the lockfile changed.
+if [[ -n "$extra" ]] && command -v npm >/dev/null; then
+    installed=tests/clients/node_modules/.longleaf-lock
+    if ! cmp -s tests/clients/package-lock.json "$installed"; then
+        npm ci --prefix tests/clients --no-audit --no-fund --loglevel=error
+        cp tests/clients/package-lock.json "$installed"
+    fi
+fi
+
 # A venv whose Python is gone (system Python upgraded) is rebuilt from scratch.
 if ! .venv/bin/python -c "" 2>/dev/null; then
     python3 -m venv --clear .venv

@@ -1,8 +1,11 @@
-"""A local OpenAI- and Anthropic-compatible HTTP server on the engine worker.
+"""A local OpenAI-, Anthropic- and Ollama-compatible HTTP server on the engine worker.
 
 ``engine.server.bridge`` talks to the ``EngineWorker`` (and only to it) from the
 server's threads; ``engine.server.app`` is the Starlette application;
-``engine.server.protocol`` reads and checks request bodies;
-``engine.server.pipeline`` is the bridge over a pipeline of machines
-(``RemoteWorker``) and its fallback to this one.
+``engine.server.protocol`` reads and checks OpenAI and Anthropic request bodies,
+``engine.server.responses`` OpenAI's Responses API and ``engine.server.ollama``
+Ollama's, each against its table in ``engine.server.fields`` (every field of
+the API's schema: honoured, accepted or refused); ``engine.server.pipeline`` is
+the bridge over a pipeline of machines (``RemoteWorker``) and its fallback to
+this one.
 """

@@ -18,15 +18,17 @@ from dataclasses import dataclass, replace
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.cache.modes import MODES
 from engine.errors import EngineError
-from engine.events import Failed, Finished, SessionOpened, TokenChunk
-from engine.server import protocol
+from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
+from engine.server import ollama, protocol, responses
 from engine.server.bridge import LOADING, EngineBridge, NotReady, QueueFull, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader
@@ -37,6 +39,11 @@ MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_MAX_TOKENS = 512
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
+# A stream with nothing to send for this long (a long read of the prompt, a wait
+# behind other requests) sends an event that changes nothing: clients such as
+# Claude Code end a stream after a while without events, and do not count
+# SSE comments or Anthropic's ping events.
+KEEPALIVE_SECONDS = 10.0
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
 SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline yet: send "
                        "\"speculative\": \"off\" or leave it out (answers decode plainly "
@@ -58,6 +65,13 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
         self.param, self.code, self.headers = param, code, headers or {}
+
+
+class KeepAlive:
+    """Nothing came from the engine for a while: a stream sends a harmless event."""
+
+
+KEEPALIVE = KeepAlive()
 
 
 @dataclass
@@ -126,9 +140,28 @@ def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
 
+def _is_ollama(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def too_long(prompt_tokens: int, context: int, *, anthropic: bool, field: str = "messages",
+             verb: str = "take") -> ApiError:
+    """The 400 for a prompt the context cannot hold, worded as each API words it
+    (Claude Code reads Anthropic's wording to compact the conversation)."""
+    if anthropic:
+        return ApiError(400, f"prompt is too long: {prompt_tokens} tokens > {context - 1} "
+                             "maximum", param=field, code="context_length_exceeded")
+    return ApiError(400, f"This model's maximum context length is {context:,} tokens; "
+                         f"the {field} {verb} {prompt_tokens:,} tokens and the answer "
+                         "needs at least one more.", param=field,
+                    code="context_length_exceeded")
+
+
 def error_response(request: Request, error: ApiError) -> JSONResponse:
-    """``error`` as the OpenAI or the Anthropic error object."""
-    if _is_anthropic(request):
+    """``error`` as the OpenAI, the Anthropic or the Ollama error object."""
+    if _is_ollama(request):
+        body: dict = {"error": error.message}
+    elif _is_anthropic(request):
         kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
                 429: "rate_limit_error", 404: "not_found_error"}.get(error.status, error.kind)
         if kind not in ANTHROPIC_ERRORS:  # its SDKs know these types only
@@ -155,8 +188,10 @@ class Server:
     def __init__(self, bridge: EngineBridge, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES,
                  cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
-                 allowed_hosts: tuple[str, ...] = ()) -> None:
+                 allowed_hosts: tuple[str, ...] = (),
+                 keepalive: float = KEEPALIVE_SECONDS) -> None:
         self.bridge = bridge
+        self.keepalive = keepalive
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.cors_origins = cors_origins
@@ -170,11 +205,21 @@ class Server:
         named: without any, no CORS headers are sent and browsers refuse them.
         """
         routes = [
+            Route("/", self._wrap(self.root, auth=False), methods=["GET", "HEAD"]),
             Route("/health", self._wrap(self.health, auth=False), methods=["GET"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._wrap(self.model), methods=["GET"]),
             Route("/v1/chat/completions", self._wrap(self.chat_completions), methods=["POST"]),
             Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/v1/messages", self._wrap(self.messages), methods=["POST"]),
+            Route("/v1/responses", self._wrap(self.responses), methods=["POST"]),
+            Route("/api/version", self._wrap(self.ollama_version), methods=["GET"]),
+            Route("/api/tags", self._wrap(self.ollama_tags), methods=["GET"]),
+            Route("/api/ps", self._wrap(self.ollama_ps), methods=["GET"]),
+            Route("/api/show", self._wrap(self.ollama_show), methods=["POST"]),
+            Route("/api/chat", self._wrap(self.ollama_chat), methods=["POST"]),
+            Route("/api/generate", self._wrap(self.ollama_generate), methods=["POST"]),
+            Route("/api/pull", self._wrap(self.ollama_pull), methods=["POST"]),
             Route("/v1/messages/count_tokens", self._wrap(self.count_tokens),
                   methods=["POST"]),
         ]
@@ -183,7 +228,19 @@ class Server:
             middleware.append(Middleware(
                 CORSMiddleware, allow_origins=list(self.cors_origins),
                 allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
-        return Starlette(routes=routes, middleware=middleware)
+        return Starlette(routes=routes, middleware=middleware,
+                         exception_handlers={HTTPException: self._http_error})
+
+    async def _http_error(self, request: Request, error: HTTPException) -> Response:
+        """Starlette's own errors (no such route, a method it does not take) as JSON."""
+        if error.status_code == 404:
+            message = (f"There is no {request.url.path} here: this server answers "
+                       "/v1/chat/completions, /v1/completions, /v1/responses, "
+                       "/v1/messages, /v1/models and Ollama's /api.")
+        else:
+            message = f"{request.method} {request.url.path}: {error.detail}."
+        return error_response(request, ApiError(error.status_code, message,
+                                                headers=dict(error.headers or {})))
 
     # -- plumbing --------------------------------------------------------------
 
@@ -260,6 +317,10 @@ class Server:
 
     # -- endpoints -------------------------------------------------------------
 
+    async def root(self, request: Request) -> Response:
+        """What a client that checks the server is up (Claude Code, Ollama's) asks first."""
+        return PlainTextResponse("Longleaf is running")
+
     async def health(self, request: Request) -> JSONResponse:
         if not self.bridge.ready.is_set():
             status = "error" if self.bridge.load_error else "loading"
@@ -268,18 +329,29 @@ class Server:
         return JSONResponse({"status": "ok", "model": self.bridge.model_id,
                              "machines": self.bridge.machines})
 
+    def _model_entry(self) -> dict:
+        return {"id": self.bridge.model_id, "object": "model", "created": 0,
+                "owned_by": "longleaf", "context_length": self.bridge.max_context,
+                "kv_mode": self.bridge.kv_mode, "machines": self.bridge.machines}
+
     async def models(self, request: Request) -> JSONResponse:
         self._check_ready()
-        model = {"id": self.bridge.model_id, "object": "model", "created": 0,
-                 "owned_by": "longleaf", "context_length": self.bridge.max_context,
-                 "kv_mode": self.bridge.kv_mode, "machines": self.bridge.machines}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        asked = request.path_params["model"]
+        name, _, mode = asked.partition("@")
+        if name != self.bridge.model_id or (mode and mode not in MODES):
+            raise ApiError(404, f"The model {asked!r} does not exist here: this server "
+                                f"serves {self.bridge.model_id!r} (add @fp16, @q8, @q6 or "
+                                "@q4 for a KV mode).", param="model", code="model_not_found")
+        return JSONResponse({**self._model_entry(), "id": asked})
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         self._check_ready()
         chat = protocol.anthropic_messages(await self._body(request), counting=True)
-        prompt = await asyncio.wrap_future(self.bridge.render_later(chat.messages, chat.tools))
-        return JSONResponse({"input_tokens": len(prompt)})
+        return JSONResponse({"input_tokens": len(await self._render(chat))})
 
     async def chat_completions(self, request: Request):
         self._check_ready()
@@ -287,6 +359,7 @@ class Server:
         run = await self._start(chat)
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         model = self._model_name(chat)
+        logprobs = chat.sampling.logprobs is not None
         if not chat.stream:
             text, calls, outcome = await self._collect(request, run)
             message: dict = {"role": "assistant", "content": text if text or not calls else None}
@@ -294,16 +367,17 @@ class Server:
                 message["tool_calls"] = [_openai_call(call) for call in calls]
             return JSONResponse({
                 "id": ident, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message,
-                             "finish_reason": outcome.finish, "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": outcome.finish,
+                             "logprobs": self._chat_logprobs(run) if logprobs else None}],
                 "usage": _openai_usage(outcome), "kv_mode": outcome.mode,
                 **_choice_met(outcome),
             })
 
         def chunk(delta: dict, finish: str | None, **extra) -> str:
+            scores = self._chat_logprobs(run) if logprobs and "content" in delta else None
             return json.dumps({"id": ident, "object": "chat.completion.chunk",
                                "created": created, "model": model,
-                               "choices": [{"index": 0, "delta": delta,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": scores,
                                             "finish_reason": finish}], **extra})
 
         async def events() -> AsyncIterator[dict]:
@@ -311,6 +385,8 @@ class Server:
             calls = 0
             try:
                 async for piece in _guarded(run):
+                    if isinstance(piece, KeepAlive):
+                        continue  # SSE comments (ping) keep this stream's clients waiting
                     if isinstance(piece, str):
                         yield {"data": chunk({"content": piece}, None)}
                     elif isinstance(piece, ToolCall):
@@ -330,6 +406,39 @@ class Server:
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15)
 
+    def _chat_logprobs(self, run: Run) -> dict:
+        """Chat's ``logprobs`` object for the tokens read since the last call."""
+        taken = run.take_logprobs()
+        texts = self.bridge.token_texts([t.token_id for t in taken])
+        tops = self.bridge.token_texts([i for t in taken for i, _ in t.top])
+        content, at = [], 0
+        for entry, text in zip(taken, texts, strict=True):
+            alternatives = []
+            for _, value in entry.top:
+                alternatives.append(_scored(tops[at], value))
+                at += 1
+            content.append({**_scored(text, entry.logprob), "top_logprobs": alternatives})
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(self, run: Run, offset: int) -> dict:
+        """/v1/completions' ``logprobs`` object; ``offset`` is where its text starts."""
+        taken = run.take_logprobs()
+        texts = self.bridge.token_texts([t.token_id for t in taken])
+        tops = self.bridge.token_texts([i for t in taken for i, _ in t.top])
+        offsets, at = [], offset
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        top_logprobs, at = [], 0
+        for entry in taken:
+            alternatives = {}
+            for _, value in entry.top:
+                alternatives.setdefault(tops[at], value)
+                at += 1
+            top_logprobs.append(alternatives)
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in taken],
+                "top_logprobs": top_logprobs, "text_offset": offsets}
+
     async def completions(self, request: Request):
         self._check_ready()
         chat = protocol.openai_completion(await self._body(request), COMPLETION_MAX_TOKENS)
@@ -337,23 +446,30 @@ class Server:
         created, ident = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         model = self._model_name(chat)
         echoed = chat.messages[0]["content"] if chat.echo else ""
+        logprobs = chat.sampling.logprobs is not None
 
-        def body(text: str, finish: str | None) -> dict:
+        def body(text: str, finish: str | None, scores: dict | None = None) -> dict:
             return {"id": ident, "object": "text_completion", "created": created,
-                    "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                    "model": model, "choices": [{"index": 0, "text": text, "logprobs": scores,
                                                  "finish_reason": finish}]}
         if not chat.stream:
             text, _, outcome = await self._collect(request, run)
-            return JSONResponse({**body(echoed + text, outcome.finish),
+            scores = self._completion_logprobs(run, len(echoed)) if logprobs else None
+            return JSONResponse({**body(echoed + text, outcome.finish, scores),
                                  "usage": _openai_usage(outcome), "kv_mode": outcome.mode})
 
         async def events() -> AsyncIterator[dict]:
             if echoed:
                 yield {"data": json.dumps(body(echoed, None))}
+            written = len(echoed)
             try:
                 async for piece in _guarded(run):
+                    if isinstance(piece, KeepAlive):
+                        continue
                     if isinstance(piece, str):
-                        yield {"data": json.dumps(body(piece, None))}
+                        scores = self._completion_logprobs(run, written) if logprobs else None
+                        written += len(piece)
+                        yield {"data": json.dumps(body(piece, None, scores))}
                         continue
                     yield {"data": json.dumps(body("", piece.finish))}
                     if chat.include_usage:
@@ -381,55 +497,106 @@ class Server:
                 "stop_sequence": run.stopped_by, "usage": _anthropic_usage(outcome),
                 "kv_mode": outcome.mode, **_choice_met(outcome),
             })
+        return EventSourceResponse(_anthropic_events(request, run, ident, model), ping=15)
 
-        def event(kind: str, data: dict) -> dict:
-            return {"event": kind, "data": json.dumps({"type": kind, **data})}
+    async def responses(self, request: Request):
+        self._check_ready()
+        asked = responses.read(await self._body(request))
+        run = await self._start(asked.chat)
+        writer = responses.ResponseWriter(asked, self._model_name(asked.chat))
+        if not asked.chat.stream:
+            text, calls, outcome = await self._collect(request, run)
+            return JSONResponse(writer.whole(
+                text, [(c.id, c.name, c.arguments) for c in calls], outcome.finish,
+                _responses_usage(outcome), _extra(outcome)))
+        return EventSourceResponse(_responses_events(run, writer), ping=15)
 
-        async def events() -> AsyncIterator[dict]:
-            yield event("message_start", {"message": {
-                "id": ident, "type": "message", "role": "assistant", "model": model,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}})
-            # A text block opens with the first text: an answer that only calls
-            # a tool starts with its tool_use block, as Anthropic's own do.
-            index, text_open = -1, False  # the last block opened, and whether it is text
+    # -- Ollama ----------------------------------------------------------------
+
+    async def ollama_version(self, request: Request) -> JSONResponse:
+        return JSONResponse({"version": ollama.VERSION})
+
+    async def ollama_tags(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        return JSONResponse({"models": [ollama.model_entry(self.bridge.model_id,
+                                                           self.bridge.info)]})
+
+    async def ollama_ps(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        entry = ollama.model_entry(self.bridge.model_id, self.bridge.info)
+        return JSONResponse({"models": [{**entry, "expires_at": "2999-01-01T00:00:00Z",
+                                         "size_vram": 0,
+                                         "context_length": self.bridge.max_context}]})
+
+    async def ollama_show(self, request: Request) -> JSONResponse:
+        self._check_ready()
+        body = await self._body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("model") or body.get("name"),
+                                                        str):
+            raise ApiError(400, "'model' must be a model name.", param="model")
+        return JSONResponse(ollama.show(self.bridge.model_id, self.bridge.info,
+                                        self.bridge.chat_template,
+                                        self.bridge.tool_syntax is not None))
+
+    async def ollama_pull(self, request: Request) -> JSONResponse:
+        raise ApiError(501, ollama.PULL_REFUSAL)
+
+    async def ollama_chat(self, request: Request) -> Response:
+        self._check_ready()
+        chat = ollama.chat_request(await self._body(request), self.bridge.max_context)
+        return await self._ollama_answer(request, chat, chat_api=True)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        self._check_ready()
+        body = await self._body(request)
+        if isinstance(body, dict) and not body.get("prompt") and not body.get("messages"):
+            # An empty prompt loads the model, in Ollama: here it is loaded already.
+            return JSONResponse({"model": protocol.model_name(body), "created_at": ollama.now(),
+                                 "response": "", "done": True, "done_reason": "load"})
+        chat = ollama.generate_request(body, self.bridge.max_context)
+        return await self._ollama_answer(request, chat, chat_api=False)
+
+    async def _ollama_answer(self, request: Request, chat: ChatRequest, *,
+                             chat_api: bool) -> Response:
+        started = time.perf_counter()
+        run = await self._start(chat)
+        model = chat.model or ollama.tag(self.bridge.model_id)
+
+        def line(text: str, calls: list[ToolCall] = ()) -> dict:
+            if not chat_api:
+                return {"model": model, "created_at": ollama.now(), "response": text,
+                        "done": False}
+            message: dict = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [_ollama_call(call) for call in calls]
+            return {"model": model, "created_at": ollama.now(), "message": message,
+                    "done": False}
+
+        def last(outcome: Outcome) -> dict:
+            # Ollama counts the prompt tokens it evaluated: a cached prefix is not.
+            return ollama.final_line(model, outcome.finish,
+                                     outcome.prompt_tokens - outcome.cached_tokens,
+                                     outcome.completion_tokens,
+                                     time.perf_counter() - started, chat=chat_api)
+        if not chat.stream:
+            text, calls, outcome = await self._collect(request, run)
+            whole = {**last(outcome), **{k: v for k, v in line(text, calls).items()
+                                        if k in ("message", "response")}}
+            return JSONResponse(whole)
+
+        async def lines() -> AsyncIterator[str]:
             try:
                 async for piece in _guarded(run):
-                    if isinstance(piece, str):
-                        if not piece:
-                            continue
-                        if not text_open:
-                            index, text_open = index + 1, True
-                            yield event("content_block_start", {
-                                "index": index, "content_block": {"type": "text", "text": ""}})
-                        yield event("content_block_delta", {"index": index, "delta": {
-                            "type": "text_delta", "text": piece}})
-                        continue
-                    if text_open:
-                        yield event("content_block_stop", {"index": index})
-                        text_open = False
-                    if isinstance(piece, ToolCall):
-                        index += 1
-                        yield event("content_block_start", {"index": index, "content_block": {
-                            **_anthropic_call(piece), "input": {}}})
-                        yield event("content_block_delta", {"index": index, "delta": {
-                            "type": "input_json_delta", "partial_json": piece.arguments}})
-                        yield event("content_block_stop", {"index": index})
-                        continue
-                    if index < 0:  # nothing written: one empty text block, as not streamed
-                        index = 0
-                        yield event("content_block_start", {
-                            "index": 0, "content_block": {"type": "text", "text": ""}})
-                        yield event("content_block_stop", {"index": 0})
-                    yield event("message_delta", {
-                        "delta": {"stop_reason": _anthropic_stop(piece, run.stopped_by),
-                                  "stop_sequence": run.stopped_by},
-                        "usage": _anthropic_usage(piece), **_choice_met(piece)})
-                    yield event("message_stop", {})
+                    if isinstance(piece, KeepAlive | str):
+                        text = piece if isinstance(piece, str) else ""
+                        yield json.dumps(line(text)) + "\n"
+                    elif isinstance(piece, ToolCall):
+                        yield json.dumps(line("", [piece])) + "\n"
+                    else:
+                        yield json.dumps(last(piece)) + "\n"
             except ApiError as error:
-                body = json.loads(error_response(request, error).body)
-                yield {"event": "error", "data": json.dumps(body)}
-        return EventSourceResponse(events(), ping=15)
+                yield json.dumps({"error": error.message}) + "\n"
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     # -- generation ------------------------------------------------------------
 
@@ -444,17 +611,14 @@ class Server:
             # verification and rewind are not steps they know yet. Left to the
             # default, the answer decodes plainly there instead (Session.chat).
             raise ApiError(400, SPECULATIVE_REFUSAL, param="speculative")
-        # Off the event loop: a long conversation takes a while to render and
-        # tokenize, and other connections keep being answered meanwhile.
-        prompt = await asyncio.wrap_future(
-            self.bridge.render_later(chat.messages, chat.tools, chat.template))
-        context = self.bridge.max_context
+        syntax = self._tool_syntax(chat)
+        self._check_bias(chat)
+        prompt = await self._render(chat)
+        context = min(self.bridge.max_context, chat.context or self.bridge.max_context)
         if len(prompt) + 1 > context:
             field, verb = ("messages", "take") if chat.template else ("prompt", "takes")
-            raise ApiError(400, f"This model's maximum context length is {context:,} tokens; "
-                                f"the {field} {verb} {len(prompt):,} tokens and the answer "
-                                "needs at least one more.", param=field,
-                           code="context_length_exceeded")
+            raise too_long(len(prompt), context, anthropic=chat.anthropic, field=field,
+                           verb=verb)
         try:
             report = self.bridge.fit(len(prompt) + 1)
         except EngineError as error:
@@ -466,16 +630,20 @@ class Server:
         # Rank 0's own limits first, then (on a pipeline) another machine's.
         why = report.message() if not fit.fits else report.machine_short(mode, len(prompt) + 1)
         if why is not None:
+            if chat.anthropic:
+                # Its API has no other answer for a prompt that does not fit, and
+                # Claude Code compacts the conversation on this one.
+                log.info("prompt of %d tokens refused: %s", len(prompt), why)
+                fitting = min(fit.tokens_fit, report.pool_tokens(mode) or fit.tokens_fit)
+                raise too_long(len(prompt), fitting, anthropic=True)
             raise ApiError(507, why, "insufficient_memory", code="insufficient_memory")
-        syntax = self.bridge.tool_syntax if chat.tools else None
-        if chat.tool_choice != "auto" and syntax is None:
-            raise ApiError(400, "'tool_choice' asks for a tool call, but this model's chat "
-                                "template defines no tool calling: its answer could not "
-                                "be read as a call. Send tool_choice 'auto' or 'none'.",
-                           param="tool_choice")
         cancel = threading.Event()
+        sampling = chat.sampling
+        if chat.context is not None:  # a request's own context bounds its answer too
+            sampling = replace(sampling, max_tokens=min(sampling.max_tokens,
+                                                        context - len(prompt)))
         try:
-            ticket = self.bridge.submit(chat.messages, prompt, mode, chat.sampling, cancel,
+            ticket = self.bridge.submit(chat.messages, prompt, mode, sampling, cancel,
                                         asyncio.get_running_loop(), chat.tools,
                                         chat.template)
         except QueueFull as error:
@@ -485,7 +653,45 @@ class Server:
             raise _not_ready(str(error)) from error
         reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
         wanted = None if chat.tool_choice == "auto" else chat.tool_name or ""
-        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted)
+        return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted,
+                   keepalive=self.keepalive if chat.stream else 0.0, max_calls=chat.max_calls,
+                   anthropic=chat.anthropic)
+
+    async def _render(self, chat: ChatRequest) -> list[int]:
+        """The request's prompt ids, rendered off the event loop (a long conversation
+        takes a while to render and tokenize; other connections go on meanwhile)."""
+        try:
+            return await asyncio.wrap_future(
+                self.bridge.render_later(chat.messages, chat.tools, chat.template))
+        except EngineError as error:  # e.g. a template that drops the message to continue
+            raise ApiError(400, str(error), param="messages") from error
+
+    def _tool_syntax(self, chat: ChatRequest):
+        """How the model marks its calls, for a request with tools (None: no tools).
+
+        Tools for a model whose chat template defines no tool calling are refused:
+        the template would drop them, and the answer could never be read as a call.
+        """
+        if not chat.tools:
+            return None
+        syntax = self.bridge.tool_syntax
+        if syntax is None:
+            raise ApiError(400, f"'tools' were sent, but this model's chat template "
+                                f"({self.bridge.model_id}) defines no tool calling: it "
+                                "would never see them, and its answer could not be read "
+                                "as a call. Serve a model with tool calling (Qwen2.5 or "
+                                "later, Llama 3.1, Mistral…), or leave 'tools' out "
+                                "(tool_choice 'none' does).", param="tools",
+                           code="tools_unsupported")
+        return syntax
+
+    def _check_bias(self, chat: ChatRequest) -> None:
+        vocab = self.bridge.vocab_size
+        for ident, _ in chat.sampling.logit_bias:
+            if ident >= vocab:
+                raise ApiError(400, f"'logit_bias' names token id {ident}, but this model's "
+                                    f"tokenizer has {vocab:,} tokens (ids 0 to {vocab - 1}).",
+                               param="logit_bias")
 
     async def _collect(self, request: Request,
                        run: Run) -> tuple[str, list[ToolCall], Outcome]:
@@ -499,14 +705,108 @@ class Server:
                     parts.append(piece)
                 elif isinstance(piece, ToolCall):
                     calls.append(piece)
-                else:
+                elif isinstance(piece, Outcome):
                     return "".join(parts), calls, piece
         finally:
             watcher.cancel()
         raise ApiError(500, "The engine ended the request without an answer.", "server_error")
 
 
-async def _guarded(run: Run) -> AsyncIterator[str | ToolCall | Outcome]:
+async def _responses_events(run: Run, writer: responses.ResponseWriter) -> AsyncIterator[dict]:
+    """A streamed response: ``response.created`` … ``response.completed``; while the
+    engine reads a long prompt, ``response.in_progress`` now and then (Codex ends a
+    stream that sends no event for a while)."""
+    for event in writer.started():
+        yield event
+    try:
+        async for piece in _guarded(run):
+            if isinstance(piece, KeepAlive):
+                yield writer.waiting()
+            elif isinstance(piece, str):
+                for event in writer.add_text(piece) if piece else ():
+                    yield event
+            elif isinstance(piece, ToolCall):
+                for event in writer.add_call(piece.id, piece.name, piece.arguments):
+                    yield event
+            else:
+                for event in writer.finished(piece.finish, _responses_usage(piece),
+                                             _extra(piece)):
+                    yield event
+    except ApiError as error:
+        yield writer.failed(error.message, error.code)
+
+
+def _responses_usage(outcome: Outcome) -> dict:
+    return responses.usage(outcome.prompt_tokens, outcome.cached_tokens,
+                           outcome.completion_tokens)
+
+
+def _extra(outcome: Outcome) -> dict:
+    """Longleaf's own fields of a response: its KV mode and a forced choice's result."""
+    return {"kv_mode": outcome.mode, **_choice_met(outcome)}
+
+
+def _anthropic_event(kind: str, data: dict) -> dict:
+    return {"event": kind, "data": json.dumps({"type": kind, **data})}
+
+
+async def _anthropic_events(request: Request, run: Run, ident: str,
+                            model: str) -> AsyncIterator[dict]:
+    """A streamed Anthropic message: ``message_start`` … ``message_stop``.
+
+    A text block opens with the first text: an answer that only calls a tool
+    starts with its tool_use block, as Anthropic's own do. While the engine has
+    nothing to say (reading a long prompt), an empty text delta goes out now and
+    then: Claude Code ends a stream that sends no event but ``ping`` for a while.
+    """
+    event = _anthropic_event
+    reused = run.ticket.reused
+    yield event("message_start", {"message": {
+        "id": ident, "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": run.prompt_tokens - reused, "output_tokens": 0,
+                  "cache_read_input_tokens": reused, "cache_creation_input_tokens": 0}}})
+    index, text_open = -1, False  # the last block opened, and whether it is text
+    try:
+        async for piece in _guarded(run):
+            if isinstance(piece, str | KeepAlive):
+                if isinstance(piece, str) and not piece:
+                    continue
+                if not text_open:
+                    index, text_open = index + 1, True
+                    yield event("content_block_start", {
+                        "index": index, "content_block": {"type": "text", "text": ""}})
+                text = piece if isinstance(piece, str) else ""
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "text_delta", "text": text}})
+                continue
+            if text_open:
+                yield event("content_block_stop", {"index": index})
+                text_open = False
+            if isinstance(piece, ToolCall):
+                index += 1
+                yield event("content_block_start", {"index": index, "content_block": {
+                    **_anthropic_call(piece), "input": {}}})
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": piece.arguments}})
+                yield event("content_block_stop", {"index": index})
+                continue
+            if index < 0:  # nothing written: one empty text block, as not streamed
+                index = 0
+                yield event("content_block_start", {
+                    "index": 0, "content_block": {"type": "text", "text": ""}})
+                yield event("content_block_stop", {"index": 0})
+            yield event("message_delta", {
+                "delta": {"stop_reason": _anthropic_stop(piece, run.stopped_by),
+                          "stop_sequence": run.stopped_by},
+                "usage": _anthropic_usage(piece), **_choice_met(piece)})
+            yield event("message_stop", {})
+    except ApiError as error:
+        body = json.loads(error_response(request, error).body)
+        yield {"event": "error", "data": json.dumps(body)}
+
+
+async def _guarded(run: Run) -> AsyncIterator[str | ToolCall | Outcome | KeepAlive]:
     """``run``'s parts; a stream cut off by its client cancels the engine request."""
     pieces = run.parts()
     try:
@@ -526,11 +826,20 @@ async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
 
 
 class Run:
-    """One generation's pieces of text as they come, cut at the first stop sequence."""
+    """One generation's pieces of text as they come, cut at the first stop sequence.
+
+    Args:
+        keepalive: seconds without an engine event after which ``parts`` yields
+            ``KEEPALIVE`` (0: never).
+        max_calls: keep the answer's first calls only (None: every call).
+        anthropic: word a prompt that turns out too long as Anthropic's API does.
+    """
 
     def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
                  stops: tuple[str, ...], prompt_tokens: int,
-                 reader: ToolCallReader | None = None, wanted: str | None = None) -> None:
+                 reader: ToolCallReader | None = None, wanted: str | None = None, *,
+                 keepalive: float = 0.0, max_calls: int | None = None,
+                 anthropic: bool = False) -> None:
         self.bridge, self.ticket, self.cancel = bridge, ticket, cancel
         self.stops = stops
         self.reader = reader
@@ -538,8 +847,17 @@ class Run:
         self.prompt_tokens = prompt_tokens
         self.stopped_by: str | None = None
         self.mode = ticket.mode
+        self.keepalive = keepalive
+        self.max_calls = max_calls
+        self.anthropic = anthropic
+        self.logprobs: list[TokenLogprob] = []  # read so far, not yet taken
 
-    async def parts(self) -> AsyncIterator[str | ToolCall | Outcome]:
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log probabilities of the tokens read since the last call."""
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
+    async def parts(self) -> AsyncIterator[str | ToolCall | Outcome | KeepAlive]:
         """The answer's text and tool calls, then one ``Outcome``.
 
         Without a tool syntax (no tools asked, or a model that defines none) the
@@ -551,42 +869,61 @@ class Run:
         names: list[str] = []
         try:
             async for piece in pieces:
-                if self.reader is None:
+                if self.reader is None or isinstance(piece, KeepAlive):
                     yield piece
-                elif isinstance(piece, str):
-                    for part in self.reader.feed(piece):
-                        names += [part.name] if isinstance(part, ToolCall) else []
-                        yield part
-                else:
-                    for part in self.reader.finish():
-                        names += [part.name] if isinstance(part, ToolCall) else []
-                        yield part
-                    if self.reader.calls and piece.finish == "stop" and not self.stopped_by:
-                        piece = replace(piece, finish="tool_calls")
-                    if self.wanted is not None:
-                        met = bool(names) if not self.wanted else self.wanted in names
-                        if not met:
-                            log.info("the answer did not make the call tool_choice asked for")
-                        piece = replace(piece, tool_choice_met=met)
-                    yield piece
+                    continue
+                parts = self.reader.feed(piece) if isinstance(piece, str) \
+                    else self.reader.finish()
+                for part in parts:
+                    if isinstance(part, ToolCall):
+                        if self.max_calls is not None and len(names) >= self.max_calls:
+                            log.info("a tool call dropped: the request allows %d",
+                                     self.max_calls)
+                            continue
+                        names.append(part.name)
+                    yield part
+                if not isinstance(piece, str):
+                    yield self._ended(piece, names)
         finally:
             await pieces.aclose()
 
-    async def pieces(self) -> AsyncIterator[str | Outcome]:
+    def _ended(self, outcome: Outcome, names: list[str]) -> Outcome:
+        if names and outcome.finish == "stop" and not self.stopped_by:
+            outcome = replace(outcome, finish="tool_calls")
+        if self.wanted is not None:
+            met = bool(names) if not self.wanted else self.wanted in names
+            if not met:
+                log.info("the answer did not make the call tool_choice asked for")
+            outcome = replace(outcome, tool_choice_met=met)
+        return outcome
+
+    async def _next_event(self) -> object:
+        """The engine's next event for this request, or ``KEEPALIVE`` after a silence."""
+        if not self.keepalive:
+            return await self.ticket.queue.get()
+        try:
+            return await asyncio.wait_for(self.ticket.queue.get(), self.keepalive)
+        except TimeoutError:
+            return KEEPALIVE
+
+    async def pieces(self) -> AsyncIterator[str | Outcome | KeepAlive]:
         """Text deltas, then one ``Outcome``; raises ``ApiError`` for a failure."""
         held = ""  # text that may be the start of a stop sequence
         generated = 0
         keep = max((len(s) for s in self.stops), default=1) - 1
         try:
             while True:
-                event = await self.ticket.queue.get()
-                if isinstance(event, SessionOpened):
+                event = await self._next_event()
+                if isinstance(event, KeepAlive):
+                    yield event
+                elif isinstance(event, SessionOpened):
                     self.mode = event.kv_mode
                 elif isinstance(event, Failed):
                     self.bridge.forget(self.ticket)
-                    raise _engine_error(event)
+                    raise self._failure(event)
                 elif isinstance(event, TokenChunk) and self.stopped_by is None:
                     generated += len(event.token_ids)
+                    self.logprobs.extend(event.logprobs)
                     held += event.text
                     cut = self._stop_at(held)
                     if cut is not None:
@@ -604,6 +941,13 @@ class Run:
                     return
         finally:
             self.cancel.set()  # a client gone mid-stream stops the engine
+
+    def _failure(self, event: Failed) -> ApiError:
+        if event.error_type == "ContextTooLong" and self.anthropic:
+            log.info("prompt of %d tokens refused: %s", self.prompt_tokens, event.message)
+            fitting = event.kept_tokens or self.prompt_tokens
+            return too_long(self.prompt_tokens, fitting, anthropic=True)
+        return _engine_error(event)
 
     def _stop_at(self, text: str) -> int | None:
         found = [(text.find(s), s) for s in self.stops if s in text]
@@ -644,6 +988,14 @@ def _choice_met(outcome: Outcome) -> dict:
     if outcome.tool_choice_met is None:
         return {}
     return {"tool_choice_met": outcome.tool_choice_met}
+
+
+def _scored(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _ollama_call(call: ToolCall) -> dict:
+    return {"function": {"name": call.name, "arguments": call.input()}}
 
 
 def _openai_call(call: ToolCall) -> dict:

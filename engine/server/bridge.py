@@ -53,6 +53,9 @@ class Ticket:
         chat_id: the id of its chat request (its ``Finished`` ends the ticket).
         session: the server session it runs on.
         mode: the KV mode of that session.
+        reused: prompt tokens a held session continued has cached already (what
+            the request will read from the cache at least; a stored snapshot or
+            another session may add more, known when it ends).
     """
 
     loop: asyncio.AbstractEventLoop
@@ -60,6 +63,7 @@ class Ticket:
     chat_id: int = 0
     session: str = ""
     mode: str = ""
+    reused: int = 0
 
     def put(self, event: object) -> None:
         """Hand ``event`` to the handler (called on the worker thread)."""
@@ -225,6 +229,24 @@ class EngineBridge:
         with self._tokenizer_lock:
             return self._tokenizer.decode(ids)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id's own text (a piece of a character decodes to U+FFFD)."""
+        with self._tokenizer_lock:
+            return [self._tokenizer.decode([i]) for i in ids]
+
+    @property
+    def chat_template(self) -> str:
+        """The loaded model's chat template ("" for a base model)."""
+        with self._tokenizer_lock:
+            template = getattr(self._tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else ""
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows (ids from 0 to this, exclusive)."""
+        with self._tokenizer_lock:
+            return len(self._tokenizer) if self._tokenizer is not None else 0
+
     def fit(self, token_count: int) -> Any:
         """The guard's ``FitReport`` for ``token_count`` tokens of a new conversation,
         every machine's share included on a pipeline (arithmetic only)."""
@@ -255,9 +277,10 @@ class EngineBridge:
                 raise QueueFull(f"{self._in_flight} requests are already waiting for the "
                                 "engine; try again shortly.")
             self._in_flight += 1
-            name = self._continued(prompt, mode)
+            name, shared = self._continued(prompt, mode)
             if name is None:
                 name = self._open(mode, ticket)
+            ticket.reused = min(shared, len(prompt) - 1)
             self._sessions[name] = (mode, list(prompt))
             self._sessions.move_to_end(name)
             ticket.session, ticket.mode = name, mode
@@ -272,7 +295,9 @@ class EngineBridge:
             if self._sessions.pop(ticket.session, None) is not None:
                 self.worker.close_session(ticket.session, store=False)
 
-    def _continued(self, prompt: list[int], mode: str) -> str | None:
+    def _continued(self, prompt: list[int], mode: str) -> tuple[str | None, int]:
+        """The held session whose last prompt ``prompt`` continues, and how many
+        tokens they share (None, 0: none)."""
         best, most = None, 0
         for name, (held_mode, held) in self._sessions.items():
             if held_mode != mode or not held:
@@ -280,7 +305,7 @@ class EngineBridge:
             shared = common_prefix(held, prompt)
             if shared >= len(held) - 1 and shared > most:
                 best, most = name, shared
-        return best
+        return best, most
 
     def _open(self, mode: str, ticket: Ticket) -> str:
         # Only idle sessions are evicted: closing one cancels the answer running

@@ -1,7 +1,8 @@
 """Reading OpenAI and Anthropic request bodies into the engine's plain inputs.
 
-Unknown fields are ignored (real clients send many); a supported field with a
-bad value raises ``BadRequest`` with a message a developer can act on.
+Every field of each API's own schema is honoured or refused (``fields``);
+fields no API defines are ignored (real clients send many). A supported field
+with a bad value raises ``BadRequest`` with a message a developer can act on.
 """
 
 from __future__ import annotations
@@ -13,21 +14,17 @@ from typing import Any
 from engine.cache import kvquant
 from engine.cache.modes import MODES
 from engine.errors import EngineError
+from engine.server import fields, structured
+from engine.server.errors import BadRequest
 from engine.session import speculative
-from engine.session.sampling import SamplingParams
+from engine.session.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+__all__ = ["BadRequest", "ChatRequest"]
 
 MAX_STOPS = 16
 MAX_TOOLS = 128
-
-
-class BadRequest(EngineError):
-    """A request body the server cannot honour; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
+COMPLETION_TOP_LOGPROBS = 5  # /v1/completions' limit on logprobs
 
 
 @dataclass(frozen=True)
@@ -49,6 +46,9 @@ class ChatRequest:
     # The client named "speculative" itself: on a pipeline "lookup" is refused then,
     # and left to the default it is off (Session.chat).
     speculative_asked: bool = False
+    max_calls: int | None = None  # the answer's first calls kept (1: parallel refused)
+    anthropic: bool = False  # errors worded as Anthropic's API words them
+    context: int | None = None  # a context smaller than the model's (Ollama's num_ctx)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -61,7 +61,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def _integer(body: dict, names: tuple[str, ...], default: int | None,
+def integer(body: dict, names: tuple[str, ...], default: int | None,
              low: int) -> int | None:
     for name in names:
         value = body.get(name)
@@ -73,7 +73,7 @@ def _integer(body: dict, names: tuple[str, ...], default: int | None,
     return default
 
 
-def _stops(value: Any, name: str) -> tuple[str, ...]:
+def stops(value: Any, name: str) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
@@ -84,8 +84,11 @@ def _stops(value: Any, name: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or text blocks joined (OpenAI parts, Anthropic blocks)."""
+def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A message's text: a string, or text blocks joined (OpenAI parts, Anthropic blocks).
+
+    ``kinds`` are the block types read as text (each carries a "text" string).
+    """
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -93,7 +96,12 @@ def _text(content: Any, where: str) -> str:
                          "messages")
     parts = []
     for block in content:
-        if not isinstance(block, dict) or block.get("type") != "text" \
+        if isinstance(block, dict) and block.get("type") == "tool_reference" \
+                and isinstance(block.get("tool_name"), str):
+            # A tool search's result names a tool: every tool is in the prompt already.
+            parts.append(f"Tool available: {block['tool_name']}\n")
+            continue
+        if not isinstance(block, dict) or block.get("type") not in kinds \
                 or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise BadRequest(f"{where} has a content block of type {kind!r}; this server "
@@ -120,7 +128,7 @@ def mode_from(model: str, body: dict) -> str | None:
         raise BadRequest(str(error), "kv_mode") from error
 
 
-def _arguments(value: Any, where: str) -> dict:
+def arguments_of(value: Any, where: str) -> dict:
     """A tool call's arguments as an object (templates render them as JSON)."""
     if isinstance(value, str):
         try:
@@ -133,7 +141,7 @@ def _arguments(value: Any, where: str) -> dict:
     return value
 
 
-def _call(ident: Any, name: Any, arguments: dict, where: str) -> dict:
+def call_of(ident: Any, name: Any, arguments: dict, where: str) -> dict:
     if not isinstance(name, str) or not name:
         raise BadRequest(f"{where} needs a function name.", "messages")
     return {"id": str(ident or ""), "type": "function",
@@ -144,7 +152,7 @@ def _openai_message(message: dict, index: int) -> dict:
     where = f"messages[{index}]"
     role = message["role"]
     content = message.get("content")
-    out: dict = {"role": role, "content": "" if content is None else _text(content, where)}
+    out: dict = {"role": role, "content": "" if content is None else text_of(content, where)}
     if role == "assistant" and message.get("tool_calls") is not None:
         calls = message["tool_calls"]
         if not isinstance(calls, list):
@@ -155,8 +163,8 @@ def _openai_message(message: dict, index: int) -> dict:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
                 raise BadRequest(f"{spot} must be an object with a 'function'.", "messages")
-            out["tool_calls"].append(_call(call.get("id"), function.get("name"),
-                                           _arguments(function.get("arguments", {}), spot),
+            out["tool_calls"].append(call_of(call.get("id"), function.get("name"),
+                                           arguments_of(function.get("arguments", {}), spot),
                                            spot))
     if role == "tool":
         ident = message.get("tool_call_id")
@@ -170,34 +178,45 @@ def _anthropic_message(message: dict, index: int) -> list[dict]:
     where = f"messages[{index}]"
     role, content = message["role"], message.get("content", "")
     if not isinstance(content, list):
-        return [{"role": role, "content": _text(content, where)}]
+        return [{"role": role, "content": text_of(content, where)}]
     out: list[dict] = []
     text: list[dict] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "redacted_thinking":
+            continue  # encrypted for the hosted model alone: nothing a template can read
+        if kind == "thinking":
+            # Templates that render reasoning read it as reasoning_content; others
+            # leave it out, as Anthropic's API drops earlier turns' thinking.
+            if isinstance(block.get("thinking"), str) and role == "assistant":
+                thoughts.append(block["thinking"])
+            continue
         if kind == "tool_use" and role == "assistant":
-            calls.append(_call(block.get("id"), block.get("name"),
-                               _arguments(block.get("input", {}), where), where))
+            calls.append(call_of(block.get("id"), block.get("name"),
+                               arguments_of(block.get("input", {}), where), where))
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
-            out.append({"role": "tool", "content": _text(result, f"{where} tool_result"),
+            out.append({"role": "tool", "content": text_of(result, f"{where} tool_result"),
                         "tool_call_id": str(block.get("tool_use_id") or "")})
         else:
             text.append(block)
-    if text or calls or not out:
-        turn: dict = {"role": role, "content": _text(text, where)}
+    if text or calls or thoughts or not out:
+        turn: dict = {"role": role, "content": text_of(text, where)}
         if calls:
             turn["tool_calls"] = calls
+        if thoughts:
+            turn["reasoning_content"] = "\n\n".join(thoughts)
         out.append(turn)
     return out
 
 
-def _messages(raw: Any, roles: tuple[str, ...], system: str | None, *,
-              anthropic: bool = False) -> list[dict]:
+def _checked(raw: Any, roles: tuple[str, ...]) -> list[dict]:
+    """``raw`` as a list of message objects whose roles are among ``roles``."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list.", "messages")
-    messages = [] if not system else [{"role": "system", "content": system}]
+    out = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{index}] must be an object.", "messages")
@@ -206,15 +225,87 @@ def _messages(raw: Any, roles: tuple[str, ...], system: str | None, *,
         if role not in roles:
             raise BadRequest(f"messages[{index}].role must be one of {', '.join(roles)} "
                              f"(got {role!r}).", "messages")
-        message = {**message, "role": role}
-        if anthropic:
-            messages.extend(_anthropic_message(message, index))
-        else:
-            messages.append(_openai_message(message, index))
-    if messages[-1]["role"] == "assistant":
-        raise BadRequest("The last message must be the user's: continuing an assistant "
-                         "message is not supported.", "messages")
+        out.append({**message, "role": role})
+    return out
+
+
+def continuable(messages: list[dict]) -> list[dict]:
+    """``messages``, checked that a last assistant message can be continued.
+
+    A conversation that ends with an assistant message is answered by going on
+    with that message (Anthropic's prefill): the answer is what comes after it.
+    A call of a tool cannot be continued: its result comes first.
+    """
+    last = messages[-1]
+    if last["role"] == "assistant" and last.get("tool_calls"):
+        raise BadRequest("The last message is an assistant's tool call: send the tool's "
+                         "result after it to get the next answer.", "messages")
     return messages
+
+
+def _openai_messages(raw: Any) -> list[dict]:
+    turns = _checked(raw, ("system", "user", "assistant", "tool"))
+    return continuable([_openai_message(m, i) for i, m in enumerate(turns)])
+
+
+def _with_text(message: dict, text: str, *, after: bool) -> dict:
+    """``message`` with one more text block, after or before its own content."""
+    content = message.get("content", "")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
+        list(content) if isinstance(content, list) else content
+    if not isinstance(blocks, list):
+        return message  # a bad content: its own check names it
+    has_text = any(isinstance(b, dict) and b.get("type") == "text" and b.get("text")
+                   for b in blocks)
+    gap = "\n\n" if has_text else ""
+    block = {"type": "text", "text": gap + text if after else text + gap}
+    return {**message, "content": [*blocks, block] if after else [block, *blocks]}
+
+
+def fold_system(turns: list[dict]) -> tuple[list[str], list[tuple[int, dict]]]:
+    """System messages inside an Anthropic conversation, folded where templates take them.
+
+    Chat templates read a system prompt only first, so (as Claude Code's agents
+    send them) a system message before any turn joins the system prompt; a later
+    one joins the user turn right before it, or else the next user turn (a user
+    turn of its own when none follows). The other turns keep their places, so
+    a conversation resent with more turns renders the same prefix.
+
+    Returns:
+        The system texts for the system prompt, and the turns with their indexes.
+    """
+    head: list[str] = []
+    out: list[tuple[int, dict]] = []
+    waiting: list[str] = []
+    for index, message in enumerate(turns):
+        if message["role"] != "system":
+            if waiting and message["role"] == "user":
+                message = _with_text(message, "\n\n".join(waiting), after=False)
+                waiting = []
+            out.append((index, message))
+            continue
+        text = text_of(message.get("content", ""), f"messages[{index}]")
+        if not out:
+            head.append(text)
+        elif out[-1][1]["role"] == "user" and not waiting:
+            out[-1] = (out[-1][0], _with_text(out[-1][1], text, after=True))
+        else:
+            waiting.append(text)
+    if waiting:
+        out.append((len(turns) - 1, {"role": "user", "content": "\n\n".join(waiting)}))
+    return head, out
+
+
+def _anthropic_conversation(raw: Any, system: str | None) -> list[dict]:
+    head, turns = fold_system(_checked(raw, ("user", "assistant", "system")))
+    if not turns:
+        raise BadRequest("'messages' needs a user message besides system messages.",
+                         "messages")
+    prompt = "\n\n".join(text for text in (system, *head) if text)
+    messages = [{"role": "system", "content": prompt}] if prompt else []
+    for index, message in turns:
+        messages.extend(_anthropic_message(message, index))
+    return continuable(messages)
 
 
 def _tool_choice(body: dict, anthropic: bool) -> tuple[str, str | None]:
@@ -249,7 +340,7 @@ def _tool_choice(body: dict, anthropic: bool) -> tuple[str, str | None]:
     return kinds[kind], name
 
 
-def _tools(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | None]:
+def tools_of(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | None]:
     """The request's tools in the form chat templates read (OpenAI's function tools),
     with its tool choice: "none" offers no tools; a choice of one tool must name a
     listed one."""
@@ -285,31 +376,91 @@ def _tools(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | N
 
 
 def _tool_fields(body: dict, anthropic: bool) -> dict:
-    tools, choice, name = _tools(body, anthropic)
-    return {"tools": tools, "tool_choice": choice, "tool_name": name}
+    tools, choice, name = tools_of(body, anthropic)
+    if anthropic:
+        value = body.get("tool_choice")
+        single = isinstance(value, dict) and value.get("disable_parallel_tool_use") is True
+    else:
+        single = body.get("parallel_tool_calls") is False
+    return {"tools": tools, "tool_choice": choice, "tool_name": name,
+            "max_calls": 1 if single else None}
 
 
-def _model(body: dict) -> str:
+def model_name(body: dict) -> str:
     model = body.get("model", "")
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string.", "model")
     return model
 
 
-def _sampling(body: dict, max_tokens: int, seed: Any) -> SamplingParams:
+def _seed(seed: Any) -> int | None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not -2**63 <= seed < 2**64):
         raise BadRequest(f"'seed' must be a 64-bit integer (got {seed!r}).", "seed")
-    if seed is not None:
-        seed %= 2**64  # MLX seeds are unsigned; a negative one still picks one stream
+    return None if seed is None else seed % 2**64  # MLX seeds are unsigned
+
+
+def logit_bias(value: Any, name: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (bias from -100 to 100) as (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'{name}' must be an object of at most {MAX_LOGIT_BIAS} "
+                         "token ids (as strings) to biases.", name)
+    pairs = []
+    for key, bias in value.items():
+        ident = key if isinstance(key, int) else int(key) if str(key).isdigit() else None
+        if ident is None or isinstance(bias, bool) or not isinstance(bias, int | float) \
+                or not -100 <= bias <= 100:
+            raise BadRequest(f"'{name}' maps token ids (digits) to numbers from -100 to "
+                             f"100 (got {key!r}: {bias!r}).", name)
+        pairs.append((ident, float(bias)))
+    return tuple(pairs)
+
+
+def sampling_params(body: dict, max_tokens: int, seed: Any, *,
+                    logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
+    """The sampling fields every API shares (and the extensions other servers read:
+    ``top_k``, ``min_p``, ``repetition_penalty``)."""
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise BadRequest("'top_p' must be greater than 0.", "top_p")
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if repetition <= 0:
+        raise BadRequest("'repetition_penalty' must be greater than 0.", "repetition_penalty")
     return SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p,
-        top_k=int(_integer(body, ("top_k",), 0, 0) or 0), max_tokens=max_tokens,
-        seed=seed, speculative=_speculative(body),
+        top_k=int(integer(body, ("top_k",), 0, 0) or 0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 0.999), repetition_penalty=repetition,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=logit_bias(body.get("logit_bias")), logprobs=logprobs, grammar=grammar,
+        max_tokens=max_tokens, seed=_seed(seed), speculative=_speculative(body),
     )
+
+
+def structured_grammar(grammar: str | None, body: dict, param: str) -> str | None:
+    """``grammar``, refused beside ``tools``: an answer held to a schema could
+    never be a tool call."""
+    tools = body.get("tools")
+    if grammar is not None and tools and body.get("tool_choice") != "none":
+        raise BadRequest(f"'{param}' and 'tools' cannot be used together yet: the answer "
+                         "is held to the schema, so it could never call a tool.", param)
+    return grammar
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` as the engine's count."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadRequest("'logprobs' must be true or false.", "logprobs")
+    top = integer(body, ("top_logprobs",), None, 0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'top_logprobs' must be from 0 to {MAX_TOP_LOGPROBS}.",
+                         "top_logprobs")
+    if top is not None and not wanted:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _speculative(body: dict) -> str:
@@ -325,23 +476,27 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
     """Read an OpenAI ``/v1/chat/completions`` body."""
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
-    n = _integer(body, ("n",), 1, 1)
+    n = integer(body, ("n",), 1, 1)
     if n != 1:
         raise BadRequest("'n' > 1 is not supported: ask for one choice per request.", "n")
+    fields.check(body, fields.CHAT)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false.", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object.", "stream_options")
-    model = _model(body)
-    max_tokens = _integer(body, ("max_completion_tokens", "max_tokens"), default_max, 1)
+    model = model_name(body)
+    max_tokens = integer(body, ("max_completion_tokens", "max_tokens"), default_max, 1)
     return ChatRequest(
-        messages=_messages(body.get("messages"), ("system", "user", "assistant", "tool"),
-                           None),
-        sampling=_sampling(body, int(max_tokens), body.get("seed")),
+        messages=_openai_messages(body.get("messages")),
+        sampling=sampling_params(body, int(max_tokens), body.get("seed"),
+                                 logprobs=_chat_logprobs(body),
+                                 grammar=structured_grammar(
+                                     structured.openai_format(body.get("response_format")),
+                                     body, "response_format")),
         speculative_asked="speculative" in body,
-        stop=_stops(body.get("stop"), "stop"), stream=stream,
+        stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         mode=mode_from(model, body), model=model, **_tool_fields(body, anthropic=False),
     )
@@ -358,9 +513,14 @@ def openai_completion(body: Any, default_max: int) -> ChatRequest:
         raise BadRequest("'prompt' must be a non-empty string (batches of prompts and token "
                          "ids are not supported: send one request per prompt).", "prompt")
     for name in ("n", "best_of"):
-        if _integer(body, (name,), 1, 1) != 1:
+        if integer(body, (name,), 1, 1) != 1:
             raise BadRequest(f"'{name}' > 1 is not supported: ask for one choice per "
                              "request.", name)
+    fields.check(body, fields.COMPLETIONS)
+    logprobs = integer(body, ("logprobs",), None, 0)
+    if logprobs is not None and logprobs > COMPLETION_TOP_LOGPROBS:
+        raise BadRequest(f"'logprobs' must be from 0 to {COMPLETION_TOP_LOGPROBS}.",
+                         "logprobs")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false.", "stream")
@@ -370,13 +530,13 @@ def openai_completion(body: Any, default_max: int) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object.", "stream_options")
-    model = _model(body)
-    max_tokens = _integer(body, ("max_tokens",), default_max, 1)
+    model = model_name(body)
+    max_tokens = integer(body, ("max_tokens",), default_max, 1)
     return ChatRequest(
         messages=[{"role": "user", "content": prompt}],
-        sampling=_sampling(body, int(max_tokens), body.get("seed")),
+        sampling=sampling_params(body, int(max_tokens), body.get("seed"), logprobs=logprobs),
         speculative_asked="speculative" in body,
-        stop=_stops(body.get("stop"), "stop"), stream=stream,
+        stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         mode=mode_from(model, body), model=model, template=False, echo=echo,
     )
@@ -386,26 +546,29 @@ def _system(body: dict) -> str | None:
     system = body.get("system")
     if system is None:
         return None
-    return _text(system, "system")
+    return text_of(system, "system")
 
 
 def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
     """Read an Anthropic ``/v1/messages`` (or ``count_tokens``) body."""
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
-    model = _model(body)
-    max_tokens = _integer(body, ("max_tokens",), 1 if counting else None, 1)
+    fields.check(body, fields.COUNT_TOKENS if counting else fields.MESSAGES)
+    model = model_name(body)
+    max_tokens = integer(body, ("max_tokens",), 1 if counting else None, 1)
     if max_tokens is None:
         raise BadRequest("'max_tokens' is required.", "max_tokens")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false.", "stream")
     return ChatRequest(
-        messages=_messages(body.get("messages"), ("user", "assistant"), _system(body),
-                           anthropic=True),
-        sampling=_sampling(body, max_tokens, None),
+        messages=_anthropic_conversation(body.get("messages"), _system(body)),
+        sampling=sampling_params(body, max_tokens, None, grammar=None if counting else
+                                 structured_grammar(
+                                     structured.anthropic_format(body.get("output_config")),
+                                     body, "output_config")),
         speculative_asked="speculative" in body,
-        stop=_stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
-        include_usage=True, mode=mode_from(model, body), model=model,
+        stop=stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
+        include_usage=True, mode=mode_from(model, body), model=model, anthropic=True,
         **_tool_fields(body, anthropic=True),
     )

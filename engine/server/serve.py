@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.server.app import Server
+from engine.server.app import KEEPALIVE_SECONDS, Server
 from engine.server.bridge import EngineBridge
 
 log = logging.getLogger(__name__)
@@ -25,14 +25,15 @@ def server_snapshot_dir() -> Path:
 
 def make_app(bridge: EngineBridge, api_key: str | None = None,
              cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
-             allowed_hosts: tuple[str, ...] = ()):
+             allowed_hosts: tuple[str, ...] = (), keepalive: float = KEEPALIVE_SECONDS):
     """The ASGI app; its lifespan loads the model in the background and stops the worker.
 
     Without ``api_key`` it answers only requests addressed to this computer,
-    ``bind_host`` or ``allowed_hosts`` (see ``Server``).
+    ``bind_host`` or ``allowed_hosts`` (see ``Server``). A stream without output
+    for ``keepalive`` seconds sends an event that changes nothing.
     """
     server = Server(bridge, api_key, cors_origins=cors_origins, bind_host=bind_host,
-                    allowed_hosts=allowed_hosts)
+                    allowed_hosts=allowed_hosts, keepalive=keepalive)
     app = server.app()
 
     @contextlib.asynccontextmanager
@@ -51,9 +52,11 @@ def make_app(bridge: EngineBridge, api_key: str | None = None,
 
 def uvicorn_server(bridge: EngineBridge, host: str, port: int,
                    api_key: str | None = None, cors_origins: tuple[str, ...] = (),
-                   allowed_hosts: tuple[str, ...] = ()) -> uvicorn.Server:
+                   allowed_hosts: tuple[str, ...] = (),
+                   keepalive: float = KEEPALIVE_SECONDS) -> uvicorn.Server:
     """A uvicorn server for ``bridge`` (not started)."""
-    app = make_app(bridge, api_key, cors_origins, bind_host=host, allowed_hosts=allowed_hosts)
+    app = make_app(bridge, api_key, cors_origins, bind_host=host, allowed_hosts=allowed_hosts,
+                   keepalive=keepalive)
     config = uvicorn.Config(app, host=host, port=port,
                             log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return uvicorn.Server(config)

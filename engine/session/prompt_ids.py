@@ -208,7 +208,7 @@ def render_prompt(
     # Base models have no template: the contents, one after another.
     text = "\n\n".join(message["content"] for message in messages)
     return Prompt(list(tokenizer.encode(text, add_special_tokens=True)), messages,
-                  continues=continued or not template)
+                  continues=True)
 
 
 def render_conversation(

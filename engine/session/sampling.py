@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine.cache import adapter
 from engine.errors import EngineError, KvBudgetExceeded
-from engine.events import TokenChunk
+from engine.events import TokenChunk, TokenLogprob
 from engine.session import checkpoints, speculative
 
 Sampler = Callable[[mx.array], mx.array]
@@ -25,6 +26,8 @@ REPETITION_CONTEXT = 64
 # Ids of the prompt that give a continued answer's first word its context (a few
 # cover a character split over tokens).
 PRIMER_TOKENS = 4
+# Most alternatives a request may ask for per token (OpenAI's own limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,15 @@ class SamplingParams:
         top_k: keep only the k most likely tokens; 0 disables it.
         min_p: drop tokens below this fraction of the top token's probability.
         repetition_penalty: > 1 discourages repeating recent tokens; 1.0 disables it.
+        presence_penalty: subtracted from the logit of every token seen in the
+            recent tokens (``REPETITION_CONTEXT``, the prompt's included); 0 disables it.
+        frequency_penalty: subtracted once per occurrence in those tokens; 0
+            disables it.
+        logit_bias: (token id, bias) pairs added to those tokens' logits.
+        logprobs: None returns no log probabilities; n >= 0 returns each sampled
+            token's and its n most likely alternatives (``TokenChunk.logprobs``).
+        grammar: an llguidance grammar (``constraint.json_schema_grammar``) the
+            answer must follow, or None.
         max_tokens: most tokens to generate.
         seed: random seed for reproducible sampling, or None.
         speculative: "lookup" (the default) proposes tokens found in the chat's
@@ -50,6 +62,11 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    grammar: str | None = None
     max_tokens: int = 512
     seed: int | None = None
     speculative: str = "lookup"
@@ -68,6 +85,9 @@ class SamplingParams:
             problems.append(
                 f"repetition_penalty must be > 0 (got {self.repetition_penalty})"
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS} "
+                            f"(got {self.logprobs})")
         if self.max_tokens < 1:
             problems.append(f"max_tokens must be >= 1 (got {self.max_tokens})")
         if self.speculative not in speculative.MODES:
@@ -89,11 +109,16 @@ def build_sampler(params: SamplingParams) -> Sampler:
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
     """Return mlx-lm's logits processors for these settings (may be empty)."""
-    if params.repetition_penalty == 1.0:
-        return []
     return make_logits_processors(
-        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) or None,
+        # 1.0 multiplies by one: no processor, so plain answers keep their fast path.
+        repetition_penalty=None if params.repetition_penalty == 1.0
+        else params.repetition_penalty,
         repetition_context_size=REPETITION_CONTEXT,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=REPETITION_CONTEXT,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=REPETITION_CONTEXT,
     )
 
 
@@ -145,6 +170,13 @@ class AnswerStream:
         self.held = held
         self.sampler = build_sampler(sampling)
         self.processors = build_logits_processors(sampling)
+        self.grammar = None
+        if sampling.grammar is not None:
+            from engine.session.constraint import GrammarMask
+
+            # Last: the bias and penalties must not bring back a token it rules out.
+            self.grammar = GrammarMask(sampling.grammar, tokenizer, end_ids)
+            self.processors.append(self.grammar)
         self.request_id = request_id
         self.cancel = cancel
         self.emit = emit
@@ -153,11 +185,18 @@ class AnswerStream:
         self.detokenizer = tokenizer.detokenizer
         self._prime(after)
         self.pending_ids: list[int] = []
+        # Log probabilities asked for: the scores of each queued step, read in
+        # the order its tokens are.
+        self.top_logprobs = sampling.logprobs
+        self.scores: deque[mx.array] = deque()
+        self.pending_logprobs: list[TokenLogprob] = []
         self.history = mx.array([], dtype=mx.int32)
         self.started = time.perf_counter()
         self.first_token_at = self.started
         self.last_token_at = self.started
-        self.speculate = sampling.speculative == "lookup"
+        # A verification scores several tokens in one pass; log probabilities are
+        # read one decode step at a time, so a request for them decodes plainly.
+        self.speculate = sampling.speculative == "lookup" and sampling.logprobs is None
         self.index = index
         self.drafter: speculative.Drafter | None = None
         # What speculation did: tokens proposed, proposed tokens accepted, and the
@@ -178,6 +217,8 @@ class AnswerStream:
             for processor in self.processors:
                 logits = processor(self.history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if self.top_logprobs is not None:
+            self.scores.append(logprobs)
         return self.sampler(logprobs)
 
     def _prime(self, after: Sequence[int]) -> None:
@@ -196,22 +237,45 @@ class AnswerStream:
         self.detokenizer.finalize()
         _ = self.detokenizer.last_segment  # the prompt's own text, not the answer's
 
+    def _score(self, token: int) -> None:
+        """Read the log probabilities of the step that sampled ``token`` (steps are
+        read in the order they were queued), when the request asked for them."""
+        if self.top_logprobs is None or not self.scores:
+            return
+        row = self.scores.popleft().reshape(-1)
+        if token in self.end_ids:
+            return  # the end of the turn is no part of the answer's text
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top_logprobs:
+            ids = mx.argsort(-row)[:self.top_logprobs]
+            top = tuple(zip(ids.tolist(), row[ids].tolist(), strict=True))
+        self.pending_logprobs.append(TokenLogprob(token, row[token].item(), top))
+
     def stream(self, token: int) -> None:
         """Detokenize one token; emit text once it holds only whole characters."""
         self.detokenizer.add_token(token)
         self.pending_ids.append(token)
         text = self.detokenizer.last_segment
         if text:
-            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
-            self.pending_ids = []
+            self._send(text)
+
+    def _send(self, text: str) -> None:
+        self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids),
+                             tuple(self.pending_logprobs)))
+        self.pending_ids = []
+        self.pending_logprobs = []
 
     def flush(self) -> None:
-        """Emit whatever the detokenizer still holds back."""
+        """Emit whatever the detokenizer still holds back.
+
+        Held back means the text so far ends inside a character: an answer cut
+        at its length limit there ends before that character, never with the
+        replacement character the partial bytes decode to.
+        """
         self.detokenizer.finalize()
-        text = self.detokenizer.last_segment
+        text = self.detokenizer.last_segment.rstrip("\ufffd")
         if text or self.pending_ids:
-            self.emit(TokenChunk(self.request_id, text, tuple(self.pending_ids)))
-            self.pending_ids = []
+            self._send(text)
 
     def run(self, prompt: list[int], max_tokens: int) -> str:
         """Generate up to ``max_tokens`` tokens; returns "stop", "length" or "cancelled"."""
@@ -263,6 +327,7 @@ class AnswerStream:
                     queue_next = room = False
                     max_tokens = len(self.generated) + 1
             token = int(y.item())
+            self._score(token)
             self.last_token_at = time.perf_counter()
             if not self.generated:
                 self.first_token_at = self.last_token_at
@@ -298,6 +363,8 @@ class AnswerStream:
                 proposal = drafter.continuation(pending)
                 size = drafter.draft_size(proposal, room - 1)
             draft = proposal.tokens[:size]
+            if self.grammar is not None:  # a draft the grammar forbids could never be kept
+                draft = draft[:self.grammar.valid_prefix(pending, draft)]
             if not draft:
                 reason, pending = self._decode_plainly(pending, room, max_tokens)
                 if reason is not None:
@@ -312,6 +379,8 @@ class AnswerStream:
                     return reason
                 continue
             accepted = speculative.accepted_prefix(draft, sampled)
+            if self.grammar is not None:
+                self.grammar.rewind(len(draft) - accepted)
             # The token sampled after the draft scores the proposal's next one too,
             # for free: the drafter learns from every token the pass judged.
             judged = proposal.tokens[:len(sampled)]
@@ -424,3 +493,4 @@ class AnswerStream:
                 mx.eval(adapter.eval_targets(self.cache))
         self.held.extend(fed[:count])
         self.index.extend(fed[:count])
+

@@ -9,7 +9,9 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from engine.session import sampling
 from tests.engine.server.conftest import Served
+from tests.engine.server.tool_models import scripted_processors
 
 PROMPT = "def attention(queries, keys, values, scale):\n    scores = "
 
@@ -63,8 +65,7 @@ def test_stop_and_unknown_fields(served: Served) -> None:
     assert len(free) > 3
     stop = free[2:4]
     cut = api.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
-                                 stop=stop, user="someone", frequency_penalty=0.5,
-                                 extra_body={"suffix_whatever": 1})
+                                 stop=stop, user="someone", extra_body={"suffix_whatever": 1})
     assert cut.choices[0].text == free[:free.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
@@ -83,3 +84,70 @@ def test_bad_completions_are_400(served: Served, body: dict, param: str) -> None
     with pytest.raises(openai.BadRequestError) as raised:
         client(served).completions.create(model="m", **body)
     assert raised.value.body["param"] == param
+
+
+@pytest.fixture
+def forced(served: Served, monkeypatch: pytest.MonkeyPatch):
+    """Make every answer write ``text`` (then end its turn)."""
+    tokenizer = load_tokenizer(Path(served.bridge.info.path))
+
+    def force(text: str) -> None:
+        monkeypatch.setattr(sampling, "build_logits_processors",
+                            scripted_processors(tokenizer, text))
+    return force
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continuation_keeps_its_first_space(served: Served, forced, stream: bool) -> None:
+    forced(" Paris.")
+    reply = client(served).completions.create(model="m", prompt="The capital of France is",
+                                              max_tokens=8, temperature=0, stream=stream)
+    chunks = list(reply) if stream else [reply]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " Paris."
+
+
+def test_a_cut_inside_a_character_never_ends_with_a_replacement(served: Served,
+                                                                forced) -> None:
+    tokenizer = load_tokenizer(Path(served.bridge.info.path))
+    forced("Trees 🌲")
+    ids = tokenizer.encode("Trees 🌲", add_special_tokens=False)
+    cut = next(n for n in range(len(ids), 0, -1)
+               if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    for stream in (False, True):
+        reply = client(served).completions.create(model="m", prompt="Name it:",
+                                                  max_tokens=cut, temperature=0,
+                                                  stream=stream)
+        chunks = list(reply) if stream else [reply]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == "Trees " and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_of_a_completion(served: Served) -> None:
+    api = client(served)
+    reply = api.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0,
+                                   logprobs=2)
+    scores = reply.choices[0].logprobs
+    assert "".join(scores.tokens) == reply.choices[0].text
+    assert len(scores.token_logprobs) == len(scores.tokens) == reply.usage.completion_tokens
+    for token, logprob, top in zip(scores.tokens, scores.token_logprobs, scores.top_logprobs,
+                                   strict=True):
+        assert logprob <= 0 and len(top) <= 2
+        assert top[token] == pytest.approx(logprob)  # greedy: the most likely one
+        assert logprob == pytest.approx(max(top.values()))
+    assert scores.text_offset[0] == 0
+    streamed = list(api.completions.create(model="m", prompt=PROMPT, max_tokens=6,
+                                           temperature=0, logprobs=2, stream=True))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens]
+    assert tokens == scores.tokens
+
+
+def test_a_continued_assistant_message_keeps_its_first_space(served: Served, forced) -> None:
+    """The app's Continue and Anthropic's prefill: the answer goes on after the text."""
+    forced(" Paris.")
+    messages = [{"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    chat = openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+    reply = chat.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                         temperature=0)
+    assert reply.choices[0].message.content == " Paris."

@@ -19,10 +19,14 @@ from engine.server.app import Server
 from tests.engine.server.conftest import Served
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
-             "/v1/messages/count_tokens")
+             "/v1/messages/count_tokens", "/v1/responses", "/api/chat", "/api/generate",
+             "/api/show")
 KEYS = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
         "top_k", "stop", "stop_sequences", "seed", "n", "best_of", "stream", "stream_options",
-        "model", "kv_mode", "echo", "system", "tools", "tool_choice", "logprobs", "user")
+        "model", "kv_mode", "echo", "system", "tools", "tool_choice", "logprobs", "user",
+        "input", "instructions", "text", "response_format", "output_config", "format",
+        "options", "logit_bias", "top_logprobs", "presence_penalty", "min_p",
+        "repetition_penalty", "parallel_tool_calls", "thinking", "raw", "include")
 HUGE = (10**30, -10**30, 2**64, 1e308, -1e308, float("nan"), float("inf"))
 ANSWERED = (200, 400, 413)
 
@@ -59,7 +63,15 @@ def _body(rng: random.Random) -> bytes:
     if rng.random() < 0.5:  # close to valid, so the checks past the first one run too
         body.setdefault("messages", [{"role": "user", "content": "hi"}])
         body.setdefault("prompt", "hi")
+        body.setdefault("input", "hi")
     body["max_tokens"] = body.get("max_tokens", 1) if rng.random() < 0.3 else 1
+    # Short answers on every API: Ollama's and the Responses API's limits have their
+    # own names and longer defaults.
+    body["max_output_tokens"] = 1
+    if not isinstance(body.get("options"), dict) or rng.random() < 0.7:
+        body["options"] = {"num_predict": 1}
+    else:
+        body["options"]["num_predict"] = 1
     return json.dumps(body).encode()
 
 

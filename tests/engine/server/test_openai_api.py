@@ -250,3 +250,87 @@ def test_a_slow_render_does_not_stall_other_connections(served: Served, monkeypa
         release.set()
         slow.join(120)
     assert results and results[0].choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_model_by_its_id(served: Served) -> None:
+    api = client(served)
+    model = api.models.retrieve(served.bridge.model_id)
+    assert model.id == served.bridge.model_id and model.context_length > 0
+    assert api.models.retrieve(served.bridge.model_id + "@q8").id.endswith("@q8")
+    with pytest.raises(openai.NotFoundError) as raised:
+        api.models.retrieve("gpt-4o")
+    assert raised.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path, method, status", [
+    ("/v1/nowhere", "GET", 404), ("/v1/embeddings", "POST", 404),
+    ("/v1/chat/completions", "GET", 405)])
+def test_unknown_routes_answer_json(served: Served, path: str, method: str,
+                                    status: int) -> None:
+    reply = httpx.request(method, served.url + path, headers={"x-api-key": served.key})
+    assert reply.status_code == status
+    assert reply.headers["content-type"] == "application/json"
+    assert path in reply.json()["error"]["message"]
+    other = httpx.get(served.url + "/v1/messages/nowhere", headers={"x-api-key": served.key})
+    assert other.json()["type"] == "error" and \
+        other.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_a_chat_answer(served: Served, stream: bool) -> None:
+    reply = client(served).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Tell me"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=3, stream=stream)
+    if stream:
+        chunks = [c for c in reply if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        content = [t for c in chunks if c.choices[0].logprobs
+                   for t in c.choices[0].logprobs.content]
+    else:
+        text, content = reply.choices[0].message.content, reply.choices[0].logprobs.content
+    assert content and "".join(t.token for t in content) == text
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)  # greedy
+        assert token.top_logprobs[0].token == token.token
+        assert bytes(token.bytes).decode() == token.token
+
+
+def test_logit_bias_is_applied(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Say anything"}]
+    free = api.chat.completions.create(model="m", messages=messages, max_tokens=5,
+                                       temperature=0, logprobs=True)
+    first = free.choices[0].logprobs.content[0].token
+    token_id = served.bridge.vocab_size - 1
+    while served.bridge.token_texts([token_id])[0] in (first, "") or \
+            "<|" in served.bridge.token_texts([token_id])[0]:
+        token_id -= 1
+    biased = api.chat.completions.create(model="m", messages=messages, max_tokens=5,
+                                         temperature=0, logit_bias={str(token_id): 100})
+    assert biased.choices[0].message.content == served.bridge.token_texts([token_id])[0] * 5
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.chat.completions.create(model="m", messages=messages, max_tokens=1,
+                                    logit_bias={str(10**6): 5})
+    assert raised.value.body["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools"),
+])
+def test_fields_it_cannot_honour_are_400(served: Served, body: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(served).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+            extra_body=body)
+    assert raised.value.body["param"] == param

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import anthropic
@@ -92,9 +93,15 @@ def test_a_prompt_too_big_for_memory_is_507_before_any_allocation(served: Served
         try:
             claude.messages.create(model="m@fp16", max_tokens=2, messages=big)
         except anthropic.APIStatusError as refused:
-            assert refused.status_code == 507
-            assert refused.body["type"] == "error"
-            assert refused.body["error"]["type"] == "api_error"
+            # Anthropic's API has one answer for a prompt that does not fit, the one
+            # Claude Code compacts on; M is what the memory holds.
+            assert refused.status_code == 400
+            assert refused.body["error"]["type"] == "invalid_request_error"
+            found = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum",
+                                 refused.body["error"]["message"])
+            assert found and int(found[1]) > int(found[2])
+            assert int(found[2]) + 1 == served.bridge.fit(int(found[1])).for_mode(
+                "fp16").tokens_fit
         else:
             raise AssertionError("the Anthropic request was not refused")
         assert served.bridge._sessions == held  # no session opened for them

@@ -282,18 +282,41 @@ def test_openai_forced_tool_choice_says_whether_the_answer_made_the_call(
     assert "tool_choice_met" not in (auto.model_extra or {})
 
 
-def test_forced_tool_choice_on_a_model_without_tool_calling_is_400(
+def test_tools_on_a_model_without_tool_calling_are_400(
         tooled: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(type(tooled.bridge), "tool_syntax", property(lambda self: None))
     api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
-    with pytest.raises(openai.BadRequestError) as raised:
-        api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
-                                    tool_choice="required", max_tokens=5)
-    assert "tool_choice" in str(raised.value)
+    for choice in ("auto", "required"):
+        with pytest.raises(openai.BadRequestError) as raised:
+            api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                        tool_choice=choice, max_tokens=5)
+        assert raised.value.body["param"] == "tools"
+        assert "defines no tool calling" in raised.value.body["message"]
     other = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
     with pytest.raises(anthropic.BadRequestError):
         other.messages.create(model="m", max_tokens=5, messages=MESSAGES,
                               tools=[ANTHROPIC_WEATHER], tool_choice={"type": "any"})
+    # tool_choice "none" leaves the tools out: nothing is lost.
+    reply = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                        tool_choice="none", max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_parallel_calls_refused_keep_the_first(tooled: Served, forced) -> None:
+    forced(CALL + CALL.replace("Paris", "Oslo"))
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    both = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                       max_tokens=200)
+    assert len(both.choices[0].message.tool_calls) == 2
+    one = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                      max_tokens=200, parallel_tool_calls=False)
+    (call,) = one.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    other = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    reply = other.messages.create(model="m", max_tokens=200, messages=MESSAGES,
+                                  tools=[ANTHROPIC_WEATHER], tool_choice={
+                                      "type": "auto", "disable_parallel_tool_use": True})
+    assert [b.input for b in reply.content if b.type == "tool_use"] == [{"city": "Paris"}]
 
 
 def test_anthropic_stream_of_a_call_alone_opens_no_text_block(tooled: Served, forced) -> None:

@@ -42,10 +42,15 @@ TOOL_TEMPLATE = (
 )
 
 
-def make_tool_model_dir(root: Path) -> Path:
-    """A tiny llama folder whose tokenizer_config holds ``TOOL_TEMPLATE``."""
-    base = make_tiny_model_dir(root, "llama")
-    folder = root / "tiny-llama-tools"
+def make_tool_model_dir(root: Path, **overrides: Any) -> Path:
+    """A tiny llama folder whose tokenizer_config holds ``TOOL_TEMPLATE``.
+
+    ``overrides`` replace ``config.json`` keys (e.g. a longer
+    ``max_position_embeddings`` for an agent's long system prompt).
+    """
+    base = make_tiny_model_dir(root, "llama", **overrides)
+    folder = root / f"tiny-llama-tools-{base.name.rsplit('-', 1)[1]}" if overrides \
+        else root / "tiny-llama-tools"
     if not folder.exists():
         shutil.copytree(base, folder)
         config_path = folder / "tokenizer_config.json"
@@ -96,3 +101,35 @@ def _written(seen: list[int], anchor: list[int], script: list[int]) -> int | Non
         if seen[len(seen) - shown:] == context[len(context) - shown:]:
             return written
     return None
+
+
+class Turns:
+    """Answers chosen per request: the first script for a conversation without a
+    tool result, the second once a tool's result came back (as an agent's model
+    would: call a tool, then answer from its result).
+
+    ``install`` patches the bridge's ``submit`` to pick the script from the
+    request's messages, and the sampler's processors to force it.
+    """
+
+    def __init__(self, tokenizer: Any, call: str, answer: str) -> None:
+        self.tokenizer = tokenizer
+        self.call, self.answer = call, answer
+        self.current = call
+        self.requests: list[list[dict]] = []
+
+    def install(self, monkeypatch: Any, bridge_type: type) -> None:
+        from engine.session import sampling
+
+        original = bridge_type.submit
+
+        def submit(bridge: Any, messages: list[dict], *args: Any, **kwargs: Any) -> Any:
+            self.requests.append(messages)
+            answered = any(m["role"] == "tool" for m in messages)
+            self.current = self.answer if answered else self.call
+            return original(bridge, messages, *args, **kwargs)
+
+        monkeypatch.setattr(bridge_type, "submit", submit)
+        monkeypatch.setattr(sampling, "build_logits_processors",
+                            lambda params: scripted_processors(self.tokenizer,
+                                                               self.current)(params))

@@ -68,9 +68,11 @@ def _stream(tokenizer: Any, ids: list[int], after: list[int] | None = None
 
 
 def _whole(tokenizer: Any, ids: list[int]) -> str:
-    """The ids decoded in one go, as the streamed text must read."""
-    text = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-    return text[1:] if text.startswith(" ") else text  # streaming trims one leading space
+    """The ids decoded in one go, as the streamed text must read: an answer that
+    opens a turn loses one leading space, and bytes at the end that make no whole
+    character are left out (never a U+FFFD)."""
+    text = tokenizer.decode(ids, clean_up_tokenization_spaces=False).rstrip("\ufffd")
+    return text[1:] if text.startswith(" ") else text
 
 
 def _check_chunks(chunks: list[TokenChunk], ids: list[int]) -> str:
@@ -137,3 +139,14 @@ def test_a_continuation_streams_back_whole_after_any_text(tokenizer: Any, before
 def test_nul_byte_streams_as_a_letter(tokenizer: Any) -> None:
     ids = tokenizer.encode("a\x00b", add_special_tokens=False)
     assert _check_chunks(_stream(tokenizer, ids), ids) == "a\x00b"
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Tall pines 🌲", add_special_tokens=False)
+    whole = tokenizer.decode(ids)
+    cut = next(n for n in range(len(ids), 0, -1)
+               if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    chunks = _stream(tokenizer, ids[:cut])
+    assert [i for chunk in chunks for i in chunk.token_ids] == ids[:cut]
+    text = "".join(chunk.text for chunk in chunks)
+    assert "\ufffd" not in text and whole.startswith(text) and text.endswith("pines ")

@@ -33,7 +33,7 @@ def test_defaults_match_the_worker_contract() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-     ("min_p", 1.0), ("repetition_penalty", 0.0), ("max_tokens", 0)],
+     ("min_p", 1.0), ("repetition_penalty", 0.0), ("max_tokens", 0), ("logprobs", -1)],
 )
 def test_invalid_settings_raise_an_engine_error_naming_the_field(field: str, value) -> None:
     with pytest.raises(EngineError, match=field):
@@ -72,3 +72,21 @@ def test_repetition_penalty_lowers_recent_tokens_only() -> None:
     assert out[0, 3].item() == pytest.approx(-2.0)  # negative logit multiplied
     assert out[0, 2].item() == pytest.approx(2.5)   # untouched
     assert REPETITION_CONTEXT >= 20
+
+
+def test_presence_frequency_and_bias_shift_the_logits() -> None:
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                            logit_bias=((0, 10.0), (2, -100.0)))
+    out = mx.array(LOGITS)
+    for processor in build_logits_processors(params):
+        out = processor(mx.array([1, 1, 3]), out)
+    assert out[0, 0].item() == pytest.approx(10.1)   # biased up
+    assert out[0, 2].item() == pytest.approx(-97.5)  # biased down
+    assert out[0, 1].item() == pytest.approx(3.0 - 0.5 - 2 * 0.25)  # seen twice
+    assert out[0, 3].item() == pytest.approx(-1.0 - 0.5 - 0.25)     # seen once
+    assert out[0, 4].item() == pytest.approx(2.9)    # never seen
+
+
+def test_logprobs_beyond_the_limit_are_refused() -> None:
+    with pytest.raises(EngineError, match="logprobs"):
+        SamplingParams(logprobs=21)

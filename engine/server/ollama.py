@@ -1,0 +1,267 @@
+"""Ollama's API on the same port: request bodies read into the engine's plain
+inputs, and the model listing and NDJSON answer lines written.
+
+Editors and web UIs that speak only Ollama (``/api/chat``, ``/api/generate``,
+``/api/tags``…) reach the loaded model this way; any model name serves it, as on
+the other APIs. Answers stream by default, one JSON object a line, as Ollama's
+do. No MLX here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from typing import Any
+
+from engine.server import fields, protocol, structured
+from engine.server.errors import BadRequest
+from engine.server.fields import accepted, honoured, refused
+from engine.server.protocol import ChatRequest
+from engine.session.sampling import SamplingParams
+
+# The Ollama API version this server answers as (clients check for a recent one).
+VERSION = "0.12.6"
+DEFAULT_MAX_TOKENS = 4096
+HARDWARE = accepted("how Ollama's runner uses the hardware; the engine plans its own")
+PULL_REFUSAL = ("Longleaf does not pull models from Ollama's library. It serves the model "
+                "it was started with: `python -m engine serve --model demo` or "
+                "`--model /path/to/an/mlx-lm/folder`, or the model loaded in the app "
+                "(Models… finds, downloads and converts MLX models).")
+
+OPTIONS = {
+    "num_ctx": honoured("the request's context: a longer prompt is a 400"),
+    "num_predict": honoured("the answer's token limit (-1, -2: up to the context)"),
+    "temperature": fields.TEMPERATURE,
+    "top_p": fields.SAMPLING,
+    "top_k": fields.SAMPLING,
+    "min_p": fields.SAMPLING,
+    "seed": honoured("the same seed, the same answer"),
+    "stop": fields.STOP,
+    "repeat_penalty": honoured("mlx-lm's repetition penalty over the last 64 tokens"),
+    "presence_penalty": fields.PENALTY,
+    "frequency_penalty": fields.PENALTY,
+    "repeat_last_n": refused("the penalties look at the last 64 tokens",
+                             lambda v: v == 64),
+    "mirostat": refused("mirostat sampling is not supported", lambda v: v == 0),
+    "mirostat_tau": refused("mirostat sampling is not supported"),
+    "mirostat_eta": refused("mirostat sampling is not supported"),
+    "tfs_z": refused("tail-free sampling is not supported", lambda v: v == 1),
+    "typical_p": refused("typical sampling is not supported", lambda v: v == 1),
+    "penalize_newline": refused("newlines are penalized as every token is",
+                                lambda v: v is True),
+    "num_keep": refused("a prompt too long is refused, never cut"),
+    "logits_all": refused("the API returns no logits"),
+    "vocab_only": refused("the model is loaded whole", lambda v: v is False),
+    "embedding_only": refused("this server answers; it does not embed", lambda v: v is False),
+    "f16_kv": accepted("the KV cache's precision is the request's kv_mode or the "
+                       "server's --kv"),
+    **{name: HARDWARE for name in ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram",
+                                   "use_mmap", "use_mlock", "num_thread")},
+}
+
+_COMMON = {
+    "model": honoured("any name serves the loaded model"),
+    "stream": honoured("NDJSON lines, on by default"),
+    "options": honoured("each option as listed in engine.server.ollama.OPTIONS"),
+    "format": honoured("\"json\" or a JSON schema: the answer is decoded to it"),
+    "keep_alive": accepted("the model stays loaded while the server runs"),
+    "think": accepted("the model thinks as its template does; thinking comes back as text"),
+    "logprobs": refused("log probabilities are not on Ollama's API here: use "
+                        "/v1/chat/completions", lambda v: v is False),
+    "top_logprobs": refused("log probabilities are not on Ollama's API here",
+                            lambda v: v == 0),
+}
+CHAT = {**_COMMON,
+        "messages": honoured("system, user, assistant (tool_calls) and tool messages"),
+        "tools": fields.TOOLS}
+GENERATE = {**_COMMON,
+            "prompt": honoured("the user's message (in the chat template unless raw)"),
+            "system": honoured("the system prompt"),
+            "raw": honoured("true reads the prompt as plain text, no template"),
+            "suffix": refused("fill-in-the-middle is not supported", lambda v: v == ""),
+            "template": refused("the model's own chat template is used", lambda v: v == ""),
+            "context": refused("the deprecated context ids are not read: send the "
+                               "conversation to /api/chat", lambda v: v == []),
+            "images": refused("this server reads text only", lambda v: v == []),
+            "width": refused("this server makes no images"),
+            "height": refused("this server makes no images"),
+            "steps": refused("this server makes no images")}
+
+
+def _options(body: dict) -> dict:
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'options' must be an object.", "options")
+    for name, value in options.items():
+        field = OPTIONS.get(name)
+        if field is not None and field.refuses(value):
+            raise BadRequest(f"options.{name} is not supported by this server: "
+                             f"{field.note}.", f"options.{name}")
+    return options
+
+
+def _sampling(options: dict, context: int, body: dict) -> SamplingParams:
+    """Ollama's options in the engine's terms."""
+    predict = protocol.integer(options, ("num_predict",), DEFAULT_MAX_TOKENS, -2)
+    if predict is None or predict < 1:
+        predict = max(1, context)  # -1 and -2: as long as the context allows
+    named = {"temperature": options.get("temperature", 0.8), "top_p": options.get("top_p"),
+             "top_k": options.get("top_k"), "min_p": options.get("min_p"),
+             "repetition_penalty": options.get("repeat_penalty"),
+             "presence_penalty": options.get("presence_penalty"),
+             "frequency_penalty": options.get("frequency_penalty")}
+    grammar = protocol.structured_grammar(structured.ollama_format(body.get("format")),
+                                          body, "format")
+    return protocol.sampling_params({k: v for k, v in named.items() if v is not None},
+                                    int(predict), options.get("seed"), grammar=grammar)
+
+
+def _stream(body: dict) -> bool:
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false.", "stream")
+    return stream
+
+
+def context_limit(body: dict) -> int | None:
+    """``options.num_ctx``: the context this request may use (None: the model's)."""
+    return protocol.integer(body.get("options") or {}, ("num_ctx",), None, 1)
+
+
+def chat_request(body: Any, context: int) -> ChatRequest:
+    """Read an ``/api/chat`` body; ``context`` is the model's context in tokens."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    fields.check(body, CHAT)
+    options = _options(body)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty list.", "messages")
+    messages = protocol.continuable([_message(m, i) for i, m in enumerate(raw)])
+    tools, choice, name = protocol.tools_of({"tools": body.get("tools")}, anthropic=False)
+    return ChatRequest(
+        messages=messages, sampling=_sampling(options, context, body),
+        stop=protocol.stops(options.get("stop"), "options.stop"), stream=_stream(body),
+        include_usage=True, mode=protocol.mode_from(_name(body), body), model=_name(body),
+        tools=tools, tool_choice=choice, tool_name=name, context=context_limit(body))
+
+
+def _message(message: Any, index: int) -> dict:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in (
+            "system", "user", "assistant", "tool"):
+        raise BadRequest(f"{where} must be an object whose role is system, user, "
+                         "assistant or tool.", "messages")
+    if message.get("images"):
+        raise BadRequest(f"{where} has images; this server reads text only.", "messages")
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        raise BadRequest(f"{where}.content must be a string.", "messages")
+    out: dict = {"role": message["role"], "content": content}
+    calls = message.get("tool_calls")
+    if message["role"] == "assistant" and calls:
+        if not isinstance(calls, list):
+            raise BadRequest(f"{where}.tool_calls must be a list.", "messages")
+        out["tool_calls"] = []
+        for number, call in enumerate(calls):
+            spot = f"{where}.tool_calls[{number}]"
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                raise BadRequest(f"{spot} must be an object with a 'function'.", "messages")
+            out["tool_calls"].append(protocol.call_of(
+                call.get("id"), function.get("name"),
+                protocol.arguments_of(function.get("arguments", {}), spot), spot))
+    if message["role"] == "tool" and isinstance(message.get("tool_name"), str):
+        out["name"] = message["tool_name"]
+    return out
+
+
+def generate_request(body: Any, context: int) -> ChatRequest:
+    """Read an ``/api/generate`` body (an empty prompt is answered before this)."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    fields.check(body, GENERATE)
+    options = _options(body)
+    prompt = body.get("prompt")
+    system = body.get("system")
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string.", "prompt")
+    if system is not None and not isinstance(system, str):
+        raise BadRequest("'system' must be a string.", "system")
+    raw = body.get("raw", False)
+    if not isinstance(raw, bool):
+        raise BadRequest("'raw' must be true or false.", "raw")
+    messages = [{"role": "user", "content": prompt}]
+    if system and not raw:
+        messages.insert(0, {"role": "system", "content": system})
+    return ChatRequest(
+        messages=messages, sampling=_sampling(options, context, body),
+        stop=protocol.stops(options.get("stop"), "options.stop"), stream=_stream(body),
+        include_usage=True, mode=protocol.mode_from(_name(body), body), model=_name(body),
+        template=not raw, context=context_limit(body))
+
+
+def _name(body: dict) -> str:
+    return protocol.model_name(body)
+
+
+def tag(model_id: str) -> str:
+    """A model id as Ollama names models: ``name:tag``."""
+    return model_id if ":" in model_id else f"{model_id}:latest"
+
+
+def model_entry(model_id: str, info: Any) -> dict:
+    """One model of ``/api/tags`` and ``/api/ps``: the loaded one."""
+    size = int(getattr(info, "num_parameters", 0) or 0)
+    bits = getattr(info, "quantization_bits", None)
+    digest = hashlib.sha256(str(getattr(info, "path", model_id)).encode()).hexdigest()
+    return {
+        "name": tag(model_id), "model": tag(model_id),
+        "modified_at": datetime.datetime.now(datetime.UTC).isoformat(),
+        "size": size * (bits or 16) // 8, "digest": digest,
+        "details": {"parent_model": "", "format": "mlx",
+                    "family": getattr(info, "architecture", ""),
+                    "families": [getattr(info, "architecture", "")],
+                    "parameter_size": _parameters(size),
+                    "quantization_level": f"Q{bits}" if bits else "F16"},
+    }
+
+
+def _parameters(count: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit}"
+    return str(count)
+
+
+def show(model_id: str, info: Any, template: str, tools: bool) -> dict:
+    """``/api/show``'s answer for the loaded model."""
+    entry = model_entry(model_id, info)
+    arch = getattr(info, "architecture", "")
+    return {"modelfile": "", "parameters": "", "template": template,
+            "details": entry["details"], "modified_at": entry["modified_at"],
+            "model_info": {"general.architecture": arch,
+                           "general.parameter_count": getattr(info, "num_parameters", 0),
+                           f"{arch}.context_length": getattr(info, "max_context", 0)},
+            "capabilities": ["completion", *(["tools"] if tools else [])]}
+
+
+def now() -> str:
+    """Ollama's ``created_at``."""
+    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def final_line(model: str, finish: str, prompt: int, completion: int, seconds: float,
+               *, chat: bool) -> dict:
+    """The last NDJSON line (``done: true``) with Ollama's counts and durations."""
+    nanos = int(seconds * 1e9)
+    line: dict = {"model": model, "created_at": now(), "done": True,
+                  "done_reason": "length" if finish == "length" else "stop",
+                  "total_duration": nanos, "load_duration": 0,
+                  "prompt_eval_count": prompt, "prompt_eval_duration": 0,
+                  "eval_count": completion, "eval_duration": nanos}
+    if chat:
+        line["message"] = {"role": "assistant", "content": ""}
+    else:
+        line["response"] = ""
+    return line

