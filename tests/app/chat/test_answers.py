@@ -13,7 +13,7 @@ from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
 from engine import Failed, Finished, ModelLoaded, SamplingParams, TokenChunk
-from tests.app.test_controller import ScriptedWorker, _open
+from tests.app.scripted import ScriptedWorker, open_session
 
 # What the worker says when the disk under MLX's kernel folder filled up mid-answer.
 DISK_FULL = ("Longleaf could not prepare the model's compute kernels: the disk holding "
@@ -76,7 +76,7 @@ def test_a_disk_that_fails_mid_answer_ends_the_answer_and_keeps_it(chat, fault, 
     c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
     session = c.new_session("q8")
     assert c.send("What grows in sand?")
-    _open(chat, session.id)
+    open_session(chat, session.id)
     rid, _args, _cancel = worker.last("chat")
     answer = "Pines grow in sand. " * 2000  # more than the database's free pages hold
     bridge._dispatch(TokenChunk(rid, answer, (1,)))
@@ -110,7 +110,7 @@ def test_an_answer_that_cannot_get_its_row_does_not_start(chat):
     c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
     first = c.new_session("q8")
     assert c.send("What grows in sand?")
-    _open(chat, first.id)
+    open_session(chat, first.id)
     second = c.new_session("q8")
     assert c.send("What grows in clay?")  # saved; its answer waits for the first one
     _read_only(store)
@@ -120,5 +120,5 @@ def test_an_answer_that_cannot_get_its_row_does_not_start(chat):
     assert chat.said["errors"][-1].startswith("The answer was not started.")
     _space_back(store)
     assert c.send("What grows in clay?")
-    _open(chat, second.id)
+    open_session(chat, second.id)
     assert worker.names().count("chat") == 2
