@@ -36,8 +36,9 @@ fi
 
 # The agent CLIs the server tests drive unmodified (tests/clients/package.json,
 # pinned by its lockfile): with --test, where npm is present. Without npm those
-# tests are skipped and say why. npm runs only when the lockfile changed.
-if [[ -n "$extra" ]] && command -v npm >/dev/null; then
+# tests are skipped and say why. npm runs only when the lockfile changed (and a
+# checkout without the clients' folder has none to install).
+if [[ -n "$extra" && -f tests/clients/package-lock.json ]] && command -v npm >/dev/null; then
     installed=tests/clients/node_modules/.longleaf-lock
     if ! cmp -s tests/clients/package-lock.json "$installed"; then
         npm ci --prefix tests/clients --no-audit --no-fund --loglevel=error

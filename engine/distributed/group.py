@@ -177,10 +177,12 @@ class Group:
         if failed and failed[0] in self.stalled:
             detail = (f": it stopped responding (no sign of life for {STALL_SECONDS:.0f} s; "
                       "is the machine asleep, or its process stopped?)")
+        elif failed and exited.get(failed[0], 0) < 0:
+            # A killed rank says nothing: any error line is another rank's, about
+            # the peer it lost (printed before or after the launcher noticed).
+            detail = f": its process was killed (signal {-exited[failed[0]]})"
         elif errors:
             detail = f": {errors[-1]}"
-        elif failed and exited.get(failed[0], 0) < 0:
-            detail = f": its process was killed (signal {-exited[failed[0]]})"
         elif failed and failed[0] in exited:
             detail = f": its process exited with code {exited[failed[0]]}"
         else:

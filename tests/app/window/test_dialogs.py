@@ -223,6 +223,7 @@ SET_VALUES = {
     "server_allow_network": True,
     "server_api_key": "  ll-key  ",
     "server_share_chats": True,
+    "server_allowed_hosts": ("mac.local", "studio.lan"),
     "pipeline_enabled": True,  # without a hostfile: refused, so nothing is written
     "pipeline_hostfile": "/macs/hosts.json",
     "pipeline_split": (10, 14),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 import time
@@ -77,3 +78,20 @@ def test_the_launchers_stdin_is_filled_and_stays_open_while_it_runs(
     done, lost = Group([sys.executable, "-c", reader], {}, tmp_path, 1, hosts).watch()
     assert (done.returncode, lost) == (0, []), done.stderr
     assert done.stdout.strip() == "open"
+
+
+def test_a_killed_rank_is_named_killed_whatever_the_others_printed(tmp_path: Path) -> None:
+    # The peer it left reports the lost link as an error line, before or after the
+    # launcher notices the kill: the kill is the cause.
+    group = Group([sys.executable, "-c", "pass"], {}, tmp_path, 2)
+    group.watch()
+    stderr = ("error: The engine hit an unexpected error (RuntimeError: [ring] connection "
+              "to a peer was lost).\nNode with rank 1 exited with code -9\n")
+    done = subprocess.CompletedProcess([], 1, "", stderr)
+    message = group.failure(done, [1])
+    assert message == ("The pipeline run failed on rank 1 (this machine): its process was "
+                       "killed (signal 9)")
+    # A rank that ends with its own error says it.
+    done = subprocess.CompletedProcess([], 1, "", "error: No room.\nNode with rank 1 "
+                                                  "exited with code 1\n")
+    assert group.failure(done, [1]).endswith("(this machine): error: No room.")
