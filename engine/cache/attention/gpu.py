@@ -17,7 +17,9 @@ block's stored columns wait for the state before it), so nothing waits on the ho
 
 Queries, scores and probabilities are float16 for a float16 or bfloat16 model
 (as mlx-lm computes; a bfloat16 query is clipped into float16's range), with
-fp32 accumulation inside MLX's kernels and a precise softmax.
+fp32 accumulation inside MLX's kernels and a precise softmax. A float32 model's
+decode steps walk the blocks too (a whole-context read would convert the
+context to float32 first).
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ def attend(queries: mx.array, view: QueryView, cache: Any, scale: float) -> mx.a
     store = cache.store
     quantized = store.layout.bits != 16
     group = kvquant.mlx_group_size(cache.head_dim)
-    if view.length <= scratch.PACKED_MAX_TOKENS and (group or not quantized):
+    # Whole-context reads in float16 only: float32 queries would have MLX convert
+    # every stored row (fp16 pages) or scale (quantized) to float32 for the step;
+    # the blocks below bound what that holds.
+    sixteen = view.q.dtype == mx.float16
+    if view.length <= scratch.PACKED_MAX_TOKENS and (group or not quantized) and sixteen:
         if quantized:
             return _decode_quantized(view, cache, scale, group)
         return _decode_fp16(queries, view, cache, scale)

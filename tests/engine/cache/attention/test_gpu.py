@@ -17,7 +17,13 @@ from engine.cache.attention import dispatch as attention
 from engine.cache.attention import schedule, scratch
 from engine.cache.kvquant import MODES
 from tests.engine.cache.attention.test_block_walk import _attention_peak
-from tests.engine.cache.attention.test_dispatch import SAME_ROWS_TOLERANCE, _cache, _normal, _step
+from tests.engine.cache.attention.test_dispatch import (
+    SAME_ROWS_TOLERANCE,
+    _cache,
+    _move_page,
+    _normal,
+    _step,
+)
 
 MIB = 2**20
 CONFIG = kernels_bench.KernelsConfig(contexts=(4096, 16384), host_repeats=0)
@@ -123,3 +129,26 @@ def test_the_schedules_differ_only_by_the_dtypes_rounding() -> None:
     with schedule.forced(schedule.CPU):
         cpu = attention.paged_attention(queries, None, None, cache, 0.125)
     np.testing.assert_allclose(np.array(gpu), np.array(cpu), atol=SAME_ROWS_TOLERANCE)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q8", "q6"])
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_whole_context_reads_match_the_reference_in_float16(mode: str, shuffled: bool) -> None:
+    # A float16 model's decode steps and verifications read every column at once;
+    # a block table out of slot order reads them by their positions.
+    cache = _cache(mode, 64, prefix=100)
+    if shuffled:
+        cache.pool.ensure(cache.offset + 6 * 16)
+        store = cache.store
+        slot = store.take()
+        _move_page(cache, 2, slot)
+        assert cache.columns()[1] is not None
+    for length, mask in ((1, None), (3, "causal")):
+        keys = _normal((1, cache.kv_heads, length, 64), length).astype(mx.float16)
+        queries = _normal((1, 4, length, 64), length + 1).astype(mx.float16)
+        cache.update_and_fetch(keys, keys)
+        out = attention.paged_attention(queries, keys, keys, cache, 0.125, mask)
+        stored_k, stored_v = cache.dequantized_prefix(cache.offset, mx.float32)
+        expected = mx.fast.scaled_dot_product_attention(
+            queries.astype(mx.float32), stored_k, stored_v, scale=0.125, mask=mask)
+        assert float(mx.abs(out.astype(mx.float32) - expected).max()) < 5e-3
