@@ -10,7 +10,7 @@ CPU), then measured at the end of the context:
   above what was active before the step, the cache included in neither);
 - one 512-token prefill chunk: time and transient peak, likewise;
 - the paged cache under each attention schedule (``cpu``: the host waits on each
-  page block; ``gpu``: one lazy graph, :mod:`engine.cache.attention.schedule`),
+  block of columns; ``gpu``: one lazy graph, :mod:`engine.cache.attention.schedule`),
   with the host synchronizations its attention made per decode step and per
   chunk (``decode_host_syncs``, ``chunk_host_syncs``).
 
@@ -116,8 +116,9 @@ def fill(cache: Any, kv_heads: int, head_dim: int, tokens: int, dtype: mx.Dtype)
 
 
 def _reserve(entry: Contender, cache: Any, tokens: int) -> None:
-    # A paged cache adds a slab when it needs pages: KV that stays, not a
-    # transient. (mlx-lm's caches regrow by copying their buffer, which is one.)
+    # A paged cache's storage grows before the step (pages that stay, and a copy
+    # this bench does not count as the step's transient; mlx-lm's caches regrow
+    # inside their step, which is one).
     if entry.kind.startswith("paged"):
         cache.pool.ensure(cache.offset + tokens)
 

@@ -1,16 +1,20 @@
-"""Which schedule the attention walks the pages with, and the host syncs it costs.
+"""Which schedule the attention runs, and the host syncs it costs.
 
-Two schedules compute the same online softmax over the same page blocks; they
-differ in how a block is kept from running before the one ahead of it has merged:
+Two schedules read the same stored pages and give the same outputs within the
+compute dtype's rounding; they differ in how they are cut into work:
 
-- ``cpu``: the host evaluates each block's softmax state before building the
-  next (one host synchronization per block). On the CPU backend that is free
-  (the host thread is the device) and bounds the transient to one block.
-- ``gpu``: the next block's stored pages are made to depend on the running state
-  inside the graph (``mx.depends``), so a decode step or a prefill chunk is one
-  lazy graph with no host synchronization inside the attention. On Metal or CUDA
-  each synchronization is a command-buffer commit and a wait with the device
-  idle; a count that grows with the context bounds 262k tokens by round trips.
+- ``cpu``: blocks of columns dequantized in fp32 and merged into an online
+  softmax, the host evaluating each block's state before building the next (one
+  host synchronization per block). On the CPU backend that is free (the host
+  thread is the device) and bounds the transient to one block
+  (:mod:`engine.cache.attention.block_walk`).
+- ``gpu``: a decode step reads every column with one op per part of the storage,
+  and a prefill chunk's blocks wait for the state before them inside the graph
+  (``mx.depends``), so either is one lazy graph with no host synchronization and
+  a fixed few kernels per block (:mod:`engine.cache.attention.gpu`). On Metal or
+  CUDA each synchronization is a command-buffer commit and a wait with the device
+  idle, and each kernel a launch: counts that grow with the context would bound
+  262k tokens by round trips and launches.
 
 The default follows the backend (asked once, on the first attention call, which
 runs on the engine thread); ``LONGLEAF_ATTENTION_SCHEDULE=gpu|cpu`` forces either,
