@@ -46,6 +46,7 @@ from engine import (
     SamplingParams,
     StatsSample,
 )
+from engine.cache.modes import KvMode
 from engine.distributed.fallback import fits_here
 from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
@@ -321,7 +322,7 @@ class ChatController(QObject):
 
     # Sessions -------------------------------------------------------------
 
-    def new_session(self, mode: str | None = None,
+    def new_session(self, mode: KvMode | None = None,
                     keep_blank: bool = False) -> SessionRecord | None:
         """Start an empty chat in ``mode`` (default from settings); with ``keep_blank``
         an empty chat on screen is kept instead (``SessionActions.new_session``)."""
@@ -339,7 +340,7 @@ class ChatController(QObject):
         """Delete a session and free its cache."""
         self.sessions.delete_session(session_id)
 
-    def reopen_in(self, mode: str) -> SessionRecord | None:
+    def reopen_in(self, mode: KvMode) -> SessionRecord | None:
         """Copy the conversation into a new session in ``mode`` and re-ingest it."""
         record = self.sessions.reopen_in(mode, self.model_id)
         if record is not None and self.model_ready and self.model.rowCount():

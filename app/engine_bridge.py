@@ -35,6 +35,7 @@ from engine import (
     StatsSample,
     StoredKv,
 )
+from engine.cache.modes import KvMode
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ class EngineBridge(QObject):
         """Load a model folder (or "demo"); ``handler`` gets ``ModelLoaded``, then the ending."""
         return self._submit(self._worker.load_model(path), handler)
 
-    def open_session(self, session_id: str, mode: str, page_size: int, rotate: bool | None,
+    def open_session(self, session_id: str, mode: KvMode, page_size: int, rotate: bool | None,
                      handler: Handler) -> int:
         """Open a paged cache for a session in a fixed KV mode (rows rotated or not).
 

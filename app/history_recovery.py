@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from numbers import Real
 
+from engine.cache.modes import DEFAULT_MODE
+
 MAX_ROWID = 2**63 - 1
 RECOVERED_TITLE = "Recovered chat"
 ROLES = ("system", "user", "assistant")
@@ -97,7 +99,7 @@ def recover(source: sqlite3.Connection, target: sqlite3.Connection,
     messages = [row for row in readable_rows(source, "messages") if _message_ok(row)]
     for row in messages:
         if row[1] not in sessions:
-            sessions[row[1]] = (row[1], RECOVERED_TITLE, "q8", "", 0, row[7], row[8])
+            sessions[row[1]] = (row[1], RECOVERED_TITLE, DEFAULT_MODE, "", 0, row[7], row[8])
     kept_ids = {row[0] for row in messages}
     attachments = [row for row in readable_rows(source, "attachments")
                    if _attachment_ok(row) and row[1] in kept_ids]

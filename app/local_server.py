@@ -16,6 +16,7 @@ from app.model_state import ModelState
 from app.settings import Settings
 from app.window.server_settings import NEEDS_KEY, server_host
 from engine import EngineError
+from engine.cache.modes import KvMode
 from engine.server.app import host_names
 from engine.server.inprocess import ApiSession, LocalServer, ServerStatus, ServerUnavailable
 
@@ -64,7 +65,8 @@ class LocalServerHost(QObject):
         self.bridge, self.settings, self.model_state = bridge, settings, model_state
         self.server: LocalServer | None = None
         self.status = ServerStatus("off")
-        self._config: tuple[str, int, str, str] | None = None  # host, port, key, KV mode
+        # host, port, key, KV mode, allowed host names
+        self._config: tuple[str, int, str, KvMode, tuple[str, ...]] | None = None
         self._shared = False  # the worker keeps API sessions and chats apart until told
         self._retired: list[LocalServer] = []  # stopped, still owed their requests' endings
         self._relay.connect(self._refresh, Qt.ConnectionType.QueuedConnection)

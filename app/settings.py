@@ -20,7 +20,7 @@ import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
 from engine import SamplingParams, data_dir, private_dir, private_file
-from engine.cache.modes import DEFAULT_MODE, MODES
+from engine.cache.modes import DEFAULT_MODE, MODES, KvMode
 from engine.memory import prefill_rate
 
 # Best quality first, the order every list of modes in the app uses.
@@ -158,13 +158,12 @@ class Settings:
                      if isinstance(attr, property) and attr.fset is not None)
 
     @property
-    def default_mode(self) -> str:
+    def default_mode(self) -> KvMode:
         """KV mode a new chat starts with."""
-        mode = self._get("engine/default_mode", DEFAULT_MODE, str)
-        return mode if mode in MODES else DEFAULT_MODE
+        return MODES.find(self._get("engine/default_mode", DEFAULT_MODE, str)) or DEFAULT_MODE
 
     @default_mode.setter
-    def default_mode(self, mode: str) -> None:
+    def default_mode(self, mode: KvMode) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(MODES)}")
         self._set("engine/default_mode", mode)

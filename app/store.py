@@ -23,6 +23,7 @@ from pathlib import Path
 
 from app.history_recovery import Recovered, recover
 from engine import DiskFault, QualityReceipt, data_dir, disk, private_file
+from engine.cache.modes import KvMode
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class SessionRecord:
 
     id: str
     title: str
-    kv_mode: str
+    kv_mode: KvMode
     model_id: str
     tokens: int
     created: float
@@ -320,7 +321,7 @@ class HistoryStore:
 
     # Sessions -------------------------------------------------------------
 
-    def create_session(self, title: str, kv_mode: str, model_id: str) -> SessionRecord:
+    def create_session(self, title: str, kv_mode: KvMode, model_id: str) -> SessionRecord:
         """Create and return a new, empty session."""
         now = time.time()
         record = SessionRecord(uuid.uuid4().hex, title, kv_mode, model_id, 0, now, now)
@@ -352,7 +353,7 @@ class HistoryStore:
         """Give a session a new title."""
         self._write("UPDATE sessions SET title = ? WHERE id = ?", (title.strip(), session_id))
 
-    def set_mode(self, session_id: str, kv_mode: str) -> None:
+    def set_mode(self, session_id: str, kv_mode: KvMode) -> None:
         """Give a chat with nothing in it yet another KV mode."""
         self._write("UPDATE sessions SET kv_mode = ? WHERE id = ?", (kv_mode, session_id))
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.cache import kvquant
-from engine.cache.modes import DEFAULT_MODE, MODES
+from engine.cache.modes import DEFAULT_MODE, FP16, MODES, KvMode, parse_mode
 from engine.distributed.launch import launch, rank_report_dir, rank_started, write_rank_report
-from engine.errors import EngineError
+from engine.errors import EngineError, UnsupportedModeError
 from engine.events import Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
 from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         "prompt_tokens": stats.prompt_tokens if stats else 0,
         "prefill_tokens": stats.prefill_tokens if stats else 0,
         "reused_tokens": stats.reused_tokens if stats else 0,
-        "kv_mode": kvquant.normalize_mode(args.kv),
+        "kv_mode": args.kv,
         "kv_bytes": sample.kv_bytes_allocated if sample else 0,
         "kv_bytes_used": sample.kv_bytes_used if sample else 0,
         "pages_in_use": sample.pages_in_use if sample else 0,
@@ -350,6 +350,18 @@ def _layer_counts(text: str) -> list[int]:
         ) from None
 
 
+def _kv_mode(text: str) -> KvMode:
+    """``--kv``: a mode of the registry, by its name or an alias."""
+    try:
+        return parse_mode(text)
+    except UnsupportedModeError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _kv_help(default: KvMode) -> str:
+    return f"KV mode: {', '.join(MODES)} (default {default})"
+
+
 def _session_name(text: str) -> str:
     try:
         check_name(f"{SESSION_PREFIX}{text}")
@@ -366,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="answer one prompt")
     gen.add_argument("--model", required=True, help='a model folder, or "demo"')
-    gen.add_argument("--kv", default="fp16", help="KV mode: fp16, q8, q6 or q4")
+    gen.add_argument("--kv", type=_kv_mode, default=FP16, help=_kv_help(FP16))
     gen.add_argument("--page-size", type=int, default=256)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt")
@@ -404,8 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default="127.0.0.1",
                      help="address to bind (default: this machine only)")
     api.add_argument("--port", type=int, default=1234)
-    api.add_argument("--kv", default=DEFAULT_MODE, choices=MODES,
-                     help=f"KV mode of requests that ask for none (default {DEFAULT_MODE})")
+    api.add_argument("--kv", type=_kv_mode, default=DEFAULT_MODE,
+                     help=f"{_kv_help(DEFAULT_MODE)}, for requests that ask for none")
     api.add_argument("--api-key", default=None, help="require this key on every request")
     api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
     api.add_argument("--queue-limit", type=int, default=16,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cache.modes import MODES
+from engine.cache.modes import MODES, KvMode
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class RankShare:
         """How a message names this machine: "rank 1 (mac2)"."""
         return f"rank {self.rank} ({self.host})"
 
-    def tokens_in(self, mode: str) -> int | None:
+    def tokens_in(self, mode: KvMode) -> int | None:
         """Tokens this machine holds in ``mode`` (None: unsupported or not projected)."""
         index = MODES.index(mode)
         return self.tokens_fit[index] if index < len(self.tokens_fit) else None
@@ -125,7 +125,7 @@ class StatsSample:
     """
 
     session_id: str | None
-    kv_mode: str | None
+    kv_mode: KvMode | None
     tokens_in_context: int
     kv_bytes_used: int
     kv_bytes_allocated: int
@@ -236,7 +236,7 @@ class SessionOpened:
 
     request_id: int
     session_id: str
-    kv_mode: str
+    kv_mode: KvMode
     page_size: int
     cache_kind: str = "paged"
     cache_note: str = ""
@@ -278,7 +278,7 @@ class QualityReceipt:
     nothing about tokens outside that window. ``measured_at`` is seconds since the epoch.
     """
 
-    mode: str
+    mode: KvMode
     rotated: bool
     window_tokens: int
     context_tokens: int

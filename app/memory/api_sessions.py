@@ -14,12 +14,13 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 from app.format import human_bytes
 from app.memory.labels import section_heading, value_label
 from engine import StatsSample
+from engine.cache.modes import KvMode
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 
 NONE_YET = "None yet: the first request opens one."
 
 
-def session_line(number: int, mode: str, tokens: int, sample: StatsSample | None) -> str:
+def session_line(number: int, mode: KvMode, tokens: int, sample: StatsSample | None) -> str:
     """"Another app's chat 1 · q8 · 1,234 tokens · 2.1 MB" (bytes once a sample of it
     arrived). The server's own id of it ("api-3f2a9c…") means nothing to a reader."""
     if sample is not None:

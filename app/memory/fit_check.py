@@ -21,7 +21,7 @@ from app.chat.recorder import LENGTH_LIMIT
 from app.format import human_bytes, human_duration
 from app.store import AttachmentRecord
 from engine import EngineError
-from engine.cache.modes import MODES
+from engine.cache.modes import MODES, KvMode
 from engine.memory.prefill_rate import PrefillRate
 
 DEBOUNCE_MS = 250
@@ -278,7 +278,7 @@ class TokenParts:
         return " + ".join(parts)
 
 
-def fit_html(report, mode: str, total: int, estimated: bool = False,
+def fit_html(report, mode: KvMode, total: int, estimated: bool = False,
              answer_room: int | None = None,
              parts: TokenParts | None = None) -> tuple[str, bool]:
     """The fit line as rich text, and whether the turn fits in ``mode``.
@@ -315,7 +315,7 @@ def fit_html(report, mode: str, total: int, estimated: bool = False,
     return f"⚠ {head}<br><b>{why}</b>", False
 
 
-def pool_sentence(report, mode: str) -> str:
+def pool_sentence(report, mode: KvMode) -> str:
     """"On 2 machines: 12,288 tokens fit in q8 · mac2 is the tight one", or ""
     on one machine."""
     ranks = getattr(report, "ranks", ())
@@ -330,7 +330,7 @@ def pool_sentence(report, mode: str) -> str:
     return text
 
 
-def wont_fit_sentence(report, mode: str, total: int, answer_room: int | None = None) -> str:
+def wont_fit_sentence(report, mode: KvMode, total: int, answer_room: int | None = None) -> str:
     """Plain words: why the turn won't fit in ``mode`` and which mode would.
 
     Past the context, a message that still fits leaves the answer less room
@@ -347,7 +347,7 @@ def wont_fit_sentence(report, mode: str, total: int, answer_room: int | None = N
                 f"{report.max_context:,} tokens in any mode. Remove an attachment or start "
                 "a new chat; Send is off until it fits.")
     limit = "your memory limit (Settings)" if not entry.fits_budget else "free memory"
-    better = next((m for m in ("q8", "q6", "q4")
+    better = next((m for m in MODES.quantized()
                    if m != mode and report.for_mode(m).fits), None)
     text = (f"This won't fit in {mode}: it needs {human_bytes(entry.bytes_needed)} but "
             f"{limit} holds only {entry.tokens_fit:,} tokens in {mode}.")

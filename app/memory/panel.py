@@ -35,7 +35,7 @@ from app.memory.quality import advice, receipt_details, receipt_line, receipt_su
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
 from engine import RankShare, StatsSample
-from engine.cache.modes import MODES
+from engine.cache.modes import DEFAULT_MODE, MODES, REFERENCE, KvMode
 
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
@@ -92,7 +92,7 @@ def pages_text(sample: StatsSample) -> str:
             f"full · {sample.page_size} tokens a page")
 
 
-def fits_sentence(tokens_fit: int, max_context: int, mode: str, machines: int = 1,
+def fits_sentence(tokens_fit: int, max_context: int, mode: KvMode, machines: int = 1,
                   tight: RankShare | None = None) -> str:
     """"Fits in free memory: the whole context" or how many tokens of it, in ``mode``;
     on ``machines`` > 1, what they hold together and the ``tight`` one that limits it."""
@@ -251,7 +251,7 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(self.stored_kv)
         layout.addStretch(1)
         self.setWidget(body)
-        self.mode: str | None = None
+        self.mode: KvMode | None = None
         self.session_id: str | None = None
         self.kv_tokens: int | None = None  # tokens of the shown sample; None: no cache
         self.now_tokens: int | None = None  # tokens the "Chat" column was computed for
@@ -259,7 +259,7 @@ class MemoryPanel(QScrollArea):
         self.level = "normal"
         self.show_receipts({})
 
-    def set_session(self, title: str | None, mode: str | None, cache_state: str,
+    def set_session(self, title: str | None, mode: KvMode | None, cache_state: str,
                     session_id: str | None = None, *, rotated: bool = False) -> None:
         """Name the session the numbers belong to; ``cache_state`` is its state sentence.
 
@@ -293,7 +293,7 @@ class MemoryPanel(QScrollArea):
         self.kv_bar.setMaximum(1000)
         self.kv_bar.setValue(0)
         self.pages_label.setText("No pages held")
-        self.pool.set_pages(0, 0, 0, 0.0, mode_colour(self.mode or "q8"))
+        self.pool.set_pages(0, 0, 0, 0.0, mode_colour(self.mode or DEFAULT_MODE))
         self.pool.setToolTip("")
 
     def update_sample(self, sample: StatsSample, total_kv_bytes: int) -> bool:
@@ -327,7 +327,7 @@ class MemoryPanel(QScrollArea):
         self.kv_bar.setValue(int(1000 * sample.kv_bytes_used / allocated))
         self.pages_label.setText(pages_text(sample))
         self.pool.set_pages(sample.pages_in_use, sample.pages_allocated, sample.pages_free,
-                            sample.last_page_fill, mode_colour(self.mode or "q8"))
+                            sample.last_page_fill, mode_colour(self.mode or DEFAULT_MODE))
         per = self.pool.pages_per_cell()
         self.pool.setToolTip(PAGES_TIP if per == 1 else f"Each square is {per} pages. {PAGES_TIP}")
         self.chart.add(sample.kv_bytes_used, sample.process_rss_bytes)
@@ -390,9 +390,9 @@ class MemoryPanel(QScrollArea):
         """
         for row, mode in enumerate(MODES):
             receipt = receipts.get(mode)
-            if mode == "fp16":
+            if mode == REFERENCE:
                 item = self._cell("ref", mode)
-                item.setToolTip("fp16 is the reference the other modes are measured against")
+                item.setToolTip(f"{mode} is the reference the other modes are measured against")
             elif receipt is None:
                 item = self._cell("—", mode)
                 item.setToolTip(NOT_MEASURED)
@@ -412,7 +412,7 @@ class MemoryPanel(QScrollArea):
         self.quality_action.setToolTip(unavailable or "Compare this chat's KV mode with fp16 "
                                        "on its last ≤ 1,024 tokens")
 
-    def _cell(self, text: str, mode: str) -> QTableWidgetItem:
+    def _cell(self, text: str, mode: KvMode) -> QTableWidgetItem:
         """A right-aligned table cell, bold and tinted in the shown chat's mode."""
         item = QTableWidgetItem(text)
         item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
@@ -448,16 +448,16 @@ class MemoryPanel(QScrollArea):
             f"Chat: its {now_report.token_count:,} tokens · full: the model's whole "
             f"context, {full_report.max_context:,} tokens.")
         self.projection_note.show()
-        own = self.mode or ""
-        entry = now_report.for_mode(own) if own in MODES else None
-        self.fits_label.setText(
-            fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
-                          machines, now_report.tight_machine(own))
-            if entry is not None and entry.supported else "")
+        own = MODES.find(self.mode or "")
+        text = ""
+        if own is not None and now_report.for_mode(own).supported:
+            text = fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
+                                 machines, now_report.tight_machine(own))
+        self.fits_label.setText(text)
         self.fits_label.setVisible(bool(self.fits_label.text()))
 
 
-def _fit_tokens(report, mode: str) -> int:
+def _fit_tokens(report, mode: KvMode) -> int:
     """Tokens free memory holds in ``mode``: this machine's, or on a pipeline the
     machines' together (their tightest)."""
     pool = report.pool_tokens(mode) if report.ranks else None

@@ -17,6 +17,7 @@ from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.store import HistoryStore, SessionRecord
 from engine import Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
+from engine.cache.modes import MODES, REFERENCE
 
 KIND = "quality"  # the Activity kind while a check runs
 WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without importing MLX
@@ -43,23 +44,20 @@ def receipt_line(receipt: QualityReceipt) -> str:
     return f"{verdict(receipt.kl_mean)} ({badge}, this chat)"
 
 
-# The next mode up (closer to fp16) and down (more context in the same memory).
-LARGER = {"q4": "q6", "q6": "q8", "q8": "fp16"}
-SMALLER = {"q8": "q6", "q6": "q4"}
 
 
 def advice(receipt: QualityReceipt) -> str:
     """What to do about the verdict: keep the mode, or which one to reopen the chat in."""
     mode, kl = receipt.mode, receipt.kl_mean
     if kl < VERDICTS[0][0]:
-        smaller = SMALLER.get(mode)
+        smaller = MODES.smaller(mode)
         more = (f" If you need more context in the same memory, try {smaller}: reopen the "
                 "chat in it and check again." if smaller else "")
         return f"Keep {mode}: it answers as fp16 would.{more}"
     if kl < VERDICTS[1][0]:
         return (f"Keep {mode} for everyday use; for exact quotes and figures, "
-                f"{LARGER[mode]} stays closer to fp16.")
-    return f"Reopen this chat in {LARGER[mode]}: its answers stay closer to fp16."
+                f"{MODES.larger(mode)} stays closer to fp16.")
+    return f"Reopen this chat in {MODES.larger(mode)}: its answers stay closer to fp16."
 
 
 def receipt_summary(receipt: QualityReceipt) -> str:
@@ -132,8 +130,9 @@ class QualityCheck(QObject):
         if job is not None:
             return ("A quality check is running; Stop cancels it." if job.kind == KIND
                     else "Wait for this chat's answer or reading to finish.")
-        if session.kv_mode == "fp16":
-            return "This chat keeps fp16, the reference itself: there is nothing to compare."
+        if session.kv_mode == REFERENCE:
+            return (f"This chat keeps {REFERENCE}, the reference itself: there is nothing "
+                    "to compare.")
         if not has_text:
             return "Nothing to check yet: send a message or attach a document first."
         return ""

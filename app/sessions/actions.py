@@ -16,6 +16,7 @@ from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
 from engine import StatsSample
+from engine.cache.modes import KvMode
 
 NEW_TITLE = "New chat"
 
@@ -44,7 +45,7 @@ class SessionActions(QObject):
         self._before_switch = before_switch
         self.current: SessionRecord | None = None
 
-    def new_session(self, mode: str | None = None, model_id: str = "",
+    def new_session(self, mode: KvMode | None = None, model_id: str = "",
                     keep_blank: bool = False) -> SessionRecord | None:
         """Start an empty chat in ``mode`` (default from settings) and show it.
 
@@ -67,7 +68,7 @@ class SessionActions(QObject):
                 and self.activity.job_of(record.id) is None
                 and not self.store.messages(record.id))
 
-    def _set_mode(self, record: SessionRecord, mode: str) -> SessionRecord:
+    def _set_mode(self, record: SessionRecord, mode: KvMode) -> SessionRecord:
         if record.kv_mode == mode:
             return record
         self.caches.forget(record.id)  # nothing of it is held or stored in the old mode
@@ -112,7 +113,7 @@ class SessionActions(QObject):
                 self.currentSessionChanged.emit(None)
         self.sessionsChanged.emit()
 
-    def reopen_in(self, mode: str, model_id: str) -> SessionRecord | None:
+    def reopen_in(self, mode: KvMode, model_id: str) -> SessionRecord | None:
         """Copy the shown conversation into a new session in ``mode`` and show it.
 
         The caller re-ingests it (``Answers.start_ingest``).

@@ -13,16 +13,11 @@ from PySide6.QtWidgets import QMenu, QMessageBox, QWidget
 from app.format import human_bytes
 from app.memory.fit_check import wait_sentence
 from engine import EngineError
-from engine.cache.modes import MODES
+from engine.cache.modes import MODES, KvMode
 
 REOPEN_TIP = ("Copy this chat into a new chat that keeps its memory (the KV cache) in another "
               "mode: smaller modes fit longer chats in less memory, at a small cost in "
               "exactness. The copy reads the conversation in again; this chat stays as it is.")
-# What each mode is, in a few words, for the menu's tooltips.
-MODE_WORDS = {"fp16": "the reference: exact, and the largest",
-              "q8": "about half of fp16's memory, nearly exact",
-              "q6": "smaller again, with minor differences",
-              "q4": "the smallest, with the most differences"}
 
 
 def fill_reopen_menu(menu: QMenu, controller, parent: QWidget) -> None:
@@ -35,10 +30,10 @@ def fill_reopen_menu(menu: QMenu, controller, parent: QWidget) -> None:
             continue
         action = menu.addAction(f"Reopen in {mode}…",
                                 lambda m=mode: ask_reopen(controller, m, parent))
-        action.setToolTip(f"A copy of this chat in {mode}: {MODE_WORDS.get(mode, mode)}")
+        action.setToolTip(f"A copy of this chat in {mode}: {MODES[mode].description}")
 
 
-def reopen_text(controller, mode: str) -> str:
+def reopen_text(controller, mode: KvMode) -> str:
     """What reopening the shown chat in ``mode`` does, in plain words."""
     current = controller.current
     if current is None:
@@ -60,7 +55,7 @@ def reopen_text(controller, mode: str) -> str:
     return "".join(parts)
 
 
-def _kv_bytes(controller, mode: str, tokens: int) -> str:
+def _kv_bytes(controller, mode: KvMode, tokens: int) -> str:
     if not tokens or not controller.model_ready:
         return ""
     try:
@@ -71,7 +66,7 @@ def _kv_bytes(controller, mode: str, tokens: int) -> str:
     return human_bytes(entry.bytes_needed) if entry.supported else ""
 
 
-def ask_reopen(controller, mode: str, parent: QWidget | None) -> None:
+def ask_reopen(controller, mode: KvMode, parent: QWidget | None) -> None:
     """Say what reopening in ``mode`` does; reopen when the user agrees."""
     if controller.current is None:
         return

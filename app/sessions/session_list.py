@@ -33,8 +33,9 @@ from PySide6.QtWidgets import (
 from app.format import relative_time, visible_text
 from app.sessions.chat_state import ChatFacts, ChatState, sidebar_lines
 from app.store import SessionRecord
+from engine.cache.modes import MODES
 
-MODE_COLOURS = {"fp16": "#7a7f8c", "q8": "#2f7d5b", "q6": "#3b6fb6", "q4": "#b0662a"}
+UNKNOWN_MODE_COLOUR = "#777777"
 RecordRole = Qt.ItemDataRole.UserRole + 1
 StateRole = Qt.ItemDataRole.UserRole + 2  # the chat's ChatFacts (or its job's state, or "")
 NO_MATCH = "No chats match"
@@ -47,8 +48,10 @@ BADGE_PADDING = 7  # pixels each side of the mode in its badge
 
 
 def mode_colour(mode: str) -> QColor:
-    """The badge colour of a KV mode, the same everywhere it is shown."""
-    return QColor(MODE_COLOURS.get(mode, "#777777"))
+    """The badge colour of a KV mode, the same everywhere it is shown (grey for a
+    name the registry lacks: a chat stored by a newer version)."""
+    known = MODES.find(mode)
+    return QColor(MODES[known].colour if known else UNKNOWN_MODE_COLOUR)
 
 
 def confirm_delete(parent: QWidget, title: str) -> bool:

@@ -27,7 +27,7 @@ from app.settings import Settings
 from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
 from engine import SamplingParams, default_budget, snapshots_dir
-from engine.cache.modes import MODES
+from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
 from engine.snapshots.store import MAX_DEFAULT_BUDGET
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
@@ -36,21 +36,20 @@ SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 GB = 2**30
 MB = 2**20
 
-MODE_BLURB = {
-    "fp16": "full precision — largest",
-    "q8": "8-bit — near lossless (default)",
-    "q6": "6-bit — between q8 and q4",
-    "q4": "4-bit — smallest, coarsest",
-}
+
+def mode_blurb(mode: KvMode) -> str:
+    """The mode's few words from the registry, "(default)" after the default's."""
+    label = MODES[mode].label
+    return f"{label} (default)" if mode == DEFAULT_MODE else label
 
 
-def mode_choice_text(mode: str, full_report) -> str:
+def mode_choice_text(mode: KvMode, full_report) -> str:
     """"q8 — 8-bit … · 12.0 MB at 8,192 tokens · 8,192 tokens fit in free RAM".
 
     A model holds no more than its context however much RAM is free, so the
     tokens that fit are capped there ("all 8,192 tokens fit").
     """
-    text = f"{mode}  —  {MODE_BLURB[mode]}"
+    text = f"{mode}  —  {mode_blurb(mode)}"
     if full_report is None:
         return text
     entry = full_report.for_mode(mode)
@@ -86,7 +85,7 @@ def disk_budget_box(budget_bytes: int | None) -> QDoubleSpinBox:
 class NewChatDialog(QDialog):
     """Ask for the KV mode of a new chat, with each mode's projection."""
 
-    def __init__(self, default_mode: str, full_report, parent: QWidget | None = None,
+    def __init__(self, default_mode: KvMode, full_report, parent: QWidget | None = None,
                  title: str = "New chat") -> None:
         super().__init__(parent)
         self.setWindowTitle(title)
@@ -96,7 +95,7 @@ class NewChatDialog(QDialog):
         intro.setWordWrap(True)
         layout.addWidget(intro)
         self.group = QButtonGroup(self)
-        self.buttons: dict[str, QRadioButton] = {}
+        self.buttons: dict[KvMode, QRadioButton] = {}
         for mode in MODES:
             button = QRadioButton(mode_choice_text(mode, full_report))
             supported = full_report is None or full_report.for_mode(mode).supported
@@ -112,9 +111,9 @@ class NewChatDialog(QDialog):
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
 
-    def mode(self) -> str:
+    def mode(self) -> KvMode:
         """The chosen mode."""
-        return next((m for m, b in self.buttons.items() if b.isChecked()), "q8")
+        return next((m for m, b in self.buttons.items() if b.isChecked()), DEFAULT_MODE)
 
 
 class SettingsDialog(QDialog):
@@ -272,7 +271,7 @@ class SettingsDialog(QDialog):
         """The widgets' values, by the name of the setting each one edits."""
         seed = self.sampling.seed
         return {
-            "default_mode": self.mode.currentText(),
+            "default_mode": parse_mode(self.mode.currentText()),
             "page_size": self.page_size.value(),
             "rotate_kv": self.rotate.isChecked(),
             "ingest_chunk": self.chunk.value(),

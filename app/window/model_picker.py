@@ -36,12 +36,13 @@ def _discover(folders: list[str]) -> tuple:
 def describe(model, entry: ModelEntry | None = None) -> str:
     """A tooltip with the facts that matter for KV memory, and each mode's full-context cost."""
     info = model.info
-    q6 = "" if model.q6_supported else f"\nq6 unavailable: {model.q6_note}"
+    unavailable = "".join(f"\n{mode} unavailable: {note}"
+                          for mode, note in model.mode_notes.items())
     costs = "\n".join(["", "KV cache at full context:", *entry.cost_lines()]) if entry else ""
     split = f"\n{entry.split_text()}" if entry else ""
     return (f"{model.path}\n{info.architecture} · {human_bytes(model.size_bytes)} on disk · "
             f"{info.max_context:,} tokens context\n{info.attention_layers} attention layers × "
-            f"{info.kv_heads} KV heads × head_dim {info.head_dim}{q6}{split}{costs}")
+            f"{info.kv_heads} KV heads × head_dim {info.head_dim}{unavailable}{split}{costs}")
 
 
 def demo_item_text(max_context: int) -> str:

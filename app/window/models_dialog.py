@@ -30,10 +30,13 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes, human_duration
 from app.window.model_library import ModelEntry, cost_text, fit_advice, short_tokens
+from engine.cache.modes import MODES
 
-COLUMNS = ("Model", "Size", "Context", "fp16", "q8", "q6", "q4", "On this machine", "")
-VERDICT_COLUMN = len(COLUMNS) - 2
-ACTION_COLUMN = len(COLUMNS) - 1
+
+def columns() -> tuple[str, ...]:
+    """The table's headers: a cost column per registered KV mode, then the verdict
+    and the action."""
+    return ("Model", "Size", "Context", *MODES, "On this machine", "")
 LOADED = "Loaded"
 DIALOG_SIZE = (1000, 460)
 FITS = "#2f7d5b"
@@ -65,18 +68,20 @@ class ModelsDialog(QDialog):
             "models are 4-bit mlx-community repos; their sizes are approximate.")
         intro.setWordWrap(True)
         layout.addWidget(intro)
-        self.table = QTableWidget(0, len(COLUMNS))
+        headers = columns()
+        self.verdict_column, self.action_column = len(headers) - 2, len(headers) - 1
+        self.table = QTableWidget(0, len(headers))
         self.table.setObjectName("modelTable")
-        self.table.setHorizontalHeaderLabels(list(COLUMNS))
+        self.table.setHorizontalHeaderLabels(list(headers))
         self.table.verticalHeader().hide()
         self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
         header = self.table.horizontalHeader()
-        for column in range(len(COLUMNS)):
+        for column in range(len(headers)):
             header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
         # The name and the verdict share the room; a long verdict wraps onto two lines.
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        header.setSectionResizeMode(VERDICT_COLUMN, QHeaderView.ResizeMode.Stretch)
+        header.setSectionResizeMode(self.verdict_column, QHeaderView.ResizeMode.Stretch)
         self.table.setWordWrap(True)
         self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         layout.addWidget(self.table, 1)
@@ -113,7 +118,7 @@ class ModelsDialog(QDialog):
         verdict.setToolTip("\n".join(entry.cost_lines()))
         if not fits:
             verdict.setForeground(QColor(TOO_BIG))
-        self.table.setItem(row, VERDICT_COLUMN, verdict)
+        self.table.setItem(row, self.verdict_column, verdict)
         self._set_action(entry, downloading)
 
     def _set_action(self, entry: ModelEntry, downloading: bool) -> None:
@@ -123,7 +128,7 @@ class ModelsDialog(QDialog):
             label.setObjectName(f"action:{key}")
             label.setAlignment(Qt.AlignmentFlag.AlignCenter)
             label.setToolTip("The model in use now")
-            self.table.setCellWidget(self.rows[key], ACTION_COLUMN, label)
+            self.table.setCellWidget(self.rows[key], self.action_column, label)
             return
         if entry.downloaded:
             button = QPushButton("Load")
@@ -135,12 +140,12 @@ class ModelsDialog(QDialog):
             button = QPushButton("Download")
             button.clicked.connect(lambda: self._download(entry))
         button.setObjectName(f"action:{key}")
-        self.table.setCellWidget(self.rows[key], ACTION_COLUMN, button)
+        self.table.setCellWidget(self.rows[key], self.action_column, button)
 
     def action_button(self, key: str) -> QPushButton | QLabel:
         """The Load/Download/Cancel button of the row for ``key`` (a path or repo id),
         or its "Loaded" label for the model in use."""
-        return self.table.cellWidget(self.rows[key], ACTION_COLUMN)
+        return self.table.cellWidget(self.rows[key], self.action_column)
 
     def _load(self, path: str) -> None:
         self.loadRequested.emit(path)

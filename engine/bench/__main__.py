@@ -16,6 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.cache.modes import KvMode, parse_mode
+
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
@@ -39,13 +41,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(parse_tokens(part) for part in text.split(",") if part.strip())
 
 
-def _modes(text: str) -> tuple[str, ...]:
-    from engine.cache.kvquant import normalize_mode
-
-    return tuple(dict.fromkeys(normalize_mode(part) for part in text.split(",") if part.strip()))
+def _modes(text: str) -> tuple[KvMode, ...]:
+    return tuple(dict.fromkeys(parse_mode(part) for part in text.split(",") if part.strip()))
 
 
-def _modes_or_none(text: str) -> tuple[str, ...]:
+def _modes_or_none(text: str) -> tuple[KvMode, ...]:
     return () if text.strip().lower() == "none" else _modes(text)
 
 

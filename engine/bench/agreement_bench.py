@@ -26,7 +26,7 @@ class AgreementBenchConfig:
 
     model: str = "demo"
     prompt: int = 6144
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = tuple(MODES)
     max_tokens: int = 64
 
 

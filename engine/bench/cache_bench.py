@@ -48,7 +48,7 @@ class CacheBenchConfig:
 
     contexts: tuple[int, ...] = (4096, 16384, 32768)
     head_dims: tuple[int, ...] = (64, 128, 256)
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = tuple(MODES)
     kv_heads: int = 2
     q_heads: int = 8
     prefill_tokens: int = 16384

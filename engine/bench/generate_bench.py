@@ -46,7 +46,7 @@ class GenerateBenchConfig:
 
     model: str = "demo"
     prompts: tuple[int, ...] = (1024, 4096, 7168)
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = tuple(MODES)
     max_tokens: int = 64
     repeats: int = 1
 

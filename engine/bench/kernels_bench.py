@@ -52,7 +52,7 @@ class KernelsConfig:
     """Sizes of one ``engine.bench kernels`` run."""
 
     contexts: tuple[int, ...] = (32768, 131072, 262144)
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = tuple(MODES)
     kv_heads: int = 4
     q_heads: int = 16
     head_dim: int = 256

@@ -60,7 +60,7 @@ class LongContextConfig:
     q_heads: tuple[int, ...] = (16, 24)
     kv_heads: int = 4
     head_dim: int = 256
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = tuple(MODES)
     # Modes also run with Hadamard-rotated rows, for the rotation's cost.
     rotated: tuple[str, ...] = ("q6",)
     chunk: int = 512

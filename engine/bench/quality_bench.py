@@ -40,7 +40,7 @@ class QualityBenchConfig:
     model: str = "demo"
     contexts: tuple[int, ...] = (2048, 6144)
     tokens: int = 64
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = tuple(MODES)
     mlx_bits: tuple[int, ...] = (8, 6, 4)
     chunk: int = 512
     page_size: int = 256

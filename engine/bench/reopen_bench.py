@@ -129,11 +129,11 @@ def run_reopen_bench(
     partial_results: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Every prompt length of ``config``; snapshots go to a temporary folder."""
-    from engine.cache.kvquant import normalize_mode
+    from engine.cache.modes import parse_mode
     from engine.models.loader import load_model
     from engine.snapshots import SnapshotStore
 
-    config = dataclasses.replace(config, mode=normalize_mode(config.mode))
+    config = dataclasses.replace(config, mode=parse_mode(config.mode))
     loaded = load_model(config.model)
     folder = tempfile.mkdtemp(prefix="longleaf-reopen-")
     results: dict[str, Any] = {

@@ -17,18 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.cache import kvquant, sharing
+from engine.cache import sharing
 from engine.cache.attention import schedule
 from engine.cache.attention.dispatch import paged_attention
+from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
 from engine.errors import ModelLoadError
-
-# Modes whose rows are rotated unless the caller says otherwise: at the same bytes the
-# rotation lowers the mean KL to fp16 of q8 1.8x, q6 4.0x and q4 2.8x on the demo model
-# (docs/benchmarks.md, quality). fp16 gains nothing (it only moves float16 rounding).
-ROTATED_MODES: frozenset[str] = frozenset({"q8", "q6", "q4"})
 
 _SDPA = "scaled_dot_product_attention"
 _ORIGINAL = "_longleaf_original"
@@ -47,7 +43,7 @@ class LayerStats(NamedTuple):
 class CacheStats:
     """A cache's page occupancy in plain values (safe to send across threads)."""
 
-    mode: str
+    mode: KvMode
     page_size: int
     tokens: int
     pages_in_use: int
@@ -141,14 +137,15 @@ def _check_dispatch(model: nn.Module, index: int) -> None:
         )
 
 
-def rotates_by_default(mode: str) -> bool:
-    """Whether :func:`make_cache` rotates ``mode``'s rows when not told."""
-    return kvquant.normalize_mode(mode) in ROTATED_MODES
+def rotates_by_default(mode: KvMode) -> bool:
+    """Whether :func:`make_cache` rotates ``mode``'s rows when not told (the
+    registry's default: the quantized modes, whose error a rotation lowers)."""
+    return MODES[mode].rotated
 
 
 def make_cache(
     model: nn.Module,
-    mode: str,
+    mode: KvMode,
     *,
     page_size: int = 256,
     budget_bytes: int | None = None,
@@ -162,7 +159,7 @@ def make_cache(
 
     Args:
         model: an mlx-lm model.
-        mode: KV mode name (fp16, q8, q6, q4 or an alias).
+        mode: the KV mode.
         page_size: tokens per page.
         budget_bytes: bytes all pages may take; None for no limit.
         rotate: store key and value rows after a Hadamard rotation
@@ -173,7 +170,7 @@ def make_cache(
         UnsupportedModeError: unknown mode, or one that cannot store this model's heads.
         ModelLoadError: the model's attention cannot be routed to the paged cache.
     """
-    pool = PagePool(kvquant.normalize_mode(mode), page_size, budget_bytes)
+    pool = PagePool(mode, page_size, budget_bytes)
     rotate = rotates_by_default(pool.mode) if rotate is None else rotate
     install_attention(model)
     cache = make_prompt_cache(model)
@@ -256,7 +253,7 @@ def cache_stats(cache: list[Any]) -> CacheStats:
     if tokens and page_size:
         fill = (tokens - (tokens - 1) // page_size * page_size) / page_size
     return CacheStats(
-        mode=pool.mode if pool else "fp16",
+        mode=pool.mode if pool else FP16,
         page_size=page_size,
         tokens=tokens,
         pages_in_use=in_use,

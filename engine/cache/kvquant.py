@@ -28,91 +28,58 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import fusion
-from engine.cache.modes import MODES
+from engine.cache.modes import FULL_PRECISION_BITS, MODES, KvMode, packed_group
 from engine.errors import UnsupportedModeError
 
 __all__ = ["MODES"]  # re-exported: kvquant is where the storage code looks for it
 
-# Every width-dependent number comes from a table and an unknown width raises:
-# the seed PR found two `x if bits == 8 else y` expressions that put a new width
-# on the wrong grid while allocating pages of the right size.
-_BITS_BY_MODE: dict[str, int] = {"fp16": 16, "q8": 8, "q6": 6, "q4": 4}
-_QMAX_BY_BITS: dict[int, int] = {8: 127, 6: 31, 4: 7}
-_BIAS_BY_BITS: dict[int, int] = {8: 128, 6: 32, 4: 8}
-# (values per packed group, bytes per packed group)
-_GROUP_BY_BITS: dict[int, tuple[int, int]] = {16: (1, 2), 8: (1, 1), 6: (4, 3), 4: (2, 1)}
+Packer = Callable[[mx.array], mx.array]
+
 _SCALE_BYTES = 2  # one float16 scale (or bias) per row, or per MLX group of a row
 _MLX_GROUP_SIZES: tuple[int, ...] = (128, 64, 32)  # largest first: fewest scales per row
-
-_ALIASES: dict[str, str] = {
-    "q8": "q8", "8": "q8", "8bit": "q8", "int8": "q8", "uint8": "q8", "q80": "q8",
-    "q6": "q6", "6": "q6", "6bit": "q6", "int6": "q6", "uint6": "q6",
-    "q4": "q4", "4": "q4", "4bit": "q4", "int4": "q4", "uint4": "q4", "q40": "q4",
-    "fp16": "fp16", "f16": "fp16", "16": "fp16", "off": "fp16", "none": "fp16",
-}
-# Other projects' block formats with a different layout; accepting them would
-# suggest compatibility that does not exist.
-_FOREIGN_FORMATS: frozenset[str] = frozenset({"q6k", "q60"})
-
-_ACCEPTED_NAMES = (
-    "q8 (8, 8bit, int8, uint8, q8_0), q6 (6, 6bit, int6, uint6), "
-    "q4 (4, 4bit, int4, uint4, q4_0), fp16 (f16, 16, off, none)"
-)
 
 # Smallest positive float16 (subnormal): keeps an all-zero row's scale non-zero.
 _SCALE_FLOOR = 2.0**-24
 _FP16_MAX = 65504.0
 
 
-def normalize_mode(name: str | int) -> str:
-    """Map a user-facing KV mode name to one of ``MODES``.
-
-    Args:
-        name: a mode name or alias; case, ``-`` and ``_`` are ignored.
-
-    Returns:
-        "fp16", "q8", "q6" or "q4".
-
-    Raises:
-        UnsupportedModeError: the name is unknown or names a foreign format.
-    """
-    key = str(name).strip().lower().replace("-", "").replace("_", "")
-    if key in _FOREIGN_FORMATS:
-        raise UnsupportedModeError(
-            f"KV mode {name!r} is another project's block format and is not supported; "
-            f"use q6 for Longleaf's 6-bit storage. Accepted: {_ACCEPTED_NAMES}."
-        )
-    if key not in _ALIASES:
-        raise UnsupportedModeError(f"Unknown KV mode {name!r}. Accepted: {_ACCEPTED_NAMES}.")
-    return _ALIASES[key]
-
-
-def bits_for(mode: str) -> int:
+def bits_for(mode: KvMode) -> int:
     """Bits per stored value of a mode (16 for fp16)."""
-    return _BITS_BY_MODE[normalize_mode(mode)]
+    return MODES[mode].bits
 
 
-def _table(table: dict[int, int] | dict[int, tuple[int, int]], bits: int, what: str):
-    try:
-        return table[bits]
-    except KeyError:
+def _quantized_width(bits: int, what: str) -> int:
+    """``bits`` when a registered packing stores that width; else raises.
+
+    Every width-dependent number is computed from a width that passed here, so a
+    width no packing stores can never be put on another width's grid.
+    """
+    if bits not in _PACKERS:
         raise UnsupportedModeError(
-            f"No {what} for a {bits}-bit KV width; supported widths: {sorted(table)}."
-        ) from None
+            f"No {what} for a {bits}-bit KV width; supported widths: {sorted(_PACKERS)}."
+        )
+    return bits
 
 
 def qmax_for(bits: int) -> int:
     """Largest code magnitude of a quantized width (127, 31, 7)."""
-    return _table(_QMAX_BY_BITS, bits, "clip bound")
+    return 2 ** (_quantized_width(bits, "clip bound") - 1) - 1
 
 
 def bias_for(bits: int) -> int:
     """Offset added to signed codes to store them unsigned (128, 32, 8)."""
-    return _table(_BIAS_BY_BITS, bits, "code bias")
+    return 2 ** (_quantized_width(bits, "code bias") - 1)
+
+
+def _group(bits: int) -> tuple[int, int]:
+    """(values, bytes) of the smallest run of ``bits``-bit values that fills whole bytes."""
+    if bits != FULL_PRECISION_BITS:
+        _quantized_width(bits, "packing")
+    return packed_group(bits)
 
 
 def _fits(head_dim: int, bits: int) -> bool:
-    return head_dim > 0 and head_dim % _GROUP_BY_BITS[bits][0] == 0
+    return head_dim > 0 and head_dim % _group(bits)[0] == 0
 
 
 def packed_dim(head_dim: int, bits: int) -> int:
@@ -122,9 +89,10 @@ def packed_dim(head_dim: int, bits: int) -> int:
         UnsupportedModeError: the width is unknown or ``head_dim`` does not split
             into whole packed groups.
     """
-    values, nbytes = _table(_GROUP_BY_BITS, bits, "packing")
+    values, nbytes = _group(bits)
     if head_dim <= 0 or head_dim % values:
-        fitting = [m for m in ("q8", "q4") if _fits(head_dim, _BITS_BY_MODE[m])]
+        fitting = [m for m, row in MODES.items()
+                   if row.bits != FULL_PRECISION_BITS and _fits(head_dim, row.bits)]
         hint = f" Use {' or '.join(fitting)} for this model." if fitting else ""
         raise UnsupportedModeError(
             f"This model's head_dim is {head_dim}, but {bits}-bit KV storage packs "
@@ -145,27 +113,27 @@ def scale_groups(head_dim: int) -> int:
     return head_dim // group if group else 1
 
 
-def kv_bytes_per_token(head_dim: int, mode: str) -> int:
+def kv_bytes_per_token(head_dim: int, mode: KvMode) -> int:
     """Bytes one token takes for one KV head in memory, keys and values together.
 
     Codes plus a float16 scale and bias per MLX group (:func:`scale_groups`);
     fp16 stores the values alone.
     """
     bits = bits_for(mode)
-    if bits == _BITS_BY_MODE["fp16"]:
+    if bits == FULL_PRECISION_BITS:
         return 2 * packed_dim(head_dim, bits)
     return 2 * (packed_dim(head_dim, bits) + 2 * _SCALE_BYTES * scale_groups(head_dim))
 
 
-def row_format_bytes(head_dim: int, mode: str) -> int:
+def row_format_bytes(head_dim: int, mode: KvMode) -> int:
     """Bytes of one token of one KV head in the seed's row format (codes and one
     float16 scale per row, keys and values): what a snapshot stores."""
     bits = bits_for(mode)
-    scale_bytes = 0 if bits == _BITS_BY_MODE["fp16"] else _SCALE_BYTES
+    scale_bytes = 0 if bits == FULL_PRECISION_BITS else _SCALE_BYTES
     return 2 * (packed_dim(head_dim, bits) + scale_bytes)
 
 
-def project_kv_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, mode: str) -> int:
+def project_kv_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, mode: KvMode) -> int:
     """Bytes a cache of ``tokens`` tokens takes over ``layers`` attention layers."""
     return layers * kv_heads * tokens * kv_bytes_per_token(head_dim, mode)
 
@@ -248,11 +216,29 @@ def _unpack4(packed: mx.array) -> mx.array:
     return mx.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
-_PACKERS: dict[int, tuple[Callable[[mx.array], mx.array], Callable[[mx.array], mx.array]]] = {
+_PACKERS: dict[int, tuple[Packer, Packer]] = {
     8: (_pack8, _unpack8),
     6: (_pack6, _unpack6),
     4: (_pack4, _unpack4),
 }
+
+
+def register_packing(bits: int, pack: Packer, unpack: Packer) -> None:
+    """Store ``bits``-bit codes with ``pack`` and read them with ``unpack``.
+
+    ``pack`` takes unsigned codes ``[..., head_dim]`` (uint8) and returns their
+    little-endian bit stream ``[..., packed_dim]`` (value ``i`` at bit ``bits * i``,
+    MLX's affine layout, which its quantized kernels read); ``unpack`` inverts it.
+    A mode of that width is then added with :meth:`engine.cache.modes.ModeRegistry.add`.
+    """
+    _PACKERS[bits] = (pack, unpack)
+    _compiled_quantizer.cache_clear()
+
+
+def unregister_packing(bits: int) -> None:
+    """Forget a packing :func:`register_packing` added."""
+    del _PACKERS[bits]
+    _compiled_quantizer.cache_clear()
 
 
 def quantize_rows(x: mx.array, bits: int) -> tuple[mx.array, mx.array | None]:
@@ -266,7 +252,7 @@ def quantize_rows(x: mx.array, bits: int) -> tuple[mx.array, mx.array | None]:
         ``(codes, scales)``: uint8 codes ``[..., packed_dim]`` and float16 scales
         ``[..., 1]``. For ``bits == 16``: float16 values ``[..., head_dim]`` and None.
     """
-    if bits == _BITS_BY_MODE["fp16"]:
+    if bits == FULL_PRECISION_BITS:
         return _to_fp16(x), None
     packed_dim(x.shape[-1], bits)  # validates head_dim before any work
     return _compiled_quantizer(bits)(x)
@@ -297,7 +283,7 @@ def count_clipped_rows(x: mx.array) -> mx.array:
 
 def _quantize_packed(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     qmax, bias = qmax_for(bits), bias_for(bits)
-    pack, _ = _table(_PACKERS, bits, "packer")
+    pack, _ = _PACKERS[_quantized_width(bits, "packer")]
     values = x.astype(mx.float32)
     scales = _row_scales(values, qmax, scale_cap(bits))
     q = mx.clip(mx.round(values / scales.astype(mx.float32)), -qmax, qmax)
@@ -330,7 +316,7 @@ def quantize_for_store(x: mx.array, bits: int, groups: int) -> tuple[mx.array, m
         float16 ``[2, ..., groups]`` (scales, then biases; a broadcast view of one per
         row); for 16 bits the float16 values and None.
     """
-    if bits == _BITS_BY_MODE["fp16"]:
+    if bits == FULL_PRECISION_BITS:
         return _to_fp16(x), None
     packed_dim(x.shape[-1], bits)  # validates head_dim before any work
     codes, scale_and_bias = _compiled_quantizer(bits, affine=True)(x)
@@ -359,7 +345,7 @@ def _compiled_quantizer(
     codes and scales). Compiled on first call, not at import, so importing this
     module (as model discovery does on a pool thread) calls no MLX function.
     """
-    _table(_PACKERS, bits, "quantizer")
+    _quantized_width(bits, "quantizer")
     quantize = _quantize_affine if affine else _quantize_packed
     return fusion.compiled(functools.partial(quantize, bits=bits))
 
@@ -380,13 +366,13 @@ def dequantize_rows(
         head_dim: values per row.
         dtype: result dtype; float32 by default because the CPU backend emulates fp16.
     """
-    if bits == _BITS_BY_MODE["fp16"]:
+    if bits == FULL_PRECISION_BITS:
         return codes.astype(dtype)
     if codes.shape[-1] != packed_dim(head_dim, bits):
         raise UnsupportedModeError(
             f"Packed rows hold {codes.shape[-1]} bytes, but {bits}-bit rows of "
             f"head_dim {head_dim} hold {packed_dim(head_dim, bits)}."
         )
-    _, unpack = _table(_PACKERS, bits, "unpacker")
+    _, unpack = _PACKERS[_quantized_width(bits, "unpacker")]
     signed = unpack(codes).astype(mx.float32) - bias_for(bits)
     return (signed * scales.astype(mx.float32)).astype(dtype)

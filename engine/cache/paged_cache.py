@@ -15,6 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from engine.cache import kvquant
+from engine.cache.modes import parse_mode
 from engine.cache.pages import PagePool, PageStore
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
@@ -299,8 +300,8 @@ class PagedKVCache(_BaseCache):
     def state(self, v: tuple[Any, ...]) -> None:
         k_codes, k_scales, v_codes, v_scales, offset, mode, page_size, kv_heads, head_dim = v
         if not hasattr(self, "pool"):  # built by from_state: a private, unbudgeted pool
-            PagedKVCache.__init__(self, PagePool(mode, int(page_size)))
-        if (kvquant.normalize_mode(mode), int(page_size)) != (self.pool.mode, self.pool.page_size):
+            PagedKVCache.__init__(self, PagePool(parse_mode(mode), int(page_size)))
+        if (parse_mode(mode), int(page_size)) != (self.pool.mode, self.pool.page_size):
             raise EngineError(
                 f"Saved KV pages are {mode} with {page_size}-token pages; this cache is "
                 f"{self.pool.mode} with {self.pool.page_size}-token pages."
@@ -338,7 +339,7 @@ class PagedKVCache(_BaseCache):
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
         mode, page_size, offset, *rotation = v
-        if (kvquant.normalize_mode(mode), int(page_size)) != (self.pool.mode, self.pool.page_size):
+        if (parse_mode(mode), int(page_size)) != (self.pool.mode, self.pool.page_size):
             raise EngineError("Saved KV metadata does not match this cache's mode and page size.")
         self.offset = min(int(offset), self.offset)
         if rotation and self.store is not None:

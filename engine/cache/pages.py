@@ -36,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import kvquant
-from engine.cache.modes import MODES
+from engine.cache.modes import FULL_PRECISION_BITS, MODES, KvMode
 from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 
 # A layer grows by doubling up to this many bytes, then by half its capacity: few
@@ -53,7 +53,7 @@ PARTS = ("k_codes", "k_scales", "v_codes", "v_scales")
 class PageLayout:
     """Shape of one layer's pages."""
 
-    mode: str
+    mode: KvMode
     page_size: int
     kv_heads: int
     head_dim: int
@@ -65,7 +65,7 @@ class PageLayout:
     @property
     def row_width(self) -> int:
         """Stored elements per row: packed bytes, or float16 values for fp16."""
-        if self.bits == 16:
+        if self.bits == FULL_PRECISION_BITS:
             return self.head_dim
         return kvquant.packed_dim(self.head_dim, self.bits)
 
@@ -83,17 +83,17 @@ class PageLayout:
     def part_bytes(self, tokens: int) -> int:
         """Bytes of the largest storage array holding ``tokens`` tokens: what growing
         a layer holds twice for a moment (its old copy and the new array)."""
-        width = self.head_dim * 2 if self.bits == 16 else self.row_width
+        width = self.head_dim * 2 if self.bits == FULL_PRECISION_BITS else self.row_width
         pages = -(-tokens // self.page_size)
         return pages * self.page_size * self.kv_heads * max(width, 2 * 2 * self.groups)
 
-    def with_mode(self, mode: str) -> PageLayout:
+    def with_mode(self, mode: KvMode) -> PageLayout:
         return PageLayout(mode, self.page_size, self.kv_heads, self.head_dim)
 
     def empty(self, pages: int) -> list[mx.array | None]:
         """Zeroed storage for ``pages`` slots, in :data:`PARTS` order."""
         tokens = pages * self.page_size
-        if self.bits == 16:
+        if self.bits == FULL_PRECISION_BITS:
             values = (self.kv_heads, tokens, self.head_dim)
             return [mx.zeros(values, mx.float16), None, mx.zeros(values, mx.float16), None]
         codes = (self.kv_heads, tokens, self.row_width)
@@ -299,15 +299,16 @@ class PagePool:
     """Hands out pages to one session's layers under a shared byte budget.
 
     Args:
-        mode: KV storage mode (any name :func:`engine.cache.kvquant.normalize_mode` takes).
+        mode: KV storage mode.
         page_size: tokens per page.
         budget_bytes: bytes all allocated pages may take together; None for no limit.
     """
 
-    def __init__(self, mode: str, page_size: int = 256, budget_bytes: int | None = None) -> None:
+    def __init__(self, mode: KvMode, page_size: int = 256,
+                 budget_bytes: int | None = None) -> None:
         if page_size < 1:
             raise ValueError("page_size must be at least 1 token")
-        self.mode = kvquant.normalize_mode(mode)
+        self.mode = MODES[mode].mode  # an unknown mode raises here, before any page
         self.page_size = page_size
         self.budget_bytes = budget_bytes
         self.stores: list[PageStore] = []
@@ -449,7 +450,7 @@ class PagePool:
             return 0
         return min((s.capacity for s in self.stores), default=0)
 
-    def tokens_fit(self, mode: str | None = None) -> int:
+    def tokens_fit(self, mode: KvMode | None = None) -> int:
         """Tokens every layer can hold within the budget (in ``mode``, default ours)."""
         if self.budget_bytes is None:
             return 2**62
@@ -462,13 +463,13 @@ class PagePool:
     def _exceeded(self, tokens: int) -> KvBudgetExceeded:
         fit = self.tokens_fit()
         suggestion = None
-        for mode in MODES[MODES.index(self.mode) + 1 :]:
+        for mode in list(MODES)[MODES.index(self.mode) + 1 :]:
             try:
                 if self.tokens_fit(mode) >= tokens:
                     suggestion = mode
                     break
             except UnsupportedModeError:
-                continue  # q6 on a head_dim that is not a multiple of 4
+                continue  # a width whose groups do not divide this head_dim
         budget_mib = (self.budget_bytes or 0) / 2**20
         advice = (
             f"Switch the KV mode to {suggestion} to fit it, or shorten the conversation."

@@ -33,7 +33,7 @@ from typing import Any
 import blake3
 import mlx.core as mx
 
-from engine.cache.modes import MODES
+from engine.cache.modes import MODES, KvMode
 from engine.errors import ContextTooLong, EngineError
 from engine.events import RankShare
 from engine.session.prefill import Chunk
@@ -186,7 +186,8 @@ class Conductor:
         self.send(op, slot, *args)
         return gather_replies(self.group, [0])
 
-    def open(self, mode: str, page_size: int, rotate: bool | None, chunk_size: int) -> SessionLink:
+    def open(self, mode: KvMode, page_size: int, rotate: bool | None,
+             chunk_size: int) -> SessionLink:
         """Open a follower session; the link rank 0's session drives it through."""
         self._slots += 1
         replies = self.ask(OPEN, self._slots, MODES.index(mode), page_size,
@@ -293,7 +294,7 @@ class SessionLink:
         else:
             self.conductor.send(END, self.slot, held, int(cancelled), 0)
 
-    def room(self, token_count: int, mode: str) -> int:
+    def room(self, token_count: int, mode: KvMode) -> int:
         """Tokens that may follow ``token_count`` on the tightest follower, in ``mode``.
 
         Raises:

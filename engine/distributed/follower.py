@@ -110,7 +110,7 @@ class Follower:
         old = self.sessions.pop(slot, None)
         if old is not None:
             old.close()
-        self.sessions[slot] = Session(f"rank{self.rank}-{slot}", self.loaded, MODES[mode],
+        self.sessions[slot] = Session(f"rank{self.rank}-{slot}", self.loaded, MODES.at(mode),
                                       page_size, chunk_size=chunk, guard=self.guard,
                                       rotate=_ROTATIONS[rotate])
         c.gather_replies(self.group, memory_reply(self.sessions[slot], 0))

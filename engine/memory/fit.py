@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from engine.cache import kvquant
 from engine.cache.attention import schedule, streams
 from engine.cache.attention.scratch import chunk_scratch_bytes
-from engine.cache.modes import MODES
+from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
@@ -177,7 +177,7 @@ class ModeFit:
             activations: what reading the tokens in needs at its peak (0: unknown).
     """
 
-    mode: str
+    mode: KvMode
     supported: bool
     bytes_needed: int
     fits_context: bool
@@ -210,7 +210,7 @@ class FitReport:
     max_context: int
     budget_bytes: int | None
     available_bytes: int
-    session_mode: str | None
+    session_mode: KvMode | None
     modes: tuple[ModeFit, ...]
     free_bytes: int = 0
     other_sessions_bytes: int = 0
@@ -219,14 +219,14 @@ class FitReport:
     transient_bytes: int = 0
     ranks: tuple[RankShare, ...] = ()
 
-    def pool_tokens(self, mode: str) -> int | None:
+    def pool_tokens(self, mode: KvMode) -> int | None:
         """Tokens the pipeline's machines hold together in ``mode``: its tightest
         machine's, as each holds every token for its own layers (None: one machine,
         or a machine cannot store the mode)."""
         fits = [share.tokens_in(mode) for share in self.ranks]
         return None if not fits or None in fits else min(fits)
 
-    def tight_machine(self, mode: str) -> RankShare | None:
+    def tight_machine(self, mode: KvMode) -> RankShare | None:
         """The machine that holds the fewest tokens in ``mode``, when that is fewer
         than the model's context (None: one machine, or every one holds it all)."""
         tokens = self.pool_tokens(mode)
@@ -234,7 +234,7 @@ class FitReport:
             return None
         return next(share for share in self.ranks if share.tokens_in(mode) == tokens)
 
-    def machine_short(self, mode: str, tokens: int) -> str | None:
+    def machine_short(self, mode: KvMode, tokens: int) -> str | None:
         """Why another machine of the pipeline cannot hold ``tokens`` in ``mode``
         (None: every one can, or the limit is rank 0's own, which the report's
         other sentences say)."""
@@ -249,12 +249,14 @@ class FitReport:
     @property
     def prefill_peak_bytes(self) -> int:
         """The prefill peak in the session's mode (else the suggested one, else fp16)."""
-        return self.for_mode(self.session_mode or self.suggested_mode or "fp16").prefill_peak_bytes
+        return self.for_mode(self.session_mode or self.suggested_mode or FP16).prefill_peak_bytes
 
-    def for_mode(self, mode: str) -> ModeFit:
-        """Return the entry for ``mode`` (any accepted alias)."""
-        wanted = kvquant.normalize_mode(mode)
-        return next(entry for entry in self.modes if entry.mode == wanted)
+    def for_mode(self, mode: KvMode) -> ModeFit:
+        """Return the entry for ``mode``."""
+        found = next((entry for entry in self.modes if entry.mode == mode), None)
+        if found is None:
+            raise UnsupportedModeError(f"This fit report projects no KV mode {mode!r}.")
+        return found
 
     @property
     def fits(self) -> bool:
@@ -264,13 +266,13 @@ class FitReport:
         return any(entry.fits for entry in self.modes)
 
     @property
-    def suggested_mode(self) -> str | None:
+    def suggested_mode(self) -> KvMode | None:
         """The best-quality mode that fits, or None when none does."""
         return next((entry.mode for entry in self.modes if entry.fits), None)
 
     def message(self) -> str:
         """A sentence a user can act on when the tokens do not fit."""
-        mode = self.session_mode or "fp16"
+        mode = self.session_mode or FP16
         entry = self.for_mode(mode)
         limits = [f"the model's context is {self.max_context:,} tokens"]
         if self.budget_bytes is not None:
@@ -316,7 +318,7 @@ def fit_report(
     available_bytes: int,
     budget_bytes: int | None = None,
     headroom_bytes: int = 0,
-    session_mode: str | None = None,
+    session_mode: KvMode | None = None,
     session_bytes_allocated: int = 0,
     other_sessions_bytes: int = 0,
     prefill: PrefillFacts | None = None,
@@ -381,7 +383,7 @@ def fit_report(
         max_context=max_context,
         budget_bytes=budget_bytes,
         available_bytes=available_bytes,
-        session_mode=kvquant.normalize_mode(session_mode) if session_mode else None,
+        session_mode=session_mode,
         modes=tuple(entries),
         free_bytes=free,
         other_sessions_bytes=other_sessions_bytes,
@@ -406,7 +408,7 @@ class FitInputs:
     prefill: PrefillFacts | None = None
     chunk_tokens: int = 0
     session_id: str | None = None  # None: a chat not opened yet
-    session_mode: str | None = None
+    session_mode: KvMode | None = None
     session_bytes_allocated: int = 0
     # A pipeline's machines (``RankShare``), rank 0 first; its free RAM and tokens
     # are filled in by each check. Empty on one machine.

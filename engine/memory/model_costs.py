@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from engine.cache.modes import MODES
+from engine.cache.modes import MODES, KvMode
 from engine.errors import UnsupportedModeError
 from engine.memory.guard import default_headroom
 
@@ -32,7 +32,7 @@ class ModeCost:
             (0: none, or the mode cannot store this head size).
     """
 
-    mode: str
+    mode: KvMode
     kv_bytes: int | None
     fits: bool
     tokens_fit: int = 0
@@ -75,7 +75,7 @@ def full_context_costs(
 
 
 def _tokens_that_fit(room: int, attention_layers: int, kv_heads: int, head_dim: int,
-                     max_context: int, mode: str) -> int:
+                     max_context: int, mode: KvMode) -> int:
     """Whole ``FIT_STEP``s of context whose KV fits in ``room`` bytes (a bisection)."""
     from engine.cache.kvquant import project_kv_bytes
 

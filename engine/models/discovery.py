@@ -19,6 +19,7 @@ from typing import Any
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
 
+from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.paths import models_dir
 
@@ -63,16 +64,12 @@ class DiscoveredModel:
         return int(self.info.head_dim)
 
     @property
-    def q6_supported(self) -> bool:
-        """q6 packs four 6-bit values into three bytes, so head_dim must divide by 4."""
-        return bool(self.info.q6_supported)
-
-    @property
-    def q6_note(self) -> str | None:
-        """Why q6 is not offered for this model, or None when it is."""
-        if self.q6_supported:
-            return None
-        return f"head_dim {self.head_dim} is not a multiple of 4, so q6 cannot store it"
+    def mode_notes(self) -> dict[KvMode, str]:
+        """Why each mode not offered for this model is not: its packed groups
+        (four 6-bit values in three bytes, say) do not divide head_dim."""
+        return {mode: (f"head_dim {self.head_dim} is not a multiple of "
+                       f"{MODES[mode].group_values}, so {mode} cannot store it")
+                for mode in self.info.unavailable_modes}
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cache import kvquant
+from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError, ModelLoadError
 from engine.models.folder import (
     _check_tokenizer_files,  # folder.py's own check, private there
@@ -54,7 +55,6 @@ class ModelInfo:
         kv_bytes_per_token: per KV mode, bytes one token of context takes over
             all ``attention_layers`` (None: the mode cannot store this head_dim).
         kv_bytes_full_context: per KV mode, bytes of a ``max_context`` cache.
-        q6_supported: whether q6 storage applies (head_dim divisible by 4).
     """
 
     name: str
@@ -71,9 +71,14 @@ class ModelInfo:
     head_dim: int
     max_context: int
     has_chat_template: bool
-    kv_bytes_per_token: dict[str, int | None]
-    kv_bytes_full_context: dict[str, int | None]
-    q6_supported: bool
+    kv_bytes_per_token: dict[KvMode, int | None]
+    kv_bytes_full_context: dict[KvMode, int | None]
+
+    @property
+    def unavailable_modes(self) -> tuple[KvMode, ...]:
+        """The modes that cannot store this model's heads (their groups do not
+        divide ``head_dim``)."""
+        return tuple(mode for mode, size in self.kv_bytes_per_token.items() if size is None)
 
 
 def inspect_model_dir(path: str | Path) -> ModelInfo:
@@ -356,9 +361,9 @@ def build_model_info(
     kv_heads, head_dim = _attention_shape(config)
     context = max_context(config)
     full_layers = len(kinds["full"])
-    per_token: dict[str, int | None] = {}
-    full_context: dict[str, int | None] = {}
-    for mode in kvquant.MODES:
+    per_token: dict[KvMode, int | None] = {}
+    full_context: dict[KvMode, int | None] = {}
+    for mode in MODES:
         try:
             per_token[mode] = kvquant.project_kv_bytes(full_layers, kv_heads, head_dim, 1, mode)
             full_context[mode] = kvquant.project_kv_bytes(
@@ -383,5 +388,4 @@ def build_model_info(
         has_chat_template=has_chat_template(folder),
         kv_bytes_per_token=per_token,
         kv_bytes_full_context=full_context,
-        q6_supported=head_dim % 4 == 0,
     )

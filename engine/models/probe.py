@@ -19,6 +19,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.cache.modes import FP16, FULL_PRECISION_BITS, KvMode
+
 PAGED = "paged"
 MLX_LM = "mlx-lm"
 REFUSED = "refused"
@@ -180,7 +182,7 @@ def suspected_cause(model: Any) -> str:
 
 
 def make_session_cache(
-    loaded: Any, mode: str, page_size: int, *, rotate: bool | None = None
+    loaded: Any, mode: KvMode, page_size: int, *, rotate: bool | None = None
 ) -> SessionCache:
     """The cache a session should hold for ``loaded`` at KV ``mode``.
 
@@ -191,7 +193,7 @@ def make_session_cache(
     Args:
         loaded: a ``LoadedModel`` (its ``probe`` says which cache works; without
             one, the paged cache as before the probe existed).
-        mode: KV mode name (fp16, q8, q6, q4 or an alias).
+        mode: the KV mode.
         page_size: tokens per page of the paged cache.
         rotate: rotate the paged cache's rows (None: the mode's default).
 
@@ -202,7 +204,6 @@ def make_session_cache(
     from engine.cache import adapter, kvquant
     from engine.errors import ModelLoadError
 
-    mode = kvquant.normalize_mode(mode)
     probe = getattr(loaded, "probe", None)  # models loaded without a probe stay paged
     if probe is None or probe.verdict == PAGED:
         cache = adapter.make_cache(loaded.model, mode, page_size=page_size, rotate=rotate)
@@ -211,7 +212,7 @@ def make_session_cache(
         raise ModelLoadError(f"{loaded.info.name} cannot run here: {probe.reason}.")
     bits = kvquant.bits_for(mode)
     why = f"mlx-lm's own KV cache is in use ({probe.reason})"
-    if bits == 16:
+    if bits == FULL_PRECISION_BITS:
         return SessionCache(_mlx_lm_cache(loaded.model), MLX_LM, f"{why}.")
     if probe.quantized:
         cache = _quantized(_mlx_lm_cache(loaded.model), bits)
@@ -277,7 +278,7 @@ def _paged_cache(model: Any) -> list[Any] | None:
     from engine.cache.adapter import make_cache
     from engine.cache.paged_cache import PagedKVCache
 
-    cache = make_cache(model, "fp16", page_size=PROBE_PAGE_SIZE)
+    cache = make_cache(model, FP16, page_size=PROBE_PAGE_SIZE)
     return cache if any(isinstance(c, PagedKVCache) for c in cache) else None
 
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from engine.cache import kvquant, sharing
+from engine.cache import sharing
+from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Notice, RankShare
 from engine.memory import fit
@@ -201,13 +202,13 @@ class HeldSessions:
         mx.clear_cache()
 
     def open(
-        self, session_id: str, mode: str, page_size: int, rotate: bool | None, *,
+        self, session_id: str, mode: KvMode, page_size: int, rotate: bool | None, *,
         chunk_size: int,
     ) -> Session:
         """Open session ``session_id`` empty, saving and closing one it replaces."""
         if self.loaded is None:
             raise EngineError("Load a model before opening a conversation.")
-        mode = kvquant.normalize_mode(mode)
+        MODES[mode]  # an unknown mode raises here, before a session it would replace closes
         with self._lock:
             replaced = self._sessions.pop(session_id, None)
         if replaced is not None:

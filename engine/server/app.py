@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.cache.modes import MODES
+from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import ollama, protocol, responses
@@ -82,7 +82,7 @@ class Outcome:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    mode: str
+    mode: KvMode
     tool_choice_met: bool | None = None  # None: the request forced no call
 
 
@@ -344,8 +344,9 @@ class Server:
         name, _, mode = asked.partition("@")
         if name != self.bridge.model_id or (mode and mode not in MODES):
             raise ApiError(404, f"The model {asked!r} does not exist here: this server "
-                                f"serves {self.bridge.model_id!r} (add @fp16, @q8, @q6 or "
-                                "@q4 for a KV mode).", param="model", code="model_not_found")
+                                f"serves {self.bridge.model_id!r} (add "
+                                f"{', '.join(f'@{m}' for m in MODES)} for a KV mode).",
+                           param="model", code="model_not_found")
         return JSONResponse({**self._model_entry(), "id": asked})
 
     async def count_tokens(self, request: Request) -> JSONResponse:

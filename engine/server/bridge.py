@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.cache import kvquant
+from engine.cache.modes import DEFAULT_MODE, KvMode
 from engine.errors import EngineError
 from engine.events import Failed, Finished, ModelLoaded
 from engine.runtime.held_sessions import API_SESSION_PREFIX
@@ -62,7 +62,7 @@ class Ticket:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     chat_id: int = 0
     session: str = ""
-    mode: str = ""
+    mode: KvMode = DEFAULT_MODE  # set with the session it runs in
     reused: int = 0
 
     def put(self, event: object) -> None:
@@ -87,12 +87,12 @@ class EngineBridge:
             against that budget with the server's own.
     """
 
-    def __init__(self, model: str, kv_mode: str, snapshot_dir: Path | None, *,
+    def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
                  max_sessions: int = 4, queue_limit: int = 16,
                  worker: EngineWorker | None = None, snapshot_budget: int | None = None,
                  counted_with: tuple[Path, ...] = ()) -> None:
         self.model = model
-        self.kv_mode = kvquant.normalize_mode(kv_mode)
+        self.kv_mode = kv_mode
         self.max_sessions = max(1, max_sessions)
         self.queue_limit = max(1, queue_limit)
         self.snapshots = None if snapshot_dir is None else SnapshotStore(
@@ -109,7 +109,7 @@ class EngineBridge:
         self._renderer = ThreadPoolExecutor(1, thread_name_prefix="longleaf-server-render")
         self._lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}
-        self._sessions: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        self._sessions: OrderedDict[str, tuple[KvMode, list[int]]] = OrderedDict()
         self._in_flight = 0
         self._loading = threading.Event()
         self._load_id = 0
@@ -252,7 +252,7 @@ class EngineBridge:
         every machine's share included on a pipeline (arithmetic only)."""
         return self.worker.fit_check(None, token_count)
 
-    def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: str,
+    def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: KvMode,
                sampling: SamplingParams, cancel: threading.Event,
                loop: asyncio.AbstractEventLoop, tools: list[dict] | None = None,
                template: bool = True) -> Ticket:
@@ -295,7 +295,7 @@ class EngineBridge:
             if self._sessions.pop(ticket.session, None) is not None:
                 self.worker.close_session(ticket.session, store=False)
 
-    def _continued(self, prompt: list[int], mode: str) -> tuple[str | None, int]:
+    def _continued(self, prompt: list[int], mode: KvMode) -> tuple[str | None, int]:
         """The held session whose last prompt ``prompt`` continues, and how many
         tokens they share (None, 0: none)."""
         best, most = None, 0
@@ -307,7 +307,7 @@ class EngineBridge:
                 best, most = name, shared
         return best, most
 
-    def _open(self, mode: str, ticket: Ticket) -> str:
+    def _open(self, mode: KvMode, ticket: Ticket) -> str:
         # Only idle sessions are evicted: closing one cancels the answer running
         # in it. With every held session busy the server holds one more for a
         # while (the queue limit bounds how many); later opens evict back down.

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.cache.modes import KvMode
 from engine.errors import EngineError
 from engine.events import Failed, Finished
 from engine.runtime.worker import EngineWorker
@@ -66,7 +67,7 @@ class ApiSession:
     """One session the server holds on the engine: its name, KV mode and last prompt length."""
 
     name: str
-    mode: str
+    mode: KvMode
     tokens: int
 
 
@@ -82,7 +83,7 @@ class AttachedBridge(EngineBridge):
         queue_limit: requests that may wait for or run on the engine at once.
     """
 
-    def __init__(self, worker: EngineWorker, kv_mode: str, on_change: Callable[[], None], *,
+    def __init__(self, worker: EngineWorker, kv_mode: KvMode, on_change: Callable[[], None], *,
                  max_sessions: int, queue_limit: int) -> None:
         super().__init__("", kv_mode, None, max_sessions=max_sessions, queue_limit=queue_limit,
                          worker=worker)
@@ -201,7 +202,7 @@ class LocalServer:
     """
 
     def __init__(self, worker: EngineWorker, *, host: str, port: int, api_key: str | None,
-                 kv_mode: str, on_status: Callable[[ServerStatus], None],
+                 kv_mode: KvMode, on_status: Callable[[ServerStatus], None],
                  max_sessions: int = 2, queue_limit: int = 16,
                  allowed_hosts: tuple[str, ...] = ()) -> None:
         self.host, self.port, self.api_key = host, port, api_key or None

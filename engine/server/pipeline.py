@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from engine.cache.modes import KvMode
 from engine.distributed.fallback import fits_here
 from engine.distributed.link import RESTART_HINT, hostfile_hosts
 from engine.distributed.remote import GroupLost, RemoteWorker
@@ -49,7 +50,7 @@ class PipelineBridge(EngineBridge):
         EngineError: the hostfile cannot be read, or puts rank 0 on another machine.
     """
 
-    def __init__(self, model: str, kv_mode: str, snapshot_dir: Path | None, *,
+    def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
                  ranks: int = 2, hostfile: Path | None = None,
                  split: Sequence[int] | None = None, snapshot_budget: int | None = None,
                  **bridge_args) -> None:

@@ -11,8 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.cache import kvquant
-from engine.cache.modes import MODES
+from engine.cache.modes import MODES, KvMode, parse_mode
 from engine.errors import EngineError
 from engine.server import fields, structured
 from engine.server.errors import BadRequest
@@ -36,7 +35,7 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    mode: str | None
+    mode: KvMode | None
     model: str
     tools: list[dict] | None = None
     template: bool = True  # False: a text completion, the prompt read as plain text
@@ -110,7 +109,7 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str
     return "".join(parts)
 
 
-def mode_from(model: str, body: dict) -> str | None:
+def mode_from(model: str, body: dict) -> KvMode | None:
     """The KV mode a request asks for: ``"kv_mode"`` or the model id's ``@mode`` suffix."""
     mode = body.get("kv_mode")
     if mode is None and "@" in model:
@@ -121,9 +120,9 @@ def mode_from(model: str, body: dict) -> str | None:
     if mode is None:
         return None
     if not isinstance(mode, str):
-        raise BadRequest("'kv_mode' must be a string: fp16, q8, q6 or q4.", "kv_mode")
+        raise BadRequest(f"'kv_mode' must be a string: {', '.join(MODES)}.", "kv_mode")
     try:
-        return kvquant.normalize_mode(mode)
+        return parse_mode(mode)
     except (EngineError, ValueError) as error:
         raise BadRequest(str(error), "kv_mode") from error
 

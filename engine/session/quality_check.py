@@ -22,7 +22,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.cache import adapter, kvquant
+from engine.cache import adapter
+from engine.cache.modes import REFERENCE, KvMode
 from engine.errors import Cancelled, EngineError
 from engine.events import QualityReceipt
 from engine.models.probe import make_session_cache
@@ -72,7 +73,7 @@ def summarize(kl: np.ndarray, same: np.ndarray) -> dict[str, float]:
 def check_quality(
     loaded: Any,
     context_ids: list[int],
-    mode: str,
+    mode: KvMode,
     *,
     rotate: bool,
     window: int | None = None,
@@ -108,9 +109,8 @@ def check_quality(
         raise EngineError("The quality check needs a window and a chunk of at least 1 token.")
     if not context_ids:
         raise EngineError("Nothing to check yet: the chat has no text. Send a message first.")
-    mode = kvquant.normalize_mode(mode)
     ids = list(context_ids[-window:])
-    caches = [_fresh_cache(loaded, "fp16", False, page_size),
+    caches = [_fresh_cache(loaded, REFERENCE, False, page_size),
               _fresh_cache(loaded, mode, rotate, page_size)]
     # What the mode's cache really stores (mlx-lm's own cache, where the probe chose it,
     # has no rotation whatever the setting says).
@@ -149,7 +149,7 @@ def chunk_for_vocabulary(vocab: int, budget: int | None = None) -> int:
     return max(1, min(CHUNK_TOKENS, budget // (4 * _LOGIT_COPIES * vocab)))
 
 
-def _fresh_cache(loaded: Any, mode: str, rotate: bool, page_size: int) -> list[Any]:
+def _fresh_cache(loaded: Any, mode: KvMode, rotate: bool, page_size: int) -> list[Any]:
     return make_session_cache(loaded, mode, page_size, rotate=rotate).cache
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import adapter, kvquant, other_layers, sharing
+from engine.cache.modes import KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong, EngineError, KvBudgetExceeded
@@ -70,7 +71,7 @@ class Session:
         self,
         session_id: str,
         loaded: Any,
-        mode: str,
+        mode: KvMode,
         page_size: int = DEFAULT_PAGE_SIZE,
         *,
         budget_bytes: int | None = None,
@@ -97,7 +98,7 @@ class Session:
         self.tokenizer = loaded.tokenizer
         self.max_context = max_context = int(
             fit.first_fact(loaded.info, ("max_context", "context_length")))
-        self.mode = kvquant.normalize_mode(mode)
+        self.mode = mode
         self.page_size = page_size
         self.guard = guard if guard is not None else MemoryGuard(budget_bytes=budget_bytes)
         self.chunk_size = chunk_size

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.cache import adapter, kvquant
-from engine.cache.modes import MODES
+from engine.cache.modes import FULL_PRECISION_BITS, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.rotation import rotation_for
 
@@ -35,10 +35,9 @@ def rotation_id(cache: list[Any]) -> str | None:
     return None
 
 
-def can_convert(stored: str, target: str) -> bool:
+def can_convert(stored: KvMode, target: KvMode) -> bool:
     """Whether pages stored in ``stored`` mode can become ``target`` without a re-read."""
-    rank = MODES.index
-    return rank(kvquant.normalize_mode(target)) >= rank(kvquant.normalize_mode(stored))
+    return MODES.index(target) >= MODES.index(stored)
 
 
 def _basis(rotation: Any) -> str | None:
@@ -46,7 +45,7 @@ def _basis(rotation: Any) -> str | None:
 
 
 def convert_rows(
-    codes: mx.array, scales: mx.array | None, stored: str, target: str, head_dim: int,
+    codes: mx.array, scales: mx.array | None, stored: KvMode, target: KvMode, head_dim: int,
     source_rotation: Any = None, target_rotation: Any = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Stored rows of mode ``stored`` as mode ``target`` (same or lower precision).
@@ -176,16 +175,16 @@ def _repage(rows: mx.array, tokens: int, stored_size: int, page_size: int) -> mx
     return flat.reshape(flat.shape[0], pages, page_size, -1).swapaxes(0, 1)
 
 
-def _row_layout(mode: str, head_dim: int) -> tuple[mx.Dtype, int, bool]:
+def _row_layout(mode: KvMode, head_dim: int) -> tuple[mx.Dtype, int, bool]:
     """Dtype and width of one stored row of ``mode``, and whether it has a scale."""
     bits = kvquant.bits_for(mode)
-    if bits == kvquant.bits_for("fp16"):
+    if bits == FULL_PRECISION_BITS:
         return mx.float16, head_dim, False
     return mx.uint8, kvquant.packed_dim(head_dim, bits), True
 
 
 def check_rows(
-    parts: list[mx.array | None], mode: str, pages: int, kv_heads: int, page_size: int,
+    parts: list[mx.array | None], mode: KvMode, pages: int, kv_heads: int, page_size: int,
     head_dim: int, what: str,
 ) -> None:
     """Raise LayerMismatch unless ``parts`` (k codes, k scales, v codes, v scales) are
@@ -205,7 +204,7 @@ def check_rows(
 
 def _restore_paged(
     layer: PagedKVCache, record: dict, arrays: dict[str, mx.array], tokens: int,
-    stored_mode: str, stored_page_size: int, stored_rotation: str | None,
+    stored_mode: KvMode, stored_page_size: int, stored_rotation: str | None,
 ) -> None:
     offset = min(record["offset"], tokens)
     pool = layer.pool
@@ -251,7 +250,7 @@ def _restore_state(layer: Any, record: dict, arrays: dict[str, mx.array], drop: 
 
 def restore(
     cache: list[Any], records: list[dict], arrays: dict[str, mx.array], *,
-    tokens: int, total: int, stored_mode: str, stored_page_size: int,
+    tokens: int, total: int, stored_mode: KvMode, stored_page_size: int,
     stored_rotation: str | None = None,
     checkpoint: tuple[tuple[int, Any], ...] | None = None,
 ) -> None:

@@ -32,7 +32,7 @@ class SnapshotInfo:
 
     name: str
     tokens: int
-    mode: str
+    mode: str  # as the manifest spells it: a newer version's mode is listed all the same
     page_size: int
     kv_bytes: int
     disk_bytes: int

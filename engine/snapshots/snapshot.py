@@ -38,7 +38,8 @@ from typing import Any
 import mlx.core as mx
 
 from engine import disk, paths
-from engine.cache import adapter, kvquant
+from engine.cache import adapter
+from engine.cache.modes import parse_mode
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.session.prompt_ids import common_prefix
@@ -297,7 +298,7 @@ def _check_compatible(
             "this version cannot read; the conversation is read again.",
             reason="format",
         ) from None
-    stored_mode = kvquant.normalize_mode(manifest["mode"])
+    stored_mode = parse_mode(manifest["mode"])
     if not can_convert(stored_mode, session.mode):
         raise SnapshotRejected(
             f"Stored KV for {name!r} is {stored_mode}; {session.mode} is a higher "
@@ -320,7 +321,7 @@ def _check_shape(manifest: dict[str, Any]) -> None:
     tokens = manifest["tokens"]
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens) or not tokens:
         raise ValueError("its token ids are not a list of integers")
-    kvquant.normalize_mode(manifest["mode"])  # raises for a mode this version lacks
+    parse_mode(manifest["mode"])  # raises for a mode this version lacks
     page_size = manifest["page_size"]
     if type(page_size) is not int or page_size <= 0:
         raise ValueError(f"page size {page_size!r}")
@@ -477,7 +478,7 @@ def load_snapshot(
             states = checkpoint_states(manifest["checkpoints"], checkpoint, arrays)
         restore(
             session.cache, manifest["layers"], arrays, tokens=keep, total=stored_tokens,
-            stored_mode=kvquant.normalize_mode(manifest["mode"]),
+            stored_mode=parse_mode(manifest["mode"]),
             stored_page_size=int(manifest["page_size"]),
             stored_rotation=manifest.get("rotation"), checkpoint=states,
         )

@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
 from engine.cache import kvquant
-from engine.cli import main
+from engine.cli import build_parser, main
 from engine.paths import models_dir
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -102,10 +102,20 @@ def test_generate_errors_are_one_line_and_exit_1(tmp_path: Path, capsys) -> None
     assert err.startswith("error: ") and "nothing" in err
 
 
-def test_bad_kv_mode_is_reported(model_root: Path, capsys) -> None:
-    folder = make_tiny_model_dir(model_root, "llama")
-    status, _ = _run("generate", "--model", str(folder), "--kv", "q6_k", "--prompt", "hi")
-    assert status == 1 and "q6_k" in capsys.readouterr().err
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bad_kv_mode_is_refused_before_loading(tmp_path: Path, capsys, command: str) -> None:
+    argv = [command, "--model", str(tmp_path / "nothing"), "--kv", "q6_k"]
+    with pytest.raises(SystemExit) as exited:
+        _run(*argv, *(["--prompt", "hi"] if command == "generate" else []))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "q6_k" in err and "another project" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_kv_takes_the_same_names_in_every_command(command: str) -> None:
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    args = build_parser().parse_args([command, "--model", "demo", "--kv", "8bit", *extra])
+    assert args.kv == "q8"
 
 
 def test_a_session_name_that_is_no_file_name_is_refused_before_loading(

@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QLabel, QPushButton
 
 from app.window.downloads import unreachable_text
 from app.window.model_library import fit_advice, library
-from app.window.models_dialog import LOADED, VERDICT_COLUMN, ModelsDialog
+from app.window.models_dialog import LOADED, ModelsDialog
 from engine import RECOMMENDED_MODELS
 
 GIB = 2**30
@@ -30,7 +30,7 @@ def dialog_for(qtbot, models=(), loaded=None) -> ModelsDialog:
 
 
 def verdict(dialog: ModelsDialog, key: str) -> str:
-    return dialog.table.item(dialog.rows[key], VERDICT_COLUMN).text()
+    return dialog.table.item(dialog.rows[key], dialog.verdict_column).text()
 
 
 def test_the_model_in_use_says_loaded_and_offers_no_load(qtbot) -> None:

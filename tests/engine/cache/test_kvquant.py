@@ -20,39 +20,6 @@ def _np(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32), dtype=np.float64)
 
 
-# --- mode names -----------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("name", "mode"),
-    [
-        *[(a, "q8") for a in ("q8", "8", "8bit", "int8", "uint8", "q8_0", "Q8-0", "INT8")],
-        *[(a, "q6") for a in ("q6", "6", "6bit", "int6", "uint6", "Q6", "6-bit", "UInt6")],
-        *[(a, "q4") for a in ("q4", "4", "4bit", "int4", "uint4", "q4_0", "Q4-0", "4_bit")],
-        *[(a, "fp16") for a in ("fp16", "f16", "16", "off", "none", "FP16", "Off", "None")],
-        (8, "q8"),
-        (6, "q6"),
-    ],
-)
-def test_normalize_mode_accepts_aliases(name: str | int, mode: str) -> None:
-    assert kvquant.normalize_mode(name) == mode
-
-
-@pytest.mark.parametrize("name", ["q6_k", "Q6_K", "q6-k", "q6_0", "Q6-0", "q6k"])
-def test_foreign_six_bit_formats_are_rejected(name: str) -> None:
-    with pytest.raises(UnsupportedModeError, match="another project"):
-        kvquant.normalize_mode(name)
-
-
-@pytest.mark.parametrize("name", ["q5", "fp8", "bf16", "q4_k", "", "int3", "q8_1"])
-def test_unknown_mode_lists_accepted_names(name: str) -> None:
-    with pytest.raises(ValueError, match="Accepted: q8") as info:
-        kvquant.normalize_mode(name)
-    assert isinstance(info.value, UnsupportedModeError)
-    for accepted in ("q8", "q6", "q4", "fp16", "6bit", "off"):
-        assert accepted in str(info.value)
-
-
 # --- tables ---------------------------------------------------------------
 
 
@@ -85,7 +52,7 @@ def test_q6_head_dim_error_names_head_dim_and_suggests_other_modes() -> None:
 def test_row_format_bytes_match_the_spec() -> None:
     got = {m: kvquant.row_format_bytes(256, m) for m in ("q8", "q6", "q4", "fp16")}
     assert got == {"q8": 516, "q6": 388, "q4": 260, "fp16": 1024}
-    assert kvquant.row_format_bytes(64, "6bit") == 2 * (48 + 2)
+    assert kvquant.row_format_bytes(64, "q6") == 2 * (48 + 2)
 
 
 def test_bytes_in_memory_add_a_scale_and_bias_per_mlx_group() -> None:

@@ -42,7 +42,7 @@ class Sessions(RuleBasedStateMachine):
     """Sessions of paged layers sharing one budget, against a list-of-rows model."""
 
     @initialize(
-        mode=st.sampled_from(kvquant.MODES),
+        mode=st.sampled_from(list(kvquant.MODES)),
         page_size=st.sampled_from([1, 3, 4, 16]),
         layers=st.integers(1, 3),
         budget_pages=st.none() | st.integers(0, 24),

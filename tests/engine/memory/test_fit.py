@@ -13,7 +13,7 @@ from mlx_lm.utils import load
 
 from engine.cache import kvquant
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
-from engine.errors import ContextTooLong
+from engine.errors import ContextTooLong, UnsupportedModeError
 from engine.memory.fit import MODES, PrefillFacts, fit_report, prefill_facts
 from engine.session.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -89,9 +89,11 @@ def test_q6_unsupported_head_dim_is_reported_not_raised() -> None:
     assert report.for_mode("q8").fits
 
 
-def test_aliases_are_accepted() -> None:
-    report = _report(token_count=10, session_mode="8bit")
-    assert report.session_mode == "q8" and report.for_mode("int4").mode == "q4"
+def test_a_mode_the_report_does_not_project_is_an_engine_error() -> None:
+    report = _report(token_count=10, session_mode="q8")
+    assert report.session_mode == "q8" and report.for_mode("q4").mode == "q4"
+    with pytest.raises(UnsupportedModeError, match="int4"):
+        report.for_mode("int4")
 
 
 # -- the prefill peak ----------------------------------------------------------------

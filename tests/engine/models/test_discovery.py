@@ -109,7 +109,7 @@ def test_hf_cache_models_and_the_reasons_others_are_skipped(tiny_llama: Path) ->
     assert model.path == snapshot
     assert model.size_bytes == sum(len(data) for data in files.values())
     assert model.info.head_dim == 32
-    assert model.q6_supported and model.q6_note is None
+    assert model.mode_notes == {}
 
     skipped = by_name(found.skipped)
     assert set(skipped) == {
@@ -197,8 +197,8 @@ def test_q6_is_flagged_when_head_dim_is_not_a_multiple_of_four(tiny_odd_head: Pa
     [model] = found.models
     assert isinstance(model, DiscoveredModel)
     assert model.head_dim == 30
-    assert not model.q6_supported
-    assert "head_dim 30" in model.q6_note
+    assert list(model.mode_notes) == ["q6"]
+    assert "head_dim 30 is not a multiple of 4" in model.mode_notes["q6"]
 
 
 def test_missing_shards_and_missing_config_are_reported(tiny_llama: Path, tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ def test_llama_facts_come_from_config_and_weights(tiny_root: Path) -> None:
     assert info.num_parameters == sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
     assert info.quantization_bits is None
     assert info.has_chat_template is True
-    assert info.q6_supported is (info.head_dim % 4 == 0)
+    assert ("q6" in info.unavailable_modes) is (info.head_dim % 4 != 0)
 
 
 def test_kv_projection_uses_kvquant_for_each_mode(tiny_root: Path) -> None:
@@ -98,7 +98,7 @@ def test_q6_unsupported_head_dim_reports_none(tmp_path: Path) -> None:
     )
     info = inspect_model_dir(folder)
     assert info.head_dim == 18
-    assert info.q6_supported is False
+    assert info.unavailable_modes == ("q6",)
     assert info.kv_bytes_per_token["q6"] is None
     assert info.kv_bytes_full_context["q6"] is None
     assert info.kv_bytes_per_token["fp16"] == kvquant.project_kv_bytes(

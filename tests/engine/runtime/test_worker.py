@@ -123,7 +123,7 @@ def test_chat_streams_events_in_order_on_the_engine_thread(start_worker, model_d
     worker, log = start_worker(chunk_size=16)
     loaded = log.result(worker.load_model(str(model_dirs["qwen3"])), ModelLoaded)
     assert loaded.info.architecture == "qwen3"
-    opened = log.result(worker.open_session("s", "8bit", 16), SessionOpened)
+    opened = log.result(worker.open_session("s", "q8", 16), SessionOpened)
     assert (opened.session_id, opened.kv_mode, opened.page_size) == ("s", "q8", 16)
     rid = worker.chat("s", MESSAGES, GREEDY, threading.Event())
     ending = log.ending(rid)

@@ -42,7 +42,7 @@ def test_fp16_against_itself_is_exact(loaded, ids) -> None:
 
 
 def test_q4_costs_something_and_the_receipt_says_how_it_was_stored(loaded, ids) -> None:
-    plain = check_quality(loaded, ids, "4bit", rotate=False, window=WINDOW, chunk=CHUNK)
+    plain = check_quality(loaded, ids, "q4", rotate=False, window=WINDOW, chunk=CHUNK)
     rotated = check_quality(loaded, ids, "q4", rotate=True, window=WINDOW, chunk=CHUNK)
     for receipt in (plain, rotated):
         assert receipt.mode == "q4"
