@@ -22,11 +22,11 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from engine import (
+    Event,
     Failed,
     Finished,
     Notice,
@@ -36,17 +36,24 @@ from engine import (
     StoredKv,
 )
 from engine.cache.modes import KvMode
+from engine.events import renumbered, request_id_of
+from engine.memory.fit import FitReport
+from engine.runtime.interface import Worker
+from engine.session.prompt_ids import TurnOverhead
+from engine.snapshots.manifest import SnapshotInfo
 
 log = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.001
-Handler = Callable[[object], None]  # gets every event of its one request, on the GUI thread
+Handler = Callable[[Event], None]  # gets every event of its one request, on the GUI thread
+# Builds a worker from (on_event, budget_bytes, chunk_size).
+WorkerFactory = Callable[[Callable[[Event], None], int | None, int], Worker]
 ID_SPAN = 1 << 40  # request ids of one worker: the next worker's are offset past them
 RETIRE_TIMEOUT_S = 30.0  # a replaced worker's thread gets this long to end (off the GUI thread)
 
 
-def _default_worker(on_event: Callable[[object], None], budget_bytes: int | None,
-                    chunk_size: int):
+def _default_worker(on_event: Callable[[Event], None], budget_bytes: int | None,
+                    chunk_size: int) -> Worker:
     from engine import EngineWorker, SnapshotStore
 
     # A chat's KV cache goes to disk when it leaves memory and comes back from there.
@@ -87,7 +94,7 @@ class EngineBridge(QObject):
         self,
         budget_bytes: int | None = None,
         chunk_size: int = 512,
-        worker_factory: Callable = _default_worker,
+        worker_factory: WorkerFactory = _default_worker,
         parent: QObject | None = None,
     ) -> None:
         super().__init__(parent)
@@ -96,7 +103,7 @@ class EngineBridge(QObject):
         self._own_factory = worker_factory
         self._offset = 0  # added to the ids of the current worker's requests
         self._worker = worker_factory(self._events_from(0), budget_bytes, chunk_size)
-        self._retiring: list[tuple[object, int]] = []  # replaced workers, their offsets
+        self._retiring: list[tuple[Worker, int]] = []  # replaced workers, their offsets
         self._handlers: dict[int, Handler | None] = {}
         self._cancels: dict[int, threading.Event] = {}
         self._started = False
@@ -104,43 +111,44 @@ class EngineBridge(QObject):
         # Front ends beside the window on the same worker (the local server): each
         # takes its own requests' events on the engine thread, before the GUI sees them;
         # a claim sees only the events of the worker current when it was added.
-        self._claims: tuple[Callable[[object], bool], ...] = ()
-        self._claim_owners: dict[Callable[[object], bool], int] = {}  # claim -> its offset
+        self._claims: tuple[Callable[[Event], bool], ...] = ()
+        self._claim_owners: dict[Callable[[Event], bool], int] = {}  # claim -> its offset
 
     # Worker thread side ---------------------------------------------------
 
-    def _events_from(self, offset: int) -> Callable[[object], None]:
+    def _events_from(self, offset: int) -> Callable[[Event], None]:
         """The ``on_event`` of the worker whose request ids are offset by ``offset``."""
 
-        def on_event(event: object) -> None:
+        def on_event(event: Event) -> None:
             # Runs on the engine thread: only hand the event over.
             for claim in self._claims:
                 if self._claim_owners.get(claim, offset) == offset and claim(event):
                     return
-            if offset and isinstance(getattr(event, "request_id", None), int):
-                event = replace(event, request_id=event.request_id + offset)
+            request_id = request_id_of(event)
+            if offset and request_id is not None:
+                event = renumbered(event, request_id + offset)
             with contextlib.suppress(RuntimeError):  # the bridge is gone after shutdown
                 self._relay.emit(event)
 
         return on_event
 
     @property
-    def worker(self):
+    def worker(self) -> Worker:
         """The engine worker, for another front end on the same engine thread."""
         return self._worker
 
-    def add_claim(self, claim: Callable[[object], bool]) -> None:
+    def add_claim(self, claim: Callable[[Event], bool]) -> None:
         """Offer every worker event to ``claim`` first (on the engine thread); an event
         it returns True for is its own and never reaches the window."""
         self._claims = (*self._claims, claim)
         self._claim_owners[claim] = self._offset
 
-    def remove_claim(self, claim: Callable[[object], bool]) -> None:
+    def remove_claim(self, claim: Callable[[Event], bool]) -> None:
         """Stop offering events to ``claim``."""
         self._claims = tuple(c for c in self._claims if c != claim)
         self._claim_owners.pop(claim, None)
 
-    def replace_worker(self, worker_factory: Callable | None = None) -> None:
+    def replace_worker(self, worker_factory: WorkerFactory | None = None) -> None:
         """Run every request from now on on a new worker built by ``worker_factory``
         (None: the factory this bridge was made with, the in-process engine).
 
@@ -172,7 +180,7 @@ class EngineBridge(QObject):
     # GUI thread side ------------------------------------------------------
 
     @Slot(object)
-    def _dispatch(self, event: object) -> None:
+    def _dispatch(self, event: Event) -> None:
         if isinstance(event, StatsSample):
             self.statsSample.emit(event)
         elif isinstance(event, Notice):
@@ -185,8 +193,10 @@ class EngineBridge(QObject):
         else:
             self._deliver(event)
 
-    def _deliver(self, event: object) -> None:
-        request_id = getattr(event, "request_id", None)
+    def _deliver(self, event: Event) -> None:
+        request_id = request_id_of(event)
+        if request_id is None:
+            return  # news of no one request: the signals above carry it
         ending = isinstance(event, Finished | Failed)
         if ending:
             if request_id not in self._handlers:
@@ -292,7 +302,7 @@ class EngineBridge(QObject):
         """The worker's last stats snapshot (thread-safe, no MLX call)."""
         return self._worker.latest_stats()
 
-    def stored_snapshot(self, session_id: str):
+    def stored_snapshot(self, session_id: str) -> SnapshotInfo | None:
         """The KV snapshot the worker keeps on disk for a session, or None (an ``SnapshotInfo``).
 
         Reads the snapshot's small manifest only; no MLX call.
@@ -305,7 +315,7 @@ class EngineBridge(QObject):
             return None
         return snapshot_info(folder, session_id)
 
-    def fit_check(self, session_id: str | None, token_count: int):
+    def fit_check(self, session_id: str | None, token_count: int) -> FitReport:
         """Per-mode fit of ``token_count`` tokens (an ``engine.memory.fit.FitReport``)."""
         return self._worker.fit_check(session_id, token_count)
 
@@ -313,7 +323,7 @@ class EngineBridge(QObject):
         """Tokens in ``text`` under the loaded model's tokenizer (any thread)."""
         return self._worker.count_tokens(text)
 
-    def turn_overhead(self, system_prompt: str):
+    def turn_overhead(self, system_prompt: str) -> TurnOverhead:
         """Tokens the chat template adds to a message (a ``prompt_ids.TurnOverhead``)."""
         return self._worker.turn_overhead(system_prompt)
 

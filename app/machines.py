@@ -16,8 +16,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject
 
-from app.engine_bridge import EngineBridge
+from app.engine_bridge import EngineBridge, WorkerFactory
 from app.settings import Settings
+from engine.events import Event
+from engine.runtime.interface import Worker
 
 LOCAL = "this Mac"
 
@@ -45,7 +47,7 @@ class Machines(QObject):
 
     def __init__(self, bridge: EngineBridge, settings: Settings,
                  parent: QObject | None = None,
-                 remote_worker: Callable | None = None) -> None:
+                 remote_worker: Callable[..., Worker] | None = None) -> None:
         super().__init__(parent)
         self.bridge, self.settings = bridge, settings
         self.remote_worker = remote_worker
@@ -85,16 +87,16 @@ class Machines(QObject):
         self.where = LOCAL
         return True
 
-    def _factory(self, hostfile: str, split: tuple[int, ...] | None) -> Callable:
+    def _factory(self, hostfile: str, split: tuple[int, ...] | None) -> WorkerFactory:
         from engine.distributed.launch import read_hostfile
 
         ranks = len(read_hostfile(Path(hostfile)))
-        remote_worker = self.remote_worker
-        if remote_worker is None:
-            from engine.distributed.remote import RemoteWorker as remote_worker
+        from engine.distributed.remote import RemoteWorker
 
-        def build(on_event: Callable[[object], None], budget_bytes: int | None,
-                  chunk_size: int):
+        remote_worker = self.remote_worker or RemoteWorker
+
+        def build(on_event: Callable[[Event], None], budget_bytes: int | None,
+                  chunk_size: int) -> Worker:
             return remote_worker(on_event, budget_bytes, chunk_size, ranks=ranks,
                                  hostfile=Path(hostfile), split=split)
 

@@ -11,7 +11,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
-from engine import EngineError, Failed, ModelLoaded
+from engine import EngineError, Event, Failed, ModelLoaded
 from engine.models.generation_defaults import generation_defaults
 
 
@@ -77,7 +77,7 @@ class ModelState(QObject):
             self._defaults = (folder, generation_defaults(folder))
         return self._defaults[1]
 
-    def _handle(self, event: object) -> None:
+    def _handle(self, event: Event) -> None:
         if isinstance(event, ModelLoaded):
             self.on_loaded(event)
         elif isinstance(event, Failed):

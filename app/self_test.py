@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from app import style
-from engine import MODES, EngineWorker, Failed, Finished, SamplingParams, TokenChunk
+from engine import MODES, EngineWorker, Event, Failed, Finished, SamplingParams, TokenChunk
 
 PROMPT = "What is the capital of France?"
 STEP_TIMEOUT_S = 600.0
@@ -32,7 +32,7 @@ class _Waiter:
         self.text: list[str] = []
         self.tokens = 0
 
-    def __call__(self, event: object) -> None:
+    def __call__(self, event: Event) -> None:
         if isinstance(event, TokenChunk):
             self.text.append(event.text)
             self.tokens += len(event.token_ids)

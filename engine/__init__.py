@@ -46,7 +46,8 @@ _PUBLIC = {
     "full_context_costs": "engine.memory.model_costs",
     "read_document": "engine.documents.reader",
     "SamplingParams": "engine.session.sampling",
-    "MODES": "engine.cache.modes",
+    **{name: "engine.cache.modes" for name in ("MODES", "DEFAULT_MODE", "KvMode", "parse_mode")},
+    "Worker": "engine.runtime.interface",
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
@@ -55,7 +56,7 @@ _PUBLIC = {
     "snapshot_info": "engine.snapshots.manifest",
     "snapshots_dir": "engine.paths",
     **{name: "engine.events" for name in (
-        "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
+        "Event", "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv",
         "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost", "RankShare")},
     **{name: "engine.errors" for name in (
@@ -65,6 +66,7 @@ _PUBLIC = {
 }
 
 __all__ = [
+    "DEFAULT_MODE",
     "MODES",
     "RECOMMENDED_MODELS",
     "Cancelled",
@@ -75,12 +77,14 @@ __all__ = [
     "DownloadProgress",
     "EngineError",
     "EngineWorker",
+    "Event",
     "Failed",
     "Finished",
     "GenerationStats",
     "IngestProgress",
     "InsufficientMemory",
     "KvBudgetExceeded",
+    "KvMode",
     "LayerPages",
     "MemoryPressure",
     "ModeCost",
@@ -101,6 +105,7 @@ __all__ = [
     "StoredKv",
     "TokenChunk",
     "UnsupportedModeError",
+    "Worker",
     "can_split",
     "data_dir",
     "default_budget",
@@ -108,6 +113,7 @@ __all__ = [
     "download_model",
     "full_context_costs",
     "inspect_model_dir",
+    "parse_mode",
     "private_dir",
     "private_file",
     "read_document",
@@ -126,7 +132,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from engine.cache.modes import MODES
+    from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
     from engine.distributed.remote import RemoteWorker
     from engine.documents.reader import read_document
     from engine.errors import (
@@ -143,6 +149,7 @@ if TYPE_CHECKING:
         UnsupportedModeError,
     )
     from engine.events import (
+        Event,
         Failed,
         Finished,
         GenerationStats,
@@ -168,6 +175,7 @@ if TYPE_CHECKING:
     from engine.models.info import inspect_model_dir
     from engine.models.split import can_split
     from engine.paths import data_dir, private_dir, private_file, snapshots_dir
+    from engine.runtime.interface import Worker
     from engine.runtime.worker import EngineWorker
     from engine.session.sampling import SamplingParams
     from engine.snapshots.manifest import snapshot_info

@@ -20,9 +20,10 @@ from engine.cache import kvquant
 from engine.cache.modes import DEFAULT_MODE, FP16, MODES, KvMode, parse_mode
 from engine.distributed.launch import launch, rank_report_dir, rank_started, write_rank_report
 from engine.errors import EngineError, UnsupportedModeError
-from engine.events import Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
+from engine.events import Event, Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
 from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
+from engine.runtime.interface import Pipeline, Worker
 from engine.runtime.worker import EngineWorker
 from engine.session import speculative
 from engine.session.sampling import SamplingParams
@@ -48,7 +49,7 @@ class _Collector:
         self.notices: list[str] = []  # e.g. why stored KV was not used
         self.rank_stats: dict[str, Any] = {}  # a pipeline rank 0's share of the cache
 
-    def __call__(self, event: object) -> None:
+    def __call__(self, event: Event) -> None:
         if isinstance(event, TokenChunk):
             self.text.append(event.text)
             self.tokens.extend(event.token_ids)
@@ -126,7 +127,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run(args: argparse.Namespace, stream: TextIO | None,
-         pipeline: Any) -> tuple[dict[str, Any], _Collector]:
+         pipeline: Pipeline | None) -> tuple[dict[str, Any], _Collector]:
     prompt = _read_prompt(args)
     sampling = SamplingParams(
         temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -185,7 +186,7 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
     return result, collector
 
 
-def _rank_stats(worker: EngineWorker, session: str, rank: int,
+def _rank_stats(worker: Worker, session: str, rank: int,
                 collector: _Collector) -> dict[str, Any]:
     """Rank 0's share of the cache, as a follower reports its own."""
     sample = collector.stats

@@ -6,7 +6,7 @@ tests), so they never hold an ``mx.array`` or any other live engine object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.cache.modes import MODES, KvMode
@@ -314,3 +314,30 @@ class PipelineLost:
     """
 
     message: str
+
+
+Event = (TokenChunk | IngestProgress | StatsSample | Finished | Failed | ModelLoaded
+         | SessionOpened | Notice | StoredKv | QualityChecked | PipelineLost)
+"""Everything a worker sends (``QualityProgress`` is an ``IngestProgress``)."""
+
+Ending = Finished | Failed
+"""How every request ends: exactly one of these."""
+
+RequestEvent = (TokenChunk | IngestProgress | Finished | Failed | ModelLoaded | SessionOpened
+                | Notice | QualityChecked)
+"""The events of one request: each carries its ``request_id``."""
+
+_REQUEST_EVENTS = (TokenChunk, IngestProgress, Finished, Failed, ModelLoaded, SessionOpened,
+                   Notice, QualityChecked)
+
+
+def request_id_of(event: Event) -> int | None:
+    """The id of the request ``event`` belongs to (None: news of no one request)."""
+    return event.request_id if isinstance(event, _REQUEST_EVENTS) else None
+
+
+def renumbered(event: Event, request_id: int) -> Event:
+    """``event`` with ``request_id`` for its request's id (unchanged if it has none)."""
+    if isinstance(event, _REQUEST_EVENTS):
+        return replace(event, request_id=request_id)
+    return event

@@ -22,7 +22,7 @@ from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
-from engine import DiskFault, Failed, Finished, IngestProgress, SamplingParams, TokenChunk
+from engine import DiskFault, Event, Failed, Finished, IngestProgress, SamplingParams, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Answers(QObject):
         # A failed Continue keeps the answer it extends: "failed" would leave it unseen.
         failed = "stopped" if continued is not None else "failed"
 
-        def handle(event: object) -> None:
+        def handle(event: Event) -> None:
             self._handle(job, sent_id, event, failed)
 
         def submit() -> None:
@@ -126,7 +126,7 @@ class Answers(QObject):
 
     # Engine events of one request ----------------------------------------
 
-    def _handle(self, job: Job, sent_id: int, event: object, failed: str) -> None:
+    def _handle(self, job: Job, sent_id: int, event: Event, failed: str) -> None:
         if isinstance(event, TokenChunk):
             if job.kind == "chat":
                 self.recorder.append(event.text)

@@ -16,7 +16,7 @@ from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.store import HistoryStore, SessionRecord
-from engine import Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
+from engine import Event, Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
 from engine.cache.modes import MODES, REFERENCE
 
 KIND = "quality"  # the Activity kind while a check runs
@@ -160,7 +160,7 @@ class QualityCheck(QObject):
         shown = self.sessions.current
         return shown is not None and shown.id == session_id
 
-    def _handle(self, job: Job, event: object) -> None:
+    def _handle(self, job: Job, event: Event) -> None:
         if isinstance(event, QualityProgress):
             self.activity.note(job, progress=event)
             self.progress.emit(event)

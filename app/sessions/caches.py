@@ -13,7 +13,7 @@ from PySide6.QtCore import QObject, Signal
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import SessionRecord
-from engine import Failed, SessionOpened, StatsSample
+from engine import Event, Failed, SessionOpened, StatsSample
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 
 MAX_OPEN_SESSIONS = 3
@@ -57,7 +57,7 @@ class SessionCaches(QObject):
             del self.opened[oldest]
             self._drop(oldest)
 
-        def handle(event: object) -> None:
+        def handle(event: Event) -> None:
             if isinstance(event, SessionOpened):
                 self._opened(event)
                 then()

@@ -36,6 +36,8 @@ import mlx.core as mx
 from engine.cache.modes import MODES, KvMode
 from engine.errors import ContextTooLong, EngineError
 from engine.events import RankShare
+from engine.models.loader import LoadedModel
+from engine.session.followers import DecodeStep, FollowerLink
 from engine.session.prefill import Chunk
 
 VERSION = 5
@@ -68,12 +70,12 @@ class PipelineDesync(EngineError):
     """A rank's cache no longer agrees with rank 0's commands."""
 
 
-def post(group: Any, values: mx.array) -> mx.array:
+def post(group: mx.distributed.Group, values: mx.array) -> mx.array:
     """On rank 0: ``values`` sent to the pipeline's first stage (lazy, like any send)."""
     return mx.distributed.send(values, group.size() - 1, group=group)
 
 
-def receive(group: Any, like: mx.array) -> mx.array:
+def receive(group: mx.distributed.Group, like: mx.array) -> mx.array:
     """On a follower: rank 0's values (shaped as ``like``), handed on to the next rank.
 
     Lazy: the forward to the rank after this one is part of the returned array, so
@@ -92,14 +94,15 @@ def header(op: int, slot: int = 0, *args: int) -> mx.array:
     return mx.array(fields + [0] * (HEADER - len(fields)), dtype=mx.int32)
 
 
-def _gather_text(group: Any, text: str) -> list[str]:
+def _gather_text(group: mx.distributed.Group, text: str) -> list[str]:
     raw = text.encode("utf-8")[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
     gathered = mx.distributed.all_gather(mx.array(list(raw), dtype=mx.int32), group=group)
     rows = gathered.reshape(group.size(), NAME_BYTES).tolist()
     return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in rows]
 
 
-def pipeline_identity(group: Any, loaded: Any) -> tuple[list[str], dict[str, Any]]:
+def pipeline_identity(group: mx.distributed.Group,
+                      loaded: LoadedModel) -> tuple[list[str], dict[str, Any]]:
     """Every rank's host name, and the fingerprint of the whole split model.
 
     Run by every rank at the same point after its load (two ``all_gather``). The
@@ -128,7 +131,7 @@ def memory_row(fits: bool, tokens_fit: Sequence[int | None], room_bytes: int, kv
             kv_bytes & (2**_LOW_BITS - 1), pages, free_bytes >> 20, int(needs_checkpoints)]
 
 
-def gather_replies(group: Any, row: Sequence[int]) -> list[list[int]]:
+def gather_replies(group: mx.distributed.Group, row: Sequence[int]) -> list[list[int]]:
     """Each rank's reply row (rank 0's is its own), in rank order."""
     values = mx.array(list(row)[:REPLY] + [0] * (REPLY - len(row)), dtype=mx.int32)
     return mx.distributed.all_gather(values, group=group).reshape(group.size(), REPLY).tolist()
@@ -137,11 +140,11 @@ def gather_replies(group: Any, row: Sequence[int]) -> list[list[int]]:
 class Pipeline:
     """Rank 0's pipeline as its engine holds it: the group, and a channel per model."""
 
-    def __init__(self, group: Any, split: Sequence[int] | None = None) -> None:
+    def __init__(self, group: mx.distributed.Group, split: Sequence[int] | None = None) -> None:
         self.group = group
         self.split = split  # layers per rank, rank 0 first (None: mlx-lm's even split)
 
-    def conduct(self, loaded: Any) -> Conductor:
+    def conduct(self, loaded: LoadedModel) -> Conductor:
         """The command channel for ``loaded``, this rank's stage (the followers' load
         of the same model meets it here)."""
         return Conductor(self.group, loaded)
@@ -154,7 +157,7 @@ class Conductor:
     so the followers replay exactly the cache operations rank 0 performs.
     """
 
-    def __init__(self, group: Any, loaded: Any) -> None:
+    def __init__(self, group: mx.distributed.Group, loaded: LoadedModel) -> None:
         self.group = group
         self.names, self.fingerprint = pipeline_identity(group, loaded)
         self.layers = [(first, end) for first, end in self.fingerprint["pipeline"]["split"]]
@@ -248,7 +251,7 @@ class SessionLink:
         self.conductor.send(PREFILL, self.slot, len(chunk.ids), position, int(chunk.boundary),
                             payload=chunk.ids)
 
-    def decoding(self, model: Any) -> Any:
+    def decoding(self, model: Any) -> DecodeStep:
         """``model`` for the answer loop: each call is first sent as a decode step."""
         return _DecodeSteps(model, self)
 
@@ -265,9 +268,11 @@ class SessionLink:
     def close(self) -> None:
         self.conductor.send(CLOSE, self.slot)
 
-    def adopt(self, donor: SessionLink, tokens: int) -> bool:
+    def adopt(self, donor: FollowerLink, tokens: int) -> bool:
         """Each follower's session takes the first ``tokens`` tokens of ``donor``'s, as
         rank 0's did (``engine.session.reuse.adopt``); True when every one holds them."""
+        if not isinstance(donor, SessionLink):  # only another session of this channel
+            return False
         replies = self.conductor.ask(ADOPT, self.slot, donor.slot, tokens)
         return all(ok and held == tokens for ok, held, *_ in replies[1:])
 

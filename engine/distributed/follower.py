@@ -27,6 +27,7 @@ from engine.distributed import commands as c
 from engine.errors import EngineError
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
+from engine.models.loader import LoadedModel
 from engine.session import reuse
 from engine.session.prefill import Chunk, activation_value_bytes
 from engine.session.session import DEFAULT_PAGE_SIZE, Session
@@ -47,7 +48,7 @@ class Follower:
         guard: this rank's own page budget and memory guard.
     """
 
-    def __init__(self, group: Any, loaded: Any, guard: MemoryGuard,
+    def __init__(self, group: mx.distributed.Group, loaded: LoadedModel, guard: MemoryGuard,
                  snapshots: Path | None = None) -> None:
         self.group = group
         self.rank = group.rank()
@@ -263,7 +264,7 @@ def rank_stats(session: Session, rank: int) -> dict[str, Any]:
     }
 
 
-def follow(path: str, group: Any, snapshots: Path | None = None,
+def follow(path: str, group: mx.distributed.Group, snapshots: Path | None = None,
            split: Sequence[int] | None = None) -> dict[str, Any]:
     """Load this rank's stage of ``path`` and follow rank 0 until it stops; the report.
 

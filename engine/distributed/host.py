@@ -13,12 +13,12 @@ folder of stored KV in the same store of its own machine's data folder.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import pickle
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
@@ -26,16 +26,14 @@ from typing import Any
 
 from engine.distributed.launch import rank_report_dir, rank_started, write_rank_report
 from engine.distributed.link import ADDRESS_ENV, KEY_ENV
-from engine.distributed.remote import CANCELLABLE
 from engine.errors import EngineError
-from engine.events import Failed, Finished
-from engine.runtime.worker import UNEXPECTED
+from engine.events import Event, Failed, Finished, renumbered, request_id_of
+from engine.runtime.commands import CANCELLABLE, REQUESTS, Request
+from engine.runtime.interface import OnEvent
+from engine.runtime.worker import UNEXPECTED, EngineWorker
 
 log = logging.getLogger(__name__)
 
-CALLS = frozenset({"load_model", "open_session", "chat", "ingest", "check_quality",
-                   "configure", "set_snapshot_budget", "clear_snapshots",
-                   "share_chats_with_api", "close_session"})
 READS = frozenset({"latest_stats", "fit_check", "count_tokens", "turn_overhead",
                    "token_ends"})
 
@@ -48,7 +46,8 @@ class Host:
         make_worker: builds the worker from its ``on_event``.
     """
 
-    def __init__(self, conn: Connection, make_worker: Any) -> None:
+    def __init__(self, conn: Connection,
+                 make_worker: Callable[[OnEvent], EngineWorker]) -> None:
         self.conn = conn
         self._send_lock = threading.Lock()
         # Held while a call is submitted, so the worker's first event of it
@@ -101,30 +100,28 @@ class Host:
                 self._send(("event", Failed(event.request_id, UNEXPECTED.format(
                     detail=f"{type(error).__name__}: {error}"), type(error).__name__)))
 
-    def _on_event(self, event: object) -> None:
-        request_id = getattr(event, "request_id", None)
+    def _on_event(self, event: Event) -> None:
+        request_id = request_id_of(event)
         if request_id is not None:
             with self._ids_lock:
                 app_id = self._ids.get(request_id)
-                if isinstance(event, Finished | Failed):
+                if app_id is not None and isinstance(event, Finished | Failed):
                     self._ids.pop(request_id, None)
                     self._cancels.pop(app_id, None)
             if app_id is None:
                 return
-            event = dataclasses.replace(event, request_id=app_id)
+            event = renumbered(event, app_id)
         self._send(("event", event))
 
-    def _call(self, app_id: int, name: str, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> None:
-        if name not in CALLS:
-            self._send(("event", Failed(app_id, f"Unknown engine request {name!r}.",
+    def _call(self, app_id: int, request: Request) -> None:
+        if not isinstance(request, REQUESTS):
+            self._send(("event", Failed(app_id, f"Unknown engine request {request!r}.",
                                         EngineError.__name__)))
             return
         with self._ids_lock:
-            if name in CANCELLABLE:
-                kwargs = {**kwargs, "cancel": self._cancels.setdefault(app_id,
-                                                                       threading.Event())}
-            request_id = getattr(self.worker, name)(*args, **kwargs)
+            cancel = (self._cancels.setdefault(app_id, threading.Event())
+                      if isinstance(request, CANCELLABLE) else None)
+            request_id = self.worker.submit(request, cancel)
             self._ids[request_id] = app_id
 
     def _read(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
@@ -172,7 +169,7 @@ def _lead(group: Any, args: argparse.Namespace) -> None:
     snapshots = None if folder is None else SnapshotStore(
         folder, counted_with=[path for path in counted if path is not None])
 
-    def make_worker(on_event: Any) -> EngineWorker:
+    def make_worker(on_event: OnEvent) -> EngineWorker:
         return EngineWorker(on_event, budget_bytes=args.budget, chunk_size=args.chunk,
                             snapshots=snapshots, pipeline=Pipeline(group, args.split))
 

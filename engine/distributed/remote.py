@@ -27,24 +27,41 @@ import logging
 import pickle
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine import errors
+from engine.cache.modes import KvMode
 from engine.distributed.link import DROP_GRACE, Link
 from engine.errors import EngineError, ModelLoadError
-from engine.events import Failed, Finished, PipelineLost, StatsSample
+from engine.events import Ending, Event, Failed, Finished, PipelineLost, StatsSample, request_id_of
 from engine.memory import fit
-from engine.runtime.worker import check_settings
+from engine.runtime.commands import (
+    CANCELLABLE,
+    SETTINGS,
+    Chat,
+    CheckQuality,
+    ClearSnapshots,
+    CloseSession,
+    Configure,
+    Ingest,
+    LoadModel,
+    Message,
+    OpenSession,
+    Request,
+    SetSnapshotBudget,
+    ShareChats,
+)
+from engine.runtime.interface import OnEvent, Worker
+from engine.runtime.worker import check_settings, copy_messages
 from engine.session.prompt_ids import TurnOverhead
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_PAGE_SIZE
 
 log = logging.getLogger(__name__)
 
-CANCELLABLE = ("chat", "ingest", "check_quality")
 NO_MODEL = "Load a model first."
 # The window asks these questions (fit checks, token counts) on its own thread: a
 # lost rank 0 must not freeze it for long.
@@ -61,10 +78,19 @@ class GroupLost(EngineError):
 
 @dataclass
 class _Request:
-    name: str
+    cancellable: bool
     cancel: threading.Event
     sent: bool = False
     cancel_sent: bool = False
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """A request as it waits for the control thread."""
+
+    request_id: int
+    request: Request
+    cancel: threading.Event
 
 
 @dataclass
@@ -74,7 +100,7 @@ class _Read:
     value: Any = None
 
 
-class RemoteWorker:
+class RemoteWorker(Worker):
     """``EngineWorker``'s surface over a pipeline group in child processes.
 
     Args:
@@ -94,7 +120,7 @@ class RemoteWorker:
 
     def __init__(
         self,
-        on_event: Callable[[object], None],
+        on_event: OnEvent,
         budget_bytes: int | None = None,
         chunk_size: int = 512,
         *,
@@ -117,12 +143,13 @@ class RemoteWorker:
         self._waiting: dict[int, _Read] = {}
         self._run: Link | None = None
         self._lost: str | None = None
-        self._settings: dict[str, tuple[Any, ...]] = {}  # replayed on every new group
+        # Replayed on every new group, one of each kind.
+        self._settings: dict[type[Request], Request] = {}
         self._last_stats: StatsSample | None = None
-        self._outbox: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()
         # Every event goes out on one thread, in order, never the one that reads
         # the connection: ``on_event`` may ask rank 0 a question (a fit check).
-        self._events: queue.Queue[object] = queue.Queue()
+        self._events: queue.Queue[Event | None] = queue.Queue()
         self._stopping = threading.Event()
         self._wake = threading.Condition(self._lock)
         self._control = threading.Thread(target=self._serve, name="longleaf-pipeline",
@@ -147,51 +174,49 @@ class RemoteWorker:
         cannot split, a group that could not start, named by rank and machine).
         The previous group, if any, is stopped first (its sessions stored).
         """
-        return self._submit("load_model", (path,))
+        return self.submit(LoadModel(path))
 
-    def open_session(self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
+    def open_session(self, session_id: str, mode: KvMode, page_size: int = DEFAULT_PAGE_SIZE,
                      rotate: bool | None = None) -> int:
         """As ``EngineWorker.open_session``, on rank 0 (each rank its layers)."""
-        return self._submit("open_session", (session_id, mode, page_size, rotate))
+        return self.submit(OpenSession(session_id, mode, page_size, rotate))
 
-    def chat(self, session_id: str, messages: list[dict[str, str]], sampling: SamplingParams,
-             cancel: threading.Event, tools: list[dict] | None = None,
+    def chat(self, session_id: str, messages: list[Message], sampling: SamplingParams,
+             cancel: threading.Event, tools: list[dict[str, Any]] | None = None,
              template: bool = True) -> int:
         """As ``EngineWorker.chat``; setting ``cancel`` reaches every rank within a chunk."""
-        return self._submit("chat", (session_id, copy.deepcopy(messages), sampling),
-                            {"tools": copy.deepcopy(tools), "template": template}, cancel)
+        return self.submit(Chat(session_id, copy_messages(messages), sampling,
+                                copy.deepcopy(tools), template), cancel)
 
-    def ingest(self, session_id: str, messages: list[dict[str, str]],
+    def ingest(self, session_id: str, messages: list[Message],
                cancel: threading.Event) -> int:
         """As ``EngineWorker.ingest``."""
-        return self._submit("ingest", (session_id, copy.deepcopy(messages)), cancel=cancel)
+        return self.submit(Ingest(session_id, copy_messages(messages)), cancel)
 
-    def check_quality(self, session_id: str, messages: list[dict[str, str]],
+    def check_quality(self, session_id: str, messages: list[Message],
                       cancel: threading.Event) -> int:
         """As ``EngineWorker.check_quality``."""
-        return self._submit("check_quality", (session_id, copy.deepcopy(messages)),
-                            cancel=cancel)
+        return self.submit(CheckQuality(session_id, copy_messages(messages)), cancel)
 
     def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
         """As ``EngineWorker.configure``; also kept for the next group."""
-        return self._submit("configure", (), {"budget_bytes": budget_bytes,
-                                              "chunk_size": chunk_size})
+        return self.submit(Configure(budget_bytes, chunk_size))
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:
         """As ``EngineWorker.set_snapshot_budget``; also kept for the next group."""
-        return self._submit("set_snapshot_budget", (budget_bytes,))
+        return self.submit(SetSnapshotBudget(budget_bytes))
 
     def clear_snapshots(self, session_id: str | None = None) -> int:
         """As ``EngineWorker.clear_snapshots`` (rank 0's, and each rank its own)."""
-        return self._submit("clear_snapshots", (session_id,))
+        return self.submit(ClearSnapshots(session_id))
 
     def share_chats_with_api(self, share: bool) -> int:
         """As ``EngineWorker.share_chats_with_api``; also kept for the next group."""
-        return self._submit("share_chats_with_api", (bool(share),))
+        return self.submit(ShareChats(bool(share)))
 
     def close_session(self, session_id: str, store: bool = True) -> int:
         """As ``EngineWorker.close_session`` (rank 0 cancels that session's request)."""
-        return self._submit("close_session", (session_id, store))
+        return self.submit(CloseSession(session_id, store))
 
     def latest_stats(self) -> StatsSample | None:
         """Rank 0's last stats sample, as it arrived; never waits for rank 0.
@@ -263,10 +288,10 @@ class RemoteWorker:
 
     # -- requests ------------------------------------------------------------
 
-    def _submit(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-                cancel: threading.Event | None = None) -> int:
+    def submit(self, request: Request, cancel: threading.Event | None = None) -> int:
+        """As ``EngineWorker.submit``: the request goes to rank 0 as this value."""
         request_id = next(self._ids)
-        self._outbox.put((request_id, name, args, kwargs or {}, cancel or threading.Event()))
+        self._outbox.put(_Outgoing(request_id, request, cancel or threading.Event()))
         return request_id
 
     def _serve(self) -> None:
@@ -275,9 +300,9 @@ class RemoteWorker:
             if item is None:
                 break
             if self._stopping.is_set():
-                self._emit(Finished(item[0], "cancelled"))
+                self._emit(Finished(item.request_id, "cancelled"))
             else:
-                self._handle(*item)
+                self._handle(item.request_id, item.request, item.cancel)
         run = self._run  # one started while shutdown looked
         if run is not None:
             self._stop_run(run, 1.0)
@@ -288,7 +313,7 @@ class RemoteWorker:
             except queue.Empty:
                 break
             if item is not None:
-                self._emit(Finished(item[0], "cancelled"))
+                self._emit(Finished(item.request_id, "cancelled"))
         with self._lock:
             left = sorted(self._pending)
             self._pending.clear()
@@ -296,43 +321,40 @@ class RemoteWorker:
             self._emit(Finished(request_id, "cancelled"))
         self._events.put(None)
 
-    def _handle(self, request_id: int, name: str, args: tuple[Any, ...],
-                kwargs: dict[str, Any], cancel: threading.Event) -> None:
-        if name in ("configure", "set_snapshot_budget", "share_chats_with_api"):
-            self._settings[name] = (args, kwargs)
-        if name == "configure":
+    def _handle(self, request_id: int, request: Request, cancel: threading.Event) -> None:
+        if isinstance(request, SETTINGS):
+            self._settings[type(request)] = request
+        if isinstance(request, Configure):
             try:
-                check_settings(kwargs["budget_bytes"], kwargs["chunk_size"])
+                check_settings(request.budget_bytes, request.chunk_size)
             except EngineError as error:
-                self._settings.pop(name)
+                self._settings.pop(Configure)
                 self._emit(Failed(request_id, str(error), type(error).__name__))
                 return
             # Also the next group's.
-            self._budget_bytes, self._chunk_size = kwargs["budget_bytes"], kwargs["chunk_size"]
-        if name == "load_model":
-            self._start(request_id, args[0])
+            self._budget_bytes, self._chunk_size = request.budget_bytes, request.chunk_size
+        if isinstance(request, LoadModel):
+            self._start(request_id, request.path)
             return
         if not self._connected():
-            self._answer_alone(request_id, name)
+            self._answer_alone(request_id, request)
             return
-        self._send_call(request_id, name, args, kwargs, cancel)
+        self._send_call(request_id, request, cancel)
 
-    def _answer_alone(self, request_id: int, name: str) -> None:
+    def _answer_alone(self, request_id: int, request: Request) -> None:
         # No group answers: settings wait for the next one, everything else fails.
-        if name in ("configure", "set_snapshot_budget", "share_chats_with_api",
-                    "close_session"):
+        if isinstance(request, (*SETTINGS, CloseSession)):
             self._emit(Finished(request_id, "done"))
         elif self._lost is not None:
             self._emit(Failed(request_id, self._lost, GroupLost.__name__))
         else:
             self._emit(Failed(request_id, NO_MODEL, EngineError.__name__))
 
-    def _send_call(self, request_id: int, name: str, args: tuple[Any, ...],
-                   kwargs: dict[str, Any], cancel: threading.Event) -> None:
+    def _send_call(self, request_id: int, request: Request, cancel: threading.Event) -> None:
         with self._lock:
-            self._pending[request_id] = _Request(name, cancel)
+            self._pending[request_id] = _Request(isinstance(request, CANCELLABLE), cancel)
         try:
-            sent = self._send(("call", request_id, name, args, kwargs))
+            sent = self._send(("call", request_id, request))
         except (pickle.PicklingError, TypeError, AttributeError) as error:
             self._end(request_id, Failed(request_id, f"This request cannot be sent to the "
                                          f"pipeline ({error}).", EngineError.__name__))
@@ -340,9 +362,9 @@ class RemoteWorker:
         if not sent:
             return  # the group is going: its loss ends this request
         with self._lock:
-            request = self._pending.get(request_id)
-            if request is not None:
-                request.sent = True
+            pending = self._pending.get(request_id)
+            if pending is not None:
+                pending.sent = True
                 self._wake.notify_all()
 
     def _send(self, message: tuple[Any, ...]) -> bool:
@@ -377,7 +399,7 @@ class RemoteWorker:
             error_class = GroupLost if kind == GroupLost.__name__ else EngineError
         raise error_class(message)
 
-    def _emit(self, event: object) -> None:
+    def _emit(self, event: Event) -> None:
         self._events.put(event)
 
     def _deliver_events(self) -> None:
@@ -391,7 +413,7 @@ class RemoteWorker:
                 log.exception("on_event raised on %r; the engine carries on",
                               type(event).__name__)
 
-    def _end(self, request_id: int, event: object) -> None:
+    def _end(self, request_id: int, event: Ending) -> None:
         """Emit a request's ending, unless it has had one."""
         with self._lock:
             if self._pending.pop(request_id, None) is None:
@@ -406,7 +428,7 @@ class RemoteWorker:
             self._stop_run(previous, STOP_TIMEOUT)
         self._lost = None
         with self._lock:
-            self._pending[request_id] = _Request("load_model", threading.Event())
+            self._pending[request_id] = _Request(False, threading.Event())
         try:
             _check_splittable(path)
             argv = ["--model", str(path), "--chunk", str(self._chunk_size),
@@ -424,10 +446,10 @@ class RemoteWorker:
         link.start()
         if not link.connect():
             return  # the watcher reports why the group ended
-        for name, (args, kwargs) in self._settings.items():
-            if name != "configure":  # rank 0 started with the budget and chunk
-                self._send(("call", 0, name, args, kwargs))
-        self._send(("call", request_id, "load_model", (path,), {}))
+        for setting in self._settings.values():
+            if not isinstance(setting, Configure):  # rank 0 started with the budget and chunk
+                self._send(("call", 0, setting))
+        self._send(("call", request_id, LoadModel(path)))
         with self._lock:
             request = self._pending.get(request_id)
             if request is not None:
@@ -444,10 +466,10 @@ class RemoteWorker:
                 read.ok, read.value = ok, value
                 read.done.set()
 
-    def _deliver(self, event: object) -> None:
+    def _deliver(self, event: Event) -> None:
         if isinstance(event, StatsSample):
             self._last_stats = event
-        request_id = getattr(event, "request_id", None)
+        request_id = request_id_of(event)
         if request_id is None:
             self._emit(event)
         elif isinstance(event, Failed) and _link_failure(event):
@@ -493,11 +515,11 @@ class RemoteWorker:
         with self._lock:
             while not self._stopping.is_set():
                 due = [request_id for request_id, request in self._pending.items()
-                       if request.name in CANCELLABLE and request.sent
+                       if request.cancellable and request.sent
                        and not request.cancel_sent and request.cancel.is_set()]
                 for request_id in due:
                     self._pending[request_id].cancel_sent = True
-                watching = any(request.name in CANCELLABLE and not request.cancel_sent
+                watching = any(request.cancellable and not request.cancel_sent
                                for request in self._pending.values())
                 if due:
                     self._lock.release()

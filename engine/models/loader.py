@@ -62,7 +62,7 @@ def resolve_model_path(path: str | Path) -> Path:
 
 def load_model(
     path: str | Path, *, compute_dtype: mx.Dtype | None = None, probe: bool = True,
-    pipeline: Any = None,
+    pipeline: mx.distributed.Group | None = None,
     split: Sequence[int] | None = None,
 ) -> LoadedModel:
     """Load a model folder (or ``"demo"``) through mlx-lm's loader.
@@ -140,7 +140,7 @@ def _summarized(error: Exception, shown: int = 3) -> str:
     return f"{first.rstrip(': ')} ({', '.join(names[:shown])}{more})"
 
 
-def _split(model: Any, group: Any, folder: Path, config: dict[str, Any],
+def _split(model: Any, group: mx.distributed.Group, folder: Path, config: dict[str, Any],
            split: Sequence[int] | None) -> None:
     inner = getattr(model, "model", None)
     if not callable(getattr(inner, "pipeline", None)):

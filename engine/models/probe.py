@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from engine.cache.modes import FP16, FULL_PRECISION_BITS, KvMode
+
+if TYPE_CHECKING:  # the loader imports this module: for the annotation only
+    from engine.models.loader import LoadedModel
 
 PAGED = "paged"
 MLX_LM = "mlx-lm"
@@ -182,7 +185,7 @@ def suspected_cause(model: Any) -> str:
 
 
 def make_session_cache(
-    loaded: Any, mode: KvMode, page_size: int, *, rotate: bool | None = None
+    loaded: LoadedModel, mode: KvMode, page_size: int, *, rotate: bool | None = None
 ) -> SessionCache:
     """The cache a session should hold for ``loaded`` at KV ``mode``.
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from engine.events import StatsSample
+from engine.events import Event, StatsSample
 from engine.memory.stats import system_readings
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class StatsChannel:
             the engine (a queued Qt signal or a list append is fine).
     """
 
-    def __init__(self, emit: Callable[[object], None]) -> None:
+    def __init__(self, emit: Callable[[Event], None]) -> None:
         self.emit = emit
         self._publish_lock = threading.Lock()
         self._sample: StatsSample | None = None

@@ -14,16 +14,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from engine.cache import sharing
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
-from engine.events import Notice, RankShare
+from engine.events import Event, Notice, RankShare
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
+from engine.runtime.interface import Conductor, Pipeline
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
 from engine.session.prefill import activation_value_bytes
@@ -33,6 +34,7 @@ from engine.snapshots.stored_sessions import StoredSessions
 
 if TYPE_CHECKING:
     from engine.models.info import ModelInfo
+    from engine.models.loader import LoadedModel
 
 # Sessions of the local API server are named with this prefix. Cached tokens and
 # response times tell a client whether a text is already held, so API sessions
@@ -70,19 +72,19 @@ class HeldSessions:
         guard: MemoryGuard,
         stored: StoredSessions,
         stats: StatsReporter,
-        emit: Callable[[object], None],
+        emit: Callable[[Event], None],
         *,
-        pipeline: Any = None,
+        pipeline: Pipeline | None = None,
     ) -> None:
         self._pipeline = pipeline
         # Rank 0's command channel to the pipeline's other ranks (made at the load).
-        self._conductor: Any = None
+        self._conductor: Conductor | None = None
         self._guard = guard
         self._stored = stored
         self._stats = stats
         self._emit = emit
         self._lock = threading.Lock()
-        self.loaded: Any = None
+        self.loaded: LoadedModel | None = None
         self.loaded_bytes = 0  # estimated weight bytes of the loaded model
         self.prefill: fit.PrefillFacts | None = None  # the loaded model's prefill needs
         self._sessions: dict[str, Session] = {}
@@ -100,7 +102,7 @@ class HeldSessions:
         board: dict[str | None, fit.FitInputs] = {}
         if self.loaded is not None:
             board = {sid: session.fit_inputs() for sid, session in self._sessions.items()}
-            board[None] = self._unopened_fit(chunk_size)
+            board[None] = self._unopened_fit(self.loaded, chunk_size)
         with self._lock:
             self._fit = board
 
@@ -113,10 +115,10 @@ class HeldSessions:
         if self._conductor is not None and self.loaded is not None:
             self._unopened = self._conductor.unopened_machines(chunk_size)
 
-    def _unopened_fit(self, chunk_size: int) -> fit.FitInputs:
+    def _unopened_fit(self, loaded: LoadedModel, chunk_size: int) -> fit.FitInputs:
         # On a pipeline the loaded info describes this rank's layers only; each
         # follower answered for its own share.
-        return fit.FitInputs(fit.facts_from_info(self.loaded.info), DEFAULT_PAGE_SIZE,
+        return fit.FitInputs(fit.facts_from_info(loaded.info), DEFAULT_PAGE_SIZE,
                              self._guard.view(), prefill=self.prefill, chunk_tokens=chunk_size,
                              ranks=self._unopened if self._conductor is not None else ())
 
@@ -170,14 +172,14 @@ class HeldSessions:
         # Once per load, here on the worker thread: every save and reopen of this
         # model's sessions checks stored KV against these weights.
         fingerprint = model_fingerprint(folder)
-        group = None if self._pipeline is None else self._pipeline.group
-        loaded = load_model(folder, pipeline=group,
-                            split=None if group is None else self._pipeline.split)
+        pipeline = self._pipeline
+        loaded = load_model(folder, pipeline=None if pipeline is None else pipeline.group,
+                            split=None if pipeline is None else pipeline.split)
         loaded = dataclasses.replace(loaded, fingerprint=fingerprint)
-        if group is not None and group.size() > 1:
+        if pipeline is not None and pipeline.group.size() > 1:
             # The other ranks' weights and the split join the fingerprint stored KV
             # is checked against.
-            self._conductor = self._pipeline.conduct(loaded)
+            self._conductor = pipeline.conduct(loaded)
             self._unopened = ()
             loaded = dataclasses.replace(loaded, fingerprint=self._conductor.fingerprint)
         self.release()

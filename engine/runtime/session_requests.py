@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from engine.errors import Cancelled, EngineError
-from engine.events import Finished, GenerationStats, QualityChecked, QualityProgress
+from engine.events import Event, Finished, GenerationStats, QualityChecked, QualityProgress
 from engine.memory.guard import MemoryGuard
-from engine.runtime.commands import Command
+from engine.runtime.commands import Chat, CheckQuality, Ingest
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session.session import Session
@@ -40,59 +40,59 @@ class SessionRequests:
         held: HeldSessions,
         stats: StatsReporter,
         guard: MemoryGuard,
-        emit: Callable[[object], None],
+        emit: Callable[[Event], None],
     ) -> None:
         self._held = held
         self._stats = stats
         self._guard = guard
         self._emit = emit
 
-    def chat(self, command: Command) -> object:
+    def chat(self, request_id: int, request: Chat, cancel: threading.Event) -> Finished:
         """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
-        session_id, messages, sampling, tools, template = command.args
+        session_id, messages = request.session_id, request.messages
         session = self._held.get(session_id)
         # Rendered and tokenized once for the whole request.
-        prompt = session.prompt(messages, add_generation_prompt=True, tools=tools,
-                                template=template)
-        reused = self._held.restore(session, prompt.ids, command.request_id, answer=True)
+        prompt = session.prompt(messages, add_generation_prompt=True, tools=request.tools,
+                                template=request.template)
+        reused = self._held.restore(session, prompt.ids, request_id, answer=True)
         try:
-            with self._reading(session, command.cancel):
+            with self._reading(session, cancel):
                 reason, stats = session.chat(
-                    messages, sampling, request_id=command.request_id, cancel=command.cancel,
+                    messages, request.sampling, request_id=request_id, cancel=cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
                 )
         except Cancelled as stop:
             # Stopped while reading the conversation in: no answer, the chunks read stay.
             stats = GenerationStats(stop.total_tokens or 0, 0, None, 0.0, 0.0,
                                     reused_tokens=reused)
-            return Finished(command.request_id, "cancelled", stats, stop.kept_tokens,
+            return Finished(request_id, "cancelled", stats, stop.kept_tokens,
                             stop.total_tokens)
         if session.memory_stop:
             log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
-        return Finished(command.request_id, reason, replace(stats, reused_tokens=reused))
+        return Finished(request_id, reason, replace(stats, reused_tokens=reused))
 
-    def ingest(self, command: Command) -> object:
+    def ingest(self, request_id: int, request: Ingest, cancel: threading.Event) -> Finished:
         """Read the conversation into the session's cache without answering."""
-        session_id, messages = command.args
-        session = self._held.get(session_id)
-        prompt = session.prompt(messages, add_generation_prompt=False)
-        reused = self._held.restore(session, prompt.ids, command.request_id, answer=False)
+        session = self._held.get(request.session_id)
+        prompt = session.prompt(request.messages, add_generation_prompt=False)
+        reused = self._held.restore(session, prompt.ids, request_id, answer=False)
         try:
-            with self._reading(session, command.cancel):
+            with self._reading(session, cancel):
                 stats = session.ingest(
-                    messages, request_id=command.request_id, cancel=command.cancel,
+                    request.messages, request_id=request_id, cancel=cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
                 )
         except Cancelled as stop:
-            return Finished(command.request_id, "cancelled", None, stop.kept_tokens,
+            return Finished(request_id, "cancelled", None, stop.kept_tokens,
                             stop.total_tokens)
-        return Finished(command.request_id, "done", replace(stats, reused_tokens=reused))
+        return Finished(request_id, "done", replace(stats, reused_tokens=reused))
 
-    def check_quality(self, command: Command) -> object:
+    def check_quality(self, request_id: int, request: CheckQuality,
+                      cancel: threading.Event) -> Finished | QualityChecked:
         """Measure the session's KV mode against fp16 on the conversation's last tokens."""
         from engine.session.quality_check import check_quality
 
-        session_id, messages = command.args
+        session_id, messages = request.session_id, request.messages
         session = self._held.get(session_id)
         if session.followers is not None:
             raise EngineError("Check Quality is not available for a model split across "
@@ -104,12 +104,12 @@ class SessionRequests:
             with self._stats.heartbeat():
                 receipt = check_quality(
                     session.loaded, ids, session.mode, rotate=session.rotation is not None,
-                    cancel=command.cancel, progress=self._progress(command.request_id),
+                    cancel=cancel, progress=self._progress(request_id),
                     page_size=session.page_size,
                 )
         except Cancelled:
-            return Finished(command.request_id, "cancelled")
-        return QualityChecked(command.request_id, session_id, receipt)
+            return Finished(request_id, "cancelled")
+        return QualityChecked(request_id, session_id, receipt)
 
     @contextmanager
     def _reading(self, session: Session, cancel: threading.Event) -> Iterator[None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.events import StatsSample
+from engine.events import Event, StatsSample
 from engine.memory.stats import StatsThrottle, memory_usage, stats_sample
 from engine.runtime.heartbeat import StatsChannel, StatsHeartbeat
 
@@ -22,7 +22,7 @@ class StatsReporter:
     """
 
     def __init__(
-        self, emit: Callable[[object], None], interval: float,
+        self, emit: Callable[[Event], None], interval: float,
         after_publish: Callable[[], None] = lambda: None,
     ) -> None:
         self._channel = StatsChannel(emit)
@@ -47,7 +47,7 @@ class StatsReporter:
 
         def take() -> StatsSample:
             memory = memory_usage()
-            ranks = () if followers is None else followers.machines(
+            ranks = () if followers is None or cache_stats is None else followers.machines(
                 int(cache_stats.bytes_used), int(cache_stats.pages_in_use),
                 memory.system_available_bytes)
             return stats_sample(session_id, cache_stats, memory, prefill_peak_bytes=peak,

@@ -21,14 +21,15 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
 from engine import disk
+from engine.cache.modes import KvMode
 from engine.errors import EngineError
 from engine.events import (
+    Event,
     Failed,
     Finished,
     ModelLoaded,
@@ -38,8 +39,24 @@ from engine.events import (
 )
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
-from engine.runtime.commands import Command
+from engine.runtime.commands import (
+    CANCELLABLE,
+    Chat,
+    CheckQuality,
+    ClearSnapshots,
+    CloseSession,
+    Command,
+    Configure,
+    Ingest,
+    LoadModel,
+    Message,
+    OpenSession,
+    Request,
+    SetSnapshotBudget,
+    ShareChats,
+)
 from engine.runtime.held_sessions import HeldSessions
+from engine.runtime.interface import OnEvent, Pipeline, Worker
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
@@ -57,11 +74,9 @@ UNEXPECTED = (
     "reload the model."
 )
 RETRY = "send the message again"
-# A request whose cancel was set while it waited in the queue ends before it starts.
-_CANCELLABLE = ("chat", "ingest", "check_quality")
 
 
-class EngineWorker:
+class EngineWorker(Worker):
     """Runs engine commands on one thread and reports them as events.
 
     Args:
@@ -83,7 +98,7 @@ class EngineWorker:
 
     def __init__(
         self,
-        on_event: Callable[[object], None],
+        on_event: OnEvent,
         *,
         budget_bytes: int | None = None,
         chunk_size: int = DEFAULT_CHUNK,
@@ -91,7 +106,7 @@ class EngineWorker:
         headroom_bytes: int | None = None,
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
-        pipeline: Any = None,
+        pipeline: Pipeline | None = None,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -112,19 +127,7 @@ class EngineWorker:
             self.guard, self._stored, self._stats, self._emit,
             pipeline=pipeline,
         )
-        requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
-        self._handlers: dict[str, Callable[[Command], object]] = {
-            "load_model": self._load_model,
-            "open_session": self._open_session,
-            "configure": self._configure,
-            "snapshot_budget": self._set_snapshot_budget,
-            "clear_snapshots": self._clear_snapshots,
-            "close_session": self._close_session,
-            "api_sharing": self._set_api_sharing,
-            "chat": requests.chat,
-            "ingest": requests.ingest,
-            "check_quality": requests.check_quality,
-        }
+        self._requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
 
     # -- public API (any thread) ---------------------------------------------
 
@@ -141,10 +144,10 @@ class EngineWorker:
         weights would not fit in free RAM (after the guard's headroom) fails with
         ``InsufficientMemory`` naming the numbers, before anything is loaded.
         """
-        return self._submit("load_model", (path,))
+        return self.submit(LoadModel(path))
 
     def open_session(
-        self, session_id: str, mode: str, page_size: int = DEFAULT_PAGE_SIZE,
+        self, session_id: str, mode: KvMode, page_size: int = DEFAULT_PAGE_SIZE,
         rotate: bool | None = None,
     ) -> int:
         """Open (or replace) a session with a fixed KV mode.
@@ -154,15 +157,15 @@ class EngineWorker:
 
         -> ``SessionOpened`` then ``Finished("done")``, or ``Failed``.
         """
-        return self._submit("open_session", (session_id, mode, page_size, rotate))
+        return self.submit(OpenSession(session_id, mode, page_size, rotate))
 
     def chat(
         self,
         session_id: str,
-        messages: list[dict[str, str]],
+        messages: list[Message],
         sampling: SamplingParams,
         cancel: threading.Event,
-        tools: list[dict] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         template: bool = True,
     ) -> int:
         """Answer the conversation's last user turn, streaming ``TokenChunk`` events.
@@ -177,17 +180,17 @@ class EngineWorker:
         answer stays in the cache) or ``Failed`` (e.g. ``ContextTooLong``, or
         ``MemoryPressure`` when memory was critical before the answer began).
         """
-        return self._submit("chat", (session_id, _copy(messages), sampling,
-                                     copy.deepcopy(tools), template), cancel)
+        return self.submit(Chat(session_id, copy_messages(messages), sampling, copy.deepcopy(tools),
+                                template), cancel)
 
     def ingest(
-        self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event
+        self, session_id: str, messages: list[Message], cancel: threading.Event
     ) -> int:
         """Prefill the conversation without answering (e.g. a dropped document)."""
-        return self._submit("ingest", (session_id, _copy(messages)), cancel)
+        return self.submit(Ingest(session_id, copy_messages(messages)), cancel)
 
     def check_quality(
-        self, session_id: str, messages: list[dict[str, str]], cancel: threading.Event
+        self, session_id: str, messages: list[Message], cancel: threading.Event
     ) -> int:
         """Measure the session's KV mode against fp16 on the conversation's last tokens.
 
@@ -198,7 +201,7 @@ class EngineWorker:
         -> ``QualityChecked`` then ``Finished("done")``, ``Finished("cancelled")``,
         or ``Failed``.
         """
-        return self._submit("check_quality", (session_id, _copy(messages)), cancel)
+        return self.submit(CheckQuality(session_id, copy_messages(messages)), cancel)
 
     def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
         """Change the KV budget of all sessions and the prefill chunk, between requests.
@@ -207,7 +210,7 @@ class EngineWorker:
         under one token. Pages already held stay; the new budget limits the pages
         taken from now on.
         """
-        return self._submit("configure", (budget_bytes, chunk_size))
+        return self.submit(Configure(budget_bytes, chunk_size))
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:
         """Set the stored-KV disk budget (None: the smaller of 20 GB and 10% of free disk).
@@ -215,21 +218,21 @@ class EngineWorker:
         -> ``StoredKv`` (after evicting least-recently-used snapshots down to a
         lower budget), then ``Finished("done")``; ``Failed`` for a negative budget.
         """
-        return self._submit("snapshot_budget", (budget_bytes,))
+        return self.submit(SetSnapshotBudget(budget_bytes))
 
     def clear_snapshots(self, session_id: str | None = None) -> int:
         """Delete one chat's stored KV (None: all of it); -> ``StoredKv``, ``Finished``.
 
         Runs between requests on the worker thread, so it never races a save.
         """
-        return self._submit("clear_snapshots", (session_id,))
+        return self.submit(ClearSnapshots(session_id))
 
     def share_chats_with_api(self, share: bool) -> int:
         """Let API sessions (``api-…``) and the app's chats reuse each other's KV, in
         memory and on disk (``share``), or keep them apart (the default); between
         requests. -> ``Finished("done")``.
         """
-        return self._submit("api_sharing", (bool(share),))
+        return self.submit(ShareChats(bool(share)))
 
     def close_session(self, session_id: str, store: bool = True) -> int:
         """Free a session's pages; -> ``Finished("done")`` (also for unknown ids).
@@ -240,10 +243,10 @@ class EngineWorker:
         it had produced kept in the cache (and so in the stored KV).
         """
         current = self._current
-        if (current is not None and current.name in _CANCELLABLE
-                and current.args and current.args[0] == session_id):
+        if (current is not None and isinstance(current.request, CANCELLABLE)
+                and current.request.session_id == session_id):
             current.cancel.set()
-        return self._submit("close_session", (session_id, store))
+        return self.submit(CloseSession(session_id, store))
 
     def latest_stats(self) -> StatsSample | None:
         """The last snapshot taken; never calls MLX."""
@@ -328,17 +331,20 @@ class EngineWorker:
 
     # -- worker thread ---------------------------------------------------------
 
-    def _submit(
-        self, name: str, args: tuple[Any, ...], cancel: threading.Event | None = None
-    ) -> int:
+    def submit(self, request: Request, cancel: threading.Event | None = None) -> int:
+        """Queue ``request`` (setting ``cancel`` stops one of ``CANCELLABLE``); its id.
+
+        What the public methods above do, for a caller holding the request as a
+        value (a pipeline's rank 0 runs its front end's requests this way).
+        """
         request_id = next(self._ids)
-        command = Command(request_id, name, args, cancel or threading.Event())
+        command = Command(request_id, request, cancel or threading.Event())
         if self._stopping.is_set():
             command.cancel.set()
         self._queue.put(command)
         return request_id
 
-    def _emit(self, event: object) -> None:
+    def _emit(self, event: Event) -> None:
         try:
             self._on_event(event)
         except Exception:
@@ -375,10 +381,10 @@ class EngineWorker:
 
     def _execute(self, command: Command) -> None:
         try:
-            if command.cancel.is_set() and command.name in _CANCELLABLE:
-                ending: object = Finished(command.request_id, "cancelled")
+            if command.cancel.is_set() and isinstance(command.request, CANCELLABLE):
+                ending: Event = Finished(command.request_id, "cancelled")
             else:
-                ending = self._handlers[command.name](command)
+                ending = self._dispatch(command)
                 if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):
                     # Announce the result, then end the request like every other.
                     self._publish_fit()
@@ -397,45 +403,56 @@ class EngineWorker:
         self._publish_fit()
         self._emit(ending)
 
-    # -- handlers of the requests that change what the engine holds ------------
+    # -- handlers ------------------------------------------------------------
 
     def _publish_fit(self) -> None:
         self._held.publish_fit(self.chunk_size)
 
-    def _load_model(self, command: Command) -> object:
-        (path,) = command.args
-        return ModelLoaded(command.request_id, self._held.load(path))
+    def _dispatch(self, command: Command) -> Event:
+        """Run ``command``'s request; the event that ends it (or announces its result)."""
+        request_id, request, cancel = command.request_id, command.request, command.cancel
+        match request:
+            case Chat():
+                return self._requests.chat(request_id, request, cancel)
+            case Ingest():
+                return self._requests.ingest(request_id, request, cancel)
+            case CheckQuality():
+                return self._requests.check_quality(request_id, request, cancel)
+            case LoadModel():
+                return ModelLoaded(request_id, self._held.load(request.path))
+            case OpenSession():
+                return self._open_session(request_id, request)
+            case _:
+                self._change(request)
+                return Finished(request_id, "done")
 
-    def _open_session(self, command: Command) -> object:
-        session_id, mode, page_size, rotate = command.args
-        session = self._held.open(session_id, mode, page_size, rotate,
-                                  chunk_size=self.chunk_size)
-        return SessionOpened(command.request_id, session_id, session.mode, page_size,
+    def _change(self, request: Request) -> None:
+        """Run a request that changes a setting or what the engine holds."""
+        match request:
+            case Configure():
+                self._configure(request)
+            case SetSnapshotBudget():
+                self._stored.set_budget(request.budget_bytes)
+            case ClearSnapshots():
+                self._stored.clear(request.session_id)
+            case ShareChats():
+                self._held.share_chats = request.share
+            case CloseSession():
+                self._held.close(request.session_id, request.store)
+            case _:
+                raise EngineError(f"Unknown engine request {type(request).__name__}.")
+
+    def _open_session(self, request_id: int, request: OpenSession) -> SessionOpened:
+        session = self._held.open(request.session_id, request.mode, request.page_size,
+                                  request.rotate, chunk_size=self.chunk_size)
+        return SessionOpened(request_id, request.session_id, session.mode, request.page_size,
                              session.cache_kind, session.cache_note, session.rotation)
 
-    def _configure(self, command: Command) -> object:
-        budget_bytes, chunk_size = command.args
-        check_settings(budget_bytes, chunk_size)
-        self.guard.budget_bytes = budget_bytes
-        self.chunk_size = chunk_size
-        self._held.set_chunk_size(chunk_size)
-        return Finished(command.request_id, "done")
-
-    def _set_snapshot_budget(self, command: Command) -> object:
-        self._stored.set_budget(*command.args)
-        return Finished(command.request_id, "done")
-
-    def _clear_snapshots(self, command: Command) -> object:
-        self._stored.clear(*command.args)
-        return Finished(command.request_id, "done")
-
-    def _set_api_sharing(self, command: Command) -> object:
-        (self._held.share_chats,) = command.args
-        return Finished(command.request_id, "done")
-
-    def _close_session(self, command: Command) -> object:
-        self._held.close(*command.args)
-        return Finished(command.request_id, "done")
+    def _configure(self, request: Configure) -> None:
+        check_settings(request.budget_bytes, request.chunk_size)
+        self.guard.budget_bytes = request.budget_bytes
+        self.chunk_size = request.chunk_size
+        self._held.set_chunk_size(request.chunk_size)
 
 
 def _unexpected_ending(command: Command, error: Exception) -> Failed:
@@ -469,9 +486,10 @@ def check_settings(budget_bytes: int | None, chunk_size: int) -> None:
 TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
-def _copy(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    # The caller's list may change while the request waits in the queue; a tool
-    # turn's extra keys (tool_calls, tool_call_id) are plain JSON values.
+def copy_messages(messages: list[Message]) -> list[Message]:
+    """The keys of ``messages`` a template reads, copied: the caller's list may
+    change while the request waits in the queue (a tool turn's extra keys,
+    tool_calls and tool_call_id, are plain JSON values)."""
     return [{"role": m["role"], "content": m["content"],
              **copy.deepcopy({key: m[key] for key in TOOL_KEYS if key in m})}
             for m in messages]

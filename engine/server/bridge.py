@@ -21,8 +21,9 @@ from typing import Any
 
 from engine.cache.modes import DEFAULT_MODE, KvMode
 from engine.errors import EngineError
-from engine.events import Failed, Finished, ModelLoaded
+from engine.events import Event, Failed, Finished, ModelLoaded, request_id_of
 from engine.runtime.held_sessions import API_SESSION_PREFIX
+from engine.runtime.interface import Worker
 from engine.runtime.worker import EngineWorker
 from engine.server.tools import ToolSyntax
 from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
@@ -65,7 +66,7 @@ class Ticket:
     mode: KvMode = DEFAULT_MODE  # set with the session it runs in
     reused: int = 0
 
-    def put(self, event: object) -> None:
+    def put(self, event: Event) -> None:
         """Hand ``event`` to the handler (called on the worker thread)."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
@@ -89,7 +90,7 @@ class EngineBridge:
 
     def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
                  max_sessions: int = 4, queue_limit: int = 16,
-                 worker: EngineWorker | None = None, snapshot_budget: int | None = None,
+                 worker: Worker | None = None, snapshot_budget: int | None = None,
                  counted_with: tuple[Path, ...] = ()) -> None:
         self.model = model
         self.kv_mode = kv_mode
@@ -97,7 +98,7 @@ class EngineBridge:
         self.queue_limit = max(1, queue_limit)
         self.snapshots = None if snapshot_dir is None else SnapshotStore(
             snapshot_dir, snapshot_budget, counted_with=counted_with)
-        self.worker = worker or EngineWorker(self._on_event, snapshots=self.snapshots)
+        self.worker: Worker = worker or EngineWorker(self._on_event, snapshots=self.snapshots)
         self.ready = threading.Event()
         self.info: Any = None
         self.load_error: str | None = None
@@ -170,8 +171,8 @@ class EngineBridge:
 
     # -- events (worker thread) ------------------------------------------------
 
-    def _on_event(self, event: object) -> None:
-        request_id = getattr(event, "request_id", None)
+    def _on_event(self, event: Event) -> None:
+        request_id = request_id_of(event)
         if request_id is None:
             return
         with self._lock:
@@ -188,7 +189,7 @@ class EngineBridge:
         if ticket is not None:
             ticket.put(event)
 
-    def _loaded(self, event: object) -> None:
+    def _loaded(self, event: Event) -> None:
         if isinstance(event, ModelLoaded):
             self.info = event.info
         elif isinstance(event, Failed):

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from engine.cache.modes import KvMode
 from engine.errors import EngineError
-from engine.events import Failed, Finished
-from engine.runtime.worker import EngineWorker
+from engine.events import Event, Failed, Finished, request_id_of
+from engine.runtime.interface import Worker
 from engine.server.bridge import EngineBridge, Ticket
 
 if TYPE_CHECKING:
     import uvicorn
+    from starlette.applications import Starlette
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class AttachedBridge(EngineBridge):
         queue_limit: requests that may wait for or run on the engine at once.
     """
 
-    def __init__(self, worker: EngineWorker, kv_mode: KvMode, on_change: Callable[[], None], *,
+    def __init__(self, worker: Worker, kv_mode: KvMode, on_change: Callable[[], None], *,
                  max_sessions: int, queue_limit: int) -> None:
         super().__init__("", kv_mode, None, max_sessions=max_sessions, queue_limit=queue_limit,
                          worker=worker)
@@ -129,12 +130,14 @@ class AttachedBridge(EngineBridge):
         self.close_sessions()
         self._renderer.shutdown(wait=True, cancel_futures=True)
 
-    def claim(self, event: object) -> bool:
+    def claim(self, event: Event) -> bool:
         """Take ``event`` when it belongs to one of the server's requests (worker thread)."""
-        request_id = getattr(event, "request_id", None)
+        request_id = request_id_of(event)
+        if request_id is None:
+            return False  # news of no one request (stats, stored KV) goes on to the app
         ending = isinstance(event, Finished | Failed)
         with self._lock:
-            ticket = self._tickets.get(request_id) if request_id is not None else None
+            ticket = self._tickets.get(request_id)
             began = (ticket is not None and ticket.chat_id == request_id and not ending
                      and request_id not in self._running)
             if began:
@@ -201,7 +204,7 @@ class LocalServer:
             addressed to while there is no API key (see ``engine.server.app.Server``).
     """
 
-    def __init__(self, worker: EngineWorker, *, host: str, port: int, api_key: str | None,
+    def __init__(self, worker: Worker, *, host: str, port: int, api_key: str | None,
                  kv_mode: KvMode, on_status: Callable[[ServerStatus], None],
                  max_sessions: int = 2, queue_limit: int = 16,
                  allowed_hosts: tuple[str, ...] = ()) -> None:
@@ -285,7 +288,7 @@ class LocalServer:
             self._announce()  # the front end learns it is down without asking
 
     @contextlib.asynccontextmanager
-    async def _lifespan(self, _app) -> AsyncIterator[None]:
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         loader = threading.Thread(target=self.bridge.load, name=f"{THREAD_NAME}-models",
                                   daemon=True)
         loader.start()
@@ -305,7 +308,7 @@ class LocalServer:
         says why): refuse requests until one is loaded."""
         self.bridge.model_changing(message)
 
-    def claim(self, event: object) -> bool:
+    def claim(self, event: Event) -> bool:
         """Route a worker event to the server's request it belongs to; True when it did."""
         return self.bridge.claim(event)
 

@@ -17,12 +17,13 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from engine.cache.modes import KvMode
 from engine.distributed.fallback import fits_here
 from engine.distributed.link import RESTART_HINT, hostfile_hosts
 from engine.distributed.remote import GroupLost, RemoteWorker
-from engine.events import Failed, PipelineLost
+from engine.events import Event, Failed, PipelineLost
 from engine.runtime.worker import EngineWorker
 from engine.server.bridge import EngineBridge
 
@@ -53,7 +54,7 @@ class PipelineBridge(EngineBridge):
     def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
                  ranks: int = 2, hostfile: Path | None = None,
                  split: Sequence[int] | None = None, snapshot_budget: int | None = None,
-                 **bridge_args) -> None:
+                 **bridge_args: Any) -> None:
         if hostfile is not None:
             ranks = len(hostfile_hosts(hostfile))
         self._ranks = ranks
@@ -84,10 +85,10 @@ class PipelineBridge(EngineBridge):
             self.worker.shutdown(timeout=RETIRE_TIMEOUT)
         self._renderer.shutdown(wait=True, cancel_futures=True)
 
-    def _events_of(self, generation: int) -> Callable[[object], None]:
+    def _events_of(self, generation: int) -> Callable[[Event], None]:
         """The ``on_event`` of the worker of ``generation``: a replaced worker's late
         events are dropped (its requests were ended when it was replaced)."""
-        def on_event(event: object) -> None:
+        def on_event(event: Event) -> None:
             if generation != self._generation:
                 return
             if isinstance(event, PipelineLost):

@@ -34,11 +34,11 @@ from engine.errors import (
     KvBudgetExceeded,
     MemoryPressure,
 )
-from engine.events import IngestProgress, Notice
+from engine.events import Event, IngestProgress, Notice
 from engine.format import human_bytes
 from engine.memory.guard import MemoryGuard, PressureWatch
 
-Emit = Callable[[object], None]
+Emit = Callable[[Event], None]
 # How long a read waits for free RAM to hold its next chunk before it stops.
 MEMORY_WAIT_SECONDS = 30.0
 # How often a waiting read looks at free RAM (and at Stop) again.

@@ -26,6 +26,7 @@ from engine.cache import adapter
 from engine.cache.modes import REFERENCE, KvMode
 from engine.errors import Cancelled, EngineError
 from engine.events import QualityReceipt
+from engine.models.loader import LoadedModel
 from engine.models.probe import make_session_cache
 
 WINDOW_TOKENS = 1024  # both caches of a window this size fit next to any model we load
@@ -71,7 +72,7 @@ def summarize(kl: np.ndarray, same: np.ndarray) -> dict[str, float]:
 
 
 def check_quality(
-    loaded: Any,
+    loaded: LoadedModel,
     context_ids: list[int],
     mode: KvMode,
     *,
@@ -149,7 +150,7 @@ def chunk_for_vocabulary(vocab: int, budget: int | None = None) -> int:
     return max(1, min(CHUNK_TOKENS, budget // (4 * _LOGIT_COPIES * vocab)))
 
 
-def _fresh_cache(loaded: Any, mode: KvMode, rotate: bool, page_size: int) -> list[Any]:
+def _fresh_cache(loaded: LoadedModel, mode: KvMode, rotate: bool, page_size: int) -> list[Any]:
     return make_session_cache(loaded, mode, page_size, rotate=rotate).cache
 
 

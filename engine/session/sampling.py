@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine.cache import adapter
 from engine.errors import EngineError, KvBudgetExceeded
-from engine.events import TokenChunk, TokenLogprob
+from engine.events import Event, TokenChunk, TokenLogprob
 from engine.session import checkpoints, speculative
 
 Sampler = Callable[[mx.array], mx.array]
@@ -159,7 +159,7 @@ class AnswerStream:
         *,
         request_id: int,
         cancel: threading.Event,
-        emit: Callable[[object], None],
+        emit: Callable[[Event], None],
         tick: Callable[[], None],
         index: speculative.ContextIndex | None = None,
         after: Sequence[int] = (),

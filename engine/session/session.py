@@ -25,8 +25,10 @@ from engine.errors import ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard, PressureWatch
+from engine.models.loader import LoadedModel
 from engine.models.probe import make_session_cache
 from engine.session import checkpoints, speculative
+from engine.session.followers import FollowerLink
 from engine.session.prefill import (
     Chunk,
     ChunkedPrefill,
@@ -70,7 +72,7 @@ class Session:
     def __init__(
         self,
         session_id: str,
-        loaded: Any,
+        loaded: LoadedModel,
         mode: KvMode,
         page_size: int = DEFAULT_PAGE_SIZE,
         *,
@@ -79,7 +81,7 @@ class Session:
         guard: MemoryGuard | None = None,
         scratch_bytes: int | None = None,
         rotate: bool | None = None,
-        followers: Any = None,
+        followers: FollowerLink | None = None,
     ) -> None:
         if page_size < 1 or chunk_size < 1:
             raise EngineError("Page size and chunk size must be at least 1 token.")

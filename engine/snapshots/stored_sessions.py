@@ -14,7 +14,7 @@ from typing import Any
 
 from engine import disk
 from engine.errors import EngineError
-from engine.events import Notice, StoredKv
+from engine.events import Event, Notice, StoredKv
 from engine.snapshots.fingerprint import session_fingerprint
 from engine.snapshots.snapshot import SnapshotRejected
 from engine.snapshots.store import SnapshotStore
@@ -32,7 +32,7 @@ class StoredSessions:
             other ranks drop their parts of any snapshot rank 0 no longer has.
     """
 
-    def __init__(self, snapshots: SnapshotStore | None, emit: Callable[[object], None],
+    def __init__(self, snapshots: SnapshotStore | None, emit: Callable[[Event], None],
                  mirror: Callable[[list[str]], None] | None = None) -> None:
         self.snapshots = snapshots
         self._emit = emit

@@ -8,8 +8,6 @@ the test plays an event back (``EngineBridge._dispatch``): no model, no thread.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -18,89 +16,9 @@ from app.controller import ChatController
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
-from engine import EngineError, Finished, ModelLoaded, SamplingParams, SessionOpened
+from engine import Finished, ModelLoaded, SamplingParams, SessionOpened
 from engine.memory.stats import MemoryUsage, stats_sample
-from engine.session.prompt_ids import TurnOverhead
-
-
-class ScriptedWorker:
-    """Takes requests like ``EngineWorker`` and answers only when the test says."""
-
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-        self.requests: list[tuple[int, str, tuple, threading.Event | None]] = []
-        self.alive = False
-        self.stats = None  # what latest_stats returns: a test sets it
-
-    def _take(self, name: str, *args, cancel: threading.Event | None = None) -> int:
-        request_id = next(self._ids)
-        self.requests.append((request_id, name, args, cancel))
-        return request_id
-
-    def last(self, name: str) -> tuple[int, tuple, threading.Event | None]:
-        request_id, _name, args, cancel = [r for r in self.requests if r[1] == name][-1]
-        return request_id, args, cancel
-
-    def names(self) -> list[str]:
-        return [r[1] for r in self.requests]
-
-    def start(self) -> None:
-        self.alive = True
-
-    def join(self, _timeout: float | None = None) -> bool:
-        return not self.alive
-
-    def shutdown(self, _timeout: float = 2.0) -> None:
-        self.alive = False
-
-    def load_model(self, path):
-        return self._take("load", path)
-
-    def open_session(self, session_id, mode, page_size, rotate):
-        return self._take("open", session_id, mode)
-
-    def chat(self, session_id, messages, sampling, cancel):
-        return self._take("chat", session_id, messages, cancel=cancel)
-
-    def ingest(self, session_id, messages, cancel):
-        return self._take("ingest", session_id, messages, cancel=cancel)
-
-    def check_quality(self, session_id, messages, cancel):
-        return self._take("quality", session_id, messages, cancel=cancel)
-
-    def configure(self, *, budget_bytes, chunk_size):
-        return self._take("configure", budget_bytes, chunk_size)
-
-    def set_snapshot_budget(self, budget_bytes):
-        return self._take("snapshot_budget", budget_bytes)
-
-    def clear_snapshots(self, session_id):
-        return self._take("clear_snapshots", session_id)
-
-    def close_session(self, session_id, store):
-        return self._take("close", session_id, store)
-
-    def latest_stats(self):
-        return self.stats
-
-    def fit_check(self, session_id, token_count):
-        return SimpleNamespace(max_context=8192)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def turn_overhead(self, system_prompt: str):
-        return TurnOverhead(first=3, later=2)
-
-
-class WindowWorker(ScriptedWorker):
-    """A scripted worker the main window can sit on: no fit line, tokens by word."""
-
-    def fit_check(self, session_id, token_count):
-        raise EngineError("No fit check in a scripted engine.")
-
-    def token_ends(self, text: str) -> list[int]:
-        return [i + 1 for i, c in enumerate(text) if c == " "] + [len(text)]
+from tests.app.scripted_worker import ScriptedWorker, WindowWorker
 
 
 def scripted_app(qtbot, window: bool = False) -> SimpleNamespace:

@@ -1,7 +1,7 @@
 """Rank 0's end of the app's connection (engine.distributed.host.Host), without MLX.
 
 A fake worker stands in for EngineWorker: the Host must give its events the app's
-request ids, pass cancels and reads through, and refuse names it does not serve.
+request ids, pass cancels and reads through, and refuse what it does not serve.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from engine.distributed.host import Host
 from engine.errors import ContextTooLong
 from engine.events import Failed, Finished, TokenChunk
+from engine.runtime.commands import Chat, Request
 from engine.session.sampling import SamplingParams
 
 
@@ -30,8 +31,8 @@ class FakeWorker:
     def start(self) -> None:
         pass
 
-    def chat(self, session_id: str, messages: list, sampling: SamplingParams,
-             cancel: threading.Event, tools: list | None = None, template: bool = True) -> int:
+    def submit(self, request: Request, cancel: threading.Event | None = None) -> int:
+        assert isinstance(request, Chat) and cancel is not None
         request_id = next(self.ids)
         self.cancels[request_id] = cancel
 
@@ -62,8 +63,7 @@ def test_the_host_serves_calls_cancels_and_reads_under_the_apps_ids() -> None:
     serving = threading.Thread(target=host.serve)
     serving.start()
     try:
-        app.send(("call", 41, "chat", ("s", [], SamplingParams()),
-                  {"tools": None, "template": True}))
+        app.send(("call", 41, Chat("s", [], SamplingParams())))
         assert app.recv() == ("event", TokenChunk(41, "hi", (5,)))
         app.send(("read", 1, "count_tokens", ("abc",)))
         assert app.recv() == ("reply", 1, True, 3)
@@ -72,7 +72,7 @@ def test_the_host_serves_calls_cancels_and_reads_under_the_apps_ids() -> None:
         app.send(("read", 3, "guard", ()))
         _, _, ok, (_, message) = app.recv()
         assert not ok and "Unknown engine read 'guard'" in message
-        app.send(("call", 42, "_execute", (), {}))
+        app.send(("call", 42, "_execute"))
         refused = app.recv()[1]
         assert isinstance(refused, Failed) and refused.request_id == 42
         app.send(("cancel", 41))  # rank 0's own Event, so its worker ends the answer

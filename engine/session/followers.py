@@ -1,0 +1,73 @@
+"""What a session asks of a pipeline's other ranks, declared where the session needs it.
+
+On a pipeline, rank 0's session sends every cache operation to the ranks that
+hold the other layers first (``engine.distributed.commands.SessionLink``, a front
+end above this layer); on one machine a session has no link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from engine.cache.modes import KvMode
+from engine.events import RankShare
+from engine.session.prefill import Chunk
+
+DecodeStep = Callable[..., mx.array]
+"""The model as the answer loop calls it: ``step(inputs, cache=...)`` -> logits."""
+
+
+class FollowerLink(Protocol):
+    """A session's link to the same session on a pipeline's other ranks."""
+
+    def machines(self, kv_bytes: int, pages_in_use: int, free_bytes: int,
+                 tokens_fit: tuple[int | None, ...] = ()) -> tuple[RankShare, ...]:
+        """Every machine's share, rank 0's from these figures."""
+        ...
+
+    def prefill(self, chunk: Chunk, position: int) -> None:
+        """Feed ``chunk`` at ``position`` into the other ranks' layers."""
+        ...
+
+    def decoding(self, model: Any) -> DecodeStep:
+        """``model`` for the answer loop, each call sent to the other ranks first."""
+        ...
+
+    def checkpoint(self, boundary: bool, position: int) -> None:
+        """Checkpoint the other ranks' layers that cannot rewind."""
+        ...
+
+    def rewind(self, length: int, kept: int) -> None:
+        """Cut the other ranks' caches back to ``length`` tokens."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the other ranks' caches."""
+        ...
+
+    def close(self) -> None:
+        """Close the session on the other ranks."""
+        ...
+
+    def adopt(self, donor: FollowerLink, tokens: int) -> bool:
+        """Take ``donor``'s first ``tokens`` tokens on every rank; True when all did."""
+        ...
+
+    def save(self, name: str) -> bool:
+        """Store the other ranks' layers as snapshot ``name``; True when all did."""
+        ...
+
+    def restore(self, name: str, tokens: int) -> bool:
+        """Restore ``tokens`` tokens of snapshot ``name`` on every rank; True when all did."""
+        ...
+
+    def end(self, held: int, cancelled: bool, answer: bool = True) -> None:
+        """A request ended with ``held`` tokens in the cache."""
+        ...
+
+    def room(self, token_count: int, mode: KvMode) -> int:
+        """Tokens that may follow ``token_count`` on the tightest other rank."""
+        ...
