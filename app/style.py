@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QMetaObject, Qt
 from PySide6.QtGui import QColor, QIcon, QPalette
 from PySide6.QtWidgets import QApplication
 
@@ -99,7 +99,7 @@ def apply_color_scheme(app: QApplication, scheme: Qt.ColorScheme) -> None:
         app.setStyleSheet(sheet)
 
 
-def follow_system_theme(app: QApplication):
+def follow_system_theme(app: QApplication) -> QMetaObject.Connection:
     """Use the system's colour scheme now and whenever it changes; returns the connection."""
     hints = app.styleHints()
     apply_color_scheme(app, hints.colorScheme())

@@ -7,6 +7,8 @@ again when the palette changes). A desktop theme that has the icon wins.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import QByteArray, Qt
 from PySide6.QtGui import QIcon, QPainter, QPalette, QPixmap
 from PySide6.QtSvg import QSvgRenderer
@@ -26,7 +28,7 @@ THEME_NAMES = {
 }
 
 
-def icon_path(name: str):
+def icon_path(name: str) -> Path:
     """Where the bundled SVG of ``name`` lives."""
     return resources_dir() / ICONS_FOLDER / f"{name}.svg"
 

@@ -6,15 +6,17 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QSize, Qt, Signal
-from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
+from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
     QLabel,
     QMainWindow,
+    QMenu,
     QMessageBox,
     QSplitter,
     QStyle,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -36,7 +38,7 @@ from app.store import AttachmentRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from app.window.downloads import Downloads
 from app.window.menus import build_menus, build_toolbar, set_toolbar_icons
-from app.window.model_picker import DEMO
+from app.window.model_picker import DEMO, ModelPicker
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 from app.window.quit_box import QUIT, quit_box
@@ -60,6 +62,20 @@ class MainWindow(QMainWindow):
     """Longleaf's window."""
 
     filesDropped = Signal(list)
+    # Made by build_toolbar and build_menus, which take the window as a MenuHost.
+    models_action: QAction
+    new_chat_action: QAction
+    reopen_button: QToolButton
+    reopen_menu: QMenu
+    model_label: QLabel
+    model_picker: ModelPicker
+    model_state: QLabel
+    panel_action: QAction
+    settings_action: QAction
+    close_action: QAction
+    quit_action: QAction
+    about_action: QAction
+    stop_action: QAction
 
     def __init__(self, controller: ChatController) -> None:
         super().__init__()
@@ -474,6 +490,10 @@ class MainWindow(QMainWindow):
     def _on_splitter_moved(self, _pos: int, _index: int) -> None:
         if self.panel.isVisible() and self.splitter.sizes()[2] == 0:
             self.panel_action.setChecked(False)  # hides it through set_panel_visible
+
+    def as_widget(self) -> QWidget:
+        """The window itself (``MenuHost``: the parent of the toolbar's actions)."""
+        return self
 
     def set_panel_visible(self, visible: bool) -> None:
         """Show or hide the memory panel, and remember the choice."""

@@ -6,6 +6,7 @@ it, so this module does not import ``app.window.main_window`` (which imports it)
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Protocol
 
 from PySide6.QtCore import QSize, Qt
@@ -22,6 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.controller import ChatController
+from app.memory.panel import MemoryPanel
 from app.sessions.reopen import REOPEN_TIP, fill_reopen_menu
 from app.settings import Settings
 from app.window.icons import toolbar_icon
@@ -37,13 +39,34 @@ class MenuHost(Protocol):
     """What the toolbar and menus use of the main window (``MainWindow``).
 
     ``build_toolbar`` and ``build_menus`` also set the actions and widgets they
-    make on it (``new_chat_action``, ``reopen_menu``, ``model_picker``,
-    ``model_state``, ``panel_action``, ``settings_action``, ``stop_action``...).
+    make on it, declared here below the window's own.
     """
 
     controller: ChatController
     settings: Settings
-    panel: QWidget
+    models_action: QAction
+    new_chat_action: QAction
+    reopen_button: QToolButton
+    reopen_menu: QMenu
+    model_label: QLabel
+    model_picker: ModelPicker
+    model_state: QLabel
+    panel_action: QAction
+    settings_action: QAction
+    close_action: QAction
+    quit_action: QAction
+    about_action: QAction
+    stop_action: QAction
+
+    @property
+    def panel(self) -> MemoryPanel:
+        """The memory panel (its Check Quality action joins the Chat menu)."""
+        ...
+
+    def as_widget(self) -> QWidget:
+        """The window itself: the parent of the actions and boxes made for it."""
+        ...
+
 
     def addToolBar(self, toolbar: QToolBar) -> None: ...
     def menuBar(self) -> QMenuBar: ...
@@ -72,9 +95,9 @@ def build_toolbar(window: MenuHost) -> None:
     bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
     bar.setIconSize(QSize(TOOLBAR_ICON, TOOLBAR_ICON))
     window.addToolBar(bar)
-    window.models_action = QAction("Models and Downloads…", window)
+    window.models_action = QAction("Models and Downloads…", window.as_widget())
     window.models_action.triggered.connect(window.open_models)
-    window.new_chat_action = QAction("New Chat", window)
+    window.new_chat_action = QAction("New Chat", window.as_widget())
     window.new_chat_action.setShortcuts(QKeySequence.StandardKey.New)
     window.new_chat_action.triggered.connect(window.ask_new_chat)
     bar.addAction(window.new_chat_action)
@@ -86,8 +109,8 @@ def build_toolbar(window: MenuHost) -> None:
     window.reopen_menu = QMenu(window.reopen_button)
     # Filled as it opens: the shown chat's own mode is left out, and each asks first.
     window.reopen_menu.aboutToShow.connect(
-        lambda: fill_reopen_menu(window.reopen_menu, window.controller, window))
-    fill_reopen_menu(window.reopen_menu, window.controller, window)
+        lambda: fill_reopen_menu(window.reopen_menu, window.controller, window.as_widget()))
+    fill_reopen_menu(window.reopen_menu, window.controller, window.as_widget())
     window.reopen_button.setMenu(window.reopen_menu)
     window.reopen_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
     bar.addWidget(window.reopen_button)
@@ -108,12 +131,12 @@ def build_toolbar(window: MenuHost) -> None:
     window.model_state = QLabel()
     window.model_state.setObjectName("modelState")
     bar.addWidget(window.model_state)
-    window.panel_action = QAction("Memory", window, checkable=True)
+    window.panel_action = QAction("Memory", window.as_widget(), checkable=True)
     # isHidden, not isVisible: before the window is first shown nothing is visible.
     window.panel_action.setChecked(not window.panel.isHidden())
     window.panel_action.toggled.connect(window.set_panel_visible)
     bar.addAction(window.panel_action)
-    window.settings_action = QAction("Settings…", window)
+    window.settings_action = QAction("Settings…", window.as_widget())
     # Preferences is Cmd+, on macOS only; Ctrl+, is the convention elsewhere too.
     window.settings_action.setShortcuts(
         standard_keys(QKeySequence.StandardKey.Preferences, "Ctrl+,"))
@@ -169,23 +192,25 @@ def build_menus(window: MenuHost) -> None:
     window.quit_action.setMenuRole(QAction.MenuRole.QuitRole)
     # The roles put About, Settings… and Quit in macOS's application menu; elsewhere
     # they stay where they are added here.
-    window.about_action = QAction("About Longleaf", window)
+    window.about_action = QAction("About Longleaf", window.as_widget())
     window.about_action.setMenuRole(QAction.MenuRole.AboutRole)
-    window.about_action.triggered.connect(lambda: show_about(window))
+    window.about_action.triggered.connect(lambda: show_about(window.as_widget()))
     edit_menu = window.menuBar().addMenu("&Edit")
-    for title, key, slot in (
+    edits: tuple[tuple[str, QKeySequence.StandardKey, str] | None, ...] = (
         ("Undo", QKeySequence.StandardKey.Undo, "undo"),
         ("Redo", QKeySequence.StandardKey.Redo, "redo"),
-        (None, None, None),
+        None,
         ("Cut", QKeySequence.StandardKey.Cut, "cut"),
         ("Copy", QKeySequence.StandardKey.Copy, "copy"),
         ("Paste", QKeySequence.StandardKey.Paste, "paste"),
         ("Select All", QKeySequence.StandardKey.SelectAll, "selectAll"),
-    ):
-        if title is None:
+    )
+    for edit in edits:
+        if edit is None:
             edit_menu.addSeparator()
             continue
-        action = edit_menu.addAction(title, lambda s=slot: _edit_focused_widget(window, s))
+        title, key, slot = edit
+        action = edit_menu.addAction(title, partial(_edit_focused_widget, window, slot))
         action.setShortcut(key)
     edit_menu.addSeparator()
     edit_menu.addAction(window.settings_action)

@@ -57,6 +57,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     if hosts is not None:
         ranks = len(hosts)
     local = [r for r in range(ranks) if hosts is None or hosts[r] in LOCAL_HOSTS]
+    names = hosts or []
     # Every rank samples the same token only if every rank draws the same numbers.
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
@@ -67,7 +68,7 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
         reports = _reports(Path(folder), ranks)
     for rank in range(ranks):
         if rank not in local and rank not in reports:
-            reports[rank] = {"rank_stats": {"rank": rank, "host": hosts[rank],
+            reports[rank] = {"rank_stats": {"rank": rank, "host": names[rank],
                                             "collected": False}}
     missing = [rank for rank in range(ranks) if rank not in reports]
     if done.returncode != 0 or missing:

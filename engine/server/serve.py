@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import uvicorn
+from starlette.applications import Starlette
 
 from engine.server.app import KEEPALIVE_SECONDS, Server
 from engine.server.bridge import EngineBridge
@@ -25,7 +26,8 @@ def server_snapshot_dir() -> Path:
 
 def make_app(bridge: EngineBridge, api_key: str | None = None,
              cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
-             allowed_hosts: tuple[str, ...] = (), keepalive: float = KEEPALIVE_SECONDS):
+             allowed_hosts: tuple[str, ...] = (),
+             keepalive: float = KEEPALIVE_SECONDS) -> Starlette:
     """The ASGI app; its lifespan loads the model in the background and stops the worker.
 
     Without ``api_key`` it answers only requests addressed to this computer,
@@ -37,7 +39,7 @@ def make_app(bridge: EngineBridge, api_key: str | None = None,
     app = server.app()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app) -> AsyncIterator[None]:
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         loader = threading.Thread(target=bridge.load, name="longleaf-server-load", daemon=True)
         loader.start()  # /health answers 503 until it is done
         try:

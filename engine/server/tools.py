@@ -117,7 +117,7 @@ class ToolCallReader:
         try:
             parsed = self.syntax.parser(text, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
-            found = [self._call(call) for call in calls]
+            found: list[str | ToolCall] = [self._call(call) for call in calls]
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             # Nothing the model wrote is lost: an unreadable call stays text.
             log.warning("tool call not parsed (%s: %s)", type(error).__name__, error)
