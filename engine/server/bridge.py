@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.cache import kvquant
 from engine.errors import EngineError
-from engine.events import Failed, Finished, ModelLoaded
+from engine.events import Failed, Finished, ModelLoaded, Notice
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.worker import EngineWorker
 from engine.server.tools import ToolSyntax
@@ -197,7 +197,9 @@ class EngineBridge:
             ticket.put(event)
 
     def _loaded(self, event: object) -> None:
-        if isinstance(event, ModelLoaded):
+        if isinstance(event, Notice):  # e.g. a pipeline's ranks started again
+            log.warning("%s", event.message)
+        elif isinstance(event, ModelLoaded):
             self.info = event.info
         elif isinstance(event, Failed):
             self.load_error = event.message
