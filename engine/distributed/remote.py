@@ -35,7 +35,7 @@ from typing import Any
 from engine import errors
 from engine.distributed.link import DROP_GRACE, Link
 from engine.errors import EngineError, ModelLoadError
-from engine.events import Failed, Finished, PipelineLost, StatsSample
+from engine.events import Failed, Finished, Notice, PipelineLost, StatsSample
 from engine.memory import fit
 from engine.runtime.worker import check_settings
 from engine.session.prompt_ids import TurnOverhead
@@ -415,7 +415,8 @@ class RemoteWorker:
                 argv += ["--budget", str(self._budget_bytes)]
             if self._split is not None:
                 argv += ["--split", ",".join(map(str, self._split))]
-            link = Link(argv, self._ranks, self._hostfile, self._on_message, self._lose)
+            link = Link(argv, self._ranks, self._hostfile, self._on_message, self._lose,
+                        lambda text: self._emit(Notice(request_id, text)))
         except EngineError as error:
             self._end(request_id, Failed(request_id, str(error), type(error).__name__))
             return
