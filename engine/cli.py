@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from engine.cache import kvquant
 from engine.cache.modes import DEFAULT_MODE, FP16, MODES, KvMode, parse_mode
-from engine.distributed.launch import launch, rank_report_dir, rank_started, write_rank_report
+from engine.distributed.launch import join_group, launch, rank_report_dir, write_rank_report
 from engine.errors import EngineError, UnsupportedModeError
 from engine.events import Event, Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
 from engine.memory.fit import facts_from_info
@@ -102,10 +102,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         out.write(json.dumps(result) + "\n" if args.json else "\n")
         return 0
     # One rank of a pipeline launch: the launcher prints what rank 0 reports.
-    import mlx.core as mx
-
-    group = mx.distributed.init()
-    rank_started(report_dir, group.rank())
+    group = join_group(report_dir)
     if group.rank() != 0:
         # A follower: no prompt, no sampling; it does what rank 0's commands say.
         from engine.distributed.follower import follow

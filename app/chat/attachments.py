@@ -24,6 +24,34 @@ CHARS_PER_TOKEN_BOUND = 8  # no tokenizer packs more characters into one token
 # Text read to count a file that is too long, so the refusal says its tokens and
 # the part that fits can be offered; longer files are refused by their size.
 READ_CAP_CHARS = 4 * 1024 * 1024
+# Files one message holds. A drop of a whole folder's files would otherwise make
+# a chip, a read and a draft entry for each (thousands), and no model's context
+# holds that many documents worth reading anyway.
+MAX_FILES = 20
+
+
+def _files(count: int) -> str:
+    return f"{count:,} file" if count == 1 else f"{count:,} files"
+
+
+def files_left_out(given: int, taken: int) -> str:
+    """What is said when ``given`` files came and only ``taken`` fit under ``MAX_FILES``."""
+    left = given - taken
+    if not taken:
+        return (f"This message already has {MAX_FILES} attached files, the most one "
+                f"message takes, so {left:,} more {'file was' if left == 1 else 'files were'} "
+                "not attached. Send it or remove some files, then attach the others.")
+    return (f"{_files(given)} were given, more than the {MAX_FILES} one message takes: the "
+            f"first {_files(taken)} {'is' if taken == 1 else 'are'} attached and the other "
+            f"{left:,} {'is' if left == 1 else 'are'} not. Send these, then attach the rest to "
+            "a later message, or combine them into fewer files.")
+
+
+def restored_left_out(held: int) -> str:
+    """What is said when a stored draft held more files than ``MAX_FILES``."""
+    return (f"This chat's draft held {held:,} attached files, more than the {MAX_FILES} one "
+            f"message takes; the first {MAX_FILES} are kept. Attach the others to a later "
+            "message.")
 
 
 class TooLong:

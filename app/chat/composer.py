@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+from superqt import QFlowLayout
 
 from app.format import human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sentence
@@ -125,10 +126,12 @@ class Composer(QWidget):
         outer = QVBoxLayout(self)
         outer.setContentsMargins(16, 6, 16, 12)
         outer.setSpacing(6)
-        self.chips_row = QHBoxLayout()
-        self.chips_row.setSpacing(6)
-        self.chips_row.addStretch(1)
-        outer.addLayout(self.chips_row)
+        # Chips wrap onto rows: twenty files' chips in one row would squeeze each to
+        # a few letters, and the composer's minimum width would grow with them.
+        self.chips_box = QWidget(self)
+        self.chips_row = QFlowLayout(self.chips_box)
+        self.chips_row.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(self.chips_box)
         self.notice = QLabel()
         self.notice.setObjectName("inlineNotice")
         self.notice.setWordWrap(True)
@@ -370,7 +373,7 @@ class Composer(QWidget):
         chip = AttachmentChip(job_id, name, self)
         chip.removeRequested.connect(self.removeAttachment.emit)
         self.chips[job_id] = chip
-        self.chips_row.insertWidget(self.chips_row.count() - 1, chip)
+        self.chips_row.addWidget(chip)
         return chip
 
     def remove_chip(self, job_id: int) -> None:

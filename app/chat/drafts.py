@@ -18,12 +18,14 @@ import logging
 
 from PySide6.QtCore import QObject, QTimer
 
+from app.chat.attachments import MAX_FILES, restored_left_out
 from app.store import AttachmentRecord
 from engine import DiskFault
 
 log = logging.getLogger(__name__)
 
 SAVE_AFTER_MS = 400
+SAVE_FILES_EVERY_MS = 1000
 
 
 class Drafts(QObject):
@@ -40,9 +42,13 @@ class Drafts(QObject):
         current = controller.current
         self.session_id: str | None = current.id if current else None
         self._loading = False
+        # What the composer says of the draft shown: the files left out of it, or "".
+        self.said = ""
         self._restored_ids = itertools.count(-1, -1)  # the loader's job ids are positive
         self._timer = QTimer(self, singleShot=True, interval=SAVE_AFTER_MS)
         self._timer.timeout.connect(self.save_now)
+        self._files_timer = QTimer(self, singleShot=True, interval=SAVE_FILES_EVERY_MS)
+        self._files_timer.timeout.connect(self.save_now)
         # Drafts the history could not take, by chat: the newest word on them.
         self._unsaved: dict[str | None, tuple[str, tuple[AttachmentRecord, ...]]] = {}
         composer.edit.textChanged.connect(self._typed)
@@ -52,7 +58,14 @@ class Drafts(QObject):
     def save_now(self) -> None:
         """Write the shown chat's draft (the window closes, the typing paused, a file came)."""
         self._timer.stop()
+        self._files_timer.stop()
         self._save(self.session_id, self.composer.text(), tuple(self.attachments.values()))
+
+    def save_soon(self) -> None:
+        """Write the draft within ``SAVE_FILES_EVERY_MS`` (a file came and more are being
+        read: one save for all that come meanwhile)."""
+        if not self._files_timer.isActive():
+            self._files_timer.start()
 
     def _save(self, session_id: str | None, text: str,
               files: tuple[AttachmentRecord, ...]) -> None:
@@ -72,9 +85,15 @@ class Drafts(QObject):
         return self.store.draft(session_id), self.store.draft_attachments(session_id)
 
     def show_attachments(self, records: tuple[AttachmentRecord, ...]) -> None:
-        """Put ``records`` in the composer in place of its attachments, as chips."""
+        """Put ``records`` in the composer in place of its attachments, as chips (the
+        first ``MAX_FILES``; the rest are left out, and that is said)."""
         self.attachments.clear()
         self.composer.clear_chips()
+        if len(records) > MAX_FILES:
+            log.info("a draft of %d files shown as its first %d", len(records), MAX_FILES)
+            self.said = restored_left_out(len(records))
+            self.composer.show_notice(self.said)
+            records = records[:MAX_FILES]
         for record in records:
             chip_id = next(self._restored_ids)
             self.attachments[chip_id] = record
@@ -105,8 +124,11 @@ class Drafts(QObject):
         self._show(draft, files)
 
     def _show(self, text: str, files: tuple[AttachmentRecord, ...]) -> None:
+        self.said = ""
         if files or self.attachments:
             self.show_attachments(files)
+            if len(files) > MAX_FILES:  # keep what is shown, so the next start is quick
+                self._save(self.session_id, text, tuple(self.attachments.values()))
         if text == self.composer.text():
             return
         self._loading = True

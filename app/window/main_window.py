@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -21,7 +22,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat.attachments import CHARS_PER_TOKEN_BOUND, DocumentLoader
+from app.chat.attachments import (
+    CHARS_PER_TOKEN_BOUND,
+    MAX_FILES,
+    DocumentLoader,
+    files_left_out,
+)
 from app.chat.composer import READING, Composer
 from app.chat.conversation_view import ConversationView
 from app.chat.drafts import Drafts
@@ -42,6 +48,8 @@ from app.window.model_picker import DEMO, ModelPicker
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 from app.window.quit_box import QUIT, quit_box
+
+log = logging.getLogger(__name__)
 
 CHECKING = JOB_WORDS[ChatState.CHECKING]  # the progress row's title while a check reads
 EXIT_WITHIN_S = 2.0  # from closing the window to the process having exited
@@ -87,6 +95,8 @@ class MainWindow(QMainWindow):
         self.resize(initial_size(self.screen().availableSize()))
         self.loader = DocumentLoader(controller.bridge.token_ends, self)
         self.attachments: dict[int, AttachmentRecord] = {}
+        self._left_out = ""  # files of the last drop past MAX_FILES, as said
+        self._left_out_jobs: set[int] = set()  # that drop's files still being read
         self.closed_at: float | None = None
         self._opened_folder: str | None = None
         self.downloads = Downloads(self)
@@ -294,7 +304,7 @@ class MainWindow(QMainWindow):
             # What the composer said of a file, and a file's offer, are about the
             # draft of the chat they were said in.
             self._shown_chat = shown
-            self.composer.show_notice("")
+            self.composer.show_notice(self.drafts.said)  # of the draft just shown, if any
             self.composer.withdraw_offer()
         self._show_activity()
         self.fit.schedule()
@@ -459,11 +469,29 @@ class MainWindow(QMainWindow):
         self.add_files(paths)
 
     def add_files(self, paths: list[str]) -> None:
-        """Read files off the GUI thread and show them as chips."""
+        """Read files off the GUI thread and show them as chips, up to ``MAX_FILES`` in
+        the composer; the others are left out, and that is said."""
         self.filesDropped.emit(list(paths))
-        for path in paths:
+        taken = list(paths[:max(0, MAX_FILES - len(self.composer.chips))])
+        left_out = files_left_out(len(paths), len(taken)) if len(taken) < len(paths) else ""
+        if left_out:
+            log.info("%d of %d files given were attached", len(taken), len(paths))
+            self.composer.show_notice(left_out)
+        self._left_out = left_out
+        self._left_out_jobs = set()
+        for path in taken:
             job_id = self.loader.load(path, self.fit.room(Path(path).name) or 131_072)
             self.composer.add_chip(job_id, Path(path).name)
+            if left_out:
+                self._left_out_jobs.add(job_id)
+
+    def _notice_for(self, job_id: int, said: str) -> str:
+        """What a file's read says, and (while that batch's files are read) that some
+        files of it were left out, so the one does not hide the other."""
+        if job_id not in self._left_out_jobs:
+            return said
+        self._left_out_jobs.discard(job_id)
+        return f"{said} {self._left_out}".strip()
 
     def _on_loaded(self, job_id: int, record: AttachmentRecord, notes: tuple) -> None:
         chip = self.composer.chips.get(job_id)
@@ -471,13 +499,16 @@ class MainWindow(QMainWindow):
             return
         chip.set_record(record)
         self.attachments[job_id] = record
-        self.drafts.save_now()
-        self.composer.show_notice(" ".join(notes))
+        if self.loader.pending:
+            self.drafts.save_soon()  # more files are coming: one save for many
+        else:
+            self.drafts.save_now()
+        self.composer.show_notice(self._notice_for(job_id, " ".join(notes)))
         self.fit.schedule()
 
     def _on_load_failed(self, job_id: int, message: str) -> None:
         self.composer.remove_chip(job_id)
-        self.composer.show_notice(message)
+        self.composer.show_notice(self._notice_for(job_id, message))
 
     def _remove_attachment(self, job_id: int) -> None:
         self.attachments.pop(job_id, None)

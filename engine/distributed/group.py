@@ -39,6 +39,9 @@ OUTPUT_LINES = 400
 # More than the launcher's stdin pipe and every rank's stdin pipe hold (64 KiB each
 # on Linux and macOS), for up to a dozen ranks.
 STDIN_FILL = 1 << 20
+# A rank's exit code when its group could not form (EX_TEMPFAIL: worth another
+# try); ``launch.join_group`` exits with it.
+RING_FAILED = 75
 # mlx.launch's own warning when a rank ends with an error (not when it stops it).
 _EXITED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
@@ -164,6 +167,11 @@ class Group:
         host = None if self.hosts is None else self.hosts[rank]
         return "this machine" if host is None or host in LOCAL_HOSTS else host
 
+    def ring_failed(self, done: subprocess.CompletedProcess[str]) -> bool:
+        """Whether the run ended because its ranks' group could not form (a rank exited
+        with ``RING_FAILED``)."""
+        return any(int(code) == RING_FAILED for _rank, code in _EXITED.findall(done.stderr or ""))
+
     def failure(self, done: subprocess.CompletedProcess[str], suspects: list[int]) -> str:
         """Why the run failed, naming the rank (and its machine) that caused it."""
         stderr = done.stderr or ""
@@ -181,6 +189,11 @@ class Group:
             # A killed rank says nothing: any error line is another rank's, about
             # the peer it lost (printed before or after the launcher noticed).
             detail = f": its process was killed (signal {-exited[failed[0]]})"
+        elif failed and exited.get(failed[0]) == RING_FAILED:
+            said = errors[-1].removeprefix("error: ") if errors else "no reason given"
+            detail = (f": the ranks could not connect to each other ({said}). Check that "
+                      "each machine reaches the others at the hostfile's addresses and that "
+                      "no other program uses the ring's ports")
         elif errors:
             detail = f": {errors[-1]}"
         elif failed and failed[0] in exited:

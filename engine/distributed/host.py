@@ -24,7 +24,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
-from engine.distributed.launch import rank_report_dir, rank_started, write_rank_report
+from engine.distributed.launch import join_group, rank_report_dir, write_rank_report
 from engine.distributed.link import ADDRESS_ENV, KEY_ENV
 from engine.errors import EngineError
 from engine.events import Event, Failed, Finished, renumbered, request_id_of
@@ -191,11 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: this is one rank of the app's pipeline; mlx.launch starts it.",
               file=sys.stderr)
         return 2
-    import mlx.core as mx
-
-    group = mx.distributed.init()
+    group = join_group(folder)
     rank = group.rank()
-    rank_started(folder, rank)
     try:
         if rank != 0:
             from engine.distributed.follower import follow

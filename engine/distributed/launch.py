@@ -11,6 +11,12 @@ rank 0's output with every rank's share of the KV cache and the pool's fit.
 MLX collectives have no timeout, so the launcher watches its ranks
 (``engine.distributed.group``): a rank whose process is gone without a report
 ends the whole group after a short grace, with an error naming that rank.
+
+MLX's ring links are plain TCP on 127.0.0.1 for local ranks: any program of the
+machine may connect to a rank's port before its peer does, and the ring then
+never forms. A rank whose group cannot form exits with ``RING_FAILED``; local
+ranks are then started again on other ports, at most ``RING_ATTEMPTS`` times,
+and each time it is said.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.distributed.alive import guard_links, start_beating
-from engine.distributed.group import LOCAL_HOSTS, Group
+from engine.distributed.group import LOCAL_HOSTS, RING_FAILED, Group
 from engine.errors import EngineError
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
 DEFAULT_RING_PORT = 32323  # mlx.launch's own --starting-port
+RING_ATTEMPTS = 3  # starts of local ranks, each on other ports
 
 
 def rank_report_dir() -> Path | None:
@@ -61,10 +68,17 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     # Every rank samples the same token only if every rank draws the same numbers.
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="pipeline-") as folder:
-        command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
         env = rank_environment(folder, ranks, hosts)
-        group = Group(command, env, Path(folder), ranks, hosts)
-        done, lost = group.watch()
+        for attempt in range(1, RING_ATTEMPTS + 1):
+            command = launch_command(launcher, argv, ranks, seed, folder, hostfile)
+            group = Group(command, env, Path(folder), ranks, hosts)
+            done, lost = group.watch()
+            if hosts is not None or not group.ring_failed(done):
+                break
+            if attempt == RING_ATTEMPTS:
+                raise EngineError(ring_gave_up(done))
+            print(ring_retry(command, ranks, done), file=sys.stderr, flush=True)
+            clear_rank_files(Path(folder))
         reports = _reports(Path(folder), ranks)
     for rank in range(ranks):
         if rank not in local and rank not in reports:
@@ -81,6 +95,54 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     else:
         out.write(first["text"] + "\n")
     return int(first.get("status", 0))
+
+
+def ring_error(done: Any) -> str:
+    """What MLX said when the ring did not form (the ranks' last ``error:`` line)."""
+    errors = [line.removeprefix("error: ") for line in (done.stderr or "").splitlines()
+              if line.startswith("error: ")]
+    return errors[-1].rstrip(".") if errors else "no rank said why"
+
+
+def ring_retry(command: Sequence[str], ranks: int, done: Any) -> str:
+    """What is said when local ranks are started again on other ports."""
+    first = int(command[list(command).index("--starting-port") + 1])
+    ports = f"port {first}" if ranks == 1 else f"ports {first}-{first + ranks - 1}"
+    return (f"The pipeline's ranks could not connect to each other on {ports} of this "
+            f"machine ({ring_error(done)}): another program may have connected to one of "
+            "them first. Starting them again on other ports.")
+
+
+def ring_gave_up(done: Any) -> str:
+    """The failure once every start of local ranks failed to form their ring."""
+    return (f"The pipeline run failed: its ranks could not connect to each other on this "
+            f"machine in {RING_ATTEMPTS} tries, each on other ports ({ring_error(done)}). "
+            "Another program may keep connecting to their ports first: quit programs you "
+            "do not know, then try again.")
+
+
+def clear_rank_files(folder: Path) -> None:
+    """Remove what the ranks of a failed start wrote, before the next start."""
+    for path in folder.glob("rank*.*"):
+        path.unlink(missing_ok=True)
+
+
+def join_group(folder: Path) -> Any:
+    """This rank's MLX group, once every rank has connected (then ``rank_started``).
+
+    A group that cannot form (a peer unreachable, a port taken or answered by
+    another program) ends this process with ``RING_FAILED`` and an ``error:`` line
+    saying MLX's reason, which the launcher reads.
+    """
+    import mlx.core as mx
+
+    try:
+        group = mx.distributed.init()
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(RING_FAILED) from None
+    rank_started(folder, group.rank())
+    return group
 
 
 def rank_environment(folder: str, ranks: int, hosts: Sequence[str] | None) -> dict[str, str]:

@@ -36,7 +36,16 @@ from engine import errors
 from engine.cache.modes import KvMode
 from engine.distributed.link import DROP_GRACE, Link
 from engine.errors import EngineError, ModelLoadError
-from engine.events import Ending, Event, Failed, Finished, PipelineLost, StatsSample, request_id_of
+from engine.events import (
+    Ending,
+    Event,
+    Failed,
+    Finished,
+    Notice,
+    PipelineLost,
+    StatsSample,
+    request_id_of,
+)
 from engine.memory import fit
 from engine.runtime.commands import (
     CANCELLABLE,
@@ -437,7 +446,8 @@ class RemoteWorker(Worker):
                 argv += ["--budget", str(self._budget_bytes)]
             if self._split is not None:
                 argv += ["--split", ",".join(map(str, self._split))]
-            link = Link(argv, self._ranks, self._hostfile, self._on_message, self._lose)
+            link = Link(argv, self._ranks, self._hostfile, self._on_message, self._lose,
+                        lambda text: self._emit(Notice(request_id, text)))
         except EngineError as error:
             self._end(request_id, Failed(request_id, str(error), type(error).__name__))
             return

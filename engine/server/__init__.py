@@ -7,5 +7,6 @@ server's threads; ``engine.server.app`` is the Starlette application;
 Ollama's, each against its table in ``engine.server.fields`` (every field of
 the API's schema: honoured, accepted or refused); ``engine.server.pipeline`` is
 the bridge over a pipeline of machines (``RemoteWorker``) and its fallback to
-this one.
+this one; ``engine.server.connections`` is uvicorn's HTTP protocol with a bound
+on reading a request's head.
 """

@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.cache.modes import DEFAULT_MODE, KvMode
 from engine.errors import EngineError
-from engine.events import Event, Failed, Finished, ModelLoaded, request_id_of
+from engine.events import Event, Failed, Finished, ModelLoaded, Notice, request_id_of
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.interface import Worker
 from engine.runtime.worker import EngineWorker
@@ -103,7 +103,12 @@ class EngineBridge:
         self.info: Any = None
         self.load_error: str | None = None
         self._tokenizer: Any = None
+        # Held while the tokenizer encodes (on the render thread: seconds, for a
+        # prompt of megabytes), so the event loop never waits on it: what the
+        # handlers read of the tokenizer is kept beside it when a model is served.
         self._tokenizer_lock = threading.Lock()
+        self._vocab_size = 0
+        self._chat_template = ""
         # One thread renders prompts off the server's event loop (a long
         # conversation takes a while to tokenize); started with the model, so
         # no thread appears or lingers per request.
@@ -142,8 +147,11 @@ class EngineBridge:
         except (OSError, ValueError) as error:
             self.load_error = f"The tokenizer in {folder} cannot be read: {error}"
             return
+        template = getattr(tokenizer, "chat_template", None)
         with self._tokenizer_lock:
             self.info, self._tokenizer, self.load_error = info, tokenizer, None
+            self._vocab_size = len(tokenizer)
+            self._chat_template = template if isinstance(template, str) else ""
         self._renderer.submit(int).result()  # its thread starts now, not mid-request
         self.ready.set()
 
@@ -190,7 +198,9 @@ class EngineBridge:
             ticket.put(event)
 
     def _loaded(self, event: Event) -> None:
-        if isinstance(event, ModelLoaded):
+        if isinstance(event, Notice):  # e.g. a pipeline's ranks started again
+            log.warning("%s", event.message)
+        elif isinstance(event, ModelLoaded):
             self.info = event.info
         elif isinstance(event, Failed):
             self.load_error = event.message
@@ -231,22 +241,24 @@ class EngineBridge:
             return self._tokenizer.decode(ids)
 
     def token_texts(self, ids: list[int]) -> list[str]:
-        """Each id's own text (a piece of a character decodes to U+FFFD)."""
-        with self._tokenizer_lock:
-            return [self._tokenizer.decode([i]) for i in ids]
+        """Each id's own text (a piece of a character decodes to U+FFFD).
+
+        Called on the event loop (a streamed answer's logprobs), so it does not
+        wait for the lock a long render holds: decoding only reads the tokenizer,
+        which the Rust tokenizer allows beside an encode on another thread.
+        """
+        tokenizer = self._tokenizer
+        return [tokenizer.decode([i]) for i in ids]
 
     @property
     def chat_template(self) -> str:
         """The loaded model's chat template ("" for a base model)."""
-        with self._tokenizer_lock:
-            template = getattr(self._tokenizer, "chat_template", None)
-        return template if isinstance(template, str) else ""
+        return self._chat_template
 
     @property
     def vocab_size(self) -> int:
         """Token ids the tokenizer knows (ids from 0 to this, exclusive)."""
-        with self._tokenizer_lock:
-            return len(self._tokenizer) if self._tokenizer is not None else 0
+        return self._vocab_size
 
     def fit(self, token_count: int) -> Any:
         """The guard's ``FitReport`` for ``token_count`` tokens of a new conversation,

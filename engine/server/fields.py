@@ -80,6 +80,18 @@ STRUCTURED = honoured("JSON (json_object) or a JSON schema (json_schema): the an
                       "decoded to it, every token checked by llguidance's grammar; not "
                       "with tools")
 
+# What OpenAI's chat and responses requests carry for its hosted service alone.
+OPENAI_HOSTED = {
+    "metadata": BOOKKEEPING,
+    "user": BOOKKEEPING,
+    "safety_identifier": BOOKKEEPING,
+    "moderation": BOOKKEEPING,
+    "service_tier": TIER,
+    "prompt_cache_key": CACHING,
+    "prompt_cache_options": CACHING,
+    "prompt_cache_retention": CACHING,
+}
+
 CHAT = {
     "messages": honoured("system/developer, user, assistant (a last one is continued) "
                          "and tool messages; text parts"),
@@ -116,14 +128,7 @@ CHAT = {
     "function_call": refused("the legacy function_call field is not supported: send "
                              "'tool_choice'"),
     "store": refused("completions are not stored for later retrieval here", _false),
-    "metadata": BOOKKEEPING,
-    "user": BOOKKEEPING,
-    "safety_identifier": BOOKKEEPING,
-    "moderation": BOOKKEEPING,
-    "service_tier": TIER,
-    "prompt_cache_key": CACHING,
-    "prompt_cache_options": CACHING,
-    "prompt_cache_retention": CACHING,
+    **OPENAI_HOSTED,
     "reasoning_effort": ADVICE,
     "verbosity": ADVICE,
 }

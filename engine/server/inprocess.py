@@ -255,13 +255,14 @@ class LocalServer:
         # Here, not at import: the app imports this module at launch, server on or off.
         import uvicorn
 
+        from engine.server.connections import http_protocol
         from engine.server.serve import make_app
 
         self._socket = _bind(self.host, self.port)
         app = make_app(self.bridge, self.api_key, bind_host=self.host,
                        allowed_hosts=self.allowed_hosts)
         app.router.lifespan_context = self._lifespan
-        config = uvicorn.Config(app, log_level="warning", lifespan="on",
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", http=http_protocol(),
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)

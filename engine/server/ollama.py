@@ -160,17 +160,7 @@ def _message(message: Any, index: int) -> dict:
     out: dict = {"role": message["role"], "content": content}
     calls = message.get("tool_calls")
     if message["role"] == "assistant" and calls:
-        if not isinstance(calls, list):
-            raise BadRequest(f"{where}.tool_calls must be a list.", "messages")
-        out["tool_calls"] = []
-        for number, call in enumerate(calls):
-            spot = f"{where}.tool_calls[{number}]"
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                raise BadRequest(f"{spot} must be an object with a 'function'.", "messages")
-            out["tool_calls"].append(protocol.call_of(
-                call.get("id"), function.get("name"),
-                protocol.arguments_of(function.get("arguments", {}), spot), spot))
+        out["tool_calls"] = protocol.tool_calls_of(calls, where)
     if message["role"] == "tool" and isinstance(message.get("tool_name"), str):
         out["name"] = message["tool_name"]
     return out

@@ -147,24 +147,28 @@ def call_of(ident: Any, name: Any, arguments: dict, where: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+def tool_calls_of(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` (OpenAI's and Ollama's form) as template calls."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list.", "messages")
+    read = []
+    for number, call in enumerate(calls):
+        spot = f"{where}.tool_calls[{number}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise BadRequest(f"{spot} must be an object with a 'function'.", "messages")
+        read.append(call_of(call.get("id"), function.get("name"),
+                            arguments_of(function.get("arguments", {}), spot), spot))
+    return read
+
+
 def _openai_message(message: dict, index: int) -> dict:
     where = f"messages[{index}]"
     role = message["role"]
     content = message.get("content")
     out: dict = {"role": role, "content": "" if content is None else text_of(content, where)}
     if role == "assistant" and message.get("tool_calls") is not None:
-        calls = message["tool_calls"]
-        if not isinstance(calls, list):
-            raise BadRequest(f"{where}.tool_calls must be a list.", "messages")
-        out["tool_calls"] = []
-        for number, call in enumerate(calls):
-            spot = f"{where}.tool_calls[{number}]"
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                raise BadRequest(f"{spot} must be an object with a 'function'.", "messages")
-            out["tool_calls"].append(call_of(call.get("id"), function.get("name"),
-                                           arguments_of(function.get("arguments", {}), spot),
-                                           spot))
+        out["tool_calls"] = tool_calls_of(message["tool_calls"], where)
     if role == "tool":
         ident = message.get("tool_call_id")
         if ident is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.server import fields, protocol, structured
 from engine.server.errors import BadRequest
-from engine.server.fields import BOOKKEEPING, CACHING, TIER, accepted, honoured, refused
+from engine.server.fields import BOOKKEEPING, accepted, honoured, refused
 from engine.server.protocol import ChatRequest
 
 DEFAULT_MAX_TOKENS = 4096
@@ -75,14 +75,7 @@ FIELDS = {
                                   lambda v: v in ([], {})),
     "image": refused("this server reads text only"),
     "access_programs": BOOKKEEPING,
-    "metadata": BOOKKEEPING,
-    "user": BOOKKEEPING,
-    "safety_identifier": BOOKKEEPING,
-    "moderation": BOOKKEEPING,
-    "service_tier": TIER,
-    "prompt_cache_key": CACHING,
-    "prompt_cache_options": CACHING,
-    "prompt_cache_retention": CACHING,
+    **fields.OPENAI_HOSTED,
 }
 # Codex's own, not in the API's schema: read by nothing.
 FIELDS["client_metadata"] = accepted("Codex's bookkeeping")

@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 
 from engine.server.app import KEEPALIVE_SECONDS, Server
 from engine.server.bridge import EngineBridge
+from engine.server.connections import http_protocol
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,12 @@ def make_app(bridge: EngineBridge, api_key: str | None = None,
 def uvicorn_server(bridge: EngineBridge, host: str, port: int,
                    api_key: str | None = None, cors_origins: tuple[str, ...] = (),
                    allowed_hosts: tuple[str, ...] = (),
-                   keepalive: float = KEEPALIVE_SECONDS) -> uvicorn.Server:
-    """A uvicorn server for ``bridge`` (not started)."""
+                   keepalive: float = KEEPALIVE_SECONDS,
+                   head_timeout: float | None = None) -> uvicorn.Server:
+    """A uvicorn server for ``bridge`` (not started); a connection that sends no whole
+    request head within ``head_timeout`` seconds (None: ``HEAD_TIMEOUT_S``) is closed."""
     app = make_app(bridge, api_key, cors_origins, bind_host=host, allowed_hosts=allowed_hosts,
                    keepalive=keepalive)
-    config = uvicorn.Config(app, host=host, port=port,
+    config = uvicorn.Config(app, host=host, port=port, http=http_protocol(head_timeout),
                             log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return uvicorn.Server(config)

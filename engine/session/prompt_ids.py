@@ -145,15 +145,30 @@ def _backend(tokenizer: Any) -> Any | None:
     return backend if hasattr(backend, "encode_batch") else None
 
 
-def encode_with_starts(tokenizer: Any, text: str) -> tuple[list[int], list[int] | None]:
+def _encoding(backend: Any, text: str) -> Any:
+    """``text``'s encoding (no special tokens added), made without the interpreter's lock.
+
+    The Rust tokenizer's one-text ``encode`` keeps the lock for the whole call, so
+    no other thread of the process runs while it reads a long prompt: the server's
+    event loop stops answering, the window stops repainting. Its batch call lets
+    them go on, and gives the same encoding.
+    """
+    return backend.encode_batch([text], add_special_tokens=False)[0]
+
+
+def encode_with_starts(tokenizer: Any, text: str, *,
+                       starts: bool = True) -> tuple[list[int], list[int] | None]:
     """``text``'s ids (no special tokens added) and where each starts, in characters.
 
-    The starts are None when the tokenizer has no fast backend to ask.
+    The starts are None when the tokenizer has no fast backend to ask, or when
+    not asked for (``starts=False``: listing them takes a while for a long text).
     """
     backend = _backend(tokenizer)
     if backend is None:
         return list(tokenizer.encode(text, add_special_tokens=False)), None
-    encoding = backend.encode(text, add_special_tokens=False)
+    encoding = _encoding(backend, text)
+    if not starts:
+        return list(encoding.ids), None
     return list(encoding.ids), [start for start, _ in encoding.offsets]
 
 
@@ -167,8 +182,7 @@ def token_ends(tokenizer: Any, text: str) -> list[int]:
     text = clean_text(text)
     backend = _backend(tokenizer)
     if backend is not None:
-        encoding = backend.encode(text, add_special_tokens=False)
-        return [end for _, end in encoding.offsets]
+        return [end for _, end in _encoding(backend, text).offsets]
     ends, end = [], 0
     for token in tokenizer.encode(text, add_special_tokens=False):
         end += len(tokenizer.decode([token]))
@@ -178,7 +192,7 @@ def token_ends(tokenizer: Any, text: str) -> list[int]:
 
 def render_prompt(
     tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-    tools: list[dict] | None = None, template: bool = True,
+    tools: list[dict] | None = None, template: bool = True, starts: bool = True,
 ) -> Prompt:
     """The conversation rendered the way ``mlx_lm generate`` does, tokenized once.
 
@@ -191,7 +205,8 @@ def render_prompt(
     ``tools`` (OpenAI-style function definitions) go to the chat template, as
     ``mlx_lm.server`` passes them; a base model has no template to take them.
     ``template=False`` reads the contents as plain text even where the model has
-    a chat template (a text completion's prompt).
+    a chat template (a text completion's prompt). ``starts=False`` leaves the
+    tokens' starts out (``Prompt.boundaries`` then tokenizes again per message).
     """
     if not messages:
         return Prompt([], [])
@@ -203,8 +218,8 @@ def render_prompt(
         else:
             text = _template_text(tokenizer, messages,
                                   add_generation_prompt=add_generation_prompt, tools=tools)
-        ids, starts = encode_with_starts(tokenizer, text)
-        return Prompt(ids, messages, text, starts, tools or None, continues=continued)
+        ids, where = encode_with_starts(tokenizer, text, starts=starts)
+        return Prompt(ids, messages, text, where, tools or None, continues=continued)
     # Base models have no template: the contents, one after another.
     text = "\n\n".join(message["content"] for message in messages)
     return Prompt(list(tokenizer.encode(text, add_special_tokens=True)), messages,
@@ -217,7 +232,7 @@ def render_conversation(
 ) -> list[int]:
     """Token ids of the conversation, rendered the way ``mlx_lm generate`` does."""
     return render_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                         tools=tools, template=template).ids
+                         tools=tools, template=template, starts=False).ids
 
 
 @dataclass(frozen=True)

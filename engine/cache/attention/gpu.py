@@ -124,8 +124,10 @@ def _prefill(view: QueryView, cache: Any, scale: float, group: int | None) -> mx
     store = cache.store
     kv_heads, rows, head_dim = view.q.shape
     q = _scaled(view.q, scale)
+    in_place = (store.layout.bits != 16 and group) or view.q.dtype == mx.float16
+    converted = 0 if in_place else 2 * kv_heads * head_dim * view.q.dtype.size
     tokens = scratch.gpu_block_tokens(rows * kv_heads, head_dim, cache.pool.page_size,
-                                      cache.pool.scratch_bytes)
+                                      cache.pool.scratch_bytes, converted)
     end, positions = cache.columns()
     score, mix = _readers(store, group)
     state: tuple[mx.array, ...] | None = None
@@ -173,12 +175,16 @@ Reader = Callable[..., mx.array]
 
 
 def _readers(store: Any, group: int | None) -> tuple[Reader, Reader]:
-    """(score, mix) of a block of columns, straight from the stored arrays."""
+    """(score, mix) of a block of columns, straight from the stored arrays.
+
+    A block's stored columns wait for what comes before them in the graph (its
+    keys for the state before the block, its values for the block's own
+    probabilities): blocks run in order, and nothing of a block (a conversion
+    least of all) is computed before its turn.
+    """
     bits = store.layout.bits
 
     def ordered(arrays: tuple[mx.array, ...], after: list[mx.array] | None) -> list[mx.array]:
-        # The block's stored columns wait for the state before it: blocks run in
-        # order, so one block's scratch is freed before the next is allocated.
         return list(arrays) if after is None else mx.depends(list(arrays), after)
 
     if bits != 16 and group:
@@ -187,24 +193,24 @@ def _readers(store: Any, group: int | None) -> tuple[Reader, Reader]:
             return mx.quantized_matmul(q, *keys, transpose=True, group_size=group, bits=bits)
 
         def mix(probs: mx.array, start: int, stop: int) -> mx.array:
-            values = _affine(store, 2, stop, start)
+            values = ordered(_affine(store, 2, stop, start), [probs])
             return mx.quantized_matmul(probs, *values, transpose=False, group_size=group,
                                        bits=bits)
 
         return score, mix
 
-    def rows(part: int, start: int, stop: int, dtype: mx.Dtype) -> mx.array:
-        codes = store.parts[part][:, start:stop]
+    def rows(part: int, start: int, stop: int, dtype: mx.Dtype,
+             after: list[mx.array] | None) -> mx.array:
+        codes = ordered((store.parts[part][:, start:stop],), after)[0]
         if bits == 16:
-            return codes
+            return codes if codes.dtype == dtype else codes.astype(dtype)
         scales = store.parts[part + 1][0, :, start:stop, :1]
         return kvquant.dequantize_rows(codes, scales, bits, store.layout.head_dim, dtype)
 
     def score_rows(q: mx.array, start: int, stop: int, after: Any) -> mx.array:
-        keys = ordered((rows(0, start, stop, q.dtype),), after)[0]
-        return q @ keys.swapaxes(-1, -2)
+        return q @ rows(0, start, stop, q.dtype, after).swapaxes(-1, -2)
 
     def mix_rows(probs: mx.array, start: int, stop: int) -> mx.array:
-        return probs @ rows(2, start, stop, probs.dtype)
+        return probs @ rows(2, start, stop, probs.dtype, [probs])
 
     return score_rows, mix_rows

@@ -86,10 +86,18 @@ def block_tokens(
     return max(1, room // (per_token * page_size)) * page_size
 
 
-def gpu_block_tokens(query_rows: int, head_dim: int, page_size: int, scratch_bytes: int) -> int:
-    """Tokens of one GPU-schedule prefill block (whole pages) within ``scratch_bytes``."""
+def gpu_block_tokens(query_rows: int, head_dim: int, page_size: int, scratch_bytes: int,
+                     converted_bytes: int = 0) -> int:
+    """Tokens of one GPU-schedule block (whole pages) within ``scratch_bytes``.
+
+    ``converted_bytes``: what the block converts per token on top of its scores
+    (keys and values in the queries' dtype where the stored rows are not read in
+    place: a float32 model's fp16 pages, a head_dim MLX's quantized kernels cannot
+    read); 0 where the kernels read the pages as stored.
+    """
     room = scratch_bytes // _GPU_BLOCKS_IN_FLIGHT - _fixed_bytes(query_rows, head_dim)
-    return max(1, room // (_GPU_SCORE_BYTES * query_rows * page_size)) * page_size
+    per_token = _GPU_SCORE_BYTES * query_rows + converted_bytes
+    return max(1, room // (per_token * page_size)) * page_size
 
 
 def chunk_scratch_bytes(

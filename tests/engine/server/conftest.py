@@ -30,13 +30,16 @@ class Served:
 
 def start_server(folder: Path, snapshots: Path, bridge_type: type = EngineBridge, *,
                  api_key: str | None = API_KEY, allowed_hosts: tuple[str, ...] = (),
-                 keepalive: float | None = None, **bridge_args) -> tuple[Served, callable]:
+                 keepalive: float | None = None, head_timeout: float | None = None,
+                 **bridge_args) -> tuple[Served, callable]:
     """Start a server in a thread; returns it and the function that stops it."""
     bridge = bridge_type(str(folder), "fp16", snapshots, **bridge_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     extra = {} if keepalive is None else {"keepalive": keepalive}
+    if head_timeout is not None:
+        extra["head_timeout"] = head_timeout
     server = uvicorn_server(bridge, "127.0.0.1", port, api_key, allowed_hosts=allowed_hosts,
                             **extra)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},

@@ -13,6 +13,7 @@ import pytest
 
 from engine.events import ModelLoaded
 from engine.runtime.worker import EngineWorker
+from engine.server import connections
 from engine.server.inprocess import AttachedBridge, LocalServer, ServerUnavailable
 from tests.engine.runtime.test_worker import EventLog
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -69,6 +70,26 @@ def test_a_port_in_use_raises_and_leaves_nothing_running() -> None:
         with pytest.raises(ServerUnavailable, match=f"Port {port} is already in use"):
             server.start()
         assert not server.running
+
+
+def test_the_local_server_closes_a_connection_that_sends_no_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connections, "HEAD_TIMEOUT_S", 0.3)
+    worker = EngineWorker(lambda _event: None)
+    server = LocalServer(worker, host="127.0.0.1", port=_free_port(), api_key=None,
+                         kv_mode="q8", on_status=lambda _status: None)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            reply = b""
+            while chunk := sock.recv(4096):  # until the server closes it
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408 ")
+        assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=60).status_code \
+            == 503  # no model given: it still answers
+    finally:
+        assert server.stop()
 
 
 def _free_port() -> int:

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.engine.server.conftest import Served
+from tests.engine.tokenizer_watch import watch_encodings
 
 
 def client(served: Served, **kwargs) -> openai.OpenAI:
@@ -250,6 +251,57 @@ def test_a_slow_render_does_not_stall_other_connections(served: Served, monkeypa
         release.set()
         slow.join(120)
     assert results and results[0].choices[0].finish_reason in ("stop", "length")
+
+
+def test_other_requests_are_answered_while_a_long_prompt_is_tokenized(served: Served,
+                                                                      monkeypatch) -> None:
+    """A prompt of megabytes takes the tokenizer seconds. Asked once that tokenizing
+    began, /health and Ollama's /api/show are answered, and a short chat request gets
+    as far as its own render, before it ends: the tokenizer lets go of the
+    interpreter's lock, and the handlers never wait for the lock a render holds
+    (before, one 6 MB prompt held every other request for about 10 s)."""
+    watched = watch_encodings(served.bridge._tokenizer, monkeypatch)
+    render_later = served.bridge.render_later
+    queued: list[bool] = []  # per render asked for: whether the long one had ended
+
+    def noted(*args, **kwargs):
+        queued.append(watched.finished.is_set())
+        return render_later(*args, **kwargs)
+
+    monkeypatch.setattr(served.bridge, "render_later", noted)
+    headers = {"Authorization": f"Bearer {served.key}"}
+    long = "Longleaf pines grow on sandy soil in the south-east. " * 60_000  # ~3 MB
+
+    def chat(content: str, results: list[httpx.Response]) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.append(httpx.post(
+            served.url + "/v1/chat/completions", timeout=300, headers=headers,
+            json={"model": "m", "max_tokens": 2,
+                  "messages": [{"role": "user", "content": content}]})))
+        thread.start()
+        return thread
+
+    answers: list[httpx.Response] = []
+    short: list[httpx.Response] = []
+    threads = [chat(long, answers)]
+    try:
+        assert watched.started.wait(120)
+        health = httpx.get(served.url + "/health", timeout=120)
+        show = httpx.post(served.url + "/api/show", timeout=120, headers=headers,
+                          json={"model": "m"})
+        threads.append(chat("A short one", short))
+        while len(queued) < 2 and threads[1].is_alive():
+            threads[1].join(0.05)
+        answered_first = not watched.finished.is_set()
+    finally:
+        for thread in threads:
+            thread.join(300)
+    assert health.status_code == 200 and show.status_code == 200
+    assert answered_first, "the other requests waited for the long prompt's tokenizing"
+    assert queued == [False, False]
+    # Both get their answers: the long prompt is more than the model's context.
+    assert answers[0].status_code == 400
+    assert answers[0].json()["error"]["code"] == "context_length_exceeded"
+    assert short[0].status_code == 200
 
 
 def test_a_model_by_its_id(served: Served) -> None:

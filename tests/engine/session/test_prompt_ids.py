@@ -3,6 +3,7 @@ character offsets, and a document's token ends, checked against tokenizing again
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,11 +13,13 @@ from engine.errors import EngineError
 from engine.session.prompt_ids import (
     common_prefix,
     message_boundaries,
+    render_conversation,
     render_prompt,
     token_ends,
     turn_overhead,
 )
 from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tokenizer_watch import watch_encodings
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Where do longleaf pines grow?"},
@@ -124,3 +127,29 @@ def test_the_turn_overhead_plus_the_text_is_what_the_engine_reads(tokenizer, mes
                          ("stop", answered + eos)):
         read = len(prompt) - common_prefix(held, prompt)
         assert read == overhead.after(ending) + count, ending
+
+
+LONG_TEXT = "Longleaf pines grow on sandy soil in the south-east. " * 20_000  # ~1 MB
+
+TOKENIZINGS: dict[str, Callable[[Any], object]] = {
+    "a document's token ends": lambda tok: token_ends(tok, LONG_TEXT),
+    "a prompt with offsets": lambda tok: render_prompt(
+        tok, [{"role": "user", "content": LONG_TEXT}], add_generation_prompt=True),
+    "a prompt's ids": lambda tok: render_conversation(
+        tok, [{"role": "user", "content": LONG_TEXT}], add_generation_prompt=True),
+    "a plain-text prompt": lambda tok: render_conversation(
+        tok, [{"role": "user", "content": LONG_TEXT}], add_generation_prompt=True,
+        template=False),
+}
+
+
+@pytest.mark.parametrize("tokenizing", list(TOKENIZINGS))
+def test_tokenizing_a_long_text_lets_the_other_threads_run(
+        tokenizing: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Encoding a megabyte takes the Rust tokenizer a good fraction of a second. If
+    # it held the interpreter's lock all that time, the thread woken as it began
+    # (the server's event loop, the window) could not run until it returned.
+    tokenizer = load_tokenizer(make_tiny_model_dir(tmp_path, "llama"))
+    watched = watch_encodings(tokenizer, monkeypatch)
+    TOKENIZINGS[tokenizing](tokenizer)
+    assert watched.seen and all(watched.seen), watched.seen

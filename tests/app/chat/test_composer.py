@@ -1,0 +1,23 @@
+"""The composer's attachment chips: a message's twenty files stay readable."""
+
+from __future__ import annotations
+
+from app.chat.attachments import MAX_FILES
+from app.chat.composer import Composer
+
+
+def test_many_chips_wrap_onto_rows_instead_of_squeezing(qtbot) -> None:
+    composer = Composer()
+    qtbot.addWidget(composer)
+    composer.resize(700, 400)
+    composer.show()
+    few_wide = composer.minimumSizeHint().width()
+    chips = [composer.add_chip(job, f"chapter-{job:02d}-of-the-report.md")
+             for job in range(MAX_FILES)]
+    qtbot.waitUntil(lambda: all(chip.isVisible() for chip in chips))
+    # Every chip keeps the width its name needs, and they take several rows.
+    assert all(chip.width() >= chip.sizeHint().width() for chip in chips)
+    assert len({chip.y() for chip in chips}) > 1
+    assert all(chip.geometry().right() <= composer.width() for chip in chips)
+    # The composer asks for no more width than it did with a single row.
+    assert composer.minimumSizeHint().width() <= few_wide + chips[0].sizeHint().width()
