@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.cache import sharing
+from engine.cache import mlx_lm_compat, sharing
 from engine.cache.attention import schedule
 from engine.cache.attention.dispatch import paged_attention
 from engine.cache.modes import FP16, MODES, KvMode
@@ -25,9 +25,6 @@ from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
 from engine.errors import ModelLoadError
-
-_SDPA = "scaled_dot_product_attention"
-_ORIGINAL = "_longleaf_original"
 
 
 class LayerStats(NamedTuple):
@@ -90,7 +87,6 @@ def _dispatcher(original: Any) -> Any:
             return attend(queries, keys, values, cache, *args, **kwargs)
         return original(queries, keys, values, cache, *args, **kwargs)
 
-    setattr(scaled_dot_product_attention, _ORIGINAL, original)
     return scaled_dot_product_attention
 
 
@@ -104,10 +100,7 @@ def install_attention(model: nn.Module) -> None:
 
     Idempotent; other caches keep calling mlx-lm's original function.
     """
-    for module in _model_modules(model):
-        current = getattr(module, _SDPA, None)
-        if current is not None and not hasattr(current, _ORIGINAL):
-            setattr(module, _SDPA, _dispatcher(current))
+    mlx_lm_compat.install_attention(_model_modules(model), _dispatcher)
 
 
 def _attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | None]:
@@ -128,8 +121,7 @@ def _attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | No
 
 def _check_dispatch(model: nn.Module, index: int) -> None:
     layer = model.layers[index]
-    modules = {sys.modules.get(type(m).__module__) for _, m in layer.named_modules()}
-    if not any(hasattr(getattr(m, _SDPA, None), _ORIGINAL) for m in modules if m):
+    if not mlx_lm_compat.routes_attention(type(m).__module__ for _, m in layer.named_modules()):
         raise ModelLoadError(
             f"{type(model).__module__} does not call mlx-lm's scaled_dot_product_attention "
             "from its module, so the paged KV cache cannot plug into it. Use a supported "

@@ -12,16 +12,17 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
 from engine.cache import kvquant
+from engine.cache.mlx_lm_compat import BaseCache
 from engine.cache.modes import parse_mode
 from engine.cache.pages import PagePool, PageStore
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
 
 
-class PagedKVCache(_BaseCache):
+class PagedKVCache(BaseCache):
     """KV cache of one attention layer, stored in pages of a shared :class:`PagePool`.
 
     Args:

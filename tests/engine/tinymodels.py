@@ -169,9 +169,9 @@ def tiny_config(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
-    from mlx_lm.utils import _get_classes
+    from engine.cache.mlx_lm_compat import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     weights = {name: value.astype(dtype) for name, value in tree_flatten(model.parameters())}

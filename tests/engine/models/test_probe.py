@@ -108,10 +108,10 @@ def test_gemma4_kv_shared_layers_fall_back_to_mlx_lm(tiny) -> None:
 
 
 def test_gemma4_without_kv_sharing_is_paged() -> None:
-    from mlx_lm.utils import _get_classes
+    from engine.cache.mlx_lm_compat import model_classes
 
     config = {**coverage.tiny_config("gemma4_text"), "num_kv_shared_layers": 0}
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
     assert probe_model(model).verdict == "paged"
