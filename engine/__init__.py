@@ -15,7 +15,8 @@ does not load MLX until something needs it.
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
   ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
-- Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``,
+- Values: ``SamplingParams``, ``MODES``, ``read_document`` (and the
+  ``file_patterns`` it reads), ``data_dir``,
   ``private_file``, ``private_dir`` (create a user-only file or folder).
 """
 
@@ -44,7 +45,7 @@ _PUBLIC = {
     "RecommendedModel": "engine.models.catalog",
     "ModeCost": "engine.memory.model_costs",
     "full_context_costs": "engine.memory.model_costs",
-    "read_document": "engine.documents.reader",
+    **{name: "engine.documents.reader" for name in ("read_document", "file_patterns")},
     "SamplingParams": "engine.session.sampling",
     **{name: "engine.cache.modes" for name in ("MODES", "DEFAULT_MODE", "KvMode", "parse_mode")},
     "Worker": "engine.runtime.interface",
@@ -111,6 +112,7 @@ __all__ = [
     "default_budget",
     "discover_models",
     "download_model",
+    "file_patterns",
     "full_context_costs",
     "inspect_model_dir",
     "parse_mode",
@@ -134,7 +136,7 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
     from engine.distributed.remote import RemoteWorker
-    from engine.documents.reader import read_document
+    from engine.documents.reader import file_patterns, read_document
     from engine.errors import (
         Cancelled,
         ContextTooLong,

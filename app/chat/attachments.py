@@ -18,7 +18,7 @@ from PySide6.QtCore import QObject, Signal
 from app.background import Background
 from app.format import human_bytes
 from app.store import AttachmentRecord
-from engine import DocumentTooLong, EngineError, read_document
+from engine import DocumentTooLong, EngineError, file_patterns, read_document
 
 CHARS_PER_TOKEN_BOUND = 8  # no tokenizer packs more characters into one token
 # Text read to count a file that is too long, so the refusal says its tokens and
@@ -28,6 +28,11 @@ READ_CAP_CHARS = 4 * 1024 * 1024
 # a chip, a read and a draft entry for each (thousands), and no model's context
 # holds that many documents worth reading anyway.
 MAX_FILES = 20
+
+
+def attach_filter() -> str:
+    """The attach dialog's name filter: every file the reader reads, then all files."""
+    return f"Documents ({' '.join(file_patterns())});;All files (*)"
 
 
 def _files(count: int) -> str:

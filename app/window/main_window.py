@@ -26,6 +26,7 @@ from app.chat.attachments import (
     CHARS_PER_TOKEN_BOUND,
     MAX_FILES,
     DocumentLoader,
+    attach_filter,
     files_left_out,
 )
 from app.chat.composer import READING, Composer
@@ -461,9 +462,7 @@ class MainWindow(QMainWindow):
     def ask_attach(self) -> None:
         """The attach dialog."""
         paths, _ = QFileDialog.getOpenFileNames(
-            self, "Attach documents", self.settings.last_folder,
-            "Documents (*.txt *.md *.pdf *.docx *.py *.js *.ts *.c *.cpp *.h *.rs *.go *.java "
-            "*.swift *.json *.yaml *.toml *.html *.csv);;All files (*)")
+            self, "Attach documents", self.settings.last_folder, attach_filter())
         if paths:
             self.settings.last_folder = str(Path(paths[0]).parent)
         self.add_files(paths)

@@ -72,6 +72,19 @@ class Document:
     notes: tuple[str, ...] = ()
 
 
+def file_patterns() -> tuple[str, ...]:
+    """Glob patterns of every file :func:`read_document` reads, for a file dialog's filter.
+
+    One ``*.suffix`` per supported suffix and the conventional names in the
+    spellings they are usually given (``readme``, ``README``, ``Readme``); a
+    dialog may match case-sensitively, while the reader ignores case.
+    """
+    suffixes = sorted(f"*{suffix}" for suffix in SUPPORTED_SUFFIXES)
+    names = sorted({spelling for name in TEXT_NAMES
+                    for spelling in (name, name.upper(), name.capitalize())})
+    return (*suffixes, *names)
+
+
 def is_supported(path: str | os.PathLike[str]) -> bool:
     """Whether the file's suffix (or conventional name) is one Longleaf reads."""
     p = Path(path)
