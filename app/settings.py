@@ -24,10 +24,8 @@ from engine import SamplingParams, data_dir, private_dir, private_file
 from engine.cache.modes import DEFAULT_MODE, MODES, KvMode
 from engine.memory import prefill_rate
 
-# Best quality first, the order every list of modes in the app uses.
-# Small models loop on a phrase without it (the demo model repeated "finally…"
-# for minutes at 1.0); 1.1 over the engine's 64-token window stops that without
-# punishing every common word.
+# Small models (the demo model among them) loop on a phrase without a penalty; this
+# one, over the engine's 64-token window, stops that without punishing every common word.
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
 SETTINGS_FILE = "settings.ini"
@@ -71,7 +69,7 @@ def default_settings_path() -> Path:
         log.warning("settings are kept for this run only: %s", error)
         return _config_path() / SETTINGS_FILE
     try:
-        older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
+        older = data_dir() / SETTINGS_FILE  # where an older Longleaf's file may still be
         if not path.exists() and older.is_file() and older != path:
             shutil.move(older, path)
     except OSError as error:  # an unusable data folder: the window says so; settings go on

@@ -44,8 +44,8 @@ class MessageEdit(QPlainTextEdit):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        # Pastes longer than this are refused before Qt lays them out (a million
-        # characters take ~0.5 s there); None: no limit (no model loaded).
+        # Pastes longer than this are refused before Qt lays them out (laying out a
+        # paste no context holds would stall the window); None: no limit (no model loaded).
         self.max_paste_chars: int | None = None
         self.setPlaceholderText("Message Longleaf…  (Enter to send, Shift+Enter for a new line)")
         self.setTabChangesFocus(True)

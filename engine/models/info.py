@@ -82,10 +82,11 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
 
     Reads ``config.json``, the safetensors headers (parsed as JSON here) and the
     tokenizer config; never builds a model module nor calls MLX, so any thread may
-    call it (MLX streams are thread-local: a describe on a pool thread once made
-    the process abort at exit). Which layers keep a KV cache comes from the
-    config's layer pattern and the attention weights each layer has; the loader
-    replaces these facts with mlx-lm's own cache list once the model is loaded.
+    call it (MLX streams are thread-local: MLX called on a pool thread leaves
+    streams behind that make the process abort at exit). Which layers keep a KV
+    cache comes from the config's layer pattern and the attention weights each
+    layer has; the loader replaces these facts with mlx-lm's own cache list once
+    the model is loaded.
 
     Raises:
         ModelLoadError: the folder cannot be loaded (same checks as ``load_model``).

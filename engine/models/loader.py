@@ -198,9 +198,9 @@ def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> Any:
 def _dequantize_for_cpu(model: Any) -> Any:
     """Unpack quantized weights to float on the CPU backend when RAM allows.
 
-    MLX's CPU quantized matmul is a plain loop, ~12x slower than the BLAS sgemm
-    a float layer gets (measured on the demo: 25.6 s vs 2.1 s for a 64-token
-    forward); Metal has fused kernels, so there the weights stay packed.
+    MLX's CPU quantized matmul is a plain loop, many times slower than the BLAS
+    sgemm a float layer gets (docs/benchmarks.md, "Figures behind constants");
+    Metal has fused kernels, so there the weights stay packed.
     """
     from mlx_lm.utils import dequantize_model, get_total_parameters
 

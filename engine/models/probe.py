@@ -33,16 +33,15 @@ PROBE_PAGE_SIZE = 16
 # reads the first back; the decode steps then read two pages.
 _CHUNKS = (16, 8)
 _DECODE_STEPS = 2
-# fp16 storage rounds each key and value by at most 2^-11 relative; through the
-# layers that moves logits by well under 1e-3 of their largest magnitude (measured:
-# demo 5.4e-4; 64 tiny random-weight archs 3e-5 to 7.9e-4, docs/coverage.md). A
-# cache that reads the wrong rows moves them by tens of percent (gemma4 KV-shared
-# layers 0.51, iquestloopcoder's second loop 0.24). 2e-2 sits ~25x above the one
-# and ~12x below the other; relative to max |logit| so it holds at any logit scale.
+# fp16 storage rounds each key and value by at most 2^-11 relative, which moves the
+# logits far less than a cache that reads the wrong rows moves them (tens of percent
+# of their largest magnitude); the bound sits well clear of both (the differences:
+# docs/coverage.md per architecture, docs/benchmarks.md "Figures behind constants").
+# Relative to max |logit|, so it holds at any logit scale.
 MAX_REL_DIFF = 2e-2
 # A bfloat16 model (on Metal) rounds every activation to 8 mantissa bits on both
-# sides, in different orders: tiny archs measured 0.9e-2 to 1.4e-2 in bf16 (float16:
-# ~1.2e-3). 0.1 keeps that margin while wrong rows (0.24 and up) still fail.
+# sides, in different orders, which alone comes close to MAX_REL_DIFF; this bound
+# keeps that margin while wrong rows still fail.
 MAX_REL_DIFF_BF16 = 1e-1
 # mlx-lm's QuantizedKVCache, when it is the fallback, groups by 32: it divides the
 # most head widths (MLA's 192-wide keys included).
@@ -195,7 +194,7 @@ def make_session_cache(
 
     Args:
         loaded: a ``LoadedModel`` (its ``probe`` says which cache works; without
-            one, the paged cache as before the probe existed).
+            one, the paged cache).
         mode: the KV mode.
         page_size: tokens per page of the paged cache.
         rotate: rotate the paged cache's rows (None: the mode's default).

@@ -354,7 +354,7 @@ class EngineWorker(Worker):
         try:
             self._serve()
         finally:
-            # MLX no longer cleans a thread's streams up by itself; without this the
+            # MLX does not clean a thread's streams up by itself; without this the
             # process aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
 

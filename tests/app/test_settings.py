@@ -147,7 +147,7 @@ def test_a_read_only_data_folder_without_a_config_folder_keeps_settings_for_the_
     monkeypatch.setenv("LONGLEAF_HOME", str(home))
     monkeypatch.delenv("LONGLEAF_CONFIG_HOME", raising=False)
     make_read_only(home, monkeypatch)  # no config/ can be made there
-    s = Settings()  # was an OSError (a traceback at start)
+    s = Settings()  # no OSError (a traceback at start)
     assert s.path == home / "config" / "settings.ini" and s.default_mode == "q8"
     s.default_mode = "q6"
     assert s.default_mode == "q6"  # kept for this run
