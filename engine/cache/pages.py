@@ -228,6 +228,9 @@ class PageStore:
             if value is None:
                 continue
             target = parts[index]
+            if target is None:
+                raise EngineError(f"Page storage {PARTS[index]} was written before it was "
+                                  "allocated.")
             target[..., start : start + value.shape[-2], :] = value
             parts[index] = target
         self.parts = parts

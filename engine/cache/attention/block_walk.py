@@ -46,8 +46,9 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
     # hold what one walk over every head would, so the scratch arithmetic holds.
     # A decode step's small matmuls stay on one stream: split, two streams' BLAS
     # threads fight over the cores.
-    groups = ([(slice(0, kv_heads), None)] if decode
-              else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
+    groups: list[tuple[slice, mx.Stream | None]] = (
+        [(slice(0, kv_heads), None)] if decode
+        else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
     budget = cache.pool.scratch_bytes
     if decode:
         budget = min(budget, scratch.DECODE_SCRATCH_BYTES)

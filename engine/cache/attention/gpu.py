@@ -24,7 +24,7 @@ context to float32 first).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +32,7 @@ import mlx.core as mx
 from engine.cache import fusion, kvquant
 from engine.cache.attention import scratch
 from engine.cache.attention.query_view import QueryView, column_positions
+from engine.errors import EngineError
 
 _SIXTEEN_BITS = (mx.float16, mx.bfloat16)
 # A bfloat16 query is clipped here before it becomes float16: the largest value
@@ -69,10 +70,11 @@ def attend(queries: mx.array, view: QueryView, cache: Any, scale: float) -> mx.a
     # every stored row (fp16 pages) or scale (quantized) to float32 for the step;
     # the blocks below bound what that holds.
     sixteen = view.q.dtype == mx.float16
-    if view.length <= scratch.PACKED_MAX_TOKENS and (group or not quantized) and sixteen:
-        if quantized:
+    if view.length <= scratch.PACKED_MAX_TOKENS and sixteen:
+        if quantized and group:
             return _decode_quantized(view, cache, scale, group)
-        return _decode_fp16(queries, view, cache, scale)
+        if not quantized:
+            return _decode_fp16(queries, view, cache, scale)
     return _prefill(view, cache, scale, group)
 
 
@@ -80,12 +82,19 @@ def _decode_quantized(view: QueryView, cache: Any, scale: float, group: int) -> 
     end, positions = cache.columns()
     keys, values = _affine(cache.store, 0, end), _affine(cache.store, 2, end)
     bits = cache.store.layout.bits
-    scores = mx.quantized_matmul(_scaled(view.q, scale), *keys, transpose=True,
-                                 group_size=group, bits=bits)
+    scores = _quantized_matmul(_scaled(view.q, scale), keys, True, group, bits)
     if positions is not None or view.length > 1 or isinstance(view.mask, mx.array):
         scores = view.hide(scores, column_positions(0, end, positions))
     probs = mx.softmax(scores, axis=-1, precise=True)
-    return mx.quantized_matmul(probs, *values, transpose=False, group_size=group, bits=bits)
+    return _quantized_matmul(probs, values, False, group, bits)
+
+
+def _quantized_matmul(x: mx.array, stored: Sequence[mx.array], transpose: bool, group: int,
+                      bits: int) -> mx.array:
+    """``x`` times stored columns given as (codes, scales, biases), MLX's affine layout."""
+    words, scales, biases = stored
+    return mx.quantized_matmul(x, words, scales, biases, transpose=transpose,
+                               group_size=group, bits=bits)
 
 
 def _scaled(q: mx.array, scale: float) -> mx.array:
@@ -93,7 +102,8 @@ def _scaled(q: mx.array, scale: float) -> mx.array:
     return q if scale == 1.0 else q * scale
 
 
-def _affine(store: Any, part: int, end: int, start: int = 0) -> tuple[mx.array, ...]:
+def _affine(store: Any, part: int, end: int,
+            start: int = 0) -> tuple[mx.array, mx.array, mx.array]:
     """Codes (as MLX's uint32 words), scales and biases of columns ``[start, end)``."""
     words = store.parts[part].view(mx.uint32)[:, start:end]
     pairs = store.parts[part + 1]
@@ -145,6 +155,8 @@ def _prefill(view: QueryView, cache: Any, scale: float, group: int | None) -> mx
         mixed = mix(probs, start, stop)
         state = _merged(*state, mixed, top, peak) if state is not None \
             else _first(mixed, top, peak)
+    if state is None:  # no column: every attention call follows its layer's write
+        raise EngineError("The attention read a layer that holds no tokens.")
     return state[0]
 
 
@@ -190,12 +202,11 @@ def _readers(store: Any, group: int | None) -> tuple[Reader, Reader]:
     if bits != 16 and group:
         def score(q: mx.array, start: int, stop: int, after: Any) -> mx.array:
             keys = ordered(_affine(store, 0, stop, start), after)
-            return mx.quantized_matmul(q, *keys, transpose=True, group_size=group, bits=bits)
+            return _quantized_matmul(q, keys, True, group, bits)
 
         def mix(probs: mx.array, start: int, stop: int) -> mx.array:
             values = ordered(_affine(store, 2, stop, start), [probs])
-            return mx.quantized_matmul(probs, *values, transpose=False, group_size=group,
-                                       bits=bits)
+            return _quantized_matmul(probs, values, False, group, bits)
 
         return score, mix
 
