@@ -377,7 +377,7 @@ def _reusable(
 
 
 def _restore_checkpoints(
-    session: Any, manifest: dict[str, Any], arrays: dict[str, mx.array], tokens: int
+    session: Any, manifest: dict[str, Any], arrays: tensors.StoredArrays, tokens: int
 ) -> None:
     """Give the session back the stored checkpoints it can still rewind to."""
     store = getattr(session, "checkpoints", None)

@@ -210,10 +210,10 @@ class SnapshotStore:
                 for leftover in (path, *data_files(self.directory, name)):
                     files.discard(leftover)  # a read-only disk keeps it: never reused
         for path in self.directory.iterdir():
-            leftover = path.name.startswith(files.TEMP_MARK) or (
+            stale = path.name.startswith(files.TEMP_MARK) or (
                 path.name.endswith(files.DATA_SUFFIX) and path.name not in named
             )
-            if path.is_file() and leftover and files.left_by_dead_writer(path.name):
+            if path.is_file() and stale and files.left_by_dead_writer(path.name):
                 files.discard(path)
 
     def _make_room(self, size: int, name: str) -> None:
