@@ -116,7 +116,7 @@ class MainWindow(QMainWindow):
         self._connect()
         self._refresh_sessions()
         self._on_session_changed(controller.current)
-        self.file_open_filter = FileOpenFilter(self)
+        self.file_open_filter = FileOpenFilter(self, self.add_files)
         QApplication.instance().installEventFilter(self.file_open_filter)
         geometry = self.settings.window_geometry
         if geometry:
