@@ -106,7 +106,7 @@ class MainWindow(QMainWindow):
         self._shown_states: dict[str, str] = {}
         self._shown_chat: str | None = None
         self._build()
-        self.fit = FitChecker(controller, self.composer, self)
+        self.fit = FitChecker(controller, self.composer, self.attachments, self)
         self.drafts = Drafts(controller, self.composer, self.attachments, self)
         self.quit_box: QMessageBox | None = None  # asking whether to quit mid-answer
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
