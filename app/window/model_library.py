@@ -50,6 +50,14 @@ class ModelEntry:
     splittable: bool = False
 
     @property
+    def key(self) -> str:
+        """Its one name in the library: the folder on disk, else the repo to download."""
+        key = self.path or self.repo_id
+        if key is None:  # installed_entry gives a path, recommended_entry a repo id
+            raise ValueError(f"The library entry {self.name!r} has neither folder nor repo.")
+        return key
+
+    @property
     def downloaded(self) -> bool:
         """Whether the model is on disk."""
         return self.path is not None
