@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 
 from PySide6.QtCore import (
     QEvent,
@@ -254,7 +255,7 @@ class SessionList(QWidget):
         return super().eventFilter(watched, event)
 
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
-                     states: dict[str, ChatFacts | str] | None = None) -> None:
+                     states: Mapping[str, ChatFacts | str] | None = None) -> None:
         """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``.
 
         Under the pointer the rows shown keep their places (new chats on top) until
