@@ -88,7 +88,7 @@ class PagedKVCache(_BaseCache):
         return self.store
 
     @property
-    def _held_store(self) -> PageStore:
+    def held_store(self) -> PageStore:
         """The layer's store, which a layer has from its first row on."""
         if self.store is None:
             raise EngineError(f"Layer {self.layer} holds no KV pages yet.")
@@ -133,22 +133,22 @@ class PagedKVCache(_BaseCache):
                 count = min(count + page_size, end - position)
             first = position - start
             piece = tuple(None if r is None else r[..., first : first + count, :] for r in rows)
-            self._held_store.write(slot, row, piece)
+            self.held_store.write(slot, row, piece)
             position += count
 
     def _writable_slot(self, logical: int) -> int:
         """The slot of logical page ``logical``, taken if new, copied if shared."""
         if logical == len(self.block_table):
-            self.block_table.append(self._held_store.take())
+            self.block_table.append(self.held_store.take())
             self._table_version += 1
-        elif self._held_store.shared(self.block_table[logical]):
+        elif self.held_store.shared(self.block_table[logical]):
             self._copy_on_write(logical)
         return self.block_table[logical]
 
     def _copy_on_write(self, logical: int) -> None:
         # Another chat reads this page too: write into a copy of it instead.
         shared = self.block_table[logical]
-        store = self._held_store
+        store = self.held_store
         own = store.take()
         store.copy_page(shared, own)
         store.give_back([shared])
@@ -160,7 +160,7 @@ class PagedKVCache(_BaseCache):
         last page), for the budget to count."""
         if tokens <= self.offset or self.offset % self.pool.page_size == 0:
             return 0
-        return int(self._held_store.shared(self.block_table[-1]))
+        return int(self.held_store.shared(self.block_table[-1]))
 
     # -- sharing with another session's cache -------------------------------------
 
@@ -173,7 +173,7 @@ class PagedKVCache(_BaseCache):
         """
         if self.block_table or self.pool.stores is not other.pool.stores:
             raise EngineError("Only an empty cache in the same page group can share pages.")
-        self.store = other._held_store
+        self.store = other.held_store
         slots = other.block_table[: self.pool.pages_for(tokens)]
         self.store.share(slots)
         self.block_table.extend(slots)
@@ -197,11 +197,11 @@ class PagedKVCache(_BaseCache):
 
     @property
     def kv_heads(self) -> int:
-        return self._held_store.layout.kv_heads
+        return self.held_store.layout.kv_heads
 
     @property
     def head_dim(self) -> int:
-        return self._held_store.layout.head_dim
+        return self.held_store.layout.head_dim
 
     def columns(self) -> tuple[int, mx.array | None]:
         """Which token columns of the store the attention reads, and where they sit.
@@ -235,7 +235,7 @@ class PagedKVCache(_BaseCache):
     def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """The first ``tokens`` cached keys and values as ``[1, kv_heads, tokens, D]``."""
         pages = self.pool.pages_for(tokens)
-        store = self._held_store
+        store = self.held_store
         k_codes, k_scales, v_codes, v_scales = store.gather(self.block_table[:pages])
         bits, head_dim = store.layout.bits, self.head_dim
 
@@ -329,7 +329,7 @@ class PagedKVCache(_BaseCache):
         # Keep the storage reserved above: the pages are rewritten into it.
         self._drop_last(self.offset, release=False)
         for page in range(self.pool.pages_for(offset)):
-            store = self._held_store
+            store = self.held_store
             slot = store.take()
             self.block_table.append(slot)
             self._table_version += 1
