@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine import disk
 from engine.errors import EngineError
@@ -18,6 +18,9 @@ from engine.events import Event, Notice, StoredKv
 from engine.snapshots.fingerprint import session_fingerprint
 from engine.snapshots.snapshot import SnapshotRejected
 from engine.snapshots.store import SnapshotStore
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class StoredSessions:
         self._mirror = mirror
         self._told: set[str] = set()  # why saves failed, each said once per run
 
-    def store(self, session: Any) -> None:
+    def store(self, session: Session) -> None:
         """Store the session's cache under its id (nothing held: nothing stored)."""
         if self.snapshots is None or not session.tokens:
             return
@@ -104,7 +107,7 @@ class StoredSessions:
             self._mirror([info.name for info in listing.snapshots])
 
     def restore(
-        self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool,
+        self, session: Session, prompt: Sequence[int], request_id: int, *, keep_last: bool,
         allow: Callable[[str], bool] | None = None,
     ) -> int:
         """Fill an empty session from its snapshot, or else from the stored chat of
@@ -133,7 +136,7 @@ class StoredSessions:
             self.announce()  # its "last used" moved
         return reused
 
-    def _load(self, store: SnapshotStore, session: Any, name: str, prompt: Sequence[int],
+    def _load(self, store: SnapshotStore, session: Session, name: str, prompt: Sequence[int],
               keep_last: bool) -> int:
         """Snapshot ``name`` into ``session``; on a pipeline, into every rank's layers."""
         reused = store.load(session, name, prompt, keep_last=keep_last)
@@ -146,7 +149,7 @@ class StoredSessions:
         return reused
 
     def _from_another(
-        self, store: SnapshotStore, session: Any, prompt: Sequence[int], request_id: int,
+        self, store: SnapshotStore, session: Session, prompt: Sequence[int], request_id: int,
         keep_last: bool, allow: Callable[[str], bool] | None,
     ) -> int:
         try:
