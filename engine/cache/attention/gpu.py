@@ -204,7 +204,8 @@ def _readers(store: PageStore, group: int | None) -> tuple[Reader, Reader]:
         return list(arrays) if after is None else mx.depends(list(arrays), after)
 
     if bits != 16 and group:
-        def score(q: mx.array, start: int, stop: int, after: Any) -> mx.array:
+        def score(q: mx.array, start: int, stop: int,
+                  after: list[mx.array] | None) -> mx.array:
             keys = ordered(_affine(store, 0, stop, start), after)
             return _quantized_matmul(q, keys, True, group, bits)
 
@@ -222,7 +223,8 @@ def _readers(store: PageStore, group: int | None) -> tuple[Reader, Reader]:
         scales = store.part(part + 1)[0, :, start:stop, :1]
         return kvquant.dequantize_rows(codes, scales, bits, store.layout.head_dim, dtype)
 
-    def score_rows(q: mx.array, start: int, stop: int, after: Any) -> mx.array:
+    def score_rows(q: mx.array, start: int, stop: int,
+                   after: list[mx.array] | None) -> mx.array:
         return q @ rows(0, start, stop, q.dtype, after).swapaxes(-1, -2)
 
     def mix_rows(probs: mx.array, start: int, stop: int) -> mx.array:
