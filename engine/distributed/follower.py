@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import adapter
+from engine.cache.adapter import CacheStats
 from engine.cache.modes import MODES
 from engine.distributed import commands as c
 from engine.errors import EngineError
@@ -244,7 +245,8 @@ def memory_reply(session: Session, token_count: int) -> list[int]:
                        needs_checkpoints=session.needs_checkpoints)
 
 
-def _memory_row(report: Any, stats: Any, *, needs_checkpoints: bool) -> list[int]:
+def _memory_row(report: fit.FitReport, stats: CacheStats | None, *,
+                needs_checkpoints: bool) -> list[int]:
     return c.memory_row(report.fits, [m.tokens_fit if m.supported else None for m in report.modes],
                         report.free_bytes, int(stats.bytes_used) if stats else 0,
                         int(stats.pages_in_use) if stats else 0, report.available_bytes,

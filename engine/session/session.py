@@ -265,7 +265,7 @@ class Session:
         return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
                                          self._value_bytes, self.chunk_size)
 
-    def stats(self) -> Any:
+    def stats(self) -> adapter.CacheStats:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""
         return adapter.cache_stats(self.cache)
 
