@@ -18,6 +18,7 @@ controller sends user turns and re-emits the collaborators' signals as its own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
@@ -308,7 +309,7 @@ class ChatController(QObject):
 
         self._when_idle(load_here)
 
-    def _when_idle(self, then) -> None:
+    def _when_idle(self, then: Callable[[], None]) -> None:
         if not self.activity.busy:
             then()
             return
@@ -420,7 +421,7 @@ class ChatController(QObject):
         listing = getattr(self.bridge, "last_stored_kv", None)
         return {info.name: info for info in listing.snapshots} if listing else {}
 
-    def all_chat_facts(self, records) -> dict[str, ChatFacts]:
+    def all_chat_facts(self, records: Iterable[SessionRecord]) -> dict[str, ChatFacts]:
         """Each of ``records`` -> its facts, for the sidebar (no file is read)."""
         snapshots = self.stored_snapshots()
         return {r.id: facts_of(r, self.activity, self.caches, snapshots) for r in records}
@@ -450,12 +451,16 @@ class ChatController(QObject):
         if saved is None:
             return False
         message_id, retitle = saved
+        chat = self.current
+        assert chat is not None  # _save_turn made one or kept the one shown
         self.model.append(ChatMessage("user", text, "complete", message_id,
                                       attachments=attachments))
         if retitle:
-            self.rename_session(self.current.id, _title_of(self.model.message(
+            self.rename_session(chat.id, _title_of(self.model.message(
                 self.model.rowCount() - 1)))
-        self.answers.start_chat(self.current)
+            chat = self.current  # renamed: the record shown now
+            assert chat is not None
+        self.answers.start_chat(chat)
         return True
 
     def _save_turn(self, text: str,

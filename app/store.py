@@ -517,7 +517,8 @@ class HistoryStore:
         stats: dict | None = None,
     ) -> None:
         """Change a message's text and/or how it ended."""
-        sets, args = ["updated = ?"], [time.time()]
+        sets: list[str] = ["updated = ?"]
+        args: list[object] = [time.time()]
         if content is not None:
             sets.append("content = ?")
             args.append(content)

@@ -12,6 +12,7 @@ import bisect
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from PySide6.QtCore import QObject, Signal
 
@@ -93,7 +94,7 @@ def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) 
 
 
 def read_attachment(path: str, max_tokens: int, token_ends: Callable[[str], Sequence[int]]
-                    ) -> tuple[AttachmentRecord | TooLong | None, object]:
+                    ) -> tuple[AttachmentRecord | TooLong | None, str | tuple[str, ...]]:
     """Read and count one file (on a pool thread): the record or what is too long, and notes.
 
     A file too long even to count comes back as (None, the refusal).
@@ -174,12 +175,14 @@ class DocumentLoader(QObject):
 
     def _finish(self, job_id: int, outcome: object) -> None:
         self.pending.discard(job_id)
+        detail: str | tuple[str, ...]
         if isinstance(outcome, EngineError):
             record, detail = None, str(outcome)
         elif isinstance(outcome, BaseException):  # a bug, logged: the user still hears of it
             record, detail = None, f"Couldn't read the file: {outcome}"
-        else:
-            record, detail = outcome
+        else:  # what read_attachment returned
+            record, detail = cast("tuple[AttachmentRecord | TooLong | None, str | tuple[str, ...]]",
+                                  outcome)
         if record is None:
             self.failed.emit(job_id, str(detail))
         elif isinstance(record, TooLong):

@@ -10,6 +10,7 @@ mlx-lm's original function, unchanged.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -81,8 +82,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedKVCa
     return rotation.unrotate(out)
 
 
-def _dispatcher(original: Any) -> Any:
-    def scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):
+def _dispatcher(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                                     cache: Any, *args: Any, **kwargs: Any) -> mx.array:
         if isinstance(cache, PagedKVCache):
             return attend(queries, keys, values, cache, *args, **kwargs)
         return original(queries, keys, values, cache, *args, **kwargs)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import blake3
 import mlx.core as mx
@@ -94,10 +94,20 @@ def header(op: int, slot: int = 0, *args: int) -> mx.array:
     return mx.array(fields + [0] * (HEADER - len(fields)), dtype=mx.int32)
 
 
+def int_list(values: mx.array) -> list[int]:
+    """A 1-D integer array's values (MLX's stubs type ``tolist()`` as any nesting)."""
+    return cast("list[int]", values.tolist())
+
+
+def int_rows(values: mx.array) -> list[list[int]]:
+    """A 2-D integer array's rows, as :func:`int_list` reads a 1-D one."""
+    return cast("list[list[int]]", values.tolist())
+
+
 def _gather_text(group: mx.distributed.Group, text: str) -> list[str]:
     raw = text.encode("utf-8")[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
     gathered = mx.distributed.all_gather(mx.array(list(raw), dtype=mx.int32), group=group)
-    rows = gathered.reshape(group.size(), NAME_BYTES).tolist()
+    rows = int_rows(gathered.reshape(group.size(), NAME_BYTES))
     return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in rows]
 
 
@@ -116,7 +126,7 @@ def pipeline_identity(group: mx.distributed.Group,
     inner = loaded.model.model
     layers = mx.distributed.all_gather(
         mx.array([inner.start_idx, inner.end_idx], dtype=mx.int32), group=group)
-    split = [list(pair) for pair in layers.reshape(group.size(), 2).tolist()]
+    split = int_rows(layers.reshape(group.size(), 2))
     record = {"split": split, "ranks": [{"rank": r, "host": names[r], "digest": digests[r]}
                                         for r in range(group.size())]}
     folded = blake3.blake3(json.dumps(record, sort_keys=True).encode()).hexdigest()
@@ -134,7 +144,7 @@ def memory_row(fits: bool, tokens_fit: Sequence[int | None], room_bytes: int, kv
 def gather_replies(group: mx.distributed.Group, row: Sequence[int]) -> list[list[int]]:
     """Each rank's reply row (rank 0's is its own), in rank order."""
     values = mx.array(list(row)[:REPLY] + [0] * (REPLY - len(row)), dtype=mx.int32)
-    return mx.distributed.all_gather(values, group=group).reshape(group.size(), REPLY).tolist()
+    return int_rows(mx.distributed.all_gather(values, group=group).reshape(group.size(), REPLY))
 
 
 class Pipeline:

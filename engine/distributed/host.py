@@ -22,7 +22,7 @@ from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.distributed.launch import join_group, rank_report_dir, write_rank_report
 from engine.distributed.link import ADDRESS_ENV, KEY_ENV
@@ -31,6 +31,9 @@ from engine.events import Event, Failed, Finished, renumbered, request_id_of
 from engine.runtime.commands import CANCELLABLE, REQUESTS, Request
 from engine.runtime.interface import OnEvent
 from engine.runtime.worker import UNEXPECTED, EngineWorker
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ def _snapshot_dir(store: str) -> Path | None:
         return None
 
 
-def _lead(group: Any, args: argparse.Namespace) -> None:
+def _lead(group: mx.distributed.Group, args: argparse.Namespace) -> None:
     from engine.distributed.commands import Pipeline
     from engine.runtime.worker import EngineWorker
     from engine.snapshots.store import SnapshotStore

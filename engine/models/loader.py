@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -112,14 +112,17 @@ def load_model(
             "model again or copy its tokenizer files into the folder."
         ) from error
     model = _set_compute_dtype(model, compute_dtype)
-    stage = pipeline is not None and pipeline.size() > 1
-    if stage:
+    stage_group = pipeline if pipeline is not None and pipeline.size() > 1 else None
+    stage = stage_group is not None
+    if stage_group is not None:
         # A rank may hold only layers without a KV cache; the whole model may not.
         require_attention(folder, config, classify_layers(make_prompt_cache(model)))
-        _split(model, pipeline, folder, config, split)
+        _split(model, stage_group, folder, config, split)
     kinds = classify_layers(make_prompt_cache(model))
     # Counted by the same rule as inspect_model_dir's headers, so both agree.
-    shapes = {name: {"shape": a.shape} for name, a in tree_flatten(model.parameters())}
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    shapes = {name: {"shape": a.shape} for name, a in parameters}
     info = build_model_info(folder, config, kinds, count_parameters(config, shapes),
                             stage=stage)
     result = _probe(model, info) if probe else None
@@ -142,7 +145,7 @@ def _summarized(error: Exception, shown: int = 3) -> str:
 
 def _split(model: Any, group: mx.distributed.Group, folder: Path, config: dict[str, Any],
            split: Sequence[int] | None) -> None:
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)  # mlx-lm's inner model, untyped
     if not callable(getattr(inner, "pipeline", None)):
         from engine.models.split import no_split_message
 
@@ -172,7 +175,7 @@ def _stage_alone(model: Any) -> Iterator[None]:
     would wait on the other ranks, whose probes may run other passes (a rank
     with no paged layer skips the paged run).
     """
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)  # mlx-lm's inner model, untyped
     size = getattr(inner, "pipeline_size", 1)
     if size == 1:
         yield

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+from unittest import mock
 
 import mlx.core as mx
 
@@ -143,26 +144,25 @@ def paged_layers_matter(model: Any) -> bool:
         original(self, mx.zeros_like(keys), mx.zeros_like(values))
         return keys, values
 
-    PagedKVCache.update_and_fetch = store_zeros
-    try:
+    with mock.patch.object(PagedKVCache, "update_and_fetch", store_zeros):
         return probe_model(model).verdict != PAGED
-    finally:
-        PagedKVCache.update_and_fetch = original
 
 
 def max_rel_diff_for(model: Any) -> float:
     """The probe's bound for the model's compute dtype (its first float parameter's)."""
     from mlx.utils import tree_flatten
 
-    dtypes = (v.dtype for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    parameters = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    dtypes = (v.dtype for _, v in parameters if isinstance(v, mx.array))
     first = next((d for d in dtypes if mx.issubdtype(d, mx.floating)), mx.float32)
     return MAX_REL_DIFF_BF16 if first == mx.bfloat16 else MAX_REL_DIFF
 
 
 def relative_difference(ours: mx.array, reference: mx.array) -> float:
     """max |ours - reference| over max |reference| (inf for NaN or inf)."""
-    peak = mx.max(mx.abs(reference)).item()
-    diff = mx.max(mx.abs(ours - reference)).item()
+    peak = float(mx.max(mx.abs(reference)))
+    diff = float(mx.max(mx.abs(ours - reference)))
     if math.isnan(diff) or math.isinf(diff):
         return float("inf")
     return diff / max(peak, 1e-6)

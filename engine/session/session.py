@@ -265,7 +265,7 @@ class Session:
         return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
                                          self._value_bytes, self.chunk_size)
 
-    def stats(self) -> Any:
+    def stats(self) -> adapter.CacheStats:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""
         return adapter.cache_stats(self.cache)
 
@@ -392,9 +392,9 @@ class Session:
             position = len(self.tokens)
             if not announced:
                 self.followers.prefill(chunk, position)
-            sent_ahead = ahead is not None and self._reserve(len(ids) + len(ahead.ids))
-            if sent_ahead:
+            if ahead is not None and self._reserve(len(ids) + len(ahead.ids)):
                 self.followers.prefill(ahead, position + len(ids))
+                sent_ahead = True
         self.model(mx.array(ids)[None], cache=self.cache)
         # Evaluating the cache (not the logits) runs every layer but skips the
         # vocabulary projection of the whole chunk, as mlx-lm's prefill does.
@@ -534,18 +534,18 @@ class Session:
         self.memory_stop = None
         self.guard.check_pressure("the answer")
         rendered = prompt or self.prompt(messages, add_generation_prompt=True)
-        prompt = rendered.ids
-        if not prompt:
+        ids = rendered.ids
+        if not ids:
             raise EngineError("Nothing to answer: the conversation is empty.")
         self.guard.refresh(self.session_id)
-        room = self.room_for(len(prompt))
+        room = self.room_for(len(ids))
         if room < 1:
-            raise ContextTooLong(self.fit_report(len(prompt) + 1).message())
-        kept = self.sync(prompt, keep_last=True)
+            raise ContextTooLong(self.fit_report(len(ids) + 1).message())
+        kept = self.sync(ids, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
-        read = self.prefill(prompt[kept:-1], request_id=request_id, cancel=watch, emit=emit,
+        read = self.prefill(ids[kept:-1], request_id=request_id, cancel=watch, emit=emit,
                             tick=tick, boundaries=self._boundaries(rendered, kept),
-                            total=len(prompt))
+                            total=len(ids))
         prefill_seconds = read.seconds
         max_tokens = min(sampling.max_tokens, room)
         model = self.model
@@ -558,21 +558,21 @@ class Session:
         generation = AnswerStream(
             model, self.cache, self.tokenizer, self.end_ids, self.tokens,
             sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
-            index=self.context_index, after=prompt if rendered.continues else (),
+            index=self.context_index, after=ids if rendered.continues else (),
         )
         try:
-            reason = generation.run(prompt, max_tokens)
+            reason = generation.run(ids, max_tokens)
         except Exception:
             # A failed step may leave layers at different lengths.
             self.rollback()
             raise
         reason = self._memory_reason(reason, watch, len(generation.generated) < max_tokens)
-        fed = len(prompt) - kept
+        fed = len(ids) - kept
         first_step = generation.first_token_at - generation.started
         prefill_total = prefill_seconds + first_step
         decode_seconds = generation.last_token_at - generation.first_token_at
         return reason, GenerationStats(
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(ids),
             generated_tokens=len(generation.generated),
             time_to_first_token=(
                 generation.first_token_at - started if generation.generated else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine import paths
 from engine.errors import EngineError
@@ -27,6 +27,9 @@ from engine.snapshots.manifest import (
     snapshot_info,
 )
 from engine.snapshots.snapshot import SnapshotError, load_snapshot, save_snapshot
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
 
 MAX_DEFAULT_BUDGET = 20 * 10**9  # 20 GB
 FREE_DISK_SHARE = 0.10
@@ -76,7 +79,7 @@ class SnapshotStore:
 
     # -- reading and writing --------------------------------------------------
 
-    def save(self, session: Any, name: str) -> Path:
+    def save(self, session: Session, name: str) -> Path:
         """Store ``session`` as ``name``, first evicting older snapshots to make room.
 
         Raises:
@@ -88,7 +91,7 @@ class SnapshotStore:
         )
 
     def load(
-        self, session: Any, name: str, prompt_ids: Sequence[int], *, keep_last: bool = True
+        self, session: Session, name: str, prompt_ids: Sequence[int], *, keep_last: bool = True
     ) -> int:
         """``load_snapshot`` from this folder; a reopen counts as a use."""
         return load_snapshot(session, self.directory, name, prompt_ids, keep_last=keep_last)
@@ -210,10 +213,10 @@ class SnapshotStore:
                 for leftover in (path, *data_files(self.directory, name)):
                     files.discard(leftover)  # a read-only disk keeps it: never reused
         for path in self.directory.iterdir():
-            leftover = path.name.startswith(files.TEMP_MARK) or (
+            stale = path.name.startswith(files.TEMP_MARK) or (
                 path.name.endswith(files.DATA_SUFFIX) and path.name not in named
             )
-            if path.is_file() and leftover and files.left_by_dead_writer(path.name):
+            if path.is_file() and stale and files.left_by_dead_writer(path.name):
                 files.discard(path)
 
     def _make_room(self, size: int, name: str) -> None:
