@@ -353,8 +353,9 @@ class Settings:
         """``sampling`` with the model's own defaults (its generation_config.json) for
         every key the user has not set here; a key set in Settings wins."""
         stored = {key for key in MODEL_SAMPLING_KEYS if self._qs.contains(f"sampling/{key}")}
-        taken = {key: value for key, value in model_defaults.items()
-                 if key in MODEL_SAMPLING_KEYS and key not in stored}
+        # The keys are SamplingParams fields of mixed types; the filter above is the check.
+        taken: dict[str, Any] = {key: value for key, value in model_defaults.items()
+                                 if key in MODEL_SAMPLING_KEYS and key not in stored}
         return replace(self.sampling, **taken)
 
     def prefill_timings(self, model_id: str) -> tuple[prefill_rate.ChunkTiming, ...]:
