@@ -23,7 +23,7 @@ KIND = "quality"  # the Activity kind while a check runs
 WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without importing MLX
 
 
-# Verdict bands on the mean KL to fp16 (nats), upper bounds; docs/benchmarks.md
+# Verdict bands on the mean KL to fp16 (nats), upper bounds; docs/benchmark-runs.md
 # ("Quality verdict bands") names the quality-bench rows behind each cut-off.
 VERDICTS = ((1e-3, "Indistinguishable from fp16"), (2e-2, "Minor differences from fp16"),
             (0.2, "Noticeable differences from fp16"))

@@ -9,7 +9,7 @@ sends to the first stage (the last rank) and each follower hands it on to the
 rank after it, before its own work, so the command travels the way the hidden
 states do. No second RPC stack, and the messages stay in the order both sides
 queue them. A plain send/recv between neighbours is the ring backend's cheapest
-message (no collective thread pool; measured in docs/benchmarks.md).
+message (no collective thread pool; measured in docs/benchmark-runs.md).
 
 The header's first field is the protocol version: a follower that reads another
 version stops with an error instead of guessing. A prefill chunk's header says

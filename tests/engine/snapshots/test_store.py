@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from engine import EngineError, EngineWorker, Failed, Finished, StoredKv
-from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
 from engine.snapshots import SnapshotStore, default_budget
 from engine.snapshots.files import rank_folder
 from engine.snapshots.snapshot import save_snapshot
 from tests.engine.runtime.test_worker import EventLog
+from tests.engine.snapshot_fixtures import cache_session, config_only_model, filled_cache
 
 MODE = "q8"
 TOKENS = 256
