@@ -5,7 +5,8 @@ values (see ``engine.events``). The names below are the small public API the
 app uses; each is imported on first use, so ``import engine`` stays cheap and
 does not load MLX until something needs it.
 
-- Models: ``discover_models``, ``inspect_model_dir`` (describe without loading),
+- Models: ``DEMO`` (the path that names the built-in demo model), ``discover_models``,
+  ``inspect_model_dir`` (describe without loading),
   ``download_model`` (from the Hub, resumable), ``RECOMMENDED_MODELS`` and
   ``full_context_costs`` (what a model's KV takes at full context, per mode).
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
@@ -36,6 +37,7 @@ _PUBLIC = {
     "EngineWorker": "engine.runtime.worker",
     "RemoteWorker": "engine.distributed.remote",
     "can_split": "engine.models.split",
+    "DEMO": "engine.models",
     "discover_models": "engine.models.discovery",
     "inspect_model_dir": "engine.models.info",
     "download_model": "engine.models.download",
@@ -67,6 +69,7 @@ _PUBLIC = {
 
 __all__ = [
     "DEFAULT_MODE",
+    "DEMO",
     "MODES",
     "RECOMMENDED_MODELS",
     "Cancelled",
@@ -168,6 +171,7 @@ if TYPE_CHECKING:
         TokenChunk,
     )
     from engine.memory.model_costs import ModeCost, full_context_costs
+    from engine.models import DEMO
     from engine.models.catalog import RECOMMENDED_MODELS, RecommendedModel
     from engine.models.discovery import discover_models
     from engine.models.download import download_model
