@@ -48,7 +48,7 @@ from engine import (
 )
 from engine.cache.modes import KvMode
 from engine.distributed.fallback import fits_here
-from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
+from engine.memory.prefill_rate import ChunkTiming, PrefillRate, least_squares_rate, remember
 
 STATS_POLL_MS = 400
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
@@ -355,7 +355,7 @@ class ChatController(QObject):
     def prefill_rate(self) -> PrefillRate | None:
         """How fast the loaded model reads on this machine at each context length
         (None before its first timed read)."""
-        return fit(self.settings.prefill_timings(self.model_id))
+        return least_squares_rate(self.settings.prefill_timings(self.model_id))
 
     def read_eta(self, progress: IngestProgress) -> float | None:
         """Seconds left of a read, from the rate model at the context it has reached.

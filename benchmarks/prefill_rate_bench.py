@@ -17,7 +17,7 @@ import threading
 
 from benchmarks.render_bench import document
 from engine.events import IngestProgress
-from engine.memory.prefill_rate import ChunkTiming, fit
+from engine.memory.prefill_rate import ChunkTiming, least_squares_rate
 from engine.session.session import Session
 
 
@@ -39,7 +39,7 @@ def measure(loaded, mode: str, chunk: int, learn: int, predict: int) -> dict[str
     """Seconds estimated and measured for a ``predict``-token read after a ``learn`` one."""
     _read(loaded, mode, chunk, 512)  # warm-up: compiled kernels, caches
     learned = _read(loaded, mode, chunk, learn)
-    rate = fit(_timings(learned))
+    rate = least_squares_rate(_timings(learned))
     assert rate is not None
     constant = learned[-1].tokens_done / sum(p.chunk_seconds for p in learned)
     read = _read(loaded, mode, chunk, predict)

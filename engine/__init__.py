@@ -53,8 +53,8 @@ _PUBLIC = {
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
-    "SnapshotStore": "engine.snapshots.store",
-    "default_budget": "engine.snapshots.store",
+    "SnapshotStore": "engine.snapshots.snapshot_store",
+    "default_budget": "engine.snapshots.snapshot_store",
     "snapshot_info": "engine.snapshots.manifest",
     "snapshots_dir": "engine.paths",
     **{name: "engine.events" for name in (
@@ -183,4 +183,4 @@ if TYPE_CHECKING:
     from engine.runtime.worker import EngineWorker
     from engine.session.sampling import SamplingParams
     from engine.snapshots.manifest import snapshot_info
-    from engine.snapshots.store import SnapshotStore, default_budget
+    from engine.snapshots.snapshot_store import SnapshotStore, default_budget

@@ -28,7 +28,7 @@ from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
 from engine import SamplingParams, default_budget, snapshots_dir
 from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
-from engine.snapshots.store import MAX_DEFAULT_BUDGET
+from engine.snapshots.snapshot_store import MAX_DEFAULT_BUDGET
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 # A gigabyte as every size in the app is said (``human_bytes``: 1,024³ bytes, as

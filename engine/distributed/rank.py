@@ -1,6 +1,6 @@
 """One rank of the app's pipeline engine, started by ``engine.distributed.remote``.
 
-``python -m engine.distributed.host --model PATH [--chunk N] [--budget BYTES]
+``python -m engine.distributed.rank --model PATH [--chunk N] [--budget BYTES]
 [--split 10,14] [--kv-store app|server]`` runs on every rank under mlx.launch.
 Rank 0 runs an ``EngineWorker`` on the pipeline group (with the stored KV of
 this machine's data folder: the app's, or the API server's own) and serves its
@@ -38,7 +38,7 @@ READS = frozenset({"latest_stats", "fit_check", "count_tokens", "turn_overhead",
                    "token_ends"})
 
 
-class Host:
+class LeadRank:
     """Rank 0's end of the app's connection, in front of its ``EngineWorker``.
 
     Args:
@@ -153,9 +153,9 @@ def _snapshot_dir(store: str) -> Path | None:
 
 
 def _lead(group: Any, args: argparse.Namespace) -> None:
-    from engine.distributed.commands import Pipeline
+    from engine.distributed.rank_commands import Pipeline
     from engine.runtime.worker import EngineWorker
-    from engine.snapshots.store import SnapshotStore
+    from engine.snapshots.snapshot_store import SnapshotStore
 
     host, port = os.environ[ADDRESS_ENV].rsplit(":", 1)
     key = bytes.fromhex(os.environ.pop(KEY_ENV))
@@ -173,12 +173,12 @@ def _lead(group: Any, args: argparse.Namespace) -> None:
         return EngineWorker(on_event, budget_bytes=args.budget, chunk_size=args.chunk,
                             snapshots=snapshots, pipeline=Pipeline(group, args.split))
 
-    Host(conn, make_worker).serve()
+    LeadRank(conn, make_worker).serve()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run this rank; 0 when it ended as asked."""
-    parser = argparse.ArgumentParser(prog="python -m engine.distributed.host")
+    parser = argparse.ArgumentParser(prog="python -m engine.distributed.rank")
     parser.add_argument("--model", required=True)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--budget", type=int, default=None)

@@ -1,6 +1,6 @@
-"""Rank 0's end of the app's connection (engine.distributed.host.Host), without MLX.
+"""Rank 0's end of the app's connection (engine.distributed.rank.LeadRank), without MLX.
 
-A fake worker stands in for EngineWorker: the Host must give its events the app's
+A fake worker stands in for EngineWorker: the LeadRank must give its events the app's
 request ids, pass cancels and reads through, and refuse what it does not serve.
 """
 
@@ -11,7 +11,7 @@ import threading
 from multiprocessing import Pipe
 from typing import Any
 
-from engine.distributed.host import Host
+from engine.distributed.rank import LeadRank
 from engine.errors import ContextTooLong
 from engine.events import Failed, Finished, TokenChunk
 from engine.runtime.commands import Chat, Request
@@ -59,7 +59,7 @@ class FakeWorker:
 
 def test_the_host_serves_calls_cancels_and_reads_under_the_apps_ids() -> None:
     app, rank0 = Pipe()
-    host = Host(rank0, FakeWorker)
+    host = LeadRank(rank0, FakeWorker)
     serving = threading.Thread(target=host.serve)
     serving.start()
     try:
