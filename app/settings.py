@@ -19,9 +19,16 @@ from urllib.parse import quote
 import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
-from engine import SamplingParams, data_dir, private_dir, private_file
-from engine.cache.modes import DEFAULT_MODE, MODES, KvMode
-from engine.memory import prefill_rate
+from engine import (
+    DEFAULT_MODE,
+    MODES,
+    KvMode,
+    SamplingParams,
+    data_dir,
+    prefill_rate,
+    private_dir,
+    private_file,
+)
 
 # Best quality first, the order every list of modes in the app uses.
 # Small models loop on a phrase without it (the demo model repeated "finally…"

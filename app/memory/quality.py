@@ -16,8 +16,16 @@ from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.store import HistoryStore, SessionRecord
-from engine import Event, Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
-from engine.cache.modes import MODES, REFERENCE
+from engine import (
+    MODES,
+    REFERENCE,
+    Event,
+    Failed,
+    Finished,
+    QualityChecked,
+    QualityProgress,
+    QualityReceipt,
+)
 
 KIND = "quality"  # the Activity kind while a check runs
 WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without importing MLX

@@ -43,7 +43,7 @@ def hosts_of(hostfile: str) -> list[str]:
     Raises:
         EngineError: the file is missing or not an MLX hostfile (its message says why).
     """
-    from engine.distributed.launch import read_hostfile
+    from engine import read_hostfile
 
     return read_hostfile(Path(hostfile))
 
@@ -154,7 +154,7 @@ class OtherMacsPage(QWidget):
         self._show_result("Checking hosts…")
 
         def work() -> object:
-            from engine.distributed.hosts import check_hosts
+            from engine import check_hosts
 
             return check_hosts(Path(hostfile), folder)
 

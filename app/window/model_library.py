@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import psutil
 
 from app.format import human_bytes
-from engine import DEMO, RECOMMENDED_MODELS, ModeCost, full_context_costs
-from engine.models.split import can_split
+from engine import DEMO, RECOMMENDED_MODELS, ModeCost, can_split, full_context_costs
 
 DEMO_SOURCE = DEMO  # discovery reports the demo model with its path as its source
 MIN_USEFUL_CONTEXT = 4096  # tokens: less than this holds no document worth a long-context model
