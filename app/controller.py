@@ -38,18 +38,20 @@ from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import (
+    ChunkTiming,
     DiskFault,
     EngineError,
     Failed,
     IngestProgress,
+    KvMode,
     Notice,
     PipelineLost,
+    PrefillRate,
     SamplingParams,
     StatsSample,
+    fits_here,
+    prefill_rate,
 )
-from engine.cache.modes import KvMode
-from engine.distributed.fallback import fits_here
-from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
@@ -356,7 +358,7 @@ class ChatController(QObject):
     def prefill_rate(self) -> PrefillRate | None:
         """How fast the loaded model reads on this machine at each context length
         (None before its first timed read)."""
-        return fit(self.settings.prefill_timings(self.model_id))
+        return prefill_rate.least_squares_rate(self.settings.prefill_timings(self.model_id))
 
     def read_eta(self, progress: IngestProgress) -> float | None:
         """Seconds left of a read, from the rate model at the context it has reached.
@@ -376,8 +378,8 @@ class ChatController(QObject):
         if progress.chunk_tokens and progress.chunk_seconds > 0:
             timing = ChunkTiming(progress.chunk_tokens, progress.chunk_start,
                                  progress.chunk_seconds)
-            self.settings.set_prefill_timings(
-                self.model_id, remember(self.settings.prefill_timings(self.model_id), timing))
+            timings = prefill_rate.remember(self.settings.prefill_timings(self.model_id), timing)
+            self.settings.set_prefill_timings(self.model_id, timings)
 
     def quality_unavailable(self) -> str:
         """Why "Check quality" cannot run for the shown chat now; "" when it can."""

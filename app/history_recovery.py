@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from numbers import Real
 
-from engine.cache.modes import DEFAULT_MODE
+from engine import DEFAULT_MODE
 
 MAX_ROWID = 2**63 - 1
 RECOVERED_TITLE = "Recovered chat"

@@ -20,9 +20,16 @@ from urllib.parse import quote
 import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
-from engine import SamplingParams, data_dir, private_dir, private_file
-from engine.cache.modes import DEFAULT_MODE, MODES, KvMode
-from engine.memory import prefill_rate
+from engine import (
+    DEFAULT_MODE,
+    MODES,
+    KvMode,
+    SamplingParams,
+    data_dir,
+    prefill_rate,
+    private_dir,
+    private_file,
+)
 
 # Small models (the demo model among them) loop on a phrase without a penalty; this
 # one, over the engine's 64-token window, stops that without punishing every common word.

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.history_recovery import Recovered, recover
-from engine import DiskFault, QualityReceipt, data_dir, disk, private_file
-from engine.cache.modes import KvMode
+from engine import DiskFault, KvMode, QualityReceipt, data_dir, disk, private_file
 
 log = logging.getLogger(__name__)
 

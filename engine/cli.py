@@ -28,7 +28,7 @@ from engine.runtime.worker import EngineWorker
 from engine.session import speculative
 from engine.session.sampling import SamplingParams
 from engine.snapshots.files import check_name
-from engine.snapshots.store import SnapshotStore, default_snapshot_dir
+from engine.snapshots.snapshot_store import SnapshotStore, default_snapshot_dir
 
 SESSION = "cli"
 SESSION_PREFIX = "cli-"
@@ -112,7 +112,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         write_rank_report(report_dir, group.rank(),
                           {"rank_stats": follow(args.model, group, snapshots, args.split)})
         return 0
-    from engine.distributed.commands import Pipeline
+    from engine.distributed.rank_commands import Pipeline
 
     result, collector = _run(args, None, pipeline=Pipeline(group, args.split))
     write_rank_report(report_dir, group.rank(), {
@@ -285,7 +285,7 @@ def _size(nbytes: int) -> str:
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
     from engine.server.app import cors_origins, host_names
-    from engine.server.bridge import EngineBridge
+    from engine.server.bridge import ServerBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -306,13 +306,13 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     if args.pipeline > 1 or args.hostfile is not None:
         from engine.server.pipeline import PipelineBridge
 
-        bridge: EngineBridge = PipelineBridge(
+        bridge: ServerBridge = PipelineBridge(
             args.model, args.kv, server_snapshot_dir(), ranks=args.pipeline,
             hostfile=args.hostfile, split=args.split, **options)
         where = (f" over {bridge.machines} machines ({args.hostfile})" if args.hostfile
                  else f" over {bridge.machines} local ranks")
     else:
-        bridge = EngineBridge(args.model, args.kv, server_snapshot_dir(), **options)
+        bridge = ServerBridge(args.model, args.kv, server_snapshot_dir(), **options)
     out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()

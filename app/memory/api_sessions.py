@@ -14,9 +14,7 @@ from PySide6.QtWidgets import QVBoxLayout, QWidget
 from app.controller import ChatController
 from app.format import human_bytes
 from app.memory.labels import section_heading, value_label
-from engine import StatsSample
-from engine.cache.modes import KvMode
-from engine.runtime.held_sessions import API_SESSION_PREFIX
+from engine import API_SESSION_PREFIX, KvMode, StatsSample
 
 NONE_YET = "None yet: the first request opens one."
 

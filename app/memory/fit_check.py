@@ -22,10 +22,7 @@ from app.chat.recorder import LENGTH_LIMIT
 from app.controller import ChatController
 from app.format import human_bytes, human_duration
 from app.store import AttachmentRecord
-from engine import EngineError
-from engine.cache.modes import MODES, KvMode
-from engine.memory.fit import FitReport
-from engine.memory.prefill_rate import PrefillRate
+from engine import MODES, EngineError, FitReport, KvMode, PrefillRate
 
 DEBOUNCE_MS = 250
 COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth

@@ -35,9 +35,7 @@ from app.memory.labels import section_heading, value_label
 from app.memory.quality import advice, receipt_details, receipt_line, receipt_summary
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
-from engine import RankShare, StatsSample
-from engine.cache.modes import DEFAULT_MODE, MODES, REFERENCE, KvMode
-from engine.memory.fit import FitReport
+from engine import DEFAULT_MODE, MODES, REFERENCE, FitReport, KvMode, RankShare, StatsSample
 
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0

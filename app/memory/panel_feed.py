@@ -15,8 +15,7 @@ from app.format import visible_text
 from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
 from app.memory.stored_kv import StoredKvFeed
-from engine import StatsSample
-from engine.memory.stats import system_readings
+from engine import StatsSample, system_readings
 
 PROJECTION_EVERY = 8  # full-context projection refresh, in samples (free RAM drifts slowly)
 RAM_EVERY_MS = 2000  # the system memory gauge between samples

@@ -26,8 +26,7 @@ from PySide6.QtWidgets import (
 from app.controller import ChatController
 from app.format import human_bytes, relative_time, visible_text
 from app.memory.labels import section_heading, value_label
-from engine import StoredKv
-from engine.runtime.held_sessions import API_SESSION_PREFIX
+from engine import API_SESSION_PREFIX, StoredKv
 
 # The chat's name gets the room: its tokens and mode are in the row's tooltip (and in
 # the chat's own state sentence), so a narrow panel does not cut names to a few letters.

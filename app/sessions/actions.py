@@ -16,8 +16,7 @@ from app.chat.model import ChatMessage, ChatModel
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
-from engine import StatsSample
-from engine.cache.modes import KvMode
+from engine import KvMode, StatsSample
 
 NEW_TITLE = "New chat"
 

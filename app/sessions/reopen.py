@@ -13,8 +13,7 @@ from PySide6.QtWidgets import QMenu, QMessageBox, QWidget
 from app.controller import ChatController
 from app.format import human_bytes
 from app.memory.fit_check import wait_sentence
-from engine import EngineError
-from engine.cache.modes import MODES, KvMode
+from engine import MODES, EngineError, KvMode
 
 REOPEN_TIP = ("Copy this chat into a new chat that keeps its memory (the KV cache) in another "
               "mode: smaller modes fit longer chats in less memory, at a small cost in "

@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
 from app.format import relative_time, visible_text
 from app.sessions.chat_state import ChatFacts, ChatState, sidebar_lines
 from app.store import SessionRecord
-from engine.cache.modes import MODES
+from engine import MODES
 
 UNKNOWN_MODE_COLOUR = "#777777"
 RecordRole = Qt.ItemDataRole.UserRole + 1

@@ -26,10 +26,17 @@ from app.format import human_bytes
 from app.settings import Settings
 from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
-from engine import SamplingParams, default_budget, snapshots_dir
-from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
-from engine.memory.fit import FitReport
-from engine.snapshots.store import MAX_DEFAULT_BUDGET
+from engine import (
+    DEFAULT_MODE,
+    MAX_DEFAULT_BUDGET,
+    MODES,
+    FitReport,
+    KvMode,
+    SamplingParams,
+    default_budget,
+    parse_mode,
+    snapshots_dir,
+)
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 # A gigabyte as every size in the app is said (``human_bytes``: 1,024³ bytes, as

@@ -23,7 +23,7 @@ from app.window.parts import ProblemLabel
 from engine import EngineError
 
 if TYPE_CHECKING:  # imported where the check runs: it reads no more at startup
-    from engine.distributed.hosts import HostCheck
+    from engine import HostCheck
 
 INTRO = (
     "A model too big for this Mac can be split across several: each Mac holds some of "
@@ -47,7 +47,7 @@ def hosts_of(hostfile: str) -> list[str]:
     Raises:
         EngineError: the file is missing or not an MLX hostfile (its message says why).
     """
-    from engine.distributed.launch import read_hostfile
+    from engine import read_hostfile
 
     return read_hostfile(Path(hostfile))
 
@@ -158,7 +158,7 @@ class OtherMacsPage(QWidget):
         self._show_result("Checking hosts…")
 
         def work() -> list[HostCheck]:
-            from engine.distributed.hosts import check_hosts
+            from engine import check_hosts
 
             return check_hosts(Path(hostfile), folder)
 

@@ -14,13 +14,19 @@ from typing import TYPE_CHECKING
 import psutil
 
 from app.format import human_bytes
-from engine import RECOMMENDED_MODELS, ModeCost, RecommendedModel, full_context_costs
-from engine.models.split import can_split
+from engine import (
+    DEMO,
+    RECOMMENDED_MODELS,
+    ModeCost,
+    RecommendedModel,
+    can_split,
+    full_context_costs,
+)
 
 if TYPE_CHECKING:
-    from engine.models.discovery import DiscoveredModel
+    from engine import DiscoveredModel
 
-DEMO_SOURCE = "demo"  # engine.models.discovery.DEMO
+DEMO_SOURCE = DEMO  # discovery reports the demo model with its path as its source
 MIN_USEFUL_CONTEXT = 4096  # tokens: less than this holds no document worth a long-context model
 
 

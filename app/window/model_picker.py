@@ -18,11 +18,11 @@ from PySide6.QtWidgets import QComboBox, QStyle, QStyleOptionComboBox, QWidget
 from app.background import Background
 from app.format import human_bytes
 from app.window.model_library import DEMO_SOURCE, ModelEntry, library, short_tokens
+from engine import DEMO
 
 if TYPE_CHECKING:
-    from engine.models.discovery import DiscoveredModel, Discovery, SkippedModel
+    from engine import DiscoveredModel, Discovery, SkippedModel
 
-DEMO = "demo"
 DEMO_LABEL = "Demo · SmolLM2-135M (built in)"
 OPEN_FOLDER = "__open_folder__"
 MANAGE = "__models__"

@@ -31,8 +31,7 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes, human_duration
 from app.window.model_library import ModelEntry, cost_text, fit_advice, short_tokens
-from engine import DownloadProgress
-from engine.cache.modes import MODES
+from engine import MODES, DownloadProgress
 
 
 def columns() -> tuple[str, ...]:

@@ -105,7 +105,7 @@ def install_attention(model: nn.Module) -> None:
     mlx_lm_compat.install_attention(_model_modules(model), _dispatcher)
 
 
-def _attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | None]:
+def layer_attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | None]:
     """(kv_heads, head_dim) of layer ``index``, read from its attention module."""
     layer = model.layers[index]
     for _, module in layer.named_modules():
@@ -171,7 +171,7 @@ def make_cache(
     first = first_layer(model)
     for index, layer_cache in enumerate(cache):
         if type(layer_cache) is KVCache:
-            kv_heads, head_dim = _attention_shape(model, index)
+            kv_heads, head_dim = layer_attention_shape(model, index)
             _check_dispatch(model, index)
             # The model's own layer number, also on a pipeline stage that holds
             # only some layers: rotations, snapshots and stats match one process.

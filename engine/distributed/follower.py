@@ -1,7 +1,7 @@
 """A pipeline rank other than 0: its layers' caches, driven by rank 0's commands.
 
 A follower has no tokenizer use, no sampling and no schedule of its own: it
-reads a command header (``engine.distributed.commands``), does what it says to
+reads a command header (``engine.distributed.rank_commands``), does what it says to
 the session it names (the same ``Session`` class rank 0 uses, so pages,
 checkpoints and rewinds happen the same way on its layers) and reads the next.
 A cancel on rank 0 is simply the end of its commands: a follower stops after
@@ -24,7 +24,7 @@ import mlx.core as mx
 from engine.cache import adapter
 from engine.cache.adapter import CacheStats
 from engine.cache.modes import MODES
-from engine.distributed import commands as c
+from engine.distributed import rank_commands as c
 from engine.errors import EngineError
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
@@ -239,7 +239,7 @@ class Follower:
 
 
 def memory_reply(session: Session, token_count: int) -> list[int]:
-    """A rank's memory for ``token_count`` tokens of ``session`` (``commands.memory_row``)."""
+    """A rank's memory for ``token_count`` tokens of ``session`` (``rank_commands.memory_row``)."""
     return _memory_row(session.fit_report(token_count),
                        session.stats() if session.cache else None,
                        needs_checkpoints=session.needs_checkpoints)

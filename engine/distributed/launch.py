@@ -4,7 +4,7 @@ The process the user started launches N copies of itself with ``mlx.launch``
 (ring backend, or the hosts and backend of an MLX hostfile) and waits; each rank
 loads its stage of a model split by mlx-lm's ``pipeline`` (rank 0 holds the last
 layers). Rank 0 runs the request and commands the others
-(``engine.distributed.commands``); they follow (``engine.distributed.follower``).
+(``engine.distributed.rank_commands``); they follow (``engine.distributed.follower``).
 Each rank writes a report into a folder the launcher names; the launcher prints
 rank 0's output with every rank's share of the KV cache and the pool's fit.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.documents.docx import docx_text
-from engine.documents.files import read_all, stat_size
+from engine.documents.file_access import read_all, stat_size
 from engine.documents.limits import DEFAULT_MAX_CHARS, MAX_CONTAINER_BYTES, check_length
 from engine.documents.pdf import pdf_text
 from engine.documents.text import stream_text

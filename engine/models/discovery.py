@@ -21,13 +21,13 @@ from huggingface_hub.errors import CacheNotFound
 
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
+from engine.models import DEMO
 from engine.paths import models_dir
 
 HUGGINGFACE = "huggingface"
 LMSTUDIO = "lmstudio"
 LONGLEAF = "longleaf"
 FOLDER = "folder"
-DEMO = "demo"
 # engine.models.demo's DEMO_NAME (that module imports MLX): the embedded demo
 # model's converted folder in models_dir(), which the picker shows as the demo.
 DEMO_FOLDER = "SmolLM2-135M-Instruct"

@@ -17,6 +17,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from engine.errors import ModelLoadError
+from engine.models import DEMO
 from engine.models.folder import check_model_dir
 from engine.models.info import (
     CONFIG_ERRORS,
@@ -28,9 +29,7 @@ from engine.models.info import (
     quantization_bits,
     require_attention,
 )
-from engine.models.probe import REFUSED, ProbeResult, probe_model
-
-DEMO = "demo"
+from engine.models.probe import PROBE_TOKENS, REFUSED, ProbeResult, probe_model
 
 
 @dataclass(frozen=True)
@@ -239,10 +238,8 @@ def _probe_bytes(config: dict[str, Any], value_bytes: int) -> int:
     their comparison), the widest MLP activation twice, and per layer mlx-lm's
     cache of one ``_KV_STEP``, keys and values.
     """
-    from engine.models.probe import _CHUNKS, _DECODE_STEPS
-
     text = config.get("text_config") or config
-    tokens = sum(_CHUNKS) + _DECODE_STEPS
+    tokens = PROBE_TOKENS
     heads = _count(text, "num_attention_heads") or 1
     kv_heads = _count(text, "num_key_value_heads") or heads
     head_dim = _count(text, "head_dim") or _count(text, "hidden_size") // heads

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 from unittest import mock
 
 import mlx.core as mx
 
 from engine.cache.modes import FP16, FULL_PRECISION_BITS, KvMode
-
-if TYPE_CHECKING:  # the loader imports this module: for the annotation only
-    from engine.models.loader import LoadedModel
+from engine.models.info import ModelInfo
 
 PAGED = "paged"
 MLX_LM = "mlx-lm"
@@ -34,6 +32,9 @@ PROBE_PAGE_SIZE = 16
 # reads the first back; the decode steps then read two pages.
 _CHUNKS = (16, 8)
 _DECODE_STEPS = 2
+# Tokens one probe feeds (its chunks, then its decode steps): the loader sizes
+# the probe's memory by it.
+PROBE_TOKENS = sum(_CHUNKS) + _DECODE_STEPS
 # fp16 storage rounds each key and value by at most 2^-11 relative, which moves the
 # logits far less than a cache that reads the wrong rows moves them (tens of percent
 # of their largest magnitude); the bound sits well clear of both (the differences:
@@ -183,8 +184,22 @@ def suspected_cause(model: Any) -> str:
     return ""
 
 
+class ProbedModel(Protocol):
+    """What :func:`make_session_cache` reads of a loaded model (the loader's
+    ``LoadedModel``, which imports this module, so it is not named here)."""
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def probe(self) -> ProbeResult | None: ...
+
+
 def make_session_cache(
-    loaded: LoadedModel, mode: KvMode, page_size: int, *, rotate: bool | None = None
+    loaded: ProbedModel, mode: KvMode, page_size: int, *, rotate: bool | None = None
 ) -> SessionCache:
     """The cache a session should hold for ``loaded`` at KV ``mode``.
 
@@ -228,7 +243,7 @@ def make_session_cache(
 
 def _probe_tokens(model: Any) -> list[int]:
     vocab = _vocab_size(model)
-    count = sum(_CHUNKS) + _DECODE_STEPS
+    count = PROBE_TOKENS
     # Spread over the vocabulary, deterministic, no special meaning.
     return [(7 * i + 3) % vocab for i in range(count)]
 

@@ -30,7 +30,7 @@ from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import ollama, protocol, responses
-from engine.server.bridge import LOADING, EngineBridge, NotReady, QueueFull, Ticket
+from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
 
@@ -187,7 +187,7 @@ class Server:
     another origin cannot send without the CORS approval it does not get.
     """
 
-    def __init__(self, bridge: EngineBridge, api_key: str | None = None,
+    def __init__(self, bridge: ServerBridge, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES,
                  cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
                  allowed_hosts: tuple[str, ...] = (),
@@ -844,7 +844,7 @@ class Run:
         anthropic: word a prompt that turns out too long as Anthropic's API does.
     """
 
-    def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
+    def __init__(self, bridge: ServerBridge, ticket: Ticket, cancel: threading.Event,
                  stops: tuple[str, ...], prompt_tokens: int,
                  reader: ToolCallReader | None = None, wanted: str | None = None, *,
                  keepalive: float = 0.0, max_calls: int | None = None,

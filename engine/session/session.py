@@ -89,7 +89,7 @@ class Session:
         self.loaded = loaded
         self.rotate = rotate
         self.model = loaded.model
-        # A pipeline's other ranks (``engine.distributed.commands.SessionLink``):
+        # A pipeline's other ranks (``engine.distributed.rank_commands.SessionLink``):
         # every cache operation below is sent to them first. None: one machine.
         self.followers = followers
         # Which cache the probe chose ("paged", or mlx-lm's own) and why.

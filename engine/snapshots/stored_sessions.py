@@ -17,7 +17,7 @@ from engine.errors import EngineError
 from engine.events import Event, Notice, StoredKv
 from engine.snapshots.fingerprint import session_fingerprint
 from engine.snapshots.snapshot import SnapshotRejected
-from engine.snapshots.store import SnapshotStore
+from engine.snapshots.snapshot_store import SnapshotStore
 
 if TYPE_CHECKING:
     from engine.session.session import Session
