@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # for annotations only: this module stays free of Qt
     from app.activity import Activity
     from app.sessions.caches import SessionCaches
     from app.store import SessionRecord
-    from engine.snapshots.manifest import SnapshotInfo
+    from engine import SnapshotInfo
 
 
 class ChatState(Enum):
