@@ -14,14 +14,17 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.cache.modes import KvMode, parse_mode
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "benchmark-runs.md"
 
 
-ConfigT = TypeVar("ConfigT")
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")
 
 
 def with_changes(config: ConfigT, **changes: Any) -> ConfigT:
