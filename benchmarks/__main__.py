@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(reopen)
     reopen.add_argument("--model", default="demo", help="model directory or 'demo'")
     reopen.add_argument("--prompts", type=_ints, help="prompt lengths, e.g. 2k,7k")
-    reopen.add_argument("--mode", help="KV mode, e.g. q8")
+    reopen.add_argument("--mode", type=parse_mode, help="KV mode, e.g. q8")
     reopen.add_argument("--max-tokens", type=int, help="tokens of the first answer")
 
     quality = sub.add_parser("quality", help="demo model: teacher-forced KL of each KV storage")
