@@ -7,9 +7,13 @@ tests), so they never hold an ``mx.array`` or any other live engine object.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.cache.modes import MODES, KvMode
+
+if TYPE_CHECKING:
+    # Only for the annotation: importing it here would pull MLX into every consumer.
+    from engine.models.info import ModelInfo
 
 
 @dataclass(frozen=True)
@@ -219,10 +223,10 @@ class Failed:
 
 @dataclass(frozen=True)
 class ModelLoaded:
-    """A model finished loading; ``info`` is an ``engine.models.info.ModelInfo``."""
+    """A model finished loading, with its facts (a frozen dataclass of plain values)."""
 
     request_id: int
-    info: object
+    info: ModelInfo
 
 
 @dataclass(frozen=True)
