@@ -31,6 +31,7 @@ from engine.session.sampling import SamplingParams
 from engine.snapshots.snapshot_store import SnapshotStore
 
 if TYPE_CHECKING:
+    from engine.memory.fit import FitReport
     from engine.models.info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,7 @@ class ServerBridge:
         """Token ids the tokenizer knows (ids from 0 to this, exclusive)."""
         return self._vocab_size
 
-    def fit(self, token_count: int) -> Any:
+    def fit(self, token_count: int) -> FitReport:
         """The guard's ``FitReport`` for ``token_count`` tokens of a new conversation,
         every machine's share included on a pipeline (arithmetic only)."""
         return self.worker.fit_check(None, token_count)
