@@ -14,8 +14,8 @@ from app.settings import Settings
 from engine import EngineError, Event, Failed, ModelInfo, ModelLoaded, generation_defaults
 
 
-def model_name(info: object, fallback: str = "") -> str:
-    """A short display name for an ``engine.models.info.ModelInfo``."""
+def model_name(info: ModelInfo | None, fallback: str = "") -> str:
+    """A short display name for a model's facts (``fallback`` without them)."""
     for attr in ("name", "model_id", "path"):
         value = getattr(info, attr, None)
         if value:
