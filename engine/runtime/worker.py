@@ -242,10 +242,6 @@ class EngineWorker(Worker):
         does not wait for it to finish; it ends ``Finished("cancelled")`` with what
         it had produced kept in the cache (and so in the stored KV).
         """
-        current = self._current
-        if (current is not None and isinstance(current.request, CANCELLABLE)
-                and current.request.session_id == session_id):
-            current.cancel.set()
         return self.submit(CloseSession(session_id, store))
 
     def latest_stats(self) -> StatsSample | None:
@@ -335,14 +331,24 @@ class EngineWorker(Worker):
         """Queue ``request`` (setting ``cancel`` stops one of ``CANCELLABLE``); its id.
 
         What the public methods above do, for a caller holding the request as a
-        value (a pipeline's rank 0 runs its front end's requests this way).
+        value (a pipeline's rank 0 runs its front end's requests this way). A
+        ``CloseSession`` first cancels the request running in that session.
         """
+        if isinstance(request, CloseSession):
+            self._cancel_running_in(request.session_id)
         request_id = next(self._ids)
         command = Command(request_id, request, cancel or threading.Event())
         if self._stopping.is_set():
             command.cancel.set()
         self._queue.put(command)
         return request_id
+
+    def _cancel_running_in(self, session_id: str) -> None:
+        # A close must not wait for the answer or read running in its session.
+        current = self._current
+        if (current is not None and isinstance(current.request, CANCELLABLE)
+                and current.request.session_id == session_id):
+            current.cancel.set()
 
     def _emit(self, event: Event) -> None:
         try:

@@ -506,3 +506,20 @@ def test_a_kernel_compile_into_a_full_or_read_only_folder_is_said_in_words(
     monkeypatch.undo()
     assert isinstance(log.ending(worker.chat("s", MESSAGES, GREEDY, threading.Event())),
                       Finished)
+
+
+@pytest.mark.parametrize("close_via", ["method", "submit"])
+def test_a_close_cancels_the_request_running_in_its_session_only(close_via: str) -> None:
+    # A pipeline's rank 0 submits the front end's CloseSession as a value: it must
+    # stop the running answer as the method does, or the close waits for it.
+    from engine.runtime.commands import Chat, CloseSession, Command
+
+    engine = EngineWorker(lambda event: None)  # never started: no MLX, no thread
+    running = Command(1, Chat("s", [], SamplingParams()), threading.Event())
+    engine._current = running
+    close = (engine.close_session if close_via == "method"
+             else lambda session_id: engine.submit(CloseSession(session_id)))
+    close("other")
+    assert not running.cancel.is_set()
+    close("s")
+    assert running.cancel.is_set()
