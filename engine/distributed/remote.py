@@ -8,8 +8,9 @@ an ``EngineWorker`` on the group and connects back over
 pipeline run.
 
 On the wire (pickled tuples of plain values and frozen events), app to rank 0:
-``("call", request_id, request)`` (a frozen ``engine.runtime.commands`` value), ``("cancel", request_id)``,
-``("read", call_id, name, args)``, ``("shutdown", timeout)``; rank 0 to app:
+``("call", request_id, request)`` (a frozen ``engine.runtime.commands`` value),
+``("cancel", request_id)``, ``("read", call_id, name, args)``,
+``("shutdown", timeout)``; rank 0 to app:
 ``("event", event)`` with the app's request ids, ``("reply", call_id, ok, value)``.
 Request ids are this side's, numbered as ``EngineWorker`` numbers them.
 
