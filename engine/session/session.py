@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -45,6 +45,29 @@ log = logging.getLogger(__name__)
 # slow machine finishes one in about a second, so Stop and progress stay responsive.
 DEFAULT_CHUNK = 512
 DEFAULT_PAGE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class AnswerStart:
+    """An answer ready for its first decode step: the conversation read in.
+
+    Attributes:
+        stream: the answer's sampling loop over the session's cache.
+        prompt: the conversation's ids; the cache holds all but the last.
+        max_tokens: most tokens the answer may make (its setting, or the room left).
+        fed: prompt tokens this answer read in (the rest were held already).
+        prefill_seconds: how long reading them took.
+        watch: the cancel the answer checks (a user's Stop, or memory).
+        started: ``time.perf_counter()`` when the request started.
+    """
+
+    stream: AnswerStream
+    prompt: list[int]
+    max_tokens: int
+    fed: int
+    prefill_seconds: float
+    watch: PressureWatch
+    started: float
 
 
 class Session:
@@ -530,24 +553,49 @@ class Session:
             Cancelled: cancelled while reading the conversation in; the chunks
                 done stay held (the error says how many).
         """
+        answer = self.start_answer(messages, sampling, request_id=request_id, cancel=cancel,
+                                   emit=emit, tick=tick, prompt=prompt)
+        try:
+            reason = answer.stream.run(answer.prompt, answer.max_tokens)
+        except Exception:
+            # A failed step may leave layers at different lengths.
+            self.rollback()
+            raise
+        return self.finish_answer(answer, reason)
+
+    def start_answer(
+        self,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+        prompt: Prompt | None = None,
+    ) -> AnswerStart:
+        """Read the conversation in (all but the prompt's last token) and set up its answer.
+
+        What :meth:`chat` does before its first decode step; a batch
+        (``engine.session.batch``) starts its rows' answers here too. Arguments
+        and errors as :meth:`chat`'s.
+        """
         started = time.perf_counter()
         self.memory_stop = None
         self.guard.check_pressure("the answer")
         rendered = prompt or self.prompt(messages, add_generation_prompt=True)
-        prompt = rendered.ids
-        if not prompt:
+        ids = rendered.ids
+        if not ids:
             raise EngineError("Nothing to answer: the conversation is empty.")
         self.guard.refresh(self.session_id)
-        room = self.room_for(len(prompt))
+        room = self.room_for(len(ids))
         if room < 1:
-            raise ContextTooLong(self.fit_report(len(prompt) + 1).message())
-        kept = self.sync(prompt, keep_last=True)
+            raise ContextTooLong(self.fit_report(len(ids) + 1).message())
+        kept = self.sync(ids, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
-        read = self.prefill(prompt[kept:-1], request_id=request_id, cancel=watch, emit=emit,
+        read = self.prefill(ids[kept:-1], request_id=request_id, cancel=watch, emit=emit,
                             tick=tick, boundaries=self._boundaries(rendered, kept),
-                            total=len(prompt))
-        prefill_seconds = read.seconds
-        max_tokens = min(sampling.max_tokens, room)
+                            total=len(ids))
         model = self.model
         if self.followers is not None:
             model = self.followers.decoding(self.model)
@@ -555,35 +603,34 @@ class Session:
             # and rewind are not steps they know. The CLI and the server refuse such a
             # request outright; the app's setting (one for every chat) answers plainly.
             sampling = replace(sampling, speculative="off")
-        generation = AnswerStream(
+        stream = AnswerStream(
             model, self.cache, self.tokenizer, self.end_ids, self.tokens,
             sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
-            index=self.context_index, after=prompt if rendered.continues else (),
+            index=self.context_index, after=ids if rendered.continues else (),
         )
-        try:
-            reason = generation.run(prompt, max_tokens)
-        except Exception:
-            # A failed step may leave layers at different lengths.
-            self.rollback()
-            raise
-        reason = self._memory_reason(reason, watch, len(generation.generated) < max_tokens)
-        fed = len(prompt) - kept
+        return AnswerStart(stream, ids, min(sampling.max_tokens, room), len(ids) - kept,
+                           read.seconds, watch, started)
+
+    def finish_answer(self, answer: AnswerStart, reason: str) -> tuple[str, GenerationStats]:
+        """The finish reason (a memory stop told apart) and the timings of an answer."""
+        generation = answer.stream
+        cut_short = len(generation.generated) < answer.max_tokens
+        reason = self._memory_reason(reason, answer.watch, cut_short)
         first_step = generation.first_token_at - generation.started
-        prefill_total = prefill_seconds + first_step
+        prefill_total = answer.prefill_seconds + first_step
         decode_seconds = generation.last_token_at - generation.first_token_at
         return reason, GenerationStats(
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(answer.prompt),
             generated_tokens=len(generation.generated),
             time_to_first_token=(
-                generation.first_token_at - started if generation.generated else None
+                generation.first_token_at - answer.started if generation.generated else None
             ),
-            prefill_tps=fed / prefill_total if prefill_total > 0 else 0.0,
+            prefill_tps=answer.fed / prefill_total if prefill_total > 0 else 0.0,
             decode_tps=(
                 (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
             ),
-            prefill_tokens=fed,
+            prefill_tokens=answer.fed,
             draft_tokens=generation.draft_tokens,
             accepted_tokens=generation.accepted_tokens,
             decode_steps=generation.steps,
         )
-

@@ -1,0 +1,201 @@
+"""Conversations answering together (engine.session.batch): each as it would alone.
+
+Every conversation is answered twice, alone (``Session.chat``, plain decoding)
+and as a row of a ``BatchDecoder`` beside conversations of other lengths and KV
+modes, and the two answers must agree token for token, up to a near-tie. On every step
+both fed the same tokens, the batch may move a logit by rounding only (at most
+``BATCH_NOISE``); where the answers part, the alone answer's top-1 minus top-2
+logit must be below twice that (a flip needs the two logits to move by more than
+their gap, and each moves by at most ``BATCH_NOISE``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.bench.speculative_bench import first_divergence
+from engine.errors import EngineError
+from engine.events import TokenChunk
+from engine.session.batch import BatchDecoder
+from engine.session.sampling import AnswerStream, SamplingParams
+from engine.session.session import Session
+from tests.engine.tinymodels import CORPUS, loaded_for_session, make_tiny_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, speculative="off")
+MODES = ("fp16", "q8", "q6", "q4")
+# The most a row's logit may move in a batch against its step alone: the rounding
+# of B-row matmuls against one-row ones. Measured on these tiny float32 models on
+# the CPU: 0 to 8.5e-6 (float32 rounding of logits of a few units), so the bound
+# leaves a tenfold margin; a wrong position, page or mode in a row moves a logit by
+# tenths to units.
+BATCH_NOISE = 1e-4
+# Prompt lengths in characters: conversations of about 30 to 250 tokens.
+LENGTHS = (60, 700, 250, 400)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("batch-models")
+    return {arch: loaded_for_session(make_tiny_model_dir(root, arch))
+            for arch in ("llama", "qwen3_next")}
+
+
+@pytest.fixture
+def logits(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[np.ndarray]]:
+    """Every step's logits, by request id (alone and in a batch alike)."""
+    seen: dict[int, list[np.ndarray]] = {}
+    sample = AnswerStream.sample
+
+    def recording(self: AnswerStream, token: mx.array, row: mx.array) -> mx.array:
+        seen.setdefault(self.request_id, []).append(np.array(row.astype(mx.float32))[0])
+        return sample(self, token, row)
+
+    monkeypatch.setattr(AnswerStream, "sample", recording)
+    return seen
+
+
+def _messages(index: int) -> list[dict[str, str]]:
+    text = (CORPUS * 2)[index * 37:index * 37 + LENGTHS[index % len(LENGTHS)]]
+    return [{"role": "user", "content": text}]
+
+
+@dataclass
+class Answer:
+    """One conversation's answer: its tokens, finish reason and the ids it holds."""
+
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    held: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: object) -> None:
+        if isinstance(event, TokenChunk):
+            self.tokens.extend(event.token_ids)
+
+
+def _alone(loaded: Any, mode: str, messages, sampling: SamplingParams,
+           request_id: int) -> Answer:
+    session = Session(f"alone-{request_id}", loaded, mode)
+    answer = Answer()
+    answer.reason, _ = session.chat(messages, sampling, request_id=request_id,
+                                    cancel=answer.cancel, emit=answer.emit, tick=lambda: None)
+    answer.held = len(session.tokens)
+    return answer
+
+
+def _join(batch: BatchDecoder, loaded: Any, mode: str, messages, sampling: SamplingParams,
+          request_id: int) -> tuple[Session, Answer]:
+    session = Session(f"batch-{request_id}", loaded, mode)
+    answer = Answer()
+    batch.join(session, messages, sampling, request_id=request_id, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    return session, answer
+
+
+def _finish(batch: BatchDecoder, rows: dict[int, tuple[Session, Answer]]) -> None:
+    for result in batch.run():
+        session, answer = rows[result.request_id]
+        answer.reason = result.finish
+    for session, answer in rows.values():
+        answer.held = len(session.tokens)
+
+
+def _assert_same_up_to_a_near_tie(alone: Answer, batched: Answer, alone_logits: list,
+                                  batch_logits: list) -> None:
+    first = first_divergence(alone.tokens, batched.tokens)
+    same = len(alone.tokens) + 1 if first is None else first + 1
+    # Up to step ``first`` both answers fed the same tokens: their logits there
+    # differ by the batch's rounding only, and by no more than BATCH_NOISE.
+    shift = max(float(np.abs(a - b).max())
+                for a, b in zip(alone_logits[:same], batch_logits[:same], strict=False))
+    assert shift <= BATCH_NOISE, (first, shift)
+    if first is None:
+        assert (batched.reason, batched.held) == (alone.reason, alone.held)
+        return
+    top2 = np.sort(alone_logits[first])[-2:]
+    assert top2[1] - top2[0] < 2 * BATCH_NOISE, (first, top2, shift)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_four_modes_answer_together_as_they_do_alone(tiny, logits, arch: str) -> None:
+    loaded = tiny[arch]
+    alone = {i: _alone(loaded, mode, _messages(i), GREEDY, request_id=i)
+             for i, mode in enumerate(MODES)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows = {i: _join(batch, loaded, mode, _messages(i), GREEDY, request_id=i)
+            for i, mode in enumerate(MODES)}
+    assert len(batch) == len(MODES)
+    _finish(batch, rows)
+    assert len(batch) == 0
+    for i in alone:
+        assert alone[i].tokens, "a greedy answer of the tiny model has tokens"
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_each_row_keeps_its_own_sampling_and_limits(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    end = loaded.tokenizer.eos_token_id
+    settings = [
+        replace(GREEDY, max_tokens=5),
+        # Ends its turn at once: the end token is fed, as alone.
+        replace(GREEDY, logit_bias=((end, 1000.0),)),
+        replace(GREEDY, repetition_penalty=1.3, max_tokens=20),
+        replace(GREEDY, logit_bias=((42, 1000.0),), max_tokens=7),
+    ]
+    modes = ("q6", "fp16", "q4", "q8")
+    alone = {i: _alone(loaded, modes[i], _messages(i), s, request_id=i)
+             for i, s in enumerate(settings)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows = {i: _join(batch, loaded, modes[i], _messages(i), s, request_id=i)
+            for i, s in enumerate(settings)}
+    _finish(batch, rows)
+    assert [alone[i].reason for i in range(4)] == ["length", "stop", "length", "length"]
+    assert len(rows[0][1].tokens) == 5 and rows[3][1].tokens == [42] * 7
+    assert rows[1][1].tokens == [] and rows[1][1].held == alone[1].held
+    for i in alone:
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_a_row_leaving_and_one_joining_leave_the_others_as_alone(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    alone = {i: _alone(loaded, MODES[i], _messages(i), GREEDY, request_id=i) for i in range(4)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows = {i: _join(batch, loaded, MODES[i], _messages(i), GREEDY, request_id=i)
+            for i in range(3)}
+    for _ in range(6):
+        assert all(r.finish is None for r in batch.step())
+    rows[1][1].cancel.set()
+    left = batch.step()
+    assert [(r.request_id, r.finish, r.token) for r in left if r.finish] == [(1, "cancelled",
+                                                                             None)]
+    assert batch.request_ids == (0, 2)
+    for _ in range(3):
+        batch.step()
+    # A conversation joins mid-answer (its prompt read in between two steps).
+    rows[3] = _join(batch, loaded, MODES[3], _messages(3), GREEDY, request_id=3)
+    _finish(batch, {i: rows[i] for i in (0, 2, 3)})
+    assert rows[1][1].tokens == alone[1].tokens[:6]
+    for i in (0, 2, 3):
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_a_session_joins_one_batch_of_its_own_model_once(tiny) -> None:
+    batch = BatchDecoder(tiny["llama"].model)
+    session, _ = _join(batch, tiny["llama"], "q8", _messages(0), GREEDY, request_id=1)
+    with pytest.raises(EngineError, match="answering already"):
+        batch.join(session, _messages(0), GREEDY, request_id=2, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    other = Session("other", tiny["qwen3_next"], "q8")
+    with pytest.raises(EngineError, match="same model"):
+        batch.join(other, _messages(0), GREEDY, request_id=3, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    assert batch.request_ids == (1,)
