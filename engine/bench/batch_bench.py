@@ -95,7 +95,7 @@ def run_engine(sessions: list[Any], chats: list[list[dict[str, str]]],
     first = batch.step()  # every stream's first token
     start = time.perf_counter()
     made = 0
-    while len(batch):
+    while not batch.idle:
         made += sum(row.token is not None for row in batch.step())
     seconds = time.perf_counter() - start
     return _rates(len(first), made, seconds)

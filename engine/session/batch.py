@@ -9,8 +9,12 @@ padded to another's length.
 
 Conversations join between steps (their prompt read in first, as :meth:`Session.chat`
 reads it) and leave when their answer ends or is cancelled; the others go on
-with the next step. Rows decode plainly (no speculative drafts). Every method
-runs MLX and must be called from the engine worker thread.
+with the next step. As an answer alone does (and mlx-lm's BatchGenerator), each
+pass is queued before the last one's tokens are read, so the device computes
+while Python reads and streams them; a row goes into the next pass when its
+length limit, its Stop and its pages allow, and an end-of-turn token is fed as
+alone. Rows decode plainly (no speculative drafts). Every method runs MLX and
+must be called from the engine worker thread.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class RowToken:
     Attributes:
         request_id: the conversation's request.
         token: the token sampled (an end-of-turn token included); None when the
-            row left without sampling (cancelled before the step, or out of pages).
+            row left without sampling (cancelled, or out of pages, before its pass).
         finish: None while the answer goes on; else "stop", "length",
             "cancelled" or "memory", as :meth:`Session.chat` says it.
         stats: the answer's timings once it finished, else None.
@@ -51,19 +55,29 @@ class RowToken:
     stats: GenerationStats | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself: compared (``in``, ``remove``) by identity
 class _Row:
     """One answering conversation of the batch."""
 
     session: Session
     answer: AnswerStart
     pending: int  # sampled (or the prompt's last) and not fed yet
-    # Its answer ended with the end-of-turn token, fed by one more step (no sample).
-    ending: bool = False
+    # Its answer ended; a pass queued before it ended still feeds its last token.
+    finished: bool = False
+    # The pages could not hold the next token: the answer ends when this one is read.
+    out_of_pages: bool = False
 
     @property
     def request_id(self) -> int:
         return self.answer.stream.request_id
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """A queued forward pass: its rows and each row's next token (lazy)."""
+
+    rows: list[_Row]
+    sampled: mx.array
 
 
 class BatchDecoder:
@@ -76,9 +90,16 @@ class BatchDecoder:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.rows: list[_Row] = []
+        self._queued: _Pass | None = None
 
     def __len__(self) -> int:
+        """Conversations answering."""
         return len(self.rows)
+
+    @property
+    def idle(self) -> bool:
+        """Whether no answer is going on and no pass is left to read."""
+        return not self.rows and self._queued is None
 
     @property
     def request_ids(self) -> tuple[int, ...]:
@@ -120,94 +141,119 @@ class BatchDecoder:
             raise EngineError("Only conversations of the same model can answer together.")
         if session.followers is not None:
             raise EngineError("A model split over several machines answers one chat at a time.")
-        if any(row.session is session for row in self.rows):
+        queued = self._queued.rows if self._queued is not None else []
+        if any(row.session is session for row in [*self.rows, *queued]):
             raise EngineError(f"{session.session_id} is answering already.")
         if request_id in self.request_ids:
             raise EngineError(f"Request {request_id} is answering already.")
         check_batchable([session.cache])
 
     def step(self) -> list[RowToken]:
-        """One forward pass for every answering conversation; one token each.
+        """Read one forward pass's tokens, the next pass queued first.
 
-        Rows cancelled since the last step, or whose pages cannot hold one more
-        token, leave first. Returns what happened to each answering row, in
-        batch order; rows that finished have left the batch.
+        Rows cancelled or out of pages before their pass leave without a token.
+        Returns what happened to each answering row, in batch order; rows that
+        finished have left the batch.
         """
         results: list[RowToken] = []
-        rows = []
-        for row in list(self.rows):
-            reason = self._cannot_step(row)
-            if reason is None:
-                rows.append(row)
-            elif row.ending:
-                self.rows.remove(row)  # its answer was reported; the end stays unfed
-            else:
-                results.append(self._finish(row, None, reason))
-        if rows:
-            taken = self._forward(rows)
-            results.extend(r for r in taken if r is not None)
+        involved = [*self.rows, *(self._queued.rows if self._queued is not None else [])]
+        try:
+            if self._queued is None:
+                self._queued = self._queue(self._next_rows(None, results), None)
+            current = self._queued
+            if current is None:
+                return results
+            # The next pass is queued before this one is read (mlx-lm's overlap).
+            self._queued = self._queue(self._next_rows(current, results), current)
+            ids: list[int] = current.sampled.tolist()  # type: ignore[assignment]
+        except Exception:
+            self._fail(involved)
+            raise
+        for row, token in zip(current.rows, ids, strict=True):
+            result = self._take(row, token)
+            if result is not None:
+                results.append(result)
         return results
 
     def run(self) -> list[RowToken]:
         """Step until every answer finished; the finished rows, in the order they ended."""
         finished: list[RowToken] = []
-        while self.rows:
+        while not self.idle:
             finished.extend(r for r in self.step() if r.finish is not None)
         return finished
 
-    def _cannot_step(self, row: _Row) -> str | None:
-        """Why ``row`` leaves before the step (None: it steps)."""
-        if row.answer.watch.is_set() and not row.ending:
-            return "cancelled"
-        try:
-            adapter.ensure_capacity(row.session.cache, 1)
-        except KvBudgetExceeded:
-            # As an answer alone: the budget ends it as its length limit would.
-            return "length"
-        return None
+    def _next_rows(self, current: _Pass | None, results: list[RowToken]) -> list[_Row]:
+        """The rows of the next pass; rows that leave before it go to ``results``."""
+        rows = []
+        fed = [] if current is None else current.rows
+        for row in list(self.rows):
+            if row in fed:
+                stream = row.answer.stream
+                # As an answer alone queues its next pass: room left, no Stop.
+                if len(stream.generated) + 1 >= row.answer.max_tokens or stream.cancel.is_set():
+                    continue
+            elif row.answer.watch.is_set():
+                results.append(self._finish(row, None, "cancelled"))
+                continue
+            try:
+                adapter.ensure_capacity(row.session.cache, 1)
+            except KvBudgetExceeded:
+                # As an answer alone: the budget ends it as its length limit would.
+                if row in fed:
+                    row.out_of_pages = True
+                else:
+                    results.append(self._finish(row, None, "length"))
+                continue
+            rows.append(row)
+        return rows
 
-    def _forward(self, rows: list[_Row]) -> list[RowToken | None]:
-        tokens = mx.array([[row.pending] for row in rows], dtype=mx.int32)
+    def _queue(self, rows: list[_Row], current: _Pass | None) -> _Pass | None:
+        """Build and start one pass for ``rows``: each fed its pending token, or the
+        token ``current`` is computing for it."""
+        if not rows:
+            return None
+        computing = {} if current is None else {id(row): current.sampled[index:index + 1]
+                                                for index, row in enumerate(current.rows)}
+        inputs = [computing.get(id(row), mx.array([row.pending], dtype=mx.int32))
+                  for row in rows]
+        tokens = mx.concatenate(inputs)[:, None]
         cache = BatchedCache([row.session.cache for row in rows])
-        try:
-            logits = self.model(tokens, cache=cache.layers)[:, -1, :]
-            cache.write_back()
-            sampled = [row.answer.stream.sample(tokens[index], logits[index:index + 1])
-                       for index, row in enumerate(rows)]
-            ids: list[int] = mx.concatenate(sampled).tolist()  # type: ignore[assignment]
-        except Exception:
-            # A failed step may leave layers at different lengths.
-            for row in rows:
-                row.session.rollback()
-            raise
-        return [self._take(row, int(token)) for row, token in zip(rows, ids, strict=True)]
+        logits = self.model(tokens, cache=cache.layers)[:, -1, :]
+        cache.write_back()
+        sampled = mx.concatenate([row.answer.stream.sample(tokens[index], logits[index:index + 1])
+                                  for index, row in enumerate(rows)])
+        mx.async_eval(sampled)
+        return _Pass(rows, sampled)
+
+    def _fail(self, rows: list[_Row]) -> None:
+        """Bring every row's session back to the tokens it holds."""
+        # A failed pass may leave layers at different lengths, and a queued one
+        # may have written pages past the tokens held.
+        self._queued = None
+        for row in rows:
+            row.session.rollback()
 
     def _take(self, row: _Row, token: int) -> RowToken | None:
-        """Hold the fed token, then stream the sampled one (or finish).
+        """Hold the token the pass fed, then stream the one it sampled (or finish).
 
-        None for a row whose answer ended before this step (it fed its end token).
+        None for a row whose answer had ended (the pass fed its last token).
         """
-        stream = row.answer.stream
         row.session.tokens.append(row.pending)
+        row.pending = token
+        stream = row.answer.stream
         stream.steps += 1
-        if row.ending:
-            self.rows.remove(row)
+        if row.finished:
             return None
-        room = len(stream.generated) + 1 < row.answer.max_tokens
         reason = stream.receive(token, row.answer.max_tokens)
+        if reason is None and row.out_of_pages:
+            reason = "length"
         if reason is None:
-            row.pending = token
             return RowToken(row.request_id, token)
-        result = self._finish(row, token, reason)
-        if reason == "stop" and room:
-            # As an answer alone feeds its end-of-turn token, so the next turn's
-            # template extends the cache: one more step, reported now.
-            row.pending, row.ending = token, True
-            self.rows.append(row)
-        return result
+        return self._finish(row, token, reason)
 
     def _finish(self, row: _Row, token: int | None, reason: str) -> RowToken:
         self.rows.remove(row)
+        row.finished = True
         row.answer.stream.flush()
         reason, stats = row.session.finish_answer(row.answer, reason)
         return RowToken(row.request_id, token, reason, stats)
