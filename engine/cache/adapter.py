@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from engine.cache import sharing
 from engine.cache.attention import schedule
 from engine.cache.attention.dispatch import paged_attention
-from engine.cache.batched import PagedRows
+from engine.cache.batched import CacheRows, PagedRows
 from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
@@ -106,6 +106,8 @@ def _dispatcher(original: Any) -> Any:
             return attend(queries, keys, values, cache, *args, **kwargs)
         if isinstance(cache, PagedRows):
             return attend_rows(queries, keys, values, cache, *args, **kwargs)
+        if isinstance(cache, CacheRows):
+            return cache.attend(queries, original, *args, **kwargs)
         return original(queries, keys, values, cache, *args, **kwargs)
 
     setattr(scaled_dot_product_attention, _ORIGINAL, original)

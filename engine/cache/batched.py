@@ -12,9 +12,13 @@ own KV mode, and a decode step's batch sees them through a view per layer:
 - a linear-attention layer (mlx-lm's ``ArraysCache``, fixed size per row) is
   merged with mlx-lm's own ``ArraysCache.merge`` for the pass and each row's
   state extracted back after it (:meth:`BatchedCache.write_back`).
+- any other mlx-lm cache (a sliding window's ``RotatingKVCache``, mlx-lm's own
+  ``KVCache`` or ``QuantizedKVCache`` where the probe chose it) becomes a
+  :class:`CacheRows`: each row's cache is updated and attended on its own by
+  mlx-lm's own attention, with that row's own mask. mlx-lm's padded batch
+  caches would hold every row at the longest row's length.
 
-Other layers (sliding windows, mlx-lm's own full caches) are refused: batching
-them would need mlx-lm's padded batch caches.
+Each row of a pass is thus computed by the ops its own decode step runs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, _BaseCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    _BaseCache,
+)
 
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import EngineError
@@ -77,6 +87,69 @@ class PagedRows(_BaseCache):
         return sum(row.nbytes for row in self.rows)
 
 
+class RowMasks(tuple):
+    """Each row's own attention mask (None, or an mlx-lm mask array) for a
+    :class:`CacheRows` layer; the model hands it to the attention unread."""
+
+
+class CacheRows(_BaseCache):
+    """One mlx-lm cache layer of every row of a batch, attended row by row.
+
+    Args:
+        rows: each row's mlx-lm cache of this layer, in batch order.
+        offsets: each row's position before the pass.
+    """
+
+    def __init__(self, rows: Sequence[Any], offsets: mx.array) -> None:
+        self.rows = tuple(rows)
+        self.offset = offsets
+        # Each row's keys and values as its cache returned them, for the attention.
+        self.fetched: list[tuple[mx.array, mx.array]] = []
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Update row ``i``'s cache with row ``i`` of ``keys`` and ``values``."""
+        if keys.shape[0] != len(self.rows):
+            raise EngineError(
+                f"A batch of {len(self.rows)} conversations got {keys.shape[0]} rows of keys."
+            )
+        self.fetched = [row.update_and_fetch(keys[index:index + 1], values[index:index + 1])
+                        for index, row in enumerate(self.rows)]
+        self.offset = self.offset + keys.shape[2]
+        return keys, values
+
+    def make_mask(self, N: int, window_size: int | None = None,
+                  return_array: bool = False) -> Any:
+        """Each row's own mask (a :class:`RowMasks`), or None when no row needs one."""
+        if N != 1 or return_array:
+            raise EngineError("A batch of conversations decodes one token per row at a time.")
+        masks = RowMasks(row.make_mask(N, window_size=window_size, return_array=False)
+                         for row in self.rows)
+        return None if all(mask is None for mask in masks) else masks
+
+    def attend(self, queries: mx.array, attention: Any, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """Row ``i``'s queries over row ``i``'s keys and values, by ``attention``
+        (mlx-lm's own function), with row ``i``'s mask."""
+        if mask is not None and not isinstance(mask, RowMasks):
+            raise EngineError("A batch of conversations attends with each row's own mask.")
+        outs = [attention(queries[index:index + 1], keys, values, row, scale=scale,
+                          mask=None if mask is None else mask[index], sinks=sinks)
+                for index, (row, (keys, values)) in enumerate(zip(self.rows, self.fetched,
+                                                                  strict=True))]
+        return mx.concatenate(outs, axis=0)
+
+    def empty(self) -> bool:
+        return all(row.empty() for row in self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(row.nbytes for row in self.rows)
+
+
+# The mlx-lm caches a batch attends row by row (CacheRows).
+_PER_ROW = (RotatingKVCache, KVCache, QuantizedKVCache)
+
+
 class BatchedCache:
     """Every layer of a batch's conversations as one mlx-lm prompt cache.
 
@@ -92,16 +165,19 @@ class BatchedCache:
     def __init__(self, caches: Sequence[list[Any]]) -> None:
         self.caches = list(caches)
         check_batchable(self.caches)
-        paged = [next(c for c in row if isinstance(c, PagedKVCache)) for row in self.caches
-                 if any(isinstance(c, PagedKVCache) for c in row)]
-        offsets = mx.array([c.offset for c in paged], dtype=mx.int32)
+        from engine.cache.adapter import cache_tokens  # the adapter routes these views
+
+        # Every layer of a conversation holds its tokens: one offset a row.
+        offsets = mx.array([cache_tokens(row) for row in self.caches], dtype=mx.int32)
         self.layers: list[Any] = []
         for index in range(len(self.caches[0])):
             layer = [row[index] for row in self.caches]
             if isinstance(layer[0], PagedKVCache):
                 self.layers.append(PagedRows(layer, offsets))
-            else:
+            elif isinstance(layer[0], ArraysCache):
                 self.layers.append(ArraysCache.merge(layer))
+            else:
+                self.layers.append(CacheRows(layer, offsets))
 
     def write_back(self) -> None:
         """Give each row its own state of the merged (linear-attention) layers."""
@@ -125,11 +201,10 @@ def check_batchable(caches: Sequence[list[Any]]) -> None:
         if len(cache) != layers:
             raise EngineError("Conversations of different models cannot share a batch.")
         for layer in cache:
-            if not isinstance(layer, PagedKVCache | ArraysCache):
+            if not isinstance(layer, (PagedKVCache, ArraysCache, *_PER_ROW)):
                 raise EngineError(
-                    f"This model's {type(layer).__name__} layers cannot decode in a batch "
-                    "yet (only paged and linear-attention layers can); its conversations "
-                    "answer one at a time."
+                    f"This model's {type(layer).__name__} layers cannot decode in a batch; "
+                    "its conversations answer one at a time."
                 )
     for index in range(layers):
         kinds = {type(cache[index]) for cache in caches}

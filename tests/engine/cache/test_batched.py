@@ -12,7 +12,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    ConcatenateKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from engine.cache import adapter
 from engine.cache.batched import BatchedCache, PagedRows, check_batchable
@@ -32,8 +38,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {arch: load_tiny(root, arch)[0] for arch in ("llama", "qwen3_next", "gemma3_text")}
 
 
-def _filled(model: Any, mode: str, length: int, seed: int) -> tuple[list[Any], list[int]]:
-    cache = adapter.make_cache(model, mode, page_size=PAGE_SIZE)
+def _filled(model: Any, mode: str | None, length: int,
+            seed: int) -> tuple[list[Any], list[int]]:
+    """A cache holding ``length`` random tokens (mode None: mlx-lm's own cache)."""
+    cache = (make_prompt_cache(model) if mode is None
+             else adapter.make_cache(model, mode, page_size=PAGE_SIZE))
     ids = np.random.default_rng(seed).integers(0, 300, length + STEPS).tolist()
     model(mx.array(ids[:length])[None], cache=cache)
     mx.eval(adapter.eval_targets(cache))
@@ -48,15 +57,19 @@ def _alone(model: Any, cache: list[Any], ids: list[int], length: int) -> list[np
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
-def test_each_row_of_a_batch_gets_its_own_steps_logits(models, arch: str) -> None:
+@pytest.mark.parametrize(("arch", "modes"), [
+    ("llama", MODES), ("qwen3_next", MODES),
+    ("gemma3_text", MODES),  # sliding windows (rotating caches, wrapped) beside pages
+    ("llama", (None,) * len(MODES)),  # mlx-lm's own KVCache, where the probe chose it
+])
+def test_each_row_of_a_batch_gets_its_own_steps_logits(models, arch: str, modes) -> None:
     model = models[arch]
     alone = []
-    for index, (mode, length) in enumerate(zip(MODES, LENGTHS, strict=True)):
+    for index, (mode, length) in enumerate(zip(modes, LENGTHS, strict=True)):
         cache, ids = _filled(model, mode, length, index)
         alone.append(_alone(model, cache, ids, length))
     rows = [_filled(model, mode, length, index)
-            for index, (mode, length) in enumerate(zip(MODES, LENGTHS, strict=True))]
+            for index, (mode, length) in enumerate(zip(modes, LENGTHS, strict=True))]
     for step in range(STEPS):
         batch = BatchedCache([cache for cache, _ in rows])
         tokens = mx.array([[ids[length + step]] for (_, ids), length in zip(rows, LENGTHS,
@@ -71,7 +84,7 @@ def test_each_row_of_a_batch_gets_its_own_steps_logits(models, arch: str) -> Non
     for (cache, _), length in zip(rows, LENGTHS, strict=True):
         assert adapter.cache_tokens(cache) == length + STEPS
         assert all(layer.offset == length + STEPS for layer in cache
-                   if isinstance(layer, PagedKVCache))
+                   if isinstance(layer, PagedKVCache | KVCache | RotatingKVCache))
 
 
 def test_rows_keep_their_own_offsets_and_pages(models) -> None:
@@ -89,10 +102,11 @@ def test_rows_keep_their_own_offsets_and_pages(models) -> None:
 
 
 def test_a_batch_refuses_layers_it_cannot_carry(models) -> None:
-    cache = adapter.make_cache(models["gemma3_text"], "q8", page_size=PAGE_SIZE)
-    assert any(isinstance(layer, RotatingKVCache) for layer in cache)
-    with pytest.raises(EngineError, match="RotatingKVCache layers cannot decode in a batch"):
-        check_batchable([cache])
+    gemma = adapter.make_cache(models["gemma3_text"], "q8", page_size=PAGE_SIZE)
+    assert any(isinstance(layer, RotatingKVCache) for layer in gemma)
+    check_batchable([gemma])  # sliding windows decode row by row
+    with pytest.raises(EngineError, match="ConcatenateKVCache layers cannot decode in a batch"):
+        check_batchable([[ConcatenateKVCache()]])
     llama = adapter.make_cache(models["llama"], "q8")
     hybrid = adapter.make_cache(models["qwen3_next"], "q8")
     assert any(isinstance(layer, ArraysCache) for layer in hybrid)

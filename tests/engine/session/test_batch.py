@@ -43,7 +43,7 @@ LENGTHS = (60, 700, 250, 400)
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("batch-models")
     return {arch: loaded_for_session(make_tiny_model_dir(root, arch))
-            for arch in ("llama", "qwen3_next")}
+            for arch in ("llama", "qwen3_next", "gemma3_text")}
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def _assert_same_up_to_a_near_tie(alone: Answer, batched: Answer, alone_logits: 
     assert top2[1] - top2[0] < 2 * BATCH_NOISE, (first, top2, shift)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
 def test_four_modes_answer_together_as_they_do_alone(tiny, logits, arch: str) -> None:
     loaded = tiny[arch]
     alone = {i: _alone(loaded, mode, _messages(i), GREEDY, request_id=i)
