@@ -154,6 +154,11 @@ class BatchDecoder:
         Rows cancelled or out of pages before their pass leave without a token.
         Returns what happened to each answering row, in batch order; rows that
         finished have left the batch.
+
+        Raises:
+            Exception: whatever a pass raised; every session involved is rolled
+                back to the tokens it holds, and its row stays, fed its pending
+                token again by the next step.
         """
         results: list[RowToken] = []
         involved = [*self.rows, *(self._queued.rows if self._queued is not None else [])]
@@ -188,9 +193,9 @@ class BatchDecoder:
         fed = [] if current is None else current.rows
         for row in list(self.rows):
             if row in fed:
-                stream = row.answer.stream
                 # As an answer alone queues its next pass: room left, no Stop.
-                if len(stream.generated) + 1 >= row.answer.max_tokens or stream.cancel.is_set():
+                room = len(row.answer.stream.generated) + 1 < row.answer.max_tokens
+                if not room or row.answer.watch.is_set():
                     continue
             elif row.answer.watch.is_set():
                 results.append(self._finish(row, None, "cancelled"))

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from engine.bench.speculative_bench import first_divergence
+from engine.cache import adapter
 from engine.errors import EngineError
 from engine.events import TokenChunk
 from engine.session.batch import BatchDecoder
@@ -200,3 +201,32 @@ def test_a_session_joins_one_batch_of_its_own_model_once(tiny) -> None:
         batch.join(other, _messages(0), GREEDY, request_id=3, cancel=threading.Event(),
                    emit=lambda _: None, tick=lambda: None)
     assert batch.request_ids == (1,)
+
+
+def test_a_row_out_of_pages_ends_as_alone_and_the_others_go_on(tiny, monkeypatch) -> None:
+    loaded = tiny["llama"]
+    long = replace(GREEDY, max_tokens=200)
+
+    def tight(name: str) -> Session:
+        # 3 fp16 pages of 16 tokens (8 KiB each on the tiny llama); the up-front
+        # clamp bypassed, so the pool itself runs out mid-answer.
+        session = Session(name, loaded, "fp16", page_size=16, budget_bytes=3 * 8192)
+        monkeypatch.setattr(session, "room_for", lambda count: 10_000)
+        return session
+
+    alone = Answer()
+    alone_session = tight("alone")
+    alone.reason, _ = alone_session.chat(_messages(0), long, request_id=1, cancel=alone.cancel,
+                                         emit=alone.emit, tick=lambda: None)
+    other_alone = _alone(loaded, "q8", _messages(1), GREEDY, request_id=2)
+    batch = BatchDecoder(loaded.model)
+    session, answer = tight("batched"), Answer()
+    batch.join(session, _messages(0), long, request_id=1, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    rows = {1: (session, answer), 2: _join(batch, loaded, "q8", _messages(1), GREEDY, 2)}
+    _finish(batch, rows)
+    assert alone.reason == answer.reason == "length"
+    assert answer.tokens == alone.tokens and 0 < len(answer.tokens) < 200
+    assert len(session.tokens) == len(alone_session.tokens) == 48  # 3 pages, all held
+    assert adapter.cache_tokens(session.cache) == 48
+    assert rows[2][1].tokens == other_alone.tokens
