@@ -92,13 +92,15 @@ def run_engine(sessions: list[Any], chats: list[list[dict[str, str]]],
                    cancel=threading.Event(), emit=lambda _: None, tick=lambda: None)
     mx.clear_cache()
     mx.reset_peak_memory()
-    first = batch.step()  # every stream's first token
+    started: set[int] = set()
+    while len(started) < len(sessions):  # until every stream's first token
+        started.update(row.request_id for row in batch.step() if row.token is not None)
     start = time.perf_counter()
     made = 0
     while not batch.idle:
         made += sum(row.token is not None for row in batch.step())
     seconds = time.perf_counter() - start
-    return _rates(len(first), made, seconds)
+    return _rates(len(sessions), made, seconds)
 
 
 def mlx_lm_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]]:

@@ -7,9 +7,11 @@ settings, its stop tokens, its length limit and its Stop. The layers see the
 batch through :class:`engine.cache.batched.BatchedCache`, so no conversation is
 padded to another's length.
 
-Conversations join between steps (their prompt read in first, as :meth:`Session.chat`
-reads it) and leave when their answer ends or is cancelled; the others go on
-with the next step. As an answer alone does (and mlx-lm's BatchGenerator), each
+Conversations join between steps and are read in a chunk a step (the chunks
+:meth:`Session.chat` reads), after that step's decode pass, so answering
+conversations keep their pace while a long document is read beside them; they
+leave when their answer ends or is cancelled, and the others go on with the
+next step. As an answer alone does (and mlx-lm's BatchGenerator), each
 pass is queued before the last one's tokens are read, so the device computes
 while Python reads and streams them; a row goes into the next pass when its
 length limit, its Stop and its pages allow, and an end-of-turn token is fed as
@@ -20,7 +22,7 @@ must be called from the engine worker thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,10 +30,10 @@ import mlx.core as mx
 
 from engine.cache import adapter
 from engine.cache.batched import BatchedCache, check_batchable
-from engine.errors import EngineError, KvBudgetExceeded
+from engine.errors import Cancelled, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.session.prefill import Emit
-from engine.session.prompt_ids import Prompt
+from engine.session.prompt_ids import Prompt, common_prefix
 from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
 from engine.session.session import AnswerStart, Session
 
@@ -45,14 +47,18 @@ class RowToken:
         token: the token sampled (an end-of-turn token included); None when the
             row left without sampling (cancelled, or out of pages, before its pass).
         finish: None while the answer goes on; else "stop", "length",
-            "cancelled" or "memory", as :meth:`Session.chat` says it.
+            "cancelled" or "memory", as :meth:`Session.chat` says it, or "error"
+            when reading the conversation in stopped short (``error`` says why).
         stats: the answer's timings once it finished, else None.
+        error: what stopped the read (``Cancelled`` comes with "cancelled"); the
+            chunks read stay held, as after :meth:`Session.chat` raised it.
     """
 
     request_id: int
     token: int | None
     finish: str | None = None
     stats: GenerationStats | None = None
+    error: EngineError | None = None
 
 
 @dataclass(eq=False)  # a row is itself: compared (``in``, ``remove``) by identity
@@ -70,6 +76,16 @@ class _Row:
     @property
     def request_id(self) -> int:
         return self.answer.stream.request_id
+
+
+@dataclass(eq=False)
+class _Reading:
+    """A conversation being read in, a chunk a step, before its answer joins."""
+
+    session: Session
+    request_id: int
+    steps: Generator[None, None, AnswerStart]
+    to_read: int  # tokens it had to read when it joined: the shortest read goes first
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,7 @@ class BatchDecoder:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.rows: list[_Row] = []
+        self.reading: list[_Reading] = []
         self._queued: _Pass | None = None
 
     def __len__(self) -> int:
@@ -98,13 +115,18 @@ class BatchDecoder:
 
     @property
     def idle(self) -> bool:
-        """Whether no answer is going on and no pass is left to read."""
-        return not self.rows and self._queued is None
+        """Whether nothing is read in or answered and no pass is left to read."""
+        return not self.rows and not self.reading and self._queued is None
 
     @property
     def request_ids(self) -> tuple[int, ...]:
         """The requests answering, in batch order."""
         return tuple(row.request_id for row in self.rows)
+
+    @property
+    def reading_ids(self) -> tuple[int, ...]:
+        """The requests whose conversation is being read in, in the order they joined."""
+        return tuple(reading.request_id for reading in self.reading)
 
     def join(
         self,
@@ -118,23 +140,28 @@ class BatchDecoder:
         tick: Callable[[], None],
         prompt: Prompt | None = None,
     ) -> None:
-        """Read ``session``'s conversation in and add its answer to the batch.
+        """Add ``session``'s answer to the batch: its conversation is read in a
+        chunk a step beside the others' decoding, then it answers.
 
-        Arguments as :meth:`Session.chat`'s; the answer's tokens stream through
-        ``emit`` as the steps make them. Speculative drafts are off in a batch.
+        Arguments as :meth:`Session.chat`'s; ``emit`` gets the read's progress and
+        the answer's tokens as the steps make them. Speculative drafts are off in
+        a batch. Of several conversations reading, the shortest read goes first,
+        so a short question is not kept waiting behind a long document.
 
         Raises:
             EngineError: the session cannot join (another model, a layer the
-                batch cannot carry, a pipeline, already answering), or what
-                :meth:`Session.start_answer` raises.
+                batch cannot carry, a pipeline, already answering), or the
+                conversation cannot be answered (it does not fit, memory is
+                critical), as :meth:`Session.chat` raises it before reading.
         """
         self._check_joins(session, request_id)
-        answer = session.start_answer(messages, replace(sampling, speculative="off"),
-                                      request_id=request_id, cancel=cancel, emit=emit,
-                                      tick=tick, prompt=prompt)
-        stream = answer.stream
-        stream.history = mx.array(answer.prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
-        self.rows.append(_Row(session, answer, answer.prompt[-1]))
+        rendered = prompt or session.prompt(messages, add_generation_prompt=True)
+        steps = session.answer_steps(messages, replace(sampling, speculative="off"),
+                                     request_id=request_id, cancel=cancel, emit=emit,
+                                     tick=tick, prompt=rendered)
+        next(steps)  # the checks: a conversation that cannot be answered fails here
+        to_read = len(rendered.ids) - 1 - common_prefix(session.tokens, rendered.ids)
+        self.reading.append(_Reading(session, request_id, steps, to_read))
 
     def _check_joins(self, session: Session, request_id: int) -> None:
         if session.model is not self.model:
@@ -142,18 +169,22 @@ class BatchDecoder:
         if session.followers is not None:
             raise EngineError("A model split over several machines answers one chat at a time.")
         queued = self._queued.rows if self._queued is not None else []
-        if any(row.session is session for row in [*self.rows, *queued]):
+        busy = [row.session for row in [*self.rows, *queued]]
+        if any(held is session for held in [*busy, *(r.session for r in self.reading)]):
             raise EngineError(f"{session.session_id} is answering already.")
-        if request_id in self.request_ids:
+        if request_id in self.request_ids + self.reading_ids:
             raise EngineError(f"Request {request_id} is answering already.")
         check_batchable([session.cache])
 
     def step(self) -> list[RowToken]:
-        """Read one forward pass's tokens, the next pass queued first.
+        """Read one forward pass's tokens: the next pass and one chunk of a
+        conversation being read in are queued first.
 
-        Rows cancelled or out of pages before their pass leave without a token.
-        Returns what happened to each answering row, in batch order; rows that
-        finished have left the batch.
+        The device runs the decode pass before the chunk, so the answering
+        conversations keep their pace while a long document is read in. Rows
+        cancelled or out of pages before their pass leave without a token.
+        Returns what happened to each answering row, in batch order (and to a
+        read that stopped short); rows that finished have left the batch.
 
         Raises:
             Exception: whatever a pass raised; every session involved is rolled
@@ -165,6 +196,7 @@ class BatchDecoder:
         try:
             if self._queued is None:
                 self._queued = self._queue(self._next_rows(None, results), None)
+            self._read_chunk(results)
             current = self._queued
             if current is None:
                 return results
@@ -179,6 +211,31 @@ class BatchDecoder:
             if result is not None:
                 results.append(result)
         return results
+
+    def _read_chunk(self, results: list[RowToken]) -> None:
+        """Read one chunk of the shortest read; a read that ends joins the answering rows."""
+        while self.reading:
+            reading = min(self.reading, key=lambda r: r.to_read)
+            try:
+                next(reading.steps)
+                return
+            except StopIteration as done:
+                self.reading.remove(reading)
+                self._answer(reading.session, done.value)
+            except EngineError as error:
+                self.reading.remove(reading)
+                finish = "cancelled" if isinstance(error, Cancelled) else "error"
+                results.append(RowToken(reading.request_id, None, finish, error=error))
+                return
+            except Exception:
+                self.reading.remove(reading)  # its session rolled back to what it holds
+                raise
+
+    def _answer(self, session: Session, answer: AnswerStart) -> None:
+        """Add an answer whose conversation has been read in to the answering rows."""
+        stream = answer.stream
+        stream.history = mx.array(answer.prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
+        self.rows.append(_Row(session, answer, answer.prompt[-1]))
 
     def run(self) -> list[RowToken]:
         """Step until every answer finished; the finished rows, in the order they ended."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from engine.session.prefill import (
     Emit,
     PrefillResult,
     activation_value_bytes,
+    finish,
 )
 from engine.session.prompt_ids import Prompt, common_prefix, end_of_turn_ids, render_prompt
 from engine.session.sampling import AnswerStream, SamplingParams
@@ -463,6 +464,22 @@ class Session:
             EngineError: whatever stopped it short (``Cancelled``, ``MemoryPressure``,
                 ``ContextTooLong``, ...), saying how many tokens it kept.
         """
+        return finish(self.prefill_chunks(ids, request_id=request_id, cancel=cancel,
+                                          emit=emit, tick=tick, boundaries=boundaries,
+                                          total=total))
+
+    def prefill_chunks(
+        self,
+        ids: list[int],
+        *,
+        request_id: int,
+        cancel: threading.Event | PressureWatch,
+        emit: Emit,
+        tick: Callable[[], None],
+        boundaries: list[int] | None = None,
+        total: int | None = None,
+    ) -> Generator[None, None, PrefillResult]:
+        """:meth:`prefill`, one chunk a ``next`` (see ``ChunkedPrefill.chunks``)."""
         if not isinstance(cancel, PressureWatch):
             cancel = self.guard.watch(self.session_id, cancel)
         newest = self.checkpoints.newest()
@@ -470,9 +487,9 @@ class Session:
             self.checkpoint(boundary=True)  # e.g. after an answer: a failure comes back here
         prefill = ChunkedPrefill(self, self.guard, self.session_id, self.chunk_size,
                                  clock=self.clock, sleep=self.sleep)
-        result = prefill.run(ids, list(boundaries or ()), request_id=request_id, watch=cancel,
-                             emit=emit, tick=tick,
-                             total=len(self.tokens) + len(ids) if total is None else total)
+        result = yield from prefill.chunks(
+            ids, list(boundaries or ()), request_id=request_id, watch=cancel, emit=emit,
+            tick=tick, total=len(self.tokens) + len(ids) if total is None else total)
         self.memory_stop = result.memory
         result.raise_if_stopped()
         return result
@@ -576,9 +593,27 @@ class Session:
     ) -> AnswerStart:
         """Read the conversation in (all but the prompt's last token) and set up its answer.
 
-        What :meth:`chat` does before its first decode step; a batch
-        (``engine.session.batch``) starts its rows' answers here too. Arguments
-        and errors as :meth:`chat`'s.
+        What :meth:`chat` does before its first decode step. Arguments and
+        errors as :meth:`chat`'s.
+        """
+        return finish(self.answer_steps(messages, sampling, request_id=request_id,
+                                        cancel=cancel, emit=emit, tick=tick, prompt=prompt))
+
+    def answer_steps(
+        self,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+        prompt: Prompt | None = None,
+    ) -> Generator[None, None, AnswerStart]:
+        """:meth:`start_answer`, a step a ``next``: the checks, then each chunk read.
+
+        A batch (``engine.session.batch``) reads a conversation in this way
+        between its decode steps. Errors are raised by the ``next`` that meets them.
         """
         started = time.perf_counter()
         self.memory_stop = None
@@ -591,11 +626,12 @@ class Session:
         room = self.room_for(len(ids))
         if room < 1:
             raise ContextTooLong(self.fit_report(len(ids) + 1).message())
+        yield  # checked: the conversation fits
         kept = self.sync(ids, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
-        read = self.prefill(ids[kept:-1], request_id=request_id, cancel=watch, emit=emit,
-                            tick=tick, boundaries=self._boundaries(rendered, kept),
-                            total=len(ids))
+        read = yield from self.prefill_chunks(
+            ids[kept:-1], request_id=request_id, cancel=watch, emit=emit, tick=tick,
+            boundaries=self._boundaries(rendered, kept), total=len(ids))
         model = self.model
         if self.followers is not None:
             model = self.followers.decoding(self.model)

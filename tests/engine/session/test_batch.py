@@ -21,8 +21,8 @@ import pytest
 
 from engine.bench.speculative_bench import first_divergence
 from engine.cache import adapter
-from engine.errors import EngineError
-from engine.events import TokenChunk
+from engine.errors import Cancelled, EngineError
+from engine.events import IngestProgress, TokenChunk
 from engine.session.batch import BatchDecoder
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
@@ -36,6 +36,8 @@ MODES = ("fp16", "q8", "q6", "q4")
 # leaves a tenfold margin; a wrong position, page or mode in a row moves a logit by
 # tenths to units.
 BATCH_NOISE = 1e-4
+# Tokens per prefill chunk where a test reads a long conversation beside answers.
+CHUNK = 32
 # Prompt lengths in characters: conversations of about 30 to 250 tokens.
 LENGTHS = (60, 700, 250, 400)
 
@@ -74,10 +76,13 @@ class Answer:
     reason: str | None = None
     held: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
+    chunks: int = 0  # prefill chunks read
 
     def emit(self, event: object) -> None:
         if isinstance(event, TokenChunk):
             self.tokens.extend(event.token_ids)
+        elif isinstance(event, IngestProgress):
+            self.chunks += 1
 
 
 def _alone(loaded: Any, mode: str, messages, sampling: SamplingParams,
@@ -132,7 +137,7 @@ def test_four_modes_answer_together_as_they_do_alone(tiny, logits, arch: str) ->
     batch = BatchDecoder(loaded.model)
     rows = {i: _join(batch, loaded, mode, _messages(i), GREEDY, request_id=i)
             for i, mode in enumerate(MODES)}
-    assert len(batch) == len(MODES)
+    assert batch.reading_ids == tuple(range(len(MODES))) and len(batch) == 0
     _finish(batch, rows)
     assert len(batch) == 0
     for i in alone:
@@ -172,7 +177,7 @@ def test_a_row_leaving_and_one_joining_leave_the_others_as_alone(tiny, logits) -
     batch = BatchDecoder(loaded.model)
     rows = {i: _join(batch, loaded, MODES[i], _messages(i), GREEDY, request_id=i)
             for i in range(3)}
-    for _ in range(6):
+    while len(rows[1][1].tokens) < 6:
         assert all(r.finish is None for r in batch.step())
     rows[1][1].cancel.set()
     left = batch.step()
@@ -180,13 +185,69 @@ def test_a_row_leaving_and_one_joining_leave_the_others_as_alone(tiny, logits) -
     assert [(r.request_id, r.finish) for r in left if r.finish] == [(1, "cancelled")]
     assert batch.request_ids == (0, 2)
     assert batch.step() and batch.request_ids == (0, 2)
+    cancelled = rows[1][1].tokens
+    assert len(cancelled) == 7 and cancelled == alone[1].tokens[:7]
     for _ in range(3):
         batch.step()
-    # A conversation joins mid-answer (its prompt read in between two steps).
+    # A conversation joins mid-answer (read in beside the others' steps).
     rows[3] = _join(batch, loaded, MODES[3], _messages(3), GREEDY, request_id=3)
     _finish(batch, {i: rows[i] for i in (0, 2, 3)})
-    assert rows[1][1].tokens == alone[1].tokens[:7]
     for i in (0, 2, 3):
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_a_long_read_goes_a_chunk_a_step_beside_the_answers(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    document = [{"role": "user", "content": CORPUS * 2 + "\nSummarise the text above."}]
+    answering = replace(GREEDY, max_tokens=60)
+    chats = {  # request id: (mode, messages, sampling)
+        1: ("fp16", _messages(1), answering),
+        2: ("q6", document, GREEDY),
+        3: ("q8", _messages(0), GREEDY),
+    }
+
+    def session(name: str, mode: str) -> Session:
+        return Session(name, loaded, mode, chunk_size=CHUNK)
+
+    alone = {}
+    for request_id, (mode, messages, sampling) in chats.items():
+        alone[request_id] = answer = Answer()
+        single = session(f"alone-{request_id}", mode)
+        answer.reason, _ = single.chat(messages, sampling, request_id=request_id,
+                                       cancel=answer.cancel, emit=answer.emit,
+                                       tick=lambda: None)
+        answer.held = len(single.tokens)
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows: dict[int, tuple[Session, Answer]] = {}
+
+    def join(request_id: int) -> None:
+        mode, messages, sampling = chats[request_id]
+        rows[request_id] = (session(f"batch-{request_id}", mode), Answer())
+        batch.join(rows[request_id][0], messages, sampling, request_id=request_id,
+                   cancel=rows[request_id][1].cancel, emit=rows[request_id][1].emit,
+                   tick=lambda: None)
+
+    join(1)
+    while not rows[1][1].tokens:
+        batch.step()
+    join(2)
+    assert batch.reading_ids == (2,)
+    for _ in range(4):  # the document reads a chunk a step; the answer a token a step
+        made, chunks = len(rows[1][1].tokens), rows[2][1].chunks
+        assert [r.request_id for r in batch.step()] == [1]
+        assert (len(rows[1][1].tokens), rows[2][1].chunks) == (made + 1, chunks + 1)
+    join(3)  # a short question while the document is still read in
+    steps = 0
+    while not rows[3][1].tokens:
+        batch.step()
+        steps += 1
+    # Its chunks went first: its answer started two steps after them (one to
+    # find the read done, one pass), long before the document was read in.
+    assert steps <= rows[3][1].chunks + 2 and batch.reading_ids == (2,)
+    _finish(batch, rows)
+    assert rows[2][1].chunks == alone[2].chunks > 10
+    for i in chats:
         _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
 
 
@@ -200,7 +261,7 @@ def test_a_session_joins_one_batch_of_its_own_model_once(tiny) -> None:
     with pytest.raises(EngineError, match="same model"):
         batch.join(other, _messages(0), GREEDY, request_id=3, cancel=threading.Event(),
                    emit=lambda _: None, tick=lambda: None)
-    assert batch.request_ids == (1,)
+    assert batch.reading_ids == (1,)
 
 
 def test_a_row_out_of_pages_ends_as_alone_and_the_others_go_on(tiny, monkeypatch) -> None:
@@ -230,3 +291,19 @@ def test_a_row_out_of_pages_ends_as_alone_and_the_others_go_on(tiny, monkeypatch
     assert len(session.tokens) == len(alone_session.tokens) == 48  # 3 pages, all held
     assert adapter.cache_tokens(session.cache) == 48
     assert rows[2][1].tokens == other_alone.tokens
+
+
+def test_a_read_stopped_midway_leaves_with_its_chunks_held(tiny) -> None:
+    loaded = tiny["llama"]
+    document = [{"role": "user", "content": CORPUS * 2}]
+    batch = BatchDecoder(loaded.model)
+    session, answer = Session("reading", loaded, "q8", chunk_size=CHUNK), Answer()
+    batch.join(session, document, GREEDY, request_id=7, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    for _ in range(3):
+        assert batch.step() == []
+    answer.cancel.set()
+    (result,) = batch.step()
+    assert (result.request_id, result.finish, result.token) == (7, "cancelled", None)
+    assert isinstance(result.error, Cancelled) and result.error.kept_tokens == 3 * CHUNK
+    assert len(session.tokens) == 3 * CHUNK and batch.idle
