@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--prompt-tokens", type=parse_tokens, help="tokens a conversation")
     batch.add_argument("--mode", type=parse_mode, help="the engine's KV mode, e.g. q6")
     batch.add_argument("--max-tokens", type=int, help="tokens generated per stream")
+    batch.add_argument("--chunk", type=parse_tokens,
+                       help="prefill chunk of the document a short question waits beside")
 
     agree = sub.add_parser("agreement", help="demo model: each mode's greedy ids vs fp16")
     _common(agree)
@@ -328,6 +330,7 @@ def run_batch(args: argparse.Namespace, command: str) -> dict:
         prompt_tokens=args.prompt_tokens,
         mode=args.mode,
         max_tokens=args.max_tokens,
+        chunk=args.chunk,
     )
     return _run_sections(args, command, "batch", batch_bench.run_batch_bench,
                          batch_bench.render_batch_report, config)

@@ -41,9 +41,14 @@ class BatchBenchConfig:
     prompt_tokens: int = 4096
     mode: str = "q6"
     max_tokens: int = 32
+    # The first token of a short question asked while a document is read in:
+    # the document's chunks read before the question comes, and the chunk size.
+    document_chunks: int = 2
+    chunk: int = 512
 
 
-QUICK = BatchBenchConfig(streams=(1, 2, 4), prompt_tokens=256, max_tokens=8)
+QUICK = BatchBenchConfig(streams=(1, 2, 4), prompt_tokens=256, max_tokens=8, chunk=64)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # Conversation i is this many tokens shorter than conversation i - 1.
 LENGTH_STEP = 13
 
@@ -159,6 +164,47 @@ def run_mlx_lm(model: Any, prompts: list[list[int]], caches: list[list[Any]],
     return _rates(streams, made, seconds)
 
 
+def run_first_token(loaded: Any, config: BatchBenchConfig,
+                    document: list[dict[str, str]]) -> dict[str, Any]:
+    """The first token of a short question that joins while ``document`` is read in,
+    in seconds and in the document's chunk times."""
+    from engine.events import IngestProgress
+    from engine.session.batch import BatchDecoder
+    from engine.session.session import Session
+
+    chunk_seconds: list[float] = []
+
+    def progress(event: object) -> None:
+        if isinstance(event, IngestProgress):
+            chunk_seconds.append(event.chunk_seconds)
+
+    mode = parse_mode(config.mode)
+    reader = Session("document", loaded, mode, chunk_size=config.chunk)
+    asker = Session("question", loaded, mode, chunk_size=config.chunk)
+    batch = BatchDecoder(loaded.model)
+    stop = threading.Event()
+    batch.join(reader, document, _sampling(1), request_id=1, cancel=stop, emit=progress,
+               tick=lambda: None)
+    while len(chunk_seconds) < config.document_chunks and 1 in batch.reading_ids:
+        batch.step()
+    asked = time.perf_counter()
+    batch.join(asker, QUESTION, _sampling(1), request_id=2, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    while not any(row.request_id == 2 and row.token is not None for row in batch.step()):
+        pass
+    seconds = time.perf_counter() - asked
+    still_reading = 1 in batch.reading_ids
+    stop.set()  # the document's read is not what is timed
+    while not batch.idle:
+        batch.step()
+    reader.close()
+    asker.close()
+    chunk = sorted(chunk_seconds)[len(chunk_seconds) // 2]
+    return {"seconds": seconds, "chunk_seconds": chunk,
+            "chunks": seconds / chunk if chunk > 0 else None,
+            "document_still_reading": still_reading}
+
+
 def _rates(streams: int, made: int, seconds: float) -> dict[str, Any]:
     return {"streams": streams, "tokens": made, "seconds": seconds,
             "tps": made / seconds if seconds > 0 else 0.0, "peak_bytes": mx.get_peak_memory()}
@@ -203,6 +249,8 @@ def run_batch_bench(
             partial_results(results)
     for session in sessions:
         session.close()
+    progress("a short question while a document is read in")
+    results["first_token"] = run_first_token(loaded, config, chats[0])
     return results
 
 
@@ -244,4 +292,15 @@ def render_batch_report(results: dict[str, Any], info: dict[str, Any], command: 
         "",
         *table(HEADERS, lines),
     ]
+    first = results.get("first_token")
+    if first is not None:
+        chunks = "n/a" if first["chunks"] is None else f"{first['chunks']:.2f}"
+        out += [
+            "",
+            f"A short question joining while a {max(prompts, default=0)}-token conversation "
+            f"is read in ({config['chunk']}-token chunks, in {config['mode']}): first token "
+            f"after {first['seconds']:.2f} s, {chunks} of the document's chunk "
+            f"times ({first['chunk_seconds']:.2f} s, median); the document was "
+            f"{'still' if first['document_still_reading'] else 'no longer'} being read.",
+        ]
     return "\n".join(out) + "\n"

@@ -32,7 +32,7 @@ from engine.cache import adapter
 from engine.cache.batched import BatchedCache, check_batchable
 from engine.errors import Cancelled, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
-from engine.session.prefill import Emit
+from engine.session.prefill import Emit, finish
 from engine.session.prompt_ids import Prompt, common_prefix
 from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
 from engine.session.session import AnswerStart, Session
@@ -161,7 +161,10 @@ class BatchDecoder:
                                      tick=tick, prompt=rendered)
         next(steps)  # the checks: a conversation that cannot be answered fails here
         to_read = len(rendered.ids) - 1 - common_prefix(session.tokens, rendered.ids)
-        self.reading.append(_Reading(session, request_id, steps, to_read))
+        if to_read <= 0:  # held already (e.g. a continued chat): it answers next step
+            self._answer(session, finish(steps))
+        else:
+            self.reading.append(_Reading(session, request_id, steps, to_read))
 
     def _check_joins(self, session: Session, request_id: int) -> None:
         if session.model is not self.model:
@@ -213,23 +216,23 @@ class BatchDecoder:
         return results
 
     def _read_chunk(self, results: list[RowToken]) -> None:
-        """Read one chunk of the shortest read; a read that ends joins the answering rows."""
-        while self.reading:
-            reading = min(self.reading, key=lambda r: r.to_read)
-            try:
-                next(reading.steps)
-                return
-            except StopIteration as done:
-                self.reading.remove(reading)
-                self._answer(reading.session, done.value)
-            except EngineError as error:
-                self.reading.remove(reading)
-                finish = "cancelled" if isinstance(error, Cancelled) else "error"
-                results.append(RowToken(reading.request_id, None, finish, error=error))
-                return
-            except Exception:
-                self.reading.remove(reading)  # its session rolled back to what it holds
-                raise
+        """Read one chunk of the shortest read; a read that ends joins the answering
+        rows (no chunk then: its first pass goes before the next chunk)."""
+        if not self.reading:
+            return
+        reading = min(self.reading, key=lambda r: r.to_read)
+        try:
+            next(reading.steps)
+        except StopIteration as done:
+            self.reading.remove(reading)
+            self._answer(reading.session, done.value)
+        except EngineError as error:
+            self.reading.remove(reading)
+            finish = "cancelled" if isinstance(error, Cancelled) else "error"
+            results.append(RowToken(reading.request_id, None, finish, error=error))
+        except Exception:
+            self.reading.remove(reading)  # its session rolled back to what it holds
+            raise
 
     def _answer(self, session: Session, answer: AnswerStart) -> None:
         """Add an answer whose conversation has been read in to the answering rows."""

@@ -22,7 +22,7 @@ def test_batch_report_has_a_row_per_stream_count(tmp_path: Path) -> None:
     doc, raw = tmp_path / "benchmarks.md", tmp_path / "results.json"
     report.write_section(doc, "generate", "generate numbers stay")
     args = ["batch", "--model", str(model), "--streams", "1,3", "--prompt-tokens", "96",
-            "--max-tokens", "4", "--output", str(doc), "--json", str(raw)]
+            "--max-tokens", "4", "--chunk", "16", "--output", str(doc), "--json", str(raw)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-m", "engine.bench", *args], cwd=tmp_path, env=env,
                    check=True, capture_output=True, timeout=300)
@@ -38,3 +38,7 @@ def test_batch_report_has_a_row_per_stream_count(tmp_path: Path) -> None:
             assert row[side]["tokens"] == row["streams"] * 3
     lines = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert len(lines) == 3 and "n/a" not in lines[1] + lines[2]
+    # The question came while the document was still read in, and was timed.
+    first = results["first_token"]
+    assert first["document_still_reading"] and first["seconds"] > 0 < first["chunk_seconds"]
+    assert "chunk times" in markdown
