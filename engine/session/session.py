@@ -597,7 +597,8 @@ class Session:
         errors as :meth:`chat`'s.
         """
         return finish(self.answer_steps(messages, sampling, request_id=request_id,
-                                        cancel=cancel, emit=emit, tick=tick, prompt=prompt))
+                                        cancel=cancel, emit=emit, tick=tick, prompt=prompt,
+                                        by_chunk=False))
 
     def answer_steps(
         self,
@@ -609,8 +610,10 @@ class Session:
         emit: Emit,
         tick: Callable[[], None],
         prompt: Prompt | None = None,
+        by_chunk: bool = True,
     ) -> Generator[None, None, AnswerStart]:
-        """:meth:`start_answer`, a step a ``next``: the checks, then each chunk read.
+        """:meth:`start_answer`, a step a ``next``: the checks, then each chunk read
+        (``by_chunk``; else the whole read in one step, by :meth:`prefill`).
 
         A batch (``engine.session.batch``) reads a conversation in this way
         between its decode steps. Errors are raised by the ``next`` that meets them.
@@ -629,9 +632,14 @@ class Session:
         yield  # checked: the conversation fits
         kept = self.sync(ids, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
-        read = yield from self.prefill_chunks(
-            ids[kept:-1], request_id=request_id, cancel=watch, emit=emit, tick=tick,
-            boundaries=self._boundaries(rendered, kept), total=len(ids))
+        boundaries = self._boundaries(rendered, kept)
+        if by_chunk:
+            read = yield from self.prefill_chunks(
+                ids[kept:-1], request_id=request_id, cancel=watch, emit=emit, tick=tick,
+                boundaries=boundaries, total=len(ids))
+        else:
+            read = self.prefill(ids[kept:-1], request_id=request_id, cancel=watch, emit=emit,
+                                tick=tick, boundaries=boundaries, total=len(ids))
         model = self.model
         if self.followers is not None:
             model = self.followers.decoding(self.model)
