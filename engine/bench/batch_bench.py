@@ -13,6 +13,10 @@ Each conversation is read in once per side, before any timing: the engine's
 sessions keep their pages between stream counts (each run trims back to the
 prompt), mlx-lm is handed a copy of its prefilled cache each run. Timed: the
 decode steps after every stream's first token, tokens made over wall seconds.
+
+Then a short question joins a batch while the first conversation is read in
+(after ``document_chunks`` of its chunks): its first token, in seconds and in
+the document's chunk times (the issue's goal: within 2).
 """
 
 from __future__ import annotations
