@@ -6,18 +6,25 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 from app.style import apply_style, follow_system_theme
 
+if TYPE_CHECKING:  # imported where used: the window's modules load after the arguments
+    from app.single_instance import InstanceLock
+    from app.store import HistoryOpened
+    from app.window.main_window import MainWindow
+
 log = logging.getLogger("longleaf")
 
 
 def create_app(argv: list[str]) -> QApplication:
     """The QApplication with Longleaf's names, icon and stylesheet."""
-    app = QApplication.instance() or QApplication(argv)
+    existing = QApplication.instance()
+    app = existing if isinstance(existing, QApplication) else QApplication(argv)
     app.setApplicationName("Longleaf")
     app.setOrganizationName("Longleaf")
     app.setApplicationDisplayName("Longleaf")
@@ -28,7 +35,7 @@ def create_app(argv: list[str]) -> QApplication:
     return app
 
 
-def build_window(model: str | None = None, owns_data: bool = True):
+def build_window(model: str | None = None, owns_data: bool = True) -> MainWindow:
     """Settings, history, engine and window, wired together and started.
 
     ``owns_data``: this process holds the data folder's lock. Without it the
@@ -60,7 +67,7 @@ def build_window(model: str | None = None, owns_data: bool = True):
     return window
 
 
-def history_note(opened) -> str:
+def history_note(opened: HistoryOpened) -> str:
     """What the banner says about how the history opened ("" when all is well)."""
     parts = []
     if opened.damaged is not None:
@@ -77,7 +84,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'s' if n != 1 else ''}"
 
 
-def take_data_folder(files: list[str]):
+def take_data_folder(files: list[str]) -> tuple[InstanceLock | None, int | None]:
     """The data folder's lock for this process, or why this launch should not open.
 
     Returns:
@@ -156,7 +163,7 @@ def _has_data_folder() -> bool:
     return True
 
 
-def bring_files(window, paths: list[str]) -> None:
+def bring_files(window: MainWindow, paths: list[str]) -> None:
     """Files a second launch handed over: attached as if dropped, the window raised."""
     window.add_files(paths)
     if window.isMinimized():
@@ -165,7 +172,7 @@ def bring_files(window, paths: list[str]) -> None:
     window.activateWindow()
 
 
-def finish(window, code: int) -> int:
+def finish(window: MainWindow, code: int) -> int:
     """After the window closed: join the threads, close the history, exit in time.
 
     When the engine is still inside an uninterruptible MLX call (a prefill chunk,

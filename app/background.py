@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal, Slot
+from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal, SignalInstance, Slot
 
 from engine import EngineError
 
@@ -24,7 +24,7 @@ Done = Callable[[Any], None]  # gets the job's return value, or the exception it
 
 
 class _Job(QRunnable):
-    def __init__(self, work: Callable[[], Any], done: Done, report: Signal) -> None:
+    def __init__(self, work: Callable[[], Any], done: Done, report: SignalInstance) -> None:
         super().__init__()
         self.work, self.done, self.report = work, done, report
         self.setAutoDelete(True)

@@ -18,6 +18,7 @@ controller sends user turns and re-emits the collaborators' signals as its own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
@@ -37,18 +38,20 @@ from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import (
+    ChunkTiming,
     DiskFault,
     EngineError,
     Failed,
     IngestProgress,
+    KvMode,
     Notice,
     PipelineLost,
+    PrefillRate,
     SamplingParams,
     StatsSample,
+    fits_here,
+    prefill_rate,
 )
-from engine.cache.modes import KvMode
-from engine.distributed.fallback import fits_here
-from engine.memory.prefill_rate import ChunkTiming, PrefillRate, fit, remember
 
 STATS_POLL_MS = 400
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
@@ -308,7 +311,7 @@ class ChatController(QObject):
 
         self._when_idle(load_here)
 
-    def _when_idle(self, then) -> None:
+    def _when_idle(self, then: Callable[[], None]) -> None:
         if not self.activity.busy:
             then()
             return
@@ -355,7 +358,7 @@ class ChatController(QObject):
     def prefill_rate(self) -> PrefillRate | None:
         """How fast the loaded model reads on this machine at each context length
         (None before its first timed read)."""
-        return fit(self.settings.prefill_timings(self.model_id))
+        return prefill_rate.least_squares_rate(self.settings.prefill_timings(self.model_id))
 
     def read_eta(self, progress: IngestProgress) -> float | None:
         """Seconds left of a read, from the rate model at the context it has reached.
@@ -375,8 +378,8 @@ class ChatController(QObject):
         if progress.chunk_tokens and progress.chunk_seconds > 0:
             timing = ChunkTiming(progress.chunk_tokens, progress.chunk_start,
                                  progress.chunk_seconds)
-            self.settings.set_prefill_timings(
-                self.model_id, remember(self.settings.prefill_timings(self.model_id), timing))
+            timings = prefill_rate.remember(self.settings.prefill_timings(self.model_id), timing)
+            self.settings.set_prefill_timings(self.model_id, timings)
 
     def quality_unavailable(self) -> str:
         """Why "Check quality" cannot run for the shown chat now; "" when it can."""
@@ -420,7 +423,7 @@ class ChatController(QObject):
         listing = getattr(self.bridge, "last_stored_kv", None)
         return {info.name: info for info in listing.snapshots} if listing else {}
 
-    def all_chat_facts(self, records) -> dict[str, ChatFacts]:
+    def all_chat_facts(self, records: Iterable[SessionRecord]) -> dict[str, ChatFacts]:
         """Each of ``records`` -> its facts, for the sidebar (no file is read)."""
         snapshots = self.stored_snapshots()
         return {r.id: facts_of(r, self.activity, self.caches, snapshots) for r in records}
@@ -450,12 +453,16 @@ class ChatController(QObject):
         if saved is None:
             return False
         message_id, retitle = saved
+        chat = self.current
+        assert chat is not None  # _save_turn made one or kept the one shown
         self.model.append(ChatMessage("user", text, "complete", message_id,
                                       attachments=attachments))
         if retitle:
-            self.rename_session(self.current.id, _title_of(self.model.message(
+            self.rename_session(chat.id, _title_of(self.model.message(
                 self.model.rowCount() - 1)))
-        self.answers.start_chat(self.current)
+            chat = self.current  # renamed: the record shown now
+            assert chat is not None
+        self.answers.start_chat(chat)
         return True
 
     def _save_turn(self, text: str,

@@ -29,18 +29,19 @@ from engine import (
     Event,
     Failed,
     Finished,
+    FitReport,
+    KvMode,
     Notice,
     PipelineLost,
     SamplingParams,
+    SnapshotInfo,
     StatsSample,
     StoredKv,
+    TurnOverhead,
+    Worker,
+    renumbered,
+    request_id_of,
 )
-from engine.cache.modes import KvMode
-from engine.events import renumbered, request_id_of
-from engine.memory.fit import FitReport
-from engine.runtime.interface import Worker
-from engine.session.prompt_ids import TurnOverhead
-from engine.snapshots.manifest import SnapshotInfo
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import unicodedata
 
-from engine.format import human_bytes
+from engine import human_bytes
 
 __all__ = ["human_bytes", "human_duration", "relative_time"]
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from numbers import Real
 
-from engine.cache.modes import DEFAULT_MODE
+from engine import DEFAULT_MODE
 
 MAX_ROWID = 2**63 - 1
 RECOVERED_TITLE = "Recovered chat"
@@ -59,6 +59,8 @@ def readable_rows(db: sqlite3.Connection, table: str) -> Iterator[tuple]:
                     return
             return
         except sqlite3.DatabaseError:
+            if start is None:  # the last rowid was read
+                return
             start = _next_readable(db, query, start)
 
 
@@ -126,16 +128,16 @@ def recover(source: sqlite3.Connection, target: sqlite3.Connection,
     return Recovered(len(sessions), len(messages), len(attachments))
 
 
-def _insert(db: sqlite3.Connection, table: str, rows) -> None:
+def _insert(db: sqlite3.Connection, table: str, rows: Iterable[tuple]) -> None:
     marks = ", ".join("?" * len(COLUMNS[table]))
     db.executemany(f"INSERT OR IGNORE INTO {table} VALUES ({marks})", list(rows))
 
 
-def _texts(values) -> bool:
+def _texts(values: Iterable[object]) -> bool:
     return all(isinstance(v, str) for v in values)
 
 
-def _numbers(values) -> bool:
+def _numbers(values: Iterable[object]) -> bool:
     return all(isinstance(v, Real) and not isinstance(v, bool) for v in values)
 
 

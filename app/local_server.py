@@ -15,10 +15,15 @@ from app.engine_bridge import EngineBridge
 from app.model_state import ModelState
 from app.settings import Settings
 from app.window.server_settings import NEEDS_KEY, server_host
-from engine import EngineError
-from engine.cache.modes import KvMode
-from engine.server.app import host_names
-from engine.server.inprocess import ApiSession, LocalServer, ServerStatus, ServerUnavailable
+from engine import (
+    ApiSession,
+    EngineError,
+    KvMode,
+    LocalServer,
+    ServerStatus,
+    ServerUnavailable,
+    host_names,
+)
 
 JOIN_TIMEOUT_S = 10.0
 

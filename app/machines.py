@@ -18,15 +18,14 @@ from PySide6.QtCore import QObject
 
 from app.engine_bridge import EngineBridge, WorkerFactory
 from app.settings import Settings
-from engine.events import Event
-from engine.runtime.interface import Worker
+from engine import Event, Worker
 
 LOCAL = "this Mac"
 
 
 def can_split_model(path: str) -> bool:
     """Whether the model at ``path`` (a folder, or "demo") can be split across Macs."""
-    from engine.models.split import can_split
+    from engine import can_split
 
     return path != "demo" and can_split(path)
 
@@ -88,10 +87,10 @@ class Machines(QObject):
         return True
 
     def _factory(self, hostfile: str, split: tuple[int, ...] | None) -> WorkerFactory:
-        from engine.distributed.launch import read_hostfile
+        from engine import read_hostfile
 
         ranks = len(read_hostfile(Path(hostfile)))
-        from engine.distributed.remote import RemoteWorker
+        from engine import RemoteWorker
 
         remote_worker = self.remote_worker or RemoteWorker
 

@@ -11,8 +11,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
-from engine import EngineError, Event, Failed, ModelLoaded
-from engine.models.generation_defaults import generation_defaults
+from engine import EngineError, Event, Failed, ModelLoaded, generation_defaults
 
 
 def model_name(info: object, fallback: str = "") -> str:

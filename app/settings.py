@@ -11,22 +11,28 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Generic, TypeVar, overload
 from urllib.parse import quote
 
 import platformdirs
 from PySide6.QtCore import QSettings, QStandardPaths
 
-from engine import SamplingParams, data_dir, private_dir, private_file
-from engine.cache.modes import DEFAULT_MODE, MODES, KvMode
-from engine.memory import prefill_rate
+from engine import (
+    DEFAULT_MODE,
+    MODES,
+    KvMode,
+    SamplingParams,
+    data_dir,
+    prefill_rate,
+    private_dir,
+    private_file,
+)
 
-# Best quality first, the order every list of modes in the app uses.
-# Small models loop on a phrase without it (the demo model repeated "finally…"
-# for minutes at 1.0); 1.1 over the engine's 64-token window stops that without
-# punishing every common word.
+# Small models (the demo model among them) loop on a phrase without a penalty; this
+# one, over the engine's 64-token window, stops that without punishing every common word.
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly and concisely."
 SETTINGS_FILE = "settings.ini"
@@ -70,7 +76,7 @@ def default_settings_path() -> Path:
         log.warning("settings are kept for this run only: %s", error)
         return _config_path() / SETTINGS_FILE
     try:
-        older = data_dir() / SETTINGS_FILE  # where versions before 0.1.1 kept it
+        older = data_dir() / SETTINGS_FILE  # where an older Longleaf's file may still be
         if not path.exists() and older.is_file() and older != path:
             shutil.move(older, path)
     except OSError as error:  # an unusable data folder: the window says so; settings go on
@@ -107,12 +113,173 @@ def documents_dir() -> str:
     return folder if folder and Path(folder).is_dir() else str(Path.home())
 
 
+T = TypeVar("T")
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _convert(value: Any, kind: type) -> Any:
+    """A stored value as ``kind`` (INI files hold text; QSettings gives some types back).
+
+    Raises:
+        TypeError, ValueError: it is not a ``kind``.
+    """
+    if kind is bool:
+        return value if isinstance(value, bool) else str(value).lower() == "true"
+    if kind is list:  # QSettings reads a one-item list back as its item
+        return ([value] if value else []) if isinstance(value, str) else list(value)
+    return kind(value)
+
+
+class Setting(Generic[T]):
+    """One row of the settings table: a stored key and how its value reads and writes.
+
+    A class attribute of :class:`Settings`, where it is the property of the same name:
+    reading converts the stored value to ``kind`` and passes it through ``read``;
+    writing stores ``write(value)`` under ``key`` (None removes the key).
+
+    Args:
+        key: the QSettings key, ``group/name`` in settings.ini (users' files keep it).
+        default: the stored value a missing or unreadable key stands for.
+        kind: the type the stored value is read as; the default's type when not given.
+        read: the validator: the stored value as the setting's value; a ValueError
+            means it is not valid and ``default`` is read instead.
+        write: the value stored for a given one (refusing an invalid one with a
+            ValueError); None removes the key.
+    """
+
+    def __init__(self, key: str, default: object, *, kind: type | None = None,
+                 read: Callable[[Any], T] = _same, write: Callable[[T], object] = _same) -> None:
+        self.key, self.default, self.read, self.write = key, default, read, write
+        self.kind = kind or type(default)
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, settings: None, owner: type) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, settings: Settings, owner: type) -> T: ...
+
+    def __get__(self, settings: Settings | None, owner: type) -> Setting[T] | T:
+        if settings is None:
+            return self
+        stored = settings._get(self.key, self.default, self.kind)
+        try:
+            return self.read(stored)
+        except ValueError:
+            return self.read(self.default)
+
+    def __set__(self, settings: Settings, value: T) -> None:
+        settings._set(self.key, self.write(value))
+
+
+def _known_mode(mode: KvMode) -> KvMode:
+    if mode not in MODES:
+        raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+def _at_least_16(tokens: int) -> int:
+    return max(16, tokens)
+
+
+def _positive_or_none(value: int) -> int | None:
+    return value if value > 0 else None
+
+
+def _port(port: int) -> int:
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{port} is not a TCP port")
+    return port
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _stripped_or_none(text: str) -> str | None:
+    return str(text).strip() or None
+
+
+def _existing_folder(folder: str) -> str:
+    return folder if folder and Path(folder).is_dir() else documents_dir()
+
+
 class Settings:
     """Typed access to the user's preferences.
+
+    Every setting is one :class:`Setting` row below (its key, default, validator);
+    ``table()`` lists them. ``sampling`` is the one composite: a ``sampling/`` key per
+    :class:`SamplingParams` value, each written only when it differs.
 
     Args:
         path: the INI file; defaults to ``default_settings_path()``.
     """
+
+    default_mode = Setting[KvMode](
+        "engine/default_mode", DEFAULT_MODE,
+        read=lambda name: MODES.find(name) or DEFAULT_MODE, write=_known_mode)
+    """KV mode a new chat starts with."""
+    page_size = Setting[int]("engine/page_size", 256, read=_at_least_16, write=int)
+    """Tokens per KV page."""
+    rotate_kv = Setting[bool | None]("engine/rotate_kv", None, kind=bool)
+    """Store q8/q6/q4 rows after a Hadamard rotation (new chats); None: the engine's default."""
+    ingest_chunk = Setting[int]("engine/ingest_chunk", 512, read=_at_least_16, write=int)
+    """Tokens prefilled per chunk."""
+    memory_budget_bytes = Setting[int | None](
+        "engine/memory_budget_bytes", 0, read=_positive_or_none,
+        write=lambda value: int(value or 0))
+    """KV byte budget, or None to let the engine keep its RAM headroom."""
+    stored_kv_budget_bytes = Setting[int | None](
+        "engine/stored_kv_budget_bytes", 0, read=_positive_or_none,
+        write=lambda value: int(value or 0) or None)
+    """Disk bytes all stored KV snapshots may take, or None for the engine's
+    default (the smaller of 20 GB and 10% of free disk)."""
+    system_prompt = Setting[str]("chat/system_prompt", DEFAULT_SYSTEM_PROMPT)
+    """System message sent first in every new chat."""
+    speculative = Setting[bool]("engine/speculative", SamplingParams().speculative == "lookup",
+                                write=bool)
+    """Draft answer tokens from the chat's own text and verify them in one pass."""
+    server_enabled = Setting[bool]("server/enabled", False, write=bool)
+    """Run the local OpenAI/Anthropic-compatible server while the app runs."""
+    server_port = Setting[int]("server/port", DEFAULT_SERVER_PORT, read=_port, write=int)
+    """The local server's TCP port."""
+    server_allow_network = Setting[bool]("server/allow_network", False, write=bool)
+    """Listen on every network interface, not only this computer's (needs an API key)."""
+    server_api_key = Setting[str]("server/api_key", "", write=_stripped_or_none)
+    """The key clients must send ("" for none: only allowed on this computer)."""
+    server_allowed_hosts = Setting[tuple[str, ...]](
+        "server/allowed_hosts", "", read=_names, write=lambda names: ",".join(names) or None)
+    """Names besides this computer's that the keyless server answers requests for
+    (``server/allowed_hosts`` in settings.ini, comma-separated; no widget)."""
+    server_share_chats = Setting[bool]("server/share_chats", False, write=bool)
+    """Let API requests reuse the KV of the app's own chats (off: API only)."""
+    pipeline_enabled = Setting[bool]("pipeline/enabled", False, write=bool)
+    """Split models that can be split across the Macs of ``pipeline_hostfile``."""
+    pipeline_hostfile = Setting[str]("pipeline/hostfile", "", write=_stripped_or_none)
+    """The MLX hostfile (JSON) naming the Macs, this one first ("" for none)."""
+    pipeline_split = Setting[tuple[int, ...] | None](
+        "pipeline/split", "", read=parse_split,  # edited by hand into nonsense: the even split
+        write=lambda split: ",".join(map(str, split)) if split else None)
+    """Layers per Mac, this one first; None: mlx-lm's even split."""
+    model_folders = Setting[list[str]](
+        "models/folders", [], read=lambda folders: [str(f) for f in folders],
+        write=lambda folders: list(dict.fromkeys(folders)))
+    """Extra folders the user asked Longleaf to search for models."""
+    last_model = Setting[str]("models/last", "demo")
+    """The model loaded last time ("demo" for the embedded one)."""
+    last_folder = Setting[str]("files/last_folder", "", read=_existing_folder,
+                               write=lambda folder: str(folder) or None)
+    """The folder the last file dialog was left in (Documents at first, and when it is gone)."""
+    memory_panel_visible = Setting[bool]("window/memory_panel", True, write=bool)
+    """Whether the memory panel is expanded."""
+    window_geometry = Setting[bytes | None]("window/geometry", None, kind=bytes)
+    """Saved window geometry."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or default_settings_path()
@@ -125,18 +292,16 @@ class Settings:
             log.warning("settings are kept for this run only: %s", error)
         self._qs = QSettings(str(self.path), QSettings.Format.IniFormat)
 
-    def _get(self, key: str, default, kind: type):
+    def _get(self, key: str, default: Any, kind: type) -> Any:
         value = self._qs.value(key, default)
         if value is None:
             return default
         try:
-            if kind is bool:
-                return value if isinstance(value, bool) else str(value).lower() == "true"
-            return kind(value)
+            return _convert(value, kind)
         except (TypeError, ValueError):
             return default
 
-    def _set(self, key: str, value) -> None:
+    def _set(self, key: str, value: object) -> None:
         # QSettings writes None and empty lists as "@Invalid()": drop the key instead.
         if value is None or (isinstance(value, list | tuple) and not value):
             self._qs.remove(key)
@@ -152,79 +317,14 @@ class Settings:
         return {key: self._qs.value(key) for key in self._qs.allKeys()}
 
     @classmethod
+    def table(cls) -> tuple[Setting[Any], ...]:
+        """Every row of the settings table, in the order declared."""
+        return tuple(attr for attr in vars(cls).values() if isinstance(attr, Setting))
+
+    @classmethod
     def fields(cls) -> tuple[str, ...]:
-        """The names of every setting (each property that can be written)."""
-        return tuple(name for name, attr in vars(cls).items()
-                     if isinstance(attr, property) and attr.fset is not None)
-
-    @property
-    def default_mode(self) -> KvMode:
-        """KV mode a new chat starts with."""
-        return MODES.find(self._get("engine/default_mode", DEFAULT_MODE, str)) or DEFAULT_MODE
-
-    @default_mode.setter
-    def default_mode(self, mode: KvMode) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown KV mode {mode!r}; choose one of {', '.join(MODES)}")
-        self._set("engine/default_mode", mode)
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per KV page."""
-        return max(16, self._get("engine/page_size", 256, int))
-
-    @page_size.setter
-    def page_size(self, value: int) -> None:
-        self._set("engine/page_size", int(value))
-
-    @property
-    def rotate_kv(self) -> bool | None:
-        """Store q8/q6/q4 rows after a Hadamard rotation (new chats); None: the engine's default."""
-        value = self._qs.value("engine/rotate_kv", None)
-        return None if value is None else self._get("engine/rotate_kv", False, bool)
-
-    @rotate_kv.setter
-    def rotate_kv(self, value: bool | None) -> None:
-        self._set("engine/rotate_kv", value)
-
-    @property
-    def ingest_chunk(self) -> int:
-        """Tokens prefilled per chunk."""
-        return max(16, self._get("engine/ingest_chunk", 512, int))
-
-    @ingest_chunk.setter
-    def ingest_chunk(self, value: int) -> None:
-        self._set("engine/ingest_chunk", int(value))
-
-    @property
-    def memory_budget_bytes(self) -> int | None:
-        """KV byte budget, or None to let the engine keep its RAM headroom."""
-        value = self._get("engine/memory_budget_bytes", 0, int)
-        return value if value > 0 else None
-
-    @memory_budget_bytes.setter
-    def memory_budget_bytes(self, value: int | None) -> None:
-        self._set("engine/memory_budget_bytes", int(value or 0))
-
-    @property
-    def stored_kv_budget_bytes(self) -> int | None:
-        """Disk bytes all stored KV snapshots may take, or None for the engine's
-        default (the smaller of 20 GB and 10% of free disk)."""
-        value = self._get("engine/stored_kv_budget_bytes", 0, int)
-        return value if value > 0 else None
-
-    @stored_kv_budget_bytes.setter
-    def stored_kv_budget_bytes(self, value: int | None) -> None:
-        self._set("engine/stored_kv_budget_bytes", int(value or 0) or None)
-
-    @property
-    def system_prompt(self) -> str:
-        """System message sent first in every new chat."""
-        return self._get("chat/system_prompt", DEFAULT_SYSTEM_PROMPT, str)
-
-    @system_prompt.setter
-    def system_prompt(self, text: str) -> None:
-        self._set("chat/system_prompt", text)
+        """The names of every setting: each row of ``table()``, and ``sampling``."""
+        return (*(row.name for row in cls.table()), "sampling")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -244,14 +344,6 @@ class Settings:
             speculative="lookup" if self.speculative else "off",
         )
 
-    def sampling_for(self, model_defaults: Mapping[str, float | int]) -> SamplingParams:
-        """``sampling`` with the model's own defaults (its generation_config.json) for
-        every key the user has not set here; a key set in Settings wins."""
-        stored = {key for key in MODEL_SAMPLING_KEYS if self._qs.contains(f"sampling/{key}")}
-        taken = {key: value for key, value in model_defaults.items()
-                 if key in MODEL_SAMPLING_KEYS and key not in stored}
-        return replace(self.sampling, **taken)
-
     @sampling.setter
     def sampling(self, params: SamplingParams) -> None:
         # Only the values that differ are written: a key left unset keeps following
@@ -264,14 +356,14 @@ class Settings:
         if params.seed != current.seed:
             self._set("sampling/seed", -1 if params.seed is None else params.seed)
 
-    @property
-    def speculative(self) -> bool:
-        """Draft answer tokens from the chat's own text and verify them in one pass."""
-        return self._get("engine/speculative", SamplingParams().speculative == "lookup", bool)
-
-    @speculative.setter
-    def speculative(self, value: bool) -> None:
-        self._set("engine/speculative", bool(value))
+    def sampling_for(self, model_defaults: Mapping[str, float | int]) -> SamplingParams:
+        """``sampling`` with the model's own defaults (its generation_config.json) for
+        every key the user has not set here; a key set in Settings wins."""
+        stored = {key for key in MODEL_SAMPLING_KEYS if self._qs.contains(f"sampling/{key}")}
+        # The keys are SamplingParams fields of mixed types; the filter above is the check.
+        taken: dict[str, Any] = {key: value for key, value in model_defaults.items()
+                                 if key in MODEL_SAMPLING_KEYS and key not in stored}
+        return replace(self.sampling, **taken)
 
     def prefill_timings(self, model_id: str) -> tuple[prefill_rate.ChunkTiming, ...]:
         """The prefill chunks timed with ``model_id`` on this machine, oldest first."""
@@ -281,140 +373,3 @@ class Settings:
                             timings: tuple[prefill_rate.ChunkTiming, ...]) -> None:
         """Keep ``model_id``'s chunk timings (a measurement: not one of ``fields()``)."""
         self._set(_timings_key(model_id), prefill_rate.dumps(timings) if timings else None)
-
-    @property
-    def server_enabled(self) -> bool:
-        """Run the local OpenAI/Anthropic-compatible server while the app runs."""
-        return self._get("server/enabled", False, bool)
-
-    @server_enabled.setter
-    def server_enabled(self, value: bool) -> None:
-        self._set("server/enabled", bool(value))
-
-    @property
-    def server_port(self) -> int:
-        """The local server's TCP port."""
-        port = self._get("server/port", DEFAULT_SERVER_PORT, int)
-        return port if 1 <= port <= 65535 else DEFAULT_SERVER_PORT
-
-    @server_port.setter
-    def server_port(self, value: int) -> None:
-        self._set("server/port", int(value))
-
-    @property
-    def server_allow_network(self) -> bool:
-        """Listen on every network interface, not only this computer's (needs an API key)."""
-        return self._get("server/allow_network", False, bool)
-
-    @server_allow_network.setter
-    def server_allow_network(self, value: bool) -> None:
-        self._set("server/allow_network", bool(value))
-
-    @property
-    def server_api_key(self) -> str:
-        """The key clients must send ("" for none: only allowed on this computer)."""
-        return self._get("server/api_key", "", str)
-
-    @server_api_key.setter
-    def server_api_key(self, key: str) -> None:
-        self._set("server/api_key", key.strip() or None)
-
-    @property
-    def server_allowed_hosts(self) -> tuple[str, ...]:
-        """Names besides this computer's that the keyless server answers requests for
-        (``server/allowed_hosts`` in settings.ini, comma-separated; no widget)."""
-        text = self._get("server/allowed_hosts", "", str)
-        return tuple(name.strip() for name in text.split(",") if name.strip())
-
-    @server_allowed_hosts.setter
-    def server_allowed_hosts(self, names: tuple[str, ...]) -> None:
-        self._set("server/allowed_hosts", ",".join(names) or None)
-
-    @property
-    def server_share_chats(self) -> bool:
-        """Let API requests reuse the KV of the app's own chats (off: API only)."""
-        return self._get("server/share_chats", False, bool)
-
-    @server_share_chats.setter
-    def server_share_chats(self, value: bool) -> None:
-        self._set("server/share_chats", bool(value))
-
-    @property
-    def pipeline_enabled(self) -> bool:
-        """Split models that can be split across the Macs of ``pipeline_hostfile``."""
-        return self._get("pipeline/enabled", False, bool)
-
-    @pipeline_enabled.setter
-    def pipeline_enabled(self, value: bool) -> None:
-        self._set("pipeline/enabled", bool(value))
-
-    @property
-    def pipeline_hostfile(self) -> str:
-        """The MLX hostfile (JSON) naming the Macs, this one first ("" for none)."""
-        return self._get("pipeline/hostfile", "", str)
-
-    @pipeline_hostfile.setter
-    def pipeline_hostfile(self, path: str) -> None:
-        self._set("pipeline/hostfile", str(path).strip() or None)
-
-    @property
-    def pipeline_split(self) -> tuple[int, ...] | None:
-        """Layers per Mac, this one first; None: mlx-lm's even split."""
-        try:
-            return parse_split(self._get("pipeline/split", "", str))
-        except ValueError:  # edited by hand into something unusable: the even split
-            return None
-
-    @pipeline_split.setter
-    def pipeline_split(self, split: tuple[int, ...] | None) -> None:
-        self._set("pipeline/split", ",".join(map(str, split)) if split else None)
-
-    @property
-    def model_folders(self) -> list[str]:
-        """Extra folders the user asked Longleaf to search for models."""
-        value = self._qs.value("models/folders", [])
-        if isinstance(value, str):
-            value = [value] if value else []
-        return [str(v) for v in value or []]
-
-    @model_folders.setter
-    def model_folders(self, folders: list[str]) -> None:
-        self._set("models/folders", list(dict.fromkeys(folders)))
-
-    @property
-    def last_model(self) -> str:
-        """The model loaded last time ("demo" for the embedded one)."""
-        return self._get("models/last", "demo", str)
-
-    @last_model.setter
-    def last_model(self, model: str) -> None:
-        self._set("models/last", model)
-
-    @property
-    def last_folder(self) -> str:
-        """The folder the last file dialog was left in (Documents at first)."""
-        folder = self._get("files/last_folder", "", str)
-        return folder if folder and Path(folder).is_dir() else documents_dir()
-
-    @last_folder.setter
-    def last_folder(self, folder: str) -> None:
-        self._set("files/last_folder", str(folder) or None)
-
-    @property
-    def memory_panel_visible(self) -> bool:
-        """Whether the memory panel is expanded."""
-        return self._get("window/memory_panel", True, bool)
-
-    @memory_panel_visible.setter
-    def memory_panel_visible(self, visible: bool) -> None:
-        self._set("window/memory_panel", bool(visible))
-
-    @property
-    def window_geometry(self) -> bytes | None:
-        """Saved window geometry."""
-        value = self._qs.value("window/geometry")
-        return bytes(value) if value is not None else None
-
-    @window_geometry.setter
-    def window_geometry(self, value: bytes) -> None:
-        self._set("window/geometry", value)

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.history_recovery import Recovered, recover
-from engine import DiskFault, QualityReceipt, data_dir, disk, private_file
-from engine.cache.modes import KvMode
+from engine import DiskFault, KvMode, QualityReceipt, data_dir, disk, private_file
 
 log = logging.getLogger(__name__)
 
@@ -517,7 +516,8 @@ class HistoryStore:
         stats: dict | None = None,
     ) -> None:
         """Change a message's text and/or how it ended."""
-        sets, args = ["updated = ?"], [time.time()]
+        sets: list[str] = ["updated = ?"]
+        args: list[object] = [time.time()]
         if content is not None:
             sets.append("content = ?")
             args.append(content)

@@ -5,7 +5,8 @@ values (see ``engine.events``). The names below are the small public API the
 app uses; each is imported on first use, so ``import engine`` stays cheap and
 does not load MLX until something needs it.
 
-- Models: ``discover_models``, ``inspect_model_dir`` (describe without loading),
+- Models: ``DEMO`` (the path that names the built-in demo model), ``discover_models``,
+  ``inspect_model_dir`` (describe without loading),
   ``download_model`` (from the Hub, resumable), ``RECOMMENDED_MODELS`` and
   ``full_context_costs`` (what a model's KV takes at full context, per mode).
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
@@ -15,8 +16,15 @@ does not load MLX until something needs it.
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
   ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
-- Values: ``SamplingParams``, ``MODES``, ``read_document``, ``data_dir``,
+- Values: ``SamplingParams``, ``MODES``, ``read_document`` (and the
+  ``file_patterns`` it reads), ``data_dir``,
   ``private_file``, ``private_dir`` (create a user-only file or folder).
+- What else the app uses: the local API server it hosts (``LocalServer``,
+  ``ApiSession``, ``ServerStatus``), other Macs (``read_hostfile``,
+  ``check_hosts``, ``fits_here``), read-time estimates (``prefill_rate``,
+  ``ChunkTiming``, ``PrefillRate``), stored KV (``SnapshotStore``,
+  ``SnapshotInfo``, ``MAX_DEFAULT_BUDGET``), ``disk`` (a failed write in words)
+  and ``human_bytes``. ``tests/app/test_engine_facade.py`` holds the app to this list.
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ _PUBLIC = {
     "EngineWorker": "engine.runtime.worker",
     "RemoteWorker": "engine.distributed.remote",
     "can_split": "engine.models.split",
-    "discover_models": "engine.models.discovery",
+    "DEMO": "engine.models",
+    **{name: "engine.models.discovery" for name in (
+        "discover_models", "DiscoveredModel", "Discovery", "SkippedModel")},
     "inspect_model_dir": "engine.models.info",
     "download_model": "engine.models.download",
     "DownloadProgress": "engine.models.download_transfer",
@@ -44,33 +54,65 @@ _PUBLIC = {
     "RecommendedModel": "engine.models.catalog",
     "ModeCost": "engine.memory.model_costs",
     "full_context_costs": "engine.memory.model_costs",
-    "read_document": "engine.documents.reader",
+    **{name: "engine.documents.reader" for name in ("read_document", "file_patterns")},
     "SamplingParams": "engine.session.sampling",
-    **{name: "engine.cache.modes" for name in ("MODES", "DEFAULT_MODE", "KvMode", "parse_mode")},
+    **{name: "engine.cache.modes" for name in (
+        "MODES", "DEFAULT_MODE", "REFERENCE", "KvMode", "parse_mode")},
     "Worker": "engine.runtime.interface",
     "data_dir": "engine.paths",
     "private_file": "engine.paths",
     "private_dir": "engine.paths",
-    "SnapshotStore": "engine.snapshots.store",
-    "default_budget": "engine.snapshots.store",
+    "SnapshotStore": "engine.snapshots.snapshot_store",
+    "default_budget": "engine.snapshots.snapshot_store",
     "snapshot_info": "engine.snapshots.manifest",
     "snapshots_dir": "engine.paths",
+    "fits_here": "engine.distributed.fallback",
+    "read_hostfile": "engine.distributed.launch",
+    **{name: "engine.distributed.hosts" for name in ("check_hosts", "HostCheck")},
+    "ChunkTiming": "engine.memory.prefill_rate",
+    "PrefillRate": "engine.memory.prefill_rate",
+    "FitReport": "engine.memory.fit",
+    "system_readings": "engine.memory.stats",
+    "generation_defaults": "engine.models.generation_defaults",
+    "HubUnreachable": "engine.models.download_plan",
+    "API_SESSION_PREFIX": "engine.runtime.held_sessions",
+    "TurnOverhead": "engine.session.prompt_ids",
+    "SnapshotInfo": "engine.snapshots.manifest",
+    "MAX_DEFAULT_BUDGET": "engine.snapshots.snapshot_store",
+    "human_bytes": "engine.format",
+    "host_names": "engine.server.app",
+    "ApiSession": "engine.server.inprocess",
+    "LocalServer": "engine.server.inprocess",
+    "ServerStatus": "engine.server.inprocess",
+    "ServerUnavailable": "engine.server.inprocess",
     **{name: "engine.events" for name in (
         "Event", "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv",
-        "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost", "RankShare")},
+        "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost", "RankShare",
+        "renumbered", "request_id_of")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
         "MemoryPressure", "DiskFault")},
 }
 
+# Modules the app uses as a whole: their names are short only inside them.
+_MODULES = {"disk": "engine.disk", "prefill_rate": "engine.memory.prefill_rate"}
+
 __all__ = [
+    "API_SESSION_PREFIX",
     "DEFAULT_MODE",
+    "DEMO",
+    "MAX_DEFAULT_BUDGET",
     "MODES",
     "RECOMMENDED_MODELS",
+    "REFERENCE",
+    "ApiSession",
     "Cancelled",
+    "ChunkTiming",
     "ContextTooLong",
+    "DiscoveredModel",
+    "Discovery",
     "DiskFault",
     "DocumentError",
     "DocumentTooLong",
@@ -80,18 +122,23 @@ __all__ = [
     "Event",
     "Failed",
     "Finished",
+    "FitReport",
     "GenerationStats",
+    "HostCheck",
+    "HubUnreachable",
     "IngestProgress",
     "InsufficientMemory",
     "KvBudgetExceeded",
     "KvMode",
     "LayerPages",
+    "LocalServer",
     "MemoryPressure",
     "ModeCost",
     "ModelLoadError",
     "ModelLoaded",
     "Notice",
     "PipelineLost",
+    "PrefillRate",
     "QualityChecked",
     "QualityProgress",
     "QualityReceipt",
@@ -99,30 +146,51 @@ __all__ = [
     "RecommendedModel",
     "RemoteWorker",
     "SamplingParams",
+    "ServerStatus",
+    "ServerUnavailable",
     "SessionOpened",
+    "SkippedModel",
+    "SnapshotInfo",
     "SnapshotStore",
     "StatsSample",
     "StoredKv",
     "TokenChunk",
+    "TurnOverhead",
     "UnsupportedModeError",
     "Worker",
     "can_split",
+    "check_hosts",
     "data_dir",
     "default_budget",
     "discover_models",
+    "disk",
     "download_model",
+    "file_patterns",
+    "fits_here",
     "full_context_costs",
+    "generation_defaults",
+    "host_names",
+    "human_bytes",
     "inspect_model_dir",
     "parse_mode",
+    "prefill_rate",
     "private_dir",
     "private_file",
     "read_document",
+    "read_hostfile",
+    "renumbered",
+    "request_id_of",
     "snapshot_info",
     "snapshots_dir",
+    "system_readings",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
@@ -132,9 +200,13 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
+    from engine import disk
+    from engine.cache.modes import DEFAULT_MODE, MODES, REFERENCE, KvMode, parse_mode
+    from engine.distributed.fallback import fits_here
+    from engine.distributed.hosts import HostCheck, check_hosts
+    from engine.distributed.launch import read_hostfile
     from engine.distributed.remote import RemoteWorker
-    from engine.documents.reader import read_document
+    from engine.documents.reader import file_patterns, read_document
     from engine.errors import (
         Cancelled,
         ContextTooLong,
@@ -166,17 +238,31 @@ if TYPE_CHECKING:
         StatsSample,
         StoredKv,
         TokenChunk,
+        renumbered,
+        request_id_of,
     )
+    from engine.format import human_bytes
+    from engine.memory import prefill_rate
+    from engine.memory.fit import FitReport
     from engine.memory.model_costs import ModeCost, full_context_costs
+    from engine.memory.prefill_rate import ChunkTiming, PrefillRate
+    from engine.memory.stats import system_readings
+    from engine.models import DEMO
     from engine.models.catalog import RECOMMENDED_MODELS, RecommendedModel
-    from engine.models.discovery import discover_models
+    from engine.models.discovery import DiscoveredModel, Discovery, SkippedModel, discover_models
     from engine.models.download import download_model
+    from engine.models.download_plan import HubUnreachable
     from engine.models.download_transfer import DownloadProgress
+    from engine.models.generation_defaults import generation_defaults
     from engine.models.info import inspect_model_dir
     from engine.models.split import can_split
     from engine.paths import data_dir, private_dir, private_file, snapshots_dir
+    from engine.runtime.held_sessions import API_SESSION_PREFIX
     from engine.runtime.interface import Worker
     from engine.runtime.worker import EngineWorker
+    from engine.server.app import host_names
+    from engine.server.inprocess import ApiSession, LocalServer, ServerStatus, ServerUnavailable
+    from engine.session.prompt_ids import TurnOverhead
     from engine.session.sampling import SamplingParams
-    from engine.snapshots.manifest import snapshot_info
-    from engine.snapshots.store import SnapshotStore, default_budget
+    from engine.snapshots.manifest import SnapshotInfo, snapshot_info
+    from engine.snapshots.snapshot_store import MAX_DEFAULT_BUDGET, SnapshotStore, default_budget

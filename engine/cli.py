@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.cache import kvquant
-from engine.cache.modes import DEFAULT_MODE, FP16, MODES, KvMode, parse_mode
+from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
 from engine.distributed.launch import join_group, launch, rank_report_dir, write_rank_report
 from engine.errors import EngineError, UnsupportedModeError
 from engine.events import Event, Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
@@ -28,7 +28,7 @@ from engine.runtime.worker import EngineWorker
 from engine.session import speculative
 from engine.session.sampling import SamplingParams
 from engine.snapshots.files import check_name
-from engine.snapshots.store import SnapshotStore, default_snapshot_dir
+from engine.snapshots.snapshot_store import SnapshotStore, default_snapshot_dir
 
 SESSION = "cli"
 SESSION_PREFIX = "cli-"
@@ -112,7 +112,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         write_rank_report(report_dir, group.rank(),
                           {"rank_stats": follow(args.model, group, snapshots, args.split)})
         return 0
-    from engine.distributed.commands import Pipeline
+    from engine.distributed.rank_commands import Pipeline
 
     result, collector = _run(args, None, pipeline=Pipeline(group, args.split))
     write_rank_report(report_dir, group.rank(), {
@@ -285,7 +285,7 @@ def _size(nbytes: int) -> str:
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
     from engine.server.app import cors_origins, host_names
-    from engine.server.bridge import EngineBridge
+    from engine.server.bridge import ServerBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -306,13 +306,13 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     if args.pipeline > 1 or args.hostfile is not None:
         from engine.server.pipeline import PipelineBridge
 
-        bridge: EngineBridge = PipelineBridge(
+        bridge: ServerBridge = PipelineBridge(
             args.model, args.kv, server_snapshot_dir(), ranks=args.pipeline,
             hostfile=args.hostfile, split=args.split, **options)
         where = (f" over {bridge.machines} machines ({args.hostfile})" if args.hostfile
                  else f" over {bridge.machines} local ranks")
     else:
-        bridge = EngineBridge(args.model, args.kv, server_snapshot_dir(), **options)
+        bridge = ServerBridge(args.model, args.kv, server_snapshot_dir(), **options)
     out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()
@@ -356,8 +356,11 @@ def _kv_mode(text: str) -> KvMode:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _kv_help(default: KvMode) -> str:
-    return f"KV mode: {', '.join(MODES)} (default {default})"
+def _add_kv_option(command: argparse.ArgumentParser, purpose: str = "") -> None:
+    """``--kv`` for ``command``: every subcommand takes the registry's names and
+    aliases and defaults to its default mode, as the app does."""
+    command.add_argument("--kv", type=_kv_mode, default=DEFAULT_MODE,
+                         help=f"KV mode: {', '.join(MODES)} (default {DEFAULT_MODE}){purpose}")
 
 
 def _session_name(text: str) -> str:
@@ -376,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="answer one prompt")
     gen.add_argument("--model", required=True, help='a model folder, or "demo"')
-    gen.add_argument("--kv", type=_kv_mode, default=FP16, help=_kv_help(FP16))
+    _add_kv_option(gen)
     gen.add_argument("--page-size", type=int, default=256)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt")
@@ -414,8 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default="127.0.0.1",
                      help="address to bind (default: this machine only)")
     api.add_argument("--port", type=int, default=1234)
-    api.add_argument("--kv", type=_kv_mode, default=DEFAULT_MODE,
-                     help=f"{_kv_help(DEFAULT_MODE)}, for requests that ask for none")
+    _add_kv_option(api, ", for requests that ask for none")
     api.add_argument("--api-key", default=None, help="require this key on every request")
     api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
     api.add_argument("--queue-limit", type=int, default=16,

@@ -46,6 +46,18 @@ def missing_files(dist: Path) -> list[str]:
     return [name for name in required if name not in files]
 
 
+def bundled_modules(dist: Path) -> list[str]:
+    """Every Python module the bundle's archive holds, by dotted name."""
+    from PyInstaller.archive.readers import pkg_archive_contents
+
+    return pkg_archive_contents(str(executable(dist)))
+
+
+def stray_modules(modules: list[str]) -> list[str]:
+    """The modules of the checkout's non-product packages (benchmarks, tests) among ``modules``."""
+    return [name for name in modules if name.split(".")[0] in config.NOT_SHIPPED]
+
+
 def build(dist: Path, work: Path, *, clean: bool = False) -> Path:
     """Run PyInstaller; returns the bundle's executable."""
     icns = work / f"{config.APP_NAME}.icns"
@@ -64,6 +76,9 @@ def build(dist: Path, work: Path, *, clean: bool = False) -> Path:
     missing = missing_files(dist)
     if missing:
         raise SystemExit(f"The bundle is broken, it lacks: {', '.join(missing)}")
+    stray = stray_modules(bundled_modules(dist))
+    if stray:
+        raise SystemExit(f"The bundle holds modules that do not ship: {', '.join(stray)}")
     return executable(dist)
 
 

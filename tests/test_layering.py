@@ -83,7 +83,7 @@ def layer_offenders(folder: Path, allowed: tuple[str, ...]) -> dict[str, list[st
 
 # Each package of the engine and what it may import of the rest: the cache at the
 # bottom, then models and memory accounting, sessions, snapshots, the runtime;
-# front ends (cli, server, bench) on top, imported by nothing below them.
+# front ends (cli, server) on top, imported by nothing below them.
 BASE = ("engine.errors", "engine.disk", "engine.events", "engine.format", "engine.paths")
 LAYERS: dict[str, tuple[str, ...]] = {
     "cache": ("engine.cache", "engine.errors"),
@@ -106,7 +106,7 @@ def test_each_layer_imports_only_what_sits_below_it(layer: str) -> None:
 
 def test_every_engine_package_has_a_layer_rule() -> None:
     """A new package must say where it sits (front ends and the API aside)."""
-    front_ends = {"bench", "server", "distributed"}
+    front_ends = {"server", "distributed"}
     packages = {p.name for p in ENGINE.iterdir() if (p / "__init__.py").exists()}
     assert packages - front_ends - set(LAYERS) == set()
 

@@ -1,7 +1,7 @@
 """The linter and the type checker are part of the test command: a finding fails it.
 
 Both run as the README's test command installs them (the test extra pins mypy),
-with their settings in pyproject.toml: ruff over app, engine and tests, mypy
+with their settings in pyproject.toml: ruff over app, engine, benchmarks and tests, mypy
 over the files ``[tool.mypy]`` names at the strictness stated there.
 """
 
@@ -22,7 +22,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_finds_nothing() -> None:
-    result = _run("ruff", "check", "app", "engine", "tests")
+    result = _run("ruff", "check", "app", "engine", "benchmarks", "tests")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -22,7 +22,16 @@ from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
-from engine import DiskFault, Event, Failed, Finished, IngestProgress, SamplingParams, TokenChunk
+from engine import (
+    DiskFault,
+    Event,
+    Failed,
+    Finished,
+    GenerationStats,
+    IngestProgress,
+    SamplingParams,
+    TokenChunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +278,7 @@ def merged_stats(earlier: dict | None, later: dict | None) -> dict | None:
     return merged
 
 
-def _stats_dict(stats) -> dict | None:
+def _stats_dict(stats: GenerationStats | None) -> dict | None:
     if stats is None:
         return None
     return {

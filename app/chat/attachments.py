@@ -12,13 +12,14 @@ import bisect
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from PySide6.QtCore import QObject, Signal
 
 from app.background import Background
 from app.format import human_bytes
 from app.store import AttachmentRecord
-from engine import DocumentTooLong, EngineError, read_document
+from engine import DocumentTooLong, EngineError, file_patterns, read_document
 
 CHARS_PER_TOKEN_BOUND = 8  # no tokenizer packs more characters into one token
 # Text read to count a file that is too long, so the refusal says its tokens and
@@ -28,6 +29,11 @@ READ_CAP_CHARS = 4 * 1024 * 1024
 # a chip, a read and a draft entry for each (thousands), and no model's context
 # holds that many documents worth reading anyway.
 MAX_FILES = 20
+
+
+def attach_filter() -> str:
+    """The attach dialog's name filter: every file the reader reads, then all files."""
+    return f"Documents ({' '.join(file_patterns())});;All files (*)"
 
 
 def _files(count: int) -> str:
@@ -88,7 +94,7 @@ def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) 
 
 
 def read_attachment(path: str, max_tokens: int, token_ends: Callable[[str], Sequence[int]]
-                    ) -> tuple[AttachmentRecord | TooLong | None, object]:
+                    ) -> tuple[AttachmentRecord | TooLong | None, str | tuple[str, ...]]:
     """Read and count one file (on a pool thread): the record or what is too long, and notes.
 
     A file too long even to count comes back as (None, the refusal).
@@ -169,12 +175,14 @@ class DocumentLoader(QObject):
 
     def _finish(self, job_id: int, outcome: object) -> None:
         self.pending.discard(job_id)
+        detail: str | tuple[str, ...]
         if isinstance(outcome, EngineError):
             record, detail = None, str(outcome)
         elif isinstance(outcome, BaseException):  # a bug, logged: the user still hears of it
             record, detail = None, f"Couldn't read the file: {outcome}"
-        else:
-            record, detail = outcome
+        else:  # what read_attachment returned
+            record, detail = cast("tuple[AttachmentRecord | TooLong | None, str | tuple[str, ...]]",
+                                  outcome)
         if record is None:
             self.failed.emit(job_id, str(detail))
         elif isinstance(record, TooLong):

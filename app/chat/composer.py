@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import QMimeData, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import QMimeData, QSize, Qt, QTimer, Signal, SignalInstance
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QFrame,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 )
 from superqt import QFlowLayout
 
+from app.chat.attachments import DocumentLoader
 from app.format import human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sentence
 from app.store import AttachmentRecord
@@ -44,8 +45,8 @@ class MessageEdit(QPlainTextEdit):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        # Pastes longer than this are refused before Qt lays them out (a million
-        # characters take ~0.5 s there); None: no limit (no model loaded).
+        # Pastes longer than this are refused before Qt lays them out (laying out a
+        # paste no context holds would stall the window); None: no limit (no model loaded).
         self.max_paste_chars: int | None = None
         self.setPlaceholderText("Message Longleaf…  (Enter to send, Shift+Enter for a new line)")
         self.setTabChangesFocus(True)
@@ -72,7 +73,7 @@ class MessageEdit(QPlainTextEdit):
         else:
             super().insertFromMimeData(source)
 
-    def _grow(self, *_args) -> None:
+    def _grow(self, *_args: object) -> None:
         line = self.fontMetrics().lineSpacing()
         lines = min(10, max(2, int(self.document().size().height())))
         self.setFixedHeight(lines * line + 18)
@@ -208,13 +209,13 @@ class Composer(QWidget):
         if self._offer_job is not None:
             self._answer_offer(self.partDeclined)
 
-    def _answer_offer(self, signal) -> None:
+    def _answer_offer(self, signal: SignalInstance) -> None:
         job_id, self._offer_job = self._offer_job, None
         self.offer_box.hide()
         if job_id is not None:
             signal.emit(job_id)
 
-    def offer_parts_from(self, loader) -> None:
+    def offer_parts_from(self, loader: DocumentLoader) -> None:
         """Offer the fitting part of each too-long file ``loader`` (a DocumentLoader) reads."""
         loader.tooLong.connect(lambda job, text, part: self.offer_part(job, text, part.tokens))
         self.partAccepted.connect(loader.accept_part)

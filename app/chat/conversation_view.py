@@ -6,7 +6,9 @@ re-renders; earlier messages are left alone.
 
 from __future__ import annotations
 
-from PySide6.QtCore import QModelIndex, Qt, QTimer, Signal
+from collections.abc import Sequence
+
+from PySide6.QtCore import QModelIndex, Qt, QTimer, Signal, SignalInstance
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
@@ -159,7 +161,7 @@ class MessageWidget(QFrame):
             footer.addWidget(button)
         outer.addLayout(footer)
 
-    def _action(self, text: str, signal) -> QToolButton:
+    def _action(self, text: str, signal: SignalInstance) -> QToolButton:
         button = QToolButton(self)
         button.setText(text)
         button.setAutoRaise(True)
@@ -318,7 +320,7 @@ class ConversationView(QScrollArea):
         self._on_inserted(QModelIndex(), 0, self.model.rowCount() - 1)
         self._follow = True
 
-    def _on_inserted(self, _parent, first: int, last: int) -> None:
+    def _on_inserted(self, _parent: QModelIndex, first: int, last: int) -> None:
         for row in range(first, last + 1):
             widget = self._make(row)
             self.widgets.insert(row, widget)
@@ -326,12 +328,13 @@ class ConversationView(QScrollArea):
             self._render(row)
         self._after_change()
 
-    def _on_removed(self, _parent, first: int, last: int) -> None:
+    def _on_removed(self, _parent: QModelIndex, first: int, last: int) -> None:
         self._drop(self.widgets[first:last + 1])
         del self.widgets[first:last + 1]
         self._after_change()
 
-    def _on_changed(self, top: QModelIndex, bottom: QModelIndex, _roles=()) -> None:
+    def _on_changed(self, top: QModelIndex, bottom: QModelIndex,
+                    _roles: Sequence[int] = ()) -> None:
         for row in range(top.row(), bottom.row() + 1):
             if 0 <= row < len(self.widgets):
                 self._render(row)

@@ -19,7 +19,9 @@ import logging
 from PySide6.QtCore import QObject, QTimer
 
 from app.chat.attachments import MAX_FILES, restored_left_out
-from app.store import AttachmentRecord
+from app.chat.composer import Composer
+from app.controller import ChatController
+from app.store import AttachmentRecord, SessionRecord
 from engine import DiskFault
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ class Drafts(QObject):
     (changed in place); the window calls ``save_now`` when it changes.
     """
 
-    def __init__(self, controller, composer, attachments: dict[int, AttachmentRecord],
+    def __init__(self, controller: ChatController, composer: Composer,
+                 attachments: dict[int, AttachmentRecord],
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.store, self.composer, self.attachments = controller.store, composer, attachments
@@ -107,7 +110,7 @@ class Drafts(QObject):
         else:
             self._timer.start()
 
-    def _switched(self, record) -> None:
+    def _switched(self, record: SessionRecord | None) -> None:
         new_id = record.id if record is not None else None
         if new_id == self.session_id:  # renamed, or its count changed: the same chat
             return

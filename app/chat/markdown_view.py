@@ -17,17 +17,19 @@ from __future__ import annotations
 import re
 from functools import cache
 
+from pygments.lexer import Lexer
 from pygments.lexers import get_lexer_by_name, guess_lexer
 from pygments.styles import get_style_by_name
 from pygments.token import Token, _TokenType
 from pygments.util import ClassNotFound
-from PySide6.QtCore import QSize, Qt
+from PySide6.QtCore import QSize, QSizeF, Qt
 from PySide6.QtGui import (
     QColor,
     QFont,
     QFontDatabase,
     QPalette,
     QSyntaxHighlighter,
+    QTextBlock,
     QTextBlockFormat,
     QTextCharFormat,
     QTextCursor,
@@ -92,17 +94,19 @@ def _formats(style_name: str) -> dict[_TokenType, QTextCharFormat]:
 
 
 @cache
-def _lexer(language: str):
+def _lexer(language: str) -> Lexer | None:
     try:
         return get_lexer_by_name(language, stripnl=False, ensurenl=False)
     except ClassNotFound:
         return None
 
 
-def _format_for(formats: dict[_TokenType, QTextCharFormat], token: _TokenType):
-    while token is not Token and token not in formats:
-        token = token.parent
-    return formats.get(token)
+def _format_for(formats: dict[_TokenType, QTextCharFormat],
+                token: _TokenType) -> QTextCharFormat | None:
+    kind: _TokenType | None = token
+    while kind is not None and kind is not Token and kind not in formats:
+        kind = kind.parent
+    return formats.get(kind) if kind is not None else None
 
 
 class CodeHighlighter(QSyntaxHighlighter):
@@ -219,7 +223,7 @@ class MarkdownView(QTextBrowser):
         self._markdown, self._cut, self._tail_at = text, 0, None
         self.document().setPlainText(text)
 
-    def _shade_code_blocks(self, block) -> None:
+    def _shade_code_blocks(self, block: QTextBlock) -> None:
         """Shade the fenced code blocks from ``block`` to the end."""
         mono = QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
         shade = self.palette().color(QPalette.ColorRole.AlternateBase)
@@ -240,7 +244,7 @@ class MarkdownView(QTextBrowser):
                 cursor.mergeCharFormat(char)
             block = block.next()
 
-    def _fit_height(self, size) -> None:
+    def _fit_height(self, size: QSizeF) -> None:
         height = int(size.height()) + 4
         if self.height() != height:
             self.setFixedHeight(height)

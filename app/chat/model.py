@@ -7,9 +7,11 @@ the last row only, so a fast model never floods the view with repaints.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from PySide6.QtCore import (
     QAbstractListModel,
+    QByteArray,
     QModelIndex,
     QObject,
     QPersistentModelIndex,
@@ -78,7 +80,7 @@ class ChatModel(QAbstractListModel):
     def rowCount(self, parent: _Index = QModelIndex()) -> int:  # noqa: B008
         return 0 if parent.isValid() else len(self._rows)
 
-    def data(self, index: _Index, role: int = Qt.ItemDataRole.DisplayRole):
+    def data(self, index: _Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if not index.isValid() or not 0 <= index.row() < len(self._rows):
             return None
         row = self._rows[index.row()]
@@ -92,12 +94,13 @@ class ChatModel(QAbstractListModel):
             ReasonRole: row.reason,
         }.get(role)
 
-    def roleNames(self) -> dict[int, bytes]:
-        return {
+    def roleNames(self) -> dict[int, QByteArray]:
+        names = {
             Qt.ItemDataRole.DisplayRole: b"content", RoleRole: b"role", StatusRole: b"status",
             StatsRole: b"stats", AttachmentsRole: b"attachments", MessageIdRole: b"messageId",
             ReasonRole: b"reason",
         }
+        return {role: QByteArray(name) for role, name in names.items()}
 
     # Conversation API -----------------------------------------------------
 
@@ -164,12 +167,12 @@ class ChatModel(QAbstractListModel):
         self.dataChanged.emit(index, index, [Qt.ItemDataRole.DisplayRole])
         self.streamFlushed.emit(last.content)
 
-    def update_last(self, **changes) -> None:
+    def update_last(self, **changes: object) -> None:
         """Set fields (status, reason, stats, message_id, content) of the last row."""
         if self._rows:
             self.update_row(len(self._rows) - 1, **changes)
 
-    def update_row(self, row: int, **changes) -> None:
+    def update_row(self, row: int, **changes: object) -> None:
         """Set fields (status, reason, stats, message_id, content) of one row."""
         self.flush()
         if not 0 <= row < len(self._rows):

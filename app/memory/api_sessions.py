@@ -11,11 +11,10 @@ from __future__ import annotations
 from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
+from app.controller import ChatController
 from app.format import human_bytes
 from app.memory.labels import section_heading, value_label
-from engine import StatsSample
-from engine.cache.modes import KvMode
-from engine.runtime.held_sessions import API_SESSION_PREFIX
+from engine import API_SESSION_PREFIX, KvMode, StatsSample
 
 NONE_YET = "None yet: the first request opens one."
 
@@ -59,7 +58,7 @@ class ApiSessionsFeed(QObject):
         section: the section it fills.
     """
 
-    def __init__(self, controller, section: ApiSessionsSection,
+    def __init__(self, controller: ChatController, section: ApiSessionsSection,
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.controller, self.section = controller, section

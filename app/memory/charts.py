@@ -6,7 +6,15 @@ import math
 from collections import deque
 
 from PySide6.QtCore import QPointF, QRectF, QSize, Qt
-from PySide6.QtGui import QColor, QPainter, QPalette, QPen, QPolygonF
+from PySide6.QtGui import (
+    QColor,
+    QPainter,
+    QPaintEvent,
+    QPalette,
+    QPen,
+    QPolygonF,
+    QResizeEvent,
+)
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
 from app.format import human_bytes
@@ -47,7 +55,7 @@ class PagePoolView(QWidget):
         if height != self.height():
             self.setFixedHeight(height)
 
-    def resizeEvent(self, event) -> None:
+    def resizeEvent(self, event: QResizeEvent) -> None:
         super().resizeEvent(event)
         self._fit_height()
 
@@ -68,7 +76,7 @@ class PagePoolView(QWidget):
     def heightForWidth(self, width: int) -> int:
         return self.sizeHint().height()
 
-    def paintEvent(self, _event) -> None:
+    def paintEvent(self, _event: QPaintEvent) -> None:
         # A few batched draw calls, not several per cell: this repaints at 4 Hz
         # while the engine thread competes for the GIL.
         painter = QPainter(self)
@@ -147,8 +155,8 @@ class HistoryChart(QWidget):
                 self._kept.pop(next(iter(self._kept)))
         self.session_id = session_id
         capacity = self.kv.maxlen
-        self.kv, self.rss = self._kept.pop(session_id, (deque(maxlen=capacity),
-                                                       deque(maxlen=capacity)))
+        fresh: tuple[deque[int], deque[int]] = (deque(maxlen=capacity), deque(maxlen=capacity))
+        self.kv, self.rss = self._kept.pop(session_id, fresh) if session_id is not None else fresh
         self.update()
 
     def _line(self, values: deque[int], top: float, rect: QRectF) -> QPolygonF:
@@ -159,7 +167,7 @@ class HistoryChart(QWidget):
         return QPolygonF([QPointF(start + i * step, rect.bottom() - rect.height() * v / top)
                           for i, v in enumerate(values)])
 
-    def paintEvent(self, _event) -> None:
+    def paintEvent(self, _event: QPaintEvent) -> None:
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         palette = self.palette()

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from PySide6.QtCore import QObject, QTimer
 
 from app.chat.answers import MEMORY_STOP
+from app.chat.composer import Composer
 from app.chat.model import ChatMessage, engine_content
 from app.chat.recorder import LENGTH_LIMIT
+from app.controller import ChatController
 from app.format import human_bytes, human_duration
 from app.store import AttachmentRecord
-from engine import EngineError
-from engine.cache.modes import MODES, KvMode
-from engine.memory.prefill_rate import PrefillRate
+from engine import MODES, EngineError, FitReport, KvMode, PrefillRate
 
 DEBOUNCE_MS = 250
 COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
@@ -54,13 +54,15 @@ def wait_sentence(new: int, reused: int, rate: PrefillRate | None) -> str:
 class FitChecker(QObject):
     """Recomputes the fit line when the composer, session or model changes."""
 
-    def __init__(self, controller, composer, parent: QObject | None = None) -> None:
+    def __init__(self, controller: ChatController, composer: Composer,
+                 attachments: dict[int, AttachmentRecord], parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.controller, self.composer = controller, composer
-        self.last_report = None
+        # ``attachments``: the window's dict of the composer's files (changed in place).
+        self.controller, self.composer, self.attachments = controller, composer, attachments
+        self.last_report: FitReport | None = None
         self.last_total = 0
         self.last_prompt_tokens = 0
-        self._full: tuple | None = None
+        self._full: tuple[tuple[object, ...], float, FitReport | None] | None = None
         self._documents: tuple[tuple, int] | None = None  # (the files, their blocks' tokens)
         self._timer = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._timer.timeout.connect(self.run)
@@ -70,7 +72,7 @@ class FitChecker(QObject):
         """Recompute shortly (typing is debounced)."""
         self._timer.start()
 
-    def report_for(self, tokens: int):
+    def report_for(self, tokens: int) -> FitReport | None:
         """The worker's ``FitReport`` for ``tokens``, or None without a model."""
         if not self.controller.model_ready:
             return None
@@ -86,7 +88,7 @@ class FitChecker(QObject):
         report = self.full_context_report()
         return report.max_context if report is not None else None
 
-    def full_context_report(self):
+    def full_context_report(self) -> FitReport | None:
         """The ``FitReport`` at the model's full context (refreshed every few seconds)."""
         key = (self.controller.model_id, self.controller.model_ready,
                self.controller.current.id if self.controller.current else None)
@@ -120,7 +122,7 @@ class FitChecker(QObject):
         max_context = self.max_context()
         if not max_context:
             return None
-        records = (*self.parent().attachments.values(), _empty_file(name))
+        records = (*self.attachments.values(), _empty_file(name))
         around, _estimated = self.prompt_tokens(records)
         used = self.context_tokens() + around + BLOCK_SLACK + self.answer_reserve()
         return max(1, max_context - used)
@@ -155,7 +157,7 @@ class FitChecker(QObject):
         ``records`` stand in for the composer's attachments.
         """
         if records is None:
-            records = tuple(self.parent().attachments.values())
+            records = tuple(self.attachments.values())
         text = self.composer.text()
         if not text and not records:
             return 0, False
@@ -174,7 +176,7 @@ class FitChecker(QObject):
     def _formatting(self, prompt: int) -> int:
         """Of ``prompt``, the tokens that are neither the files' nor the typed text's own:
         the chat template's around the message and the files' document markers."""
-        own = sum(r.tokens for r in self.parent().attachments.values())
+        own = sum(r.tokens for r in self.attachments.values())
         text = self.composer.text()
         try:
             own += self.controller.bridge.count_tokens(text) if text else 0
@@ -190,8 +192,9 @@ class FitChecker(QObject):
         last = model.message(model.rowCount() - 1)
         if last.role != "assistant":
             return "cancelled"  # no answer to end: the cache holds the chat as it is
-        return {LENGTH_LIMIT: "length", MEMORY_STOP: "memory"}.get(
-            last.reason, "cancelled" if last.status == "stopped" else "stop")
+        endings = {LENGTH_LIMIT: "length", MEMORY_STOP: "memory"}
+        ending = endings.get(last.reason) if last.reason is not None else None
+        return ending or ("cancelled" if last.status == "stopped" else "stop")
 
     def _documents_tokens(self, records: tuple) -> int:
         """Tokens of the attachments' document blocks, counted once per set of files."""
@@ -214,7 +217,7 @@ class FitChecker(QObject):
         self.last_report, self.last_total, self.last_prompt_tokens = report, total, prompt
         current = self.controller.current
         mode = current.kv_mode if current else self.controller.settings.default_mode
-        attached = bool(self.parent().attachments)
+        attached = bool(self.attachments)
         quiet = prompt < SHOW_ABOVE_TOKENS and not attached and report is not None and (
             report.for_mode(mode).fits)
         if report is None or quiet:
@@ -278,7 +281,7 @@ class TokenParts:
         return " + ".join(parts)
 
 
-def fit_html(report, mode: KvMode, total: int, estimated: bool = False,
+def fit_html(report: FitReport, mode: KvMode, total: int, estimated: bool = False,
              answer_room: int | None = None,
              parts: TokenParts | None = None) -> tuple[str, bool]:
     """The fit line as rich text, and whether the turn fits in ``mode``.
@@ -315,7 +318,7 @@ def fit_html(report, mode: KvMode, total: int, estimated: bool = False,
     return f"⚠ {head}<br><b>{why}</b>", False
 
 
-def pool_sentence(report, mode: KvMode) -> str:
+def pool_sentence(report: FitReport, mode: KvMode) -> str:
     """"On 2 machines: 12,288 tokens fit in q8 · mac2 is the tight one", or ""
     on one machine."""
     ranks = getattr(report, "ranks", ())
@@ -330,7 +333,8 @@ def pool_sentence(report, mode: KvMode) -> str:
     return text
 
 
-def wont_fit_sentence(report, mode: KvMode, total: int, answer_room: int | None = None) -> str:
+def wont_fit_sentence(report: FitReport, mode: KvMode, total: int,
+                      answer_room: int | None = None) -> str:
     """Plain words: why the turn won't fit in ``mode`` and which mode would.
 
     Past the context, a message that still fits leaves the answer less room

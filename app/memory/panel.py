@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 from types import SimpleNamespace
+from typing import Protocol
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QBrush, QColor, QFont
@@ -34,8 +35,7 @@ from app.memory.labels import section_heading, value_label
 from app.memory.quality import advice, receipt_details, receipt_line, receipt_summary
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
-from engine import RankShare, StatsSample
-from engine.cache.modes import DEFAULT_MODE, MODES, REFERENCE, KvMode
+from engine import DEFAULT_MODE, MODES, REFERENCE, FitReport, KvMode, RankShare, StatsSample
 
 RAM_WARNING_PERCENT = 80.0
 RAM_CRITICAL_PERCENT = 92.0
@@ -54,7 +54,23 @@ MACHINES_TIP = ("The model is split across these machines: each runs its layers 
 NOT_MEASURED = "Not measured for this chat yet."
 
 
-def ram_level(sample: StatsSample) -> str:
+class SystemMemory(Protocol):
+    """The computer's memory readings: a ``StatsSample``'s, or ``system_readings``'."""
+
+    @property
+    def system_total_bytes(self) -> int: ...
+
+    @property
+    def system_available_bytes(self) -> int: ...
+
+    @property
+    def system_used_percent(self) -> float: ...
+
+    @property
+    def pressure_level(self) -> str | None: ...
+
+
+def ram_level(sample: SystemMemory) -> str:
     """"normal", "warning" or "critical" from used % and the OS pressure level."""
     pressure = (sample.pressure_level or "").lower()
     if pressure == "critical" or sample.system_used_percent >= RAM_CRITICAL_PERCENT:
@@ -142,7 +158,9 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(self.session_label)
 
         layout.addWidget(section_heading("Memory this chat uses"))
-        self.kv_bar = QProgressBar(textVisible=False, maximumHeight=8)
+        self.kv_bar = QProgressBar()
+        self.kv_bar.setTextVisible(False)
+        self.kv_bar.setMaximumHeight(8)
         self.kv_label = value_label()
         self.kv_label.setToolTip(KV_TIP)
         self.kv_total_label = value_label()
@@ -150,7 +168,9 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(self.kv_total_label)
 
         layout.addWidget(section_heading("System memory"))
-        self.ram_bar = QProgressBar(textVisible=False, maximumHeight=8)
+        self.ram_bar = QProgressBar()
+        self.ram_bar.setTextVisible(False)
+        self.ram_bar.setMaximumHeight(8)
         self.ram_bar.setObjectName("ramGauge")
         self.ram_label = value_label()
         self.ram_label.setToolTip("Memory of the whole computer, used by every app; Longleaf "
@@ -178,7 +198,9 @@ class MemoryPanel(QScrollArea):
             "Tokens that fit in free memory in each mode (at most the model's context)",
             "Share of next tokens that match fp16, from this chat's quality check of each mode",
         )):
-            self.table.horizontalHeaderItem(column).setToolTip(tip)
+            header = self.table.horizontalHeaderItem(column)
+            if header is not None:  # set by setHorizontalHeaderLabels above
+                header.setToolTip(tip)
         self.table.setVerticalHeaderLabels(list(MODES))
         # Columns as wide as their widest cell, the bold row included: a stretched
         # column can be narrower than its text and cut it.
@@ -210,7 +232,9 @@ class MemoryPanel(QScrollArea):
         layout.addWidget(self.quality_button)
 
         # The engineering numbers, folded away until asked for.
-        self.details_button = QToolButton(text="Details", checkable=True)
+        self.details_button = QToolButton()
+        self.details_button.setText("Details")
+        self.details_button.setCheckable(True)
         self.details_button.setObjectName("detailsToggle")
         self.details_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.details_button.setArrowType(Qt.ArrowType.RightArrow)
@@ -354,7 +378,7 @@ class MemoryPanel(QScrollArea):
         shown whether or not the shown chat holds anything."""
         self._update_ram(SimpleNamespace(**readings))
 
-    def _update_ram(self, sample: StatsSample) -> None:
+    def _update_ram(self, sample: SystemMemory) -> None:
         level = ram_level(sample)
         self.ram_bar.setMaximum(1000)
         self.ram_bar.setValue(int(10 * sample.system_used_percent))
@@ -427,7 +451,8 @@ class MemoryPanel(QScrollArea):
             item.setBackground(QBrush(tint))
         return item
 
-    def update_projection(self, now_report, full_report) -> None:
+    def update_projection(self, now_report: FitReport | None,
+                          full_report: FitReport | None) -> None:
         """Fill the per-mode table from two ``FitReport``s (now and full context)."""
         if now_report is None or full_report is None:
             return
@@ -457,7 +482,7 @@ class MemoryPanel(QScrollArea):
         self.fits_label.setVisible(bool(self.fits_label.text()))
 
 
-def _fit_tokens(report, mode: KvMode) -> int:
+def _fit_tokens(report: FitReport, mode: KvMode) -> int:
     """Tokens free memory holds in ``mode``: this machine's, or on a pipeline the
     machines' together (their tightest)."""
     pool = report.pool_tokens(mode) if report.ranks else None

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from PySide6.QtCore import QObject, QTimer
 
+from app.controller import ChatController
 from app.format import visible_text
+from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
 from app.memory.stored_kv import StoredKvFeed
-from engine import StatsSample
-from engine.memory.stats import system_readings
+from engine import StatsSample, system_readings
 
 PROJECTION_EVERY = 8  # full-context projection refresh, in samples (free RAM drifts slowly)
 RAM_EVERY_MS = 2000  # the system memory gauge between samples
@@ -29,7 +30,8 @@ class PanelFeed(QObject):
         fit: the window's ``FitChecker`` (per-mode projections from the worker).
     """
 
-    def __init__(self, controller, panel: MemoryPanel, fit, parent: QObject | None = None) -> None:
+    def __init__(self, controller: ChatController, panel: MemoryPanel, fit: FitChecker,
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.controller, self.panel, self.fit = controller, panel, fit
         self._ticks = 0
@@ -41,8 +43,7 @@ class PanelFeed(QObject):
         # The chat's state sentence changes as its job starts, moves on and ends.
         controller.activityChanged.connect(self.refresh_state)
         controller.ingestProgress.connect(lambda _progress: self.refresh_state())
-        controller.bridge.storedKv.connect(
-            lambda _listing: controller.closed or self.refresh_state())
+        controller.bridge.storedKv.connect(self._listing_changed)
         # Samples come only while the engine works: the gauge reads the system itself.
         self._ram = QTimer(self, interval=RAM_EVERY_MS)
         self._ram.timeout.connect(lambda: self.show_system_memory(only_visible=True))
@@ -80,7 +81,11 @@ class PanelFeed(QObject):
                                self.controller.cache_state(session_id), session_id,
                                rotated=rotated)
 
-    def refresh_quality(self, *_args) -> None:
+    def _listing_changed(self, _listing: object) -> None:
+        if not self.controller.closed:  # the app quits: the history is closing
+            self.refresh_state()
+
+    def refresh_quality(self, *_args: object) -> None:
         """The shown chat's quality receipts, and whether "Check Quality" can run now."""
         current = self.controller.current
         self.panel.show_receipts(self.controller.receipts(current.id if current else None),

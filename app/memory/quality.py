@@ -16,14 +16,22 @@ from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.store import HistoryStore, SessionRecord
-from engine import Event, Failed, Finished, QualityChecked, QualityProgress, QualityReceipt
-from engine.cache.modes import MODES, REFERENCE
+from engine import (
+    MODES,
+    REFERENCE,
+    Event,
+    Failed,
+    Finished,
+    QualityChecked,
+    QualityProgress,
+    QualityReceipt,
+)
 
 KIND = "quality"  # the Activity kind while a check runs
 WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without importing MLX
 
 
-# Verdict bands on the mean KL to fp16 (nats), upper bounds; docs/benchmarks.md
+# Verdict bands on the mean KL to fp16 (nats), upper bounds; docs/benchmark-runs.md
 # ("Quality verdict bands") names the quality-bench rows behind each cut-off.
 VERDICTS = ((1e-3, "Indistinguishable from fp16"), (2e-2, "Minor differences from fp16"),
             (0.2, "Noticeable differences from fp16"))

@@ -23,10 +23,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.controller import ChatController
 from app.format import human_bytes, relative_time, visible_text
 from app.memory.labels import section_heading, value_label
-from engine import StoredKv
-from engine.runtime.held_sessions import API_SESSION_PREFIX
+from engine import API_SESSION_PREFIX, StoredKv
 
 # The chat's name gets the room: its tokens and mode are in the row's tooltip (and in
 # the chat's own state sentence), so a narrow panel does not cut names to a few letters.
@@ -54,7 +54,10 @@ class StoredKvSection(QWidget):
         layout.addWidget(section_heading("Stored KV"))
         self.summary = value_label("Nothing stored yet")
         layout.addWidget(self.summary)
-        self.bar = QProgressBar(textVisible=False, maximumHeight=8, maximum=1000)
+        self.bar = QProgressBar()
+        self.bar.setTextVisible(False)
+        self.bar.setMaximumHeight(8)
+        self.bar.setMaximum(1000)
         layout.addWidget(self.bar)
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setObjectName("storedKvTable")
@@ -174,7 +177,7 @@ class StoredKvFeed(QObject):
         section: the section it fills.
     """
 
-    def __init__(self, controller, section: StoredKvSection,
+    def __init__(self, controller: ChatController, section: StoredKvSection,
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.controller, self.section = controller, section

@@ -7,6 +7,7 @@ is the only code that changes it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeGuard
 
 from PySide6.QtCore import QObject, Signal
 
@@ -15,8 +16,7 @@ from app.chat.model import ChatMessage, ChatModel
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
-from engine import StatsSample
-from engine.cache.modes import KvMode
+from engine import KvMode, StatsSample
 
 NEW_TITLE = "New chat"
 
@@ -62,13 +62,13 @@ class SessionActions(QObject):
         self.select_session(record.id)
         return record
 
-    def _blank(self, record: SessionRecord | None) -> bool:
+    def _blank(self, record: SessionRecord | None) -> TypeGuard[SessionRecord]:
         """Whether ``record`` is an untitled chat with no message and no job."""
         return (record is not None and record.title == NEW_TITLE and not self.model.rowCount()
                 and self.activity.job_of(record.id) is None
                 and not self.store.messages(record.id))
 
-    def _set_mode(self, record: SessionRecord, mode: KvMode) -> SessionRecord:
+    def _set_mode(self, record: SessionRecord, mode: KvMode) -> SessionRecord | None:
         if record.kv_mode == mode:
             return record
         self.caches.forget(record.id)  # nothing of it is held or stored in the old mode

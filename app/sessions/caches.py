@@ -13,8 +13,7 @@ from PySide6.QtCore import QObject, Signal
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import SessionRecord
-from engine import Event, Failed, SessionOpened, StatsSample
-from engine.runtime.held_sessions import API_SESSION_PREFIX
+from engine import API_SESSION_PREFIX, Event, Failed, SessionOpened, StatsSample
 
 MAX_OPEN_SESSIONS = 3
 

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from app.format import compact_count, human_bytes, short_title
+
+if TYPE_CHECKING:  # for annotations only: this module stays free of Qt
+    from app.activity import Activity
+    from app.sessions.caches import SessionCaches
+    from app.store import SessionRecord
+    from engine import SnapshotInfo
 
 
 class ChatState(Enum):
@@ -54,7 +61,7 @@ class ChatFacts:
     job: str = ""
     held_tokens: int | None = None
     history_tokens: int = 0
-    snapshot: object | None = None
+    snapshot: SnapshotInfo | None = None
     waiting_for: str = ""
     progress: tuple[int, int] | None = None
     whole_tokens: int | None = None
@@ -150,7 +157,8 @@ def reuse_sentence(reused: int, read: int) -> str:
     return f"Reused {reused:,} stored tokens, read {read:,} new"
 
 
-def facts_of(record, activity, caches, snapshots: dict) -> ChatFacts:
+def facts_of(record: SessionRecord, activity: Activity, caches: SessionCaches,
+             snapshots: dict[str, SnapshotInfo]) -> ChatFacts:
     """The facts of chat ``record`` from the app's sources of them.
 
     Args:

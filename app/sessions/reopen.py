@@ -10,17 +10,17 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMenu, QMessageBox, QWidget
 
+from app.controller import ChatController
 from app.format import human_bytes
 from app.memory.fit_check import wait_sentence
-from engine import EngineError
-from engine.cache.modes import MODES, KvMode
+from engine import MODES, EngineError, KvMode
 
 REOPEN_TIP = ("Copy this chat into a new chat that keeps its memory (the KV cache) in another "
               "mode: smaller modes fit longer chats in less memory, at a small cost in "
               "exactness. The copy reads the conversation in again; this chat stays as it is.")
 
 
-def fill_reopen_menu(menu: QMenu, controller, parent: QWidget) -> None:
+def fill_reopen_menu(menu: QMenu, controller: ChatController, parent: QWidget) -> None:
     """Put one action per mode other than the shown chat's into ``menu``."""
     menu.clear()
     menu.setToolTipsVisible(True)
@@ -28,12 +28,15 @@ def fill_reopen_menu(menu: QMenu, controller, parent: QWidget) -> None:
     for mode in MODES:
         if current is not None and mode == current.kv_mode:
             continue
-        action = menu.addAction(f"Reopen in {mode}…",
-                                lambda m=mode: ask_reopen(controller, m, parent))
+
+        def reopen_in(m: KvMode = mode) -> None:  # the default binds this loop's mode
+            ask_reopen(controller, m, parent)
+
+        action = menu.addAction(f"Reopen in {mode}…", reopen_in)
         action.setToolTip(f"A copy of this chat in {mode}: {MODES[mode].description}")
 
 
-def reopen_text(controller, mode: KvMode) -> str:
+def reopen_text(controller: ChatController, mode: KvMode) -> str:
     """What reopening the shown chat in ``mode`` does, in plain words."""
     current = controller.current
     if current is None:
@@ -55,7 +58,7 @@ def reopen_text(controller, mode: KvMode) -> str:
     return "".join(parts)
 
 
-def _kv_bytes(controller, mode: KvMode, tokens: int) -> str:
+def _kv_bytes(controller: ChatController, mode: KvMode, tokens: int) -> str:
     if not tokens or not controller.model_ready:
         return ""
     try:
@@ -66,7 +69,7 @@ def _kv_bytes(controller, mode: KvMode, tokens: int) -> str:
     return human_bytes(entry.bytes_needed) if entry.supported else ""
 
 
-def ask_reopen(controller, mode: KvMode, parent: QWidget | None) -> None:
+def ask_reopen(controller: ChatController, mode: KvMode, parent: QWidget | None) -> None:
     """Say what reopening in ``mode`` does; reopen when the user agrees."""
     if controller.current is None:
         return

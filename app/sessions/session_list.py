@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 
 from PySide6.QtCore import (
     QEvent,
     QModelIndex,
+    QObject,
     QPersistentModelIndex,
+    QPoint,
     QRect,
     QSize,
     Qt,
@@ -33,7 +36,7 @@ from PySide6.QtWidgets import (
 from app.format import relative_time, visible_text
 from app.sessions.chat_state import ChatFacts, ChatState, sidebar_lines
 from app.store import SessionRecord
-from engine.cache.modes import MODES
+from engine import MODES
 
 UNKNOWN_MODE_COLOUR = "#777777"
 RecordRole = Qt.ItemDataRole.UserRole + 1
@@ -87,8 +90,9 @@ def rename_dialog(parent: QWidget, title: str) -> QInputDialog:
     dialog.setTextValue(title)
     # The dialog sizes itself to its line edit when shown: widen the edit, not the dialog.
     edit = dialog.findChild(QLineEdit)
-    room = edit.fontMetrics().horizontalAdvance(title) + RENAME_FRAME
-    edit.setMinimumWidth(max(RENAME_WIDTH[0], min(room, RENAME_WIDTH[1])))
+    if edit is not None:  # QInputDialog's own text field
+        room = edit.fontMetrics().horizontalAdvance(title) + RENAME_FRAME
+        edit.setMinimumWidth(max(RENAME_WIDTH[0], min(room, RENAME_WIDTH[1])))
     return dialog
 
 
@@ -126,7 +130,8 @@ def fitting_detail(record: SessionRecord, state: ChatFacts | str, metrics: QFont
 class SessionDelegate(QStyledItemDelegate):
     """Two lines per session: title and mode badge; tokens and last activity."""
 
-    def sizeHint(self, option: QStyleOptionViewItem, index) -> QSize:
+    def sizeHint(self, option: QStyleOptionViewItem,
+                 index: QModelIndex | QPersistentModelIndex) -> QSize:
         # No width of its own: a row is as wide as the list, which never scrolls sideways.
         return QSize(ROW_MIN_WIDTH, ROW_HEIGHT)
 
@@ -238,7 +243,7 @@ class SessionList(QWidget):
         self.clock.timeout.connect(self.list.viewport().update)
         self.clock.start()
 
-    def eventFilter(self, watched, event: QEvent) -> bool:
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
         if watched is self.list.viewport():
             if event.type() == QEvent.Type.Enter:
                 self._pointer_in = True
@@ -250,7 +255,7 @@ class SessionList(QWidget):
         return super().eventFilter(watched, event)
 
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
-                     states: dict[str, ChatFacts | str] | None = None) -> None:
+                     states: Mapping[str, ChatFacts | str] | None = None) -> None:
         """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``.
 
         Under the pointer the rows shown keep their places (new chats on top) until
@@ -281,11 +286,12 @@ class SessionList(QWidget):
         """The sessions shown, top to bottom."""
         return [self.list.item(i).data(RecordRole) for i in range(self.list.count())]
 
-    def _on_current(self, item: QListWidgetItem | None, _previous) -> None:
+    def _on_current(self, item: QListWidgetItem | None,
+                    _previous: QListWidgetItem | None) -> None:
         if item is not None and not self._updating:
             self.sessionSelected.emit(item.data(RecordRole).id)
 
-    def _menu(self, pos) -> None:
+    def _menu(self, pos: QPoint) -> None:
         item = self.list.itemAt(pos)
         if item is None:
             return

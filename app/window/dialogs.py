@@ -26,9 +26,17 @@ from app.format import human_bytes
 from app.settings import Settings
 from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
-from engine import SamplingParams, default_budget, snapshots_dir
-from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
-from engine.snapshots.store import MAX_DEFAULT_BUDGET
+from engine import (
+    DEFAULT_MODE,
+    MAX_DEFAULT_BUDGET,
+    MODES,
+    FitReport,
+    KvMode,
+    SamplingParams,
+    default_budget,
+    parse_mode,
+    snapshots_dir,
+)
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 # A gigabyte as every size in the app is said (``human_bytes``: 1,024³ bytes, as
@@ -43,7 +51,7 @@ def mode_blurb(mode: KvMode) -> str:
     return f"{label} (default)" if mode == DEFAULT_MODE else label
 
 
-def mode_choice_text(mode: KvMode, full_report) -> str:
+def mode_choice_text(mode: KvMode, full_report: FitReport | None) -> str:
     """"q8 — 8-bit … · 12.0 MB at 8,192 tokens · 8,192 tokens fit in free RAM".
 
     A model holds no more than its context however much RAM is free, so the
@@ -85,7 +93,8 @@ def disk_budget_box(budget_bytes: int | None) -> QDoubleSpinBox:
 class NewChatDialog(QDialog):
     """Ask for the KV mode of a new chat, with each mode's projection."""
 
-    def __init__(self, default_mode: KvMode, full_report, parent: QWidget | None = None,
+    def __init__(self, default_mode: KvMode, full_report: FitReport | None,
+                 parent: QWidget | None = None,
                  title: str = "New chat") -> None:
         super().__init__(parent)
         self.setWindowTitle(title)
@@ -227,9 +236,12 @@ class SettingsDialog(QDialog):
     def _storage_page(self, settings: Settings) -> None:
         form = self._page("Memory && storage")
         budget = settings.memory_budget_bytes
-        self.budget = QSpinBox(minimum=0, maximum=1024 * 1024, singleStep=256,
-                               value=(budget or 0) // MB, suffix=" MB",
-                               specialValueText="Automatic (keep RAM headroom)")
+        self.budget = QSpinBox()
+        self.budget.setRange(0, 1024 * 1024)
+        self.budget.setSingleStep(256)
+        self.budget.setValue((budget or 0) // MB)
+        self.budget.setSuffix(" MB")
+        self.budget.setSpecialValueText("Automatic (keep RAM headroom)")
         self.budget.setToolTip("The most memory all open chats' caches may take together.")
         form.addRow("Memory for chats' caches", self.budget)
         self.disk_budget = disk_budget_box(settings.stored_kv_budget_bytes)

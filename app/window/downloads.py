@@ -13,8 +13,7 @@ import threading
 from PySide6.QtCore import QObject, Signal
 
 from app.background import Background
-from engine import Cancelled, EngineError, download_model
-from engine.models.download_plan import HubUnreachable
+from engine import Cancelled, EngineError, HubUnreachable, download_model
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
@@ -20,6 +21,9 @@ from app.background import Background
 from app.settings import Settings, parse_split
 from app.window.parts import ProblemLabel
 from engine import EngineError
+
+if TYPE_CHECKING:  # imported where the check runs: it reads no more at startup
+    from engine import HostCheck
 
 INTRO = (
     "A model too big for this Mac can be split across several: each Mac holds some of "
@@ -43,12 +47,12 @@ def hosts_of(hostfile: str) -> list[str]:
     Raises:
         EngineError: the file is missing or not an MLX hostfile (its message says why).
     """
-    from engine.distributed.launch import read_hostfile
+    from engine import read_hostfile
 
     return read_hostfile(Path(hostfile))
 
 
-def check_text(outcome: object) -> str:
+def check_text(outcome: list[HostCheck] | BaseException) -> str:
     """The host check's outcome in words: one line per host, or why it could not run."""
     if isinstance(outcome, BaseException):
         return str(outcome) if isinstance(outcome, EngineError) else (
@@ -57,7 +61,7 @@ def check_text(outcome: object) -> str:
                      for rank, check in enumerate(outcome))
 
 
-def _named(rank: int, check) -> str:
+def _named(rank: int, check: HostCheck) -> str:
     """A check's message naming the Mac as a person would: "This Mac" or its host
     name, not the engine's "Rank 1 (mac2)"."""
     engine_name = f"Rank {rank} ({check.host})"
@@ -153,14 +157,14 @@ class OtherMacsPage(QWidget):
         self.check.setEnabled(False)
         self._show_result("Checking hosts…")
 
-        def work() -> object:
-            from engine.distributed.hosts import check_hosts
+        def work() -> list[HostCheck]:
+            from engine import check_hosts
 
             return check_hosts(Path(hostfile), folder)
 
         self.jobs.run(work, lambda outcome: self._checked(hostfile, outcome))
 
-    def _checked(self, hostfile: str, outcome: object) -> None:
+    def _checked(self, hostfile: str, outcome: list[HostCheck] | BaseException) -> None:
         self.check.setEnabled(True)
         if not isinstance(outcome, BaseException):
             self._checked_hosts = (hostfile, list(outcome))

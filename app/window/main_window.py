@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QSize, Qt, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent
+from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDragMoveEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
@@ -22,10 +23,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.activity import Job
 from app.chat.attachments import (
     CHARS_PER_TOKEN_BOUND,
     MAX_FILES,
     DocumentLoader,
+    attach_filter,
     files_left_out,
 )
 from app.chat.composer import READING, Composer
@@ -33,14 +36,14 @@ from app.chat.conversation_view import ConversationView
 from app.chat.drafts import Drafts
 from app.controller import ChatController
 from app.format import human_duration, unbroken, visible_text
-from app.local_server import status_text
+from app.local_server import ServerStatus, status_text
 from app.memory.api_sessions import ApiSessionsFeed
 from app.memory.fit_check import FitChecker
 from app.memory.panel import MemoryPanel
 from app.memory.panel_feed import PanelFeed
 from app.sessions.chat_state import JOB_WORDS, ChatState
 from app.sessions.session_list import SessionList
-from app.store import AttachmentRecord
+from app.store import AttachmentRecord, SessionRecord
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from app.window.downloads import Downloads
 from app.window.menus import build_menus, build_toolbar, set_toolbar_icons
@@ -48,6 +51,7 @@ from app.window.model_picker import DEMO, ModelPicker
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 from app.window.quit_box import QUIT, quit_box
+from engine import DownloadProgress
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +110,7 @@ class MainWindow(QMainWindow):
         self._shown_states: dict[str, str] = {}
         self._shown_chat: str | None = None
         self._build()
-        self.fit = FitChecker(controller, self.composer, self)
+        self.fit = FitChecker(controller, self.composer, self.attachments, self)
         self.drafts = Drafts(controller, self.composer, self.attachments, self)
         self.quit_box: QMessageBox | None = None  # asking whether to quit mid-answer
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
@@ -116,8 +120,10 @@ class MainWindow(QMainWindow):
         self._connect()
         self._refresh_sessions()
         self._on_session_changed(controller.current)
-        self.file_open_filter = FileOpenFilter(self)
-        QApplication.instance().installEventFilter(self.file_open_filter)
+        self.file_open_filter = FileOpenFilter(self, self.add_files)
+        app = QApplication.instance()
+        if app is not None:  # the QApplication made at start
+            app.installEventFilter(self.file_open_filter)
         geometry = self.settings.window_geometry
         if geometry:
             self.restoreGeometry(geometry)
@@ -179,7 +185,7 @@ class MainWindow(QMainWindow):
         c.sessionsChanged.connect(self._refresh_sessions)
         # A row says whether its chat is in memory or on disk: those change too.
         c.cacheChanged.connect(self._refresh_sessions)
-        c.bridge.storedKv.connect(lambda _listing: c.closed or self._refresh_sessions())
+        c.bridge.storedKv.connect(self._on_stored_kv)
         c.currentSessionChanged.connect(self._on_session_changed)
         c.modelStateChanged.connect(self._on_model_state)
         c.errorRaised.connect(lambda text: self.banner.show_message(text, "error"))
@@ -224,7 +230,7 @@ class MainWindow(QMainWindow):
             self.models_dialog.raise_()
             return
         picker = self.model_picker
-        loaded = self.controller.model_id
+        loaded: str | None = self.controller.model_id
         if loaded == DEMO:
             loaded = str(picker.demo.path) if picker.demo is not None else None
         dialog = ModelsDialog(picker.installed(), picker.recommended, self.downloads.running,
@@ -241,17 +247,18 @@ class MainWindow(QMainWindow):
         demo = self.model_picker.demo
         self.choose_model("demo" if demo is not None and str(demo.path) == path else path)
 
-    def _on_download_progress(self, progress) -> None:
+    def _on_download_progress(self, progress: DownloadProgress) -> None:
         if self.models_dialog is not None:
             self.models_dialog.show_progress(progress)
 
     def _on_download_ended(self, repo_id: str, folder: str | None, message: str,
                            cancelled: bool) -> None:
         entry = next((e for e in self.model_picker.recommended if e.repo_id == repo_id), None)
-        shown = self.models_dialog is not None and entry is not None
-        if shown:
+        shown = False
+        if self.models_dialog is not None and entry is not None:
             # Said in the dialog, beside its Retry, not in the banner behind it.
             self.models_dialog.download_ended(entry, folder, message, cancelled)
+            shown = True
         if folder is None:
             if not shown:
                 self.banner.show_message(message, "info" if cancelled else "error")
@@ -292,7 +299,11 @@ class MainWindow(QMainWindow):
         records = self.controller.store.sessions(self.sessions.search.text())
         self.sessions.set_sessions(records, current, self.controller.all_chat_facts(records))
 
-    def _on_session_changed(self, record) -> None:
+    def _on_stored_kv(self, _listing: object) -> None:
+        if not self.controller.closed:  # the app quits: the history is closing
+            self._refresh_sessions()
+
+    def _on_session_changed(self, record: SessionRecord | None) -> None:
         self._refresh_sessions()
         title = f"{visible_text(record.title)} — {record.kv_mode}" if record else "Longleaf"
         self.setWindowTitle(f"{title} · Longleaf" if record else title)
@@ -389,23 +400,25 @@ class MainWindow(QMainWindow):
         self.composer.set_generating(job is not None and job.started, stopping)
         self.composer.show_waiting(ahead.title if ahead is not None else None,
                                    self._how_far(ahead) if ahead is not None else "")
-        reading = job is not None and job.started and job.state in ("reading", "checking")
-        progress = job.progress if reading else None
+        reading = (job if job is not None and job.started
+                   and job.state in ("reading", "checking") else None)
+        progress = reading.progress if reading is not None else None
         title = CHECKING if job is not None and job.kind == "quality" else READING
-        if not reading:
+        if reading is None:
             self.composer.progress_box.hide()
         elif progress is None:  # the first part is still being read
             self.composer.show_starting(title, stopping)
-        elif job.kind == "quality":  # no rate: see Composer.show_progress
+        elif reading.kind == "quality":  # no rate: see Composer.show_progress
             self.composer.show_progress(progress.tokens_done, progress.tokens_total, None, None,
                                         CHECKING, stopping)
         else:
             self.composer.show_progress(
                 progress.tokens_done, progress.tokens_total, progress.tokens_per_second,
                 self.controller.read_eta(progress), READING, stopping)
-        self.conversation.set_busy(job is not None, reading=reading and job.kind == "chat")
+        self.conversation.set_busy(job is not None,
+                                   reading=reading is not None and reading.kind == "chat")
 
-    def _how_far(self, job) -> str:
+    def _how_far(self, job: Job) -> str:
         """How far the job a message waits for is: "reading: 512 / 3,552 tokens, about
         39s left", "answering", or "" before it says."""
         progress = job.progress
@@ -420,11 +433,11 @@ class MainWindow(QMainWindow):
             figures.append(f"about {human_duration(eta)} left")
         return f"{what}: " + ", ".join(unbroken(part) for part in figures)
 
-    def _on_progress(self, _event) -> None:
+    def _on_progress(self, _event: object) -> None:
         self._show_activity()
         self._refresh_sessions()  # a reading chat's row says how far it is
 
-    def _show_server_status(self, status=None) -> None:
+    def _show_server_status(self, status: ServerStatus | None = None) -> None:
         status = status or self.controller.local_server.status
         text = status_text(status)
         if status.state == "answering" and self.controller.busy:
@@ -433,7 +446,7 @@ class MainWindow(QMainWindow):
         self.server_status.setProperty("state", status.state)
         self.statusBar().setVisible(bool(text))
 
-    def _on_edit_requested(self, text: str, attachments) -> None:
+    def _on_edit_requested(self, text: str, attachments: Sequence[AttachmentRecord]) -> None:
         self.composer.set_text(text)
         self.drafts.show_attachments(tuple(attachments))
         self.drafts.save_now()
@@ -448,7 +461,7 @@ class MainWindow(QMainWindow):
         else:
             event.ignore()
 
-    def dragMoveEvent(self, event) -> None:
+    def dragMoveEvent(self, event: QDragMoveEvent) -> None:
         if local_files(event.mimeData()):
             event.acceptProposedAction()
 
@@ -461,9 +474,7 @@ class MainWindow(QMainWindow):
     def ask_attach(self) -> None:
         """The attach dialog."""
         paths, _ = QFileDialog.getOpenFileNames(
-            self, "Attach documents", self.settings.last_folder,
-            "Documents (*.txt *.md *.pdf *.docx *.py *.js *.ts *.c *.cpp *.h *.rs *.go *.java "
-            "*.swift *.json *.yaml *.toml *.html *.csv);;All files (*)")
+            self, "Attach documents", self.settings.last_folder, attach_filter())
         if paths:
             self.settings.last_folder = str(Path(paths[0]).parent)
         self.add_files(paths)
@@ -568,7 +579,9 @@ class MainWindow(QMainWindow):
         self.drafts.save_now()
         self.settings.window_geometry = bytes(self.saveGeometry().data())
         self.settings.sync()
-        QApplication.instance().removeEventFilter(self.file_open_filter)
+        app = QApplication.instance()
+        if app is not None:
+            app.removeEventFilter(self.file_open_filter)
         self.controller.close()
         event.accept()
 

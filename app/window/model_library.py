@@ -7,15 +7,26 @@ from ``engine.full_context_costs``: arithmetic over the model's facts, no MLX.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 
 from app.format import human_bytes
-from engine import RECOMMENDED_MODELS, ModeCost, full_context_costs
-from engine.models.split import can_split
+from engine import (
+    DEMO,
+    RECOMMENDED_MODELS,
+    ModeCost,
+    RecommendedModel,
+    can_split,
+    full_context_costs,
+)
 
-DEMO_SOURCE = "demo"  # engine.models.discovery.DEMO
+if TYPE_CHECKING:
+    from engine import DiscoveredModel
+
+DEMO_SOURCE = DEMO  # discovery reports the demo model with its path as its source
 MIN_USEFUL_CONTEXT = 4096  # tokens: less than this holds no document worth a long-context model
 
 
@@ -43,6 +54,14 @@ class ModelEntry:
     costs: tuple[ModeCost, ...]
     summary: str = ""
     splittable: bool = False
+
+    @property
+    def key(self) -> str:
+        """Its one name in the library: the folder on disk, else the repo to download."""
+        key = self.path or self.repo_id
+        if key is None:  # installed_entry gives a path, recommended_entry a repo id
+            raise ValueError(f"The library entry {self.name!r} has neither folder nor repo.")
+        return key
 
     @property
     def downloaded(self) -> bool:
@@ -98,7 +117,7 @@ def fit_advice(entry: ModelEntry, total_ram: int) -> tuple[bool, str]:
                    "smaller model.")
 
 
-def installed_entry(model, total_ram: int) -> ModelEntry:
+def installed_entry(model: DiscoveredModel, total_ram: int) -> ModelEntry:
     """The entry of an ``engine.discover_models`` model."""
     info = model.info
     costs = full_context_costs(
@@ -109,7 +128,7 @@ def installed_entry(model, total_ram: int) -> ModelEntry:
                       info.max_context, costs, splittable=can_split(model.path))
 
 
-def recommended_entry(model, total_ram: int) -> ModelEntry:
+def recommended_entry(model: RecommendedModel, total_ram: int) -> ModelEntry:
     """The entry of an ``engine.RecommendedModel`` not downloaded yet."""
     costs = full_context_costs(
         attention_layers=model.attention_layers, kv_heads=model.kv_heads,
@@ -119,7 +138,8 @@ def recommended_entry(model, total_ram: int) -> ModelEntry:
                       model.max_context, costs, model.summary)
 
 
-def library(models, total_ram: int | None = None) -> tuple[list[ModelEntry], list[ModelEntry]]:
+def library(models: Sequence[DiscoveredModel],
+            total_ram: int | None = None) -> tuple[list[ModelEntry], list[ModelEntry]]:
     """(models on disk, recommended ones not on disk yet), each with its facts.
 
     Args:

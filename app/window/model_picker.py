@@ -9,6 +9,7 @@ Face cache still takes a moment, so it runs on a pool thread with the arithmetic
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QFontMetrics, QStandardItemModel
@@ -17,15 +18,18 @@ from PySide6.QtWidgets import QComboBox, QStyle, QStyleOptionComboBox, QWidget
 from app.background import Background
 from app.format import human_bytes
 from app.window.model_library import DEMO_SOURCE, ModelEntry, library, short_tokens
+from engine import DEMO
 
-DEMO = "demo"
+if TYPE_CHECKING:
+    from engine import DiscoveredModel, Discovery, SkippedModel
+
 DEMO_LABEL = "Demo · SmolLM2-135M (built in)"
 OPEN_FOLDER = "__open_folder__"
 MANAGE = "__models__"
 PICKER_TEXT_WIDTH = (180, 300)  # pixels of text the closed picker shows: at least, at most
 
 
-def _discover(folders: list[str]) -> tuple:
+def _discover(folders: list[str]) -> tuple[Discovery, tuple[list[ModelEntry], list[ModelEntry]]]:
     """The models in ``folders`` and the caches, and their library entries (a pool thread)."""
     from engine import discover_models
 
@@ -33,7 +37,7 @@ def _discover(folders: list[str]) -> tuple:
     return found, library(found.models)
 
 
-def describe(model, entry: ModelEntry | None = None) -> str:
+def describe(model: DiscoveredModel, entry: ModelEntry | None = None) -> str:
     """A tooltip with the facts that matter for KV memory, and each mode's full-context cost."""
     info = model.info
     unavailable = "".join(f"\n{mode} unavailable: {note}"
@@ -79,9 +83,9 @@ class ModelPicker(QComboBox):
         self.currentIndexChanged.connect(self.updateGeometry)
         self.jobs = Background(threads=1, parent=self)
         self.current_path = DEMO
-        self.models: list = []
-        self.skipped: list = []
-        self.demo = None  # the demo's converted folder, once discovered
+        self.models: list[DiscoveredModel] = []
+        self.skipped: list[SkippedModel] = []
+        self.demo: DiscoveredModel | None = None  # the demo's converted folder, once discovered
         self.entries: dict[str, ModelEntry] = {}  # by path
         # Shown before the first scan ends; a scan drops those already downloaded.
         self.recommended: list[ModelEntry] = library([])[1]
@@ -110,12 +114,17 @@ class ModelPicker(QComboBox):
         demo = [self.entries[str(self.demo.path)]] if self.demo is not None else []
         return demo + [self.entries[str(m.path)] for m in self.models]
 
-    def _on_discovered(self, result) -> None:
+    def _on_discovered(
+        self, result: tuple[Discovery, tuple[list[ModelEntry], list[ModelEntry]]] | BaseException,
+    ) -> None:
+        found: Discovery | None
+        installed: list[ModelEntry]
         if isinstance(result, BaseException):  # a broken cache must not take the picker down
-            found, (installed, self.recommended) = None, ([], [])
+            found, installed, self.recommended = None, [], []
         else:
             found, (installed, self.recommended) = result
-        self.entries = {entry.path: entry for entry in installed}
+        # Every model on disk has a path (only a download's entry has none).
+        self.entries = {entry.path: entry for entry in installed if entry.path is not None}
         models = list(found.models) if found else []
         # The demo's converted folder is the "Demo" item: listed once, with its facts.
         self.demo = next((m for m in models if m.source == DEMO_SOURCE), None)
@@ -141,12 +150,12 @@ class ModelPicker(QComboBox):
         if self.current_path != DEMO and self.findData(self.current_path) < 0:
             self.addItem(fitted_name(Path(self.current_path).name, "", self.fontMetrics()),
                          self.current_path)
-        model = self.model()
+        items = self.model()
         for skipped in self.skipped:
             self.addItem(f"{skipped.name} — can't open", None)
             self.setItemData(self.count() - 1, skipped.reason, Qt.ItemDataRole.ToolTipRole)
-            if isinstance(model, QStandardItemModel):
-                model.item(self.count() - 1).setEnabled(False)
+            if isinstance(items, QStandardItemModel):
+                items.item(self.count() - 1).setEnabled(False)
         self.insertSeparator(self.count())
         self.addItem("Models and downloads…", MANAGE)
         self.addItem("Open folder…", OPEN_FOLDER)

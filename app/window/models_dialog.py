@@ -9,6 +9,7 @@ A download that fails says why in the dialog, with Retry.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 import psutil
@@ -30,7 +31,7 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes, human_duration
 from app.window.model_library import ModelEntry, cost_text, fit_advice, short_tokens
-from engine.cache.modes import MODES
+from engine import MODES, DownloadProgress
 
 
 def columns() -> tuple[str, ...]:
@@ -51,7 +52,7 @@ class ModelsDialog(QDialog):
     cancelRequested = Signal(str)
 
     def __init__(self, installed: list[ModelEntry], recommended: list[ModelEntry],
-                 downloading: set[str] = frozenset(), parent: QWidget | None = None, *,
+                 downloading: Collection[str] = frozenset(), parent: QWidget | None = None, *,
                  loaded: str | None = None, total_ram: int | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Models")
@@ -98,8 +99,8 @@ class ModelsDialog(QDialog):
     def _add_row(self, entry: ModelEntry, downloading: bool) -> None:
         row = self.table.rowCount()
         self.table.insertRow(row)
-        self.rows[entry.path or entry.repo_id] = row
-        self.entries[entry.path or entry.repo_id] = entry
+        self.rows[entry.key] = row
+        self.entries[entry.key] = entry
         name = QTableWidgetItem(entry.name)
         name.setToolTip("\n".join(filter(None, (entry.summary or entry.path,
                                                  entry.split_text()))))
@@ -122,7 +123,7 @@ class ModelsDialog(QDialog):
         self._set_action(entry, downloading)
 
     def _set_action(self, entry: ModelEntry, downloading: bool) -> None:
-        key = entry.path or entry.repo_id
+        key = entry.key
         if entry.downloaded and entry.path == self.loaded:
             label = QLabel(LOADED)
             label.setObjectName(f"action:{key}")
@@ -145,7 +146,10 @@ class ModelsDialog(QDialog):
     def action_button(self, key: str) -> QPushButton | QLabel:
         """The Load/Download/Cancel button of the row for ``key`` (a path or repo id),
         or its "Loaded" label for the model in use."""
-        return self.table.cellWidget(self.rows[key], self.action_column)
+        widget = self.table.cellWidget(self.rows[key], self.action_column)
+        if not isinstance(widget, QPushButton | QLabel):  # _set_action puts one in every row
+            raise LookupError(f"The row of {key} has no action.")
+        return widget
 
     def _load(self, path: str) -> None:
         self.loadRequested.emit(path)
@@ -161,7 +165,7 @@ class ModelsDialog(QDialog):
         if entry is not None:
             self._download(entry)
 
-    def show_progress(self, progress) -> None:
+    def show_progress(self, progress: DownloadProgress) -> None:
         """Show a ``DownloadProgress`` in its row's size cell."""
         row = self.rows.get(progress.repo_id)
         if row is None:
@@ -169,8 +173,13 @@ class ModelsDialog(QDialog):
         share = progress.bytes_done / progress.bytes_total if progress.bytes_total else 0.0
         eta = (f" · {human_duration(progress.eta_seconds)} left"
                if progress.eta_seconds else "")
-        self.table.item(row, 1).setText(
-            f"{share:.0%} of {human_bytes(progress.bytes_total)}{eta}")
+        self._size_cell(row).setText(f"{share:.0%} of {human_bytes(progress.bytes_total)}{eta}")
+
+    def _size_cell(self, row: int) -> QTableWidgetItem:
+        item = self.table.item(row, 1)
+        if item is None:  # _add_row fills every cell of its row
+            raise LookupError(f"Row {row} of the library has no size cell.")
+        return item
 
     def download_ended(self, entry: ModelEntry, folder: str | None, message: str = "",
                        cancelled: bool = False) -> None:
@@ -178,13 +187,13 @@ class ModelsDialog(QDialog):
 
         ``message`` says why it stopped; a failure shows it here with Retry.
         """
-        row = self.rows.pop(entry.repo_id)
-        self.entries.pop(entry.repo_id, None)
+        row = self.rows.pop(entry.key)  # a download's row: keyed by its repo id
+        self.entries.pop(entry.key, None)
         if folder is not None:
             entry = replace(entry, path=folder)
-        key = entry.path or entry.repo_id
+        key = entry.key
         self.rows[key], self.entries[key] = row, entry
-        self.table.item(row, 1).setText(entry.size_text())
+        self._size_cell(row).setText(entry.size_text())
         self._set_action(entry, downloading=False)
         if folder is None and message:
             self.error.show_message(message, None if cancelled else entry.repo_id)

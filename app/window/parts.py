@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PySide6.QtCore import QEvent, QMimeData, QObject, Qt
 from PySide6.QtGui import QFileOpenEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QWidget
@@ -15,13 +17,13 @@ def local_files(mime: QMimeData) -> list[str]:
 class FileOpenFilter(QObject):
     """Documents dropped on the app's icon (macOS sends QFileOpenEvent) become attachments."""
 
-    def __init__(self, window) -> None:
+    def __init__(self, window: QObject, add_files: Callable[[list[str]], None]) -> None:
         super().__init__(window)
-        self.window = window
+        self.add_files = add_files
 
-    def eventFilter(self, obj, event) -> bool:
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:
         if event.type() == QEvent.Type.FileOpen and isinstance(event, QFileOpenEvent):
-            self.window.add_files([event.file()])
+            self.add_files([event.file()])
             return True
         return False
 

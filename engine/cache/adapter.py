@@ -10,6 +10,7 @@ mlx-lm's original function, unchanged.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -17,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.cache import sharing
+from engine.cache import mlx_lm_compat, sharing
 from engine.cache.attention import schedule
 from engine.cache.attention.dispatch import paged_attention
 from engine.cache.batched import CacheRows, PagedRows
@@ -26,9 +27,6 @@ from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
 from engine.errors import EngineError, ModelLoadError
-
-_SDPA = "scaled_dot_product_attention"
-_ORIGINAL = "_longleaf_original"
 
 
 class LayerStats(NamedTuple):
@@ -100,8 +98,9 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
     return mx.concatenate(outs, axis=0)
 
 
-def _dispatcher(original: Any) -> Any:
-    def scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):
+def _dispatcher(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                                     cache: Any, *args: Any, **kwargs: Any) -> mx.array:
         if isinstance(cache, PagedKVCache):
             return attend(queries, keys, values, cache, *args, **kwargs)
         if isinstance(cache, PagedRows):
@@ -110,7 +109,6 @@ def _dispatcher(original: Any) -> Any:
             return cache.attend(queries, original, *args, **kwargs)
         return original(queries, keys, values, cache, *args, **kwargs)
 
-    setattr(scaled_dot_product_attention, _ORIGINAL, original)
     return scaled_dot_product_attention
 
 
@@ -124,13 +122,10 @@ def install_attention(model: nn.Module) -> None:
 
     Idempotent; other caches keep calling mlx-lm's original function.
     """
-    for module in _model_modules(model):
-        current = getattr(module, _SDPA, None)
-        if current is not None and not hasattr(current, _ORIGINAL):
-            setattr(module, _SDPA, _dispatcher(current))
+    mlx_lm_compat.install_attention(_model_modules(model), _dispatcher)
 
 
-def _attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | None]:
+def layer_attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | None]:
     """(kv_heads, head_dim) of layer ``index``, read from its attention module."""
     layer = model.layers[index]
     for _, module in layer.named_modules():
@@ -148,8 +143,7 @@ def _attention_shape(model: nn.Module, index: int) -> tuple[int | None, int | No
 
 def _check_dispatch(model: nn.Module, index: int) -> None:
     layer = model.layers[index]
-    modules = {sys.modules.get(type(m).__module__) for _, m in layer.named_modules()}
-    if not any(hasattr(getattr(m, _SDPA, None), _ORIGINAL) for m in modules if m):
+    if not mlx_lm_compat.routes_attention(type(m).__module__ for _, m in layer.named_modules()):
         raise ModelLoadError(
             f"{type(model).__module__} does not call mlx-lm's scaled_dot_product_attention "
             "from its module, so the paged KV cache cannot plug into it. Use a supported "
@@ -197,7 +191,7 @@ def make_cache(
     first = first_layer(model)
     for index, layer_cache in enumerate(cache):
         if type(layer_cache) is KVCache:
-            kv_heads, head_dim = _attention_shape(model, index)
+            kv_heads, head_dim = layer_attention_shape(model, index)
             _check_dispatch(model, index)
             # The model's own layer number, also on a pipeline stage that holds
             # only some layers: rotations, snapshots and stats match one process.

@@ -5,7 +5,7 @@ A compiled function's elementwise ops run as one GPU kernel, but a traced graph
 function made by :func:`compiled` runs uncompiled with each input marked as an
 entry (``mx.depends`` on itself once) and each output as an exit (on itself
 twice), so a counter can tell which ops MLX would fuse
-(``engine.bench.graph_count``). Off (always, outside a count), the call is the
+(``benchmarks.graph_count``). Off (always, outside a count), the call is the
 compiled function itself.
 """
 

@@ -373,6 +373,8 @@ def dequantize_rows(
             f"Packed rows hold {codes.shape[-1]} bytes, but {bits}-bit rows of "
             f"head_dim {head_dim} hold {packed_dim(head_dim, bits)}."
         )
+    if scales is None:
+        raise UnsupportedModeError(f"{bits}-bit rows cannot be read without their scales.")
     _, unpack = _PACKERS[_quantized_width(bits, "unpacker")]
     signed = unpack(codes).astype(mx.float32) - bias_for(bits)
     return (signed * scales.astype(mx.float32)).astype(dtype)

@@ -10,8 +10,9 @@ their bound next to the pages instead of finding out when they grow.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from engine.cache.paged_cache import PagedKVCache
@@ -55,7 +56,10 @@ def other_layers(
                                                                value_bytes)
             kind = SLIDING
         elif isinstance(layer, ArraysCache):
-            total += sum(int(a.nbytes) for a in layer.cache if a is not None)
+            # mlx-lm leaves ArraysCache.cache unannotated (read as a list of None);
+            # it holds the layer's state arrays.
+            states = cast("list[mx.array | None]", layer.cache)
+            total += sum(int(a.nbytes) for a in states if a is not None)
             kind = LINEAR
         else:
             continue  # mlx-lm's own full cache (no paged layer): not bounded

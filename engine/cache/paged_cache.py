@@ -12,16 +12,17 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
 from engine.cache import kvquant
+from engine.cache.mlx_lm_compat import BaseCache
 from engine.cache.modes import parse_mode
 from engine.cache.pages import PagePool, PageStore
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
 
 
-class PagedKVCache(_BaseCache):
+class PagedKVCache(BaseCache):
     """KV cache of one attention layer, stored in pages of a shared :class:`PagePool`.
 
     Args:
@@ -87,6 +88,13 @@ class PagedKVCache(_BaseCache):
             )
         return self.store
 
+    @property
+    def held_store(self) -> PageStore:
+        """The layer's store, which a layer has from its first row on."""
+        if self.store is None:
+            raise EngineError(f"Layer {self.layer} holds no KV pages yet.")
+        return self.store
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store the new rows (rotated when the layer rotates them) and return them.
 
@@ -110,7 +118,8 @@ class PagedKVCache(_BaseCache):
         self.offset += length
         return keys, values
 
-    def _write(self, rows: tuple[mx.array | None, ...], start: int) -> None:
+    def _write(self, rows: tuple[mx.array, mx.array | None, mx.array, mx.array | None],
+               start: int) -> None:
         """Write rows from position ``start`` on: one write per run of consecutive
         slots (a decode step's row, or a whole chunk when the table is in order)."""
         page_size = self.pool.page_size
@@ -125,24 +134,25 @@ class PagedKVCache(_BaseCache):
                 count = min(count + page_size, end - position)
             first = position - start
             piece = tuple(None if r is None else r[..., first : first + count, :] for r in rows)
-            self.store.write(slot, row, piece)
+            self.held_store.write(slot, row, piece)
             position += count
 
     def _writable_slot(self, logical: int) -> int:
         """The slot of logical page ``logical``, taken if new, copied if shared."""
         if logical == len(self.block_table):
-            self.block_table.append(self.store.take())
+            self.block_table.append(self.held_store.take())
             self._table_version += 1
-        elif self.store.shared(self.block_table[logical]):
+        elif self.held_store.shared(self.block_table[logical]):
             self._copy_on_write(logical)
         return self.block_table[logical]
 
     def _copy_on_write(self, logical: int) -> None:
         # Another chat reads this page too: write into a copy of it instead.
         shared = self.block_table[logical]
-        own = self.store.take()
-        self.store.copy_page(shared, own)
-        self.store.give_back([shared])
+        store = self.held_store
+        own = store.take()
+        store.copy_page(shared, own)
+        store.give_back([shared])
         self.block_table[logical] = own
         self._table_version += 1
 
@@ -151,7 +161,7 @@ class PagedKVCache(_BaseCache):
         last page), for the budget to count."""
         if tokens <= self.offset or self.offset % self.pool.page_size == 0:
             return 0
-        return int(self.store.shared(self.block_table[-1]))
+        return int(self.held_store.shared(self.block_table[-1]))
 
     # -- sharing with another session's cache -------------------------------------
 
@@ -164,7 +174,7 @@ class PagedKVCache(_BaseCache):
         """
         if self.block_table or self.pool.stores is not other.pool.stores:
             raise EngineError("Only an empty cache in the same page group can share pages.")
-        self.store = other.store
+        self.store = other.held_store
         slots = other.block_table[: self.pool.pages_for(tokens)]
         self.store.share(slots)
         self.block_table.extend(slots)
@@ -188,11 +198,11 @@ class PagedKVCache(_BaseCache):
 
     @property
     def kv_heads(self) -> int:
-        return self.store.layout.kv_heads
+        return self.held_store.layout.kv_heads
 
     @property
     def head_dim(self) -> int:
-        return self.store.layout.head_dim
+        return self.held_store.layout.head_dim
 
     def columns(self) -> tuple[int, mx.array | None]:
         """Which token columns of the store the attention reads, and where they sit.
@@ -226,10 +236,13 @@ class PagedKVCache(_BaseCache):
     def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """The first ``tokens`` cached keys and values as ``[1, kv_heads, tokens, D]``."""
         pages = self.pool.pages_for(tokens)
-        k_codes, k_scales, v_codes, v_scales = self.store.gather(self.block_table[:pages])
-        bits, head_dim = self.store.layout.bits, self.head_dim
+        store = self.held_store
+        k_codes, k_scales, v_codes, v_scales = store.gather(self.block_table[:pages])
+        bits, head_dim = store.layout.bits, self.head_dim
 
-        def rows(codes: mx.array, scales: mx.array | None) -> mx.array:
+        def rows(codes: mx.array | None, scales: mx.array | None) -> mx.array:
+            if codes is None:  # gathered from a store that holds pages: never
+                raise EngineError(f"Layer {self.layer} lost its KV codes.")
             values = kvquant.dequantize_rows(codes, scales, bits, head_dim, dtype)
             return values.swapaxes(0, 1).reshape(self.kv_heads, -1, head_dim)[None, :, :tokens]
 
@@ -316,17 +329,17 @@ class PagedKVCache(_BaseCache):
             self.pool.ensure(offset)
         # Keep the storage reserved above: the pages are rewritten into it.
         self._drop_last(self.offset, release=False)
-        layout = self.store.layout if self.store is not None else None
         for page in range(self.pool.pages_for(offset)):
-            slot = self.store.take()
+            store = self.held_store
+            slot = store.take()
             self.block_table.append(slot)
             self._table_version += 1
             rows = [k_codes[page], k_scales, v_codes[page], v_scales]
             for part in (1, 3):  # row scales (the snapshot's format) as MLX's pairs
                 if rows[part] is not None:
-                    rows[part] = kvquant.affine_scales(rows[part][page], layout.bits,
-                                                       layout.groups)
-            self.store.write(slot, 0, tuple(rows))
+                    rows[part] = kvquant.affine_scales(rows[part][page], store.layout.bits,
+                                                       store.layout.groups)
+            store.write(slot, 0, tuple(rows))
         self.offset = offset
 
     @property

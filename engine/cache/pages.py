@@ -228,6 +228,9 @@ class PageStore:
             if value is None:
                 continue
             target = parts[index]
+            if target is None:
+                raise EngineError(f"Page storage {PARTS[index]} was written before it was "
+                                  "allocated.")
             target[..., start : start + value.shape[-2], :] = value
             parts[index] = target
         self.parts = parts
@@ -236,6 +239,14 @@ class PageStore:
         """Views of ``count`` rows of slot ``slot`` from ``row`` on, per part."""
         start = slot * self.layout.page_size + row
         return tuple(None if p is None else p[..., start : start + count, :] for p in self.parts)
+
+    def part(self, index: int) -> mx.array:
+        """Storage part ``index`` (:data:`PARTS`), which the store's mode keeps."""
+        array = self.parts[index]
+        if array is None:
+            raise EngineError(f"This store keeps no {PARTS[index]} (its mode stores none, or "
+                              "it holds no page yet).")
+        return array
 
     def columns(self, part: int, end: int) -> mx.array | None:
         """Part ``part`` (:data:`PARTS`) up to token column ``end``: a view."""

@@ -20,7 +20,7 @@ Format ``hadamard-v1`` (what snapshots and sessions record):
 So ``rotate(x) = x @ R`` with ``R = diag(signs) · blockdiag(H_n / sqrt(n))``, and
 ``unrotate(y) = y @ Rᵀ``. A prefill chunk takes one dense ``head_dim × head_dim``
 matmul: on the CPU it is faster than a fast Walsh–Hadamard transform at head_dim
-64/128/256 (measured: docs/benchmarks.md). Under the GPU attention schedule
+64/128/256 (measured: docs/benchmark-runs.md). Under the GPU attention schedule
 every call does, one kernel (a query's with the attention's scale folded into
 ``R``). Under the CPU schedule a decode step and a speculative verification take
 MLX's transform instead: a matmul rounds by how many rows it holds (BLAS picks its

@@ -1,7 +1,7 @@
 """A pipeline rank other than 0: its layers' caches, driven by rank 0's commands.
 
 A follower has no tokenizer use, no sampling and no schedule of its own: it
-reads a command header (``engine.distributed.commands``), does what it says to
+reads a command header (``engine.distributed.rank_commands``), does what it says to
 the session it names (the same ``Session`` class rank 0 uses, so pages,
 checkpoints and rewinds happen the same way on its layers) and reads the next.
 A cancel on rank 0 is simply the end of its commands: a follower stops after
@@ -15,15 +15,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from engine.cache import adapter
+from engine.cache.adapter import CacheStats
 from engine.cache.modes import MODES
-from engine.distributed import commands as c
+from engine.distributed import rank_commands as c
 from engine.errors import EngineError
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
@@ -62,7 +63,7 @@ class Follower:
         self.last: dict[str, Any] = {}  # this rank's stats at the last request's end
         self._step: mx.array | None = None  # the decode step in flight
         self._unopened_prefill: fit.PrefillFacts | None = None  # of chats not opened yet
-        self._handlers = {
+        self._handlers: dict[int, Callable[..., None]] = {
             c.OPEN: self._open, c.PREFILL: self._prefill, c.DECODE: self._decode,
             c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
             c.CLOSE: self._close, c.END: self._end, c.FIT: self._fit,
@@ -73,7 +74,7 @@ class Follower:
     def run(self) -> dict[str, Any]:
         """Follow commands until ``STOP``; this rank's report."""
         while True:
-            fields = c.receive(self.group, mx.zeros((c.HEADER,), dtype=mx.int32)).tolist()
+            fields = c.int_list(c.receive(self.group, mx.zeros((c.HEADER,), dtype=mx.int32)))
             version, op, slot, *args = fields
             if version != c.VERSION:
                 raise c.PipelineDesync(
@@ -118,7 +119,7 @@ class Follower:
 
     def _prefill(self, slot: int, count: int, position: int, boundary: int, *_: int) -> None:
         session = self._session(slot, c.PREFILL)
-        ids = c.receive(self.group, mx.zeros((count,), dtype=mx.int32)).tolist()
+        ids = c.int_list(c.receive(self.group, mx.zeros((count,), dtype=mx.int32)))
         self._expect(session, position, c.PREFILL)
         # Checkpointed here, right after the chunk: rank 0 may have sent the next
         # chunk already, so a checkpoint command of its own would come too late.
@@ -208,15 +209,16 @@ class Follower:
                 delete_snapshot(self.snapshots, info.name)
 
     def _name(self, length: int) -> str:
-        raw = c.receive(self.group, mx.zeros((length,), dtype=mx.int32)).tolist()
+        raw = c.int_list(c.receive(self.group, mx.zeros((length,), dtype=mx.int32)))
         return bytes(raw).decode("utf-8")
 
     def _save(self, slot: int, length: int, *_: int) -> None:
         session, name = self._session(slot, c.SAVE), self._name(length)
-        ok = self.snapshots is not None
-        if ok:
+        folder = self.snapshots
+        ok = folder is not None
+        if folder is not None:
             try:
-                save_snapshot(session, self.snapshots, name)
+                save_snapshot(session, folder, name)
             except EngineError as error:  # rank 0 then stores nothing either
                 log.warning("rank %d: KV snapshot %s not saved: %s", self.rank, name, error)
                 ok = False
@@ -237,13 +239,14 @@ class Follower:
 
 
 def memory_reply(session: Session, token_count: int) -> list[int]:
-    """A rank's memory for ``token_count`` tokens of ``session`` (``commands.memory_row``)."""
+    """A rank's memory for ``token_count`` tokens of ``session`` (``rank_commands.memory_row``)."""
     return _memory_row(session.fit_report(token_count),
                        session.stats() if session.cache else None,
                        needs_checkpoints=session.needs_checkpoints)
 
 
-def _memory_row(report: Any, stats: Any, *, needs_checkpoints: bool) -> list[int]:
+def _memory_row(report: fit.FitReport, stats: CacheStats | None, *,
+                needs_checkpoints: bool) -> list[int]:
     return c.memory_row(report.fits, [m.tokens_fit if m.supported else None for m in report.modes],
                         report.free_bytes, int(stats.bytes_used) if stats else 0,
                         int(stats.pages_in_use) if stats else 0, report.available_bytes,

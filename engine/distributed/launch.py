@@ -4,7 +4,7 @@ The process the user started launches N copies of itself with ``mlx.launch``
 (ring backend, or the hosts and backend of an MLX hostfile) and waits; each rank
 loads its stage of a model split by mlx-lm's ``pipeline`` (rank 0 holds the last
 layers). Rank 0 runs the request and commands the others
-(``engine.distributed.commands``); they follow (``engine.distributed.follower``).
+(``engine.distributed.rank_commands``); they follow (``engine.distributed.follower``).
 Each rank writes a report into a folder the launcher names; the launcher prints
 rank 0's output with every rank's share of the KV cache and the pool's fit.
 
@@ -25,15 +25,19 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from engine.distributed.alive import guard_links, start_beating
 from engine.distributed.group import LOCAL_HOSTS, RING_FAILED, Group
 from engine.errors import EngineError
+
+if TYPE_CHECKING:  # MLX is imported where a rank joins: the launcher runs without it
+    import mlx.core as mx
 
 REPORT_DIR = "LONGLEAF_PIPELINE_DIR"  # set for the ranks by the launcher
 DEFAULT_RING_PORT = 32323  # mlx.launch's own --starting-port
@@ -97,14 +101,14 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     return int(first.get("status", 0))
 
 
-def ring_error(done: Any) -> str:
+def ring_error(done: subprocess.CompletedProcess[str]) -> str:
     """What MLX said when the ring did not form (the ranks' last ``error:`` line)."""
     errors = [line.removeprefix("error: ") for line in (done.stderr or "").splitlines()
               if line.startswith("error: ")]
     return errors[-1].rstrip(".") if errors else "no rank said why"
 
 
-def ring_retry(command: Sequence[str], ranks: int, done: Any) -> str:
+def ring_retry(command: Sequence[str], ranks: int, done: subprocess.CompletedProcess[str]) -> str:
     """What is said when local ranks are started again on other ports."""
     first = int(command[list(command).index("--starting-port") + 1])
     ports = f"port {first}" if ranks == 1 else f"ports {first}-{first + ranks - 1}"
@@ -113,7 +117,7 @@ def ring_retry(command: Sequence[str], ranks: int, done: Any) -> str:
             "them first. Starting them again on other ports.")
 
 
-def ring_gave_up(done: Any) -> str:
+def ring_gave_up(done: subprocess.CompletedProcess[str]) -> str:
     """The failure once every start of local ranks failed to form their ring."""
     return (f"The pipeline run failed: its ranks could not connect to each other on this "
             f"machine in {RING_ATTEMPTS} tries, each on other ports ({ring_error(done)}). "
@@ -127,7 +131,7 @@ def clear_rank_files(folder: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def join_group(folder: Path) -> Any:
+def join_group(folder: Path) -> mx.distributed.Group:
     """This rank's MLX group, once every rank has connected (then ``rank_started``).
 
     A group that cannot form (a peer unreachable, a port taken or answered by

@@ -1,6 +1,6 @@
 """One pipeline group started for a front end, and rank 0's connection back to it.
 
-A ``Link`` starts ``mlx.launch … python -m engine.distributed.host`` (local ring
+A ``Link`` starts ``mlx.launch … python -m engine.distributed.rank`` (local ring
 ranks, or an MLX hostfile's hosts with rank 0 on this machine), watches it with
 ``engine.distributed.group.Group`` and accepts rank 0's connection on a
 ``multiprocessing.connection.Listener`` (127.0.0.1, a fresh random authkey that
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "LONGLEAF_ENGINE_ADDRESS"  # where rank 0 connects back to ("host:port")
 KEY_ENV = "LONGLEAF_ENGINE_KEY"  # the connection's authkey, hex
-HOST_MODULE = "engine.distributed.host"
+RANK_MODULE = "engine.distributed.rank"
 # Rank 0 connects once MLX is imported and its group is up; loading comes after.
 CONNECT_TIMEOUT = 300.0
 # After the connection drops, the watcher gets this long to see the group end
@@ -82,7 +82,7 @@ class Link:
     """A started group and rank 0's connection.
 
     Args:
-        argv: the arguments of ``python -m engine.distributed.host`` on every rank.
+        argv: the arguments of ``python -m engine.distributed.rank`` on every rank.
         ranks: local ranks with the ring backend (ignored with ``hostfile``).
         hostfile: an MLX hostfile whose first host is this machine (127.0.0.1).
         on_message: called on the relay thread with each message rank 0 sends.
@@ -127,7 +127,7 @@ class Link:
     def _new_group(self) -> Group:
         """Start the ranks (local ones on ports free now)."""
         command = launch_command(self._launcher, self._argv, self._ranks, None, self._folder,
-                                 self._hostfile, module=HOST_MODULE)
+                                 self._hostfile, module=RANK_MODULE)
         env = {**rank_environment(self._folder, self._ranks, self._hosts),
                ADDRESS_ENV: f"{self._address[0]}:{self._address[1]}", KEY_ENV: self._key.hex()}
         self._command = command

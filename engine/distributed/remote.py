@@ -2,7 +2,7 @@
 
 ``RemoteWorker`` has ``EngineWorker``'s public surface, so a front end drives
 either one the same way. ``load_model`` (re)starts a pipeline group for that
-model (``engine.distributed.link``): rank 0 (``engine.distributed.host``) runs
+model (``engine.distributed.link``): rank 0 (``engine.distributed.rank``) runs
 an ``EngineWorker`` on the group and connects back over
 ``multiprocessing.connection``; the other ranks follow rank 0 as in the CLI's
 pipeline run.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.documents.docx import docx_text
-from engine.documents.files import read_all, stat_size
+from engine.documents.file_access import read_all, stat_size
 from engine.documents.limits import DEFAULT_MAX_CHARS, MAX_CONTAINER_BYTES, check_length
 from engine.documents.pdf import pdf_text
 from engine.documents.text import stream_text
@@ -70,6 +70,19 @@ class Document:
     text: str
     sha256: str
     notes: tuple[str, ...] = ()
+
+
+def file_patterns() -> tuple[str, ...]:
+    """Glob patterns of every file :func:`read_document` reads, for a file dialog's filter.
+
+    One ``*.suffix`` per supported suffix and the conventional names in the
+    spellings they are usually given (``readme``, ``README``, ``Readme``); a
+    dialog may match case-sensitively, while the reader ignores case.
+    """
+    suffixes = sorted(f"*{suffix}" for suffix in SUPPORTED_SUFFIXES)
+    names = sorted({spelling for name in TEXT_NAMES
+                    for spelling in (name, name.upper(), name.capitalize())})
+    return (*suffixes, *names)
 
 
 def is_supported(path: str | os.PathLike[str]) -> bool:

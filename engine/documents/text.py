@@ -11,7 +11,7 @@ import codecs
 import hashlib
 from pathlib import Path
 
-from engine.documents.files import os_error, vanished
+from engine.documents.file_access import os_error, vanished
 from engine.documents.limits import MAX_REPLACED_SHARE, READ_BLOCK, check_length
 from engine.errors import DocumentError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from mlx.utils import tree_flatten
 
@@ -152,7 +152,9 @@ def prefill_facts(
                + _arg(args, "shared_expert_intermediate_size"))
     mlp = max(_arg(args, "intermediate_size"), experts)
     per_value = _HIDDEN_COPIES * hidden + (heads + 2 * kv_heads) * head_dim + _MLP_COPIES * mlp
-    weights = sum(int(array.nbytes) for _, array in tree_flatten(model.parameters()))
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    parameters = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    weights = sum(int(array.nbytes) for _, array in parameters)
     return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes,
                         heads, kv_heads, head_dim, page_size,
                         streams.streams_for(kv_heads) if kv_heads else 1,
@@ -224,7 +226,8 @@ class FitReport:
         machine's, as each holds every token for its own layers (None: one machine,
         or a machine cannot store the mode)."""
         fits = [share.tokens_in(mode) for share in self.ranks]
-        return None if not fits or None in fits else min(fits)
+        known = [tokens for tokens in fits if tokens is not None]
+        return None if not fits or len(known) < len(fits) else min(known)
 
     def tight_machine(self, mode: KvMode) -> RankShare | None:
         """The machine that holds the fewest tokens in ``mode``, when that is fewer
@@ -239,7 +242,9 @@ class FitReport:
         (None: every one can, or the limit is rank 0's own, which the report's
         other sentences say)."""
         tight = self.tight_machine(mode)
-        held = tight.tokens_in(mode) if tight is not None else None
+        if tight is None:
+            return None
+        held = tight.tokens_in(mode)
         if (held is None or held >= tokens or tight.rank == 0
                 or not self.for_mode(mode).fits_context):
             return None

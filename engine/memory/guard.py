@@ -226,7 +226,7 @@ class MemoryGuard:
     def reserved_bytes(self, key: str | None) -> int:
         """What ``key``'s layers outside the pages may hold (0: none, or not attached)."""
         with self._lock:
-            reserved = self._reserved.get(key)
+            reserved = self._reserved.get(key) if key is not None else None
         return int(reserved()) if reserved is not None else 0
 
     def detach(self, key: str, pool: Any = None) -> None:

@@ -59,7 +59,7 @@ def _features(timing: ChunkTiming) -> tuple[float, float]:
     return n, n * (timing.start + n / 2)
 
 
-def fit(timings: Iterable[ChunkTiming]) -> PrefillRate | None:
+def least_squares_rate(timings: Iterable[ChunkTiming]) -> PrefillRate | None:
     """The least-squares ``a + b·c`` line through ``timings`` (None without any).
 
     Both coefficients are kept non-negative: where the free solution has one

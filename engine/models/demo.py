@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -158,7 +158,10 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     copy = out_dir / f".source-{os.getpid()}.gguf"
     try:
         shutil.copyfile(gguf, copy)
-        tensors, metadata = mx.load(str(copy), return_metadata=True)
+        # With return_metadata, mx.load returns (arrays, metadata); its stub
+        # declares every form it can return.
+        tensors, metadata = cast("tuple[dict[str, mx.array], dict[str, Any]]",
+                                 mx.load(str(copy), return_metadata=True))
     except (RuntimeError, ValueError, OSError) as error:
         raise ModelLoadError(f"Cannot read the GGUF file {gguf}: {error}") from error
     finally:
@@ -287,8 +290,10 @@ def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any]:
         per_module[module] = {"group_size": GGUF_BLOCK, "bits": bits}
     if not per_module:
         raise ModelLoadError("The GGUF file has no quantized tensors this converter can read.")
-    settings = [tuple(sorted(entry.items())) for entry in per_module.values()]
-    default = dict(max(set(settings), key=settings.count))
+    settings: list[tuple[tuple[str, int], ...]] = [
+        tuple(sorted(entry.items())) for entry in per_module.values()]
+    most_common = max(set(settings), key=settings.count)
+    default = dict(most_common)
     config: dict[str, Any] = {**default, "mode": "affine"}
     for module, entry in per_module.items():
         if entry != default:

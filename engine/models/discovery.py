@@ -21,13 +21,13 @@ from huggingface_hub.errors import CacheNotFound
 
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
+from engine.models import DEMO
 from engine.paths import models_dir
 
 HUGGINGFACE = "huggingface"
 LMSTUDIO = "lmstudio"
 LONGLEAF = "longleaf"
 FOLDER = "folder"
-DEMO = "demo"
 # engine.models.demo's DEMO_NAME (that module imports MLX): the embedded demo
 # model's converted folder in models_dir(), which the picker shows as the demo.
 DEMO_FOLDER = "SmolLM2-135M-Instruct"
@@ -153,7 +153,10 @@ def discover_models(
             continue
         seen.add(key)
         found = inspect_candidate(name, path, source, size)
-        (models if isinstance(found, DiscoveredModel) else skipped).append(found)
+        if isinstance(found, DiscoveredModel):
+            models.append(found)
+        else:
+            skipped.append(found)
     return Discovery(
         models=tuple(sorted(models, key=lambda m: (m.name.lower(), str(m.path)))),
         skipped=tuple(sorted(skipped, key=lambda s: (s.name.lower(), str(s.path)))),
@@ -264,7 +267,7 @@ def _hf_cache_candidates(cache: Path) -> list[tuple[str, Path, str, int | None]]
 def _folder_candidates(root: Path, source: str) -> list[tuple[str, Path, str, int | None]]:
     if not root.is_dir():
         return []
-    found = []
+    found: list[tuple[str, Path, str, int | None]] = []
     for folder in _model_folders(root, SEARCH_DEPTH):
         manifest = read_manifest(folder)
         if manifest and manifest.get("repo_id"):

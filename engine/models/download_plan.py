@@ -128,6 +128,11 @@ def plan_download(
             f"{endpoint} did not report file sizes for {repo_id}, so the download "
             "cannot be checked against free disk space. Try again later."
         )
+    if info.sha is None:
+        raise EngineError(
+            f"{endpoint} did not say which commit of {repo_id} it would send, so a "
+            "download could not be resumed safely. Try again later."
+        )
     present = _files_present(destination, files, info.sha)
     partial = 0 if _manifest_commit(destination) != info.sha else sum(
         _size(destination / PARTIAL_DIR / f.path) for f in files if f.path not in present

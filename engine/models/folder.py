@@ -84,14 +84,14 @@ def _check_sizes(config: dict[str, Any], config_path: Path) -> None:
 
 
 def _model_classes(config: dict[str, Any], folder: Path) -> tuple[Any, Any]:
-    from mlx_lm.utils import _get_classes
+    from engine.cache import mlx_lm_compat
 
     try:
-        return _get_classes(config)
+        return mlx_lm_compat.model_classes(config)
     except ValueError as error:
         raise ModelLoadError(
             f"mlx-lm does not support the architecture {config['model_type']!r} of "
-            f"{folder.name}. Update mlx-lm (pip install -U mlx-lm) or choose another model."
+            f"{folder.name}. Choose another model, or update Longleaf (and with it mlx-lm)."
         ) from error
 
 

@@ -7,17 +7,13 @@ calling MLX; a loaded model's facts use the layer kinds of mlx-lm's own cache li
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import functools
-import importlib.util
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.cache import kvquant
+from engine.cache import kvquant, mlx_lm_compat
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError, ModelLoadError
 from engine.models.folder import (
@@ -86,10 +82,11 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
 
     Reads ``config.json``, the safetensors headers (parsed as JSON here) and the
     tokenizer config; never builds a model module nor calls MLX, so any thread may
-    call it (MLX streams are thread-local: a describe on a pool thread once made
-    the process abort at exit). Which layers keep a KV cache comes from the
-    config's layer pattern and the attention weights each layer has; the loader
-    replaces these facts with mlx-lm's own cache list once the model is loaded.
+    call it (MLX streams are thread-local: MLX called on a pool thread leaves
+    streams behind that make the process abort at exit). Which layers keep a KV
+    cache comes from the config's layer pattern and the attention weights each
+    layer has; the loader replaces these facts with mlx-lm's own cache list once
+    the model is loaded.
 
     Raises:
         ModelLoadError: the folder cannot be loaded (same checks as ``load_model``).
@@ -122,39 +119,11 @@ def check_architecture(config: dict[str, Any], folder: Path) -> None:
     Looks for the module's file instead of importing it: importing a model module
     imports MLX, and this runs off the worker thread.
     """
-    model_type = str(config["model_type"]).replace("-", "_")
-    model_type = _model_remapping().get(model_type, model_type)
-    models = _mlx_lm_root() / "models"
-    if not (models / f"{model_type}.py").is_file() and not (models / model_type).is_dir():
+    if not mlx_lm_compat.has_architecture(str(config["model_type"])):
         raise ModelLoadError(
             f"mlx-lm does not support the architecture {config['model_type']!r} of "
-            f"{folder.name}. Update mlx-lm (pip install -U mlx-lm) or choose another model."
+            f"{folder.name}. Choose another model, or update Longleaf (and with it mlx-lm)."
         )
-
-
-@functools.cache
-def _mlx_lm_root() -> Path:
-    spec = importlib.util.find_spec("mlx_lm")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("mlx-lm is not installed; reinstall Longleaf.")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-@functools.cache
-def _model_remapping() -> dict[str, str]:
-    # mlx-lm maps some model_types to another module (mistral -> llama); its table
-    # is a literal in mlx_lm/utils.py, read from the source so MLX stays unimported.
-    try:
-        tree = ast.parse((_mlx_lm_root() / "utils.py").read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "MODEL_REMAPPING" for t in node.targets
-        ):
-            with contextlib.suppress(ValueError):
-                return dict(ast.literal_eval(node.value))
-    return {}
 
 
 # A layer's tensor names say whether it has softmax attention: query/key

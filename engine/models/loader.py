@@ -12,11 +12,12 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
 from engine.errors import ModelLoadError
+from engine.models import DEMO
 from engine.models.folder import check_model_dir
 from engine.models.info import (
     CONFIG_ERRORS,
@@ -28,9 +29,7 @@ from engine.models.info import (
     quantization_bits,
     require_attention,
 )
-from engine.models.probe import REFUSED, ProbeResult, probe_model
-
-DEMO = "demo"
+from engine.models.probe import PROBE_TOKENS, REFUSED, ProbeResult, probe_model
 
 
 @dataclass(frozen=True)
@@ -112,14 +111,17 @@ def load_model(
             "model again or copy its tokenizer files into the folder."
         ) from error
     model = _set_compute_dtype(model, compute_dtype)
-    stage = pipeline is not None and pipeline.size() > 1
-    if stage:
+    stage_group = pipeline if pipeline is not None and pipeline.size() > 1 else None
+    stage = stage_group is not None
+    if stage_group is not None:
         # A rank may hold only layers without a KV cache; the whole model may not.
         require_attention(folder, config, classify_layers(make_prompt_cache(model)))
-        _split(model, pipeline, folder, config, split)
+        _split(model, stage_group, folder, config, split)
     kinds = classify_layers(make_prompt_cache(model))
     # Counted by the same rule as inspect_model_dir's headers, so both agree.
-    shapes = {name: {"shape": a.shape} for name, a in tree_flatten(model.parameters())}
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    shapes = {name: {"shape": a.shape} for name, a in parameters}
     info = build_model_info(folder, config, kinds, count_parameters(config, shapes),
                             stage=stage)
     result = _probe(model, info) if probe else None
@@ -142,7 +144,7 @@ def _summarized(error: Exception, shown: int = 3) -> str:
 
 def _split(model: Any, group: mx.distributed.Group, folder: Path, config: dict[str, Any],
            split: Sequence[int] | None) -> None:
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)  # mlx-lm's inner model, untyped
     if not callable(getattr(inner, "pipeline", None)):
         from engine.models.split import no_split_message
 
@@ -172,7 +174,7 @@ def _stage_alone(model: Any) -> Iterator[None]:
     would wait on the other ranks, whose probes may run other passes (a rank
     with no paged layer skips the paged run).
     """
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)  # mlx-lm's inner model, untyped
     size = getattr(inner, "pipeline_size", 1)
     if size == 1:
         yield
@@ -198,9 +200,9 @@ def _set_compute_dtype(model: Any, dtype: mx.Dtype | None) -> Any:
 def _dequantize_for_cpu(model: Any) -> Any:
     """Unpack quantized weights to float on the CPU backend when RAM allows.
 
-    MLX's CPU quantized matmul is a plain loop, ~12x slower than the BLAS sgemm
-    a float layer gets (measured on the demo: 25.6 s vs 2.1 s for a 64-token
-    forward); Metal has fused kernels, so there the weights stay packed.
+    MLX's CPU quantized matmul is a plain loop, many times slower than the BLAS
+    sgemm a float layer gets (docs/benchmarks.md, "Figures behind constants");
+    Metal has fused kernels, so there the weights stay packed.
     """
     from mlx_lm.utils import dequantize_model, get_total_parameters
 
@@ -236,10 +238,8 @@ def _probe_bytes(config: dict[str, Any], value_bytes: int) -> int:
     their comparison), the widest MLP activation twice, and per layer mlx-lm's
     cache of one ``_KV_STEP``, keys and values.
     """
-    from engine.models.probe import _CHUNKS, _DECODE_STEPS
-
     text = config.get("text_config") or config
-    tokens = sum(_CHUNKS) + _DECODE_STEPS
+    tokens = PROBE_TOKENS
     heads = _count(text, "num_attention_heads") or 1
     kv_heads = _count(text, "num_key_value_heads") or heads
     head_dim = _count(text, "head_dim") or _count(text, "hidden_size") // heads

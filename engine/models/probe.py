@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, cast
+from unittest import mock
 
 import mlx.core as mx
 
 from engine.cache.modes import FP16, FULL_PRECISION_BITS, KvMode
-
-if TYPE_CHECKING:  # the loader imports this module: for the annotation only
-    from engine.models.loader import LoadedModel
+from engine.models.info import ModelInfo
 
 PAGED = "paged"
 MLX_LM = "mlx-lm"
@@ -33,16 +32,18 @@ PROBE_PAGE_SIZE = 16
 # reads the first back; the decode steps then read two pages.
 _CHUNKS = (16, 8)
 _DECODE_STEPS = 2
-# fp16 storage rounds each key and value by at most 2^-11 relative; through the
-# layers that moves logits by well under 1e-3 of their largest magnitude (measured:
-# demo 5.4e-4; 64 tiny random-weight archs 3e-5 to 7.9e-4, docs/coverage.md). A
-# cache that reads the wrong rows moves them by tens of percent (gemma4 KV-shared
-# layers 0.51, iquestloopcoder's second loop 0.24). 2e-2 sits ~25x above the one
-# and ~12x below the other; relative to max |logit| so it holds at any logit scale.
+# Tokens one probe feeds (its chunks, then its decode steps): the loader sizes
+# the probe's memory by it.
+PROBE_TOKENS = sum(_CHUNKS) + _DECODE_STEPS
+# fp16 storage rounds each key and value by at most 2^-11 relative, which moves the
+# logits far less than a cache that reads the wrong rows moves them (tens of percent
+# of their largest magnitude); the bound sits well clear of both (the differences:
+# docs/coverage.md per architecture, docs/benchmarks.md "Figures behind constants").
+# Relative to max |logit|, so it holds at any logit scale.
 MAX_REL_DIFF = 2e-2
 # A bfloat16 model (on Metal) rounds every activation to 8 mantissa bits on both
-# sides, in different orders: tiny archs measured 0.9e-2 to 1.4e-2 in bf16 (float16:
-# ~1.2e-3). 0.1 keeps that margin while wrong rows (0.24 and up) still fail.
+# sides, in different orders, which alone comes close to MAX_REL_DIFF; this bound
+# keeps that margin while wrong rows still fail.
 MAX_REL_DIFF_BF16 = 1e-1
 # mlx-lm's QuantizedKVCache, when it is the fallback, groups by 32: it divides the
 # most head widths (MLA's 192-wide keys included).
@@ -144,26 +145,25 @@ def paged_layers_matter(model: Any) -> bool:
         original(self, mx.zeros_like(keys), mx.zeros_like(values))
         return keys, values
 
-    PagedKVCache.update_and_fetch = store_zeros
-    try:
+    with mock.patch.object(PagedKVCache, "update_and_fetch", store_zeros):
         return probe_model(model).verdict != PAGED
-    finally:
-        PagedKVCache.update_and_fetch = original
 
 
 def max_rel_diff_for(model: Any) -> float:
     """The probe's bound for the model's compute dtype (its first float parameter's)."""
     from mlx.utils import tree_flatten
 
-    dtypes = (v.dtype for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    parameters = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    dtypes = (v.dtype for _, v in parameters if isinstance(v, mx.array))
     first = next((d for d in dtypes if mx.issubdtype(d, mx.floating)), mx.float32)
     return MAX_REL_DIFF_BF16 if first == mx.bfloat16 else MAX_REL_DIFF
 
 
 def relative_difference(ours: mx.array, reference: mx.array) -> float:
     """max |ours - reference| over max |reference| (inf for NaN or inf)."""
-    peak = mx.max(mx.abs(reference)).item()
-    diff = mx.max(mx.abs(ours - reference)).item()
+    peak = float(mx.max(mx.abs(reference)))
+    diff = float(mx.max(mx.abs(ours - reference)))
     if math.isnan(diff) or math.isinf(diff):
         return float("inf")
     return diff / max(peak, 1e-6)
@@ -184,8 +184,22 @@ def suspected_cause(model: Any) -> str:
     return ""
 
 
+class ProbedModel(Protocol):
+    """What :func:`make_session_cache` reads of a loaded model (the loader's
+    ``LoadedModel``, which imports this module, so it is not named here)."""
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def probe(self) -> ProbeResult | None: ...
+
+
 def make_session_cache(
-    loaded: LoadedModel, mode: KvMode, page_size: int, *, rotate: bool | None = None
+    loaded: ProbedModel, mode: KvMode, page_size: int, *, rotate: bool | None = None
 ) -> SessionCache:
     """The cache a session should hold for ``loaded`` at KV ``mode``.
 
@@ -195,7 +209,7 @@ def make_session_cache(
 
     Args:
         loaded: a ``LoadedModel`` (its ``probe`` says which cache works; without
-            one, the paged cache as before the probe existed).
+            one, the paged cache).
         mode: the KV mode.
         page_size: tokens per page of the paged cache.
         rotate: rotate the paged cache's rows (None: the mode's default).
@@ -229,7 +243,7 @@ def make_session_cache(
 
 def _probe_tokens(model: Any) -> list[int]:
     vocab = _vocab_size(model)
-    count = sum(_CHUNKS) + _DECODE_STEPS
+    count = PROBE_TOKENS
     # Spread over the vocabulary, deterministic, no special meaning.
     return [(7 * i + 3) % vocab for i in range(count)]
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.models import DEMO
 
 
 def can_split(folder: str | Path) -> bool:
@@ -28,7 +29,6 @@ def split_refusal(folder: str | Path) -> str | None:
     """Why the model in ``folder`` cannot be split across machines; None when it can."""
     from engine.models.demo import DEMO_ARCHITECTURE, DEMO_NAME
     from engine.models.folder import _model_classes, read_config
-    from engine.models.loader import DEMO
 
     if str(folder) == DEMO:
         # Known without converting it (which only the engine thread may do).

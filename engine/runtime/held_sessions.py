@@ -61,7 +61,7 @@ class HeldSessions:
         stored: saves a session's cache to disk as it leaves memory and restores it on return.
         stats: publishes a session's stats when its pages change hands.
         emit: sends events (the notice of a prefix taken from another chat).
-        pipeline: rank 0 of a pipeline (``engine.distributed.commands.Pipeline``):
+        pipeline: rank 0 of a pipeline (``engine.distributed.rank_commands.Pipeline``):
             load only this rank's stage of the model (``engine.models.loader.load_model``)
             and send every session's cache operations to the other ranks; None:
             every layer, here.

@@ -4,11 +4,14 @@ repeated by a heartbeat while one MLX step runs long (``engine.runtime.heartbeat
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.events import Event, StatsSample
 from engine.memory.stats import StatsThrottle, memory_usage, stats_sample
 from engine.runtime.heartbeat import StatsChannel, StatsHeartbeat
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
 
 
 class StatsReporter:
@@ -33,7 +36,7 @@ class StatsReporter:
         """The last sample taken; never calls MLX."""
         return self._channel.latest()
 
-    def publish(self, session: Any) -> None:
+    def publish(self, session: Session) -> None:
         """Send a sample of ``session`` (None or an empty cache: memory only) now."""
         live = session is not None and bool(session.cache)
         cache_stats = session.stats() if live else None
@@ -55,7 +58,7 @@ class StatsReporter:
         self._channel.publish(take)
         self._after_publish()
 
-    def tick_for(self, session: Any) -> Callable[[], None]:
+    def tick_for(self, session: Session) -> Callable[[], None]:
         """A callback for between MLX steps: publishes ``session`` once a sample is due."""
         def tick() -> None:
             if self._throttle.due():

@@ -62,7 +62,7 @@ from engine.runtime.stats_reporter import StatsReporter
 from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
-from engine.snapshots.store import SnapshotStore
+from engine.snapshots.snapshot_store import SnapshotStore
 from engine.snapshots.stored_sessions import StoredSessions
 
 log = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class EngineWorker(Worker):
         try:
             self._serve()
         finally:
-            # MLX no longer cleans a thread's streams up by itself; without this the
+            # MLX does not clean a thread's streams up by itself; without this the
             # process aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
 

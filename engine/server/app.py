@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -29,9 +30,9 @@ from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import ollama, protocol, responses
-from engine.server.bridge import LOADING, EngineBridge, NotReady, QueueFull, Ticket
+from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
-from engine.server.tools import ToolCall, ToolCallReader
+from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +160,15 @@ def too_long(prompt_tokens: int, context: int, *, anthropic: bool, field: str = 
 
 def error_response(request: Request, error: ApiError) -> JSONResponse:
     """``error`` as the OpenAI, the Anthropic or the Ollama error object."""
+    body: dict
     if _is_ollama(request):
-        body: dict = {"error": error.message}
+        body = {"error": error.message}
     elif _is_anthropic(request):
         kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
                 429: "rate_limit_error", 404: "not_found_error"}.get(error.status, error.kind)
         if kind not in ANTHROPIC_ERRORS:  # its SDKs know these types only
             kind = "api_error" if error.status >= 500 else "invalid_request_error"
-        body: dict = {"type": "error", "error": {"type": kind, "message": error.message}}
+        body = {"type": "error", "error": {"type": kind, "message": error.message}}
     else:
         body = {"error": {"message": error.message, "type": error.kind,
                           "param": error.param, "code": error.code}}
@@ -185,7 +187,7 @@ class Server:
     another origin cannot send without the CORS approval it does not get.
     """
 
-    def __init__(self, bridge: EngineBridge, api_key: str | None = None,
+    def __init__(self, bridge: ServerBridge, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES,
                  cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
                  allowed_hosts: tuple[str, ...] = (),
@@ -228,8 +230,11 @@ class Server:
             middleware.append(Middleware(
                 CORSMiddleware, allow_origins=list(self.cors_origins),
                 allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+        # Starlette declares every handler as taking any Exception; the one for a
+        # class gets that class, which its stubs cannot say.
+        handlers = {HTTPException: self._http_error}
         return Starlette(routes=routes, middleware=middleware,
-                         exception_handlers={HTTPException: self._http_error})
+                         exception_handlers=handlers)  # type: ignore[arg-type]
 
     async def _http_error(self, request: Request, error: HTTPException) -> Response:
         """Starlette's own errors (no such route, a method it does not take) as JSON."""
@@ -244,8 +249,9 @@ class Server:
 
     # -- plumbing --------------------------------------------------------------
 
-    def _wrap(self, handler, *, auth: bool = True):
-        async def endpoint(request: Request):
+    def _wrap(self, handler: Callable[[Request], Awaitable[Response]], *,
+              auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
             try:
                 self._check_host(request)
                 if auth:
@@ -354,7 +360,7 @@ class Server:
         chat = protocol.anthropic_messages(await self._body(request), counting=True)
         return JSONResponse({"input_tokens": len(await self._render(chat))})
 
-    async def chat_completions(self, request: Request):
+    async def chat_completions(self, request: Request) -> Response:
         self._check_ready()
         chat = protocol.openai_chat(await self._body(request), DEFAULT_MAX_TOKENS)
         run = await self._start(chat)
@@ -374,7 +380,7 @@ class Server:
                 **_choice_met(outcome),
             })
 
-        def chunk(delta: dict, finish: str | None, **extra) -> str:
+        def chunk(delta: dict, finish: str | None, **extra: Any) -> str:
             scores = self._chat_logprobs(run) if logprobs and "content" in delta else None
             return json.dumps({"id": ident, "object": "chat.completion.chunk",
                                "created": created, "model": model,
@@ -403,7 +409,7 @@ class Server:
                                 "created": created, "model": model, "choices": [],
                                 "usage": _openai_usage(piece), "kv_mode": piece.mode})}
             except ApiError as error:
-                yield {"data": error_response(request, error).body.decode()}
+                yield {"data": bytes(error_response(request, error).body).decode()}
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15)
 
@@ -432,7 +438,7 @@ class Server:
             at += len(text)
         top_logprobs, at = [], 0
         for entry in taken:
-            alternatives = {}
+            alternatives: dict[str, float] = {}
             for _, value in entry.top:
                 alternatives.setdefault(tops[at], value)
                 at += 1
@@ -440,7 +446,7 @@ class Server:
         return {"tokens": texts, "token_logprobs": [t.logprob for t in taken],
                 "top_logprobs": top_logprobs, "text_offset": offsets}
 
-    async def completions(self, request: Request):
+    async def completions(self, request: Request) -> Response:
         self._check_ready()
         chat = protocol.openai_completion(await self._body(request), COMPLETION_MAX_TOKENS)
         run = await self._start(chat)
@@ -472,17 +478,19 @@ class Server:
                         written += len(piece)
                         yield {"data": json.dumps(body(piece, None, scores))}
                         continue
+                    if isinstance(piece, ToolCall):  # a completion offers no tools: never
+                        continue
                     yield {"data": json.dumps(body("", piece.finish))}
                     if chat.include_usage:
                         yield {"data": json.dumps({**body("", None), "choices": [],
                                                    "usage": _openai_usage(piece),
                                                    "kv_mode": piece.mode})}
             except ApiError as error:
-                yield {"data": error_response(request, error).body.decode()}
+                yield {"data": bytes(error_response(request, error).body).decode()}
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15)
 
-    async def messages(self, request: Request):
+    async def messages(self, request: Request) -> Response:
         self._check_ready()
         chat = protocol.anthropic_messages(await self._body(request))
         run = await self._start(chat)
@@ -500,7 +508,7 @@ class Server:
             })
         return EventSourceResponse(_anthropic_events(request, run, ident, model), ping=15)
 
-    async def responses(self, request: Request):
+    async def responses(self, request: Request) -> Response:
         self._check_ready()
         asked = responses.read(await self._body(request))
         run = await self._start(asked.chat)
@@ -563,7 +571,7 @@ class Server:
         run = await self._start(chat)
         model = chat.model or ollama.tag(self.bridge.model_id)
 
-        def line(text: str, calls: list[ToolCall] = ()) -> dict:
+        def line(text: str, calls: Sequence[ToolCall] = ()) -> dict:
             if not chat_api:
                 return {"model": model, "created_at": ollama.now(), "response": text,
                         "done": False}
@@ -667,7 +675,7 @@ class Server:
         except EngineError as error:  # e.g. a template that drops the message to continue
             raise ApiError(400, str(error), param="messages") from error
 
-    def _tool_syntax(self, chat: ChatRequest):
+    def _tool_syntax(self, chat: ChatRequest) -> ToolSyntax | None:
         """How the model marks its calls, for a request with tools (None: no tools).
 
         Tools for a model whose chat template defines no tool calling are refused:
@@ -803,7 +811,7 @@ async def _anthropic_events(request: Request, run: Run, ident: str,
                 "usage": _anthropic_usage(piece), **_choice_met(piece)})
             yield event("message_stop", {})
     except ApiError as error:
-        body = json.loads(error_response(request, error).body)
+        body = json.loads(bytes(error_response(request, error).body))
         yield {"event": "error", "data": json.dumps(body)}
 
 
@@ -836,7 +844,7 @@ class Run:
         anthropic: word a prompt that turns out too long as Anthropic's API does.
     """
 
-    def __init__(self, bridge: EngineBridge, ticket: Ticket, cancel: threading.Event,
+    def __init__(self, bridge: ServerBridge, ticket: Ticket, cancel: threading.Event,
                  stops: tuple[str, ...], prompt_tokens: int,
                  reader: ToolCallReader | None = None, wanted: str | None = None, *,
                  keepalive: float = 0.0, max_calls: int | None = None,
@@ -858,7 +866,7 @@ class Run:
         taken, self.logprobs = self.logprobs, []
         return taken
 
-    async def parts(self) -> AsyncIterator[str | ToolCall | Outcome | KeepAlive]:
+    async def parts(self) -> AsyncGenerator[str | ToolCall | Outcome | KeepAlive, None]:
         """The answer's text and tool calls, then one ``Outcome``.
 
         Without a tool syntax (no tools asked, or a model that defines none) the
@@ -907,7 +915,7 @@ class Run:
         except TimeoutError:
             return KEEPALIVE
 
-    async def pieces(self) -> AsyncIterator[str | Outcome | KeepAlive]:
+    async def pieces(self) -> AsyncGenerator[str | Outcome | KeepAlive, None]:
         """Text deltas, then one ``Outcome``; raises ``ApiError`` for a failure."""
         held = ""  # text that may be the start of a stop sequence
         generated = 0

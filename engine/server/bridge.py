@@ -28,7 +28,7 @@ from engine.runtime.worker import EngineWorker
 from engine.server.tools import ToolSyntax
 from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
 from engine.session.sampling import SamplingParams
-from engine.snapshots.store import SnapshotStore
+from engine.snapshots.snapshot_store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Ticket:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-class EngineBridge:
+class ServerBridge:
     """Owns the worker and the server's sessions; every method is thread-safe.
 
     Args:

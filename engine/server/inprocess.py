@@ -26,7 +26,7 @@ from engine.cache.modes import KvMode
 from engine.errors import EngineError
 from engine.events import Event, Failed, Finished, request_id_of
 from engine.runtime.interface import Worker
-from engine.server.bridge import EngineBridge, Ticket
+from engine.server.bridge import ServerBridge, Ticket
 
 if TYPE_CHECKING:
     import uvicorn
@@ -72,8 +72,8 @@ class ApiSession:
     tokens: int
 
 
-class AttachedBridge(EngineBridge):
-    """An ``EngineBridge`` on a worker someone else owns and loads models on.
+class AttachedBridge(ServerBridge):
+    """A ``ServerBridge`` on a worker someone else owns and loads models on.
 
     Args:
         worker: the front end's running worker.
@@ -151,7 +151,7 @@ class AttachedBridge(EngineBridge):
         return ticket is not None
 
     def submit(self, *args: Any, **kwargs: Any) -> Ticket:
-        """``EngineBridge.submit``, announced."""
+        """``ServerBridge.submit``, announced."""
         ticket = super().submit(*args, **kwargs)
         self._on_change()
         return ticket

@@ -1,6 +1,6 @@
 """The server's engine over a pipeline of machines, and its fallback to this one.
 
-``PipelineBridge`` is the ``EngineBridge`` of ``serve --pipeline N`` and
+``PipelineBridge`` is the ``ServerBridge`` of ``serve --pipeline N`` and
 ``serve --hostfile FILE``: its worker is a ``RemoteWorker`` (rank 0 in a child
 process group, the other ranks local or on the hostfile's machines), driven by
 the same requests and events as the in-process one. When the group is lost,
@@ -25,7 +25,7 @@ from engine.distributed.link import RESTART_HINT, hostfile_hosts
 from engine.distributed.remote import GroupLost, RemoteWorker
 from engine.events import Event, Failed, PipelineLost
 from engine.runtime.worker import EngineWorker
-from engine.server.bridge import EngineBridge
+from engine.server.bridge import ServerBridge
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ SERVER_HINT = "Restart the server to use every machine again."
 RETIRE_TIMEOUT = 30.0
 
 
-class PipelineBridge(EngineBridge):
-    """An ``EngineBridge`` whose engine runs over ``ranks`` machines until one is lost.
+class PipelineBridge(ServerBridge):
+    """A ``ServerBridge`` whose engine runs over ``ranks`` machines until one is lost.
 
     Args:
         model: a model folder mlx-lm can split.
@@ -45,7 +45,7 @@ class PipelineBridge(EngineBridge):
         hostfile: an MLX hostfile, this machine first; its hosts are the ranks.
         split: layers per rank, rank 0 (the last layers) first (None: even).
         snapshot_budget: the stored-KV disk budget in bytes (None: the default).
-        **bridge_args: ``EngineBridge``'s other keyword arguments.
+        **bridge_args: ``ServerBridge``'s other keyword arguments.
 
     Raises:
         EngineError: the hostfile cannot be read, or puts rank 0 on another machine.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from engine.cache.modes import MODES, KvMode, parse_mode
 from engine.errors import EngineError
@@ -60,8 +60,16 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
+@overload
+def integer(body: dict, names: tuple[str, ...], default: int, low: int) -> int: ...
+
+
+@overload
+def integer(body: dict, names: tuple[str, ...], default: None, low: int) -> int | None: ...
+
+
 def integer(body: dict, names: tuple[str, ...], default: int | None,
-             low: int) -> int | None:
+            low: int) -> int | None:
     for name in names:
         value = body.get(name)
         if value is None:
@@ -337,7 +345,7 @@ def _tool_choice(body: dict, anthropic: bool) -> tuple[str, str | None]:
             and isinstance(function, dict) else None
         kinds = {"function": "named"}
         shape = '"none", "auto", "required" or {"type": "function", "function": {"name": NAME}}'
-        name = function.get("name") if kind else None
+        name = function.get("name") if kind and isinstance(function, dict) else None
     if kind not in kinds or (kinds[kind] == "named" and (not isinstance(name, str) or not name)):
         raise BadRequest(f"'tool_choice' must be {shape} (got {value!r}).", "tool_choice")
     return kinds[kind], name
@@ -358,7 +366,7 @@ def tools_of(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str |
         return None, "auto", None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools.", "tools")
-    out = []
+    out: list[dict[str, Any]] = []
     for index, tool in enumerate(tools):
         function = tool if anthropic else (tool.get("function") if isinstance(tool, dict)
                                            else None)
@@ -368,7 +376,7 @@ def tools_of(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str |
         schema = function.get("input_schema" if anthropic else "parameters", {})
         if not isinstance(schema, dict):
             raise BadRequest(f"tools[{index}]'s parameter schema must be an object.", "tools")
-        entry = {"name": function["name"], "parameters": schema}
+        entry: dict[str, Any] = {"name": function["name"], "parameters": schema}
         if isinstance(function.get("description"), str):
             entry["description"] = function["description"]
         out.append({"type": "function", "function": entry})

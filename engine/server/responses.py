@@ -297,36 +297,38 @@ class ResponseWriter:
     def add_text(self, delta: str) -> list[dict]:
         """Events for more of the answer's text (a message item opens with the first)."""
         events = []
-        if self.text is None:
-            self.text = {"type": "message", "id": f"msg_{uuid.uuid4().hex}",
-                         "status": "in_progress", "role": "assistant", "content": []}
-            self.output.append(self.text)
+        text = self.text
+        if text is None:
+            text = self.text = {"type": "message", "id": f"msg_{uuid.uuid4().hex}",
+                                "status": "in_progress", "role": "assistant", "content": []}
+            self.output.append(text)
             events.append(self.event("response.output_item.added",
-                                     output_index=len(self.output) - 1, item=self.text))
-            self.text["content"].append({"type": "output_text", "text": "",
-                                         "annotations": [], "logprobs": []})
-            events.append(self.event("response.content_part.added", **self._at(),
-                                     part=self.text["content"][0]))
-        self.text["content"][0]["text"] += delta
-        events.append(self.event("response.output_text.delta", **self._at(), delta=delta,
+                                     output_index=len(self.output) - 1, item=text))
+            text["content"].append({"type": "output_text", "text": "",
+                                    "annotations": [], "logprobs": []})
+            events.append(self.event("response.content_part.added", **self._at(text),
+                                     part=text["content"][0]))
+        text["content"][0]["text"] += delta
+        events.append(self.event("response.output_text.delta", **self._at(text), delta=delta,
                                  logprobs=[]))
         return events
 
-    def _at(self) -> dict:
-        return {"item_id": self.text["id"], "output_index": self.output.index(self.text),
+    def _at(self, text: dict) -> dict:
+        return {"item_id": text["id"], "output_index": self.output.index(text),
                 "content_index": 0}
 
     def close_text(self) -> list[dict]:
         """Events that end the message item being written, if one is."""
-        if self.text is None:
+        text = self.text
+        if text is None:
             return []
-        part = self.text["content"][0]
-        self.text["status"] = "completed"
-        events = [self.event("response.output_text.done", **self._at(), text=part["text"],
+        part = text["content"][0]
+        text["status"] = "completed"
+        events = [self.event("response.output_text.done", **self._at(text), text=part["text"],
                              logprobs=[]),
-                  self.event("response.content_part.done", **self._at(), part=part),
+                  self.event("response.content_part.done", **self._at(text), part=part),
                   self.event("response.output_item.done",
-                             output_index=self.output.index(self.text), item=self.text)]
+                             output_index=self.output.index(text), item=text)]
         self.text = None
         return events
 

@@ -12,7 +12,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from engine.server.app import KEEPALIVE_SECONDS, Server
-from engine.server.bridge import EngineBridge
+from engine.server.bridge import ServerBridge
 from engine.server.connections import http_protocol
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def server_snapshot_dir() -> Path:
     return paths.server_snapshots_dir()
 
 
-def make_app(bridge: EngineBridge, api_key: str | None = None,
+def make_app(bridge: ServerBridge, api_key: str | None = None,
              cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
              allowed_hosts: tuple[str, ...] = (),
              keepalive: float = KEEPALIVE_SECONDS) -> Starlette:
@@ -53,7 +53,7 @@ def make_app(bridge: EngineBridge, api_key: str | None = None,
     return app
 
 
-def uvicorn_server(bridge: EngineBridge, host: str, port: int,
+def uvicorn_server(bridge: ServerBridge, host: str, port: int,
                    api_key: str | None = None, cors_origins: tuple[str, ...] = (),
                    allowed_hosts: tuple[str, ...] = (),
                    keepalive: float = KEEPALIVE_SECONDS,

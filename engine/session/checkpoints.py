@@ -86,8 +86,9 @@ def take(cache: list[Any], tokens: int, *, boundary: bool) -> Checkpoint:
 
 def _trim_layers_to(layers: list[Any], tokens: int) -> bool:
     """Trim each layer to ``tokens``; False (nothing changed) when one cannot."""
-    offsets = [getattr(layer, "offset", None) for layer in layers]
-    if any(not isinstance(o, int) or o < tokens for o in offsets):
+    found = [getattr(layer, "offset", None) for layer in layers]
+    offsets = [o for o in found if isinstance(o, int)]
+    if len(offsets) < len(found) or any(o < tokens for o in offsets):
         return False
     if any(o > tokens and not layer.is_trimmable() for layer, o in zip(layers, offsets,
                                                                          strict=True)):

@@ -82,7 +82,7 @@ class GrammarMask:
 
     def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
         if self.started:
-            self.matcher.consume_token(int(history[-1].item()))
+            self.matcher.consume_token(int(history[-1]))
         self.started = True
         return mx.where(self.allowed(logits.shape[-1]), logits, -mx.inf)
 

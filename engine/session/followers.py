@@ -1,7 +1,7 @@
 """What a session asks of a pipeline's other ranks, declared where the session needs it.
 
 On a pipeline, rank 0's session sends every cache operation to the ranks that
-hold the other layers first (``engine.distributed.commands.SessionLink``, a front
+hold the other layers first (``engine.distributed.rank_commands.SessionLink``, a front
 end above this layer); on one machine a session has no link.
 """
 

@@ -9,7 +9,7 @@ stays bounded by one chunk's logits whatever the vocabulary. The session's own c
 is never touched. Only the engine's worker thread may call :func:`check_quality`.
 
 :func:`log_probs`, :func:`divergence` and :func:`summarize` are the teacher-forced
-math that ``engine.bench.quality_bench`` uses as well.
+math that ``benchmarks.quality_bench`` uses as well.
 """
 
 from __future__ import annotations

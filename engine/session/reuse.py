@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -28,6 +28,9 @@ from engine.cache import adapter, sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.session import checkpoints
 from engine.session.prompt_ids import common_prefix
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class Offer:
             the model's layers are all paged.
     """
 
-    donor: Any
+    donor: Session
     tokens: int
     states: checkpoints.Checkpoint | None = None
 
@@ -51,7 +54,7 @@ def _paged(cache: list[Any]) -> list[PagedKVCache]:
     return [c for c in cache if isinstance(c, PagedKVCache)]
 
 
-def _layout(session: Any) -> tuple:
+def _layout(session: Session) -> tuple:
     """What must match for two sessions' pages to be interchangeable."""
     return tuple(
         (c.layer, getattr(c.rotation, "format_id", None),
@@ -60,7 +63,7 @@ def _layout(session: Any) -> tuple:
     )
 
 
-def compatible(session: Any, donor: Any) -> bool:
+def compatible(session: Session, donor: Session) -> bool:
     """Whether ``donor``'s pages can serve ``session`` as they are."""
     return (
         donor is not session
@@ -73,7 +76,7 @@ def compatible(session: Any, donor: Any) -> bool:
     )
 
 
-def offer(donor: Any, keep: int) -> Offer | None:
+def offer(donor: Session, keep: int) -> Offer | None:
     """What ``donor`` can hand over of its first ``keep`` tokens (None: nothing)."""
     if keep <= 0:
         return None
@@ -88,7 +91,7 @@ def offer(donor: Any, keep: int) -> Offer | None:
 
 
 def best_offer(
-    session: Any, others: Iterable[Any], prompt: Sequence[int], *, keep_last: bool
+    session: Session, others: Iterable[Session], prompt: Sequence[int], *, keep_last: bool
 ) -> Offer | None:
     """The longest prefix another session can give ``session``, when it beats what
     ``session`` holds by at least one page."""
@@ -111,7 +114,7 @@ def best_offer(
     return best
 
 
-def adopt(session: Any, found: Offer) -> int:
+def adopt(session: Session, found: Offer) -> int:
     """Make ``session`` hold ``found``'s prefix; returns the tokens it now holds.
 
     Whatever ``session`` held is dropped first (the offer beats it). The paged

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from engine.cache import adapter
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.events import Event, TokenChunk, TokenLogprob
+from engine.memory.guard import PressureWatch
 from engine.session import checkpoints, speculative
 
 Sampler = Callable[[mx.array], mx.array]
@@ -158,7 +159,7 @@ class AnswerStream:
         sampling: SamplingParams,
         *,
         request_id: int,
-        cancel: threading.Event,
+        cancel: threading.Event | PressureWatch,
         emit: Callable[[Event], None],
         tick: Callable[[], None],
         index: speculative.ContextIndex | None = None,
@@ -197,7 +198,7 @@ class AnswerStream:
         # A verification scores several tokens in one pass; log probabilities are
         # read one decode step at a time, so a request for them decodes plainly.
         self.speculate = sampling.speculative == "lookup" and sampling.logprobs is None
-        self.index = index
+        self.index = index if index is not None else speculative.ContextIndex()
         self.drafter: speculative.Drafter | None = None
         # What speculation did: tokens proposed, proposed tokens accepted, and the
         # forward passes the answer took (the first one, over the prompt's last
@@ -253,8 +254,10 @@ class AnswerStream:
         top: tuple[tuple[int, float], ...] = ()
         if self.top_logprobs:
             ids = mx.argsort(-row)[:self.top_logprobs]
-            top = tuple(zip(ids.tolist(), row[ids].tolist(), strict=True))
-        self.pending_logprobs.append(TokenLogprob(token, row[token].item(), top))
+            # tolist() of a 1-D array is a flat list (MLX's stubs say any nesting).
+            top = tuple(zip(cast("list[int]", ids.tolist()), cast("list[float]", row[ids].tolist()),
+                            strict=True))
+        self.pending_logprobs.append(TokenLogprob(token, float(row[token]), top))
 
     def stream(self, token: int) -> None:
         """Detokenize one token; emit text once it holds only whole characters."""
@@ -331,7 +334,7 @@ class AnswerStream:
                     # budget, as if it had reached its length limit.
                     queue_next = room = False
                     max_tokens = len(self.generated) + 1
-            token = int(y.item())
+            token = int(y)
             self._score(token)
             self.last_token_at = time.perf_counter()
             if not self.generated:
@@ -354,8 +357,6 @@ class AnswerStream:
 
     def _run_speculative(self, prompt: list[int], max_tokens: int) -> str:
         """Draft from the held ids, verify each draft in one pass (see speculative.py)."""
-        if self.index is None:
-            self.index = speculative.ContextIndex()
         self.index.sync(self.held)
         backend = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
         self.drafter = drafter = speculative.Drafter(speculative.ROW_COST[backend])
@@ -371,7 +372,7 @@ class AnswerStream:
             if self.grammar is not None:  # a draft the grammar forbids could never be kept
                 draft = draft[:self.grammar.valid_prefix(pending, draft)]
             if not draft:
-                reason, pending = self._decode_plainly(pending, room, max_tokens)
+                reason, pending = self._decode_plainly(drafter, pending, room, max_tokens)
                 if reason is not None:
                     return reason
                 continue
@@ -379,7 +380,7 @@ class AnswerStream:
                 sampled, base = self._verify(pending, draft)
             except KvBudgetExceeded:
                 # No room for the draft's rows: one plain token now.
-                reason, pending = self._decode_plainly(pending, 1, max_tokens)
+                reason, pending = self._decode_plainly(drafter, pending, 1, max_tokens)
                 if reason is not None:
                     return reason
                 continue
@@ -404,14 +405,15 @@ class AnswerStream:
                 return reason
             pending = sampled[accepted]
 
-    def _decode_plainly(self, pending: int, count: int, max_tokens: int) -> tuple[str | None, int]:
+    def _decode_plainly(self, drafter: speculative.Drafter, pending: int, count: int,
+                        max_tokens: int) -> tuple[str | None, int]:
         """Plain passes, each queued before the last is read, until a draft pays again.
 
         The drafter scores the proposals it skipped against the tokens these make
         (``_hold``), so drafting resumes as soon as the text starts repeating.
         """
         try:
-            return self._decode(pending, count, max_tokens, until=self.drafter.wants_draft)
+            return self._decode(pending, count, max_tokens, until=drafter.wants_draft)
         except KvBudgetExceeded:
             return "length", pending  # as plain decoding: the budget ends the answer
 
@@ -439,9 +441,10 @@ class AnswerStream:
             for processor in self.processors:
                 row = processor(seen, row)
             rows.append(row)
-        rows = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
-        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-        return self.sampler(logprobs).tolist(), base
+        scores = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+        logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        # tolist() of a 1-D array is a flat list (MLX's stubs say any nesting).
+        return cast("list[int]", self.sampler(logprobs).tolist()), base
 
     def _emit(self, tokens: list[int], max_tokens: int) -> tuple[str | None, int]:
         """Stream ``tokens`` in order until one ends the answer.

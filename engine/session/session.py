@@ -113,7 +113,7 @@ class Session:
         self.loaded = loaded
         self.rotate = rotate
         self.model = loaded.model
-        # A pipeline's other ranks (``engine.distributed.commands.SessionLink``):
+        # A pipeline's other ranks (``engine.distributed.rank_commands.SessionLink``):
         # every cache operation below is sent to them first. None: one machine.
         self.followers = followers
         # Which cache the probe chose ("paged", or mlx-lm's own) and why.
@@ -289,7 +289,7 @@ class Session:
         return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
                                          self._value_bytes, self.chunk_size)
 
-    def stats(self) -> Any:
+    def stats(self) -> adapter.CacheStats:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""
         return adapter.cache_stats(self.cache)
 
@@ -416,9 +416,9 @@ class Session:
             position = len(self.tokens)
             if not announced:
                 self.followers.prefill(chunk, position)
-            sent_ahead = ahead is not None and self._reserve(len(ids) + len(ahead.ids))
-            if sent_ahead:
+            if ahead is not None and self._reserve(len(ids) + len(ahead.ids)):
                 self.followers.prefill(ahead, position + len(ids))
+                sent_ahead = True
         self.model(mx.array(ids)[None], cache=self.cache)
         # Evaluating the cache (not the logits) runs every layer but skips the
         # vocabulary projection of the whole chunk, as mlx-lm's prefill does.

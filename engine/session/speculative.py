@@ -43,7 +43,7 @@ MIN_NGRAM = 1
 MAX_DRAFT = 8
 # What verifying each drafted token adds to a pass, as a share of one plain step.
 # On Metal a step is bound by reading the weights and the KV once, so extra query
-# rows cost little; on a CPU they cost compute (see docs/benchmarks.md).
+# rows cost little; on a CPU they cost compute (see docs/benchmark-runs.md).
 ROW_COST = {"gpu": 0.05, "cpu": 0.2}
 # A draft is verified only when its expected tokens per unit of cost beat plain
 # decoding's one token per step by this factor.

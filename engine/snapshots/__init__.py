@@ -20,7 +20,7 @@ from engine.snapshots.snapshot import (
     load_snapshot,
     save_snapshot,
 )
-from engine.snapshots.store import SnapshotStore, default_budget, default_snapshot_dir
+from engine.snapshots.snapshot_store import SnapshotStore, default_budget, default_snapshot_dir
 
 __all__ = [
     "FORMAT_VERSION",

@@ -19,12 +19,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import blake3
 
 from engine import paths
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +131,7 @@ def model_fingerprint(folder: str | Path) -> dict[str, Any]:
     return {"digest": blake3.blake3(canonical.encode()).hexdigest(), **facts}
 
 
-def session_model_dir(session: Any) -> Path:
+def session_model_dir(session: Session) -> Path:
     """The folder of the model a ``Session`` runs.
 
     Sessions keep the ``LoadedModel``'s ``ModelInfo`` as ``info`` (or the folder as
@@ -151,7 +154,7 @@ def session_model_dir(session: Any) -> Path:
     )
 
 
-def session_fingerprint(session: Any) -> dict[str, Any]:
+def session_fingerprint(session: Session) -> dict[str, Any]:
     """The fingerprint of the weights ``session`` runs on.
 
     The one taken when its model was loaded (``LoadedModel.fingerprint``), so a

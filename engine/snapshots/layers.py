@@ -9,7 +9,7 @@ window sizes) in the manifest.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -18,6 +18,7 @@ from engine.cache import adapter, kvquant
 from engine.cache.modes import FULL_PRECISION_BITS, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.rotation import rotation_for
+from engine.snapshots.tensors import StoredArrays
 
 PAGE_PARTS: tuple[str, ...] = ("k_codes", "k_scales", "v_codes", "v_scales")
 # Highest precision first: a snapshot converts to its own mode or any later one.
@@ -87,9 +88,10 @@ def _capture_paged(index: int, layer: PagedKVCache, arrays: dict[str, mx.array])
 
 def _capture_leaves(state: Any, prefix: str, arrays: dict[str, mx.array]) -> tuple[list, int]:
     """mlx-lm ``state`` as (path, kind, plain value) leaves; arrays go to ``arrays``."""
-    leaves = []
+    leaves: list[list[Any]] = []
     nbytes = 0
-    for path, value in tree_flatten(state):
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    for path, value in cast("list[tuple[str, Any]]", tree_flatten(state)):
         if isinstance(value, mx.array):
             arrays[f"{prefix}.{path}"] = value
             leaves.append([path, "array", None])
@@ -128,7 +130,7 @@ def capture_checkpoints(kept: list[Any], arrays: dict[str, mx.array]) -> list[di
 
 
 def checkpoint_states(
-    records: list[dict], number: int, arrays: dict[str, mx.array]
+    records: list[dict], number: int, arrays: StoredArrays
 ) -> tuple[tuple[int, Any], ...]:
     """``(layer index, state)`` of stored checkpoint ``number``, in fresh arrays."""
     return tuple(
@@ -203,7 +205,7 @@ def check_rows(
 
 
 def _restore_paged(
-    layer: PagedKVCache, record: dict, arrays: dict[str, mx.array], tokens: int,
+    layer: PagedKVCache, record: dict, arrays: StoredArrays, tokens: int,
     stored_mode: KvMode, stored_page_size: int, stored_rotation: str | None,
 ) -> None:
     offset = min(record["offset"], tokens)
@@ -220,15 +222,18 @@ def _restore_paged(
         parts = [None if p is None else _repage(p, offset, stored_page_size, pool.page_size)
                  for p in parts]
         rotations = (rotation_for(stored_rotation, head_dim, record["index"]), layer.rotation)
-        k = convert_rows(parts[0], parts[1], stored_mode, pool.mode, head_dim, *rotations)
-        v = convert_rows(parts[2], parts[3], stored_mode, pool.mode, head_dim, *rotations)
+        k_codes, k_scales, v_codes, v_scales = parts
+        if k_codes is None or v_codes is None:  # check_rows refused these above
+            raise LayerMismatch(f"{what}'s stored data lacks its codes")
+        k = convert_rows(k_codes, k_scales, stored_mode, pool.mode, head_dim, *rotations)
+        v = convert_rows(v_codes, v_scales, stored_mode, pool.mode, head_dim, *rotations)
         rows = [k[0], k[1], v[0], v[1]]
         check_rows(rows, pool.mode, pool.pages_for(offset), kv_heads, pool.page_size, head_dim,
                    f"{what} as restored")
     layer.state = (*rows, offset, pool.mode, pool.page_size, record["kv_heads"], record["head_dim"])
 
 
-def _state(leaves: list, prefix: str, arrays: dict[str, mx.array]) -> Any:
+def _state(leaves: list, prefix: str, arrays: StoredArrays) -> Any:
     values = []
     for path, kind, value in leaves:
         if kind == "array":
@@ -242,14 +247,14 @@ def _state(leaves: list, prefix: str, arrays: dict[str, mx.array]) -> Any:
     return tree_unflatten(values)
 
 
-def _restore_state(layer: Any, record: dict, arrays: dict[str, mx.array], drop: int) -> None:
+def _restore_state(layer: Any, record: dict, arrays: StoredArrays, drop: int) -> None:
     layer.state = _state(record["leaves"], _key(record["index"], "state"), arrays)
     if drop and layer.trim(drop) != drop:
         raise LayerMismatch(f"layer {record['index']} cannot rewind {drop} tokens")
 
 
 def restore(
-    cache: list[Any], records: list[dict], arrays: dict[str, mx.array], *,
+    cache: list[Any], records: list[dict], arrays: StoredArrays, *,
     tokens: int, total: int, stored_mode: KvMode, stored_page_size: int,
     stored_rotation: str | None = None,
     checkpoint: tuple[tuple[int, Any], ...] | None = None,

@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -64,6 +64,9 @@ from engine.snapshots.manifest import (
     sealed,
     set_aside,
 )
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,7 @@ def _kv_bytes(records: list[dict]) -> int:
 
 
 def save_snapshot(
-    session: Any,
+    session: Session,
     directory: str | Path,
     name: str,
     *,
@@ -243,7 +246,7 @@ def _set_aside(directory: Path, name: str, message: str, reason: str) -> Snapsho
 
 
 def _check_compatible(
-    manifest: dict[str, Any], session: Any, name: str, directory: Path
+    manifest: dict[str, Any], session: Session, name: str, directory: Path
 ) -> None:
     version = manifest.get("version")
     if manifest.get("format") != FORMAT or not isinstance(version, int):
@@ -337,7 +340,7 @@ def _check_shape(manifest: dict[str, Any]) -> None:
             raise ValueError(f"layer kind {record['kind']!r}")
 
 
-def _check_restored(session: Any, tokens: int, rotation: str | None) -> None:
+def _check_restored(session: Session, tokens: int, rotation: str | None) -> None:
     """Raise LayerMismatch unless every layer holds ``tokens`` tokens, in the rotation
     the session had before the restore."""
     held = adapter.cache_tokens(session.cache)
@@ -377,7 +380,7 @@ def _reusable(
 
 
 def _restore_checkpoints(
-    session: Any, manifest: dict[str, Any], arrays: dict[str, mx.array], tokens: int
+    session: Session, manifest: dict[str, Any], arrays: tensors.StoredArrays, tokens: int
 ) -> None:
     """Give the session back the stored checkpoints it can still rewind to."""
     store = getattr(session, "checkpoints", None)
@@ -413,7 +416,7 @@ def _finish_checked(arrays: tensors.StreamedTensors, manifest: dict[str, Any]) -
 
 
 def load_snapshot(
-    session: Any,
+    session: Session,
     directory: str | Path,
     name: str,
     prompt_ids: Sequence[int],

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine import disk
 from engine.errors import EngineError
 from engine.events import Event, Notice, StoredKv
 from engine.snapshots.fingerprint import session_fingerprint
 from engine.snapshots.snapshot import SnapshotRejected
-from engine.snapshots.store import SnapshotStore
+from engine.snapshots.snapshot_store import SnapshotStore
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class StoredSessions:
         self._mirror = mirror
         self._told: set[str] = set()  # why saves failed, each said once per run
 
-    def store(self, session: Any) -> None:
+    def store(self, session: Session) -> None:
         """Store the session's cache under its id (nothing held: nothing stored)."""
         if self.snapshots is None or not session.tokens:
             return
@@ -104,17 +107,18 @@ class StoredSessions:
             self._mirror([info.name for info in listing.snapshots])
 
     def restore(
-        self, session: Any, prompt: Sequence[int], request_id: int, *, keep_last: bool,
+        self, session: Session, prompt: Sequence[int], request_id: int, *, keep_last: bool,
         allow: Callable[[str], bool] | None = None,
     ) -> int:
         """Fill an empty session from its snapshot, or else from the stored chat of
         its model that starts with the most of ``prompt`` (one document stored once
         serves every chat about it; only those ``allow`` accepts by name, when given);
         returns the tokens reused."""
-        if self.snapshots is None or session.tokens:
+        store = self.snapshots
+        if store is None or session.tokens:
             return 0
         try:
-            reused = self._load(session, session.session_id, prompt, keep_last)
+            reused = self._load(store, session, session.session_id, prompt, keep_last)
         except SnapshotRejected as rejected:
             self._emit(Notice(request_id, str(rejected)))
             if rejected.removed or rejected.set_aside:
@@ -127,14 +131,15 @@ class StoredSessions:
                                           "is read again."))
             reused = 0
         if not reused:
-            reused = self._from_another(session, prompt, request_id, keep_last, allow)
+            reused = self._from_another(store, session, prompt, request_id, keep_last, allow)
         if reused:
             self.announce()  # its "last used" moved
         return reused
 
-    def _load(self, session: Any, name: str, prompt: Sequence[int], keep_last: bool) -> int:
+    def _load(self, store: SnapshotStore, session: Session, name: str, prompt: Sequence[int],
+              keep_last: bool) -> int:
         """Snapshot ``name`` into ``session``; on a pipeline, into every rank's layers."""
-        reused = self.snapshots.load(session, name, prompt, keep_last=keep_last)
+        reused = store.load(session, name, prompt, keep_last=keep_last)
         followers = getattr(session, "followers", None)
         if reused and followers is not None and not followers.restore(name, reused):
             session.reset()
@@ -144,20 +149,20 @@ class StoredSessions:
         return reused
 
     def _from_another(
-        self, session: Any, prompt: Sequence[int], request_id: int, keep_last: bool,
-        allow: Callable[[str], bool] | None,
+        self, store: SnapshotStore, session: Session, prompt: Sequence[int], request_id: int,
+        keep_last: bool, allow: Callable[[str], bool] | None,
     ) -> int:
         try:
             digest = session_fingerprint(session)["digest"]
         except EngineError:
             return 0
-        name = self.snapshots.longest_prefix(
+        name = store.longest_prefix(
             prompt, model_digest=digest, exclude=session.session_id, at_least=session.page_size,
             allow=allow)
         if name is None:
             return 0
         try:
-            reused = self._load(session, name, prompt, keep_last)
+            reused = self._load(store, session, name, prompt, keep_last)
         except SnapshotRejected as rejected:
             # Another chat's snapshot this one cannot use (a higher mode, layers that
             # cannot rewind there): nothing to tell, the prompt is read as usual.

@@ -18,7 +18,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -68,7 +68,8 @@ def _header(arrays: dict[str, mx.array], metadata: dict[str, str]) -> bytes:
 def _raw(value: mx.array) -> memoryview:
     value = mx.contiguous(value.view(mx.uint16) if value.dtype == mx.bfloat16 else value)
     mx.eval(value)
-    return memoryview(value).cast("B")
+    # mx.array exports the buffer protocol, which MLX's stubs do not declare.
+    return memoryview(value).cast("B")  # type: ignore[arg-type]
 
 
 def write_streamed(out: BinaryIO, arrays: dict[str, mx.array], metadata: dict[str, str]) -> str:
@@ -88,6 +89,16 @@ def write_streamed(out: BinaryIO, arrays: dict[str, mx.array], metadata: dict[st
         digest.update(data)
         del data
     return digest.hexdigest()
+
+
+class StoredArrays(Protocol):
+    """What a restore reads stored arrays through: a dict, or :class:`StreamedTensors`."""
+
+    def __contains__(self, key: object, /) -> bool: ...
+
+    def __getitem__(self, key: str, /) -> mx.array: ...
+
+    def pop(self, key: str, default: None, /) -> mx.array | None: ...
 
 
 class StreamedTensors:

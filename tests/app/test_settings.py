@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import DEFAULT_REPETITION_PENALTY, Settings, config_dir
+from app.settings import DEFAULT_REPETITION_PENALTY, Setting, Settings, config_dir
 from engine.paths import data_dir
 from engine.session.sampling import SamplingParams
 
@@ -25,30 +25,102 @@ def test_defaults() -> None:
     assert s.model_folders == []
 
 
-def test_round_trip_through_the_file() -> None:
+# For each row of the settings table: a value other than its default, and what a new
+# Settings reads back from the file. A row added without one fails its case.
+ROUND_TRIP: dict[str, tuple[object, object]] = {
+    "default_mode": ("q6", "q6"),
+    "page_size": (128, 128),
+    "rotate_kv": (False, False),
+    "ingest_chunk": (1024, 1024),
+    "memory_budget_bytes": (2 * 2**30, 2 * 2**30),
+    "stored_kv_budget_bytes": (5 * 10**9, 5 * 10**9),
+    "system_prompt": ("Be brief.", "Be brief."),
+    "speculative": (False, False),
+    "server_enabled": (True, True),
+    "server_port": (8080, 8080),
+    "server_allow_network": (True, True),
+    "server_api_key": ("  ll-key  ", "ll-key"),
+    "server_allowed_hosts": (("mac.local", "studio.lan"), ("mac.local", "studio.lan")),
+    "server_share_chats": (True, True),
+    "pipeline_enabled": (True, True),
+    "pipeline_hostfile": (" /macs/hosts.json ", "/macs/hosts.json"),
+    "pipeline_split": ((10, 14), (10, 14)),
+    "model_folders": (["/models/a", "/models/b", "/models/a"], ["/models/a", "/models/b"]),
+    "last_model": ("/models/b", "/models/b"),
+    "last_folder": ("/", "/"),
+    "memory_panel_visible": (False, False),
+    "window_geometry": (b"\x01\x02geometry", b"\x01\x02geometry"),
+}
+
+# The keys users' settings.ini files hold: a row may not move its key.
+STORED_KEYS = {
+    "default_mode": "engine/default_mode", "page_size": "engine/page_size",
+    "rotate_kv": "engine/rotate_kv", "ingest_chunk": "engine/ingest_chunk",
+    "memory_budget_bytes": "engine/memory_budget_bytes",
+    "stored_kv_budget_bytes": "engine/stored_kv_budget_bytes",
+    "system_prompt": "chat/system_prompt", "speculative": "engine/speculative",
+    "server_enabled": "server/enabled", "server_port": "server/port",
+    "server_allow_network": "server/allow_network", "server_api_key": "server/api_key",
+    "server_allowed_hosts": "server/allowed_hosts", "server_share_chats": "server/share_chats",
+    "pipeline_enabled": "pipeline/enabled", "pipeline_hostfile": "pipeline/hostfile",
+    "pipeline_split": "pipeline/split", "model_folders": "models/folders",
+    "last_model": "models/last", "last_folder": "files/last_folder",
+    "memory_panel_visible": "window/memory_panel", "window_geometry": "window/geometry",
+}
+
+
+def test_every_row_keeps_the_key_users_files_hold() -> None:
+    assert {row.name: row.key for row in Settings.table()} == STORED_KEYS
+    assert Settings.fields() == (*STORED_KEYS, "sampling")
+
+
+@pytest.mark.parametrize("row", Settings.table(), ids=lambda row: row.name)
+def test_each_setting_round_trips_through_the_file(row: Setting) -> None:
+    written, read_back = ROUND_TRIP[row.name]
     s = Settings()
-    s.default_mode = "q6"
-    s.page_size = 128
-    s.ingest_chunk = 1024
-    s.memory_budget_bytes = 2 * 2**30
-    s.stored_kv_budget_bytes = 5 * 10**9
-    s.sampling = SamplingParams(temperature=0.2, top_k=40, max_tokens=99, seed=7)
-    s.system_prompt = "Be brief."
-    s.model_folders = ["/models/a", "/models/b", "/models/a"]
-    s.last_model = "/models/b"
+    assert getattr(s, row.name) != read_back  # not the default: the case can fail
+    setattr(s, row.name, written)
     s.sync()
-    again = Settings()
-    assert (again.default_mode, again.page_size, again.ingest_chunk) == ("q6", 128, 1024)
-    assert again.memory_budget_bytes == 2 * 2**30
-    assert again.stored_kv_budget_bytes == 5 * 10**9
-    again.stored_kv_budget_bytes = None  # back to the default, and the key is gone
+    assert getattr(Settings(), row.name) == read_back
+    assert set(Settings().stored()) == {row.key}
+
+
+@pytest.mark.parametrize(("name", "stored", "read"), [
+    ("default_mode", "q6_k", "q8"),
+    ("page_size", "3", 16),
+    ("page_size", "many", 256),
+    ("server_port", "70000", 1234),
+    ("pipeline_split", "10,zero", None),
+    ("memory_budget_bytes", "-5", None),
+    ("rotate_kv", "false", False),
+    ("model_folders", "/one/folder", ["/one/folder"]),
+])
+def test_a_value_its_validator_refuses_reads_as_the_default(
+        name: str, stored: str, read: object) -> None:
+    group, key = STORED_KEYS[name].split("/")
+    Settings().path.write_text(f"[{group}]\n{key}={stored}\n")
+    assert getattr(Settings(), name) == read
+
+
+def test_sampling_round_trips_through_the_file() -> None:
+    s = Settings()
+    s.sampling = SamplingParams(temperature=0.2, top_k=40, max_tokens=99, seed=7)
+    s.sync()
+    assert Settings().sampling == SamplingParams(temperature=0.2, top_k=40, max_tokens=99,
+                                                 seed=7)
+    # repetition_penalty too: the app's default is not SamplingParams' own.
+    assert set(Settings().stored()) == {"sampling/temperature", "sampling/top_k",
+                                        "sampling/max_tokens", "sampling/seed",
+                                        "sampling/repetition_penalty"}
+
+
+def test_a_budget_set_back_to_the_default_removes_its_key() -> None:
+    s = Settings()
+    s.stored_kv_budget_bytes = 5 * 10**9
+    s.stored_kv_budget_bytes = None
+    s.sync()
     assert Settings().stored_kv_budget_bytes is None
     assert "stored_kv_budget_bytes" not in s.path.read_text()
-    assert again.sampling == SamplingParams(temperature=0.2, top_k=40, max_tokens=99, seed=7)
-    assert again.system_prompt == "Be brief."
-    assert again.model_folders == ["/models/a", "/models/b"]
-    assert again.last_model == "/models/b"
-    assert s.path.read_text().count("default_mode=q6") == 1
 
 
 def test_unknown_mode_is_refused() -> None:
@@ -75,7 +147,7 @@ def test_a_read_only_data_folder_without_a_config_folder_keeps_settings_for_the_
     monkeypatch.setenv("LONGLEAF_HOME", str(home))
     monkeypatch.delenv("LONGLEAF_CONFIG_HOME", raising=False)
     make_read_only(home, monkeypatch)  # no config/ can be made there
-    s = Settings()  # was an OSError (a traceback at start)
+    s = Settings()  # no OSError (a traceback at start)
     assert s.path == home / "config" / "settings.ini" and s.default_mode == "q8"
     s.default_mode = "q6"
     assert s.default_mode == "q6"  # kept for this run

@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
 from engine.cache import kvquant
+from engine.cache.modes import DEFAULT_MODE
 from engine.cli import build_parser, main
 from engine.paths import models_dir
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -116,6 +117,12 @@ def test_kv_takes_the_same_names_in_every_command(command: str) -> None:
     extra = ["--prompt", "hi"] if command == "generate" else []
     args = build_parser().parse_args([command, "--model", "demo", "--kv", "8bit", *extra])
     assert args.kv == "q8"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_kv_has_the_registrys_default_in_every_command(command: str) -> None:
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    assert build_parser().parse_args([command, "--model", "demo", *extra]).kv == DEFAULT_MODE
 
 
 def test_a_session_name_that_is_no_file_name_is_refused_before_loading(

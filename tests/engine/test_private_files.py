@@ -10,7 +10,7 @@ import pytest
 
 from engine.models.loader import load_model
 from engine.session.session import Session
-from engine.snapshots.store import SnapshotStore, default_snapshot_dir
+from engine.snapshots.snapshot_store import SnapshotStore, default_snapshot_dir
 from tests.engine.tinymodels import make_tiny_model_dir
 
 

@@ -21,7 +21,7 @@ import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -169,12 +169,14 @@ def tiny_config(arch: str, **overrides: Any) -> dict[str, Any]:
 
 
 def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
-    from mlx_lm.utils import _get_classes
+    from engine.cache.mlx_lm_compat import model_classes
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
-    weights = {name: value.astype(dtype) for name, value in tree_flatten(model.parameters())}
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    weights = {name: value.astype(dtype) for name, value in parameters}
     if config["model_type"] == "gemma3_text":
         # Gemma checkpoints tie the output head to the embedding; mlx-lm ties on load.
         weights.pop("lm_head.weight")
@@ -260,9 +262,16 @@ def load_tiny(tmp_path: Path, arch: str, **kwargs: Any) -> tuple[Any, Any]:
     Returns:
         ``(model, tokenizer)``: mlx-lm's model and its ``TokenizerWrapper``.
     """
+    return _load(make_tiny_model_dir(tmp_path, arch, **kwargs))
+
+
+def _load(folder: Path) -> tuple[Any, Any]:
+    """mlx-lm's ``(model, tokenizer)`` of ``folder``."""
     from mlx_lm.utils import load
 
-    return load(str(make_tiny_model_dir(tmp_path, arch, **kwargs)))
+    # Without return_config, load returns these two; its annotation is the
+    # union of that and the three it returns with it.
+    return cast("tuple[Any, Any]", load(str(folder)))
 
 
 def loaded_for_session(folder: Path, max_context: int = 4096) -> Any:
@@ -270,18 +279,14 @@ def loaded_for_session(folder: Path, max_context: int = 4096) -> Any:
     (model, tokenizer, info with its context and path, folder)."""
     from types import SimpleNamespace
 
-    from mlx_lm.utils import load
-
-    model, tokenizer = load(str(folder))
+    model, tokenizer = _load(folder)
     info = SimpleNamespace(max_context=max_context, path=str(folder))
     return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)
 
 
 def load_tiny_model(folder: Path) -> SimpleNamespace:
     """A tiny model folder loaded by mlx-lm, with the facts a ``Session`` reads."""
-    from mlx_lm.utils import load
-
-    model, tokenizer = load(str(folder))
+    model, tokenizer = _load(folder)
     config = json.loads((folder / "config.json").read_text())
     info = SimpleNamespace(max_context=config["max_position_embeddings"])
     return SimpleNamespace(model=model, tokenizer=tokenizer, info=info, folder=folder)

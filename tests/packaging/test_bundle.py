@@ -47,6 +47,9 @@ def test_linux_bundle_runs_the_self_test(tmp_path: Path) -> None:
     )
     program = build.executable(dist)
     assert build.missing_files(dist) == []
+    modules = build.bundled_modules(dist)
+    assert "engine.cache.paged_cache" in modules and "app.controller" in modules
+    assert build.stray_modules(modules) == []
 
     environment = {
         key: value

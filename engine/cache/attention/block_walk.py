@@ -15,13 +15,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from engine.cache import kvquant
 from engine.cache.attention import schedule, scratch, streams
 from engine.cache.attention.query_view import QueryView, column_positions
+
+if TYPE_CHECKING:
+    from engine.cache.paged_cache import PagedKVCache
+    from engine.cache.pages import PageStore
 
 
 @dataclass(frozen=True)
@@ -39,15 +43,16 @@ def column_blocks(end: int, positions: mx.array | None, tokens: int) -> list[Col
             for start in range(0, end, tokens)]
 
 
-def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
+def attend_blocks(view: QueryView, cache: PagedKVCache, scale: float) -> mx.array:
     kv_heads, rows, head_dim = view.q.shape
     decode = view.length <= scratch.PACKED_MAX_TOKENS
     # Each group of heads walks the same blocks on its own stream; together they
     # hold what one walk over every head would, so the scratch arithmetic holds.
     # A decode step's small matmuls stay on one stream: split, two streams' BLAS
     # threads fight over the cores.
-    groups = ([(slice(0, kv_heads), None)] if decode
-              else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
+    groups: list[tuple[slice, mx.Stream | None]] = (
+        [(slice(0, kv_heads), None)] if decode
+        else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
     budget = cache.pool.scratch_bytes
     if decode:
         budget = min(budget, scratch.DECODE_SCRATCH_BYTES)
@@ -64,7 +69,7 @@ def attend_blocks(view: QueryView, cache: Any, scale: float) -> mx.array:
         # rounds a matmul by its shape.
         end = cache.pool.pages_for(end) * page_size
     blocks = column_blocks(end, positions, tokens)
-    store = cache.store
+    store = cache.held_store
     return _walk(view, scale, blocks, groups,
                  lambda walk, block: _merge_block(walk, store, block, decode))
 
@@ -115,7 +120,7 @@ class _HeadWalk:
         return contextlib.nullcontext() if self.stream is None else mx.stream(self.stream)
 
 
-def _merge_block(walk: _HeadWalk, store: Any, block: ColumnBlock, decode: bool) -> None:
+def _merge_block(walk: _HeadWalk, store: PageStore, block: ColumnBlock, decode: bool) -> None:
     # Its own frame: once it returns, no Python name holds the block's arrays, so
     # MLX frees (or reuses) each one as soon as its last consumer ran.
     view = walk.view
@@ -150,12 +155,12 @@ def _by_position(rows: mx.array, right: mx.array, length: int) -> mx.array:
     return mx.moveaxis(out, 0, -2).reshape(kv_heads, count, out.shape[-1])
 
 
-def _dequantized(store: Any, block: ColumnBlock, heads: slice) -> tuple[mx.array, mx.array]:
+def _dequantized(store: PageStore, block: ColumnBlock, heads: slice) -> tuple[mx.array, mx.array]:
     """Keys and values of a block's columns for ``heads``, ``[heads, n, D]`` in fp32."""
     layout = store.layout
 
     def rows(part: int) -> mx.array:
-        codes = store.parts[part][heads, block.start:block.stop]
+        codes = store.part(part)[heads, block.start:block.stop]
         pairs = store.parts[part + 1]
         scales = None if pairs is None else pairs[0, heads, block.start:block.stop, :1]
         return kvquant.dequantize_rows(codes, scales, layout.bits, layout.head_dim)

@@ -24,7 +24,7 @@ dtype's rounding).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -33,6 +33,9 @@ from engine.cache.attention.query_view import QueryView, compute_dtype
 from engine.cache.attention.scratch import PACKED_MAX_TOKENS
 from engine.errors import EngineError
 
+if TYPE_CHECKING:
+    from engine.cache.paged_cache import PagedKVCache
+
 __all__ = ["PACKED_MAX_TOKENS", "compute_dtype", "paged_attention"]
 
 
@@ -40,7 +43,7 @@ def paged_attention(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
-    cache: Any,
+    cache: PagedKVCache,
     scale: float,
     mask: Any = None,
     sinks: mx.array | None = None,

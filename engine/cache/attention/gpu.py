@@ -24,14 +24,19 @@ context to float32 first).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from engine.cache import fusion, kvquant
 from engine.cache.attention import scratch
 from engine.cache.attention.query_view import QueryView, column_positions
+from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.cache.paged_cache import PagedKVCache
+    from engine.cache.pages import PageStore
 
 _SIXTEEN_BITS = (mx.float16, mx.bfloat16)
 # A bfloat16 query is clipped here before it becomes float16: the largest value
@@ -56,36 +61,44 @@ def prepared_queries(queries: mx.array) -> mx.array:
     return queries
 
 
-def attend(queries: mx.array, view: QueryView, cache: Any, scale: float) -> mx.array:
+def attend(queries: mx.array, view: QueryView, cache: PagedKVCache, scale: float) -> mx.array:
     """Attention over a PagedKVCache under the GPU schedule, ``[kv_heads, rows, D]``.
 
     ``queries`` are the call's ``[1, heads, L, D]`` in :func:`attention_dtype`;
     ``view`` folds them (same dtype).
     """
-    store = cache.store
+    store = cache.held_store
     quantized = store.layout.bits != 16
     group = kvquant.mlx_group_size(cache.head_dim)
     # Whole-context reads in float16 only: float32 queries would have MLX convert
     # every stored row (fp16 pages) or scale (quantized) to float32 for the step;
     # the blocks below bound what that holds.
     sixteen = view.q.dtype == mx.float16
-    if view.length <= scratch.PACKED_MAX_TOKENS and (group or not quantized) and sixteen:
-        if quantized:
+    if view.length <= scratch.PACKED_MAX_TOKENS and sixteen:
+        if quantized and group:
             return _decode_quantized(view, cache, scale, group)
-        return _decode_fp16(queries, view, cache, scale)
+        if not quantized:
+            return _decode_fp16(queries, view, cache, scale)
     return _prefill(view, cache, scale, group)
 
 
-def _decode_quantized(view: QueryView, cache: Any, scale: float, group: int) -> mx.array:
+def _decode_quantized(view: QueryView, cache: PagedKVCache, scale: float, group: int) -> mx.array:
     end, positions = cache.columns()
-    keys, values = _affine(cache.store, 0, end), _affine(cache.store, 2, end)
-    bits = cache.store.layout.bits
-    scores = mx.quantized_matmul(_scaled(view.q, scale), *keys, transpose=True,
-                                 group_size=group, bits=bits)
+    keys, values = _affine(cache.held_store, 0, end), _affine(cache.held_store, 2, end)
+    bits = cache.held_store.layout.bits
+    scores = _quantized_matmul(_scaled(view.q, scale), keys, True, group, bits)
     if positions is not None or view.length > 1 or isinstance(view.mask, mx.array):
         scores = view.hide(scores, column_positions(0, end, positions))
     probs = mx.softmax(scores, axis=-1, precise=True)
-    return mx.quantized_matmul(probs, *values, transpose=False, group_size=group, bits=bits)
+    return _quantized_matmul(probs, values, False, group, bits)
+
+
+def _quantized_matmul(x: mx.array, stored: Sequence[mx.array], transpose: bool, group: int,
+                      bits: int) -> mx.array:
+    """``x`` times stored columns given as (codes, scales, biases), MLX's affine layout."""
+    words, scales, biases = stored
+    return mx.quantized_matmul(x, words, scales, biases, transpose=transpose,
+                               group_size=group, bits=bits)
 
 
 def _scaled(q: mx.array, scale: float) -> mx.array:
@@ -93,17 +106,18 @@ def _scaled(q: mx.array, scale: float) -> mx.array:
     return q if scale == 1.0 else q * scale
 
 
-def _affine(store: Any, part: int, end: int, start: int = 0) -> tuple[mx.array, ...]:
+def _affine(store: PageStore, part: int, end: int,
+            start: int = 0) -> tuple[mx.array, mx.array, mx.array]:
     """Codes (as MLX's uint32 words), scales and biases of columns ``[start, end)``."""
-    words = store.parts[part].view(mx.uint32)[:, start:end]
-    pairs = store.parts[part + 1]
+    words = store.part(part).view(mx.uint32)[:, start:end]
+    pairs = store.part(part + 1)
     return words, pairs[0, :, start:end], pairs[1, :, start:end]
 
 
-def _decode_fp16(queries: mx.array, view: QueryView, cache: Any, scale: float) -> mx.array:
+def _decode_fp16(queries: mx.array, view: QueryView, cache: PagedKVCache, scale: float) -> mx.array:
     end, positions = cache.columns()
-    keys = cache.store.parts[0][None, :, :end]
-    values = cache.store.parts[2][None, :, :end]
+    keys = cache.held_store.part(0)[None, :, :end]
+    values = cache.held_store.part(2)[None, :, :end]
     mask: Any = None
     if positions is not None or isinstance(view.mask, mx.array):
         # The same mask for every query head: one row per query position.
@@ -120,8 +134,8 @@ def _decode_fp16(queries: mx.array, view: QueryView, cache: Any, scale: float) -
 # -- a prefill chunk, in blocks of columns ------------------------------------------
 
 
-def _prefill(view: QueryView, cache: Any, scale: float, group: int | None) -> mx.array:
-    store = cache.store
+def _prefill(view: QueryView, cache: PagedKVCache, scale: float, group: int | None) -> mx.array:
+    store = cache.held_store
     kv_heads, rows, head_dim = view.q.shape
     q = _scaled(view.q, scale)
     in_place = (store.layout.bits != 16 and group) or view.q.dtype == mx.float16
@@ -145,6 +159,8 @@ def _prefill(view: QueryView, cache: Any, scale: float, group: int | None) -> mx
         mixed = mix(probs, start, stop)
         state = _merged(*state, mixed, top, peak) if state is not None \
             else _first(mixed, top, peak)
+    if state is None:  # no column: every attention call follows its layer's write
+        raise EngineError("The attention read a layer that holds no tokens.")
     return state[0]
 
 
@@ -174,7 +190,7 @@ def _merged(out: mx.array, top: mx.array, total: mx.array, mixed: mx.array,
 Reader = Callable[..., mx.array]
 
 
-def _readers(store: Any, group: int | None) -> tuple[Reader, Reader]:
+def _readers(store: PageStore, group: int | None) -> tuple[Reader, Reader]:
     """(score, mix) of a block of columns, straight from the stored arrays.
 
     A block's stored columns wait for what comes before them in the graph (its
@@ -188,26 +204,27 @@ def _readers(store: Any, group: int | None) -> tuple[Reader, Reader]:
         return list(arrays) if after is None else mx.depends(list(arrays), after)
 
     if bits != 16 and group:
-        def score(q: mx.array, start: int, stop: int, after: Any) -> mx.array:
+        def score(q: mx.array, start: int, stop: int,
+                  after: list[mx.array] | None) -> mx.array:
             keys = ordered(_affine(store, 0, stop, start), after)
-            return mx.quantized_matmul(q, *keys, transpose=True, group_size=group, bits=bits)
+            return _quantized_matmul(q, keys, True, group, bits)
 
         def mix(probs: mx.array, start: int, stop: int) -> mx.array:
             values = ordered(_affine(store, 2, stop, start), [probs])
-            return mx.quantized_matmul(probs, *values, transpose=False, group_size=group,
-                                       bits=bits)
+            return _quantized_matmul(probs, values, False, group, bits)
 
         return score, mix
 
     def rows(part: int, start: int, stop: int, dtype: mx.Dtype,
              after: list[mx.array] | None) -> mx.array:
-        codes = ordered((store.parts[part][:, start:stop],), after)[0]
+        codes = ordered((store.part(part)[:, start:stop],), after)[0]
         if bits == 16:
             return codes if codes.dtype == dtype else codes.astype(dtype)
-        scales = store.parts[part + 1][0, :, start:stop, :1]
+        scales = store.part(part + 1)[0, :, start:stop, :1]
         return kvquant.dequantize_rows(codes, scales, bits, store.layout.head_dim, dtype)
 
-    def score_rows(q: mx.array, start: int, stop: int, after: Any) -> mx.array:
+    def score_rows(q: mx.array, start: int, stop: int,
+                   after: list[mx.array] | None) -> mx.array:
         return q @ rows(0, start, stop, q.dtype, after).swapaxes(-1, -2)
 
     def mix_rows(probs: mx.array, start: int, stop: int) -> mx.array:

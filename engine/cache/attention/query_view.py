@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.cache.paged_cache import PagedKVCache
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -30,7 +33,7 @@ class QueryView:
     dtype: mx.Dtype
 
     @classmethod
-    def of(cls, queries: mx.array, cache: Any, mask: Any,
+    def of(cls, queries: mx.array, cache: PagedKVCache, mask: Any,
            dtype: mx.Dtype = mx.float32) -> QueryView:
         """The view of ``queries`` (``[1, heads, L, D]``) with ``q`` in ``dtype``."""
         _, heads, length, head_dim = queries.shape

@@ -42,7 +42,8 @@ _SPLIT_ROW_COPIES = 2.5
 DECODE_ROW_COPIES = 3.0
 # Per query row and head value, whatever the block size: the scaled queries, the
 # running output, its rescaled copy, one block's weighted values before and after
-# their scaling, and the returned output, in fp32 (measured: 5.6-6.2 copies).
+# their scaling, and the returned output, in fp32 (as peak memory counts them:
+# docs/benchmarks.md, "Figures behind constants").
 _OUT_COPIES = 6
 # A GPU prefill block holds, per block token and query row, its scores, their
 # masked copy and their probabilities in the attention dtype (16-bit), and one

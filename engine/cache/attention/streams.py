@@ -1,8 +1,8 @@
 """KV heads split over CPU streams, so a prefill chunk's attention uses every core.
 
 On MLX's CPU backend an elementwise op runs on its stream's one thread, and a
-prefill chunk's attention is mostly the exponentials of its scores (about 70% of
-a 512-token chunk at 32k tokens, measured): one stream leaves the other cores idle.
+prefill chunk's attention is mostly the exponentials of its scores
+(docs/benchmarks.md, "Figures behind constants"): one stream leaves the other cores idle.
 Heads are independent, so each group of KV heads walks the blocks on its own
 stream. On a GPU one stream already fills the device: no split there.
 """

@@ -62,8 +62,10 @@ def test_panel_updates_live_while_the_engine_generates(qtbot, window) -> None:
     assert window.panel.table.item(mode_row, 0).font().bold()
 
 
-def _largest_tick_gap(qtbot, window, prompt: str) -> tuple[float, int]:
-    """Largest gap between ticks of a 10 ms timer while one answer streams."""
+def _largest_tick_gap(qtbot, window, prompt: str) -> tuple[float, float]:
+    """Largest gap between ticks of a 10 ms timer while one answer streams, and
+    how long the answer took; a loop that never ticked twice gives the whole
+    answer as its gap."""
     c = window.controller
     ticks: list[float] = []
     timer = QTimer()
@@ -71,13 +73,15 @@ def _largest_tick_gap(qtbot, window, prompt: str) -> tuple[float, int]:
     timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
     window.composer.set_text(prompt)
     timer.start()
+    start = time.perf_counter()
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
         window.composer.edit.submitted.emit()
+    end = time.perf_counter()
     timer.stop()
     generated = c.model.message(c.model.rowCount() - 1).stats["generated_tokens"]
+    assert generated > 20
     gaps = [b - a for a, b in itertools.pairwise(ticks)]
-    assert len(gaps) > 10 and generated > 20
-    return max(gaps), generated
+    return max(gaps, default=end - start), end - start
 
 
 def test_event_loop_never_stalls_while_the_model_generates(qtbot, window) -> None:
@@ -89,13 +93,15 @@ def test_event_loop_never_stalls_while_the_model_generates(qtbot, window) -> Non
     c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=800)
     # A stall the app causes shows in every run; a busy CI machine (other
     # processes on 2 cores) can preempt any single run, so take the best of three.
+    # A run shorter than ten ticks could not show a stall and does not count.
     runs = []
     for prompt in ("Write a long answer", "Write another long answer", "And a third"):
         runs.append(_largest_tick_gap(qtbot, window, prompt))
-        if runs[-1][0] < 0.050:
+        if runs[-1][0] < 0.050 and runs[-1][1] > 0.100:
             break
-    print("largest gaps (ms):", [round(gap * 1000, 1) for gap, _ in runs])
-    assert min(gap for gap, _ in runs) < 0.050, f"event loop stalled: {runs}"
+    print("largest gaps, answer times (ms):", [(round(gap * 1000, 1), round(took * 1000))
+                                              for gap, took in runs])
+    assert any(gap < 0.050 and took > 0.100 for gap, took in runs), f"event loop stalled: {runs}"
 
 
 def test_reopen_in_another_mode_reingests_the_conversation(qtbot, window) -> None:

@@ -14,6 +14,7 @@ from PySide6.QtCore import QPoint, QSize, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QPalette
 from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QStyle, QWidget
 
+from app.chat.attachments import attach_filter
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
 from app.sessions.session_list import RecordRole, StateRole, detail_text
@@ -77,6 +78,7 @@ def test_attach_starts_in_documents_then_where_the_user_left(
 
     def fake_dialog(parent, caption, folder, filters):
         folders.append(folder)
+        assert filters == attach_filter()  # the reader's own suffixes
         return [str(picked)], ""
 
     monkeypatch.setattr(QFileDialog, "getOpenFileNames", fake_dialog)

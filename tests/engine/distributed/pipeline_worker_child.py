@@ -21,8 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.distributed.commands import Pipeline
 from engine.distributed.follower import follow
+from engine.distributed.rank_commands import Pipeline
 from engine.events import Failed, Finished, IngestProgress, Notice, TokenChunk
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams

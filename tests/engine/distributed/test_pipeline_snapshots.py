@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
 from engine.snapshots.files import manifest_path
 from engine.snapshots.manifest import read_manifest
 from engine.snapshots.snapshot import save_snapshot
 from tests.engine.distributed.test_cli_pipeline import _generate, _json
 from tests.engine.distributed.test_pipeline_cache import LAUNCH
+from tests.engine.snapshot_fixtures import cache_session, config_only_model, filled_cache
 from tests.engine.tinymodels import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.documents.reader import is_supported, read_document
+from engine.documents.reader import (
+    SUPPORTED_SUFFIXES,
+    TEXT_NAMES,
+    file_patterns,
+    is_supported,
+    read_document,
+)
 from engine.errors import DocumentError, DocumentTooLong
 from tests.engine.documents.pdf_files import assemble_pdf
 
@@ -49,6 +55,17 @@ def test_plain_text_and_source_are_read_with_their_hash(tmp_path: Path) -> None:
     src.write_text("fn main() { println!(\"hi\"); }\n")
     assert "println" in read_document(src).text
     assert is_supported(tmp_path / "Makefile")
+
+
+def test_file_patterns_name_exactly_what_the_reader_reads() -> None:
+    patterns = file_patterns()
+    suffixes = {p.removeprefix("*") for p in patterns if p.startswith("*.")}
+    names = {p for p in patterns if not p.startswith("*")}
+    assert suffixes == SUPPORTED_SUFFIXES
+    assert {name.lower() for name in names} == TEXT_NAMES
+    assert {"README", "Makefile", "LICENSE"} <= names
+    assert all(is_supported(p.replace("*", "notes")) for p in patterns)
+    assert len(patterns) == len(set(patterns))
 
 
 def test_utf8_bom_and_utf16_are_decoded(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from engine.memory.prefill_rate import (
     ChunkTiming,
     PrefillRate,
     dumps,
-    fit,
+    least_squares_rate,
     loads,
     remember,
 )
@@ -32,7 +32,7 @@ def _read(rate: PrefillRate, total: int, chunk: int, start: int = 0,
 
 
 def test_the_fit_recovers_the_line_from_exact_timings() -> None:
-    rate = fit(_read(PrefillRate(A, B), 8192, 512))
+    rate = least_squares_rate(_read(PrefillRate(A, B), 8192, 512))
     assert rate is not None
     assert rate.a == pytest.approx(A, rel=1e-6) and rate.b == pytest.approx(B, rel=1e-6)
 
@@ -42,7 +42,7 @@ def test_the_fit_stays_close_on_noisy_timings_of_several_reads() -> None:
     truth = PrefillRate(A, B)
     timings = (_read(truth, 6000, 512, noise=0.1, rng=rng)
                + _read(truth, 9000, 256, start=2000, noise=0.1, rng=rng))
-    rate = fit(timings)
+    rate = least_squares_rate(timings)
     assert rate is not None
     assert rate.seconds(0, 8000) == pytest.approx(truth.seconds(0, 8000), rel=0.05)
     assert rate.b == pytest.approx(B, rel=0.3)
@@ -59,16 +59,16 @@ def test_the_time_to_read_is_the_integral_of_the_line() -> None:
 
 
 def test_reading_slows_with_context_so_later_tokens_take_longer() -> None:
-    rate = fit(_read(PrefillRate(A, B), 8192, 512))
+    rate = least_squares_rate(_read(PrefillRate(A, B), 8192, 512))
     assert rate is not None
     # The second half of a read takes longer than the first: a constant rate would be wrong.
     assert rate.seconds(2048, 4096) > 1.2 * rate.seconds(0, 2048)
 
 
 def test_no_timings_give_no_rate_and_one_chunk_gives_a_constant_rate() -> None:
-    assert fit([]) is None
-    assert fit([ChunkTiming(4, 0, 1.0)]) is None  # too short to be a rate
-    rate = fit([ChunkTiming(512, 0, 2.0)])
+    assert least_squares_rate([]) is None
+    assert least_squares_rate([ChunkTiming(4, 0, 1.0)]) is None  # too short to be a rate
+    rate = least_squares_rate([ChunkTiming(512, 0, 2.0)])
     assert rate is not None and rate.b == 0 and rate.a == pytest.approx(2.0 / 512)
 
 
@@ -76,7 +76,7 @@ def test_the_coefficients_never_go_negative() -> None:
     # Later chunks faster than early ones (a warm-up on the first): no negative slope.
     timings = [ChunkTiming(512, 0, 4.0), ChunkTiming(512, 512, 2.0),
                ChunkTiming(512, 1024, 1.9)]
-    rate = fit(timings)
+    rate = least_squares_rate(timings)
     assert rate is not None and rate.a >= 0 and rate.b >= 0
 
 

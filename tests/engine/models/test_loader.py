@@ -160,14 +160,14 @@ def test_quantized_model_reports_bits_and_unpacked_parameters(tiny_root, tmp_pat
 
 
 def _mamba_dir(tmp_path: Path) -> Path:
-    from mlx_lm.utils import _get_classes
+    from engine.cache.mlx_lm_compat import model_classes
 
     config = {
         "model_type": "mamba", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
         "state_size": 8, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
         "use_conv_bias": True, "time_step_rank": 4,
     }
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     folder = tmp_path / "mamba"
     folder.mkdir()

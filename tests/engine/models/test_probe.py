@@ -1,6 +1,6 @@
-"""engine.models.probe and engine.bench.coverage: one test per family of outcome.
+"""engine.models.probe and benchmarks.coverage: one test per family of outcome.
 
-Tiny models come from ``coverage.build_tiny`` (a config from each class's
+Tiny models come from ``build_tiny`` (a config from each class's
 ``ModelArgs``, mlx's random initial weights), so the architectures under test are
 mlx-lm's own, with their default features on.
 """
@@ -18,12 +18,18 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from engine.bench import coverage
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import ModelLoadError
 from engine.models import probe
 from engine.models.loader import load_model
 from engine.models.probe import MAX_REL_DIFF, ProbeResult, make_session_cache, probe_model
+from tests.engine.tiny_architectures import (
+    TINY_LAYERS,
+    TINY_VOCAB,
+    build_tiny,
+    text_model_types,
+    tiny_config,
+)
 from tests.engine.tinymodels import make_tiny_model_dir
 
 
@@ -35,7 +41,7 @@ def tiny() -> dict[str, Any]:
 
 def _model(tiny: dict[str, Any], model_type: str) -> Any:
     if model_type not in tiny:
-        tiny[model_type] = coverage.build_tiny(model_type)
+        tiny[model_type] = build_tiny(model_type)
     return tiny[model_type]
 
 
@@ -60,12 +66,12 @@ def test_llama_is_paged_within_fp16_rounding(tiny) -> None:
 def test_half_precision_models_are_judged_at_their_precision(dtype) -> None:
     # bf16 activations alone move logits ~1e-2; a float32 bound would send
     # every bf16 model to mlx-lm's cache. Wrong rows still fail (gemma4 below).
-    model = coverage.build_tiny("qwen3")
+    model = build_tiny("qwen3")
     model.set_dtype(dtype)
     result = probe_model(model)
     assert result.verdict == "paged"
     assert result.max_rel_diff <= probe.max_rel_diff_for(model)
-    shared = coverage.build_tiny("gemma4_text")
+    shared = build_tiny("gemma4_text")
     shared.set_dtype(dtype)
     assert probe_model(shared).verdict == "mlx-lm"
 
@@ -108,10 +114,10 @@ def test_gemma4_kv_shared_layers_fall_back_to_mlx_lm(tiny) -> None:
 
 
 def test_gemma4_without_kv_sharing_is_paged() -> None:
-    from mlx_lm.utils import _get_classes
+    from engine.cache.mlx_lm_compat import model_classes
 
-    config = {**coverage.tiny_config("gemma4_text"), "num_kv_shared_layers": 0}
-    model_class, args_class = _get_classes(config)
+    config = {**tiny_config("gemma4_text"), "num_kv_shared_layers": 0}
+    model_class, args_class = model_classes(config)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
     assert probe_model(model).verdict == "paged"
@@ -178,7 +184,7 @@ def test_fallback_without_a_working_quantized_cache_keeps_kvcache_with_a_note(ti
 
 
 def test_non_finite_reference_is_refused(tiny) -> None:
-    model = coverage.build_tiny("llama")
+    model = build_tiny("llama")
     model.model.embed_tokens.weight = mx.full(model.model.embed_tokens.weight.shape, float("nan"))
     result = probe_model(model)
     assert result.verdict == "refused" and "non-finite" in result.reason
@@ -188,7 +194,7 @@ def test_non_finite_reference_is_refused(tiny) -> None:
 
 def test_all_zero_logits_are_refused_not_passed(tiny) -> None:
     # Equal zeros would "match" whatever the paged cache held.
-    model = coverage.build_tiny("llama")
+    model = build_tiny("llama")
     embed = model.model.embed_tokens  # tied: also the output head
     embed.weight = mx.zeros_like(embed.weight)
     result = probe_model(model)
@@ -196,7 +202,7 @@ def test_all_zero_logits_are_refused_not_passed(tiny) -> None:
 
 
 def test_coverage_skips_tiny_models_whose_logits_ignore_the_context() -> None:
-    model = coverage.build_tiny("llama")
+    model = build_tiny("llama")
     assert probe.depends_on_context(model)
     for layer in model.model.layers:  # attention and MLP add nothing: no context flows
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
@@ -214,7 +220,7 @@ def test_coverage_checks_that_pages_reach_the_logits(tiny) -> None:
 
 
 def test_zero_initialized_gains_get_random_values() -> None:
-    model = coverage.build_tiny("talkie")
+    model = build_tiny("talkie")
     assert all(mx.any(v).item() for _, v in tree_flatten(model.parameters()))
     assert probe.depends_on_context(model)
 
@@ -238,33 +244,9 @@ def test_a_model_mlx_lm_cannot_run_is_refused(tiny) -> None:
     assert result.reason == expected
 
 
-def test_a_model_without_attention_is_refused_as_the_loader_does() -> None:
-    row = coverage.probe_one("mamba")
-    assert row.verdict == "refused" and row.reason.startswith("no attention layers")
-
-
 def test_cache_lists_fall_back_to_mlx_lm_with_their_name(tiny) -> None:
     result = probe_model(_model(tiny, "deepseek_v32"))
     assert result.verdict == "mlx-lm" and "CacheList" in result.reason
-
-
-def test_unknown_architecture_is_not_built() -> None:
-    row = coverage.probe_one("no_such_arch")
-    assert row.verdict == coverage.NOT_BUILT
-    assert row.reason.startswith("could not build a tiny config: ModuleNotFoundError")
-
-
-def test_coverage_children_report_a_row_per_type() -> None:
-    rows = coverage.probe_in_children(["qwen3", "no_such_arch"])
-    assert [row.model_type for row in rows] == ["qwen3", "no_such_arch"]
-    assert rows[0].verdict == "paged" and rows[0].max_rel_diff <= MAX_REL_DIFF
-    assert rows[1].verdict == coverage.NOT_BUILT
-
-
-def test_a_child_that_overruns_gets_a_row_and_the_rest_go_on() -> None:
-    rows = coverage.probe_in_children(["qwen3", "llama"], time_limit=0.001)
-    assert [row.verdict for row in rows] == [coverage.NOT_BUILT] * 2
-    assert all("took over" in row.reason for row in rows)
 
 
 # --- load_model ----------------------------------------------------------------
@@ -293,21 +275,8 @@ def test_load_model_refuses_what_cannot_run(tiny_model_root: Path, tmp_path: Pat
 
 
 def test_tiny_configs_are_small_and_keep_default_features() -> None:
-    config = coverage.tiny_config("gemma4_text")
-    assert config["num_hidden_layers"] == coverage.TINY_LAYERS
-    assert config["vocab_size"] == coverage.TINY_VOCAB
+    config = tiny_config("gemma4_text")
+    assert config["num_hidden_layers"] == TINY_LAYERS
+    assert config["vocab_size"] == TINY_VOCAB
     assert 0 < config["num_kv_shared_layers"] < config["num_hidden_layers"]
-    assert "llama" in coverage.text_model_types()
-
-
-def test_render_backs_every_row_with_its_numbers() -> None:
-    rows = [
-        coverage.Row("llama", "paged", "", 2.5e-4),
-        coverage.Row("gemma4_text", "mlx-lm", "KV-shared layers: differ", 0.5),
-        coverage.Row("odd", coverage.NOT_BUILT, "could not build a tiny config: x | y"),
-    ]
-    text = coverage.render(rows, "0.0")
-    assert "| `llama` | paged | 2.5e-04 |  |" in text
-    assert "| `gemma4_text` | mlx-lm cache | 5.0e-01 | KV-shared layers: differ |" in text
-    assert "x \\| y" in text
-    assert "3 text architectures, 1 paged, 1 mlx-lm cache, 0 refused, 1 not built" in text
+    assert "llama" in text_model_types()

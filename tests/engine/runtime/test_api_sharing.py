@@ -15,7 +15,7 @@ import pytest
 from engine.events import Finished, SessionOpened
 from engine.runtime.held_sessions import may_reuse
 from engine.runtime.worker import EngineWorker
-from engine.snapshots.store import SnapshotStore
+from engine.snapshots.snapshot_store import SnapshotStore
 from tests.engine.runtime.test_worker import GREEDY, EventLog, loaded_worker
 from tests.engine.tinymodels import make_tiny_model_dir
 

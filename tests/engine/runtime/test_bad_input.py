@@ -114,8 +114,8 @@ BROKEN_FOLDERS: dict[str, tuple[Callable[[Path], None], str]] = {
         "The config.json in {folder} does not describe a valid llama model"),
     "unknown architecture": (
         lambda f: _config(f, model_type="llama9000"),
-        "mlx-lm does not support the architecture 'llama9000' of {name}. Update mlx-lm "
-        "(pip install -U mlx-lm) or choose another model."),
+        "mlx-lm does not support the architecture 'llama9000' of {name}. Choose another "
+        "model, or update Longleaf (and with it mlx-lm)."),
     "no weights": (
         lambda f: (f / "model.safetensors").unlink(),
         "{folder} has no model*.safetensors weights. mlx-lm needs safetensors; download "

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.server.bridge import EngineBridge
+from engine.server.bridge import ServerBridge
 from engine.server.serve import uvicorn_server
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -25,10 +25,10 @@ class Served:
 
     url: str
     key: str
-    bridge: EngineBridge
+    bridge: ServerBridge
 
 
-def start_server(folder: Path, snapshots: Path, bridge_type: type = EngineBridge, *,
+def start_server(folder: Path, snapshots: Path, bridge_type: type = ServerBridge, *,
                  api_key: str | None = API_KEY, allowed_hosts: tuple[str, ...] = (),
                  keepalive: float | None = None, head_timeout: float | None = None,
                  **bridge_args) -> tuple[Served, callable]:

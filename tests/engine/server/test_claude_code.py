@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from engine.server import app as server_app
-from engine.server.bridge import EngineBridge
+from engine.server.bridge import ServerBridge
 from tests.engine.server.agents import agent_binary, quiet_env
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.tool_models import Turns, make_tool_model_dir
@@ -59,7 +59,7 @@ def test_claude_code_reads_a_file_with_its_tool_and_answers(
             + str(note) + '"}}\n</tool_call>')
     turns = Turns(load_tokenizer(Path(agent_server.bridge.info.path)), call,
                   "The note says the longleaf pine needs fire.")
-    turns.install(monkeypatch, EngineBridge)
+    turns.install(monkeypatch, ServerBridge)
     outcomes = recorded_outcomes(monkeypatch)
     env = quiet_env(tmp_path / "home", ANTHROPIC_BASE_URL=agent_server.url,
                     ANTHROPIC_API_KEY=agent_server.key,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from engine.server.bridge import EngineBridge
+from engine.server.bridge import ServerBridge
 from tests.engine.server.agents import agent_binary, quiet_env
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.test_claude_code import recorded_outcomes
@@ -53,7 +53,7 @@ def test_codex_exec_runs_a_command_with_its_tool_and_answers(
             '\n</tool_call>')
     turns = Turns(load_tokenizer(Path(agent_server.bridge.info.path)), call,
                   "The note says the longleaf pine needs fire.")
-    turns.install(monkeypatch, EngineBridge)
+    turns.install(monkeypatch, ServerBridge)
     outcomes = recorded_outcomes(monkeypatch)
     home = tmp_path / "codex-home"
     home.mkdir()

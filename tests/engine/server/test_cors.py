@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 from engine import cli
 from engine.errors import EngineError
 from engine.server.app import Server, cors_origins
-from engine.server.bridge import EngineBridge
+from engine.server.bridge import ServerBridge
 
 ALLOWED = "http://localhost:3000"
 PREFLIGHT = {"Access-Control-Request-Method": "POST",
@@ -19,7 +19,7 @@ PREFLIGHT = {"Access-Control-Request-Method": "POST",
 
 def client(*origins: str) -> TestClient:
     # The model is never loaded: preflights and /health need no engine.
-    bridge = EngineBridge("demo", "q8", None)
+    bridge = ServerBridge("demo", "q8", None)
     return TestClient(Server(bridge, "key", cors_origins=cors_origins(list(origins))).app())
 
 

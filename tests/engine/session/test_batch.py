@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.bench.speculative_bench import first_divergence
+from tests.engine.session.batch_noise import first_divergence
 from engine.cache import adapter
 from engine.errors import Cancelled, EngineError
 from engine.events import IngestProgress, TokenChunk

@@ -11,12 +11,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.bench.speculative_bench import batch_noise, first_divergence
 from engine.errors import EngineError
 from engine.events import TokenChunk
 from engine.session import speculative
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
+from tests.engine.session.batch_noise import batch_noise, first_divergence
 from tests.engine.tinymodels import CORPUS, loaded_for_session, make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, speculative="off")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from engine.snapshots import files
-from engine.snapshots.store import SnapshotStore
+from engine.snapshots.snapshot_store import SnapshotStore
 
 
 def _dead_pid() -> int:

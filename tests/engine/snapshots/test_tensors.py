@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.bench.snapshot_memory import cache_session, config_only_model, filled_cache
 from engine.snapshots import SnapshotRejected, load_snapshot, save_snapshot, tensors
+from tests.engine.snapshot_fixtures import cache_session, config_only_model, filled_cache
 
 MODE = "q8"
 TOKENS = 512  # two 256-token pages per layer

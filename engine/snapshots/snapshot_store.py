@@ -1,0 +1,243 @@
+"""A folder of KV snapshots under a disk budget, evicting the least recently used.
+
+"Used" means written or reopened: both set the manifest's modification time,
+which survives restarts without a separate index file to keep consistent.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine import paths
+from engine.errors import EngineError
+from engine.session.prompt_ids import common_prefix
+from engine.snapshots import files
+from engine.snapshots.manifest import (
+    FORMAT_VERSION,
+    SET_ASIDE,
+    Corrupt,
+    SnapshotInfo,
+    data_files,
+    delete_snapshot,
+    list_snapshots,
+    read_manifest,
+    snapshot_info,
+)
+from engine.snapshots.snapshot import SnapshotError, load_snapshot, save_snapshot
+
+if TYPE_CHECKING:
+    from engine.session.session import Session
+
+MAX_DEFAULT_BUDGET = 20 * 10**9  # 20 GB
+FREE_DISK_SHARE = 0.10
+
+
+def default_snapshot_dir() -> Path:
+    """``<data dir>/kv-snapshots``, owner-only."""
+    return paths.snapshots_dir()
+
+
+def default_budget(directory: str | Path) -> int:
+    """The smaller of 20 GB and 10% of the free space on ``directory``'s disk."""
+    free = shutil.disk_usage(paths.private_dir(directory)).free
+    return int(min(MAX_DEFAULT_BUDGET, free * FREE_DISK_SHARE))
+
+
+class SnapshotStore:
+    """Snapshots in one folder, kept within a byte budget.
+
+    Args:
+        directory: the folder (created owner-only).
+        budget_bytes: most bytes all snapshots may take on disk; None for
+            :func:`default_budget`, computed now.
+        counted_with: other snapshot folders whose bytes count against this
+            budget too (never evicted from here), so that two stores of one
+            user (the app's and the server's) stay within one stored-KV budget.
+    """
+
+    def __init__(self, directory: str | Path | None = None, budget_bytes: int | None = None,
+                 *, counted_with: Iterable[str | Path] = ()):
+        self.directory = paths.private_dir(directory or default_snapshot_dir())
+        self.budget_bytes = default_budget(self.directory) if budget_bytes is None else budget_bytes
+        self.counted_with = tuple(Path(p) for p in counted_with)
+        self.sweep()
+
+    def set_budget(self, budget_bytes: int | None) -> list[str]:
+        """Apply a new budget (None: :func:`default_budget`, computed now).
+
+        Returns:
+            The snapshots evicted, least recently used first, to fit a lower budget.
+        """
+        if budget_bytes is not None and budget_bytes < 0:
+            raise EngineError("The stored-KV disk budget cannot be negative.")
+        self.budget_bytes = default_budget(self.directory) if budget_bytes is None \
+            else budget_bytes
+        return self.evict()
+
+    # -- reading and writing --------------------------------------------------
+
+    def save(self, session: Session, name: str) -> Path:
+        """Store ``session`` as ``name``, first evicting older snapshots to make room.
+
+        Raises:
+            SnapshotError: the snapshot alone is larger than the budget (nothing
+                is written), or the session holds nothing.
+        """
+        return save_snapshot(
+            session, self.directory, name, before_write=lambda size: self._make_room(size, name)
+        )
+
+    def load(
+        self, session: Session, name: str, prompt_ids: Sequence[int], *, keep_last: bool = True
+    ) -> int:
+        """``load_snapshot`` from this folder; a reopen counts as a use."""
+        return load_snapshot(session, self.directory, name, prompt_ids, keep_last=keep_last)
+
+    def longest_prefix(
+        self, prompt_ids: Sequence[int], *, model_digest: str, at_least: int, exclude: str = "",
+        allow: Callable[[str], bool] | None = None,
+    ) -> str | None:
+        """The snapshot of model ``model_digest`` (not ``exclude``; one ``allow`` accepts
+        by name, when given) that starts with the most tokens of ``prompt_ids``, at
+        least ``at_least``; None if none does."""
+        best, most = None, at_least - 1
+        for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
+            name = path.name[: -len(files.MANIFEST_SUFFIX)]
+            if name.startswith(files.TEMP_MARK) or name == exclude or (
+                    allow is not None and not allow(name)):
+                continue
+            try:
+                manifest = read_manifest(path)
+                if manifest.get("version") != FORMAT_VERSION or (
+                        manifest.get("model") or {}).get("digest") != model_digest:
+                    continue  # other weights (or unchecked ones) serve no other chat
+                shared = common_prefix(manifest["tokens"], prompt_ids)
+            except (Corrupt, KeyError, TypeError):
+                continue  # its own reopen removes it; here it just serves no one
+            if shared > most:
+                best, most = name, shared
+        return best
+
+    def info(self, name: str) -> SnapshotInfo | None:
+        return snapshot_info(self.directory, name)
+
+    def per_snapshot(self) -> list[SnapshotInfo]:
+        """Every snapshot, most recently used first (for the "Stored KV" panel)."""
+        return list_snapshots(self.directory)
+
+    def total_bytes(self) -> int:
+        """Bytes of every file in the folder, leftovers of interrupted writes and
+        snapshots set aside included."""
+        return sum(p.stat().st_size for p in self._files())
+
+    def counted_bytes(self) -> int:
+        """What counts against the budget: this folder and the ``counted_with`` ones."""
+        others = 0
+        for folder in self.counted_with:
+            try:
+                others += sum(p.stat().st_size for p in _folder_files(folder))
+            except OSError:  # a folder not made yet, or going away: nothing of it counts
+                continue
+        return self.total_bytes() + others
+
+    def _files(self) -> list[Path]:
+        return _folder_files(self.directory)
+
+    def _drop_set_aside(self, incoming: int) -> None:
+        """Delete set-aside files, oldest first, until ``incoming`` more bytes fit."""
+        aside = self.directory / SET_ASIDE
+        if not aside.is_dir():
+            return
+        for path in sorted((p for p in aside.iterdir() if p.is_file()),
+                           key=lambda p: p.stat().st_mtime):
+            if self.counted_bytes() + incoming <= self.budget_bytes:
+                return
+            path.unlink(missing_ok=True)
+
+    # -- removing ----------------------------------------------------------------
+
+    def delete(self, name: str) -> bool:
+        """Remove snapshot ``name``, with the pipeline ranks' parts of it on this machine."""
+        for folder in files.rank_folders(self.directory):
+            delete_snapshot(folder, name)
+        return delete_snapshot(self.directory, name)
+
+    def clear(self) -> None:
+        """Remove every snapshot and leftover file in the folder."""
+        for info in self.per_snapshot():
+            self.delete(info.name)
+        self.sweep()
+        for path in self.directory.iterdir():
+            if (path.is_file() and path.name.endswith((files.DATA_SUFFIX, files.MANIFEST_SUFFIX))
+                    and files.left_by_dead_writer(path.name)):
+                path.unlink(missing_ok=True)
+        shutil.rmtree(self.directory / SET_ASIDE, ignore_errors=True)
+        for folder in files.rank_folders(self.directory):  # parts no rank 0 manifest names
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def evict(self, incoming: int = 0, keep: Iterable[str] = ()) -> list[str]:
+        """Delete least-recently-used snapshots until ``incoming`` more bytes fit.
+
+        Returns:
+            The names deleted, oldest first.
+        """
+        self._drop_set_aside(incoming)  # kept only while nothing else needs the room
+        keep = set(keep)
+        removed: list[str] = []
+        candidates = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
+        while candidates and self.counted_bytes() + incoming > self.budget_bytes:
+            victim = candidates.pop(0)
+            self.delete(victim.name)
+            removed.append(victim.name)
+        return removed
+
+    def sweep(self) -> None:
+        """Remove what interrupted writes left: temp files, data no manifest names,
+        manifests that fail their own checksum (with their data).
+
+        Temp and data files another live process is writing (the CLI, a second
+        app, a server on the same folder) are left alone: their names record the
+        writer's process id (``files.left_by_dead_writer``).
+        """
+        named: set[str] = set()
+        for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
+            if path.name.startswith(files.TEMP_MARK):
+                continue
+            try:
+                named.add(read_manifest(path)["data_file"])
+            except Corrupt:
+                name = path.name[: -len(files.MANIFEST_SUFFIX)]
+                for leftover in (path, *data_files(self.directory, name)):
+                    files.discard(leftover)  # a read-only disk keeps it: never reused
+        for path in self.directory.iterdir():
+            stale = path.name.startswith(files.TEMP_MARK) or (
+                path.name.endswith(files.DATA_SUFFIX) and path.name not in named
+            )
+            if path.is_file() and stale and files.left_by_dead_writer(path.name):
+                files.discard(path)
+
+    def _make_room(self, size: int, name: str) -> None:
+        if size > self.budget_bytes:
+            raise SnapshotError(
+                f"This conversation's KV ({size / 1e9:.2f} GB) is larger than the stored-KV "
+                f"disk budget ({self.budget_bytes / 1e9:.2f} GB); it was not stored."
+            )
+        # The snapshot being replaced frees its bytes once the new one commits;
+        # count them as freed now so a same-size rewrite evicts nothing.
+        replaced = self.info(name)
+        freed = replaced.disk_bytes if replaced else 0
+        self.evict(max(0, size - freed), keep={name})
+
+
+def _folder_files(directory: Path) -> list[Path]:
+    """The files of a snapshot folder: the snapshots set aside and the parts a
+    pipeline's other ranks on this machine store (``files.rank_folders``) included."""
+    if not directory.is_dir():
+        return []
+    inner = [directory / SET_ASIDE, *files.rank_folders(directory)]
+    found = [p for p in directory.iterdir() if p.is_file()]
+    return found + [p for folder in inner if folder.is_dir()
+                    for p in folder.iterdir() if p.is_file()]
