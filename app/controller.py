@@ -44,6 +44,7 @@ from engine import (
     Failed,
     IngestProgress,
     KvMode,
+    ModelInfo,
     Notice,
     PipelineLost,
     PrefillRate,
@@ -149,7 +150,7 @@ class ChatController(QObject):
         return self.model_state.path
 
     @property
-    def model_info(self) -> object | None:
+    def model_info(self) -> ModelInfo | None:
         """The loaded model's ``ModelInfo``."""
         return self.model_state.info
 

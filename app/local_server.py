@@ -112,8 +112,9 @@ class LocalServerHost(QObject):
             self._failed(ServerStatus("failed", server.url, 0, str(error)))
             return
         self.server = server
-        if self.model_state.ready:
-            server.model_loaded(self.model_state.path, self.model_state.info)
+        info = self.model_state.info
+        if self.model_state.ready and info is not None:
+            server.model_loaded(self.model_state.path, info)
         self._refresh()
 
     def worker_replaced(self) -> None:
@@ -159,8 +160,9 @@ class LocalServerHost(QObject):
     def _on_model_state(self, _text: str, ready: bool) -> None:
         if self.server is None:
             return
-        if ready:
-            self.server.model_loaded(self.model_state.path, self.model_state.info)
+        info = self.model_state.info
+        if ready and info is not None:
+            self.server.model_loaded(self.model_state.path, info)
         else:
             self.server.model_changing()
 

@@ -11,11 +11,11 @@ from PySide6.QtCore import QObject, Signal
 
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
-from engine import EngineError, Event, Failed, ModelLoaded, generation_defaults
+from engine import EngineError, Event, Failed, ModelInfo, ModelLoaded, generation_defaults
 
 
-def model_name(info: object, fallback: str = "") -> str:
-    """A short display name for an ``engine.models.info.ModelInfo``."""
+def model_name(info: ModelInfo | None, fallback: str = "") -> str:
+    """A short display name for a model's facts (``fallback`` without them)."""
     for attr in ("name", "model_id", "path"):
         value = getattr(info, attr, None)
         if value:
@@ -37,11 +37,11 @@ class ModelState(QObject):
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.bridge, self.settings = bridge, settings
-        self.info: object | None = None
+        self.info: ModelInfo | None = None
         self.path = ""
         self.ready = False
         self._request: int | None = None  # the newest load: the one that decides
-        self._previous: tuple[str, object] | None = None  # kept while a load runs
+        self._previous: tuple[str, ModelInfo | None] | None = None  # kept while a load runs
         self._paths: dict[int, str] = {}  # every load in flight -> its folder
         self._defaults: tuple[str, dict[str, float | int]] = ("", {})
 

@@ -14,14 +14,17 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.cache.modes import KvMode, parse_mode
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "benchmark-runs.md"
 
 
-ConfigT = TypeVar("ConfigT")
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")
 
 
 def with_changes(config: ConfigT, **changes: Any) -> ConfigT:
@@ -113,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(reopen)
     reopen.add_argument("--model", default="demo", help="model directory or 'demo'")
     reopen.add_argument("--prompts", type=_ints, help="prompt lengths, e.g. 2k,7k")
-    reopen.add_argument("--mode", help="KV mode, e.g. q8")
+    reopen.add_argument("--mode", type=parse_mode, help="KV mode, e.g. q8")
     reopen.add_argument("--max-tokens", type=int, help="tokens of the first answer")
 
     quality = sub.add_parser("quality", help="demo model: teacher-forced KL of each KV storage")

@@ -18,6 +18,7 @@ from typing import Any
 from benchmarks.generate_bench import agreement, prompt_messages, run_engine
 from benchmarks.report import machine_lines, table
 from engine.cache.kvquant import MODES
+from engine.cache.modes import REFERENCE, KvMode
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class AgreementBenchConfig:
 
     model: str = "demo"
     prompt: int = 6144
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[KvMode, ...] = tuple(MODES)
     max_tokens: int = 64
 
 
@@ -42,7 +43,7 @@ def run_agreement_bench(
     loaded = load_model(config.model)
     render = partial(loaded.tokenizer.apply_chat_template, add_generation_prompt=True)
     messages = prompt_messages(loaded.tokenizer, config.prompt, render)
-    modes = tuple(dict.fromkeys(("fp16", *config.modes)))  # fp16 is the reference
+    modes = tuple(dict.fromkeys((REFERENCE, *config.modes)))
     rows = []
     for mode in modes:
         progress(f"agreement: {mode}")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -33,6 +33,7 @@ from benchmarks.contenders import (
     mlx_quantized_cache,
 )
 from engine.cache.kvquant import MODES, bits_for, quantize_rows
+from engine.cache.modes import FP16, KvMode
 
 FILL_CHUNK = 4096
 
@@ -48,7 +49,7 @@ class CacheBenchConfig:
 
     contexts: tuple[int, ...] = (4096, 16384, 32768)
     head_dims: tuple[int, ...] = (64, 128, 256)
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[KvMode, ...] = tuple(MODES)
     kv_heads: int = 2
     q_heads: int = 8
     prefill_tokens: int = 16384
@@ -80,7 +81,9 @@ QUICK = CacheBenchConfig(
 
 
 def _eval_tree(tree: Any) -> None:
-    arrays = [leaf for _, leaf in tree_flatten(tree) if isinstance(leaf, mx.array)]
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    leaves = cast("list[tuple[str, Any]]", tree_flatten(tree))
+    arrays = [leaf for _, leaf in leaves if isinstance(leaf, mx.array)]
     if isinstance(tree, mx.array):
         arrays = [tree]
     mx.eval(arrays)
@@ -340,7 +343,7 @@ def reference_bytes(config: CacheBenchConfig) -> list[dict[str, Any]]:
     rows = []
     for head_dim in config.head_dims:
         for context in config.contexts:
-            for mode in ("fp16", *[m for m in config.modes if m != "fp16"]):
+            for mode in (FP16, *[m for m in config.modes if m != FP16]):
                 bits = bits_for(mode)
                 if bits == 16:
                     cache: Any = KVCache()

@@ -34,6 +34,14 @@ def _one(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
     return None
 
 
+def _row(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
+    """The first row that matches, where the run always records one."""
+    row = _one(rows, **match)
+    if row is None:
+        raise LookupError(f"The results have no row with {match}.")
+    return row
+
+
 def _value(row: dict[str, Any] | None, key: str) -> Any:
     return None if row is None else row[key]
 
@@ -90,9 +98,9 @@ def _prefill_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
     rows = []
     prefill = results["prefill"]
     for head_dim in results["config"]["head_dims"]:
-        fp16 = _one(prefill, kind="mlx-fp16", head_dim=head_dim)
+        fp16 = _row(prefill, kind="mlx-fp16", head_dim=head_dim)
         for mode in _paged_modes(prefill):
-            ours = _one(prefill, kind="paged", mode=mode, head_dim=head_dim)
+            ours = _row(prefill, kind="paged", mode=mode, head_dim=head_dim)
             time_ratio = ratio(ours["prefill_s"], fp16["prefill_s"])
             tally.check(
                 "prefill ≤ 1.15× mlx-lm KVCache", f"{mode} D{head_dim}", time_ratio, PREFILL_GOAL
@@ -131,9 +139,9 @@ def _memory_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
     rows = []
     prefill = results["prefill"]
     for head_dim in results["config"]["head_dims"]:
-        fp16 = _one(prefill, kind="mlx-fp16", head_dim=head_dim)
+        fp16 = _row(prefill, kind="mlx-fp16", head_dim=head_dim)
         for mode in _paged_modes(prefill):
-            ours = _one(prefill, kind="paged", mode=mode, head_dim=head_dim)
+            ours = _row(prefill, kind="paged", mode=mode, head_dim=head_dim)
             quant = _one(prefill, kind="mlx-quant", mode=mode, head_dim=head_dim)
             peak_quant = ratio(ours["peak_bytes"], _value(quant, "peak_bytes"))
             if mode != "fp16":
@@ -183,8 +191,8 @@ def _quantize_lines(results: dict[str, Any], tally: GoalTally) -> list[str]:
     chunk = config["quant_chunk"]
     for head_dim in config["head_dims"]:
         for mode in _quant_modes(quantize):
-            token = _one(quantize, head_dim=head_dim, mode=mode, tokens=1)
-            block = _one(quantize, head_dim=head_dim, mode=mode, tokens=chunk)
+            token = _row(quantize, head_dim=head_dim, mode=mode, tokens=1)
+            block = _row(quantize, head_dim=head_dim, mode=mode, tokens=chunk)
             shares = []
             for context in config["contexts"]:
                 step = _value(

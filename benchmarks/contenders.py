@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -16,6 +16,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from engine.cache.adapter import attend
 from engine.cache.kvquant import bits_for
+from engine.cache.modes import FP16, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
@@ -29,7 +30,7 @@ class Contender:
 
     name: str
     kind: str  # "paged", "paged-rotated", "mlx-fp16" or "mlx-quant"
-    mode: str  # the KV mode it stores: fp16, q8, q6 or q4
+    mode: KvMode  # the KV mode it stores
     make_cache: Callable[[int, int, int], Any]  # (kv_heads, head_dim, capacity) -> cache
     attend: Callable[..., mx.array]
 
@@ -43,8 +44,12 @@ def mlx_quantized_cache(bits: int, dtype: mx.Dtype) -> Callable[[int, int, int],
             # broadcast). Pre-sizing the buffers correctly lets mlx-lm's own
             # update_and_fetch run unchanged; it also skips its regrowth copies,
             # which can only make this baseline faster, never slower.
-            cache.keys = _empty_quantized(kv_heads, capacity, head_dim, bits, dtype)
-            cache.values = _empty_quantized(kv_heads, capacity, head_dim, bits, dtype)
+            # mlx-lm leaves these unannotated and starts them at None, so its
+            # inferred type is None alone.
+            cache.keys = _empty_quantized(  # type: ignore[assignment]
+                kv_heads, capacity, head_dim, bits, dtype)
+            cache.values = _empty_quantized(  # type: ignore[assignment]
+                kv_heads, capacity, head_dim, bits, dtype)
         return cache
 
     return make
@@ -67,7 +72,7 @@ def mlx_needs_presized_buffers(head_dim: int, bits: int) -> bool:
 
 
 def contenders(
-    modes: tuple[str, ...], page_size: int, dtype: mx.Dtype, rotated: tuple[str, ...] = ()
+    modes: tuple[KvMode, ...], page_size: int, dtype: mx.Dtype, rotated: tuple[KvMode, ...] = ()
 ) -> list[Contender]:
     """The paged cache in each mode, mlx-lm's KVCache and its QuantizedKVCache.
 
@@ -75,10 +80,10 @@ def contenders(
     (kind "paged-rotated"), to measure what the rotation costs.
     """
     entries = [
-        Contender("mlx-lm KVCache", "mlx-fp16", "fp16", lambda h, d, c: KVCache(), mlx_lm_attention)
+        Contender("mlx-lm KVCache", "mlx-fp16", FP16, lambda h, d, c: KVCache(), mlx_lm_attention)
     ]
     for mode in modes:
-        if mode == "fp16":
+        if mode == FP16:
             continue
         bits = bits_for(mode)
         entries.append(
@@ -100,7 +105,7 @@ def contenders(
 
 
 def paged_cache_factory(
-    mode: str, page_size: int, rotate: bool = False
+    mode: KvMode, page_size: int, rotate: bool = False
 ) -> tuple[Callable[[int, int, int], Any], Callable[..., mx.array]]:
     """(make_cache, attend) for the engine's paged cache in ``mode``.
 
@@ -127,4 +132,6 @@ def held_bytes(entry: Contender, cache: Any) -> int:
     """
     if entry.kind.startswith("paged"):
         return int(cache.nbytes)
-    return sum(x.nbytes for _, x in tree_flatten(cache.keys_and_values()))
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    rows = cast("list[tuple[str, mx.array]]", tree_flatten(cache.keys_and_values()))
+    return sum(x.nbytes for _, x in rows)

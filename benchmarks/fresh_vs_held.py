@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
+from engine.cache.modes import MODES, KvMode, parse_mode
+from engine.models.loader import LoadedModel
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 
@@ -45,7 +47,7 @@ def _next_logits(session: Session, prompt: list[int]) -> mx.array:
     return logits.astype(mx.float32)
 
 
-def measure(loaded: Any, mode: str, chunk: int = 128) -> dict[str, float]:
+def measure(loaded: LoadedModel, mode: KvMode, chunk: int = 128) -> dict[str, float]:
     """The second turn's difference between a held and a fresh read, in ``mode``."""
     first = [{"role": "user", "content": DOCUMENT + "\n\nHow often do fires come?"}]
     held = Session("held", loaded, mode, chunk_size=chunk)
@@ -55,7 +57,8 @@ def measure(loaded: Any, mode: str, chunk: int = 128) -> dict[str, float]:
     prompt = held.render(second, add_generation_prompt=True)
     fresh = Session("fresh", loaded, mode, chunk_size=chunk)
     a, b = _next_logits(held, prompt), _next_logits(fresh, prompt)
-    relative = (mx.abs(a - b).max() / mx.abs(b).max()).item()
+    # Both logits are float32 (_next_logits), so the item is a Python float.
+    relative = cast(float, (mx.abs(a - b).max() / mx.abs(b).max()).item())
     top_agrees = int(mx.argmax(a).item() == mx.argmax(b).item())
     held.close()
     fresh.close()
@@ -79,7 +82,7 @@ def main(argv: list[str]) -> None:
     print("| mode | second prompt tokens | max logit diff / max logit | next token agrees "
           "| greedy answer tokens shared |")
     print("|---|---:|---:|---|---:|")
-    for mode in argv or ["fp16", "q8", "q6", "q4"]:
+    for mode in [parse_mode(name) for name in argv] or list(MODES):
         row = measure(loaded, mode)
         print(f"| {mode} | {row['tokens']} | {row['relative']:.4f} | "
               f"{'yes' if row['top'] else 'no'} | {row['shared']} of {row['answer']} |")

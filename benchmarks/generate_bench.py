@@ -21,12 +21,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from benchmarks.report import fmt_ratio, fmt_tokens, machine_lines, ratio, table
 from engine.cache.kvquant import MODES, bits_for
+from engine.cache.modes import FP16, KvMode
+
+if TYPE_CHECKING:
+    from engine.models.loader import LoadedModel
+    from engine.session.sampling import SamplingParams
 
 # Public-domain sentences (Thoreau, Walden, 1854), repeated and varied by a counter
 # so the prompt is long and not one token pattern.
@@ -46,7 +51,7 @@ class GenerateBenchConfig:
 
     model: str = "demo"
     prompts: tuple[int, ...] = (1024, 4096, 7168)
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[KvMode, ...] = tuple(MODES)
     max_tokens: int = 64
     repeats: int = 1
 
@@ -56,7 +61,8 @@ QUICK = GenerateBenchConfig(prompts=(512, 1024), max_tokens=16)
 
 def prompt_messages(tokenizer: Any, target_tokens: int, render: Callable) -> list[dict]:
     """One user message whose rendered prompt is close to ``target_tokens`` tokens."""
-    parts, count = [], 0
+    parts: list[str] = []
+    count = 0
     while count < target_tokens + 64:
         parts.append(f"({len(parts) + 1}) {PASSAGE}")
         count += len(tokenizer.encode(parts[-1], add_special_tokens=False))
@@ -66,14 +72,16 @@ def prompt_messages(tokenizer: Any, target_tokens: int, render: Callable) -> lis
     return [{"role": "user", "content": body + QUESTION}]
 
 
-def _sampling(max_tokens: int) -> Any:
+def _sampling(max_tokens: int) -> SamplingParams:
     from engine.session.sampling import SamplingParams
 
     # One token a pass, as mlx_lm.generate decodes (the speculative bench has its own rows).
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, speculative="off")
 
 
-def run_engine(loaded: Any, mode: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+def run_engine(
+    loaded: LoadedModel, mode: KvMode, messages: list[dict], max_tokens: int
+) -> dict[str, Any]:
     """One greedy answer through a fresh engine Session in ``mode``."""
     from engine.session.session import Session
 
@@ -185,14 +193,14 @@ def run_generate_bench(
     render = partial(loaded.tokenizer.apply_chat_template, add_generation_prompt=True)
     warm = prompt_messages(loaded.tokenizer, 64, render)
     for mode in config.modes:  # compile kernels and warm allocators, untimed
-        bits = None if mode == "fp16" else bits_for(mode)
+        bits = None if mode == FP16 else bits_for(mode)
         run_engine(loaded, mode, warm, 2)
         run_mlx_lm(loaded.model, list(render(warm)), bits, 2, info.head_dim)
     for target in config.prompts:
         messages = prompt_messages(loaded.tokenizer, target, render)
         prompt = list(render(messages))
         for mode in config.modes:
-            bits = None if mode == "fp16" else bits_for(mode)
+            bits = None if mode == FP16 else bits_for(mode)
             ours, theirs = [], []
             for _ in range(config.repeats):
                 progress(f"prompt {len(prompt)} tokens, {mode}: engine")

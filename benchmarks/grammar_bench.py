@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.report import load_average, machine_info, machine_lines
+from engine.cache.modes import FP16
+
+if TYPE_CHECKING:
+    from engine.models.loader import LoadedModel
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -26,12 +30,14 @@ TOPICS = ("a longleaf pine", "an oak in winter", "a fir on a mountain", "a burne
           "a pine cone", "a seedling after a fire")
 
 
-def _answer(loaded: Any, topic: str, grammar: str | None, max_tokens: int) -> tuple[int, float]:
+def _answer(
+    loaded: LoadedModel, topic: str, grammar: str | None, max_tokens: int
+) -> tuple[int, float]:
     """One greedy answer; its generated tokens and decode seconds per token."""
     from engine.session.sampling import SamplingParams
     from engine.session.session import Session
 
-    session = Session("bench", loaded, "fp16")
+    session = Session("bench", loaded, FP16)
     messages = [{"role": "user", "content": f"Describe {topic} as JSON with name, "
                                             "height_m, kind and facts."}]
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, speculative="off",
@@ -51,13 +57,14 @@ def run(answers: int, max_tokens: int) -> dict[str, Any]:
     loaded = load_model("demo")
     grammar = json_schema_grammar(SCHEMA)
     _answer(loaded, TOPICS[0], grammar, 8)  # warm: kernels, llguidance's tokenizer
-    rows = []
+    timed = []
     for topic in (TOPICS * answers)[:answers]:
         free = _answer(loaded, topic, None, max_tokens)
         held = _answer(loaded, topic, grammar, max_tokens)
-        rows.append({"topic": topic, "free": free, "grammar": held})
-    free_s = statistics.median(row["free"][1] for row in rows)
-    held_s = statistics.median(row["grammar"][1] for row in rows)
+        timed.append((topic, free, held))
+    free_s = statistics.median(free[1] for _, free, _ in timed)
+    held_s = statistics.median(held[1] for _, _, held in timed)
+    rows = [{"topic": topic, "free": free, "grammar": held} for topic, free, held in timed]
     return {"rows": rows, "free_s_per_token": free_s, "grammar_s_per_token": held_s,
             "ratio": held_s / free_s}
 

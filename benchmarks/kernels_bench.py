@@ -32,7 +32,7 @@ from benchmarks.cache_bench import Progress, _silent
 from engine.cache import kvquant
 from engine.cache.adapter import attend, rotates_by_default
 from engine.cache.attention import schedule
-from engine.cache.modes import MODES
+from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
@@ -52,7 +52,7 @@ class KernelsConfig:
     """Sizes of one ``benchmarks kernels`` run."""
 
     contexts: tuple[int, ...] = (32768, 131072, 262144)
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[KvMode, ...] = tuple(MODES)
     kv_heads: int = 4
     q_heads: int = 16
     head_dim: int = 256
@@ -71,12 +71,12 @@ class Layer:
 
     name: str
     kind: str  # "longleaf", "mlx-fp16" or "mlx-quant"
-    mode: str
+    mode: KvMode
     make: Callable[[KernelsConfig, int], Any]
     step: Callable[[Any, mx.array, mx.array, mx.array], mx.array]
 
 
-def _paged_make(mode: str) -> Callable[[KernelsConfig, int], Any]:
+def _paged_make(mode: KvMode) -> Callable[[KernelsConfig, int], Any]:
     def make(config: KernelsConfig, context: int) -> Any:
         cache = PagedKVCache(PagePool(mode, config.page_size), config.kv_heads, config.head_dim)
         if rotates_by_default(mode):
@@ -117,7 +117,9 @@ def _mlx_quant_make(bits: int) -> Callable[[KernelsConfig, int], Any]:
             return (mx.zeros((1, heads, room, dim * bits // 32), mx.uint32),
                     mx.zeros(groups, mx.float16), mx.zeros(groups, mx.float16))
 
-        cache.keys, cache.values = buffers(), buffers()
+        # mlx-lm leaves these unannotated and starts them at None, so its
+        # inferred type is None alone.
+        cache.keys, cache.values = buffers(), buffers()  # type: ignore[assignment]
         cache.offset = context
         mx.eval(cache.keys, cache.values)
         return cache
@@ -137,12 +139,12 @@ def _mlx_step(cache: Any, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
                             mask=mask)
 
 
-def layers(modes: tuple[str, ...]) -> list[Layer]:
+def layers(modes: tuple[KvMode, ...]) -> list[Layer]:
     """mlx-lm's caches first (the baselines), then Longleaf's in each mode."""
-    entries = [Layer("mlx-lm KVCache + fused SDPA", "mlx-fp16", "fp16", _mlx_fp16_make,
+    entries = [Layer("mlx-lm KVCache + fused SDPA", "mlx-fp16", FP16, _mlx_fp16_make,
                      _mlx_step)]
     for mode in modes:
-        if mode != "fp16":
+        if mode != FP16:
             bits = kvquant.bits_for(mode)
             entries.append(Layer(f"mlx-lm QuantizedKVCache {bits}-bit", "mlx-quant", mode,
                                  _mlx_quant_make(bits), _mlx_step))
@@ -293,7 +295,7 @@ def held_bytes(config: KernelsConfig, layer: Layer, tokens: int) -> int:
     return config.kv_heads * tokens * kvquant.kv_bytes_per_token(config.head_dim, layer.mode)
 
 
-def format_bytes(config: KernelsConfig, mode: str, tokens: int) -> int:
+def format_bytes(config: KernelsConfig, mode: KvMode, tokens: int) -> int:
     """The same rows in the seed's row format (one float16 scale per row)."""
     return config.kv_heads * tokens * kvquant.row_format_bytes(config.head_dim, mode)
 

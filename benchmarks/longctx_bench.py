@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -43,6 +44,7 @@ from benchmarks.cache_bench import (
 from benchmarks.contenders import Contender, contenders, held_bytes
 from engine.cache.attention import schedule
 from engine.cache.kvquant import MODES
+from engine.cache.modes import Q6, KvMode
 
 GIB = 2**30
 
@@ -60,9 +62,9 @@ class LongContextConfig:
     q_heads: tuple[int, ...] = (16, 24)
     kv_heads: int = 4
     head_dim: int = 256
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[KvMode, ...] = tuple(MODES)
     # Modes also run with Hadamard-rotated rows, for the rotation's cost.
-    rotated: tuple[str, ...] = ("q6",)
+    rotated: tuple[KvMode, ...] = (Q6,)
     chunk: int = 512
     decode_repeats: int = 3
     page_size: int = 256
@@ -97,7 +99,9 @@ def stored_arrays(cache: Any) -> list[mx.array]:
     store = getattr(cache, "store", None)
     if store is not None:
         return store.arrays()
-    return [leaf for _, leaf in tree_flatten(cache.state) if isinstance(leaf, mx.array)]
+    # tree_flatten returns a dict only when handed one to fill; here its list.
+    leaves = cast("list[tuple[str, Any]]", tree_flatten(cache.state))
+    return [leaf for _, leaf in leaves if isinstance(leaf, mx.array)]
 
 
 def fill(cache: Any, kv_heads: int, head_dim: int, tokens: int, dtype: mx.Dtype) -> None:
@@ -247,7 +251,7 @@ class HybridIngestConfig:
     """The end-to-end part: a tiny random hybrid model read to ``tokens`` in ``mode``."""
 
     tokens: int = 65536
-    mode: str = "q6"
+    mode: KvMode = Q6
     context: int = 131072  # max_position_embeddings of the tiny model (>= 65,536)
     chunk: int = 512
 
@@ -255,7 +259,7 @@ class HybridIngestConfig:
 HYBRID_QUICK = HybridIngestConfig(tokens=4096, context=8192)
 
 
-def _tiny_hybrid_dir(root: Any, context: int) -> Any:
+def _tiny_hybrid_dir(root: Path, context: int) -> Path:
     try:
         from tests.engine.tinymodels import make_tiny_model_dir
     except ImportError as error:  # an installed wheel has no tests/
@@ -281,7 +285,7 @@ def run_hybrid_ingest(config: HybridIngestConfig, progress: Progress = _silent) 
     from engine.session.session import Session
 
     with tempfile.TemporaryDirectory() as root:
-        loaded = load_model(_tiny_hybrid_dir(root, config.context))
+        loaded = load_model(_tiny_hybrid_dir(Path(root), config.context))
         session = Session("longctx", loaded, config.mode, chunk_size=config.chunk)
         text = _document(loaded.tokenizer, config.tokens)
         ids = loaded.tokenizer.encode(text)[: config.tokens]

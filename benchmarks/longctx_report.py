@@ -92,10 +92,10 @@ def _ratio_table(rows: list[dict[str, Any]]) -> list[str]:
         kv = _kv_cache(rows, row)
         body.append((
             fmt_tokens(row["context"]), row["q_heads"], row["mode"],
-            fmt_ratio(ratio(row["bytes"], base and base["bytes"])),
-            fmt_ratio(ratio(row["decode_ms"], base and base["decode_ms"])),
-            fmt_ratio(ratio(row["prefill_s"], kv and kv.get("prefill_s"))),
-            fmt_ratio(ratio(row["prefill_peak"], kv and kv.get("prefill_peak"))),
+            fmt_ratio(ratio(row["bytes"], None if base is None else base["bytes"])),
+            fmt_ratio(ratio(row["decode_ms"], None if base is None else base["decode_ms"])),
+            fmt_ratio(ratio(row["prefill_s"], None if kv is None else kv.get("prefill_s"))),
+            fmt_ratio(ratio(row["prefill_peak"], None if kv is None else kv.get("prefill_peak"))),
         ))
     headers = ("context", "q heads", "paged mode", "bytes vs mlx-lm same bits",
                "decode time vs same bits", "chunk time vs KVCache", "chunk transient vs KVCache")

@@ -57,7 +57,10 @@ def _prompt(model: Path, tokens: int) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     ids = tokenizer.encode(FILLER * (tokens // 8 + 1))[:tokens]
-    return tokenizer.decode(ids)
+    text = tokenizer.decode(ids)
+    # One sequence of ids decodes to one string; the stub also declares a batch's list.
+    assert isinstance(text, str)
+    return text
 
 
 def _run_once(model: Path, prompt_file: Path, ranks: int, config: PipelineBenchConfig) -> dict:

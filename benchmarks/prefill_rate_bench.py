@@ -16,12 +16,14 @@ import sys
 import threading
 
 from benchmarks.render_bench import document
+from engine.cache.modes import Q8, KvMode, parse_mode
 from engine.events import IngestProgress
 from engine.memory.prefill_rate import ChunkTiming, least_squares_rate
+from engine.models.loader import LoadedModel
 from engine.session.session import Session
 
 
-def _read(loaded, mode: str, chunk: int, tokens: int) -> list[IngestProgress]:
+def _read(loaded: LoadedModel, mode: KvMode, chunk: int, tokens: int) -> list[IngestProgress]:
     session = Session("bench", loaded, mode, chunk_size=chunk)
     events: list[object] = []
     text = document(session.tokenizer, tokens)
@@ -35,7 +37,9 @@ def _timings(progress: list[IngestProgress]) -> list[ChunkTiming]:
     return [ChunkTiming(p.chunk_tokens, p.chunk_start, p.chunk_seconds) for p in progress]
 
 
-def measure(loaded, mode: str, chunk: int, learn: int, predict: int) -> dict[str, float]:
+def measure(
+    loaded: LoadedModel, mode: KvMode, chunk: int, learn: int, predict: int
+) -> dict[str, float]:
     """Seconds estimated and measured for a ``predict``-token read after a ``learn`` one."""
     _read(loaded, mode, chunk, 512)  # warm-up: compiled kernels, caches
     learned = _read(loaded, mode, chunk, learn)
@@ -60,7 +64,7 @@ def main(argv: list[str]) -> None:
     from engine.models.loader import load_model
 
     learn, predict = (int(argv[0]), int(argv[1])) if len(argv) >= 2 else (2048, 6144)
-    mode = argv[2] if len(argv) >= 3 else "q8"
+    mode = parse_mode(argv[2]) if len(argv) >= 3 else Q8
     chunk = int(argv[3]) if len(argv) >= 4 else 512
     row = measure(load_model("demo"), mode, chunk, learn, predict)
     print(f"Line fitted on a {learn:,}-token read: a = {row['a_ms']:.3f} ms, "

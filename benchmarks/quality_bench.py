@@ -27,6 +27,7 @@ import numpy as np
 
 from benchmarks.report import machine_lines, table
 from engine.cache.kvquant import MODES, bits_for, kv_bytes_per_token
+from engine.cache.modes import FP16, KvMode, parse_mode
 from engine.session.quality_check import divergence, log_probs, summarize
 
 MLX_GROUP_SIZE = 64
@@ -40,7 +41,7 @@ class QualityBenchConfig:
     model: str = "demo"
     contexts: tuple[int, ...] = (2048, 6144)
     tokens: int = 64
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[KvMode, ...] = tuple(MODES)
     mlx_bits: tuple[int, ...] = (8, 6, 4)
     chunk: int = 512
     page_size: int = 256
@@ -55,22 +56,23 @@ class Variant:
 
     name: str
     kind: str  # "engine" or "mlx-lm"
-    mode: str
+    mode: KvMode
     rotate: bool = False
 
 
-REFERENCE = Variant("engine fp16", "engine", "fp16")
+REFERENCE = Variant("engine fp16", "engine", FP16)
 
 
 def variants(config: QualityBenchConfig) -> list[Variant]:
     """The reference first, then every engine mode unrotated and rotated, then mlx-lm."""
     found = [REFERENCE]
     for mode in config.modes:
-        if mode != "fp16":
+        if mode != FP16:
             found.append(Variant(f"engine {mode}", "engine", mode))
         found.append(Variant(f"engine {mode} rotated", "engine", mode, rotate=True))
     for bits in config.mlx_bits:
-        found.append(Variant(f"mlx-lm {bits}-bit g{MLX_GROUP_SIZE}", "mlx-lm", f"q{bits}"))
+        found.append(Variant(f"mlx-lm {bits}-bit g{MLX_GROUP_SIZE}", "mlx-lm",
+                             parse_mode(f"q{bits}")))
     return found
 
 
@@ -112,6 +114,8 @@ def make_variant_cache(model: Any, variant: Variant, capacity: int, page_size: i
     for index, layer_cache in enumerate(cache):
         if type(layer_cache) is KVCache:
             kv_heads, head_dim = layer_attention_shape(model, index)
+            if kv_heads is None or head_dim is None:
+                raise ValueError(f"Layer {index} has a KVCache but no readable attention shape.")
             cache[index] = make(kv_heads, head_dim, capacity)
     return cache
 
@@ -139,6 +143,8 @@ class _Feeder:
             step = min(self.chunk, end - self.position)
             logits = self._forward(self.ids[self.position : self.position + step])
             self.position += step
+        if logits is None:
+            raise ValueError(f"Already fed to {self.position}; nothing to prefill to {end}.")
         last = log_probs(logits[0, -1])
         self.prefill_seconds += time.perf_counter() - started
         return last

@@ -18,10 +18,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.generate_bench import prompt_messages
 from benchmarks.report import machine_lines, ratio, table
+from engine.cache.modes import Q8, KvMode
+
+if TYPE_CHECKING:
+    from engine.events import GenerationStats
+    from engine.models.loader import LoadedModel
+    from engine.session.session import Session
+    from engine.snapshots import SnapshotStore
 
 FOLLOW_UP = "In one short sentence: who wrote the passage?"
 SPEEDUP_GOAL = 20.0  # time to first token, re-read / reopen, at the longest prompt
@@ -34,7 +41,7 @@ class ReopenBenchConfig:
 
     model: str = "demo"
     prompts: tuple[int, ...] = (2048, 7168)
-    mode: str = "q8"
+    mode: KvMode = Q8
     max_tokens: int = 16  # first answer
     follow_up_tokens: int = 8
 
@@ -42,7 +49,9 @@ class ReopenBenchConfig:
 QUICK = ReopenBenchConfig(prompts=(512,), max_tokens=8, follow_up_tokens=4)
 
 
-def _answer(session: Any, messages: list[dict], max_tokens: int) -> tuple[list[int], Any]:
+def _answer(
+    session: Session, messages: list[dict], max_tokens: int
+) -> tuple[list[int], GenerationStats]:
     from engine.session.sampling import SamplingParams
 
     tokens: list[int] = []
@@ -59,16 +68,21 @@ def _answer(session: Any, messages: list[dict], max_tokens: int) -> tuple[list[i
     return tokens, stats
 
 
-def _session(loaded: Any, mode: str) -> Any:
+def _first_token_seconds(stats: GenerationStats) -> float:
+    if stats.time_to_first_token is None:
+        raise RuntimeError("The reopened session answered without a first token to time.")
+    return stats.time_to_first_token
+
+
+def _session(loaded: LoadedModel, mode: KvMode) -> Session:
     from engine.session.session import Session
 
-    session = Session("bench", loaded, mode)
-    session.model_dir = loaded.info.path  # the snapshot's model fingerprint reads it
-    return session
+    # The snapshot's model fingerprint reads the folder from the session's info.
+    return Session("bench", loaded, mode)
 
 
 def run_one(
-    loaded: Any, config: ReopenBenchConfig, prompt: int, store: Any,
+    loaded: LoadedModel, config: ReopenBenchConfig, prompt: int, store: SnapshotStore,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     """One prompt length: answer, save, then the follow-up three ways."""
@@ -84,6 +98,8 @@ def run_one(
     store.save(original, name)
     save_seconds = time.perf_counter() - began
     stored = store.info(name)
+    if stored is None:
+        raise RuntimeError(f"The snapshot {name!r} was saved, yet its store does not list it.")
     kv_held = original.stats().bytes_used
     follow = [*first, {"role": "assistant", "content": loaded.tokenizer.decode(answer)},
               {"role": "user", "content": FOLLOW_UP}]
@@ -113,7 +129,7 @@ def run_one(
         "reread_ingested": reread_ingested + 1,
         "save_seconds": save_seconds,
         "load_seconds": load_seconds,
-        "reopen_ttft": load_seconds + reopen_stats.time_to_first_token,
+        "reopen_ttft": load_seconds + _first_token_seconds(reopen_stats),
         "reread_ttft": reread_stats.time_to_first_token,
         "first_ttft": first_stats.time_to_first_token,
         "disk_bytes": stored.disk_bytes,

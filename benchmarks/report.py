@@ -196,7 +196,8 @@ class GoalTally:
     def lines(self) -> list[str]:
         rows = []
         for goal, cells in self.cells.items():
-            measured = [c for c in cells if c[2] is not None]
+            # A cell has a verdict exactly when it has a value (check()).
+            measured = [(w, v, m) for w, v, m in cells if v is not None and m is not None]
             failed = [c for c in measured if not c[2]]
             worst = max((c[1] for c in measured), default=None)
             verdict = "met" if measured and not failed else "NOT met" if failed else "not measured"

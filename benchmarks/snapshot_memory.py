@@ -16,7 +16,10 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+from engine.cache.modes import Q8, KvMode, parse_mode
 
 # The cache builders are the tests' own (the tests of snapshots use the same caches).
 from tests.engine.snapshot_fixtures import (
@@ -49,7 +52,7 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _measure(step) -> dict[str, float]:
+def _measure(step: Callable[[], object]) -> dict[str, float]:
     import mlx.core as mx
 
     mx.clear_cache()
@@ -88,7 +91,7 @@ def child(action: str, folder: str, mode: str, tokens: str) -> dict[str, float]:
     return result
 
 
-def run(mib: float, mode: str) -> dict[str, dict[str, float]]:
+def run(mib: float, mode: KvMode) -> dict[str, dict[str, float]]:
     """Save and load a cache of about ``mib`` MiB in child processes; their numbers."""
     from engine.cache import kvquant
 
@@ -112,7 +115,7 @@ def run(mib: float, mode: str) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=64.0, help="KV pages to store, in MiB")
-    parser.add_argument("--mode", default="q8")
+    parser.add_argument("--mode", type=parse_mode, default=Q8)
     args = parser.parse_args(argv)
     print(json.dumps(run(args.mib, args.mode), indent=2))
 

@@ -16,15 +16,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.cache.modes import FP16, Q6, KvMode
 from engine.errors import EngineError
 from engine.events import TokenChunk
 
 # Batch noise is the tests' yardstick too: both judge a divergence by it.
 from tests.engine.session.batch_noise import batch_noise, first_divergence
+
+if TYPE_CHECKING:
+    from engine.session.sampling import SamplingParams
+    from engine.session.session import Session
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = {
@@ -44,7 +49,7 @@ class SpeculativeConfig:
     """What the benchmark runs."""
 
     model: str = "demo"
-    modes: tuple[str, ...] = ("fp16", "q6")
+    modes: tuple[KvMode, ...] = (FP16, Q6)
     document_tokens: int = 5000
     max_tokens: int = 96
     questions: tuple[str, ...] = tuple(QUESTIONS)
@@ -54,7 +59,7 @@ class SpeculativeConfig:
     pairs: int = 3
 
 
-QUICK = SpeculativeConfig(modes=("fp16",), document_tokens=1200, max_tokens=32, pairs=1)
+QUICK = SpeculativeConfig(modes=(FP16,), document_tokens=1200, max_tokens=32, pairs=1)
 
 
 def document(tokenizer: Any, tokens: int) -> str:
@@ -86,7 +91,7 @@ def question(name: str, doc: str) -> str:
     return QUESTIONS[name].format(start=quote_start(doc)) if name == "quote" else QUESTIONS[name]
 
 
-def _answer(session: Any, messages: list[dict], sampling: Any) -> dict[str, Any]:
+def _answer(session: Session, messages: list[dict], sampling: SamplingParams) -> dict[str, Any]:
     events: list[object] = []
     reason, stats = session.chat(messages, sampling, request_id=1, cancel=threading.Event(),
                                  emit=events.append, tick=lambda: None)
@@ -107,8 +112,10 @@ def blas_library() -> str:
     return ", ".join(sorted(names)) or "?"
 
 
-def _pairs(session: Any, messages: list[dict], plain: Any, pairs: int, mode: str, name: str,
-           progress: Callable[[str], None]) -> tuple[dict, dict, list[float], bool]:
+def _pairs(
+    session: Session, messages: list[dict], plain: SamplingParams, pairs: int, mode: KvMode,
+    name: str, progress: Callable[[str], None],
+) -> tuple[dict, dict, list[float], bool]:
     """``pairs`` off/on answers in alternating order; each side's median-rate answer.
 
     Returns the off and on answers whose rates are the medians, the on/off ratio of

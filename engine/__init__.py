@@ -6,7 +6,7 @@ app uses; each is imported on first use, so ``import engine`` stays cheap and
 does not load MLX until something needs it.
 
 - Models: ``DEMO`` (the path that names the built-in demo model), ``discover_models``,
-  ``inspect_model_dir`` (describe without loading),
+  ``inspect_model_dir`` (describe without loading, a ``ModelInfo``),
   ``download_model`` (from the Hub, resumable), ``RECOMMENDED_MODELS`` and
   ``full_context_costs`` (what a model's KV takes at full context, per mode).
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
@@ -47,7 +47,7 @@ _PUBLIC = {
     "DEMO": "engine.models",
     **{name: "engine.models.discovery" for name in (
         "discover_models", "DiscoveredModel", "Discovery", "SkippedModel")},
-    "inspect_model_dir": "engine.models.info",
+    **{name: "engine.models.info" for name in ("inspect_model_dir", "ModelInfo")},
     "download_model": "engine.models.download",
     "DownloadProgress": "engine.models.download_transfer",
     "RECOMMENDED_MODELS": "engine.models.catalog",
@@ -134,6 +134,7 @@ __all__ = [
     "LocalServer",
     "MemoryPressure",
     "ModeCost",
+    "ModelInfo",
     "ModelLoadError",
     "ModelLoaded",
     "Notice",
@@ -254,7 +255,7 @@ if TYPE_CHECKING:
     from engine.models.download_plan import HubUnreachable
     from engine.models.download_transfer import DownloadProgress
     from engine.models.generation_defaults import generation_defaults
-    from engine.models.info import inspect_model_dir
+    from engine.models.info import ModelInfo, inspect_model_dir
     from engine.models.split import can_split
     from engine.paths import data_dir, private_dir, private_file, snapshots_dir
     from engine.runtime.held_sessions import API_SESSION_PREFIX

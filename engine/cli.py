@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from engine.cache import kvquant
 from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
@@ -30,6 +30,9 @@ from engine.session.sampling import SamplingParams
 from engine.snapshots.files import check_name
 from engine.snapshots.snapshot_store import SnapshotStore, default_snapshot_dir
 
+if TYPE_CHECKING:
+    from engine.models.info import ModelInfo
+
 SESSION = "cli"
 SESSION_PREFIX = "cli-"
 REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever
@@ -42,7 +45,7 @@ class _Collector:
         self.stream = stream
         self.ended = threading.Event()
         self.ending: Finished | Failed | None = None
-        self.info: Any = None
+        self.info: ModelInfo | None = None
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.stats: StatsSample | None = None
@@ -232,7 +235,7 @@ def models(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def kv_projection(info: Any) -> dict[str, int | None]:
+def kv_projection(info: ModelInfo) -> dict[str, int | None]:
     """KV bytes per mode for the model's full context (None: mode unsupported)."""
     facts = facts_from_info(info)
     projection: dict[str, int | None] = {}
@@ -247,10 +250,8 @@ def kv_projection(info: Any) -> dict[str, int | None]:
     return projection
 
 
-def _facts(info: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(info):
-        return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
-    return dict(vars(info))
+def _facts(info: ModelInfo) -> dict[str, Any]:
+    return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
 
 
 def info(args: argparse.Namespace, out: TextIO) -> int:

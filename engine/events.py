@@ -7,9 +7,14 @@ tests), so they never hold an ``mx.array`` or any other live engine object.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.cache.modes import MODES, KvMode
+
+if TYPE_CHECKING:
+    # Only for the annotations: importing them here would pull MLX into every consumer.
+    from engine.models.info import ModelInfo
+    from engine.snapshots.manifest import SnapshotInfo
 
 
 @dataclass(frozen=True)
@@ -219,10 +224,10 @@ class Failed:
 
 @dataclass(frozen=True)
 class ModelLoaded:
-    """A model finished loading; ``info`` is an ``engine.models.info.ModelInfo``."""
+    """A model finished loading, with its facts (a frozen dataclass of plain values)."""
 
     request_id: int
-    info: object
+    info: ModelInfo
 
 
 @dataclass(frozen=True)
@@ -258,13 +263,13 @@ class StoredKv:
     Attributes:
         budget_bytes: the stored-KV disk budget in force.
         total_bytes: bytes of every file in the snapshot folder.
-        snapshots: one ``engine.snapshots.SnapshotInfo`` (plain values) per stored
+        snapshots: one ``SnapshotInfo`` (plain values) per stored
             chat, most recently used first; ``name`` is the chat's session id.
     """
 
     budget_bytes: int
     total_bytes: int
-    snapshots: tuple[Any, ...] = ()
+    snapshots: tuple[SnapshotInfo, ...] = ()
 
 
 @dataclass(frozen=True)

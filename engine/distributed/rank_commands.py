@@ -261,7 +261,7 @@ class SessionLink:
         self.conductor.send(PREFILL, self.slot, len(chunk.ids), position, int(chunk.boundary),
                             payload=chunk.ids)
 
-    def decoding(self, model: Any) -> DecodeStep:
+    def decoding(self, model: DecodeStep) -> DecodeStep:
         """``model`` for the answer loop: each call is first sent as a decode step."""
         return _DecodeSteps(model, self)
 
@@ -344,7 +344,7 @@ class _DecodeSteps:
     waiting for the header.
     """
 
-    def __init__(self, model: Any, link: SessionLink) -> None:
+    def __init__(self, model: DecodeStep, link: SessionLink) -> None:
         self.model = model
         self.link = link
 

@@ -28,13 +28,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import psutil
 
 from engine.errors import EngineError, InsufficientMemory, MemoryPressure
 from engine.format import human_bytes
 from engine.memory.stats import pressure_level
+
+if TYPE_CHECKING:
+    from engine.cache.pages import PagePool
 
 GIB = 2**30
 MIB = 2**20
@@ -155,7 +158,7 @@ class MemoryGuard:
         self.check_interval = check_interval
         self.clock = clock
         self._lock = threading.Lock()
-        self._pools: dict[str, Any] = {}
+        self._pools: dict[str, PagePool] = {}
         self._transient: dict[str, int] = {}
         self._reserved: dict[str, Callable[[], int] | None] = {}
         self._ram_bound: dict[str, bool] = {}
@@ -207,10 +210,10 @@ class MemoryGuard:
     # -- one KV budget for every session's pages ----------------------------
 
     def attach(
-        self, key: str, pool: Any, transient_bytes: int = 0,
+        self, key: str, pool: PagePool, transient_bytes: int = 0,
         reserved: Callable[[], int] | None = None,
     ) -> None:
-        """Make ``pool`` (a ``PagePool``) draw from this budget, under ``key``.
+        """Make ``pool`` draw from this budget, under ``key``.
 
         ``transient_bytes`` stay free of its pages: what one prefill chunk of the
         session needs while it runs. ``reserved`` says what the session's layers
@@ -229,7 +232,7 @@ class MemoryGuard:
             reserved = self._reserved.get(key) if key is not None else None
         return int(reserved()) if reserved is not None else 0
 
-    def detach(self, key: str, pool: Any = None) -> None:
+    def detach(self, key: str, pool: PagePool | None = None) -> None:
         """Stop counting a closed session's pool (only ``pool``, when given)."""
         with self._lock:
             if pool is None or self._pools.get(key) is pool:
@@ -349,7 +352,7 @@ class MemoryGuard:
         raise InsufficientMemory(message, needed_bytes=needed_bytes, free_bytes=total_free)
 
 
-def _group(pool: Any) -> Any:
+def _group(pool: PagePool) -> object:
     return getattr(pool, "group", pool)
 
 

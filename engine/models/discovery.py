@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
@@ -23,6 +23,11 @@ from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.models import DEMO
 from engine.paths import models_dir
+
+if TYPE_CHECKING:
+    # engine.models.info imports MLX (through kvquant); discovery imports it only
+    # when it inspects a folder.
+    from engine.models.info import ModelInfo
 
 HUGGINGFACE = "huggingface"
 LMSTUDIO = "lmstudio"
@@ -49,7 +54,7 @@ class DiscoveredModel:
         source: where it was found: "huggingface", "lmstudio", "longleaf", "folder",
             or "demo" for the embedded demo model's converted folder.
         size_bytes: bytes its files take on disk.
-        info: ``engine.models.info.ModelInfo`` (architecture, params, bits, context,
+        info: its facts (architecture, params, bits, context,
             KV heads, head_dim, attention layers, KV projection per mode).
     """
 
@@ -57,7 +62,7 @@ class DiscoveredModel:
     path: Path
     source: str
     size_bytes: int
-    info: Any
+    info: ModelInfo
 
     @property
     def head_dim(self) -> int:

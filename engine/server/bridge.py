@@ -17,7 +17,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.cache.modes import DEFAULT_MODE, KvMode
 from engine.errors import EngineError
@@ -29,6 +29,10 @@ from engine.server.tools import ToolSyntax
 from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
 from engine.session.sampling import SamplingParams
 from engine.snapshots.snapshot_store import SnapshotStore
+
+if TYPE_CHECKING:
+    from engine.memory.fit import FitReport
+    from engine.models.info import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ class ServerBridge:
             snapshot_dir, snapshot_budget, counted_with=counted_with)
         self.worker: Worker = worker or EngineWorker(self._on_event, snapshots=self.snapshots)
         self.ready = threading.Event()
-        self.info: Any = None
+        self.info: ModelInfo | None = None
         self.load_error: str | None = None
         self._tokenizer: Any = None
         # Held while the tokenizer encodes (on the render thread: seconds, for a
@@ -133,7 +137,7 @@ class ServerBridge:
             return
         self.use_model(self.info)
 
-    def use_model(self, info: Any) -> None:
+    def use_model(self, info: ModelInfo) -> None:
         """Serve the model the worker loaded (its ``ModelInfo``): read the server's own
         tokenizer from its folder, then answer requests (blocks while it reads)."""
         import json
@@ -260,7 +264,7 @@ class ServerBridge:
         """Token ids the tokenizer knows (ids from 0 to this, exclusive)."""
         return self._vocab_size
 
-    def fit(self, token_count: int) -> Any:
+    def fit(self, token_count: int) -> FitReport:
         """The guard's ``FitReport`` for ``token_count`` tokens of a new conversation,
         every machine's share included on a pipeline (arithmetic only)."""
         return self.worker.fit_check(None, token_count)

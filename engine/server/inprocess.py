@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import uvicorn
     from starlette.applications import Starlette
 
+    from engine.models.info import ModelInfo
+
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "longleaf-server"
@@ -89,7 +91,7 @@ class AttachedBridge(ServerBridge):
         super().__init__("", kv_mode, None, max_sessions=max_sessions, queue_limit=queue_limit,
                          worker=worker)
         self._on_change = on_change
-        self._models: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._models: queue.Queue[tuple[str, ModelInfo] | None] = queue.Queue()
         self._running: set[int] = set()  # chat requests the engine has begun on
 
     def load(self) -> None:
@@ -103,7 +105,7 @@ class AttachedBridge(ServerBridge):
         """End ``load``."""
         self._models.put(None)
 
-    def model_loaded(self, path: str, info: Any) -> None:
+    def model_loaded(self, path: str, info: ModelInfo) -> None:
         """The front end has ``path`` ("demo" or a folder) loaded: serve it."""
         self.model_changing()
         self._models.put((path, info))
@@ -300,7 +302,7 @@ class LocalServer:
             loader.join()
             self.bridge.shutdown()
 
-    def model_loaded(self, path: str, info: Any) -> None:
+    def model_loaded(self, path: str, info: ModelInfo) -> None:
         """The front end loaded ``path``: serve it from now on."""
         self.bridge.model_loaded(path, info)
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.server import fields, protocol, structured
 from engine.server.errors import BadRequest
 from engine.server.fields import accepted, honoured, refused
 from engine.server.protocol import ChatRequest
 from engine.session.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.models.info import ModelInfo
 
 # The Ollama API version this server answers as (clients check for a recent one).
 VERSION = "0.12.6"
@@ -200,7 +203,7 @@ def tag(model_id: str) -> str:
     return model_id if ":" in model_id else f"{model_id}:latest"
 
 
-def model_entry(model_id: str, info: Any) -> dict:
+def model_entry(model_id: str, info: ModelInfo | None) -> dict:
     """One model of ``/api/tags`` and ``/api/ps``: the loaded one."""
     size = int(getattr(info, "num_parameters", 0) or 0)
     bits = getattr(info, "quantization_bits", None)
@@ -224,7 +227,7 @@ def _parameters(count: int) -> str:
     return str(count)
 
 
-def show(model_id: str, info: Any, template: str, tools: bool) -> dict:
+def show(model_id: str, info: ModelInfo | None, template: str, tools: bool) -> dict:
     """``/api/show``'s answer for the loaded model."""
     entry = model_entry(model_id, info)
     arch = getattr(info, "architecture", "")

@@ -8,7 +8,7 @@ end above this layer); on one machine a session has no link.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -32,7 +32,7 @@ class FollowerLink(Protocol):
         """Feed ``chunk`` at ``position`` into the other ranks' layers."""
         ...
 
-    def decoding(self, model: Any) -> DecodeStep:
+    def decoding(self, model: DecodeStep) -> DecodeStep:
         """``model`` for the answer loop, each call sent to the other ranks first."""
         ...
 

@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import mlx.core as mx
 
@@ -36,6 +36,7 @@ from engine.errors import (
 )
 from engine.events import Event, IngestProgress, Notice
 from engine.format import human_bytes
+from engine.memory.fit import FitReport
 from engine.memory.guard import MemoryGuard, PressureWatch
 
 Emit = Callable[[Event], None]
@@ -102,7 +103,7 @@ class PrefillTarget(Protocol):
     def chunk_bytes(self, tokens: int) -> int:
         """Free RAM a chunk of ``tokens`` needs while it runs."""
 
-    def fit_report(self, token_count: int) -> Any:
+    def fit_report(self, token_count: int) -> FitReport:
         """Whether ``token_count`` tokens fit (a ``fit.FitReport``)."""
 
 

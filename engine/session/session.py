@@ -13,14 +13,13 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
-from typing import Any
 
 import mlx.core as mx
 
 from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.modes import KvMode
 from engine.cache.paged_cache import PagedKVCache
-from engine.cache.pages import PREFILL_SCRATCH_BYTES
+from engine.cache.pages import PREFILL_SCRATCH_BYTES, PagePool
 from engine.errors import ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.memory import fit
@@ -189,7 +188,7 @@ class Session:
         """The format id of the rotation the cache stores rows in (None: as given)."""
         return adapter.rotation_format(self.cache)
 
-    def _pool(self) -> Any | None:
+    def _pool(self) -> PagePool | None:
         return next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)
 
     def _attach_pool(self) -> None:

@@ -19,15 +19,12 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import blake3
 
 from engine import paths
 from engine.errors import EngineError
-
-if TYPE_CHECKING:
-    from engine.session.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +128,8 @@ def model_fingerprint(folder: str | Path) -> dict[str, Any]:
     return {"digest": blake3.blake3(canonical.encode()).hexdigest(), **facts}
 
 
-def session_model_dir(session: Session) -> Path:
-    """The folder of the model a ``Session`` runs.
+def session_model_dir(session: object) -> Path:
+    """The folder of the model a session runs (any object that names it).
 
     Sessions keep the ``LoadedModel``'s ``ModelInfo`` as ``info`` (or the folder as
     ``model_dir``); ``ModelInfo.path`` is the folder.
@@ -154,7 +151,7 @@ def session_model_dir(session: Session) -> Path:
     )
 
 
-def session_fingerprint(session: Session) -> dict[str, Any]:
+def session_fingerprint(session: object) -> dict[str, Any]:
     """The fingerprint of the weights ``session`` runs on.
 
     The one taken when its model was loaded (``LoadedModel.fingerprint``), so a

@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
@@ -66,9 +66,33 @@ from engine.snapshots.manifest import (
 )
 
 if TYPE_CHECKING:
-    from engine.session.session import Session
+    from engine.cache.modes import KvMode
 
 log = logging.getLogger(__name__)
+
+
+class SnapshotSession(Protocol):
+    """What saving and loading a snapshot reads and sets of a session.
+
+    ``engine.session.session.Session`` is one; a stand-in around a bare cache
+    (no model loaded, as the snapshot benchmark builds) is another. Its model
+    folder is found by ``session_model_dir``; its ``checkpoints``, where it has
+    them, are stored and restored too.
+    """
+
+    tokens: list[int]
+
+    @property
+    def cache(self) -> list[Any]: ...
+
+    @property
+    def mode(self) -> KvMode: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    def reset(self) -> None:
+        """Drop every held token and page (a failed load leaves the session empty)."""
 
 
 class SnapshotError(EngineError):
@@ -106,7 +130,7 @@ def _kv_bytes(records: list[dict]) -> int:
 
 
 def save_snapshot(
-    session: Session,
+    session: SnapshotSession,
     directory: str | Path,
     name: str,
     *,
@@ -119,8 +143,8 @@ def save_snapshot(
     either the old snapshot or the new one, never a mix.
 
     Args:
-        session: an ``engine.session.session.Session`` (cache, tokens, mode, page size and
-            the folder of its model, see ``session_model_dir``).
+        session: the session to store (:class:`SnapshotSession`: cache, tokens, mode,
+            page size and the folder of its model, see ``session_model_dir``).
         directory: the snapshot folder (created owner-only if missing).
         name: the snapshot's name, e.g. the chat's id.
         before_write: called with the bytes about to be written, before any
@@ -246,7 +270,7 @@ def _set_aside(directory: Path, name: str, message: str, reason: str) -> Snapsho
 
 
 def _check_compatible(
-    manifest: dict[str, Any], session: Session, name: str, directory: Path
+    manifest: dict[str, Any], session: SnapshotSession, name: str, directory: Path
 ) -> None:
     version = manifest.get("version")
     if manifest.get("format") != FORMAT or not isinstance(version, int):
@@ -340,7 +364,7 @@ def _check_shape(manifest: dict[str, Any]) -> None:
             raise ValueError(f"layer kind {record['kind']!r}")
 
 
-def _check_restored(session: Session, tokens: int, rotation: str | None) -> None:
+def _check_restored(session: SnapshotSession, tokens: int, rotation: str | None) -> None:
     """Raise LayerMismatch unless every layer holds ``tokens`` tokens, in the rotation
     the session had before the restore."""
     held = adapter.cache_tokens(session.cache)
@@ -380,7 +404,7 @@ def _reusable(
 
 
 def _restore_checkpoints(
-    session: Session, manifest: dict[str, Any], arrays: tensors.StoredArrays, tokens: int
+    session: SnapshotSession, manifest: dict[str, Any], arrays: tensors.StoredArrays, tokens: int
 ) -> None:
     """Give the session back the stored checkpoints it can still rewind to."""
     store = getattr(session, "checkpoints", None)
@@ -416,7 +440,7 @@ def _finish_checked(arrays: tensors.StreamedTensors, manifest: dict[str, Any]) -
 
 
 def load_snapshot(
-    session: Session,
+    session: SnapshotSession,
     directory: str | Path,
     name: str,
     prompt_ids: Sequence[int],
@@ -435,7 +459,7 @@ def load_snapshot(
     When the session already holds at least as long a prefix, nothing is read.
 
     Args:
-        session: the ``engine.session.session.Session`` to fill (normally fresh).
+        session: the session to fill (:class:`SnapshotSession`, normally fresh).
         directory: the snapshot folder.
         name: the snapshot's name.
         prompt_ids: the token ids the session will be asked to continue from.

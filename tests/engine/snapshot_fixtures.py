@@ -8,13 +8,14 @@ The snapshot tests and ``python -m benchmarks.snapshot_memory`` build their cach
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 
 from engine.cache import kvquant
-from engine.cache.modes import parse_mode
+from engine.cache.modes import KvMode, parse_mode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 
@@ -29,12 +30,29 @@ def config_only_model(parent: Path) -> Path:
     return folder
 
 
+def _unexpected_reset() -> None:
+    raise AssertionError("This cache-only session was not expected to reset; give it a reset.")
+
+
+@dataclass
+class CacheSession:
+    """A session without a model: what ``save_snapshot``/``load_snapshot`` need of one
+    (``engine.snapshots.snapshot.SnapshotSession``) around a bare cache."""
+
+    cache: list[PagedKVCache]
+    tokens: list[int]
+    mode: KvMode
+    page_size: int
+    model_dir: Path
+    reset: Callable[[], None] = _unexpected_reset
+
+
 def cache_session(
     cache: list[PagedKVCache], tokens: int, mode: str, model_dir: Path
-) -> SimpleNamespace:
-    """What ``save_snapshot``/``load_snapshot`` need of a session, around ``cache``."""
-    return SimpleNamespace(cache=cache, tokens=list(range(tokens)), mode=mode,
-                           page_size=PAGE_SIZE, model_dir=model_dir)
+) -> CacheSession:
+    """A :class:`CacheSession` holding ``tokens`` ids around ``cache``."""
+    return CacheSession(cache=cache, tokens=list(range(tokens)), mode=parse_mode(mode),
+                        page_size=PAGE_SIZE, model_dir=model_dir)
 
 
 def filled_cache(mode_name: str, tokens: int, layers: int = LAYERS) -> list[PagedKVCache]:

@@ -19,13 +19,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.engine.session.batch_noise import first_divergence
 from engine.cache import adapter
 from engine.errors import Cancelled, EngineError
 from engine.events import IngestProgress, TokenChunk
 from engine.session.batch import BatchDecoder
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
+from tests.engine.session.batch_noise import first_divergence
 from tests.engine.tinymodels import CORPUS, loaded_for_session, make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, speculative="off")
