@@ -17,6 +17,14 @@ while Python reads and streams them; a row goes into the next pass when its
 length limit, its Stop and its pages allow, and an end-of-turn token is fed as
 alone. Rows decode plainly (no speculative drafts). Every method runs MLX and
 must be called from the engine worker thread.
+
+A conversation joins only when memory holds what it adds: the pages its read
+and first token take, and one more row of the step's transient
+(``PrefillFacts.step_transient_bytes``), within the KV budget and free RAM the
+memory guard counts. Otherwise it waits, in the order it came, with a sentence
+saying why (:attr:`BatchDecoder.waiting`), and every step tries again. One that
+would not fit even with the batch's other conversations gone is refused at once,
+with the error :meth:`Session.chat` raises for it alone.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ import mlx.core as mx
 
 from engine.cache import adapter
 from engine.cache.batched import BatchedCache, check_batchable
-from engine.errors import Cancelled, EngineError, KvBudgetExceeded
+from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
+from engine.format import human_bytes
+from engine.memory import fit
 from engine.session.prefill import Emit, finish
 from engine.session.prompt_ids import Prompt, common_prefix
 from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
@@ -61,6 +71,42 @@ class RowToken:
     error: EngineError | None = None
 
 
+# The limits a waiting conversation's reason names.
+FREE_RAM = "is free"
+KV_BUDGET = "the KV budget leaves"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A conversation waiting for memory to join the batch.
+
+    Attributes:
+        request_id: the conversation's request.
+        reason: why it waits and for what, as a user reads it.
+        short_bytes: bytes more than memory holds now that it needs to join
+            (0 while it waits its turn behind another).
+    """
+
+    request_id: int
+    reason: str
+    short_bytes: int
+
+
+@dataclass(eq=False)
+class _Joining:
+    """A conversation that asked to join, with everything its answer needs."""
+
+    session: Session
+    messages: list[dict[str, str]]
+    sampling: SamplingParams
+    request_id: int
+    cancel: threading.Event
+    emit: Emit
+    tick: Callable[[], None]
+    prompt: Prompt
+    waiting: Waiting | None = None
+
+
 @dataclass(eq=False)  # a row is itself: compared (``in``, ``remove``) by identity
 class _Row:
     """One answering conversation of the batch."""
@@ -86,6 +132,7 @@ class _Reading:
     request_id: int
     steps: Generator[None, None, AnswerStart]
     to_read: int  # tokens it had to read when it joined: the shortest read goes first
+    tokens: int  # tokens its pages hold once read in, its first answer token included
 
 
 @dataclass(frozen=True)
@@ -107,6 +154,7 @@ class BatchDecoder:
         self.model = model
         self.rows: list[_Row] = []
         self.reading: list[_Reading] = []
+        self._joining: list[_Joining] = []  # waiting for memory, in the order they came
         self._queued: _Pass | None = None
 
     def __len__(self) -> int:
@@ -116,7 +164,8 @@ class BatchDecoder:
     @property
     def idle(self) -> bool:
         """Whether nothing is read in or answered and no pass is left to read."""
-        return not self.rows and not self.reading and self._queued is None
+        return (not self.rows and not self.reading and not self._joining
+                and self._queued is None)
 
     @property
     def request_ids(self) -> tuple[int, ...]:
@@ -127,6 +176,12 @@ class BatchDecoder:
     def reading_ids(self) -> tuple[int, ...]:
         """The requests whose conversation is being read in, in the order they joined."""
         return tuple(reading.request_id for reading in self.reading)
+
+    @property
+    def waiting(self) -> tuple[Waiting, ...]:
+        """The conversations waiting for memory, in the order they will join."""
+        return tuple(joining.waiting for joining in self._joining
+                     if joining.waiting is not None)
 
     def join(
         self,
@@ -148,23 +203,142 @@ class BatchDecoder:
         a batch. Of several conversations reading, the shortest read goes first,
         so a short question is not kept waiting behind a long document.
 
+        When memory cannot hold it beside the batch now, it waits (see
+        :attr:`waiting`) and joins at the first step that finds room, after those
+        waiting before it; a cancel while it waits ends it without a token.
+
         Raises:
             EngineError: the session cannot join (another model, a layer the
-                batch cannot carry, a pipeline, already answering), or the
-                conversation cannot be answered (it does not fit, memory is
-                critical), as :meth:`Session.chat` raises it before reading.
+                batch cannot carry, a pipeline, already answering or waiting), or
+                the conversation cannot be answered even with the batch's other
+                conversations gone (it does not fit, memory is critical), as
+                :meth:`Session.chat` raises it before reading.
         """
         self._check_joins(session, request_id)
         rendered = prompt or session.prompt(messages, add_generation_prompt=True)
-        steps = session.answer_steps(messages, replace(sampling, speculative="off"),
-                                     request_id=request_id, cancel=cancel, emit=emit,
-                                     tick=tick, prompt=rendered)
+        joining = _Joining(session, messages, sampling, request_id, cancel, emit, tick,
+                           rendered)
+        session.guard.check_pressure("the answer")
+        self._refuse_if_never(joining)
+        if self._joining or self._short_bytes(joining)[0] > 0:
+            self._joining.append(joining)
+            self._hold_back()
+        else:
+            self._start(joining)
+
+    def _start(self, joining: _Joining) -> None:
+        """Set up a conversation's answer: read a chunk a step, or answer next step."""
+        session, rendered = joining.session, joining.prompt
+        steps = session.answer_steps(
+            joining.messages, replace(joining.sampling, speculative="off"),
+            request_id=joining.request_id, cancel=joining.cancel, emit=joining.emit,
+            tick=joining.tick, prompt=rendered)
         next(steps)  # the checks: a conversation that cannot be answered fails here
         to_read = len(rendered.ids) - 1 - common_prefix(session.tokens, rendered.ids)
         if to_read <= 0:  # held already (e.g. a continued chat): it answers next step
             self._answer(session, finish(steps))
         else:
-            self.reading.append(_Reading(session, request_id, steps, to_read))
+            self.reading.append(_Reading(session, joining.request_id, steps, to_read,
+                                         len(rendered.ids) + 1))
+
+    # -- admission by memory -------------------------------------------------
+
+    def _batch_sessions(self) -> list[Session]:
+        """The sessions answering or being read in: their answers will end."""
+        return [*(row.session for row in self.rows), *(r.session for r in self.reading)]
+
+    def _fit(self, joining: _Joining, tokens: int, *, alone: bool) -> fit.FitReport:
+        """The session's fit report for ``tokens`` tokens; ``alone``:
+        as if the batch's other conversations had closed (their pages and reserves
+        back in the budget and in free RAM)."""
+        session = joining.session
+        inputs = session.fit_inputs()
+        reading = session.guard.read()
+        if alone:
+            gone = {s.session_id for s in self._batch_sessions()} - {session.session_id}
+            budget = inputs.budget
+            kept = replace(budget, holds=tuple(h for h in budget.holds if h.key not in gone))
+            freed = (budget.held_bytes(exclude=session.session_id)
+                     - kept.held_bytes(exclude=session.session_id))
+            inputs = replace(inputs, budget=kept)
+            reading = replace(reading, available_bytes=reading.available_bytes + freed)
+        return fit.guarded_fit_report(inputs, reading, tokens)
+
+    def _refuse_if_never(self, joining: _Joining) -> None:
+        """Raise what :meth:`Session.chat` raises alone when it could never fit."""
+        # Session.answer_steps's checks, in its order and with its messages.
+        count = len(joining.prompt.ids)
+        report = self._fit(joining, count, alone=True)
+        report.raise_if_too_long()
+        if report.for_mode(joining.session.mode).tokens_fit - count < 1:
+            raise ContextTooLong(self._fit(joining, count + 1, alone=True).message())
+
+    def _short_bytes(self, joining: _Joining) -> tuple[int, str]:
+        """Bytes more than the guard holds now that joining needs (0: it fits),
+        and the limit short of them ("is free", or the KV budget).
+
+        Its pages (the conversation and its first token) and those the reads
+        under way will still add, within the KV budget the other sessions leave,
+        and those pages plus the step's transient with one more row within free
+        RAM. With nothing answering or read in, nothing will free memory: it
+        starts, and its own checks decide, as alone.
+        """
+        if not self.rows and not self.reading:
+            return 0, FREE_RAM
+        report = self._fit(joining, len(joining.prompt.ids) + 1, alone=False)
+        needed = report.for_mode(joining.session.mode).bytes_needed + self._coming_bytes()
+        step = joining.session.prefill_facts.step_transient_bytes(
+            len(self.rows) + len(self.reading) + 1)
+        # The report keeps a prefill chunk's transient free of pages already; a
+        # decode step runs before or after a chunk, never beside it.
+        ram = report.free_bytes - max(0, step - report.transient_bytes)
+        short, limit = needed - ram, FREE_RAM
+        if report.budget_bytes is not None and needed - report.budget_bytes > short:
+            short, limit = needed - report.budget_bytes, KV_BUDGET
+        return max(0, short), limit
+
+    def _coming_bytes(self) -> int:
+        """Bytes of pages the conversations being read in will still add: the guard
+        counts what their pools allocated so far only."""
+        coming = 0
+        for reading in self.reading:
+            session = reading.session
+            needed = session.fit_report(reading.tokens).for_mode(session.mode).bytes_needed
+            coming += max(0, needed - int(session.stats().bytes_allocated))
+        return coming
+
+    def _hold_back(self) -> None:
+        """Say why each waiting conversation waits: the first for memory, the rest
+        for their turn."""
+        first, *rest = self._joining
+        short, limit = self._short_bytes(first)
+        first.waiting = Waiting(first.request_id, (
+            f"Waiting for memory: {human_bytes(short)} more is needed than {limit}; "
+            "it starts when another answer ends."), short)
+        for joining in rest:
+            joining.waiting = Waiting(joining.request_id, (
+                f"Waiting for memory: request {first.request_id}, before it, needs "
+                f"{human_bytes(short)} more than {limit}; it starts after that one."), 0)
+
+    def _admit(self, results: list[RowToken]) -> None:
+        """Start the waiting conversations memory holds now, in the order they came;
+        refuse those that could never fit, end those cancelled while waiting."""
+        for joining in [j for j in self._joining if j.cancel.is_set()]:
+            self._joining.remove(joining)
+            results.append(RowToken(joining.request_id, None, "cancelled"))
+        while self._joining:
+            joining = self._joining[0]
+            try:
+                self._refuse_if_never(joining)
+                if self._short_bytes(joining)[0] > 0:
+                    self._hold_back()
+                    return
+                self._joining.pop(0)
+                self._start(joining)
+            except EngineError as error:
+                if self._joining and self._joining[0] is joining:
+                    self._joining.pop(0)
+                results.append(RowToken(joining.request_id, None, "error", error=error))
 
     def _check_joins(self, session: Session, request_id: int) -> None:
         if session.model is not self.model:
@@ -173,9 +347,11 @@ class BatchDecoder:
             raise EngineError("A model split over several machines answers one chat at a time.")
         queued = self._queued.rows if self._queued is not None else []
         busy = [row.session for row in [*self.rows, *queued]]
-        if any(held is session for held in [*busy, *(r.session for r in self.reading)]):
+        busy += [r.session for r in self.reading] + [j.session for j in self._joining]
+        if any(held is session for held in busy):
             raise EngineError(f"{session.session_id} is answering already.")
-        if request_id in self.request_ids + self.reading_ids:
+        waiting = tuple(joining.request_id for joining in self._joining)
+        if request_id in self.request_ids + self.reading_ids + waiting:
             raise EngineError(f"Request {request_id} is answering already.")
         check_batchable([session.cache])
 
@@ -195,6 +371,7 @@ class BatchDecoder:
                 token again by the next step.
         """
         results: list[RowToken] = []
+        self._admit(results)
         involved = [*self.rows, *(self._queued.rows if self._queued is not None else [])]
         try:
             if self._queued is None:

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 
 from engine.cache import adapter
-from engine.errors import Cancelled, EngineError
+from engine.errors import Cancelled, ContextTooLong, EngineError
 from engine.events import IngestProgress, TokenChunk
+from engine.format import human_bytes
+from engine.memory.guard import GIB, MemoryGuard, MemoryReading
 from engine.session.batch import BatchDecoder
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
@@ -86,8 +88,8 @@ class Answer:
 
 
 def _alone(loaded: Any, mode: str, messages, sampling: SamplingParams,
-           request_id: int) -> Answer:
-    session = Session(f"alone-{request_id}", loaded, mode)
+           request_id: int, **settings: Any) -> Answer:
+    session = Session(f"alone-{request_id}", loaded, mode, **settings)
     answer = Answer()
     answer.reason, _ = session.chat(messages, sampling, request_id=request_id,
                                     cancel=answer.cancel, emit=answer.emit, tick=lambda: None)
@@ -307,3 +309,94 @@ def test_a_read_stopped_midway_leaves_with_its_chunks_held(tiny) -> None:
     assert (result.request_id, result.finish, result.token) == (7, "cancelled", None)
     assert isinstance(result.error, Cancelled) and result.error.kept_tokens == 3 * CHUNK
     assert len(session.tokens) == 3 * CHUNK and batch.idle
+
+
+def _tight_guard(budget_bytes: int) -> MemoryGuard:
+    """A guard whose KV budget is ``budget_bytes`` on a machine where the pages it
+    counts take free RAM as they would (free RAM is not what runs short here)."""
+    guard: MemoryGuard
+
+    def probe() -> MemoryReading:
+        return MemoryReading(16 * GIB, 8 * GIB - guard.held_bytes())
+
+    guard = MemoryGuard(budget_bytes=budget_bytes, headroom_bytes=GIB, probe=probe)
+    return guard
+
+
+def _pages_bytes(session: Session, messages, extra: int) -> int:
+    """Bytes of the pages ``messages`` and ``extra`` more tokens take in ``session``."""
+    ids = session.prompt(messages, add_generation_prompt=True).ids
+    return session.fit_report(len(ids) + extra).for_mode(session.mode).bytes_needed
+
+
+def test_a_conversation_waits_for_memory_and_joins_when_an_answer_ends(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    alone = {i: _alone(loaded, "fp16", _messages(i), GREEDY, request_id=i, page_size=16)
+             for i in (1, 3, 0)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    # Holds request 1's conversation and answer, or request 3's, not both at once.
+    guard = _tight_guard(200 * 1024)
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                for i in (1, 3, 0, 2)}
+    first = _pages_bytes(sessions[1], _messages(1), 1 + GREEDY.max_tokens)
+    assert first <= guard.budget_bytes < first + _pages_bytes(sessions[3], _messages(3), 1)
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    # Request 1 is read in; 3 waits for its pages, 0 and 2 wait their turn behind it.
+    assert batch.reading_ids == (1,)
+    short = (_pages_bytes(sessions[1], _messages(1), 1)
+             + _pages_bytes(sessions[3], _messages(3), 1) - guard.budget_bytes)
+    assert [(w.request_id, w.reason) for w in batch.waiting] == [
+        (3, f"Waiting for memory: {human_bytes(short)} more is needed than the KV budget "
+            "leaves; it starts when another answer ends."),
+        (0, f"Waiting for memory: request 3, before it, needs {human_bytes(short)} more "
+            "than the KV budget leaves; it starts after that one."),
+        (2, f"Waiting for memory: request 3, before it, needs {human_bytes(short)} more "
+            "than the KV budget leaves; it starts after that one."),
+    ]
+    answers[2].cancel.set()
+    assert [(r.request_id, r.token, r.finish) for r in batch.step()] == [(2, None, "cancelled")]
+    ended: list[int] = []
+    while not batch.idle:
+        for result in batch.step():
+            if result.finish is None:
+                continue
+            ended.append(result.request_id)
+            answers[result.request_id].reason = result.finish
+            answers[result.request_id].held = len(sessions[result.request_id].tokens)
+            # A request that ends closes its conversation (as the server's do): its
+            # pages go back to the budget.
+            sessions[result.request_id].close()
+        if 1 not in ended:
+            assert [w.request_id for w in batch.waiting] == [3, 0]
+            assert batch.request_ids in ((), (1,))
+    assert ended[0] == 1 and sorted(ended[1:]) == [0, 3]
+    for i in (1, 3, 0):
+        _assert_same_up_to_a_near_tie(alone[i], answers[i], alone_logits[i], logits[i])
+
+
+def test_a_conversation_that_could_never_fit_is_refused_as_alone(tiny) -> None:
+    loaded = tiny["llama"]
+    long = _messages(1)
+    budget = 100 * 1024
+    alone = Session("alone", loaded, "fp16", page_size=16, guard=_tight_guard(budget))
+    with pytest.raises(ContextTooLong) as refused_alone:
+        alone.chat(long, GREEDY, request_id=9, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    guard = _tight_guard(budget)
+    batch = BatchDecoder(loaded.model)
+    answering = Session("answering", loaded, "fp16", page_size=16, guard=guard)
+    batch.join(answering, _messages(0), GREEDY, request_id=1, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    for _ in range(3):
+        batch.step()
+    assert batch.request_ids == (1,) and guard.held_bytes() > 0
+    session = Session("long", loaded, "fp16", page_size=16, guard=guard)
+    with pytest.raises(ContextTooLong) as refused:
+        batch.join(session, long, GREEDY, request_id=2, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    assert str(refused.value) == str(refused_alone.value)
+    assert batch.waiting == () and batch.reading_ids == () and batch.request_ids == (1,)
