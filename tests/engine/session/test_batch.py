@@ -400,3 +400,39 @@ def test_a_conversation_that_could_never_fit_is_refused_as_alone(tiny) -> None:
                    emit=lambda _: None, tick=lambda: None)
     assert str(refused.value) == str(refused_alone.value)
     assert batch.waiting == () and batch.reading_ids == () and batch.request_ids == (1,)
+
+
+def test_a_conversation_waits_for_free_ram_as_for_the_budget(tiny) -> None:
+    loaded = tiny["llama"]
+    alone = _alone(loaded, "fp16", _messages(3), GREEDY, request_id=3, page_size=16)
+    guard: MemoryGuard
+    free = [8 * GIB]  # bytes free after the headroom, with no page held
+
+    def probe() -> MemoryReading:
+        return MemoryReading(16 * GIB, GIB + free[0] - guard.held_bytes())
+
+    guard = MemoryGuard(headroom_bytes=GIB, probe=probe)
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                for i in (1, 3)}
+    reading_in = sessions[1].prefill_facts.transient_bytes(sessions[1].chunk_size)
+    # Free RAM holds request 1's pages and answer beside a chunk's read, and one
+    # more page (8 KiB in fp16 here), not request 3's pages too: the RAM limit,
+    # not a KV budget, keeps 3 waiting.
+    free[0] = (reading_in + _pages_bytes(sessions[1], _messages(1), 1 + GREEDY.max_tokens)
+               + 8192)
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    (waiting,) = batch.waiting
+    assert waiting.request_id == 3 and waiting.short_bytes > 0
+    assert waiting.reason == (f"Waiting for memory: {human_bytes(waiting.short_bytes)} more "
+                              "is needed than is free; it starts when another answer ends.")
+    while not batch.idle:
+        for result in batch.step():
+            if result.finish is not None:
+                answers[result.request_id].reason = result.finish
+                sessions[result.request_id].close()
+                assert result.request_id == 1 or answers[1].reason is not None
+    assert answers[1].reason == "length" and answers[3].tokens == alone.tokens
