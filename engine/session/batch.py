@@ -220,9 +220,14 @@ class BatchDecoder:
                            rendered)
         session.guard.check_pressure("the answer")
         self._refuse_if_never(joining)
-        if self._joining or self._short_bytes(joining)[0] > 0:
+        if self._joining:
             self._joining.append(joining)
-            self._hold_back()
+            self._hold_back(*self._short_bytes(self._joining[0]))
+            return
+        short, limit = self._short_bytes(joining)
+        if short > 0:
+            self._joining.append(joining)
+            self._hold_back(short, limit)
         else:
             self._start(joining)
 
@@ -307,11 +312,10 @@ class BatchDecoder:
             coming += max(0, needed - int(session.stats().bytes_allocated))
         return coming
 
-    def _hold_back(self) -> None:
-        """Say why each waiting conversation waits: the first for memory, the rest
-        for their turn."""
+    def _hold_back(self, short: int, limit: str) -> None:
+        """Say why each waiting conversation waits: the first for ``short`` bytes
+        more than ``limit`` holds, the rest for their turn."""
         first, *rest = self._joining
-        short, limit = self._short_bytes(first)
         first.waiting = Waiting(first.request_id, (
             f"Waiting for memory: {human_bytes(short)} more is needed than {limit}; "
             "it starts when another answer ends."), short)
@@ -330,8 +334,9 @@ class BatchDecoder:
             joining = self._joining[0]
             try:
                 self._refuse_if_never(joining)
-                if self._short_bytes(joining)[0] > 0:
-                    self._hold_back()
+                short, limit = self._short_bytes(joining)
+                if short > 0:
+                    self._hold_back(short, limit)
                     return
                 self._joining.pop(0)
                 self._start(joining)
@@ -359,11 +364,14 @@ class BatchDecoder:
         """Read one forward pass's tokens: the next pass and one chunk of a
         conversation being read in are queued first.
 
-        The device runs the decode pass before the chunk, so the answering
-        conversations keep their pace while a long document is read in. Rows
-        cancelled or out of pages before their pass leave without a token.
-        Returns what happened to each answering row, in batch order (and to a
-        read that stopped short); rows that finished have left the batch.
+        First the conversations waiting for memory join, in the order they came,
+        as far as memory now holds them. The device runs the decode pass before
+        the chunk, so the answering conversations keep their pace while a long
+        document is read in. Rows cancelled or out of pages before their pass
+        leave without a token. Returns what happened to each answering row, in
+        batch order (and to a read that stopped short, and to a waiting
+        conversation cancelled, or refused as it would be alone); rows that
+        finished have left the batch.
 
         Raises:
             Exception: whatever a pass raised; every session involved is rolled
