@@ -436,3 +436,26 @@ def test_a_conversation_waits_for_free_ram_as_for_the_budget(tiny) -> None:
                 sessions[result.request_id].close()
                 assert result.request_id == 1 or answers[1].reason is not None
     assert answers[1].reason == "length" and answers[3].tokens == alone.tokens
+
+
+def test_a_waiting_conversation_still_short_when_the_batch_ends_is_refused_as_alone(
+        tiny) -> None:
+    loaded = tiny["llama"]
+    guard = _tight_guard(200 * 1024)
+    first = Session("first", loaded, "fp16", page_size=16, guard=guard)
+    batch = BatchDecoder(loaded.model)
+    batch.join(first, _messages(1), GREEDY, request_id=1, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    waiting = Session("waiting", loaded, "fp16", page_size=16, guard=guard)
+    batch.join(waiting, _messages(3), GREEDY, request_id=3, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    assert [w.request_id for w in batch.waiting] == [3]
+    # The first conversation stays open after its answer: its pages stay held, so
+    # the waiting one gets what it would get asked alone beside it.
+    ended = batch.run()
+    assert [(r.request_id, r.finish) for r in ended] == [(1, "length"), (3, "error")]
+    with pytest.raises(ContextTooLong) as alone:
+        waiting.chat(_messages(3), GREEDY, request_id=4, cancel=threading.Event(),
+                     emit=lambda _: None, tick=lambda: None)
+    assert isinstance(ended[1].error, ContextTooLong)
+    assert str(ended[1].error) == str(alone.value) and batch.idle
