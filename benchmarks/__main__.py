@@ -1,4 +1,4 @@
-"""``python -m benchmarks COMMAND``: cache, generate, agreement, reopen, quality, longctx,
+"""``python -m benchmarks COMMAND``: cache, generate, batch, agreement, reopen, quality, longctx,
 pipeline, serve, speculative, kernels.
 
 Run it with OpenBLAS preloaded on Linux (``source scripts/env.sh``); the report records
@@ -94,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--modes", type=_modes, help="e.g. fp16,q8,q6,q4")
     generate.add_argument("--max-tokens", type=int, help="tokens generated per run")
     generate.add_argument("--repeats", type=int, help="timed runs per contender")
+
+    batch = sub.add_parser("batch", help="demo model: batched decode vs mlx-lm BatchGenerator")
+    _common(batch)
+    batch.add_argument("--model", default="demo", help="model directory or 'demo'")
+    batch.add_argument("--streams", type=_ints, help="stream counts, e.g. 1,2,4,8")
+    batch.add_argument("--prompt-tokens", type=parse_tokens, help="tokens a conversation")
+    batch.add_argument("--mode", type=parse_mode, help="the engine's KV mode, e.g. q6")
+    batch.add_argument("--max-tokens", type=int, help="tokens generated per stream")
+    batch.add_argument("--chunk", type=parse_tokens,
+                       help="prefill chunk of the document a short question waits beside")
 
     agree = sub.add_parser("agreement", help="demo model: each mode's greedy ids vs fp16")
     _common(agree)
@@ -312,6 +322,23 @@ def run_generate(args: argparse.Namespace, command: str) -> dict:
                          generate_bench.render_generate_report, config)
 
 
+def run_batch(args: argparse.Namespace, command: str) -> dict:
+    from benchmarks import batch_bench
+
+    base = batch_bench.QUICK if args.quick else batch_bench.BatchBenchConfig()
+    config = with_changes(
+        base,
+        model=args.model,
+        streams=args.streams,
+        prompt_tokens=args.prompt_tokens,
+        mode=args.mode,
+        max_tokens=args.max_tokens,
+        chunk=args.chunk,
+    )
+    return _run_sections(args, command, "batch", batch_bench.run_batch_bench,
+                         batch_bench.render_batch_report, config)
+
+
 def run_agreement(args: argparse.Namespace, command: str) -> dict:
     from benchmarks import agreement_bench, report
 
@@ -356,6 +383,7 @@ def run_quality(args: argparse.Namespace, command: str) -> dict:
 RUNNERS = {
     "cache": run_cache,
     "generate": run_generate,
+    "batch": run_batch,
     "agreement": run_agreement,
     "reopen": run_reopen,
     "quality": run_quality,

@@ -21,11 +21,12 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from engine.cache import mlx_lm_compat, sharing
 from engine.cache.attention import schedule
 from engine.cache.attention.dispatch import paged_attention
+from engine.cache.batched import CacheRows, PagedRows
 from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
-from engine.errors import ModelLoadError
+from engine.errors import EngineError, ModelLoadError
 
 
 class LayerStats(NamedTuple):
@@ -82,11 +83,30 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedKVCa
     return rotation.unrotate(out)
 
 
+def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedRows,
+                scale: float, mask: Any = None, sinks: mx.array | None = None) -> mx.array:
+    """Attention of a batch's rows, each row's queries over that row's own pages.
+
+    What a model's attention call becomes for a :class:`PagedRows` layer: row ``i``
+    of ``queries`` (``[B, heads, 1, D]``) attends row ``i``'s cache in its own mode
+    and rotation, exactly as that conversation's decode step alone would.
+    """
+    if mask is not None:
+        raise EngineError("A batch of conversations attends without a mask.")
+    outs = [attend(queries[index:index + 1], keys, values, row, scale, None, sinks)
+            for index, row in enumerate(cache.rows)]
+    return mx.concatenate(outs, axis=0)
+
+
 def _dispatcher(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
                                      cache: Any, *args: Any, **kwargs: Any) -> mx.array:
         if isinstance(cache, PagedKVCache):
             return attend(queries, keys, values, cache, *args, **kwargs)
+        if isinstance(cache, PagedRows):
+            return attend_rows(queries, keys, values, cache, *args, **kwargs)
+        if isinstance(cache, CacheRows):
+            return cache.attend(queries, original, *args, **kwargs)
         return original(queries, keys, values, cache, *args, **kwargs)
 
     return scaled_dot_product_attention

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from engine.cache import kvquant
 from engine.cache.attention import schedule, streams
-from engine.cache.attention.scratch import chunk_scratch_bytes
+from engine.cache.attention.scratch import chunk_scratch_bytes, decode_scratch_bytes
 from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
@@ -35,6 +35,9 @@ from engine.memory.guard import BudgetView, MemoryReading
 # The vocabulary projection is not among them: prefill evaluates the cache only.
 _HIDDEN_COPIES = 4
 _MLP_COPIES = 3
+# Per row of a decode step, float32 rows over the vocabulary alive at once: the
+# last position's logits, their log-probabilities and the sampler's working copy.
+_LOGIT_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class PrefillFacts:
         page_size: tokens per page.
         head_streams: streams the attention splits a long context's heads over.
         gpu_schedule: the attention runs the GPU schedule's blocks.
+        vocab_size: tokens of the vocabulary (a decode step's logits are this wide).
     """
 
     weights_bytes: int
@@ -105,6 +109,7 @@ class PrefillFacts:
     page_size: int = 256
     head_streams: int = 1
     gpu_schedule: bool = False
+    vocab_size: int = 0
 
     def scratch_for(self, chunk: int, context: int | None = None) -> int:
         """The attention scratch of one ``chunk``-token chunk (``context``: tokens then held)."""
@@ -117,6 +122,20 @@ class PrefillFacts:
     def transient_bytes(self, chunk: int, context: int | None = None) -> int:
         """Bytes one chunk of ``chunk`` tokens needs while it runs (scratch + activations)."""
         return self.scratch_for(chunk, context) + chunk * self.activation_bytes_per_token
+
+    def step_transient_bytes(self, rows: int) -> int:
+        """Bytes one decode step of ``rows`` conversations needs while it runs.
+
+        Per row: its activations, its attention's scratch (each row attends its
+        own pages; counted as if every row's were alive at once) and its logits
+        with their float32 copies. A batch of one is an answer's step alone.
+        """
+        scratch = self.scratch_bytes
+        if self.q_heads and self.kv_heads and self.head_dim:
+            scratch = decode_scratch_bytes(self.q_heads, self.kv_heads, self.head_dim,
+                                           self.page_size, self.scratch_bytes)
+        logits = _LOGIT_COPIES * 4 * self.vocab_size
+        return rows * (self.activation_bytes_per_token + scratch + logits)
 
     def peak_bytes(self, kv_bytes: int, chunk: int, context: int | None = None) -> int:
         """The prefill peak: weights + ``kv_bytes`` of pages + one chunk's transient."""
@@ -158,7 +177,7 @@ def prefill_facts(
     return PrefillFacts(weights, per_value * compute_bytes, scratch_bytes,
                         heads, kv_heads, head_dim, page_size,
                         streams.streams_for(kv_heads) if kv_heads else 1,
-                        schedule.current() == schedule.GPU)
+                        schedule.current() == schedule.GPU, _arg(args, "vocab_size"))
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import mlx.core as mx
 
@@ -180,6 +180,25 @@ class ChunkedPrefill:
         Exceptions that are neither memory nor a stop propagate, the cache rolled
         back to the tokens held.
         """
+        return finish(self.chunks(ids, boundaries, request_id=request_id, watch=watch,
+                                  emit=emit, tick=tick, total=total))
+
+    def chunks(
+        self,
+        ids: list[int],
+        boundaries: list[int],
+        *,
+        request_id: int,
+        watch: PressureWatch,
+        emit: Emit,
+        tick: Callable[[], None],
+        total: int,
+    ) -> Generator[None, None, PrefillResult]:
+        """:meth:`run`, one chunk a ``next``: yields after each chunk it read.
+
+        Its return value (``StopIteration.value``) is :meth:`run`'s result; the
+        caller may do other work between two chunks (a batch's decode steps).
+        """
         start = self.clock()
         base = len(self.target.tokens)
         read = 0
@@ -220,6 +239,7 @@ class ChunkedPrefill:
                 emit(IngestProgress(request_id, read, len(ids), rate, eta,
                                     size, base + read - size, now - chunk_began))
                 tick()
+                yield
         except KvBudgetExceeded as error:
             # Raised before the chunk touched any layer.
             return self._refused(error, read, total, start)
@@ -315,6 +335,19 @@ class ChunkedPrefill:
         )
         stop.__cause__ = error
         return PrefillResult(read, kept, total, seconds, stop.stopped_reading(kept, total))
+
+
+ResultT = TypeVar("ResultT")
+
+
+def finish(steps: Generator[None, None, ResultT]) -> ResultT:
+    """Run a generator of steps (e.g. :meth:`ChunkedPrefill.chunks`) to its end;
+    its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _kept_words(kept: int, total: int) -> str:

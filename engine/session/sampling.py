@@ -212,6 +212,11 @@ class AnswerStream:
     def _step(self, token: mx.array) -> mx.array:
         adapter.ensure_capacity(self.cache, 1)
         logits = self.model(token[None], cache=self.cache)[:, -1, :]
+        return self.sample(token, logits)
+
+    def sample(self, token: mx.array, logits: mx.array) -> mx.array:
+        """The next token after feeding ``token`` (``[1]``), from its ``logits``
+        (``[1, vocab]``): the processors, the log probabilities, the sampler (lazy)."""
         if self.processors:
             # Lazy concat: the previous token may not be computed yet.
             self.history = mx.concat([self.history, token])[-REPETITION_CONTEXT:]
@@ -461,6 +466,15 @@ class AnswerStream:
             if len(self.generated) >= max_tokens:
                 return "length", i
         return None, len(tokens)
+
+    def receive(self, token: int, max_tokens: int) -> str | None:
+        """Take one token sampled by a step another loop ran (a batch's).
+
+        Streams it unless it ends the turn; returns the finish reason ("stop",
+        "cancelled", "length") or None when the answer goes on.
+        """
+        self._score(token)
+        return self._emit([token], max_tokens)[0]
 
     def _feed(self, token: int) -> None:
         """Feed one token without sampling after it (an answer's end-of-turn token)."""

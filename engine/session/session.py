@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -34,6 +34,7 @@ from engine.session.prefill import (
     Emit,
     PrefillResult,
     activation_value_bytes,
+    finish,
 )
 from engine.session.prompt_ids import Prompt, common_prefix, end_of_turn_ids, render_prompt
 from engine.session.sampling import AnswerStream, SamplingParams
@@ -44,6 +45,29 @@ log = logging.getLogger(__name__)
 # slow machine finishes one in about a second, so Stop and progress stay responsive.
 DEFAULT_CHUNK = 512
 DEFAULT_PAGE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class AnswerStart:
+    """An answer ready for its first decode step: the conversation read in.
+
+    Attributes:
+        stream: the answer's sampling loop over the session's cache.
+        prompt: the conversation's ids; the cache holds all but the last.
+        max_tokens: most tokens the answer may make (its setting, or the room left).
+        fed: prompt tokens this answer read in (the rest were held already).
+        prefill_seconds: how long reading them took.
+        watch: the cancel the answer checks (a user's Stop, or memory).
+        started: ``time.perf_counter()`` when the request started.
+    """
+
+    stream: AnswerStream
+    prompt: list[int]
+    max_tokens: int
+    fed: int
+    prefill_seconds: float
+    watch: PressureWatch
+    started: float
 
 
 class Session:
@@ -439,6 +463,22 @@ class Session:
             EngineError: whatever stopped it short (``Cancelled``, ``MemoryPressure``,
                 ``ContextTooLong``, ...), saying how many tokens it kept.
         """
+        return finish(self.prefill_chunks(ids, request_id=request_id, cancel=cancel,
+                                          emit=emit, tick=tick, boundaries=boundaries,
+                                          total=total))
+
+    def prefill_chunks(
+        self,
+        ids: list[int],
+        *,
+        request_id: int,
+        cancel: threading.Event | PressureWatch,
+        emit: Emit,
+        tick: Callable[[], None],
+        boundaries: list[int] | None = None,
+        total: int | None = None,
+    ) -> Generator[None, None, PrefillResult]:
+        """:meth:`prefill`, one chunk a ``next`` (see ``ChunkedPrefill.chunks``)."""
         if not isinstance(cancel, PressureWatch):
             cancel = self.guard.watch(self.session_id, cancel)
         newest = self.checkpoints.newest()
@@ -446,9 +486,9 @@ class Session:
             self.checkpoint(boundary=True)  # e.g. after an answer: a failure comes back here
         prefill = ChunkedPrefill(self, self.guard, self.session_id, self.chunk_size,
                                  clock=self.clock, sleep=self.sleep)
-        result = prefill.run(ids, list(boundaries or ()), request_id=request_id, watch=cancel,
-                             emit=emit, tick=tick,
-                             total=len(self.tokens) + len(ids) if total is None else total)
+        result = yield from prefill.chunks(
+            ids, list(boundaries or ()), request_id=request_id, watch=cancel, emit=emit,
+            tick=tick, total=len(self.tokens) + len(ids) if total is None else total)
         self.memory_stop = result.memory
         result.raise_if_stopped()
         return result
@@ -529,6 +569,54 @@ class Session:
             Cancelled: cancelled while reading the conversation in; the chunks
                 done stay held (the error says how many).
         """
+        answer = self.start_answer(messages, sampling, request_id=request_id, cancel=cancel,
+                                   emit=emit, tick=tick, prompt=prompt)
+        try:
+            reason = answer.stream.run(answer.prompt, answer.max_tokens)
+        except Exception:
+            # A failed step may leave layers at different lengths.
+            self.rollback()
+            raise
+        return self.finish_answer(answer, reason)
+
+    def start_answer(
+        self,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+        prompt: Prompt | None = None,
+    ) -> AnswerStart:
+        """Read the conversation in (all but the prompt's last token) and set up its answer.
+
+        What :meth:`chat` does before its first decode step. Arguments and
+        errors as :meth:`chat`'s.
+        """
+        return finish(self.answer_steps(messages, sampling, request_id=request_id,
+                                        cancel=cancel, emit=emit, tick=tick, prompt=prompt,
+                                        by_chunk=False))
+
+    def answer_steps(
+        self,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+        prompt: Prompt | None = None,
+        by_chunk: bool = True,
+    ) -> Generator[None, None, AnswerStart]:
+        """:meth:`start_answer`, a step a ``next``: the checks, then each chunk read
+        (``by_chunk``; else the whole read in one step, by :meth:`prefill`).
+
+        A batch (``engine.session.batch``) reads a conversation in this way
+        between its decode steps. Errors are raised by the ``next`` that meets them.
+        """
         started = time.perf_counter()
         self.memory_stop = None
         self.guard.check_pressure("the answer")
@@ -540,13 +628,17 @@ class Session:
         room = self.room_for(len(ids))
         if room < 1:
             raise ContextTooLong(self.fit_report(len(ids) + 1).message())
+        yield  # checked: the conversation fits
         kept = self.sync(ids, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
-        read = self.prefill(ids[kept:-1], request_id=request_id, cancel=watch, emit=emit,
-                            tick=tick, boundaries=self._boundaries(rendered, kept),
-                            total=len(ids))
-        prefill_seconds = read.seconds
-        max_tokens = min(sampling.max_tokens, room)
+        boundaries = self._boundaries(rendered, kept)
+        if by_chunk:
+            read = yield from self.prefill_chunks(
+                ids[kept:-1], request_id=request_id, cancel=watch, emit=emit, tick=tick,
+                boundaries=boundaries, total=len(ids))
+        else:
+            read = self.prefill(ids[kept:-1], request_id=request_id, cancel=watch, emit=emit,
+                                tick=tick, boundaries=boundaries, total=len(ids))
         model = self.model
         if self.followers is not None:
             model = self.followers.decoding(self.model)
@@ -554,35 +646,34 @@ class Session:
             # and rewind are not steps they know. The CLI and the server refuse such a
             # request outright; the app's setting (one for every chat) answers plainly.
             sampling = replace(sampling, speculative="off")
-        generation = AnswerStream(
+        stream = AnswerStream(
             model, self.cache, self.tokenizer, self.end_ids, self.tokens,
             sampling, request_id=request_id, cancel=watch, emit=emit, tick=tick,
             index=self.context_index, after=ids if rendered.continues else (),
         )
-        try:
-            reason = generation.run(ids, max_tokens)
-        except Exception:
-            # A failed step may leave layers at different lengths.
-            self.rollback()
-            raise
-        reason = self._memory_reason(reason, watch, len(generation.generated) < max_tokens)
-        fed = len(ids) - kept
+        return AnswerStart(stream, ids, min(sampling.max_tokens, room), len(ids) - kept,
+                           read.seconds, watch, started)
+
+    def finish_answer(self, answer: AnswerStart, reason: str) -> tuple[str, GenerationStats]:
+        """The finish reason (a memory stop told apart) and the timings of an answer."""
+        generation = answer.stream
+        cut_short = len(generation.generated) < answer.max_tokens
+        reason = self._memory_reason(reason, answer.watch, cut_short)
         first_step = generation.first_token_at - generation.started
-        prefill_total = prefill_seconds + first_step
+        prefill_total = answer.prefill_seconds + first_step
         decode_seconds = generation.last_token_at - generation.first_token_at
         return reason, GenerationStats(
-            prompt_tokens=len(ids),
+            prompt_tokens=len(answer.prompt),
             generated_tokens=len(generation.generated),
             time_to_first_token=(
-                generation.first_token_at - started if generation.generated else None
+                generation.first_token_at - answer.started if generation.generated else None
             ),
-            prefill_tps=fed / prefill_total if prefill_total > 0 else 0.0,
+            prefill_tps=answer.fed / prefill_total if prefill_total > 0 else 0.0,
             decode_tps=(
                 (len(generation.generated) - 1) / decode_seconds if decode_seconds > 0 else 0.0
             ),
-            prefill_tokens=fed,
+            prefill_tokens=answer.fed,
             draft_tokens=generation.draft_tokens,
             accepted_tokens=generation.accepted_tokens,
             decode_steps=generation.steps,
         )
-

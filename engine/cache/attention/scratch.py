@@ -145,6 +145,22 @@ def chunk_scratch_bytes(
     return tokens * per_token + _fixed_bytes(rows, head_dim)
 
 
+def decode_scratch_bytes(
+    q_heads: int, kv_heads: int, head_dim: int, page_size: int, scratch_bytes: int
+) -> int:
+    """Bytes one decode step's attention allocates at its peak, per layer and row.
+
+    The blocks a decode-path call walks (``block_walk.attend_blocks``): sized for
+    :func:`decode_query_rows` within the smaller of the pool's budget and
+    ``DECODE_SCRATCH_BYTES``, at any context.
+    """
+    rows = decode_query_rows(q_heads)
+    budget = min(scratch_bytes, DECODE_SCRATCH_BYTES)
+    tokens = block_tokens(rows, kv_heads, head_dim, page_size, budget, DECODE_ROW_COPIES)
+    per_token = _bytes_per_token(rows, kv_heads, head_dim, DECODE_ROW_COPIES)
+    return tokens * per_token + _fixed_bytes(rows, head_dim)
+
+
 def prefill_row_copies(
     kv_heads: int, head_dim: int, context: int | None, head_streams: int
 ) -> float:

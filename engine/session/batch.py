@@ -1,0 +1,509 @@
+"""Several conversations answering at once: one forward pass a step for all of them.
+
+A decode step reads every weight of the model to make one token; a batch makes
+one token for each of its conversations from the same read. Each conversation
+keeps its own session: its paged cache in its own KV mode, its sampling
+settings, its stop tokens, its length limit and its Stop. The layers see the
+batch through :class:`engine.cache.batched.BatchedCache`, so no conversation is
+padded to another's length.
+
+Conversations join between steps and are read in a chunk a step (the chunks
+:meth:`Session.chat` reads), after that step's decode pass, so answering
+conversations keep their pace while a long document is read beside them; they
+leave when their answer ends or is cancelled, and the others go on with the
+next step. As an answer alone does (and mlx-lm's BatchGenerator), each
+pass is queued before the last one's tokens are read, so the device computes
+while Python reads and streams them; a row goes into the next pass when its
+length limit, its Stop and its pages allow, and an end-of-turn token is fed as
+alone. Rows decode plainly (no speculative drafts). Every method runs MLX and
+must be called from the engine worker thread.
+
+A conversation joins only when memory holds what it adds: the pages its read
+and first token take, and one more row of the step's transient
+(``PrefillFacts.step_transient_bytes``), within the KV budget and free RAM the
+memory guard counts. Otherwise it waits, in the order it came, with a sentence
+saying why (:attr:`BatchDecoder.waiting`), and every step tries again. One that
+would not fit even with the batch's other conversations gone is refused at once,
+with the error :meth:`Session.chat` raises for it alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+
+from engine.cache import adapter
+from engine.cache.batched import BatchedCache, check_batchable
+from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
+from engine.events import GenerationStats
+from engine.format import human_bytes
+from engine.memory import fit
+from engine.session.prefill import Emit, finish
+from engine.session.prompt_ids import Prompt, common_prefix
+from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
+from engine.session.session import AnswerStart, Session
+
+
+@dataclass(frozen=True)
+class RowToken:
+    """What one step did for one conversation.
+
+    Attributes:
+        request_id: the conversation's request.
+        token: the token sampled (an end-of-turn token included); None when the
+            row left without sampling (cancelled, or out of pages, before its pass).
+        finish: None while the answer goes on; else "stop", "length",
+            "cancelled" or "memory", as :meth:`Session.chat` says it, or "error"
+            when reading the conversation in stopped short (``error`` says why).
+        stats: the answer's timings once it finished, else None.
+        error: what stopped the read (``Cancelled`` comes with "cancelled"); the
+            chunks read stay held, as after :meth:`Session.chat` raised it.
+    """
+
+    request_id: int
+    token: int | None
+    finish: str | None = None
+    stats: GenerationStats | None = None
+    error: EngineError | None = None
+
+
+# The limits a waiting conversation's reason names.
+FREE_RAM = "is free"
+KV_BUDGET = "the KV budget leaves"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A conversation waiting for memory to join the batch.
+
+    Attributes:
+        request_id: the conversation's request.
+        reason: why it waits and for what, as a user reads it.
+        short_bytes: bytes more than memory holds now that it needs to join
+            (0 while it waits its turn behind another).
+    """
+
+    request_id: int
+    reason: str
+    short_bytes: int
+
+
+@dataclass(eq=False)
+class _Joining:
+    """A conversation that asked to join, with everything its answer needs."""
+
+    session: Session
+    messages: list[dict[str, str]]
+    sampling: SamplingParams
+    request_id: int
+    cancel: threading.Event
+    emit: Emit
+    tick: Callable[[], None]
+    prompt: Prompt
+    waiting: Waiting | None = None
+
+
+@dataclass(eq=False)  # a row is itself: compared (``in``, ``remove``) by identity
+class _Row:
+    """One answering conversation of the batch."""
+
+    session: Session
+    answer: AnswerStart
+    pending: int  # sampled (or the prompt's last) and not fed yet
+    # Its answer ended; a pass queued before it ended still feeds its last token.
+    finished: bool = False
+    # The pages could not hold the next token: the answer ends when this one is read.
+    out_of_pages: bool = False
+
+    @property
+    def request_id(self) -> int:
+        return self.answer.stream.request_id
+
+
+@dataclass(eq=False)
+class _Reading:
+    """A conversation being read in, a chunk a step, before its answer joins."""
+
+    session: Session
+    request_id: int
+    steps: Generator[None, None, AnswerStart]
+    to_read: int  # tokens it had to read when it joined: the shortest read goes first
+    tokens: int  # tokens its pages hold once read in, its first answer token included
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """A queued forward pass: its rows and each row's next token (lazy)."""
+
+    rows: list[_Row]
+    sampled: mx.array
+
+
+class BatchDecoder:
+    """The answering conversations of one model, decoded together a token a step.
+
+    Args:
+        model: the mlx-lm model every joining session holds.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.rows: list[_Row] = []
+        self.reading: list[_Reading] = []
+        self._joining: list[_Joining] = []  # waiting for memory, in the order they came
+        self._queued: _Pass | None = None
+
+    def __len__(self) -> int:
+        """Conversations answering."""
+        return len(self.rows)
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing is read in or answered and no pass is left to read."""
+        return (not self.rows and not self.reading and not self._joining
+                and self._queued is None)
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        """The requests answering, in batch order."""
+        return tuple(row.request_id for row in self.rows)
+
+    @property
+    def reading_ids(self) -> tuple[int, ...]:
+        """The requests whose conversation is being read in, in the order they joined."""
+        return tuple(reading.request_id for reading in self.reading)
+
+    @property
+    def waiting(self) -> tuple[Waiting, ...]:
+        """The conversations waiting for memory, in the order they will join."""
+        return tuple(joining.waiting for joining in self._joining
+                     if joining.waiting is not None)
+
+    def join(
+        self,
+        session: Session,
+        messages: list[dict[str, str]],
+        sampling: SamplingParams,
+        *,
+        request_id: int,
+        cancel: threading.Event,
+        emit: Emit,
+        tick: Callable[[], None],
+        prompt: Prompt | None = None,
+    ) -> None:
+        """Add ``session``'s answer to the batch: its conversation is read in a
+        chunk a step beside the others' decoding, then it answers.
+
+        Arguments as :meth:`Session.chat`'s; ``emit`` gets the read's progress and
+        the answer's tokens as the steps make them. Speculative drafts are off in
+        a batch. Of several conversations reading, the shortest read goes first,
+        so a short question is not kept waiting behind a long document.
+
+        When memory cannot hold it beside the batch now, it waits (see
+        :attr:`waiting`) and joins at the first step that finds room, after those
+        waiting before it; a cancel while it waits ends it without a token.
+
+        Raises:
+            EngineError: the session cannot join (another model, a layer the
+                batch cannot carry, a pipeline, already answering or waiting), or
+                the conversation cannot be answered even with the batch's other
+                conversations gone (it does not fit, memory is critical), as
+                :meth:`Session.chat` raises it before reading.
+        """
+        self._check_joins(session, request_id)
+        rendered = prompt or session.prompt(messages, add_generation_prompt=True)
+        joining = _Joining(session, messages, sampling, request_id, cancel, emit, tick,
+                           rendered)
+        session.guard.check_pressure("the answer")
+        self._refuse_if_never(joining)
+        if self._joining:
+            self._joining.append(joining)
+            self._hold_back(*self._short_bytes(self._joining[0]))
+            return
+        short, limit = self._short_bytes(joining)
+        if short > 0:
+            self._joining.append(joining)
+            self._hold_back(short, limit)
+        else:
+            self._start(joining)
+
+    def _start(self, joining: _Joining) -> None:
+        """Set up a conversation's answer: read a chunk a step, or answer next step."""
+        session, rendered = joining.session, joining.prompt
+        steps = session.answer_steps(
+            joining.messages, replace(joining.sampling, speculative="off"),
+            request_id=joining.request_id, cancel=joining.cancel, emit=joining.emit,
+            tick=joining.tick, prompt=rendered)
+        next(steps)  # the checks: a conversation that cannot be answered fails here
+        to_read = len(rendered.ids) - 1 - common_prefix(session.tokens, rendered.ids)
+        if to_read <= 0:  # held already (e.g. a continued chat): it answers next step
+            self._answer(session, finish(steps))
+        else:
+            self.reading.append(_Reading(session, joining.request_id, steps, to_read,
+                                         len(rendered.ids) + 1))
+
+    # -- admission by memory -------------------------------------------------
+
+    def _batch_sessions(self) -> list[Session]:
+        """The sessions answering or being read in: their answers will end."""
+        return [*(row.session for row in self.rows), *(r.session for r in self.reading)]
+
+    def _fit(self, joining: _Joining, tokens: int, *, alone: bool) -> fit.FitReport:
+        """The session's fit report for ``tokens`` tokens; ``alone``:
+        as if the batch's other conversations had closed (their pages and reserves
+        back in the budget and in free RAM)."""
+        session = joining.session
+        inputs = session.fit_inputs()
+        reading = session.guard.read()
+        if alone:
+            gone = {s.session_id for s in self._batch_sessions()} - {session.session_id}
+            budget = inputs.budget
+            kept = replace(budget, holds=tuple(h for h in budget.holds if h.key not in gone))
+            freed = (budget.held_bytes(exclude=session.session_id)
+                     - kept.held_bytes(exclude=session.session_id))
+            inputs = replace(inputs, budget=kept)
+            reading = replace(reading, available_bytes=reading.available_bytes + freed)
+        return fit.guarded_fit_report(inputs, reading, tokens)
+
+    def _refuse_if_never(self, joining: _Joining) -> None:
+        """Raise what :meth:`Session.chat` raises alone when it could never fit."""
+        # Session.answer_steps's checks, in its order and with its messages.
+        count = len(joining.prompt.ids)
+        report = self._fit(joining, count, alone=True)
+        report.raise_if_too_long()
+        if report.for_mode(joining.session.mode).tokens_fit - count < 1:
+            raise ContextTooLong(self._fit(joining, count + 1, alone=True).message())
+
+    def _short_bytes(self, joining: _Joining) -> tuple[int, str]:
+        """Bytes more than the guard holds now that joining needs (0: it fits),
+        and the limit short of them ("is free", or the KV budget).
+
+        Its pages (the conversation and its first token) and those the reads
+        under way will still add, within the KV budget the other sessions leave,
+        and those pages plus the step's transient with one more row within free
+        RAM. With nothing answering or read in, nothing will free memory: it
+        starts, and its own checks decide, as alone.
+        """
+        if not self.rows and not self.reading:
+            return 0, FREE_RAM
+        report = self._fit(joining, len(joining.prompt.ids) + 1, alone=False)
+        needed = report.for_mode(joining.session.mode).bytes_needed + self._coming_bytes()
+        step = joining.session.prefill_facts.step_transient_bytes(
+            len(self.rows) + len(self.reading) + 1)
+        # The report keeps a prefill chunk's transient free of pages already; a
+        # decode step runs before or after a chunk, never beside it.
+        ram = report.free_bytes - max(0, step - report.transient_bytes)
+        short, limit = needed - ram, FREE_RAM
+        if report.budget_bytes is not None and needed - report.budget_bytes > short:
+            short, limit = needed - report.budget_bytes, KV_BUDGET
+        return max(0, short), limit
+
+    def _coming_bytes(self) -> int:
+        """Bytes of pages the conversations being read in will still add: the guard
+        counts what their pools allocated so far only."""
+        coming = 0
+        for reading in self.reading:
+            session = reading.session
+            needed = session.fit_report(reading.tokens).for_mode(session.mode).bytes_needed
+            coming += max(0, needed - int(session.stats().bytes_allocated))
+        return coming
+
+    def _hold_back(self, short: int, limit: str) -> None:
+        """Say why each waiting conversation waits: the first for ``short`` bytes
+        more than ``limit`` holds, the rest for their turn."""
+        first, *rest = self._joining
+        first.waiting = Waiting(first.request_id, (
+            f"Waiting for memory: {human_bytes(short)} more is needed than {limit}; "
+            "it starts when another answer ends."), short)
+        for joining in rest:
+            joining.waiting = Waiting(joining.request_id, (
+                f"Waiting for memory: request {first.request_id}, before it, needs "
+                f"{human_bytes(short)} more than {limit}; it starts after that one."), 0)
+
+    def _admit(self, results: list[RowToken]) -> None:
+        """Start the waiting conversations memory holds now, in the order they came;
+        refuse those that could never fit, end those cancelled while waiting."""
+        for joining in [j for j in self._joining if j.cancel.is_set()]:
+            self._joining.remove(joining)
+            results.append(RowToken(joining.request_id, None, "cancelled"))
+        while self._joining:
+            joining = self._joining[0]
+            try:
+                self._refuse_if_never(joining)
+                short, limit = self._short_bytes(joining)
+                if short > 0:
+                    self._hold_back(short, limit)
+                    return
+                self._joining.pop(0)
+                self._start(joining)
+            except EngineError as error:
+                if self._joining and self._joining[0] is joining:
+                    self._joining.pop(0)
+                results.append(RowToken(joining.request_id, None, "error", error=error))
+
+    def _check_joins(self, session: Session, request_id: int) -> None:
+        if session.model is not self.model:
+            raise EngineError("Only conversations of the same model can answer together.")
+        if session.followers is not None:
+            raise EngineError("A model split over several machines answers one chat at a time.")
+        queued = self._queued.rows if self._queued is not None else []
+        busy = [row.session for row in [*self.rows, *queued]]
+        busy += [r.session for r in self.reading] + [j.session for j in self._joining]
+        if any(held is session for held in busy):
+            raise EngineError(f"{session.session_id} is answering already.")
+        waiting = tuple(joining.request_id for joining in self._joining)
+        if request_id in self.request_ids + self.reading_ids + waiting:
+            raise EngineError(f"Request {request_id} is answering already.")
+        check_batchable([session.cache])
+
+    def step(self) -> list[RowToken]:
+        """Read one forward pass's tokens: the next pass and one chunk of a
+        conversation being read in are queued first.
+
+        First the conversations waiting for memory join, in the order they came,
+        as far as memory now holds them. The device runs the decode pass before
+        the chunk, so the answering conversations keep their pace while a long
+        document is read in. Rows cancelled or out of pages before their pass
+        leave without a token. Returns what happened to each answering row, in
+        batch order (and to a read that stopped short, and to a waiting
+        conversation cancelled, or refused as it would be alone); rows that
+        finished have left the batch.
+
+        Raises:
+            Exception: whatever a pass raised; every session involved is rolled
+                back to the tokens it holds, and its row stays, fed its pending
+                token again by the next step.
+        """
+        results: list[RowToken] = []
+        self._admit(results)
+        involved = [*self.rows, *(self._queued.rows if self._queued is not None else [])]
+        try:
+            if self._queued is None:
+                self._queued = self._queue(self._next_rows(None, results), None)
+            self._read_chunk(results)
+            current = self._queued
+            if current is None:
+                return results
+            # The next pass is queued before this one is read (mlx-lm's overlap).
+            self._queued = self._queue(self._next_rows(current, results), current)
+            ids: list[int] = current.sampled.tolist()  # type: ignore[assignment]
+        except Exception:
+            self._fail(involved)
+            raise
+        for row, token in zip(current.rows, ids, strict=True):
+            result = self._take(row, token)
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _read_chunk(self, results: list[RowToken]) -> None:
+        """Read one chunk of the shortest read; a read that ends joins the answering
+        rows (no chunk then: its first pass goes before the next chunk)."""
+        if not self.reading:
+            return
+        reading = min(self.reading, key=lambda r: r.to_read)
+        try:
+            next(reading.steps)
+        except StopIteration as done:
+            self.reading.remove(reading)
+            self._answer(reading.session, done.value)
+        except EngineError as error:
+            self.reading.remove(reading)
+            finish = "cancelled" if isinstance(error, Cancelled) else "error"
+            results.append(RowToken(reading.request_id, None, finish, error=error))
+        except Exception:
+            self.reading.remove(reading)  # its session rolled back to what it holds
+            raise
+
+    def _answer(self, session: Session, answer: AnswerStart) -> None:
+        """Add an answer whose conversation has been read in to the answering rows."""
+        stream = answer.stream
+        stream.history = mx.array(answer.prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
+        self.rows.append(_Row(session, answer, answer.prompt[-1]))
+
+    def run(self) -> list[RowToken]:
+        """Step until every answer finished; the finished rows, in the order they ended."""
+        finished: list[RowToken] = []
+        while not self.idle:
+            finished.extend(r for r in self.step() if r.finish is not None)
+        return finished
+
+    def _next_rows(self, current: _Pass | None, results: list[RowToken]) -> list[_Row]:
+        """The rows of the next pass; rows that leave before it go to ``results``."""
+        rows = []
+        fed = [] if current is None else current.rows
+        for row in list(self.rows):
+            if row in fed:
+                # As an answer alone queues its next pass: room left, no Stop.
+                room = len(row.answer.stream.generated) + 1 < row.answer.max_tokens
+                if not room or row.answer.watch.is_set():
+                    continue
+            elif row.answer.watch.is_set():
+                results.append(self._finish(row, None, "cancelled"))
+                continue
+            try:
+                adapter.ensure_capacity(row.session.cache, 1)
+            except KvBudgetExceeded:
+                # As an answer alone: the budget ends it as its length limit would.
+                if row in fed:
+                    row.out_of_pages = True
+                else:
+                    results.append(self._finish(row, None, "length"))
+                continue
+            rows.append(row)
+        return rows
+
+    def _queue(self, rows: list[_Row], current: _Pass | None) -> _Pass | None:
+        """Build and start one pass for ``rows``: each fed its pending token, or the
+        token ``current`` is computing for it."""
+        if not rows:
+            return None
+        computing = {} if current is None else {id(row): current.sampled[index:index + 1]
+                                                for index, row in enumerate(current.rows)}
+        inputs = [computing.get(id(row), mx.array([row.pending], dtype=mx.int32))
+                  for row in rows]
+        tokens = mx.concatenate(inputs)[:, None]
+        cache = BatchedCache([row.session.cache for row in rows])
+        logits = self.model(tokens, cache=cache.layers)[:, -1, :]
+        cache.write_back()
+        sampled = mx.concatenate([row.answer.stream.sample(tokens[index], logits[index:index + 1])
+                                  for index, row in enumerate(rows)])
+        mx.async_eval(sampled)
+        return _Pass(rows, sampled)
+
+    def _fail(self, rows: list[_Row]) -> None:
+        """Bring every row's session back to the tokens it holds."""
+        # A failed pass may leave layers at different lengths, and a queued one
+        # may have written pages past the tokens held.
+        self._queued = None
+        for row in rows:
+            row.session.rollback()
+
+    def _take(self, row: _Row, token: int) -> RowToken | None:
+        """Hold the token the pass fed, then stream the one it sampled (or finish).
+
+        None for a row whose answer had ended (the pass fed its last token).
+        """
+        row.session.tokens.append(row.pending)
+        row.pending = token
+        stream = row.answer.stream
+        stream.steps += 1
+        if row.finished:
+            return None
+        reason = stream.receive(token, row.answer.max_tokens)
+        if reason is None and row.out_of_pages:
+            reason = "length"
+        if reason is None:
+            return RowToken(row.request_id, token)
+        return self._finish(row, token, reason)
+
+    def _finish(self, row: _Row, token: int | None, reason: str) -> RowToken:
+        self.rows.remove(row)
+        row.finished = True
+        row.answer.stream.flush()
+        reason, stats = row.session.finish_answer(row.answer, reason)
+        return RowToken(row.request_id, token, reason, stats)

@@ -1,0 +1,44 @@
+"""``python -m benchmarks batch`` at tiny sizes: it runs, and its report is complete.
+
+Correctness only: no assertion here reads a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import report
+from tests.engine.tinymodels import make_tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_batch_report_has_a_row_per_stream_count(tmp_path: Path) -> None:
+    model = make_tiny_model_dir(tmp_path / "models", "llama")
+    doc, raw = tmp_path / "benchmarks.md", tmp_path / "results.json"
+    report.write_section(doc, "generate", "generate numbers stay")
+    args = ["batch", "--model", str(model), "--streams", "1,3", "--prompt-tokens", "96",
+            "--max-tokens", "4", "--chunk", "16", "--output", str(doc), "--json", str(raw)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=tmp_path, env=env,
+                   check=True, capture_output=True, timeout=300)
+    markdown, results = doc.read_text(), json.loads(raw.read_text())
+    assert "generate numbers stay" in markdown
+    assert markdown.count("<!-- bench:batch:start -->") == 1
+    # Conversations of different lengths: no two rows the same length.
+    assert len(set(results["prompt_tokens"])) == 3
+    assert [row["streams"] for row in results["rows"]] == [1, 3]
+    for row in results["rows"]:
+        for side in ("engine", "mlx_lm"):
+            # Every stream's tokens after its first, on both sides.
+            assert row[side]["tokens"] == row["streams"] * 3
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    assert len(lines) == 3 and "n/a" not in lines[1] + lines[2]
+    # The question came while the document was still read in, and was timed.
+    first = results["first_token"]
+    assert first["document_still_reading"] and first["seconds"] > 0 < first["chunk_seconds"]
+    assert "chunk times" in markdown

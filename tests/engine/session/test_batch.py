@@ -1,0 +1,461 @@
+"""Conversations answering together (engine.session.batch): each as it would alone.
+
+Every conversation is answered twice, alone (``Session.chat``, plain decoding)
+and as a row of a ``BatchDecoder`` beside conversations of other lengths and KV
+modes, and the two answers must agree token for token, up to a near-tie. On every step
+both fed the same tokens, the batch may move a logit by rounding only (at most
+``BATCH_NOISE``); where the answers part, the alone answer's top-1 minus top-2
+logit must be below twice that (a flip needs the two logits to move by more than
+their gap, and each moves by at most ``BATCH_NOISE``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.cache import adapter
+from engine.errors import Cancelled, ContextTooLong, EngineError
+from engine.events import IngestProgress, TokenChunk
+from engine.format import human_bytes
+from engine.memory.guard import GIB, MemoryGuard, MemoryReading
+from engine.session.batch import BatchDecoder
+from engine.session.sampling import AnswerStream, SamplingParams
+from engine.session.session import Session
+from tests.engine.session.batch_noise import first_divergence
+from tests.engine.tinymodels import CORPUS, loaded_for_session, make_tiny_model_dir
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, speculative="off")
+MODES = ("fp16", "q8", "q6", "q4")
+# The most a row's logit may move in a batch against its step alone: the rounding
+# of B-row matmuls against one-row ones. Measured on these tiny float32 models on
+# the CPU: 0 to 8.5e-6 (float32 rounding of logits of a few units), so the bound
+# leaves a tenfold margin; a wrong position, page or mode in a row moves a logit by
+# tenths to units.
+BATCH_NOISE = 1e-4
+# Tokens per prefill chunk where a test reads a long conversation beside answers.
+CHUNK = 32
+# Prompt lengths in characters: conversations of about 30 to 250 tokens.
+LENGTHS = (60, 700, 250, 400)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("batch-models")
+    return {arch: loaded_for_session(make_tiny_model_dir(root, arch))
+            for arch in ("llama", "qwen3_next", "gemma3_text")}
+
+
+@pytest.fixture
+def logits(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[np.ndarray]]:
+    """Every step's logits, by request id (alone and in a batch alike)."""
+    seen: dict[int, list[np.ndarray]] = {}
+    sample = AnswerStream.sample
+
+    def recording(self: AnswerStream, token: mx.array, row: mx.array) -> mx.array:
+        seen.setdefault(self.request_id, []).append(np.array(row.astype(mx.float32))[0])
+        return sample(self, token, row)
+
+    monkeypatch.setattr(AnswerStream, "sample", recording)
+    return seen
+
+
+def _messages(index: int) -> list[dict[str, str]]:
+    text = (CORPUS * 2)[index * 37:index * 37 + LENGTHS[index % len(LENGTHS)]]
+    return [{"role": "user", "content": text}]
+
+
+@dataclass
+class Answer:
+    """One conversation's answer: its tokens, finish reason and the ids it holds."""
+
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    held: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    chunks: int = 0  # prefill chunks read
+
+    def emit(self, event: object) -> None:
+        if isinstance(event, TokenChunk):
+            self.tokens.extend(event.token_ids)
+        elif isinstance(event, IngestProgress):
+            self.chunks += 1
+
+
+def _alone(loaded: Any, mode: str, messages, sampling: SamplingParams,
+           request_id: int, **settings: Any) -> Answer:
+    session = Session(f"alone-{request_id}", loaded, mode, **settings)
+    answer = Answer()
+    answer.reason, _ = session.chat(messages, sampling, request_id=request_id,
+                                    cancel=answer.cancel, emit=answer.emit, tick=lambda: None)
+    answer.held = len(session.tokens)
+    return answer
+
+
+def _join(batch: BatchDecoder, loaded: Any, mode: str, messages, sampling: SamplingParams,
+          request_id: int) -> tuple[Session, Answer]:
+    session = Session(f"batch-{request_id}", loaded, mode)
+    answer = Answer()
+    batch.join(session, messages, sampling, request_id=request_id, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    return session, answer
+
+
+def _finish(batch: BatchDecoder, rows: dict[int, tuple[Session, Answer]]) -> None:
+    for result in batch.run():
+        session, answer = rows[result.request_id]
+        answer.reason = result.finish
+    for session, answer in rows.values():
+        answer.held = len(session.tokens)
+
+
+def _assert_same_up_to_a_near_tie(alone: Answer, batched: Answer, alone_logits: list,
+                                  batch_logits: list) -> None:
+    first = first_divergence(alone.tokens, batched.tokens)
+    same = len(alone.tokens) + 1 if first is None else first + 1
+    # Up to step ``first`` both answers fed the same tokens: their logits there
+    # differ by the batch's rounding only, and by no more than BATCH_NOISE.
+    shift = max(float(np.abs(a - b).max())
+                for a, b in zip(alone_logits[:same], batch_logits[:same], strict=False))
+    assert shift <= BATCH_NOISE, (first, shift)
+    if first is None:
+        assert (batched.reason, batched.held) == (alone.reason, alone.held)
+        return
+    top2 = np.sort(alone_logits[first])[-2:]
+    assert top2[1] - top2[0] < 2 * BATCH_NOISE, (first, top2, shift)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
+def test_four_modes_answer_together_as_they_do_alone(tiny, logits, arch: str) -> None:
+    loaded = tiny[arch]
+    alone = {i: _alone(loaded, mode, _messages(i), GREEDY, request_id=i)
+             for i, mode in enumerate(MODES)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows = {i: _join(batch, loaded, mode, _messages(i), GREEDY, request_id=i)
+            for i, mode in enumerate(MODES)}
+    assert batch.reading_ids == tuple(range(len(MODES))) and len(batch) == 0
+    _finish(batch, rows)
+    assert len(batch) == 0
+    for i in alone:
+        assert alone[i].tokens, "a greedy answer of the tiny model has tokens"
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_each_row_keeps_its_own_sampling_and_limits(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    end = loaded.tokenizer.eos_token_id
+    settings = [
+        replace(GREEDY, max_tokens=5),
+        # Ends its turn at once: the end token is fed, as alone.
+        replace(GREEDY, logit_bias=((end, 1000.0),)),
+        replace(GREEDY, repetition_penalty=1.3, max_tokens=20),
+        replace(GREEDY, logit_bias=((42, 1000.0),), max_tokens=7),
+    ]
+    modes = ("q6", "fp16", "q4", "q8")
+    alone = {i: _alone(loaded, modes[i], _messages(i), s, request_id=i)
+             for i, s in enumerate(settings)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows = {i: _join(batch, loaded, modes[i], _messages(i), s, request_id=i)
+            for i, s in enumerate(settings)}
+    _finish(batch, rows)
+    assert [alone[i].reason for i in range(4)] == ["length", "stop", "length", "length"]
+    assert len(rows[0][1].tokens) == 5 and rows[3][1].tokens == [42] * 7
+    assert rows[1][1].tokens == [] and rows[1][1].held == alone[1].held
+    for i in alone:
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_a_row_leaving_and_one_joining_leave_the_others_as_alone(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    alone = {i: _alone(loaded, MODES[i], _messages(i), GREEDY, request_id=i) for i in range(4)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows = {i: _join(batch, loaded, MODES[i], _messages(i), GREEDY, request_id=i)
+            for i in range(3)}
+    while len(rows[1][1].tokens) < 6:
+        assert all(r.finish is None for r in batch.step())
+    rows[1][1].cancel.set()
+    left = batch.step()
+    # Its pass was queued before the Stop: its token is read, then it leaves.
+    assert [(r.request_id, r.finish) for r in left if r.finish] == [(1, "cancelled")]
+    assert batch.request_ids == (0, 2)
+    assert batch.step() and batch.request_ids == (0, 2)
+    cancelled = rows[1][1].tokens
+    assert len(cancelled) == 7 and cancelled == alone[1].tokens[:7]
+    for _ in range(3):
+        batch.step()
+    # A conversation joins mid-answer (read in beside the others' steps).
+    rows[3] = _join(batch, loaded, MODES[3], _messages(3), GREEDY, request_id=3)
+    _finish(batch, {i: rows[i] for i in (0, 2, 3)})
+    for i in (0, 2, 3):
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_a_long_read_goes_a_chunk_a_step_beside_the_answers(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    document = [{"role": "user", "content": CORPUS * 2 + "\nSummarise the text above."}]
+    answering = replace(GREEDY, max_tokens=60)
+    chats = {  # request id: (mode, messages, sampling)
+        1: ("fp16", _messages(1), answering),
+        2: ("q6", document, GREEDY),
+        3: ("q8", _messages(0), GREEDY),
+    }
+
+    def session(name: str, mode: str) -> Session:
+        return Session(name, loaded, mode, chunk_size=CHUNK)
+
+    alone = {}
+    for request_id, (mode, messages, sampling) in chats.items():
+        alone[request_id] = answer = Answer()
+        single = session(f"alone-{request_id}", mode)
+        answer.reason, _ = single.chat(messages, sampling, request_id=request_id,
+                                       cancel=answer.cancel, emit=answer.emit,
+                                       tick=lambda: None)
+        answer.held = len(single.tokens)
+    alone_logits = {i: logits.pop(i) for i in alone}
+    batch = BatchDecoder(loaded.model)
+    rows: dict[int, tuple[Session, Answer]] = {}
+
+    def join(request_id: int) -> None:
+        mode, messages, sampling = chats[request_id]
+        rows[request_id] = (session(f"batch-{request_id}", mode), Answer())
+        batch.join(rows[request_id][0], messages, sampling, request_id=request_id,
+                   cancel=rows[request_id][1].cancel, emit=rows[request_id][1].emit,
+                   tick=lambda: None)
+
+    join(1)
+    while not rows[1][1].tokens:
+        batch.step()
+    join(2)
+    assert batch.reading_ids == (2,)
+    for _ in range(4):  # the document reads a chunk a step; the answer a token a step
+        made, chunks = len(rows[1][1].tokens), rows[2][1].chunks
+        assert [r.request_id for r in batch.step()] == [1]
+        assert (len(rows[1][1].tokens), rows[2][1].chunks) == (made + 1, chunks + 1)
+    join(3)  # a short question while the document is still read in
+    steps = 0
+    while not rows[3][1].tokens:
+        batch.step()
+        steps += 1
+    # Its chunks went first: its answer started two steps after them (one to
+    # find the read done, one pass), long before the document was read in.
+    assert steps <= rows[3][1].chunks + 2 and batch.reading_ids == (2,)
+    _finish(batch, rows)
+    assert rows[2][1].chunks == alone[2].chunks > 10
+    for i in chats:
+        _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_a_session_joins_one_batch_of_its_own_model_once(tiny) -> None:
+    batch = BatchDecoder(tiny["llama"].model)
+    session, _ = _join(batch, tiny["llama"], "q8", _messages(0), GREEDY, request_id=1)
+    with pytest.raises(EngineError, match="answering already"):
+        batch.join(session, _messages(0), GREEDY, request_id=2, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    other = Session("other", tiny["qwen3_next"], "q8")
+    with pytest.raises(EngineError, match="same model"):
+        batch.join(other, _messages(0), GREEDY, request_id=3, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    assert batch.reading_ids == (1,)
+
+
+def test_a_row_out_of_pages_ends_as_alone_and_the_others_go_on(tiny, monkeypatch) -> None:
+    loaded = tiny["llama"]
+    long = replace(GREEDY, max_tokens=200)
+
+    def tight(name: str) -> Session:
+        # 3 fp16 pages of 16 tokens (8 KiB each on the tiny llama); the up-front
+        # clamp bypassed, so the pool itself runs out mid-answer.
+        session = Session(name, loaded, "fp16", page_size=16, budget_bytes=3 * 8192)
+        monkeypatch.setattr(session, "room_for", lambda count: 10_000)
+        return session
+
+    alone = Answer()
+    alone_session = tight("alone")
+    alone.reason, _ = alone_session.chat(_messages(0), long, request_id=1, cancel=alone.cancel,
+                                         emit=alone.emit, tick=lambda: None)
+    other_alone = _alone(loaded, "q8", _messages(1), GREEDY, request_id=2)
+    batch = BatchDecoder(loaded.model)
+    session, answer = tight("batched"), Answer()
+    batch.join(session, _messages(0), long, request_id=1, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    rows = {1: (session, answer), 2: _join(batch, loaded, "q8", _messages(1), GREEDY, 2)}
+    _finish(batch, rows)
+    assert alone.reason == answer.reason == "length"
+    assert answer.tokens == alone.tokens and 0 < len(answer.tokens) < 200
+    assert len(session.tokens) == len(alone_session.tokens) == 48  # 3 pages, all held
+    assert adapter.cache_tokens(session.cache) == 48
+    assert rows[2][1].tokens == other_alone.tokens
+
+
+def test_a_read_stopped_midway_leaves_with_its_chunks_held(tiny) -> None:
+    loaded = tiny["llama"]
+    document = [{"role": "user", "content": CORPUS * 2}]
+    batch = BatchDecoder(loaded.model)
+    session, answer = Session("reading", loaded, "q8", chunk_size=CHUNK), Answer()
+    batch.join(session, document, GREEDY, request_id=7, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    for _ in range(3):
+        assert batch.step() == []
+    answer.cancel.set()
+    (result,) = batch.step()
+    assert (result.request_id, result.finish, result.token) == (7, "cancelled", None)
+    assert isinstance(result.error, Cancelled) and result.error.kept_tokens == 3 * CHUNK
+    assert len(session.tokens) == 3 * CHUNK and batch.idle
+
+
+def _tight_guard(budget_bytes: int) -> MemoryGuard:
+    """A guard whose KV budget is ``budget_bytes`` on a machine where the pages it
+    counts take free RAM as they would (free RAM is not what runs short here)."""
+    guard: MemoryGuard
+
+    def probe() -> MemoryReading:
+        return MemoryReading(16 * GIB, 8 * GIB - guard.held_bytes())
+
+    guard = MemoryGuard(budget_bytes=budget_bytes, headroom_bytes=GIB, probe=probe)
+    return guard
+
+
+def _pages_bytes(session: Session, messages, extra: int) -> int:
+    """Bytes of the pages ``messages`` and ``extra`` more tokens take in ``session``."""
+    ids = session.prompt(messages, add_generation_prompt=True).ids
+    return session.fit_report(len(ids) + extra).for_mode(session.mode).bytes_needed
+
+
+def test_a_conversation_waits_for_memory_and_joins_when_an_answer_ends(tiny, logits) -> None:
+    loaded = tiny["llama"]
+    alone = {i: _alone(loaded, "fp16", _messages(i), GREEDY, request_id=i, page_size=16)
+             for i in (1, 3, 0)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    # Holds request 1's conversation and answer, or request 3's, not both at once.
+    guard = _tight_guard(200 * 1024)
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                for i in (1, 3, 0, 2)}
+    first = _pages_bytes(sessions[1], _messages(1), 1 + GREEDY.max_tokens)
+    assert first <= guard.budget_bytes < first + _pages_bytes(sessions[3], _messages(3), 1)
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    # Request 1 is read in; 3 waits for its pages, 0 and 2 wait their turn behind it.
+    assert batch.reading_ids == (1,)
+    short = (_pages_bytes(sessions[1], _messages(1), 1)
+             + _pages_bytes(sessions[3], _messages(3), 1) - guard.budget_bytes)
+    assert [(w.request_id, w.reason) for w in batch.waiting] == [
+        (3, f"Waiting for memory: {human_bytes(short)} more is needed than the KV budget "
+            "leaves; it starts when another answer ends."),
+        (0, f"Waiting for memory: request 3, before it, needs {human_bytes(short)} more "
+            "than the KV budget leaves; it starts after that one."),
+        (2, f"Waiting for memory: request 3, before it, needs {human_bytes(short)} more "
+            "than the KV budget leaves; it starts after that one."),
+    ]
+    answers[2].cancel.set()
+    assert [(r.request_id, r.token, r.finish) for r in batch.step()] == [(2, None, "cancelled")]
+    ended: list[int] = []
+    while not batch.idle:
+        for result in batch.step():
+            if result.finish is None:
+                continue
+            ended.append(result.request_id)
+            answers[result.request_id].reason = result.finish
+            answers[result.request_id].held = len(sessions[result.request_id].tokens)
+            # A request that ends closes its conversation (as the server's do): its
+            # pages go back to the budget.
+            sessions[result.request_id].close()
+        if 1 not in ended:
+            assert [w.request_id for w in batch.waiting] == [3, 0]
+            assert batch.request_ids in ((), (1,))
+    assert ended[0] == 1 and sorted(ended[1:]) == [0, 3]
+    for i in (1, 3, 0):
+        _assert_same_up_to_a_near_tie(alone[i], answers[i], alone_logits[i], logits[i])
+
+
+def test_a_conversation_that_could_never_fit_is_refused_as_alone(tiny) -> None:
+    loaded = tiny["llama"]
+    long = _messages(1)
+    budget = 100 * 1024
+    alone = Session("alone", loaded, "fp16", page_size=16, guard=_tight_guard(budget))
+    with pytest.raises(ContextTooLong) as refused_alone:
+        alone.chat(long, GREEDY, request_id=9, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    guard = _tight_guard(budget)
+    batch = BatchDecoder(loaded.model)
+    answering = Session("answering", loaded, "fp16", page_size=16, guard=guard)
+    batch.join(answering, _messages(0), GREEDY, request_id=1, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    for _ in range(3):
+        batch.step()
+    assert batch.request_ids == (1,) and guard.held_bytes() > 0
+    session = Session("long", loaded, "fp16", page_size=16, guard=guard)
+    with pytest.raises(ContextTooLong) as refused:
+        batch.join(session, long, GREEDY, request_id=2, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    assert str(refused.value) == str(refused_alone.value)
+    assert batch.waiting == () and batch.reading_ids == () and batch.request_ids == (1,)
+
+
+def test_a_conversation_waits_for_free_ram_as_for_the_budget(tiny) -> None:
+    loaded = tiny["llama"]
+    alone = _alone(loaded, "fp16", _messages(3), GREEDY, request_id=3, page_size=16)
+    guard: MemoryGuard
+    free = [8 * GIB]  # bytes free after the headroom, with no page held
+
+    def probe() -> MemoryReading:
+        return MemoryReading(16 * GIB, GIB + free[0] - guard.held_bytes())
+
+    guard = MemoryGuard(headroom_bytes=GIB, probe=probe)
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                for i in (1, 3)}
+    reading_in = sessions[1].prefill_facts.transient_bytes(sessions[1].chunk_size)
+    # Free RAM holds request 1's pages and answer beside a chunk's read, and one
+    # more page (8 KiB in fp16 here), not request 3's pages too: the RAM limit,
+    # not a KV budget, keeps 3 waiting.
+    free[0] = (reading_in + _pages_bytes(sessions[1], _messages(1), 1 + GREEDY.max_tokens)
+               + 8192)
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    (waiting,) = batch.waiting
+    assert waiting.request_id == 3 and waiting.short_bytes > 0
+    assert waiting.reason == (f"Waiting for memory: {human_bytes(waiting.short_bytes)} more "
+                              "is needed than is free; it starts when another answer ends.")
+    while not batch.idle:
+        for result in batch.step():
+            if result.finish is not None:
+                answers[result.request_id].reason = result.finish
+                sessions[result.request_id].close()
+                assert result.request_id == 1 or answers[1].reason is not None
+    assert answers[1].reason == "length" and answers[3].tokens == alone.tokens
+
+
+def test_a_waiting_conversation_still_short_when_the_batch_ends_is_refused_as_alone(
+        tiny) -> None:
+    loaded = tiny["llama"]
+    guard = _tight_guard(200 * 1024)
+    first = Session("first", loaded, "fp16", page_size=16, guard=guard)
+    batch = BatchDecoder(loaded.model)
+    batch.join(first, _messages(1), GREEDY, request_id=1, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    waiting = Session("waiting", loaded, "fp16", page_size=16, guard=guard)
+    batch.join(waiting, _messages(3), GREEDY, request_id=3, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    assert [w.request_id for w in batch.waiting] == [3]
+    # The first conversation stays open after its answer: its pages stay held, so
+    # the waiting one gets what it would get asked alone beside it.
+    ended = batch.run()
+    assert [(r.request_id, r.finish) for r in ended] == [(1, "length"), (3, "error")]
+    with pytest.raises(ContextTooLong) as alone:
+        waiting.chat(_messages(3), GREEDY, request_id=4, cancel=threading.Event(),
+                     emit=lambda _: None, tick=lambda: None)
+    assert isinstance(ended[1].error, ContextTooLong)
+    assert str(ended[1].error) == str(alone.value) and batch.idle
