@@ -27,19 +27,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    ArraysCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-    _BaseCache,
-)
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from engine.cache.mlx_lm_compat import BaseCache
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import EngineError
 
 
-class PagedRows(_BaseCache):
+class PagedRows(BaseCache):
     """One paged layer of every row of a batch, for one forward pass.
 
     Args:
@@ -92,7 +87,7 @@ class RowMasks(tuple):
     :class:`CacheRows` layer; the model hands it to the attention unread."""
 
 
-class CacheRows(_BaseCache):
+class CacheRows(BaseCache):
     """One mlx-lm cache layer of every row of a batch, attended row by row.
 
     Args:
