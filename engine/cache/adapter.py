@@ -23,7 +23,7 @@ from engine.cache.attention import schedule
 from engine.cache.attention.dispatch import paged_attention
 from engine.cache.batched import CacheRows, PagedRows
 from engine.cache.modes import FP16, MODES, KvMode
-from engine.cache.paged_cache import PagedKVCache
+from engine.cache.paged_cache import PagedKVCache, cache_tokens
 from engine.cache.pages import PagePool
 from engine.cache.rotation import HadamardRotation
 from engine.errors import EngineError, ModelLoadError
@@ -231,15 +231,6 @@ def ensure_capacity(cache: list[Any], new_tokens: int) -> None:
     paged = _paged(cache)
     if paged:
         paged[0].pool.ensure(paged[0].offset + new_tokens)
-
-
-def cache_tokens(cache: list[Any]) -> int:
-    """Tokens the cache holds (paged layers first, else any layer with an offset)."""
-    for layer_cache in _paged(cache) or cache:
-        offset = getattr(layer_cache, "offset", None)
-        if isinstance(offset, int):
-            return offset
-    return 0
 
 
 def trim_cache(cache: list[Any], n: int) -> int:

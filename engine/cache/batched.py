@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from engine.cache.mlx_lm_compat import BaseCache
-from engine.cache.paged_cache import PagedKVCache
+from engine.cache.paged_cache import PagedKVCache, cache_tokens
 from engine.errors import EngineError
 
 
@@ -160,8 +160,6 @@ class BatchedCache:
     def __init__(self, caches: Sequence[list[Any]]) -> None:
         self.caches = list(caches)
         check_batchable(self.caches)
-        from engine.cache.adapter import cache_tokens  # the adapter routes these views
-
         # Every layer of a conversation holds its tokens: one offset a row.
         offsets = mx.array([cache_tokens(row) for row in self.caches], dtype=mx.int32)
         self.layers: list[Any] = []

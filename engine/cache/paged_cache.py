@@ -360,3 +360,13 @@ class PagedKVCache(BaseCache):
             format_id, layer = rotation
             self.layer = int(layer)
             self.rotation = rotation_for(format_id or None, self.head_dim, self.layer)
+
+
+def cache_tokens(cache: list[Any]) -> int:
+    """Tokens a model's cache holds (paged layers first, else any layer with an offset)."""
+    paged = [layer for layer in cache if isinstance(layer, PagedKVCache)]
+    for layer_cache in paged or cache:
+        offset = getattr(layer_cache, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return 0
