@@ -53,6 +53,25 @@ def loose_umask() -> Iterator[None]:
         os.umask(old)
 
 
+@pytest.fixture(scope="session")
+def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A LONGLEAF_HOME holding the demo model, converted once per test session.
+
+    Tests set it with ``monkeypatch.setenv("LONGLEAF_HOME", ...)`` and must not
+    write into it: it is shared.
+    """
+    from engine.models.demo import ensure_demo_model
+
+    home = tmp_path_factory.mktemp("demo-home")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("LONGLEAF_HOME", str(home))
+    try:
+        ensure_demo_model()
+    finally:
+        patch.undo()
+    yield home
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
     """Fail any test that leaves a thread running behind it."""

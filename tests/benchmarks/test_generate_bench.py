@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
 import pytest
 
 from benchmarks.generate_bench import prompt_messages, run_engine
-from engine.models.demo import ensure_demo_model
 from engine.models.loader import load_model
-
-
-@pytest.fixture(scope="module")
-def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A LONGLEAF_HOME holding the demo model, converted once for this module."""
-    home = tmp_path_factory.mktemp("demo-home")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("LONGLEAF_HOME", str(home))
-    try:
-        ensure_demo_model()
-    finally:
-        patch.undo()
-    yield home
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ def tiny_model(tiny_model_dir: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture(scope="session")
-def demo_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+def demo_model(demo_home: Path) -> tuple[Any, Any]:
     """SmolLM2-135M (the app's demo model) and its tokenizer, dequantized to float32.
 
     The CPU backend emulates float16, so the model computes in float32 here.
@@ -46,9 +46,9 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     from engine.models.demo import ensure_demo_model
 
     patch = pytest.MonkeyPatch()
-    patch.setenv("LONGLEAF_HOME", str(tmp_path_factory.mktemp("demo-home")))
+    patch.setenv("LONGLEAF_HOME", str(demo_home))
     try:
-        model, tokenizer = load(str(ensure_demo_model()))
+        model, tokenizer = load(str(ensure_demo_model()))  # converted already
     finally:
         patch.undo()
     model = dequantize_model(model)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,18 +39,6 @@ ROUND_TRIP = [
     "numbers 3.14159, 1,000,000 and 2024-06-01",
 ]
 
-
-@pytest.fixture(scope="session")
-def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A LONGLEAF_HOME holding the demo model, converted once per test session."""
-    home = tmp_path_factory.mktemp("demo-home")
-    patch = pytest.MonkeyPatch()
-    patch.setenv("LONGLEAF_HOME", str(home))
-    try:
-        ensure_demo_model()
-    finally:
-        patch.undo()
-    yield home
 
 
 @pytest.fixture
