@@ -87,7 +87,7 @@ _PUBLIC = {
     "ServerUnavailable": "engine.server.inprocess",
     **{name: "engine.events" for name in (
         "Event", "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
-        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "StoredKv",
+        "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "AnswerWaiting", "StoredKv",
         "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost", "RankShare",
         "renumbered", "request_id_of")},
     **{name: "engine.errors" for name in (
@@ -107,6 +107,7 @@ __all__ = [
     "MODES",
     "RECOMMENDED_MODELS",
     "REFERENCE",
+    "AnswerWaiting",
     "ApiSession",
     "Cancelled",
     "ChunkTiming",
@@ -222,6 +223,7 @@ if TYPE_CHECKING:
         UnsupportedModeError,
     )
     from engine.events import (
+        AnswerWaiting,
         Event,
         Failed,
         Finished,

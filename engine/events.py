@@ -257,6 +257,26 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class AnswerWaiting:
+    """An answer waits to join the ones answering together: memory cannot hold
+    its pages and its share of a step beside them yet (or one before it waits).
+
+    Sent when it starts waiting and each time the reason changes; its reading
+    progress or first token follows once it joins, or its ``Finished`` when it is
+    cancelled while it waits.
+
+    Attributes:
+        reason: why it waits and for what, as a user reads it.
+        short_bytes: bytes more than memory holds now that it needs (0 while it
+            waits its turn behind another).
+    """
+
+    request_id: int
+    reason: str
+    short_bytes: int
+
+
+@dataclass(frozen=True)
 class StoredKv:
     """The KV snapshots on disk, sent after every change to them (save, evict, clear).
 
@@ -322,18 +342,18 @@ class PipelineLost:
 
 
 Event = (TokenChunk | IngestProgress | StatsSample | Finished | Failed | ModelLoaded
-         | SessionOpened | Notice | StoredKv | QualityChecked | PipelineLost)
+         | SessionOpened | Notice | AnswerWaiting | StoredKv | QualityChecked | PipelineLost)
 """Everything a worker sends (``QualityProgress`` is an ``IngestProgress``)."""
 
 Ending = Finished | Failed
 """How every request ends: exactly one of these."""
 
 RequestEvent = (TokenChunk | IngestProgress | Finished | Failed | ModelLoaded | SessionOpened
-                | Notice | QualityChecked)
+                | Notice | AnswerWaiting | QualityChecked)
 """The events of one request: each carries its ``request_id``."""
 
 _REQUEST_EVENTS = (TokenChunk, IngestProgress, Finished, Failed, ModelLoaded, SessionOpened,
-                   Notice, QualityChecked)
+                   Notice, AnswerWaiting, QualityChecked)
 
 
 def request_id_of(event: Event) -> int | None:
