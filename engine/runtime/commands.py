@@ -111,6 +111,11 @@ REQUESTS = (LoadModel, OpenSession, Chat, Ingest, CheckQuality, Configure,
 CANCELLABLE = (Chat, Ingest, CheckQuality)
 """The requests a cancel stops; one cancelled while it waits ends before it starts."""
 
+ALONE = (LoadModel, Ingest, CheckQuality, Configure)
+"""The requests that run with no answer beside them: a model load replaces the
+model the answers run on, a read or a quality check runs whole (not a chunk a
+step), and a new chunk size would change how reads under way are cut."""
+
 SETTINGS = (Configure, SetSnapshotBudget, ShareChats)
 """The requests that set how the engine runs rather than what it holds."""
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import NamedTuple
 
 from engine.errors import Cancelled, EngineError
 from engine.events import Event, Finished, GenerationStats, QualityChecked, QualityProgress
@@ -20,9 +21,18 @@ from engine.memory.guard import MemoryGuard
 from engine.runtime.commands import Chat, CheckQuality, Ingest
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.session import Session
+from engine.session.prompt_ids import Prompt
+from engine.session.session import AnswerStart, Session
 
 log = logging.getLogger(__name__)
+
+
+class ChatStart(NamedTuple):
+    """A chat request made ready to answer, alone or in a batch."""
+
+    session: Session
+    prompt: Prompt
+    reused: int  # tokens brought back from disk or another chat
 
 
 class SessionRequests:
@@ -47,28 +57,41 @@ class SessionRequests:
         self._guard = guard
         self._emit = emit
 
-    def chat(self, request_id: int, request: Chat, cancel: threading.Event) -> Finished:
-        """Answer the conversation's last user turn, streaming ``TokenChunk`` events."""
-        session_id, messages = request.session_id, request.messages
-        session = self._held.get(session_id)
-        # Rendered and tokenized once for the whole request.
-        prompt = session.prompt(messages, add_generation_prompt=True, tools=request.tools,
-                                template=request.template)
+    def prepare_chat(self, request_id: int, request: Chat) -> ChatStart:
+        """The chat's session, its prompt (rendered and tokenized once for the whole
+        request) and the tokens brought back for it from disk or another chat."""
+        session = self._held.get(request.session_id)
+        prompt = session.prompt(request.messages, add_generation_prompt=True,
+                                tools=request.tools, template=request.template)
         reused = self._held.restore(session, prompt.ids, request_id, answer=True)
+        return ChatStart(session, prompt, reused)
+
+    def chat(self, request_id: int, request: Chat, cancel: threading.Event,
+             start: ChatStart, pause: Callable[[], bool] | None = None,
+             ) -> Finished | AnswerStart:
+        """Answer the conversation's last user turn alone, streaming ``TokenChunk``
+        events, until it ends or ``pause`` says so between two steps: then the
+        answer, to go on in a batch (``Answering.adopt``)."""
+        session, prompt, reused = start
         try:
             with self._reading(session, cancel):
-                reason, stats = session.chat(
-                    messages, request.sampling, request_id=request_id, cancel=cancel,
+                answer = session.start_answer(
+                    request.messages, request.sampling, request_id=request_id, cancel=cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
                 )
+                reason = session.run_answer(answer, pause)
         except Cancelled as stop:
             # Stopped while reading the conversation in: no answer, the chunks read stay.
             stats = GenerationStats(stop.total_tokens or 0, 0, None, 0.0, 0.0,
                                     reused_tokens=reused)
             return Finished(request_id, "cancelled", stats, stop.kept_tokens,
                             stop.total_tokens)
+        if reason == "paused":
+            return answer
+        reason, stats = session.finish_answer(answer, reason)
         if session.memory_stop:
-            log.warning("answer in %s stopped for memory: %s", session_id, session.memory_stop)
+            log.warning("answer in %s stopped for memory: %s", session.session_id,
+                        session.memory_stop)
         return Finished(request_id, reason, replace(stats, reused_tokens=reused))
 
     def ingest(self, request_id: int, request: Ingest, cancel: threading.Event) -> Finished:

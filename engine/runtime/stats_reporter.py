@@ -3,7 +3,7 @@ repeated by a heartbeat while one MLX step runs long (``engine.runtime.heartbeat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.events import Event, StatsSample
@@ -64,6 +64,12 @@ class StatsReporter:
             if self._throttle.due():
                 self.publish(session)
         return tick
+
+    def publish_when_due(self, sessions: Sequence[Session]) -> None:
+        """Publish each of ``sessions`` once a sample is due (a batch's, after a step)."""
+        if sessions and self._throttle.due():
+            for session in sessions:
+                self.publish(session)
 
     def heartbeat(self) -> StatsHeartbeat:
         """A context manager that repeats the newest sample while a step runs long."""

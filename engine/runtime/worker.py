@@ -39,7 +39,9 @@ from engine.events import (
 )
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
+from engine.runtime.answering import DEFAULT_STREAMS, Answering, StreamCounts
 from engine.runtime.commands import (
+    ALONE,
     CANCELLABLE,
     Chat,
     CheckQuality,
@@ -94,6 +96,17 @@ class EngineWorker(Worker):
         snapshots: where a session's cache goes when it leaves memory (closed,
             model switched, quit) and comes back from on its next request; None
             keeps nothing on disk.
+        pipeline: rank 0 of a pipeline (see ``HeldSessions``); None: every layer here.
+        streams: answers that may decode together; a chat beyond them waits in
+            the queue until one ends.
+
+    Chats answer together (``engine.runtime.answering``): a chat sent while
+    others answer joins them at the next step, and open, close and settings
+    requests run between steps. An ingest, a quality check, a model load or a
+    new chunk size runs alone: it waits for the answers running to end, and
+    the requests behind it wait for it. A chat that starts with nothing else to
+    do answers alone, with speculative drafts, until another chat comes; then
+    both go on in the batch, plainly.
     """
 
     def __init__(
@@ -107,6 +120,7 @@ class EngineWorker(Worker):
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
         pipeline: Pipeline | None = None,
+        streams: int = DEFAULT_STREAMS,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -128,6 +142,14 @@ class EngineWorker(Worker):
             pipeline=pipeline,
         )
         self._requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
+        self._answering = Answering(self._stats, self._emit, self._publish_fit,
+                                    _unexpected_ending, limit=streams)
+        # Requests taken from the queue that wait for the batch: for their session's
+        # answer to end, for room among the answers, or (one that runs alone) for
+        # every answer to end.
+        self._pending: list[Command] = []
+        self._chats_queued = 0  # chats in the queue: an answer alone pauses for them
+        self._chats_lock = threading.Lock()
 
     # -- public API (any thread) ---------------------------------------------
 
@@ -244,6 +266,10 @@ class EngineWorker(Worker):
         """
         return self.submit(CloseSession(session_id, store))
 
+    def streams(self) -> StreamCounts:
+        """The answers running together now; never calls MLX."""
+        return self._answering.counts()
+
     def latest_stats(self) -> StatsSample | None:
         """The last snapshot taken; never calls MLX."""
         return self._stats.latest()
@@ -321,6 +347,7 @@ class EngineWorker(Worker):
         current = self._current
         if current is not None:
             current.cancel.set()
+        self._answering.cancel_in(None)
         self._queue.put(None)
         if not self.join(timeout):
             log.warning("engine thread did not stop within %.1f s", timeout)
@@ -340,6 +367,9 @@ class EngineWorker(Worker):
         command = Command(request_id, request, cancel or threading.Event())
         if self._stopping.is_set():
             command.cancel.set()
+        if isinstance(request, Chat):
+            with self._chats_lock:
+                self._chats_queued += 1
         self._queue.put(command)
         return request_id
 
@@ -349,6 +379,12 @@ class EngineWorker(Worker):
         if (current is not None and isinstance(current.request, CANCELLABLE)
                 and current.request.session_id == session_id):
             current.cancel.set()
+        self._answering.cancel_in(session_id)
+
+    def _chat_waits(self) -> bool:
+        """Whether another chat waits, queued or taken: an answer alone pauses for it."""
+        return self._chats_queued > 0 or any(isinstance(command.request, Chat)
+                                             for command in self._pending)
 
     def _emit(self, event: Event) -> None:
         try:
@@ -365,32 +401,82 @@ class EngineWorker(Worker):
             mx.clear_streams()
 
     def _serve(self) -> None:
-        while True:
-            command = self._queue.get()
-            if command is None:
-                break
+        stopped = False
+        while not stopped:
+            # Between the batch's steps only what has come in; idle, wait for it.
+            for command in self._take(block=not self._answering.busy and not self._pending):
+                if command is None:
+                    stopped = True
+                    break
+                self._pending.append(command)
+            self._start_pending()
+            if self._answering.busy:
+                self._answering.step()
+        # The answers running, and requests waiting or queued behind the sentinel,
+        # still get their one ending.
+        self._answering.cancel_in(None)
+        while self._answering.busy:
+            self._answering.step()
+        for command in [*self._pending, *self._take(block=False)]:
+            if command is not None:
+                self._emit(Finished(command.request_id, "cancelled"))
+        self._answering.close()
+        self._held.release()
+        self._held.stop_followers()
+
+    def _take(self, *, block: bool) -> list[Command | None]:
+        """The commands in the queue (waiting for the first when ``block``)."""
+        taken: list[Command | None] = []
+        try:
+            if block:
+                taken.append(self._queue.get())
+            while taken[-1:] != [None]:
+                taken.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        chats = sum(1 for c in taken if c is not None and isinstance(c.request, Chat))
+        if chats:
+            with self._chats_lock:
+                self._chats_queued -= chats
+        return taken
+
+    def _start_pending(self) -> None:
+        """Run, in order, the pending requests that need not wait for the batch.
+
+        A request waits while its session answers in the batch, a chat while
+        the batch is full (and the chats after it, in turn), and a request that
+        runs alone, with everything behind it, while anything answers.
+        """
+        blocked = self._answering.session_ids()
+        chats_wait = False
+        for command in list(self._pending):
+            request = command.request
+            session_id = getattr(request, "session_id", None)
+            if self._answering.busy and isinstance(request, ALONE):
+                return
+            if session_id in blocked or (isinstance(request, Chat)
+                                         and (chats_wait or self._answering.full)):
+                chats_wait = chats_wait or isinstance(request, Chat)
+                if session_id is not None:
+                    blocked.add(session_id)
+                continue
+            self._pending.remove(command)
             self._current = command
             if self._stopping.is_set():
                 command.cancel.set()
             self._execute(command)
             self._current = None
-        # Requests queued behind the sentinel still get their one ending.
-        while True:
-            try:
-                command = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if command is not None:
-                self._emit(Finished(command.request_id, "cancelled"))
-        self._held.release()
-        self._held.stop_followers()
+            blocked = self._answering.session_ids()
 
     def _execute(self, command: Command) -> None:
         try:
             if command.cancel.is_set() and isinstance(command.request, CANCELLABLE):
                 ending: Event = Finished(command.request_id, "cancelled")
             else:
-                ending = self._dispatch(command)
+                result = self._dispatch(command)
+                if result is None:  # it answers in the batch, which ends it
+                    return
+                ending = result
                 if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):
                     # Announce the result, then end the request like every other.
                     self._publish_fit()
@@ -401,8 +487,7 @@ class EngineWorker(Worker):
                 # group may be gone. A failing refresh fails the request like any step.
                 self._held.refresh_unopened(self.chunk_size)
         except EngineError as error:
-            ending = Failed(command.request_id, str(error), type(error).__name__,
-                            error.kept_tokens, error.total_tokens)
+            ending = _failed(command, error)
         except Exception as error:
             ending = _unexpected_ending(command, error)
         # Before the end is announced, so a fit check it prompts sees what it changed.
@@ -414,12 +499,13 @@ class EngineWorker(Worker):
     def _publish_fit(self) -> None:
         self._held.publish_fit(self.chunk_size)
 
-    def _dispatch(self, command: Command) -> Event:
-        """Run ``command``'s request; the event that ends it (or announces its result)."""
+    def _dispatch(self, command: Command) -> Event | None:
+        """Run ``command``'s request; the event that ends it (or announces its
+        result), or None for a chat the batch goes on with."""
         request_id, request, cancel = command.request_id, command.request, command.cancel
         match request:
             case Chat():
-                return self._requests.chat(request_id, request, cancel)
+                return self._chat(command, request)
             case Ingest():
                 return self._requests.ingest(request_id, request, cancel)
             case CheckQuality():
@@ -431,6 +517,25 @@ class EngineWorker(Worker):
             case _:
                 self._change(request)
                 return Finished(request_id, "done")
+
+    def _chat(self, command: Command, request: Chat) -> Finished | None:
+        """Answer alone while nothing else answers or waits (speculative drafts
+        work alone); join the batch otherwise, or once another chat comes."""
+        start = self._requests.prepare_chat(command.request_id, request)
+        answering = self._answering
+        if not answering.can_take(start.session):
+            alone = self._requests.chat(command.request_id, request, command.cancel, start)
+            assert isinstance(alone, Finished)  # it never pauses
+            return alone
+        if answering.busy or self._chat_waits():
+            answering.join(command, request, *start)
+            return None
+        answer = self._requests.chat(command.request_id, request, command.cancel, start,
+                                     pause=self._chat_waits)
+        if isinstance(answer, Finished):
+            return answer
+        answering.adopt(command, start.session, answer, start.reused)
+        return None
 
     def _change(self, request: Request) -> None:
         """Run a request that changes a setting or what the engine holds."""
@@ -461,12 +566,19 @@ class EngineWorker(Worker):
         self._held.set_chunk_size(request.chunk_size)
 
 
+def _failed(command: Command, error: EngineError) -> Failed:
+    return Failed(command.request_id, str(error), type(error).__name__,
+                  error.kept_tokens, error.total_tokens)
+
+
 def _unexpected_ending(command: Command, error: Exception) -> Failed:
-    """How a request that raised outside the ``EngineError`` family ends.
+    """How a request that raised ends: an ``EngineError`` in its own words.
 
     A disk that filled up or turned read-only is said as such, in one log line;
     anything else is a bug, logged with its traceback.
     """
+    if isinstance(error, EngineError):
+        return _failed(command, error)
     fault = disk.fault_of(error, retry=RETRY)
     if fault is not None:
         log.warning("engine request %s failed: %s", command.name, fault)

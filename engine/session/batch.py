@@ -231,6 +231,32 @@ class BatchDecoder:
         else:
             self._start(joining)
 
+    def adopt(self, session: Session, answer: AnswerStart) -> None:
+        """Go on with an answer that decoded alone until it paused
+        (:meth:`Session.run_answer`): from the next step it answers in the batch,
+        plainly, from the token it paused at.
+
+        Raises:
+            EngineError: the session cannot join (as :meth:`join` says).
+        """
+        self._check_joins(session, answer.stream.request_id)
+        self.rows.append(_Row(session, answer, answer.stream.paused_at))
+
+    def abandon(self) -> tuple[int, ...]:
+        """Drop every answer, read and wait (after a pass failed); their requests.
+
+        Each session keeps the tokens it holds: the pass that failed, and the
+        one queued after it, are undone.
+        """
+        gone = (*self.request_ids, *self.reading_ids,
+                *(joining.request_id for joining in self._joining))
+        for reading in self.reading:
+            reading.steps.close()
+        for session in self._batch_sessions():
+            session.rollback()
+        self.rows, self.reading, self._joining, self._queued = [], [], [], None
+        return gone
+
     def _start(self, joining: _Joining) -> None:
         """Set up a conversation's answer: read a chunk a step, or answer next step."""
         session, rendered = joining.session, joining.prompt

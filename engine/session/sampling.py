@@ -207,6 +207,8 @@ class AnswerStream:
         self.accepted_tokens = 0
         self.steps = 0
         self._saved: checkpoints.Checkpoint | None = None
+        self._pause: Callable[[], bool] = lambda: False
+        self.paused_at = 0  # the unfed token a paused run goes on from
         seed_sampling(sampling)
 
     def _step(self, token: mx.array) -> mx.array:
@@ -285,15 +287,29 @@ class AnswerStream:
         if text or self.pending_ids:
             self._send(text)
 
-    def run(self, prompt: list[int], max_tokens: int) -> str:
-        """Generate up to ``max_tokens`` tokens; returns "stop", "length" or "cancelled"."""
+    def run(self, prompt: list[int], max_tokens: int,
+            pause: Callable[[], bool] | None = None) -> str:
+        """Generate up to ``max_tokens`` tokens; returns "stop", "length" or "cancelled",
+        or "paused" when ``pause`` said so between two steps.
+
+        A paused answer goes on elsewhere (a batch, ``engine.session.batch``) from
+        :attr:`paused_at`, the token sampled and not fed yet; what the detokenizer
+        holds back stays held for the text that follows.
+        """
         self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
+        self._pause = pause or (lambda: False)
+        reason = "cancelled"
         try:
             if self.speculate:
-                return self._run_speculative(prompt, max_tokens)
-            return self._decode(prompt[-1], max_tokens, max_tokens)[0] or "length"
+                reason = self._run_speculative(prompt, max_tokens)
+            else:
+                ended, self.paused_at = self._decode(prompt[-1], max_tokens, max_tokens,
+                                                     until=self._pause)
+                reason = ended or ("paused" if self._pause() else "length")
+            return reason
         finally:
-            self.flush()
+            if reason != "paused":
+                self.flush()
 
     def _hold(self, token: int) -> None:
         self.held.append(token)
@@ -362,6 +378,9 @@ class AnswerStream:
         self.drafter = drafter = speculative.Drafter(speculative.ROW_COST[backend])
         pending = prompt[-1]  # sampled (or the prompt's last) but not fed yet
         while True:
+            if self._pause():
+                self.paused_at = pending
+                return "paused"
             room = max_tokens - len(self.generated)
             proposal = self.index.propose([pending], speculative.MAX_DRAFT)
             size = drafter.draft_size(proposal, room - 1)
@@ -412,8 +431,10 @@ class AnswerStream:
         The drafter scores the proposals it skipped against the tokens these make
         (``_hold``), so drafting resumes as soon as the text starts repeating.
         """
+        def until() -> bool:
+            return drafter.wants_draft() or self._pause()
         try:
-            return self._decode(pending, count, max_tokens, until=drafter.wants_draft)
+            return self._decode(pending, count, max_tokens, until=until)
         except KvBudgetExceeded:
             return "length", pending  # as plain decoding: the budget ends the answer
 

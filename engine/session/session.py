@@ -571,13 +571,18 @@ class Session:
         """
         answer = self.start_answer(messages, sampling, request_id=request_id, cancel=cancel,
                                    emit=emit, tick=tick, prompt=prompt)
+        return self.finish_answer(answer, self.run_answer(answer))
+
+    def run_answer(self, answer: AnswerStart, pause: Callable[[], bool] | None = None) -> str:
+        """Decode ``answer`` until it ends ("stop", "length", "cancelled") or
+        ``pause`` says so between two steps ("paused": it goes on in a batch, from
+        ``answer.stream.paused_at``)."""
         try:
-            reason = answer.stream.run(answer.prompt, answer.max_tokens)
+            return answer.stream.run(answer.prompt, answer.max_tokens, pause)
         except Exception:
             # A failed step may leave layers at different lengths.
             self.rollback()
             raise
-        return self.finish_answer(answer, reason)
 
     def start_answer(
         self,

@@ -255,7 +255,7 @@ def test_unexpected_errors_are_failed_generically_and_logged(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(Session, "chat", broken)
+    monkeypatch.setattr(Session, "run_answer", broken)
     with caplog.at_level(logging.ERROR, logger="engine.runtime.worker"):
         ending = log.ending(worker.chat("s", MESSAGES, GREEDY, threading.Event()))
     assert isinstance(ending, Failed) and ending.error_type == "RuntimeError"
@@ -494,7 +494,7 @@ def test_a_kernel_compile_into_a_full_or_read_only_folder_is_said_in_words(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(COMPILE_FAILED.format(tmp=tmp, output=output.format(tmp=tmp)))
 
-    monkeypatch.setattr(Session, "chat", broken)
+    monkeypatch.setattr(Session, "run_answer", broken)
     # The read-only case names no cause: the folder itself is asked (here: read-only).
     monkeypatch.setattr(disk, "probe", lambda folder: disk.READ_ONLY)
     with caplog.at_level(logging.WARNING, logger="engine.runtime.worker"):

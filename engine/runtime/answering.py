@@ -1,0 +1,248 @@
+"""The answers the worker runs together: one batch, stepped between requests.
+
+A chat request joins the batch (``engine.session.batch``) and the worker steps
+it between the requests it takes from its queue, so a chat sent while another
+answers starts at once instead of after it. Each answer ends with its own
+``Finished`` or ``Failed``, sent as its row leaves the batch; one that memory
+cannot hold beside the others yet is told so by ``AnswerWaiting``.
+
+Everything here runs on the engine worker thread, except :meth:`Answering.counts`
+and :meth:`Answering.cancel_in`, which read frozen values and set events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+
+from engine.errors import Cancelled, EngineError
+from engine.events import AnswerWaiting, Event, Failed, Finished, GenerationStats
+from engine.runtime.commands import Chat, Command
+from engine.runtime.stats_reporter import StatsReporter
+from engine.session.batch import BatchDecoder, RowToken, Waiting
+from engine.session.prompt_ids import Prompt
+from engine.session.session import AnswerStart, Session
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STREAMS = 4
+"""Answers decoding together unless the front end sets its own limit."""
+
+
+@dataclass(frozen=True)
+class StreamCounts:
+    """How many answers the worker runs together now, for any thread to read.
+
+    Attributes:
+        answering: answers decoding.
+        reading: answers whose conversation is being read in beside them.
+        waiting: answers waiting for memory to join.
+        limit: answers that may run together; more wait in the worker's queue.
+    """
+
+    answering: int = 0
+    reading: int = 0
+    waiting: int = 0
+    limit: int = DEFAULT_STREAMS
+
+    @property
+    def in_flight(self) -> int:
+        """Answers the batch holds, reading, decoding or waiting for memory."""
+        return self.answering + self.reading + self.waiting
+
+
+@dataclass(frozen=True)
+class _Member:
+    """A request the batch holds, as the worker ends it."""
+
+    command: Command
+    session: Session
+    reused: int
+
+
+class Answering:
+    """The chats answering together on the worker thread, and how each one ends.
+
+    Args:
+        stats: publishes each answering session's stats as the batch steps.
+        emit: sends the answers' events and endings.
+        after_end: called before an answer's ending is sent (the worker
+            freezes what fit checks read).
+        fault: how a request ends that a failed step took down (the worker's
+            words for an error, its log line included).
+        limit: answers that may run together.
+    """
+
+    def __init__(self, stats: StatsReporter, emit: Callable[[Event], None],
+                 after_end: Callable[[], None], fault: Callable[[Command, Exception], Failed],
+                 limit: int = DEFAULT_STREAMS) -> None:
+        if limit < 1:
+            raise EngineError("At least one answer must be allowed to run.")
+        self._stats = stats
+        self._emit = emit
+        self._after_end = after_end
+        self._fault = fault
+        self._batch: BatchDecoder | None = None
+        self._members: dict[int, _Member] = {}
+        self._told: dict[int, str] = {}  # the waiting reason last sent, per request
+        self._heartbeat = ExitStack()
+        self._lock = threading.Lock()
+        self._counts = StreamCounts(limit=limit)
+
+    # -- any thread ------------------------------------------------------------
+
+    def counts(self) -> StreamCounts:
+        """The answers running together now (a frozen value)."""
+        return self._counts
+
+    def cancel_in(self, session_id: str | None) -> None:
+        """Cancel the answers running in ``session_id`` (None: every one)."""
+        with self._lock:
+            members = list(self._members.values())
+        for member in members:
+            if session_id is None or member.session.session_id == session_id:
+                member.command.cancel.set()
+
+    # -- the worker thread ---------------------------------------------------
+
+    @property
+    def limit(self) -> int:
+        """Answers that may run together."""
+        return self._counts.limit
+
+    @property
+    def busy(self) -> bool:
+        """Whether an answer is held: the worker steps the batch between requests."""
+        return bool(self._members)
+
+    @property
+    def full(self) -> bool:
+        """Whether the batch holds as many answers as may run together."""
+        return len(self._members) >= self.limit
+
+    def session_ids(self) -> set[str]:
+        """The sessions whose answer the batch holds."""
+        return {member.session.session_id for member in self._members.values()}
+
+    def can_take(self, session: Session) -> bool:
+        """Whether ``session``'s answer may run in the batch (else it runs alone)."""
+        return session.followers is None
+
+    def join(self, command: Command, chat: Chat, session: Session, prompt: Prompt,
+             reused: int) -> None:
+        """Add ``chat`` (``command``'s request) to the batch: its conversation is
+        read in beside the others' answers, then it answers.
+
+        Raises:
+            EngineError: it cannot be answered, as it could not alone.
+        """
+        batch = self._batch_for(session)
+        batch.join(session, chat.messages, chat.sampling, request_id=command.request_id,
+                   cancel=command.cancel, emit=self._emit, tick=_no_tick, prompt=prompt)
+        self._hold(command, session, reused)
+
+    def adopt(self, command: Command, session: Session, answer: AnswerStart,
+              reused: int) -> None:
+        """Go on in the batch with an answer that decoded alone until it paused."""
+        self._batch_for(session).adopt(session, answer)
+        self._hold(command, session, reused)
+
+    def step(self) -> None:
+        """One step of the batch: every answer's next token, a chunk of a read,
+        the waiting ones that memory now holds; the answers that ended are ended."""
+        batch = self._batch
+        if batch is None:
+            return
+        try:
+            results = batch.step()
+        except Exception as error:
+            self._abandon(batch, error)
+            return
+        for result in results:
+            if result.finish is not None:
+                self._end(result)
+        self._tell_waiting(batch.waiting)
+        self._stats.publish_when_due([m.session for m in self._members.values()])
+        self._count()
+
+    def close(self) -> None:
+        """Forget the batch (its model is going); nothing may be running in it."""
+        self._batch = None
+
+    # -- inside ------------------------------------------------------------------
+
+    def _batch_for(self, session: Session) -> BatchDecoder:
+        if self._batch is None or self._batch.model is not session.model:
+            if self._batch is not None and not self._batch.idle:
+                raise EngineError("Only conversations of the same model can answer together.")
+            self._batch = BatchDecoder(session.model)
+        return self._batch
+
+    def _hold(self, command: Command, session: Session, reused: int) -> None:
+        if not self._members:
+            # One heartbeat for as long as anything answers, not a thread a step.
+            self._heartbeat.enter_context(self._stats.heartbeat())
+        with self._lock:
+            self._members[command.request_id] = _Member(command, session, reused)
+        self._stats.publish(session)
+        if self._batch is not None:
+            self._tell_waiting(self._batch.waiting)
+        self._count()
+
+    def _end(self, result: RowToken, ending: Failed | None = None) -> None:
+        with self._lock:
+            member = self._members.pop(result.request_id)
+        self._told.pop(result.request_id, None)
+        session = member.session
+        if session.memory_stop:
+            log.warning("answer in %s stopped for memory: %s", session.session_id,
+                        session.memory_stop)
+        self._stats.publish(session)
+        if not self._members:
+            self._heartbeat.close()
+        self._after_end()
+        self._emit(ending or _ending(result, member.reused))
+
+    def _abandon(self, batch: BatchDecoder, error: Exception) -> None:
+        """A pass failed: every answer in the batch ends with it, each session at the
+        tokens it holds."""
+        for request_id in batch.abandon():
+            member = self._members.get(request_id)
+            if member is not None:
+                self._end(RowToken(request_id, None, "error"), self._fault(member.command, error))
+
+    def _tell_waiting(self, waiting: tuple[Waiting, ...]) -> None:
+        for wait in waiting:
+            if self._told.get(wait.request_id) != wait.reason:
+                self._told[wait.request_id] = wait.reason
+                self._emit(AnswerWaiting(wait.request_id, wait.reason, wait.short_bytes))
+
+    def _count(self) -> None:
+        batch = self._batch
+        if batch is None:
+            self._counts = StreamCounts(limit=self.limit)
+            return
+        self._counts = StreamCounts(len(batch.rows), len(batch.reading), len(batch.waiting),
+                                    self.limit)
+
+
+def _no_tick() -> None:
+    """Rows publish no stats themselves: the batch publishes all of them after a step."""
+
+
+def _ending(result: RowToken, reused: int) -> Finished | Failed:
+    """The event that ends the request of a row that left the batch."""
+    request_id, error = result.request_id, result.error
+    if isinstance(error, Cancelled):
+        # Stopped while reading the conversation in: no answer, the chunks read stay.
+        stats = GenerationStats(error.total_tokens or 0, 0, None, 0.0, 0.0,
+                                reused_tokens=reused)
+        return Finished(request_id, "cancelled", stats, error.kept_tokens, error.total_tokens)
+    if error is not None:
+        return Failed(request_id, str(error), type(error).__name__, error.kept_tokens,
+                      error.total_tokens)
+    ended = None if result.stats is None else replace(result.stats, reused_tokens=reused)
+    return Finished(request_id, result.finish or "cancelled", ended)

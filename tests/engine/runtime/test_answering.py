@@ -1,0 +1,175 @@
+"""Chats answering together through the worker: each starts at once, ends on its own,
+and says the same as alone."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.events import (
+    AnswerWaiting,
+    Failed,
+    Finished,
+    IngestProgress,
+    SessionOpened,
+    TokenChunk,
+)
+from engine.runtime.answering import StreamCounts
+from engine.session.sampling import SamplingParams
+from tests.engine.runtime.test_worker import EventLog, loaded_worker
+from tests.engine.tinymodels import make_tiny_model_dir
+
+LONG = SamplingParams(temperature=0.0, max_tokens=40)
+ASKED = {
+    "a": [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog."}],
+    "b": [{"role": "user", "content": "What is the capital of France, and why is it there?"}],
+    "c": [{"role": "user", "content": "Count the colours of the rainbow, one by one please."}],
+}
+
+
+@pytest.fixture(scope="module")
+def endless_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Never ends its turn by itself: every answer runs to its length limit, so
+    # answers overlap; these weights write a token a TokenChunk, not bytes of one.
+    return make_tiny_model_dir(tmp_path_factory.mktemp("answering"), "llama", endless=True,
+                               seed=1)
+
+
+def _open(worker: Any, log: EventLog, *names: str, mode: str = "q8") -> None:
+    for name in names:
+        log.result(worker.open_session(name, mode, 16), SessionOpened)
+
+
+def _tokens(log: EventLog, request_id: int) -> list[int]:
+    return [i for e in log.for_request(request_id) if isinstance(e, TokenChunk)
+            for i in e.token_ids]
+
+
+def _alone(folder: Path, name: str, sampling: SamplingParams = LONG) -> list[int]:
+    with loaded_worker(folder, chunk_size=16) as (worker, log):
+        _open(worker, log, name)
+        request = worker.chat(name, ASKED[name], sampling, threading.Event())
+        ending = log.ending(request)
+        assert isinstance(ending, Finished), ending
+        return _tokens(log, request)
+
+
+def _position(log: EventLog, predicate: Any) -> int:
+    with log.changed:
+        return next(i for i, e in enumerate(log.events) if predicate(e))
+
+
+def test_a_chat_sent_while_another_answers_starts_at_once_and_both_say_what_alone_would(
+        endless_dir: Path) -> None:
+    # Long enough that A is still answering when B comes, drafts and all.
+    longer = SamplingParams(temperature=0.0, max_tokens=400)
+    alone = {"a": _alone(endless_dir, "a", longer), "b": _alone(endless_dir, "b")}
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = worker.chat("a", ASKED["a"], longer, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                        for e in events))
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        ended = {request: log.ending(request) for request in (first, second)}
+        assert all(isinstance(e, Finished) and e.reason == "length" for e in ended.values())
+        # B answered while A did, not after it: its first token came before A ended.
+        b_starts = _position(log, lambda e: isinstance(e, TokenChunk) and e.request_id == second)
+        a_ends = _position(log, lambda e: e is ended[first])
+        assert b_starts < a_ends
+        # A began alone (with drafts) and went on in the batch; same tokens as alone.
+        assert _tokens(log, first) == alone["a"]
+        assert _tokens(log, second) == alone["b"]
+        assert worker.streams() == StreamCounts()
+
+
+def test_stop_ends_only_its_own_answer(endless_dir: Path) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=200)
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        stop_a = threading.Event()
+        first = worker.chat("a", ASKED["a"], long, stop_a)
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == second
+                                        for e in events))
+        stop_a.set()
+        a_end, b_end = log.ending(first), log.ending(second)
+        assert isinstance(a_end, Finished) and a_end.reason == "cancelled"
+        assert isinstance(b_end, Finished) and b_end.reason == "length"
+        assert b_end.stats is not None and b_end.stats.generated_tokens == LONG.max_tokens
+
+
+def test_a_close_cancels_only_the_answer_in_its_session(endless_dir: Path) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=200)
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == second
+                                        for e in events))
+        closed = worker.close_session("a")
+        assert log.ending(closed) == Finished(closed, "done")
+        a_end, b_end = log.ending(first), log.ending(second)
+        assert isinstance(a_end, Finished) and a_end.reason == "cancelled"
+        assert isinstance(b_end, Finished) and b_end.reason == "length"
+        # The close ran once A's answer had left the batch, not before.
+        assert _position(log, lambda e: e is a_end) < _position(log, lambda e: e is
+                                                                log.ending(closed))
+
+
+def test_an_ingest_waits_for_the_answers_and_a_chat_after_it_waits_for_the_ingest(
+        endless_dir: Path) -> None:
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b", "c")
+        first = worker.chat("a", ASKED["a"], LONG, threading.Event())
+        read = worker.ingest("b", ASKED["b"], threading.Event())
+        third = worker.chat("c", ASKED["c"], LONG, threading.Event())
+        endings = [log.ending(request) for request in (first, read, third)]
+        assert all(isinstance(e, Finished) for e in endings), endings
+        read_starts = _position(log, lambda e: isinstance(e, IngestProgress)
+                                and e.request_id == read)
+        assert _position(log, lambda e: e is endings[0]) < read_starts
+        c_starts = _position(log, lambda e: getattr(e, "request_id", None) == third)
+        assert _position(log, lambda e: e is endings[1]) < c_starts
+
+
+def test_chats_beyond_the_stream_limit_wait_their_turn(endless_dir: Path) -> None:
+    with loaded_worker(endless_dir, chunk_size=16, streams=2) as (worker, log):
+        _open(worker, log, "a", "b", "c")
+        requests = [worker.chat(name, ASKED[name], LONG, threading.Event())
+                    for name in ("a", "b", "c")]
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == requests[1]
+                                        for e in events))
+        counts = worker.streams()
+        assert counts.limit == 2 and counts.in_flight <= 2
+        endings = [log.ending(request) for request in requests]
+        assert all(isinstance(e, Finished) and e.reason == "length" for e in endings)
+        c_starts = _position(log, lambda e: getattr(e, "request_id", None) == requests[2])
+        first_end = min(_position(log, lambda e, end=end: e is end) for end in endings[:2])
+        assert first_end < c_starts
+
+
+def test_a_chat_memory_cannot_hold_beside_the_others_waits_and_says_why(
+        endless_dir: Path) -> None:
+    from engine.memory.guard import MemoryGuard
+
+    # The budget holds one of these conversations' pages (about 40 tokens), not two.
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "probe")
+        one = worker.fit_check("probe", 40).for_mode("q8").bytes_needed
+    guard = MemoryGuard(budget_bytes=int(one * 1.2))
+    with loaded_worker(endless_dir, chunk_size=16, memory_guard=guard) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = worker.chat("a", ASKED["a"], LONG, threading.Event())
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        a_end = log.ending(first)
+        waits = [e for e in log.for_request(second) if isinstance(e, AnswerWaiting)]
+        assert waits and "Waiting for memory" in waits[0].reason and waits[0].short_bytes > 0
+        assert "KV budget" in waits[0].reason
+        b_end = log.ending(second)
+        assert isinstance(a_end, Finished)
+        # Alone, once A's answer ended: its own checks decide, as they would alone.
+        assert isinstance(b_end, Finished | Failed)
+        assert _position(log, lambda e: e is waits[0]) < _position(log, lambda e: e is a_end)
