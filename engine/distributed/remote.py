@@ -48,6 +48,7 @@ from engine.events import (
     request_id_of,
 )
 from engine.memory import fit
+from engine.runtime.answering import StreamCounts
 from engine.runtime.commands import (
     CANCELLABLE,
     SETTINGS,
@@ -227,6 +228,14 @@ class RemoteWorker(Worker):
     def close_session(self, session_id: str, store: bool = True) -> int:
         """As ``EngineWorker.close_session`` (rank 0 cancels that session's request)."""
         return self.submit(CloseSession(session_id, store))
+
+    def streams(self) -> StreamCounts:
+        """A model split across machines answers one chat at a time (rank 0's
+        sessions never join a batch): the chat running, if any, and the limit."""
+        with self._lock:
+            running = any(request.cancellable and request.sent
+                          for request in self._pending.values())
+        return StreamCounts(answering=int(running), limit=1)
 
     def latest_stats(self) -> StatsSample | None:
         """Rank 0's last stats sample, as it arrived; never waits for rank 0.

@@ -142,6 +142,25 @@ class PrefillFacts:
         return self.weights_bytes + kv_bytes + self.transient_bytes(chunk, context)
 
 
+STREAM_CONTEXT = 8192
+"""Tokens a conversation is sized at when the default stream limit is chosen."""
+MOST_STREAMS = 8
+"""The most answers run together by default: past it a step's rows cost more
+attention than the weights' read they share."""
+
+
+def default_streams(kv_bytes_per_token: int, prefill: PrefillFacts, free_bytes: int) -> int:
+    """Answers that may run together when the user sets no limit: as many
+    conversations of ``STREAM_CONTEXT`` tokens, each with its row of a decode
+    step, as ``free_bytes`` holds beside the loaded model (1 to ``MOST_STREAMS``).
+
+    The limit only bounds how many join; each one still joins only when memory
+    holds its own pages (``engine.session.batch``).
+    """
+    per_stream = kv_bytes_per_token * STREAM_CONTEXT + prefill.step_transient_bytes(1)
+    return max(1, min(MOST_STREAMS, free_bytes // max(1, per_stream)))
+
+
 def _arg(args: Any, name: str) -> int:
     return int(getattr(args, name, 0) or 0)
 

@@ -79,8 +79,6 @@ class Answering:
     def __init__(self, stats: StatsReporter, emit: Callable[[Event], None],
                  after_end: Callable[[], None], fault: Callable[[Command, Exception], Failed],
                  limit: int = DEFAULT_STREAMS) -> None:
-        if limit < 1:
-            raise EngineError("At least one answer must be allowed to run.")
         self._stats = stats
         self._emit = emit
         self._after_end = after_end
@@ -90,7 +88,8 @@ class Answering:
         self._told: dict[int, str] = {}  # the waiting reason last sent, per request
         self._heartbeat = ExitStack()
         self._lock = threading.Lock()
-        self._counts = StreamCounts(limit=limit)
+        self._counts = StreamCounts()
+        self.limit = limit
 
     # -- any thread ------------------------------------------------------------
 
@@ -112,6 +111,12 @@ class Answering:
     def limit(self) -> int:
         """Answers that may run together."""
         return self._counts.limit
+
+    @limit.setter
+    def limit(self, limit: int) -> None:
+        if limit < 1:
+            raise EngineError("At least one answer must be allowed to run.")
+        self._counts = replace(self._counts, limit=limit)
 
     @property
     def busy(self) -> bool:

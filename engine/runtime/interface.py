@@ -20,6 +20,7 @@ from engine.cache.modes import KvMode
 from engine.events import Event, RankShare, StatsSample
 from engine.memory import fit
 from engine.models.loader import LoadedModel
+from engine.runtime.answering import StreamCounts
 from engine.runtime.commands import Message
 from engine.session.followers import FollowerLink
 from engine.session.prompt_ids import TurnOverhead
@@ -88,6 +89,10 @@ class Worker(Protocol):
 
     def latest_stats(self) -> StatsSample | None:
         """The last stats sample; never waits."""
+        ...
+
+    def streams(self) -> StreamCounts:
+        """The answers running together now; never waits."""
         ...
 
     def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:

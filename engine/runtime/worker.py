@@ -21,12 +21,12 @@ import logging
 import queue
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from engine import disk
-from engine.cache.modes import KvMode
+from engine.cache.modes import DEFAULT_MODE, KvMode
 from engine.errors import EngineError
 from engine.events import (
     Event,
@@ -67,6 +67,9 @@ from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
 from engine.snapshots.snapshot_store import SnapshotStore
 from engine.snapshots.stored_sessions import StoredSessions
 
+if TYPE_CHECKING:
+    from engine.models.info import ModelInfo
+
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "longleaf-engine"
@@ -98,7 +101,8 @@ class EngineWorker(Worker):
             keeps nothing on disk.
         pipeline: rank 0 of a pipeline (see ``HeldSessions``); None: every layer here.
         streams: answers that may decode together; a chat beyond them waits in
-            the queue until one ends.
+            the queue until one ends. None: chosen from free memory at each model
+            load (``engine.memory.fit.default_streams``).
 
     Chats answer together (``engine.runtime.answering``): a chat sent while
     others answer joins them at the next step, and open, close and settings
@@ -120,7 +124,7 @@ class EngineWorker(Worker):
         memory_guard: MemoryGuard | None = None,
         snapshots: SnapshotStore | None = None,
         pipeline: Pipeline | None = None,
-        streams: int = DEFAULT_STREAMS,
+        streams: int | None = None,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -142,8 +146,11 @@ class EngineWorker(Worker):
             pipeline=pipeline,
         )
         self._requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
+        if streams is not None and streams < 1:
+            raise EngineError("At least one answer must be allowed to run at once.")
+        self._streams = streams
         self._answering = Answering(self._stats, self._emit, self._publish_fit,
-                                    _unexpected_ending, limit=streams)
+                                    _unexpected_ending, limit=streams or DEFAULT_STREAMS)
         # Requests taken from the queue that wait for the batch: for their session's
         # answer to end, for room among the answers, or (one that runs alone) for
         # every answer to end.
@@ -511,7 +518,11 @@ class EngineWorker(Worker):
             case CheckQuality():
                 return self._requests.check_quality(request_id, request, cancel)
             case LoadModel():
-                return ModelLoaded(request_id, self._held.load(request.path))
+                info = self._held.load(request.path)
+                self._answering.close()
+                if self._streams is None:
+                    self._answering.limit = self._default_streams(info)
+                return ModelLoaded(request_id, info)
             case OpenSession():
                 return self._open_session(request_id, request)
             case _:
@@ -536,6 +547,14 @@ class EngineWorker(Worker):
             return answer
         answering.adopt(command, start.session, answer, start.reused)
         return None
+
+    def _default_streams(self, info: ModelInfo) -> int:
+        """The stream limit free memory allows beside the model just loaded."""
+        prefill = self._held.prefill
+        per_token = info.kv_bytes_per_token.get(DEFAULT_MODE, 0)
+        if prefill is None or not per_token:
+            return DEFAULT_STREAMS
+        return fit.default_streams(per_token, prefill, self.guard.free_bytes())
 
     def _change(self, request: Request) -> None:
         """Run a request that changes a setting or what the engine holds."""
