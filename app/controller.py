@@ -187,6 +187,17 @@ class ChatController(QObject):
         job = self.activity.job_of(self.current.id if self.current else None)
         return job if job is not None and job.started else None
 
+    def answering_together(self) -> list[tuple[str, int | None]]:
+        """Each chat whose answer the engine runs now, oldest first: its title and the
+        KV bytes of its latest sample (None before its first)."""
+        together = []
+        for job in self.activity.running:
+            if job.kind != "chat" or job.held:
+                continue
+            sample = self.caches.sample_for(job.session_id)
+            together.append((job.title, sample.kv_bytes_used if sample is not None else None))
+        return together
+
     @property
     def busy(self) -> bool:
         """True while any chat's job runs or waits."""

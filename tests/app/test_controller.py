@@ -106,8 +106,11 @@ def test_an_answer_the_engine_holds_says_the_engines_reason_until_it_reads(app) 
     assert c.activity.states()[b.id] == "waiting"
     assert c.cache_state(b.id) == reason
     assert c.all_chat_facts([c.store.session(b.id)])[b.id].held == reason
+    assert c.answering_together() == [("first question", None)]  # B is not in it yet
     bridge._dispatch(IngestProgress(chat_b, 3, 10, 100.0, 0.1))  # it joined: reads
     assert c.activity.states()[b.id] == "reading" and c.cache_state(b.id) != reason
+    bridge._dispatch(sample(b.id, 12, 4096))
+    assert c.answering_together() == [("first question", None), ("second question", 4096)]
 
 
 def test_a_fourth_chat_never_closes_the_cache_of_a_chat_that_answers(app) -> None:

@@ -6,7 +6,9 @@ load one, which is also what a user sees for a moment at start-up.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -392,10 +394,18 @@ def test_two_chats_answer_at_once_each_with_its_own_stop(scripted) -> None:
     bridge._dispatch(TokenChunk(rid_b, "White oak,", (2,)))  # it joined
     assert not composer.waiting_box.isVisible()
     assert _sidebar_line(window, second.id) == "Answering…"
+    # The engine sends a sample of each chat it answers; the panel lists them all.
+    bridge._dispatch(sample(first.id, 40, 2 << 20))
+    bridge._dispatch(replace(sample(second.id, 30, 1 << 20), timestamp=time.time() + 1))
+    together = window.panel.together_label
+    assert not together.isHidden()
+    assert together.text() == ("Answering together: ‘Name three pines’ 2.0 MB · "
+                               "‘Name three oaks’ 1.0 MB")
     composer.send_button.click()  # Stop in B: B alone
     assert cancel_b.is_set() and not cancel_a.is_set()
     bridge._dispatch(Finished(rid_b, "cancelled"))
     assert composer.send_button.text() == "Send" and c.busy
+    assert together.isHidden()  # one chat answers: nothing to list
     c.select_session(first.id)
     assert composer.send_button.text() == "Stop"
     bridge._dispatch(Finished(rid_a, "stop"))
