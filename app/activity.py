@@ -1,11 +1,20 @@
-"""The work chats give the engine: one job runs, the others wait in line.
+"""The work chats give the engine: answers run together, reads and checks alone.
 
-The engine runs one request at a time. A job (an answer, a re-ingest, a quality
-check) belongs to its chat; a chat has at most one. When one runs, a job sent
-in another chat waits here, not in the engine, and starts by itself when the
-one ahead of it ends; cancelling it then costs nothing. What is about one chat
-(sending again, editing, deleting it, Stop) waits only for that chat's own job;
-switching models waits for all of them. ``refuse`` says so in the banner.
+A job (an answer, a re-ingest, a quality check) belongs to its chat; a chat has
+at most one. The engine answers several chats at once, so a chat's answer
+starts at once beside the others. A re-ingest or a quality check runs alone
+(the engine holds it until the answers end), and so does the line here: the
+jobs wait in the order they were sent, and one starts when every job ahead of
+it has started and it can run beside those running — an answer beside
+answers, a re-ingest or check only when nothing runs. So an answer sent after
+a re-ingest waits behind it, never overtakes it. A waiting job starts by
+itself when the jobs it waits for end; cancelling it then costs nothing.
+
+An answer can also wait inside the engine, started but held until memory can
+hold it beside the others (``held``: the engine's reason, until it reads or
+answers). What is about one chat (sending again, editing, deleting it, Stop)
+waits only for that chat's own job; switching models waits for all of them.
+``refuse`` says so in the banner.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ REFUSAL = "Stop {running} before {what}."
 # What the Stop button stops, by job kind, in the refusal's words.
 RUNNING = {"chat": "the current answer", "ingest": "reading the conversation in",
            "quality": "the quality check"}
+ALONE = ("ingest", "quality")  # the kinds the engine runs with nothing beside them
 WAITING = "waiting"  # app.sessions.chat_state says each state in words
 
 
@@ -30,7 +40,9 @@ class Job:
 
     ``request`` is its engine request id once submitted (None while it waits in
     line or for its chat's KV cache to open); ``progress`` the last reading
-    progress, ``answering`` whether its answer's first text has arrived.
+    progress, ``answering`` whether its answer's first text has arrived;
+    ``held`` why the engine holds it before it joins the answers running (the
+    engine's words, "" once it reads or answers).
     """
 
     session_id: str
@@ -43,11 +55,17 @@ class Job:
     answering: bool = False
     started: bool = False
     stopping: bool = False  # Stop was pressed: cancelled as soon as it has a request
+    held: str = ""
+
+    @property
+    def alone(self) -> bool:
+        """Whether it runs with no other job beside it."""
+        return self.kind in ALONE
 
     @property
     def state(self) -> str:
         """"waiting", "reading", "answering" or "checking"."""
-        if not self.started:
+        if not self.started or self.held:
             return WAITING
         if self.kind == "quality":
             return "checking"
@@ -55,7 +73,8 @@ class Job:
 
 
 class Activity(QObject):
-    """The jobs of every chat: the first in ``jobs`` runs, the rest wait in order."""
+    """The jobs of every chat, in the order they were sent: those started run, the
+    rest wait (see the module's docstring for which starts when)."""
 
     changed = Signal()  # a job was added, started, moved on or ended
     busyChanged = Signal(bool)  # whether any job runs or waits
@@ -77,9 +96,9 @@ class Activity(QObject):
         return bool(self.jobs)
 
     @property
-    def running(self) -> Job | None:
-        """The job the engine works on (or whose cache opens), if any."""
-        return self.jobs[0] if self.jobs and self.jobs[0].started else None
+    def running(self) -> list[Job]:
+        """The jobs the engine works on (or whose caches open), oldest first."""
+        return [job for job in self.jobs if job.started]
 
     def job_of(self, session_id: str | None) -> Job | None:
         """The job of chat ``session_id``, running or waiting."""
@@ -90,8 +109,17 @@ class Activity(QObject):
         return next((job for job in self.jobs if job.request == request_id), None)
 
     def ahead_of(self, job: Job) -> Job | None:
-        """The job ``job`` waits for, or None when it runs."""
-        return None if job.started or not self.jobs else self.jobs[0]
+        """The job ``job`` waits for in line, or None when it has started.
+
+        A re-ingest or check waits for the first job ahead of it; an answer for
+        the first re-ingest or check ahead of it, running or waiting itself.
+        """
+        if job.started or job not in self.jobs:
+            return None
+        ahead = self.jobs[:self.jobs.index(job)]
+        if job.alone:
+            return ahead[0] if ahead else None
+        return next((other for other in ahead if other.alone), None)
 
     def states(self) -> dict[str, str]:
         """Each chat with a job -> its state ("answering", "waiting", …)."""
@@ -99,7 +127,7 @@ class Activity(QObject):
 
     def add(self, session_id: str, kind: str, title: str, start: Callable[[Job], None],
             dropped: Callable[[Job], None]) -> Job:
-        """Queue a job for ``session_id``; it starts now when nothing else runs.
+        """Queue a job for ``session_id``; it starts now when the line lets it.
 
         The caller has checked the chat has no job yet (``refuse_in``).
         """
@@ -107,7 +135,7 @@ class Activity(QObject):
         self.jobs.append(job)
         if len(self.jobs) == 1:
             self.busyChanged.emit(True)
-        self._start_next()
+        self._start_waiting()
         self.changed.emit()
         return job
 
@@ -118,7 +146,7 @@ class Activity(QObject):
         return job.stopping
 
     def stop(self, job: Job, cancel: Callable[[int], None]) -> None:
-        """Stop ``job``: out of the line if it waits, else its request is cancelled."""
+        """Stop ``job`` alone: out of the line if it waits, else its request is cancelled."""
         if self.drop(job):
             return
         if job.stopping:
@@ -136,15 +164,23 @@ class Activity(QObject):
         if progress is not None:
             job.progress = progress
         job.answering = job.answering or answering
+        if progress is not None or answering:
+            job.held = ""  # it joined the answers running
         if job.state != before:
             self.changed.emit()
 
+    def hold(self, job: Job, reason: str) -> None:
+        """The engine holds ``job`` before it joins the answers running, for ``reason``."""
+        if job.held != reason:
+            job.held = reason
+            self.changed.emit()
+
     def end(self, job: Job) -> None:
-        """``job`` ended (finished, failed, stopped); the next one in line starts."""
+        """``job`` ended (finished, failed, stopped); those waiting for it may start."""
         if job not in self.jobs:
             return
         self.jobs.remove(job)
-        self._start_next()
+        self._start_waiting()
         self.changed.emit()
         if not self.jobs:
             self.busyChanged.emit(False)
@@ -155,6 +191,8 @@ class Activity(QObject):
             return False
         self.jobs.remove(job)
         job.dropped(job)
+        # An answer behind a dropped re-ingest may start now.
+        self._start_waiting()
         self.changed.emit()
         if not self.jobs:
             self.busyChanged.emit(False)
@@ -164,15 +202,28 @@ class Activity(QObject):
         """Drop every job without a signal: the window is closing."""
         self.jobs.clear()
 
-    def _start_next(self) -> None:
-        if self.jobs and not self.jobs[0].started:
-            job = self.jobs[0]
+    def _start_waiting(self) -> None:
+        """Start, in order, each waiting job that can run now; stop at the first that
+        cannot, so none overtakes a job sent before it."""
+        for job in list(self.jobs):
+            if job.started:
+                continue
+            if job not in self.jobs or not self._can_start(job):
+                return
             job.started = True
             job.start(job)
 
+    def _can_start(self, job: Job) -> bool:
+        running = self.running
+        if job.alone:
+            return not running
+        return not any(other.alone for other in running)
+
     def refuse(self, what: str) -> bool:
         """True, with a message, when ``what`` has to wait for every job to end."""
-        return self._refuse(self.running or (self.jobs[0] if self.jobs else None), what)
+        running = self.running
+        return self._refuse(running[0] if running else (self.jobs[0] if self.jobs else None),
+                            what)
 
     def refuse_in(self, session_id: str | None, what: str) -> bool:
         """True, with a message, when ``what`` has to wait for chat ``session_id``'s job."""

@@ -6,7 +6,7 @@ through the bridge on the GUI thread, each one at the handler of the request
 it belongs to.
 
 It owns a few collaborators, each given what it needs when it is made:
-``Activity`` (each chat's job: the one running and those waiting in line),
+``Activity`` (each chat's job: those running together and those waiting),
 ``ModelState`` (which model the engine runs), ``SessionCaches`` (which
 sessions' KV caches the engine holds), ``SessionActions`` (the sessions and the
 one shown), ``Answers`` (starting answers and re-ingests and following their
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.activity import Activity
+from app.activity import Activity, Job
 from app.chat.answers import Answers
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
@@ -38,6 +38,7 @@ from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import (
+    AnswerWaiting,
     ChunkTiming,
     DiskFault,
     EngineError,
@@ -84,7 +85,7 @@ class ChatController(QObject):
         self.model = ChatModel(self)
         self.activity = Activity(self)
         self.model_state = ModelState(bridge, settings, self)
-        self.caches = SessionCaches(bridge, settings, self)
+        self.caches = SessionCaches(bridge, settings, self, in_use=self._job_runs_in)
         self.sessions = SessionActions(store, settings, self.model, self.caches, self.activity,
                                        before_switch=self.cancel_edit, parent=self)
         self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
@@ -128,6 +129,7 @@ class ChatController(QObject):
         # Events of no one request; each request's own go to its handler.
         self._subscriptions = ((bridge.statsSample, self._on_stats),
                                (bridge.noticeReceived, self._on_engine_notice),
+                               (bridge.answerWaiting, self._on_answer_waiting),
                                (bridge.failed, self._on_failed),
                                (bridge.pipelineLost, self._on_pipeline_lost))
         for signal, slot in self._subscriptions:
@@ -164,28 +166,37 @@ class ChatController(QObject):
         """Session ids whose KV caches the engine holds -> their modes, oldest use first."""
         return self.caches.opened
 
-    @property
-    def recorder(self) -> AnswerRecorder:
-        """Saves the streaming answer."""
-        return self.answers.recorder
+    def recorder_of(self, session_id: str) -> AnswerRecorder:
+        """Saves chat ``session_id``'s streaming answer."""
+        return self.answers.recorder_of(session_id)
 
     @property
     def active_request(self) -> int | None:
-        """The running job's request id (None while none runs or its cache opens)."""
-        job = self.activity.running
+        """The request id of the shown chat's running job (None while it has none, or
+        while it waits or its cache opens)."""
+        job = self._running_here()
         return job.request if job else None
 
     @property
     def active_kind(self) -> str | None:
-        """"chat", "ingest" or "quality" while one runs."""
-        job = self.activity.running
+        """"chat", "ingest" or "quality" while the shown chat's job runs."""
+        job = self._running_here()
         return job.kind if job else None
 
-    @property
-    def answering_session(self) -> str | None:
-        """The session a job runs in now, shown or not."""
-        job = self.activity.running
-        return job.session_id if job else None
+    def _running_here(self) -> Job | None:
+        job = self.activity.job_of(self.current.id if self.current else None)
+        return job if job is not None and job.started else None
+
+    def answering_together(self) -> list[tuple[str, int | None]]:
+        """Each chat whose answer the engine runs now, oldest first: its title and the
+        KV bytes of its latest sample (None before its first)."""
+        together = []
+        for job in self.activity.running:
+            if job.kind != "chat" or job.held:
+                continue
+            sample = self.caches.sample_for(job.session_id)
+            together.append((job.title, sample.kv_bytes_used if sample is not None else None))
+        return together
 
     @property
     def busy(self) -> bool:
@@ -196,6 +207,10 @@ class ChatController(QObject):
     def busy_here(self) -> bool:
         """True while the shown chat has a job, running or waiting."""
         return self.activity.job_of(self.current.id if self.current else None) is not None
+
+    def _job_runs_in(self, session_id: str) -> bool:
+        job = self.activity.job_of(session_id)
+        return job is not None and job.started
 
     # Lifecycle ------------------------------------------------------------
 
@@ -214,11 +229,10 @@ class ChatController(QObject):
 
     def quit_question(self) -> str:
         """What to ask before quitting: "" unless an answer is being written now."""
-        job = self.activity.running
-        answering = job is not None and job.kind == "chat" and job.answering
+        answering = any(job.kind == "chat" and job.answering for job in self.activity.running)
         if self.closed:
             return ""
-        if self.recorder.pending and not self.recorder.flush():
+        if self.answers.unsaved and not self.answers.flush():
             return QUIT_UNSAVED
         return QUIT_WHILE_ANSWERING if answering else ""
 
@@ -233,9 +247,9 @@ class ChatController(QObject):
             return
         self.closed = True
         self._poll.stop()
-        running = self.activity.running
-        if running is not None and running.kind == "chat" and self.recorder.recording:
-            self.answers.finish_answer("stopped", CLOSED_WHILE_ANSWERING)
+        for job in self.activity.running:
+            if job.kind == "chat" and self.recorder_of(job.session_id).recording:
+                self.answers.finish_answer(job.session_id, "stopped", CLOSED_WHILE_ANSWERING)
         # Events still queued from the worker must not touch the closing store:
         # no handler or subscriber is left to get them.
         self.bridge.forget_all()
@@ -568,6 +582,12 @@ class ChatController(QObject):
 
     def _on_engine_notice(self, event: Notice) -> None:
         self.notice.emit(event.message)
+
+    def _on_answer_waiting(self, event: AnswerWaiting) -> None:
+        # The chat's state line says the engine's reason until the answer reads or answers.
+        job = self.activity.job_with(event.request_id)
+        if job is not None:
+            self.activity.hold(job, event.reason)
 
     def _on_failed(self, event: Failed) -> None:
         # A request without a handler (settings applied, stored KV cleared) failed.

@@ -5,9 +5,10 @@ event to the GUI thread through a queued signal. There, an event of a request
 goes to exactly the handler that request was submitted with (answer, ingest,
 quality check, open, load), and the request's ending (``Finished`` or
 ``Failed``) unregisters it. Events of no one request (stats samples, notices,
-the stored-KV listing, a lost pipeline) go to whoever subscribed to their
-signal. The GUI thread never calls into MLX: it only enqueues requests and reads
-thread-safe snapshots (stats, fit checks, token counts).
+the stored-KV listing, a lost pipeline), and an answer's wait to join those
+answering together, go to whoever subscribed to their signal. The GUI thread
+never calls into MLX: it only enqueues requests and reads thread-safe snapshots
+(stats, fit checks, token counts).
 
 The worker can be replaced (the in-process engine by a pipeline over other
 Macs, and back): each worker numbers its requests from 1, so the bridge adds a
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from engine import (
+    AnswerWaiting,
     Event,
     Failed,
     Finished,
@@ -78,6 +80,8 @@ class EngineBridge(QObject):
     Signals:
         statsSample(StatsSample), noticeReceived(Notice), storedKv(StoredKv),
             pipelineLost(PipelineLost): events of no one request, for their subscribers.
+        answerWaiting(AnswerWaiting): an answer waits to join those answering
+            together; for the subscriber that keeps each chat's job state.
         failed(Failed): a request submitted without a handler failed (configure,
             stored-KV budget or clearing): its message is for the user.
         ended(object): the ending of any request, after its handler has seen it.
@@ -85,6 +89,7 @@ class EngineBridge(QObject):
 
     statsSample = Signal(object)
     noticeReceived = Signal(object)  # engine.Notice: a request goes on, with news
+    answerWaiting = Signal(object)  # engine.AnswerWaiting: an answer waits for memory
     storedKv = Signal(object)  # engine.StoredKv: the KV snapshots on disk changed
     pipelineLost = Signal(object)  # engine.PipelineLost: the worker's machines are gone
     failed = Signal(object)
@@ -186,6 +191,9 @@ class EngineBridge(QObject):
             self.statsSample.emit(event)
         elif isinstance(event, Notice):
             self.noticeReceived.emit(event)
+        elif isinstance(event, AnswerWaiting):
+            if event.request_id in self._handlers:  # not one forgotten as the window closed
+                self.answerWaiting.emit(event)
         elif isinstance(event, StoredKv):
             self.last_stored_kv = event
             self.storedKv.emit(event)

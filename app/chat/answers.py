@@ -44,11 +44,12 @@ MEMORY_STOP = ("Stopped to protect your computer: system memory turned critical 
 class Answers(QObject):
     """Starts chat and ingest requests and follows each one's events to its end.
 
-    Each is a job of its chat (``activity``): it waits in line while another
-    chat's job runs, then for its session's KV cache to open (``caches``). The
-    bridge hands every event of its request to the handler it was submitted
-    with. The answer streams into the recorder, which fills ``model`` while its
-    chat is shown (``sessions``).
+    Each is a job of its chat (``activity``): it waits in line while a
+    re-ingest or quality check runs, then for its session's KV cache to open
+    (``caches``). The bridge hands every event of its request to the handler it
+    was submitted with. Several chats answer at once, so each chat's answer
+    streams into that chat's own recorder, which fills ``model`` while its chat
+    is shown (``sessions``).
     """
 
     answerFinished = Signal(str)  # final status of the answer
@@ -64,11 +65,34 @@ class Answers(QObject):
         self.bridge, self.settings, self.store, self.model = bridge, settings, store, model
         self.sampling = sampling  # the settings over the loaded model's own defaults
         self.activity, self.caches, self.sessions = activity, caches, sessions
-        self.recorder = AnswerRecorder(store, model, self)
-        self.recorder.unsaved.connect(self.errorRaised)
-        self.recorder.saved.connect(self.notice)
+        # Session id -> its answers' recorder, kept after the answer ends: writes the
+        # history could not take yet wait in it.
+        self.recorders: dict[str, AnswerRecorder] = {}
         sessions.currentSessionChanged.connect(
-            lambda record: self.recorder.show(record.id if record else None))
+            lambda record: self._show(record.id if record else None))
+
+    def recorder_of(self, session_id: str) -> AnswerRecorder:
+        """The recorder of chat ``session_id``'s answers (made on first use)."""
+        recorder = self.recorders.get(session_id)
+        if recorder is None:
+            recorder = AnswerRecorder(self.store, self.model, self)
+            recorder.unsaved.connect(self.errorRaised)
+            recorder.saved.connect(self.notice)
+            self.recorders[session_id] = recorder
+        return recorder
+
+    @property
+    def unsaved(self) -> bool:
+        """Whether any answer waits for the history to take its writes."""
+        return any(recorder.pending for recorder in self.recorders.values())
+
+    def flush(self) -> bool:
+        """Write what every recorder keeps unsaved; True when nothing waits any more."""
+        return all([recorder.flush() for recorder in self.recorders.values()])
+
+    def _show(self, session_id: str | None) -> None:
+        for recorder in self.recorders.values():
+            recorder.show(session_id)
 
     # Starting -------------------------------------------------------------
 
@@ -102,12 +126,13 @@ class Answers(QObject):
              sent_id: int, continued: tuple[int, str, dict | None] | None = None) -> None:
         # Its turn has come: the answer's row is made now, in its own chat (or, for
         # Continue, the answer it extends records again).
+        recorder = self.recorder_of(session.id)
         if continued is not None:
             message_id, text, stats = continued
-            self.recorder.resume(session.id, message_id, text, self._shown(session.id), stats)
+            recorder.resume(session.id, message_id, text, self._shown(session.id), stats)
         elif job.kind == "chat":
             try:
-                self.recorder.start(session.id, self._shown(session.id))
+                recorder.start(session.id, self._shown(session.id))
             except DiskFault as fault:  # no row for the answer: it does not start
                 self.errorRaised.emit(f"The answer was not started. {fault}")
                 self.activity.end(job)
@@ -138,7 +163,7 @@ class Answers(QObject):
     def _handle(self, job: Job, sent_id: int, event: Event, failed: str) -> None:
         if isinstance(event, TokenChunk):
             if job.kind == "chat":
-                self.recorder.append(event.text)
+                self.recorder_of(job.session_id).append(event.text)
                 self.activity.note(job, answering=True)
         elif isinstance(event, IngestProgress):
             if job.kind == "chat":
@@ -152,9 +177,12 @@ class Answers(QObject):
         elif isinstance(event, Failed):
             self._failed(job, sent_id, event, failed)
 
-    def finish_answer(self, status: str, reason: str | None, stats: dict | None = None) -> None:
-        """Save how the answer ended and say so; a continued answer's stats count all of it."""
-        self.recorder.finish(status, reason, merged_stats(self.recorder.earlier_stats, stats))
+    def finish_answer(self, session_id: str, status: str, reason: str | None,
+                      stats: dict | None = None) -> None:
+        """Save how chat ``session_id``'s answer ended and say so; a continued answer's
+        stats count all of it."""
+        recorder = self.recorder_of(session_id)
+        recorder.finish(status, reason, merged_stats(recorder.earlier_stats, stats))
         self.sessions.sessionsChanged.emit()
         self.answerFinished.emit(status)
 
@@ -177,7 +205,7 @@ class Answers(QObject):
                 reason = stopped_reading(*kept)
             if event.reason == "memory":
                 self.errorRaised.emit(MEMORY_STOP)
-            self.finish_answer(status, reason, _stats_dict(event.stats))
+            self.finish_answer(job.session_id, status, reason, _stats_dict(event.stats))
         else:
             self._report_ingest(job.session_id, event, kept)
         whole = kept[1] if kept is not None and event.kept_tokens is not None else None
@@ -204,8 +232,8 @@ class Answers(QObject):
             if job.kind == "chat":
                 if event.error_type == "ContextTooLong":
                     self._set_aside_sent_turn(sent_id)
-                self.finish_answer(status, event.message)
-            self.errorRaised.emit(self._with_unsaved(event.message))
+                self.finish_answer(job.session_id, status, event.message)
+            self.errorRaised.emit(self._with_unsaved(job.session_id, event.message))
         finally:  # the chat never stays busy, whatever recording the failure did
             self.activity.end(job)
 
@@ -213,14 +241,14 @@ class Answers(QObject):
         # The session's KV cache could not be opened: the job waiting on it ends.
         try:
             if job.kind == "chat":
-                self.finish_answer(status, event.message)
-            self.errorRaised.emit(self._with_unsaved(event.message))
+                self.finish_answer(job.session_id, status, event.message)
+            self.errorRaised.emit(self._with_unsaved(job.session_id, event.message))
         finally:
             self.activity.end(job)
 
-    def _with_unsaved(self, message: str) -> str:
+    def _with_unsaved(self, session_id: str, message: str) -> str:
         """``message``, and that the answer waits unsaved when it does (one banner)."""
-        unsaved = self.recorder.unsaved_reason
+        unsaved = self.recorder_of(session_id).unsaved_reason
         return f"{message} {unsaved}" if unsaved and unsaved not in message else message
 
     def _dropped(self, job: Job) -> None:

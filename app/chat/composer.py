@@ -265,16 +265,25 @@ class Composer(QWidget):
         self.waiting_label.setTextFormat(Qt.TextFormat.PlainText)  # a title is the user's text
         self.waiting_label.setWordWrap(True)
         cancel = QPushButton("Cancel")
-        cancel.setToolTip("Take this message out of the line; it stays in the chat")
+        cancel.setToolTip("Take this message out of the line (or stop it waiting); it "
+                          "stays in the chat")
         cancel.clicked.connect(self.stopRequested.emit)
         row.addWidget(self.waiting_label, 1)
         row.addWidget(cancel)
         self.waiting_box.hide()
         return self.waiting_box
 
-    def show_waiting(self, title: str | None, ahead: str = "") -> None:
+    def show_waiting(self, title: str | None, ahead: str = "", held: str = "") -> None:
         """Say this chat's message waits for chat ``title`` to finish (None: it doesn't);
-        ``ahead`` says how far that chat is ("reading: 512 / 3,552 tokens, …")."""
+        ``ahead`` says how far that chat is ("reading: 512 / 3,552 tokens, …").
+
+        ``held``: the engine's reason for holding this chat's answer until memory
+        lets it join those answering (said instead; "" when it does not hold it).
+        """
+        if held:
+            self.waiting_label.setText(state_sentence(ChatFacts(job="waiting", held=held)))
+            self.waiting_box.show()
+            return
         if title is None:
             self.waiting_box.hide()
             return

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import compact_count, human_bytes, short_title
+from app.format import compact_count, human_bytes, short_title, visible_text
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
@@ -52,6 +52,8 @@ MACHINES_TIP = ("The model is split across these machines: each runs its layers 
                 "machine's figures are as of its last reply (the chat's open, a message's "
                 "start and end).")
 NOT_MEASURED = "Not measured for this chat yet."
+TOGETHER_TIP = ("The chats the model answers at once: each step makes the next token of "
+                "every one of them. Each keeps its own pages, in its own KV mode.")
 
 
 class SystemMemory(Protocol):
@@ -95,6 +97,20 @@ def other_layers_line(sample: StatsSample) -> str:
         return ""
     return (f"<br>Other layers: {human_bytes(sample.other_cache_bytes)} of ≤ "
             f"{human_bytes(sample.other_cache_bound_bytes)} ({sample.other_cache_kinds})")
+
+
+def together_line(chats: list[tuple[str, int | None]]) -> str:
+    """"Answering together: ‘A’ 1.2 MB · ‘B’ 3.4 MB" for two chats or more, else "".
+
+    ``chats``: each chat's title and the KV bytes its latest sample says (None
+    before its first).
+    """
+    if len(chats) < 2:
+        return ""
+    parts = [f"‘{short_title(visible_text(title), 24)}’ "
+             + (human_bytes(kv_bytes) if kv_bytes is not None else "no pages yet")
+             for title, kv_bytes in chats]
+    return "Answering together: " + " · ".join(parts)
 
 
 def pages_text(sample: StatsSample) -> str:
@@ -166,6 +182,12 @@ class MemoryPanel(QScrollArea):
         self.kv_total_label = value_label()
         layout.addWidget(self.kv_label)
         layout.addWidget(self.kv_total_label)
+        self.together_label = value_label("")
+        self.together_label.setObjectName("answeringTogether")
+        self.together_label.setTextFormat(Qt.TextFormat.PlainText)  # titles are the user's
+        self.together_label.setToolTip(TOGETHER_TIP)
+        self.together_label.hide()
+        layout.addWidget(self.together_label)
 
         layout.addWidget(section_heading("System memory"))
         self.ram_bar = QProgressBar()
@@ -367,6 +389,12 @@ class MemoryPanel(QScrollArea):
     def show_total(self, total_kv_bytes: int) -> None:
         """The KV bytes every chat held in memory takes together."""
         self.kv_total_label.setText(f"All open chats together: {human_bytes(total_kv_bytes)}")
+
+    def show_together(self, chats: list[tuple[str, int | None]]) -> None:
+        """The chats answering at once and each one's KV bytes (hidden for fewer than two)."""
+        text = together_line(chats)
+        self.together_label.setText(text)
+        self.together_label.setVisible(bool(text))
 
     def _show_details(self, shown: bool) -> None:
         self.details.setVisible(shown)

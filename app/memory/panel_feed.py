@@ -3,7 +3,9 @@
 Every per-session figure on the panel (KV line, pages, history, the "Chat"
 column) comes from the shown session's own latest ``StatsSample``, which
 ``SessionCaches`` keeps per session; a chat whose cache is not held says so
-instead of showing another chat's numbers.
+instead of showing another chat's numbers. While several chats answer at once
+(the engine sends a sample of each), one line names them all with each one's
+KV bytes, from the same per-session samples.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class PanelFeed(QObject):
                                current.kv_mode if current else None,
                                self.controller.cache_state(session_id), session_id,
                                rotated=rotated)
+        self.panel.show_together(self.controller.answering_together())
 
     def _listing_changed(self, _listing: object) -> None:
         if not self.controller.closed:  # the app quits: the history is closing
@@ -101,6 +104,7 @@ class PanelFeed(QObject):
         if not self.panel.isVisible():
             return
         shown = self.panel.update_sample(sample, self.controller.total_kv_bytes())
+        self.panel.show_together(self.controller.answering_together())
         self._ticks += 1
         full = self._ticks % PROJECTION_EVERY == 0
         if (full or (shown and self.panel.kv_tokens != self.panel.now_tokens)) \

@@ -1,7 +1,9 @@
 """Which chat sessions' KV caches the engine holds, and their size.
 
 At most ``MAX_OPEN_SESSIONS`` are held, the least recently used closed first;
-a closed one is rebuilt from the history when its chat is next used.
+a closed one is rebuilt from the history when its chat is next used. A chat
+whose job runs is never closed to make room (closing it would cancel its
+answer): while every held chat runs one, one more is held.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ class SessionCaches(QObject):
     notice = Signal(str)  # the model runs on mlx-lm's own cache, and why
 
     def __init__(self, bridge: EngineBridge, settings: Settings,
-                 parent: QObject | None = None) -> None:
+                 parent: QObject | None = None, *,
+                 in_use: Callable[[str], bool] = lambda _session_id: False) -> None:
         super().__init__(parent)
         self.bridge, self.settings = bridge, settings
+        self.in_use = in_use  # whether a session's job runs now: its cache stays
         self.opened: dict[str, str] = {}  # session id -> mode, oldest first
         self.samples: dict[str, StatsSample] = {}
         self.rotations: dict[str, str | None] = {}  # session id -> its rows' rotation
@@ -50,8 +54,8 @@ class SessionCaches(QObject):
             self.opened[session.id] = self.opened.pop(session.id)  # most recent last
             then()
             return
-        while len(self.opened) >= MAX_OPEN_SESSIONS:
-            oldest = next(iter(self.opened))
+        idle = [session_id for session_id in self.opened if not self.in_use(session_id)]
+        for oldest in idle[:max(0, len(self.opened) - MAX_OPEN_SESSIONS + 1)]:
             self.bridge.close_session(oldest)
             del self.opened[oldest]
             self._drop(oldest)

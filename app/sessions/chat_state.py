@@ -53,6 +53,8 @@ class ChatFacts:
     when the engine holds none. ``history_tokens``: the history's saved count.
     ``snapshot``: its KV snapshot on disk (an ``SnapshotInfo``: tokens, mode,
     disk_bytes), or None. ``waiting_for``: the title of the chat it waits for.
+    ``held``: why the engine holds its answer before it joins those answering
+    (the engine's own sentence), or "".
     ``progress``: (done, total) tokens of the read or check under way.
     ``whole_tokens``: the conversation's tokens while memory holds only the part
     of it a stopped read kept (None: memory holds all it has read).
@@ -63,6 +65,7 @@ class ChatFacts:
     history_tokens: int = 0
     snapshot: SnapshotInfo | None = None
     waiting_for: str = ""
+    held: str = ""
     progress: tuple[int, int] | None = None
     whole_tokens: int | None = None
 
@@ -117,6 +120,8 @@ def state_sentence(facts: ChatFacts) -> str:
                     "and reads the rest.")
         return f"On disk as text: the next message reads its {tokens:,} tokens in again."
     if state is ChatState.WAITING:
+        if facts.held:
+            return facts.held
         return (f"Waiting for ‘{short_title(facts.waiting_for)}’ to finish…" if facts.waiting_for
                 else ChatState.WAITING.value)
     what = JOB_WORDS[state]
@@ -163,7 +168,8 @@ def facts_of(record: SessionRecord, activity: Activity, caches: SessionCaches,
 
     Args:
         record: its ``SessionRecord`` (id, tokens).
-        activity: the ``Activity`` (its job, and the job it waits for).
+        activity: the ``Activity`` (its job, and the job it waits for or why the
+            engine holds it).
         caches: the ``SessionCaches`` (whether memory holds it, and how much).
         snapshots: session id -> ``SnapshotInfo`` of the KV snapshots on disk.
     """
@@ -177,6 +183,7 @@ def facts_of(record: SessionRecord, activity: Activity, caches: SessionCaches,
         history_tokens=record.tokens,
         snapshot=snapshots.get(record.id),
         waiting_for=ahead.title if ahead is not None else "",
+        held=job.held if job is not None else "",
         progress=(progress.tokens_done, progress.tokens_total) if progress is not None else None,
         whole_tokens=caches.whole_of(record.id),
     )

@@ -337,7 +337,8 @@ class MainWindow(QMainWindow):
     def send(self) -> None:
         """Send the composer's text and attachments; keep them if it can't be sent.
 
-        While another chat's job runs, the message waits in line and starts by itself.
+        It starts at once beside other chats' answers; while a re-ingest or quality
+        check runs, it waits in line and starts by itself.
         """
         if self.loader.pending:
             self.banner.show_message("Still reading an attached file; send again in a moment.",
@@ -399,7 +400,8 @@ class MainWindow(QMainWindow):
         stopping = job is not None and job.stopping
         self.composer.set_generating(job is not None and job.started, stopping)
         self.composer.show_waiting(ahead.title if ahead is not None else None,
-                                   self._how_far(ahead) if ahead is not None else "")
+                                   self._how_far(ahead) if ahead is not None else "",
+                                   held=job.held if job is not None else "")
         reading = (job if job is not None and job.started
                    and job.state in ("reading", "checking") else None)
         progress = reading.progress if reading is not None else None

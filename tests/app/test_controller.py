@@ -2,7 +2,8 @@
 
 A fake worker stands behind the real ``EngineBridge``: it records each request
 and the test plays the engine's events back, so every step of the routing is
-checked (which handler gets an event, what waits in line, what Stop stops)
+checked (which handler gets an event, what runs together and what waits,
+what Stop stops)
 without a model or a thread.
 """
 
@@ -10,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Failed, Finished, GenerationStats, IngestProgress, Notice, TokenChunk
+from engine import (
+    AnswerWaiting,
+    Failed,
+    Finished,
+    GenerationStats,
+    IngestProgress,
+    Notice,
+    TokenChunk,
+)
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
@@ -40,29 +49,79 @@ def test_each_event_reaches_the_request_it_belongs_to(app) -> None:
     assert c.activity.states() == {a.id: "answering"}
 
     b = c.new_session("q4")  # shown now; A answers on
-    assert c.send("second question")
-    assert worker.names().count("chat") == 1, "B waits in line, not in the engine"
-    assert c.activity.states() == {a.id: "answering", b.id: "waiting"}
-    assert not c.can_regenerate()
-    bridge._dispatch(TokenChunk(chat_a, "grow.", (2,)))
-    bridge._dispatch(TokenChunk(999, "stray", (3,)))  # no request 999: reaches no one
-    c.stop()  # Stop in B stops B's own message, never A
-    assert not cancel_a.is_set() and c.activity.job_of(b.id) is None
-    assert c.send("second question, again")
-    bridge._dispatch(Finished(chat_a, "stop"))
-    assert _answer(app, a.id) == "Pines grow."
-    assert [m.status for m in app.store.messages(a.id)] == ["complete", "complete"]
-    # A ended: B started by itself, its own cache first.
+    assert c.send("second question")  # starts at once beside A: its own cache first
     _open(app, b.id)
-    chat_b, args, _cancel = worker.last("chat")
-    assert args[0] == b.id and args[1][-1]["content"] == "second question, again"
+    assert worker.names().count("chat") == 2, "B answers beside A, not after it"
+    chat_b, args, cancel_b = worker.last("chat")
+    assert args[0] == b.id and args[1][-1]["content"] == "second question"
+    assert c.activity.states() == {a.id: "answering", b.id: "reading"}
+    assert c.active_request == chat_b and not c.can_regenerate()
+    bridge._dispatch(TokenChunk(chat_a, "grow.", (2,)))
     bridge._dispatch(TokenChunk(chat_b, "Yes.", (4,)))
+    bridge._dispatch(TokenChunk(999, "stray", (3,)))  # no request 999: reaches no one
     c.model.flush()  # streamed text reaches the rows in batches
-    assert c.model.message(c.model.rowCount() - 1).content == "Yes."  # B is shown
-    bridge._dispatch(TokenChunk(chat_a, "late", (5,)))  # A's request has ended
-    bridge._dispatch(Finished(chat_b, "stop"))
+    assert c.model.message(c.model.rowCount() - 1).content == "Yes."  # B is shown, not A
+    c.stop()  # Stop in B stops B's own answer, never A
+    assert cancel_b.is_set() and not cancel_a.is_set()
+    bridge._dispatch(Finished(chat_b, "cancelled"))
+    assert c.activity.states() == {a.id: "answering"}
+    bridge._dispatch(Finished(chat_a, "stop"))
     assert _answer(app, a.id) == "Pines grow." and _answer(app, b.id) == "Yes."
+    assert [m.status for m in app.store.messages(a.id)] == ["complete", "complete"]
+    assert [m.status for m in app.store.messages(b.id)] == ["complete", "stopped"]
+    bridge._dispatch(TokenChunk(chat_a, "late", (5,)))  # A's request has ended
+    assert _answer(app, a.id) == "Pines grow."
     assert not c.busy and bridge.pending == 0
+
+
+def test_a_message_sent_while_a_chat_is_read_in_waits_behind_it(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    assert c.send("first question")
+    _open(app, a.id)
+    bridge._dispatch(Finished(worker.last("chat")[0], "stop"))
+    c.answers.start_ingest(c.current)  # a re-ingest runs alone in the engine
+    ingest, _args, _cancel = worker.last("ingest")
+    b = c.new_session("q4")
+    assert c.send("second question")
+    assert worker.names().count("chat") == 1, "B waits for the re-ingest, not in the engine"
+    assert c.activity.states() == {a.id: "reading", b.id: "waiting"}
+    assert c.cache_state(b.id) == f"Waiting for ‘{c.store.session(a.id).title}’ to finish…"
+    bridge._dispatch(Finished(ingest, "done"))
+    _open(app, b.id)  # B started by itself
+    assert worker.names().count("chat") == 2 and c.activity.states() == {b.id: "reading"}
+
+
+def test_an_answer_the_engine_holds_says_the_engines_reason_until_it_reads(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    assert c.send("first question")
+    _open(app, a.id)
+    b = c.new_session("q4")
+    assert c.send("second question")
+    _open(app, b.id)
+    chat_b, _args, _cancel = worker.last("chat")
+    reason = "Waiting for memory to answer beside ‘first question’: 1.2 GB more is needed."
+    bridge._dispatch(AnswerWaiting(chat_b, reason, 1_200_000_000))
+    assert c.activity.states()[b.id] == "waiting"
+    assert c.cache_state(b.id) == reason
+    assert c.all_chat_facts([c.store.session(b.id)])[b.id].held == reason
+    assert c.answering_together() == [("first question", None)]  # B is not in it yet
+    bridge._dispatch(IngestProgress(chat_b, 3, 10, 100.0, 0.1))  # it joined: reads
+    assert c.activity.states()[b.id] == "reading" and c.cache_state(b.id) != reason
+    bridge._dispatch(sample(b.id, 12, 4096))
+    assert c.answering_together() == [("first question", None), ("second question", 4096)]
+
+
+def test_a_fourth_chat_never_closes_the_cache_of_a_chat_that_answers(app) -> None:
+    c, worker = app.c, app.worker
+    chats = []
+    for question in ("one", "two", "three", "four"):
+        chats.append(c.new_session("q8"))
+        assert c.send(question)
+        _open(app, chats[-1].id)
+    assert worker.names().count("chat") == 4 and "close" not in worker.names()
+    assert set(c.opened) == {chat.id for chat in chats}
 
 
 def test_stop_during_the_open_cancels_once_the_request_exists(app) -> None:

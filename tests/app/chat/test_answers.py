@@ -97,7 +97,7 @@ def test_a_disk_that_fails_mid_answer_ends_the_answer_and_keeps_it(chat, fault, 
     # Quitting now would lose the answer: the quit question says so.
     assert c.quit_question() == QUIT_UNSAVED
     _space_back(store)
-    assert c.recorder.flush()  # what its retry timer does every few seconds
+    assert c.answers.flush()  # what its recorder's retry timer does every few seconds
     assert c.quit_question() == ""
     saved = [m for m in store.messages(session.id) if m.role == "assistant"][-1]
     assert (saved.content, saved.status, saved.reason) == (answer, "failed", DISK_FULL)
@@ -111,10 +111,12 @@ def test_an_answer_that_cannot_get_its_row_does_not_start(chat):
     first = c.new_session("q8")
     assert c.send("What grows in sand?")
     open_session(chat, first.id)
-    second = c.new_session("q8")
-    assert c.send("What grows in clay?")  # saved; its answer waits for the first one
-    _read_only(store)
     bridge._dispatch(Finished(worker.last("chat")[0], "stop"))
+    c.answers.start_ingest(first)  # runs alone: an answer sent now waits for it
+    second = c.new_session("q8")
+    assert c.send("What grows in clay?")  # saved; its answer waits for the re-ingest
+    _read_only(store)
+    bridge._dispatch(Finished(worker.last("ingest")[0], "done"))
     # The second chat's turn came, but its answer could not get a row: not started.
     assert worker.names().count("chat") == 1 and not c.activity.busy
     assert chat.said["errors"][-1].startswith("The answer was not started.")

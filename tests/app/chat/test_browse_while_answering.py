@@ -21,13 +21,14 @@ def test_other_chats_can_be_read_while_an_answer_streams_into_its_own(qtbot, win
     window.composer.set_text("Tell me a long story")
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS) as finished:
         qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
-        qtbot.waitUntil(lambda: len(c.recorder.text) > 0, timeout=ANSWER_TIMEOUT_MS)
+        recorder = c.recorder_of(answering.id)
+        qtbot.waitUntil(lambda: len(recorder.text) > 0, timeout=ANSWER_TIMEOUT_MS)
         window.sessions.list.setCurrentRow(
             [r.id for r in window.sessions.records()].index(other.id))
         assert c.current.id == other.id and not window.banner.isVisible()
         assert [(m.role, m.content) for m in c.model.messages()] == other_rows
-        grown_from = len(c.recorder.text)
-        qtbot.waitUntil(lambda: len(c.recorder.text) > grown_from + 5, timeout=ANSWER_TIMEOUT_MS)
+        grown_from = len(recorder.text)
+        qtbot.waitUntil(lambda: len(recorder.text) > grown_from + 5, timeout=ANSWER_TIMEOUT_MS)
         c.model.flush()
         assert [(m.role, m.content) for m in c.model.messages()] == other_rows
         _assert_panel_shows(window, c.current)  # the answering chat's samples are not shown
@@ -53,7 +54,7 @@ def test_other_chats_can_be_read_while_an_answer_streams_into_its_own(qtbot, win
         c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=8)
         # Back to the answering chat: the answer so far is there, and keeps streaming.
         c.select_session(answering.id)
-        assert c.model.message(1).content == c.recorder.text
+        assert c.model.message(1).content == recorder.text
         assert c.model.message(1).status == "streaming"
         assert composer.send_button.text() == "Stop" and not composer.waiting_box.isVisible()
         c.stop()

@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
 from app.format import human_bytes
-from app.memory.panel import NO_CACHE, MemoryPanel, shared_note
+from app.memory.panel import NO_CACHE, MemoryPanel, shared_note, together_line
 from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
@@ -242,3 +242,20 @@ def test_the_panel_keeps_each_chats_history_and_labels_what_it_shows(qtbot) -> N
     assert panel.details.isAncestorOf(panel.kv_bar) and not panel.kv_bar.isVisible()
     # The table's first column is the chat's tokens in each mode, held now or not.
     assert panel.table.horizontalHeaderItem(0).text() == "Chat"
+
+
+def test_the_chats_answering_together_are_listed_with_their_kv_bytes(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.show_together([("Pines", 2 << 20)])  # one chat answers: nothing to list
+    assert panel.together_label.isHidden()
+    long_title = "Notes on the longleaf pine savanna and its fire regime over a century"
+    panel.show_together([("Pines", 2 << 20), ("<b>Oaks</b>", 1 << 20), (long_title, None)])
+    assert not panel.together_label.isHidden()
+    assert panel.together_label.text() == (
+        "Answering together: ‘Pines’ 2.0 MB · ‘<b>Oaks</b>’ 1.0 MB · "
+        "‘Notes on the longleaf…’ no pages yet")
+    assert panel.together_label.textFormat() == Qt.TextFormat.PlainText  # a title is text
+    assert together_line([]) == "" and together_line([("Pines", 1)]) == ""
+    panel.show_together([])
+    assert panel.together_label.isHidden()

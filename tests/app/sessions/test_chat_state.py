@@ -79,3 +79,11 @@ def test_a_chat_waiting_behind_a_long_title_names_it_in_a_few_words() -> None:
     sentence = state_sentence(ChatFacts(job="waiting", waiting_for=title.strip()))
     assert sentence.startswith("Waiting for ‘Section 1. The longleaf pine") and len(sentence) < 64
     assert "…’ to finish…" in sentence
+
+
+def test_an_answer_the_engine_holds_says_the_engines_reason() -> None:
+    reason = "Waiting for memory to answer beside ‘Pines’: 300 MB more is needed."
+    facts = ChatFacts(job="waiting", held=reason, held_tokens=40)
+    assert chat_state(facts) is ChatState.WAITING
+    assert state_sentence(facts) == reason
+    assert sidebar_line(facts, "now") == "Waiting…"

@@ -6,7 +6,9 @@ load one, which is also what a user sees for a moment at start-up.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
 from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
-from engine import Finished, IngestProgress, TokenChunk
+from engine import AnswerWaiting, Finished, IngestProgress, TokenChunk
 from tests.app.conftest import close_window
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
@@ -351,22 +353,71 @@ def test_the_time_left_counts_down_between_the_engines_reports(scripted) -> None
     assert composer.progress_label.text().endswith("almost\u00a0done")
 
 
-def test_a_message_waiting_in_line_says_how_far_the_chat_ahead_is(scripted) -> None:
+def test_a_message_waiting_behind_a_read_says_how_far_the_read_is(scripted) -> None:
     c, bridge, composer = scripted.c, scripted.bridge, scripted.window.composer
     rid, _cancel = _send(scripted, "Summarise the report")
+    bridge._dispatch(Finished(rid, "stop"))
     ahead = c.current
+    c.answers.start_ingest(ahead)  # read in again: it runs alone
+    ingest, _args, _cancel = scripted.worker.last("ingest")
     c.new_session("q8")
     composer.set_text("Name three pines.")
     scripted.window.send()
-    assert composer.waiting_box.isVisible()
+    assert composer.waiting_box.isVisible() and composer.send_button.text() == "Send"
     assert composer.waiting_label.text() == "Waiting for ‘Summarise the report’ to finish…"
-    bridge._dispatch(IngestProgress(rid, 512, 3551, 80.0, 38.0))
+    bridge._dispatch(IngestProgress(ingest, 512, 3552, 80.0, 38.0))
     assert composer.waiting_label.text().replace("\u00a0", " ") == (
         "Waiting for ‘Summarise the report’ to finish… It is reading: 512 / 3,552 tokens, "
         "about 38s left.")
-    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
-    assert composer.waiting_label.text().endswith("It is answering.")
     assert ahead.id != c.current.id
+    bridge._dispatch(Finished(ingest, "done"))
+    assert not composer.waiting_box.isVisible() and composer.send_button.text() == "Stop"
+
+
+def test_two_chats_answer_at_once_each_with_its_own_stop(scripted) -> None:
+    c, bridge, window = scripted.c, scripted.bridge, scripted.window
+    composer = window.composer
+    rid_a, cancel_a = _send(scripted, "Name three pines")
+    first = c.current
+    bridge._dispatch(TokenChunk(rid_a, "Longleaf,", (1,)))
+    rid_b, cancel_b = _send(scripted, "Name three oaks")  # starts at once: no line
+    second = c.current
+    assert not composer.waiting_box.isVisible() and composer.send_button.text() == "Stop"
+    assert _sidebar_line(window, first.id) == "Answering…"
+    assert _sidebar_line(window, second.id) == "Reading…"
+    # The engine holds B until memory lets it join: its reason, in its own words.
+    reason = "Waiting for memory to answer beside another chat: 300 MB more is needed."
+    bridge._dispatch(AnswerWaiting(rid_b, reason, 300_000_000))
+    assert composer.waiting_box.isVisible() and composer.waiting_label.text() == reason
+    assert _sidebar_line(window, second.id) == "Waiting…"
+    assert composer.send_button.text() == "Stop"  # stopping it is the one thing to do
+    bridge._dispatch(TokenChunk(rid_b, "White oak,", (2,)))  # it joined
+    assert not composer.waiting_box.isVisible()
+    assert _sidebar_line(window, second.id) == "Answering…"
+    # The engine sends a sample of each chat it answers; the panel lists them all.
+    bridge._dispatch(sample(first.id, 40, 2 << 20))
+    bridge._dispatch(replace(sample(second.id, 30, 1 << 20), timestamp=time.time() + 1))
+    together = window.panel.together_label
+    assert not together.isHidden()
+    assert together.text() == ("Answering together: ‘Name three pines’ 2.0 MB · "
+                               "‘Name three oaks’ 1.0 MB")
+    composer.send_button.click()  # Stop in B: B alone
+    assert cancel_b.is_set() and not cancel_a.is_set()
+    bridge._dispatch(Finished(rid_b, "cancelled"))
+    assert composer.send_button.text() == "Send" and c.busy
+    assert together.isHidden()  # one chat answers: nothing to list
+    c.select_session(first.id)
+    assert composer.send_button.text() == "Stop"
+    bridge._dispatch(Finished(rid_a, "stop"))
+    assert composer.send_button.text() == "Send" and not c.busy
+
+
+def _sidebar_line(window, session_id: str) -> str:
+    for row in range(window.sessions.list.count()):
+        item = window.sessions.list.item(row)
+        if item.data(RecordRole).id == session_id:
+            return detail_text(item.data(RecordRole), item.data(StateRole))
+    raise AssertionError(f"{session_id} is not in the sidebar")
 
 
 def test_before_a_model_is_loaded_the_panel_shows_no_bare_dashes(qtbot, bare_window) -> None:
