@@ -301,6 +301,8 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     _check_pipeline(args)
     budget = None if args.kv_disk_budget is None else int(args.kv_disk_budget * 1e9)
     # The app's stored KV counts against the same budget: one user, one disk.
+    if args.parallel is not None and args.parallel < 1:
+        raise EngineError("--parallel must be at least 1.")
     options = {"max_sessions": args.sessions, "queue_limit": args.queue_limit,
                "snapshot_budget": budget, "counted_with": (paths.snapshots_dir(),)}
     where = ""
@@ -313,7 +315,8 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
         where = (f" over {bridge.machines} machines ({args.hostfile})" if args.hostfile
                  else f" over {bridge.machines} local ranks")
     else:
-        bridge = ServerBridge(args.model, args.kv, server_snapshot_dir(), **options)
+        bridge = ServerBridge(args.model, args.kv, server_snapshot_dir(),
+                              parallel=args.parallel, **options)
     out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()
@@ -421,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_option(api, ", for requests that ask for none")
     api.add_argument("--api-key", default=None, help="require this key on every request")
     api.add_argument("--sessions", type=int, default=4, help="server sessions held in memory")
+    api.add_argument("--parallel", type=int, default=None, metavar="N",
+                     help="requests answered together (default: as many 8k-token "
+                          "conversations as free memory holds, 1 to 8); more wait in "
+                          "the queue")
     api.add_argument("--queue-limit", type=int, default=16,
                      help="requests waiting at once before answering 429")
     api.add_argument("--kv-disk-budget", type=float, default=None, metavar="GB",

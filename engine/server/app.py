@@ -332,8 +332,15 @@ class Server:
             status = "error" if self.bridge.load_error else "loading"
             return JSONResponse({"status": status, "message": self.bridge.load_error},
                                 status_code=503)
+        streams = self.bridge.worker.streams()
         return JSONResponse({"status": "ok", "model": self.bridge.model_id,
-                             "machines": self.bridge.machines})
+                             "machines": self.bridge.machines,
+                             "streams": {"decoding": streams.answering,
+                                         "reading": streams.reading,
+                                         "waiting_for_memory": streams.waiting,
+                                         "parallel": streams.limit,
+                                         "in_flight": self.bridge.in_flight,
+                                         "queue_limit": self.bridge.queue_limit}})
 
     def _model_entry(self) -> dict:
         return {"id": self.bridge.model_id, "object": "model", "created": 0,

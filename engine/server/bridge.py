@@ -86,6 +86,8 @@ class ServerBridge:
         max_sessions: server sessions held in memory; the least recently used
             one is stored as a snapshot when another is needed.
         queue_limit: requests that may wait for or run on the engine at once.
+        parallel: requests that decode together (the worker's stream limit);
+            None: chosen from free memory when the model loads.
         snapshot_budget: the stored-KV disk budget in bytes (None: the default,
             as the app's).
         counted_with: other snapshot folders (the app's) whose bytes count
@@ -93,7 +95,7 @@ class ServerBridge:
     """
 
     def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
-                 max_sessions: int = 4, queue_limit: int = 16,
+                 max_sessions: int = 4, queue_limit: int = 16, parallel: int | None = None,
                  worker: Worker | None = None, snapshot_budget: int | None = None,
                  counted_with: tuple[Path, ...] = ()) -> None:
         self.model = model
@@ -102,7 +104,8 @@ class ServerBridge:
         self.queue_limit = max(1, queue_limit)
         self.snapshots = None if snapshot_dir is None else SnapshotStore(
             snapshot_dir, snapshot_budget, counted_with=counted_with)
-        self.worker: Worker = worker or EngineWorker(self._on_event, snapshots=self.snapshots)
+        self.worker: Worker = worker or EngineWorker(self._on_event, snapshots=self.snapshots,
+                                                     streams=parallel)
         self.ready = threading.Event()
         self.info: ModelInfo | None = None
         self.load_error: str | None = None
@@ -175,6 +178,12 @@ class ServerBridge:
     def machines(self) -> int:
         """The machines the engine runs on now (a pipeline's ranks; 1: this one alone)."""
         return 1
+
+    @property
+    def in_flight(self) -> int:
+        """Requests waiting for or running on the engine now."""
+        with self._lock:
+            return self._in_flight
 
     @property
     def max_context(self) -> int:
@@ -313,11 +322,17 @@ class ServerBridge:
                 self.worker.close_session(ticket.session, store=False)
 
     def _continued(self, prompt: list[int], mode: KvMode) -> tuple[str | None, int]:
-        """The held session whose last prompt ``prompt`` continues, and how many
-        tokens they share (None, 0: none)."""
+        """The idle held session whose last prompt ``prompt`` continues, and how many
+        tokens they share (None, 0: none).
+
+        A session answering another request is passed over: requests sent
+        together (an agent's sub-agents) answer together on sessions of their
+        own, each taking the prefix it shares from the other's pages.
+        """
         best, most = None, 0
+        busy = {ticket.session for ticket in self._tickets.values()}
         for name, (held_mode, held) in self._sessions.items():
-            if held_mode != mode or not held:
+            if held_mode != mode or not held or name in busy:
                 continue
             shared = common_prefix(held, prompt)
             if shared >= len(held) - 1 and shared > most:

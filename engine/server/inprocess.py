@@ -177,12 +177,6 @@ class AttachedBridge(ServerBridge):
         with self._lock:
             return bool(self._running)
 
-    @property
-    def in_flight(self) -> int:
-        """Requests waiting for or running on the engine now."""
-        with self._lock:
-            return self._in_flight
-
     def sessions(self) -> tuple[ApiSession, ...]:
         """The sessions the server holds, least recently used first."""
         with self._lock:

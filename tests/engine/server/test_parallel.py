@@ -1,0 +1,142 @@
+"""Requests sent together answer together, up to ``parallel``; the queue limit beyond."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.engine.server.conftest import Served, start_server
+from tests.engine.tinymodels import make_tiny_model_dir
+
+ASKED = {"a": "Tell me about the quick brown fox and the lazy dog.",
+         "b": "What is the capital of France, and why is it there?",
+         "c": "Count the colours of the rainbow, one by one please."}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Never ends its turn by itself, and writes a token a chunk: streams overlap.
+    return make_tiny_model_dir(tmp_path_factory.mktemp("parallel"), "llama", endless=True,
+                               seed=1)
+
+
+@pytest.fixture
+def serve(folder: Path, tmp_path: Path) -> Iterator:
+    stops = []
+
+    def start(**bridge_args) -> Served:
+        running, stop = start_server(folder, tmp_path / "kv", **bridge_args)
+        stops.append(stop)
+        return running
+    yield start
+    for stop in stops:
+        stop()
+
+
+def _client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+
+
+def _stream(served: Served, name: str, max_tokens: int, arrivals: list[tuple[str, str]],
+            results: dict[str, object]) -> None:
+    """Stream one answer, noting each content chunk's arrival in ``arrivals``."""
+    try:
+        stream = _client(served).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": ASKED[name]}],
+            max_tokens=max_tokens, temperature=0, stream=True)
+        text = ""
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                arrivals.append((name, "token"))
+        arrivals.append((name, "end"))
+        results[name] = text
+    except openai.RateLimitError as error:
+        results[name] = error.status_code
+    except openai.APIError as error:  # kept, so a failure says what came back
+        results[name] = repr(error)
+
+
+def _together(served: Served, names: str, max_tokens: int
+              ) -> tuple[list[tuple[str, str]], dict[str, object]]:
+    arrivals: list[tuple[str, str]] = []
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=_stream, args=(served, name, max_tokens, arrivals,
+                                                      results)) for name in names]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # in this order
+    for thread in threads:
+        thread.join(300)
+    return arrivals, results
+
+
+def _alone(served: Served, name: str, max_tokens: int) -> str:
+    reply = _client(served).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": ASKED[name]}],
+        max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def test_requests_sent_together_answer_together_and_as_alone(serve) -> None:
+    served = serve(parallel=2, max_sessions=4)
+    health = httpx.get(served.url + "/health").json()
+    assert health["streams"] == {"decoding": 0, "reading": 0, "waiting_for_memory": 0,
+                                 "parallel": 2, "in_flight": 0, "queue_limit": 16}
+    alone = {name: _alone(served, name, 300) for name in "ab"}
+    arrivals, results = _together(served, "ab", 300)
+    assert results == alone
+    # B's first token came while A still streamed, not after A's end.
+    assert arrivals.index(("b", "token")) < arrivals.index(("a", "end"))
+
+
+def test_health_counts_the_requests_decoding(serve) -> None:
+    served = serve(parallel=2)
+    arrivals: list[tuple[str, str]] = []
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=_stream, args=(served, name, 3000, arrivals, results))
+               for name in "ab"]
+    for thread in threads:
+        thread.start()
+    seen = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and seen < 2 and len(results) < 2:
+        seen = max(seen, httpx.get(served.url + "/health").json()["streams"]["decoding"])
+    for thread in threads:
+        thread.join(300)
+    assert seen == 2, (seen, results)
+
+
+def test_beyond_parallel_a_request_waits_and_beyond_the_queue_it_is_told_to_retry(
+        serve) -> None:
+    served = serve(parallel=1, queue_limit=2)
+    arrivals, results = _together(served, "abc", 200)
+    assert list(results.values()).count(429) == 1, results
+    answered = [name for name in "abc" if isinstance(results[name], str)]
+    assert len(answered) == 2
+    first, second = answered
+    # One at a time: the second began after the first ended.
+    assert arrivals.index((first, "end")) < arrivals.index((second, "token"))
+
+
+def test_the_same_conversation_sent_twice_at_once_answers_twice(serve) -> None:
+    # The second cannot continue the session the first answers on: it opens its
+    # own and takes the shared prefix from the first's pages.
+    served = serve(parallel=2)
+    alone = _alone(served, "a", 120)
+    arrivals: list[tuple[str, str]] = []
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=_stream, args=(served, "a", 120, arrivals, results))
+               for _ in range(2)]
+    texts: list[object] = []
+    for thread in threads:
+        thread.start()
+        thread.join(300)
+        texts.append(results.pop("a"))
+    assert texts == [alone, alone]
