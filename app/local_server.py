@@ -1,7 +1,7 @@
 """The local server in the app: started, restarted and stopped as its settings say.
 
 The server (``engine.server.inprocess``) runs on the app's own engine worker, so
-a chat answer and an API request wait for each other in one queue; it takes its
+a chat answer and an API request answer together in its batch; it takes its
 requests' events from the bridge before the window sees them, and serves the
 model the window has loaded. Nothing of Qt reaches it: its status comes back
 through a queued signal.

@@ -442,8 +442,6 @@ class MainWindow(QMainWindow):
     def _show_server_status(self, status: ServerStatus | None = None) -> None:
         status = status or self.controller.local_server.status
         text = status_text(status)
-        if status.state == "answering" and self.controller.busy:
-            text += " Your chat's turn comes next."  # one engine: the chat is in line
         self.server_status.setText(text)
         self.server_status.setProperty("state", status.state)
         self.statusBar().setVisible(bool(text))

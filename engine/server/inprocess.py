@@ -1,12 +1,13 @@
 """The local server inside another front end (the app), on that front end's worker.
 
-The app owns the one ``EngineWorker``: its chats and the server's requests wait
-in the same queue, so a running chat answer and an API request each wait for
-the other. The server here never starts, stops or loads a model on that
-worker; it serves the model the app has loaded (``model_loaded``), and gets its
-requests' events from the app's event fan-out (``claim``, called on the worker
-thread). uvicorn runs on a thread of its own, on a socket bound before it
-starts, so a port in use is a message, not a dead thread. Nothing here imports Qt.
+The app owns the one ``EngineWorker``: its chats and the server's requests go
+to the same queue and answer together in its batch (a re-ingest or a quality
+check in the app still runs alone, and API requests wait for it). The server
+here never starts, stops or loads a model on that worker; it serves the model
+the app has loaded (``model_loaded``), and gets its requests' events from the
+app's event fan-out (``claim``, called on the worker thread). uvicorn runs on a
+thread of its own, on a socket bound before it starts, so a port in use is a
+message, not a dead thread. Nothing here imports Qt.
 """
 
 from __future__ import annotations
