@@ -18,6 +18,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
+from engine.cache.batched import check_batchable
 from engine.errors import Cancelled, EngineError
 from engine.events import AnswerWaiting, Event, Failed, Finished, GenerationStats
 from engine.runtime.commands import Chat, Command
@@ -133,8 +134,17 @@ class Answering:
         return {member.session.session_id for member in self._members.values()}
 
     def can_take(self, session: Session) -> bool:
-        """Whether ``session``'s answer may run in the batch (else it runs alone)."""
-        return session.followers is None
+        """Whether ``session``'s answer may run in the batch now (else it runs alone,
+        once the batch is empty): not a pipeline's, and its layers can share a
+        pass with those of the answers running."""
+        if session.followers is not None:
+            return False
+        caches = [member.session.cache for member in self._members.values()][:1]
+        try:
+            check_batchable([*caches, session.cache])
+        except EngineError:
+            return False
+        return True
 
     def join(self, command: Command, chat: Chat, session: Session, prompt: Prompt,
              reused: int) -> None:

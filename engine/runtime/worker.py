@@ -388,6 +388,18 @@ class EngineWorker(Worker):
             current.cancel.set()
         self._answering.cancel_in(session_id)
 
+    def _runs_alone(self, request: Request) -> bool:
+        """Whether ``request`` waits for the answers running to end, then runs alone."""
+        if isinstance(request, ALONE):
+            return True
+        if not isinstance(request, Chat):
+            return False
+        try:
+            session = self._held.get(request.session_id)
+        except EngineError:
+            return False  # it fails when it runs, saying so
+        return not self._answering.can_take(session)
+
     def _chat_waits(self) -> bool:
         """Whether another chat waits, queued or taken: an answer alone pauses for it."""
         return self._chats_queued > 0 or any(isinstance(command.request, Chat)
@@ -459,7 +471,7 @@ class EngineWorker(Worker):
         for command in list(self._pending):
             request = command.request
             session_id = getattr(request, "session_id", None)
-            if self._answering.busy and isinstance(request, ALONE):
+            if self._answering.busy and self._runs_alone(request):
                 return
             if session_id in blocked or (isinstance(request, Chat)
                                          and (chats_wait or self._answering.full)):
@@ -482,6 +494,7 @@ class EngineWorker(Worker):
             else:
                 result = self._dispatch(command)
                 if result is None:  # it answers in the batch, which ends it
+                    self._publish_fit()
                     return
                 ending = result
                 if isinstance(ending, ModelLoaded | SessionOpened | QualityChecked):

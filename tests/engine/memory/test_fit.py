@@ -175,3 +175,15 @@ def test_a_session_counts_the_scratch_budget_its_attention_keeps(wide_llama) -> 
     pool = next(layer.pool for layer in session.cache if hasattr(layer, "pool"))
     assert session.prefill_facts.scratch_bytes == pool.scratch_bytes == PREFILL_SCRATCH_BYTES
     assert Session("e", loaded, "q8", scratch_bytes=MIB).prefill_facts.scratch_bytes == MIB
+
+
+def test_the_default_stream_limit_is_what_free_memory_holds_of_8k_conversations() -> None:
+    from engine.memory.fit import MOST_STREAMS, STREAM_CONTEXT, default_streams
+
+    facts = PrefillFacts(weights_bytes=0, activation_bytes_per_token=MIB, scratch_bytes=MIB,
+                         vocab_size=1000)
+    per_token = 25_600  # the seed's model in q6: 16 layers x 4 heads x 400 B
+    one = per_token * STREAM_CONTEXT + facts.step_transient_bytes(1)
+    assert default_streams(per_token, facts, 3 * one + one // 2) == 3
+    assert default_streams(per_token, facts, one // 2) == 1  # one always runs
+    assert default_streams(per_token, facts, 100 * one) == MOST_STREAMS

@@ -17,6 +17,7 @@ from engine.events import (
     SessionOpened,
     TokenChunk,
 )
+from engine.memory.fit import MOST_STREAMS
 from engine.runtime.answering import StreamCounts
 from engine.session.sampling import SamplingParams
 from tests.engine.runtime.test_worker import EventLog, loaded_worker
@@ -82,7 +83,8 @@ def test_a_chat_sent_while_another_answers_starts_at_once_and_both_say_what_alon
         # A began alone (with drafts) and went on in the batch; same tokens as alone.
         assert _tokens(log, first) == alone["a"]
         assert _tokens(log, second) == alone["b"]
-        assert worker.streams() == StreamCounts()
+        # Nothing left in flight; the limit free memory allows for this tiny model.
+        assert worker.streams() == StreamCounts(limit=MOST_STREAMS)
 
 
 def test_stop_ends_only_its_own_answer(endless_dir: Path) -> None:
@@ -173,3 +175,26 @@ def test_a_chat_memory_cannot_hold_beside_the_others_waits_and_says_why(
         # Alone, once A's answer ended: its own checks decide, as they would alone.
         assert isinstance(b_end, Finished | Failed)
         assert _position(log, lambda e: e is waits[0]) < _position(log, lambda e: e is a_end)
+
+
+def test_a_model_whose_layers_cannot_share_a_pass_answers_one_chat_at_a_time(
+        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.errors import EngineError
+    from engine.runtime import answering
+
+    def refuse(caches: object) -> None:
+        raise EngineError("These layers cannot decode in a batch.")
+
+    monkeypatch.setattr(answering, "check_batchable", refuse)
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = worker.chat("a", ASKED["a"], LONG, threading.Event())
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        a_end, b_end = log.ending(first), log.ending(second)
+        assert isinstance(a_end, Finished) and a_end.reason == "length"
+        assert isinstance(b_end, Finished) and b_end.reason == "length"
+        # Alone, in turn, with drafts: B began after A ended.
+        b_starts = _position(log, lambda e: getattr(e, "request_id", None) == second
+                             and not isinstance(e, SessionOpened))
+        assert _position(log, lambda e: e is a_end) < b_starts
+        assert a_end.stats is not None and a_end.stats.draft_tokens > 0
