@@ -198,3 +198,28 @@ def test_a_model_whose_layers_cannot_share_a_pass_answers_one_chat_at_a_time(
                              and not isinstance(e, SessionOpened))
         assert _position(log, lambda e: e is a_end) < b_starts
         assert a_end.stats is not None and a_end.stats.draft_tokens > 0
+
+
+def test_answers_held_to_a_schema_keep_to_it_while_they_answer_together(
+        endless_dir: Path) -> None:
+    import json
+
+    import jsonschema
+
+    from engine.session.constraint import json_schema_grammar
+    from tests.engine.session.test_constraint import SCHEMAS
+
+    held = {"a": SCHEMAS[0], "b": SCHEMAS[1]}
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b", "c")
+        requests = {name: worker.chat(name, ASKED[name], SamplingParams(
+            temperature=0.0, max_tokens=120, grammar=json_schema_grammar(schema)),
+            threading.Event()) for name, schema in held.items()}
+        free = worker.chat("c", ASKED["c"], LONG, threading.Event())
+        assert isinstance(log.ending(free), Finished)
+        for name, request in requests.items():
+            ending = log.ending(request)
+            assert isinstance(ending, Finished) and ending.reason == "stop", ending
+            text = "".join(e.text for e in log.for_request(request)
+                           if isinstance(e, TokenChunk))
+            jsonschema.validate(json.loads(text), held[name])
