@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
@@ -163,6 +163,13 @@ class Answering:
               reused: int) -> None:
         """Go on in the batch with an answer that decoded alone until it paused."""
         self._batch_for(session).adopt(session, answer)
+        self._hold(command, session, reused)
+
+    def adopt_read(self, command: Command, session: Session,
+                   steps: Generator[None, None, AnswerStart], prompt: Prompt,
+                   reused: int) -> None:
+        """Go on in the batch with a conversation read in alone until it paused."""
+        self._batch_for(session).adopt_read(session, command.request_id, steps, prompt.ids)
         self._hold(command, session, reused)
 
     def step(self) -> None:

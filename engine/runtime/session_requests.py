@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
@@ -25,6 +25,10 @@ from engine.session.prompt_ids import Prompt
 from engine.session.session import AnswerStart, Session
 
 log = logging.getLogger(__name__)
+
+
+ReadSteps = Generator[None, None, AnswerStart]
+"""A conversation's read in, a chunk a ``next``, then its answer (``Session.answer_steps``)."""
 
 
 class ChatStart(NamedTuple):
@@ -68,17 +72,28 @@ class SessionRequests:
 
     def chat(self, request_id: int, request: Chat, cancel: threading.Event,
              start: ChatStart, pause: Callable[[], bool] | None = None,
-             ) -> Finished | AnswerStart:
+             ) -> Finished | AnswerStart | ReadSteps:
         """Answer the conversation's last user turn alone, streaming ``TokenChunk``
-        events, until it ends or ``pause`` says so between two steps: then the
-        answer, to go on in a batch (``Answering.adopt``)."""
+        events, until it ends or ``pause`` says so between two chunks of its read
+        (then the read's steps) or two decode steps (then the answer): either goes
+        on in a batch (``Answering.adopt_read``, ``Answering.adopt``)."""
         session, prompt, reused = start
+        pause = pause or (lambda: False)
         try:
             with self._reading(session, cancel):
-                answer = session.start_answer(
+                steps = session.answer_steps(
                     request.messages, request.sampling, request_id=request_id, cancel=cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
                 )
+                next(steps)  # the checks: one that cannot be answered fails here
+                while True:
+                    if pause():
+                        return steps
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        answer: AnswerStart = done.value
+                        break
                 reason = session.run_answer(answer, pause)
         except Cancelled as stop:
             # Stopped while reading the conversation in: no answer, the chunks read stay.

@@ -63,7 +63,7 @@ from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
 from engine.session.sampling import SamplingParams
-from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE
+from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, AnswerStart
 from engine.snapshots.snapshot_store import SnapshotStore
 from engine.snapshots.stored_sessions import StoredSessions
 
@@ -554,11 +554,14 @@ class EngineWorker(Worker):
         if answering.busy or self._chat_waits():
             answering.join(command, request, *start)
             return None
-        answer = self._requests.chat(command.request_id, request, command.cancel, start,
-                                     pause=self._chat_waits)
-        if isinstance(answer, Finished):
-            return answer
-        answering.adopt(command, start.session, answer, start.reused)
+        alone = self._requests.chat(command.request_id, request, command.cancel, start,
+                                    pause=self._chat_waits)
+        if isinstance(alone, Finished):
+            return alone
+        if isinstance(alone, AnswerStart):
+            answering.adopt(command, start.session, alone, start.reused)
+        else:
+            answering.adopt_read(command, start.session, alone, start.prompt, start.reused)
         return None
 
     def _default_streams(self, info: ModelInfo) -> int:

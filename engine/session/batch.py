@@ -242,6 +242,19 @@ class BatchDecoder:
         self._check_joins(session, answer.stream.request_id)
         self.rows.append(_Row(session, answer, answer.stream.paused_at))
 
+    def adopt_read(self, session: Session, request_id: int,
+                   steps: Generator[None, None, AnswerStart], prompt: list[int]) -> None:
+        """Go on with a conversation that was read in alone until it paused between
+        two chunks (``steps``: :meth:`Session.answer_steps` past its checks): the
+        rest is read a chunk a step, then it answers in the batch.
+
+        Raises:
+            EngineError: the session cannot join (as :meth:`join` says).
+        """
+        self._check_joins(session, request_id)
+        to_read = len(prompt) - 1 - len(session.tokens)
+        self.reading.append(_Reading(session, request_id, steps, to_read, len(prompt) + 1))
+
     def abandon(self) -> tuple[int, ...]:
         """Drop every answer, read and wait (after a pass failed); their requests.
 

@@ -223,3 +223,24 @@ def test_answers_held_to_a_schema_keep_to_it_while_they_answer_together(
             text = "".join(e.text for e in log.for_request(request)
                            if isinstance(e, TokenChunk))
             jsonschema.validate(json.loads(text), held[name])
+
+
+def test_a_question_sent_while_another_chat_reads_a_document_answers_before_the_read_ends(
+        endless_dir: Path) -> None:
+    document = " ".join(f"Line {i}: the longleaf pine grows in the coastal plain."
+                        for i in range(60))
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        reading = worker.chat("a", [{"role": "user", "content": document}], LONG,
+                              threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, IngestProgress) and e.request_id == reading
+                                        for e in events))
+        question = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        ends = [log.ending(request) for request in (reading, question)]
+        assert all(isinstance(e, Finished) and e.reason == "length" for e in ends)
+        read = [e for e in log.for_request(reading) if isinstance(e, IngestProgress)]
+        assert read[-1].tokens_done == read[-1].tokens_total > 400
+        # The question joined between two of the document's chunks and answered
+        # beside the rest of the read, not after it.
+        answered = _position(log, lambda e: isinstance(e, TokenChunk) and e.request_id == question)
+        assert answered < _position(log, lambda e: e is read[-1])
