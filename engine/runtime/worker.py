@@ -79,6 +79,9 @@ UNEXPECTED = (
     "reload the model."
 )
 RETRY = "send the message again"
+JOINERS = (Chat, OpenSession)
+"""The requests an answer running alone pauses for (a front end opens a chat's
+session before it sends the chat)."""
 
 
 class EngineWorker(Worker):
@@ -155,8 +158,8 @@ class EngineWorker(Worker):
         # answer to end, for room among the answers, or (one that runs alone) for
         # every answer to end.
         self._pending: list[Command] = []
-        self._chats_queued = 0  # chats in the queue: an answer alone pauses for them
-        self._chats_lock = threading.Lock()
+        self._joiners_queued = 0  # JOINERS in the queue
+        self._joiners_lock = threading.Lock()
 
     # -- public API (any thread) ---------------------------------------------
 
@@ -374,9 +377,9 @@ class EngineWorker(Worker):
         command = Command(request_id, request, cancel or threading.Event())
         if self._stopping.is_set():
             command.cancel.set()
-        if isinstance(request, Chat):
-            with self._chats_lock:
-                self._chats_queued += 1
+        if isinstance(request, JOINERS):
+            with self._joiners_lock:
+                self._joiners_queued += 1
         self._queue.put(command)
         return request_id
 
@@ -400,10 +403,11 @@ class EngineWorker(Worker):
             return False  # it fails when it runs, saying so
         return not self._answering.can_take(session)
 
-    def _chat_waits(self) -> bool:
-        """Whether another chat waits, queued or taken: an answer alone pauses for it."""
-        return self._chats_queued > 0 or any(isinstance(command.request, Chat)
-                                             for command in self._pending)
+    def _another_comes(self) -> bool:
+        """Whether another chat (or the open before one) waits, queued or taken: an
+        answer running alone pauses for it, to go on beside it in the batch."""
+        return self._joiners_queued > 0 or any(isinstance(command.request, JOINERS)
+                                               for command in self._pending)
 
     def _emit(self, event: Event) -> None:
         try:
@@ -453,10 +457,10 @@ class EngineWorker(Worker):
                 taken.append(self._queue.get_nowait())
         except queue.Empty:
             pass
-        chats = sum(1 for c in taken if c is not None and isinstance(c.request, Chat))
-        if chats:
-            with self._chats_lock:
-                self._chats_queued -= chats
+        joiners = sum(1 for c in taken if c is not None and isinstance(c.request, JOINERS))
+        if joiners:
+            with self._joiners_lock:
+                self._joiners_queued -= joiners
         return taken
 
     def _start_pending(self) -> None:
@@ -551,11 +555,11 @@ class EngineWorker(Worker):
             alone = self._requests.chat(command.request_id, request, command.cancel, start)
             assert isinstance(alone, Finished)  # it never pauses
             return alone
-        if answering.busy or self._chat_waits():
+        if answering.busy or self._another_comes():
             answering.join(command, request, *start)
             return None
         alone = self._requests.chat(command.request_id, request, command.cancel, start,
-                                    pause=self._chat_waits)
+                                    pause=self._another_comes)
         if isinstance(alone, Finished):
             return alone
         if isinstance(alone, AnswerStart):

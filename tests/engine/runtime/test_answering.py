@@ -230,11 +230,13 @@ def test_a_question_sent_while_another_chat_reads_a_document_answers_before_the_
     document = " ".join(f"Line {i}: the longleaf pine grows in the coastal plain."
                         for i in range(60))
     with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
-        _open(worker, log, "a", "b")
+        _open(worker, log, "a")
         reading = worker.chat("a", [{"role": "user", "content": document}], LONG,
                               threading.Event())
         log.wait_for(lambda events: any(isinstance(e, IngestProgress) and e.request_id == reading
                                         for e in events))
+        # As the app does: the question's chat is opened, then sent once it is open.
+        _open(worker, log, "b")
         question = worker.chat("b", ASKED["b"], LONG, threading.Event())
         ends = [log.ending(request) for request in (reading, question)]
         assert all(isinstance(e, Finished) and e.reason == "length" for e in ends)
