@@ -210,7 +210,10 @@ class Answers(QObject):
             self._report_ingest(job.session_id, event, kept)
         whole = kept[1] if kept is not None and event.kept_tokens is not None else None
         self.caches.read_ended(job.session_id, whole)
-        self.sessions.record_tokens(job.session_id, self.bridge.latest_stats(), whole)
+        # This chat's own latest sample: with chats answering together, the engine's
+        # latest one may be another chat's (the engine sends this one before the end).
+        sample = self.caches.sample_for(job.session_id) or self.bridge.latest_stats()
+        self.sessions.record_tokens(job.session_id, sample, whole)
 
     def _report_ingest(self, session_id: str, event: Finished,
                        kept: tuple[int, int] | None) -> None:

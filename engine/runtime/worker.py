@@ -405,7 +405,10 @@ class EngineWorker(Worker):
 
     def _another_comes(self) -> bool:
         """Whether another chat (or the open before one) waits, queued or taken: an
-        answer running alone pauses for it, to go on beside it in the batch."""
+        answer running alone pauses for it, to go on beside it in the batch (when
+        the batch may hold two)."""
+        if self._answering.limit < 2:
+            return False
         return self._joiners_queued > 0 or any(isinstance(command.request, JOINERS)
                                                for command in self._pending)
 
@@ -470,6 +473,11 @@ class EngineWorker(Worker):
         the batch is full (and the chats after it, in turn), and a request that
         runs alone, with everything behind it, while anything answers.
         """
+        # One cancelled while it waits ends now, wherever it waits.
+        for command in [c for c in self._pending
+                        if c.cancel.is_set() and isinstance(c.request, CANCELLABLE)]:
+            self._pending.remove(command)
+            self._emit(Finished(command.request_id, "cancelled"))
         blocked = self._answering.session_ids()
         chats_wait = False
         for command in list(self._pending):

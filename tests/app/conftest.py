@@ -10,6 +10,7 @@ from PySide6.QtCore import Qt
 
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
+from app.sessions.session_list import RecordRole, StateRole, detail_text
 from app.settings import Settings
 from app.store import HistoryStore
 from app.window.main_window import MainWindow
@@ -90,3 +91,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/app/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.qt_log_ignore("does not support propagateSizeHints"))
+
+
+def sidebar_line(window: MainWindow, session_id: str) -> str:
+    """The second line of chat ``session_id``'s row in the sidebar ("Answering…", …)."""
+    for row in range(window.sessions.list.count()):
+        item = window.sessions.list.item(row)
+        if item.data(RecordRole).id == session_id:
+            return detail_text(item.data(RecordRole), item.data(StateRole))
+    raise AssertionError(f"{session_id} is not in the sidebar")

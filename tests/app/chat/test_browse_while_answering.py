@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt
 
-from app.sessions.session_list import RecordRole, StateRole, detail_text
 from engine.session.sampling import SamplingParams
-from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
+from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait, sidebar_line
 from tests.app.memory.test_panel import _assert_panel_shows
 
 
@@ -41,7 +40,7 @@ def test_other_chats_can_be_read_while_an_answer_streams_into_its_own(qtbot, win
         qtbot.keyClick(composer.edit, Qt.Key.Key_Return)
         assert composer.text() == "" and not composer.waiting_box.isVisible()
         assert c.activity.states()[other.id] in ("reading", "answering")
-        assert _sidebar_line(window, answering.id) == "Answering…"
+        assert sidebar_line(window, answering.id) == "Answering…"
         # Back to the answering chat: the answer so far is there, and keeps streaming.
         c.select_session(answering.id)
         assert c.model.message(1).content == recorder.text
@@ -59,13 +58,6 @@ def test_other_chats_can_be_read_while_an_answer_streams_into_its_own(qtbot, win
     assert rows[-1][2] == "complete" and rows[-2][1] == "and another thing"
     assert c.store.session(answering.id).tokens > 0
 
-
-def _sidebar_line(window, session_id: str) -> str:
-    for row in range(window.sessions.list.count()):
-        item = window.sessions.list.item(row)
-        if item.data(RecordRole).id == session_id:
-            return detail_text(item.data(RecordRole), item.data(StateRole))
-    raise AssertionError(f"{session_id} is not in the sidebar")
 
 def test_the_chat_answering_cannot_be_deleted_but_others_can(qtbot, window) -> None:
     c = window.controller

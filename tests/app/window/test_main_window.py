@@ -25,7 +25,7 @@ from app.store import HistoryStore
 from app.style import apply_color_scheme
 from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
 from engine import AnswerWaiting, Finished, IngestProgress, TokenChunk
-from tests.app.conftest import close_window
+from tests.app.conftest import close_window, sidebar_line
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
@@ -383,17 +383,17 @@ def test_two_chats_answer_at_once_each_with_its_own_stop(scripted) -> None:
     rid_b, cancel_b = _send(scripted, "Name three oaks")  # starts at once: no line
     second = c.current
     assert not composer.waiting_box.isVisible() and composer.send_button.text() == "Stop"
-    assert _sidebar_line(window, first.id) == "Answering…"
-    assert _sidebar_line(window, second.id) == "Reading…"
+    assert sidebar_line(window, first.id) == "Answering…"
+    assert sidebar_line(window, second.id) == "Reading…"
     # The engine holds B until memory lets it join: its reason, in its own words.
     reason = "Waiting for memory to answer beside another chat: 300 MB more is needed."
     bridge._dispatch(AnswerWaiting(rid_b, reason, 300_000_000))
     assert composer.waiting_box.isVisible() and composer.waiting_label.text() == reason
-    assert _sidebar_line(window, second.id) == "Waiting…"
+    assert sidebar_line(window, second.id) == "Waiting…"
     assert composer.send_button.text() == "Stop"  # stopping it is the one thing to do
     bridge._dispatch(TokenChunk(rid_b, "White oak,", (2,)))  # it joined
     assert not composer.waiting_box.isVisible()
-    assert _sidebar_line(window, second.id) == "Answering…"
+    assert sidebar_line(window, second.id) == "Answering…"
     # The engine sends a sample of each chat it answers; the panel lists them all.
     bridge._dispatch(sample(first.id, 40, 2 << 20))
     bridge._dispatch(replace(sample(second.id, 30, 1 << 20), timestamp=time.time() + 1))
@@ -410,14 +410,6 @@ def test_two_chats_answer_at_once_each_with_its_own_stop(scripted) -> None:
     assert composer.send_button.text() == "Stop"
     bridge._dispatch(Finished(rid_a, "stop"))
     assert composer.send_button.text() == "Send" and not c.busy
-
-
-def _sidebar_line(window, session_id: str) -> str:
-    for row in range(window.sessions.list.count()):
-        item = window.sessions.list.item(row)
-        if item.data(RecordRole).id == session_id:
-            return detail_text(item.data(RecordRole), item.data(StateRole))
-    raise AssertionError(f"{session_id} is not in the sidebar")
 
 
 def test_before_a_model_is_loaded_the_panel_shows_no_bare_dashes(qtbot, bare_window) -> None:

@@ -246,3 +246,22 @@ def test_a_question_sent_while_another_chat_reads_a_document_answers_before_the_
         # beside the rest of the read, not after it.
         answered = _position(log, lambda e: isinstance(e, TokenChunk) and e.request_id == question)
         assert answered < _position(log, lambda e: e is read[-1])
+
+
+def test_a_chat_cancelled_while_it_waits_for_room_ends_at_once(endless_dir: Path) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=400)
+    with loaded_worker(endless_dir, chunk_size=16, streams=2) as (worker, log):
+        _open(worker, log, "a", "b", "c")
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        worker.chat("b", ASKED["b"], long, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                        for e in events))
+        stop_c = threading.Event()
+        third = worker.chat("c", ASKED["c"], LONG, stop_c)
+        stop_c.set()
+        c_end = log.ending(third)
+        assert c_end == Finished(third, "cancelled")
+        a_end = log.ending(first)
+        # C ended while A still answered, without a token of its own.
+        assert _position(log, lambda e: e is c_end) < _position(log, lambda e: e is a_end)
+        assert not any(isinstance(e, TokenChunk) for e in log.for_request(third))

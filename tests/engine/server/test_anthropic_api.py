@@ -256,12 +256,12 @@ def impatient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 def test_a_long_read_keeps_the_stream_alive(impatient: Served,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     messages = [{"role": "user", "content": "Take your time"}]
-    original = Session.prefill
+    original = Session.prefill_chunks
 
     def slow(self, *args, **kwargs):
         time.sleep(1.5)  # a read far longer than the keep-alive interval
-        return original(self, *args, **kwargs)
-    monkeypatch.setattr(Session, "prefill", slow)
+        return (yield from original(self, *args, **kwargs))
+    monkeypatch.setattr(Session, "prefill_chunks", slow)
     deltas: list[str] = []
     with client(impatient).messages.stream(model="m", max_tokens=6, messages=messages,
                                            extra_body=GREEDY) as stream:
