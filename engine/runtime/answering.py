@@ -61,6 +61,7 @@ class _Member:
 
     command: Command
     session: Session
+    session_id: str  # a plain copy, for other threads: they never touch the session
     reused: int
 
 
@@ -103,7 +104,7 @@ class Answering:
         with self._lock:
             members = list(self._members.values())
         for member in members:
-            if session_id is None or member.session.session_id == session_id:
+            if session_id is None or member.session_id == session_id:
                 member.command.cancel.set()
 
     # -- the worker thread ---------------------------------------------------
@@ -131,7 +132,7 @@ class Answering:
 
     def session_ids(self) -> set[str]:
         """The sessions whose answer the batch holds."""
-        return {member.session.session_id for member in self._members.values()}
+        return {member.session_id for member in self._members.values()}
 
     def can_take(self, session: Session) -> bool:
         """Whether ``session``'s answer may run in the batch now (else it runs alone,
@@ -208,7 +209,8 @@ class Answering:
             # One heartbeat for as long as anything answers, not a thread a step.
             self._heartbeat.enter_context(self._stats.heartbeat())
         with self._lock:
-            self._members[command.request_id] = _Member(command, session, reused)
+            self._members[command.request_id] = _Member(command, session, session.session_id,
+                                                         reused)
         self._stats.publish(session)
         if self._batch is not None:
             self._tell_waiting(self._batch.waiting)

@@ -149,11 +149,10 @@ class EngineWorker(Worker):
             pipeline=pipeline,
         )
         self._requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
-        if streams is not None and streams < 1:
-            raise EngineError("At least one answer must be allowed to run at once.")
         self._streams = streams
-        self._answering = Answering(self._stats, self._emit, self._publish_fit,
-                                    _unexpected_ending, limit=streams or DEFAULT_STREAMS)
+        self._answering = Answering(
+            self._stats, self._emit, self._publish_fit, _unexpected_ending,
+            limit=DEFAULT_STREAMS if streams is None else streams)
         # Requests taken from the queue that wait for the batch: for their session's
         # answer to end, for room among the answers, or (one that runs alone) for
         # every answer to end.
