@@ -265,3 +265,11 @@ def test_a_chat_cancelled_while_it_waits_for_room_ends_at_once(endless_dir: Path
         # C ended while A still answered, without a token of its own.
         assert _position(log, lambda e: e is c_end) < _position(log, lambda e: e is a_end)
         assert not any(isinstance(e, TokenChunk) for e in log.for_request(third))
+
+
+def test_a_stream_limit_under_one_is_refused() -> None:
+    from engine.errors import EngineError
+    from engine.runtime.worker import EngineWorker
+
+    with pytest.raises(EngineError, match="At least one answer"):
+        EngineWorker(lambda event: None, streams=0)
