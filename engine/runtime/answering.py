@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 
 from engine.cache.batched import check_batchable
 from engine.errors import Cancelled, EngineError
-from engine.events import AnswerWaiting, Event, Failed, Finished, GenerationStats
+from engine.events import AnswerWaiting, Event, Failed, Finished
 from engine.runtime.commands import Chat, Command
+from engine.runtime.endings import failed, read_cancelled
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session.batch import BatchDecoder, RowToken, Waiting
 from engine.session.prompt_ids import Prompt
@@ -261,12 +262,8 @@ def _ending(result: RowToken, reused: int) -> Finished | Failed:
     """The event that ends the request of a row that left the batch."""
     request_id, error = result.request_id, result.error
     if isinstance(error, Cancelled):
-        # Stopped while reading the conversation in: no answer, the chunks read stay.
-        stats = GenerationStats(error.total_tokens or 0, 0, None, 0.0, 0.0,
-                                reused_tokens=reused)
-        return Finished(request_id, "cancelled", stats, error.kept_tokens, error.total_tokens)
+        return read_cancelled(request_id, error, reused)
     if error is not None:
-        return Failed(request_id, str(error), type(error).__name__, error.kept_tokens,
-                      error.total_tokens)
+        return failed(request_id, error)
     ended = None if result.stats is None else replace(result.stats, reused_tokens=reused)
     return Finished(request_id, result.finish or "cancelled", ended)

@@ -16,9 +16,10 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from engine.errors import Cancelled, EngineError
-from engine.events import Event, Finished, GenerationStats, QualityChecked, QualityProgress
+from engine.events import Event, Finished, QualityChecked, QualityProgress
 from engine.memory.guard import MemoryGuard
 from engine.runtime.commands import Chat, CheckQuality, Ingest
+from engine.runtime.endings import read_cancelled
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session.prompt_ids import Prompt
@@ -96,11 +97,7 @@ class SessionRequests:
                         break
                 reason = session.run_answer(answer, pause)
         except Cancelled as stop:
-            # Stopped while reading the conversation in: no answer, the chunks read stay.
-            stats = GenerationStats(stop.total_tokens or 0, 0, None, 0.0, 0.0,
-                                    reused_tokens=reused)
-            return Finished(request_id, "cancelled", stats, stop.kept_tokens,
-                            stop.total_tokens)
+            return read_cancelled(request_id, stop, reused)
         if reason == "paused":
             return answer
         reason, stats = session.finish_answer(answer, reason)
@@ -176,3 +173,4 @@ class SessionRequests:
             rate = done / max(time.perf_counter() - started, 1e-9)
             self._emit(QualityProgress(request_id, done, total, rate, (total - done) / rate))
         return progress
+

@@ -57,6 +57,7 @@ from engine.runtime.commands import (
     SetSnapshotBudget,
     ShareChats,
 )
+from engine.runtime.endings import failed
 from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.interface import OnEvent, Pipeline, Worker
 from engine.runtime.session_requests import SessionRequests
@@ -518,7 +519,7 @@ class EngineWorker(Worker):
                 # group may be gone. A failing refresh fails the request like any step.
                 self._held.refresh_unopened(self.chunk_size)
         except EngineError as error:
-            ending = _failed(command, error)
+            ending = failed(command.request_id, error)
         except Exception as error:
             ending = _unexpected_ending(command, error)
         # Before the end is announced, so a fit check it prompts sees what it changed.
@@ -612,11 +613,6 @@ class EngineWorker(Worker):
         self._held.set_chunk_size(request.chunk_size)
 
 
-def _failed(command: Command, error: EngineError) -> Failed:
-    return Failed(command.request_id, str(error), type(error).__name__,
-                  error.kept_tokens, error.total_tokens)
-
-
 def _unexpected_ending(command: Command, error: Exception) -> Failed:
     """How a request that raised ends: an ``EngineError`` in its own words.
 
@@ -624,7 +620,7 @@ def _unexpected_ending(command: Command, error: Exception) -> Failed:
     anything else is a bug, logged with its traceback.
     """
     if isinstance(error, EngineError):
-        return _failed(command, error)
+        return failed(command.request_id, error)
     fault = disk.fault_of(error, retry=RETRY)
     if fault is not None:
         log.warning("engine request %s failed: %s", command.name, fault)
