@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.cache import mlx_lm_compat, sharing
-from engine.cache.attention import schedule
+from engine.cache.attention import schedule, streams
 from engine.cache.attention.dispatch import paged_attention
 from engine.cache.batched import CacheRows, PagedRows
 from engine.cache.modes import FP16, MODES, KvMode
@@ -93,8 +93,12 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
     """
     if mask is not None:
         raise EngineError("A batch of conversations attends without a mask.")
-    outs = [attend(queries[index:index + 1], keys, values, row, scale, None, sinks)
-            for index, row in enumerate(cache.rows)]
+    outs = []
+    for index, (row, stream) in enumerate(zip(cache.rows, streams.row_streams(len(cache.rows)),
+                                              strict=True)):
+        # On the CPU each row attends on one core's stream: the rows run side by side.
+        with streams.on_row_stream(stream):
+            outs.append(attend(queries[index:index + 1], keys, values, row, scale, None, sinks))
     return mx.concatenate(outs, axis=0)
 
 

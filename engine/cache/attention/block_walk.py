@@ -7,7 +7,10 @@ host waits for the running state before the next block
 alive at once and the transient is the same at 32k and at 262k tokens. A decode
 step's blocks are small enough to stay in the CPU's caches; a prefill chunk's fill
 the pool's scratch budget, with the KV heads split over one stream per core
-(:mod:`engine.cache.attention.streams`).
+(:mod:`engine.cache.attention.streams`; a decode step's too at long contexts,
+unless it is one row of a batch, whose rows have the streams). A decode step reads
+6-bit pages packed, with fp32 queries, through MLX's quantized matmul
+(:func:`reads_packed`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import mlx.core as mx
 from engine.cache import kvquant
 from engine.cache.attention import schedule, scratch, streams
 from engine.cache.attention.query_view import QueryView, column_positions
+from engine.errors import EngineError
 
 if TYPE_CHECKING:
     from engine.cache.paged_cache import PagedKVCache
@@ -48,11 +52,9 @@ def attend_blocks(view: QueryView, cache: PagedKVCache, scale: float) -> mx.arra
     decode = view.length <= scratch.PACKED_MAX_TOKENS
     # Each group of heads walks the same blocks on its own stream; together they
     # hold what one walk over every head would, so the scratch arithmetic holds.
-    # A decode step's small matmuls stay on one stream: split, two streams' BLAS
-    # threads fight over the cores.
-    groups: list[tuple[slice, mx.Stream | None]] = (
-        [(slice(0, kv_heads), None)] if decode
-        else streams.head_groups(kv_heads, cache.offset * kv_heads * head_dim))
+    values = cache.offset * kv_heads * head_dim
+    groups = (streams.decode_groups(kv_heads, values) if decode
+              else streams.head_groups(kv_heads, values))
     budget = cache.pool.scratch_bytes
     if decode:
         budget = min(budget, scratch.DECODE_SCRATCH_BYTES)
@@ -70,8 +72,26 @@ def attend_blocks(view: QueryView, cache: PagedKVCache, scale: float) -> mx.arra
         end = cache.pool.pages_for(end) * page_size
     blocks = column_blocks(end, positions, tokens)
     store = cache.held_store
+    if decode and reads_packed(store.layout.bits, head_dim):
+        return _walk(view, scale, blocks, groups,
+                     lambda walk, block: _merge_packed(walk, store, block))
     return _walk(view, scale, blocks, groups,
                  lambda walk, block: _merge_block(walk, store, block, decode))
+
+
+def reads_packed(bits: int, head_dim: int) -> bool:
+    """Whether a decode step reads ``bits``-bit pages packed, through MLX's
+    quantized matmul, rather than unpacked to fp32 for BLAS.
+
+    MLX's CPU quantized matmul reads any width at about one speed; unpacking
+    8-bit codes is one conversion and 4-bit ones two, and BLAS then beats it, but
+    6-bit codes straddle bytes and their unpacking costs more than the packed read.
+    """
+    return bits in PACKED_READ_BITS and kvquant.mlx_group_size(head_dim) is not None
+
+
+# Code widths a decode step reads packed (see reads_packed).
+PACKED_READ_BITS = frozenset({6})
 
 
 def _walk(
@@ -137,21 +157,63 @@ def _merge_block(walk: _HeadWalk, store: PageStore, block: ColumnBlock, decode: 
     walk.softmax.add(hidden, lambda weights: _by_position(weights, v_block, length))
 
 
-def _by_position(rows: mx.array, right: mx.array, length: int) -> mx.array:
-    """``rows @ right``, each position's rows multiplied on their own.
+def _merge_packed(walk: _HeadWalk, store: PageStore, block: ColumnBlock) -> None:
+    """A decode block read from the packed pages: scores and weighted values by
+    MLX's quantized matmul on the stored codes, scales and biases (fp32 queries)."""
+    view = walk.view
+    keys, values = _packed(store, block, walk.heads, 0), _packed(store, block, walk.heads, 2)
+    scores = _by_position(walk.q, keys.times, view.length)
+    hidden = view.hide(scores, column_positions(block.start, block.stop, block.positions))
+    walk.softmax.add(hidden, lambda weights: _by_position(weights, values.times, view.length))
 
-    ``rows`` are ``[kv_heads, repeats * length, n]`` (GQA folded, position fastest),
-    ``right`` ``[kv_heads, n, m]``. A matmul's rounding depends on how many rows it
-    has; multiplied a position at a time, the ``repeats`` rows of each position
-    meet the pages in a matmul of a decode step's shape, so a speculative
-    verification of ``length`` tokens gives each token the numbers a one-token step
-    would.
+
+@dataclass(frozen=True)
+class _PackedRows:
+    """One part of a block's columns as stored (MLX's affine layout)."""
+
+    words: mx.array  # the codes as uint32 words [heads, n, words]
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group: int
+    keys: bool  # keys are multiplied transposed (scores), values as they are
+
+    def times(self, x: mx.array) -> mx.array:
+        """``x`` times these rows (keys: ``x @ K^T``; values: ``x @ V``)."""
+        return mx.quantized_matmul(x, self.words, self.scales, self.biases,
+                                   transpose=self.keys, group_size=self.group, bits=self.bits)
+
+
+def _packed(store: PageStore, block: ColumnBlock, heads: slice, part: int) -> _PackedRows:
+    layout = store.layout
+    group = kvquant.mlx_group_size(layout.head_dim)
+    if group is None:  # reads_packed chose this path for a readable width only
+        raise EngineError(f"MLX cannot read {layout.head_dim}-value rows packed.")
+    columns = slice(block.start, block.stop)
+    pairs = store.part(part + 1)
+    return _PackedRows(store.part(part).view(mx.uint32)[heads, columns],
+                       pairs[0, heads, columns], pairs[1, heads, columns],
+                       layout.bits, group, keys=part == 0)
+
+
+def _by_position(rows: mx.array, times: Callable[[mx.array], mx.array] | mx.array,
+                 length: int) -> mx.array:
+    """``rows`` times the block's keys or values, each position's rows on their own.
+
+    ``rows`` are ``[kv_heads, repeats * length, n]`` (GQA folded, position fastest);
+    ``times`` multiplies ``[..., kv_heads, r, n]`` rows by the block (an array
+    ``[kv_heads, n, m]``: a plain matmul). A matmul's rounding depends on how many
+    rows it has; multiplied a position at a time, the ``repeats`` rows of each
+    position meet the pages in a matmul of a decode step's shape, so a
+    speculative verification of ``length`` tokens gives each token the numbers a
+    one-token step would.
     """
+    product = times if callable(times) else (lambda x: x @ times)
     if length == 1:
-        return rows @ right
+        return product(rows)
     kv_heads, count, inner = rows.shape
     split = rows.reshape(kv_heads, count // length, length, inner)
-    out = mx.moveaxis(split, -2, 0) @ right[None]  # [length, kv_heads, repeats, m]
+    out = product(mx.moveaxis(split, -2, 0))  # [length, kv_heads, repeats, m]
     return mx.moveaxis(out, 0, -2).reshape(kv_heads, count, out.shape[-1])
 
 

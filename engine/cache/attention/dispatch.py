@@ -13,8 +13,10 @@ materializes a dequantized context:
   ``mx.quantized_matmul``, fp16 pages through the fused SDPA) and a prefill
   chunk's in large blocks, all in one lazy graph in the model's 16-bit dtype.
 - ``cpu``: :mod:`engine.cache.attention.block_walk` dequantizes one block of
-  columns at a time in fp32 and merges it into an online softmax, the host
-  waiting on each block, the heads of a prefill chunk split over the cores.
+  columns at a time in fp32 (a decode step's 6-bit pages are read packed instead)
+  and merges it into an online softmax, the host waiting on each block, the heads
+  of a prefill chunk (and of a long decode step) split over the cores, a batch's
+  rows each on a core's stream.
 
 Each schedule gives a speculative verification of up to ``PACKED_MAX_TOKENS``
 tokens, row for row, the numbers its one-token decode steps would give (on the

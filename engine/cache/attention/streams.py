@@ -1,16 +1,21 @@
-"""KV heads split over CPU streams, so a prefill chunk's attention uses every core.
+"""Attention work split over CPU streams, so every core has some.
 
 On MLX's CPU backend an elementwise op runs on its stream's one thread, and a
 prefill chunk's attention is mostly the exponentials of its scores
 (docs/benchmarks.md, "Figures behind constants"): one stream leaves the other cores idle.
 Heads are independent, so each group of KV heads walks the blocks on its own
-stream. On a GPU one stream already fills the device: no split there.
+stream (a prefill chunk, and a long context's decode step). The rows of a batch
+are independent too: each row attends on a stream of its own, the rows spread
+over the cores, and its heads then stay together. On a GPU one stream already
+fills the device: no split there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 
 import mlx.core as mx
 
@@ -23,6 +28,11 @@ _MAX_STREAMS = 8
 # work is too small to pay for syncing the streams: a short decode step runs faster
 # on one (and a small model's lazy graph keeps running across layers).
 SPLIT_MIN_VALUES = 2**22
+# A decode step's few query rows read every stored value once, unpacked one stream
+# a core: split from a smaller context than a prefill chunk, below which the
+# streams' syncs cost more than the split read saves (docs/benchmarks.md,
+# "Batched decoding").
+DECODE_SPLIT_MIN_VALUES = 2**19
 _local = threading.local()
 
 
@@ -40,16 +50,22 @@ def streams_for(kv_heads: int) -> int:
     Asks MLX for the device: call it on the engine thread only. The GPU schedule
     walks every head on one stream, as it would on a GPU.
     """
+    return max(1, min(kv_heads, _stream_count()))
+
+
+def _stream_count() -> int:
+    """Streams the attention's work spreads over on this device (1: no split)."""
     if mx.default_device().type != mx.cpu or schedule.current() == schedule.GPU:
         return 1
-    return max(1, min(kv_heads, cpu_cores(), _MAX_STREAMS))
+    return min(cpu_cores(), _MAX_STREAMS)
 
 
-def split_count(available: int, values: int) -> int:
+def split_count(available: int, values: int, min_values: int = SPLIT_MIN_VALUES) -> int:
     """Groups the heads split into, with ``available`` streams for them (see
     :func:`streams_for`) and ``values`` stored values to read (tokens x KV heads x
-    head_dim). Plain arithmetic, for the estimates on any thread."""
-    return available if values >= SPLIT_MIN_VALUES else 1
+    head_dim), split from ``min_values`` on. Plain arithmetic, for the estimates
+    on any thread."""
+    return available if values >= min_values else 1
 
 
 def group_count(kv_heads: int, values: int) -> int:
@@ -64,12 +80,57 @@ def head_groups(kv_heads: int, values: int) -> list[tuple[slice, mx.Stream | Non
     for little work (see :func:`group_count`). Streams belong to the calling thread
     (MLX streams are thread-local), made once.
     """
-    count = group_count(kv_heads, values)
+    return _groups(kv_heads, group_count(kv_heads, values))
+
+
+def decode_groups(kv_heads: int, values: int) -> list[tuple[slice, mx.Stream | None]]:
+    """:func:`head_groups` for a decode step: split from ``DECODE_SPLIT_MIN_VALUES``
+    on, and never for a batch's row, whose stream is already one core's
+    (:func:`on_row_stream`)."""
+    if getattr(_local, "in_row", False):
+        return [(slice(0, kv_heads), None)]
+    available = streams_for(kv_heads)
+    return _groups(kv_heads, split_count(available, values, DECODE_SPLIT_MIN_VALUES))
+
+
+def row_streams(rows: int) -> list[mx.Stream | None]:
+    """The stream each of a batch's ``rows`` attends on: spread over the cores on
+    the CPU backend, round robin; None (the default stream) elsewhere.
+
+    Asks MLX for the device: call it on the engine thread only.
+    """
+    count = max(1, min(rows, _stream_count()))
+    if count == 1:
+        return [None] * rows
+    streams = _cpu_streams(count)
+    return [streams[row % count] for row in range(rows)]
+
+
+@contextlib.contextmanager
+def on_row_stream(stream: mx.Stream | None) -> Iterator[None]:
+    """Run one batch row's attention on ``stream`` (None: the current one), its
+    heads kept together there (:func:`decode_groups`)."""
+    before = getattr(_local, "in_row", False)
+    _local.in_row = True
+    try:
+        with contextlib.nullcontext() if stream is None else mx.stream(stream):
+            yield
+    finally:
+        _local.in_row = before
+
+
+def _groups(kv_heads: int, count: int) -> list[tuple[slice, mx.Stream | None]]:
     if count == 1:
         return [(slice(0, kv_heads), None)]
+    streams = _cpu_streams(count)
+    edges = [kv_heads * group // count for group in range(count + 1)]
+    return [(slice(edges[g], edges[g + 1]), streams[g]) for g in range(count)]
+
+
+def _cpu_streams(count: int) -> list[mx.Stream]:
+    """This thread's first ``count`` CPU streams, made once."""
     streams: list[mx.Stream] = getattr(_local, "streams", [])
     while len(streams) < count:
         streams.append(mx.new_stream(mx.cpu))
     _local.streams = streams
-    edges = [kv_heads * group // count for group in range(count + 1)]
-    return [(slice(edges[g], edges[g + 1]), streams[g]) for g in range(count)]
+    return streams[:count]

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.cache.attention import block_walk, schedule, scratch, streams
 from engine.cache.attention import dispatch as attention
-from engine.cache.attention import schedule, scratch, streams
 from tests.engine.cache.attention.test_dispatch import SAME_ROWS_TOLERANCE, _cache, _normal, _step
 
 MIB = 2**20
@@ -60,6 +60,32 @@ def test_decode_over_many_blocks_matches_reference(mode: str, monkeypatch) -> No
     for step in range(2):
         got, expected = _step(cache, mode, 1, heads=4, mask=None, seed=30 + 3 * step)
         np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
+
+
+def test_only_six_bit_pages_mlx_can_read_are_read_packed() -> None:
+    assert block_walk.reads_packed(6, 64) and block_walk.reads_packed(6, 256)
+    assert not block_walk.reads_packed(8, 64) and not block_walk.reads_packed(4, 64)
+    assert not block_walk.reads_packed(16, 64)
+    assert not block_walk.reads_packed(6, 40)  # no MLX group divides 40 values
+
+
+@pytest.mark.parametrize("length", [1, 5])
+def test_packed_read_gives_the_unpacked_reads_numbers(length: int, monkeypatch) -> None:
+    # A decode step and a verification over several blocks (one page each), read
+    # packed by MLX's quantized matmul and unpacked to fp32 for BLAS.
+    monkeypatch.setattr(scratch, "DECODE_SCRATCH_BYTES", 1)
+    cache = _cache("q6", 64, prefix=70)
+    keys = _normal((1, cache.kv_heads, length, 64), 7)
+    cache.update_and_fetch(keys, keys)
+    queries = _normal((1, 4, length, 64), 8)
+
+    def read() -> np.ndarray:
+        mask = "causal" if length > 1 else None
+        return np.array(attention.paged_attention(queries, keys, keys, cache, 0.125, mask))
+
+    packed = read()
+    monkeypatch.setattr(block_walk, "PACKED_READ_BITS", frozenset())
+    np.testing.assert_allclose(packed, read(), atol=SAME_ROWS_TOLERANCE)
 
 
 def test_window_mask_over_decode_blocks(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""KV heads split over CPU streams."""
+"""Attention work split over CPU streams: KV heads, and a batch's rows."""
 
 from __future__ import annotations
 
@@ -14,6 +14,25 @@ def test_head_groups_cover_every_head_once(monkeypatch) -> None:
     assert streams.head_groups(8, many - 1) == [(slice(0, 8), None)]  # too little work
     monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
     assert streams.head_groups(8, many) == [(slice(0, 8), None)]
+
+
+def test_a_long_decode_step_splits_its_heads_but_a_batch_row_does_not(monkeypatch) -> None:
+    monkeypatch.setattr(streams, "cpu_cores", lambda: 2)
+    long = streams.DECODE_SPLIT_MIN_VALUES
+    assert len(streams.decode_groups(4, long)) == 2
+    assert streams.decode_groups(4, long - 1) == [(slice(0, 4), None)]
+    with streams.on_row_stream(None):
+        assert streams.decode_groups(4, long) == [(slice(0, 4), None)]
+    assert len(streams.decode_groups(4, long)) == 2  # only inside the row
+
+
+def test_a_batchs_rows_spread_over_the_cores(monkeypatch) -> None:
+    monkeypatch.setattr(streams, "cpu_cores", lambda: 2)
+    rows = streams.row_streams(3)
+    assert rows[0] is not None and rows[1] is not None
+    assert rows[0] != rows[1] and rows[2] == rows[0]
+    monkeypatch.setattr(streams, "cpu_cores", lambda: 1)
+    assert streams.row_streams(3) == [None, None, None]
 
 
 def test_a_model_on_another_thread_attends_alike_with_its_heads_split(
@@ -43,6 +62,7 @@ def test_a_model_on_another_thread_attends_alike_with_its_heads_split(
             out.append(np.array(logits[0, -1].astype(mx.float32)))
 
     monkeypatch.setattr(streams, "SPLIT_MIN_VALUES", 0)
+    monkeypatch.setattr(streams, "DECODE_SPLIT_MIN_VALUES", 0)
     alone: list[np.ndarray] = []
     run(1, alone)
     split: list[np.ndarray] = []
