@@ -93,6 +93,8 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
     """
     if mask is not None:
         raise EngineError("A batch of conversations attends without a mask.")
+    if len(cache.rows) == 1:  # as alone: its heads may take the cores
+        return attend(queries, keys, values, cache.rows[0], scale, None, sinks)
     outs = []
     for index, (row, stream) in enumerate(zip(cache.rows, streams.row_streams(len(cache.rows)),
                                               strict=True)):
