@@ -28,10 +28,10 @@ _MAX_STREAMS = 8
 # work is too small to pay for syncing the streams: a short decode step runs faster
 # on one (and a small model's lazy graph keeps running across layers).
 SPLIT_MIN_VALUES = 2**22
-# A decode step's few query rows read every stored value once, unpacked one stream
-# a core: split from a smaller context than a prefill chunk, below which the
-# streams' syncs cost more than the split read saves (docs/benchmarks.md,
-# "Batched decoding").
+# A decode step reads every stored value once for a few query rows, on its stream's
+# one thread: its heads split from a smaller context than a prefill chunk's, below
+# which the streams' syncs cost more than the split read saves (docs/benchmarks.md,
+# "Figures behind constants").
 DECODE_SPLIT_MIN_VALUES = 2**19
 _local = threading.local()
 
