@@ -173,4 +173,3 @@ class SessionRequests:
             rate = done / max(time.perf_counter() - started, 1e-9)
             self._emit(QualityProgress(request_id, done, total, rate, (total - done) / rate))
         return progress
-
