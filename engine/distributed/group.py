@@ -176,9 +176,12 @@ class Group:
         """Why the run failed, naming the rank (and its machine) that caused it."""
         stderr = done.stderr or ""
         exited = {int(rank): int(code) for rank, code in _EXITED.findall(stderr)}
-        # mlx.launch warns in the order the ranks end, and stops the others only
-        # after the first: that one is the cause, the rest (SIGTERM) followed it.
-        first = [next(iter(exited))] if exited else []
+        # mlx.launch warns in the order its threads see the ranks end, and stops the
+        # others (SIGTERM) only after the first. A rank killed by any other signal was
+        # killed from outside: that is the cause, even when the peer it left, failing
+        # on the lost link at once, was seen to end first.
+        killed = [rank for rank, code in exited.items() if code < 0 and code != -signal.SIGTERM]
+        first = killed[:1] or ([next(iter(exited))] if exited else [])
         failed = suspects if len(suspects) == 1 else first or suspects
         lines = [line for line in stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error:")]

@@ -95,3 +95,22 @@ def test_a_killed_rank_is_named_killed_whatever_the_others_printed(tmp_path: Pat
     done = subprocess.CompletedProcess([], 1, "", "error: No room.\nNode with rank 1 "
                                                   "exited with code 1\n")
     assert group.failure(done, [1]).endswith("(this machine): error: No room.")
+
+
+def test_a_killed_rank_is_the_cause_even_when_its_peer_was_seen_to_end_first(
+        tmp_path: Path) -> None:
+    # The launcher may end before the watcher polls: no rank is known lost, and the
+    # peer's error on the lost link was the first end mlx.launch saw.
+    group = Group([sys.executable, "-c", "pass"], {}, tmp_path, 2)
+    group.watch()
+    stderr = ("error: The engine hit an unexpected error (RuntimeError: [ring] connection "
+              "to a peer was lost).\nNode with rank 0 exited with code 1\n"
+              "Node with rank 1 exited with code -9\n")
+    message = group.failure(subprocess.CompletedProcess([], 1, "", stderr), [0, 1])
+    assert message == ("The pipeline run failed on rank 1 (this machine): its process was "
+                       "killed (signal 9)")
+    # Ranks the launcher stopped (SIGTERM) followed the first to end: that one is named.
+    stderr = ("error: No room.\nNode with rank 1 exited with code 1\n"
+              "Node with rank 0 exited with code -15\n")
+    message = group.failure(subprocess.CompletedProcess([], 1, "", stderr), [0, 1])
+    assert message == "The pipeline run failed on rank 1 (this machine): error: No room."
