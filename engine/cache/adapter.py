@@ -10,7 +10,7 @@ mlx-lm's original function, unchanged.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -71,16 +71,24 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedKVCa
 
     What a model's attention call becomes for a paged layer (same arguments).
     """
-    rotation = cache.rotation
+    return _in_basis(cache.rotation, queries, scale, lambda rotated, rest: paged_attention(
+        rotated, keys, values, cache, rest, mask, sinks))
+
+
+def _in_basis(rotation: Any, queries: mx.array, scale: float,
+              attention: Callable[[mx.array, float], mx.array]) -> mx.array:
+    """``attention(queries, scale)`` where the keys and values are stored in ``rotation``'s
+    basis (None: as given), its output rotated back.
+
+    Keys and values were stored (and returned) rotated by an orthonormal R:
+    (qR)·(kR) = q·k, and the output, a mix of rotated values, is rotated back.
+    The GPU schedule folds the scale into the query's rotation (one kernel less).
+    """
     if rotation is None:
-        return paged_attention(queries, keys, values, cache, scale, mask, sinks)
-    # Keys and values were stored (and returned) rotated by an orthonormal R:
-    # (qR)·(kR) = q·k, and the output, a mix of rotated values, is rotated back.
-    # The GPU schedule folds the scale into the query's rotation (one kernel less).
+        return attention(queries, scale)
     folded = scale if schedule.current() == schedule.GPU else 1.0
     rotated = rotation.rotate_query(queries, folded)
-    out = paged_attention(rotated, keys, values, cache, scale / folded, mask, sinks)
-    return rotation.unrotate(out)
+    return rotation.unrotate(attention(rotated, scale / folded))
 
 
 def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedRows,
@@ -89,18 +97,30 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: Page
 
     What a model's attention call becomes for a :class:`PagedRows` layer: row ``i``
     of ``queries`` (``[B, heads, 1, D]``) attends row ``i``'s cache in its own mode
-    and rotation, exactly as that conversation's decode step alone would.
+    and rotation, exactly as that conversation's decode step alone would. Rows
+    stored in one rotation (usually all) rotate their queries in, and their
+    outputs back, in one op each.
     """
     if mask is not None:
         raise EngineError("A batch of conversations attends without a mask.")
-    if len(cache.rows) == 1:  # as alone: its heads may take the cores
-        return attend(queries, keys, values, cache.rows[0], scale, None, sinks)
+    rows = cache.rows
+    if len(rows) == 1:  # as alone: its heads may take the cores
+        return attend(queries, keys, values, rows[0], scale, None, sinks)
+    if len({row.basis for row in rows}) > 1:  # rows in other bases: each rotates its own
+        return _each_row(queries, rows, lambda q, row: attend(
+            q, keys, values, row, scale, None, sinks))
+    return _in_basis(rows[0].rotation, queries, scale, lambda rotated, rest: _each_row(
+        rotated, rows, lambda q, row: paged_attention(q, keys, values, row, rest, None, sinks)))
+
+
+def _each_row(queries: mx.array, rows: Sequence[PagedKVCache],
+              attention: Callable[[mx.array, PagedKVCache], mx.array]) -> mx.array:
     outs = []
-    for index, (row, stream) in enumerate(zip(cache.rows, streams.row_streams(len(cache.rows)),
+    for index, (row, stream) in enumerate(zip(rows, streams.row_streams(len(rows)),
                                               strict=True)):
         # On the CPU each row attends on one core's stream: the rows run side by side.
         with streams.on_row_stream(stream):
-            outs.append(attend(queries[index:index + 1], keys, values, row, scale, None, sinks))
+            outs.append(attention(queries[index:index + 1], row))
     return mx.concatenate(outs, axis=0)
 
 

@@ -23,14 +23,14 @@ Each row of a pass is thus computed by the ops its own decode step runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from engine.cache.mlx_lm_compat import BaseCache
-from engine.cache.paged_cache import PagedKVCache, cache_tokens
+from engine.cache.paged_cache import PagedKVCache, cache_tokens, row_of
 from engine.errors import EngineError
 
 
@@ -56,9 +56,19 @@ class PagedRows(BaseCache):
             raise EngineError(
                 f"A batch of {len(self.rows)} conversations got {keys.shape[0]} rows of keys."
             )
-        for index, row in enumerate(self.rows):
-            row.update_and_fetch(keys[index:index + 1], values[index:index + 1])
-        self.offset = self.offset + keys.shape[2]
+        _, kv_heads, length, head_dim = keys.shape
+        for row in self.rows:
+            row.reserve(kv_heads, head_dim, length)
+        # Rows a layer encodes alike (one mode and rotation: usually all of them)
+        # are rotated and quantized in one op each, then written row by row.
+        for indices in _alike(row.encoding() for row in self.rows):
+            picked = indices == list(range(len(self.rows)))
+            taken = None if picked else mx.array(indices)
+            _, _, encoded = self.rows[indices[0]].encode(
+                keys if taken is None else keys[taken], values if taken is None else values[taken])
+            for place, index in enumerate(indices):
+                self.rows[index].append(row_of(encoded, place))
+        self.offset = self.offset + length
         return keys, values
 
     def make_mask(self, N: int, window_size: int | None = None,
@@ -80,6 +90,14 @@ class PagedRows(BaseCache):
     @property
     def nbytes(self) -> int:
         return sum(row.nbytes for row in self.rows)
+
+
+def _alike(keys: Iterable[Hashable]) -> list[list[int]]:
+    """Indices grouped by equal key, each group in order, groups by first index."""
+    groups: dict[Hashable, list[int]] = {}
+    for index, key in enumerate(keys):
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
 
 
 class RowMasks(tuple):

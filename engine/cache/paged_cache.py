@@ -21,6 +21,10 @@ from engine.cache.pages import PagePool, PageStore
 from engine.cache.rotation import rotation_for
 from engine.errors import EngineError
 
+# A batch's rows as a layer stores them: key codes, their scales and biases (None
+# for fp16), value codes, theirs (engine.cache.pages.PARTS).
+EncodedRows = tuple[mx.array, mx.array | None, mx.array, mx.array | None]
+
 
 class PagedKVCache(BaseCache):
     """KV cache of one attention layer, stored in pages of a shared :class:`PagePool`.
@@ -106,20 +110,55 @@ class PagedKVCache(BaseCache):
             raise EngineError("The paged KV cache holds one sequence; batch size must be 1.")
         if values.shape[-1] != head_dim:
             raise EngineError("The paged KV cache needs keys and values of the same width.")
-        store = self._store_for(kv_heads, head_dim)
-        self.pool.ensure(self.offset + length)
-        if self.rotation is not None:
-            keys, values = self.rotation.rotate(keys), self.rotation.rotate(values)
-        bits, groups = store.layout.bits, store.layout.groups
-        # squeeze, not [0]: an integer index is a gather (a kernel) in MLX.
-        k_codes, k_scales = kvquant.quantize_for_store(keys.squeeze(0), bits, groups)
-        v_codes, v_scales = kvquant.quantize_for_store(values.squeeze(0), bits, groups)
-        self._write((k_codes, k_scales, v_codes, v_scales), self.offset)
-        self.offset += length
+        self.reserve(kv_heads, head_dim, length)
+        keys, values, rows = self.encode(keys, values)
+        self.append(row_of(rows, 0))
         return keys, values
 
-    def _write(self, rows: tuple[mx.array, mx.array | None, mx.array, mx.array | None],
-               start: int) -> None:
+    def reserve(self, kv_heads: int, head_dim: int, length: int) -> None:
+        """Make room for ``length`` more rows of ``kv_heads`` heads of ``head_dim``.
+
+        Raises:
+            EngineError: the layer holds rows of another shape.
+            KvBudgetExceeded: the pool's budget cannot hold them.
+        """
+        self._store_for(kv_heads, head_dim)
+        self.pool.ensure(self.offset + length)
+
+    def encoding(self) -> tuple[Any, ...]:
+        """What :meth:`encode` depends on: layers with equal encodings encode rows
+        alike, so a batch's rows of one layer are rotated and quantized together."""
+        layout = self.held_store.layout
+        return self.basis, layout.bits, layout.groups, layout.kv_heads, layout.head_dim
+
+    @property
+    def basis(self) -> tuple[str, int] | None:
+        """The rotation rows are stored in, as (format id, layer); None: as given."""
+        return None if self.rotation is None else (self.rotation.format_id, self.rotation.layer)
+
+    def encode(self, keys: mx.array, values: mx.array
+               ) -> tuple[mx.array, mx.array, EncodedRows]:
+        """Rows ``[B, kv_heads, L, D]`` as this layer stores them, written nowhere.
+
+        Returns the rows rotated (when the layer rotates them) and the storage
+        parts (:data:`engine.cache.pages.PARTS`): codes ``[B, kv_heads, L, ...]``,
+        scales and biases ``[2, B, kv_heads, L, groups]``. Each row is encoded on
+        its own: a row encodes to the same parts in a batch as alone.
+        """
+        layout = self.held_store.layout
+        if self.rotation is not None:
+            keys, values = self.rotation.rotate(keys), self.rotation.rotate(values)
+        k_codes, k_scales = kvquant.quantize_for_store(keys, layout.bits, layout.groups)
+        v_codes, v_scales = kvquant.quantize_for_store(values, layout.bits, layout.groups)
+        return keys, values, (k_codes, k_scales, v_codes, v_scales)
+
+    def append(self, rows: EncodedRows) -> None:
+        """Write one sequence's encoded rows (:func:`row_of`) after the held ones;
+        their pages must be reserved (``pool.ensure``)."""
+        self._write(rows, self.offset)
+        self.offset += rows[0].shape[-2]
+
+    def _write(self, rows: EncodedRows, start: int) -> None:
         """Write rows from position ``start`` on: one write per run of consecutive
         slots (a decode step's row, or a whole chunk when the table is in order)."""
         page_size = self.pool.page_size
@@ -360,6 +399,20 @@ class PagedKVCache(BaseCache):
             format_id, layer = rotation
             self.layer = int(layer)
             self.rotation = rotation_for(format_id or None, self.head_dim, self.layer)
+
+
+def row_of(rows: EncodedRows, index: int) -> EncodedRows:
+    """Sequence ``index`` of a batch's encoded rows (:meth:`PagedKVCache.encode`):
+    views, no kernel (an integer index would be a gather in MLX)."""
+    k_codes, k_scales, v_codes, v_scales = rows
+
+    def codes(part: mx.array) -> mx.array:
+        return part[index:index + 1].squeeze(0)
+
+    def scales(part: mx.array | None) -> mx.array | None:  # [2, B, ...]: batch second
+        return None if part is None else part[:, index:index + 1].squeeze(1)
+
+    return codes(k_codes), scales(k_scales), codes(v_codes), scales(v_scales)
 
 
 def cache_tokens(cache: list[Any]) -> int:

@@ -20,7 +20,9 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from benchmarks import graph_count
 from engine.cache import adapter
+from engine.cache.attention import schedule
 from engine.cache.batched import BatchedCache, PagedRows, check_batchable
 from engine.cache.paged_cache import PagedKVCache
 from engine.errors import EngineError
@@ -61,13 +63,19 @@ def _alone(model: Any, cache: list[Any], ids: list[int], length: int) -> list[np
     ("llama", MODES), ("qwen3_next", MODES),
     ("gemma3_text", MODES),  # sliding windows (rotating caches, wrapped) beside pages
     ("llama", (None,) * len(MODES)),  # mlx-lm's own KVCache, where the probe chose it
+    # One mode: the rows are encoded, and their queries rotated, together.
+    ("llama", ("q6",) * len(MODES)),
+    # Two rows of each of two quantized modes, interleaved: each mode's rows encoded
+    # together, picked out of the batch's order.
+    ("llama", ("q6", "q4", "q6", "q4")),
 ])
 def test_each_row_of_a_batch_gets_its_own_steps_logits(models, arch: str, modes) -> None:
     model = models[arch]
-    alone = []
+    alone, alone_caches = [], []
     for index, (mode, length) in enumerate(zip(modes, LENGTHS, strict=True)):
         cache, ids = _filled(model, mode, length, index)
         alone.append(_alone(model, cache, ids, length))
+        alone_caches.append(cache)
     rows = [_filled(model, mode, length, index)
             for index, (mode, length) in enumerate(zip(modes, LENGTHS, strict=True))]
     for step in range(STEPS):
@@ -85,6 +93,12 @@ def test_each_row_of_a_batch_gets_its_own_steps_logits(models, arch: str, modes)
         assert adapter.cache_tokens(cache) == length + STEPS
         assert all(layer.offset == length + STEPS for layer in cache
                    if isinstance(layer, PagedKVCache | KVCache | RotatingKVCache))
+    # Each row's pages hold, bit for bit, what its steps alone stored.
+    for (cache, _), own in zip(rows, alone_caches, strict=True):
+        for layer, alone_layer in zip(cache, own, strict=True):
+            if isinstance(layer, PagedKVCache):
+                for got, want in zip(layer.state[:4], alone_layer.state[:4], strict=True):
+                    assert (got is None and want is None) or mx.array_equal(got, want).item()
 
 
 def test_rows_keep_their_own_offsets_and_pages(models) -> None:
@@ -119,3 +133,33 @@ def test_a_batch_step_is_one_token_a_row(models) -> None:
     layer = BatchedCache(rows).layers[0]
     with pytest.raises(EngineError, match="one token per row"):
         layer.make_mask(2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_a_batch_of_one_mode_encodes_and_rotates_its_rows_in_one_op_each(models,
+                                                                        rows: int) -> None:
+    # Under the GPU schedule every op is a kernel launch: a batch's paged layer
+    # must not rotate, quantize and rotate back row by row.
+    caches = [_filled(models["llama"], "q6", length, index)[0]
+              for index, length in enumerate((5, 40, 17, 70, 9, 33, 16, 2)[:rows])]
+    layers = [cache[0] for cache in caches]
+    kv_heads, head_dim = layers[0].kv_heads, layers[0].head_dim
+    heads = kv_heads * 2
+    queries = mx.zeros((rows, heads, 1, head_dim), mx.float16)
+    new = mx.zeros((rows, kv_heads, 1, head_dim), mx.float16)
+
+    def step(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
+        layer = PagedRows(layers, mx.array([row.offset for row in layers]))
+        layer.make_mask(1)
+        keys, values = layer.update_and_fetch(k, v)
+        out = adapter.attend_rows(q, keys, values, layer, head_dim ** -0.5)
+        return (out, *[part for row in layers for part in row.held_store.parts
+                        if part is not None])
+
+    with schedule.forced(schedule.GPU):
+        counted = graph_count.tally(*graph_count.trace(step, queries, new, new))
+    ops = counted.by_primitive
+    # Rotations: keys, values, queries in and the output back; quantizing: keys, values.
+    assert ops["Matmul"] == 4 and ops["Compiled"] == 4, ops
+    # What stays a row's own: its four page writes and its two reads of its pages.
+    assert ops["SliceUpdate"] == 4 * rows and ops["QuantizedMatmul"] == 2 * rows, ops
