@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import deque
@@ -123,10 +124,11 @@ def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
     )
 
 
-def seed_sampling(params: SamplingParams) -> None:
-    """Seed MLX's random state when the settings ask for reproducible sampling."""
-    if params.seed is not None:
-        mx.random.seed(params.seed)
+def draw_seed(seed: int, draw: int) -> int:
+    """The seed of a seeded answer's ``draw``-th sampler call: its own numbers, one
+    fresh seed a call, whatever other answers drew between its calls."""
+    digest = hashlib.blake2b(f"{seed}/{draw}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class AnswerStream:
@@ -209,7 +211,8 @@ class AnswerStream:
         self._saved: checkpoints.Checkpoint | None = None
         self._pause: Callable[[], bool] = lambda: False
         self.paused_at = 0  # the unfed token a paused run goes on from
-        seed_sampling(sampling)
+        self.seed = sampling.seed
+        self.draws = 0  # sampler calls so far (a seeded answer's next seed)
 
     def _step(self, token: mx.array) -> mx.array:
         adapter.ensure_capacity(self.cache, 1)
@@ -227,6 +230,18 @@ class AnswerStream:
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if self.top_logprobs is not None:
             self.scores.append(logprobs)
+        return self.draw(logprobs)
+
+    def draw(self, logprobs: mx.array) -> mx.array:
+        """The sampler's tokens for ``logprobs`` (lazy).
+
+        MLX's sampler draws from one random state that every answer shares: a
+        seeded answer seeds it before each of its draws (:func:`draw_seed`), so
+        its numbers are the same alone and in a batch, whoever drew before it.
+        """
+        if self.seed is not None:
+            mx.random.seed(draw_seed(self.seed, self.draws))
+        self.draws += 1
         return self.sampler(logprobs)
 
     def _prime(self, after: Sequence[int]) -> None:
@@ -465,7 +480,7 @@ class AnswerStream:
         scores = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
         logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
         # tolist() of a 1-D array is a flat list (MLX's stubs say any nesting).
-        return cast("list[int]", self.sampler(logprobs).tolist()), base
+        return cast("list[int]", self.draw(logprobs).tolist()), base
 
     def _emit(self, tokens: list[int], max_tokens: int) -> tuple[str | None, int]:
         """Stream ``tokens`` in order until one ends the answer.

@@ -172,6 +172,24 @@ def test_each_row_keeps_its_own_sampling_and_limits(tiny, logits) -> None:
         _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
 
 
+def test_seeded_answers_draw_in_a_batch_what_they_draw_alone(tiny) -> None:
+    # MLX's sampler draws from one random state: answers beside each other must
+    # not take each other's numbers, or a seed no longer gives its answer.
+    loaded = tiny["llama"]
+    settings = [replace(GREEDY, temperature=1.0, seed=seed, max_tokens=24) for seed in (3, 4)]
+    settings.append(replace(GREEDY, temperature=1.0, max_tokens=24))  # draws unseeded between
+    alone = [_alone(loaded, "q6", _messages(i), s, request_id=i)
+             for i, s in enumerate(settings[:2])]
+    batch = BatchDecoder(loaded.model)
+    rows = {i: _join(batch, loaded, "q6", _messages(i), s, request_id=i)
+            for i, s in enumerate(settings)}
+    _finish(batch, rows)
+    for i, answer in enumerate(alone):
+        assert len(answer.tokens) > 5
+        assert rows[i][1].tokens == answer.tokens, i
+    assert alone[0].tokens != alone[1].tokens
+
+
 def test_a_row_leaving_and_one_joining_leave_the_others_as_alone(tiny, logits) -> None:
     loaded = tiny["llama"]
     alone = {i: _alone(loaded, MODES[i], _messages(i), GREEDY, request_id=i) for i in range(4)}

@@ -11,7 +11,7 @@ from engine.session.sampling import (
     SamplingParams,
     build_logits_processors,
     build_sampler,
-    seed_sampling,
+    draw_seed,
 )
 
 LOGITS = mx.array([[0.1, 3.0, 2.5, -1.0, 2.9, 0.0]])
@@ -20,7 +20,8 @@ LOGPROBS = LOGITS - mx.logsumexp(LOGITS, keepdims=True)
 
 def _draws(params: SamplingParams, n: int = 200) -> set[int]:
     sampler = build_sampler(params)
-    seed_sampling(params)
+    if params.seed is not None:
+        mx.random.seed(params.seed)
     return {int(sampler(LOGPROBS).item()) for _ in range(n)}
 
 
@@ -54,14 +55,11 @@ def test_top_p_and_min_p_drop_unlikely_tokens() -> None:
     assert _draws(SamplingParams(temperature=1.0, top_p=0.3, seed=3)) <= {1, 4}
 
 
-def test_same_seed_same_draws() -> None:
-    params = SamplingParams(temperature=1.0, seed=7)
-    sampler = build_sampler(params)
-    seed_sampling(params)
-    first = [int(sampler(LOGPROBS).item()) for _ in range(20)]
-    seed_sampling(params)
-    second = [int(sampler(LOGPROBS).item()) for _ in range(20)]
-    assert first == second
+def test_a_seeded_answers_draws_have_seeds_of_their_own() -> None:
+    seeds = [draw_seed(7, draw) for draw in range(100)]
+    assert seeds == [draw_seed(7, draw) for draw in range(100)]  # the same seed, the same
+    assert len(set(seeds)) == 100 and not set(seeds) & {draw_seed(8, d) for d in range(100)}
+    assert all(0 <= seed < 2**64 for seed in seeds)  # what mx.random.seed takes
 
 
 def test_repetition_penalty_lowers_recent_tokens_only() -> None:
