@@ -22,6 +22,10 @@ batch's admission counts; the issue's goal: within 10 %).
 Then a short question joins a batch while the first conversation is read in
 (after ``document_chunks`` of its chunks): its first token, in seconds and in
 the document's chunk times (the issue's goal: within 2).
+
+Last, what a Mac would launch: the kernels one full-attention layer of the seed's
+shape runs for a decode step of each stream count under the GPU schedule, by the
+graph counter (``benchmarks.graph_count``).
 """
 
 from __future__ import annotations
@@ -286,7 +290,50 @@ def run_batch_bench(
         session.close()
     progress("a short question while a document is read in")
     results["first_token"] = run_first_token(loaded, config, chats[0])
+    results["layer_kernels"] = {str(streams): layer_kernels(config.mode, streams)
+                                for streams in config.streams}
     return results
+
+
+def layer_kernels(mode: str, rows: int, context: int = 512) -> int:
+    """Kernels one full-attention layer of the seed's shape (``KernelsConfig``'s
+    heads) launches for a decode step of ``rows`` rows in ``mode`` under the GPU
+    schedule: its page writes and its attention, by the graph counter. The count
+    does not depend on the context; each row holds a different length."""
+    from benchmarks import graph_count
+    from benchmarks.kernels_bench import KernelsConfig
+    from engine.cache import adapter
+    from engine.cache.attention import schedule
+    from engine.cache.batched import PagedRows
+    from engine.cache.paged_cache import PagedKVCache
+    from engine.cache.pages import PagePool
+    from engine.cache.rotation import HadamardRotation
+
+    shape = KernelsConfig()
+    kv_mode = parse_mode(mode)
+    layers = []
+    for row in range(rows):
+        layer = PagedKVCache(PagePool(kv_mode, shape.page_size), shape.kv_heads, shape.head_dim)
+        if adapter.rotates_by_default(kv_mode):
+            layer.rotation = HadamardRotation(shape.head_dim)
+        filled = mx.zeros((1, shape.kv_heads, context + row, shape.head_dim), mx.float16)
+        layer.update_and_fetch(filled, filled)
+        mx.eval([part for part in layer.held_store.parts if part is not None])
+        layers.append(layer)
+
+    def step(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
+        batch = PagedRows(layers, mx.array([layer.offset for layer in layers]))
+        batch.make_mask(1)
+        keys, values = batch.update_and_fetch(k, v)
+        out = adapter.attend_rows(q, keys, values, batch, shape.head_dim ** -0.5)
+        # The pages go out too: a write nothing reads later is still work.
+        return (out, *[part for layer in layers for part in layer.held_store.parts
+                       if part is not None])
+
+    q = mx.zeros((rows, shape.q_heads, 1, shape.head_dim), mx.float16)
+    new = mx.zeros((rows, shape.kv_heads, 1, shape.head_dim), mx.float16)
+    with schedule.forced(schedule.GPU):
+        return graph_count.tally(*graph_count.trace(step, q, new, new)).kernels
 
 
 HEADERS = ("streams", "engine tok/s", "engine ×1 stream", "mlx-lm tok/s", "mlx-lm ×1 stream",
@@ -353,5 +400,15 @@ def render_batch_report(results: dict[str, Any], info: dict[str, Any], command: 
             f"after {first['seconds']:.2f} s, {chunks} of the document's chunk "
             f"times ({first['chunk_seconds']:.2f} s, median); the document was "
             f"{'still' if first['document_still_reading'] else 'no longer'} being read.",
+        ]
+    kernels = results.get("layer_kernels")
+    if kernels:
+        counts = " / ".join(str(count) for count in kernels.values())
+        streams = " / ".join(kernels)
+        out += [
+            "",
+            f"Kernels one full-attention layer of the seed's shape (4 KV heads of 256) "
+            f"launches for a decode step in {config['mode']} under the GPU schedule (graph "
+            f"counter): {counts} at {streams} streams.",
         ]
     return "\n".join(out) + "\n"

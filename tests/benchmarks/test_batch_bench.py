@@ -42,3 +42,8 @@ def test_batch_report_has_a_row_per_stream_count(tmp_path: Path) -> None:
     first = results["first_token"]
     assert first["document_still_reading"] and first["seconds"] > 0 < first["chunk_seconds"]
     assert "chunk times" in markdown
+    # What the batch launches on a GPU: more rows, more kernels, but under the
+    # per-row count of one row alone (rows of one mode share their rotations).
+    alone, three = results["layer_kernels"]["1"], results["layer_kernels"]["3"]
+    assert alone < three < 3 * alone
+    assert f"{alone} / {three} at 1 / 3 streams" in markdown
