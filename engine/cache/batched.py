@@ -62,10 +62,12 @@ class PagedRows(BaseCache):
         # Rows a layer encodes alike (one mode and rotation: usually all of them)
         # are rotated and quantized in one op each, then written row by row.
         for indices in _alike(row.encoding() for row in self.rows):
-            picked = indices == list(range(len(self.rows)))
-            taken = None if picked else mx.array(indices)
-            _, _, encoded = self.rows[indices[0]].encode(
-                keys if taken is None else keys[taken], values if taken is None else values[taken])
+            if len(indices) == len(self.rows):  # every row, in order: no gather
+                alike_keys, alike_values = keys, values
+            else:
+                taken = mx.array(indices)
+                alike_keys, alike_values = keys[taken], values[taken]
+            _, _, encoded = self.rows[indices[0]].encode(alike_keys, alike_values)
             for place, index in enumerate(indices):
                 self.rows[index].append(row_of(encoded, place))
         self.offset = self.offset + length
