@@ -58,9 +58,12 @@ class BatchBenchConfig:
     # the document's chunks read before the question comes, and the chunk size.
     document_chunks: int = 2
     chunk: int = 512
+    # The question's tokens timed beside the document's read, then with nothing read.
+    pace_tokens: int = 16
 
 
-QUICK = BatchBenchConfig(streams=(1, 2, 4), prompt_tokens=256, max_tokens=8, chunk=64)
+QUICK = BatchBenchConfig(streams=(1, 2, 4), prompt_tokens=256, max_tokens=8, chunk=64,
+                         pace_tokens=4)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # Conversation i is this many tokens shorter than conversation i - 1.
 LENGTH_STEP = 13
@@ -201,37 +204,52 @@ def run_mlx_lm(model: Any, prompts: list[list[int]], caches: list[list[Any]],
     return _rates(streams, made, seconds)
 
 
-def run_first_token(loaded: Any, config: BatchBenchConfig,
-                    document: list[dict[str, str]]) -> dict[str, Any]:
+def run_first_token(loaded: Any, config: BatchBenchConfig, document: list[dict[str, str]],
+                    *, turns: bool = True) -> dict[str, Any]:
     """The first token of a short question that joins while ``document`` is read in,
-    in seconds and in the document's chunk times."""
+    in seconds and in the document's chunk times; then the pace of its answer
+    beside the read and with nothing read, and the read's rate before and beside it.
+
+    ``turns``: the batch's reads take turns with its decoding by time (what the
+    engine does); else a chunk is read at every step (a clock that stands still).
+    """
     from engine.events import IngestProgress
     from engine.session.batch import BatchDecoder
     from engine.session.session import Session
 
     chunk_seconds: list[float] = []
+    read: list[int] = [0]  # the document's tokens read so far
 
     def progress(event: object) -> None:
         if isinstance(event, IngestProgress):
             chunk_seconds.append(event.chunk_seconds)
+            read[0] = event.tokens_done
 
     mode = parse_mode(config.mode)
     reader = Session("document", loaded, mode, chunk_size=config.chunk)
     asker = Session("question", loaded, mode, chunk_size=config.chunk)
-    batch = BatchDecoder(loaded.model)
+    asker.end_ids = frozenset()  # answers exactly its tokens, as the streams above
+    batch = (BatchDecoder(loaded.model) if turns
+             else BatchDecoder(loaded.model, clock=lambda: 0.0))
     stop = threading.Event()
+    joined = time.perf_counter()
     batch.join(reader, document, _sampling(1), request_id=1, cancel=stop, emit=progress,
                tick=lambda: None)
     while len(chunk_seconds) < config.document_chunks and 1 in batch.reading_ids:
         batch.step()
     asked = time.perf_counter()
-    batch.join(asker, QUESTION, _sampling(1), request_id=2, cancel=threading.Event(),
-               emit=lambda _: None, tick=lambda: None)
-    while not any(row.request_id == 2 and row.token is not None for row in batch.step()):
+    read_alone = read[0] / (asked - joined)
+    batch.join(asker, QUESTION, _sampling(2 * config.pace_tokens + 2), request_id=2,
+               cancel=threading.Event(), emit=lambda _: None, tick=lambda: None)
+    while not _answered(batch.step()):
         pass
     seconds = time.perf_counter() - asked
     still_reading = 1 in batch.reading_ids
-    stop.set()  # the document's read is not what is timed
+    beside = _pace(batch, config.pace_tokens, lambda: 1 in batch.reading_ids, read)
+    stop.set()  # the document's read ends at its next turn; the answer goes on alone
+    while 1 in batch.reading_ids:
+        batch.step()
+    alone = _pace(batch, config.pace_tokens, lambda: not batch.idle, read)
     while not batch.idle:
         batch.step()
     reader.close()
@@ -239,7 +257,24 @@ def run_first_token(loaded: Any, config: BatchBenchConfig,
     chunk = sorted(chunk_seconds)[len(chunk_seconds) // 2]
     return {"seconds": seconds, "chunk_seconds": chunk,
             "chunks": seconds / chunk if chunk > 0 else None,
-            "document_still_reading": still_reading}
+            "document_still_reading": still_reading,
+            "answer_tps_beside_read": beside["answer_tps"], "answer_tps_alone": alone["answer_tps"],
+            "read_tps_alone": read_alone, "read_tps_beside_answer": beside["read_tps"]}
+
+
+def _answered(results: list[Any]) -> int:
+    """Tokens the question (request 2) got in a step's results."""
+    return sum(row.request_id == 2 and row.token is not None for row in results)
+
+
+def _pace(batch: Any, tokens: int, going: Callable[[], bool], read: list[int]) -> dict[str, float]:
+    """The question's tokens per second over up to ``tokens`` steps while ``going``
+    holds, and the document's read meanwhile (``read``: its tokens read so far)."""
+    began, read_before, made = time.perf_counter(), read[0], 0
+    while made < tokens and going():
+        made += _answered(batch.step())
+    seconds = max(time.perf_counter() - began, 1e-9)
+    return {"answer_tps": made / seconds, "read_tps": (read[0] - read_before) / seconds}
 
 
 def _rates(streams: int, made: int, seconds: float) -> dict[str, Any]:
@@ -290,6 +325,8 @@ def run_batch_bench(
         session.close()
     progress("a short question while a document is read in")
     results["first_token"] = run_first_token(loaded, config, chats[0])
+    progress("the same, a chunk read at every step (the schedule before reads took turns)")
+    results["first_token_every_step"] = run_first_token(loaded, config, chats[0], turns=False)
     results["layer_kernels"] = {str(streams): layer_kernels(config.mode, streams)
                                 for streams in config.streams}
     return results
@@ -351,6 +388,27 @@ def _against_bound(ours: dict[str, Any]) -> str:
             f"({fmt_ratio(ratio(over, bound), PEAK_GOAL)})")
 
 
+def _beside_lines(results: dict[str, Any]) -> list[str]:
+    """How the question's answer and the document's read shared the steps."""
+    turns, every = results.get("first_token"), results.get("first_token_every_step")
+    if not turns or not every or "answer_tps_alone" not in turns:
+        return []
+
+    def shares(run: dict[str, Any]) -> str:
+        return (f"the answer {run['answer_tps_beside_read']:.1f} tok/s beside the read against "
+                f"{run['answer_tps_alone']:.1f} with nothing read "
+                f"({fmt_ratio(ratio(run['answer_tps_beside_read'], run['answer_tps_alone']))}), "
+                f"the document read at {run['read_tps_beside_answer']:.0f} tok/s beside it "
+                f"against {run['read_tps_alone']:.0f} before "
+                f"({fmt_ratio(ratio(run['read_tps_beside_answer'], run['read_tps_alone']))})")
+
+    tokens = results["config"]["pace_tokens"]
+    return ["", f"That question's answer, {tokens} tokens timed while the document is "
+                f"still read, then {tokens} with nothing read. Reads taking turns with the "
+                f"decoding by time (the engine): {shares(turns)}. A chunk read at every "
+                f"step (the schedule before, same run): {shares(every)}."]
+
+
 def render_batch_report(results: dict[str, Any], info: dict[str, Any], command: str,
                         load_after: str) -> str:
     """The Markdown body of the batch benchmark's section."""
@@ -401,6 +459,7 @@ def render_batch_report(results: dict[str, Any], info: dict[str, Any], command: 
             f"times ({first['chunk_seconds']:.2f} s, median); the document was "
             f"{'still' if first['document_still_reading'] else 'no longer'} being read.",
         ]
+    out += _beside_lines(results)
     kernels = results.get("layer_kernels")
     if kernels:
         counts = " / ".join(str(count) for count in kernels.values())

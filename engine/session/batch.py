@@ -7,16 +7,21 @@ settings, its stop tokens, its length limit and its Stop. The layers see the
 batch through :class:`engine.cache.batched.BatchedCache`, so no conversation is
 padded to another's length.
 
-Conversations join between steps and are read in a chunk a step (the chunks
-:meth:`Session.chat` reads), after that step's decode pass, so answering
-conversations keep their pace while a long document is read beside them; they
-leave when their answer ends or is cancelled, and the others go on with the
-next step. As an answer alone does (and mlx-lm's BatchGenerator), each
-pass is queued before the last one's tokens are read, so the device computes
-while Python reads and streams them; a row goes into the next pass when its
-length limit, its Stop and its pages allow, and an end-of-turn token is fed as
-alone. Rows decode plainly (no speculative drafts). Every method runs MLX and
-must be called from the engine worker thread.
+Conversations join between steps and are read in a chunk at a time (the chunks
+:meth:`Session.chat` reads), after that step's decode pass. Beside answering
+conversations the reads and the decoding take turns by time (:class:`ReadShare`):
+a chunk is read once the steps since the last one have decoded for as long as
+that one took, so an answer keeps about half its pace or more while a long
+document is read beside it, and the read goes on at about half its speed. Only
+when a chunk is read follows the clock, never how the ids are cut: an answer
+does not depend on how busy the machine was. Conversations leave when their
+answer ends or is cancelled, and the others go on with the next step. As an
+answer alone does (and mlx-lm's BatchGenerator), each pass is queued before the
+last one's tokens are read, so the device computes while Python reads and
+streams them; a row goes into the next pass when its length limit, its Stop and
+its pages allow, and an end-of-turn token is fed as alone. Rows decode plainly
+(no speculative drafts). Every method runs MLX and must be called from the
+engine worker thread.
 
 A conversation joins only when memory holds what it adds: the pages its read
 and first token take, and one more row of the step's transient
@@ -30,6 +35,7 @@ with the error :meth:`Session.chat` raises for it alone.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -143,19 +149,49 @@ class _Pass:
     sampled: mx.array
 
 
+class ReadShare:
+    """When a batch reads its next chunk: at every step while nothing answers;
+    beside answers, once the steps since the last chunk have decoded for as long
+    as reading it took (the device's time in equal shares).
+
+    Args:
+        clock: seconds (monotonic).
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.owed = 0.0  # seconds of reading the decoding has not yet matched
+
+    def due(self, answering: bool) -> bool:
+        """Whether this step reads a chunk, with answers decoding beside it or not."""
+        if not answering:
+            self.owed = 0.0
+        return self.owed <= 0.0
+
+    def read(self, seconds: float) -> None:
+        """A chunk was read in ``seconds``."""
+        self.owed += seconds
+
+    def decoded(self, seconds: float) -> None:
+        """A step decoded for ``seconds`` and read nothing."""
+        self.owed = max(0.0, self.owed - seconds)
+
+
 class BatchDecoder:
     """The answering conversations of one model, decoded together a token a step.
 
     Args:
         model: the mlx-lm model every joining session holds.
+        clock: seconds, for the reads' share of the steps (:class:`ReadShare`).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, clock: Callable[[], float] = time.perf_counter) -> None:
         self.model = model
         self.rows: list[_Row] = []
         self.reading: list[_Reading] = []
         self._joining: list[_Joining] = []  # waiting for memory, in the order they came
         self._queued: _Pass | None = None
+        self._share = ReadShare(clock)
 
     def __len__(self) -> int:
         """Conversations answering."""
@@ -400,8 +436,9 @@ class BatchDecoder:
         check_batchable([session.cache])
 
     def step(self) -> list[RowToken]:
-        """Read one forward pass's tokens: the next pass and one chunk of a
-        conversation being read in are queued first.
+        """Read one forward pass's tokens: the next pass, and one chunk of a
+        conversation being read in when its turn has come (:class:`ReadShare`),
+        are queued first.
 
         First the conversations waiting for memory join, in the order they came,
         as far as memory now holds them. The device runs the decode pass before
@@ -418,12 +455,16 @@ class BatchDecoder:
                 token again by the next step.
         """
         results: list[RowToken] = []
+        began = self._share.clock()
         self._admit(results)
         involved = [*self.rows, *(self._queued.rows if self._queued is not None else [])]
         try:
             if self._queued is None:
                 self._queued = self._queue(self._next_rows(None, results), None)
-            self._read_chunk(results)
+            read = bool(self.reading) and self._share.due(answering=bool(self.rows))
+            if read:
+                self._read_chunk(results)
+                self._share.read(self._share.clock() - began)
             current = self._queued
             if current is None:
                 return results
@@ -433,6 +474,8 @@ class BatchDecoder:
         except Exception:
             self._fail(involved)
             raise
+        if not read:
+            self._share.decoded(self._share.clock() - began)
         for row, token in zip(current.rows, ids, strict=True):
             result = self._take(row, token)
             if result is not None:

@@ -238,7 +238,8 @@ def test_a_long_read_goes_a_chunk_a_step_beside_the_answers(tiny, logits) -> Non
                                        tick=lambda: None)
         answer.held = len(single.tokens)
     alone_logits = {i: logits.pop(i) for i in alone}
-    batch = BatchDecoder(loaded.model)
+    # A clock that stands still: reading takes no time, so its turn comes every step.
+    batch = BatchDecoder(loaded.model, clock=lambda: 0.0)
     rows: dict[int, tuple[Session, Answer]] = {}
 
     def join(request_id: int) -> None:
@@ -269,6 +270,48 @@ def test_a_long_read_goes_a_chunk_a_step_beside_the_answers(tiny, logits) -> Non
     assert rows[2][1].chunks == alone[2].chunks > 10
     for i in chats:
         _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
+
+
+def test_beside_answers_the_reads_and_the_decoding_take_equal_turns(tiny) -> None:
+    loaded = tiny["llama"]
+    now = [0.0]
+
+    def clock() -> float:  # a second passes at each look at the clock
+        now[0] += 1.0
+        return now[0]
+
+    batch = BatchDecoder(loaded.model, clock=clock)
+    answering = Session("answering", loaded, "q8", chunk_size=CHUNK)
+    answer = Answer()
+    batch.join(answering, _messages(1), replace(GREEDY, max_tokens=500), request_id=1,
+               cancel=answer.cancel, emit=answer.emit, tick=lambda: None)
+    while not answer.tokens:
+        batch.step()
+    reader = Session("reader", loaded, "q6", chunk_size=CHUNK)
+    forward = reader.forward
+
+    def slow_forward(*args: Any, **kwargs: Any) -> Any:  # a chunk takes ten seconds
+        now[0] += 10.0
+        return forward(*args, **kwargs)
+
+    reader.forward = slow_forward  # type: ignore[method-assign]
+    document = Answer()
+    batch.join(reader, [{"role": "user", "content": CORPUS * 2}], GREEDY, request_id=2,
+               cancel=document.cancel, emit=document.emit, tick=lambda: None)
+    reads = []
+    for _ in range(25):
+        made, chunks = len(answer.tokens), document.chunks
+        batch.step()
+        assert len(answer.tokens) == made + 1  # the answer goes on at every step
+        reads.append(document.chunks - chunks)
+    # A chunk's step took 11 s; then eleven steps of 1 s decode before the next chunk.
+    assert reads == [1] + [0] * 11 + [1] + [0] * 11 + [1]
+    answer.cancel.set()  # nothing answers now: the read takes every step
+    batch.step()
+    for _ in range(3):
+        chunks = document.chunks
+        batch.step()
+        assert document.chunks == chunks + 1
 
 
 def test_a_session_joins_one_batch_of_its_own_model_once(tiny) -> None:
