@@ -58,13 +58,18 @@ class BatchBenchConfig:
     # the document's chunks read before the question comes, and the chunk size.
     document_chunks: int = 2
     chunk: int = 512
-    # The question's tokens timed beside the document's read, then with nothing read.
+    # The question's answer is timed beside this many of the document's chunks (whole
+    # turns of the read and the decoding), then for this many tokens with nothing read.
+    pace_chunks: int = 3
     pace_tokens: int = 16
 
 
 QUICK = BatchBenchConfig(streams=(1, 2, 4), prompt_tokens=256, max_tokens=8, chunk=64,
-                         pace_tokens=4)
+                         pace_chunks=1, pace_tokens=4)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Enough for the question to answer through its timed turns, its wait for the
+# document's read to stop, and its timed tokens with nothing read.
+QUESTION_TOKENS = 1000
 # Conversation i is this many tokens shorter than conversation i - 1.
 LENGTH_STEP = 13
 # The engine's peak may pass its pages plus one step's transient by this much.
@@ -239,17 +244,26 @@ def run_first_token(loaded: Any, config: BatchBenchConfig, document: list[dict[s
         batch.step()
     asked = time.perf_counter()
     read_alone = read[0] / (asked - joined)
-    batch.join(asker, QUESTION, _sampling(2 * config.pace_tokens + 2), request_id=2,
-               cancel=threading.Event(), emit=lambda _: None, tick=lambda: None)
+    done = threading.Event()
+    batch.join(asker, QUESTION, _sampling(QUESTION_TOKENS), request_id=2,
+               cancel=done, emit=lambda _: None, tick=lambda: None)
     while not _answered(batch.step()):
         pass
     seconds = time.perf_counter() - asked
     still_reading = 1 in batch.reading_ids
-    beside = _pace(batch, config.pace_tokens, lambda: 1 in batch.reading_ids, read)
+    # Whole turns: from a chunk's read to the one ``pace_chunks`` later.
+    while len(chunk_seconds) == config.document_chunks and 1 in batch.reading_ids:
+        batch.step()
+    chunks = len(chunk_seconds) + config.pace_chunks
+    beside = _pace(batch, lambda: len(chunk_seconds) < chunks and 1 in batch.reading_ids,
+                   read)
     stop.set()  # the document's read ends at its next turn; the answer goes on alone
     while 1 in batch.reading_ids:
         batch.step()
-    alone = _pace(batch, config.pace_tokens, lambda: not batch.idle, read)
+    tokens = [0]
+    alone = _pace(batch, lambda: tokens[0] < config.pace_tokens and not batch.idle, read,
+                  tokens)
+    done.set()  # timed enough
     while not batch.idle:
         batch.step()
     reader.close()
@@ -267,14 +281,17 @@ def _answered(results: list[Any]) -> int:
     return sum(row.request_id == 2 and row.token is not None for row in results)
 
 
-def _pace(batch: Any, tokens: int, going: Callable[[], bool], read: list[int]) -> dict[str, float]:
-    """The question's tokens per second over up to ``tokens`` steps while ``going``
-    holds, and the document's read meanwhile (``read``: its tokens read so far)."""
-    began, read_before, made = time.perf_counter(), read[0], 0
-    while made < tokens and going():
-        made += _answered(batch.step())
+def _pace(batch: Any, going: Callable[[], bool], read: list[int],
+          made: list[int] | None = None) -> dict[str, float]:
+    """The question's tokens per second over the steps while ``going`` holds, and
+    the document's read meanwhile (``read``: its tokens read so far); ``made``
+    counts the question's tokens as they come."""
+    made = [0] if made is None else made
+    began, read_before = time.perf_counter(), read[0]
+    while going():
+        made[0] += _answered(batch.step())
     seconds = max(time.perf_counter() - began, 1e-9)
-    return {"answer_tps": made / seconds, "read_tps": (read[0] - read_before) / seconds}
+    return {"answer_tps": made[0] / seconds, "read_tps": (read[0] - read_before) / seconds}
 
 
 def _rates(streams: int, made: int, seconds: float) -> dict[str, Any]:
@@ -402,9 +419,10 @@ def _beside_lines(results: dict[str, Any]) -> list[str]:
                 f"against {run['read_tps_alone']:.0f} before "
                 f"({fmt_ratio(ratio(run['read_tps_beside_answer'], run['read_tps_alone']))})")
 
-    tokens = results["config"]["pace_tokens"]
-    return ["", f"That question's answer, {tokens} tokens timed while the document is "
-                f"still read, then {tokens} with nothing read. Reads taking turns with the "
+    config = results["config"]
+    return ["", f"That question's answer, timed over {config['pace_chunks']} of the "
+                f"document's chunks read beside it, then for {config['pace_tokens']} tokens "
+                "with nothing read. Reads taking turns with the "
                 f"decoding by time (the engine): {shares(turns)}. A chunk read at every "
                 f"step (the schedule before, same run): {shares(every)}."]
 
