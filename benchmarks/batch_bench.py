@@ -21,7 +21,10 @@ batch's admission counts; the issue's goal: within 10 %).
 
 Then a short question joins a batch while the first conversation is read in
 (after ``document_chunks`` of its chunks): its first token, in seconds and in
-the document's chunk times (the issue's goal: within 2).
+the document's chunk times (the issue's goal: within 2); then its answer's pace
+over whole turns of the document's read beside it and with nothing read, and the
+read's rate, once as the engine schedules reads (turns by time) and once with a
+chunk at every step (the schedule before).
 
 Last, what a Mac would launch: the kernels one full-attention layer of the seed's
 shape runs for a decode step of each stream count under the GPU schedule, by the
