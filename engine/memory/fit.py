@@ -12,7 +12,7 @@ needs the weights, one chunk's attention scratch and its activations at once: th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -456,6 +456,24 @@ class FitInputs:
     # A pipeline's machines (``RankShare``), rank 0 first; its free RAM and tokens
     # are filled in by each check. Empty on one machine.
     ranks: tuple[RankShare, ...] = ()
+
+
+def without(inputs: FitInputs, reading: MemoryReading,
+            gone: Collection[str]) -> tuple[FitInputs, MemoryReading]:
+    """``inputs`` and ``reading`` as if the sessions ``gone`` had closed: their pages
+    and reserves back in the KV budget and in free RAM (the asking session stays).
+
+    Pages two sessions share count until both are gone, as the guard counts them.
+    """
+    gone = set(gone) - {inputs.session_id}
+    if not gone:
+        return inputs, reading
+    budget = inputs.budget
+    kept = dataclasses.replace(budget, holds=tuple(h for h in budget.holds if h.key not in gone))
+    freed = (budget.held_bytes(exclude=inputs.session_id)
+             - kept.held_bytes(exclude=inputs.session_id))
+    return (dataclasses.replace(inputs, budget=kept),
+            dataclasses.replace(reading, available_bytes=reading.available_bytes + freed))
 
 
 def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: int) -> FitReport:

@@ -24,7 +24,7 @@ from engine.events import AnswerWaiting, Event, Failed, Finished
 from engine.runtime.commands import Chat, Command
 from engine.runtime.endings import failed, read_cancelled
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.batch import BatchDecoder, RowToken, Waiting
+from engine.session.batch import BatchDecoder, Room, RowToken, Waiting
 from engine.session.prompt_ids import Prompt
 from engine.session.session import AnswerStart, Session
 
@@ -77,12 +77,15 @@ class Answering:
         fault: how a request ends that a failed step took down (the worker's
             words for an error, its log line included).
         limit: answers that may run together.
+        room: the open sessions a joining answer may set aside when their pages
+            stand in its way (the worker's ``HeldSessions``); None: none.
     """
 
     def __init__(self, stats: StatsReporter, emit: Callable[[Event], None],
                  after_end: Callable[[], None], fault: Callable[[Command, Exception], Failed],
-                 limit: int = DEFAULT_STREAMS) -> None:
+                 limit: int = DEFAULT_STREAMS, room: Room | None = None) -> None:
         self._stats = stats
+        self._room = room
         self._emit = emit
         self._after_end = after_end
         self._fault = fault
@@ -202,7 +205,7 @@ class Answering:
         if self._batch is None or self._batch.model is not session.model:
             if self._batch is not None and not self._batch.idle:
                 raise EngineError("Only conversations of the same model can answer together.")
-            self._batch = BatchDecoder(session.model)
+            self._batch = BatchDecoder(session.model, room=self._room)
         return self._batch
 
     def _hold(self, command: Command, session: Session, reused: int) -> None:

@@ -12,8 +12,9 @@ MLX); ``fit_inputs`` reads, under a lock, the frozen values ``publish_fit`` left
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ from engine.cache import sharing
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Event, Notice, RankShare
+from engine.format import human_bytes
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.runtime.interface import Conductor, Pipeline
@@ -35,6 +37,8 @@ from engine.snapshots.stored_sessions import StoredSessions
 if TYPE_CHECKING:
     from engine.models.info import ModelInfo
     from engine.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 # Sessions of the local API server are named with this prefix. Cached tokens and
 # response times tell a client whether a text is already held, so API sessions
@@ -148,6 +152,71 @@ class HeldSessions:
             raise EngineError(f"No open session named {session_id!r}; open it first.")
         return session
 
+    def use(self, session_id: str) -> Session:
+        """The open session ``session_id``, now the most recently used (the last
+        to be set aside).
+
+        Raises:
+            EngineError: no session of that id is open.
+        """
+        session = self.get(session_id)
+        with self._lock:
+            self._sessions[session_id] = self._sessions.pop(session_id)
+        return session
+
+    # -- room for a conversation (engine.session.batch.Room) -------------------
+
+    def idle(self, keep: Collection[str]) -> list[str]:
+        """The open sessions holding pages that are not in ``keep``, least recently
+        used first."""
+        return [name for name, session in self._sessions.items()
+                if name not in keep and session.cache and session.stats().bytes_allocated]
+
+    def make_room(self, fits: Callable[[frozenset[str]], bool], keep: Collection[str],
+                  request_id: int) -> bool:
+        """Set idle sessions (not in ``keep``) aside, least recently used first, until
+        ``fits(frozenset())``; only when ``fits`` of them all gone holds, else none.
+        Whether the conversation fits now.
+
+        A session set aside is stored on disk (when snapshots are kept) and its
+        pages dropped; it stays open, and its next request brings it back from the
+        snapshot (:meth:`restore`) or reads it again.
+        """
+        if fits(frozenset()):
+            return True
+        idle = self.idle(keep)
+        if not idle or not fits(frozenset(idle)):
+            return False
+        for name in idle:
+            self._set_aside(name, request_id)
+            if fits(frozenset()):
+                return True
+        return False
+
+    def _set_aside(self, session_id: str, request_id: int) -> None:
+        session = self.get(session_id)
+        held = int(session.stats().bytes_allocated)
+        stored = self._stored.store(session)
+        partners = self._partners(session)
+        session.reset()
+        self._stats.publish(session)
+        for partner in partners:  # their pages are no longer shared: say so
+            self._stats.publish(partner)
+        after = ("it is on disk and comes back from there" if stored
+                 else "it is read again")
+        self._emit(Notice(request_id, (
+            f"Made room for this conversation: set aside another chat's cache "
+            f"({human_bytes(held)}), the one used longest ago; {after} when that chat "
+            "is next used.")))
+        log.info("session %s set aside (%d bytes, stored: %s) for request %d",
+                 session_id, held, stored, request_id)
+
+    def _partners(self, session: Session) -> list[Session]:
+        """The other open sessions that share pages with ``session``."""
+        with self._lock:
+            return [s for s in self._sessions.values()
+                    if s is not session and sharing.same_group(s.cache, session.cache)]
+
     def load(self, path: str) -> ModelInfo:
         """Load "demo" or a model folder in place of the current model; its facts.
 
@@ -236,9 +305,7 @@ class HeldSessions:
             return
         if store:
             self._stored.store(session)
-        with self._lock:
-            partners = [s for s in self._sessions.values()
-                        if sharing.same_group(s.cache, session.cache)]
+        partners = self._partners(session)
         session.close()
         # Hand the freed pages back to the OS, not just to MLX's buffer cache.
         mx.clear_cache()

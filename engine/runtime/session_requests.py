@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
@@ -62,14 +62,29 @@ class SessionRequests:
         self._guard = guard
         self._emit = emit
 
-    def prepare_chat(self, request_id: int, request: Chat) -> ChatStart:
+    def prepare_chat(self, request_id: int, request: Chat,
+                     keep: Collection[str] = ()) -> ChatStart:
         """The chat's session, its prompt (rendered and tokenized once for the whole
-        request) and the tokens brought back for it from disk or another chat."""
-        session = self._held.get(request.session_id)
+        request) and the tokens brought back for it from disk or another chat.
+
+        Where idle sessions' pages stand in the way of the conversation, the least
+        recently used are set aside first, never one of ``keep`` (the sessions
+        answering).
+        """
+        session = self._held.use(request.session_id)
         prompt = session.prompt(request.messages, add_generation_prompt=True,
                                 tools=request.tools, template=request.template)
+        # Its answer's first token too, as the answer's own checks count it.
+        self._make_room(session, len(prompt.ids) + 1, request_id, keep)
         reused = self._held.restore(session, prompt.ids, request_id, answer=True)
         return ChatStart(session, prompt, reused)
+
+    def _make_room(self, session: Session, tokens: int, request_id: int,
+                   keep: Collection[str]) -> None:
+        """Set idle sessions aside where their pages stand in the way of ``tokens``
+        tokens in ``session`` (before its stored pages come back from disk)."""
+        self._held.make_room(lambda gone: session.holds(tokens, gone),
+                             {*keep, session.session_id}, request_id)
 
     def chat(self, request_id: int, request: Chat, cancel: threading.Event,
              start: ChatStart, pause: Callable[[], bool] | None = None,
@@ -108,8 +123,9 @@ class SessionRequests:
 
     def ingest(self, request_id: int, request: Ingest, cancel: threading.Event) -> Finished:
         """Read the conversation into the session's cache without answering."""
-        session = self._held.get(request.session_id)
+        session = self._held.use(request.session_id)
         prompt = session.prompt(request.messages, add_generation_prompt=False)
+        self._make_room(session, len(prompt.ids), request_id, keep=())
         reused = self._held.restore(session, prompt.ids, request_id, answer=False)
         try:
             with self._reading(session, cancel):

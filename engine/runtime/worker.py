@@ -153,7 +153,7 @@ class EngineWorker(Worker):
         self._streams = streams
         self._answering = Answering(
             self._stats, self._emit, self._publish_fit, _unexpected_ending,
-            limit=DEFAULT_STREAMS if streams is None else streams)
+            limit=DEFAULT_STREAMS if streams is None else streams, room=self._held)
         # Requests taken from the queue that wait for the batch: for their session's
         # answer to end, for room among the answers, or (one that runs alone) for
         # every answer to end.
@@ -557,7 +557,8 @@ class EngineWorker(Worker):
     def _chat(self, command: Command, request: Chat) -> Finished | None:
         """Answer alone while nothing else answers or waits (speculative drafts
         work alone); join the batch otherwise, or once another chat comes."""
-        start = self._requests.prepare_chat(command.request_id, request)
+        start = self._requests.prepare_chat(command.request_id, request,
+                                            keep=self._answering.session_ids())
         answering = self._answering
         if not answering.can_take(start.session):
             alone = self._requests.chat(command.request_id, request, command.cancel, start)

@@ -26,19 +26,22 @@ engine worker thread.
 A conversation joins only when memory holds what it adds: the pages its read
 and first token take, and one more row of the step's transient
 (``PrefillFacts.step_transient_bytes``), within the KV budget and free RAM the
-memory guard counts. Otherwise it waits, in the order it came, with a sentence
-saying why (:attr:`BatchDecoder.waiting`), and every step tries again. One that
-would not fit even with the batch's other conversations gone is refused at once,
-with the error :meth:`Session.chat` raises for it alone.
+memory guard counts. Where pages of open sessions outside the batch (chats
+that answered and sit idle) stand in the way, the least recently used are set
+aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
+in the order it came, with a sentence saying why (:attr:`BatchDecoder.waiting`),
+and every step tries again. One that would not fit even with the batch's other
+conversations gone and the idle sessions set aside is refused at once, with the
+error :meth:`Session.chat` raises for it alone.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -47,7 +50,6 @@ from engine.cache.batched import BatchedCache, check_batchable
 from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.format import human_bytes
-from engine.memory import fit
 from engine.session.prefill import Emit, finish
 from engine.session.prompt_ids import Prompt, common_prefix
 from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
@@ -96,6 +98,35 @@ class Waiting:
     request_id: int
     reason: str
     short_bytes: int
+
+
+class Room(Protocol):
+    """The open sessions outside a batch whose pages may be set aside (stored and
+    dropped) to make room for a conversation: the runtime's, which holds them all."""
+
+    def idle(self, keep: Collection[str]) -> list[str]:
+        """The sessions holding pages that are not in ``keep``, least recently used
+        first."""
+        ...
+
+    def make_room(self, fits: Callable[[frozenset[str]], bool], keep: Collection[str],
+                  request_id: int) -> bool:
+        """Set idle sessions (not in ``keep``) aside, least recently used first, until
+        ``fits(frozenset())``; only when ``fits`` of them all gone holds, else none.
+        Whether it fits now. ``fits(gone)`` says whether the conversation of
+        ``request_id`` fits with the sessions ``gone`` closed."""
+        ...
+
+
+class NoRoom:
+    """No sessions to set aside: a batch on its own."""
+
+    def idle(self, keep: Collection[str]) -> list[str]:
+        return []
+
+    def make_room(self, fits: Callable[[frozenset[str]], bool], keep: Collection[str],
+                  request_id: int) -> bool:
+        return fits(frozenset())
 
 
 @dataclass(eq=False)
@@ -183,10 +214,14 @@ class BatchDecoder:
     Args:
         model: the mlx-lm model every joining session holds.
         clock: seconds, for the reads' share of the steps (:class:`ReadShare`).
+        room: the open sessions outside the batch that a joining conversation's
+            pages may displace (:class:`Room`); None: none.
     """
 
-    def __init__(self, model: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, model: Any, clock: Callable[[], float] = time.perf_counter,
+                 room: Room | None = None) -> None:
         self.model = model
+        self._room: Room = room or NoRoom()
         self.rows: list[_Row] = []
         self.reading: list[_Reading] = []
         self._joining: list[_Joining] = []  # waiting for memory, in the order they came
@@ -260,7 +295,7 @@ class BatchDecoder:
             self._joining.append(joining)
             self._hold_back(*self._short_bytes(self._joining[0]))
             return
-        short, limit = self._short_bytes(joining)
+        short, limit = self._room_for(joining)
         if short > 0:
             self._joining.append(joining)
             self._hold_back(short, limit)
@@ -327,35 +362,45 @@ class BatchDecoder:
         """The sessions answering or being read in: their answers will end."""
         return [*(row.session for row in self.rows), *(r.session for r in self.reading)]
 
-    def _fit(self, joining: _Joining, tokens: int, *, alone: bool) -> fit.FitReport:
-        """The session's fit report for ``tokens`` tokens; ``alone``:
-        as if the batch's other conversations had closed (their pages and reserves
-        back in the budget and in free RAM)."""
-        session = joining.session
-        inputs = session.fit_inputs()
-        reading = session.guard.read()
-        if alone:
-            gone = {s.session_id for s in self._batch_sessions()} - {session.session_id}
-            budget = inputs.budget
-            kept = replace(budget, holds=tuple(h for h in budget.holds if h.key not in gone))
-            freed = (budget.held_bytes(exclude=session.session_id)
-                     - kept.held_bytes(exclude=session.session_id))
-            inputs = replace(inputs, budget=kept)
-            reading = replace(reading, available_bytes=reading.available_bytes + freed)
-        return fit.guarded_fit_report(inputs, reading, tokens)
+    def _held_ids(self, joining: _Joining) -> frozenset[str]:
+        """The sessions the batch holds in any way, and ``joining``'s: none of them
+        may be set aside."""
+        queued = self._queued.rows if self._queued is not None else []
+        sessions = [*self._batch_sessions(), *(row.session for row in queued),
+                    *(waiting.session for waiting in self._joining), joining.session]
+        return frozenset(session.session_id for session in sessions)
 
     def _refuse_if_never(self, joining: _Joining) -> None:
-        """Raise what :meth:`Session.chat` raises alone when it could never fit."""
+        """Raise what :meth:`Session.chat` raises alone when it could never fit: with
+        the batch's other conversations gone, and the idle sessions set aside."""
         # Session.answer_steps's checks, in its order and with its messages.
         count = len(joining.prompt.ids)
-        report = self._fit(joining, count, alone=True)
+        gone = {s.session_id for s in self._batch_sessions()}
+        gone.update(self._room.idle(self._held_ids(joining)))
+        report = joining.session.fit_report(count, gone)
         report.raise_if_too_long()
         if report.for_mode(joining.session.mode).tokens_fit - count < 1:
-            raise ContextTooLong(self._fit(joining, count + 1, alone=True).message())
+            raise ContextTooLong(joining.session.fit_report(count + 1, gone).message())
 
-    def _short_bytes(self, joining: _Joining) -> tuple[int, str]:
+    def _room_for(self, joining: _Joining) -> tuple[int, str]:
+        """:meth:`_short_bytes`, once idle sessions outside the batch were set aside
+        for ``joining`` where that makes it fit now."""
+        self._room.make_room(lambda gone: self._fits(joining, gone), self._held_ids(joining),
+                             joining.request_id)
+        return self._short_bytes(joining)
+
+    def _fits(self, joining: _Joining, gone: Collection[str]) -> bool:
+        """Whether ``joining`` fits now with the sessions ``gone`` closed: beside the
+        batch, or with nothing answering or read in, as its own checks find alone."""
+        if not self.rows and not self.reading:
+            return joining.session.holds(len(joining.prompt.ids) + 1, gone)
+        return self._short_bytes(joining, gone)[0] == 0
+
+    def _short_bytes(self, joining: _Joining, gone: Collection[str] = ()) -> tuple[int, str]:
         """Bytes more than the guard holds now that joining needs (0: it fits),
-        and the limit short of them ("is free", or the KV budget).
+        and the limit short of them ("is free", or the KV budget); with the
+        sessions ``gone`` closed (their pages and reserves back in the budget and
+        in free RAM), when given.
 
         Its pages (the conversation and its first token) and those the reads
         under way will still add, within the KV budget the other sessions leave,
@@ -365,7 +410,7 @@ class BatchDecoder:
         """
         if not self.rows and not self.reading:
             return 0, FREE_RAM
-        report = self._fit(joining, len(joining.prompt.ids) + 1, alone=False)
+        report = joining.session.fit_report(len(joining.prompt.ids) + 1, gone)
         needed = report.for_mode(joining.session.mode).bytes_needed + self._coming_bytes()
         step = joining.session.prefill_facts.step_transient_bytes(
             len(self.rows) + len(self.reading) + 1)
@@ -409,7 +454,7 @@ class BatchDecoder:
             joining = self._joining[0]
             try:
                 self._refuse_if_never(joining)
-                short, limit = self._short_bytes(joining)
+                short, limit = self._room_for(joining)
                 if short > 0:
                     self._hold_back(short, limit)
                     return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -335,9 +335,16 @@ class Session:
             session_mode=self.mode, session_bytes_allocated=held, ranks=ranks,
         )
 
-    def fit_report(self, token_count: int) -> fit.FitReport:
-        """Whether ``token_count`` tokens fit this session, per mode (no MLX)."""
-        return fit.guarded_fit_report(self.fit_inputs(), self.guard.read(), token_count)
+    def fit_report(self, token_count: int, gone: Collection[str] = ()) -> fit.FitReport:
+        """Whether ``token_count`` tokens fit this session, per mode (no MLX); with
+        the sessions ``gone`` counted as closed, when given."""
+        inputs, reading = fit.without(self.fit_inputs(), self.guard.read(), gone)
+        return fit.guarded_fit_report(inputs, reading, token_count)
+
+    def holds(self, token_count: int, gone: Collection[str] = ()) -> bool:
+        """Whether ``token_count`` tokens fit this session in its mode, as the checks
+        a read starts with find (``gone`` as :meth:`fit_report`'s; no MLX)."""
+        return self.fit_report(token_count, gone).fits
 
     def chunk_bytes(self, tokens: int) -> int:
         """Free RAM a prefill chunk of ``tokens`` needs while it runs: the attention

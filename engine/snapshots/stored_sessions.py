@@ -42,18 +42,21 @@ class StoredSessions:
         self._mirror = mirror
         self._told: set[str] = set()  # why saves failed, each said once per run
 
-    def store(self, session: Session) -> None:
-        """Store the session's cache under its id (nothing held: nothing stored)."""
+    def store(self, session: Session) -> bool:
+        """Store the session's cache under its id (nothing held: nothing stored);
+        whether it is on disk now."""
         if self.snapshots is None or not session.tokens:
-            return
+            return False
         followers = getattr(session, "followers", None)
         if followers is not None and not followers.save(session.session_id):
             # A pipeline's KV is whole only with every rank's layers: all or none.
             log.warning("KV snapshot of %s not saved: another rank could not store its "
                         "layers", session.session_id)
-            return
+            return False
+        stored = False
         try:
             self.snapshots.save(session, session.session_id)
+            stored = True
         except EngineError as error:
             # Losing a snapshot costs a re-read later, never the conversation.
             log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
@@ -67,6 +70,7 @@ class StoredSessions:
             log.exception("KV snapshot of %s failed", session.session_id)
             self._tell_not_stored(f"This conversation's KV was not stored ({error}).")
         self.announce()
+        return stored
 
     def _tell_not_stored(self, why: str) -> None:
         """Say once per run, per reason, that a chat will be read again next time."""

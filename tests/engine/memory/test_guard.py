@@ -535,14 +535,19 @@ def test_worker_sessions_share_one_budget(llama, worker_with) -> None:
     report = worker.fit_check("b", ending.stats.prompt_tokens)
     assert report.budget_bytes == 12 * PAGE - held and not report.fits
     assert worker.fit_check(None, 16).budget_bytes == 12 * PAGE - held
-    # Another document: nothing of what "a" holds can be shared.
-    failed = events.ending(worker.ingest("b", _user("Zebras! " + QUESTION * 4),
+    # Another document (nothing of what "a" holds can be shared) fits only once
+    # "a", idle, sets its pages aside; one that would not fit anyway leaves it be.
+    failed = events.ending(worker.ingest("b", _user("Zebras! " + QUESTION * 16),
                                          threading.Event()))
     assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
-    events.ending(worker.close_session("a"))
-    assert worker.guard.held_bytes() == 0
-    ending = events.ending(worker.ingest("b", _user(QUESTION * 4), threading.Event()))
+    assert worker.guard.held_bytes() == held
+    rid = worker.ingest("b", _user("Zebras! " + QUESTION * 4), threading.Event())
+    ending = events.ending(rid)
     assert isinstance(ending, Finished) and ending.reason == "done"
+    assert [e for e in events.events if isinstance(e, Notice) and e.request_id == rid
+            and e.message.startswith("Made room")]
+    events.ending(worker.close_session("b"))
+    assert worker.guard.held_bytes() == 0  # "a" holds nothing now
 
 
 def test_worker_configure_changes_the_budget_between_requests(llama, worker_with) -> None:
@@ -556,7 +561,9 @@ def test_worker_configure_changes_the_budget_between_requests(llama, worker_with
     assert isinstance(applied, Finished) and applied.reason == "done"
     assert worker.fit_check(None, 16).budget_bytes == PAGE
     assert worker.guard.held_bytes() == held  # what "a" holds stays
-    other = _user("Zebras! " + QUESTION)  # nothing in common with what "a" holds
+    # Nothing in common with what "a" holds, and more than the whole budget holds
+    # (so setting "a" aside would not make room for it either).
+    other = _user("Zebras! " + QUESTION * 16)
     failed = events.ending(worker.ingest("b", other, threading.Event()))
     assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
     events.ending(worker.configure(budget_bytes=None, chunk_size=32))

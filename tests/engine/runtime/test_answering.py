@@ -11,9 +11,9 @@ import pytest
 
 from engine.events import (
     AnswerWaiting,
-    Failed,
     Finished,
     IngestProgress,
+    Notice,
     SessionOpened,
     TokenChunk,
 )
@@ -171,10 +171,13 @@ def test_a_chat_memory_cannot_hold_beside_the_others_waits_and_says_why(
         assert waits and "Waiting for memory" in waits[0].reason and waits[0].short_bytes > 0
         assert "KV budget" in waits[0].reason
         b_end = log.ending(second)
-        assert isinstance(a_end, Finished)
-        # Alone, once A's answer ended: its own checks decide, as they would alone.
-        assert isinstance(b_end, Finished | Failed)
+        assert isinstance(a_end, Finished) and a_end.reason == "length"
         assert _position(log, lambda e: e is waits[0]) < _position(log, lambda e: e is a_end)
+        # Once A's answer ended, A's pages (idle now) went aside for B, never before.
+        assert isinstance(b_end, Finished) and b_end.reason == "length", b_end
+        (aside,) = [e for e in log.for_request(second)
+                    if isinstance(e, Notice) and e.message.startswith("Made room")]
+        assert _position(log, lambda e: e is a_end) < _position(log, lambda e: e is aside)
 
 
 def test_a_model_whose_layers_cannot_share_a_pass_answers_one_chat_at_a_time(

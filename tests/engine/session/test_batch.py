@@ -520,3 +520,67 @@ def test_a_waiting_conversation_still_short_when_the_batch_ends_is_refused_as_al
                      emit=lambda _: None, tick=lambda: None)
     assert isinstance(ended[1].error, ContextTooLong)
     assert str(ended[1].error) == str(alone.value) and batch.idle
+
+
+class _IdleChat:
+    """A Room holding one idle session outside the batch; setting it aside drops
+    its pages (the runtime's ``HeldSessions`` also stores them first)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.asked: list[tuple[frozenset[str], int]] = []
+
+    def idle(self, keep: Any) -> list[str]:
+        name = self.session.session_id
+        return [name] if self.session.tokens and name not in keep else []
+
+    def make_room(self, fits: Any, keep: Any, request_id: int) -> bool:
+        self.asked.append((frozenset(keep), request_id))
+        if fits(frozenset()):
+            return True
+        if not self.idle(keep) or not fits(frozenset(self.idle(keep))):
+            return False
+        self.session.reset()
+        return fits(frozenset())
+
+
+def test_an_idle_session_in_the_way_is_set_aside_and_the_conversation_joins_at_once(
+        tiny) -> None:
+    loaded = tiny["llama"]
+    alone = {i: _alone(loaded, "fp16", _messages(i), GREEDY, request_id=i, page_size=16)
+             for i in (1, 0)}
+
+    def setup(room: bool) -> tuple[BatchDecoder, dict[int, Session], _IdleChat]:
+        guard = _tight_guard(2**30)
+        idle = Session("idle", loaded, "fp16", page_size=16, guard=guard)
+        idle.chat(_messages(3), GREEDY, request_id=9, cancel=threading.Event(),
+                  emit=lambda _: None, tick=lambda: None)
+        sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                    for i in (1, 0)}
+        # Request 1's pages and answer fit beside the idle chat; request 0's too
+        # only with the idle chat's pages gone.
+        first = _pages_bytes(sessions[1], _messages(1), 1 + GREEDY.max_tokens)
+        guard.budget_bytes = guard.held_bytes() + first + 2 * 1024
+        assert _pages_bytes(sessions[0], _messages(0), 1) > 2 * 1024
+        chat = _IdleChat(idle)
+        return BatchDecoder(loaded.model, room=chat if room else None), sessions, chat
+
+    batch, sessions, chat = setup(room=False)
+    for i in (1, 0):
+        batch.join(sessions[i], _messages(i), GREEDY, request_id=i, cancel=threading.Event(),
+                   emit=lambda _: None, tick=lambda: None)
+    assert [w.request_id for w in batch.waiting] == [0] and chat.session.tokens
+
+    batch, sessions, chat = setup(room=True)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    assert batch.waiting == () and batch.reading_ids == (1, 0)
+    assert not chat.session.tokens
+    # Asked for room with every session the batch holds kept out of it.
+    assert chat.asked[-1] == (frozenset({"batch-1", "batch-0"}), 0)
+    for result in batch.run():
+        answers[result.request_id].reason = result.finish
+    for i in (1, 0):
+        assert answers[i].tokens == alone[i].tokens and answers[i].reason == alone[i].reason

@@ -1,0 +1,138 @@
+"""HeldSessions through the worker: idle chats' pages set aside for a conversation
+that needs their room, least recently used first, and brought back from disk."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.events import Failed, Finished, Notice, SessionOpened, StatsSample, TokenChunk
+from engine.memory.guard import MemoryGuard
+from engine.snapshots import SnapshotStore
+from tests.engine.runtime.test_worker import GREEDY, MESSAGES, EventLog, loaded_worker
+from tests.engine.tinymodels import make_tiny_model_dir
+
+PAGE = 16
+# Conversations that share no prefix: no chat takes pages another holds.
+OTHER = {name: [{"role": "user", "content": f"{text} {MESSAGES[0]['content']}"}]
+         for name, text in (("b", "Bonjour."), ("c", "Ciao."))}
+TOKENS = 4 * PAGE  # what a short chat's pages grow to: MIN_GROWTH_PAGES of them
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("held"), "llama")
+
+
+@pytest.fixture(scope="module")
+def chat_bytes(model_dir: Path) -> int:
+    """KV bytes of one short chat's pages in q8."""
+    with loaded_worker(model_dir) as (worker, log):
+        log.result(worker.open_session("probe", "q8", PAGE), SessionOpened)
+        return worker.fit_check("probe", TOKENS).for_mode("q8").bytes_needed
+
+
+def _guarded(budget: float) -> dict[str, Any]:
+    return {"memory_guard": MemoryGuard(budget_bytes=int(budget))}
+
+
+def _chat(worker: Any, log: EventLog, name: str, messages: list[dict[str, str]] = MESSAGES,
+          ) -> Finished | Failed:
+    return log.ending(worker.chat(name, messages, GREEDY, threading.Event()))
+
+
+def _open(worker: Any, log: EventLog, *names: str) -> None:
+    for name in names:
+        log.result(worker.open_session(name, "q8", PAGE), SessionOpened)
+
+
+def _held_tokens(log: EventLog, name: str) -> int:
+    """The tokens the last stats sample of ``name`` says its cache holds."""
+    with log.changed:
+        samples = [e for e in log.events if isinstance(e, StatsSample) and e.session_id == name]
+    return samples[-1].tokens_in_context
+
+
+def _notices(log: EventLog, request_id: int) -> list[str]:
+    """What the request was told of chats set aside for it."""
+    return [e.message for e in log.for_request(request_id)
+            if isinstance(e, Notice) and e.message.startswith("Made room")]
+
+
+def test_an_idle_chat_is_set_aside_for_one_its_pages_keep_out_and_comes_back_from_disk(
+        model_dir: Path, chat_bytes: int, tmp_path: Path) -> None:
+    # The KV budget holds one short chat's pages, not two.
+    with loaded_worker(model_dir, snapshots=SnapshotStore(tmp_path / "kv"),
+                       **_guarded(chat_bytes * 1.5)) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = _chat(worker, log, "a")
+        assert isinstance(first, Finished) and first.stats is not None
+        held_a = _held_tokens(log, "a")
+        assert held_a > 0
+        second = worker.chat("b", MESSAGES, GREEDY, threading.Event())
+        ending = log.ending(second)
+        assert isinstance(ending, Finished), ending
+        (notice,) = _notices(log, second)
+        assert "set aside another chat's cache" in notice and "on disk" in notice
+        assert _held_tokens(log, "a") == 0 and _held_tokens(log, "b") > 0
+        # A's next message takes its pages back from disk (B, idle now, goes aside).
+        answer = "".join(e.text for e in log.for_request(first.request_id)
+                         if isinstance(e, TokenChunk))
+        more = [*MESSAGES, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And of Spain?"}]
+        again = _chat(worker, log, "a", more)
+        assert isinstance(again, Finished) and again.stats is not None
+        # Its whole first prompt at least (the answer re-tokenized may differ).
+        assert again.stats.reused_tokens >= first.stats.prompt_tokens - 1
+        assert _held_tokens(log, "b") == 0
+
+
+def test_without_snapshots_the_chat_set_aside_is_read_again_next_time(
+        model_dir: Path, chat_bytes: int) -> None:
+    with loaded_worker(model_dir, **_guarded(chat_bytes * 1.5)) as (worker, log):
+        _open(worker, log, "a", "b")
+        assert isinstance(_chat(worker, log, "a"), Finished)
+        second = worker.chat("b", MESSAGES, GREEDY, threading.Event())
+        assert isinstance(log.ending(second), Finished)
+        (notice,) = _notices(log, second)
+        assert "read again" in notice
+        again = _chat(worker, log, "a")
+        assert isinstance(again, Finished) and again.stats is not None
+        assert again.stats.reused_tokens == 0
+
+
+def test_the_chat_used_longest_ago_goes_aside_first_and_only_as_many_as_needed(
+        model_dir: Path) -> None:
+    with loaded_worker(model_dir) as (worker, log):
+        _open(worker, log, "a", "c", "b")
+        assert isinstance(_chat(worker, log, "a"), Finished)
+        with log.changed:
+            held = [e.kv_bytes_allocated for e in log.events
+                    if isinstance(e, StatsSample) and e.session_id == "a"][-1]
+        # Room for two short chats' pages, not three.
+        log.ending(worker.configure(budget_bytes=int(held * 2.5),
+                                    chunk_size=worker.chunk_size))
+        assert isinstance(_chat(worker, log, "c", OTHER["c"]), Finished)
+        assert _held_tokens(log, "a") > 0
+        third = worker.chat("b", OTHER["b"], GREEDY, threading.Event())
+        assert isinstance(log.ending(third), Finished)
+        assert len(_notices(log, third)) == 1
+        assert _held_tokens(log, "a") == 0
+        assert _held_tokens(log, "c") > 0 and _held_tokens(log, "b") > 0
+
+
+def test_nothing_is_set_aside_when_the_conversation_would_not_fit_anyway(
+        model_dir: Path, chat_bytes: int) -> None:
+    long = [{"role": "user", "content": " ".join([MESSAGES[0]["content"]] * 12)}]
+    with loaded_worker(model_dir, **_guarded(chat_bytes * 1.5)) as (worker, log):
+        _open(worker, log, "a", "b")
+        assert isinstance(_chat(worker, log, "a"), Finished)
+        held_a = _held_tokens(log, "a")
+        second = worker.chat("b", long, GREEDY, threading.Event())
+        ending = log.ending(second)
+        assert isinstance(ending, Failed) and ending.error_type == "ContextTooLong", ending
+        assert not _notices(log, second)
+        assert _held_tokens(log, "a") == held_a
