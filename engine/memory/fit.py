@@ -460,16 +460,21 @@ class FitInputs:
 
 def without(inputs: FitInputs, reading: MemoryReading,
             gone: Collection[str]) -> tuple[FitInputs, MemoryReading]:
-    """``inputs`` and ``reading`` as if the sessions ``gone`` had closed: their pages
-    and reserves back in the KV budget and in free RAM (the asking session stays).
+    """``inputs`` and ``reading`` as if the sessions ``gone`` had dropped their pages:
+    those back in the KV budget and in free RAM (the asking session keeps its own).
 
-    Pages two sessions share count until both are gone, as the guard counts them.
+    They stay open, so the budget still keeps their reserves (what their sliding
+    windows and linear-attention state may hold). Pages shared with a session
+    that stays are not freed, as the guard counts them: a group's storage once.
     """
     gone = set(gone) - {inputs.session_id}
     if not gone:
         return inputs, reading
     budget = inputs.budget
-    kept = dataclasses.replace(budget, holds=tuple(h for h in budget.holds if h.key not in gone))
+    staying = {h.group for h in budget.holds if h.key not in gone}
+    kept = dataclasses.replace(budget, holds=tuple(
+        h if h.key not in gone or h.group in staying else dataclasses.replace(h, bytes_allocated=0)
+        for h in budget.holds))
     freed = (budget.held_bytes(exclude=inputs.session_id)
              - kept.held_bytes(exclude=inputs.session_id))
     return (dataclasses.replace(inputs, budget=kept),

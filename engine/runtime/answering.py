@@ -126,8 +126,9 @@ class Answering:
 
     @property
     def busy(self) -> bool:
-        """Whether an answer is held: the worker steps the batch between requests."""
-        return bool(self._members)
+        """Whether an answer is held, or a pass queued for answers that ended is
+        still to be read: the worker steps the batch between requests."""
+        return bool(self._members) or (self._batch is not None and not self._batch.idle)
 
     @property
     def full(self) -> bool:
@@ -135,8 +136,10 @@ class Answering:
         return len(self._members) >= self.limit
 
     def session_ids(self) -> set[str]:
-        """The sessions whose answer the batch holds."""
-        return {member.session_id for member in self._members.values()}
+        """The sessions the batch holds: their answers, and those an ended answer's
+        last pass still feeds (a request on one waits for the next step)."""
+        held = {member.session_id for member in self._members.values()}
+        return held | (self._batch.session_ids() if self._batch is not None else set())
 
     def can_take(self, session: Session) -> bool:
         """Whether ``session``'s answer may run in the batch now (else it runs alone,

@@ -168,9 +168,12 @@ class HeldSessions:
 
     def idle(self, keep: Collection[str]) -> list[str]:
         """The open sessions holding pages that are not in ``keep``, least recently
-        used first."""
+        used first; not one that shares pages with a session in ``keep`` (setting it
+        aside would free none of them)."""
+        kept = [self._sessions[name] for name in keep if name in self._sessions]
         return [name for name, session in self._sessions.items()
-                if name not in keep and session.cache and session.stats().bytes_allocated]
+                if name not in keep and session.cache and session.stats().bytes_allocated
+                and not any(sharing.same_group(session.cache, k.cache) for k in kept)]
 
     def make_room(self, fits: Callable[[frozenset[str]], bool], keep: Collection[str],
                   request_id: int) -> bool:
@@ -192,6 +195,28 @@ class HeldSessions:
             if fits(frozenset()):
                 return True
         return False
+
+    def make_room_for(self, session: Session, prompt: list[int], tokens: int,
+                      keep: Collection[str], request_id: int, *, answer: bool) -> bool:
+        """:meth:`make_room` for ``tokens`` tokens of ``prompt`` in ``session``, before
+        :meth:`restore` fills it: an open chat that would lend it a prefix is kept,
+        and only what that chat does not hold is counted (its pages are shared, not
+        copied). Whether it fits now."""
+        found = reuse.best_offer(session, self._donors(session), prompt, keep_last=answer)
+        lent = 0 if found is None else found.tokens
+        kept = {*keep, session.session_id}
+        if found is not None:
+            kept.add(found.donor.session_id)
+        return self.make_room(lambda gone: session.holds(tokens - lent, gone), kept,
+                              request_id)
+
+    def _donors(self, session: Session) -> list[Session]:
+        """The open sessions whose pages ``session`` may take (``reuse.adopt``)."""
+        with self._lock:
+            return [s for s in self._sessions.values()
+                    if s.tokens and reuse.compatible(session, s)
+                    and may_reuse(session.session_id, s.session_id,
+                                  share_chats=self.share_chats)]
 
     def _set_aside(self, session_id: str, request_id: int) -> None:
         session = self.get(session_id)
@@ -342,11 +367,10 @@ class HeldSessions:
         ``prompt`` is the request's ids of the conversation (rendered once, by the
         request); ``answer`` says whether its last token is still to be fed.
         """
-        with self._lock:
-            others = [s for s in self._sessions.values()
-                      if s.tokens and reuse.compatible(session, s)
-                      and may_reuse(session.session_id, s.session_id,
-                                    share_chats=self.share_chats)]
+        # The pool's limit as memory stands now (sessions may have been set aside
+        # for this one since it was last refreshed).
+        self._guard.refresh(session.session_id)
+        others = self._donors(session)
         from_disk = not session.tokens and self._stored.snapshots is not None
         if not others and not from_disk:
             return 0

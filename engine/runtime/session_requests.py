@@ -75,16 +75,10 @@ class SessionRequests:
         prompt = session.prompt(request.messages, add_generation_prompt=True,
                                 tools=request.tools, template=request.template)
         # Its answer's first token too, as the answer's own checks count it.
-        self._make_room(session, len(prompt.ids) + 1, request_id, keep)
+        self._held.make_room_for(session, prompt.ids, len(prompt.ids) + 1, keep, request_id,
+                                 answer=True)
         reused = self._held.restore(session, prompt.ids, request_id, answer=True)
         return ChatStart(session, prompt, reused)
-
-    def _make_room(self, session: Session, tokens: int, request_id: int,
-                   keep: Collection[str]) -> None:
-        """Set idle sessions aside where their pages stand in the way of ``tokens``
-        tokens in ``session`` (before its stored pages come back from disk)."""
-        self._held.make_room(lambda gone: session.holds(tokens, gone),
-                             {*keep, session.session_id}, request_id)
 
     def chat(self, request_id: int, request: Chat, cancel: threading.Event,
              start: ChatStart, pause: Callable[[], bool] | None = None,
@@ -125,7 +119,8 @@ class SessionRequests:
         """Read the conversation into the session's cache without answering."""
         session = self._held.use(request.session_id)
         prompt = session.prompt(request.messages, add_generation_prompt=False)
-        self._make_room(session, len(prompt.ids), request_id, keep=())
+        self._held.make_room_for(session, prompt.ids, len(prompt.ids), (), request_id,
+                                 answer=False)
         reused = self._held.restore(session, prompt.ids, request_id, answer=False)
         try:
             with self._reading(session, cancel):

@@ -114,7 +114,7 @@ class Room(Protocol):
         """Set idle sessions (not in ``keep``) aside, least recently used first, until
         ``fits(frozenset())``; only when ``fits`` of them all gone holds, else none.
         Whether it fits now. ``fits(gone)`` says whether the conversation of
-        ``request_id`` fits with the sessions ``gone`` closed."""
+        ``request_id`` fits with the pages of the sessions ``gone`` dropped."""
         ...
 
 
@@ -248,6 +248,15 @@ class BatchDecoder:
         """The requests whose conversation is being read in, in the order they joined."""
         return tuple(reading.request_id for reading in self.reading)
 
+    def session_ids(self) -> frozenset[str]:
+        """The sessions the batch holds in any way: answering, read in, waiting, or
+        fed by the pass queued (an answer that ended on its end-of-turn token is fed
+        it there: its session holds that token only once the pass is read)."""
+        queued = self._queued.rows if self._queued is not None else []
+        sessions = [*self._batch_sessions(), *(row.session for row in queued),
+                    *(joining.session for joining in self._joining)]
+        return frozenset(session.session_id for session in sessions)
+
     @property
     def waiting(self) -> tuple[Waiting, ...]:
         """The conversations waiting for memory, in the order they will join."""
@@ -363,16 +372,12 @@ class BatchDecoder:
         return [*(row.session for row in self.rows), *(r.session for r in self.reading)]
 
     def _held_ids(self, joining: _Joining) -> frozenset[str]:
-        """The sessions the batch holds in any way, and ``joining``'s: none of them
-        may be set aside."""
-        queued = self._queued.rows if self._queued is not None else []
-        sessions = [*self._batch_sessions(), *(row.session for row in queued),
-                    *(waiting.session for waiting in self._joining), joining.session]
-        return frozenset(session.session_id for session in sessions)
+        """The sessions the batch holds, and ``joining``'s: none of them may be set aside."""
+        return self.session_ids() | {joining.session.session_id}
 
     def _refuse_if_never(self, joining: _Joining) -> None:
         """Raise what :meth:`Session.chat` raises alone when it could never fit: with
-        the batch's other conversations gone, and the idle sessions set aside."""
+        the pages of the batch's other conversations, and of the idle sessions, gone."""
         # Session.answer_steps's checks, in its order and with its messages.
         count = len(joining.prompt.ids)
         gone = {s.session_id for s in self._batch_sessions()}
@@ -390,7 +395,7 @@ class BatchDecoder:
         return self._short_bytes(joining)
 
     def _fits(self, joining: _Joining, gone: Collection[str]) -> bool:
-        """Whether ``joining`` fits now with the sessions ``gone`` closed: beside the
+        """Whether ``joining`` fits now with the sessions ``gone`` set aside: beside the
         batch, or with nothing answering or read in, as its own checks find alone."""
         if not self.rows and not self.reading:
             return joining.session.holds(len(joining.prompt.ids) + 1, gone)
@@ -399,8 +404,8 @@ class BatchDecoder:
     def _short_bytes(self, joining: _Joining, gone: Collection[str] = ()) -> tuple[int, str]:
         """Bytes more than the guard holds now that joining needs (0: it fits),
         and the limit short of them ("is free", or the KV budget); with the
-        sessions ``gone`` closed (their pages and reserves back in the budget and
-        in free RAM), when given.
+        sessions ``gone`` set aside (their pages back in the budget and in free
+        RAM), when given.
 
         Its pages (the conversation and its first token) and those the reads
         under way will still add, within the KV budget the other sessions leave,

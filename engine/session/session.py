@@ -337,7 +337,7 @@ class Session:
 
     def fit_report(self, token_count: int, gone: Collection[str] = ()) -> fit.FitReport:
         """Whether ``token_count`` tokens fit this session, per mode (no MLX); with
-        the sessions ``gone`` counted as closed, when given."""
+        the pages of the sessions ``gone`` counted as dropped, when given."""
         inputs, reading = fit.without(self.fit_inputs(), self.guard.read(), gone)
         return fit.guarded_fit_report(inputs, reading, token_count)
 

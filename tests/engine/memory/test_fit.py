@@ -14,7 +14,16 @@ from mlx_lm.utils import load
 from engine.cache import kvquant
 from engine.cache.pages import PREFILL_SCRATCH_BYTES
 from engine.errors import ContextTooLong, UnsupportedModeError
-from engine.memory.fit import MODES, PrefillFacts, fit_report, prefill_facts
+from engine.memory.fit import (
+    MODES,
+    FitInputs,
+    ModelFacts,
+    PrefillFacts,
+    fit_report,
+    prefill_facts,
+    without,
+)
+from engine.memory.guard import BudgetView, Hold, MemoryReading
 from engine.session.session import Session
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -187,3 +196,25 @@ def test_the_default_stream_limit_is_what_free_memory_holds_of_8k_conversations(
     assert default_streams(per_token, facts, 3 * one + one // 2) == 3
     assert default_streams(per_token, facts, one // 2) == 1  # one always runs
     assert default_streams(per_token, facts, 100 * one) == MOST_STREAMS
+
+
+def test_without_frees_the_pages_of_sessions_set_aside_and_keeps_their_reserves() -> None:
+    holds = (Hold("asking", 1, 10 * MIB, 0),
+             Hold("idle", 2, 40 * MIB, 5 * MIB),  # pages of its own, and a reserve
+             Hold("lender", 3, 30 * MIB, 0),      # pages shared with "borrower"
+             Hold("borrower", 3, 30 * MIB, 0))
+    facts = ModelFacts(attention_layers=16, kv_heads=4, head_dim=256, max_context=262_144)
+    inputs = FitInputs(facts, 256, BudgetView(200 * MIB, GIB, holds), session_id="asking")
+    reading = MemoryReading(16 * GIB, 8 * GIB)
+    before = inputs.budget.kv_share("asking")
+    assert before == 200 * MIB - 75 * MIB
+    # Its pages go back, its reserve stays: the session stays open.
+    after, freed = without(inputs, reading, {"idle"})
+    assert after.budget.kv_share("asking") == before + 40 * MIB
+    assert freed.available_bytes == reading.available_bytes + 40 * MIB
+    # Pages another session still holds are not freed; once both go, they are.
+    assert without(inputs, reading, {"lender"})[0].budget.kv_share("asking") == before
+    both = without(inputs, reading, {"lender", "borrower"})[0]
+    assert both.budget.kv_share("asking") == before + 30 * MIB
+    # The asking session never counts itself gone.
+    assert without(inputs, reading, {"asking"}) == (inputs, reading)

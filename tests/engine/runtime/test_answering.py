@@ -11,6 +11,7 @@ import pytest
 
 from engine.events import (
     AnswerWaiting,
+    Failed,
     Finished,
     IngestProgress,
     Notice,
@@ -276,3 +277,39 @@ def test_a_stream_limit_under_one_is_refused() -> None:
 
     with pytest.raises(EngineError, match="At least one answer"):
         EngineWorker(lambda event: None, streams=0)
+
+
+def test_an_answer_that_ends_last_on_its_end_token_holds_it_before_its_session_is_free(
+        tmp_path: Path) -> None:
+    from engine.cache.paged_cache import cache_tokens
+    from engine.runtime.answering import Answering
+    from engine.runtime.commands import Chat, Command
+    from engine.runtime.stats_reporter import StatsReporter
+    from engine.session.session import Session
+    from tests.engine.tinymodels import loaded_for_session
+
+    loaded = loaded_for_session(make_tiny_model_dir(tmp_path, "llama"))
+    plain = SamplingParams(temperature=0.0, max_tokens=8, speculative="off")
+    first: list[int] = []
+    alone = Session("alone", loaded, "q8")
+    alone.chat(ASKED["b"], plain, request_id=1, cancel=threading.Event(),
+               emit=lambda e: first.extend(getattr(e, "token_ids", [])), tick=lambda: None)
+    session = Session("b", loaded, "q8")
+    session.end_ids = frozenset(first[:1])  # its first token ends its turn
+    events: list[Any] = []
+    answering = Answering(StatsReporter(events.append, 60.0), events.append, lambda: None,
+                          fault=lambda command, error: Failed(command.request_id, str(error),
+                                                              "Error"))
+    chat = Chat("b", ASKED["b"], plain)
+    answering.join(Command(2, chat), chat, session,
+                   session.prompt(ASKED["b"], add_generation_prompt=True), 0)
+    while not any(isinstance(e, Finished) for e in events):
+        answering.step()
+    (ended,) = [e for e in events if isinstance(e, Finished)]
+    assert ended.reason == "stop"
+    # The pass queued before the answer ended feeds its end token: until that pass
+    # is read the session is the batch's, and the worker goes on stepping.
+    assert answering.busy and answering.session_ids() == {"b"}
+    answering.step()
+    assert not answering.busy and answering.session_ids() == set()
+    assert len(session.tokens) == cache_tokens(session.cache)

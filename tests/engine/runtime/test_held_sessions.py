@@ -72,7 +72,7 @@ def test_an_idle_chat_is_set_aside_for_one_its_pages_keep_out_and_comes_back_fro
         assert isinstance(first, Finished) and first.stats is not None
         held_a = _held_tokens(log, "a")
         assert held_a > 0
-        second = worker.chat("b", MESSAGES, GREEDY, threading.Event())
+        second = worker.chat("b", OTHER["b"], GREEDY, threading.Event())
         ending = log.ending(second)
         assert isinstance(ending, Finished), ending
         (notice,) = _notices(log, second)
@@ -95,7 +95,7 @@ def test_without_snapshots_the_chat_set_aside_is_read_again_next_time(
     with loaded_worker(model_dir, **_guarded(chat_bytes * 1.5)) as (worker, log):
         _open(worker, log, "a", "b")
         assert isinstance(_chat(worker, log, "a"), Finished)
-        second = worker.chat("b", MESSAGES, GREEDY, threading.Event())
+        second = worker.chat("b", OTHER["b"], GREEDY, threading.Event())
         assert isinstance(log.ending(second), Finished)
         (notice,) = _notices(log, second)
         assert "read again" in notice
@@ -107,7 +107,8 @@ def test_without_snapshots_the_chat_set_aside_is_read_again_next_time(
 def test_the_chat_used_longest_ago_goes_aside_first_and_only_as_many_as_needed(
         model_dir: Path) -> None:
     with loaded_worker(model_dir) as (worker, log):
-        _open(worker, log, "a", "c", "b")
+        # Opened in another order than used: the order of use decides.
+        _open(worker, log, "c", "a", "b")
         assert isinstance(_chat(worker, log, "a"), Finished)
         with log.changed:
             held = [e.kv_bytes_allocated for e in log.events
@@ -135,4 +136,21 @@ def test_nothing_is_set_aside_when_the_conversation_would_not_fit_anyway(
         ending = log.ending(second)
         assert isinstance(ending, Failed) and ending.error_type == "ContextTooLong", ending
         assert not _notices(log, second)
+        assert _held_tokens(log, "a") == held_a
+
+
+def test_a_chat_that_lends_its_pages_to_the_conversation_is_not_set_aside(
+        model_dir: Path, chat_bytes: int, tmp_path: Path) -> None:
+    with loaded_worker(model_dir, snapshots=SnapshotStore(tmp_path / "kv"),
+                       **_guarded(chat_bytes * 1.5)) as (worker, log):
+        _open(worker, log, "a", "b")
+        assert isinstance(_chat(worker, log, "a"), Finished)
+        held_a = _held_tokens(log, "a")
+        # The same conversation in another chat: it takes A's pages, shared, and
+        # needs room for its own answer only.
+        second = worker.chat("b", MESSAGES, GREEDY, threading.Event())
+        ending = log.ending(second)
+        assert isinstance(ending, Finished) and ending.stats is not None, ending
+        assert not _notices(log, second)
+        assert ending.stats.reused_tokens > 0
         assert _held_tokens(log, "a") == held_a
