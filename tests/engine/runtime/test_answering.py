@@ -16,6 +16,7 @@ from engine.events import (
     IngestProgress,
     Notice,
     SessionOpened,
+    StatsSample,
     TokenChunk,
 )
 from engine.memory.fit import MOST_STREAMS
@@ -313,3 +314,35 @@ def test_an_answer_that_ends_last_on_its_end_token_holds_it_before_its_session_i
     answering.step()
     assert not answering.busy and answering.session_ids() == set()
     assert len(session.tokens) == cache_tokens(session.cache)
+
+
+def test_an_idle_chat_is_set_aside_for_a_chat_joining_while_another_answers(
+        endless_dir: Path) -> None:
+    document = [{"role": "user", "content": " ".join(
+        f"Line {i}: the longleaf pine grows in the coastal plain." for i in range(40))}]
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "idle", "a", "b")
+        page = worker.fit_check("a", 16).for_mode("q8").bytes_needed
+        assert isinstance(log.ending(worker.chat("idle", document, LONG, threading.Event())),
+                          Finished)
+        with log.changed:
+            held = [e.kv_bytes_allocated for e in log.events
+                    if isinstance(e, StatsSample) and e.session_id == "idle"][-1]
+        # Beside the idle chat, room for A's conversation and answer (six pages),
+        # not for B's too. A decodes plainly: more steps, for B to come during them.
+        log.ending(worker.configure(budget_bytes=held + 6 * page,
+                                    chunk_size=worker.chunk_size))
+        plain = SamplingParams(temperature=0.0, max_tokens=60, speculative="off")
+        first = worker.chat("a", ASKED["a"], plain, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                        for e in events))
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        ends = {request: log.ending(request) for request in (first, second)}
+        assert all(isinstance(e, Finished) and e.reason == "length" for e in ends.values())
+        (aside,) = [e for e in log.for_request(second)
+                    if isinstance(e, Notice) and e.message.startswith("Made room")]
+        # B joined A's answer at once: no wait, its first token before A's end.
+        assert not any(isinstance(e, AnswerWaiting) for e in log.for_request(second))
+        b_starts = _position(log, lambda e: isinstance(e, TokenChunk) and e.request_id == second)
+        assert _position(log, lambda e: e is aside) < b_starts < _position(
+            log, lambda e: e is ends[first])
