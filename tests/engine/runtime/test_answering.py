@@ -60,6 +60,19 @@ def _alone(folder: Path, name: str, sampling: SamplingParams = LONG) -> list[int
         return _tokens(log, request)
 
 
+def _b_while_a_answers(worker: Any, log: EventLog, a_sampling: SamplingParams,
+                       ) -> tuple[int, int, dict[int, Any]]:
+    """Chat A, then chat B once A has a token; their requests and endings (both
+    answered to their length limit)."""
+    first = worker.chat("a", ASKED["a"], a_sampling, threading.Event())
+    log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                    for e in events))
+    second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+    ends = {request: log.ending(request) for request in (first, second)}
+    assert all(isinstance(e, Finished) and e.reason == "length" for e in ends.values())
+    return first, second, ends
+
+
 def _position(log: EventLog, predicate: Any) -> int:
     with log.changed:
         return next(i for i, e in enumerate(log.events) if predicate(e))
@@ -72,12 +85,7 @@ def test_a_chat_sent_while_another_answers_starts_at_once_and_both_say_what_alon
     alone = {"a": _alone(endless_dir, "a", longer), "b": _alone(endless_dir, "b")}
     with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
         _open(worker, log, "a", "b")
-        first = worker.chat("a", ASKED["a"], longer, threading.Event())
-        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
-                                        for e in events))
-        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
-        ended = {request: log.ending(request) for request in (first, second)}
-        assert all(isinstance(e, Finished) and e.reason == "length" for e in ended.values())
+        first, second, ended = _b_while_a_answers(worker, log, longer)
         # B answered while A did, not after it: its first token came before A ended.
         b_starts = _position(log, lambda e: isinstance(e, TokenChunk) and e.request_id == second)
         a_ends = _position(log, lambda e: e is ended[first])
@@ -333,12 +341,7 @@ def test_an_idle_chat_is_set_aside_for_a_chat_joining_while_another_answers(
         log.ending(worker.configure(budget_bytes=held + 6 * page,
                                     chunk_size=worker.chunk_size))
         plain = SamplingParams(temperature=0.0, max_tokens=60, speculative="off")
-        first = worker.chat("a", ASKED["a"], plain, threading.Event())
-        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
-                                        for e in events))
-        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
-        ends = {request: log.ending(request) for request in (first, second)}
-        assert all(isinstance(e, Finished) and e.reason == "length" for e in ends.values())
+        first, second, ends = _b_while_a_answers(worker, log, plain)
         (aside,) = [e for e in log.for_request(second)
                     if isinstance(e, Notice) and e.message.startswith("Made room")]
         # B joined A's answer at once: no wait, its first token before A's end.
