@@ -202,6 +202,10 @@ class HeldSessions:
         :meth:`restore` fills it: an open chat that would lend it a prefix is kept,
         and only what that chat does not hold is counted (its pages are shared, not
         copied). Whether it fits now."""
+        if session.holds(tokens):
+            # The usual case, and then no lender need be looked for: comparing every
+            # open chat's tokens with the prompt is what restore does next anyway.
+            return True
         found = reuse.best_offer(session, self._donors(session), prompt, keep_last=answer)
         lent = 0 if found is None else found.tokens
         kept = {*keep, session.session_id}
