@@ -34,7 +34,24 @@ from engine.cache.paged_cache import PagedKVCache, cache_tokens, row_of
 from engine.errors import EngineError
 
 
-class PagedRows(BaseCache):
+class _PassView(BaseCache):
+    """A layer of every row of a batch, as one pass's forward sees it.
+
+    mlx-lm's pipeline stage hangs its send on its last layer's ``keys``. A decode
+    pass reaches the send through its output (the stage's ``all_gather``), and the
+    view goes with the pass, so what is hung on it is dropped.
+    """
+
+    @property
+    def keys(self) -> mx.array:
+        return mx.zeros((0,))
+
+    @keys.setter
+    def keys(self, value: mx.array | None) -> None:
+        del value
+
+
+class PagedRows(_PassView):
     """One paged layer of every row of a batch, for one forward pass.
 
     Args:
@@ -107,7 +124,7 @@ class RowMasks(tuple):
     :class:`CacheRows` layer; the model hands it to the attention unread."""
 
 
-class CacheRows(BaseCache):
+class CacheRows(_PassView):
     """One mlx-lm cache layer of every row of a batch, attended row by row.
 
     Args:

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from engine.cache import adapter
 from engine.cache.adapter import CacheStats
+from engine.cache.batched import BatchedCache
 from engine.cache.modes import MODES
 from engine.distributed import rank_commands as c
 from engine.errors import EngineError
@@ -68,7 +69,7 @@ class Follower:
             c.CHECKPOINT: self._checkpoint, c.REWIND: self._rewind, c.RESET: self._reset,
             c.CLOSE: self._close, c.END: self._end, c.FIT: self._fit,
             c.SAVE: self._save, c.RESTORE: self._restore, c.ADOPT: self._adopt,
-            c.PRUNE: self._prune,
+            c.PRUNE: self._prune, c.DECODE_ROWS: self._decode_rows,
         }
 
     def run(self) -> dict[str, Any]:
@@ -142,6 +143,23 @@ class Follower:
             # in decode, would grow by a node (and a hidden state) per token.
             last.keys = None
         session.tokens.append(token)
+
+    def _decode_rows(self, _slot: int, count: int, *_: int) -> None:
+        """One pass of rank 0's batch: a token for each of ``count`` sessions."""
+        fields = c.int_list(c.receive(self.group, mx.zeros((2 * count,), dtype=mx.int32)))
+        sessions = [self._session(slot, c.DECODE_ROWS) for slot in fields[:count]]
+        tokens = fields[count:]
+        for session in sessions:
+            adapter.ensure_capacity(session.cache, 1)
+        # The pass's views drop mlx-lm's ``keys`` hook (``engine.cache.batched``),
+        # so no chain grows as in :meth:`_decode`; the rest as there.
+        batched = BatchedCache([session.cache for session in sessions])
+        self._step = sessions[0].model.model(mx.array(tokens, dtype=mx.int32)[:, None],
+                                             cache=batched.layers)
+        batched.write_back()
+        mx.async_eval(self._step)
+        for session, token in zip(sessions, tokens, strict=True):
+            session.tokens.append(token)
 
     def _checkpoint(self, slot: int, boundary: int, position: int, *_: int) -> None:
         session = self._session(slot, c.CHECKPOINT)

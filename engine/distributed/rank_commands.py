@@ -40,18 +40,19 @@ from engine.models.loader import LoadedModel
 from engine.session.followers import DecodeStep, FollowerLink
 from engine.session.prefill import Chunk
 
-VERSION = 5
+VERSION = 6
 HEADER = 8  # version, op, slot, four arguments, the decode token
 REPLY = 12  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
 
 # Operations (the header's second field).
 (OPEN, PREFILL, DECODE, CHECKPOINT, REWIND, RESET, CLOSE, END, FIT, SAVE, RESTORE, STOP,
- ADOPT, PRUNE) = range(1, 15)
+ ADOPT, PRUNE, DECODE_ROWS) = range(1, 16)
 OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
             CHECKPOINT: "checkpoint", REWIND: "rewind", RESET: "reset", CLOSE: "close",
             END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
-            STOP: "stop", ADOPT: "prefix from another chat", PRUNE: "stored KV kept"}
+            STOP: "stop", ADOPT: "prefix from another chat", PRUNE: "stored KV kept",
+            DECODE_ROWS: "batch's decode step"}
 ROTATE_CODES = {None: -1, False: 0, True: 1}
 UNOPENED = 0  # the slot of a fit check for a chat not opened yet (sessions count from 1)
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
@@ -265,6 +266,22 @@ class SessionLink:
         """``model`` for the answer loop: each call is first sent as a decode step."""
         return _DecodeSteps(model, self)
 
+    def decoding_rows(self, model: DecodeStep, links: Sequence[FollowerLink]) -> DecodeStep:
+        """``model`` for a batch's passes over the sessions of ``links`` (this one
+        among them), in row order: each call is first sent as one decode step of
+        every row.
+
+        Raises:
+            EngineError: a link of another pipeline (or none), which cannot share
+                the pass.
+        """
+        slots = []
+        for link in links:
+            if not isinstance(link, SessionLink) or link.conductor is not self.conductor:
+                raise EngineError("Only conversations of one pipeline can answer together.")
+            slots.append(link.slot)
+        return _RowSteps(model, self.conductor, slots)
+
     def checkpoint(self, boundary: bool, position: int) -> None:
         self.conductor.send(CHECKPOINT, self.slot, int(boundary), position)
 
@@ -355,4 +372,31 @@ class _DecodeSteps:
         fixed = header(DECODE, self.link.slot)[:HEADER - 1]
         message = mx.concatenate([fixed, inputs.reshape(1).astype(mx.int32)])
         mx.async_eval(post(self.link.conductor.group, message))
+        return self.model(inputs, cache=cache)
+
+
+class _RowSteps:
+    """The model as a batch calls it for one set of rows, each call sent first as
+    one decode step of every row (their slots, then their tokens).
+
+    Two messages a step: the header (the row count, known now) and the rows'
+    slots and tokens, sent lazily as the single step's token is (the batch builds
+    pass n+1 before it reads pass n's tokens); the header is queued first, as
+    :meth:`Conductor.send` queues a payload's header, and both ahead of the
+    forward pass, as in :class:`_DecodeSteps`.
+    """
+
+    def __init__(self, model: DecodeStep, conductor: Conductor, slots: Sequence[int]) -> None:
+        self.model = model
+        self.conductor = conductor
+        self.slots = mx.array(list(slots), dtype=mx.int32)
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        rows = self.slots.size
+        if inputs.shape != (rows, 1):
+            raise EngineError("A batch over a pipeline decodes one token per row at a time.")
+        group = self.conductor.group
+        mx.async_eval(post(group, header(DECODE_ROWS, 0, rows)))
+        mx.async_eval(post(group, mx.concatenate([self.slots,
+                                                  inputs.reshape(rows).astype(mx.int32)])))
         return self.model(inputs, cache=cache)

@@ -6,6 +6,10 @@ answers starts at once instead of after it. Each answer ends with its own
 ``Finished`` or ``Failed``, sent as its row leaves the batch; one that memory
 cannot hold beside the others yet is told so by ``AnswerWaiting``.
 
+On a pipeline, the other ranks are told a request ended (``FollowerLink.end``)
+once no pass the batch queued still feeds its session, so they and rank 0 hold
+the same tokens when they check.
+
 Everything here runs on the engine worker thread, except :meth:`Answering.counts`
 and :meth:`Answering.cancel_in`, which read frozen values and set events.
 """
@@ -66,6 +70,15 @@ class _Member:
     reused: int
 
 
+@dataclass(frozen=True)
+class _RanksEnd:
+    """A request's end, to tell a pipeline's other ranks once no pass feeds its session."""
+
+    session: Session
+    cancelled: bool
+    reply: bool  # whether they answer (not after an unexpected error: the group may be gone)
+
+
 class Answering:
     """The chats answering together on the worker thread, and how each one ends.
 
@@ -92,6 +105,7 @@ class Answering:
         self._batch: BatchDecoder | None = None
         self._members: dict[int, _Member] = {}
         self._told: dict[int, str] = {}  # the waiting reason last sent, per request
+        self._ranks_ends: list[_RanksEnd] = []
         self._heartbeat = ExitStack()
         self._lock = threading.Lock()
         self._counts = StreamCounts()
@@ -143,10 +157,8 @@ class Answering:
 
     def can_take(self, session: Session) -> bool:
         """Whether ``session``'s answer may run in the batch now (else it runs alone,
-        once the batch is empty): not a pipeline's, and its layers can share a
-        pass with those of the answers running."""
-        if session.followers is not None:
-            return False
+        once the batch is empty): its layers can share a pass with those of the
+        answers running."""
         caches = [member.session.cache for member in self._members.values()][:1]
         try:
             check_batchable([*caches, session.cache])
@@ -174,7 +186,7 @@ class Answering:
         self._hold(command, session, reused)
 
     def adopt_read(self, command: Command, session: Session,
-                   steps: Generator[None, None, AnswerStart], prompt: Prompt,
+                   steps: Generator[bool, None, AnswerStart], prompt: Prompt,
                    reused: int) -> None:
         """Go on in the batch with a conversation read in alone until it paused."""
         self._batch_for(session).adopt_read(session, command.request_id, steps, prompt.ids)
@@ -190,10 +202,11 @@ class Answering:
             results = batch.step()
         except Exception as error:
             self._abandon(batch, error)
-            return
+            results = []
         for result in results:
             if result.finish is not None:
                 self._end(result)
+        self._tell_ranks(batch)
         self._tell_waiting(batch.waiting)
         self._stats.publish_when_due([m.session for m in self._members.values()])
         self._count()
@@ -223,11 +236,15 @@ class Answering:
             self._tell_waiting(self._batch.waiting)
         self._count()
 
-    def _end(self, result: RowToken, ending: Failed | None = None) -> None:
+    def _end(self, result: RowToken, ending: Failed | None = None,
+             ranks_reply: bool = True) -> None:
         with self._lock:
             member = self._members.pop(result.request_id)
         self._told.pop(result.request_id, None)
         session = member.session
+        if session.followers is not None:
+            self._ranks_ends.append(_RanksEnd(session, member.command.cancel.is_set(),
+                                              ranks_reply))
         if session.memory_stop:
             log.warning("answer in %s stopped for memory: %s", session.session_id,
                         session.memory_stop)
@@ -243,7 +260,19 @@ class Answering:
         for request_id in batch.abandon():
             member = self._members.get(request_id)
             if member is not None:
-                self._end(RowToken(request_id, None, "error"), self._fault(member.command, error))
+                self._end(RowToken(request_id, None, "error"), self._fault(member.command, error),
+                          ranks_reply=isinstance(error, EngineError))
+
+    def _tell_ranks(self, batch: BatchDecoder) -> None:
+        """Tell a pipeline's other ranks of the requests that ended whose sessions no
+        queued pass feeds any more: they then hold the tokens rank 0 holds."""
+        fed = batch.session_ids()
+        for end in [end for end in self._ranks_ends if end.session.session_id not in fed]:
+            self._ranks_ends.remove(end)
+            if end.session.followers is not None:
+                end.session.followers.end(len(end.session.tokens), end.cancelled,
+                                          answer=end.reply)
+            self._stats.publish(end.session)
 
     def _tell_waiting(self, waiting: tuple[Waiting, ...]) -> None:
         for wait in waiting:

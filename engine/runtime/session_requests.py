@@ -28,7 +28,7 @@ from engine.session.session import AnswerStart, Session
 log = logging.getLogger(__name__)
 
 
-ReadSteps = Generator[None, None, AnswerStart]
+ReadSteps = Generator[bool, None, AnswerStart]
 """A conversation's read in, a chunk a ``next``, then its answer (``Session.answer_steps``)."""
 
 
@@ -38,6 +38,25 @@ class ChatStart(NamedTuple):
     session: Session
     prompt: Prompt
     reused: int  # tokens brought back from disk or another chat
+
+
+def _ahead_until(pause: Callable[[], bool]) -> Callable[[], bool]:
+    """A read alone sends chunks ahead to a pipeline's other ranks until ``pause``
+    first says so: from then on it may go on in a batch, between its passes."""
+    paused = False
+
+    def ahead() -> bool:
+        nonlocal paused
+        paused = paused or pause()
+        return not paused
+    return ahead
+
+
+class _Read:
+    """A request answered alone, as its read's end sees it."""
+
+    def __init__(self) -> None:
+        self.goes_on = False  # paused, to go on in the batch
 
 
 class SessionRequests:
@@ -90,21 +109,25 @@ class SessionRequests:
         session, prompt, reused = start
         pause = pause or (lambda: False)
         try:
-            with self._reading(session, cancel):
+            with self._reading(session, cancel) as read:
                 steps = session.answer_steps(
                     request.messages, request.sampling, request_id=request_id, cancel=cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
+                    ahead=_ahead_until(pause),
                 )
-                next(steps)  # the checks: one that cannot be answered fails here
+                announced = next(steps)  # the checks: one that cannot be answered fails here
                 while True:
-                    if pause():
+                    # A chunk sent ahead is read first: the batch's passes go after it.
+                    if not announced and pause():
+                        read.goes_on = True
                         return steps
                     try:
-                        next(steps)
+                        announced = next(steps)
                     except StopIteration as done:
                         answer: AnswerStart = done.value
                         break
                 reason = session.run_answer(answer, pause)
+                read.goes_on = reason == "paused"
         except Cancelled as stop:
             return read_cancelled(request_id, stop, reused)
         if reason == "paused":
@@ -158,21 +181,23 @@ class SessionRequests:
         return QualityChecked(request_id, session_id, receipt)
 
     @contextmanager
-    def _reading(self, session: Session, cancel: threading.Event) -> Iterator[None]:
+    def _reading(self, session: Session, cancel: threading.Event) -> Iterator[_Read]:
         """Publish the session's stats around a read, with the heartbeat on during it
-        (and a pipeline's other ranks told the read ended, so they check their tokens)."""
+        (and a pipeline's other ranks told the read ended, so they check their tokens,
+        unless the request goes on in the batch, which tells them when it ends)."""
         self._stats.publish(session)
+        read = _Read()
         expected = True  # ended, or failed with an EngineError: the group still answers
         try:
             with self._stats.heartbeat():
-                yield
+                yield read
         except EngineError:
             raise
         except BaseException:
             expected = False
             raise
         finally:
-            if session.followers is not None:
+            if session.followers is not None and not read.goes_on:
                 session.followers.end(len(session.tokens), cancel.is_set(), answer=expected)
             self._stats.publish(session)
 

@@ -20,8 +20,10 @@ answer alone does (and mlx-lm's BatchGenerator), each pass is queued before the
 last one's tokens are read, so the device computes while Python reads and
 streams them; a row goes into the next pass when its length limit, its Stop and
 its pages allow, and an end-of-turn token is fed as alone. Rows decode plainly
-(no speculative drafts). Every method runs MLX and must be called from the
-engine worker thread.
+(no speculative drafts). On a pipeline (a model split over machines) each pass
+is sent to the other ranks first, as one decode step of every row
+(``FollowerLink.decoding_rows``); a chunk read goes as a session's read alone
+does. Every method runs MLX and must be called from the engine worker thread.
 
 A conversation joins only when memory holds what it adds: the pages its read
 and first token take, and one more row of the step's transient
@@ -50,6 +52,7 @@ from engine.cache.batched import BatchedCache, check_batchable
 from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.format import human_bytes
+from engine.session.followers import DecodeStep
 from engine.session.prefill import Emit, finish
 from engine.session.prompt_ids import Prompt, common_prefix
 from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
@@ -167,7 +170,7 @@ class _Reading:
 
     session: Session
     request_id: int
-    steps: Generator[None, None, AnswerStart]
+    steps: Generator[bool, None, AnswerStart]
     to_read: int  # tokens it had to read when it joined: the shortest read goes first
     tokens: int  # tokens its pages hold once read in, its first answer token included
 
@@ -289,7 +292,7 @@ class BatchDecoder:
 
         Raises:
             EngineError: the session cannot join (another model, a layer the
-                batch cannot carry, a pipeline, already answering or waiting), or
+                batch cannot carry, already answering or waiting), or
                 the conversation cannot be answered even with the batch's other
                 conversations gone (it does not fit, memory is critical), as
                 :meth:`Session.chat` raises it before reading.
@@ -323,7 +326,7 @@ class BatchDecoder:
         self.rows.append(_Row(session, answer, answer.stream.paused_at))
 
     def adopt_read(self, session: Session, request_id: int,
-                   steps: Generator[None, None, AnswerStart], prompt: list[int]) -> None:
+                   steps: Generator[bool, None, AnswerStart], prompt: list[int]) -> None:
         """Go on with a conversation that was read in alone until it paused between
         two chunks (``steps``: :meth:`Session.answer_steps` past its checks): the
         rest is read a chunk a step, then it answers in the batch.
@@ -473,8 +476,6 @@ class BatchDecoder:
     def _check_joins(self, session: Session, request_id: int) -> None:
         if session.model is not self.model:
             raise EngineError("Only conversations of the same model can answer together.")
-        if session.followers is not None:
-            raise EngineError("A model split over several machines answers one chat at a time.")
         queued = self._queued.rows if self._queued is not None else []
         busy = [row.session for row in [*self.rows, *queued]]
         busy += [r.session for r in self.reading] + [j.session for j in self._joining]
@@ -600,7 +601,8 @@ class BatchDecoder:
                   for row in rows]
         tokens = mx.concatenate(inputs)[:, None]
         cache = BatchedCache([row.session.cache for row in rows])
-        logits = self.model(tokens, cache=cache.layers)[:, -1, :]
+        model = _pass_model(self.model, [row.session for row in rows])
+        logits = model(tokens, cache=cache.layers)[:, -1, :]
         cache.write_back()
         sampled = mx.concatenate([row.answer.stream.sample(tokens[index], logits[index:index + 1])
                                   for index, row in enumerate(rows)])
@@ -639,3 +641,16 @@ class BatchDecoder:
         row.answer.stream.flush()
         reason, stats = row.session.finish_answer(row.answer, reason)
         return RowToken(row.request_id, token, reason, stats)
+
+
+def _pass_model(model: Any, sessions: list[Session]) -> DecodeStep:
+    """``model`` for one pass over ``sessions``: on a pipeline, each call is sent to
+    the other ranks first, as one decode step of every row."""
+    links = [session.followers for session in sessions]
+    held = [link for link in links if link is not None]
+    if not held:
+        return model
+    if len(held) != len(links):
+        raise EngineError("A conversation split over several machines cannot share a pass "
+                          "with one that is not.")
+    return held[0].decoding_rows(model, held)

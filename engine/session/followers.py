@@ -7,7 +7,7 @@ end above this layer); on one machine a session has no link.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import mlx.core as mx
@@ -34,6 +34,12 @@ class FollowerLink(Protocol):
 
     def decoding(self, model: DecodeStep) -> DecodeStep:
         """``model`` for the answer loop, each call sent to the other ranks first."""
+        ...
+
+    def decoding_rows(self, model: DecodeStep,
+                      links: Sequence[FollowerLink]) -> DecodeStep:
+        """``model`` for a batch's passes over the sessions of ``links`` (this one
+        among them, in row order), each call sent to the other ranks first."""
         ...
 
     def checkpoint(self, boundary: bool, position: int) -> None:

@@ -13,7 +13,10 @@ the chunks that finished stay held, and the error in the result says how many.
 On a pipeline the other ranks may be sent the next chunk ahead, so that they
 read it while this rank runs its own layers of the current one; a chunk sent
 ahead is read whatever happens meanwhile (a cancel, a memory stop), so a stop
-lands one chunk later there than on one machine.
+lands one chunk later there than on one machine. A chunk sent ahead must be the
+next thing the other ranks get: a read run a chunk at a time says after each
+chunk whether it sent the next one ahead, and sends ahead only while its
+caller's ``ahead`` allows (a batch's decode passes run between its chunks).
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ class ChunkedPrefill:
         back to the tokens held.
         """
         return finish(self.chunks(ids, boundaries, request_id=request_id, watch=watch,
-                                  emit=emit, tick=tick, total=total))
+                                  emit=emit, tick=tick, total=total, ahead=always))
 
     def chunks(
         self,
@@ -193,11 +196,15 @@ class ChunkedPrefill:
         emit: Emit,
         tick: Callable[[], None],
         total: int,
-    ) -> Generator[None, None, PrefillResult]:
-        """:meth:`run`, one chunk a ``next``: yields after each chunk it read.
+        ahead: Callable[[], bool],
+    ) -> Generator[bool, None, PrefillResult]:
+        """:meth:`run`, one chunk a ``next``: yields after each chunk it read whether
+        it sent the next one ahead (then the next ``next`` must come before anything
+        else reaches a pipeline's other ranks), as far as ``ahead`` allows it.
 
         Its return value (``StopIteration.value``) is :meth:`run`'s result; the
-        caller may do other work between two chunks (a batch's decode steps).
+        caller may do other work between two chunks (a batch's decode steps)
+        where the last one sent nothing ahead.
         """
         start = self.clock()
         base = len(self.target.tokens)
@@ -214,10 +221,10 @@ class ChunkedPrefill:
                         size, watch, request_id, emit, tick)
                     if short or watch.is_set():
                         return self._stopped(read, total, start, watch, short)
-                ahead = self._ahead(plan[index + 1:index + 2], watch)
+                following = self._ahead(plan[index + 1:index + 2], watch, ahead)
                 chunk_began = self.clock()
                 try:
-                    announced = self.target.forward(chunk, ahead=ahead, announced=announced)
+                    announced = self.target.forward(chunk, ahead=following, announced=announced)
                 except KvBudgetExceeded:
                     # Free RAM, not the budget, refused the pages: wait for it once, and
                     # try the same chunk again (a second refusal is the answer). Nothing
@@ -239,7 +246,7 @@ class ChunkedPrefill:
                 emit(IngestProgress(request_id, read, len(ids), rate, eta,
                                     size, base + read - size, now - chunk_began))
                 tick()
-                yield
+                yield announced
         except KvBudgetExceeded as error:
             # Raised before the chunk touched any layer.
             return self._refused(error, read, total, start)
@@ -256,10 +263,12 @@ class ChunkedPrefill:
             return PrefillResult(read, kept, total, self.clock() - start, stop, str(error))
         return PrefillResult(read, len(self.target.tokens), total, self.clock() - start)
 
-    def _ahead(self, following: list[Chunk], watch: PressureWatch) -> Chunk | None:
+    def _ahead(self, following: list[Chunk], watch: PressureWatch,
+               ahead: Callable[[], bool]) -> Chunk | None:
         """The next chunk, to send ahead, when there is one, the target sends chunks
-        ahead, nothing asked the read to stop and free RAM holds it now."""
-        if not following or not self.target.reads_ahead or watch.is_set():
+        ahead, nothing asked the read to stop, the caller allows it and free RAM
+        holds it now."""
+        if not following or not self.target.reads_ahead or watch.is_set() or not ahead():
             return None
         chunk = following[0]
         if self.guard.free_bytes() < self.target.chunk_bytes(len(chunk.ids)):
@@ -340,7 +349,17 @@ class ChunkedPrefill:
 ResultT = TypeVar("ResultT")
 
 
-def finish(steps: Generator[None, None, ResultT]) -> ResultT:
+def always() -> bool:
+    """A read's ``ahead`` when nothing runs between its chunks: send ahead where it can."""
+    return True
+
+
+def never() -> bool:
+    """A read's ``ahead`` when other work runs between its chunks: send nothing ahead."""
+    return False
+
+
+def finish(steps: Generator[bool, None, ResultT]) -> ResultT:
     """Run a generator of steps (e.g. :meth:`ChunkedPrefill.chunks`) to its end;
     its return value."""
     while True:

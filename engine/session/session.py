@@ -34,7 +34,9 @@ from engine.session.prefill import (
     Emit,
     PrefillResult,
     activation_value_bytes,
+    always,
     finish,
+    never,
 )
 from engine.session.prompt_ids import Prompt, common_prefix, end_of_turn_ids, render_prompt
 from engine.session.sampling import AnswerStream, SamplingParams
@@ -472,7 +474,7 @@ class Session:
         """
         return finish(self.prefill_chunks(ids, request_id=request_id, cancel=cancel,
                                           emit=emit, tick=tick, boundaries=boundaries,
-                                          total=total))
+                                          total=total, ahead=always))
 
     def prefill_chunks(
         self,
@@ -484,8 +486,10 @@ class Session:
         tick: Callable[[], None],
         boundaries: list[int] | None = None,
         total: int | None = None,
-    ) -> Generator[None, None, PrefillResult]:
-        """:meth:`prefill`, one chunk a ``next`` (see ``ChunkedPrefill.chunks``)."""
+        ahead: Callable[[], bool] = never,
+    ) -> Generator[bool, None, PrefillResult]:
+        """:meth:`prefill`, one chunk a ``next``, each saying whether it sent the next
+        chunk ahead, as far as ``ahead`` allows (see ``ChunkedPrefill.chunks``)."""
         if not isinstance(cancel, PressureWatch):
             cancel = self.guard.watch(self.session_id, cancel)
         newest = self.checkpoints.newest()
@@ -495,7 +499,8 @@ class Session:
                                  clock=self.clock, sleep=self.sleep)
         result = yield from prefill.chunks(
             ids, list(boundaries or ()), request_id=request_id, watch=cancel, emit=emit,
-            tick=tick, total=len(self.tokens) + len(ids) if total is None else total)
+            tick=tick, total=len(self.tokens) + len(ids) if total is None else total,
+            ahead=ahead)
         self.memory_stop = result.memory
         result.raise_if_stopped()
         return result
@@ -622,9 +627,12 @@ class Session:
         tick: Callable[[], None],
         prompt: Prompt | None = None,
         by_chunk: bool = True,
-    ) -> Generator[None, None, AnswerStart]:
+        ahead: Callable[[], bool] = never,
+    ) -> Generator[bool, None, AnswerStart]:
         """:meth:`start_answer`, a step a ``next``: the checks, then each chunk read
-        (``by_chunk``; else the whole read in one step, by :meth:`prefill`).
+        (``by_chunk``; else the whole read in one step, by :meth:`prefill`). Each
+        step says whether it sent the next chunk ahead to a pipeline's other ranks,
+        as far as ``ahead`` allows (``ChunkedPrefill.chunks``).
 
         A batch (``engine.session.batch``) reads a conversation in this way
         between its decode steps. Errors are raised by the ``next`` that meets them.
@@ -640,14 +648,14 @@ class Session:
         room = self.room_for(len(ids))
         if room < 1:
             raise ContextTooLong(self.fit_report(len(ids) + 1).message())
-        yield  # checked: the conversation fits
+        yield False  # checked: the conversation fits
         kept = self.sync(ids, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)
         boundaries = self._boundaries(rendered, kept)
         if by_chunk:
             read = yield from self.prefill_chunks(
                 ids[kept:-1], request_id=request_id, cancel=watch, emit=emit, tick=tick,
-                boundaries=boundaries, total=len(ids))
+                boundaries=boundaries, total=len(ids), ahead=ahead)
         else:
             read = self.prefill(ids[kept:-1], request_id=request_id, cancel=watch, emit=emit,
                                 tick=tick, boundaries=boundaries, total=len(ids))

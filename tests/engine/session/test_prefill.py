@@ -1,5 +1,6 @@
 """Chunked prefill on a pipeline: the next chunk goes to the other ranks before
-rank 0 runs its own layers of the current one, and a chunk sent ahead is read."""
+rank 0 runs its own layers of the current one, and a chunk sent ahead is read; a
+read run a chunk at a time sends ahead only while its caller allows it."""
 
 from __future__ import annotations
 
@@ -131,3 +132,39 @@ def test_pages_that_cannot_hold_the_next_chunk_keep_it_from_being_sent(hybrid) -
     assert [(p, n) for kind, p, n, *_ in log if kind == "sent"] == [(0, 8), (8, 5), (13, 3)]
     assert refused.value.kept_tokens == len(session.tokens) == 16
 
+
+
+def test_a_read_a_chunk_at_a_time_sends_ahead_only_while_its_caller_allows(hybrid) -> None:
+    ids = hybrid.tokenizer.encode(TEXT)[:40]
+
+    def read(ahead: Any = None) -> tuple[list[bool], list[tuple[Any, ...]]]:
+        log: list[tuple[Any, ...]] = []
+        session = _rank0(hybrid, log)
+        extra = {} if ahead is None else {"ahead": ahead}
+        steps = session.prefill_chunks(ids, request_id=1, cancel=threading.Event(),
+                                       emit=lambda event: None, tick=lambda: None,
+                                       boundaries=[13], **extra)
+        said = []
+        while True:
+            try:
+                said.append(next(steps))
+            except StopIteration:
+                break
+        assert session.tokens == ids
+        return said, log
+
+    # By default (a batch's reads, with its passes between the chunks): never
+    # ahead, each chunk sent just before rank 0 runs it.
+    said, log = read()
+    assert not any(said)
+    order = [(kind, position) for kind, position, *_ in log if kind in ("sent", "stage")]
+    assert order == [(kind, p) for p in (0, 8, 13, 16, 24, 32) for kind in ("sent", "stage")]
+    # A caller that stops allowing it after the second chunk: the third chunk was
+    # sent ahead (said after the second), and nothing after it.
+    asked = iter([True, True, False, False, False])
+    said, log = read(lambda: next(asked))
+    assert said == [True, True, False, False, False, False]
+    sent = [entry for entry in log if entry[0] == "sent"]
+    stages = [entry for entry in log if entry[0] == "stage"]
+    assert log.index(sent[2]) < log.index(stages[1])
+    assert log.index(stages[2]) < log.index(sent[3])
