@@ -304,7 +304,8 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     if args.parallel is not None and args.parallel < 1:
         raise EngineError("--parallel must be at least 1.")
     options = {"max_sessions": args.sessions, "queue_limit": args.queue_limit,
-               "snapshot_budget": budget, "counted_with": (paths.snapshots_dir(),)}
+               "snapshot_budget": budget, "counted_with": (paths.snapshots_dir(),),
+               "parallel": args.parallel}
     where = ""
     if args.pipeline > 1 or args.hostfile is not None:
         from engine.server.pipeline import PipelineBridge
@@ -315,8 +316,7 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
         where = (f" over {bridge.machines} machines ({args.hostfile})" if args.hostfile
                  else f" over {bridge.machines} local ranks")
     else:
-        bridge = ServerBridge(args.model, args.kv, server_snapshot_dir(),
-                              parallel=args.parallel, **options)
+        bridge = ServerBridge(args.model, args.kv, server_snapshot_dir(), **options)
     out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
               f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
     out.flush()

@@ -1,11 +1,13 @@
 """One rank of the app's pipeline engine, started by ``engine.distributed.remote``.
 
 ``python -m engine.distributed.rank --model PATH [--chunk N] [--budget BYTES]
-[--split 10,14] [--kv-store app|server]`` runs on every rank under mlx.launch.
-Rank 0 runs an ``EngineWorker`` on the pipeline group (with the stored KV of
-this machine's data folder: the app's, or the API server's own) and serves its
-front end's connection: each call it reads becomes a worker call, each event
-the worker sends goes back with the front end's request id. The other ranks
+[--split 10,14] [--kv-store app|server] [--streams N]`` runs on every rank under
+mlx.launch. Rank 0 runs an ``EngineWorker`` on the pipeline group (with the stored
+KV of this machine's data folder: the app's, or the API server's own; up to
+``--streams`` answers together) and serves its front end's connection: each call
+it reads becomes a worker call, each event the worker sends goes back with the
+front end's request id, and the answers it runs together follow whenever they
+changed. The other ranks
 follow rank 0 (``engine.distributed.follower``), each with its own ``rank<N>``
 folder of stored KV in the same store of its own machine's data folder.
 """
@@ -28,6 +30,7 @@ from engine.distributed.launch import join_group, rank_report_dir, write_rank_re
 from engine.distributed.link import ADDRESS_ENV, KEY_ENV
 from engine.errors import EngineError
 from engine.events import Event, Failed, Finished, renumbered, request_id_of
+from engine.runtime.answering import StreamCounts
 from engine.runtime.commands import CANCELLABLE, REQUESTS, Request
 from engine.runtime.interface import OnEvent
 from engine.runtime.worker import UNEXPECTED, EngineWorker
@@ -58,6 +61,7 @@ class LeadRank:
         self._ids_lock = threading.Lock()
         self._ids: dict[int, int] = {}  # the worker's request id -> the app's
         self._cancels: dict[int, threading.Event] = {}  # by the app's request id
+        self._streams: StreamCounts | None = None  # as last sent to the app
         self.worker = make_worker(self._on_event)
 
     def serve(self) -> None:
@@ -115,6 +119,16 @@ class LeadRank:
                 return
             event = renumbered(event, app_id)
         self._send(("event", event))
+        self._send_streams()
+
+    def _send_streams(self) -> None:
+        """Send the worker's answers running together when they changed: they change
+        at its steps, which send events, so the app's copy follows them (its
+        ``streams`` must never wait on rank 0)."""
+        streams = self.worker.streams()
+        if streams != self._streams:
+            self._streams = streams
+            self._send(("streams", streams))
 
     def _call(self, app_id: int, request: Request) -> None:
         if not isinstance(request, REQUESTS):
@@ -174,7 +188,8 @@ def _lead(group: mx.distributed.Group, args: argparse.Namespace) -> None:
 
     def make_worker(on_event: OnEvent) -> EngineWorker:
         return EngineWorker(on_event, budget_bytes=args.budget, chunk_size=args.chunk,
-                            snapshots=snapshots, pipeline=Pipeline(group, args.split))
+                            snapshots=snapshots, pipeline=Pipeline(group, args.split),
+                            streams=args.streams)
 
     LeadRank(conn, make_worker).serve()
 
@@ -188,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", type=lambda text: [int(n) for n in text.split(",")],
                         default=None)
     parser.add_argument("--kv-store", choices=KV_STORES, default="app")
+    parser.add_argument("--streams", type=int, default=None)
     args = parser.parse_args(argv)
     folder = rank_report_dir()
     if folder is None:

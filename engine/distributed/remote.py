@@ -48,7 +48,7 @@ from engine.events import (
     request_id_of,
 )
 from engine.memory import fit
-from engine.runtime.answering import StreamCounts
+from engine.runtime.answering import DEFAULT_STREAMS, StreamCounts
 from engine.runtime.commands import (
     CANCELLABLE,
     SETTINGS,
@@ -127,6 +127,8 @@ class RemoteWorker(Worker):
             even split).
         kv_store: whose stored KV the ranks keep, in each machine's data folder:
             "app" (the app's chats) or "server" (the API server's own).
+        streams: answers rank 0 may decode together (None: as free memory allows
+            beside the model, ``EngineWorker``'s default).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class RemoteWorker(Worker):
         hostfile: Path | None = None,
         split: Sequence[int] | None = None,
         kv_store: str = "app",
+        streams: int | None = None,
     ) -> None:
         self._on_event = on_event
         self._budget_bytes = budget_bytes
@@ -147,6 +150,7 @@ class RemoteWorker(Worker):
         self._hostfile = None if hostfile is None else Path(hostfile)
         self._split = None if split is None else [int(n) for n in split]
         self._kv_store = kv_store
+        self._stream_limit = streams
         self._ids = itertools.count(1)
         self._reads = itertools.count(1)
         self._lock = threading.Lock()  # the state below
@@ -157,6 +161,7 @@ class RemoteWorker(Worker):
         # Replayed on every new group, one of each kind.
         self._settings: dict[type[Request], Request] = {}
         self._last_stats: StatsSample | None = None
+        self._streams = StreamCounts(limit=DEFAULT_STREAMS if streams is None else streams)
         self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()
         # Every event goes out on one thread, in order, never the one that reads
         # the connection: ``on_event`` may ask rank 0 a question (a fit check).
@@ -230,12 +235,11 @@ class RemoteWorker(Worker):
         return self.submit(CloseSession(session_id, store))
 
     def streams(self) -> StreamCounts:
-        """A model split across machines answers one chat at a time (rank 0's
-        sessions never join a batch): the chat running, if any, and the limit."""
+        """Rank 0's answers running together, as it last said (after its last event);
+        none once the group is lost. Never waits for rank 0."""
         with self._lock:
-            running = any(request.cancellable and request.sent
-                          for request in self._pending.values())
-        return StreamCounts(answering=int(running), limit=1)
+            streams, lost = self._streams, self._lost is not None
+        return StreamCounts(limit=streams.limit) if lost else streams
 
     def latest_stats(self) -> StatsSample | None:
         """Rank 0's last stats sample, as it arrived; never waits for rank 0.
@@ -448,6 +452,7 @@ class RemoteWorker(Worker):
         self._lost = None
         with self._lock:
             self._pending[request_id] = _Request(False, threading.Event())
+            self._streams = StreamCounts(limit=self._streams.limit)  # the new rank 0 says
         try:
             _check_splittable(path)
             argv = ["--model", str(path), "--chunk", str(self._chunk_size),
@@ -456,6 +461,8 @@ class RemoteWorker(Worker):
                 argv += ["--budget", str(self._budget_bytes)]
             if self._split is not None:
                 argv += ["--split", ",".join(map(str, self._split))]
+            if self._stream_limit is not None:
+                argv += ["--streams", str(self._stream_limit)]
             link = Link(argv, self._ranks, self._hostfile, self._on_message, self._lose,
                         lambda text: self._emit(Notice(request_id, text)))
         except EngineError as error:
@@ -478,6 +485,9 @@ class RemoteWorker(Worker):
     def _on_message(self, message: tuple[Any, ...]) -> None:
         if message[0] == "event":
             self._deliver(message[1])
+        elif message[0] == "streams":
+            with self._lock:
+                self._streams = message[1]
         elif message[0] == "reply":
             _, call_id, ok, value = message
             with self._lock:

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Generator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from engine.cache.batched import check_batchable
 from engine.errors import Cancelled, EngineError
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STREAMS = 4
 """Answers decoding together unless the front end sets its own limit."""
+
+Phase = Literal["reading", "decoding"] | None
+"""Where an answer running alone is: reading its conversation in, decoding, or neither."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class Answering:
         self._heartbeat = ExitStack()
         self._lock = threading.Lock()
         self._counts = StreamCounts()
+        self._alone: Phase = None
         self.limit = limit
 
     # -- any thread ------------------------------------------------------------
@@ -211,6 +216,13 @@ class Answering:
         self._stats.publish_when_due([m.session for m in self._members.values()])
         self._count()
 
+    def alone(self, phase: Phase) -> None:
+        """An answer running alone, outside the batch, is reading its conversation in
+        or decoding (None: it ended, or went on in the batch): counted with the
+        batch's."""
+        self._alone = phase
+        self._count()
+
     def close(self) -> None:
         """Forget the batch (its model is going); nothing may be running in it."""
         self._batch = None
@@ -282,11 +294,12 @@ class Answering:
 
     def _count(self) -> None:
         batch = self._batch
-        if batch is None:
-            self._counts = StreamCounts(limit=self.limit)
-            return
-        self._counts = StreamCounts(len(batch.rows), len(batch.reading), len(batch.waiting),
-                                    self.limit)
+        answering = int(self._alone == "decoding")
+        reading = int(self._alone == "reading")
+        if batch is not None:
+            answering, reading = answering + len(batch.rows), reading + len(batch.reading)
+        waiting = 0 if batch is None else len(batch.waiting)
+        self._counts = StreamCounts(answering, reading, waiting, self.limit)
 
 
 def _no_tick() -> None:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from engine.errors import Cancelled, EngineError
 from engine.events import Event, Finished, QualityChecked, QualityProgress
 from engine.memory.guard import MemoryGuard
+from engine.runtime.answering import Phase
 from engine.runtime.commands import Chat, CheckQuality, Ingest
 from engine.runtime.endings import read_cancelled
 from engine.runtime.held_sessions import HeldSessions
@@ -38,6 +39,10 @@ class ChatStart(NamedTuple):
     session: Session
     prompt: Prompt
     reused: int  # tokens brought back from disk or another chat
+
+
+def _no_phase(phase: Phase) -> None:
+    """Where a chat alone is, told to no one."""
 
 
 def _ahead_until(pause: Callable[[], bool]) -> Callable[[], bool]:
@@ -101,15 +106,19 @@ class SessionRequests:
 
     def chat(self, request_id: int, request: Chat, cancel: threading.Event,
              start: ChatStart, pause: Callable[[], bool] | None = None,
+             phase: Callable[[Phase], None] | None = None,
              ) -> Finished | AnswerStart | ReadSteps:
         """Answer the conversation's last user turn alone, streaming ``TokenChunk``
         events, until it ends or ``pause`` says so between two chunks of its read
         (then the read's steps) or two decode steps (then the answer): either goes
-        on in a batch (``Answering.adopt_read``, ``Answering.adopt``)."""
+        on in a batch (``Answering.adopt_read``, ``Answering.adopt``). ``phase``
+        is told where it is, and None once it ended or paused."""
         session, prompt, reused = start
         pause = pause or (lambda: False)
+        phase = phase or _no_phase
         try:
             with self._reading(session, cancel) as read:
+                phase("reading")
                 steps = session.answer_steps(
                     request.messages, request.sampling, request_id=request_id, cancel=cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
@@ -126,10 +135,13 @@ class SessionRequests:
                     except StopIteration as done:
                         answer: AnswerStart = done.value
                         break
+                phase("decoding")
                 reason = session.run_answer(answer, pause)
                 read.goes_on = reason == "paused"
         except Cancelled as stop:
             return read_cancelled(request_id, stop, reused)
+        finally:
+            phase(None)
         if reason == "paused":
             return answer
         reason, stats = session.finish_answer(answer, reason)

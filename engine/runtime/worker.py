@@ -561,14 +561,15 @@ class EngineWorker(Worker):
                                             keep=self._answering.session_ids())
         answering = self._answering
         if not answering.can_take(start.session):
-            alone = self._requests.chat(command.request_id, request, command.cancel, start)
+            alone = self._requests.chat(command.request_id, request, command.cancel, start,
+                                        phase=answering.alone)
             assert isinstance(alone, Finished)  # it never pauses
             return alone
         if answering.busy or self._another_comes():
             answering.join(command, request, *start)
             return None
         alone = self._requests.chat(command.request_id, request, command.cancel, start,
-                                    pause=self._another_comes)
+                                    pause=self._another_comes, phase=answering.alone)
         if isinstance(alone, Finished):
             return alone
         if isinstance(alone, AnswerStart):

@@ -45,6 +45,8 @@ class PipelineBridge(ServerBridge):
         hostfile: an MLX hostfile, this machine first; its hosts are the ranks.
         split: layers per rank, rank 0 (the last layers) first (None: even).
         snapshot_budget: the stored-KV disk budget in bytes (None: the default).
+        parallel: requests that decode together, over the pipeline and on this
+            machine after a fall-back (None: chosen from free memory at the load).
         **bridge_args: ``ServerBridge``'s other keyword arguments.
 
     Raises:
@@ -54,17 +56,18 @@ class PipelineBridge(ServerBridge):
     def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
                  ranks: int = 2, hostfile: Path | None = None,
                  split: Sequence[int] | None = None, snapshot_budget: int | None = None,
-                 **bridge_args: Any) -> None:
+                 parallel: int | None = None, **bridge_args: Any) -> None:
         if hostfile is not None:
             ranks = len(hostfile_hosts(hostfile))
         self._ranks = ranks
+        self._parallel = parallel
         self._generation = 0  # the worker whose events count; the next one is +1
         self._fallback: threading.Thread | None = None
         self._closing = False
         worker = RemoteWorker(self._events_of(0), ranks=ranks, hostfile=hostfile,
-                              split=split, kv_store="server")
+                              split=split, kv_store="server", streams=parallel)
         super().__init__(model, kv_mode, snapshot_dir, worker=worker,
-                         snapshot_budget=snapshot_budget, **bridge_args)
+                         snapshot_budget=snapshot_budget, parallel=parallel, **bridge_args)
         if snapshot_budget is not None:  # kept for the group, applied when it starts
             worker.set_snapshot_budget(snapshot_budget)
 
@@ -141,7 +144,7 @@ class PipelineBridge(ServerBridge):
                 return
             self._ranks = 1
             self.worker = EngineWorker(self._events_of(self._generation),
-                                       snapshots=self.snapshots)
+                                       snapshots=self.snapshots, streams=self._parallel)
         self.load()
 
 

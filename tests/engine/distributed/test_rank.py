@@ -1,7 +1,8 @@
 """Rank 0's end of the app's connection (engine.distributed.rank.LeadRank), without MLX.
 
 A fake worker stands in for EngineWorker: the LeadRank must give its events the app's
-request ids, pass cancels and reads through, and refuse what it does not serve.
+request ids, pass cancels and reads through, refuse what it does not serve, and
+send the answers running together whenever an event changed them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from engine.distributed.rank import LeadRank
 from engine.errors import ContextTooLong
 from engine.events import Failed, Finished, TokenChunk
+from engine.runtime.answering import StreamCounts
 from engine.runtime.commands import Chat, Request
 from engine.session.sampling import SamplingParams
 
@@ -27,6 +29,10 @@ class FakeWorker:
         self.cancels: dict[int, threading.Event] = {}
         self.threads: list[threading.Thread] = []
         self.stopped: float | None = None
+        self.answering = 0
+
+    def streams(self) -> StreamCounts:
+        return StreamCounts(answering=self.answering)
 
     def start(self) -> None:
         pass
@@ -37,8 +43,10 @@ class FakeWorker:
         self.cancels[request_id] = cancel
 
         def answer() -> None:
+            self.answering += 1
             self.on_event(TokenChunk(request_id, "hi", (5,)))
             cancel.wait(10)
+            self.answering -= 1
             self.on_event(Finished(request_id, "cancelled"))
 
         thread = threading.Thread(target=answer)
@@ -65,6 +73,8 @@ def test_the_host_serves_calls_cancels_and_reads_under_the_apps_ids() -> None:
     try:
         app.send(("call", 41, Chat("s", [], SamplingParams())))
         assert app.recv() == ("event", TokenChunk(41, "hi", (5,)))
+        # The answers running together follow an event that changed them.
+        assert app.recv() == ("streams", StreamCounts(answering=1))
         app.send(("read", 1, "count_tokens", ("abc",)))
         assert app.recv() == ("reply", 1, True, 3)
         app.send(("read", 2, "count_tokens", ("",)))
@@ -77,6 +87,7 @@ def test_the_host_serves_calls_cancels_and_reads_under_the_apps_ids() -> None:
         assert isinstance(refused, Failed) and refused.request_id == 42
         app.send(("cancel", 41))  # rank 0's own Event, so its worker ends the answer
         assert app.recv() == ("event", Finished(41, "cancelled"))
+        assert app.recv() == ("streams", StreamCounts(answering=0))
         app.send(("shutdown", 4.0))
         serving.join(10)
     finally:

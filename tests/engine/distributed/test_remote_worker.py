@@ -159,6 +159,11 @@ def test_a_remote_pipeline_answers_cancels_loses_a_rank_and_restarts(
                            threading.Event())
         queued = worker.ingest("s", messages, threading.Event())
         assert answering.wait(WAIT)
+        # Rank 0's answers running reach the app after the events that changed them.
+        deadline = time.monotonic() + WAIT
+        while worker.streams().answering != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.streams().answering == 1, worker.streams()
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
         failed = recorder.ending(long, timeout=60)
@@ -173,6 +178,7 @@ def test_a_remote_pipeline_answers_cancels_loses_a_rank_and_restarts(
             time.sleep(0.05)
             lost = [e for e in recorder.events if isinstance(e, PipelineLost)]
         assert [e.message for e in lost] == [failed.message]
+        assert worker.streams().in_flight == 0  # the lost group runs nothing
         assert recorder.events.index(lost[0]) > recorder.events.index(failed)
 
         # Until the next load, every request fails at once with the same message.

@@ -14,6 +14,7 @@ from engine.events import (
     Failed,
     Finished,
     IngestProgress,
+    ModelLoaded,
     Notice,
     SessionOpened,
     StatsSample,
@@ -21,6 +22,7 @@ from engine.events import (
 )
 from engine.memory.fit import MOST_STREAMS
 from engine.runtime.answering import StreamCounts
+from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from tests.engine.runtime.test_worker import EventLog, loaded_worker
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -95,6 +97,34 @@ def test_a_chat_sent_while_another_answers_starts_at_once_and_both_say_what_alon
         assert _tokens(log, second) == alone["b"]
         # Nothing left in flight; the limit free memory allows for this tiny model.
         assert worker.streams() == StreamCounts(limit=MOST_STREAMS)
+
+
+def test_an_answer_alone_is_counted_reading_then_decoding(endless_dir: Path) -> None:
+    counted: list[tuple[type, StreamCounts]] = []
+    log = EventLog()
+    worker: EngineWorker
+
+    def on_event(event: object) -> None:  # on the worker thread, as the counts change
+        if isinstance(event, IngestProgress | TokenChunk | Finished):
+            counted.append((type(event), worker.streams()))
+        log(event)
+
+    worker = EngineWorker(on_event, chunk_size=16)
+    worker.start()
+    try:
+        log.result(worker.load_model(str(endless_dir)), ModelLoaded)
+        _open(worker, log, "a")
+        counted.clear()
+        request = worker.chat("a", [{"role": "user", "content": "fox and dog " * 20}], LONG,
+                              threading.Event())
+        assert isinstance(log.ending(request), Finished)
+    finally:
+        worker.shutdown(timeout=10.0)
+    reading, decoding = StreamCounts(reading=1, limit=MOST_STREAMS), \
+        StreamCounts(answering=1, limit=MOST_STREAMS)
+    assert {counts for kind, counts in counted if kind is IngestProgress} == {reading}
+    assert {counts for kind, counts in counted if kind is TokenChunk} == {decoding}
+    assert counted[-1] == (Finished, StreamCounts(limit=MOST_STREAMS))
 
 
 def test_stop_ends_only_its_own_answer(endless_dir: Path) -> None:

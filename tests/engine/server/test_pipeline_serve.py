@@ -62,7 +62,7 @@ def expected(model: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
 def pipeline(model: Path, expected: str,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     running, stop = start_server(model, tmp_path_factory.mktemp("pipeline") / "kv",
-                                 bridge_type=PipelineBridge, ranks=2)
+                                 bridge_type=PipelineBridge, ranks=2, parallel=2)
     stopped = []
 
     def stop_once() -> None:
@@ -107,6 +107,26 @@ def test_a_pipeline_server_answers_as_one_machine_and_says_where_it_runs(
             model="m", messages=MESSAGES, max_tokens=6, extra_body={"speculative": "lookup"})
 
 
+def test_requests_sent_together_decode_together_over_the_pipeline(
+        pipeline: Served, expected: str) -> None:
+    health = httpx.get(pipeline.url + "/health").json()
+    assert health["streams"]["parallel"] == 2 and health["streams"]["decoding"] == 0
+    streams = [_openai(pipeline).chat.completions.create(
+        model="m", messages=MESSAGES, temperature=0.0, max_tokens=100000, stream=True)
+        for _ in range(2)]
+    seen, deadline = 0, time.monotonic() + 120
+    while seen < 2 and time.monotonic() < deadline:
+        seen = max(seen, httpx.get(pipeline.url + "/health").json()["streams"]["decoding"])
+        time.sleep(0.05)
+    for stream in streams:  # both leave mid-answer: each is cancelled on every rank
+        stream.close()
+    assert seen == 2
+    # The ranks still agree: the next answer is one machine's.
+    assert _openai(pipeline).with_options(timeout=120).chat.completions.create(
+        model="m", messages=MESSAGES, temperature=0.0,
+        max_tokens=6).choices[0].message.content == expected
+
+
 def test_a_lost_rank_ends_the_answer_naming_it_and_the_server_goes_on_alone(
         pipeline: Served, expected: str) -> None:
     stream = _openai(pipeline).chat.completions.create(
@@ -128,7 +148,8 @@ def test_a_lost_rank_ends_the_answer_naming_it_and_the_server_goes_on_alone(
     while httpx.get(pipeline.url + "/health").status_code != 200:
         assert time.monotonic() < deadline, pipeline.bridge.load_error
         time.sleep(0.2)
-    assert httpx.get(pipeline.url + "/health").json()["machines"] == 1
+    health = httpx.get(pipeline.url + "/health").json()
+    assert health["machines"] == 1 and health["streams"]["parallel"] == 2  # as asked
     assert _greedy(pipeline) == expected
     pipeline.stop()
 
