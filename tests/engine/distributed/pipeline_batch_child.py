@@ -3,7 +3,8 @@
 Usage: ``python pipeline_batch_child.py MODEL_DIR OUT_DIR``. Rank 0 drives an
 ``EngineWorker`` on its pipeline group: chat "a" (q8) gets a question of a few
 chunks, and once its read alone has begun chat "b" (q6) a short one, so "a"
-pauses and both go on in one batch; then each gets a follow-up, sent together.
+pauses and both go on in one batch; then a follow-up each, "b"'s once "a"'s
+answer alone has begun; then another each, sent together.
 Rank 0 records each answer's tokens, the most answers it saw decoding at once and
 whether a read went on beside an answer; every other rank only follows
 rank 0's commands (``engine.distributed.follower.follow``) and reports the tokens
@@ -29,7 +30,7 @@ from engine.session.sampling import SamplingParams
 
 QUESTIONS = {"a": "Count the sheep in the meadow, one by one, slowly. " * 3,
              "b": "Name a colour."}
-FOLLOW_UPS = {"a": "And the goats?", "b": "Another one, please."}
+FOLLOW_UPS = {"a": "And the goats?", "b": "Another one, please."}  # the same each turn
 MAX_TOKENS = {"a": 16, "b": 40}
 CHUNK = 16
 
@@ -47,6 +48,7 @@ def lead(model_dir: str, group: mx.distributed.Group) -> dict:
     seen = {"answering": 0, "beside": 0}
     talks = {chat: [{"role": "user", "content": text}] for chat, text in QUESTIONS.items()}
     sent: dict[str, int] = {}
+    cue: list[type] = []  # the event of "a"'s that sends "b" (none: sent together)
     worker: EngineWorker
 
     def send(chat: str) -> None:
@@ -54,9 +56,10 @@ def lead(model_dir: str, group: mx.distributed.Group) -> dict:
         sent[chat] = worker.chat(chat, talks[chat], sampling, threading.Event())
 
     def on_event(event: object) -> None:  # on the worker thread
-        if isinstance(event, IngestProgress) and "b" not in sent:
-            send("b")  # "a" is being read alone: it pauses and goes on beside "b"
-        elif isinstance(event, TokenChunk):
+        if cue and isinstance(event, cue[0]) and event.request_id == sent["a"]:
+            cue.clear()
+            send("b")  # "a" runs alone: it pauses and goes on beside "b"
+        if isinstance(event, TokenChunk):
             tokens.setdefault(event.request_id, []).extend(event.token_ids)
             texts[event.request_id] = texts.get(event.request_id, "") + event.text
         elif isinstance(event, Finished | Failed):
@@ -76,10 +79,12 @@ def lead(model_dir: str, group: mx.distributed.Group) -> dict:
         for chat, mode in (("a", "q8"), ("b", "q6")):
             worker.open_session(chat, mode, 16)
             ended.get(timeout=200)
-        send("a")  # "b" follows once "a" is being read
-        for round_ in range(2):
-            if round_:
-                send("a")
+        # "b" while "a" is read in alone, while "a" answers alone, then both at once.
+        for when in (IngestProgress, TokenChunk, None):
+            sent.clear()
+            cue[:] = [] if when is None else [when]
+            send("a")
+            if when is None:
                 send("b")
             for _ in range(2):
                 event = ended.get(timeout=200)

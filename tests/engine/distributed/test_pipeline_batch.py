@@ -25,7 +25,8 @@ def test_two_chats_answer_together_over_two_ranks_as_in_one_process(tmp_path: Pa
     (one,) = _run(model, None, tmp_path / "one", ranks=1, child=CHILD)
     lead, follower = _run(model, None, tmp_path / "two", ranks=2, child=CHILD)
     # Both answered in one batch, and a read went on beside an answer, on one
-    # machine and over the pipeline (where "a" paused its read alone for "b").
+    # machine and over the pipeline (where "a" paused its read, then its answer,
+    # alone for "b").
     for run in (one, lead):
         assert run["answering"] == 2 and run["beside"] == 1, run
     assert all(reason in ("stop", "length") for reason in lead["reasons"]), lead
@@ -33,5 +34,5 @@ def test_two_chats_answer_together_over_two_ranks_as_in_one_process(tmp_path: Pa
     # disagreed with rank 0's would have stopped the group at its check).
     assert lead["rounds"] == one["rounds"], (one, lead)
     assert all(tokens for round_ in lead["rounds"] for tokens in round_.values())
-    # One end a request, none for an answer that went on in the batch.
-    assert len(follower["ends"]) == 4 and follower["cancelled"] == 0, follower
+    # One end a request, none for a read or an answer that went on in the batch.
+    assert len(follower["ends"]) == 6 and follower["cancelled"] == 0, follower
