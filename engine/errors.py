@@ -55,6 +55,15 @@ class ContextTooLong(EngineError):
     """A prompt does not fit the model's context, the page budget or free RAM."""
 
 
+class MachineShort(ContextTooLong):
+    """Another machine of a pipeline cannot hold its share of a conversation's
+    layers; ``machine`` names it as a message does."""
+
+    def __init__(self, message: str, machine: str) -> None:
+        super().__init__(message)
+        self.machine = machine
+
+
 class ModelLoadError(EngineError):
     """A model folder is missing files, corrupt, or of an unknown architecture."""
 

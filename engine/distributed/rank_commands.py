@@ -34,7 +34,7 @@ import blake3
 import mlx.core as mx
 
 from engine.cache.modes import MODES, KvMode
-from engine.errors import ContextTooLong, EngineError
+from engine.errors import EngineError, MachineShort
 from engine.events import RankShare
 from engine.models.loader import LoadedModel
 from engine.session.followers import DecodeStep, FollowerLink
@@ -330,7 +330,7 @@ class SessionLink:
         """Tokens that may follow ``token_count`` on the tightest follower, in ``mode``.
 
         Raises:
-            ContextTooLong: a follower's own pages or free RAM cannot hold them,
+            MachineShort: a follower's own pages or free RAM cannot hold them,
                 named with its host, before any rank allocates for them.
         """
         conductor = self.conductor
@@ -340,12 +340,12 @@ class SessionLink:
         for rank, row in enumerate(replies[1:], start=1):
             fit_tokens, free_mib = row[TOKENS + MODES.index(mode)], row[ROOM_MIB]
             if not row[FITS]:
-                raise ContextTooLong(
+                raise MachineShort(
                     f"This conversation needs {token_count:,} tokens but "
                     f"{conductor.machine(rank)} holds only {max(fit_tokens, 0):,} in {mode} "
                     f"for its layers (free RAM after its safety headroom: {free_mib:,} MiB). "
                     "Free memory on that machine, give it fewer layers, or choose a "
-                    "smaller KV mode.")
+                    "smaller KV mode.", conductor.machine(rank))
             room = fit_tokens - token_count if room is None else min(room, fit_tokens - token_count)
         return 0 if room is None else room
 

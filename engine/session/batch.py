@@ -28,7 +28,9 @@ does. Every method runs MLX and must be called from the engine worker thread.
 A conversation joins only when memory holds what it adds: the pages its read
 and first token take, and one more row of the step's transient
 (``PrefillFacts.step_transient_bytes``), within the KV budget and free RAM the
-memory guard counts. Where pages of open sessions outside the batch (chats
+memory guard counts, and on a pipeline when every other rank holds its share of
+the conversation's layers beside what it holds (asked once this rank's memory
+holds it). Where pages of open sessions outside the batch (chats
 that answered and sit idle) stand in the way, the least recently used are set
 aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
 in the order it came, with a sentence saying why (:attr:`BatchDecoder.waiting`),
@@ -49,7 +51,13 @@ import mlx.core as mx
 
 from engine.cache import adapter
 from engine.cache.batched import BatchedCache, check_batchable
-from engine.errors import Cancelled, ContextTooLong, EngineError, KvBudgetExceeded
+from engine.errors import (
+    Cancelled,
+    ContextTooLong,
+    EngineError,
+    KvBudgetExceeded,
+    MachineShort,
+)
 from engine.events import GenerationStats
 from engine.format import human_bytes
 from engine.session.followers import DecodeStep
@@ -85,6 +93,37 @@ class RowToken:
 # The limits a waiting conversation's reason names.
 FREE_RAM = "is free"
 KV_BUDGET = "the KV budget leaves"
+
+
+@dataclass(frozen=True)
+class _Short:
+    """What memory lacks for a conversation to join now: ``bytes`` more than
+    ``limit`` holds here, or room on ``machine``, another rank of a pipeline,
+    for its share of the layers (None: nothing lacks there)."""
+
+    bytes: int = 0
+    limit: str = FREE_RAM
+    machine: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes <= 0 and self.machine is None
+
+    def reason(self) -> str:
+        """Why the first waiting conversation waits, as a user reads it."""
+        if self.machine is not None:
+            return (f"Waiting for memory on {self.machine}: its share of this "
+                    "conversation does not fit beside the other answers yet; it starts "
+                    "when another answer ends.")
+        return (f"Waiting for memory: {human_bytes(self.bytes)} more is needed than "
+                f"{self.limit}; it starts when another answer ends.")
+
+    def behind(self, request_id: int) -> str:
+        """Why a conversation waits behind ``request_id``, which waits for this."""
+        lacking = (f"memory on {self.machine}" if self.machine is not None
+                   else f"{human_bytes(self.bytes)} more than {self.limit}")
+        return (f"Waiting for memory: request {request_id}, before it, needs {lacking}; "
+                "it starts after that one.")
 
 
 @dataclass(frozen=True)
@@ -145,6 +184,7 @@ class _Joining:
     tick: Callable[[], None]
     prompt: Prompt
     waiting: Waiting | None = None
+    short: _Short = _Short()  # what it waits for, while it waits first
 
 
 @dataclass(eq=False)  # a row is itself: compared (``in``, ``remove``) by identity
@@ -305,14 +345,14 @@ class BatchDecoder:
         self._refuse_if_never(joining)
         if self._joining:
             self._joining.append(joining)
-            self._hold_back(*self._short_bytes(self._joining[0]))
+            self._hold_back(self._joining[0].short)
             return
-        short, limit = self._room_for(joining)
-        if short > 0:
-            self._joining.append(joining)
-            self._hold_back(short, limit)
-        else:
+        short = self._room_for(joining)
+        if short.fits:
             self._start(joining)
+        else:
+            self._joining.append(joining)
+            self._hold_back(short)
 
     def adopt(self, session: Session, answer: AnswerStart) -> None:
         """Go on with an answer that decoded alone until it paused
@@ -390,12 +430,28 @@ class BatchDecoder:
         if report.for_mode(joining.session.mode).tokens_fit - count < 1:
             raise ContextTooLong(joining.session.fit_report(count + 1, gone).message())
 
-    def _room_for(self, joining: _Joining) -> tuple[int, str]:
-        """:meth:`_short_bytes`, once idle sessions outside the batch were set aside
-        for ``joining`` where that makes it fit now."""
+    def _room_for(self, joining: _Joining) -> _Short:
+        """What memory lacks for ``joining`` now (:meth:`_short_bytes`, and on a
+        pipeline the other ranks' room), once idle sessions outside the batch were
+        set aside for it where that makes it fit."""
         self._room.make_room(lambda gone: self._fits(joining, gone), self._held_ids(joining),
                              joining.request_id)
-        return self._short_bytes(joining)
+        short = _Short(*self._short_bytes(joining))
+        if not short.fits or not (self.rows or self.reading):
+            return short  # with nothing answering, its own checks decide, as alone
+        return _Short(machine=self._other_machine_short(joining))
+
+    def _other_machine_short(self, joining: _Joining) -> str | None:
+        """On a pipeline, the machine that cannot hold ``joining``'s share of its
+        layers beside the batch now (None: every one can, or one machine)."""
+        followers = joining.session.followers
+        if followers is None:
+            return None
+        try:
+            followers.room(len(joining.prompt.ids) + 1, joining.session.mode)
+        except MachineShort as short:
+            return short.machine
+        return None
 
     def _fits(self, joining: _Joining, gone: Collection[str]) -> bool:
         """Whether ``joining`` fits now with the sessions ``gone`` set aside: beside the
@@ -440,17 +496,14 @@ class BatchDecoder:
             coming += max(0, needed - int(session.stats().bytes_allocated))
         return coming
 
-    def _hold_back(self, short: int, limit: str) -> None:
-        """Say why each waiting conversation waits: the first for ``short`` bytes
-        more than ``limit`` holds, the rest for their turn."""
+    def _hold_back(self, short: _Short) -> None:
+        """Say why each waiting conversation waits: the first for what memory lacks
+        (``short``), the rest for their turn."""
         first, *rest = self._joining
-        first.waiting = Waiting(first.request_id, (
-            f"Waiting for memory: {human_bytes(short)} more is needed than {limit}; "
-            "it starts when another answer ends."), short)
+        first.short = short
+        first.waiting = Waiting(first.request_id, short.reason(), max(0, short.bytes))
         for joining in rest:
-            joining.waiting = Waiting(joining.request_id, (
-                f"Waiting for memory: request {first.request_id}, before it, needs "
-                f"{human_bytes(short)} more than {limit}; it starts after that one."), 0)
+            joining.waiting = Waiting(joining.request_id, short.behind(first.request_id), 0)
 
     def _admit(self, results: list[RowToken]) -> None:
         """Start the waiting conversations memory holds now, in the order they came;
@@ -462,9 +515,9 @@ class BatchDecoder:
             joining = self._joining[0]
             try:
                 self._refuse_if_never(joining)
-                short, limit = self._room_for(joining)
-                if short > 0:
-                    self._hold_back(short, limit)
+                short = self._room_for(joining)
+                if not short.fits:
+                    self._hold_back(short)
                     return
                 self._joining.pop(0)
                 self._start(joining)

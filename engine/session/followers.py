@@ -75,5 +75,9 @@ class FollowerLink(Protocol):
         ...
 
     def room(self, token_count: int, mode: KvMode) -> int:
-        """Tokens that may follow ``token_count`` on the tightest other rank."""
+        """Tokens that may follow ``token_count`` on the tightest other rank.
+
+        Raises:
+            MachineShort: a rank cannot hold them (named in it).
+        """
         ...

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from engine.cache import adapter
-from engine.errors import Cancelled, ContextTooLong, EngineError
+from engine.errors import Cancelled, ContextTooLong, EngineError, MachineShort
 from engine.events import IngestProgress, TokenChunk
 from engine.format import human_bytes
 from engine.memory.guard import GIB, MemoryGuard, MemoryReading
@@ -437,6 +437,72 @@ def test_a_conversation_waits_for_memory_and_joins_when_an_answer_ends(tiny, log
     assert ended[0] == 1 and sorted(ended[1:]) == [0, 3]
     for i in (1, 3, 0):
         _assert_same_up_to_a_near_tie(alone[i], answers[i], alone_logits[i], logits[i])
+
+
+class _OtherRank:
+    """A pipeline's other machine as rank 0's sessions see it: it follows every
+    command at once and holds one conversation's share beside another only when
+    ``full`` says it has room."""
+
+    needs_checkpoints = False
+
+    def __init__(self, full: Any) -> None:
+        self.full = full
+
+    def room(self, token_count: int, mode: str) -> int:
+        if self.full():
+            raise MachineShort(f"rank 1 (mac2) holds only a few tokens in {mode}.",
+                               "rank 1 (mac2)")
+        return 1 << 20
+
+    def decoding(self, model: Any) -> Any:
+        return model
+
+    def decoding_rows(self, model: Any, links: Any) -> Any:
+        return model
+
+    def machines(self, *args: Any) -> tuple:
+        return ()
+
+    def prefill(self, *args: Any) -> None:
+        pass
+
+    checkpoint = rewind = prefill
+
+    def reset(self) -> None:
+        pass
+
+    close = reset
+
+
+def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> None:
+    loaded = tiny["llama"]
+    done: list[int] = []
+    first: Session | None = None
+    rank = _OtherRank(lambda: first is not None and bool(first.tokens) and 1 not in done)
+    first = Session("first", loaded, "fp16", page_size=16, chunk_size=CHUNK, followers=rank)
+    second = Session("second", loaded, "fp16", page_size=16, followers=rank)
+    batch = BatchDecoder(loaded.model)
+    batch.join(first, _messages(1), GREEDY, request_id=1, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    batch.step()  # its first chunk: the other machine now holds its share
+    answer = Answer()
+    batch.join(second, _messages(0), GREEDY, request_id=2, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    # This machine holds both; the other one not yet: it waits, saying for which.
+    assert [(w.request_id, w.reason, w.short_bytes) for w in batch.waiting] == [
+        (2, "Waiting for memory on rank 1 (mac2): its share of this conversation does "
+            "not fit beside the other answers yet; it starts when another answer ends.", 0)]
+    while not batch.idle:
+        for result in batch.step():
+            if result.finish is not None:
+                done.append(result.request_id)
+        if 1 not in done:
+            assert batch.waiting and answer.tokens == []
+    # It joined once the first answer ended, and answered as alone.
+    assert done == [1, 2]
+    assert answer.tokens == _alone(loaded, "fp16", _messages(0), GREEDY, request_id=3,
+                                   page_size=16).tokens
 
 
 def test_a_conversation_that_could_never_fit_is_refused_as_alone(tiny) -> None:
