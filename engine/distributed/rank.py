@@ -62,6 +62,9 @@ class LeadRank:
         self._ids: dict[int, int] = {}  # the worker's request id -> the app's
         self._cancels: dict[int, threading.Event] = {}  # by the app's request id
         self._streams: StreamCounts | None = None  # as last sent to the app
+        # Held from reading the counts to sending them: the stats heartbeat sends
+        # events from its own thread, and an older count must not follow a newer.
+        self._streams_lock = threading.Lock()
         self.worker = make_worker(self._on_event)
 
     def serve(self) -> None:
@@ -125,10 +128,11 @@ class LeadRank:
         """Send the worker's answers running together when they changed: they change
         at its steps, which send events, so the app's copy follows them (its
         ``streams`` must never wait on rank 0)."""
-        streams = self.worker.streams()
-        if streams != self._streams:
-            self._streams = streams
-            self._send(("streams", streams))
+        with self._streams_lock:
+            streams = self.worker.streams()
+            if streams != self._streams:
+                self._streams = streams
+                self._send(("streams", streams))
 
     def _call(self, app_id: int, request: Request) -> None:
         if not isinstance(request, REQUESTS):

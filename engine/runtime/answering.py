@@ -60,7 +60,8 @@ class StreamCounts:
 
     @property
     def in_flight(self) -> int:
-        """Answers the batch holds, reading, decoding or waiting for memory."""
+        """Answers running (alone or in the batch), reading, decoding or waiting
+        for memory."""
         return self.answering + self.reading + self.waiting
 
 
@@ -264,16 +265,20 @@ class Answering:
         if not self._members:
             self._heartbeat.close()
         self._after_end()
+        self._count()  # before the ending: a front end may read the counts on it
         self._emit(ending or _ending(result, member.reused))
 
     def _abandon(self, batch: BatchDecoder, error: Exception) -> None:
         """A pass failed: every answer in the batch ends with it, each session at the
         tokens it holds."""
+        expected = isinstance(error, EngineError)
+        if not expected:  # the group may be gone: no end waits for its replies
+            self._ranks_ends = [replace(end, reply=False) for end in self._ranks_ends]
         for request_id in batch.abandon():
             member = self._members.get(request_id)
             if member is not None:
                 self._end(RowToken(request_id, None, "error"), self._fault(member.command, error),
-                          ranks_reply=isinstance(error, EngineError))
+                          ranks_reply=expected)
 
     def _tell_ranks(self, batch: BatchDecoder) -> None:
         """Tell a pipeline's other ranks of the requests that ended whose sessions no
@@ -281,10 +286,18 @@ class Answering:
         fed = batch.session_ids()
         for end in [end for end in self._ranks_ends if end.session.session_id not in fed]:
             self._ranks_ends.remove(end)
-            if end.session.followers is not None:
-                end.session.followers.end(len(end.session.tokens), end.cancelled,
-                                          answer=end.reply)
-            self._stats.publish(end.session)
+            followers = end.session.followers
+            if followers is None:
+                continue
+            try:
+                followers.end(len(end.session.tokens), end.cancelled, answer=end.reply)
+            except Exception:
+                # The request has ended already; a group that cannot take the end is
+                # lost, and its watch says so (the worker thread must go on).
+                log.exception("the other ranks were not told %s's request ended",
+                              end.session.session_id)
+                continue
+            self._stats.publish(end.session)  # their replies: each machine's share
 
     def _tell_waiting(self, waiting: tuple[Waiting, ...]) -> None:
         for wait in waiting:

@@ -45,16 +45,21 @@ def _no_phase(phase: Phase) -> None:
     """Where a chat alone is, told to no one."""
 
 
-def _ahead_until(pause: Callable[[], bool]) -> Callable[[], bool]:
-    """A read alone sends chunks ahead to a pipeline's other ranks until ``pause``
-    first says so: from then on it may go on in a batch, between its passes."""
-    paused = False
+class _AheadGate:
+    """Whether a read alone may send its next chunk ahead to a pipeline's other
+    ranks: until ``pause`` first says so, or the read paused (from then on it may
+    go on in a batch, whose passes run between its chunks)."""
 
-    def ahead() -> bool:
-        nonlocal paused
-        paused = paused or pause()
-        return not paused
-    return ahead
+    def __init__(self, pause: Callable[[], bool]) -> None:
+        self._pause = pause
+        self._open = True
+
+    def __call__(self) -> bool:
+        self._open = self._open and not self._pause()
+        return self._open
+
+    def close(self) -> None:
+        self._open = False
 
 
 class _Read:
@@ -116,18 +121,20 @@ class SessionRequests:
         session, prompt, reused = start
         pause = pause or (lambda: False)
         phase = phase or _no_phase
+        ahead = _AheadGate(pause)
         try:
             with self._reading(session, cancel) as read:
                 phase("reading")
                 steps = session.answer_steps(
                     request.messages, request.sampling, request_id=request_id, cancel=cancel,
                     emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
-                    ahead=_ahead_until(pause),
+                    ahead=ahead,
                 )
                 announced = next(steps)  # the checks: one that cannot be answered fails here
                 while True:
                     # A chunk sent ahead is read first: the batch's passes go after it.
                     if not announced and pause():
+                        ahead.close()
                         read.goes_on = True
                         return steps
                     try:

@@ -447,8 +447,12 @@ class BatchDecoder:
         followers = joining.session.followers
         if followers is None:
             return None
+        # The reads under way will still add pages there too: counted as tokens of
+        # this conversation's mode (the ranks' own bytes a token are theirs to know).
+        coming = sum(max(0, reading.tokens - len(reading.session.tokens))
+                     for reading in self.reading)
         try:
-            followers.room(len(joining.prompt.ids) + 1, joining.session.mode)
+            followers.room(len(joining.prompt.ids) + 1 + coming, joining.session.mode)
         except MachineShort as short:
             return short.machine
         return None
@@ -593,17 +597,21 @@ class BatchDecoder:
             return
         reading = min(self.reading, key=lambda r: r.to_read)
         try:
-            next(reading.steps)
+            announced = next(reading.steps)
         except StopIteration as done:
             self.reading.remove(reading)
             self._answer(reading.session, done.value)
+            return
         except EngineError as error:
             self.reading.remove(reading)
             finish = "cancelled" if isinstance(error, Cancelled) else "error"
             results.append(RowToken(reading.request_id, None, finish, error=error))
-        except Exception:
-            self.reading.remove(reading)  # its session rolled back to what it holds
-            raise
+            return
+        # Any other error leaves the read to abandon(), which ends its request.
+        if announced:
+            # The next pass would take that chunk's messages on a pipeline's ranks.
+            raise EngineError("A read beside other answers sent a chunk ahead; its "
+                              "answers stop here rather than go on wrong.")
 
     def _answer(self, session: Session, answer: AnswerStart) -> None:
         """Add an answer whose conversation has been read in to the answering rows."""

@@ -26,6 +26,7 @@ from engine.distributed.follower import follow
 from engine.distributed.rank_commands import Pipeline
 from engine.events import Failed, Finished, IngestProgress, TokenChunk
 from engine.runtime.worker import EngineWorker
+from engine.session import session as session_module
 from engine.session.sampling import SamplingParams
 
 QUESTIONS = {"a": "Count the sheep in the meadow, one by one, slowly. " * 3,
@@ -35,8 +36,16 @@ MAX_TOKENS = {"a": 16, "b": 40}
 CHUNK = 16
 
 
+# A token "b"'s first answer says partway, as its end of turn: an answer that ends
+# on one while another goes on (the tiny model never writes its own).
+END_OF_TURN = 146
+
+
 def main(model_dir: str, out_dir: str) -> None:
     group = mx.distributed.init()
+    if group.rank() == 0:  # only rank 0 samples
+        ends = session_module.end_of_turn_ids
+        session_module.end_of_turn_ids = lambda tokenizer: ends(tokenizer) | {END_OF_TURN}
     report = follow(model_dir, group) if group.rank() != 0 else lead(model_dir, group)
     Path(out_dir, f"rank{group.rank()}.json").write_text(json.dumps(report))
 

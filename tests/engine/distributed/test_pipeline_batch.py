@@ -29,6 +29,9 @@ def test_two_chats_answer_together_over_two_ranks_as_in_one_process(tmp_path: Pa
     # alone for "b").
     for run in (one, lead):
         assert run["answering"] == 2 and run["beside"] == 1, run
+    # One answer ended on its end-of-turn token, fed to every rank by the pass
+    # queued before it ended (its end is told them after that pass).
+    assert "stop" in lead["reasons"], lead
     assert all(reason in ("stop", "length") for reason in lead["reasons"]), lead
     # Same tokens as one process, the follow-ups included (a follower whose tokens
     # disagreed with rank 0's would have stopped the group at its check).

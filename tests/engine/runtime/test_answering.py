@@ -4,6 +4,7 @@ and says the same as alone."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from engine.memory.fit import MOST_STREAMS
 from engine.runtime.answering import StreamCounts
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
+from engine.session.session import Session
 from tests.engine.runtime.test_worker import EventLog, loaded_worker
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -99,7 +101,7 @@ def test_a_chat_sent_while_another_answers_starts_at_once_and_both_say_what_alon
         assert worker.streams() == StreamCounts(limit=MOST_STREAMS)
 
 
-def test_an_answer_alone_is_counted_reading_then_decoding(endless_dir: Path) -> None:
+def test_the_counts_follow_an_answer_alone_and_answers_together(endless_dir: Path) -> None:
     counted: list[tuple[type, StreamCounts]] = []
     log = EventLog()
     worker: EngineWorker
@@ -113,18 +115,49 @@ def test_an_answer_alone_is_counted_reading_then_decoding(endless_dir: Path) -> 
     worker.start()
     try:
         log.result(worker.load_model(str(endless_dir)), ModelLoaded)
-        _open(worker, log, "a")
+        _open(worker, log, "a", "b")
         counted.clear()
         request = worker.chat("a", [{"role": "user", "content": "fox and dog " * 20}], LONG,
                               threading.Event())
         assert isinstance(log.ending(request), Finished)
+        alone = list(counted)
+        counted.clear()
+        _b_while_a_answers(worker, log, LONG)
     finally:
         worker.shutdown(timeout=10.0)
-    reading, decoding = StreamCounts(reading=1, limit=MOST_STREAMS), \
-        StreamCounts(answering=1, limit=MOST_STREAMS)
-    assert {counts for kind, counts in counted if kind is IngestProgress} == {reading}
-    assert {counts for kind, counts in counted if kind is TokenChunk} == {decoding}
-    assert counted[-1] == (Finished, StreamCounts(limit=MOST_STREAMS))
+    idle = StreamCounts(limit=MOST_STREAMS)
+    reading, decoding = replace(idle, reading=1), replace(idle, answering=1)
+    # Alone: reading its conversation in, then decoding, then nothing.
+    assert {counts for kind, counts in alone if kind is IngestProgress} == {reading}
+    assert {counts for kind, counts in alone if kind is TokenChunk} == {decoding}
+    assert alone[-1] == (Finished, idle)
+    # Together: two at once at some point, and nothing left once the last one ended.
+    assert max(counts.answering for _, counts in counted) == 2
+    assert counted[-1] == (Finished, idle)
+
+
+def test_a_read_that_fails_beside_an_answer_ends_both_and_the_engine_goes_on(
+        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    forward = Session.forward
+
+    def broken(self: Session, chunk: Any, **kwargs: Any) -> bool:
+        if self.session_id == "b":
+            raise RuntimeError("the device went away")
+        return forward(self, chunk, **kwargs)
+
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = worker.chat("a", ASKED["a"], LONG, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                        for e in events))
+        monkeypatch.setattr(Session, "forward", broken)
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        # The read's failure takes the batch's pass with it: both requests end.
+        endings = [log.ending(request) for request in (first, second)]
+        assert all(isinstance(e, Failed) for e in endings), endings
+        monkeypatch.setattr(Session, "forward", forward)
+        again = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        assert isinstance(log.ending(again), Finished)
 
 
 def test_stop_ends_only_its_own_answer(endless_dir: Path) -> None:
