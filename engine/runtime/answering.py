@@ -97,15 +97,19 @@ class Answering:
         limit: answers that may run together.
         room: the open sessions a joining answer may set aside when their pages
             stand in its way (the worker's ``HeldSessions``); None: none.
+        ranks_heard: called once a pipeline's other ranks answered the end of a
+            request (the worker asks them again what a chat not opened yet takes).
     """
 
     def __init__(self, stats: StatsReporter, emit: Callable[[Event], None],
                  after_end: Callable[[], None], fault: Callable[[Command, Exception], Failed],
-                 limit: int = DEFAULT_STREAMS, room: Room | None = None) -> None:
+                 limit: int = DEFAULT_STREAMS, room: Room | None = None,
+                 ranks_heard: Callable[[], None] = lambda: None) -> None:
         self._stats = stats
         self._room = room
         self._emit = emit
         self._after_end = after_end
+        self._ranks_heard = ranks_heard
         self._fault = fault
         self._batch: BatchDecoder | None = None
         self._members: dict[int, _Member] = {}
@@ -291,6 +295,8 @@ class Answering:
                 continue
             try:
                 followers.end(len(end.session.tokens), end.cancelled, answer=end.reply)
+                if end.reply:
+                    self._ranks_heard()
             except Exception:
                 # The request has ended already; a group that cannot take the end is
                 # lost, and its watch says so (the worker thread must go on).

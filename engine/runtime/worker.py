@@ -153,7 +153,8 @@ class EngineWorker(Worker):
         self._streams = streams
         self._answering = Answering(
             self._stats, self._emit, self._publish_fit, _unexpected_ending,
-            limit=DEFAULT_STREAMS if streams is None else streams, room=self._held)
+            limit=DEFAULT_STREAMS if streams is None else streams, room=self._held,
+            ranks_heard=lambda: self._held.refresh_unopened(self.chunk_size))
         # Requests taken from the queue that wait for the batch: for their session's
         # answer to end, for room among the answers, or (one that runs alone) for
         # every answer to end.
