@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from engine.cache import adapter
 from engine.cache.adapter import CacheStats
-from engine.cache.batched import BatchedCache
+from engine.cache.batched import BatchedCache, check_batchable
 from engine.cache.modes import MODES
 from engine.distributed import rank_commands as c
 from engine.errors import EngineError
@@ -207,7 +207,7 @@ class Follower:
                                self.guard.view(), prefill=self._unopened_prefill,
                                chunk_tokens=chunk)
         return _memory_row(fit.guarded_fit_report(inputs, self.guard.read(), token_count),
-                           None, needs_checkpoints=False)
+                           None, needs_checkpoints=False, batches=True)  # no session: unread
 
     def _adopt(self, slot: int, donor_slot: int, tokens: int, *_: int) -> None:
         session, donor = self._session(slot, c.ADOPT), self._session(donor_slot, c.ADOPT)
@@ -260,15 +260,25 @@ def memory_reply(session: Session, token_count: int) -> list[int]:
     """A rank's memory for ``token_count`` tokens of ``session`` (``rank_commands.memory_row``)."""
     return _memory_row(session.fit_report(token_count),
                        session.stats() if session.cache else None,
-                       needs_checkpoints=session.needs_checkpoints)
+                       needs_checkpoints=session.needs_checkpoints,
+                       batches=_batches(session))
+
+
+def _batches(session: Session) -> bool:
+    """Whether ``session``'s layers here can share a batch's pass (``BatchedCache``)."""
+    try:
+        check_batchable([session.cache])
+    except EngineError:
+        return False
+    return True
 
 
 def _memory_row(report: fit.FitReport, stats: CacheStats | None, *,
-                needs_checkpoints: bool) -> list[int]:
+                needs_checkpoints: bool, batches: bool) -> list[int]:
     return c.memory_row(report.fits, [m.tokens_fit if m.supported else None for m in report.modes],
                         report.free_bytes, int(stats.bytes_used) if stats else 0,
                         int(stats.pages_in_use) if stats else 0, report.available_bytes,
-                        needs_checkpoints)
+                        needs_checkpoints, batches)
 
 
 def rank_stats(session: Session, rank: int) -> dict[str, Any]:

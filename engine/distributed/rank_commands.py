@@ -58,12 +58,14 @@ UNOPENED = 0  # the slot of a fit check for a chat not opened yet (sessions coun
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
 # the tokens that fit per mode (MODES order; -1: unsupported), free RAM its pages
 # may take after the safety headroom (MiB), its KV bytes in use (two int32 halves,
-# exact), its pages in use, free RAM before the headroom (MiB), and whether its
-# layers need checkpoints to rewind (1/0).
+# exact), its pages in use, free RAM before the headroom (MiB), whether its
+# layers need checkpoints to rewind (1/0), and whether they can share a batch's
+# pass with other sessions' (1/0).
 FITS, TOKENS = 0, 1
 ROOM_MIB = TOKENS + len(MODES)
 KV_HIGH, KV_LOW, PAGES, FREE_MIB = ROOM_MIB + 1, ROOM_MIB + 2, ROOM_MIB + 3, ROOM_MIB + 4
 RIGID = FREE_MIB + 1
+BATCHES = RIGID + 1
 _LOW_BITS = 31
 
 
@@ -135,11 +137,13 @@ def pipeline_identity(group: mx.distributed.Group,
 
 
 def memory_row(fits: bool, tokens_fit: Sequence[int | None], room_bytes: int, kv_bytes: int,
-               pages: int, free_bytes: int, needs_checkpoints: bool) -> list[int]:
-    """A rank's memory reply (see ``FITS``..``RIGID``), as int32 values."""
+               pages: int, free_bytes: int, needs_checkpoints: bool,
+               batches: bool) -> list[int]:
+    """A rank's memory reply (see ``FITS``..``BATCHES``), as int32 values."""
     tokens = [-1 if t is None else min(t, 2**31 - 1) for t in tokens_fit]
     return [int(fits), *tokens, room_bytes >> 20, kv_bytes >> _LOW_BITS,
-            kv_bytes & (2**_LOW_BITS - 1), pages, free_bytes >> 20, int(needs_checkpoints)]
+            kv_bytes & (2**_LOW_BITS - 1), pages, free_bytes >> 20, int(needs_checkpoints),
+            int(batches)]
 
 
 def gather_replies(group: mx.distributed.Group, row: Sequence[int]) -> list[list[int]]:
@@ -241,12 +245,16 @@ class SessionLink:
         # Whether any follower's layers need checkpoints to rewind: then rank 0
         # takes them and rewinds to them too, even where its own layers could trim.
         self.needs_checkpoints = False
+        # Whether every follower's layers can share a batch's pass: else the
+        # session's answers run alone, as rank 0's layers alone would decide.
+        self.batches = True
 
     def heard(self, replies: list[list[int]]) -> None:
         """Keep the followers' memory replies (rank 0's own row is not one)."""
         self.shares = tuple(self.conductor.share(rank, row)
                             for rank, row in enumerate(replies) if rank)
         self.needs_checkpoints = any(row[RIGID] for row in replies[1:])
+        self.batches = all(row[BATCHES] for row in replies[1:])
 
     def machines(self, kv_bytes: int, pages_in_use: int, free_bytes: int,
                  tokens_fit: tuple[int | None, ...] = ()) -> tuple[RankShare, ...]:

@@ -167,8 +167,10 @@ class Answering:
 
     def can_take(self, session: Session) -> bool:
         """Whether ``session``'s answer may run in the batch now (else it runs alone,
-        once the batch is empty): its layers can share a pass with those of the
-        answers running."""
+        once the batch is empty): its layers, and on a pipeline the other ranks'
+        layers of it, can share a pass with those of the answers running."""
+        if session.followers is not None and not session.followers.batches:
+            return False
         caches = [member.session.cache for member in self._members.values()][:1]
         try:
             check_batchable([*caches, session.cache])

@@ -21,7 +21,14 @@ DecodeStep = Callable[..., mx.array]
 
 
 class FollowerLink(Protocol):
-    """A session's link to the same session on a pipeline's other ranks."""
+    """A session's link to the same session on a pipeline's other ranks.
+
+    Attributes:
+        batches: whether the other ranks' layers of the session can share a
+            batch's pass with other sessions' (``decoding_rows``).
+    """
+
+    batches: bool
 
     def machines(self, kv_bytes: int, pages_in_use: int, free_bytes: int,
                  tokens_fit: tuple[int | None, ...] = ()) -> tuple[RankShare, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,12 +23,12 @@ from engine.events import (
     TokenChunk,
 )
 from engine.memory.fit import MOST_STREAMS
-from engine.runtime.answering import StreamCounts
+from engine.runtime.answering import Answering, StreamCounts
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 from tests.engine.runtime.test_worker import EventLog, loaded_worker
-from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tinymodels import loaded_for_session, make_tiny_model_dir
 
 LONG = SamplingParams(temperature=0.0, max_tokens=40)
 ASKED = {
@@ -158,6 +159,15 @@ def test_a_read_that_fails_beside_an_answer_ends_both_and_the_engine_goes_on(
         monkeypatch.setattr(Session, "forward", forward)
         again = worker.chat("b", ASKED["b"], LONG, threading.Event())
         assert isinstance(log.ending(again), Finished)
+
+
+def test_a_chat_whose_other_ranks_cannot_batch_answers_alone(endless_dir: Path) -> None:
+    loaded = loaded_for_session(endless_dir)
+    answering = Answering(None, lambda event: None, lambda: None, None)  # only can_take runs
+    for batches in (True, False):
+        ranks = SimpleNamespace(needs_checkpoints=False, batches=batches)
+        session = Session("s", loaded, "q8", page_size=16, followers=ranks)
+        assert answering.can_take(session) is batches
 
 
 def test_stop_ends_only_its_own_answer(endless_dir: Path) -> None:

@@ -445,6 +445,7 @@ class _OtherRank:
     ``full`` says it has room."""
 
     needs_checkpoints = False
+    batches = True
 
     def __init__(self, full: Any) -> None:
         self.full = full
