@@ -225,7 +225,7 @@ class HeldSessions:
     def _set_aside(self, session_id: str, request_id: int) -> None:
         session = self.get(session_id)
         held = int(session.stats().bytes_allocated)
-        stored = self._stored.store(session)
+        stored = self._stored.store(session, self._emptied())
         partners = self._partners(session)
         session.reset()
         self._stats.publish(session)
@@ -239,6 +239,12 @@ class HeldSessions:
             "is next used.")))
         log.info("session %s set aside (%d bytes, stored: %s) for request %d",
                  session_id, held, stored, request_id)
+
+    def _emptied(self) -> frozenset[str]:
+        """The open sessions holding no tokens: set aside, or opened and not yet used,
+        their snapshot (if any) is the only copy of their KV."""
+        with self._lock:
+            return frozenset(name for name, s in self._sessions.items() if not s.tokens)
 
     def _partners(self, session: Session) -> list[Session]:
         """The other open sessions that share pages with ``session``."""
@@ -296,8 +302,9 @@ class HeldSessions:
             self.loaded = None
             self.loaded_bytes = 0
             self.prefill = None
+        emptied = {s.session_id for s in sessions if not s.tokens}
         for session in sessions:
-            self._stored.store(session)
+            self._stored.store(session, emptied)
             session.close()
         mx.clear_cache()
 
@@ -312,7 +319,7 @@ class HeldSessions:
         with self._lock:
             replaced = self._sessions.pop(session_id, None)
         if replaced is not None:
-            self._stored.store(replaced)
+            self._stored.store(replaced, self._emptied())
             replaced.close()
         followers = (None if self._conductor is None
                      else self._conductor.open(mode, page_size, rotate, chunk_size))
@@ -333,7 +340,7 @@ class HeldSessions:
         if session is None:
             return
         if store:
-            self._stored.store(session)
+            self._stored.store(session, self._emptied())
         partners = self._partners(session)
         session.close()
         # Hand the freed pages back to the OS, not just to MLX's buffer cache.

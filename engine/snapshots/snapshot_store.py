@@ -7,7 +7,8 @@ which survives restarts without a separate index file to keep consistent.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,14 @@ if TYPE_CHECKING:
 
 MAX_DEFAULT_BUDGET = 20 * 10**9  # 20 GB
 FREE_DISK_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A snapshot written: its manifest, and the snapshots evicted to make room."""
+
+    manifest: Path
+    evicted: tuple[str, ...]
 
 
 def default_snapshot_dir() -> Path:
@@ -79,16 +88,21 @@ class SnapshotStore:
 
     # -- reading and writing --------------------------------------------------
 
-    def save(self, session: Session, name: str) -> Path:
-        """Store ``session`` as ``name``, first evicting older snapshots to make room.
+    def save(self, session: Session, name: str, *, spare: Collection[str] = ()) -> Saved:
+        """Store ``session`` as ``name``, first evicting older snapshots to make room
+        (those named in ``spare`` only once no other is left to go).
 
         Raises:
             SnapshotError: the snapshot alone is larger than the budget (nothing
                 is written), or the session holds nothing.
         """
-        return save_snapshot(
-            session, self.directory, name, before_write=lambda size: self._make_room(size, name)
-        )
+        evicted: list[str] = []
+
+        def make_room(size: int) -> None:
+            evicted.extend(self._make_room(size, name, spare))
+
+        manifest = save_snapshot(session, self.directory, name, before_write=make_room)
+        return Saved(manifest, tuple(evicted))
 
     def load(
         self, session: Session, name: str, prompt_ids: Sequence[int], *, keep_last: bool = True
@@ -178,16 +192,19 @@ class SnapshotStore:
         for folder in files.rank_folders(self.directory):  # parts no rank 0 manifest names
             shutil.rmtree(folder, ignore_errors=True)
 
-    def evict(self, incoming: int = 0, keep: Iterable[str] = ()) -> list[str]:
-        """Delete least-recently-used snapshots until ``incoming`` more bytes fit.
+    def evict(self, incoming: int = 0, keep: Iterable[str] = (),
+              spare: Collection[str] = ()) -> list[str]:
+        """Delete least-recently-used snapshots until ``incoming`` more bytes fit;
+        those named in ``spare`` go last (the only copy of an open chat's KV).
 
         Returns:
-            The names deleted, oldest first.
+            The names deleted, in the order they went.
         """
         self._drop_set_aside(incoming)  # kept only while nothing else needs the room
         keep = set(keep)
         removed: list[str] = []
-        candidates = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
+        oldest_first = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
+        candidates = sorted(oldest_first, key=lambda info: info.name in spare)  # stable
         while candidates and self.counted_bytes() + incoming > self.budget_bytes:
             victim = candidates.pop(0)
             self.delete(victim.name)
@@ -219,7 +236,7 @@ class SnapshotStore:
             if path.is_file() and stale and files.left_by_dead_writer(path.name):
                 files.discard(path)
 
-    def _make_room(self, size: int, name: str) -> None:
+    def _make_room(self, size: int, name: str, spare: Collection[str]) -> list[str]:
         if size > self.budget_bytes:
             raise SnapshotError(
                 f"This conversation's KV ({size / 1e9:.2f} GB) is larger than the stored-KV "
@@ -229,7 +246,7 @@ class SnapshotStore:
         # count them as freed now so a same-size rewrite evicts nothing.
         replaced = self.info(name)
         freed = replaced.disk_bytes if replaced else 0
-        self.evict(max(0, size - freed), keep={name})
+        return self.evict(max(0, size - freed), keep={name}, spare=spare)
 
 
 def _folder_files(directory: Path) -> list[Path]:

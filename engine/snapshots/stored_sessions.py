@@ -9,12 +9,13 @@ races a send because the worker runs one command at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from engine import disk
 from engine.errors import EngineError
 from engine.events import Event, Notice, StoredKv
+from engine.format import human_bytes
 from engine.snapshots.fingerprint import session_fingerprint
 from engine.snapshots.snapshot import SnapshotRejected
 from engine.snapshots.snapshot_store import SnapshotStore
@@ -42,9 +43,16 @@ class StoredSessions:
         self._mirror = mirror
         self._told: set[str] = set()  # why saves failed, each said once per run
 
-    def store(self, session: Session) -> bool:
+    def store(self, session: Session, spare: Collection[str] = ()) -> bool:
         """Store the session's cache under its id (nothing held: nothing stored);
-        whether it is on disk now."""
+        whether it is on disk now.
+
+        Args:
+            session: the session to store.
+            spare: the open chats whose snapshot is the only copy of their KV (their
+                pages are gone): evicted under the disk budget only when nothing else
+                is left to go, and then the user is told they are read again.
+        """
         if self.snapshots is None or not session.tokens:
             return False
         followers = getattr(session, "followers", None)
@@ -55,8 +63,9 @@ class StoredSessions:
             return False
         stored = False
         try:
-            self.snapshots.save(session, session.session_id)
+            saved = self.snapshots.save(session, session.session_id, spare=spare)
             stored = True
+            self._tell_lost([name for name in saved.evicted if name in spare])
         except EngineError as error:
             # Losing a snapshot costs a re-read later, never the conversation.
             log.warning("KV snapshot of %s not saved: %s", session.session_id, error)
@@ -71,6 +80,17 @@ class StoredSessions:
             self._tell_not_stored(f"This conversation's KV was not stored ({error}).")
         self.announce()
         return stored
+
+    def _tell_lost(self, names: list[str]) -> None:
+        """Say that open chats' stored KV went to make room under the disk budget."""
+        if not names or self.snapshots is None:
+            return
+        log.info("stored KV of open chats %s evicted under the disk budget", names)
+        chats = "another open chat" if len(names) == 1 else f"{len(names)} other open chats"
+        self._emit(Notice(0, (
+            f"The stored KV of {chats} was removed to stay within the stored-KV disk "
+            f"budget ({human_bytes(self.snapshots.budget_bytes)}); it is read again when "
+            "next used. A larger stored-KV budget keeps more.")))
 
     def _tell_not_stored(self, why: str) -> None:
         """Say once per run, per reason, that a chat will be read again next time."""

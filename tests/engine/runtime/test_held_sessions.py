@@ -154,3 +154,57 @@ def test_a_chat_that_lends_its_pages_to_the_conversation_is_not_set_aside(
         assert not _notices(log, second)
         assert ending.stats.reused_tokens > 0
         assert _held_tokens(log, "a") == held_a
+
+
+def _general_notices(log: EventLog) -> list[str]:
+    """What the worker said to no request in particular."""
+    with log.changed:
+        return [e.message for e in log.events if isinstance(e, Notice) and e.request_id == 0]
+
+
+def _within(worker: Any, log: EventLog, store: SnapshotStore, snapshots: float) -> None:
+    """Give the stored KV a disk budget of ``snapshots`` times the largest one now."""
+    largest = max(info.disk_bytes for info in store.per_snapshot())
+    assert isinstance(log.ending(worker.set_snapshot_budget(int(largest * snapshots))),
+                      Finished)
+
+
+def test_a_chat_set_aside_keeps_its_stored_kv_over_an_older_closed_ones(
+        model_dir: Path, chat_bytes: int, tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv")
+    with loaded_worker(model_dir, snapshots=store, **_guarded(chat_bytes * 1.5)) as (worker, log):
+        _open(worker, log, "a", "b", "c", "d")
+        first = _chat(worker, log, "a")
+        assert isinstance(first, Finished) and first.stats is not None
+        assert isinstance(_chat(worker, log, "b", OTHER["b"]), Finished)  # A goes aside
+        log.ending(worker.close_session("b"))  # B stored, closed: its snapshot the newer
+        assert [info.name for info in store.per_snapshot()] == ["b", "a"]
+        _within(worker, log, store, 2.5)
+        assert isinstance(_chat(worker, log, "c", OTHER["c"]), Finished)
+        later = [{"role": "user", "content": f"Hola. {MESSAGES[0]['content']}"}]
+        assert isinstance(_chat(worker, log, "d", later), Finished)  # C goes aside
+        # Storing C evicted the closed chat's snapshot, not the only copy of A's KV.
+        assert sorted(info.name for info in store.per_snapshot()) == ["a", "c"]
+        log.ending(worker.close_session("d", store=False))  # A comes back, storing nothing
+        again = _chat(worker, log, "a")
+        assert isinstance(again, Finished) and again.stats is not None
+        assert again.stats.reused_tokens >= first.stats.prompt_tokens - 1
+        assert not _general_notices(log)
+
+
+def test_a_chat_set_aside_whose_stored_kv_must_go_is_said_to_be_read_again(
+        model_dir: Path, chat_bytes: int, tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "kv")
+    with loaded_worker(model_dir, snapshots=store, **_guarded(chat_bytes * 1.5)) as (worker, log):
+        _open(worker, log, "a", "b", "c")
+        assert isinstance(_chat(worker, log, "a"), Finished)
+        assert isinstance(_chat(worker, log, "b", OTHER["b"]), Finished)  # A goes aside
+        _within(worker, log, store, 1.5)
+        third = worker.chat("c", OTHER["c"], GREEDY, threading.Event())  # B goes aside
+        assert isinstance(log.ending(third), Finished)
+        assert [info.name for info in store.per_snapshot()] == ["b"]
+        (told,) = _general_notices(log)
+        assert "another open chat was removed" in told and "read again" in told
+        again = _chat(worker, log, "a")
+        assert isinstance(again, Finished) and again.stats is not None
+        assert again.stats.reused_tokens == 0

@@ -25,7 +25,7 @@ def store(tmp_path: Path) -> SnapshotStore:
     store = SnapshotStore(tmp_path / "kv", budget_bytes=2**30)
     for used, name in enumerate("abc"):
         session = cache_session(filled_cache(MODE, TOKENS, 2), TOKENS, MODE, model_dir)
-        manifest = store.save(session, name)
+        manifest = store.save(session, name).manifest
         os.utime(manifest, (1000 + used, 1000 + used))
     return store
 
@@ -40,6 +40,16 @@ def test_a_lowered_budget_evicts_the_least_recently_used(store):
     assert store.set_budget(2 * one + one // 2) == ["b"]
     assert _names(store) == ["a", "c"] and store.total_bytes() <= store.budget_bytes
     assert store.set_budget(10 * one) == []  # a higher one evicts nothing
+
+
+def test_snapshots_spared_go_only_once_no_other_is_left(store):
+    one = store.info("b").disk_bytes
+    store.budget_bytes = 2 * one + one // 2
+    # "a" is the oldest, but spared: "b" goes in its place.
+    assert store.evict(spare={"a"}) == ["b"]
+    store.budget_bytes = one + one // 2
+    assert store.evict(spare={"a", "c"}) == ["a"]  # all spared: the oldest of them
+    assert _names(store) == ["c"]
 
 
 def test_no_budget_means_the_default_and_a_negative_one_is_refused(store):
