@@ -26,6 +26,7 @@ from engine.paths import models_dir
 from engine.runtime.interface import Pipeline, Worker
 from engine.runtime.worker import EngineWorker
 from engine.session import speculative
+from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
 from engine.session.sampling import SamplingParams
 from engine.snapshots.files import check_name
 from engine.snapshots.snapshot_store import SnapshotStore, default_snapshot_dir
@@ -305,7 +306,7 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
         raise EngineError("--parallel must be at least 1.")
     options = {"max_sessions": args.sessions, "queue_limit": args.queue_limit,
                "snapshot_budget": budget, "counted_with": (paths.snapshots_dir(),),
-               "parallel": args.parallel}
+               "parallel": args.parallel, "read_share": args.read_share}
     where = ""
     if args.pipeline > 1 or args.hostfile is not None:
         from engine.server.pipeline import PipelineBridge
@@ -349,6 +350,16 @@ def _layer_counts(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--split takes layer counts separated by commas, e.g. 10,14 (not {text!r})"
+        ) from None
+
+
+def _read_share(text: str) -> float:
+    """``--read-share``: above 0 and at most 1."""
+    try:
+        return check_read_share(float(text))
+    except (ValueError, EngineError):
+        raise argparse.ArgumentTypeError(
+            f"--read-share takes a number above 0 and at most 1, e.g. 0.5 (not {text!r})"
         ) from None
 
 
@@ -428,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests answered together (default: as many 8k-token "
                           "conversations as free memory holds, 1 to 8); more wait in "
                           "the queue")
+    api.add_argument("--read-share", type=_read_share, default=DEFAULT_READ_SHARE, metavar="S",
+                     help="the share of the time a long prompt being read in takes while "
+                          "other requests answer, above 0 and at most 1 (default: "
+                          f"{DEFAULT_READ_SHARE}, equal turns; 1: a chunk at every step, "
+                          "the answers slowed the most)")
     api.add_argument("--queue-limit", type=int, default=16,
                      help="requests waiting at once before answering 429")
     api.add_argument("--kv-disk-budget", type=float, default=None, metavar="GB",

@@ -1,15 +1,15 @@
 """One rank of the app's pipeline engine, started by ``engine.distributed.remote``.
 
 ``python -m engine.distributed.rank --model PATH [--chunk N] [--budget BYTES]
-[--split 10,14] [--kv-store app|server] [--streams N]`` runs on every rank under
-mlx.launch. Rank 0 runs an ``EngineWorker`` on the pipeline group (with the stored
-KV of this machine's data folder: the app's, or the API server's own; up to
-``--streams`` answers together) and serves its front end's connection: each call
-it reads becomes a worker call, each event the worker sends goes back with the
-front end's request id, and the answers it runs together follow whenever they
-changed. The other ranks
-follow rank 0 (``engine.distributed.follower``), each with its own ``rank<N>``
-folder of stored KV in the same store of its own machine's data folder.
+[--split 10,14] [--kv-store app|server] [--streams N] [--read-share S]`` runs on
+every rank under mlx.launch. Rank 0 runs an ``EngineWorker`` on the pipeline group
+(with the stored KV of this machine's data folder: the app's, or the API server's
+own; up to ``--streams`` answers together) and serves its front end's connection:
+each call it reads becomes a worker call, each event the worker sends goes back
+with the front end's request id, and the answers it runs together follow whenever
+they changed. The other ranks follow rank 0 (``engine.distributed.follower``),
+each with its own ``rank<N>`` folder of stored KV in the same store of its own
+machine's data folder.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from engine.runtime.answering import StreamCounts
 from engine.runtime.commands import CANCELLABLE, REQUESTS, Request
 from engine.runtime.interface import OnEvent
 from engine.runtime.worker import UNEXPECTED, EngineWorker
+from engine.session.batch import DEFAULT_READ_SHARE
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -193,7 +194,7 @@ def _lead(group: mx.distributed.Group, args: argparse.Namespace) -> None:
     def make_worker(on_event: OnEvent) -> EngineWorker:
         return EngineWorker(on_event, budget_bytes=args.budget, chunk_size=args.chunk,
                             snapshots=snapshots, pipeline=Pipeline(group, args.split),
-                            streams=args.streams)
+                            streams=args.streams, read_share=args.read_share)
 
     LeadRank(conn, make_worker).serve()
 
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=None)
     parser.add_argument("--kv-store", choices=KV_STORES, default="app")
     parser.add_argument("--streams", type=int, default=None)
+    parser.add_argument("--read-share", type=float, default=DEFAULT_READ_SHARE)
     args = parser.parse_args(argv)
     folder = rank_report_dir()
     if folder is None:

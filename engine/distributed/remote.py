@@ -67,6 +67,7 @@ from engine.runtime.commands import (
 )
 from engine.runtime.interface import OnEvent, Worker
 from engine.runtime.worker import check_settings, copy_messages
+from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
 from engine.session.prompt_ids import TurnOverhead
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_PAGE_SIZE
@@ -129,6 +130,7 @@ class RemoteWorker(Worker):
             "app" (the app's chats) or "server" (the API server's own).
         streams: answers rank 0 may decode together (None: as free memory allows
             beside the model, ``EngineWorker``'s default).
+        read_share: rank 0's ``EngineWorker`` ``read_share``.
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class RemoteWorker(Worker):
         split: Sequence[int] | None = None,
         kv_store: str = "app",
         streams: int | None = None,
+        read_share: float = DEFAULT_READ_SHARE,
     ) -> None:
         self._on_event = on_event
         self._budget_bytes = budget_bytes
@@ -151,6 +154,7 @@ class RemoteWorker(Worker):
         self._split = None if split is None else [int(n) for n in split]
         self._kv_store = kv_store
         self._stream_limit = streams
+        self._read_share = check_read_share(read_share)
         self._ids = itertools.count(1)
         self._reads = itertools.count(1)
         self._lock = threading.Lock()  # the state below
@@ -463,6 +467,8 @@ class RemoteWorker(Worker):
                 argv += ["--split", ",".join(map(str, self._split))]
             if self._stream_limit is not None:
                 argv += ["--streams", str(self._stream_limit)]
+            if self._read_share != DEFAULT_READ_SHARE:
+                argv += ["--read-share", repr(self._read_share)]
             link = Link(argv, self._ranks, self._hostfile, self._on_message, self._lose,
                         lambda text: self._emit(Notice(request_id, text)))
         except EngineError as error:

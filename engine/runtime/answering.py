@@ -29,7 +29,14 @@ from engine.events import AnswerWaiting, Event, Failed, Finished
 from engine.runtime.commands import Chat, Command
 from engine.runtime.endings import failed, read_cancelled
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.batch import BatchDecoder, Room, RowToken, Waiting
+from engine.session.batch import (
+    DEFAULT_READ_SHARE,
+    BatchDecoder,
+    Room,
+    RowToken,
+    Waiting,
+    check_read_share,
+)
 from engine.session.prompt_ids import Prompt
 from engine.session.session import AnswerStart, Session
 
@@ -99,13 +106,17 @@ class Answering:
             stand in its way (the worker's ``HeldSessions``); None: none.
         ranks_heard: called once a pipeline's other ranks answered the end of a
             request (the worker asks them again what a chat not opened yet takes).
+        read_share: the reads' share of the time beside answers
+            (``engine.session.batch.ReadShare``).
     """
 
     def __init__(self, stats: StatsReporter, emit: Callable[[Event], None],
                  after_end: Callable[[], None], fault: Callable[[Command, Exception], Failed],
                  limit: int = DEFAULT_STREAMS, room: Room | None = None,
-                 ranks_heard: Callable[[], None] = lambda: None) -> None:
+                 ranks_heard: Callable[[], None] = lambda: None,
+                 read_share: float = DEFAULT_READ_SHARE) -> None:
         self._stats = stats
+        self._read_share = check_read_share(read_share)
         self._room = room
         self._emit = emit
         self._after_end = after_end
@@ -240,7 +251,8 @@ class Answering:
         if self._batch is None or self._batch.model is not session.model:
             if self._batch is not None and not self._batch.idle:
                 raise EngineError("Only conversations of the same model can answer together.")
-            self._batch = BatchDecoder(session.model, room=self._room)
+            self._batch = BatchDecoder(session.model, room=self._room,
+                                       read_share=self._read_share)
         return self._batch
 
     def _hold(self, command: Command, session: Session, reused: int) -> None:

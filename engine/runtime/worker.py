@@ -62,6 +62,7 @@ from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.interface import OnEvent, Pipeline, Worker
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
+from engine.session.batch import DEFAULT_READ_SHARE
 from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, AnswerStart
@@ -107,6 +108,8 @@ class EngineWorker(Worker):
         streams: answers that may decode together; a chat beyond them waits in
             the queue until one ends. None: chosen from free memory at each model
             load (``engine.memory.fit.default_streams``).
+        read_share: the share of the time a prompt being read in takes beside
+            answers, above 0 and at most 1 (``engine.session.batch.ReadShare``).
 
     Chats answer together (``engine.runtime.answering``): a chat sent while
     others answer joins them at the next step, and open, close and settings
@@ -129,6 +132,7 @@ class EngineWorker(Worker):
         snapshots: SnapshotStore | None = None,
         pipeline: Pipeline | None = None,
         streams: int | None = None,
+        read_share: float = DEFAULT_READ_SHARE,
     ) -> None:
         self._on_event = on_event
         self.guard = memory_guard or MemoryGuard(
@@ -154,7 +158,8 @@ class EngineWorker(Worker):
         self._answering = Answering(
             self._stats, self._emit, self._publish_fit, _unexpected_ending,
             limit=DEFAULT_STREAMS if streams is None else streams, room=self._held,
-            ranks_heard=lambda: self._held.refresh_unopened(self.chunk_size))
+            ranks_heard=lambda: self._held.refresh_unopened(self.chunk_size),
+            read_share=read_share)
         # Requests taken from the queue that wait for the batch: for their session's
         # answer to end, for room among the answers, or (one that runs alone) for
         # every answer to end.

@@ -26,6 +26,7 @@ from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.interface import Worker
 from engine.runtime.worker import EngineWorker
 from engine.server.tools import ToolSyntax
+from engine.session.batch import DEFAULT_READ_SHARE
 from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
 from engine.session.sampling import SamplingParams
 from engine.snapshots.snapshot_store import SnapshotStore
@@ -88,6 +89,8 @@ class ServerBridge:
         queue_limit: requests that may wait for or run on the engine at once.
         parallel: requests that decode together (the worker's stream limit);
             None: chosen from free memory when the model loads.
+        read_share: the share of the time a prompt being read in takes beside
+            answers (the worker's ``read_share``).
         snapshot_budget: the stored-KV disk budget in bytes (None: the default,
             as the app's).
         counted_with: other snapshot folders (the app's) whose bytes count
@@ -97,7 +100,8 @@ class ServerBridge:
     def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
                  max_sessions: int = 4, queue_limit: int = 16, parallel: int | None = None,
                  worker: Worker | None = None, snapshot_budget: int | None = None,
-                 counted_with: tuple[Path, ...] = ()) -> None:
+                 counted_with: tuple[Path, ...] = (),
+                 read_share: float = DEFAULT_READ_SHARE) -> None:
         self.model = model
         self.kv_mode = kv_mode
         self.max_sessions = max(1, max_sessions)
@@ -105,7 +109,7 @@ class ServerBridge:
         self.snapshots = None if snapshot_dir is None else SnapshotStore(
             snapshot_dir, snapshot_budget, counted_with=counted_with)
         self.worker: Worker = worker or EngineWorker(self._on_event, snapshots=self.snapshots,
-                                                     streams=parallel)
+                                                     streams=parallel, read_share=read_share)
         self.ready = threading.Event()
         self.info: ModelInfo | None = None
         self.load_error: str | None = None

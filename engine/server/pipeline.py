@@ -26,6 +26,7 @@ from engine.distributed.remote import GroupLost, RemoteWorker
 from engine.events import Event, Failed, PipelineLost
 from engine.runtime.worker import EngineWorker
 from engine.server.bridge import ServerBridge
+from engine.session.batch import DEFAULT_READ_SHARE
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class PipelineBridge(ServerBridge):
         snapshot_budget: the stored-KV disk budget in bytes (None: the default).
         parallel: requests that decode together, over the pipeline and on this
             machine after a fall-back (None: chosen from free memory at the load).
+        read_share: the share of the time a prompt being read in takes beside
+            answers, over the pipeline and after a fall-back.
         **bridge_args: ``ServerBridge``'s other keyword arguments.
 
     Raises:
@@ -56,18 +59,22 @@ class PipelineBridge(ServerBridge):
     def __init__(self, model: str, kv_mode: KvMode, snapshot_dir: Path | None, *,
                  ranks: int = 2, hostfile: Path | None = None,
                  split: Sequence[int] | None = None, snapshot_budget: int | None = None,
-                 parallel: int | None = None, **bridge_args: Any) -> None:
+                 parallel: int | None = None, read_share: float = DEFAULT_READ_SHARE,
+                 **bridge_args: Any) -> None:
         if hostfile is not None:
             ranks = len(hostfile_hosts(hostfile))
         self._ranks = ranks
         self._parallel = parallel
+        self._read_share = read_share
         self._generation = 0  # the worker whose events count; the next one is +1
         self._fallback: threading.Thread | None = None
         self._closing = False
         worker = RemoteWorker(self._events_of(0), ranks=ranks, hostfile=hostfile,
-                              split=split, kv_store="server", streams=parallel)
+                              split=split, kv_store="server", streams=parallel,
+                              read_share=read_share)
         super().__init__(model, kv_mode, snapshot_dir, worker=worker,
-                         snapshot_budget=snapshot_budget, parallel=parallel, **bridge_args)
+                         snapshot_budget=snapshot_budget, parallel=parallel,
+                         read_share=read_share, **bridge_args)
         if snapshot_budget is not None:  # kept for the group, applied when it starts
             worker.set_snapshot_budget(snapshot_budget)
 
@@ -144,7 +151,8 @@ class PipelineBridge(ServerBridge):
                 return
             self._ranks = 1
             self.worker = EngineWorker(self._events_of(self._generation),
-                                       snapshots=self.snapshots, streams=self._parallel)
+                                       snapshots=self.snapshots, streams=self._parallel,
+                                       read_share=self._read_share)
         self.load()
 
 

@@ -10,9 +10,10 @@ padded to another's length.
 Conversations join between steps and are read in a chunk at a time (the chunks
 :meth:`Session.chat` reads), after that step's decode pass. Beside answering
 conversations the reads and the decoding take turns by time (:class:`ReadShare`):
-a chunk is read once the steps since the last one have decoded for as long as
-that one took, so an answer keeps about half its pace or more while a long
-document is read beside it, and the read goes on at about half its speed. Only
+by default a chunk is read once the steps since the last one have decoded for as
+long as that one took, so an answer keeps about half its pace or more while a long
+document is read beside it, and the read goes on at about half its speed (the
+reads' share of the time is a setting, ``read_share``). Only
 when a chunk is read follows the clock, never how the ids are cut: an answer
 does not depend on how busy the machine was. Conversations leave when their
 answer ends or is cancelled, and the others go on with the next step. As an
@@ -223,18 +224,38 @@ class _Pass:
     sampled: mx.array
 
 
+DEFAULT_READ_SHARE = 0.5  # equal turns: an answer beside a read keeps about half its pace
+
+
+def check_read_share(share: float) -> float:
+    """``share`` as the reads' share of the device's time beside answers.
+
+    Raises:
+        EngineError: not above 0 and at most 1.
+    """
+    if not 0.0 < share <= 1.0:  # NaN too
+        raise EngineError(f"The reads' share of the time beside answers must be above 0 "
+                          f"and at most 1 ({DEFAULT_READ_SHARE} by default: equal turns); "
+                          f"got {share}.")
+    return share
+
+
 class ReadShare:
     """When a batch reads its next chunk: at every step while nothing answers;
-    beside answers, once the steps since the last chunk have decoded for as long
-    as reading it took (the device's time in equal shares).
+    beside answers, once the steps since the last chunk have decoded long enough
+    for the reads to have had ``share`` of the time (at 0.5, as long as reading
+    it took; at 1, a chunk every step).
 
     Args:
         clock: seconds (monotonic).
+        share: the reads' share of the device's time beside answers
+            (:func:`check_read_share`).
     """
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], share: float = DEFAULT_READ_SHARE) -> None:
         self.clock = clock
-        self.owed = 0.0  # seconds of reading the decoding has not yet matched
+        self._decode_per_read = (1.0 - check_read_share(share)) / share
+        self.owed = 0.0  # seconds of decoding due before the next chunk
 
     def due(self, answering: bool) -> bool:
         """Whether this step reads a chunk, with answers decoding beside it or not."""
@@ -244,7 +265,7 @@ class ReadShare:
 
     def read(self, seconds: float) -> None:
         """A chunk was read in ``seconds``."""
-        self.owed += seconds
+        self.owed += seconds * self._decode_per_read
 
     def decoded(self, seconds: float) -> None:
         """A step decoded for ``seconds`` and read nothing."""
@@ -259,17 +280,18 @@ class BatchDecoder:
         clock: seconds, for the reads' share of the steps (:class:`ReadShare`).
         room: the open sessions outside the batch that a joining conversation's
             pages may displace (:class:`Room`); None: none.
+        read_share: the reads' share of the time beside answers (:class:`ReadShare`).
     """
 
     def __init__(self, model: Any, clock: Callable[[], float] = time.perf_counter,
-                 room: Room | None = None) -> None:
+                 room: Room | None = None, read_share: float = DEFAULT_READ_SHARE) -> None:
         self.model = model
         self._room: Room = room or NoRoom()
         self.rows: list[_Row] = []
         self.reading: list[_Reading] = []
         self._joining: list[_Joining] = []  # waiting for memory, in the order they came
         self._queued: _Pass | None = None
-        self._share = ReadShare(clock)
+        self._share = ReadShare(clock, read_share)
 
     def __len__(self) -> int:
         """Conversations answering."""

@@ -279,3 +279,33 @@ def test_the_remote_worker_has_the_in_process_workers_public_surface() -> None:
         ours, theirs = inspect.signature(value), inspect.signature(remote[name])
         assert list(ours.parameters.values()) == list(theirs.parameters.values()), name
         assert ours.return_annotation == theirs.return_annotation, name
+
+
+def test_rank_zero_is_started_with_the_stream_limit_and_the_reads_share(
+        qwen3_next: tuple[Path, list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = qwen3_next
+    started: list[list[str]] = []
+
+    def no_group(argv: list[str], *args: object) -> None:
+        started.append(argv)
+        raise EngineError("no group in this test")
+
+    monkeypatch.setattr("engine.distributed.remote.Link", no_group)
+    for options, expected in (({}, []),
+                              ({"streams": 3, "read_share": 0.25},
+                               ["--streams", "3", "--read-share", "0.25"])):
+        recorder = Recorder()
+        worker = RemoteWorker(recorder, **options)  # type: ignore[arg-type]
+        worker.start()
+        try:
+            failed = recorder.ending(worker.load_model(str(model)), timeout=60)
+        finally:
+            worker.shutdown()
+        assert worker.join(5.0)
+        assert isinstance(failed, Failed) and "no group in this test" in failed.message
+        argv = started.pop()
+        assert [a for a in argv if a in ("--streams", "--read-share")] == expected[::2]
+        for flag, value in zip(expected[::2], expected[1::2], strict=True):
+            assert argv[argv.index(flag) + 1] == value
+    with pytest.raises(EngineError, match="above 0 and at most 1"):
+        RemoteWorker(Recorder(), read_share=0.0)

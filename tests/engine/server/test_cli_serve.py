@@ -5,7 +5,10 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from engine import cli
+from engine.errors import EngineError
 from tests.engine.tinymodels import make_tiny_model_dir
 
 
@@ -86,3 +89,22 @@ def test_ctrl_c_stops_the_server_cleanly_with_its_sessions_stored(tmp_path) -> N
     assert server.returncode == 0, err  # was -2, after a CancelledError traceback
     assert "Traceback" not in err and "stopped" in out
     assert list((tmp_path / "home" / "server-kv-snapshots").glob("*.json"))
+
+
+def test_the_reads_share_option_reaches_the_engine(monkeypatch, capsys) -> None:
+    assert cli.build_parser().parse_args(["serve", "--model", "demo"]).read_share == 0.5
+    made: list[dict] = []
+
+    class Worker:  # stands in for the engine: it records what the server built it with
+        def __init__(self, on_event, **options) -> None:
+            made.append(options)
+            raise EngineError("recorded")
+
+    monkeypatch.setattr("engine.server.bridge.EngineWorker", Worker)
+    assert cli.main(["serve", "--model", "demo", "--read-share", "0.25"], io.StringIO()) == 1
+    assert made[-1]["read_share"] == 0.25 and "recorded" in capsys.readouterr().err
+    for bad in ("0", "1.5", "nan", "half"):
+        with pytest.raises(SystemExit) as exited:
+            cli.build_parser().parse_args(["serve", "--model", "demo", "--read-share", bad])
+        assert exited.value.code == 2
+        assert "--read-share takes a number above 0 and at most 1" in capsys.readouterr().err

@@ -272,7 +272,9 @@ def test_a_long_read_goes_a_chunk_a_step_beside_the_answers(tiny, logits) -> Non
         _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
 
 
-def test_beside_answers_the_reads_and_the_decoding_take_equal_turns(tiny) -> None:
+@pytest.mark.parametrize(("share", "decoded"), [(0.5, 11), (0.75, 4), (1.0, 0)])
+def test_beside_answers_the_reads_and_the_decoding_take_turns_by_their_share(
+        tiny, share: float, decoded: int) -> None:
     loaded = tiny["llama"]
     now = [0.0]
 
@@ -280,7 +282,7 @@ def test_beside_answers_the_reads_and_the_decoding_take_equal_turns(tiny) -> Non
         now[0] += 1.0
         return now[0]
 
-    batch = BatchDecoder(loaded.model, clock=clock)
+    batch = BatchDecoder(loaded.model, clock=clock, read_share=share)
     answering = Session("answering", loaded, "q8", chunk_size=CHUNK)
     answer = Answer()
     batch.join(answering, _messages(1), replace(GREEDY, max_tokens=500), request_id=1,
@@ -304,14 +306,21 @@ def test_beside_answers_the_reads_and_the_decoding_take_equal_turns(tiny) -> Non
         batch.step()
         assert len(answer.tokens) == made + 1  # the answer goes on at every step
         reads.append(document.chunks - chunks)
-    # A chunk's step took 11 s; then eleven steps of 1 s decode before the next chunk.
-    assert reads == [1] + [0] * 11 + [1] + [0] * 11 + [1]
+    # A chunk's step took 11 s; then the steps of 1 s that give the reads their
+    # share decode before the next chunk (as many as the chunk took at 0.5).
+    assert reads == [int(step % (decoded + 1) == 0) for step in range(25)]
     answer.cancel.set()  # nothing answers now: the read takes every step
     batch.step()
     for _ in range(3):
         chunks = document.chunks
         batch.step()
         assert document.chunks == chunks + 1
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan")])
+def test_a_share_of_the_time_the_reads_cannot_take_is_refused(tiny, share: float) -> None:
+    with pytest.raises(EngineError, match="above 0 and at most 1"):
+        BatchDecoder(tiny["llama"].model, read_share=share)
 
 
 def test_a_session_joins_one_batch_of_its_own_model_once(tiny) -> None:
