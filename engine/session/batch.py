@@ -35,9 +35,10 @@ holds it). Where pages of open sessions outside the batch (chats
 that answered and sit idle) stand in the way, the least recently used are set
 aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
 in the order it came, with a sentence saying why (:attr:`BatchDecoder.waiting`),
-and every step tries again. One that would not fit even with the batch's other
-conversations gone and the idle sessions set aside is refused at once, with the
-error :meth:`Session.chat` raises for it alone.
+and every step tries again (another machine's "no room" is asked again once a
+conversation left the batch, or after ``ASK_AGAIN_S``). One that would not fit
+even with the batch's other conversations gone and the idle sessions set aside
+is refused at once, with the error :meth:`Session.chat` raises for it alone.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class RowToken:
 # The limits a waiting conversation's reason names.
 FREE_RAM = "is free"
 KV_BUDGET = "the KV budget leaves"
+# How long another machine's "no room" for a waiting conversation stands while the
+# batch beside it is unchanged: one round trip a second, not one a step.
+ASK_AGAIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,17 @@ class _Reading:
 
 
 @dataclass(frozen=True)
+class _Asked:
+    """The other ranks' last answer that a waiting conversation does not fit there:
+    for which request, beside which of the batch's sessions, when, and which machine."""
+
+    request_id: int
+    batch: frozenset[str]
+    at: float
+    machine: str
+
+
+@dataclass(frozen=True)
 class _Pass:
     """A queued forward pass: its rows and each row's next token (lazy)."""
 
@@ -277,7 +292,8 @@ class BatchDecoder:
 
     Args:
         model: the mlx-lm model every joining session holds.
-        clock: seconds, for the reads' share of the steps (:class:`ReadShare`).
+        clock: seconds, for the reads' share of the steps (:class:`ReadShare`) and
+            how often the other ranks of a pipeline are asked again for room.
         room: the open sessions outside the batch that a joining conversation's
             pages may displace (:class:`Room`); None: none.
         read_share: the reads' share of the time beside answers (:class:`ReadShare`).
@@ -292,6 +308,7 @@ class BatchDecoder:
         self._joining: list[_Joining] = []  # waiting for memory, in the order they came
         self._queued: _Pass | None = None
         self._share = ReadShare(clock, read_share)
+        self._asked: _Asked | None = None  # the other ranks' last "no room" for a joiner
 
     def __len__(self) -> int:
         """Conversations answering."""
@@ -469,6 +486,13 @@ class BatchDecoder:
         followers = joining.session.followers
         if followers is None:
             return None
+        # Their room grows only when a conversation leaves the batch, or now and
+        # then as other programs free memory: asked again then, not at every step.
+        batch = frozenset(session.session_id for session in self._batch_sessions())
+        now, last = self._share.clock(), self._asked
+        if (last is not None and last.request_id == joining.request_id
+                and last.batch == batch and now - last.at < ASK_AGAIN_S):
+            return last.machine
         # The reads under way will still add pages there too: counted as tokens of
         # this conversation's mode (the ranks' own bytes a token are theirs to know).
         coming = sum(max(0, reading.tokens - len(reading.session.tokens))
@@ -476,7 +500,9 @@ class BatchDecoder:
         try:
             followers.room(len(joining.prompt.ids) + 1 + coming, joining.session.mode)
         except MachineShort as short:
+            self._asked = _Asked(joining.request_id, batch, now, short.machine)
             return short.machine
+        self._asked = None
         return None
 
     def _fits(self, joining: _Joining, gone: Collection[str]) -> bool:

@@ -24,7 +24,7 @@ from engine.errors import Cancelled, ContextTooLong, EngineError, MachineShort
 from engine.events import IngestProgress, TokenChunk
 from engine.format import human_bytes
 from engine.memory.guard import GIB, MemoryGuard, MemoryReading
-from engine.session.batch import BatchDecoder
+from engine.session.batch import ASK_AGAIN_S, BatchDecoder
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
 from tests.engine.session.batch_noise import first_divergence
@@ -458,8 +458,10 @@ class _OtherRank:
 
     def __init__(self, full: Any) -> None:
         self.full = full
+        self.asked = 0
 
     def room(self, token_count: int, mode: str) -> int:
+        self.asked += 1
         if self.full():
             raise MachineShort(f"rank 1 (mac2) holds only a few tokens in {mode}.",
                                "rank 1 (mac2)")
@@ -492,7 +494,8 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     rank = _OtherRank(lambda: first is not None and bool(first.tokens) and 1 not in done)
     first = Session("first", loaded, "fp16", page_size=16, chunk_size=CHUNK, followers=rank)
     second = Session("second", loaded, "fp16", page_size=16, followers=rank)
-    batch = BatchDecoder(loaded.model)
+    now = [0.0]
+    batch = BatchDecoder(loaded.model, clock=lambda: now[0])
     batch.join(first, _messages(1), GREEDY, request_id=1, cancel=threading.Event(),
                emit=lambda _: None, tick=lambda: None)
     batch.step()  # its first chunk: the other machine now holds its share
@@ -503,6 +506,13 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     assert [(w.request_id, w.reason, w.short_bytes) for w in batch.waiting] == [
         (2, "Waiting for memory on rank 1 (mac2): its share of this conversation does "
             "not fit beside the other answers yet; it starts when another answer ends.", 0)]
+    asked = rank.asked
+    for _ in range(3):  # nothing changed beside it: the other machine is not asked again
+        batch.step()
+    assert rank.asked == asked and batch.waiting
+    now[0] += ASK_AGAIN_S  # but after a while (other programs may have freed memory)
+    batch.step()
+    assert rank.asked == asked + 1 and batch.waiting
     while not batch.idle:
         for result in batch.step():
             if result.finish is not None:
