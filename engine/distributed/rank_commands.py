@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import blake3
@@ -334,8 +334,15 @@ class SessionLink:
         else:
             self.conductor.send(END, self.slot, held, int(cancelled), 0)
 
-    def room(self, token_count: int, mode: KvMode) -> int:
+    def room(self, token_count: int, mode: KvMode,
+             coming: Mapping[KvMode, int] | None = None) -> int:
         """Tokens that may follow ``token_count`` on the tightest follower, in ``mode``.
+
+        Args:
+            token_count: the tokens this session is to hold, in ``mode``.
+            mode: this session's KV mode.
+            coming: tokens other sessions will still add there, by their modes
+                (reads under way beside it); each follower must hold those too.
 
         Raises:
             MachineShort: a follower's own pages or free RAM cannot hold them,
@@ -354,8 +361,33 @@ class SessionLink:
                     f"for its layers (free RAM after its safety headroom: {free_mib:,} MiB). "
                     "Free memory on that machine, give it fewer layers, or choose a "
                     "smaller KV mode.", conductor.machine(rank))
+            if coming and not _holds_beside(row, token_count, mode, coming):
+                raise MachineShort(
+                    f"{conductor.machine(rank)} cannot hold this conversation's "
+                    f"{token_count:,} tokens in {mode} beside the "
+                    f"{sum(coming.values()):,} tokens still to be read there for the "
+                    "others.", conductor.machine(rank))
             room = fit_tokens - token_count if room is None else min(room, fit_tokens - token_count)
         return 0 if room is None else room
+
+
+def _holds_beside(row: Sequence[int], token_count: int, mode: KvMode,
+                  coming: Mapping[KvMode, int]) -> bool:
+    """Whether a follower's memory reply (``memory_row``) holds ``token_count`` tokens
+    in ``mode`` and the tokens ``coming`` in theirs, all in the same room.
+
+    A mode's tokens that fit are that room over its bytes a token (this rank's
+    layers' own), so each mode's tokens take their count over that figure of it.
+    """
+    share = 0.0
+    for each, tokens in [(mode, token_count), *coming.items()]:
+        fit_tokens = row[TOKENS + MODES.index(each)]
+        if tokens <= 0:
+            continue
+        if fit_tokens <= 0:
+            return False
+        share += tokens / fit_tokens
+    return share <= 1.0
 
 
 class _DecodeSteps:

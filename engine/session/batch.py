@@ -53,6 +53,7 @@ import mlx.core as mx
 
 from engine.cache import adapter
 from engine.cache.batched import BatchedCache, check_batchable
+from engine.cache.modes import KvMode
 from engine.errors import (
     Cancelled,
     ContextTooLong,
@@ -493,12 +494,14 @@ class BatchDecoder:
         if (last is not None and last.request_id == joining.request_id
                 and last.batch == batch and now - last.at < ASK_AGAIN_S):
             return last.machine
-        # The reads under way will still add pages there too: counted as tokens of
-        # this conversation's mode (the ranks' own bytes a token are theirs to know).
-        coming = sum(max(0, reading.tokens - len(reading.session.tokens))
-                     for reading in self.reading)
+        # The reads under way will still add pages there too, each in its own mode.
+        coming: dict[KvMode, int] = {}
+        for reading in self.reading:
+            mode = reading.session.mode
+            coming[mode] = (coming.get(mode, 0)
+                            + max(0, reading.tokens - len(reading.session.tokens)))
         try:
-            followers.room(len(joining.prompt.ids) + 1 + coming, joining.session.mode)
+            followers.room(len(joining.prompt.ids) + 1, joining.session.mode, coming)
         except MachineShort as short:
             self._asked = _Asked(joining.request_id, batch, now, short.machine)
             return short.machine

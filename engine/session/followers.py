@@ -7,7 +7,7 @@ end above this layer); on one machine a session has no link.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import mlx.core as mx
@@ -81,8 +81,10 @@ class FollowerLink(Protocol):
         """A request ended with ``held`` tokens in the cache."""
         ...
 
-    def room(self, token_count: int, mode: KvMode) -> int:
-        """Tokens that may follow ``token_count`` on the tightest other rank.
+    def room(self, token_count: int, mode: KvMode,
+             coming: Mapping[KvMode, int] | None = None) -> int:
+        """Tokens that may follow ``token_count`` on the tightest other rank; with
+        ``coming``, the tokens other sessions will still add there (by mode) held too.
 
         Raises:
             MachineShort: a rank cannot hold them (named in it).

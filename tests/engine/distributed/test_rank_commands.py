@@ -6,7 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from engine.distributed import rank_commands as c
+from engine.errors import MachineShort
 
 
 def _row(*, rigid: bool = False, batches: bool = True) -> list[int]:
@@ -23,3 +26,30 @@ def test_a_session_batches_only_when_every_follower_says_its_layers_can() -> Non
     link.heard([[0] * c.REPLY, _row(), _row(batches=False, rigid=True)])
     assert not link.batches and link.needs_checkpoints
     assert len(_row()) == c.REPLY  # the whole row crosses: nothing is cut off
+
+
+def _fitting(tokens_fit: dict[str, int]) -> list[int]:
+    """A follower's reply that holds a session's tokens alone, ``tokens_fit`` in each mode."""
+    return c.memory_row(True, [tokens_fit.get(mode, 0) for mode in c.MODES], 1 << 30, 0, 0,
+                        1 << 30, needs_checkpoints=False, batches=True)
+
+
+def test_room_counts_the_tokens_still_to_be_read_there_in_their_own_modes() -> None:
+    # One room on rank 1: 4,000 tokens in q4, half as many in fp16's wider rows.
+    reply = _fitting({"fp16": 1000, "q8": 2000, "q6": 2600, "q4": 4000})
+    conductor: Any = SimpleNamespace(share=lambda rank, row: (rank, row),
+                                     ask=lambda *args: [[0] * c.REPLY, reply],
+                                     machine=lambda rank: f"rank {rank} (mac2)")
+    link = c.SessionLink(conductor, 1)
+    assert link.room(1000, "q4") == 3000  # alone: the tokens after its own
+    # Its 1,000 tokens take a quarter of the room; 1,500 more q4 tokens being read
+    # there another 0.375, and 500 q8 with 650 q6 tokens a quarter each: they fit.
+    assert link.room(1000, "q4", {"q4": 1500}) == 3000
+    assert link.room(1000, "q4", {"q8": 500, "q6": 650}) == 3000
+    # 2,000 q8 tokens fill the whole room: counted as tokens of this session's
+    # mode (half the room in q4) they would have seemed to fit.
+    with pytest.raises(MachineShort, match=r"rank 1 \(mac2\) cannot hold") as short:
+        link.room(1000, "q4", {"q8": 2000})
+    assert short.value.machine == "rank 1 (mac2)"
+    with pytest.raises(MachineShort):
+        link.room(1000, "q4", {"q4": 1000, "fp16": 600})  # 0.25 + 0.25 + 0.6

@@ -459,9 +459,11 @@ class _OtherRank:
     def __init__(self, full: Any) -> None:
         self.full = full
         self.asked = 0
+        self.coming: list[dict[str, int]] = []  # what each ask said is still to be read
 
-    def room(self, token_count: int, mode: str) -> int:
+    def room(self, token_count: int, mode: str, coming: Any = None) -> int:
         self.asked += 1
+        self.coming.append(dict(coming or {}))
         if self.full():
             raise MachineShort(f"rank 1 (mac2) holds only a few tokens in {mode}.",
                                "rank 1 (mac2)")
@@ -492,7 +494,7 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     done: list[int] = []
     first: Session | None = None
     rank = _OtherRank(lambda: first is not None and bool(first.tokens) and 1 not in done)
-    first = Session("first", loaded, "fp16", page_size=16, chunk_size=CHUNK, followers=rank)
+    first = Session("first", loaded, "q8", page_size=16, chunk_size=CHUNK, followers=rank)
     second = Session("second", loaded, "fp16", page_size=16, followers=rank)
     now = [0.0]
     batch = BatchDecoder(loaded.model, clock=lambda: now[0])
@@ -506,6 +508,8 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     assert [(w.request_id, w.reason, w.short_bytes) for w in batch.waiting] == [
         (2, "Waiting for memory on rank 1 (mac2): its share of this conversation does "
             "not fit beside the other answers yet; it starts when another answer ends.", 0)]
+    # The first conversation's read, not done yet, counts there in its own mode.
+    assert rank.coming[-1].keys() == {"q8"} and rank.coming[-1]["q8"] > 0
     asked = rank.asked
     for _ in range(3):  # nothing changed beside it: the other machine is not asked again
         batch.step()

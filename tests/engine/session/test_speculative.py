@@ -391,7 +391,7 @@ class _OneStepFollowers:
     def close(self) -> None:
         pass
 
-    def room(self, token_count: int, mode: str) -> int:
+    def room(self, token_count: int, mode: str, coming: object = None) -> int:
         return 1 << 20
 
     def machines(self, *figures: object) -> tuple:
