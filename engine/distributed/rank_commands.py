@@ -378,6 +378,8 @@ def _holds_beside(row: Sequence[int], token_count: int, mode: KvMode,
 
     A mode's tokens that fit are that room over its bytes a token (this rank's
     layers' own), so each mode's tokens take their count over that figure of it.
+    The figure is also capped at the model's context: where that cap binds, the
+    share counted is more than the bytes taken, and the check errs toward waiting.
     """
     share = 0.0
     for each, tokens in [(mode, token_count), *coming.items()]:
