@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--max-tokens", type=int, help="tokens generated per run")
     pipeline.add_argument("--mode", help="KV mode, e.g. fp16")
     pipeline.add_argument("--repeats", type=int, help="1-rank/2-rank pairs per context")
+    pipeline.add_argument("--streams", type=_ints,
+                          help="requests streamed at once through the server, e.g. 1,2,4 "
+                               "(0: skip that part)")
+    pipeline.add_argument("--stream-tokens", type=int, help="tokens a streamed request")
     serve = sub.add_parser("serve", help="demo model: HTTP server TTFT, resent and restarted")
     _common(serve)
     serve.add_argument("--tokens", type=parse_tokens, help="conversation tokens (about)")
@@ -187,8 +191,10 @@ def run_pipeline(args: argparse.Namespace, command: str) -> dict:
     from benchmarks import pipeline_bench
 
     base = pipeline_bench.QUICK if args.quick else pipeline_bench.PipelineBenchConfig()
+    streams = None if args.streams is None else tuple(n for n in args.streams if n > 0)
     config = with_changes(base, contexts=args.contexts, max_tokens=args.max_tokens,
-                          mode=args.mode, repeats=args.repeats)
+                          mode=args.mode, repeats=args.repeats, streams=streams,
+                          stream_tokens=args.stream_tokens)
     return _run_sections(args, command, "pipeline", pipeline_bench.run_pipeline_bench,
                          pipeline_bench.render_pipeline_report, config)
 

@@ -9,16 +9,29 @@ to the wanted token count with the model's own tokenizer. One and two ranks
 alternate ``repeats`` times per context, so a shared machine's load falls on
 both alike, and the overhead is the median of each pair's difference. The ring
 backend's floor (``benchmarks.ring_floor``) runs once at the start.
+
+Then requests answered together (``streams``): ``python -m engine serve`` on one
+process and on the ranks, a wider random qwen3_next (``_wide_model``: its dense
+layers weigh more than a step's overhead, as a real model's do), and each count of
+short requests streamed at once. Each count is sent once untimed, so the timed
+run finds every prompt stored and all its streams decode together from the start;
+the aggregate rate is every request's tokens over the wall time from sending them
+to the last one's end (a request's first token included). Not the streams' own
+rates between their first and last pieces: two ranks on two cores spin while they
+wait on each other, and the server's process then gets pieces out in bursts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,9 +53,13 @@ class PipelineBenchConfig:
     mode: str = "fp16"
     chunk_size: int = 512
     repeats: int = 2
+    streams: tuple[int, ...] = (1, 2, 4)  # requests answered together; () skips them
+    stream_tokens: int = 48
 
 
-QUICK = PipelineBenchConfig(contexts=(1024,), max_tokens=16, repeats=1)
+QUICK = PipelineBenchConfig(contexts=(1024,), max_tokens=16, repeats=1, streams=(1, 2),
+                            stream_tokens=8)
+STREAM_PROMPT = "The river bends past the mill, and the miller counts the sacks. " * 12
 
 
 def _tiny_model(folder: Path) -> Path:
@@ -50,6 +67,17 @@ def _tiny_model(folder: Path) -> Path:
 
     # The tests' tiny config declares a 4k context; the benchmark reads 32k.
     return make_tiny_model_dir(folder, "qwen3_next", max_position_embeddings=65536)
+
+
+def _wide_model(folder: Path, layers: int = 8) -> Path:
+    """A random qwen3_next whose dense layers are wide enough to weigh in a step
+    (about 27M parameters), its answers never ended by the model itself."""
+    from tests.engine.tinymodels import make_tiny_model_dir
+
+    return make_tiny_model_dir(folder, "qwen3_next", endless=True, hidden_size=512,
+                               intermediate_size=1536, num_hidden_layers=layers,
+                               mlp_only_layers=list(range(layers)),
+                               max_position_embeddings=65536)
 
 
 def _prompt(model: Path, tokens: int) -> str:
@@ -122,7 +150,93 @@ def run_pipeline_bench(config: PipelineBenchConfig, progress: Callable[[str], No
                     results["rows"].append(row)
                     if partial_results is not None:
                         partial_results(results)
+        if config.streams:
+            wide = _wide_model(Path(folder))
+            results["streams"] = []
+            for ranks in config.ranks:
+                progress(f"pipeline: {', '.join(map(str, config.streams))} requests at once "
+                         f"on {ranks} rank(s)")
+                results["streams"] += served_streams(wide, ranks, config)
+                if partial_results is not None:
+                    partial_results(results)
     return results
+
+
+def served_streams(model: Path, ranks: int, config: PipelineBenchConfig) -> list[dict]:
+    """Each count of ``config.streams`` requests streamed at once from a server of
+    ``ranks`` rank(s): their aggregate decode rate, overlap and texts."""
+    from benchmarks import serve_bench
+
+    home = tempfile.mkdtemp(prefix="pipeline-streams-")
+    port = serve_bench._port()
+    command = [sys.executable, "-m", "engine", "serve", "--model", str(model), "--port",
+               str(port), "--kv", config.mode, "--parallel", str(max(config.streams))]
+    if ranks > 1:
+        command += ["--pipeline", str(ranks)]
+    rows = []
+    try:
+        server = serve_bench.Running(command, port, {**_env(), "LONGLEAF_HOME": home},
+                                     Path(home) / "serve.log")
+    except RuntimeError as error:
+        shutil.rmtree(home, ignore_errors=True)
+        return [{"ranks": ranks, "streams": count, "error": str(error)}
+                for count in config.streams]
+    try:
+        for count in config.streams:
+            prompts = [[{"role": "user", "content": f"Request {i}: {STREAM_PROMPT}"}]
+                       for i in range(count)]
+            _together(server.url, prompts, config.stream_tokens)  # stores every prompt
+            load = os.getloadavg()[0]
+            rows.append({"ranks": ranks, "streams": count, "load": load,
+                         **_together(server.url, prompts, config.stream_tokens)})
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return rows
+
+
+def _together(url: str, prompts: list[list[dict[str, str]]], max_tokens: int) -> dict:
+    """Stream ``prompts`` at once; every request's tokens over the wall time from
+    sending them to the last one's end, and their texts."""
+    streamed: dict[int, tuple[str, int]] = {}
+    threads = [threading.Thread(target=_stream_text,
+                                args=(url, messages, max_tokens, streamed, index))
+               for index, messages in enumerate(prompts)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    runs = [streamed[index] for index in range(len(prompts)) if index in streamed]
+    if len(runs) < len(prompts) or not all(tokens for _, tokens in runs):
+        return {"error": "a request failed or made no token"}
+    tokens = [count for _, count in runs]
+    return {"tok_s": sum(tokens) / seconds, "seconds": seconds, "tokens": tokens,
+            "texts": [text for text, _ in runs]}
+
+
+def _stream_text(url: str, messages: list[dict[str, str]], max_tokens: int,
+                 streamed: dict[int, tuple[str, int]], index: int) -> None:
+    """One streamed answer: its text and its tokens (the usage the server reports)."""
+    import httpx
+
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, tokens = "", 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                      timeout=httpx.Timeout(3600.0, connect=30.0)) as reply:
+        if reply.status_code != 200:
+            return
+        for line in reply.iter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            chunk = json.loads(line[5:])
+            tokens = int((chunk.get("usage") or {}).get("completion_tokens") or tokens)
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("delta", {}).get("content"):
+                text += choices[0]["delta"]["content"]
+    streamed[index] = (text, tokens)
 
 
 def _ms_per_token(row: dict | None) -> float | None:
@@ -182,7 +296,37 @@ def render_pipeline_report(results: dict, info: dict, command: str, load_after: 
                          "yes" if same else "NO"])
     lines += report.table(["context", "decode overhead ms/token", "prefill 2 ranks / 1",
                            "same tokens"], verdicts)
+    lines += _streams_lines(results.get("streams") or [], config)
     return "\n".join(lines) + "\n"
+
+
+def _streams_lines(rows: list[dict], config: dict) -> list[str]:
+    """The requests answered together: each count's aggregate rate against one
+    request's on the same ranks, and whether the ranks said what one process said."""
+    if not rows:
+        return []
+    lines = ["", "Requests streamed at once through `python -m engine serve --parallel "
+             f"{max(r['streams'] for r in rows)}`, a wider random qwen3_next (8 layers, "
+             f"hidden 512, about 27M parameters), {config['mode']}, "
+             f"{config.get('stream_tokens', '?')} tokens a request; each count sent once "
+             "untimed first, so every prompt is stored; every request's tokens over the "
+             "wall time from sending them to the last one's end:", ""]
+    alone = {r["ranks"]: r.get("tok_s") for r in rows if r["streams"] == 1}
+    one_process = {r["streams"]: r.get("texts") for r in rows if r["ranks"] == 1}
+    table = []
+    for row in rows:
+        if "error" in row:
+            table.append([row["ranks"], row["streams"], "", row["error"], "", "", ""])
+            continue
+        same = ("" if row["ranks"] == 1 or one_process.get(row["streams"]) is None
+                else "yes" if row["texts"] == one_process[row["streams"]] else "NO")
+        table.append([row["ranks"], row["streams"], _fmt(row.get("load"), 1),
+                      _fmt(row["seconds"], 2), _fmt(row["tok_s"], 1),
+                      report.fmt_ratio(report.ratio(row["tok_s"], alone.get(row["ranks"]))),
+                      same])
+    return lines + report.table(["ranks", "requests at once", "load at start", "wall s",
+                                 "aggregate tok/s", "× one request",
+                                 "same texts as one process"], table)
 
 
 def _fmt(value: float | None, digits: int) -> str:

@@ -40,3 +40,22 @@ def test_a_pair_with_other_tokens_is_flagged_and_a_failed_run_is_left_out() -> N
     text = _report(rows)
     assert text.splitlines()[-1] == "| 8k | 1.11 ✅ | 0.90× ✅ | NO |"
     assert "boom" in text
+
+
+def test_requests_at_once_are_set_against_one_request_on_the_same_ranks() -> None:
+    def streamed(ranks: int, streams: int, tok_s: float, texts: list[str]) -> dict:
+        return {"ranks": ranks, "streams": streams, "load": 1.0, "tok_s": tok_s,
+                "seconds": 2.0, "tokens": [8] * streams, "texts": texts}
+
+    results = {"config": {"mode": "q8", "chunk_size": 512, "repeats": 1, "stream_tokens": 8},
+               "rows": [], "floor": {},
+               "streams": [streamed(1, 1, 50.0, ["a"]), streamed(1, 4, 110.0, list("abcd")),
+                           streamed(2, 1, 40.0, ["a"]), streamed(2, 4, 100.0, list("abcx")),
+                           {"ranks": 2, "streams": 8, "error": "boom"}]}
+    text = render_pipeline_report(results, INFO, "cmd", "2.00, 2.00, 2.00")
+    assert "`python -m engine serve --parallel 8`" in text
+    rows = text.splitlines()[-5:]
+    assert rows[1] == "| 1 | 4 | 1.0 | 2.00 | 110.0 | 2.20× |  |"
+    assert rows[3] == "| 2 | 4 | 1.0 | 2.00 | 100.0 | 2.50× | NO |"
+    assert rows[2].startswith("| 2 | 1 |") and rows[2].endswith("| 1.00× | yes |")
+    assert "boom" in rows[4]
