@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -253,16 +254,23 @@ def test_a_hostfile_of_this_machine_twice_runs_the_remote_pipeline(
 def test_a_hostfile_whose_first_host_is_another_machine_is_refused(
         qwen3_next: tuple[Path, list[int]], tmp_path: Path) -> None:
     model, _ = qwen3_next
+    failed = _load_that_fails(model, hostfile=_hostfile(tmp_path, ["mac1.local", "127.0.0.1"]))
+    assert "mac1.local" in failed.message and "must be this Mac (127.0.0.1)" in failed.message
+
+
+def _load_that_fails(model: Path, **options: Any) -> Failed:
+    """The ending of a ``RemoteWorker`` load of ``model`` that fails before any group
+    runs (the worker made with ``options``, shut down after)."""
     recorder = Recorder()
-    worker = RemoteWorker(recorder, hostfile=_hostfile(tmp_path, ["mac1.local", "127.0.0.1"]))
+    worker = RemoteWorker(recorder, **options)
     worker.start()
     try:
         failed = recorder.ending(worker.load_model(str(model)), timeout=60)
     finally:
         worker.shutdown()
     assert worker.join(5.0)
-    assert isinstance(failed, Failed) and "mac1.local" in failed.message
-    assert "must be this Mac (127.0.0.1)" in failed.message
+    assert isinstance(failed, Failed), failed
+    return failed
 
 
 def test_the_remote_worker_has_the_in_process_workers_public_surface() -> None:
@@ -294,15 +302,8 @@ def test_rank_zero_is_started_with_the_stream_limit_and_the_reads_share(
     for options, expected in (({}, []),
                               ({"streams": 3, "read_share": 0.25},
                                ["--streams", "3", "--read-share", "0.25"])):
-        recorder = Recorder()
-        worker = RemoteWorker(recorder, **options)  # type: ignore[arg-type]
-        worker.start()
-        try:
-            failed = recorder.ending(worker.load_model(str(model)), timeout=60)
-        finally:
-            worker.shutdown()
-        assert worker.join(5.0)
-        assert isinstance(failed, Failed) and "no group in this test" in failed.message
+        failed = _load_that_fails(model, **options)
+        assert "no group in this test" in failed.message
         argv = started.pop()
         assert [a for a in argv if a in ("--streams", "--read-share")] == expected[::2]
         for flag, value in zip(expected[::2], expected[1::2], strict=True):
