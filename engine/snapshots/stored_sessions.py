@@ -86,10 +86,11 @@ class StoredSessions:
         if not names or self.snapshots is None:
             return
         log.info("stored KV of open chats %s evicted under the disk budget", names)
-        chats = "another open chat" if len(names) == 1 else f"{len(names)} other open chats"
+        chats, they = (("another open chat", "it is") if len(names) == 1
+                       else (f"{len(names)} other open chats", "they are"))
         self._emit(Notice(0, (
             f"The stored KV of {chats} was removed to stay within the stored-KV disk "
-            f"budget ({human_bytes(self.snapshots.budget_bytes)}); it is read again when "
+            f"budget ({human_bytes(self.snapshots.budget_bytes)}); {they} read again when "
             "next used. A larger stored-KV budget keeps more.")))
 
     def _tell_not_stored(self, why: str) -> None:

@@ -8,10 +8,13 @@ import logging
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine.events import Failed, Finished, Notice, SessionOpened
 from engine.session.sampling import SamplingParams
 from engine.snapshots import SnapshotStore, tensors
+from engine.snapshots.snapshot_store import Saved
+from engine.snapshots.stored_sessions import StoredSessions
 from tests.engine.read_only import make_read_only
 from tests.engine.runtime.test_worker import loaded_worker
 from tests.engine.snapshots.test_snapshot import DOC, QUESTION
@@ -112,3 +115,34 @@ def test_a_full_disk_on_the_data_write_is_one_line_and_one_notice(tmp_path, monk
     warned = [r for r in caplog.records if "not saved" in r.getMessage()]
     assert len(warned) == 2 and not any(r.exc_info for r in caplog.records)
     assert not [p for p in kv.iterdir() if p.is_file()]
+
+
+def test_only_the_open_chats_whose_stored_kv_went_are_told_of() -> None:
+    class Store:  # evicts what the test says, and says so as SnapshotStore does
+        budget_bytes = 2 * 2**30  # "2.0 GB" as the app says sizes
+
+        def __init__(self, evicted: tuple[str, ...]) -> None:
+            self.evicted = evicted
+
+        def save(self, session: object, name: str, *, spare: object) -> Saved:
+            return Saved(Path(f"{name}.json"), self.evicted)
+
+        def total_bytes(self) -> int:
+            return 0
+
+        def per_snapshot(self) -> list:
+            return []
+
+    chat = SimpleNamespace(session_id="c", tokens=[1, 2], followers=None)
+    for evicted, told in ((("closed",), []),
+                          (("closed", "a"), ["another open chat was removed", "it is read"]),
+                          (("a", "b"), ["2 other open chats were removed", "they are read"])):
+        said: list[object] = []
+        stored = StoredSessions(Store(evicted), said.append)  # type: ignore[arg-type]
+        assert stored.store(chat, spare={"a", "b"})  # type: ignore[arg-type]
+        notices = [e.message for e in said if isinstance(e, Notice)]
+        if not told:
+            assert notices == []
+            continue
+        (notice,) = notices
+        assert all(part in notice for part in told) and "(2.0 GB)" in notice, notice
