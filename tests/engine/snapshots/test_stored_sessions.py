@@ -136,7 +136,7 @@ def test_only_the_open_chats_whose_stored_kv_went_are_told_of() -> None:
     chat = SimpleNamespace(session_id="c", tokens=[1, 2], followers=None)
     for evicted, told in ((("closed",), []),
                           (("closed", "a"), ["another open chat was removed", "it is read"]),
-                          (("a", "b"), ["2 other open chats were removed", "they are read"])):
+                          (("a", "b"), ["KV of 2 other open chats was removed", "they are read"])):
         said: list[object] = []
         stored = StoredSessions(Store(evicted), said.append)  # type: ignore[arg-type]
         assert stored.store(chat, spare={"a", "b"})  # type: ignore[arg-type]
