@@ -14,7 +14,7 @@ Then requests answered together (``streams``): ``python -m engine serve`` on one
 process and on the ranks, a wider random qwen3_next (``_wide_model``: its dense
 layers weigh more than a step's overhead, as a real model's do), and each count of
 short requests streamed at once. Each count is sent once untimed, so the timed
-run finds every prompt stored and its streams start decoding at about once;
+run finds every prompt stored and its streams start decoding at about the same time;
 the aggregate rate is every request's tokens over the wall time from sending them
 to the last one's end (a request's first token included). Not the streams' own
 rates between their first and last pieces: two ranks on two cores spin while they
