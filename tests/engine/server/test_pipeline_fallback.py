@@ -72,7 +72,7 @@ def test_the_server_goes_on_alone_when_the_model_fits_here(
     served, worker = pipeline
     monkeypatch.setattr("engine.server.pipeline.fits_here", lambda path: "")
     assert worker.pipeline == {"ranks": 3, "hostfile": None, "split": None,
-                               "kv_store": "server", "streams": None}
+                               "kv_store": "server", "streams": None, "read_share": 0.5}
     assert _health(served, 200)["machines"] == 3
     before = _chat(served)
     worker.lose()
