@@ -219,24 +219,10 @@ def _together(url: str, prompts: list[list[dict[str, str]]], max_tokens: int) ->
 def _stream_text(url: str, messages: list[dict[str, str]], max_tokens: int,
                  streamed: dict[int, tuple[str, int]], index: int) -> None:
     """One streamed answer: its text and its tokens (the usage the server reports)."""
-    import httpx
+    from benchmarks.serve_bench import stream_answer
 
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    text, tokens = "", 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
-                      timeout=httpx.Timeout(3600.0, connect=30.0)) as reply:
-        if reply.status_code != 200:
-            return
-        for line in reply.iter_lines():
-            if not line.startswith("data:") or line.endswith("[DONE]"):
-                continue
-            chunk = json.loads(line[5:])
-            tokens = int((chunk.get("usage") or {}).get("completion_tokens") or tokens)
-            choices = chunk.get("choices") or []
-            if choices and choices[0].get("delta", {}).get("content"):
-                text += choices[0]["delta"]["content"]
-    streamed[index] = (text, tokens)
+    answer = stream_answer(url, messages, max_tokens)
+    streamed[index] = (answer.text, answer.tokens)
 
 
 def _ms_per_token(row: dict | None) -> float | None:

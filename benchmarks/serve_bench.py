@@ -76,15 +76,33 @@ def conversation(tokens: int, extra_turn: bool,
     return messages
 
 
-def _stream(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float,
-                                                                                dict]:
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed answer as the client saw it: when it was sent, when its first
+    and last text pieces came (None: no text), the text, the pieces and the usage."""
+
+    started: float
+    first: float | None
+    last: float | None
+    text: str
+    pieces: int
+    usage: dict
+
+    @property
+    def tokens(self) -> int:
+        """The tokens generated: the server's usage, else the text pieces."""
+        return int(self.usage.get("completion_tokens") or self.pieces)
+
+
+def stream_answer(url: str, messages: list[dict[str, str]], max_tokens: int) -> Streamed:
+    """Stream one greedy answer from ``url``'s chat completions."""
     # "default_model" is mlx_lm.server's name for its --model; Longleaf answers any id.
     body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = None
     usage: dict = {}
-    pieces = 0
+    text, pieces = "", 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body,
                       timeout=REQUEST_TIMEOUT) as reply:
         reply.raise_for_status()
@@ -98,11 +116,19 @@ def _stream(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[
                 now = time.perf_counter()
                 first = first or now
                 last = now
+                text += choices[0]["delta"]["content"]
                 pieces += 1
-    generated = int(usage.get("completion_tokens") or pieces)
-    ttft = (first or time.perf_counter()) - started
-    rate = (generated - 1) / (last - first) if first and last and last > first else 0.0
-    return ttft, rate, usage
+    return Streamed(started, first, last, text, pieces, usage)
+
+
+def _stream(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float,
+                                                                                dict]:
+    """One answer's time to first token, decode rate and usage."""
+    answer = stream_answer(url, messages, max_tokens)
+    first, last = answer.first, answer.last
+    ttft = (first or time.perf_counter()) - answer.started
+    rate = (answer.tokens - 1) / (last - first) if first and last and last > first else 0.0
+    return ttft, rate, answer.usage
 
 
 class Running:
