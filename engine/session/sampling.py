@@ -28,6 +28,7 @@ REPETITION_CONTEXT = 64
 # Ids of the prompt that give a continued answer's first word its context (a few
 # cover a character split over tokens).
 PRIMER_TOKENS = 4
+PRIMER_MARK = "."  # text that is never a space, when those ids' text was all space
 # Most alternatives a request may ask for per token (OpenAI's own limit).
 MAX_TOP_LOGPROBS = 20
 
@@ -186,7 +187,7 @@ class AnswerStream:
         self.tick = tick
         self.generated: list[int] = []
         self.detokenizer = tokenizer.detokenizer
-        self._prime(after)
+        self._prime(after, tokenizer)
         self.pending_ids: list[int] = []
         # Log probabilities asked for: the scores of each queued step, read in
         # the order its tokens are.
@@ -244,7 +245,7 @@ class AnswerStream:
         self.draws += 1
         return self.sampler(logprobs)
 
-    def _prime(self, after: Sequence[int]) -> None:
+    def _prime(self, after: Sequence[int], tokenizer: Any) -> None:
         """Give the detokenizer the text the answer goes on from, then forget it.
 
         mlx-lm's detokenizers drop the leading space of a stream's first word,
@@ -258,6 +259,12 @@ class AnswerStream:
         for token in after[-PRIMER_TOKENS:]:
             self.detokenizer.add_token(token)
         self.detokenizer.finalize()
+        if not self.detokenizer.text:
+            # Their text was one space, dropped as a first word's: the answer's
+            # first word would lose its own. A visible character is a first word.
+            for token in tokenizer.encode(PRIMER_MARK, add_special_tokens=False):
+                self.detokenizer.add_token(token)
+            self.detokenizer.finalize()
         _ = self.detokenizer.last_segment  # the prompt's own text, not the answer's
 
     def _score(self, token: int) -> None:
