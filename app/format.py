@@ -2,7 +2,8 @@
 
 Every size the user sees, in memory or on disk, is said by one formatter,
 ``human_bytes`` (the engine's, so its messages agree): a chat's cache is the
-same number in the memory panel and in Stored KV.
+same number in the memory panel and in Stored KV. A size the user types is read
+in the same ``GB``.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import time
 import unicodedata
 
-from engine import human_bytes
+from engine import GB, human_bytes
 
-__all__ = ["human_bytes", "human_duration", "relative_time"]
+__all__ = ["GB", "human_bytes", "human_duration", "relative_time"]
 
 
 def human_duration(seconds: float | None) -> str:

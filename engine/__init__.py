@@ -24,7 +24,8 @@ does not load MLX until something needs it.
   ``check_hosts``, ``fits_here``), read-time estimates (``prefill_rate``,
   ``ChunkTiming``, ``PrefillRate``), stored KV (``SnapshotStore``,
   ``SnapshotInfo``, ``MAX_DEFAULT_BUDGET``), ``disk`` (a failed write in words)
-  and ``human_bytes``. ``tests/app/test_engine_facade.py`` holds the app to this list.
+  and ``human_bytes`` with its ``GB``. ``tests/app/test_engine_facade.py`` holds the
+  app to this list.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ _PUBLIC = {
     "TurnOverhead": "engine.session.prompt_ids",
     "SnapshotInfo": "engine.snapshots.manifest",
     "MAX_DEFAULT_BUDGET": "engine.snapshots.snapshot_store",
+    "GB": "engine.format",
     "human_bytes": "engine.format",
     "host_names": "engine.server.app",
     "ApiSession": "engine.server.inprocess",
@@ -103,6 +105,7 @@ __all__ = [
     "API_SESSION_PREFIX",
     "DEFAULT_MODE",
     "DEMO",
+    "GB",
     "MAX_DEFAULT_BUDGET",
     "MODES",
     "RECOMMENDED_MODELS",
@@ -244,7 +247,7 @@ if TYPE_CHECKING:
         renumbered,
         request_id_of,
     )
-    from engine.format import human_bytes
+    from engine.format import GB, human_bytes
     from engine.memory import prefill_rate
     from engine.memory.fit import FitReport
     from engine.memory.model_costs import ModeCost, full_context_costs

@@ -21,6 +21,7 @@ from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
 from engine.distributed.launch import join_group, launch, rank_report_dir, write_rank_report
 from engine.errors import EngineError, UnsupportedModeError
 from engine.events import Event, Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
+from engine.format import GB
 from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.interface import Pipeline, Worker
@@ -297,15 +298,12 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     allowed = host_names(args.allow_host)
     from engine import paths
 
-    if args.kv_disk_budget is not None and args.kv_disk_budget < 0:
-        raise EngineError("--kv-disk-budget cannot be negative.")
     _check_pipeline(args)
-    budget = None if args.kv_disk_budget is None else int(args.kv_disk_budget * 1e9)
     # The app's stored KV counts against the same budget: one user, one disk.
     if args.parallel is not None and args.parallel < 1:
         raise EngineError("--parallel must be at least 1.")
     options = {"max_sessions": args.sessions, "queue_limit": args.queue_limit,
-               "snapshot_budget": budget, "counted_with": (paths.snapshots_dir(),),
+               "snapshot_budget": args.kv_disk_budget, "counted_with": (paths.snapshots_dir(),),
                "parallel": args.parallel, "read_share": args.read_share}
     where = ""
     if args.pipeline > 1 or args.hostfile is not None:
@@ -361,6 +359,18 @@ def _read_share(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"--read-share takes a number above 0 and at most 1, e.g. 0.5 (not {text!r})"
         ) from None
+
+
+def _gigabytes(text: str) -> int:
+    """``--kv-disk-budget``: GB as the app says them (``engine.format.GB``), in bytes."""
+    try:
+        size = float(text)
+    except ValueError:
+        size = -1.0
+    if not size >= 0 or size == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"--kv-disk-budget takes a size in GB, 0 or more, e.g. 20 (not {text!r})")
+    return round(size * GB)
 
 
 def _kv_mode(text: str) -> KvMode:
@@ -446,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the answers slowed the most)")
     api.add_argument("--queue-limit", type=int, default=16,
                      help="requests waiting at once before answering 429")
-    api.add_argument("--kv-disk-budget", type=float, default=None, metavar="GB",
+    api.add_argument("--kv-disk-budget", type=_gigabytes, default=None, metavar="GB",
                      help="stored-KV disk budget, the app's stored chats included "
                           "(default: the smaller of 20 GB and 10%% of free disk)")
     api.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes
+from app.format import GB, human_bytes
 from app.settings import Settings
 from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
@@ -39,9 +39,6 @@ from engine import (
 )
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
-# A gigabyte as every size in the app is said (``human_bytes``: 1,024³ bytes, as
-# macOS states memory), so a budget typed here reads back the same in Stored KV.
-GB = 2**30
 MB = 2**20
 
 

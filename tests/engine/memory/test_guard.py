@@ -30,9 +30,8 @@ from engine.events import (
     StatsSample,
     TokenChunk,
 )
-from engine.format import human_bytes
+from engine.format import GB, human_bytes
 from engine.memory.guard import (
-    GIB,
     MIB,
     MemoryGuard,
     MemoryReading,
@@ -56,7 +55,7 @@ PAGE = 8192
 class FakeMemory:
     """A memory probe tests steer: total, available and macOS pressure level."""
 
-    def __init__(self, available: int = 16 * GIB, total: int = 32 * GIB) -> None:
+    def __init__(self, available: int = 16 * GB, total: int = 32 * GB) -> None:
         self.total = total
         self.available = available
         self.pressure: str | None = None
@@ -120,15 +119,15 @@ def _ingest(session: Session, messages, recorder: Recorder):
 
 
 def test_default_headroom_and_floor() -> None:
-    assert default_headroom(8 * GIB) == 2 * GIB  # small machines keep 2 GiB
-    assert default_headroom(64 * GIB) == int(64 * GIB * 0.15)
-    assert default_floor(8 * GIB) == 512 * MIB
-    assert default_floor(64 * GIB) == int(64 * GIB * 0.05)
-    memory = FakeMemory(available=3 * GIB, total=8 * GIB)
+    assert default_headroom(8 * GB) == 2 * GB  # small machines keep 2 GiB
+    assert default_headroom(64 * GB) == int(64 * GB * 0.15)
+    assert default_floor(8 * GB) == 512 * MIB
+    assert default_floor(64 * GB) == int(64 * GB * 0.05)
+    memory = FakeMemory(available=3 * GB, total=8 * GB)
     guard = MemoryGuard(probe=memory)
-    assert guard.free_bytes() == 1 * GIB
+    assert guard.free_bytes() == 1 * GB
     assert guard.floor(memory()) < guard.headroom(memory())
-    memory.available = GIB
+    memory.available = GB
     assert guard.free_bytes() == 0
 
 
@@ -137,12 +136,12 @@ def test_system_probe_reads_this_machine() -> None:
     assert 0 < reading.available_bytes <= reading.total_bytes
     assert reading.pressure_level in (None, "normal", "warning", "critical")
     guard = MemoryGuard()  # the defaults every worker gets
-    assert guard.headroom(reading) == default_headroom(reading.total_bytes) >= 2 * GIB
+    assert guard.headroom(reading) == default_headroom(reading.total_bytes) >= 2 * GB
     assert guard.free_bytes(reading) == max(0, reading.available_bytes - guard.headroom(reading))
 
 
 def test_critical_pressure_from_floor_or_macos_level() -> None:
-    memory = FakeMemory(available=600 * MIB, total=8 * GIB)
+    memory = FakeMemory(available=600 * MIB, total=8 * GB)
     guard = MemoryGuard(probe=memory)
     assert guard.critical() is None
     memory.pressure = "warning"
@@ -266,20 +265,20 @@ def test_a_chunk_free_ram_cannot_hold_waits_and_goes_on_at_its_planned_size(llam
 
 
 def test_model_load_refusal_names_needed_free_and_a_fitting_size() -> None:
-    memory = FakeMemory(available=5 * GIB, total=16 * GIB)
+    memory = FakeMemory(available=5 * GB, total=16 * GB)
     guard = MemoryGuard(probe=memory)  # default headroom: 2.4 GiB on 16 GiB
-    assert guard.check_load(2 * GIB, name="small") is False
-    assert guard.check_load(3 * GIB, name="swap", releasable_bytes=GIB) is True
+    assert guard.check_load(2 * GB, name="small") is False
+    assert guard.check_load(3 * GB, name="swap", releasable_bytes=GB) is True
     with pytest.raises(InsufficientMemory) as error:
-        guard.check_load(8 * GIB, name="Big-8B", quantized=False)
+        guard.check_load(8 * GB, name="Big-8B", quantized=False)
     message = str(error.value)
     assert message.startswith("Loading Big-8B needs about 8.0 GB of memory, but only "
                               "2.6 GB is free for it (5.0 GB available, 2.4 GB kept free")
     assert "A 4-bit version of this model (about 2.5 GB) would fit" in message
-    assert error.value.needed_bytes == 8 * GIB
-    assert error.value.free_bytes == 5 * GIB - int(16 * GIB * 0.15)
+    assert error.value.needed_bytes == 8 * GB
+    assert error.value.free_bytes == 5 * GB - int(16 * GB * 0.15)
     with pytest.raises(InsufficientMemory, match="choose a smaller model"):
-        guard.check_load(30 * GIB, name="Huge", quantized=False)
+        guard.check_load(30 * GB, name="Huge", quantized=False)
 
 
 def test_load_estimate_comes_from_safetensors_headers(tmp_path: Path) -> None:
@@ -335,14 +334,14 @@ def test_ingest_past_free_ram_is_refused_up_front_with_numbers(llama) -> None:
 
 def test_generation_stops_with_reason_memory_when_pressure_turns_critical(llama) -> None:
     memory = FakeMemory()
-    guard = _guard(memory, floor_bytes=GIB)
+    guard = _guard(memory, floor_bytes=GB)
 
     ticks = []
 
     def squeeze() -> None:  # called after every generated token
         ticks.append(1)
         if len(ticks) == 3:
-            memory.available = GIB // 2  # another app grabbed memory
+            memory.available = GB // 2  # another app grabbed memory
 
     session = Session("s", llama, "q8", page_size=16, guard=guard)
     recorder = Recorder()
@@ -352,7 +351,7 @@ def test_generation_stops_with_reason_memory_when_pressure_turns_critical(llama)
     assert stats.generated_tokens == 2
     assert adapter.cache_tokens(session.cache) == len(session.tokens)
     # Memory recovers: the same conversation continues in the same cache.
-    memory.available = 16 * GIB
+    memory.available = 16 * GB
     answer = "".join(c.text for c in recorder.of(TokenChunk))
     follow = [*_user(QUESTION), {"role": "assistant", "content": answer}, *_user("And?")]
     reason, _ = _chat(session, follow, Recorder(), SamplingParams(temperature=0.0, max_tokens=3))
@@ -376,7 +375,7 @@ def test_answer_that_outgrows_free_ram_ends_as_memory_not_length(llama) -> None:
 
 def test_ingest_stops_cleanly_between_chunks_under_pressure(llama) -> None:
     memory = FakeMemory()
-    guard = _guard(memory, floor_bytes=GIB)
+    guard = _guard(memory, floor_bytes=GB)
 
     def squeeze(event: object, recorder: Recorder) -> None:
         if isinstance(event, IngestProgress) and event.tokens_done >= 64:
@@ -483,7 +482,7 @@ def test_worker_refuses_a_model_that_does_not_fit_and_keeps_the_loaded_one(
     assert failed.message.startswith(f"Loading {big.name} needs about ")
     assert f"is free for it ({needed / 4 / 2**20:.1f} MB available" in failed.message
     # The refusal changed nothing: the open session still answers.
-    memory.available = 16 * GIB
+    memory.available = 16 * GB
     ending = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
     assert isinstance(ending, Finished) and ending.reason in ("stop", "length")
 
@@ -508,9 +507,9 @@ def test_worker_chat_ends_with_reason_memory(llama, worker_with) -> None:
     def squeeze(event: object, events: Events) -> None:
         # Stats come after every token (interval 0): squeeze once tokens are held.
         if isinstance(event, StatsSample) and event.tokens_in_context > 0:
-            memory.available = GIB // 2
+            memory.available = GB // 2
 
-    worker, events = worker_with(memory, squeeze, floor_bytes=GIB, stats_interval=0.0)
+    worker, events = worker_with(memory, squeeze, floor_bytes=GB, stats_interval=0.0)
     events.ending(worker.load_model(str(llama.folder)))
     opened = events.ending(worker.open_session("s", "q6", 16))
     assert isinstance(opened, Finished)

@@ -19,7 +19,8 @@ import mlx.core as mx
 import pytest
 
 from engine.events import Failed, Finished, ModelLoaded, TokenChunk
-from engine.memory.guard import GIB, MemoryGuard, MemoryReading
+from engine.format import GB
+from engine.memory.guard import MemoryGuard, MemoryReading
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -59,7 +60,7 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def worker() -> Iterator[tuple[EngineWorker, Events]]:
     events = Events()
     # Plenty of fake RAM: these cases are about input, not memory.
-    memory = MemoryReading(64 * GIB, 32 * GIB)
+    memory = MemoryReading(64 * GB, 32 * GB)
     engine = EngineWorker(events, memory_guard=MemoryGuard(probe=lambda: memory))
     engine.start()
     yield engine, events

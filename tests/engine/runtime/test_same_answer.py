@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from engine.events import Finished, IngestProgress, Notice, TokenChunk
-from engine.memory.guard import GIB, MemoryGuard, MemoryReading
+from engine.format import GB
+from engine.memory.guard import MemoryGuard, MemoryReading
 from engine.runtime.worker import EngineWorker
 from engine.session.prefill import Chunk
 from engine.session.sampling import SamplingParams
@@ -51,8 +52,8 @@ class ShortOfMemory:
     def __call__(self) -> MemoryReading:
         if self.low_left > 0:
             self.low_left -= 1
-            return MemoryReading(32 * GIB, self.low)
-        return MemoryReading(32 * GIB, 16 * GIB)
+            return MemoryReading(32 * GB, self.low)
+        return MemoryReading(32 * GB, 16 * GB)
 
 
 def _two_turns(model_dir: Path, mode: str, probe: Any, on_progress=None) -> dict[str, Any]:

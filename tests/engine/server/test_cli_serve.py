@@ -9,6 +9,7 @@ import pytest
 
 from engine import cli
 from engine.errors import EngineError
+from engine.format import human_bytes
 from tests.engine.tinymodels import make_tiny_model_dir
 
 
@@ -24,12 +25,16 @@ def test_serving_the_network_needs_an_api_key(capsys) -> None:
     assert "--api-key" in capsys.readouterr().err
 
 
-def test_the_disk_budget_option(capsys) -> None:
+def test_the_disk_budget_option_takes_the_gb_the_app_shows(capsys) -> None:
     args = cli.build_parser().parse_args(["serve", "--model", "demo", "--kv-disk-budget", "5"])
-    assert args.kv_disk_budget == 5.0
+    assert args.kv_disk_budget == 5 * 2**30  # the app's "5.0 GB", not 5e9 bytes
+    assert human_bytes(args.kv_disk_budget) == "5.0 GB"
     assert cli.build_parser().parse_args(["serve", "--model", "demo"]).kv_disk_budget is None
-    assert cli.main(["serve", "--model", "demo", "--kv-disk-budget", "-1"], io.StringIO()) == 1
-    assert "negative" in capsys.readouterr().err
+    for bad in ("-1", "nan", "inf", "lots"):
+        with pytest.raises(SystemExit) as exited:
+            cli.build_parser().parse_args(["serve", "--model", "demo", "--kv-disk-budget", bad])
+        assert exited.value.code == 2
+        assert "--kv-disk-budget takes a size in GB, 0 or more" in capsys.readouterr().err
 
 
 def test_pipeline_options_that_cannot_run_are_refused_before_serving(
@@ -91,7 +96,7 @@ def test_ctrl_c_stops_the_server_cleanly_with_its_sessions_stored(tmp_path) -> N
     assert list((tmp_path / "home" / "server-kv-snapshots").glob("*.json"))
 
 
-def test_the_reads_share_option_reaches_the_engine(monkeypatch, capsys) -> None:
+def test_the_reads_share_and_disk_budget_reach_the_engine(monkeypatch, capsys) -> None:
     assert cli.build_parser().parse_args(["serve", "--model", "demo"]).read_share == 0.5
     made: list[dict] = []
 
@@ -103,6 +108,8 @@ def test_the_reads_share_option_reaches_the_engine(monkeypatch, capsys) -> None:
     monkeypatch.setattr("engine.server.bridge.EngineWorker", Worker)
     assert cli.main(["serve", "--model", "demo", "--read-share", "0.25"], io.StringIO()) == 1
     assert made[-1]["read_share"] == 0.25 and "recorded" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", "demo", "--kv-disk-budget", "2.5"], io.StringIO()) == 1
+    assert made[-1]["snapshots"].budget_bytes == int(2.5 * 2**30)
     for bad in ("0", "1.5", "nan", "half"):
         with pytest.raises(SystemExit) as exited:
             cli.build_parser().parse_args(["serve", "--model", "demo", "--read-share", bad])

@@ -22,8 +22,8 @@ import pytest
 from engine.cache import adapter
 from engine.errors import Cancelled, ContextTooLong, EngineError, MachineShort
 from engine.events import IngestProgress, TokenChunk
-from engine.format import human_bytes
-from engine.memory.guard import GIB, MemoryGuard, MemoryReading
+from engine.format import GB, human_bytes
+from engine.memory.guard import MemoryGuard, MemoryReading
 from engine.session.batch import ASK_AGAIN_S, BatchDecoder
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
@@ -387,9 +387,9 @@ def _tight_guard(budget_bytes: int) -> MemoryGuard:
     guard: MemoryGuard
 
     def probe() -> MemoryReading:
-        return MemoryReading(16 * GIB, 8 * GIB - guard.held_bytes())
+        return MemoryReading(16 * GB, 8 * GB - guard.held_bytes())
 
-    guard = MemoryGuard(budget_bytes=budget_bytes, headroom_bytes=GIB, probe=probe)
+    guard = MemoryGuard(budget_bytes=budget_bytes, headroom_bytes=GB, probe=probe)
     return guard
 
 
@@ -557,12 +557,12 @@ def test_a_conversation_waits_for_free_ram_as_for_the_budget(tiny) -> None:
     loaded = tiny["llama"]
     alone = _alone(loaded, "fp16", _messages(3), GREEDY, request_id=3, page_size=16)
     guard: MemoryGuard
-    free = [8 * GIB]  # bytes free after the headroom, with no page held
+    free = [8 * GB]  # bytes free after the headroom, with no page held
 
     def probe() -> MemoryReading:
-        return MemoryReading(16 * GIB, GIB + free[0] - guard.held_bytes())
+        return MemoryReading(16 * GB, GB + free[0] - guard.held_bytes())
 
-    guard = MemoryGuard(headroom_bytes=GIB, probe=probe)
+    guard = MemoryGuard(headroom_bytes=GB, probe=probe)
     sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
                 for i in (1, 3)}
     reading_in = sessions[1].prefill_facts.transient_bytes(sessions[1].chunk_size)

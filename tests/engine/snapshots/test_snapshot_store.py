@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from engine import EngineError, EngineWorker, Failed, Finished, StoredKv
+from engine.format import human_bytes
 from engine.snapshots import SnapshotStore, default_budget
 from engine.snapshots.files import rank_folder
-from engine.snapshots.snapshot import save_snapshot
+from engine.snapshots.snapshot import SnapshotError, save_snapshot
 from tests.engine.runtime.test_worker import EventLog
 from tests.engine.snapshot_fixtures import cache_session, config_only_model, filled_cache
 
@@ -57,6 +58,17 @@ def test_no_budget_means_the_default_and_a_negative_one_is_refused(store):
     assert store.budget_bytes == default_budget(store.directory)
     with pytest.raises(EngineError, match="negative"):
         store.set_budget(-1)
+
+
+def test_a_snapshot_over_the_whole_budget_is_refused_in_the_apps_units(store, tmp_path):
+    one = store.info("c").disk_bytes
+    store.budget_bytes = one // 2
+    session = cache_session(filled_cache(MODE, TOKENS, 2), TOKENS, MODE,
+                            config_only_model(tmp_path))
+    with pytest.raises(SnapshotError) as refused:
+        store.save(session, "d")
+    assert f"disk budget ({human_bytes(one // 2)}); it was not stored" in str(refused.value)
+    assert sorted(_names(store)) == ["a", "b", "c"]  # nothing evicted for it
 
 
 def _listing(log: EventLog, request_id: int) -> StoredKv:
