@@ -210,9 +210,11 @@ class Answering:
 
     def adopt_read(self, command: Command, session: Session,
                    steps: Generator[bool, None, AnswerStart], prompt: Prompt,
-                   reused: int) -> None:
-        """Go on in the batch with a conversation read in alone until it paused."""
-        self._batch_for(session).adopt_read(session, command.request_id, steps, prompt.ids)
+                   max_tokens: int, reused: int) -> None:
+        """Go on in the batch with a conversation read in alone until it paused
+        (``max_tokens``: its answer's length limit)."""
+        self._batch_for(session).adopt_read(session, command.request_id, steps, prompt.ids,
+                                            max_tokens)
         self._hold(command, session, reused)
 
     def step(self) -> None:

@@ -581,7 +581,8 @@ class EngineWorker(Worker):
         if isinstance(alone, AnswerStart):
             answering.adopt(command, start.session, alone, start.reused)
         else:
-            answering.adopt_read(command, start.session, alone, start.prompt, start.reused)
+            answering.adopt_read(command, start.session, alone, start.prompt,
+                                  request.sampling.max_tokens, start.reused)
         return None
 
     def _default_streams(self, info: ModelInfo) -> int:

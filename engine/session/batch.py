@@ -27,7 +27,9 @@ is sent to the other ranks first, as one decode step of every row
 does. Every method runs MLX and must be called from the engine worker thread.
 
 A conversation joins only when memory holds what it adds: the pages its read
-and first token take, and one more row of the step's transient
+and its answer up to its length limit take, beside the pages the batch's reads
+and answers may still add up to theirs (so no answer runs out of pages sooner in
+a batch than alone), and one more row of the step's transient
 (``PrefillFacts.step_transient_bytes``), within the KV budget and free RAM the
 memory guard counts, and on a pipeline when every other rank holds its share of
 the conversation's layers beside what it holds (asked once this rank's memory
@@ -218,7 +220,7 @@ class _Reading:
     request_id: int
     steps: Generator[bool, None, AnswerStart]
     to_read: int  # tokens it had to read when it joined: the shortest read goes first
-    tokens: int  # tokens its pages hold once read in, its first answer token included
+    tokens: int  # tokens its pages may hold once answered (``_answered``)
 
 
 @dataclass(frozen=True)
@@ -406,17 +408,20 @@ class BatchDecoder:
         self.rows.append(_Row(session, answer, answer.stream.paused_at))
 
     def adopt_read(self, session: Session, request_id: int,
-                   steps: Generator[bool, None, AnswerStart], prompt: list[int]) -> None:
+                   steps: Generator[bool, None, AnswerStart], prompt: list[int],
+                   max_tokens: int) -> None:
         """Go on with a conversation that was read in alone until it paused between
         two chunks (``steps``: :meth:`Session.answer_steps` past its checks): the
-        rest is read a chunk a step, then it answers in the batch.
+        rest is read a chunk a step, then it answers in the batch (``max_tokens``:
+        its answer's length limit).
 
         Raises:
             EngineError: the session cannot join (as :meth:`join` says).
         """
         self._check_joins(session, request_id)
         to_read = len(prompt) - 1 - len(session.tokens)
-        self.reading.append(_Reading(session, request_id, steps, to_read, len(prompt) + 1))
+        self.reading.append(_Reading(session, request_id, steps, to_read,
+                                     _answered(session, len(prompt), max_tokens)))
 
     def abandon(self) -> tuple[int, ...]:
         """Drop every answer, read and wait (after a pass failed); their requests.
@@ -446,7 +451,8 @@ class BatchDecoder:
             self._answer(session, finish(steps))
         else:
             self.reading.append(_Reading(session, joining.request_id, steps, to_read,
-                                         len(rendered.ids) + 1))
+                                         _answered(session, len(rendered.ids),
+                                                   joining.sampling.max_tokens)))
 
     # -- admission by memory -------------------------------------------------
 
@@ -494,14 +500,14 @@ class BatchDecoder:
         if (last is not None and last.request_id == joining.request_id
                 and last.batch == batch and now - last.at < ASK_AGAIN_S):
             return last.machine
-        # The reads under way will still add pages there too, each in its own mode.
+        # The reads and answers under way will still add pages there too, each in
+        # its own mode.
         coming: dict[KvMode, int] = {}
-        for reading in self.reading:
-            mode = reading.session.mode
-            coming[mode] = (coming.get(mode, 0)
-                            + max(0, reading.tokens - len(reading.session.tokens)))
+        for session, tokens in self._still_coming():
+            coming[session.mode] = (coming.get(session.mode, 0)
+                                    + max(0, tokens - len(session.tokens)))
         try:
-            followers.room(len(joining.prompt.ids) + 1, joining.session.mode, coming)
+            followers.room(self._joining_tokens(joining), joining.session.mode, coming)
         except MachineShort as short:
             self._asked = _Asked(joining.request_id, batch, now, short.machine)
             return short.machine
@@ -521,15 +527,17 @@ class BatchDecoder:
         sessions ``gone`` set aside (their pages back in the budget and in free
         RAM), when given.
 
-        Its pages (the conversation and its first token) and those the reads
-        under way will still add, within the KV budget the other sessions leave,
-        and those pages plus the step's transient with one more row within free
-        RAM. With nothing answering or read in, nothing will free memory: it
-        starts, and its own checks decide, as alone.
+        Its pages (the conversation and its answer up to its length limit) and
+        those the reads and answers under way may still add up to theirs, within
+        the KV budget the other sessions leave, and those pages plus the step's
+        transient with one more row within free RAM: no answer of the batch then
+        runs out of pages sooner than it would alone. With nothing answering or
+        read in, nothing will free memory: it starts, and its own checks decide,
+        as alone.
         """
         if not self.rows and not self.reading:
             return 0, FREE_RAM
-        report = joining.session.fit_report(len(joining.prompt.ids) + 1, gone)
+        report = joining.session.fit_report(self._joining_tokens(joining), gone)
         needed = report.for_mode(joining.session.mode).bytes_needed + self._coming_bytes()
         step = joining.session.prefill_facts.step_transient_bytes(
             len(self.rows) + len(self.reading) + 1)
@@ -541,13 +549,24 @@ class BatchDecoder:
             short, limit = needed - report.budget_bytes, KV_BUDGET
         return max(0, short), limit
 
+    @staticmethod
+    def _joining_tokens(joining: _Joining) -> int:
+        """Tokens ``joining``'s pages may hold once it is answered (``_answered``)."""
+        return _answered(joining.session, len(joining.prompt.ids), joining.sampling.max_tokens)
+
+    def _still_coming(self) -> list[tuple[Session, int]]:
+        """Each conversation being read in or answering, and the tokens its pages may
+        hold once its answer reaches its length limit."""
+        return [*((reading.session, reading.tokens) for reading in self.reading),
+                *((row.session, _still_to_answer(row)) for row in self.rows
+                  if not row.finished)]
+
     def _coming_bytes(self) -> int:
-        """Bytes of pages the conversations being read in will still add: the guard
-        counts what their pools allocated so far only."""
+        """Bytes of pages the conversations being read in or answering may still add:
+        the guard counts what their pools allocated so far only."""
         coming = 0
-        for reading in self.reading:
-            session = reading.session
-            needed = session.fit_report(reading.tokens).for_mode(session.mode).bytes_needed
+        for session, tokens in self._still_coming():
+            needed = session.fit_report(tokens).for_mode(session.mode).bytes_needed
             coming += max(0, needed - int(session.stats().bytes_allocated))
         return coming
 
@@ -620,7 +639,8 @@ class BatchDecoder:
         try:
             if self._queued is None:
                 self._queued = self._queue(self._next_rows(None, results), None)
-            read = bool(self.reading) and self._share.due(answering=bool(self.rows))
+            # Rows short of a page decode nothing: beside them alone a read goes on.
+            read = bool(self.reading) and self._share.due(answering=self._queued is not None)
             if read:
                 self._read_chunk(results)
                 self._share.read(self._share.clock() - began)
@@ -679,7 +699,7 @@ class BatchDecoder:
 
     def _next_rows(self, current: _Pass | None, results: list[RowToken]) -> list[_Row]:
         """The rows of the next pass; rows that leave before it go to ``results``."""
-        rows = []
+        rows, short = [], []
         fed = [] if current is None else current.rows
         for row in list(self.rows):
             if row in fed:
@@ -690,16 +710,25 @@ class BatchDecoder:
             elif row.answer.watch.is_set():
                 results.append(self._finish(row, None, "cancelled"))
                 continue
-            try:
-                adapter.ensure_capacity(row.session.cache, 1)
-            except KvBudgetExceeded:
-                # As an answer alone: the budget ends it as its length limit would.
-                if row in fed:
-                    row.out_of_pages = True
-                else:
-                    results.append(self._finish(row, None, "length"))
+            if _holds_one_more(row.session):
+                rows.append(row)
+            else:
+                short.append(row)
+        going = [row.session.guard for row in self.rows if row not in short]
+        going += [reading.session.guard for reading in self.reading]
+        for row in short:
+            if any(guard is row.session.guard for guard in going):
+                # Another answer under the same memory goes on or is ending, and its
+                # end may give pages back (its chat closed or set aside): the row
+                # sits this pass out, its next token kept, rather than end sooner
+                # than alone (a pool's growth may have taken the room its admission
+                # counted).
                 continue
-            rows.append(row)
+            # As an answer alone: the budget ends it as its length limit would.
+            if row in fed:
+                row.out_of_pages = True
+            else:
+                results.append(self._finish(row, None, "length"))
         return rows
 
     def _queue(self, rows: list[_Row], current: _Pass | None) -> _Pass | None:
@@ -753,6 +782,37 @@ class BatchDecoder:
         row.answer.stream.flush()
         reason, stats = row.session.finish_answer(row.answer, reason)
         return RowToken(row.request_id, token, reason, stats)
+
+
+def _holds_one_more(session: Session) -> bool:
+    """Whether ``session``'s pages can take its next token."""
+    if _has_room(session):
+        return True
+    # Its pool's limit was set when its answer started: other chats' pages may
+    # have gone since.
+    session.guard.refresh(session.session_id)
+    return _has_room(session)
+
+
+def _has_room(session: Session) -> bool:
+    try:
+        adapter.ensure_capacity(session.cache, 1)
+    except KvBudgetExceeded:
+        return False
+    return True
+
+
+def _answered(session: Session, tokens: int, answer_tokens: int) -> int:
+    """Tokens ``session``'s pages may hold once an answer of at most ``answer_tokens``
+    follows its ``tokens``: no more than the model's context, where it ends anyway."""
+    return min(tokens + max(0, answer_tokens), session.max_context)
+
+
+def _still_to_answer(row: _Row) -> int:
+    """Tokens ``row``'s pages may hold once its answer reaches its length limit."""
+    answer = row.answer
+    return _answered(row.session, len(row.session.tokens),
+                     answer.max_tokens - len(answer.stream.generated))
 
 
 def _pass_model(model: Any, sessions: list[Session]) -> DecodeStep:

@@ -20,7 +20,13 @@ import numpy as np
 import pytest
 
 from engine.cache import adapter
-from engine.errors import Cancelled, ContextTooLong, EngineError, MachineShort
+from engine.errors import (
+    Cancelled,
+    ContextTooLong,
+    EngineError,
+    KvBudgetExceeded,
+    MachineShort,
+)
 from engine.events import IngestProgress, TokenChunk
 from engine.format import GB, human_bytes
 from engine.memory.guard import MemoryGuard, MemoryReading
@@ -127,7 +133,7 @@ def _assert_same_up_to_a_near_tie(alone: Answer, batched: Answer, alone_logits: 
         assert (batched.reason, batched.held) == (alone.reason, alone.held)
         return
     top2 = np.sort(alone_logits[first])[-2:]
-    assert top2[1] - top2[0] < 2 * BATCH_NOISE, (first, top2, shift)
+    assert top2[1] - top2[0] < 2 * BATCH_NOISE, (first, top2, shift, batched.reason)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
@@ -365,6 +371,52 @@ def test_a_row_out_of_pages_ends_as_alone_and_the_others_go_on(tiny, monkeypatch
     assert rows[2][1].tokens == other_alone.tokens
 
 
+@pytest.mark.parametrize("freed", [True, False])
+def test_a_row_short_of_a_page_waits_while_another_answer_may_give_pages_back(
+        tiny, logits, monkeypatch, freed: bool) -> None:
+    loaded = tiny["llama"]
+    alone = _alone(loaded, "fp16", _messages(0), GREEDY, request_id=0)
+    alone_logits = logits.pop(0)
+    guard = _tight_guard(64 * 2**20)  # one memory for both, as the app's chats have
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", guard=guard) for i in (0, 1)}
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    # Once answering, row 0's pages are full (another chat's pool grew into the room
+    # its admission counted) until request 1's answer ends and its chat is closed,
+    # or for good.
+    ended: list[int] = []
+    ensure = adapter.ensure_capacity
+
+    def full_for_row_0(cache: Any, tokens: int) -> None:
+        answering = len(answers[0].tokens) >= 2
+        if cache is sessions[0].cache and answering and (1 not in ended or not freed):
+            raise KvBudgetExceeded(f"no page for {tokens} more")
+        ensure(cache, tokens)
+
+    monkeypatch.setattr(adapter, "ensure_capacity", full_for_row_0)
+    held_when_1_ended = 0
+    while not batch.idle:
+        for result in batch.step():
+            if result.finish is None:
+                continue
+            ended.append(result.request_id)
+            answers[result.request_id].reason = result.finish
+            answers[result.request_id].held = len(sessions[result.request_id].tokens)
+            if result.request_id == 1:
+                held_when_1_ended = len(answers[0].tokens)
+                sessions[1].close()
+    assert ended == [1, 0] and held_when_1_ended < len(alone.tokens)  # it waited
+    if freed:  # then goes on as alone, up to near-ties
+        _assert_same_up_to_a_near_tie(alone, answers[0], alone_logits, logits[0])
+    else:  # nothing left to give pages back: it ends as alone out of pages would
+        assert answers[0].reason == "length"
+        assert answers[0].tokens == alone.tokens[:len(answers[0].tokens)]
+        assert len(answers[0].tokens) == held_when_1_ended
+
+
 def test_a_read_stopped_midway_leaves_with_its_chunks_held(tiny) -> None:
     loaded = tiny["llama"]
     document = [{"role": "user", "content": CORPUS * 2}]
@@ -415,10 +467,13 @@ def test_a_conversation_waits_for_memory_and_joins_when_an_answer_ends(tiny, log
     for i, session in sessions.items():
         batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
                    emit=answers[i].emit, tick=lambda: None)
-    # Request 1 is read in; 3 waits for its pages, 0 and 2 wait their turn behind it.
+    # Request 1 is read in; 3 waits for its pages, 0 and 2 wait their turn behind it:
+    # each answer's pages up to its length limit are counted, so neither would run
+    # out of pages beside the other sooner than alone.
     assert batch.reading_ids == (1,)
-    short = (_pages_bytes(sessions[1], _messages(1), 1)
-             + _pages_bytes(sessions[3], _messages(3), 1) - guard.budget_bytes)
+    answer = GREEDY.max_tokens
+    short = (_pages_bytes(sessions[1], _messages(1), answer)
+             + _pages_bytes(sessions[3], _messages(3), answer) - guard.budget_bytes)
     assert [(w.request_id, w.reason) for w in batch.waiting] == [
         (3, f"Waiting for memory: {human_bytes(short)} more is needed than the KV budget "
             "leaves; it starts when another answer ends."),
