@@ -20,7 +20,9 @@ answer ends or is cancelled, and the others go on with the next step. As an
 answer alone does (and mlx-lm's BatchGenerator), each pass is queued before the
 last one's tokens are read, so the device computes while Python reads and
 streams them; a row goes into the next pass when its length limit, its Stop and
-its pages allow, and an end-of-turn token is fed as alone. Rows decode plainly
+its pages allow (a row short of a page waits while another answer may give pages
+back, then idle chats are set aside for it, and only then it ends as alone), and an
+end-of-turn token is fed as alone. Rows decode plainly
 (no speculative drafts). On a pipeline (a model split over machines) each pass
 is sent to the other ranks first, as one decode step of every row
 (``FollowerLink.decoding_rows``); a chunk read goes as a session's read alone
@@ -33,7 +35,8 @@ a batch than alone), and one more row of the step's transient
 (``PrefillFacts.step_transient_bytes``), within the KV budget and free RAM the
 memory guard counts, and on a pipeline when every other rank holds its share of
 the conversation's layers beside what it holds (asked once this rank's memory
-holds it). Where pages of open sessions outside the batch (chats
+holds it; there for its read and first token beside the reads under way, as a
+rank's figures stop at the context). Where pages of open sessions outside the batch (chats
 that answered and sit idle) stand in the way, the least recently used are set
 aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
 in the order it came, with a sentence saying why (:attr:`BatchDecoder.waiting`),
@@ -220,7 +223,8 @@ class _Reading:
     request_id: int
     steps: Generator[bool, None, AnswerStart]
     to_read: int  # tokens it had to read when it joined: the shortest read goes first
-    tokens: int  # tokens its pages may hold once answered (``_answered``)
+    tokens: int  # tokens its pages hold once read in, its first answer token included
+    max_tokens: int  # its answer's length limit
 
 
 @dataclass(frozen=True)
@@ -420,8 +424,8 @@ class BatchDecoder:
         """
         self._check_joins(session, request_id)
         to_read = len(prompt) - 1 - len(session.tokens)
-        self.reading.append(_Reading(session, request_id, steps, to_read,
-                                     _answered(session, len(prompt), max_tokens)))
+        self.reading.append(_Reading(session, request_id, steps, to_read, len(prompt) + 1,
+                                     max_tokens))
 
     def abandon(self) -> tuple[int, ...]:
         """Drop every answer, read and wait (after a pass failed); their requests.
@@ -451,8 +455,7 @@ class BatchDecoder:
             self._answer(session, finish(steps))
         else:
             self.reading.append(_Reading(session, joining.request_id, steps, to_read,
-                                         _answered(session, len(rendered.ids),
-                                                   joining.sampling.max_tokens)))
+                                         len(rendered.ids) + 1, joining.sampling.max_tokens))
 
     # -- admission by memory -------------------------------------------------
 
@@ -500,14 +503,17 @@ class BatchDecoder:
         if (last is not None and last.request_id == joining.request_id
                 and last.batch == batch and now - last.at < ASK_AGAIN_S):
             return last.machine
-        # The reads and answers under way will still add pages there too, each in
-        # its own mode.
+        # The reads under way will still add pages there too, each in its own mode.
+        # Answers are counted there up to their first token only: a rank's reply
+        # caps each mode's figure at the context, so an answer counted up to a
+        # limit near the context would take it all and none would ever batch.
         coming: dict[KvMode, int] = {}
-        for session, tokens in self._still_coming():
-            coming[session.mode] = (coming.get(session.mode, 0)
-                                    + max(0, tokens - len(session.tokens)))
+        for reading in self.reading:
+            mode = reading.session.mode
+            coming[mode] = (coming.get(mode, 0)
+                            + max(0, reading.tokens - len(reading.session.tokens)))
         try:
-            followers.room(self._joining_tokens(joining), joining.session.mode, coming)
+            followers.room(len(joining.prompt.ids) + 1, joining.session.mode, coming)
         except MachineShort as short:
             self._asked = _Asked(joining.request_id, batch, now, short.machine)
             return short.machine
@@ -557,7 +563,9 @@ class BatchDecoder:
     def _still_coming(self) -> list[tuple[Session, int]]:
         """Each conversation being read in or answering, and the tokens its pages may
         hold once its answer reaches its length limit."""
-        return [*((reading.session, reading.tokens) for reading in self.reading),
+        return [*((reading.session, _answered(reading.session, reading.tokens - 1,
+                                              reading.max_tokens))
+                  for reading in self.reading),
                 *((row.session, _still_to_answer(row)) for row in self.rows
                   if not row.finished)]
 
@@ -724,12 +732,24 @@ class BatchDecoder:
                 # than alone (a pool's growth may have taken the room its admission
                 # counted).
                 continue
+            if self._make_room_for_one_more(row):
+                rows.append(row)
+                continue
             # As an answer alone: the budget ends it as its length limit would.
             if row in fed:
                 row.out_of_pages = True
             else:
                 results.append(self._finish(row, None, "length"))
         return rows
+
+    def _make_room_for_one_more(self, row: _Row) -> bool:
+        """Set idle chats outside the batch aside (as for a joining conversation)
+        until ``row``'s pages take its next token: the chats that answered beside it
+        keep their pages once their answers end. Whether they take it now."""
+        tokens = len(row.session.tokens) + 1
+        made = self._room.make_room(lambda gone: row.session.holds(tokens, gone),
+                                    self.session_ids(), row.request_id)
+        return made and _holds_one_more(row.session)
 
     def _queue(self, rows: list[_Row], current: _Pass | None) -> _Pass | None:
         """Build and start one pass for ``rows``: each fed its pending token, or the
