@@ -50,7 +50,8 @@ def build_window(model: str | None = None, owns_data: bool = True) -> MainWindow
 
     settings = Settings()
     store, opened = open_history(writable=owns_data)
-    bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk)
+    bridge = EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk,
+                          settings.read_share)
     controller = ChatController(settings, store, bridge)
     window = MainWindow(controller)
     controller.start(model)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from engine import (
+    DEFAULT_READ_SHARE,
     AnswerWaiting,
     Event,
     Failed,
@@ -50,13 +51,13 @@ log = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.001
 Handler = Callable[[Event], None]  # gets every event of its one request, on the GUI thread
 # Builds a worker from (on_event, budget_bytes, chunk_size).
-WorkerFactory = Callable[[Callable[[Event], None], int | None, int], Worker]
+WorkerFactory = Callable[[Callable[[Event], None], int | None, int, float], Worker]
 ID_SPAN = 1 << 40  # request ids of one worker: the next worker's are offset past them
 RETIRE_TIMEOUT_S = 30.0  # a replaced worker's thread gets this long to end (off the GUI thread)
 
 
 def _default_worker(on_event: Callable[[Event], None], budget_bytes: int | None,
-                    chunk_size: int) -> Worker:
+                    chunk_size: int, read_share: float) -> Worker:
     from engine import EngineWorker, SnapshotStore
 
     # A chat's KV cache goes to disk when it leaves memory and comes back from there.
@@ -66,7 +67,7 @@ def _default_worker(on_event: Callable[[Event], None], budget_bytes: int | None,
         log.warning("stored KV is off: its folder cannot be used (%s)", error)
         snapshots = None
     return EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size,
-                        snapshots=snapshots)
+                        snapshots=snapshots, read_share=read_share)
 
 
 class EngineBridge(QObject):
@@ -75,7 +76,10 @@ class EngineBridge(QObject):
     Args:
         budget_bytes: KV byte budget passed to the worker (None: engine default).
         chunk_size: tokens per prefill chunk.
-        worker_factory: builds the worker from ``(on_event, budget_bytes, chunk_size)``.
+        read_share: the share of the time a document being read takes beside
+            other chats' answers.
+        worker_factory: builds the worker from ``(on_event, budget_bytes, chunk_size,
+            read_share)``.
 
     Signals:
         statsSample(StatsSample), noticeReceived(Notice), storedKv(StoredKv),
@@ -100,15 +104,17 @@ class EngineBridge(QObject):
         self,
         budget_bytes: int | None = None,
         chunk_size: int = 512,
+        read_share: float = DEFAULT_READ_SHARE,
         worker_factory: WorkerFactory = _default_worker,
         parent: QObject | None = None,
     ) -> None:
         super().__init__(parent)
         self._relay.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
-        self._settings = (budget_bytes, chunk_size)  # what a replacing worker is built with
+        # What a replacing worker is built with.
+        self._settings = (budget_bytes, chunk_size, read_share)
         self._own_factory = worker_factory
         self._offset = 0  # added to the ids of the current worker's requests
-        self._worker = worker_factory(self._events_from(0), budget_bytes, chunk_size)
+        self._worker = worker_factory(self._events_from(0), *self._settings)
         self._retiring: list[tuple[Worker, int]] = []  # replaced workers, their offsets
         self._handlers: dict[int, Handler | None] = {}
         self._cancels: dict[int, threading.Event] = {}
@@ -164,9 +170,8 @@ class EngineBridge(QObject):
         """
         old, old_offset = self._worker, self._offset
         self._offset = old_offset + ID_SPAN
-        budget_bytes, chunk_size = self._settings
         factory = worker_factory or self._own_factory
-        self._worker = factory(self._events_from(self._offset), budget_bytes, chunk_size)
+        self._worker = factory(self._events_from(self._offset), *self._settings)
         if self._started:
             self._worker.start()
         self._retiring.append((old, old_offset))
@@ -289,11 +294,12 @@ class EngineBridge(QObject):
             if request_id is None or rid == request_id:
                 event.set()
 
-    def configure(self, budget_bytes: int | None, chunk_size: int) -> int:
-        """Apply a new KV budget and ingest chunk once the running request ends."""
-        self._settings = (budget_bytes, chunk_size)
-        return self._submit(self._worker.configure(budget_bytes=budget_bytes,
-                                                   chunk_size=chunk_size), None)
+    def configure(self, budget_bytes: int | None, chunk_size: int, read_share: float) -> int:
+        """Apply a new KV budget, ingest chunk and reads' share beside answers once
+        the running request ends."""
+        self._settings = (budget_bytes, chunk_size, read_share)
+        return self._submit(self._worker.configure(
+            budget_bytes=budget_bytes, chunk_size=chunk_size, read_share=read_share), None)
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:
         """Apply the stored-KV disk budget (None: default); answers with storedKv."""

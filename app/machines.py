@@ -95,8 +95,8 @@ class Machines(QObject):
         remote_worker = self.remote_worker or RemoteWorker
 
         def build(on_event: Callable[[Event], None], budget_bytes: int | None,
-                  chunk_size: int) -> Worker:
+                  chunk_size: int, read_share: float) -> Worker:
             return remote_worker(on_event, budget_bytes, chunk_size, ranks=ranks,
-                                 hostfile=Path(hostfile), split=split)
+                                 hostfile=Path(hostfile), split=split, read_share=read_share)
 
         return build

@@ -22,6 +22,7 @@ from PySide6.QtCore import QSettings, QStandardPaths
 
 from engine import (
     DEFAULT_MODE,
+    DEFAULT_READ_SHARE,
     MODES,
     KvMode,
     SamplingParams,
@@ -188,6 +189,12 @@ def _at_least_16(tokens: int) -> int:
     return max(16, tokens)
 
 
+def _time_share(share: float) -> float:
+    if not 0.0 < share <= 1.0:  # NaN too
+        raise ValueError(f"{share} is not a share of the time above 0 and at most 1")
+    return share
+
+
 def _positive_or_none(value: int) -> int | None:
     return value if value > 0 else None
 
@@ -231,6 +238,10 @@ class Settings:
     """Store q8/q6/q4 rows after a Hadamard rotation (new chats); None: the engine's default."""
     ingest_chunk = Setting[int]("engine/ingest_chunk", 512, read=_at_least_16, write=int)
     """Tokens prefilled per chunk."""
+    read_share = Setting[float]("engine/read_share", DEFAULT_READ_SHARE, read=_time_share,
+                                write=_time_share)
+    """The engine's share of the time a document being read takes while other chats
+    answer (the rest goes to their answers)."""
     memory_budget_bytes = Setting[int | None](
         "engine/memory_budget_bytes", 0, read=_positive_or_none,
         write=lambda value: int(value or 0))

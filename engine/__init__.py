@@ -16,7 +16,7 @@ does not load MLX until something needs it.
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
   ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
-- Values: ``SamplingParams``, ``MODES``, ``read_document`` (and the
+- Values: ``SamplingParams``, ``MODES``, ``DEFAULT_READ_SHARE``, ``read_document`` (and the
   ``file_patterns`` it reads), ``data_dir``,
   ``private_file``, ``private_dir`` (create a user-only file or folder).
 - What else the app uses: the local API server it hosts (``LocalServer``,
@@ -57,6 +57,7 @@ _PUBLIC = {
     "full_context_costs": "engine.memory.model_costs",
     **{name: "engine.documents.reader" for name in ("read_document", "file_patterns")},
     "SamplingParams": "engine.session.sampling",
+    "DEFAULT_READ_SHARE": "engine.session.batch",
     **{name: "engine.cache.modes" for name in (
         "MODES", "DEFAULT_MODE", "REFERENCE", "KvMode", "parse_mode")},
     "Worker": "engine.runtime.interface",
@@ -104,6 +105,7 @@ _MODULES = {"disk": "engine.disk", "prefill_rate": "engine.memory.prefill_rate"}
 __all__ = [
     "API_SESSION_PREFIX",
     "DEFAULT_MODE",
+    "DEFAULT_READ_SHARE",
     "DEMO",
     "GB",
     "MAX_DEFAULT_BUDGET",
@@ -268,6 +270,7 @@ if TYPE_CHECKING:
     from engine.runtime.worker import EngineWorker
     from engine.server.app import host_names
     from engine.server.inprocess import ApiSession, LocalServer, ServerStatus, ServerUnavailable
+    from engine.session.batch import DEFAULT_READ_SHARE
     from engine.session.prompt_ids import TurnOverhead
     from engine.session.sampling import SamplingParams
     from engine.snapshots.manifest import SnapshotInfo, snapshot_info

@@ -28,6 +28,7 @@ from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
 from engine import (
     DEFAULT_MODE,
+    DEFAULT_READ_SHARE,
     MAX_DEFAULT_BUDGET,
     MODES,
     FitReport,
@@ -40,6 +41,12 @@ from engine import (
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 MB = 2**20
+# The menu of the reads' share of the time beside other chats' answers.
+READ_SHARES = (
+    (0.25, "Answers first (reading takes a quarter of the time)"),
+    (DEFAULT_READ_SHARE, "Equal turns"),
+    (0.75, "Reading first (reading takes three quarters of the time)"),
+)
 
 
 def mode_blurb(mode: KvMode) -> str:
@@ -74,6 +81,23 @@ def default_disk_budget_text() -> str:
         default = "unknown now"
     return (f"Automatic: smaller of {human_bytes(MAX_DEFAULT_BUDGET)} and 10% of free disk "
             f"({default})")
+
+
+def read_share_box(share: float) -> QComboBox:
+    """How a document read into one chat shares the time with other chats' answers."""
+    box = QComboBox()
+    for value, text in READ_SHARES:
+        box.addItem(f"{text} (default)" if value == DEFAULT_READ_SHARE else text, value)
+    index = box.findData(share)
+    if index < 0:  # set elsewhere (settings.ini): shown as it is, kept unless changed
+        box.addItem(f"Reading takes {share:.0%} of the time", share)
+        index = box.count() - 1
+    box.setCurrentIndex(index)
+    box.setToolTip("While a document is read into one chat and others answer, the engine "
+                   "takes turns between them. Answers first keeps the answers near their "
+                   "usual pace and reads the document more slowly; reading first does the "
+                   "opposite. Nothing changes what is answered, only how fast.")
+    return box
 
 
 def disk_budget_box(budget_bytes: int | None) -> QDoubleSpinBox:
@@ -194,6 +218,8 @@ class SettingsDialog(QDialog):
         self.chunk.setToolTip("Longer chunks read a document faster and take more memory "
                               "while they are read; Stop takes effect between chunks.")
         form.addRow("Read documents in chunks of", self.chunk)
+        self.read_share = read_share_box(settings.read_share)
+        form.addRow("Reading a document beside answers", self.read_share)
 
     def _answers_page(self, settings: Settings) -> None:
         form = self._page("Answers")
@@ -284,6 +310,7 @@ class SettingsDialog(QDialog):
             "page_size": self.page_size.value(),
             "rotate_kv": self.rotate.isChecked(),
             "ingest_chunk": self.chunk.value(),
+            "read_share": self.read_share.currentData(),
             "memory_budget_bytes": self.budget.value() * MB or None,
             "stored_kv_budget_bytes": round(self.disk_budget.value() * GB) or None,
             "sampling": SamplingParams(

@@ -555,7 +555,8 @@ class MainWindow(QMainWindow):
                           model_folder=self.controller.model_id).exec():
             self.model_picker.refresh(self.settings.model_folders)
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
-                                             self.settings.ingest_chunk)
+                                             self.settings.ingest_chunk,
+                                             self.settings.read_share)
             self.controller.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
             self.controller.local_server.apply()
             self.controller.machines_changed()

@@ -218,9 +218,15 @@ class RemoteWorker(Worker):
         """As ``EngineWorker.check_quality``."""
         return self.submit(CheckQuality(session_id, copy_messages(messages)), cancel)
 
-    def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
+    @property
+    def read_share(self) -> float:
+        """As ``EngineWorker.read_share``: the share rank 0 was last given."""
+        return self._read_share
+
+    def configure(self, *, budget_bytes: int | None, chunk_size: int,
+                  read_share: float) -> int:
         """As ``EngineWorker.configure``; also kept for the next group."""
-        return self.submit(Configure(budget_bytes, chunk_size))
+        return self.submit(Configure(budget_bytes, chunk_size, read_share))
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:
         """As ``EngineWorker.set_snapshot_budget``; also kept for the next group."""
@@ -353,13 +359,14 @@ class RemoteWorker(Worker):
             self._settings[type(request)] = request
         if isinstance(request, Configure):
             try:
-                check_settings(request.budget_bytes, request.chunk_size)
+                check_settings(request)
             except EngineError as error:
                 self._settings.pop(Configure)
                 self._emit(Failed(request_id, str(error), type(error).__name__))
                 return
             # Also the next group's.
             self._budget_bytes, self._chunk_size = request.budget_bytes, request.chunk_size
+            self._read_share = request.read_share
         if isinstance(request, LoadModel):
             self._start(request_id, request.path)
             return

@@ -247,6 +247,18 @@ class Answering:
         """Forget the batch (its model is going); nothing may be running in it."""
         self._batch = None
 
+    @property
+    def read_share(self) -> float:
+        """The reads' share of the time beside answers."""
+        return self._read_share
+
+    def set_read_share(self, share: float) -> None:
+        """The reads' share of the time beside answers from now on
+        (``engine.session.batch.ReadShare``), for the batch under way too."""
+        self._read_share = check_read_share(share)
+        if self._batch is not None:
+            self._batch.set_read_share(share)
+
     # -- inside ------------------------------------------------------------------
 
     def _batch_for(self, session: Session) -> BatchDecoder:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache.modes import KvMode
+from engine.session.batch import DEFAULT_READ_SHARE
 from engine.session.sampling import SamplingParams
 
 Message = dict[str, Any]
@@ -65,10 +66,12 @@ class CheckQuality:
 
 @dataclass(frozen=True)
 class Configure:
-    """Change the KV budget of all sessions and the prefill chunk."""
+    """Change the KV budget of all sessions, the prefill chunk, and the reads' share
+    of the time beside answers."""
 
     budget_bytes: int | None
     chunk_size: int
+    read_share: float = DEFAULT_READ_SHARE
 
 
 @dataclass(frozen=True)

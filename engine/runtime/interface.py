@@ -67,8 +67,9 @@ class Worker(Protocol):
         """Measure the session's KV mode against fp16 on its last tokens."""
         ...
 
-    def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
-        """Change the KV budget and the prefill chunk."""
+    def configure(self, *, budget_bytes: int | None, chunk_size: int,
+                  read_share: float) -> int:
+        """Change the KV budget, the prefill chunk and the reads' share beside answers."""
         ...
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:

@@ -62,7 +62,7 @@ from engine.runtime.held_sessions import HeldSessions
 from engine.runtime.interface import OnEvent, Pipeline, Worker
 from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
-from engine.session.batch import DEFAULT_READ_SHARE
+from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
 from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
 from engine.session.sampling import SamplingParams
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, AnswerStart
@@ -241,14 +241,21 @@ class EngineWorker(Worker):
         """
         return self.submit(CheckQuality(session_id, copy_messages(messages)), cancel)
 
-    def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
-        """Change the KV budget of all sessions and the prefill chunk, between requests.
+    @property
+    def read_share(self) -> float:
+        """The reads' share of the time beside answers now (a plain float: any thread)."""
+        return self._answering.read_share
 
-        -> ``Finished("done")``, or ``Failed`` for a negative budget or a chunk
-        under one token. Pages already held stay; the new budget limits the pages
-        taken from now on.
+    def configure(self, *, budget_bytes: int | None, chunk_size: int,
+                  read_share: float) -> int:
+        """Change the KV budget of all sessions, the prefill chunk and the reads'
+        share of the time beside answers (``read_share``), between requests.
+
+        -> ``Finished("done")``, or ``Failed`` for a negative budget, a chunk
+        under one token or a share not above 0 and at most 1. Pages already held
+        stay; the new budget limits the pages taken from now on.
         """
-        return self.submit(Configure(budget_bytes, chunk_size))
+        return self.submit(Configure(budget_bytes, chunk_size, read_share))
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:
         """Set the stored-KV disk budget (None: the smaller of 20 GB and 10% of free disk).
@@ -616,10 +623,11 @@ class EngineWorker(Worker):
                              session.cache_kind, session.cache_note, session.rotation)
 
     def _configure(self, request: Configure) -> None:
-        check_settings(request.budget_bytes, request.chunk_size)
+        check_settings(request)
         self.guard.budget_bytes = request.budget_bytes
         self.chunk_size = request.chunk_size
         self._held.set_chunk_size(request.chunk_size)
+        self._answering.set_read_share(request.read_share)
 
 
 def _unexpected_ending(command: Command, error: Exception) -> Failed:
@@ -639,16 +647,18 @@ def _unexpected_ending(command: Command, error: Exception) -> Failed:
     return Failed(command.request_id, UNEXPECTED.format(detail=detail), type(error).__name__)
 
 
-def check_settings(budget_bytes: int | None, chunk_size: int) -> None:
-    """Refuse a KV budget or prefill chunk ``configure`` cannot take.
+def check_settings(settings: Configure) -> None:
+    """Refuse settings ``configure`` cannot take.
 
     Raises:
-        EngineError: a negative budget, or a chunk under one token.
+        EngineError: a negative budget, a chunk under one token, or a reads' share
+            not above 0 and at most 1.
     """
-    if budget_bytes is not None and budget_bytes < 0:
+    if settings.budget_bytes is not None and settings.budget_bytes < 0:
         raise EngineError("The KV memory budget cannot be negative.")
-    if chunk_size < 1:
+    if settings.chunk_size < 1:
         raise EngineError("The ingest chunk must be at least 1 token.")
+    check_read_share(settings.read_share)
 
 
 # The keys of a message that templates read beside role and content.

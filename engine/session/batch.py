@@ -276,8 +276,13 @@ class ReadShare:
 
     def __init__(self, clock: Callable[[], float], share: float = DEFAULT_READ_SHARE) -> None:
         self.clock = clock
-        self._decode_per_read = (1.0 - check_read_share(share)) / share
+        self._decode_per_read = 1.0
+        self.set_share(share)
         self.owed = 0.0  # seconds of decoding due before the next chunk
+
+    def set_share(self, share: float) -> None:
+        """The reads' share from the next chunk on (what is owed now stays owed)."""
+        self._decode_per_read = (1.0 - check_read_share(share)) / share
 
     def due(self, answering: bool) -> bool:
         """Whether this step reads a chunk, with answers decoding beside it or not."""
@@ -316,6 +321,10 @@ class BatchDecoder:
         self._queued: _Pass | None = None
         self._share = ReadShare(clock, read_share)
         self._asked: _Asked | None = None  # the other ranks' last "no room" for a joiner
+
+    def set_read_share(self, share: float) -> None:
+        """The reads' share of the time beside answers from now on (:class:`ReadShare`)."""
+        self._share.set_share(share)
 
     def __len__(self) -> int:
         """Conversations answering."""

@@ -71,8 +71,9 @@ class ScriptedWorker(Worker):
                       cancel: threading.Event) -> int:
         return self._take("quality", session_id, messages, cancel=cancel)
 
-    def configure(self, *, budget_bytes: int | None, chunk_size: int) -> int:
-        return self._take("configure", budget_bytes, chunk_size)
+    def configure(self, *, budget_bytes: int | None, chunk_size: int,
+                  read_share: float) -> int:
+        return self._take("configure", budget_bytes, chunk_size, read_share)
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:
         return self._take("snapshot_budget", budget_bytes)

@@ -148,7 +148,7 @@ def test_failures_go_to_their_request_and_those_of_none_to_the_banner(app) -> No
     assert said == ["Not enough memory to open this chat."]
     assert [m.status for m in app.store.messages(a.id)] == ["complete", "failed"]
     assert not c.busy
-    configure = bridge.configure(-1, 512)
+    configure = bridge.configure(-1, 512, 0.5)
     bridge._dispatch(Failed(configure, "The KV memory budget cannot be negative.", "E"))
     assert said[-1] == "The KV memory budget cannot be negative."
     notices: list[str] = []

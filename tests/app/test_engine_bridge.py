@@ -26,7 +26,7 @@ class EventfulWorker(ScriptedWorker):
 
 
 def _factory(made: list[EventfulWorker]):
-    def build(on_event, _budget_bytes, _chunk_size):
+    def build(on_event, _budget_bytes, _chunk_size, _read_share):
         made.append(EventfulWorker(on_event))
         return made[-1]
     return build

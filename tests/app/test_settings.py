@@ -32,6 +32,7 @@ ROUND_TRIP: dict[str, tuple[object, object]] = {
     "page_size": (128, 128),
     "rotate_kv": (False, False),
     "ingest_chunk": (1024, 1024),
+    "read_share": (0.25, 0.25),
     "memory_budget_bytes": (2 * 2**30, 2 * 2**30),
     "stored_kv_budget_bytes": (5 * 10**9, 5 * 10**9),
     "system_prompt": ("Be brief.", "Be brief."),
@@ -56,6 +57,7 @@ ROUND_TRIP: dict[str, tuple[object, object]] = {
 STORED_KEYS = {
     "default_mode": "engine/default_mode", "page_size": "engine/page_size",
     "rotate_kv": "engine/rotate_kv", "ingest_chunk": "engine/ingest_chunk",
+    "read_share": "engine/read_share",
     "memory_budget_bytes": "engine/memory_budget_bytes",
     "stored_kv_budget_bytes": "engine/stored_kv_budget_bytes",
     "system_prompt": "chat/system_prompt", "speculative": "engine/speculative",
@@ -92,6 +94,9 @@ def test_each_setting_round_trips_through_the_file(row: Setting) -> None:
     ("server_port", "70000", 1234),
     ("pipeline_split", "10,zero", None),
     ("memory_budget_bytes", "-5", None),
+    ("read_share", "0", 0.5),
+    ("read_share", "nan", 0.5),
+    ("read_share", "half", 0.5),
     ("rotate_kv", "false", False),
     ("model_folders", "/one/folder", ["/one/folder"]),
 ])

@@ -19,7 +19,7 @@ from tests.engine.tinymodels import make_tiny_model_dir
 
 
 def _window_with_memory(qtbot, model, memory: FakeMemory, max_tokens: int = 24, **guard_args):
-    def worker_factory(on_event, budget_bytes, chunk_size):
+    def worker_factory(on_event, budget_bytes, chunk_size, read_share):
         guard = MemoryGuard(probe=memory, check_interval=0.0, **guard_args)
         return EngineWorker(on_event, chunk_size=chunk_size, memory_guard=guard)
 

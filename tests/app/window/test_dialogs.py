@@ -83,22 +83,27 @@ def test_cancel_writes_nothing(qtbot) -> None:
     assert Settings().default_mode == "q6"
 
 
-def test_saved_budget_and_chunk_reach_the_running_engine(qtbot, tiny_llama: Path) -> None:
+def test_saved_budget_chunk_and_read_share_reach_the_running_engine(
+        qtbot, tiny_llama: Path) -> None:
     workers: list[EngineWorker] = []
 
-    def worker_factory(on_event, budget_bytes, chunk_size):
-        workers.append(EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size))
+    def worker_factory(on_event, budget_bytes, chunk_size, read_share):
+        workers.append(EngineWorker(on_event, budget_bytes=budget_bytes, chunk_size=chunk_size,
+                                    read_share=read_share))
         return workers[0]
 
     window = open_window(qtbot, tiny_llama, worker_factory=worker_factory)
     worker = workers[0]
     assert worker.guard.budget_bytes is None and worker.chunk_size == 512
+    assert worker.read_share == 0.5
 
     def fill_in_and_save() -> None:
         dialog = QApplication.activeModalWidget()
         assert isinstance(dialog, SettingsDialog)
         dialog.budget.setValue(700)
         dialog.chunk.setValue(128)
+        assert dialog.read_share.currentText() == "Equal turns (default)"
+        dialog.read_share.setCurrentIndex(dialog.read_share.findData(0.25))
         dialog.accept()
 
     try:
@@ -106,6 +111,7 @@ def test_saved_budget_and_chunk_reach_the_running_engine(qtbot, tiny_llama: Path
         window.open_settings()
         qtbot.waitUntil(lambda: worker.chunk_size == 128, timeout=10_000)
         assert worker.guard.budget_bytes == 700 * 2**20
+        assert worker.read_share == 0.25 and window.settings.read_share == 0.25
     finally:
         close_window(window)
 
@@ -115,7 +121,7 @@ def test_the_automatic_disk_budget_says_what_it_is(qtbot) -> None:
     qtbot.addWidget(dialog)
     assert dialog.disk_budget.value() == 0
     shown = dialog.disk_budget.text()
-    # Said as every size is said: 20 GB (10⁹ bytes each) reads 18.6 GB.
+    # Said as every size is said: 20 GB of 1,024³ bytes, not 18.6 of them.
     assert "smaller of 20.0 GB and 10% of free disk" in shown
     assert f"({human_bytes(default_budget(snapshots_dir()))} now)" in shown
     dialog.disk_budget.setValue(0)
@@ -127,7 +133,7 @@ def test_a_lowered_disk_budget_reaches_the_running_engines_store(qtbot, tiny_lla
                                                                tmp_path: Path) -> None:
     stores: list[SnapshotStore] = []
 
-    def worker_factory(on_event, budget_bytes, chunk_size):
+    def worker_factory(on_event, budget_bytes, chunk_size, read_share):
         stores.append(SnapshotStore(tmp_path / "kv"))
         return EngineWorker(on_event, snapshots=stores[0])
 
@@ -208,6 +214,7 @@ SET_VALUES = {
     "page_size": 8192,
     "rotate_kv": False,
     "ingest_chunk": 777,
+    "read_share": 0.6,  # not on the menu: shown as it is, kept
     "memory_budget_bytes": 3 * 2**30 + 12_345,
     "stored_kv_budget_bytes": 12_345_678_901,
     "system_prompt": "  Be brief.\n",

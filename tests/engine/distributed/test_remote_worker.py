@@ -209,7 +209,7 @@ def test_a_model_mlx_lm_cannot_split_fails_its_load_before_any_process_starts(
     worker.start()
     try:
         # No group yet: settings are kept for it, requests fail with what to do.
-        done = recorder.ending(worker.configure(budget_bytes=None, chunk_size=64))
+        done = recorder.ending(worker.configure(budget_bytes=None, chunk_size=64, read_share=0.5))
         assert isinstance(done, Finished) and done.reason == "done"
         opened = recorder.ending(worker.open_session("s", "q8"))
         assert isinstance(opened, Failed) and "Load a model first" in opened.message
@@ -258,13 +258,16 @@ def test_a_hostfile_whose_first_host_is_another_machine_is_refused(
     assert "mac1.local" in failed.message and "must be this Mac (127.0.0.1)" in failed.message
 
 
-def _load_that_fails(model: Path, **options: Any) -> Failed:
+def _load_that_fails(model: Path, configure: dict[str, Any] | None = None,
+                     **options: Any) -> Failed:
     """The ending of a ``RemoteWorker`` load of ``model`` that fails before any group
-    runs (the worker made with ``options``, shut down after)."""
+    runs (the worker made with ``options``, given ``configure`` first, shut down after)."""
     recorder = Recorder()
     worker = RemoteWorker(recorder, **options)
     worker.start()
     try:
+        if configure is not None:
+            assert isinstance(recorder.ending(worker.configure(**configure)), Finished)
         failed = recorder.ending(worker.load_model(str(model)), timeout=60)
     finally:
         worker.shutdown()
@@ -308,5 +311,9 @@ def test_rank_zero_is_started_with_the_stream_limit_and_the_reads_share(
         assert [a for a in argv if a in ("--streams", "--read-share")] == expected[::2]
         for flag, value in zip(expected[::2], expected[1::2], strict=True):
             assert argv[argv.index(flag) + 1] == value
+    # A share the app's Settings give a worker that runs no group yet: the next one's.
+    _load_that_fails(model, {"budget_bytes": None, "chunk_size": 512, "read_share": 0.75})
+    argv = started.pop()
+    assert argv[argv.index("--read-share") + 1] == "0.75"
     with pytest.raises(EngineError, match="above 0 and at most 1"):
         RemoteWorker(Recorder(), read_share=0.0)

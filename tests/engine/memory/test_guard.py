@@ -556,7 +556,8 @@ def test_worker_configure_changes_the_budget_between_requests(llama, worker_with
         events.ending(worker.open_session(name, "fp16", 16))
     events.ending(worker.ingest("a", _user(QUESTION * 4), threading.Event()))
     held = worker.guard.held_bytes()
-    applied = events.ending(worker.configure(budget_bytes=held + PAGE, chunk_size=32))
+    applied = events.ending(worker.configure(budget_bytes=held + PAGE, chunk_size=32,
+                                             read_share=0.5))
     assert isinstance(applied, Finished) and applied.reason == "done"
     assert worker.fit_check(None, 16).budget_bytes == PAGE
     assert worker.guard.held_bytes() == held  # what "a" holds stays
@@ -565,7 +566,7 @@ def test_worker_configure_changes_the_budget_between_requests(llama, worker_with
     other = _user("Zebras! " + QUESTION * 16)
     failed = events.ending(worker.ingest("b", other, threading.Event()))
     assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
-    events.ending(worker.configure(budget_bytes=None, chunk_size=32))
+    events.ending(worker.configure(budget_bytes=None, chunk_size=32, read_share=0.5))
     assert worker.fit_check(None, 16).budget_bytes is None
     rid = worker.ingest("b", other, threading.Event())
     ending = events.ending(rid)
@@ -574,8 +575,15 @@ def test_worker_configure_changes_the_budget_between_requests(llama, worker_with
             if isinstance(e, IngestProgress) and e.request_id == rid]
     steps = [b - a for a, b in zip([0, *done], done, strict=False)]
     assert len(steps) > 1 and max(steps) <= 32  # the new chunk size applies too
-    bad = events.ending(worker.configure(budget_bytes=-1, chunk_size=32))
+    bad = events.ending(worker.configure(budget_bytes=-1, chunk_size=32, read_share=0.5))
     assert isinstance(bad, Failed) and "cannot be negative" in bad.message
+    # The reads' share beside answers is one of these settings too.
+    assert worker.read_share == 0.5
+    events.ending(worker.configure(budget_bytes=None, chunk_size=32, read_share=0.25))
+    assert worker.read_share == 0.25
+    bad = events.ending(worker.configure(budget_bytes=None, chunk_size=32, read_share=0))
+    assert isinstance(bad, Failed) and "above 0 and at most 1" in bad.message
+    assert worker.read_share == 0.25
 
 
 def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) -> None:

@@ -412,7 +412,7 @@ def test_an_idle_chat_is_set_aside_for_a_chat_joining_while_another_answers(
         # Beside the idle chat, room for A's conversation and answer (six pages),
         # not for B's too. A decodes plainly: more steps, for B to come during them.
         log.ending(worker.configure(budget_bytes=held + 6 * page,
-                                    chunk_size=worker.chunk_size))
+                                    chunk_size=worker.chunk_size, read_share=0.5))
         plain = SamplingParams(temperature=0.0, max_tokens=60, speculative="off")
         first, second, ends = _b_while_a_answers(worker, log, plain)
         (aside,) = [e for e in log.for_request(second)

@@ -115,7 +115,7 @@ def test_the_chat_used_longest_ago_goes_aside_first_and_only_as_many_as_needed(
                     if isinstance(e, StatsSample) and e.session_id == "a"][-1]
         # Room for two short chats' pages, not three.
         log.ending(worker.configure(budget_bytes=int(held * 2.5),
-                                    chunk_size=worker.chunk_size))
+                                    chunk_size=worker.chunk_size, read_share=0.5))
         assert isinstance(_chat(worker, log, "c", OTHER["c"]), Finished)
         assert _held_tokens(log, "a") > 0
         third = worker.chat("b", OTHER["b"], GREEDY, threading.Event())

@@ -69,7 +69,7 @@ def test_a_read_only_kv_folder_after_a_restart_answers_from_it(tmp_path, monkeyp
 
 def _budget(served: Served, budget: int | None, fits: bool) -> None:
     """Set the KV budget and wait until the worker has published it."""
-    served.bridge.worker.configure(budget_bytes=budget, chunk_size=512)
+    served.bridge.worker.configure(budget_bytes=budget, chunk_size=512, read_share=0.5)
     deadline = time.monotonic() + 60
     while served.bridge.fit(2000).for_mode("fp16").fits != fits:
         assert time.monotonic() < deadline, "the budget was not applied"

@@ -280,9 +280,10 @@ def test_a_long_read_goes_a_chunk_a_step_beside_the_answers(tiny, logits) -> Non
         _assert_same_up_to_a_near_tie(alone[i], rows[i][1], alone_logits[i], logits[i])
 
 
+@pytest.mark.parametrize("changed", [False, True])
 @pytest.mark.parametrize(("share", "decoded"), [(0.5, 11), (0.75, 4), (1.0, 0)])
 def test_beside_answers_the_reads_and_the_decoding_take_turns_by_their_share(
-        tiny, share: float, decoded: int) -> None:
+        tiny, share: float, decoded: int, changed: bool) -> None:
     loaded = tiny["llama"]
     now = [0.0]
 
@@ -290,7 +291,9 @@ def test_beside_answers_the_reads_and_the_decoding_take_turns_by_their_share(
         now[0] += 1.0
         return now[0]
 
-    batch = BatchDecoder(loaded.model, clock=clock, read_share=share)
+    batch = BatchDecoder(loaded.model, clock=clock, read_share=0.25 if changed else share)
+    if changed:  # as the app's Settings change it under way
+        batch.set_read_share(share)
     answering = Session("answering", loaded, "q8", chunk_size=CHUNK)
     answer = Answer()
     batch.join(answering, _messages(1), replace(GREEDY, max_tokens=500), request_id=1,
