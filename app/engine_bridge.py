@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.001
 Handler = Callable[[Event], None]  # gets every event of its one request, on the GUI thread
-# Builds a worker from (on_event, budget_bytes, chunk_size).
+# Builds a worker from (on_event, budget_bytes, chunk_size, read_share).
 WorkerFactory = Callable[[Callable[[Event], None], int | None, int, float], Worker]
 ID_SPAN = 1 << 40  # request ids of one worker: the next worker's are offset past them
 RETIRE_TIMEOUT_S = 30.0  # a replaced worker's thread gets this long to end (off the GUI thread)

@@ -24,8 +24,10 @@ from engine import (
     DEFAULT_MODE,
     DEFAULT_READ_SHARE,
     MODES,
+    EngineError,
     KvMode,
     SamplingParams,
+    check_read_share,
     data_dir,
     prefill_rate,
     private_dir,
@@ -190,9 +192,10 @@ def _at_least_16(tokens: int) -> int:
 
 
 def _time_share(share: float) -> float:
-    if not 0.0 < share <= 1.0:  # NaN too
-        raise ValueError(f"{share} is not a share of the time above 0 and at most 1")
-    return share
+    try:
+        return check_read_share(share)
+    except EngineError as error:
+        raise ValueError(str(error)) from None
 
 
 def _positive_or_none(value: int) -> int | None:

@@ -16,7 +16,8 @@ does not load MLX until something needs it.
   ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
   ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
 - Errors: ``EngineError`` and its subclasses.
-- Values: ``SamplingParams``, ``MODES``, ``DEFAULT_READ_SHARE``, ``read_document`` (and the
+- Values: ``SamplingParams``, ``MODES``, ``DEFAULT_READ_SHARE`` (and
+  ``check_read_share``), ``read_document`` (and the
   ``file_patterns`` it reads), ``data_dir``,
   ``private_file``, ``private_dir`` (create a user-only file or folder).
 - What else the app uses: the local API server it hosts (``LocalServer``,
@@ -58,6 +59,7 @@ _PUBLIC = {
     **{name: "engine.documents.reader" for name in ("read_document", "file_patterns")},
     "SamplingParams": "engine.session.sampling",
     "DEFAULT_READ_SHARE": "engine.session.batch",
+    "check_read_share": "engine.session.batch",
     **{name: "engine.cache.modes" for name in (
         "MODES", "DEFAULT_MODE", "REFERENCE", "KvMode", "parse_mode")},
     "Worker": "engine.runtime.interface",
@@ -167,6 +169,7 @@ __all__ = [
     "Worker",
     "can_split",
     "check_hosts",
+    "check_read_share",
     "data_dir",
     "default_budget",
     "discover_models",
@@ -270,7 +273,7 @@ if TYPE_CHECKING:
     from engine.runtime.worker import EngineWorker
     from engine.server.app import host_names
     from engine.server.inprocess import ApiSession, LocalServer, ServerStatus, ServerUnavailable
-    from engine.session.batch import DEFAULT_READ_SHARE
+    from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
     from engine.session.prompt_ids import TurnOverhead
     from engine.session.sampling import SamplingParams
     from engine.snapshots.manifest import SnapshotInfo, snapshot_info

@@ -12,6 +12,7 @@ their gap, and each moves by at most ``BATCH_NOISE``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -411,7 +412,6 @@ def test_a_row_short_of_a_page_waits_while_another_answer_may_give_pages_back(
     # its admission counted) until request 1's chat gives its pages back (closed when
     # its answer ends, as the server's are, or set aside once idle, as the app's
     # chats are), or for good.
-    ended: list[int] = []
     ensure = adapter.ensure_capacity
 
     def full_for_row_0(cache: Any, tokens: int) -> None:
@@ -423,17 +423,15 @@ def test_a_row_short_of_a_page_waits_while_another_answer_may_give_pages_back(
 
     monkeypatch.setattr(adapter, "ensure_capacity", full_for_row_0)
     held_when_1_ended = 0
-    while not batch.idle:
-        for result in batch.step():
-            if result.finish is None:
-                continue
-            ended.append(result.request_id)
-            answers[result.request_id].reason = result.finish
-            answers[result.request_id].held = len(sessions[result.request_id].tokens)
-            if result.request_id == 1:
-                held_when_1_ended = len(answers[0].tokens)
-                if freed != "set aside":
-                    sessions[1].close()
+
+    def on_end(request_id: int) -> None:
+        nonlocal held_when_1_ended
+        if request_id == 1:
+            held_when_1_ended = len(answers[0].tokens)
+            if freed != "set aside":
+                sessions[1].close()
+
+    ended = _run_to_the_end(batch, sessions, answers, on_end)
     assert ended == [1, 0] and held_when_1_ended < len(alone.tokens)  # it waited
     if freed == "never":  # nothing gives pages back: it ends as alone out of pages would
         assert answers[0].reason == "length"
@@ -471,6 +469,26 @@ def _tight_guard(budget_bytes: int) -> MemoryGuard:
 
     guard = MemoryGuard(budget_bytes=budget_bytes, headroom_bytes=GB, probe=probe)
     return guard
+
+
+def _run_to_the_end(batch: BatchDecoder, sessions: dict[int, Session],
+                    answers: dict[int, Answer], on_end: Callable[[int], None],
+                    after_step: Callable[[list[int]], None] = lambda ended: None,
+                    ) -> list[int]:
+    """Step ``batch`` until idle: each ending's reason and held tokens go to its
+    ``answers`` entry, then ``on_end`` gets its request; ``after_step`` sees the
+    requests ended so far after each step. The requests in the order they ended."""
+    ended: list[int] = []
+    while not batch.idle:
+        for result in batch.step():
+            if result.finish is None:
+                continue
+            ended.append(result.request_id)
+            answers[result.request_id].reason = result.finish
+            answers[result.request_id].held = len(sessions[result.request_id].tokens)
+            on_end(result.request_id)
+        after_step(ended)
+    return ended
 
 
 def _pages_bytes(session: Session, messages, extra: int) -> int:
@@ -512,20 +530,16 @@ def test_a_conversation_waits_for_memory_and_joins_when_an_answer_ends(tiny, log
     ]
     answers[2].cancel.set()
     assert [(r.request_id, r.token, r.finish) for r in batch.step()] == [(2, None, "cancelled")]
-    ended: list[int] = []
-    while not batch.idle:
-        for result in batch.step():
-            if result.finish is None:
-                continue
-            ended.append(result.request_id)
-            answers[result.request_id].reason = result.finish
-            answers[result.request_id].held = len(sessions[result.request_id].tokens)
-            # A request that ends closes its conversation (as the server's do): its
-            # pages go back to the budget.
-            sessions[result.request_id].close()
+
+    def until_1_ends(ended: list[int]) -> None:
         if 1 not in ended:
             assert [w.request_id for w in batch.waiting] == [3, 0]
             assert batch.request_ids in ((), (1,))
+
+    # A request that ends closes its conversation (as the server's do): its pages go
+    # back to the budget.
+    ended = _run_to_the_end(batch, sessions, answers, lambda i: sessions[i].close(),
+                            after_step=until_1_ends)
     assert ended[0] == 1 and sorted(ended[1:]) == [0, 3]
     for i in (1, 3, 0):
         _assert_same_up_to_a_near_tie(alone[i], answers[i], alone_logits[i], logits[i])
