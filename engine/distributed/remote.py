@@ -218,11 +218,6 @@ class RemoteWorker(Worker):
         """As ``EngineWorker.check_quality``."""
         return self.submit(CheckQuality(session_id, copy_messages(messages)), cancel)
 
-    @property
-    def read_share(self) -> float:
-        """As ``EngineWorker.read_share``: the share rank 0 was last given."""
-        return self._read_share
-
     def configure(self, *, budget_bytes: int | None, chunk_size: int,
                   read_share: float) -> int:
         """As ``EngineWorker.configure``; also kept for the next group."""

@@ -241,11 +241,6 @@ class EngineWorker(Worker):
         """
         return self.submit(CheckQuality(session_id, copy_messages(messages)), cancel)
 
-    @property
-    def read_share(self) -> float:
-        """The reads' share of the time beside answers now (a plain float: any thread)."""
-        return self._answering.read_share
-
     def configure(self, *, budget_bytes: int | None, chunk_size: int,
                   read_share: float) -> int:
         """Change the KV budget of all sessions, the prefill chunk and the reads'

@@ -276,7 +276,6 @@ class ReadShare:
 
     def __init__(self, clock: Callable[[], float], share: float = DEFAULT_READ_SHARE) -> None:
         self.clock = clock
-        self._decode_per_read = 1.0
         self.set_share(share)
         self.owed = 0.0  # seconds of decoding due before the next chunk
 

@@ -95,7 +95,7 @@ def test_saved_budget_chunk_and_read_share_reach_the_running_engine(
     window = open_window(qtbot, tiny_llama, worker_factory=worker_factory)
     worker = workers[0]
     assert worker.guard.budget_bytes is None and worker.chunk_size == 512
-    assert worker.read_share == 0.5
+    assert worker._answering.read_share == 0.5  # the worker is idle: read here
 
     def fill_in_and_save() -> None:
         dialog = QApplication.activeModalWidget()
@@ -109,9 +109,10 @@ def test_saved_budget_chunk_and_read_share_reach_the_running_engine(
     try:
         QTimer.singleShot(0, fill_in_and_save)
         window.open_settings()
-        qtbot.waitUntil(lambda: worker.chunk_size == 128, timeout=10_000)
-        assert worker.guard.budget_bytes == 700 * 2**20
-        assert worker.read_share == 0.25 and window.settings.read_share == 0.25
+        # The share is the last of the settings the worker applies.
+        qtbot.waitUntil(lambda: worker._answering.read_share == 0.25, timeout=10_000)
+        assert worker.chunk_size == 128 and worker.guard.budget_bytes == 700 * 2**20
+        assert window.settings.read_share == 0.25
     finally:
         close_window(window)
 

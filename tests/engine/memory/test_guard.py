@@ -577,13 +577,14 @@ def test_worker_configure_changes_the_budget_between_requests(llama, worker_with
     assert len(steps) > 1 and max(steps) <= 32  # the new chunk size applies too
     bad = events.ending(worker.configure(budget_bytes=-1, chunk_size=32, read_share=0.5))
     assert isinstance(bad, Failed) and "cannot be negative" in bad.message
-    # The reads' share beside answers is one of these settings too.
-    assert worker.read_share == 0.5
+    # The reads' share beside answers is one of these settings too (read here once
+    # the worker has said the request ended).
+    assert worker._answering.read_share == 0.5
     events.ending(worker.configure(budget_bytes=None, chunk_size=32, read_share=0.25))
-    assert worker.read_share == 0.25
+    assert worker._answering.read_share == 0.25
     bad = events.ending(worker.configure(budget_bytes=None, chunk_size=32, read_share=0))
     assert isinstance(bad, Failed) and "above 0 and at most 1" in bad.message
-    assert worker.read_share == 0.25
+    assert worker._answering.read_share == 0.25
 
 
 def test_ingest_that_runs_out_of_free_ram_midway_is_refused_with_numbers(llama) -> None:
