@@ -11,9 +11,10 @@ a re-ingest waits behind it, never overtakes it. A waiting job starts by
 itself when the jobs it waits for end; cancelling it then costs nothing.
 
 An answer can also wait inside the engine, started but held until memory can
-hold it beside the others (``held``: the engine's reason, until it reads or
-answers). What is about one chat (sending again, editing, deleting it, Stop)
-waits only for that chat's own job; switching models waits for all of them.
+hold it beside the others, or, answering, for its next page (``held``: the
+engine's reason, until it reads or its next text arrives). What is about one
+chat (sending again, editing, deleting it, Stop) waits only for that chat's own
+job; switching models waits for all of them.
 ``refuse`` says so in the banner.
 """
 
@@ -41,8 +42,9 @@ class Job:
     ``request`` is its engine request id once submitted (None while it waits in
     line or for its chat's KV cache to open); ``progress`` the last reading
     progress, ``answering`` whether its answer's first text has arrived;
-    ``held`` why the engine holds it before it joins the answers running (the
-    engine's words, "" once it reads or answers).
+    ``held`` why the engine holds it before it joins the answers running or
+    before its answer goes on (the engine's words, "" once it reads or its next
+    text arrives).
     """
 
     session_id: str
@@ -165,7 +167,7 @@ class Activity(QObject):
             job.progress = progress
         job.answering = job.answering or answering
         if progress is not None or answering:
-            job.held = ""  # it joined the answers running
+            job.held = ""  # it joined the answers running, or went on
         if job.state != before:
             self.changed.emit()
 

@@ -584,7 +584,7 @@ class ChatController(QObject):
         self.notice.emit(event.message)
 
     def _on_answer_waiting(self, event: AnswerWaiting) -> None:
-        # The chat's state line says the engine's reason until the answer reads or answers.
+        # The chat's state line says the engine's reason until the answer reads or goes on.
         job = self.activity.job_with(event.request_id)
         if job is not None:
             self.activity.hold(job, event.reason)

@@ -260,15 +260,19 @@ class Notice:
 class AnswerWaiting:
     """An answer waits to join the ones answering together: memory cannot hold
     its pages and its share of a step beside them yet (or one before it waits).
+    Or, once answering, it waits for its next page, which another answer under
+    the same memory may give back when it ends.
 
-    Sent when it starts waiting and each time the reason changes; its reading
-    progress or first token follows once it joins, or its ``Finished`` when it is
-    cancelled while it waits.
+    Sent when it starts waiting and each time the reason changes (again when it
+    waits again after going on); its reading progress or next token follows once
+    it joins or goes on, or its ``Finished`` when it is cancelled or ends while it
+    waits.
 
     Attributes:
         reason: why it waits and for what, as a user reads it.
         short_bytes: bytes more than memory holds now that it needs (0 while it
-            waits its turn behind another).
+            waits its turn behind another; its next page's bytes while it waits
+            to go on).
     """
 
     request_id: int

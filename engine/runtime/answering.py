@@ -34,7 +34,6 @@ from engine.session.batch import (
     BatchDecoder,
     Room,
     RowToken,
-    Waiting,
     check_read_share,
 )
 from engine.session.prompt_ids import Prompt
@@ -232,7 +231,7 @@ class Answering:
             if result.finish is not None:
                 self._end(result)
         self._tell_ranks(batch)
-        self._tell_waiting(batch.waiting)
+        self._tell_waiting(batch)
         self._stats.publish_when_due([m.session for m in self._members.values()])
         self._count()
 
@@ -278,14 +277,13 @@ class Answering:
                                                          reused)
         self._stats.publish(session)
         if self._batch is not None:
-            self._tell_waiting(self._batch.waiting)
+            self._tell_waiting(self._batch)
         self._count()
 
     def _end(self, result: RowToken, ending: Failed | None = None,
              ranks_reply: bool = True) -> None:
         with self._lock:
             member = self._members.pop(result.request_id)
-        self._told.pop(result.request_id, None)
         session = member.session
         if session.followers is not None:
             self._ranks_ends.append(_RanksEnd(session, member.command.cancel.is_set(),
@@ -333,8 +331,14 @@ class Answering:
                 continue
             self._stats.publish(end.session)  # their replies: each machine's share
 
-    def _tell_waiting(self, waiting: tuple[Waiting, ...]) -> None:
-        for wait in waiting:
+    def _tell_waiting(self, batch: BatchDecoder) -> None:
+        """Say why each answer waits, once a reason: to join, or for its next page."""
+        waits = (*batch.waiting, *batch.paused)
+        # Those that joined, went on or ended are forgotten: one that waits again
+        # is told again.
+        self._told = {wait.request_id: self._told[wait.request_id] for wait in waits
+                      if wait.request_id in self._told}
+        for wait in waits:
             if self._told.get(wait.request_id) != wait.reason:
                 self._told[wait.request_id] = wait.reason
                 self._emit(AnswerWaiting(wait.request_id, wait.reason, wait.short_bytes))

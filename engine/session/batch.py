@@ -139,13 +139,14 @@ class _Short:
 
 @dataclass(frozen=True)
 class Waiting:
-    """A conversation waiting for memory to join the batch.
+    """A conversation waiting for memory to join the batch, or an answer of the
+    batch waiting for its next page.
 
     Attributes:
         request_id: the conversation's request.
         reason: why it waits and for what, as a user reads it.
-        short_bytes: bytes more than memory holds now that it needs to join
-            (0 while it waits its turn behind another).
+        short_bytes: bytes more than memory holds now that it needs to join (0
+            while it waits its turn behind another), or its next page's bytes.
     """
 
     request_id: int
@@ -320,6 +321,7 @@ class BatchDecoder:
         self._queued: _Pass | None = None
         self._share = ReadShare(clock, read_share)
         self._asked: _Asked | None = None  # the other ranks' last "no room" for a joiner
+        self._paused: tuple[Waiting, ...] = ()  # answering rows short of a page
 
     def set_read_share(self, share: float) -> None:
         """The reads' share of the time beside answers from now on (:class:`ReadShare`)."""
@@ -359,6 +361,12 @@ class BatchDecoder:
         """The conversations waiting for memory, in the order they will join."""
         return tuple(joining.waiting for joining in self._joining
                      if joining.waiting is not None)
+
+    @property
+    def paused(self) -> tuple[Waiting, ...]:
+        """The answers that sit out the passes until memory takes their next token,
+        and why: another answer under the same memory may give pages back."""
+        return self._paused
 
     def join(
         self,
@@ -448,6 +456,7 @@ class BatchDecoder:
         for session in self._batch_sessions():
             session.rollback()
         self.rows, self.reading, self._joining, self._queued = [], [], [], None
+        self._paused = ()
         return gone
 
     def _start(self, joining: _Joining) -> None:
@@ -732,6 +741,7 @@ class BatchDecoder:
                 short.append(row)
         going = [row.session.guard for row in self.rows if row not in short]
         going += [reading.session.guard for reading in self.reading]
+        paused = []
         for row in short:
             if any(guard is row.session.guard for guard in going):
                 # Another answer under the same memory goes on or is ending, and its
@@ -739,6 +749,7 @@ class BatchDecoder:
                 # sits this pass out, its next token kept, rather than end sooner
                 # than alone (a pool's growth may have taken the room its admission
                 # counted).
+                paused.append(_pause(row.session, row.request_id))
                 continue
             if self._make_room_for_one_more(row):
                 rows.append(row)
@@ -748,6 +759,7 @@ class BatchDecoder:
                 row.out_of_pages = True
             else:
                 results.append(self._finish(row, None, "length"))
+        self._paused = tuple(paused)
         return rows
 
     def _make_room_for_one_more(self, row: _Row) -> bool:
@@ -820,6 +832,16 @@ def _holds_one_more(session: Session) -> bool:
     # have gone since.
     session.guard.refresh(session.session_id)
     return _has_room(session)
+
+
+def _pause(session: Session, request_id: int) -> Waiting:
+    """Why the answer of ``session`` sits out the passes: its next page, and the
+    limit it does not fit."""
+    limit = FREE_RAM if session.guard.ram_bound(session.session_id) else KV_BUDGET
+    page_bytes = session.page_size * session.kv_token_bytes
+    return Waiting(request_id, (f"Waiting for memory: this answer's next page "
+                                f"({human_bytes(page_bytes)}) does not fit in what {limit}; "
+                                "it goes on when another answer ends."), page_bytes)
 
 
 def _has_room(session: Session) -> bool:

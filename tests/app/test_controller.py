@@ -113,6 +113,25 @@ def test_an_answer_the_engine_holds_says_the_engines_reason_until_it_reads(app) 
     assert c.answering_together() == [("first question", None), ("second question", 4096)]
 
 
+def test_an_answer_the_engine_holds_for_its_next_page_says_so_until_its_next_word(
+        app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    assert c.send("first question")
+    _open(app, a.id)
+    chat_a, _args, cancel_a = worker.last("chat")
+    bridge._dispatch(TokenChunk(chat_a, "Pines ", (1,)))
+    reason = ("Waiting for memory: this answer's next page (4.5 KB) does not fit in what "
+              "is free; it goes on when another answer ends.")
+    bridge._dispatch(AnswerWaiting(chat_a, reason, 4608))
+    assert c.activity.states() == {a.id: "waiting"} and c.cache_state(a.id) == reason
+    assert c.busy and not cancel_a.is_set()  # still its answer: Stop stops it
+    bridge._dispatch(TokenChunk(chat_a, "grow.", (2,)))
+    assert c.activity.states() == {a.id: "answering"} and c.cache_state(a.id) != reason
+    bridge._dispatch(Finished(chat_a, "stop"))
+    assert _answer(app, a.id) == "Pines grow."  # nothing it said before the wait is lost
+
+
 def test_a_fourth_chat_never_closes_the_cache_of_a_chat_that_answers(app) -> None:
     c, worker = app.c, app.worker
     chats = []

@@ -22,6 +22,7 @@ from engine.events import (
     StatsSample,
     TokenChunk,
 )
+from engine.format import human_bytes
 from engine.memory.fit import MOST_STREAMS
 from engine.runtime.answering import Answering, StreamCounts
 from engine.runtime.worker import EngineWorker
@@ -351,6 +352,43 @@ def test_a_chat_cancelled_while_it_waits_for_room_ends_at_once(endless_dir: Path
         # C ended while A still answered, without a token of its own.
         assert _position(log, lambda e: e is c_end) < _position(log, lambda e: e is a_end)
         assert not any(isinstance(e, TokenChunk) for e in log.for_request(third))
+
+
+def test_an_answer_short_of_a_page_says_it_waits_each_time_and_goes_on_as_alone(
+        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.cache import adapter
+    from engine.errors import KvBudgetExceeded
+
+    long = SamplingParams(temperature=0.0, max_tokens=80)
+    alone = _alone(endless_dir, "a", long)
+    ensure, caches = adapter.ensure_capacity, []
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                        for e in events))
+        second = -1
+
+        def full_for_a_twice(cache: Any, tokens: int) -> None:
+            # A's pages (read first) are full twice while B answers beside it.
+            if not caches:
+                caches.append(cache)
+            b_tokens = len(_tokens(log, second))
+            if cache is caches[0] and (5 <= b_tokens < 10 or 20 <= b_tokens < 25):
+                raise KvBudgetExceeded(f"no page for {tokens} more")
+            ensure(cache, tokens)
+
+        monkeypatch.setattr(adapter, "ensure_capacity", full_for_a_twice)
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        a_end, b_end = log.ending(first), log.ending(second)
+    assert isinstance(b_end, Finished) and b_end.reason == "length"
+    assert isinstance(a_end, Finished) and a_end.reason == "length"
+    waits = [e for e in log.for_request(first) if isinstance(e, AnswerWaiting)]
+    page = waits[0].short_bytes
+    assert page > 0 and [e.reason for e in waits] == 2 * [
+        f"Waiting for memory: this answer's next page ({human_bytes(page)}) does not fit "
+        "in what is free; it goes on when another answer ends."]
+    assert _tokens(log, first) == alone
 
 
 def test_a_stream_limit_under_one_is_refused() -> None:

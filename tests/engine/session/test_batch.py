@@ -31,7 +31,7 @@ from engine.errors import (
 from engine.events import IngestProgress, TokenChunk
 from engine.format import GB, human_bytes
 from engine.memory.guard import MemoryGuard, MemoryReading
-from engine.session.batch import ASK_AGAIN_S, BatchDecoder
+from engine.session.batch import ASK_AGAIN_S, BatchDecoder, Waiting
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
 from tests.engine.session.batch_noise import first_divergence
@@ -431,8 +431,17 @@ def test_a_row_short_of_a_page_waits_while_another_answer_may_give_pages_back(
             if freed != "set aside":
                 sessions[1].close()
 
-    ended = _run_to_the_end(batch, sessions, answers, on_end)
+    paused: list[tuple[Waiting, ...]] = []
+    ended = _run_to_the_end(batch, sessions, answers, on_end,
+                            after_step=lambda _: paused.append(batch.paused))
     assert ended == [1, 0] and held_when_1_ended < len(alone.tokens)  # it waited
+    # It said so while it waited, and not once it went on or ended.
+    page = human_bytes(sessions[0].page_size * sessions[0].kv_token_bytes)
+    assert set(paused) == {(), (Waiting(0, (
+        f"Waiting for memory: this answer's next page ({page}) does not fit in what "
+        "the KV budget leaves; it goes on when another answer ends."),
+        sessions[0].page_size * sessions[0].kv_token_bytes),)}
+    assert paused[-1] == ()
     if freed == "never":  # nothing gives pages back: it ends as alone out of pages would
         assert answers[0].reason == "length"
         assert answers[0].tokens == alone.tokens[:len(answers[0].tokens)]
