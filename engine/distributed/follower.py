@@ -278,7 +278,16 @@ def _memory_row(report: fit.FitReport, stats: CacheStats | None, *,
     return c.memory_row(report.fits, [m.tokens_fit if m.supported else None for m in report.modes],
                         report.free_bytes, int(stats.bytes_used) if stats else 0,
                         int(stats.pages_in_use) if stats else 0, report.available_bytes,
-                        needs_checkpoints, batches)
+                        needs_checkpoints, batches,
+                        [_room_tokens(m) if m.supported else None for m in report.modes])
+
+
+def _room_tokens(mode_fit: fit.ModeFit) -> int:
+    """Tokens of the mode the room holds, past the context if it does (free RAM and
+    the KV budget only)."""
+    if mode_fit.tokens_fit_budget is None:
+        return mode_fit.tokens_fit_ram
+    return min(mode_fit.tokens_fit_ram, mode_fit.tokens_fit_budget)
 
 
 def rank_stats(session: Session, rank: int) -> dict[str, Any]:

@@ -40,9 +40,9 @@ from engine.models.loader import LoadedModel
 from engine.session.followers import DecodeStep, FollowerLink
 from engine.session.prefill import Chunk
 
-VERSION = 6
+VERSION = 7
 HEADER = 8  # version, op, slot, four arguments, the decode token
-REPLY = 12  # one follower answer: status, then op-specific values
+REPLY = 16  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
 
 # Operations (the header's second field).
@@ -59,13 +59,15 @@ UNOPENED = 0  # the slot of a fit check for a chat not opened yet (sessions coun
 # the tokens that fit per mode (MODES order; -1: unsupported), free RAM its pages
 # may take after the safety headroom (MiB), its KV bytes in use (two int32 halves,
 # exact), its pages in use, free RAM before the headroom (MiB), whether its
-# layers need checkpoints to rewind (1/0), and whether they can share a batch's
-# pass with other sessions' (1/0).
+# layers need checkpoints to rewind (1/0), whether they can share a batch's
+# pass with other sessions' (1/0), and the tokens its room holds per mode as the
+# tokens that fit, but not capped at the model's context (-1: unsupported).
 FITS, TOKENS = 0, 1
 ROOM_MIB = TOKENS + len(MODES)
 KV_HIGH, KV_LOW, PAGES, FREE_MIB = ROOM_MIB + 1, ROOM_MIB + 2, ROOM_MIB + 3, ROOM_MIB + 4
 RIGID = FREE_MIB + 1
 BATCHES = RIGID + 1
+ROOM_TOKENS = BATCHES + 1
 _LOW_BITS = 31
 
 
@@ -138,12 +140,15 @@ def pipeline_identity(group: mx.distributed.Group,
 
 def memory_row(fits: bool, tokens_fit: Sequence[int | None], room_bytes: int, kv_bytes: int,
                pages: int, free_bytes: int, needs_checkpoints: bool,
-               batches: bool) -> list[int]:
-    """A rank's memory reply (see ``FITS``..``BATCHES``), as int32 values."""
-    tokens = [-1 if t is None else min(t, 2**31 - 1) for t in tokens_fit]
-    return [int(fits), *tokens, room_bytes >> 20, kv_bytes >> _LOW_BITS,
+               batches: bool, room_tokens: Sequence[int | None]) -> list[int]:
+    """A rank's memory reply (see ``FITS``..``ROOM_TOKENS``), as int32 values."""
+    return [int(fits), *_tokens(tokens_fit), room_bytes >> 20, kv_bytes >> _LOW_BITS,
             kv_bytes & (2**_LOW_BITS - 1), pages, free_bytes >> 20, int(needs_checkpoints),
-            int(batches)]
+            int(batches), *_tokens(room_tokens)]
+
+
+def _tokens(per_mode: Sequence[int | None]) -> list[int]:
+    return [-1 if t is None else min(t, 2**31 - 1) for t in per_mode]
 
 
 def gather_replies(group: mx.distributed.Group, row: Sequence[int]) -> list[list[int]]:
@@ -376,14 +381,13 @@ def _holds_beside(row: Sequence[int], token_count: int, mode: KvMode,
     """Whether a follower's memory reply (``memory_row``) holds ``token_count`` tokens
     in ``mode`` and the tokens ``coming`` in theirs, all in the same room.
 
-    A mode's tokens that fit are that room over its bytes a token (this rank's
-    layers' own), so each mode's tokens take their count over that figure of it.
-    The figure is also capped at the model's context: where that cap binds, the
-    share counted is more than the bytes taken, and the check errs toward waiting.
+    A mode's tokens its room holds are that room over its bytes a token (this
+    rank's layers' own), so each mode's tokens take their count over that figure
+    of it (not capped at the context: the bytes' own share).
     """
     share = 0.0
     for each, tokens in [(mode, token_count), *coming.items()]:
-        fit_tokens = row[TOKENS + MODES.index(each)]
+        fit_tokens = row[ROOM_TOKENS + MODES.index(each)]
         if tokens <= 0:
             continue
         if fit_tokens <= 0:

@@ -35,10 +35,9 @@ a batch than alone), and one more row of the step's transient
 (``PrefillFacts.step_transient_bytes``), within the KV budget and free RAM the
 memory guard counts, and on a pipeline when every other rank holds its share of
 the conversation's layers beside what it holds (asked once this rank's memory
-holds it; there for its read and first token beside the reads under way, as a
-rank's figures stop at the context). Where pages of open sessions outside the batch (chats
-that answered and sit idle) stand in the way, the least recently used are set
-aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
+holds it, for the same tokens). Where pages of open sessions outside the batch
+(chats that answered and sit idle) stand in the way, the least recently used are
+set aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
 in the order it came, with a sentence saying why (:attr:`BatchDecoder.waiting`),
 and every step tries again (another machine's "no room" is asked again once a
 conversation left the batch, or after ``ASK_AGAIN_S``). One that would not fit
@@ -520,17 +519,16 @@ class BatchDecoder:
         if (last is not None and last.request_id == joining.request_id
                 and last.batch == batch and now - last.at < ASK_AGAIN_S):
             return last.machine
-        # The reads under way will still add pages there too, each in its own mode.
-        # Answers are counted there up to their first token only: a rank's reply
-        # caps each mode's figure at the context, so an answer counted up to a
-        # limit near the context would take it all and none would ever batch.
+        # The reads and answers under way will still add pages there too, each in
+        # its own mode, up to their length limits, as here. (The room there is
+        # what its pools left, growth ahead of their tokens taken: it errs toward
+        # waiting by that much.)
         coming: dict[KvMode, int] = {}
-        for reading in self.reading:
-            mode = reading.session.mode
-            coming[mode] = (coming.get(mode, 0)
-                            + max(0, reading.tokens - len(reading.session.tokens)))
+        for session, tokens in self._still_coming():
+            coming[session.mode] = (coming.get(session.mode, 0)
+                                    + max(0, tokens - len(session.tokens)))
         try:
-            followers.room(len(joining.prompt.ids) + 1, joining.session.mode, coming)
+            followers.room(self._joining_tokens(joining), joining.session.mode, coming)
         except MachineShort as short:
             self._asked = _Asked(joining.request_id, batch, now, short.machine)
             return short.machine

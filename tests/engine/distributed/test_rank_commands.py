@@ -14,7 +14,8 @@ from engine.errors import MachineShort
 
 def _row(*, rigid: bool = False, batches: bool = True) -> list[int]:
     return c.memory_row(True, [100] * len(c.MODES), 1 << 30, 0, 0, 1 << 30,
-                        needs_checkpoints=rigid, batches=batches)
+                        needs_checkpoints=rigid, batches=batches,
+                        room_tokens=[100] * len(c.MODES))
 
 
 def test_a_session_batches_only_when_every_follower_says_its_layers_can() -> None:
@@ -28,19 +29,24 @@ def test_a_session_batches_only_when_every_follower_says_its_layers_can() -> Non
     assert len(_row()) == c.REPLY  # the whole row crosses: nothing is cut off
 
 
-def _fitting(tokens_fit: dict[str, int]) -> list[int]:
-    """A follower's reply that holds a session's tokens alone, ``tokens_fit`` in each mode."""
-    return c.memory_row(True, [tokens_fit.get(mode, 0) for mode in c.MODES], 1 << 30, 0, 0,
-                        1 << 30, needs_checkpoints=False, batches=True)
+def _fitting(room_tokens: dict[str, int], context: int = 10**6) -> list[int]:
+    """A follower's reply that holds a session's tokens alone: its room holds
+    ``room_tokens`` in each mode, the tokens that fit no more than ``context``."""
+    tokens = [room_tokens.get(mode, 0) for mode in c.MODES]
+    return c.memory_row(True, [min(t, context) for t in tokens], 1 << 30, 0, 0,
+                        1 << 30, needs_checkpoints=False, batches=True, room_tokens=tokens)
+
+
+def _link(reply: list[int]) -> c.SessionLink:
+    conductor: Any = SimpleNamespace(share=lambda rank, row: (rank, row),
+                                     ask=lambda *args: [[0] * c.REPLY, reply],
+                                     machine=lambda rank: f"rank {rank} (mac2)")
+    return c.SessionLink(conductor, 1)
 
 
 def test_room_counts_the_tokens_still_to_be_read_there_in_their_own_modes() -> None:
     # One room on rank 1: 4,000 tokens in q4, half as many in fp16's wider rows.
-    reply = _fitting({"fp16": 1000, "q8": 2000, "q6": 2600, "q4": 4000})
-    conductor: Any = SimpleNamespace(share=lambda rank, row: (rank, row),
-                                     ask=lambda *args: [[0] * c.REPLY, reply],
-                                     machine=lambda rank: f"rank {rank} (mac2)")
-    link = c.SessionLink(conductor, 1)
+    link = _link(_fitting({"fp16": 1000, "q8": 2000, "q6": 2600, "q4": 4000}))
     assert link.room(1000, "q4") == 3000  # alone: the tokens after its own
     # Its 1,000 tokens take a quarter of the room; 1,500 more q4 tokens being read
     # there another 0.375, and 500 q8 with 650 q6 tokens a quarter each: they fit.
@@ -53,3 +59,15 @@ def test_room_counts_the_tokens_still_to_be_read_there_in_their_own_modes() -> N
     assert short.value.machine == "rank 1 (mac2)"
     with pytest.raises(MachineShort):
         link.room(1000, "q4", {"q4": 1000, "fp16": 600})  # 0.25 + 0.25 + 0.6
+
+
+def test_room_counts_each_modes_bytes_where_the_context_caps_what_fits() -> None:
+    # The same room, on a model of a 1,200-token context: each mode's tokens that
+    # fit stop there, the room's share of them does not.
+    link = _link(_fitting({"fp16": 1000, "q8": 2000, "q6": 2600, "q4": 4000}, context=1200))
+    assert link.room(1000, "q4") == 200  # what may follow stops at the context
+    # 1,000 q4 tokens and 1,500 more: 0.625 of the room (counted against the
+    # context, 1000/1200 + 1500/1200, they seemed not to fit).
+    assert link.room(1000, "q4", {"q4": 1500}) == 200
+    with pytest.raises(MachineShort):
+        link.room(1000, "q4", {"q4": 3100})

@@ -616,13 +616,12 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     assert [(w.request_id, w.reason, w.short_bytes) for w in batch.waiting] == [
         (2, "Waiting for memory on rank 1 (mac2): its share of this conversation does "
             "not fit beside the other answers yet; it starts when another answer ends.", 0)]
-    # Asked for its read and first token (a rank's figures stop at the context: an
-    # answer counted up to its limit could take it all); the first conversation's
-    # read, not done yet, counts there in its own mode.
+    # Asked for its read and its answer up to its length limit, as here; the first
+    # conversation's read, not done yet, and its answer count there in its own mode.
     asked_for = len(second.prompt(_messages(0), add_generation_prompt=True).ids)
-    assert rank.counts[-1] == asked_for + 1
+    assert rank.counts[-1] == asked_for + GREEDY.max_tokens
     first_ids = len(first.prompt(_messages(1), add_generation_prompt=True).ids)
-    assert rank.coming[-1] == {"q8": first_ids + 1 - len(first.tokens)}
+    assert rank.coming[-1] == {"q8": first_ids + GREEDY.max_tokens - len(first.tokens)}
     asked = rank.asked
     for _ in range(3):  # nothing changed beside it: the other machine is not asked again
         batch.step()
