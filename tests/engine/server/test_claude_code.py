@@ -17,7 +17,7 @@ from engine.server import app as server_app
 from engine.server.bridge import ServerBridge
 from tests.engine.server.agents import agent_binary, quiet_env
 from tests.engine.server.conftest import Served, start_server
-from tests.engine.server.tool_models import Turns, make_tool_model_dir
+from tests.engine.server.tool_models import AGENT_MODEL, Turns, make_tool_model_dir
 
 # Claude Code's system prompt and tool list run to tens of thousands of tokens of
 # the tiny tokenizer.
@@ -27,7 +27,7 @@ CONTEXT = 131072
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("claude-code")
-    folder = make_tool_model_dir(root, max_position_embeddings=CONTEXT)
+    folder = make_tool_model_dir(root, max_position_embeddings=CONTEXT, **AGENT_MODEL)
     running, stop = start_server(folder, root / "kv")
     yield running
     stop()

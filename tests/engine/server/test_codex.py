@@ -16,7 +16,7 @@ from engine.server.bridge import ServerBridge
 from tests.engine.server.agents import agent_binary, quiet_env
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.test_claude_code import recorded_outcomes
-from tests.engine.server.tool_models import Turns, make_tool_model_dir
+from tests.engine.server.tool_models import AGENT_MODEL, Turns, make_tool_model_dir
 
 CONTEXT = 65536
 CONFIG = """\
@@ -35,7 +35,7 @@ env_key = "LONGLEAF_API_KEY"
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("codex")
-    folder = make_tool_model_dir(root, max_position_embeddings=CONTEXT)
+    folder = make_tool_model_dir(root, max_position_embeddings=CONTEXT, **AGENT_MODEL)
     running, stop = start_server(folder, root / "kv")
     yield running
     stop()

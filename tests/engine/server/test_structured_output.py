@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -22,6 +23,7 @@ import pytest
 from tests.engine.server.conftest import Served, start_server
 
 SCHEMA_COUNT = 50
+CLIENTS = 4  # the server's sessions held in memory (ServerBridge's max_sessions)
 MAX_TOKENS = 300
 
 
@@ -81,8 +83,8 @@ def ask(schema: dict) -> list[dict]:
 @pytest.mark.timeout(1200)  # 50 answers of the demo model on a CPU
 def test_fifty_schemas_every_answer_validates(demo: Served) -> None:
     api = openai.OpenAI(base_url=demo.url + "/v1", api_key=demo.key, max_retries=0)
-    answered = 0
-    for number, schema in enumerate(schemas()):
+
+    def answer(number: int, schema: dict) -> None:
         reply = api.chat.completions.create(
             model="demo", messages=ask(schema), max_tokens=MAX_TOKENS, temperature=0,
             response_format={"type": "json_schema", "json_schema": {
@@ -90,8 +92,12 @@ def test_fifty_schemas_every_answer_validates(demo: Served) -> None:
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", (number, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), schema)
-        answered += 1
-    assert answered == SCHEMA_COUNT
+
+    # Sent four at a time, as an agent's parallel calls are: the answers decode
+    # together, each held to its own schema in the batch.
+    with ThreadPoolExecutor(CLIENTS) as clients:
+        answered = list(clients.map(answer, range(SCHEMA_COUNT), schemas()))
+    assert len(answered) == SCHEMA_COUNT
 
 
 class Tree(pydantic.BaseModel):

@@ -42,6 +42,15 @@ TOOL_TEMPLATE = (
 )
 
 
+# An agent CLI's system prompt and tools run to tens of thousands of tokens, and its
+# answers are scripted (``Turns``): the tests are about the protocol, so its model
+# attends with one layer of two heads sharing one KV head: on a CPU a 35k-token
+# read then takes about a tenth of the time it takes with the tiny llama's two
+# layers of four, and nothing these tests check depends on the model.
+AGENT_MODEL: dict[str, Any] = {"num_hidden_layers": 1, "num_attention_heads": 2,
+                               "num_key_value_heads": 1}
+
+
 def make_tool_model_dir(root: Path, **overrides: Any) -> Path:
     """A tiny llama folder whose tokenizer_config holds ``TOOL_TEMPLATE``.
 
