@@ -161,6 +161,7 @@ class MemoryGuard:
         self._transient: dict[str, int] = {}
         self._reserved: dict[str, Callable[[], int] | None] = {}
         self._ram_bound: dict[str, bool] = {}
+        self._ceilings: dict[str, int] = {}
         self._last_check: float | None = None
 
     # -- memory readings -------------------------------------------------------
@@ -239,6 +240,7 @@ class MemoryGuard:
                 self._transient.pop(key, None)
                 self._reserved.pop(key, None)
                 self._ram_bound.pop(key, None)
+                self._ceilings.pop(key, None)
 
     def view(self) -> BudgetView:
         """The budget and every attached pool's bytes, frozen (call on the engine thread)."""
@@ -263,7 +265,8 @@ class MemoryGuard:
 
         The limit is the smaller of its share of the KV budget and what it holds
         plus free RAM less its prefill transient, so pages never eat into the
-        headroom nor into the memory the next prefill chunk needs.
+        headroom nor into the memory the next prefill chunk needs; and no more
+        than its ceiling, when it has one (:meth:`set_ceiling`).
         """
         with self._lock:
             pool = self._pools.get(key)
@@ -276,10 +279,29 @@ class MemoryGuard:
             share = max(0, share - reserved)
         ram = int(pool.bytes_allocated) + max(0, self.free_bytes(reading) - transient - reserved)
         limit = ram if share is None else min(share, ram)
-        pool.budget_bytes = limit
         with self._lock:
             self._ram_bound[key] = share is None or ram < share
+            ceiling = self._ceilings.get(key)
+        if ceiling is not None and not pool.shared:
+            limit = min(limit, max(ceiling, int(pool.bytes_allocated)))
+        pool.budget_bytes = limit
         return limit
+
+    def set_ceiling(self, key: str, ceiling: int | None) -> None:
+        """Hold ``key``'s pool to ``ceiling`` bytes from now on (None: no ceiling),
+        never below what it holds already; its limit is set again now.
+
+        What a conversation answering beside others was counted for when it joined:
+        a pool grows ahead of its tokens, and without a ceiling that growth could
+        take room counted for another answer. Pages shared with other chats have
+        none (their bytes are the whole group's).
+        """
+        with self._lock:
+            if ceiling is None:
+                self._ceilings.pop(key, None)
+            else:
+                self._ceilings[key] = ceiling
+        self.refresh(key)
 
     def ram_bound(self, key: str) -> bool:
         """Whether free RAM, not the KV budget, set ``key``'s pool limit last."""

@@ -554,6 +554,37 @@ def test_a_conversation_waits_for_memory_and_joins_when_an_answer_ends(tiny, log
         _assert_same_up_to_a_near_tie(alone[i], answers[i], alone_logits[i], logits[i])
 
 
+def test_answers_admitted_side_by_side_never_wait_for_pages_they_were_counted(
+        tiny, logits) -> None:
+    loaded = tiny["llama"]
+    alone = {i: _alone(loaded, "fp16", _messages(i), GREEDY, request_id=i, page_size=16)
+             for i in (1, 3)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    probe = Session("probe", loaded, "fp16", page_size=16)
+    # The budget holds both conversations and their answers to their limits, and
+    # not a page more: a pool that grew ahead of its tokens into it would take
+    # pages counted for the other answer.
+    guard = _tight_guard(sum(_pages_bytes(probe, _messages(i), GREEDY.max_tokens)
+                             for i in (1, 3)))
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                for i in (1, 3)}
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    assert batch.waiting == ()  # both joined at once
+    paused: list[tuple[int, ...]] = []
+    _run_to_the_end(batch, sessions, answers, lambda i: None, after_step=lambda _: paused.append(
+        tuple(wait.request_id for wait in batch.paused)))
+    assert set(paused) == {()}
+    for i in (1, 3):
+        assert answers[i].reason == "length"
+        _assert_same_up_to_a_near_tie(alone[i], answers[i], alone_logits[i], logits[i])
+    # Once their answers ended their pages may grow as alone again.
+    assert all(guard.refresh(f"batch-{i}") == guard.kv_share(f"batch-{i}") for i in (1, 3))
+
+
 class _OtherRank:
     """A pipeline's other machine as rank 0's sessions see it: it follows every
     command at once and holds one conversation's share beside another only when
