@@ -70,6 +70,7 @@ class Follower:
             c.CLOSE: self._close, c.END: self._end, c.FIT: self._fit,
             c.SAVE: self._save, c.RESTORE: self._restore, c.ADOPT: self._adopt,
             c.PRUNE: self._prune, c.DECODE_ROWS: self._decode_rows,
+            c.CEILING: self._ceiling,
         }
 
     def run(self) -> dict[str, Any]:
@@ -183,12 +184,16 @@ class Follower:
     def _end(self, slot: int, held: int, cancelled: int, answer: int, *_: int) -> None:
         session = self._session(slot, c.END)
         self._expect(session, held, c.END)
+        session.let_go()  # its next request may answer alone
         self.ends.append(held)
         self.cancelled += cancelled
         self.last = rank_stats(session, self.rank)
         mx.clear_cache()
         if answer:
             c.gather_replies(self.group, memory_reply(session, held))
+
+    def _ceiling(self, slot: int, tokens: int, *_: int) -> None:
+        self._session(slot, c.CEILING).hold_to(tokens)
 
     def _fit(self, slot: int, token_count: int, chunk: int, *_: int) -> None:
         if slot == c.UNOPENED:

@@ -47,12 +47,12 @@ NAME_BYTES = 64  # a rank's host name, as bytes in int32s
 
 # Operations (the header's second field).
 (OPEN, PREFILL, DECODE, CHECKPOINT, REWIND, RESET, CLOSE, END, FIT, SAVE, RESTORE, STOP,
- ADOPT, PRUNE, DECODE_ROWS) = range(1, 16)
+ ADOPT, PRUNE, DECODE_ROWS, CEILING) = range(1, 17)
 OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
             CHECKPOINT: "checkpoint", REWIND: "rewind", RESET: "reset", CLOSE: "close",
             END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
             STOP: "stop", ADOPT: "prefix from another chat", PRUNE: "stored KV kept",
-            DECODE_ROWS: "batch's decode step"}
+            DECODE_ROWS: "batch's decode step", CEILING: "ceiling"}
 ROTATE_CODES = {None: -1, False: 0, True: 1}
 UNOPENED = 0  # the slot of a fit check for a chat not opened yet (sessions count from 1)
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
@@ -338,6 +338,11 @@ class SessionLink:
             self.heard(self.conductor.ask(END, self.slot, held, int(cancelled), 1))
         else:
             self.conductor.send(END, self.slot, held, int(cancelled), 0)
+
+    def hold_to(self, tokens: int) -> None:
+        """The followers hold their pages of the session to ``tokens`` tokens, as
+        rank 0 does, until the request's end."""
+        self.conductor.send(CEILING, self.slot, tokens)
 
     def room(self, token_count: int, mode: KvMode,
              coming: Mapping[KvMode, int] | None = None) -> int:

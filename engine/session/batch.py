@@ -36,9 +36,9 @@ a batch than alone), and one more row of the step's transient
 memory guard counts, and on a pipeline when every other rank holds its share of
 the conversation's layers beside what it holds (asked once this rank's memory
 holds it, for the same tokens); once in, its pages are held to what was counted
-for it (``MemoryGuard.set_ceiling``). Where pages of open sessions outside the batch
-(chats that answered and sit idle) stand in the way, the least recently used are
-set aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
+for it, on every rank (:meth:`Session.hold_to`). Where pages of open sessions
+outside the batch (chats that answered and sit idle) stand in the way, the least
+recently used are set aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
 in the order it came, with a sentence saying why (:attr:`BatchDecoder.waiting`),
 and every step tries again (another machine's "no room" is asked again once a
 conversation left the batch, or after ``ASK_AGAIN_S``). One that would not fit
@@ -427,7 +427,7 @@ class BatchDecoder:
         self._check_joins(session, answer.stream.request_id)
         row = _Row(session, answer, answer.stream.paused_at)
         self.rows.append(row)
-        _hold_to(session, _still_to_answer(row))
+        session.hold_to(_still_to_answer(row))
 
     def adopt_read(self, session: Session, request_id: int,
                    steps: Generator[bool, None, AnswerStart], prompt: list[int],
@@ -456,7 +456,7 @@ class BatchDecoder:
             reading.steps.close()
         for session in self._batch_sessions():
             session.rollback()
-            _let_go(session)
+            session.let_go()
         self.rows, self.reading, self._joining, self._queued = [], [], [], None
         self._paused = ()
         return gone
@@ -478,8 +478,8 @@ class BatchDecoder:
 
     def _read(self, reading: _Reading) -> None:
         self.reading.append(reading)
-        _hold_to(reading.session, _answered(reading.session, reading.tokens - 1,
-                                            reading.max_tokens))
+        reading.session.hold_to(_answered(reading.session, reading.tokens - 1,
+                                          reading.max_tokens))
 
     # -- admission by memory -------------------------------------------------
 
@@ -706,7 +706,7 @@ class BatchDecoder:
             return
         except EngineError as error:
             self.reading.remove(reading)
-            _let_go(reading.session)
+            reading.session.let_go()
             finish = "cancelled" if isinstance(error, Cancelled) else "error"
             results.append(RowToken(reading.request_id, None, finish, error=error))
             return
@@ -722,7 +722,7 @@ class BatchDecoder:
         stream.history = mx.array(answer.prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
         row = _Row(session, answer, answer.prompt[-1])
         self.rows.append(row)
-        _hold_to(session, _still_to_answer(row))
+        session.hold_to(_still_to_answer(row))
 
     def run(self) -> list[RowToken]:
         """Step until every answer finished; the finished rows, in the order they ended."""
@@ -827,24 +827,11 @@ class BatchDecoder:
 
     def _finish(self, row: _Row, token: int | None, reason: str) -> RowToken:
         self.rows.remove(row)
-        _let_go(row.session)
+        row.session.let_go()
         row.finished = True
         row.answer.stream.flush()
         reason, stats = row.session.finish_answer(row.answer, reason)
         return RowToken(row.request_id, token, reason, stats)
-
-
-def _hold_to(session: Session, tokens: int) -> None:
-    """Hold ``session``'s pages to what its admission counted, ``tokens`` in its
-    mode: its pool's growth ahead of its tokens then never takes room counted for
-    another conversation of the batch (``MemoryGuard.set_ceiling``)."""
-    needed = session.fit_report(tokens).for_mode(session.mode).bytes_needed
-    session.guard.set_ceiling(session.session_id, needed)
-
-
-def _let_go(session: Session) -> None:
-    """``session`` left the batch: its pages may grow as alone again."""
-    session.guard.set_ceiling(session.session_id, None)
 
 
 def _holds_one_more(session: Session) -> bool:

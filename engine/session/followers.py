@@ -78,7 +78,13 @@ class FollowerLink(Protocol):
         ...
 
     def end(self, held: int, cancelled: bool, answer: bool = True) -> None:
-        """A request ended with ``held`` tokens in the cache."""
+        """A request ended with ``held`` tokens in the cache (the other ranks then
+        let go of the session's ceiling, :meth:`hold_to`)."""
+        ...
+
+    def hold_to(self, tokens: int) -> None:
+        """Hold the other ranks' pages of the session to ``tokens`` tokens in its
+        mode until its request ends (``MemoryGuard.set_ceiling``)."""
         ...
 
     def room(self, token_count: int, mode: KvMode,

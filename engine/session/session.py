@@ -343,6 +343,20 @@ class Session:
         inputs, reading = fit.without(self.fit_inputs(), self.guard.read(), gone)
         return fit.guarded_fit_report(inputs, reading, token_count)
 
+    def hold_to(self, token_count: int) -> None:
+        """Hold this session's pages, and the other ranks' of it on a pipeline, to
+        ``token_count`` tokens in its mode (``MemoryGuard.set_ceiling``; no MLX):
+        what it was counted for while it answers beside others. The other ranks let
+        go at the request's end, this rank at :meth:`let_go`."""
+        needed = self.fit_report(token_count).for_mode(self.mode).bytes_needed
+        self.guard.set_ceiling(self.session_id, needed)
+        if self.followers is not None:
+            self.followers.hold_to(token_count)
+
+    def let_go(self) -> None:
+        """Let this session's pages grow as alone again (after :meth:`hold_to`)."""
+        self.guard.set_ceiling(self.session_id, None)
+
     def holds(self, token_count: int, gone: Collection[str] = ()) -> bool:
         """Whether ``token_count`` tokens fit this session in its mode, as the checks
         a read starts with find (``gone`` as :meth:`fit_report`'s; no MLX)."""

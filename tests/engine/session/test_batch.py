@@ -598,6 +598,7 @@ class _OtherRank:
         self.asked = 0
         self.counts: list[int] = []  # the tokens each ask said the session will hold
         self.coming: list[dict[str, int]] = []  # what each ask said the others may add
+        self.held: list[int] = []  # the tokens each session's pages were held to there
 
     def room(self, token_count: int, mode: str, coming: Any = None) -> int:
         self.asked += 1
@@ -607,6 +608,9 @@ class _OtherRank:
             raise MachineShort(f"rank 1 (mac2) holds only a few tokens in {mode}.",
                                "rank 1 (mac2)")
         return 1 << 20
+
+    def hold_to(self, tokens: int) -> None:
+        self.held.append(tokens)
 
     def decoding(self, model: Any) -> Any:
         return model
@@ -666,8 +670,10 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
                 done.append(result.request_id)
         if 1 not in done:
             assert batch.waiting and answer.tokens == []
-    # It joined once the first answer ended, and answered as alone.
+    # It joined once the first answer ended, and answered as alone; there, each
+    # conversation's pages were held to what it was counted for.
     assert done == [1, 2]
+    assert {first_ids + GREEDY.max_tokens, asked_for + GREEDY.max_tokens} <= set(rank.held)
     assert answer.tokens == _alone(loaded, "fp16", _messages(0), GREEDY, request_id=3,
                                    page_size=16).tokens
 
