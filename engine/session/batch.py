@@ -38,12 +38,13 @@ the conversation's layers beside what it holds (asked once this rank's memory
 holds it, for the same tokens); once in, its pages are held to what was counted
 for it, on every rank (:meth:`Session.hold_to`). Where pages of open sessions
 outside the batch (chats that answered and sit idle) stand in the way, the least
-recently used are set aside first, as far as that makes it fit (:class:`Room`). Otherwise it waits,
-in the order it came, with a sentence saying why (:attr:`BatchDecoder.waiting`),
-and every step tries again (another machine's "no room" is asked again once a
-conversation left the batch, or after ``ASK_AGAIN_S``). One that would not fit
-even with the batch's other conversations gone and the idle sessions set aside
-is refused at once, with the error :meth:`Session.chat` raises for it alone.
+recently used are set aside first, as far as that makes it fit (:class:`Room`).
+Otherwise it waits, in the order it came, with a sentence saying why
+(:attr:`BatchDecoder.waiting`), and every step tries again (another machine's
+"no room" is asked again once a conversation left the batch, or after
+``ASK_AGAIN_S``). One that would not fit even with the batch's other
+conversations gone and the idle sessions set aside is refused at once, with the
+error :meth:`Session.chat` raises for it alone.
 """
 
 from __future__ import annotations

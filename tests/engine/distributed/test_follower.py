@@ -19,7 +19,7 @@ from tests.engine.tinymodels import make_tiny_model_dir
 def test_a_ceiling_holds_a_sessions_pages_until_its_request_ends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = load_model(str(make_tiny_model_dir(tmp_path, "llama")))
-    # One rank of two, its peers' names and split as rank 0 would have gathered them.
+    # Rank 1 of two: what the group's gathers would give it, given here.
     monkeypatch.setattr(c, "pipeline_identity", lambda group, loaded: (["mac1", "mac2"], {}))
     monkeypatch.setattr(c, "gather_replies", lambda group, row: [list(row)])
     follower = Follower(SimpleNamespace(rank=lambda: 1), loaded,
