@@ -529,13 +529,13 @@ class BatchDecoder:
                 and last.batch == batch and now - last.at < ASK_AGAIN_S):
             return last.machine
         # The reads and answers under way will still add pages there too, each in
-        # its own mode, up to their length limits, as here. (The room there is
-        # what its pools left, growth ahead of their tokens taken: it errs toward
-        # waiting by that much.)
+        # its own mode, up to their length limits, as here: whole pages past the
+        # one each fills now. (The room there is what its pools left, growth ahead
+        # of their tokens taken: it errs toward waiting by that much.)
         coming: dict[KvMode, int] = {}
         for session, tokens in self._still_coming():
             coming[session.mode] = (coming.get(session.mode, 0)
-                                    + max(0, tokens - len(session.tokens)))
+                                    + _pages_past(session, tokens) * session.page_size)
         try:
             followers.room(self._joining_tokens(joining), joining.session.mode, coming)
         except MachineShort as short:
@@ -867,6 +867,13 @@ def _answered(session: Session, tokens: int, answer_tokens: int) -> int:
     """Tokens ``session``'s pages may hold once an answer of at most ``answer_tokens``
     follows its ``tokens``: no more than the model's context, where it ends anyway."""
     return min(tokens + max(0, answer_tokens), session.max_context)
+
+
+def _pages_past(session: Session, tokens: int) -> int:
+    """Pages ``session`` needs for ``tokens`` beyond those its held tokens fill."""
+    def pages(count: int) -> int:
+        return -(-count // session.page_size)
+    return max(0, pages(tokens) - pages(len(session.tokens)))
 
 
 def _still_to_answer(row: _Row) -> int:

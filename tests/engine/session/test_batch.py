@@ -641,7 +641,9 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     second = Session("second", loaded, "fp16", page_size=16, followers=rank)
     now = [0.0]
     batch = BatchDecoder(loaded.model, clock=lambda: now[0])
-    batch.join(first, _messages(1), GREEDY, request_id=1, cancel=threading.Event(),
+    # An answer limit that ends mid-page, so what is counted there is whole pages.
+    longer = replace(GREEDY, max_tokens=40)
+    batch.join(first, _messages(1), longer, request_id=1, cancel=threading.Event(),
                emit=lambda _: None, tick=lambda: None)
     batch.step()  # its first chunk: the other machine now holds its share
     answer = Answer()
@@ -656,7 +658,9 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     asked_for = len(second.prompt(_messages(0), add_generation_prompt=True).ids)
     assert rank.counts[-1] == asked_for + GREEDY.max_tokens
     first_ids = len(first.prompt(_messages(1), add_generation_prompt=True).ids)
-    assert rank.coming[-1] == {"q8": first_ids + GREEDY.max_tokens - len(first.tokens)}
+    # In whole pages past the one its held tokens fill, as pages take room there.
+    pages = -(-(first_ids + longer.max_tokens) // 16) - -(-len(first.tokens) // 16)
+    assert rank.coming[-1] == {"q8": pages * 16}
     asked = rank.asked
     for _ in range(3):  # nothing changed beside it: the other machine is not asked again
         batch.step()
@@ -673,7 +677,7 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     # It joined once the first answer ended, and answered as alone; there, each
     # conversation's pages were held to what it was counted for.
     assert done == [1, 2]
-    assert {first_ids + GREEDY.max_tokens, asked_for + GREEDY.max_tokens} <= set(rank.held)
+    assert {first_ids + longer.max_tokens, asked_for + GREEDY.max_tokens} <= set(rank.held)
     assert answer.tokens == _alone(loaded, "fp16", _messages(0), GREEDY, request_id=3,
                                    page_size=16).tokens
 
