@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cache.modes import KvMode
-from engine.session.batch import DEFAULT_READ_SHARE
 from engine.session.sampling import SamplingParams
 
 Message = dict[str, Any]
@@ -71,7 +70,7 @@ class Configure:
 
     budget_bytes: int | None
     chunk_size: int
-    read_share: float = DEFAULT_READ_SHARE
+    read_share: float
 
 
 @dataclass(frozen=True)

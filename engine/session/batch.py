@@ -228,6 +228,11 @@ class _Reading:
     tokens: int  # tokens its pages hold once read in, its first answer token included
     max_tokens: int  # its answer's length limit
 
+    @property
+    def answered(self) -> int:
+        """Tokens its pages may hold once its answer reaches its length limit."""
+        return _answered(self.session, self.tokens - 1, self.max_tokens)
+
 
 @dataclass(frozen=True)
 class _Asked:
@@ -479,8 +484,7 @@ class BatchDecoder:
 
     def _read(self, reading: _Reading) -> None:
         self.reading.append(reading)
-        reading.session.hold_to(_answered(reading.session, reading.tokens - 1,
-                                          reading.max_tokens))
+        reading.session.hold_to(reading.answered)
 
     # -- admission by memory -------------------------------------------------
 
@@ -587,9 +591,7 @@ class BatchDecoder:
     def _still_coming(self) -> list[tuple[Session, int]]:
         """Each conversation being read in or answering, and the tokens its pages may
         hold once its answer reaches its length limit."""
-        return [*((reading.session, _answered(reading.session, reading.tokens - 1,
-                                              reading.max_tokens))
-                  for reading in self.reading),
+        return [*((reading.session, reading.answered) for reading in self.reading),
                 *((row.session, _still_to_answer(row)) for row in self.rows
                   if not row.finished)]
 
