@@ -195,12 +195,12 @@ class Follower:
     def _ceiling(self, slot: int, tokens: int, *_: int) -> None:
         self._session(slot, c.CEILING).hold_to(tokens)
 
-    def _fit(self, slot: int, token_count: int, chunk: int, *_: int) -> None:
+    def _fit(self, slot: int, token_count: int, chunk: int, decode_rows: int, *_: int) -> None:
         if slot == c.UNOPENED:
             c.gather_replies(self.group, self._unopened_reply(token_count, chunk))
             return
         session = self._session(slot, c.FIT)
-        c.gather_replies(self.group, memory_reply(session, token_count))
+        c.gather_replies(self.group, memory_reply(session, token_count, decode_rows))
 
     def _unopened_reply(self, token_count: int, chunk: int) -> list[int]:
         """This rank's memory for ``token_count`` tokens of a new session of its layers."""
@@ -261,9 +261,10 @@ class Follower:
         c.gather_replies(self.group, [1, kept])
 
 
-def memory_reply(session: Session, token_count: int) -> list[int]:
-    """A rank's memory for ``token_count`` tokens of ``session`` (``rank_commands.memory_row``)."""
-    return _memory_row(session.fit_report(token_count),
+def memory_reply(session: Session, token_count: int, decode_rows: int = 0) -> list[int]:
+    """A rank's memory for ``token_count`` tokens of ``session`` (``rank_commands.memory_row``),
+    beside a decode step of ``decode_rows`` rows (``Session.fit_report``)."""
+    return _memory_row(session.fit_report(token_count, decode_rows=decode_rows),
                        session.stats() if session.cache else None,
                        needs_checkpoints=session.needs_checkpoints,
                        batches=_batches(session))

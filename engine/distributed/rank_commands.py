@@ -40,7 +40,7 @@ from engine.models.loader import LoadedModel
 from engine.session.followers import DecodeStep, FollowerLink
 from engine.session.prefill import Chunk
 
-VERSION = 7
+VERSION = 8
 HEADER = 8  # version, op, slot, four arguments, the decode token
 REPLY = 16  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
@@ -215,7 +215,7 @@ class Conductor:
         self._slots += 1
         replies = self.ask(OPEN, self._slots, MODES.index(mode), page_size,
                            ROTATE_CODES[rotate], chunk_size)
-        link = SessionLink(self, self._slots)
+        link = SessionLink(self, self._slots, page_size)
         link.heard(replies)
         return link
 
@@ -242,9 +242,10 @@ class Conductor:
 class SessionLink:
     """One session's commands: what rank 0's ``Session`` does, the followers repeat."""
 
-    def __init__(self, conductor: Conductor, slot: int) -> None:
+    def __init__(self, conductor: Conductor, slot: int, page_size: int) -> None:
         self.conductor = conductor
         self.slot = slot
+        self.page_size = page_size  # the session's on every rank
         # The followers' shares as they last replied (open, fit check, request end).
         self.shares: tuple[RankShare, ...] = ()
         # Whether any follower's layers need checkpoints to rewind: then rank 0
@@ -345,7 +346,7 @@ class SessionLink:
         self.conductor.send(CEILING, self.slot, tokens)
 
     def room(self, token_count: int, mode: KvMode,
-             coming: Mapping[KvMode, int] | None = None) -> int:
+             coming: Mapping[KvMode, int] | None = None, decode_rows: int = 0) -> int:
         """Tokens that may follow ``token_count`` on the tightest follower, in ``mode``.
 
         Args:
@@ -353,13 +354,16 @@ class SessionLink:
             mode: this session's KV mode.
             coming: tokens other sessions will still add there, by their modes
                 (reads under way beside it); each follower must hold those too.
+            decode_rows: rows of the batch's decode step once this session answers
+                in it: each follower's room is what its pages may take beside
+                that step's transient (0: it answers alone).
 
         Raises:
             MachineShort: a follower's own pages or free RAM cannot hold them,
                 named with its host, before any rank allocates for them.
         """
         conductor = self.conductor
-        replies = conductor.ask(FIT, self.slot, token_count)
+        replies = conductor.ask(FIT, self.slot, token_count, 0, decode_rows)
         self.heard(replies)
         room: int | None = None
         for rank, row in enumerate(replies[1:], start=1):
@@ -371,7 +375,8 @@ class SessionLink:
                     f"for its layers (free RAM after its safety headroom: {free_mib:,} MiB). "
                     "Free memory on that machine, give it fewer layers, or choose a "
                     "smaller KV mode.", conductor.machine(rank))
-            if coming and not _holds_beside(row, token_count, mode, coming):
+            if coming and not _holds_beside(row, _whole_pages(token_count, self.page_size),
+                                            mode, coming):
                 raise MachineShort(
                     f"{conductor.machine(rank)} cannot hold this conversation's "
                     f"{token_count:,} tokens in {mode} beside the "
@@ -379,6 +384,11 @@ class SessionLink:
                     "others.", conductor.machine(rank))
             room = fit_tokens - token_count if room is None else min(room, fit_tokens - token_count)
         return 0 if room is None else room
+
+
+def _whole_pages(tokens: int, page_size: int) -> int:
+    """``tokens`` rounded up to whole pages: what their pages hold."""
+    return -(-tokens // page_size) * page_size
 
 
 def _holds_beside(row: Sequence[int], token_count: int, mode: KvMode,

@@ -239,7 +239,8 @@ class FitReport:
     """Whether ``token_count`` tokens fit, per KV mode, and what to do if not.
 
     ``free_bytes`` is what the pages may take: free RAM after the headroom and
-    after ``transient_bytes``, one prefill chunk's scratch and activations.
+    after ``transient_bytes``, one prefill chunk's scratch and activations (and,
+    asked for a batch's rows, after the decode step's transient where it is larger).
 
     On a pipeline, ``ranks`` holds every machine's share, rank 0 first (empty on
     one machine); the rest of the report is rank 0's own, and ``pool_tokens`` and
@@ -366,6 +367,7 @@ def fit_report(
     other_sessions_bytes: int = 0,
     prefill: PrefillFacts | None = None,
     chunk_tokens: int = 0,
+    decode_rows: int = 0,
 ) -> FitReport:
     """Project whether ``token_count`` tokens fit, for every KV mode.
 
@@ -386,10 +388,16 @@ def fit_report(
             then what they leave of the one shared budget (for the message).
         prefill: the model's prefill needs; None counts the pages only.
         chunk_tokens: tokens of the prefill chunk whose transient must fit too.
+        decode_rows: rows of the batch's decode step the pages must leave room
+            for, the asking conversation's among them (0: it answers alone).
     """
     # What the guard keeps free of pages: a chunk's transient at any context.
     transient = prefill.transient_bytes(chunk_tokens) if prefill else 0
     free = max(0, available_bytes - headroom_bytes - transient) + session_bytes_allocated
+    if prefill and decode_rows:
+        # A decode step runs before or after a chunk, never beside it: only what
+        # its rows need past the chunk's transient comes off the pages' room.
+        free = max(0, free - max(0, prefill.step_transient_bytes(decode_rows) - transient))
     entries = []
     for mode in MODES:
         try:
@@ -456,6 +464,8 @@ class FitInputs:
     # A pipeline's machines (``RankShare``), rank 0 first; its free RAM and tokens
     # are filled in by each check. Empty on one machine.
     ranks: tuple[RankShare, ...] = ()
+    # Rows of the batch's decode step its pages must leave room for (0: alone).
+    decode_rows: int = 0
 
 
 def without(inputs: FitInputs, reading: MemoryReading,
@@ -510,6 +520,7 @@ def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: i
         other_sessions_bytes=budget.held_bytes(exclude=session_id) if share is not None else 0,
         prefill=inputs.prefill,
         chunk_tokens=inputs.chunk_tokens,
+        decode_rows=inputs.decode_rows,
     )
     if not inputs.ranks:
         return report

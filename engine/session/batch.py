@@ -541,7 +541,8 @@ class BatchDecoder:
             coming[session.mode] = (coming.get(session.mode, 0)
                                     + _pages_past(session, tokens) * session.page_size)
         try:
-            followers.room(self._joining_tokens(joining), joining.session.mode, coming)
+            followers.room(self._joining_tokens(joining), joining.session.mode, coming,
+                           decode_rows=self._rows_joined())
         except MachineShort as short:
             self._asked = _Asked(joining.request_id, batch, now, short.machine)
             return short.machine
@@ -571,17 +572,18 @@ class BatchDecoder:
         """
         if not self.rows and not self.reading:
             return 0, FREE_RAM
-        report = joining.session.fit_report(self._joining_tokens(joining), gone)
+        report = joining.session.fit_report(self._joining_tokens(joining), gone,
+                                            decode_rows=self._rows_joined())
         needed = report.for_mode(joining.session.mode).bytes_needed + self._coming_bytes()
-        step = joining.session.prefill_facts.step_transient_bytes(
-            len(self.rows) + len(self.reading) + 1)
-        # The report keeps a prefill chunk's transient free of pages already; a
-        # decode step runs before or after a chunk, never beside it.
-        ram = report.free_bytes - max(0, step - report.transient_bytes)
-        short, limit = needed - ram, FREE_RAM
+        short, limit = needed - report.free_bytes, FREE_RAM
         if report.budget_bytes is not None and needed - report.budget_bytes > short:
             short, limit = needed - report.budget_bytes, KV_BUDGET
         return max(0, short), limit
+
+    def _rows_joined(self) -> int:
+        """Rows of a decode step once one more conversation answers beside the
+        batch: every one answering or being read in, and the joining one."""
+        return len(self.rows) + len(self.reading) + 1
 
     @staticmethod
     def _joining_tokens(joining: _Joining) -> int:

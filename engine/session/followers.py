@@ -88,9 +88,10 @@ class FollowerLink(Protocol):
         ...
 
     def room(self, token_count: int, mode: KvMode,
-             coming: Mapping[KvMode, int] | None = None) -> int:
+             coming: Mapping[KvMode, int] | None = None, decode_rows: int = 0) -> int:
         """Tokens that may follow ``token_count`` on the tightest other rank; with
-        ``coming``, the tokens other sessions will still add there (by mode) held too.
+        ``coming``, the tokens other sessions will still add there (by mode) held too,
+        and with ``decode_rows``, a batch's decode step of that many rows beside them.
 
         Raises:
             MachineShort: a rank cannot hold them (named in it).

@@ -337,10 +337,14 @@ class Session:
             session_mode=self.mode, session_bytes_allocated=held, ranks=ranks,
         )
 
-    def fit_report(self, token_count: int, gone: Collection[str] = ()) -> fit.FitReport:
+    def fit_report(self, token_count: int, gone: Collection[str] = (),
+                   decode_rows: int = 0) -> fit.FitReport:
         """Whether ``token_count`` tokens fit this session, per mode (no MLX); with
-        the pages of the sessions ``gone`` counted as dropped, when given."""
-        inputs, reading = fit.without(self.fit_inputs(), self.guard.read(), gone)
+        the pages of the sessions ``gone`` counted as dropped, when given, and
+        room left for a decode step of ``decode_rows`` rows (a batch's, this
+        session's row among them; 0: as it answers alone)."""
+        inputs = replace(self.fit_inputs(), decode_rows=decode_rows)
+        inputs, reading = fit.without(inputs, self.guard.read(), gone)
         return fit.guarded_fit_report(inputs, reading, token_count)
 
     def hold_to(self, token_count: int) -> None:

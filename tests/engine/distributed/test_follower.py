@@ -10,7 +10,7 @@ import pytest
 
 from engine.distributed import rank_commands as c
 from engine.distributed.follower import Follower
-from engine.memory.guard import MemoryGuard
+from engine.memory.guard import MemoryGuard, MemoryReading
 from engine.models.loader import load_model
 from engine.session.prefill import Chunk
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -37,3 +37,33 @@ def test_a_ceiling_holds_a_sessions_pages_until_its_request_ends(
     assert guard.refresh(key) == held_to
     handle[c.END](1, 20, 0, 0, 0, 0)  # the request ended: as alone again
     assert guard.refresh(key) == alone
+
+
+def test_a_fit_check_for_a_batch_leaves_room_for_its_decode_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(str(make_tiny_model_dir(tmp_path, "llama")))
+    monkeypatch.setattr(c, "pipeline_identity", lambda group, loaded: (["mac1", "mac2"], {}))
+    replies: list[list[int]] = []
+    monkeypatch.setattr(c, "gather_replies",
+                        lambda group, row: replies.append(list(row)) or [list(row)])
+    reading = MemoryReading(total_bytes=2**34, available_bytes=2**32)
+    follower = Follower(SimpleNamespace(rank=lambda: 1), loaded,
+                        MemoryGuard(headroom_bytes=2**30, probe=lambda: reading))
+    handle = follower._handlers
+    handle[c.OPEN](1, c.MODES.index("fp16"), 16, c.ROTATE_CODES[None], 64, 0)
+    session = follower.sessions[1]
+    replies.clear()
+
+    def room(decode_rows: int) -> int:
+        handle[c.FIT](1, 100, 0, decode_rows, 0, 0)
+        return replies.pop()[c.ROOM_TOKENS + c.MODES.index("fp16")]
+
+    facts = session.prefill_facts
+    chunk = facts.transient_bytes(session.chunk_size)
+    rows = 1 + chunk // facts.step_transient_bytes(1)  # past the chunk's transient
+    alone = room(0)
+    assert room(1) == alone  # one row's step needs less than a chunk: kept free already
+    taken = (alone - room(rows)) * session.kv_token_bytes
+    step = facts.step_transient_bytes(rows) - chunk
+    page = session.page_size * session.kv_token_bytes
+    assert step - page < taken <= step + page

@@ -20,7 +20,7 @@ def _row(*, rigid: bool = False, batches: bool = True) -> list[int]:
 
 def test_a_session_batches_only_when_every_follower_says_its_layers_can() -> None:
     conductor: Any = SimpleNamespace(share=lambda rank, row: (rank, row))
-    link = c.SessionLink(conductor, 1)
+    link = c.SessionLink(conductor, 1, 256)
     # Rank 0's own row comes first and is not a follower's.
     link.heard([[0] * c.REPLY, _row(), _row()])
     assert link.batches and not link.needs_checkpoints
@@ -37,11 +37,17 @@ def _fitting(room_tokens: dict[str, int], context: int = 10**6) -> list[int]:
                         1 << 30, needs_checkpoints=False, batches=True, room_tokens=tokens)
 
 
-def _link(reply: list[int]) -> c.SessionLink:
-    conductor: Any = SimpleNamespace(share=lambda rank, row: (rank, row),
-                                     ask=lambda *args: [[0] * c.REPLY, reply],
+def _link(reply: list[int], asked: list[tuple[int, ...]] | None = None) -> c.SessionLink:
+    """A session's link of 100-token pages whose one follower replies ``reply``
+    (each command asked of it kept in ``asked``, when given)."""
+    def ask(*args: int) -> list[list[int]]:
+        if asked is not None:
+            asked.append(args)
+        return [[0] * c.REPLY, reply]
+
+    conductor: Any = SimpleNamespace(share=lambda rank, row: (rank, row), ask=ask,
                                      machine=lambda rank: f"rank {rank} (mac2)")
-    return c.SessionLink(conductor, 1)
+    return c.SessionLink(conductor, 1, 100)
 
 
 def test_room_counts_the_tokens_still_to_be_read_there_in_their_own_modes() -> None:
@@ -71,3 +77,20 @@ def test_room_counts_each_modes_bytes_where_the_context_caps_what_fits() -> None
     assert link.room(1000, "q4", {"q4": 1500}) == 200
     with pytest.raises(MachineShort):
         link.room(1000, "q4", {"q4": 3100})
+
+
+def test_room_counts_the_joining_conversations_tokens_in_whole_pages() -> None:
+    # 1,010 tokens fill eleven 100-token pages there: 1,100 of the room's 4,000
+    # q4 tokens, so 2,950 more do not fit beside them (as tokens, 3,960 seemed to).
+    link = _link(_fitting({"q4": 4000}))
+    assert link.room(1010, "q4", {"q4": 2900}) == 2990
+    with pytest.raises(MachineShort):
+        link.room(1010, "q4", {"q4": 2950})
+
+
+def test_room_asks_each_follower_for_its_room_beside_the_batchs_decode_step() -> None:
+    asked: list[tuple[int, ...]] = []
+    link = _link(_fitting({"q4": 4000}), asked)
+    link.room(1000, "q4", {"q4": 100}, decode_rows=3)
+    link.room(1000, "q4")  # alone: no step beside it
+    assert asked == [(c.FIT, 1, 1000, 0, 3), (c.FIT, 1, 1000, 0, 0)]

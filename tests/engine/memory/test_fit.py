@@ -137,6 +137,21 @@ def test_the_prefill_transient_must_fit_free_ram_beside_the_pages() -> None:
     assert "after the safety headroom and 512.0 MB for reading it in" in report.message()
 
 
+def test_a_batchs_decode_step_takes_what_it_needs_past_a_chunks_transient() -> None:
+    # A row's step needs 257 MiB (its activations, and its scratch counted as the
+    # whole budget where the heads are unknown): one row's fits in the chunk's
+    # 512 MiB kept free already; four rows take 516 MiB more.
+    chunk = PrefillFacts(weights_bytes=0, activation_bytes_per_token=MIB, scratch_bytes=256 * MIB)
+    args = {"token_count": 4096, "available_bytes": 8 * GIB, "prefill": chunk,
+            "chunk_tokens": 256}
+    alone = _report(**args)
+    assert chunk.step_transient_bytes(1) == 257 * MIB
+    assert _report(**args, decode_rows=1).free_bytes == alone.free_bytes
+    assert _report(**args, decode_rows=4).free_bytes == alone.free_bytes - 516 * MIB
+    # Never below nothing: forty rows need more than is free.
+    assert _report(**args, decode_rows=40).free_bytes == 0
+
+
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SimpleNamespace]:
     # Wide enough that the MLP's activations, not per-call overhead, dominate a chunk.

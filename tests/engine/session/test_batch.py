@@ -598,12 +598,15 @@ class _OtherRank:
         self.asked = 0
         self.counts: list[int] = []  # the tokens each ask said the session will hold
         self.coming: list[dict[str, int]] = []  # what each ask said the others may add
+        self.rows: list[int] = []  # the decode step's rows each ask said it joins
         self.held: list[int] = []  # the tokens each session's pages were held to there
 
-    def room(self, token_count: int, mode: str, coming: Any = None) -> int:
+    def room(self, token_count: int, mode: str, coming: Any = None,
+             decode_rows: int = 0) -> int:
         self.asked += 1
         self.counts.append(token_count)
         self.coming.append(dict(coming or {}))
+        self.rows.append(decode_rows)
         if self.full():
             raise MachineShort(f"rank 1 (mac2) holds only a few tokens in {mode}.",
                                "rank 1 (mac2)")
@@ -661,6 +664,7 @@ def test_a_conversation_another_machine_cannot_hold_yet_waits_for_it(tiny) -> No
     # In whole pages past the one its held tokens fill, as pages take room there.
     pages = -(-(first_ids + longer.max_tokens) // 16) - -(-len(first.tokens) // 16)
     assert rank.coming[-1] == {"q8": pages * 16}
+    assert rank.rows[-1] == 2  # beside the first one's row, as here
     asked = rank.asked
     for _ in range(3):  # nothing changed beside it: the other machine is not asked again
         batch.step()
