@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,6 +454,17 @@ class PagePool:
             return self.pages_for(tokens) - store.in_use
         return self.pages_for(tokens) - len(holder.block_table) + holder.copies_due(tokens)
 
+    def slots_wanted(self, tokens: int) -> list[int]:
+        """Free slots each store must give this session for it to hold ``tokens``
+        tokens (its own pages past those it holds, and copies of shared ones it
+        will write into)."""
+        return [max(0, self._needed(index, tokens)) for index in range(len(self.stores))]
+
+    def bytes_to_hold(self, tokens: int) -> int:
+        """Bytes these stores must take for this session to hold ``tokens`` tokens
+        beside the pages other chats sharing them hold now (:func:`bytes_to_hold`)."""
+        return bytes_to_hold([(self, tokens)])
+
     def _reach(self) -> int:
         """Pages every layer can hold without growing; 0 (look again each time)
         while other sessions take slots from the same stores."""
@@ -494,3 +505,30 @@ class PagePool:
             tokens_fit=fit,
             suggested_mode=suggestion,
         )
+
+
+def bytes_to_hold(wants: Iterable[tuple[PagePool, int]]) -> int:
+    """Bytes the stores of the pools in ``wants`` must take for each pool's session
+    to hold its tokens beside every page in use there now.
+
+    A store that sessions share (one page group) counts once, with the slots every
+    one of them wants: for a pool of its own that is its pages for the tokens; for
+    one sharing a document with other chats, their pages too.
+    """
+    return sum((store.in_use + slots) * store.layout.page_bytes
+               for store, slots in _wanted_by_store(wants))
+
+
+def bytes_to_grow(wants: Iterable[tuple[PagePool, int]]) -> int:
+    """What :func:`bytes_to_hold` adds to what those stores have already."""
+    return sum(max(0, store.in_use + slots - store.capacity) * store.layout.page_bytes
+               for store, slots in _wanted_by_store(wants))
+
+
+def _wanted_by_store(wants: Iterable[tuple[PagePool, int]]) -> list[tuple[PageStore, int]]:
+    """Each store of the pools in ``wants`` once, with the free slots they want of it."""
+    stores: dict[int, tuple[PageStore, int]] = {}
+    for pool, tokens in wants:
+        for store, slots in zip(pool.stores, pool.slots_wanted(tokens), strict=True):
+            stores[id(store)] = (store, stores.get(id(store), (store, 0))[1] + slots)
+    return list(stores.values())

@@ -282,25 +282,26 @@ class MemoryGuard:
         with self._lock:
             self._ram_bound[key] = share is None or ram < share
             ceiling = self._ceilings.get(key)
-        if ceiling is not None and not pool.shared:
-            limit = min(limit, max(ceiling, int(pool.bytes_allocated)))
+        if ceiling is not None:
+            limit = min(limit, max(pool.bytes_to_hold(ceiling), int(pool.bytes_allocated)))
         pool.budget_bytes = limit
         return limit
 
-    def set_ceiling(self, key: str, ceiling: int | None) -> None:
-        """Hold ``key``'s pool to ``ceiling`` bytes from now on (None: no ceiling),
-        never below what it holds already; its limit is set again now.
+    def set_ceiling(self, key: str, tokens: int | None) -> None:
+        """Hold ``key``'s pool to what ``tokens`` tokens take from now on (None: no
+        ceiling), never below what it holds already; its limit is set again now.
 
         What a conversation answering beside others was counted for when it joined:
         a pool grows ahead of its tokens, and without a ceiling that growth could
-        take room counted for another answer. Pages shared with other chats have
-        none (their bytes are the whole group's).
+        take room counted for another answer. Where it shares pages with other
+        chats, the ceiling leaves room for theirs as they stand at each refresh
+        (``PagePool.bytes_to_hold``).
         """
         with self._lock:
-            if ceiling is None:
+            if tokens is None:
                 self._ceilings.pop(key, None)
             else:
-                self._ceilings[key] = ceiling
+                self._ceilings[key] = tokens
         self.refresh(key)
 
     def ram_bound(self, key: str) -> bool:

@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from engine.cache import adapter
+from engine.cache import adapter, pages
 from engine.cache.batched import BatchedCache, check_batchable
 from engine.cache.modes import KvMode
 from engine.errors import (
@@ -572,12 +572,15 @@ class BatchDecoder:
         """
         if not self.rows and not self.reading:
             return 0, FREE_RAM
-        report = joining.session.fit_report(self._joining_tokens(joining), gone,
-                                            decode_rows=self._rows_joined())
-        needed = report.for_mode(joining.session.mode).bytes_needed + self._coming_bytes()
-        short, limit = needed - report.free_bytes, FREE_RAM
-        if report.budget_bytes is not None and needed - report.budget_bytes > short:
-            short, limit = needed - report.budget_bytes, KV_BUDGET
+        tokens = self._joining_tokens(joining)
+        report = joining.session.fit_report(tokens, gone, decode_rows=self._rows_joined())
+        # The report counts what the joining conversation's stores hold as its own
+        # room: what every store must still grow by has to fit in the rest.
+        grow = _bytes_to_grow([(joining.session, tokens), *self._still_coming()])
+        held = joining.session.bytes_allocated()
+        short, limit = grow - (report.free_bytes - held), FREE_RAM
+        if report.budget_bytes is not None and grow - (report.budget_bytes - held) > short:
+            short, limit = grow - (report.budget_bytes - held), KV_BUDGET
         return max(0, short), limit
 
     def _rows_joined(self) -> int:
@@ -596,15 +599,6 @@ class BatchDecoder:
         return [*((reading.session, reading.answered) for reading in self.reading),
                 *((row.session, _still_to_answer(row)) for row in self.rows
                   if not row.finished)]
-
-    def _coming_bytes(self) -> int:
-        """Bytes of pages the conversations being read in or answering may still add:
-        the guard counts what their pools allocated so far only."""
-        coming = 0
-        for session, tokens in self._still_coming():
-            needed = session.fit_report(tokens).for_mode(session.mode).bytes_needed
-            coming += max(0, needed - int(session.stats().bytes_allocated))
-        return coming
 
     def _hold_back(self, short: _Short) -> None:
         """Say why each waiting conversation waits: the first for what memory lacks
@@ -873,11 +867,19 @@ def _answered(session: Session, tokens: int, answer_tokens: int) -> int:
     return min(tokens + max(0, answer_tokens), session.max_context)
 
 
+def _bytes_to_grow(wants: list[tuple[Session, int]]) -> int:
+    """Bytes the page stores of the sessions in ``wants`` must still grow by for each
+    to hold its tokens (the guard counts what they allocated so far only); stores
+    that chats share count once, with what each of them needs."""
+    return pages.bytes_to_grow((pool, tokens) for session, tokens in wants
+                               if (pool := session.page_pool()) is not None)
+
+
 def _pages_past(session: Session, tokens: int) -> int:
     """Pages ``session`` needs for ``tokens`` beyond those its held tokens fill."""
-    def pages(count: int) -> int:
+    def pages_for(count: int) -> int:
         return -(-count // session.page_size)
-    return max(0, pages(tokens) - pages(len(session.tokens)))
+    return max(0, pages_for(tokens) - pages_for(len(session.tokens)))
 
 
 def _still_to_answer(row: _Row) -> int:

@@ -190,11 +190,16 @@ class Session:
         """The format id of the rotation the cache stores rows in (None: as given)."""
         return adapter.rotation_format(self.cache)
 
-    def _pool(self) -> PagePool | None:
+    def page_pool(self) -> PagePool | None:
+        """The pool handing out this session's pages (None: no paged layer)."""
         return next((c.pool for c in self.cache if isinstance(c, PagedKVCache)), None)
 
+    def bytes_allocated(self) -> int:
+        """Bytes this session's page stores hold (shared ones whole: a page group's)."""
+        return int(self.stats().bytes_allocated) if self.cache else 0
+
     def _attach_pool(self) -> None:
-        pool = self._pool()
+        pool = self.page_pool()
         budget = getattr(pool, "scratch_bytes", None)
         if self._scratch_bytes is None and isinstance(budget, int):
             # The attention bounds a chunk's scratch by its pool's budget: count that one.
@@ -222,7 +227,7 @@ class Session:
 
     def close(self) -> None:
         """Release the cache's pages."""
-        pool = self._pool()
+        pool = self.page_pool()
         if pool is not None:
             self.guard.detach(self.session_id, pool)
         sharing.release_pages(self.cache)
@@ -352,8 +357,7 @@ class Session:
         ``token_count`` tokens in its mode (``MemoryGuard.set_ceiling``; no MLX):
         what it was counted for while it answers beside others. The other ranks let
         go at the request's end, this rank at :meth:`let_go`."""
-        needed = self.fit_report(token_count).for_mode(self.mode).bytes_needed
-        self.guard.set_ceiling(self.session_id, needed)
+        self.guard.set_ceiling(self.session_id, token_count)
         if self.followers is not None:
             self.followers.hold_to(token_count)
 
@@ -380,7 +384,7 @@ class Session:
         attention scratch and its activations, for the chunk the next prefill
         starts with.
         """
-        held = int(self.stats().bytes_allocated) if self.cache else 0
+        held = self.bytes_allocated()
         held += self.checkpoints.nbytes
         chunk = self.chunk_size
         return self.prefill_facts.peak_bytes(held + chunk * self.kv_token_bytes, chunk,

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache import sharing
+from engine.cache import pages, sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PageLayout, PagePool, PageStore
 from engine.errors import KvBudgetExceeded
@@ -154,3 +154,26 @@ def test_dropped_caches_free_their_pools_without_the_cycle_collector() -> None:
         assert [ref() for ref in pools] == [None, None, None]
     finally:
         gc.enable()
+
+
+def test_what_a_chat_sharing_pages_needs_counts_the_others_pages_once() -> None:
+    first = _cache("fp16")
+    _write(first, 40, 0)  # 2 full pages and a partial third
+    second, third = _cache("fp16"), _cache("fp16")
+    for cache in (second, third):
+        sharing.share_pages([cache], [first], 40)
+    store, page = first.store, first.store.layout.page_bytes
+    assert store is not None and store.in_use == 3
+    # A pool of its own: its pages for the tokens, whatever it holds now.
+    assert _cache("fp16").pool.bytes_to_hold(40) == 3 * page
+    # The first chat shares its pages now too: its partial third page is copied
+    # before it writes there, and 64 tokens take a fourth.
+    assert first.pool.bytes_to_hold(64) == (3 + 1 + 1) * page
+    # Sharing: the three pages in use, a copy of the partial page it will write
+    # into, and two pages past it for 80 tokens.
+    assert second.pool.bytes_to_hold(80) == (3 + 1 + 2) * page
+    # Two chats of the group wanting more: the store once, with both their slots.
+    wants = [(second.pool, 80), (third.pool, 48)]
+    assert pages.bytes_to_hold(wants) == (3 + 3 + 1) * page
+    assert pages.bytes_to_grow(wants) == (3 + 3 + 1) * page - store.capacity * page
+    assert pages.bytes_to_grow([(second.pool, 40)]) == 0  # held already, no write

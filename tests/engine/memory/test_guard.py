@@ -196,31 +196,26 @@ def test_all_pools_together_stay_within_one_budget() -> None:
 
 def test_a_ceiling_holds_a_pools_growth_to_what_was_counted_for_it() -> None:
     guard = _guard(FakeMemory(), budget_bytes=20 * PAGE)
-    pool, other = _pool(), _pool()
+    pool = _pool()
     guard.attach("a", pool)
     pool.ensure(16)
     assert pool.bytes_allocated == 4 * PAGE  # grown ahead of its one page
-    guard.set_ceiling("a", 6 * PAGE)
+    guard.set_ceiling("a", 16 * 6)  # the tokens it was counted for: six pages
     assert pool.budget_bytes == 6 * PAGE
     pool.ensure(16 * 5)  # its growth stops at the ceiling, not at twice its pages
     assert pool.bytes_allocated == 6 * PAGE
     with pytest.raises(KvBudgetExceeded):
         pool.ensure(16 * 7)
-    guard.set_ceiling("a", 2 * PAGE)  # never below what it holds already
+    guard.set_ceiling("a", 16 * 2)  # never below what it holds already
     assert pool.budget_bytes == 6 * PAGE
     guard.set_ceiling("a", None)  # left the batch: as alone again
     assert pool.budget_bytes == 20 * PAGE
-    # Pages shared with another chat are the group's: no ceiling holds them.
-    guard.set_ceiling("a", 6 * PAGE)
-    guard.attach("b", other)
-    other.join(pool)
-    guard.refresh("a")
-    assert pool.budget_bytes == 20 * PAGE
     # A session that closes takes its ceiling with it.
+    guard.set_ceiling("a", 16 * 6)
     guard.detach("a", pool)
     fresh = _pool()
     guard.attach("a", fresh)
-    assert fresh.budget_bytes == 14 * PAGE  # the budget less the 6 pages b holds
+    assert fresh.budget_bytes == 20 * PAGE
 
 
 def test_detach_ignores_a_replaced_pool() -> None:

@@ -31,6 +31,7 @@ from engine.errors import (
 from engine.events import IngestProgress, TokenChunk
 from engine.format import GB, human_bytes
 from engine.memory.guard import MemoryGuard, MemoryReading
+from engine.session import reuse
 from engine.session.batch import ASK_AGAIN_S, BatchDecoder, Waiting
 from engine.session.sampling import AnswerStream, SamplingParams
 from engine.session.session import Session
@@ -583,6 +584,60 @@ def test_answers_admitted_side_by_side_never_wait_for_pages_they_were_counted(
         _assert_same_up_to_a_near_tie(alone[i], answers[i], alone_logits[i], logits[i])
     # Once their answers ended their pages may grow as alone again.
     assert all(guard.refresh(f"batch-{i}") == guard.kv_share(f"batch-{i}") for i in (1, 3))
+
+
+@pytest.mark.parametrize("spare_pages", [0, -1])
+def test_a_chat_sharing_a_documents_pages_answers_beside_another_as_counted(
+        tiny, logits, spare_pages: int) -> None:
+    loaded = tiny["llama"]
+    document = [{"role": "user", "content": CORPUS[:700]}]
+    asking = [*document, {"role": "assistant", "content": "Read."},
+              {"role": "user", "content": "And the first line?"}]
+    other = _messages(3)
+    alone = {1: _alone(loaded, "fp16", asking, GREEDY, request_id=1, page_size=16),
+             3: _alone(loaded, "fp16", other, GREEDY, request_id=3, page_size=16)}
+    alone_logits = {i: logits.pop(i) for i in alone}
+    probe = Session("probe", loaded, "fp16", page_size=16)
+    read = len(probe.render(document, add_generation_prompt=False))
+    page = probe.fit_report(16).for_mode("fp16").bytes_needed
+    asked = len(probe.prompt(asking, add_generation_prompt=True).ids) + GREEDY.max_tokens
+    # The document's pages, then the asking chat's own past the ones it shares
+    # whole (the document's partial last page it copies), and the other chat's:
+    # the budget holds that and not a page more, or one page less.
+    own = -(-asked // 16) - read // 16
+    budget = ((-(-read // 16) + own + spare_pages) * page
+              + _pages_bytes(probe, other, GREEDY.max_tokens))
+    guard = _tight_guard(budget)
+    donor = Session("donor", loaded, "fp16", page_size=16, guard=guard)
+    donor.ingest(document, request_id=0, cancel=threading.Event(), emit=lambda _: None,
+                 tick=lambda: None)
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                for i in (1, 3)}
+    prompt = sessions[1].render(asking, add_generation_prompt=False)
+    found = reuse.best_offer(sessions[1], [donor], prompt, keep_last=False)
+    assert found is not None and reuse.adopt(sessions[1], found) == len(donor.tokens) == read
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, messages in ((1, asking), (3, other)):
+        batch.join(sessions[i], messages, GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    # A page short, the other chat waits for the first answer to end (counted as
+    # the other chats' pages in the shared store and the copy the asking chat
+    # makes, not as the store's bytes it already has).
+    assert [w.request_id for w in batch.waiting] == ([] if spare_pages == 0 else [3])
+    paused: list[tuple[int, ...]] = []
+    ended = _run_to_the_end(batch, sessions, answers, lambda i: None,
+                            after_step=lambda _: paused.append(
+                                tuple(wait.request_id for wait in batch.paused)))
+    # The shared pages' growth kept to what was counted: the other chat's read
+    # never found its pages taken, and no answer waited for a page.
+    assert set(paused) == {()} and ended[0] == 1
+    _assert_same_up_to_a_near_tie(alone[1], answers[1], alone_logits[1], logits[1])
+    if spare_pages == 0:
+        _assert_same_up_to_a_near_tie(alone[3], answers[3], alone_logits[3], logits[3])
+    else:  # the asking chat keeps its pages: the other answers as far as the rest holds
+        assert answers[3].reason == "length" and 0 < len(answers[3].tokens) < GREEDY.max_tokens
+        assert answers[3].tokens == alone[3].tokens[:len(answers[3].tokens)]
 
 
 class _OtherRank:
