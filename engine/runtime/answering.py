@@ -34,6 +34,7 @@ from engine.session.batch import (
     BatchDecoder,
     Room,
     RowToken,
+    StepFailed,
     check_read_share,
 )
 from engine.session.prompt_ids import Prompt
@@ -222,14 +223,16 @@ class Answering:
         batch = self._batch
         if batch is None:
             return
+        broken: StepFailed | None = None
         try:
             results = batch.step()
-        except Exception as error:
-            self._abandon(batch, error)
-            results = []
+        except StepFailed as step_failed:
+            broken, results = step_failed, step_failed.results
         for result in results:
             if result.finish is not None:
                 self._end(result)
+        if broken is not None:  # the rest of the batch ends with the pass
+            self._abandon(batch, broken.error)
         self._tell_ranks(batch)
         self._tell_waiting(batch)
         self._stats.publish_when_due([m.session for m in self._members.values()])

@@ -60,6 +60,7 @@ import mlx.core as mx
 from engine.cache import adapter, pages
 from engine.cache.batched import BatchedCache, check_batchable
 from engine.cache.modes import KvMode
+from engine.cache.paged_cache import cache_tokens
 from engine.errors import (
     Cancelled,
     ContextTooLong,
@@ -74,6 +75,21 @@ from engine.session.prefill import Emit, finish
 from engine.session.prompt_ids import Prompt, common_prefix
 from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
 from engine.session.session import AnswerStart, Session
+
+
+class StepFailed(Exception):
+    """A batch step failed: what failed, and what the step had done before.
+
+    Attributes:
+        error: what a pass (or a conversation's start) raised.
+        results: what the step did for conversations that left the batch before
+            it failed (:meth:`BatchDecoder.step`); they are ended as they are.
+    """
+
+    def __init__(self, error: Exception, results: list[RowToken]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.results = results
 
 
 @dataclass(frozen=True)
@@ -463,6 +479,8 @@ class BatchDecoder:
         for session in self._batch_sessions():
             session.rollback()
             session.let_go()
+        for joining in self._joining:  # one may have failed as it started
+            joining.session.let_go()
         self.rows, self.reading, self._joining, self._queued = [], [], [], None
         self._paused = ()
         return gone
@@ -483,8 +501,8 @@ class BatchDecoder:
                                 len(rendered.ids) + 1, joining.sampling.max_tokens))
 
     def _read(self, reading: _Reading) -> None:
-        self.reading.append(reading)
         reading.session.hold_to(reading.answered)
+        self.reading.append(reading)
 
     # -- admission by memory -------------------------------------------------
 
@@ -498,10 +516,12 @@ class BatchDecoder:
 
     def _refuse_if_never(self, joining: _Joining) -> None:
         """Raise what :meth:`Session.chat` raises alone when it could never fit: with
-        the pages of the batch's other conversations, and of the idle sessions, gone."""
+        the pages of the batch's other conversations, of those waiting before it
+        (alone, each would be idle by its turn) and of the idle sessions, gone."""
         # Session.answer_steps's checks, in its order and with its messages.
         count = len(joining.prompt.ids)
         gone = {s.session_id for s in self._batch_sessions()}
+        gone.update(waiting.session.session_id for waiting in self._joining)
         gone.update(self._room.idle(self._held_ids(joining)))
         report = joining.session.fit_report(count, gone)
         report.raise_if_too_long()
@@ -623,11 +643,13 @@ class BatchDecoder:
                 if not short.fits:
                     self._hold_back(short)
                     return
-                self._joining.pop(0)
+                # Waiting until it has started: a step that fails meanwhile
+                # still finds it to end (abandon).
                 self._start(joining)
+                self._joining.pop(0)
             except EngineError as error:
-                if self._joining and self._joining[0] is joining:
-                    self._joining.pop(0)
+                self._joining.remove(joining)
+                joining.session.let_go()
                 results.append(RowToken(joining.request_id, None, "error", error=error))
 
     def _check_joins(self, session: Session, request_id: int) -> None:
@@ -658,15 +680,16 @@ class BatchDecoder:
         finished have left the batch.
 
         Raises:
-            Exception: whatever a pass raised; every session involved is rolled
-                back to the tokens it holds, and its row stays, fed its pending
-                token again by the next step.
+            StepFailed: a pass (or a conversation's start) raised; every session
+                involved is rolled back to the tokens it holds, and its row stays,
+                fed its pending token again by the next step. It carries what the
+                step did before (those conversations have left the batch).
         """
         results: list[RowToken] = []
         began = self._share.clock()
-        self._admit(results)
         involved = [*self.rows, *(self._queued.rows if self._queued is not None else [])]
         try:
+            self._admit(results)
             if self._queued is None:
                 self._queued = self._queue(self._next_rows(None, results), None)
             # Rows short of a page decode nothing: beside them alone a read goes on.
@@ -680,15 +703,15 @@ class BatchDecoder:
             # The next pass is queued before this one is read (mlx-lm's overlap).
             self._queued = self._queue(self._next_rows(current, results), current)
             ids: list[int] = current.sampled.tolist()  # type: ignore[assignment]
-        except Exception:
+            if not read:
+                self._share.decoded(self._share.clock() - began)
+            for row, token in zip(current.rows, ids, strict=True):
+                result = self._take(row, token)
+                if result is not None:
+                    results.append(result)
+        except Exception as error:
             self._fail(involved)
-            raise
-        if not read:
-            self._share.decoded(self._share.clock() - began)
-        for row, token in zip(current.rows, ids, strict=True):
-            result = self._take(row, token)
-            if result is not None:
-                results.append(result)
+            raise StepFailed(error, results) from error
         return results
 
     def _read_chunk(self, results: list[RowToken]) -> None:
@@ -720,8 +743,8 @@ class BatchDecoder:
         stream = answer.stream
         stream.history = mx.array(answer.prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
         row = _Row(session, answer, answer.prompt[-1])
-        self.rows.append(row)
         session.hold_to(_still_to_answer(row))
+        self.rows.append(row)
 
     def run(self) -> list[RowToken]:
         """Step until every answer finished; the finished rows, in the order they ended."""
@@ -774,7 +797,8 @@ class BatchDecoder:
         """Set idle chats outside the batch aside (as for a joining conversation)
         until ``row``'s pages take its next token: the chats that answered beside it
         keep their pages once their answers end. Whether they take it now."""
-        tokens = len(row.session.tokens) + 1
+        # A row the last pass fed holds that token in its cache already.
+        tokens = cache_tokens(row.session.cache) + 1
         made = self._room.make_room(lambda gone: row.session.holds(tokens, gone),
                                     self.session_ids(), row.request_id)
         return made and _holds_one_more(row.session)

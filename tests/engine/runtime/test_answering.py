@@ -460,3 +460,114 @@ def test_an_idle_chat_is_set_aside_for_a_chat_joining_while_another_answers(
         b_starts = _position(log, lambda e: isinstance(e, TokenChunk) and e.request_id == second)
         assert _position(log, lambda e: e is aside) < b_starts < _position(
             log, lambda e: e is ends[first])
+
+
+PLAIN = SamplingParams(temperature=0.0, max_tokens=30, speculative="off")
+
+
+def _answering(events: list[Any]) -> Answering:
+    from engine.runtime.stats_reporter import StatsReporter
+
+    return Answering(StatsReporter(events.append, 60.0), events.append, lambda: None,
+                     fault=lambda command, error: Failed(command.request_id, str(error),
+                                                         "Error"))
+
+
+def _join(answering: Answering, request_id: int, session: Session) -> Any:
+    from engine.runtime.commands import Chat, Command
+
+    chat = Chat(session.session_id, ASKED["a"], PLAIN)
+    command = Command(request_id, chat)
+    answering.join(command, chat, session,
+                   session.prompt(ASKED["a"], add_generation_prompt=True), 0)
+    return command
+
+
+def _held_back_until(monkeypatch: pytest.MonkeyPatch, gate: dict[str, bool]) -> None:
+    """Joining conversations wait for memory until ``gate["open"]``."""
+    from engine.session import batch
+
+    room_for = batch.BatchDecoder._room_for
+    monkeypatch.setattr(batch.BatchDecoder, "_room_for", lambda self, joining: (
+        room_for(self, joining) if gate["open"] else batch._Short(bytes=1)))
+
+
+def _ended(events: list[Any]) -> set[int]:
+    return {e.request_id for e in events if isinstance(e, (Finished, Failed))}
+
+
+def _broken_start(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("[metal::malloc] Resource limit exceeded")
+    yield  # a generator, as Session.answer_steps is
+
+
+def test_a_waiting_chat_whose_start_fails_unexpectedly_ends_with_the_batch(
+        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = loaded_for_session(endless_dir)
+    events: list[Any] = []
+    answering = _answering(events)
+    _join(answering, 1, Session("a", loaded, "q8"))
+    gate = {"open": False}
+    _held_back_until(monkeypatch, gate)
+    waiting = Session("w", loaded, "q8")
+    _join(answering, 2, waiting)
+    answering.step()
+    assert any(isinstance(e, AnswerWaiting) and e.request_id == 2 for e in events)
+    monkeypatch.setattr(waiting, "answer_steps", _broken_start)
+    gate["open"] = True
+    answering.step()  # its turn: its start raises what no EngineError says
+    # Both requests end (the failure takes the batch with it) and the worker is
+    # free again, instead of stepping an idle batch for a request nobody ends.
+    assert _ended(events) == {1, 2} and not answering.busy
+    assert all(isinstance(e, Failed) for e in events if isinstance(e, (Finished, Failed)))
+
+
+def test_what_a_failing_step_ended_before_it_failed_still_ends(
+        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.session import batch
+
+    loaded = loaded_for_session(endless_dir)
+    events: list[Any] = []
+    answering = _answering(events)
+    _join(answering, 1, Session("a", loaded, "q8"))
+    answering.step()
+    _held_back_until(monkeypatch, {"open": False})
+    _join(answering, 2, Session("w", loaded, "q8")).cancel.set()  # Stop while it waits
+
+    def broken(self: Any, rows: Any, current: Any) -> Any:
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(batch.BatchDecoder, "_queue", broken)
+    answering.step()  # ends the stopped one, then its pass fails
+    ends = {e.request_id: e for e in events if isinstance(e, (Finished, Failed))}
+    assert isinstance(ends[2], Finished) and ends[2].reason == "cancelled"
+    assert isinstance(ends[1], Failed) and not answering.busy
+
+
+def test_a_row_ended_in_the_pass_queued_before_a_failure_holds_what_its_cache_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.cache.paged_cache import cache_tokens
+
+    loaded = loaded_for_session(make_tiny_model_dir(tmp_path, "llama"))
+    first: list[int] = []
+    Session("alone", loaded, "q8").chat(
+        ASKED["a"], PLAIN, request_id=9, cancel=threading.Event(),
+        emit=lambda e: first.extend(getattr(e, "token_ids", [])), tick=lambda: None)
+    events: list[Any] = []
+    answering = _answering(events)
+    ending = Session("a", loaded, "q8")
+    ending.end_ids = frozenset(first[2:3])  # its third token ends its turn
+    _join(answering, 1, ending)
+    _join(answering, 3, Session("c", loaded, "q8"))
+    gate = {"open": False}
+    _held_back_until(monkeypatch, gate)
+    waiting = Session("w", loaded, "q8")
+    _join(answering, 2, waiting)
+    monkeypatch.setattr(waiting, "answer_steps", _broken_start)
+    while 1 not in _ended(events):
+        answering.step()
+    assert "a" in answering.session_ids()  # the queued pass feeds its end token
+    gate["open"] = True
+    answering.step()  # the waiting chat's start fails before that pass is read
+    assert len(ending.tokens) == cache_tokens(ending.cache)
+    assert _ended(events) == {1, 2, 3} and not answering.busy

@@ -453,6 +453,55 @@ def test_a_row_short_of_a_page_waits_while_another_answer_may_give_pages_back(
     assert room.set_aside_for == ([0] if freed == "set aside" else [])
 
 
+class _SetsAsideWhenItFits:
+    """``HeldSessions.make_room`` over one idle chat: it is set aside only when the
+    conversation fits without it and not with it."""
+
+    def __init__(self, session: Session) -> None:
+        self.session, self.set_aside_for = session, []
+
+    def idle(self, keep: Any) -> list[str]:
+        held = self.session.session_id not in keep and self.session.tokens
+        return [self.session.session_id] if held else []
+
+    def make_room(self, fits: Any, keep: Any, request_id: int) -> bool:
+        if fits(frozenset()):
+            return True
+        idle = self.idle(keep)
+        if not idle or not fits(frozenset(idle)):
+            return False
+        self.session.reset()
+        self.set_aside_for.append(request_id)
+        return fits(frozenset())
+
+
+def test_a_row_out_of_pages_at_a_page_boundary_has_an_idle_chat_set_aside(tiny) -> None:
+    loaded = tiny["llama"]
+    guard = _tight_guard(GB)
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", page_size=16, guard=guard)
+                for i in (0, 1)}
+    room = _SetsAsideWhenItFits(sessions[1])
+    batch = BatchDecoder(loaded.model, room=room)
+    answers = {i: Answer() for i in sessions}
+    for i, sampling in ((0, replace(GREEDY, max_tokens=40)), (1, replace(GREEDY, max_tokens=2))):
+        batch.join(sessions[i], _messages(i), sampling, request_id=i,
+                   cancel=answers[i].cancel, emit=answers[i].emit, tick=lambda: None)
+
+    def tighten(ended: list[int]) -> None:
+        # Once chat 1 is idle, the KV budget drops to the pages held (a lower
+        # budget in Settings): row 0 keeps only the slots it has, chat 1's pages
+        # stand in its way until set aside.
+        if 1 in ended and guard.budget_bytes == GB and "batch-1" not in batch.session_ids():
+            guard.budget_bytes = guard.held_bytes()
+            guard.refresh("batch-0")
+
+    _run_to_the_end(batch, sessions, answers, lambda i: None, after_step=tighten)
+    # Where row 0's next token needs a page past the last the pass fed it, the
+    # idle chat goes, and the answer runs to its limit as alone.
+    assert room.set_aside_for == [0]
+    assert answers[0].reason == "length" and len(answers[0].tokens) == 40
+
+
 def test_a_read_stopped_midway_leaves_with_its_chunks_held(tiny) -> None:
     loaded = tiny["llama"]
     document = [{"role": "user", "content": CORPUS * 2}]
@@ -763,6 +812,34 @@ def test_a_conversation_that_could_never_fit_is_refused_as_alone(tiny) -> None:
                    emit=lambda _: None, tick=lambda: None)
     assert str(refused.value) == str(refused_alone.value)
     assert batch.waiting == () and batch.reading_ids == () and batch.request_ids == (1,)
+
+
+def test_a_conversation_that_fits_once_a_waiting_chat_is_idle_waits_for_it(
+        tiny, monkeypatch) -> None:
+    from engine.session import batch as batch_module
+
+    loaded = tiny["llama"]
+    long = _messages(1)
+    probe = Session("probe", loaded, "fp16", page_size=16)
+    guard = _tight_guard(_pages_bytes(probe, long, 1))  # the long one alone, no more
+    batch = BatchDecoder(loaded.model)
+    batch.join(Session("answering", loaded, "fp16", page_size=16, guard=guard), _messages(0),
+               GREEDY, request_id=1, cancel=threading.Event(), emit=lambda _: None,
+               tick=lambda: None)
+    batch.step()
+    held = Session("held", loaded, "fp16", page_size=16, guard=guard)
+    held.ingest(_messages(3), request_id=0, cancel=threading.Event(), emit=lambda _: None,
+                tick=lambda: None)
+    room_for = batch_module.BatchDecoder._room_for
+    monkeypatch.setattr(batch_module.BatchDecoder, "_room_for", lambda self, joining: (
+        batch_module._Short(bytes=1) if joining.request_id == 2 else room_for(self, joining)))
+    batch.join(held, _messages(3), GREEDY, request_id=2, cancel=threading.Event(),
+               emit=lambda _: None, tick=lambda: None)
+    # The long conversation fits only without the waiting chat's pages: alone, that
+    # chat would have answered and be idle by its turn, and set aside for it.
+    batch.join(Session("long", loaded, "fp16", page_size=16, guard=guard), long, GREEDY,
+               request_id=3, cancel=threading.Event(), emit=lambda _: None, tick=lambda: None)
+    assert [wait.request_id for wait in batch.waiting] == [2, 3]
 
 
 def test_a_conversation_waits_for_free_ram_as_for_the_budget(tiny) -> None:
