@@ -455,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                           f"{DEFAULT_READ_SHARE}, equal turns; 1: a chunk at every step, "
                           "the answers slowed the most)")
     api.add_argument("--queue-limit", type=int, default=16,
-                     help="requests waiting at once before answering 429")
+                     help="requests waiting at once, beside the --parallel ones, before "
+                          "answering 429")
     api.add_argument("--kv-disk-budget", type=_gigabytes, default=None, metavar="GB",
                      help="stored-KV disk budget, the app's stored chats included "
                           "(default: the smaller of 20 GB and 10%% of free disk)")

@@ -144,6 +144,7 @@ class EngineWorker(Worker):
         self._ids = itertools.count(1)
         self._current: Command | None = None
         self._stopping = threading.Event()
+        self._stop_taken = False  # the engine thread took the stop sentinel
         self._overhead: tuple[weakref.ref, str, TurnOverhead] | None = None
         self._stats = StatsReporter(self._emit, stats_interval,
                                     after_publish=self._publish_fit)
@@ -435,14 +436,9 @@ class EngineWorker(Worker):
             mx.clear_streams()
 
     def _serve(self) -> None:
-        stopped = False
-        while not stopped:
+        while not self._stop_taken:
             # Between the batch's steps only what has come in; idle, wait for it.
-            for command in self._take(block=not self._answering.busy and not self._pending):
-                if command is None:
-                    stopped = True
-                    break
-                self._pending.append(command)
+            self._gather(block=not self._answering.busy and not self._pending)
             self._start_pending()
             if self._answering.busy:
                 self._answering.step()
@@ -457,6 +453,39 @@ class EngineWorker(Worker):
         self._answering.close()
         self._held.release()
         self._held.stop_followers()
+
+    def _gather(self, *, block: bool) -> None:
+        """Move the commands that came in to the pending ones (waiting for the first
+        when ``block``), up to the stop sentinel."""
+        if self._stop_taken:
+            return
+        for command in self._take(block=block):
+            if command is None:
+                self._stop_taken = True
+                return
+            self._pending.append(command)
+
+    def _end_cancelled_waiting(self) -> None:
+        """End now the requests cancelled while they wait, wherever they wait."""
+        for command in [c for c in self._pending
+                        if c.cancel.is_set() and isinstance(c.request, CANCELLABLE)]:
+            self._pending.remove(command)
+            self._emit(Finished(command.request_id, "cancelled"))
+
+    def _while_alone(self) -> bool:
+        """Between two steps of an answer running alone: the requests cancelled
+        while they wait end (a server's places come free then, not when this
+        answer ends); whether another chat comes, for the answer to pause and go
+        on beside it in the batch."""
+        self._gather(block=False)
+        self._end_cancelled_waiting()
+        return self._another_comes()
+
+    def _while_alone_for_good(self) -> bool:
+        """:meth:`_while_alone` for an answer that cannot join a batch: it never pauses."""
+        self._gather(block=False)
+        self._end_cancelled_waiting()
+        return False
 
     def _take(self, *, block: bool) -> list[Command | None]:
         """The commands in the queue (waiting for the first when ``block``)."""
@@ -481,14 +510,12 @@ class EngineWorker(Worker):
         the batch is full (and the chats after it, in turn), and a request that
         runs alone, with everything behind it, while anything answers.
         """
-        # One cancelled while it waits ends now, wherever it waits.
-        for command in [c for c in self._pending
-                        if c.cancel.is_set() and isinstance(c.request, CANCELLABLE)]:
-            self._pending.remove(command)
-            self._emit(Finished(command.request_id, "cancelled"))
+        self._end_cancelled_waiting()
         blocked = self._answering.session_ids()
         chats_wait = False
         for command in list(self._pending):
+            if command not in self._pending:  # ended while one before it ran alone
+                continue
             request = command.request
             session_id = getattr(request, "session_id", None)
             if self._answering.busy and self._runs_alone(request):
@@ -570,6 +597,7 @@ class EngineWorker(Worker):
         answering = self._answering
         if not answering.can_take(start.session):
             alone = self._requests.chat(command.request_id, request, command.cancel, start,
+                                        pause=self._while_alone_for_good,
                                         phase=answering.alone)
             assert isinstance(alone, Finished)  # it never pauses
             return alone
@@ -577,7 +605,7 @@ class EngineWorker(Worker):
             answering.join(command, request, *start)
             return None
         alone = self._requests.chat(command.request_id, request, command.cancel, start,
-                                    pause=self._another_comes, phase=answering.alone)
+                                    pause=self._while_alone, phase=answering.alone)
         if isinstance(alone, Finished):
             return alone
         if isinstance(alone, AnswerStart):

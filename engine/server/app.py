@@ -935,7 +935,6 @@ class Run:
                 elif isinstance(event, SessionOpened):
                     self.mode = event.kv_mode
                 elif isinstance(event, Failed):
-                    self.bridge.forget(self.ticket)
                     raise self._failure(event)
                 elif isinstance(event, TokenChunk) and self.stopped_by is None:
                     generated += len(event.token_ids)

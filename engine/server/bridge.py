@@ -86,7 +86,8 @@ class ServerBridge:
             requests reuse only KV made by API requests).
         max_sessions: server sessions held in memory; the least recently used
             one is stored as a snapshot when another is needed.
-        queue_limit: requests that may wait for or run on the engine at once.
+        queue_limit: requests that may wait for the engine at once, beside those
+            it answers together (``parallel``); more get 429.
         parallel: requests that decode together (the worker's stream limit);
             None: chosen from free memory when the model loads.
         read_share: the share of the time a prompt being read in takes beside
@@ -211,6 +212,10 @@ class ServerBridge:
                     # Counted by the engine's ending, not the handler's: a handler
                     # whose stream never started still frees its place.
                     self._in_flight -= 1
+                    if isinstance(event, Failed):
+                        # Dropped as its request leaves: a request that comes
+                        # meanwhile must not continue it.
+                        self._forget(ticket.session)
         if ticket is not None:
             ticket.put(event)
 
@@ -303,9 +308,11 @@ class ServerBridge:
             # reaches the old worker before it goes, or is refused here.
             if not self.ready.is_set():
                 raise NotReady(self.load_error or LOADING)
-            if self._in_flight >= self.queue_limit:
-                raise QueueFull(f"{self._in_flight} requests are already waiting for the "
-                                "engine; try again shortly.")
+            answering = self.worker.streams().limit
+            if self._in_flight >= answering + self.queue_limit:
+                raise QueueFull(f"The engine answers {answering} requests at once, with "
+                                f"{self._in_flight - answering} more waiting (the server's "
+                                "queue limit); try again shortly.")
             self._in_flight += 1
             name, shared = self._continued(prompt, mode)
             if name is None:
@@ -319,11 +326,11 @@ class ServerBridge:
             self._tickets[ticket.chat_id] = ticket
         return ticket
 
-    def forget(self, ticket: Ticket) -> None:
-        """Drop the session a failed request ran on from the ones to continue."""
-        with self._lock:
-            if self._sessions.pop(ticket.session, None) is not None:
-                self.worker.close_session(ticket.session, store=False)
+    def _forget(self, session: str) -> None:
+        """Drop the session a failed request ran on from the ones to continue
+        (under the lock)."""
+        if self._sessions.pop(session, None) is not None:
+            self.worker.close_session(session, store=False)
 
     def _continued(self, prompt: list[int], mode: KvMode) -> tuple[str | None, int]:
         """The idle held session whose last prompt ``prompt`` continues, and how many

@@ -84,7 +84,8 @@ class AttachedBridge(ServerBridge):
         on_change: called (from any thread) whenever requests start or end or the
             model changes.
         max_sessions: server sessions held in memory at once.
-        queue_limit: requests that may wait for or run on the engine at once.
+        queue_limit: requests that may wait for the engine at once, beside those
+            it answers together; more get 429.
     """
 
     def __init__(self, worker: Worker, kv_mode: KvMode, on_change: Callable[[], None], *,
@@ -196,7 +197,8 @@ class LocalServer:
         kv_mode: the KV mode of requests that do not ask for one.
         on_status: called with a ``ServerStatus`` whenever it changes, from any thread.
         max_sessions: API sessions held in memory besides the front end's own.
-        queue_limit: requests that may wait for the engine at once (more get 429).
+        queue_limit: requests that may wait for the engine at once, beside those
+            it answers together (more get 429).
         allowed_hosts: names besides this computer's that requests may be
             addressed to while there is no API key (see ``engine.server.app.Server``).
     """

@@ -115,7 +115,7 @@ def test_health_counts_the_requests_decoding(serve) -> None:
 
 def test_beyond_parallel_a_request_waits_and_beyond_the_queue_it_is_told_to_retry(
         serve) -> None:
-    served = serve(parallel=1, queue_limit=2)
+    served = serve(parallel=1, queue_limit=1)  # one answers, one waits, one is told
     arrivals, results = _together(served, "abc", 200)
     assert list(results.values()).count(429) == 1, results
     answered = [name for name in "abc" if isinstance(results[name], str)]
@@ -123,6 +123,13 @@ def test_beyond_parallel_a_request_waits_and_beyond_the_queue_it_is_told_to_retr
     first, second = answered
     # One at a time: the second began after the first ended.
     assert arrivals.index((first, "end")) < arrivals.index((second, "token"))
+
+
+def test_the_queue_limit_counts_only_the_requests_waiting_beyond_parallel(serve) -> None:
+    # Two answer together and one waits: none is told to retry.
+    served = serve(parallel=2, queue_limit=1)
+    _, results = _together(served, "abc", 200)
+    assert all(isinstance(text, str) for text in results.values()), results
 
 
 def test_the_same_conversation_sent_twice_at_once_answers_twice(serve) -> None:
@@ -140,3 +147,50 @@ def test_the_same_conversation_sent_twice_at_once_answers_twice(serve) -> None:
         thread.join(300)
         texts.append(results.pop("a"))
     assert texts == [alone, alone]
+
+
+def test_a_request_whose_client_left_while_it_waited_frees_its_place_at_once(
+        folder: Path, tmp_path: Path) -> None:
+    # One stream at a time: B waits behind A, which runs alone to its end.
+    served, stop = start_server(folder, tmp_path / "kv", parallel=1, queue_limit=1,
+                                keepalive=0.2)
+    headers = {"authorization": f"Bearer {served.key}"}
+    leave_a = threading.Event()
+    a_ended = threading.Event()
+
+    def long_a() -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": ASKED["a"]}],
+                "max_tokens": 100_000, "stream": True}
+        with httpx.stream("POST", served.url + "/v1/chat/completions", headers=headers,
+                          json=body, timeout=300) as reply:
+            for _ in reply.iter_raw():
+                if leave_a.is_set():
+                    break
+        a_ended.set()
+
+    def in_flight() -> int:
+        return httpx.get(served.url + "/health").json()["streams"]["in_flight"]
+
+    thread = threading.Thread(target=long_a)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 60
+        while in_flight() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        body = {"model": "m", "messages": [{"role": "user", "content": ASKED["b"]}],
+                "max_tokens": 20, "stream": True}
+        with httpx.stream("POST", served.url + "/v1/chat/completions", headers=headers,
+                          json=body, timeout=60) as waiting:
+            assert waiting.status_code == 200
+            next(waiting.iter_raw())  # a keepalive: it waits behind A; then it leaves
+        seen = [in_flight()]
+        while seen[-1] > 1 and not a_ended.is_set() and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
+            seen.append(in_flight())
+        # Its place came free while A still answered, not when A ended.
+        assert seen[-1] == 1 and not a_ended.is_set(), seen
+    finally:
+        leave_a.set()
+        thread.join(300)
+        stop()
+

@@ -1,0 +1,82 @@
+"""The server's bridge to the engine, over a stand-in worker: which session a request
+runs on, and how many may wait."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from engine.events import Failed, Finished
+from engine.runtime.answering import StreamCounts
+from engine.server.bridge import QueueFull
+from engine.server.inprocess import AttachedBridge
+from engine.session.sampling import SamplingParams
+
+PLAIN = SamplingParams(temperature=0.0, max_tokens=8)
+ASKED = [{"role": "user", "content": "Hello"}]
+
+
+class _Worker:
+    """What the bridge asks of the engine's worker: ids, and the sessions closed."""
+
+    def __init__(self, parallel: int) -> None:
+        self.ids = itertools.count(1)
+        self.closed: list[tuple[str, bool]] = []
+        self.parallel = parallel
+
+    def open_session(self, name: str, mode: str) -> int:
+        return next(self.ids)
+
+    def chat(self, name: str, messages: list, sampling: SamplingParams,
+             cancel: threading.Event, **_: object) -> int:
+        return next(self.ids)
+
+    def close_session(self, name: str, store: bool) -> None:
+        self.closed.append((name, store))
+
+    def streams(self) -> StreamCounts:
+        return StreamCounts(limit=self.parallel)
+
+
+@pytest.fixture
+def bridged() -> Iterator[SimpleNamespace]:
+    worker = _Worker(parallel=2)
+    bridge = AttachedBridge(worker, "q8", lambda: None, max_sessions=4, queue_limit=1)
+    bridge.ready.set()
+    loop = asyncio.new_event_loop()
+
+    def submit(prompt: list[int]) -> object:
+        return bridge.submit(ASKED, prompt, "q8", PLAIN, threading.Event(), loop)
+
+    try:
+        yield SimpleNamespace(bridge=bridge, worker=worker, submit=submit)
+    finally:
+        bridge.shutdown()
+        loop.close()
+
+
+def test_the_queue_limit_counts_the_requests_waiting_beyond_those_answered(
+        bridged: SimpleNamespace) -> None:
+    # Two answer together (parallel) and one may wait: the fourth is told to retry.
+    tickets = [bridged.submit([i, 1, 2]) for i in range(3)]
+    with pytest.raises(QueueFull, match="answers 2 requests at once, with 1 more waiting"):
+        bridged.submit([9, 1, 2])
+    bridged.bridge._on_event(Finished(tickets[0].chat_id, "stop"))
+    bridged.submit([9, 1, 2])  # one ended: a place is free again
+
+
+def test_a_failed_requests_session_is_dropped_as_its_failure_arrives(
+        bridged: SimpleNamespace) -> None:
+    first = bridged.submit([1, 2, 3])
+    # The engine's failure reaches the bridge before the handler reads it: a
+    # request sent meanwhile that continues the conversation must not land on
+    # the failed session (the handler would then close it under that request).
+    bridged.bridge._on_event(Failed(first.chat_id, "The device went away.", "EngineError"))
+    assert bridged.worker.closed == [(first.session, False)]
+    again = bridged.submit([1, 2, 3, 4, 5])
+    assert again.session != first.session
