@@ -249,6 +249,18 @@ class Answering:
         """Forget the batch (its model is going); nothing may be running in it."""
         self._batch = None
 
+    def fail_all(self, error: Exception) -> None:
+        """The engine thread stops on ``error``: every request the batch holds ends
+        with it, in the worker's words for it (nothing of MLX or a session is touched)."""
+        with self._lock:
+            members = list(self._members.values())
+            self._members.clear()
+        self._heartbeat.close()
+        self._batch, self._alone = None, None
+        for member in members:
+            self._emit(self._fault(member.command, error))
+        self._count()
+
     @property
     def read_share(self) -> float:
         """The reads' share of the time beside answers."""

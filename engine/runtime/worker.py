@@ -430,10 +430,22 @@ class EngineWorker(Worker):
     def _run(self) -> None:
         try:
             self._serve()
+        except Exception as error:  # a bug past every request's own handling
+            log.exception("the engine thread stopped")
+            self._fail_outstanding(error)
         finally:
             # MLX does not clean a thread's streams up by itself; without this the
             # process aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
+
+    def _fail_outstanding(self, error: Exception) -> None:
+        """End every request still answering, waiting or queued with ``error``: no
+        one waits for an ending from a thread that has stopped."""
+        self._answering.fail_all(error)
+        for command in [*self._pending, *self._take(block=False)]:
+            if command is not None:
+                self._emit(_unexpected_ending(command, error))
+        self._pending.clear()
 
     def _serve(self) -> None:
         while not self._stop_taken:

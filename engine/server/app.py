@@ -51,6 +51,8 @@ SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline ye
                        "there), or serve the model on one machine.")
 # Names a keyless server answers to: this computer's own (a web page that rebinds its
 # own name to 127.0.0.1 still sends that name as the Host).
+ENGINE_STOPPED = ("The engine stopped on an unexpected error (the server's log says which); "
+                  "restart the server.")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
                     "not_found_error", "request_too_large", "rate_limit_error", "api_error",
@@ -331,6 +333,9 @@ class Server:
         if not self.bridge.ready.is_set():
             status = "error" if self.bridge.load_error else "loading"
             return JSONResponse({"status": status, "message": self.bridge.load_error},
+                                status_code=503)
+        if not self.bridge.worker.alive:
+            return JSONResponse({"status": "error", "message": ENGINE_STOPPED},
                                 status_code=503)
         streams = self.bridge.worker.streams()
         return JSONResponse({"status": "ok", "model": self.bridge.model_id,

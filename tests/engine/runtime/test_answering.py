@@ -571,3 +571,28 @@ def test_a_row_ended_in_the_pass_queued_before_a_failure_holds_what_its_cache_ho
     answering.step()  # the waiting chat's start fails before that pass is read
     assert len(ending.tokens) == cache_tokens(ending.cache)
     assert _ended(events) == {1, 2, 3} and not answering.busy
+
+
+def test_answers_end_when_the_engine_thread_stops_on_a_bug(
+        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    step = Answering.step
+    broken = threading.Event()
+
+    def buggy(self: Answering) -> None:
+        if broken.is_set():
+            raise RuntimeError("a bug past every request's own handling")
+        step(self)
+
+    monkeypatch.setattr(Answering, "step", buggy)
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        long = SamplingParams(temperature=0.0, max_tokens=2000)
+        requests = [worker.chat(name, ASKED[name], long, threading.Event()) for name in "ab"]
+        log.wait_for(lambda events: {e.request_id for e in events
+                                     if isinstance(e, TokenChunk)} >= set(requests))
+        broken.set()
+        # Both answers end, failed in the worker's words, and the thread is gone:
+        # nobody waits for an ending that cannot come.
+        endings = [log.ending(request) for request in requests]
+        assert all(isinstance(e, Failed) and "a bug past" in e.message for e in endings)
+        assert worker.join(10.0) and not worker.alive

@@ -194,3 +194,35 @@ def test_a_request_whose_client_left_while_it_waited_frees_its_place_at_once(
         thread.join(300)
         stop()
 
+
+def test_a_request_answering_when_the_engine_stops_is_told_and_health_says_so(
+        serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.runtime.answering import Answering
+
+    step = Answering.step
+    broken = threading.Event()
+
+    def buggy(self: Answering) -> None:
+        if broken.is_set():
+            raise RuntimeError("a bug past every request's own handling")
+        step(self)
+
+    monkeypatch.setattr(Answering, "step", buggy)
+    served = serve(parallel=2)
+    arrivals: list[tuple[str, str]] = []
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=_stream, args=(served, name, 2000, arrivals, results))
+               for name in "ab"]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while not {("a", "token"), ("b", "token")} <= set(arrivals) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    broken.set()  # while the two answer together
+    for thread in threads:
+        thread.join(60)
+    # Each stream ends with the error, rather than waiting for an end that cannot come.
+    assert all("a bug past" in str(results[name]) for name in "ab"), results
+    health = httpx.get(served.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "error"
+    assert "restart the server" in health.json()["message"]
