@@ -378,7 +378,8 @@ class EngineWorker(Worker):
 
         What the public methods above do, for a caller holding the request as a
         value (a pipeline's rank 0 runs its front end's requests this way). A
-        ``CloseSession`` first cancels the request running in that session.
+        ``CloseSession`` first cancels the request running in that session; those
+        waiting in it ahead of the close end cancelled too.
         """
         if isinstance(request, CloseSession):
             self._cancel_running_in(request.session_id)
@@ -475,7 +476,17 @@ class EngineWorker(Worker):
             if command is None:
                 self._stop_taken = True
                 return
+            if isinstance(command.request, CloseSession):
+                self._cancel_waiting_in(command.request.session_id)
             self._pending.append(command)
+
+    def _cancel_waiting_in(self, session_id: str) -> None:
+        """Stop the requests waiting in ``session_id`` ahead of its close: they would
+        run on a session about to go (on the old model, in a model switch)."""
+        for command in self._pending:
+            request = command.request
+            if isinstance(request, CANCELLABLE) and request.session_id == session_id:
+                command.cancel.set()
 
     def _end_cancelled_waiting(self) -> None:
         """End now the requests cancelled while they wait, wherever they wait."""

@@ -596,3 +596,23 @@ def test_answers_end_when_the_engine_thread_stops_on_a_bug(
         endings = [log.ending(request) for request in requests]
         assert all(isinstance(e, Failed) and "a bug past" in e.message for e in endings)
         assert worker.join(10.0) and not worker.alive
+
+
+def test_a_close_stops_the_requests_waiting_in_its_session_ahead_of_it(
+        endless_dir: Path) -> None:
+    # One answer at a time: B's chat waits behind A's, which runs alone to its end.
+    with loaded_worker(endless_dir, chunk_size=16, streams=1) as (worker, log):
+        _open(worker, log, "a", "b")
+        long = SamplingParams(temperature=0.0, max_tokens=2000)
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                        for e in events))
+        waiting = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        worker.close_session("b", store=False)  # e.g. the model is switched
+        ending = log.ending(waiting)
+        # Ended cancelled, without a word, while A still answers: not run on a
+        # session about to go once A is done.
+        assert isinstance(ending, Finished) and ending.reason == "cancelled"
+        assert _tokens(log, waiting) == []
+        assert not any(isinstance(e, Finished | Failed) and e.request_id == first
+                       for e in log.events)
