@@ -294,10 +294,15 @@ class EngineBridge(QObject):
             if request_id is None or rid == request_id:
                 event.set()
 
-    def configure(self, budget_bytes: int | None, chunk_size: int, read_share: float) -> int:
-        """Apply a new KV budget, ingest chunk and reads' share beside answers once
-        the running request ends."""
-        self._settings = (budget_bytes, chunk_size, read_share)
+    def configure(self, budget_bytes: int | None, chunk_size: int,
+                  read_share: float) -> int | None:
+        """Apply a new KV budget, ingest chunk and reads' share beside answers (a new
+        chunk size once the answers running end); None where nothing changed, and
+        nothing is sent."""
+        settings = (budget_bytes, chunk_size, read_share)
+        if settings == self._settings:
+            return None
+        self._settings = settings
         return self._submit(self._worker.configure(
             budget_bytes=budget_bytes, chunk_size=chunk_size, read_share=read_share), None)
 

@@ -116,7 +116,8 @@ CANCELLABLE = (Chat, Ingest, CheckQuality)
 ALONE = (LoadModel, Ingest, CheckQuality, Configure)
 """The requests that run with no answer beside them: a model load replaces the
 model the answers run on, a read or a quality check runs whole (not a chunk a
-step), and a new chunk size would change how reads under way are cut."""
+step), and a new chunk size would change how reads under way are cut (a
+``Configure`` that keeps the chunk size runs between two steps)."""
 
 SETTINGS = (Configure, SetSnapshotBudget, ShareChats)
 """The requests that set how the engine runs rather than what it holds."""

@@ -29,6 +29,7 @@ from engine import disk
 from engine.cache.modes import DEFAULT_MODE, KvMode
 from engine.errors import EngineError
 from engine.events import (
+    AnswerWaiting,
     Event,
     Failed,
     Finished,
@@ -145,6 +146,7 @@ class EngineWorker(Worker):
         self._current: Command | None = None
         self._stopping = threading.Event()
         self._stop_taken = False  # the engine thread took the stop sentinel
+        self._told: dict[int, str] = {}  # why each chat waiting to start waits, as said
         self._overhead: tuple[weakref.ref, str, TurnOverhead] | None = None
         self._stats = StatsReporter(self._emit, stats_interval,
                                     after_publish=self._publish_fit)
@@ -403,6 +405,9 @@ class EngineWorker(Worker):
 
     def _runs_alone(self, request: Request) -> bool:
         """Whether ``request`` waits for the answers running to end, then runs alone."""
+        if isinstance(request, Configure):
+            # A read under way keeps its chunks: only a new size waits for it.
+            return request.chunk_size != self.chunk_size
         if isinstance(request, ALONE):
             return True
         if not isinstance(request, Chat):
@@ -493,7 +498,16 @@ class EngineWorker(Worker):
         for command in [c for c in self._pending
                         if c.cancel.is_set() and isinstance(c.request, CANCELLABLE)]:
             self._pending.remove(command)
+            self._told.pop(command.request_id, None)
             self._emit(Finished(command.request_id, "cancelled"))
+
+    def _tell_held(self, commands: list[Command], reason: str) -> None:
+        """Say why the chats among ``commands`` wait before they start (once per
+        reason): their chats would otherwise seem to be reading."""
+        for command in commands:
+            if isinstance(command.request, Chat) and self._told.get(command.request_id) != reason:
+                self._told[command.request_id] = reason
+                self._emit(AnswerWaiting(command.request_id, reason, 0))
 
     def _while_alone(self) -> bool:
         """Between two steps of an answer running alone: the requests cancelled
@@ -502,12 +516,15 @@ class EngineWorker(Worker):
         on beside it in the batch."""
         self._gather(block=False)
         self._end_cancelled_waiting()
+        if self._answering.limit < 2:
+            self._tell_held(self._pending, _waits_for_a_place(self._answering.limit))
         return self._another_comes()
 
     def _while_alone_for_good(self) -> bool:
         """:meth:`_while_alone` for an answer that cannot join a batch: it never pauses."""
         self._gather(block=False)
         self._end_cancelled_waiting()
+        self._tell_held(self._pending, ONE_AT_A_TIME)
         return False
 
     def _take(self, *, block: bool) -> list[Command | None]:
@@ -542,14 +559,20 @@ class EngineWorker(Worker):
             request = command.request
             session_id = getattr(request, "session_id", None)
             if self._answering.busy and self._runs_alone(request):
+                self._tell_held([command], ALONE_CHAT)
+                behind = self._pending[self._pending.index(command) + 1:]
+                self._tell_held(behind, _waits_for_answers(request))
                 return
-            if session_id in blocked or (isinstance(request, Chat)
-                                         and (chats_wait or self._answering.full)):
+            no_place = isinstance(request, Chat) and (chats_wait or self._answering.full)
+            if session_id in blocked or no_place:
                 chats_wait = chats_wait or isinstance(request, Chat)
                 if session_id is not None:
                     blocked.add(session_id)
+                if no_place:
+                    self._tell_held([command], _waits_for_a_place(self._answering.limit))
                 continue
             self._pending.remove(command)
+            self._told.pop(command.request_id, None)
             self._current = command
             if self._stopping.is_set():
                 command.cancel.set()
@@ -674,6 +697,35 @@ class EngineWorker(Worker):
         self.chunk_size = request.chunk_size
         self._held.set_chunk_size(request.chunk_size)
         self._answering.set_read_share(request.read_share)
+
+
+ONE_AT_A_TIME = ("Waiting for the answer running now to end: this model answers one chat "
+                 "at a time here.")
+ALONE_CHAT = ("Waiting for the answers running now to end: this chat's model cannot share "
+              "their steps here, so it answers alone.")
+
+
+def _waits_for_a_place(limit: int) -> str:
+    """Why a chat waits while the most answers run together."""
+    answers = "answer runs" if limit == 1 else "answers run"
+    return (f"Waiting for a place: {limit} {answers} at once here; this one starts when "
+            "one of them ends.")
+
+
+def _waits_for_answers(request: Request) -> str:
+    """Why a chat waits behind ``request``, which runs once the answers running end."""
+    match request:
+        case Configure():
+            first = "a new reading chunk size applies first"
+        case LoadModel():
+            first = "a model loads first"
+        case Ingest():
+            first = "a document is read in first"
+        case CheckQuality():
+            first = "a quality check runs first"
+        case _:
+            first = "an answer that cannot share the others' steps runs first"
+    return f"Waiting for the answers running now to end: {first}."
 
 
 def _unexpected_ending(command: Command, error: Exception) -> Failed:

@@ -146,3 +146,18 @@ def test_a_missing_hostfile_loads_on_this_mac_and_says_why(qtbot, lost, tmp_path
     assert lost.bridge.worker is lost.local[1]
     assert "gone.json" in errors[0] and errors[0].endswith("on this Mac alone.")
     assert lost.local[1].last("load")[1] == ("big",)
+
+
+def test_settings_unchanged_are_not_sent_again(qtbot) -> None:
+    # Settings' OK with nothing changed sends nothing: a change of settings may
+    # hold new chats back while others answer.
+    made: list[EventfulWorker] = []
+    bridge = EngineBridge(budget_bytes=None, chunk_size=512, read_share=0.5,
+                          worker_factory=_factory(made))
+    bridge.start()
+    (worker,) = made
+    assert bridge.configure(None, 512, 0.5) is None
+    assert bridge.configure(None, 512, 0.25) is not None
+    assert bridge.configure(None, 512, 0.25) is None
+    assert worker.names() == ["configure"]
+    bridge.shutdown(0)

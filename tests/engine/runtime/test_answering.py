@@ -84,6 +84,17 @@ def _position(log: EventLog, predicate: Any) -> int:
         return next(i for i, e in enumerate(log.events) if predicate(e))
 
 
+def _starts(log: EventLog, request: int) -> int:
+    """Where ``request`` begins to read or answer (past what says why it waits)."""
+    return _position(log, lambda e: getattr(e, "request_id", None) == request
+                     and not isinstance(e, AnswerWaiting | SessionOpened))
+
+
+def _waited(log: EventLog, request: int) -> list[str]:
+    """What ``request`` was told while it waited."""
+    return [e.reason for e in log.for_request(request) if isinstance(e, AnswerWaiting)]
+
+
 def test_a_chat_sent_while_another_answers_starts_at_once_and_both_say_what_alone_would(
         endless_dir: Path) -> None:
     # Long enough that A is still answering when B comes, drafts and all.
@@ -217,8 +228,9 @@ def test_an_ingest_waits_for_the_answers_and_a_chat_after_it_waits_for_the_inges
         read_starts = _position(log, lambda e: isinstance(e, IngestProgress)
                                 and e.request_id == read)
         assert _position(log, lambda e: e is endings[0]) < read_starts
-        c_starts = _position(log, lambda e: getattr(e, "request_id", None) == third)
-        assert _position(log, lambda e: e is endings[1]) < c_starts
+        assert _position(log, lambda e: e is endings[1]) < _starts(log, third)
+        assert _waited(log, third) == ["Waiting for the answers running now to end: a "
+                                       "document is read in first."]
 
 
 def test_chats_beyond_the_stream_limit_wait_their_turn(endless_dir: Path) -> None:
@@ -232,9 +244,11 @@ def test_chats_beyond_the_stream_limit_wait_their_turn(endless_dir: Path) -> Non
         assert counts.limit == 2 and counts.in_flight <= 2
         endings = [log.ending(request) for request in requests]
         assert all(isinstance(e, Finished) and e.reason == "length" for e in endings)
-        c_starts = _position(log, lambda e: getattr(e, "request_id", None) == requests[2])
         first_end = min(_position(log, lambda e, end=end: e is end) for end in endings[:2])
-        assert first_end < c_starts
+        assert first_end < _starts(log, requests[2])
+        assert _waited(log, requests[2]) == [
+            "Waiting for a place: 2 answers run at once here; this one starts when one of "
+            "them ends."]
 
 
 def test_a_chat_memory_cannot_hold_beside_the_others_waits_and_says_why(
@@ -281,9 +295,9 @@ def test_a_model_whose_layers_cannot_share_a_pass_answers_one_chat_at_a_time(
         assert isinstance(a_end, Finished) and a_end.reason == "length"
         assert isinstance(b_end, Finished) and b_end.reason == "length"
         # Alone, in turn, with drafts: B began after A ended.
-        b_starts = _position(log, lambda e: getattr(e, "request_id", None) == second
-                             and not isinstance(e, SessionOpened))
-        assert _position(log, lambda e: e is a_end) < b_starts
+        assert _position(log, lambda e: e is a_end) < _starts(log, second)
+        assert _waited(log, second) == ["Waiting for the answer running now to end: this "
+                                        "model answers one chat at a time here."]
         assert a_end.stats is not None and a_end.stats.draft_tokens > 0
 
 
@@ -616,3 +630,70 @@ def test_a_close_stops_the_requests_waiting_in_its_session_ahead_of_it(
         assert _tokens(log, waiting) == []
         assert not any(isinstance(e, Finished | Failed) and e.request_id == first
                        for e in log.events)
+
+
+def _before(log: EventLog, first: Any, then: Any) -> bool:
+    """Whether an event matching ``first`` came, before any matching ``then``."""
+    with log.changed:
+        events = list(log.events)
+    firsts = [i for i, e in enumerate(events) if first(e)]
+    thens = [i for i, e in enumerate(events) if then(e)]
+    return bool(firsts) and (not thens or firsts[0] < thens[0])
+
+
+def _first_token(log: EventLog, request: int) -> None:
+    log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == request
+                                    for e in events))
+
+
+def test_settings_that_keep_the_chunk_size_apply_between_steps(endless_dir: Path) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=2000)
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a")
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        _first_token(log, first)
+        settings = worker.configure(budget_bytes=None, chunk_size=16, read_share=0.25)
+        _open(worker, log, "b")  # A pauses for it: the settings apply between two steps
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        # B opened and answered beside A: the settings did not wait for A's end.
+        assert isinstance(log.ending(settings), Finished)
+        assert isinstance(log.ending(second), Finished)
+        assert _before(log, lambda e: isinstance(e, TokenChunk) and e.request_id == second,
+                       lambda e: isinstance(e, Finished) and e.request_id == first)
+
+
+def test_a_chat_held_before_it_starts_says_why(endless_dir: Path) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=2000)
+    with loaded_worker(endless_dir, chunk_size=16, streams=1) as (worker, log):
+        _open(worker, log, "a", "b", "c")
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        _first_token(log, first)
+        # One answer at a time here: B waits for A's place.
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, AnswerWaiting) and e.request_id == second
+                                        for e in events))
+        (waiting,) = [e for e in log.for_request(second) if isinstance(e, AnswerWaiting)]
+        assert waiting.reason == ("Waiting for a place: 1 answer runs at once here; this one "
+                                  "starts when one of them ends.")
+        assert isinstance(log.ending(first), Finished)
+        assert isinstance(log.ending(second), Finished)
+        assert _before(log, lambda e: e is waiting,
+                       lambda e: isinstance(e, Finished) and e.request_id == first)
+
+
+def test_a_chat_behind_a_new_chunk_size_says_it_waits_for_the_answers(
+        endless_dir: Path) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=2000)
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        _first_token(log, first)
+        worker.configure(budget_bytes=None, chunk_size=32, read_share=0.5)
+        second = worker.chat("b", ASKED["b"], LONG, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, AnswerWaiting) and e.request_id == second
+                                        for e in events))
+        (waiting,) = [e for e in log.for_request(second) if isinstance(e, AnswerWaiting)]
+        assert waiting.reason == ("Waiting for the answers running now to end: a new reading "
+                                  "chunk size applies first.")
+        assert isinstance(log.ending(first), Finished)
+        assert isinstance(log.ending(second), Finished)
