@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from engine.cache import pages
 from engine.cache.mlx_lm_compat import BaseCache
 from engine.cache.paged_cache import PagedKVCache, cache_tokens, row_of
 from engine.errors import EngineError
@@ -99,8 +100,7 @@ class PagedRows(_PassView):
         """
         if N != 1 or window_size is not None or return_array:
             raise EngineError("A batch of conversations decodes one token per row at a time.")
-        for row in self.rows:
-            row.pool.ensure(row.offset + N)
+        pages.ensure_together((row.pool, row.offset + N) for row in self.rows)
         return None
 
     def empty(self) -> bool:

@@ -525,6 +525,39 @@ def bytes_to_grow(wants: Iterable[tuple[PagePool, int]]) -> int:
                for store, slots in _wanted_by_store(wants))
 
 
+def ensure_together(wants: Iterable[tuple[PagePool, int]]) -> None:
+    """Make sure every pool in ``wants`` can hold its tokens at once (a pass that
+    writes into all of them), or raise with no page taken.
+
+    Each pool alone counts every free slot of its stores as its own: pools that
+    share stores (chats on one document) may each count the same slot. Such
+    stores grow first by what they lack together, within the smallest limit of
+    the pools asking.
+
+    Raises:
+        KvBudgetExceeded: a pool, or the pools sharing a store, cannot hold them.
+    """
+    wants = list(wants)
+    for pool, tokens in wants:
+        pool.ensure(tokens)
+    lacking = [(store, slots - store.free_count)
+               for store, slots in _wanted_by_store(wants) if slots > store.free_count]
+    if not lacking:
+        return
+    needed = sum(missing * store.layout.page_bytes for store, missing in lacking)
+    owners = [(pool, tokens) for pool, tokens in wants
+              if any(store in pool.stores for store, _ in lacking)]
+    limited = [(pool, tokens) for pool, tokens in owners if pool.budget_bytes is not None]
+    for pool, tokens in limited:
+        if needed > (pool.budget_bytes or 0) - pool.bytes_allocated:
+            raise pool._exceeded(tokens)
+    for store, missing in lacking:
+        store.grow(missing)
+    for pool, _ in owners:
+        for member in pool.group:
+            member._room = 0
+
+
 def _wanted_by_store(wants: Iterable[tuple[PagePool, int]]) -> list[tuple[PageStore, int]]:
     """Each store of the pools in ``wants`` once, with the free slots they want of it."""
     stores: dict[int, tuple[PageStore, int]] = {}

@@ -755,7 +755,8 @@ class BatchDecoder:
 
     def _next_rows(self, current: _Pass | None, results: list[RowToken]) -> list[_Row]:
         """The rows of the next pass; rows that leave before it go to ``results``."""
-        rows, short = [], []
+        rows: list[_Row] = []
+        short: list[_Row] = []
         fed = [] if current is None else current.rows
         for row in list(self.rows):
             if row in fed:
@@ -766,7 +767,7 @@ class BatchDecoder:
             elif row.answer.watch.is_set():
                 results.append(self._finish(row, None, "cancelled"))
                 continue
-            if _holds_one_more(row.session):
+            if _holds_one_more(row.session) and _holds_beside(rows, row):
                 rows.append(row)
             else:
                 short.append(row)
@@ -782,7 +783,7 @@ class BatchDecoder:
                 # counted).
                 paused.append(_pause(row.session, row.request_id))
                 continue
-            if self._make_room_for_one_more(row):
+            if self._make_room_for_one_more(row) and _holds_beside(rows, row):
                 rows.append(row)
                 continue
             # As an answer alone: the budget ends it as its length limit would.
@@ -865,6 +866,22 @@ def _holds_one_more(session: Session) -> bool:
     # have gone since.
     session.guard.refresh(session.session_id)
     return _has_room(session)
+
+
+def _holds_beside(rows: list[_Row], row: _Row) -> bool:
+    """Whether ``row``'s next token fits beside those of ``rows`` (its pass's) in
+    the page stores it shares with them (chats on one document): each alone may
+    have counted the same free slot."""
+    pool = row.session.page_pool()
+    if pool is None or not pool.shared:
+        return True
+    wants = [(held, cache_tokens(each.session.cache) + 1) for each in [*rows, row]
+             if (held := each.session.page_pool()) is not None]
+    try:
+        pages.ensure_together(wants)
+    except KvBudgetExceeded:
+        return False
+    return True
 
 
 def _pause(session: Session, request_id: int) -> Waiting:

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
 )
 
 from benchmarks import graph_count
-from engine.cache import adapter
+from engine.cache import adapter, sharing
 from engine.cache.attention import schedule
 from engine.cache.batched import BatchedCache, PagedRows, check_batchable
 from engine.cache.paged_cache import PagedKVCache
@@ -113,6 +113,26 @@ def test_rows_keep_their_own_offsets_and_pages(models) -> None:
     assert [cache[0].offset for cache in rows] == [4, 33]
     # The 32-token row's new token opens its third page; the other stays in its first.
     assert [len(cache[0].block_table) for cache in rows] == [before[0], before[1] + 1]
+
+
+def test_rows_sharing_a_documents_pages_each_get_a_new_page_in_one_pass(models) -> None:
+    model = models["llama"]
+    first, ids = _filled(model, "fp16", 32, 0)  # two full pages
+    second = adapter.make_cache(model, "fp16", page_size=PAGE_SIZE)
+    sharing.share_pages(second, first, 32)
+    stores = {id(layer.store): layer.store for layer in first}
+    for store in stores.values():  # other chats' pages take all but one slot
+        while store.free_count > 1:
+            store.take()
+    # Each row alone finds the one free slot; the pass gives each its own.
+    for cache in (first, second):
+        adapter.ensure_capacity(cache, 1)
+    batch = BatchedCache([first, second])
+    logits = model(mx.array([[ids[32]], [ids[32]]]), cache=batch.layers)
+    mx.eval(logits)
+    assert [cache[0].offset for cache in (first, second)] == [33, 33]
+    assert first[0].block_table[2] != second[0].block_table[2]
+    np.testing.assert_array_equal(np.array(logits[0]), np.array(logits[1]))
 
 
 def test_a_batch_refuses_layers_it_cannot_carry(models) -> None:

@@ -177,3 +177,39 @@ def test_what_a_chat_sharing_pages_needs_counts_the_others_pages_once() -> None:
     assert pages.bytes_to_hold(wants) == (3 + 3 + 1) * page
     assert pages.bytes_to_grow(wants) == (3 + 3 + 1) * page - store.capacity * page
     assert pages.bytes_to_grow([(second.pool, 40)]) == 0  # held already, no write
+
+
+def _one_free_slot_shared() -> tuple[PagedKVCache, PagedKVCache, PageStore]:
+    """Two caches sharing two full pages in a store with one free slot left."""
+    first = _cache("fp16")
+    _write(first, 32, 0)
+    second = _cache("fp16")
+    sharing.share_pages([second], [first], 32)
+    store = first.store
+    assert store is not None
+    while store.free_count > 1:  # other chats' pages fill the rest
+        store.take()
+    return first, second, store
+
+
+def test_chats_sharing_a_store_get_a_slot_each_when_both_need_one_at_once() -> None:
+    first, second, store = _one_free_slot_shared()
+    wants = [(first.pool, 33), (second.pool, 33)]
+    for pool, tokens in wants:
+        pool.ensure(tokens)  # alone, each finds the one free slot
+    assert store.free_count == 1
+    pages.ensure_together(wants)
+    assert store.free_count == 2
+    _write(first, 1, 5)
+    _write(second, 1, 6)  # before: no slot left for it (IndexError mid-pass)
+    assert first.offset == second.offset == 33
+
+
+def test_chats_sharing_a_store_that_cannot_grow_for_both_are_refused_unchanged() -> None:
+    first, second, store = _one_free_slot_shared()
+    for pool in (first.pool, second.pool):
+        pool.budget_bytes = pool.bytes_allocated  # no room to grow
+    capacity = store.capacity
+    with pytest.raises(KvBudgetExceeded):
+        pages.ensure_together([(first.pool, 33), (second.pool, 33)])
+    assert store.capacity == capacity and store.free_count == 1
