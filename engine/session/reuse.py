@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from engine.cache import adapter, sharing
-from engine.cache.paged_cache import PagedKVCache
+from engine.cache.paged_cache import PagedKVCache, cache_tokens
 from engine.session import checkpoints
 from engine.session.prompt_ids import common_prefix
 
@@ -80,7 +80,10 @@ def offer(donor: Session, keep: int) -> Offer | None:
     """What ``donor`` can hand over of its first ``keep`` tokens (None: nothing)."""
     if keep <= 0:
         return None
-    if keep == len(donor.tokens) or not donor.needs_checkpoints:
+    # Its state as it stands is its tokens' only while no pass is queued past them
+    # (an answer in a batch): else it too comes from a checkpoint.
+    whole = keep == len(donor.tokens) == cache_tokens(donor.cache)
+    if whole or not donor.needs_checkpoints:
         return Offer(donor, keep)
     # Linear-attention and wrapped window state cannot rewind: stop at the newest
     # checkpoint the donor took at or before the point where the prompts part.

@@ -208,3 +208,31 @@ def _solo(loaded: SimpleNamespace, text: str) -> Session:
     session = _book_session(loaded, "solo")
     _ingest(session, _user(text))
     return session
+
+
+def test_a_chat_whose_next_pass_is_queued_lends_its_state_only_as_of_a_checkpoint(models):
+    from engine.cache.paged_cache import cache_tokens
+    from engine.session.batch import BatchDecoder
+    from engine.session.prefill import Chunk
+    from engine.session.sampling import SamplingParams
+
+    loaded = models["qwen3_next"]
+    donor = _session(loaded, "donor")
+    batch = BatchDecoder(loaded.model)
+    batch.join(donor, _user(QUESTION), SamplingParams(temperature=0.0, max_tokens=64,
+                                                      speculative="off"),
+               request_id=1, cancel=threading.Event(), emit=lambda e: None, tick=lambda: None)
+    for _ in range(6):
+        batch.step()
+    # Answering in the batch: its linear-attention state already holds the token
+    # the queued pass feeds, one past the tokens it holds.
+    assert cache_tokens(donor.cache) == len(donor.tokens) + 1
+    found = reuse.offer(donor, len(donor.tokens))
+    assert found is None or found.tokens < len(donor.tokens)
+    if found is not None:  # what it lends is what a read of those tokens holds
+        taker = _session(loaded, "taker")
+        assert reuse.adopt(taker, found) == found.tokens
+        fresh = _session(loaded, "fresh")
+        fresh.forward(Chunk(donor.tokens[:found.tokens], True))
+        assert _close(_next_logits(taker), _next_logits(fresh))
+    batch.run()
