@@ -320,14 +320,20 @@ class AnswerStream:
         """
         self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
         self._pause = pause or (lambda: False)
+        said: list[bool] = []  # what ``pause`` said last: asked again, it may differ
+
+        def until() -> bool:
+            said[:] = [self._pause()]
+            return said[0]
+
         reason = "cancelled"
         try:
             if self.speculate:
                 reason = self._run_speculative(prompt, max_tokens)
             else:
                 ended, self.paused_at = self._decode(prompt[-1], max_tokens, max_tokens,
-                                                     until=self._pause)
-                reason = ended or ("paused" if self._pause() else "length")
+                                                     until=until)
+                reason = ended or ("paused" if said == [True] else "length")
             return reason
         finally:
             if reason != "paused":

@@ -438,3 +438,22 @@ def test_the_next_step_is_queued_while_the_host_handles_a_token(models, monkeypa
     decoding = [count for count in at_tick if count]  # the read's ticks queue nothing
     assert made >= 3
     assert decoding[:made - 1] == [k + 1 for k in range(1, made)], at_tick
+
+
+def test_an_answer_told_to_pause_pauses_though_asked_again_it_would_not(models) -> None:
+    session = Session("s", models["llama"], "fp16")
+    answer = session.start_answer([{"role": "user", "content": QUESTION}],
+                                  SamplingParams(temperature=0.0, max_tokens=32,
+                                                 speculative="off"),
+                                  request_id=1, cancel=threading.Event(),
+                                  emit=lambda event: None, tick=lambda: None)
+    asked: list[int] = []
+
+    def pause() -> bool:
+        # Another chat comes at the third step, then is stopped before anyone
+        # could ask again: the answer paused all the same.
+        asked.append(1)
+        return len(asked) == 3
+
+    assert session.run_answer(answer, pause) == "paused"
+    assert len(answer.stream.generated) < 32
