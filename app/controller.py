@@ -97,7 +97,9 @@ class ChatController(QObject):
         # This Mac's engine thread, or a pipeline over other Macs for a model that splits.
         self.machines = Machines(bridge, settings, self)
         self._editing: tuple[int, int] | None = None  # row, message id
-        self._last_stats_time = 0.0
+        # The newest sample seen per session: the poll's latest may be one chat's
+        # while the queued samples of the others from the same step are on the way.
+        self._last_stats_time: dict[str | None, float] = {}
         self.closed = False
         for source, target in (
             (self.activity.busyChanged, self.busyChanged),
@@ -594,9 +596,9 @@ class ChatController(QObject):
         self.errorRaised.emit(event.message)
 
     def _on_stats(self, sample: StatsSample) -> None:
-        if sample.timestamp <= self._last_stats_time:
+        if sample.timestamp <= self._last_stats_time.get(sample.session_id, 0.0):
             return
-        self._last_stats_time = sample.timestamp
+        self._last_stats_time[sample.session_id] = sample.timestamp
         self.caches.note(sample)
         self.statsUpdated.emit(sample)
 

@@ -291,3 +291,49 @@ def test_whoever_hears_a_load_start_sees_the_model_loading(app) -> None:
     c.modelStateChanged.connect(lambda _text, _ready: heard.append(c.quality_unavailable()))
     c.load_model("other")
     assert heard == ["The model is loading: check once it is ready."]
+
+
+def test_a_chats_stats_are_kept_though_another_chats_newer_sample_came_first(app) -> None:
+    import time
+    from dataclasses import replace
+
+    c, bridge, worker = app.c, app.bridge, app.worker
+    chats = {}
+    for text in ("first question", "second question"):
+        session = c.new_session("q8")
+        assert c.send(text)
+        _open(app, session.id)
+        chats[session.id] = worker.last("chat")[0]
+        bridge._dispatch(TokenChunk(chats[session.id], "Pines ", (1,)))
+    a, b = chats
+    now = time.time()
+    # After a step the engine publishes one sample per answering chat, A's then B's;
+    # the window's poll may read the newest (B's) before A's queued one arrives.
+    a_sample = replace(sample(a, 40, 8192), timestamp=now)
+    b_sample = replace(sample(b, 30, 4096), timestamp=now + 0.001)
+    worker.stats = b_sample
+    c._poll_stats()
+    bridge._dispatch(a_sample)
+    bridge._dispatch(b_sample)
+    assert c.caches.sample_for(a) == a_sample
+    bridge._dispatch(Finished(chats[a], "stop"))
+    assert app.store.session(a).tokens == 40  # what its history records at its end
+
+
+def test_a_chat_answering_in_the_background_names_itself_in_the_banner(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    chats = {}
+    for text in ("first question", "second question"):
+        session = c.new_session("q8")
+        assert c.send(text)
+        _open(app, session.id)
+        chats[session.id] = worker.last("chat")[0]
+    a, b = chats
+    c.rename_session(b, "Pine notes")
+    said: list[str] = []
+    c.errorRaised.connect(said.append)
+    c.select_session(a)  # the user reads A while B answers
+    bridge._dispatch(Finished(chats[b], "memory"))
+    bridge._dispatch(Failed(chats[a], "The device went away.", "EngineError"))
+    assert said[0].startswith("In ‘Pine notes’: ")  # not "this chat": the one on screen
+    assert said[1] == "The device went away."  # the shown chat's own, as before
