@@ -293,18 +293,24 @@ def test_whoever_hears_a_load_start_sees_the_model_loading(app) -> None:
     assert heard == ["The model is loading: check once it is ready."]
 
 
+def _two_answering(app) -> dict[str, int]:
+    """Two chats sent one after the other, both answering: each one's chat request."""
+    chats = {}
+    for text in ("first question", "second question"):
+        session = app.c.new_session("q8")
+        assert app.c.send(text)
+        _open(app, session.id)
+        chats[session.id] = app.worker.last("chat")[0]
+        app.bridge._dispatch(TokenChunk(chats[session.id], "Pines ", (1,)))
+    return chats
+
+
 def test_a_chats_stats_are_kept_though_another_chats_newer_sample_came_first(app) -> None:
     import time
     from dataclasses import replace
 
     c, bridge, worker = app.c, app.bridge, app.worker
-    chats = {}
-    for text in ("first question", "second question"):
-        session = c.new_session("q8")
-        assert c.send(text)
-        _open(app, session.id)
-        chats[session.id] = worker.last("chat")[0]
-        bridge._dispatch(TokenChunk(chats[session.id], "Pines ", (1,)))
+    chats = _two_answering(app)
     a, b = chats
     now = time.time()
     # After a step the engine publishes one sample per answering chat, A's then B's;
@@ -321,13 +327,8 @@ def test_a_chats_stats_are_kept_though_another_chats_newer_sample_came_first(app
 
 
 def test_a_chat_answering_in_the_background_names_itself_in_the_banner(app) -> None:
-    c, bridge, worker = app.c, app.bridge, app.worker
-    chats = {}
-    for text in ("first question", "second question"):
-        session = c.new_session("q8")
-        assert c.send(text)
-        _open(app, session.id)
-        chats[session.id] = worker.last("chat")[0]
+    c, bridge = app.c, app.bridge
+    chats = _two_answering(app)
     a, b = chats
     c.rename_session(b, "Pine notes")
     said: list[str] = []

@@ -587,8 +587,9 @@ def test_a_row_ended_in_the_pass_queued_before_a_failure_holds_what_its_cache_ho
     assert _ended(events) == {1, 2, 3} and not answering.busy
 
 
-def test_answers_end_when_the_engine_thread_stops_on_a_bug(
-        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def broken_step(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Once the returned event is set, the batch's step raises what no request's own
+    handling catches (a bug)."""
     step = Answering.step
     broken = threading.Event()
 
@@ -598,6 +599,12 @@ def test_answers_end_when_the_engine_thread_stops_on_a_bug(
         step(self)
 
     monkeypatch.setattr(Answering, "step", buggy)
+    return broken
+
+
+def test_answers_end_when_the_engine_thread_stops_on_a_bug(
+        endless_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = broken_step(monkeypatch)
     with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
         _open(worker, log, "a", "b")
         long = SamplingParams(temperature=0.0, max_tokens=2000)
@@ -641,6 +648,14 @@ def _before(log: EventLog, first: Any, then: Any) -> bool:
     return bool(firsts) and (not thens or firsts[0] < thens[0])
 
 
+def _told(log: EventLog, request: int) -> AnswerWaiting:
+    """What ``request`` is told while it waits (once, waited for)."""
+    log.wait_for(lambda events: any(isinstance(e, AnswerWaiting) and e.request_id == request
+                                    for e in events))
+    (waiting,) = [e for e in log.for_request(request) if isinstance(e, AnswerWaiting)]
+    return waiting
+
+
 def _first_token(log: EventLog, request: int) -> None:
     log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == request
                                     for e in events))
@@ -665,14 +680,12 @@ def test_settings_that_keep_the_chunk_size_apply_between_steps(endless_dir: Path
 def test_a_chat_held_before_it_starts_says_why(endless_dir: Path) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=2000)
     with loaded_worker(endless_dir, chunk_size=16, streams=1) as (worker, log):
-        _open(worker, log, "a", "b", "c")
+        _open(worker, log, "a", "b")
         first = worker.chat("a", ASKED["a"], long, threading.Event())
         _first_token(log, first)
         # One answer at a time here: B waits for A's place.
         second = worker.chat("b", ASKED["b"], LONG, threading.Event())
-        log.wait_for(lambda events: any(isinstance(e, AnswerWaiting) and e.request_id == second
-                                        for e in events))
-        (waiting,) = [e for e in log.for_request(second) if isinstance(e, AnswerWaiting)]
+        waiting = _told(log, second)
         assert waiting.reason == ("Waiting for a place: 1 answer runs at once here; this one "
                                   "starts when one of them ends.")
         assert isinstance(log.ending(first), Finished)
@@ -690,10 +703,8 @@ def test_a_chat_behind_a_new_chunk_size_says_it_waits_for_the_answers(
         _first_token(log, first)
         worker.configure(budget_bytes=None, chunk_size=32, read_share=0.5)
         second = worker.chat("b", ASKED["b"], LONG, threading.Event())
-        log.wait_for(lambda events: any(isinstance(e, AnswerWaiting) and e.request_id == second
-                                        for e in events))
-        (waiting,) = [e for e in log.for_request(second) if isinstance(e, AnswerWaiting)]
-        assert waiting.reason == ("Waiting for the answers running now to end: a new reading "
-                                  "chunk size applies first.")
+        assert _told(log, second).reason == (
+            "Waiting for the answers running now to end: a new reading chunk size applies "
+            "first.")
         assert isinstance(log.ending(first), Finished)
         assert isinstance(log.ending(second), Finished)

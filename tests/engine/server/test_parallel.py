@@ -197,17 +197,9 @@ def test_a_request_whose_client_left_while_it_waited_frees_its_place_at_once(
 
 def test_a_request_answering_when_the_engine_stops_is_told_and_health_says_so(
         serve, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.runtime.answering import Answering
+    from tests.engine.runtime.test_answering import broken_step
 
-    step = Answering.step
-    broken = threading.Event()
-
-    def buggy(self: Answering) -> None:
-        if broken.is_set():
-            raise RuntimeError("a bug past every request's own handling")
-        step(self)
-
-    monkeypatch.setattr(Answering, "step", buggy)
+    broken = broken_step(monkeypatch)
     served = serve(parallel=2)
     arrivals: list[tuple[str, str]] = []
     results: dict[str, object] = {}
