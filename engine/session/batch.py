@@ -516,8 +516,8 @@ class BatchDecoder:
 
     def _refuse_if_never(self, joining: _Joining) -> None:
         """Raise what :meth:`Session.chat` raises alone when it could never fit: with
-        the pages of the batch's other conversations, of those waiting before it
-        (alone, each would be idle by its turn) and of the idle sessions, gone."""
+        the pages of the batch's other conversations, of the others waiting (alone,
+        each would be idle at its turn) and of the idle sessions, gone."""
         # Session.answer_steps's checks, in its order and with its messages.
         count = len(joining.prompt.ids)
         gone = {s.session_id for s in self._batch_sessions()}
