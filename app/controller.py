@@ -194,10 +194,14 @@ class ChatController(QObject):
         KV bytes of its latest sample (None before its first)."""
         together = []
         for job in self.activity.running:
-            if job.kind != "chat" or job.held:
+            # Held before it joined: not answering yet. Held while answering (for
+            # its next page): its row and pages are still the batch's.
+            if job.kind != "chat" or (job.held and not job.answering):
                 continue
             sample = self.caches.sample_for(job.session_id)
-            together.append((job.title, sample.kv_bytes_used if sample is not None else None))
+            record = self.store.session(job.session_id)  # its title now, renamed or not
+            title = record.title if record is not None else job.title
+            together.append((title, sample.kv_bytes_used if sample is not None else None))
         return together
 
     @property

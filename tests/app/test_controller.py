@@ -338,3 +338,18 @@ def test_a_chat_answering_in_the_background_names_itself_in_the_banner(app) -> N
     bridge._dispatch(Failed(chats[a], "The device went away.", "EngineError"))
     assert said[0].startswith("In ‘Pine notes’: ")  # not "this chat": the one on screen
     assert said[1] == "The device went away."  # the shown chat's own, as before
+
+
+def test_the_answering_together_line_has_every_answer_in_the_batch_by_its_title_now(
+        app) -> None:
+    c, bridge = app.c, app.bridge
+    chats = _two_answering(app)
+    a, b = chats
+    c.rename_session(a, "Renamed chat")
+    for session_id in chats:
+        bridge._dispatch(sample(session_id, 40, 8192))
+    # A waits for its next page: its row and pages are still the batch's.
+    bridge._dispatch(AnswerWaiting(chats[a], "Waiting for memory: this answer's next "
+                                             "page (4 KB) does not fit …", 4096))
+    assert [title for title, _ in c.answering_together()] == [
+        "Renamed chat", app.store.session(b).title]
