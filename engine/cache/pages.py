@@ -540,12 +540,13 @@ def ensure_together(wants: Iterable[tuple[PagePool, int]]) -> None:
     wants = list(wants)
     for pool, tokens in wants:
         pool.ensure(tokens)
+    shared = [(pool, tokens) for pool, tokens in wants if pool.shared]
     lacking = [(store, slots - store.free_count)
-               for store, slots in _wanted_by_store(wants) if slots > store.free_count]
+               for store, slots in _wanted_by_store(shared) if slots > store.free_count]
     if not lacking:
         return
     needed = sum(missing * store.layout.page_bytes for store, missing in lacking)
-    owners = [(pool, tokens) for pool, tokens in wants
+    owners = [(pool, tokens) for pool, tokens in shared
               if any(store in pool.stores for store, _ in lacking)]
     limited = [(pool, tokens) for pool, tokens in owners if pool.budget_bytes is not None]
     for pool, tokens in limited:
