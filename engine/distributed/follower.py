@@ -70,7 +70,7 @@ class Follower:
             c.CLOSE: self._close, c.END: self._end, c.FIT: self._fit,
             c.SAVE: self._save, c.RESTORE: self._restore, c.ADOPT: self._adopt,
             c.PRUNE: self._prune, c.DECODE_ROWS: self._decode_rows,
-            c.CEILING: self._ceiling,
+            c.CEILING: self._ceiling, c.CHUNK_SIZE: self._chunk_size,
         }
 
     def run(self) -> dict[str, Any]:
@@ -194,6 +194,9 @@ class Follower:
 
     def _ceiling(self, slot: int, tokens: int, *_: int) -> None:
         self._session(slot, c.CEILING).hold_to(tokens)
+
+    def _chunk_size(self, slot: int, chunk_size: int, *_: int) -> None:
+        self._session(slot, c.CHUNK_SIZE).set_chunk_size(chunk_size)
 
     def _fit(self, slot: int, token_count: int, chunk: int, decode_rows: int, *_: int) -> None:
         if slot == c.UNOPENED:

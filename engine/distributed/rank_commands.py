@@ -40,19 +40,20 @@ from engine.models.loader import LoadedModel
 from engine.session.followers import DecodeStep, FollowerLink
 from engine.session.prefill import Chunk
 
-VERSION = 8
+VERSION = 9
 HEADER = 8  # version, op, slot, four arguments, the decode token
 REPLY = 16  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
 
 # Operations (the header's second field).
 (OPEN, PREFILL, DECODE, CHECKPOINT, REWIND, RESET, CLOSE, END, FIT, SAVE, RESTORE, STOP,
- ADOPT, PRUNE, DECODE_ROWS, CEILING) = range(1, 17)
+ ADOPT, PRUNE, DECODE_ROWS, CEILING, CHUNK_SIZE) = range(1, 18)
 OP_NAMES = {OPEN: "open", PREFILL: "prefill chunk", DECODE: "decode step",
             CHECKPOINT: "checkpoint", REWIND: "rewind", RESET: "reset", CLOSE: "close",
             END: "end of request", FIT: "fit check", SAVE: "save", RESTORE: "restore",
             STOP: "stop", ADOPT: "prefix from another chat", PRUNE: "stored KV kept",
-            DECODE_ROWS: "batch's decode step", CEILING: "ceiling"}
+            DECODE_ROWS: "batch's decode step", CEILING: "ceiling",
+            CHUNK_SIZE: "chunk size"}
 ROTATE_CODES = {None: -1, False: 0, True: 1}
 UNOPENED = 0  # the slot of a fit check for a chat not opened yet (sessions count from 1)
 # A rank's memory reply, field by field: whether the tokens asked about fit (1/0),
@@ -344,6 +345,11 @@ class SessionLink:
         """The followers hold their pages of the session to ``tokens`` tokens, as
         rank 0 does, until the request's end."""
         self.conductor.send(CEILING, self.slot, tokens)
+
+    def set_chunk_size(self, chunk_size: int) -> None:
+        """The followers read the session in chunks of ``chunk_size`` tokens from now
+        on, as rank 0 does: the room each keeps for a chunk follows."""
+        self.conductor.send(CHUNK_SIZE, self.slot, chunk_size)
 
     def room(self, token_count: int, mode: KvMode,
              coming: Mapping[KvMode, int] | None = None, decode_rows: int = 0) -> int:

@@ -87,6 +87,11 @@ class FollowerLink(Protocol):
         mode until its request ends (``MemoryGuard.set_ceiling``)."""
         ...
 
+    def set_chunk_size(self, chunk_size: int) -> None:
+        """The other ranks read the session in chunks of ``chunk_size`` tokens from
+        now on (the room each keeps for a chunk follows)."""
+        ...
+
     def room(self, token_count: int, mode: KvMode,
              coming: Mapping[KvMode, int] | None = None, decode_rows: int = 0) -> int:
         """Tokens that may follow ``token_count`` on the tightest other rank; with

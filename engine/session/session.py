@@ -469,9 +469,13 @@ class Session:
         return True
 
     def set_chunk_size(self, chunk_size: int) -> None:
-        """Prefill in chunks of ``chunk_size`` tokens from the next prefill on."""
+        """Prefill in chunks of ``chunk_size`` tokens from the next prefill on (on
+        every rank of a pipeline)."""
+        changed = chunk_size != self.chunk_size
         self.chunk_size = chunk_size
         self._attach_pool()  # the guard keeps the new chunk's transient free of pages
+        if changed and self.followers is not None:
+            self.followers.set_chunk_size(chunk_size)
 
     def prefill(
         self,

@@ -67,3 +67,30 @@ def test_a_fit_check_for_a_batch_leaves_room_for_its_decode_step(
     step = facts.step_transient_bytes(rows) - chunk
     page = session.page_size * session.kv_token_bytes
     assert step - page < taken <= step + page
+
+
+def test_a_new_chunk_size_moves_the_room_a_follower_keeps_for_a_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(str(make_tiny_model_dir(tmp_path, "llama")))
+    monkeypatch.setattr(c, "pipeline_identity", lambda group, loaded: (["mac1", "mac2"], {}))
+    replies: list[list[int]] = []
+    monkeypatch.setattr(c, "gather_replies",
+                        lambda group, row: replies.append(list(row)) or [list(row)])
+    reading = MemoryReading(total_bytes=2**34, available_bytes=2**32)
+    follower = Follower(SimpleNamespace(rank=lambda: 1), loaded,
+                        MemoryGuard(headroom_bytes=2**30, probe=lambda: reading))
+    handle = follower._handlers
+    handle[c.OPEN](1, c.MODES.index("fp16"), 16, c.ROTATE_CODES[None], 64, 0)
+    session = follower.sessions[1]
+
+    def room() -> int:
+        handle[c.FIT](1, 100, 0, 0, 0, 0)
+        return replies.pop()[c.ROOM_TOKENS + c.MODES.index("fp16")]
+
+    before = room()
+    handle[c.CHUNK_SIZE](1, 4096, 0, 0, 0, 0)  # rank 0's Configure: larger chunks
+    assert session.chunk_size == 4096
+    facts = session.prefill_facts
+    grown = facts.transient_bytes(4096) - facts.transient_bytes(64)
+    page = session.page_size * session.kv_token_bytes
+    assert (before - room()) * session.kv_token_bytes > grown - page

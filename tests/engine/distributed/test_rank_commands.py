@@ -94,3 +94,10 @@ def test_room_asks_each_follower_for_its_room_beside_the_batchs_decode_step() ->
     link.room(1000, "q4", {"q4": 100}, decode_rows=3)
     link.room(1000, "q4")  # alone: no step beside it
     assert asked == [(c.FIT, 1, 1000, 0, 3), (c.FIT, 1, 1000, 0, 0)]
+
+
+def test_a_new_chunk_size_is_sent_to_the_followers() -> None:
+    sent: list[tuple[int, ...]] = []
+    conductor: Any = SimpleNamespace(send=lambda *args: sent.append(args))
+    c.SessionLink(conductor, 3, 16).set_chunk_size(1024)
+    assert sent == [(c.CHUNK_SIZE, 3, 1024)]

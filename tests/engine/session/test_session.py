@@ -457,3 +457,12 @@ def test_an_answer_told_to_pause_pauses_though_asked_again_it_would_not(models) 
 
     assert session.run_answer(answer, pause) == "paused"
     assert len(answer.stream.generated) < 32
+
+
+def test_a_pipelines_other_ranks_hear_of_a_new_chunk_size_only(models) -> None:
+    told: list[int] = []
+    ranks = SimpleNamespace(needs_checkpoints=False, batches=True, set_chunk_size=told.append)
+    session = Session("s", models["llama"], "fp16", chunk_size=64, followers=ranks)
+    session.set_chunk_size(64)  # Settings applied with the same size: nothing to send
+    session.set_chunk_size(256)
+    assert told == [256] and session.chunk_size == 256
