@@ -3,8 +3,10 @@ its sessions and its memory guard."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -39,8 +41,26 @@ def test_a_ceiling_holds_a_sessions_pages_until_its_request_ends(
     assert guard.refresh(key) == alone
 
 
-def test_a_fit_check_for_a_batch_leaves_room_for_its_decode_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@dataclass
+class _Opened:
+    """A follower (rank 1 of two) holding one fp16 session of 16-token pages, read
+    in 64-token chunks, on a machine whose free memory stays as it is."""
+
+    follower: Follower
+    session: Any
+    replies: list[list[int]]
+
+    def handle(self, op: int, *args: int) -> None:
+        self.follower._handlers[op](1, *args, *[0] * (5 - len(args)))
+
+    def room(self, decode_rows: int = 0) -> int:
+        """Tokens of fp16 its FIT reply says its room holds (for 100 tokens)."""
+        self.handle(c.FIT, 100, 0, decode_rows)
+        return self.replies.pop()[c.ROOM_TOKENS + c.MODES.index("fp16")]
+
+
+@pytest.fixture
+def opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Opened:
     loaded = load_model(str(make_tiny_model_dir(tmp_path, "llama")))
     monkeypatch.setattr(c, "pipeline_identity", lambda group, loaded: (["mac1", "mac2"], {}))
     replies: list[list[int]] = []
@@ -49,48 +69,31 @@ def test_a_fit_check_for_a_batch_leaves_room_for_its_decode_step(
     reading = MemoryReading(total_bytes=2**34, available_bytes=2**32)
     follower = Follower(SimpleNamespace(rank=lambda: 1), loaded,
                         MemoryGuard(headroom_bytes=2**30, probe=lambda: reading))
-    handle = follower._handlers
-    handle[c.OPEN](1, c.MODES.index("fp16"), 16, c.ROTATE_CODES[None], 64, 0)
-    session = follower.sessions[1]
+    follower._handlers[c.OPEN](1, c.MODES.index("fp16"), 16, c.ROTATE_CODES[None], 64, 0)
     replies.clear()
+    return _Opened(follower, follower.sessions[1], replies)
 
-    def room(decode_rows: int) -> int:
-        handle[c.FIT](1, 100, 0, decode_rows, 0, 0)
-        return replies.pop()[c.ROOM_TOKENS + c.MODES.index("fp16")]
 
+def test_a_fit_check_for_a_batch_leaves_room_for_its_decode_step(opened: _Opened) -> None:
+    session = opened.session
     facts = session.prefill_facts
     chunk = facts.transient_bytes(session.chunk_size)
     rows = 1 + chunk // facts.step_transient_bytes(1)  # past the chunk's transient
-    alone = room(0)
-    assert room(1) == alone  # one row's step needs less than a chunk: kept free already
-    taken = (alone - room(rows)) * session.kv_token_bytes
+    alone = opened.room(0)
+    assert opened.room(1) == alone  # one row's step needs less than a chunk: kept free
+    taken = (alone - opened.room(rows)) * session.kv_token_bytes
     step = facts.step_transient_bytes(rows) - chunk
     page = session.page_size * session.kv_token_bytes
     assert step - page < taken <= step + page
 
 
 def test_a_new_chunk_size_moves_the_room_a_follower_keeps_for_a_chunk(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    loaded = load_model(str(make_tiny_model_dir(tmp_path, "llama")))
-    monkeypatch.setattr(c, "pipeline_identity", lambda group, loaded: (["mac1", "mac2"], {}))
-    replies: list[list[int]] = []
-    monkeypatch.setattr(c, "gather_replies",
-                        lambda group, row: replies.append(list(row)) or [list(row)])
-    reading = MemoryReading(total_bytes=2**34, available_bytes=2**32)
-    follower = Follower(SimpleNamespace(rank=lambda: 1), loaded,
-                        MemoryGuard(headroom_bytes=2**30, probe=lambda: reading))
-    handle = follower._handlers
-    handle[c.OPEN](1, c.MODES.index("fp16"), 16, c.ROTATE_CODES[None], 64, 0)
-    session = follower.sessions[1]
-
-    def room() -> int:
-        handle[c.FIT](1, 100, 0, 0, 0, 0)
-        return replies.pop()[c.ROOM_TOKENS + c.MODES.index("fp16")]
-
-    before = room()
-    handle[c.CHUNK_SIZE](1, 4096, 0, 0, 0, 0)  # rank 0's Configure: larger chunks
+        opened: _Opened) -> None:
+    session = opened.session
+    before = opened.room()
+    opened.handle(c.CHUNK_SIZE, 4096)  # rank 0's Configure: larger chunks
     assert session.chunk_size == 4096
     facts = session.prefill_facts
     grown = facts.transient_bytes(4096) - facts.transient_bytes(64)
     page = session.page_size * session.kv_token_bytes
-    assert (before - room()) * session.kv_token_bytes > grown - page
+    assert (before - opened.room()) * session.kv_token_bytes > grown - page
