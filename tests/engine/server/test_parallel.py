@@ -150,9 +150,12 @@ def test_the_same_conversation_sent_twice_at_once_answers_twice(serve) -> None:
 
 
 def test_a_request_whose_client_left_while_it_waited_frees_its_place_at_once(
-        folder: Path, tmp_path: Path) -> None:
-    # One stream at a time: B waits behind A, which runs alone to its end.
-    served, stop = start_server(folder, tmp_path / "kv", parallel=1, queue_limit=1,
+        tmp_path: Path) -> None:
+    # One stream at a time: B waits behind A, which runs alone to its end. A long
+    # context, so that A still answers however long B takes to come and go.
+    long_context = make_tiny_model_dir(tmp_path / "model", "llama", endless=True, seed=1,
+                                       max_position_embeddings=131072)
+    served, stop = start_server(long_context, tmp_path / "kv", parallel=1, queue_limit=1,
                                 keepalive=0.2)
     headers = {"authorization": f"Bearer {served.key}"}
     leave_a = threading.Event()
