@@ -320,11 +320,12 @@ class AnswerStream:
         """
         self.history = mx.array(prompt[-REPETITION_CONTEXT:-1], dtype=mx.int32)
         self._pause = pause or (lambda: False)
-        said: list[bool] = []  # what ``pause`` said last: asked again, it may differ
+        paused = False  # what ``pause`` said last: asked again, it may differ
 
         def until() -> bool:
-            said[:] = [self._pause()]
-            return said[0]
+            nonlocal paused
+            paused = self._pause()
+            return paused
 
         reason = "cancelled"
         try:
@@ -333,7 +334,7 @@ class AnswerStream:
             else:
                 ended, self.paused_at = self._decode(prompt[-1], max_tokens, max_tokens,
                                                      until=until)
-                reason = ended or ("paused" if said == [True] else "length")
+                reason = ended or ("paused" if paused else "length")
             return reason
         finally:
             if reason != "paused":
