@@ -16,6 +16,8 @@ import openai
 import pytest
 from PySide6.QtCore import Qt
 
+from app.chat.model import ChatMessage
+from app.controller import ChatController
 from app.settings import Settings
 from app.window.main_window import MainWindow
 from engine.events import Finished
@@ -85,6 +87,10 @@ def test_the_app_serves_openai_clients_on_its_own_engine(qtbot, served) -> None:
     assert window.controller.local_server.sessions()[0].name.startswith("api-")
 
 
+def _last_message(controller: ChatController) -> ChatMessage:
+    return controller.model.message(controller.model.rowCount() - 1)
+
+
 def test_a_chat_answer_and_an_api_request_answer_together(qtbot, served) -> None:
     window, port = served
     host, controller = window.controller.local_server, window.controller
@@ -111,6 +117,9 @@ def test_a_chat_answer_and_an_api_request_answer_together(qtbot, served) -> None
     client = threading.Thread(target=ask, name="test-client")
     with qtbot.waitSignal(controller.answerFinished, timeout=ANSWER_TIMEOUT_MS) as done:
         qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+        # Once the chat's answer streams, so the request joins it rather than going first.
+        qtbot.waitUntil(lambda: bool(_last_message(controller).content),
+                        timeout=ANSWER_TIMEOUT_MS)
         client.start()  # it joins the chat's answer on the one engine thread
         qtbot.waitUntil(lambda: bool(replies), timeout=ANSWER_TIMEOUT_MS)
         # The API request was answered while the chat's long answer went on.
@@ -123,7 +132,7 @@ def test_a_chat_answer_and_an_api_request_answer_together(qtbot, served) -> None
     assert replies[0].choices[0].message.content is not None
     assert [mine for _rid, mine in ended] == [True, False]  # the API's ended first
     qtbot.waitUntil(lambda: host.status.state == "ready", timeout=10_000)
-    last = controller.model.message(controller.model.rowCount() - 1)
+    last = _last_message(controller)
     assert last.role == "assistant" and last.content
 
 
