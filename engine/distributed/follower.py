@@ -26,7 +26,7 @@ from engine.cache.adapter import CacheStats
 from engine.cache.batched import BatchedCache, check_batchable
 from engine.cache.modes import MODES
 from engine.distributed import rank_commands as c
-from engine.errors import EngineError
+from engine.errors import EngineError, KvBudgetExceeded
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
 from engine.models.loader import LoadedModel
@@ -123,6 +123,7 @@ class Follower:
         session = self._session(slot, c.PREFILL)
         ids = c.int_list(c.receive(self.group, mx.zeros((count,), dtype=mx.int32)))
         self._expect(session, position, c.PREFILL)
+        self._hold(session, len(ids))
         # Checkpointed here, right after the chunk: rank 0 may have sent the next
         # chunk already, so a checkpoint command of its own would come too late.
         session.forward(Chunk(ids, bool(boundary)))
@@ -130,7 +131,7 @@ class Follower:
     def _decode(self, slot: int, *args: int) -> None:
         session = self._session(slot, c.DECODE)
         token = args[-1]
-        adapter.ensure_capacity(session.cache, 1)
+        self._hold(session, 1)
         # The inner model's output ends in mlx-lm's all_gather, which rank 0 waits
         # on; only rank 0 samples, so this rank skips the vocabulary projection.
         # Not waited for: the next command's receive queues behind it, so it
@@ -151,7 +152,7 @@ class Follower:
         sessions = [self._session(slot, c.DECODE_ROWS) for slot in fields[:count]]
         tokens = fields[count:]
         for session in sessions:
-            adapter.ensure_capacity(session.cache, 1)
+            self._hold(session, 1)
         # The pass's views drop mlx-lm's ``keys`` hook (``engine.cache.batched``),
         # so no chain grows as in :meth:`_decode`; the rest as there.
         batched = BatchedCache([session.cache for session in sessions])
@@ -161,6 +162,28 @@ class Follower:
         mx.async_eval(self._step)
         for session, token in zip(sessions, tokens, strict=True):
             session.tokens.append(token)
+
+    def _hold(self, session: Session, tokens: int) -> None:
+        """Reserve the pages of ``tokens`` more tokens of ``session``: rank 0 sends
+        them once it counted this rank's room for them (its fit checks).
+
+        Raises:
+            KvBudgetExceeded: this machine's memory shrank since (the rank named).
+        """
+        try:
+            adapter.ensure_capacity(session.cache, tokens)
+            return
+        except KvBudgetExceeded:
+            # The pool's limit is the one set at its last refresh (the session's
+            # open, a ceiling); the room this rank reported since may be larger.
+            session.guard.refresh(session.session_id)
+        try:
+            adapter.ensure_capacity(session.cache, tokens)
+        except KvBudgetExceeded as error:
+            raise KvBudgetExceeded(
+                f"On rank {self.rank} ({self.names[self.rank]}): {error}",
+                tokens_requested=error.tokens_requested, tokens_fit=error.tokens_fit,
+                suggested_mode=error.suggested_mode) from error
 
     def _checkpoint(self, slot: int, boundary: int, position: int, *_: int) -> None:
         session = self._session(slot, c.CHECKPOINT)

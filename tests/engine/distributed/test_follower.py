@@ -8,10 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from engine.distributed import rank_commands as c
 from engine.distributed.follower import Follower
+from engine.errors import KvBudgetExceeded
 from engine.memory.guard import MemoryGuard, MemoryReading
 from engine.models.loader import load_model
 from engine.session.prefill import Chunk
@@ -97,3 +99,35 @@ def test_a_new_chunk_size_moves_the_room_a_follower_keeps_for_a_chunk(
     grown = facts.transient_bytes(4096) - facts.transient_bytes(64)
     page = session.page_size * session.kv_token_bytes
     assert (before - opened.room()) * session.kv_token_bytes > grown - page
+
+
+def test_a_follower_takes_the_room_it_reported_when_memory_was_freed_since_it_opened(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(str(make_tiny_model_dir(tmp_path, "llama")))
+    monkeypatch.setattr(c, "pipeline_identity", lambda group, loaded: (["mac1", "mac2"], {}))
+    replies: list[list[int]] = []
+    monkeypatch.setattr(c, "gather_replies",
+                        lambda group, row: replies.append(list(row)) or [list(row)])
+    # Free memory is all headroom while the session opens, then another app quits.
+    readings = [MemoryReading(total_bytes=2**34, available_bytes=2**30)]
+    follower = Follower(SimpleNamespace(rank=lambda: 1), loaded,
+                        MemoryGuard(headroom_bytes=2**30, probe=lambda: readings[-1]))
+    handle = follower._handlers
+    handle[c.OPEN](1, c.MODES.index("fp16"), 16, c.ROTATE_CODES[None], 64, 0)
+    readings.append(MemoryReading(total_bytes=2**34, available_bytes=2**32))
+    handle[c.FIT](1, 1, 0, 0, 0, 0)  # rank 0's check as its answer starts
+    assert replies[-1][c.ROOM_TOKENS + c.MODES.index("fp16")] > 100
+    # Rank 0 reads a conversation in and answers it within that room: this rank follows.
+    monkeypatch.setattr(c, "receive", lambda group, like: mx.arange(10, 10 + like.size))
+    handle[c.PREFILL](1, 20, 0, 0, 0, 0)
+    for token in range(40):
+        handle[c.DECODE](1, 0, 0, 0, 0, token + 10)
+    assert len(follower.sessions[1].tokens) == 60
+
+
+def test_a_follower_short_of_memory_names_its_machine(opened: _Opened) -> None:
+    session = opened.session
+    session.guard.probe = lambda: MemoryReading(total_bytes=2**34, available_bytes=2**30)
+    session.guard.refresh(session.session_id)  # other apps took the room it reported
+    with pytest.raises(KvBudgetExceeded, match=r"^On rank 1 \(mac2\): The KV memory"):
+        opened.handle(c.DECODE, 0, 0, 0, 0, 10)
