@@ -198,8 +198,18 @@ class Answering:
             EngineError: it cannot be answered, as it could not alone.
         """
         batch = self._batch_for(session)
-        batch.join(session, chat.messages, chat.sampling, request_id=command.request_id,
-                   cancel=command.cancel, emit=self._emit, tick=_no_tick, prompt=prompt)
+        answering = session.session_id in self.session_ids()
+        try:
+            batch.join(session, chat.messages, chat.sampling, request_id=command.request_id,
+                       cancel=command.cancel, emit=self._emit, tick=_no_tick, prompt=prompt)
+        except EngineError:
+            if session.followers is not None and not answering:
+                # As a read alone that fails its checks: the other ranks check their
+                # tokens and let go of what they held for it. (A session that answers
+                # already is told when that answer ends.)
+                self._ranks_ends.append(_RanksEnd(session, command.cancel.is_set(), True))
+                self._tell_ranks(batch)
+            raise
         self._hold(command, session, reused)
 
     def adopt(self, command: Command, session: Session, answer: AnswerStart,

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from engine.errors import ContextTooLong
 from engine.events import (
     AnswerWaiting,
     Failed,
@@ -25,6 +26,7 @@ from engine.events import (
 from engine.format import human_bytes
 from engine.memory.fit import MOST_STREAMS
 from engine.runtime.answering import Answering, StreamCounts
+from engine.runtime.commands import Chat, Command
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
@@ -180,6 +182,24 @@ def test_a_chat_whose_other_ranks_cannot_batch_answers_alone(endless_dir: Path) 
         ranks = SimpleNamespace(needs_checkpoints=False, batches=batches)
         session = Session("s", loaded, "q8", page_size=16, followers=ranks)
         assert answering.can_take(session) is batches
+
+
+def test_a_chat_refused_at_its_join_tells_the_other_ranks_it_ended(endless_dir: Path) -> None:
+    ends: list[tuple[int, bool, bool]] = []
+    ranks = SimpleNamespace(needs_checkpoints=False, batches=True, machines=lambda *_: (),
+                            end=lambda held, cancelled, answer=True: ends.append(
+                                (held, cancelled, answer)))
+    # A context far shorter than the conversation: refused before anything is read.
+    session = Session("s", loaded_for_session(endless_dir, max_context=8), "q8",
+                      page_size=16, followers=ranks)
+    stats = SimpleNamespace(publish=lambda session: None)
+    answering = Answering(stats, lambda event: None, lambda: None, None)  # type: ignore[arg-type]
+    chat = Chat("s", ASKED["a"], LONG)
+    with pytest.raises(ContextTooLong):
+        answering.join(Command(1, chat), chat, session, session.prompt(
+            ASKED["a"], add_generation_prompt=True), 0)
+    # As a read alone that fails its checks: they check their tokens and let go.
+    assert ends == [(0, False, True)]
 
 
 def test_stop_ends_only_its_own_answer(endless_dir: Path) -> None:
