@@ -709,6 +709,9 @@ class BatchDecoder:
                 result = self._take(row, token)
                 if result is not None:
                     results.append(result)
+            # A row paused for the next pass may have ended on this one's token.
+            answering = self.request_ids
+            self._paused = tuple(w for w in self._paused if w.request_id in answering)
         except Exception as error:
             self._fail(involved)
             raise StepFailed(error, results) from error

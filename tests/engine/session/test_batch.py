@@ -453,6 +453,38 @@ def test_a_row_short_of_a_page_waits_while_another_answer_may_give_pages_back(
     assert room.set_aside_for == ([0] if freed == "set aside" else [])
 
 
+def test_a_row_that_ends_as_it_is_paused_is_not_said_to_wait(tiny, monkeypatch) -> None:
+    loaded = tiny["llama"]
+    guard = _tight_guard(64 * 2**20)
+    sessions = {i: Session(f"batch-{i}", loaded, "fp16", guard=guard) for i in (0, 1)}
+    # Row 0's first token ends its answer, whatever it is.
+    sessions[0].end_ids = set(range(loaded.model.args.vocab_size))
+    batch = BatchDecoder(loaded.model)
+    answers = {i: Answer() for i in sessions}
+    for i, session in sessions.items():
+        batch.join(session, _messages(i), GREEDY, request_id=i, cancel=answers[i].cancel,
+                   emit=answers[i].emit, tick=lambda: None)
+    ensure = adapter.ensure_capacity
+
+    def full_once_row_0_is_fed(cache: Any, tokens: int) -> None:
+        fed = batch._queued is not None and any(row.session is sessions[0]
+                                                for row in batch._queued.rows)
+        if cache is sessions[0].cache and fed:  # its next pass finds no page
+            raise KvBudgetExceeded(f"no page for {tokens} more")
+        ensure(cache, tokens)
+
+    monkeypatch.setattr(adapter, "ensure_capacity", full_once_row_0_is_fed)
+    said_to_wait_after_its_end: list[Waiting] = []
+
+    def after_step(ended: list[int]) -> None:
+        said_to_wait_after_its_end.extend(wait for wait in batch.paused
+                                          if wait.request_id in ended)
+
+    ended = _run_to_the_end(batch, sessions, answers, lambda request_id: None, after_step)
+    assert ended[0] == 0 and answers[0].reason == "stop"
+    assert said_to_wait_after_its_end == []
+
+
 class _SetsAsideWhenItFits:
     """``HeldSessions.make_room`` over one idle chat: it is set aside only when the
     conversation fits without it and not with it."""
