@@ -152,7 +152,7 @@ class Composer(QWidget):
         row = QHBoxLayout(box)
         row.setContentsMargins(6, 4, 6, 4)
         self.attach_button = QToolButton()
-        self.attach_button.setText("＋")
+        self.attach_button.setText("+")  # in every font; the stylesheet sets its size
         self.attach_button.setObjectName("attachButton")
         self.attach_button.setToolTip("Attach documents (or drop them anywhere)")
         self.attach_button.setIconSize(QSize(18, 18))
