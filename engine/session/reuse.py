@@ -129,6 +129,9 @@ def adopt(session: Session, found: Offer) -> int:
     if not sharing.can_share(session.cache, donor.cache):
         return 0
     sharing.share_pages(session.cache, donor.cache, tokens)
+    # Before the checkpoints: a new token list drops those past what it shares
+    # with the old one, which is nothing after the reset.
+    session.tokens = [int(t) for t in donor.tokens[:tokens]]
     if donor.needs_checkpoints:
         # Its layers hold exactly ``tokens`` when no checkpoint was needed.
         states = found.states or checkpoints.take(donor.cache, tokens, boundary=True)
@@ -137,7 +140,6 @@ def adopt(session: Session, found: Offer) -> int:
         for kept in [*donor.checkpoints.kept, states]:
             if kept.tokens <= tokens:
                 session.checkpoints.add(kept)  # frozen, and copied again on every use
-    session.tokens = [int(t) for t in donor.tokens[:tokens]]
     mx.eval(adapter.eval_targets(session.cache))
     followers = getattr(session, "followers", None)
     if followers is not None and not followers.adopt(donor.followers, tokens):
