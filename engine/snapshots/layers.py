@@ -221,7 +221,9 @@ def _restore_paged(
                    f"{what}'s stored data")
         parts = [None if p is None else _repage(p, offset, stored_page_size, pool.page_size)
                  for p in parts]
-        rotations = (rotation_for(stored_rotation, head_dim, record["index"]), layer.rotation)
+        # The rotation's signs follow the model's layer number, which on a pipeline
+        # stage is not the layer's place in this rank's cache (``record["index"]``).
+        rotations = (rotation_for(stored_rotation, head_dim, layer.layer), layer.rotation)
         k_codes, k_scales, v_codes, v_scales = parts
         if k_codes is None or v_codes is None:  # check_rows refused these above
             raise LayerMismatch(f"{what}'s stored data lacks its codes")

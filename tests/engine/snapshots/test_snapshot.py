@@ -22,6 +22,7 @@ from mlx_lm.utils import load
 
 from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
+from engine.cache.rotation import HadamardRotation
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 from engine.snapshots import (
@@ -512,6 +513,34 @@ def test_pages_in_another_rotation_are_moved_into_the_sessions(models, tmp_path)
         # Requantized in the rotated basis: close to the stored rows, not equal.
         error = np.abs(np.array(restored.rotation.unrotate(keys)) - np.array(want)).max()
         assert 0 < error < 0.05 * np.abs(np.array(want)).max()
+
+
+def _as_stage(session: Session, first: int) -> Session:
+    """``session``'s paged layers numbered as a pipeline stage's that starts at model
+    layer ``first`` (``adapter.make_cache`` on a rank past the first)."""
+    for layer in _paged_layers(session):
+        layer.layer += first
+        if layer.rotation is not None:
+            layer.rotation = HadamardRotation(layer.head_dim, layer=layer.layer)
+    return session
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_a_stages_rotated_pages_are_moved_out_of_their_own_layers_rotation(
+        models, tmp_path, first):
+    loaded = models["llama"]
+    original = _as_stage(_session(loaded, "q8", rotate=True), first)
+    _ingest(original, _user(DOC))
+    save_snapshot(original, tmp_path, "chat")
+    reopened = _as_stage(_session(loaded, "q8", rotate=False), first)
+    load_snapshot(reopened, tmp_path, "chat", original.tokens, keep_last=False)
+    count = len(original.tokens)
+    for held, restored in zip(_paged_layers(original), _paged_layers(reopened), strict=True):
+        keys, _ = restored.dequantized_prefix(count, mx.float32)
+        want, _ = held.dequantized_prefix(count, mx.float32)
+        want = np.array(held.rotation.unrotate(want))
+        error = np.abs(np.array(keys) - want).max()
+        assert error < 0.05 * np.abs(want).max()
 
 
 @pytest.mark.parametrize(("stored", "target"), [("q8", "fp16"), ("q4", "q6"), ("q6", "q8")])
