@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from engine.cache import mlx_lm_compat, sharing
 from engine.cache.attention import schedule, streams
@@ -242,6 +242,13 @@ def rotation_format(cache: list[Any]) -> str | None:
     """The rotation format id every paged layer stores rows in; None if any is unrotated."""
     formats = {getattr(c.rotation, "format_id", None) for c in _paged(cache)}
     return formats.pop() if len(formats) == 1 else None
+
+
+def converts_modes(cache: list[Any]) -> bool:
+    """Whether KV stored in another mode can be restored into ``cache``: paged layers
+    convert it page by page, but mlx-lm's own attention caches (the probe's
+    fallback) hold only the mode they were made in."""
+    return not any(type(c) in (KVCache, QuantizedKVCache) for c in cache)
 
 
 def _paged(cache: list[Any]) -> list[PagedKVCache]:

@@ -326,6 +326,12 @@ def _check_compatible(
             reason="format",
         ) from None
     stored_mode = parse_mode(manifest["mode"])
+    if stored_mode != session.mode and not adapter.converts_modes(session.cache):
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} is {stored_mode}; this chat runs {session.mode} on "
+            "mlx-lm's own cache, which cannot convert it, so the conversation is read again.",
+            reason="mode",
+        )
     if not can_convert(stored_mode, session.mode):
         raise SnapshotRejected(
             f"Stored KV for {name!r} is {stored_mode}; {session.mode} is a higher "

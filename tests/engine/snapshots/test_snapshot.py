@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +24,8 @@ from mlx_lm.utils import load
 from engine.cache import adapter, kvquant
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.rotation import HadamardRotation
+from engine.models.loader import load_model
+from engine.models.probe import MLX_LM, ProbeResult
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 from engine.snapshots import (
@@ -541,6 +544,29 @@ def test_a_stages_rotated_pages_are_moved_out_of_their_own_layers_rotation(
         want = np.array(held.rotation.unrotate(want))
         error = np.abs(np.array(keys) - want).max()
         assert error < 0.05 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(("stored", "target"), [("q8", "q4"), ("fp16", "q8")])
+def test_kv_of_another_mode_is_not_restored_into_mlx_lms_own_cache_and_is_kept(
+        models, tmp_path, stored, target):
+    base = models["llama"]
+    # The probe's fallback: mlx-lm's own cache, quantized at the mode's bits.
+    real = replace(load_model(base.folder, probe=False), model=base.model,
+                   tokenizer=base.tokenizer, probe=ProbeResult(
+                       MLX_LM, "the paged cache differs here", None, quantized=True))
+    loaded = SimpleNamespace(**vars(real), folder=base.folder)
+    original = _session(loaded, stored)
+    _ingest(original, _user(DOC))
+    save_snapshot(original, tmp_path, "chat")
+    reopened = _session(loaded, target)
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(reopened, tmp_path, "chat", original.tokens, keep_last=False)
+    # Not damaged: kept, for the chat that reopens it in its own mode.
+    assert caught.value.reason == "mode" and not caught.value.removed
+    assert reopened.tokens == [] and (tmp_path / "chat.json").exists()
+    again = _session(loaded, stored)
+    assert load_snapshot(again, tmp_path, "chat", original.tokens,
+                         keep_last=False) == len(original.tokens)
 
 
 @pytest.mark.parametrize(("stored", "target"), [("q8", "fp16"), ("q4", "q6"), ("q6", "q8")])
