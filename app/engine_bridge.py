@@ -19,6 +19,7 @@ requests of the worker replaced still end at their handlers.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import sys
 import threading
@@ -29,6 +30,7 @@ from PySide6.QtCore import QObject, Qt, Signal, Slot
 from engine import (
     DEFAULT_READ_SHARE,
     AnswerWaiting,
+    EngineStopped,
     Event,
     Failed,
     Finished,
@@ -114,6 +116,7 @@ class EngineBridge(QObject):
         self._settings = (budget_bytes, chunk_size, read_share)
         self._own_factory = worker_factory
         self._offset = 0  # added to the ids of the current worker's requests
+        self._refused = itertools.count(-1, -1)  # ids of requests no worker took
         self._worker = worker_factory(self._events_from(0), *self._settings)
         self._retiring: list[tuple[Worker, int]] = []  # replaced workers, their offsets
         self._handlers: dict[int, Handler | None] = {}
@@ -228,9 +231,16 @@ class EngineBridge(QObject):
             if self._retiring:
                 self._retire_idle()
 
-    def _submit(self, request_id: int, handler: Handler | None,
+    def _submit(self, request: Callable[[], int], handler: Handler | None,
                 cancel: threading.Event | None = None) -> int:
-        request_id += self._offset  # the worker's own id, made unique across workers
+        """Send ``request`` (a call that queues it on the worker, returning its id);
+        the id its events carry here."""
+        try:
+            request_id = request() + self._offset  # unique across workers
+        except EngineStopped as stopped:
+            # No engine thread will end it: it fails here, once its handler is set.
+            request_id = next(self._refused)
+            self._relay.emit(Failed(request_id, str(stopped), type(stopped).__name__))
         self._handlers[request_id] = handler
         if cancel is not None:
             self._cancels[request_id] = cancel
@@ -258,7 +268,7 @@ class EngineBridge(QObject):
 
     def load_model(self, path: str, handler: Handler) -> int:
         """Load a model folder (or "demo"); ``handler`` gets ``ModelLoaded``, then the ending."""
-        return self._submit(self._worker.load_model(path), handler)
+        return self._submit(lambda: self._worker.load_model(path), handler)
 
     def open_session(self, session_id: str, mode: KvMode, page_size: int, rotate: bool | None,
                      handler: Handler) -> int:
@@ -266,27 +276,28 @@ class EngineBridge(QObject):
 
         ``handler`` gets ``SessionOpened``, then the ending.
         """
-        return self._submit(self._worker.open_session(session_id, mode, page_size, rotate),
-                            handler)
+        return self._submit(
+            lambda: self._worker.open_session(session_id, mode, page_size, rotate), handler)
 
     def chat(self, session_id: str, messages: list[dict[str, str]],
              sampling: SamplingParams, handler: Handler) -> int:
         """Ingest what is new in ``messages`` and stream an answer into ``handler``."""
         cancel = threading.Event()
-        rid = self._worker.chat(session_id, messages, sampling, cancel)
-        return self._submit(rid, handler, cancel)
+        return self._submit(lambda: self._worker.chat(session_id, messages, sampling, cancel),
+                            handler, cancel)
 
     def ingest(self, session_id: str, messages: list[dict[str, str]], handler: Handler) -> int:
         """Prefill ``messages`` without generating; ``handler`` gets its progress and ending."""
         cancel = threading.Event()
-        return self._submit(self._worker.ingest(session_id, messages, cancel), handler, cancel)
+        return self._submit(lambda: self._worker.ingest(session_id, messages, cancel), handler,
+                            cancel)
 
     def check_quality(self, session_id: str, messages: list[dict[str, str]],
                       handler: Handler) -> int:
         """Measure the session's KV mode against fp16 on the conversation's last tokens."""
         cancel = threading.Event()
-        rid = self._worker.check_quality(session_id, messages, cancel)
-        return self._submit(rid, handler, cancel)
+        return self._submit(lambda: self._worker.check_quality(session_id, messages, cancel),
+                            handler, cancel)
 
     def cancel(self, request_id: int | None = None) -> None:
         """Cancel one request, or every running one."""
@@ -303,20 +314,20 @@ class EngineBridge(QObject):
         if settings == self._settings:
             return None
         self._settings = settings
-        return self._submit(self._worker.configure(
+        return self._submit(lambda: self._worker.configure(
             budget_bytes=budget_bytes, chunk_size=chunk_size, read_share=read_share), None)
 
     def set_snapshot_budget(self, budget_bytes: int | None) -> int:
         """Apply the stored-KV disk budget (None: default); answers with storedKv."""
-        return self._submit(self._worker.set_snapshot_budget(budget_bytes), None)
+        return self._submit(lambda: self._worker.set_snapshot_budget(budget_bytes), None)
 
     def clear_stored_kv(self, session_id: str | None = None) -> int:
         """Delete one chat's stored KV (None: all), on the worker; answers with storedKv."""
-        return self._submit(self._worker.clear_snapshots(session_id), None)
+        return self._submit(lambda: self._worker.clear_snapshots(session_id), None)
 
     def close_session(self, session_id: str, store: bool = True) -> None:
         """Free a session's pages, storing its KV first unless ``store`` is False."""
-        self._submit(self._worker.close_session(session_id, store), None)
+        self._submit(lambda: self._worker.close_session(session_id, store), None)
 
     def latest_stats(self) -> StatsSample | None:
         """The worker's last stats snapshot (thread-safe, no MLX call)."""

@@ -98,7 +98,7 @@ _PUBLIC = {
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
-        "MemoryPressure", "DiskFault")},
+        "MemoryPressure", "DiskFault", "EngineStopped")},
 }
 
 # Modules the app uses as a whole: their names are short only inside them.
@@ -126,6 +126,7 @@ __all__ = [
     "DocumentTooLong",
     "DownloadProgress",
     "EngineError",
+    "EngineStopped",
     "EngineWorker",
     "Event",
     "Failed",
@@ -224,6 +225,7 @@ if TYPE_CHECKING:
         DocumentError,
         DocumentTooLong,
         EngineError,
+        EngineStopped,
         InsufficientMemory,
         KvBudgetExceeded,
         MemoryPressure,

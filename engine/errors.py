@@ -84,6 +84,10 @@ class Cancelled(EngineError):
     """An ingest or generation was cancelled by the user."""
 
 
+class EngineStopped(EngineError):
+    """The engine thread stopped on an unexpected error: no request can run any more."""
+
+
 class InsufficientMemory(EngineError):
     """A model load (or other allocation) needs more memory than is free.
 

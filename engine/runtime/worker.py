@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from engine import disk
 from engine.cache.modes import DEFAULT_MODE, KvMode
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineStopped
 from engine.events import (
     AnswerWaiting,
     Event,
@@ -145,6 +145,10 @@ class EngineWorker(Worker):
         self._ids = itertools.count(1)
         self._current: Command | None = None
         self._stopping = threading.Event()
+        # Set once the thread stopped on an error, under the lock every submit
+        # holds: a request queued before is ended with the rest, one after refused.
+        self._stopped_on: str | None = None  # why, in words
+        self._submit_lock = threading.Lock()
         self._stop_taken = False  # the engine thread took the stop sentinel
         self._told: dict[int, str] = {}  # why each chat waiting to start waits, as said
         self._overhead: tuple[weakref.ref, str, TurnOverhead] | None = None
@@ -385,14 +389,17 @@ class EngineWorker(Worker):
         """
         if isinstance(request, CloseSession):
             self._cancel_running_in(request.session_id)
-        request_id = next(self._ids)
-        command = Command(request_id, request, cancel or threading.Event())
-        if self._stopping.is_set():
-            command.cancel.set()
-        if isinstance(request, JOINERS):
-            with self._joiners_lock:
-                self._joiners_queued += 1
-        self._queue.put(command)
+        with self._submit_lock:
+            if self._stopped_on is not None:
+                raise EngineStopped(self._stopped_on)
+            request_id = next(self._ids)
+            command = Command(request_id, request, cancel or threading.Event())
+            if self._stopping.is_set():
+                command.cancel.set()
+            if isinstance(request, JOINERS):
+                with self._joiners_lock:
+                    self._joiners_queued += 1
+            self._queue.put(command)
         return request_id
 
     def _cancel_running_in(self, session_id: str) -> None:
@@ -438,6 +445,10 @@ class EngineWorker(Worker):
             self._serve()
         except Exception as error:  # a bug past every request's own handling
             log.exception("the engine thread stopped")
+            with self._submit_lock:
+                self._stopped_on = (
+                    f"The engine stopped on an unexpected error ({type(error).__name__}: "
+                    f"{error}); quit Longleaf and open it again (or restart the server).")
             self._fail_outstanding(error)
         finally:
             # MLX does not clean a thread's streams up by itself; without this the

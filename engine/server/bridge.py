@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.cache.modes import DEFAULT_MODE, KvMode
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineStopped
 from engine.events import Event, Failed, Finished, ModelLoaded, Notice, request_id_of
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.interface import Worker
@@ -300,7 +300,8 @@ class ServerBridge:
 
         Raises:
             QueueFull: the queue limit is reached.
-            NotReady: the model went away since the request began (a lost pipeline).
+            NotReady: the model went away since the request began (a lost pipeline),
+                or the engine thread stopped on an error.
         """
         ticket = Ticket(loop)
         with self._lock:
@@ -313,16 +314,19 @@ class ServerBridge:
                 raise QueueFull(f"The engine answers {answering} requests at once, with "
                                 f"{self._in_flight - answering} more waiting (the server's "
                                 "queue limit); try again shortly.")
+            try:
+                name, shared = self._continued(prompt, mode)
+                if name is None:
+                    name = self._open(mode, ticket)
+                ticket.chat_id = self.worker.chat(name, messages, sampling, cancel,
+                                                  tools=tools, template=template)
+            except EngineStopped as stopped:  # no thread will ever answer it
+                raise NotReady(str(stopped)) from stopped
             self._in_flight += 1
-            name, shared = self._continued(prompt, mode)
-            if name is None:
-                name = self._open(mode, ticket)
             ticket.reused = min(shared, len(prompt) - 1)
             self._sessions[name] = (mode, list(prompt))
             self._sessions.move_to_end(name)
             ticket.session, ticket.mode = name, mode
-            ticket.chat_id = self.worker.chat(name, messages, sampling, cancel, tools=tools,
-                                              template=template)
             self._tickets[ticket.chat_id] = ticket
         return ticket
 
@@ -330,7 +334,10 @@ class ServerBridge:
         """Drop the session a failed request ran on from the ones to continue
         (under the lock)."""
         if self._sessions.pop(session, None) is not None:
-            self.worker.close_session(session, store=False)
+            try:
+                self.worker.close_session(session, store=False)
+            except EngineStopped:
+                log.info("%s not closed: the engine thread has stopped", session)
 
     def _continued(self, prompt: list[int], mode: KvMode) -> tuple[str | None, int]:
         """The idle held session whose last prompt ``prompt`` continues, and how many

@@ -13,7 +13,7 @@ from app.controller import ChatController
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
-from engine import Failed, Finished, ModelLoaded, PipelineLost, TokenChunk
+from engine import EngineStopped, Failed, Finished, ModelLoaded, PipelineLost, TokenChunk
 from tests.app.scripted import ScriptedWorker
 
 
@@ -160,4 +160,28 @@ def test_settings_unchanged_are_not_sent_again(qtbot) -> None:
     assert bridge.configure(None, 512, 0.25) is not None
     assert bridge.configure(None, 512, 0.25) is None
     assert worker.names() == ["configure"]
+    bridge.shutdown(0)
+
+
+class StoppedWorker(ScriptedWorker):
+    """A worker whose engine thread stopped on a bug: it takes no request."""
+
+    def chat(self, *args, **kwargs) -> int:
+        raise EngineStopped("The engine stopped on an unexpected error (RuntimeError: x).")
+
+    close_session = chat
+
+
+def test_a_request_the_stopped_engine_refuses_fails_at_its_handler(qtbot) -> None:
+    bridge = EngineBridge(worker_factory=lambda *_: StoppedWorker())
+    bridge.start()
+    seen: list[object] = []
+    rid = bridge.chat("s", [], None, seen.append)
+    failed: list[object] = []
+    bridge.failed.connect(failed.append)
+    bridge.close_session("s")  # no handler: the window's banner says it
+    qtbot.waitUntil(lambda: bool(seen) and bool(failed))
+    assert seen == [Failed(rid, "The engine stopped on an unexpected error (RuntimeError: x).",
+                           "EngineStopped")]
+    assert bridge.pending == 0
     bridge.shutdown(0)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine.errors import ContextTooLong
+from engine.errors import ContextTooLong, EngineStopped
 from engine.events import (
     AnswerWaiting,
     Failed,
@@ -637,6 +637,11 @@ def test_answers_end_when_the_engine_thread_stops_on_a_bug(
         endings = [log.ending(request) for request in requests]
         assert all(isinstance(e, Failed) and "a bug past" in e.message for e in endings)
         assert worker.join(10.0) and not worker.alive
+        # A request after that is refused at once, saying so, rather than queued
+        # where no thread will ever take it.
+        with pytest.raises(EngineStopped, match=r"^The engine stopped on an unexpected "
+                                                r"error \(RuntimeError: a bug past"):
+            worker.chat("a", ASKED["a"], LONG, threading.Event())
 
 
 def test_a_close_stops_the_requests_waiting_in_its_session_ahead_of_it(

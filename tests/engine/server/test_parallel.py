@@ -221,3 +221,12 @@ def test_a_request_answering_when_the_engine_stops_is_told_and_health_says_so(
     health = httpx.get(served.url + "/health")
     assert health.status_code == 503 and health.json()["status"] == "error"
     assert "restart the server" in health.json()["message"]
+    # A request after that is refused at once (503, the engine's words), not queued
+    # where nothing takes it; again and again, without filling the queue.
+    client = _client(served).with_options(max_retries=0, timeout=30)
+    for _ in range(3):
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model="m", max_tokens=4, messages=[
+                {"role": "user", "content": "Still there?"}])
+        assert refused.value.status_code == 503
+        assert "The engine stopped on an unexpected error" in str(refused.value)
