@@ -370,6 +370,14 @@ def tools_of(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str |
     for index, tool in enumerate(tools):
         function = tool if anthropic else (tool.get("function") if isinstance(tool, dict)
                                            else None)
+        kind = tool.get("type", "custom") if anthropic and isinstance(tool, dict) else None
+        if kind not in (None, "custom"):
+            # Anthropic's own tools (web search, code execution, bash, …) are run by
+            # its servers or defined by its models; offered here as a bare name the
+            # model would call something nobody runs.
+            raise BadRequest(f"tools[{index}] is Anthropic's {kind!r} tool, which this "
+                             "server does not run: offer it as a custom tool with an "
+                             "'input_schema', or leave it out.", "tools")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             shape = "a 'name'" if anthropic else "a 'function' with a 'name'"
             raise BadRequest(f"tools[{index}] must be an object with {shape}.", "tools")

@@ -131,6 +131,19 @@ def test_bad_tools_are_400(body: dict) -> None:
         protocol.openai_chat({"messages": [{"role": "user", "content": "x"}], **body}, 5)
 
 
+@pytest.mark.parametrize("tool", [
+    {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+    {"type": "bash_20250124", "name": "bash"},
+])
+def test_anthropics_own_tools_are_400_not_offered_as_bare_names(tool: dict) -> None:
+    with pytest.raises(protocol.BadRequest, match=rf"Anthropic's '{tool['type']}' tool"):
+        protocol.anthropic_messages({"max_tokens": 5, "messages": MESSAGES,
+                                     "tools": [ANTHROPIC_WEATHER, tool]})
+    # A custom tool may say so.
+    assert protocol.anthropic_messages({"max_tokens": 5, "messages": MESSAGES, "tools": [
+        {**ANTHROPIC_WEATHER, "type": "custom"}]}).tools
+
+
 def test_openai_tool_call_not_streamed_then_streamed(tooled: Served, forced) -> None:
     forced(CALL)
     api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
