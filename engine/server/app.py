@@ -564,16 +564,17 @@ class Server:
 
     async def ollama_chat(self, request: Request) -> Response:
         self._check_ready()
-        chat = ollama.chat_request(await self._body(request), self.bridge.max_context)
+        body = await self._body(request)
+        if isinstance(body, dict) and body.get("messages") == []:
+            return _ollama_loaded(body, {"message": {"role": "assistant", "content": ""}})
+        chat = ollama.chat_request(body, self.bridge.max_context)
         return await self._ollama_answer(request, chat, chat_api=True)
 
     async def ollama_generate(self, request: Request) -> Response:
         self._check_ready()
         body = await self._body(request)
         if isinstance(body, dict) and not body.get("prompt") and not body.get("messages"):
-            # An empty prompt loads the model, in Ollama: here it is loaded already.
-            return JSONResponse({"model": protocol.model_name(body), "created_at": ollama.now(),
-                                 "response": "", "done": True, "done_reason": "load"})
+            return _ollama_loaded(body, {"response": ""})
         chat = ollama.generate_request(body, self.bridge.max_context)
         return await self._ollama_answer(request, chat, chat_api=False)
 
@@ -985,6 +986,13 @@ class Run:
         if event.reason == "cancelled" and self.stopped_by is None:
             finish = "cancelled"
         return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode)
+
+
+def _ollama_loaded(body: dict, empty: dict) -> JSONResponse:
+    """Ollama's answer to a request with nothing to answer, which loads the model
+    there (clients send one to preload it): here it is loaded already."""
+    return JSONResponse({"model": protocol.model_name(body), "created_at": ollama.now(),
+                         **empty, "done": True, "done_reason": "load"})
 
 
 def _not_ready(message: str) -> ApiError:

@@ -184,8 +184,12 @@ def generate_request(body: Any, context: int) -> ChatRequest:
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise BadRequest("'raw' must be true or false.", "raw")
+    if raw and system:
+        # As Ollama refuses it: a raw prompt goes as written, with no template to
+        # put a system prompt in.
+        raise BadRequest("A 'raw' prompt is sent as written: it takes no 'system'.", "raw")
     messages = [{"role": "user", "content": prompt}]
-    if system and not raw:
+    if system:
         messages.insert(0, {"role": "system", "content": system})
     return ChatRequest(
         messages=messages, sampling=_sampling(options, context, body),

@@ -108,6 +108,20 @@ def test_pull_says_how_longleaf_gets_models(served: Served) -> None:
     assert "--model" in raised.value.error and raised.value.status_code == 501
 
 
+def test_a_request_with_nothing_to_answer_preloads_as_in_ollama(served: Served) -> None:
+    api = client(served)
+    chat = api.chat(model="m", messages=[])
+    assert chat.done and chat.done_reason == "load" and chat.message.content == ""
+    generated = api.generate(model="m", prompt="")
+    assert generated.done and generated.done_reason == "load" and generated.response == ""
+
+
+def test_a_raw_prompt_with_a_system_prompt_is_refused_as_in_ollama(served: Served) -> None:
+    with pytest.raises(ollama.ResponseError) as raised:
+        client(served).generate(model="m", prompt="Hi", system="Be terse.", raw=True)
+    assert raised.value.status_code == 400 and "'system'" in raised.value.error
+
+
 @pytest.fixture(scope="module")
 def tooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("ollama-tools")
