@@ -53,6 +53,9 @@ SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline ye
 # own name to 127.0.0.1 still sends that name as the Host).
 ENGINE_STOPPED = ("The engine stopped on an unexpected error (the server's log says which); "
                   "restart the server.")
+STOPPED_BY_SERVER = ("The server stopped this answer before its end: its session was closed "
+                     "(the model is changing, or the server is stopping). Send the request "
+                     "again.")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
                     "not_found_error", "request_too_large", "rate_limit_error", "api_error",
@@ -958,6 +961,11 @@ class Run:
                 elif isinstance(event, Finished) and event.request_id == self.ticket.chat_id:
                     if held and self.stopped_by is None:
                         yield held
+                    if event.reason == "cancelled" and self.stopped_by is None:
+                        # Not by its client (gone, it reads nothing more) nor a stop
+                        # sequence: the server closed its session (a model switch,
+                        # the server stopping). A cut answer must not look finished.
+                        raise _not_ready(STOPPED_BY_SERVER)
                     yield self._outcome(event, generated)
                     return
         finally:
@@ -983,8 +991,6 @@ class Run:
         prompt = stats.prompt_tokens if stats and stats.prompt_tokens else self.prompt_tokens
         fed = stats.prefill_tokens if stats else prompt
         finish = "stop" if self.stopped_by or event.reason == "stop" else "length"
-        if event.reason == "cancelled" and self.stopped_by is None:
-            finish = "cancelled"
         return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode)
 
 

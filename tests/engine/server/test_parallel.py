@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -230,3 +232,60 @@ def test_a_request_answering_when_the_engine_stops_is_told_and_health_says_so(
                 {"role": "user", "content": "Still there?"}])
         assert refused.value.status_code == 503
         assert "The engine stopped on an unexpected error" in str(refused.value)
+
+
+def test_answers_the_server_stops_end_as_errors_not_as_finished_answers(serve) -> None:
+    served = serve(parallel=3)
+    # Greedy: the model then never ends its turn, so each answer is cut by the close.
+    started: set[str] = set()
+    ends: dict[str, object] = {}
+
+    def with_openai() -> None:
+        try:
+            for chunk in _client(served).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": ASKED["a"]}],
+                    max_tokens=3000, temperature=0, stream=True):
+                started.add("openai")
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    ends["openai"] = chunk.choices[0].finish_reason
+        except openai.APIError as error:
+            ends["openai"] = error
+
+    def with_anthropic() -> None:
+        client = anthropic.Anthropic(base_url=served.url, api_key=served.key, max_retries=0)
+        try:
+            with client.messages.stream(model="m", max_tokens=3000, messages=[
+                    {"role": "user", "content": ASKED["b"]}],
+                    extra_body={"temperature": 0}) as stream:
+                for _ in stream.text_stream:
+                    started.add("anthropic")
+                ends["anthropic"] = stream.get_final_message().stop_reason
+        except anthropic.APIError as error:
+            ends["anthropic"] = error
+
+    def with_ollama() -> None:
+        with httpx.stream("POST", served.url + "/api/chat", timeout=60,
+                          headers={"authorization": f"Bearer {served.key}"},
+                          json={"model": "m", "options": {"num_predict": 3000,
+                                                          "temperature": 0},
+                                "messages": [{"role": "user", "content": ASKED["c"]}]}) as r:
+            for line in r.iter_lines():
+                started.add("ollama")
+                ends["ollama"] = json.loads(line)
+
+    threads = [threading.Thread(target=run) for run in (with_openai, with_anthropic,
+                                                         with_ollama)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while len(started) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for name in list(served.bridge._sessions):  # as the app's server does on a model switch
+        served.bridge.worker.close_session(name, store=True)
+    for thread in threads:
+        thread.join(60)
+    said = "The server stopped this answer before its end"
+    assert isinstance(ends.get("openai"), openai.APIError), ends
+    assert isinstance(ends.get("anthropic"), anthropic.APIError), ends
+    assert said in str(ends["openai"]) and said in str(ends["anthropic"]), ends
+    assert said in ends["ollama"].get("error", ""), ends  # type: ignore[union-attr]
