@@ -6,9 +6,12 @@ the typing stops and at once when an attachment comes or goes, so a crash
 loses at most that moment; switching chats saves the one left at once and
 shows the one opened. What is in the composer while no chat is shown goes
 with the chat the next send or New Chat makes. A file still being read when
-the chat changes is not part of the draft (it is dropped with its chip). A draft
-the history cannot take (a full or read-only disk) is kept in memory for the
-run and shown again when its chat is.
+the chat changes goes to the draft of the chat it was dropped into once read
+(the window calls ``add_file``). An earlier message put back to edit sets the
+draft aside: the draft saved stays the user's own, and it comes back to the
+composer once the edit is sent or its chat is left. A draft the history cannot
+take (a full or read-only disk) is kept in memory for the run and shown again
+when its chat is.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Drafts(QObject):
         self._files_timer.timeout.connect(self.save_now)
         # Drafts the history could not take, by chat: the newest word on them.
         self._unsaved: dict[str | None, tuple[str, tuple[AttachmentRecord, ...]]] = {}
+        # The draft an edit took the composer from: (its chat, its text, its files).
+        self._set_aside: tuple[str | None, str, tuple[AttachmentRecord, ...]] | None = None
         composer.edit.textChanged.connect(self._typed)
         controller.currentSessionChanged.connect(self._switched)
         self._show(*self._draft(self.session_id))
@@ -62,7 +67,35 @@ class Drafts(QObject):
         """Write the shown chat's draft (the window closes, the typing paused, a file came)."""
         self._timer.stop()
         self._files_timer.stop()
+        aside = self._set_aside
+        if aside is not None and aside[0] == self.session_id:
+            self._save(*aside)  # the edit's text is a message of the history
+            return
         self._save(self.session_id, self.composer.text(), tuple(self.attachments.values()))
+
+    def begin_edit(self, text: str, files: tuple[AttachmentRecord, ...]) -> None:
+        """Show an earlier message to edit, setting the draft in the composer aside
+        until the edit is sent (:meth:`end_edit`) or its chat is left."""
+        if self._set_aside is None or self._set_aside[0] != self.session_id:
+            self.save_now()
+            self._set_aside = (self.session_id, self.composer.text(),
+                               tuple(self.attachments.values()))
+        self.show_attachments(files)
+        self._show_text(text)
+
+    def end_edit(self) -> None:
+        """The edit was sent: the draft it set aside comes back to the composer."""
+        aside, self._set_aside = self._set_aside, None
+        if aside is not None and aside[0] == self.session_id:
+            self._show(aside[1], aside[2])
+        self.save_now()
+
+    def add_file(self, session_id: str | None, record: AttachmentRecord) -> None:
+        """Add ``record`` to the draft of ``session_id``, a chat not shown now (a file
+        read in after its chat was left)."""
+        text, files = self._draft(session_id)
+        if len(files) < MAX_FILES:
+            self._save(session_id, text, (*files, record))
 
     def save_soon(self) -> None:
         """Write the draft within ``SAVE_FILES_EVERY_MS`` (a file came and more are being
@@ -122,16 +155,20 @@ class Drafts(QObject):
             self.session_id = new_id
             self.save_now()
             return
-        self.save_now()
+        self.save_now()  # with an edit under way, the draft it set aside
+        self._set_aside = None  # the chat left: its edit is given up
         self.session_id = new_id
         self._show(draft, files)
 
     def _show(self, text: str, files: tuple[AttachmentRecord, ...]) -> None:
         self.said = ""
-        if files or self.attachments:
+        if files or self.attachments or self.composer.chips:  # files still read too
             self.show_attachments(files)
             if len(files) > MAX_FILES:  # keep what is shown, so the next start is quick
                 self._save(self.session_id, text, tuple(self.attachments.values()))
+        self._show_text(text)
+
+    def _show_text(self, text: str) -> None:
         if text == self.composer.text():
             return
         self._loading = True

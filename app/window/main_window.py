@@ -101,6 +101,7 @@ class MainWindow(QMainWindow):
         self.attachments: dict[int, AttachmentRecord] = {}
         self._left_out = ""  # files of the last drop past MAX_FILES, as said
         self._left_out_jobs: set[int] = set()  # that drop's files still being read
+        self._reading_for: dict[int, str | None] = {}  # files being read: the chat each came to
         self.closed_at: float | None = None
         self._opened_folder: str | None = None
         self.downloads = Downloads(self)
@@ -355,7 +356,8 @@ class MainWindow(QMainWindow):
             self.composer.set_text("")
             self.attachments.clear()
             self.composer.clear_chips()
-            self.drafts.save_now()  # the attachments sent are no draft any more
+            # The attachments sent are no draft any more; a draft an edit set aside is.
+            self.drafts.end_edit()
             self.composer.show_notice("")
             self.banner.hide()
             self.fit.schedule()
@@ -447,9 +449,7 @@ class MainWindow(QMainWindow):
         self.statusBar().setVisible(bool(text))
 
     def _on_edit_requested(self, text: str, attachments: Sequence[AttachmentRecord]) -> None:
-        self.composer.set_text(text)
-        self.drafts.show_attachments(tuple(attachments))
-        self.drafts.save_now()
+        self.drafts.begin_edit(text, tuple(attachments))
         self.banner.show_message("Editing your last message: sending replaces it and its answer.",
                                  "info")
 
@@ -493,6 +493,7 @@ class MainWindow(QMainWindow):
         for path in taken:
             job_id = self.loader.load(path, self.fit.room(Path(path).name) or 131_072)
             self.composer.add_chip(job_id, Path(path).name)
+            self._reading_for[job_id] = self.drafts.session_id
             if left_out:
                 self._left_out_jobs.add(job_id)
 
@@ -505,9 +506,15 @@ class MainWindow(QMainWindow):
         return f"{said} {self._left_out}".strip()
 
     def _on_loaded(self, job_id: int, record: AttachmentRecord, notes: tuple) -> None:
-        chip = self.composer.chips.get(job_id)
-        if chip is None:  # removed while it was being read
+        if job_id not in self._reading_for:  # removed while it was being read
             return
+        dropped_in = self._reading_for.pop(job_id)
+        if dropped_in not in (None, self.drafts.session_id):  # its chat was left since
+            self.drafts.add_file(dropped_in, record)
+            return
+        chip = self.composer.chips.get(job_id)
+        if chip is None:  # its chat was left and shown again: the switch took its chip
+            chip = self.composer.add_chip(job_id, record.name)
         chip.set_record(record)
         self.attachments[job_id] = record
         if self.loader.pending:
@@ -518,10 +525,12 @@ class MainWindow(QMainWindow):
         self.fit.schedule()
 
     def _on_load_failed(self, job_id: int, message: str) -> None:
+        self._reading_for.pop(job_id, None)
         self.composer.remove_chip(job_id)
         self.composer.show_notice(self._notice_for(job_id, message))
 
     def _remove_attachment(self, job_id: int) -> None:
+        self._reading_for.pop(job_id, None)
         self.attachments.pop(job_id, None)
         self.composer.remove_chip(job_id)
         self.drafts.save_now()

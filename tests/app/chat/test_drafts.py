@@ -162,3 +162,61 @@ def test_unsent_attachments_are_part_of_the_draft_across_switches_and_restarts(
         assert second.controller.store.draft(with_file.id) == ""
     finally:
         close_window(second)
+
+
+def _answered(qtbot, window, text: str) -> None:
+    _type(qtbot, window, text)
+    with qtbot.waitSignal(window.controller.answerFinished, timeout=ANSWER_TIMEOUT_MS):
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+
+
+def test_an_edit_sets_the_draft_aside_and_gives_it_back_once_sent(qtbot, window) -> None:
+    c = window.controller
+    chat = c.new_session("q8")
+    _answered(qtbot, window, "Original question")
+    _type(qtbot, window, "a long draft I was typing")
+    c.begin_edit()
+    assert window.composer.text() == "Original question"
+    # What is saved stays the draft: a crash mid-edit loses none of it.
+    window.drafts.save_now()
+    assert c.store.draft(chat.id) == "a long draft I was typing"
+    _answered(qtbot, window, "Edited question")
+    assert [m.content for m in c.store.messages(chat.id) if m.role == "user"] == [
+        "Edited question"]
+    assert window.composer.text() == "a long draft I was typing"
+    assert c.store.draft(chat.id) == "a long draft I was typing"
+
+
+def test_leaving_a_chat_mid_edit_gives_its_draft_back(qtbot, window) -> None:
+    c = window.controller
+    chat = c.new_session("q8")
+    _answered(qtbot, window, "Original question")
+    _type(qtbot, window, "a long draft I was typing")
+    c.begin_edit()
+    other = c.new_session("q4")  # e.g. to follow another chat's answer
+    c.select_session(chat.id)
+    # The edit was given up with the switch: the box holds the draft again, not the
+    # old message (sent, it would have come as a second question).
+    assert not c.editing and window.composer.text() == "a long draft I was typing"
+    assert c.store.draft(chat.id) == "a long draft I was typing"
+    assert c.store.draft(other.id) == ""
+
+
+def test_a_file_still_read_when_its_chat_is_left_goes_to_that_chats_draft(
+        qtbot, window, tmp_path) -> None:
+    doc = tmp_path / "pines.md"
+    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 10)
+    c = window.controller
+    dropped_in = c.new_session("q8")
+    other = c.new_session("q4")
+    c.select_session(dropped_in.id)
+    window.add_files([str(doc)])
+    c.select_session(other.id)  # before the file is read: its read ends off screen
+    qtbot.waitUntil(lambda: not window.loader.pending, timeout=20_000)
+    qtbot.wait(50)
+    assert not window.attachments and not window.composer.chips
+    assert c.store.draft_attachments(other.id) == ()
+    (record,) = c.store.draft_attachments(dropped_in.id)
+    assert record.name == "pines.md"
+    c.select_session(dropped_in.id)
+    assert tuple(window.attachments.values()) == (record,)
