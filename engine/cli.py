@@ -20,7 +20,16 @@ from engine.cache import kvquant
 from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
 from engine.distributed.launch import join_group, launch, rank_report_dir, write_rank_report
 from engine.errors import EngineError, UnsupportedModeError
-from engine.events import Event, Failed, Finished, ModelLoaded, Notice, StatsSample, TokenChunk
+from engine.events import (
+    AnswerWaiting,
+    Event,
+    Failed,
+    Finished,
+    ModelLoaded,
+    Notice,
+    StatsSample,
+    TokenChunk,
+)
 from engine.format import GB
 from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
@@ -65,6 +74,8 @@ class _Collector:
             self.stats = event
         elif isinstance(event, Notice):
             self.notices.append(event.message)
+        elif isinstance(event, AnswerWaiting):
+            self.notices.append(event.reason)
         elif isinstance(event, ModelLoaded):
             self.info = event.info
         elif isinstance(event, Finished | Failed):

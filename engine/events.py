@@ -261,7 +261,8 @@ class AnswerWaiting:
     """An answer waits to join the ones answering together: memory cannot hold
     its pages and its share of a step beside them yet (or one before it waits).
     Or, once answering, it waits for its next page, which another answer under
-    the same memory may give back when it ends.
+    the same memory may give back when it ends. Or a conversation being read in
+    waits for free memory to read its next chunk (other programs hold it).
 
     Sent when it starts waiting and each time the reason changes (again when it
     waits again after going on); its reading progress or next token follows once

@@ -205,7 +205,7 @@ class Answers(QObject):
             if event.reason == "cancelled" and kept is not None:
                 reason = stopped_reading(*kept)
             if event.reason == "memory":
-                self.errorRaised.emit(self._about(job.session_id, MEMORY_STOP))
+                self.errorRaised.emit(self.about(job.session_id, MEMORY_STOP))
             self.finish_answer(job.session_id, status, reason, _stats_dict(event.stats))
         else:
             self._report_ingest(job.session_id, event, kept)
@@ -237,7 +237,7 @@ class Answers(QObject):
                 if event.error_type == "ContextTooLong":
                     self._set_aside_sent_turn(sent_id)
                 self.finish_answer(job.session_id, status, event.message)
-            self.errorRaised.emit(self._about(
+            self.errorRaised.emit(self.about(
                 job.session_id, self._with_unsaved(job.session_id, event.message)))
         finally:  # the chat never stays busy, whatever recording the failure did
             self.activity.end(job)
@@ -247,12 +247,12 @@ class Answers(QObject):
         try:
             if job.kind == "chat":
                 self.finish_answer(job.session_id, status, event.message)
-            self.errorRaised.emit(self._about(
+            self.errorRaised.emit(self.about(
                 job.session_id, self._with_unsaved(job.session_id, event.message)))
         finally:
             self.activity.end(job)
 
-    def _about(self, session_id: str, message: str) -> str:
+    def about(self, session_id: str, message: str) -> str:
         """``message`` as the banner says it: naming its chat when another is shown
         (chats answer together; the banner is over the one on screen)."""
         record = self.store.session(session_id)

@@ -37,7 +37,7 @@ from engine.errors import (
     KvBudgetExceeded,
     MemoryPressure,
 )
-from engine.events import Event, IngestProgress, Notice
+from engine.events import AnswerWaiting, Event, IngestProgress
 from engine.format import human_bytes
 from engine.memory.fit import FitReport
 from engine.memory.guard import MemoryGuard, PressureWatch
@@ -286,8 +286,12 @@ class ChunkedPrefill:
         needed = self.target.chunk_bytes(tokens)
         if not pages and self.guard.free_bytes() >= needed:
             return 0
-        emit(Notice(request_id, f"Waiting for {human_bytes(needed)} of free memory to read "
-                                f"the next {tokens:,} tokens; close other apps to continue."))
+        # Said as a wait (not a notice): a front end shows it with the read's
+        # progress, until the next chunk's progress replaces it.
+        emit(AnswerWaiting(request_id, f"Waiting for {human_bytes(needed)} of free memory to "
+                                       f"read the next {tokens:,} tokens; close other apps "
+                                       "to continue.",
+                           max(0, needed - self.guard.free_bytes())))
         # Counted in polls, not read off the clock: a test's sleep need not pass time.
         for _ in range(math.ceil(self.memory_wait / MEMORY_POLL_SECONDS)):
             self.sleep(MEMORY_POLL_SECONDS)

@@ -353,3 +353,18 @@ def test_the_answering_together_line_has_every_answer_in_the_batch_by_its_title_
                                              "page (4 KB) does not fit …", 4096))
     assert [title for title, _ in c.answering_together()] == [
         "Renamed chat", app.store.session(b).title]
+
+
+def test_a_notice_about_a_chat_not_shown_names_it(app) -> None:
+    c, bridge, worker = app.c, app.bridge, app.worker
+    a = c.new_session("q8")
+    assert c.send("first question")
+    _open(app, a.id)
+    chat_a, _args, _cancel = worker.last("chat")
+    said: list[str] = []
+    c.notice.connect(said.append)
+    bridge._dispatch(Notice(chat_a, "Reused 512 tokens stored for another chat."))
+    c.new_session("q4")  # the user reads another chat meanwhile
+    bridge._dispatch(Notice(chat_a, "Reused 512 tokens stored for another chat."))
+    assert said == ["Reused 512 tokens stored for another chat.",
+                    "In ‘first question’: Reused 512 tokens stored for another chat."]

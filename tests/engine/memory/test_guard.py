@@ -21,6 +21,7 @@ from engine.errors import (
     MemoryPressure,
 )
 from engine.events import (
+    AnswerWaiting,
     Failed,
     Finished,
     IngestProgress,
@@ -277,8 +278,9 @@ def test_a_chunk_free_ram_cannot_hold_waits_and_goes_on_at_its_planned_size(llam
     recorder = Recorder(squeeze)
     _ingest(session, _user(QUESTION * 8), recorder)
     assert len(waits) == 3
-    notices = [e.message for e in recorder.events if isinstance(e, Notice)]
-    assert len(notices) == 1 and notices[0].startswith("Waiting for ")
+    said = [e for e in recorder.events if isinstance(e, AnswerWaiting)]
+    assert len(said) == 1 and said[0].reason.startswith("Waiting for ")
+    assert said[0].short_bytes > 0  # what free RAM lacked for the chunk then
     done = [e.tokens_done for e in recorder.of(IngestProgress)]
     steps = [b - a for a, b in zip([0, *done], done, strict=False)]
     assert steps[:-1] == [64] * (len(steps) - 1) and 0 < steps[-1] <= 64
