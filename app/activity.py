@@ -25,12 +25,16 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, Signal
 
+from app.format import short_title
 from engine import IngestProgress
 
 REFUSAL = "Stop {running} before {what}."
 # What the Stop button stops, by job kind, in the refusal's words.
 RUNNING = {"chat": "the current answer", "ingest": "reading the conversation in",
            "quality": "the quality check"}
+# The same, for a job that may be in another chat than the one shown.
+RUNNING_IN = {"chat": "the answer in ‘{title}’", "ingest": "reading ‘{title}’ in",
+              "quality": "the quality check of ‘{title}’"}
 ALONE = ("ingest", "quality")  # the kinds the engine runs with nothing beside them
 WAITING = "waiting"  # app.sessions.chat_state says each state in words
 
@@ -85,12 +89,11 @@ class Activity(QObject):
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.jobs: list[Job] = []
+        self._refusals: set[str] = set()  # said, and moot once nothing runs
 
-    @staticmethod
-    def is_refusal(text: str) -> bool:
-        """Whether ``text`` is a refusal of this kind, which is moot once nothing runs."""
-        return any(text.startswith(f"Stop {running} before ") and text.endswith(".")
-                   for running in RUNNING.values())
+    def is_refusal(self, text: str) -> bool:
+        """Whether ``text`` is a refusal said here, which is moot once nothing runs."""
+        return text in self._refusals
 
     @property
     def busy(self) -> bool:
@@ -122,6 +125,13 @@ class Activity(QObject):
         if job.alone:
             return ahead[0] if ahead else None
         return next((other for other in ahead if other.alone), None)
+
+    def retitle(self, session_id: str, title: str) -> None:
+        """Chat ``session_id`` was renamed ``title``: its job says so from now on."""
+        for job in self.jobs:
+            if job.session_id == session_id and job.title != title:
+                job.title = title
+                self.changed.emit()
 
     def states(self) -> dict[str, str]:
         """Each chat with a job -> its state ("answering", "waiting", …)."""
@@ -222,18 +232,30 @@ class Activity(QObject):
         return not any(other.alone for other in running)
 
     def refuse(self, what: str) -> bool:
-        """True, with a message, when ``what`` has to wait for every job to end."""
-        running = self.running
-        return self._refuse(running[0] if running else (self.jobs[0] if self.jobs else None),
-                            what)
+        """True, with a message naming the chats, when ``what`` has to wait for every
+        job to end (they may be in chats other than the one shown)."""
+        jobs = [*self.running, *(job for job in self.jobs if not job.started)]
+        if not jobs:
+            return False
+        first = jobs[0]
+        running = RUNNING_IN.get(first.kind, RUNNING_IN["chat"]).format(
+            title=short_title(first.title))
+        if len(jobs) > 1:
+            running += f" and {len(jobs) - 1:,} more"
+        self._refuse_with(REFUSAL.format(running=running, what=what))
+        return True
 
     def refuse_in(self, session_id: str | None, what: str) -> bool:
         """True, with a message, when ``what`` has to wait for chat ``session_id``'s job."""
         return self._refuse(self.job_of(session_id), what)
 
+    def _refuse_with(self, text: str) -> None:
+        self._refusals.add(text)
+        self.refused.emit(text)
+
     def _refuse(self, job: Job | None, what: str) -> bool:
         if job is None:
             return False
         running = RUNNING.get(job.kind, RUNNING["chat"])
-        self.refused.emit(REFUSAL.format(running=running, what=what))
+        self._refuse_with(REFUSAL.format(running=running, what=what))
         return True

@@ -359,6 +359,9 @@ class ChatController(QObject):
     def rename_session(self, session_id: str, title: str) -> None:
         """Rename a session."""
         self.sessions.rename_session(session_id, title)
+        record = self.store.session(session_id)
+        if record is not None:  # what a waiting chat says it waits for follows
+            self.activity.retitle(session_id, record.title)
 
     def delete_session(self, session_id: str) -> None:
         """Delete a session and free its cache."""

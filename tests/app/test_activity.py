@@ -8,21 +8,25 @@ from app.activity import Activity, Job
 from engine import IngestProgress
 
 
-@pytest.mark.parametrize(("kind", "expected"), [
-    ("chat", "Stop the current answer before editing."),
-    ("ingest", "Stop reading the conversation in before editing."),
-    ("quality", "Stop the quality check before editing."),
+@pytest.mark.parametrize(("kind", "expected", "anywhere"), [
+    ("chat", "Stop the current answer before editing.",
+     "Stop the answer in ‘One’ before switching models."),
+    ("ingest", "Stop reading the conversation in before editing.",
+     "Stop reading ‘One’ in before switching models."),
+    ("quality", "Stop the quality check before editing.",
+     "Stop the quality check of ‘One’ before switching models."),
 ])
-def test_refusal_names_what_runs(qtbot, kind: str, expected: str) -> None:
+def test_refusal_names_what_runs(qtbot, kind: str, expected: str, anywhere: str) -> None:
     activity = Activity()
     said: list[str] = []
     activity.refused.connect(said.append)
     job = activity.add("s1", kind, "One", lambda _job: None, lambda _job: None)
     assert activity.refuse_in("s1", "editing")
     assert not activity.refuse_in("s2", "editing")  # another chat waits for nothing
-    assert activity.refuse("switching models")  # the engine's work: every chat's
-    assert said[0] == expected
-    assert Activity.is_refusal(said[0])
+    # The engine's work waits for every chat's, which may not be the one shown: named.
+    assert activity.refuse("switching models")
+    assert said == [expected, anywhere]
+    assert activity.is_refusal(said[0]) and activity.is_refusal(said[1])
     activity.end(job)
     assert not activity.refuse_in("s1", "editing") and not activity.refuse("switching models")
     assert len(said) == 2
@@ -124,5 +128,5 @@ def test_an_answer_the_engine_holds_waits_until_it_reads_or_answers(qtbot) -> No
     assert b.held == "" and b.state == "answering"
 
 
-def test_other_banner_text_is_not_a_refusal() -> None:
-    assert not Activity.is_refusal("Longleaf ran out of memory reading the conversation in.")
+def test_other_banner_text_is_not_a_refusal(qtbot) -> None:
+    assert not Activity().is_refusal("Longleaf ran out of memory reading the conversation in.")

@@ -87,6 +87,8 @@ def test_a_message_sent_while_a_chat_is_read_in_waits_behind_it(app) -> None:
     assert worker.names().count("chat") == 1, "B waits for the re-ingest, not in the engine"
     assert c.activity.states() == {a.id: "reading", b.id: "waiting"}
     assert c.cache_state(b.id) == f"Waiting for ‘{c.store.session(a.id).title}’ to finish…"
+    c.rename_session(a.id, "Pine notes")  # what B waits for is said by its new name
+    assert c.cache_state(b.id) == "Waiting for ‘Pine notes’ to finish…"
     bridge._dispatch(Finished(ingest, "done"))
     _open(app, b.id)  # B started by itself
     assert worker.names().count("chat") == 2 and c.activity.states() == {b.id: "reading"}

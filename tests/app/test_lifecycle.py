@@ -72,7 +72,8 @@ def test_switching_models_while_answering_is_refused_but_reading_chats_is_not(
     c.select_session(other.id)
     c.load_model("demo")
     assert c.current.id == other.id
-    assert errors[:1] == ["Stop the current answer before switching models."]
+    # The answer runs in the chat left: named, since the chat shown has none to stop.
+    assert errors[:1] == ["Stop the answer in ‘Tell me a long story’ before switching models."]
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
         c.stop()
 
@@ -255,7 +256,7 @@ def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
     finally:
         release.set()
     assert errors == [
-        "Stop the current answer before switching models.",
+        "Stop the answer in ‘Tell me a long story’ before switching models.",
         "Stop the current answer before reopening the chat.",
         "Stop the current answer before deleting its chat.",
         "Stop the current answer before editing.",
@@ -288,7 +289,8 @@ def test_a_refusal_banner_goes_when_the_answer_ends(qtbot, window) -> None:
     qtbot.waitUntil(lambda: c.busy and c.active_request not in (None, -1), timeout=20_000)
     c.load_model("demo")
     assert window.banner.isVisible()
-    assert window.banner.label.text() == "Stop the current answer before switching models."
+    assert window.banner.label.text() == ("Stop the answer in ‘Tell me a long story’ before "
+                                         "switching models.")
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
         c.stop()
     assert not window.banner.isVisible()
