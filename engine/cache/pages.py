@@ -331,6 +331,9 @@ class PagePool:
         # The most one prefill chunk's attention may hold on top of the pages
         # (engine.cache.attention.dispatch walks the columns in blocks that fit it).
         self.scratch_bytes = PREFILL_SCRATCH_BYTES
+        # The most tokens the session may hold (the model's context; None: no
+        # bound): a store grows ahead no further than their pages.
+        self.max_tokens: int | None = None
         # Pages every store already has room for, so most calls (two per layer per
         # step) return without looking at the stores; reset when a store shrinks.
         self._room = 0
@@ -443,6 +446,11 @@ class PagePool:
                 # Every short layer grows by the same slack, so layers stay symmetric
                 # and the budget's last pages are never held idle by one layer.
                 extra = min(extra, int(spare // step_bytes))
+            if self.max_tokens is not None and not self.shared:
+                # Pages past the context are never used (a third of a q8 layer's
+                # storage at 262k, doubled past it); a shared store holds others' too.
+                extra = min(extra, max(0, self.pages_for(self.max_tokens)
+                                       - store.capacity - missing))
             store.grow(missing + extra)
         self._room = self._reach()
 

@@ -205,6 +205,7 @@ class Session:
             # The attention bounds a chunk's scratch by its pool's budget: count that one.
             self.prefill_facts = replace(self.prefill_facts, scratch_bytes=budget)
         if pool is not None:
+            pool.max_tokens = self.max_context
             # The guard sets and keeps updating the pool's limit: its share of
             # the one KV budget, bounded by free RAM less a prefill chunk's needs
             # (or what growing a layer's storage holds for a moment, if more).

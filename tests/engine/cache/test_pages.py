@@ -208,6 +208,20 @@ def test_a_long_context_grows_a_layer_a_dozen_times_not_hundreds() -> None:
     assert store.capacity >= 1024 and growths <= 14
 
 
+@pytest.mark.parametrize("mode", ["fp16", "q8"])
+def test_a_layer_never_grows_past_the_pages_of_the_context(mode: str) -> None:
+    pool = PagePool(mode, page_size=256)
+    pool.max_tokens = 262_144  # the seed model's context
+    store = pool.add_store(4, 256)
+    for tokens in range(512, 262_144 + 1, 512):
+        pool.ensure(tokens)
+    # Filled to the context: every page in use, none held past it (growth ahead
+    # doubled, then added half its size, well past 1,024 pages before).
+    assert store.capacity == 1024
+    pool.ensure(262_144 + 1)  # the bound is on growth ahead, not on what is asked
+    assert store.capacity == 1025
+
+
 def test_growing_holds_one_old_array_at_a_time() -> None:
     # fp16, 2 heads of 64: each of the two arrays is 256 KiB at 64 pages of 16.
     pool = PagePool("fp16", 16)

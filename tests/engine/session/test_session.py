@@ -4,6 +4,7 @@ chunked and cancellable ingest, streamed generation and context limits."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -357,8 +358,6 @@ def test_a_new_chunk_size_applies_from_the_next_prefill(models) -> None:
 def test_a_model_the_probe_sends_to_mlx_lm_runs_on_mlx_lms_cache(
     models, mode: str, kind: str
 ) -> None:
-    from dataclasses import replace
-
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     from engine.models.loader import load_model
@@ -466,3 +465,16 @@ def test_a_pipelines_other_ranks_hear_of_a_new_chunk_size_only(models) -> None:
     session.set_chunk_size(64)  # Settings applied with the same size: nothing to send
     session.set_chunk_size(256)
     assert told == [256] and session.chunk_size == 256
+
+
+def test_a_chats_pages_never_grow_past_the_models_context(models) -> None:
+    context = 48  # tokens: three pages of 16
+    loaded = SimpleNamespace(**{**vars(models["llama"]),
+                                "info": SimpleNamespace(max_context=context)})
+    session = Session("s", loaded, "q8", page_size=16)
+    reason, _stats, _ = _chat(session, _user(QUESTION),
+                              replace(GREEDY, max_tokens=context))
+    assert reason == "length" and len(session.tokens) <= context
+    pool = session.page_pool()
+    assert pool is not None
+    assert {store.capacity for store in pool.stores} == {3}  # no page past the context
