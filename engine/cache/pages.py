@@ -481,14 +481,27 @@ class PagePool:
         return min((s.capacity for s in self.stores), default=0)
 
     def tokens_fit(self, mode: KvMode | None = None) -> int:
-        """Tokens every layer can hold within the budget (in ``mode``, default ours)."""
+        """Tokens every layer can hold within the budget (in ``mode``, default ours),
+        beside the pages other chats hold in stores shared with them."""
         if self.budget_bytes is None:
             return 2**62
         mode = self.mode if mode is None else mode
         per_page = sum(s.layout.with_mode(mode).page_bytes for s in self.stores)
         if per_page == 0:
             return 2**62
-        return self.budget_bytes // per_page * self.page_size
+        return max(0, self.budget_bytes - self.foreign_bytes()) // per_page * self.page_size
+
+    def foreign_bytes(self) -> int:
+        """Bytes of the pages other chats hold in the stores this session shares with
+        them, not one of them its own (0 for stores of its own)."""
+        if not self.shared:
+            return 0
+        total = 0
+        for store, ref in zip(self.stores, self.holders, strict=True):
+            holder = ref() if ref is not None else None
+            own = store.in_use if holder is None else len(holder.block_table)
+            total += max(0, store.in_use - own) * store.layout.page_bytes
+        return total
 
     def _exceeded(self, tokens: int) -> KvBudgetExceeded:
         fit = self.tokens_fit()

@@ -23,7 +23,7 @@ from engine.cache.attention import schedule, streams
 from engine.cache.attention.scratch import chunk_scratch_bytes, decode_scratch_bytes
 from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
-from engine.cache.pages import PREFILL_SCRATCH_BYTES
+from engine.cache.pages import PREFILL_SCRATCH_BYTES, PageLayout
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.events import RankShare
 from engine.format import human_bytes
@@ -324,7 +324,9 @@ class FitReport:
                       "other open conversations" if self.other_sessions_bytes else "")
             limits.append(f"the KV budget left for it ({human_bytes(self.budget_bytes)}"
                           f"{others}) holds {entry.tokens_fit_budget or 0:,} tokens in {mode}")
-        reading = (f" and {human_bytes(self.transient_bytes)} for reading it in"
+        chunk = self.prefill.transient_bytes(self.chunk_tokens) if self.prefill else 0
+        kept = "for reading it in" if chunk >= self.transient_bytes else "for its pages to grow"
+        reading = (f" and {human_bytes(self.transient_bytes)} {kept}"
                    if self.transient_bytes else "")
         limits.append(f"free RAM ({human_bytes(self.free_bytes)} after the safety headroom"
                       f"{reading}) holds about {entry.tokens_fit_ram:,} tokens in {mode}")
@@ -391,22 +393,27 @@ def fit_report(
         decode_rows: rows of the batch's decode step the pages must leave room
             for, the asking conversation's among them (0: it answers alone).
     """
-    # What the guard keeps free of pages: a chunk's transient at any context.
-    transient = prefill.transient_bytes(chunk_tokens) if prefill else 0
-    free = max(0, available_bytes - headroom_bytes - transient) + session_bytes_allocated
-    if prefill and decode_rows:
-        # A decode step runs before or after a chunk, never beside it: only what
-        # its rows need past the chunk's transient comes off the pages' room.
-        free = max(0, free - max(0, prefill.step_transient_bytes(decode_rows) - transient))
+    chunk = prefill.transient_bytes(chunk_tokens) if prefill else 0
     entries = []
+    room: dict[KvMode, tuple[int, int]] = {}  # per mode: (free for pages, transient)
     for mode in MODES:
         try:
             page_bytes = kvquant.project_kv_bytes(
                 attention_layers, kv_heads, head_dim, page_size, mode
             )
+            growth = PageLayout(mode, page_size, kv_heads, head_dim).part_bytes(max_context)
         except (UnsupportedModeError, ValueError):
             entries.append(ModeFit(mode, False, 0, False, False, False, 0, 0, 0))
             continue
+        # What the guard keeps free of pages (``Session``'s pool): a chunk's
+        # transient, or the copy a layer's storage makes as it grows, the larger.
+        transient = max(chunk, growth)
+        free = max(0, available_bytes - headroom_bytes - transient) + session_bytes_allocated
+        if prefill and decode_rows:
+            # A decode step runs before or after a chunk, never beside it: only what
+            # its rows need past that transient comes off the pages' room.
+            free = max(0, free - max(0, prefill.step_transient_bytes(decode_rows) - transient))
+        room[mode] = (free, transient)
         page_bytes = max(page_bytes, 1)
         needed = _round_to_pages(token_count, page_size) // page_size * page_bytes
         ram_tokens = free // page_bytes * page_size
@@ -429,6 +436,10 @@ def fit_report(
             prefill_peak_bytes=(prefill.peak_bytes(needed, chunk_tokens, token_count)
                                 if prefill else 0),
         ))
+    # The report's one figure: the session's mode, or without a session the
+    # mode that leaves the least (a chat may open in any).
+    free, transient = (room[session_mode] if session_mode in room
+                       else min(room.values(), default=(0, chunk)))
     return FitReport(
         token_count=token_count,
         max_context=max_context,
@@ -500,10 +511,12 @@ def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: i
     budget, session_id = inputs.budget, inputs.session_id
     share = budget.kv_share(session_id)
     # What the session's sliding windows and linear-attention state may hold is
-    # kept for them in the budget and in free RAM, as the guard does for its pages.
+    # kept for them in the budget and in free RAM, as the guard does for its pages;
+    # where it shares a document's storage, the other chats' pages there are theirs.
     reserved = budget.reserved_bytes(session_id)
+    foreign = budget.foreign_bytes(session_id)
     if share is not None:
-        share = max(0, share - reserved)
+        share = max(0, share - reserved - foreign)
     facts = inputs.facts
     report = fit_report(
         token_count=token_count,
@@ -517,7 +530,8 @@ def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: i
         headroom_bytes=budget.headroom(reading) + reserved,
         session_mode=inputs.session_mode,
         session_bytes_allocated=inputs.session_bytes_allocated,
-        other_sessions_bytes=budget.held_bytes(exclude=session_id) if share is not None else 0,
+        other_sessions_bytes=(budget.held_bytes(exclude=session_id) + foreign
+                              if share is not None else 0),
         prefill=inputs.prefill,
         chunk_tokens=inputs.chunk_tokens,
         decode_rows=inputs.decode_rows,

@@ -70,6 +70,7 @@ class Hold:
     group: int  # sessions sharing pages share one group: its storage counts once
     bytes_allocated: int
     reserved_bytes: int
+    foreign_bytes: int = 0  # other chats' pages in that group's storage
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,11 @@ class BudgetView:
         mine = {h.group for h in self.holds if h.key == exclude}
         groups = {h.group: h.bytes_allocated for h in others if h.group not in mine}
         return sum(groups.values()) + sum(h.reserved_bytes for h in others)
+
+    def foreign_bytes(self, key: str | None) -> int:
+        """Bytes of other chats' pages in the storage ``key`` shares with them (its
+        pool's limit covers that whole storage; its own room does not)."""
+        return sum(h.foreign_bytes for h in self.holds if h.key == key)
 
     def kv_share(self, key: str | None = None) -> int | None:
         """Bytes of the KV budget left for ``key``: the budget minus other sessions' pages."""
@@ -247,7 +253,8 @@ class MemoryGuard:
         with self._lock:
             pools = list(self._pools.items())
         holds = tuple(
-            Hold(key, id(_group(pool)), int(pool.bytes_allocated), self.reserved_bytes(key))
+            Hold(key, id(_group(pool)), int(pool.bytes_allocated), self.reserved_bytes(key),
+                 pool.foreign_bytes())
             for key, pool in pools
         )
         return BudgetView(self.budget_bytes, self.headroom_bytes, holds)

@@ -597,7 +597,7 @@ class BatchDecoder:
         # The report counts what the joining conversation's stores hold as its own
         # room: what every store must still grow by has to fit in the rest.
         grow = _bytes_to_grow([(joining.session, tokens), *self._still_coming()])
-        held = joining.session.bytes_allocated()
+        held = joining.session.own_bytes()
         short, limit = grow - (report.free_bytes - held), FREE_RAM
         if report.budget_bytes is not None and grow - (report.budget_bytes - held) > short:
             short, limit = grow - (report.budget_bytes - held), KV_BUDGET

@@ -198,6 +198,12 @@ class Session:
         """Bytes this session's page stores hold (shared ones whole: a page group's)."""
         return int(self.stats().bytes_allocated) if self.cache else 0
 
+    def own_bytes(self) -> int:
+        """Bytes of its page stores this session may fill: all of them, less the
+        pages other chats hold where it shares them (a document's)."""
+        pool = self.page_pool()
+        return self.bytes_allocated() - (pool.foreign_bytes() if pool is not None else 0)
+
     def _attach_pool(self) -> None:
         pool = self.page_pool()
         budget = getattr(pool, "scratch_bytes", None)
@@ -333,7 +339,7 @@ class Session:
     def fit_inputs(self) -> fit.FitInputs:
         """What a fit check of this session needs, as frozen values (engine thread)."""
         stats = self.stats() if self.cache else None
-        held = int(stats.bytes_allocated) if stats else 0
+        held = self.own_bytes()
         # A pipeline's machines: rank 0's pages now, the others' as they last said.
         ranks = () if self.followers is None else self.followers.machines(
             int(stats.bytes_used) if stats else 0, int(stats.pages_in_use) if stats else 0, 0)

@@ -10,6 +10,7 @@ from engine.cache import pages, sharing
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PageLayout, PagePool, PageStore
 from engine.errors import KvBudgetExceeded
+from engine.memory import fit
 from engine.memory.guard import MemoryGuard, MemoryReading
 
 PAGE_SIZE = 16
@@ -213,3 +214,31 @@ def test_chats_sharing_a_store_that_cannot_grow_for_both_are_refused_unchanged()
     with pytest.raises(KvBudgetExceeded):
         pages.ensure_together([(first.pool, 33), (second.pool, 33)])
     assert store.capacity == capacity and store.free_count == 1
+
+
+def test_a_chat_sharing_a_document_counts_the_others_pages_as_theirs() -> None:
+    reading = MemoryReading(total_bytes=2**40, available_bytes=2**40)
+    page = PageLayout("q8", PAGE_SIZE, KV_HEADS, HEAD_DIM).page_bytes
+    guard = MemoryGuard(budget_bytes=64 * page, headroom_bytes=0, probe=lambda: reading)
+    first, second = _cache(), _cache()
+    guard.attach("a", first.pool)
+    guard.attach("b", second.pool)
+    _write(first, 16 * PAGE_SIZE, 0)  # the document: 16 pages
+    sharing.share_pages([second], [first], 16 * PAGE_SIZE)
+    guard.refresh("a")
+    _write(first, 32 * PAGE_SIZE, 2)  # the first chat's own answer: 32 pages more
+    guard.refresh("b")
+    # The second chat holds the document's 16 pages and may add 16 of its own:
+    # the budget less the first chat's 32, not the whole storage's room.
+    assert second.pool.foreign_bytes() == 32 * page
+    assert second.pool.tokens_fit() == 32 * PAGE_SIZE
+    inputs = fit.FitInputs(fit.ModelFacts(1, KV_HEADS, HEAD_DIM, 10**6), PAGE_SIZE,
+                           guard.view(), session_id="b", session_mode="q8",
+                           session_bytes_allocated=second.pool.bytes_allocated
+                           - second.pool.foreign_bytes())
+    report = fit.guarded_fit_report(inputs, reading, 16 * PAGE_SIZE)
+    assert report.for_mode("q8").tokens_fit_budget == 32 * PAGE_SIZE
+    # What it says fits, its pages take; a page more is refused.
+    second.pool.ensure(32 * PAGE_SIZE)
+    with pytest.raises(KvBudgetExceeded, match="holds 512 tokens"):
+        second.pool.ensure(33 * PAGE_SIZE)

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load
 
 from engine.cache import kvquant
-from engine.cache.pages import PREFILL_SCRATCH_BYTES
+from engine.cache.pages import PREFILL_SCRATCH_BYTES, PageLayout
 from engine.errors import ContextTooLong, UnsupportedModeError
 from engine.memory.fit import (
     MODES,
@@ -23,9 +23,9 @@ from engine.memory.fit import (
     prefill_facts,
     without,
 )
-from engine.memory.guard import BudgetView, Hold, MemoryReading
+from engine.memory.guard import BudgetView, Hold, MemoryGuard, MemoryReading
 from engine.session.session import Session
-from tests.engine.tinymodels import make_tiny_model_dir
+from tests.engine.tinymodels import loaded_for_session, make_tiny_model_dir
 
 GIB = 2**30
 MIB = 2**20
@@ -59,7 +59,12 @@ def test_full_context_in_ram_suggests_the_best_mode_that_fits() -> None:
     assert [report.for_mode(m).fits for m in MODES] == [False, False, True, True]
     assert not report.fits and report.suggested_mode == "q6"
     fp16 = report.for_mode("fp16")
-    assert fp16.tokens_fit_ram == 7 * GIB // kvquant.project_kv_bytes(16, 4, 256, 256, "fp16") * 256
+    # Free RAM less the copy a layer's storage makes as it grows (512 MiB in fp16 at
+    # 262k), which the guard keeps free of pages.
+    growth = PageLayout("fp16", 256, 4, 256).part_bytes(262_144)
+    assert growth == 512 * MIB
+    page = kvquant.project_kv_bytes(16, 4, 256, 256, "fp16")
+    assert fp16.tokens_fit_ram == (7 * GIB - growth) // page * 256
     with pytest.raises(ContextTooLong, match="q6") as error:
         report.raise_if_too_long()
     assert "262,144" in str(error.value) and f"{fp16.tokens_fit:,}" in str(error.value)
@@ -120,13 +125,16 @@ def test_prefill_peak_is_weights_kv_scratch_and_one_chunks_activations() -> None
         assert entry.prefill_peak_bytes == 14 * GIB + entry.bytes_needed + transient
     assert report.prefill_peak_bytes == report.for_mode("q6").prefill_peak_bytes
     pages_only = _report(token_count=131_072, session_mode="q6")
-    assert pages_only.prefill_peak_bytes == 0 and pages_only.transient_bytes == 0
+    assert pages_only.prefill_peak_bytes == 0
+    # Without reading, what growing a layer's storage holds for a moment stays.
+    assert pages_only.transient_bytes == PageLayout("q6", 256, 4, 256).part_bytes(262_144)
 
 
 def test_the_prefill_transient_must_fit_free_ram_beside_the_pages() -> None:
-    # q6 at 262k needs ~6.06 GiB of pages: 6.3 GiB free holds them, but not once one
-    # prefill chunk needs 512 MiB (256 MiB scratch, 256 tokens of 1 MiB) beside them.
-    available = int(6.3 * GIB)
+    # q6 at 262k needs 6.25 GiB of pages: 6.5 GiB free holds them and the 192 MiB a
+    # layer's storage takes as it grows, but not once one prefill chunk needs 512 MiB
+    # (256 MiB scratch, 256 tokens of 1 MiB) beside them.
+    available = int(6.5 * GIB)
     assert _report(token_count=262_144, available_bytes=available, session_mode="q6").fits
     chunk = PrefillFacts(weights_bytes=0, activation_bytes_per_token=MIB, scratch_bytes=256 * MIB)
     report = _report(token_count=262_144, available_bytes=available, session_mode="q6",
@@ -233,3 +241,22 @@ def test_without_frees_the_pages_of_sessions_set_aside_and_keeps_their_reserves(
     assert both.budget.kv_share("asking") == before + 30 * MIB
     # The asking session never counts itself gone.
     assert without(inputs, reading, {"asking"}) == (inputs, reading)
+
+
+def test_the_tokens_a_fit_check_promises_the_pools_limit_holds(tmp_path) -> None:
+    # A long context (fp16 storage's growth copy at 262k tokens outweighs a chunk's
+    # transient here) on a machine with little free memory.
+    loaded = loaded_for_session(make_tiny_model_dir(tmp_path, "llama"), max_context=262_144)
+    free = [2 * GIB]
+    guard = MemoryGuard(headroom_bytes=0,
+                        probe=lambda: MemoryReading(64 * GIB, free[0]))
+    session = Session("s", loaded, "fp16", page_size=256, guard=guard, scratch_bytes=16 * MIB)
+    pool = session.page_pool()
+    assert pool is not None
+    assert pool.growth_transient_bytes(262_144) > session.prefill_facts.transient_bytes(
+        session.chunk_size)
+    free[0] = 100 * MIB
+    guard.refresh("s")
+    promised = session.fit_report(1).for_mode("fp16").tokens_fit
+    assert session.holds(promised)
+    pool.ensure(promised)  # what the check said fits, the pages take

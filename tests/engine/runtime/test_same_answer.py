@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine.events import Finished, IngestProgress, Notice, TokenChunk
+from engine.events import AnswerWaiting, Finished, IngestProgress, TokenChunk
 from engine.format import GB
 from engine.memory.guard import MemoryGuard, MemoryReading
 from engine.runtime.worker import EngineWorker
@@ -88,8 +88,8 @@ def _two_turns(model_dir: Path, mode: str, probe: Any, on_progress=None) -> dict
             if follow_up is not None:
                 messages = [*messages, {"role": "assistant", "content": text},
                             {"role": "user", "content": follow_up}]
-        notices = [e for e in log.events if isinstance(e, Notice)]
-        return {"answers": answers, "chunks": chunks, "notices": notices}
+        waits = [e for e in log.events if isinstance(e, AnswerWaiting)]
+        return {"answers": answers, "chunks": chunks, "waits": waits}
     finally:
         worker.shutdown(timeout=10.0)
 
@@ -116,6 +116,6 @@ def test_a_slow_machine_short_of_memory_gives_the_same_tokens(model_dirs, arch, 
             memory.squeeze()
 
     slow = _two_turns(model_dirs[arch], mode, memory, squeeze)
-    assert memory.squeezes > 2 and slow["notices"]  # the reads did wait for memory
+    assert memory.squeezes > 2 and slow["waits"]  # the reads did wait for memory
     assert slow["chunks"] == fast["chunks"]
     assert slow["answers"] == fast["answers"]
