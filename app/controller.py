@@ -593,7 +593,7 @@ class ChatController(QObject):
         job = self.activity.job_with(event.request_id)
         # A chat's notice names that chat when another is on screen.
         self.notice.emit(event.message if job is None
-                         else self.answers.about(job.session_id, event.message))
+                         else self.sessions.about(job.session_id, event.message))
 
     def _on_answer_waiting(self, event: AnswerWaiting) -> None:
         # The chat's state line says the engine's reason until the answer reads or goes on.

@@ -18,7 +18,6 @@ from app.activity import Activity, Job
 from app.chat.model import ChatModel
 from app.chat.recorder import LENGTH_LIMIT, AnswerRecorder, stopped_reading
 from app.engine_bridge import EngineBridge
-from app.format import short_title
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
@@ -77,7 +76,8 @@ class Answers(QObject):
         recorder = self.recorders.get(session_id)
         if recorder is None:
             recorder = AnswerRecorder(self.store, self.model, self)
-            recorder.unsaved.connect(self.errorRaised)
+            recorder.unsaved.connect(
+                lambda reason: self.errorRaised.emit(self.sessions.about(session_id, reason)))
             recorder.saved.connect(self.notice)
             self.recorders[session_id] = recorder
         return recorder
@@ -130,10 +130,10 @@ class Answers(QObject):
         recorder = self.recorder_of(session.id)
         if continued is not None:
             message_id, text, stats = continued
-            recorder.resume(session.id, message_id, text, self._shown(session.id), stats)
+            recorder.resume(session.id, message_id, text, self.sessions.shown(session.id), stats)
         elif job.kind == "chat":
             try:
-                recorder.start(session.id, self._shown(session.id))
+                recorder.start(session.id, self.sessions.shown(session.id))
             except DiskFault as fault:  # no row for the answer: it does not start
                 self.errorRaised.emit(f"The answer was not started. {fault}")
                 self.activity.end(job)
@@ -154,10 +154,6 @@ class Answers(QObject):
 
         self.caches.ensure_open(session, submit,
                                 lambda event: self._open_failed(job, event, failed))
-
-    def _shown(self, session_id: str) -> bool:
-        current = self.sessions.current
-        return current is not None and current.id == session_id
 
     # Engine events of one request ----------------------------------------
 
@@ -205,7 +201,7 @@ class Answers(QObject):
             if event.reason == "cancelled" and kept is not None:
                 reason = stopped_reading(*kept)
             if event.reason == "memory":
-                self.errorRaised.emit(self.about(job.session_id, MEMORY_STOP))
+                self.errorRaised.emit(self.sessions.about(job.session_id, MEMORY_STOP))
             self.finish_answer(job.session_id, status, reason, _stats_dict(event.stats))
         else:
             self._report_ingest(job.session_id, event, kept)
@@ -220,7 +216,7 @@ class Answers(QObject):
                        kept: tuple[int, int] | None) -> None:
         # Said only while its chat is on screen: it is about that chat.
         ingested = self.store.session(session_id)
-        if ingested is None or not self._shown(session_id):
+        if ingested is None or not self.sessions.shown(session_id):
             return
         if event.reason != "cancelled":
             self.notice.emit(f"Read the conversation in: it is in memory in {ingested.kv_mode}.")
@@ -237,7 +233,7 @@ class Answers(QObject):
                 if event.error_type == "ContextTooLong":
                     self._set_aside_sent_turn(sent_id)
                 self.finish_answer(job.session_id, status, event.message)
-            self.errorRaised.emit(self.about(
+            self.errorRaised.emit(self.sessions.about(
                 job.session_id, self._with_unsaved(job.session_id, event.message)))
         finally:  # the chat never stays busy, whatever recording the failure did
             self.activity.end(job)
@@ -247,18 +243,10 @@ class Answers(QObject):
         try:
             if job.kind == "chat":
                 self.finish_answer(job.session_id, status, event.message)
-            self.errorRaised.emit(self.about(
+            self.errorRaised.emit(self.sessions.about(
                 job.session_id, self._with_unsaved(job.session_id, event.message)))
         finally:
             self.activity.end(job)
-
-    def about(self, session_id: str, message: str) -> str:
-        """``message`` as the banner says it: naming its chat when another is shown
-        (chats answer together; the banner is over the one on screen)."""
-        record = self.store.session(session_id)
-        if self._shown(session_id) or record is None:
-            return message
-        return f"In ‘{short_title(record.title)}’: {message}"
 
     def _with_unsaved(self, session_id: str, message: str) -> str:
         """``message``, and that the answer waits unsaved when it does (one banner)."""
@@ -267,7 +255,7 @@ class Answers(QObject):
 
     def _dropped(self, job: Job) -> None:
         # Cancelled while it waited in line: the engine never saw it.
-        if job.kind == "chat" and self._shown(job.session_id):
+        if job.kind == "chat" and self.sessions.shown(job.session_id):
             self.notice.emit("Not sent: your message is kept. Edit it to send it again.")
 
     def _set_aside_sent_turn(self, sent_id: int) -> None:

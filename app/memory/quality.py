@@ -152,7 +152,7 @@ class QualityCheck(QObject):
                                  lambda _job: None)
 
     def _run(self, job: Job, session: SessionRecord, messages: list[dict[str, str]]) -> None:
-        if self._shown(session.id):
+        if self.sessions.shown(session.id):
             self.notice.emit(f"Checking {session.kv_mode} against fp16 on the last "
                              f"≤ {WINDOW:,} tokens of this chat… Stop cancels.")
 
@@ -164,10 +164,6 @@ class QualityCheck(QObject):
 
         self.caches.ensure_open(session, submit, lambda event: self._failed(job, event))
 
-    def _shown(self, session_id: str) -> bool:
-        shown = self.sessions.current
-        return shown is not None and shown.id == session_id
-
     def _handle(self, job: Job, event: Event) -> None:
         if isinstance(event, QualityProgress):
             self.activity.note(job, progress=event)
@@ -176,7 +172,8 @@ class QualityCheck(QObject):
             self._checked(event)
         elif isinstance(event, Finished):
             if event.reason == "cancelled":
-                self.notice.emit("Quality check cancelled; nothing was stored.")
+                self.notice.emit(self.sessions.about(
+                    job.session_id, "Quality check cancelled; nothing was stored."))
             self.activity.end(job)
         elif isinstance(event, Failed):
             self._failed(job, event)
@@ -187,9 +184,9 @@ class QualityCheck(QObject):
             return  # deleted meanwhile
         self.store.save_receipt(event.session_id, event.receipt)
         self.checked.emit(event.session_id, event.receipt)
-        if self._shown(event.session_id):
+        if self.sessions.shown(event.session_id):
             self.notice.emit(f"{receipt_line(event.receipt)} {advice(event.receipt)}")
 
     def _failed(self, job: Job, event: Failed) -> None:
-        self.errorRaised.emit(event.message)
+        self.errorRaised.emit(self.sessions.about(job.session_id, event.message))
         self.activity.end(job)

@@ -13,6 +13,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity
 from app.chat.model import ChatMessage, ChatModel
+from app.format import short_title
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
@@ -77,6 +78,18 @@ class SessionActions(QObject):
         self.currentSessionChanged.emit(self.current)
         self.sessionsChanged.emit()
         return self.current
+
+    def shown(self, session_id: str) -> bool:
+        """Whether chat ``session_id`` is the one on screen."""
+        return self.current is not None and self.current.id == session_id
+
+    def about(self, session_id: str, message: str) -> str:
+        """``message`` as the banner says it: naming its chat when another is shown
+        (chats answer together; the banner is over the one on screen)."""
+        record = self.store.session(session_id)
+        if self.shown(session_id) or record is None:
+            return message
+        return f"In ‘{short_title(record.title)}’: {message}"
 
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""

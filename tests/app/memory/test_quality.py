@@ -17,7 +17,7 @@ from app.memory.quality import (
     verdict,
 )
 from app.store import HistoryStore
-from engine import QualityReceipt
+from engine import MemoryPressure, QualityReceipt
 from engine.cache.modes import MODES
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 
@@ -247,3 +247,23 @@ def test_a_check_on_a_stored_chat_leaves_it_on_disk_with_one_count(qtbot, window
     shown = panel.quality_label.text() + " " + receipt_numbers(receipt)
     assert f"{receipt.context_tokens:,}" not in shown.replace(f"{stored:,}", "")
     assert "end-of-turn marks" in panel.quality_label.toolTip()
+
+
+def test_a_check_that_fails_while_another_chat_is_read_names_its_chat(
+        qtbot, window, monkeypatch) -> None:
+    c = window.controller
+    c.new_session("q6")
+    assert send_and_wait(qtbot, window, "Tell me about the sea.") == "complete"
+    checking = threading.Event()
+
+    def out_of_memory(*args, **kwargs):
+        checking.wait(30)
+        raise MemoryPressure("Memory turned critical, so the quality check stopped.")
+
+    monkeypatch.setattr(quality_check, "check_quality", out_of_memory)
+    assert c.check_quality()
+    c.new_session("q4")  # read another chat meanwhile
+    with qtbot.waitSignal(c.errorRaised, timeout=ANSWER_TIMEOUT_MS) as failed:
+        checking.set()
+    assert failed.args[0] == ("In ‘Tell me about the sea.’: Memory turned critical, so the "
+                              "quality check stopped.")
