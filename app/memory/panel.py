@@ -119,9 +119,12 @@ def pages_text(sample: StatsSample) -> str:
     per = sample.pages_in_use / layers if layers else 0
     about = "" if per == int(per) else "about "
     where = f" across {layers} layers ({about}{per:,.0f} per layer)" if layers else ""
+    # Storage shared with other chats (a document's) holds their own pages too.
+    others = sample.pages_allocated - sample.pages_in_use - sample.pages_free
+    theirs = f" · {others:,} other chats'" if others > 0 else ""
     return (f"{sample.pages_in_use:,} pages in use{where} · {sample.pages_allocated:,} "
-            f"allocated · {sample.pages_free:,} free · last page {sample.last_page_fill:.0%} "
-            f"full · {sample.page_size} tokens a page")
+            f"allocated · {sample.pages_free:,} free{theirs} · last page "
+            f"{sample.last_page_fill:.0%} full · {sample.page_size} tokens a page")
 
 
 def fits_sentence(tokens_fit: int, max_context: int, mode: KvMode, machines: int = 1,

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
 from app.format import human_bytes
-from app.memory.panel import NO_CACHE, MemoryPanel, shared_note, together_line
+from app.memory.panel import NO_CACHE, MemoryPanel, pages_text, shared_note, together_line
 from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
+from tests.app.scripted import sample as scripted_sample
 
 
 def _bold_row(window) -> str | None:
@@ -259,3 +261,13 @@ def test_the_chats_answering_together_are_listed_with_their_kv_bytes(qtbot) -> N
     assert together_line([]) == "" and together_line([("Pines", 1)]) == ""
     panel.show_together([])
     assert panel.together_label.isHidden()
+
+
+def test_the_page_figures_add_up_where_a_chat_shares_storage_with_others() -> None:
+    # A chat on a shared document: 32 pages of its own and the document's, in storage
+    # of 96 whose other 64 hold another chat's answer.
+    sample = replace(scripted_sample("b", 512), pages_in_use=32, pages_allocated=96,
+                     pages_free=0, layers=())
+    assert "32 pages in use · 96 allocated · 0 free · 64 other chats' ·" in pages_text(sample)
+    alone = replace(sample, pages_allocated=40, pages_free=8)
+    assert "other chats'" not in pages_text(alone)
