@@ -6,7 +6,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from app.controller import QUIT_WHILE_ANSWERING
-from app.store import HistoryStore
+from app.store import HistoryStore, SessionRecord
 from app.window.quit_box import QUIT
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window
 
@@ -170,13 +170,20 @@ def _answered(qtbot, window, text: str) -> None:
         qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
 
 
-def test_an_edit_sets_the_draft_aside_and_gives_it_back_once_sent(qtbot, window) -> None:
-    c = window.controller
-    chat = c.new_session("q8")
+def _editing_beside_a_draft(qtbot, window) -> SessionRecord:
+    """A chat whose question was answered, with a draft typed, then its question
+    put back in the composer to edit."""
+    chat = window.controller.new_session("q8")
     _answered(qtbot, window, "Original question")
     _type(qtbot, window, "a long draft I was typing")
-    c.begin_edit()
+    window.controller.begin_edit()
     assert window.composer.text() == "Original question"
+    return chat
+
+
+def test_an_edit_sets_the_draft_aside_and_gives_it_back_once_sent(qtbot, window) -> None:
+    c = window.controller
+    chat = _editing_beside_a_draft(qtbot, window)
     # What is saved stays the draft: a crash mid-edit loses none of it.
     window.drafts.save_now()
     assert c.store.draft(chat.id) == "a long draft I was typing"
@@ -189,10 +196,7 @@ def test_an_edit_sets_the_draft_aside_and_gives_it_back_once_sent(qtbot, window)
 
 def test_leaving_a_chat_mid_edit_gives_its_draft_back(qtbot, window) -> None:
     c = window.controller
-    chat = c.new_session("q8")
-    _answered(qtbot, window, "Original question")
-    _type(qtbot, window, "a long draft I was typing")
-    c.begin_edit()
+    chat = _editing_beside_a_draft(qtbot, window)
     other = c.new_session("q4")  # e.g. to follow another chat's answer
     c.select_session(chat.id)
     # The edit was given up with the switch: the box holds the draft again, not the
