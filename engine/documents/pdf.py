@@ -133,9 +133,10 @@ class _UnpackBudget:
         self.pages = pages
         self.unpacked = 0
         self._seen: set[int] = set()
+        self._walked: set[int] = set()  # forms whose resources were looked through
 
     def charge(self, page: Any, number: int) -> None:
-        for stream in _text_streams(page, MAX_FORM_DEPTH):
+        for stream in _text_streams(page, MAX_FORM_DEPTH, self._walked):
             if id(stream) in self._seen:
                 continue
             self._seen.add(id(stream))
@@ -148,8 +149,10 @@ class _UnpackBudget:
                 )
 
 
-def _text_streams(holder: Any, depth: int) -> Iterator[Any]:
-    """The streams ``extract_text`` unpacks for a page or form XObject."""
+def _text_streams(holder: Any, depth: int, walked: set[int]) -> Iterator[Any]:
+    """The streams ``extract_text`` unpacks for a page or form XObject, each form
+    looked through once (``walked``): forms that list each other, or themselves, in
+    their resources would otherwise be walked again at every level."""
     from pypdf.generic import StreamObject
 
     contents = _resolved(holder, "/Contents")
@@ -168,9 +171,11 @@ def _text_streams(holder: Any, depth: int) -> Iterator[Any]:
     forms = _resolved(resources, "/XObject")
     for entry in forms.values() if isinstance(forms, dict) and depth > 0 else ():
         form = entry.get_object()
-        if isinstance(form, StreamObject) and form.get("/Subtype") == "/Form":
+        if (isinstance(form, StreamObject) and form.get("/Subtype") == "/Form"
+                and id(form) not in walked):
+            walked.add(id(form))
             yield form
-            yield from _text_streams(form, depth - 1)
+            yield from _text_streams(form, depth - 1, walked)
 
 
 def _resolved(holder: Any, key: str) -> Any:

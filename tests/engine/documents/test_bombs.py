@@ -216,3 +216,38 @@ def test_pdf_with_too_many_pages_is_refused_before_reading_them(
         "“book.pdf” has 4 pages; Longleaf reads PDFs of up to 3 pages. Split it and attach "
         "a part."
     )
+
+
+def test_pdf_forms_that_list_each_other_are_looked_through_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A form whose resources list it (some tools give every page and form one shared
+    # resource dictionary): four names for itself, walked 16 levels deep, was 4^16
+    # walks, and the read never ended.
+    content = b"BT /F1 12 Tf 72 712 Td (Hello world) Tj ET /X0 Do"
+    form = b"BT /F1 12 Tf (inner) Tj ET"
+    names = b" ".join(b"/X%d 5 0 R" % i for i in range(4))
+    path = tmp_path / "forms.pdf"
+    path.write_bytes(assemble_pdf([
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 6 0 R >> /XObject << /X0 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream",
+        b"<< /Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font "
+        b"<< /F1 6 0 R >> /XObject << " + names + b" >> >> /Length %d >>\nstream\n"
+        % len(form) + form + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]))
+    walk = pdf._text_streams
+    walks = 0
+
+    def counted(*args: object) -> object:
+        nonlocal walks
+        walks += 1
+        assert walks < 100, "the forms are walked again and again"
+        return walk(*args)
+
+    monkeypatch.setattr(pdf, "_text_streams", counted)
+    document = read_document(path)
+    assert "Hello world" in document.text
