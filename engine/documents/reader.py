@@ -107,13 +107,13 @@ def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_
     """
     p = Path(path)
     name = p.name
+    size = stat_size(p)  # first: a folder is said as one, whatever its name
     if not is_supported(p):
         suffix = p.suffix or "(no suffix)"
         raise DocumentError(
             f"“{name}”: Longleaf can't read {suffix} files. It reads plain text, Markdown, "
             "source code, PDF (with a text layer) and Word .docx files."
         )
-    size = stat_size(p)
     if size == 0:
         raise DocumentError(f"“{name}” is empty — there is no text to add.")
     suffix = p.suffix.lower()

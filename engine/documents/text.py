@@ -9,11 +9,27 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import threading
 from pathlib import Path
 
 from engine.documents.file_access import os_error, vanished
 from engine.documents.limits import MAX_REPLACED_SHARE, READ_BLOCK, check_length
 from engine.errors import DocumentError
+
+# Bytes the decoder replaced on this thread (``_replace_counted``): the decoder
+# says exactly which, where a count of U+FFFD in the text would also count those
+# the file holds as text.
+_replaced = threading.local()
+
+
+def _replace_counted(error: UnicodeError) -> tuple[str, int]:
+    if not isinstance(error, UnicodeDecodeError):
+        raise error
+    _replaced.bytes = getattr(_replaced, "bytes", 0) + error.end - error.start
+    return "\ufffd", error.end
+
+
+codecs.register_error("longleaf.replace-counted", _replace_counted)
 
 
 def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str, ...]]:
@@ -22,13 +38,14 @@ def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str
     digest = hashlib.sha256()
     parts: list[str] = []
     chars = 0
-    replaced = 0
     total = 0
+    _replaced.bytes = 0
     try:
         with p.open("rb") as handle:
             head = handle.read(READ_BLOCK)
             encoding, skip = _sniff_encoding(name, head)
-            decoder = codecs.getincrementaldecoder(encoding)(errors="replace")
+            decoder = codecs.getincrementaldecoder(encoding)(
+                errors="longleaf.replace-counted")
             block = head
             first = True
             while block:
@@ -36,7 +53,6 @@ def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str
                 total += len(block)
                 text = decoder.decode(block[skip:] if first else block)
                 first = False
-                replaced += _count_replaced(text, block, encoding)
                 parts.append(text)
                 chars += len(text)
                 check_length(name, chars, max_chars, complete=False)
@@ -49,7 +65,7 @@ def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str
         raise os_error(name, exc) from exc
     if total != size:  # truncated, grown or deleted while we read it
         raise vanished(name)
-    replaced += tail.count("\ufffd")
+    replaced = _replaced.bytes
     parts.append(tail)
     text = "".join(parts)
     notes: tuple[str, ...] = ()
@@ -75,11 +91,27 @@ def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
         return "utf-32-le", len(codecs.BOM_UTF32_LE)
     if head.startswith(codecs.BOM_UTF32_BE):
         return "utf-32-be", len(codecs.BOM_UTF32_BE)
-    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        return "utf-16", 0
+    if head.startswith(codecs.BOM_UTF16_LE):
+        return "utf-16-le", len(codecs.BOM_UTF16_LE)
+    if head.startswith(codecs.BOM_UTF16_BE):
+        return "utf-16-be", len(codecs.BOM_UTF16_BE)
     if b"\x00" in head:
-        raise _binary(name)
+        raise _unmarked_utf16(name) if _looks_utf16(head) else _binary(name)
     return "utf-8", 0
+
+
+def _looks_utf16(head: bytes) -> bool:
+    """Whether ``head`` reads as UTF-16 text of mostly Latin letters (a NUL every
+    other byte) rather than binary data."""
+    even, odd = head[0::2], head[1::2]
+    return max(even.count(0), odd.count(0)) >= 0.9 * min(len(even), len(odd)) > 0
+
+
+def _unmarked_utf16(name: str) -> DocumentError:
+    return DocumentError(
+        f"“{name}” looks like UTF-16 text without a byte-order mark, which Longleaf "
+        "cannot tell apart from binary data. Save it as UTF-8 text and try again."
+    )
 
 
 def _binary(name: str) -> DocumentError:
@@ -88,12 +120,4 @@ def _binary(name: str) -> DocumentError:
         "Drop a text, Markdown, source, PDF or .docx file instead."
     )
 
-
-def _count_replaced(text: str, block: bytes, encoding: str) -> int:
-    found = text.count("\ufffd")
-    if not found:
-        return 0
-    # A genuine U+FFFD in the file is not a decoding error.
-    genuine = block.count("\ufffd".encode("utf-16-le" if encoding == "utf-16" else encoding))
-    return max(0, found - genuine)
 

@@ -37,10 +37,33 @@ def test_binary_file_named_txt(tmp_path: Path) -> None:
     assert _refused(path) == BINARY.format(name="photo.txt")
 
 
-def test_utf16_without_a_byte_order_mark_reads_as_binary(tmp_path: Path) -> None:
+def test_utf16_without_a_byte_order_mark_is_said_as_such(tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_bytes("plain notes".encode("utf-16-le"))
-    assert _refused(path) == BINARY.format(name="notes.txt")
+    # Not "binary": the advice that works is to save it as UTF-8.
+    assert _refused(path) == (
+        "“notes.txt” looks like UTF-16 text without a byte-order mark, which Longleaf "
+        "cannot tell apart from binary data. Save it as UTF-8 text and try again.")
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-be", "utf-16-le", "utf-8"])
+def test_replacement_characters_the_file_holds_are_text_not_errors(
+        tmp_path: Path, encoding: str) -> None:
+    path = tmp_path / "marks.txt"
+    bom = {"utf-16-be": b"\xfe\xff", "utf-16-le": b"\xff\xfe", "utf-8": b""}[encoding]
+    path.write_bytes(bom + ("a lost character: \ufffd\n" * 40).encode(encoding))
+    doc = read_document(path)
+    assert doc.notes == () and doc.text.count("\ufffd") == 40
+    # One across the 1 MiB read blocks, too.
+    straddle = tmp_path / "straddle.txt"
+    straddle.write_bytes(b"a" * (READ_BLOCK - 1) + "\ufffd".encode() + b"b")
+    assert read_document(straddle).notes == ()
+
+
+def test_a_folder_is_said_to_be_one_whatever_its_name(tmp_path: Path) -> None:
+    folder = tmp_path / "Project"
+    folder.mkdir()
+    assert _refused(folder) == "“Project” is a folder; drop the files inside it instead."
 
 
 def test_binary_after_the_first_8_kib_is_refused(tmp_path: Path) -> None:
