@@ -12,6 +12,8 @@ import io
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator
+from typing import Any
 
 from engine.documents.limits import (
     INFLATE_BLOCK,
@@ -36,14 +38,29 @@ def docx_text(name: str, data: bytes) -> str:
         raise DocumentError(
             f"“{name}” could not be read as a Word document ({type(exc).__name__})."
         ) from exc
-    lines = [para.text for para in document.paragraphs]
-    for table in document.tables:
-        for row in table.rows:
-            lines.append("\t".join(cell.text for cell in row.cells))
-    text = "\n".join(lines).strip()
+    text = "\n".join(_block_lines(document.element.body, document)).strip()
     if not text:
         raise DocumentError(f"“{name}” has no text in it.")
     return text
+
+
+def _block_lines(container: Any, parent: Any) -> Iterator[str]:
+    """The lines of ``container``'s paragraphs and table rows, in the document's
+    order, with those inside content controls (a template's or form's fields),
+    which python-docx's ``paragraphs`` and ``tables`` pass over."""
+    from docx.oxml.ns import qn
+    from docx.table import Table
+    from docx.text.paragraph import Paragraph
+
+    for child in container.iterchildren():
+        if child.tag == qn("w:p"):
+            yield Paragraph(child, parent).text
+        elif child.tag == qn("w:tbl"):
+            for row in Table(child, parent).rows:
+                yield "\t".join(cell.text for cell in row.cells)
+        elif child.tag == qn("w:sdt"):
+            for content in child.iterchildren(qn("w:sdtContent")):
+                yield from _block_lines(content, parent)
 
 
 def _damaged_docx(name: str) -> DocumentError:

@@ -209,6 +209,27 @@ def test_docx_paragraphs_and_tables(tmp_path: Path) -> None:
     assert doc.text == "Quarterly plan\nq6\t388 bytes"
 
 
+def test_docx_reads_in_order_with_content_controls(tmp_path: Path) -> None:
+    import docx
+    from docx.oxml import parse_xml
+    from docx.oxml.ns import nsdecls
+
+    document = docx.Document()
+    document.add_paragraph("Intro.")
+    table = document.add_table(rows=1, cols=2)
+    table.rows[0].cells[0].text = "A1"
+    table.rows[0].cells[1].text = "B1"
+    document.add_paragraph("After the table.")
+    # A form's field: its text lives in a content control (w:sdt) in the body.
+    document.element.body.insert(0, parse_xml(
+        f"<w:sdt {nsdecls('w')}><w:sdtContent><w:p><w:r><w:t>The contract terms."
+        "</w:t></w:r></w:p></w:sdtContent></w:sdt>"))
+    path = tmp_path / "form.docx"
+    document.save(str(path))
+    assert read_document(path).text == (
+        "The contract terms.\nIntro.\nA1\tB1\nAfter the table.")
+
+
 def test_corrupt_docx(tmp_path: Path) -> None:
     path = tmp_path / "broken.docx"
     path.write_bytes(b"PK\x03\x04 this is not really a zip archive")
