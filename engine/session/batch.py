@@ -709,9 +709,6 @@ class BatchDecoder:
                 result = self._take(row, token)
                 if result is not None:
                     results.append(result)
-            # A row paused for the next pass may have ended on this one's token.
-            answering = self.request_ids
-            self._paused = tuple(w for w in self._paused if w.request_id in answering)
         except Exception as error:
             self._fail(involved)
             raise StepFailed(error, results) from error
@@ -854,6 +851,8 @@ class BatchDecoder:
 
     def _finish(self, row: _Row, token: int | None, reason: str) -> RowToken:
         self.rows.remove(row)
+        # Paused for the next pass, it may end on this pass's token: it waits no more.
+        self._paused = tuple(w for w in self._paused if w.request_id != row.request_id)
         row.session.let_go()
         row.finished = True
         row.answer.stream.flush()
