@@ -164,8 +164,9 @@ def test_a_request_whose_client_left_while_it_waited_frees_its_place_at_once(
     a_ended = threading.Event()
 
     def long_a() -> None:
+        # Greedy: sampled, the model may end its turn on its own before B leaves.
         body = {"model": "m", "messages": [{"role": "user", "content": ASKED["a"]}],
-                "max_tokens": 100_000, "stream": True}
+                "max_tokens": 100_000, "temperature": 0, "stream": True}
         with httpx.stream("POST", served.url + "/v1/chat/completions", headers=headers,
                           json=body, timeout=300) as reply:
             for _ in reply.iter_raw():
