@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Generator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from engine.cache.batched import check_batchable
 from engine.errors import Cancelled, EngineError
@@ -70,6 +70,15 @@ class StreamCounts:
         """Answers running (alone or in the batch), reading, decoding or waiting
         for memory."""
         return self.answering + self.reading + self.waiting
+
+
+def shares_passes(caches: list[list[Any]]) -> bool:
+    """Whether conversations holding these per-layer caches can share a pass."""
+    try:
+        check_batchable(caches)
+    except EngineError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -183,11 +192,7 @@ class Answering:
         if session.followers is not None and not session.followers.batches:
             return False
         caches = [member.session.cache for member in self._members.values()][:1]
-        try:
-            check_batchable([*caches, session.cache])
-        except EngineError:
-            return False
-        return True
+        return shares_passes([*caches, session.cache])
 
     def join(self, command: Command, chat: Chat, session: Session, prompt: Prompt,
              reused: int) -> None:

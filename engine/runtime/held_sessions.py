@@ -15,17 +15,18 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from engine.cache import sharing
-from engine.cache.modes import MODES, KvMode
+from engine.cache.modes import FP16, MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Event, Notice, RankShare
 from engine.format import human_bytes
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
+from engine.models.probe import make_session_cache
 from engine.runtime.interface import Conductor, Pipeline
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
@@ -293,6 +294,18 @@ class HeldSessions:
             self.loaded_bytes = needed
             self.prefill = prefill
         return loaded.info
+
+    def new_cache(self) -> list[Any]:
+        """The per-layer cache a new fp16 session of the loaded model holds (its
+        layers' kinds are every mode's).
+
+        Raises:
+            EngineError: no model is loaded, or the load-time probe refused it.
+        """
+        loaded = self.loaded
+        if loaded is None:
+            raise EngineError("Load a model first.")
+        return make_session_cache(loaded, FP16, DEFAULT_PAGE_SIZE).cache
 
     def release(self) -> None:
         """Unload the model, saving and closing every session first."""

@@ -40,7 +40,7 @@ from engine.events import (
 )
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
-from engine.runtime.answering import DEFAULT_STREAMS, Answering, StreamCounts
+from engine.runtime.answering import DEFAULT_STREAMS, Answering, StreamCounts, shares_passes
 from engine.runtime.commands import (
     ALONE,
     CANCELLABLE,
@@ -108,7 +108,8 @@ class EngineWorker(Worker):
         pipeline: rank 0 of a pipeline (see ``HeldSessions``); None: every layer here.
         streams: answers that may decode together; a chat beyond them waits in
             the queue until one ends. None: chosen from free memory at each model
-            load (``engine.memory.fit.default_streams``).
+            load (``engine.memory.fit.default_streams``). One, whatever is
+            asked, on a model whose layers cannot share a pass.
         read_share: the share of the time a prompt being read in takes beside
             answers, above 0 and at most 1 (``engine.session.batch.ReadShare``).
 
@@ -637,8 +638,7 @@ class EngineWorker(Worker):
             case LoadModel():
                 info = self._held.load(request.path)
                 self._answering.close()
-                if self._streams is None:
-                    self._answering.limit = self._default_streams(info)
+                self._answering.limit = self._stream_limit(info)
                 return ModelLoaded(request_id, info)
             case OpenSession():
                 return self._open_session(request_id, request)
@@ -671,6 +671,17 @@ class EngineWorker(Worker):
             answering.adopt_read(command, start.session, alone, start.prompt,
                                   request.sampling.max_tokens, start.reused)
         return None
+
+    def _stream_limit(self, info: ModelInfo) -> int:
+        """Answers that may run together on the model just loaded: one where its
+        layers cannot share a pass (a server counts its queue beyond these)."""
+        try:
+            alone = not shares_passes([self._held.new_cache()])
+        except EngineError:
+            alone = False  # no chat opens on it: the open says why
+        if alone:
+            return 1
+        return self._default_streams(info) if self._streams is None else self._streams
 
     def _default_streams(self, info: ModelInfo) -> int:
         """The stream limit free memory allows beside the model just loaded."""

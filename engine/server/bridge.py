@@ -311,7 +311,9 @@ class ServerBridge:
                 raise NotReady(self.load_error or LOADING)
             answering = self.worker.streams().limit
             if self._in_flight >= answering + self.queue_limit:
-                raise QueueFull(f"The engine answers {answering} requests at once, with "
+                at_once = ("one request at a time" if answering == 1
+                           else f"{answering} requests at once")
+                raise QueueFull(f"The engine answers {at_once}, with "
                                 f"{self._in_flight - answering} more waiting (the server's "
                                 "queue limit); try again shortly.")
             try:

@@ -307,7 +307,10 @@ def test_a_model_whose_layers_cannot_share_a_pass_answers_one_chat_at_a_time(
         raise EngineError("These layers cannot decode in a batch.")
 
     monkeypatch.setattr(answering, "check_batchable", refuse)
-    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+    with loaded_worker(endless_dir, chunk_size=16, streams=4) as (worker, log):
+        # Counted as one at a time (a server's queue counts beyond it), though
+        # four were asked for.
+        assert worker.streams().limit == 1
         _open(worker, log, "a", "b")
         first = worker.chat("a", ASKED["a"], LONG, threading.Event())
         second = worker.chat("b", ASKED["b"], LONG, threading.Event())

@@ -70,6 +70,15 @@ def test_the_queue_limit_counts_the_requests_waiting_beyond_those_answered(
     bridged.submit([9, 1, 2])  # one ended: a place is free again
 
 
+def test_a_model_answering_alone_is_told_as_one_request_at_a_time(
+        bridged: SimpleNamespace) -> None:
+    bridged.worker.parallel = 1
+    bridged.submit([1, 1, 2])
+    bridged.submit([2, 1, 2])
+    with pytest.raises(QueueFull, match="answers one request at a time, with 1 more waiting"):
+        bridged.submit([3, 1, 2])
+
+
 def test_a_failed_requests_session_is_dropped_as_its_failure_arrives(
         bridged: SimpleNamespace) -> None:
     first = bridged.submit([1, 2, 3])
