@@ -62,6 +62,9 @@ class Ticket:
         reused: prompt tokens a held session continued has cached already (what
             the request will read from the cache at least; a stored snapshot or
             another session may add more, known when it ends).
+        prompt: the prompt's ids.
+        held_before: the prompt the session held before this request (empty for
+            a new session): still what it holds if the request ends unread.
     """
 
     loop: asyncio.AbstractEventLoop
@@ -70,6 +73,8 @@ class Ticket:
     session: str = ""
     mode: KvMode = DEFAULT_MODE  # set with the session it runs in
     reused: int = 0
+    prompt: list[int] = field(default_factory=list)
+    held_before: list[int] = field(default_factory=list)
 
     def put(self, event: Event) -> None:
         """Hand ``event`` to the handler (called on the worker thread)."""
@@ -216,6 +221,8 @@ class ServerBridge:
                         # Dropped as its request leaves: a request that comes
                         # meanwhile must not continue it.
                         self._forget(ticket.session)
+                    else:
+                        self._held_after(ticket, event)
         if ticket is not None:
             ticket.put(event)
 
@@ -326,11 +333,26 @@ class ServerBridge:
                 raise NotReady(str(stopped)) from stopped
             self._in_flight += 1
             ticket.reused = min(shared, len(prompt) - 1)
-            self._sessions[name] = (mode, list(prompt))
+            ticket.prompt = list(prompt)
+            ticket.held_before = self._sessions.get(name, (mode, []))[1]
+            self._sessions[name] = (mode, ticket.prompt)
             self._sessions.move_to_end(name)
             ticket.session, ticket.mode = name, mode
             self._tickets[ticket.chat_id] = ticket
         return ticket
+
+    def _held_after(self, ticket: Ticket, ended: Finished) -> None:
+        """Keep as the session's prompt what it holds once ``ended`` ended its
+        request stopped short: the part read in, or for a request stopped
+        before its read began, the prompt held before it (under the lock)."""
+        if ended.kept_tokens is not None:
+            held = ticket.prompt[:ended.kept_tokens]
+        elif ended.reason == "cancelled" and ended.stats is None:
+            held = ticket.held_before
+        else:
+            return
+        if ticket.session in self._sessions:
+            self._sessions[ticket.session] = (ticket.mode, held)
 
     def _forget(self, session: str) -> None:
         """Drop the session a failed request ran on from the ones to continue

@@ -79,6 +79,29 @@ def test_a_model_answering_alone_is_told_as_one_request_at_a_time(
         bridged.submit([3, 1, 2])
 
 
+@pytest.mark.parametrize("ending", ["unread", "read_in_part"])
+def test_a_request_stopped_before_its_read_ends_leaves_what_its_session_held(
+        bridged: SimpleNamespace, ending: str) -> None:
+    # The next request is told (message_start's cache_read_input_tokens) only
+    # what the session holds: not a prompt that was never read in.
+    first = bridged.submit([1, 2, 3])
+    opened = [rid for rid, ticket in bridged.bridge._tickets.items()
+              if ticket is first and rid != first.chat_id]
+    for request_id in [*opened, first.chat_id]:
+        bridged.bridge._on_event(Finished(request_id, "done" if request_id in opened else "stop"))
+    asked = [1, 2, 3, 4, 5, 6, 7, 8]
+    second = bridged.submit(asked)
+    assert second.session == first.session and second.reused == 3
+    if ending == "unread":  # cancelled while it waited for a place
+        stopped = Finished(second.chat_id, "cancelled")
+    else:  # cancelled after two more of its tokens were read in
+        stopped = Finished(second.chat_id, "cancelled", kept_tokens=5, total_tokens=8)
+    bridged.bridge._on_event(stopped)
+    again = bridged.submit(asked)
+    assert again.session == first.session
+    assert again.reused == (3 if ending == "unread" else 5)
+
+
 def test_a_failed_requests_session_is_dropped_as_its_failure_arrives(
         bridged: SimpleNamespace) -> None:
     first = bridged.submit([1, 2, 3])
