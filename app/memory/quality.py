@@ -36,6 +36,9 @@ WINDOW = 1024  # engine.session.quality_check.WINDOW_TOKENS, named here without 
 VERDICTS = ((1e-3, "Indistinguishable from fp16"), (2e-2, "Minor differences from fp16"),
             (0.2, "Noticeable differences from fp16"))
 LARGE = "Large differences from fp16"
+# Below this many positions a verdict rests on too little to go by for a long chat
+# (the 99th percentile is then nearly the largest value), and says so.
+FEW_POSITIONS = 256
 # Why the check's count of a chat can be above the one the panel and sidebar show.
 COUNTED = ("The check read the chat as {tokens:,} tokens: closed as a finished turn, with "
            "the end-of-turn marks that its KV cache reads only with the next message.")
@@ -52,10 +55,18 @@ def receipt_line(receipt: QualityReceipt) -> str:
     return f"{verdict(receipt.kl_mean)} ({badge}, this chat)"
 
 
-
-
 def advice(receipt: QualityReceipt) -> str:
-    """What to do about the verdict: keep the mode, or which one to reopen the chat in."""
+    """What to do about the verdict: keep the mode, or which one to reopen the chat
+    in; for a verdict from few positions, to check again once the chat is longer."""
+    said = _mode_advice(receipt)
+    if receipt.positions < FEW_POSITIONS:
+        # No count here: the check's is a little above the one the chat shows.
+        said += (" This chat is short yet, and a verdict on so few tokens says little "
+                 "of a long chat: check again once it is longer.")
+    return said
+
+
+def _mode_advice(receipt: QualityReceipt) -> str:
     mode, kl = receipt.mode, receipt.kl_mean
     if kl < VERDICTS[0][0]:
         smaller = MODES.smaller(mode)

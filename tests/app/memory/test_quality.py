@@ -59,6 +59,13 @@ def test_a_verdict_says_what_to_do_and_the_panel_shows_its_numbers(qtbot) -> Non
         "Reopen this chat in q6: its answers stay closer to fp16.")
     assert advice(replace(RECEIPT, mode="q4", kl_mean=2e-4)) == (
         "Keep q4: it answers as fp16 would.")
+    # A short chat's verdict says how little it rests on.
+    assert advice(replace(RECEIPT, positions=1, kl_mean=2e-4)) == (
+        "Keep q6: it answers as fp16 would. If you need more context in the same memory, "
+        "try q4: reopen the chat in it and check again. This chat is short yet, and a "
+        "verdict on so few tokens says little of a long chat: check again once it is longer.")
+    assert advice(replace(RECEIPT, positions=255)).endswith("check again once it is longer.")
+    assert "short yet" not in advice(replace(RECEIPT, positions=256))
     panel = MemoryPanel()
     qtbot.addWidget(panel)
     panel.set_session("Pines", "q6", "", "s1")
