@@ -273,12 +273,16 @@ class Follower:
                 ok = False
         c.gather_replies(self.group, [int(ok)])
 
-    def _restore(self, slot: int, length: int, tokens: int, *_: int) -> None:
+    def _restore(self, slot: int, length: int, tokens: int, low: int, high: int,
+                 *_: int) -> None:
         session, name = self._session(slot, c.RESTORE), self._name(length)
         kept = 0
         if self.snapshots is not None:
             try:
                 stored = read_manifest(manifest_path(self.snapshots, name))["tokens"]
+                if c.ids_digest(stored[:tokens]) != (low, high):
+                    raise EngineError("its tokens are not the ones rank 0 restored (one of "
+                                      "the two saves was refused)")
                 kept = load_snapshot(session, self.snapshots, name, stored[:tokens],
                                      keep_last=False)
             except (EngineError, Corrupt, OSError, KeyError) as error:

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import blake3
 import mlx.core as mx
+import numpy as np
 
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError, MachineShort
@@ -40,7 +41,7 @@ from engine.models.loader import LoadedModel
 from engine.session.followers import DecodeStep, FollowerLink
 from engine.session.prefill import Chunk
 
-VERSION = 9
+VERSION = 10
 HEADER = 8  # version, op, slot, four arguments, the decode token
 REPLY = 16  # one follower answer: status, then op-specific values
 NAME_BYTES = 64  # a rank's host name, as bytes in int32s
@@ -98,6 +99,13 @@ def header(op: int, slot: int = 0, *args: int) -> mx.array:
     """A command header with up to four integer arguments (the token field zero)."""
     fields = [VERSION, op, slot, *args][:HEADER - 1]
     return mx.array(fields + [0] * (HEADER - len(fields)), dtype=mx.int32)
+
+
+def ids_digest(ids: Sequence[int]) -> tuple[int, int]:
+    """A digest of token ids, as two non-negative int32 header arguments (62 bits)."""
+    raw = blake3.blake3(np.asarray(ids, dtype="<i8").tobytes())
+    value = int.from_bytes(raw.digest(length=8), "little")
+    return value & 0x7FFFFFFF, (value >> 31) & 0x7FFFFFFF
 
 
 def int_list(values: mx.array) -> list[int]:
@@ -322,10 +330,17 @@ class SessionLink:
         """Each follower stores its layers as snapshot ``name``; True when all did."""
         return all(ok for ok, *_ in self._named(SAVE, name)[1:])
 
-    def restore(self, name: str, tokens: int) -> bool:
-        """Each follower restores ``tokens`` tokens of its snapshot ``name``, as rank 0
-        did of its own; True when every one holds exactly that many now."""
-        return all(ok and kept == tokens for ok, kept, *_ in self._named(RESTORE, name, tokens)[1:])
+    def restore(self, name: str, ids: Sequence[int]) -> bool:
+        """Each follower restores the tokens ``ids`` from its snapshot ``name``, as rank
+        0 did of its own; True when every one holds exactly those now.
+
+        A follower's part is checked against ``ids`` (their digest), not only their
+        count: its save and rank 0's may have parted (one of them refused), and
+        layers of another conversation must never pass for these.
+        """
+        tokens = len(ids)
+        replies = self._named(RESTORE, name, tokens, *ids_digest(ids))
+        return all(ok and kept == tokens for ok, kept, *_ in replies[1:])
 
     def _named(self, op: int, name: str, *args: int) -> list[list[int]]:
         raw = list(name.encode("utf-8"))

@@ -73,8 +73,9 @@ class FollowerLink(Protocol):
         """Store the other ranks' layers as snapshot ``name``; True when all did."""
         ...
 
-    def restore(self, name: str, tokens: int) -> bool:
-        """Restore ``tokens`` tokens of snapshot ``name`` on every rank; True when all did."""
+    def restore(self, name: str, ids: Sequence[int]) -> bool:
+        """Restore the tokens ``ids`` from snapshot ``name`` on every rank; True when
+        every rank's part holds exactly those."""
         ...
 
     def end(self, held: int, cancelled: bool, answer: bool = True) -> None:

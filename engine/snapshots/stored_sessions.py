@@ -166,7 +166,8 @@ class StoredSessions:
         """Snapshot ``name`` into ``session``; on a pipeline, into every rank's layers."""
         reused = store.load(session, name, prompt, keep_last=keep_last)
         followers = getattr(session, "followers", None)
-        if reused and followers is not None and not followers.restore(name, reused):
+        if reused and followers is not None and not followers.restore(
+                name, session.tokens[:reused]):
             session.reset()
             raise SnapshotRejected(
                 f"Stored KV for {name!r} is incomplete on another machine of the pipeline; "

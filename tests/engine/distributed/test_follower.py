@@ -131,3 +131,27 @@ def test_a_follower_short_of_memory_names_its_machine(opened: _Opened) -> None:
     session.guard.refresh(session.session_id)  # other apps took the room it reported
     with pytest.raises(KvBudgetExceeded, match=r"^On rank 1 \(mac2\): The KV memory"):
         opened.handle(c.DECODE, 0, 0, 0, 0, 10)
+
+
+def test_a_follower_restores_its_part_only_for_the_tokens_rank_0_restored(
+        opened: _Opened, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.snapshots.snapshot import save_snapshot
+
+    follower, session = opened.follower, opened.session
+    follower.snapshots = tmp_path / "rank1"
+    session.forward(Chunk(list(range(10, 50)), False))  # 40 tokens, stored
+    save_snapshot(session, follower.snapshots, "chat")
+    monkeypatch.setattr(follower, "_name", lambda length: "chat")
+
+    def restore(ids: list[int]) -> int:
+        """The tokens the follower's RESTORE reply says it holds now."""
+        session.reset()
+        opened.handle(c.RESTORE, 4, len(ids), *c.ids_digest(ids))
+        return opened.replies.pop()[1]
+
+    assert restore(list(range(10, 42))) == 32
+    assert session.tokens == list(range(10, 42))
+    # Rank 0 restored as many tokens of another conversation under that name (its
+    # own save was refused after this rank's): this rank's part is not used.
+    assert restore([*range(10, 41), 99]) == 0
+    assert session.tokens == []
