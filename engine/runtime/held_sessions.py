@@ -31,7 +31,7 @@ from engine.runtime.interface import Conductor, Pipeline
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
 from engine.session.prefill import activation_value_bytes
-from engine.session.session import DEFAULT_PAGE_SIZE, Session
+from engine.session.session import DEFAULT_PAGE_SIZE, Session, check_sizes
 from engine.snapshots.fingerprint import model_fingerprint
 from engine.snapshots.stored_sessions import StoredSessions
 
@@ -329,6 +329,9 @@ class HeldSessions:
         if self.loaded is None:
             raise EngineError("Load a model before opening a conversation.")
         MODES[mode]  # an unknown mode raises here, before a session it would replace closes
+        # And bad sizes, before a pipeline's other ranks are sent them: a rank that
+        # fails a command ends the whole group.
+        check_sizes(page_size, chunk_size)
         with self._lock:
             replaced = self._sessions.pop(session_id, None)
         if replaced is not None:
@@ -336,11 +339,16 @@ class HeldSessions:
             replaced.close()
         followers = (None if self._conductor is None
                      else self._conductor.open(mode, page_size, rotate, chunk_size))
-        session = Session(
-            session_id, self.loaded, mode, page_size,
-            chunk_size=chunk_size, guard=self._guard,
-            rotate=rotate, followers=followers,
-        )
+        try:
+            session = Session(
+                session_id, self.loaded, mode, page_size,
+                chunk_size=chunk_size, guard=self._guard,
+                rotate=rotate, followers=followers,
+            )
+        except EngineError:
+            if followers is not None:  # their pages of it would never be let go
+                followers.close()
+            raise
         with self._lock:
             self._sessions[session_id] = session
         self._stats.publish(session)

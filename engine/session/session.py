@@ -72,6 +72,12 @@ class AnswerStart:
     started: float
 
 
+def check_sizes(page_size: int, chunk_size: int) -> None:
+    """Raise EngineError unless a page and a chunk each hold a token at least."""
+    if page_size < 1 or chunk_size < 1:
+        raise EngineError("Page size and chunk size must be at least 1 token.")
+
+
 class Session:
     """A model plus a paged KV cache in one fixed mode, and the ids the cache holds.
 
@@ -108,8 +114,7 @@ class Session:
         rotate: bool | None = None,
         followers: FollowerLink | None = None,
     ) -> None:
-        if page_size < 1 or chunk_size < 1:
-            raise EngineError("Page size and chunk size must be at least 1 token.")
+        check_sizes(page_size, chunk_size)
         self.session_id = session_id
         self.loaded = loaded
         self.rotate = rotate

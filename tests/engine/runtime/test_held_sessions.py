@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -208,3 +209,46 @@ def test_a_chat_set_aside_whose_stored_kv_must_go_is_said_to_be_read_again(
         again = _chat(worker, log, "a")
         assert isinstance(again, Finished) and again.stats is not None
         assert again.stats.reused_tokens == 0
+
+
+class _Ranks:
+    """A pipeline's other ranks as rank 0's conductor sees them: the sessions
+    opened there, and those closed again."""
+
+    def __init__(self) -> None:
+        self.fingerprint: dict[str, Any] = {}
+        self.opened: list[int] = []
+        self.closed: list[int] = []
+
+    def open(self, mode: str, page_size: int, rotate: bool | None, chunk_size: int) -> Any:
+        slot = len(self.opened) + 1
+        self.opened.append(slot)
+        return SimpleNamespace(close=lambda: self.closed.append(slot))
+
+    def stop(self) -> None:
+        """Nothing runs there to stop."""
+
+
+def test_a_chat_rank_0_refuses_is_never_left_open_on_the_other_ranks(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.errors import UnsupportedModeError
+    from engine.runtime import held_sessions
+
+    with loaded_worker(model_dir) as (worker, log):
+        ranks = _Ranks()
+        worker._held._conductor = ranks
+        # Refused before the other ranks are sent it: one would end the group on it.
+        failed = log.ending(worker.open_session("a", "q8", 0))
+        assert isinstance(failed, Failed)
+        assert "Page size and chunk size must be at least 1 token" in failed.message
+        assert ranks.opened == []
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise UnsupportedModeError("q8 cannot store this model's heads.")
+
+        # Refused by rank 0's own cache once they opened theirs: they close it again.
+        monkeypatch.setattr(held_sessions, "Session", refuse)
+        failed = log.ending(worker.open_session("b", "q8", PAGE))
+        assert isinstance(failed, Failed)
+        assert "cannot store this model's heads" in failed.message
+        assert ranks.opened == ranks.closed == [1]
