@@ -325,6 +325,9 @@ class ChatController(QObject):
             return
         self.notice.emit(f"{event.message} Longleaf goes on with {name} on this Mac "
                          "alone; your chats are kept.")
+        # Not ready from now: the engine here has no model until the load below,
+        # which may wait for the jobs in line.
+        self.model_state.drop(f"Loading {name} on this Mac alone…")
 
         def load_here() -> None:  # not load_model: that would start the pipeline again
             self.caches.close_all()

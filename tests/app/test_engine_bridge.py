@@ -110,6 +110,25 @@ def test_a_lost_pipeline_reloads_the_model_here_when_it_fits(qtbot, lost, monkey
     qtbot.waitUntil(lambda: not lost.remote[0].alive)
 
 
+def test_a_lost_pipeline_takes_no_message_before_the_model_is_loaded_here(
+        qtbot, lost, monkeypatch) -> None:
+    monkeypatch.setattr(controller_module, "fits_here", lambda path: "")
+    errors: list[str] = []
+    lost.c.errorRaised.connect(errors.append)
+    # A job still in line when the pipeline goes: the load here waits for it.
+    job = lost.c.activity.add("other", "quality", "Other", lambda job: None,
+                              lambda job: None)
+    lost.remote[0].on_event(PipelineLost("The pipeline lost rank 1 (mac2)."))
+    qtbot.waitUntil(lambda: len(lost.local) == 2)
+    assert "load" not in lost.local[1].names()
+    # Meanwhile no message goes to the engine that has no model yet.
+    assert not lost.c.model_ready
+    lost.c.activity.end(job)
+    assert lost.local[1].last("load")[1] == ("big",)
+    assert not lost.c.send("Still there?")
+    assert errors[-1].startswith("The model is still loading; your message is kept")
+
+
 def test_a_lost_pipeline_says_when_the_model_does_not_fit_here(qtbot, lost,
                                                               monkeypatch) -> None:
     monkeypatch.setattr(controller_module, "fits_here",
