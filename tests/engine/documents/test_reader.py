@@ -263,3 +263,24 @@ def test_file_truncated_but_not_deleted_while_being_read(tmp_path: Path, monkeyp
     monkeypatch.setattr(Path, "open", open_then_truncate)
     with pytest.raises(DocumentError, match="changed or disappeared while it was being read"):
         read_document(path)
+
+
+@pytest.mark.parametrize("grows", [False, True])
+def test_a_pdf_rewritten_while_being_read_is_said_to_have_changed_not_to_be_damaged(
+        tmp_path: Path, monkeypatch, grows: bool) -> None:
+    path = _write(tmp_path / "report.pdf", _pdf_with_text(["Quarterly figures"] * 50))
+    real_open = Path.open
+
+    def open_then_rewrite(self: Path, *args, **kwargs):
+        handle = real_open(self, *args, **kwargs)
+        if self == path:  # another program saves it again, in place
+            if grows:
+                with real_open(self, "ab") as appended:
+                    appended.write(b"% more\n" * 100)
+            else:
+                os.truncate(self, 200)
+        return handle
+
+    monkeypatch.setattr(Path, "open", open_then_rewrite)
+    with pytest.raises(DocumentError, match="changed or disappeared while it was being read"):
+        read_document(path)
