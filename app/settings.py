@@ -345,18 +345,20 @@ class Settings:
         """Default sampling parameters."""
         base = SamplingParams(repetition_penalty=DEFAULT_REPETITION_PENALTY)
         seed = self._get("sampling/seed", -1, int)
-        return SamplingParams(
-            temperature=self._get("sampling/temperature", base.temperature, float),
-            top_p=self._get("sampling/top_p", base.top_p, float),
-            top_k=self._get("sampling/top_k", base.top_k, int),
-            min_p=self._get("sampling/min_p", base.min_p, float),
-            repetition_penalty=self._get(
-                "sampling/repetition_penalty", base.repetition_penalty, float
-            ),
-            max_tokens=self._get("sampling/max_tokens", base.max_tokens, int),
-            seed=None if seed < 0 else seed,
-            speculative="lookup" if self.speculative else "off",
-        )
+        values = {key: self._get(f"sampling/{key}", getattr(base, key), kind)
+                  for key, kind in (("temperature", float), ("top_p", float), ("top_k", int),
+                                    ("min_p", float), ("repetition_penalty", float),
+                                    ("max_tokens", int))}
+        for key, value in values.items():
+            # A hand-edited file may hold anything: a value no answer could use is
+            # left for the default, not raised at every send.
+            try:
+                SamplingParams(**{key: value})
+            except EngineError as error:
+                log.warning("settings: sampling/%s ignored: %s", key, error)
+                values[key] = getattr(base, key)
+        return SamplingParams(**values, seed=None if seed < 0 else seed,
+                              speculative="lookup" if self.speculative else "off")
 
     @sampling.setter
     def sampling(self, params: SamplingParams) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections import deque
@@ -75,7 +76,11 @@ class SamplingParams:
     speculative: str = "lookup"
 
     def __post_init__(self) -> None:
-        problems = []
+        # NaN passes every range check below, and infinity some: neither is a setting.
+        problems = [f"{name} must be a finite number (got {value})"
+                    for name, value in self._numbers() if not math.isfinite(value)]
+        if problems:
+            raise EngineError("Invalid sampling settings: " + "; ".join(problems) + ".")
         if self.temperature < 0:
             problems.append(f"temperature must be >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
@@ -98,6 +103,14 @@ class SamplingParams:
                             f"(got {self.speculative!r})")
         if problems:
             raise EngineError("Invalid sampling settings: " + "; ".join(problems) + ".")
+
+
+    def _numbers(self) -> list[tuple[str, float]]:
+        """The settings that are real numbers, by name (the logit biases too)."""
+        named = [(name, float(getattr(self, name))) for name in
+                 ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")]
+        return named + [(f"logit_bias[{token}]", float(bias)) for token, bias in self.logit_bias]
 
 
 def build_sampler(params: SamplingParams) -> Sampler:

@@ -119,6 +119,16 @@ def test_sampling_round_trips_through_the_file() -> None:
                                         "sampling/repetition_penalty"}
 
 
+def test_a_sampling_value_no_answer_could_use_reads_as_the_default() -> None:
+    Settings().path.write_text("[sampling]\ntemperature=nan\ntop_p=0\nmax_tokens=-4\n"
+                               "top_k=12\n")
+    read = Settings().sampling  # before, this raised at every send
+    default = Settings(path=Settings().path.with_name("other.ini")).sampling
+    assert (read.temperature, read.top_p, read.max_tokens) == (
+        default.temperature, default.top_p, default.max_tokens)
+    assert read.top_k == 12  # the valid one is kept
+
+
 def test_a_budget_set_back_to_the_default_removes_its_key() -> None:
     s = Settings()
     s.stored_kv_budget_bytes = 5 * 10**9

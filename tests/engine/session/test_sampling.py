@@ -41,6 +41,17 @@ def test_invalid_settings_raise_an_engine_error_naming_the_field(field: str, val
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty",
+                                   "presence_penalty", "frequency_penalty"])
+def test_a_setting_that_is_not_a_finite_number_is_refused(field: str, value: float) -> None:
+    # NaN passed every range check: the answer came out as one token repeated.
+    with pytest.raises(EngineError, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: value})
+    with pytest.raises(EngineError, match=r"logit_bias\[7\] must be a finite number"):
+        SamplingParams(logit_bias=((7, value),))
+
+
 def test_temperature_zero_is_greedy() -> None:
     assert _draws(SamplingParams(temperature=0.0), 5) == {1}
 
