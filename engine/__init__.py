@@ -89,7 +89,7 @@ _PUBLIC = {
     "ApiSession": "engine.server.inprocess",
     "LocalServer": "engine.server.inprocess",
     "ServerStatus": "engine.server.inprocess",
-    "ServerUnavailable": "engine.server.inprocess",
+    "ServerUnavailable": "engine.server.listen",
     **{name: "engine.events" for name in (
         "Event", "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "AnswerWaiting", "StoredKv",
@@ -274,7 +274,8 @@ if TYPE_CHECKING:
     from engine.runtime.interface import Worker
     from engine.runtime.worker import EngineWorker
     from engine.server.app import host_names
-    from engine.server.inprocess import ApiSession, LocalServer, ServerStatus, ServerUnavailable
+    from engine.server.inprocess import ApiSession, LocalServer, ServerStatus
+    from engine.server.listen import ServerUnavailable
     from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
     from engine.session.prompt_ids import TurnOverhead
     from engine.session.sampling import SamplingParams

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -299,20 +300,36 @@ def _size(nbytes: int) -> str:
 def serve(args: argparse.Namespace, out: TextIO) -> int:
     """Serve the OpenAI- and Anthropic-compatible HTTP API until interrupted."""
     from engine.server.app import cors_origins, host_names
-    from engine.server.bridge import ServerBridge
-    from engine.server.serve import server_snapshot_dir, uvicorn_server
+    from engine.server.listen import bind
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         raise EngineError("Serving beyond this machine needs --api-key: anyone on the "
                           "network could otherwise use the model.")
     origins = cors_origins(args.cors_origin)
     allowed = host_names(args.allow_host)
-    from engine import paths
-
     _check_pipeline(args)
+    for option, value in (("--parallel", args.parallel), ("--sessions", args.sessions),
+                          ("--queue-limit", args.queue_limit)):
+        if value is not None and value < 1:
+            raise EngineError(f"{option} must be at least 1.")
+    # Bound first: a port in use is said before the model loads, not after.
+    sock = bind(args.host, args.port, name="the server", change="with --port")
+    try:
+        _serve_on(sock, args, out, origins, allowed)
+    finally:
+        sock.close()
+    out.write("Longleaf server stopped; its sessions are stored.\n")
+    return 0
+
+
+def _serve_on(sock: socket.socket, args: argparse.Namespace, out: TextIO,
+              origins: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    """Load the model and serve on ``sock`` until interrupted."""
+    from engine import paths
+    from engine.server.bridge import ServerBridge
+    from engine.server.serve import server_snapshot_dir, uvicorn_server
+
     # The app's stored KV counts against the same budget: one user, one disk.
-    if args.parallel is not None and args.parallel < 1:
-        raise EngineError("--parallel must be at least 1.")
     options = {"max_sessions": args.sessions, "queue_limit": args.queue_limit,
                "snapshot_budget": args.kv_disk_budget, "counted_with": (paths.snapshots_dir(),),
                "parallel": args.parallel, "read_share": args.read_share}
@@ -327,15 +344,16 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
                  else f" over {bridge.machines} local ranks")
     else:
         bridge = ServerBridge(args.model, args.kv, server_snapshot_dir(), **options)
-    out.write(f"Longleaf serving {bridge.model_id}{where} on http://{args.host}:{args.port} "
-              f"(OpenAI: http://{args.host}:{args.port}/v1)\n")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    port = sock.getsockname()[1]
+    out.write(f"Longleaf serving {bridge.model_id}{where} on http://{host}:{port} "
+              f"(OpenAI: http://{host}:{port}/v1)\n")
     out.flush()
     # uvicorn shuts down (sessions stored) and then raises Ctrl-C again for the
     # caller: here it is the asked-for way to stop, not an error.
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn_server(bridge, args.host, args.port, args.api_key, origins, allowed).run()
-    out.write("Longleaf server stopped; its sessions are stored.\n")
-    return 0
+        uvicorn_server(bridge, args.host, args.port, args.api_key, origins,
+                       allowed).run(sockets=[sock])
 
 
 def _check_pipeline(args: argparse.Namespace) -> None:

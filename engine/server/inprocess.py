@@ -13,7 +13,6 @@ message, not a dead thread. Nothing here imports Qt.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import queue
 import socket
@@ -24,10 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.cache.modes import KvMode
-from engine.errors import EngineError
 from engine.events import Event, Failed, Finished, request_id_of
 from engine.runtime.interface import Worker
 from engine.server.bridge import ServerBridge, Ticket
+from engine.server.listen import ServerUnavailable, bind
 
 if TYPE_CHECKING:
     import uvicorn
@@ -41,10 +40,6 @@ THREAD_NAME = "longleaf-server"
 START_TIMEOUT = 30.0
 # Open streams get this long to finish when the server is turned off or the app quits.
 GRACEFUL_SHUTDOWN_S = 1
-
-
-class ServerUnavailable(EngineError):
-    """The local server cannot listen (the port is taken, or the address is not ours)."""
 
 
 @dataclass(frozen=True)
@@ -257,7 +252,8 @@ class LocalServer:
         from engine.server.connections import http_protocol
         from engine.server.serve import make_app
 
-        self._socket = _bind(self.host, self.port)
+        self._socket = bind(self.host, self.port, name="the local server",
+                            change="in Settings → Local server")
         app = make_app(self.bridge, self.api_key, bind_host=self.host,
                        allowed_hosts=self.allowed_hosts)
         app.router.lifespan_context = self._lifespan
@@ -330,22 +326,3 @@ class LocalServer:
         """``request_stop`` and ``join``."""
         self.request_stop()
         return self.join(timeout)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening-ready socket on ``host:port``, bound here so a failure is a message."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # As uvicorn's own sockets: a port just freed (TIME_WAIT) binds again at once; a
-    # port another program listens on still refuses.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        if error.errno == errno.EADDRINUSE:
-            raise ServerUnavailable(
-                f"Port {port} is already in use by another program, so the local server "
-                "is off. Choose another port in Settings → Local server.") from error
-        raise ServerUnavailable(f"The local server cannot listen on {host}:{port}: "
-                                f"{error.strerror or error}.") from error
-    return sock

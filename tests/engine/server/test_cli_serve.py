@@ -55,6 +55,30 @@ def test_pipeline_options_that_cannot_run_are_refused_before_serving(
     assert served == []
 
 
+def test_a_port_that_cannot_be_served_is_said_before_the_model_loads(
+        monkeypatch, capsys) -> None:
+    import socket
+
+    loads: list[str] = []
+    monkeypatch.setattr("engine.server.bridge.ServerBridge.__init__",
+                        lambda self, model, *a, **k: loads.append(model))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--model", "demo", "--port", str(port)], io.StringIO()) == 1
+    assert capsys.readouterr().err == (
+        f"error: Port {port} is already in use by another program, so the server is off. "
+        "Choose another port with --port.\n")
+    assert cli.main(["serve", "--model", "demo", "--port", "70000"], io.StringIO()) == 1
+    assert "Port 70000 does not exist: ports go from 0 to 65535" in capsys.readouterr().err
+    for option in ("--sessions", "--queue-limit"):
+        assert cli.main(["serve", "--model", "demo", "--port", "0", option, "0"],
+                        io.StringIO()) == 1
+        assert f"{option} must be at least 1." in capsys.readouterr().err
+    assert loads == []
+
+
 def test_ctrl_c_stops_the_server_cleanly_with_its_sessions_stored(tmp_path) -> None:
     import os
     import signal
@@ -106,9 +130,11 @@ def test_the_reads_share_and_disk_budget_reach_the_engine(monkeypatch, capsys) -
             raise EngineError("recorded")
 
     monkeypatch.setattr("engine.server.bridge.EngineWorker", Worker)
-    assert cli.main(["serve", "--model", "demo", "--read-share", "0.25"], io.StringIO()) == 1
+    assert cli.main(["serve", "--model", "demo", "--port", "0", "--read-share", "0.25"],
+                    io.StringIO()) == 1
     assert made[-1]["read_share"] == 0.25 and "recorded" in capsys.readouterr().err
-    assert cli.main(["serve", "--model", "demo", "--kv-disk-budget", "2.5"], io.StringIO()) == 1
+    assert cli.main(["serve", "--model", "demo", "--port", "0", "--kv-disk-budget", "2.5"],
+                    io.StringIO()) == 1
     assert made[-1]["snapshots"].budget_bytes == int(2.5 * 2**30)
     for bad in ("0", "1.5", "nan", "half"):
         with pytest.raises(SystemExit) as exited:

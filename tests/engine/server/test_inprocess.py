@@ -14,7 +14,8 @@ import pytest
 from engine.events import ModelLoaded
 from engine.runtime.worker import EngineWorker
 from engine.server import connections
-from engine.server.inprocess import AttachedBridge, LocalServer, ServerUnavailable
+from engine.server.inprocess import AttachedBridge, LocalServer
+from engine.server.listen import ServerUnavailable
 from tests.engine.runtime.test_worker import EventLog
 from tests.engine.tinymodels import make_tiny_model_dir
 
