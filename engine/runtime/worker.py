@@ -19,6 +19,7 @@ import copy
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -758,6 +759,10 @@ def _unexpected_ending(command: Command, error: Exception) -> Failed:
     """
     if isinstance(error, EngineError):
         return failed(command.request_id, error)
+    # A raise inside one of mlx-lm's compiled samplers leaves MLX's random state,
+    # which every answer draws from, an array with nothing behind it: each later
+    # sampled answer would fail on it. A fresh seed replaces it.
+    mx.random.seed(secrets.randbits(63))
     fault = disk.fault_of(error, retry=RETRY)
     if fault is not None:
         log.warning("engine request %s failed: %s", command.name, fault)

@@ -114,13 +114,23 @@ class SamplingParams:
 
 
 def build_sampler(params: SamplingParams) -> Sampler:
-    """Return mlx-lm's sampler for these settings (greedy at temperature 0)."""
-    return make_sampler(
-        temp=params.temperature,
-        top_p=params.top_p if params.top_p < 1.0 else 0.0,
-        min_p=params.min_p,
-        top_k=params.top_k,
-    )
+    """Return mlx-lm's sampler for these settings (greedy at temperature 0).
+
+    A ``top_k`` of the whole vocabulary or more keeps every token, as 0 does:
+    mlx-lm raises on it instead, inside a compiled function whose raise leaves
+    MLX's random state (every answer's) without a value.
+    """
+    def sampler(top_k: int) -> Sampler:
+        return make_sampler(temp=params.temperature,
+                            top_p=params.top_p if params.top_p < 1.0 else 0.0,
+                            min_p=params.min_p, top_k=top_k)
+
+    limited = sampler(params.top_k)
+    if not params.top_k:
+        return limited
+    unlimited = sampler(0)
+    return lambda logprobs: (limited if params.top_k < logprobs.shape[-1]
+                             else unlimited)(logprobs)
 
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:

@@ -230,6 +230,39 @@ def test_prompts_with_odd_characters_are_answered(chatting, content: str) -> Non
                       Finished)
 
 
+SAMPLED = SamplingParams(temperature=0.7, max_tokens=4)
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(chatting) -> None:
+    engine, events = chatting
+    # Some clients send a huge top_k for "no limit": mlx-lm raises on it.
+    wide = SamplingParams(temperature=0.7, top_k=10**6, max_tokens=4)
+    ending = events.ending(engine.chat("s", HELLO, wide, threading.Event()))
+    assert isinstance(ending, Finished) and ending.stats.generated_tokens > 0, ending
+    assert isinstance(events.ending(engine.chat("s", HELLO, SAMPLED, threading.Event())),
+                      Finished)
+
+
+def test_answers_still_sample_after_one_failed_inside_the_sampler(
+        chatting, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.sample_utils import make_sampler
+
+    from engine.session import sampling
+
+    engine, events = chatting
+    # mlx-lm's own sampler, raising inside its compiled draw (as a top_k past the
+    # vocabulary made it): MLX's random state is left without a value.
+    monkeypatch.setattr(sampling, "build_sampler",
+                        lambda params: make_sampler(temp=0.7, top_k=10**6))
+    assert "ValueError" in _failed(events, engine.chat("s", HELLO, SAMPLED,
+                                                       threading.Event())).message
+    monkeypatch.undo()
+    # Every later sampled answer drew from that state and failed, until a restart.
+    ending = events.ending(engine.chat("s", HELLO, SAMPLED, threading.Event()))
+    assert isinstance(ending, Finished), ending
+
+
 def test_million_character_paste_is_refused_with_numbers(chatting) -> None:
     engine, events = chatting
     paste = ("The quick brown fox jumps over the lazy dog. " * 22_300)[:1_000_000]
