@@ -302,8 +302,11 @@ class AnswerStream:
         if self.top_logprobs:
             ids = mx.argsort(-row)[:self.top_logprobs]
             # tolist() of a 1-D array is a flat list (MLX's stubs say any nesting).
-            top = tuple(zip(cast("list[int]", ids.tolist()), cast("list[float]", row[ids].tolist()),
-                            strict=True))
+            pairs = zip(cast("list[int]", ids.tolist()), cast("list[float]", row[ids].tolist()),
+                        strict=True)
+            # A token a grammar (or a bias) ruled out is no alternative the answer had,
+            # and minus infinity is no JSON number.
+            top = tuple((ident, value) for ident, value in pairs if math.isfinite(value))
         self.pending_logprobs.append(TokenLogprob(token, float(row[token]), top))
 
     def stream(self, token: int) -> None:

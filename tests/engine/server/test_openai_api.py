@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import httpx
@@ -346,6 +347,26 @@ def test_logprobs_of_a_chat_answer(served: Served, stream: bool) -> None:
         assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)  # greedy
         assert token.top_logprobs[0].token == token.token
         assert bytes(token.bytes).decode() == token.token
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_an_answer_held_to_json_list_only_tokens_it_could_take(
+        served: Served, stream: bool) -> None:
+    # The grammar rules most tokens out (a log probability of minus infinity):
+    # not JSON, and no alternative the answer had.
+    reply = client(served).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Give me JSON"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=20, stream=stream,
+        response_format={"type": "json_object"})
+    if stream:
+        content = [t for c in reply if c.choices and c.choices[0].logprobs
+                   for t in c.choices[0].logprobs.content]
+    else:
+        content = reply.choices[0].logprobs.content
+    assert content
+    for token in content:
+        assert token.top_logprobs and all(
+            math.isfinite(alt.logprob) for alt in token.top_logprobs)
 
 
 def test_logit_bias_is_applied(served: Served) -> None:
