@@ -459,6 +459,8 @@ class AnswerStream:
                     return reason
                 continue
             accepted = speculative.accepted_prefix(draft, sampled)
+            if self.seed is not None:
+                self.draws += accepted + 1  # as plain decoding draws these tokens
             if self.grammar is not None:
                 self.grammar.rewind(len(draft) - accepted)
             # The token sampled after the draft scores the proposal's next one too,
@@ -519,8 +521,25 @@ class AnswerStream:
             rows.append(row)
         scores = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
         logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        return self._draw_rows(logprobs), base
+
+    def _draw_rows(self, logprobs: mx.array) -> list[int]:
+        """The token sampled at each row of a verification.
+
+        A seeded answer draws each row with the seed plain decoding gives that
+        token (the caller counts the draws it kept), so the same seed gives the
+        same answer whichever drafts were tried, alone or in a batch.
+        """
+        if self.seed is None:
+            tokens = self.draw(logprobs)
+        else:
+            rows = []
+            for i in range(logprobs.shape[0]):
+                mx.random.seed(draw_seed(self.seed, self.draws + i))
+                rows.append(self.sampler(logprobs[i:i + 1]))
+            tokens = mx.concatenate(rows)
         # tolist() of a 1-D array is a flat list (MLX's stubs say any nesting).
-        return cast("list[int]", self.draw(logprobs).tolist()), base
+        return cast("list[int]", tokens.tolist())
 
     def _emit(self, tokens: list[int], max_tokens: int) -> tuple[str | None, int]:
         """Stream ``tokens`` in order until one ends the answer.

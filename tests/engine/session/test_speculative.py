@@ -367,6 +367,22 @@ def test_sampled_answers_with_processors_keep_the_cache_consistent(tiny, arch: s
     assert _answer(again, _messages(), sampling)[2] == ids
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("seed", [5, 11])
+@pytest.mark.usefixtures("always_draft")
+def test_a_seed_gives_the_same_answer_with_drafts_as_without(tiny, arch: str,
+                                                             seed: int) -> None:
+    # A verification drew all its rows from one seed: what a seed gave depended on
+    # which drafts were tried (and so on the machine, and on other chats answering).
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=seed)
+    drafted = _answer(Session("drafted", tiny[arch], "q8"), _messages(),
+                      replace(sampled, speculative="lookup"))
+    plain = _answer(Session("plain", tiny[arch], "q8"), _messages(),
+                    replace(sampled, speculative="off"))
+    assert drafted[1].draft_tokens > 0
+    assert drafted[2] == plain[2]
+
+
 class _OneStepFollowers:
     """A pipeline's other ranks as rank 0's answer loop meets them: they follow
     one decode step a call and know no verification (as ``SessionLink``)."""
