@@ -32,6 +32,9 @@ PRIMER_TOKENS = 4
 PRIMER_MARK = "."  # text that is never a space, when those ids' text was all space
 # Most alternatives a request may ask for per token (OpenAI's own limit).
 MAX_TOP_LOGPROBS = 20
+# Below this a temperature samples greedily: mlx-lm scales the logits by its
+# inverse, which overflows float32 near 1e-38 and turns the draw uniform.
+GREEDY_BELOW = 1e-30
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ def build_sampler(params: SamplingParams) -> Sampler:
     MLX's random state (every answer's) without a value.
     """
     def sampler(top_k: int) -> Sampler:
-        return make_sampler(temp=params.temperature,
+        temperature = params.temperature if params.temperature >= GREEDY_BELOW else 0.0
+        return make_sampler(temp=temperature,
                             top_p=params.top_p if params.top_p < 1.0 else 0.0,
                             min_p=params.min_p, top_k=top_k)
 

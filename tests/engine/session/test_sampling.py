@@ -56,6 +56,11 @@ def test_temperature_zero_is_greedy() -> None:
     assert _draws(SamplingParams(temperature=0.0), 5) == {1}
 
 
+def test_a_temperature_too_small_to_invert_is_greedy() -> None:
+    # 1/1e-39 overflows float32: the scaled logits were all infinite, the draw uniform.
+    assert _draws(SamplingParams(temperature=1e-39, seed=3), 40) == {1}
+
+
 def test_top_k_limits_the_candidates() -> None:
     assert _draws(SamplingParams(temperature=5.0, top_k=2, seed=1)) == {1, 4}
     assert len(_draws(SamplingParams(temperature=5.0, seed=1))) > 2
