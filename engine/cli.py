@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import sys
 import threading
@@ -47,14 +48,20 @@ if TYPE_CHECKING:
 
 SESSION = "cli"
 SESSION_PREFIX = "cli-"
+INTERRUPTED = 130  # the shell's status for a command Ctrl-C stopped
 REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever
 
 
 class _Collector:
-    """Receives worker events; wakes the main thread when a request ends."""
+    """Receives worker events; wakes the main thread when a request ends.
+
+    ``cancel`` stops the answer: set once nobody reads the streamed text any
+    more (the reader of a pipe, e.g. ``head``, has gone).
+    """
 
     def __init__(self, stream: TextIO | None) -> None:
         self.stream = stream
+        self.cancel = threading.Event()
         self.ended = threading.Event()
         self.ending: Finished | Failed | None = None
         self.info: ModelInfo | None = None
@@ -69,8 +76,12 @@ class _Collector:
             self.text.append(event.text)
             self.tokens.extend(event.token_ids)
             if self.stream is not None:
-                self.stream.write(event.text)
-                self.stream.flush()
+                try:
+                    self.stream.write(event.text)
+                    self.stream.flush()
+                except BrokenPipeError:
+                    self.stream = None
+                    self.cancel.set()
         elif isinstance(event, StatsSample):
             self.stats = event
         elif isinstance(event, Notice):
@@ -168,7 +179,7 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         worker.open_session(session, args.kv, args.page_size)
         collector.wait()
         messages = [{"role": "user", "content": prompt}]
-        worker.chat(session, messages, sampling, threading.Event())
+        worker.chat(session, messages, sampling, collector.cancel)
         ending = collector.wait()
         if pipeline is not None:
             collector.rank_stats = _rank_stats(worker, session, 0, collector)
@@ -522,4 +533,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return args.handler(args, out)
     except EngineError as error:
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # what was stored on the way out (a --session) is kept
+        print("Interrupted.", file=sys.stderr)
+        return INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output left (``| head``): say nothing more, and keep
+        # the interpreter's last flush from raising into a closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return 1

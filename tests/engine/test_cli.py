@@ -173,6 +173,38 @@ def test_module_entry_point_exits_cleanly(model_root: Path) -> None:
     assert len(json.loads(result.stdout)["tokens"]) == 3
 
 
+def _generating(folder: Path) -> subprocess.Popen:
+    """``generate`` of a long greedy answer, its text streamed to a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine", "generate", "--model", str(folder), "--temp", "0",
+         "--max-tokens", "4000", "--prompt", "Tell me a long story"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_reader_that_leaves_the_pipe_stops_the_answer_quietly(model_root: Path) -> None:
+    # As `generate … | head -c 20`: before, a traceback per token on stderr, and
+    # the whole answer made for nobody.
+    running = _generating(make_tiny_model_dir(model_root, "llama", endless=True))
+    assert running.stdout is not None and running.stderr is not None
+    assert running.stdout.read(20)
+    running.stdout.close()
+    assert running.wait(timeout=120) == 1
+    err = running.stderr.read().decode()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_ctrl_c_stops_generate_with_the_shells_status(model_root: Path) -> None:
+    import signal
+
+    running = _generating(make_tiny_model_dir(model_root, "llama", endless=True))
+    assert running.stdout is not None and running.stderr is not None
+    assert running.stdout.read(20)  # answering
+    running.send_signal(signal.SIGINT)
+    assert running.wait(timeout=120) == 130
+    err = running.stderr.read().decode()
+    assert err.strip() == "Interrupted.", err
+
+
 @pytest.mark.slow
 def test_demo_fp16_greedy_matches_mlx_lm() -> None:
     from engine.models.loader import load_model
