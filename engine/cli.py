@@ -117,6 +117,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def generate(args: argparse.Namespace, out: TextIO) -> int:
     """Run one prompt through a fresh session and print the answer."""
     report_dir = rank_report_dir()
+    if report_dir is None:  # the command as typed, not one of a launch's ranks
+        _check_pipeline(args)
     if (args.pipeline > 1 or args.hostfile) and report_dir is None:
         if args.speculative == "lookup":
             # The followers run rank 0's commands one decode step at a time; a
@@ -167,7 +169,7 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
     if args.session:
         # The session's KV cache is stored when the worker shuts down and reused
         # for the longest matching prefix of the next run's prompt.
-        snapshots = SnapshotStore(args.session_dir)
+        snapshots = _session_store(args.session_dir)
     # A pipeline's ranks run the same steps in lock-step: the chunk plan, from token
     # positions and the chunk setting only, is the same on every rank.
     worker = EngineWorker(collector, chunk_size=args.chunk_size, snapshots=snapshots,
@@ -209,6 +211,24 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         "notices": collector.notices,
     }
     return result, collector
+
+
+def _session_store(folder: Path | None) -> SnapshotStore:
+    """The ``--session`` snapshots' store, made (user-only) in ``folder``.
+
+    Raises:
+        EngineError: the folder cannot be made or used, in words.
+    """
+    try:
+        return SnapshotStore(folder)
+    except OSError as error:
+        where = Path(error.filename or folder or default_snapshot_dir())
+        # The folder, or one it would be made in, may be a file.
+        blocking = next((p for p in (where, *where.parents) if p.is_file()), None)
+        why = (f"{blocking} is a file, not a folder" if blocking is not None
+               else f"{error.strerror or error} ({where})")
+        raise EngineError(f"--session-dir {folder or default_snapshot_dir()} cannot hold "
+                          f"stored KV: {why}.") from error
 
 
 def _rank_stats(worker: Worker, session: str, rank: int,

@@ -136,6 +136,37 @@ def test_a_session_name_that_is_no_file_name_is_refused_before_loading(
     assert "unexpected" not in err
 
 
+def test_a_session_dir_that_cannot_be_a_folder_is_said_in_words(
+        tmp_path: Path, capsys) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    for folder in ("afile", "afile/sub"):
+        status, _ = _run("generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi",
+                         "--session", "s", "--session-dir", str(tmp_path / folder))
+        assert status == 1  # was a FileExistsError (NotADirectoryError) traceback
+        assert capsys.readouterr().err == (
+            f"error: --session-dir {tmp_path / folder} cannot hold stored KV: "
+            f"{tmp_path / 'afile'} is a file, not a folder.\n")
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (["--pipeline", "0"], "--pipeline takes the number of ranks, 1 or more."),
+    (["--split", "1,2"], "--split needs --pipeline N or --hostfile FILE."),
+    (["--pipeline", "2"], "cannot be split across machines: mlx-lm has no pipeline split"),
+])
+def test_a_pipeline_generate_cannot_run_is_refused_before_any_rank_starts(
+        monkeypatch: pytest.MonkeyPatch, capsys, extra: list[str], said: str) -> None:
+    from engine import cli
+
+    launched: list[object] = []
+    monkeypatch.setattr(cli, "launch", lambda *args: launched.append(args) or 0)
+    # Before: 0 ran on one process, --split alone was ignored, and the demo's ranks
+    # started before one of them refused it.
+    status, _ = _run("generate", "--model", "demo", "--prompt", "hi",
+                     "--speculative", "off", *extra)
+    assert status == 1 and said in capsys.readouterr().err
+    assert launched == []
+
+
 def test_models_lists_folders_in_the_models_dir(model_root: Path) -> None:
     source = make_tiny_model_dir(model_root, "llama")
     target = models_dir() / "my-tiny-llama"
