@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install (idempotent) and start Longleaf.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/setup.sh
-source scripts/env.sh
-exec .venv/bin/longleaf "$@"
+# The checkout, named without leaving the folder this was run from: a model or
+# file given by a relative path means the one there.
+checkout="$(cd "$(dirname "$0")/.." && pwd)"
+"$checkout/scripts/setup.sh"
+source "$checkout/scripts/env.sh"
+exec "$checkout/.venv/bin/longleaf" "$@"
