@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
@@ -38,6 +39,7 @@ from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import (
+    DEMO,
     AnswerWaiting,
     ChunkTiming,
     DiskFault,
@@ -231,7 +233,17 @@ class ChatController(QObject):
         sessions = self.store.sessions() if shown is None else [shown]
         if sessions:
             self.select_session(sessions[0].id)
-        self.load_model(model or self.settings.last_model)
+        self.load_model(model or self._last_model())
+
+    def _last_model(self) -> str:
+        """The model used last, or the demo when its folder is gone (said why)."""
+        last = self.settings.last_model
+        if last == DEMO or Path(last).expanduser().is_dir():
+            return last
+        self.notice.emit(f"The model used last, {last}, is not there any more: moved, "
+                         "deleted, or on a drive not connected now. Longleaf opened the "
+                         "demo model; choose another in the toolbar's model list.")
+        return DEMO
 
     def quit_question(self) -> str:
         """What to ask before quitting: "" unless an answer is being written now."""

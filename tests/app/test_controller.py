@@ -370,3 +370,34 @@ def test_a_notice_about_a_chat_not_shown_names_it(app) -> None:
     bridge._dispatch(Notice(chat_a, "Reused 512 tokens stored for another chat."))
     assert said == ["Reused 512 tokens stored for another chat.",
                     "In ‘first question’: Reused 512 tokens stored for another chat."]
+
+
+@pytest.mark.parametrize("gone", [True, False])
+def test_a_last_model_whose_folder_is_gone_opens_the_demo_and_says_so(
+        qtbot, tmp_path, gone: bool) -> None:
+    from app.controller import ChatController
+    from app.engine_bridge import EngineBridge
+    from app.settings import Settings
+    from app.store import HistoryStore
+    from tests.app.scripted_worker import ScriptedWorker
+
+    folder = tmp_path / "on-a-drive" / "model"
+    if not gone:
+        folder.mkdir(parents=True)
+    worker = ScriptedWorker()
+    settings = Settings()
+    settings.last_model = str(folder)
+    controller = ChatController(settings, HistoryStore(),
+                                EngineBridge(worker_factory=lambda *_args: worker))
+    notices: list[str] = []
+    controller.notice.connect(notices.append)
+    controller.start()
+    try:
+        # Before, the drive's model was asked for, and the app stayed with no model.
+        assert worker.last("load")[1] == (("demo",) if gone else (str(folder),))
+        assert notices == ([f"The model used last, {folder}, is not there any more: "
+                            "moved, deleted, or on a drive not connected now. Longleaf "
+                            "opened the demo model; choose another in the toolbar's "
+                            "model list."] if gone else [])
+    finally:
+        controller.shutdown(0)
