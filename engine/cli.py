@@ -467,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_option(gen)
     gen.add_argument("--page-size", type=int, default=256)
     source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt")
+    source.add_argument("--prompt", help="the prompt; \\n and \\t in it become a newline "
+                                          "and a tab (--prompt-file reads a file as it is)")
     source.add_argument("--prompt-file")
     defaults = SamplingParams()
     gen.add_argument("--max-tokens", type=int, default=defaults.max_tokens)

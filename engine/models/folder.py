@@ -41,8 +41,9 @@ def check_model_dir(folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, A
 def read_config(folder: Path) -> dict[str, Any]:
     """Read ``config.json``, raising ``ModelLoadError`` with the fix when it can't."""
     if not folder.is_dir():
+        what = "is a file, not a folder" if folder.is_file() else "does not exist"
         raise ModelLoadError(
-            f"Model folder {folder} does not exist; choose a folder that contains "
+            f"Model folder {folder} {what}; choose a folder that contains "
             "config.json, *.safetensors and tokenizer files."
         )
     config_path = folder / "config.json"

@@ -168,6 +168,10 @@ def test_missing_model_folder_message(tmp_path: Path, worker) -> None:
     assert failed.message == (
         f"Model folder {tmp_path / 'gone'} does not exist; choose a folder that contains "
         "config.json, *.safetensors and tokenizer files.")
+    (tmp_path / "README.md").write_text("a file")
+    failed = _failed(events, engine.load_model(str(tmp_path / "README.md")))
+    assert failed.message.startswith(
+        f"Model folder {tmp_path / 'README.md'} is a file, not a folder; choose a folder")
 
 
 def _loaded(engine: EngineWorker, events: Events, folder: Path) -> None:
