@@ -46,9 +46,26 @@ if [[ -n "$extra" && -f tests/clients/package-lock.json ]] && command -v npm >/d
     fi
 fi
 
-# A venv whose Python is gone (system Python upgraded) is rebuilt from scratch.
-if ! .venv/bin/python -c "" 2>/dev/null; then
-    python3 -m venv --clear .venv
+# Longleaf needs Python 3.11 or later (pyproject.toml); a stock Mac's python3 is
+# 3.9. A venv whose Python is gone (system Python upgraded) or too old (made by
+# an older python3 before) is rebuilt from scratch with the newest one found.
+recent() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+if ! recent .venv/bin/python; then
+    python=""
+    for candidate in python3.14 python3.13 python3.12 python3.11 python3; do
+        if command -v "$candidate" >/dev/null && recent "$candidate"; then
+            python=$candidate
+            break
+        fi
+    done
+    if [[ -z "$python" ]]; then
+        found=$(python3 -V 2>&1 || true)
+        echo "Longleaf needs Python 3.11 or later, and this machine has" \
+             "${found:-no python3}. Install a newer one (python.org," \
+             "or: brew install python@3.12), then run this again." >&2
+        exit 1
+    fi
+    "$python" -m venv --clear .venv
 fi
 
 # What an install depends on, for the given extras.

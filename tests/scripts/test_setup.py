@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import subprocess
@@ -93,3 +94,53 @@ def test_a_failed_install_leaves_no_stamp(tmp_path: Path) -> None:
     with pytest.raises(subprocess.CalledProcessError):
         setup(root)
     assert not (root / ".venv" / ".longleaf-installed").exists()
+
+
+def _fake(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/usr/bin/env bash\n" + text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+OLD = 'if [[ "$1" == "-V" ]]; then echo "Python 3.9.6"; exit 0; fi\nexit 1\n'  # a stock Mac's
+
+
+def _old_venv_and_pythons(root: Path, bin_dir: Path, good: str | None) -> dict[str, str]:
+    """A venv made by an old python3, and pythons on the PATH: all old but ``good``,
+    which makes a working venv. The environment to run setup.sh in."""
+    python = root / ".venv" / "bin" / "python"
+    working = python.read_text()
+    python.write_text(working.replace('#!/usr/bin/env bash\n', '#!/usr/bin/env bash\n'
+                                      'if [[ "$1" == "-c" && "$2" == *version_info* ]]; '
+                                      'then exit 1; fi\n', 1))
+    (root / "working-python").write_text(working)
+    for name in ("python3.14", "python3.13", "python3.12", "python3.11", "python3"):
+        _fake(bin_dir / name, OLD if name != good else (
+            f'if [[ "$1 $2" == "-m venv" ]]; then echo "{name}" > venv.log\n'
+            '  cp working-python .venv/bin/python; exit 0; fi\n'
+            f'exec {sys.executable} "$@"\n'))
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_a_venv_an_old_python_made_is_made_again_with_a_recent_one(tmp_path: Path) -> None:
+    (tmp_path / "checkout").mkdir()
+    root = checkout(tmp_path / "checkout")
+    env = _old_venv_and_pythons(root, tmp_path / "bin", good="python3.12")
+    subprocess.run(["bash", str(root / "scripts" / "setup.sh")], check=True, env=env,
+                   capture_output=True, timeout=120)
+    # Before, the 3.9 venv was kept: pip refused the project on every run.
+    assert (root / "venv.log").read_text().strip() == "python3.12"
+    assert any("install -q -e ." in c for c in (root / ".venv" / "pip.log").read_text()
+               .splitlines())
+
+
+def test_no_recent_python_is_said_in_words(tmp_path: Path) -> None:
+    (tmp_path / "checkout").mkdir()
+    root = checkout(tmp_path / "checkout")
+    env = _old_venv_and_pythons(root, tmp_path / "bin", good=None)
+    ran = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 1
+    assert ran.stderr.strip() == (
+        "Longleaf needs Python 3.11 or later, and this machine has Python 3.9.6. Install a "
+        "newer one (python.org, or: brew install python@3.12), then run this again.")
