@@ -35,6 +35,13 @@ def create_app(argv: list[str]) -> QApplication:
     return app
 
 
+def unknown_options(left: list[str]) -> list[str]:
+    """The options among ``left``, what neither Longleaf nor Qt took: a typo
+    (``--mdoel``) would otherwise pass without a word. macOS's own ``-psn_…``
+    (a process serial number, from older Finder launches) is not one."""
+    return [arg for arg in left if arg.startswith("-") and not arg.startswith("-psn_")]
+
+
 def build_window(model: str | None = None, owns_data: bool = True) -> MainWindow:
     """Settings, history, engine and window, wired together and started.
 
@@ -131,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", help="documents to attach")
     args, qt_args = parser.parse_known_args(args_in)
     app = create_app([sys.argv[0], *qt_args])
+    for option in unknown_options(app.arguments()[1:]):
+        print(f"longleaf: {option} is not an option and was ignored (longleaf --help "
+              "lists them).", file=sys.stderr)
     app.setAttribute(Qt.ApplicationAttribute.AA_DontShowIconsInMenus, True)
     lock, code = take_data_folder(args.files)
     if code is not None:

@@ -294,3 +294,10 @@ def test_a_refusal_banner_goes_when_the_answer_ends(qtbot, window) -> None:
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
         c.stop()
     assert not window.banner.isVisible()
+
+
+def test_an_option_neither_longleaf_nor_qt_takes_is_named() -> None:
+    from app.__main__ import unknown_options
+
+    # What Qt leaves of the arguments after taking its own (-style, -reverse, …).
+    assert unknown_options(["--mdoel", "notes.txt", "-psn_0_1234", "-x"]) == ["--mdoel", "-x"]
