@@ -351,11 +351,13 @@ class Settings:
                                     ("max_tokens", int))}
         for key, value in values.items():
             # A hand-edited file may hold anything: a value no answer could use is
-            # left for the default, not raised at every send.
+            # dropped from it, so the default (or the model's own) applies, rather
+            # than raised at every send.
             try:
                 SamplingParams(**{key: value})
             except EngineError as error:
-                log.warning("settings: sampling/%s ignored: %s", key, error)
+                log.warning("settings: sampling/%s removed: %s", key, error)
+                self._qs.remove(f"sampling/{key}")
                 values[key] = getattr(base, key)
         return SamplingParams(**values, seed=None if seed < 0 else seed,
                               speculative="lookup" if self.speculative else "off")
@@ -375,11 +377,12 @@ class Settings:
     def sampling_for(self, model_defaults: Mapping[str, float | int]) -> SamplingParams:
         """``sampling`` with the model's own defaults (its generation_config.json) for
         every key the user has not set here; a key set in Settings wins."""
+        own = self.sampling  # first: it drops a stored value no answer could use
         stored = {key for key in MODEL_SAMPLING_KEYS if self._qs.contains(f"sampling/{key}")}
         # The keys are SamplingParams fields of mixed types; the filter above is the check.
         taken: dict[str, Any] = {key: value for key, value in model_defaults.items()
                                  if key in MODEL_SAMPLING_KEYS and key not in stored}
-        return replace(self.sampling, **taken)
+        return replace(own, **taken)
 
     def prefill_timings(self, model_id: str) -> tuple[prefill_rate.ChunkTiming, ...]:
         """The prefill chunks timed with ``model_id`` on this machine, oldest first."""

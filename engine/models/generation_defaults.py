@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +46,9 @@ def generation_defaults(folder: str | Path) -> dict[str, float | int]:
     found: dict[str, float | int] = {}
     for key, valid in VALID.items():
         value = config.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and valid(value):
+        # json reads NaN and Infinity too: neither is a setting (SamplingParams refuses them).
+        if isinstance(value, int | float) and not isinstance(value, bool) \
+                and math.isfinite(value) and valid(value):
             found[key] = int(value) if key == "top_k" else float(value)
     if config.get("do_sample") is False:
         found["temperature"] = 0.0

@@ -127,6 +127,9 @@ def test_a_sampling_value_no_answer_could_use_reads_as_the_default() -> None:
     assert (read.temperature, read.top_p, read.max_tokens) == (
         default.temperature, default.top_p, default.max_tokens)
     assert read.top_k == 12  # the valid one is kept
+    # Dropped from the file: the model's own default applies to it again.
+    assert "sampling/temperature" not in Settings().stored()
+    assert Settings().sampling_for({"temperature": 0.6, "top_k": 40}).temperature == 0.6
 
 
 def test_a_budget_set_back_to_the_default_removes_its_key() -> None:

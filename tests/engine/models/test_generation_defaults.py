@@ -34,6 +34,13 @@ def test_values_out_of_range_or_of_the_wrong_type_give_no_default(tmp_path: Path
     assert generation_defaults(folder) == {}
 
 
+def test_values_that_are_not_finite_numbers_give_no_default(tmp_path: Path) -> None:
+    # json reads these; SamplingParams refuses them, so each send would fail.
+    folder = _folder(tmp_path, '{"temperature": Infinity, "repetition_penalty": NaN, '
+                               '"top_p": 0.9}')
+    assert generation_defaults(folder) == {"top_p": 0.9}
+
+
 def test_a_missing_or_broken_file_gives_none(tmp_path: Path) -> None:
     assert generation_defaults(tmp_path) == {}
     assert generation_defaults(_folder(tmp_path, "{not json")) == {}
