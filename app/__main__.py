@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # imported where used: the window's modules load after the ar
     from app.window.main_window import MainWindow
 
 log = logging.getLogger("longleaf")
+MACOS_OPTIONS = ("-psn_", "-NS", "-Apple")  # options macOS itself reads
 
 
 def create_app(argv: list[str]) -> QApplication:
@@ -35,11 +36,20 @@ def create_app(argv: list[str]) -> QApplication:
     return app
 
 
+def model_argument(model: str | None) -> str | None:
+    """``--model`` as the app keeps it: a folder by its absolute path, since it is
+    remembered for the next launch, which may start in another folder."""
+    if model is None or model == "demo":
+        return model
+    return os.path.abspath(os.path.expanduser(model))
+
+
 def unknown_options(left: list[str]) -> list[str]:
     """The options among ``left``, what neither Longleaf nor Qt took: a typo
-    (``--mdoel``) would otherwise pass without a word. macOS's own ``-psn_…``
-    (a process serial number, from older Finder launches) is not one."""
-    return [arg for arg in left if arg.startswith("-") and not arg.startswith("-psn_")]
+    (``--mdoel``) would otherwise pass without a word. macOS reads its own
+    (``-psn_…`` from older Finder launches, ``-NS…`` and ``-Apple…`` defaults)."""
+    return [arg for arg in left
+            if arg.startswith("-") and not arg.startswith(MACOS_OPTIONS)]
 
 
 def build_window(model: str | None = None, owns_data: bool = True) -> MainWindow:
@@ -150,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         # once the event loop runs, after the window below exists.
         lock.listen()
     # No lock and a data folder: it could not hold a lock file; write nothing to it.
-    window = build_window(args.model, owns_data=lock is not None or not _has_data_folder())
+    window = build_window(model_argument(args.model),
+                          owns_data=lock is not None or not _has_data_folder())
     if lock is not None:
         lock.filesReceived.connect(lambda paths: bring_files(window, paths))
     window.show()

@@ -300,4 +300,16 @@ def test_an_option_neither_longleaf_nor_qt_takes_is_named() -> None:
     from app.__main__ import unknown_options
 
     # What Qt leaves of the arguments after taking its own (-style, -reverse, …).
-    assert unknown_options(["--mdoel", "notes.txt", "-psn_0_1234", "-x"]) == ["--mdoel", "-x"]
+    assert unknown_options(["--mdoel", "notes.txt", "-psn_0_1234", "-AppleLanguages",
+                            "(en)", "-NSDocumentRevisionsDebugMode", "YES", "-x"]) == [
+        "--mdoel", "-x"]
+
+
+def test_a_model_given_by_a_relative_path_is_kept_by_its_absolute_one(
+        tmp_path, monkeypatch) -> None:
+    from app.__main__ import model_argument
+
+    # Remembered for the next launch, which may start in another folder.
+    monkeypatch.chdir(tmp_path)
+    assert model_argument("./models/m") == str(tmp_path / "models" / "m")
+    assert model_argument("demo") == "demo" and model_argument(None) is None
