@@ -3,7 +3,8 @@
 set -euo pipefail
 # The checkout, named without leaving the folder this was run from: a model or
 # file given by a relative path means the one there.
-checkout="$(cd "$(dirname "$0")/.." && pwd)"
+# (CDPATH set: cd would print the folder it found, into the name.)
+checkout="$(CDPATH='' cd -- "$(dirname -- "$0")/.." >/dev/null && pwd)"
 "$checkout/scripts/setup.sh"
 source "$checkout/scripts/env.sh"
 exec "$checkout/.venv/bin/longleaf" "$@"

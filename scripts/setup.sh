@@ -59,9 +59,10 @@ if ! recent .venv/bin/python; then
         fi
     done
     if [[ -z "$python" ]]; then
-        found=$(python3 -V 2>&1 || true)
+        found="no python3"
+        command -v python3 >/dev/null && found=$(python3 -V 2>&1 | head -n 1)
         echo "Longleaf needs Python 3.11 or later, and this machine has" \
-             "${found:-no python3}. Install a newer one (python.org," \
+             "$found. Install a newer one (python.org," \
              "or: brew install python@3.12), then run this again." >&2
         exit 1
     fi

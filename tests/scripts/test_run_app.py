@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import subprocess
@@ -20,7 +21,9 @@ def _executable(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def test_relative_paths_mean_the_folder_it_was_run_from(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cdpath", [None, ".:/tmp"])
+def test_relative_paths_mean_the_folder_it_was_run_from(tmp_path: Path,
+                                                        cdpath: str | None) -> None:
     checkout = tmp_path / "longleaf"
     (checkout / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts" / "run-app.sh", checkout / "scripts" / "run-app.sh")
@@ -30,10 +33,12 @@ def test_relative_paths_mean_the_folder_it_was_run_from(tmp_path: Path) -> None:
     # read against), and the arguments it was given.
     _executable(checkout / ".venv" / "bin" / "longleaf",
                 '#!/usr/bin/env bash\npwd\nprintf "%s\\n" "$@"\n')
-    work = tmp_path / "work"
-    work.mkdir()
-    ran = subprocess.run(["bash", "../longleaf/scripts/run-app.sh", "--model", "my-model",
-                          "notes.txt"], cwd=work, capture_output=True, text=True,
-                         check=True, timeout=60)
+    # A CDPATH makes cd print the folder it found (into a name taken from its output).
+    env = {key: value for key, value in os.environ.items() if key != "CDPATH"}
+    if cdpath is not None:
+        env["CDPATH"] = cdpath
+    ran = subprocess.run(["bash", "longleaf/scripts/run-app.sh", "--model", "my-model",
+                          "notes.txt"], cwd=tmp_path, capture_output=True, text=True,
+                         check=True, timeout=60, env=env)
     # Before, the script ran the app from the checkout: "my-model" was looked for there.
-    assert ran.stdout.splitlines() == [str(work), "--model", "my-model", "notes.txt"]
+    assert ran.stdout.splitlines() == [str(tmp_path), "--model", "my-model", "notes.txt"]

@@ -144,3 +144,24 @@ def test_no_recent_python_is_said_in_words(tmp_path: Path) -> None:
     assert ran.stderr.strip() == (
         "Longleaf needs Python 3.11 or later, and this machine has Python 3.9.6. Install a "
         "newer one (python.org, or: brew install python@3.12), then run this again.")
+
+
+def test_no_python3_at_all_is_said_in_words(tmp_path: Path) -> None:
+    (tmp_path / "checkout").mkdir()
+    root = checkout(tmp_path / "checkout")
+    _old_venv_and_pythons(root, tmp_path / "unused", good=None)
+    # A PATH of the tools the script uses, and no Python.
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("uname", "grep", "awk", "head", "cmp", "cp", "rm", "dirname", "id", "cat"):
+        found = shutil.which(tool)
+        if found:
+            (tools / tool).symlink_to(found)
+    ran = subprocess.run([shutil.which("bash") or "bash", str(root / "scripts" / "setup.sh")],
+                         env={**os.environ, "PATH": str(tools)}, capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 1
+    # Before, bash's own "python3: command not found" stood in the sentence.
+    assert ran.stderr.strip() == (
+        "Longleaf needs Python 3.11 or later, and this machine has no python3. Install a "
+        "newer one (python.org, or: brew install python@3.12), then run this again.")
