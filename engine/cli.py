@@ -52,6 +52,23 @@ INTERRUPTED = 130  # the shell's status for a command Ctrl-C stopped
 REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever
 
 
+class ReaderGone(Exception):
+    """The reader of the command's output left (``… | head``)."""
+
+
+def _write(out: TextIO, text: str) -> None:
+    """Write ``text`` to the command's output.
+
+    Raises:
+        ReaderGone: the pipe it goes to was closed.
+    """
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError as error:
+        raise ReaderGone from error
+
+
 class _Collector:
     """Receives worker events; wakes the main thread when a request ends.
 
@@ -77,9 +94,8 @@ class _Collector:
             self.tokens.extend(event.token_ids)
             if self.stream is not None:
                 try:
-                    self.stream.write(event.text)
-                    self.stream.flush()
-                except BrokenPipeError:
+                    _write(self.stream, event.text)
+                except ReaderGone:
                     self.stream = None
                     self.cancel.set()
         elif isinstance(event, StatsSample):
@@ -129,7 +145,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         return launch(args.argv, args.pipeline, args.seed, out, args.hostfile)
     if report_dir is None:
         result, collector = _run(args, None if args.json else out, pipeline=None)
-        out.write(json.dumps(result) + "\n" if args.json else "\n")
+        _write(out, json.dumps(result) + "\n" if args.json else "\n")
         return 0
     # One rank of a pipeline launch: the launcher prints what rank 0 reports.
     group = join_group(report_dir)
@@ -558,8 +574,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except KeyboardInterrupt:  # what was stored on the way out (a --session) is kept
         print("Interrupted.", file=sys.stderr)
         return INTERRUPTED
-    except BrokenPipeError:
-        # The reader of our output left (``| head``): say nothing more, and keep
-        # the interpreter's last flush from raising into a closed pipe.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+    except ReaderGone:
+        # Say nothing more, and keep the interpreter's last flush of the output
+        # from raising into the closed pipe.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return 1
