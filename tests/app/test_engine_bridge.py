@@ -146,6 +146,8 @@ def test_a_lost_pipeline_says_when_the_model_does_not_fit_here(qtbot, lost,
     # A late failure of a request the pipeline still owed reaches no one twice.
     lost.remote[0].on_event(Failed(99, "gone", "GroupLost"))
     qtbot.wait(20)
+    assert len(errors) == 1
+    assert states[-1] == ("No model (big does not fit on this Mac alone)", False)
 
 
 def test_turning_other_macs_off_loads_the_model_here(qtbot, lost) -> None:

@@ -169,6 +169,15 @@ def test_poll_probes_at_most_once_per_interval() -> None:
     now[0] = 0.9
     guard.poll(None)
     assert memory.reads == 2
+    # And by default at most ten probes a second (what reliability.md says).
+    default = MemoryGuard(probe=memory, clock=lambda: now[0])
+    default.poll(None)
+    now[0] += 0.09
+    default.poll(None)
+    assert memory.reads == 3
+    now[0] += 0.02
+    default.poll(None)
+    assert memory.reads == 4
 
 
 # -- one budget for every session's pages ---------------------------------------

@@ -71,12 +71,20 @@ def _together(served: Served, names: str, max_tokens: int
     results: dict[str, object] = {}
     threads = [threading.Thread(target=_stream, args=(served, name, max_tokens, arrivals,
                                                       results)) for name in names]
-    for thread in threads:
+    for sent, thread in enumerate(threads, 1):
         thread.start()
-        time.sleep(0.05)  # in this order
+        # In this order: the next one is sent once the server holds this one (or
+        # has answered it, a 429), whatever the machine's load.
+        deadline = time.monotonic() + 120
+        while thread.is_alive() and _in_flight(served) < sent and time.monotonic() < deadline:
+            time.sleep(0.01)
     for thread in threads:
         thread.join(300)
     return arrivals, results
+
+
+def _in_flight(served: Served) -> int:
+    return int(httpx.get(served.url + "/health").json()["streams"]["in_flight"])
 
 
 def _alone(served: Served, name: str, max_tokens: int) -> str:
@@ -118,7 +126,8 @@ def test_health_counts_the_requests_decoding(serve) -> None:
 def test_beyond_parallel_a_request_waits_and_beyond_the_queue_it_is_told_to_retry(
         serve) -> None:
     served = serve(parallel=1, queue_limit=1)  # one answers, one waits, one is told
-    arrivals, results = _together(served, "abc", 200)
+    # Long enough that the first still answers when the third is sent.
+    arrivals, results = _together(served, "abc", 1500)
     assert list(results.values()).count(429) == 1, results
     answered = [name for name in "abc" if isinstance(results[name], str)]
     assert len(answered) == 2
