@@ -18,7 +18,7 @@ controller sends user turns and re-emits the collaborators' signals as its own.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -378,9 +378,10 @@ class ChatController(QObject):
         if record is not None:  # what a waiting chat says it waits for follows
             self.activity.retitle(session_id, record.title)
 
-    def delete_session(self, session_id: str) -> None:
-        """Delete a session and free its cache."""
-        self.sessions.delete_session(session_id)
+    def delete_session(self, session_id: str, listed: Sequence[str] | None = None) -> None:
+        """Delete a session and free its cache (``listed``: as
+        ``SessionActions.delete_session``)."""
+        self.sessions.delete_session(session_id, listed)
 
     def reopen_in(self, mode: KvMode) -> SessionRecord | None:
         """Copy the conversation into a new session in ``mode`` and re-ingest it."""

@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sqlite3
 import time
 import uuid
@@ -340,10 +341,13 @@ class HistoryStore:
         if not search.strip():
             rows = self._db.execute("SELECT * FROM sessions ORDER BY updated DESC").fetchall()
         else:
-            pattern = f"%{search.strip()}%"
+            # The words as typed: % and _ are LIKE's wildcards, a backslash its escape.
+            typed = re.sub(r"([\\%_])", r"\\\1", search.strip())
+            pattern = f"%{typed}%"
             rows = self._db.execute(
-                "SELECT * FROM sessions WHERE title LIKE ? OR id IN "
-                "(SELECT session_id FROM messages WHERE content LIKE ?) ORDER BY updated DESC",
+                "SELECT * FROM sessions WHERE title LIKE ? ESCAPE '\\' OR id IN "
+                "(SELECT session_id FROM messages WHERE content LIKE ? ESCAPE '\\') "
+                "ORDER BY updated DESC",
                 (pattern, pattern),
             ).fetchall()
         return [SessionRecord(*row) for row in rows]

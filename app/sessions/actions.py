@@ -6,14 +6,14 @@ is the only code that changes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeGuard
 
 from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity
 from app.chat.model import ChatMessage, ChatModel
-from app.format import short_title
+from app.format import short_title, title_from
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
@@ -102,26 +102,38 @@ class SessionActions(QObject):
         self.currentSessionChanged.emit(self.current)
 
     def rename_session(self, session_id: str, title: str) -> None:
-        """Rename a session."""
-        if title.strip():
+        """Rename a session: one line (a pasted name's line breaks become spaces),
+        as long as a title made from a first message at most; a blank name is no
+        new name."""
+        title = title_from(" ".join(title.split()))
+        if title:
             self.store.rename_session(session_id, title)
             if self.current and self.current.id == session_id:
                 self.current = self.store.session(session_id)
                 self.currentSessionChanged.emit(self.current)
             self.sessionsChanged.emit()
 
-    def delete_session(self, session_id: str) -> None:
-        """Delete a session and free its cache."""
+    def delete_session(self, session_id: str, listed: Sequence[str] | None = None) -> None:
+        """Delete a session and free its cache.
+
+        Args:
+            session_id: the chat to delete.
+            listed: the chats the list shows, top to bottom (a search may show
+                some only); None: every chat, newest first. Deleting the chat on
+                screen shows the one listed after it, else the one before (as a
+                Mac list does), else none.
+        """
         if self.activity.refuse_in(session_id, "deleting its chat"):
             return
+        order = list(listed) if listed is not None else [s.id for s in self.store.sessions()]
         self.caches.forget(session_id)
         self.store.delete_session(session_id)
         if self.current and self.current.id == session_id:
             self.current = None
             self.model.set_messages([])
-            remaining = self.store.sessions()
-            if remaining:
-                self.select_session(remaining[0].id)
+            after = _neighbour(order, session_id)
+            if after is not None and self.store.session(after) is not None:
+                self.select_session(after)
             else:
                 self.currentSessionChanged.emit(None)
         self.sessionsChanged.emit()
@@ -164,3 +176,13 @@ class SessionActions(QObject):
         if self.current and self.current.id == session_id:
             self.current = self.store.session(session_id)
         self.sessionsChanged.emit()
+
+
+def _neighbour(order: list[str], session_id: str) -> str | None:
+    """The chat listed after ``session_id`` in ``order``, else the one before it."""
+    if session_id not in order:
+        return order[0] if order else None
+    at = order.index(session_id)
+    if at + 1 < len(order):
+        return order[at + 1]
+    return order[at - 1] if at > 0 else None

@@ -181,7 +181,9 @@ class MainWindow(QMainWindow):
         c = self.controller
         self.sessions.sessionSelected.connect(c.select_session)
         self.sessions.renameRequested.connect(c.rename_session)
-        self.sessions.deleteRequested.connect(c.delete_session)
+        self.sessions.deleteRequested.connect(
+            lambda session_id: c.delete_session(
+                session_id, [record.id for record in self.sessions.records()]))
         self.sessions.searchChanged.connect(lambda _t: self._refresh_sessions())
         c.sessionsChanged.connect(self._refresh_sessions)
         # A row says whether its chat is in memory or on disk: those change too.

@@ -401,3 +401,38 @@ def test_a_last_model_whose_folder_is_gone_opens_the_demo_and_says_so(
                             "model list."] if gone else [])
     finally:
         controller.shutdown(0)
+
+
+def test_a_name_pasted_into_rename_is_one_line_of_a_titles_length(app) -> None:
+    record = app.store.create_session("Old", "q8", "demo")
+    # Before, the line break was kept (the window's title showed ⟨U+000A⟩), and a
+    # 100,000-character name was taken whole.
+    app.c.rename_session(record.id, "line one\nline two\t ")
+    assert app.store.session(record.id).title == "line one line two"
+    app.c.rename_session(record.id, "word " * 20_000)
+    assert len(app.store.session(record.id).title) <= 200
+    app.c.rename_session(record.id, " \n ")
+    assert app.store.session(record.id).title.startswith("word word")
+
+
+def test_deleting_the_chat_shown_from_a_searched_list_shows_one_the_list_holds(qtbot) -> None:
+    scripted = scripted_app(qtbot, window=True)
+    try:
+        c, window = scripted.c, scripted.window
+        ids = {title: c.store.create_session(title, "q8", "demo").id
+               for title in ("alpha two", "beta plan", "alpha notes")}
+        c.select_session(ids["alpha notes"])
+        window.sessions.search.setText("alpha")
+        assert [r.title for r in window.sessions.records()] == ["alpha notes", "alpha two"]
+        window.sessions.deleteRequested.emit(ids["alpha notes"])
+        # Before: the newest chat of all, "beta plan", which the list did not show.
+        assert c.current is not None and c.current.id == ids["alpha two"]
+        assert [r.title for r in window.sessions.records()] == ["alpha two"]
+        window.sessions.search.setText("")
+        c.select_session(ids["alpha two"])
+        # Unsearched, as a Mac list: the chat below the one deleted, else the one
+        # above ("alpha two" is the oldest, at the bottom).
+        window.sessions.deleteRequested.emit(ids["alpha two"])
+        assert c.current is not None and c.current.id == ids["beta plan"]
+    finally:
+        close_scripted(scripted)

@@ -57,6 +57,22 @@ def test_search_rename_delete_and_truncate() -> None:
     store.close()
 
 
+def test_search_finds_the_characters_typed_not_like_wildcards() -> None:
+    store = HistoryStore()
+    snake = store.create_session("snake_case notes", "q8", "demo")
+    store.create_session("snakeXcase", "q8", "demo")
+    percent = store.create_session("Budget", "q8", "demo")
+    store.add_message(percent.id, "user", "100% done")
+    store.create_session("100 items", "q8", "demo")
+    path = store.create_session(r"C:\temp", "q8", "demo")
+    # Before, _ and % matched any character(s): every chat for "_".
+    assert [s.id for s in store.sessions("snake_case")] == [snake.id]
+    assert [s.id for s in store.sessions("100%")] == [percent.id]
+    assert [s.id for s in store.sessions("_")] == [snake.id]
+    assert [s.id for s in store.sessions("\\t")] == [path.id]
+    store.close()
+
+
 def test_streaming_messages_become_interrupted_with_their_text() -> None:
     store = HistoryStore()
     session = store.create_session("Crash", "q8", "demo")
