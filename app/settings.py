@@ -41,6 +41,8 @@ DEFAULT_SYSTEM_PROMPT = "You are Longleaf, a helpful assistant. Answer clearly a
 SETTINGS_FILE = "settings.ini"
 # The sampling keys a model's generation_config.json may give a default for.
 MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The sampling values Settings stores (each a key of its own).
+STORED_SAMPLING_KEYS = (*MODEL_SAMPLING_KEYS, "max_tokens", "seed")
 DEFAULT_SERVER_PORT = 1234  # LM Studio's, so tools set up for it find Longleaf too
 log = logging.getLogger(__name__)
 
@@ -255,7 +257,8 @@ class Settings:
     """Disk bytes all stored KV snapshots may take, or None for the engine's
     default (the smaller of 20 GB and 10% of free disk)."""
     system_prompt = Setting[str]("chat/system_prompt", DEFAULT_SYSTEM_PROMPT)
-    """System message sent first in every new chat."""
+    """System message sent first in every chat (a change makes each chat read its
+    conversation again: its cache holds the old one first)."""
     speculative = Setting[bool]("engine/speculative", SamplingParams().speculative == "lookup",
                                 write=bool)
     """Draft answer tokens from the chat's own text and verify them in one pass."""
@@ -367,12 +370,21 @@ class Settings:
         # Only the values that differ are written: a key left unset keeps following
         # the default (and, later, a model's own generation defaults).
         current = self.sampling
-        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "max_tokens"):
-            if getattr(params, key) != getattr(current, key):
+        for key in STORED_SAMPLING_KEYS:
+            if key != "seed" and getattr(params, key) != getattr(current, key):
                 self._set(f"sampling/{key}", getattr(params, key))
         if params.seed != current.seed:
             self._set("sampling/seed", -1 if params.seed is None else params.seed)
+
+    def set_sampling(self, changed: Mapping[str, object]) -> None:
+        """Store the sampling values the user set (``SamplingParams`` keys): each is
+        kept as given, also where it equals the app's default, so it wins over a
+        model's own (the setter above keeps following the defaults instead)."""
+        for key, value in changed.items():
+            if key == "seed":
+                self._set("sampling/seed", -1 if value is None else value)
+            elif key in STORED_SAMPLING_KEYS:
+                self._set(f"sampling/{key}", value)
 
     def sampling_for(self, model_defaults: Mapping[str, float | int]) -> SamplingParams:
         """``sampling`` with the model's own defaults (its generation_config.json) for

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -255,6 +255,12 @@ class SettingsDialog(QDialog):
         self.system_prompt = QPlainTextEdit(settings.system_prompt)
         self.system_prompt.setFixedHeight(80)
         form.addRow("System prompt", self.system_prompt)
+        # Every chat sends it first, so its cache holds it first: a new one is
+        # read in with the whole conversation after it, chat by chat.
+        prompt_note = QLabel("Sent first in every chat. After a change, each chat reads "
+                             "its whole conversation again with its next message.")
+        prompt_note.setWordWrap(True)
+        form.addRow("", prompt_note)
 
     def _storage_page(self, settings: Settings) -> None:
         form = self._page("Memory && storage")
@@ -333,9 +339,9 @@ class SettingsDialog(QDialog):
             shown = self._shown[name]
             if value == shown:
                 continue
-            if name == "sampling":  # one key per spin box: keep the untouched ones as stored
-                changed = {key: getattr(value, key) for key in SAMPLING_KEYS
-                           if getattr(value, key) != getattr(shown, key)}
-                value = replace(s.sampling, **changed)
+            if name == "sampling":  # one key per spin box: the untouched ones stay as stored
+                s.set_sampling({key: getattr(value, key) for key in SAMPLING_KEYS
+                                if getattr(value, key) != getattr(shown, key)})
+                continue
             setattr(s, name, value)
         s.sync()

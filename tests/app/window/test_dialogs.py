@@ -295,6 +295,20 @@ def test_the_answers_page_shows_the_models_defaults_and_saves_only_an_edit(qtbot
     assert Settings().sampling_for({"temperature": 0.6, "top_p": 0.95}).top_p == 0.8
 
 
+def test_a_value_set_to_the_apps_own_default_over_a_models_is_kept(qtbot) -> None:
+    model = replace(Settings().sampling, temperature=0.6, top_p=0.95, top_k=20)
+    dialog = SettingsDialog(Settings(), sampling=model)
+    qtbot.addWidget(dialog)
+    # Back to the app's defaults (0.7, top-p off, top-k off) over the model's.
+    dialog.temperature.setValue(0.7)
+    dialog.top_p.setValue(1.0)
+    dialog.top_k.setValue(0)
+    dialog.apply()
+    # Before, none was stored (each equals the app's default): the model's stayed.
+    answers = Settings().sampling_for({"temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    assert (answers.temperature, answers.top_p, answers.top_k) == (0.7, 1.0, 0)
+
+
 def test_settings_are_in_sections_that_fit_a_700_px_screen(qtbot) -> None:
     dialog = SettingsDialog(Settings())
     qtbot.addWidget(dialog)
