@@ -105,6 +105,9 @@ class MainWindow(QMainWindow):
         self.closed_at: float | None = None
         self._opened_folder: str | None = None
         self.downloads = Downloads(self)
+        # Per download: the model loaded when it was asked for. It loads when done
+        # only over that same model, with nothing running.
+        self._download_over: dict[str, str] = {}
         self.downloads.progressed.connect(self._on_download_progress)
         self.downloads.ended.connect(self._on_download_ended)
         self.models_dialog: ModelsDialog | None = None
@@ -240,7 +243,7 @@ class MainWindow(QMainWindow):
                               self, loaded=loaded)
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.loadRequested.connect(self._load_from_library)
-        dialog.downloadRequested.connect(self.downloads.start)
+        dialog.downloadRequested.connect(self._download)
         dialog.cancelRequested.connect(self.downloads.cancel)
         dialog.destroyed.connect(lambda: setattr(self, "models_dialog", None))
         self.models_dialog = dialog
@@ -266,9 +269,21 @@ class MainWindow(QMainWindow):
             if not shown:
                 self.banner.show_message(message, "info" if cancelled else "error")
             return
-        self.banner.show_message(f"Downloaded {repo_id}; loading it.", "info")
         self.model_picker.refresh(self.settings.model_folders)
+        asked_over = self._download_over.pop(repo_id, None)
+        if asked_over != self.controller.model_id or self.controller.busy:
+            # Another model was chosen since, or chats run: loading this one would
+            # switch models (and drop every chat's cache) unasked.
+            self.banner.show_message(f"Downloaded {repo_id}. Choose it in the toolbar's "
+                                     "model list when you want it.", "info")
+            return
+        self.banner.show_message(f"Downloaded {repo_id}; loading it.", "info")
         self.choose_model(folder)
+
+    def _download(self, repo_id: str) -> None:
+        """Start downloading ``repo_id``, noting the model it was asked for over."""
+        self._download_over.setdefault(repo_id, self.controller.model_id)
+        self.downloads.start(repo_id)
 
     def _on_model_state(self, text: str, ready: bool) -> None:
         # A long model name is shortened in the middle: the toolbar keeps one row at 1024 px.

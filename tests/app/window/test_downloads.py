@@ -53,6 +53,25 @@ def test_download_in_one_click_then_load(qtbot, bare_window, hub, tiny_llama,  #
     assert REPO not in [e.repo_id for e in bare_window.model_picker.recommended]
 
 
+def test_a_download_done_after_another_model_was_chosen_does_not_switch_to_it(
+        qtbot, bare_window, hub, tiny_llama, monkeypatch) -> None:  # noqa: F811
+    files = {p.name: p.read_bytes() for p in tiny_llama.iterdir() if p.is_file()}
+    hub.repos[REPO] = FakeRepo(commit="e" * 40, files=files,
+                               lfs=frozenset({"model.safetensors"}))
+    loaded: list[str] = []
+    monkeypatch.setattr(bare_window, "choose_model", loaded.append)
+    dialog = open_library(qtbot, bare_window)
+    dialog.action_button(REPO).click()
+    # The user picks another model while it downloads.
+    monkeypatch.setattr(type(bare_window.controller), "model_id",
+                        property(lambda self: "/models/picked-since"))
+    qtbot.waitUntil(lambda: not bare_window.downloads.running, timeout=60_000)
+    # Before, the download switched to itself: every chat's cache dropped, unasked.
+    assert loaded == []
+    assert bare_window.banner.label.text() == (
+        f"Downloaded {REPO}. Choose it in the toolbar's model list when you want it.")
+
+
 def test_a_failed_download_says_why_and_can_be_retried(qtbot, bare_window, hub,  # noqa: F811
                                                        monkeypatch) -> None:
     loaded: list[str] = []
