@@ -218,8 +218,18 @@ def build_menus(window: MenuHost) -> None:
     window.stop_action = chat_menu.addAction("Stop", window.controller.stop)
     window.stop_action.setShortcut(QKeySequence(Qt.Key.Key_Escape))
     window.stop_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-    chat_menu.addAction("Regenerate Last Answer", window.controller.regenerate)
-    chat_menu.addAction("Edit Last Message", window.controller.begin_edit)
+    regenerate_last = chat_menu.addAction("Regenerate Last Answer",
+                                          window.controller.regenerate)
+    edit_last = chat_menu.addAction("Edit Last Message", window.controller.begin_edit)
+
+    def enable_for_the_chat() -> None:
+        # Neither has a shortcut, so set as the menu opens: greyed out where it
+        # would do nothing (an empty chat, the model still loading).
+        c = window.controller
+        regenerate_last.setEnabled(c.model_ready and c.can_regenerate())
+        edit_last.setEnabled(c.last_user_row() is not None)
+
+    chat_menu.aboutToShow.connect(enable_for_the_chat)
     chat_menu.addMenu(window.reopen_menu).setText("Reopen In")
     # The memory panel's button: enabled, or disabled with the reason, by its feed.
     chat_menu.addAction(window.panel.quality_action)

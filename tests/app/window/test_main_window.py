@@ -63,6 +63,29 @@ def test_quit_and_settings_have_their_shortcuts(bare_window) -> None:
     assert bare_window.quit_action in file_menu.actions()
 
 
+def test_chat_menu_actions_that_would_do_nothing_are_greyed_out(qtbot) -> None:
+    scripted = scripted_app(qtbot, window=True)
+    try:
+        c, window = scripted.c, scripted.window
+        chat_menu = next(a.menu() for a in window.menuBar().actions()
+                         if a.text() == "&Chat")
+        actions = {a.text(): a for a in chat_menu.actions()}
+        c.select_session(c.store.create_session("Empty", "q8", "demo").id)
+        chat_menu.aboutToShow.emit()
+        # Before, both stayed enabled and did nothing on an empty chat.
+        assert not actions["Regenerate Last Answer"].isEnabled()
+        assert not actions["Edit Last Message"].isEnabled()
+        with_turn = c.store.create_session("Asked", "q8", "demo")
+        c.store.add_message(with_turn.id, "user", "Hello")
+        c.store.add_message(with_turn.id, "assistant", "Hi")
+        c.select_session(with_turn.id)
+        chat_menu.aboutToShow.emit()
+        assert actions["Regenerate Last Answer"].isEnabled()
+        assert actions["Edit Last Message"].isEnabled()
+    finally:
+        close_scripted(scripted)
+
+
 def test_quit_closes_the_window(qtbot, bare_window) -> None:
     bare_window.show()
     qtbot.waitExposed(bare_window)
