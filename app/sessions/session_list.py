@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from PySide6.QtCore import (
     QEvent,
@@ -17,7 +17,7 @@ from PySide6.QtCore import (
     QTimer,
     Signal,
 )
-from PySide6.QtGui import QAction, QColor, QFont, QFontMetrics, QPainter, QPalette
+from PySide6.QtGui import QAction, QColor, QFont, QFontMetrics, QKeyEvent, QPainter, QPalette
 from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
@@ -226,6 +226,10 @@ class SessionList(QWidget):
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
+        # ⌘⌫ (and Delete) on the list, as in a Mac list, deletes the selected chat,
+        # asked first (``eventFilter``); on the list only: in the composer ⌘⌫
+        # deletes text.
+        self.list.installEventFilter(self)
         layout.addWidget(self.list, 1)
         self.no_match = QLabel(NO_MATCH)
         self.no_match.setObjectName("placeholder")
@@ -244,6 +248,10 @@ class SessionList(QWidget):
         self.clock.start()
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.list and isinstance(event, QKeyEvent) \
+                and event.type() == QEvent.Type.KeyPress and _deletes(event):
+            self._on_selected(self.ask_delete)
+            return True
         if watched is self.list.viewport():
             if event.type() == QEvent.Type.Enter:
                 self._pointer_in = True
@@ -305,6 +313,16 @@ class SessionList(QWidget):
         menu.addAction(delete)
         menu.exec(self.list.viewport().mapToGlobal(pos))
 
+    def selected(self) -> SessionRecord | None:
+        """The chat selected in the list, if any."""
+        item = self.list.currentItem()
+        return None if item is None else item.data(RecordRole)
+
+    def _on_selected(self, ask: Callable[[SessionRecord], None]) -> None:
+        record = self.selected()
+        if record is not None:
+            ask(record)
+
     def ask_rename(self, record: SessionRecord) -> None:
         """Ask for a new title."""
         dialog = rename_dialog(self, record.title)
@@ -316,3 +334,11 @@ class SessionList(QWidget):
         """Confirm, then delete."""
         if confirm_delete(self, record.title):
             self.deleteRequested.emit(record.id)
+
+
+def _deletes(event: QKeyEvent) -> bool:
+    """Whether a key press on the list asks to delete its chat: ⌘⌫ (Qt's Ctrl on
+    a Mac) or Delete."""
+    command = event.modifiers() & Qt.KeyboardModifier.ControlModifier
+    return event.key() == Qt.Key.Key_Delete or (
+        event.key() == Qt.Key.Key_Backspace and bool(command))

@@ -6,6 +6,7 @@ it, so this module does not import ``app.window.main_window`` (which imports it)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
@@ -25,7 +26,9 @@ from PySide6.QtWidgets import (
 from app.controller import ChatController
 from app.memory.panel import MemoryPanel
 from app.sessions.reopen import REOPEN_TIP, fill_reopen_menu
+from app.sessions.session_list import SessionList
 from app.settings import Settings
+from app.store import SessionRecord
 from app.window.icons import toolbar_icon
 from app.window.model_picker import ModelPicker
 
@@ -43,6 +46,7 @@ class MenuHost(Protocol):
     """
 
     controller: ChatController
+    sessions: SessionList
     settings: Settings
     models_action: QAction
     new_chat_action: QAction
@@ -222,12 +226,20 @@ def build_menus(window: MenuHost) -> None:
                                           window.controller.regenerate)
     edit_last = chat_menu.addAction("Edit Last Message", window.controller.begin_edit)
 
+    chat_menu.addSeparator()
+    rename_chat = chat_menu.addAction("Rename Chat…", lambda: _on_shown_chat(
+        window, window.sessions.ask_rename))
+    delete_chat = chat_menu.addAction("Delete Chat…", lambda: _on_shown_chat(
+        window, window.sessions.ask_delete))
+
     def enable_for_the_chat() -> None:
-        # Neither has a shortcut, so set as the menu opens: greyed out where it
-        # would do nothing (an empty chat, the model still loading).
+        # None has a shortcut here, so set as the menu opens: greyed out where it
+        # would do nothing (no chat, an empty one, the model still loading).
         c = window.controller
         regenerate_last.setEnabled(c.model_ready and c.can_regenerate())
         edit_last.setEnabled(c.last_user_row() is not None)
+        rename_chat.setEnabled(c.current is not None)
+        delete_chat.setEnabled(c.current is not None)
 
     chat_menu.aboutToShow.connect(enable_for_the_chat)
     chat_menu.addMenu(window.reopen_menu).setText("Reopen In")
@@ -245,6 +257,12 @@ def build_menus(window: MenuHost) -> None:
     help_menu.addAction(window.about_action)
     help_menu.addAction("About Qt", QApplication.aboutQt).setMenuRole(
         QAction.MenuRole.AboutQtRole)
+
+
+def _on_shown_chat(window: MenuHost, ask: Callable[[SessionRecord], None]) -> None:
+    """Ask about the chat on screen (its rename or delete, as the list's menu does)."""
+    if window.controller.current is not None:
+        ask(window.controller.current)
 
 
 def _edit_focused_widget(window: MenuHost, slot: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 from PySide6.QtCore import QTimer
+from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import QInputDialog, QLineEdit, QMessageBox
 
 from app.sessions.session_list import (
@@ -52,6 +54,33 @@ def test_session_list_search_rename_and_confirmed_delete(qtbot, monkeypatch) -> 
     assert deleted == []
     sidebar.ask_delete(store.session(b.id))
     assert deleted == [b.id]
+    store.close()
+
+
+@pytest.mark.parametrize("key", ["Ctrl+Backspace", "Delete"])
+def test_the_keyboard_deletes_the_selected_chat_after_asking(qtbot, monkeypatch,
+                                                             key: str) -> None:
+    store = HistoryStore()
+    a = store.create_session("Tax return", "q8", "demo")
+    b = store.create_session("Holiday", "q4", "demo")
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.set_sessions(store.sessions(), a.id)
+    sidebar.show()
+    qtbot.waitExposed(sidebar)
+    sidebar.list.setFocus()
+
+    def confirm(box: QMessageBox) -> int:
+        next(b for b in box.buttons() if b.text().replace("&", "") == "Delete").click()
+        return 0
+
+    monkeypatch.setattr(QMessageBox, "exec", confirm)
+    deleted: list[str] = []
+    sidebar.deleteRequested.connect(deleted.append)
+    # Before, only the right-click menu could delete a chat.
+    qtbot.keyClick(sidebar.list, QKeySequence(key)[0].key(),
+                   QKeySequence(key)[0].keyboardModifiers())
+    assert deleted == [a.id] and b.id not in deleted
     store.close()
 
 

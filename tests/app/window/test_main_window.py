@@ -82,6 +82,14 @@ def test_chat_menu_actions_that_would_do_nothing_are_greyed_out(qtbot) -> None:
         chat_menu.aboutToShow.emit()
         assert actions["Regenerate Last Answer"].isEnabled()
         assert actions["Edit Last Message"].isEnabled()
+        # The chat on screen can be renamed and deleted from the menu (before,
+        # only from the list's right-click menu), asked as there.
+        asked: list[tuple[str, str]] = []
+        window.sessions.ask_rename = lambda record: asked.append(("rename", record.id))
+        window.sessions.ask_delete = lambda record: asked.append(("delete", record.id))
+        actions["Rename Chat…"].trigger()
+        actions["Delete Chat…"].trigger()
+        assert asked == [("rename", with_turn.id), ("delete", with_turn.id)]
     finally:
         close_scripted(scripted)
 
