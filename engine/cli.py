@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from engine.cache import kvquant
 from engine.cache.modes import DEFAULT_MODE, MODES, KvMode, parse_mode
-from engine.distributed.launch import join_group, launch, rank_report_dir, write_rank_report
+from engine.distributed.launch import (
+    join_group,
+    launch,
+    rank_report_dir,
+    read_hostfile,
+    write_rank_report,
+)
 from engine.errors import EngineError, UnsupportedModeError
 from engine.events import (
     AnswerWaiting,
@@ -133,15 +139,16 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def generate(args: argparse.Namespace, out: TextIO) -> int:
     """Run one prompt through a fresh session and print the answer."""
     report_dir = rank_report_dir()
+    pipeline = args.pipeline > 1 or args.hostfile is not None
     if report_dir is None:  # the command as typed, not one of a launch's ranks
-        _check_pipeline(args)
-    if (args.pipeline > 1 or args.hostfile) and report_dir is None:
-        if args.speculative == "lookup":
+        if pipeline and args.speculative == "lookup":
             # The followers run rank 0's commands one decode step at a time; a
             # k-token verification and its rewind are not commands they know yet.
             # Left at its default, speculation is off on a pipeline (Session.chat).
             raise EngineError("Speculative decoding is not available over a pipeline yet: "
                               "run with --speculative off, or without --pipeline.")
+        _check_pipeline(args)
+    if pipeline and report_dir is None:
         return launch(args.argv, args.pipeline, args.seed, out, args.hostfile)
     if report_dir is None:
         result, collector = _run(args, None if args.json else out, pipeline=None)
@@ -409,6 +416,8 @@ def _check_pipeline(args: argparse.Namespace) -> None:
 
     if args.pipeline < 1:
         raise EngineError("--pipeline takes the number of ranks, 1 or more.")
+    if args.hostfile is not None:
+        read_hostfile(args.hostfile)  # a file that is no hostfile is said first
     if args.hostfile is None and args.pipeline == 1:
         if args.split is not None:
             raise EngineError("--split needs --pipeline N or --hostfile FILE.")

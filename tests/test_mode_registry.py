@@ -167,9 +167,9 @@ def test_the_reopen_menu_and_the_quality_advice_name_it(q5: KvMode, qtbot) -> No
     fill_reopen_menu(menu, controller, parent)
     tips = {a.text(): a.toolTip() for a in menu.actions()}
     assert tips["Reopen in q5…"].endswith("a mode only this test knows")
-    close = QualityReceipt(mode=KvMode("q6"), rotated=True, window_tokens=8, context_tokens=8,
-                           positions=8, top1=1.0, kl_mean=0.0, kl_p99=0.0, model="m",
-                           measured_at=0.0)
+    close = QualityReceipt(mode=KvMode("q6"), rotated=True, window_tokens=1024,
+                           context_tokens=1024, positions=1024, top1=1.0, kl_mean=0.0,
+                           kl_p99=0.0, model="m", measured_at=0.0)
     assert "try q5" in advice(close)
     far = replace(close, mode=q5, kl_mean=9.0)
     assert advice(far) == "Reopen this chat in q6: its answers stay closer to fp16."

@@ -65,4 +65,5 @@ def test_a_model_mlx_lm_cannot_split_is_refused_by_name(tmp_path: Path) -> None:
     done = _generate(llama, "--pipeline", "2")
     assert done.returncode == 1
     assert "cannot be split across machines" in done.stderr
-    assert "rank" in done.stderr
+    # Said before any rank starts (it was one rank's error, named by the launcher).
+    assert "The pipeline run failed" not in done.stderr
