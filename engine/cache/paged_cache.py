@@ -265,11 +265,13 @@ class PagedKVCache(BaseCache):
         if table == list(range(len(table))):
             return len(table) * self.pool.page_size, None
         page_size = self.pool.page_size
-        end = (max(table) + 1) * page_size
+        slots = np.asarray(table, dtype=np.int64)
+        end = int(slots.max() + 1) * page_size
         positions = np.full(end, -1, dtype=np.int32)
-        for logical, slot in enumerate(table):
-            positions[slot * page_size:(slot + 1) * page_size] = np.arange(
-                logical * page_size, (logical + 1) * page_size, dtype=np.int32)
+        # Every page's columns at once (a page at a time was a Python loop over
+        # the whole table, at each new page of a chat sharing a document).
+        columns = (slots[:, None] * page_size + np.arange(page_size)).reshape(-1)
+        positions[columns] = np.arange(len(table) * page_size, dtype=np.int32)
         return end, mx.array(positions)
 
     def dequantized_prefix(self, tokens: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
