@@ -64,6 +64,8 @@ class PagedKVCache(BaseCache):
         self._table_version = 0
         # (table version, end column, positions or None): see ``columns``.
         self._columns: tuple[int, int, mx.array | None] | None = None
+        # ((store, table version, holder changes), shared_pages): see there.
+        self._shared: tuple[tuple[int, int, int], tuple[int, float]] | None = None
 
     @property
     def keys(self) -> mx.array:
@@ -230,8 +232,14 @@ class PagedKVCache(BaseCache):
         divided among its holders): a sum over chats counts every page once."""
         if self.store is None or not self.pool.shared:
             return 0, float(len(self.block_table))
-        holders = [self.store.holders(slot) for slot in self.block_table]
-        return sum(1 for h in holders if h > 1), sum(1 / h for h in holders)
+        # Kept until this table or anyone's holders change (a new page, every
+        # page_size tokens): a stats sample walks the table only then.
+        key = (id(self.store), self._table_version, self.store.changes)
+        if self._shared is None or self._shared[0] != key:
+            holders = [self.store.holders(slot) for slot in self.block_table]
+            self._shared = (key, (sum(1 for h in holders if h > 1),
+                                  sum(1 / h for h in holders)))
+        return self._shared[1]
 
     # -- reading (for the attention) -------------------------------------------
 

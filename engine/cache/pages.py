@@ -125,6 +125,8 @@ class PageStore:
         self.capacity = 0
         self._free: list[int] = []
         self._refs: list[int] = []  # slot -> block tables holding it
+        # Changes to the holder counts so far: what a count over them is kept on.
+        self.changes = 0
 
     @property
     def free_count(self) -> int:
@@ -160,12 +162,14 @@ class PageStore:
         """A free slot, lowest first so a layer's pages stay in order."""
         slot = heapq.heappop(self._free)
         self._refs[slot] = 1
+        self.changes += 1
         return slot
 
     def share(self, slots: list[int]) -> None:
         """Count one more holder of each slot (another block table now reads them)."""
         for slot in slots:
             self._refs[slot] += 1
+        self.changes += 1
 
     def shared(self, slot: int) -> bool:
         """Whether more than one block table holds ``slot`` (it must not be written)."""
@@ -180,6 +184,7 @@ class PageStore:
             self._refs[slot] -= 1
             if self._refs[slot] == 0:
                 heapq.heappush(self._free, slot)
+        self.changes += 1
 
     def copy_page(self, source: int, target: int) -> None:
         """Make slot ``target`` hold the same rows as slot ``source``."""

@@ -72,6 +72,22 @@ def test_a_shared_prefix_takes_no_page_and_a_write_copies_only_the_last(mode: st
         np.testing.assert_array_equal(now[:, :, :40], then)
 
 
+def test_a_layers_shared_count_follows_what_the_other_holders_do() -> None:
+    first = _cache()
+    _write(first, 40, 0)  # 3 pages
+    second, third = _cache(), _cache()
+    sharing.share_pages([second], [first], 40)
+    assert first.shared_pages == (3, 1.5)
+    assert second.shared_pages == (3, 1.5)  # counted once, then kept
+    # Another chat takes the same pages: neither table changed, the holders did.
+    sharing.share_pages([third], [first], 40)
+    assert first.shared_pages == (3, 1.0)
+    third.release()
+    assert first.shared_pages == (3, 1.5)
+    _write(second, 9, 10)  # its third page copied on write: its own table changed
+    assert first.shared_pages == (2, 2.0) and second.shared_pages == (2, 3.0)
+
+
 def test_trimming_into_a_shared_page_then_writing_copies_it() -> None:
     first = _cache()
     _write(first, 48, 0)  # 3 full pages
