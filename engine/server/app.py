@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -875,12 +876,33 @@ class Run:
         self.keepalive = keepalive
         self.max_calls = max_calls
         self.anthropic = anthropic
-        self.logprobs: list[TokenLogprob] = []  # read so far, not yet taken
+        # Per token chunk read and not yet taken: where its text starts and ends in
+        # the answer, and its tokens' log probabilities.
+        self._scored: deque[tuple[int, int, list[TokenLogprob]]] = deque()
+        self._read = 0  # characters of the answer read from the engine
+        self._sent = 0  # characters of it handed on (the pieces yielded)
 
     def take_logprobs(self) -> list[TokenLogprob]:
-        """The log probabilities of the tokens read since the last call."""
-        taken, self.logprobs = self.logprobs, []
+        """The log probabilities of the tokens whose text was handed on since the
+        last call (a stop sequence's tokens, cut from the text, are not among them)."""
+        taken: list[TokenLogprob] = []
+        while self._scored and self._scored[0][1] <= self._sent:
+            taken.extend(self._scored.popleft()[2])
         return taken
+
+    def _read_chunk(self, event: TokenChunk) -> None:
+        start, self._read = self._read, self._read + len(event.text)
+        self._scored.append((start, self._read, list(event.logprobs)))
+
+    def _sent_text(self, text: str) -> str:
+        self._sent += len(text)
+        return text
+
+    def _cut_at(self, end: int) -> None:
+        """A stop sequence starts ``end`` characters into the answer: the tokens
+        whose text starts there or later are no part of it."""
+        self._scored = deque((start, min(stop, end), scored)
+                             for start, stop, scored in self._scored if start < end)
 
     async def parts(self) -> AsyncGenerator[str | ToolCall | Outcome | KeepAlive, None]:
         """The answer's text and tool calls, then one ``Outcome``.
@@ -947,20 +969,21 @@ class Run:
                     raise self._failure(event)
                 elif isinstance(event, TokenChunk) and self.stopped_by is None:
                     generated += len(event.token_ids)
-                    self.logprobs.extend(event.logprobs)
-                    held += event.text
+                    self._read_chunk(event)
+                    held += event.text  # it starts where the text handed on ends
                     cut = self._stop_at(held)
                     if cut is not None:
                         self.cancel.set()  # the engine stops within one token
+                        self._cut_at(self._sent + cut)
                         if held[:cut]:
-                            yield held[:cut]
+                            yield self._sent_text(held[:cut])
                         held = ""
                     elif len(held) > keep:
-                        yield held[:len(held) - keep]
+                        yield self._sent_text(held[:len(held) - keep])
                         held = held[len(held) - keep:]
                 elif isinstance(event, Finished) and event.request_id == self.ticket.chat_id:
                     if held and self.stopped_by is None:
-                        yield held
+                        yield self._sent_text(held)
                     if event.reason == "cancelled" and self.stopped_by is None:
                         # Not by its client (gone, it reads nothing more) nor a stop
                         # sequence: the server closed its session (a model switch,
