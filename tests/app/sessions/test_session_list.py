@@ -19,13 +19,19 @@ from app.sessions.session_list import (
 from app.store import HistoryStore
 
 
-def test_session_list_search_rename_and_confirmed_delete(qtbot, monkeypatch) -> None:
+def _two_chats(qtbot, shown: int) -> tuple[HistoryStore, list[str], SessionList]:
+    """A list of two chats ("Tax return", then "Holiday"), chat ``shown`` selected."""
     store = HistoryStore()
-    a = store.create_session("Tax return", "q8", "demo")
-    b = store.create_session("Holiday", "q4", "demo")
+    ids = [store.create_session(title, "q8", "demo").id for title in ("Tax return", "Holiday")]
     sidebar = SessionList()
     qtbot.addWidget(sidebar)
-    sidebar.set_sessions(store.sessions(), b.id)
+    sidebar.set_sessions(store.sessions(), ids[shown])
+    return store, ids, sidebar
+
+
+def test_session_list_search_rename_and_confirmed_delete(qtbot, monkeypatch) -> None:
+    store, (a_id, b_id), sidebar = _two_chats(qtbot, shown=1)
+    a, b = store.session(a_id), store.session(b_id)
     assert [r.id for r in sidebar.records()] == [b.id, a.id]
     with qtbot.waitSignal(sidebar.sessionSelected) as selected:
         sidebar.list.setCurrentRow(1)
@@ -60,12 +66,7 @@ def test_session_list_search_rename_and_confirmed_delete(qtbot, monkeypatch) -> 
 @pytest.mark.parametrize("key", ["Ctrl+Backspace", "Delete"])
 def test_the_keyboard_deletes_the_selected_chat_after_asking(qtbot, monkeypatch,
                                                              key: str) -> None:
-    store = HistoryStore()
-    a = store.create_session("Tax return", "q8", "demo")
-    b = store.create_session("Holiday", "q4", "demo")
-    sidebar = SessionList()
-    qtbot.addWidget(sidebar)
-    sidebar.set_sessions(store.sessions(), a.id)
+    store, (a_id, b_id), sidebar = _two_chats(qtbot, shown=0)
     sidebar.show()
     qtbot.waitExposed(sidebar)
     sidebar.list.setFocus()
@@ -80,7 +81,7 @@ def test_the_keyboard_deletes_the_selected_chat_after_asking(qtbot, monkeypatch,
     # Before, only the right-click menu could delete a chat.
     qtbot.keyClick(sidebar.list, QKeySequence(key)[0].key(),
                    QKeySequence(key)[0].keyboardModifiers())
-    assert deleted == [a.id] and b.id not in deleted
+    assert deleted == [a_id] and b_id not in deleted
     store.close()
 
 

@@ -30,13 +30,25 @@ def open_library(qtbot, window):
     return window.models_dialog
 
 
-def test_download_in_one_click_then_load(qtbot, bare_window, hub, tiny_llama,  # noqa: F811
-                                         monkeypatch) -> None:
-    files = {p.name: p.read_bytes() for p in tiny_llama.iterdir() if p.is_file()}
+def _hub_serves(hub: FakeHub, folder) -> dict[str, bytes]:
+    """The hub serves ``folder``'s files as REPO; those files."""
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     hub.repos[REPO] = FakeRepo(commit="e" * 40, files=files,
                                lfs=frozenset({"model.safetensors"}))
+    return files
+
+
+def _loads(window, monkeypatch) -> list[str]:
+    """The models the window is asked to load from now on (none loads)."""
     loaded: list[str] = []
-    monkeypatch.setattr(bare_window, "choose_model", loaded.append)
+    monkeypatch.setattr(window, "choose_model", loaded.append)
+    return loaded
+
+
+def test_download_in_one_click_then_load(qtbot, bare_window, hub, tiny_llama,  # noqa: F811
+                                         monkeypatch) -> None:
+    files = _hub_serves(hub, tiny_llama)
+    loaded = _loads(bare_window, monkeypatch)
     dialog = open_library(qtbot, bare_window)
     assert dialog.action_button(REPO).text() == "Download"
 
@@ -55,11 +67,8 @@ def test_download_in_one_click_then_load(qtbot, bare_window, hub, tiny_llama,  #
 
 def test_a_download_done_after_another_model_was_chosen_does_not_switch_to_it(
         qtbot, bare_window, hub, tiny_llama, monkeypatch) -> None:  # noqa: F811
-    files = {p.name: p.read_bytes() for p in tiny_llama.iterdir() if p.is_file()}
-    hub.repos[REPO] = FakeRepo(commit="e" * 40, files=files,
-                               lfs=frozenset({"model.safetensors"}))
-    loaded: list[str] = []
-    monkeypatch.setattr(bare_window, "choose_model", loaded.append)
+    _hub_serves(hub, tiny_llama)
+    loaded = _loads(bare_window, monkeypatch)
     dialog = open_library(qtbot, bare_window)
     dialog.action_button(REPO).click()
     # The user picks another model while it downloads.
