@@ -711,6 +711,11 @@ class EngineWorker(Worker):
     def _open_session(self, request_id: int, request: OpenSession) -> SessionOpened:
         session = self._held.open(request.session_id, request.mode, request.page_size,
                                   request.rotate, chunk_size=self.chunk_size)
+        if session.followers is not None and not session.followers.batches:
+            # The other ranks' layers of this model cannot share a pass (known once
+            # they hold a session): every answer runs alone, as on a model whose
+            # own layers cannot (a server counts its queue beyond this).
+            self._answering.limit = 1
         return SessionOpened(request_id, request.session_id, session.mode, request.page_size,
                              session.cache_kind, session.cache_note, session.rotation)
 

@@ -252,3 +252,27 @@ def test_a_chat_rank_0_refuses_is_never_left_open_on_the_other_ranks(
         assert isinstance(failed, Failed)
         assert "cannot store this model's heads" in failed.message
         assert ranks.opened == ranks.closed == [1]
+
+
+class _RanksThatAnswerAlone(_Ranks):
+    """Other ranks whose layers cannot share a batch's pass."""
+
+    def open(self, mode: str, page_size: int, rotate: bool | None, chunk_size: int) -> Any:
+        link = super().open(mode, page_size, rotate, chunk_size)
+        link.batches, link.needs_checkpoints = False, False
+        link.machines = lambda *args: ()
+        return link
+
+    def unopened_machines(self, chunk_size: int) -> tuple:
+        return ()
+
+
+def test_other_ranks_that_cannot_share_a_pass_make_every_answer_run_alone(
+        model_dir: Path) -> None:
+    with loaded_worker(model_dir, streams=4) as (worker, log):
+        assert worker.streams().limit == 4
+        worker._held._conductor = _RanksThatAnswerAlone()
+        log.result(worker.open_session("a", "q8", PAGE), SessionOpened)
+        # Before, a server counted its queue beyond four answers that never run
+        # together (rank 0's own layers can share a pass).
+        assert worker.streams().limit == 1
