@@ -272,6 +272,16 @@ class PagedKVCache(BaseCache):
         table = self.block_table
         if table == list(range(len(table))):
             return len(table) * self.pool.page_size, None
+        key = tuple(table)
+        shared = self.pool.column_map
+        if shared is not None and shared[0] == key:
+            return shared[1], shared[2]
+        end, positions = self._column_map(table)
+        self.pool.column_map = (key, end, positions)
+        return end, positions
+
+    def _column_map(self, table: list[int]) -> tuple[int, mx.array]:
+        """Each column's position for an out-of-order ``table`` (-1: no row here)."""
         page_size = self.pool.page_size
         slots = np.asarray(table, dtype=np.int64)
         end = int(slots.max() + 1) * page_size

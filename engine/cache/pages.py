@@ -342,6 +342,10 @@ class PagePool:
         # Pages every store already has room for, so most calls (two per layer per
         # step) return without looking at the stores; reset when a store shrinks.
         self._room = 0
+        # The last out-of-order block table's column map (``PagedKVCache.columns``):
+        # a session's layers take their pages alike, so they hold the same table,
+        # and one map serves them all rather than one per layer.
+        self.column_map: tuple[tuple[int, ...], int, Any] | None = None
 
     def add_store(self, kv_heads: int, head_dim: int, holder: Any = None) -> PageStore:
         """Register one layer's storage (validates the mode against head_dim).

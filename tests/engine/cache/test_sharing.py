@@ -88,6 +88,22 @@ def test_a_layers_shared_count_follows_what_the_other_holders_do() -> None:
     assert first.shared_pages == (2, 2.0) and second.shared_pages == (2, 3.0)
 
 
+def test_a_sessions_layers_with_one_out_of_order_table_share_one_column_map() -> None:
+    donor_pool, pool = PagePool("q8", PAGE_SIZE), PagePool("q8", PAGE_SIZE)
+    donor = [PagedKVCache(donor_pool, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    layers = [PagedKVCache(pool, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    for layer in donor:
+        _write(layer, 40, 0)
+    sharing.share_pages(layers, donor, 40)
+    for layer in layers:
+        _write(layer, 9, 10)  # the shared third page copied: out of slot order
+    assert layers[0].block_table == layers[1].block_table != list(range(4))
+    (end, positions), (other_end, other) = (layer.columns() for layer in layers)
+    # One map for the session (it was built, and held, once per layer).
+    assert other is positions and other_end == end
+    assert np.array(positions).tolist() == [*range(32), *[-1] * 16, *range(32, 64)]
+
+
 def test_trimming_into_a_shared_page_then_writing_copies_it() -> None:
     first = _cache()
     _write(first, 48, 0)  # 3 full pages
