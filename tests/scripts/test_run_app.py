@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.scripts.test_setup import bash_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-
-
-def _executable(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
 @pytest.mark.parametrize("cdpath", [None, ".:/tmp"])
@@ -28,11 +23,10 @@ def test_relative_paths_mean_the_folder_it_was_run_from(tmp_path: Path,
     (checkout / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts" / "run-app.sh", checkout / "scripts" / "run-app.sh")
     (checkout / "scripts" / "env.sh").write_text("")
-    _executable(checkout / "scripts" / "setup.sh", "#!/usr/bin/env bash\n")
+    bash_script(checkout / "scripts" / "setup.sh", "")
     # The app as a stand-in: the folder it runs in (which relative paths are
     # read against), and the arguments it was given.
-    _executable(checkout / ".venv" / "bin" / "longleaf",
-                '#!/usr/bin/env bash\npwd\nprintf "%s\\n" "$@"\n')
+    bash_script(checkout / ".venv" / "bin" / "longleaf", 'pwd\nprintf "%s\\n" "$@"\n')
     # A CDPATH makes cd print the folder it found (into a name taken from its output).
     env = {key: value for key, value in os.environ.items() if key != "CDPATH"}
     if cdpath is not None:

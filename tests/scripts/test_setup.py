@@ -96,9 +96,10 @@ def test_a_failed_install_leaves_no_stamp(tmp_path: Path) -> None:
     assert not (root / ".venv" / ".longleaf-installed").exists()
 
 
-def _fake(path: Path, text: str) -> None:
+def bash_script(path: Path, body: str) -> None:
+    """An executable bash script at ``path`` running ``body`` (its folders made)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/usr/bin/env bash\n" + text)
+    path.write_text("#!/usr/bin/env bash\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
@@ -115,7 +116,7 @@ def _old_venv_and_pythons(root: Path, bin_dir: Path, good: str | None) -> dict[s
                                       'then exit 1; fi\n', 1))
     (root / "working-python").write_text(working)
     for name in ("python3.14", "python3.13", "python3.12", "python3.11", "python3"):
-        _fake(bin_dir / name, OLD if name != good else (
+        bash_script(bin_dir / name, OLD if name != good else (
             f'if [[ "$1 $2" == "-m venv" ]]; then echo "{name}" > venv.log\n'
             '  cp working-python .venv/bin/python; exit 0; fi\n'
             f'exec {sys.executable} "$@"\n'))

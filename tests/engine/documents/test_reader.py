@@ -6,6 +6,7 @@ import hashlib
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -194,14 +195,20 @@ def test_corrupt_pdf(tmp_path: Path) -> None:
         read_document(path)
 
 
-def test_docx_paragraphs_and_tables(tmp_path: Path) -> None:
+def _paragraph_and_table(paragraph: str, cells: tuple[str, str]) -> Any:
+    """A Word document: ``paragraph``, then a table of one row of ``cells``."""
     import docx
 
     document = docx.Document()
-    document.add_paragraph("Quarterly plan")
+    document.add_paragraph(paragraph)
     table = document.add_table(rows=1, cols=2)
-    table.rows[0].cells[0].text = "q6"
-    table.rows[0].cells[1].text = "388 bytes"
+    for cell, text in zip(table.rows[0].cells, cells, strict=True):
+        cell.text = text
+    return document
+
+
+def test_docx_paragraphs_and_tables(tmp_path: Path) -> None:
+    document = _paragraph_and_table("Quarterly plan", ("q6", "388 bytes"))
     path = tmp_path / "plan.docx"
     document.save(str(path))
     doc = read_document(path)
@@ -210,15 +217,10 @@ def test_docx_paragraphs_and_tables(tmp_path: Path) -> None:
 
 
 def test_docx_reads_in_order_with_content_controls(tmp_path: Path) -> None:
-    import docx
     from docx.oxml import parse_xml
     from docx.oxml.ns import nsdecls
 
-    document = docx.Document()
-    document.add_paragraph("Intro.")
-    table = document.add_table(rows=1, cols=2)
-    table.rows[0].cells[0].text = "A1"
-    table.rows[0].cells[1].text = "B1"
+    document = _paragraph_and_table("Intro.", ("A1", "B1"))
     document.add_paragraph("After the table.")
     # A form's field: its text lives in a content control (w:sdt) in the body.
     document.element.body.insert(0, parse_xml(
