@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 # The Ollama API version this server answers as (clients check for a recent one).
 VERSION = "0.12.6"
 DEFAULT_MAX_TOKENS = 4096
+RANDOM_SEED = -1  # Ollama's default seed: draw at random, as with no seed
 HARDWARE = accepted("how Ollama's runner uses the hardware; the engine plans its own")
 PULL_REFUSAL = ("Longleaf does not pull models from Ollama's library. It serves the model "
                 "it was started with: `python -m engine serve --model demo` or "
@@ -115,8 +116,11 @@ def _sampling(options: dict, context: int, body: dict) -> SamplingParams:
              "frequency_penalty": options.get("frequency_penalty")}
     grammar = protocol.structured_grammar(structured.ollama_format(body.get("format")),
                                           body, "format")
+    seed = options.get("seed")
+    if seed == RANDOM_SEED and not isinstance(seed, bool):
+        seed = None
     return protocol.sampling_params({k: v for k, v in named.items() if v is not None},
-                                    int(predict), options.get("seed"), grammar=grammar)
+                                    int(predict), seed, grammar=grammar)
 
 
 def _stream(body: dict) -> bool:

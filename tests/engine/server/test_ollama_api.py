@@ -12,6 +12,7 @@ import ollama
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from engine.server import ollama as ollama_api
 from engine.session import sampling
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
@@ -78,6 +79,10 @@ def test_options_are_honoured(served: Served) -> None:
         "temperature": 1.5, "top_p": 0.9, "seed": 7, "num_predict": 8}).message.content
         for _ in range(2)]
     assert seeded[0] == seeded[1]
+    # -1 is Ollama's default seed, meaning none: every draw is its own.
+    for seed, read in ((-1, None), (7, 7)):
+        body = {"messages": messages, "options": {"seed": seed}}
+        assert ollama_api.chat_request(body, 64).sampling.seed == read
     with pytest.raises(ollama.ResponseError) as raised:
         api.chat(model="m", messages=[{"role": "user", "content": "word " * 200}],
                  options={"num_ctx": 64})
