@@ -914,6 +914,9 @@ class Run:
         """
         pieces = self.pieces()
         names: list[str] = []
+        # Blank text after a call (the newline between two calls) is held: an item
+        # of its own in a stream, it is no part of what the answer says.
+        blank = ""
         try:
             async for piece in pieces:
                 if self.reader is None or isinstance(piece, KeepAlive):
@@ -928,6 +931,12 @@ class Run:
                                      self.max_calls)
                             continue
                         names.append(part.name)
+                        blank = ""
+                    elif names and not (blank + part).strip():
+                        blank += part
+                        continue
+                    else:
+                        part, blank = blank + part, ""
                     yield part
                 if not isinstance(piece, str):
                     yield self._ended(piece, names)

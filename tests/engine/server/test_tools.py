@@ -366,3 +366,30 @@ def test_anthropic_stream_of_an_empty_answer_has_one_empty_text_block(tooled: Se
     assert [(b.type, b.text) for b in final.content] == [("text", "")]
     assert kinds.index("content_block_start") < kinds.index("message_delta")
     assert final.stop_reason == "end_turn"
+
+
+def test_parallel_calls_streamed_give_the_items_they_give_whole(tooled: Served,
+                                                                forced) -> None:
+    """The newline between two calls is no text of its own: a stream opens no text
+    block or message item for it, so what a client keeps (and sends back) is the
+    same streamed or not."""
+    forced("Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Rome") + "\n")
+    other = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    ask = {"model": "m", "max_tokens": 200, "messages": MESSAGES, "tools": [ANTHROPIC_WEATHER]}
+    with other.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message().content
+    whole = other.messages.create(**ask).content
+    for content in (streamed, whole):
+        assert [(b.type, getattr(b, "text", None) or b.input) for b in content] == [
+            ("text", "Let me check.\n"), ("tool_use", {"city": "Paris"}),
+            ("tool_use", {"city": "Rome"})]
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    tools = [{"type": "function", **WEATHER["function"]}]
+    with api.responses.stream(model="m", input="Weather?", tools=tools,
+                              max_output_tokens=200) as stream:
+        output = stream.get_final_response().output
+    created = api.responses.create(model="m", input="Weather?", tools=tools,
+                                   max_output_tokens=200).output
+    for items in (output, created):
+        assert [item.type for item in items] == ["message", "function_call", "function_call"]
+        assert items[0].content[0].text == "Let me check.\n"
