@@ -104,7 +104,8 @@ def _options(body: dict) -> dict:
     return options
 
 
-def _sampling(options: dict, context: int, body: dict) -> SamplingParams:
+def _sampling(options: dict, context: int, body: dict,
+              tools: list[dict] | None = None) -> SamplingParams:
     """Ollama's options in the engine's terms."""
     predict = protocol.integer(options, ("num_predict",), DEFAULT_MAX_TOKENS, -2)
     if predict is None or predict < 1:
@@ -115,7 +116,7 @@ def _sampling(options: dict, context: int, body: dict) -> SamplingParams:
              "presence_penalty": options.get("presence_penalty"),
              "frequency_penalty": options.get("frequency_penalty")}
     grammar = protocol.structured_grammar(structured.ollama_format(body.get("format")),
-                                          body, "format")
+                                          tools, "format")
     seed = options.get("seed")
     if seed == RANDOM_SEED and not isinstance(seed, bool):
         seed = None
@@ -147,7 +148,7 @@ def chat_request(body: Any, context: int) -> ChatRequest:
     messages = protocol.continuable([_message(m, i) for i, m in enumerate(raw)])
     tools, choice, name = protocol.tools_of({"tools": body.get("tools")}, anthropic=False)
     return ChatRequest(
-        messages=messages, sampling=_sampling(options, context, body),
+        messages=messages, sampling=_sampling(options, context, body, tools),
         stop=protocol.stops(options.get("stop"), "options.stop"), stream=_stream(body),
         include_usage=True, mode=protocol.mode_from(_name(body), body), model=_name(body),
         tools=tools, tool_choice=choice, tool_name=name, context=context_limit(body))

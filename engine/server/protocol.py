@@ -458,11 +458,11 @@ def sampling_params(body: dict, max_tokens: int, seed: Any, *,
     )
 
 
-def structured_grammar(grammar: str | None, body: dict, param: str) -> str | None:
-    """``grammar``, refused beside ``tools``: an answer held to a schema could
-    never be a tool call."""
-    tools = body.get("tools")
-    if grammar is not None and tools and body.get("tool_choice") != "none":
+def structured_grammar(grammar: str | None, tools: list[dict] | None,
+                       param: str) -> str | None:
+    """``grammar``, refused beside the function ``tools`` the model is offered (none
+    under tool_choice "none"): an answer held to a schema could never be a tool call."""
+    if grammar is not None and tools:
         raise BadRequest(f"'{param}' and 'tools' cannot be used together yet: the answer "
                          "is held to the schema, so it could never call a tool.", param)
     return grammar
@@ -507,17 +507,18 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
         raise BadRequest("'stream_options' must be an object.", "stream_options")
     model = model_name(body)
     max_tokens = integer(body, ("max_completion_tokens", "max_tokens"), default_max, 1)
+    tool_fields = _tool_fields(body, anthropic=False)
     return ChatRequest(
         messages=_openai_messages(body.get("messages")),
         sampling=sampling_params(body, int(max_tokens), body.get("seed"),
                                  logprobs=_chat_logprobs(body),
                                  grammar=structured_grammar(
                                      structured.openai_format(body.get("response_format")),
-                                     body, "response_format")),
+                                     tool_fields["tools"], "response_format")),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
-        mode=mode_from(model, body), model=model, **_tool_fields(body, anthropic=False),
+        mode=mode_from(model, body), model=model, **tool_fields,
     )
 
 
@@ -580,14 +581,15 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false.", "stream")
+    tool_fields = _tool_fields(body, anthropic=True)
     return ChatRequest(
         messages=_anthropic_conversation(body.get("messages"), _system(body)),
         sampling=sampling_params(body, max_tokens, None, grammar=None if counting else
                                  structured_grammar(
                                      structured.anthropic_format(body.get("output_config")),
-                                     body, "output_config")),
+                                     tool_fields["tools"], "output_config")),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model, anthropic=True,
-        **_tool_fields(body, anthropic=True),
+        **tool_fields,
     )

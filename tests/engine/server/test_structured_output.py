@@ -20,6 +20,9 @@ import openai
 import pydantic
 import pytest
 
+from engine.server import ollama as ollama_api
+from engine.server import protocol, responses
+from engine.server.errors import BadRequest
 from tests.engine.server.conftest import Served, start_server
 
 SCHEMA_COUNT = 50
@@ -166,3 +169,51 @@ def test_the_other_apis_hold_the_answer_to_the_schema(demo: Served) -> None:
         model="demo", messages=ask(TREE), format=TREE,
         options={"temperature": 0, "num_predict": MAX_TOKENS})
     jsonschema.validate(json.loads(chat.message.content), TREE)
+
+
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object"}}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(("api", "offered", "held"), [
+    ("chat", {"tools": [{"type": "function", "function": FUNCTION}]}, False),
+    ("chat", {"tools": [{"type": "function", "function": FUNCTION}], "tool_choice": "none"},
+     True),
+    ("responses", {"tools": [{"type": "function", **FUNCTION}]}, False),
+    ("responses", {"tools": [{"type": "web_search"}]}, True),  # Codex sends it always
+    ("responses", {"tools": [{"type": "function", **FUNCTION}], "tool_choice": "none"}, True),
+    ("anthropic", {"tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]},
+     False),
+    ("anthropic", {"tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+                   "tool_choice": {"type": "none"}}, True),
+    ("ollama", {"tools": [{"type": "function", "function": FUNCTION}]}, False),
+    ("ollama", {}, True),
+])
+def test_a_schema_is_refused_only_beside_tools_the_model_is_offered(api: str, offered: dict,
+                                                                    held: bool) -> None:
+    """An answer held to a schema could never call a tool, so the two are refused
+    together; tools the model never sees (tool_choice "none", the Responses API's
+    hosted tools) leave the schema alone."""
+    user = [{"role": "user", "content": "hi"}]
+    json_schema = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    read, param = {
+        "chat": (lambda: protocol.openai_chat(
+            {"messages": user, "response_format": json_schema, **offered}, 64),
+            "response_format"),
+        "responses": (lambda: responses.read(
+            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "w",
+                                                "schema": SCHEMA}}, **offered}).chat,
+            "text"),
+        "anthropic": (lambda: protocol.anthropic_messages(
+            {"messages": user, "max_tokens": 8, **offered,
+             "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}),
+            "output_config"),
+        "ollama": (lambda: ollama_api.chat_request(
+            {"messages": user, "format": SCHEMA, **offered}, 64), "format"),
+    }[api]
+    if held:
+        assert read().sampling.grammar is not None
+    else:
+        with pytest.raises(BadRequest) as refused:
+            read()
+        assert refused.value.param == param and "could never call a tool" in str(refused.value)
