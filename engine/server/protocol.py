@@ -91,16 +91,17 @@ def stops(value: Any, name: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",),
+            param: str = "messages") -> str:
     """A message's text: a string, or text blocks joined (OpenAI parts, Anthropic blocks).
 
-    ``kinds`` are the block types read as text (each carries a "text" string).
+    ``kinds`` are the block types read as text (each carries a "text" string, a
+    "refusal" block its "refusal" string); ``param`` is the field errors name.
     """
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where} content must be a string or a list of text blocks.",
-                         "messages")
+        raise BadRequest(f"{where} content must be a string or a list of text blocks.", param)
     parts = []
     for block in content:
         if isinstance(block, dict) and block.get("type") == "tool_reference" \
@@ -108,12 +109,13 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str
             # A tool search's result names a tool: every tool is in the prompt already.
             parts.append(f"Tool available: {block['tool_name']}\n")
             continue
-        if not isinstance(block, dict) or block.get("type") not in kinds \
-                or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        key = "refusal" if kind == "refusal" else "text"
+        if not isinstance(block, dict) or kind not in kinds \
+                or not isinstance(block.get(key), str):
             raise BadRequest(f"{where} has a content block of type {kind!r}; this server "
-                             "reads text blocks only.", "messages")
-        parts.append(block["text"])
+                             "reads text blocks only.", param)
+        parts.append(block[key])
     return "".join(parts)
 
 
@@ -174,7 +176,13 @@ def _openai_message(message: dict, index: int) -> dict:
     where = f"messages[{index}]"
     role = message["role"]
     content = message.get("content")
-    out: dict = {"role": role, "content": "" if content is None else text_of(content, where)}
+    if role == "assistant":
+        # A refusal the answer gave comes back as its text when the chat is resent.
+        content = message.get("refusal") if content is None else content
+        text = "" if content is None else text_of(content, where, ("text", "refusal"))
+    else:
+        text = "" if content is None else text_of(content, where)
+    out: dict = {"role": role, "content": text}
     if role == "assistant" and message.get("tool_calls") is not None:
         out["tool_calls"] = tool_calls_of(message["tool_calls"], where)
     if role == "tool":

@@ -220,7 +220,7 @@ def _item(item: Any, index: int, turns: list[dict]) -> list[dict]:
             raise BadRequest(f"{where}.role must be one of user, assistant, system, "
                              f"developer (got {role!r}).", "input")
         text = protocol.text_of(item.get("content", ""), where,
-                              ("input_text", "output_text", "text", "refusal"))
+                                ("input_text", "output_text", "text", "refusal"), "input")
         return [{"role": role, "content": text}]
     if kind == "function_call":
         call = protocol.call_of(item.get("call_id") or item.get("id"), item.get("name"),
@@ -233,7 +233,7 @@ def _item(item: Any, index: int, turns: list[dict]) -> list[dict]:
     if kind == "function_call_output":
         output = item.get("output", "")
         text = output if isinstance(output, str) else protocol.text_of(
-            output, where, ("input_text", "output_text", "text"))
+            output, where, ("input_text", "output_text", "text"), "input")
         return [{"role": "tool", "content": text,
                  "tool_call_id": str(item.get("call_id") or "")}]
     if kind == "reasoning":

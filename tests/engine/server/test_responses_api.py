@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from engine.server import protocol, responses
+from engine.server.errors import BadRequest
 from engine.session import sampling
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
@@ -143,6 +144,29 @@ def test_items_render_as_chat_messages() -> None:
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 5)
     assert asked.chat.messages == chat.messages
+
+
+def test_a_refusal_resent_reads_as_what_the_answer_said() -> None:
+    """A conversation resent with the answer's refusal (a content part of its own,
+    or chat's message-level ``refusal``) renders it as that turn's text."""
+    refused = "I can't help with that."
+    asked = responses.read({"input": [
+        {"role": "user", "content": "Do it."},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "refusal", "refusal": refused}]},
+        {"role": "user", "content": "Why?"}]})
+    expected = [{"role": "user", "content": "Do it."},
+                {"role": "assistant", "content": refused},
+                {"role": "user", "content": "Why?"}]
+    assert asked.chat.messages == expected
+    for answer in ({"content": [{"type": "refusal", "refusal": refused}]},
+                   {"content": None, "refusal": refused}):
+        chat = protocol.openai_chat({"messages": [
+            expected[0], {"role": "assistant", **answer}, expected[2]]}, 5)
+        assert chat.messages == expected
+    with pytest.raises(BadRequest) as refused_part:  # an image is still no text
+        responses.read({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})
+    assert refused_part.value.param == "input"
 
 
 @pytest.fixture(scope="module")
