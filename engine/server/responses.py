@@ -90,6 +90,9 @@ class ResponsesRequest:
     tools: list[dict]  # the request's tools as sent, echoed in the response
     namespaces: dict[str, str] = field(default_factory=dict)  # function -> namespace
     max_calls: int | None = None
+    # tool_choice, text and max_output_tokens as sent (OpenAI's defaults where not):
+    # the response echoes the request, not the engine's reading of it.
+    echoed: dict[str, Any] = field(default_factory=dict)
 
 
 def read(body: Any) -> ResponsesRequest:
@@ -126,7 +129,11 @@ def read(body: Any) -> ResponsesRequest:
         tools=offered,
         tool_choice="auto" if choice == "none" else choice, tool_name=name,
         max_calls=calls)
-    return ResponsesRequest(chat, instructions, body.get("tools") or [], namespaces, calls)
+    echoed = {"tool_choice": body.get("tool_choice", "auto"),
+              "text": body.get("text") or {"format": {"type": "text"}},
+              "max_output_tokens": body.get("max_output_tokens")}
+    return ResponsesRequest(chat, instructions, body.get("tools") or [], namespaces, calls,
+                            echoed)
 
 
 def _tools(raw: Any) -> tuple[list[dict], dict[str, str]]:
@@ -275,15 +282,12 @@ class ResponseWriter:
             "status": status, "model": self.model, "output": self.output,
             "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": self.request.instructions, "tools": self.request.tools,
-            "tool_choice": "auto" if chat.tool_choice == "auto" else
-            "required" if chat.tool_choice == "required" else
-            {"type": "function", "name": chat.tool_name},
+            **self.request.echoed,
             "parallel_tool_calls": chat.max_calls != 1,
             "max_tool_calls": self.request.max_calls,
-            "max_output_tokens": chat.sampling.max_tokens,
             "temperature": chat.sampling.temperature, "top_p": chat.sampling.top_p,
-            "store": False, "metadata": {}, "text": {"format": {"type": "text"}},
-            "truncation": "disabled", "usage": usage, **(extra or {}),
+            "store": False, "metadata": {}, "truncation": "disabled", "usage": usage,
+            **(extra or {}),
         }
 
     def started(self) -> list[dict]:

@@ -146,6 +146,23 @@ def test_items_render_as_chat_messages() -> None:
     assert asked.chat.messages == chat.messages
 
 
+def test_the_response_echoes_the_request_as_sent() -> None:
+    """tool_choice, text and max_output_tokens come back as the request gave them
+    (null for a limit it left out), as OpenAI's response objects do."""
+    text = {"format": {"type": "json_schema", "name": "w", "strict": True,
+                       "schema": {"type": "object", "properties": {}}}}
+    sent = {"input": "x", "tools": [WEATHER], "tool_choice": "none", "text": text}
+    echoed = responses.ResponseWriter(responses.read(sent), "m").response("completed")
+    assert (echoed["tool_choice"], echoed["text"], echoed["max_output_tokens"]) == (
+        "none", text, None)
+    forced = {"type": "function", "name": "get_weather"}
+    echoed = responses.ResponseWriter(responses.read(
+        {"input": "x", "tools": [WEATHER], "tool_choice": forced, "max_output_tokens": 9}),
+        "m").response("completed")
+    assert (echoed["tool_choice"], echoed["text"], echoed["max_output_tokens"]) == (
+        forced, {"format": {"type": "text"}}, 9)
+
+
 def test_a_refusal_resent_reads_as_what_the_answer_said() -> None:
     """A conversation resent with the answer's refusal (a content part of its own,
     or chat's message-level ``refusal``) renders it as that turn's text."""
