@@ -22,6 +22,7 @@ __all__ = ["BadRequest", "ChatRequest"]
 
 MAX_STOPS = 16
 MAX_TOOLS = 128
+TOOL_ERROR = "The tool call failed:\n"  # before the text of a result marked is_error
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
 COMPLETION_TOP_LOGPROBS = 5  # /v1/completions' limit on logprobs
 
@@ -216,8 +217,12 @@ def _anthropic_message(message: dict, index: int) -> list[dict]:
             calls.append(call_of(block.get("id"), block.get("name"),
                                arguments_of(block.get("input", {}), where), where))
         elif kind == "tool_result" and role == "user":
-            result = block.get("content", "")
-            out.append({"role": "tool", "content": text_of(result, f"{where} tool_result"),
+            result = text_of(block.get("content", ""), f"{where} tool_result")
+            if block.get("is_error") is True:
+                # Anthropic tells its model the call failed; a chat template has no
+                # field for it, so the result's text says so.
+                result = TOOL_ERROR + result
+            out.append({"role": "tool", "content": result,
                         "tool_call_id": str(block.get("tool_use_id") or "")})
         else:
             text.append(block)

@@ -116,6 +116,10 @@ def test_tools_and_tool_results_render_into_the_template(tmp_path) -> None:
                             tools=chat.tools)
     plain = render_conversation(tokenizer, chat.messages[:2], add_generation_prompt=True)
     assert "<tools>" not in tokenizer.decode(plain)
+    # A result marked as an error says so to the model, as Anthropic's API tells its own.
+    anthropic_body["messages"][-1]["content"][0]["is_error"] = True
+    failed = protocol.anthropic_messages(anthropic_body)
+    assert failed.messages[-1]["content"] == protocol.TOOL_ERROR + "sunny, 21 C"
 
 
 @pytest.mark.parametrize("body", [
