@@ -125,7 +125,8 @@ class StatsSample:
     sliding-window layers hold (``engine.session.checkpoints``); ``other_cache_bytes`` what
     the layers that are not paged hold now (sliding windows, linear-attention state,
     or mlx-lm's own cache where the probe chose it); ``other_cache_bound_bytes`` the
-    most the bounded ones may hold, which the KV budget keeps for them, and
+    most the bounded ones may hold, and ``checkpoint_bound_bytes`` the most their
+    checkpoints may (the KV budget keeps both for them), and
     ``other_cache_kinds`` what they are ("sliding windows, linear attention").
     """
 
@@ -161,6 +162,7 @@ class StatsSample:
     kv_shared_with: int = 0
     other_cache_bound_bytes: int = 0
     other_cache_kinds: str = ""
+    checkpoint_bound_bytes: int = 0
     # A pipeline's machines, rank 0 first (empty on one machine).
     ranks: tuple[RankShare, ...] = ()
 

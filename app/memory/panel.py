@@ -92,11 +92,16 @@ def shared_note(sample: StatsSample) -> str:
 
 
 def other_layers_line(sample: StatsSample) -> str:
-    """"Other layers: 24.0 MB of ≤ 30.0 MB (sliding windows)" on its own line, or ""."""
+    """"Other layers: 24.0 MB of ≤ 30.0 MB (sliding windows) · checkpoints 96.0 MB of
+    ≤ 120.0 MB" on its own line, or ""."""
     if not sample.other_cache_kinds:
         return ""
-    return (f"<br>Other layers: {human_bytes(sample.other_cache_bytes)} of ≤ "
+    line = (f"<br>Other layers: {human_bytes(sample.other_cache_bytes)} of ≤ "
             f"{human_bytes(sample.other_cache_bound_bytes)} ({sample.other_cache_kinds})")
+    if sample.checkpoint_bound_bytes:
+        line += (f" · checkpoints {human_bytes(sample.checkpoint_bytes)} of ≤ "
+                 f"{human_bytes(sample.checkpoint_bound_bytes)}")
+    return line
 
 
 def together_line(chats: list[tuple[str, int | None]]) -> str:

@@ -15,8 +15,6 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-from engine.cache.paged_cache import PagedKVCache
-
 SLIDING = "sliding windows"
 LINEAR = "linear attention"
 
@@ -27,16 +25,27 @@ class OtherLayers:
 
     Attributes:
         bound_bytes: the most they hold (a linear-attention state not made yet
-            counts 0 until the first token makes it).
+            counts what the model's probe measured, else 0 until the first token
+            makes it).
         kinds: what they are, e.g. "sliding windows, linear attention" ("" if none).
+        checkpoint_copies: how many checkpoints of them the session may keep
+            (``engine.session.checkpoints``): each copies them whole.
     """
 
     bound_bytes: int = 0
     kinds: str = ""
+    checkpoint_copies: int = 0
+
+    @property
+    def reserve_bytes(self) -> int:
+        """What the KV budget and free RAM keep for them: their bound, and as much
+        again for each checkpoint the session may keep."""
+        return self.bound_bytes * (1 + self.checkpoint_copies)
 
 
 def other_layers(
-    cache: list[Any], kv_heads: int, head_dim: int, value_bytes: int, chunk: int
+    cache: list[Any], kv_heads: int, head_dim: int, value_bytes: int, chunk: int, *,
+    linear_bytes: int = 0, checkpoint_copies: int = 0,
 ) -> OtherLayers:
     """The bound of every layer of ``cache`` that is not paged (no MLX evaluation).
 
@@ -46,26 +55,37 @@ def other_layers(
         head_dim: values per head (likewise).
         value_bytes: bytes of one key or value (likewise).
         chunk: the largest prefill chunk.
+        linear_bytes: what the linear-attention layers' state of one conversation
+            takes, as the model's probe measured it (0: unknown); counted before
+            the first token makes it.
+        checkpoint_copies: the checkpoints the session may keep of these layers.
     """
-    total, kinds = 0, []
+    windows, kinds = 0, []
     for layer in cache:
-        if isinstance(layer, PagedKVCache):
-            continue
         if isinstance(layer, RotatingKVCache):
-            total += (layer.max_size + chunk - 1) * _row_bytes(layer, kv_heads, head_dim,
-                                                               value_bytes)
+            windows += (layer.max_size + chunk - 1) * _row_bytes(layer, kv_heads, head_dim,
+                                                                 value_bytes)
             kind = SLIDING
         elif isinstance(layer, ArraysCache):
+            kind = LINEAR
+        else:
+            continue  # paged, or mlx-lm's own full cache (no paged layer): not bounded
+        if kind not in kinds:
+            kinds.append(kind)
+    linear = max(linear_state_bytes(cache), linear_bytes) if LINEAR in kinds else 0
+    return OtherLayers(windows + linear, ", ".join(kinds), checkpoint_copies)
+
+
+def linear_state_bytes(cache: list[Any]) -> int:
+    """Bytes the linear-attention layers of ``cache`` hold (0 before the first token)."""
+    total = 0
+    for layer in cache:
+        if isinstance(layer, ArraysCache):
             # mlx-lm leaves ArraysCache.cache unannotated (read as a list of None);
             # it holds the layer's state arrays.
             states = cast("list[mx.array | None]", layer.cache)
             total += sum(int(a.nbytes) for a in states if a is not None)
-            kind = LINEAR
-        else:
-            continue  # mlx-lm's own full cache (no paged layer): not bounded
-        if kind not in kinds:
-            kinds.append(kind)
-    return OtherLayers(total, ", ".join(kinds))
+    return total
 
 
 def _row_bytes(layer: Any, kv_heads: int, head_dim: int, value_bytes: int) -> int:

@@ -477,6 +477,9 @@ class FitInputs:
     ranks: tuple[RankShare, ...] = ()
     # Rows of the batch's decode step its pages must leave room for (0: alone).
     decode_rows: int = 0
+    # What a chat not opened yet will keep for its layers outside the pages and
+    # their checkpoints (an open session's is the guard's reserve).
+    new_chat_reserve_bytes: int = 0
 
 
 def without(inputs: FitInputs, reading: MemoryReading,
@@ -513,7 +516,8 @@ def guarded_fit_report(inputs: FitInputs, reading: MemoryReading, token_count: i
     # What the session's sliding windows and linear-attention state may hold is
     # kept for them in the budget and in free RAM, as the guard does for its pages;
     # where it shares a document's storage, the other chats' pages there are theirs.
-    reserved = budget.reserved_bytes(session_id)
+    reserved = (budget.reserved_bytes(session_id) if session_id is not None
+                else inputs.new_chat_reserve_bytes)
     foreign = budget.foreign_bytes(session_id)
     if share is not None:
         share = max(0, share - reserved - foreign)

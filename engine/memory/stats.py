@@ -159,6 +159,7 @@ def stats_sample(
         prefill_peak_bytes=int(prefill_peak_bytes),
         checkpoint_bytes=int(checkpoint_bytes),
         other_cache_bound_bytes=others.bound_bytes,
+        checkpoint_bound_bytes=others.reserve_bytes - others.bound_bytes,
         other_cache_kinds=others.kinds,
         ranks=ranks,
     )

@@ -14,7 +14,7 @@ Only the engine's worker thread may call :func:`probe_model` and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
@@ -63,12 +63,16 @@ class ProbeResult:
             None when the paged run raised or never ran.
         quantized: whether mlx-lm's QuantizedKVCache (8 bits, group 32) ran the
             probe with finite logits; only checked for the ``"mlx-lm"`` verdict.
+        linear_state_bytes: what the linear-attention layers' state of one
+            conversation takes (0: none, or the reference run failed): a fixed
+            size, counted for a chat before its first token makes it.
     """
 
     verdict: str
     reason: str
     max_rel_diff: float | None
     quantized: bool = False
+    linear_state_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,13 +95,22 @@ def probe_model(model: Any) -> ProbeResult:
 
     Never raises for a model's failure: a failure is a verdict with its reason.
     """
+    from engine.cache.other_layers import linear_state_bytes
+
     tokens = _probe_tokens(model)
     try:
         # One pass over every token: the cheapest reference (the probe runs at every
         # load); a mismatch is confirmed against the same chunks below.
-        reference = _run(model, _mlx_lm_cache(model), tokens, (len(tokens),))
+        reference_cache = _mlx_lm_cache(model)
+        reference = _run(model, reference_cache, tokens, (len(tokens),))
     except Exception as error:  # any failure of a foreign model class is a verdict
         return ProbeResult(REFUSED, f"mlx-lm's own cache fails on this model: {_say(error)}", None)
+    return replace(_compared(model, tokens, reference),
+                   linear_state_bytes=linear_state_bytes(reference_cache))
+
+
+def _compared(model: Any, tokens: list[int], reference: mx.array) -> ProbeResult:
+    """The verdict of the paged cache's logits against mlx-lm's ``reference``."""
     if not _finite(reference):
         return ProbeResult(REFUSED, "mlx-lm's own cache gives non-finite logits", None)
     if not mx.any(reference).item():

@@ -31,7 +31,12 @@ from engine.runtime.interface import Conductor, Pipeline
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
 from engine.session.prefill import activation_value_bytes
-from engine.session.session import DEFAULT_PAGE_SIZE, Session, check_sizes
+from engine.session.session import (
+    DEFAULT_PAGE_SIZE,
+    Session,
+    check_sizes,
+    new_chat_outside_pages,
+)
 from engine.snapshots.fingerprint import model_fingerprint
 from engine.snapshots.stored_sessions import StoredSessions
 
@@ -98,6 +103,8 @@ class HeldSessions:
         self._fit: dict[str | None, fit.FitInputs] = {}  # replaced whole, never mutated
         # A pipeline's machines for a chat not opened yet, as they last answered.
         self._unopened: tuple[RankShare, ...] = ()
+        # A new chat's reserve outside its pages, for the chunk it was made with.
+        self._new_chat_reserve = (0, 0)
 
     def publish_fit(self, chunk_size: int) -> None:
         """Freeze what fit checks need of the model and each open session.
@@ -123,9 +130,13 @@ class HeldSessions:
     def _unopened_fit(self, loaded: LoadedModel, chunk_size: int) -> fit.FitInputs:
         # On a pipeline the loaded info describes this rank's layers only; each
         # follower answered for its own share.
+        if self._new_chat_reserve[0] != chunk_size:
+            self._new_chat_reserve = (
+                chunk_size, new_chat_outside_pages(loaded, chunk_size).reserve_bytes)
         return fit.FitInputs(fit.facts_from_info(loaded.info), DEFAULT_PAGE_SIZE,
                              self._guard.view(), prefill=self.prefill, chunk_tokens=chunk_size,
-                             ranks=self._unopened if self._conductor is not None else ())
+                             ranks=self._unopened if self._conductor is not None else (),
+                             new_chat_reserve_bytes=self._new_chat_reserve[1])
 
     def fit_inputs(self, session_id: str | None) -> fit.FitInputs:
         """The last frozen fit inputs of ``session_id`` (None: a chat not opened yet).
@@ -293,6 +304,7 @@ class HeldSessions:
             self.loaded = loaded
             self.loaded_bytes = needed
             self.prefill = prefill
+        self._new_chat_reserve = (0, 0)
         return loaded.info
 
     def new_cache(self) -> list[Any]:

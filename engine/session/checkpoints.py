@@ -28,6 +28,8 @@ from engine.cache.paged_cache import PagedKVCache
 # Checkpoints kept at message boundaries and prefill ends: regenerate goes back to the
 # newest, an edit of the last user message to the one before, and one spare.
 MAX_BOUNDARIES = 3
+# The most a session keeps at once: the boundaries and the newest chunk end.
+MAX_KEPT = MAX_BOUNDARIES + 1
 
 
 def copy_state(value: Any) -> Any:

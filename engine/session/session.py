@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from engine.cache import adapter, kvquant, other_layers, sharing
-from engine.cache.modes import KvMode
+from engine.cache.modes import FP16, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import PREFILL_SCRATCH_BYTES, PagePool
 from engine.errors import ContextTooLong, EngineError, KvBudgetExceeded
@@ -76,6 +76,35 @@ def check_sizes(page_size: int, chunk_size: int) -> None:
     """Raise EngineError unless a page and a chunk each hold a token at least."""
     if page_size < 1 or chunk_size < 1:
         raise EngineError("Page size and chunk size must be at least 1 token.")
+
+
+def probed_linear_bytes(loaded: object) -> int:
+    """What the load-time probe measured of one conversation's linear-attention
+    state (0: none, or a model loaded without the probe)."""
+    probe = getattr(loaded, "probe", None)
+    return probe.linear_state_bytes if probe is not None else 0
+
+
+def outside_pages(cache: list, facts: fit.ModelFacts, value_bytes: int, chunk_size: int, *,
+                  linear_bytes: int, checkpointed: bool) -> other_layers.OtherLayers:
+    """What ``cache``'s layers outside the pages may hold, with the checkpoints of
+    them a session keeps when it keeps any (``checkpointed``)."""
+    return other_layers.other_layers(
+        cache, facts.kv_heads, facts.head_dim, value_bytes, chunk_size,
+        linear_bytes=linear_bytes,
+        checkpoint_copies=checkpoints.MAX_KEPT if checkpointed else 0)
+
+
+def new_chat_outside_pages(loaded: LoadedModel, chunk_size: int) -> other_layers.OtherLayers:
+    """What a chat not opened yet will keep outside its pages (makes a cache, no
+    pages: engine thread)."""
+    cache = make_session_cache(loaded, FP16, DEFAULT_PAGE_SIZE).cache
+    facts = (fit.facts_from_cache(cache, fit.first_fact(loaded.info, ("max_context",
+                                                                      "context_length")))
+             or fit.facts_from_info(loaded.info))
+    return outside_pages(cache, facts, activation_value_bytes(), chunk_size,
+                         linear_bytes=probed_linear_bytes(loaded),
+                         checkpointed=checkpoints.needs_checkpoints(cache))
 
 
 class Session:
@@ -139,6 +168,9 @@ class Session:
         self.sleep: Callable[[float], None] = time.sleep
         self.end_ids = end_of_turn_ids(self.tokenizer)
         self.checkpoints = checkpoints.CheckpointStore()
+        # What the probe measured of one conversation's linear-attention state, so
+        # a chat reserves it before its first token makes it (0: unknown, none).
+        self._linear_bytes = probed_linear_bytes(loaded)
         # Where speculative decoding looks up its drafts; kept between answers.
         self.context_index = speculative.ContextIndex()
         self._tokens: list[int] = []
@@ -223,7 +255,7 @@ class Session:
             transient = max(self.prefill_facts.transient_bytes(self.chunk_size),
                             pool.growth_transient_bytes(self.max_context))
             self.guard.attach(self.session_id, pool, transient,
-                              lambda: self.other_layers().bound_bytes)
+                              lambda: self.other_layers().reserve_bytes)
 
     def reset(self) -> None:
         """Drop every held token and page."""
@@ -304,8 +336,9 @@ class Session:
         facts = getattr(self, "facts", None)
         if facts is None:  # the first cache is being made: it holds nothing yet
             return other_layers.OtherLayers()
-        return other_layers.other_layers(self.cache, facts.kv_heads, facts.head_dim,
-                                         self._value_bytes, self.chunk_size)
+        return outside_pages(self.cache, facts, self._value_bytes, self.chunk_size,
+                             linear_bytes=self._linear_bytes,
+                             checkpointed=self._needs_checkpoints)
 
     def stats(self) -> adapter.CacheStats:
         """The adapter's ``CacheStats`` (no MLX evaluation)."""

@@ -224,6 +224,11 @@ def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
                       other_cache_kinds="sliding windows")
     panel.update_sample(windows, 0)
     assert "<br>Other layers: 20.0 MB of ≤ 24.0 MB (sliding windows)" in panel.kv_label.text()
+    assert "checkpoints" not in panel.kv_label.text()
+    kept = replace(windows, checkpoint_bytes=72 << 20, checkpoint_bound_bytes=96 << 20)
+    panel.update_sample(kept, 0)
+    assert ("<br>Other layers: 20.0 MB of ≤ 24.0 MB (sliding windows) · checkpoints "
+            "72.0 MB of ≤ 96.0 MB") in panel.kv_label.text()
 
 
 def test_the_panel_keeps_each_chats_history_and_labels_what_it_shows(qtbot) -> None:

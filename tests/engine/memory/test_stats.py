@@ -97,8 +97,9 @@ def test_stats_sample_carries_the_layers_outside_the_pages() -> None:
     memory = MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None)
     cache = cache_stats(other_bytes=20 * 2**20)
     sample = stats_sample("s1", cache, memory,
-                          other_layers=OtherLayers(24 * 2**20, "sliding windows"))
+                          other_layers=OtherLayers(24 * 2**20, "sliding windows", 4))
     assert sample.other_cache_bytes == 20 * 2**20
     assert sample.other_cache_bound_bytes == 24 * 2**20
+    assert sample.checkpoint_bound_bytes == 4 * 24 * 2**20
     assert sample.other_cache_kinds == "sliding windows"
     assert stats_sample("s1", cache_stats(), memory).other_cache_kinds == ""

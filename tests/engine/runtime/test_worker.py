@@ -523,3 +523,17 @@ def test_a_close_cancels_the_request_running_in_its_session_only(close_via: str)
     assert not running.cancel.is_set()
     close("s")
     assert running.cancel.is_set()
+
+
+def test_a_chat_not_opened_yet_keeps_its_layers_outside_the_pages(start_worker,
+                                                                 tmp_path) -> None:
+    """The fit line of a new chat on a hybrid model leaves the KV budget its
+    linear-attention state and their checkpoints take, as the opened chat does."""
+    budget = 8 << 20
+    worker, log = start_worker(budget_bytes=budget, chunk_size=32)
+    log.result(worker.load_model(str(make_tiny_model_dir(tmp_path, "qwen3_next"))),
+               ModelLoaded)
+    unopened = worker.fit_check(None, 100).budget_bytes
+    assert unopened is not None and unopened < budget
+    log.result(worker.open_session("s", "q8", 16), SessionOpened)
+    assert worker.fit_check("s", 100).budget_bytes == unopened
