@@ -57,11 +57,18 @@ class Corrupt(Exception):
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest at ``path`` after checking its own hash; raises Corrupt if bad."""
+    """The manifest at ``path`` after checking its own hash.
+
+    Raises:
+        Corrupt: its bytes are not a manifest that checks out.
+        OSError: the disk would not give them (no verdict on the snapshot: a
+            failing or locked disk says nothing about what it holds).
+    """
+    raw = path.read_bytes()
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(raw)
         claimed = manifest.pop(_SELF_HASH)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise Corrupt(f"unreadable manifest ({error})") from error
     if hashlib.sha256(canonical(manifest)).hexdigest() != claimed:
         raise Corrupt("manifest checksum mismatch")

@@ -130,7 +130,7 @@ class SnapshotStore:
                         manifest.get("model") or {}).get("digest") != model_digest:
                     continue  # other weights (or unchecked ones) serve no other chat
                 shared = common_prefix(manifest["tokens"], prompt_ids)
-            except (Corrupt, KeyError, TypeError):
+            except (Corrupt, OSError, KeyError, TypeError):
                 continue  # its own reopen removes it; here it just serves no one
             if shared > most:
                 best, most = name, shared
@@ -226,6 +226,10 @@ class SnapshotStore:
                 continue
             try:
                 named.add(read_manifest(path)["data_file"])
+            except OSError:
+                # Unread is no verdict: keep it, and the data it may name.
+                named.update(p.name for p in data_files(self.directory,
+                                                        path.name[: -len(files.MANIFEST_SUFFIX)]))
             except Corrupt:
                 name = path.name[: -len(files.MANIFEST_SUFFIX)]
                 for leftover in (path, *data_files(self.directory, name)):

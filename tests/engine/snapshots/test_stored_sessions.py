@@ -78,20 +78,32 @@ def test_a_snapshot_that_cannot_be_read_or_removed_is_a_miss_with_one_notice(
 
 
 def test_a_read_that_fails_outside_the_snapshot_checks_is_a_miss(tmp_path, monkeypatch):
+    """A manifest the disk will not give (EIO, a lock) is a miss that keeps the
+    snapshot, also through the start-up sweep: unread is no verdict. Once the disk
+    reads again, the chat reuses it."""
     folder = make_tiny_model_dir(tmp_path / "models", "llama")
     kv = tmp_path / "kv"
+    read_bytes = Path.read_bytes
+
+    def failing(path: Path) -> bytes:
+        if path.suffix == ".json" and path.parent == kv:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return read_bytes(path)
+
     with loaded_worker(folder, snapshots=SnapshotStore(kv)) as (engine, log):
         _send(engine, log, "x")
         assert isinstance(log.ending(engine.close_session("x")), Finished)
-        from engine.snapshots import snapshot
-
-        def unreadable(path: Path):
-            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
-
-        monkeypatch.setattr(snapshot, "read_manifest", unreadable)
+        stored = sorted(p.name for p in kv.iterdir())
+        monkeypatch.setattr(Path, "read_bytes", failing)
+        SnapshotStore(kv)  # a start's sweep
         ending, notices = _send(engine, log, "x")
         assert ending.stats.reused_tokens == 0
         assert len(notices) == 1 and "could not be read" in notices[0]
+        assert sorted(p.name for p in kv.iterdir()) == stored
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+        log.ending(engine.close_session("x", store=False))
+        ending, _ = _send(engine, log, "x")
+        assert ending.stats.reused_tokens > 0
     assert not any(isinstance(e, Failed) for e in log.events)
 
 
