@@ -139,7 +139,10 @@ class StoredKvSection(QWidget):
 
     def _update_buttons(self) -> None:
         self.clear_one.setEnabled(self.selected_name() is not None)
-        self.clear_all.setEnabled(bool(self._names))
+        # Files no row lists (snapshots set aside for another model, parts of other
+        # machines') take room too: Clear all is the way to get it back.
+        on_disk = self.listing is not None and self.listing.total_bytes > 0
+        self.clear_all.setEnabled(bool(self._names) or on_disk)
 
     def _clear_selected(self) -> None:
         name = self.selected_name()
@@ -147,10 +150,14 @@ class StoredKvSection(QWidget):
             self.clearRequested.emit(name)
 
     def _confirm_clear_all(self) -> None:
+        question = (f"Delete the stored KV of all {len(self._names)} chats from disk? Their "
+                    "conversations stay; each is read again on its next send."
+                    if self._names else
+                    "Delete the stored-KV files on disk? None is a chat's listed here (they "
+                    "were set aside for another model, or are parts of other machines'); "
+                    "no conversation changes.")
         answer = QMessageBox.question(
-            self, "Clear stored KV",
-            f"Delete the stored KV of all {len(self._names)} chats from disk? Their "
-            "conversations stay; each is read again on its next send.",
+            self, "Clear stored KV", question,
             QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel,
             QMessageBox.StandardButton.Cancel)
         if answer == QMessageBox.StandardButton.Yes:

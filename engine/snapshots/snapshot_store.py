@@ -175,9 +175,13 @@ class SnapshotStore:
     # -- removing ----------------------------------------------------------------
 
     def delete(self, name: str) -> bool:
-        """Remove snapshot ``name``, with the pipeline ranks' parts of it on this machine."""
+        """Remove snapshot ``name``, with the pipeline ranks' parts of it on this machine
+        and its copy set aside (its ids are the chat's text: a deleted chat leaves none)."""
         for folder in files.rank_folders(self.directory):
             delete_snapshot(folder, name)
+        aside = self.directory / SET_ASIDE
+        if aside.is_dir():
+            delete_snapshot(aside, name)
         return delete_snapshot(self.directory, name)
 
     def clear(self) -> None:

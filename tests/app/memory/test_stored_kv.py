@@ -103,6 +103,17 @@ def test_clear_all_needs_a_confirmation(qtbot, monkeypatch) -> None:
     assert bridge.cleared == []
     section.clear_all.click()
     assert bridge.cleared == [None]
+    # Files no chat's row lists (set aside for another model) still take room:
+    # Clear all gets it back, and says what it deletes.
+    bridge.storedKv.emit(StoredKv(LISTING.budget_bytes, 85_525))
+    assert section.table.rowCount() == 0 and section.clear_all.isEnabled()
+    asked: list[str] = []
+    monkeypatch.setattr(QMessageBox, "question",
+                        lambda *args: asked.append(args[2]) or QMessageBox.StandardButton.Yes)
+    section.clear_all.click()
+    assert bridge.cleared == [None, None] and "no conversation changes" in asked[0]
+    bridge.storedKv.emit(StoredKv(LISTING.budget_bytes, 0))
+    assert not section.clear_all.isEnabled()
 
 
 def test_a_cache_is_the_same_size_in_memory_and_on_disk(qtbot) -> None:

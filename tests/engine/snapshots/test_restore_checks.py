@@ -198,3 +198,21 @@ def test_a_model_that_cannot_be_fingerprinted_keeps_the_snapshot(models, tmp_pat
         load_snapshot(reopened, tmp_path, "chat", [*stored.tokens, 1])
     assert caught.value.reason == "model" and not (caught.value.removed or caught.value.set_aside)
     assert manifest.exists() and reopened.tokens == []
+
+
+def test_deleting_a_chats_snapshot_deletes_its_copy_set_aside(models, tmp_path):
+    """A copy set aside for another model holds the chat's ids, its text: deleting
+    the chat (its snapshot) leaves none of it on disk, and no other chat's."""
+    from engine.snapshots.manifest import SET_ASIDE
+
+    for name in ("chat", "other"):
+        old = _session(models["llama"])
+        _ingest(old, _user(DOC))
+        _reseal(save_snapshot(old, tmp_path, name), lambda m: m.update(version=1))
+        with pytest.raises(SnapshotRejected):
+            load_snapshot(_session(models["llama"]), tmp_path, name, [*old.tokens, 1])
+    aside = tmp_path / SET_ASIDE
+    store = SnapshotStore(tmp_path)
+    assert store.per_snapshot() == [] and store.total_bytes() > 0  # listed nowhere
+    store.delete("chat")
+    assert sorted({p.name.split(".")[0] for p in aside.iterdir()}) == ["other"]
