@@ -60,11 +60,13 @@ RETIRE_TIMEOUT_S = 30.0  # a replaced worker's thread gets this long to end (off
 
 def _default_worker(on_event: Callable[[Event], None], budget_bytes: int | None,
                     chunk_size: int, read_share: float) -> Worker:
-    from engine import EngineWorker, SnapshotStore
+    from engine import EngineWorker, SnapshotStore, server_snapshots_dir
 
-    # A chat's KV cache goes to disk when it leaves memory and comes back from there.
+    # A chat's KV cache goes to disk when it leaves memory and comes back from there;
+    # the local server's, kept apart, counts against the same budget (one user, one
+    # disk), as the server counts the app's.
     try:
-        snapshots = SnapshotStore()
+        snapshots = SnapshotStore(counted_with=(server_snapshots_dir(),))
     except OSError as error:  # an unwritable data folder: chats are read again instead
         log.warning("stored KV is off: its folder cannot be used (%s)", error)
         snapshots = None

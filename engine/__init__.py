@@ -70,6 +70,7 @@ _PUBLIC = {
     "default_budget": "engine.snapshots.snapshot_store",
     "snapshot_info": "engine.snapshots.manifest",
     "snapshots_dir": "engine.paths",
+    "server_snapshots_dir": "engine.paths",
     "fits_here": "engine.distributed.fallback",
     "read_hostfile": "engine.distributed.launch",
     **{name: "engine.distributed.hosts" for name in ("check_hosts", "HostCheck")},
@@ -191,6 +192,7 @@ __all__ = [
     "read_hostfile",
     "renumbered",
     "request_id_of",
+    "server_snapshots_dir",
     "snapshot_info",
     "snapshots_dir",
     "system_readings",
@@ -269,7 +271,13 @@ if TYPE_CHECKING:
     from engine.models.generation_defaults import generation_defaults
     from engine.models.info import ModelInfo, inspect_model_dir
     from engine.models.split import can_split
-    from engine.paths import data_dir, private_dir, private_file, snapshots_dir
+    from engine.paths import (
+        data_dir,
+        private_dir,
+        private_file,
+        server_snapshots_dir,
+        snapshots_dir,
+    )
     from engine.runtime.held_sessions import API_SESSION_PREFIX
     from engine.runtime.interface import Worker
     from engine.runtime.worker import EngineWorker

@@ -292,11 +292,14 @@ class StoredKv:
         total_bytes: bytes of every file in the snapshot folder.
         snapshots: one ``SnapshotInfo`` (plain values) per stored
             chat, most recently used first; ``name`` is the chat's session id.
+        elsewhere_bytes: bytes of the other folders that count against the same
+            budget (the local server's stored KV, for the app's).
     """
 
     budget_bytes: int
     total_bytes: int
     snapshots: tuple[SnapshotInfo, ...] = ()
+    elsewhere_bytes: int = 0
 
 
 @dataclass(frozen=True)

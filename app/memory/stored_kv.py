@@ -101,9 +101,12 @@ class StoredKvSection(QWidget):
         self.listing = listing
         budget = listing.budget_bytes
         count = len(listing.snapshots)
+        elsewhere = (f" · the local server's {human_bytes(listing.elsewhere_bytes)} counts "
+                     "too" if listing.elsewhere_bytes else "")
         self.summary.setText(f"<b>{human_bytes(listing.total_bytes)}</b> on disk of "
-                             f"{human_bytes(budget)} budget · {_what(listing)}")
-        self.bar.setValue(min(1000, int(1000 * listing.total_bytes / budget)) if budget else 0)
+                             f"{human_bytes(budget)} budget · {_what(listing)}{elsewhere}")
+        counted = listing.total_bytes + listing.elsewhere_bytes
+        self.bar.setValue(min(1000, int(1000 * counted / budget)) if budget else 0)
         selected = self.selected_name()
         self._names = [info.name for info in listing.snapshots]
         self.table.setRowCount(count)

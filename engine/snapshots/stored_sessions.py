@@ -122,8 +122,10 @@ class StoredSessions:
             self._emit(StoredKv(0, 0))
             return
         try:
-            listing = StoredKv(self.snapshots.budget_bytes, self.snapshots.total_bytes(),
-                               tuple(self.snapshots.per_snapshot()))
+            total = self.snapshots.total_bytes()
+            listing = StoredKv(self.snapshots.budget_bytes, total,
+                               tuple(self.snapshots.per_snapshot()),
+                               self.snapshots.counted_bytes() - total)
         except OSError as error:  # the folder went away: say nothing rather than fail a close
             log.warning("cannot list stored KV: %s", error)
             return

@@ -206,3 +206,21 @@ def test_a_request_the_stopped_engine_refuses_fails_at_its_handler(qtbot) -> Non
                            "EngineStopped")]
     assert bridge.pending == 0
     bridge.shutdown(0)
+
+
+def test_the_apps_stored_kv_counts_the_local_servers_against_one_budget(qtbot) -> None:
+    """The app's stored KV and the local server's live in two folders under one
+    disk budget: the app counts the server's too (as the server counts the app's),
+    and its listing says how much of the budget the server's takes."""
+    from engine import StoredKv, server_snapshots_dir
+
+    (server_snapshots_dir() / "api-x.0.p1.safetensors").write_bytes(b"\0" * 4096)
+    bridge = EngineBridge()
+    bridge.start()
+    try:
+        with qtbot.waitSignal(bridge.storedKv, timeout=30_000,
+                              check_params_cb=lambda e: isinstance(e, StoredKv)) as listed:
+            bridge.set_snapshot_budget(1 << 20)
+    finally:
+        assert bridge.shutdown(10.0)
+    assert listed.args[0].elsewhere_bytes == 4096

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from PySide6.QtCore import QObject, Qt, Signal
@@ -67,6 +68,11 @@ def test_each_stored_chat_is_listed_with_its_title_tokens_mode_and_size(qtbot) -
     assert [r[:2] for r in rows] == [["Walden notes", "2.5 MB"], [UNKNOWN_CHAT, "1.0 MB"]]
     assert section.table.item(0, 0).toolTip() == "Walden notes\n5,500 tokens in q8, 2.5 MB"
     assert "3.5 MB</b> on disk of 20.0 GB budget · 2 chats" in section.summary.text()
+    assert "local server" not in section.summary.text()
+    bridge.storedKv.emit(replace(LISTING, elsewhere_bytes=1 << 30))
+    assert section.summary.text().endswith(
+        "· 2 chats · the local server's 1.0 GB counts too")
+    bridge.storedKv.emit(LISTING)
     assert section.bar.value() == 0  # 3.5 MB of 20 GB rounds to nothing
     feed.controller.store.titles["chat-1"] = "Renamed"
     feed.show()  # the last listing again, with the history's titles now

@@ -142,6 +142,9 @@ def test_only_the_open_chats_whose_stored_kv_went_are_told_of() -> None:
         def total_bytes(self) -> int:
             return 0
 
+        def counted_bytes(self) -> int:
+            return 0
+
         def per_snapshot(self) -> list:
             return []
 
