@@ -133,10 +133,12 @@ def pages_text(sample: StatsSample) -> str:
 
 
 def fits_sentence(tokens_fit: int, max_context: int, mode: KvMode, machines: int = 1,
-                  tight: RankShare | None = None) -> str:
+                  tight: RankShare | None = None, *, budget_bound: bool = False) -> str:
     """"Fits in free memory: the whole context" or how many tokens of it, in ``mode``;
-    on ``machines`` > 1, what they hold together and the ``tight`` one that limits it."""
-    where = "free memory" if machines <= 1 else f"the free memory of {machines} machines"
+    on ``machines`` > 1, what they hold together and the ``tight`` one that limits it;
+    ``budget_bound``: the memory limit set in Settings, not free memory, limits it."""
+    where = ("your memory limit (Settings)" if budget_bound else "free memory"
+             if machines <= 1 else f"the free memory of {machines} machines")
     if tokens_fit >= max_context:
         return f"Fits in {where}: the whole context ({max_context:,} tokens) in {mode}."
     text = f"Fits in {where}: {tokens_fit:,} of {max_context:,} tokens in {mode}."
@@ -513,13 +515,25 @@ class MemoryPanel(QScrollArea):
         text = ""
         if own is not None and now_report.for_mode(own).supported:
             text = fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
-                                 machines, now_report.tight_machine(own))
+                                 machines, now_report.tight_machine(own),
+                                 budget_bound=_budget_bound(now_report, own))
         self.fits_label.setText(text)
         self.fits_label.setVisible(bool(self.fits_label.text()))
 
 
 def _fit_tokens(report: FitReport, mode: KvMode) -> int:
-    """Tokens free memory holds in ``mode``: this machine's, or on a pipeline the
-    machines' together (their tightest)."""
+    """Tokens memory holds in ``mode``: free RAM or the memory limit, the smaller, on
+    this machine, or on a pipeline the machines' together (their tightest)."""
     pool = report.pool_tokens(mode) if report.ranks else None
-    return pool if pool is not None else report.for_mode(mode).tokens_fit_ram
+    if pool is not None:
+        return pool
+    entry = report.for_mode(mode)
+    return min(entry.tokens_fit_ram, entry.tokens_fit_budget
+               if entry.tokens_fit_budget is not None else entry.tokens_fit_ram)
+
+
+def _budget_bound(report: FitReport, mode: KvMode) -> bool:
+    """Whether the memory limit (Settings), not free RAM, bounds ``mode`` here."""
+    entry = report.for_mode(mode)
+    return (not report.ranks and entry.tokens_fit_budget is not None
+            and entry.tokens_fit_budget < entry.tokens_fit_ram)

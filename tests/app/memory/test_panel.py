@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
-from app.format import human_bytes
+from app.format import compact_count, human_bytes
 from app.memory.panel import NO_CACHE, MemoryPanel, pages_text, shared_note, together_line
 from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
@@ -276,3 +276,29 @@ def test_the_page_figures_add_up_where_a_chat_shares_storage_with_others() -> No
     assert "32 pages in use · 96 allocated · 0 free · 64 other chats' ·" in pages_text(sample)
     alone = replace(sample, pages_allocated=40, pages_free=8)
     assert "other chats'" not in pages_text(alone)
+
+
+def test_the_fits_column_and_sentence_count_the_memory_limit(qtbot) -> None:
+    """Under a memory limit (Settings) smaller than free RAM, the panel's "Fits"
+    says what the limit holds, as the fit line above the composer does."""
+    from engine.memory.fit import fit_report
+
+    def report(tokens: int, budget: int | None):
+        return fit_report(token_count=tokens, attention_layers=2, kv_heads=2, head_dim=64,
+                          max_context=131_072, page_size=16, available_bytes=16 << 30,
+                          budget_bytes=budget, session_mode="q8")
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("Notes", "q8", "held", "s1")
+    panel.update_projection(report(300, None), report(131_072, None))
+    assert panel.fits_label.text() == (
+        "Fits in free memory: the whole context (131,072 tokens) in q8.")
+    limited = report(300, 1 << 20)
+    held = limited.for_mode("q8").tokens_fit_budget
+    assert held is not None and held < 131_072
+    panel.update_projection(limited, report(131_072, 1 << 20))
+    assert panel.fits_label.text() == (
+        f"Fits in your memory limit (Settings): {held:,} of 131,072 tokens in q8.")
+    row = list(MODES).index("q8")
+    assert panel.table.item(row, 2).text() == compact_count(held)
