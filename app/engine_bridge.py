@@ -348,9 +348,11 @@ class EngineBridge(QObject):
             return None
         return snapshot_info(folder, session_id)
 
-    def fit_check(self, session_id: str | None, token_count: int) -> FitReport:
-        """Per-mode fit of ``token_count`` tokens (an ``engine.memory.fit.FitReport``)."""
-        return self._worker.fit_check(session_id, token_count)
+    def fit_check(self, session_id: str | None, token_count: int,
+                  page_size: int | None = None) -> FitReport:
+        """Per-mode fit of ``token_count`` tokens (an ``engine.memory.fit.FitReport``);
+        a chat not opened yet's at ``page_size`` (None: the engine's default)."""
+        return self._worker.fit_check(session_id, token_count, page_size)
 
     def count_tokens(self, text: str) -> int:
         """Tokens in ``text`` under the loaded model's tokenizer (any thread)."""

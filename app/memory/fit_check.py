@@ -79,7 +79,8 @@ class FitChecker(QObject):
         current = self.controller.current
         session_id = current.id if current and current.id in self.controller.opened else None
         try:
-            return self.controller.bridge.fit_check(session_id, max(0, tokens))
+            return self.controller.bridge.fit_check(session_id, max(0, tokens),
+                                                    self.controller.settings.page_size)
         except EngineError:  # no model any more, or the session has just closed
             return None
 

@@ -255,13 +255,14 @@ class RemoteWorker(Worker):
         """
         return self._last_stats
 
-    def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
+    def fit_check(self, session_id: str | None, token_count: int,
+                  page_size: int | None = None) -> fit.FitReport:
         """As ``EngineWorker.fit_check``, asked of rank 0.
 
         Raises:
             EngineError: no model is loaded, the session is unknown, or no group runs.
         """
-        return self._read("fit_check", session_id, token_count)
+        return self._read("fit_check", session_id, token_count, page_size)
 
     def count_tokens(self, text: str) -> int:
         """As ``EngineWorker.count_tokens``, asked of rank 0.

@@ -482,6 +482,15 @@ class FitInputs:
     new_chat_reserve_bytes: int = 0
 
 
+def with_page_size(inputs: FitInputs, page_size: int) -> FitInputs:
+    """``inputs`` for pages of ``page_size`` tokens (a chat not opened yet's, as the
+    user set them): whole pages and the attention's blocks are counted at that size."""
+    prefill = inputs.prefill
+    if prefill is not None:
+        prefill = dataclasses.replace(prefill, page_size=page_size)
+    return dataclasses.replace(inputs, page_size=page_size, prefill=prefill)
+
+
 def without(inputs: FitInputs, reading: MemoryReading,
             gone: Collection[str]) -> tuple[FitInputs, MemoryReading]:
     """``inputs`` and ``reading`` as if the sessions ``gone`` had dropped their pages:

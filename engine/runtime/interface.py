@@ -96,8 +96,9 @@ class Worker(Protocol):
         """The answers running together now; never waits."""
         ...
 
-    def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
-        """Whether ``token_count`` tokens fit, per mode."""
+    def fit_check(self, session_id: str | None, token_count: int,
+                  page_size: int | None = None) -> fit.FitReport:
+        """Whether ``token_count`` tokens fit, per mode (a new chat's at ``page_size``)."""
         ...
 
     def count_tokens(self, text: str) -> int:

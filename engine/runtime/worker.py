@@ -67,7 +67,7 @@ from engine.runtime.stats_reporter import StatsReporter
 from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
 from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
 from engine.session.sampling import SamplingParams
-from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, AnswerStart
+from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, AnswerStart, check_sizes
 from engine.snapshots.snapshot_store import SnapshotStore
 from engine.snapshots.stored_sessions import StoredSessions
 
@@ -301,15 +301,23 @@ class EngineWorker(Worker):
         """The last snapshot taken; never calls MLX."""
         return self._stats.latest()
 
-    def fit_check(self, session_id: str | None, token_count: int) -> fit.FitReport:
+    def fit_check(self, session_id: str | None, token_count: int,
+                  page_size: int | None = None) -> fit.FitReport:
         """Whether ``token_count`` tokens fit, per mode; pure arithmetic.
 
+        ``page_size``: the pages a chat not opened yet will have (None: the
+        engine's default); an open session's are its own.
+
         Raises:
-            EngineError: no model is loaded, or the session is unknown.
+            EngineError: no model is loaded, the session is unknown, or the page
+                size is under one token.
         """
         # Frozen values the worker published, and a fresh reading of system memory:
         # nothing here touches a live session or pool.
         inputs = self._held.fit_inputs(session_id)
+        if session_id is None and page_size is not None:
+            check_sizes(page_size, 1)
+            inputs = fit.with_page_size(inputs, page_size)
         return fit.guarded_fit_report(inputs, self.guard.read(), token_count)
 
     def count_tokens(self, text: str) -> int:

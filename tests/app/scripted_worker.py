@@ -90,7 +90,8 @@ class ScriptedWorker(Worker):
     def latest_stats(self) -> StatsSample | None:
         return self.stats
 
-    def fit_check(self, session_id: str | None, token_count: int) -> FitReport:
+    def fit_check(self, session_id: str | None, token_count: int,
+                  page_size: int | None = None) -> FitReport:
         # A stand-in holding only what these tests read of a report.
         return cast(FitReport, SimpleNamespace(max_context=8192))
 
@@ -107,7 +108,8 @@ class ScriptedWorker(Worker):
 class WindowWorker(ScriptedWorker):
     """A scripted worker the main window can sit on: no fit line, tokens by word."""
 
-    def fit_check(self, session_id: str | None, token_count: int) -> FitReport:
+    def fit_check(self, session_id: str | None, token_count: int,
+                  page_size: int | None = None) -> FitReport:
         raise EngineError("No fit check in a scripted engine.")
 
     def token_ends(self, text: str) -> list[int]:

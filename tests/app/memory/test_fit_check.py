@@ -179,3 +179,16 @@ def test_the_fit_line_names_what_its_total_is_made_of() -> None:
                            "(54 of them chat formatting) + 512 kept for the answer) · ")
     later = TokenParts(chat=1_200, message=40, formatting=0, answer=512)
     assert later.words() == "the chat 1,200 + this message 40 + 512 kept for the answer"
+
+
+def test_a_new_chats_fit_line_counts_the_page_size_set_in_settings(qtbot, window) -> None:
+    """A chat opens with the page size set in Settings; before it is opened, its fit
+    line counts those pages, so opening it does not change what it says it needs."""
+    c = window.controller
+    c.settings.page_size = 1024
+    c.new_session("q8")
+    assert c.current.id not in c.opened
+    planned = window.fit.report_for(1100).for_mode("q8").bytes_needed
+    assert send_and_wait(qtbot, window, "hi") == "complete"
+    assert c.current.id in c.opened
+    assert window.fit.report_for(1100).for_mode("q8").bytes_needed == planned

@@ -150,6 +150,9 @@ def test_a_remote_pipeline_answers_cancels_loses_a_rank_and_restarts(
         assert [share.rank for share in unopened.ranks] == [0, 1]
         assert unopened.for_mode("q8").bytes_needed == opened.for_mode("q8").bytes_needed
         assert unopened.ranks[1].tokens_in("q8") >= opened.ranks[1].tokens_in("q8") > 0
+        # The page size a new chat will open with reaches rank 0's check.
+        assert (worker.fit_check(None, 1100, 1024).for_mode("q8").bytes_needed
+                != worker.fit_check(None, 1100).for_mode("q8").bytes_needed)
 
         # Rank 1 killed mid-answer: the answer and the request queued behind it fail.
         pids = _rank_pids()

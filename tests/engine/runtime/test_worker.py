@@ -537,3 +537,17 @@ def test_a_chat_not_opened_yet_keeps_its_layers_outside_the_pages(start_worker,
     assert unopened is not None and unopened < budget
     log.result(worker.open_session("s", "q8", 16), SessionOpened)
     assert worker.fit_check("s", 100).budget_bytes == unopened
+
+
+def test_a_new_chats_fit_counts_the_page_size_it_will_open_with(start_worker,
+                                                               model_dirs) -> None:
+    """Pages come whole: a chat to open at 1,024-token pages needs what that chat,
+    opened, is told it needs, not what the engine's default pages would take."""
+    worker, log = start_worker()
+    log.result(worker.load_model(str(model_dirs["llama"])), ModelLoaded)
+    planned = worker.fit_check(None, 1100, page_size=1024).for_mode("q8").bytes_needed
+    assert planned != worker.fit_check(None, 1100).for_mode("q8").bytes_needed
+    log.result(worker.open_session("s", "q8", 1024), SessionOpened)
+    assert worker.fit_check("s", 1100).for_mode("q8").bytes_needed == planned
+    with pytest.raises(EngineError):
+        worker.fit_check(None, 1100, page_size=0)
