@@ -27,7 +27,7 @@ from engine.cache.modes import REFERENCE, KvMode
 from engine.errors import Cancelled, EngineError
 from engine.events import QualityReceipt
 from engine.models.loader import LoadedModel
-from engine.models.probe import make_session_cache
+from engine.models.probe import MLX_LM, make_session_cache
 
 WINDOW_TOKENS = 1024  # both caches of a window this size fit next to any model we load
 CHUNK_TOKENS = 128  # the most tokens per step
@@ -101,7 +101,8 @@ def check_quality(
         clock: when the receipt was made, in seconds since the epoch.
 
     Raises:
-        EngineError: the context is empty, or the window or chunk is under one token.
+        EngineError: the context is empty, the window or chunk is under one token, or
+            the mode stores keys and values whole on this model.
         Cancelled: ``cancel`` was set; nothing is kept.
         UnsupportedModeError: the mode cannot store this model's heads.
     """
@@ -112,7 +113,7 @@ def check_quality(
         raise EngineError("Nothing to check yet: the chat has no text. Send a message first.")
     ids = list(context_ids[-window:])
     caches = [_fresh_cache(loaded, REFERENCE, False, page_size),
-              _fresh_cache(loaded, mode, rotate, page_size)]
+              _fresh_cache(loaded, mode, rotate, page_size, checked=True)]
     # What the mode's cache really stores (mlx-lm's own cache, where the probe chose it,
     # has no rotation whatever the setting says).
     rotated = adapter.rotation_format(caches[1]) is not None
@@ -150,8 +151,16 @@ def chunk_for_vocabulary(vocab: int, budget: int | None = None) -> int:
     return max(1, min(CHUNK_TOKENS, budget // (4 * _LOGIT_COPIES * vocab)))
 
 
-def _fresh_cache(loaded: LoadedModel, mode: KvMode, rotate: bool, page_size: int) -> list[Any]:
-    return make_session_cache(loaded, mode, page_size, rotate=rotate).cache
+def _fresh_cache(loaded: LoadedModel, mode: KvMode, rotate: bool, page_size: int,
+                 *, checked: bool = False) -> list[Any]:
+    """A new cache as a session in ``mode`` holds it; ``checked``: the one measured,
+    refused where the mode stores keys and values whole (mlx-lm's unquantized
+    cache): its verdict would be fp16's, for a mode that saves nothing."""
+    chosen = make_session_cache(loaded, mode, page_size, rotate=rotate)
+    if checked and mode != REFERENCE and chosen.kind == MLX_LM:
+        raise EngineError(f"Nothing to check: {chosen.note} On this model {mode} answers as "
+                          "fp16 does and takes fp16's memory.")
+    return chosen.cache
 
 
 def _forward(model: Any, cache: list[Any], ids: list[int]) -> mx.array:

@@ -130,3 +130,18 @@ def test_divergence_and_summary_math() -> None:
     assert scores["kl_mean"] == pytest.approx(expected / 2, rel=1e-5)
     assert scores["kl_mean"] <= scores["kl_p99"] <= kl.max()
 
+
+
+def test_a_mode_the_model_stores_whole_is_not_checked(loaded, ids) -> None:
+    """Where mlx-lm's own cache runs the model and cannot quantize it, a q6 chat keeps
+    fp16's keys and values: a verdict would approve a mode that saves nothing."""
+    from dataclasses import replace
+
+    from engine.models.probe import MLX_LM, ProbeResult
+
+    whole = replace(loaded, probe=ProbeResult(MLX_LM, "a test's reason", None, quantized=False))
+    with pytest.raises(EngineError, match=r"Nothing to check: .*q6 keeps them whole.*fp16's"):
+        check_quality(whole, ids, "q6", rotate=False, window=WINDOW, chunk=CHUNK)
+    quantized = replace(whole, probe=replace(whole.probe, quantized=True))
+    assert check_quality(quantized, ids, "q8", rotate=False, window=WINDOW,
+                         chunk=CHUNK).kl_mean > 0
