@@ -441,6 +441,21 @@ class ChatController(QObject):
         """The chat's quality receipts by mode (``engine.QualityReceipt``)."""
         return self.store.receipts(session_id) if session_id else {}
 
+    def outdated_receipts(self, session_id: str | None, receipts: dict) -> dict[str, str]:
+        """Why each of the chat's ``receipts`` no longer speaks for it, by mode: it
+        measured another model than the one loaded, or text the chat no longer is."""
+        if not session_id:
+            return {}
+        changed = self.store.outdated_receipts(session_id)
+        loaded = self.model_info.name if self.model_info is not None else None
+        why = {}
+        for mode, receipt in receipts.items():
+            if loaded is not None and receipt.model != loaded:
+                why[mode] = f"it ran on {receipt.model}, not the model loaded now"
+            elif mode in changed:
+                why[mode] = "the chat has changed since"
+        return why
+
     def cache_state(self, session_id: str | None) -> str:
         """The chat's one state sentence ("In memory: …", "On disk: …", "Answering…")."""
         facts = self.chat_facts(session_id)

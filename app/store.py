@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -87,6 +88,8 @@ CREATE TABLE IF NOT EXISTS app_state (
     value TEXT NOT NULL
 );
 """
+# The key a stored quality receipt keeps the digest of the text it measured under.
+MEASURED_TEXT = "measured_text"
 # app_state names: the chat on screen, and what was typed while no chat was.
 LAST_SESSION = "last_session"
 NO_CHAT_DRAFT = "draft"
@@ -458,11 +461,44 @@ class HistoryStore:
     # Quality receipts -----------------------------------------------------
 
     def save_receipt(self, session_id: str, receipt: QualityReceipt) -> None:
-        """Keep a chat's quality receipt; it replaces the one of the same mode."""
+        """Keep a chat's quality receipt, with a digest of the text it measured (the
+        chat's now: a check runs as its chat's job, nothing is sent meanwhile); it
+        replaces the one of the same mode."""
+        kept = {**dataclasses.asdict(receipt), MEASURED_TEXT: self._text_digest(session_id)}
         self._write("INSERT OR REPLACE INTO quality_receipts VALUES (?, ?, ?, ?)",
-                    (session_id, receipt.mode, json.dumps(dataclasses.asdict(receipt)),
-                     time.time()))
+                    (session_id, receipt.mode, json.dumps(kept), time.time()))
         self._write("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
+
+    def outdated_receipts(self, session_id: str) -> set[str]:
+        """The modes whose receipt measured other text than the chat holds now (a
+        message sent, edited, regenerated or deleted since)."""
+        now = self._text_digest(session_id)
+        rows = self._db.execute(
+            "SELECT mode, receipt FROM quality_receipts WHERE session_id = ?", (session_id,))
+        outdated = set()
+        for mode, text in rows:
+            try:
+                measured = json.loads(text).get(MEASURED_TEXT)
+            except (ValueError, AttributeError):
+                continue  # unreadable: ``receipts`` leaves it out
+            if measured is not None and measured != now:  # older receipts carry none
+                outdated.add(mode)
+        return outdated
+
+    def _text_digest(self, session_id: str) -> str:
+        """sha256 of a chat's messages as the engine reads them: roles, texts and the
+        attached files' hashes (their text is in the attachment rows)."""
+        digest = hashlib.sha256()
+        files: dict[int, list[str]] = {}
+        for message_id, sha in self._db.execute(
+            "SELECT a.message_id, a.sha256 FROM attachments a JOIN messages m "
+            "ON m.id = a.message_id WHERE m.session_id = ? ORDER BY a.id", (session_id,)):
+            files.setdefault(message_id, []).append(sha)
+        for message_id, role, content in self._db.execute(
+            "SELECT id, role, content FROM messages WHERE session_id = ? ORDER BY id",
+                (session_id,)):
+            digest.update(json.dumps([role, content, files.get(message_id, [])]).encode())
+        return digest.hexdigest()
 
     def receipts(self, session_id: str) -> dict[str, QualityReceipt]:
         """A chat's quality receipts by mode (none for a history older than receipts)."""

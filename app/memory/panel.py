@@ -32,7 +32,13 @@ from app.format import compact_count, human_bytes, short_title, visible_text
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
-from app.memory.quality import advice, receipt_details, receipt_line, receipt_summary
+from app.memory.quality import (
+    advice,
+    outdated_line,
+    receipt_details,
+    receipt_line,
+    receipt_summary,
+)
 from app.memory.stored_kv import StoredKvSection
 from app.sessions.session_list import mode_colour
 from engine import DEFAULT_MODE, MODES, REFERENCE, FitReport, KvMode, RankShare, StatsSample
@@ -444,12 +450,15 @@ class MemoryPanel(QScrollArea):
             lines.append(f"Memory pressure (macOS): {sample.pressure_level}")
         self.ram_detail.setText("<br>".join(lines))
 
-    def show_receipts(self, receipts: dict, unavailable: str = "") -> None:
+    def show_receipts(self, receipts: dict, unavailable: str = "",
+                      outdated: dict[str, str] | None = None) -> None:
         """Show the chat's quality receipts by mode, and whether a check can run now.
 
         ``receipts`` maps a mode to its ``engine.QualityReceipt``; ``unavailable``
-        is why "Check Quality" cannot run now ("" when it can).
+        is why "Check Quality" cannot run now ("" when it can); ``outdated`` says
+        why, by mode, a receipt no longer speaks for the chat (shown as such).
         """
+        outdated = outdated or {}
         for row, mode in enumerate(MODES):
             receipt = receipts.get(mode)
             if mode == REFERENCE:
@@ -458,14 +467,25 @@ class MemoryPanel(QScrollArea):
             elif receipt is None:
                 item = self._cell("—", mode)
                 item.setToolTip(NOT_MEASURED)
+            elif mode in outdated:
+                item = self._cell("—", mode)
+                item.setToolTip(f"{outdated_line(receipt, outdated[mode])}\n\nThen: "
+                                f"{receipt_details(receipt)}")
             else:
                 item = self._cell(f"{receipt.top1:.1%}", mode)
                 item.setToolTip(receipt_details(receipt))
             self.table.setItem(row, QUALITY_COLUMN, item)
         own = receipts.get(self.mode or "")
-        lines = ([html.escape(receipt_line(own)),
-                  f"<span style='opacity:.7'>{html.escape(receipt_summary(own))}</span>",
-                  html.escape(advice(own))] if own is not None else [NOT_MEASURED])
+        if own is not None and own.mode in outdated:
+            lines = [html.escape(outdated_line(own, outdated[own.mode])),
+                     f"<span style='opacity:.7'>Then: {html.escape(receipt_summary(own))}"
+                     "</span>"]
+        elif own is not None:
+            lines = [html.escape(receipt_line(own)),
+                     f"<span style='opacity:.7'>{html.escape(receipt_summary(own))}</span>",
+                     html.escape(advice(own))]
+        else:
+            lines = [NOT_MEASURED]
         if unavailable:
             lines.append(f"<span style='opacity:.7'>{html.escape(unavailable)}</span>")
         self.quality_label.setText("<br>".join(lines))

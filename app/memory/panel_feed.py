@@ -90,9 +90,10 @@ class PanelFeed(QObject):
 
     def refresh_quality(self, *_args: object) -> None:
         """The shown chat's quality receipts, and whether "Check Quality" can run now."""
-        current = self.controller.current
-        self.panel.show_receipts(self.controller.receipts(current.id if current else None),
-                                 self.controller.quality_unavailable())
+        session_id = self.controller.current.id if self.controller.current else None
+        receipts = self.controller.receipts(session_id)
+        self.panel.show_receipts(receipts, self.controller.quality_unavailable(),
+                                 self.controller.outdated_receipts(session_id, receipts))
 
     def show_system_memory(self, only_visible: bool = False) -> None:
         """Read the computer's memory now (psutil, no MLX): the gauge never waits for a sample."""

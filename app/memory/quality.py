@@ -79,6 +79,12 @@ def _mode_advice(receipt: QualityReceipt) -> str:
     return f"Reopen this chat in {MODES.larger(mode)}: its answers stay closer to fp16."
 
 
+def outdated_line(receipt: QualityReceipt, why: str) -> str:
+    """A receipt that no longer speaks for its chat, and what to do about it."""
+    return (f"The last check of {receipt.mode} is out of date: {why}. Check again to see "
+            f"what {receipt.mode} costs this chat now.")
+
+
 def receipt_summary(receipt: QualityReceipt) -> str:
     """The numbers in a line the panel can hold: "98.7% same next token · mean KL 0.004"."""
     return f"{receipt.top1:.1%} same next token as fp16 · mean KL {_kl(receipt.kl_mean)}"

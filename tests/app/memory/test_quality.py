@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -101,6 +103,15 @@ def test_receipts_are_kept_per_mode_and_old_histories_load(tmp_path) -> None:
     copy = store.create_session("t · q8", "q8", "demo")
     store.copy_receipts(record.id, copy.id)
     assert store.receipts(copy.id) == store.receipts(record.id)
+    # A copy holds the same text: its receipts speak for it, until it changes.
+    assert store.outdated_receipts(copy.id) == set()
+    store.add_message(copy.id, "user", "one more question", "complete")
+    assert store.outdated_receipts(copy.id) == {"q6", "q4"}
+    assert store.outdated_receipts(record.id) == set()
+    # A receipt stored before receipts kept their text is taken as it was.
+    store._db.execute("UPDATE quality_receipts SET receipt = ? WHERE session_id = ?",
+                      (json.dumps(RECEIPT.__dict__), copy.id))
+    assert store.outdated_receipts(copy.id) == set()
     store.delete_session(record.id)
     assert store.receipts(record.id) == {}
     store.close()
@@ -138,6 +149,24 @@ def test_check_quality_shows_and_stores_the_receipt(qtbot, window) -> None:
     assert _quality_cell(window, "q4") == "—" and other.id != record.id
     c.select_session(record.id)
     assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
+    # A receipt of another model is not this model's verdict.
+    c.store.save_receipt(record.id, replace(receipt, model="another-model"))
+    c.select_session(other.id)
+    c.select_session(record.id)
+    assert _quality_cell(window, "q4") == "—"
+    assert ("out of date: it ran on another-model, not the model loaded now"
+            in panel.quality_label.text())
+    c.store.save_receipt(record.id, receipt)
+    c.select_session(other.id)
+    c.select_session(record.id)
+    assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
+    # Nor is one of text the chat no longer is: it says so, and what it said then.
+    assert send_and_wait(qtbot, window, "And the sky?") == "complete"
+    qtbot.waitUntil(lambda: "out of date" in panel.quality_label.text(), timeout=5_000)
+    assert _quality_cell(window, "q4") == "—"
+    assert "the chat has changed since" in panel.quality_label.text()
+    assert f"Then: {receipt_summary(receipt)}" in panel.quality_label.text()
+    assert advice(receipt) not in panel.quality_label.text()
 
 
 def test_stop_cancels_the_check_and_nothing_is_stored(qtbot, window, monkeypatch) -> None:
