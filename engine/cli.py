@@ -243,7 +243,9 @@ def _session_store(folder: Path | None) -> SnapshotStore:
         EngineError: the folder cannot be made or used, in words.
     """
     try:
-        return SnapshotStore(folder)
+        # The app's folder by default: a run evicts only the CLI's own sessions, never
+        # a chat's stored KV (the app's budget, set in its Settings, is not known here).
+        return SnapshotStore(folder, evictable=lambda name: name.startswith(SESSION_PREFIX))
     except OSError as error:
         where = Path(error.filename or folder or default_snapshot_dir())
         # The folder, or one it would be made in, may be a file.

@@ -66,13 +66,17 @@ class SnapshotStore:
         counted_with: other snapshot folders whose bytes count against this
             budget too (never evicted from here), so that two stores of one
             user (the app's and the server's) stay within one stored-KV budget.
+        evictable: which snapshots this store may delete to make room (None: any):
+            a guest in another's folder (the CLI in the app's) evicts its own only.
     """
 
     def __init__(self, directory: str | Path | None = None, budget_bytes: int | None = None,
-                 *, counted_with: Iterable[str | Path] = ()):
+                 *, counted_with: Iterable[str | Path] = (),
+                 evictable: Callable[[str], bool] | None = None):
         self.directory = paths.private_dir(directory or default_snapshot_dir())
         self.budget_bytes = default_budget(self.directory) if budget_bytes is None else budget_bytes
         self.counted_with = tuple(Path(p) for p in counted_with)
+        self.evictable = evictable
         self.sweep()
 
     def set_budget(self, budget_bytes: int | None) -> list[str]:
@@ -208,7 +212,8 @@ class SnapshotStore:
         self._drop_set_aside(incoming)  # kept only while nothing else needs the room
         keep = set(keep)
         removed: list[str] = []
-        oldest_first = [i for i in reversed(self.per_snapshot()) if i.name not in keep]
+        oldest_first = [i for i in reversed(self.per_snapshot()) if i.name not in keep
+                        and (self.evictable is None or self.evictable(i.name))]
         candidates = sorted(oldest_first, key=lambda info: info.name in spare)  # stable
         while candidates and self.counted_bytes() + incoming > self.budget_bytes:
             victim = candidates.pop(0)

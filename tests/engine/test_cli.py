@@ -296,3 +296,29 @@ def test_generate_reports_speculation_and_can_turn_it_off(model_root: Path, tmp_
     assert looked_up["draft_tokens"] > 0
     assert 0 <= looked_up["accepted_tokens"] <= looked_up["draft_tokens"]
     assert looked_up["tokens"] == runs["off"]["tokens"]
+
+
+def test_a_session_run_makes_room_from_its_own_stored_kv_never_a_chats(
+        model_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--session`` stores in the app's folder by default, under the budget it can
+    compute (not the one set in the app): it may evict the CLI's own sessions, never
+    a chat's stored KV, even the least recently used."""
+    import threading
+
+    from engine.models.loader import load_model
+    from engine.session.session import Session
+    from engine.snapshots import snapshot_store
+
+    folder = make_tiny_model_dir(model_root, "llama")
+    kv = tmp_path / "kv"
+    chat = Session("0a1b2c3d", load_model(folder), "q8", page_size=16)
+    chat.prefill(list(range(3, 83)), request_id=0, cancel=threading.Event(),
+                 emit=lambda e: None, tick=lambda: None)
+    snapshot_store.SnapshotStore(kv).save(chat, "0a1b2c3d")  # the oldest snapshot
+    argv = ("generate", "--model", str(folder), "--kv", "q8", "--page-size", "16", "--temp",
+            "0", "--max-tokens", "4", "--json", "--session-dir", str(kv))
+    assert _run(*argv, "--prompt", PROMPT * 3, "--session", "doc")[0] == 0
+    full = snapshot_store.SnapshotStore(kv).total_bytes()
+    monkeypatch.setattr(snapshot_store, "default_budget", lambda directory: full)
+    assert _run(*argv, "--prompt", PROMPT * 4, "--session", "other")[0] == 0
+    assert sorted(p.stem for p in kv.glob("*.json")) == ["0a1b2c3d", "cli-other"]
