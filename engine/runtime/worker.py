@@ -19,7 +19,6 @@ import copy
 import itertools
 import logging
 import queue
-import secrets
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -66,7 +65,7 @@ from engine.runtime.session_requests import SessionRequests
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
 from engine.session.prompt_ids import TurnOverhead, clean_text, token_ends, turn_overhead
-from engine.session.sampling import SamplingParams
+from engine.session.sampling import SamplingParams, reseed_at_random
 from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, AnswerStart, check_sizes
 from engine.snapshots.snapshot_store import SnapshotStore
 from engine.snapshots.stored_sessions import StoredSessions
@@ -775,7 +774,7 @@ def _unexpected_ending(command: Command, error: Exception) -> Failed:
     # A raise inside one of mlx-lm's compiled samplers leaves MLX's random state,
     # which every answer draws from, an array with nothing behind it: each later
     # sampled answer would fail on it. A fresh seed replaces it.
-    mx.random.seed(secrets.randbits(63))
+    reseed_at_random()
     fault = disk.fault_of(error, retry=RETRY)
     if fault is not None:
         log.warning("engine request %s failed: %s", command.name, fault)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
@@ -159,6 +161,23 @@ def draw_seed(seed: int, draw: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def reseed_at_random() -> None:
+    """Give MLX's one random state, which every answer draws from, a seed no request
+    chose (MLX offers no way to put a state back)."""
+    mx.random.seed(secrets.randbits(63))
+
+
+def seeded_draw(seed: int, draw: Callable[[], mx.array]) -> mx.array:
+    """``draw()`` (a sampler call) from MLX's random state seeded with ``seed``; the
+    state is then reseeded at random, so answers without a seed (the next, or the
+    batch's other rows) stay random rather than follow this request's seed."""
+    mx.random.seed(seed)
+    try:
+        return draw()
+    finally:
+        reseed_at_random()
+
+
 class AnswerStream:
     """One streamed answer: mlx-lm's sampling loop over a session's cache.
 
@@ -264,13 +283,14 @@ class AnswerStream:
         """The sampler's tokens for ``logprobs`` (lazy).
 
         MLX's sampler draws from one random state that every answer shares: a
-        seeded answer seeds it before each of its draws (:func:`draw_seed`), so
-        its numbers are the same alone and in a batch, whoever drew before it.
+        seeded answer seeds it for each of its draws (:func:`draw_seed`,
+        :func:`seeded_draw`), so its numbers are the same alone and in a batch,
+        whoever drew before it.
         """
-        if self.seed is not None:
-            mx.random.seed(draw_seed(self.seed, self.draws))
         self.draws += 1
-        return self.sampler(logprobs)
+        if self.seed is None:
+            return self.sampler(logprobs)
+        return seeded_draw(draw_seed(self.seed, self.draws - 1), lambda: self.sampler(logprobs))
 
     def _prime(self, after: Sequence[int], tokenizer: Any) -> None:
         """Give the detokenizer the text the answer goes on from, then forget it.
@@ -537,10 +557,9 @@ class AnswerStream:
         if self.seed is None:
             tokens = self.draw(logprobs)
         else:
-            rows = []
-            for i in range(logprobs.shape[0]):
-                mx.random.seed(draw_seed(self.seed, self.draws + i))
-                rows.append(self.sampler(logprobs[i:i + 1]))
+            rows = [seeded_draw(draw_seed(self.seed, self.draws + i),
+                                partial(self.sampler, logprobs[i:i + 1]))
+                    for i in range(logprobs.shape[0])]
             tokens = mx.concatenate(rows)
         # tolist() of a 1-D array is a flat list (MLX's stubs say any nesting).
         return cast("list[int]", tokens.tolist())

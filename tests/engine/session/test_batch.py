@@ -198,6 +198,27 @@ def test_seeded_answers_draw_in_a_batch_what_they_draw_alone(tiny) -> None:
     assert alone[0].tokens != alone[1].tokens
 
 
+def test_an_unseeded_answer_beside_or_after_a_seeded_one_stays_random(tiny) -> None:
+    """A seed is its own request's: the unseeded answer drawn beside a seeded one in
+    a batch, or right after one alone, is not the same on every try (it was, each
+    seeded draw leaving MLX's shared state where the seed put it)."""
+    loaded = tiny["llama"]
+    seeded = replace(GREEDY, temperature=1.0, seed=3, max_tokens=12)
+    unseeded = replace(GREEDY, temperature=1.0, max_tokens=12)
+    beside, after = [], []
+    for attempt in range(3):
+        mx.random.seed(100 + attempt)  # each try starts from its own state
+        batch = BatchDecoder(loaded.model)
+        rows = {i: _join(batch, loaded, "q6", _messages(i), s, request_id=i)
+                for i, s in enumerate((seeded, unseeded))}
+        _finish(batch, rows)
+        beside.append(tuple(rows[1][1].tokens))
+        mx.random.seed(200 + attempt)
+        _alone(loaded, "q6", _messages(0), seeded, request_id=0)
+        after.append(tuple(_alone(loaded, "q6", _messages(1), unseeded, request_id=1).tokens))
+    assert len(set(beside)) > 1 and len(set(after)) > 1
+
+
 def test_a_row_leaving_and_one_joining_leave_the_others_as_alone(tiny, logits) -> None:
     loaded = tiny["llama"]
     alone = {i: _alone(loaded, MODES[i], _messages(i), GREEDY, request_id=i) for i in range(4)}
