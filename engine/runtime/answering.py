@@ -229,7 +229,7 @@ class Answering:
         """Go on in the batch with a conversation read in alone until it paused
         (``max_tokens``: its answer's length limit)."""
         self._batch_for(session).adopt_read(session, command.request_id, steps, prompt.ids,
-                                            max_tokens)
+                                            max_tokens, command.cancel)
         self._hold(command, session, reused)
 
     def step(self) -> None:

@@ -240,9 +240,15 @@ class _Reading:
     session: Session
     request_id: int
     steps: Generator[bool, None, AnswerStart]
-    to_read: int  # tokens it had to read when it joined: the shortest read goes first
+    cancel: threading.Event  # its Stop: seen at the next step, wherever it stands in line
     tokens: int  # tokens its pages hold once read in, its first answer token included
     max_tokens: int  # its answer's length limit
+
+    @property
+    def left(self) -> int:
+        """Tokens it has still to read (the one that starts its answer aside): the
+        read with the fewest goes first."""
+        return self.tokens - 2 - len(self.session.tokens)
 
     @property
     def answered(self) -> int:
@@ -453,18 +459,17 @@ class BatchDecoder:
 
     def adopt_read(self, session: Session, request_id: int,
                    steps: Generator[bool, None, AnswerStart], prompt: list[int],
-                   max_tokens: int) -> None:
+                   max_tokens: int, cancel: threading.Event) -> None:
         """Go on with a conversation that was read in alone until it paused between
         two chunks (``steps``: :meth:`Session.answer_steps` past its checks): the
         rest is read a chunk a step, then it answers in the batch (``max_tokens``:
-        its answer's length limit).
+        its answer's length limit; ``cancel``: its Stop).
 
         Raises:
             EngineError: the session cannot join (as :meth:`join` says).
         """
         self._check_joins(session, request_id)
-        to_read = len(prompt) - 1 - len(session.tokens)
-        self._read(_Reading(session, request_id, steps, to_read, len(prompt) + 1, max_tokens))
+        self._read(_Reading(session, request_id, steps, cancel, len(prompt) + 1, max_tokens))
 
     def abandon(self) -> tuple[int, ...]:
         """Drop every answer, read and wait (after a pass failed); their requests.
@@ -497,7 +502,7 @@ class BatchDecoder:
         if to_read <= 0:  # held already (e.g. a continued chat): it answers next step
             self._answer(session, finish(steps))
         else:
-            self._read(_Reading(session, joining.request_id, steps, to_read,
+            self._read(_Reading(session, joining.request_id, steps, joining.cancel,
                                 len(rendered.ids) + 1, joining.sampling.max_tokens))
 
     def _read(self, reading: _Reading) -> None:
@@ -715,11 +720,13 @@ class BatchDecoder:
         return results
 
     def _read_chunk(self, results: list[RowToken]) -> None:
-        """Read one chunk of the shortest read; a read that ends joins the answering
-        rows (no chunk then: its first pass goes before the next chunk)."""
+        """Read one chunk of the read with the fewest tokens left; a read that ends
+        joins the answering rows (no chunk then: its first pass goes before the next
+        chunk). A stopped read goes first, and ends without reading."""
         if not self.reading:
             return
-        reading = min(self.reading, key=lambda r: r.to_read)
+        stopped = [r for r in self.reading if r.cancel.is_set()]
+        reading = stopped[0] if stopped else min(self.reading, key=lambda r: r.left)
         try:
             announced = next(reading.steps)
         except StopIteration as done:

@@ -219,6 +219,45 @@ def test_an_unseeded_answer_beside_or_after_a_seeded_one_stays_random(tiny) -> N
     assert len(set(beside)) > 1 and len(set(after)) > 1
 
 
+def _reader(batch: BatchDecoder, loaded: Any, request_id: int,
+            content: str) -> tuple[Session, Answer]:
+    """A chat joining ``batch`` to read ``content`` in, 16 tokens a chunk."""
+    session, answer = Session(f"read-{request_id}", loaded, "q8", chunk_size=16), Answer()
+    batch.join(session, [{"role": "user", "content": content}], GREEDY,
+               request_id=request_id, cancel=answer.cancel, emit=answer.emit,
+               tick=lambda: None)
+    return session, answer
+
+
+def test_a_stopped_read_ends_at_the_next_step_wherever_it_stands_in_line(tiny) -> None:
+    """Stop on a read behind a shorter one ends it at once: it held its place (a
+    stream, a server slot, a close waiting behind it) until every shorter read was in."""
+    batch = BatchDecoder(tiny["llama"].model, clock=lambda: 0.0)
+    _, long = _reader(batch, tiny["llama"], 1, CORPUS * 3)
+    _, short = _reader(batch, tiny["llama"], 2, CORPUS[:1200])
+    long.cancel.set()
+    ended = [(r.request_id, r.finish) for r in batch.step() if r.finish]
+    assert ended == [(1, "cancelled")] and long.chunks == 0 and short.chunks == 0
+    assert batch.reading_ids == (2,)
+
+
+def test_the_read_with_the_fewest_tokens_left_goes_first(tiny) -> None:
+    """A read almost in is not held back behind a shorter read that joins after it:
+    reads go by the tokens they have left, not by their length when they joined."""
+    batch = BatchDecoder(tiny["llama"].model, clock=lambda: 0.0)
+    long_session, _ = _reader(batch, tiny["llama"], 1, CORPUS * 2)
+    while batch.reading[0].left > 48:
+        batch.step()
+    _, medium = _reader(batch, tiny["llama"], 2, CORPUS[:800])
+    while 2 not in batch.reading_ids:  # admitted: both read now
+        batch.step()
+    assert medium.chunks == 0 and batch.reading[0].left > 0
+    while 1 in batch.reading_ids:
+        batch.step()
+    # The long read, three chunks from its end, went on; the medium one waited.
+    assert medium.chunks == 0 and batch.request_ids == (1,) and long_session.tokens
+
+
 def test_a_row_leaving_and_one_joining_leave_the_others_as_alone(tiny, logits) -> None:
     loaded = tiny["llama"]
     alone = {i: _alone(loaded, MODES[i], _messages(i), GREEDY, request_id=i) for i in range(4)}
