@@ -10,6 +10,7 @@ worker loaded the model) to choose which server session a request continues.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import threading
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT = 3600.0
 LOADING = "The model is still loading; try again shortly."
+STOPPING = "The server is stopping; start it again (or use another) and send the request again."
 
 
 class QueueFull(EngineError):
@@ -75,10 +77,13 @@ class Ticket:
     reused: int = 0
     prompt: list[int] = field(default_factory=list)
     held_before: list[int] = field(default_factory=list)
+    cancel: threading.Event | None = None  # the request's own, set when the server stops
 
     def put(self, event: Event) -> None:
         """Hand ``event`` to the handler (called on the worker thread)."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        # A loop that has closed (the server stopped) has no handler left to read it.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
 class ServerBridge:
@@ -136,6 +141,7 @@ class ServerBridge:
         self._in_flight = 0
         self._loading = threading.Event()
         self._load_id = 0
+        self._stopping = False
 
     # -- life ------------------------------------------------------------------
 
@@ -171,6 +177,16 @@ class ServerBridge:
             self._chat_template = template if isinstance(template, str) else ""
         self._renderer.submit(int).result()  # its thread starts now, not mid-request
         self.ready.set()
+
+    def stop_requests(self) -> None:
+        """The server is stopping: refuse new requests and cancel those in flight, so
+        each ends in its API's own words (a 503, or its stream's error event) while
+        its connection is still open, not cut off when the connections close."""
+        with self._lock:
+            self._stopping = True
+            cancels = [t.cancel for t in self._tickets.values() if t.cancel is not None]
+        for cancel in cancels:
+            cancel.set()
 
     def shutdown(self) -> None:
         """Stop the worker; its sessions are stored as snapshots on the way out."""
@@ -310,10 +326,12 @@ class ServerBridge:
             NotReady: the model went away since the request began (a lost pipeline),
                 or the engine thread stopped on an error.
         """
-        ticket = Ticket(loop)
+        ticket = Ticket(loop, cancel=cancel)
         with self._lock:
             # Under the lock that a worker's replacement holds: a request either
             # reaches the old worker before it goes, or is refused here.
+            if self._stopping:
+                raise NotReady(STOPPING)
             if not self.ready.is_set():
                 raise NotReady(self.load_error or LOADING)
             answering = self.worker.streams().limit

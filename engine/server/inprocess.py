@@ -250,7 +250,7 @@ class LocalServer:
         import uvicorn
 
         from engine.server.connections import http_protocol
-        from engine.server.serve import make_app
+        from engine.server.serve import StoppingServer, make_app
 
         self._socket = bind(self.host, self.port, name="the local server",
                             change="in Settings → Local server")
@@ -259,7 +259,7 @@ class LocalServer:
         app.router.lifespan_context = self._lifespan
         config = uvicorn.Config(app, log_level="warning", lifespan="on", http=http_protocol(),
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self._server = uvicorn.Server(config)
+        self._server = StoppingServer(config, self.bridge)
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +18,28 @@ from engine.server.bridge import ServerBridge
 from engine.server.connections import http_protocol
 
 log = logging.getLogger(__name__)
+
+# How long a stopping server waits for the requests it cancelled to end (a step or a
+# prompt's chunk each) before the connections close.
+STOP_WAIT_S = 10.0
+
+
+class StoppingServer(uvicorn.Server):
+    """A uvicorn server that, when told to stop, first ends the requests in flight
+    (``ServerBridge.stop_requests``) and waits for them, so each client gets its
+    API's error (a 503, or its stream's error event) rather than a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, bridge: ServerBridge) -> None:
+        super().__init__(config)
+        self.bridge = bridge
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.bridge.stop_requests()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_WAIT_S
+        while self.bridge.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)
 
 
 def server_snapshot_dir() -> Path:
@@ -64,4 +88,4 @@ def uvicorn_server(bridge: ServerBridge, host: str, port: int,
                    keepalive=keepalive)
     config = uvicorn.Config(app, host=host, port=port, http=http_protocol(head_timeout),
                             log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+    return StoppingServer(config, bridge)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anthropic
@@ -244,11 +244,31 @@ def test_a_request_answering_when_the_engine_stops_is_told_and_health_says_so(
         assert "The engine stopped on an unexpected error" in str(refused.value)
 
 
-def test_answers_the_server_stops_end_as_errors_not_as_finished_answers(serve) -> None:
-    served = serve(parallel=3)
+@pytest.mark.parametrize("how", ["model switch", "server stopping"])
+def test_answers_the_server_stops_end_as_errors_not_as_finished_answers(
+        folder: Path, tmp_path: Path, how: str) -> None:
+    """An answer the server cuts (its sessions closed for a model switch, or the
+    server turned off or interrupted) ends as an error in its API's shape, streamed
+    or not, never a finished answer nor a connection cut mid-body."""
+    served, stop = start_server(folder, tmp_path / "kv", parallel=3)
+    try:
+        _cut_answers(served, stop if how == "server stopping" else None)
+    finally:
+        stop()
+
+
+def _cut_answers(served: Served, stop: Callable[[], None] | None) -> None:
     # Greedy: the model then never ends its turn, so each answer is cut by the close.
     started: set[str] = set()
     ends: dict[str, object] = {}
+
+    def whole() -> None:  # waits behind the three streams: cancelled as it waits
+        try:
+            ends["whole"] = _client(served).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": ASKED["a"] + "?"}],
+                max_tokens=3000, temperature=0)
+        except openai.APIError as error:
+            ends["whole"] = error
 
     def with_openai() -> None:
         try:
@@ -290,8 +310,15 @@ def test_answers_the_server_stops_end_as_errors_not_as_finished_answers(serve) -
     deadline = time.monotonic() + 60
     while len(started) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
-    for name in list(served.bridge._sessions):  # as the app's server does on a model switch
-        served.bridge.worker.close_session(name, store=True)
+    threads.append(threading.Thread(target=whole))
+    threads[-1].start()
+    while served.bridge.in_flight < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if stop is not None:
+        stop()
+    else:
+        for name in list(served.bridge._sessions):  # as the app's server does on a switch
+            served.bridge.worker.close_session(name, store=True)
     for thread in threads:
         thread.join(60)
     said = "The server stopped this answer before its end"
@@ -299,3 +326,5 @@ def test_answers_the_server_stops_end_as_errors_not_as_finished_answers(serve) -
     assert isinstance(ends.get("anthropic"), anthropic.APIError), ends
     assert said in str(ends["openai"]) and said in str(ends["anthropic"]), ends
     assert said in ends["ollama"].get("error", ""), ends  # type: ignore[union-attr]
+    assert isinstance(ends.get("whole"), openai.APIStatusError), ends
+    assert ends["whole"].status_code == 503 and said in str(ends["whole"]), ends
