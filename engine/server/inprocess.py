@@ -88,14 +88,25 @@ class AttachedBridge(ServerBridge):
         super().__init__("", kv_mode, None, max_sessions=max_sessions, queue_limit=queue_limit,
                          worker=worker)
         self._on_change = on_change
-        self._models: queue.Queue[tuple[str, ModelInfo] | None] = queue.Queue()
+        # Each model the front end loaded, with the count of changes it came after.
+        self._models: queue.Queue[tuple[int, str, ModelInfo] | None] = queue.Queue()
+        self._changes = 0  # model changes so far: a model queued before the last is stale
         self._running: set[int] = set()  # chat requests the engine has begun on
 
     def load(self) -> None:
-        """Serve each model the front end loads, in turn, until ``stop_loading`` (blocks)."""
+        """Serve each model the front end loads, in turn, until ``stop_loading`` (blocks).
+
+        A model that another change followed before it was served is skipped: its
+        ``ready`` would say a model is served while the next one loads.
+        """
         while (item := self._models.get()) is not None:
-            self.model, info = item
+            change, path, info = item
+            if change != self._changes:
+                continue
+            self.model = path
             self.use_model(info)
+            if change != self._changes:  # another change came while it was read
+                self.ready.clear()
             self._on_change()
 
     def stop_loading(self) -> None:
@@ -105,12 +116,14 @@ class AttachedBridge(ServerBridge):
     def model_loaded(self, path: str, info: ModelInfo) -> None:
         """The front end has ``path`` ("demo" or a folder) loaded: serve it."""
         self.model_changing()
-        self._models.put((path, info))
+        self._models.put((self._changes, path, info))
 
     def model_changing(self, message: str | None = None) -> None:
         """Refuse requests until the next ``model_loaded`` (with ``message`` when no
         model is coming: why); the sessions of the old model are stored and closed
         ahead of the load in the worker's queue."""
+        with self._lock:
+            self._changes += 1
         self.ready.clear()
         self.load_error = message
         self.close_sessions()

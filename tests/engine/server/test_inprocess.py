@@ -113,3 +113,31 @@ def test_the_local_server_counts_the_machines_its_front_ends_worker_runs_on() ->
         assert bridge.machines == 3
     finally:
         bridge.shutdown()
+
+
+def test_a_model_change_after_a_load_was_queued_keeps_the_server_not_ready(
+        tmp_path: Path) -> None:
+    """The front end reloads (another machine joined, a model switch): the model it
+    had queued to serve is stale once the change comes, and the server says it is
+    not ready until the next model is loaded, instead of ready while it loads."""
+    from engine.models.info import inspect_model_dir
+
+    folder = make_tiny_model_dir(tmp_path, "llama")
+    info = inspect_model_dir(folder)
+    bridge = AttachedBridge(EngineWorker(lambda event: None), "fp16", lambda: None,
+                            max_sessions=2, queue_limit=2)
+
+    def serve_queued() -> None:
+        loader = threading.Thread(target=bridge.load)
+        loader.start()
+        bridge.stop_loading()
+        loader.join(60)
+
+    bridge.model_loaded(str(folder), info)
+    bridge.model_changing("Loading the next model.")
+    serve_queued()
+    assert not bridge.ready.is_set() and bridge.load_error == "Loading the next model."
+    bridge.model_loaded(str(folder), info)
+    serve_queued()
+    assert bridge.ready.is_set() and bridge.load_error is None
+    bridge.shutdown()
