@@ -23,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -315,10 +315,14 @@ class Server:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"The request body is over {self.max_body_bytes:,} bytes.")
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > self.max_body_bytes:
-                raise ApiError(413, f"The request body is over {self.max_body_bytes:,} bytes.")
+        try:
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > self.max_body_bytes:
+                    raise ApiError(413, f"The request body is over {self.max_body_bytes:,} "
+                                        "bytes.")
+        except ClientDisconnect:  # no one is left to read an answer: a plain 400 ends it
+            raise ApiError(400, "The client left before its request body arrived.") from None
         try:
             return json.loads(bytes(data))
         except (ValueError, UnicodeDecodeError) as error:

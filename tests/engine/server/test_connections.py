@@ -112,3 +112,23 @@ def test_a_request_whose_head_arrived_may_take_its_time(strict: Served) -> None:
         # The connection stays open for the next request, as kept-alive ones do.
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+
+
+
+def test_a_client_that_leaves_mid_body_is_its_doing_not_a_server_error() -> None:
+    """A body cut short by its client's leaving ends the request as the client's
+    doing (a 400, which no one reads), not a server error with its traceback."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from engine.server.app import ApiError, Server
+
+    async def left() -> dict:
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                       "headers": [(b"content-type", b"application/json")]}, left)
+    with pytest.raises(ApiError) as ended:
+        asyncio.run(Server(None)._body(request))  # type: ignore[arg-type]
+    assert ended.value.status == 400 and "left before its request body" in ended.value.message
