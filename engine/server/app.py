@@ -273,11 +273,14 @@ class Server:
     def _check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("x-api-key", "")
+        # Either header may carry it: Claude Code sends both when its environment sets
+        # an API key and an auth token, and one of them may be meant for another server.
+        given = [request.headers.get("x-api-key", "")]
         bearer = request.headers.get("authorization", "")
         if bearer.lower().startswith("bearer "):
-            given = given or bearer[7:].strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            given.append(bearer[7:].strip())
+        expected = self.api_key.encode()
+        if not any([hmac.compare_digest(key.encode(), expected) for key in given]):
             raise ApiError(401, "Missing or wrong API key: send it as 'Authorization: "
                                 "Bearer KEY' or 'x-api-key: KEY'.", "authentication_error",
                            code="invalid_api_key")

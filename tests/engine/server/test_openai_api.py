@@ -178,6 +178,12 @@ def test_errors_have_the_documented_status(served: Served) -> None:
     assert httpx.get(served.url + "/v1/models").status_code == 401
     assert httpx.get(served.url + "/v1/models", headers={"x-api-key": served.key}).status_code \
         == 200
+    # Claude Code sends both headers when its environment sets a key and a token:
+    # either one may carry this server's key, and two wrong ones are refused.
+    for x_key, bearer in ((served.key, "other"), ("other", served.key), ("other", "wrong")):
+        models = httpx.get(served.url + "/v1/models", headers={
+            "x-api-key": x_key, "Authorization": f"Bearer {bearer}"})
+        assert models.status_code == (401 if served.key not in (x_key, bearer) else 200)
     big = b"{" + b" " * (33 * 2**20) + b"}"
     assert httpx.post(url, content=big, headers=auth).status_code == 413
     long = [{"role": "user", "content": "word " * 6000}]
