@@ -567,8 +567,10 @@ class EngineWorker(Worker):
         """Run, in order, the pending requests that need not wait for the batch.
 
         A request waits while its session answers in the batch, a chat while
-        the batch is full (and the chats after it, in turn), and a request that
-        runs alone, with everything behind it, while anything answers.
+        the batch is full (and the chats after it, in turn: places go in order),
+        and a request that runs alone, with everything behind it, while anything
+        answers. A chat waiting for its own session takes no place from the
+        chats after it.
         """
         self._end_cancelled_waiting()
         blocked = self._answering.session_ids()
@@ -585,7 +587,7 @@ class EngineWorker(Worker):
                 return
             no_place = isinstance(request, Chat) and (chats_wait or self._answering.full)
             if session_id in blocked or no_place:
-                chats_wait = chats_wait or isinstance(request, Chat)
+                chats_wait = chats_wait or no_place
                 if session_id is not None:
                     blocked.add(session_id)
                 if no_place:

@@ -14,6 +14,7 @@ import pytest
 
 from engine.errors import EngineError
 from engine.events import (
+    AnswerWaiting,
     Failed,
     Finished,
     IngestProgress,
@@ -551,3 +552,35 @@ def test_a_new_chats_fit_counts_the_page_size_it_will_open_with(start_worker,
     assert worker.fit_check("s", 1100).for_mode("q8").bytes_needed == planned
     with pytest.raises(EngineError):
         worker.fit_check(None, 1100, page_size=0)
+
+
+def test_a_chat_waiting_for_its_own_session_holds_no_other_chat_back(tmp_path) -> None:
+    """A second message in a chat that answers waits for that answer; a chat after
+    it, with places free in the batch, starts at once, and is told of no wait."""
+    folder = make_tiny_model_dir(tmp_path, "llama", endless=True, seed=1)
+    log = EventLog()
+    worker = EngineWorker(log, chunk_size=16, streams=4)
+    worker.start()
+    try:
+        log.result(worker.load_model(str(folder)), ModelLoaded)
+        for name in ("x", "y", "z"):
+            log.result(worker.open_session(name, "q8", 16), SessionOpened)
+        long = SamplingParams(temperature=0.0, max_tokens=600)
+        short = SamplingParams(temperature=0.0, max_tokens=5)
+        first = worker.chat("x", [{"role": "user", "content": "Tell me about the fox."}],
+                            long, threading.Event())
+        other = worker.chat("z", [{"role": "user", "content": "And the dog?"}], long,
+                            threading.Event())
+        log.wait_for(lambda seen: any(isinstance(e, TokenChunk) and e.request_id == other
+                                      for e in seen))
+        worker.chat("x", [{"role": "user", "content": "Tell me about the fox. More."}], short,
+                    threading.Event())
+        later = worker.chat("y", [{"role": "user", "content": "What is the capital?"}], short,
+                            threading.Event())
+        assert isinstance(log.ending(later), Finished)
+        assert not any(isinstance(e, AnswerWaiting) for e in log.for_request(later))
+        with log.changed:
+            assert not any(isinstance(e, Finished) and e.request_id == first
+                           for e in log.events)  # it ended while the first still answered
+    finally:
+        worker.shutdown(timeout=10.0)
