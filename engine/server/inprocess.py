@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 
 THREAD_NAME = "longleaf-server"
 START_TIMEOUT = 30.0
-# Open streams get this long to finish when the server is turned off or the app quits.
+# Open streams get this long to finish when the server is turned off or the app quits,
+# after the requests cancelled first got this long to end (the window waits for both).
 GRACEFUL_SHUTDOWN_S = 1
+STOP_WAIT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ class LocalServer:
         app.router.lifespan_context = self._lifespan
         config = uvicorn.Config(app, log_level="warning", lifespan="on", http=http_protocol(),
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self._server = StoppingServer(config, self.bridge)
+        self._server = StoppingServer(config, self.bridge, STOP_WAIT_S)
         self._thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT

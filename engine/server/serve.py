@@ -19,24 +19,27 @@ from engine.server.connections import http_protocol
 
 log = logging.getLogger(__name__)
 
-# How long a stopping server waits for the requests it cancelled to end (a step or a
-# prompt's chunk each) before the connections close.
+# How long ``engine serve``, stopping, waits for the requests it cancelled to end (a
+# step or a prompt's chunk each) before the connections close.
 STOP_WAIT_S = 10.0
 
 
 class StoppingServer(uvicorn.Server):
     """A uvicorn server that, when told to stop, first ends the requests in flight
-    (``ServerBridge.stop_requests``) and waits for them, so each client gets its
-    API's error (a 503, or its stream's error event) rather than a cut connection."""
+    (``ServerBridge.stop_requests``) and waits for them (at most ``wait_s``), so each
+    client gets its API's error (a 503, or its stream's error event) rather than a
+    cut connection."""
 
-    def __init__(self, config: uvicorn.Config, bridge: ServerBridge) -> None:
+    def __init__(self, config: uvicorn.Config, bridge: ServerBridge,
+                 wait_s: float = STOP_WAIT_S) -> None:
         super().__init__(config)
         self.bridge = bridge
+        self.wait_s = wait_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.bridge.stop_requests()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + STOP_WAIT_S
+        deadline = loop.time() + self.wait_s
         while self.bridge.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
         await super().shutdown(sockets)
