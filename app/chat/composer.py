@@ -92,6 +92,7 @@ class AttachmentChip(QFrame):
         layout.setContentsMargins(10, 3, 4, 3)
         layout.setSpacing(4)
         self.label = QLabel(f"{visible_text(name)} · reading…")
+        self.label.setTextFormat(Qt.TextFormat.PlainText)  # a file's name is never markup
         layout.addWidget(self.label)
         close = QToolButton(self)
         close.setText("✕")
@@ -134,6 +135,7 @@ class Composer(QWidget):
         self.chips_row.setContentsMargins(0, 0, 0, 0)
         outer.addWidget(self.chips_box)
         self.notice = QLabel()
+        self.notice.setTextFormat(Qt.TextFormat.PlainText)  # it may quote a file's name
         self.notice.setObjectName("inlineNotice")
         self.notice.setWordWrap(True)
         self.notice.hide()
@@ -179,6 +181,7 @@ class Composer(QWidget):
         row = QHBoxLayout(self.offer_box)
         row.setContentsMargins(0, 0, 0, 0)
         self.offer_label = QLabel()
+        self.offer_label.setTextFormat(Qt.TextFormat.PlainText)  # it names the file
         self.offer_label.setWordWrap(True)
         self.offer_accept = QPushButton()
         self.offer_decline = QPushButton("Don't attach")

@@ -124,6 +124,7 @@ class MessageWidget(QFrame):
         self.author.setObjectName("author")
         outer.addWidget(self.author)
         self.files = QLabel()
+        self.files.setTextFormat(Qt.TextFormat.PlainText)  # a file's name is never markup
         self.files.setObjectName("attachmentLine")
         self.files.setWordWrap(True)
         self.files.hide()

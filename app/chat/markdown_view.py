@@ -22,11 +22,13 @@ from pygments.lexers import get_lexer_by_name, guess_lexer
 from pygments.styles import get_style_by_name
 from pygments.token import Token, _TokenType
 from pygments.util import ClassNotFound
-from PySide6.QtCore import QSize, QSizeF, Qt
+from PySide6.QtCore import QSize, QSizeF, Qt, QUrl
 from PySide6.QtGui import (
     QColor,
+    QDesktopServices,
     QFont,
     QFontDatabase,
+    QImage,
     QPalette,
     QSyntaxHighlighter,
     QTextBlock,
@@ -71,6 +73,14 @@ def settled_end(text: str, start: int = 0) -> int:
         if not blank_before:
             after_rule = not in_fence and bool(RULE.match(line))
         position = end + 1
+
+
+def open_link(url: QUrl) -> bool:
+    """Open a link clicked in an answer when its scheme is a web or mail one (in the
+    user's browser or mail app); True when it was."""
+    if url.scheme().lower() not in OPEN_SCHEMES:
+        return False
+    return QDesktopServices.openUrl(url)
 
 
 def is_dark(palette: QPalette) -> bool:
@@ -138,13 +148,35 @@ class CodeHighlighter(QSyntaxHighlighter):
             offset += len(value)
 
 
+# The schemes a link in an answer may open, in the browser or mail app. Any other
+# (file:, a relative path, smb:, an app's own scheme) would load a file into the
+# view or hand a URL a prompt injection chose to whatever handles it.
+OPEN_SCHEMES = frozenset({"http", "https", "mailto"})
+
+
+def no_resource(_kind: int, _name: QUrl | str) -> QImage:
+    """What an image an answer names is loaded as: nothing. Qt would read any path it
+    names (a FIFO hangs the window, /dev/zero fills memory); an empty image ends the
+    lookup before Qt's own file read."""
+    return QImage()
+
+
+class _Fragment(QTextDocument):
+    """A document a streamed answer's tail is imported into: it loads no resource."""
+
+    def loadResource(self, kind: int, name: QUrl | str) -> QImage:
+        return no_resource(kind, name)
+
+
 class MarkdownView(QTextBrowser):
-    """A read-only, selectable Markdown view as tall as its text."""
+    """A read-only, selectable Markdown view as tall as its text; it shows no image
+    and follows only web and mail links, out of the app."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setFrameShape(QTextBrowser.Shape.NoFrame)
-        self.setOpenExternalLinks(True)
+        self.setOpenLinks(False)
+        self.anchorClicked.connect(open_link)
         self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -157,6 +189,9 @@ class MarkdownView(QTextBrowser):
         self._tail_at: int | None = None  # where in the document the tail's blocks begin
         self._highlighter = CodeHighlighter(self.document(), is_dark(self.palette()))
         self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
+
+    def loadResource(self, kind: int, name: QUrl | str) -> QImage:
+        return no_resource(kind, name)
 
     def markdown(self) -> str:
         """The Markdown source shown."""
@@ -197,7 +232,7 @@ class MarkdownView(QTextBrowser):
             document.setMarkdown(markdown, MARKDOWN_FEATURES)
             self._shade_code_blocks(document.begin())
             return 0
-        part = QTextDocument()
+        part = _Fragment()
         part.setMarkdown(markdown, MARKDOWN_FEATURES)
         cursor = QTextCursor(document)
         cursor.movePosition(QTextCursor.MoveOperation.End)

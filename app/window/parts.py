@@ -37,6 +37,7 @@ class Banner(QFrame):
         row = QHBoxLayout(self)
         row.setContentsMargins(12, 6, 6, 6)
         self.label = QLabel()
+        self.label.setTextFormat(Qt.TextFormat.PlainText)  # errors quote names and paths
         self.label.setWordWrap(True)
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         close = QToolButton()

@@ -128,3 +128,20 @@ def test_an_attachment_line_keeps_each_number_with_its_unit() -> None:
     line.show_message("", "complete", None, None,
                       (AttachmentRecord("report.pdf", 1_200_000, "x", 3_393, "text"),))
     assert "3,393\u00a0tokens" in line.files.text() and "1.1\u00a0MB" in line.files.text()
+
+
+def test_a_files_name_is_shown_as_written_never_as_markup(qtbot) -> None:
+    """A file may be named like HTML: its name is text in the message, the composer's
+    chip and its notices, never a heading, nor an image Qt would read from disk."""
+    from app.chat.composer import AttachmentChip
+
+    name = "<img src=secret.png width=3000 height=3000><h1>Hacked</h1>.txt"
+    line = MessageWidget("user")
+    qtbot.addWidget(line)
+    line.show_message("", "complete", None, None,
+                      (AttachmentRecord(name, 10, "x", 3, "text"),))
+    chip = AttachmentChip(1, name)
+    qtbot.addWidget(chip)
+    for label in (line.files, chip.label):
+        assert name in label.text()
+        assert label.sizeHint().width() < 3000 and label.sizeHint().height() < 100, label

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtGui import QTextFormat
+import pytest
+from PySide6.QtCore import QPoint, Qt, QUrl
+from PySide6.QtGui import QDesktopServices, QImage, QTextDocument, QTextFormat
 
 from app.chat.markdown_view import MarkdownView
 
@@ -110,3 +112,55 @@ def test_a_streamed_answer_renders_as_the_whole_answer_does(qtbot) -> None:
     streamed.set_markdown("Something else.")  # not an extension: imported whole
     whole.set_markdown("Something else.")
     assert _html(streamed) == _html(whole)
+
+
+def test_an_image_an_answer_names_is_never_read(qtbot, tmp_path) -> None:
+    """An answer (or a prompt injection in a document) may name any path as an image:
+    a FIFO would hang the window, /dev/zero fill memory. Nothing is read, in the
+    answer's settled part or its streamed tail."""
+    picture = tmp_path / "secret.png"
+    image = QImage(30, 20, QImage.Format.Format_RGB32)
+    image.fill(0)
+    assert image.save(str(picture))
+    view = MarkdownView()
+    qtbot.addWidget(view)
+    text = f"First ![a]({picture})\n\nThen ![b](file://{picture})"
+    for end in (len(text) // 2, len(text)):  # a streamed answer, then the whole of it
+        view.set_markdown(text[:end])
+        view.show()
+        for name in (str(picture), f"file://{picture}"):
+            loaded = view.document().resource(QTextDocument.ResourceType.ImageResource.value,
+                                              QUrl(name))
+            assert isinstance(loaded, QImage) and loaded.isNull(), name
+
+
+def _link_at(view: MarkdownView, words: str) -> QPoint:
+    found = view.document().find(words)
+    assert not found.isNull(), words
+    return view.cursorRect(found).center()
+
+
+# A click whose link opens nothing leaves its release unaccepted, and QTest says so.
+@pytest.mark.qt_log_ignore("not accepted by receiving widget",
+                           "does not support propagateSizeHints")
+def test_only_web_and_mail_links_open_and_the_answer_stays(qtbot, monkeypatch) -> None:
+    """A click on a link opens it out of the app when it is a web or mail link; a
+    file:, relative or other scheme's link opens nothing and never replaces the
+    answer in the view with a file's contents (or with nothing)."""
+    opened: list[str] = []
+    monkeypatch.setattr(QDesktopServices, "openUrl",
+                        lambda url: opened.append(url.toString()) or True)
+    view = MarkdownView()
+    qtbot.addWidget(view)
+    view.resize(600, 200)
+    view.show()
+    links = {"the file": "file:///etc/hostname", "the guide": "docs/guide.md",
+             "a share": "smb://evil/share", "the site": "https://example.com/pines",
+             "write": "mailto:pines@example.com"}
+    view.set_markdown("\n\n".join(f"See [{words}]({url})." for words, url in links.items()))
+    shown = view.toPlainText()
+    for words in links:
+        qtbot.mouseClick(view.viewport(), Qt.MouseButton.LeftButton,
+                         pos=_link_at(view, words))
+        assert view.toPlainText() == shown, words
+    assert opened == ["https://example.com/pines", "mailto:pines@example.com"]
