@@ -15,10 +15,10 @@ tail again; what the tail has settled moves into the settled part.
 from __future__ import annotations
 
 import re
-from functools import cache
+from functools import cache, lru_cache
 
 from pygments.lexer import Lexer
-from pygments.lexers import get_lexer_by_name, guess_lexer
+from pygments.lexers import get_lexer_by_name
 from pygments.styles import get_style_by_name
 from pygments.token import Token, _TokenType
 from pygments.util import ClassNotFound
@@ -119,8 +119,27 @@ def _format_for(formats: dict[_TokenType, QTextCharFormat],
     return formats.get(kind) if kind is not None else None
 
 
+@lru_cache(maxsize=8192)
+def _line_tokens(language: str, text: str) -> tuple[tuple[int, int, _TokenType], ...]:
+    """(offset, length, token) of each piece of a code line, lexed once: a streamed
+    code block is imported again at every flush, and its lines highlighted again."""
+    lexer = _lexer(language)
+    if lexer is None:
+        return ()
+    pieces, offset = [], 0
+    for token, value in lexer.get_tokens(text):
+        if value:
+            pieces.append((offset, len(value), token))
+        offset += len(value)
+    return tuple(pieces)
+
+
 class CodeHighlighter(QSyntaxHighlighter):
-    """Colours the code blocks Qt's Markdown importer tags with a language."""
+    """Colours the code blocks Qt's Markdown importer tags with a language they name.
+
+    A block that names none stays plain, as GitHub shows it: guessing would run
+    every one of pygments' lexers on each line, and colour neighbours unlike.
+    """
 
     def __init__(self, document: QTextDocument, dark: bool) -> None:
         super().__init__(document)
@@ -128,24 +147,14 @@ class CodeHighlighter(QSyntaxHighlighter):
 
     def highlightBlock(self, text: str) -> None:
         block_format = self.currentBlock().blockFormat()
-        if not block_format.hasProperty(QTextFormat.Property.BlockCodeFence) and not (
-            block_format.hasProperty(QTextFormat.Property.BlockCodeLanguage)
-        ):
-            return
         language = block_format.stringProperty(QTextFormat.Property.BlockCodeLanguage)
-        lexer = _lexer(language.strip().lower()) if language else None
-        if lexer is None:
-            try:
-                lexer = guess_lexer(text)
-            except ClassNotFound:
-                return
+        if not language.strip():
+            return
         formats = _formats(self.style_name)
-        offset = 0
-        for token, value in lexer.get_tokens(text):
+        for offset, length, token in _line_tokens(language.strip().lower(), text):
             fmt = _format_for(formats, token)
-            if fmt is not None and value:
-                self.setFormat(offset, len(value), fmt)
-            offset += len(value)
+            if fmt is not None:
+                self.setFormat(offset, length, fmt)
 
 
 # The schemes a link in an answer may open, in the browser or mail app. Any other

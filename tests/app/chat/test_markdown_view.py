@@ -28,6 +28,10 @@ def test_markdown_code_blocks_are_highlighted_by_pygments(qtbot) -> None:
     prose = [b for b in blocks if b.text().startswith("Some")]
     assert prose and not prose[0].layout().formats()  # prose is left alone
     assert view.height() >= int(doc.size().height())
+    # A block naming no language stays plain, as GitHub shows it (no guessing,
+    # which ran every lexer on each line at every flush of a streamed answer).
+    view.set_markdown("```\ndef area(r):\n    return 3.14 * r\n```\n")
+    assert not view.document().begin().layout().formats()
 
 
 def test_html_in_an_answer_is_shown_as_text_not_rendered(qtbot) -> None:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from app.chat.model import ChatMessage, ChatModel, StatusRole, engine_content
+import time
+
+from app.chat.model import (
+    FLUSH_INTERVAL_MS,
+    ChatMessage,
+    ChatModel,
+    StatusRole,
+    engine_content,
+)
 from app.store import AttachmentRecord
 
 
@@ -20,6 +28,20 @@ def test_streamed_text_is_batched_into_one_last_row_update(qtbot) -> None:
     assert changes == [(1, 1)]
     assert model.data(model.index(1)) == "The capital is Paris."
     assert model.data(model.index(0)) == "hi"
+
+
+def test_flushes_come_further_apart_as_showing_them_costs_more(qtbot) -> None:
+    """A view that takes long to show the streamed text (an open code block grows
+    at each flush) gets it less often, so the window keeps two thirds of its time;
+    the next answer starts at the usual pace."""
+    model = ChatModel()
+    model.set_messages([ChatMessage("assistant", "", "streaming")])
+    model.dataChanged.connect(lambda *_: time.sleep(0.05))  # a costly row to show
+    model.append_text("x")
+    model.flush()
+    assert model._timer.interval() >= 3 * 50
+    model.append(ChatMessage("assistant", "", "streaming"))
+    assert model._timer.interval() == FLUSH_INTERVAL_MS
 
 
 def test_update_truncate_and_engine_messages() -> None:
