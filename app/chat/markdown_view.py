@@ -43,7 +43,9 @@ from PySide6.QtWidgets import QSizePolicy, QTextBrowser, QWidget
 
 MARKDOWN_FEATURES = (QTextDocument.MarkdownFeature.MarkdownDialectGitHub
                      | QTextDocument.MarkdownFeature.MarkdownNoHTML)
-FENCE = re.compile(r" {0,3}(```|~~~)")
+# A fence's marks and what follows them; a fence closes only on a line of its own
+# kind of marks, at least as many, and nothing after them (CommonMark).
+FENCE = re.compile(r" {0,3}(`{3,}|~{3,})(.*)")
 # A line that may join or continue the block before it even after a blank line
 # (list items, quotes, tables, rules, indented code, setext underlines).
 JOINS = re.compile(r"[\s>|*+\-_=]|\d+[.)]|.*\|")
@@ -58,21 +60,33 @@ def settled_end(text: str, start: int = 0) -> int:
     renders the same whether the text before it is imported with it or alone.
     ``start`` must itself be a cut (or 0).
     """
-    cut, in_fence, blank_before, after_rule = start, False, False, False
+    cut, blank_before, after_rule = start, False, False
+    fence: str | None = None  # the marks of the open code fence
     position = start
     while True:
         end = text.find("\n", position)
         if end < 0:
             return cut  # the last line is not complete yet: no cut in it
         line = text[position:end]
-        if not in_fence and blank_before and not after_rule and line and not JOINS.match(line):
+        if fence is None and blank_before and not after_rule and line and not JOINS.match(line):
             cut = position
-        if FENCE.match(line):
-            in_fence = not in_fence
+        fence = _fence_after(fence, line)
         blank_before = not line.strip()
         if not blank_before:
-            after_rule = not in_fence and bool(RULE.match(line))
+            after_rule = fence is None and bool(RULE.match(line))
         position = end + 1
+
+
+def _fence_after(fence: str | None, line: str) -> str | None:
+    """The open fence's marks after ``line`` (None: outside any fence)."""
+    found = FENCE.match(line)
+    if found is None:
+        return fence
+    marks, rest = found.groups()
+    if fence is None:
+        return marks
+    closes = marks[0] == fence[0] and len(marks) >= len(fence) and not rest.strip()
+    return None if closes else fence
 
 
 def open_link(url: QUrl) -> bool:

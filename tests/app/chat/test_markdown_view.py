@@ -168,3 +168,18 @@ def test_only_web_and_mail_links_open_and_the_answer_stays(qtbot, monkeypatch) -
                          pos=_link_at(view, words))
         assert view.toPlainText() == shown, words
     assert opened == ["https://example.com/pines", "mailto:pines@example.com"]
+
+
+def test_a_fence_inside_a_longer_fence_streams_as_it_renders_whole(qtbot) -> None:
+    """A fence closes only on its own kind of marks, at least as many: a code block
+    quoting a shorter fence streams into the document a single import builds."""
+    text = ("Here:\n\n````md\n```python\nx = 1\n\ny = 2\n```\n````\n\nDone.\n\n"
+            "~~~\n```\n\nstill code\n~~~\n\nAfter.")
+    streamed = MarkdownView()
+    qtbot.addWidget(streamed)
+    for end in range(1, len(text) + 1):
+        streamed.set_markdown(text[:end])
+    whole = MarkdownView()
+    qtbot.addWidget(whole)
+    whole.set_markdown(text)
+    assert _html(streamed) == _html(whole)
