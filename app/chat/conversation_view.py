@@ -335,11 +335,15 @@ class ConversationView(QScrollArea):
         self._after_change()
 
     def _on_changed(self, top: QModelIndex, bottom: QModelIndex,
-                    _roles: Sequence[int] = ()) -> None:
+                    roles: Sequence[int] = ()) -> None:
         for row in range(top.row(), bottom.row() + 1):
             if 0 <= row < len(self.widgets):
                 self._render(row)
-        self._refresh_actions()
+        # Streamed text alone (a flush) changes no row's actions: they follow
+        # statuses, the busy state and which rows are last; a long chat's flushes
+        # would otherwise walk every row.
+        if list(roles) != [Qt.ItemDataRole.DisplayRole]:
+            self._refresh_actions()
 
     def _after_change(self) -> None:
         self.placeholder.setVisible(not self.widgets)

@@ -145,3 +145,21 @@ def test_a_files_name_is_shown_as_written_never_as_markup(qtbot) -> None:
     for label in (line.files, chip.label):
         assert name in label.text()
         assert label.sizeHint().width() < 3000 and label.sizeHint().height() < 100, label
+
+
+def test_a_flush_of_streamed_text_walks_no_other_row(qtbot, monkeypatch) -> None:
+    """A long chat's streaming answer: each flush renders its row and leaves the
+    others' actions alone (they follow statuses, not streamed text)."""
+    rows = [ChatMessage("user" if i % 2 == 0 else "assistant", f"message {i}", "complete", i)
+            for i in range(200)]
+    model, view = _view(qtbot, [*rows, ChatMessage("assistant", "", "streaming", 200)])
+    calls: list[object] = []
+    original = MessageWidget.set_actions
+    monkeypatch.setattr(MessageWidget, "set_actions",
+                        lambda self, **kw: calls.append(self) or original(self, **kw))
+    model.append_text("Pines grow")
+    model.flush()
+    assert calls == [] and view.widgets[-1].body.markdown() == "Pines grow"
+    model.update_last(status="complete")  # the answer ends: the actions follow
+    assert len(calls) == len(view.widgets)
+    assert view.widgets[-1].copy_button.isVisibleTo(view.widgets[-1])
