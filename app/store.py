@@ -472,9 +472,12 @@ class HistoryStore:
     def outdated_receipts(self, session_id: str) -> set[str]:
         """The modes whose receipt measured other text than the chat holds now (a
         message sent, edited, regenerated or deleted since)."""
-        now = self._text_digest(session_id)
         rows = self._db.execute(
-            "SELECT mode, receipt FROM quality_receipts WHERE session_id = ?", (session_id,))
+            "SELECT mode, receipt FROM quality_receipts WHERE session_id = ?",
+            (session_id,)).fetchall()
+        if not rows:
+            return set()  # nothing to compare: the chat's text is not read
+        now = self._text_digest(session_id)
         outdated = set()
         for mode, text in rows:
             try:

@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from engine.cache import sharing
-from engine.cache.modes import FP16, MODES, KvMode
+from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Event, Notice, RankShare
 from engine.format import human_bytes
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
-from engine.models.probe import make_session_cache
 from engine.runtime.interface import Conductor, Pipeline
 from engine.runtime.stats_reporter import StatsReporter
 from engine.session import reuse
@@ -35,6 +34,7 @@ from engine.session.session import (
     DEFAULT_PAGE_SIZE,
     Session,
     check_sizes,
+    new_chat_cache,
     new_chat_outside_pages,
 )
 from engine.snapshots.fingerprint import model_fingerprint
@@ -317,7 +317,7 @@ class HeldSessions:
         loaded = self.loaded
         if loaded is None:
             raise EngineError("Load a model first.")
-        return make_session_cache(loaded, FP16, DEFAULT_PAGE_SIZE).cache
+        return new_chat_cache(loaded)
 
     def release(self) -> None:
         """Unload the model, saving and closing every session first."""

@@ -95,10 +95,19 @@ def outside_pages(cache: list, facts: fit.ModelFacts, value_bytes: int, chunk_si
         checkpoint_copies=checkpoints.MAX_KEPT if checkpointed else 0)
 
 
+def new_chat_cache(loaded: LoadedModel) -> list:
+    """The per-layer cache a new fp16 chat of ``loaded`` holds (its layers' kinds are
+    every mode's; no pages until it reads: engine thread).
+
+    Raises:
+        ModelLoadError: the load-time probe refused the model.
+    """
+    return make_session_cache(loaded, FP16, DEFAULT_PAGE_SIZE).cache
+
+
 def new_chat_outside_pages(loaded: LoadedModel, chunk_size: int) -> other_layers.OtherLayers:
-    """What a chat not opened yet will keep outside its pages (makes a cache, no
-    pages: engine thread)."""
-    cache = make_session_cache(loaded, FP16, DEFAULT_PAGE_SIZE).cache
+    """What a chat not opened yet will keep outside its pages (engine thread)."""
+    cache = new_chat_cache(loaded)
     facts = (fit.facts_from_cache(cache, fit.first_fact(loaded.info, ("max_context",
                                                                       "context_length")))
              or fit.facts_from_info(loaded.info))
