@@ -57,6 +57,10 @@ ENGINE_STOPPED = ("The engine stopped on an unexpected error (the server's log s
 STOPPED_BY_SERVER = ("The server stopped this answer before its end: its session was closed "
                      "(the model is changing, or the server is stopping). Send the request "
                      "again.")
+STOPPED_FOR_MEMORY = ("Longleaf stopped this answer after {tokens} tokens to protect the "
+                      "computer: system memory turned critical or free RAM ran out. Close "
+                      "other apps or conversations, or use a smaller KV mode, then send the "
+                      "request again.")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
                     "not_found_error", "request_too_large", "rate_limit_error", "api_error",
@@ -1005,6 +1009,11 @@ class Run:
                         # sequence: the server closed its session (a model switch,
                         # the server stopping). A cut answer must not look finished.
                         raise _not_ready(STOPPED_BY_SERVER)
+                    if event.reason == "memory" and self.stopped_by is None:
+                        # Not a length limit: a client reading "length" would ask
+                        # for more, into the same shortage.
+                        raise ApiError(507, STOPPED_FOR_MEMORY.format(tokens=generated),
+                                       "insufficient_memory", code="insufficient_memory")
                     yield self._outcome(event, generated)
                     return
         finally:

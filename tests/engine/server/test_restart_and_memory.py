@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Callable
 
 import anthropic
 import httpx
@@ -142,3 +143,44 @@ def test_a_prompt_another_machine_cannot_hold_is_507_naming_it(
     assert short.chat.completions.create(
         model="m@q8", messages=[{"role": "user", "content": "Hi"}],
         max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
+class _Squeeze:
+    """The guard's check while work runs, turned critical after ``after`` checks."""
+
+    def __init__(self, poll: Callable[[str | None], str | None], after: int) -> None:
+        self.poll, self.left = poll, after
+
+    def __call__(self, key: str | None) -> str | None:
+        self.left -= 1
+        return self.poll(key) if self.left >= 0 else "system memory is critically low"
+
+
+def test_an_answer_memory_stopped_is_an_error_not_a_length_limit(served: Served) -> None:
+    guard = served.bridge.worker.guard
+    poll, interval = guard.poll, guard.check_interval
+    story = [{"role": "user", "content": "Tell me a long story."}]
+    api = openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+    claude = anthropic.Anthropic(base_url=served.url, api_key=served.key, max_retries=0)
+    said = r"stopped this answer after [1-9]"
+    guard.check_interval = 0.0  # a check every step
+    try:
+        guard.poll = _Squeeze(poll, 8)  # type: ignore[method-assign]
+        with pytest.raises(openai.APIStatusError, match=said) as whole:
+            api.chat.completions.create(model="m@fp16", messages=story, max_tokens=400,
+                                        temperature=0)
+        assert whole.value.status_code == 507
+        guard.poll = _Squeeze(poll, 8)  # type: ignore[method-assign]
+        with pytest.raises(openai.APIError, match=said):
+            for _ in api.chat.completions.create(model="m@fp16", messages=story,
+                                                 max_tokens=400, temperature=0, stream=True):
+                pass
+        guard.poll = _Squeeze(poll, 8)  # type: ignore[method-assign]
+        with pytest.raises(anthropic.APIError, match=said), claude.messages.stream(
+                model="m@fp16", max_tokens=400, messages=story) as stream:
+            stream.until_done()
+    finally:
+        guard.poll, guard.check_interval = poll, interval  # type: ignore[method-assign]
+    small = api.chat.completions.create(model="m@fp16", max_tokens=2,
+                                        messages=[{"role": "user", "content": "Hi"}])
+    assert small.choices[0].finish_reason in ("stop", "length")
