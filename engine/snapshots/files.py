@@ -74,6 +74,13 @@ def new_data_name(name: str) -> str:
     return f"{check_name(name)}.{secrets.token_hex(6)}-p{os.getpid()}{DATA_SUFFIX}"
 
 
+def snapshot_name(file_name: str) -> str:
+    """The snapshot a manifest or data file belongs to (see ``new_data_name``)."""
+    if file_name.endswith(DATA_SUFFIX):
+        return file_name.removesuffix(DATA_SUFFIX).rsplit(".", 1)[0]
+    return file_name.removesuffix(MANIFEST_SUFFIX)
+
+
 def temp_path(final: Path) -> Path:
     """A temporary sibling of ``final``, named with this process's id; ends in the
     same suffix (mx.save_safetensors appends ``.safetensors`` to names that lack it)."""

@@ -166,12 +166,14 @@ class SnapshotStore:
         return _folder_files(self.directory)
 
     def _drop_set_aside(self, incoming: int) -> None:
-        """Delete set-aside files, oldest first, until ``incoming`` more bytes fit."""
+        """Delete set-aside files this store may evict, oldest first, until
+        ``incoming`` more bytes fit."""
         aside = self.directory / SET_ASIDE
         if not aside.is_dir():
             return
-        for path in sorted((p for p in aside.iterdir() if p.is_file()),
-                           key=lambda p: p.stat().st_mtime):
+        ours = [p for p in aside.iterdir() if p.is_file() and (
+            self.evictable is None or self.evictable(files.snapshot_name(p.name)))]
+        for path in sorted(ours, key=lambda p: p.stat().st_mtime):
             if self.counted_bytes() + incoming <= self.budget_bytes:
                 return
             path.unlink(missing_ok=True)

@@ -188,6 +188,24 @@ def test_snapshots_set_aside_count_against_the_budget_and_go_first(models, tmp_p
     assert not aside.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_store_limited_to_its_own_snapshots_drops_only_their_copies_set_aside(
+        models, tmp_path):
+    """The CLI's store evicts its own sessions only: the app's copies set aside for
+    another model stay, however short of room it is; its own go first."""
+    from engine.snapshots.manifest import SET_ASIDE
+
+    for name in ("chat", "cli-doc"):
+        old = _session(models["llama"])
+        _ingest(old, _user(DOC))
+        _reseal(save_snapshot(old, tmp_path, name), lambda m: m.update(version=1))
+        with pytest.raises(SnapshotRejected):
+            load_snapshot(_session(models["llama"]), tmp_path, name, [*old.tokens, 1])
+    aside = tmp_path / SET_ASIDE
+    store = SnapshotStore(tmp_path, evictable=lambda name: name.startswith("cli-"))
+    assert store.set_budget(0) == []
+    assert sorted({p.name.split(".")[0] for p in aside.iterdir()}) == ["chat"]
+
+
 def test_a_model_that_cannot_be_fingerprinted_keeps_the_snapshot(models, tmp_path):
     stored = _session(models["llama"])
     _ingest(stored, _user(DOC))
