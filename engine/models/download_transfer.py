@@ -66,6 +66,7 @@ def fetch_file(
             continue
         if have == remote.size:
             return
+        start = have
         request_headers = {**headers, "Range": f"bytes={have}-"} if have else headers
         try:
             with get_session().stream(
@@ -77,26 +78,53 @@ def fetch_file(
                     have = 0
                 with part.open("ab" if have else "wb") as sink:
                     for piece in response.iter_bytes():
+                        if have + len(piece) > remote.size:
+                            raise _too_long(endpoint, remote)
                         sink.write(piece)
+                        have += len(piece)
                         meter.add(remote.path, len(piece))
-                        failures = 0
                         if cancel is not None and cancel.is_set():
                             raise Cancelled(
                                 f"Download of {remote.path} cancelled; start it again to resume."
                             )
+            if have <= start:
+                # An answer that ended cleanly without new bytes (a body cut short,
+                # or the whole file sent again in place of the rest) is retried as
+                # a dropped connection is, never for ever.
+                failures = _wait_to_retry(failures, cancel, _lost(
+                    endpoint, remote, f"it sent {have:,} of {remote.size:,} bytes"))
+            else:
+                failures = 0
         except (httpx2.TransportError, _ServerBusy) as error:
-            if failures >= len(RETRY_DELAYS):
-                raise EngineError(
-                    f"Lost the connection to {host_name(endpoint)} while downloading "
-                    f"{remote.path} ({error}). The partial file is kept: check your "
-                    "connection and download again to resume."
-                ) from error
-            delay = RETRY_DELAYS[failures]
-            failures += 1
-            if cancel is not None and cancel.wait(delay):
-                raise Cancelled("Download cancelled; start it again to resume.") from error
+            failures = _wait_to_retry(failures if have <= start else 0, cancel,
+                                      _lost(endpoint, remote, str(error)))
         except HfHubHTTPError as error:
             raise hub_error(error, meter.repo_id, endpoint) from error
+
+
+def _wait_to_retry(failures: int, cancel: threading.Event | None, error: EngineError) -> int:
+    """Wait before retry number ``failures + 1``; raises ``error`` once retries ran out."""
+    if failures >= len(RETRY_DELAYS):
+        raise error
+    if cancel is not None and cancel.wait(RETRY_DELAYS[failures]):
+        raise Cancelled("Download cancelled; start it again to resume.")
+    return failures + 1
+
+
+def _lost(endpoint: str, remote: RemoteFile, why: str) -> EngineError:
+    return EngineError(
+        f"Lost the connection to {host_name(endpoint)} while downloading {remote.path} "
+        f"({why}). The partial file is kept: check your connection and download again "
+        "to resume."
+    )
+
+
+def _too_long(endpoint: str, remote: RemoteFile) -> EngineError:
+    return EngineError(
+        f"{host_name(endpoint)} sent more of {remote.path} than the {remote.size:,} bytes "
+        "its file list gives, so the download stopped (a proxy or mirror may be changing "
+        "the files). Try again later, or from another network."
+    )
 
 
 class _ServerBusy(Exception):

@@ -55,6 +55,7 @@ class FakeHub:
         self.pause_at: dict[str, int] = {}  # file -> call on_pause after N bytes, then wait
         self.on_pause: Callable[[], None] = lambda: None
         self.release = threading.Event()
+        self.ignore_range = False  # answer every GET with the whole file, as some proxies do
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -146,7 +147,7 @@ class FakeHub:
                     return self._error(404, "EntryNotFound")
                 data = repo.served_bytes.get(name, repo.files[name])
                 start = 0
-                if (wanted := self.headers.get("Range")) is not None:
+                if (wanted := self.headers.get("Range")) is not None and not hub.ignore_range:
                     start = int(wanted.removeprefix("bytes=").split("-")[0])
                 self.send_response(206 if start else 200)
                 if start:
@@ -307,6 +308,34 @@ def test_outage_keeps_partial_file_and_next_call_resumes(
 
     _assert_model_on_disk(folder, repo)
     assert hub.file_gets("model.safetensors")[-1] == f"bytes={kept}-"
+
+
+def test_a_body_longer_than_listed_stops_the_download_with_a_reason(hub: FakeHub) -> None:
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    listed = len(repo.files["model.safetensors"]) - 1000
+    repo.declared_sizes["model.safetensors"] = listed
+    progress: list[DownloadProgress] = []
+    with pytest.raises(EngineError, match=r"sent more of model\.safetensors than the"):
+        download_model("mlx-community/tiny", on_progress=progress.append)
+    assert len(hub.file_gets("model.safetensors")) == 1
+    part = destination_for("mlx-community/tiny") / download_plan.PARTIAL_DIR / "model.safetensors"
+    assert part.stat().st_size <= listed
+    assert all(p.bytes_done <= p.bytes_total for p in progress)
+
+
+@pytest.mark.parametrize("ignore_range", [False, True])
+def test_a_body_cut_short_again_and_again_ends_the_download(
+        hub: FakeHub, monkeypatch: pytest.MonkeyPatch, ignore_range: bool) -> None:
+    """The server ends the file early without an error, every time: resumed (or, a
+    server ignoring Range, sent whole again), then given up after the retries."""
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    weights = repo.files["model.safetensors"]
+    repo.served_bytes["model.safetensors"] = weights[: len(weights) // 2]
+    hub.ignore_range = ignore_range
+    monkeypatch.setattr(download_transfer, "RETRY_DELAYS", (0.0, 0.0))
+    with pytest.raises(EngineError, match=f"it sent {len(weights) // 2:,} of {len(weights):,}"):
+        download_model("mlx-community/tiny")
+    assert len(hub.file_gets("model.safetensors")) == 4  # the first try and three more
 
 
 def test_cancel_then_resume(hub: FakeHub) -> None:
