@@ -325,4 +325,6 @@ def _missing_shards(folder: Path) -> list[str]:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
     except (OSError, ValueError, AttributeError):
         return []
-    return sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+    if not isinstance(weight_map, dict):  # an unreadable index: the headers decide
+        return []
+    return sorted({str(f) for f in weight_map.values() if not (folder / str(f)).is_file()})

@@ -53,7 +53,13 @@ def read_config(folder: Path) -> dict[str, Any]:
             "Choose the folder that holds config.json and the .safetensors weights."
         )
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        text = config_path.read_text(encoding="utf-8")
+        if text.startswith("\ufeff"):
+            raise ModelLoadError(
+                f"{config_path} starts with a byte order mark (an editor added it), which "
+                "mlx-lm cannot read: save it again as UTF-8 without BOM."
+            )
+        config = json.loads(text)
     except (ValueError, OSError) as error:
         raise ModelLoadError(
             f"{config_path} is not valid JSON ({error}); the download may be "
@@ -125,6 +131,8 @@ def _check_shards(folder: Path) -> None:
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
     except (OSError, ValueError, AttributeError):
         return  # no index (single file) or an unreadable one: the headers decide
+    if not isinstance(weight_map, dict):
+        return
     missing = sorted({str(f) for f in weight_map.values() if not (folder / str(f)).is_file()})
     if missing:
         raise ModelLoadError(

@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeGuard
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def generation_defaults(folder: str | Path) -> dict[str, float | int]:
     """
     path = Path(folder) / GENERATION_CONFIG
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8-sig"))  # editors may add a BOM
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as error:
@@ -47,9 +48,19 @@ def generation_defaults(folder: str | Path) -> dict[str, float | int]:
     for key, valid in VALID.items():
         value = config.get(key)
         # json reads NaN and Infinity too: neither is a setting (SamplingParams refuses them).
-        if isinstance(value, int | float) and not isinstance(value, bool) \
-                and math.isfinite(value) and valid(value):
+        if _finite(value) and valid(value):
             found[key] = int(value) if key == "top_k" else float(value)
     if config.get("do_sample") is False:
         found["temperature"] = 0.0
     return found
+
+
+def _finite(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is a finite number: json reads NaN and Infinity, and integers
+    past a float's range (SamplingParams refuses all three)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -96,8 +96,11 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
     headers = read_weight_headers(folder)
     check_architecture(config, folder)
     _check_tokenizer_files(folder)
-    kinds = layer_kinds(config, headers)
-    return build_model_info(folder, config, kinds, count_parameters(config, headers))
+    try:
+        kinds = layer_kinds(config, headers)
+        return build_model_info(folder, config, kinds, count_parameters(config, headers))
+    except (*CONFIG_ERRORS, ValueError) as error:  # a field of the wrong type
+        raise invalid_config_error(folder, config, error) from error
 
 
 # What a model class raises when config.json holds wrong types or zero sizes.

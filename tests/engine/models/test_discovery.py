@@ -220,6 +220,29 @@ def test_missing_shards_and_missing_config_are_reported(tiny_llama: Path, tmp_pa
     assert "No config.json" in reasons["no-config"]
 
 
+def test_a_config_of_the_wrong_types_is_skipped_and_the_rest_still_listed(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """One hand-edited folder must not empty the picker: it is skipped with a reason."""
+    bad = copy_model(tiny_llama, tmp_path / "heads-as-text")
+    config = json.loads((bad / "config.json").read_text())
+    config["num_attention_heads"] = str(config["num_attention_heads"])
+    config.pop("head_dim", None)
+    (bad / "config.json").write_text(json.dumps(config))
+    odd_index = copy_model(tiny_llama, tmp_path / "odd-index")
+    (odd_index / "model.safetensors.index.json").write_text('{"weight_map": ["a", "b"]}')
+    bom = copy_model(tiny_llama, tmp_path / "bom")
+    (bom / "config.json").write_text((tiny_llama / "config.json").read_text(),
+                                     encoding="utf-8-sig")
+
+    found = discover_models([tmp_path], include_hf_cache=False, include_lmstudio=False)
+
+    assert [m.name for m in found.models] == ["odd-index"]
+    reasons = {s.name: s.reason for s in found.skipped}
+    assert "does not describe a valid llama model" in reasons["heads-as-text"]
+    # mlx-lm's own reading of config.json refuses the mark: said, not "download again".
+    assert "save it again as UTF-8 without BOM" in reasons["bom"]
+
+
 def test_missing_locations_are_fine(tmp_path: Path) -> None:
     found = discover_models([tmp_path / "does-not-exist"])
     assert found.models == () and found.skipped == ()

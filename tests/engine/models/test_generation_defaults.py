@@ -37,7 +37,7 @@ def test_values_out_of_range_or_of_the_wrong_type_give_no_default(tmp_path: Path
 def test_values_that_are_not_finite_numbers_give_no_default(tmp_path: Path) -> None:
     # json reads these; SamplingParams refuses them, so each send would fail.
     folder = _folder(tmp_path, '{"temperature": Infinity, "repetition_penalty": NaN, '
-                               '"top_p": 0.9}')
+                               '"top_p": 0.9, "top_k": 1' + "0" * 400 + '}')
     assert generation_defaults(folder) == {"top_p": 0.9}
 
 
@@ -45,3 +45,9 @@ def test_a_missing_or_broken_file_gives_none(tmp_path: Path) -> None:
     assert generation_defaults(tmp_path) == {}
     assert generation_defaults(_folder(tmp_path, "{not json")) == {}
     assert generation_defaults(_folder(tmp_path, "[0.7]")) == {}
+
+
+def test_a_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6}',
+                                                     encoding="utf-8-sig")
+    assert generation_defaults(tmp_path) == {"temperature": 0.6}
