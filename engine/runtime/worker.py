@@ -646,8 +646,10 @@ class EngineWorker(Worker):
             case CheckQuality():
                 return self._requests.check_quality(request_id, request, cancel)
             case LoadModel():
-                info = self._held.load(request.path)
+                # The idle batch holds the model: let go of it before the load, which
+                # may unload the model first so as never to hold two.
                 self._answering.close()
+                info = self._held.load(request.path)
                 self._answering.limit = self._stream_limit(info)
                 return ModelLoaded(request_id, info)
             case OpenSession():

@@ -19,6 +19,7 @@ from engine.errors import (
     InsufficientMemory,
     KvBudgetExceeded,
     MemoryPressure,
+    ModelLoadError,
 )
 from engine.events import (
     AnswerWaiting,
@@ -534,6 +535,40 @@ def test_worker_unloads_first_when_only_that_makes_room(llama, worker_with) -> N
     assert any(isinstance(e, ModelLoaded) for e in events.events)
     failed = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
     assert isinstance(failed, Failed) and "No open session named 's'" in failed.message
+
+
+def test_a_model_unloaded_first_is_gone_before_the_next_loads_after_a_batch(
+        llama, worker_with, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chats that answered together leave the worker's batch behind: it must not keep
+    the model the load unloads, neither while the next loads nor after a failed load."""
+    import gc
+    import weakref
+
+    from engine.models import loader
+
+    memory = FakeMemory()
+    worker, events = worker_with(memory)
+    events.ending(worker.load_model(str(llama.folder)))
+    for name in ("a", "b"):
+        events.ending(worker.open_session(name, "q8", 16))
+    long = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
+    asked = [worker.chat(name, _user(QUESTION), long, threading.Event()) for name in "ab"]
+    assert all(isinstance(events.ending(i), Finished) for i in asked)
+    assert worker._answering._batch is not None  # they answered together
+    old = weakref.ref(worker._held.loaded.model)
+    needed, _ = estimate_load_bytes(llama.folder)
+    memory.available = needed - 1  # fits only once the current model is released
+    alive_at_load: list[bool] = []
+
+    def failing_load(*args: Any, **kwargs: Any) -> None:
+        gc.collect()
+        alive_at_load.append(old() is not None)
+        raise ModelLoadError("the weights are corrupt")
+
+    monkeypatch.setattr(loader, "load_model", failing_load)
+    assert isinstance(events.ending(worker.load_model(str(llama.folder))), Failed)
+    gc.collect()
+    assert alive_at_load == [False] and old() is None
 
 
 def test_worker_chat_ends_with_reason_memory(llama, worker_with) -> None:
