@@ -321,12 +321,14 @@ class Answering:
         if session.memory_stop:
             log.warning("answer in %s stopped for memory: %s", session.session_id,
                         session.memory_stop)
-        self._stats.publish(session)
-        if not self._members:
-            self._heartbeat.close()
-        self._after_end()
-        self._count()  # before the ending: a front end may read the counts on it
-        self._emit(ending or _ending(result, member.reused))
+        try:
+            self._stats.publish(session)
+            if not self._members:
+                self._heartbeat.close()
+            self._after_end()
+        finally:  # out of the members: nothing else would end it
+            self._count()  # before the ending: a front end may read the counts on it
+            self._emit(ending or _ending(result, member.reused))
 
     def _abandon(self, batch: BatchDecoder, error: Exception) -> None:
         """A pass failed: every answer in the batch ends with it, each session at the

@@ -76,6 +76,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 THREAD_NAME = "longleaf-engine"
+SHUT_DOWN = ("The engine has shut down (Longleaf is quitting, or the server stopping): it "
+             "takes no more requests.")
 UNEXPECTED = (
     "The engine hit an unexpected error ({detail}). The conversation's cache went back "
     "to its last finished step; send the message again, and if it keeps failing, "
@@ -458,7 +460,8 @@ class EngineWorker(Worker):
                 self._stopped_on = (
                     f"The engine stopped on an unexpected error ({type(error).__name__}: "
                     f"{error}); quit Longleaf and open it again (or restart the server).")
-            self._fail_outstanding(error)
+            # In those words: "send it again" would only meet the stopped thread.
+            self._fail_outstanding(EngineStopped(self._stopped_on))
         finally:
             # MLX does not clean a thread's streams up by itself; without this the
             # process aborts at exit ("terminate called without an active exception").
@@ -468,9 +471,8 @@ class EngineWorker(Worker):
         """End every request still answering, waiting or queued with ``error``: no
         one waits for an ending from a thread that has stopped."""
         self._answering.fail_all(error)
-        for command in [*self._pending, *self._take(block=False)]:
-            if command is not None:
-                self._emit(_unexpected_ending(command, error))
+        for command in [*self._pending, *self._drain()]:
+            self._emit(_unexpected_ending(command, error))
         self._pending.clear()
 
     def _serve(self) -> None:
@@ -485,9 +487,11 @@ class EngineWorker(Worker):
         self._answering.cancel_in(None)
         while self._answering.busy:
             self._answering.step()
-        for command in [*self._pending, *self._take(block=False)]:
-            if command is not None:
-                self._emit(Finished(command.request_id, "cancelled"))
+        with self._submit_lock:  # whatever comes from now on is refused at once
+            self._stopped_on = SHUT_DOWN
+            left = [*self._pending, *self._drain()]
+        for command in left:
+            self._emit(Finished(command.request_id, "cancelled"))
         self._answering.close()
         self._held.release()
         self._held.stop_followers()
@@ -546,6 +550,13 @@ class EngineWorker(Worker):
         self._end_cancelled_waiting()
         self._tell_held(self._pending, ONE_AT_A_TIME)
         return False
+
+    def _drain(self) -> list[Command]:
+        """Every command queued, past any stop sentinels."""
+        left: list[Command] = []
+        while taken := self._take(block=False):
+            left.extend(c for c in taken if c is not None)
+        return left
 
     def _take(self, *, block: bool) -> list[Command | None]:
         """The commands in the queue (waiting for the first when ``block``)."""
@@ -625,9 +636,12 @@ class EngineWorker(Worker):
             ending = failed(command.request_id, error)
         except Exception as error:
             ending = _unexpected_ending(command, error)
-        # Before the end is announced, so a fit check it prompts sees what it changed.
-        self._publish_fit()
-        self._emit(ending)
+        # Before the end is announced, so a fit check it prompts sees what it changed;
+        # announced even when that fails (the thread then stops on the bug).
+        try:
+            self._publish_fit()
+        finally:
+            self._emit(ending)
 
     # -- handlers ------------------------------------------------------------
 

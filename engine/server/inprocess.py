@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.cache.modes import KvMode
+from engine.errors import EngineStopped
 from engine.events import Event, Failed, Finished, request_id_of
 from engine.runtime.interface import Worker
 from engine.server.bridge import ServerBridge, Ticket
@@ -137,7 +138,10 @@ class AttachedBridge(ServerBridge):
             names = list(self._sessions)
             self._sessions.clear()
         for name in names:
-            self.worker.close_session(name, store=True)
+            try:
+                self.worker.close_session(name, store=True)
+            except EngineStopped:  # the engine went first: it let go of every session
+                return
 
     def shutdown(self) -> None:
         """The server is going: its sessions are stored and closed; the worker goes on."""

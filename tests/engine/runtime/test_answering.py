@@ -647,6 +647,50 @@ def test_answers_end_when_the_engine_thread_stops_on_a_bug(
             worker.chat("a", ASKED["a"], LONG, threading.Event())
 
 
+STOPPED = "quit Longleaf and open it again"
+
+
+def test_an_answer_ending_as_the_engine_stops_on_a_bug_still_ends(
+        endless_dir: Path) -> None:
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a", "b")
+        long = SamplingParams(temperature=0.0, max_tokens=2000)
+        first = worker.chat("a", ASKED["a"], long, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == first
+                                        for e in events))
+        short = worker.chat("b", ASKED["b"], SamplingParams(temperature=0.0, max_tokens=6),
+                            threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) and e.request_id == short
+                                        for e in events))
+
+        def buggy() -> None:
+            raise RuntimeError("a bug as an answer ends")
+
+        worker._answering._after_end = buggy  # the hook runs as the short answer ends
+        assert isinstance(log.ending(short), Finished)
+        ending = log.ending(first)
+        # The other answer is told the engine stopped, not to send its message again.
+        assert isinstance(ending, Failed) and STOPPED in ending.message
+        assert worker.join(10.0) and not worker.alive
+
+
+def test_the_request_running_as_the_engine_stops_on_a_bug_still_ends(
+        endless_dir: Path) -> None:
+    with loaded_worker(endless_dir, chunk_size=16) as (worker, log):
+        _open(worker, log, "a")
+
+        def buggy(chunk_size: int) -> None:
+            raise RuntimeError("a bug after a request")
+
+        worker._held.publish_fit = buggy  # type: ignore[method-assign]
+        running = worker.configure(budget_bytes=None, chunk_size=16, read_share=0.5)
+        queued = worker.chat("a", ASKED["a"], LONG, threading.Event())
+        assert isinstance(log.ending(running), Finished)
+        ending = log.ending(queued)
+        assert isinstance(ending, Failed) and STOPPED in ending.message
+        assert worker.join(10.0) and not worker.alive
+
+
 def test_a_close_stops_the_requests_waiting_in_its_session_ahead_of_it(
         endless_dir: Path) -> None:
     # One answer at a time: B's chat waits behind A's, which runs alone to its end.

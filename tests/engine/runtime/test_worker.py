@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineStopped
 from engine.events import (
     AnswerWaiting,
     Failed,
@@ -299,8 +299,11 @@ def test_shutdown_cancels_running_and_queued_requests(model_dirs) -> None:
     assert not any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate())
     assert log.ending(running).reason == "cancelled"
     assert log.ending(queued).reason == "cancelled"
-    late = worker.close_session("s")  # after shutdown: never run, never answered twice
-    assert log.for_request(late) == []
+    # After shutdown: refused at once, rather than queued where no thread takes it.
+    for late in (lambda: worker.close_session("s"), lambda: worker.open_session("t", "q8"),
+                 lambda: worker.chat("s", MESSAGES, long, threading.Event())):
+        with pytest.raises(EngineStopped, match="has shut down"):
+            late()
 
 
 def test_close_session_and_reload_forget_sessions(start_worker, model_dirs) -> None:
