@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from PySide6.QtCore import QModelIndex, Qt, QTimer, Signal, SignalInstance
+from PySide6.QtCore import QEvent, QModelIndex, QObject, Qt, QTimer, Signal, SignalInstance
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
@@ -50,6 +50,8 @@ COLLAPSE_CHARS = 1500
 COLLAPSE_LINES = 25
 SHOW_ALL = "Show all"
 SHOW_LESS = "Show less"
+# A chat opens with its last this many rows built; each page above is as long.
+PAGE_ROWS = 40
 
 
 def collapsed(text: str) -> str | None:
@@ -242,7 +244,14 @@ class MessageWidget(QFrame):
 
 
 class ConversationView(QScrollArea):
-    """A scrolling column of ``MessageWidget``s that follows the model."""
+    """A scrolling column of ``MessageWidget``s that follows the model.
+
+    A chat opens with only its last ``PAGE_ROWS`` rows built: a widget renders
+    its Markdown when it is made, and a long chat's every row at once would
+    freeze the window. Reaching the top of the column builds the page before
+    it, above, and the rows on screen stay where they were (``widgets[i]`` is
+    model row ``first_built + i``; the built rows always run to the model's end).
+    """
 
     regenerateRequested = Signal()
     editRequested = Signal()
@@ -253,6 +262,10 @@ class ConversationView(QScrollArea):
         self.model = model
         self.busy = False
         self.reading = False
+        # The row that was on top when a page was put above it, and its place
+        # on screen then: kept there while the new rows settle their heights.
+        self._anchor: MessageWidget | None = None
+        self._anchor_offset = 0
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -271,7 +284,10 @@ class ConversationView(QScrollArea):
         self.layout_.addStretch(1)
         self.setWidget(self.column)
         self.widgets: list[MessageWidget] = []
+        self.first_built = 0  # the model row of ``widgets[0]``
         self._follow = True
+        self._placing = False  # the view's own scroll, not the user's
+        self._loading = False  # a page is queued
         self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
         self.verticalScrollBar().rangeChanged.connect(self._on_range)
         model.modelReset.connect(self._rebuild)
@@ -280,13 +296,18 @@ class ConversationView(QScrollArea):
         model.dataChanged.connect(self._on_changed)
         self._rebuild()
 
+    def widget_for(self, row: int) -> MessageWidget | None:
+        """Model row ``row``'s widget, or None while it is not built."""
+        index = row - self.first_built
+        return self.widgets[index] if 0 <= index < len(self.widgets) else None
+
     def set_busy(self, busy: bool, reading: bool = False) -> None:
         """Hide regenerate/edit while an answer streams; ``reading``: its chat is still
         being read, so its row says so rather than "Answering…"."""
         changed = reading != self.reading
         self.busy, self.reading = busy, reading
         if changed and self.widgets:
-            self._render(len(self.widgets) - 1)
+            self._render(self.model.rowCount() - 1)
         self._refresh_actions()
 
     def _make(self, row: int) -> MessageWidget:
@@ -299,46 +320,70 @@ class ConversationView(QScrollArea):
         return widget
 
     def _render(self, row: int) -> None:
+        widget = self.widget_for(row)
+        if widget is None:
+            return
         index = self.model.index(row)
-        self.widgets[row].show_message(
+        widget.show_message(
             self.model.data(index) or "", self.model.data(index, StatusRole),
             self.model.data(index, ReasonRole), self.model.data(index, StatsRole),
             self.model.data(index, AttachmentsRole) or (),
-            reading=self.reading and row == len(self.widgets) - 1)
+            reading=self.reading and row == self.model.rowCount() - 1)
 
     def _drop(self, widgets: list[MessageWidget]) -> None:
         # Out of the layout and hidden now: deleteLater waits for the event loop
         # that called it, and a context menu's nested loop would show the old
         # chat's rows above the new ones until the menu closes.
         for widget in widgets:
+            if widget is self._anchor:
+                self._hold(None)
             self.layout_.removeWidget(widget)
             widget.hide()
             widget.deleteLater()
 
     def _rebuild(self) -> None:
+        """Show the model's last page of rows, following the bottom."""
         self._drop(self.widgets)
         self.widgets = []
-        self._on_inserted(QModelIndex(), 0, self.model.rowCount() - 1)
+        self.first_built = max(0, self.model.rowCount() - PAGE_ROWS)
+        self._build(self.first_built, self.model.rowCount() - 1)
+        self._after_change()
         self._follow = True
+        # Another chat's last page may be just as tall: no range change would say so.
+        self._scroll_to_bottom_later()
 
-    def _on_inserted(self, _parent: QModelIndex, first: int, last: int) -> None:
+    def _build(self, first: int, last: int) -> None:
+        """Make and render the widgets of model rows ``first``..``last``, which lie
+        within or right beside the built ones."""
         for row in range(first, last + 1):
             widget = self._make(row)
-            self.widgets.insert(row, widget)
-            self.layout_.insertWidget(row + 1, widget)  # after the placeholder
+            at = row - self.first_built
+            self.widgets.insert(at, widget)
+            self.layout_.insertWidget(at + 1, widget)  # after the placeholder
             self._render(row)
+
+    def _on_inserted(self, _parent: QModelIndex, first: int, last: int) -> None:
+        if first < self.first_built:
+            self.first_built += last - first + 1  # above the built rows: built later if reached
+        else:
+            self._build(first, last)
         self._after_change()
 
     def _on_removed(self, _parent: QModelIndex, first: int, last: int) -> None:
-        self._drop(self.widgets[first:last + 1])
-        del self.widgets[first:last + 1]
+        start = max(first, self.first_built) - self.first_built
+        end = max(start, last + 1 - self.first_built)
+        self._drop(self.widgets[start:end])
+        del self.widgets[start:end]
+        self.first_built -= max(0, min(last + 1, self.first_built) - first)  # those above
+        if not self.widgets and self.first_built > 0:
+            self._rebuild()  # every built row went: the rows left show as a chat opened
+            return
         self._after_change()
 
     def _on_changed(self, top: QModelIndex, bottom: QModelIndex,
                     roles: Sequence[int] = ()) -> None:
-        for row in range(top.row(), bottom.row() + 1):
-            if 0 <= row < len(self.widgets):
-                self._render(row)
+        for row in range(max(top.row(), self.first_built), bottom.row() + 1):
+            self._render(row)
         # Streamed text alone (a flush) changes no row's actions: they follow
         # statuses, the busy state and which rows are last; a long chat's flushes
         # would otherwise walk every row.
@@ -346,13 +391,20 @@ class ConversationView(QScrollArea):
             self._refresh_actions()
 
     def _after_change(self) -> None:
-        self.placeholder.setVisible(not self.widgets)
+        self.placeholder.setVisible(self.model.rowCount() == 0)
         self._refresh_actions()
 
+    def _last_user_row(self) -> int:
+        """The model row of the last user message (-1 for none), built or not."""
+        for row in range(self.model.rowCount() - 1, -1, -1):
+            if self.model.data(self.model.index(row), RoleRole) == "user":
+                return row
+        return -1
+
     def _refresh_actions(self) -> None:
-        last_user = max((i for i, w in enumerate(self.widgets) if w.role == "user"), default=-1)
-        last = len(self.widgets) - 1
-        for row, widget in enumerate(self.widgets):
+        last_user = self._last_user_row()
+        last = self.model.rowCount() - 1
+        for row, widget in enumerate(self.widgets, self.first_built):
             index = self.model.index(row)
             streaming = self.model.data(index, StatusRole) == "streaming"
             last_answer = not self.busy and row == last and widget.role == "assistant"
@@ -367,12 +419,69 @@ class ConversationView(QScrollArea):
         QGuiApplication.clipboard().setText(widget.full_text())
         widget.show_copied()
 
+    def load_earlier(self) -> None:
+        """Build the page of rows before the built ones, above them, keeping the rows
+        on screen where they are."""
+        self._loading = False
+        bar = self.verticalScrollBar()
+        if self.first_built == 0 or bar.value() != bar.minimum():
+            return  # the top was only passed through, as the column was laid out
+        self._hold(self.widgets[0] if self.widgets else None)
+        last = self.first_built - 1
+        self.first_built = max(0, self.first_built - PAGE_ROWS)
+        self._build(self.first_built, last)
+        self._refresh_actions()
+
+    def _hold(self, widget: MessageWidget | None) -> None:
+        """Keep ``widget`` where it is on screen (None: keep none) until the user scrolls."""
+        if self._anchor is not None:
+            self._anchor.removeEventFilter(self)
+        self._anchor = widget
+        if widget is not None:
+            self._anchor_offset = widget.y() - self.verticalScrollBar().value()
+            widget.installEventFilter(self)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self._anchor and event.type() == QEvent.Type.Move:
+            self._keep_anchor()  # the rows above it grew or settled
+        return super().eventFilter(watched, event)
+
+    def _keep_anchor(self) -> None:
+        if self._anchor is None:
+            return
+        self._placing = True
+        try:
+            self.verticalScrollBar().setValue(self._anchor.y() - self._anchor_offset)
+        finally:
+            self._placing = False
+
+    def _queue_earlier(self) -> None:
+        if self.first_built > 0 and not self._loading:
+            self._loading = True
+            # Out of the scroll bar's own signal: building rows lays the column out again.
+            QTimer.singleShot(0, self, self.load_earlier)
+
     def _on_scrolled(self, value: int) -> None:
-        self._follow = value >= self.verticalScrollBar().maximum() - 40
+        bar = self.verticalScrollBar()
+        if not self._placing:
+            self._hold(None)  # the user scrolled: the rows need not stay put any more
+        self._follow = value >= bar.maximum() - 40
+        if value == bar.minimum() and not self._placing:
+            self._queue_earlier()
 
     def _on_range(self, _low: int, high: int) -> None:
-        if self._follow:
-            # With the view as context: a range change while the window is destroyed
-            # queues a scroll that must not run on the deleted view.
-            QTimer.singleShot(0, self, lambda: self.verticalScrollBar().setValue(
-                self.verticalScrollBar().maximum()))
+        if self._anchor is not None:
+            self._keep_anchor()
+        elif self._follow:
+            self._scroll_to_bottom_later()
+        if high == 0:
+            self._queue_earlier()  # no scroll bar to reach the top with: fill the view
+
+    def _scroll_to_bottom_later(self) -> None:
+        # With the view as context: a range change while the window is destroyed
+        # queues a scroll that must not run on the deleted view.
+        QTimer.singleShot(0, self, self._scroll_to_bottom)
+
+    def _scroll_to_bottom(self) -> None:
+        if self._follow:  # unless the user scrolled up meanwhile (to the top: a page loads)
+            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from PySide6.QtCore import QModelIndex
 from PySide6.QtGui import QGuiApplication
 
 from app.chat.conversation_view import (
     COLLAPSE_CHARS,
     COPIED_TEXT,
+    PAGE_ROWS,
     SHOW_ALL,
     SPECULATIVE_TIP,
     ConversationView,
@@ -37,7 +39,7 @@ def _visible_rows(view: ConversationView) -> list[str]:
 
 def test_shift_enter_line_breaks_stay_in_a_sent_message(qtbot) -> None:
     _, view = _view(qtbot, [ChatMessage("user", "first line\nsecond line\n\nthird")])
-    assert view.widgets[0].body.toPlainText() == "first line\nsecond line\n\nthird"
+    assert view.widget_for(0).body.toPlainText() == "first line\nsecond line\n\nthird"
 
 
 def test_another_chats_rows_replace_the_old_ones_at_once(qtbot) -> None:
@@ -53,7 +55,7 @@ def test_another_chats_rows_replace_the_old_ones_at_once(qtbot) -> None:
 
 def test_copy_says_it_copied(qtbot) -> None:
     _, view = _view(qtbot, [ChatMessage("assistant", "**an answer**")])
-    widget = view.widgets[0]
+    widget = view.widget_for(0)
     widget.copy_button.click()
     assert QGuiApplication.clipboard().text() == "**an answer**"
     assert widget.copy_button.text() == COPIED_TEXT
@@ -101,7 +103,7 @@ def test_stats_line_says_a_speculative_answers_tokens_a_step_in_plain_words(qtbo
     drafted = {**plain, "draft_tokens": 40, "accepted_tokens": 30, "decode_steps": 18}
     assert _plain(stats_text(drafted)).endswith("12.0 tokens/s · 2.7 tokens a step")
     _, view = _view(qtbot, [ChatMessage("assistant", "ok", "complete", stats=drafted)])
-    assert view.widgets[0].stats.toolTip() == SPECULATIVE_TIP
+    assert view.widget_for(0).stats.toolTip() == SPECULATIVE_TIP
 
 
 def test_a_long_first_word_wait_is_said_in_minutes_and_parts_never_break_inside() -> None:
@@ -117,7 +119,7 @@ def test_a_read_stopped_before_any_word_leaves_no_empty_stats_or_copy(qtbot) -> 
         ChatMessage("assistant", "", "stopped", 2,
                     reason="Stopped while reading: 1,536 of 7,757 tokens kept; the next send "
                            "continues from there", stats=stats)])
-    row = view.widgets[1]
+    row = view.widget_for(1)
     assert row.stats.text() == "" and not row.copy_button.isVisibleTo(row)
     assert row.status.text() == "Stopped while reading: 1,536 of 7,757 tokens kept"
     assert row.regenerate_button.isVisibleTo(row)  # the way to ask again
@@ -163,3 +165,137 @@ def test_a_flush_of_streamed_text_walks_no_other_row(qtbot, monkeypatch) -> None
     model.update_last(status="complete")  # the answer ends: the actions follow
     assert len(calls) == len(view.widgets)
     assert view.widgets[-1].copy_button.isVisibleTo(view.widgets[-1])
+
+
+def _long_chat(count: int, tag: str = "") -> list[ChatMessage]:
+    """``count`` rows, user and assistant in turn, each saying its row number."""
+    return [ChatMessage("user" if i % 2 == 0 else "assistant", f"{tag}message {i}",
+                        "complete", i + 1) for i in range(count)]
+
+
+def _texts(view: ConversationView) -> list[str]:
+    return [widget.body.markdown() for widget in view.widgets]
+
+
+def _at_bottom(qtbot, view: ConversationView) -> None:
+    bar = view.verticalScrollBar()
+    qtbot.waitUntil(lambda: 0 < bar.maximum() == bar.value())
+
+
+def _scroll_to_top(qtbot, view: ConversationView) -> None:
+    """Scroll to the top, as the user would, and wait for the page above."""
+    first, bar = view.first_built, view.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.value() > 0)  # at the bottom, or where the last page kept it
+    bar.setValue(0)
+    qtbot.waitUntil(lambda: view.first_built < first)
+
+
+def _with_actions(view: ConversationView, button: str) -> list[int]:
+    """The model rows whose ``button`` (an attribute of ``MessageWidget``) shows."""
+    return [row for row, widget in enumerate(view.widgets, view.first_built)
+            if getattr(widget, button).isVisibleTo(widget)]
+
+
+def test_a_long_chat_opens_with_only_its_last_page_built(qtbot) -> None:
+    _, view = _view(qtbot, _long_chat(300))
+    assert len(view.widgets) == PAGE_ROWS and view.first_built == 300 - PAGE_ROWS
+    assert _texts(view) == [f"message {i}" for i in range(300 - PAGE_ROWS, 300)]
+    assert view.widget_for(299) is view.widgets[-1] and view.widget_for(0) is None
+    _at_bottom(qtbot, view)  # follows the bottom, as before
+    assert not view.placeholder.isVisible()
+
+
+def test_scrolling_to_the_top_builds_the_page_above_keeping_the_rows_in_place(qtbot) -> None:
+    _, view = _view(qtbot, _long_chat(300))
+    view.resize(600, 500)
+    _at_bottom(qtbot, view)
+    bar = view.verticalScrollBar()
+    bar.setValue(0)
+    top = view.widgets[0]
+    shown_at = top.y()  # where the top row is on screen, the scroll value being 0
+    qtbot.waitUntil(lambda: view.first_built == 300 - 2 * PAGE_ROWS)
+    assert view.widget_for(300 - PAGE_ROWS) is top
+    assert _texts(view)[:2] == [f"message {300 - 2 * PAGE_ROWS}",
+                                f"message {301 - 2 * PAGE_ROWS}"]
+    # The scroll value moved by the height put above: the top row did not move on screen.
+    qtbot.waitUntil(lambda: bar.value() > 0 and top.y() - bar.value() == shown_at)
+    qtbot.wait(50)  # the new rows' heights settled: still in place
+    assert bar.value() == top.y() - shown_at and view.first_built == 300 - 2 * PAGE_ROWS
+
+
+def test_every_page_loaded_builds_every_row_in_order(qtbot) -> None:
+    _, view = _view(qtbot, _long_chat(300))
+    _at_bottom(qtbot, view)
+    pages = [view.first_built]
+    while view.first_built > 0:
+        _scroll_to_top(qtbot, view)
+        pages.append(view.first_built)
+    assert pages == [300 - PAGE_ROWS * n for n in range(1, 300 // PAGE_ROWS + 1)] + [0]
+    assert _texts(view) == [f"message {i}" for i in range(300)]
+    assert [view.widget_for(row) for row in range(300)] == view.widgets
+
+
+def test_actions_stay_on_the_last_rows_of_a_partly_built_chat(qtbot) -> None:
+    # 30 answers after the last question, more than a page of rows after it.
+    rows = [*_long_chat(100), *[ChatMessage("assistant", f"more {i}", "complete", 200 + i)
+                                for i in range(PAGE_ROWS)]]
+    model, view = _view(qtbot, rows)
+    assert view.first_built == 100
+    assert _with_actions(view, "regenerate_button") == [139]
+    assert _with_actions(view, "edit_button") == []  # row 98, not built yet
+    _scroll_to_top(qtbot, view)
+    assert _with_actions(view, "edit_button") == [98]
+    assert _with_actions(view, "regenerate_button") == [139]
+    view.set_busy(True)
+    assert _with_actions(view, "edit_button") == _with_actions(view, "regenerate_button") == []
+    view.set_busy(False)
+    model.append(ChatMessage("user", "a new question", "complete", 300))
+    assert _with_actions(view, "edit_button") == [140]
+    assert _with_actions(view, "regenerate_button") == []
+
+
+def test_an_edit_of_the_last_rows_of_a_partly_built_chat(qtbot) -> None:
+    model, view = _view(qtbot, _long_chat(300))
+    model.truncate(298)  # edit the last question: it and its answer go
+    assert view.first_built == 260 and _texts(view)[-1] == "message 297"
+    assert _with_actions(view, "regenerate_button") == [297]
+    assert _with_actions(view, "edit_button") == [296]
+    model.append(ChatMessage("user", "edited", "complete", 400))
+    model.append(ChatMessage("assistant", "", "streaming", 401))
+    view.set_busy(True)
+    model.append_text("Pines grow")
+    model.flush()
+    assert _texts(view)[-2:] == ["edited", "Pines grow"]
+    assert view.widget_for(299) is view.widgets[-1] and len(view.widgets) == PAGE_ROWS
+    model.truncate(100)  # every built row goes: the rows left open at their last page
+    assert view.first_built == 100 - PAGE_ROWS
+    assert _texts(view) == [f"message {i}" for i in range(100 - PAGE_ROWS, 100)]
+    assert _visible_rows(view) == _texts(view)
+
+
+def test_rows_put_in_or_taken_out_above_the_built_ones_keep_each_row_its_widget(qtbot) -> None:
+    model, view = _view(qtbot, _long_chat(100))
+    model.beginRemoveRows(QModelIndex(), 10, 69)  # 60 rows, some of them built
+    del model._rows[10:70]
+    model.endRemoveRows()
+    assert view.first_built == 10 and _texts(view) == [f"message {i}" for i in range(70, 100)]
+    model.beginInsertRows(QModelIndex(), 5, 6)
+    model._rows[5:5] = [ChatMessage("user", "put in", "complete", 500),
+                        ChatMessage("assistant", "put in", "complete", 501)]
+    model.endInsertRows()
+    assert view.first_built == 12 and view.widget_for(12) is view.widgets[0]
+    assert _texts(view)[0] == "message 70" and len(view.widgets) == 30
+
+
+def test_another_chat_opens_at_its_own_last_page(qtbot) -> None:
+    model, view = _view(qtbot, _long_chat(300))
+    _at_bottom(qtbot, view)
+    _scroll_to_top(qtbot, view)
+    model.set_messages(_long_chat(301, "other "))
+    assert view.first_built == 301 - PAGE_ROWS and len(view.widgets) == PAGE_ROWS
+    assert _texts(view)[-1] == "other message 300"
+    _at_bottom(qtbot, view)
+    qtbot.wait(50)
+    assert view.first_built == 301 - PAGE_ROWS  # no page above was built on the way
+    model.set_messages([])
+    assert view.widgets == [] and view.placeholder.isVisibleTo(view)
