@@ -55,7 +55,7 @@ def test_long_document_shows_ingest_progress_and_can_be_cancelled(qtbot, window,
     kept, total = (int(n.replace(",", "")) for n in
                    answer.reason.split(": ")[1].split(" tokens")[0].split(" of "))
     assert 0 < kept < total
-    assert window.conversation.widgets[1].status.text() == (
+    assert window.conversation.widget_for(1).status.text() == (
         f"{STOPPED_READING}: {kept:,} of {total:,} tokens kept")
 
 

@@ -36,7 +36,7 @@ def test_history_round_trips_across_a_restart(qtbot, tiny_llama) -> None:
         after = [(m.role, m.content, m.status, m.stats) for m in c.model.messages()]
         assert after == before and len(after) == 4
         assert len(second.conversation.widgets) == 4
-        assert second.conversation.widgets[0].body.markdown() == before[0][1]
+        assert second.conversation.widget_for(0).body.markdown() == before[0][1]
         # The chat is on disk, said once, with the tokens its snapshot holds, and the
         # sidebar counts the same tokens.
         on_disk = c.bridge.stored_snapshot(session.id)
@@ -139,7 +139,7 @@ def test_killed_mid_answer_keeps_the_partial_text(qtbot, tiny_llama) -> None:
         rows = c.model.messages()
         assert rows[1].status == "interrupted"
         assert rows[1].content.startswith(saved_before_kill) and rows[1].content
-        assert "Interrupted" in window.conversation.widgets[1].status.text()
+        assert "Interrupted" in window.conversation.widget_for(1).status.text()
     finally:
         close_window(window)
 
@@ -181,7 +181,7 @@ def test_killed_mid_ingest_keeps_the_document_and_every_finished_message(
         assert [r.status for r in rows] == ["complete", "complete", "complete", "interrupted"]
         assert rows[0].content == "Hello there" and rows[1].content == first_answer.content
         assert rows[2].attachments == user.attachments and rows[3].content == ""
-        assert "Interrupted" in window.conversation.widgets[3].status.text()
+        assert "Interrupted" in window.conversation.widget_for(3).status.text()
         # The document goes to the model again with the next message.
         engine_text = "\n".join(m["content"] for m in c.model.engine_messages(""))
         assert TEXT * 60 in engine_text

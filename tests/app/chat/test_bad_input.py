@@ -216,7 +216,7 @@ def test_a_turn_too_long_for_the_context_is_set_aside_and_the_chat_goes_on(
     assert [(r.role, r.status) for r in rows[2:]] == [("user", "failed"), ("assistant", "failed")]
     stored = c.store.messages(c.current.id)[2]
     assert (stored.content, stored.status, stored.reason) == (long_text, "failed", TOO_LONG_TURN)
-    status = window.conversation.widgets[2].status
+    status = window.conversation.widget_for(2).status
     assert (status.text(), status.toolTip()) == ("Failed", TOO_LONG_TURN)
     assert all(long_text not in m["content"] for m in c.model.engine_messages(""))
     # Without this, every later message would fail with the same refusal.

@@ -31,7 +31,7 @@ def test_answer_streams_into_the_model_and_is_saved(qtbot, window) -> None:
     assert _stored(window) == _rows(window)
     stats = c.model.message(1).stats
     assert stats["generated_tokens"] > 0 and stats["decode_tps"] > 0
-    shown = window.conversation.widgets[1].stats.text()
+    shown = window.conversation.widget_for(1).stats.text()
     assert f"{stats['generated_tokens']:,}\u00a0tokens" in shown
     assert c.current.title == "What is the capital of France?"
     assert window.composer.text() == ""  # sent text leaves the composer
@@ -52,7 +52,7 @@ def test_stop_keeps_the_partial_answer(qtbot, window) -> None:
     assert status == "stopped" and content
     assert _stored(window)[1] == (role, content, "stopped")
     assert window.composer.send_button.text() == "Send"
-    assert "Stopped" in window.conversation.widgets[1].status.text()
+    assert "Stopped" in window.conversation.widget_for(1).status.text()
 
 
 def test_regenerate_replaces_only_the_last_answer(qtbot, window) -> None:
@@ -60,9 +60,9 @@ def test_regenerate_replaces_only_the_last_answer(qtbot, window) -> None:
     send_and_wait(qtbot, window, "First question")
     first_ids = [m.message_id for m in c.model.messages()]
     first_answer = c.model.message(1).content
-    assert window.conversation.widgets[1].regenerate_button.isVisibleTo(window)
+    assert window.conversation.widget_for(1).regenerate_button.isVisibleTo(window)
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
-        window.conversation.widgets[1].regenerate_button.click()
+        window.conversation.widget_for(1).regenerate_button.click()
     rows = _rows(window)
     assert [r[0] for r in rows] == ["user", "assistant"]
     assert rows[0][1] == "First question" and rows[1][2] == "complete"
@@ -75,7 +75,7 @@ def test_regenerate_replaces_only_the_last_answer(qtbot, window) -> None:
 def test_edit_and_resend_replaces_the_last_turn(qtbot, window) -> None:
     c = window.controller
     send_and_wait(qtbot, window, "Original question")
-    window.conversation.widgets[0].edit_button.click()
+    window.conversation.widget_for(0).edit_button.click()
     assert window.composer.text() == "Original question"
     assert c.editing
     status = send_and_wait(qtbot, window, "Edited question")
@@ -92,7 +92,7 @@ def test_editing_the_first_message_keeps_a_title_the_user_chose(qtbot, window) -
     c = window.controller
     send_and_wait(qtbot, window, "Original question")
     c.rename_session(c.current.id, "My own title")
-    window.conversation.widgets[0].edit_button.click()
+    window.conversation.widget_for(0).edit_button.click()
     send_and_wait(qtbot, window, "Edited question")
     assert c.current.title == "My own title"
 
@@ -117,4 +117,4 @@ def test_interrupted_rows_show_their_status(qtbot, window) -> None:
     c.store.add_message(session.id, "assistant", "partial", "interrupted")
     c.select_session(session.id)
     assert c.model.data(c.model.index(1), StatusRole) == "interrupted"
-    assert "Interrupted" in window.conversation.widgets[1].status.text()
+    assert "Interrupted" in window.conversation.widget_for(1).status.text()

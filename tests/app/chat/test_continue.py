@@ -22,8 +22,8 @@ def test_an_answer_cut_at_the_length_limit_offers_continue(qtbot, window) -> Non
     assert cut.reason == LENGTH_LIMIT  # 24 tokens of a random tiny model never end early
     last = window.conversation.widgets[-1]
     assert last.continue_button.isVisibleTo(last)
-    assert not window.conversation.widgets[0].continue_button.isVisibleTo(
-        window.conversation.widgets[0])
+    assert not window.conversation.widget_for(0).continue_button.isVisibleTo(
+        window.conversation.widget_for(0))
     with qtbot.waitSignal(c.answerFinished, timeout=ANSWER_TIMEOUT_MS):
         last.continue_button.click()
     # The same answer grew: no "Continue." turn, no second bubble.
@@ -33,5 +33,5 @@ def test_an_answer_cut_at_the_length_limit_offers_continue(qtbot, window) -> Non
     assert rows[1][2] == "complete"
     assert len(window.conversation.widgets) == 2
     assert c.model.message(1).content == rows[1][1]
-    assert window.conversation.widgets[1].continue_button.isVisibleTo(
-        window.conversation.widgets[1])  # cut at the limit again: it can go on again
+    assert window.conversation.widget_for(1).continue_button.isVisibleTo(
+        window.conversation.widget_for(1))  # cut at the limit again: it can go on again

@@ -44,7 +44,7 @@ def test_memory_turning_critical_mid_answer_is_saved_explained_and_recovers(
         _, answer = c.store.messages(c.current.id)
         assert (answer.status, answer.reason) == ("stopped", MEMORY_STOP) and answer.content
         assert answer.content == c.model.message(1).content
-        status = window.conversation.widgets[1].status
+        status = window.conversation.widget_for(1).status
         assert (status.text(), status.toolTip()) == ("Stopped", MEMORY_STOP)
 
         # Still critical: the next answer is refused before it starts, with the numbers.
