@@ -419,7 +419,7 @@ class ConversationView(QScrollArea):
         QGuiApplication.clipboard().setText(widget.full_text())
         widget.show_copied()
 
-    def load_earlier(self) -> None:
+    def _load_earlier(self) -> None:
         """Build the page of rows before the built ones, above them, keeping the rows
         on screen where they are."""
         self._loading = False
@@ -459,7 +459,7 @@ class ConversationView(QScrollArea):
         if self.first_built > 0 and not self._loading:
             self._loading = True
             # Out of the scroll bar's own signal: building rows lays the column out again.
-            QTimer.singleShot(0, self, self.load_earlier)
+            QTimer.singleShot(0, self, self._load_earlier)
 
     def _on_scrolled(self, value: int) -> None:
         bar = self.verticalScrollBar()
