@@ -36,6 +36,12 @@ COLUMNS = {
 }
 
 
+def decoded(raw: bytes) -> str:
+    """A text value as ``text_factory`` reads it: a byte that is not UTF-8 reads as
+    U+FFFD, so one damaged byte costs one character rather than its whole row."""
+    return raw.decode("utf-8", "replace")
+
+
 @dataclass(frozen=True)
 class Recovered:
     """What a recovery copied into the new history."""
@@ -97,6 +103,7 @@ def recover(source: sqlite3.Connection, target: sqlite3.Connection,
     Messages whose chat row was lost get a chat titled "Recovered chat";
     attachments whose message was lost are left out (they stay in the damaged file).
     """
+    source.text_factory = decoded
     sessions = {row[0]: row for row in readable_rows(source, "sessions") if _session_ok(row)}
     messages = [row for row in readable_rows(source, "messages") if _message_ok(row)]
     for row in messages:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.history_recovery import Recovered, recover
+from app.history_recovery import Recovered, decoded, recover
 from engine import DiskFault, KvMode, QualityReceipt, data_dir, disk, private_file
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,9 @@ class HistoryStore:
             # Created user-only first: SQLite gives its -wal and -shm files the same mode.
             self.path = private_file(path or default_path())
             self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
+        # A byte that is not UTF-8 (a disk's or another tool's) passes SQLite's checks
+        # but fails the default decoding of every read of its row, and so every start.
+        self._db.text_factory = decoded
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")

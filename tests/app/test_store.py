@@ -180,3 +180,29 @@ def test_an_answer_ending_and_a_quality_check_count_as_the_chats_activity(
                                                0.05, "m", now[0]))
     assert store.session(chat.id).updated == 4_000.0
     store.close()
+
+
+def _flip_a_byte_in(path, *marks: bytes) -> None:
+    """Put a byte that is not UTF-8 at the start of each mark (SQLite checks no text)."""
+    data = bytearray(path.read_bytes())
+    for mark in marks:
+        data[data.index(mark)] = 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_byte_that_is_not_utf8_reads_as_a_replacement_character() -> None:
+    from app.store import open_history
+
+    store = HistoryStore()
+    chat = store.create_session("Trip ZZTITLE", "q8", "demo")
+    store.add_message(chat.id, "user", "hello ZZTEXT world")
+    store.set_last_session(chat.id)
+    store.close()
+    _flip_a_byte_in(default_path(), b"ZZTEXT", b"ZZTITLE")
+
+    again, opened = open_history()  # before, the window's first read raised
+    assert opened == type(opened)()
+    assert [s.title for s in again.sessions()] == ["Trip \ufffdZTITLE"]
+    assert again.last_session().title == "Trip \ufffdZTITLE"
+    assert [m.content for m in again.messages(chat.id)] == ["hello \ufffdZTEXT world"]
+    again.close()

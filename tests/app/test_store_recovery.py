@@ -170,3 +170,23 @@ def test_busy_or_unopenable_is_not_mistaken_for_damage(monkeypatch, code: int) -
         assert default_path().exists() and not list(default_path().parent.glob("*damaged*"))
     finally:
         store.close()
+
+
+def test_a_read_only_copy_keeps_a_row_with_a_byte_that_is_not_utf8() -> None:
+    path = default_path()
+    store = HistoryStore(path)
+    chat = store.create_session("Trip", "q8", "demo")
+    store.add_message(chat.id, "user", "hello ZZTEXT world")
+    store.add_message(chat.id, "assistant", "fine")
+    store.close()
+    data = bytearray(path.read_bytes())
+    data[data.index(b"ZZTEXT")] = 0xFF
+    path.write_bytes(bytes(data))
+
+    store, opened = open_history(writable=False)
+    try:
+        # Before, the row's read failed as a damaged page's would, and it was left out.
+        assert (opened.chats, opened.messages) == (1, 2)
+        assert [m.content for m in store.messages(chat.id)] == ["hello \ufffdZTEXT world", "fine"]
+    finally:
+        store.close()
