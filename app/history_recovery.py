@@ -137,7 +137,8 @@ def recover(source: sqlite3.Connection, target: sqlite3.Connection,
 
 def _insert(db: sqlite3.Connection, table: str, rows: Iterable[tuple]) -> None:
     marks = ", ".join("?" * len(COLUMNS[table]))
-    db.executemany(f"INSERT OR IGNORE INTO {table} VALUES ({marks})", list(rows))
+    db.executemany(f"INSERT OR IGNORE INTO {table} ({', '.join(COLUMNS[table])}) "
+                   f"VALUES ({marks})", list(rows))
 
 
 def _texts(values: Iterable[object]) -> bool:

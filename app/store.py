@@ -88,6 +88,13 @@ CREATE TABLE IF NOT EXISTS app_state (
     value TEXT NOT NULL
 );
 """
+# The schema this build reads and writes, kept in the file's ``PRAGMA user_version``
+# (0: a history from before it was kept, which is this schema). A later version that
+# changes the tables in a way this build would misread or break sets a higher one.
+SCHEMA_VERSION = 1
+# Every column of sessions, as SessionRecord takes them: named, never ``*``, so a
+# column a later version adds does not shift them.
+SESSION_COLUMNS = "id, title, kv_mode, model_id, tokens, created, updated"
 # The key a stored quality receipt keeps the digest of the text it measured under.
 MEASURED_TEXT = "measured_text"
 # app_state names: the chat on screen, and what was typed while no chat was.
@@ -154,6 +161,19 @@ class DamagedHistory(sqlite3.DatabaseError):
     """SQLite's structure check found a damaged page."""
 
 
+class NewerHistory(Exception):
+    """The history was written by a newer Longleaf, with a schema this one does not know.
+
+    Attributes:
+        version: the file's schema version.
+    """
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"the history's schema version {version} is newer than "
+                         f"{SCHEMA_VERSION}, the newest this Longleaf knows")
+        self.version = version
+
+
 @dataclass(frozen=True)
 class HistoryOpened:
     """How the history opened, for the window to tell the user.
@@ -194,6 +214,8 @@ def open_history(path: Path | None = None,
             "of this session will be saved."))
     try:
         return HistoryStore(path), HistoryOpened()
+    except NewerHistory as error:
+        return _in_memory(path, _newer(path, error))
     except sqlite3.DatabaseError as error:
         if not isinstance(error, DamagedHistory) and _code(error) not in _CORRUPT_CODES:
             if isinstance(error, sqlite3.OperationalError) or _code(error) in _UNWRITABLE_CODES:
@@ -223,6 +245,13 @@ def _unwritable(path: Path | None, error: Exception) -> str:
             "then restart Longleaf.")
 
 
+def _newer(path: Path, error: NewerHistory) -> str:
+    return (f"Your chat history {path} was written by a newer version of Longleaf "
+            f"(history version {error.version}; this one knows up to {SCHEMA_VERSION}), so "
+            "this one only shows it: nothing you do in this session will be saved. Update "
+            "Longleaf to go on with your chats.")
+
+
 def _move_aside(path: Path) -> Path:
     """Rename the damaged database (and its WAL files) to a dated name beside it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -250,6 +279,10 @@ class HistoryStore:
 
     Args:
         path: database file; defaults to :func:`default_path`.
+
+    Raises:
+        NewerHistory: the file's schema is newer than this build's (nothing was
+            written to it; :func:`open_history` reads it into memory instead).
     """
 
     def __init__(self, path: Path | None = None, *, memory: bool = False) -> None:
@@ -264,10 +297,16 @@ class HistoryStore:
         # but fails the default decoding of every read of its row, and so every start.
         self._db.text_factory = decoded
         try:
+            # Read before anything is written: a newer schema is left as it is.
+            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                raise NewerHistory(version)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(SCHEMA)
+            if version < SCHEMA_VERSION:
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             # Every page's structure, read once: a damaged page is found here, at
             # start-up, rather than on the send that first reads it.
             verdict = self._db.execute("PRAGMA quick_check(1)").fetchone()[0]
@@ -332,26 +371,28 @@ class HistoryStore:
         now = time.time()
         record = SessionRecord(uuid.uuid4().hex, title, kv_mode, model_id, 0, now, now)
         self._write(
-            "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO sessions ({SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (record.id, title, kv_mode, model_id, 0, now, now),
         )
         return record
 
     def session(self, session_id: str) -> SessionRecord | None:
         """Return one session, or None when it does not exist."""
-        row = self._db.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        row = self._db.execute(f"SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?",
+                               (session_id,)).fetchone()
         return SessionRecord(*row) if row else None
 
     def sessions(self, search: str = "") -> list[SessionRecord]:
         """Sessions, most recent first, whose title or messages contain ``search``."""
         if not search.strip():
-            rows = self._db.execute("SELECT * FROM sessions ORDER BY updated DESC").fetchall()
+            rows = self._db.execute(
+                f"SELECT {SESSION_COLUMNS} FROM sessions ORDER BY updated DESC").fetchall()
         else:
             # The words as typed: % and _ are LIKE's wildcards, a backslash its escape.
             typed = re.sub(r"([\\%_])", r"\\\1", search.strip())
             pattern = f"%{typed}%"
             rows = self._db.execute(
-                "SELECT * FROM sessions WHERE title LIKE ? ESCAPE '\\' OR id IN "
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE title LIKE ? ESCAPE '\\' OR id IN "
                 "(SELECT session_id FROM messages WHERE content LIKE ? ESCAPE '\\') "
                 "ORDER BY updated DESC",
                 (pattern, pattern),
@@ -399,13 +440,15 @@ class HistoryStore:
             return
         with self._writing():
             if text:
-                self._db.execute("INSERT OR REPLACE INTO drafts SELECT ?, ?, ? "
+                self._db.execute("INSERT OR REPLACE INTO drafts (session_id, text, updated) "
+                                 "SELECT ?, ?, ? "
                                  "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
                                  (session_id, text, time.time(), session_id))
             else:
                 self._db.execute("DELETE FROM drafts WHERE session_id = ?", (session_id,))
             if records:
-                self._db.execute("INSERT OR REPLACE INTO draft_attachments SELECT ?, ? "
+                self._db.execute("INSERT OR REPLACE INTO draft_attachments (session_id, records) "
+                                 "SELECT ?, ? "
                                  "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
                                  (session_id, records, session_id))
             else:
@@ -452,7 +495,8 @@ class HistoryStore:
 
     def _set_state(self, name: str, value: str) -> None:
         if value:
-            self._write("INSERT OR REPLACE INTO app_state VALUES (?, ?)", (name, value))
+            self._write("INSERT OR REPLACE INTO app_state (name, value) VALUES (?, ?)",
+                        (name, value))
         else:
             self._write("DELETE FROM app_state WHERE name = ?", (name,))
 
@@ -468,7 +512,8 @@ class HistoryStore:
         chat's now: a check runs as its chat's job, nothing is sent meanwhile); it
         replaces the one of the same mode."""
         kept = {**dataclasses.asdict(receipt), MEASURED_TEXT: self._text_digest(session_id)}
-        self._write("INSERT OR REPLACE INTO quality_receipts VALUES (?, ?, ?, ?)",
+        self._write("INSERT OR REPLACE INTO quality_receipts (session_id, mode, receipt, updated) "
+                    "VALUES (?, ?, ?, ?)",
                     (session_id, receipt.mode, json.dumps(kept), time.time()))
         self._write("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
 
@@ -520,7 +565,8 @@ class HistoryStore:
     def copy_receipts(self, source_id: str, target_id: str) -> None:
         """Give a copy of a chat (reopened in another mode) the receipts of its text."""
         self._write(
-            "INSERT OR REPLACE INTO quality_receipts SELECT ?, mode, receipt, updated "
+            "INSERT OR REPLACE INTO quality_receipts (session_id, mode, receipt, updated) "
+            "SELECT ?, mode, receipt, updated "
             "FROM quality_receipts WHERE session_id = ?", (target_id, source_id))
 
     # Messages -------------------------------------------------------------

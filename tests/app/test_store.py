@@ -206,3 +206,26 @@ def test_a_byte_that_is_not_utf8_reads_as_a_replacement_character() -> None:
     assert again.last_session().title == "Trip \ufffdZTITLE"
     assert [m.content for m in again.messages(chat.id)] == ["hello \ufffdZTEXT world"]
     again.close()
+
+
+def test_a_column_this_version_does_not_know_is_left_alone() -> None:
+    import sqlite3
+
+    store = HistoryStore()
+    chat = store.create_session("Pines", "q8", "demo")
+    store.close()
+    db = sqlite3.connect(default_path())
+    # As a later version may add one: after the others, with a default.
+    db.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+    db.commit()
+    db.close()
+
+    again = HistoryStore()  # before, the rows did not fit SessionRecord, nor the insert
+    assert [s.title for s in again.sessions()] == ["Pines"]
+    assert again.session(chat.id).title == "Pines"
+    other = again.create_session("Oaks", "q4", "demo")
+    assert {s.id for s in again.sessions("s")} == {chat.id, other.id}
+    again.close()
+    db = sqlite3.connect(default_path())
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 1  # stamped at the open
+    db.close()

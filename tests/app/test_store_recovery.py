@@ -190,3 +190,26 @@ def test_a_read_only_copy_keeps_a_row_with_a_byte_that_is_not_utf8() -> None:
         assert [m.content for m in store.messages(chat.id)] == ["hello \ufffdZTEXT world", "fine"]
     finally:
         store.close()
+
+
+def test_a_history_from_a_newer_longleaf_is_shown_and_never_written() -> None:
+    path = default_path()
+    _fill(path, chats=2, per_chat=2)
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+    db.execute("PRAGMA user_version = 99")
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+
+    store, opened = open_history()  # before, its first read of the chats raised
+    try:
+        assert "written by a newer version of Longleaf" in opened.unsaved
+        assert "nothing you do in this session will be saved" in opened.unsaved
+        assert opened.damaged is None and (opened.chats, opened.messages) == (2, 4)
+        assert sorted(s.title for s in store.sessions()) == ["chat 0", "chat 1"]
+        store.create_session("new", "q8", "demo")  # works, in memory
+    finally:
+        store.close()
+    assert path.read_bytes() == before
+    assert not list(path.parent.glob("*damaged*"))
