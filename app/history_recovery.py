@@ -33,6 +33,7 @@ COLUMNS = {
     "quality_receipts": ("session_id", "mode", "receipt", "updated"),
     "drafts": ("session_id", "text", "updated"),
     "draft_attachments": ("session_id", "records"),
+    "app_state": ("name", "value"),
 }
 
 
@@ -128,6 +129,10 @@ def recover(source: sqlite3.Connection, target: sqlite3.Connection,
         _insert(target, "draft_attachments", [
             row for row in readable_rows(source, "draft_attachments")
             if row[0] in sessions and _texts(row[1:2])])
+        # What was typed with no chat open is kept nowhere else; the chat on screen
+        # is only shown again if its row came back.
+        _insert(target, "app_state", [row for row in readable_rows(source, "app_state")
+                                      if _texts(row)])
     except BaseException:
         target.execute("ROLLBACK")
         raise

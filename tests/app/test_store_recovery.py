@@ -213,3 +213,26 @@ def test_a_history_from_a_newer_longleaf_is_shown_and_never_written() -> None:
         store.close()
     assert path.read_bytes() == before
     assert not list(path.parent.glob("*damaged*"))
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["recovered", "read_only"])
+def test_the_draft_typed_with_no_chat_open_and_the_chat_on_screen_are_kept(
+        writable: bool) -> None:
+    path = default_path()
+    _fill(path)
+    store = HistoryStore(path)
+    shown = store.sessions()[3]
+    store.set_draft(None, "typed with no chat open")
+    store.set_last_session(shown.id)
+    store.close()
+    if writable:  # a copy read into memory has nothing to step over
+        _damage_page(path, path.read_bytes().index(b"message 6-10 ") // PAGE)
+
+    store, opened = open_history(writable=writable)
+    try:
+        assert (opened.damaged is not None) == writable and opened.chats == 12
+        # Before, the app_state table was not copied: both were lost.
+        assert store.draft(None) == "typed with no chat open"
+        assert store.last_session() == shown
+    finally:
+        store.close()
