@@ -153,10 +153,12 @@ class SessionActions(QObject):
             if message.status in ("complete", "stopped", "interrupted") and (
                 message.content or message.attachments
             ):
+                # An answer cut short stays marked so, with why, in its copy.
                 copied = self.store.add_message(record.id, message.role, message.content,
-                                                "complete", message.attachments)
-                if message.stats:  # how the answer was made stays with its copy
-                    self.store.update_message(copied, stats=message.stats)
+                                                message.status, message.attachments)
+                if message.reason or message.stats:  # how the answer was made stays too
+                    self.store.update_message(copied, reason=message.reason,
+                                              stats=message.stats)
         # Receipts measured the same text: the copy's per-mode table keeps them.
         self.store.copy_receipts(source.id, record.id)
         self.sessionsChanged.emit()

@@ -60,3 +60,24 @@ def test_reopen_asks_first_keeps_answer_stats_and_its_notice_stays_in_its_chat(
     assert window.banner.isVisible() and "in memory in q6" in window.banner.label.text()
     c.select_session(other.id)
     assert not window.banner.isVisible()  # the notice was about the reopened chat
+
+
+def test_reopen_keeps_an_answer_cut_short_marked_so_with_its_reason(qtbot, window) -> None:
+    c = window.controller
+    chat = c.new_session("q8")
+    store = c.store
+    store.add_message(chat.id, "user", "Tell me a story")
+    stopped = store.add_message(chat.id, "assistant", "Once upon", "streaming")
+    store.update_message(stopped, status="stopped", reason="Stopped")
+    store.add_message(chat.id, "user", "Go on")
+    cut = store.add_message(chat.id, "assistant", "a time", "streaming")
+    store.update_message(cut, status="interrupted",
+                         reason="Longleaf quit before this answer finished")
+    c.select_session(chat.id)
+
+    copy = c.reopen_in("q4")
+    qtbot.waitUntil(lambda: not c.busy, timeout=ANSWER_TIMEOUT_MS)
+    # Before, both answers were copied as "complete", with no reason.
+    assert [(m.role, m.content, m.status, m.reason) for m in store.messages(copy.id)] == [
+        (m.role, m.content, m.status, m.reason) for m in store.messages(chat.id)]
+    assert [m.status for m in store.messages(copy.id)][1::2] == ["stopped", "interrupted"]
