@@ -135,6 +135,10 @@ def _convert(value: Any, kind: type) -> Any:
         return value if isinstance(value, bool) else str(value).lower() == "true"
     if kind is list:  # QSettings reads a one-item list back as its item
         return ([value] if value else []) if isinstance(value, str) else list(value)
+    if kind is str and isinstance(value, list):
+        # A comma in a value typed into the file without quotes makes QSettings
+        # read a list: the text was the items with their commas.
+        return ", ".join(str(item) for item in value)
     return kind(value)
 
 

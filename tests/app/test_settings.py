@@ -202,3 +202,12 @@ def test_file_dialogs_start_in_documents_then_the_last_folder(tmp_path) -> None:
     assert Settings().last_folder == str(tmp_path)
     s.last_folder = str(tmp_path / "gone")  # deleted since: back to Documents
     assert s.last_folder != str(tmp_path / "gone")
+
+
+def test_a_comma_typed_into_the_file_without_quotes_stays_in_the_text() -> None:
+    # QSettings reads such a value as a list; it writes its own with quotes.
+    Settings().path.write_text("[chat]\nsystem_prompt=Be brief, be kind\n"
+                               "[models]\nlast=/x/My Model, q4\n")
+    s = Settings()
+    assert s.system_prompt == "Be brief, be kind"  # before, "['Be brief', 'be kind']"
+    assert s.last_model == "/x/My Model, q4"
