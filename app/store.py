@@ -362,7 +362,12 @@ class HistoryStore:
 
     def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._writing():
-            return self._db.execute(sql, args)
+            return self._put(sql, args)
+
+    def _put(self, sql: str, args: tuple) -> sqlite3.Cursor:
+        """Run one statement of a write, its text made storable (see ``_storable``)."""
+        return self._db.execute(sql, tuple(_storable(a) if isinstance(a, str) else a
+                                           for a in args))
 
     # Sessions -------------------------------------------------------------
 
@@ -440,10 +445,9 @@ class HistoryStore:
             return
         with self._writing():
             if text:
-                self._db.execute("INSERT OR REPLACE INTO drafts (session_id, text, updated) "
-                                 "SELECT ?, ?, ? "
-                                 "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
-                                 (session_id, text, time.time(), session_id))
+                self._put("INSERT OR REPLACE INTO drafts (session_id, text, updated) "
+                          "SELECT ?, ?, ? WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
+                          (session_id, text, time.time(), session_id))
             else:
                 self._db.execute("DELETE FROM drafts WHERE session_id = ?", (session_id,))
             if records:
@@ -583,14 +587,14 @@ class HistoryStore:
         _check_status(status)
         now = time.time()
         with self._writing():
-            cursor = self._db.execute(
+            cursor = self._put(
                 "INSERT INTO messages (session_id, role, content, status, created, updated) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 (session_id, role, content, status, now, now),
             )
             message_id = int(cursor.lastrowid or 0)
             for item in attachments:
-                self._db.execute(
+                self._put(
                     "INSERT INTO attachments (message_id, name, size, sha256, tokens, text) "
                     "VALUES (?, ?, ?, ?, ?, ?)",
                     (message_id, item.name, item.size, item.sha256, item.tokens, item.text),
@@ -699,6 +703,17 @@ def _receipt(text: str) -> QualityReceipt | None:
     except (TypeError, ValueError, AttributeError):
         log.warning("a stored quality receipt could not be read; it is left out")
         return None
+
+
+def _storable(text: str) -> str:
+    """``text`` as SQLite's UTF-8 can hold it: a lone surrogate (UTF-8 has no form for
+    one; a file name's undecodable byte reads as one) is kept as U+FFFD, a pair as its
+    character, so a save never fails on what it saves."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _check_status(status: str) -> None:

@@ -229,3 +229,27 @@ def test_a_column_this_version_does_not_know_is_left_alone() -> None:
     db = sqlite3.connect(default_path())
     assert db.execute("PRAGMA user_version").fetchone()[0] == 1  # stamped at the open
     db.close()
+
+
+def test_text_with_a_lone_surrogate_is_saved_with_a_replacement_character() -> None:
+    # As os.fsdecode gives a file name's byte that is not UTF-8; UTF-8 cannot hold it.
+    store = HistoryStore()
+    chat = store.create_session("notes \udcff", "q8", "demo")
+    doc = AttachmentRecord("caf\udce9.txt", 5, "ab" * 32, 2, "text \ud800")
+    store.add_message(chat.id, "user", "bad \udcff, a pair \ud83d\ude00",
+                      attachments=(doc,))  # before, each save raised
+    answer = store.add_message(chat.id, "assistant", "", "streaming")
+    store.update_message(answer, content="streamed \udcff", status="complete")
+    store.set_draft(chat.id, "draft \ud83d")
+    store.set_draft(None, "no chat \ud83d")
+    store.close()
+
+    again = HistoryStore()
+    assert again.session(chat.id).title == "notes \ufffd"
+    question, answered = again.messages(chat.id)
+    assert question.content == "bad \ufffd, a pair \U0001F600"
+    assert (question.attachments[0].name, question.attachments[0].text) == (
+        "caf\ufffd.txt", "text \ufffd")
+    assert answered.content == "streamed \ufffd"
+    assert (again.draft(chat.id), again.draft(None)) == ("draft \ufffd", "no chat \ufffd")
+    again.close()
