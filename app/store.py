@@ -101,6 +101,8 @@ MEASURED_TEXT = "measured_text"
 LAST_SESSION = "last_session"
 NO_CHAT_DRAFT = "draft"
 NO_CHAT_DRAFT_ATTACHMENTS = "draft_attachments"
+# The app_state name of a chat's message being rewritten, after this prefix.
+EDIT_OF = "edit:"
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,15 @@ class AttachmentRecord:
     sha256: str
     tokens: int
     text: str
+
+
+@dataclass(frozen=True)
+class EditRecord:
+    """An earlier message being rewritten in the composer: its id and the text now."""
+
+    message_id: int
+    text: str
+    attachments: tuple[AttachmentRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -483,6 +494,27 @@ class HistoryStore:
             # Damaged: the draft's text still comes back.
             log.warning("draft attachments unreadable: %s", error)
             return ()
+
+    def set_edit(self, session_id: str, edit: EditRecord | None) -> None:
+        """Keep the message a chat's composer rewrites (None: no edit under way).
+
+        Kept apart from the chat's draft, which the edit set aside: both come back.
+        """
+        value = json.dumps(dataclasses.asdict(edit)) if edit is not None else ""
+        self._set_state(EDIT_OF + session_id, value)
+
+    def edit(self, session_id: str) -> EditRecord | None:
+        """The edit kept for a chat (:meth:`set_edit`), or None."""
+        text = self._state(EDIT_OF + session_id)
+        if not text:
+            return None
+        try:
+            item = json.loads(text)
+            files = tuple(AttachmentRecord(**record) for record in item.pop("attachments"))
+            return EditRecord(**item, attachments=files)
+        except (ValueError, TypeError, AttributeError, KeyError) as error:
+            log.warning("kept edit unreadable: %s", error)
+            return None
 
     def set_last_session(self, session_id: str | None) -> None:
         """Remember the chat on screen, to show it again at the next start (a

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.store import AttachmentRecord, HistoryStore, default_path
+from app.store import AttachmentRecord, EditRecord, HistoryStore, default_path
 from engine.paths import data_dir
 
 
@@ -35,6 +35,23 @@ def test_round_trip_across_reopen() -> None:
     assert (second.content, second.status, second.reason) == ("Pines are", "stopped", "Stopped")
     assert second.stats == {"generated_tokens": 3, "ttft": 0.1, "decode_tps": 30.0}
     assert again.integrity_check() == "ok"
+    again.close()
+
+
+def test_an_edit_is_kept_per_chat_beside_its_draft_across_reopen() -> None:
+    store = HistoryStore()
+    chat, other = (store.create_session(title, "q8", "demo") for title in ("A", "B"))
+    doc = AttachmentRecord("notes.md", 12, "ab" * 32, 3, "# Notes")
+    edit = EditRecord(7, "the question, rewritten", (doc,))
+    store.set_draft(chat.id, "my own draft")
+    store.set_edit(chat.id, edit)
+    store.close()
+
+    again = HistoryStore()
+    assert again.edit(chat.id) == edit and again.edit(other.id) is None
+    assert again.draft(chat.id) == "my own draft"
+    again.set_edit(chat.id, None)
+    assert again.edit(chat.id) is None
     again.close()
 
 
