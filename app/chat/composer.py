@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from PySide6.QtCore import QMimeData, QSize, Qt, QTimer, Signal, SignalInstance
+from PySide6.QtCore import QEvent, QMimeData, QSize, Qt, QTimer, Signal, SignalInstance
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QFrame,
@@ -30,6 +31,7 @@ READING = JOB_WORDS[ChatState.READING]
 STOPPING_READ = "Stopping after this part…"
 STOPPING = "Stopping…"
 FIRST_PART = "Reading the first part…"
+EDITING = "Editing your last message: sending replaces it and its answer."
 
 
 def _local_files(mime: QMimeData) -> list[str]:
@@ -37,9 +39,14 @@ def _local_files(mime: QMimeData) -> list[str]:
 
 
 class MessageEdit(QPlainTextEdit):
-    """Enter sends, Shift+Enter adds a line; grows with its text up to a limit."""
+    """Enter sends, Shift+Enter adds a line; grows with its text up to a limit.
+
+    Esc is the window's Stop, except while ``takes_escape`` says this box has a
+    use for it (an edit to cancel): then it is ``escaped`` here.
+    """
 
     submitted = Signal()
+    escaped = Signal()
     filesDropped = Signal(list)
     pasteRefused = Signal(int)  # characters of a paste too long to ever send
 
@@ -48,17 +55,32 @@ class MessageEdit(QPlainTextEdit):
         # Pastes longer than this are refused before Qt lays them out (laying out a
         # paste no context holds would stall the window); None: no limit (no model loaded).
         self.max_paste_chars: int | None = None
+        self.takes_escape: Callable[[], bool] = lambda: False
         self.setPlaceholderText("Message Longleaf…  (Enter to send, Shift+Enter for a new line)")
         self.setTabChangesFocus(True)
         self.document().documentLayout().documentSizeChanged.connect(self._grow)
         self._grow()
+
+    def event(self, event: QEvent) -> bool:
+        # Asked before the window's shortcuts: taking Esc here keeps it from Stop.
+        if event.type() == QEvent.Type.ShortcutOverride and self._is_escape_taken(event):
+            event.accept()
+            return True
+        return super().event(event)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         enter = event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
         if enter and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
             self.submitted.emit()
             return
+        if self._is_escape_taken(event):
+            self.escaped.emit()
+            return
         super().keyPressEvent(event)
+
+    def _is_escape_taken(self, event: QEvent) -> bool:
+        return (isinstance(event, QKeyEvent) and event.key() == Qt.Key.Key_Escape
+                and not event.modifiers() and self.takes_escape())
 
     def canInsertFromMimeData(self, source: QMimeData) -> bool:
         return bool(_local_files(source)) or super().canInsertFromMimeData(source)
@@ -117,6 +139,7 @@ class Composer(QWidget):
 
     sendRequested = Signal()
     stopRequested = Signal()
+    editCancelled = Signal()  # the edit's Cancel, or Esc with nothing running here
     attachRequested = Signal()
     removeAttachment = Signal(int)
     partAccepted = Signal(int)  # job id of a too-long file whose fitting part is taken
@@ -149,6 +172,7 @@ class Composer(QWidget):
         outer.addWidget(self.fit)
         outer.addWidget(self._progress_row())
         outer.addWidget(self._waiting_row())
+        outer.addWidget(self._editing_row())
         box = QFrame()
         box.setObjectName("inputBox")
         row = QHBoxLayout(box)
@@ -162,6 +186,8 @@ class Composer(QWidget):
         self.edit = MessageEdit()
         self.edit.setFrameShape(QFrame.Shape.NoFrame)
         self.edit.submitted.connect(self.sendRequested.emit)
+        self.edit.takes_escape = self._escape_cancels_edit
+        self.edit.escaped.connect(self.editCancelled.emit)
         self.send_button = QPushButton("Send")
         self.send_button.setObjectName("sendButton")
         self.send_button.setDefault(True)
@@ -293,6 +319,33 @@ class Composer(QWidget):
         sentence = state_sentence(ChatFacts(job="waiting", waiting_for=title))
         self.waiting_label.setText(f"{sentence} It is {ahead}." if ahead else sentence)
         self.waiting_box.show()
+
+    def _editing_row(self) -> QWidget:
+        # Beside the box it is about, for as long as the edit lasts: a notice said
+        # meanwhile (in the window's banner) cannot hide that sending replaces.
+        self.editing_box = QFrame()
+        self.editing_box.setObjectName("ingestBox")
+        row = QHBoxLayout(self.editing_box)
+        row.setContentsMargins(10, 4, 4, 4)
+        label = QLabel(EDITING)
+        label.setObjectName("ingestLabel")
+        label.setWordWrap(True)
+        cancel = QPushButton("Cancel")
+        cancel.setToolTip("Keep your last message and its answer as they are (Esc)")
+        cancel.clicked.connect(self.editCancelled.emit)
+        row.addWidget(label, 1)
+        row.addWidget(cancel)
+        self.editing_box.hide()
+        return self.editing_box
+
+    def show_editing(self, editing: bool) -> None:
+        """Say the box holds an earlier message to edit (False: it holds none)."""
+        self.editing_box.setVisible(editing)
+
+    def _escape_cancels_edit(self) -> bool:
+        # Esc stops what runs in this chat first; only then is it the edit's Cancel.
+        return (not self.editing_box.isHidden() and not self.generating
+                and self.waiting_box.isHidden())
 
     def _send_or_stop(self) -> None:
         (self.stopRequested if self.generating else self.sendRequested).emit()

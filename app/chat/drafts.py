@@ -9,7 +9,7 @@ with the chat the next send or New Chat makes. A file still being read when
 the chat changes goes to the draft of the chat it was dropped into once read
 (the window calls ``add_file``). An earlier message put back to edit sets the
 draft aside: the draft saved stays the user's own, and it comes back to the
-composer once the edit is sent or its chat is left. A draft the history cannot
+composer once the edit is sent or cancelled, or its chat is left. A draft the history cannot
 take (a full or read-only disk) is kept in memory for the run and shown again
 when its chat is.
 """
@@ -84,7 +84,8 @@ class Drafts(QObject):
         self._show_text(text)
 
     def end_edit(self) -> None:
-        """The edit was sent: the draft it set aside comes back to the composer."""
+        """The edit was sent or cancelled: the draft it set aside comes back to the
+        composer."""
         aside, self._set_aside = self._set_aside, None
         if aside is not None and aside[0] == self.session_id:
             self._show(aside[1], aside[2])

@@ -207,6 +207,7 @@ class MainWindow(QMainWindow):
         self.conversation.continueRequested.connect(c.continue_answer)
         self.composer.sendRequested.connect(self.send)
         self.composer.stopRequested.connect(c.stop)
+        self.composer.editCancelled.connect(self.cancel_edit)
         self.composer.attachRequested.connect(self.ask_attach)
         self.composer.removeAttachment.connect(self._remove_attachment)
         self.loader.loaded.connect(self._on_loaded)
@@ -335,6 +336,7 @@ class MainWindow(QMainWindow):
             self._shown_chat = shown
             self.composer.show_notice(self.drafts.said)  # of the draft just shown, if any
             self.composer.withdraw_offer()
+        self.composer.show_editing(self.controller.editing)  # an edit is its chat's
         self._show_activity()
         self.fit.schedule()
 
@@ -375,6 +377,7 @@ class MainWindow(QMainWindow):
             self.composer.clear_chips()
             # The attachments sent are no draft any more; a draft an edit set aside is.
             self.drafts.end_edit()
+            self.composer.show_editing(False)
             self.composer.show_notice("")
             self.banner.hide()
             self.fit.schedule()
@@ -467,8 +470,13 @@ class MainWindow(QMainWindow):
 
     def _on_edit_requested(self, text: str, attachments: Sequence[AttachmentRecord]) -> None:
         self.drafts.begin_edit(text, tuple(attachments))
-        self.banner.show_message("Editing your last message: sending replaces it and its answer.",
-                                 "info")
+        self.composer.show_editing(True)
+
+    def cancel_edit(self) -> None:
+        """Give up the edit shown: the last message stays, the draft it set aside is back."""
+        self.controller.cancel_edit()
+        self.drafts.end_edit()
+        self.composer.show_editing(False)
 
     # Documents ------------------------------------------------------------
 

@@ -1,6 +1,8 @@
-"""The composer's attachment chips: a message's twenty files stay readable."""
+"""The composer's attachment chips (a message's twenty files stay readable) and keys."""
 
 from __future__ import annotations
+
+from PySide6.QtCore import Qt
 
 from app.chat.attachments import MAX_FILES
 from app.chat.composer import Composer
@@ -21,3 +23,19 @@ def test_many_chips_wrap_onto_rows_instead_of_squeezing(qtbot) -> None:
     assert all(chip.geometry().right() <= composer.width() for chip in chips)
     # The composer asks for no more width than it did with a single row.
     assert composer.minimumSizeHint().width() <= few_wide + chips[0].sizeHint().width()
+
+
+def test_esc_cancels_an_edit_only_while_nothing_runs_in_its_chat(qtbot) -> None:
+    composer = Composer()
+    qtbot.addWidget(composer)
+    composer.show()
+    cancelled: list[bool] = []
+    composer.editCancelled.connect(lambda: cancelled.append(True))
+    qtbot.keyClick(composer.edit, Qt.Key.Key_Escape)  # no edit: Esc is the window's Stop
+    composer.show_editing(True)
+    composer.set_generating(True)
+    qtbot.keyClick(composer.edit, Qt.Key.Key_Escape)  # an answer runs: Esc stops it first
+    assert cancelled == []
+    composer.set_generating(False)
+    qtbot.keyClick(composer.edit, Qt.Key.Key_Escape)
+    assert cancelled == [True] and composer.editing_box.isVisible()  # the window hides it

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QMessageBox
+from PySide6.QtWidgets import QMessageBox, QPushButton
 
 from app.controller import QUIT_WHILE_ANSWERING
 from app.store import HistoryStore, SessionRecord
@@ -204,6 +204,36 @@ def test_leaving_a_chat_mid_edit_gives_its_draft_back(qtbot, window) -> None:
     assert not c.editing and window.composer.text() == "a long draft I was typing"
     assert c.store.draft(chat.id) == "a long draft I was typing"
     assert c.store.draft(other.id) == ""
+
+
+def _user_messages(window, chat: SessionRecord) -> list[str]:
+    return [m.content for m in window.controller.store.messages(chat.id) if m.role == "user"]
+
+
+def test_an_edit_stays_shown_past_other_notices_and_cancel_gives_the_draft_back(
+        qtbot, window) -> None:
+    c = window.controller
+    chat = _editing_beside_a_draft(qtbot, window)
+    c.notice.emit("The model used last is not there any more.")  # the banner says another
+    window.banner.hide()  # thing, and is dismissed: the edit is still said, beside the box
+    box = window.composer.editing_box
+    assert box.isVisible() and c.editing
+    qtbot.mouseClick(box.findChild(QPushButton), Qt.MouseButton.LeftButton)
+    assert not box.isVisible() and not c.editing
+    assert window.composer.text() == "a long draft I was typing"
+    # A question sent next comes after the last one; it replaces nothing.
+    _answered(qtbot, window, "A new question")
+    assert _user_messages(window, chat) == ["Original question", "A new question"]
+
+
+def test_esc_in_the_box_cancels_an_edit_when_nothing_runs_in_its_chat(qtbot, window) -> None:
+    c = window.controller
+    chat = _editing_beside_a_draft(qtbot, window)
+    window.composer.edit.setFocus()
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    assert not c.editing and not window.composer.editing_box.isVisible()
+    assert window.composer.text() == "a long draft I was typing"
+    assert _user_messages(window, chat) == ["Original question"]
 
 
 def test_a_file_still_read_when_its_chat_is_left_goes_to_that_chats_draft(
