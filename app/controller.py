@@ -609,6 +609,16 @@ class ChatController(QObject):
         self._editing = (row, message.message_id)
         self.editRequested.emit(message.content, message.attachments)
 
+    def resume_edit(self, message_id: int) -> bool:
+        """Edit message ``message_id`` again (an edit kept while its chat was left or
+        the app closed), as ``begin_edit`` does but without its signal; False when
+        that message is not the shown chat's last user message any more."""
+        row = self.last_user_row()
+        if row is None or self.model.message(row).message_id != message_id:
+            return False
+        self._editing = (row, message_id)
+        return True
+
     def cancel_edit(self) -> None:
         """Leave edit mode; the conversation is unchanged."""
         self._editing = None
@@ -617,6 +627,11 @@ class ChatController(QObject):
     def editing(self) -> bool:
         """True while the composer holds an edited earlier message."""
         return self._editing is not None
+
+    @property
+    def edited_message_id(self) -> int | None:
+        """The id of the message the composer edits, or None."""
+        return self._editing[1] if self._editing is not None else None
 
     # Engine events of no one request -------------------------------------
 

@@ -9,9 +9,11 @@ with the chat the next send or New Chat makes. A file still being read when
 the chat changes goes to the draft of the chat it was dropped into once read
 (the window calls ``add_file``). An earlier message put back to edit sets the
 draft aside: the draft saved stays the user's own, and it comes back to the
-composer once the edit is sent or cancelled, or its chat is left. A draft the history cannot
-take (a full or read-only disk) is kept in memory for the run and shown again
-when its chat is.
+composer once the edit is sent or cancelled, or its chat is left. The edit
+itself is saved beside it (``HistoryStore.set_edit``) as the draft is, and
+comes back, in edit mode, whenever its chat is shown again: after a switch, a
+quit or a crash. A draft the history cannot take (a full or read-only disk) is
+kept in memory for the run and shown again when its chat is.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from PySide6.QtCore import QObject, QTimer
 from app.chat.attachments import MAX_FILES, restored_left_out
 from app.chat.composer import Composer
 from app.controller import ChatController
-from app.store import AttachmentRecord, SessionRecord
+from app.store import AttachmentRecord, EditRecord, SessionRecord
 from engine import DiskFault
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class Drafts(QObject):
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.store, self.composer, self.attachments = controller.store, composer, attachments
+        self.controller = controller
         current = controller.current
         self.session_id: str | None = current.id if current else None
         self._loading = False
@@ -59,9 +62,11 @@ class Drafts(QObject):
         self._unsaved: dict[str | None, tuple[str, tuple[AttachmentRecord, ...]]] = {}
         # The draft an edit took the composer from: (its chat, its text, its files).
         self._set_aside: tuple[str | None, str, tuple[AttachmentRecord, ...]] | None = None
+        self._edited: int | None = None  # the id of the message edited
         composer.edit.textChanged.connect(self._typed)
         controller.currentSessionChanged.connect(self._switched)
         self._show(*self._draft(self.session_id))
+        self._resume_edit()
 
     def save_now(self) -> None:
         """Write the shown chat's draft (the window closes, the typing paused, a file came)."""
@@ -69,7 +74,8 @@ class Drafts(QObject):
         self._files_timer.stop()
         aside = self._set_aside
         if aside is not None and aside[0] == self.session_id:
-            self._save(*aside)  # the edit's text is a message of the history
+            self._save(*aside)  # the draft stays the user's own; the edit is kept apart
+            self._keep_edit(self._edited_now())
             return
         self._save(self.session_id, self.composer.text(), tuple(self.attachments.values()))
 
@@ -80,15 +86,50 @@ class Drafts(QObject):
             self.save_now()
             self._set_aside = (self.session_id, self.composer.text(),
                                tuple(self.attachments.values()))
+        self._edited = self.controller.edited_message_id
         self.show_attachments(files)
         self._show_text(text)
 
     def end_edit(self) -> None:
         """The edit was sent or cancelled: the draft it set aside comes back to the
         composer."""
-        aside, self._set_aside = self._set_aside, None
+        aside, self._set_aside, self._edited = self._set_aside, None, None
         if aside is not None and aside[0] == self.session_id:
             self._show(aside[1], aside[2])
+            self._keep_edit(None)
+        self.save_now()
+
+    def _edited_now(self) -> EditRecord | None:
+        if self._edited is None:
+            return None
+        return EditRecord(self._edited, self.composer.text(), tuple(self.attachments.values()))
+
+    def _keep_edit(self, edit: EditRecord | None) -> None:
+        """Save ``edit`` as the shown chat's edit under way (None: it has none)."""
+        if self.session_id is None:
+            return
+        if edit is not None and self.store.session(self.session_id) is None:
+            edit = None  # the chat was deleted: nothing of it stays
+        try:
+            self.store.set_edit(self.session_id, edit)
+        except DiskFault as fault:  # the composer still holds it
+            log.warning("edit not saved: %s", fault)
+
+    def _resume_edit(self) -> None:
+        """Put the edit kept for the chat just shown back in the composer, in edit mode."""
+        kept = self.store.edit(self.session_id) if self.session_id is not None else None
+        if kept is None:
+            return
+        if self.controller.resume_edit(kept.message_id):
+            self.begin_edit(kept.text, kept.attachments)
+            return
+        # Its message is not the last any more: the rewritten text joins the draft,
+        # sending it replaces nothing.
+        text = self.composer.text()
+        if kept.attachments:
+            self.show_attachments((*self.attachments.values(), *kept.attachments))
+        self._show_text(f"{text}\n\n{kept.text}" if text and kept.text else text or kept.text)
+        self._keep_edit(None)
         self.save_now()
 
     def add_file(self, session_id: str | None, record: AttachmentRecord) -> None:
@@ -156,10 +197,12 @@ class Drafts(QObject):
             self.session_id = new_id
             self.save_now()
             return
-        self.save_now()  # with an edit under way, the draft it set aside
-        self._set_aside = None  # the chat left: its edit is given up
+        self.save_now()  # with an edit under way, the draft it set aside and the edit
+        # The chat left: its edit waits, saved, for its return.
+        self._set_aside = self._edited = None
         self.session_id = new_id
         self._show(draft, files)
+        self._resume_edit()
 
     def _show(self, text: str, files: tuple[AttachmentRecord, ...]) -> None:
         self.said = ""

@@ -6,7 +6,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox, QPushButton
 
 from app.controller import QUIT_WHILE_ANSWERING
-from app.store import HistoryStore, SessionRecord
+from app.store import EditRecord, HistoryStore, SessionRecord
 from app.window.quit_box import QUIT
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window
 
@@ -194,16 +194,70 @@ def test_an_edit_sets_the_draft_aside_and_gives_it_back_once_sent(qtbot, window)
     assert c.store.draft(chat.id) == "a long draft I was typing"
 
 
-def test_leaving_a_chat_mid_edit_gives_its_draft_back(qtbot, window) -> None:
+def test_leaving_a_chat_mid_edit_keeps_the_edit_and_the_draft_for_its_return(
+        qtbot, window) -> None:
     c = window.controller
     chat = _editing_beside_a_draft(qtbot, window)
+    window.composer.set_text("Original question, rewritten")
     other = c.new_session("q4")  # e.g. to follow another chat's answer
+    # The other chat's box holds its own draft, and no edit.
+    assert not c.editing and window.composer.text() == ""
+    assert not window.composer.editing_box.isVisible()
     c.select_session(chat.id)
-    # The edit was given up with the switch: the box holds the draft again, not the
-    # old message (sent, it would have come as a second question).
-    assert not c.editing and window.composer.text() == "a long draft I was typing"
+    # Back in edit mode, said so (not the old message as a plain draft: sent, it would
+    # have come as a second question), with the draft still set aside.
+    assert c.editing and window.composer.editing_box.isVisible()
+    assert window.composer.text() == "Original question, rewritten"
     assert c.store.draft(chat.id) == "a long draft I was typing"
     assert c.store.draft(other.id) == ""
+    window.cancel_edit()
+    assert window.composer.text() == "a long draft I was typing"
+    assert c.store.edit(chat.id) is None
+
+
+def test_an_edit_kept_for_a_message_no_longer_last_joins_the_draft(qtbot, window) -> None:
+    c = window.controller
+    chat = c.new_session("q8")
+    _answered(qtbot, window, "Original question")
+    _type(qtbot, window, "my draft")
+    # Kept for a message the chat no longer ends with: sending it must replace nothing.
+    c.store.set_edit(chat.id, EditRecord(-1, "rewritten text", ()))
+    c.new_session("q4")
+    c.select_session(chat.id)
+    assert not c.editing and not window.composer.editing_box.isVisible()
+    assert window.composer.text() == "my draft\n\nrewritten text"
+    assert c.store.edit(chat.id) is None
+    assert c.store.draft(chat.id) == "my draft\n\nrewritten text"
+
+
+def test_an_edit_under_way_comes_back_in_edit_mode_after_a_quit_or_crash(
+        qtbot, tiny_llama) -> None:
+    first = open_window(qtbot, tiny_llama)
+    other = HistoryStore()
+    try:
+        chat = _editing_beside_a_draft(qtbot, first)
+        _type(qtbot, first, "Original question, carefully rewritten")
+        # Saved a moment after the typing stops, as a draft is: a crash keeps it too.
+        qtbot.waitUntil(lambda: (kept := other.edit(chat.id)) is not None
+                        and kept.text == "Original question, carefully rewritten",
+                        timeout=5000)
+        assert other.draft(chat.id) == "a long draft I was typing"
+    finally:
+        other.close()
+        close_window(first)
+
+    second = open_window(qtbot, tiny_llama)
+    try:
+        c = second.controller
+        assert c.current.id == chat.id and c.editing
+        assert second.composer.editing_box.isVisible()
+        assert second.composer.text() == "Original question, carefully rewritten"
+        _answered(qtbot, second, second.composer.text())
+        assert _user_messages(second, chat) == ["Original question, carefully rewritten"]
+        assert second.composer.text() == "a long draft I was typing"
+        assert c.store.draft(chat.id) == "a long draft I was typing"
+    finally:
+        close_window(second)
 
 
 def _user_messages(window, chat: SessionRecord) -> list[str]:
