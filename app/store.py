@@ -424,8 +424,10 @@ class HistoryStore:
         self._write("UPDATE sessions SET kv_mode = ? WHERE id = ?", (kv_mode, session_id))
 
     def delete_session(self, session_id: str) -> None:
-        """Delete a session with its messages and attachments."""
-        self._write("DELETE FROM sessions WHERE id = ?", (session_id,))
+        """Delete a session with its messages and attachments, and an edit of it kept."""
+        with self._writing():
+            self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+            self._db.execute("DELETE FROM app_state WHERE name = ?", (EDIT_OF + session_id,))
 
     def set_tokens(self, session_id: str, tokens: int) -> None:
         """Record how many tokens the session's context holds (a count the engine

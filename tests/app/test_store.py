@@ -52,6 +52,12 @@ def test_an_edit_is_kept_per_chat_beside_its_draft_across_reopen() -> None:
     assert again.draft(chat.id) == "my own draft"
     again.set_edit(chat.id, None)
     assert again.edit(chat.id) is None
+    # A chat deleted while not on screen takes its kept edit (its text) with it.
+    again.set_edit(other.id, edit)
+    again.delete_session(other.id)
+    assert again.edit(other.id) is None
+    assert again._db.execute("SELECT count(*) FROM app_state WHERE name LIKE 'edit:%'"
+                             ).fetchone()[0] == 0
     again.close()
 
 
