@@ -123,7 +123,7 @@ def installed_entry(model: DiscoveredModel, total_ram: int) -> ModelEntry:
     costs = full_context_costs(
         attention_layers=info.attention_layers, kv_heads=info.kv_heads,
         head_dim=info.head_dim, max_context=info.max_context,
-        weights_bytes=model.size_bytes, total_ram_bytes=total_ram)
+        weights_bytes=model.weights_bytes, total_ram_bytes=total_ram)
     return ModelEntry(model.name, str(model.path), None, model.size_bytes,
                       info.max_context, costs, splittable=can_split(model.path))
 

@@ -54,6 +54,9 @@ class DiscoveredModel:
         source: where it was found: "huggingface", "lmstudio", "longleaf", "folder",
             or "demo" for the embedded demo model's converted folder.
         size_bytes: bytes its files take on disk.
+        weights_bytes: bytes of its weights (the ``model*.safetensors`` files the
+            loader reads): what memory holds, unlike other files a download may
+            have left beside them (a ``.gguf``, an ``original/`` checkpoint).
         info: its facts (architecture, params, bits, context,
             KV heads, head_dim, attention layers, KV projection per mode).
     """
@@ -62,6 +65,7 @@ class DiscoveredModel:
     path: Path
     source: str
     size_bytes: int
+    weights_bytes: int
     info: ModelInfo
 
     @property
@@ -182,7 +186,7 @@ def inspect_candidate(
     except EngineError as error:
         return SkippedModel(name, path, source, str(error))
     size = folder_size(path) if size_bytes is None else size_bytes
-    return DiscoveredModel(name, path, source, size, info)
+    return DiscoveredModel(name, path, source, size, weights_size(path), info)
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -249,6 +253,17 @@ def folder_size(path: Path) -> int:
                 total += (Path(root) / name).stat().st_size
             except OSError:
                 continue
+    return total
+
+
+def weights_size(path: Path) -> int:
+    """Bytes of a model folder's ``model*.safetensors`` weights, following links."""
+    total = 0
+    for file in path.glob("model*.safetensors"):
+        try:
+            total += file.stat().st_size
+        except OSError:
+            continue
     return total
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
-from app.window.model_library import cost_text, library, short_tokens
+from app.window.model_library import cost_text, installed_entry, library, short_tokens
 from engine import RECOMMENDED_MODELS, ModeCost
+from engine.models.discovery import inspect_candidate
+from tests.engine.tinymodels import make_tiny_model_dir
 
 GIB = 2**30
 
@@ -35,8 +38,23 @@ def test_recommended_models_leave_the_list_once_downloaded() -> None:
     first = RECOMMENDED_MODELS[0]
     info = SimpleNamespace(attention_layers=first.attention_layers, kv_heads=first.kv_heads,
                            head_dim=first.head_dim, max_context=first.max_context)
-    found = SimpleNamespace(name=first.repo_id, path="/models/x", size_bytes=GIB, info=info)
+    found = SimpleNamespace(name=first.repo_id, path="/models/x", size_bytes=GIB,
+                            weights_bytes=GIB, info=info)
     installed, wanted = library([found], total_ram=16 * GIB)
     assert [(e.name, e.path, e.size_text()) for e in installed] == [
         (first.repo_id, "/models/x", "1.0 GB")]
     assert first.repo_id not in [e.repo_id for e in wanted]
+
+
+def test_files_beside_the_weights_do_not_count_as_weights(tmp_path: Path) -> None:
+    """A download that kept the original checkpoint (or a .gguf) beside the MLX weights
+    takes that room on disk, not in memory: the fit is the weights' alone."""
+    folder = make_tiny_model_dir(tmp_path, "llama")
+    alone = installed_entry(inspect_candidate("tiny", folder), total_ram=16 * GIB)
+    (folder / "original").mkdir()
+    with open(folder / "original" / "consolidated.00.pth", "wb") as checkpoint:
+        checkpoint.truncate(14 * GIB)  # sparse: no room taken here
+    found = inspect_candidate("tiny", folder)
+    beside = installed_entry(found, total_ram=16 * GIB)
+    assert found.size_bytes > 14 * GIB  # what the disk holds, as the size says
+    assert beside.costs == alone.costs
