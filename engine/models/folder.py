@@ -71,6 +71,7 @@ def read_config(folder: Path) -> dict[str, Any]:
             "Download the model again or pick an mlx-lm model."
         )
     _check_sizes(config, config_path)
+    _check_quantization(config, config_path)
     return config
 
 
@@ -88,6 +89,30 @@ def _check_sizes(config: dict[str, Any], config_path: Path) -> None:
                     f"array dimension ({MAX_DIMENSION:,}); the file is damaged or not a real "
                     "model. Download the model again."
                 )
+
+
+# The quantization_config methods mlx-lm's loader turns into its own (``load_model``);
+# others (bitsandbytes, hqq, ...) fall through it and their weights match no layer.
+MLX_LM_QUANT_METHODS = ("awq", "bitnet", "compressed-tensors", "fp8", "gptq", "modelopt",
+                        "mxfp4", "mxfp8")
+
+
+def _check_quantization(config: dict[str, Any], config_path: Path) -> None:
+    """Refuse weights quantized in a way mlx-lm cannot load, naming the way out."""
+    if config.get("quantization") is not None:
+        return  # MLX's own quantization, which mlx-lm reads before anything else
+    text = config.get("text_config")
+    section = config.get("quantization_config") or (
+        text.get("quantization_config") if isinstance(text, dict) else None)
+    if not isinstance(section, dict):
+        return
+    method = section.get("quant_method")
+    if isinstance(method, str) and method not in MLX_LM_QUANT_METHODS:
+        raise ModelLoadError(
+            f"{config_path.parent.name} is quantized with {method}, which mlx-lm cannot "
+            "load. Get the model's MLX version (for example from mlx-community), or "
+            "convert the original weights with mlx_lm.convert."
+        )
 
 
 def _model_classes(config: dict[str, Any], folder: Path) -> tuple[Any, Any]:

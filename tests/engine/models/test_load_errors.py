@@ -47,3 +47,26 @@ def test_the_largest_size_mlx_can_index_is_not_refused_by_the_check(tmp_path: Pa
     folder = make_tiny_model_dir(tmp_path, "llama")
     _edit_config(folder, vocab_size=MAX_DIMENSION, max_position_embeddings=2**40)
     assert read_config(folder)["vocab_size"] == MAX_DIMENSION
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_weights_quantized_in_a_way_mlx_lm_cannot_load_are_refused_saying_so(
+        tmp_path: Path, nested: bool) -> None:
+    """A bitsandbytes repo (common in Hugging Face caches) read as an unquantized model
+    and then failed with "download the model again", which gives the same files."""
+    from engine.models.discovery import SkippedModel, inspect_candidate
+
+    folder = make_tiny_model_dir(tmp_path, "llama")
+    section = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    _edit_config(folder, **({"text_config": {"quantization_config": section}} if nested
+                            else {"quantization_config": section}))
+    said = "quantized with bitsandbytes, which mlx-lm cannot load"
+    for attempt in (lambda: read_config(folder), lambda: load_model(str(folder), probe=False)):
+        with pytest.raises(ModelLoadError, match=said):
+            attempt()
+    skipped = inspect_candidate("bnb", folder)
+    assert isinstance(skipped, SkippedModel) and said in skipped.reason
+    # A method mlx-lm turns into its own (gptq, awq, ...) is left to it.
+    _edit_config(folder, quantization_config={"quant_method": "gptq", "bits": 4},
+                 text_config={})
+    assert read_config(folder)
