@@ -8,6 +8,7 @@ folder is whole, so discovery never offers half a model.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -134,9 +135,9 @@ def plan_download(
             "download could not be resumed safely. Try again later."
         )
     present = _files_present(destination, files, info.sha)
-    partial = 0 if _manifest_commit(destination) != info.sha else sum(
-        _size(destination / PARTIAL_DIR / f.path) for f in files if f.path not in present
-    )
+    going_on = continued(read_manifest(destination), info.sha, files)
+    partial = sum(_size(destination / PARTIAL_DIR / f.path) for f in files
+                  if f.path not in present and f.path in going_on)
     return DownloadPlan(
         repo_id=repo_id,
         commit=info.sha,
@@ -264,13 +265,35 @@ def matches_hash(path: Path, remote: RemoteFile) -> bool:
     return digest.hexdigest() == expected
 
 
+def continued(old: dict | None, commit: str, files: tuple[RemoteFile, ...]) -> frozenset[str]:
+    """The files whose partial bytes a download of ``commit`` may continue: all of them
+    for the commit the folder's manifest ``old`` names, else those whose content (the
+    listing's hash) that manifest recorded unchanged: a README edit between a pause and
+    its resume must not send a 20 GB shard back to its first byte."""
+    if old is None:
+        return frozenset()
+    if old.get("commit") == commit:
+        return frozenset(f.path for f in files)
+    hashes = old.get("hashes")
+    if not isinstance(hashes, dict):  # a manifest from before hashes were kept
+        return frozenset()
+    return frozenset(f.path for f in files
+                     if _content_id(f) is not None and hashes.get(f.path) == _content_id(f))
+
+
+def _content_id(remote: RemoteFile) -> str | None:
+    return remote.sha256 or remote.git_blob_id
+
+
 def start_manifest(plan: DownloadPlan, revision: str) -> None:
     """Mark the folder incomplete, dropping another commit's partial and stale files."""
     old = read_manifest(plan.destination)
     if old is not None and old.get("commit") != plan.commit:
-        # Partial bytes of another commit's files must not be continued, and its
-        # files the new commit dropped (e.g. re-sharded weights) must not be loaded.
-        shutil.rmtree(plan.destination / PARTIAL_DIR, ignore_errors=True)
+        # Partial bytes of another commit's files must not be continued (unless their
+        # content is the same), and its files the new commit dropped (e.g. re-sharded
+        # weights) must not be loaded.
+        _drop_partials(plan.destination / PARTIAL_DIR,
+                       continued(old, plan.commit, plan.files))
         for stale in set(old.get("files", {})) - {f.path for f in plan.files}:
             # The old manifest is a file on disk; never let it name a path outside.
             path = plan.destination / stale
@@ -280,6 +303,19 @@ def start_manifest(plan: DownloadPlan, revision: str) -> None:
     write_manifest(plan.destination, {**manifest_fields(plan, revision), "complete": False})
 
 
+def _drop_partials(partial_dir: Path, keep: frozenset[str]) -> None:
+    """Delete the partial files under ``partial_dir`` but those named in ``keep``."""
+    if not partial_dir.is_dir():
+        return
+    for path in sorted(partial_dir.rglob("*"), reverse=True):  # files before folders
+        name = path.relative_to(partial_dir).as_posix()
+        if path.is_dir():
+            with contextlib.suppress(OSError):
+                path.rmdir()  # emptied, unless a kept file is in it
+        elif name not in keep:
+            path.unlink(missing_ok=True)
+
+
 def manifest_fields(plan: DownloadPlan, revision: str) -> dict:
     """The manifest entries that describe a plan (all but ``complete``)."""
     return {
@@ -287,6 +323,7 @@ def manifest_fields(plan: DownloadPlan, revision: str) -> dict:
         "revision": revision,
         "commit": plan.commit,
         "files": {f.path: f.size for f in plan.files},
+        "hashes": {f.path: _content_id(f) for f in plan.files},
     }
 
 

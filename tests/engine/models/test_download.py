@@ -367,6 +367,34 @@ def test_cancel_then_resume(hub: FakeHub) -> None:
     assert resumed[-1].bytes_done == resumed[-1].bytes_total
 
 
+@pytest.mark.parametrize("weights_changed", [False, True])
+def test_a_paused_download_resumes_its_shard_after_a_commit_that_left_it_alone(
+        hub: FakeHub, weights_changed: bool) -> None:
+    """A commit between a pause and its resume (a README or config edit) keeps the
+    partial shard whose content the listing says is the same; a changed one restarts."""
+    repo = hub.repos["mlx-community/tiny"] = _tiny_repo()
+    cancel = threading.Event()
+    hub.pause_at["model.safetensors"] = 8 * PIECE
+    hub.on_pause = cancel.set
+    with pytest.raises(Cancelled):
+        download_model("mlx-community/tiny", cancel=cancel)
+    hub.release.set()
+    part = destination_for("mlx-community/tiny") / download_plan.PARTIAL_DIR / "model.safetensors"
+    kept = part.stat().st_size
+    repo.commit = "e" * 40
+    repo.files["config.json"] = b'{"model_type": "llama", "hidden_size": 16}'
+    if weights_changed:
+        repo.files["model.safetensors"] = os.urandom(len(repo.files["model.safetensors"]))
+
+    plan = plan_download("mlx-community/tiny")
+    folder = download_model("mlx-community/tiny")
+
+    _assert_model_on_disk(folder, repo)
+    resumed_at = hub.file_gets("model.safetensors")[-1]
+    assert resumed_at == (None if weights_changed else f"bytes={kept}-")
+    assert plan.bytes_present == (0 if weights_changed else kept)
+
+
 def test_missing_or_private_repo_is_a_clear_error(hub: FakeHub) -> None:
     hidden = hub.repos["someone/private"] = _tiny_repo()
     hidden.private = True
