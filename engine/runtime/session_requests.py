@@ -77,6 +77,8 @@ class SessionRequests:
         stats: publishes the session's stats as the request runs.
         guard: refuses a quality check while system memory is critical.
         emit: sends the request's streamed events.
+        between: runs between two chunks of a read or a quality check (the worker
+            ends then the requests cancelled while they wait behind it).
     """
 
     def __init__(
@@ -85,11 +87,13 @@ class SessionRequests:
         stats: StatsReporter,
         guard: MemoryGuard,
         emit: Callable[[Event], None],
+        between: Callable[[], None],
     ) -> None:
         self._held = held
         self._stats = stats
         self._guard = guard
         self._emit = emit
+        self._between = between
 
     def prepare_chat(self, request_id: int, request: Chat,
                      keep: Collection[str] = ()) -> ChatStart:
@@ -164,11 +168,17 @@ class SessionRequests:
         self._held.make_room_for(session, prompt.ids, len(prompt.ids), (), request_id,
                                  answer=False)
         reused = self._held.restore(session, prompt.ids, request_id, answer=False)
+        tick = self._stats.tick_for(session)
+
+        def between_chunks() -> None:
+            tick()
+            self._between()
+
         try:
             with self._reading(session, cancel):
                 stats = session.ingest(
                     request.messages, request_id=request_id, cancel=cancel,
-                    emit=self._emit, tick=self._stats.tick_for(session), prompt=prompt,
+                    emit=self._emit, tick=between_chunks, prompt=prompt,
                 )
         except Cancelled as stop:
             return Finished(request_id, "cancelled", None, stop.kept_tokens,
@@ -227,4 +237,5 @@ class SessionRequests:
         def progress(done: int, total: int) -> None:
             rate = done / max(time.perf_counter() - started, 1e-9)
             self._emit(QualityProgress(request_id, done, total, rate, (total - done) / rate))
+            self._between()
         return progress

@@ -163,7 +163,8 @@ class EngineWorker(Worker):
             self.guard, self._stored, self._stats, self._emit,
             pipeline=pipeline,
         )
-        self._requests = SessionRequests(self._held, self._stats, self.guard, self._emit)
+        self._requests = SessionRequests(self._held, self._stats, self.guard, self._emit,
+                                         self._while_reading)
         self._streams = streams
         self._answering = Answering(
             self._stats, self._emit, self._publish_fit, _unexpected_ending,
@@ -543,6 +544,12 @@ class EngineWorker(Worker):
         if self._answering.limit < 2:
             self._tell_held(self._pending, _waits_for_a_place(self._answering.limit))
         return self._another_comes()
+
+    def _while_reading(self) -> None:
+        """Between two chunks of a document read or a quality check: the requests
+        cancelled while they wait behind it end now, not when it ends."""
+        self._gather(block=False)
+        self._end_cancelled_waiting()
 
     def _while_alone_for_good(self) -> bool:
         """:meth:`_while_alone` for an answer that cannot join a batch: it never pauses."""

@@ -691,6 +691,40 @@ def test_the_request_running_as_the_engine_stops_on_a_bug_still_ends(
         assert worker.join(10.0) and not worker.alive
 
 
+def test_a_chat_cancelled_behind_a_document_read_ends_before_the_read(
+        endless_dir: Path) -> None:
+    """Stop on a chat waiting behind a long read (a server client gone) frees its
+    place between two chunks, not when the whole document is in."""
+    released = threading.Event()
+
+    class HeldAtTheFirstChunk(EventLog):
+        def __call__(self, event: object) -> None:
+            super().__call__(event)
+            if isinstance(event, IngestProgress):
+                released.wait(30)  # the engine thread, between two chunks
+
+    log = HeldAtTheFirstChunk()
+    worker = EngineWorker(log, chunk_size=8)
+    worker.start()
+    try:
+        log.result(worker.load_model(str(endless_dir)), ModelLoaded)
+        _open(worker, log, "a", "b")
+        document = [{"role": "user", "content": " ".join(f"word{i}" for i in range(300))}]
+        read = worker.ingest("a", document, threading.Event())
+        log.wait_for(lambda events: any(isinstance(e, IngestProgress) for e in events))
+        cancel = threading.Event()
+        waiting = worker.chat("b", ASKED["b"], LONG, cancel)
+        cancel.set()
+        released.set()
+        assert log.ending(waiting).reason == "cancelled"
+        assert log.ending(read).reason == "done"
+        endings = [e.request_id for e in log.events if isinstance(e, Finished)]
+        assert endings.index(waiting) < endings.index(read)
+    finally:
+        released.set()
+        worker.shutdown(timeout=10.0)
+
+
 def test_a_close_stops_the_requests_waiting_in_its_session_ahead_of_it(
         endless_dir: Path) -> None:
     # One answer at a time: B's chat waits behind A's, which runs alone to its end.
