@@ -11,8 +11,9 @@ In memory each row keeps its scale in the form MLX's quantized kernels read, so
 ``mx.quantized_matmul`` computes ``q @ K^T`` straight from the stored bytes with
 nothing converted per step: a float16 scale and bias (``-bias * scale``) per MLX
 group of the row (:func:`affine_scales`; 8 bytes a row at head_dim 256 instead of
-the format's 2). A scale is capped where its bias would overflow float16, so the
-quantized modes hold what fp16 holds (about ±63k).
+the format's 2). A scale is capped where MLX's float16 read of the largest code
+(``scale * u``, before the bias) would overflow, so the quantized modes hold about
+±32k: a larger value is stored clipped there, never read back as inf.
 
 The fp16 mode stores the values themselves: ``quantize_rows(x, 16)`` returns the
 float16 values (``[..., head_dim]``, i.e. ``2 * head_dim`` bytes per row) and
@@ -140,9 +141,12 @@ def project_kv_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, mod
 
 @functools.cache
 def scale_cap(bits: int) -> float:
-    """The largest float16 scale whose bias (``-bias * scale``) is finite in float16."""
-    cap = np.float16(_FP16_MAX / bias_for(bits))
-    while float(cap) * bias_for(bits) > _FP16_MAX:
+    """The largest float16 scale whose every code reads back finite in float16 math:
+    MLX's affine read computes ``scale * u`` (``u`` up to ``2 * bias - 1``) in the
+    queries' dtype before it adds the bias."""
+    top = 2 * bias_for(bits) - 1
+    cap = np.float16(_FP16_MAX / top)
+    while float(cap) * top > _FP16_MAX:
         cap = np.nextafter(cap, np.float16(0))
     return float(cap)
 
@@ -326,8 +330,8 @@ def quantize_for_store(x: mx.array, bits: int, groups: int) -> tuple[mx.array, m
 def affine_scales(scales: mx.array, bits: int, groups: int) -> mx.array:
     """Row scales (``[..., 1]``, the row format's) as the in-memory ``[2, ..., groups]``.
 
-    A scale above :func:`scale_cap` (stored before the cap) is capped: its bias
-    would be infinite.
+    A scale above :func:`scale_cap` (stored before the cap) is capped: its largest
+    codes would read back as inf.
     """
     capped = mx.minimum(scales.astype(mx.float32), scale_cap(bits))
     pairs = _scale_and_bias(capped, bits)

@@ -99,7 +99,10 @@ class QueryView:
         if isinstance(self.mask, mx.array):
             allowed, additive = self._mask_columns(positions)
             if additive is not None:
-                scores = scores + additive.astype(scores.dtype)
+                # A -inf the mask adds hides its column as ``hidden`` does: a finite
+                # ``hidden`` keeps a block its rows see none of from a NaN softmax.
+                scores = mx.maximum(scores + additive.astype(scores.dtype),
+                                    mx.array(hidden, scores.dtype))
         else:
             allowed = self.allowed(positions)
         return mx.where(allowed, scores, mx.array(hidden, scores.dtype))

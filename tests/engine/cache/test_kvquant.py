@@ -143,9 +143,9 @@ shapes = st.tuples(
 
 def _rows(seed: int, lead: list[int], dim: int, magnitude: float, zero_rows: bool) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    # Near the float16 limit: huge, yet within what every input dtype and every
-    # mode holds (q4's capped scale reaches 7 * 8188).
-    values = np.clip(rng.standard_normal((*lead, dim)) * magnitude, -5.7e4, 5.7e4)
+    # Huge, yet within what every input dtype and every mode holds (q4's capped
+    # scale reaches 7 * 4366, every code then reading back finite in float16).
+    values = np.clip(rng.standard_normal((*lead, dim)) * magnitude, -3.05e4, 3.05e4)
     if zero_rows:
         values.reshape(-1, dim)[::2] = 0.0
     return values
@@ -213,17 +213,31 @@ def test_all_zero_rows_are_safe(bits: int) -> None:
 
 
 @pytest.mark.parametrize("bits", QUANT_BITS)
-def test_values_beyond_float16_saturate_where_the_bias_stays_finite(bits: int) -> None:
+def test_values_beyond_float16_saturate_where_every_code_reads_back_finite(bits: int) -> None:
     x = mx.array([[1e9, -1e9, 1.0, 0.0], [3e38, 0.0, 0.0, -3e38]], dtype=mx.float32)
     codes, scales = kvquant.quantize_rows(x, bits)
     x_hat = np.array(kvquant.dequantize_rows(codes, scales, bits, 4))
     assert np.all(np.isfinite(x_hat))
     cap = kvquant.scale_cap(bits)
     assert np.all(np.array(scales.astype(mx.float32)) == cap)
-    assert cap * kvquant.bias_for(bits) <= 65504 < (cap + 1) * kvquant.bias_for(bits)
+    top = 2 * kvquant.bias_for(bits) - 1  # the largest unsigned code
+    assert cap * top <= 65504 < float(np.nextafter(np.float16(cap), np.float16(1e4))) * top
     limit = cap * kvquant.qmax_for(bits)
-    assert limit > 57_000  # about what fp16 holds
+    assert limit > 30_500
     assert x_hat[0, 0] == limit and x_hat[0, 1] == -limit
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+def test_a_value_past_the_limit_reads_back_clipped_in_float16_not_inf(bits: int) -> None:
+    """MLX's float16 read (the GPU schedule's, with float16 queries) of a stored
+    40,000: before, ``scale * u`` overflowed and an attention read turned to NaN."""
+    x = mx.zeros((1, 256)).at[0, 0].add(40000.0).astype(mx.float16)
+    codes, scale_and_bias = kvquant.quantize_for_store(x, bits, 2)
+    read = mx.dequantize(codes.view(mx.uint32), scale_and_bias[0], scale_and_bias[1],
+                         group_size=128, bits=bits)
+    assert read.dtype == mx.float16 and bool(mx.isfinite(read).all())
+    limit = kvquant.scale_cap(bits) * kvquant.qmax_for(bits)
+    assert abs(float(read[0, 0]) - limit) <= limit * 2**-9  # float16's rounding of the read
 
 
 @pytest.mark.parametrize("bits", QUANT_BITS)
@@ -286,7 +300,7 @@ def test_stored_rows_are_what_mlx_dequantizes_identically(bits: int, head_dim: i
 def test_affine_scales_cap_a_scale_stored_before_the_cap() -> None:
     huge = mx.array([[60000.0]], dtype=mx.float16)
     pairs = kvquant.affine_scales(huge, 6, 2)
-    assert np.array(pairs[0]).tolist() == [[2047.0, 2047.0]]
+    assert np.array(pairs[0]).tolist() == [[1039.0, 1039.0]] == [[kvquant.scale_cap(6)] * 2]
     assert np.all(np.isfinite(np.array(pairs[1])))
 
 

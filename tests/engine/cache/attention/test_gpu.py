@@ -48,6 +48,25 @@ def test_a_row_a_block_hides_whole_merges_with_no_weight() -> None:
     np.testing.assert_allclose(got, expected, atol=SAME_ROWS_TOLERANCE)
 
 
+def test_an_additive_window_mask_hiding_whole_blocks_reads_as_the_same_bool_mask() -> None:
+    """An additive mask's -inf hides a column as a bool mask's False does: a block a
+    window hides from some rows entirely must not turn their softmax into NaN."""
+    from mlx_lm.models.base import create_causal_mask
+
+    window = create_causal_mask(24, 40, window_size=8)
+    additive = mx.where(window, 0.0, -mx.inf)
+    outputs, references = [], []
+    for mask in (window, additive):
+        cache = _cache("q8", 64, prefix=40)
+        cache.pool.scratch_bytes = 1  # a page a block: most blocks are out of the window
+        got, expected = _step(cache, "q8", 24, heads=4, mask=mask, seed=5)
+        outputs.append(got)
+        references.append(expected)
+    np.testing.assert_allclose(outputs[0], references[0], atol=SAME_ROWS_TOLERANCE)
+    assert np.isfinite(outputs[1]).all()
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=SAME_ROWS_TOLERANCE)
+
+
 @pytest.mark.parametrize(("mode", "prefix"), [("fp16", 4096), ("q6", 1024)])
 def test_one_chunks_measured_peak_is_the_predicted_scratch(mode: str, prefix: int) -> None:
     # 16-bit queries, as a GPU computes; a 4 MiB budget over 16-token pages: many
