@@ -135,13 +135,14 @@ def test_pdf_without_a_text_layer(tmp_path: Path) -> None:
         "it first, e.g. Preview or ocrmypdf, then drop the result.")
 
 
-def _encrypted(tmp_path: Path, name: str, user_password: str) -> Path:
+def _encrypted(tmp_path: Path, name: str, user_password: str,
+               algorithm: str = "RC4-128") -> Path:
     import pypdf
 
     source = tmp_path / "source.pdf"
     source.write_bytes(_pdf_with_text(["quarterly numbers"]))
     writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(source))
-    writer.encrypt(user_password=user_password, owner_password="owner", algorithm="RC4-128")
+    writer.encrypt(user_password=user_password, owner_password="owner", algorithm=algorithm)
     path = tmp_path / name
     with path.open("wb") as handle:
         writer.write(handle)
@@ -153,8 +154,11 @@ def test_encrypted_pdf(tmp_path: Path) -> None:
     assert _refused(path) == (
         "“locked.pdf” is an encrypted PDF that needs a password. Save an unprotected copy "
         "(e.g. Print → Save as PDF) and drop that.")
-    # Encrypted with only an owner password: opens without one, so it is read.
-    assert "quarterly numbers" in read_document(_encrypted(tmp_path, "open.pdf", "")).text
+    # Encrypted with only an owner password: opens without one, so it is read, in the
+    # AES that Acrobat and most tools write as in the older RC4.
+    for algorithm in ("RC4-128", "AES-128", "AES-256"):
+        opened = _encrypted(tmp_path, f"open-{algorithm}.pdf", "", algorithm)
+        assert "quarterly numbers" in read_document(opened).text
 
 
 def test_corrupt_docx(tmp_path: Path) -> None:
