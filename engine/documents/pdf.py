@@ -17,13 +17,19 @@ from engine.documents.limits import (
     MAX_PDF_PAGES,
     MAX_PDF_STREAM_BYTES,
     MAX_PDF_UNPACKED_BYTES,
+    check_length,
 )
 from engine.errors import DocumentError
 from engine.format import human_bytes
 
 
-def pdf_text(name: str, data: bytes) -> str:
-    """The text layer of a PDF, page by page, within the unpack limits."""
+def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
+    """The text layer of a PDF, page by page, within the unpack limits.
+
+    Raises:
+        DocumentTooLong: past ``max_chars`` characters, at the page that passes them
+            (the rest of a 2,000-page PDF is not read only to be refused).
+    """
     import pypdf
     from pypdf.errors import LimitReachedError, PdfReadError
 
@@ -43,9 +49,14 @@ def pdf_text(name: str, data: bytes) -> str:
                 )
             budget = _UnpackBudget(name, count)
             pages = []
+            read = 0
             for number, page in enumerate(reader.pages, start=1):
                 budget.charge(page, number)
-                pages.append(page.extract_text() or "")
+                pages.append((page.extract_text() or "").strip())
+                if pages[-1]:  # the joined text's length so far, separators included
+                    read += len(pages[-1]) + (2 if read else 0)
+                if max_chars is not None and number < count:
+                    check_length(name, read, max_chars, complete=False)
     except DocumentError:
         raise
     except LimitReachedError as exc:
@@ -59,7 +70,7 @@ def pdf_text(name: str, data: bytes) -> str:
         raise DocumentError(
             f"“{name}” could not be read as a PDF ({type(exc).__name__}: {exc})."
         ) from exc
-    text = "\n\n".join(t.strip() for t in pages if t.strip())
+    text = "\n\n".join(t for t in pages if t)
     if not text:
         raise DocumentError(
             f"“{name}” has no text layer (it is probably scanned images, {len(pages)} "

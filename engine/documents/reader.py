@@ -126,7 +126,7 @@ def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_
         data = read_all(p, size)
         digest = hashlib.sha256(data).hexdigest()
         if suffix in PDF_SUFFIXES:
-            text = pdf_text(name, data)
+            text = pdf_text(name, data, max_chars)
             kind = "pdf"
         else:
             text = docx_text(name, data)

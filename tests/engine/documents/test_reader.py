@@ -286,3 +286,37 @@ def test_a_pdf_rewritten_while_being_read_is_said_to_have_changed_not_to_be_dama
     monkeypatch.setattr(Path, "open", open_then_rewrite)
     with pytest.raises(DocumentError, match="changed or disappeared while it was being read"):
         read_document(path)
+
+
+def test_a_pdf_too_long_is_refused_at_the_page_that_passes_the_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    import pypdf
+
+    page = pypdf.PdfReader(io.BytesIO(_pdf_with_text(["Quarterly figures " * 4] * 20))).pages[0]
+    writer = pypdf.PdfWriter()
+    for _ in range(40):
+        writer.add_page(page)
+    path = tmp_path / "long.pdf"
+    with path.open("wb") as handle:
+        writer.write(handle)
+    whole = read_document(path).text
+    read: list[int] = []
+    extract = pypdf.PageObject.extract_text
+
+    def counted(self: pypdf.PageObject, *args: object, **kwargs: object) -> str:
+        read.append(1)
+        return extract(self, *args, **kwargs)
+
+    monkeypatch.setattr(pypdf.PageObject, "extract_text", counted)
+    with pytest.raises(DocumentTooLong, match="more than 5,000 characters") as refused:
+        read_document(path, max_chars=5_000)
+    assert refused.value.chars is None and len(read) < 40 // 2
+    # One character short of the whole text is refused only once every page is in,
+    # with the exact count; the whole text fits exactly.
+    read.clear()
+    with pytest.raises(DocumentTooLong) as exact:
+        read_document(path, max_chars=len(whole) - 1)
+    assert exact.value.chars == len(whole) and len(read) == 40
+    assert read_document(path, max_chars=len(whole)).text == whole
