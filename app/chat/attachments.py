@@ -40,6 +40,13 @@ def _files(count: int) -> str:
     return f"{count:,} file" if count == 1 else f"{count:,} files"
 
 
+def already_attached(name: str, attached: str) -> str:
+    """What is said when file ``name`` holds the same text as ``attached``, attached."""
+    if name == attached:
+        return f"“{name}” is already attached to this message."
+    return f"“{name}” holds the same text as “{attached}”, already attached to this message."
+
+
 def files_left_out(given: int, taken: int) -> str:
     """What is said when ``given`` files came and only ``taken`` fit under ``MAX_FILES``."""
     left = given - taken

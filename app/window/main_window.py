@@ -28,6 +28,7 @@ from app.chat.attachments import (
     CHARS_PER_TOKEN_BOUND,
     MAX_FILES,
     DocumentLoader,
+    already_attached,
     attach_filter,
     files_left_out,
 )
@@ -536,6 +537,14 @@ class MainWindow(QMainWindow):
         dropped_in = self._reading_for.pop(job_id)
         if dropped_in not in (None, self.drafts.session_id):  # its chat was left since
             self.drafts.add_file(dropped_in, record)
+            return
+        same = next((kept for kept in self.attachments.values()
+                     if kept.sha256 == record.sha256 and kept.text == record.text), None)
+        if same is not None:
+            # Dropped again: a second copy would only double its tokens in the prompt.
+            self.composer.remove_chip(job_id)
+            self.composer.show_notice(
+                self._notice_for(job_id, already_attached(record.name, same.name)))
             return
         chip = self.composer.chips.get(job_id)
         if chip is None:  # its chat was left and shown again: the switch took its chip

@@ -47,6 +47,21 @@ def test_dropped_document_becomes_a_chip_with_its_tokens(qtbot, window, tmp_path
     assert window.composer.text() == "keep this draft"
 
 
+def test_a_file_dropped_again_is_attached_once(qtbot, window, tmp_path) -> None:
+    doc = tmp_path / "pines.md"
+    doc.write_text(TEXT * 5)
+    copy = tmp_path / "pines copy.md"  # the same text under another name: one copy too
+    copy.write_text(TEXT * 5)
+    drop_files(window, [doc])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    for again, said in ((doc, "“pines.md” is already attached"),
+                        (copy, "“pines copy.md” holds the same text as “pines.md”")):
+        drop_files(window, [again])
+        qtbot.waitUntil(lambda s=said: s in window.composer.notice.text(), timeout=20_000)
+        assert [r.name for r in window.attachments.values()] == ["pines.md"]
+        assert len(window.composer.chips) == 1
+
+
 def test_bad_files_get_an_inline_message_and_disturb_nothing(qtbot, window, tmp_path) -> None:
     good = tmp_path / "good.txt"
     good.write_text(TEXT)
