@@ -58,6 +58,7 @@ from engine import (
 )
 
 STATS_POLL_MS = 400
+MAX_READS_TRACKED = 256  # reads whose first chunk was seen (ids only; a clear costs one sample)
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
 QUIT_UNSAVED = ("Longleaf could not save every answer of this session yet (its data folder "
                 "is full or read-only). Quit anyway and lose what was not saved?")
@@ -128,6 +129,7 @@ class ChatController(QObject):
         # Reads of answers and re-ingests teach the rate model; a quality check's
         # reads (two caches, one window) are not the reading a send does.
         self.answers.ingestProgress.connect(self._on_read_chunk)
+        self._reads_begun: set[int] = set()  # requests whose first chunk came
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
         # Events of no one request; each request's own go to its handler.
@@ -415,6 +417,14 @@ class ChatController(QObject):
         return rate.seconds(at, at + progress.tokens_total - progress.tokens_done)
 
     def _on_read_chunk(self, progress: IngestProgress) -> None:
+        if progress.request_id not in self._reads_begun:
+            # A read's first chunk carries its start-up too (after a load, the first
+            # run of every kernel: seconds for a few tokens), which the rate model
+            # would take for attention's cost and carry to every long read.
+            if len(self._reads_begun) >= MAX_READS_TRACKED:
+                self._reads_begun.clear()
+            self._reads_begun.add(progress.request_id)
+            return
         if progress.chunk_tokens and progress.chunk_seconds > 0:
             timing = ChunkTiming(progress.chunk_tokens, progress.chunk_start,
                                  progress.chunk_seconds)

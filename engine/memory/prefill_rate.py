@@ -63,8 +63,10 @@ def least_squares_rate(timings: Iterable[ChunkTiming]) -> PrefillRate | None:
     """The least-squares ``a + b·c`` line through ``timings`` (None without any).
 
     Both coefficients are kept non-negative: where the free solution has one
-    below zero (noise, or every chunk at nearly the same context) the better
-    of the two one-coefficient fits is taken instead.
+    below zero (noise) the better of the two one-coefficient fits is taken
+    instead. Timings that cannot tell the two terms apart (every chunk at one
+    context) give the line without attention: both one-term fits pass through
+    them, and only that one does not grow with the square of a long read.
     """
     rows = [(_features(t), t.seconds) for t in timings
             if t.tokens >= MIN_CHUNK_TOKENS and t.seconds > 0]
@@ -76,12 +78,13 @@ def least_squares_rate(timings: Iterable[ChunkTiming]) -> PrefillRate | None:
     s1y = sum(x1 * y for (x1, _), y in rows)
     s2y = sum(x2 * y for (_, x2), y in rows)
     det = s11 * s22 - s12 * s12
-    if det > 1e-9 * s11 * s22:
-        a = (s1y * s22 - s2y * s12) / det
-        b = (s2y * s11 - s1y * s12) / det
-        if a >= 0 and b >= 0:
-            return PrefillRate(a, b)
     only_a = PrefillRate(s1y / s11, 0.0)
+    if det <= 1e-9 * s11 * s22:
+        return only_a
+    a = (s1y * s22 - s2y * s12) / det
+    b = (s2y * s11 - s1y * s12) / det
+    if a >= 0 and b >= 0:
+        return PrefillRate(a, b)
     only_b = PrefillRate(0.0, s2y / s22) if s22 > 0 else only_a
 
     def residual(rate: PrefillRate) -> float:

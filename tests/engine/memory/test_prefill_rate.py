@@ -70,6 +70,13 @@ def test_no_timings_give_no_rate_and_one_chunk_gives_a_constant_rate() -> None:
     assert least_squares_rate([ChunkTiming(4, 0, 1.0)]) is None  # too short to be a rate
     rate = least_squares_rate([ChunkTiming(512, 0, 2.0)])
     assert rate is not None and rate.b == 0 and rate.a == pytest.approx(2.0 / 512)
+    # One context cannot tell attention's term from the weights': the line without
+    # it, not one that grows with the square of a long read (hours for 2,372 tokens
+    # from one warm-up chunk of 37).
+    for timings in ([ChunkTiming(37, 0, 3.566372)],
+                    [ChunkTiming(64, 100, 1.0), ChunkTiming(64, 100, 1.1)]):
+        rate = least_squares_rate(timings)
+        assert rate is not None and rate.b == 0
 
 
 def test_the_coefficients_never_go_negative() -> None:
