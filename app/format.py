@@ -32,8 +32,9 @@ def human_duration(seconds: float | None) -> str:
 
 def unbroken(text: str) -> str:
     """``text`` that a wrapping label keeps on one line (a number with its unit): a
-    line of figures wraps between them, never inside one ("3,393 / tokens")."""
-    return text.replace(" ", "\u00a0")
+    line of figures wraps between them, never inside one ("3,393 / tokens", "tokens/ s":
+    a line may break after a slash, which a word joiner forbids)."""
+    return text.replace(" ", "\u00a0").replace("/", "/\u2060")
 
 
 def relative_time(timestamp: float, now: float | None = None) -> str:
@@ -48,6 +49,11 @@ def relative_time(timestamp: float, now: float | None = None) -> str:
     if delta < 2 * 86400:
         return "yesterday"
     return time.strftime("%-d %b", time.localtime(timestamp))
+
+
+def short_tokens(tokens: int) -> str:
+    """A context length as the window says it: 262,144 → "262k"; 8,192 → "8k"; 500 → "500"."""
+    return f"{round(tokens / 1000)}k" if tokens >= 1000 else str(tokens)
 
 
 def compact_count(n: int) -> str:

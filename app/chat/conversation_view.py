@@ -152,8 +152,9 @@ class MessageWidget(QFrame):
         self.stats.setObjectName("messageStats")
         # Wraps before the buttons beside it are pushed out of a narrow column.
         self.stats.setWordWrap(True)
-        footer.addWidget(self.status, 1)
-        footer.addWidget(self.stats)
+        # The stats line takes the room a short (or empty) status leaves.
+        footer.addWidget(self.status)
+        footer.addWidget(self.stats, 1)
         self.copy_button = self._action("Copy", self.copyRequested)
         self.regenerate_button = self._action("Regenerate", self.regenerateRequested)
         self.edit_button = self._action("Edit", self.editRequested)
@@ -202,6 +203,7 @@ class MessageWidget(QFrame):
         # Engine errors are spelled out once, in the window's banner; the row keeps
         # a short label with the full reason on hover.
         self.status.setText(label)
+        self.status.setVisible(bool(label))
         self.status.setToolTip(reason or "")
         if self.status.property("state") != status:
             self.status.setProperty("state", status)

@@ -56,3 +56,19 @@ def test_session_list_and_delete_prompt_show_a_title_as_text(qtbot, monkeypatch)
     monkeypatch.setattr(QMessageBox, "exec", lambda box: shown.append(box) or 0)
     session_list.confirm_delete(widget, title)
     assert shown[0].textFormat() == Qt.TextFormat.PlainText and title in shown[0].text()
+
+
+@pytest.mark.parametrize("figure", ["5.1 tokens/s", "3,393 / 4,096 tokens"])
+def test_a_figure_made_unbroken_stays_on_one_line_however_narrow(qapp, figure: str) -> None:
+    from PySide6.QtGui import QFont, QTextLayout
+
+    from app.format import unbroken
+
+    layout = QTextLayout(unbroken(figure), QFont())
+    layout.beginLayout()
+    lines = 0
+    while (line := layout.createLine()).isValid():
+        line.setLineWidth(1.0)  # narrower than any word: every break it may take, it takes
+        lines += 1
+    layout.endLayout()
+    assert lines == 1

@@ -93,7 +93,7 @@ def test_a_long_user_message_is_collapsed_with_show_all(qtbot) -> None:
 
 
 def _plain(text: str) -> str:
-    return text.replace("\u00a0", " ")
+    return text.replace("\u00a0", " ").replace("\u2060", "")
 
 
 def test_stats_line_says_a_speculative_answers_tokens_a_step_in_plain_words(qtbot) -> None:
@@ -110,6 +110,17 @@ def test_a_long_first_word_wait_is_said_in_minutes_and_parts_never_break_inside(
     line = stats_text({"generated_tokens": 1_234, "ttft": 547.2, "decode_tps": 1.9})
     assert _plain(line) == "1,234 tokens · first word in 9m 07s · 1.9 tokens/s"
     assert all(" " not in part for part in line.split(" · "))  # wraps between parts only
+
+
+def test_a_finished_answers_stats_line_takes_the_room_no_status_needs(qtbot) -> None:
+    stats = {"generated_tokens": 40, "ttft": 0.4, "decode_tps": 5.1, "draft_tokens": 30,
+             "decode_steps": 40}
+    _, view = _view(qtbot, [ChatMessage("assistant", "ok", "complete", stats=stats)])
+    view.resize(800, 400)
+    qtbot.waitUntil(lambda: view.widget_for(0).width() > 700)
+    row = view.widget_for(0)
+    assert not row.status.isVisible()  # nothing to say: no empty column beside the stats
+    assert row.stats.height() < 2 * row.stats.fontMetrics().lineSpacing()  # one line
 
 
 def test_a_read_stopped_before_any_word_leaves_no_empty_stats_or_copy(qtbot) -> None:
