@@ -17,7 +17,16 @@ from PySide6.QtCore import (
     QTimer,
     Signal,
 )
-from PySide6.QtGui import QAction, QColor, QFont, QFontMetrics, QKeyEvent, QPainter, QPalette
+from PySide6.QtGui import (
+    QAction,
+    QColor,
+    QFont,
+    QFontMetrics,
+    QKeyEvent,
+    QPainter,
+    QPalette,
+    QPen,
+)
 from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
@@ -173,7 +182,9 @@ class SessionDelegate(QStyledItemDelegate):
                                                  title_rect.width())
         painter.drawText(title_rect, Qt.AlignmentFlag.AlignVCenter, title)
         badge_rect = QRect(inner.right() - badge_width, inner.top() + 2, badge_width, 16)
-        painter.setPen(Qt.PenStyle.NoPen)
+        # On a selected row, outlined: a highlight of the badge's own colour (a green
+        # selection under a green q8) would leave only its letters.
+        painter.setPen(QPen(text_colour, 1.5) if selected else Qt.PenStyle.NoPen)
         painter.setBrush(mode_colour(record.kv_mode))
         painter.drawRoundedRect(badge_rect, 8, 8)
         painter.setFont(badge_font)

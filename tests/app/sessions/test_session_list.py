@@ -198,3 +198,38 @@ def test_rows_keep_their_places_under_the_pointer_and_move_when_it_leaves(qtbot)
     QApplication.sendEvent(sidebar.list.viewport(), QEvent(QEvent.Type.Leave))
     assert [r.title for r in sidebar.records()] == ["A", "C", "B"]
     store.close()
+
+
+def test_a_selected_rows_badge_stands_out_from_a_highlight_of_its_own_colour(qtbot) -> None:
+    """A green selection (the dark scheme's) under a green q8 badge: the badge keeps
+    an edge of the selected text's colour, not only its letters."""
+    from PySide6.QtCore import QRect
+    from PySide6.QtGui import QColor, QFont, QImage, QPainter, QPalette
+    from PySide6.QtWidgets import QStyle, QStyleOptionViewItem
+
+    from app.sessions.session_list import (
+        SessionDelegate,
+        mode_badge_font,
+        mode_badge_width,
+        mode_colour,
+    )
+
+    _, _, sidebar = _two_chats(qtbot, 0)
+    index = sidebar.list.model().index(0, 0)
+    option = QStyleOptionViewItem()
+    option.rect = QRect(0, 0, 260, 54)
+    option.state = QStyle.StateFlag.State_Selected | QStyle.StateFlag.State_Enabled
+    option.palette.setColor(QPalette.ColorRole.Highlight, mode_colour("q8"))
+    option.palette.setColor(QPalette.ColorRole.HighlightedText, QColor("white"))
+    image = QImage(260, 54, QImage.Format.Format_ARGB32)
+    image.fill(QColor("black"))
+    painter = QPainter(image)
+    SessionDelegate(sidebar.list).paint(painter, option, index)
+    painter.end()
+    # The badge's left edge at the middle of its height (as the delegate lays it out:
+    # the row inset 6 then 10 px, the badge 2 px below the top, 16 tall), not its letters.
+    inner = option.rect.adjusted(16, 9, -16, -9)
+    width = mode_badge_width(mode_badge_font(QFont(option.font)), "q8")
+    left, middle = inner.right() - width, inner.top() + 2 + 8
+    edge = [QColor(image.pixel(x, middle)) for x in (left, left + 1)]
+    assert max(colour.lightness() for colour in edge) > 200
