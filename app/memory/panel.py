@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import compact_count, human_bytes, short_title, visible_text
+from app.format import human_bytes, short_title, short_tokens, visible_text
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
@@ -160,10 +160,11 @@ def machine_line(share: RankShare) -> str:
 
 
 def _fits_text(tokens_fit: int, max_context: int) -> str:
-    """Tokens free RAM holds, capped at the model's context (more is of no use)."""
+    """Tokens free RAM holds, capped at the model's context (more is of no use), as
+    the context is said everywhere else ("8k")."""
     if tokens_fit >= max_context:
-        return f"all {compact_count(max_context)}"
-    return compact_count(tokens_fit)
+        return f"all {short_tokens(max_context)}"
+    return short_tokens(tokens_fit)
 
 
 class MemoryPanel(QScrollArea):

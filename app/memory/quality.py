@@ -202,7 +202,7 @@ class QualityCheck(QObject):
         self.store.save_receipt(event.session_id, event.receipt)
         self.checked.emit(event.session_id, event.receipt)
         if self.sessions.shown(event.session_id):
-            self.notice.emit(f"{receipt_line(event.receipt)} {advice(event.receipt)}")
+            self.notice.emit(f"{receipt_line(event.receipt)}. {advice(event.receipt)}")
 
     def _failed(self, job: Job, event: Failed) -> None:
         self.errorRaised.emit(self.sessions.about(job.session_id, event.message))

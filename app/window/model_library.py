@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from app.format import human_bytes
+from app.format import human_bytes, short_tokens
 from engine import (
     DEMO,
     RECOMMENDED_MODELS,
@@ -82,11 +82,6 @@ class ModelEntry:
     def cost_lines(self) -> list[str]:
         """"262k in q6: 14.8 GB — fits", one line per mode."""
         return [cost_text(cost, self.max_context) for cost in self.costs]
-
-
-def short_tokens(tokens: int) -> str:
-    """262,144 → "262k"; 8,192 → "8k"; 500 → "500"."""
-    return f"{round(tokens / 1000)}k" if tokens >= 1000 else str(tokens)
 
 
 def cost_text(cost: ModeCost, context: int) -> str:

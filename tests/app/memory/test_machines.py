@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from app.format import compact_count, human_bytes
+from app.format import human_bytes, short_tokens
 from app.memory.fit_check import fit_html
 from app.memory.panel import MemoryPanel
 from engine.cache.modes import MODES
@@ -72,7 +72,7 @@ def test_the_projection_is_the_machines_together_and_names_the_tight_one(qtbot) 
     # The "Fits" column is the tightest machine's, per mode.
     for row, mode in enumerate(MODES):
         expected = RANKS[1].tokens_in(mode)
-        assert panel.table.item(row, 2).text() == compact_count(expected)
+        assert panel.table.item(row, 2).text() == short_tokens(expected)
     # On one machine the sentence is this machine's own, as before.
     panel.update_projection(_report(300, ()), _report(CONTEXT, ()))
     assert panel.fits_label.text() == (

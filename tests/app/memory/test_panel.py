@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
-from app.format import compact_count, human_bytes
+from app.format import human_bytes, short_tokens
 from app.memory.panel import NO_CACHE, MemoryPanel, pages_text, shared_note, together_line
 from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
@@ -190,8 +190,9 @@ def test_engineering_numbers_are_under_details_and_plain_words_first(qtbot, wind
 def test_free_ram_fits_is_capped_at_the_model_context(window) -> None:
     from app.memory.panel import _fits_text
 
-    assert _fits_text(10**9, 8192) == "all 8.19 k"
-    assert _fits_text(4000, 8192) == "4.00 k"
+    # The context as the toolbar and the Models dialog say it ("8k context").
+    assert _fits_text(10**9, 8192) == "all 8k"
+    assert _fits_text(4000, 8192) == "4k"
     window.panel_feed.refresh()
     fits = [window.panel.table.item(row, 2) for row in range(len(MODES))]
     # The tiny model's context is far below what free RAM holds, in every mode.
@@ -301,4 +302,4 @@ def test_the_fits_column_and_sentence_count_the_memory_limit(qtbot) -> None:
     assert panel.fits_label.text() == (
         f"Fits in your memory limit (Settings): {held:,} of 131,072 tokens in q8.")
     row = list(MODES).index("q8")
-    assert panel.table.item(row, 2).text() == compact_count(held)
+    assert panel.table.item(row, 2).text() == short_tokens(held)

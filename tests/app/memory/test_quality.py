@@ -141,7 +141,8 @@ def test_check_quality_shows_and_stores_the_receipt(qtbot, window) -> None:
     assert progress and progress[-1].tokens_done == receipt.window_tokens
     line = receipt_line(receipt)
     assert line in panel.quality_label.text().replace("&amp;", "&")
-    assert window.banner.label.text() == f"{line} {advice(receipt)}"
+    # Two sentences: the verdict, then what to do about it.
+    assert window.banner.label.text() == f"{line}. {advice(receipt)}"
     assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
     assert c.store.receipts(record.id) == {"q4": receipt}
     # Shown again after reading another chat.

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from app.window.model_library import cost_text, installed_entry, library, short_tokens
+from app.format import short_tokens
+from app.window.model_library import cost_text, installed_entry, library
 from engine import RECOMMENDED_MODELS, ModeCost
 from engine.models.discovery import inspect_candidate
 from tests.engine.tinymodels import make_tiny_model_dir
