@@ -12,8 +12,6 @@ import io
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterator
-from typing import Any
 
 from engine.documents.limits import (
     INFLATE_BLOCK,
@@ -26,41 +24,24 @@ from engine.format import human_bytes
 
 
 def docx_text(name: str, data: bytes) -> str:
-    """The paragraphs and table rows of a .docx, after its zip passed the bomb checks."""
+    """The paragraphs and table rows of a .docx, in order, after its zip passed the bomb checks."""
     import docx
+
+    from engine.documents.wordml import block_lines
 
     _check_docx_members(name, data)
     try:
         document = docx.Document(io.BytesIO(data))
+        text = "\n".join(block_lines(document.element.body)).strip()
     except (zipfile.BadZipFile, KeyError, ValueError) as exc:
         raise _damaged_docx(name) from exc
     except Exception as exc:  # lxml and python-docx raise their own types on bad XML
         raise DocumentError(
             f"“{name}” could not be read as a Word document ({type(exc).__name__})."
         ) from exc
-    text = "\n".join(_block_lines(document.element.body, document)).strip()
     if not text:
         raise DocumentError(f"“{name}” has no text in it.")
     return text
-
-
-def _block_lines(container: Any, parent: Any) -> Iterator[str]:
-    """The lines of ``container``'s paragraphs and table rows, in the document's
-    order, with those inside content controls (a template's or form's fields),
-    which python-docx's ``paragraphs`` and ``tables`` pass over."""
-    from docx.oxml.ns import qn
-    from docx.table import Table
-    from docx.text.paragraph import Paragraph
-
-    for child in container.iterchildren():
-        if child.tag == qn("w:p"):
-            yield Paragraph(child, parent).text
-        elif child.tag == qn("w:tbl"):
-            for row in Table(child, parent).rows:
-                yield "\t".join(cell.text for cell in row.cells)
-        elif child.tag == qn("w:sdt"):
-            for content in child.iterchildren(qn("w:sdtContent")):
-                yield from _block_lines(content, parent)
 
 
 def _damaged_docx(name: str) -> DocumentError:

@@ -7,8 +7,9 @@ and says what the user can do. No Qt here: the app calls this off its GUI
 thread.
 
 The formats live beside this module: ``text`` (streamed plain text and its
-encodings), ``pdf``, ``docx``, and ``limits`` (the caps that keep a zip bomb
-or a huge file from exhausting memory); this module picks one by suffix.
+encodings), ``pdf``, ``docx`` (with ``wordml``, the text of its XML), and
+``limits`` (the caps that keep a zip bomb or a huge file from exhausting
+memory); this module picks one by suffix.
 """
 
 from __future__ import annotations

@@ -1,0 +1,154 @@
+"""The text of a Word document's XML, as Word shows it, in the document's order.
+
+python-docx's ``Paragraph.text`` and ``_Cell.text`` see only the runs and
+hyperlinks placed directly in a paragraph, so the text Word shows inside a
+tracked insertion, a content control, a field's result, a smart tag, a text
+box or a nested table never reached the model. Here every run below a
+paragraph is read, whatever wraps it, except what Word does not show as text:
+deleted and moved-away revisions, and a field's instructions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from docx.oxml.ns import qn
+
+_MC = "{http://schemas.openxmlformats.org/markup-compatibility/2006}"
+_ALTERNATE = f"{_MC}AlternateContent"
+_CHOICE = f"{_MC}Choice"
+_FALLBACK = f"{_MC}Fallback"
+
+_P = qn("w:p")
+_R = qn("w:r")
+_TBL = qn("w:tbl")
+_TR = qn("w:tr")
+_TC = qn("w:tc")
+_TEXT_BOX = qn("w:txbxContent")
+
+# Elements whose content is not text a reader sees: revisions that took text
+# out, a field's code, and properties (a paragraph's w:tabs holds tab stops,
+# not tabs).
+_HIDDEN = frozenset(
+    qn(tag)
+    for tag in (
+        "w:del",
+        "w:moveFrom",
+        "w:delText",
+        "w:instrText",
+        "w:delInstrText",
+        "w:pPr",
+        "w:rPr",
+        "w:sectPr",
+        "w:tblPr",
+        "w:tblGrid",
+        "w:trPr",
+        "w:tcPr",
+        "w:sdtPr",
+        "w:sdtEndPr",
+    )
+)
+
+# A run's pieces that are not w:t, as python-docx's ``Run.text`` writes them.
+_RUN_MARKS = {
+    qn("w:tab"): "\t",
+    qn("w:ptab"): "\t",
+    qn("w:cr"): "\n",
+    qn("w:noBreakHyphen"): "-",
+}
+
+
+def block_lines(container: Any) -> Iterator[str]:
+    """The lines of the paragraphs and table rows below ``container``, in order.
+
+    Args:
+        container: a body, table cell or text box element.
+
+    Yields:
+        One line per paragraph (which may hold line breaks), then the lines of
+        any text box anchored in it; one line per table row, its cells joined
+        by tabs.
+    """
+    for child in _children(container):
+        if child.tag == _P:
+            yield from _paragraph_lines(child)
+        elif child.tag == _TBL:
+            yield from _table_lines(child)
+        elif child.tag not in _HIDDEN:  # a content control, w:customXml, ...
+            yield from block_lines(child)
+
+
+def _paragraph_lines(paragraph: Any) -> Iterator[str]:
+    pieces: list[str] = []
+    boxes: list[Any] = []
+    _collect(paragraph, pieces, boxes)
+    yield "".join(pieces)
+    for box in boxes:
+        yield from block_lines(box)
+
+
+def _collect(element: Any, pieces: list[str], boxes: list[Any]) -> None:
+    """Append the text of the runs below ``element`` to ``pieces``, at any depth.
+
+    A text box's paragraphs are put in ``boxes``, to be read as lines of their
+    own after the paragraph that anchors them.
+    """
+    for child in _children(element):
+        if child.tag == _R:
+            _collect_run(child, pieces, boxes)
+        elif child.tag == _TEXT_BOX:
+            boxes.append(child)
+        elif child.tag not in _HIDDEN:
+            _collect(child, pieces, boxes)
+
+
+def _collect_run(run: Any, pieces: list[str], boxes: list[Any]) -> None:
+    for child in _children(run):
+        if child.tag == qn("w:t"):
+            pieces.append(child.text or "")
+        elif child.tag == qn("w:br"):
+            # As python-docx reads it: a page or column break is no line of text.
+            wraps = child.get(qn("w:type"), "textWrapping") == "textWrapping"
+            pieces.append("\n" if wraps else "")
+        elif child.tag in _RUN_MARKS:
+            pieces.append(_RUN_MARKS[child.tag])
+        elif child.tag not in _HIDDEN:  # a drawing or picture holding a text box
+            _collect(child, pieces, boxes)
+
+
+def _table_lines(table: Any) -> Iterator[str]:
+    """One line per row, each cell once however many columns or rows it spans."""
+    for row in _wrapped(table, _TR):
+        if row.find(f"{qn('w:trPr')}/{qn('w:del')}") is not None:
+            continue  # a row deleted with Track Changes on
+        cells = ("\n".join(block_lines(cell)) for cell in _wrapped(row, _TC))
+        yield "\t".join(cells)
+
+
+def _wrapped(element: Any, tag: str) -> Iterator[Any]:
+    """The children of ``element`` with ``tag``, and those wrapped in content controls."""
+    for child in _children(element):
+        if child.tag == tag:
+            yield child
+        elif child.tag not in _HIDDEN:
+            yield from _wrapped(child, tag)
+
+
+def _children(element: Any) -> Iterable[Any]:
+    """The child elements of ``element`` that hold its content.
+
+    Of an mc:AlternateContent only the first branch: Word writes a text box
+    twice, as a drawing (the Choice) and as VML for older readers (the
+    Fallback), and reading both would double its text.
+    """
+    if element.tag == _ALTERNATE:
+        branch = next(element.iterchildren(_CHOICE, _FALLBACK), None)
+        return () if branch is None else _elements(branch)
+    return _elements(element)
+
+
+def _elements(element: Any) -> Iterator[Any]:
+    # XML comments and processing instructions are children too, with no text.
+    return (child for child in element.iterchildren() if isinstance(child.tag, str))
+

@@ -1,0 +1,172 @@
+"""What a .docx gives the model: the text Word shows, wherever the XML puts it.
+
+Each document is built with python-docx, with the XML Word writes for the case
+put in its body. Every marker must come out exactly once, and text Word does
+not show (deleted revisions, a field's code) not at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import docx
+from docx.oxml import parse_xml
+
+from engine.documents.reader import read_document
+
+NAMESPACES = (
+    'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main" '
+    'xmlns:mc="http://schemas.openxmlformats.org/markup-compatibility/2006" '
+    'xmlns:wps="http://schemas.microsoft.com/office/word/2010/wordprocessingShape" '
+    'xmlns:v="urn:schemas-microsoft-com:vml"'
+)
+
+
+def _with_body_xml(*blocks: str) -> Any:
+    """A Word document whose body holds ``blocks``, each an element of WordprocessingML
+    declaring its namespaces, before its section properties."""
+    document = docx.Document()
+    body = document.element.body
+    for block in blocks:
+        body.insert(len(body) - 1, parse_xml(block))
+    return document
+
+
+def _text(tmp_path: Path, document: Any) -> str:
+    path = tmp_path / "document.docx"
+    document.save(str(path))
+    return read_document(path).text
+
+
+def _run(text: str) -> str:
+    return f'<w:r><w:t xml:space="preserve">{text}</w:t></w:r>'
+
+
+def _paragraph(*inner: str) -> str:
+    return f"<w:p {NAMESPACES}>{''.join(inner)}</w:p>"
+
+
+def _assert_once(text: str, *markers: str) -> None:
+    for marker in markers:
+        assert text.count(marker) == 1, (marker, text)
+
+
+def test_text_inside_revisions_fields_controls_and_wrappers_is_read_once(tmp_path: Path) -> None:
+    document = _with_body_xml(
+        _paragraph(_run("Before "), '<w:ins w:id="1" w:author="a">', _run("INSERTED"),
+                   "</w:ins>", '<w:del w:id="2" w:author="a"><w:r><w:delText>DELETED'
+                   "</w:delText></w:r></w:del>", _run(" after.")),
+        _paragraph('<w:moveFrom w:id="3" w:author="a">', _run("MOVED_AWAY"), "</w:moveFrom>",
+                   '<w:moveTo w:id="4" w:author="a">', _run("MOVED_HERE"), "</w:moveTo>"),
+        _paragraph(_run("Field: "), '<w:fldSimple w:instr="DATE">', _run("SIMPLE_FIELD"),
+                   "</w:fldSimple>"),
+        _paragraph('<w:r><w:fldChar w:fldCharType="begin"/></w:r>',
+                   '<w:r><w:instrText xml:space="preserve"> REF FIELD_CODE </w:instrText></w:r>',
+                   '<w:r><w:fldChar w:fldCharType="separate"/></w:r>', _run("COMPLEX_FIELD"),
+                   '<w:r><w:fldChar w:fldCharType="end"/></w:r>'),
+        _paragraph("<w:sdt><w:sdtPr><w:alias w:val='Name'/></w:sdtPr><w:sdtContent>",
+                   _run("INLINE_CONTROL"), "</w:sdtContent></w:sdt>"),
+        f"<w:sdt {NAMESPACES}><w:sdtContent>{_paragraph(_run('BLOCK_CONTROL'))}"
+        "</w:sdtContent></w:sdt>",
+        _paragraph('<w:smartTag w:uri="urn:x" w:element="place">', _run("SMART_TAG"),
+                   "</w:smartTag>"),
+        _paragraph('<w:customXml w:element="name">', _run("INLINE_CUSTOM_XML"),
+                   "</w:customXml>"),
+        f'<w:customXml {NAMESPACES} w:element="block">{_paragraph(_run("BLOCK_CUSTOM_XML"))}'
+        "</w:customXml>",
+        _paragraph('<w:dir w:val="rtl">', _run("DIR_TEXT"), '</w:dir><w:bdo w:val="rtl">',
+                   _run("BDO_TEXT"), "</w:bdo>"),
+        # A paragraph's tab stops are properties, not tabs in its text.
+        _paragraph('<w:pPr><w:tabs><w:tab w:val="left" w:pos="720"/></w:tabs></w:pPr>',
+                   _run("Stops")),
+    )
+    text = _text(tmp_path, document)
+    _assert_once(text, "INSERTED", "MOVED_HERE", "SIMPLE_FIELD", "COMPLEX_FIELD",
+                 "INLINE_CONTROL", "BLOCK_CONTROL", "SMART_TAG", "INLINE_CUSTOM_XML",
+                 "BLOCK_CUSTOM_XML", "DIR_TEXT", "BDO_TEXT")
+    for hidden in ("DELETED", "MOVED_AWAY", "FIELD_CODE", "Name"):
+        assert hidden not in text
+    assert text.splitlines()[0] == "Before INSERTED after."
+    assert text.splitlines()[-1] == "Stops"
+
+
+def test_a_document_written_with_track_changes_on_is_read(tmp_path: Path) -> None:
+    document = _with_body_xml(_paragraph('<w:ins w:id="1" w:author="a">',
+                                         _run("All of this was typed with Track Changes on."),
+                                         "</w:ins>"))
+    assert _text(tmp_path, document) == "All of this was typed with Track Changes on."
+
+
+def _text_box(text: str) -> str:
+    return f"<w:txbxContent>{_paragraph(_run(text))}</w:txbxContent>"
+
+
+def test_a_text_box_is_read_once_after_its_paragraph(tmp_path: Path) -> None:
+    # Word writes a text box twice: as a drawing, and in VML for older readers.
+    twice = ("<w:r><mc:AlternateContent><mc:Choice Requires='wps'><w:drawing><wps:wsp>"
+             f"<wps:txbx>{_text_box('TEXT_BOX')}</wps:txbx></wps:wsp></w:drawing></mc:Choice>"
+             f"<mc:Fallback><w:pict><v:shape><v:textbox>{_text_box('TEXT_BOX')}</v:textbox>"
+             "</v:shape></w:pict></mc:Fallback></mc:AlternateContent></w:r>")
+    vml_only = (f"<w:r><w:pict><v:shape><v:textbox>{_text_box('OLD_TEXT_BOX')}</v:textbox>"
+                "</v:shape></w:pict></w:r>")
+    document = _with_body_xml(_paragraph(_run("Anchor."), twice),
+                              _paragraph(vml_only), _paragraph(_run("After.")))
+    assert _text(tmp_path, document) == "Anchor.\nTEXT_BOX\n\nOLD_TEXT_BOX\nAfter."
+
+
+def test_a_document_made_of_text_boxes_is_read(tmp_path: Path) -> None:
+    document = _with_body_xml(_paragraph(
+        f"<w:r><w:pict><v:shape><v:textbox>{_text_box('Only in a box.')}</v:textbox>"
+        "</v:shape></w:pict></w:r>"))
+    assert _text(tmp_path, document) == "Only in a box."
+
+
+def test_merged_cells_once_and_nested_tables_inside_their_cell(tmp_path: Path) -> None:
+    document = docx.Document()
+    table = document.add_table(rows=3, cols=3)
+    for row, names in zip(table.rows, (("A1", "B1", "C1"), ("A2", "B2", "C2"),
+                                       ("A3", "B3", "C3")), strict=True):
+        for cell, name in zip(row.cells, names, strict=True):
+            cell.text = name
+    table.cell(0, 0).merge(table.cell(0, 2)).text = "ACROSS"
+    table.cell(1, 0).merge(table.cell(2, 0)).text = "DOWN"
+    inner = table.cell(1, 1).add_table(rows=1, cols=2)
+    inner.cell(0, 0).text, inner.cell(0, 1).text = "NESTED_1", "NESTED_2"
+    text = _text(tmp_path, document)
+    _assert_once(text, "ACROSS", "DOWN", "NESTED_1", "NESTED_2")
+    # A cell spanning rows is read in its first; the rows below keep its column.
+    assert text == "ACROSS\nDOWN\tB2\nNESTED_1\tNESTED_2\n\tC2\n\tB3\tC3"
+
+
+def test_a_table_row_deleted_with_track_changes_on_is_not_read(tmp_path: Path) -> None:
+    row = "<w:tr><w:trPr>{mark}</w:trPr><w:tc><w:p>{run}</w:p></w:tc></w:tr>"
+    deleted = row.format(mark='<w:del w:id="1" w:author="a"/>',
+                         run='<w:del w:id="2" w:author="a"><w:r><w:delText>GONE</w:delText>'
+                             "</w:r></w:del>")
+    first, last = (row.format(mark="", run=_run(text)) for text in ("FIRST", "LAST"))
+    document = _with_body_xml(f"<w:tbl {NAMESPACES}><w:tblGrid><w:gridCol/></w:tblGrid>"
+                              f"{first}{deleted}{last}</w:tbl>")
+    assert _text(tmp_path, document) == "FIRST\nLAST"
+
+
+def test_a_document_read_correctly_before_reads_the_same(tmp_path: Path) -> None:
+    document = docx.Document()
+    document.add_heading("Plan", level=1)
+    paragraph = document.add_paragraph("Tabs\tand ")
+    paragraph.add_run("runs").bold = True
+    paragraph.add_run(" with a break\nand more.")
+    document.add_paragraph("")
+    table = document.add_table(rows=2, cols=2)
+    table.cell(0, 0).text, table.cell(0, 1).text = "q6", "388 bytes"
+    table.cell(1, 0).text = "two\nlines"
+    table.cell(1, 1).add_paragraph("second paragraph")
+    document.add_page_break()
+    document.element.body.insert(len(document.element.body) - 1, parse_xml(_paragraph(
+        '<w:hyperlink w:anchor="x">', _run("a link "), "</w:hyperlink>",
+        "<w:r><w:t>non</w:t><w:noBreakHyphen/><w:t>breaking</w:t><w:ptab "
+        'w:relativeTo="margin" w:alignment="right" w:leader="none"/><w:t>end</w:t></w:r>')))
+    # What python-docx's Paragraph.text and _Cell.text gave, this reader's old way.
+    assert _text(tmp_path, document) == (
+        "Plan\nTabs\tand runs with a break\nand more.\n\nq6\t388 bytes\ntwo\nlines\t\n"
+        "second paragraph\n\na link non-breaking\tend")
