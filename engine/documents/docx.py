@@ -24,15 +24,21 @@ from engine.format import human_bytes
 
 
 def docx_text(name: str, data: bytes) -> str:
-    """The paragraphs and table rows of a .docx, in order, after its zip passed the bomb checks."""
+    """The text of a .docx, after its zip passed the bomb checks.
+
+    The body's paragraphs and table rows come first, in the document's order,
+    then its page headers and footers, footnotes and endnotes, each group under
+    a label saying what it is.
+    """
     import docx
 
-    from engine.documents.wordml import block_lines
+    from engine.documents.wordml import block_lines, margin_text
 
     _check_docx_members(name, data)
     try:
         document = docx.Document(io.BytesIO(data))
-        text = "\n".join(block_lines(document.element.body)).strip()
+        body = "\n".join(block_lines(document.element.body)).strip()
+        text = (body + margin_text(document)).strip()
     except (zipfile.BadZipFile, KeyError, ValueError) as exc:
         raise _damaged_docx(name) from exc
     except Exception as exc:  # lxml and python-docx raise their own types on bad XML

@@ -3,9 +3,10 @@
 python-docx's ``Paragraph.text`` and ``_Cell.text`` see only the runs and
 hyperlinks placed directly in a paragraph, so the text Word shows inside a
 tracked insertion, a content control, a field's result, a smart tag, a text
-box or a nested table never reached the model. Here every run below a
-paragraph is read, whatever wraps it, except what Word does not show as text:
-deleted and moved-away revisions, and a field's instructions.
+box or a nested table, and every header, footer and note, never reached
+the model. Here every run below a paragraph is read, whatever wraps it, except
+what Word does not show as text: deleted and moved-away revisions, and a
+field's instructions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from docx.oxml.ns import qn
+from docx.oxml.parser import parse_xml
 
 _MC = "{http://schemas.openxmlformats.org/markup-compatibility/2006}"
 _ALTERNATE = f"{_MC}AlternateContent"
@@ -63,7 +65,7 @@ def block_lines(container: Any) -> Iterator[str]:
     """The lines of the paragraphs and table rows below ``container``, in order.
 
     Args:
-        container: a body, table cell or text box element.
+        container: a body, header, footer, note, table cell or text box element.
 
     Yields:
         One line per paragraph (which may hold line breaks), then the lines of
@@ -152,3 +154,66 @@ def _elements(element: Any) -> Iterator[Any]:
     # XML comments and processing instructions are children too, with no text.
     return (child for child in element.iterchildren() if isinstance(child.tag, str))
 
+
+def margin_text(document: Any) -> str:
+    """The page headers, footers, footnotes and endnotes, each group labelled.
+
+    Args:
+        document: a python-docx ``Document``.
+
+    Returns:
+        For each group that has text, a blank line, its label ("Footnotes:")
+        and the text of each of its parts, each different text once; "" when
+        none has text.
+    """
+    groups = (
+        ("Page headers:", _referenced_stories(document, "w:headerReference")),
+        ("Page footers:", _referenced_stories(document, "w:footerReference")),
+        ("Footnotes:", _notes(document, "footnotes", "w:footnote")),
+        ("Endnotes:", _notes(document, "endnotes", "w:endnote")),
+    )
+    text = ""
+    for label, stories in groups:
+        texts = list(dict.fromkeys(_story_texts(stories)))
+        if texts:
+            text += "\n\n" + label + "\n" + "\n".join(texts)
+    return text
+
+
+def _story_texts(stories: Iterable[Any]) -> Iterator[str]:
+    for story in stories:
+        text = "\n".join(block_lines(story)).strip()
+        if text:
+            yield text
+
+
+def _referenced_stories(document: Any, reference: str) -> Iterator[Any]:
+    """Each header (or footer) the sections name, in their order, each part once.
+
+    A section may name three (first page, even pages, the rest); one that names
+    none shows the previous section's, already read.
+    """
+    parts = document.part.related_parts
+    seen: set[str] = set()
+    for element in document.element.body.iter(qn(reference)):
+        rid = element.get(qn("r:id"))
+        if rid in seen or rid not in parts:
+            continue
+        seen.add(rid)
+        yield _root(parts[rid])
+
+
+def _notes(document: Any, kind: str, tag: str) -> Iterator[Any]:
+    """The footnotes (or endnotes), less the separator lines Word keeps among them."""
+    for relationship in document.part.rels.values():
+        if relationship.is_external or not relationship.reltype.endswith(f"/{kind}"):
+            continue
+        for note in _root(relationship.target_part).iterchildren(qn(tag)):
+            if note.get(qn("w:type"), "normal") == "normal":
+                yield note
+
+
+def _root(part: Any) -> Any:
+    """A part's XML; python-docx parses headers and footers, but not notes."""
+    element = getattr(part, "element", None)
+    return element if element is not None else parse_xml(part.blob)

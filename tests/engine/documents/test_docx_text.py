@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import docx
+from docx.opc.constants import CONTENT_TYPE as CT
+from docx.opc.constants import RELATIONSHIP_TYPE as RT
+from docx.opc.packuri import PackURI
+from docx.opc.part import Part
 from docx.oxml import parse_xml
 
 from engine.documents.reader import read_document
@@ -148,6 +152,51 @@ def test_a_table_row_deleted_with_track_changes_on_is_not_read(tmp_path: Path) -
     document = _with_body_xml(f"<w:tbl {NAMESPACES}><w:tblGrid><w:gridCol/></w:tblGrid>"
                               f"{first}{deleted}{last}</w:tbl>")
     assert _text(tmp_path, document) == "FIRST\nLAST"
+
+
+def test_headers_and_footers_each_once_under_a_label(tmp_path: Path) -> None:
+    document = docx.Document()
+    document.add_paragraph("Body.")
+    first = document.sections[0]
+    first.header.paragraphs[0].text = "PAGE_HEADER"
+    first.footer.paragraphs[0].text = "PAGE_FOOTER"
+    first.different_first_page_header_footer = True
+    first.first_page_header.paragraphs[0].text = "TITLE_PAGE_HEADER"
+    second = document.add_section()  # shows the first section's header and footer
+    second.footer.is_linked_to_previous = False
+    second.footer.paragraphs[0].text = "PAGE_FOOTER"  # its own part, the same text
+    document.add_paragraph("More body.")
+    assert _text(tmp_path, document) == (
+        "Body.\n\nMore body.\n\nPage headers:\nPAGE_HEADER\nTITLE_PAGE_HEADER"
+        "\n\nPage footers:\nPAGE_FOOTER")
+
+
+def _notes_part(document: Any, kind: str, notes: list[str]) -> None:
+    """Give ``document`` a footnotes (or endnotes) part holding Word's two separators,
+    then one note per text in ``notes``."""
+    tag = kind[:-1]
+    separators = "".join(
+        f'<w:{tag} w:type="{kind_}" w:id="{i - 1}"><w:p><w:r><w:{kind_}/></w:r></w:p></w:{tag}>'
+        for i, kind_ in enumerate(("separator", "continuationSeparator")))
+    bodies = "".join(
+        f'<w:{tag} w:id="{i + 1}"><w:p><w:r><w:{tag}Ref/></w:r>{_run(" " + note)}</w:p>'
+        f"</w:{tag}>" for i, note in enumerate(notes))
+    xml = f"<w:{kind} {NAMESPACES}>{separators}{bodies}</w:{kind}>".encode()
+    content_type = CT.WML_FOOTNOTES if kind == "footnotes" else CT.WML_ENDNOTES
+    reltype = RT.FOOTNOTES if kind == "footnotes" else RT.ENDNOTES
+    part = Part(PackURI(f"/word/{kind}.xml"), content_type, xml, document.part.package)
+    document.part.relate_to(part, reltype)
+
+
+def test_footnotes_and_endnotes_under_their_labels_without_separators(tmp_path: Path) -> None:
+    document = _with_body_xml(_paragraph(_run("Claim."),
+                                         '<w:r><w:footnoteReference w:id="1"/></w:r>'))
+    _notes_part(document, "footnotes", ["FIRST_FOOTNOTE", "SECOND_FOOTNOTE"])
+    _notes_part(document, "endnotes", ["AN_ENDNOTE"])
+    document.sections[0].header.paragraphs[0].text = "HEADER"
+    assert _text(tmp_path, document) == (
+        "Claim.\n\nPage headers:\nHEADER\n\nFootnotes:\nFIRST_FOOTNOTE\nSECOND_FOOTNOTE"
+        "\n\nEndnotes:\nAN_ENDNOTE")
 
 
 def test_a_document_read_correctly_before_reads_the_same(tmp_path: Path) -> None:
