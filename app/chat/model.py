@@ -6,6 +6,8 @@ the last row only, so a fast model never floods the view with repaints.
 
 from __future__ import annotations
 
+import html
+import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -60,10 +62,21 @@ class ChatMessage:
 
 def engine_content(message: ChatMessage | MessageRecord) -> str:
     """The text the model sees for a message: attached documents, then the text."""
-    parts = [f"<document name=\"{a.name}\">\n{a.text}\n</document>" for a in message.attachments]
+    parts = [f"<document name=\"{html.escape(a.name)}\">\n{_inside_document(a.text)}\n"
+             "</document>" for a in message.attachments]
     if message.content:
         parts.append(message.content)
     return "\n\n".join(parts)
+
+
+def _inside_document(text: str) -> str:
+    """``text`` with its own closing tags escaped: a dropped HTML or XML file (or one
+    about this format) must not end its block early and pass the rest off as the
+    user's words."""
+    return _CLOSING_TAG.sub("&lt;/document&gt;", text)
+
+
+_CLOSING_TAG = re.compile(r"</document\s*>", re.IGNORECASE)
 
 
 class ChatModel(QAbstractListModel):
