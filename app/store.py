@@ -444,17 +444,21 @@ class HistoryStore:
     # Drafts and the chat on screen ----------------------------------------
 
     def set_draft(self, session_id: str | None, text: str,
-                  attachments: tuple[AttachmentRecord, ...] = ()) -> None:
+                  attachments: tuple[AttachmentRecord, ...] | None = ()) -> None:
         """Keep what is in a chat's composer (None: while no chat is shown).
 
         The attachments are kept whole (their text too): an attachment not yet
         sent is stored nowhere else. Empty text deletes the text, no attachments
-        the attachments; a chat deleted meanwhile keeps none.
+        the attachments, None leaves them as stored (a pause in typing need not
+        write megabytes of documents again); a chat deleted meanwhile keeps none.
         """
-        records = json.dumps([dataclasses.asdict(a) for a in attachments]) if attachments else ""
+        records = None if attachments is None else json.dumps(
+            [dataclasses.asdict(a) for a in attachments], ensure_ascii=False) \
+            if attachments else ""
         if session_id is None:
             self._set_state(NO_CHAT_DRAFT, text)
-            self._set_state(NO_CHAT_DRAFT_ATTACHMENTS, records)
+            if records is not None:
+                self._set_state(NO_CHAT_DRAFT_ATTACHMENTS, records)
             return
         with self._writing():
             if text:
@@ -463,11 +467,12 @@ class HistoryStore:
                           (session_id, text, time.time(), session_id))
             else:
                 self._db.execute("DELETE FROM drafts WHERE session_id = ?", (session_id,))
+            if records is None:
+                return
             if records:
-                self._db.execute("INSERT OR REPLACE INTO draft_attachments (session_id, records) "
-                                 "SELECT ?, ? "
-                                 "WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
-                                 (session_id, records, session_id))
+                self._put("INSERT OR REPLACE INTO draft_attachments (session_id, records) "
+                          "SELECT ?, ? WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
+                          (session_id, records, session_id))
             else:
                 self._db.execute("DELETE FROM draft_attachments WHERE session_id = ?",
                                  (session_id,))

@@ -63,6 +63,8 @@ class Drafts(QObject):
         # The draft an edit took the composer from: (its chat, its text, its files).
         self._set_aside: tuple[str | None, str, tuple[AttachmentRecord, ...]] | None = None
         self._edited: int | None = None  # the id of the message edited
+        # The chat and files the last save wrote (None: none known to be stored).
+        self._files_saved: tuple[str | None, tuple[AttachmentRecord, ...]] | None = None
         composer.edit.textChanged.connect(self._typed)
         controller.currentSessionChanged.connect(self._switched)
         self._show(*self._draft(self.session_id))
@@ -147,14 +149,19 @@ class Drafts(QObject):
 
     def _save(self, session_id: str | None, text: str,
               files: tuple[AttachmentRecord, ...]) -> None:
+        # The files as last written for this chat are not written again: a pause in
+        # typing beside large documents would rewrite them all, on the GUI thread.
+        unchanged = self._files_saved is not None and self._files_saved == (session_id, files)
         try:
-            self.store.set_draft(session_id, text, files)
+            self.store.set_draft(session_id, text, None if unchanged else files)
         except DiskFault as fault:
             if session_id not in self._unsaved:
                 log.warning("draft kept in memory only: %s", fault)
             self._unsaved[session_id] = (text, files)
+            self._files_saved = None
             return
         self._unsaved.pop(session_id, None)
+        self._files_saved = (session_id, files)
 
     def _draft(self, session_id: str | None) -> tuple[str, tuple[AttachmentRecord, ...]]:
         """The draft of ``session_id``: the one kept in memory, else the saved one."""

@@ -164,6 +164,33 @@ def test_unsent_attachments_are_part_of_the_draft_across_switches_and_restarts(
         close_window(second)
 
 
+def test_a_pause_in_typing_beside_attached_files_does_not_write_them_again(
+        qtbot, window, tmp_path) -> None:
+    """The files of a draft are written when they change, not at every pause in
+    typing (megabytes of documents, rewritten on the GUI thread each time)."""
+    doc = tmp_path / "pines.md"
+    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 10)
+    c = window.controller
+    chat = c.new_session("q8")
+    window.add_files([str(doc)])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    written: list[str] = []
+    c.store._db.set_trace_callback(written.append)
+    try:
+        for text in ("what grows", "what grows here?"):
+            _type(qtbot, window, text)
+            window.drafts.save_now()
+    finally:
+        c.store._db.set_trace_callback(None)
+    assert c.store.draft(chat.id) == "what grows here?"
+    assert not [sql for sql in written if "draft_attachments" in sql]
+    assert len(c.store.draft_attachments(chat.id)) == 1
+    # A change of the files is written, with the text.
+    (chip_id,) = window.composer.chips
+    window._remove_attachment(chip_id)
+    assert c.store.draft_attachments(chat.id) == ()
+
+
 def _answered(qtbot, window, text: str) -> None:
     _type(qtbot, window, text)
     with qtbot.waitSignal(window.controller.answerFinished, timeout=ANSWER_TIMEOUT_MS):
