@@ -8,6 +8,7 @@ in the same ``GB``.
 
 from __future__ import annotations
 
+import re
 import time
 import unicodedata
 
@@ -33,8 +34,8 @@ def human_duration(seconds: float | None) -> str:
 def unbroken(text: str) -> str:
     """``text`` that a wrapping label keeps on one line (a number with its unit): a
     line of figures wraps between them, never inside one ("3,393 / tokens", "tokens/ s":
-    a line may break after a slash, which a word joiner forbids)."""
-    return text.replace(" ", "\u00a0").replace("/", "/\u2060")
+    a line may break after a slash between two words, which a word joiner forbids)."""
+    return re.sub(r"/(?=\w)", "/\u2060", text.replace(" ", "\u00a0"))
 
 
 def relative_time(timestamp: float, now: float | None = None) -> str:
