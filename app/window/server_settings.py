@@ -89,6 +89,7 @@ class LocalServerPage(QWidget):
         self.problem = ProblemLabel()
         form.addRow(self.problem)
         self.port.valueChanged.connect(self._show_addresses)
+        self.enabled.toggled.connect(self._show_addresses)
         self._show_addresses()
 
     def _address_row(self, form: QFormLayout, caption: str) -> tuple[QLabel, QPushButton]:
@@ -106,6 +107,12 @@ class LocalServerPage(QWidget):
         openai, anthropic = base_urls(self.port.value())
         self.openai_url.setText(openai)
         self.anthropic_url.setText(anthropic)
+        # Greyed, with nothing to copy, while the server is off: a client pasted
+        # an address nothing answers would look like a broken server.
+        running = self.enabled.isChecked()
+        for widget in (self.openai_url, self.anthropic_url, self.copy_openai,
+                       self.copy_anthropic):
+            widget.setEnabled(running)
 
     def values(self) -> dict[str, object]:
         """The page's values, by the name of the setting each one edits."""

@@ -345,6 +345,10 @@ def test_local_server_is_off_and_private_by_default(qtbot) -> None:
     page = dialog.server
     assert page.openai_url.text() == "http://127.0.0.1:1234/v1"
     assert page.anthropic_url.text() == "http://127.0.0.1:1234"
+    # Off: the addresses are greyed and there is nothing to copy, nothing answers there.
+    assert not page.copy_openai.isEnabled() and not page.openai_url.isEnabled()
+    page.enabled.setChecked(True)
+    assert page.copy_openai.isEnabled() and page.copy_anthropic.isEnabled()
     page.port.setValue(4321)
     assert page.openai_url.text() == "http://127.0.0.1:4321/v1"
     page.copy_openai.click()
