@@ -188,18 +188,23 @@ def test_snapshots_set_aside_count_against_the_budget_and_go_first(models, tmp_p
     assert not aside.exists() and list(tmp_path.iterdir()) == []
 
 
+def _copies_set_aside(models, folder, *names: str) -> None:
+    """Snapshots ``names`` of a document, each set aside as a reopen finds it stale."""
+    for name in names:
+        old = _session(models["llama"])
+        _ingest(old, _user(DOC))
+        _reseal(save_snapshot(old, folder, name), lambda m: m.update(version=1))
+        with pytest.raises(SnapshotRejected):
+            load_snapshot(_session(models["llama"]), folder, name, [*old.tokens, 1])
+
+
 def test_a_store_limited_to_its_own_snapshots_drops_only_their_copies_set_aside(
         models, tmp_path):
     """The CLI's store evicts its own sessions only: the app's copies set aside for
     another model stay, however short of room it is; its own go first."""
     from engine.snapshots.manifest import SET_ASIDE
 
-    for name in ("chat", "cli-doc"):
-        old = _session(models["llama"])
-        _ingest(old, _user(DOC))
-        _reseal(save_snapshot(old, tmp_path, name), lambda m: m.update(version=1))
-        with pytest.raises(SnapshotRejected):
-            load_snapshot(_session(models["llama"]), tmp_path, name, [*old.tokens, 1])
+    _copies_set_aside(models, tmp_path, "chat", "cli-doc")
     aside = tmp_path / SET_ASIDE
     store = SnapshotStore(tmp_path, evictable=lambda name: name.startswith("cli-"))
     assert store.set_budget(0) == []
@@ -223,12 +228,7 @@ def test_deleting_a_chats_snapshot_deletes_its_copy_set_aside(models, tmp_path):
     the chat (its snapshot) leaves none of it on disk, and no other chat's."""
     from engine.snapshots.manifest import SET_ASIDE
 
-    for name in ("chat", "other"):
-        old = _session(models["llama"])
-        _ingest(old, _user(DOC))
-        _reseal(save_snapshot(old, tmp_path, name), lambda m: m.update(version=1))
-        with pytest.raises(SnapshotRejected):
-            load_snapshot(_session(models["llama"]), tmp_path, name, [*old.tokens, 1])
+    _copies_set_aside(models, tmp_path, "chat", "other")
     aside = tmp_path / SET_ASIDE
     store = SnapshotStore(tmp_path)
     assert store.per_snapshot() == [] and store.total_bytes() > 0  # listed nowhere
