@@ -6,8 +6,10 @@ different lengths, so no two rows are the same length) greedily, for exactly
 
 - engine: ``engine.session.batch.BatchDecoder`` over one ``Session`` a
   conversation, in ``mode`` (each conversation's own paged cache, no padding);
-- mlx-lm: ``mlx_lm.generate.BatchGenerator`` with its fp16 ``KVCache`` per
-  conversation, merged into its left-padded ``BatchKVCache``.
+- mlx-lm: ``mlx_lm.generate.BatchGenerator`` with its ``KVCache`` per
+  conversation (in the model's compute dtype: float32 on the CPU backend, where
+  the loader computes in float32; the report names it), merged into its
+  left-padded ``BatchKVCache``.
 
 Each conversation is read in once per side, before any timing: the engine's
 sessions keep their pages between stream counts (each run trims back to the
@@ -157,7 +159,7 @@ def memory_bound(sessions: list[Any], streams: int, pages_before: int,
 
 
 def mlx_lm_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]]:
-    """mlx-lm's fp16 caches, each holding its prompt but the last token."""
+    """mlx-lm's caches (the model's dtype), each holding its prompt but the last token."""
     from mlx_lm.models.cache import make_prompt_cache
 
     caches = []
@@ -324,8 +326,9 @@ def run_batch_bench(
     results["prompt_tokens"] = [len(p) for p in prompts]
     progress(f"reading {most} conversations in ({config.mode})")
     sessions = engine_sessions(loaded, config.mode, chats)
-    progress(f"reading {most} conversations in (mlx-lm fp16)")
+    progress(f"reading {most} conversations in (mlx-lm)")
     caches = mlx_lm_caches(loaded.model, prompts)
+    results["mlx_lm_kv_dtype"] = str(caches[0][0].keys.dtype).removeprefix("mlx.core.")
     run_engine(sessions[:1], chats, 2)  # compile and warm up, untimed
     run_mlx_lm(loaded.model, prompts[:1], caches[:1], 2)
     for streams in config.streams:
@@ -461,7 +464,8 @@ def render_batch_report(results: dict[str, Any], info: dict[str, Any], command: 
         f"{model['head_dim']}). Conversations of {min(prompts, default=0)} to "
         f"{max(prompts, default=0)} tokens; greedy, {config['max_tokens']} tokens a stream. "
         f"Engine: `BatchDecoder`, every conversation's own paged cache in {config['mode']}; "
-        "mlx-lm: `BatchGenerator`, fp16 `KVCache`s merged left-padded. Aggregate tokens per "
+        f"mlx-lm: `BatchGenerator`, {_kv_dtype(results)}`KVCache`s merged left-padded. "
+        "Aggregate tokens per "
         "second over the steps after every stream's first token. The last column sets the "
         "engine's peak less its weights (and less mlx-lm's caches, held meanwhile) against "
         "every open conversation's pages plus one decode step's transient for the streams "
@@ -493,3 +497,9 @@ def render_batch_report(results: dict[str, Any], info: dict[str, Any], command: 
             f"counter): {counts} at {streams} streams.",
         ]
     return "\n".join(out) + "\n"
+
+
+def _kv_dtype(results: dict[str, Any]) -> str:
+    """mlx-lm's cache dtype as the report says it ("" where a run did not record it)."""
+    dtype = results.get("mlx_lm_kv_dtype")
+    return f"{dtype} (the model's compute dtype here) " if dtype else ""

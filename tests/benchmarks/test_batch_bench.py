@@ -28,6 +28,9 @@ def test_batch_report_has_a_row_per_stream_count(tmp_path: Path) -> None:
                    check=True, capture_output=True, timeout=300)
     markdown, results = doc.read_text(), json.loads(raw.read_text())
     assert "generate numbers stay" in markdown
+    # mlx-lm's caches are said in the dtype they hold (the model computes in float32 here).
+    assert results["mlx_lm_kv_dtype"] == "float32"
+    assert "`BatchGenerator`, float32 (the model's compute dtype here) `KVCache`s" in markdown
     assert markdown.count("<!-- bench:batch:start -->") == 1
     # Conversations of different lengths: no two rows the same length.
     assert len(set(results["prompt_tokens"])) == 3
