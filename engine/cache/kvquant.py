@@ -13,7 +13,8 @@ nothing converted per step: a float16 scale and bias (``-bias * scale``) per MLX
 group of the row (:func:`affine_scales`; 8 bytes a row at head_dim 256 instead of
 the format's 2). A scale is capped where MLX's float16 read of the largest code
 (``scale * u``, before the bias) would overflow, so the quantized modes hold about
-±32k: a larger value is stored clipped there, never read back as inf.
+±32k: a larger value is stored clipped there, never read back as inf (a snapshot
+stored under the earlier cap is read as stored: see :func:`affine_scales`).
 
 The fp16 mode stores the values themselves: ``quantize_rows(x, 16)`` returns the
 float16 values (``[..., head_dim]``, i.e. ``2 * head_dim`` bytes per row) and
@@ -147,6 +148,16 @@ def scale_cap(bits: int) -> float:
     top = 2 * bias_for(bits) - 1
     cap = np.float16(_FP16_MAX / top)
     while float(cap) * top > _FP16_MAX:
+        cap = np.nextafter(cap, np.float16(0))
+    return float(cap)
+
+
+@functools.cache
+def bias_cap(bits: int) -> float:
+    """The largest float16 scale whose bias (``-bias * scale``) is finite in float16:
+    the cap of scales snapshots stored before :func:`scale_cap` lowered it."""
+    cap = np.float16(_FP16_MAX / bias_for(bits))
+    while float(cap) * bias_for(bits) > _FP16_MAX:
         cap = np.nextafter(cap, np.float16(0))
     return float(cap)
 
@@ -330,10 +341,11 @@ def quantize_for_store(x: mx.array, bits: int, groups: int) -> tuple[mx.array, m
 def affine_scales(scales: mx.array, bits: int, groups: int) -> mx.array:
     """Row scales (``[..., 1]``, the row format's) as the in-memory ``[2, ..., groups]``.
 
-    A scale above :func:`scale_cap` (stored before the cap) is capped: its largest
-    codes would read back as inf.
+    A scale stored under an earlier, higher cap is kept as stored: capping it to
+    :func:`scale_cap` would shrink its whole row, every value of it. Only one whose
+    bias (``-bias * scale``) would be inf in float16 is capped (to :func:`bias_cap`).
     """
-    capped = mx.minimum(scales.astype(mx.float32), scale_cap(bits))
+    capped = mx.minimum(scales.astype(mx.float32), bias_cap(bits))
     pairs = _scale_and_bias(capped, bits)
     return mx.broadcast_to(pairs, (*pairs.shape[:-1], groups))
 

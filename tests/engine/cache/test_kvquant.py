@@ -297,11 +297,16 @@ def test_stored_rows_are_what_mlx_dequantizes_identically(bits: int, head_dim: i
     assert np.array_equal(np.array(theirs), np.array(ours))
 
 
-def test_affine_scales_cap_a_scale_stored_before_the_cap() -> None:
+def test_affine_scales_cap_only_a_scale_whose_bias_would_be_inf() -> None:
     huge = mx.array([[60000.0]], dtype=mx.float16)
     pairs = kvquant.affine_scales(huge, 6, 2)
-    assert np.array(pairs[0]).tolist() == [[1039.0, 1039.0]] == [[kvquant.scale_cap(6)] * 2]
+    assert np.array(pairs[0]).tolist() == [[2047.0, 2047.0]] == [[kvquant.bias_cap(6)] * 2]
     assert np.all(np.isfinite(np.array(pairs[1])))
+    # A scale under the earlier cap (a snapshot stored before the cap was lowered)
+    # is read as stored: capping it would shrink every value of its row.
+    earlier = mx.array([[kvquant.scale_cap(8) * 1.5]], dtype=mx.float16)
+    pairs = kvquant.affine_scales(earlier, 8, 1)
+    assert float(pairs[0][0, 0]) == float(earlier[0, 0]) > kvquant.scale_cap(8)
 
 
 def test_mlx_group_size_choice() -> None:
