@@ -137,7 +137,8 @@ def _convert(value: Any, kind: type) -> Any:
         return ([value] if value else []) if isinstance(value, str) else list(value)
     if kind is str and isinstance(value, list):
         # A comma in a value typed into the file without quotes makes QSettings
-        # read a list: the text was the items with their commas.
+        # read a list of its pieces, trimmed: the text comes back with each comma
+        # followed by one space (the spacing typed around it is not kept).
         return ", ".join(str(item) for item in value)
     return kind(value)
 

@@ -62,11 +62,17 @@ class ChatMessage:
 
 def engine_content(message: ChatMessage | MessageRecord) -> str:
     """The text the model sees for a message: attached documents, then the text."""
-    parts = [f"<document name=\"{html.escape(a.name)}\">\n{_inside_document(a.text)}\n"
+    parts = [f"<document name=\"{_attribute(a.name)}\">\n{_inside_document(a.text)}\n"
              "</document>" for a in message.attachments]
     if message.content:
         parts.append(message.content)
     return "\n\n".join(parts)
+
+
+def _attribute(name: str) -> str:
+    """``name`` as a quoted attribute's value: only what would end or confuse it is
+    escaped (an apostrophe stays one for the model to read)."""
+    return html.escape(name, quote=False).replace('"', "&quot;")
 
 
 def _inside_document(text: str) -> str:
