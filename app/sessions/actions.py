@@ -129,6 +129,7 @@ class SessionActions(QObject):
         self.caches.forget(session_id)
         self.store.delete_session(session_id)
         if self.current and self.current.id == session_id:
+            self._before_switch()  # an edit of it goes with it, also with no chat after
             self.current = None
             self.model.set_messages([])
             after = _neighbour(order, session_id)

@@ -208,6 +208,18 @@ def _editing_beside_a_draft(qtbot, window) -> SessionRecord:
     return chat
 
 
+def test_deleting_the_chat_edited_with_no_chat_after_it_ends_the_edit(qtbot, window) -> None:
+    c = window.controller
+    chat = _editing_beside_a_draft(qtbot, window)
+    for other in c.store.sessions():
+        if other.id != chat.id:
+            c.sessions.delete_session(other.id)
+    c.sessions.delete_session(chat.id)
+    assert c.current is None and not c.editing
+    assert window.composer.editing_box.isHidden()
+    assert c.store.edit(chat.id) is None
+
+
 def test_an_edit_sets_the_draft_aside_and_gives_it_back_once_sent(qtbot, window) -> None:
     c = window.controller
     chat = _editing_beside_a_draft(qtbot, window)
