@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from PySide6.QtCore import QObject, Signal
@@ -38,6 +38,14 @@ def attach_filter() -> str:
 
 def _files(count: int) -> str:
     return f"{count:,} file" if count == 1 else f"{count:,} files"
+
+
+def copy_of(record: AttachmentRecord,
+            attached: Iterable[AttachmentRecord]) -> AttachmentRecord | None:
+    """The one of ``attached`` holding ``record``'s text, if any: attaching it again
+    would only put that text in the prompt twice."""
+    return next((kept for kept in attached
+                 if kept.sha256 == record.sha256 and kept.text == record.text), None)
 
 
 def already_attached(name: str, attached: str) -> str:

@@ -23,7 +23,7 @@ import logging
 
 from PySide6.QtCore import QObject, QTimer
 
-from app.chat.attachments import MAX_FILES, restored_left_out
+from app.chat.attachments import MAX_FILES, copy_of, restored_left_out
 from app.chat.composer import Composer
 from app.controller import ChatController
 from app.store import AttachmentRecord, EditRecord, SessionRecord
@@ -138,7 +138,7 @@ class Drafts(QObject):
         """Add ``record`` to the draft of ``session_id``, a chat not shown now (a file
         read in after its chat was left)."""
         text, files = self._draft(session_id)
-        if len(files) < MAX_FILES:
+        if len(files) < MAX_FILES and copy_of(record, files) is None:
             self._save(session_id, text, (*files, record))
 
     def save_soon(self) -> None:

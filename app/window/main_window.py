@@ -30,6 +30,7 @@ from app.chat.attachments import (
     DocumentLoader,
     already_attached,
     attach_filter,
+    copy_of,
     files_left_out,
 )
 from app.chat.composer import READING, Composer
@@ -538,8 +539,7 @@ class MainWindow(QMainWindow):
         if dropped_in not in (None, self.drafts.session_id):  # its chat was left since
             self.drafts.add_file(dropped_in, record)
             return
-        same = next((kept for kept in self.attachments.values()
-                     if kept.sha256 == record.sha256 and kept.text == record.text), None)
+        same = copy_of(record, self.attachments.values())
         if same is not None:
             # Dropped again: a second copy would only double its tokens in the prompt.
             self.composer.remove_chip(job_id)

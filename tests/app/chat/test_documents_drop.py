@@ -52,6 +52,7 @@ def test_a_file_dropped_again_is_attached_once(qtbot, window, tmp_path) -> None:
     doc.write_text(TEXT * 5)
     copy = tmp_path / "pines copy.md"  # the same text under another name: one copy too
     copy.write_text(TEXT * 5)
+    chat = window.controller.new_session("q8")
     drop_files(window, [doc])
     qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
     for again, said in ((doc, "“pines.md” is already attached"),
@@ -60,6 +61,11 @@ def test_a_file_dropped_again_is_attached_once(qtbot, window, tmp_path) -> None:
         qtbot.waitUntil(lambda s=said: s in window.composer.notice.text(), timeout=20_000)
         assert [r.name for r in window.attachments.values()] == ["pines.md"]
         assert len(window.composer.chips) == 1
+    # Dropped again, then its chat left before the read ended: its draft takes no copy.
+    drop_files(window, [doc])
+    window.controller.new_session("q4")
+    qtbot.waitUntil(lambda: not window.loader.pending, timeout=20_000)
+    assert [r.name for r in window.controller.store.draft_attachments(chat.id)] == ["pines.md"]
 
 
 def test_bad_files_get_an_inline_message_and_disturb_nothing(qtbot, window, tmp_path) -> None:
