@@ -101,8 +101,10 @@ MEASURED_TEXT = "measured_text"
 LAST_SESSION = "last_session"
 NO_CHAT_DRAFT = "draft"
 NO_CHAT_DRAFT_ATTACHMENTS = "draft_attachments"
-# The app_state name of a chat's message being rewritten, after this prefix.
+# The app_state names of a chat's message being rewritten (its id and text) and of
+# its files (written only when they change), after these prefixes.
 EDIT_OF = "edit:"
+EDIT_FILES_OF = "edit-files:"
 
 
 @dataclass(frozen=True)
@@ -427,7 +429,8 @@ class HistoryStore:
         """Delete a session with its messages and attachments, and an edit of it kept."""
         with self._writing():
             self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
-            self._db.execute("DELETE FROM app_state WHERE name = ?", (EDIT_OF + session_id,))
+            self._db.execute("DELETE FROM app_state WHERE name IN (?, ?)",
+                             (EDIT_OF + session_id, EDIT_FILES_OF + session_id))
 
     def set_tokens(self, session_id: str, tokens: int) -> None:
         """Record how many tokens the session's context holds (a count the engine
@@ -502,13 +505,22 @@ class HistoryStore:
             log.warning("draft attachments unreadable: %s", error)
             return ()
 
-    def set_edit(self, session_id: str, edit: EditRecord | None) -> None:
+    def set_edit(self, session_id: str, edit: EditRecord | None, *, files: bool = True) -> None:
         """Keep the message a chat's composer rewrites (None: no edit under way).
 
         Kept apart from the chat's draft, which the edit set aside: both come back.
+        ``files`` False leaves the edit's files as stored (a pause in typing need not
+        write its documents again).
         """
-        value = json.dumps(dataclasses.asdict(edit)) if edit is not None else ""
-        self._set_state(EDIT_OF + session_id, value)
+        if edit is None:
+            self._set_state(EDIT_OF + session_id, "")
+            self._set_state(EDIT_FILES_OF + session_id, "")
+            return
+        self._set_state(EDIT_OF + session_id, json.dumps(
+            {"message_id": edit.message_id, "text": edit.text}, ensure_ascii=False))
+        if files:
+            self._set_state(EDIT_FILES_OF + session_id, json.dumps(
+                [dataclasses.asdict(a) for a in edit.attachments], ensure_ascii=False))
 
     def edit(self, session_id: str) -> EditRecord | None:
         """The edit kept for a chat (:meth:`set_edit`), or None."""
@@ -517,8 +529,9 @@ class HistoryStore:
             return None
         try:
             item = json.loads(text)
-            files = tuple(AttachmentRecord(**record) for record in item.pop("attachments"))
-            return EditRecord(**item, attachments=files)
+            records = json.loads(self._state(EDIT_FILES_OF + session_id) or "[]")
+            files = tuple(AttachmentRecord(**record) for record in records)
+            return EditRecord(int(item["message_id"]), str(item["text"]), files)
         except (ValueError, TypeError, AttributeError, KeyError) as error:
             log.warning("kept edit unreadable: %s", error)
             return None

@@ -63,8 +63,10 @@ class Drafts(QObject):
         # The draft an edit took the composer from: (its chat, its text, its files).
         self._set_aside: tuple[str | None, str, tuple[AttachmentRecord, ...]] | None = None
         self._edited: int | None = None  # the id of the message edited
-        # The chat and files the last save wrote (None: none known to be stored).
+        # The chat and files the last save wrote (None: none known to be stored), of
+        # the draft and of the edit under way.
         self._files_saved: tuple[str | None, tuple[AttachmentRecord, ...]] | None = None
+        self._edit_files_saved: tuple[str, tuple[AttachmentRecord, ...]] | None = None
         composer.edit.textChanged.connect(self._typed)
         controller.currentSessionChanged.connect(self._switched)
         self._show(*self._draft(self.session_id))
@@ -112,10 +114,16 @@ class Drafts(QObject):
             return
         if edit is not None and self.store.session(self.session_id) is None:
             edit = None  # the chat was deleted: nothing of it stays
+        written = (self.session_id, edit.attachments) if edit is not None else None
         try:
-            self.store.set_edit(self.session_id, edit)
+            # Its files as last written are not written again (as a draft's).
+            self.store.set_edit(self.session_id, edit,
+                                files=written is None or written != self._edit_files_saved)
         except DiskFault as fault:  # the composer still holds it
             log.warning("edit not saved: %s", fault)
+            self._edit_files_saved = None
+            return
+        self._edit_files_saved = written
 
     def _resume_edit(self) -> None:
         """Put the edit kept for the chat just shown back in the composer, in edit mode."""

@@ -191,6 +191,33 @@ def test_a_pause_in_typing_beside_attached_files_does_not_write_them_again(
     assert c.store.draft_attachments(chat.id) == ()
 
 
+def test_a_pause_in_typing_an_edit_does_not_write_its_files_again(
+        qtbot, window, tmp_path) -> None:
+    doc = tmp_path / "pines.md"
+    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 10)
+    c = window.controller
+    chat = c.new_session("q8")
+    window.add_files([str(doc)])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    _answered(qtbot, window, "what grows?")
+    c.begin_edit()
+    assert len(window.attachments) == 1
+    _type(qtbot, window, "what grows")
+    window.drafts.save_now()  # the edit and its files, written once
+    written: list[str] = []
+    c.store._db.set_trace_callback(written.append)
+    try:
+        for text in ("what grows here?", "what grows here now?"):
+            _type(qtbot, window, text)
+            window.drafts.save_now()
+    finally:
+        c.store._db.set_trace_callback(None)
+    assert written and not [sql for sql in written if "Longleaf pines grow" in sql]
+    kept = c.store.edit(chat.id)
+    assert kept is not None and kept.text == "what grows here now?"
+    assert [a.name for a in kept.attachments] == ["pines.md"]
+
+
 def _answered(qtbot, window, text: str) -> None:
     _type(qtbot, window, text)
     with qtbot.waitSignal(window.controller.answerFinished, timeout=ANSWER_TIMEOUT_MS):
