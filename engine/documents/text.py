@@ -16,6 +16,10 @@ from engine.documents.file_access import os_error, vanished
 from engine.documents.limits import MAX_REPLACED_SHARE, READ_BLOCK, check_length
 from engine.errors import DocumentError
 
+# The latest a NUL may come in UTF-16 text: within its first few words, a space,
+# a newline or a digit (Latin text has one every other byte).
+UTF16_FIRST_NUL = 512
+
 # Bytes the decoder replaced on this thread (``_replace_counted``): the decoder
 # says exactly which, where a count of U+FFFD in the text would also count those
 # the file holds as text.
@@ -101,10 +105,18 @@ def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
 
 
 def _looks_utf16(head: bytes) -> bool:
-    """Whether ``head`` reads as UTF-16 text of mostly Latin letters (a NUL every
-    other byte) rather than binary data."""
-    even, odd = head[0::2], head[1::2]
-    return max(even.count(0), odd.count(0)) >= 0.9 * min(len(even), len(odd)) > 0
+    """Whether ``head`` reads as UTF-16 text rather than binary data: its NULs (the
+    high bytes of Latin letters, spaces and newlines) from its start and on one side
+    of every pair only, and the characters it then decodes to almost all printable
+    (CJK or Cyrillic text has few NULs; binary data has them on both sides, decodes
+    to control codes, or follows text that has none)."""
+    even, odd = head[0::2].count(0), head[1::2].count(0)
+    if min(even, odd) > max(even, odd) // 50 or head.find(0) > UTF16_FIRST_NUL:
+        return False
+    text = head[:len(head) // 2 * 2].decode("utf-16-be" if even > odd else "utf-16-le",
+                                              "replace")
+    shown = sum(char.isprintable() or char in "\t\n\r" for char in text)
+    return shown >= 0.95 * len(text) > 0
 
 
 def _unmarked_utf16(name: str) -> DocumentError:

@@ -37,10 +37,14 @@ def test_binary_file_named_txt(tmp_path: Path) -> None:
     assert _refused(path) == BINARY.format(name="photo.txt")
 
 
-def test_utf16_without_a_byte_order_mark_is_said_as_such(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text", ["plain notes", "Notes — 東京の会議 — итоги\n" * 20])
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_utf16_without_a_byte_order_mark_is_said_as_such(
+        tmp_path: Path, text: str, encoding: str) -> None:
     path = tmp_path / "notes.txt"
-    path.write_bytes("plain notes".encode("utf-16-le"))
-    # Not "binary": the advice that works is to save it as UTF-8.
+    path.write_bytes(text.encode(encoding))
+    # Not "binary", also for text far from Latin letters: the advice that works is to
+    # save it as UTF-8.
     assert _refused(path) == (
         "“notes.txt” looks like UTF-16 text without a byte-order mark, which Longleaf "
         "cannot tell apart from binary data. Save it as UTF-8 text and try again.")
