@@ -274,9 +274,10 @@ class Server:
                                                         code=error.code))
         return endpoint
 
-    def _check_key(self, request: Request) -> None:
+    def _has_key(self, request: Request) -> bool:
+        """Whether ``request`` carries the API key (True on a server without one)."""
         if self.api_key is None:
-            return
+            return True
         # Either header may carry it: Claude Code sends both when its environment sets
         # an API key and an auth token, and one of them may be meant for another server.
         given = [request.headers.get("x-api-key", "")]
@@ -284,7 +285,10 @@ class Server:
         if bearer.lower().startswith("bearer "):
             given.append(bearer[7:].strip())
         expected = self.api_key.encode()
-        if not any([hmac.compare_digest(key.encode(), expected) for key in given]):
+        return any([hmac.compare_digest(key.encode(), expected) for key in given])
+
+    def _check_key(self, request: Request) -> None:
+        if not self._has_key(request):
             raise ApiError(401, "Missing or wrong API key: send it as 'Authorization: "
                                 "Bearer KEY' or 'x-api-key: KEY'.", "authentication_error",
                            code="invalid_api_key")
@@ -345,13 +349,19 @@ class Server:
         return PlainTextResponse("Longleaf is running")
 
     async def health(self, request: Request) -> JSONResponse:
+        """Whether the server answers; with the API key (or on a keyless server, which
+        only this computer reaches) also which model, machines and streams: a device
+        on the network without the key learns no more than that it is up."""
+        told = self._has_key(request)
         if not self.bridge.ready.is_set():
             status = "error" if self.bridge.load_error else "loading"
-            return JSONResponse({"status": status, "message": self.bridge.load_error},
-                                status_code=503)
+            return JSONResponse({"status": status, **({"message": self.bridge.load_error}
+                                                      if told else {})}, status_code=503)
         if not self.bridge.worker.alive:
-            return JSONResponse({"status": "error", "message": ENGINE_STOPPED},
-                                status_code=503)
+            return JSONResponse({"status": "error", **({"message": ENGINE_STOPPED}
+                                                       if told else {})}, status_code=503)
+        if not told:
+            return JSONResponse({"status": "ok"})
         streams = self.bridge.worker.streams()
         return JSONResponse({"status": "ok", "model": self.bridge.model_id,
                              "machines": self.bridge.machines,

@@ -64,6 +64,11 @@ def start_server(folder: Path, snapshots: Path, bridge_type: type = ServerBridge
     return Served(url, api_key or "", bridge), stop
 
 
+def health_of(served: Served, **kwargs) -> httpx.Response:
+    """``/health`` asked with the server's key: its model, machines and streams."""
+    return httpx.get(served.url + "/health", headers={"x-api-key": served.key}, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """A llama-type tiny model behind the server."""

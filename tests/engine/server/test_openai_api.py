@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.server.conftest import Served
+from tests.engine.server.conftest import Served, health_of
 from tests.engine.tokenizer_watch import watch_encodings
 
 
@@ -31,7 +31,13 @@ def conversation(turns: int) -> list[dict[str, str]]:
 def test_models_and_health(served: Served) -> None:
     models = client(served).models.list()
     assert [m.id for m in models.data] == [served.bridge.model_id]
-    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+    # Without the key: up, and nothing more (which model, which machines) to a device
+    # on the network; with it, the details.
+    for key in ("", "wrong"):
+        anonymous = httpx.get(served.url + "/health", headers={"x-api-key": key})
+        assert anonymous.status_code == 200 and anonymous.json() == {"status": "ok"}
+    told = health_of(served).json()
+    assert told["status"] == "ok" and told["model"] == served.bridge.model_id
 
 
 def test_chat_not_streamed_with_usage(served: Served) -> None:

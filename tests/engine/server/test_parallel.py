@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.server.conftest import Served, start_server
+from tests.engine.server.conftest import Served, health_of, start_server
 from tests.engine.tinymodels import make_tiny_model_dir
 
 ASKED = {"a": "Tell me about the quick brown fox and the lazy dog.",
@@ -84,7 +84,7 @@ def _together(served: Served, names: str, max_tokens: int
 
 
 def _in_flight(served: Served) -> int:
-    return int(httpx.get(served.url + "/health").json()["streams"]["in_flight"])
+    return int(health_of(served).json()["streams"]["in_flight"])
 
 
 def _alone(served: Served, name: str, max_tokens: int) -> str:
@@ -96,7 +96,7 @@ def _alone(served: Served, name: str, max_tokens: int) -> str:
 
 def test_requests_sent_together_answer_together_and_as_alone(serve) -> None:
     served = serve(parallel=2, max_sessions=4)
-    health = httpx.get(served.url + "/health").json()
+    health = health_of(served).json()
     assert health["streams"] == {"decoding": 0, "reading": 0, "waiting_for_memory": 0,
                                  "parallel": 2, "in_flight": 0, "queue_limit": 16}
     alone = {name: _alone(served, name, 300) for name in "ab"}
@@ -117,7 +117,7 @@ def test_health_counts_the_requests_decoding(serve) -> None:
     seen = 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and seen < 2 and len(results) < 2:
-        seen = max(seen, httpx.get(served.url + "/health").json()["streams"]["decoding"])
+        seen = max(seen, health_of(served).json()["streams"]["decoding"])
     for thread in threads:
         thread.join(300)
     assert seen == 2, (seen, results)
@@ -184,7 +184,7 @@ def test_a_request_whose_client_left_while_it_waited_frees_its_place_at_once(
         a_ended.set()
 
     def in_flight() -> int:
-        return httpx.get(served.url + "/health").json()["streams"]["in_flight"]
+        return health_of(served).json()["streams"]["in_flight"]
 
     thread = threading.Thread(target=long_a)
     try:
@@ -230,7 +230,7 @@ def test_a_request_answering_when_the_engine_stops_is_told_and_health_says_so(
         thread.join(60)
     # Each stream ends with the error, rather than waiting for an end that cannot come.
     assert all("a bug past" in str(results[name]) for name in "ab"), results
-    health = httpx.get(served.url + "/health")
+    health = health_of(served)
     assert health.status_code == 503 and health.json()["status"] == "error"
     assert "restart the server" in health.json()["message"]
     # A request after that is refused at once (503, the engine's words), not queued

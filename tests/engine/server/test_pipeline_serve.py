@@ -24,7 +24,7 @@ from engine import cli
 from engine.server.pipeline import PipelineBridge
 from tests.engine.distributed.test_pipeline_cache import LAUNCH
 from tests.engine.distributed.test_remote_worker import PROMPT, _rank_pids
-from tests.engine.server.conftest import Served, start_server
+from tests.engine.server.conftest import Served, health_of, start_server
 from tests.engine.tinymodels import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")
@@ -76,7 +76,7 @@ def pipeline(model: Path, expected: str,
 
 def test_a_pipeline_server_answers_as_one_machine_and_says_where_it_runs(
         pipeline: Served, expected: str) -> None:
-    assert httpx.get(pipeline.url + "/health").json()["machines"] == 2
+    assert health_of(pipeline).json()["machines"] == 2
     listed = _openai(pipeline).models.list().data
     assert [entry.model_extra["machines"] for entry in listed] == [2]
 
@@ -112,17 +112,17 @@ def test_requests_sent_together_decode_together_over_the_pipeline(
     # The answer the test before cancelled ends once the server sees its client
     # gone (it polls for that), which may be after the answer that test read last.
     deadline = time.monotonic() + 60
-    health = httpx.get(pipeline.url + "/health").json()
+    health = health_of(pipeline).json()
     while health["streams"]["decoding"] and time.monotonic() < deadline:
         time.sleep(0.05)
-        health = httpx.get(pipeline.url + "/health").json()
+        health = health_of(pipeline).json()
     assert health["streams"]["parallel"] == 2 and health["streams"]["decoding"] == 0
     streams = [_openai(pipeline).chat.completions.create(
         model="m", messages=MESSAGES, temperature=0.0, max_tokens=100000, stream=True)
         for _ in range(2)]
     seen, deadline = 0, time.monotonic() + 120
     while seen < 2 and time.monotonic() < deadline:
-        seen = max(seen, httpx.get(pipeline.url + "/health").json()["streams"]["decoding"])
+        seen = max(seen, health_of(pipeline).json()["streams"]["decoding"])
         time.sleep(0.05)
     for stream in streams:  # both leave mid-answer: each is cancelled on every rank
         stream.close()
@@ -154,7 +154,7 @@ def test_a_lost_rank_ends_the_answer_naming_it_and_the_server_goes_on_alone(
     while httpx.get(pipeline.url + "/health").status_code != 200:
         assert time.monotonic() < deadline, pipeline.bridge.load_error
         time.sleep(0.2)
-    health = httpx.get(pipeline.url + "/health").json()
+    health = health_of(pipeline).json()
     assert health["machines"] == 1 and health["streams"]["parallel"] == 2  # as asked
     assert _greedy(pipeline) == expected
     pipeline.stop()
@@ -170,7 +170,7 @@ def test_a_hostfile_of_this_machine_twice_serves_the_same_answer(
     running, stop = start_server(model, tmp_path / "kv", bridge_type=PipelineBridge,
                                  hostfile=hostfile)
     try:
-        assert httpx.get(running.url + "/health").json()["machines"] == 2
+        assert health_of(running).json()["machines"] == 2
         assert _greedy(running) == expected
     finally:
         stop()
