@@ -168,20 +168,9 @@ def test_a_pause_in_typing_beside_attached_files_does_not_write_them_again(
         qtbot, window, tmp_path) -> None:
     """The files of a draft are written when they change, not at every pause in
     typing (megabytes of documents, rewritten on the GUI thread each time)."""
-    doc = tmp_path / "pines.md"
-    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 10)
     c = window.controller
-    chat = c.new_session("q8")
-    window.add_files([str(doc)])
-    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
-    written: list[str] = []
-    c.store._db.set_trace_callback(written.append)
-    try:
-        for text in ("what grows", "what grows here?"):
-            _type(qtbot, window, text)
-            window.drafts.save_now()
-    finally:
-        c.store._db.set_trace_callback(None)
+    chat = _chat_with_a_file(qtbot, window, tmp_path)
+    written = _typed_and_saved(qtbot, window, "what grows", "what grows here?")
     assert c.store.draft(chat.id) == "what grows here?"
     assert not [sql for sql in written if "draft_attachments" in sql]
     assert len(c.store.draft_attachments(chat.id)) == 1
@@ -193,29 +182,42 @@ def test_a_pause_in_typing_beside_attached_files_does_not_write_them_again(
 
 def test_a_pause_in_typing_an_edit_does_not_write_its_files_again(
         qtbot, window, tmp_path) -> None:
-    doc = tmp_path / "pines.md"
-    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 10)
     c = window.controller
-    chat = c.new_session("q8")
-    window.add_files([str(doc)])
-    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    chat = _chat_with_a_file(qtbot, window, tmp_path)
     _answered(qtbot, window, "what grows?")
     c.begin_edit()
     assert len(window.attachments) == 1
-    _type(qtbot, window, "what grows")
-    window.drafts.save_now()  # the edit and its files, written once
-    written: list[str] = []
-    c.store._db.set_trace_callback(written.append)
-    try:
-        for text in ("what grows here?", "what grows here now?"):
-            _type(qtbot, window, text)
-            window.drafts.save_now()
-    finally:
-        c.store._db.set_trace_callback(None)
+    _typed_and_saved(qtbot, window, "what grows")  # the edit and its files, written once
+    written = _typed_and_saved(qtbot, window, "what grows here?", "what grows here now?")
     assert written and not [sql for sql in written if "Longleaf pines grow" in sql]
     kept = c.store.edit(chat.id)
     assert kept is not None and kept.text == "what grows here now?"
     assert [a.name for a in kept.attachments] == ["pines.md"]
+
+
+def _chat_with_a_file(qtbot, window, folder) -> SessionRecord:
+    """A new chat with one small document attached to its draft."""
+    doc = folder / "pines.md"
+    doc.write_text("Longleaf pines grow in the sandy coastal plain.\n" * 10)
+    chat = window.controller.new_session("q8")
+    window.add_files([str(doc)])
+    qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+    return chat
+
+
+def _typed_and_saved(qtbot, window, *texts: str) -> list[str]:
+    """Type each of ``texts`` in turn and save the draft after each: the SQL the
+    history ran meanwhile."""
+    store = window.controller.store
+    written: list[str] = []
+    store._db.set_trace_callback(written.append)
+    try:
+        for text in texts:
+            _type(qtbot, window, text)
+            window.drafts.save_now()
+    finally:
+        store._db.set_trace_callback(None)
+    return written
 
 
 def _answered(qtbot, window, text: str) -> None:
