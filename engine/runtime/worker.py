@@ -491,6 +491,7 @@ class EngineWorker(Worker):
         with self._submit_lock:  # whatever comes from now on is refused at once
             self._stopped_on = SHUT_DOWN
             left = [*self._pending, *self._drain()]
+            self._pending.clear()  # ended here, never again by a fault after this
         for command in left:
             self._emit(Finished(command.request_id, "cancelled"))
         self._answering.close()

@@ -306,6 +306,31 @@ def test_shutdown_cancels_running_and_queued_requests(model_dirs) -> None:
             late()
 
 
+def test_a_fault_while_shutting_down_ends_no_request_twice(model_dirs) -> None:
+    log = EventLog()
+    worker = EngineWorker(log)
+    worker.start()
+    long = SamplingParams(temperature=0.0, max_tokens=3000)
+    try:
+        log.ending(worker.load_model(str(model_dirs["qwen3"])))
+        log.ending(worker.open_session("s", "q8"))
+        running = worker.chat("s", MESSAGES, long, threading.Event())
+        queued = worker.chat("s", MESSAGES, long, threading.Event())  # waits for "s"
+        log.wait_for(lambda events: any(isinstance(e, TokenChunk) for e in events))
+
+        def failing_release() -> None:
+            raise RuntimeError("a disk gone while the sessions are stored")
+
+        worker._held.release = failing_release  # type: ignore[method-assign]
+    finally:
+        worker.shutdown(timeout=10.0)
+    assert worker.join(10.0)
+    # Each ends once (EventLog.ending checks there is one): cancelled by the stop,
+    # not again by the fault after it.
+    assert log.ending(running).reason == "cancelled"
+    assert log.ending(queued).reason == "cancelled"
+
+
 def test_close_session_and_reload_forget_sessions(start_worker, model_dirs) -> None:
     worker, log = _ready(start_worker, model_dirs["llama"])
     assert log.ending(worker.close_session("s")).reason == "done"
