@@ -12,14 +12,13 @@ import time
 from collections.abc import Iterator
 from typing import ClassVar
 
-import httpx
 import openai
 import pytest
 
 from engine.events import PipelineLost
 from engine.runtime.worker import EngineWorker
 from engine.server.pipeline import PipelineBridge
-from tests.engine.server.conftest import Served, start_server
+from tests.engine.server.conftest import Served, health_of, start_server
 from tests.engine.tinymodels import make_tiny_model_dir
 
 LOST = ("The pipeline run failed on rank 1 (mac2.local): its process was killed "
@@ -61,7 +60,7 @@ def _chat(served: Served) -> str:
 
 def _health(served: Served, status: int) -> dict:
     deadline = time.monotonic() + WAIT
-    while (reply := httpx.get(served.url + "/health")).status_code != status:
+    while (reply := health_of(served)).status_code != status:
         assert time.monotonic() < deadline, reply.json()
         time.sleep(0.05)
     return reply.json()
