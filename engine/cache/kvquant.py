@@ -145,19 +145,20 @@ def scale_cap(bits: int) -> float:
     """The largest float16 scale whose every code reads back finite in float16 math:
     MLX's affine read computes ``scale * u`` (``u`` up to ``2 * bias - 1``) in the
     queries' dtype before it adds the bias."""
-    top = 2 * bias_for(bits) - 1
-    cap = np.float16(_FP16_MAX / top)
-    while float(cap) * top > _FP16_MAX:
-        cap = np.nextafter(cap, np.float16(0))
-    return float(cap)
+    return _largest_fp16_scale(2 * bias_for(bits) - 1)
 
 
 @functools.cache
 def bias_cap(bits: int) -> float:
     """The largest float16 scale whose bias (``-bias * scale``) is finite in float16:
     the cap of scales snapshots stored before :func:`scale_cap` lowered it."""
-    cap = np.float16(_FP16_MAX / bias_for(bits))
-    while float(cap) * bias_for(bits) > _FP16_MAX:
+    return _largest_fp16_scale(bias_for(bits))
+
+
+def _largest_fp16_scale(factor: int) -> float:
+    """The largest float16 ``s`` with ``s * factor`` at most float16's largest value."""
+    cap = np.float16(_FP16_MAX / factor)
+    while float(cap) * factor > _FP16_MAX:
         cap = np.nextafter(cap, np.float16(0))
     return float(cap)
 
