@@ -110,9 +110,9 @@ def _collect_run(run: Any, pieces: list[str], boxes: list[Any]) -> None:
         if child.tag == qn("w:t"):
             pieces.append(child.text or "")
         elif child.tag == qn("w:br"):
-            # As python-docx reads it: a page or column break is no line of text.
-            wraps = child.get(qn("w:type"), "textWrapping") == "textWrapping"
-            pieces.append("\n" if wraps else "")
+            # A line, page or column break all part the words on either side
+            # (python-docx drops the last two, joining "end.Chapter").
+            pieces.append("\n")
         elif child.tag in _RUN_MARKS:
             pieces.append(_RUN_MARKS[child.tag])
         elif child.tag not in _HIDDEN:  # a drawing or picture holding a text box

@@ -102,6 +102,13 @@ def test_a_document_written_with_track_changes_on_is_read(tmp_path: Path) -> Non
     assert _text(tmp_path, document) == "All of this was typed with Track Changes on."
 
 
+def test_page_and_column_breaks_keep_the_words_apart(tmp_path: Path) -> None:
+    kinds = (("Preface.", "page"), ("Left.", "column"), ("Line.", "textWrapping"))
+    breaks = [f'<w:r><w:t>{word}</w:t><w:br w:type="{kind}"/></w:r>' for word, kind in kinds]
+    document = _with_body_xml(_paragraph(*breaks, _run("Chapter")))
+    assert _text(tmp_path, document) == "Preface.\nLeft.\nLine.\nChapter"
+
+
 def _text_box(text: str) -> str:
     return f"<w:txbxContent>{_paragraph(_run(text))}</w:txbxContent>"
 
@@ -215,7 +222,8 @@ def test_a_document_read_correctly_before_reads_the_same(tmp_path: Path) -> None
         '<w:hyperlink w:anchor="x">', _run("a link "), "</w:hyperlink>",
         "<w:r><w:t>non</w:t><w:noBreakHyphen/><w:t>breaking</w:t><w:ptab "
         'w:relativeTo="margin" w:alignment="right" w:leader="none"/><w:t>end</w:t></w:r>')))
-    # What python-docx's Paragraph.text and _Cell.text gave, this reader's old way.
+    # What python-docx's Paragraph.text and _Cell.text gave, this reader's old way,
+    # but for the page break's paragraph: one more blank line, not none.
     assert _text(tmp_path, document) == (
         "Plan\nTabs\tand runs with a break\nand more.\n\nq6\t388 bytes\ntwo\nlines\t\n"
-        "second paragraph\n\na link non-breaking\tend")
+        "second paragraph\n\n\na link non-breaking\tend")
