@@ -88,7 +88,7 @@ class ToolCallReader:
             if self.call is None:
                 self.call = ""
             else:
-                out.extend(self._parsed(self.call))
+                out.extend(self._parsed(self.call, closed=True))
                 self.call = None
         return out
 
@@ -98,7 +98,7 @@ class ToolCallReader:
         if self.call is not None:
             call, self.call = self.call + self.held, None
             self.held = ""
-            out.extend(self._parsed(call))
+            out.extend(self._parsed(call, closed=False))
         elif self.held:
             out.append(self.held)
             self.held = ""
@@ -112,8 +112,9 @@ class ToolCallReader:
         else:
             out.append(text)
 
-    def _parsed(self, text: str) -> list[str | ToolCall]:
-        """``text``'s calls; text no parser can read comes back as it was written."""
+    def _parsed(self, text: str, closed: bool) -> list[str | ToolCall]:
+        """``text``'s calls; text no parser can read comes back as it was written,
+        with the end marker only when the model wrote it (``closed``)."""
         try:
             parsed = self.syntax.parser(text, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
@@ -121,7 +122,7 @@ class ToolCallReader:
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             # Nothing the model wrote is lost: an unreadable call stays text.
             log.warning("tool call not parsed (%s: %s)", type(error).__name__, error)
-            return [self.syntax.start + text + self.syntax.end]
+            return [self.syntax.start + text + (self.syntax.end if closed else "")]
         self.calls += len(found)
         return found
 

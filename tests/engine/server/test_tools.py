@@ -86,6 +86,15 @@ def test_unreadable_call_stays_text_and_a_cut_call_is_still_read() -> None:
     assert parts[0].input() == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("cut", ["<tool_call>\n", '<tool_call>\n{"name": "get_wea',
+                                 '<tool_call>\n{"name": "x"}\n</tool'])
+def test_a_call_cut_short_and_unreadable_stays_as_written(cut: str) -> None:
+    # No end marker the model never wrote: an agent resending the answer must send
+    # back the model's own text.
+    parts = read_all(ToolCallReader(JSON_SYNTAX, None), cut, 3)
+    assert joined(parts) == [cut]
+
+
 def test_tools_and_tool_results_render_into_the_template(tmp_path) -> None:
     tokenizer = load_tokenizer(make_tool_model_dir(tmp_path))
     openai_body = {"tools": [WEATHER], "messages": [
