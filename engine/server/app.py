@@ -7,6 +7,7 @@ nothing here touches MLX. Errors come back in the shape of the API asked.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -453,26 +454,28 @@ class Server:
     def _chat_logprobs(self, run: Run) -> dict:
         """Chat's ``logprobs`` object for the tokens read since the last call."""
         taken = run.take_logprobs()
-        texts = self.bridge.token_texts([t.token_id for t in taken])
-        tops = self.bridge.token_texts([i for t in taken for i, _ in t.top])
+        pieces = self.bridge.token_pieces([t.token_id for t in taken])
+        tops = self.bridge.token_pieces([i for t in taken for i, _ in t.top])
         content, at = [], 0
-        for entry, text in zip(taken, texts, strict=True):
+        for entry, piece in zip(taken, pieces, strict=True):
             alternatives = []
             for _, value in entry.top:
                 alternatives.append(_scored(tops[at], value))
                 at += 1
-            content.append({**_scored(text, entry.logprob), "top_logprobs": alternatives})
+            content.append({**_scored(piece, entry.logprob), "top_logprobs": alternatives})
         return {"content": content, "refusal": None}
 
     def _completion_logprobs(self, run: Run, offset: int) -> dict:
         """/v1/completions' ``logprobs`` object; ``offset`` is where its text starts."""
         taken = run.take_logprobs()
-        texts = self.bridge.token_texts([t.token_id for t in taken])
+        pieces = self.bridge.token_pieces([t.token_id for t in taken])
         tops = self.bridge.token_texts([i for t in taken for i, _ in t.top])
-        offsets, at = [], offset
-        for text in texts:
+        # A token holding part of a character starts where that character does.
+        characters, offsets, at = codecs.getincrementaldecoder("utf-8")("replace"), [], offset
+        for _, raw in pieces:
             offsets.append(at)
-            at += len(text)
+            at += len(characters.decode(raw))
+        texts = [text for text, _ in pieces]
         top_logprobs, at = [], 0
         for entry in taken:
             alternatives: dict[str, float] = {}
@@ -1082,8 +1085,9 @@ def _choice_met(outcome: Outcome) -> dict:
     return {"tool_choice_met": outcome.tool_choice_met}
 
 
-def _scored(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _scored(piece: tuple[str, bytes], logprob: float) -> dict:
+    text, raw = piece
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def _ollama_call(call: ToolCall) -> dict:

@@ -26,6 +26,7 @@ from engine.events import Event, Failed, Finished, ModelLoaded, Notice, request_
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.interface import Worker
 from engine.runtime.worker import EngineWorker
+from engine.server.token_bytes import token_bytes
 from engine.server.tools import ToolSyntax
 from engine.session.batch import DEFAULT_READ_SHARE
 from engine.session.prompt_ids import clean_text, common_prefix, render_conversation
@@ -294,6 +295,14 @@ class ServerBridge:
         """
         tokenizer = self._tokenizer
         return [tokenizer.decode([i]) for i in ids]
+
+    def token_pieces(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        """Each id's own text and the bytes it adds to the answer (a piece of a
+        character: its own bytes, where its text is U+FFFD). On the event loop,
+        as ``token_texts``."""
+        pieces = self._tokenizer.convert_ids_to_tokens(ids)
+        return [(text, token_bytes(piece, text))
+                for text, piece in zip(self.token_texts(ids), pieces, strict=True)]
 
     @property
     def chat_template(self) -> str:

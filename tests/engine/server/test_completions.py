@@ -142,6 +142,28 @@ def test_logprobs_of_a_completion(served: Served) -> None:
     assert tokens == scores.tokens
 
 
+def test_logprobs_of_tokens_holding_part_of_a_character(served: Served, forced) -> None:
+    text = "héllo 日本語 ok"
+    forced(text)
+    api = client(served)
+    completion = api.completions.create(model="m", prompt="Say it:", max_tokens=40,
+                                        temperature=0, logprobs=0)
+    choice = completion.choices[0]
+    assert choice.text == text
+    # Each token starts where its first character does, split characters included.
+    tokenizer = load_tokenizer(Path(served.bridge.info.path))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    starts = [len(tokenizer.decode(ids[:n]).rstrip("\ufffd")) for n in range(len(ids))]
+    assert "\ufffd" in "".join(choice.logprobs.tokens)  # the text splits characters
+    assert choice.logprobs.text_offset == starts
+    chat = api.chat.completions.create(model="m", messages=[{"role": "user", "content": "?"}],
+                                       max_tokens=40, temperature=0, logprobs=True,
+                                       top_logprobs=1)
+    scored = chat.choices[0].logprobs.content
+    assert bytes(b for token in scored for b in token.bytes).decode("utf-8") == text
+    assert all(token.top_logprobs[0].bytes == token.bytes for token in scored)  # greedy
+
+
 def test_a_continued_assistant_message_keeps_its_first_space(served: Served, forced) -> None:
     """The app's Continue and Anthropic's prefill: the answer goes on after the text."""
     forced(" Paris.")
