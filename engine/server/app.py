@@ -51,6 +51,10 @@ MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
 SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline yet: send "
                        "\"speculative\": \"off\" or leave it out (answers decode plainly "
                        "there), or serve the model on one machine.")
+SCHEMA_AFTER_PREFILL = ("A response format cannot continue a prefilled assistant message: "
+                        "the schema holds a whole answer, so one written after the "
+                        "prefill would not be valid. End the conversation with the user's "
+                        "turn, or leave the format out.")
 # Names a keyless server answers to: this computer's own (a web page that rebinds its
 # own name to 127.0.0.1 still sends that name as the Host).
 ENGINE_STOPPED = ("The engine stopped on an unexpected error (the server's log says which); "
@@ -661,6 +665,9 @@ class Server:
             # verification and rewind are not steps they know yet. Left to the
             # default, the answer decodes plainly there instead (Session.chat).
             raise ApiError(400, SPECULATIVE_REFUSAL, param="speculative")
+        if (chat.sampling.grammar is not None and chat.template
+                and chat.messages and chat.messages[-1]["role"] == "assistant"):
+            raise ApiError(400, SCHEMA_AFTER_PREFILL)
         syntax = self._tool_syntax(chat)
         self._check_bias(chat)
         prompt = await self._render(chat)

@@ -441,7 +441,8 @@ def logit_bias(value: Any, name: str = "logit_bias") -> tuple[tuple[int, float],
                          "token ids (as strings) to biases.", name)
     pairs = []
     for key, bias in value.items():
-        ident = key if isinstance(key, int) else int(key) if str(key).isdigit() else None
+        # isdecimal, not isdigit: "²" is a digit that int() refuses.
+        ident = key if isinstance(key, int) else int(key) if str(key).isdecimal() else None
         if ident is None or isinstance(bias, bool) or not isinstance(bias, int | float) \
                 or not -100 <= bias <= 100:
             raise BadRequest(f"'{name}' maps token ids (digits) to numbers from -100 to "

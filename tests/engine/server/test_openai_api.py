@@ -409,6 +409,7 @@ def test_logit_bias_is_applied(served: Served) -> None:
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"²": 5}}, "logit_bias"),  # a digit int() cannot read
     ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
      "tools"),

@@ -217,3 +217,24 @@ def test_a_schema_is_refused_only_beside_tools_the_model_is_offered(api: str, of
         with pytest.raises(BadRequest) as refused:
             read()
         assert refused.value.param == param and "could never call a tool" in str(refused.value)
+
+
+def test_a_schema_after_a_prefilled_assistant_message_is_refused(served: Served) -> None:
+    """The schema holds a whole answer: written after ``{"city": `` it would make
+    ``{"city": {...}`` of the two, not JSON."""
+    prefilled = [{"role": "user", "content": "Weather?"},
+                 {"role": "assistant", "content": '{"city": '}]
+    chat = openai.OpenAI(base_url=served.url + "/v1", api_key=served.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="prefilled assistant message"):
+        chat.chat.completions.create(
+            model="m", messages=prefilled, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "w",
+                                                                     "schema": SCHEMA}})
+    claude = anthropic.Anthropic(base_url=served.url, api_key=served.key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="prefilled assistant message"):
+        claude.messages.create(model="m", max_tokens=8, messages=prefilled,
+                               output_config={"format": {"type": "json_schema",
+                                                         "schema": SCHEMA}})
+    # Without a schema the same conversation is continued, as before.
+    continued = chat.chat.completions.create(model="m", messages=prefilled, max_tokens=2)
+    assert continued.choices[0].finish_reason in ("stop", "length")
