@@ -12,6 +12,7 @@ MLX); ``fit_inputs`` reads, under a lock, the frozen values ``publish_fit`` left
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 from collections.abc import Callable, Collection
@@ -95,7 +96,6 @@ class HeldSessions:
         self._emit = emit
         self._lock = threading.Lock()
         self.loaded: LoadedModel | None = None
-        self.loaded_bytes = 0  # estimated weight bytes of the loaded model
         self.prefill: fit.PrefillFacts | None = None  # the loaded model's prefill needs
         self._sessions: dict[str, Session] = {}
         # Set between requests by the worker: API sessions and chats reuse each other.
@@ -279,12 +279,17 @@ class HeldSessions:
             raise EngineError("A model split across machines stays the one it was started "
                               "with; restart the pipeline to load another.")
         needed, quantized = estimate_load_bytes(folder)
-        releasable = self.loaded_bytes + self._guard.held_bytes()
+        held = self.prefill  # the weights held now, not the peak they loaded with
+        releasable = (0 if held is None else held.weights_bytes) + self._guard.held_bytes()
         if self._guard.check_load(needed, name=folder.name, releasable_bytes=releasable,
                                   quantized=quantized):
             # Only fits once the current model is gone: unload it first rather
             # than hold both and swap.
             self.release()
+            # The chats' share is an upper bound (their reserves): a new reading
+            # says what unloading gave back, and a load that still does not fit
+            # is refused rather than pushed past the headroom.
+            self._guard.check_load(needed, name=folder.name, quantized=quantized)
         # Once per load, here on the worker thread: every save and reopen of this
         # model's sessions checks stored KV against these weights.
         fingerprint = model_fingerprint(folder)
@@ -302,7 +307,6 @@ class HeldSessions:
         prefill = fit.prefill_facts(loaded.model, activation_value_bytes())
         with self._lock:
             self.loaded = loaded
-            self.loaded_bytes = needed
             self.prefill = prefill
         self._new_chat_reserve = (0, 0)
         return loaded.info
@@ -325,13 +329,20 @@ class HeldSessions:
             sessions = list(self._sessions.values())
             self._sessions.clear()
             self.loaded = None
-            self.loaded_bytes = 0
             self.prefill = None
+        self._store_and_close(sessions)
+        # The next load checks free memory right after this: nothing here may
+        # still hold the old model's arrays then (left to the collector, they
+        # were still held in tests).
+        sessions.clear()
+        gc.collect()
+        mx.clear_cache()
+
+    def _store_and_close(self, sessions: list[Session]) -> None:
         emptied = {s.session_id for s in sessions if not s.tokens}
         for session in sessions:
             self._stored.store(session, emptied)
             session.close()
-        mx.clear_cache()
 
     def open(
         self, session_id: str, mode: KvMode, page_size: int, rotate: bool | None, *,

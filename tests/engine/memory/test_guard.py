@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from engine.cache import adapter
@@ -66,6 +67,19 @@ class FakeMemory:
     def __call__(self) -> MemoryReading:
         self.reads += 1
         return MemoryReading(self.total, self.available, self.pressure)
+
+
+class HeldByMlx(FakeMemory):
+    """A probe whose available memory is ``base`` less what MLX holds: unloading a
+    model gives back what its arrays really took, no more."""
+
+    def __init__(self, base: int) -> None:
+        super().__init__(base)
+        self.base = base
+
+    def __call__(self) -> MemoryReading:
+        self.available = self.base - mx.get_active_memory() - mx.get_cache_memory()
+        return super().__call__()
 
 
 def _guard(memory: FakeMemory, **kwargs: Any) -> MemoryGuard:
@@ -524,17 +538,38 @@ def test_worker_refuses_a_model_that_does_not_fit_and_keeps_the_loaded_one(
 
 
 def test_worker_unloads_first_when_only_that_makes_room(llama, worker_with) -> None:
-    memory = FakeMemory()
+    memory = HeldByMlx(64 * GB)
     worker, events = worker_with(memory)
     events.ending(worker.load_model(str(llama.folder)))
     events.ending(worker.open_session("s", "fp16", 16))
     needed, _ = estimate_load_bytes(llama.folder)
-    memory.available = needed - 1  # fits only once the current model is released
+    memory()
+    memory.base -= memory.available - needed + 1  # fits only once the model is released
     ending = events.ending(worker.load_model(str(llama.folder)))
     assert isinstance(ending, Finished) and ending.reason == "done"
     assert any(isinstance(e, ModelLoaded) for e in events.events)
     failed = events.ending(worker.chat("s", _user(QUESTION), GREEDY, threading.Event()))
     assert isinstance(failed, Failed) and "No open session named 's'" in failed.message
+
+
+def test_a_load_that_fits_only_by_counting_reserves_is_refused(llama, worker_with) -> None:
+    """The chats' reserves (and the load's own peak) are never all given back:
+    once the current model is gone, the load is checked against what was."""
+    memory = HeldByMlx(64 * GB)
+    worker, events = worker_with(memory)
+    events.ending(worker.load_model(str(llama.folder)))
+    events.ending(worker.open_session("s", "fp16", 16))
+    asked = worker.chat("s", _user(QUESTION), GREEDY, threading.Event())
+    assert isinstance(events.ending(asked), Finished)
+    needed, _ = estimate_load_bytes(llama.folder)
+    memory()
+    held = mx.get_active_memory() + mx.get_cache_memory()
+    # Short by more than all MLX holds: unloading cannot make room.
+    memory.base -= memory.available - needed + held + 1
+    loads = sum(isinstance(e, ModelLoaded) for e in events.events)
+    failed = events.ending(worker.load_model(str(llama.folder)))
+    assert isinstance(failed, Failed) and failed.error_type == "InsufficientMemory"
+    assert sum(isinstance(e, ModelLoaded) for e in events.events) == loads
 
 
 def test_a_model_unloaded_first_is_gone_before_the_next_loads_after_a_batch(
@@ -546,7 +581,7 @@ def test_a_model_unloaded_first_is_gone_before_the_next_loads_after_a_batch(
 
     from engine.models import loader
 
-    memory = FakeMemory()
+    memory = HeldByMlx(64 * GB)
     worker, events = worker_with(memory)
     events.ending(worker.load_model(str(llama.folder)))
     for name in ("a", "b"):
@@ -557,11 +592,12 @@ def test_a_model_unloaded_first_is_gone_before_the_next_loads_after_a_batch(
     assert worker._answering._batch is not None  # they answered together
     old = weakref.ref(worker._held.loaded.model)
     needed, _ = estimate_load_bytes(llama.folder)
-    memory.available = needed - 1  # fits only once the current model is released
+    memory()
+    memory.base -= memory.available - needed + 1  # fits only once the model is released
     alive_at_load: list[bool] = []
 
     def failing_load(*args: Any, **kwargs: Any) -> None:
-        gc.collect()
+        # No collection here: the unload itself must have let go of the weights.
         alive_at_load.append(old() is not None)
         raise ModelLoadError("the weights are corrupt")
 
