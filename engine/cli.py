@@ -79,11 +79,13 @@ class _Collector:
     """Receives worker events; wakes the main thread when a request ends.
 
     ``cancel`` stops the answer: set once nobody reads the streamed text any
-    more (the reader of a pipe, e.g. ``head``, has gone).
+    more (the reader of a pipe, e.g. ``head``, has gone). Notices (stored KV not
+    used, a read waiting for memory) go to ``notify`` as they come, when given.
     """
 
-    def __init__(self, stream: TextIO | None) -> None:
+    def __init__(self, stream: TextIO | None, notify: TextIO | None = None) -> None:
         self.stream = stream
+        self.notify = notify
         self.cancel = threading.Event()
         self.ended = threading.Event()
         self.ending: Finished | Failed | None = None
@@ -106,10 +108,12 @@ class _Collector:
                     self.cancel.set()
         elif isinstance(event, StatsSample):
             self.stats = event
-        elif isinstance(event, Notice):
-            self.notices.append(event.message)
-        elif isinstance(event, AnswerWaiting):
-            self.notices.append(event.reason)
+        elif isinstance(event, Notice | AnswerWaiting):
+            text = event.message if isinstance(event, Notice) else event.reason
+            self.notices.append(text)
+            if self.notify is not None:
+                with contextlib.suppress(OSError, ValueError):  # no terminal to say it on
+                    print(text, file=self.notify, flush=True)
         elif isinstance(event, ModelLoaded):
             self.info = event.info
         elif isinstance(event, Finished | Failed):
@@ -184,7 +188,9 @@ def _run(args: argparse.Namespace, stream: TextIO | None,
         repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
         seed=args.seed, speculative=args.speculative or SamplingParams.speculative,
     )
-    collector = _Collector(stream)
+    # The text goes to stdout; what the engine says about it, to stderr (``--json``
+    # carries both).
+    collector = _Collector(stream, notify=None if stream is None else sys.stderr)
     # Stored as "cli-<name>": the app names its chats' snapshots by a bare hex id,
     # so a CLI run on the same data folder never replaces or deletes a chat's KV.
     session = f"{SESSION_PREFIX}{args.session}" if args.session else SESSION
@@ -295,13 +301,13 @@ def models(args: argparse.Namespace, out: TextIO) -> int:
     """List the models found on this machine."""
     entries = find_models()
     if args.json:
-        out.write(json.dumps([{"name": n, "path": p} for n, p in entries]) + "\n")
+        _write(out, json.dumps([{"name": n, "path": p} for n, p in entries]) + "\n")
         return 0
     if not entries:
-        out.write("No models found. Put an mlx-lm model folder under "
+        _write(out, "No models found. Put an mlx-lm model folder under "
                   f"{models_dir()} or pass --model DIR.\n")
     for name, path in entries:
-        out.write(f"{name}\t{path}\n")
+        _write(out, f"{name}\t{path}\n")
     return 0
 
 
@@ -333,17 +339,17 @@ def info(args: argparse.Namespace, out: TextIO) -> int:
     facts = _facts(info_object)
     projection = kv_projection(info_object)
     if args.json:
-        out.write(json.dumps({"facts": facts, "kv_bytes_full_context": projection},
-                             default=str) + "\n")
+        _write(out, json.dumps({"facts": facts, "kv_bytes_full_context": projection},
+                               default=str) + "\n")
         return 0
     width = max(len(key) for key in facts)
     for key, value in facts.items():
-        out.write(f"{key:>{width}}: {value}\n")
+        _write(out, f"{key:>{width}}: {value}\n")
     context = facts_from_info(info_object).max_context
-    out.write(f"\nKV cache at the full context ({context:,} tokens):\n")
+    _write(out, f"\nKV cache at the full context ({context:,} tokens):\n")
     for mode, nbytes in projection.items():
         shown = "unsupported for this head_dim" if nbytes is None else _size(nbytes)
-        out.write(f"{mode:>{width}}: {shown}\n")
+        _write(out, f"{mode:>{width}}: {shown}\n")
     return 0
 
 
@@ -364,6 +370,11 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     origins = cors_origins(args.cors_origin)
     allowed = host_names(args.allow_host)
     _check_pipeline(args)
+    from engine.models import DEMO
+    from engine.models.info import inspect_model_dir
+
+    if args.model != DEMO:  # a folder that cannot be loaded, said before serving
+        inspect_model_dir(args.model)
     for option, value in (("--parallel", args.parallel), ("--sessions", args.sessions),
                           ("--queue-limit", args.queue_limit)):
         if value is not None and value < 1:
@@ -405,11 +416,21 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, out: TextIO,
     out.write(f"Longleaf serving {bridge.model_id}{where} on http://{host}:{port} "
               f"(OpenAI: http://{host}:{port}/v1)\n")
     out.flush()
+    failed: list[str] = []
+
+    def loaded(bridge: ServerBridge) -> None:
+        if bridge.load_error is not None:  # nothing to serve: stop, and say why below
+            failed.append(bridge.load_error)
+            server.should_exit = True
+
+    server = uvicorn_server(bridge, args.host, args.port, args.api_key, origins, allowed,
+                            loaded=loaded)
     # uvicorn shuts down (sessions stored) and then raises Ctrl-C again for the
     # caller: here it is the asked-for way to stop, not an error.
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn_server(bridge, args.host, args.port, args.api_key, origins,
-                       allowed).run(sockets=[sock])
+        server.run(sockets=[sock])
+    if failed:
+        raise EngineError(f"The model did not load: {failed[0]}")
 
 
 def _check_pipeline(args: argparse.Namespace) -> None:

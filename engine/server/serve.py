@@ -7,7 +7,7 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import uvicorn
@@ -55,12 +55,15 @@ def server_snapshot_dir() -> Path:
 def make_app(bridge: ServerBridge, api_key: str | None = None,
              cors_origins: tuple[str, ...] = (), *, bind_host: str | None = None,
              allowed_hosts: tuple[str, ...] = (),
-             keepalive: float = KEEPALIVE_SECONDS) -> Starlette:
+             keepalive: float = KEEPALIVE_SECONDS,
+             loaded: Callable[[ServerBridge], None] | None = None) -> Starlette:
     """The ASGI app; its lifespan loads the model in the background and stops the worker.
 
     Without ``api_key`` it answers only requests addressed to this computer,
     ``bind_host`` or ``allowed_hosts`` (see ``Server``). A stream without output
-    for ``keepalive`` seconds sends an event that changes nothing.
+    for ``keepalive`` seconds sends an event that changes nothing. ``loaded`` is
+    called on the loading thread once the load ended, well or not
+    (``bridge.load_error`` says which).
     """
     server = Server(bridge, api_key, cors_origins=cors_origins, bind_host=bind_host,
                     allowed_hosts=allowed_hosts, keepalive=keepalive)
@@ -68,7 +71,12 @@ def make_app(bridge: ServerBridge, api_key: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        loader = threading.Thread(target=bridge.load, name="longleaf-server-load", daemon=True)
+        def load() -> None:
+            bridge.load()
+            if loaded is not None:
+                loaded(bridge)
+
+        loader = threading.Thread(target=load, name="longleaf-server-load", daemon=True)
         loader.start()  # /health answers 503 until it is done
         try:
             yield
@@ -84,11 +92,13 @@ def uvicorn_server(bridge: ServerBridge, host: str, port: int,
                    api_key: str | None = None, cors_origins: tuple[str, ...] = (),
                    allowed_hosts: tuple[str, ...] = (),
                    keepalive: float = KEEPALIVE_SECONDS,
-                   head_timeout: float | None = None) -> uvicorn.Server:
+                   head_timeout: float | None = None,
+                   loaded: Callable[[ServerBridge], None] | None = None) -> uvicorn.Server:
     """A uvicorn server for ``bridge`` (not started); a connection that sends no whole
-    request head within ``head_timeout`` seconds (None: ``HEAD_TIMEOUT_S``) is closed."""
+    request head within ``head_timeout`` seconds (None: ``HEAD_TIMEOUT_S``) is closed.
+    ``loaded``: as ``make_app`` takes it."""
     app = make_app(bridge, api_key, cors_origins, bind_host=host, allowed_hosts=allowed_hosts,
-                   keepalive=keepalive)
+                   keepalive=keepalive, loaded=loaded)
     config = uvicorn.Config(app, host=host, port=port, http=http_protocol(head_timeout),
                             log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return StoppingServer(config, bridge)

@@ -322,3 +322,30 @@ def test_a_session_run_makes_room_from_its_own_stored_kv_never_a_chats(
     monkeypatch.setattr(snapshot_store, "default_budget", lambda directory: full)
     assert _run(*argv, "--prompt", PROMPT * 4, "--session", "other")[0] == 0
     assert sorted(p.stem for p in kv.glob("*.json")) == ["0a1b2c3d", "cli-other"]
+
+
+def test_what_the_engine_says_about_stored_kv_is_printed_beside_the_text(
+        model_root: Path, tmp_path: Path, capsys) -> None:
+    folder = make_tiny_model_dir(model_root, "llama")
+    argv = ("generate", "--model", str(folder), "--temp", "0", "--max-tokens", "3",
+            "--prompt", PROMPT, "--session", "doc", "--session-dir", str(tmp_path / "kv"))
+    assert _run(*argv)[0] == 0
+    capsys.readouterr()
+    for data in (tmp_path / "kv").glob("*.safetensors"):
+        data.write_bytes(data.read_bytes()[:100])  # cut short, as a disk gone mid-write
+    assert _run(*argv)[0] == 0  # answered, with the notice on stderr
+    assert "incomplete or damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["info", "models"])
+def test_a_reader_that_leaves_before_the_listing_gets_no_traceback(
+        model_root: Path, command: str) -> None:
+    argv = ["info", str(make_tiny_model_dir(model_root, "llama"))] if command == "info" \
+        else ["models", "--json"]
+    listing = subprocess.Popen([sys.executable, "-m", "engine", *argv],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert listing.stdout is not None and listing.stderr is not None
+    listing.stdout.close()  # as `… | true`: gone before the first line
+    listing.wait(timeout=120)
+    err = listing.stderr.read().decode()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

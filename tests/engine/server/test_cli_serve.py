@@ -141,3 +141,30 @@ def test_the_reads_share_and_disk_budget_reach_the_engine(monkeypatch, capsys) -
             cli.build_parser().parse_args(["serve", "--model", "demo", "--read-share", bad])
         assert exited.value.code == 2
         assert "--read-share takes a number above 0 and at most 1" in capsys.readouterr().err
+
+
+def test_a_model_folder_that_is_not_there_is_said_before_serving(
+        tmp_path, monkeypatch, capsys) -> None:
+    served = []
+    monkeypatch.setattr("engine.server.serve.uvicorn_server", lambda *a, **k: served.append(a))
+    missing = tmp_path / "no-such-model"
+    assert cli.main(["serve", "--model", str(missing), "--port", "0"], io.StringIO()) == 1
+    assert str(missing) in capsys.readouterr().err and served == []
+
+
+def test_a_model_that_fails_to_load_stops_the_server_with_its_reason(
+        tmp_path, monkeypatch, capsys) -> None:
+    from engine.errors import ModelLoadError
+    from engine.models import loader
+
+    def corrupt(*args, **kwargs):
+        raise ModelLoadError("The weights of tiny-llama are damaged.")
+
+    monkeypatch.setenv("LONGLEAF_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(loader, "load_model", corrupt)  # found only while loading
+    model = make_tiny_model_dir(tmp_path, "llama")
+    out = io.StringIO()
+    assert cli.main(["serve", "--model", str(model), "--port", "0"], out) == 1
+    assert capsys.readouterr().err == (
+        "error: The model did not load: The weights of tiny-llama are damaged.\n")
+    assert "stopped" not in out.getvalue()
