@@ -48,9 +48,11 @@ fi
 
 # Longleaf needs Python 3.11 or later (pyproject.toml); a stock Mac's python3 is
 # 3.9. A venv whose Python is gone (system Python upgraded) or too old (made by
-# an older python3 before) is rebuilt from scratch with the newest one found.
+# an older python3 before), or without pip (Debian's venv stops before pip when
+# python3-venv is missing, leaving the rest), is rebuilt from scratch with the
+# newest Python found.
 recent() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
-if ! recent .venv/bin/python; then
+if ! recent .venv/bin/python || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
     python=""
     for candidate in python3.14 python3.13 python3.12 python3.11 python3; do
         if command -v "$candidate" >/dev/null && recent "$candidate"; then

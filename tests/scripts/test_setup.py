@@ -32,6 +32,7 @@ def checkout(tmp_path: Path) -> Path:
     python.parent.mkdir(parents=True)
     python.write_text(
         "#!/usr/bin/env bash\n"
+        'if [[ "$1 $2 $3" == "-m pip --version" ]]; then exit 0; fi\n'
         'if [[ "$1 $2" == "-m pip" ]]; then\n'
         '  echo "$* warnings=$PYTHONWARNINGS" >> "$(dirname "$0")/../pip.log"; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n')
@@ -133,6 +134,20 @@ def test_a_venv_an_old_python_made_is_made_again_with_a_recent_one(tmp_path: Pat
     assert (root / "venv.log").read_text().strip() == "python3.12"
     assert any("install -q -e ." in c for c in (root / ".venv" / "pip.log").read_text()
                .splitlines())
+
+
+def test_a_venv_left_without_pip_is_made_again(tmp_path: Path) -> None:
+    """Debian's venv without python3-venv: the Python is there, pip never came."""
+    (tmp_path / "checkout").mkdir()
+    root = checkout(tmp_path / "checkout")
+    env = _old_venv_and_pythons(root, tmp_path / "bin", good="python3.12")
+    python = root / ".venv" / "bin" / "python"
+    python.write_text((root / "working-python").read_text().replace(
+        'then exit 0; fi', 'then echo "No module named pip" >&2; exit 1; fi', 1))
+    subprocess.run(["bash", str(root / "scripts" / "setup.sh")], check=True, env=env,
+                   capture_output=True, timeout=120)
+    # Before, the venv was kept and every run failed on "No module named pip".
+    assert (root / "venv.log").read_text().strip() == "python3.12"
 
 
 def test_no_recent_python_is_said_in_words(tmp_path: Path) -> None:
