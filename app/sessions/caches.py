@@ -28,7 +28,7 @@ class SessionCaches(QObject):
     of a session always comes from one snapshot of that session.
     """
 
-    changed = Signal()  # a session's KV cache was opened, or closed by ``close``
+    changed = Signal()  # a session's KV cache was opened, or closed (any way)
     notice = Signal(str)  # the model runs on mlx-lm's own cache, and why
 
     def __init__(self, bridge: EngineBridge, settings: Settings,
@@ -87,19 +87,25 @@ class SessionCaches(QObject):
 
     def forget(self, session_id: str) -> None:
         """Free a deleted session's cache without storing it, and delete its stored KV."""
-        if session_id in self.opened:
+        closed = session_id in self.opened
+        if closed:
             self.bridge.close_session(session_id, store=False)
             del self.opened[session_id]
         self._drop(session_id)
         self.bridge.clear_stored_kv(session_id)
+        if closed:
+            self.changed.emit()  # its bytes leave every total shown
 
     def close_all(self) -> None:
         """Free every cache (a new model is loading)."""
+        held = bool(self.opened)
         for session_id in list(self.opened):
             self.bridge.close_session(session_id)
         self.opened.clear()
         self.samples.clear()
         self.partial.clear()
+        if held:
+            self.changed.emit()
 
     def _drop(self, session_id: str) -> None:
         self.samples.pop(session_id, None)

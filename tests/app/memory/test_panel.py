@@ -303,3 +303,18 @@ def test_the_fits_column_and_sentence_count_the_memory_limit(qtbot) -> None:
         f"Fits in your memory limit (Settings): {held:,} of 131,072 tokens in q8.")
     row = list(MODES).index("q8")
     assert panel.table.item(row, 2).text() == short_tokens(held)
+
+
+def test_deleting_a_chat_not_on_screen_takes_its_bytes_out_of_the_total(qtbot, window) -> None:
+    controller = window.controller
+    first = controller.new_session("q8")
+    assert send_and_wait(qtbot, window, "hello there, first chat") == "complete"
+    controller.new_session("q8")
+    assert send_and_wait(qtbot, window, "a second chat, a little longer than the first") == \
+        "complete"
+    qtbot.waitUntil(lambda: len(controller.caches.samples) == 2, timeout=ANSWER_TIMEOUT_MS)
+    both = controller.caches.total_bytes()
+    controller.delete_session(first.id)
+    left = controller.caches.total_bytes()
+    assert left < both
+    assert window.panel.kv_total_label.text() == f"All open chats together: {human_bytes(left)}"
