@@ -27,7 +27,9 @@ GAP = 2
 
 
 class PagePoolView(QWidget):
-    """A grid of page cells: in use (filled), allocated but empty, and free."""
+    """A grid of the storage's page cells: in use (filled), other chats' (faint:
+    storage shared with them), and free (outlined). ``allocated`` is the whole
+    storage, its free pages included."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -62,14 +64,13 @@ class PagePoolView(QWidget):
     def pages_per_cell(self) -> int:
         """How many pages one cell stands for (the pool may be huge), at most
         ``MAX_ROWS`` rows of cells at the grid's width."""
-        total = self.allocated + self.free
-        return max(1, math.ceil(total / min(MAX_CELLS, MAX_ROWS * self._columns())))
+        return max(1, math.ceil(self.allocated / min(MAX_CELLS, MAX_ROWS * self._columns())))
 
     def _columns(self) -> int:
         return max(1, (self.width() + GAP) // (CELL + GAP))
 
     def sizeHint(self) -> QSize:
-        cells = math.ceil((self.allocated + self.free) / self.pages_per_cell()) or 1
+        cells = math.ceil(self.allocated / self.pages_per_cell()) or 1
         rows = math.ceil(cells / self._columns())
         return QSize(200, max(CELL, rows * (CELL + GAP)))
 
@@ -81,7 +82,8 @@ class PagePoolView(QWidget):
         # while the engine thread competes for the GIL.
         painter = QPainter(self)
         per = self.pages_per_cell()
-        cells = math.ceil((self.allocated + self.free) / per)
+        cells = math.ceil(self.allocated / per)
+        taken = self.allocated - self.free  # this chat's pages, then other chats'
         columns = self._columns()
         used: list[QRectF] = []
         reserved: list[QRectF] = []
@@ -97,7 +99,7 @@ class PagePoolView(QWidget):
                 if last:
                     partial = QRectF(rect.x(), rect.y() + CELL * (1 - self.last_fill),
                                      CELL, CELL * self.last_fill)
-            elif first_page < self.allocated:
+            elif first_page < taken:
                 reserved.append(rect)
             else:
                 free.append(rect.adjusted(0.5, 0.5, -0.5, -0.5))

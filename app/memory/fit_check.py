@@ -297,7 +297,9 @@ def fit_html(report: FitReport, mode: KvMode, total: int, estimated: bool = Fals
         (f"<b>{m} {human_bytes(report.for_mode(m).bytes_needed)}</b>" if m == mode
          else f"{m} {human_bytes(report.for_mode(m).bytes_needed)}")
         for m in MODES if report.for_mode(m).supported)
-    budget = (f" · your limit {human_bytes(report.budget_bytes)}"
+    # What the limit leaves this chat (other chats' pages and reserves taken off),
+    # not the limit as set: the two would read as one figure.
+    budget = (f" · {human_bytes(report.budget_bytes)} left of your memory limit"
               if report.budget_bytes is not None else "")
     made_of = f" ({parts.words()})" if parts is not None else ""
     head = (f"After this message: {approx}{total:,} of {report.max_context:,} tokens"

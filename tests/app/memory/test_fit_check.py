@@ -43,6 +43,13 @@ def test_the_fit_line_speaks_plainly() -> None:
         assert jargon not in html
 
 
+def test_the_fit_line_says_what_the_memory_limit_leaves_this_chat() -> None:
+    report = _report()
+    report.budget_bytes = 2 << 20  # what a 4 MB limit leaves beside another chat's pages
+    html, _ = fit_html(report, "q6", 1000)
+    assert "· 8.0 GB free · 2.0 MB left of your memory limit" in html
+
+
 def _past_the_context() -> SimpleNamespace:
     report = _report()
     for mode in ("fp16", "q8", "q6", "q4"):
