@@ -87,18 +87,34 @@ def test_each_row_of_a_batch_gets_its_own_steps_logits(models, arch: str, modes)
         for row in range(len(rows)):
             got = np.array(logits[row].astype(mx.float32))
             # Every row is computed by the same ops as alone: a difference is the
-            # matmul rounding of B rows against one, far below a logit's size.
-            np.testing.assert_allclose(got, alone[row][step], atol=1e-4, rtol=0)
+            # matmul rounding of B rows against one (below), carried through the
+            # layers by an fp16 row's stored values: 7e-4 at most seen, on logits
+            # of size 5 to 8.
+            np.testing.assert_allclose(got, alone[row][step], atol=1e-3, rtol=0)
     for (cache, _), length in zip(rows, LENGTHS, strict=True):
         assert adapter.cache_tokens(cache) == length + STEPS
         assert all(layer.offset == length + STEPS for layer in cache
                    if isinstance(layer, PagedKVCache | KVCache | RotatingKVCache))
-    # Each row's pages hold, bit for bit, what its steps alone stored.
-    for (cache, _), own in zip(rows, alone_caches, strict=True):
+    # Each row's pages hold what its steps alone stored: codes and scales bit for
+    # bit, fp16 values (of size 1 to 3) within a few steps of float16 -- the rows'
+    # projections are one matmul of B rows, and a BLAS may sum B rows in another
+    # order than one (OpenBLAS's AVX2 kernels do; its reference kernels did not).
+    for (cache, _), own, mode in zip(rows, alone_caches, modes, strict=True):
         for layer, alone_layer in zip(cache, own, strict=True):
             if isinstance(layer, PagedKVCache):
                 for got, want in zip(layer.state[:4], alone_layer.state[:4], strict=True):
-                    assert (got is None and want is None) or mx.array_equal(got, want).item()
+                    assert (got is None) == (want is None)
+                    if got is not None:
+                        _same_store(got, want, mode)
+
+
+def _same_store(got: mx.array, want: mx.array, mode: str) -> None:
+    if mode != "fp16":
+        assert mx.array_equal(got, want).item()
+        return
+    assert got.dtype == want.dtype == mx.float16
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                               np.array(want.astype(mx.float32)), rtol=2**-8, atol=2**-8)
 
 
 def test_rows_keep_their_own_offsets_and_pages(models) -> None:

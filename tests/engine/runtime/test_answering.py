@@ -137,7 +137,9 @@ def test_the_counts_follow_an_answer_alone_and_answers_together(endless_dir: Pat
         assert isinstance(log.ending(request), Finished)
         alone = list(counted)
         counted.clear()
-        _b_while_a_answers(worker, log, LONG)
+        # A long enough to be answering still when B comes, on a busy machine too
+        # (40 tokens, drafted a few a step, were done before B's command was read).
+        _b_while_a_answers(worker, log, replace(LONG, max_tokens=400))
     finally:
         worker.shutdown(timeout=10.0)
     idle = StreamCounts(limit=MOST_STREAMS)
