@@ -60,10 +60,10 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
     report on their own disk; their share is not collected here.
 
     Raises:
-        EngineError: mlx.launch is missing, the hostfile is unusable, or a rank
-            failed (named, with its error).
+        EngineError: the hostfile is unusable, or a rank failed (named, with its
+            error).
     """
-    launcher = launcher_path()
+    launcher = launcher_command()
     hosts = None if hostfile is None else read_hostfile(hostfile)
     if hosts is not None:
         ranks = len(hosts)
@@ -170,16 +170,9 @@ def local_rank_env(local_ranks: int) -> dict[str, str]:
                                                            "OMP_NUM_THREADS")}
 
 
-def launcher_path() -> Path:
-    """MLX's launcher beside this Python.
-
-    Raises:
-        EngineError: it is not installed.
-    """
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    if not launcher.exists():
-        raise EngineError("MLX's launcher (mlx.launch) is not installed beside this Python.")
-    return launcher
+def launcher_command() -> list[str]:
+    """The command that runs MLX's launcher with this Python (or bundled app)."""
+    return [sys.executable, "-m", "engine.distributed.mlx_launch"]
 
 
 def read_hostfile(path: Path) -> list[str]:
@@ -210,7 +203,7 @@ def ring_addresses(path: Path) -> list[tuple[str, ...]]:
     return [tuple(host.ips) for host in Hostfile.from_file(str(path)).hosts]
 
 
-def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int | None,
+def launch_command(launcher: Sequence[str], argv: Sequence[str], ranks: int, seed: int | None,
                    folder: str, hostfile: Path | None = None,
                    module: str = "engine") -> list[str]:
     """The mlx.launch command line of a pipeline run (local ranks, or a hostfile's):
@@ -221,7 +214,7 @@ def launch_command(launcher: Path, argv: Sequence[str], ranks: int, seed: int | 
              if hostfile is None else
              ["--hostfile", str(hostfile), "--env", f"{REPORT_DIR}={folder}"])
     seeded = [] if seed is None else ["--seed", str(seed)]
-    return [str(launcher), *where, sys.executable, "-m", module, *_without_hostfile(argv),
+    return [*launcher, *where, sys.executable, "-m", module, *_without_hostfile(argv),
             *seeded]
 
 

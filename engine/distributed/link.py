@@ -37,7 +37,7 @@ from engine.distributed.launch import (
     RING_ATTEMPTS,
     clear_rank_files,
     launch_command,
-    launcher_path,
+    launcher_command,
     rank_environment,
     read_hostfile,
     ring_gave_up,
@@ -92,8 +92,7 @@ class Link:
             (a connection refused, the ranks started again on other ports).
 
     Raises:
-        EngineError: mlx.launch is missing, or the hostfile is unusable or puts
-            rank 0 on another machine.
+        EngineError: the hostfile is unusable or puts rank 0 on another machine.
     """
 
     def __init__(self, argv: Sequence[str], ranks: int, hostfile: Path | None,
@@ -102,7 +101,7 @@ class Link:
                  on_notice: Callable[[str], None] | None = None) -> None:
         hosts = None if hostfile is None else hostfile_hosts(hostfile)
         ranks = ranks if hosts is None else len(hosts)
-        self._launcher = launcher_path()
+        self._launcher = launcher_command()
         self._argv, self._ranks, self._hostfile, self._hosts = list(argv), ranks, hostfile, hosts
         self._on_message = on_message
         self._on_lost = on_lost

@@ -11,18 +11,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 from PySide6.QtCore import Qt
 
 from app.settings import Settings
-from engine.distributed.launch import launcher_path
 from engine.distributed.remote import RemoteWorker
 from engine.runtime.worker import EngineWorker
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window, send_and_wait
 from tests.engine.tinymodels import make_tiny_model_dir
 
-pytestmark = pytest.mark.skipif(not launcher_path().exists(),
-                                reason="mlx.launch is not installed")
 PIPELINE_TIMEOUT_MS = 300_000  # two ranks start, import MLX and load on a busy CPU
 
 

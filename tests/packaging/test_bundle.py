@@ -73,3 +73,11 @@ def test_linux_bundle_runs_the_self_test(tmp_path: Path) -> None:
         assert f"self-test: {mode}: " in output, output
     assert "self-test: OK" in output
     assert any(Path(os.environ["LONGLEAF_HOME"]).rglob("config.json")), "demo not converted"
+    # The pipeline starts MLX's launcher and the host check through the bundle's
+    # own executable ("-m"): there is no other Python in a bundle.
+    for module, expected in (("engine.distributed.hosts", '"addresses"'),
+                             ("engine.distributed.mlx_launch", "--hostfile")):
+        argv = [str(program), "-m", module] + (["--help"] if "launch" in module else [])
+        ran = subprocess.run(argv, cwd=tmp_path, env=environment, capture_output=True,
+                             text=True, timeout=300)
+        assert ran.returncode == 0 and expected in ran.stdout, ran.stdout + ran.stderr

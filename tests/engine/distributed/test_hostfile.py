@@ -26,7 +26,7 @@ def _hostfile(tmp_path: Path, hosts: list[str]) -> Path:
 def test_the_hostfile_goes_to_mlx_launch_and_not_to_the_ranks(tmp_path: Path) -> None:
     hosts = _hostfile(tmp_path, ["10.0.0.1", "10.0.0.2"])
     argv = ["generate", "--model", "m", "--hostfile", str(hosts), "--prompt", "hi"]
-    command = launch_command(Path("mlx.launch"), argv, 2, 7, "/tmp/reports", hosts)
+    command = launch_command(["mlx.launch"], argv, 2, 7, "/tmp/reports", hosts)
     assert command[:5] == ["mlx.launch", "--hostfile", str(hosts), "--env",
                            f"{REPORT_DIR}=/tmp/reports"]
     assert command[5:] == [sys.executable, "-m", "engine", "generate", "--model", "m",

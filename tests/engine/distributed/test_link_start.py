@@ -53,7 +53,7 @@ class StandIn(Group):
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> type[StandIn]:
     monkeypatch.setattr(link, "Group", StandIn)
-    monkeypatch.setattr(link, "launcher_path", lambda: Path("/usr/bin/true"))
+    monkeypatch.setattr(link, "launcher_command", lambda: ["/usr/bin/true"])
     ports = itertools.count(41000, 1000)
     monkeypatch.setattr(launch, "free_ports", lambda _count: next(ports))
     monkeypatch.setattr(StandIn, "made", [])
