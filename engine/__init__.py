@@ -59,6 +59,7 @@ _PUBLIC = {
     **{name: "engine.documents.reader" for name in ("read_document", "file_patterns")},
     "SamplingParams": "engine.session.sampling",
     "DEFAULT_READ_SHARE": "engine.session.batch",
+    **{name: "engine.session.session" for name in ("MAX_CHUNK", "MAX_PAGE_SIZE")},
     "check_read_share": "engine.session.batch",
     **{name: "engine.cache.modes" for name in (
         "MODES", "DEFAULT_MODE", "REFERENCE", "KvMode", "parse_mode")},
@@ -111,7 +112,9 @@ __all__ = [
     "DEFAULT_READ_SHARE",
     "DEMO",
     "GB",
+    "MAX_CHUNK",
     "MAX_DEFAULT_BUDGET",
+    "MAX_PAGE_SIZE",
     "MODES",
     "RECOMMENDED_MODELS",
     "REFERENCE",

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -46,6 +46,7 @@ from engine.runtime.worker import EngineWorker
 from engine.session import speculative
 from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
 from engine.session.sampling import SamplingParams
+from engine.session.session import DEFAULT_CHUNK, DEFAULT_PAGE_SIZE, MAX_CHUNK, MAX_PAGE_SIZE
 from engine.snapshots.files import check_name
 from engine.snapshots.snapshot_store import SnapshotStore, default_snapshot_dir
 
@@ -459,6 +460,20 @@ def _layer_counts(text: str) -> list[int]:
         ) from None
 
 
+def _tokens_up_to(option: str, most: int) -> Callable[[str], int]:
+    """The type of an option taking 1 to ``most`` tokens."""
+    def tokens(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(
+                f"{option} takes a number of tokens from 1 to {most:,} (not {text!r})")
+        return value
+    return tokens
+
+
 def _read_share(text: str) -> float:
     """``--read-share``: above 0 and at most 1."""
     try:
@@ -513,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="answer one prompt")
     gen.add_argument("--model", required=True, help='a model folder, or "demo"')
     _add_kv_option(gen)
-    gen.add_argument("--page-size", type=int, default=256)
+    gen.add_argument("--page-size", type=_tokens_up_to("--page-size", MAX_PAGE_SIZE),
+                     default=DEFAULT_PAGE_SIZE)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt; \\n and \\t in it become a newline "
                                           "and a tab (--prompt-file reads a file as it is)")
@@ -529,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative", choices=speculative.MODES, default=None,
                      help="draft tokens from the prompt's own text and verify them in one "
                           f"pass (default: {defaults.speculative}; off over a pipeline)")
-    gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
+    gen.add_argument("--chunk-size", type=_tokens_up_to("--chunk-size", MAX_CHUNK),
+                     default=DEFAULT_CHUNK, help="prefill chunk in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--session", type=_session_name,
                      help="store the KV cache as this snapshot and reuse it")

@@ -29,7 +29,9 @@ from app.window.server_settings import LocalServerPage
 from engine import (
     DEFAULT_MODE,
     DEFAULT_READ_SHARE,
+    MAX_CHUNK,
     MAX_DEFAULT_BUDGET,
+    MAX_PAGE_SIZE,
     MODES,
     FitReport,
     KvMode,
@@ -199,7 +201,7 @@ class SettingsDialog(QDialog):
         self.mode.setToolTip("How a new chat stores its keys and values; fixed for the chat's "
                              "life (Reopen in… copies it into another mode).")
         form.addRow("New chats store their memory as", self.mode)
-        self.page_size = QSpinBox(minimum=16, maximum=4096, singleStep=16,
+        self.page_size = QSpinBox(minimum=16, maximum=MAX_PAGE_SIZE, singleStep=16,
                                   value=settings.page_size, suffix=" tokens")
         self.page_size.setToolTip("The cache grows by pages of this many tokens (per layer). "
                                   "New chats only.")
@@ -213,8 +215,8 @@ class SettingsDialog(QDialog):
         # Unset means the engine's default, which rotates every quantized mode.
         self.rotate.setChecked(True if settings.rotate_kv is None else settings.rotate_kv)
         form.addRow("", self.rotate)
-        self.chunk = QSpinBox(minimum=16, maximum=8192, singleStep=64, value=settings.ingest_chunk,
-                              suffix=" tokens")
+        self.chunk = QSpinBox(minimum=16, maximum=MAX_CHUNK, singleStep=64,
+                              value=settings.ingest_chunk, suffix=" tokens")
         self.chunk.setToolTip("Longer chunks read a document faster and take more memory "
                               "while they are read; Stop takes effect between chunks.")
         form.addRow("Read documents in chunks of", self.chunk)

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 # slow machine finishes one in about a second, so Stop and progress stay responsive.
 DEFAULT_CHUNK = 512
 DEFAULT_PAGE_SIZE = 256
+# The largest a user may choose (Settings, the CLI): a page past this holds idle
+# room in every layer, and a chunk's scratch grows with its tokens.
+MAX_CHUNK = 8192
+MAX_PAGE_SIZE = 4096
 
 
 @dataclass(frozen=True)

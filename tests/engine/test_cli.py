@@ -349,3 +349,14 @@ def test_a_reader_that_leaves_before_the_listing_gets_no_traceback(
     listing.wait(timeout=120)
     err = listing.stderr.read().decode()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize(("option", "bad"), [("--page-size", "0"), ("--chunk-size", "0"),
+                                             ("--chunk-size", "1000000000"),
+                                             ("--page-size", "lots")])
+def test_sizes_out_of_range_are_refused_before_loading(option: str, bad: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["generate", "--model", "demo", "--prompt", "hi",
+                                   option, bad])
+    assert exited.value.code == 2
+    assert f"{option} takes a number of tokens from 1 to " in capsys.readouterr().err
