@@ -306,7 +306,7 @@ def models(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     if not entries:
         _write(out, "No models found. Put an mlx-lm model folder under "
-                  f"{models_dir()} or pass --model DIR.\n")
+                    f"{models_dir()} or pass --model DIR.\n")
     for name, path in entries:
         _write(out, f"{name}\t{path}\n")
     return 0
