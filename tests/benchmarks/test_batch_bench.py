@@ -41,6 +41,12 @@ def test_batch_report_has_a_row_per_stream_count(tmp_path: Path) -> None:
             assert row[side]["tokens"] == row["streams"] * 3
     lines = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert len(lines) == 3 and "n/a" not in lines[1] + lines[2]
+    # The step's transient as measured, beside what admission counts for it.
+    assert lines[0].rstrip(" |").endswith("transient measured / counted (MiB)")
+    for row, line in zip(results["rows"], lines[1:], strict=True):
+        measured = row["engine"]["engine_peak_bytes"] - row["engine"]["pages_bytes"]
+        assert line.rstrip(" |").endswith(
+            f"{measured / 2**20:.1f} / {row['engine']['transient_bytes'] / 2**20:.1f}")
     # The question came while the document was still read in, and was timed.
     first = results["first_token"]
     assert first["document_still_reading"] and first["seconds"] > 0 < first["chunk_seconds"]
