@@ -28,7 +28,7 @@ from app.chat.answers import Answers
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
-from app.format import title_from
+from app.format import short_title, title_from
 from app.local_server import LocalServerHost
 from app.machines import Machines
 from app.memory.quality import QualityCheck
@@ -40,6 +40,7 @@ from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import (
     DEMO,
+    WAITED_BEHIND,
     AnswerWaiting,
     ChunkTiming,
     DiskFault,
@@ -655,7 +656,16 @@ class ChatController(QObject):
         # The chat's state line says the engine's reason until the answer reads or goes on.
         job = self.activity.job_with(event.request_id)
         if job is not None:
-            self.activity.hold(job, event.reason)
+            self.activity.hold(job, self._waiting_words(event))
+
+    def _waiting_words(self, event: AnswerWaiting) -> str:
+        """The engine's reason, naming by its title the chat waited behind (the engine
+        knows it as a request: "the conversation before it")."""
+        ahead = None if event.behind is None else self.activity.job_with(event.behind)
+        record = None if ahead is None else self.store.session(ahead.session_id)
+        if record is None:  # a request of the local server's, or one already ended
+            return event.reason
+        return event.reason.replace(WAITED_BEHIND, f"‘{short_title(record.title)}’", 1)
 
     def _on_failed(self, event: Failed) -> None:
         # A request without a handler (settings applied, stored KV cleared) failed.

@@ -59,6 +59,7 @@ _PUBLIC = {
     **{name: "engine.documents.reader" for name in ("read_document", "file_patterns")},
     "SamplingParams": "engine.session.sampling",
     "DEFAULT_READ_SHARE": "engine.session.batch",
+    "WAITED_BEHIND": "engine.session.batch",
     **{name: "engine.session.session" for name in ("MAX_CHUNK", "MAX_PAGE_SIZE")},
     "check_read_share": "engine.session.batch",
     **{name: "engine.cache.modes" for name in (
@@ -118,6 +119,7 @@ __all__ = [
     "MODES",
     "RECOMMENDED_MODELS",
     "REFERENCE",
+    "WAITED_BEHIND",
     "AnswerWaiting",
     "ApiSession",
     "Cancelled",

@@ -276,11 +276,15 @@ class AnswerWaiting:
         short_bytes: bytes more than memory holds now that it needs (0 while it
             waits its turn behind another; its next page's bytes while it waits
             to go on).
+        behind: the request it waits its turn behind, which ``reason`` calls
+            "the conversation before it" (``engine.session.batch.WAITED_BEHIND``); None
+            when it waits for memory itself.
     """
 
     request_id: int
     reason: str
     short_bytes: int
+    behind: int | None = None
 
 
 @dataclass(frozen=True)
@@ -373,6 +377,10 @@ def request_id_of(event: Event) -> int | None:
 
 def renumbered(event: Event, request_id: int) -> Event:
     """``event`` with ``request_id`` for its request's id (unchanged if it has none)."""
+    if isinstance(event, AnswerWaiting) and event.behind is not None:
+        # The request it waits behind came from the same worker: the same shift.
+        return replace(event, request_id=request_id,
+                       behind=event.behind + request_id - event.request_id)
     if isinstance(event, _REQUEST_EVENTS):
         return replace(event, request_id=request_id)
     return event

@@ -373,7 +373,8 @@ class Answering:
         for wait in waits:
             if self._told.get(wait.request_id) != wait.reason:
                 self._told[wait.request_id] = wait.reason
-                self._emit(AnswerWaiting(wait.request_id, wait.reason, wait.short_bytes))
+                self._emit(AnswerWaiting(wait.request_id, wait.reason, wait.short_bytes,
+                                         behind=wait.behind))
 
     def _count(self) -> None:
         batch = self._batch

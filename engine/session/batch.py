@@ -118,6 +118,8 @@ class RowToken:
 # The limits a waiting conversation's reason names.
 FREE_RAM = "is free"
 KV_BUDGET = "the KV budget leaves"
+# How a conversation waiting its turn names the one before it, which waits for memory.
+WAITED_BEHIND = "the conversation before it"
 # How long another machine's "no room" for a waiting conversation stands while the
 # batch beside it is unchanged: one round trip a second, not one a step.
 ASK_AGAIN_S = 1.0
@@ -146,12 +148,12 @@ class _Short:
         return (f"Waiting for memory: {human_bytes(self.bytes)} more is needed than "
                 f"{self.limit}; it starts when another answer ends.")
 
-    def behind(self, request_id: int) -> str:
-        """Why a conversation waits behind ``request_id``, which waits for this."""
+    def behind(self) -> str:
+        """Why a conversation waits behind the first waiting one, which waits for this
+        (``WAITED_BEHIND`` names that one: a front end that knows it by name puts the name)."""
         lacking = (f"memory on {self.machine}" if self.machine is not None
                    else f"{human_bytes(self.bytes)} more than {self.limit}")
-        return (f"Waiting for memory: request {request_id}, before it, needs {lacking}; "
-                "it starts after that one.")
+        return f"Waiting for memory: {WAITED_BEHIND} needs {lacking}; it starts after that one."
 
 
 @dataclass(frozen=True)
@@ -164,11 +166,14 @@ class Waiting:
         reason: why it waits and for what, as a user reads it.
         short_bytes: bytes more than memory holds now that it needs to join (0
             while it waits its turn behind another), or its next page's bytes.
+        behind: the request it waits its turn behind (its reason names it
+            ``WAITED_BEHIND``); None when it waits for memory itself.
     """
 
     request_id: int
     reason: str
     short_bytes: int
+    behind: int | None = None
 
 
 class Room(Protocol):
@@ -632,7 +637,8 @@ class BatchDecoder:
         first.short = short
         first.waiting = Waiting(first.request_id, short.reason(), max(0, short.bytes))
         for joining in rest:
-            joining.waiting = Waiting(joining.request_id, short.behind(first.request_id), 0)
+            joining.waiting = Waiting(joining.request_id, short.behind(), 0,
+                                      behind=first.request_id)
 
     def _admit(self, results: list[RowToken]) -> None:
         """Start the waiting conversations memory holds now, in the order they came;

@@ -115,6 +115,26 @@ def test_an_answer_the_engine_holds_says_the_engines_reason_until_it_reads(app) 
     assert c.answering_together() == [("first question", None), ("second question", 4096)]
 
 
+def test_a_chat_waiting_its_turn_names_the_chat_before_it(app) -> None:
+    """The engine knows the chat a waiting one is behind as a request: the app says
+    its title (as the engine words it for the server, with no chats to name)."""
+    from engine.session.batch import _Short
+
+    c, bridge, worker = app.c, app.bridge, app.worker
+    chats = []
+    for title in ("first question", "second question", "third question"):
+        chats.append(c.new_session("q8"))
+        assert c.send(title)
+        _open(app, chats[-1].id)
+    chat_b, chat_c = [r[0] for r in worker.requests if r[1] == "chat"][1:]
+    short = _Short(19_968)
+    bridge._dispatch(AnswerWaiting(chat_b, short.reason(), 19_968))
+    bridge._dispatch(AnswerWaiting(chat_c, short.behind(), 0, behind=chat_b))
+    assert c.cache_state(chats[2].id) == ("Waiting for memory: ‘second question’ needs "
+                                          "19.5 KB more than is free; it starts after "
+                                          "that one.")
+
+
 def test_an_answer_the_engine_holds_for_its_next_page_says_so_until_its_next_word(
         app) -> None:
     c, bridge, worker = app.c, app.bridge, app.worker

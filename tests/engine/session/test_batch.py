@@ -673,13 +673,12 @@ def test_a_conversation_waits_for_memory_and_joins_when_an_answer_ends(tiny, log
     answer = GREEDY.max_tokens
     short = (_pages_bytes(sessions[1], _messages(1), answer)
              + _pages_bytes(sessions[3], _messages(3), answer) - guard.budget_bytes)
-    assert [(w.request_id, w.reason) for w in batch.waiting] == [
+    behind = (f"Waiting for memory: the conversation before it needs {human_bytes(short)} "
+              "more than the KV budget leaves; it starts after that one.")
+    assert [(w.request_id, w.reason, w.behind) for w in batch.waiting] == [
         (3, f"Waiting for memory: {human_bytes(short)} more is needed than the KV budget "
-            "leaves; it starts when another answer ends."),
-        (0, f"Waiting for memory: request 3, before it, needs {human_bytes(short)} more "
-            "than the KV budget leaves; it starts after that one."),
-        (2, f"Waiting for memory: request 3, before it, needs {human_bytes(short)} more "
-            "than the KV budget leaves; it starts after that one."),
+            "leaves; it starts when another answer ends.", None),
+        (0, behind, 3), (2, behind, 3),
     ]
     answers[2].cancel.set()
     assert [(r.request_id, r.token, r.finish) for r in batch.step()] == [(2, None, "cancelled")]
