@@ -118,9 +118,9 @@ def _env() -> dict[str, str]:
 def ring_floor() -> dict:
     """The ring backend's message costs between two local ranks (benchmarks.ring_floor)."""
     from engine.distributed.group import Group
-    from engine.distributed.launch import launcher_path
+    from engine.distributed.launch import launcher_command
 
-    command = [str(launcher_path()), "-n", "2", "--backend", "ring", sys.executable, "-m",
+    command = [*launcher_command(), "-n", "2", "--backend", "ring", sys.executable, "-m",
                "benchmarks.ring_floor"]
     # Through the pipeline's own Group: the launcher is run the way the CLI runs it.
     with tempfile.TemporaryDirectory(prefix="ring-floor-") as folder:
