@@ -415,7 +415,9 @@ class ChatController(QObject):
         if rate is None or not progress.chunk_tokens:
             return progress.eta_seconds
         at = progress.chunk_start + progress.chunk_tokens
-        return rate.seconds(at, at + progress.tokens_total - progress.tokens_done)
+        # Beside answers the read has its share of the time, the rest goes to them.
+        return (rate.seconds(at, at + progress.tokens_total - progress.tokens_done)
+                / progress.read_share)
 
     def _on_read_chunk(self, progress: IngestProgress) -> None:
         if progress.request_id not in self._reads_begun:

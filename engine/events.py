@@ -59,10 +59,14 @@ class IngestProgress:
     eta_seconds: float | None
     # The chunk just read: its tokens, the context held before it and its seconds
     # (the model's work only, never a wait for memory), for a rate model that knows
-    # reading slows as the context grows (engine.memory.prefill_rate). 0: not timed.
+    # reading slows as the context grows (engine.memory.prefill_rate). 0: not timed
+    # (beside answers a chunk's time holds a decode pass too).
     chunk_tokens: int = 0
     chunk_start: int = 0
     chunk_seconds: float = 0.0
+    # The share of the device's time the read has now: 1 alone; beside answers the
+    # reads' share (engine.session.batch.ReadShare), the rest of the time decoding.
+    read_share: float = 1.0
 
 
 @dataclass(frozen=True)

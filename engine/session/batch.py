@@ -68,7 +68,7 @@ from engine.errors import (
     KvBudgetExceeded,
     MachineShort,
 )
-from engine.events import GenerationStats
+from engine.events import Event, GenerationStats, IngestProgress
 from engine.format import human_bytes
 from engine.session.followers import DecodeStep
 from engine.session.prefill import Emit, finish
@@ -315,7 +315,8 @@ class ReadShare:
 
     def set_share(self, share: float) -> None:
         """The reads' share from the next chunk on (what is owed now stays owed)."""
-        self._decode_per_read = (1.0 - check_read_share(share)) / share
+        self.share = check_read_share(share)
+        self._decode_per_read = (1.0 - share) / share
 
     def due(self, answering: bool) -> bool:
         """Whether this step reads a chunk, with answers decoding beside it or not."""
@@ -500,8 +501,8 @@ class BatchDecoder:
         session, rendered = joining.session, joining.prompt
         steps = session.answer_steps(
             joining.messages, replace(joining.sampling, speculative="off"),
-            request_id=joining.request_id, cancel=joining.cancel, emit=joining.emit,
-            tick=joining.tick, prompt=rendered)
+            request_id=joining.request_id, cancel=joining.cancel,
+            emit=self._read_beside(joining.emit), tick=joining.tick, prompt=rendered)
         next(steps)  # the checks: a conversation that cannot be answered fails here
         to_read = len(rendered.ids) - 1 - common_prefix(session.tokens, rendered.ids)
         if to_read <= 0:  # held already (e.g. a continued chat): it answers next step
@@ -509,6 +510,15 @@ class BatchDecoder:
         else:
             self._read(_Reading(session, joining.request_id, steps, joining.cancel,
                                 len(rendered.ids) + 1, joining.sampling.max_tokens))
+
+    def _read_beside(self, emit: Emit) -> Emit:
+        """``emit``, with a read's progress saying when answers decode beside it: its
+        share of the time, and no chunk time (a decode pass runs in it too)."""
+        def told(event: Event) -> None:
+            if isinstance(event, IngestProgress) and self._queued is not None:
+                event = replace(event, chunk_seconds=0.0, read_share=self._share.share)
+            emit(event)
+        return told
 
     def _read(self, reading: _Reading) -> None:
         reading.session.hold_to(reading.answered)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -145,6 +146,13 @@ def test_reads_teach_the_rate_model_which_survives_a_restart_and_gives_the_eta(
     c.settings.set_prefill_timings(c.model_id, _timings(rate, 6000))
     progress = IngestProgress(1, 1024, 4096, 50.0, 61.0, 512, 2512, 9.0)
     assert c.read_eta(progress) == pytest.approx(rate.seconds(3024, 3024 + 3072), rel=1e-6)
+    # Beside answers the read has its share of the time: at half, twice as long.
+    beside = replace(progress, chunk_seconds=0.0, read_share=0.5)
+    assert c.read_eta(beside) == pytest.approx(2 * rate.seconds(3024, 3024 + 3072), rel=1e-6)
+    # ... and its untimed chunk teaches the rate model nothing.
+    known = c.settings.prefill_timings(c.model_id)
+    c._on_read_chunk(beside)
+    assert c.settings.prefill_timings(c.model_id) == known
     # Before any chunk was timed the engine's own figure stands.
     assert c.read_eta(IngestProgress(1, 0, 4096, 0.0, 61.0)) == 61.0
 

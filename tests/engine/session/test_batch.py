@@ -87,12 +87,14 @@ class Answer:
     held: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
     chunks: int = 0  # prefill chunks read
+    progress: list[IngestProgress] = field(default_factory=list)
 
     def emit(self, event: object) -> None:
         if isinstance(event, TokenChunk):
             self.tokens.extend(event.token_ids)
         elif isinstance(event, IngestProgress):
             self.chunks += 1
+            self.progress.append(event)
 
 
 def _alone(loaded: Any, mode: str, messages, sampling: SamplingParams,
@@ -382,12 +384,17 @@ def test_beside_answers_the_reads_and_the_decoding_take_turns_by_their_share(
     # A chunk's step took 11 s; then the steps of 1 s that give the reads their
     # share decode before the next chunk (as many as the chunk took at 0.5).
     assert reads == [int(step % (decoded + 1) == 0) for step in range(25)]
+    # Its progress says the share it has (for the time left), and times no chunk:
+    # a decode pass ran in each one's time too.
+    assert {(p.read_share, p.chunk_seconds) for p in document.progress} == {(share, 0.0)}
     answer.cancel.set()  # nothing answers now: the read takes every step
     batch.step()
     for _ in range(3):
         chunks = document.chunks
         batch.step()
         assert document.chunks == chunks + 1
+        alone = document.progress[-1]
+        assert alone.read_share == 1.0 and alone.chunk_seconds > 0
 
 
 @pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan")])
