@@ -115,14 +115,14 @@ class SnapshotStore:
         """``load_snapshot`` from this folder; a reopen counts as a use."""
         return load_snapshot(session, self.directory, name, prompt_ids, keep_last=keep_last)
 
-    def longest_prefix(
+    def by_shared_prefix(
         self, prompt_ids: Sequence[int], *, model_digest: str, at_least: int, exclude: str = "",
         allow: Callable[[str], bool] | None = None,
-    ) -> str | None:
-        """The snapshot of model ``model_digest`` (not ``exclude``; one ``allow`` accepts
-        by name, when given) that starts with the most tokens of ``prompt_ids``, at
-        least ``at_least``; None if none does."""
-        best, most = None, at_least - 1
+    ) -> list[str]:
+        """The snapshots of model ``model_digest`` (not ``exclude``; those ``allow``
+        accepts by name, when given) that start with at least ``at_least`` tokens of
+        ``prompt_ids``, the most first."""
+        found: list[tuple[int, str]] = []
         for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
             name = path.name[: -len(files.MANIFEST_SUFFIX)]
             if name.startswith(files.TEMP_MARK) or name == exclude or (
@@ -136,9 +136,9 @@ class SnapshotStore:
                 shared = common_prefix(manifest["tokens"], prompt_ids)
             except (Corrupt, OSError, KeyError, TypeError):
                 continue  # its own reopen removes it; here it just serves no one
-            if shared > most:
-                best, most = name, shared
-        return best
+            if shared >= at_least:
+                found.append((shared, name))
+        return [name for _, name in sorted(found, key=lambda item: -item[0])]
 
     def info(self, name: str) -> SnapshotInfo | None:
         return snapshot_info(self.directory, name)

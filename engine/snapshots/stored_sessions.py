@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Other chats' snapshots offered to a new chat, the most shared first: one it
+# cannot use is refused from its manifest before any page is read.
+MAX_OFFERS = 4
+
 
 class StoredSessions:
     """Saves sessions as they close and reopens them from the longest stored prefix.
@@ -176,6 +180,23 @@ class StoredSessions:
                 "the conversation is read again.", reason="pipeline")
         return reused
 
+    def _offered(self, store: SnapshotStore, session: Session, name: str,
+                 prompt: Sequence[int], keep_last: bool) -> int:
+        """Another chat's snapshot ``name`` loaded into ``session``: the tokens it
+        holds of ``prompt`` (0: it cannot serve this chat; the session is empty)."""
+        try:
+            return self._load(store, session, name, prompt, keep_last)
+        except SnapshotRejected as rejected:
+            # Another chat's snapshot this one cannot use (a higher mode, layers that
+            # cannot rewind there): nothing to tell, the prompt is read as usual.
+            log.info("snapshot %s not reused for %s: %s", name, session.session_id, rejected)
+            if rejected.removed or rejected.set_aside:
+                self.announce()
+        except OSError as error:  # its disk fails a read: the prompt is read as usual
+            session.reset()
+            log.warning("snapshot %s not reused for %s: %s", name, session.session_id, error)
+        return 0
+
     def _from_another(
         self, store: SnapshotStore, session: Session, prompt: Sequence[int], request_id: int,
         keep_last: bool, allow: Callable[[str], bool] | None,
@@ -184,24 +205,16 @@ class StoredSessions:
             digest = session_fingerprint(session)["digest"]
         except EngineError:
             return 0
-        name = store.longest_prefix(
+        names = store.by_shared_prefix(
             prompt, model_digest=digest, exclude=session.session_id, at_least=session.page_size,
             allow=allow)
-        if name is None:
-            return 0
-        try:
-            reused = self._load(store, session, name, prompt, keep_last)
-        except SnapshotRejected as rejected:
-            # Another chat's snapshot this one cannot use (a higher mode, layers that
-            # cannot rewind there): nothing to tell, the prompt is read as usual.
-            log.info("snapshot %s not reused for %s: %s", name, session.session_id, rejected)
-            if rejected.removed or rejected.set_aside:
-                self.announce()
-            return 0
-        except OSError as error:  # its disk fails a read: the prompt is read as usual
-            session.reset()
-            log.warning("snapshot %s not reused for %s: %s", name, session.session_id, error)
-            return 0
+        # The most shared first; one this chat cannot use (stored in a lower mode,
+        # layers that cannot rewind to where the prompts part) gives way to the next.
+        reused = 0
+        for name in names[:MAX_OFFERS]:
+            reused = self._offered(store, session, name, prompt, keep_last)
+            if reused:
+                break
         if reused:
             self._emit(Notice(request_id, f"Reused {reused:,} tokens stored for another chat; "
                                           "reading only the rest."))

@@ -161,3 +161,23 @@ def test_only_the_open_chats_whose_stored_kv_went_are_told_of() -> None:
             continue
         (notice,) = notices
         assert all(part in notice for part in told) and "(2.0 GB)" in notice, notice
+
+
+def test_a_new_chat_takes_the_longest_stored_prefix_it_can_use(tmp_path) -> None:
+    """The chat sharing the most is stored in q4, one a q8 chat cannot take; the one
+    holding the document alone, in fp16, serves it instead of nothing."""
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    chats = {"fp16doc": ("fp16", MESSAGES[:1]), "q4chat": ("q4", MESSAGES)}
+    with loaded_worker(folder, snapshots=SnapshotStore(tmp_path / "kv")) as (engine, log):
+        for chat, (mode, messages) in chats.items():
+            log.result(engine.open_session(chat, mode, 16), SessionOpened)
+            log.ending(engine.chat(chat, messages, GREEDY, threading.Event()))
+            assert isinstance(log.ending(engine.close_session(chat)), Finished)
+        log.result(engine.open_session("new", "q8", 16), SessionOpened)
+        more = [*MESSAGES, {"role": "user", "content": "And the pines?"}]
+        ending = log.ending(engine.chat("new", more, GREEDY, threading.Event()))
+        notices = [e.message for e in log.for_request(ending.request_id)
+                   if isinstance(e, Notice)]
+    assert isinstance(ending, Finished) and ending.stats.reused_tokens > 0
+    assert notices == [f"Reused {ending.stats.reused_tokens:,} tokens stored for another "
+                       "chat; reading only the rest."]
