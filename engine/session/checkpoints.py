@@ -12,8 +12,8 @@ Memory: one checkpoint costs the non-paged layers' state once. For a linear-atte
 layer that is its recurrent state (value heads x key dim x value dim, fp32: 48 x 128
 x 128 x 4 bytes = 3 MiB) plus a few conv rows, so ~150 MiB for a 27B hybrid's 48
 linear layers; for a sliding-window layer it is the window's keys and values (plus a
-chunk's rows right after a prefill chunk). A session keeps at most
-``MAX_BOUNDARIES + 1`` checkpoints, and none for models whose layers are all paged.
+chunk's rows right after a prefill chunk). A session keeps at most ``MAX_KEPT``
+checkpoints, and none for models whose layers are all paged.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from engine.cache.paged_cache import PagedKVCache
 # Checkpoints kept at message boundaries and prefill ends: regenerate goes back to the
 # newest, an edit of the last user message to the one before, and one spare.
 MAX_BOUNDARIES = 3
-# The most a session keeps at once: the boundaries and the newest chunk end.
-MAX_KEPT = MAX_BOUNDARIES + 1
+# The most a session keeps at once: those boundaries, the one that ends the longest
+# message (a document the chat began with: another chat on it, or an edit of a later
+# question, goes back there rather than read it again) and the newest chunk end.
+MAX_KEPT = MAX_BOUNDARIES + 2
 
 
 def copy_state(value: Any) -> Any:
@@ -106,12 +108,15 @@ def _trim_layers_to(layers: list[Any], tokens: int) -> bool:
 class CheckpointStore:
     """The few checkpoints one session keeps, newest last.
 
-    At most ``max_boundaries`` boundary checkpoints plus the newest chunk end.
+    The newest ``max_boundaries`` boundary checkpoints, the boundary that ends the
+    longest message (the most tokens since the boundary before it; the oldest of
+    equals) and the newest chunk end.
     """
 
     def __init__(self, max_boundaries: int = MAX_BOUNDARIES) -> None:
         self.max_boundaries = max_boundaries
         self.kept: list[Checkpoint] = []
+        self._spans: dict[int, int] = {}  # a kept boundary's tokens: the message it ends
 
     @property
     def nbytes(self) -> int:
@@ -124,15 +129,29 @@ class CheckpointStore:
 
     def add(self, checkpoint: Checkpoint) -> None:
         """Keep ``checkpoint`` (replacing one at the same count), dropping the oldest."""
+        if checkpoint.boundary:
+            # The newest boundary is always kept: the one before this message.
+            before = max((t for t in self._spans if t < checkpoint.tokens), default=0)
+            self._spans[checkpoint.tokens] = checkpoint.tokens - before
         others = [c for c in self.kept if c.tokens != checkpoint.tokens]
         kept = sorted([*others, checkpoint], key=lambda c: c.tokens)
-        boundaries = [c for c in kept if c.boundary][-self.max_boundaries:]
+        boundaries = [c for c in kept if c.boundary]
+        newest = boundaries[-self.max_boundaries:]
+        longest = max(boundaries, key=lambda c: self._spans.get(c.tokens, 0), default=None)
+        pinned = [] if longest is None or longest.tokens in {c.tokens for c in newest} \
+            else [longest]
         chunk_ends = [c for c in kept if not c.boundary][-1:]
-        self.kept = sorted([*boundaries, *chunk_ends], key=lambda c: c.tokens)
+        self.kept = sorted([*pinned, *newest, *chunk_ends], key=lambda c: c.tokens)
+        self._forget_spans()
 
     def drop_after(self, tokens: int) -> None:
         """Forget checkpoints past ``tokens``: the ids they followed are gone."""
         self.kept = [c for c in self.kept if c.tokens <= tokens]
+        self._forget_spans()
+
+    def _forget_spans(self) -> None:
+        held = {c.tokens for c in self.kept if c.boundary}
+        self._spans = {tokens: span for tokens, span in self._spans.items() if tokens in held}
 
     def at_most(self, tokens: int) -> Checkpoint | None:
         """The newest checkpoint at ``tokens`` or fewer."""
@@ -141,6 +160,7 @@ class CheckpointStore:
     def clear(self) -> None:
         """Forget every checkpoint."""
         self.kept = []
+        self._spans = {}
 
 
 def rewind(cache: list[Any], tokens: int, store: CheckpointStore, *,

@@ -96,8 +96,9 @@ def test_the_reserve_holds_the_layers_and_every_checkpoint_a_chat_keeps(
     assert fresh.bound_bytes > 0
     assert new_chat_outside_pages(loaded, CHUNK) == fresh
     ids = [(7 * i) % 200 + 3 for i in range(5 * TINY_SLIDING_WINDOW)]
+    # A long first message, then short ones: its end is kept beside the newest.
     session.prefill(ids, request_id=0, cancel=threading.Event(), emit=lambda e: None,
-                    tick=lambda: None, boundaries=list(range(40, len(ids), 40)))
+                    tick=lambda: None, boundaries=[40, 50, 60, 70])
     assert len(session.checkpoints.kept) == checkpoints.MAX_KEPT
     held = session.stats().other_bytes + session.checkpoints.nbytes
     assert session.other_layers() == fresh  # the bound did not move as they filled

@@ -107,6 +107,25 @@ def test_store_keeps_the_newest_boundaries_and_one_chunk_end() -> None:
     assert [(c.tokens, c.boundary) for c in store.kept] == [(20, True), (35, False)]
 
 
+def test_store_keeps_the_end_of_the_longest_message_past_newer_boundaries() -> None:
+    store = CheckpointStore(max_boundaries=2)
+    # A 900-token document, then short turns: its end outlives their boundaries.
+    for tokens, boundary in [(0, True), (512, False), (900, True), (930, True), (960, True),
+                             (990, True), (1004, False), (1010, True)]:
+        store.add(_mark(tokens, boundary))
+    assert [(c.tokens, c.boundary) for c in store.kept] == [
+        (900, True), (990, True), (1004, False), (1010, True)]
+    store.drop_after(950)  # an edit of the question after the document
+    assert [c.tokens for c in store.kept] == [900]
+    for tokens in (1200, 1210, 1220):  # new turns: a 240-token message is no longer
+        store.add(_mark(tokens, True))
+    assert [c.tokens for c in store.kept] == [900, 1210, 1220]
+    store.add(_mark(2300, True))  # a 1,080-token message is: its end is kept now
+    store.add(_mark(2310, True))
+    store.add(_mark(2320, True))
+    assert [c.tokens for c in store.kept] == [2300, 2310, 2320]
+
+
 def test_a_checkpoint_survives_in_place_updates_of_the_layers() -> None:
     arrays = ArraysCache(size=2)
     arrays[0] = mx.ones((1, 3, 4))
@@ -159,7 +178,7 @@ def test_regenerate_reingests_nothing_and_answers_like_a_fresh_session(models, a
     assert adapter.cache_tokens(session.cache) == len(session.tokens)
     # What the checkpoints hold is in the predicted prefill peak.
     held = session.checkpoints.nbytes
-    assert held > 0 and len(session.checkpoints.kept) <= checkpoints.MAX_BOUNDARIES + 1
+    assert held > 0 and len(session.checkpoints.kept) <= checkpoints.MAX_KEPT
     peak = session.prefill_peak_bytes()
     session.checkpoints.clear()
     assert peak - session.prefill_peak_bytes() == held

@@ -111,6 +111,23 @@ def test_chats_that_part_midway_reuse_up_to_where_their_layers_can(models, arch)
     _assert_answers_like_a_full_read(loaded, second, messages)
 
 
+def test_a_hybrid_chat_lends_its_document_after_several_turns(models):
+    """Each turn adds message boundaries; the one that ends the document, the
+    longest message, is kept past them, so a new chat on it reads none of it."""
+    loaded = models["qwen3_next"]
+    first = _session(loaded, "a", chunk_size=64)
+    turns = _user(DOC)
+    for question in (QUESTION, OTHER, "And the pines?", "Thank you, and the dog?"):
+        turns += [*_user(question), {"role": "assistant", "content": "Noted."}]
+        _ingest(first, turns)
+    document = len(first.render(_user(DOC), add_generation_prompt=False))
+    second = _session(loaded, "b")
+    messages = _user(DOC, "Who jumps?")
+    assert document - PAGE < _share(second, [first], messages) <= document
+    _ingest(second, messages)
+    _assert_answers_like_a_full_read(loaded, second, messages)
+
+
 def test_rotated_chats_share_pages_and_answer_exactly_as_one_that_read_in_the_same_steps(models):
     loaded = models["llama"]
     first = _session(loaded, "a", mode="q6", rotate=True)
