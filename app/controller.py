@@ -28,7 +28,7 @@ from app.chat.answers import Answers
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
 from app.engine_bridge import EngineBridge
-from app.format import short_title, title_from
+from app.format import api_chat_title, short_title, title_from
 from app.local_server import LocalServerHost
 from app.machines import Machines
 from app.memory.quality import QualityCheck
@@ -39,9 +39,11 @@ from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
 from engine import (
+    API_SESSION_PREFIX,
     DEMO,
     WAITED_BEHIND,
     AnswerWaiting,
+    ApiSession,
     ChunkTiming,
     DiskFault,
     EngineError,
@@ -104,6 +106,7 @@ class ChatController(QObject):
         # The newest sample seen per session: the poll's latest may be one chat's
         # while the queued samples of the others from the same step are on the way.
         self._last_stats_time: dict[str | None, float] = {}
+        self._api_samples: dict[str, StatsSample] = {}  # each local server session's latest
         self.closed = False
         for source, target in (
             (self.activity.busyChanged, self.busyChanged),
@@ -207,7 +210,20 @@ class ChatController(QObject):
             record = self.store.session(job.session_id)  # its title now, renamed or not
             title = record.title if record is not None else job.title
             together.append((title, sample.kv_bytes_used if sample is not None else None))
+        # The local server's requests answer in the same batch.
+        together += [(api_chat_title(number), None if held is None else held.kv_bytes_used)
+                     for number, session, held in self.api_sessions() if session.answering]
         return together
+
+    def api_sessions(self) -> list[tuple[int, ApiSession, StatsSample | None]]:
+        """The local server's sessions, numbered as the panel names them, each with
+        its latest stats sample (None before its first)."""
+        sessions = self.local_server.sessions()
+        held = {s.name for s in sessions}
+        # A session the server let go of (stored, or its model unloaded) is forgotten.
+        self._api_samples = {n: s for n, s in self._api_samples.items() if n in held}
+        return [(number, session, self._api_samples.get(session.name))
+                for number, session in enumerate(sessions, 1)]
 
     @property
     def busy(self) -> bool:
@@ -678,6 +694,8 @@ class ChatController(QObject):
             return
         self._last_stats_time[sample.session_id] = sample.timestamp
         self.caches.note(sample)
+        if sample.session_id and sample.session_id.startswith(API_SESSION_PREFIX):
+            self._api_samples[sample.session_id] = sample
         self.statsUpdated.emit(sample)
 
     def _poll_stats(self) -> None:

@@ -112,3 +112,9 @@ def visible_text(text: str) -> str:
     return "".join(
         f"⟨U+{ord(ch):04X}⟩" if unicodedata.category(ch) in _HIDDEN_CATEGORIES else ch
         for ch in text)
+
+
+def api_chat_title(number: int) -> str:
+    """How the app names the local server's ``number``-th session (its own id,
+    "api-3f2a9c…", means nothing to a reader)."""
+    return f"Another app's chat {number}"

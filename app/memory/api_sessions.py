@@ -12,7 +12,7 @@ from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.controller import ChatController
-from app.format import human_bytes
+from app.format import api_chat_title, human_bytes
 from app.memory.labels import section_heading, value_label
 from engine import API_SESSION_PREFIX, KvMode, StatsSample
 
@@ -21,11 +21,11 @@ NONE_YET = "None yet: the first request opens one."
 
 def session_line(number: int, mode: KvMode, tokens: int, sample: StatsSample | None) -> str:
     """"Another app's chat 1 · q8 · 1,234 tokens · 2.1 MB" (bytes once a sample of it
-    arrived). The server's own id of it ("api-3f2a9c…") means nothing to a reader."""
+    arrived)."""
     if sample is not None:
         tokens = sample.tokens_in_context
     size = f" · {human_bytes(sample.kv_bytes_used)}" if sample is not None else ""
-    return f"Another app's chat {number} · {mode} · {tokens:,} tokens{size}"
+    return f"{api_chat_title(number)} · {mode} · {tokens:,} tokens{size}"
 
 
 class ApiSessionsSection(QWidget):
@@ -62,23 +62,17 @@ class ApiSessionsFeed(QObject):
                  parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.controller, self.section = controller, section
-        self._samples: dict[str, StatsSample] = {}  # each held API session's latest
         controller.local_server.statusChanged.connect(lambda _status: self.refresh())
         controller.statsUpdated.connect(self._on_stats)
         self.refresh()
 
     def _on_stats(self, sample: StatsSample) -> None:
         if sample.session_id and sample.session_id.startswith(API_SESSION_PREFIX):
-            self._samples[sample.session_id] = sample
             self.refresh()
 
     def refresh(self) -> None:
         """Show the server's sessions now."""
         host = self.controller.local_server
-        sessions = host.sessions()
-        held = {s.name for s in sessions}
-        # A session the server let go of (stored, or its model unloaded) is not shown.
-        self._samples = {name: s for name, s in self._samples.items() if name in held}
-        lines = [session_line(number, s.mode, s.tokens, self._samples.get(s.name))
-                 for number, s in enumerate(sessions, 1)]
+        lines = [session_line(number, s.mode, s.tokens, sample)
+                 for number, s, sample in self.controller.api_sessions()]
         self.section.show_sessions(host.running, lines)

@@ -66,11 +66,13 @@ class ServerStatus:
 
 @dataclass(frozen=True)
 class ApiSession:
-    """One session the server holds on the engine: its name, KV mode and last prompt length."""
+    """One session the server holds on the engine: its name, KV mode, last prompt
+    length, and whether a request of it is being read in or answered now."""
 
     name: str
     mode: KvMode
     tokens: int
+    answering: bool = False
 
 
 class AttachedBridge(ServerBridge):
@@ -196,7 +198,8 @@ class AttachedBridge(ServerBridge):
     def sessions(self) -> tuple[ApiSession, ...]:
         """The sessions the server holds, least recently used first."""
         with self._lock:
-            return tuple(ApiSession(name, mode, len(prompt))
+            running = {self._tickets[r].session for r in self._running if r in self._tickets}
+            return tuple(ApiSession(name, mode, len(prompt), name in running)
                          for name, (mode, prompt) in self._sessions.items())
 
 

@@ -96,6 +96,9 @@ def test_a_chat_answer_and_an_api_request_answer_together(qtbot, served) -> None
     host, controller = window.controller.local_server, window.controller
     seen: list[tuple[str, bool]] = []  # (server state, whether the app's chat runs)
     host.statusChanged.connect(lambda status: seen.append((status.state, controller.busy)))
+    together: list[list[str]] = []  # the panel's "answering together", as it changes
+    host.statusChanged.connect(lambda _status: together.append(
+        [title for title, _bytes in controller.answering_together()]))
     replies: list[object] = []
     ended: list[tuple[int, bool]] = []  # (request id, the server's), on the engine thread
 
@@ -122,8 +125,11 @@ def test_a_chat_answer_and_an_api_request_answer_together(qtbot, served) -> None
                         timeout=ANSWER_TIMEOUT_MS)
         client.start()  # it joins the chat's answer on the one engine thread
         qtbot.waitUntil(lambda: bool(replies), timeout=ANSWER_TIMEOUT_MS)
-        # The API request was answered while the chat's long answer went on.
+        # The API request was answered while the chat's long answer went on, and the
+        # memory panel listed both.
         assert controller.busy and ("answering", True) in seen
+        assert controller.current is not None
+        assert [controller.current.title, "Another app's chat 1"] in together
         controller.stop()
     assert done.args[0] == "stopped"
     client.join(120)
