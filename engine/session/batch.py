@@ -714,7 +714,10 @@ class BatchDecoder:
             if self._queued is None:
                 self._queued = self._queue(self._next_rows(None, results), None)
             # Rows short of a page decode nothing: beside them alone a read goes on.
-            read = bool(self.reading) and self._share.due(answering=self._queued is not None)
+            # A stopped read ends now, not when the reads' share comes round again.
+            read = bool(self.reading) and (
+                self._share.due(answering=self._queued is not None)
+                or any(reading.cancel.is_set() for reading in self.reading))
             if read:
                 self._read_chunk(results)
                 self._share.read(self._share.clock() - began)

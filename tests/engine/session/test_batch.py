@@ -245,6 +245,31 @@ def test_a_stopped_read_ends_at_the_next_step_wherever_it_stands_in_line(tiny) -
     assert batch.reading_ids == (2,)
 
 
+def test_a_read_stopped_beside_answers_ends_at_the_next_step(tiny) -> None:
+    """Beside answers a read waits its share of the time between chunks: Stop does
+    not wait for its next turn (a chunk's time on a large model)."""
+    loaded = tiny["llama"]
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    batch = BatchDecoder(loaded.model, clock=clock)
+    answer = Answer()
+    batch.join(Session("answering", loaded, "q8", chunk_size=CHUNK), _messages(1),
+               replace(GREEDY, max_tokens=500), request_id=1, cancel=answer.cancel,
+               emit=answer.emit, tick=lambda: None)
+    while not answer.tokens:
+        batch.step()
+    _, document = _reader(batch, loaded, 2, CORPUS * 3)
+    while not document.chunks:
+        batch.step()
+    document.cancel.set()  # right after its chunk: the answers' turn now
+    ended = [(r.request_id, r.finish) for r in batch.step() if r.finish]
+    assert ended == [(2, "cancelled")] and batch.reading_ids == ()
+
+
 def test_the_read_with_the_fewest_tokens_left_goes_first(tiny) -> None:
     """A read almost in is not held back behind a shorter read that joins after it:
     reads go by the tokens they have left, not by their length when they joined."""
