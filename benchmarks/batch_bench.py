@@ -271,7 +271,10 @@ def run_first_token(loaded: Any, config: BatchBenchConfig, document: list[dict[s
         batch.step()
     reader.close()
     asker.close()
-    chunk = sorted(chunk_seconds)[len(chunk_seconds) // 2]
+    # A chunk time is one read alone: the engine times no chunk read beside answers
+    # (its time holds a decode pass too).
+    timed = sorted(seconds for seconds in chunk_seconds if seconds > 0)
+    chunk = timed[len(timed) // 2] if timed else 0.0
     return {"seconds": seconds, "chunk_seconds": chunk,
             "chunks": seconds / chunk if chunk > 0 else None,
             "document_still_reading": still_reading,

@@ -289,8 +289,9 @@ if TYPE_CHECKING:
     from engine.server.app import host_names
     from engine.server.inprocess import ApiSession, LocalServer, ServerStatus
     from engine.server.listen import ServerUnavailable
-    from engine.session.batch import DEFAULT_READ_SHARE, check_read_share
+    from engine.session.batch import DEFAULT_READ_SHARE, WAITED_BEHIND, check_read_share
     from engine.session.prompt_ids import TurnOverhead
     from engine.session.sampling import SamplingParams
+    from engine.session.session import MAX_CHUNK, MAX_PAGE_SIZE
     from engine.snapshots.manifest import SnapshotInfo, snapshot_info
     from engine.snapshots.snapshot_store import MAX_DEFAULT_BUDGET, SnapshotStore, default_budget
