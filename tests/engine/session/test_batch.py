@@ -43,11 +43,11 @@ MODES = ("fp16", "q8", "q6", "q4")
 # The most a row's logit may move in a batch against its step alone: the rounding
 # of B-row matmuls against one-row ones. Measured on these tiny float32 models on
 # the CPU: 0 to 8.5e-6 (float32 rounding of logits of a few units) where the BLAS
-# sums B rows as it sums one; where it does not (OpenBLAS's AVX2 kernels), up to
-# 1.1e-4, an fp16 row's stored values a float16 step apart (tests/engine/cache/
-# test_batched.py). The bound leaves a margin over that; a wrong position, page or
-# mode in a row moves a logit by tenths to units.
-BATCH_NOISE = 1e-3
+# sums B rows as it sums one; where it does not (OpenBLAS's AVX2 kernels), 1.1e-4
+# alone and 7.6e-3 in a full suite run (gemma3), where a row's rounding moved a
+# stored value across a quantization step. The bound leaves a margin over that; a
+# wrong position, page or mode in a row moves a logit by tenths to units.
+BATCH_NOISE = 2e-2
 # Tokens per prefill chunk where a test reads a long conversation beside answers.
 CHUNK = 32
 # Prompt lengths in characters: conversations of about 30 to 250 tokens.
