@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.cache.modes import KvMode
 from engine.errors import EngineStopped
-from engine.events import Event, Failed, Finished, request_id_of
+from engine.events import AnswerWaiting, Event, Failed, Finished, request_id_of
 from engine.runtime.interface import Worker
 from engine.server.bridge import ServerBridge, Ticket
 from engine.server.listen import ServerUnavailable, bind
@@ -158,7 +158,10 @@ class AttachedBridge(ServerBridge):
         ending = isinstance(event, Finished | Failed)
         with self._lock:
             ticket = self._tickets.get(request_id)
+            # Told it waits (for memory, or its turn behind one that does) is not
+            # begun: it still waits for the engine.
             began = (ticket is not None and ticket.chat_id == request_id and not ending
+                     and not isinstance(event, AnswerWaiting)
                      and request_id not in self._running)
             if began:
                 self._running.add(request_id)

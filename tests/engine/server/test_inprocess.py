@@ -141,3 +141,30 @@ def test_a_model_change_after_a_load_was_queued_keeps_the_server_not_ready(
     serve_queued()
     assert bridge.ready.is_set() and bridge.load_error is None
     bridge.shutdown()
+
+
+def test_a_request_told_it_waits_for_memory_is_not_answering_yet() -> None:
+    """The app's status line and "Answering together" read this: a request the
+    engine holds for memory is still waiting, until it reads or answers."""
+    import asyncio
+
+    from engine.events import AnswerWaiting, Finished, TokenChunk
+    from engine.server.bridge import Ticket
+
+    changes: list[bool] = []
+    worker = SimpleNamespace(latest_stats=lambda: None, close_session=lambda *a, **k: 0)
+    bridge = AttachedBridge(worker, "q8", lambda: changes.append(bridge.answering),
+                            max_sessions=2, queue_limit=2)
+    loop = asyncio.new_event_loop()
+    try:
+        bridge._sessions["api-1"] = ("q8", [1, 2, 3])
+        bridge._tickets[7] = Ticket(loop, chat_id=7, session="api-1")
+        bridge.claim(AnswerWaiting(7, "Waiting for memory: …", 4096))
+        assert not bridge.answering and not bridge.sessions()[0].answering
+        bridge.claim(TokenChunk(7, "Pines", (5,)))
+        assert bridge.answering and bridge.sessions()[0].answering
+        bridge.claim(Finished(7, "stop"))
+        assert not bridge.answering and changes == [True, False]
+    finally:
+        loop.close()
+        bridge.shutdown()
