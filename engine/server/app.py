@@ -55,8 +55,6 @@ SCHEMA_AFTER_PREFILL = ("A response format cannot continue a prefilled assistant
                         "the schema holds a whole answer, so one written after the "
                         "prefill would not be valid. End the conversation with the user's "
                         "turn, or leave the format out.")
-# Names a keyless server answers to: this computer's own (a web page that rebinds its
-# own name to 127.0.0.1 still sends that name as the Host).
 ENGINE_STOPPED = ("The engine stopped on an unexpected error (the server's log says which); "
                   "restart the server.")
 STOPPED_BY_SERVER = ("The server stopped this answer before its end: its session was closed "
@@ -66,6 +64,8 @@ STOPPED_FOR_MEMORY = ("Longleaf stopped this answer after {tokens} tokens to pro
                       "computer: system memory turned critical or free RAM ran out. Close "
                       "other apps or conversations, or use a smaller KV mode, then send the "
                       "request again.")
+# Names a keyless server answers to: this computer's own (a web page that rebinds its
+# own name to 127.0.0.1 still sends that name as the Host).
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ANTHROPIC_ERRORS = ("invalid_request_error", "authentication_error", "permission_error",
                     "not_found_error", "request_too_large", "rate_limit_error", "api_error",
