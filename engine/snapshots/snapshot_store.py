@@ -116,17 +116,16 @@ class SnapshotStore:
         return load_snapshot(session, self.directory, name, prompt_ids, keep_last=keep_last)
 
     def by_shared_prefix(
-        self, prompt_ids: Sequence[int], *, model_digest: str, at_least: int, exclude: str = "",
+        self, prompt_ids: Sequence[int], *, model_digest: str, at_least: int,
         allow: Callable[[str], bool] | None = None,
-    ) -> list[str]:
-        """The snapshots of model ``model_digest`` (not ``exclude``; those ``allow``
-        accepts by name, when given) that start with at least ``at_least`` tokens of
-        ``prompt_ids``, the most first."""
-        found: list[tuple[int, str]] = []
+    ) -> list[tuple[str, int]]:
+        """The snapshots of model ``model_digest`` (those ``allow`` accepts by name,
+        when given) that start with at least ``at_least`` tokens of ``prompt_ids``,
+        each with the tokens it shares, the most first."""
+        found: list[tuple[str, int]] = []
         for path in self.directory.glob(f"*{files.MANIFEST_SUFFIX}"):
             name = path.name[: -len(files.MANIFEST_SUFFIX)]
-            if name.startswith(files.TEMP_MARK) or name == exclude or (
-                    allow is not None and not allow(name)):
+            if name.startswith(files.TEMP_MARK) or (allow is not None and not allow(name)):
                 continue
             try:
                 manifest = read_manifest(path)
@@ -137,8 +136,8 @@ class SnapshotStore:
             except (Corrupt, OSError, KeyError, TypeError):
                 continue  # its own reopen removes it; here it just serves no one
             if shared >= at_least:
-                found.append((shared, name))
-        return [name for _, name in sorted(found, key=lambda item: -item[0])]
+                found.append((name, shared))
+        return sorted(found, key=lambda item: -item[1])
 
     def info(self, name: str) -> SnapshotInfo | None:
         return snapshot_info(self.directory, name)

@@ -141,31 +141,47 @@ class StoredSessions:
         self, session: Session, prompt: Sequence[int], request_id: int, *, keep_last: bool,
         allow: Callable[[str], bool] | None = None,
     ) -> int:
-        """Fill an empty session from its snapshot, or else from the stored chat of
-        its model that starts with the most of ``prompt`` (one document stored once
-        serves every chat about it; only those ``allow`` accepts by name, when given);
-        returns the tokens reused."""
+        """Fill an empty session from the stored chat of its model that starts with
+        the most of ``prompt``: its own snapshot, or another chat's (one document
+        stored once serves every chat about it; only those ``allow`` accepts by name,
+        when given); returns the tokens reused."""
         store = self.snapshots
         if store is None or session.tokens:
             return 0
+        own = session.session_id
+        offers = self._others(store, session, prompt, allow)
+        own_shares = offers.pop(own, 0)
+        # Another chat sharing more goes before the chat's own snapshot (its own
+        # conversation may have changed near the start); the rest stand behind it.
+        ahead = [name for name, shared in offers.items() if shared > own_shares]
+        behind = [name for name in offers if name not in ahead]
+        reused = self._from_another(store, session, prompt, ahead, request_id, keep_last)
+        if not reused:
+            reused = self._own(store, session, prompt, request_id, keep_last)
+        if not reused:
+            tried = min(len(ahead), MAX_OFFERS)
+            reused = self._from_another(store, session, prompt, behind[:MAX_OFFERS - tried],
+                                        request_id, keep_last)
+        if reused:
+            self.announce()  # its "last used" moved
+        return reused
+
+    def _own(self, store: SnapshotStore, session: Session, prompt: Sequence[int],
+             request_id: int, keep_last: bool) -> int:
+        """The session's own snapshot loaded into it: the tokens it holds of ``prompt``;
+        one that cannot be used says why."""
         try:
-            reused = self._load(store, session, session.session_id, prompt, keep_last)
+            return self._load(store, session, session.session_id, prompt, keep_last)
         except SnapshotRejected as rejected:
             self._emit(Notice(request_id, str(rejected)))
             if rejected.removed or rejected.set_aside:
                 self.announce()
-            reused = 0
         except OSError as error:  # the disk fails a read: a cache miss, never a failed send
             session.reset()
             self._emit(Notice(request_id, f"Stored KV for this chat could not be read "
                                           f"({error.strerror or error}); the conversation "
                                           "is read again."))
-            reused = 0
-        if not reused:
-            reused = self._from_another(store, session, prompt, request_id, keep_last, allow)
-        if reused:
-            self.announce()  # its "last used" moved
-        return reused
+        return 0
 
     def _load(self, store: SnapshotStore, session: Session, name: str, prompt: Sequence[int],
               keep_last: bool) -> int:
@@ -197,19 +213,29 @@ class StoredSessions:
             log.warning("snapshot %s not reused for %s: %s", name, session.session_id, error)
         return 0
 
-    def _from_another(
-        self, store: SnapshotStore, session: Session, prompt: Sequence[int], request_id: int,
-        keep_last: bool, allow: Callable[[str], bool] | None,
-    ) -> int:
+    def _others(self, store: SnapshotStore, session: Session, prompt: Sequence[int],
+                allow: Callable[[str], bool] | None) -> dict[str, int]:
+        """The stored chats of this session's model sharing at least a page of
+        ``prompt`` (its own among them; others only where ``allow`` says so), each
+        with the tokens it shares, the most first."""
         try:
             digest = session_fingerprint(session)["digest"]
         except EngineError:
-            return 0
-        names = store.by_shared_prefix(
-            prompt, model_digest=digest, exclude=session.session_id, at_least=session.page_size,
-            allow=allow)
-        # The most shared first; one this chat cannot use (stored in a lower mode,
-        # layers that cannot rewind to where the prompts part) gives way to the next.
+            return {}
+        own = session.session_id
+        found = store.by_shared_prefix(
+            prompt, model_digest=digest, at_least=session.page_size,
+            allow=lambda name: name == own or allow is None or allow(name))
+        return dict(found)
+
+    def _from_another(
+        self, store: SnapshotStore, session: Session, prompt: Sequence[int],
+        names: Sequence[str], request_id: int, keep_last: bool,
+    ) -> int:
+        """The first of other chats' snapshots ``names`` this session can use, loaded
+        into it (at most ``MAX_OFFERS`` tried): the tokens it holds of ``prompt``."""
+        # One this chat cannot use (stored in a lower mode, layers that cannot rewind
+        # to where the prompts part) gives way to the next.
         reused = 0
         for name in names[:MAX_OFFERS]:
             reused = self._offered(store, session, name, prompt, keep_last)

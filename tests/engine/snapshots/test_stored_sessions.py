@@ -181,3 +181,25 @@ def test_a_new_chat_takes_the_longest_stored_prefix_it_can_use(tmp_path) -> None
     assert isinstance(ending, Finished) and ending.stats.reused_tokens > 0
     assert notices == [f"Reused {ending.stats.reused_tokens:,} tokens stored for another "
                        "chat; reading only the rest."]
+
+
+def test_another_chat_sharing_more_goes_before_the_chats_own_snapshot(tmp_path) -> None:
+    """A chat stored after half the document (then edited to hold all of it) takes
+    the stored chat that read the whole document, not its own half."""
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    half = [{"role": "user", "content": DOC[: len(DOC) // 2] + "Zebras!"}]
+    with loaded_worker(folder, snapshots=SnapshotStore(tmp_path / "kv")) as (engine, log):
+        stored = {}
+        for chat, messages in (("edited", half), ("whole", MESSAGES)):
+            log.result(engine.open_session(chat, "q8", 16), SessionOpened)
+            stored[chat] = log.ending(engine.ingest(chat, messages, threading.Event()))
+            assert isinstance(log.ending(engine.close_session(chat)), Finished)
+        log.result(engine.open_session("edited", "q8", 16), SessionOpened)
+        again = log.ending(engine.ingest("edited", MESSAGES, threading.Event()))
+        notices = [e.message for e in log.for_request(again.request_id)
+                   if isinstance(e, Notice)]
+    assert isinstance(again, Finished)
+    assert again.stats.reused_tokens == stored["whole"].stats.prompt_tokens
+    assert stored["edited"].stats.prompt_tokens < again.stats.reused_tokens
+    assert notices == [f"Reused {again.stats.reused_tokens:,} tokens stored for another "
+                       "chat; reading only the rest."]
