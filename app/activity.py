@@ -187,6 +187,10 @@ class Activity(QObject):
             job.held = reason
             self.changed.emit()
 
+    def go_on(self, job: Job) -> None:
+        """The engine holds ``job`` no more: it reads, or its answer goes on."""
+        self.hold(job, "")
+
     def end(self, job: Job) -> None:
         """``job`` ended (finished, failed, stopped); those waiting for it may start."""
         if job not in self.jobs:

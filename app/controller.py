@@ -56,6 +56,7 @@ from engine import (
     PrefillRate,
     SamplingParams,
     StatsSample,
+    WaitEnded,
     fits_here,
     prefill_rate,
 )
@@ -140,6 +141,7 @@ class ChatController(QObject):
         self._subscriptions = ((bridge.statsSample, self._on_stats),
                                (bridge.noticeReceived, self._on_engine_notice),
                                (bridge.answerWaiting, self._on_answer_waiting),
+                               (bridge.waitEnded, self._on_wait_ended),
                                (bridge.failed, self._on_failed),
                                (bridge.pipelineLost, self._on_pipeline_lost))
         for signal, slot in self._subscriptions:
@@ -675,6 +677,12 @@ class ChatController(QObject):
         job = self.activity.job_with(event.request_id)
         if job is not None:
             self.activity.hold(job, self._waiting_words(event))
+
+    def _on_wait_ended(self, event: WaitEnded) -> None:
+        # Its first chunk or token may be seconds off: the state line says it reads.
+        job = self.activity.job_with(event.request_id)
+        if job is not None:
+            self.activity.go_on(job)
 
     def _waiting_words(self, event: AnswerWaiting) -> str:
         """The engine's reason, naming by its title the chat waited behind (the engine

@@ -43,6 +43,7 @@ from engine import (
     StatsSample,
     StoredKv,
     TurnOverhead,
+    WaitEnded,
     Worker,
     renumbered,
     request_id_of,
@@ -90,6 +91,7 @@ class EngineBridge(QObject):
             pipelineLost(PipelineLost): events of no one request, for their subscribers.
         answerWaiting(AnswerWaiting): an answer waits to join those answering
             together; for the subscriber that keeps each chat's job state.
+        waitEnded(WaitEnded): a request told it waits goes on; for the same.
         failed(Failed): a request submitted without a handler failed (configure,
             stored-KV budget or clearing): its message is for the user.
         ended(object): the ending of any request, after its handler has seen it.
@@ -98,6 +100,7 @@ class EngineBridge(QObject):
     statsSample = Signal(object)
     noticeReceived = Signal(object)  # engine.Notice: a request goes on, with news
     answerWaiting = Signal(object)  # engine.AnswerWaiting: an answer waits for memory
+    waitEnded = Signal(object)  # engine.WaitEnded: it waits no more
     storedKv = Signal(object)  # engine.StoredKv: the KV snapshots on disk changed
     pipelineLost = Signal(object)  # engine.PipelineLost: the worker's machines are gone
     failed = Signal(object)
@@ -201,9 +204,10 @@ class EngineBridge(QObject):
             self.statsSample.emit(event)
         elif isinstance(event, Notice):
             self.noticeReceived.emit(event)
-        elif isinstance(event, AnswerWaiting):
+        elif isinstance(event, AnswerWaiting | WaitEnded):
             if event.request_id in self._handlers:  # not one forgotten as the window closed
-                self.answerWaiting.emit(event)
+                signal = self.answerWaiting if isinstance(event, AnswerWaiting) else self.waitEnded
+                signal.emit(event)
         elif isinstance(event, StoredKv):
             self.last_stored_kv = event
             self.storedKv.emit(event)

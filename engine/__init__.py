@@ -97,7 +97,7 @@ _PUBLIC = {
         "Event", "TokenChunk", "IngestProgress", "StatsSample", "LayerPages", "GenerationStats",
         "Finished", "Failed", "ModelLoaded", "SessionOpened", "Notice", "AnswerWaiting", "StoredKv",
         "QualityReceipt", "QualityProgress", "QualityChecked", "PipelineLost", "RankShare",
-        "renumbered", "request_id_of")},
+        "WaitEnded", "renumbered", "request_id_of")},
     **{name: "engine.errors" for name in (
         "EngineError", "UnsupportedModeError", "KvBudgetExceeded", "ContextTooLong",
         "ModelLoadError", "DocumentError", "DocumentTooLong", "Cancelled", "InsufficientMemory",
@@ -173,6 +173,7 @@ __all__ = [
     "TokenChunk",
     "TurnOverhead",
     "UnsupportedModeError",
+    "WaitEnded",
     "Worker",
     "can_split",
     "check_hosts",
@@ -258,6 +259,7 @@ if TYPE_CHECKING:
         StatsSample,
         StoredKv,
         TokenChunk,
+        WaitEnded,
         renumbered,
         request_id_of,
     )

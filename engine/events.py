@@ -271,9 +271,9 @@ class AnswerWaiting:
     waits for free memory to read its next chunk (other programs hold it).
 
     Sent when it starts waiting and each time the reason changes (again when it
-    waits again after going on); its reading progress or next token follows once
-    it joins or goes on, or its ``Finished`` when it is cancelled or ends while it
-    waits.
+    waits again after going on); a ``WaitEnded`` once it joins or goes on (then
+    its reading progress or next token), or its ``Finished`` when it is cancelled
+    or ends while it waits.
 
     Attributes:
         reason: why it waits and for what, as a user reads it.
@@ -289,6 +289,17 @@ class AnswerWaiting:
     reason: str
     short_bytes: int
     behind: int | None = None
+
+
+@dataclass(frozen=True)
+class WaitEnded:
+    """A request told ``AnswerWaiting`` waits no more: it joined the answers (its
+    read begins), started, or memory came free for its next chunk. Its progress or
+    next token follows, which for a long conversation is a chunk's time later: a
+    front end stops saying it waits now.
+    """
+
+    request_id: int
 
 
 @dataclass(frozen=True)
@@ -360,18 +371,19 @@ class PipelineLost:
 
 
 Event = (TokenChunk | IngestProgress | StatsSample | Finished | Failed | ModelLoaded
-         | SessionOpened | Notice | AnswerWaiting | StoredKv | QualityChecked | PipelineLost)
+         | SessionOpened | Notice | AnswerWaiting | WaitEnded | StoredKv | QualityChecked
+         | PipelineLost)
 """Everything a worker sends (``QualityProgress`` is an ``IngestProgress``)."""
 
 Ending = Finished | Failed
 """How every request ends: exactly one of these."""
 
 RequestEvent = (TokenChunk | IngestProgress | Finished | Failed | ModelLoaded | SessionOpened
-                | Notice | AnswerWaiting | QualityChecked)
+                | Notice | AnswerWaiting | WaitEnded | QualityChecked)
 """The events of one request: each carries its ``request_id``."""
 
 _REQUEST_EVENTS = (TokenChunk, IngestProgress, Finished, Failed, ModelLoaded, SessionOpened,
-                   Notice, AnswerWaiting, QualityChecked)
+                   Notice, AnswerWaiting, WaitEnded, QualityChecked)
 
 
 def request_id_of(event: Event) -> int | None:

@@ -37,6 +37,7 @@ from engine.events import (
     QualityChecked,
     SessionOpened,
     StatsSample,
+    WaitEnded,
 )
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard
@@ -613,7 +614,8 @@ class EngineWorker(Worker):
                     self._tell_held([command], _waits_for_a_place(self._answering.limit))
                 continue
             self._pending.remove(command)
-            self._told.pop(command.request_id, None)
+            if self._told.pop(command.request_id, None) is not None:
+                self._emit(WaitEnded(command.request_id))
             self._current = command
             if self._stopping.is_set():
                 command.cancel.set()

@@ -68,7 +68,7 @@ from engine.errors import (
     KvBudgetExceeded,
     MachineShort,
 )
-from engine.events import Event, GenerationStats, IngestProgress
+from engine.events import Event, GenerationStats, IngestProgress, WaitEnded
 from engine.format import human_bytes
 from engine.session.followers import DecodeStep
 from engine.session.prefill import Emit, finish
@@ -668,6 +668,8 @@ class BatchDecoder:
                 # still finds it to end (abandon).
                 self._start(joining)
                 self._joining.pop(0)
+                if joining.waiting is not None:  # said to wait: its first chunk is a while off
+                    joining.emit(WaitEnded(joining.request_id))
             except EngineError as error:
                 self._joining.remove(joining)
                 joining.session.let_go()

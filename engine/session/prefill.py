@@ -37,7 +37,7 @@ from engine.errors import (
     KvBudgetExceeded,
     MemoryPressure,
 )
-from engine.events import AnswerWaiting, Event, IngestProgress
+from engine.events import AnswerWaiting, Event, IngestProgress, WaitEnded
 from engine.format import human_bytes
 from engine.memory.fit import FitReport
 from engine.memory.guard import MemoryGuard, PressureWatch
@@ -301,6 +301,7 @@ class ChunkedPrefill:
             if self.guard.free_bytes() >= needed:
                 # The pool's limit was set while RAM was short: give it back its share.
                 self.guard.refresh(self.key)
+                emit(WaitEnded(request_id))
                 return 0
         return needed
 

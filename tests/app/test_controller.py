@@ -19,6 +19,7 @@ from engine import (
     IngestProgress,
     Notice,
     TokenChunk,
+    WaitEnded,
 )
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
@@ -109,7 +110,9 @@ def test_an_answer_the_engine_holds_says_the_engines_reason_until_it_reads(app) 
     assert c.cache_state(b.id) == reason
     assert c.all_chat_facts([c.store.session(b.id)])[b.id].held == reason
     assert c.answering_together() == [("first question", None)]  # B is not in it yet
-    bridge._dispatch(IngestProgress(chat_b, 3, 10, 100.0, 0.1))  # it joined: reads
+    bridge._dispatch(WaitEnded(chat_b))  # it joined: its first chunk is under way
+    assert c.activity.states()[b.id] == "reading" and c.cache_state(b.id) != reason
+    bridge._dispatch(IngestProgress(chat_b, 3, 10, 100.0, 0.1))
     assert c.activity.states()[b.id] == "reading" and c.cache_state(b.id) != reason
     bridge._dispatch(sample(b.id, 12, 4096))
     assert c.answering_together() == [("first question", None), ("second question", 4096)]

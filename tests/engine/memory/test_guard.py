@@ -32,6 +32,7 @@ from engine.events import (
     SessionOpened,
     StatsSample,
     TokenChunk,
+    WaitEnded,
 )
 from engine.format import GB, human_bytes
 from engine.memory.guard import (
@@ -305,6 +306,9 @@ def test_a_chunk_free_ram_cannot_hold_waits_and_goes_on_at_its_planned_size(llam
     said = [e for e in recorder.events if isinstance(e, AnswerWaiting)]
     assert len(said) == 1 and said[0].reason.startswith("Waiting for ")
     assert said[0].short_bytes > 0  # what free RAM lacked for the chunk then
+    # Told it goes on as soon as memory came free, before the chunk is read.
+    after = recorder.events[recorder.events.index(said[0]) + 1:]
+    assert isinstance(after[0], WaitEnded) and isinstance(after[1], IngestProgress)
     done = [e.tokens_done for e in recorder.of(IngestProgress)]
     steps = [b - a for a, b in zip([0, *done], done, strict=False)]
     assert steps[:-1] == [64] * (len(steps) - 1) and 0 < steps[-1] <= 64

@@ -22,6 +22,7 @@ from engine.events import (
     SessionOpened,
     StatsSample,
     TokenChunk,
+    WaitEnded,
 )
 from engine.format import human_bytes
 from engine.memory.fit import MOST_STREAMS
@@ -90,6 +91,14 @@ def _starts(log: EventLog, request: int) -> int:
     """Where ``request`` begins to read or answer (past what says why it waits)."""
     return _position(log, lambda e: getattr(e, "request_id", None) == request
                      and not isinstance(e, AnswerWaiting | SessionOpened))
+
+
+def _told_it_goes_on(log: EventLog, request: int) -> bool:
+    """Whether ``request``, told it waits, was told it goes on before its first
+    progress or token."""
+    begun = next(e for e in log.for_request(request)
+                 if not isinstance(e, AnswerWaiting | SessionOpened | Notice))
+    return isinstance(begun, WaitEnded)
 
 
 def _waited(log: EventLog, request: int) -> list[str]:
@@ -253,6 +262,7 @@ def test_an_ingest_waits_for_the_answers_and_a_chat_after_it_waits_for_the_inges
         assert _position(log, lambda e: e is endings[1]) < _starts(log, third)
         assert _waited(log, third) == ["Waiting for the answers running now to end: a "
                                        "document is read in first."]
+        assert _told_it_goes_on(log, third)
 
 
 def test_chats_beyond_the_stream_limit_wait_their_turn(endless_dir: Path) -> None:
@@ -271,6 +281,7 @@ def test_chats_beyond_the_stream_limit_wait_their_turn(endless_dir: Path) -> Non
         assert _waited(log, requests[2]) == [
             "Waiting for a place: 2 answers run at once here; this one starts when one of "
             "them ends."]
+        assert _told_it_goes_on(log, requests[2])
 
 
 def test_a_chat_memory_cannot_hold_beside_the_others_waits_and_says_why(
@@ -295,6 +306,7 @@ def test_a_chat_memory_cannot_hold_beside_the_others_waits_and_says_why(
         assert _position(log, lambda e: e is waits[0]) < _position(log, lambda e: e is a_end)
         # Once A's answer ended, A's pages (idle now) went aside for B, never before.
         assert isinstance(b_end, Finished) and b_end.reason == "length", b_end
+        assert _told_it_goes_on(log, second)
         (aside,) = [e for e in log.for_request(second)
                     if isinstance(e, Notice) and e.message.startswith("Made room")]
         assert _position(log, lambda e: e is a_end) < _position(log, lambda e: e is aside)
