@@ -64,8 +64,9 @@ class ModelsDialog(QDialog):
         layout = QVBoxLayout(self)
         intro = QLabel(
             f"KV cache at each model's full context, per mode: <span style='color:{FITS}'>green"
-            "</span> fits this machine's RAM with the model's weights and the memory Longleaf "
-            f"leaves free, <span style='color:{TOO_BIG}'>red</span> does not. Recommended "
+            "</span> fits this machine's RAM with the model's weights, the room reading a "
+            "document in takes and the memory Longleaf leaves free, "
+            f"<span style='color:{TOO_BIG}'>red</span> does not. Recommended "
             "models are 4-bit mlx-community repos; their sizes are approximate.")
         intro.setWordWrap(True)
         layout.addWidget(intro)

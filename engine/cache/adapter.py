@@ -24,7 +24,7 @@ from engine.cache.attention.dispatch import paged_attention
 from engine.cache.batched import CacheRows, PagedRows
 from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache, cache_tokens
-from engine.cache.pages import PagePool
+from engine.cache.pages import DEFAULT_PAGE_SIZE, PagePool
 from engine.cache.rotation import HadamardRotation
 from engine.errors import EngineError, ModelLoadError
 
@@ -187,7 +187,7 @@ def make_cache(
     model: nn.Module,
     mode: KvMode,
     *,
-    page_size: int = 256,
+    page_size: int = DEFAULT_PAGE_SIZE,
     budget_bytes: int | None = None,
     rotate: bool | None = None,
 ) -> list[Any]:

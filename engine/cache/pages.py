@@ -45,6 +45,7 @@ from engine.errors import EngineError, KvBudgetExceeded, UnsupportedModeError
 MAX_GROWTH_BYTES = 32 * 2**20
 MIN_GROWTH_PAGES = 4
 PREFILL_SCRATCH_BYTES = 256 * 2**20
+DEFAULT_PAGE_SIZE = 256  # tokens a page holds unless a chat or the CLI says otherwise
 # Parts of a layer's storage, in the order every tuple of them follows.
 PARTS = ("k_codes", "k_scales", "v_codes", "v_scales")
 
@@ -320,7 +321,7 @@ class PagePool:
         budget_bytes: bytes all allocated pages may take together; None for no limit.
     """
 
-    def __init__(self, mode: KvMode, page_size: int = 256,
+    def __init__(self, mode: KvMode, page_size: int = DEFAULT_PAGE_SIZE,
                  budget_bytes: int | None = None) -> None:
         if page_size < 1:
             raise ValueError("page_size must be at least 1 token")

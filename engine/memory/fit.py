@@ -23,7 +23,7 @@ from engine.cache.attention import schedule, streams
 from engine.cache.attention.scratch import chunk_scratch_bytes, decode_scratch_bytes
 from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
-from engine.cache.pages import PREFILL_SCRATCH_BYTES, PageLayout
+from engine.cache.pages import DEFAULT_PAGE_SIZE, PREFILL_SCRATCH_BYTES, PageLayout
 from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
 from engine.events import RankShare
 from engine.format import human_bytes
@@ -106,7 +106,7 @@ class PrefillFacts:
     q_heads: int = 0
     kv_heads: int = 0
     head_dim: int = 0
-    page_size: int = 256
+    page_size: int = DEFAULT_PAGE_SIZE
     head_streams: int = 1
     gpu_schedule: bool = False
     vocab_size: int = 0
@@ -167,7 +167,7 @@ def _arg(args: Any, name: str) -> int:
 
 def prefill_facts(
     model: Any, compute_bytes: int, scratch_bytes: int = PREFILL_SCRATCH_BYTES,
-    page_size: int = 256,
+    page_size: int = DEFAULT_PAGE_SIZE,
 ) -> PrefillFacts:
     """Estimate a prefill's needs from an mlx-lm model's config and array shapes.
 

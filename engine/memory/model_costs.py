@@ -2,12 +2,14 @@
 
 The one rule behind "262k in q6: 6.1 GB — fits" for a model on disk and a
 recommended one alike: ``kvquant.project_kv_bytes`` at the model's context, plus
-its weights, against the machine's RAM after the memory guard's headroom.
-Arithmetic only; nothing here calls MLX.
+its weights and what reading a conversation of that length keeps free beside
+the pages (as the fit check does), against the machine's RAM after the memory
+guard's headroom. Arithmetic only; nothing here calls MLX.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -26,7 +28,8 @@ class ModeCost:
     Attributes:
         mode: the KV mode.
         kv_bytes: KV bytes at full context (None: the mode cannot store this head size).
-        fits: weights plus those KV bytes fit this machine's RAM after the headroom.
+        fits: weights plus those KV bytes and the reading reserve
+            (:func:`reading_reserve`) fit this machine's RAM after the headroom.
         tokens_fit: the most tokens of context whose KV fits beside the weights in
             this mode, at most the full context, in whole steps of ``FIT_STEP``
             (0: none, or the mode cannot store this head size).
@@ -68,20 +71,38 @@ def full_context_costs(
         except (UnsupportedModeError, ValueError):
             costs.append(ModeCost(mode, None, False))
             continue
-        fit = max_context if kv <= room else _tokens_that_fit(
-            room, attention_layers, kv_heads, head_dim, max_context, mode)
-        costs.append(ModeCost(mode, kv, kv <= room, fit))
+
+        def fits(tokens: int, kv_bytes: int, mode: KvMode = mode) -> bool:
+            return kv_bytes + reading_reserve(kv_heads, head_dim, tokens, mode) <= room
+
+        fit = max_context if fits(max_context, kv) else _tokens_that_fit(
+            fits, attention_layers, kv_heads, head_dim, max_context, mode)
+        costs.append(ModeCost(mode, kv, fits(max_context, kv), fit))
     return tuple(costs)
 
 
-def _tokens_that_fit(room: int, attention_layers: int, kv_heads: int, head_dim: int,
-                     max_context: int, mode: KvMode) -> int:
-    """Whole ``FIT_STEP``s of context whose KV fits in ``room`` bytes (a bisection)."""
+def reading_reserve(kv_heads: int, head_dim: int, tokens: int, mode: KvMode) -> int:
+    """What the memory guard keeps free beside the pages of a ``tokens``-token
+    conversation while it is read in (``engine.memory.fit.fit_report``): a chunk's
+    attention scratch, or the copy a layer's storage makes as it grows, the larger
+    (at the default page size; a chunk's activations, a few per cent of it, are left
+    to the headroom)."""
+    from engine.cache.pages import DEFAULT_PAGE_SIZE, PREFILL_SCRATCH_BYTES, PageLayout
+
+    growth = PageLayout(mode, DEFAULT_PAGE_SIZE, kv_heads, head_dim).part_bytes(tokens)
+    return max(PREFILL_SCRATCH_BYTES, growth)
+
+
+def _tokens_that_fit(fits: Callable[[int, int], bool], attention_layers: int, kv_heads: int,
+                     head_dim: int, max_context: int, mode: KvMode) -> int:
+    """Whole ``FIT_STEP``s of context that ``fits`` (tokens, their KV bytes) holds (a
+    bisection)."""
     from engine.cache.kvquant import project_kv_bytes
 
     low, high = 0, max_context // FIT_STEP  # in steps; ``low`` always fits
     while low < high:
         middle = (low + high + 1) // 2
-        kv = project_kv_bytes(attention_layers, kv_heads, head_dim, middle * FIT_STEP, mode)
-        low, high = (middle, high) if kv <= room else (low, middle - 1)
+        tokens = middle * FIT_STEP
+        kv = project_kv_bytes(attention_layers, kv_heads, head_dim, tokens, mode)
+        low, high = (middle, high) if fits(tokens, kv) else (low, middle - 1)
     return low * FIT_STEP

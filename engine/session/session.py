@@ -19,7 +19,7 @@ import mlx.core as mx
 from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.modes import FP16, KvMode
 from engine.cache.paged_cache import PagedKVCache
-from engine.cache.pages import PREFILL_SCRATCH_BYTES, PagePool
+from engine.cache.pages import DEFAULT_PAGE_SIZE, PREFILL_SCRATCH_BYTES, PagePool
 from engine.errors import ContextTooLong, EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.memory import fit
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 # Tokens per prefill chunk unless the settings say otherwise: small enough that a
 # slow machine finishes one in about a second, so Stop and progress stay responsive.
 DEFAULT_CHUNK = 512
-DEFAULT_PAGE_SIZE = 256
 # The largest a user may choose (Settings, the CLI): a page past this holds idle
 # room in every layer, and a chunk's scratch grows with its tokens.
 MAX_CHUNK = 8192
