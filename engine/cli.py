@@ -39,6 +39,7 @@ from engine.events import (
     TokenChunk,
 )
 from engine.format import GB
+from engine.interrupted import interrupted
 from engine.memory.fit import facts_from_info
 from engine.paths import models_dir
 from engine.runtime.interface import Pipeline, Worker
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 
 SESSION = "cli"
 SESSION_PREFIX = "cli-"
-INTERRUPTED = 130  # the shell's status for a command Ctrl-C stopped
 REQUEST_TIMEOUT = 24 * 3600.0  # generation on a big prompt may take long; never hang forever
 
 
@@ -621,8 +621,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # what was stored on the way out (a --session) is kept
-        print("Interrupted.", file=sys.stderr)
-        return INTERRUPTED
+        return interrupted()
     except ReaderGone:
         # Say nothing more, and keep the interpreter's last flush of the output
         # from raising into the closed pipe.

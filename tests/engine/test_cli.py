@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -360,3 +361,18 @@ def test_sizes_out_of_range_are_refused_before_loading(option: str, bad: str, ca
                                    option, bad])
     assert exited.value.code == 2
     assert f"{option} takes a number of tokens from 1 to " in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_cli_is_still_loading_says_so_without_a_traceback(
+        tmp_path: Path) -> None:
+    # Ctrl-C lands in the imports (about a second) when the CLI reaches its import.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'engine.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n")
+    ran = subprocess.run([sys.executable, "-m", "engine", "models"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert ran.returncode == 130 and ran.stderr.strip() == "Interrupted.", ran.stderr
