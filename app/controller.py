@@ -34,7 +34,7 @@ from app.machines import Machines
 from app.memory.quality import QualityCheck
 from app.model_state import ModelState, model_name
 from app.sessions.actions import NEW_TITLE, SessionActions
-from app.sessions.caches import SessionCaches
+from app.sessions.caches import KvTotal, SessionCaches
 from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
 from app.store import AttachmentRecord, HistoryStore, SessionRecord
@@ -514,9 +514,9 @@ class ChatController(QObject):
         snapshots = self.stored_snapshots()
         return {r.id: facts_of(r, self.activity, self.caches, snapshots) for r in records}
 
-    def total_kv_bytes(self) -> int:
-        """KV bytes held by every open session, from their latest samples."""
-        return self.caches.total_bytes()
+    def total_kv(self) -> KvTotal:
+        """The KV pages of every open session, from their latest samples."""
+        return self.caches.total()
 
     # Sending --------------------------------------------------------------
 

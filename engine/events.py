@@ -164,6 +164,10 @@ class StatsSample:
     kv_shared_bytes: int = 0
     kv_bytes_once: int | None = None
     kv_shared_with: int = 0
+    # kv_bytes_once plus the room the pages' storage holds ahead for the next
+    # tokens, divided among the chats sharing it: summed over chats, the bytes the
+    # pages take in memory (the memory limit's measure; up to about twice those in use).
+    kv_bytes_held_once: int = 0
     other_cache_bound_bytes: int = 0
     other_cache_kinds: str = ""
     checkpoint_bound_bytes: int = 0

@@ -40,6 +40,7 @@ from app.memory.quality import (
     receipt_summary,
 )
 from app.memory.stored_kv import StoredKvSection
+from app.sessions.caches import KvTotal
 from app.sessions.session_list import mode_colour
 from engine import DEFAULT_MODE, MODES, REFERENCE, FitReport, KvMode, RankShare, StatsSample
 
@@ -58,6 +59,9 @@ MACHINES_TIP = ("The model is split across these machines: each runs its layers 
                 "machine's figures are as of its last reply (the chat's open, a message's "
                 "start and end).")
 NOT_MEASURED = "Not measured for this chat yet."
+TOTAL_TIP = ("The pages of every chat held in memory, each page two chats share once. "
+             "\"Held\": their storage with the room it keeps ahead for the next tokens (it "
+             "grows in steps, not a page at a time): what your memory limit counts.")
 TOGETHER_TIP = ("The chats the model answers at once: each step makes the next token of "
                 "every one of them. Each keeps its own pages, in its own KV mode.")
 
@@ -197,6 +201,7 @@ class MemoryPanel(QScrollArea):
         self.kv_label = value_label()
         self.kv_label.setToolTip(KV_TIP)
         self.kv_total_label = value_label()
+        self.kv_total_label.setToolTip(TOTAL_TIP)
         layout.addWidget(self.kv_label)
         layout.addWidget(self.kv_total_label)
         self.together_label = value_label("")
@@ -359,7 +364,7 @@ class MemoryPanel(QScrollArea):
         self.pool.set_pages(0, 0, 0, 0.0, mode_colour(self.mode or DEFAULT_MODE))
         self.pool.setToolTip("")
 
-    def update_sample(self, sample: StatsSample, total_kv_bytes: int) -> bool:
+    def update_sample(self, sample: StatsSample, total: KvTotal) -> bool:
         """Show one stats snapshot; False when its KV figures belong to another session.
 
         System memory is shown from any sample (it is the same for every chat);
@@ -368,7 +373,7 @@ class MemoryPanel(QScrollArea):
         """
         self._update_ram(sample)
         self._update_ram_detail(sample)
-        self.show_total(total_kv_bytes)
+        self.show_total(total)
         if sample.session_id is None or sample.session_id != self.session_id:
             return False
         self.samples_shown += 1
@@ -403,9 +408,13 @@ class MemoryPanel(QScrollArea):
         self.machines_label.setVisible(shown)
         self.machines_label.setText("<br>".join(machine_line(share) for share in ranks))
 
-    def show_total(self, total_kv_bytes: int) -> None:
-        """The KV bytes every chat held in memory takes together."""
-        self.kv_total_label.setText(f"All open chats together: {human_bytes(total_kv_bytes)}")
+    def show_total(self, total: KvTotal) -> None:
+        """The KV bytes every chat held in memory takes together, and the storage
+        held for them when that is more."""
+        text = f"All open chats together: {human_bytes(total.used)}"
+        if human_bytes(total.held) != human_bytes(total.used):
+            text += f" ({human_bytes(total.held)} held)"
+        self.kv_total_label.setText(text)
 
     def show_together(self, chats: list[tuple[str, int | None]]) -> None:
         """The chats answering at once and each one's KV bytes (hidden for fewer than two)."""

@@ -64,10 +64,10 @@ class PanelFeed(QObject):
         self.refresh_state()
         sample = self.controller.caches.sample_for(session_id)
         if sample is not None:
-            self.panel.update_sample(sample, self.controller.total_kv_bytes())
+            self.panel.update_sample(sample, self.controller.total_kv())
         else:
             self.panel.show_no_cache()
-            self.panel.show_total(self.controller.total_kv_bytes())
+            self.panel.show_total(self.controller.total_kv())
         self.show_system_memory()
         self._project(force=True)
         self.stored_kv.show()  # chat titles may have changed
@@ -104,7 +104,7 @@ class PanelFeed(QObject):
         """A new sample: shown when it is the current session's (RAM from any)."""
         if not self.panel.isVisible():
             return
-        shown = self.panel.update_sample(sample, self.controller.total_kv_bytes())
+        shown = self.panel.update_sample(sample, self.controller.total_kv())
         self.panel.show_together(self.controller.answering_together())
         self._ticks += 1
         full = self._ticks % PROJECTION_EVERY == 0

@@ -9,6 +9,7 @@ answer): while every held chat runs one, one more is held.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, Signal
 
@@ -18,6 +19,20 @@ from app.store import SessionRecord
 from engine import API_SESSION_PREFIX, Event, Failed, SessionOpened, StatsSample
 
 MAX_OPEN_SESSIONS = 3
+
+
+@dataclass(frozen=True)
+class KvTotal:
+    """The KV pages of every held chat together, each page shared by chats once.
+
+    Attributes:
+        used: bytes of the pages in use.
+        held: bytes their storage takes in memory, the room allocated ahead for
+            the next tokens included (what the memory limit counts).
+    """
+
+    used: int
+    held: int
 
 
 class SessionCaches(QObject):
@@ -134,12 +149,18 @@ class SessionCaches(QObject):
             return None
         return self.samples.get(session_id)
 
-    def total_bytes(self) -> int:
-        """KV bytes held by every open session, from their latest samples."""
+    def total(self) -> KvTotal:
+        """The KV pages of every held session, from their latest samples."""
         # Pages shared between chats count once: each chat reports its part of them.
-        return sum(_once(sample) for sid, sample in self.samples.items() if sid in self.opened)
+        held = [sample for sid, sample in self.samples.items() if sid in self.opened]
+        return KvTotal(sum(_once(sample) for sample in held),
+                       sum(_held_once(sample) for sample in held))
 
 
 def _once(sample: StatsSample) -> int:
     once = getattr(sample, "kv_bytes_once", None)
     return sample.kv_bytes_used if once is None else once
+
+
+def _held_once(sample: StatsSample) -> int:
+    return max(_once(sample), getattr(sample, "kv_bytes_held_once", 0))

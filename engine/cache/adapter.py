@@ -63,6 +63,10 @@ class CacheStats:
     shared_bytes: int = 0
     bytes_once: int | None = None
     shared_with: int = 0
+    # bytes_once plus the idle slots of the stores (room allocated ahead for the next
+    # pages) divided among the page group: a sum over chats is what their pages
+    # take in memory, each byte once (what the memory limit counts).
+    bytes_held_once: int = 0
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: PagedKVCache,
@@ -285,6 +289,7 @@ def cache_stats(cache: list[Any]) -> CacheStats:
     allocated = sum(c.store.capacity for c in paged if c.store is not None)
     free = sum(c.store.free_count for c in paged if c.store is not None)
     shared, once, others = sharing.shared_bytes(cache)
+    idle = sum(c.store.free_count * c.store.layout.page_bytes for c in paged if c.store)
     tokens = cache_tokens(cache)
     page_size = pool.page_size if pool else 0
     fill = 0.0
@@ -307,6 +312,7 @@ def cache_stats(cache: list[Any]) -> CacheStats:
         shared_bytes=shared,
         bytes_once=once,
         shared_with=others,
+        bytes_held_once=once + idle // (len(pool.group) if pool else 1),
     )
 
 

@@ -116,6 +116,7 @@ def _kv_fields(cache: CacheStats | None) -> dict[str, Any]:
         kv_shared_bytes=cache.shared_bytes,
         kv_bytes_once=cache.bytes_once,
         kv_shared_with=cache.shared_with,
+        kv_bytes_held_once=cache.bytes_held_once,
     )
 
 

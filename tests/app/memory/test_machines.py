@@ -7,10 +7,13 @@ from dataclasses import replace
 from app.format import human_bytes, short_tokens
 from app.memory.fit_check import fit_html
 from app.memory.panel import MemoryPanel
+from app.sessions.caches import KvTotal
 from engine.cache.modes import MODES
 from engine.events import RankShare
 from engine.memory.fit import fit_report
 from engine.memory.stats import MemoryUsage, stats_sample
+
+NOTHING = KvTotal(0, 0)  # no chat holds pages
 
 GIB = 2**30
 CONTEXT = 8192
@@ -40,12 +43,12 @@ def test_the_panel_has_a_row_per_machine_only_for_a_split_model(qtbot) -> None:
     qtbot.addWidget(panel)
     panel.show()
     panel.set_session("Notes", "q8", "held", "s1")
-    panel.update_sample(_sample(()), 0)
+    panel.update_sample(_sample(()), NOTHING)
     assert not panel.machines_label.isVisible() and not panel.machines_heading.isVisible()
-    panel.update_sample(_sample(RANKS[:1]), 0)  # one machine is no list of machines
+    panel.update_sample(_sample(RANKS[:1]), NOTHING)  # one machine is no list of machines
     assert not panel.machines_label.isVisible()
 
-    panel.update_sample(_sample(RANKS), 0)
+    panel.update_sample(_sample(RANKS), NOTHING)
     assert panel.machines_label.isVisible() and panel.machines_heading.isVisible()
     rows = panel.machines_label.text().split("<br>")
     assert len(rows) == 2
@@ -55,7 +58,7 @@ def test_the_panel_has_a_row_per_machine_only_for_a_split_model(qtbot) -> None:
         assert f"{human_bytes(share.kv_bytes)} in {share.pages_in_use:,} pages" in row
         assert f"{human_bytes(share.free_bytes)} free" in row
     # Another chat's sample leaves the shown chat's machines; another chat shown clears them.
-    panel.update_sample(_sample((), session="s2"), 0)
+    panel.update_sample(_sample((), session="s2"), NOTHING)
     assert panel.machines_label.isVisible()
     panel.set_session("Other", "q8", "held", "s2")
     assert not panel.machines_label.isVisible()

@@ -10,10 +10,13 @@ from PySide6.QtWidgets import QLabel
 
 from app.format import human_bytes, short_tokens
 from app.memory.panel import NO_CACHE, MemoryPanel, pages_text, shared_note, together_line
+from app.sessions.caches import KvTotal
 from engine.cache.modes import MODES
 from engine.session.sampling import SamplingParams
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
 from tests.app.scripted import sample as scripted_sample
+
+NOTHING = KvTotal(0, 0)  # no chat holds pages
 
 
 def _bold_row(window) -> str | None:
@@ -219,15 +222,15 @@ def test_layers_outside_the_pages_have_their_own_line(qtbot) -> None:
     panel.set_session("Notes", "q6", "held", "s1")
     plain = replace(stats_sample("s1", None, MemoryUsage(1, 2, 3, 4, 5, 6, 7.5, 8, None)),
                     tokens_in_context=10)
-    panel.update_sample(plain, 0)
+    panel.update_sample(plain, NOTHING)
     assert "Other layers" not in panel.kv_label.text()
     windows = replace(plain, other_cache_bytes=20 << 20, other_cache_bound_bytes=24 << 20,
                       other_cache_kinds="sliding windows")
-    panel.update_sample(windows, 0)
+    panel.update_sample(windows, NOTHING)
     assert "<br>Other layers: 20.0 MB of ≤ 24.0 MB (sliding windows)" in panel.kv_label.text()
     assert "checkpoints" not in panel.kv_label.text()
     kept = replace(windows, checkpoint_bytes=72 << 20, checkpoint_bound_bytes=96 << 20)
-    panel.update_sample(kept, 0)
+    panel.update_sample(kept, NOTHING)
     assert ("<br>Other layers: 20.0 MB of ≤ 24.0 MB (sliding windows) · checkpoints "
             "72.0 MB of ≤ 96.0 MB") in panel.kv_label.text()
 
@@ -240,10 +243,10 @@ def test_the_panel_keeps_each_chats_history_and_labels_what_it_shows(qtbot) -> N
     panel.show()
     panel.set_session("A", "q8", "", "a")
     for tokens in (100, 200, 300):
-        panel.update_sample(sample("a", tokens, tokens * 1000), 0)
+        panel.update_sample(sample("a", tokens, tokens * 1000), NOTHING)
     panel.set_session("B", "q4", "", "b")
     assert list(panel.chart.kv) == []  # B's own history, empty so far
-    panel.update_sample(sample("b", 50, 50_000), 0)
+    panel.update_sample(sample("b", 50, 50_000), NOTHING)
     panel.set_session("A", "q8", "", "a")  # back to A: its history is still there
     assert list(panel.chart.kv) == [100_000, 200_000, 300_000]
     # No bar without a label: how full the pages are sits under the line saying it.
@@ -313,8 +316,20 @@ def test_deleting_a_chat_not_on_screen_takes_its_bytes_out_of_the_total(qtbot, w
     assert send_and_wait(qtbot, window, "a second chat, a little longer than the first") == \
         "complete"
     qtbot.waitUntil(lambda: len(controller.caches.samples) == 2, timeout=ANSWER_TIMEOUT_MS)
-    both = controller.caches.total_bytes()
+    both = controller.caches.total()
     controller.delete_session(first.id)
-    left = controller.caches.total_bytes()
-    assert left < both
-    assert window.panel.kv_total_label.text() == f"All open chats together: {human_bytes(left)}"
+    left = controller.caches.total()
+    assert left.used < both.used and left.held < both.held
+    # A chat's storage holds room ahead of its pages (it grows in steps).
+    assert left.held > left.used
+    assert window.panel.kv_total_label.text() == (
+        f"All open chats together: {human_bytes(left.used)} ({human_bytes(left.held)} held)")
+
+
+def test_the_total_says_the_storage_held_only_when_it_is_more(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.show_total(KvTotal(1_500_000, 1_500_000))
+    assert panel.kv_total_label.text() == "All open chats together: 1.4 MB"
+    panel.show_total(KvTotal(1_500_000, 2_600_000))
+    assert panel.kv_total_label.text() == "All open chats together: 1.4 MB (2.5 MB held)"

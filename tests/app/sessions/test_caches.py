@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from app.sessions.caches import MAX_OPEN_SESSIONS, SessionCaches
+from app.sessions.caches import MAX_OPEN_SESSIONS, KvTotal, SessionCaches
 from engine import Failed, SessionOpened
 
 
@@ -73,9 +73,10 @@ def test_a_failed_open_drops_what_waited_and_bytes_count_held_caches_only(qtbot)
     _open(caches, bridge, "b", ran)
     caches.note(SimpleNamespace(session_id="b", kv_bytes_used=1000))
     caches.note(SimpleNamespace(session_id="a", kv_bytes_used=5))  # not held
-    assert caches.total_bytes() == 1000
+    assert caches.total() == KvTotal(1000, 1000)
     caches.close_all()
-    assert caches.opened == {} and caches.total_bytes() == 0 and ("close", "b") in bridge.calls
+    assert caches.opened == {} and caches.total() == KvTotal(0, 0)
+    assert ("close", "b") in bridge.calls
 
 
 def test_pages_two_chats_share_count_once_in_the_total(qtbot) -> None:
@@ -84,10 +85,12 @@ def test_pages_two_chats_share_count_once_in_the_total(qtbot) -> None:
     ran: list[str] = []
     for name in ("a", "b"):
         _open(caches, bridge, name, ran)
-    # 800 bytes of pages both hold, 200 of each one's own.
-    caches.note(SimpleNamespace(session_id="a", kv_bytes_used=1000, kv_bytes_once=600))
-    caches.note(SimpleNamespace(session_id="b", kv_bytes_used=1000, kv_bytes_once=600))
-    assert caches.total_bytes() == 1200
+    # 800 bytes of pages both hold, 200 of each one's own; their storage holds 400
+    # bytes of room ahead besides, 200 counted in each one's share.
+    for name in ("a", "b"):
+        caches.note(SimpleNamespace(session_id=name, kv_bytes_used=1000, kv_bytes_once=600,
+                                    kv_bytes_held_once=800))
+    assert caches.total() == KvTotal(1200, 1600)
 
 
 def test_a_cache_note_is_said_when_the_cache_opens(qtbot) -> None:

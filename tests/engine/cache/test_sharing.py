@@ -274,3 +274,22 @@ def test_a_chat_sharing_a_document_counts_the_others_pages_as_theirs() -> None:
     second.pool.ensure(32 * PAGE_SIZE)
     with pytest.raises(KvBudgetExceeded, match="holds 512 tokens"):
         second.pool.ensure(33 * PAGE_SIZE)
+
+
+def test_what_chats_sharing_a_store_hold_sums_to_the_storage_once() -> None:
+    """Each chat's share of the storage (its pages, a shared one divided among its
+    holders, and the room held ahead divided among the group) sums to the storage."""
+    from engine.cache.adapter import cache_stats
+
+    first, second = _cache(), _cache()
+    _write(first, 40, 0)
+    sharing.share_pages([second], [first], 40)
+    _write(second, 9, 10)
+    stats = [cache_stats([first]), cache_stats([second])]
+    storage = first.store.capacity * first.store.layout.page_bytes
+    assert first.store.free_count > 0  # room held ahead, to be counted once
+    assert all(s.bytes_allocated == storage for s in stats)  # each sees the whole store
+    assert sum(s.bytes_held_once for s in stats) == storage
+    alone = _cache()
+    _write(alone, 40, 0)
+    assert cache_stats([alone]).bytes_held_once == cache_stats([alone]).bytes_allocated
