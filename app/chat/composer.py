@@ -217,32 +217,46 @@ class Composer(QWidget):
         row.addWidget(self.offer_accept)
         row.addWidget(self.offer_decline)
         self.offer_box.hide()
-        self._offer_job: int | None = None
+        # Too-long files waiting for the choice, the one shown first: (job id, what
+        # is said, the tokens offered).
+        self._offers: list[tuple[int, str, int]] = []
         return self.offer_box
 
     def offer_part(self, job_id: int, message: str, tokens: int) -> None:
-        """Say a file is too long and offer to attach its first ``tokens`` tokens."""
-        if self._offer_job is not None:
-            self.partDeclined.emit(self._offer_job)  # one offer at a time: the older goes
-        self._offer_job = job_id
+        """Say a file is too long and offer to attach its first ``tokens`` tokens;
+        a second file's offer waits until the one shown is answered."""
+        self._offers.append((job_id, message, tokens))
         chip = self.chips.get(job_id)
         if chip is not None:  # read already: it waits for the choice below, not reading
             chip.set_waiting()
-        self.show_notice("")  # what was said of an earlier file is not about this one
+        if len(self._offers) == 1:
+            self._show_offer()
+
+    def _show_offer(self) -> None:
+        _job_id, message, tokens = self._offers[0]
         self.offer_label.setText(message)
         self.offer_accept.setText(f"Attach the first {tokens:,} tokens")
         self.offer_box.show()
 
     def withdraw_offer(self) -> None:
-        """Decline the offer shown, if any (its chat is no longer on screen)."""
-        if self._offer_job is not None:
+        """Decline every offer (their chat is no longer on screen)."""
+        while self._offers:
             self._answer_offer(self.partDeclined)
 
+    def drop_offer(self, job_id: int) -> None:
+        """Decline the offer of ``job_id``, if one is shown or waits (its chip went)."""
+        if self._offers and self._offers[0][0] == job_id:
+            self._answer_offer(self.partDeclined)
+        elif any(offer[0] == job_id for offer in self._offers):
+            self._offers = [offer for offer in self._offers if offer[0] != job_id]
+            self.partDeclined.emit(job_id)
+
     def _answer_offer(self, signal: SignalInstance) -> None:
-        job_id, self._offer_job = self._offer_job, None
+        job_id, _message, _tokens = self._offers.pop(0)
         self.offer_box.hide()
-        if job_id is not None:
-            signal.emit(job_id)
+        signal.emit(job_id)
+        if self._offers:
+            self._show_offer()
 
     def offer_parts_from(self, loader: DocumentLoader) -> None:
         """Offer the fitting part of each too-long file ``loader`` (a DocumentLoader) reads."""

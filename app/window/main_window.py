@@ -101,8 +101,9 @@ class MainWindow(QMainWindow):
         self.resize(initial_size(self.screen().availableSize()))
         self.loader = DocumentLoader(controller.bridge.token_ends, self)
         self.attachments: dict[int, AttachmentRecord] = {}
-        self._left_out = ""  # files of the last drop past MAX_FILES, as said
-        self._left_out_jobs: set[int] = set()  # that drop's files still being read
+        # What the composer says of the files added since the last drop (files left
+        # out, each file's notes or refusal), each added to the rest, never over it.
+        self._said: list[str] = []
         self._reading_for: dict[int, str | None] = {}  # files being read: the chat each came to
         self.closed_at: float | None = None
         self._opened_folder: str | None = None
@@ -336,7 +337,7 @@ class MainWindow(QMainWindow):
             # What the composer said of a file, and a file's offer, are about the
             # draft of the chat they were said in.
             self._shown_chat = shown
-            self.composer.show_notice(self.drafts.said)  # of the draft just shown, if any
+            self._say_only(self.drafts.said)  # of the draft just shown, if any
             self.composer.withdraw_offer()
         self.composer.show_editing(self.controller.editing)  # an edit is its chat's
         self._show_activity()
@@ -380,7 +381,7 @@ class MainWindow(QMainWindow):
             # The attachments sent are no draft any more; a draft an edit set aside is.
             self.drafts.end_edit()
             self.composer.show_editing(False)
-            self.composer.show_notice("")
+            self._say_only("")
             self.banner.hide()
             self.fit.schedule()
 
@@ -514,23 +515,24 @@ class MainWindow(QMainWindow):
         left_out = files_left_out(len(paths), len(taken)) if len(taken) < len(paths) else ""
         if left_out:
             log.info("%d of %d files given were attached", len(taken), len(paths))
-            self.composer.show_notice(left_out)
-        self._left_out = left_out
-        self._left_out_jobs = set()
+        self._said = []
+        self._tell(left_out)
         for path in taken:
             job_id = self.loader.load(path, self.fit.room(Path(path).name) or 131_072)
             self.composer.add_chip(job_id, Path(path).name)
             self._reading_for[job_id] = self.drafts.session_id
-            if left_out:
-                self._left_out_jobs.add(job_id)
 
-    def _notice_for(self, job_id: int, said: str) -> str:
-        """What a file's read says, and (while that batch's files are read) that some
-        files of it were left out, so the one does not hide the other."""
-        if job_id not in self._left_out_jobs:
-            return said
-        self._left_out_jobs.discard(job_id)
-        return f"{said} {self._left_out}".strip()
+    def _tell(self, said: str) -> None:
+        """Add what a file's read says to what was said of the files added since the
+        last drop: one file's news never hides another's."""
+        if said:
+            self._said.append(said)
+        self.composer.show_notice(" ".join(self._said))
+
+    def _say_only(self, said: str) -> None:
+        """Show ``said`` alone (a chat shown, a message sent): the files' news is over."""
+        self._said = [said] if said else []
+        self.composer.show_notice(said)
 
     def _on_loaded(self, job_id: int, record: AttachmentRecord, notes: tuple) -> None:
         if job_id not in self._reading_for:  # removed while it was being read
@@ -543,8 +545,7 @@ class MainWindow(QMainWindow):
         if same is not None:
             # Dropped again: a second copy would only double its tokens in the prompt.
             self.composer.remove_chip(job_id)
-            self.composer.show_notice(
-                self._notice_for(job_id, already_attached(record.name, same.name)))
+            self._tell(already_attached(record.name, same.name))
             return
         chip = self.composer.chips.get(job_id)
         if chip is None:  # its chat was left and shown again: the switch took its chip
@@ -555,15 +556,16 @@ class MainWindow(QMainWindow):
             self.drafts.save_soon()  # more files are coming: one save for many
         else:
             self.drafts.save_now()
-        self.composer.show_notice(self._notice_for(job_id, " ".join(notes)))
+        self._tell(" ".join(notes))
         self.fit.schedule()
 
     def _on_load_failed(self, job_id: int, message: str) -> None:
         self._reading_for.pop(job_id, None)
         self.composer.remove_chip(job_id)
-        self.composer.show_notice(self._notice_for(job_id, message))
+        self._tell(message)
 
     def _remove_attachment(self, job_id: int) -> None:
+        self.composer.drop_offer(job_id)
         self._reading_for.pop(job_id, None)
         self.attachments.pop(job_id, None)
         self.composer.remove_chip(job_id)

@@ -213,6 +213,42 @@ def test_a_file_too_long_is_measured_in_tokens_and_its_fitting_part_offered(
     assert not composer.offer_box.isVisible()
 
 
+def test_what_one_file_of_a_drop_says_stays_beside_what_the_next_says(
+        qtbot, window, tmp_path) -> None:
+    """A refused file, then one read with a note, then a good one: all three said."""
+    empty, odd, good = tmp_path / "empty.txt", tmp_path / "odd.txt", tmp_path / "good.md"
+    empty.write_bytes(b"")
+    odd.write_bytes(TEXT.encode() * 40 + b"\xff")  # one byte that is not UTF-8
+    good.write_text(TEXT)
+    drop_files(window, [empty, odd, good])
+    qtbot.waitUntil(lambda: len(window.attachments) == 2, timeout=20_000)
+    qtbot.waitUntil(lambda: not window.loader.pending, timeout=20_000)
+    said = window.composer.notice.text()
+    assert "“empty.txt”" in said and "odd.txt" in said, said
+    assert [r.name for r in window.attachments.values()] == ["odd.txt", "good.md"]
+
+
+def test_two_files_too_long_are_each_offered_in_turn(qtbot, window, tmp_path) -> None:
+    room = window.fit.room("big.txt")
+    docs = [tmp_path / "first.txt", tmp_path / "second.txt"]
+    for doc in docs:
+        doc.write_text(TEXT * (room // 8 + 200))
+    composer = window.composer
+    drop_files(window, docs)
+    qtbot.waitUntil(lambda: "second.txt" in " ".join(
+        chip.label.text() for chip in composer.chips.values()
+        if "choose below" in chip.label.text()), timeout=60_000)
+    assert composer.offer_label.text().startswith("“first.txt”")
+    composer.offer_accept.click()
+    qtbot.waitUntil(lambda: len(window.attachments) == 1, timeout=20_000)
+    assert composer.offer_box.isVisible()  # the second's turn
+    assert composer.offer_label.text().startswith("“second.txt”")
+    composer.offer_decline.click()
+    qtbot.waitUntil(lambda: len(composer.chips) == 1, timeout=20_000)
+    assert [r.name for r in window.attachments.values()] == ["first.txt"]
+    assert not composer.offer_box.isVisible()
+
+
 def test_the_fitting_prefix_is_the_longest_that_fits() -> None:
     from app.chat.attachments import fitting_prefix
 
