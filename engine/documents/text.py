@@ -1,8 +1,10 @@
 """Plain text and source code, streamed block by block (a 1 GB file is never loaded whole).
 
 The encoding is sniffed from a byte-order mark (UTF-8, UTF-16, UTF-32), else
-UTF-8; bytes that do not decode are replaced and counted, and a file with too
-many of them, or with NUL bytes, is refused as not text.
+UTF-8, or Windows-1252 (Western, a superset of Latin-1: older Windows and Excel
+exports) when the first block is not UTF-8; bytes that do not decode are
+replaced and counted, and a file with too many of them, or with NUL bytes, is
+refused as not text.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from engine.documents.file_access import os_error, vanished
 from engine.documents.limits import MAX_REPLACED_SHARE, READ_BLOCK, check_length
 from engine.errors import DocumentError
 
+# What a file without a byte-order mark whose first block is not UTF-8 is read as:
+# the Western Windows code page, a superset of Latin-1 (most such files are older
+# Windows or Excel exports).
+LEGACY = "cp1252"
+ENCODING_NAMES = {LEGACY: "Windows-1252 (Western)"}
 # The latest a NUL may come in UTF-16 text: within its first few words, a space,
 # a newline or a digit (Latin text has one every other byte).
 UTF16_FIRST_NUL = 512
@@ -73,17 +80,18 @@ def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str
     parts.append(tail)
     text = "".join(parts)
     notes: tuple[str, ...] = ()
+    label = ENCODING_NAMES.get(encoding, encoding.upper().removesuffix("-LE").removesuffix("-BE"))
     if replaced:
-        label = encoding.upper().removesuffix("-LE").removesuffix("-BE")
         if replaced > max(16, MAX_REPLACED_SHARE * total):
             raise DocumentError(
                 f"“{name}” isn't readable text: {replaced:,} of its {total:,} bytes are not "
                 f"valid {label}. Save it as UTF-8 text and try again."
             )
-        notes = (
-            f"{replaced:,} byte{'s' if replaced != 1 else ''} of “{name}” were not valid "
-            f"{label} and were replaced with �.",
-        )
+        were = "bytes" if replaced != 1 else "byte"
+        notes = (f"{replaced:,} {were} of “{name}” {'were' if replaced != 1 else 'was'} not "
+                 f"valid {label} and {'were' if replaced != 1 else 'was'} replaced with �.",)
+    if encoding == LEGACY:
+        notes = (f"“{name}” is not UTF-8: it was read as {label} text.", *notes)
     return text, digest.hexdigest(), notes
 
 
@@ -101,7 +109,17 @@ def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
         return "utf-16-be", len(codecs.BOM_UTF16_BE)
     if b"\x00" in head:
         raise _unmarked_utf16(name) if _looks_utf16(head) else _binary(name)
-    return "utf-8", 0
+    return ("utf-8" if _utf8(head) else LEGACY), 0
+
+
+def _utf8(head: bytes) -> bool:
+    """Whether ``head`` (a file's first block) is UTF-8 up to a character the block
+    may cut at its end."""
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return error.start >= len(head) - 3 and error.reason == "unexpected end of data"
+    return True
 
 
 def _looks_utf16(head: bytes) -> bool:

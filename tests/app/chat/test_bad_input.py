@@ -60,8 +60,8 @@ BAD_FILES = [
     ("blob.txt", lambda p: p.write_bytes(b"\x00\x01\x02binary" * 10),
      "“blob.txt” looks like a binary file, not text (it contains NUL bytes)."),
     ("empty.md", lambda p: p.write_bytes(b""), "“empty.md” is empty — there is no text to add."),
-    ("latin1.csv", lambda p: p.write_bytes("naïve,café,crème\n".encode("latin-1") * 50),
-     "“latin1.csv” isn't readable text: 150 of its 850 bytes are not valid UTF-8."),
+    ("noise.txt", lambda p: p.write_bytes(bytes([0x81, 0x8D, 0x8F, 0x90, 0x9D, 0x41]) * 50),
+     "“noise.txt” isn't readable text: 250 of its 300 bytes are not valid Windows-1252"),
     ("dump.txt", _sparse_gigabyte,
      "“dump.txt” is 1.0 GB — far more than the {room:,} tokens left in this model's "
      "context (after the chat so far and room for the answer). Split it into smaller files."),
@@ -112,16 +112,16 @@ def test_every_bad_file_shows_its_message_and_disturbs_nothing(qtbot, window, tm
     assert [a.name for a in sent.attachments] == ["good.txt"] and sent.content == "my draft"
 
 
-def test_a_few_invalid_utf8_bytes_are_replaced_and_said(qtbot, window, tmp_path) -> None:
+def test_a_file_not_in_utf8_is_read_as_windows_1252_and_said(qtbot, window, tmp_path) -> None:
     path = tmp_path / "menu.txt"
     path.write_bytes(b"cr\xe8me br\xfbl\xe9e\n" + b"dessert of the day\n" * 20)
     window.composer.set_text("my draft")
     drop_files(window, [path])
     qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
     (record,) = window.attachments.values()
-    assert record.text.startswith("cr\ufffdme br\ufffdl\ufffde\n")
+    assert record.text.startswith("crème brûlée\n")
     assert window.composer.notice.text() == (
-        "3 bytes of “menu.txt” were not valid UTF-8 and were replaced with �.")
+        "“menu.txt” is not UTF-8: it was read as Windows-1252 (Western) text.")
     assert window.composer.text() == "my draft"
 
 

@@ -89,12 +89,16 @@ def test_device_files_behind_a_txt_link_are_empty_not_endless(tmp_path: Path) ->
         assert _refused(link) == f"“{link.name}” is empty — there is no text to add."
 
 
-def test_invalid_utf8_is_decoded_with_replacement_and_said(tmp_path: Path) -> None:
+def test_invalid_utf8_past_the_first_block_is_replaced_and_said(tmp_path: Path) -> None:
     path = tmp_path / "menu.txt"
-    path.write_bytes(b"cr\xe8me br\xfbl\xe9e\n" + b"dessert of the day\n" * 100)
+    path.write_bytes(b"dessert of the day\n" * (READ_BLOCK // 19 + 1) + b"cr\xe8me br\xfbl\xe9e\n")
     doc = read_document(path)
-    assert doc.text.startswith("cr\ufffdme br\ufffdl\ufffde\n")
+    assert doc.text.endswith("cr\ufffdme br\ufffdl\ufffde\n")
     assert doc.notes == ("3 bytes of “menu.txt” were not valid UTF-8 and were replaced with �.",)
+    one = tmp_path / "one.txt"
+    one.write_bytes(b"a" * READ_BLOCK + b"\xff")
+    assert read_document(one).notes == (
+        "1 byte of “one.txt” was not valid UTF-8 and was replaced with �.",)
     # A character split across the 1 MiB read blocks is not an invalid byte.
     split = tmp_path / "split.txt"
     split.write_bytes(b"a" * (READ_BLOCK - 1) + "é".encode() + b"b")
@@ -102,11 +106,24 @@ def test_invalid_utf8_is_decoded_with_replacement_and_said(tmp_path: Path) -> No
     assert doc.notes == () and doc.text.endswith("aéb")
 
 
-def test_mostly_invalid_utf8_is_refused_with_counts(tmp_path: Path) -> None:
+def test_latin_1_and_windows_1252_text_is_read_and_said(tmp_path: Path) -> None:
+    """Older Windows and Excel exports: accented letters and curly quotes."""
     path = tmp_path / "latin1.csv"
     path.write_bytes("naïve,café,crème\n".encode("latin-1") * 50)
-    assert _refused(path) == ("“latin1.csv” isn't readable text: 150 of its 850 bytes are not "
-                              "valid UTF-8. Save it as UTF-8 text and try again.")
+    doc = read_document(path)
+    assert doc.text == "naïve,café,crème\n" * 50
+    assert doc.notes == ("“latin1.csv” is not UTF-8: it was read as Windows-1252 (Western) "
+                         "text.",)
+    quotes = tmp_path / "quotes.txt"
+    quotes.write_bytes("“Longleaf” – 10 €\n".encode("cp1252"))
+    assert read_document(quotes).text == "“Longleaf” – 10 €\n"
+
+
+def test_mostly_undecodable_bytes_are_refused_with_counts(tmp_path: Path) -> None:
+    path = tmp_path / "noise.txt"
+    path.write_bytes(bytes([0x81, 0x8D, 0x8F, 0x90, 0x9D, 0x41]) * 50)  # none in Windows-1252
+    assert _refused(path) == ("“noise.txt” isn't readable text: 250 of its 300 bytes are not "
+                              "valid Windows-1252 (Western). Save it as UTF-8 text and try again.")
 
 
 def test_one_gigabyte_text_file_is_streamed_and_refused_with_numbers(tmp_path: Path) -> None:
