@@ -32,13 +32,15 @@ def docx_text(name: str, data: bytes) -> str:
     """
     import docx
 
+    from engine.documents.word_lists import ListNumbers
     from engine.documents.wordml import block_lines, margin_text
 
     _check_docx_members(name, data)
     try:
         document = docx.Document(io.BytesIO(data))
-        body = "\n".join(block_lines(document.element.body)).strip()
-        text = (body + margin_text(document)).strip()
+        numbers = ListNumbers.of(document)
+        body = "\n".join(block_lines(document.element.body, numbers)).strip()
+        text = (body + margin_text(document, numbers)).strip()
     except (zipfile.BadZipFile, KeyError, ValueError) as exc:
         raise _damaged_docx(name) from exc
     except Exception as exc:  # lxml and python-docx raise their own types on bad XML

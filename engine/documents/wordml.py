@@ -5,8 +5,9 @@ hyperlinks placed directly in a paragraph, so the text Word shows inside a
 tracked insertion, a content control, a field's result, a smart tag, a text
 box or a nested table, and every header, footer and note, never reached
 the model. Here every run below a paragraph is read, whatever wraps it, except
-what Word does not show as text: deleted and moved-away revisions, and a
-field's instructions.
+what Word does not show as text: deleted and moved-away revisions, a field's
+instructions and hidden text. An equation is read as a line of text ("x^2",
+"a/b"), a list paragraph after its number or bullet (``word_lists``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from docx.oxml.ns import qn
 from docx.oxml.parser import parse_xml
+
+from engine.documents.word_lists import ListNumbers
 
 _MC = "{http://schemas.openxmlformats.org/markup-compatibility/2006}"
 _ALTERNATE = f"{_MC}AlternateContent"
@@ -28,6 +31,14 @@ _TBL = qn("w:tbl")
 _TR = qn("w:tr")
 _TC = qn("w:tc")
 _TEXT_BOX = qn("w:txbxContent")
+_HIDDEN_RUN = f"{qn('w:rPr')}/{qn('w:vanish')}"
+_OFF = ("0", "false", "off")
+CELL_LINES = " / "  # a cell's paragraphs on its row's line: a new line would be a new row
+NESTED_CELLS = " | "  # a nested table's cells, inside the tab-parted cells of its own
+
+# An equation (OMML): its text is in m:t; the parts a flat line must mark.
+_MATH_TEXT = qn("m:t")
+_MATH_MARKS = {qn("m:sup"): "^", qn("m:sub"): "_", qn("m:num"): "", qn("m:den"): "/"}
 
 # Elements whose content is not text a reader sees: revisions that took text
 # out, a field's code, and properties (a paragraph's w:tabs holds tab stops,
@@ -61,11 +72,13 @@ _RUN_MARKS = {
 }
 
 
-def block_lines(container: Any) -> Iterator[str]:
+def block_lines(container: Any, numbers: ListNumbers | None = None) -> Iterator[str]:
     """The lines of the paragraphs and table rows below ``container``, in order.
 
     Args:
         container: a body, header, footer, note, table cell or text box element.
+        numbers: the document's lists, counted as its paragraphs are read (None:
+            list paragraphs without their numbers).
 
     Yields:
         One line per paragraph (which may hold line breaks), then the lines of
@@ -74,20 +87,20 @@ def block_lines(container: Any) -> Iterator[str]:
     """
     for child in _children(container):
         if child.tag == _P:
-            yield from _paragraph_lines(child)
+            yield from _paragraph_lines(child, numbers)
         elif child.tag == _TBL:
-            yield from _table_lines(child)
+            yield from _table_lines(child, numbers)
         elif child.tag not in _HIDDEN:  # a content control, w:customXml, ...
-            yield from block_lines(child)
+            yield from block_lines(child, numbers)
 
 
-def _paragraph_lines(paragraph: Any) -> Iterator[str]:
-    pieces: list[str] = []
+def _paragraph_lines(paragraph: Any, numbers: ListNumbers | None) -> Iterator[str]:
+    pieces: list[str] = [numbers.label(paragraph)] if numbers is not None else []
     boxes: list[Any] = []
     _collect(paragraph, pieces, boxes)
     yield "".join(pieces)
     for box in boxes:
-        yield from block_lines(box)
+        yield from block_lines(box, numbers)
 
 
 def _collect(element: Any, pieces: list[str], boxes: list[Any]) -> None:
@@ -98,11 +111,33 @@ def _collect(element: Any, pieces: list[str], boxes: list[Any]) -> None:
     """
     for child in _children(element):
         if child.tag == _R:
-            _collect_run(child, pieces, boxes)
+            if not _hidden(child):
+                _collect_run(child, pieces, boxes)
         elif child.tag == _TEXT_BOX:
             boxes.append(child)
+        elif child.tag == _MATH_TEXT:
+            pieces.append(child.text or "")
+        elif child.tag in _MATH_MARKS:
+            pieces.append(_MATH_MARKS[child.tag] + _bracketed(_math_text(child)))
         elif child.tag not in _HIDDEN:
             _collect(child, pieces, boxes)
+
+
+def _hidden(run: Any) -> bool:
+    """Whether ``run`` is hidden text (Word shows it only with formatting marks on)."""
+    vanish = run.find(_HIDDEN_RUN)
+    return vanish is not None and vanish.get(qn("w:val"), "true") not in _OFF
+
+
+def _math_text(element: Any) -> str:
+    pieces: list[str] = []
+    _collect(element, pieces, [])
+    return "".join(pieces)
+
+
+def _bracketed(text: str) -> str:
+    """An exponent, index or denominator as a line writes it: ``2``, ``(n+1)``."""
+    return text if len(text) <= 1 or text.isalnum() else f"({text})"
 
 
 def _collect_run(run: Any, pieces: list[str], boxes: list[Any]) -> None:
@@ -119,13 +154,19 @@ def _collect_run(run: Any, pieces: list[str], boxes: list[Any]) -> None:
             _collect(child, pieces, boxes)
 
 
-def _table_lines(table: Any) -> Iterator[str]:
-    """One line per row, each cell once however many columns or rows it spans."""
+def _table_lines(table: Any, numbers: ListNumbers | None) -> Iterator[str]:
+    """One line per row, each cell once however many columns or rows it spans,
+    a cell's paragraphs (and a nested table's rows) on that line."""
     for row in _wrapped(table, _TR):
         if row.find(f"{qn('w:trPr')}/{qn('w:del')}") is not None:
             continue  # a row deleted with Track Changes on
-        cells = ("\n".join(block_lines(cell)) for cell in _wrapped(row, _TC))
-        yield "\t".join(cells)
+        yield "\t".join(_cell_text(cell, numbers) for cell in _wrapped(row, _TC))
+
+
+def _cell_text(cell: Any, numbers: ListNumbers | None) -> str:
+    lines = (line.strip().replace("\t", NESTED_CELLS).replace("\n", CELL_LINES)
+             for line in block_lines(cell, numbers))
+    return CELL_LINES.join(line for line in lines if line)
 
 
 def _wrapped(element: Any, tag: str) -> Iterator[Any]:
@@ -155,11 +196,12 @@ def _elements(element: Any) -> Iterator[Any]:
     return (child for child in element.iterchildren() if isinstance(child.tag, str))
 
 
-def margin_text(document: Any) -> str:
+def margin_text(document: Any, numbers: ListNumbers | None = None) -> str:
     """The page headers, footers, footnotes and endnotes, each group labelled.
 
     Args:
         document: a python-docx ``Document``.
+        numbers: the document's lists, as counted through its body.
 
     Returns:
         For each group that has text, a blank line, its label ("Footnotes:")
@@ -174,15 +216,15 @@ def margin_text(document: Any) -> str:
     )
     text = ""
     for label, stories in groups:
-        texts = list(dict.fromkeys(_story_texts(stories)))
+        texts = list(dict.fromkeys(_story_texts(stories, numbers)))
         if texts:
             text += "\n\n" + label + "\n" + "\n".join(texts)
     return text
 
 
-def _story_texts(stories: Iterable[Any]) -> Iterator[str]:
+def _story_texts(stories: Iterable[Any], numbers: ListNumbers | None) -> Iterator[str]:
     for story in stories:
-        text = "\n".join(block_lines(story)).strip()
+        text = "\n".join(block_lines(story, numbers)).strip()
         if text:
             yield text
 

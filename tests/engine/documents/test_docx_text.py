@@ -146,8 +146,9 @@ def test_merged_cells_once_and_nested_tables_inside_their_cell(tmp_path: Path) -
     inner.cell(0, 0).text, inner.cell(0, 1).text = "NESTED_1", "NESTED_2"
     text = _text(tmp_path, document)
     _assert_once(text, "ACROSS", "DOWN", "NESTED_1", "NESTED_2")
-    # A cell spanning rows is read in its first; the rows below keep its column.
-    assert text == "ACROSS\nDOWN\tB2\nNESTED_1\tNESTED_2\n\tC2\n\tB3\tC3"
+    # A cell spanning rows is read in its first; the rows below keep its column. A
+    # nested table stays on its cell's line, its cells parted by bars, not tabs.
+    assert text == "ACROSS\nDOWN\tB2 / NESTED_1 | NESTED_2\tC2\n\tB3\tC3"
 
 
 def test_a_table_row_deleted_with_track_changes_on_is_not_read(tmp_path: Path) -> None:
@@ -222,8 +223,74 @@ def test_a_document_read_correctly_before_reads_the_same(tmp_path: Path) -> None
         '<w:hyperlink w:anchor="x">', _run("a link "), "</w:hyperlink>",
         "<w:r><w:t>non</w:t><w:noBreakHyphen/><w:t>breaking</w:t><w:ptab "
         'w:relativeTo="margin" w:alignment="right" w:leader="none"/><w:t>end</w:t></w:r>')))
-    # What python-docx's Paragraph.text and _Cell.text gave, this reader's old way,
-    # but for the page break's paragraph: one more blank line, not none.
+    # What python-docx's Paragraph.text gave, this reader's old way, but for the
+    # page break's paragraph (one more blank line, not none) and a cell's lines and
+    # paragraphs, kept on its row's line (a new line would read as a new row).
     assert _text(tmp_path, document) == (
-        "Plan\nTabs\tand runs with a break\nand more.\n\nq6\t388 bytes\ntwo\nlines\t\n"
-        "second paragraph\n\n\na link non-breaking\tend")
+        "Plan\nTabs\tand runs with a break\nand more.\n\nq6\t388 bytes\n"
+        "two / lines\tsecond paragraph\n\n\na link non-breaking\tend")
+
+
+def test_a_cell_of_several_paragraphs_stays_on_its_rows_line(tmp_path: Path) -> None:
+    document = docx.Document()
+    table = document.add_table(rows=2, cols=3)
+    for cell, text in zip(table.rows[0].cells, ("Name", "Address", "Phone"), strict=True):
+        cell.text = text
+    ann = table.rows[1].cells
+    ann[0].text, ann[2].text = "Ann", "555-1"
+    ann[1].text = "1 Main St"
+    ann[1].add_paragraph("Springfield")
+    assert _text(tmp_path, document) == "Name\tAddress\tPhone\nAnn\t1 Main St / Springfield\t555-1"
+
+
+def test_list_paragraphs_keep_their_numbers_and_bullets(tmp_path: Path) -> None:
+    """Numbers Word counts (levels, restarts, letters) and bullets, as Word shows them."""
+    document = docx.Document()
+    numbering = document.part.numbering_part.element
+    numbering.append(parse_xml(
+        f'<w:abstractNum {NAMESPACES} w:abstractNumId="90">'
+        '<w:lvl w:ilvl="0"><w:start w:val="1"/><w:numFmt w:val="decimal"/>'
+        '<w:lvlText w:val="%1."/></w:lvl>'
+        '<w:lvl w:ilvl="1"><w:start w:val="1"/><w:numFmt w:val="lowerLetter"/>'
+        '<w:lvlText w:val="%1.%2)"/></w:lvl></w:abstractNum>'))
+    numbering.append(parse_xml(
+        f'<w:abstractNum {NAMESPACES} w:abstractNumId="91">'
+        '<w:lvl w:ilvl="0"><w:numFmt w:val="bullet"/><w:lvlText w:val="\uf0b7"/></w:lvl>'
+        '</w:abstractNum>'))
+    for num_id, abstract in (("90", "90"), ("91", "91")):
+        numbering.append(parse_xml(f'<w:num {NAMESPACES} w:numId="{num_id}">'
+                                   f'<w:abstractNumId w:val="{abstract}"/></w:num>'))
+    numbering.append(parse_xml(
+        f'<w:num {NAMESPACES} w:numId="92"><w:abstractNumId w:val="90"/>'
+        '<w:lvlOverride w:ilvl="0"><w:startOverride w:val="7"/></w:lvlOverride></w:num>'))
+
+    def item(text: str, num_id: str, level: int = 0) -> str:
+        return _paragraph(f'<w:pPr><w:numPr><w:ilvl w:val="{level}"/><w:numId w:val="{num_id}"/>'
+                          f"</w:numPr></w:pPr>", _run(text))
+
+    body = document.element.body
+    for block in (_paragraph(_run("Terms:")), item("The buyer pays.", "90"),
+                  item("On time.", "90", 1), item("In full.", "90", 1),
+                  item("The seller delivers.", "90"), item("Whole.", "90", 1),
+                  item("Pines", "91"), item("Sand", "91"), item("Seventh.", "92"),
+                  _paragraph(_run("See clause 2 above."))):
+        body.insert(len(body) - 1, parse_xml(block))
+    assert _text(tmp_path, document) == (
+        "Terms:\n1. The buyer pays.\n1.a) On time.\n1.b) In full.\n2. The seller delivers.\n"
+        "2.a) Whole.\n• Pines\n• Sand\n7. Seventh.\nSee clause 2 above.")
+
+
+def test_equations_are_read_as_a_line_of_text_and_hidden_text_is_not(tmp_path: Path) -> None:
+    math = 'xmlns:m="http://schemas.openxmlformats.org/officeDocument/2006/math"'
+    energy = _paragraph(
+        _run("Energy: "), f"<m:oMath {math}><m:r><m:t>E=m</m:t></m:r><m:sSup><m:e><m:r>"
+        "<m:t>c</m:t></m:r></m:e><m:sup><m:r><m:t>2</m:t></m:r></m:sup></m:sSup></m:oMath>",
+        _run(" holds."))
+    alone = _paragraph(
+        f"<m:oMathPara {math}><m:oMath><m:f><m:num><m:r><m:t>a+b</m:t></m:r></m:num><m:den>"
+        "<m:r><m:t>n-1</m:t></m:r></m:den></m:f><m:sSub><m:e><m:r><m:t>x</m:t></m:r></m:e>"
+        "<m:sub><m:r><m:t>i</m:t></m:r></m:sub></m:sSub></m:oMath></m:oMathPara>")
+    hidden = _paragraph(_run("Visible "), '<w:r><w:rPr><w:vanish/></w:rPr><w:t>HIDDEN</w:t></w:r>',
+                        '<w:r><w:rPr><w:vanish w:val="0"/></w:rPr><w:t>shown</w:t></w:r>')
+    text = _text(tmp_path, _with_body_xml(energy, alone, hidden))
+    assert text == "Energy: E=mc^2 holds.\n(a+b)/(n-1)x_i\nVisible shown"
