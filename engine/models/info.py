@@ -267,6 +267,16 @@ def classify_layers(cache: list[Any]) -> dict[str, tuple[int, ...]]:
     return {kind: tuple(indices) for kind, indices in kinds.items()}
 
 
+# MLA models whose attention caches the compressed latent (kv_lora_rank wide) and
+# the rope key shared by the heads (qk_rope_head_dim wide) as one head, not every
+# head's expanded keys and values (deepseek_v2, minicpm3): mlx-lm's modules, checked
+# against their caches by tests/engine/models/test_info.py.
+LATENT_KV = frozenset({
+    "deepseek_v3", "glm4_moe_lite", "kimi_k25", "kimi_vl", "kimi_k3", "kimi_linear",
+    "bailing_moe_v3", "bailing_hybrid", "longcat_flash", "longcat_flash_ngram", "mistral4",
+})
+
+
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     # Multimodal configs nest the language model's facts under text_config.
     nested = config.get("text_config")
@@ -274,13 +284,25 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attention_shape(config: dict[str, Any]) -> tuple[int, int]:
+    """(KV heads, values per head) of a full-attention layer's cache; where keys and
+    values differ in width (MLA), their mean, so the bytes come out right."""
     text = _text_config(config)
-    heads = text.get("num_attention_heads") or text.get("n_head") or 0
-    kv_heads = text.get("num_key_value_heads") or text.get("n_kv_heads") or heads
-    head_dim = text.get("head_dim")
+    heads = int(text.get("num_attention_heads") or text.get("n_head") or 0)
+    kv_heads = int(text.get("num_key_value_heads") or text.get("n_kv_heads") or heads)
+    head_dim = int(text.get("head_dim") or 0)
     if not head_dim and heads:
-        head_dim = text.get("hidden_size", 0) // heads
-    return int(kv_heads), int(head_dim or 0)
+        head_dim = int(text.get("hidden_size", 0)) // heads
+    rank, rope = int(text.get("kv_lora_rank") or 0), int(text.get("qk_rope_head_dim") or 0)
+    if rank and str(config.get("model_type")) in LATENT_KV:
+        return 1, -(-(rank + rope) // 2)
+    if rank:  # every head's keys (compressed part and rope part) and values
+        values = int(text.get("v_head_dim") or head_dim)
+        return heads, -(-(int(text.get("qk_nope_head_dim") or 0) + rope + values) // 2)
+    if text.get("global_head_dim"):  # Gemma 4: its full layers' heads are wider
+        if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
+            kv_heads = int(text["num_global_key_value_heads"])
+        return kv_heads, int(text["global_head_dim"])
+    return kv_heads, head_dim
 
 
 def max_context(config: dict[str, Any]) -> int:

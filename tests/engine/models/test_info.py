@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from engine.models.info import classify_layers, count_parameters, layer_kinds
+from engine.cache import kvquant
+from engine.models.info import _attention_shape, classify_layers, count_parameters, layer_kinds
 
 
 def test_cache_lists_count_as_the_attention_they_hold() -> None:
@@ -62,3 +65,73 @@ def test_quantized_weights_count_unpacked_and_scales_do_not_count() -> None:
     assert count_parameters(config, headers) == 8 * 32 + 8 + 32
     config["quantization"]["a"] = {"bits": 8, "group_size": 32}
     assert count_parameters(config, headers) == 8 * 16 + 8 + 32
+
+
+# A rope scaling the tiny configs leave out and these attentions read.
+_YARN = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
+         "mscale": 1.0, "mscale_all_dim": 0, "beta_fast": 32, "beta_slow": 1}
+
+
+def _mla_and_wide_heads() -> list[str]:
+    """mlx-lm's text architectures whose full layers cache other widths than
+    ``head_dim``: MLA (kv_lora_rank) and Gemma 4's wider global heads."""
+    from tests.engine.tiny_architectures import text_model_types, tiny_config
+
+    found = []
+    for model_type in text_model_types():
+        try:
+            config = tiny_config(model_type)
+        except (ImportError, SystemExit):  # a module needing a package not installed
+            continue
+        if config.get("kv_lora_rank") or config.get("global_head_dim"):
+            found.append(model_type)
+    return found
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "glm4_moe_lite",
+                                        "minicpm3", "gemma4_text"])
+def test_the_kv_bytes_a_config_projects_are_what_mlx_lms_cache_holds(model_type: str) -> None:
+    """The dialog's and the fit check's figure for a model mlx-lm's cache serves (MLA
+    keeps keys and values of other widths, or one compressed head), per token."""
+    assert model_type in _mla_and_wide_heads()
+    config, real, full = _cache_per_token(model_type)
+    kv_heads, head_dim = _attention_shape(config)
+    assert kvquant.project_kv_bytes(full, kv_heads, head_dim, 1, "fp16") == real
+
+
+def _cache_per_token(model_type: str) -> tuple[dict, int, int]:
+    """(tiny config, fp16 bytes a token takes in its full layers' mlx-lm caches,
+    those layers)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.cache.mlx_lm_compat import model_classes
+    from tests.engine import tiny_architectures
+
+    config = tiny_architectures.tiny_config(model_type)
+    if config.get("rope_scaling") is None and model_type in ("deepseek_v2", "minicpm3"):
+        config["rope_scaling"] = _YARN
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    cache = make_prompt_cache(model)
+    full = classify_layers(cache)["full"]
+    model(mx.array([[3] * 8]), cache=cache)
+    widths = sum(layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1])
+                 for layer in (cache[index] for index in full))
+    return config, widths * 2, len(full)
+
+
+def test_every_architecture_of_other_widths_projects_what_its_cache_holds() -> None:
+    """Beyond the named ones: a new MLA module of mlx-lm caching the latent (or not)
+    must be listed (or not) in ``LATENT_KV``. Those whose tiny model does not build
+    or whose cache is not plain keys and values (an indexer beside it) are left out."""
+    wrong, checked = {}, []
+    for model_type in _mla_and_wide_heads():
+        try:
+            config, real, full = _cache_per_token(model_type)
+        except (AttributeError, TypeError, ValueError, KeyError):
+            continue
+        checked.append(model_type)
+        projected = kvquant.project_kv_bytes(full, *_attention_shape(config), 1, "fp16")
+        if projected != real:
+            wrong[model_type] = (projected, real)
+    assert len(checked) >= 5 and not wrong, (checked, wrong)
