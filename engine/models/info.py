@@ -135,7 +135,7 @@ def check_architecture(config: dict[str, Any], folder: Path) -> None:
 _LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 _ATTENTION_TENSOR = re.compile(
     r"(?:^|\.)(?:k_proj|q_proj|qkv_proj|kv_proj|query_key_value|c_attn|wqkv|Wqkv|"
-    r"kv_a_proj_with_mqa|q_a_proj)\."
+    r"kv_a_proj_with_mqa|q_a_proj|W_pack|qkvg_proj)\."
 )
 _NOT_ATTENTION = ("linear_attn.", "mamba.", "conv.")
 

@@ -38,9 +38,11 @@ def test_layers_without_attention_weights_are_other() -> None:
         "model.layers.1.self_attn.k_proj.weight",
         "backbone.layers.2.mixer.in_proj.weight",
         "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.4.self_attn.W_pack.weight",  # baichuan_m1's fused projection
+        "model.layers.5.self_attn.qkvg_proj.weight",  # muse_spark's
     )
-    kinds = layer_kinds({"num_hidden_layers": 4}, headers)
-    assert kinds == {"full": (1, 3), "sliding": (), "other": (0, 2)}
+    kinds = layer_kinds({"num_hidden_layers": 6}, headers)
+    assert kinds == {"full": (1, 3, 4, 5), "sliding": (), "other": (0, 2)}
 
 
 def test_config_patterns_mark_sliding_and_linear_layers() -> None:
