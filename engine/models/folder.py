@@ -7,7 +7,6 @@ inside MLX.
 
 from __future__ import annotations
 
-import glob
 import json
 import struct
 from pathlib import Path
@@ -136,7 +135,8 @@ def read_weight_headers(folder: Path) -> dict[str, dict[str, Any]]:
     Raises:
         ModelLoadError: no weights, or a file that is truncated or not safetensors.
     """
-    files = sorted(glob.glob(str(folder / "model*.safetensors")))
+    # Path.glob: a folder named "Models [MLX]" is a name, not a pattern.
+    files = sorted(str(file) for file in folder.glob("model*.safetensors"))
     if not files:
         raise ModelLoadError(
             f"{folder} has no model*.safetensors weights. mlx-lm needs safetensors; "
@@ -200,7 +200,7 @@ def _safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
 def _check_tokenizer_files(folder: Path) -> None:
     if any((folder / name).is_file() for name in TOKENIZER_FILES):
         return
-    if glob.glob(str(folder / "*.tiktoken")):
+    if any(folder.glob("*.tiktoken")):
         return
     raise ModelLoadError(
         f"{folder} has no tokenizer (tokenizer.json or tokenizer.model). Copy the "

@@ -9,6 +9,7 @@ download gives a message a user can act on; the facts it reports are a
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,8 @@ def load_model(
     folder = resolve_model_path(path)
     config, _, _ = check_model_dir(folder)
     try:
-        model, config = mlx_load_model(folder)
+        with unpatterned(folder) as readable:
+            model, config = mlx_load_model(readable)
     except CONFIG_ERRORS as error:
         # Raised while building the model from config.json, before any weight.
         raise invalid_config_error(folder, config, error) from error
@@ -126,6 +128,20 @@ def load_model(
                             stage=stage)
     result = _probe(model, info) if probe else None
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, config=config, probe=result)
+
+
+@contextlib.contextmanager
+def unpatterned(folder: Path) -> Iterator[Path]:
+    """``folder``, or a link to it whose path holds no glob pattern characters, while
+    the block runs: mlx-lm finds a model's weights with ``glob.glob`` on the
+    folder's path, which reads "Models [MLX]" as a pattern and finds nothing."""
+    if not any(char in str(folder) for char in "*?["):
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix="longleaf-model-") as links:
+        link = Path(links) / "model"
+        link.symlink_to(folder.resolve(), target_is_directory=True)
+        yield link
 
 
 def _summarized(error: Exception, shown: int = 3) -> str:

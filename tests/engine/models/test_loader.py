@@ -248,3 +248,13 @@ def test_weights_of_another_model_fail_with_model_load_error(tiny_root, tmp_path
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="download the model again"):
         load_model(folder)
+
+
+def test_a_folder_whose_name_reads_as_a_glob_pattern_is_seen_and_loads(
+        tiny_root: Path, tmp_path: Path) -> None:
+    """"My Models [MLX]": a name, not a pattern matching one letter of M, L or X."""
+    folder = tmp_path / "My Models [MLX]" / "tiny llama"
+    shutil.copytree(_tiny(tiny_root, "llama"), folder)
+    assert inspect_model_dir(folder).architecture == "llama"
+    loaded = load_model(folder)
+    assert loaded.info.path == str(folder) and loaded.info.attention_layers > 0
