@@ -13,7 +13,7 @@ import threading
 from PySide6.QtCore import QObject, Signal
 
 from app.background import Background
-from engine import Cancelled, EngineError, HubUnreachable, download_model
+from engine import Cancelled, DiskFault, EngineError, HubUnreachable, download_model
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class ModelDownload(QObject):
             # The engine's message carries the socket error for a terminal; here words do.
             log.info("download of %s: %s", self.repo_id, outcome)
             self.failed.emit(unreachable_text(outcome.host), False)
+        elif isinstance(outcome, DiskFault):  # names the download and what to do itself
+            self.failed.emit(str(outcome), False)
         elif isinstance(outcome, EngineError):
             self.failed.emit(f"Could not download {self.repo_id}: {outcome}", False)
         else:  # a bug (logged by the job): still said, so the dialog does not wait forever

@@ -22,7 +22,8 @@ from pathlib import Path
 from huggingface_hub import hf_hub_url
 from huggingface_hub.utils import build_hf_headers
 
-from engine.errors import EngineError
+from engine import disk
+from engine.errors import DiskFault, EngineError
 from engine.models.download_plan import (
     PARTIAL_DIR,
     hub_endpoint,
@@ -95,7 +96,10 @@ def download_model(
         if remote.path not in plan.files_present:
             url = hf_hub_url(repo_id, remote.path, revision=plan.commit, endpoint=endpoint)
             part = plan.destination / PARTIAL_DIR / remote.path
-            fetch_file(url, headers, part, remote, meter, cancel, endpoint)
+            try:
+                fetch_file(url, headers, part, remote, meter, cancel, endpoint)
+            except OSError as error:
+                raise _disk_fault(error, repo_id, plan.destination) from error
             verify_file(part, remote)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(part, target)
@@ -103,6 +107,17 @@ def download_model(
     shutil.rmtree(plan.destination / PARTIAL_DIR, ignore_errors=True)
     write_manifest(plan.destination, {**manifest_fields(plan, revision), "complete": True})
     return plan.destination
+
+
+def _disk_fault(error: OSError, repo_id: str, destination: Path) -> OSError | DiskFault:
+    """The words for a disk that filled up (or turned read-only) under a download,
+    which the plan's free-space check could not foresee (another download, another
+    app); any other ``OSError`` as it is."""
+    cause = disk.cause_of_errno(error.errno)
+    if cause is None:
+        return error
+    return disk.fault(cause, destination, f"The download of {repo_id} stopped",
+                      "download it again: it goes on where it stopped")
 
 
 def _gib(count: int) -> str:

@@ -589,3 +589,31 @@ def test_downloaded_model_is_discovered_by_its_repo_id(
     assert (model.name, model.source, model.path) == ("mlx-community/tiny-real", "longleaf", folder)
     assert model.info.architecture == "llama"
     assert model.size_bytes >= sum(len(data) for data in files.values())
+
+
+def test_a_disk_that_fills_up_during_the_download_says_so_and_keeps_what_came(
+        hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another app (or another download) took the space after the check passed."""
+    import errno
+
+    from engine.errors import DiskFault
+    from engine.models import download
+
+    hub.repos["mlx-community/tiny"] = _tiny_repo()
+    real_fetch = download.fetch_file
+
+    def full_after_a_piece(url, headers, part, remote, *rest):
+        if remote.path != "model.safetensors":
+            return real_fetch(url, headers, part, remote, *rest)
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(b"\0" * PIECE)
+        raise OSError(errno.ENOSPC, "No space left on device", str(part))
+
+    monkeypatch.setattr(download, "fetch_file", full_after_a_piece)
+    with pytest.raises(DiskFault, match=r"The download of mlx-community/tiny stopped: the "
+                                        r"disk holding .* is full\. Free some space") as full:
+        download_model("mlx-community/tiny")
+    assert full.value.cause == "full" and "goes on where it stopped" in str(full.value)
+    folder = destination_for("mlx-community/tiny")
+    assert read_manifest(folder)["complete"] is False
+    assert (folder / download_plan.PARTIAL_DIR / "model.safetensors").stat().st_size == PIECE
