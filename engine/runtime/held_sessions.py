@@ -360,6 +360,7 @@ class HeldSessions:
         if replaced is not None:
             self._stored.store(replaced, self._emptied())
             replaced.close()
+        rotate = self._stored.kept_rotation(session_id, mode, rotate)
         followers = (None if self._conductor is None
                      else self._conductor.open(mode, page_size, rotate, chunk_size))
         try:

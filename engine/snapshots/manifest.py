@@ -39,6 +39,7 @@ class SnapshotInfo:
     created: float
     last_used: float
     model: str
+    rotation: str | None = None  # the rows' rotation (engine.cache.rotation); None: as given
 
 
 def canonical(manifest: dict[str, Any]) -> bytes:
@@ -137,6 +138,7 @@ def snapshot_info(directory: str | Path, name: str) -> SnapshotInfo | None:
             created=float(manifest["created"]),
             last_used=stat.st_mtime,
             model=str((manifest.get("model") or {}).get("name", "")),
+            rotation=manifest.get("rotation"),
         )
     except (Corrupt, OSError, KeyError, TypeError, ValueError):
         return None

@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from engine import disk
+from engine.cache.modes import FP16, KvMode
 from engine.errors import EngineError
 from engine.events import Event, Notice, StoredKv
 from engine.format import human_bytes
@@ -182,6 +183,19 @@ class StoredSessions:
                                           f"({error.strerror or error}); the conversation "
                                           "is read again."))
         return 0
+
+    def kept_rotation(self, name: str, mode: KvMode, rotate: bool | None) -> bool | None:
+        """Whether chat ``name``, reopened in ``mode``, rotates its rows: as its stored
+        pages do when they are in that mode, else ``rotate``.
+
+        The rotation setting is for new chats: an existing chat reopened in another
+        rotation would have its pages decoded and quantized again at the same width,
+        a second rounding on the first, compounding at every change of the setting.
+        """
+        info = self.snapshots.info(name) if self.snapshots is not None else None
+        if info is None or info.mode != mode or mode == FP16:
+            return rotate
+        return info.rotation is not None
 
     def _load(self, store: SnapshotStore, session: Session, name: str, prompt: Sequence[int],
               keep_last: bool) -> int:

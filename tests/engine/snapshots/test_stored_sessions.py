@@ -203,3 +203,20 @@ def test_another_chat_sharing_more_goes_before_the_chats_own_snapshot(tmp_path) 
     assert stored["edited"].stats.prompt_tokens < again.stats.reused_tokens
     assert notices == [f"Reused {again.stats.reused_tokens:,} tokens stored for another "
                        "chat; reading only the rest."]
+
+
+def test_a_stored_chat_keeps_its_rotation_when_the_setting_for_new_chats_changes(
+        tmp_path) -> None:
+    """Reopened unrotated, its q4 pages would be decoded and rounded to 4 bits again:
+    a second quantization's error on the first, at every change of the setting."""
+    folder = make_tiny_model_dir(tmp_path / "models", "llama")
+    with loaded_worker(folder, snapshots=SnapshotStore(tmp_path / "kv")) as (engine, log):
+        first = log.result(engine.open_session("old", "q4", 16, rotate=True), SessionOpened)
+        log.ending(engine.ingest("old", MESSAGES[:1], threading.Event()))
+        assert isinstance(log.ending(engine.close_session("old")), Finished)
+        again = log.result(engine.open_session("old", "q4", 16, rotate=False), SessionOpened)
+        new = log.result(engine.open_session("new", "q4", 16, rotate=False), SessionOpened)
+        other_mode = log.result(engine.open_session("old", "q8", 16, rotate=False),
+                                SessionOpened)
+    assert first.rotation is not None and again.rotation == first.rotation
+    assert new.rotation is None and other_mode.rotation is None  # the setting, where new
