@@ -474,17 +474,26 @@ class ChatController(QObject):
 
     def outdated_receipts(self, session_id: str | None, receipts: dict) -> dict[str, str]:
         """Why each of the chat's ``receipts`` no longer speaks for it, by mode: it
-        measured another model than the one loaded, or text the chat no longer is."""
+        measured another model than the one loaded, text the chat no longer is, or
+        (in the chat's mode) pages rotated otherwise than the chat's."""
         if not session_id:
             return {}
         changed = self.store.outdated_receipts(session_id)
         loaded = self.model_info.name if self.model_info is not None else None
+        record = self.store.session(session_id)
         why = {}
         for mode, receipt in receipts.items():
             if loaded is not None and receipt.model != loaded:
                 why[mode] = f"it ran on {receipt.model}, not the model loaded now"
             elif mode in changed:
                 why[mode] = "the chat has changed since"
+            elif record is not None and mode == record.kv_mode and (
+                    session_id in self.caches.rotations
+                    and receipt.rotated != (self.caches.rotations[session_id] is not None)):
+                # A copy of another chat's receipt (Reopen in…) made with the other setting.
+                why[mode] = ("it measured rotated pages; this chat keeps them unrotated"
+                             if receipt.rotated else
+                             "it measured unrotated pages; this chat rotates them")
         return why
 
     def cache_state(self, session_id: str | None) -> str:

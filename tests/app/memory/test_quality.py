@@ -161,6 +161,18 @@ def test_check_quality_shows_and_stores_the_receipt(qtbot, window) -> None:
     c.select_session(other.id)
     c.select_session(record.id)
     assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
+    # Nor one of pages rotated otherwise than the chat's (a receipt copied by Reopen in…).
+    c.store.save_receipt(record.id, replace(receipt, rotated=not receipt.rotated))
+    c.select_session(other.id)
+    c.select_session(record.id)
+    assert _quality_cell(window, "q4") == "—"
+    said = ("it measured unrotated pages; this chat rotates them" if receipt.rotated
+            else "it measured rotated pages; this chat keeps them unrotated")
+    assert said in panel.quality_label.text()
+    c.store.save_receipt(record.id, receipt)
+    c.select_session(other.id)
+    c.select_session(record.id)
+    assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
     # Nor is one of text the chat no longer is: it says so, and what it said then.
     assert send_and_wait(qtbot, window, "And the sky?") == "complete"
     qtbot.waitUntil(lambda: "out of date" in panel.quality_label.text(), timeout=5_000)
