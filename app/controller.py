@@ -572,16 +572,20 @@ class ChatController(QObject):
             return None
         assert self.current is not None
         retitle = self.current.title == NEW_TITLE
-        if self._editing is not None:
-            row, message_id = self._editing
+        editing = self._editing
+        if editing is not None:
+            row = editing[0]
             # The title came from the first message (not from a rename): it follows the edit.
             retitle = retitle or (row == self._first_user_row()
                                   and self.current.title == _title_of(self.model.message(row)))
-            self.store.delete_messages_from(self.current.id, message_id)
+        with self.store.writing():  # the edit replaces its turns, or nothing changes
+            if editing is not None:
+                self.store.delete_messages_from(self.current.id, editing[1])
+            message_id = self.store.add_message(self.current.id, "user", text, "complete",
+                                                attachments)
+        if editing is not None:
             self._editing = None
-            self.model.truncate(row)
-        message_id = self.store.add_message(self.current.id, "user", text, "complete",
-                                            attachments)
+            self.model.truncate(editing[0])
         return message_id, retitle
 
     def stop(self) -> None:

@@ -354,16 +354,30 @@ class HistoryStore:
         self._db.close()
 
     @contextmanager
-    def _writing(self) -> Iterator[None]:
-        """A write; a disk that is full or read-only raises ``DiskFault``, in words.
+    def writing(self) -> Iterator[None]:
+        """One write of all the statements in the block, or none of them; a disk that
+        is full or read-only raises ``DiskFault``, in words. Inside another block it
+        is part of that one.
 
         Raises:
             DiskFault: the history's folder cannot take the write now (nothing of
                 it was written; the caller keeps what it could not save).
         """
+        if self._db.in_transaction:  # part of the write around it
+            yield
+            return
         try:
-            with self._db:
+            # The connection commits each statement by itself (isolation_level=None):
+            # a block of several is made one here, or a message could be saved
+            # without its files, or an edit's old turns deleted without its new one.
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
                 yield
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
         except sqlite3.OperationalError as error:
             code = _code(error)
             if code not in _WRITE_FAULTS:
@@ -374,7 +388,7 @@ class HistoryStore:
                              "try again") from error
 
     def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        with self._writing():
+        with self.writing():
             return self._put(sql, args)
 
     def _put(self, sql: str, args: tuple) -> sqlite3.Cursor:
@@ -427,7 +441,7 @@ class HistoryStore:
 
     def delete_session(self, session_id: str) -> None:
         """Delete a session with its messages and attachments, and an edit of it kept."""
-        with self._writing():
+        with self.writing():
             self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
             self._db.execute("DELETE FROM app_state WHERE name IN (?, ?)",
                              (EDIT_OF + session_id, EDIT_FILES_OF + session_id))
@@ -463,7 +477,7 @@ class HistoryStore:
             if records is not None:
                 self._set_state(NO_CHAT_DRAFT_ATTACHMENTS, records)
             return
-        with self._writing():
+        with self.writing():
             if text:
                 self._put("INSERT OR REPLACE INTO drafts (session_id, text, updated) "
                           "SELECT ?, ?, ? WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)",
@@ -638,7 +652,7 @@ class HistoryStore:
         """Save a message (and its attachments) at once; returns its id."""
         _check_status(status)
         now = time.time()
-        with self._writing():
+        with self.writing():
             cursor = self._put(
                 "INSERT INTO messages (session_id, role, content, status, created, updated) "
                 "VALUES (?, ?, ?, ?, ?, ?)",

@@ -149,19 +149,20 @@ class SessionActions(QObject):
         if self.activity.refuse_in(self.current.id, "reopening the chat"):
             return None
         source = self.current
-        record = self.store.create_session(f"{source.title} · {mode}", mode, model_id)
-        for message in self.store.messages(source.id):
-            if message.status in ("complete", "stopped", "interrupted") and (
-                message.content or message.attachments
-            ):
-                # An answer cut short stays marked so, with why, in its copy.
-                copied = self.store.add_message(record.id, message.role, message.content,
-                                                message.status, message.attachments)
-                if message.reason or message.stats:  # how the answer was made stays too
-                    self.store.update_message(copied, reason=message.reason,
-                                              stats=message.stats)
-        # Receipts measured the same text: the copy's per-mode table keeps them.
-        self.store.copy_receipts(source.id, record.id)
+        with self.store.writing():  # the whole copy, or no half-copied chat
+            record = self.store.create_session(f"{source.title} · {mode}", mode, model_id)
+            for message in self.store.messages(source.id):
+                if message.status in ("complete", "stopped", "interrupted") and (
+                    message.content or message.attachments
+                ):
+                    # An answer cut short stays marked so, with why, in its copy.
+                    copied = self.store.add_message(record.id, message.role, message.content,
+                                                    message.status, message.attachments)
+                    if message.reason or message.stats:  # how the answer was made stays too
+                        self.store.update_message(copied, reason=message.reason,
+                                                  stats=message.stats)
+            # Receipts measured the same text: the copy's per-mode table keeps them.
+            self.store.copy_receipts(source.id, record.id)
         self.sessionsChanged.emit()
         self.select_session(record.id)
         return record

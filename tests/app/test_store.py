@@ -276,3 +276,24 @@ def test_text_with_a_lone_surrogate_is_saved_with_a_replacement_character() -> N
     assert answered.content == "streamed \ufffd"
     assert (again.draft(chat.id), again.draft(None)) == ("draft \ufffd", "no chat \ufffd")
     again.close()
+
+
+def test_a_write_of_several_statements_is_all_or_nothing(tmp_path) -> None:
+    """A message whose file cannot be stored is not stored without it; an edit whose
+    new turn cannot be stored keeps the turns it was to replace."""
+    import sqlite3
+
+    import pytest
+
+    store = HistoryStore(tmp_path / "history.sqlite3")
+    chat = store.create_session("t", "q8", "demo")
+    first = store.add_message(chat.id, "user", "the first question", "complete")
+    store.add_message(chat.id, "assistant", "its answer", "complete")
+    unstorable = AttachmentRecord("f.txt", 1, "0" * 64, 1, None)  # type: ignore[arg-type]
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_message(chat.id, "user", "a question with a file", "complete", (unstorable,))
+    with pytest.raises(sqlite3.IntegrityError), store.writing():
+        store.delete_messages_from(chat.id, first)
+        store.add_message(chat.id, "user", "the edit", "complete", (unstorable,))
+    reopened = HistoryStore(tmp_path / "history.sqlite3")
+    assert [m.content for m in reopened.messages(chat.id)] == ["the first question", "its answer"]
