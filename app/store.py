@@ -167,7 +167,11 @@ _UNWRITABLE_CODES = (3, 5, 6, 8, 10, 13, 14)
 
 
 # Why a write failed, by SQLite's primary result code (None: ask the folder).
-_WRITE_FAULTS = {13: disk.FULL, 8: disk.READ_ONLY, 3: disk.UNWRITABLE, 10: None, 14: None}
+_WRITE_FAULTS = {13: disk.FULL, 8: disk.READ_ONLY, 3: disk.UNWRITABLE, 10: None, 14: None,
+                 5: disk.IN_USE, 6: disk.IN_USE}
+# Seconds a write waits for another program's write lock before it is said: the
+# window waits with it, and only another program ever holds it.
+LOCK_WAIT = 1.0
 
 
 class DamagedHistory(sqlite3.DatabaseError):
@@ -305,7 +309,8 @@ class HistoryStore:
         else:
             # Created user-only first: SQLite gives its -wal and -shm files the same mode.
             self.path = private_file(path or default_path())
-            self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=5.0)
+            self._db = sqlite3.connect(str(self.path), isolation_level=None,
+                                       timeout=LOCK_WAIT)
         # A byte that is not UTF-8 (a disk's or another tool's) passes SQLite's checks
         # but fails the default decoding of every read of its row, and so every start.
         self._db.text_factory = decoded
@@ -384,7 +389,8 @@ class HistoryStore:
                 raise
             folder = self.path.parent
             cause = _WRITE_FAULTS[code] or disk.probe(folder) or disk.UNWRITABLE
-            raise disk.fault(cause, folder, "Longleaf could not save your chat history",
+            where = self.path if cause == disk.IN_USE else folder
+            raise disk.fault(cause, where, "Longleaf could not save your chat history",
                              "try again") from error
 
     def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:

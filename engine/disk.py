@@ -20,6 +20,7 @@ from engine.errors import DiskFault
 FULL = "full"
 READ_ONLY = "read-only"
 UNWRITABLE = "unwritable"
+IN_USE = "in use"  # another program holds the file's write lock (a database browser)
 _ERRNO_CAUSE = {errno.ENOSPC: FULL, errno.EDQUOT: FULL, errno.EROFS: READ_ONLY,
                 errno.EACCES: UNWRITABLE, errno.EPERM: UNWRITABLE}
 # How MLX's CPU backend reports a kernel it could not compile or load.
@@ -64,8 +65,8 @@ def fault(cause: str, folder: str | os.PathLike[str], doing: str, retry: str) ->
     """A ``DiskFault`` saying ``doing`` failed because ``folder`` is ``cause``.
 
     Args:
-        cause: "full", "read-only" or "unwritable".
-        folder: the folder the write was for.
+        cause: "full", "read-only", "unwritable" or "in use".
+        folder: the folder (or file) the write was for.
         doing: what failed, as the sentence's start ("Longleaf could not …").
         retry: what to do once the folder is fixed ("send the message again").
     """
@@ -73,6 +74,9 @@ def fault(cause: str, folder: str | os.PathLike[str], doing: str, retry: str) ->
     if cause == FULL:
         text = (f"{doing}: the disk holding {where} is full. Free some space on it, "
                 f"then {retry}.")
+    elif cause == IN_USE:
+        text = (f"{doing}: another program is writing to {where} (a database browser or "
+                f"a sync tool may hold it open). Close it, then {retry}.")
     elif cause == READ_ONLY:
         text = (f"{doing}: {where} is on a read-only disk. Make it writable, or start "
                 f"Longleaf with its data folder on a writable disk (LONGLEAF_HOME), then "

@@ -111,7 +111,8 @@ class DiskFault(EngineError):
 
     Attributes:
         folder: the folder (or file) the write was for, as a string.
-        cause: "full", "read-only" or "unwritable".
+        cause: "full", "read-only", "unwritable" or "in use" (another program
+            holds the file's write lock).
     """
 
     def __init__(self, message: str, *, folder: str, cause: str) -> None:

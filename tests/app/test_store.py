@@ -297,3 +297,29 @@ def test_a_write_of_several_statements_is_all_or_nothing(tmp_path) -> None:
         store.add_message(chat.id, "user", "the edit", "complete", (unstorable,))
     reopened = HistoryStore(tmp_path / "history.sqlite3")
     assert [m.content for m in reopened.messages(chat.id)] == ["the first question", "its answer"]
+
+
+def test_a_history_another_program_is_writing_to_is_said_in_words(tmp_path) -> None:
+    """DB Browser (or sqlite3 in a terminal) holding the write lock: a fault the app
+    says and retries, as for a full disk, not a raw "database is locked"."""
+    import sqlite3
+
+    import pytest
+
+    from engine import disk
+    from engine.errors import DiskFault
+
+    path = tmp_path / "history.sqlite3"
+    store = HistoryStore(path)
+    chat = store.create_session("t", "q8", "demo")
+    other = sqlite3.connect(str(path), isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(DiskFault, match="another program is writing to") as held:
+            store.add_message(chat.id, "user", "a question", "complete")
+        assert held.value.cause == disk.IN_USE and str(path) in str(held.value)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    store.add_message(chat.id, "user", "a question", "complete")  # once it lets go
+    assert [m.content for m in store.messages(chat.id)] == ["a question"]
