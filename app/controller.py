@@ -385,8 +385,18 @@ class ChatController(QObject):
     def new_session(self, mode: KvMode | None = None,
                     keep_blank: bool = False) -> SessionRecord | None:
         """Start an empty chat in ``mode`` (default from settings); with ``keep_blank``
-        an empty chat on screen is kept instead (``SessionActions.new_session``)."""
-        return self.sessions.new_session(mode, self.model_id, keep_blank)
+        an empty chat on screen is kept instead (``SessionActions.new_session``).
+        None when the history takes no write (said in the banner)."""
+        try:
+            return self.sessions.new_session(mode, self.model_id, keep_blank)
+        except DiskFault as fault:
+            self._not_done("No new chat was made", fault)
+            return None
+
+    def _not_done(self, what: str, fault: DiskFault) -> None:
+        """Say that an action on the history did not happen, and why (nothing of it
+        was written)."""
+        self.errorRaised.emit(f"{what}. {fault}")
 
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""
@@ -394,7 +404,11 @@ class ChatController(QObject):
 
     def rename_session(self, session_id: str, title: str) -> None:
         """Rename a session."""
-        self.sessions.rename_session(session_id, title)
+        try:
+            self.sessions.rename_session(session_id, title)
+        except DiskFault as fault:
+            self._not_done("The chat was not renamed", fault)
+            return
         record = self.store.session(session_id)
         if record is not None:  # what a waiting chat says it waits for follows
             self.activity.retitle(session_id, record.title)
@@ -402,11 +416,18 @@ class ChatController(QObject):
     def delete_session(self, session_id: str, listed: Sequence[str] | None = None) -> None:
         """Delete a session and free its cache (``listed``: as
         ``SessionActions.delete_session``)."""
-        self.sessions.delete_session(session_id, listed)
+        try:
+            self.sessions.delete_session(session_id, listed)
+        except DiskFault as fault:
+            self._not_done("The chat was not deleted", fault)
 
     def reopen_in(self, mode: KvMode) -> SessionRecord | None:
         """Copy the conversation into a new session in ``mode`` and re-ingest it."""
-        record = self.sessions.reopen_in(mode, self.model_id)
+        try:
+            record = self.sessions.reopen_in(mode, self.model_id)
+        except DiskFault as fault:
+            self._not_done(f"The chat was not reopened in {mode}", fault)
+            return None
         if record is not None and self.model_ready and self.model.rowCount():
             self.answers.start_ingest(record)
         return record
@@ -628,7 +649,11 @@ class ChatController(QObject):
         if not self.can_regenerate() or not self.model_ready or self.current is None:
             return
         row = self.model.rowCount() - 1
-        self.store.delete_messages_from(self.current.id, self.model.message(row).message_id)
+        try:
+            self.store.delete_messages_from(self.current.id, self.model.message(row).message_id)
+        except DiskFault as fault:
+            self._not_done("The answer was not made again", fault)
+            return
         self.model.truncate(row)
         self.answers.start_chat(self.current)
 

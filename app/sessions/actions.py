@@ -72,8 +72,8 @@ class SessionActions(QObject):
     def _set_mode(self, record: SessionRecord, mode: KvMode) -> SessionRecord | None:
         if record.kv_mode == mode:
             return record
-        self.caches.forget(record.id)  # nothing of it is held or stored in the old mode
         self.store.set_mode(record.id, mode)
+        self.caches.forget(record.id)  # nothing of it is held or stored in the old mode
         self.current = self.store.session(record.id)
         self.currentSessionChanged.emit(self.current)
         self.sessionsChanged.emit()
@@ -126,8 +126,8 @@ class SessionActions(QObject):
         if self.activity.refuse_in(session_id, "deleting its chat"):
             return
         order = list(listed) if listed is not None else [s.id for s in self.store.sessions()]
+        self.store.delete_session(session_id)  # first: a history that takes no write keeps all
         self.caches.forget(session_id)
-        self.store.delete_session(session_id)
         if self.current and self.current.id == session_id:
             self._before_switch()  # an edit of it goes with it, also with no chat after
             self.current = None

@@ -459,3 +459,31 @@ def test_deleting_the_chat_shown_from_a_searched_list_shows_one_the_list_holds(q
         assert c.current is not None and c.current.id == ids["beta plan"]
     finally:
         close_scripted(scripted)
+
+
+def test_a_history_that_takes_no_write_refuses_each_action_in_words(app) -> None:
+    """Rename, delete, a new chat, Reopen in… and regenerate on a read-only disk:
+    each says it did not happen and why, and nothing of it is half done."""
+    c, bridge, worker = app.c, app.bridge, app.worker
+    said: list[str] = []
+    c.errorRaised.connect(said.append)
+    chat = c.new_session("q8")
+    assert c.send("a question")
+    _open(app, chat.id)
+    request, _args, _cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(request, "An answer.", (1,)))
+    bridge._dispatch(Finished(request, "stop"))
+    app.store._db.execute("PRAGMA query_only = 1")  # every write refused: a read-only disk
+    sessions = [s.id for s in app.store.sessions()]
+    c.rename_session(chat.id, "Pines")
+    c.delete_session(chat.id)
+    assert c.new_session("q4") is None
+    assert c.reopen_in("q4") is None
+    c.regenerate()
+    assert [line.split(".")[0] for line in said] == [
+        "The chat was not renamed", "The chat was not deleted", "No new chat was made",
+        "The chat was not reopened in q4", "The answer was not made again"]
+    assert all("read-only disk" in line for line in said), said
+    assert [s.id for s in app.store.sessions()] == sessions and c.current.id == chat.id
+    assert [m.content for m in app.store.messages(chat.id)] == ["a question", "An answer."]
+    assert c.model.rowCount() == 2
