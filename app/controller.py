@@ -66,6 +66,8 @@ MAX_READS_TRACKED = 256  # reads whose first chunk was seen (ids only; a clear c
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
 QUIT_UNSAVED = ("Longleaf could not save every answer of this session yet (its data folder "
                 "is full or read-only). Quit anyway and lose what was not saved?")
+QUIT_DRAFT_UNSAVED = ("Longleaf could not save a draft you wrote (its data folder is full, "
+                      "read-only or in use). Quit anyway and lose it?")
 
 
 class ChatController(QObject):

@@ -163,13 +163,23 @@ class Drafts(QObject):
         try:
             self.store.set_draft(session_id, text, None if unchanged else files)
         except DiskFault as fault:
-            if session_id not in self._unsaved:
+            if not self._unsaved:  # said once while any draft waits
                 log.warning("draft kept in memory only: %s", fault)
+                self.controller.errorRaised.emit(
+                    f"Your draft is kept in this window only, until the history takes it "
+                    f"again; quitting before then loses it. {fault}")
             self._unsaved[session_id] = (text, files)
             self._files_saved = None
             return
         self._unsaved.pop(session_id, None)
         self._files_saved = (session_id, files)
+
+    def kept_unsaved(self) -> bool:
+        """Whether a draft is still kept in memory only once each is tried again."""
+        for session_id, (text, files) in list(self._unsaved.items()):
+            self._files_saved = None
+            self._save(session_id, text, files)
+        return bool(self._unsaved)
 
     def _draft(self, session_id: str | None) -> tuple[str, tuple[AttachmentRecord, ...]]:
         """The draft of ``session_id``: the one kept in memory, else the saved one."""

@@ -36,7 +36,7 @@ from app.chat.attachments import (
 from app.chat.composer import READING, Composer
 from app.chat.conversation_view import ConversationView
 from app.chat.drafts import Drafts
-from app.controller import ChatController
+from app.controller import QUIT_DRAFT_UNSAVED, ChatController
 from app.format import human_duration, unbroken, visible_text
 from app.local_server import ServerStatus, status_text
 from app.memory.api_sessions import ApiSessionsFeed
@@ -615,7 +615,9 @@ class MainWindow(QMainWindow):
         # Nothing here waits: the history is saved and the engine told to stop,
         # and the window goes away at once. ``finish_closing`` then joins the
         # threads, after the window is gone.
-        question = self.controller.quit_question()
+        self.drafts.save_now()
+        question = self.controller.quit_question() or (
+            QUIT_DRAFT_UNSAVED if self.drafts.kept_unsaved() else "")
         if question and not self._quit_confirmed():
             event.ignore()
             self._ask_quit(question)

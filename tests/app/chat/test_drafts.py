@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox, QPushButton
 
-from app.controller import QUIT_WHILE_ANSWERING
+from app.controller import QUIT_DRAFT_UNSAVED, QUIT_WHILE_ANSWERING
 from app.store import EditRecord, HistoryStore, SessionRecord
 from app.window.quit_box import QUIT
 from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window
@@ -39,6 +39,8 @@ def test_drafts_the_history_cannot_take_stay_in_memory_across_switches(qtbot, wi
     first = c.new_session("q8")
     second = c.new_session("q4")
     c.select_session(first.id)
+    said: list[str] = []
+    c.errorRaised.connect(said.append)
     c.store._db.execute("PRAGMA query_only = 1")  # a read-only disk, as SQLite reports it
     try:
         _type(qtbot, window, "typed while the disk refuses writes")
@@ -46,9 +48,13 @@ def test_drafts_the_history_cannot_take_stay_in_memory_across_switches(qtbot, wi
         assert window.composer.text() == ""
         c.select_session(first.id)
         assert window.composer.text() == "typed while the disk refuses writes"
+        # Said once, and asked before a quit would lose it.
+        assert len(said) == 1 and said[0].startswith("Your draft is kept in this window only")
+        assert "read-only disk" in said[0]
+        assert window.drafts.kept_unsaved()
     finally:
         c.store._db.execute("PRAGMA query_only = 0")
-    c.select_session(second.id)  # the disk takes writes again: the draft is saved
+    assert not window.drafts.kept_unsaved()  # tried again: the history takes it now
     assert c.store.draft(first.id) == "typed while the disk refuses writes"
 
 
@@ -376,3 +382,21 @@ def test_a_file_still_read_when_its_chat_is_left_goes_to_that_chats_draft(
     assert record.name == "pines.md"
     c.select_session(dropped_in.id)
     assert tuple(window.attachments.values()) == (record,)
+
+
+def test_quitting_with_a_draft_the_history_cannot_take_asks_first(qtbot, tiny_llama) -> None:
+    window = open_window(qtbot, tiny_llama)
+    c = window.controller
+    try:
+        c.new_session("q8")
+        c.store._db.execute("PRAGMA query_only = 1")  # a read-only disk
+        _type(qtbot, window, "a reply I have not sent")
+        window.close()
+        box = window.quit_box
+        assert window.isVisible() and box is not None and box.isVisible()
+        assert box.text() == QUIT_DRAFT_UNSAVED
+        box.button(QMessageBox.StandardButton.Cancel).click()
+        assert window.isVisible() and window.composer.text() == "a reply I have not sent"
+    finally:
+        c.store._db.execute("PRAGMA query_only = 0")
+        close_window(window)
