@@ -330,9 +330,11 @@ class Settings:
         else:
             self._qs.setValue(key, value)
 
-    def sync(self) -> None:
-        """Write pending changes to disk."""
+    def sync(self) -> bool:
+        """Write pending changes to disk; False when the file could not be written
+        (a full or read-only disk): they hold for this run only."""
         self._qs.sync()
+        return self._qs.status() == QSettings.Status.NoError
 
     def stored(self) -> dict[str, object]:
         """Every key the file holds now, with its raw value (what a user set)."""

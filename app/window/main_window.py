@@ -72,6 +72,9 @@ MODEL_STATE_WIDTH = 200  # the toolbar's model state text, in pixels at most
 MINIMUM_SIZE = QSize(1024, 700)
 
 
+SETTINGS_UNSAVED = ("Your settings apply until Longleaf quits but could not be saved: {} "
+                    "cannot be written (a full or read-only disk).")
+
 class MainWindow(QMainWindow):
     """Longleaf's window."""
 
@@ -598,6 +601,9 @@ class MainWindow(QMainWindow):
         """The Settings dialog."""
         if SettingsDialog(self.settings, self, self.controller.sampling(),
                           model_folder=self.controller.model_id).exec():
+            if not self.settings.sync():
+                self.banner.show_message(SETTINGS_UNSAVED.format(self.settings.path),
+                                         "error")
             self.model_picker.refresh(self.settings.model_folders)
             self.controller.bridge.configure(self.settings.memory_budget_bytes,
                                              self.settings.ingest_chunk,

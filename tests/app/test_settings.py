@@ -169,6 +169,7 @@ def test_a_read_only_data_folder_without_a_config_folder_keeps_settings_for_the_
     assert s.path == home / "config" / "settings.ini" and s.default_mode == "q8"
     s.default_mode = "q6"
     assert s.default_mode == "q6"  # kept for this run
+    assert not s.sync()  # and said to be: the window's banner tells the user
     assert list(home.iterdir()) == []
 
 

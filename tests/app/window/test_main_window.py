@@ -449,3 +449,14 @@ def test_before_a_model_is_loaded_the_panel_shows_no_bare_dashes(qtbot, bare_win
     panel = bare_window.panel
     shown = [label.text() for label in panel.findChildren(QLabel) if label.isVisible()]
     assert "—" not in shown, shown
+
+
+def test_settings_that_cannot_be_saved_are_said_to_hold_for_this_run(
+        bare_window, monkeypatch) -> None:
+    from app.window import main_window
+
+    monkeypatch.setattr(main_window.SettingsDialog, "exec", lambda dialog: 1)  # OK pressed
+    monkeypatch.setattr(bare_window.settings, "sync", lambda: False)  # a read-only disk
+    bare_window.open_settings()
+    assert bare_window.banner.label.text() == main_window.SETTINGS_UNSAVED.format(
+        bare_window.settings.path)
