@@ -169,8 +169,15 @@ def test_a_read_only_data_folder_without_a_config_folder_keeps_settings_for_the_
     assert s.path == home / "config" / "settings.ini" and s.default_mode == "q8"
     s.default_mode = "q6"
     assert s.default_mode == "q6"  # kept for this run
-    assert not s.sync()  # and said to be: the window's banner tells the user
     assert list(home.iterdir()) == []
+
+
+def test_a_settings_file_that_cannot_be_written_is_said_not_saved() -> None:
+    # /proc takes no new file, also for root (whom permission bits do not stop).
+    s = Settings(Path("/proc/longleaf-test/settings.ini"))
+    s.default_mode = "q6"
+    assert s.default_mode == "q6"  # kept for this run
+    assert not s.sync()  # and said to be: the window's banner tells the user
 
 
 def test_an_older_data_folder_file_moves_to_the_config_folder() -> None:
