@@ -285,24 +285,40 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def _attention_shape(config: dict[str, Any]) -> tuple[int, int]:
     """(KV heads, values per head) of a full-attention layer's cache; where keys and
-    values differ in width (MLA), their mean, so the bytes come out right."""
+    values differ in width (MLA), their mean, so the bytes come out right.
+
+    Raises:
+        TypeError: a width or count in the config is not a whole number.
+    """
     text = _text_config(config)
-    heads = int(text.get("num_attention_heads") or text.get("n_head") or 0)
-    kv_heads = int(text.get("num_key_value_heads") or text.get("n_kv_heads") or heads)
-    head_dim = int(text.get("head_dim") or 0)
+    heads = _whole(text, "num_attention_heads", "n_head")
+    kv_heads = _whole(text, "num_key_value_heads", "n_kv_heads") or heads
+    head_dim = _whole(text, "head_dim")
     if not head_dim and heads:
-        head_dim = int(text.get("hidden_size", 0)) // heads
-    rank, rope = int(text.get("kv_lora_rank") or 0), int(text.get("qk_rope_head_dim") or 0)
+        head_dim = _whole(text, "hidden_size") // heads
+    rank, rope = _whole(text, "kv_lora_rank"), _whole(text, "qk_rope_head_dim")
     if rank and str(config.get("model_type")) in LATENT_KV:
         return 1, -(-(rank + rope) // 2)
     if rank:  # every head's keys (compressed part and rope part) and values
-        values = int(text.get("v_head_dim") or head_dim)
-        return heads, -(-(int(text.get("qk_nope_head_dim") or 0) + rope + values) // 2)
-    if text.get("global_head_dim"):  # Gemma 4: its full layers' heads are wider
-        if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
-            kv_heads = int(text["num_global_key_value_heads"])
-        return kv_heads, int(text["global_head_dim"])
+        values = _whole(text, "v_head_dim") or head_dim
+        return heads, -(-(_whole(text, "qk_nope_head_dim") + rope + values) // 2)
+    if _whole(text, "global_head_dim"):  # Gemma 4: its full layers' heads are wider
+        if text.get("attention_k_eq_v") and _whole(text, "num_global_key_value_heads"):
+            kv_heads = _whole(text, "num_global_key_value_heads")
+        return kv_heads, _whole(text, "global_head_dim")
     return kv_heads, head_dim
+
+
+def _whole(text: dict[str, Any], *keys: str) -> int:
+    """The first of ``keys`` the config sets (0: none).
+
+    Raises:
+        TypeError: it is not a whole number ("8", 8.0).
+    """
+    value = next((text[key] for key in keys if text.get(key) is not None), 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{keys[0]} is {value!r}, not a whole number")
+    return value
 
 
 def max_context(config: dict[str, Any]) -> int:
