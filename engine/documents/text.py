@@ -87,9 +87,9 @@ def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str
                 f"“{name}” isn't readable text: {replaced:,} of its {total:,} bytes are not "
                 f"valid {label}. Save it as UTF-8 text and try again."
             )
-        were = "bytes" if replaced != 1 else "byte"
-        notes = (f"{replaced:,} {were} of “{name}” {'were' if replaced != 1 else 'was'} not "
-                 f"valid {label} and {'were' if replaced != 1 else 'was'} replaced with �.",)
+        bytes_, were = ("byte", "was") if replaced == 1 else ("bytes", "were")
+        notes = (f"{replaced:,} {bytes_} of “{name}” {were} not valid {label} and {were} "
+                 "replaced with �.",)
     if encoding == LEGACY:
         notes = (f"“{name}” is not UTF-8: it was read as {label} text.", *notes)
     return text, digest.hexdigest(), notes
