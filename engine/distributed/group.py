@@ -184,7 +184,8 @@ class Group:
         first = killed[:1] or ([next(iter(exited))] if exited else [])
         failed = suspects if len(suspects) == 1 else first or suspects
         lines = [line for line in stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("error:")]
+        remote = bool(failed) and self.machine(failed[0]) != "this machine"
+        errors = said_errors(done, remote)
         if failed and failed[0] in self.stalled:
             detail = (f": it stopped responding (no sign of life for {STALL_SECONDS:.0f} s; "
                       "is the machine asleep, or its process stopped?)")
@@ -206,6 +207,21 @@ class Group:
         which = ", ".join(f"rank {rank}" for rank in failed) or "a rank"
         where = f" ({self.machine(failed[0])})" if failed else ""
         return f"The pipeline run failed on {which}{where}{detail}"
+
+
+def said_errors(done: subprocess.CompletedProcess[str], remote: bool = False) -> list[str]:
+    """The ranks' ``error:`` lines, in the order said.
+
+    mlx.launch starts a rank on another machine through ``ssh -tt``, whose terminal
+    merges the rank's stderr into its stdout (with terminal line ends). The last
+    line is the one a message quotes: with ``remote`` it is stdout's, the cause a
+    remote rank said being more telling than its local peers' lost link.
+    """
+    def errors(text: str | None) -> list[str]:
+        return [line.rstrip("\r") for line in (text or "").splitlines()
+                if line.startswith("error:")]
+    local, merged = errors(done.stderr), errors(done.stdout)
+    return local + merged if remote else merged + local
 
 
 def _fill(stdin: IO[str] | None) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from engine.distributed.alive import guard_links, start_beating
-from engine.distributed.group import LOCAL_HOSTS, RING_FAILED, Group
+from engine.distributed.group import LOCAL_HOSTS, RING_FAILED, Group, said_errors
 from engine.errors import EngineError
 
 if TYPE_CHECKING:  # MLX is imported where a rank joins: the launcher runs without it
@@ -45,9 +45,26 @@ RING_ATTEMPTS = 3  # starts of local ranks, each on other ports
 
 
 def rank_report_dir() -> Path | None:
-    """The folder a launched rank reports into; None outside a pipeline launch."""
+    """The folder a launched rank reports into; None outside a pipeline launch.
+
+    The launcher's folder is on the launcher's disk: a rank on another machine
+    (a hostfile's host) gets a folder of its own there, as ``launch`` says its
+    share stays on its own disk.
+
+    Raises:
+        EngineError: this machine has no room for the rank's folder.
+    """
     folder = os.environ.get(REPORT_DIR)
-    return Path(folder) if folder else None
+    if not folder:
+        return None
+    if Path(folder).is_dir():
+        return Path(folder)
+    try:
+        return Path(tempfile.mkdtemp(prefix="pipeline-"))
+    except OSError as error:
+        raise EngineError(f"This machine cannot make the pipeline rank's folder for its "
+                          f"reports ({error.strerror or error}). Free some disk space, "
+                          "then load the model again.") from error
 
 
 def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
@@ -103,9 +120,8 @@ def launch(argv: Sequence[str], ranks: int, seed: int | None, out: TextIO,
 
 def ring_error(done: subprocess.CompletedProcess[str]) -> str:
     """What MLX said when the ring did not form (the ranks' last ``error:`` line)."""
-    errors = [line.removeprefix("error: ") for line in (done.stderr or "").splitlines()
-              if line.startswith("error: ")]
-    return errors[-1].rstrip(".") if errors else "no rank said why"
+    errors = said_errors(done)
+    return errors[-1].removeprefix("error:").strip().rstrip(".") if errors else "no rank said why"
 
 
 def ring_retry(command: Sequence[str], ranks: int, done: subprocess.CompletedProcess[str]) -> str:

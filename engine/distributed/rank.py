@@ -26,7 +26,12 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.distributed.launch import join_group, rank_report_dir, write_rank_report
+from engine.distributed.launch import (
+    REPORT_DIR,
+    join_group,
+    rank_report_dir,
+    write_rank_report,
+)
 from engine.distributed.link import ADDRESS_ENV, KEY_ENV
 from engine.errors import EngineError
 from engine.events import Event, Failed, Finished, renumbered, request_id_of
@@ -211,14 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=None)
     parser.add_argument("--read-share", type=float, default=DEFAULT_READ_SHARE)
     args = parser.parse_args(argv)
-    folder = rank_report_dir()
-    if folder is None:
+    if os.environ.get(REPORT_DIR) is None:
         print("error: this is one rank of the app's pipeline; mlx.launch starts it.",
               file=sys.stderr)
         return 2
-    group = join_group(folder)
-    rank = group.rank()
     try:
+        folder = rank_report_dir()
+        assert folder is not None  # the launcher set REPORT_DIR
+        group = join_group(folder)
+        rank = group.rank()
         if rank != 0:
             from engine.distributed.follower import follow
 

@@ -114,3 +114,16 @@ def test_a_killed_rank_is_the_cause_even_when_its_peer_was_seen_to_end_first(
               "Node with rank 0 exited with code -15\n")
     message = group.failure(subprocess.CompletedProcess([], 1, "", stderr), [0, 1])
     assert message == "The pipeline run failed on rank 1 (this machine): error: No room."
+
+
+def test_a_remote_ranks_own_error_is_quoted_from_its_ssh_terminal(tmp_path: Path) -> None:
+    # Over ssh -tt a remote rank's stderr arrives on the launcher's stdout, with
+    # terminal line ends; its local peer reports only the link it lost.
+    group = Group([sys.executable, "-c", "pass"], {}, tmp_path, 2, ["127.0.0.1", "mac2.local"])
+    group.watch()
+    stdout = "error: This Mac has no room for the model's layers.\r\n"
+    stderr = ("error: The engine hit an unexpected error (RuntimeError: [ring] connection "
+              "to a peer was lost).\nNode with rank 1 exited with code 1\n")
+    message = group.failure(subprocess.CompletedProcess([], 1, stdout, stderr), [1])
+    assert message == ("The pipeline run failed on rank 1 (mac2.local): error: This Mac has "
+                       "no room for the model's layers.")
