@@ -139,6 +139,10 @@ class Group:
             else:
                 self._beats[rank] = time.monotonic()
 
+    def silent_ranks(self) -> list[int]:
+        """Ranks that never gave a sign of life: their group never formed with them."""
+        return [rank for rank in range(self.ranks) if rank not in self._beats]
+
     def lost_ranks(self) -> list[int]:
         """Ranks whose process has gone without writing a report."""
         lost = []

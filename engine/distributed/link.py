@@ -143,8 +143,7 @@ class Link:
 
     def connect(self) -> bool:
         """Wait for rank 0's connection; False when the group ended first (reported)."""
-        timer = threading.Timer(CONNECT_TIMEOUT, self._force_end,
-                                (f"rank 0 did not connect within {CONNECT_TIMEOUT:.0f} s",))
+        timer = threading.Timer(CONNECT_TIMEOUT, self._connect_timed_out)
         timer.daemon = True
         timer.start()
         try:
@@ -231,6 +230,17 @@ class Link:
         conn.close()
         if not self.stopping and not self.ended.wait(DROP_GRACE):
             self._force_end("rank 0 (this machine) closed its connection to the app")
+
+    def _connect_timed_out(self) -> None:
+        """End a group rank 0 never connected from, naming the ranks that never
+        started (a Mac asleep, unreachable, or not answering ssh)."""
+        silent = self.group.silent_ranks()
+        where = ", ".join(f"rank {rank} ({self.group.machine(rank)})" for rank in silent)
+        why = (f"rank 0 did not connect within {CONNECT_TIMEOUT:.0f} s: "
+               + (f"{where} never started. Check that each machine is awake and reaches "
+                  "the others at the hostfile's addresses" if silent else
+                  "every rank had started, but the model's load took longer"))
+        self._force_end(why)
 
     def _force_end(self, why: str) -> None:
         with self._group_lock:

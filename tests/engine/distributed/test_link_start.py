@@ -165,3 +165,24 @@ def test_a_hostfiles_ring_that_did_not_form_is_said_in_words(tmp_path: Path) -> 
         "each other ([ring] Couldn't connect (error: 111)). Check that each machine reaches "
         "the others at the hostfile's addresses and that no other program uses the ring's "
         "ports")
+
+
+def test_a_mac_that_never_starts_its_rank_is_named_when_the_wait_ends(
+        stand_in, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(link, "CONNECT_TIMEOUT", 1.0)
+    # Rank 0 (this Mac) beat; rank 1 on the other Mac never did.
+    monkeypatch.setattr(StandIn, "_beats", {0: 1.0}, raising=False)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('{"hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, '
+                        '{"ssh": "mac2.local", "ips": ["10.0.0.2"]}]}', encoding="utf-8")
+    seen = Seen()
+    started = Link(["--model", "m"], 2, hostfile, seen.messages.append,
+                   lambda _link, message: seen.lost.append(message), seen.notices.append)
+    started.start()
+    assert not started.connect()
+    for thread in started._threads:
+        thread.join(10)
+    assert seen.lost == [
+        "The pipeline run failed: rank 0 did not connect within 1 s: rank 1 (mac2.local) "
+        "never started. Check that each machine is awake and reaches the others at the "
+        f"hostfile's addresses. {RESTART_HINT}"]
