@@ -12,7 +12,9 @@ import re
 import time
 import unicodedata
 
-from engine import GB, human_bytes
+from engine import GB, MODES, KvMode, human_bytes
+
+MODE_SEPARATOR = " · "  # between a reopened chat's title and its mode
 
 __all__ = ["GB", "human_bytes", "human_duration", "relative_time"]
 
@@ -83,6 +85,15 @@ def title_from(text: str, limit: int = 200) -> str:
     if space > limit // 2:
         cut = cut[:space]
     return cut.rstrip(" ,;:.-")
+
+
+def reopened_title(title: str, mode: KvMode) -> str:
+    """The title of ``title``'s copy in ``mode``: "Notes · q6" reopened in q4 is
+    "Notes · q4", not a title that grows by a mode each time."""
+    base, separator, last = title.rpartition(MODE_SEPARATOR)
+    if separator and last in MODES:
+        title = base
+    return f"{title}{MODE_SEPARATOR}{mode}"
 
 
 def short_title(title: str, limit: int = 40) -> str:

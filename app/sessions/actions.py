@@ -13,7 +13,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity
 from app.chat.model import ChatMessage, ChatModel
-from app.format import short_title, title_from
+from app.format import reopened_title, short_title, title_from
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
 from app.store import HistoryStore, SessionRecord
@@ -150,7 +150,8 @@ class SessionActions(QObject):
             return None
         source = self.current
         with self.store.writing():  # the whole copy, or no half-copied chat
-            record = self.store.create_session(f"{source.title} · {mode}", mode, model_id)
+            record = self.store.create_session(reopened_title(source.title, mode), mode,
+                                               model_id)
             for message in self.store.messages(source.id):
                 if message.status in ("complete", "stopped", "interrupted") and (
                     message.content or message.attachments

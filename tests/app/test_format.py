@@ -7,7 +7,7 @@ import html
 import pytest
 from PySide6.QtCore import Qt
 
-from app.format import title_from
+from app.format import reopened_title, title_from
 
 
 @pytest.mark.parametrize(
@@ -72,3 +72,11 @@ def test_a_figure_made_unbroken_stays_on_one_line_however_narrow(qapp, figure: s
         lines += 1
     layout.endLayout()
     assert lines == 1
+
+
+def test_a_reopened_chats_title_names_its_mode_once() -> None:
+    assert reopened_title("Pine notes", "q6") == "Pine notes · q6"
+    # Reopened again: the mode is replaced, not appended (was "… · q6 · q4 · q8").
+    assert reopened_title(reopened_title("Pine notes", "q6"), "q4") == "Pine notes · q4"
+    # A title that merely ends in other words after the separator keeps them.
+    assert reopened_title("Budget · 2026", "q8") == "Budget · 2026 · q8"
