@@ -501,7 +501,7 @@ class ChatController(QObject):
         (in the chat's mode) pages rotated otherwise than the chat's."""
         if not session_id:
             return {}
-        changed = self.store.outdated_receipts(session_id)
+        changed = self.store.outdated_receipts(session_id, self.settings.system_prompt)
         loaded = self.model_info.name if self.model_info is not None else None
         record = self.store.session(session_id)
         why = {}

@@ -95,8 +95,11 @@ SCHEMA_VERSION = 1
 # Every column of sessions, as SessionRecord takes them: named, never ``*``, so a
 # column a later version adds does not shift them.
 SESSION_COLUMNS = "id, title, kv_mode, model_id, tokens, created, updated"
-# The key a stored quality receipt keeps the digest of the text it measured under.
-MEASURED_TEXT = "measured_text"
+# The key a stored quality receipt keeps the digest of the text it measured under:
+# the text the engine read (system prompt first, failed turns left out). Receipts
+# stored before kept the digest of every stored message under the older key.
+MEASURED_TEXT = "measured_read"
+MEASURED_ROWS = "measured_text"
 # app_state names: the chat on screen, and what was typed while no chat was.
 LAST_SESSION = "last_session"
 NO_CHAT_DRAFT = "draft"
@@ -583,49 +586,67 @@ class HistoryStore:
 
     # Quality receipts -----------------------------------------------------
 
-    def save_receipt(self, session_id: str, receipt: QualityReceipt) -> None:
+    def save_receipt(self, session_id: str, receipt: QualityReceipt, system_prompt: str) -> None:
         """Keep a chat's quality receipt, with a digest of the text it measured (the
-        chat's now: a check runs as its chat's job, nothing is sent meanwhile); it
-        replaces the one of the same mode."""
-        kept = {**dataclasses.asdict(receipt), MEASURED_TEXT: self._text_digest(session_id)}
+        chat's now under ``system_prompt``: a check runs as its chat's job, nothing is
+        sent meanwhile); it replaces the one of the same mode."""
+        kept = {**dataclasses.asdict(receipt),
+                MEASURED_TEXT: self._read_digest(session_id, system_prompt)}
         self._write("INSERT OR REPLACE INTO quality_receipts (session_id, mode, receipt, updated) "
                     "VALUES (?, ?, ?, ?)",
                     (session_id, receipt.mode, json.dumps(kept), time.time()))
         self._write("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
 
-    def outdated_receipts(self, session_id: str) -> set[str]:
-        """The modes whose receipt measured other text than the chat holds now (a
-        message sent, edited, regenerated or deleted since)."""
+    def outdated_receipts(self, session_id: str, system_prompt: str) -> set[str]:
+        """The modes whose receipt measured other text than the engine reads for the
+        chat now under ``system_prompt`` (a message sent, edited, regenerated or
+        deleted since, or another system prompt)."""
         rows = self._db.execute(
             "SELECT mode, receipt FROM quality_receipts WHERE session_id = ?",
             (session_id,)).fetchall()
         if not rows:
             return set()  # nothing to compare: the chat's text is not read
-        now = self._text_digest(session_id)
+        now = {MEASURED_TEXT: self._read_digest(session_id, system_prompt),
+               MEASURED_ROWS: self._rows_digest(session_id)}
         outdated = set()
         for mode, text in rows:
             try:
-                measured = json.loads(text).get(MEASURED_TEXT)
+                kept = json.loads(text)
+                key = next((k for k in now if kept.get(k) is not None), None)
             except (ValueError, AttributeError):
                 continue  # unreadable: ``receipts`` leaves it out
-            if measured is not None and measured != now:  # older receipts carry none
+            if key is not None and kept[key] != now[key]:  # the oldest receipts carry none
                 outdated.add(mode)
         return outdated
 
-    def _text_digest(self, session_id: str) -> str:
-        """sha256 of a chat's messages as the engine reads them: roles, texts and the
-        attached files' hashes (their text is in the attachment rows)."""
+    def _read_digest(self, session_id: str, system_prompt: str) -> str:
+        """sha256 of a chat as the engine reads it: the system prompt, then each turn
+        ``read_by_engine`` keeps with its role, text and attached files' hashes."""
+        digest = hashlib.sha256(json.dumps(["system", system_prompt]).encode())
+        for role, content, status, files in self._digest_rows(session_id):
+            if read_by_engine(role, content, status):
+                digest.update(json.dumps([role, content, files]).encode())
+        return digest.hexdigest()
+
+    def _rows_digest(self, session_id: str) -> str:
+        """sha256 of every stored message (what receipts stored before kept)."""
         digest = hashlib.sha256()
+        for role, content, _status, files in self._digest_rows(session_id):
+            digest.update(json.dumps([role, content, files]).encode())
+        return digest.hexdigest()
+
+    def _digest_rows(self, session_id: str) -> Iterator[tuple[str, str, str, list[str]]]:
+        """A chat's messages in order: role, text, status and attached files' hashes
+        (their text is in the attachment rows)."""
         files: dict[int, list[str]] = {}
         for message_id, sha in self._db.execute(
             "SELECT a.message_id, a.sha256 FROM attachments a JOIN messages m "
             "ON m.id = a.message_id WHERE m.session_id = ? ORDER BY a.id", (session_id,)):
             files.setdefault(message_id, []).append(sha)
-        for message_id, role, content in self._db.execute(
-            "SELECT id, role, content FROM messages WHERE session_id = ? ORDER BY id",
-                (session_id,)):
-            digest.update(json.dumps([role, content, files.get(message_id, [])]).encode())
-        return digest.hexdigest()
+        for message_id, role, content, status in self._db.execute(
+            "SELECT id, role, content, status FROM messages WHERE session_id = ? ORDER BY id",
+                (session_id,)).fetchall():
+            yield role, content, status, files.get(message_id, [])
 
     def receipts(self, session_id: str) -> dict[str, QualityReceipt]:
         """A chat's quality receipts by mode (none for a history older than receipts)."""
@@ -786,6 +807,12 @@ def _storable(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def read_by_engine(role: str, content: str, status: str) -> bool:
+    """Whether a turn is part of the conversation the engine reads: failed turns
+    (and user turns set aside as too long) and empty answers never are."""
+    return status != "failed" and not (role == "assistant" and not content)
 
 
 def _check_status(status: str) -> None:

@@ -23,7 +23,7 @@ from PySide6.QtCore import (
     Signal,
 )
 
-from app.store import AttachmentRecord, MessageRecord
+from app.store import AttachmentRecord, MessageRecord, read_by_engine
 
 FLUSH_INTERVAL_MS = 30
 # Streamed text is shown at most so often that showing it keeps the GUI thread busy
@@ -219,7 +219,7 @@ class ChatModel(QAbstractListModel):
         self.flush()
         out = [{"role": "system", "content": system_prompt}] if system_prompt else []
         for row in self._rows:
-            if row.status == "failed" or (row.role == "assistant" and not row.content):
+            if not read_by_engine(row.role, row.content, row.status):
                 continue
             out.append({"role": row.role, "content": engine_content(row)})
         return out

@@ -173,20 +173,24 @@ class QualityCheck(QObject):
             self.notice.emit(f"Checking {session.kv_mode} against fp16 on the last "
                              f"≤ {WINDOW:,} tokens of this chat… Stop cancels.")
 
+        # What the receipt measured, to tell later whether it still speaks for the chat.
+        system_prompt = messages[0]["content"] if messages and messages[0]["role"] == "system" \
+            else ""
+
         def submit() -> None:
-            rid = self.bridge.check_quality(session.id, messages,
-                                            lambda event: self._handle(job, event))
+            rid = self.bridge.check_quality(
+                session.id, messages, lambda event: self._handle(job, event, system_prompt))
             if self.activity.submitted(job, rid):  # Stop was pressed while the cache opened
                 self.bridge.cancel(rid)
 
         self.caches.ensure_open(session, submit, lambda event: self._failed(job, event))
 
-    def _handle(self, job: Job, event: Event) -> None:
+    def _handle(self, job: Job, event: Event, system_prompt: str) -> None:
         if isinstance(event, QualityProgress):
             self.activity.note(job, progress=event)
             self.progress.emit(event)
         elif isinstance(event, QualityChecked):
-            self._checked(event)
+            self._checked(event, system_prompt)
         elif isinstance(event, Finished):
             if event.reason == "cancelled":
                 self.notice.emit(self.sessions.about(
@@ -195,11 +199,11 @@ class QualityCheck(QObject):
         elif isinstance(event, Failed):
             self._failed(job, event)
 
-    def _checked(self, event: QualityChecked) -> None:
+    def _checked(self, event: QualityChecked, system_prompt: str) -> None:
         # A receipt: kept with its chat, and said while that chat is shown.
         if self.store.session(event.session_id) is None:
             return  # deleted meanwhile
-        self.store.save_receipt(event.session_id, event.receipt)
+        self.store.save_receipt(event.session_id, event.receipt, system_prompt)
         self.checked.emit(event.session_id, event.receipt)
         if self.sessions.shown(event.session_id):
             self.notice.emit(f"{receipt_line(event.receipt)}. {advice(event.receipt)}")

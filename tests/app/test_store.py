@@ -200,7 +200,7 @@ def test_an_answer_ending_and_a_quality_check_count_as_the_chats_activity(
     assert store.session(chat.id).updated == 3_000.0
     now[0] = 4_000.0
     store.save_receipt(chat.id, QualityReceipt("q8", True, 1024, 5_007, 1_023, 0.996, 0.004,
-                                               0.05, "m", now[0]))
+                                               0.05, "m", now[0]), "")
     assert store.session(chat.id).updated == 4_000.0
     store.close()
 

@@ -18,7 +18,7 @@ from app.memory.quality import (
     receipt_summary,
     verdict,
 )
-from app.store import HistoryStore
+from app.store import MEASURED_ROWS, HistoryStore
 from engine import MemoryPressure, QualityReceipt
 from engine.cache.modes import MODES
 from tests.app.conftest import ANSWER_TIMEOUT_MS, send_and_wait
@@ -98,20 +98,27 @@ def test_receipts_are_kept_per_mode_and_old_histories_load(tmp_path) -> None:
     q4 = QualityReceipt(**{**RECEIPT.__dict__, "mode": "q4"})
     newer = QualityReceipt(**{**RECEIPT.__dict__, "top1": 0.5})
     for receipt in (RECEIPT, q4, newer):
-        store.save_receipt(record.id, receipt)
+        store.save_receipt(record.id, receipt, "")
     assert store.receipts(record.id) == {"q6": newer, "q4": q4}  # the newer q6 replaced it
     copy = store.create_session("t · q8", "q8", "demo")
     store.copy_receipts(record.id, copy.id)
     assert store.receipts(copy.id) == store.receipts(record.id)
     # A copy holds the same text: its receipts speak for it, until it changes.
-    assert store.outdated_receipts(copy.id) == set()
+    assert store.outdated_receipts(copy.id, "") == set()
     store.add_message(copy.id, "user", "one more question", "complete")
-    assert store.outdated_receipts(copy.id) == {"q6", "q4"}
-    assert store.outdated_receipts(record.id) == set()
+    assert store.outdated_receipts(copy.id, "") == {"q6", "q4"}
+    assert store.outdated_receipts(record.id, "") == set()
     # A receipt stored before receipts kept their text is taken as it was.
     store._db.execute("UPDATE quality_receipts SET receipt = ? WHERE session_id = ?",
                       (json.dumps(RECEIPT.__dict__), copy.id))
-    assert store.outdated_receipts(copy.id) == set()
+    assert store.outdated_receipts(copy.id, "") == set()
+    # One stored while receipts kept every stored message's digest goes on comparing it.
+    store._db.execute("UPDATE quality_receipts SET receipt = ? WHERE session_id = ?",
+                      (json.dumps({**RECEIPT.__dict__, MEASURED_ROWS: store._rows_digest(copy.id)}),
+                       copy.id))
+    assert store.outdated_receipts(copy.id, "") == set()
+    store.add_message(copy.id, "assistant", "an answer", "complete")
+    assert store.outdated_receipts(copy.id, "") == {"q6", "q4"}
     store.delete_session(record.id)
     assert store.receipts(record.id) == {}
     store.close()
@@ -151,25 +158,27 @@ def test_check_quality_shows_and_stores_the_receipt(qtbot, window) -> None:
     c.select_session(record.id)
     assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
     # A receipt of another model is not this model's verdict.
-    c.store.save_receipt(record.id, replace(receipt, model="another-model"))
+    c.store.save_receipt(record.id, replace(receipt, model="another-model"),
+                         c.settings.system_prompt)
     c.select_session(other.id)
     c.select_session(record.id)
     assert _quality_cell(window, "q4") == "—"
     assert ("out of date: it ran on another-model, not the model loaded now"
             in panel.quality_label.text())
-    c.store.save_receipt(record.id, receipt)
+    c.store.save_receipt(record.id, receipt, c.settings.system_prompt)
     c.select_session(other.id)
     c.select_session(record.id)
     assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
     # Nor one of pages rotated otherwise than the chat's (a receipt copied by Reopen in…).
-    c.store.save_receipt(record.id, replace(receipt, rotated=not receipt.rotated))
+    c.store.save_receipt(record.id, replace(receipt, rotated=not receipt.rotated),
+                         c.settings.system_prompt)
     c.select_session(other.id)
     c.select_session(record.id)
     assert _quality_cell(window, "q4") == "—"
     said = ("it measured unrotated pages; this chat rotates them" if receipt.rotated
             else "it measured rotated pages; this chat keeps them unrotated")
     assert said in panel.quality_label.text()
-    c.store.save_receipt(record.id, receipt)
+    c.store.save_receipt(record.id, receipt, c.settings.system_prompt)
     c.select_session(other.id)
     c.select_session(record.id)
     assert _quality_cell(window, "q4") == f"{receipt.top1:.1%}"
@@ -316,3 +325,25 @@ def test_a_check_that_fails_while_another_chat_is_read_names_its_chat(
         checking.set()
     assert failed.args[0] == ("In ‘Tell me about the sea.’: Memory turned critical, so the "
                               "quality check stopped.")
+
+
+def test_a_receipt_speaks_for_the_text_the_engine_read(tmp_path) -> None:
+    store = HistoryStore(tmp_path / "history.sqlite3")
+    record = store.create_session("t", "q6", "demo")
+    store.add_message(record.id, "user", "Summarise the pines", "complete")
+    store.add_message(record.id, "assistant", "", "failed")  # the model never read it
+    store.add_message(record.id, "user", "Summarise the pines", "complete")
+    store.add_message(record.id, "assistant", "They grow tall.", "complete")
+    store.save_receipt(record.id, RECEIPT, "Be brief.")
+    assert store.outdated_receipts(record.id, "Be brief.") == set()
+    # Another system prompt: the engine now reads another conversation.
+    assert store.outdated_receipts(record.id, "Be thorough.") == {"q6"}
+    # Reopen in… copies only the turns the engine read: the copy's receipts still speak
+    # for it (were "the chat has changed since", comparing every stored row).
+    copy = store.create_session("t · q4", "q4", "demo")
+    for message in store.messages(record.id):
+        if message.status != "failed":
+            store.add_message(copy.id, message.role, message.content, message.status)
+    store.copy_receipts(record.id, copy.id)
+    assert store.outdated_receipts(copy.id, "Be brief.") == set()
+    store.close()
