@@ -109,7 +109,7 @@ def take_data_folder(files: list[str]) -> tuple[InstanceLock | None, int | None]
         ``(lock, exit_code)``: the held ``InstanceLock`` (None when the folder
         cannot hold one: unwritable) and None to go on; or ``(None, code)`` when
         another Longleaf holds the folder: it was handed ``files`` (0), or it
-        does not answer (1, with a message on stderr).
+        does not answer (1, said on stderr and in a dialog).
     """
     from app.single_instance import InstanceLock, hand_over_or_take
     from engine import data_dir
@@ -128,10 +128,20 @@ def take_data_folder(files: list[str]) -> tuple[InstanceLock | None, int | None]
         if hand_over_or_take(lock, files):
             return None, 0
     except TimeoutError as error:
-        print(f"Longleaf is already running with {folder}, but {error}. Close it (or end "
-              "its process) and start Longleaf again.", file=sys.stderr)
+        refuse_launch(f"Longleaf is already running with {folder}, but {error}. Close it "
+                      "(or end its process in Activity Monitor) and start Longleaf again.")
         return None, 1
     return lock, None
+
+
+def refuse_launch(message: str) -> None:
+    """Why this launch ends before its window: on stderr, and in a dialog, since a
+    launch from the Finder or the Dock has no terminal to read."""
+    print(message, file=sys.stderr)
+    from PySide6.QtWidgets import QApplication, QMessageBox
+
+    if QApplication.instance() is not None:
+        QMessageBox.critical(None, "Longleaf", message)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,25 @@ def test_take_data_folder_hands_over_and_says_exit_0(qtbot, first, tmp_path) -> 
     assert (lock, code) == (None, 0) and got.args[0] == [str(tmp_path / "a.md")]
 
 
+def test_a_holder_that_does_not_answer_is_said_in_a_dialog_too(
+        first, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A launch from the Finder has no terminal: stderr alone said nothing to anyone.
+    from PySide6.QtWidgets import QMessageBox
+
+    import app.single_instance
+
+    def silent(_lock: InstanceLock, _files: list[str]) -> bool:
+        raise TimeoutError(f"the Longleaf that holds {data_dir()} does not answer")
+
+    monkeypatch.setattr(app.single_instance, "hand_over_or_take", silent)
+    shown: list[str] = []
+    monkeypatch.setattr(QMessageBox, "critical",
+                        lambda _parent, _title, text, *rest: shown.append(text))
+    assert take_data_folder([]) == (None, 1)
+    assert len(shown) == 1 and "does not answer" in shown[0]
+    assert "Activity Monitor" in shown[0] and shown[0] in capsys.readouterr().err
+
+
 def test_a_second_app_process_hands_its_file_over_and_exits_0(qtbot, first, tmp_path) -> None:
     """``python -m app FILE`` on a folder another live Longleaf holds; no window, no
     history write (its live answers would otherwise be marked interrupted)."""
