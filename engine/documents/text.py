@@ -92,6 +92,11 @@ def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str
                  "replaced with �.",)
     if encoding == LEGACY:
         notes = (f"“{name}” is not UTF-8: it was read as {label} text.", *notes)
+    elif skip == 0 and encoding.startswith("utf-16"):
+        # No byte-order mark said so: the bytes' pattern did, so the user can check.
+        order = "little" if encoding.endswith("le") else "big"
+        notes = (f"“{name}” has no byte-order mark: it was read as UTF-16 ({order}-endian) "
+                 "text.", *notes)
     return text, digest.hexdigest(), notes
 
 
@@ -108,7 +113,10 @@ def _sniff_encoding(name: str, head: bytes) -> tuple[str, int]:
     if head.startswith(codecs.BOM_UTF16_BE):
         return "utf-16-be", len(codecs.BOM_UTF16_BE)
     if b"\x00" in head:
-        raise _unmarked_utf16(name) if _looks_utf16(head) else _binary(name)
+        encoding = _unmarked_utf16(head)
+        if encoding is None:
+            raise _binary(name)
+        return encoding, 0
     return ("utf-8" if _utf8(head) else LEGACY), 0
 
 
@@ -122,26 +130,20 @@ def _utf8(head: bytes) -> bool:
     return True
 
 
-def _looks_utf16(head: bytes) -> bool:
-    """Whether ``head`` reads as UTF-16 text rather than binary data: its NULs (the
-    high bytes of Latin letters, spaces and newlines) from its start and on one side
-    of every pair only, and the characters it then decodes to almost all printable
-    (CJK or Cyrillic text has few NULs; binary data has them on both sides, decodes
-    to control codes, or follows text that has none)."""
+def _unmarked_utf16(head: bytes) -> str | None:
+    """The UTF-16 codec ``head`` reads as, when it is UTF-16 text rather than binary
+    data; None otherwise. Its NULs (the high bytes of Latin letters, spaces and
+    newlines) come from its start and on one side of every pair only (which side
+    says the byte order), and the characters it then decodes to are almost all
+    printable (CJK or Cyrillic text has few NULs; binary data has them on both
+    sides, decodes to control codes, or follows text that has none)."""
     even, odd = head[0::2].count(0), head[1::2].count(0)
     if min(even, odd) > max(even, odd) // 50 or head.find(0) > UTF16_FIRST_NUL:
-        return False
-    text = head[:len(head) // 2 * 2].decode("utf-16-be" if even > odd else "utf-16-le",
-                                              "replace")
+        return None
+    encoding = "utf-16-be" if even > odd else "utf-16-le"
+    text = head[:len(head) // 2 * 2].decode(encoding, "replace")
     shown = sum(char.isprintable() or char in "\t\n\r" for char in text)
-    return shown >= 0.95 * len(text) > 0
-
-
-def _unmarked_utf16(name: str) -> DocumentError:
-    return DocumentError(
-        f"“{name}” looks like UTF-16 text without a byte-order mark, which Longleaf "
-        "cannot tell apart from binary data. Save it as UTF-8 text and try again."
-    )
+    return encoding if shown >= 0.95 * len(text) > 0 else None
 
 
 def _binary(name: str) -> DocumentError:

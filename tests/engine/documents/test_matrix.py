@@ -39,15 +39,17 @@ def test_binary_file_named_txt(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("text", ["plain notes", "Notes — 東京の会議 — итоги\n" * 20])
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
-def test_utf16_without_a_byte_order_mark_is_said_as_such(
+def test_utf16_without_a_byte_order_mark_is_read_and_said(
         tmp_path: Path, text: str, encoding: str) -> None:
     path = tmp_path / "notes.txt"
     path.write_bytes(text.encode(encoding))
-    # Not "binary", also for text far from Latin letters: the advice that works is to
-    # save it as UTF-8.
-    assert _refused(path) == (
-        "“notes.txt” looks like UTF-16 text without a byte-order mark, which Longleaf "
-        "cannot tell apart from binary data. Save it as UTF-8 text and try again.")
+    # Not "binary", also for text far from Latin letters (was refused with "save it as
+    # UTF-8"): read in the byte order its NULs show, and said.
+    doc = read_document(path)
+    assert doc.text == text
+    order = "little" if encoding.endswith("le") else "big"
+    assert doc.notes == (f"“notes.txt” has no byte-order mark: it was read as UTF-16 "
+                         f"({order}-endian) text.",)
 
 
 @pytest.mark.parametrize("encoding", ["utf-16-be", "utf-16-le", "utf-8"])
