@@ -273,9 +273,14 @@ def _newer(path: Path, error: NewerHistory) -> str:
 
 
 def _move_aside(path: Path) -> Path:
-    """Rename the damaged database (and its WAL files) to a dated name beside it."""
+    """Rename the damaged database (and its WAL files) to a dated name beside it,
+    never one a damaged copy of the same second already has (it would be lost)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     damaged = path.with_name(f"{path.stem}.damaged-{stamp}{path.suffix}")
+    again = 1
+    while damaged.exists():
+        again += 1
+        damaged = path.with_name(f"{path.stem}.damaged-{stamp}-{again}{path.suffix}")
     for suffix in ("-wal", "-shm"):
         side = path.with_name(path.name + suffix)
         if side.exists():

@@ -323,3 +323,19 @@ def test_a_history_another_program_is_writing_to_is_said_in_words(tmp_path) -> N
         other.close()
     store.add_message(chat.id, "user", "a question", "complete")  # once it lets go
     assert [m.content for m in store.messages(chat.id)] == ["a question"]
+
+
+def test_a_history_damaged_twice_in_one_second_keeps_both_copies(tmp_path, monkeypatch) -> None:
+    import time
+
+    from app import store as store_module
+
+    monkeypatch.setattr(time, "strftime", lambda _format: "20261207-154500")
+    path = tmp_path / "history.sqlite3"
+    kept = []
+    for copy in (b"first damaged bytes", b"second damaged bytes"):
+        path.write_bytes(copy)
+        kept.append(store_module._move_aside(path))
+    # Was one name for both: the second rename replaced the first copy, never to return.
+    assert kept[0] != kept[1]
+    assert [p.read_bytes() for p in kept] == [b"first damaged bytes", b"second damaged bytes"]
