@@ -42,6 +42,11 @@ def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
                     "copy (e.g. Print → Save as PDF) and drop that."
                 )
             count = len(reader.pages)
+            if count == 0:
+                raise DocumentError(
+                    f"“{name}” is a PDF with no pages — there is no text to add. If it "
+                    "should have pages, export it again from the program that made it."
+                )
             if count > MAX_PDF_PAGES:
                 raise DocumentError(
                     f"“{name}” has {count:,} pages; Longleaf reads PDFs of up to "
