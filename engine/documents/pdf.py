@@ -19,8 +19,14 @@ from engine.documents.limits import (
     MAX_PDF_UNPACKED_BYTES,
     check_length,
 )
+from engine.documents.sniff import has_pdf_header, looks_like
 from engine.errors import DocumentError
 from engine.format import human_bytes
+
+# A complete PDF ends with this marker (after it, at most a line end or a few bytes
+# some tools add); a copy cut short has none in its last kilobyte.
+EOF_MARKER = b"%%EOF"
+EOF_WITHIN = 1024
 
 
 def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
@@ -31,8 +37,10 @@ def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
             (the rest of a 2,000-page PDF is not read only to be refused).
     """
     import pypdf
-    from pypdf.errors import LimitReachedError, PdfReadError
+    from pypdf.errors import LimitReachedError
 
+    if not has_pdf_header(data):
+        raise _not_a_pdf(name, data)
     try:
         with _pdf_limits():
             reader = pypdf.PdfReader(io.BytesIO(data))
@@ -66,15 +74,8 @@ def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
         raise
     except LimitReachedError as exc:
         raise _pdf_limit_error(name, exc) from exc
-    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        raise DocumentError(
-            f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
-            "Re-export it and try again."
-        ) from exc
     except Exception as exc:  # pypdf raises many internal types on broken input
-        raise DocumentError(
-            f"“{name}” could not be read as a PDF ({type(exc).__name__}: {exc})."
-        ) from exc
+        raise _unreadable(name, data, exc) from exc
     text = "\n\n".join(t for t in pages if t)
     if not text:
         raise DocumentError(
@@ -83,6 +84,37 @@ def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
             "or ocrmypdf, then drop the result."
         )
     return text
+
+
+def _not_a_pdf(name: str, data: bytes) -> DocumentError:
+    kind = looks_like(data)
+    if kind is None:
+        return DocumentError(
+            f"“{name}” isn't a PDF: it does not start as one. Download it again, or "
+            "export it to PDF again from the program that made it."
+        )
+    return DocumentError(
+        f"“{name}” isn't a PDF: it looks like {kind}. If it came from a download, the site "
+        "may have sent an error or sign-in page instead; download it again."
+    )
+
+
+def _unreadable(name: str, data: bytes, exc: Exception) -> DocumentError:
+    """The refusal for a PDF pypdf failed on: cut short, damaged, or beyond it."""
+    from pypdf.errors import PdfReadError
+
+    if EOF_MARKER not in data[-EOF_WITHIN:]:
+        return DocumentError(
+            f"“{name}” ends early: it is cut off, as by an interrupted download or copy. "
+            "Download or copy it again, then drop the whole file."
+        )
+    if isinstance(exc, (PdfReadError, ValueError, KeyError, TypeError, AttributeError,
+                        IndexError)):
+        return DocumentError(
+            f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
+            "Re-export it and try again."
+        )
+    return DocumentError(f"“{name}” could not be read as a PDF ({type(exc).__name__}: {exc}).")
 
 
 def _pdf_limit_error(name: str, exc: Exception) -> DocumentError:

@@ -9,7 +9,8 @@ thread.
 The formats live beside this module: ``text`` (streamed plain text and its
 encodings), ``pdf``, ``docx`` (with ``wordml``, the text of its XML), and
 ``limits`` (the caps that keep a zip bomb or a huge file from exhausting
-memory); this module picks one by suffix.
+memory) and ``sniff`` (what a file's first bytes say it is); this module picks
+one by suffix.
 """
 
 from __future__ import annotations

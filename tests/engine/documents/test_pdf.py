@@ -25,3 +25,57 @@ def test_a_pdf_with_no_pages_is_said_to_have_none(tmp_path: Path) -> None:
     assert _refused(path) == (
         "“zero.pdf” is a PDF with no pages — there is no text to add. If it should have "
         "pages, export it again from the program that made it.")
+
+
+def _pages_pdf(texts: list[bytes]) -> bytes:
+    """A PDF with one page per content stream in ``texts``, all in Helvetica."""
+    count = len(texts)
+    kids = b" ".join(b"%d 0 R" % (3 + 2 * i) for i in range(count))
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
+               b"<< /Type /Pages /Kids [%s] /Count %d >>" % (kids, count)]
+    for i, content in enumerate(texts):
+        objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R "
+                       b"/Resources << /Font << /F1 %d 0 R >> >> >>" % (4 + 2 * i, 3 + 2 * count))
+        objects.append(b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream")
+    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
+    return assemble_pdf(objects)
+
+
+def _drawn(*lines: str) -> bytes:
+    """A content stream drawing ``lines`` one under another."""
+    shown = " ".join(f"({line}) Tj T*" for line in lines)
+    return f"BT /F1 12 Tf 72 720 Td 14 TL {shown} ET".encode("latin-1")
+
+
+NOT_A_PDF = ("“{name}” isn't a PDF: it looks like {kind}. If it came from a download, the "
+             "site may have sent an error or sign-in page instead; download it again.")
+
+
+@pytest.mark.parametrize(("data", "kind"), [
+    (b"\n<!DOCTYPE html><html><body>Access denied</body></html>", "a web page (HTML)"),
+    (b'{"error": "not found"}', "JSON data"),
+    (b"PK\x03\x04" + bytes(60), "a zip archive"),
+], ids=["html", "json", "zip"])
+def test_a_file_named_pdf_that_is_not_one_says_what_it_looks_like(
+        tmp_path: Path, data: bytes, kind: str) -> None:
+    path = tmp_path / "paper.pdf"
+    path.write_bytes(data)
+    assert _refused(path) == NOT_A_PDF.format(name="paper.pdf", kind=kind)
+    path.write_bytes(b"Quarterly figures, as plain text")
+    assert _refused(path) == (
+        "“paper.pdf” isn't a PDF: it does not start as one. Download it again, or export "
+        "it to PDF again from the program that made it.")
+
+
+def test_a_pdf_cut_short_is_said_to_end_early_and_a_whole_one_damaged(tmp_path: Path) -> None:
+    whole = _pages_pdf([_drawn(f"Page {n} text") for n in range(10)])
+    path = tmp_path / "download.pdf"
+    for share in (0.3, 0.7, 0.98):
+        path.write_bytes(whole[:int(len(whole) * share)])
+        assert _refused(path) == (
+            "“download.pdf” ends early: it is cut off, as by an interrupted download or "
+            "copy. Download or copy it again, then drop the whole file.")
+    # Ending as a PDF ends, it is not cut short but damaged inside.
+    path.write_bytes(b"%PDF-1.4\n1 0 obj << /Type /Catalog /Pages 9 0 R >>\n"
+                     b"startxref\n9999\n%%EOF\n")
+    assert _refused(path).startswith("“download.pdf” is a damaged PDF that can't be read (")
