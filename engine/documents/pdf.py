@@ -1,5 +1,8 @@
 """PDF text through its text layer with pypdf, refused past a page count and an unpack budget.
 
+Each page's text has its typesetting undone (``typography``: ligatures, soft
+hyphens, words broken across lines).
+
 Every stream that text extraction unpacks is charged against a per-stream and
 a per-file limit as it is unpacked.
 """
@@ -20,6 +23,7 @@ from engine.documents.limits import (
     check_length,
 )
 from engine.documents.sniff import has_pdf_header, looks_like
+from engine.documents.typography import untypeset
 from engine.errors import DocumentError
 from engine.format import human_bytes
 
@@ -65,7 +69,7 @@ def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
             read = 0
             for number, page in enumerate(reader.pages, start=1):
                 budget.charge(page, number)
-                pages.append((page.extract_text() or "").strip())
+                pages.append(untypeset(page.extract_text() or "").strip())
                 if pages[-1]:  # the joined text's length so far, separators included
                     read += len(pages[-1]) + (2 if read else 0)
                 if max_chars is not None and number < count:

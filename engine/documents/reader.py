@@ -7,10 +7,11 @@ and says what the user can do. No Qt here: the app calls this off its GUI
 thread.
 
 The formats live beside this module: ``text`` (streamed plain text and its
-encodings), ``pdf``, ``docx`` (with ``wordml``, the text of its XML), and
-``limits`` (the caps that keep a zip bomb or a huge file from exhausting
-memory) and ``sniff`` (what a file's first bytes say it is); this module picks
-one by the file's first bytes, else by its suffix.
+encodings), ``pdf`` (with ``typography``, a PDF's typesetting undone), ``docx``
+(with ``wordml``, the text of its XML), ``limits`` (the caps that keep a zip
+bomb or a huge file from exhausting memory) and ``sniff`` (what a file's first
+bytes say it is); this module picks one by the file's first bytes, else by its
+suffix.
 """
 
 from __future__ import annotations

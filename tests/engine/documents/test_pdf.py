@@ -27,8 +27,11 @@ def test_a_pdf_with_no_pages_is_said_to_have_none(tmp_path: Path) -> None:
         "pages, export it again from the program that made it.")
 
 
-def _pages_pdf(texts: list[bytes]) -> bytes:
-    """A PDF with one page per content stream in ``texts``, all in Helvetica."""
+HELVETICA = b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"
+
+
+def _pages_pdf(texts: list[bytes], font: bytes = HELVETICA) -> bytes:
+    """A PDF with one page per content stream in ``texts``, all in ``font``."""
     count = len(texts)
     kids = b" ".join(b"%d 0 R" % (3 + 2 * i) for i in range(count))
     objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
@@ -37,7 +40,7 @@ def _pages_pdf(texts: list[bytes]) -> bytes:
         objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R "
                        b"/Resources << /Font << /F1 %d 0 R >> >> >>" % (4 + 2 * i, 3 + 2 * count))
         objects.append(b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream")
-    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
+    objects.append(font)
     return assemble_pdf(objects)
 
 
@@ -79,3 +82,15 @@ def test_a_pdf_cut_short_is_said_to_end_early_and_a_whole_one_damaged(tmp_path: 
     path.write_bytes(b"%PDF-1.4\n1 0 obj << /Type /Catalog /Pages 9 0 R >>\n"
                      b"startxref\n9999\n%%EOF\n")
     assert _refused(path).startswith("“download.pdf” is a damaged PDF that can't be read (")
+
+
+def test_a_pdfs_ligatures_soft_hyphens_and_broken_words_are_undone(tmp_path: Path) -> None:
+    # Times with two codes drawing the fi and fl ligatures, as typesetters set them,
+    # over Windows' code page, whose 0xAD is the soft hyphen.
+    font = (b"<< /Type /Font /Subtype /Type1 /BaseFont /Times-Roman /Encoding << /Type "
+            b"/Encoding /BaseEncoding /WinAnsiEncoding /Differences [200 /fi /fl] >> >>")
+    pdf = _pages_pdf([b"BT /F1 12 Tf 72 720 Td 14 TL (\xc8nd the \xc8rst \xc9ow) Tj T* "
+                      b"(an exam-) Tj T* (ple of infor\xadmation) Tj ET"], font)
+    path = tmp_path / "typeset.pdf"
+    path.write_bytes(pdf)
+    assert read_document(path).text == "find the first flow\nan example of information"
