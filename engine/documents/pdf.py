@@ -33,8 +33,10 @@ EOF_MARKER = b"%%EOF"
 EOF_WITHIN = 1024
 
 
-def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
-    """The text layer of a PDF, page by page, within the unpack limits.
+def pdf_text(name: str, data: bytes,
+             max_chars: int | None = None) -> tuple[str, tuple[str, ...]]:
+    """The text layer of a PDF, page by page, within the unpack limits, and notes for
+    the user (pages without text).
 
     Raises:
         DocumentTooLong: past ``max_chars`` characters, at the page that passes them
@@ -48,38 +50,55 @@ def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
     try:
         with _pdf_limits():
             reader = pypdf.PdfReader(io.BytesIO(data))
-            if reader.is_encrypted and not _pdf_unlock(reader):
-                raise DocumentError(
-                    f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
-                    "copy (e.g. Print → Save as PDF) and drop that."
-                )
-            count = len(reader.pages)
-            if count == 0:
-                raise DocumentError(
-                    f"“{name}” is a PDF with no pages — there is no text to add. If it "
-                    "should have pages, export it again from the program that made it."
-                )
-            if count > MAX_PDF_PAGES:
-                raise DocumentError(
-                    f"“{name}” has {count:,} pages; Longleaf reads PDFs of up to "
-                    f"{MAX_PDF_PAGES:,} pages. Split it and attach a part."
-                )
-            budget = _UnpackBudget(name, count)
-            pages = []
-            read = 0
-            for number, page in enumerate(reader.pages, start=1):
-                budget.charge(page, number)
-                pages.append(untypeset(page.extract_text() or "").strip())
-                if pages[-1]:  # the joined text's length so far, separators included
-                    read += len(pages[-1]) + (2 if read else 0)
-                if max_chars is not None and number < count:
-                    check_length(name, read, max_chars, complete=False)
+            _check_opened(name, reader)
+            pages = _page_texts(name, reader, max_chars)
     except DocumentError:
         raise
     except LimitReachedError as exc:
         raise _pdf_limit_error(name, exc) from exc
     except Exception as exc:  # pypdf raises many internal types on broken input
         raise _unreadable(name, data, exc) from exc
+    return _joined(name, pages)
+
+
+def _check_opened(name: str, reader: Any) -> None:
+    """Refuse a PDF that is locked, empty or too long before any page is read."""
+    if reader.is_encrypted and not _pdf_unlock(reader):
+        raise DocumentError(
+            f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
+            "copy (e.g. Print → Save as PDF) and drop that."
+        )
+    count = len(reader.pages)
+    if count == 0:
+        raise DocumentError(
+            f"“{name}” is a PDF with no pages — there is no text to add. If it "
+            "should have pages, export it again from the program that made it."
+        )
+    if count > MAX_PDF_PAGES:
+        raise DocumentError(
+            f"“{name}” has {count:,} pages; Longleaf reads PDFs of up to "
+            f"{MAX_PDF_PAGES:,} pages. Split it and attach a part."
+        )
+
+
+def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str]:
+    """Each page's text ("" for a page without any), charged to the unpack budget."""
+    count = len(reader.pages)
+    budget = _UnpackBudget(name, count)
+    pages = []
+    read = 0
+    for number, page in enumerate(reader.pages, start=1):
+        budget.charge(page, number)
+        pages.append(untypeset(page.extract_text() or "").strip())
+        if pages[-1]:  # the joined text's length so far, separators included
+            read += len(pages[-1]) + (2 if read else 0)
+        if max_chars is not None and number < count:
+            check_length(name, read, max_chars, complete=False)
+    return pages
+
+
+def _joined(name: str, pages: list[str]) -> tuple[str, tuple[str, ...]]:
+    """The pages' text, and a note on those without any (scanned, most likely)."""
     text = "\n\n".join(t for t in pages if t)
     if not text:
         raise DocumentError(
@@ -87,7 +106,12 @@ def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
             f"page{'s' if len(pages) != 1 else ''}). Run OCR on it first, e.g. Preview "
             "or ocrmypdf, then drop the result."
         )
-    return text
+    blank = pages.count("")
+    if not blank:
+        return text, ()
+    return text, (f"“{name}”: no text on {blank:,} of its {len(pages):,} pages (scanned "
+                  "images?), so only the rest was read. Run OCR on it first, e.g. Preview "
+                  "or ocrmypdf, to read those too.",)
 
 
 def _not_a_pdf(name: str, data: bytes) -> DocumentError:

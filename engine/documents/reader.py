@@ -153,9 +153,12 @@ def _read_container(handle: BinaryIO, name: str, size: int, kind: str,
             f"{human_bytes(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
         )
     data = read_all(handle, name, size)
-    text = pdf_text(name, data, max_chars) if kind == "pdf" else docx_text(name, data)
+    if kind == "pdf":
+        text, notes = pdf_text(name, data, max_chars)
+    else:
+        text, notes = docx_text(name, data), ()
     check_length(name, len(text), max_chars, complete=True)
-    return text, hashlib.sha256(data).hexdigest(), ()
+    return text, hashlib.sha256(data).hexdigest(), notes
 
 
 def _kind_by_name(p: Path) -> str:

@@ -94,3 +94,16 @@ def test_a_pdfs_ligatures_soft_hyphens_and_broken_words_are_undone(tmp_path: Pat
     path = tmp_path / "typeset.pdf"
     path.write_bytes(pdf)
     assert read_document(path).text == "find the first flow\nan example of information"
+
+
+def test_pages_without_text_are_counted_in_a_note(tmp_path: Path) -> None:
+    scanned = b"q 612 0 0 792 0 0 cm Q"  # where a scan draws its page image
+    path = tmp_path / "scan.pdf"
+    path.write_bytes(_pages_pdf([_drawn("SCANNED BY XEROX")] + [scanned] * 19))
+    doc = read_document(path)
+    assert doc.text == "SCANNED BY XEROX"
+    assert doc.notes == (
+        "“scan.pdf”: no text on 19 of its 20 pages (scanned images?), so only the rest was "
+        "read. Run OCR on it first, e.g. Preview or ocrmypdf, to read those too.",)
+    path.write_bytes(_pages_pdf([_drawn("Every page"), _drawn("has text")]))
+    assert read_document(path).notes == ()
