@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,9 @@ from engine.format import human_bytes
 # some tools add); a copy cut short has none in its last kilobyte.
 EOF_MARKER = b"%%EOF"
 EOF_WITHIN = 1024
+# Past this share of a page's visible characters being control or private-use
+# characters, its text is a font's raw codes, not letters (``_undecodable``).
+MAX_CODES_SHARE = 0.2
 
 
 def pdf_text(name: str, data: bytes,
@@ -81,37 +85,64 @@ def _check_opened(name: str, reader: Any) -> None:
         )
 
 
-def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str]:
-    """Each page's text ("" for a page without any), charged to the unpack budget."""
+def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str | None]:
+    """Each page's text: "" for a page without any, None for one whose text can't be
+    decoded; charged to the unpack budget."""
     count = len(reader.pages)
     budget = _UnpackBudget(name, count)
-    pages = []
+    pages: list[str | None] = []
     read = 0
     for number, page in enumerate(reader.pages, start=1):
         budget.charge(page, number)
-        pages.append(untypeset(page.extract_text() or "").strip())
+        text = untypeset(page.extract_text() or "").strip()
+        pages.append(None if _undecodable(text) else text)
         if pages[-1]:  # the joined text's length so far, separators included
-            read += len(pages[-1]) + (2 if read else 0)
+            read += len(text) + (2 if read else 0)
         if max_chars is not None and number < count:
             check_length(name, read, max_chars, complete=False)
     return pages
 
 
-def _joined(name: str, pages: list[str]) -> tuple[str, tuple[str, ...]]:
-    """The pages' text, and a note on those without any (scanned, most likely)."""
+def _undecodable(text: str) -> bool:
+    """Whether a page's text is a font's raw codes rather than letters.
+
+    A font without a character map (a subset CID font without ToUnicode) gives its
+    glyph numbers as characters, and a subset numbers its glyphs from 1, so many
+    come out as control characters; a font mapped into the private-use area gives
+    characters no one can read. Real text has almost none of either.
+    """
+    shown = [char for char in text if not char.isspace()]
+    codes = sum(unicodedata.category(char) in ("Cc", "Co") for char in shown)
+    return codes > MAX_CODES_SHARE * len(shown)
+
+
+def _joined(name: str, pages: list[str | None]) -> tuple[str, tuple[str, ...]]:
+    """The pages' text, and notes on those without any (scanned, most likely) and
+    those whose text can't be decoded (left out)."""
     text = "\n\n".join(t for t in pages if t)
+    undecodable = pages.count(None)
+    if not text and undecodable:
+        raise DocumentError(
+            f"“{name}” has text that can't be decoded: its fonts give no character map, "
+            "so what they draw can't be read as letters. Run OCR on it first, e.g. "
+            "ocrmypdf --force-ocr, then drop the result."
+        )
     if not text:
         raise DocumentError(
             f"“{name}” has no text layer (it is probably scanned images, {len(pages)} "
             f"page{'s' if len(pages) != 1 else ''}). Run OCR on it first, e.g. Preview "
             "or ocrmypdf, then drop the result."
         )
-    blank = pages.count("")
-    if not blank:
-        return text, ()
-    return text, (f"“{name}”: no text on {blank:,} of its {len(pages):,} pages (scanned "
-                  "images?), so only the rest was read. Run OCR on it first, e.g. Preview "
-                  "or ocrmypdf, to read those too.",)
+    notes = []
+    if blank := pages.count(""):
+        notes.append(f"“{name}”: no text on {blank:,} of its {len(pages):,} pages (scanned "
+                     "images?), so only the rest was read. Run OCR on it first, e.g. Preview "
+                     "or ocrmypdf, to read those too.")
+    if undecodable:
+        notes.append(f"“{name}”: the text on {undecodable:,} of its {len(pages):,} pages "
+                     "can't be decoded (its fonts give no character map) and was left out. "
+                     "Run OCR on it first, e.g. ocrmypdf --force-ocr, to read those too.")
+    return text, tuple(notes)
 
 
 def _not_a_pdf(name: str, data: bytes) -> DocumentError:

@@ -30,15 +30,17 @@ def test_a_pdf_with_no_pages_is_said_to_have_none(tmp_path: Path) -> None:
 HELVETICA = b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"
 
 
-def _pages_pdf(texts: list[bytes], font: bytes = HELVETICA) -> bytes:
-    """A PDF with one page per content stream in ``texts``, all in ``font``."""
+def _pages_pdf(texts: list[bytes], font: bytes = HELVETICA, more_fonts: bytes = b"") -> bytes:
+    """A PDF with one page per content stream in ``texts``, each with ``font`` as /F1
+    and the fonts named in ``more_fonts`` (a dictionary's entries)."""
     count = len(texts)
     kids = b" ".join(b"%d 0 R" % (3 + 2 * i) for i in range(count))
     objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
                b"<< /Type /Pages /Kids [%s] /Count %d >>" % (kids, count)]
     for i, content in enumerate(texts):
         objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R "
-                       b"/Resources << /Font << /F1 %d 0 R >> >> >>" % (4 + 2 * i, 3 + 2 * count))
+                       b"/Resources << /Font << /F1 %d 0 R %s >> >> >>"
+                       % (4 + 2 * i, 3 + 2 * count, more_fonts))
         objects.append(b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream")
     objects.append(font)
     return assemble_pdf(objects)
@@ -107,3 +109,39 @@ def test_pages_without_text_are_counted_in_a_note(tmp_path: Path) -> None:
         "read. Run OCR on it first, e.g. Preview or ocrmypdf, to read those too.",)
     path.write_bytes(_pages_pdf([_drawn("Every page"), _drawn("has text")]))
     assert read_document(path).notes == ()
+
+
+# A subset TrueType font without a ToUnicode map (the character map), as some PDF
+# tools write: its glyph numbers, from 1, are all a reader gets.
+UNMAPPED = (b"/F2 << /Type /Font /Subtype /Type0 /BaseFont /ABCDEF+Calibri /Encoding /Identity-H "
+            b"/DescendantFonts [<< /Type /Font /Subtype /CIDFontType2 /BaseFont /ABCDEF+Calibri "
+            b"/CIDSystemInfo << /Registry (Adobe) /Ordering (Identity) /Supplement 0 >> >>] >>")
+
+
+def _unmapped(text: str) -> bytes:
+    """A content stream drawing ``text`` in ``UNMAPPED``, glyphs numbered as first used."""
+    glyphs: dict[str, int] = {}
+    codes = "".join(f"{glyphs.setdefault(char, len(glyphs) + 1):04x}" for char in text)
+    return f"BT /F2 12 Tf 72 720 Td <{codes}> Tj ET".encode()
+
+
+def test_text_in_fonts_without_a_character_map_is_left_out_and_said(tmp_path: Path) -> None:
+    # Icons a font maps to the private-use area (U+E000 on) beside ordinary text are kept.
+    icons = (b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding << /Type "
+             b"/Encoding /Differences [200 /uniE001 /uniE002] >> >>")
+    path = tmp_path / "report.pdf"
+    path.write_bytes(_pages_pdf([
+        b"BT /F1 12 Tf 72 720 Td (\xc8 Phone 555 0100 \xc9 Mail jane@example.com) Tj ET",
+        _unmapped("Quarterly figures rose by four percent"),
+    ], icons, UNMAPPED))
+    doc = read_document(path)
+    assert doc.text == "\ue001 Phone 555 0100 \ue002 Mail jane@example.com"
+    assert doc.notes == (
+        "“report.pdf”: the text on 1 of its 2 pages can't be decoded (its fonts give no "
+        "character map) and was left out. Run OCR on it first, e.g. ocrmypdf --force-ocr, "
+        "to read those too.",)
+    path.write_bytes(_pages_pdf([_unmapped("Quarterly figures")] * 2, more_fonts=UNMAPPED))
+    assert _refused(path) == (
+        "“report.pdf” has text that can't be decoded: its fonts give no character map, so "
+        "what they draw can't be read as letters. Run OCR on it first, e.g. ocrmypdf "
+        "--force-ocr, then drop the result.")
