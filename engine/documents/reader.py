@@ -126,15 +126,17 @@ def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_
     named = _kind_by_name(p)
     with opened(p) as handle:
         kind = _kind_by_content(handle, name, size) or named
-        read = _read_text if kind == "text" else _read_container
-        text, digest, notes = read(handle, name, size, kind, max_chars)
+        if kind == "text":
+            text, digest, notes = _read_text(handle, name, size, max_chars)
+        else:
+            text, digest, notes = _read_container(handle, name, size, kind, max_chars)
     if kind != named:
         notes = (f"“{name}” is {KIND_NAMES[kind]}, not {KIND_NAMES[named]} as its name "
                  "says; it was read as one.", *notes)
     return Document(str(path), name, size, kind, text, digest, notes)
 
 
-def _read_text(handle: BinaryIO, name: str, size: int, kind: str,
+def _read_text(handle: BinaryIO, name: str, size: int,
                max_chars: int) -> tuple[str, str, tuple[str, ...]]:
     """The text, its SHA-256 and notes on how it was decoded."""
     text, digest, notes = stream_text(handle, name, size, max_chars)
