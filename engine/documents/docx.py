@@ -12,6 +12,7 @@ import io
 import struct
 import zipfile
 import zlib
+from typing import BinaryIO
 
 from engine.documents.limits import (
     INFLATE_BLOCK,
@@ -21,6 +22,9 @@ from engine.documents.limits import (
 )
 from engine.errors import DocumentError
 from engine.format import human_bytes
+
+# The part every Word document keeps its body in.
+WORD_BODY = "word/document.xml"
 
 
 def docx_text(name: str, data: bytes) -> str:
@@ -50,6 +54,19 @@ def docx_text(name: str, data: bytes) -> str:
     if not text:
         raise DocumentError(f"“{name}” has no text in it.")
     return text
+
+
+def is_word_zip(handle: BinaryIO) -> bool:
+    """Whether the file open in ``handle`` is a zip holding a Word document's body
+    (only its directory, at the end of the file, is read); the handle is put back
+    at its start."""
+    try:
+        with zipfile.ZipFile(handle) as archive:
+            return WORD_BODY in archive.namelist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError):
+        return False  # not a readable zip: read by its name, which says what fails
+    finally:
+        handle.seek(0)
 
 
 def _damaged_docx(name: str) -> DocumentError:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from engine.documents.limits import MAX_CONTAINER_BYTES
 from engine.errors import DocumentError
@@ -36,18 +39,40 @@ def os_error(name: str, exc: OSError) -> DocumentError:
     return DocumentError(f"“{name}” could not be read: {exc.strerror or exc}.")
 
 
-def read_all(p: Path, size: int) -> bytes:
-    """The whole file (a PDF or .docx, already capped in size)."""
+@contextlib.contextmanager
+def opened(p: Path) -> Iterator[BinaryIO]:
+    """The file open for reading: sniffed and read through one handle, so it cannot be
+    swapped or deleted between the two."""
     try:
-        with p.open("rb") as handle:
-            # Sized from stat: read(n) allocates n bytes up front.
-            data = handle.read(min(size, MAX_CONTAINER_BYTES) + 1)
+        handle = p.open("rb")
     except OSError as exc:
         raise os_error(p.name, exc) from exc
+    with handle:
+        yield handle
+
+
+def read_head(handle: BinaryIO, name: str, size: int) -> bytes:
+    """The file's first ``size`` bytes (fewer if it is shorter), the handle put back
+    at its start."""
+    try:
+        head = handle.read(size)
+        handle.seek(0)
+    except OSError as exc:
+        raise os_error(name, exc) from exc
+    return head
+
+
+def read_all(handle: BinaryIO, name: str, size: int) -> bytes:
+    """The whole file (a PDF or .docx, already capped in size) from ``handle``, at its start."""
+    try:
+        # Sized from stat: read(n) allocates n bytes up front.
+        data = handle.read(min(size, MAX_CONTAINER_BYTES) + 1)
+    except OSError as exc:
+        raise os_error(name, exc) from exc
     if len(data) != size:
         # Rewritten since its size was read (or deleted): what came is part of one
         # version and part of another, which a parser would call damaged.
-        raise vanished(p.name)
+        raise vanished(name)
     return data
 
 

@@ -1,5 +1,8 @@
 """PDF text through its text layer with pypdf, refused past a page count and an unpack budget.
 
+Each page's text has its typesetting undone (``typography``: ligatures, soft
+hyphens, words broken across lines).
+
 Every stream that text extraction unpacks is charged against a per-stream and
 a per-file limit as it is unpacked.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,65 +23,157 @@ from engine.documents.limits import (
     MAX_PDF_UNPACKED_BYTES,
     check_length,
 )
+from engine.documents.sniff import has_pdf_header, looks_like
+from engine.documents.typography import untypeset
 from engine.errors import DocumentError
 from engine.format import human_bytes
 
+# A complete PDF ends with this marker (after it, at most a line end or a few bytes
+# some tools add); a copy cut short has none in its last kilobyte.
+EOF_MARKER = b"%%EOF"
+EOF_WITHIN = 1024
+# Past this share of a page's visible characters being control or private-use
+# characters, its text is a font's raw codes, not letters (``_undecodable``).
+MAX_CODES_SHARE = 0.2
 
-def pdf_text(name: str, data: bytes, max_chars: int | None = None) -> str:
-    """The text layer of a PDF, page by page, within the unpack limits.
+
+def pdf_text(name: str, data: bytes,
+             max_chars: int | None = None) -> tuple[str, tuple[str, ...]]:
+    """The text layer of a PDF, page by page, within the unpack limits, and notes for
+    the user (pages without text).
 
     Raises:
         DocumentTooLong: past ``max_chars`` characters, at the page that passes them
             (the rest of a 2,000-page PDF is not read only to be refused).
     """
     import pypdf
-    from pypdf.errors import LimitReachedError, PdfReadError
+    from pypdf.errors import LimitReachedError
 
+    if not has_pdf_header(data):
+        raise _not_a_pdf(name, data)
     try:
         with _pdf_limits():
             reader = pypdf.PdfReader(io.BytesIO(data))
-            if reader.is_encrypted and not _pdf_unlock(reader):
-                raise DocumentError(
-                    f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
-                    "copy (e.g. Print → Save as PDF) and drop that."
-                )
-            count = len(reader.pages)
-            if count > MAX_PDF_PAGES:
-                raise DocumentError(
-                    f"“{name}” has {count:,} pages; Longleaf reads PDFs of up to "
-                    f"{MAX_PDF_PAGES:,} pages. Split it and attach a part."
-                )
-            budget = _UnpackBudget(name, count)
-            pages = []
-            read = 0
-            for number, page in enumerate(reader.pages, start=1):
-                budget.charge(page, number)
-                pages.append((page.extract_text() or "").strip())
-                if pages[-1]:  # the joined text's length so far, separators included
-                    read += len(pages[-1]) + (2 if read else 0)
-                if max_chars is not None and number < count:
-                    check_length(name, read, max_chars, complete=False)
+            _check_opened(name, reader)
+            pages = _page_texts(name, reader, max_chars)
     except DocumentError:
         raise
     except LimitReachedError as exc:
         raise _pdf_limit_error(name, exc) from exc
-    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        raise DocumentError(
-            f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
-            "Re-export it and try again."
-        ) from exc
     except Exception as exc:  # pypdf raises many internal types on broken input
+        raise _unreadable(name, data, exc) from exc
+    return _joined(name, pages)
+
+
+def _check_opened(name: str, reader: Any) -> None:
+    """Refuse a PDF that is locked, empty or too long before any page is read."""
+    if reader.is_encrypted and not _pdf_unlock(reader):
         raise DocumentError(
-            f"“{name}” could not be read as a PDF ({type(exc).__name__}: {exc})."
-        ) from exc
+            f"“{name}” is an encrypted PDF that needs a password. Save an unprotected "
+            "copy (e.g. Print → Save as PDF) and drop that."
+        )
+    count = len(reader.pages)
+    if count == 0:
+        raise DocumentError(
+            f"“{name}” is a PDF with no pages — there is no text to add. If it "
+            "should have pages, export it again from the program that made it."
+        )
+    if count > MAX_PDF_PAGES:
+        raise DocumentError(
+            f"“{name}” has {count:,} pages; Longleaf reads PDFs of up to "
+            f"{MAX_PDF_PAGES:,} pages. Split it and attach a part."
+        )
+
+
+def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str | None]:
+    """Each page's text: "" for a page without any, None for one whose text can't be
+    decoded; charged to the unpack budget."""
+    count = len(reader.pages)
+    budget = _UnpackBudget(name, count)
+    pages: list[str | None] = []
+    read = 0
+    for number, page in enumerate(reader.pages, start=1):
+        budget.charge(page, number)
+        text = untypeset(page.extract_text() or "").strip()
+        pages.append(None if _undecodable(text) else text)
+        if pages[-1]:  # the joined text's length so far, separators included
+            read += len(text) + (2 if read else 0)
+        if max_chars is not None and number < count:
+            check_length(name, read, max_chars, complete=False)
+    return pages
+
+
+def _undecodable(text: str) -> bool:
+    """Whether a page's text is a font's raw codes rather than letters.
+
+    A font without a character map (a subset CID font without ToUnicode) gives its
+    glyph numbers as characters, and a subset numbers its glyphs from 1, so many
+    come out as control characters; a font mapped into the private-use area gives
+    characters no one can read. Real text has almost none of either.
+    """
+    shown = [char for char in text if not char.isspace()]
+    codes = sum(unicodedata.category(char) in ("Cc", "Co") for char in shown)
+    return codes > MAX_CODES_SHARE * len(shown)
+
+
+def _joined(name: str, pages: list[str | None]) -> tuple[str, tuple[str, ...]]:
+    """The pages' text, and notes on those without any (scanned, most likely) and
+    those whose text can't be decoded (left out)."""
     text = "\n\n".join(t for t in pages if t)
+    undecodable = pages.count(None)
+    if not text and undecodable:
+        raise DocumentError(
+            f"“{name}” has text that can't be decoded: its fonts give no character map, "
+            "so what they draw can't be read as letters. Run OCR on it first, e.g. "
+            "ocrmypdf --force-ocr, then drop the result."
+        )
     if not text:
         raise DocumentError(
             f"“{name}” has no text layer (it is probably scanned images, {len(pages)} "
             f"page{'s' if len(pages) != 1 else ''}). Run OCR on it first, e.g. Preview "
             "or ocrmypdf, then drop the result."
         )
-    return text
+    notes = []
+    if blank := pages.count(""):
+        notes.append(f"“{name}”: no text on {blank:,} of its {len(pages):,} pages (scanned "
+                     "images?), so only the rest was read. Run OCR on it first, e.g. Preview "
+                     "or ocrmypdf, to read those too.")
+    if undecodable:
+        notes.append(f"“{name}”: the text on {undecodable:,} of its {len(pages):,} pages "
+                     "can't be decoded (its fonts give no character map) and was left out. "
+                     "Run OCR on it first, e.g. ocrmypdf --force-ocr, to read those too.")
+    return text, tuple(notes)
+
+
+def _not_a_pdf(name: str, data: bytes) -> DocumentError:
+    kind = looks_like(data)
+    if kind is None:
+        return DocumentError(
+            f"“{name}” isn't a PDF: it does not start as one. Download it again, or "
+            "export it to PDF again from the program that made it."
+        )
+    return DocumentError(
+        f"“{name}” isn't a PDF: it looks like {kind}. If it came from a download, the site "
+        "may have sent an error or sign-in page instead; download it again."
+    )
+
+
+def _unreadable(name: str, data: bytes, exc: Exception) -> DocumentError:
+    """The refusal for a PDF pypdf failed on: cut short, damaged, or beyond it."""
+    from pypdf.errors import PdfReadError
+
+    if EOF_MARKER not in data[-EOF_WITHIN:]:
+        return DocumentError(
+            f"“{name}” ends early: it is cut off, as by an interrupted download or copy. "
+            "Download or copy it again, then drop the whole file."
+        )
+    if isinstance(exc, (PdfReadError, ValueError, KeyError, TypeError, AttributeError,
+                        IndexError)):
+        return DocumentError(
+            f"“{name}” is a damaged PDF that can't be read ({type(exc).__name__}). "
+            "Re-export it and try again."
+        )
+    return DocumentError(f"“{name}” could not be read as a PDF ({type(exc).__name__}: {exc}).")
 
 
 def _pdf_limit_error(name: str, exc: Exception) -> DocumentError:

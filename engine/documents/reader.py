@@ -7,9 +7,11 @@ and says what the user can do. No Qt here: the app calls this off its GUI
 thread.
 
 The formats live beside this module: ``text`` (streamed plain text and its
-encodings), ``pdf``, ``docx`` (with ``wordml``, the text of its XML), and
-``limits`` (the caps that keep a zip bomb or a huge file from exhausting
-memory); this module picks one by suffix.
+encodings), ``pdf`` (with ``typography``, a PDF's typesetting undone), ``docx``
+(with ``wordml``, the text of its XML), ``limits`` (the caps that keep a zip
+bomb or a huge file from exhausting memory) and ``sniff`` (what a file's first
+bytes say it is); this module picks one by the file's first bytes, else by its
+suffix.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from engine.documents.docx import docx_text
-from engine.documents.file_access import read_all, stat_size
+from engine.documents.docx import docx_text, is_word_zip
+from engine.documents.file_access import opened, read_all, read_head, stat_size
 from engine.documents.limits import DEFAULT_MAX_CHARS, MAX_CONTAINER_BYTES, check_length
 from engine.documents.pdf import pdf_text
+from engine.documents.sniff import PDF_MAGIC, ZIP_MAGIC
 from engine.documents.text import stream_text
 from engine.errors import DocumentError
 from engine.format import human_bytes
@@ -45,6 +49,8 @@ SOURCE_SUFFIXES = _suffixes(
 PDF_SUFFIXES = frozenset({".pdf"})
 DOCX_SUFFIXES = frozenset({".docx"})
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES | SOURCE_SUFFIXES | PDF_SUFFIXES | DOCX_SUFFIXES
+# What each kind of document is called, where its name says another.
+KIND_NAMES = {"text": "a text file", "pdf": "a PDF", "docx": "a Word document"}
 # Files named by convention rather than suffix.
 TEXT_NAMES = frozenset({"readme", "license", "makefile", "dockerfile", "changelog", "notice"})
 
@@ -117,25 +123,60 @@ def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_
         )
     if size == 0:
         raise DocumentError(f"“{name}” is empty — there is no text to add.")
-    suffix = p.suffix.lower()
-    if suffix in PDF_SUFFIXES or suffix in DOCX_SUFFIXES:
-        if size > MAX_CONTAINER_BYTES:
-            raise DocumentError(
-                f"“{name}” is {human_bytes(size)}; Longleaf reads PDF and Word files up to "
-                f"{human_bytes(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
-            )
-        data = read_all(p, size)
-        digest = hashlib.sha256(data).hexdigest()
-        if suffix in PDF_SUFFIXES:
-            text = pdf_text(name, data, max_chars)
-            kind = "pdf"
+    named = _kind_by_name(p)
+    with opened(p) as handle:
+        kind = _kind_by_content(handle, name, size) or named
+        if kind == "text":
+            text, digest, notes = _read_text(handle, name, size, max_chars)
         else:
-            text = docx_text(name, data)
-            kind = "docx"
-        check_length(name, len(text), max_chars, complete=True)
-        return Document(str(path), name, size, kind, text, digest)
-    text, digest, notes = stream_text(p, size, max_chars)
+            text, digest, notes = _read_container(handle, name, size, kind, max_chars)
+    if kind != named:
+        notes = (f"“{name}” is {KIND_NAMES[kind]}, not {KIND_NAMES[named]} as its name "
+                 "says; it was read as one.", *notes)
+    return Document(str(path), name, size, kind, text, digest, notes)
+
+
+def _read_text(handle: BinaryIO, name: str, size: int,
+               max_chars: int) -> tuple[str, str, tuple[str, ...]]:
+    """The text, its SHA-256 and notes on how it was decoded."""
+    text, digest, notes = stream_text(handle, name, size, max_chars)
     if not text.strip():
         raise DocumentError(f"“{name}” contains only white space — there is no text to add.")
-    return Document(str(path), name, size, "text", text, digest, notes)
+    return text, digest, notes
 
+
+def _read_container(handle: BinaryIO, name: str, size: int, kind: str,
+                    max_chars: int) -> tuple[str, str, tuple[str, ...]]:
+    """A PDF's or Word document's text, its SHA-256 and notes, read whole (within
+    ``MAX_CONTAINER_BYTES``)."""
+    if size > MAX_CONTAINER_BYTES:
+        raise DocumentError(
+            f"“{name}” is {human_bytes(size)}; Longleaf reads PDF and Word files up to "
+            f"{human_bytes(MAX_CONTAINER_BYTES)}. Split it or export its text to a .txt file."
+        )
+    data = read_all(handle, name, size)
+    if kind == "pdf":
+        text, notes = pdf_text(name, data, max_chars)
+    else:
+        text, notes = docx_text(name, data), ()
+    check_length(name, len(text), max_chars, complete=True)
+    return text, hashlib.sha256(data).hexdigest(), notes
+
+
+def _kind_by_name(p: Path) -> str:
+    suffix = p.suffix.lower()
+    if suffix in PDF_SUFFIXES:
+        return "pdf"
+    return "docx" if suffix in DOCX_SUFFIXES else "text"
+
+
+def _kind_by_content(handle: BinaryIO, name: str, size: int) -> str | None:
+    """The kind the file's bytes say it is ("pdf" or "docx"), whatever its name: a PDF
+    or a Word document saved or renamed as .txt is read as what it is. None when
+    they say neither."""
+    head = read_head(handle, name, len(PDF_MAGIC))
+    if head.startswith(PDF_MAGIC):
+        return "pdf"
+    if head.startswith(ZIP_MAGIC) and size <= MAX_CONTAINER_BYTES and is_word_zip(handle):
+        return "docx"
+    return None

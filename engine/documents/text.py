@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import threading
-from pathlib import Path
+from typing import BinaryIO
 
 from engine.documents.file_access import os_error, vanished
 from engine.documents.limits import MAX_REPLACED_SHARE, READ_BLOCK, check_length
@@ -43,35 +43,35 @@ def _replace_counted(error: UnicodeError) -> tuple[str, int]:
 codecs.register_error("longleaf.replace-counted", _replace_counted)
 
 
-def stream_text(p: Path, size: int, max_chars: int) -> tuple[str, str, tuple[str, ...]]:
-    """The text, its SHA-256 and notes on replaced bytes, read block by block."""
-    name = p.name
+def stream_text(handle: BinaryIO, name: str, size: int,
+                max_chars: int) -> tuple[str, str, tuple[str, ...]]:
+    """The text of the file open in ``handle`` (at its start), its SHA-256 and notes on
+    replaced bytes, read block by block."""
     digest = hashlib.sha256()
     parts: list[str] = []
     chars = 0
     total = 0
     _replaced.bytes = 0
     try:
-        with p.open("rb") as handle:
-            head = handle.read(READ_BLOCK)
-            encoding, skip = _sniff_encoding(name, head)
-            decoder = codecs.getincrementaldecoder(encoding)(
-                errors="longleaf.replace-counted")
-            block = head
-            first = True
-            while block:
-                digest.update(block)
-                total += len(block)
-                text = decoder.decode(block[skip:] if first else block)
-                first = False
-                parts.append(text)
-                chars += len(text)
-                check_length(name, chars, max_chars, complete=False)
-                # NULs past the sniffed head: binary data appended to text.
-                if encoding == "utf-8" and "\x00" in text:
-                    raise _binary(name)
-                block = handle.read(READ_BLOCK)
-            tail = decoder.decode(b"", final=True)
+        head = handle.read(READ_BLOCK)
+        encoding, skip = _sniff_encoding(name, head)
+        decoder = codecs.getincrementaldecoder(encoding)(
+            errors="longleaf.replace-counted")
+        block = head
+        first = True
+        while block:
+            digest.update(block)
+            total += len(block)
+            text = decoder.decode(block[skip:] if first else block)
+            first = False
+            parts.append(text)
+            chars += len(text)
+            check_length(name, chars, max_chars, complete=False)
+            # NULs past the sniffed head: binary data appended to text.
+            if encoding == "utf-8" and "\x00" in text:
+                raise _binary(name)
+            block = handle.read(READ_BLOCK)
+        tail = decoder.decode(b"", final=True)
     except OSError as exc:
         raise os_error(name, exc) from exc
     if total != size:  # truncated, grown or deleted while we read it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -321,3 +322,28 @@ def test_a_pdf_too_long_is_refused_at_the_page_that_passes_the_limit(
         read_document(path, max_chars=len(whole) - 1)
     assert exact.value.chars == len(whole) and len(read) == 40
     assert read_document(path, max_chars=len(whole)).text == whole
+
+
+@pytest.mark.parametrize("name", ["report.txt", "report.md", "README"])
+def test_a_pdf_under_a_text_name_is_read_as_a_pdf_and_said(tmp_path: Path, name: str) -> None:
+    path = _write(tmp_path / name, _pdf_with_text(["Quarterly figures"]))
+    doc = read_document(path)
+    assert (doc.kind, doc.text) == ("pdf", "Quarterly figures")
+    assert doc.notes == (
+        f"“{name}” is a PDF, not a text file as its name says; it was read as one.",)
+
+
+def test_a_word_document_under_another_name_is_read_as_one_and_said(tmp_path: Path) -> None:
+    document = _paragraph_and_table("Quarterly plan", ("q6", "388 bytes"))
+    for name, named in (("plan.txt", "a text file"), ("plan.pdf", "a PDF")):
+        path = tmp_path / name
+        document.save(str(path))
+        doc = read_document(path)
+        assert (doc.kind, doc.text) == ("docx", "Quarterly plan\nq6\t388 bytes")
+        assert doc.notes == (
+            f"“{name}” is a Word document, not {named} as its name says; it was read as one.",)
+    # A zip that holds no Word document is what its name says: a .txt one binary data.
+    with zipfile.ZipFile(tmp_path / "photos.txt", "w") as archive:
+        archive.writestr("photo.jpg", b"\xff\xd8\xff" + bytes(100))
+    with pytest.raises(DocumentError, match="looks like a binary file"):
+        read_document(tmp_path / "photos.txt")
