@@ -143,7 +143,7 @@ class MessageWidget(QFrame):
         self.show_all.clicked.connect(self._toggle_all)
         self.show_all.hide()
         outer.addWidget(self.show_all, 0, Qt.AlignmentFlag.AlignLeft)
-        footer = QHBoxLayout()
+        footer = self.footer = QHBoxLayout()
         footer.setSpacing(6)
         self.status = QLabel()
         self.status.setObjectName("messageStatus")
@@ -211,6 +211,9 @@ class MessageWidget(QFrame):
             self.status.style().polish(self.status)
         line = stats_text(stats) if self.role == "assistant" else ""
         self.stats.setText(line)
+        # A wrapping label gets only its minimum width beside a stretching one: the
+        # status alone ("Reading the conversation…") would wrap after a word or two.
+        self.footer.setStretchFactor(self.status, 0 if line else 1)
         self.stats.setToolTip(SPECULATIVE_TIP if "tokens\u00a0a\u00a0step" in line else "")
 
     def _show_user_text(self) -> None:

@@ -123,6 +123,19 @@ def test_a_finished_answers_stats_line_takes_the_room_no_status_needs(qtbot) -> 
     assert row.stats.height() < 2 * row.stats.fontMetrics().lineSpacing()  # one line
 
 
+def test_a_status_alone_takes_the_rows_width_not_a_few_words(qtbot) -> None:
+    # Seen under Xvfb: "Reading the / conversation…" wrapped in a sliver of the row,
+    # the empty stats label beside it holding the rest of the width.
+    _, view = _view(qtbot, [ChatMessage("user", "Hello", "complete", 1),
+                            ChatMessage("assistant", "", "streaming", 2)])
+    view.set_busy(True, reading=True)
+    view.resize(800, 400)
+    qtbot.waitUntil(lambda: view.widget_for(1).width() > 700)
+    status = view.widget_for(1).status
+    assert status.isVisible() and status.text()
+    assert status.height() < 2 * status.fontMetrics().lineSpacing(), status.width()
+
+
 def test_a_read_stopped_before_any_word_leaves_no_empty_stats_or_copy(qtbot) -> None:
     stats = {"generated_tokens": 0, "ttft": None, "decode_tps": 0.0, "prefill_tokens": 1536}
     _, view = _view(qtbot, [
