@@ -190,7 +190,8 @@ class GenerationStats:
     reused_tokens: int = 0
     # Speculative decoding: tokens proposed, proposed tokens accepted (the token
     # each verification adds of its own not counted), and the answer's forward
-    # passes, so accepted tokens per step = generated_tokens / decode_steps.
+    # passes, so tokens per step = 1 + accepted_tokens / decode_steps (the passes
+    # include the one that sampled the end token and any queued after it).
     draft_tokens: int = 0
     accepted_tokens: int = 0
     decode_steps: int = 0

@@ -95,7 +95,11 @@ def stats_text(stats: dict | None) -> str:
     if stats.get("decode_tps"):
         parts.append(f"{stats['decode_tps']:.1f} tokens/s")
     if stats.get("draft_tokens") and stats.get("decode_steps"):
-        parts.append(f"{stats['generated_tokens'] / stats['decode_steps']:.1f} tokens a step")
+        # Each pass adds its own token and the drafts it accepted. Not tokens over
+        # passes: the pass that sampled the end token and the one queued after it
+        # count as steps with no token, so a short answer read "0.8 tokens a step".
+        steps = stats["decode_steps"]
+        parts.append(f"{1 + stats.get('accepted_tokens', 0) / steps:.1f} tokens a step")
     parts = [unbroken(part) for part in parts]
     reused = reuse_sentence(stats.get("reused_tokens", 0), stats.get("prefill_tokens", 0))
     return " · ".join([reused, *parts] if reused else parts)

@@ -102,6 +102,10 @@ def test_stats_line_says_a_speculative_answers_tokens_a_step_in_plain_words(qtbo
     assert _plain(stats_text(plain)) == "48 tokens · first word in 0.5 s · 12.0 tokens/s"
     drafted = {**plain, "draft_tokens": 40, "accepted_tokens": 30, "decode_steps": 18}
     assert _plain(stats_text(drafted)).endswith("12.0 tokens/s · 2.7 tokens a step")
+    # A short answer whose drafts were all refused made a token a pass, not fewer (its
+    # end token's pass and the one queued after it made none the line counts).
+    refused = {**plain, "generated_tokens": 10, "draft_tokens": 6, "decode_steps": 12}
+    assert _plain(stats_text(refused)).endswith("12.0 tokens/s · 1.0 tokens a step")
     _, view = _view(qtbot, [ChatMessage("assistant", "ok", "complete", stats=drafted)])
     assert view.widget_for(0).stats.toolTip() == SPECULATIVE_TIP
 
