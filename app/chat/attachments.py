@@ -17,7 +17,7 @@ from typing import cast
 from PySide6.QtCore import QObject, Signal
 
 from app.background import Background
-from app.format import human_bytes
+from app.format import human_bytes, visible_text
 from app.store import AttachmentRecord
 from engine import DocumentTooLong, EngineError, file_patterns, read_document
 
@@ -53,6 +53,13 @@ def already_attached(name: str, attached: str) -> str:
     if name == attached:
         return f"“{name}” is already attached to this message."
     return f"“{name}” holds the same text as “{attached}”, already attached to this message."
+
+
+def awaiting_model(paths: Sequence[str]) -> str:
+    """What is said of files given before a model is ready to count their tokens."""
+    name = os.path.basename(paths[0]) if len(paths) == 1 else ""
+    which = f"“{visible_text(name)}”" if name else _files(len(paths))
+    return f"{which} will be attached once the model has loaded."
 
 
 def files_left_out(given: int, taken: int) -> str:

@@ -30,6 +30,7 @@ from app.chat.attachments import (
     DocumentLoader,
     already_attached,
     attach_filter,
+    awaiting_model,
     copy_of,
     files_left_out,
 )
@@ -108,6 +109,7 @@ class MainWindow(QMainWindow):
         # out, each file's notes or refusal), each added to the rest, never over it.
         self._said: list[str] = []
         self._reading_for: dict[int, str | None] = {}  # files being read: the chat each came to
+        self._awaiting_model: list[str] = []  # files given before a model was ready
         self.closed_at: float | None = None
         self._opened_folder: str | None = None
         self.downloads = Downloads(self)
@@ -316,6 +318,10 @@ class MainWindow(QMainWindow):
             self.model_picker.set_current(self.controller.model_id, text)
             self.fit.schedule()
             self.panel_feed.refresh()
+            if self._awaiting_model:
+                paths, self._awaiting_model = self._awaiting_model, []
+                self._said = []
+                self.add_files(paths)
 
     # Sessions -------------------------------------------------------------
 
@@ -512,7 +518,14 @@ class MainWindow(QMainWindow):
 
     def add_files(self, paths: list[str]) -> None:
         """Read files off the GUI thread and show them as chips, up to ``MAX_FILES`` in
-        the composer; the others are left out, and that is said."""
+        the composer; the others are left out, and that is said. Files given before a
+        model is ready (opened with Longleaf as it starts) wait for it."""
+        if not self.controller.model_ready:
+            # Counting a file's tokens takes the model's tokenizer: refused now, a
+            # file opened with Longleaf as it starts would be lost.
+            self._awaiting_model.extend(paths)
+            self._tell(awaiting_model(paths))
+            return
         self.filesDropped.emit(list(paths))
         taken = list(paths[:max(0, MAX_FILES - len(self.composer.chips))])
         left_out = files_left_out(len(paths), len(taken)) if len(taken) < len(paths) else ""

@@ -259,3 +259,37 @@ def test_the_fitting_prefix_is_the_longest_that_fits() -> None:
     assert 900 < tokens <= 1000
     assert fitting_prefix("short", 1000, [5]) == ("short", 1)
     assert fitting_prefix(text, 0, ends) == ("", 0)
+
+
+def test_a_file_opened_as_the_app_starts_waits_for_the_model(qtbot, tiny_llama, tmp_path) -> None:
+    # "Open With Longleaf" on a closed app: the file arrives before the model has
+    # loaded. It was refused with "Load a model first." and lost.
+    from app.controller import ChatController
+    from app.engine_bridge import EngineBridge
+    from app.settings import Settings
+    from app.store import HistoryStore
+    from app.window.main_window import MainWindow
+    from tests.app.conftest import MODEL_LOAD_TIMEOUT_MS, close_window, configure
+
+    doc = tmp_path / "pines.md"
+    doc.write_text(TEXT * 5)
+    settings = Settings()
+    configure(settings)
+    controller = ChatController(settings, HistoryStore(),
+                                EngineBridge(settings.memory_budget_bytes, settings.ingest_chunk))
+    window = MainWindow(controller)
+    qtbot.addWidget(window)
+    window.show()
+    try:
+        window.add_files([str(doc)])
+        assert window.composer.notice.text() == (
+            "“pines.md” will be attached once the model has loaded.")
+        with qtbot.waitSignal(controller.modelStateChanged, timeout=MODEL_LOAD_TIMEOUT_MS,
+                              check_params_cb=lambda _text, ready: ready):
+            controller.start(str(tiny_llama))
+        qtbot.waitUntil(lambda: bool(window.attachments), timeout=20_000)
+        (record,) = window.attachments.values()
+        assert record.name == "pines.md"
+        assert "Load a model first" not in window.composer.notice.text()
+    finally:
+        close_window(window)
