@@ -274,7 +274,12 @@ def classify_layers(cache: list[Any]) -> dict[str, tuple[int, ...]]:
 LATENT_KV = frozenset({
     "deepseek_v3", "glm4_moe_lite", "kimi_k25", "kimi_vl", "kimi_k3", "kimi_linear",
     "bailing_moe_v3", "bailing_hybrid", "longcat_flash", "longcat_flash_ngram", "mistral4",
+    "deepseek_v32", "glm_moe_dsa",
 })
+# Sparse-attention MLA (deepseek_v32 and glm_moe_dsa, built on it): beside the
+# latent, each layer's indexer caches its keys, index_head_dim wide, passed to
+# mlx-lm's KVCache as both keys and values.
+INDEXED_KV = frozenset({"deepseek_v32", "glm_moe_dsa"})
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +303,9 @@ def _attention_shape(config: dict[str, Any]) -> tuple[int, int]:
         head_dim = _whole(text, "hidden_size") // heads
     rank, rope = _whole(text, "kv_lora_rank"), _whole(text, "qk_rope_head_dim")
     if rank and str(config.get("model_type")) in LATENT_KV:
-        return 1, -(-(rank + rope) // 2)
+        indexer = 2 * _whole(text, "index_head_dim") if config.get("model_type") in INDEXED_KV \
+            else 0
+        return 1, -(-(rank + rope + indexer) // 2)
     if rank:  # every head's keys (compressed part and rope part) and values
         values = _whole(text, "v_head_dim") or head_dim
         return heads, -(-(_whole(text, "qk_nope_head_dim") + rope + values) // 2)

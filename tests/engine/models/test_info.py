@@ -91,7 +91,7 @@ def _mla_and_wide_heads() -> list[str]:
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-                                        "minicpm3", "gemma4_text"])
+                                        "minicpm3", "gemma4_text", "deepseek_v32"])
 def test_the_kv_bytes_a_config_projects_are_what_mlx_lms_cache_holds(model_type: str) -> None:
     """The dialog's and the fit check's figure for a model mlx-lm's cache serves (MLA
     keeps keys and values of other widths, or one compressed head), per token."""
@@ -117,8 +117,11 @@ def _cache_per_token(model_type: str) -> tuple[dict, int, int]:
     cache = make_prompt_cache(model)
     full = classify_layers(cache)["full"]
     model(mx.array([[3] * 8]), cache=cache)
-    widths = sum(layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1])
-                 for layer in (cache[index] for index in full))
+    # Sparse-attention MLA keeps a CacheList: the latent's cache and its indexer's.
+    parts = [part for index in full
+             for part in getattr(cache[index], "caches", (cache[index],))]
+    widths = sum(part.keys.shape[1] * (part.keys.shape[-1] + part.values.shape[-1])
+                 for part in parts)
     return config, widths * 2, len(full)
 
 
