@@ -17,7 +17,7 @@ from engine.server import fields, protocol, structured
 from engine.server.errors import BadRequest
 from engine.server.fields import accepted, honoured, refused
 from engine.server.protocol import ChatRequest
-from engine.session.sampling import SamplingParams
+from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
 
 if TYPE_CHECKING:
     from engine.models.info import ModelInfo
@@ -41,11 +41,12 @@ OPTIONS = {
     "min_p": fields.SAMPLING,
     "seed": honoured("the same seed, the same answer"),
     "stop": fields.STOP,
-    "repeat_penalty": honoured("mlx-lm's repetition penalty over the last 64 tokens"),
+    "repeat_penalty": honoured(f"mlx-lm's repetition penalty over the last "
+                               f"{REPETITION_CONTEXT} tokens"),
     "presence_penalty": fields.PENALTY,
     "frequency_penalty": fields.PENALTY,
-    "repeat_last_n": refused("the penalties look at the last 64 tokens",
-                             lambda v: v == 64),
+    "repeat_last_n": refused(f"the penalties look at the last {REPETITION_CONTEXT} tokens",
+                             lambda v: v == REPETITION_CONTEXT),
     "mirostat": refused("mirostat sampling is not supported", lambda v: v == 0),
     "mirostat_tau": refused("mirostat sampling is not supported"),
     "mirostat_eta": refused("mirostat sampling is not supported"),
@@ -53,7 +54,9 @@ OPTIONS = {
     "typical_p": refused("typical sampling is not supported", lambda v: v == 1),
     "penalize_newline": refused("newlines are penalized as every token is",
                                 lambda v: v is True),
-    "num_keep": refused("a prompt too long is refused, never cut"),
+    # Ollama keeps these tokens when it cuts a prompt too long for the context;
+    # here such a prompt is a 400, never cut, so there is nothing to keep.
+    "num_keep": accepted("a prompt too long is refused, never cut: nothing is kept"),
     "logits_all": refused("the API returns no logits"),
     "vocab_only": refused("the model is loaded whole", lambda v: v is False),
     "embedding_only": refused("this server answers; it does not embed", lambda v: v is False),
@@ -62,6 +65,22 @@ OPTIONS = {
     **{name: HARDWARE for name in ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram",
                                    "use_mmap", "use_mlock", "num_thread")},
 }
+
+
+def _no_penalty(options: dict) -> bool:
+    return (options.get("repeat_penalty") in (None, 1)
+            and not options.get("presence_penalty") and not options.get("frequency_penalty"))
+
+
+def _no_mirostat(options: dict) -> bool:
+    return not options.get("mirostat")
+
+
+# Refused options that change nothing, whatever their value, while these hold of
+# the other options: Ollama's clients send its defaults (mirostat_tau 5.0,
+# repeat_last_n 64, ...) beside options that switch them off.
+IDLE_WHEN = {"repeat_last_n": _no_penalty, "penalize_newline": _no_penalty,
+             "mirostat_tau": _no_mirostat, "mirostat_eta": _no_mirostat}
 
 _COMMON = {
     "model": honoured("any name serves the loaded model"),
@@ -98,7 +117,8 @@ def _options(body: dict) -> dict:
         raise BadRequest("'options' must be an object.", "options")
     for name, value in options.items():
         field = OPTIONS.get(name)
-        if field is not None and field.refuses(value):
+        idle = IDLE_WHEN.get(name)
+        if field is not None and field.refuses(value) and not (idle and idle(options)):
             raise BadRequest(f"options.{name} is not supported by this server: "
                              f"{field.note}.", f"options.{name}")
     return options

@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from engine.server import ollama as ollama_api
+from engine.server.errors import BadRequest
 from engine.session import sampling
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
@@ -93,6 +94,38 @@ def test_options_are_honoured(served: Served) -> None:
     with pytest.raises(ollama.ResponseError) as raised:
         api.chat(model="m", messages=messages, format={"$ref": "#/nowhere"})
     assert "format" in raised.value.error and "nowhere" in raised.value.error
+
+
+# What Ollama's api.DefaultOptions() sets of the options that change nothing here.
+OLLAMA_DEFAULTS = {"num_keep": 4, "repeat_last_n": 64, "mirostat": 0, "mirostat_tau": 5.0,
+                   "mirostat_eta": 0.1, "penalize_newline": True}
+
+
+def test_options_at_values_that_change_nothing_are_read(served: Served) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    answer = client(served).chat(model="m", messages=messages,
+                                 options={**OLLAMA_DEFAULTS, **GREEDY})
+    assert answer.done and answer.eval_count > 0
+
+    def read(**options: object) -> None:
+        ollama_api.chat_request({"messages": messages, "options": options}, 64)
+    # No prompt is ever cut here, so there is never anything to keep.
+    read(num_keep=100)
+    # Mirostat's settings are idle while it is off.
+    read(mirostat_tau=3.0, mirostat_eta=0.5)
+    read(mirostat=0, mirostat_tau=3.0)
+    # The window and the newline's penalty are idle with no penalty to apply.
+    read(repeat_last_n=16, penalize_newline=False)
+    read(repeat_penalty=1.0, repeat_last_n=-1, presence_penalty=0)
+    # With a penalty they would change the answer: refused, by name.
+    for options, name in (({"repeat_penalty": 1.1, "repeat_last_n": 16}, "repeat_last_n"),
+                          ({"presence_penalty": 0.5, "penalize_newline": False},
+                           "penalize_newline"),
+                          ({"mirostat_tau": 3.0, "mirostat": 2}, "mirostat_tau")):
+        with pytest.raises(BadRequest) as raised:
+            read(**options)
+        assert raised.value.param == f"options.{name}"
+        assert "not supported by this server" in str(raised.value)
 
 
 def test_a_resent_chat_reads_the_cache(served: Served) -> None:
