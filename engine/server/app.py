@@ -577,8 +577,10 @@ class Server:
     async def ollama_ps(self, request: Request) -> JSONResponse:
         self._check_ready()
         entry = ollama.model_entry(self.bridge.model_id, self.bridge.info)
+        # Apple silicon's memory is unified: the whole model is in the GPU's
+        # memory, as Ollama reports it there (0 would read as a CPU-only load).
         return JSONResponse({"models": [{**entry, "expires_at": "2999-01-01T00:00:00Z",
-                                         "size_vram": 0,
+                                         "size_vram": entry["size"],
                                          "context_length": self.bridge.max_context}]})
 
     async def ollama_show(self, request: Request) -> JSONResponse:

@@ -43,6 +43,8 @@ def test_version_tags_show_and_ps(served: Served) -> None:
     assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
     (running,) = api.ps().models
     assert running.context_length == served.bridge.max_context
+    # Unified memory: all of the model is in the GPU's memory, as Ollama says on a Mac.
+    assert running.size_vram == running.size == model.size > 0
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "generate"])
