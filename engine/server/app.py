@@ -31,7 +31,7 @@ from starlette.routing import Route
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
 from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
-from engine.server import ollama, protocol, responses
+from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
@@ -39,7 +39,6 @@ from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
-DEFAULT_MAX_TOKENS = 512
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
 # A stream with nothing to send for this long (a long read of the prompt, a wait
@@ -404,7 +403,8 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_ready()
-        chat = protocol.openai_chat(await self._body(request), DEFAULT_MAX_TOKENS)
+        chat = protocol.openai_chat(await self._body(request),
+                                    fields.DEFAULT_MAX_TOKENS)
         run = await self._start(chat)
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         model = self._model_name(chat)

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 # The Ollama API version this server answers as (clients check for a recent one).
 VERSION = "0.12.6"
-DEFAULT_MAX_TOKENS = 4096
 RANDOM_SEED = -1  # Ollama's default seed: draw at random, as with no seed
 HARDWARE = accepted("how Ollama's runner uses the hardware; the engine plans its own")
 PULL_REFUSAL = ("Longleaf does not pull models from Ollama's library. It serves the model "
@@ -34,7 +33,8 @@ PULL_REFUSAL = ("Longleaf does not pull models from Ollama's library. It serves 
 
 OPTIONS = {
     "num_ctx": honoured("the request's context: a longer prompt is a 400"),
-    "num_predict": honoured("the answer's token limit (-1, -2: up to the context)"),
+    "num_predict": honoured(f"the answer's token limit ({fields.DEFAULT_MAX_TOKENS:,} by "
+                            "default; -1, -2: up to the context)"),
     "temperature": fields.TEMPERATURE,
     "top_p": fields.SAMPLING,
     "top_k": fields.SAMPLING,
@@ -127,7 +127,8 @@ def _options(body: dict) -> dict:
 def _sampling(options: dict, context: int, body: dict,
               tools: list[dict] | None = None) -> SamplingParams:
     """Ollama's options in the engine's terms."""
-    predict = protocol.integer(options, ("num_predict",), DEFAULT_MAX_TOKENS, -2)
+    predict = protocol.integer(options, ("num_predict",), fields.DEFAULT_MAX_TOKENS,
+                               -2)
     if predict is None or predict < 1:
         predict = max(1, context)  # -1 and -2: as long as the context allows
     named = {"temperature": options.get("temperature", 0.8), "top_p": options.get("top_p"),
