@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
-from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
+from engine.events import Failed, Finished, GenerationStats, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
@@ -99,6 +99,7 @@ class Outcome:
     completion_tokens: int
     mode: KvMode
     tool_choice_met: bool | None = None  # None: the request forced no call
+    stats: GenerationStats | None = None  # the engine's timings, where it sent them
 
 
 def cors_origins(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -633,7 +634,8 @@ class Server:
             return ollama.final_line(model, outcome.finish,
                                      outcome.prompt_tokens - outcome.cached_tokens,
                                      outcome.completion_tokens,
-                                     time.perf_counter() - started, chat=chat_api)
+                                     time.perf_counter() - started, outcome.stats,
+                                     chat=chat_api)
         if not chat.stream:
             text, calls, outcome = await self._collect(request, run)
             whole = {**last(outcome), **{k: v for k, v in line(text, calls).items()
@@ -1061,7 +1063,8 @@ class Run:
         prompt = stats.prompt_tokens if stats and stats.prompt_tokens else self.prompt_tokens
         fed = stats.prefill_tokens if stats else prompt
         finish = "stop" if self.stopped_by or event.reason == "stop" else "length"
-        return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode)
+        return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode,
+                       stats=stats)
 
 
 def _ollama_loaded(body: dict, empty: dict) -> JSONResponse:

@@ -20,6 +20,7 @@ from engine.server.protocol import ChatRequest
 from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
 
 if TYPE_CHECKING:
+    from engine.events import GenerationStats
     from engine.models.info import ModelInfo
 
 # The Ollama API version this server answers as (clients check for a recent one).
@@ -274,17 +275,38 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
+def durations(prompt: int, completion: int, seconds: float,
+              stats: GenerationStats | None) -> tuple[float, float]:
+    """Seconds of ``seconds`` spent reading the ``prompt`` tokens evaluated and
+    generating the ``completion``: each count over the engine's rate, so a client's
+    count / duration is the rate the engine measured. Without a decode rate (an
+    answer of one token) the time after the reading is generating; without
+    timings at all, the whole request."""
+    if stats is None:
+        return 0.0, seconds
+    reading = (prompt / stats.prefill_tps if stats.prefill_tps
+               else stats.time_to_first_token or 0.0)
+    reading = min(reading, seconds)
+    generating = completion / stats.decode_tps if stats.decode_tps else seconds - reading
+    return reading, max(0.0, min(generating, seconds - reading))
+
+
 def final_line(model: str, finish: str, prompt: int, completion: int, seconds: float,
-               *, chat: bool) -> dict:
-    """The last NDJSON line (``done: true``) with Ollama's counts and durations."""
-    nanos = int(seconds * 1e9)
+               stats: GenerationStats | None, *, chat: bool) -> dict:
+    """The last NDJSON line (``done: true``) with Ollama's counts and durations (in
+    nanoseconds); the model was loaded before the request, so none went to loading."""
+    reading, generating = durations(prompt, completion, seconds, stats)
     line: dict = {"model": model, "created_at": now(), "done": True,
                   "done_reason": "length" if finish == "length" else "stop",
-                  "total_duration": nanos, "load_duration": 0,
-                  "prompt_eval_count": prompt, "prompt_eval_duration": 0,
-                  "eval_count": completion, "eval_duration": nanos}
+                  "total_duration": _nanos(seconds), "load_duration": 0,
+                  "prompt_eval_count": prompt, "prompt_eval_duration": _nanos(reading),
+                  "eval_count": completion, "eval_duration": _nanos(generating)}
     if chat:
         line["message"] = {"role": "assistant", "content": ""}
     else:
         line["response"] = ""
     return line
+
+
+def _nanos(seconds: float) -> int:
+    return int(seconds * 1e9)

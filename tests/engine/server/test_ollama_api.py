@@ -5,6 +5,7 @@ options, a tool round trip, and a clear answer to a pull."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -12,6 +13,7 @@ import ollama
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from engine.events import GenerationStats
 from engine.server import ollama as ollama_api
 from engine.server.errors import BadRequest
 from engine.session import sampling
@@ -66,6 +68,29 @@ def test_streamed_matches_not_streamed(served: Served, endpoint: str) -> None:
     assert final.eval_count == whole.eval_count and 0 < final.eval_count <= 6
     # Ollama counts the prompt tokens it evaluated: the second read the cache.
     assert 0 < final.prompt_eval_count < whole.prompt_eval_count
+
+
+def test_durations_split_reading_the_prompt_from_generating(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Tell me a long story " * 20}]
+    for stream in (False, True):
+        final = api.chat(model="m", messages=messages, options=GREEDY, stream=stream)
+        if stream:
+            *_, final = final
+        assert final.prompt_eval_duration > 0 and final.eval_duration > 0
+        assert final.prompt_eval_duration + final.eval_duration <= final.total_duration
+        messages[0]["content"] += "!"  # the next one reads the prompt again too
+    # The engine's rates, as counts over durations: a client's tokens per second.
+    stats = GenerationStats(prompt_tokens=120, generated_tokens=5, time_to_first_token=0.3,
+                            prefill_tps=400.0, decode_tps=50.0, prefill_tokens=100)
+    line = ollama_api.final_line("m", "stop", 100, 5, 1.0, stats, chat=True)
+    assert line["prompt_eval_duration"] == 250_000_000  # 100 tokens at 400 a second
+    assert line["eval_duration"] == 100_000_000  # 5 tokens at 50 a second
+    assert line["total_duration"] == 1_000_000_000
+    # An answer of one token has no decode rate: the time after the reading is its own.
+    one = replace(stats, generated_tokens=1, decode_tps=0.0)
+    line = ollama_api.final_line("m", "stop", 100, 1, 1.0, one, chat=True)
+    assert line["eval_duration"] == 750_000_000
 
 
 def test_options_are_honoured(served: Served) -> None:
