@@ -600,18 +600,27 @@ class Server:
     async def ollama_chat(self, request: Request) -> Response:
         self._check_ready()
         body = await self._body(request)
-        if isinstance(body, dict) and body.get("messages") == []:
-            return _ollama_loaded(body, {"message": {"role": "assistant", "content": ""}})
+        if (done := ollama.done_at_once(body, chat=True)) is not None:
+            return self._ollama_done(done)
         chat = ollama.chat_request(body, self.bridge.max_context)
         return await self._ollama_answer(request, chat, chat_api=True)
 
     async def ollama_generate(self, request: Request) -> Response:
         self._check_ready()
         body = await self._body(request)
-        if isinstance(body, dict) and not body.get("prompt") and not body.get("messages"):
-            return _ollama_loaded(body, {"response": ""})
+        if (done := ollama.done_at_once(body, chat=False)) is not None:
+            return self._ollama_done(done)
         chat = ollama.generate_request(body, self.bridge.max_context)
         return await self._ollama_answer(request, chat, chat_api=False)
+
+    def _ollama_done(self, done: dict) -> JSONResponse:
+        """Answer a request with nothing to answer: how Ollama's clients load a model
+        (here it is loaded already) or unload it. The server serves one model for
+        its life, so an unload frees what it holds beside the weights: the KV of
+        past requests, stored to disk for a later one to take up."""
+        if done["done_reason"] == "unload":
+            self.bridge.release_idle()
+        return JSONResponse(done)
 
     async def _ollama_answer(self, request: Request, chat: ChatRequest, *,
                              chat_api: bool) -> Response:
@@ -1065,13 +1074,6 @@ class Run:
         finish = "stop" if self.stopped_by or event.reason == "stop" else "length"
         return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode,
                        stats=stats)
-
-
-def _ollama_loaded(body: dict, empty: dict) -> JSONResponse:
-    """Ollama's answer to a request with nothing to answer, which loads the model
-    there (clients send one to preload it): here it is loaded already."""
-    return JSONResponse({"model": protocol.model_name(body), "created_at": ollama.now(),
-                         **empty, "done": True, "done_reason": "load"})
 
 
 def _not_ready(message: str) -> ApiError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import re
 from typing import TYPE_CHECKING, Any
 
 from engine.server import fields, protocol, structured
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 VERSION = "0.12.6"
 RANDOM_SEED = -1  # Ollama's default seed: draw at random, as with no seed
 HARDWARE = accepted("how Ollama's runner uses the hardware; the engine plans its own")
+# A keep_alive of zero, as Go's time.ParseDuration reads one ("0", "0s", "0m"…):
+# Ollama's "unload now".
+ZERO_DURATION = re.compile(r"[+-]?(0+(\.0*)?(ns|us|µs|μs|ms|s|m|h)?)+")
 PULL_REFUSAL = ("Longleaf does not pull models from Ollama's library. It serves the model "
                 "it was started with: `python -m engine serve --model demo` or "
                 "`--model /path/to/an/mlx-lm/folder`, or the model loaded in the app "
@@ -88,7 +92,9 @@ _COMMON = {
     "stream": honoured("NDJSON lines, on by default"),
     "options": honoured("each option as listed in engine.server.ollama.OPTIONS"),
     "format": honoured("\"json\" or a JSON schema: the answer is decoded to it"),
-    "keep_alive": accepted("the model stays loaded while the server runs"),
+    "keep_alive": honoured("0 with nothing to answer frees the KV held for past "
+                           "requests (stored to disk); the model stays loaded while the "
+                           "server runs"),
     "think": accepted("the model thinks as its template does; thinking comes back as text"),
     "logprobs": refused("log probabilities are not on Ollama's API here: use "
                         "/v1/chat/completions", lambda v: v is False),
@@ -144,6 +150,22 @@ def _sampling(options: dict, context: int, body: dict,
         seed = None
     return protocol.sampling_params({k: v for k, v in named.items() if v is not None},
                                     int(predict), seed, grammar=grammar)
+
+
+def done_at_once(body: Any, *, chat: bool) -> dict | None:
+    """The one line answering a request with nothing to answer (no messages, no
+    prompt), with which Ollama's clients load a model (``done_reason`` "load") or,
+    with a keep_alive of zero, unload it ("unload"); None for a request with
+    something to answer."""
+    if not isinstance(body, dict) or body.get("messages" if chat else "prompt") not in (
+            None, [], ""):
+        return None
+    keep = body.get("keep_alive")
+    zero = (keep == 0 if isinstance(keep, int | float) and not isinstance(keep, bool)
+            else isinstance(keep, str) and ZERO_DURATION.fullmatch(keep.strip()) is not None)
+    empty = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return {"model": _name(body), "created_at": now(), **empty, "done": True,
+            "done_reason": "unload" if zero else "load"}
 
 
 def _stream(body: dict) -> bool:

@@ -177,8 +177,38 @@ def test_a_request_with_nothing_to_answer_preloads_as_in_ollama(served: Served) 
     api = client(served)
     chat = api.chat(model="m", messages=[])
     assert chat.done and chat.done_reason == "load" and chat.message.content == ""
+    # As Ollama's documentation loads one (curl and other clients): no messages at all.
+    raw = httpx.post(served.url + "/api/chat", json={"model": "m"},
+                     headers={"x-api-key": served.key})
+    assert raw.status_code == 200, raw.text
+    assert raw.json()["done_reason"] == "load" and raw.json()["message"]["content"] == ""
     generated = api.generate(model="m", prompt="")
     assert generated.done and generated.done_reason == "load" and generated.response == ""
+
+
+def test_keep_alive_zero_with_nothing_to_answer_unloads_what_it_can(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Hello"}]
+    for unload in (lambda: api.generate(model="m", keep_alive=0),
+                   lambda: api.chat(model="m", messages=[], keep_alive="0s")):
+        api.chat(model="m", messages=messages, options=GREEDY)
+        assert served.bridge._sessions  # the KV of the answer, held for the next
+        done = unload()
+        assert done.done and done.done_reason == "unload"
+        # The KV held for past requests is freed; the model, the server's for its
+        # life, stays loaded and says so.
+        assert not served.bridge._sessions
+        assert [m.model for m in api.ps().models] == [f"{served.bridge.model_id}:latest"]
+    assert api.chat(model="m", messages=messages, options=GREEDY).done
+    # An answer running when another client unloads goes on to its end.
+    running = api.chat(model="m", messages=messages, stream=True,
+                       options={"temperature": 0, "num_predict": 400})
+    next(running)
+    assert api.generate(model="m", keep_alive=0).done_reason == "unload"
+    *_, last = running
+    assert last.done_reason == "length" and last.eval_count == 400
+    for keep in (0.5, "5m", -1):  # any other keep_alive is a load
+        assert api.generate(model="m", keep_alive=keep).done_reason == "load"
 
 
 def test_a_raw_prompt_with_a_system_prompt_is_refused_as_in_ollama(served: Served) -> None:
