@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError
-from engine.events import Failed, Finished, SessionOpened, TokenChunk, TokenLogprob
-from engine.server import ollama, protocol, responses
+from engine.events import Failed, Finished, GenerationStats, SessionOpened, TokenChunk, TokenLogprob
+from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
@@ -39,7 +39,6 @@ from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20
-DEFAULT_MAX_TOKENS = 512
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL = 0.2
 # A stream with nothing to send for this long (a long read of the prompt, a wait
@@ -100,6 +99,7 @@ class Outcome:
     completion_tokens: int
     mode: KvMode
     tool_choice_met: bool | None = None  # None: the request forced no call
+    stats: GenerationStats | None = None  # the engine's timings, where it sent them
 
 
 def cors_origins(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -404,7 +404,8 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_ready()
-        chat = protocol.openai_chat(await self._body(request), DEFAULT_MAX_TOKENS)
+        chat = protocol.openai_chat(await self._body(request),
+                                    fields.DEFAULT_MAX_TOKENS)
         run = await self._start(chat)
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         model = self._model_name(chat)
@@ -577,8 +578,10 @@ class Server:
     async def ollama_ps(self, request: Request) -> JSONResponse:
         self._check_ready()
         entry = ollama.model_entry(self.bridge.model_id, self.bridge.info)
+        # Apple silicon's memory is unified: the whole model is in the GPU's
+        # memory, as Ollama reports it there (0 would read as a CPU-only load).
         return JSONResponse({"models": [{**entry, "expires_at": "2999-01-01T00:00:00Z",
-                                         "size_vram": 0,
+                                         "size_vram": entry["size"],
                                          "context_length": self.bridge.max_context}]})
 
     async def ollama_show(self, request: Request) -> JSONResponse:
@@ -597,18 +600,27 @@ class Server:
     async def ollama_chat(self, request: Request) -> Response:
         self._check_ready()
         body = await self._body(request)
-        if isinstance(body, dict) and body.get("messages") == []:
-            return _ollama_loaded(body, {"message": {"role": "assistant", "content": ""}})
+        if (done := ollama.done_at_once(body, chat=True)) is not None:
+            return self._ollama_done(done)
         chat = ollama.chat_request(body, self.bridge.max_context)
         return await self._ollama_answer(request, chat, chat_api=True)
 
     async def ollama_generate(self, request: Request) -> Response:
         self._check_ready()
         body = await self._body(request)
-        if isinstance(body, dict) and not body.get("prompt") and not body.get("messages"):
-            return _ollama_loaded(body, {"response": ""})
+        if (done := ollama.done_at_once(body, chat=False)) is not None:
+            return self._ollama_done(done)
         chat = ollama.generate_request(body, self.bridge.max_context)
         return await self._ollama_answer(request, chat, chat_api=False)
+
+    def _ollama_done(self, done: dict) -> JSONResponse:
+        """Answer a request with nothing to answer: how Ollama's clients load a model
+        (here it is loaded already) or unload it. The server serves one model for
+        its life, so an unload frees what it holds beside the weights: the KV of
+        past requests, stored to disk for a later one to take up."""
+        if done["done_reason"] == "unload":
+            self.bridge.release_idle()
+        return JSONResponse(done)
 
     async def _ollama_answer(self, request: Request, chat: ChatRequest, *,
                              chat_api: bool) -> Response:
@@ -631,7 +643,8 @@ class Server:
             return ollama.final_line(model, outcome.finish,
                                      outcome.prompt_tokens - outcome.cached_tokens,
                                      outcome.completion_tokens,
-                                     time.perf_counter() - started, chat=chat_api)
+                                     time.perf_counter() - started, outcome.stats,
+                                     chat=chat_api)
         if not chat.stream:
             text, calls, outcome = await self._collect(request, run)
             whole = {**last(outcome), **{k: v for k, v in line(text, calls).items()
@@ -1059,14 +1072,8 @@ class Run:
         prompt = stats.prompt_tokens if stats and stats.prompt_tokens else self.prompt_tokens
         fed = stats.prefill_tokens if stats else prompt
         finish = "stop" if self.stopped_by or event.reason == "stop" else "length"
-        return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode)
-
-
-def _ollama_loaded(body: dict, empty: dict) -> JSONResponse:
-    """Ollama's answer to a request with nothing to answer, which loads the model
-    there (clients send one to preload it): here it is loaded already."""
-    return JSONResponse({"model": protocol.model_name(body), "created_at": ollama.now(),
-                         **empty, "done": True, "done_reason": "load"})
+        return Outcome(finish, prompt, max(0, prompt - fed), generated, self.mode,
+                       stats=stats)
 
 
 def _not_ready(message: str) -> ApiError:

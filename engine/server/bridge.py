@@ -381,6 +381,20 @@ class ServerBridge:
         if ticket.session in self._sessions:
             self._sessions[ticket.session] = (ticket.mode, held)
 
+    def release_idle(self) -> None:
+        """Store and close the sessions no request is answering in, freeing their KV
+        pages; an answer running goes on. The stored KV stays for a later request."""
+        with self._lock:
+            busy = {ticket.session for ticket in self._tickets.values()}
+            names = [name for name in self._sessions if name not in busy]
+            for name in names:
+                del self._sessions[name]
+        for name in names:
+            try:
+                self.worker.close_session(name, store=True)
+            except EngineStopped:  # the engine went first: it let go of every session
+                return
+
     def _forget(self, session: str) -> None:
         """Drop the session a failed request ran on from the ones to continue
         (under the lock)."""

@@ -17,6 +17,10 @@ from typing import Any
 from engine.server.errors import BadRequest
 
 HONOURED, ACCEPTED, REFUSED = "honoured", "accepted", "refused"
+# An answer's token limit where the request sets none, the same on every API
+# (never past the context). Anthropic's API has no default: max_tokens is
+# required there; /v1/completions keeps OpenAI's own default of 16.
+DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ STREAM = honoured("server-sent events")
 TEMPERATURE = honoured("0 is greedy")
 SAMPLING = honoured("mlx-lm's sampler")
 PENALTY = honoured("over the last 64 tokens, the prompt's included (mlx-lm's processors)")
+LIMIT = honoured(f"the answer's token limit ({DEFAULT_MAX_TOKENS:,} by default; never "
+                 "past the context)")
 STOP = honoured("the answer ends before the first one")
 TOOLS = honoured("function tools go to the model's chat template (a 400 when it has "
                  "no tool calling)")
@@ -96,8 +102,7 @@ CHAT = {
     "messages": honoured("system/developer, user, assistant (a last one is continued) "
                          "and tool messages; text parts"),
     "model": MODEL,
-    "max_tokens": honoured("the answer's token limit (512 by default; never past the "
-                           "context)"),
+    "max_tokens": LIMIT,
     "max_completion_tokens": honoured("as max_tokens"),
     "temperature": TEMPERATURE,
     "top_p": SAMPLING,

@@ -11,22 +11,26 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import re
 from typing import TYPE_CHECKING, Any
 
 from engine.server import fields, protocol, structured
 from engine.server.errors import BadRequest
 from engine.server.fields import accepted, honoured, refused
 from engine.server.protocol import ChatRequest
-from engine.session.sampling import SamplingParams
+from engine.session.sampling import REPETITION_CONTEXT, SamplingParams
 
 if TYPE_CHECKING:
+    from engine.events import GenerationStats
     from engine.models.info import ModelInfo
 
 # The Ollama API version this server answers as (clients check for a recent one).
 VERSION = "0.12.6"
-DEFAULT_MAX_TOKENS = 4096
 RANDOM_SEED = -1  # Ollama's default seed: draw at random, as with no seed
 HARDWARE = accepted("how Ollama's runner uses the hardware; the engine plans its own")
+# A keep_alive of zero, as Go's time.ParseDuration reads one ("0", "0s", "0m"…):
+# Ollama's "unload now".
+ZERO_DURATION = re.compile(r"[+-]?(0+(\.0*)?(ns|us|µs|μs|ms|s|m|h)?)+")
 PULL_REFUSAL = ("Longleaf does not pull models from Ollama's library. It serves the model "
                 "it was started with: `python -m engine serve --model demo` or "
                 "`--model /path/to/an/mlx-lm/folder`, or the model loaded in the app "
@@ -34,18 +38,20 @@ PULL_REFUSAL = ("Longleaf does not pull models from Ollama's library. It serves 
 
 OPTIONS = {
     "num_ctx": honoured("the request's context: a longer prompt is a 400"),
-    "num_predict": honoured("the answer's token limit (-1, -2: up to the context)"),
+    "num_predict": honoured(f"the answer's token limit ({fields.DEFAULT_MAX_TOKENS:,} by "
+                            "default; -1, -2: up to the context)"),
     "temperature": fields.TEMPERATURE,
     "top_p": fields.SAMPLING,
     "top_k": fields.SAMPLING,
     "min_p": fields.SAMPLING,
     "seed": honoured("the same seed, the same answer"),
     "stop": fields.STOP,
-    "repeat_penalty": honoured("mlx-lm's repetition penalty over the last 64 tokens"),
+    "repeat_penalty": honoured(f"mlx-lm's repetition penalty over the last "
+                               f"{REPETITION_CONTEXT} tokens"),
     "presence_penalty": fields.PENALTY,
     "frequency_penalty": fields.PENALTY,
-    "repeat_last_n": refused("the penalties look at the last 64 tokens",
-                             lambda v: v == 64),
+    "repeat_last_n": refused(f"the penalties look at the last {REPETITION_CONTEXT} tokens",
+                             lambda v: v == REPETITION_CONTEXT),
     "mirostat": refused("mirostat sampling is not supported", lambda v: v == 0),
     "mirostat_tau": refused("mirostat sampling is not supported"),
     "mirostat_eta": refused("mirostat sampling is not supported"),
@@ -53,7 +59,9 @@ OPTIONS = {
     "typical_p": refused("typical sampling is not supported", lambda v: v == 1),
     "penalize_newline": refused("newlines are penalized as every token is",
                                 lambda v: v is True),
-    "num_keep": refused("a prompt too long is refused, never cut"),
+    # Ollama keeps these tokens when it cuts a prompt too long for the context;
+    # here such a prompt is a 400, never cut, so there is nothing to keep.
+    "num_keep": accepted("a prompt too long is refused, never cut: nothing is kept"),
     "logits_all": refused("the API returns no logits"),
     "vocab_only": refused("the model is loaded whole", lambda v: v is False),
     "embedding_only": refused("this server answers; it does not embed", lambda v: v is False),
@@ -63,12 +71,30 @@ OPTIONS = {
                                    "use_mmap", "use_mlock", "num_thread")},
 }
 
+
+def _no_penalty(options: dict) -> bool:
+    return (options.get("repeat_penalty") in (None, 1)
+            and not options.get("presence_penalty") and not options.get("frequency_penalty"))
+
+
+def _no_mirostat(options: dict) -> bool:
+    return not options.get("mirostat")
+
+
+# Refused options that change nothing, whatever their value, while these hold of
+# the other options: Ollama's clients send its defaults (mirostat_tau 5.0,
+# repeat_last_n 64, ...) beside options that switch them off.
+IDLE_WHEN = {"repeat_last_n": _no_penalty, "penalize_newline": _no_penalty,
+             "mirostat_tau": _no_mirostat, "mirostat_eta": _no_mirostat}
+
 _COMMON = {
     "model": honoured("any name serves the loaded model"),
     "stream": honoured("NDJSON lines, on by default"),
     "options": honoured("each option as listed in engine.server.ollama.OPTIONS"),
     "format": honoured("\"json\" or a JSON schema: the answer is decoded to it"),
-    "keep_alive": accepted("the model stays loaded while the server runs"),
+    "keep_alive": honoured("0 with nothing to answer frees the KV held for past "
+                           "requests (stored to disk); the model stays loaded while the "
+                           "server runs"),
     "think": accepted("the model thinks as its template does; thinking comes back as text"),
     "logprobs": refused("log probabilities are not on Ollama's API here: use "
                         "/v1/chat/completions", lambda v: v is False),
@@ -98,7 +124,8 @@ def _options(body: dict) -> dict:
         raise BadRequest("'options' must be an object.", "options")
     for name, value in options.items():
         field = OPTIONS.get(name)
-        if field is not None and field.refuses(value):
+        idle = IDLE_WHEN.get(name)
+        if field is not None and field.refuses(value) and not (idle and idle(options)):
             raise BadRequest(f"options.{name} is not supported by this server: "
                              f"{field.note}.", f"options.{name}")
     return options
@@ -107,7 +134,8 @@ def _options(body: dict) -> dict:
 def _sampling(options: dict, context: int, body: dict,
               tools: list[dict] | None = None) -> SamplingParams:
     """Ollama's options in the engine's terms."""
-    predict = protocol.integer(options, ("num_predict",), DEFAULT_MAX_TOKENS, -2)
+    predict = protocol.integer(options, ("num_predict",), fields.DEFAULT_MAX_TOKENS,
+                               -2)
     if predict is None or predict < 1:
         predict = max(1, context)  # -1 and -2: as long as the context allows
     named = {"temperature": options.get("temperature", 0.8), "top_p": options.get("top_p"),
@@ -122,6 +150,22 @@ def _sampling(options: dict, context: int, body: dict,
         seed = None
     return protocol.sampling_params({k: v for k, v in named.items() if v is not None},
                                     int(predict), seed, grammar=grammar)
+
+
+def done_at_once(body: Any, *, chat: bool) -> dict | None:
+    """The one line answering a request with nothing to answer (no messages, no
+    prompt), with which Ollama's clients load a model (``done_reason`` "load") or,
+    with a keep_alive of zero, unload it ("unload"); None for a request with
+    something to answer."""
+    if not isinstance(body, dict) or body.get("messages" if chat else "prompt") not in (
+            None, [], ""):
+        return None
+    keep = body.get("keep_alive")
+    zero = (keep == 0 if isinstance(keep, int | float) and not isinstance(keep, bool)
+            else isinstance(keep, str) and ZERO_DURATION.fullmatch(keep.strip()) is not None)
+    empty = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return {"model": _name(body), "created_at": now(), **empty, "done": True,
+            "done_reason": "unload" if zero else "load"}
 
 
 def _stream(body: dict) -> bool:
@@ -253,17 +297,38 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
+def durations(prompt: int, completion: int, seconds: float,
+              stats: GenerationStats | None) -> tuple[float, float]:
+    """Seconds of ``seconds`` spent reading the ``prompt`` tokens evaluated and
+    generating the ``completion``: each count over the engine's rate, so a client's
+    count / duration is the rate the engine measured. Without a decode rate (an
+    answer of one token) the time after the reading is generating; without
+    timings at all, the whole request."""
+    if stats is None:
+        return 0.0, seconds
+    reading = (prompt / stats.prefill_tps if stats.prefill_tps
+               else stats.time_to_first_token or 0.0)
+    reading = min(reading, seconds)
+    generating = completion / stats.decode_tps if stats.decode_tps else seconds - reading
+    return reading, max(0.0, min(generating, seconds - reading))
+
+
 def final_line(model: str, finish: str, prompt: int, completion: int, seconds: float,
-               *, chat: bool) -> dict:
-    """The last NDJSON line (``done: true``) with Ollama's counts and durations."""
-    nanos = int(seconds * 1e9)
+               stats: GenerationStats | None, *, chat: bool) -> dict:
+    """The last NDJSON line (``done: true``) with Ollama's counts and durations (in
+    nanoseconds); the model was loaded before the request, so none went to loading."""
+    reading, generating = durations(prompt, completion, seconds, stats)
     line: dict = {"model": model, "created_at": now(), "done": True,
                   "done_reason": "length" if finish == "length" else "stop",
-                  "total_duration": nanos, "load_duration": 0,
-                  "prompt_eval_count": prompt, "prompt_eval_duration": 0,
-                  "eval_count": completion, "eval_duration": nanos}
+                  "total_duration": _nanos(seconds), "load_duration": 0,
+                  "prompt_eval_count": prompt, "prompt_eval_duration": _nanos(reading),
+                  "eval_count": completion, "eval_duration": _nanos(generating)}
     if chat:
         line["message"] = {"role": "assistant", "content": ""}
     else:
         line["response"] = ""
     return line
+
+
+def _nanos(seconds: float) -> int:
+    return int(seconds * 1e9)

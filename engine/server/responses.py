@@ -22,7 +22,6 @@ from engine.server.errors import BadRequest
 from engine.server.fields import BOOKKEEPING, accepted, honoured, refused
 from engine.server.protocol import ChatRequest
 
-DEFAULT_MAX_TOKENS = 4096
 # Tools the hosted API runs itself: this server runs none, so the model is not
 # told of them (Codex always lists web_search, switched off).
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26",
@@ -40,8 +39,7 @@ FIELDS = {
                       "items (reasoning items are dropped)"),
     "instructions": honoured("the system prompt"),
     "model": fields.MODEL,
-    "max_output_tokens": honoured("the answer's token limit (4,096 by default; never "
-                                  "past the context)"),
+    "max_output_tokens": fields.LIMIT,
     "temperature": fields.TEMPERATURE,
     "top_p": fields.SAMPLING,
     "stream": fields.STREAM,
@@ -113,7 +111,8 @@ def read(body: Any) -> ResponsesRequest:
     tools, namespaces = _tools(body.get("tools"))
     choice, name = _tool_choice(body.get("tool_choice"), tools)
     model = protocol.model_name(body)
-    max_tokens = protocol.integer(body, ("max_output_tokens",), DEFAULT_MAX_TOKENS, 1)
+    max_tokens = protocol.integer(body, ("max_output_tokens",), fields.DEFAULT_MAX_TOKENS,
+                                  1)
     calls = protocol.integer(body, ("max_tool_calls",), None, 1)
     if body.get("parallel_tool_calls") is False:
         calls = 1

@@ -78,7 +78,7 @@ ORDINARY = {
     "options": {"temperature": 0}, "raw": True, "num_ctx": 2048, "num_predict": 8,
     "repeat_penalty": 1.1, "min_p": 0.05, "numa": False, "num_batch": 512, "num_gpu": 1,
     "main_gpu": 0, "low_vram": False, "use_mmap": True, "use_mlock": False,
-    "num_thread": 4, "f16_kv": True, "response_format": SCHEMA,
+    "num_thread": 4, "f16_kv": True, "num_keep": 4, "response_format": SCHEMA,
     "output_config": {"effort": "low", "format": {"type": "json_schema",
                                                   "schema": {"type": "object"}}},
     "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
@@ -97,7 +97,7 @@ REFUSED = {
     "logprobs": True, "template": "{{ .Prompt }}", "context": [1, 2], "images": ["x"],
     "width": 64, "height": 64, "steps": 4, "repeat_last_n": 32, "mirostat": 2,
     "mirostat_tau": 5.0, "mirostat_eta": 0.1, "tfs_z": 0.5, "typical_p": 0.5,
-    "penalize_newline": False, "num_keep": 4, "logits_all": True, "vocab_only": True,
+    "penalize_newline": False, "logits_all": True, "vocab_only": True,
     "embedding_only": True,
 }
 
@@ -121,6 +121,10 @@ HARMLESS = {"n": 1, "best_of": 1, "store": False, "suffix": "", "background": Fa
             "mcp_servers": [], "include": ["reasoning.encrypted_content"],
             "text": {"format": {"type": "text"}}}
 HARMLESS_PER_API = {("responses", "context_management"): []}
+# Ollama's options whose values matter only beside another option: refused there.
+REFUSED_BESIDE = {"repeat_last_n": {"repeat_penalty": 1.1},
+                  "penalize_newline": {"repeat_penalty": 1.1},
+                  "mirostat_tau": {"mirostat": 2}, "mirostat_eta": {"mirostat": 2}}
 
 
 def _cases() -> list[tuple[str, str, Field]]:
@@ -143,7 +147,7 @@ def test_each_field_is_read_or_refused_by_name(api: str, name: str, field: Field
     read = APIS[api][2]
     if field.kind == fields.REFUSED:
         with pytest.raises(BadRequest) as raised:
-            read({name: REFUSED[name]})
+            read({name: REFUSED[name], **REFUSED_BESIDE.get(name, {})})
         assert raised.value.param is not None and name in raised.value.param
         if field.allows is not None:  # its harmless values are read
             read({name: HARMLESS_PER_API.get((api, name), HARMLESS[name])})

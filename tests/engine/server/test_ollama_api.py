@@ -5,6 +5,7 @@ options, a tool round trip, and a clear answer to a pull."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,9 @@ import ollama
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from engine.events import GenerationStats
 from engine.server import ollama as ollama_api
+from engine.server.errors import BadRequest
 from engine.session import sampling
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
@@ -42,6 +45,8 @@ def test_version_tags_show_and_ps(served: Served) -> None:
     assert "completion" in shown.capabilities and "<|im_start|>" in shown.template
     (running,) = api.ps().models
     assert running.context_length == served.bridge.max_context
+    # Unified memory: all of the model is in the GPU's memory, as Ollama says on a Mac.
+    assert running.size_vram == running.size == model.size > 0
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "generate"])
@@ -63,6 +68,29 @@ def test_streamed_matches_not_streamed(served: Served, endpoint: str) -> None:
     assert final.eval_count == whole.eval_count and 0 < final.eval_count <= 6
     # Ollama counts the prompt tokens it evaluated: the second read the cache.
     assert 0 < final.prompt_eval_count < whole.prompt_eval_count
+
+
+def test_durations_split_reading_the_prompt_from_generating(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Tell me a long story " * 20}]
+    for stream in (False, True):
+        final = api.chat(model="m", messages=messages, options=GREEDY, stream=stream)
+        if stream:
+            *_, final = final
+        assert final.prompt_eval_duration > 0 and final.eval_duration > 0
+        assert final.prompt_eval_duration + final.eval_duration <= final.total_duration
+        messages[0]["content"] += "!"  # the next one reads the prompt again too
+    # The engine's rates, as counts over durations: a client's tokens per second.
+    stats = GenerationStats(prompt_tokens=120, generated_tokens=5, time_to_first_token=0.3,
+                            prefill_tps=400.0, decode_tps=50.0, prefill_tokens=100)
+    line = ollama_api.final_line("m", "stop", 100, 5, 1.0, stats, chat=True)
+    assert line["prompt_eval_duration"] == 250_000_000  # 100 tokens at 400 a second
+    assert line["eval_duration"] == 100_000_000  # 5 tokens at 50 a second
+    assert line["total_duration"] == 1_000_000_000
+    # An answer of one token has no decode rate: the time after the reading is its own.
+    one = replace(stats, generated_tokens=1, decode_tps=0.0)
+    line = ollama_api.final_line("m", "stop", 100, 1, 1.0, one, chat=True)
+    assert line["eval_duration"] == 750_000_000
 
 
 def test_options_are_honoured(served: Served) -> None:
@@ -95,6 +123,38 @@ def test_options_are_honoured(served: Served) -> None:
     assert "format" in raised.value.error and "nowhere" in raised.value.error
 
 
+# What Ollama's api.DefaultOptions() sets of the options that change nothing here.
+OLLAMA_DEFAULTS = {"num_keep": 4, "repeat_last_n": 64, "mirostat": 0, "mirostat_tau": 5.0,
+                   "mirostat_eta": 0.1, "penalize_newline": True}
+
+
+def test_options_at_values_that_change_nothing_are_read(served: Served) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    answer = client(served).chat(model="m", messages=messages,
+                                 options={**OLLAMA_DEFAULTS, **GREEDY})
+    assert answer.done and answer.eval_count > 0
+
+    def read(**options: object) -> None:
+        ollama_api.chat_request({"messages": messages, "options": options}, 64)
+    # No prompt is ever cut here, so there is never anything to keep.
+    read(num_keep=100)
+    # Mirostat's settings are idle while it is off.
+    read(mirostat_tau=3.0, mirostat_eta=0.5)
+    read(mirostat=0, mirostat_tau=3.0)
+    # The window and the newline's penalty are idle with no penalty to apply.
+    read(repeat_last_n=16, penalize_newline=False)
+    read(repeat_penalty=1.0, repeat_last_n=-1, presence_penalty=0)
+    # With a penalty they would change the answer: refused, by name.
+    for options, name in (({"repeat_penalty": 1.1, "repeat_last_n": 16}, "repeat_last_n"),
+                          ({"presence_penalty": 0.5, "penalize_newline": False},
+                           "penalize_newline"),
+                          ({"mirostat_tau": 3.0, "mirostat": 2}, "mirostat_tau")):
+        with pytest.raises(BadRequest) as raised:
+            read(**options)
+        assert raised.value.param == f"options.{name}"
+        assert "not supported by this server" in str(raised.value)
+
+
 def test_a_resent_chat_reads_the_cache(served: Served) -> None:
     api = client(served)
     messages = [{"role": "system", "content": "You answer briefly. " * 20},
@@ -117,8 +177,38 @@ def test_a_request_with_nothing_to_answer_preloads_as_in_ollama(served: Served) 
     api = client(served)
     chat = api.chat(model="m", messages=[])
     assert chat.done and chat.done_reason == "load" and chat.message.content == ""
+    # As Ollama's documentation loads one (curl and other clients): no messages at all.
+    raw = httpx.post(served.url + "/api/chat", json={"model": "m"},
+                     headers={"x-api-key": served.key})
+    assert raw.status_code == 200, raw.text
+    assert raw.json()["done_reason"] == "load" and raw.json()["message"]["content"] == ""
     generated = api.generate(model="m", prompt="")
     assert generated.done and generated.done_reason == "load" and generated.response == ""
+
+
+def test_keep_alive_zero_with_nothing_to_answer_unloads_what_it_can(served: Served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Hello"}]
+    for unload in (lambda: api.generate(model="m", keep_alive=0),
+                   lambda: api.chat(model="m", messages=[], keep_alive="0s")):
+        api.chat(model="m", messages=messages, options=GREEDY)
+        assert served.bridge._sessions  # the KV of the answer, held for the next
+        done = unload()
+        assert done.done and done.done_reason == "unload"
+        # The KV held for past requests is freed; the model, the server's for its
+        # life, stays loaded and says so.
+        assert not served.bridge._sessions
+        assert [m.model for m in api.ps().models] == [f"{served.bridge.model_id}:latest"]
+    assert api.chat(model="m", messages=messages, options=GREEDY).done
+    # An answer running when another client unloads goes on to its end.
+    running = api.chat(model="m", messages=messages, stream=True,
+                       options={"temperature": 0, "num_predict": 400})
+    next(running)
+    assert api.generate(model="m", keep_alive=0).done_reason == "unload"
+    *_, last = running
+    assert last.done_reason == "length" and last.eval_count == 400
+    for keep in (0.5, "5m", -1):  # any other keep_alive is a load
+        assert api.generate(model="m", keep_alive=keep).done_reason == "load"
 
 
 def test_a_raw_prompt_with_a_system_prompt_is_refused_as_in_ollama(served: Served) -> None:

@@ -400,6 +400,29 @@ def test_logit_bias_is_applied(served: Served) -> None:
     assert raised.value.body["param"] == "logit_bias"
 
 
+def test_a_chat_without_a_limit_answers_as_long_as_on_the_other_apis(
+        served: Served) -> None:
+    # One token favoured over all: the answer never ends of itself, so only the
+    # server's default limit (the Responses and Ollama APIs' 4,096) stops it.
+    token_id = served.bridge.vocab_size - 1
+    while served.bridge.token_texts([token_id])[0] == "" or \
+            "<|" in served.bridge.token_texts([token_id])[0]:
+        token_id -= 1
+    text = served.bridge.token_texts([token_id])[0]
+    stream = client(served).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Go on"}], stream=True,
+        logit_bias={str(token_id): 100})
+    answer, finish = "", None
+    with stream:
+        for chunk in stream:
+            if chunk.choices:
+                answer += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason
+            if finish or len(answer) > 600 * len(text):
+                break  # past where 512 tokens ended it before: enough
+    assert finish is None and len(answer) > 600 * len(text)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format"),
