@@ -333,8 +333,11 @@ class QualityReceipt:
     Measured teacher-forced over the last ``window_tokens`` of the ``context_tokens``
     the chat held, read as one standalone window: at each of ``positions`` positions,
     ``top1`` is the share whose most likely next token is fp16's, ``kl_mean`` and
-    ``kl_p99`` the KL(fp16 ‖ mode) of the next-token distribution (nats). It says
-    nothing about tokens outside that window. ``measured_at`` is seconds since the epoch.
+    ``kl_p99`` the KL(fp16 ‖ mode) of the next-token distribution (nats);
+    ``perplexity`` and ``reference_perplexity`` are the mode's and fp16's on the
+    window's own next tokens (None: a one-token window, or a receipt stored before
+    they were measured). It says nothing about tokens outside that window.
+    ``measured_at`` is seconds since the epoch.
     """
 
     mode: KvMode
@@ -347,6 +350,8 @@ class QualityReceipt:
     kl_p99: float
     model: str
     measured_at: float
+    perplexity: float | None = None
+    reference_perplexity: float | None = None
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,16 @@ def receipt_numbers(receipt: QualityReceipt) -> str:
     scope = (f"the last {receipt.window_tokens:,} tokens"
              if receipt.window_tokens < receipt.context_tokens else "the whole chat")
     return (f"Same next token as fp16 for {receipt.top1:.1%} of {scope} · mean KL "
-            f"{_kl(receipt.kl_mean)} (read as one window)")
+            f"{_kl(receipt.kl_mean)}{_perplexity(receipt)} (read as one window)")
+
+
+def _perplexity(receipt: QualityReceipt) -> str:
+    """" · perplexity 12.31 against fp16's 12.29 (+0.2%)", or "" where not measured."""
+    mode, reference = receipt.perplexity, receipt.reference_perplexity
+    if mode is None or reference is None:
+        return ""
+    return (f" · perplexity {mode:.2f} against fp16's {reference:.2f} "
+            f"({mode / reference - 1:+.1%})")
 
 
 def receipt_details(receipt: QualityReceipt) -> str:

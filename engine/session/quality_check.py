@@ -62,6 +62,20 @@ def divergence(reference: mx.array, variant: mx.array) -> tuple[np.ndarray, np.n
     return np.array(kl, dtype=np.float64), np.array(same, dtype=bool)
 
 
+def surprisal(log_prob: mx.array, targets: list[int]) -> np.ndarray:
+    """Per position: -log p of the token that came next in the text (``targets``, one
+    per position from the first; positions past them are left out)."""
+    if not targets:
+        return np.zeros(0)
+    picked = mx.take_along_axis(log_prob[:len(targets)], mx.array(targets)[:, None], axis=-1)
+    return -np.array(picked[:, 0], dtype=np.float64)
+
+
+def perplexity(nll: np.ndarray) -> float | None:
+    """exp of the mean surprisal; None with no position to score."""
+    return float(np.exp(nll.mean())) if nll.size else None
+
+
 def summarize(kl: np.ndarray, same: np.ndarray) -> dict[str, float]:
     """Mean and 99th percentile of the KL, and the share of positions with the same top-1."""
     return {
@@ -118,6 +132,7 @@ def check_quality(
     # has no rotation whatever the setting says).
     rotated = adapter.rotation_format(caches[1]) is not None
     kls, sames = [], []
+    surprises: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
     try:
         start, size = 0, 1 if chunk is None else chunk
         while start < len(ids):
@@ -129,6 +144,10 @@ def check_quality(
             if chunk is None:
                 size = chunk_for_vocabulary(reference.shape[-1])
             kl, same = divergence(reference, variant)
+            # The chat's own next tokens; the window's last has none inside it.
+            targets = ids[start + 1 : start + len(piece) + 1]
+            for kept, log_prob in zip(surprises, (reference, variant), strict=True):
+                kept.append(surprisal(log_prob, targets))
             del reference, variant  # one chunk's logits at a time
             kls.append(kl)
             sames.append(same)
@@ -142,6 +161,8 @@ def check_quality(
         mode=mode, rotated=rotated, window_tokens=len(ids), context_tokens=len(context_ids),
         positions=len(ids), model=loaded.info.name,
         measured_at=clock(), **summarize(np.concatenate(kls), np.concatenate(sames)),
+        reference_perplexity=perplexity(np.concatenate(surprises[0])),
+        perplexity=perplexity(np.concatenate(surprises[1])),
     )
 
 

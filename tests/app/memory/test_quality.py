@@ -45,6 +45,12 @@ def test_receipt_line_gives_a_verdict_and_the_details_the_numbers() -> None:
     assert receipt_numbers(whole) == (
         "Same next token as fp16 for 98.7% of the whole chat · "
         "mean KL 2.0e-05 (read as one window)")
+    # Perplexity on the chat's own text, beside fp16's (receipts stored before had none).
+    scored = QualityReceipt(**{**RECEIPT.__dict__, "perplexity": 12.4,
+                               "reference_perplexity": 12.0})
+    assert receipt_numbers(scored) == (
+        "Same next token as fp16 for 98.7% of the last 1,024 tokens · mean KL 0.004 · "
+        "perplexity 12.40 against fp16's 12.00 (+3.3%) (read as one window)")
 
 
 def test_a_verdict_says_what_to_do_and_the_panel_shows_its_numbers(qtbot) -> None:

@@ -145,3 +145,22 @@ def test_a_mode_the_model_stores_whole_is_not_checked(loaded, ids) -> None:
     quantized = replace(whole, probe=replace(whole.probe, quantized=True))
     assert check_quality(quantized, ids, "q8", rotate=False, window=WINDOW,
                          chunk=CHUNK).kl_mean > 0
+
+
+def test_perplexity_scores_the_windows_own_next_tokens(loaded, ids) -> None:
+    same = check_quality(loaded, ids, "fp16", rotate=False, window=WINDOW, chunk=CHUNK)
+    assert same.perplexity is not None and same.perplexity == same.reference_perplexity
+    # Fed whole or in chunks, the same positions are scored against the same tokens
+    # (each chunk's last position against the next chunk's first token).
+    whole = check_quality(loaded, ids, "q4", rotate=False, window=WINDOW, chunk=WINDOW)
+    chunked = check_quality(loaded, ids, "q4", rotate=False, window=WINDOW, chunk=CHUNK)
+    assert whole.perplexity == pytest.approx(chunked.perplexity, rel=1e-4)
+    assert whole.reference_perplexity == pytest.approx(same.reference_perplexity, rel=1e-4)
+    assert whole.perplexity != whole.reference_perplexity  # q4 costs something
+    # Against the model's own logits: exp of the mean -log p of each next token.
+    logits = loaded.model(mx.array(ids[-WINDOW:])[None])[0]
+    lp = log_probs(logits)
+    nll = [-float(lp[i, ids[-WINDOW + i + 1]]) for i in range(WINDOW - 1)]
+    assert same.reference_perplexity == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-4)
+    # One token has no next token to score.
+    assert check_quality(loaded, ids[:1], "q4", rotate=False, window=WINDOW).perplexity is None
