@@ -333,3 +333,21 @@ def test_the_total_says_the_storage_held_only_when_it_is_more(qtbot) -> None:
     assert panel.kv_total_label.text() == "All open chats together: 1.4 MB"
     panel.show_total(KvTotal(1_500_000, 2_600_000))
     assert panel.kv_total_label.text() == "All open chats together: 1.4 MB (2.5 MB held)"
+
+
+def test_a_memory_limit_saved_in_settings_shows_in_the_fit_at_once(qtbot, window,
+                                                                   monkeypatch) -> None:
+    """No stats sample follows the engine taking a new limit: the window asks for
+    the fit again itself, in the panel and in the fit line above the composer."""
+    from app.window import main_window
+
+    window.controller.new_session("q8")
+    window.panel_feed.refresh()
+    assert window.panel.fits_label.text().startswith("Fits in free memory:")
+    monkeypatch.setattr(main_window.SettingsDialog, "exec", lambda dialog: 1)  # Save pressed
+    window.settings.memory_budget_bytes = 1 << 20  # what the dialog saves for "1 MB"
+    window.open_settings()
+    qtbot.waitUntil(lambda: window.panel.fits_label.text().startswith(
+        "Fits in your memory limit (Settings):"), timeout=5_000)
+    qtbot.waitUntil(lambda: window.fit.last_report is not None
+                    and window.fit.last_report.budget_bytes is not None, timeout=5_000)
