@@ -147,12 +147,19 @@ def fits_sentence(tokens_fit: int, max_context: int, mode: KvMode, machines: int
     """"Fits in free memory: the whole context" or how many tokens of it, in ``mode``;
     on ``machines`` > 1, what they hold together and the ``tight`` one that limits it;
     ``budget_bound``: the memory limit set in Settings, not free memory, limits it."""
-    where = ("your memory limit (Settings)" if budget_bound else "free memory"
-             if machines <= 1 else f"the free memory of {machines} machines")
+    where = fit_place(budget_bound, machines)
     if tokens_fit >= max_context:
         return f"Fits in {where}: the whole context ({max_context:,} tokens) in {mode}."
     text = f"Fits in {where}: {tokens_fit:,} of {max_context:,} tokens in {mode}."
     return text + (f" The tight one: {tight.host}." if tight is not None else "")
+
+
+def fit_place(limit_binds: bool, machines: int = 1) -> str:
+    """What holds the tokens that fit, as the panel and the New Chat dialog say it:
+    "your memory limit (Settings)" where it binds, else free memory."""
+    if limit_binds:
+        return "your memory limit (Settings)"
+    return "free memory" if machines <= 1 else f"the free memory of {machines} machines"
 
 
 def machine_line(share: RankShare) -> str:
@@ -532,7 +539,7 @@ class MemoryPanel(QScrollArea):
             cells = (
                 human_bytes(now.bytes_needed) if now.supported else "n/a",
                 human_bytes(full.bytes_needed) if full.supported else "n/a",
-                _fits_text(_fit_tokens(now_report, mode), full_report.max_context)
+                _fits_text(fit_tokens(now_report, mode), full_report.max_context)
                 if now.supported else "head_dim",
             )
             for column, text in enumerate(cells):
@@ -544,14 +551,14 @@ class MemoryPanel(QScrollArea):
         own = MODES.find(self.mode or "")
         text = ""
         if own is not None and now_report.for_mode(own).supported:
-            text = fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
+            text = fits_sentence(fit_tokens(now_report, own), full_report.max_context, own,
                                  machines, now_report.tight_machine(own),
-                                 budget_bound=_budget_bound(now_report, own))
+                                 budget_bound=budget_bound(now_report, own))
         self.fits_label.setText(text)
         self.fits_label.setVisible(bool(self.fits_label.text()))
 
 
-def _fit_tokens(report: FitReport, mode: KvMode) -> int:
+def fit_tokens(report: FitReport, mode: KvMode) -> int:
     """Tokens memory holds in ``mode``: free RAM or the memory limit, the smaller, on
     this machine, or on a pipeline the machines' together (their tightest)."""
     pool = report.pool_tokens(mode) if report.ranks else None
@@ -562,7 +569,7 @@ def _fit_tokens(report: FitReport, mode: KvMode) -> int:
                if entry.tokens_fit_budget is not None else entry.tokens_fit_ram)
 
 
-def _budget_bound(report: FitReport, mode: KvMode) -> bool:
+def budget_bound(report: FitReport, mode: KvMode) -> bool:
     """Whether the memory limit (Settings), not free RAM, bounds ``mode`` here."""
     entry = report.for_mode(mode)
     return (not report.ranks and entry.tokens_fit_budget is not None
