@@ -371,6 +371,18 @@ class MemoryPanel(QScrollArea):
         self.pool.set_pages(0, 0, 0, 0.0, mode_colour(self.mode or DEFAULT_MODE))
         self.pool.setToolTip("")
 
+    def clear_projection(self) -> None:
+        """No model is ready (loading, or none fits): no projection, rather than the
+        figures and tint of the chat and model shown before."""
+        self.now_tokens = None
+        for row, mode in enumerate(MODES):
+            for column in range(QUALITY_COLUMN):
+                self.table.setItem(row, column, self._cell("", mode))
+        self.projection_note.setText("")
+        self.projection_note.hide()
+        self.fits_label.setText("")
+        self.fits_label.hide()
+
     def update_sample(self, sample: StatsSample, total: KvTotal) -> bool:
         """Show one stats snapshot; False when its KV figures belong to another session.
 
@@ -528,8 +540,10 @@ class MemoryPanel(QScrollArea):
 
     def update_projection(self, now_report: FitReport | None,
                           full_report: FitReport | None) -> None:
-        """Fill the per-mode table from two ``FitReport``s (now and full context)."""
+        """Fill the per-mode table from two ``FitReport``s (now and full context);
+        without them (no model ready) it is emptied."""
         if now_report is None or full_report is None:
+            self.clear_projection()
             return
         self.now_tokens = now_report.token_count
         machines = len(now_report.ranks)

@@ -351,3 +351,29 @@ def test_a_memory_limit_saved_in_settings_shows_in_the_fit_at_once(qtbot, window
         "Fits in your memory limit (Settings):"), timeout=5_000)
     qtbot.waitUntil(lambda: window.fit.last_report is not None
                     and window.fit.last_report.budget_bytes is not None, timeout=5_000)
+
+
+def test_no_model_ready_empties_the_projection_of_the_chat_before(qtbot) -> None:
+    """A model loading (or none that fits) gives no fit report: the table and the
+    "Fits" sentence must not keep the previous chat's figures and mode tint."""
+    from engine.memory.fit import fit_report
+
+    def report(tokens: int):
+        return fit_report(token_count=tokens, attention_layers=2, kv_heads=2, head_dim=64,
+                          max_context=131_072, page_size=16, available_bytes=16 << 30,
+                          session_mode="q8")
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("A", "q8", "held", "a")
+    panel.update_projection(report(300), report(131_072))
+    assert panel.fits_label.text()
+    panel.set_session("B", "q4", "on disk", "b")
+    panel.update_projection(None, None)
+    assert panel.fits_label.text() == "" and panel.fits_label.isHidden()
+    assert panel.projection_note.isHidden() and panel.now_tokens is None
+    for row, mode in enumerate(MODES):
+        for column in range(3):
+            item = panel.table.item(row, column)
+            assert item is not None and item.text() == ""
+            assert item.font().bold() == (mode == "q4")  # the chat shown now's row
