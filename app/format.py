@@ -14,7 +14,15 @@ import unicodedata
 
 from engine import GB, human_bytes
 
-__all__ = ["GB", "human_bytes", "human_duration", "relative_time"]
+__all__ = ["GB", "counted", "human_bytes", "human_duration", "relative_time"]
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """A count with its noun, singular for one: 1 -> "1 token"; 4096 -> "4,096 tokens".
+
+    ``plural`` where adding "s" is wrong ("1 copy", "2 copies").
+    """
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def human_duration(seconds: float | None) -> str:

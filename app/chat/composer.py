@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 from superqt import QFlowLayout
 
 from app.chat.attachments import DocumentLoader
-from app.format import human_bytes, human_duration, unbroken, visible_text
+from app.format import counted, human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sentence
 from app.store import AttachmentRecord
 
@@ -131,7 +131,7 @@ class AttachmentChip(QFrame):
         """Show the parsed file's size and token count."""
         self.label.setText(
             f"{visible_text(record.name)} · {human_bytes(record.size)} · "
-            f"{record.tokens:,} tokens")
+            f"{counted(record.tokens, 'token')}")
 
 
 class Composer(QWidget):

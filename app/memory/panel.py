@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes, short_title, short_tokens, visible_text
+from app.format import counted, human_bytes, short_title, short_tokens, visible_text
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
@@ -97,8 +97,8 @@ def shared_note(sample: StatsSample) -> str:
     others = sample.kv_shared_with
     if not sample.kv_shared_bytes or not others:
         return ""
-    chats = "chat" if others == 1 else "chats"
-    return f" · {human_bytes(sample.kv_shared_bytes)} shared with {others} other {chats}"
+    return (f" · {human_bytes(sample.kv_shared_bytes)} shared with "
+            f"{counted(others, 'other chat')}")
 
 
 def other_layers_line(sample: StatsSample) -> str:
@@ -406,7 +406,8 @@ class MemoryPanel(QScrollArea):
         allocated = max(sample.kv_bytes_allocated, 1)
         self.kv_label.setText(
             f"<b>{human_bytes(sample.kv_bytes_used)}</b> for "
-            f"{sample.tokens_in_context:,} tokens{shared_note(sample)}{other_layers_line(sample)}")
+            f"{counted(sample.tokens_in_context, 'token')}{shared_note(sample)}"
+            f"{other_layers_line(sample)}")
         self.kv_detail.setText(
             f"KV {human_bytes(sample.kv_bytes_used)} used of "
             f"{human_bytes(sample.kv_bytes_allocated)} allocated")

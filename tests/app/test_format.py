@@ -7,7 +7,7 @@ import html
 import pytest
 from PySide6.QtCore import Qt
 
-from app.format import title_from
+from app.format import counted, title_from
 
 
 @pytest.mark.parametrize(
@@ -72,3 +72,10 @@ def test_a_figure_made_unbroken_stays_on_one_line_however_narrow(qapp, figure: s
         lines += 1
     layout.endLayout()
     assert lines == 1
+
+
+def test_a_count_is_said_in_the_singular_for_one_only() -> None:
+    assert counted(1, "token") == "1 token"
+    assert counted(0, "token") == "0 tokens"
+    assert counted(4096, "token") == "4,096 tokens"
+    assert counted(2, "copy", "copies") == "2 copies"

@@ -377,3 +377,13 @@ def test_no_model_ready_empties_the_projection_of_the_chat_before(qtbot) -> None
             item = panel.table.item(row, column)
             assert item is not None and item.text() == ""
             assert item.font().bold() == (mode == "q4")  # the chat shown now's row
+
+
+def test_one_token_and_one_other_chat_are_said_in_the_singular(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("C", "q8", "held", "c")
+    one = replace(scripted_sample("c", 1, 4096), kv_shared_bytes=4096, kv_shared_with=1)
+    panel.update_sample(one, NOTHING)
+    assert panel.kv_label.text().startswith(
+        "<b>4.0 KB</b> for 1 token · 4.0 KB shared with 1 other chat")
