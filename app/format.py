@@ -61,8 +61,16 @@ def relative_time(timestamp: float, now: float | None = None) -> str:
 
 
 def short_tokens(tokens: int) -> str:
-    """A context length as the window says it: 262,144 → "262k"; 8,192 → "8k"; 500 → "500"."""
-    return f"{round(tokens / 1000)}k" if tokens >= 1000 else str(tokens)
+    """A token count as the window says it, rounded down: it never reads as more than it
+    is, so tokens that fit never read as the whole context. 262,144 → "262k";
+    8,192 → "8.1k"; 7,600 → "7.6k"; 4,096 → "4k"; 1,048,576 → "1M"; 500 → "500"."""
+    for size, unit in ((10**6, "M"), (10**3, "k")):
+        if tokens >= size:
+            tenths = tokens * 10 // size
+            if tenths >= 100 or tenths % 10 == 0:  # a tenth only below ten units
+                return f"{tenths // 10:,}{unit}"
+            return f"{tenths // 10}.{tenths % 10}{unit}"
+    return str(tokens)
 
 
 def compact_count(n: int) -> str:

@@ -171,8 +171,8 @@ def machine_line(share: RankShare) -> str:
 
 
 def _fits_text(tokens_fit: int, max_context: int) -> str:
-    """Tokens free RAM holds, capped at the model's context (more is of no use), as
-    the context is said everywhere else ("8k")."""
+    """Tokens memory holds, capped at the model's context (more is of no use), as the
+    context is said everywhere else ("8.1k"): rounded down, so only "all" reads as all."""
     if tokens_fit >= max_context:
         return f"all {short_tokens(max_context)}"
     return short_tokens(tokens_fit)

@@ -193,9 +193,13 @@ def test_engineering_numbers_are_under_details_and_plain_words_first(qtbot, wind
 def test_free_ram_fits_is_capped_at_the_model_context(window) -> None:
     from app.memory.panel import _fits_text
 
-    # The context as the toolbar and the Models dialog say it ("8k context").
-    assert _fits_text(10**9, 8192) == "all 8k"
+    # The context as the toolbar and the Models dialog say it ("8.1k context").
+    assert _fits_text(10**9, 8192) == "all 8.1k"
     assert _fits_text(4000, 8192) == "4k"
+    # Rounded down: part of the context never reads as the whole of it.
+    assert _fits_text(7_600, 8192) == "7.6k"
+    assert _fits_text(8_150, 8192) == "8.1k"
+    assert _fits_text(131_000, 131_072) == "131k" != _fits_text(131_072, 131_072)
     window.panel_feed.refresh()
     fits = [window.panel.table.item(row, 2) for row in range(len(MODES))]
     # The tiny model's context is far below what free RAM holds, in every mode.
@@ -387,3 +391,4 @@ def test_one_token_and_one_other_chat_are_said_in_the_singular(qtbot) -> None:
     panel.update_sample(one, NOTHING)
     assert panel.kv_label.text().startswith(
         "<b>4.0 KB</b> for 1 token · 4.0 KB shared with 1 other chat")
+
