@@ -83,6 +83,16 @@ def compact_count(n: int) -> str:
     return f"{n:,}"
 
 
+def percent(fraction: float) -> str:
+    """A share as a whole percent that says "0%" and "100%" only when exact: 1/256 ->
+    "<1%", 255/256 -> ">99%", 0.5 -> "50%"."""
+    if 0 < fraction < 0.01:
+        return "<1%"
+    if 0.99 < fraction < 1:
+        return ">99%"
+    return f"{fraction:.0%}"
+
+
 def title_from(text: str, limit: int = 200) -> str:
     """A chat title from its first message: its first line, at most ``limit`` characters.
 

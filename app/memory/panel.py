@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import counted, human_bytes, short_title, short_tokens, visible_text
+from app.format import counted, human_bytes, percent, short_title, short_tokens, visible_text
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
@@ -139,7 +139,7 @@ def pages_text(sample: StatsSample) -> str:
     theirs = f" · {others:,} other chats'" if others > 0 else ""
     return (f"{sample.pages_in_use:,} pages in use{where} · {sample.pages_allocated:,} "
             f"allocated · {sample.pages_free:,} free{theirs} · last page "
-            f"{sample.last_page_fill:.0%} full · {sample.page_size} tokens a page")
+            f"{percent(sample.last_page_fill)} full · {sample.page_size} tokens a page")
 
 
 def fits_sentence(tokens_fit: int, max_context: int, mode: KvMode, machines: int = 1,

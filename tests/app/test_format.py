@@ -7,7 +7,7 @@ import html
 import pytest
 from PySide6.QtCore import Qt
 
-from app.format import counted, short_tokens, title_from
+from app.format import counted, percent, short_tokens, title_from
 
 
 @pytest.mark.parametrize(
@@ -84,3 +84,8 @@ def test_a_count_is_said_in_the_singular_for_one_only() -> None:
 def test_short_tokens_round_down_so_a_part_never_reads_as_the_whole() -> None:
     assert [short_tokens(n) for n in (7_600, 8_192, 999_999, 1_048_576, 1_500_000)] == [
         "7.6k", "8.1k", "999k", "1M", "1.5M"]
+
+
+def test_a_percent_says_0_and_100_only_when_exact() -> None:
+    assert [percent(f) for f in (0.0, 1 / 256, 0.5, 255 / 256, 1.0)] == [
+        "0%", "<1%", "50%", ">99%", "100%"]

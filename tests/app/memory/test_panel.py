@@ -392,3 +392,12 @@ def test_one_token_and_one_other_chat_are_said_in_the_singular(qtbot) -> None:
     assert panel.kv_label.text().startswith(
         "<b>4.0 KB</b> for 1 token · 4.0 KB shared with 1 other chat")
 
+
+def test_the_last_page_is_0_or_100_percent_full_only_when_it_is() -> None:
+    page = replace(scripted_sample("c", 257), page_size=256, pages_in_use=2,
+                   pages_allocated=2, pages_free=0, layers=())
+    said = {fill: pages_text(replace(page, last_page_fill=fill))
+            for fill in (1 / 256, 255 / 256, 1.0, 128 / 256)}
+    assert "last page <1% full" in said[1 / 256]
+    assert "last page >99% full" in said[255 / 256]
+    assert "last page 100% full" in said[1.0] and "last page 50% full" in said[128 / 256]
