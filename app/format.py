@@ -74,13 +74,25 @@ def short_tokens(tokens: int) -> str:
 
 
 def compact_count(n: int) -> str:
-    """93_653_760 -> "93.7 M"; small counts stay exact."""
-    for size, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
-        if n >= size:
-            value = n / size
-            digits = 2 if value < 10 else 1 if value < 100 else 0
-            return f"{value:.{digits}f} {unit}"
-    return f"{n:,}"
+    """93_653_760 -> "93.7 M": three figures, in the next unit where rounding reaches it
+    (9,999 -> "10.0 k", 999,999 -> "1.00 M"); small counts stay exact."""
+    if n < 1000:
+        return f"{n:,}"
+    for size, unit in ((10**3, "k"), (10**6, "M")):
+        text = _three_figures(n / size)
+        if float(text) < 1000:
+            return f"{text} {unit}"
+    return f"{_three_figures(n / 10**9)} G"
+
+
+def _three_figures(value: float) -> str:
+    """``value`` (at least 1) in three significant figures, counted after rounding:
+    9.999 -> "10.0", not "10.00"; 999.9 -> "1000" (the caller takes the next unit)."""
+    for digits, below in ((2, 10), (1, 100)):
+        text = f"{value:.{digits}f}"
+        if float(text) < below:
+            return text
+    return f"{value:.0f}"
 
 
 def percent(fraction: float) -> str:

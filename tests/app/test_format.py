@@ -7,7 +7,7 @@ import html
 import pytest
 from PySide6.QtCore import Qt
 
-from app.format import counted, percent, short_tokens, title_from
+from app.format import compact_count, counted, percent, short_tokens, title_from
 
 
 @pytest.mark.parametrize(
@@ -79,6 +79,12 @@ def test_a_count_is_said_in_the_singular_for_one_only() -> None:
     assert counted(0, "token") == "0 tokens"
     assert counted(4096, "token") == "4,096 tokens"
     assert counted(2, "copy", "copies") == "2 copies"
+
+
+def test_a_compact_count_moves_to_the_next_unit_when_rounding_reaches_it() -> None:
+    assert [compact_count(n) for n in (999, 1_000, 5_170, 9_999, 99_999, 999_999,
+                                       93_653_760, 999_600_000)] == [
+        "999", "1.00 k", "5.17 k", "10.0 k", "100 k", "1.00 M", "93.7 M", "1.00 G"]
 
 
 def test_short_tokens_round_down_so_a_part_never_reads_as_the_whole() -> None:
