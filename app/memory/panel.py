@@ -370,6 +370,7 @@ class MemoryPanel(QScrollArea):
         self.pages_label.setText("No pages held")
         self.pool.set_pages(0, 0, 0, 0.0, mode_colour(self.mode or DEFAULT_MODE))
         self.pool.setToolTip("")
+        self.chart.show_no_cache()
 
     def clear_projection(self) -> None:
         """No model is ready (loading, or none fits): no projection, rather than the

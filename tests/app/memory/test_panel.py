@@ -401,3 +401,14 @@ def test_the_last_page_is_0_or_100_percent_full_only_when_it_is() -> None:
     assert "last page <1% full" in said[1 / 256]
     assert "last page >99% full" in said[255 / 256]
     assert "last page 100% full" in said[1.0] and "last page 50% full" in said[128 / 256]
+
+
+def test_the_history_legend_holds_no_kv_figure_once_the_cache_is_dropped(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("C", "q8", "held", "c")
+    panel.update_sample(scripted_sample("c", 300, 4096), NOTHING)
+    assert panel.chart.legend()[0] == "● KV 4.0 KB"
+    panel.show_no_cache()  # the chat's cache left memory
+    assert panel.chart.legend()[0] == "● KV none in memory"
+    assert list(panel.chart.kv) == [4096]  # its history stays
