@@ -205,6 +205,8 @@ class MemoryPanel(QScrollArea):
         self.kv_bar = QProgressBar()
         self.kv_bar.setTextVisible(False)
         self.kv_bar.setMaximumHeight(8)
+        # Bars without text: a screen reader has only these names to say what they measure.
+        self.kv_bar.setAccessibleName("This chat's KV bytes in use, of those allocated")
         self.kv_label = value_label()
         self.kv_label.setToolTip(KV_TIP)
         self.kv_total_label = value_label()
@@ -223,6 +225,7 @@ class MemoryPanel(QScrollArea):
         self.ram_bar.setTextVisible(False)
         self.ram_bar.setMaximumHeight(8)
         self.ram_bar.setObjectName("ramGauge")
+        self.ram_bar.setAccessibleName("System memory used")
         self.ram_label = value_label()
         self.ram_label.setToolTip("Memory of the whole computer, used by every app; Longleaf "
                                   "stops an answer before it runs out")
@@ -308,6 +311,7 @@ class MemoryPanel(QScrollArea):
         self.pages_label.setToolTip(PAGES_TIP)
         inner.addWidget(self.pages_label)
         self.pool = PagePoolView()
+        self.pool.setAccessibleName("This chat's pages")
         inner.addWidget(self.pool)
         self.ram_detail = value_label()
         inner.addWidget(self.ram_detail)
@@ -319,6 +323,7 @@ class MemoryPanel(QScrollArea):
 
         layout.addWidget(section_heading("History"))
         self.chart = HistoryChart()
+        self.chart.setAccessibleName("KV and Longleaf's memory over time")
         layout.addWidget(self.chart)
         self.api_sessions = ApiSessionsSection()  # hidden while the local server is off
         layout.addWidget(self.api_sessions)

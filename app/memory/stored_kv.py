@@ -71,6 +71,7 @@ class StoredKvSection(QWidget):
         self.bar.setTextVisible(False)
         self.bar.setMaximumHeight(8)
         self.bar.setMaximum(1000)
+        self.bar.setAccessibleName("Stored KV on disk, of its budget")  # a bar without text
         layout.addWidget(self.bar)
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setObjectName("storedKvTable")

@@ -412,3 +412,11 @@ def test_the_history_legend_holds_no_kv_figure_once_the_cache_is_dropped(qtbot) 
     panel.show_no_cache()  # the chat's cache left memory
     assert panel.chart.legend()[0] == "● KV none in memory"
     assert list(panel.chart.kv) == [4096]  # its history stays
+
+
+def test_the_bars_and_drawings_have_names_a_screen_reader_can_say(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    names = [w.accessibleName() for w in (panel.ram_bar, panel.kv_bar, panel.pool, panel.chart,
+                                          panel.stored_kv.bar)]
+    assert all(names) and len(set(names)) == len(names), names
