@@ -175,7 +175,9 @@ def _fits_text(tokens_fit: int, max_context: int) -> str:
     context is said everywhere else ("8.1k"): rounded down, so only "all" reads as all."""
     if tokens_fit >= max_context:
         return f"all {short_tokens(max_context)}"
-    return short_tokens(tokens_fit)
+    short = short_tokens(tokens_fit)
+    # Just short of the context, the short figure is the context's own: the count says it.
+    return f"{tokens_fit:,}" if short == short_tokens(max_context) else short
 
 
 class MemoryPanel(QScrollArea):
