@@ -16,7 +16,15 @@ from engine import GB, MODES, KvMode, human_bytes
 
 MODE_SEPARATOR = " · "  # between a reopened chat's title and its mode
 
-__all__ = ["GB", "human_bytes", "human_duration", "relative_time"]
+__all__ = ["GB", "counted", "human_bytes", "human_duration", "relative_time"]
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """A count with its noun, singular for one: 1 -> "1 token"; 4096 -> "4,096 tokens".
+
+    ``plural`` where adding "s" is wrong ("1 copy", "2 copies").
+    """
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def human_duration(seconds: float | None) -> str:
@@ -55,18 +63,48 @@ def relative_time(timestamp: float, now: float | None = None) -> str:
 
 
 def short_tokens(tokens: int) -> str:
-    """A context length as the window says it: 262,144 → "262k"; 8,192 → "8k"; 500 → "500"."""
-    return f"{round(tokens / 1000)}k" if tokens >= 1000 else str(tokens)
+    """A token count as the window says it, rounded down: it never reads as more than it
+    is, so tokens that fit never read as the whole context. 262,144 → "262k";
+    8,192 → "8.1k"; 7,600 → "7.6k"; 4,096 → "4k"; 1,048,576 → "1M"; 500 → "500"."""
+    for size, unit in ((10**6, "M"), (10**3, "k")):
+        if tokens >= size:
+            tenths = tokens * 10 // size
+            if tenths >= 100 or tenths % 10 == 0:  # a tenth only below ten units
+                return f"{tenths // 10:,}{unit}"
+            return f"{tenths // 10}.{tenths % 10}{unit}"
+    return str(tokens)
 
 
 def compact_count(n: int) -> str:
-    """93_653_760 -> "93.7 M"; small counts stay exact."""
-    for size, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
-        if n >= size:
-            value = n / size
-            digits = 2 if value < 10 else 1 if value < 100 else 0
-            return f"{value:.{digits}f} {unit}"
-    return f"{n:,}"
+    """93_653_760 -> "93.7 M": three figures, in the next unit where rounding reaches it
+    (9,999 -> "10.0 k", 999,999 -> "1.00 M"); small counts stay exact."""
+    if n < 1000:
+        return f"{n:,}"
+    for size, unit in ((10**3, "k"), (10**6, "M")):
+        text = _three_figures(n / size)
+        if float(text) < 1000:
+            return f"{text} {unit}"
+    return f"{_three_figures(n / 10**9)} G"
+
+
+def _three_figures(value: float) -> str:
+    """``value`` (at least 1) in three significant figures, counted after rounding:
+    9.999 -> "10.0", not "10.00"; 999.9 -> "1000" (the caller takes the next unit)."""
+    for digits, below in ((2, 10), (1, 100)):
+        text = f"{value:.{digits}f}"
+        if float(text) < below:
+            return text
+    return f"{value:.0f}"
+
+
+def percent(fraction: float) -> str:
+    """A share as a whole percent that says "0%" and "100%" only when exact: 1/256 ->
+    "<1%", 255/256 -> ">99%", 0.5 -> "50%"."""
+    if 0 < fraction < 0.01:
+        return "<1%"
+    if 0.99 < fraction < 1:
+        return ">99%"
+    return f"{fraction:.0%}"
 
 
 def title_from(text: str, limit: int = 200) -> str:

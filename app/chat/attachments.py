@@ -17,7 +17,7 @@ from typing import cast
 from PySide6.QtCore import QObject, Signal
 
 from app.background import Background
-from app.format import human_bytes, visible_text
+from app.format import counted, human_bytes, visible_text
 from app.store import AttachmentRecord
 from engine import DocumentTooLong, EngineError, file_patterns, read_document
 
@@ -34,10 +34,6 @@ MAX_FILES = 20
 def attach_filter() -> str:
     """The attach dialog's name filter: every file the reader reads, then all files."""
     return f"Documents ({' '.join(file_patterns())});;All files (*)"
-
-
-def _files(count: int) -> str:
-    return f"{count:,} file" if count == 1 else f"{count:,} files"
 
 
 def copy_of(record: AttachmentRecord,
@@ -58,7 +54,7 @@ def already_attached(name: str, attached: str) -> str:
 def awaiting_model(paths: Sequence[str]) -> str:
     """What is said of files given before a model is ready to count their tokens."""
     name = os.path.basename(paths[0]) if len(paths) == 1 else ""
-    which = f"“{visible_text(name)}”" if name else _files(len(paths))
+    which = f"“{visible_text(name)}”" if name else counted(len(paths), "file")
     return f"{which} will be attached once the model has loaded."
 
 
@@ -69,8 +65,9 @@ def files_left_out(given: int, taken: int) -> str:
         return (f"This message already has {MAX_FILES} attached files, the most one "
                 f"message takes, so {left:,} more {'file was' if left == 1 else 'files were'} "
                 "not attached. Send it or remove some files, then attach the others.")
-    return (f"{_files(given)} were given, more than the {MAX_FILES} one message takes: the "
-            f"first {_files(taken)} {'is' if taken == 1 else 'are'} attached and the other "
+    return (f"{counted(given, 'file')} were given, more than the {MAX_FILES} one message "
+            f"takes: the first {counted(taken, 'file')} {'is' if taken == 1 else 'are'} "
+            "attached and the other "
             f"{left:,} {'is' if left == 1 else 'are'} not. Send these, then attach the rest to "
             "a later message, or combine them into fewer files.")
 

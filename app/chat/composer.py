@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 from superqt import QFlowLayout
 
 from app.chat.attachments import DocumentLoader
-from app.format import human_bytes, human_duration, unbroken, visible_text
+from app.format import counted, human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatFacts, ChatState, state_sentence
 from app.store import AttachmentRecord
 
@@ -116,12 +116,14 @@ class AttachmentChip(QFrame):
         self.label = QLabel(f"{visible_text(name)} · reading…")
         self.label.setTextFormat(Qt.TextFormat.PlainText)  # a file's name is never markup
         layout.addWidget(self.label)
-        close = QToolButton(self)
-        close.setText("✕")
-        close.setAutoRaise(True)
-        close.setToolTip("Remove this attachment")
-        close.clicked.connect(lambda: self.removeRequested.emit(self.job_id))
-        layout.addWidget(close)
+        self.remove_button = QToolButton(self)
+        self.remove_button.setText("✕")
+        self.remove_button.setAutoRaise(True)
+        self.remove_button.setToolTip("Remove this attachment")
+        # A screen reader would say "multiplication x" for the glyph, and not which file.
+        self.remove_button.setAccessibleName(f"Remove {visible_text(name)}")
+        self.remove_button.clicked.connect(lambda: self.removeRequested.emit(self.job_id))
+        layout.addWidget(self.remove_button)
 
     def set_waiting(self) -> None:
         """The file was read and is too long: it waits for the user's choice."""
@@ -131,7 +133,7 @@ class AttachmentChip(QFrame):
         """Show the parsed file's size and token count."""
         self.label.setText(
             f"{visible_text(record.name)} · {human_bytes(record.size)} · "
-            f"{record.tokens:,} tokens")
+            f"{counted(record.tokens, 'token')}")
 
 
 class Composer(QWidget):
@@ -181,6 +183,7 @@ class Composer(QWidget):
         self.attach_button.setText("+")  # in every font; the stylesheet sets its size
         self.attach_button.setObjectName("attachButton")
         self.attach_button.setToolTip("Attach documents (or drop them anywhere)")
+        self.attach_button.setAccessibleName("Attach documents")  # not "+"
         self.attach_button.setIconSize(QSize(18, 18))
         self.attach_button.clicked.connect(self.attachRequested.emit)
         self.edit = MessageEdit()

@@ -30,7 +30,7 @@ from app.chat.model import (
     StatusRole,
 )
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
-from app.format import human_bytes, human_duration, unbroken, visible_text
+from app.format import counted, human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatState, reuse_sentence
 
 STATUS_TEXT = {
@@ -89,7 +89,7 @@ def stats_text(stats: dict | None) -> str:
     """
     if not stats or not stats.get("generated_tokens"):
         return ""
-    parts = [f"{stats['generated_tokens']:,} tokens"]
+    parts = [counted(stats["generated_tokens"], "token")]
     if stats.get("ttft") is not None:
         parts.append(f"first word in {_seconds(stats['ttft'])}")
     if stats.get("decode_tps"):
@@ -193,7 +193,7 @@ class MessageWidget(QFrame):
             # A line may wrap in a name or between facts, never inside a number's.
             self.files.setText("  ".join(
                 f"{visible_text(a.name)} · {unbroken(human_bytes(a.size))} · "
-                f"{unbroken(f'{a.tokens:,} tokens')}" for a in attachments))
+                f"{unbroken(counted(a.tokens, 'token'))}" for a in attachments))
         self.files.setVisible(bool(attachments))
         label = REASON_LABELS.get(reason or "", STATUS_TEXT.get(status, ""))
         if status == "streaming" and reading and not content:

@@ -130,6 +130,7 @@ class HistoryChart(QWidget):
         # The chat whose history is shown, and the others' kept for a switch back.
         self.session_id: str | None = None
         self._kept: dict[str, tuple[deque[int], deque[int]]] = {}
+        self.held = False  # whether the chat shown holds a cache now (its last sample's)
         self.kv_colour = QColor("#2f7d5b")
         self.rss_colour = QColor("#8a6bd1")
         self.setMinimumHeight(90)
@@ -137,6 +138,7 @@ class HistoryChart(QWidget):
 
     def add(self, kv_bytes: int, rss_bytes: int) -> None:
         """Append one sample and repaint."""
+        self.held = True
         self.kv.append(kv_bytes)
         self.rss.append(rss_bytes)
         self.update()
@@ -146,6 +148,17 @@ class HistoryChart(QWidget):
         self.kv.clear()
         self.rss.clear()
         self.update()
+
+    def show_no_cache(self) -> None:
+        """The chat's cache left memory: its history stays, the legend's figure goes
+        (the last sample's bytes are no longer held)."""
+        self.held = False
+        self.update()
+
+    def legend(self) -> tuple[str, str]:
+        """The legend's two figures: the KV held now and the process's memory."""
+        kv = human_bytes(self.kv[-1]) if self.held and self.kv else "none in memory"
+        return f"● KV {kv}", f"● RSS {human_bytes(self.rss[-1] if self.rss else 0)}"
 
     def show_session(self, session_id: str | None) -> None:
         """Show ``session_id``'s own history, kept while other chats were shown."""
@@ -184,8 +197,7 @@ class HistoryChart(QWidget):
         painter.setFont(small)
         kv_top = max(self.kv, default=0)
         rss_top = max(self.rss, default=0)
-        legend = (f"● KV {human_bytes(self.kv[-1] if self.kv else 0)}",
-                  f"● RSS {human_bytes(self.rss[-1] if self.rss else 0)}")
+        legend = self.legend()
         painter.setPen(self.kv_colour)
         painter.drawText(QRectF(0, 0, rect.width() / 2, 14), Qt.AlignmentFlag.AlignLeft, legend[0])
         painter.setPen(self.rss_colour)

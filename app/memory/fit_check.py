@@ -72,6 +72,12 @@ class FitChecker(QObject):
         """Recompute shortly (typing is debounced)."""
         self._timer.start()
 
+    def limits_changed(self) -> None:
+        """The engine's memory limit changed: the full-context report kept for a few
+        seconds counted the old one, and so does the fit line shown."""
+        self._full = None
+        self.schedule()
+
     def report_for(self, tokens: int) -> FitReport | None:
         """The worker's ``FitReport`` for ``tokens``, or None without a model."""
         if not self.controller.model_ready:

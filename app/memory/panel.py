@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.format import human_bytes, short_title, short_tokens, visible_text
+from app.format import counted, human_bytes, percent, short_title, short_tokens, visible_text
 from app.memory.api_sessions import ApiSessionsSection
 from app.memory.charts import HistoryChart, PagePoolView
 from app.memory.labels import section_heading, value_label
@@ -97,8 +97,8 @@ def shared_note(sample: StatsSample) -> str:
     others = sample.kv_shared_with
     if not sample.kv_shared_bytes or not others:
         return ""
-    chats = "chat" if others == 1 else "chats"
-    return f" · {human_bytes(sample.kv_shared_bytes)} shared with {others} other {chats}"
+    return (f" · {human_bytes(sample.kv_shared_bytes)} shared with "
+            f"{counted(others, 'other chat')}")
 
 
 def other_layers_line(sample: StatsSample) -> str:
@@ -139,7 +139,7 @@ def pages_text(sample: StatsSample) -> str:
     theirs = f" · {others:,} other chats'" if others > 0 else ""
     return (f"{sample.pages_in_use:,} pages in use{where} · {sample.pages_allocated:,} "
             f"allocated · {sample.pages_free:,} free{theirs} · last page "
-            f"{sample.last_page_fill:.0%} full · {sample.page_size} tokens a page")
+            f"{percent(sample.last_page_fill)} full · {sample.page_size} tokens a page")
 
 
 def fits_sentence(tokens_fit: int, max_context: int, mode: KvMode, machines: int = 1,
@@ -147,12 +147,19 @@ def fits_sentence(tokens_fit: int, max_context: int, mode: KvMode, machines: int
     """"Fits in free memory: the whole context" or how many tokens of it, in ``mode``;
     on ``machines`` > 1, what they hold together and the ``tight`` one that limits it;
     ``budget_bound``: the memory limit set in Settings, not free memory, limits it."""
-    where = ("your memory limit (Settings)" if budget_bound else "free memory"
-             if machines <= 1 else f"the free memory of {machines} machines")
+    where = fit_place(budget_bound, machines)
     if tokens_fit >= max_context:
         return f"Fits in {where}: the whole context ({max_context:,} tokens) in {mode}."
     text = f"Fits in {where}: {tokens_fit:,} of {max_context:,} tokens in {mode}."
     return text + (f" The tight one: {tight.host}." if tight is not None else "")
+
+
+def fit_place(limit_binds: bool, machines: int = 1) -> str:
+    """What holds the tokens that fit, as the panel and the New Chat dialog say it:
+    "your memory limit (Settings)" where it binds, else free memory."""
+    if limit_binds:
+        return "your memory limit (Settings)"
+    return "free memory" if machines <= 1 else f"the free memory of {machines} machines"
 
 
 def machine_line(share: RankShare) -> str:
@@ -164,11 +171,13 @@ def machine_line(share: RankShare) -> str:
 
 
 def _fits_text(tokens_fit: int, max_context: int) -> str:
-    """Tokens free RAM holds, capped at the model's context (more is of no use), as
-    the context is said everywhere else ("8k")."""
+    """Tokens memory holds, capped at the model's context (more is of no use), as the
+    context is said everywhere else ("8.1k"): rounded down, so only "all" reads as all."""
     if tokens_fit >= max_context:
         return f"all {short_tokens(max_context)}"
-    return short_tokens(tokens_fit)
+    short = short_tokens(tokens_fit)
+    # Just short of the context, the short figure is the context's own: the count says it.
+    return f"{tokens_fit:,}" if short == short_tokens(max_context) else short
 
 
 class MemoryPanel(QScrollArea):
@@ -198,6 +207,8 @@ class MemoryPanel(QScrollArea):
         self.kv_bar = QProgressBar()
         self.kv_bar.setTextVisible(False)
         self.kv_bar.setMaximumHeight(8)
+        # Bars without text: a screen reader has only these names to say what they measure.
+        self.kv_bar.setAccessibleName("This chat's KV bytes in use, of those allocated")
         self.kv_label = value_label()
         self.kv_label.setToolTip(KV_TIP)
         self.kv_total_label = value_label()
@@ -216,6 +227,7 @@ class MemoryPanel(QScrollArea):
         self.ram_bar.setTextVisible(False)
         self.ram_bar.setMaximumHeight(8)
         self.ram_bar.setObjectName("ramGauge")
+        self.ram_bar.setAccessibleName("System memory used")
         self.ram_label = value_label()
         self.ram_label.setToolTip("Memory of the whole computer, used by every app; Longleaf "
                                   "stops an answer before it runs out")
@@ -301,6 +313,7 @@ class MemoryPanel(QScrollArea):
         self.pages_label.setToolTip(PAGES_TIP)
         inner.addWidget(self.pages_label)
         self.pool = PagePoolView()
+        self.pool.setAccessibleName("This chat's pages")
         inner.addWidget(self.pool)
         self.ram_detail = value_label()
         inner.addWidget(self.ram_detail)
@@ -312,6 +325,7 @@ class MemoryPanel(QScrollArea):
 
         layout.addWidget(section_heading("History"))
         self.chart = HistoryChart()
+        self.chart.setAccessibleName("KV and Longleaf's memory over time")
         layout.addWidget(self.chart)
         self.api_sessions = ApiSessionsSection()  # hidden while the local server is off
         layout.addWidget(self.api_sessions)
@@ -363,6 +377,19 @@ class MemoryPanel(QScrollArea):
         self.pages_label.setText("No pages held")
         self.pool.set_pages(0, 0, 0, 0.0, mode_colour(self.mode or DEFAULT_MODE))
         self.pool.setToolTip("")
+        self.chart.show_no_cache()
+
+    def clear_projection(self) -> None:
+        """No model is ready (loading, or none fits): no projection, rather than the
+        figures and tint of the chat and model shown before."""
+        self.now_tokens = None
+        for row, mode in enumerate(MODES):
+            for column in range(QUALITY_COLUMN):
+                self.table.setItem(row, column, self._cell("", mode))
+        self.projection_note.setText("")
+        self.projection_note.hide()
+        self.fits_label.setText("")
+        self.fits_label.hide()
 
     def update_sample(self, sample: StatsSample, total: KvTotal) -> bool:
         """Show one stats snapshot; False when its KV figures belong to another session.
@@ -387,7 +414,8 @@ class MemoryPanel(QScrollArea):
         allocated = max(sample.kv_bytes_allocated, 1)
         self.kv_label.setText(
             f"<b>{human_bytes(sample.kv_bytes_used)}</b> for "
-            f"{sample.tokens_in_context:,} tokens{shared_note(sample)}{other_layers_line(sample)}")
+            f"{counted(sample.tokens_in_context, 'token')}{shared_note(sample)}"
+            f"{other_layers_line(sample)}")
         self.kv_detail.setText(
             f"KV {human_bytes(sample.kv_bytes_used)} used of "
             f"{human_bytes(sample.kv_bytes_allocated)} allocated")
@@ -521,8 +549,10 @@ class MemoryPanel(QScrollArea):
 
     def update_projection(self, now_report: FitReport | None,
                           full_report: FitReport | None) -> None:
-        """Fill the per-mode table from two ``FitReport``s (now and full context)."""
+        """Fill the per-mode table from two ``FitReport``s (now and full context);
+        without them (no model ready) it is emptied."""
         if now_report is None or full_report is None:
+            self.clear_projection()
             return
         self.now_tokens = now_report.token_count
         machines = len(now_report.ranks)
@@ -532,7 +562,7 @@ class MemoryPanel(QScrollArea):
             cells = (
                 human_bytes(now.bytes_needed) if now.supported else "n/a",
                 human_bytes(full.bytes_needed) if full.supported else "n/a",
-                _fits_text(_fit_tokens(now_report, mode), full_report.max_context)
+                _fits_text(fit_tokens(now_report, mode), full_report.max_context)
                 if now.supported else "head_dim",
             )
             for column, text in enumerate(cells):
@@ -544,14 +574,14 @@ class MemoryPanel(QScrollArea):
         own = MODES.find(self.mode or "")
         text = ""
         if own is not None and now_report.for_mode(own).supported:
-            text = fits_sentence(_fit_tokens(now_report, own), full_report.max_context, own,
+            text = fits_sentence(fit_tokens(now_report, own), full_report.max_context, own,
                                  machines, now_report.tight_machine(own),
-                                 budget_bound=_budget_bound(now_report, own))
+                                 budget_bound=budget_bound(now_report, own))
         self.fits_label.setText(text)
         self.fits_label.setVisible(bool(self.fits_label.text()))
 
 
-def _fit_tokens(report: FitReport, mode: KvMode) -> int:
+def fit_tokens(report: FitReport, mode: KvMode) -> int:
     """Tokens memory holds in ``mode``: free RAM or the memory limit, the smaller, on
     this machine, or on a pipeline the machines' together (their tightest)."""
     pool = report.pool_tokens(mode) if report.ranks else None
@@ -562,7 +592,7 @@ def _fit_tokens(report: FitReport, mode: KvMode) -> int:
                if entry.tokens_fit_budget is not None else entry.tokens_fit_ram)
 
 
-def _budget_bound(report: FitReport, mode: KvMode) -> bool:
+def budget_bound(report: FitReport, mode: KvMode) -> bool:
     """Whether the memory limit (Settings), not free RAM, bounds ``mode`` here."""
     entry = report.for_mode(mode)
     return (not report.ranks and entry.tokens_fit_budget is not None

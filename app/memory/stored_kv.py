@@ -36,6 +36,19 @@ UNKNOWN_CHAT = "(chat not in the history)"
 API_SESSION = "Local server (API session)"
 
 
+
+def clear_all_question(chats: int) -> str:
+    """What Clear all asks before deleting the stored KV of ``chats`` listed chats."""
+    if chats == 1:
+        return ("Delete the stored KV of the one chat listed from disk? Its conversation "
+                "stays; it is read again on its next send.")
+    if chats:
+        return (f"Delete the stored KV of all {chats:,} chats from disk? Their conversations "
+                "stay; each is read again on its next send.")
+    return ("Delete the stored-KV files on disk? None is a chat's listed here (they were set "
+            "aside for another model, or are parts of other machines'); no conversation "
+            "changes.")
+
 class StoredKvSection(QWidget):
     """Bytes on disk against the budget, one row per stored chat, and clear buttons.
 
@@ -58,6 +71,7 @@ class StoredKvSection(QWidget):
         self.bar.setTextVisible(False)
         self.bar.setMaximumHeight(8)
         self.bar.setMaximum(1000)
+        self.bar.setAccessibleName("Stored KV on disk, of its budget")  # a bar without text
         layout.addWidget(self.bar)
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setObjectName("storedKvTable")
@@ -153,12 +167,7 @@ class StoredKvSection(QWidget):
             self.clearRequested.emit(name)
 
     def _confirm_clear_all(self) -> None:
-        question = (f"Delete the stored KV of all {len(self._names)} chats from disk? Their "
-                    "conversations stay; each is read again on its next send."
-                    if self._names else
-                    "Delete the stored-KV files on disk? None is a chat's listed here (they "
-                    "were set aside for another model, or are parts of other machines'); "
-                    "no conversation changes.")
+        question = clear_all_question(len(self._names))
         answer = QMessageBox.question(
             self, "Clear stored KV", question,
             QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel,

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import GB, human_bytes
+from app.memory.panel import budget_bound, fit_place, fit_tokens
 from app.settings import Settings
 from app.window.macs_settings import OtherMacsPage
 from app.window.server_settings import LocalServerPage
@@ -58,9 +59,9 @@ def mode_blurb(mode: KvMode) -> str:
 
 
 def mode_choice_text(mode: KvMode, full_report: FitReport | None) -> str:
-    """"q8 — 8-bit … · 12.0 MB at 8,192 tokens · 8,192 tokens fit in free RAM".
+    """"q8 — 8-bit … · 12.0 MB at 8,192 tokens · 8,192 tokens fit in free memory".
 
-    A model holds no more than its context however much RAM is free, so the
+    A model holds no more than its context however much memory is free, so the
     tokens that fit are capped there ("all 8,192 tokens fit").
     """
     text = f"{mode}  —  {mode_blurb(mode)}"
@@ -70,8 +71,11 @@ def mode_choice_text(mode: KvMode, full_report: FitReport | None) -> str:
     if not entry.supported:
         return text + "  ·  not possible for this model's head size"
     context = full_report.max_context
-    fit = (f"all {context:,} tokens fit in free RAM" if entry.tokens_fit_ram >= context
-           else f"{entry.tokens_fit_ram:,} tokens fit in free RAM")
+    # The panel's figure: what free memory or the memory limit holds, the smaller.
+    tokens = fit_tokens(full_report, mode)
+    where = fit_place(budget_bound(full_report, mode), len(full_report.ranks))
+    fit = (f"all {context:,} tokens fit in {where}" if tokens >= context
+           else f"{tokens:,} tokens fit in {where}")
     return f"{text}  ·  {human_bytes(entry.bytes_needed)} at {context:,} tokens  ·  {fit}"
 
 

@@ -54,7 +54,7 @@ from app.window.model_picker import DEMO, ModelPicker
 from app.window.models_dialog import ModelsDialog
 from app.window.parts import Banner, FileOpenFilter, local_files
 from app.window.quit_box import QUIT, quit_box
-from engine import DownloadProgress
+from engine import DownloadProgress, Event, request_id_of
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class MainWindow(QMainWindow):
         self.models_dialog: ModelsDialog | None = None
         self._shown_states: dict[str, str] = {}
         self._shown_chat: str | None = None
+        self._configuring: int | None = None  # the request applying Settings' memory limit
         self._build()
         self.fit = FitChecker(controller, self.composer, self.attachments, self)
         self.drafts = Drafts(controller, self.composer, self.attachments, self)
@@ -200,6 +201,7 @@ class MainWindow(QMainWindow):
         # A row says whether its chat is in memory or on disk: those change too.
         c.cacheChanged.connect(self._refresh_sessions)
         c.bridge.storedKv.connect(self._on_stored_kv)
+        c.bridge.ended.connect(self._on_request_ended)
         c.currentSessionChanged.connect(self._on_session_changed)
         c.modelStateChanged.connect(self._on_model_state)
         c.errorRaised.connect(lambda text: self.banner.show_message(text, "error"))
@@ -618,12 +620,21 @@ class MainWindow(QMainWindow):
                 self.banner.show_message(SETTINGS_UNSAVED.format(self.settings.path),
                                          "error")
             self.model_picker.refresh(self.settings.model_folders)
-            self.controller.bridge.configure(self.settings.memory_budget_bytes,
-                                             self.settings.ingest_chunk,
-                                             self.settings.read_share)
+            self._configuring = self.controller.bridge.configure(
+                self.settings.memory_budget_bytes, self.settings.ingest_chunk,
+                self.settings.read_share)
             self.controller.bridge.set_snapshot_budget(self.settings.stored_kv_budget_bytes)
             self.controller.local_server.apply()
             self.controller.machines_changed()
+
+    def _on_request_ended(self, event: Event) -> None:
+        """Once the engine holds a new memory limit, show the fit against it: no stats
+        sample follows a configure, so the panel and the fit line would keep the old one."""
+        if self._configuring is None or request_id_of(event) != self._configuring:
+            return
+        self._configuring = None
+        self.fit.limits_changed()
+        self.panel_feed.refresh()
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)

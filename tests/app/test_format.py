@@ -7,7 +7,7 @@ import html
 import pytest
 from PySide6.QtCore import Qt
 
-from app.format import reopened_title, title_from
+from app.format import compact_count, counted, percent, reopened_title, short_tokens, title_from
 
 
 @pytest.mark.parametrize(
@@ -80,3 +80,26 @@ def test_a_reopened_chats_title_names_its_mode_once() -> None:
     assert reopened_title(reopened_title("Pine notes", "q6"), "q4") == "Pine notes · q4"
     # A title that merely ends in other words after the separator keeps them.
     assert reopened_title("Budget · 2026", "q8") == "Budget · 2026 · q8"
+
+
+def test_a_count_is_said_in_the_singular_for_one_only() -> None:
+    assert counted(1, "token") == "1 token"
+    assert counted(0, "token") == "0 tokens"
+    assert counted(4096, "token") == "4,096 tokens"
+    assert counted(2, "copy", "copies") == "2 copies"
+
+
+def test_a_compact_count_moves_to_the_next_unit_when_rounding_reaches_it() -> None:
+    assert [compact_count(n) for n in (999, 1_000, 5_170, 9_999, 99_999, 999_999,
+                                       93_653_760, 999_600_000)] == [
+        "999", "1.00 k", "5.17 k", "10.0 k", "100 k", "1.00 M", "93.7 M", "1.00 G"]
+
+
+def test_short_tokens_round_down_so_a_part_never_reads_as_the_whole() -> None:
+    assert [short_tokens(n) for n in (7_600, 8_192, 999_999, 1_048_576, 1_500_000)] == [
+        "7.6k", "8.1k", "999k", "1M", "1.5M"]
+
+
+def test_a_percent_says_0_and_100_only_when_exact() -> None:
+    assert [percent(f) for f in (0.0, 1 / 256, 0.5, 255 / 256, 1.0)] == [
+        "0%", "<1%", "50%", ">99%", "100%"]

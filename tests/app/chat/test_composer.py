@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QToolButton
 
 from app.chat.attachments import MAX_FILES
 from app.chat.composer import Composer
+from app.store import AttachmentRecord
 
 
 def test_many_chips_wrap_onto_rows_instead_of_squeezing(qtbot) -> None:
@@ -39,3 +41,21 @@ def test_esc_cancels_an_edit_only_while_nothing_runs_in_its_chat(qtbot) -> None:
     composer.set_generating(False)
     qtbot.keyClick(composer.edit, Qt.Key.Key_Escape)
     assert cancelled == [True] and composer.editing_box.isVisible()  # the window hides it
+
+
+def test_a_chip_of_a_one_token_file_says_1_token(qtbot) -> None:
+    composer = Composer()
+    qtbot.addWidget(composer)
+    chip = composer.add_chip(1, "a.txt")
+    chip.set_record(AttachmentRecord("a.txt", 1, "x", 1, "text"))
+    assert chip.label.text() == "a.txt · 1 B · 1 token"
+
+
+def test_the_attach_and_remove_buttons_are_named_for_a_screen_reader(qtbot) -> None:
+    composer = Composer()
+    qtbot.addWidget(composer)
+    chip = composer.add_chip(1, "report\u202efdp.exe")
+    # The name as shown: a hidden character is said, never obeyed.
+    [remove] = chip.findChildren(QToolButton)
+    assert remove.accessibleName() == "Remove report⟨U+202E⟩fdp.exe"
+    assert composer.attach_button.accessibleName() == "Attach documents"

@@ -160,6 +160,14 @@ def test_an_attachment_line_keeps_each_number_with_its_unit() -> None:
     assert "3,393\u00a0tokens" in line.files.text() and "1.1\u00a0MB" in line.files.text()
 
 
+def test_one_token_is_said_in_the_singular_in_the_stats_and_the_file_line() -> None:
+    assert stats_text({"generated_tokens": 1}) == "1\u00a0token"
+    line = MessageWidget("user")
+    line.show_message("", "complete", None, None,
+                      (AttachmentRecord("a.txt", 1, "x", 1, "text"),))
+    assert line.files.text().endswith(" · 1\u00a0token")
+
+
 def test_a_files_name_is_shown_as_written_never_as_markup(qtbot) -> None:
     """A file may be named like HTML: its name is text in the message, the composer's
     chip and its notices, never a heading, nor an image Qt would read from disk."""

@@ -193,9 +193,14 @@ def test_engineering_numbers_are_under_details_and_plain_words_first(qtbot, wind
 def test_free_ram_fits_is_capped_at_the_model_context(window) -> None:
     from app.memory.panel import _fits_text
 
-    # The context as the toolbar and the Models dialog say it ("8k context").
-    assert _fits_text(10**9, 8192) == "all 8k"
+    # The context as the toolbar and the Models dialog say it ("8.1k context").
+    assert _fits_text(10**9, 8192) == "all 8.1k"
     assert _fits_text(4000, 8192) == "4k"
+    # Rounded down: part of the context never reads as the whole of it.
+    assert _fits_text(7_600, 8192) == "7.6k"
+    # Just short of it, the count in full: its short figure is the context's own.
+    assert _fits_text(8_150, 8192) == "8,150"
+    assert _fits_text(131_000, 131_072) == "131,000"
     window.panel_feed.refresh()
     fits = [window.panel.table.item(row, 2) for row in range(len(MODES))]
     # The tiny model's context is far below what free RAM holds, in every mode.
@@ -333,3 +338,86 @@ def test_the_total_says_the_storage_held_only_when_it_is_more(qtbot) -> None:
     assert panel.kv_total_label.text() == "All open chats together: 1.4 MB"
     panel.show_total(KvTotal(1_500_000, 2_600_000))
     assert panel.kv_total_label.text() == "All open chats together: 1.4 MB (2.5 MB held)"
+
+
+def test_a_memory_limit_saved_in_settings_shows_in_the_fit_at_once(qtbot, window,
+                                                                   monkeypatch) -> None:
+    """No stats sample follows the engine taking a new limit: the window asks for
+    the fit again itself, in the panel and in the fit line above the composer."""
+    from app.window import main_window
+
+    window.controller.new_session("q8")
+    window.panel_feed.refresh()
+    assert window.panel.fits_label.text().startswith("Fits in free memory:")
+    monkeypatch.setattr(main_window.SettingsDialog, "exec", lambda dialog: 1)  # Save pressed
+    window.settings.memory_budget_bytes = 1 << 20  # what the dialog saves for "1 MB"
+    window.open_settings()
+    qtbot.waitUntil(lambda: window.panel.fits_label.text().startswith(
+        "Fits in your memory limit (Settings):"), timeout=5_000)
+    qtbot.waitUntil(lambda: window.fit.last_report is not None
+                    and window.fit.last_report.budget_bytes is not None, timeout=5_000)
+
+
+def test_no_model_ready_empties_the_projection_of_the_chat_before(qtbot) -> None:
+    """A model loading (or none that fits) gives no fit report: the table and the
+    "Fits" sentence must not keep the previous chat's figures and mode tint."""
+    from engine.memory.fit import fit_report
+
+    def report(tokens: int):
+        return fit_report(token_count=tokens, attention_layers=2, kv_heads=2, head_dim=64,
+                          max_context=131_072, page_size=16, available_bytes=16 << 30,
+                          session_mode="q8")
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("A", "q8", "held", "a")
+    panel.update_projection(report(300), report(131_072))
+    assert panel.fits_label.text()
+    panel.set_session("B", "q4", "on disk", "b")
+    panel.update_projection(None, None)
+    assert panel.fits_label.text() == "" and panel.fits_label.isHidden()
+    assert panel.projection_note.isHidden() and panel.now_tokens is None
+    for row, mode in enumerate(MODES):
+        for column in range(3):
+            item = panel.table.item(row, column)
+            assert item is not None and item.text() == ""
+            assert item.font().bold() == (mode == "q4")  # the chat shown now's row
+
+
+def test_one_token_and_one_other_chat_are_said_in_the_singular(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("C", "q8", "held", "c")
+    one = replace(scripted_sample("c", 1, 4096), kv_shared_bytes=4096, kv_shared_with=1)
+    panel.update_sample(one, NOTHING)
+    assert panel.kv_label.text().startswith(
+        "<b>4.0 KB</b> for 1 token · 4.0 KB shared with 1 other chat")
+
+
+def test_the_last_page_is_0_or_100_percent_full_only_when_it_is() -> None:
+    page = replace(scripted_sample("c", 257), page_size=256, pages_in_use=2,
+                   pages_allocated=2, pages_free=0, layers=())
+    said = {fill: pages_text(replace(page, last_page_fill=fill))
+            for fill in (1 / 256, 255 / 256, 1.0, 128 / 256)}
+    assert "last page <1% full" in said[1 / 256]
+    assert "last page >99% full" in said[255 / 256]
+    assert "last page 100% full" in said[1.0] and "last page 50% full" in said[128 / 256]
+
+
+def test_the_history_legend_holds_no_kv_figure_once_the_cache_is_dropped(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("C", "q8", "held", "c")
+    panel.update_sample(scripted_sample("c", 300, 4096), NOTHING)
+    assert panel.chart.legend()[0] == "● KV 4.0 KB"
+    panel.show_no_cache()  # the chat's cache left memory
+    assert panel.chart.legend()[0] == "● KV none in memory"
+    assert list(panel.chart.kv) == [4096]  # its history stays
+
+
+def test_the_bars_and_drawings_have_names_a_screen_reader_can_say(qtbot) -> None:
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    names = [w.accessibleName() for w in (panel.ram_bar, panel.kv_bar, panel.pool, panel.chart,
+                                          panel.stored_kv.bar)]
+    assert all(names) and len(set(names)) == len(names), names

@@ -122,6 +122,17 @@ def test_clear_all_needs_a_confirmation(qtbot, monkeypatch) -> None:
     assert not section.clear_all.isEnabled()
 
 
+def test_clear_all_of_one_chat_asks_of_that_chat_not_of_all_1_chats(qtbot, monkeypatch) -> None:
+    section, bridge, _ = _section(qtbot, {"chat-1": "Notes"})
+    bridge.storedKv.emit(replace(LISTING, snapshots=LISTING.snapshots[:1]))
+    asked: list[str] = []
+    monkeypatch.setattr(QMessageBox, "question",
+                        lambda *args: asked.append(args[2]) or QMessageBox.StandardButton.Cancel)
+    section.clear_all.click()
+    assert asked[0].startswith("Delete the stored KV of the one chat listed from disk? Its "
+                               "conversation stays"), asked
+
+
 def test_a_cache_is_the_same_size_in_memory_and_on_disk(qtbot) -> None:
     # One formatter for every size: 46,032,896 bytes read 43.9 MB in the panel's
     # sentence, the Stored KV table and its summary alike.

@@ -10,6 +10,7 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
 from app.format import human_bytes
+from app.memory.panel import MemoryPanel
 from app.settings import Settings
 from app.window.dialogs import NewChatDialog, SettingsDialog
 from engine import SnapshotStore, default_budget, snapshots_dir
@@ -172,11 +173,32 @@ def test_new_chat_caps_what_fits_at_the_models_context(qtbot) -> None:
     dialog = NewChatDialog("q8", _full_report(64 * 2**30))
     qtbot.addWidget(dialog)
     text = dialog.buttons["q6"].text()
-    assert "all 8,192 tokens fit in free RAM" in text
+    assert "all 8,192 tokens fit in free memory" in text
     assert "1,6" not in text  # never more tokens than the model's context
     tight = NewChatDialog("q8", _full_report(3 * 2**20))
     qtbot.addWidget(tight)
     assert "all 8,192" not in tight.buttons["fp16"].text()
+
+
+def test_new_chat_says_what_the_memory_limit_holds_as_the_panel_does(qtbot) -> None:
+    """Under a memory limit smaller than free memory, each mode says the tokens the
+    limit holds, the figure and words of the panel's "Fits" sentence."""
+    from engine.memory.fit import fit_report
+
+    limited = fit_report(token_count=131_072, attention_layers=2, kv_heads=2, head_dim=64,
+                         max_context=131_072, page_size=16, available_bytes=16 << 30,
+                         budget_bytes=64 << 20, session_mode="q8")
+    held = limited.for_mode("q8").tokens_fit_budget
+    assert held is not None and held < 131_072
+    dialog = NewChatDialog("q8", limited)
+    qtbot.addWidget(dialog)
+    text = dialog.buttons["q8"].text()
+    assert text.endswith(f"{held:,} tokens fit in your memory limit (Settings)"), text
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    panel.set_session("Notes", "q8", "held", "s1")
+    panel.update_projection(limited, limited)
+    assert f"{held:,} of 131,072 tokens" in panel.fits_label.text()
 
 
 def test_modes_are_listed_best_quality_first(qtbot) -> None:

@@ -16,7 +16,7 @@ GIB = 2**30
 
 def test_short_tokens() -> None:
     assert [short_tokens(n) for n in (262_144, 131_072, 8192, 4096, 500)] == [
-        "262k", "131k", "8k", "4k", "500"]
+        "262k", "131k", "8.1k", "4k", "500"]
 
 
 def test_cost_text_says_what_fits() -> None:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from PySide6.QtWidgets import QLabel, QPushButton
 
+from app.format import short_tokens
 from app.window.downloads import unreachable_text
 from app.window.model_library import fit_advice, library
 from app.window.models_dialog import LOADED, ModelsDialog
@@ -60,7 +61,7 @@ def test_what_fits_is_the_largest_context_in_the_smallest_mode() -> None:
     fits, text = fit_advice(moe, RAM)
     q4 = next(c for c in moe.costs if c.mode == "q4")
     assert not fits and not q4.fits
-    assert f"up to {round(q4.tokens_fit / 1000)}k tokens" in text
+    assert f"up to {short_tokens(q4.tokens_fit)} tokens" in text  # rounded down: it fits
     assert all(c.tokens_fit <= q4.tokens_fit for c in moe.costs)
 
 
