@@ -1,7 +1,8 @@
 """PDF text through its text layer with pypdf, refused past a page count and an unpack budget.
 
 Each page's text has its typesetting undone (``typography``: ligatures, soft
-hyphens, words broken across lines).
+hyphens, words broken across lines); the values filled into its form fields and
+its comments follow, labelled (``pdf_fields``).
 
 Every stream that text extraction unpacks is charged against a per-stream and
 a per-file limit as it is unpacked.
@@ -23,6 +24,7 @@ from engine.documents.limits import (
     MAX_PDF_UNPACKED_BYTES,
     check_length,
 )
+from engine.documents.pdf_fields import marked_text
 from engine.documents.sniff import has_pdf_header, looks_like
 from engine.documents.typography import untypeset
 from engine.errors import DocumentError
@@ -39,8 +41,8 @@ MAX_CODES_SHARE = 0.2
 
 def pdf_text(name: str, data: bytes,
              max_chars: int | None = None) -> tuple[str, tuple[str, ...]]:
-    """The text layer of a PDF, page by page, within the unpack limits, and notes for
-    the user (pages without text).
+    """The text layer of a PDF, page by page, within the unpack limits, then its form
+    fields' values and comments, and notes for the user (pages without text).
 
     Raises:
         DocumentTooLong: past ``max_chars`` characters, at the page that passes them
@@ -56,13 +58,15 @@ def pdf_text(name: str, data: bytes,
             reader = pypdf.PdfReader(io.BytesIO(data))
             _check_opened(name, reader)
             pages = _page_texts(name, reader, max_chars)
+            marked, marked_notes = marked_text(name, reader)
     except DocumentError:
         raise
     except LimitReachedError as exc:
         raise _pdf_limit_error(name, exc) from exc
     except Exception as exc:  # pypdf raises many internal types on broken input
         raise _unreadable(name, data, exc) from exc
-    return _joined(name, pages)
+    text, notes = _joined(name, pages, marked)
+    return text, notes + marked_notes
 
 
 def _check_opened(name: str, reader: Any) -> None:
@@ -116,10 +120,13 @@ def _undecodable(text: str) -> bool:
     return codes > MAX_CODES_SHARE * len(shown)
 
 
-def _joined(name: str, pages: list[str | None]) -> tuple[str, tuple[str, ...]]:
-    """The pages' text, and notes on those without any (scanned, most likely) and
-    those whose text can't be decoded (left out)."""
-    text = "\n\n".join(t for t in pages if t)
+def _joined(name: str, pages: list[str | None],
+            marked: str) -> tuple[str, tuple[str, ...]]:
+    """The pages' text followed by ``marked`` (form fields and comments), and notes on
+    pages without text (scanned, most likely) and those whose text can't be decoded
+    (left out)."""
+    drawn = "\n\n".join(t for t in pages if t)
+    text = (drawn + marked).strip()
     undecodable = pages.count(None)
     if not text and undecodable:
         raise DocumentError(
@@ -134,7 +141,13 @@ def _joined(name: str, pages: list[str | None]) -> tuple[str, tuple[str, ...]]:
             "or ocrmypdf, then drop the result."
         )
     notes = []
-    if blank := pages.count(""):
+    blank = pages.count("")
+    if blank and not drawn:  # a form's pages may draw nothing but its fields
+        notes.append(f"“{name}”: its pages have no text of their own, so only what was "
+                     "filled into its form fields or written in comments was read. If its "
+                     "pages are scanned images, run OCR on it first, e.g. Preview or "
+                     "ocrmypdf, to read them too.")
+    elif blank:
         notes.append(f"“{name}”: no text on {blank:,} of its {len(pages):,} pages (scanned "
                      "images?), so only the rest was read. Run OCR on it first, e.g. Preview "
                      "or ocrmypdf, to read those too.")
