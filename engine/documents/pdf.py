@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import threading
 import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
+from engine.documents.file_access import stop_if_cancelled
 from engine.documents.limits import (
     MAX_FORM_DEPTH,
     MAX_PDF_PAGES,
@@ -27,7 +29,7 @@ from engine.documents.limits import (
 from engine.documents.pdf_fields import marked_text
 from engine.documents.sniff import has_pdf_header, looks_like
 from engine.documents.typography import untypeset
-from engine.errors import DocumentError
+from engine.errors import DocumentError, EngineError
 from engine.format import human_bytes
 
 # A complete PDF ends with this marker (after it, at most a line end or a few bytes
@@ -39,14 +41,15 @@ EOF_WITHIN = 1024
 MAX_CODES_SHARE = 0.2
 
 
-def pdf_text(name: str, data: bytes,
-             max_chars: int | None = None) -> tuple[str, tuple[str, ...]]:
+def pdf_text(name: str, data: bytes, max_chars: int | None = None,
+             cancel: threading.Event | None = None) -> tuple[str, tuple[str, ...]]:
     """The text layer of a PDF, page by page, within the unpack limits, then its form
     fields' values and comments, and notes for the user (pages without text).
 
     Raises:
         DocumentTooLong: past ``max_chars`` characters, at the page that passes them
             (the rest of a 2,000-page PDF is not read only to be refused).
+        Cancelled: ``cancel`` was set; checked before each page.
     """
     import pypdf
     from pypdf.errors import LimitReachedError
@@ -57,9 +60,9 @@ def pdf_text(name: str, data: bytes,
         with _pdf_limits():
             reader = pypdf.PdfReader(io.BytesIO(data))
             _check_opened(name, reader)
-            pages = _page_texts(name, reader, max_chars)
+            pages = _page_texts(name, reader, max_chars, cancel)
             marked, marked_notes = marked_text(name, reader)
-    except DocumentError:
+    except EngineError:  # a refusal or a cancel, already said
         raise
     except LimitReachedError as exc:
         raise _pdf_limit_error(name, exc) from exc
@@ -89,7 +92,8 @@ def _check_opened(name: str, reader: Any) -> None:
         )
 
 
-def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str | None]:
+def _page_texts(name: str, reader: Any, max_chars: int | None,
+                cancel: threading.Event | None) -> list[str | None]:
     """Each page's text: "" for a page without any, None for one whose text can't be
     decoded; charged to the unpack budget."""
     count = len(reader.pages)
@@ -97,6 +101,7 @@ def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str | Non
     pages: list[str | None] = []
     read = 0
     for number, page in enumerate(reader.pages, start=1):
+        stop_if_cancelled(name, cancel)
         budget.charge(page, number)
         text = untypeset(page.extract_text() or "").strip()
         pages.append(None if _undecodable(text) else text)

@@ -3,12 +3,13 @@ scanned or typeset (ligatures, hyphens), each built by hand."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from engine.documents.reader import read_document
-from engine.errors import DocumentError
+from engine.errors import Cancelled, DocumentError
 from tests.engine.documents.pdf_files import assemble_pdf
 
 
@@ -216,3 +217,31 @@ def test_a_form_the_reader_cannot_follow_still_gives_its_pages_text(tmp_path: Pa
     assert doc.notes == (
         "“odd form.pdf”: its form fields could not be read (PdfReadError), so they were "
         "left out; its pages' text was read.",)
+
+
+def test_a_pdf_read_stops_at_the_page_after_its_cancel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pypdf
+
+    path = tmp_path / "book.pdf"
+    path.write_bytes(_pages_pdf([_drawn(f"Page {n}") for n in range(1, 41)]))
+    cancel = threading.Event()
+    read: list[int] = []
+    extract = pypdf.PageObject.extract_text
+
+    def counted(page: pypdf.PageObject, *args: object, **kwargs: object) -> str:
+        read.append(1)
+        if len(read) == 3:  # the chip is removed while page 3 is read
+            cancel.set()
+        return extract(page, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pypdf.PageObject, "extract_text", counted)
+    with pytest.raises(Cancelled) as stopped:
+        read_document(path, cancel=cancel)
+    assert str(stopped.value) == "Reading “book.pdf” was stopped."
+    assert len(read) == 3  # not the other 37 pages
+    # Cancelled before it starts (it waited behind another file): no page is read.
+    read.clear()
+    with pytest.raises(Cancelled):
+        read_document(path, cancel=cancel)
+    assert read == []
