@@ -81,7 +81,7 @@ class DocumentTooLong(DocumentError):
 
 
 class Cancelled(EngineError):
-    """An ingest or generation was cancelled by the user."""
+    """An ingest, a generation, a download or a document's read was cancelled by the user."""
 
 
 class EngineStopped(EngineError):

@@ -3,7 +3,9 @@
 Each file is parsed (``engine.documents.reader``) and its tokens counted on a pool
 thread (``app.background``); the result comes back on the GUI thread. A
 file longer than the room in the context is measured in tokens and offered
-cut to the part that fits (``tooLong``); the user takes it or not.
+cut to the part that fits (``tooLong``); the user takes it or not. A file whose
+chip is removed while it is read, or waits to be, is cancelled (``cancel``):
+the pool reads one file at a time, and the files dropped after it wait for it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, KeysView, Sequence
 from typing import cast
 
 from PySide6.QtCore import QObject, Signal
@@ -112,18 +115,20 @@ def too_long_message(name: str, size: int, tokens: int | None, max_tokens: int) 
             "answer).")
 
 
-def read_attachment(path: str, max_tokens: int, token_ends: Callable[[str], Sequence[int]]
+def read_attachment(path: str, max_tokens: int, token_ends: Callable[[str], Sequence[int]],
+                    cancel: threading.Event | None = None
                     ) -> tuple[AttachmentRecord | TooLong | None, str | tuple[str, ...]]:
     """Read and count one file (on a pool thread): the record or what is too long, and notes.
 
     A file too long even to count comes back as (None, the refusal).
 
     Raises:
-        EngineError: the file cannot be read (``engine.documents.reader``).
+        EngineError: the file cannot be read (``engine.documents.reader``), or
+            ``cancel`` was set while it was read (``Cancelled``).
     """
     max_chars = max(1, max_tokens) * CHARS_PER_TOKEN_BOUND
     try:
-        doc = read_document(path, max_chars=max(max_chars, READ_CAP_CHARS))
+        doc = read_document(path, max_chars=max(max_chars, READ_CAP_CHARS), cancel=cancel)
     except DocumentTooLong:
         name = os.path.basename(path)
         size = os.stat(path).st_size
@@ -166,19 +171,31 @@ class DocumentLoader(QObject):
         self.token_ends = token_ends
         self.jobs = Background(threads=1, parent=self)
         self._ids = itertools.count(1)
-        self.pending: set[int] = set()
+        self._cancels: dict[int, threading.Event] = {}  # job id -> its cancel, while read
         self.offered: dict[int, AttachmentRecord] = {}  # job id -> part offered
+
+    @property
+    def pending(self) -> KeysView[int]:
+        """The jobs still being read, or waiting to be (a cancelled one is not)."""
+        return self._cancels.keys()
 
     def load(self, path: str, max_tokens: int) -> int:
         """Start reading ``path``; returns the job id used in the signals."""
         from pathlib import Path
 
         job_id = next(self._ids)
-        self.pending.add(job_id)
+        cancel = self._cancels[job_id] = threading.Event()
         self.started.emit(job_id, Path(path).name)
-        self.jobs.run(lambda: read_attachment(path, max_tokens, self.token_ends),
+        self.jobs.run(lambda: read_attachment(path, max_tokens, self.token_ends, cancel),
                       lambda outcome: self._finish(job_id, outcome))
         return job_id
+
+    def cancel(self, job_id: int) -> None:
+        """Stop reading a file (its chip was removed): a read under way ends at its next
+        page, one still waiting ends as it starts, and no signal comes for it."""
+        cancel = self._cancels.pop(job_id, None)
+        if cancel is not None:
+            cancel.set()
 
     def accept_part(self, job_id: int) -> None:
         """Attach the part of a too-long file that was offered."""
@@ -193,7 +210,8 @@ class DocumentLoader(QObject):
             self.failed.emit(job_id, message)
 
     def _finish(self, job_id: int, outcome: object) -> None:
-        self.pending.discard(job_id)
+        if self._cancels.pop(job_id, None) is None:  # cancelled: no one waits for it
+            return
         detail: str | tuple[str, ...]
         if isinstance(outcome, EngineError):
             record, detail = None, str(outcome)

@@ -583,6 +583,7 @@ class MainWindow(QMainWindow):
         self._tell(message)
 
     def _remove_attachment(self, job_id: int) -> None:
+        self.loader.cancel(job_id)  # still being read: the files after it go ahead
         self.composer.drop_offer(job_id)
         self._reading_for.pop(job_id, None)
         self.attachments.pop(job_id, None)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from engine.documents.limits import MAX_CONTAINER_BYTES
-from engine.errors import DocumentError
+from engine.errors import Cancelled, DocumentError
 
 
 def stat_size(p: Path) -> int:
@@ -74,6 +75,17 @@ def read_all(handle: BinaryIO, name: str, size: int) -> bytes:
         # version and part of another, which a parser would call damaged.
         raise vanished(name)
     return data
+
+
+def stop_if_cancelled(name: str, cancel: threading.Event | None) -> None:
+    """End the read of ``name`` once ``cancel`` is set (its chip was removed): a read
+    no one waits for would hold up every file dropped after it.
+
+    Raises:
+        Cancelled: ``cancel`` is set.
+    """
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"Reading “{name}” was stopped.")
 
 
 def vanished(name: str) -> DocumentError:

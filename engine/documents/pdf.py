@@ -1,7 +1,8 @@
 """PDF text through its text layer with pypdf, refused past a page count and an unpack budget.
 
 Each page's text has its typesetting undone (``typography``: ligatures, soft
-hyphens, words broken across lines).
+hyphens, words broken across lines); the values filled into its form fields and
+its comments follow, labelled (``pdf_fields``).
 
 Every stream that text extraction unpacks is charged against a per-stream and
 a per-file limit as it is unpacked.
@@ -12,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import threading
 import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
+from engine.documents.file_access import stop_if_cancelled
 from engine.documents.limits import (
     MAX_FORM_DEPTH,
     MAX_PDF_PAGES,
@@ -23,9 +26,10 @@ from engine.documents.limits import (
     MAX_PDF_UNPACKED_BYTES,
     check_length,
 )
+from engine.documents.pdf_fields import marked_text
 from engine.documents.sniff import has_pdf_header, looks_like
 from engine.documents.typography import untypeset
-from engine.errors import DocumentError
+from engine.errors import DocumentError, EngineError
 from engine.format import human_bytes
 
 # A complete PDF ends with this marker (after it, at most a line end or a few bytes
@@ -37,14 +41,15 @@ EOF_WITHIN = 1024
 MAX_CODES_SHARE = 0.2
 
 
-def pdf_text(name: str, data: bytes,
-             max_chars: int | None = None) -> tuple[str, tuple[str, ...]]:
-    """The text layer of a PDF, page by page, within the unpack limits, and notes for
-    the user (pages without text).
+def pdf_text(name: str, data: bytes, max_chars: int | None = None,
+             cancel: threading.Event | None = None) -> tuple[str, tuple[str, ...]]:
+    """The text layer of a PDF, page by page, within the unpack limits, then its form
+    fields' values and comments, and notes for the user (pages without text).
 
     Raises:
         DocumentTooLong: past ``max_chars`` characters, at the page that passes them
             (the rest of a 2,000-page PDF is not read only to be refused).
+        Cancelled: ``cancel`` was set; checked before each page.
     """
     import pypdf
     from pypdf.errors import LimitReachedError
@@ -55,14 +60,16 @@ def pdf_text(name: str, data: bytes,
         with _pdf_limits():
             reader = pypdf.PdfReader(io.BytesIO(data))
             _check_opened(name, reader)
-            pages = _page_texts(name, reader, max_chars)
-    except DocumentError:
+            pages = _page_texts(name, reader, max_chars, cancel)
+            marked, marked_notes = marked_text(name, reader)
+    except EngineError:  # a refusal or a cancel, already said
         raise
     except LimitReachedError as exc:
         raise _pdf_limit_error(name, exc) from exc
     except Exception as exc:  # pypdf raises many internal types on broken input
         raise _unreadable(name, data, exc) from exc
-    return _joined(name, pages)
+    text, notes = _joined(name, pages, marked)
+    return text, notes + marked_notes
 
 
 def _check_opened(name: str, reader: Any) -> None:
@@ -85,7 +92,8 @@ def _check_opened(name: str, reader: Any) -> None:
         )
 
 
-def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str | None]:
+def _page_texts(name: str, reader: Any, max_chars: int | None,
+                cancel: threading.Event | None) -> list[str | None]:
     """Each page's text: "" for a page without any, None for one whose text can't be
     decoded; charged to the unpack budget."""
     count = len(reader.pages)
@@ -93,6 +101,7 @@ def _page_texts(name: str, reader: Any, max_chars: int | None) -> list[str | Non
     pages: list[str | None] = []
     read = 0
     for number, page in enumerate(reader.pages, start=1):
+        stop_if_cancelled(name, cancel)
         budget.charge(page, number)
         text = untypeset(page.extract_text() or "").strip()
         pages.append(None if _undecodable(text) else text)
@@ -116,10 +125,13 @@ def _undecodable(text: str) -> bool:
     return codes > MAX_CODES_SHARE * len(shown)
 
 
-def _joined(name: str, pages: list[str | None]) -> tuple[str, tuple[str, ...]]:
-    """The pages' text, and notes on those without any (scanned, most likely) and
-    those whose text can't be decoded (left out)."""
-    text = "\n\n".join(t for t in pages if t)
+def _joined(name: str, pages: list[str | None],
+            marked: str) -> tuple[str, tuple[str, ...]]:
+    """The pages' text followed by ``marked`` (form fields and comments), and notes on
+    pages without text (scanned, most likely) and those whose text can't be decoded
+    (left out)."""
+    drawn = "\n\n".join(t for t in pages if t)
+    text = (drawn + marked).strip()
     undecodable = pages.count(None)
     if not text and undecodable:
         raise DocumentError(
@@ -134,7 +146,13 @@ def _joined(name: str, pages: list[str | None]) -> tuple[str, tuple[str, ...]]:
             "or ocrmypdf, then drop the result."
         )
     notes = []
-    if blank := pages.count(""):
+    blank = pages.count("")
+    if blank and not drawn:  # a form's pages may draw nothing but its fields
+        notes.append(f"“{name}”: its pages have no text of their own, so only what was "
+                     "filled into its form fields or written in comments was read. If its "
+                     "pages are scanned images, run OCR on it first, e.g. Preview or "
+                     "ocrmypdf, to read them too.")
+    elif blank:
         notes.append(f"“{name}”: no text on {blank:,} of its {len(pages):,} pages (scanned "
                      "images?), so only the rest was read. Run OCR on it first, e.g. Preview "
                      "or ocrmypdf, to read those too.")

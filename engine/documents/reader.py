@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from engine.documents.docx import docx_text, is_word_zip
-from engine.documents.file_access import opened, read_all, read_head, stat_size
+from engine.documents.file_access import (
+    opened,
+    read_all,
+    read_head,
+    stat_size,
+    stop_if_cancelled,
+)
 from engine.documents.limits import DEFAULT_MAX_CHARS, MAX_CONTAINER_BYTES, check_length
 from engine.documents.pdf import pdf_text
 from engine.documents.sniff import PDF_MAGIC, ZIP_MAGIC
@@ -98,22 +105,27 @@ def is_supported(path: str | os.PathLike[str]) -> bool:
     return p.suffix.lower() in SUPPORTED_SUFFIXES or p.name.lower() in TEXT_NAMES
 
 
-def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_CHARS) -> Document:
+def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_CHARS,
+                  cancel: threading.Event | None = None) -> Document:
     """Extract the text of a file.
 
     Args:
         path: the file to read.
         max_chars: refuse files whose text is longer than this (the caller
             derives it from the model's context).
+        cancel: set from another thread to stop the read: checked before it
+            starts, between a PDF's pages and after it ends.
 
     Returns:
         The extracted ``Document``.
 
     Raises:
         DocumentError: the file cannot be read as text; the message says why.
+        Cancelled: ``cancel`` was set.
     """
     p = Path(path)
     name = p.name
+    stop_if_cancelled(name, cancel)  # removed while it waited behind another file
     size = stat_size(p)  # first: a folder is said as one, whatever its name
     if not is_supported(p):
         suffix = p.suffix or "(no suffix)"
@@ -129,7 +141,8 @@ def read_document(path: str | os.PathLike[str], *, max_chars: int = DEFAULT_MAX_
         if kind == "text":
             text, digest, notes = _read_text(handle, name, size, max_chars)
         else:
-            text, digest, notes = _read_container(handle, name, size, kind, max_chars)
+            text, digest, notes = _read_container(handle, name, size, kind, max_chars, cancel)
+    stop_if_cancelled(name, cancel)  # what comes next (counting its tokens) is for no one
     if kind != named:
         notes = (f"“{name}” is {KIND_NAMES[kind]}, not {KIND_NAMES[named]} as its name "
                  "says; it was read as one.", *notes)
@@ -145,8 +158,8 @@ def _read_text(handle: BinaryIO, name: str, size: int,
     return text, digest, notes
 
 
-def _read_container(handle: BinaryIO, name: str, size: int, kind: str,
-                    max_chars: int) -> tuple[str, str, tuple[str, ...]]:
+def _read_container(handle: BinaryIO, name: str, size: int, kind: str, max_chars: int,
+                    cancel: threading.Event | None) -> tuple[str, str, tuple[str, ...]]:
     """A PDF's or Word document's text, its SHA-256 and notes, read whole (within
     ``MAX_CONTAINER_BYTES``)."""
     if size > MAX_CONTAINER_BYTES:
@@ -156,7 +169,7 @@ def _read_container(handle: BinaryIO, name: str, size: int, kind: str,
         )
     data = read_all(handle, name, size)
     if kind == "pdf":
-        text, notes = pdf_text(name, data, max_chars)
+        text, notes = pdf_text(name, data, max_chars, cancel)
     else:
         text, notes = docx_text(name, data), ()
     check_length(name, len(text), max_chars, complete=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent, QFileOpenEvent
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QToolButton
 
 from app.chat.model import ChatMessage, engine_content
 from app.format import human_bytes
@@ -293,3 +293,48 @@ def test_a_file_opened_as_the_app_starts_waits_for_the_model(qtbot, tiny_llama, 
         assert "Load a model first" not in window.composer.notice.text()
     finally:
         close_window(window)
+
+
+def test_removing_a_chip_still_reading_stops_its_read_and_the_next_file_starts(
+        qtbot, window, tmp_path, monkeypatch) -> None:
+    import threading
+
+    import pypdf
+
+    import engine.documents.reader as reader
+    from tests.engine.documents.test_pdf import _drawn, _pages_pdf
+
+    book = tmp_path / "book.pdf"
+    book.write_bytes(_pages_pdf([_drawn(f"Page {n}") for n in range(1, 201)]))
+    waiting, after = tmp_path / "waiting.md", tmp_path / "after.md"
+    waiting.write_text(TEXT)
+    after.write_text(TEXT * 2)
+    read: list[int] = []
+    at_page_2, removed = threading.Event(), threading.Event()
+    extract = pypdf.PageObject.extract_text
+
+    def held(page, *args, **kwargs):
+        read.append(1)
+        if len(read) == 2:  # hold the read on page 2 until its chip is removed
+            at_page_2.set()
+            removed.wait(20)
+        return extract(page, *args, **kwargs)
+
+    opened: list[str] = []
+    stat_size = reader.stat_size
+    monkeypatch.setattr(pypdf.PageObject, "extract_text", held)
+    monkeypatch.setattr(reader, "stat_size", lambda p: opened.append(p.name) or stat_size(p))
+    drop_files(window, [book, waiting, after])
+    qtbot.waitUntil(at_page_2.is_set, timeout=20_000)
+    chips = {chip.name: chip for chip in window.composer.chips.values()}
+    for name in ("book.pdf", "waiting.md"):  # one being read, one waiting behind it
+        chips[name].findChild(QToolButton).click()
+    removed.set()
+    qtbot.waitUntil(lambda: bool(window.attachments) and not window.loader.pending,
+                    timeout=20_000)
+    assert window.loader.wait()
+    assert len(read) == 2  # not the other 198 pages
+    assert opened == ["book.pdf", "after.md"]  # the one waiting was never read
+    assert [r.name for r in window.attachments.values()] == ["after.md"]
+    assert list(window.composer.chips) == list(window.attachments)
+    assert "book.pdf" not in window.composer.notice.text()

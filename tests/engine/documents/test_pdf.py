@@ -3,12 +3,13 @@ scanned or typeset (ligatures, hyphens), each built by hand."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from engine.documents.reader import read_document
-from engine.errors import DocumentError
+from engine.errors import Cancelled, DocumentError
 from tests.engine.documents.pdf_files import assemble_pdf
 
 
@@ -145,3 +146,102 @@ def test_text_in_fonts_without_a_character_map_is_left_out_and_said(tmp_path: Pa
         "“report.pdf” has text that can't be decoded: its fonts give no character map, so "
         "what they draw can't be read as letters. Run OCR on it first, e.g. ocrmypdf "
         "--force-ocr, then drop the result.")
+
+
+def _form_pdf(content: bytes, *annotations: bytes) -> bytes:
+    """A one-page PDF drawing ``content`` whose ``annotations`` (objects 6 on) are on
+    its page and, those with a /T, in its form."""
+    numbers = range(6, 6 + len(annotations))
+    refs = b" ".join(b"%d 0 R" % n for n in numbers)
+    fields = b" ".join(b"%d 0 R" % n
+                       for n, a in zip(numbers, annotations, strict=True) if b"/T (" in a)
+    return assemble_pdf([
+        b"<< /Type /Catalog /Pages 2 0 R /AcroForm << /Fields [%s] >> >>" % fields,
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 5 0 R >> >> /Annots [%s] >>" % refs,
+        b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream",
+        HELVETICA, *annotations])
+
+
+def _widget(entries: bytes) -> bytes:
+    return b"<< /Type /Annot /Subtype /Widget /Rect [100 600 300 620] /P 3 0 R %s >>" % entries
+
+
+def test_filled_in_form_fields_and_comments_are_read_after_the_pages(tmp_path: Path) -> None:
+    path = tmp_path / "application.pdf"
+    path.write_bytes(_form_pdf(
+        _drawn("Applicant name:", "Languages:"),
+        _widget(b"/FT /Tx /T (name) /TU (Applicant name) /V (Jane Doe)"),
+        _widget(b"/FT /Tx /T (address) /V (1 Pine Road\r\nLongleaf)"),
+        _widget(b"/FT /Tx /T (phone) /V ()"),  # left empty: not said
+        _widget(b"/FT /Btn /T (agree) /V /Yes /AS /Yes"),
+        _widget(b"/FT /Btn /T (newsletter) /V /Off /AS /Off"),  # unticked: not said
+        _widget(b"/FT /Ch /T (languages) /V [(English) (French)]"),
+        _widget(b"/FT /Btn /Ff 49152 /T (size) /V /Large /AS /Large "
+                b"/AP << /N << /Large 4 0 R /Off 4 0 R >> >>"),
+        b"<< /Type /Annot /Subtype /FreeText /Rect [100 500 300 520] "
+        b"/Contents (Reviewer: this figure is wrong) >>",
+        b"<< /Type /Annot /Subtype /Text /Rect [0 0 20 20] /Contents (Check the date) >>",
+        b"<< /Type /Annot /Subtype /Link /Rect [0 0 20 20] /Contents (not a comment) >>",
+    ))
+    doc = read_document(path)
+    assert doc.text == (
+        "Applicant name:\nLanguages:\n\n"
+        "Form fields:\nApplicant name: Jane Doe\naddress: 1 Pine Road\nLongleaf\n"
+        "agree: checked\nlanguages: English, French\nsize: Large\n\n"
+        "Comments:\nReviewer: this figure is wrong\nCheck the date")
+    assert doc.notes == ()
+
+
+def test_a_pdf_whose_text_is_all_in_its_fields_is_read_not_refused(tmp_path: Path) -> None:
+    path = tmp_path / "filled.pdf"
+    path.write_bytes(_form_pdf(b"", _widget(b"/FT /Tx /T (name) /V (Jane Doe)")))
+    doc = read_document(path)
+    assert doc.text == "Form fields:\nname: Jane Doe"
+    assert doc.notes == (
+        "“filled.pdf”: its pages have no text of their own, so only what was filled into "
+        "its form fields or written in comments was read. If its pages are scanned images, "
+        "run OCR on it first, e.g. Preview or ocrmypdf, to read them too.",)
+
+
+def test_a_form_the_reader_cannot_follow_still_gives_its_pages_text(tmp_path: Path) -> None:
+    # A radio button without an appearance: pypdf refuses the whole form tree.
+    path = tmp_path / "odd form.pdf"
+    path.write_bytes(_form_pdf(
+        _drawn("Pick a size:"),
+        b"<< /FT /Btn /Ff 49152 /T (size) /V /Large /Kids [7 0 R] >>",
+        b"<< /Type /Annot /Subtype /Widget /Parent 6 0 R /AS /Large /Rect [0 0 9 9] >>"))
+    doc = read_document(path)
+    assert doc.text == "Pick a size:"
+    assert doc.notes == (
+        "“odd form.pdf”: its form fields could not be read (PdfReadError), so they were "
+        "left out; its pages' text was read.",)
+
+
+def test_a_pdf_read_stops_at_the_page_after_its_cancel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pypdf
+
+    path = tmp_path / "book.pdf"
+    path.write_bytes(_pages_pdf([_drawn(f"Page {n}") for n in range(1, 41)]))
+    cancel = threading.Event()
+    read: list[int] = []
+    extract = pypdf.PageObject.extract_text
+
+    def counted(page: pypdf.PageObject, *args: object, **kwargs: object) -> str:
+        read.append(1)
+        if len(read) == 3:  # the chip is removed while page 3 is read
+            cancel.set()
+        return extract(page, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pypdf.PageObject, "extract_text", counted)
+    with pytest.raises(Cancelled) as stopped:
+        read_document(path, cancel=cancel)
+    assert str(stopped.value) == "Reading “book.pdf” was stopped."
+    assert len(read) == 3  # not the other 37 pages
+    # Cancelled before it starts (it waited behind another file): no page is read.
+    read.clear()
+    with pytest.raises(Cancelled):
+        read_document(path, cancel=cancel)
+    assert read == []
