@@ -15,9 +15,11 @@ save and reopen of that model's sessions uses that one value.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,66 @@ def model_fingerprint(folder: str | Path) -> dict[str, Any]:
     facts = {"scheme": SCHEME, "config": config, "weights": weights}
     canonical = json.dumps(facts, sort_keys=True, separators=(",", ":"))
     return {"digest": blake3.blake3(canonical.encode()).hexdigest(), **facts}
+
+
+def code_fingerprint(model_dir: Path) -> dict[str, str]:
+    """What computes a model's KV beside its weights, as plain JSON values: MLX's
+    version, and a digest of mlx-lm's module for the model's architecture with the
+    ``mlx_lm.models`` modules it imports (RoPE, attention helpers). An update of
+    either may change every value a layer writes, so stored KV made before it is
+    not the KV this version would make.
+
+    Raises:
+        EngineError: the folder's ``config.json`` cannot be read, or mlx-lm has no
+            module for its architecture.
+    """
+    try:
+        config = json.loads((model_dir / "config.json").read_bytes())
+    except (OSError, ValueError) as error:
+        raise EngineError(f"Cannot read the model folder {model_dir}: {error}") from error
+    try:
+        module_file = _module_file(config)
+    except (ValueError, KeyError, TypeError) as error:
+        raise EngineError(f"mlx-lm has no code for the model in {model_dir}: {error}") from None
+    return {"mlx": _mlx_version(), "mlx_lm_model": _source_digest(module_file)}
+
+
+def session_code(session: object) -> dict[str, str]:
+    """``code_fingerprint`` of the model ``session`` runs."""
+    return code_fingerprint(session_model_dir(session))
+
+
+def _module_file(config: dict[str, Any]) -> str:
+    import sys
+
+    from engine.cache.mlx_lm_compat import model_classes
+
+    model_class, _args = model_classes(config)
+    return str(sys.modules[model_class.__module__].__file__)
+
+
+def _mlx_version() -> str:
+    # The core module's own attribute: a frozen app bundle may carry no package
+    # metadata to ask.
+    import mlx.core as mx
+
+    return str(getattr(mx, "__version__", "unknown"))
+
+
+@functools.lru_cache(maxsize=32)
+def _source_digest(module_file: str) -> str:
+    """BLAKE3 of a model module's source and of each ``mlx_lm.models`` module it
+    imports by a relative import (read once per process: the code does not change
+    under a running process)."""
+    path = Path(module_file)
+    source = path.read_bytes()
+    names = sorted(set(re.findall(rb"^from \.(\w+) import", source, re.MULTILINE)))
+    digest = blake3.blake3(source)
+    for name in names:
+        imported = path.with_name(name.decode() + ".py")
+        if imported.exists():
+            digest.update(imported.read_bytes())
+    return digest.hexdigest()
 
 
 def session_model_dir(session: object) -> Path:

@@ -44,7 +44,7 @@ from engine.cache.rotation import rotation_for
 from engine.errors import EngineError, KvBudgetExceeded
 from engine.session.prompt_ids import common_prefix
 from engine.snapshots import files, tensors
-from engine.snapshots.fingerprint import session_fingerprint, session_model_dir
+from engine.snapshots.fingerprint import session_code, session_fingerprint, session_model_dir
 from engine.snapshots.layers import (
     LayerMismatch,
     can_convert,
@@ -108,7 +108,9 @@ class SnapshotRejected(EngineError):
             damaged), "mode" (a higher precision than stored needs a re-read),
             "diverged" (the conversation differs inside the snapshot before any
             stored checkpoint and this model's layers cannot rewind),
-            or "budget" (the pages do not fit the KV budget).
+            "code" (computed by another MLX or mlx-lm model code), "budget" (the
+            pages do not fit the KV budget), "unreadable" (the disk failed to read it
+            now; kept) or "changed" (stored again while it was read; kept).
         removed: whether the snapshot's files were deleted.
         set_aside: whether they were moved into the ``set-aside`` folder.
     """
@@ -195,6 +197,7 @@ def save_snapshot(
         "page_size": int(session.page_size),
         "rotation": rotation_id(session.cache),
         "model": {"name": model_dir.name, **fingerprint},
+        "code": session_code(session),
         "tokens": tokens,
         "layers": records,
         "checkpoints": checkpoints,
@@ -242,7 +245,17 @@ def _write_data(path: Path, arrays: dict[str, mx.array]) -> str:
 # -- reopen ---------------------------------------------------------------------
 
 
-def _reject_corrupt(directory: Path, name: str, why: str) -> SnapshotRejected:
+def _reject_corrupt(directory: Path, name: str, why: str,
+                    data_file: str | None = None) -> SnapshotRejected:
+    """Remove snapshot ``name``, found damaged (``why``), and say so; but where its
+    manifest now names another data file than ``data_file``, the one read, another
+    process saved the chat again meanwhile: that snapshot is whole, and stays."""
+    if data_file is not None and _named_data_file(directory, name) not in (None, data_file):
+        return SnapshotRejected(
+            f"Stored KV for {name!r} was stored again while it was read; the conversation "
+            "is read again this time.",
+            reason="changed",
+        )
     try:
         remove_snapshot(directory, name)
     except OSError as error:  # a read-only disk: it stays, and is not used this time
@@ -256,6 +269,26 @@ def _reject_corrupt(directory: Path, name: str, why: str) -> SnapshotRejected:
         "the conversation is read again.",
         reason="corrupt",
         removed=True,
+    )
+
+
+def _named_data_file(directory: Path, name: str) -> str | None:
+    """The data file snapshot ``name``'s manifest names now; None when it names none
+    or cannot be read."""
+    try:
+        named = read_manifest(files.manifest_path(directory, name)).get("data_file")
+    except (OSError, Corrupt, ValueError, AttributeError):
+        return None
+    return named if isinstance(named, str) else None
+
+
+def _unreadable(name: str, error: OSError) -> SnapshotRejected:
+    """A read of snapshot ``name`` the disk failed (an external or network disk's
+    passing error): no damage to the snapshot, which is kept for the next reopen."""
+    return SnapshotRejected(
+        f"Stored KV for {name!r} could not be read now ({error.strerror or error}); it is "
+        "kept, and the conversation is read again this time.",
+        reason="unreadable",
     )
 
 
@@ -317,6 +350,14 @@ def _check_compatible(
             "is read again.",
             "model",
         )
+    if manifest.get("code") != _code(session, name):
+        raise _set_aside(
+            directory, name,
+            f"Stored KV for {name!r} was computed by another version of MLX or of "
+            "mlx-lm's code for this model, which may compute other values, so it was set "
+            "aside; the conversation is read again.",
+            "code",
+        )
     try:
         rotation_for(manifest.get("rotation"), 4, 0)  # raises for a rotation unknown here
     except EngineError:
@@ -338,6 +379,18 @@ def _check_compatible(
             "precision and needs the conversation read again.",
             reason="mode",
         )
+
+
+def _code(session: SnapshotSession, name: str) -> dict[str, str]:
+    """``session_code`` of ``session``, or why stored KV cannot be checked against it."""
+    try:
+        return session_code(session)
+    except EngineError as error:  # this model's files, not the snapshot, are the problem
+        raise SnapshotRejected(
+            f"Stored KV for {name!r} cannot be checked against this model's code ({error}); "
+            "it is kept, and the conversation is read again.",
+            reason="model",
+        ) from error
 
 
 def _split_words(split: list[list[int]] | None) -> str:
@@ -427,17 +480,22 @@ def _restore_checkpoints(
 
 def _open_data(folder: Path, name: str, manifest: dict[str, Any]) -> tensors.StreamedTensors:
     """The data file, opened to be read and checked in one pass (see ``finish``)."""
-    data = folder / manifest["data_file"]
+    data_file = manifest["data_file"]
+    data = folder / data_file
     try:
         size = data.stat().st_size
-    except OSError:
-        raise _reject_corrupt(folder, name, "its data file is missing") from None
+    except FileNotFoundError:
+        raise _reject_corrupt(folder, name, "its data file is missing", data_file) from None
+    except OSError as error:
+        raise _unreadable(name, error) from error
     if size != manifest.get("data_bytes"):
-        raise _reject_corrupt(folder, name, "its data file is truncated")
+        raise _reject_corrupt(folder, name, "its data file is truncated", data_file)
     try:
         return tensors.StreamedTensors(data, size)
-    except (OSError, tensors.BadTensors) as error:
-        raise _reject_corrupt(folder, name, f"unreadable data: {error}") from error
+    except tensors.BadTensors as error:
+        raise _reject_corrupt(folder, name, f"unreadable data: {error}", data_file) from error
+    except OSError as error:
+        raise _unreadable(name, error) from error
 
 
 def _finish_checked(arrays: tensors.StreamedTensors, manifest: dict[str, Any]) -> None:
@@ -525,9 +583,12 @@ def load_snapshot(
         raise SnapshotRejected(
             f"Stored KV for {name!r} does not fit the KV budget ({error})", reason="budget"
         ) from error
-    except (tensors.BadTensors, OSError) as error:
+    except tensors.BadTensors as error:
         session.reset()
-        raise _reject_corrupt(folder, name, str(error)) from error
+        raise _reject_corrupt(folder, name, str(error), manifest["data_file"]) from error
+    except OSError as error:
+        session.reset()
+        raise _unreadable(name, error) from error
     except Exception as error:
         # Whatever a restore raises (a record that lies about its data, a state an
         # mlx-lm cache class refuses) means this snapshot cannot be trusted: it goes,

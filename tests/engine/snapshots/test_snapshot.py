@@ -275,6 +275,81 @@ def test_a_manifest_without_data_is_removed(models, saved):
     _assert_rejected_and_removed(models, manifest.parent, [*session.tokens, 1])
 
 
+def test_kv_computed_by_other_model_code_is_set_aside(models, saved, monkeypatch):
+    # An update of MLX or of mlx-lm's module for the model (a RoPE fix) changes the
+    # values every layer writes; the weights' fingerprint alone let the old rows pass.
+    from engine.snapshots import fingerprint
+
+    session, manifest = saved
+    now = fingerprint.session_code(session)
+    monkeypatch.setattr(fingerprint, "_mlx_version", lambda: "0.99.0")
+    fresh = _session(models["llama"])
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(fresh, manifest.parent, "chat", [*session.tokens, 1])
+    assert caught.value.reason == "code" and caught.value.set_aside
+    assert "another version of MLX or of mlx-lm's code" in str(caught.value)
+    assert fresh.tokens == [] and not manifest.exists()
+    assert fingerprint.session_code(session) != now
+
+
+def test_kv_stored_before_its_code_was_recorded_is_set_aside(models, saved):
+    session, manifest = saved
+    _reseal(manifest, lambda record: record.pop("code"))
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(_session(models["llama"]), manifest.parent, "chat", [*session.tokens, 1])
+    assert caught.value.reason == "code" and caught.value.set_aside
+
+
+def test_a_data_file_the_disk_fails_to_read_now_is_kept(models, saved, monkeypatch):
+    # An external or network disk's passing error (EIO, a timeout) is no damage: the
+    # good snapshot was deleted, and the document read again at every reopen after.
+    import errno
+
+    from engine.snapshots import snapshot as snapshot_module
+
+    session, manifest = saved
+    data = _data_file(manifest)
+    real = snapshot_module.tensors.StreamedTensors
+
+    def failing(path, size):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(snapshot_module.tensors, "StreamedTensors", failing)
+    fresh = _session(models["llama"])
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(fresh, manifest.parent, "chat", [*session.tokens, 1])
+    assert caught.value.reason == "unreadable" and not caught.value.removed
+    assert "Input/output error" in str(caught.value) and "kept" in str(caught.value)
+    assert manifest.exists() and data.exists()
+    monkeypatch.setattr(snapshot_module.tensors, "StreamedTensors", real)
+    again = _session(models["llama"])
+    assert load_snapshot(again, manifest.parent, "chat", [*session.tokens, 1]) > 0
+
+
+def test_a_snapshot_saved_again_while_it_was_read_is_not_removed(models, saved, monkeypatch):
+    # Another process (the CLI beside the app) saves the chat again between this
+    # reader's manifest and its data file: the old data file is gone, the new
+    # snapshot is whole, and removing "chat" by name deleted it.
+    from engine.snapshots import snapshot as snapshot_module
+
+    session, manifest = saved
+    real_check = snapshot_module._check_shape
+
+    def saved_meanwhile(record):
+        real_check(record)
+        _ingest(session, _user(DOC, "And more."))
+        save_snapshot(session, manifest.parent, "chat")
+
+    monkeypatch.setattr(snapshot_module, "_check_shape", saved_meanwhile)
+    with pytest.raises(SnapshotRejected) as caught:
+        load_snapshot(_session(models["llama"]), manifest.parent, "chat", [*session.tokens, 1])
+    assert caught.value.reason == "changed" and not caught.value.removed
+    monkeypatch.setattr(snapshot_module, "_check_shape", real_check)
+    assert manifest.exists() and _data_file(manifest).exists()
+    again = _session(models["llama"])
+    assert load_snapshot(again, manifest.parent, "chat", [*session.tokens, 1]) > 0
+
+
 def _reseal(manifest: Path, change) -> None:
     """Rewrite the manifest through ``change`` and seal it again, as an attacker or a
     buggy writer could: its own checksum then passes."""
