@@ -154,6 +154,10 @@ def check_quality(
             start += len(piece)
             if progress is not None:
                 progress(start, len(ids))
+        if cancel is not None and cancel.is_set():
+            # Stop pressed during the last chunk: the user asked for no receipt.
+            raise Cancelled(f"Quality check cancelled after {start:,} of {len(ids):,} "
+                            "tokens; nothing was stored.")
     finally:
         caches.clear()
         mx.clear_cache()  # hand both caches' pages back, not just to MLX's buffer cache

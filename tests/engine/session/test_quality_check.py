@@ -113,6 +113,20 @@ def test_cancel_stops_between_chunks(loaded, ids) -> None:
     assert progress == [CHUNK]
 
 
+def test_a_stop_during_the_last_chunk_stores_nothing(loaded, ids) -> None:
+    # Checked only between chunks, a Stop pressed while the last chunk ran still
+    # gave a receipt: the check seemed to ignore it.
+    cancel = threading.Event()
+
+    def stop_in_the_last(done: int, total: int) -> None:
+        if done == total:
+            cancel.set()  # pressed while the last chunk ran: seen once it ends
+
+    with pytest.raises(Cancelled):
+        check_quality(loaded, ids, "q4", rotate=False, window=WINDOW, chunk=CHUNK,
+                      cancel=cancel, progress=stop_in_the_last)
+
+
 def test_an_empty_chat_has_nothing_to_check(loaded) -> None:
     with pytest.raises(EngineError, match="Send a message first"):
         check_quality(loaded, [], "q6", rotate=False)
