@@ -320,8 +320,13 @@ class ChatController(QObject):
         self.model_state.load(path)
 
     def machines_changed(self) -> None:
-        """Settings → Use other Macs changed: load the model again where it now runs."""
-        if not self.model_id or self.machines.wanted(self.model_id) == self.machines.pipeline:
+        """Settings → Use other Macs changed: load the model again where it now runs.
+
+        Compared with the settings the model was loaded under, not with where it runs:
+        after a lost pipeline it runs here under unchanged settings, and a Save of
+        other settings must not load it over the Macs again (minutes, for nothing).
+        """
+        if not self.model_id or not self.machines.changed_since_load(self.model_id):
             return
         if self.busy:
             self.notice.emit("The new Use other Macs setting applies when the model is "

@@ -11,6 +11,7 @@ here if it fits).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class Machines(QObject):
         self.remote_worker = remote_worker
         self.where = LOCAL
         self.pipeline: tuple[str, tuple[int, ...] | None] | None = None  # hostfile, split
+        # The Use other Macs settings (and hostfile's bytes) the model was last loaded
+        # under; a pipeline lost since ran with them all the same.
+        self.applied: tuple[str, tuple[int, ...] | None, str] | None = None
 
     def wanted(self, path: str) -> tuple[str, tuple[int, ...] | None] | None:
         """The pipeline (hostfile, split) that should run ``path``; None: this Mac alone."""
@@ -60,12 +64,29 @@ class Machines(QObject):
             return None
         return s.pipeline_hostfile, s.pipeline_split
 
+    def changed_since_load(self, path: str) -> bool:
+        """Whether the Use other Macs settings for ``path``, or the hostfile's contents,
+        differ from those its last load was made under (a pipeline lost since and
+        run here is no change)."""
+        return self._settings_key(path) != self.applied
+
+    def _settings_key(self, path: str) -> tuple[str, tuple[int, ...] | None, str] | None:
+        pipeline = self.wanted(path)
+        if pipeline is None:
+            return None
+        try:  # a host taken out of the file in place is a change too
+            digest = hashlib.sha256(Path(pipeline[0]).read_bytes()).hexdigest()
+        except OSError as error:
+            digest = f"unreadable: {error.strerror or error}"
+        return (*pipeline, digest)
+
     def prepare(self, path: str) -> bool:
         """Make the bridge's worker the one that should load ``path``; True if it changed.
 
         Raises:
             EngineError: the hostfile cannot be read (its message).
         """
+        self.applied = self._settings_key(path)
         pipeline = self.wanted(path)
         if pipeline == self.pipeline:
             return False

@@ -4,6 +4,7 @@ their handlers, and the old one is shut down once the last of them has ended."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -157,6 +158,25 @@ def test_turning_other_macs_off_loads_the_model_here(qtbot, lost) -> None:
     assert lost.local[1].last("load")[1] == ("big",)
     lost.c.machines_changed()  # nothing changed since: no second load
     assert lost.local[1].names().count("load") == 1
+
+
+def test_a_save_after_a_lost_pipeline_loads_nothing_again(qtbot, lost, monkeypatch) -> None:
+    # Fallen back here under unchanged settings: a Save of any other setting started
+    # the pipeline again (all chats' caches closed, minutes of loading on the Macs).
+    monkeypatch.setattr(controller_module, "fits_here", lambda path: "")
+    lost.remote[0].on_event(PipelineLost("The pipeline lost rank 1 (mac2)."))
+    qtbot.waitUntil(lambda: len(lost.local) == 2)
+    rid = lost.local[1].last("load")[0]
+    lost.local[1].on_event(ModelLoaded(rid, SimpleNamespace(name="big", path="big")))
+    lost.local[1].on_event(Finished(rid, "done"))
+    qtbot.waitUntil(lambda: lost.c.model_ready)
+    lost.c.machines_changed()  # Settings saved, nothing of the Macs changed
+    assert len(lost.remote) == 1 and lost.bridge.worker is lost.local[1]
+    # A host taken out of the hostfile in place is a change: loaded where it now runs.
+    hostfile = Path(lost.c.settings.pipeline_hostfile)
+    hostfile.write_text(json.dumps({"hosts": [{"ssh": "127.0.0.1"}] * 3}), encoding="utf-8")
+    lost.c.machines_changed()
+    assert len(lost.remote) == 2 and lost.bridge.worker is lost.remote[1]
 
 
 def test_a_missing_hostfile_loads_on_this_mac_and_says_why(qtbot, lost, tmp_path) -> None:
