@@ -249,17 +249,22 @@ class Activity(QObject):
         self._refuse_with(REFUSAL.format(running=running, what=what))
         return True
 
-    def refuse_in(self, session_id: str | None, what: str) -> bool:
-        """True, with a message, when ``what`` has to wait for chat ``session_id``'s job."""
-        return self._refuse(self.job_of(session_id), what)
+    def refuse_in(self, session_id: str | None, what: str, named: bool = False) -> bool:
+        """True, with a message, when ``what`` has to wait for chat ``session_id``'s job.
+
+        ``named``: the chat is not the one shown, so the message names it (Stop and
+        Esc act on the chat shown, which has nothing to stop).
+        """
+        return self._refuse(self.job_of(session_id), what, named)
 
     def _refuse_with(self, text: str) -> None:
         self._refusals.add(text)
         self.refused.emit(text)
 
-    def _refuse(self, job: Job | None, what: str) -> bool:
+    def _refuse(self, job: Job | None, what: str, named: bool = False) -> bool:
         if job is None:
             return False
-        running = RUNNING.get(job.kind, RUNNING["chat"])
+        running = (RUNNING_IN.get(job.kind, RUNNING_IN["chat"]).format(
+            title=short_title(job.title)) if named else RUNNING.get(job.kind, RUNNING["chat"]))
         self._refuse_with(REFUSAL.format(running=running, what=what))
         return True

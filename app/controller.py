@@ -647,9 +647,7 @@ class ChatController(QObject):
 
     def can_regenerate(self) -> bool:
         """Whether the last message is an answer that can be generated again."""
-        rows = self.model.rowCount()
-        return (not self.busy_here and rows >= 2
-                and self.model.message(rows - 1).role == "assistant")
+        return not self.busy_here and self.model.can_answer_again(self.model.rowCount() - 1)
 
     def regenerate(self) -> None:
         """Drop the last answer and generate it again."""

@@ -416,7 +416,7 @@ class ConversationView(QScrollArea):
         for row, widget in enumerate(self.widgets, self.first_built):
             index = self.model.index(row)
             streaming = self.model.data(index, StatusRole) == "streaming"
-            last_answer = not self.busy and row == last and widget.role == "assistant"
+            last_answer = not self.busy and row == last and self.model.can_answer_again(row)
             widget.set_actions(
                 copy=not streaming and bool(self.model.data(index)),
                 regenerate=last_answer,

@@ -137,6 +137,16 @@ class ChatModel(QAbstractListModel):
         """A copy of one row."""
         return replace(self._rows[row])
 
+    def can_answer_again(self, row: int) -> bool:
+        """Whether the answer at ``row`` answers a turn the engine reads, so making it
+        again asks that turn again. An answer after a turn set aside (too long for the
+        context) answers nothing the engine reads: made again, it would go on from the
+        answer before it."""
+        if not 0 < row < len(self._rows) or self._rows[row].role != "assistant":
+            return False
+        asked = self._rows[row - 1]
+        return asked.role == "user" and read_by_engine(asked.role, asked.content, asked.status)
+
     def row_of(self, message_id: int) -> int | None:
         """The row showing stored message ``message_id``, or None."""
         for row, message in enumerate(self._rows):

@@ -123,7 +123,8 @@ class SessionActions(QObject):
                 screen shows the one listed after it, else the one before (as a
                 Mac list does), else none.
         """
-        if self.activity.refuse_in(session_id, "deleting its chat"):
+        shown = self.current is not None and self.current.id == session_id
+        if self.activity.refuse_in(session_id, "deleting its chat", named=not shown):
             return
         order = list(listed) if listed is not None else [s.id for s in self.store.sessions()]
         self.store.delete_session(session_id)  # first: a history that takes no write keeps all

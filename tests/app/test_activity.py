@@ -25,11 +25,13 @@ def test_refusal_names_what_runs(qtbot, kind: str, expected: str, anywhere: str)
     assert not activity.refuse_in("s2", "editing")  # another chat waits for nothing
     # The engine's work waits for every chat's, which may not be the one shown: named.
     assert activity.refuse("switching models")
-    assert said == [expected, anywhere]
+    # So does a chat's own, asked of it from elsewhere (deleting it from the sidebar).
+    assert activity.refuse_in("s1", "switching models", named=True)
+    assert said == [expected, anywhere, anywhere]
     assert activity.is_refusal(said[0]) and activity.is_refusal(said[1])
     activity.end(job)
     assert not activity.refuse_in("s1", "editing") and not activity.refuse("switching models")
-    assert len(said) == 2
+    assert len(said) == 3
 
 
 class _Line:

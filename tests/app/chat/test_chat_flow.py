@@ -72,6 +72,23 @@ def test_regenerate_replaces_only_the_last_answer(qtbot, window) -> None:
     assert rows[1][1] == first_answer
 
 
+def test_an_answer_to_a_turn_set_aside_is_not_made_again(qtbot, window) -> None:
+    # Made again, it was sent ending on the answer before the turn set aside (which
+    # the engine never reads), so the model went on from that answer.
+    from tests.app.chat.test_documents_drop import TEXT
+
+    c = window.controller
+    send_and_wait(qtbot, window, "Hello")
+    assert send_and_wait(qtbot, window, TEXT * 300) == "failed"
+    last = c.model.rowCount() - 1
+    assert c.model.message(last).role == "assistant"
+    assert not c.can_regenerate()
+    assert not window.conversation.widget_for(last).regenerate_button.isVisibleTo(window)
+    rows = _rows(window)
+    c.regenerate()  # the menu's Regenerate, were it reached: nothing happens
+    assert _rows(window) == rows and not c.busy
+
+
 def test_edit_and_resend_replaces_the_last_turn(qtbot, window) -> None:
     c = window.controller
     send_and_wait(qtbot, window, "Original question")
@@ -118,3 +135,20 @@ def test_interrupted_rows_show_their_status(qtbot, window) -> None:
     c.select_session(session.id)
     assert c.model.data(c.model.index(1), StatusRole) == "interrupted"
     assert "Interrupted" in window.conversation.widget_for(1).status.text()
+
+
+def test_deleting_a_chat_answering_behind_another_names_it(qtbot, window) -> None:
+    # Stop and Esc act on the chat shown, which has nothing to stop: "Stop the current
+    # answer before deleting its chat." pointed at nothing.
+    c = window.controller
+    answering = c.new_session("q8")
+    said: list[str] = []
+    c.activity.refused.connect(said.append)
+    window.composer.set_text("Tell me about pines")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: c.activity.job_of(answering.id) is not None)
+    c.new_session("q8")
+    c.delete_session(answering.id)
+    assert said and said[-1].startswith("Stop the answer in ‘")
+    assert c.store.session(answering.id) is not None
+    qtbot.waitUntil(lambda: c.activity.job_of(answering.id) is None, timeout=ANSWER_TIMEOUT_MS)
