@@ -324,12 +324,8 @@ def _check_compatible(
     stored_model = manifest.get("model") or {}
     try:
         digest = session_fingerprint(session)["digest"]
-    except EngineError as error:  # this model's files, not the snapshot, are the problem
-        raise SnapshotRejected(
-            f"Stored KV for {name!r} cannot be checked against this model ({error}); it is "
-            "kept, and the conversation is read again.",
-            reason="model",
-        ) from error
+    except EngineError as error:
+        raise _uncheckable(name, "this model", error) from error
     stored_split = (stored_model.get("pipeline") or {}).get("split")
     split = (session_fingerprint(session).get("pipeline") or {}).get("split")
     if stored_split != split:
@@ -385,12 +381,17 @@ def _code(session: SnapshotSession, name: str) -> dict[str, str]:
     """``session_code`` of ``session``, or why stored KV cannot be checked against it."""
     try:
         return session_code(session)
-    except EngineError as error:  # this model's files, not the snapshot, are the problem
-        raise SnapshotRejected(
-            f"Stored KV for {name!r} cannot be checked against this model's code ({error}); "
-            "it is kept, and the conversation is read again.",
-            reason="model",
-        ) from error
+    except EngineError as error:
+        raise _uncheckable(name, "this model's code", error) from error
+
+
+def _uncheckable(name: str, against: str, error: EngineError) -> SnapshotRejected:
+    # This model's files, not the snapshot, are the problem: the snapshot stays.
+    return SnapshotRejected(
+        f"Stored KV for {name!r} cannot be checked against {against} ({error}); it is "
+        "kept, and the conversation is read again.",
+        reason="model",
+    )
 
 
 def _split_words(split: list[list[int]] | None) -> str:
