@@ -26,7 +26,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from app.activity import Activity, Job
 from app.chat.answers import Answers
 from app.chat.model import ChatMessage, ChatModel
-from app.chat.recorder import CLOSED_WHILE_ANSWERING, AnswerRecorder
+from app.chat.recorder import CLOSED_WHILE_ANSWERING, CONTEXT_END, AnswerRecorder
 from app.engine_bridge import EngineBridge
 from app.format import api_chat_title, short_title, title_from
 from app.local_server import LocalServerHost
@@ -98,7 +98,9 @@ class ChatController(QObject):
         self.sessions = SessionActions(store, settings, self.model, self.caches, self.activity,
                                        before_switch=self.cancel_edit, parent=self)
         self.answers = Answers(bridge, settings, store, self.model, self.activity, self.caches,
-                               self.sessions, self, sampling=self.sampling)
+                               self.sessions, self, sampling=self.sampling,
+                               max_context=lambda: getattr(self.model_info, "max_context",
+                                                           None))
         self.quality = QualityCheck(bridge, store, self.activity, self.caches, self.sessions,
                                     self)
         # The OpenAI/Anthropic server on the same worker, when Settings turn it on.
@@ -635,6 +637,10 @@ class ChatController(QObject):
         last = self.model.message(rows - 1) if rows else None
         if self.current is None or last is None or last.role != "assistant" \
                 or not last.content:
+            return False
+        if last.reason == CONTEXT_END:
+            self.errorRaised.emit("This answer filled the model's context: there is no room "
+                                  "for more of it. Start a new chat to go on.")
             return False
         if self.activity.refuse_in(self.current.id, "continuing the answer"):
             return False

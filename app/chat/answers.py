@@ -16,7 +16,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.activity import Activity, Job
 from app.chat.model import ChatModel
-from app.chat.recorder import LENGTH_LIMIT, AnswerRecorder, stopped_reading
+from app.chat.recorder import CONTEXT_END, LENGTH_LIMIT, AnswerRecorder, stopped_reading
 from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
@@ -60,10 +60,12 @@ class Answers(QObject):
     def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
                  model: ChatModel, activity: Activity, caches: SessionCaches,
                  sessions: SessionActions, parent: QObject | None = None, *,
-                 sampling: Callable[[], SamplingParams]) -> None:
+                 sampling: Callable[[], SamplingParams],
+                 max_context: Callable[[], int | None] = lambda: None) -> None:
         super().__init__(parent)
         self.bridge, self.settings, self.store, self.model = bridge, settings, store, model
         self.sampling = sampling  # the settings over the loaded model's own defaults
+        self.max_context = max_context  # the loaded model's context (None: none loaded)
         self.activity, self.caches, self.sessions = activity, caches, sessions
         # Session id -> its answers' recorder, kept after the answer ends: writes the
         # history could not take yet wait in it.
@@ -198,6 +200,8 @@ class Answers(QObject):
             status = "stopped" if event.reason in ("cancelled", "memory") else "complete"
             reason = {"cancelled": "Stopped", "length": LENGTH_LIMIT,
                       "memory": MEMORY_STOP}.get(event.reason)
+            if event.reason == "length" and _fills(event.stats, self.max_context()):
+                reason = CONTEXT_END
             if event.reason == "cancelled" and kept is not None:
                 reason = stopped_reading(*kept)
             if event.reason == "memory":
@@ -306,6 +310,13 @@ def merged_stats(earlier: dict | None, later: dict | None) -> dict | None:
                   if part.get("decode_tps") and part.get("generated_tokens"))
     merged["decode_tps"] = merged["generated_tokens"] / seconds if seconds else 0.0
     return merged
+
+
+def _fills(stats: GenerationStats | None, max_context: int | None) -> bool:
+    """Whether an answer stopped at its length with the context full: the engine ends
+    an answer the context can hold no more of as it does one at its length limit."""
+    return (stats is not None and max_context is not None
+            and stats.prompt_tokens + stats.generated_tokens >= max_context)
 
 
 def _stats_dict(stats: GenerationStats | None) -> dict | None:

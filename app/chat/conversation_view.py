@@ -29,7 +29,12 @@ from app.chat.model import (
     StatsRole,
     StatusRole,
 )
-from app.chat.recorder import CLOSED_WHILE_ANSWERING, LENGTH_LIMIT, STOPPED_READING
+from app.chat.recorder import (
+    CLOSED_WHILE_ANSWERING,
+    CONTEXT_END,
+    LENGTH_LIMIT,
+    STOPPED_READING,
+)
 from app.format import counted, human_bytes, human_duration, unbroken, visible_text
 from app.sessions.chat_state import JOB_WORDS, ChatState, reuse_sentence
 
@@ -42,7 +47,7 @@ STATUS_TEXT = {
 READING_LABEL = f"{JOB_WORDS[ChatState.READING]}…"  # an answer whose chat is read first
 # Reasons short and common enough to be the row's label instead of its status word.
 REASON_LABELS = {CLOSED_WHILE_ANSWERING: "Closed while answering",
-                 LENGTH_LIMIT: "Length limit"}
+                 LENGTH_LIMIT: "Length limit", CONTEXT_END: "Context full"}
 COPIED_TEXT = "Copied ✓"
 COPIED_MS = 1500
 # A user message longer than this shows its start, with "Show all" for the rest.

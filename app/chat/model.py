@@ -144,8 +144,9 @@ class ChatModel(QAbstractListModel):
         answer before it."""
         if not 0 < row < len(self._rows) or self._rows[row].role != "assistant":
             return False
-        asked = self._rows[row - 1]
-        return asked.role == "user" and read_by_engine(asked.role, asked.content, asked.status)
+        asked = next((m for m in reversed(self._rows[:row]) if m.role != "assistant"), None)
+        return (asked is not None and asked.role == "user"
+                and read_by_engine(asked.role, asked.content, asked.status))
 
     def row_of(self, message_id: int) -> int | None:
         """The row showing stored message ``message_id``, or None."""

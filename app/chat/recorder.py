@@ -22,6 +22,8 @@ SAVE_INTERVAL_S = 1.0
 RETRY_INTERVAL_S = 5.0
 CLOSED_WHILE_ANSWERING = "Longleaf was closed while answering"
 LENGTH_LIMIT = "Reached the answer length limit"
+# An answer the context could hold no more of: Continue cannot go on from it.
+CONTEXT_END = "Reached the end of the model's context"
 STOPPED_READING = "Stopped while reading"  # how a reason about a cut-short prefill begins
 
 

@@ -18,7 +18,7 @@ from PySide6.QtCore import QObject, QTimer
 from app.chat.answers import MEMORY_STOP
 from app.chat.composer import Composer
 from app.chat.model import ChatMessage, engine_content
-from app.chat.recorder import LENGTH_LIMIT
+from app.chat.recorder import CONTEXT_END, LENGTH_LIMIT
 from app.controller import ChatController
 from app.format import human_bytes, human_duration
 from app.store import AttachmentRecord
@@ -199,7 +199,7 @@ class FitChecker(QObject):
         last = model.message(model.rowCount() - 1)
         if last.role != "assistant":
             return "cancelled"  # no answer to end: the cache holds the chat as it is
-        endings = {LENGTH_LIMIT: "length", MEMORY_STOP: "memory"}
+        endings = {LENGTH_LIMIT: "length", CONTEXT_END: "length", MEMORY_STOP: "memory"}
         ending = endings.get(last.reason) if last.reason is not None else None
         return ending or ("cancelled" if last.status == "stopped" else "stop")
 

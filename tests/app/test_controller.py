@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.chat.recorder import CONTEXT_END, LENGTH_LIMIT
 from engine import (
     AnswerWaiting,
     Failed,
@@ -300,6 +301,32 @@ def test_a_continued_answers_stats_count_every_piece(app) -> None:
     assert stats["generated_tokens"] == 20 and stats["ttft"] == 0.5
     assert stats["decode_tps"] == pytest.approx(20 / (8 / 4.0 + 12 / 2.0))
     assert stats["prefill_tokens"] == 23
+
+
+def test_an_answer_that_fills_the_context_says_so_and_offers_no_continue(app) -> None:
+    # The engine ends it as it ends one at its length limit; Continue then always
+    # failed, turning a whole answer into "Stopped" with a memory message.
+    c, bridge, worker = app.c, app.bridge, app.worker
+    c.answers.max_context = lambda: 28
+    a = c.new_session("q8")
+    c.send("Tell me everything")
+    _open(app, a.id)
+    rid, _args, _cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(rid, "Pines grow", (1, 2)))
+    bridge._dispatch(Finished(rid, "length", GenerationStats(20, 8, 0.5, 40.0, 4.0, 8)))
+    assert app.store.messages(a.id)[-1].reason == CONTEXT_END
+    asked = worker.names().count("chat")
+    assert not c.continue_answer() and worker.names().count("chat") == asked
+    # Short of the context, it is the length limit, and it goes on.
+    c.answers.max_context = lambda: 4096
+    b = c.new_session("q8")
+    c.send("Tell me more")
+    _open(app, b.id)
+    rid, _args, _cancel = worker.last("chat")
+    bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    bridge._dispatch(Finished(rid, "length", GenerationStats(20, 8, 0.5, 40.0, 4.0, 8)))
+    assert app.store.messages(b.id)[-1].reason == LENGTH_LIMIT
+    assert c.continue_answer()
 
 
 def test_check_quality_while_the_model_loads_says_it_loads(app) -> None:
