@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.settings import Settings
-from app.window.parts import ProblemLabel
+from app.window.parts import ProblemLabel, add_field_row
 from engine.server.listen import MAX_PORT
 
 LOCAL_HOST = "127.0.0.1"
@@ -76,7 +76,7 @@ class LocalServerPage(QWidget):
         key_row = QHBoxLayout()
         key_row.addWidget(self.api_key, 1)
         key_row.addWidget(self.generate)
-        form.addRow("API key", key_row)
+        add_field_row(form, "API key", self.api_key, key_row)
         self.share = QCheckBox("Share stored chats with the local server")
         self.share.setToolTip(
             "Off: API requests reuse only KV made by API requests, so a client cannot tell "
@@ -102,6 +102,7 @@ class LocalServerPage(QWidget):
         label = QLabel()
         label.setTextInteractionFlags(label.textInteractionFlags().TextSelectableByMouse)
         copy = QPushButton("Copy")
+        copy.setAccessibleName(f"Copy the address for {caption}")  # not one of two "Copy"
         copy.clicked.connect(lambda: QApplication.clipboard().setText(label.text()))
         row = QHBoxLayout()
         row.addWidget(label, 1)

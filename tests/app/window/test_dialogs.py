@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QTimer
+from PySide6.QtGui import QAccessible
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
@@ -438,3 +439,16 @@ def test_numbers_keep_their_own_width_and_text_boxes_take_the_row(qtbot) -> None
     for box in (dialog.budget, dialog.disk_budget):
         assert box.width() <= box.sizeHint().width() + 1
     assert dialog.folders.width() > dialog.budget.width()
+
+
+def _accessible_name(widget) -> str:
+    return QAccessible.queryAccessibleInterface(widget).text(QAccessible.Text.Name)
+
+
+def test_the_server_pages_key_and_copy_buttons_have_names_of_their_own(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    page = dialog.server
+    assert _accessible_name(page.api_key) == "API key"
+    assert _accessible_name(page.copy_openai) == "Copy the address for OpenAI clients"
+    assert _accessible_name(page.copy_anthropic) == "Copy the address for Anthropic clients"
