@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
 
 from app.background import Background
 from app.settings import Settings, parse_split
-from app.window.parts import ProblemLabel
+from app.window.parts import ProblemLabel, add_field_row
 from engine import EngineError
 
 if TYPE_CHECKING:  # imported where the check runs: it reads no more at startup
@@ -118,7 +118,7 @@ class OtherMacsPage(QWidget):
         row = QHBoxLayout()
         row.addWidget(self.hostfile, 1)
         row.addWidget(self.choose)
-        form.addRow("Hostfile", row)
+        add_field_row(form, "Hostfile", self.hostfile, row)
         split = settings.pipeline_split
         self.split = QLineEdit(",".join(map(str, split)) if split else "")
         self.split.setPlaceholderText("Even (or e.g. 10,14)")

@@ -6,7 +6,15 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QEvent, QMimeData, QObject, Qt
 from PySide6.QtGui import QFileOpenEvent
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QWidget
+from PySide6.QtWidgets import (
+    QFormLayout,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QLayout,
+    QToolButton,
+    QWidget,
+)
 
 
 def local_files(mime: QMimeData) -> list[str]:
@@ -55,6 +63,17 @@ class Banner(QFrame):
         self.style().unpolish(self)
         self.style().polish(self)
         self.show()
+
+
+def add_field_row(form: QFormLayout, caption: str, field: QWidget, row: QLayout) -> None:
+    """Add ``row`` (``field`` and its buttons) to ``form`` under ``caption``.
+
+    QFormLayout makes its label the buddy of a widget, not of a layout: made here,
+    the label still names ``field`` for VoiceOver, as a label beside a lone field does.
+    """
+    label = QLabel(caption)
+    label.setBuddy(field)
+    form.addRow(label, row)
 
 
 class ProblemLabel(QLabel):

@@ -17,12 +17,16 @@ from PySide6.QtWidgets import (
 )
 
 from app.settings import Settings
-from app.window.parts import ProblemLabel
+from app.window.parts import ProblemLabel, add_field_row
+from engine.server.listen import MAX_PORT
 
 LOCAL_HOST = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 NEEDS_KEY = ("Other devices on the network can reach the server only with an API key: "
              "type one or press Generate.")
+LOWEST_PORT = 1024  # the ports below it are privileged: only root may listen on them
+LOW_PORT = (f"Ports below {LOWEST_PORT} need administrator rights; "
+            f"choose {LOWEST_PORT}–{MAX_PORT}.")
 
 
 def server_host(allow_network: bool) -> str:
@@ -55,7 +59,9 @@ class LocalServerPage(QWidget):
         self.enabled = QCheckBox("Run the local server while Longleaf is open")
         self.enabled.setChecked(settings.server_enabled)
         form.addRow(self.enabled)
-        self.port = QSpinBox(minimum=1024, maximum=65535, value=settings.server_port)
+        # Any port can be typed, so "80" stays as typed (a box whose minimum is 1024
+        # would keep its old value unseen) and Save says why it is refused.
+        self.port = QSpinBox(minimum=1, maximum=MAX_PORT, value=settings.server_port)
         self.port.setGroupSeparatorShown(False)
         form.addRow("Port", self.port)
         self.allow_network = QCheckBox("Allow other devices on the network")
@@ -70,7 +76,7 @@ class LocalServerPage(QWidget):
         key_row = QHBoxLayout()
         key_row.addWidget(self.api_key, 1)
         key_row.addWidget(self.generate)
-        form.addRow("API key", key_row)
+        add_field_row(form, "API key", self.api_key, key_row)
         self.share = QCheckBox("Share stored chats with the local server")
         self.share.setToolTip(
             "Off: API requests reuse only KV made by API requests, so a client cannot tell "
@@ -96,6 +102,7 @@ class LocalServerPage(QWidget):
         label = QLabel()
         label.setTextInteractionFlags(label.textInteractionFlags().TextSelectableByMouse)
         copy = QPushButton("Copy")
+        copy.setAccessibleName(f"Copy the address for {caption}")  # not one of two "Copy"
         copy.clicked.connect(lambda: QApplication.clipboard().setText(label.text()))
         row = QHBoxLayout()
         row.addWidget(label, 1)
@@ -126,6 +133,11 @@ class LocalServerPage(QWidget):
 
     def problem_text(self) -> str:
         """Why these values cannot be saved ("" when they can); also shown on the page."""
-        text = NEEDS_KEY if (self.allow_network.isChecked()
-                             and not self.api_key.text().strip()) else ""
-        return self.problem.say(text)
+        return self.problem.say(self._problem())
+
+    def _problem(self) -> str:
+        if self.port.value() < LOWEST_PORT:
+            return LOW_PORT
+        if self.allow_network.isChecked() and not self.api_key.text().strip():
+            return NEEDS_KEY
+        return ""

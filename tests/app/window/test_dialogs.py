@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QTimer
+from PySide6.QtGui import QAccessible
+from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QDialogButtonBox
 
 from app.format import human_bytes
 from app.memory.panel import MemoryPanel
 from app.settings import Settings
 from app.window.dialogs import NewChatDialog, SettingsDialog
+from app.window.server_settings import LOW_PORT
 from engine import SnapshotStore, default_budget, snapshots_dir
 from engine.runtime.worker import EngineWorker
 from engine.session.sampling import SamplingParams
@@ -249,7 +252,7 @@ SET_VALUES = {
     "memory_panel_visible": False,
     "speculative": True,
     "server_enabled": True,
-    "server_port": 80,  # under the port box's minimum: shown as 1024, never written
+    "server_port": 80,  # a privileged port: shown as it is, Save refused, never written
     "server_allow_network": True,
     "server_api_key": "  ll-key  ",
     "server_share_chats": True,
@@ -403,6 +406,29 @@ def test_network_access_without_a_key_is_refused_with_a_reason(qtbot) -> None:
     assert not again.server_share_chats
 
 
+def test_a_privileged_port_stays_as_typed_and_save_says_why_it_is_refused(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.show()
+    page = dialog.server
+    dialog.tabs.setCurrentWidget(page)
+    page.port.setFocus()
+    page.port.selectAll()
+    QTest.keyClicks(page.port, "80")
+    dialog.tabs.setCurrentIndex(0)
+    save = dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Save)
+    save.click()
+    assert dialog.isVisible() and dialog.tabs.currentWidget() is page
+    assert page.port.text() == "80"
+    assert page.problem.text() == LOW_PORT and page.problem.isVisible()
+    assert Settings().stored() == {}  # nothing saved
+    page.port.selectAll()
+    QTest.keyClicks(page.port, "8080")
+    save.click()
+    assert not dialog.isVisible()
+    assert Settings().server_port == 8080
+
+
 def test_numbers_keep_their_own_width_and_text_boxes_take_the_row(qtbot) -> None:
     dialog = SettingsDialog(Settings())
     qtbot.addWidget(dialog)
@@ -413,3 +439,16 @@ def test_numbers_keep_their_own_width_and_text_boxes_take_the_row(qtbot) -> None
     for box in (dialog.budget, dialog.disk_budget):
         assert box.width() <= box.sizeHint().width() + 1
     assert dialog.folders.width() > dialog.budget.width()
+
+
+def _accessible_name(widget) -> str:
+    return QAccessible.queryAccessibleInterface(widget).text(QAccessible.Text.Name)
+
+
+def test_the_server_pages_key_and_copy_buttons_have_names_of_their_own(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    page = dialog.server
+    assert _accessible_name(page.api_key) == "API key"
+    assert _accessible_name(page.copy_openai) == "Copy the address for OpenAI clients"
+    assert _accessible_name(page.copy_anthropic) == "Copy the address for Anthropic clients"

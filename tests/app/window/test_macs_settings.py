@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from PySide6.QtGui import QAccessible
 from PySide6.QtWidgets import QDialogButtonBox, QMessageBox
 
 from app.settings import Settings
@@ -136,3 +137,10 @@ def test_no_text_of_the_page_is_cut_within_700_px(qtbot, tmp_path: Path) -> None
     qtbot.wait(50)
     assert dialog.sizeHint().height() <= 700
     assert clipped_texts(dialog) == []
+
+
+def test_the_hostfile_field_is_named_by_its_label(qtbot) -> None:
+    dialog = _dialog(qtbot)
+    field = dialog.macs.hostfile
+    name = QAccessible.queryAccessibleInterface(field).text(QAccessible.Text.Name)
+    assert name == "Hostfile"
