@@ -18,7 +18,6 @@ from app.window.server_settings import NEEDS_KEY, server_host
 from engine import (
     ApiSession,
     EngineError,
-    KvMode,
     LocalServer,
     ServerStatus,
     ServerUnavailable,
@@ -71,28 +70,29 @@ class LocalServerHost(QObject):
         self.server: LocalServer | None = None
         self.status = ServerStatus("off")
         # host, port, key, KV mode, allowed host names
-        self._config: tuple[str, int, str, KvMode, tuple[str, ...]] | None = None
+        self._config: tuple[str, int, str, tuple[str, ...]] | None = None
         self._shared = False  # the worker keeps API sessions and chats apart until told
         self._retired: list[LocalServer] = []  # stopped, still owed their requests' endings
         self._relay.connect(self._refresh, Qt.ConnectionType.QueuedConnection)
         model_state.stateChanged.connect(self._on_model_state)
 
     def apply(self) -> None:
-        """Follow the settings: start, restart (port, network, key or default KV mode
-        changed) or stop."""
+        """Follow the settings: start, restart (port, network, key or host names
+        changed) or stop; a new default KV mode applies to the running server."""
         s = self.settings
         if s.server_share_chats != self._shared:
             self._shared = s.server_share_chats
             self.bridge.worker.share_chats_with_api(self._shared)
         config = ((server_host(s.server_allow_network), s.server_port, s.server_api_key,
-                   s.default_mode, s.server_allowed_hosts) if s.server_enabled else None)
+                   s.server_allowed_hosts) if s.server_enabled else None)
         if config == self._config and self.server is not None and self.server.running:
+            self.server.set_default_mode(s.default_mode)
             return
         self.stop()
         self._config = config
         if config is None:
             return
-        host, port, key, mode, names = config
+        host, port, key, names = config
         if host != server_host(False) and not key:
             self._failed(ServerStatus("failed", message=NEEDS_KEY))
             return
@@ -102,7 +102,7 @@ class LocalServerHost(QObject):
             self._failed(ServerStatus("failed", message=str(error)))
             return
         server = LocalServer(self.bridge.worker, host=host, port=port, api_key=key or None,
-                             kv_mode=mode, on_status=lambda _status: self._relay.emit(),
+                             kv_mode=s.default_mode, on_status=lambda _status: self._relay.emit(),
                              allowed_hosts=allowed)
         self.bridge.add_claim(server.claim)
         try:

@@ -324,6 +324,12 @@ class LocalServer:
         """The front end loaded ``path``: serve it from now on."""
         self.bridge.model_loaded(path, info)
 
+    def set_default_mode(self, mode: KvMode) -> None:
+        """The KV mode of requests that ask for none, from the next request on: a plain
+        value each request reads once, so the server goes on without a restart (a
+        restart cuts the answers running and closes its sessions)."""
+        self.bridge.kv_mode = mode
+
     def model_changing(self, message: str | None = None) -> None:
         """The front end is loading another model (or, with ``message``, has none and
         says why): refuse requests until one is loaded."""

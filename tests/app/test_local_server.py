@@ -266,3 +266,17 @@ def test_quitting_while_an_api_answer_streams_ends_every_thread(qtbot, tiny_llam
     client.join(60)
     assert not client.is_alive()
     assert not [t for t in threading.enumerate() if t.name.startswith("longleaf")]
+
+
+def test_a_new_default_mode_reaches_the_running_server_without_a_restart(qtbot, served) -> None:
+    # It restarted the server: answers in flight ended with 503, its sessions closed,
+    # and the window waited for the old server's thread.
+    window, port = served
+    host = window.controller.local_server
+    running = host.server
+    other = next(m for m in ("q4", "q6") if m != window.settings.default_mode)
+    window.settings.default_mode = other
+    host.apply()
+    assert host.server is running and running.running
+    (served_model,) = _client(port).models.list().data
+    assert served_model.model_extra["kv_mode"] == other
