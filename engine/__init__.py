@@ -75,7 +75,8 @@ _PUBLIC = {
     "server_snapshots_dir": "engine.paths",
     "fits_here": "engine.distributed.fallback",
     "read_hostfile": "engine.distributed.launch",
-    **{name: "engine.distributed.hosts" for name in ("check_hosts", "HostCheck")},
+    **{name: "engine.distributed.hosts" for name in ("check_hosts", "HostCheck",
+                                                    "rank_zero_problem")},
     "ChunkTiming": "engine.memory.prefill_rate",
     "PrefillRate": "engine.memory.prefill_rate",
     "FitReport": "engine.memory.fit",
@@ -194,6 +195,7 @@ __all__ = [
     "prefill_rate",
     "private_dir",
     "private_file",
+    "rank_zero_problem",
     "read_document",
     "read_hostfile",
     "renumbered",
@@ -222,7 +224,7 @@ if TYPE_CHECKING:
     from engine import disk
     from engine.cache.modes import DEFAULT_MODE, MODES, REFERENCE, KvMode, parse_mode
     from engine.distributed.fallback import fits_here
-    from engine.distributed.hosts import HostCheck, check_hosts
+    from engine.distributed.hosts import HostCheck, check_hosts, rank_zero_problem
     from engine.distributed.launch import read_hostfile
     from engine.distributed.remote import RemoteWorker
     from engine.documents.reader import file_patterns, read_document

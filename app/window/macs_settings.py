@@ -41,6 +41,16 @@ NEEDS_HOSTFILE = ("Choose the hostfile that names the Macs (MLX's JSON format), 
 CHECK_NEEDS_HOSTFILE = "Choose the hostfile that names the Macs (MLX's JSON format) first."
 
 
+def hostfile_path(text: str) -> str:
+    """A hostfile as typed, as the path to keep: "~" expanded, and a relative path
+    taken from the home folder (an app started from the Finder runs in "/")."""
+    text = text.strip()
+    if not text:
+        return ""
+    path = Path(text).expanduser()
+    return str(path if path.is_absolute() else Path.home() / path)
+
+
 def hosts_of(hostfile: str) -> list[str]:
     """The hosts a hostfile names, this Mac first.
 
@@ -140,7 +150,7 @@ class OtherMacsPage(QWidget):
         form.addRow(self.problem)
 
     def _choose_hostfile(self) -> None:
-        start = self.hostfile.text().strip() or str(Path.home())
+        start = self._hostfile() or str(Path.home())
         path, _ = QFileDialog.getOpenFileName(self, "MLX hostfile", start,
                                               "Hostfiles (*.json);;All files (*)")
         if path:
@@ -148,7 +158,7 @@ class OtherMacsPage(QWidget):
 
     def check_hosts(self) -> None:
         """Check every Mac of the hostfile on a pool thread; the result shows below."""
-        hostfile = self.hostfile.text().strip()
+        hostfile = self._hostfile()
         if not hostfile:
             self._show_result(CHECK_NEEDS_HOSTFILE)
             return
@@ -175,7 +185,7 @@ class OtherMacsPage(QWidget):
         if not self.enabled.isChecked() or self._checked_hosts is None:
             return []
         hostfile, checks = self._checked_hosts
-        if hostfile != self.hostfile.text().strip():
+        if hostfile != self._hostfile():
             return []
         return ["this Mac" if rank == 0 else check.host
                 for rank, check in enumerate(checks) if not check.ok]
@@ -195,7 +205,7 @@ class OtherMacsPage(QWidget):
             split = None
         return {
             "pipeline_enabled": self.enabled.isChecked(),
-            "pipeline_hostfile": self.hostfile.text().strip(),
+            "pipeline_hostfile": self._hostfile(),
             "pipeline_split": split,
         }
 
@@ -204,12 +214,15 @@ class OtherMacsPage(QWidget):
         text = self._problem()
         return self.problem.say(text)
 
+    def _hostfile(self) -> str:
+        return hostfile_path(self.hostfile.text())
+
     def _problem(self) -> str:
         try:
             split = parse_split(self.split.text())
         except ValueError as error:
             return str(error)
-        hostfile = self.hostfile.text().strip()
+        hostfile = self._hostfile()
         if not self.enabled.isChecked():
             return ""
         if not hostfile:
@@ -218,6 +231,10 @@ class OtherMacsPage(QWidget):
             hosts = hosts_of(hostfile)
         except EngineError as error:
             return str(error)
+        from engine import rank_zero_problem
+
+        if (why := rank_zero_problem(hosts)):
+            return why
         if split is not None and len(split) != len(hosts):
             return (f"The layer split gives {len(split)} Macs layers, but the hostfile "
                     f"names {len(hosts)}: give one number per Mac, this Mac first.")

@@ -202,11 +202,19 @@ def check_hosts(hostfile: Path, model_folder: str | Path | None,
     rings = ring_addresses(Path(hostfile))
     checks = [verdict(rank, host, here, answers[host], folder, rings[rank])
               for rank, host in enumerate(hosts)]
-    if hosts[0] not in LOCAL_HOSTS:
-        checks[0] = HostCheck(hosts[0], False,
-                              f"Rank 0 ({hosts[0]}) must be this Mac: Longleaf runs the "
-                              "first machine itself. Put 127.0.0.1 first in the hostfile.")
+    if (why := rank_zero_problem(hosts)):
+        checks[0] = HostCheck(hosts[0], False, why)
     return checks
+
+
+def rank_zero_problem(hosts: Sequence[str]) -> str:
+    """Why a hostfile's first host cannot be the app's rank 0 ("" when it can):
+    Longleaf runs the first machine itself."""
+    if hosts and hosts[0] not in LOCAL_HOSTS:
+        return (f"Rank 0 ({hosts[0] or 'a host with no ssh name'}) must be this Mac: "
+                "Longleaf runs the first machine itself. Put 127.0.0.1 first in the "
+                "hostfile.")
+    return ""
 
 
 def main(argv: Sequence[str]) -> int:

@@ -144,3 +144,21 @@ def test_the_hostfile_field_is_named_by_its_label(qtbot) -> None:
     field = dialog.macs.hostfile
     name = QAccessible.queryAccessibleInterface(field).text(QAccessible.Text.Name)
     assert name == "Hostfile"
+
+
+def test_a_hostfile_that_cannot_run_here_is_refused_and_home_is_understood(
+        qtbot, tmp_path: Path, monkeypatch) -> None:
+    # Another Mac first: "Check hosts" called it a failure, Save took it, and the
+    # load failed. "~/hosts.json" was refused as missing.
+    dialog = _dialog(qtbot)
+    page = dialog.macs
+    page.enabled.setChecked(True)
+    page.hostfile.setText(str(_hostfile(tmp_path, ["mac2.local", "127.0.0.1"])))
+    _save(dialog)
+    assert dialog.isVisible() and "must be this Mac" in page.problem.text()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _hostfile(tmp_path, ["127.0.0.1", "mac2.local"])
+    page.hostfile.setText("~/hosts.json")
+    _save(dialog)
+    assert not dialog.isVisible()
+    assert Settings().pipeline_hostfile == str(tmp_path / "hosts.json")
