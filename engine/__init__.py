@@ -47,6 +47,7 @@ _PUBLIC = {
     "RemoteWorker": "engine.distributed.remote",
     "can_split": "engine.models.split",
     "DEMO": "engine.models",
+    "MAX_PORT": "engine.server.listen",
     **{name: "engine.models.discovery" for name in (
         "discover_models", "DiscoveredModel", "Discovery", "SkippedModel")},
     **{name: "engine.models.info" for name in ("inspect_model_dir", "ModelInfo")},
@@ -117,6 +118,7 @@ __all__ = [
     "MAX_CHUNK",
     "MAX_DEFAULT_BUDGET",
     "MAX_PAGE_SIZE",
+    "MAX_PORT",
     "MODES",
     "RECOMMENDED_MODELS",
     "REFERENCE",
@@ -292,7 +294,7 @@ if TYPE_CHECKING:
     from engine.runtime.worker import EngineWorker
     from engine.server.app import host_names
     from engine.server.inprocess import ApiSession, LocalServer, ServerStatus
-    from engine.server.listen import ServerUnavailable
+    from engine.server.listen import MAX_PORT, ServerUnavailable
     from engine.session.batch import DEFAULT_READ_SHARE, WAITED_BEHIND, check_read_share
     from engine.session.prompt_ids import TurnOverhead
     from engine.session.sampling import SamplingParams

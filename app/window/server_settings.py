@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 
 from app.settings import Settings
 from app.window.parts import ProblemLabel, add_field_row
-from engine.server.listen import MAX_PORT
+from engine import MAX_PORT
 
 LOCAL_HOST = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
