@@ -283,6 +283,8 @@ class SessionList(QWidget):
         if self._pointer_in and self.list.count():
             self._held = (sessions, current, states)
             sessions = _in_shown_order(sessions, self.records())
+        shown_before = self.selected()
+        kept_scroll = self.list.verticalScrollBar().value()
         self._updating = True
         self.list.clear()
         searching = bool(self.search.text().strip())
@@ -299,7 +301,16 @@ class SessionList(QWidget):
             self.list.addItem(item)
             if record.id == current:
                 self.list.setCurrentItem(item)
+        # Refreshes come with every chunk read and every answer: one that keeps the
+        # chat on screen must not pull a user scrolling for an older chat back to it.
+        if (shown_before.id if shown_before else None) == current:
+            self._restore_scroll(kept_scroll)
         self._updating = False
+
+    def _restore_scroll(self, value: int) -> None:
+        # The list lays its rows out later; the range is only right once it has.
+        self.list.doItemsLayout()
+        self.list.verticalScrollBar().setValue(value)
 
     def records(self) -> list[SessionRecord]:
         """The sessions shown, top to bottom."""
