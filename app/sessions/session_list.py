@@ -241,6 +241,9 @@ class SessionList(QWidget):
         # asked first (``eventFilter``); on the list only: in the composer ⌘⌫
         # deletes text.
         self.list.installEventFilter(self)
+        # Esc with a search typed clears it, as a Mac search field does, before the
+        # window's Stop can take the key (``eventFilter``).
+        self.search.installEventFilter(self)
         layout.addWidget(self.list, 1)
         self.no_match = QLabel(NO_MATCH)
         self.no_match.setObjectName("placeholder")
@@ -259,6 +262,12 @@ class SessionList(QWidget):
         self.clock.start()
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.search and self._clears_search(event):
+            # The override comes first and keeps Esc from the window's shortcuts.
+            event.accept()
+            if event.type() == QEvent.Type.KeyPress:
+                self.search.clear()
+            return True
         if watched is self.list and isinstance(event, QKeyEvent) \
                 and event.type() == QEvent.Type.KeyPress and _deletes(event):
             self._on_selected(self.ask_delete)
@@ -272,6 +281,11 @@ class SessionList(QWidget):
                     held, self._held = self._held, None
                     self.set_sessions(*held)
         return super().eventFilter(watched, event)
+
+    def _clears_search(self, event: QEvent) -> bool:
+        return (isinstance(event, QKeyEvent) and event.key() == Qt.Key.Key_Escape
+                and not event.modifiers() and bool(self.search.text())
+                and event.type() in (QEvent.Type.ShortcutOverride, QEvent.Type.KeyPress))
 
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
                      states: Mapping[str, ChatFacts | str] | None = None) -> None:
