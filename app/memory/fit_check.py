@@ -22,7 +22,7 @@ from app.chat.recorder import CONTEXT_END, LENGTH_LIMIT
 from app.controller import ChatController
 from app.format import human_bytes, human_duration
 from app.store import AttachmentRecord
-from engine import MODES, EngineError, FitReport, KvMode, PrefillRate
+from engine import MODES, EngineError, FitReport, KvMode, PrefillRate, TurnOverhead
 
 DEBOUNCE_MS = 250
 COUNT_INLINE_CHARS = 20_000  # longer pastes are estimated to keep typing smooth
@@ -64,6 +64,7 @@ class FitChecker(QObject):
         self.last_prompt_tokens = 0
         self._full: tuple[tuple[object, ...], float, FitReport | None] | None = None
         self._documents: tuple[tuple, int] | None = None  # (the files, their blocks' tokens)
+        self._replaced: tuple[tuple, int] | None = None  # (the edited rows, their tokens)
         self._timer = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._timer.timeout.connect(self.run)
         composer.edit.textChanged.connect(self.schedule)
@@ -135,14 +136,66 @@ class FitChecker(QObject):
         return max(1, max_context - used)
 
     def context_tokens(self) -> int:
-        """Tokens the current session's conversation has now (held, or to read again)."""
+        """Tokens of the current session's conversation the next send keeps (held, or
+        to read again): while a message is edited, the chat before it."""
         current = self.controller.current
         if current is None:
             return 0
         held = self._held_tokens()
-        if held is not None:
-            return max(held, self.controller.caches.whole_of(current.id) or 0)
-        return current.tokens
+        whole = current.tokens if held is None else max(
+            held, self.controller.caches.whole_of(current.id) or 0)
+        # The send replaces the edited message and its answer: counting them beside
+        # the message in the box counted that turn twice.
+        return max(0, whole - self._replaced_tokens())
+
+    def _kept_rows(self) -> int:
+        """Rows of the chat the next send keeps: those before the edited message."""
+        model, edited = self.controller.model, self.controller.edited_message_id
+        if edited is not None:
+            for row in range(model.rowCount()):
+                if model.message(row).message_id == edited:
+                    return row
+        return model.rowCount()
+
+    def _replaced_tokens(self) -> int:
+        """Tokens of the rows the next send replaces (an edited message and its answer),
+        counted once per edit."""
+        model, kept = self.controller.model, self._kept_rows()
+        if kept == model.rowCount():
+            return 0
+        key = (model.message(kept).message_id, model.rowCount(), self.controller.model_ready)
+        if self._replaced is None or self._replaced[0] != key:
+            self._replaced = (key, sum(self._row_tokens(row)
+                                       for row in range(kept, model.rowCount())))
+        return self._replaced[1]
+
+    def _row_tokens(self, row: int) -> int:
+        """Tokens row ``row`` took in the cache: a message's with the chat template
+        around it, an answer's as made."""
+        message = self.controller.model.message(row)
+        bridge = self.controller.bridge
+        try:
+            overhead = bridge.turn_overhead(self.controller.settings.system_prompt)
+            if message.role == "assistant":
+                return self._answer_held(row, overhead)
+            text = engine_content(message)
+            return (overhead.after(self._ending_before(row))
+                    + (bridge.count_tokens(text) if text else 0))
+        except EngineError:  # no model loaded: estimated
+            return len(engine_content(message)) // 4
+
+    def _answer_held(self, row: int, overhead: TurnOverhead) -> int:
+        """The tokens answer ``row`` holds in the cache: those made, less the last one
+        when it ended at a limit (sampled, never fed), plus its end of turn when the
+        cache holds that (``TurnOverhead.after`` counts the same on the next message)."""
+        message = self.controller.model.message(row)
+        made = (message.stats or {}).get("generated_tokens")
+        if not made:
+            text = message.content
+            return self.controller.bridge.count_tokens(text) if text else 0
+        ending = self._ending_before(row + 1)
+        return int(made) + {"stop": overhead.end_held, "length": -1, "memory": -1}.get(
+            ending or "", 0)
 
     def _held_tokens(self) -> int | None:
         """Tokens the engine's latest sample says the current session holds, if it is its."""
@@ -173,7 +226,7 @@ class FitChecker(QObject):
         if len(text) <= COUNT_INLINE_CHARS:
             try:
                 overhead = bridge.turn_overhead(self.controller.settings.system_prompt)
-                template = overhead.after(self._last_ending())
+                template = overhead.after(self._ending_before(self._kept_rows()))
                 return (template + self._documents_tokens(records)
                         + (bridge.count_tokens(joined) if joined else 0)), False
             except EngineError:  # no model loaded: estimated below
@@ -191,12 +244,13 @@ class FitChecker(QObject):
             return 0
         return max(0, prompt - own)
 
-    def _last_ending(self) -> str | None:
-        """How the chat's last answer ended, as the engine says it (None: no message yet)."""
+    def _ending_before(self, row: int) -> str | None:
+        """How the answer before row ``row`` ended, as the engine says it (None: no
+        message before it)."""
         model = self.controller.model
-        if not model.rowCount():
+        if not row:
             return None
-        last = model.message(model.rowCount() - 1)
+        last = model.message(row - 1)
         if last.role != "assistant":
             return "cancelled"  # no answer to end: the cache holds the chat as it is
         endings = {LENGTH_LIMIT: "length", CONTEXT_END: "length", MEMORY_STOP: "memory"}

@@ -241,6 +241,9 @@ class SessionList(QWidget):
         # asked first (``eventFilter``); on the list only: in the composer ⌘⌫
         # deletes text.
         self.list.installEventFilter(self)
+        # Esc with a search typed clears it, as a Mac search field does, before the
+        # window's Stop can take the key (``eventFilter``).
+        self.search.installEventFilter(self)
         layout.addWidget(self.list, 1)
         self.no_match = QLabel(NO_MATCH)
         self.no_match.setObjectName("placeholder")
@@ -259,6 +262,12 @@ class SessionList(QWidget):
         self.clock.start()
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.search and self._clears_search(event):
+            # The override comes first and keeps Esc from the window's shortcuts.
+            event.accept()
+            if event.type() == QEvent.Type.KeyPress:
+                self.search.clear()
+            return True
         if watched is self.list and isinstance(event, QKeyEvent) \
                 and event.type() == QEvent.Type.KeyPress and _deletes(event):
             self._on_selected(self.ask_delete)
@@ -273,6 +282,11 @@ class SessionList(QWidget):
                     self.set_sessions(*held)
         return super().eventFilter(watched, event)
 
+    def _clears_search(self, event: QEvent) -> bool:
+        return (isinstance(event, QKeyEvent) and event.key() == Qt.Key.Key_Escape
+                and not event.modifiers() and bool(self.search.text())
+                and event.type() in (QEvent.Type.ShortcutOverride, QEvent.Type.KeyPress))
+
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
                      states: Mapping[str, ChatFacts | str] | None = None) -> None:
         """Show ``sessions``, ``current`` selected; ``states``: chat id -> its ``ChatFacts``.
@@ -283,6 +297,8 @@ class SessionList(QWidget):
         if self._pointer_in and self.list.count():
             self._held = (sessions, current, states)
             sessions = _in_shown_order(sessions, self.records())
+        shown_before = self.selected()
+        kept_scroll = self.list.verticalScrollBar().value()
         self._updating = True
         self.list.clear()
         searching = bool(self.search.text().strip())
@@ -299,7 +315,16 @@ class SessionList(QWidget):
             self.list.addItem(item)
             if record.id == current:
                 self.list.setCurrentItem(item)
+        # Refreshes come with every chunk read and every answer: one that keeps the
+        # chat on screen must not pull a user scrolling for an older chat back to it.
+        if (shown_before.id if shown_before else None) == current:
+            self._restore_scroll(kept_scroll)
         self._updating = False
+
+    def _restore_scroll(self, value: int) -> None:
+        # The list lays its rows out later; the range is only right once it has.
+        self.list.doItemsLayout()
+        self.list.verticalScrollBar().setValue(value)
 
     def records(self) -> list[SessionRecord]:
         """The sessions shown, top to bottom."""

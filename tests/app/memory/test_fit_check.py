@@ -210,3 +210,27 @@ def test_a_new_chats_fit_line_counts_the_page_size_set_in_settings(qtbot, window
     assert send_and_wait(qtbot, window, "hi") == "complete"
     assert c.current.id in c.opened
     assert window.fit.report_for(1100).for_mode("q8").bytes_needed == planned
+
+
+def test_an_edit_counts_the_chat_before_the_message_it_replaces(qtbot, window) -> None:
+    # Re-sending a long last message as an edit must not count it (and its answer)
+    # twice: before, 2,200 tokens twice passed the tiny model's 4,096 and Send was off.
+    c = window.controller
+    c.new_session("q8")
+    assert send_and_wait(qtbot, window, "Where do longleaf pines grow?") == "complete"
+    before = window.fit.context_tokens()
+    long_text = "word " * 730  # three tokens a word: about 2,200
+    window.composer.set_text(long_text)
+    sent_prompt, _ = window.fit.prompt_tokens()
+    assert sent_prompt > 2048
+    assert send_and_wait(qtbot, window, long_text) == "complete"
+    assert window.fit.context_tokens() > before + sent_prompt
+    c.begin_edit()
+    assert c.editing and window.composer.text() == long_text
+    window.fit.run()
+    assert window.fit.context_tokens() == before
+    assert window.fit.prompt_tokens() == (sent_prompt, False)
+    assert window.composer.send_blocked == "" and window.composer.send_button.isEnabled()
+    # Cancelling the edit counts the whole chat again.
+    c.cancel_edit()
+    assert window.fit.context_tokens() > before + sent_prompt

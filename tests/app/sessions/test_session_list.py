@@ -16,7 +16,7 @@ from app.sessions.session_list import (
     detail_text,
     rename_dialog,
 )
-from app.store import HistoryStore
+from app.store import HistoryStore, SessionRecord
 
 
 def _two_chats(qtbot, shown: int) -> tuple[HistoryStore, list[str], SessionList]:
@@ -233,3 +233,31 @@ def test_a_selected_rows_badge_stands_out_from_a_highlight_of_its_own_colour(qtb
     left, middle = inner.right() - width, inner.top() + 2 + 8
     edge = [QColor(image.pixel(x, middle)) for x in (left, left + 1)]
     assert max(colour.lightness() for colour in edge) > 200
+
+
+def _many_chats(count: int) -> list[SessionRecord]:
+    return [SessionRecord(f"chat{i}", f"Chat {i}", "q8", "demo", 100, 1e9 - i, 1e9 - i)
+            for i in range(count)]
+
+
+def test_a_refresh_keeps_the_scroll_and_a_new_chat_is_scrolled_into_view(qtbot) -> None:
+    chats = _many_chats(60)
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.resize(240, 400)
+    sidebar.show()
+    sidebar.set_sessions(chats, chats[0].id)
+    bar = sidebar.list.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0)
+    bar.setValue(bar.maximum())
+    bottom = bar.value()
+    assert bottom > 0
+    # A refresh (a chunk read, an answer ended) with the same chat on screen.
+    sidebar.set_sessions(chats, chats[0].id)
+    assert bar.value() == bottom
+    # Another chat becomes current: it is shown.
+    bar.setValue(0)
+    sidebar.set_sessions(chats, chats[45].id)
+    row = sidebar.list.visualItemRect(sidebar.list.item(45))
+    assert sidebar.list.viewport().rect().contains(row)
+

@@ -293,6 +293,19 @@ def test_stop_of_an_answer_says_stopping_until_it_ended(scripted) -> None:
     assert composer.send_button.text() == "Send" and composer.send_button.isEnabled()
 
 
+def test_esc_in_the_search_field_clears_the_search_and_stops_nothing(scripted, qtbot) -> None:
+    rid, cancel = _send(scripted)
+    scripted.bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    search = scripted.window.sessions.search
+    search.setFocus()
+    qtbot.keyClicks(search, "pine")
+    qtbot.keyClick(search, Qt.Key.Key_Escape)
+    assert search.text() == "" and not cancel.is_set()
+    # With nothing left to clear, and anywhere else, Esc is still Stop.
+    qtbot.keyClick(search, Qt.Key.Key_Escape)
+    assert cancel.is_set()
+
+
 def test_after_a_stopped_read_the_fit_line_counts_the_rest_to_read(scripted) -> None:
     c, bridge, window = scripted.c, scripted.bridge, scripted.window
     rid, _cancel = _send(scripted)
