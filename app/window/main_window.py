@@ -361,6 +361,8 @@ class MainWindow(QMainWindow):
         if dialog.exec():
             # A chat with nothing in it, not even a draft, is the new chat already.
             blank = not self.composer.text().strip() and not self.attachments
+            # A search would leave the new chat out of the list, nothing selected.
+            self.sessions.search.clear()
             self.controller.new_session(dialog.mode(), keep_blank=blank)
             # The dialog hands the focus back to whatever had it (often the toolbar's
             # model picker): the question typed next belongs in the new chat's box.

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from PySide6.QtCore import QPoint, QSize, Qt, QTimer
@@ -473,3 +474,21 @@ def test_settings_that_cannot_be_saved_are_said_to_hold_for_this_run(
     bare_window.open_settings()
     assert bare_window.banner.label.text() == main_window.SETTINGS_UNSAVED.format(
         bare_window.settings.path)
+
+
+def test_a_new_chat_made_while_searching_is_listed_and_selected(qtbot, bare_window) -> None:
+    # The search stayed: the new chat was left out of the list, nothing selected.
+    from PySide6.QtWidgets import QDialog
+
+    from app.window.dialogs import NewChatDialog
+
+    c = bare_window.controller
+    c.new_session("q8")
+    c.rename_session(c.current.id, "Pines")
+    bare_window.sessions.search.setText("pine")
+    qtbot.wait(50)
+    with patch.object(NewChatDialog, "exec", lambda self: QDialog.DialogCode.Accepted):
+        bare_window.ask_new_chat()
+    assert bare_window.sessions.search.text() == ""
+    items = [bare_window.sessions.list.item(i) for i in range(bare_window.sessions.list.count())]
+    assert any(item.isSelected() for item in items) and len(items) == 2
