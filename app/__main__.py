@@ -87,19 +87,17 @@ def build_window(model: str | None = None, owns_data: bool = True) -> MainWindow
 
 def history_note(opened: HistoryOpened) -> str:
     """What the banner says about how the history opened ("" when all is well)."""
+    from app.format import counted
+
     parts = []
     if opened.damaged is not None:
         parts.append(
-            f"The chat history was damaged. {_count(opened.chats, 'chat')} and "
-            f"{_count(opened.messages, 'message')} were recovered; the damaged file is kept "
+            f"The chat history was damaged. {counted(opened.chats, 'chat')} and "
+            f"{counted(opened.messages, 'message')} were recovered; the damaged file is kept "
             f"at {opened.damaged}.")
     if opened.unsaved:
         parts.append(opened.unsaved)
     return " ".join(parts)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'s' if n != 1 else ''}"
 
 
 def take_data_folder(files: list[str]) -> tuple[InstanceLock | None, int | None]:
