@@ -24,7 +24,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.activity import Activity, Job
-from app.chat.answers import Answers
+from app.chat.answers import Answers, Replaced
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, CONTEXT_END, AnswerRecorder
 from app.engine_bridge import EngineBridge
@@ -37,7 +37,7 @@ from app.sessions.actions import NEW_TITLE, SessionActions
 from app.sessions.caches import KvTotal, SessionCaches
 from app.sessions.chat_state import ChatFacts, facts_of, state_sentence
 from app.settings import Settings
-from app.store import AttachmentRecord, HistoryStore, SessionRecord
+from app.store import AttachmentRecord, EditRecord, HistoryStore, SessionRecord
 from engine import (
     API_SESSION_PREFIX,
     DEMO,
@@ -138,6 +138,7 @@ class ChatController(QObject):
         # Reads of answers and re-ingests teach the rate model; a quality check's
         # reads (two caches, one window) are not the reading a send does.
         self.answers.ingestProgress.connect(self._on_read_chunk)
+        self.answers.editReturned.connect(self._edit_returned)
         self._reads_begun: set[int] = set()  # requests whose first chunk came
         self._poll = QTimer(self, interval=STATS_POLL_MS)
         self._poll.timeout.connect(self._poll_stats)
@@ -577,7 +578,7 @@ class ChatController(QObject):
             return False
         if saved is None:
             return False
-        message_id, retitle = saved
+        message_id, retitle, replaced = saved
         chat = self.current
         assert chat is not None  # _save_turn made one or kept the one shown
         self.model.append(ChatMessage("user", text, "complete", message_id,
@@ -587,13 +588,14 @@ class ChatController(QObject):
                 self.model.rowCount() - 1)))
             chat = self.current  # renamed: the record shown now
             assert chat is not None
-        self.answers.start_chat(chat)
+        self.answers.start_chat(chat, replaced)
         return True
 
-    def _save_turn(self, text: str,
-                   attachments: tuple[AttachmentRecord, ...]) -> tuple[int, bool] | None:
-        """Save the user turn (in place of the one edited); its id and whether the
-        chat takes its title from it, or None when no chat could be made.
+    def _save_turn(self, text: str, attachments: tuple[AttachmentRecord, ...]
+                   ) -> tuple[int, bool, Replaced | None] | None:
+        """Save the user turn; its id, whether the chat takes its title from it and,
+        for an edit, the turn it replaces (kept until the answer has text), or None
+        when no chat could be made.
 
         Raises:
             DiskFault: the history cannot be written now (the turn stays in the box).
@@ -608,15 +610,16 @@ class ChatController(QObject):
             # The title came from the first message (not from a rename): it follows the edit.
             retitle = retitle or (row == self._first_user_row()
                                   and self.current.title == _title_of(self.model.message(row)))
-        with self.store.writing():  # the edit replaces its turns, or nothing changes
-            if editing is not None:
-                self.store.delete_messages_from(self.current.id, editing[1])
-            message_id = self.store.add_message(self.current.id, "user", text, "complete",
-                                                attachments)
+        message_id = self.store.add_message(self.current.id, "user", text, "complete",
+                                            attachments)
+        replaced = None
         if editing is not None:
             self._editing = None
+            replaced = Replaced(
+                tuple(m.message_id for m in self.model.messages()[editing[0]:]),
+                EditRecord(editing[1], text, attachments))
             self.model.truncate(editing[0])
-        return message_id, retitle
+        return message_id, retitle, replaced
 
     def stop(self) -> None:
         """Stop the shown chat's job (Esc): out of the line, or its request cancelled.
@@ -660,13 +663,10 @@ class ChatController(QObject):
         if not self.can_regenerate() or not self.model_ready or self.current is None:
             return
         row = self.model.rowCount() - 1
-        try:
-            self.store.delete_messages_from(self.current.id, self.model.message(row).message_id)
-        except DiskFault as fault:
-            self._not_done("The answer was not made again", fault)
-            return
+        # The earlier answer stays in the history until the new one has text.
+        replaced = Replaced((self.model.message(row).message_id,))
         self.model.truncate(row)
-        self.answers.start_chat(self.current)
+        self.answers.start_chat(self.current, replaced)
 
     def _first_user_row(self) -> int | None:
         return next((row for row in range(self.model.rowCount())
@@ -698,6 +698,13 @@ class ChatController(QObject):
             return False
         self._editing = (row, message_id)
         return True
+
+    def _edit_returned(self, session_id: str) -> None:
+        # An edit's answer ended before any text: on screen, the edit is back in the
+        # composer now; another chat's comes back when that chat is shown (Drafts).
+        kept = self.store.edit(session_id) if self.sessions.shown(session_id) else None
+        if kept is not None and self.resume_edit(kept.message_id):
+            self.editRequested.emit(kept.text, kept.attachments)
 
     def cancel_edit(self) -> None:
         """Leave edit mode; the conversation is unchanged."""

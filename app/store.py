@@ -18,7 +18,7 @@ import re
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -754,11 +754,11 @@ class HistoryStore:
             for mid, sid, role, content, status, reason, stats in rows
         ]
 
-    def delete_messages_from(self, session_id: str, message_id: int) -> None:
-        """Delete a message and every later one (regenerate, edit-and-resend)."""
-        self._write(
-            "DELETE FROM messages WHERE session_id = ? AND id >= ?", (session_id, message_id)
-        )
+    def delete_messages(self, message_ids: Sequence[int]) -> None:
+        """Delete the messages ``message_ids`` (a turn replaced by its new answer)."""
+        with self.writing():
+            for message_id in message_ids:
+                self._write("DELETE FROM messages WHERE id = ?", (message_id,))
 
     def mark_interrupted(self) -> int:
         """Mark answers left streaming by a crash as interrupted; returns how many."""

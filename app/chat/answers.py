@@ -21,7 +21,7 @@ from app.engine_bridge import EngineBridge
 from app.sessions.actions import SessionActions
 from app.sessions.caches import SessionCaches
 from app.settings import Settings
-from app.store import HistoryStore, SessionRecord
+from app.store import EditRecord, HistoryStore, SessionRecord
 from engine import (
     DiskFault,
     Event,
@@ -37,8 +37,23 @@ log = logging.getLogger(__name__)
 
 TOO_LONG_TURN = ("Too long for the model's context; kept here but not sent with later "
                  "messages. Edit it to a shorter one, or reopen the chat in a smaller KV mode.")
+EARLIER_KEPT = "The earlier answer is kept."
+EDIT_RETURNED = "The conversation is as it was; your edit is back in the box."
 MEMORY_STOP = ("Stopped to protect your computer: system memory turned critical or free RAM ran "
                "out. Close other apps or chats, or reopen this chat in a smaller KV mode.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Replaced:
+    """The turn an answer made again (Regenerate) or an edit replaces.
+
+    Its messages stay in the history until the new answer's first text comes, so
+    an answer that ends before any (refused, failed, stopped while it read) leaves
+    the chat as it was: the earlier answer kept, an edit back in the composer.
+    """
+
+    message_ids: tuple[int, ...]  # deleted once the new answer has text
+    edit: EditRecord | None = None  # an edit's rewritten message (its id: the one edited)
 
 
 class Answers(QObject):
@@ -56,6 +71,7 @@ class Answers(QObject):
     errorRaised = Signal(str)
     notice = Signal(str)
     ingestProgress = Signal(object)
+    editReturned = Signal(str)  # session id: an edit came back (``HistoryStore.edit``)
 
     def __init__(self, bridge: EngineBridge, settings: Settings, store: HistoryStore,
                  model: ChatModel, activity: Activity, caches: SessionCaches,
@@ -70,6 +86,8 @@ class Answers(QObject):
         # Session id -> its answers' recorder, kept after the answer ends: writes the
         # history could not take yet wait in it.
         self.recorders: dict[str, AnswerRecorder] = {}
+        # Session id -> the turn its answer replaces, until that answer has text.
+        self._replacing: dict[str, Replaced] = {}
         sessions.currentSessionChanged.connect(
             lambda record: self._show(record.id if record else None))
 
@@ -99,14 +117,17 @@ class Answers(QObject):
 
     # Starting -------------------------------------------------------------
 
-    def start_chat(self, session: SessionRecord) -> Job:
-        """Answer the conversation in ``model``, which ends with a user turn."""
+    def start_chat(self, session: SessionRecord, replaced: Replaced | None = None) -> Job:
+        """Answer the conversation in ``model``, which ends with a user turn; the
+        answer takes the place of ``replaced`` once it has text."""
         messages = self.model.engine_messages(self.settings.system_prompt)
         # The user turn (sent or regenerated) is the last row.
         sent_id = self.model.message(self.model.rowCount() - 1).message_id
+        if replaced is not None:
+            self._replacing[session.id] = replaced
         return self.activity.add(session.id, "chat", session.title,
                                  lambda job: self._run(job, session, messages, sent_id),
-                                 self._dropped)
+                                 lambda job: self._dropped(job, sent_id))
 
     def start_continue(self, session: SessionRecord, message_id: int) -> Job:
         """Let the answer ``message_id``, the conversation's last row, go on in place."""
@@ -137,7 +158,8 @@ class Answers(QObject):
             try:
                 recorder.start(session.id, self.sessions.shown(session.id))
             except DiskFault as fault:  # no row for the answer: it does not start
-                self.errorRaised.emit(f"The answer was not started. {fault}")
+                kept = self._put_back(job.session_id, sent_id)
+                self.errorRaised.emit(f"The answer was not started. {fault}{kept}")
                 self.activity.end(job)
                 return
         # A failed Continue keeps the answer it extends: "failed" would leave it unseen.
@@ -155,13 +177,15 @@ class Answers(QObject):
                 self.bridge.cancel(rid)
 
         self.caches.ensure_open(session, submit,
-                                lambda event: self._open_failed(job, event, failed))
+                                lambda event: self._open_failed(job, sent_id, event, failed))
 
     # Engine events of one request ----------------------------------------
 
     def _handle(self, job: Job, sent_id: int, event: Event, failed: str) -> None:
         if isinstance(event, TokenChunk):
             if job.kind == "chat":
+                if event.text and job.session_id in self._replacing:
+                    self._replace(job.session_id)
                 self.recorder_of(job.session_id).append(event.text)
                 self.activity.note(job, answering=True)
         elif isinstance(event, IngestProgress):
@@ -172,7 +196,7 @@ class Answers(QObject):
             self.activity.note(job, progress=event)
             self.ingestProgress.emit(event)
         elif isinstance(event, Finished):
-            self._finished(job, event)
+            self._finished(job, sent_id, event)
         elif isinstance(event, Failed):
             self._failed(job, sent_id, event, failed)
 
@@ -185,13 +209,13 @@ class Answers(QObject):
         self.sessions.sessionsChanged.emit()
         self.answerFinished.emit(status)
 
-    def _finished(self, job: Job, event: Finished) -> None:
+    def _finished(self, job: Job, sent_id: int, event: Finished) -> None:
         try:
-            self._record_finished(job, event)
+            self._record_finished(job, sent_id, event)
         finally:  # the chat never stays busy, whatever recording its end did
             self.activity.end(job)
 
-    def _record_finished(self, job: Job, event: Finished) -> None:
+    def _record_finished(self, job: Job, sent_id: int, event: Finished) -> None:
         # Once the answer streams, a stop cuts the answer, not the read: its last
         # read progress says nothing of the stop.
         kept = _kept(event, None if job.answering else job.progress,
@@ -204,9 +228,17 @@ class Answers(QObject):
                 reason = CONTEXT_END
             if event.reason == "cancelled" and kept is not None:
                 reason = stopped_reading(*kept)
+            put_back = self._put_back(job.session_id, sent_id)
             if event.reason == "memory":
-                self.errorRaised.emit(self.sessions.about(job.session_id, MEMORY_STOP))
-            self.finish_answer(job.session_id, status, reason, _stats_dict(event.stats))
+                self.errorRaised.emit(self.sessions.about(job.session_id,
+                                                          MEMORY_STOP + put_back))
+            if put_back:
+                said = "" if event.reason == "memory" else (
+                    "Stopped before the answer began." if event.reason == "cancelled"
+                    else "The model gave no new answer.") + put_back
+                self._ended_without_text(job.session_id, status, said)
+            else:
+                self.finish_answer(job.session_id, status, reason, _stats_dict(event.stats))
         else:
             self._report_ingest(job.session_id, event, kept)
         whole = kept[1] if kept is not None and event.kept_tokens is not None else None
@@ -233,22 +265,32 @@ class Answers(QObject):
 
     def _failed(self, job: Job, sent_id: int, event: Failed, status: str) -> None:
         try:
+            kept = ""
             if job.kind == "chat":
-                if event.error_type == "ContextTooLong":
-                    self._set_aside_sent_turn(sent_id)
-                self.finish_answer(job.session_id, status, event.message)
+                kept = self._put_back(job.session_id, sent_id)
+                if kept:
+                    self._ended_without_text(job.session_id, status)
+                else:
+                    if event.error_type == "ContextTooLong":
+                        self._set_aside_sent_turn(sent_id)
+                    self.finish_answer(job.session_id, status, event.message)
             self.errorRaised.emit(self.sessions.about(
-                job.session_id, self._with_unsaved(job.session_id, event.message)))
+                job.session_id, self._with_unsaved(job.session_id, event.message + kept)))
         finally:  # the chat never stays busy, whatever recording the failure did
             self.activity.end(job)
 
-    def _open_failed(self, job: Job, event: Failed, status: str) -> None:
+    def _open_failed(self, job: Job, sent_id: int, event: Failed, status: str) -> None:
         # The session's KV cache could not be opened: the job waiting on it ends.
         try:
+            kept = ""
             if job.kind == "chat":
-                self.finish_answer(job.session_id, status, event.message)
+                kept = self._put_back(job.session_id, sent_id)
+                if kept:
+                    self._ended_without_text(job.session_id, status)
+                else:
+                    self.finish_answer(job.session_id, status, event.message)
             self.errorRaised.emit(self.sessions.about(
-                job.session_id, self._with_unsaved(job.session_id, event.message)))
+                job.session_id, self._with_unsaved(job.session_id, event.message + kept)))
         finally:
             self.activity.end(job)
 
@@ -257,10 +299,68 @@ class Answers(QObject):
         unsaved = self.recorder_of(session_id).unsaved_reason
         return f"{message} {unsaved}" if unsaved and unsaved not in message else message
 
-    def _dropped(self, job: Job) -> None:
+    def _dropped(self, job: Job, sent_id: int = 0) -> None:
         # Cancelled while it waited in line: the engine never saw it.
-        if job.kind == "chat" and self.sessions.shown(job.session_id):
+        if job.kind != "chat":
+            return
+        kept = self._put_back(job.session_id, sent_id)
+        if kept:
+            self._ended_without_text(job.session_id, "stopped",
+                                     "Stopped before the answer began." + kept)
+        elif self.sessions.shown(job.session_id):
             self.notice.emit("Not sent: your message is kept. Edit it to send it again.")
+
+    # A turn replaced -------------------------------------------------------
+
+    def _replace(self, session_id: str) -> None:
+        """The new answer has text: the turn it replaces leaves the history."""
+        replaced = self._replacing.pop(session_id)
+        try:
+            self.store.delete_messages(replaced.message_ids)
+        except DiskFault as fault:  # both stay: the earlier one shows above the new
+            log.warning("the replaced turn stays in the history: %s", fault)
+            return
+        if any(self.model.row_of(i) is not None for i in replaced.message_ids):
+            # Shown again since (the chat was left and came back): shown no more.
+            self.sessions.reload(session_id)
+            self.recorder_of(session_id).show(session_id)
+
+    def _put_back(self, session_id: str, sent_id: int) -> str:
+        """Put back the turn the answer of chat ``session_id`` was to replace, as the
+        answer ended before any text: its own row goes, an edit's new turn goes back
+        to the composer. What to tell the user ("" when there was nothing to put back
+        or the history could not take it)."""
+        replaced = self._replacing.pop(session_id, None)
+        if replaced is None:
+            return ""
+        recorder = self.recorder_of(session_id)
+        gone: tuple[int, ...] = (recorder.message_id,) if recorder.recording else ()
+        if replaced.edit is not None and sent_id:
+            gone += (sent_id,)
+        try:
+            if gone or replaced.edit is not None:  # a Regenerate refused at once writes nothing
+                with self.store.writing():
+                    self.store.delete_messages(gone)
+                    if replaced.edit is not None:
+                        self.store.set_edit(session_id, replaced.edit)
+        except DiskFault as fault:  # the chat shows both turns; nothing is lost
+            log.warning("the replaced turn was not put back: %s", fault)
+            self.sessions.reload(session_id)
+            return ""
+        recorder.drop()
+        self.sessions.reload(session_id)
+        if replaced.edit is not None:
+            self.editReturned.emit(session_id)
+            return " " + EDIT_RETURNED
+        return " " + EARLIER_KEPT
+
+    def _ended_without_text(self, session_id: str, status: str, said: str = "") -> None:
+        """An answer put back ended (``status``) before any text: ``said`` (what the
+        banner says of it, when its error did not) goes to the chat shown."""
+        if said and self.sessions.shown(session_id):
+            self.notice.emit(said)
+        self.sessions.sessionsChanged.emit()
+        self.answerFinished.emit(status)
 
     def _set_aside_sent_turn(self, sent_id: int) -> None:
         # A turn the context can't hold would make every later turn fail as well:

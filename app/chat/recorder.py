@@ -142,6 +142,14 @@ class AnswerRecorder(QObject):
         self.message_id, self.session_id, self.shown = 0, None, False
         self.earlier_stats = None
 
+    def drop(self) -> None:
+        """Forget the answer streaming now, its row deleted by the caller (it ended
+        before any text and the turn it was to replace is back)."""
+        self._timer.stop()
+        self.pending.pop(self.message_id, None)
+        self.message_id, self.session_id, self.shown = 0, None, False
+        self.text, self.earlier_stats = "", None
+
     def flush(self) -> bool:
         """Write what waits in ``pending``; True when nothing waits any more."""
         for message_id in list(self.pending):

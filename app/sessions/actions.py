@@ -91,14 +91,20 @@ class SessionActions(QObject):
             return message
         return f"In ‘{short_title(record.title)}’: {message}"
 
+    def reload(self, session_id: str) -> None:
+        """Show chat ``session_id``'s messages as the history holds them now, when it
+        is the chat shown (its turns changed behind the model's back)."""
+        if self.shown(session_id):
+            self.model.set_messages([ChatMessage.from_record(m)
+                                     for m in self.store.messages(session_id)])
+
     def select_session(self, session_id: str) -> None:
         """Show a stored session; its KV cache is rebuilt on the next send if dropped."""
         if self.current and self.current.id == session_id:
             return
         self._before_switch()
         self.current = self.store.session(session_id)
-        rows = [ChatMessage.from_record(m) for m in self.store.messages(session_id)]
-        self.model.set_messages(rows)
+        self.reload(session_id)
         self.currentSessionChanged.emit(self.current)
 
     def rename_session(self, session_id: str, title: str) -> None:

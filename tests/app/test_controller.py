@@ -509,8 +509,9 @@ def test_a_history_that_takes_no_write_refuses_each_action_in_words(app) -> None
     c.regenerate()
     assert [line.split(".")[0] for line in said] == [
         "The chat was not renamed", "The chat was not deleted", "No new chat was made",
-        "The chat was not reopened in q4", "The answer was not made again"]
+        "The chat was not reopened in q4", "The answer was not started"]
     assert all("read-only disk" in line for line in said), said
+    assert said[-1].endswith("The earlier answer is kept.")
     assert [s.id for s in app.store.sessions()] == sessions and c.current.id == chat.id
     assert [m.content for m in app.store.messages(chat.id)] == ["a question", "An answer."]
     assert c.model.rowCount() == 2

@@ -67,12 +67,12 @@ def test_search_rename_delete_and_truncate() -> None:
     b = store.create_session("Holiday", "q4", "demo")
     store.add_message(a.id, "user", "deductions for 2025")
     m1 = store.add_message(b.id, "user", "Where to go in spring?")
-    store.add_message(b.id, "assistant", "Kyoto.")
+    m2 = store.add_message(b.id, "assistant", "Kyoto.")
     assert [s.id for s in store.sessions("deduction")] == [a.id]
     assert [s.id for s in store.sessions("holi")] == [b.id]
     store.rename_session(b.id, "  Spring trip ")
     assert store.session(b.id).title == "Spring trip"
-    store.delete_messages_from(b.id, m1)
+    store.delete_messages((m1, m2))
     assert store.messages(b.id) == []
     store.delete_session(a.id)
     assert store.session(a.id) is None and store.messages(a.id) == []
@@ -288,12 +288,12 @@ def test_a_write_of_several_statements_is_all_or_nothing(tmp_path) -> None:
     store = HistoryStore(tmp_path / "history.sqlite3")
     chat = store.create_session("t", "q8", "demo")
     first = store.add_message(chat.id, "user", "the first question", "complete")
-    store.add_message(chat.id, "assistant", "its answer", "complete")
+    answer = store.add_message(chat.id, "assistant", "its answer", "complete")
     unstorable = AttachmentRecord("f.txt", 1, "0" * 64, 1, None)  # type: ignore[arg-type]
     with pytest.raises(sqlite3.IntegrityError):
         store.add_message(chat.id, "user", "a question with a file", "complete", (unstorable,))
     with pytest.raises(sqlite3.IntegrityError), store.writing():
-        store.delete_messages_from(chat.id, first)
+        store.delete_messages((first, answer))
         store.add_message(chat.id, "user", "the edit", "complete", (unstorable,))
     reopened = HistoryStore(tmp_path / "history.sqlite3")
     assert [m.content for m in reopened.messages(chat.id)] == ["the first question", "its answer"]

@@ -124,3 +124,120 @@ def test_an_answer_that_cannot_get_its_row_does_not_start(chat):
     assert c.send("What grows in clay?")
     open_session(chat, second.id)
     assert worker.names().count("chat") == 2
+
+
+def _answered(chat, question: str, answer: str):
+    """A chat with one turn answered; the chat."""
+    c, bridge, worker = chat.c, chat.bridge, chat.worker
+    session = c.new_session("q8")
+    assert c.send(question)
+    open_session(chat, session.id)
+    rid = worker.last("chat")[0]
+    bridge._dispatch(TokenChunk(rid, answer, (1,)))
+    bridge._dispatch(Finished(rid, "stop"))
+    return session
+
+
+def _turns(store: HistoryStore, session_id: str) -> list[tuple[str, str, str]]:
+    return [(m.role, m.content, m.status) for m in store.messages(session_id)]
+
+
+def _shown(c: ChatController) -> list[tuple[str, str, str]]:
+    c.model.flush()
+    return [(m.role, m.content, m.status) for m in c.model.messages()]
+
+
+@pytest.mark.parametrize("ending", ["failed", "refused", "stopped", "dropped"])
+def test_an_answer_made_again_that_ends_before_any_text_keeps_the_earlier_one(chat, ending):
+    """Regenerate refused (memory, a context the model cannot hold), failed, or
+    stopped before its first word: the earlier answer is still there, as it was."""
+    c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
+    session = _answered(chat, "What grows in sand?", "Pines.")
+    before = _turns(store, session.id)
+    earlier = c.model.message(1).message_id
+    ended: list[str] = []
+    c.answerFinished.connect(ended.append)
+    if ending == "dropped":  # Stop while it waits in line behind another chat's re-ingest
+        c.answers.start_ingest(c.store.create_session("other", "q8", "tiny"))
+    c.regenerate()
+    assert c.activity.job_of(session.id) is not None
+    if ending == "dropped":
+        assert worker.names().count("chat") == 1  # in line: the engine has not seen it
+        c.stop()
+    else:
+        rid = worker.last("chat")[0]
+        bridge._dispatch({
+            "failed": Failed(rid, "The engine failed: out of kernels.", "EngineError"),
+            "refused": Failed(rid, "Too long for the model's context.", "ContextTooLong"),
+            "stopped": Finished(rid, "cancelled"),
+        }[ending])
+    assert _turns(store, session.id) == before
+    assert _shown(c) == before and c.model.message(1).message_id == earlier
+    said = chat.said["errors"] if ending in ("failed", "refused") else chat.said["notices"]
+    assert said[-1].endswith("The earlier answer is kept."), said
+    assert c.activity.job_of(session.id) is None and c.can_regenerate()
+    assert ended == ["failed" if ending in ("failed", "refused") else "stopped"]
+
+
+def test_an_answer_made_again_replaces_the_earlier_one_once_it_has_text(chat):
+    c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
+    session = _answered(chat, "What grows in sand?", "Pines.")
+    c.regenerate()
+    rid = worker.last("chat")[0]
+    # Until its first word the earlier answer is the history's (a crash keeps it).
+    assert _turns(store, session.id)[:2] == [("user", "What grows in sand?", "complete"),
+                                             ("assistant", "Pines.", "complete")]
+    bridge._dispatch(TokenChunk(rid, "Grasses", (2,)))
+    assert [t[1] for t in _turns(store, session.id)] == ["What grows in sand?", ""]
+    bridge._dispatch(TokenChunk(rid, ".", (3,)))
+    bridge._dispatch(Finished(rid, "stop"))
+    assert _turns(store, session.id) == _shown(c) == [
+        ("user", "What grows in sand?", "complete"), ("assistant", "Grasses.", "complete")]
+
+
+def test_an_answer_made_again_in_a_chat_shown_again_meanwhile_shows_only_the_new(chat):
+    """Left and shown again before the new answer's first word, the chat showed the
+    history's rows, the earlier answer among them: gone once the new one has text."""
+    c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
+    session = _answered(chat, "What grows in sand?", "Pines.")
+    c.regenerate()
+    rid = worker.last("chat")[0]
+    other = c.new_session("q8")
+    c.select_session(session.id)
+    assert [t[1] for t in _shown(c)][:2] == ["What grows in sand?", "Pines."]
+    bridge._dispatch(TokenChunk(rid, "Grasses.", (2,)))
+    bridge._dispatch(Finished(rid, "stop"))
+    assert _shown(c) == _turns(store, session.id) == [
+        ("user", "What grows in sand?", "complete"), ("assistant", "Grasses.", "complete")]
+    assert other.id != session.id
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_an_edit_whose_answer_ends_before_any_text_comes_back_to_the_box(chat, shown):
+    """An edit too long for the context (or refused, or failed) leaves the chat as it
+    was, and the rewritten message is back in the composer, in edit mode: in the
+    chat shown at once, in another when it is shown (kept in the history)."""
+    c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
+    session = _answered(chat, "What grows in sand?", "Pines.")
+    before = _turns(store, session.id)
+    edits: list[tuple[str, object]] = []
+    c.editRequested.connect(lambda text, files: edits.append((text, files)))
+    c.begin_edit()
+    edits.clear()
+    assert c.send("What grows in sand by the sea? " * 3)
+    rid = worker.last("chat")[0]
+    if not shown:
+        c.new_session("q8")
+    bridge._dispatch(Failed(rid, "Too long for the model's context.", "ContextTooLong"))
+    assert _turns(store, session.id) == before
+    kept = store.edit(session.id)
+    assert kept is not None and kept.text == "What grows in sand by the sea? " * 3
+    assert kept.message_id == store.messages(session.id)[0].id
+    assert chat.said["errors"][-1].endswith("your edit is back in the box.")
+    if shown:
+        assert _shown(c) == before
+        assert edits == [(kept.text, ())] and c.editing
+        assert c.edited_message_id == kept.message_id
+    else:
+        assert edits == [] and not c.editing
+    assert not c.activity.busy

@@ -105,6 +105,26 @@ def test_edit_and_resend_replaces_the_last_turn(qtbot, window) -> None:
     assert c.current.title == c.store.session(c.current.id).title == "Edited question"
 
 
+def test_an_edit_too_long_for_the_context_comes_back_to_the_box(qtbot, window) -> None:
+    """The chat stays as it was (the earlier turn and its answer), and the edit is in
+    the composer again, in edit mode, to be shortened."""
+    from tests.app.chat.test_documents_drop import TEXT
+
+    c = window.controller
+    send_and_wait(qtbot, window, "Original question")
+    before = _stored(window)
+    window.composer.set_text("a draft of the next question")
+    window.conversation.widget_for(0).edit_button.click()
+    assert send_and_wait(qtbot, window, TEXT * 300) == "failed"
+    assert _stored(window) == _rows(window) == before
+    assert c.editing and window.composer.text() == TEXT * 300
+    said = window.banner.label.text()
+    assert "only 4,096 fit" in said and said.endswith("your edit is back in the box.")
+    window.cancel_edit()  # the draft the edit set aside is back
+    assert window.composer.text() == "a draft of the next question"
+    assert _stored(window) == before
+
+
 def test_editing_the_first_message_keeps_a_title_the_user_chose(qtbot, window) -> None:
     c = window.controller
     send_and_wait(qtbot, window, "Original question")
