@@ -17,6 +17,7 @@ import os
 import re
 import sqlite3
 import time
+import unicodedata
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -95,6 +96,22 @@ SCHEMA_VERSION = 1
 # Every column of sessions, as SessionRecord takes them: named, never ``*``, so a
 # column a later version adds does not shift them.
 SESSION_COLUMNS = "id, title, kv_mode, model_id, tokens, created, updated"
+
+
+# The combining diacritical marks (and their supplement and extended blocks, and
+# those for symbols and half marks) that decomposing a letter splits off its base.
+_MARKS = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
+
+
+def folded(text: str | None) -> str:
+    """``text`` as a search compares it: case folded, accents left out, compatibility
+    forms unified ("ﬁ" is "fi"). Called on every message a search reads: plain ASCII,
+    most of them, takes the quick way."""
+    if not text:
+        return ""
+    if text.isascii():
+        return text.lower()
+    return _MARKS.sub("", unicodedata.normalize("NFKD", text)).casefold()
 # The key a stored quality receipt keeps the digest of the text it measured under:
 # the text the engine read (system prompt first, failed turns left out). Receipts
 # stored before kept the digest of every stored message under the older key.
@@ -322,6 +339,7 @@ class HistoryStore:
         # A byte that is not UTF-8 (a disk's or another tool's) passes SQLite's checks
         # but fails the default decoding of every read of its row, and so every start.
         self._db.text_factory = decoded
+        self._db.create_function("folded", 1, folded, deterministic=True)
         try:
             # Read before anything is written: a newer schema is left as it is.
             version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
@@ -434,14 +452,15 @@ class HistoryStore:
             rows = self._db.execute(
                 f"SELECT {SESSION_COLUMNS} FROM sessions ORDER BY updated DESC").fetchall()
         else:
-            # The words as typed: % and _ are LIKE's wildcards, a backslash its escape.
-            typed = re.sub(r"([\\%_])", r"\\\1", search.strip())
-            pattern = f"%{typed}%"
+            # The characters typed (instr has no wildcards), in any case and with or
+            # without accents, as a Mac's searches match: "ecole" finds "École".
+            typed = folded(search.strip())
             rows = self._db.execute(
-                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE title LIKE ? ESCAPE '\\' OR id IN "
-                "(SELECT session_id FROM messages WHERE content LIKE ? ESCAPE '\\') "
-                "ORDER BY updated DESC",
-                (pattern, pattern),
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE instr(folded(title), ?) OR id IN "
+                "(SELECT session_id FROM messages WHERE instr(folded(content), ?)) OR id IN "
+                "(SELECT m.session_id FROM attachments a JOIN messages m ON m.id = a.message_id"
+                " WHERE instr(folded(a.name), ?)) ORDER BY updated DESC",
+                (typed, typed, typed),
             ).fetchall()
         return [SessionRecord(*row) for row in rows]
 

@@ -194,7 +194,9 @@ class Composer(QWidget):
         self.send_button = QPushButton("Send")
         self.send_button.setObjectName("sendButton")
         self.send_button.setDefault(True)
+        self.send_button.pressed.connect(self._note_press)
         self.send_button.clicked.connect(self._send_or_stop)
+        self._pressed_stop: bool | None = None  # what the button said when pressed
         row.addWidget(self.attach_button, 0, Qt.AlignmentFlag.AlignBottom)
         row.addWidget(self.edit, 1)
         row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
@@ -364,8 +366,19 @@ class Composer(QWidget):
         return (not self.editing_box.isHidden() and not self.generating
                 and self.waiting_box.isHidden())
 
+    def _note_press(self) -> None:
+        self._pressed_stop = self.generating
+
     def _send_or_stop(self) -> None:
-        (self.stopRequested if self.generating else self.sendRequested).emit()
+        # The click does what the button said when it was pressed: an answer that
+        # ended between press and release turns that Stop into nothing, never into
+        # a Send of a message still being written.
+        stop = self.generating if self._pressed_stop is None else self._pressed_stop
+        self._pressed_stop = None
+        if not stop:
+            self.sendRequested.emit()
+        elif self.generating:
+            self.stopRequested.emit()
 
     def text(self) -> str:
         """The typed message."""

@@ -51,6 +51,7 @@ UNKNOWN_MODE_COLOUR = "#777777"
 RecordRole = Qt.ItemDataRole.UserRole + 1
 StateRole = Qt.ItemDataRole.UserRole + 2  # the chat's ChatFacts (or its job's state, or "")
 NO_MATCH = "No chats match"
+SEARCH_PAUSE_MS = 150  # a pause in typing that runs the search
 ANSWERING = ChatState.ANSWERING.value
 ROW_HEIGHT = 54
 ROW_MIN_WIDTH = 120
@@ -224,7 +225,11 @@ class SessionList(QWidget):
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search chats")
         self.search.setClearButtonEnabled(True)
-        self.search.textChanged.connect(self.searchChanged.emit)
+        # A search reads every message: run once the typing pauses, not per key
+        # (cleared, the whole list comes back at once).
+        self._search_pause = QTimer(self, singleShot=True, interval=SEARCH_PAUSE_MS)
+        self._search_pause.timeout.connect(lambda: self.searchChanged.emit(self.search.text()))
+        self.search.textChanged.connect(self._searched)
         layout.addWidget(self.search)
         self.list = QListWidget()
         self.list.setObjectName("sessionList")
@@ -261,12 +266,23 @@ class SessionList(QWidget):
         self.clock.timeout.connect(self.list.viewport().update)
         self.clock.start()
 
+    def _searched(self, text: str) -> None:
+        if text:
+            self._search_pause.start()
+        else:
+            self._search_pause.stop()
+            self.searchChanged.emit(text)
+
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
-        if watched is self.search and self._clears_search(event):
-            # The override comes first and keeps Esc from the window's shortcuts.
+        if watched is self.search and _is_escape(event):
+            # The override comes first and keeps Esc from the window's Stop: a second
+            # Esc to make sure the search is gone must not stop an answer.
             event.accept()
             if event.type() == QEvent.Type.KeyPress:
-                self.search.clear()
+                if self.search.text():
+                    self.search.clear()
+                else:  # nothing to clear: the search is left, for the chats' list
+                    self.list.setFocus()
             return True
         if watched is self.list and isinstance(event, QKeyEvent) \
                 and event.type() == QEvent.Type.KeyPress and _deletes(event):
@@ -281,11 +297,6 @@ class SessionList(QWidget):
                     held, self._held = self._held, None
                     self.set_sessions(*held)
         return super().eventFilter(watched, event)
-
-    def _clears_search(self, event: QEvent) -> bool:
-        return (isinstance(event, QKeyEvent) and event.key() == Qt.Key.Key_Escape
-                and not event.modifiers() and bool(self.search.text())
-                and event.type() in (QEvent.Type.ShortcutOverride, QEvent.Type.KeyPress))
 
     def set_sessions(self, sessions: list[SessionRecord], current: str | None,
                      states: Mapping[str, ChatFacts | str] | None = None) -> None:
@@ -378,3 +389,9 @@ def _deletes(event: QKeyEvent) -> bool:
     command = event.modifiers() & Qt.KeyboardModifier.ControlModifier
     return event.key() == Qt.Key.Key_Delete or (
         event.key() == Qt.Key.Key_Backspace and bool(command))
+
+
+def _is_escape(event: QEvent) -> bool:
+    return (isinstance(event, QKeyEvent) and event.key() == Qt.Key.Key_Escape
+            and not event.modifiers()
+            and event.type() in (QEvent.Type.ShortcutOverride, QEvent.Type.KeyPress))

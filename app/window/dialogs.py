@@ -260,6 +260,8 @@ class SettingsDialog(QDialog):
         form.addRow("", self.speculative)
         self.system_prompt = QPlainTextEdit(settings.system_prompt)
         self.system_prompt.setFixedHeight(80)
+        # A form: Tab goes to the next field, as in every other field of Settings.
+        self.system_prompt.setTabChangesFocus(True)
         form.addRow("System prompt", self.system_prompt)
         # Every chat sends it first, so its cache holds it first: a new one is
         # read in with the whole conversation after it, chat by chat.
@@ -284,6 +286,7 @@ class SettingsDialog(QDialog):
         self.folders = QPlainTextEdit("\n".join(settings.model_folders))
         self.folders.setPlaceholderText("One folder per line")
         self.folders.setFixedHeight(60)
+        self.folders.setTabChangesFocus(True)
         form.addRow("Model folders", self.folders)
 
     def accept(self) -> None:

@@ -96,6 +96,25 @@ def test_search_finds_the_characters_typed_not_like_wildcards() -> None:
     store.close()
 
 
+def test_search_matches_any_case_and_accents_and_the_files_names() -> None:
+    """As a Mac's searches do: before, SQLite's LIKE folded ASCII letters only, so
+    "école" missed "École" and "strasse" missed "Straße"; a chat found by the name of a
+    file it was sent was not found at all."""
+    store = HistoryStore()
+    school = store.create_session("École d'été", "q8", "demo")
+    street = store.create_session("Notes", "q8", "demo")
+    store.add_message(street.id, "user", "Die Hauptstraße entlang")
+    report = store.create_session("Numbers", "q8", "demo")
+    store.add_message(report.id, "user", "Summarise this", "complete",
+                      (AttachmentRecord("Quarterly-Report.pdf", 10, "0" * 64, 3, "text"),))
+    store.create_session("Other", "q8", "demo")
+    assert [s.id for s in store.sessions("école")] == [school.id]
+    assert [s.id for s in store.sessions("ECOLE D'ETE")] == [school.id]
+    assert [s.id for s in store.sessions("hauptstrasse")] == [street.id]
+    assert [s.id for s in store.sessions("quarterly-report")] == [report.id]
+    store.close()
+
+
 def test_streaming_messages_become_interrupted_with_their_text() -> None:
     store = HistoryStore()
     session = store.create_session("Crash", "q8", "demo")

@@ -59,3 +59,29 @@ def test_the_attach_and_remove_buttons_are_named_for_a_screen_reader(qtbot) -> N
     [remove] = chip.findChildren(QToolButton)
     assert remove.accessibleName() == "Remove report⟨U+202E⟩fdp.exe"
     assert composer.attach_button.accessibleName() == "Attach documents"
+
+
+def test_a_click_does_what_the_button_said_when_pressed(qtbot) -> None:
+    """Stop pressed as the answer ends: the release sends nothing (before, the button
+    read "Send" by then and sent the message still being written); Send pressed as a
+    job starts still asks to send (the window refuses it in words), never stops it."""
+    from PySide6.QtTest import QTest
+
+    composer = Composer()
+    qtbot.addWidget(composer)
+    composer.show()
+    said: list[str] = []
+    composer.sendRequested.connect(lambda: said.append("send"))
+    composer.stopRequested.connect(lambda: said.append("stop"))
+    button = composer.send_button
+    composer.set_generating(True)
+    QTest.mousePress(button, Qt.MouseButton.LeftButton)
+    composer.set_generating(False)  # the answer ended between press and release
+    QTest.mouseRelease(button, Qt.MouseButton.LeftButton)
+    assert said == []
+    QTest.mousePress(button, Qt.MouseButton.LeftButton)
+    composer.set_generating(True)
+    QTest.mouseRelease(button, Qt.MouseButton.LeftButton)
+    assert said == ["send"]
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)  # Stop, as shown
+    assert said == ["send", "stop"]

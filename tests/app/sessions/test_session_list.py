@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from PySide6.QtCore import QTimer
 from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import QInputDialog, QLineEdit, QMessageBox
 
@@ -141,7 +140,7 @@ def test_relative_times_are_repainted_as_the_clock_moves(qtbot, monkeypatch) -> 
                         lambda *a: painted.append(real(*a)) or painted[-1])
     qtbot.wait(50)
     painted.clear()
-    clock = sidebar.findChild(QTimer)
+    clock = sidebar.clock
     assert clock is not None and clock.isActive() and clock.interval() <= 60_000
     clock.timeout.emit()
     qtbot.waitUntil(lambda: bool(painted), timeout=2_000)
@@ -261,3 +260,16 @@ def test_a_refresh_keeps_the_scroll_and_a_new_chat_is_scrolled_into_view(qtbot) 
     row = sidebar.list.visualItemRect(sidebar.list.item(45))
     assert sidebar.list.viewport().rect().contains(row)
 
+
+
+def test_a_search_runs_once_the_typing_pauses_and_a_clear_at_once(qtbot) -> None:
+    """A search reads every message of every chat: one per word typed, not per key."""
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    searched: list[str] = []
+    sidebar.searchChanged.connect(searched.append)
+    with qtbot.waitSignal(sidebar.searchChanged):
+        qtbot.keyClicks(sidebar.search, "pine")
+    assert searched == ["pine"]
+    sidebar.search.clear()
+    assert searched == ["pine", ""]

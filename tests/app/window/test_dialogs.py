@@ -452,3 +452,21 @@ def test_the_server_pages_key_and_copy_buttons_have_names_of_their_own(qtbot) ->
     assert _accessible_name(page.api_key) == "API key"
     assert _accessible_name(page.copy_openai) == "Copy the address for OpenAI clients"
     assert _accessible_name(page.copy_anthropic) == "Copy the address for Anthropic clients"
+
+
+def test_tab_in_the_many_line_fields_goes_to_the_next_field(qtbot) -> None:
+    """The system prompt and the model folders are fields of a form: Tab moves on (as
+    it does from every other field), it does not type a tab into the prompt."""
+    from PySide6.QtCore import Qt
+
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.show()
+    for field in (dialog.system_prompt, dialog.folders):
+        dialog.tabs.setCurrentWidget(field.parentWidget())
+        field.setFocus()
+        qtbot.waitUntil(field.hasFocus)
+        before = field.toPlainText()
+        QTest.keyClick(field, Qt.Key.Key_Tab)
+        assert field.toPlainText() == before and "\t" not in field.toPlainText()
+        assert not field.hasFocus()

@@ -302,8 +302,11 @@ def test_esc_in_the_search_field_clears_the_search_and_stops_nothing(scripted, q
     qtbot.keyClicks(search, "pine")
     qtbot.keyClick(search, Qt.Key.Key_Escape)
     assert search.text() == "" and not cancel.is_set()
-    # With nothing left to clear, and anywhere else, Esc is still Stop.
+    # With nothing left to clear, a second Esc leaves the search, and stops nothing.
     qtbot.keyClick(search, Qt.Key.Key_Escape)
+    assert not cancel.is_set() and not search.hasFocus()
+    # Anywhere else, Esc is Stop.
+    qtbot.keyClick(scripted.window.sessions.list, Qt.Key.Key_Escape)
     assert cancel.is_set()
 
 
@@ -485,8 +488,8 @@ def test_a_new_chat_made_while_searching_is_listed_and_selected(qtbot, bare_wind
     c = bare_window.controller
     c.new_session("q8")
     c.rename_session(c.current.id, "Pines")
-    bare_window.sessions.search.setText("pine")
-    qtbot.wait(50)
+    with qtbot.waitSignal(bare_window.sessions.searchChanged):  # once typing pauses
+        bare_window.sessions.search.setText("pine")
     with patch.object(NewChatDialog, "exec", lambda self: QDialog.DialogCode.Accepted):
         bare_window.ask_new_chat()
     assert bare_window.sessions.search.text() == ""
