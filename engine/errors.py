@@ -55,6 +55,11 @@ class ContextTooLong(EngineError):
     """A prompt does not fit the model's context, the page budget or free RAM."""
 
 
+class MemoryShort(ContextTooLong):
+    """A prompt the model's context holds but the KV budget or free RAM does not now:
+    it may fit once memory is freed, or in a smaller mode (not too long for good)."""
+
+
 class MachineShort(ContextTooLong):
     """Another machine of a pipeline cannot hold its share of a conversation's
     layers; ``machine`` names it as a message does."""

@@ -24,7 +24,7 @@ from engine.cache.attention.scratch import chunk_scratch_bytes, decode_scratch_b
 from engine.cache.modes import FP16, MODES, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import DEFAULT_PAGE_SIZE, PREFILL_SCRATCH_BYTES, PageLayout
-from engine.errors import ContextTooLong, EngineError, UnsupportedModeError
+from engine.errors import ContextTooLong, EngineError, MemoryShort, UnsupportedModeError
 from engine.events import RankShare
 from engine.format import human_bytes
 from engine.memory.guard import BudgetView, MemoryReading
@@ -343,10 +343,16 @@ class FitReport:
         return text + " Close other sessions or apps to free memory, or shorten " \
                       "the conversation."
 
+    def error(self) -> ContextTooLong:
+        """Why the tokens do not fit, as the error to raise: past the model's context
+        (``ContextTooLong``), or short of memory now (``MemoryShort``)."""
+        within = self.for_mode(self.session_mode or FP16).fits_context
+        return (MemoryShort if within else ContextTooLong)(self.message())
+
     def raise_if_too_long(self) -> None:
-        """Raise ``ContextTooLong`` with ``message()`` unless the tokens fit."""
+        """Raise :meth:`error` unless the tokens fit."""
         if not self.fits:
-            raise ContextTooLong(self.message())
+            raise self.error()
 
 
 def _round_to_pages(tokens: int, page_size: int) -> int:

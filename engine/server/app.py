@@ -47,6 +47,9 @@ DISCONNECT_POLL = 0.2
 # SSE comments or Anthropic's ping events.
 KEEPALIVE_SECONDS = 10.0
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
+# A prompt longer than the model's context, or than memory (here or on another machine
+# of a pipeline) holds now: a client's answer to either is a shorter conversation.
+TOO_LONG_ERRORS = ("ContextTooLong", "MemoryShort", "MachineShort")
 SPECULATIVE_REFUSAL = ("Speculative decoding is not available over a pipeline yet: send "
                        "\"speculative\": \"off\" or leave it out (answers decode plainly "
                        "there), or serve the model on one machine.")
@@ -1053,7 +1056,7 @@ class Run:
             self.cancel.set()  # a client gone mid-stream stops the engine
 
     def _failure(self, event: Failed) -> ApiError:
-        if event.error_type == "ContextTooLong" and self.anthropic:
+        if event.error_type in TOO_LONG_ERRORS and self.anthropic:
             log.info("prompt of %d tokens refused: %s", self.prompt_tokens, event.message)
             fitting = event.kept_tokens or self.prompt_tokens
             return too_long(self.prompt_tokens, fitting, anthropic=True)
@@ -1081,7 +1084,7 @@ def _not_ready(message: str) -> ApiError:
 
 
 def _engine_error(event: Failed) -> ApiError:
-    if event.error_type == "ContextTooLong":
+    if event.error_type in TOO_LONG_ERRORS:
         return ApiError(400, event.message, param="messages", code="context_length_exceeded")
     if event.error_type == "GroupLost":  # a machine of the pipeline is gone
         return _not_ready(event.message)

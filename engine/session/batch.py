@@ -63,7 +63,6 @@ from engine.cache.modes import KvMode
 from engine.cache.paged_cache import cache_tokens
 from engine.errors import (
     Cancelled,
-    ContextTooLong,
     EngineError,
     KvBudgetExceeded,
     MachineShort,
@@ -546,7 +545,7 @@ class BatchDecoder:
         report = joining.session.fit_report(count, gone)
         report.raise_if_too_long()
         if report.for_mode(joining.session.mode).tokens_fit - count < 1:
-            raise ContextTooLong(joining.session.fit_report(count + 1, gone).message())
+            raise joining.session.fit_report(count + 1, gone).error()
 
     def _room_for(self, joining: _Joining) -> _Short:
         """What memory lacks for ``joining`` now (:meth:`_short_bytes`, and on a

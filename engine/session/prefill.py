@@ -31,11 +31,11 @@ import mlx.core as mx
 
 from engine.errors import (
     Cancelled,
-    ContextTooLong,
     EngineError,
     InsufficientMemory,
     KvBudgetExceeded,
     MemoryPressure,
+    MemoryShort,
 )
 from engine.events import AnswerWaiting, Event, IngestProgress, WaitEnded
 from engine.format import human_bytes
@@ -323,7 +323,7 @@ class ChunkedPrefill:
                                  watch.tripped)
         reason = f"free RAM did not come to hold the next prefill chunk ({human_bytes(short)})"
         # Free RAM, not the configured budget, ran out: the fit report says so with numbers.
-        stop = ContextTooLong(
+        stop = MemoryShort(
             f"{self.target.fit_report(total).message()} Longleaf waited "
             f"{self.memory_wait:g} s for the {human_bytes(short)} of free memory its next "
             f"chunk needs. Longleaf {words}.")
@@ -338,7 +338,7 @@ class ChunkedPrefill:
         seconds = self.clock() - start
         if self.guard.ram_bound(self.key):
             # Free RAM, not the configured budget, ran out: say so with numbers.
-            stop: EngineError = ContextTooLong(
+            stop: EngineError = MemoryShort(
                 f"{self.target.fit_report(total).message()} {words}")
             stop.__cause__ = error
             return PrefillResult(read, kept, total, seconds, stop.stopped_reading(kept, total),

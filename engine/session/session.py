@@ -20,7 +20,7 @@ from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.modes import FP16, KvMode
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import DEFAULT_PAGE_SIZE, PREFILL_SCRATCH_BYTES, PagePool
-from engine.errors import ContextTooLong, EngineError, KvBudgetExceeded
+from engine.errors import EngineError, KvBudgetExceeded
 from engine.events import GenerationStats
 from engine.memory import fit
 from engine.memory.guard import MemoryGuard, PressureWatch
@@ -730,7 +730,7 @@ class Session:
         self.guard.refresh(self.session_id)
         room = self.room_for(len(ids))
         if room < 1:
-            raise ContextTooLong(self.fit_report(len(ids) + 1).message())
+            raise self.fit_report(len(ids) + 1).error()
         yield False  # checked: the conversation fits
         kept = self.sync(ids, keep_last=True)
         watch = self.guard.watch(self.session_id, cancel)

@@ -241,3 +241,18 @@ def test_an_edit_whose_answer_ends_before_any_text_comes_back_to_the_box(chat, s
     else:
         assert edits == [] and not c.editing
     assert not c.activity.busy
+
+
+@pytest.mark.parametrize(("kind", "set_aside"), [("ContextTooLong", True),
+                                                 ("MemoryShort", False)])
+def test_only_a_turn_past_the_models_context_is_set_aside_for_good(chat, kind, set_aside):
+    """Short of memory now (other chats hold it, the budget is low) the turn stays
+    one the model reads: sent again, or its answer made again, once memory is freed."""
+    c, bridge, worker, store = chat.c, chat.bridge, chat.worker, chat.store
+    session = c.new_session("q8")
+    assert c.send("A long question")
+    open_session(chat, session.id)
+    bridge._dispatch(Failed(worker.last("chat")[0], "This conversation needs …", kind))
+    turn, answer = store.messages(session.id)
+    assert (turn.status == "failed") is set_aside and answer.status == "failed"
+    assert c.can_regenerate() is not set_aside

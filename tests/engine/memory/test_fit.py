@@ -13,7 +13,7 @@ from mlx_lm.utils import load
 
 from engine.cache import kvquant
 from engine.cache.pages import PREFILL_SCRATCH_BYTES, PageLayout
-from engine.errors import ContextTooLong, UnsupportedModeError
+from engine.errors import ContextTooLong, MemoryShort, UnsupportedModeError
 from engine.memory.fit import (
     MODES,
     FitInputs,
@@ -68,6 +68,17 @@ def test_full_context_in_ram_suggests_the_best_mode_that_fits() -> None:
     with pytest.raises(ContextTooLong, match="q6") as error:
         report.raise_if_too_long()
     assert "262,144" in str(error.value) and f"{fp16.tokens_fit:,}" in str(error.value)
+
+
+def test_a_prompt_short_of_memory_is_not_one_past_the_models_context() -> None:
+    """The app sets a turn aside for good only when no memory could hold it: the
+    error says which limit binds."""
+    short = _report(token_count=262_144, available_bytes=7 * GIB, session_mode="fp16")
+    assert type(short.error()) is MemoryShort
+    past = _report(token_count=262_145, available_bytes=64 * GIB, session_mode="q4")
+    assert type(past.error()) is ContextTooLong and "No KV mode" in str(past.error())
+    with pytest.raises(MemoryShort):
+        short.raise_if_too_long()
 
 
 def test_headroom_and_held_bytes_shift_the_ram_limit() -> None:

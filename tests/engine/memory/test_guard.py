@@ -648,7 +648,7 @@ def test_worker_sessions_share_one_budget(llama, worker_with) -> None:
     # "a", idle, sets its pages aside; one that would not fit anyway leaves it be.
     failed = events.ending(worker.ingest("b", _user("Zebras! " + QUESTION * 16),
                                          threading.Event()))
-    assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
+    assert isinstance(failed, Failed) and failed.error_type == "MemoryShort"
     assert worker.guard.held_bytes() == held
     rid = worker.ingest("b", _user("Zebras! " + QUESTION * 4), threading.Event())
     ending = events.ending(rid)
@@ -675,7 +675,7 @@ def test_worker_configure_changes_the_budget_between_requests(llama, worker_with
     # (so setting "a" aside would not make room for it either).
     other = _user("Zebras! " + QUESTION * 16)
     failed = events.ending(worker.ingest("b", other, threading.Event()))
-    assert isinstance(failed, Failed) and failed.error_type == "ContextTooLong"
+    assert isinstance(failed, Failed) and failed.error_type == "MemoryShort"
     events.ending(worker.configure(budget_bytes=None, chunk_size=32, read_share=0.5))
     assert worker.fit_check(None, 16).budget_bytes is None
     rid = worker.ingest("b", other, threading.Event())

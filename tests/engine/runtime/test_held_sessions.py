@@ -135,7 +135,7 @@ def test_nothing_is_set_aside_when_the_conversation_would_not_fit_anyway(
         held_a = _held_tokens(log, "a")
         second = worker.chat("b", long, GREEDY, threading.Event())
         ending = log.ending(second)
-        assert isinstance(ending, Failed) and ending.error_type == "ContextTooLong", ending
+        assert isinstance(ending, Failed) and ending.error_type == "MemoryShort", ending
         assert not _notices(log, second)
         assert _held_tokens(log, "a") == held_a
 

@@ -240,12 +240,15 @@ def test_open_before_load_fails(start_worker) -> None:
     assert isinstance(ending, Failed) and "Load a model" in ending.message
 
 
-def test_context_too_long_is_failed_with_its_type(start_worker, model_dirs) -> None:
+def test_a_prompt_memory_cannot_hold_is_failed_as_short_of_memory(start_worker,
+                                                                   model_dirs) -> None:
+    """Within the model's context but past the KV budget: ``MemoryShort``, which the
+    app does not take for a turn too long for good (``ContextTooLong``)."""
     worker, log = _ready(start_worker, model_dirs["llama"], "fp16", budget_bytes=8192)
     ending = log.ending(worker.chat("s", [{"role": "user", "content": QUESTION * 3}],
                                     GREEDY, threading.Event()))
-    assert isinstance(ending, Failed) and ending.error_type == "ContextTooLong"
-    assert "tokens" in ending.message
+    assert isinstance(ending, Failed) and ending.error_type == "MemoryShort"
+    assert "tokens" in ending.message and "free memory" in ending.message
 
 
 def test_unexpected_errors_are_failed_generically_and_logged(

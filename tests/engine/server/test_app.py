@@ -43,3 +43,15 @@ def test_the_tokens_of_a_stop_sequence_give_no_log_probabilities() -> None:
 def test_without_a_stop_every_token_comes_with_its_text() -> None:
     events = [_chunk("Hello", 1), _chunk(" world", 2), Finished(1, "length")]
     assert asyncio.run(_answer(events, ("\n\nUser:",))) == ("Hello world", [1, 2])
+
+
+def test_a_prompt_too_long_for_memory_or_another_machine_is_a_context_error() -> None:
+    """Past the model's context, past what memory holds now, or past what another
+    machine of a pipeline holds: each is a 400 ``context_length_exceeded`` an agent
+    answers by shortening the conversation, never a 500."""
+    from engine.events import Failed
+    from engine.server.app import _engine_error
+
+    for kind in ("ContextTooLong", "MemoryShort", "MachineShort"):
+        error = _engine_error(Failed(1, "This conversation needs 9,000 tokens …", kind))
+        assert (error.status, error.code) == (400, "context_length_exceeded"), kind
