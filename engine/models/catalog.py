@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.memory import model_costs
+
 GB = 10**9
 
 
@@ -27,6 +29,8 @@ class RecommendedModel:
         attention_layers: layers whose KV cache grows with the context.
         kv_heads: KV heads per attention layer.
         head_dim: width of one KV head.
+        outside_pages_bytes: what its layers outside the pages reserve for one
+            conversation (``model_costs.outside_pages_bytes``).
     """
 
     repo_id: str
@@ -36,6 +40,7 @@ class RecommendedModel:
     attention_layers: int
     kv_heads: int
     head_dim: int
+    outside_pages_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -56,5 +61,7 @@ RECOMMENDED_MODELS: tuple[RecommendedModel, ...] = (
     # Hybrid: 36 of its 48 layers are linear attention with a fixed-size state.
     RecommendedModel("mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit",
                      "Qwen3-Next 80B-A3B hybrid, 4-bit: 1 layer in 4 keeps a KV cache",
-                     int(44.8 * GB), 262_144, 12, 2, 256),
+                     int(44.8 * GB), 262_144, 12, 2, 256,
+                     model_costs.outside_pages_bytes(
+                         linear_layers=36, linear=model_costs.LinearShape(16, 128, 32, 128, 4))),
 )

@@ -16,6 +16,7 @@ from typing import Any
 from engine.cache import kvquant, mlx_lm_compat
 from engine.cache.modes import MODES, KvMode
 from engine.errors import EngineError, ModelLoadError
+from engine.memory import model_costs
 from engine.models.folder import (
     _check_tokenizer_files,  # folder.py's own check, private there
     has_chat_template,
@@ -51,6 +52,10 @@ class ModelInfo:
         kv_bytes_per_token: per KV mode, bytes one token of context takes over
             all ``attention_layers`` (None: the mode cannot store this head_dim).
         kv_bytes_full_context: per KV mode, bytes of a ``max_context`` cache.
+        outside_pages_bytes: what one conversation's sliding windows and
+            linear-attention state reserve beside the pages, with their checkpoints,
+            as config.json gives them (``model_costs.outside_pages_bytes``; other
+            layers' state, an SSM's, is not known before the model loads: 0).
     """
 
     name: str
@@ -69,6 +74,7 @@ class ModelInfo:
     has_chat_template: bool
     kv_bytes_per_token: dict[KvMode, int | None]
     kv_bytes_full_context: dict[KvMode, int | None]
+    outside_pages_bytes: int = 0
 
     @property
     def unavailable_modes(self) -> tuple[KvMode, ...]:
@@ -377,6 +383,7 @@ def build_model_info(
     attention = tuple(sorted(kinds["full"] + kinds["sliding"]))
     kv_heads, head_dim = _attention_shape(config)
     context = max_context(config)
+    text = _text_config(config)
     full_layers = len(kinds["full"])
     per_token: dict[KvMode, int | None] = {}
     full_context: dict[KvMode, int | None] = {}
@@ -405,4 +412,16 @@ def build_model_info(
         has_chat_template=has_chat_template(folder),
         kv_bytes_per_token=per_token,
         kv_bytes_full_context=full_context,
+        outside_pages_bytes=model_costs.outside_pages_bytes(
+            sliding_layers=len(kinds["sliding"]), window=_whole(text, "sliding_window"),
+            kv_heads=kv_heads, head_dim=head_dim,
+            linear_layers=len(kinds["other"]), linear=_linear_shape(text)),
     )
+
+
+def _linear_shape(text: dict[str, Any]) -> model_costs.LinearShape | None:
+    """A gated-delta linear-attention layer's shape, where the config gives one."""
+    sizes = [_whole(text, key) for key in (
+        "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+        "linear_value_head_dim", "linear_conv_kernel_dim")]
+    return model_costs.LinearShape(*sizes) if all(sizes) else None

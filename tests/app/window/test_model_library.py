@@ -38,7 +38,8 @@ def test_recommended_models_leave_the_list_once_downloaded() -> None:
 
     first = RECOMMENDED_MODELS[0]
     info = SimpleNamespace(attention_layers=first.attention_layers, kv_heads=first.kv_heads,
-                           head_dim=first.head_dim, max_context=first.max_context)
+                           head_dim=first.head_dim, max_context=first.max_context,
+                           outside_pages_bytes=first.outside_pages_bytes)
     found = SimpleNamespace(name=first.repo_id, path="/models/x", size_bytes=GIB,
                             weights_bytes=GIB, info=info)
     installed, wanted = library([found], total_ram=16 * GIB)
@@ -59,3 +60,30 @@ def test_files_beside_the_weights_do_not_count_as_weights(tmp_path: Path) -> Non
     beside = installed_entry(found, total_ram=16 * GIB)
     assert found.size_bytes > 14 * GIB  # what the disk holds, as the size says
     assert beside.costs == alone.costs
+
+
+def test_a_models_windows_and_their_checkpoints_take_room_from_its_context(
+        tmp_path: Path) -> None:
+    """A sliding-window model's verdict counts what its windows reserve beside the
+    pages, as the engine's fit check does once it loads (before, the dialog said
+    more context fitted than a chat could then read)."""
+    from engine.memory.model_costs import full_context_costs
+
+    folder = make_tiny_model_dir(tmp_path, "gemma3_text", sliding_window=1 << 20)
+    found = inspect_candidate("tiny", folder)
+    reserve = found.info.outside_pages_bytes
+    assert reserve > GIB // 4
+    info = found.info
+    ram = 4 * GIB  # the headroom (2 GiB) and the reading reserve leave little beside
+    entry = installed_entry(found, total_ram=ram)
+    unreserved = full_context_costs(
+        attention_layers=info.attention_layers, kv_heads=info.kv_heads,
+        head_dim=info.head_dim, max_context=info.max_context,
+        weights_bytes=found.weights_bytes, total_ram_bytes=ram)
+    assert [c.tokens_fit for c in entry.costs] < [c.tokens_fit for c in unreserved]
+    assert entry.costs == full_context_costs(
+        attention_layers=info.attention_layers, kv_heads=info.kv_heads,
+        head_dim=info.head_dim, max_context=info.max_context,
+        weights_bytes=found.weights_bytes, total_ram_bytes=ram, outside_pages_bytes=reserve)
+    qwen3_next = next(m for m in RECOMMENDED_MODELS if "Qwen3-Next" in m.repo_id)
+    assert qwen3_next.outside_pages_bytes > 0

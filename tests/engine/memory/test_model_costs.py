@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from engine.cache.kvquant import project_kv_bytes
 from engine.memory.guard import default_headroom
-from engine.memory.model_costs import full_context_costs, reading_reserve
+from engine.memory.model_costs import (
+    MODEL_VALUE_BYTES,
+    full_context_costs,
+    outside_pages_bytes,
+    reading_reserve,
+)
+from engine.models import info as info_module
+from engine.models.info import inspect_model_dir
+from engine.models.loader import load_model
+from engine.session.prefill import activation_value_bytes
+from engine.session.session import DEFAULT_CHUNK, new_chat_outside_pages
+from tests.engine.tinymodels import make_tiny_model_dir
 
 GIB = 2**30
 
@@ -72,3 +87,43 @@ def test_a_mode_that_does_not_fit_says_how_much_context_would() -> None:
     tiny = full_context_costs(attention_layers=2, kv_heads=1, head_dim=64, max_context=4096,
                               weights_bytes=weights, total_ram_bytes=ram)
     assert all(c.fits and c.tokens_fit == 4096 for c in tiny)
+
+
+def test_the_room_counts_what_the_layers_outside_the_pages_reserve() -> None:
+    """A sliding-window or hybrid model's windows and linear state (and the
+    checkpoints a chat keeps of them) take room the KV pages cannot have: the verdict
+    the Models dialog gives must be the one the engine's fit check gives."""
+    kv_q8 = project_kv_bytes(4, 2, 64, 8192, "q8")
+    total = 64 * GIB
+    room = total - default_headroom(total) - reading_reserve(2, 64, 8192, "q8")
+    outside = 3 * GIB
+    exactly = full_context_costs(attention_layers=4, kv_heads=2, head_dim=64, max_context=8192,
+                                 weights_bytes=room - kv_q8 - outside, total_ram_bytes=total,
+                                 outside_pages_bytes=outside)
+    over = full_context_costs(attention_layers=4, kv_heads=2, head_dim=64, max_context=8192,
+                              weights_bytes=room - kv_q8 - outside + 1, total_ram_bytes=total,
+                              outside_pages_bytes=outside)
+    assert exactly[1].fits and not over[1].fits
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next", "llama"])
+def test_config_facts_give_what_a_loaded_model_reserves_outside_its_pages(
+        tmp_path, arch: str) -> None:
+    """The rule from config.json alone (a model not loaded, or not downloaded) counts
+    what a loaded model's new chat reserves, at the same bytes per activation."""
+    folder = make_tiny_model_dir(tmp_path, arch, dtype="bfloat16")
+    info = inspect_model_dir(folder)
+    config = json.loads((folder / "config.json").read_text())
+    loaded = load_model(folder)
+    engine = new_chat_outside_pages(loaded, DEFAULT_CHUNK).reserve_bytes
+
+    def rule(value_bytes: int) -> int:
+        return outside_pages_bytes(
+            sliding_layers=len(info.sliding_window_layer_indices),
+            window=config.get("sliding_window") or 0, kv_heads=info.kv_heads,
+            head_dim=info.head_dim, linear_layers=len(info.other_layer_indices),
+            linear=info_module._linear_shape(config), value_bytes=value_bytes)
+
+    assert rule(activation_value_bytes()) == engine
+    assert info.outside_pages_bytes == rule(MODEL_VALUE_BYTES)
+    assert (engine > 0) is (arch != "llama")
