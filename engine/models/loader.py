@@ -40,7 +40,8 @@ class LoadedModel:
     Only the engine's worker thread may touch ``model`` and ``tokenizer``.
     ``probe`` says which KV cache gives this model's numbers (None: not probed).
     ``fingerprint`` is the weights' fingerprint taken at load
-    (``engine.snapshots.fingerprint``; None: not taken), which stored KV must match.
+    (``engine.snapshots.fingerprint``; None: not taken), which stored KV must match;
+    ``code`` likewise the code's (MLX's version, mlx-lm's module for the model).
     """
 
     model: Any
@@ -49,6 +50,7 @@ class LoadedModel:
     config: dict[str, Any]
     probe: ProbeResult | None = None
     fingerprint: dict[str, Any] | None = None
+    code: dict[str, str] | None = None
 
 
 def resolve_model_path(path: str | Path) -> Path:

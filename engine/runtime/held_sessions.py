@@ -38,7 +38,7 @@ from engine.session.session import (
     new_chat_cache,
     new_chat_outside_pages,
 )
-from engine.snapshots.fingerprint import model_fingerprint
+from engine.snapshots.fingerprint import code_fingerprint, model_fingerprint
 from engine.snapshots.stored_sessions import StoredSessions
 
 if TYPE_CHECKING:
@@ -296,7 +296,10 @@ class HeldSessions:
         pipeline = self._pipeline
         loaded = load_model(folder, pipeline=None if pipeline is None else pipeline.group,
                             split=None if pipeline is None else pipeline.split)
-        loaded = dataclasses.replace(loaded, fingerprint=fingerprint)
+        # The code that runs is the code imported now: an mlx-lm updated on disk
+        # later must not vouch for KV this process computes.
+        loaded = dataclasses.replace(loaded, fingerprint=fingerprint,
+                                     code=code_fingerprint(folder))
         if pipeline is not None and pipeline.group.size() > 1:
             # The other ranks' weights and the split join the fingerprint stored KV
             # is checked against.

@@ -153,7 +153,11 @@ def code_fingerprint(model_dir: Path) -> dict[str, str]:
 
 
 def session_code(session: object) -> dict[str, str]:
-    """``code_fingerprint`` of the model ``session`` runs."""
+    """``code_fingerprint`` of the model ``session`` runs: the one taken when its
+    model was loaded (``LoadedModel.code``), else its folder's now."""
+    pinned = getattr(getattr(session, "loaded", None), "code", None)
+    if isinstance(pinned, dict) and pinned:
+        return pinned
     return code_fingerprint(session_model_dir(session))
 
 
@@ -177,8 +181,8 @@ def _mlx_version() -> str:
 @functools.lru_cache(maxsize=32)
 def _source_digest(module_file: str) -> str:
     """BLAKE3 of a model module's source and of each ``mlx_lm.models`` module it
-    imports by a relative import (read once per process: the code does not change
-    under a running process)."""
+    imports by a relative import (read once per process, as a model loads: the
+    module imported then is the code that runs, whatever the disk holds later)."""
     path = Path(module_file)
     source = path.read_bytes()
     names = sorted(set(re.findall(rb"^from \.(\w+) import", source, re.MULTILINE)))

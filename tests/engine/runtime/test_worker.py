@@ -615,3 +615,15 @@ def test_a_chat_waiting_for_its_own_session_holds_no_other_chat_back(tmp_path) -
                            for e in log.events)  # it ended while the first still answered
     finally:
         worker.shutdown(timeout=10.0)
+
+
+def test_a_load_pins_the_code_its_sessions_kv_is_stored_as(start_worker, model_dirs) -> None:
+    """The code a session's KV is stored as is the code imported as its model
+    loaded: an mlx-lm updated on disk later does not vouch for it."""
+    from engine.snapshots import fingerprint
+
+    worker, _log = _ready(start_worker, model_dirs["llama"])
+    loaded = worker._held.loaded
+    assert loaded is not None
+    assert loaded.code == fingerprint.code_fingerprint(model_dirs["llama"])
+    assert fingerprint.session_code(worker._held.get("s")) == loaded.code

@@ -757,3 +757,17 @@ def test_pages_beyond_the_kv_budget_are_refused_and_nothing_is_held(models, tmp_
     assert caught.value.reason == "budget" and not caught.value.removed
     assert small.tokens == [] and adapter.cache_tokens(small.cache) == 0
     assert snapshot_info(tmp_path, "chat") is not None
+
+
+def test_the_code_kv_is_stored_as_is_the_code_the_model_loaded_with(models, monkeypatch):
+    """mlx-lm updated on disk while Longleaf runs: the KV this process computes is
+    stored as the loaded code's (a restart, running the new code, sets it aside),
+    not as the new code's."""
+    from engine.snapshots import fingerprint
+
+    pinned = {"mlx": "0.30.0", "mlx_lm_model": "as loaded"}
+    session = _session(SimpleNamespace(**vars(models["llama"]), code=pinned))
+    monkeypatch.setattr(fingerprint, "_source_digest", lambda _file: "updated on disk")
+    assert fingerprint.session_code(session) == pinned
+    assert fingerprint.session_code(_session(models["llama"]))["mlx_lm_model"] \
+        == "updated on disk"  # a model loaded without its code pinned: the disk's
