@@ -545,9 +545,13 @@ class ChatController(QObject):
         return facts_of(record, self.activity, self.caches, snapshots)
 
     def stored_snapshots(self) -> dict:
-        """Session id -> ``SnapshotInfo`` of each chat's KV snapshot on disk, from the listing."""
+        """Session id -> ``SnapshotInfo`` of each chat's KV snapshot on disk that the
+        model loaded now reopens, from the listing (one stored with another model's
+        weights is read again, not reopened: its chat is "on disk as text")."""
         listing = getattr(self.bridge, "last_stored_kv", None)
-        return {info.name: info for info in listing.snapshots} if listing else {}
+        if listing is None:
+            return {}
+        return {info.name: info for info in listing.snapshots if listing.reopenable(info)}
 
     def all_chat_facts(self, records: Iterable[SessionRecord]) -> dict[str, ChatFacts]:
         """Each of ``records`` -> its facts, for the sidebar (no file is read)."""

@@ -318,12 +318,22 @@ class StoredKv:
             chat, most recently used first; ``name`` is the chat's session id.
         elsewhere_bytes: bytes of the other folders that count against the same
             budget (the local server's stored KV, for the app's).
+        model_digest: the weights' fingerprint of the model loaded now ("": none
+            loaded): a snapshot stored with other weights is not reopened, but set
+            aside when its chat is.
     """
 
     budget_bytes: int
     total_bytes: int
     snapshots: tuple[SnapshotInfo, ...] = ()
     elsewhere_bytes: int = 0
+    model_digest: str = ""
+
+    def reopenable(self, info: SnapshotInfo) -> bool:
+        """Whether ``info`` was stored with the model loaded now (as far as is known:
+        with no model loaded, or no digest recorded, it may be)."""
+        return not (self.model_digest and info.model_digest
+                    and info.model_digest != self.model_digest)
 
 
 @dataclass(frozen=True)

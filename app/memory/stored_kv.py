@@ -128,6 +128,9 @@ class StoredKvSection(QWidget):
             title = title_of(info.name) or UNKNOWN_CHAT
             cells = (title, human_bytes(info.disk_bytes), relative_time(info.last_used))
             tip = f"{title}\n{info.tokens:,} tokens in {info.mode}, {human_bytes(info.disk_bytes)}"
+            if not listing.reopenable(info):
+                tip += (f"\nStored with {info.model or 'another model'}, not the model loaded "
+                        "now: its chat reads the conversation again, and this copy goes.")
             for column, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setToolTip(tip)

@@ -312,7 +312,13 @@ class HeldSessions:
             self.loaded = loaded
             self.prefill = prefill
         self._new_chat_reserve = (0, 0)
+        self._stored.announce()  # which stored chats this model reopens changed
         return loaded.info
+
+    def loaded_digest(self) -> str:
+        """The loaded weights' fingerprint stored KV is checked against ("": none)."""
+        fingerprint = self.loaded.fingerprint if self.loaded is not None else None
+        return str(fingerprint.get("digest", "")) if fingerprint else ""
 
     def new_cache(self) -> list[Any]:
         """The per-layer cache a new fp16 session of the loaded model holds (its

@@ -159,7 +159,8 @@ class EngineWorker(Worker):
         self._stats = StatsReporter(self._emit, stats_interval,
                                     after_publish=self._publish_fit)
         self._stored = StoredSessions(
-            snapshots, self._emit, mirror=lambda names: self._held.prune_followers(names))
+            snapshots, self._emit, mirror=lambda names: self._held.prune_followers(names),
+            loaded_digest=lambda: self._held.loaded_digest())
         self._held = HeldSessions(
             self.guard, self._stored, self._stats, self._emit,
             pipeline=pipeline,

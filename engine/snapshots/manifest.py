@@ -40,6 +40,7 @@ class SnapshotInfo:
     last_used: float
     model: str
     rotation: str | None = None  # the rows' rotation (engine.cache.rotation); None: as given
+    model_digest: str = ""  # the weights' fingerprint it was stored with ("": none recorded)
 
 
 def canonical(manifest: dict[str, Any]) -> bytes:
@@ -139,6 +140,7 @@ def snapshot_info(directory: str | Path, name: str) -> SnapshotInfo | None:
             last_used=stat.st_mtime,
             model=str((manifest.get("model") or {}).get("name", "")),
             rotation=manifest.get("rotation"),
+            model_digest=str((manifest.get("model") or {}).get("digest", "")),
         )
     except (Corrupt, OSError, KeyError, TypeError, ValueError):
         return None

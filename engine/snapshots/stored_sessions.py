@@ -42,10 +42,12 @@ class StoredSessions:
     """
 
     def __init__(self, snapshots: SnapshotStore | None, emit: Callable[[Event], None],
-                 mirror: Callable[[list[str]], None] | None = None) -> None:
+                 mirror: Callable[[list[str]], None] | None = None,
+                 loaded_digest: Callable[[], str] = lambda: "") -> None:
         self.snapshots = snapshots
         self._emit = emit
         self._mirror = mirror
+        self._loaded_digest = loaded_digest  # the loaded weights' fingerprint ("": none)
         self._told: set[str] = set()  # why saves failed, each said once per run
 
     def store(self, session: Session, spare: Collection[str] = ()) -> bool:
@@ -130,7 +132,7 @@ class StoredSessions:
             total = self.snapshots.total_bytes()
             listing = StoredKv(self.snapshots.budget_bytes, total,
                                tuple(self.snapshots.per_snapshot()),
-                               self.snapshots.counted_bytes() - total)
+                               self.snapshots.counted_bytes() - total, self._loaded_digest())
         except OSError as error:  # the folder went away: say nothing rather than fail a close
             log.warning("cannot list stored KV: %s", error)
             return

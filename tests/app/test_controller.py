@@ -516,3 +516,24 @@ def test_a_history_that_takes_no_write_refuses_each_action_in_words(app) -> None
     assert [s.id for s in app.store.sessions()] == sessions and c.current.id == chat.id
     assert [m.content for m in app.store.messages(chat.id)] == ["a question", "An answer."]
     assert c.model.rowCount() == 2
+
+
+def test_a_chat_stored_with_another_models_weights_is_not_called_reopenable(app) -> None:
+    """Reopening it would set its snapshot aside and read the chat again: it is "on
+    disk as text" to the model loaded now, whatever the listing holds of it."""
+    from engine import SnapshotInfo, StoredKv
+
+    c = app.c
+    chat = c.new_session("q8")
+    app.store.set_tokens(chat.id, 900)
+
+    def listed(digest: str) -> None:
+        info = SnapshotInfo(chat.id, 1_200, "q8", 256, 10**6, 10**6, 0.0, 0.0, "other",
+                            model_digest=digest)
+        app.bridge._dispatch(StoredKv(2**30, 10**6, (info,), model_digest="loaded now"))
+
+    listed("another model")
+    assert c.cache_state(chat.id) == "On disk as text: the next message reads its 900 " \
+                                     "tokens in again."
+    listed("loaded now")
+    assert c.cache_state(chat.id).startswith("On disk: 1,200 tokens stored")

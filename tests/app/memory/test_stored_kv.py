@@ -184,3 +184,13 @@ def test_chats_and_local_server_sessions_are_counted_apart_and_nothing_scrolls_i
     rows = sum(table.rowHeight(r) for r in range(table.rowCount()))
     assert table.height() >= table.horizontalHeader().height() + rows
     assert table.verticalScrollBarPolicy() == Qt.ScrollBarPolicy.ScrollBarAlwaysOff
+
+
+def test_a_chat_stored_with_another_model_says_it_will_be_read_again(qtbot) -> None:
+    mine = SnapshotInfo("s1", 100, "q8", 256, 10, 10, 0.0, 0.0, "Qwen3-4B", model_digest="a")
+    theirs = SnapshotInfo("s2", 100, "q8", 256, 10, 10, 0.0, 0.0, "Llama-3B", model_digest="b")
+    section = StoredKvSection()
+    qtbot.addWidget(section)
+    section.show_listing(StoredKv(2**30, 20, (mine, theirs), model_digest="a"), lambda _id: "Chat")
+    assert "not the model loaded now" not in section.table.item(0, 0).toolTip()
+    assert "Stored with Llama-3B, not the model loaded now" in section.table.item(1, 0).toolTip()

@@ -151,3 +151,30 @@ def test_a_pipeline_ranks_parts_count_are_evicted_and_cleared_with_rank_0s(store
     assert [p.name.split(".")[0] for p in rank1.glob("*.json")] == ["c"]
     store.clear()
     assert not rank1.exists() and store.total_bytes() == 0
+
+
+def test_a_listing_says_which_snapshots_the_model_loaded_now_reopens(store, tmp_path):
+    """A chat stored with other weights is read again, not reopened (its snapshot is
+    set aside): the app must not describe it as reopenable."""
+    import threading
+
+    from engine import ModelLoaded
+    from engine.session.sampling import SamplingParams
+    from tests.engine.tinymodels import make_tiny_model_dir
+
+    log = EventLog()
+    worker = EngineWorker(log, snapshots=store)
+    worker.start()
+    try:
+        log.result(worker.load_model(str(make_tiny_model_dir(tmp_path, "llama"))), ModelLoaded)
+        listing = [e for e in log.events if isinstance(e, StoredKv)][-1]  # sent as it loaded
+        assert listing.model_digest and not any(map(listing.reopenable, listing.snapshots))
+        log.ending(worker.open_session("s", MODE, 16))
+        log.ending(worker.chat("s", [{"role": "user", "content": "Hello there"}],
+                               SamplingParams(temperature=0.0, max_tokens=2),
+                               threading.Event()))
+        listing = _listing(log, worker.close_session("s"))  # stored as it closes
+        reopens = {info.name: listing.reopenable(info) for info in listing.snapshots}
+        assert reopens == {"s": True, "a": False, "b": False, "c": False}
+    finally:
+        worker.shutdown(timeout=10.0)
