@@ -71,10 +71,17 @@ class LocalServerPage(QWidget):
         form.addRow(self.allow_network)
         self.api_key = QLineEdit(settings.server_api_key)
         self.api_key.setPlaceholderText("None (only this computer can connect)")
+        # A secret: hidden on screen (a screen share, a shoulder) until asked for.
+        self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.show_key = QPushButton("Show")
+        self.show_key.setCheckable(True)
+        self.show_key.setAccessibleName("Show the API key")
+        self.show_key.toggled.connect(self._show_key)
         self.generate = QPushButton("Generate")
-        self.generate.clicked.connect(lambda: self.api_key.setText(new_api_key()))
+        self.generate.clicked.connect(self._generate_key)
         key_row = QHBoxLayout()
         key_row.addWidget(self.api_key, 1)
+        key_row.addWidget(self.show_key)
         key_row.addWidget(self.generate)
         add_field_row(form, "API key", self.api_key, key_row)
         self.share = QCheckBox("Share stored chats with the local server")
@@ -97,6 +104,17 @@ class LocalServerPage(QWidget):
         self.port.valueChanged.connect(self._show_addresses)
         self.enabled.toggled.connect(self._show_addresses)
         self._show_addresses()
+
+    def _show_key(self, shown: bool) -> None:
+        self.api_key.setEchoMode(QLineEdit.EchoMode.Normal if shown
+                                 else QLineEdit.EchoMode.Password)
+        self.show_key.setText("Hide" if shown else "Show")
+        self.show_key.setAccessibleName("Hide the API key" if shown else "Show the API key")
+
+    def _generate_key(self) -> None:
+        # Shown: the next thing to do with a new key is to copy it into the clients.
+        self.api_key.setText(new_api_key())
+        self.show_key.setChecked(True)
 
     def _address_row(self, form: QFormLayout, caption: str) -> tuple[QLabel, QPushButton]:
         label = QLabel()

@@ -470,3 +470,20 @@ def test_tab_in_the_many_line_fields_goes_to_the_next_field(qtbot) -> None:
         QTest.keyClick(field, Qt.Key.Key_Tab)
         assert field.toPlainText() == before and "\t" not in field.toPlainText()
         assert not field.hasFocus()
+
+
+def test_the_api_key_is_hidden_until_shown_and_a_new_one_is_shown(qtbot) -> None:
+    from PySide6.QtWidgets import QLineEdit
+
+    settings = Settings()
+    settings.server_api_key = "sk-secret"
+    dialog = SettingsDialog(settings)
+    qtbot.addWidget(dialog)
+    key = dialog.server.api_key
+    assert key.echoMode() == QLineEdit.EchoMode.Password  # a screen share shows dots
+    dialog.server.show_key.click()
+    assert key.echoMode() == QLineEdit.EchoMode.Normal and key.text() == "sk-secret"
+    dialog.server.show_key.click()
+    assert key.echoMode() == QLineEdit.EchoMode.Password
+    dialog.server.generate.click()  # to be copied into the clients next
+    assert key.echoMode() == QLineEdit.EchoMode.Normal and key.text() != "sk-secret"
