@@ -34,7 +34,7 @@ from engine.events import Failed, Finished, GenerationStats, SessionOpened, Toke
 from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
-from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
+from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax, with_short_ids
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,8 @@ class Server:
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         self._check_ready()
-        chat = protocol.anthropic_messages(await self._body(request), counting=True)
+        chat = self._for_template(protocol.anthropic_messages(await self._body(request),
+                                                              counting=True))
         return JSONResponse({"input_tokens": len(await self._render(chat))})
 
     async def chat_completions(self, request: Request) -> Response:
@@ -671,6 +672,7 @@ class Server:
         return self.bridge.model_id
 
     async def _start(self, chat: ChatRequest) -> Run:
+        chat = self._for_template(chat)
         mode = chat.mode or self.bridge.kv_mode
         if (chat.speculative_asked and chat.sampling.speculative == "lookup"
                 and self.bridge.machines > 1):
@@ -735,6 +737,14 @@ class Server:
                 self.bridge.render_later(chat.messages, chat.tools, chat.template))
         except EngineError as error:  # e.g. a template that drops the message to continue
             raise ApiError(400, str(error), param="messages") from error
+
+    def _for_template(self, chat: ChatRequest) -> ChatRequest:
+        """``chat`` with its call ids as the model's template demands them: ids made
+        by other servers (``toolu_…``) or clients are mapped, call and result alike."""
+        syntax = self.bridge.tool_syntax
+        if syntax is None or not syntax.short_ids:
+            return chat
+        return replace(chat, messages=with_short_ids(chat.messages))
 
     def _tool_syntax(self, chat: ChatRequest) -> ToolSyntax | None:
         """How the model marks its calls, for a request with tools (None: no tools).

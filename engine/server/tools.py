@@ -11,13 +11,21 @@ No MLX here: it runs on the server's event loop.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# Mistral's templates refuse a call id that is not 9 letters and digits (their
+# own ids): a call from another server, or one of ours, must be written so.
+SHORT_ID = 9
+# The check as those templates write it: ``tool_call.id|length != 9``.
+SHORT_ID_CHECK = re.compile(r"\|\s*length\s*!=\s*9\b")
 
 
 @dataclass(frozen=True)
@@ -41,14 +49,40 @@ class ToolSyntax:
     start: str
     end: str
     parser: Any  # mlx-lm's parse_tool_call(text, tools) -> dict or list of dicts
+    short_ids: bool = False  # call ids must be SHORT_ID letters and digits
 
     @classmethod
     def of(cls, tokenizer: Any) -> ToolSyntax | None:
         """The syntax of ``tokenizer``, or None where it defines no tool calling."""
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
-        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "",
-                   tokenizer.tool_parser)
+        parser = tokenizer.tool_parser
+        template = getattr(tokenizer, "chat_template", None)
+        short = getattr(parser, "__module__", "").endswith(".mistral") or (
+            isinstance(template, str) and SHORT_ID_CHECK.search(template) is not None)
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser, short)
+
+
+def short_id(ident: str) -> str:
+    """``ident`` as SHORT_ID letters and digits: itself where it is so already, else
+    a hash of it, the same every time, so a call and its result still pair up."""
+    if len(ident) == SHORT_ID and ident.isascii() and ident.isalnum():
+        return ident
+    return hashlib.sha256(ident.encode()).hexdigest()[:SHORT_ID]
+
+
+def with_short_ids(messages: list[dict]) -> list[dict]:
+    """``messages`` with every call id and result's ``tool_call_id`` made ``short_id``s."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [
+                {**call, "id": short_id(str(call.get("id") or ""))}
+                for call in message["tool_calls"]]}
+        if "tool_call_id" in message:
+            message = {**message, "tool_call_id": short_id(message["tool_call_id"])}
+        out.append(message)
+    return out
 
 
 class ToolCallReader:
@@ -118,7 +152,8 @@ class ToolCallReader:
         try:
             parsed = self.syntax.parser(text, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
-            found: list[str | ToolCall] = [self._call(call) for call in calls]
+            found: list[str | ToolCall] = [self._call(call, self.syntax.short_ids)
+                                           for call in calls]
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             # Nothing the model wrote is lost: an unreadable call stays text.
             log.warning("tool call not parsed (%s: %s)", type(error).__name__, error)
@@ -127,7 +162,7 @@ class ToolCallReader:
         return found
 
     @staticmethod
-    def _call(parsed: dict) -> ToolCall:
+    def _call(parsed: dict, short: bool) -> ToolCall:
         name = parsed["name"]
         if not isinstance(name, str) or not name:
             raise ValueError("a tool call without a name")
@@ -136,8 +171,8 @@ class ToolCallReader:
             json.loads(arguments)  # OpenAI clients parse it: it must be JSON
         else:
             arguments = json.dumps(arguments, ensure_ascii=False)
-        ident = parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}"
-        return ToolCall(str(ident), name, arguments)
+        ident = str(parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}")
+        return ToolCall(short_id(ident) if short else ident, name, arguments)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -70,18 +70,18 @@ def test_a_template_that_refuses_a_conversation_is_a_400_in_each_api(refusing: S
     said = [{"role": "user", "content": "refuse me"}]
     chat = openai.OpenAI(base_url=refusing.url + "/v1", api_key=refusing.key, max_retries=0)
     with pytest.raises(openai.BadRequestError) as openai_error:
-        chat.chat.completions.create(model="m", messages=said, max_tokens=3)  # type: ignore[arg-type]
-    assert openai_error.value.body["message"] == REFUSED  # type: ignore[index]
+        chat.chat.completions.create(model="m", messages=said, max_tokens=3)
+    assert openai_error.value.body["message"] == REFUSED
     with pytest.raises(openai.BadRequestError) as responses_error:
         chat.responses.create(model="m", input="refuse me", max_output_tokens=3, store=False)
-    assert responses_error.value.body["message"] == REFUSED  # type: ignore[index]
+    assert responses_error.value.body["message"] == REFUSED
     claude = anthropic.Anthropic(base_url=refusing.url, api_key=refusing.key, max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as anthropic_error:
-        claude.messages.create(model="m", max_tokens=3, messages=said)  # type: ignore[arg-type]
-    assert anthropic_error.value.body["error"] == {  # type: ignore[index]
+        claude.messages.create(model="m", max_tokens=3, messages=said)
+    assert anthropic_error.value.body["error"] == {
         "type": "invalid_request_error", "message": REFUSED}
     with pytest.raises(anthropic.BadRequestError):
-        claude.messages.count_tokens(model="m", messages=said)  # type: ignore[arg-type]
+        claude.messages.count_tokens(model="m", messages=said)
     local = ollama.Client(host=refusing.url, headers={"Authorization": f"Bearer {refusing.key}"})
     with pytest.raises(ollama.ResponseError) as ollama_error:
         local.chat(model="m", messages=said)

@@ -14,11 +14,16 @@ from mlx_lm.tool_parsers import json_tools
 from mlx_lm.utils import load_tokenizer
 
 from engine.server import protocol
-from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
+from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax, with_short_ids
 from engine.session import sampling
 from engine.session.prompt_ids import render_conversation
 from tests.engine.server.conftest import Served, start_server
-from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
+from tests.engine.server.tool_models import (
+    MISTRAL_TEMPLATE,
+    make_templated_model_dir,
+    make_tool_model_dir,
+    scripted_processors,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {"type": "function", "function": {
@@ -406,3 +411,56 @@ def test_parallel_calls_streamed_give_the_items_they_give_whole(tooled: Served,
     for items in (output, created):
         assert [item.type for item in items] == ["message", "function_call", "function_call"]
         assert items[0].content[0].text == "Let me check.\n"
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A model whose template demands Mistral's 9-character call ids."""
+    root = tmp_path_factory.mktemp("server-mistral")
+    folder = make_templated_model_dir(root, "tiny-llama-mistral", MISTRAL_TEMPLATE)
+    running, stop = start_server(folder, root / "kv")
+    yield running
+    stop()
+
+
+def test_a_mistral_tool_round_trip_is_answered(mistral: Served,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the server's call_<24 hex> ids failed the template's check, so the
+    # call sent back with its result was a 500, every time.
+    tokenizer = load_tokenizer(Path(mistral.bridge.info.path))
+    monkeypatch.setattr(sampling, "build_logits_processors", scripted_processors(
+        tokenizer, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'))
+    api = openai.OpenAI(base_url=mistral.url + "/v1", api_key=mistral.key, max_retries=0)
+    reply = api.chat.completions.create(model="m", messages=MESSAGES,
+                                        tools=[WEATHER], max_tokens=80)
+    message = reply.choices[0].message
+    assert message.tool_calls is not None
+    ident = message.tool_calls[0].id
+    assert len(ident) == 9 and ident.isalnum()
+    follow = [*MESSAGES, message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": ident, "content": "sunny"}]
+    again = api.chat.completions.create(model="m", messages=follow,
+                                        tools=[WEATHER], max_tokens=5)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # A conversation begun on another server (Anthropic's toolu_ ids) is read too.
+    claude = anthropic.Anthropic(base_url=mistral.url, api_key=mistral.key, max_retries=0)
+    counted = claude.messages.count_tokens(model="m", tools=[ANTHROPIC_WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01AbCdEf",
+                                           "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01AbCdEf",
+                                      "content": "sunny"}]}])
+    assert counted.input_tokens > 0
+
+
+def test_short_ids_pair_a_call_with_its_result() -> None:
+    messages = with_short_ids([
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "toolu_01AbCdEf", "type": "function",
+             "function": {"name": "f", "arguments": {}}},
+            {"id": "abcDEF123", "type": "function", "function": {"name": "f", "arguments": {}}}]},
+        {"role": "tool", "content": "1", "tool_call_id": "toolu_01AbCdEf"},
+        {"role": "tool", "content": "2", "tool_call_id": "abcDEF123"}])
+    first, kept = (call["id"] for call in messages[0]["tool_calls"])
+    assert len(first) == 9 and first.isalnum() and first == messages[1]["tool_call_id"]
+    assert kept == messages[2]["tool_call_id"] == "abcDEF123"  # already a Mistral id
