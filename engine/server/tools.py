@@ -152,11 +152,16 @@ class ToolCallReader:
         try:
             parsed = self.syntax.parser(text, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
+            if not calls:
+                raise ValueError("no call in it")
             found: list[str | ToolCall] = [self._call(call, self.syntax.short_ids)
                                            for call in calls]
-        except (ValueError, TypeError, KeyError, AttributeError) as error:
-            # Nothing the model wrote is lost: an unreadable call stays text.
-            log.warning("tool call not parsed (%s: %s)", type(error).__name__, error)
+        except Exception as error:
+            # mlx-lm's parsers raise what their input makes them raise (RecursionError
+            # for deep nesting, OverflowError for "inf" as an integer…): whatever it
+            # is, nothing the model wrote is lost, an unreadable call stays text.
+            log.warning("tool call not parsed (%s: %s)", type(error).__name__,
+                        str(error)[:200])
             return [self.syntax.start + text + (self.syntax.end if closed else "")]
         self.calls += len(found)
         return found
@@ -166,13 +171,25 @@ class ToolCallReader:
         name = parsed["name"]
         if not isinstance(name, str) or not name:
             raise ValueError("a tool call without a name")
-        arguments = parsed.get("arguments", {})
-        if isinstance(arguments, str):
-            json.loads(arguments)  # OpenAI clients parse it: it must be JSON
-        else:
-            arguments = json.dumps(arguments, ensure_ascii=False)
+        arguments = _arguments(parsed.get("arguments", {}))
         ident = str(parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}")
         return ToolCall(short_id(ident) if short else ident, name, arguments)
+
+
+def _arguments(value: Any) -> str:
+    """A call's arguments as JSON text a client can read.
+
+    Raises:
+        ValueError: they hold a number JSON cannot write (inf, nan).
+    """
+    if isinstance(value, str):
+        json.loads(value, parse_constant=_no_constant)  # OpenAI clients parse it
+        return value
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON number a client can read")
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from mlx_lm.tool_parsers import json_tools
+from mlx_lm.tool_parsers import json_tools, pythonic, qwen3_coder
 from mlx_lm.utils import load_tokenizer
 
 from engine.server import protocol
@@ -89,6 +89,32 @@ def test_unreadable_call_stays_text_and_a_cut_call_is_still_read() -> None:
     parts = read_all(ToolCallReader(JSON_SYNTAX, None), cut, 4)
     assert len(parts) == 1 and isinstance(parts[0], ToolCall)
     assert parts[0].input() == {"city": "Paris"}
+
+
+WAIT = {"type": "function", "function": {"name": "wait", "parameters": {
+    "type": "object", "properties": {"seconds": {"type": "number"}}}}}
+
+
+def syntax_of(parser) -> ToolSyntax:
+    return ToolSyntax(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (json_tools, "<tool_call>\n" + '{"a":' * 1200 + "1" + "}" * 1200 + "\n</tool_call>"),
+    (json_tools, '<tool_call>\n{"name": "f", "arguments": ' + "[" * 3000),
+    (json_tools, "<tool_call>\n[]\n</tool_call>"),
+    (qwen3_coder, "<tool_call>\n<function=wait>\n<parameter=seconds>\ninf\n</parameter>\n"
+                  "</function>\n</tool_call>"),
+    (pythonic, "<|tool_call_start|>[wait(seconds=1e999)]<|tool_call_end|>"),
+    (json_tools, '<tool_call>\n{"name": "wait", "arguments": "{\\"seconds\\": NaN}"}\n'
+                 "</tool_call>"),
+], ids=["deep", "deep-cut", "empty-list", "inf", "1e999", "nan-in-text"])
+def test_a_call_no_parser_reads_into_json_stays_text(parser, text: str) -> None:
+    # Before: RecursionError and OverflowError escaped the reader (a 500, or a stream
+    # cut without an error event), an empty list of calls dropped the text, and
+    # Infinity or NaN went out as arguments no JSON client can read.
+    reader = ToolCallReader(syntax_of(parser), [WAIT])
+    assert joined(read_all(reader, text, 1000)) == [text]
 
 
 @pytest.mark.parametrize("cut", ["<tool_call>\n", '<tool_call>\n{"name": "get_wea',
@@ -464,3 +490,4 @@ def test_short_ids_pair_a_call_with_its_result() -> None:
     first, kept = (call["id"] for call in messages[0]["tool_calls"])
     assert len(first) == 9 and first.isalnum() and first == messages[1]["tool_call_id"]
     assert kept == messages[2]["tool_call_id"] == "abcDEF123"  # already a Mistral id
+
