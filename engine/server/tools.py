@@ -37,9 +37,10 @@ class ToolCall:
     arguments: str
 
     def input(self) -> dict:
-        """The arguments as an object (Anthropic's ``tool_use.input``)."""
-        value = json.loads(self.arguments)
-        return value if isinstance(value, dict) else {"value": value}
+        """The arguments as an object (Anthropic's ``tool_use.input``); the reader
+        makes only calls whose arguments are one."""
+        value: dict = json.loads(self.arguments)
+        return value
 
 
 @dataclass(frozen=True)
@@ -171,21 +172,30 @@ class ToolCallReader:
         name = parsed["name"]
         if not isinstance(name, str) or not name:
             raise ValueError("a tool call without a name")
-        arguments = _arguments(parsed.get("arguments", {}))
+        arguments = _arguments(parsed.get("arguments"))
         ident = str(parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}")
         return ToolCall(short_id(ident) if short else ident, name, arguments)
 
 
 def _arguments(value: Any) -> str:
-    """A call's arguments as JSON text a client can read.
+    """A call's arguments as the JSON text of an object; none written ("", null) is {}.
+
+    Clients parse them and send them back, and the server reads them back as an
+    object: anything else would make every later turn of the conversation fail.
 
     Raises:
-        ValueError: they hold a number JSON cannot write (inf, nan).
+        ValueError: they are not an object, or hold a number JSON cannot write
+            (inf, nan), which no client could read.
     """
-    if isinstance(value, str):
-        json.loads(value, parse_constant=_no_constant)  # OpenAI clients parse it
-        return value
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    text = value if isinstance(value, str) else None
+    if text is not None:
+        value = json.loads(text, parse_constant=_no_constant) if text.strip() else None
+    if value is None:
+        return "{}"
+    if not isinstance(value, dict):
+        raise ValueError(f"arguments that are not an object: {str(value)[:80]}")
+    return text if text is not None else json.dumps(value, ensure_ascii=False,
+                                                    allow_nan=False)
 
 
 def _no_constant(name: str) -> Any:

@@ -491,3 +491,46 @@ def test_short_ids_pair_a_call_with_its_result() -> None:
     assert len(first) == 9 and first.isalnum() and first == messages[1]["tool_call_id"]
     assert kept == messages[2]["tool_call_id"] == "abcDEF123"  # already a Mistral id
 
+
+NULL_ARGUMENTS = '<tool_call>\n{"name": "get_weather", "arguments": null}\n</tool_call>'
+
+
+def test_a_call_without_arguments_comes_back_as_an_empty_object(tooled: Served,
+                                                                 forced) -> None:
+    # Before: "null" (OpenAI), {"value": None} or None (Anthropic, not streamed or
+    # streamed), which the server itself refused when the client sent them back.
+    forced(NULL_ARGUMENTS)
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    message = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                          max_tokens=80).choices[0].message
+    assert message.tool_calls is not None
+    assert message.tool_calls[0].function.arguments == "{}"
+    claude = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    ask = {"model": "m", "max_tokens": 80, "messages": MESSAGES, "tools": [ANTHROPIC_WEATHER]}
+    whole = claude.messages.create(**ask).content
+    with claude.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message().content
+    assert [(b.type, b.input) for b in whole] == [(b.type, b.input) for b in streamed] == [
+        ("tool_use", {})]
+    forced("ok")
+    follow = [*MESSAGES, message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "?"}]
+    api.chat.completions.create(model="m", messages=follow, tools=[WEATHER], max_tokens=5)
+    claude.messages.create(**{**ask, "messages": [
+        *MESSAGES, {"role": "assistant", "content": [b.model_dump() for b in streamed]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": streamed[0].id,
+                                      "content": "?"}]}]})
+
+
+@pytest.mark.parametrize(("arguments", "read"), [
+    ("null", {}), ('""', {}), ('"{\\"city\\": \\"Oslo\\"}"', {"city": "Oslo"}),
+    ("5", None), ("[1]", None), ('"Oslo"', None)])
+def test_arguments_that_are_no_object_leave_the_call_as_text(arguments: str,
+                                                             read: dict | None) -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + arguments + "}\n</tool_call>"
+    parts = read_all(ToolCallReader(JSON_SYNTAX, [WEATHER]), text, 1000)
+    if read is None:
+        assert joined(parts) == [text]
+    else:
+        assert len(parts) == 1 and isinstance(parts[0], ToolCall)
+        assert parts[0].input() == read
