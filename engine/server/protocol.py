@@ -25,6 +25,10 @@ MAX_TOOLS = 128
 TOOL_ERROR = "The tool call failed:\n"  # before the text of a result marked is_error
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
 COMPLETION_TOP_LOGPROBS = 5  # /v1/completions' limit on logprobs
+# An image in a message or a tool's result (Anthropic's, OpenAI chat's and the
+# Responses API's block types): the model reads this in its place.
+IMAGE_KINDS = ("image", "image_url", "input_image")
+IMAGE_OMITTED = "[image omitted: this model reads text only]"
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,9 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",),
     """A message's text: a string, or text blocks joined (OpenAI parts, Anthropic blocks).
 
     ``kinds`` are the block types read as text (each carries a "text" string, a
-    "refusal" block its "refusal" string); ``param`` is the field errors name.
+    "refusal" block its "refusal" string); ``param`` is the field errors name. An
+    image becomes ``IMAGE_OMITTED``: agents send back a screenshot a tool returned
+    with every later turn, so refusing it would end the conversation.
     """
     if isinstance(content, str):
         return content
@@ -110,12 +116,16 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",),
             # A tool search's result names a tool: every tool is in the prompt already.
             parts.append(f"Tool available: {block['tool_name']}\n")
             continue
+        if isinstance(block, dict) and block.get("type") in IMAGE_KINDS:
+            parts.append(IMAGE_OMITTED)
+            continue
         kind = block.get("type") if isinstance(block, dict) else type(block).__name__
         key = "refusal" if kind == "refusal" else "text"
         if not isinstance(block, dict) or kind not in kinds \
                 or not isinstance(block.get(key), str):
             raise BadRequest(f"{where} has a content block of type {kind!r}; this server "
-                             "reads text blocks only.", param)
+                             "reads text blocks only (an image becomes a note that one was "
+                             "left out).", param)
         parts.append(block[key])
     return "".join(parts)
 
