@@ -724,7 +724,7 @@ class Server:
         except NotReady as error:
             raise _not_ready(str(error)) from error
         reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
-        wanted = None if chat.tool_choice == "auto" else chat.tool_name or ""
+        wanted = None if chat.tool_choice in ("auto", "none") else chat.tool_name or ""
         return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted,
                    keepalive=self.keepalive if chat.stream else 0.0, max_calls=chat.max_calls,
                    anthropic=chat.anthropic)
@@ -751,8 +751,10 @@ class Server:
 
         Tools for a model whose chat template defines no tool calling are refused:
         the template would drop them, and the answer could never be read as a call.
+        Under tool_choice "none" the tools are rendered but no call is read: a call
+        the model writes anyway stays text.
         """
-        if not chat.tools:
+        if not chat.tools or chat.tool_choice == "none":
             return None
         syntax = self.bridge.tool_syntax
         if syntax is None:

@@ -283,14 +283,37 @@ def test_anthropic_tool_choice_is_read(choice, expected) -> None:
     assert (chat.tool_choice, chat.tool_name) == expected and chat.tools
 
 
-def test_tool_choice_none_offers_no_tools() -> None:
+def test_tool_choice_none_still_renders_the_tools() -> None:
     chat = protocol.openai_chat({"messages": MESSAGES, "tools": [WEATHER],
                                  "tool_choice": "none"}, 5)
-    assert chat.tools is None and chat.tool_choice == "auto"
+    assert chat.tools == [WEATHER] and chat.tool_choice == "none"
     other = protocol.anthropic_messages({"max_tokens": 5, "messages": MESSAGES,
                                          "tools": [ANTHROPIC_WEATHER],
                                          "tool_choice": {"type": "none"}})
-    assert other.tools is None and other.tool_choice == "auto"
+    assert other.tools == chat.tools and other.tool_choice == "none"
+    # No call can be made, so an answer held to a schema is no conflict.
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object"}}}
+    held = protocol.openai_chat({"messages": MESSAGES, "tools": [WEATHER],
+                                 "tool_choice": "none", "response_format": schema}, 5)
+    assert held.sampling.grammar is not None
+
+
+def test_tool_choice_none_reuses_the_cache_and_reads_no_call(tooled: Served,
+                                                             forced) -> None:
+    # Before: "none" left the tools out of the prompt, which then differed from the
+    # tool list on: an agent's whole conversation was read again for that turn.
+    forced(CALL)
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    asked = {"model": "m", "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 80}
+    first = api.chat.completions.create(**asked)
+    none = api.chat.completions.create(**asked, tool_choice="none")
+    assert none.usage.prompt_tokens == first.usage.prompt_tokens
+    assert none.usage.prompt_tokens_details.cached_tokens == none.usage.prompt_tokens - 1
+    # A call the model writes anyway is its text.
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == CALL
+    assert none.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize(("anthropic_api", "body"), [
