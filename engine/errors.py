@@ -69,6 +69,10 @@ class MachineShort(ContextTooLong):
         self.machine = machine
 
 
+class TemplateRefused(EngineError):
+    """The model's chat template raised on a conversation (its own rule, in its words)."""
+
+
 class ModelLoadError(EngineError):
     """A model folder is missing files, corrupt, or of an unknown architecture."""
 

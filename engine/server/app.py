@@ -34,7 +34,7 @@ from engine.events import Failed, Finished, GenerationStats, SessionOpened, Toke
 from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
 from engine.server.protocol import BadRequest, ChatRequest
-from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
+from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax, with_short_ids
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,8 @@ class Server:
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         self._check_ready()
-        chat = protocol.anthropic_messages(await self._body(request), counting=True)
+        chat = self._for_template(protocol.anthropic_messages(await self._body(request),
+                                                              counting=True))
         return JSONResponse({"input_tokens": len(await self._render(chat))})
 
     async def chat_completions(self, request: Request) -> Response:
@@ -674,6 +675,7 @@ class Server:
         return self.bridge.model_id
 
     async def _start(self, chat: ChatRequest) -> Run:
+        chat = self._for_template(chat)
         mode = chat.mode or self.bridge.kv_mode
         if (chat.speculative_asked and chat.sampling.speculative == "lookup"
                 and self.bridge.machines > 1):
@@ -725,7 +727,7 @@ class Server:
         except NotReady as error:
             raise _not_ready(str(error)) from error
         reader = ToolCallReader(syntax, chat.tools) if syntax is not None else None
-        wanted = None if chat.tool_choice == "auto" else chat.tool_name or ""
+        wanted = None if chat.tool_choice in ("auto", "none") else chat.tool_name or ""
         return Run(self.bridge, ticket, cancel, chat.stop, len(prompt), reader, wanted,
                    keepalive=self.keepalive if chat.stream else 0.0, max_calls=chat.max_calls,
                    anthropic=chat.anthropic)
@@ -739,13 +741,23 @@ class Server:
         except EngineError as error:  # e.g. a template that drops the message to continue
             raise ApiError(400, str(error), param="messages") from error
 
+    def _for_template(self, chat: ChatRequest) -> ChatRequest:
+        """``chat`` with its call ids as the model's template demands them: ids made
+        by other servers (``toolu_…``) or clients are mapped, call and result alike."""
+        syntax = self.bridge.tool_syntax
+        if syntax is None or not syntax.short_ids:
+            return chat
+        return replace(chat, messages=with_short_ids(chat.messages))
+
     def _tool_syntax(self, chat: ChatRequest) -> ToolSyntax | None:
         """How the model marks its calls, for a request with tools (None: no tools).
 
         Tools for a model whose chat template defines no tool calling are refused:
         the template would drop them, and the answer could never be read as a call.
+        Under tool_choice "none" the tools are rendered but no call is read: a call
+        the model writes anyway stays text.
         """
-        if not chat.tools:
+        if not chat.tools or chat.tool_choice == "none":
             return None
         syntax = self.bridge.tool_syntax
         if syntax is None:

@@ -25,6 +25,10 @@ MAX_TOOLS = 128
 TOOL_ERROR = "The tool call failed:\n"  # before the text of a result marked is_error
 MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
 COMPLETION_TOP_LOGPROBS = 5  # /v1/completions' limit on logprobs
+# An image in a message or a tool's result (Anthropic's, OpenAI chat's and the
+# Responses API's block types): the model reads this in its place.
+IMAGE_KINDS = ("image", "image_url", "input_image")
+IMAGE_OMITTED = "[image omitted: this model reads text only]"
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,9 @@ class ChatRequest:
     tools: list[dict] | None = None
     template: bool = True  # False: a text completion, the prompt read as plain text
     echo: bool = False  # a text completion's answer starts with its prompt
-    tool_choice: str = "auto"  # "auto", "required" (any call) or "named" (tool_name's)
+    # "auto", "required" (any call), "named" (tool_name's) or "none": the tools are
+    # still rendered (the prompt an agent's cache holds stays the same), no call is read.
+    tool_choice: str = "auto"
     tool_name: str | None = None
     # The client named "speculative" itself: on a pipeline "lookup" is refused then,
     # and left to the default it is off (Session.chat).
@@ -97,7 +103,9 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",),
     """A message's text: a string, or text blocks joined (OpenAI parts, Anthropic blocks).
 
     ``kinds`` are the block types read as text (each carries a "text" string, a
-    "refusal" block its "refusal" string); ``param`` is the field errors name.
+    "refusal" block its "refusal" string); ``param`` is the field errors name. An
+    image becomes ``IMAGE_OMITTED``: agents send back a screenshot a tool returned
+    with every later turn, so refusing it would end the conversation.
     """
     if isinstance(content, str):
         return content
@@ -110,12 +118,16 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...] = ("text",),
             # A tool search's result names a tool: every tool is in the prompt already.
             parts.append(f"Tool available: {block['tool_name']}\n")
             continue
+        if isinstance(block, dict) and block.get("type") in IMAGE_KINDS:
+            parts.append(IMAGE_OMITTED)
+            continue
         kind = block.get("type") if isinstance(block, dict) else type(block).__name__
         key = "refusal" if kind == "refusal" else "text"
         if not isinstance(block, dict) or kind not in kinds \
                 or not isinstance(block.get(key), str):
             raise BadRequest(f"{where} has a content block of type {kind!r}; this server "
-                             "reads text blocks only.", param)
+                             "reads text blocks only (an image becomes a note that one was "
+                             "left out).", param)
         parts.append(block[key])
     return "".join(parts)
 
@@ -366,14 +378,11 @@ def _tool_choice(body: dict, anthropic: bool) -> tuple[str, str | None]:
 
 def tools_of(body: dict, anthropic: bool) -> tuple[list[dict] | None, str, str | None]:
     """The request's tools in the form chat templates read (OpenAI's function tools),
-    with its tool choice: "none" offers no tools; a choice of one tool must name a
-    listed one."""
+    with its tool choice; a choice of one tool must name a listed one."""
     tools = body.get("tools")
     choice, name = _tool_choice(body, anthropic)
-    if choice == "none":
-        return None, "auto", None
     if tools is None or tools == []:
-        if choice != "auto":
+        if choice not in ("auto", "none"):
             raise BadRequest("'tool_choice' asks for a tool call but the request lists no "
                              "'tools'.", "tool_choice")
         return None, "auto", None
@@ -473,10 +482,10 @@ def sampling_params(body: dict, max_tokens: int, seed: Any, *,
 
 
 def structured_grammar(grammar: str | None, tools: list[dict] | None,
-                       param: str) -> str | None:
-    """``grammar``, refused beside the function ``tools`` the model is offered (none
+                       param: str, choice: str = "auto") -> str | None:
+    """``grammar``, refused beside the function ``tools`` the model may call (none
     under tool_choice "none"): an answer held to a schema could never be a tool call."""
-    if grammar is not None and tools:
+    if grammar is not None and tools and choice != "none":
         raise BadRequest(f"'{param}' and 'tools' cannot be used together yet: the answer "
                          "is held to the schema, so it could never call a tool.", param)
     return grammar
@@ -528,7 +537,8 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
                                  logprobs=_chat_logprobs(body),
                                  grammar=structured_grammar(
                                      structured.openai_format(body.get("response_format")),
-                                     tool_fields["tools"], "response_format")),
+                                     tool_fields["tools"], "response_format",
+                                     tool_fields["tool_choice"])),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
@@ -601,7 +611,8 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
         sampling=sampling_params(body, max_tokens, None, grammar=None if counting else
                                  structured_grammar(
                                      structured.anthropic_format(body.get("output_config")),
-                                     tool_fields["tools"], "output_config")),
+                                     tool_fields["tools"], "output_config",
+                                     tool_fields["tool_choice"])),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model, anthropic=True,

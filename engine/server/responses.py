@@ -116,17 +116,17 @@ def read(body: Any) -> ResponsesRequest:
     calls = protocol.integer(body, ("max_tool_calls",), None, 1)
     if body.get("parallel_tool_calls") is False:
         calls = 1
-    offered = None if choice == "none" else tools or None  # hosted tools left out
+    offered = tools or None  # hosted tools left out
     chat = ChatRequest(
         messages=_messages(body.get("input"), instructions),
         sampling=protocol.sampling_params(body, int(max_tokens), None,
                                           grammar=protocol.structured_grammar(
                                               structured.responses_format(body.get("text")),
-                                              offered, "text")),
+                                              offered, "text", choice)),
         speculative_asked="speculative" in body, stop=(), stream=stream,
         include_usage=True, mode=protocol.mode_from(model, body), model=model,
         tools=offered,
-        tool_choice="auto" if choice == "none" else choice, tool_name=name,
+        tool_choice=choice, tool_name=name,
         max_calls=calls)
     echoed = {"tool_choice": body.get("tool_choice", "auto"),
               "text": body.get("text") or {"format": {"type": "text"}},

@@ -11,13 +11,21 @@ No MLX here: it runs on the server's event loop.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# Mistral's templates refuse a call id that is not 9 letters and digits (their
+# own ids): a call from another server, or one of ours, must be written so.
+SHORT_ID = 9
+# The check as those templates write it: ``tool_call.id|length != 9``.
+SHORT_ID_CHECK = re.compile(r"\|\s*length\s*!=\s*9\b")
 
 
 @dataclass(frozen=True)
@@ -29,9 +37,10 @@ class ToolCall:
     arguments: str
 
     def input(self) -> dict:
-        """The arguments as an object (Anthropic's ``tool_use.input``)."""
-        value = json.loads(self.arguments)
-        return value if isinstance(value, dict) else {"value": value}
+        """The arguments as an object (Anthropic's ``tool_use.input``); the reader
+        makes only calls whose arguments are one."""
+        value: dict = json.loads(self.arguments)
+        return value
 
 
 @dataclass(frozen=True)
@@ -41,14 +50,40 @@ class ToolSyntax:
     start: str
     end: str
     parser: Any  # mlx-lm's parse_tool_call(text, tools) -> dict or list of dicts
+    short_ids: bool = False  # call ids must be SHORT_ID letters and digits
 
     @classmethod
     def of(cls, tokenizer: Any) -> ToolSyntax | None:
         """The syntax of ``tokenizer``, or None where it defines no tool calling."""
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
-        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "",
-                   tokenizer.tool_parser)
+        parser = tokenizer.tool_parser
+        template = getattr(tokenizer, "chat_template", None)
+        short = getattr(parser, "__module__", "").endswith(".mistral") or (
+            isinstance(template, str) and SHORT_ID_CHECK.search(template) is not None)
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser, short)
+
+
+def short_id(ident: str) -> str:
+    """``ident`` as SHORT_ID letters and digits: itself where it is so already, else
+    a hash of it, the same every time, so a call and its result still pair up."""
+    if len(ident) == SHORT_ID and ident.isascii() and ident.isalnum():
+        return ident
+    return hashlib.sha256(ident.encode()).hexdigest()[:SHORT_ID]
+
+
+def with_short_ids(messages: list[dict]) -> list[dict]:
+    """``messages`` with every call id and result's ``tool_call_id`` made ``short_id``s."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [
+                {**call, "id": short_id(str(call.get("id") or ""))}
+                for call in message["tool_calls"]]}
+        if "tool_call_id" in message:
+            message = {**message, "tool_call_id": short_id(message["tool_call_id"])}
+        out.append(message)
+    return out
 
 
 class ToolCallReader:
@@ -118,26 +153,53 @@ class ToolCallReader:
         try:
             parsed = self.syntax.parser(text, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
-            found: list[str | ToolCall] = [self._call(call) for call in calls]
-        except (ValueError, TypeError, KeyError, AttributeError) as error:
-            # Nothing the model wrote is lost: an unreadable call stays text.
-            log.warning("tool call not parsed (%s: %s)", type(error).__name__, error)
+            if not calls:
+                raise ValueError("no call in it")
+            found: list[str | ToolCall] = [self._call(call, self.syntax.short_ids)
+                                           for call in calls]
+        except Exception as error:
+            # mlx-lm's parsers raise what their input makes them raise (RecursionError
+            # for deep nesting, OverflowError for "inf" as an integer…): whatever it
+            # is, nothing the model wrote is lost, an unreadable call stays text.
+            log.warning("tool call not parsed (%s: %s)", type(error).__name__,
+                        str(error)[:200])
             return [self.syntax.start + text + (self.syntax.end if closed else "")]
         self.calls += len(found)
         return found
 
     @staticmethod
-    def _call(parsed: dict) -> ToolCall:
+    def _call(parsed: dict, short: bool) -> ToolCall:
         name = parsed["name"]
         if not isinstance(name, str) or not name:
             raise ValueError("a tool call without a name")
-        arguments = parsed.get("arguments", {})
-        if isinstance(arguments, str):
-            json.loads(arguments)  # OpenAI clients parse it: it must be JSON
-        else:
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        ident = parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}"
-        return ToolCall(str(ident), name, arguments)
+        arguments = _arguments(parsed.get("arguments"))
+        ident = str(parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}")
+        return ToolCall(short_id(ident) if short else ident, name, arguments)
+
+
+def _arguments(value: Any) -> str:
+    """A call's arguments as the JSON text of an object; none written ("", null) is {}.
+
+    Clients parse them and send them back, and the server reads them back as an
+    object: anything else would make every later turn of the conversation fail.
+
+    Raises:
+        ValueError: they are not an object, or hold a number JSON cannot write
+            (inf, nan), which no client could read.
+    """
+    text = value if isinstance(value, str) else None
+    if text is not None:
+        value = json.loads(text, parse_constant=_no_constant) if text.strip() else None
+    if value is None:
+        return "{}"
+    if not isinstance(value, dict):
+        raise ValueError(f"arguments that are not an object: {str(value)[:80]}")
+    return text if text is not None else json.dumps(value, ensure_ascii=False,
+                                                    allow_nan=False)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON number a client can read")
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import EngineError
+import jinja2
+
+from engine.errors import EngineError, TemplateRefused
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +115,14 @@ def _template_text(tokenizer: Any, messages: list[dict[str, str]], *,
     # Tools only when there are some: a template without tool support then
     # renders exactly as it always did.
     extra = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    except jinja2.TemplateError as error:
+        # A template's raise_exception states a rule of its own (roles that
+        # alternate, the form of a call's id): its words tell the user what to change.
+        raise TemplateRefused("The model's chat template refused this conversation: "
+                              f"{error}") from error
 
 
 def _continued_text(tokenizer: Any, messages: list[dict[str, str]],

@@ -102,7 +102,7 @@ def test_errors_in_anthropic_shape(served: Served) -> None:
             model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic.BadRequestError) as raised:
         client(served).messages.create(model="m", max_tokens=2, messages=[
-            {"role": "user", "content": [{"type": "image", "source": {}}]}])
+            {"role": "user", "content": [{"type": "text"}]}])
     assert raised.value.body["type"] == "error"
     assert raised.value.body["error"]["type"] == "invalid_request_error"
     reply = httpx.post(served.url + "/v1/messages", content=b"[", timeout=30,
@@ -275,3 +275,26 @@ def test_a_long_read_keeps_the_stream_alive(impatient: Served,
     quick = client(impatient).messages.create(model="m", max_tokens=6, messages=messages,
                                               extra_body=GREEDY)
     assert final.content[0].text == "".join(deltas) == quick.content[0].text
+
+
+PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAAB"
+       "JRU5ErkJggg==")
+
+
+def test_an_image_a_tool_returned_is_a_note_not_a_refusal(served: Served) -> None:
+    # Before: a 400 "this server reads text blocks only", and since an agent sends
+    # the screenshot back with every later turn, the conversation could not go on.
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": PNG}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Look at shot.png"}, image]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                           "name": "read", "input": {"path": "shot.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [image]}]}]
+    reply = client(served).messages.create(model="m", max_tokens=2, messages=messages)
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    read = protocol.anthropic_messages({"max_tokens": 2, "messages": messages})
+    assert read.messages[0]["content"] == "Look at shot.png" + protocol.IMAGE_OMITTED
+    assert read.messages[-1] == {"role": "tool", "content": protocol.IMAGE_OMITTED,
+                                 "tool_call_id": "toolu_1"}

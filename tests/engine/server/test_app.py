@@ -1,14 +1,25 @@
 """The server's ``Run``: an answer's text and its tokens' log probabilities, cut
-at a stop sequence, without a model."""
+at a stop sequence, without a model; and what a chat template's refusal answers."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+
+import anthropic
+import ollama
+import openai
+import pytest
 
 from engine.events import Finished, TokenChunk, TokenLogprob
 from engine.server.app import Run
 from engine.server.bridge import Ticket
+from tests.engine.server.conftest import Served, start_server
+from tests.engine.server.tool_models import REFUSING_TEMPLATE, make_templated_model_dir
+
+REFUSED = ("The model's chat template refused this conversation: This template refuses "
+           "that message.")
 
 
 def _chunk(text: str, token: int) -> TokenChunk:
@@ -55,3 +66,35 @@ def test_a_prompt_too_long_for_memory_or_another_machine_is_a_context_error() ->
     for kind in ("ContextTooLong", "MemoryShort", "MachineShort"):
         error = _engine_error(Failed(1, "This conversation needs 9,000 tokens …", kind))
         assert (error.status, error.code) == (400, "context_length_exceeded"), kind
+
+
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("server-refusing")
+    folder = make_templated_model_dir(root, "tiny-llama-refusing", REFUSING_TEMPLATE)
+    running, stop = start_server(folder, root / "kv")
+    yield running
+    stop()
+
+
+def test_a_template_that_refuses_a_conversation_is_a_400_in_each_api(refusing: Served) -> None:
+    # Before: the template's exception escaped as a bare 500, in no API's shape.
+    said = [{"role": "user", "content": "refuse me"}]
+    chat = openai.OpenAI(base_url=refusing.url + "/v1", api_key=refusing.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as openai_error:
+        chat.chat.completions.create(model="m", messages=said, max_tokens=3)
+    assert openai_error.value.body["message"] == REFUSED
+    with pytest.raises(openai.BadRequestError) as responses_error:
+        chat.responses.create(model="m", input="refuse me", max_output_tokens=3, store=False)
+    assert responses_error.value.body["message"] == REFUSED
+    claude = anthropic.Anthropic(base_url=refusing.url, api_key=refusing.key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as anthropic_error:
+        claude.messages.create(model="m", max_tokens=3, messages=said)
+    assert anthropic_error.value.body["error"] == {
+        "type": "invalid_request_error", "message": REFUSED}
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.count_tokens(model="m", messages=said)
+    local = ollama.Client(host=refusing.url, headers={"Authorization": f"Bearer {refusing.key}"})
+    with pytest.raises(ollama.ResponseError) as ollama_error:
+        local.chat(model="m", messages=said)
+    assert (ollama_error.value.status_code, ollama_error.value.error) == (400, REFUSED)

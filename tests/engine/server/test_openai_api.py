@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from engine.server import protocol
 from tests.engine.server.conftest import Served, health_of
 from tests.engine.tokenizer_watch import watch_encodings
 
@@ -443,3 +444,12 @@ def test_fields_it_cannot_honour_are_400(served: Served, body: dict, param: str)
             model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1,
             extra_body=body)
     assert raised.value.body["param"] == param
+
+
+def test_an_image_part_is_a_note_that_it_was_left_out() -> None:
+    # Before: a 400 "this server reads text blocks only" for the whole conversation.
+    chat = protocol.openai_chat({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this? "},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]}, 5)
+    assert chat.messages == [{"role": "user",
+                              "content": "What is this? " + protocol.IMAGE_OMITTED}]

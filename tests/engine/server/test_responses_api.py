@@ -181,8 +181,18 @@ def test_a_refusal_resent_reads_as_what_the_answer_said() -> None:
         chat = protocol.openai_chat({"messages": [
             expected[0], {"role": "assistant", **answer}, expected[2]]}, 5)
         assert chat.messages == expected
-    with pytest.raises(BadRequest) as refused_part:  # an image is still no text
-        responses.read({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})
+    # An image is a note that it was left out (a refusal would end an agent's
+    # conversation, which sends it back every turn); a file is still refused.
+    output = {"type": "function_call_output", "call_id": "c1",
+              "output": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}
+    imaged = responses.read({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "See "},
+                                     {"type": "input_image", "image_url": "x"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}, output]})
+    assert [m["content"] for m in imaged.chat.messages] == [
+        "See " + protocol.IMAGE_OMITTED, "", protocol.IMAGE_OMITTED]
+    with pytest.raises(BadRequest) as refused_part:
+        responses.read({"input": [{"role": "user", "content": [{"type": "input_file"}]}]})
     assert refused_part.value.param == "input"
 
 

@@ -10,15 +10,20 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from mlx_lm.tool_parsers import json_tools
+from mlx_lm.tool_parsers import json_tools, pythonic, qwen3_coder
 from mlx_lm.utils import load_tokenizer
 
 from engine.server import protocol
-from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
+from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax, with_short_ids
 from engine.session import sampling
 from engine.session.prompt_ids import render_conversation
 from tests.engine.server.conftest import Served, start_server
-from tests.engine.server.tool_models import make_tool_model_dir, scripted_processors
+from tests.engine.server.tool_models import (
+    MISTRAL_TEMPLATE,
+    make_templated_model_dir,
+    make_tool_model_dir,
+    scripted_processors,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {"type": "function", "function": {
@@ -84,6 +89,32 @@ def test_unreadable_call_stays_text_and_a_cut_call_is_still_read() -> None:
     parts = read_all(ToolCallReader(JSON_SYNTAX, None), cut, 4)
     assert len(parts) == 1 and isinstance(parts[0], ToolCall)
     assert parts[0].input() == {"city": "Paris"}
+
+
+WAIT = {"type": "function", "function": {"name": "wait", "parameters": {
+    "type": "object", "properties": {"seconds": {"type": "number"}}}}}
+
+
+def syntax_of(parser) -> ToolSyntax:
+    return ToolSyntax(parser.tool_call_start, parser.tool_call_end, parser.parse_tool_call)
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (json_tools, "<tool_call>\n" + '{"a":' * 1200 + "1" + "}" * 1200 + "\n</tool_call>"),
+    (json_tools, '<tool_call>\n{"name": "f", "arguments": ' + "[" * 3000),
+    (json_tools, "<tool_call>\n[]\n</tool_call>"),
+    (qwen3_coder, "<tool_call>\n<function=wait>\n<parameter=seconds>\ninf\n</parameter>\n"
+                  "</function>\n</tool_call>"),
+    (pythonic, "<|tool_call_start|>[wait(seconds=1e999)]<|tool_call_end|>"),
+    (json_tools, '<tool_call>\n{"name": "wait", "arguments": "{\\"seconds\\": NaN}"}\n'
+                 "</tool_call>"),
+], ids=["deep", "deep-cut", "empty-list", "inf", "1e999", "nan-in-text"])
+def test_a_call_no_parser_reads_into_json_stays_text(parser, text: str) -> None:
+    # Before: RecursionError and OverflowError escaped the reader (a 500, or a stream
+    # cut without an error event), an empty list of calls dropped the text, and
+    # Infinity or NaN went out as arguments no JSON client can read.
+    reader = ToolCallReader(syntax_of(parser), [WAIT])
+    assert joined(read_all(reader, text, 1000)) == [text]
 
 
 @pytest.mark.parametrize("cut", ["<tool_call>\n", '<tool_call>\n{"name": "get_wea',
@@ -252,14 +283,37 @@ def test_anthropic_tool_choice_is_read(choice, expected) -> None:
     assert (chat.tool_choice, chat.tool_name) == expected and chat.tools
 
 
-def test_tool_choice_none_offers_no_tools() -> None:
+def test_tool_choice_none_still_renders_the_tools() -> None:
     chat = protocol.openai_chat({"messages": MESSAGES, "tools": [WEATHER],
                                  "tool_choice": "none"}, 5)
-    assert chat.tools is None and chat.tool_choice == "auto"
+    assert chat.tools == [WEATHER] and chat.tool_choice == "none"
     other = protocol.anthropic_messages({"max_tokens": 5, "messages": MESSAGES,
                                          "tools": [ANTHROPIC_WEATHER],
                                          "tool_choice": {"type": "none"}})
-    assert other.tools is None and other.tool_choice == "auto"
+    assert other.tools == chat.tools and other.tool_choice == "none"
+    # No call can be made, so an answer held to a schema is no conflict.
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object"}}}
+    held = protocol.openai_chat({"messages": MESSAGES, "tools": [WEATHER],
+                                 "tool_choice": "none", "response_format": schema}, 5)
+    assert held.sampling.grammar is not None
+
+
+def test_tool_choice_none_reuses_the_cache_and_reads_no_call(tooled: Served,
+                                                             forced) -> None:
+    # Before: "none" left the tools out of the prompt, which then differed from the
+    # tool list on: an agent's whole conversation was read again for that turn.
+    forced(CALL)
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    asked = {"model": "m", "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 80}
+    first = api.chat.completions.create(**asked)
+    none = api.chat.completions.create(**asked, tool_choice="none")
+    assert none.usage.prompt_tokens == first.usage.prompt_tokens
+    assert none.usage.prompt_tokens_details.cached_tokens == none.usage.prompt_tokens - 1
+    # A call the model writes anyway is its text.
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == CALL
+    assert none.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize(("anthropic_api", "body"), [
@@ -406,3 +460,100 @@ def test_parallel_calls_streamed_give_the_items_they_give_whole(tooled: Served,
     for items in (output, created):
         assert [item.type for item in items] == ["message", "function_call", "function_call"]
         assert items[0].content[0].text == "Let me check.\n"
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A model whose template demands Mistral's 9-character call ids."""
+    root = tmp_path_factory.mktemp("server-mistral")
+    folder = make_templated_model_dir(root, "tiny-llama-mistral", MISTRAL_TEMPLATE)
+    running, stop = start_server(folder, root / "kv")
+    yield running
+    stop()
+
+
+def test_a_mistral_tool_round_trip_is_answered(mistral: Served,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the server's call_<24 hex> ids failed the template's check, so the
+    # call sent back with its result was a 500, every time.
+    tokenizer = load_tokenizer(Path(mistral.bridge.info.path))
+    monkeypatch.setattr(sampling, "build_logits_processors", scripted_processors(
+        tokenizer, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'))
+    api = openai.OpenAI(base_url=mistral.url + "/v1", api_key=mistral.key, max_retries=0)
+    reply = api.chat.completions.create(model="m", messages=MESSAGES,
+                                        tools=[WEATHER], max_tokens=80)
+    message = reply.choices[0].message
+    assert message.tool_calls is not None
+    ident = message.tool_calls[0].id
+    assert len(ident) == 9 and ident.isalnum()
+    follow = [*MESSAGES, message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": ident, "content": "sunny"}]
+    again = api.chat.completions.create(model="m", messages=follow,
+                                        tools=[WEATHER], max_tokens=5)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # A conversation begun on another server (Anthropic's toolu_ ids) is read too.
+    claude = anthropic.Anthropic(base_url=mistral.url, api_key=mistral.key, max_retries=0)
+    counted = claude.messages.count_tokens(model="m", tools=[ANTHROPIC_WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01AbCdEf",
+                                           "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01AbCdEf",
+                                      "content": "sunny"}]}])
+    assert counted.input_tokens > 0
+
+
+def test_short_ids_pair_a_call_with_its_result() -> None:
+    messages = with_short_ids([
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "toolu_01AbCdEf", "type": "function",
+             "function": {"name": "f", "arguments": {}}},
+            {"id": "abcDEF123", "type": "function", "function": {"name": "f", "arguments": {}}}]},
+        {"role": "tool", "content": "1", "tool_call_id": "toolu_01AbCdEf"},
+        {"role": "tool", "content": "2", "tool_call_id": "abcDEF123"}])
+    first, kept = (call["id"] for call in messages[0]["tool_calls"])
+    assert len(first) == 9 and first.isalnum() and first == messages[1]["tool_call_id"]
+    assert kept == messages[2]["tool_call_id"] == "abcDEF123"  # already a Mistral id
+
+
+NULL_ARGUMENTS = '<tool_call>\n{"name": "get_weather", "arguments": null}\n</tool_call>'
+
+
+def test_a_call_without_arguments_comes_back_as_an_empty_object(tooled: Served,
+                                                                 forced) -> None:
+    # Before: "null" (OpenAI), {"value": None} or None (Anthropic, not streamed or
+    # streamed), which the server itself refused when the client sent them back.
+    forced(NULL_ARGUMENTS)
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    message = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                          max_tokens=80).choices[0].message
+    assert message.tool_calls is not None
+    assert message.tool_calls[0].function.arguments == "{}"
+    claude = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    ask = {"model": "m", "max_tokens": 80, "messages": MESSAGES, "tools": [ANTHROPIC_WEATHER]}
+    whole = claude.messages.create(**ask).content
+    with claude.messages.stream(**ask) as stream:
+        streamed = stream.get_final_message().content
+    assert [(b.type, b.input) for b in whole] == [(b.type, b.input) for b in streamed] == [
+        ("tool_use", {})]
+    forced("ok")
+    follow = [*MESSAGES, message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "?"}]
+    api.chat.completions.create(model="m", messages=follow, tools=[WEATHER], max_tokens=5)
+    claude.messages.create(**{**ask, "messages": [
+        *MESSAGES, {"role": "assistant", "content": [b.model_dump() for b in streamed]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": streamed[0].id,
+                                      "content": "?"}]}]})
+
+
+@pytest.mark.parametrize(("arguments", "read"), [
+    ("null", {}), ('""', {}), ('"{\\"city\\": \\"Oslo\\"}"', {"city": "Oslo"}),
+    ("5", None), ("[1]", None), ('"Oslo"', None)])
+def test_arguments_that_are_no_object_leave_the_call_as_text(arguments: str,
+                                                             read: dict | None) -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + arguments + "}\n</tool_call>"
+    parts = read_all(ToolCallReader(JSON_SYNTAX, [WEATHER]), text, 1000)
+    if read is None:
+        assert joined(parts) == [text]
+    else:
+        assert len(parts) == 1 and isinstance(parts[0], ToolCall)
+        assert parts[0].input() == read

@@ -42,6 +42,37 @@ TOOL_TEMPLATE = (
 )
 
 
+# Mistral-7B-Instruct-v0.3's tool template, cut to its calls and results: mlx-lm
+# reads "[TOOL_CALLS]" in it and picks its mistral parser; the id checks are its own.
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + '[/INST]' }}"
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}"
+    "{{- '[TOOL_CALLS] [' }}{%- for tool_call in message.tool_calls %}"
+    "{%- set out = tool_call.function|tojson %}{{- out[:-1] }}"
+    "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{%- endif %}{{- ', \"id\": \"' + tool_call.id + '\"}' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- else %}{{- ']' + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token}}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '[TOOL_RESULTS] {\"content\": ' + message.content|string + ', ' }}"
+    "{%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{%- endif %}{{- '\"call_id\": \"' + message.tool_call_id + '\"}[/TOOL_RESULTS]' }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with "
+    "the exception of an initial optional system message!') }}"
+    "{%- endif %}{%- endfor %}"
+)
+# A template with a rule of its own: a message that says "refuse me" is refused.
+REFUSING_TEMPLATE = (
+    "{% for message in messages %}{% if message.content == 'refuse me' %}"
+    "{{ raise_exception('This template refuses that message.') }}{% endif %}{% endfor %}"
+    + TOOL_TEMPLATE
+)
+
+
 # An agent CLI's system prompt and tools run to tens of thousands of tokens, and its
 # answers are scripted (``Turns``): the tests are about the protocol, so its model
 # attends with one layer of two heads sharing one KV head: on a CPU a 35k-token
@@ -58,13 +89,21 @@ def make_tool_model_dir(root: Path, **overrides: Any) -> Path:
     ``max_position_embeddings`` for an agent's long system prompt).
     """
     base = make_tiny_model_dir(root, "llama", **overrides)
-    folder = root / f"tiny-llama-tools-{base.name.rsplit('-', 1)[1]}" if overrides \
-        else root / "tiny-llama-tools"
+    name = f"tiny-llama-tools-{base.name.rsplit('-', 1)[1]}" if overrides \
+        else "tiny-llama-tools"
+    return make_templated_model_dir(root, name, TOOL_TEMPLATE, **overrides)
+
+
+def make_templated_model_dir(root: Path, name: str, template: str,
+                             **overrides: Any) -> Path:
+    """A tiny llama folder ``root / name`` whose tokenizer_config holds ``template``."""
+    base = make_tiny_model_dir(root, "llama", **overrides)
+    folder = root / name
     if not folder.exists():
         shutil.copytree(base, folder)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text())
-        config["chat_template"] = TOOL_TEMPLATE
+        config["chat_template"] = template
         config_path.write_text(json.dumps(config, indent=2))
     return folder
 
