@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     window.show()
     if args.files:
         window.add_files(args.files)
-    code = app.exec()
+    code = run_until_closed(app, window)
     try:
         return finish(window, code)
     finally:
@@ -205,6 +205,17 @@ def bring_files(window: MainWindow, paths: list[str]) -> None:
         window.showNormal()
     window.raise_()
     window.activateWindow()
+
+
+def run_until_closed(app: QApplication, window: MainWindow) -> int:
+    """``app.exec()``, with SIGTERM, SIGHUP and SIGINT closing the window as its Quit
+    menu does (asking nothing); once it returns, a further one ends the process at once."""
+    from app.quit_signals import end_at_once_on_signals, quit_signals
+
+    with quit_signals(window.quit_now):
+        code = app.exec()
+    end_at_once_on_signals()
+    return code
 
 
 def finish(window: MainWindow, code: int) -> int:

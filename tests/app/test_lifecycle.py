@@ -234,6 +234,52 @@ def test_a_quit_keeps_the_open_chats_kv_even_when_storing_it_outlasts_the_exit_w
         window.finish_closing(60)
 
 
+def _terminate_a_child(model, *options: str) -> tuple[int, str]:
+    """The real app in a child, sent SIGTERM at the moment ``options`` say; its exit
+    code and stderr once it has ended."""
+    child = start_child(model, "Hello there, tell me a story", *options)
+    try:
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    return child.returncode, err.decode()
+
+
+def test_sigterm_quits_like_the_quit_menu(tiny_llama) -> None:
+    # A logout, a shutdown or ``kill``: before, the process died at once, with the
+    # draft typed in the last moments and the chat's stored KV lost.
+    code, err = _terminate_a_child(tiny_llama, "--max-tokens", "24", "--term-when-answered",
+                                   "--draft", "my reply, typed just now")
+    assert code == 0, err[-2000:]
+    store = HistoryStore()
+    try:
+        (session,) = store.sessions()
+        assert store.draft(session.id) == "my reply, typed just now"
+    finally:
+        store.close()
+    from engine import snapshots_dir
+
+    assert list(snapshots_dir().glob("*.json")), "the open chat's KV was not stored"
+
+
+def test_sigterm_mid_answer_saves_it_as_stopped_not_interrupted(tiny_llama) -> None:
+    # Asked nothing (no one may be there to answer "Quit while answering?"), and the
+    # answer is saved as a Quit saves it, not left "streaming" for the next start to
+    # call an unexpected quit.
+    code, err = _terminate_a_child(tiny_llama, "--max-tokens", "4000", "--term-on-answer")
+    assert code == 0, err[-2000:]
+    store = HistoryStore()
+    try:
+        (session,) = store.sessions()
+        _user, answer = store.messages(session.id)
+    finally:
+        store.close()
+    assert (answer.status, answer.reason) == ("stopped", CLOSED_WHILE_ANSWERING)
+    assert answer.content
+
+
 @pytest.mark.parametrize("phase", ["answering", "ingesting"])
 def test_every_engine_action_mid_request_waits_and_the_answer_stays_in_its_chat(
         qtbot, window, tmp_path, monkeypatch, phase) -> None:
