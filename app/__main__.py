@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                           owns_data=lock is not None or not _has_data_folder())
     if lock is not None:
         lock.filesReceived.connect(lambda paths: bring_files(window, paths))
+        # A launch while this one quits is not answered, and so takes the folder
+        # once it is free, instead of handing its files to a window that is gone.
+        window.closeAccepted.connect(lock.stop_listening)
     window.show()
     if args.files:
         window.add_files(args.files)
