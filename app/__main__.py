@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt
@@ -20,6 +21,10 @@ if TYPE_CHECKING:  # imported where used: the window's modules load after the ar
 
 log = logging.getLogger("longleaf")
 MACOS_OPTIONS = ("-psn_", "-NS", "-Apple")  # options macOS itself reads
+# How much longer than the window's close an engine that is storing the open chats'
+# KV is waited for: minutes of reading for each chat saved by a few seconds' write,
+# yet bounded, since a logout or a shutdown waits for no app for long.
+STORE_AT_EXIT_S = 30.0
 
 
 def create_app(argv: list[str]) -> QApplication:
@@ -172,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
                           owns_data=lock is not None or not _has_data_folder())
     if lock is not None:
         lock.filesReceived.connect(lambda paths: bring_files(window, paths))
+        # A launch while this one quits is not answered, and so takes the folder
+        # once it is free, instead of handing its files to a window that is gone.
+        window.closeAccepted.connect(lock.stop_listening)
     window.show()
     if args.files:
         window.add_files(args.files)
-    code = app.exec()
+    code = run_until_closed(app, window)
     try:
         return finish(window, code)
     finally:
@@ -202,6 +210,17 @@ def bring_files(window: MainWindow, paths: list[str]) -> None:
     window.activateWindow()
 
 
+def run_until_closed(app: QApplication, window: MainWindow) -> int:
+    """``app.exec()``, with SIGTERM, SIGHUP and SIGINT closing the window as its Quit
+    menu does (asking nothing); once it returns, a further one ends the process at once."""
+    from app.quit_signals import end_at_once_on_signals, quit_signals
+
+    with quit_signals(window.quit_now):
+        code = app.exec()
+    end_at_once_on_signals()
+    return code
+
+
 def finish(window: MainWindow, code: int) -> int:
     """After the window closed: join the threads, close the history, exit in time.
 
@@ -210,20 +229,37 @@ def finish(window: MainWindow, code: int) -> int:
     ``os._exit``: the history is already saved and closed, and the only thing
     dropped is the in-memory KV cache, which is rebuilt on the next start. A
     normal interpreter exit would instead run C++ destructors under the running
-    engine thread, which can abort the process.
+    engine thread, which can abort the process. An engine storing the open
+    chats' KV to disk by then is waited for longer (``STORE_AT_EXIT_S``): the
+    window is gone already, and dropping the store would make each of those
+    chats read its whole conversation again with its next message.
     """
     from app.window.main_window import EXIT_WITHIN_S
 
     stopped = window.finish_closing(EXIT_WITHIN_S)
+    bridge = window.controller.bridge
+    storing = not stopped and bridge.storing_at_exit
+    if storing:
+        log.info("storing the open chats' KV before exiting (at most %.0f s more)",
+                 STORE_AT_EXIT_S)
+        stopped = bridge.finish_storing(STORE_AT_EXIT_S) and window.finish_closing(0)
     window.controller.store.close()
     if not stopped:
-        log.warning("the engine was still inside an MLX call %.1f s after closing; "
-                    "history saved, exiting without waiting for it", EXIT_WITHIN_S)
+        log.warning(_not_stopped(storing, window.closed_at))
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _not_stopped(storing: bool, closed_at: float | None) -> str:
+    """The log line for an exit that leaves the engine thread running: what it did."""
+    after = time.monotonic() - closed_at if closed_at is not None else 0.0
+    doing = ("still storing the open chats' KV (they will read their conversation again)"
+             if storing else "still inside an MLX call (a prefill chunk or a model load)")
+    return (f"the engine was {doing} {after:.1f} s after closing; history saved, "
+            "exiting without waiting for it")
 
 
 if __name__ == "__main__":

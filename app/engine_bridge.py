@@ -23,6 +23,7 @@ import itertools
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
@@ -56,6 +57,7 @@ Handler = Callable[[Event], None]  # gets every event of its one request, on the
 # Builds a worker from (on_event, budget_bytes, chunk_size, read_share).
 WorkerFactory = Callable[[Callable[[Event], None], int | None, int, float], Worker]
 ID_SPAN = 1 << 40  # request ids of one worker: the next worker's are offset past them
+STORE_POLL_S = 0.1  # how often a wait for the exit's store looks whether it still stores
 RETIRE_TIMEOUT_S = 30.0  # a replaced worker's thread gets this long to end (off the GUI thread)
 
 
@@ -374,6 +376,23 @@ class EngineBridge(QObject):
     def running(self) -> bool:
         """True while the engine thread is alive (it may be finishing a prefill chunk)."""
         return self._worker.alive
+
+    @property
+    def storing_at_exit(self) -> bool:
+        """True while the stopping engine stores its open chats' KV (any thread)."""
+        return self._worker.storing_at_exit
+
+    def finish_storing(self, timeout: float) -> bool:
+        """After ``shutdown``: wait while the engine stores the open chats' KV, at most
+        ``timeout`` seconds; True once its thread has ended.
+
+        Returns as soon as the engine is not storing: a thread still inside an MLX
+        call is not waited for here.
+        """
+        deadline = time.monotonic() + timeout
+        while self._worker.storing_at_exit and time.monotonic() < deadline:
+            self._worker.join(min(STORE_POLL_S, max(0.0, deadline - time.monotonic())))
+        return self._worker.join(0)
 
     def shutdown(self, timeout: float = 2.0) -> bool:
         """Cancel all work and join the worker thread; True once the thread has ended.

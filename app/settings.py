@@ -260,7 +260,7 @@ class Settings:
         "engine/stored_kv_budget_bytes", 0, read=_positive_or_none,
         write=lambda value: int(value or 0) or None)
     """Disk bytes all stored KV snapshots may take, or None for the engine's
-    default (the smaller of 20 GB and 10% of free disk)."""
+    default (the smaller of 20 GB and 10% of free disk, its stored KV counted as free)."""
     system_prompt = Setting[str]("chat/system_prompt", DEFAULT_SYSTEM_PROMPT)
     """System message sent first in every chat (a change makes each chat read its
     conversation again: its cache holds the old one first)."""

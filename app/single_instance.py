@@ -26,6 +26,9 @@ MAX_SOCKET_PATH = 100  # sun_path is 104 bytes on macOS, 108 on Linux
 CONNECT_MS = 2000
 HANDOFF_WAIT_S = 10.0  # a first instance that holds the lock may still be starting
 MAX_MESSAGE_BYTES = 1 << 20
+END = b"\n"  # ends a launch's message: the holder answers it without waiting for a close
+TAKEN = b"\x06"  # the holder's answer: the files reach its open window
+ANSWER_POLL_MS = 50
 
 
 def socket_name(folder: Path) -> str:
@@ -59,6 +62,7 @@ class InstanceLock(QObject):
         self._lock = QLockFile(str(folder / LOCK_NAME))
         self._lock.setStaleLockTime(0)  # stale only when its holder is gone, never by age
         self._server: QLocalServer | None = None
+        self._unanswered: set[QLocalSocket] = set()  # launches connected, not yet told
 
     def acquire(self) -> bool:
         """Take the lock now if no live process holds it; True when this one does."""
@@ -96,33 +100,60 @@ class InstanceLock(QObject):
         self._server = server
         return True
 
+    def stop_listening(self) -> None:
+        """Take no more files, the lock still held: the window is closing. A launch
+        meanwhile is not answered, so it waits and takes the lock once it is free."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            while server.hasPendingConnections():  # connected before the close, not read
+                server.nextPendingConnection().abort()
+        for socket in list(self._unanswered):
+            socket.abort()  # its launch hears no answer: not taken
+
     def release(self) -> None:
         """Stop listening and give the lock up."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self.stop_listening()
         self._lock.unlock()
 
     def _on_connection(self) -> None:
         assert self._server is not None
         while self._server.hasPendingConnections():
-            socket = self._server.nextPendingConnection()
-            received = bytearray()
+            self._serve(self._server.nextPendingConnection())
 
-            def read(socket: QLocalSocket = socket, received: bytearray = received) -> None:
-                received.extend(bytes(socket.readAll().data()))
-                if len(received) > MAX_MESSAGE_BYTES:
-                    socket.abort()
+    def _serve(self, socket: QLocalSocket) -> None:
+        """Read one launch's message; its files go to the window, and the launch is told."""
+        received = bytearray()
+        self._unanswered.add(socket)
 
-            def done(socket: QLocalSocket = socket, received: bytearray = received) -> None:
-                read()
-                socket.deleteLater()
-                paths = _paths(bytes(received))
-                if paths:
-                    self.filesReceived.emit(paths)
+        def read() -> None:
+            received.extend(bytes(socket.readAll().data()))
+            if len(received) > MAX_MESSAGE_BYTES:
+                self._unanswered.discard(socket)  # not a launch's message: nothing taken
+                socket.abort()
+            elif received.endswith(END) and self._take(socket, bytes(received)):
+                socket.write(TAKEN)
+                socket.flush()
 
-            socket.readyRead.connect(read)
-            socket.disconnected.connect(done)
+        def done() -> None:
+            if socket in self._unanswered:
+                read()  # a launch of an older Longleaf ends its message by closing
+                self._take(socket, bytes(received))
+            self._unanswered.discard(socket)
+            socket.deleteLater()
+
+        socket.readyRead.connect(read)
+        socket.disconnected.connect(done)
+
+    def _take(self, socket: QLocalSocket, message: bytes) -> bool:
+        """Hand ``message``'s files to the window once; True when they went to it."""
+        if socket not in self._unanswered or self._server is None:
+            return False  # answered already, or no longer listening: the window is going
+        self._unanswered.discard(socket)
+        paths = _paths(message)
+        if paths:
+            self.filesReceived.emit(paths)
+        return True
 
 
 def _alive(pid: int) -> bool:
@@ -144,19 +175,38 @@ def _paths(message: bytes) -> list[str]:
     return [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
 
 
-def hand_over(folder: Path, files: list[str]) -> bool:
-    """Send ``files`` to the app that holds ``folder``; True once it has them."""
+def hand_over(folder: Path, files: list[str], wait_s: float | None = None) -> bool:
+    """Send ``files`` to the app that holds ``folder``; True once it says it took them.
+
+    A holder that is quitting takes nothing and does not answer: written into the
+    socket is not taken. Its answer is waited for at most ``wait_s`` seconds.
+    """
     socket = QLocalSocket()
     socket.connectToServer(socket_name(folder))
     if not socket.waitForConnected(CONNECT_MS):
         return False
     absolute = [str(Path(f).absolute()) for f in files]
-    socket.write(json.dumps({"files": absolute}).encode("utf-8"))
+    socket.write(json.dumps({"files": absolute}).encode("utf-8") + END)
+    wait_s = HANDOFF_WAIT_S if wait_s is None else wait_s
     sent = socket.waitForBytesWritten(CONNECT_MS) or not socket.bytesToWrite()
+    taken = sent and _answered(socket, time.monotonic() + wait_s)
     socket.disconnectFromServer()
     if socket.state() != QLocalSocket.LocalSocketState.UnconnectedState:
         socket.waitForDisconnected(CONNECT_MS)
-    return sent
+    return taken
+
+
+def _answered(socket: QLocalSocket, deadline: float) -> bool:
+    """Whether the holder says it took the message before ``deadline`` (False when it
+    closes the connection without a word)."""
+    while socket.state() == QLocalSocket.LocalSocketState.ConnectedState:
+        # In short waits: PySide keeps the GIL through one, and a holder in this
+        # process (the tests') answers from Python.
+        if socket.bytesAvailable() or socket.waitForReadyRead(ANSWER_POLL_MS):
+            return bytes(socket.read(1).data()) == TAKEN
+        if time.monotonic() >= deadline:
+            return False
+    return False
 
 
 def hand_over_or_take(lock: InstanceLock, files: list[str],
@@ -172,7 +222,7 @@ def hand_over_or_take(lock: InstanceLock, files: list[str],
     """
     deadline = time.monotonic() + wait_s
     while True:
-        if hand_over(lock.folder, files):
+        if hand_over(lock.folder, files, max(0.0, deadline - time.monotonic())):
             return True
         if lock.acquire():
             return False

@@ -39,6 +39,7 @@ from engine import (
     SamplingParams,
     default_budget,
     parse_mode,
+    server_snapshots_dir,
     snapshots_dir,
 )
 
@@ -82,11 +83,12 @@ def mode_choice_text(mode: KvMode, full_report: FitReport | None) -> str:
 def default_disk_budget_text() -> str:
     """What "Automatic" means for the stored-KV disk budget on this disk, right now."""
     try:
-        default = f"{human_bytes(default_budget(snapshots_dir()))} now"
+        # As the app's store counts it: the local server's stored KV too.
+        default = f"{human_bytes(default_budget(snapshots_dir(), (server_snapshots_dir(),)))} now"
     except OSError:
         default = "unknown now"
-    return (f"Automatic: smaller of {human_bytes(MAX_DEFAULT_BUDGET)} and 10% of free disk "
-            f"({default})")
+    return (f"Automatic: smaller of {human_bytes(MAX_DEFAULT_BUDGET)} and 10% of free disk, "
+            f"stored KV counted as free ({default})")
 
 
 def read_share_box(share: float) -> QComboBox:

@@ -11,6 +11,7 @@ from PySide6.QtCore import QEvent, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDragMoveEvent, QDropEvent
 from PySide6.QtWidgets import (
     QApplication,
+    QDialog,
     QFileDialog,
     QLabel,
     QMainWindow,
@@ -80,6 +81,7 @@ class MainWindow(QMainWindow):
     """Longleaf's window."""
 
     filesDropped = Signal(list)
+    closeAccepted = Signal()  # the window is going: the app is quitting
     # Made by build_toolbar and build_menus, which take the window as a MenuHost.
     models_action: QAction
     new_chat_action: QAction
@@ -126,6 +128,7 @@ class MainWindow(QMainWindow):
         self.fit = FitChecker(controller, self.composer, self.attachments, self)
         self.drafts = Drafts(controller, self.composer, self.attachments, self)
         self.quit_box: QMessageBox | None = None  # asking whether to quit mid-answer
+        self._quit_unasked = False  # the system asked to quit: no one is there to answer
         self.panel_feed = PanelFeed(controller, self.panel, self.fit, self)
         self.api_sessions_feed = ApiSessionsFeed(controller, self.panel.api_sessions, self)
         build_toolbar(self)
@@ -665,10 +668,23 @@ class MainWindow(QMainWindow):
             app.removeEventFilter(self.file_open_filter)
         self.controller.close()
         event.accept()
+        self.closeAccepted.emit()
+
+    def quit_now(self) -> None:
+        """Close as a confirmed quit, asking nothing: the system asked (logout,
+        shutdown, ``kill``) or Ctrl-C in the terminal did, and no one may be there to
+        answer. An open dialog is cancelled first, since its loop would keep the app."""
+        self._quit_unasked = True
+        for dialog in self.findChildren(QDialog):
+            if dialog.isVisible():
+                dialog.reject()
+        if self.isVisible():  # the quit question's Quit, taken by the reject, closed it
+            self.close()
 
     def _quit_confirmed(self) -> bool:
         box = self.quit_box
-        return box is not None and box.clickedButton() is box.button(QUIT)
+        return self._quit_unasked or (
+            box is not None and box.clickedButton() is box.button(QUIT))
 
     def _ask_quit(self, question: str) -> None:
         """Ask without blocking (a sheet on macOS); Quit closes the window again."""

@@ -293,6 +293,12 @@ class RemoteWorker(Worker):
         """True from ``start`` until the control thread has ended."""
         return self._control.is_alive()
 
+    @property
+    def storing_at_exit(self) -> bool:
+        """Always False: rank 0 stores its sessions within ``shutdown``'s timeout, after
+        which the group is killed; nothing here is worth waiting longer for."""
+        return False
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait at most ``timeout`` seconds for this worker's threads; True once ended."""
         threads = (self._control, self._canceller, self._delivery)

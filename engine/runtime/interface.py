@@ -118,6 +118,12 @@ class Worker(Protocol):
         """True from ``start`` until the worker's threads have ended."""
         ...
 
+    @property
+    def storing_at_exit(self) -> bool:
+        """True from when the worker, asked to stop, begins storing its open sessions'
+        KV until its threads have ended: a wait then is for the disk, not for MLX."""
+        ...
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait at most ``timeout`` seconds for the threads to end; True once they have."""
         ...

@@ -149,6 +149,9 @@ class EngineWorker(Worker):
         self._ids = itertools.count(1)
         self._current: Command | None = None
         self._stopping = threading.Event()
+        # Set by the engine thread once it is past every MLX request and storing the
+        # open sessions on its way out; read by the thread that waits for it to end.
+        self._storing = threading.Event()
         # Set once the thread stopped on an error, under the lock every submit
         # holds: a request queued before is ended with the rest, one after refused.
         self._stopped_on: str | None = None  # why, in words
@@ -374,6 +377,12 @@ class EngineWorker(Worker):
         """True from ``start`` until the worker thread has ended."""
         return self._thread.is_alive()
 
+    @property
+    def storing_at_exit(self) -> bool:
+        """True from when the stopping thread begins storing its open sessions' KV
+        until it has ended (any thread)."""
+        return self._storing.is_set() and self._thread.is_alive()
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait at most ``timeout`` seconds for the thread to end; True once it has."""
         if self._thread.ident is not None:
@@ -497,6 +506,7 @@ class EngineWorker(Worker):
         for command in left:
             self._emit(Finished(command.request_id, "cancelled"))
         self._answering.close()
+        self._storing.set()
         self._held.release()
         self._held.stop_followers()
 

@@ -50,10 +50,22 @@ def default_snapshot_dir() -> Path:
     return paths.snapshots_dir()
 
 
-def default_budget(directory: str | Path) -> int:
-    """The smaller of 20 GB and 10% of the free space on ``directory``'s disk."""
-    free = shutil.disk_usage(paths.private_dir(directory)).free
-    return int(min(MAX_DEFAULT_BUDGET, free * FREE_DISK_SHARE))
+def default_budget(directory: str | Path, counted_with: Iterable[str | Path] = ()) -> int:
+    """The smaller of 20 GB and 10% of the space on ``directory``'s disk that is free
+    or already holds stored KV (``directory``'s and ``counted_with``'s): counted as
+    free alone, the stored KV itself shrank the budget at every start, and a plain
+    restart evicted the oldest chats' KV."""
+    folder = paths.private_dir(directory)
+    free = shutil.disk_usage(folder).free
+    stored = sum(_stored_bytes(Path(other)) for other in (folder, *counted_with))
+    return int(min(MAX_DEFAULT_BUDGET, (free + stored) * FREE_DISK_SHARE))
+
+
+def _stored_bytes(folder: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in _folder_files(folder))
+    except OSError:  # a folder not made yet, or going away: nothing of it counts
+        return 0
 
 
 class SnapshotStore:
@@ -74,8 +86,8 @@ class SnapshotStore:
                  *, counted_with: Iterable[str | Path] = (),
                  evictable: Callable[[str], bool] | None = None):
         self.directory = paths.private_dir(directory or default_snapshot_dir())
-        self.budget_bytes = default_budget(self.directory) if budget_bytes is None else budget_bytes
         self.counted_with = tuple(Path(p) for p in counted_with)
+        self.budget_bytes = self._default_budget() if budget_bytes is None else budget_bytes
         self.evictable = evictable
         self.sweep()
 
@@ -87,9 +99,11 @@ class SnapshotStore:
         """
         if budget_bytes is not None and budget_bytes < 0:
             raise EngineError("The stored-KV disk budget cannot be negative.")
-        self.budget_bytes = default_budget(self.directory) if budget_bytes is None \
-            else budget_bytes
+        self.budget_bytes = self._default_budget() if budget_bytes is None else budget_bytes
         return self.evict()
+
+    def _default_budget(self) -> int:
+        return default_budget(self.directory, self.counted_with)
 
     # -- reading and writing --------------------------------------------------
 
@@ -153,13 +167,7 @@ class SnapshotStore:
 
     def counted_bytes(self) -> int:
         """What counts against the budget: this folder and the ``counted_with`` ones."""
-        others = 0
-        for folder in self.counted_with:
-            try:
-                others += sum(p.stat().st_size for p in _folder_files(folder))
-            except OSError:  # a folder not made yet, or going away: nothing of it counts
-                continue
-        return self.total_bytes() + others
+        return self.total_bytes() + sum(_stored_bytes(folder) for folder in self.counted_with)
 
     def _files(self) -> list[Path]:
         return _folder_files(self.directory)

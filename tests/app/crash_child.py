@@ -2,7 +2,7 @@
 
 ``python -m tests.app.crash_child MODEL PROMPT [--first TEXT] [--attach PATH]
 [--chunk N] [--slow-chunk SECONDS] [--close-on-ingest] [--close-on-answer]
-[--max-tokens N]``
+[--max-tokens N] [--term-on-answer] [--term-when-answered] [--draft TEXT]``
 
 It optionally has a first exchange (``--first``), then sends ``PROMPT`` (with a
 document when ``--attach``) and answers "forever". It prints ``ingest DONE TOTAL``
@@ -10,6 +10,9 @@ for each ingest progress event and ``answered STATUS`` after each answer, flushe
 so the parent acts at a known moment: SIGKILL mid-answer or mid-ingest, or
 closing the window mid-ingest or mid-answer (``--close-on-ingest``,
 ``--close-on-answer``) and timing the exit.
+``--term-on-answer`` and ``--term-when-answered`` send the app SIGTERM instead
+(as a logout or ``kill`` does) mid-answer, or once the last answer ended with
+``--draft`` just typed into the composer.
 ``--slow-chunk`` makes prefill chunks take that much longer on the engine
 thread, standing in for a big model's chunk that MLX cannot interrupt.
 """
@@ -17,13 +20,15 @@ thread, standing in for a big model's chunk that MLX cannot interrupt.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from typing import Any
 
 from PySide6.QtCore import QTimer
 
-from app.__main__ import build_window, create_app, finish
+from app.__main__ import build_window, create_app, finish, run_until_closed
 from app.settings import Settings
 from app.window.quit_box import QUIT
 from engine.session.prefill import Chunk
@@ -51,6 +56,15 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
+def terminate(sent: list[bool]) -> None:
+    """SIGTERM to this process, once (``sent`` remembers): what a logout or ``kill``
+    sends."""
+    if not sent:
+        sent.append(True)
+        say("closing")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -62,6 +76,9 @@ def main() -> None:
     parser.add_argument("--close-on-ingest", action="store_true")
     parser.add_argument("--close-on-answer", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=3000)
+    parser.add_argument("--term-on-answer", action="store_true")
+    parser.add_argument("--term-when-answered", action="store_true")
+    parser.add_argument("--draft", default="")
     args = parser.parse_args()
     if args.slow_chunk:
         slow_chunks(args.slow_chunk)
@@ -86,7 +103,11 @@ def main() -> None:
 
     controller.ingestProgress.connect(on_progress)
 
+    terminated: list[bool] = []
+
     def on_answer_text(_text: str) -> None:
+        if args.term_on_answer:
+            terminate(terminated)
         if args.close_on_answer and window.isVisible():
             say("closing")
             window.close()
@@ -97,6 +118,9 @@ def main() -> None:
 
     def on_answered(status: str) -> None:
         say(f"answered {status}")
+        if args.term_when_answered and not steps:
+            window.composer.set_text(args.draft)  # typed just now: not saved by its timer yet
+            QTimer.singleShot(0, lambda: terminate(terminated))
         QTimer.singleShot(0, send_next)
 
     controller.answerFinished.connect(on_answered)
@@ -116,7 +140,7 @@ def main() -> None:
         window.send()
 
     send_next()
-    code = app.exec()
+    code = run_until_closed(app, window)
     started = time.monotonic()
     code = finish(window, code)
     say(f"joined in {time.monotonic() - started:.2f} s")

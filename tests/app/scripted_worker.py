@@ -45,6 +45,10 @@ class ScriptedWorker(Worker):
     def start(self) -> None:
         self._alive = True
 
+    @property
+    def storing_at_exit(self) -> bool:
+        return False
+
     def join(self, timeout: float | None = None) -> bool:
         return not self._alive
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -18,7 +19,7 @@ from engine.session.prefill import Chunk
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
 from tests.app.chat.test_documents_drop import TEXT, drop_files
-from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window
+from tests.app.conftest import ANSWER_TIMEOUT_MS, close_window, open_window, send_and_wait
 from tests.app.test_persistence import read_until, start_child
 
 
@@ -200,6 +201,83 @@ def test_quitting_inside_a_chunk_mlx_cannot_interrupt_still_exits(tiny_llama, tm
     assert exited_after < 30  # it did not wait for the chunk
     assert answer == ""  # closed before any token; the history is saved anyway
     assert "exiting without waiting" in err and "joined in" not in out
+
+
+def test_a_quit_keeps_the_open_chats_kv_even_when_storing_it_outlasts_the_exit_wait(
+        qtbot, tiny_llama, monkeypatch) -> None:
+    import app.window.main_window
+    import engine.snapshots.snapshot_store
+    from app.__main__ import finish
+    from engine import snapshots_dir
+
+    window = open_window(qtbot, tiny_llama)
+    assert send_and_wait(qtbot, window, "Hello there") == "complete"
+    assert not list(snapshots_dir().glob("*.json"))  # stored only on the way out
+    # The store outlasts the wait for an engine stuck in MLX, as a few thousand
+    # tokens of an 8B model's KV outlast the real 2 s.
+    monkeypatch.setattr(app.window.main_window, "EXIT_WITHIN_S", 0.2)
+    save = engine.snapshots.snapshot_store.save_snapshot
+
+    def slow_save(*args: Any, **options: Any) -> Any:
+        time.sleep(1.0)
+        return save(*args, **options)
+
+    monkeypatch.setattr(engine.snapshots.snapshot_store, "save_snapshot", slow_save)
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)  # the real one would end pytest
+    window.close()
+    try:
+        assert finish(window, 0) == 0
+        assert exits == [], "exited while the engine was storing the chat's KV"
+        assert list(snapshots_dir().glob("*.json")), "the open chat's KV was not stored"
+    finally:
+        window.finish_closing(60)
+
+
+def _terminate_a_child(model, *options: str) -> tuple[int, str]:
+    """The real app in a child, sent SIGTERM at the moment ``options`` say; its exit
+    code and stderr once it has ended."""
+    child = start_child(model, "Hello there, tell me a story", *options)
+    try:
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    return child.returncode, err.decode()
+
+
+def test_sigterm_quits_like_the_quit_menu(tiny_llama) -> None:
+    # A logout, a shutdown or ``kill``: before, the process died at once, with the
+    # draft typed in the last moments and the chat's stored KV lost.
+    code, err = _terminate_a_child(tiny_llama, "--max-tokens", "24", "--term-when-answered",
+                                   "--draft", "my reply, typed just now")
+    assert code == 0, err[-2000:]
+    store = HistoryStore()
+    try:
+        (session,) = store.sessions()
+        assert store.draft(session.id) == "my reply, typed just now"
+    finally:
+        store.close()
+    from engine import snapshots_dir
+
+    assert list(snapshots_dir().glob("*.json")), "the open chat's KV was not stored"
+
+
+def test_sigterm_mid_answer_saves_it_as_stopped_not_interrupted(tiny_llama) -> None:
+    # Asked nothing (no one may be there to answer "Quit while answering?"), and the
+    # answer is saved as a Quit saves it, not left "streaming" for the next start to
+    # call an unexpected quit.
+    code, err = _terminate_a_child(tiny_llama, "--max-tokens", "4000", "--term-on-answer")
+    assert code == 0, err[-2000:]
+    store = HistoryStore()
+    try:
+        (session,) = store.sessions()
+        _user, answer = store.messages(session.id)
+    finally:
+        store.close()
+    assert (answer.status, answer.reason) == ("stopped", CLOSED_WHILE_ANSWERING)
+    assert answer.content
 
 
 @pytest.mark.parametrize("phase", ["answering", "ingesting"])

@@ -5,14 +5,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from app.__main__ import take_data_folder
-from app.single_instance import InstanceLock, hand_over_or_take, socket_name
+from app.single_instance import InstanceLock, hand_over, hand_over_or_take, socket_name
 from app.store import HistoryStore
 from engine import data_dir
+from tests.app.conftest import close_window, open_window
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -22,6 +28,18 @@ def first(qapp):
     assert lock.acquire() and lock.listen()
     yield lock
     lock.release()
+
+
+def launched(qtbot, launch: Callable[[], T]) -> T:
+    """What ``launch`` (a second launch's steps) returns, run on a thread of its own
+    while this one's event loop runs: the first app answers a launch from its loop."""
+    result: list[T] = []
+    thread = threading.Thread(target=lambda: result.append(launch()))
+    thread.start()
+    qtbot.waitUntil(lambda: not thread.is_alive(), timeout=30_000)
+    thread.join()
+    assert result, "the launch raised (its traceback is above)"
+    return result[0]
 
 
 def test_a_second_lock_on_the_folder_is_refused_while_the_first_lives(first) -> None:
@@ -38,13 +56,13 @@ def test_files_given_to_a_second_launch_reach_the_first(qtbot, first, tmp_path) 
     second = InstanceLock(data_dir())
     assert not second.acquire()
     with qtbot.waitSignal(first.filesReceived, timeout=10_000) as got:
-        assert hand_over_or_take(second, [str(doc)], wait_s=5.0)
+        assert launched(qtbot, lambda: hand_over_or_take(second, [str(doc)], wait_s=5.0))
     assert got.args[0] == [str(doc)]
 
 
 def test_take_data_folder_hands_over_and_says_exit_0(qtbot, first, tmp_path) -> None:
     with qtbot.waitSignal(first.filesReceived, timeout=10_000) as got:
-        lock, code = take_data_folder([str(tmp_path / "a.md")])
+        lock, code = launched(qtbot, lambda: take_data_folder([str(tmp_path / "a.md")]))
     assert (lock, code) == (None, 0) and got.args[0] == [str(tmp_path / "a.md")]
 
 
@@ -140,3 +158,42 @@ def test_the_socket_is_never_in_the_shared_tmp_root(tmp_path, monkeypatch) -> No
     deep = tmp_path / ("x" * 120)  # past a Unix socket path's length
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     assert Path(socket_name(deep)).parent == tmp_path / "run"
+
+
+def test_a_holder_that_reads_nothing_is_not_told_to_have_taken_the_files(
+        first, tmp_path, monkeypatch) -> None:
+    # A Longleaf whose window closed: its event loop has ended while finish() joins
+    # the engine. Before, a write into the socket's buffer counted as taken: the
+    # launch exited 0 and its files reached no one.
+    import app.single_instance
+
+    monkeypatch.setattr(app.single_instance, "HANDOFF_WAIT_S", 0.5)
+    got: list[list[str]] = []
+    first.filesReceived.connect(got.append)
+    assert not hand_over(data_dir(), [str(tmp_path / "notes.txt")])
+    assert got == []
+
+
+def test_a_launch_while_the_holder_quits_takes_the_folder_once_it_is_free(
+        qtbot, first, tmp_path) -> None:
+    # The window's close was accepted: no more files are taken. The launch is not
+    # answered, keeps trying, and opens its own window once the lock is given up.
+    first.stop_listening()
+    got: list[list[str]] = []
+    first.filesReceived.connect(got.append)
+    second = InstanceLock(data_dir())
+    releaser = threading.Timer(0.5, first.release)
+    releaser.start()
+    try:
+        assert not hand_over_or_take(second, [str(tmp_path / "notes.txt")], wait_s=10.0)
+    finally:
+        releaser.join()
+    second.release()
+    assert got == []
+
+
+def test_a_window_whose_close_is_accepted_says_so(qtbot, tiny_llama) -> None:
+    # What the app's main() stops listening on, before its event loop has ended.
+    window = open_window(qtbot, tiny_llama)
+    with qtbot.waitSignal(window.closeAccepted, timeout=5_000):
+        close_window(window)

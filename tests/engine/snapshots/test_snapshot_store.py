@@ -60,6 +60,24 @@ def test_no_budget_means_the_default_and_a_negative_one_is_refused(store):
         store.set_budget(-1)
 
 
+def test_a_restart_with_the_default_budget_evicts_nothing(store, monkeypatch):
+    # The stored KV takes free space itself: counted as free alone, the default
+    # shrank at every start and a plain restart evicted the oldest chat's KV.
+    from collections import namedtuple
+
+    import engine.snapshots.snapshot_store as snapshot_store
+
+    stored = store.total_bytes()
+    disk = 10 * (stored + store.info("b").disk_bytes // 4)  # its 10% just holds all three
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(snapshot_store.shutil, "disk_usage",
+                        lambda _folder: usage(disk, stored, disk - store.total_bytes()))
+    restarted = SnapshotStore(store.directory)
+    assert restarted.set_budget(None) == []
+    assert _names(restarted) == ["c", "b", "a"]
+    assert abs(restarted.budget_bytes - disk // 10) <= 1  # as on a fresh disk
+
+
 def test_a_snapshot_over_the_whole_budget_is_refused_in_the_apps_units(store, tmp_path):
     one = store.info("c").disk_bytes
     store.budget_bytes = one // 2
