@@ -6,16 +6,20 @@ app uses; each is imported on first use, so ``import engine`` stays cheap and
 does not load MLX until something needs it.
 
 - Models: ``DEMO`` (the path that names the built-in demo model), ``discover_models``,
-  ``inspect_model_dir`` (describe without loading, a ``ModelInfo``),
+  ``inspect_model_dir`` (describe without loading, a ``ModelInfo``; the CLI's),
   ``download_model`` (from the Hub, resumable), ``RECOMMENDED_MODELS`` and
   ``full_context_costs`` (what a model's KV takes at full context, per mode).
 - The worker: ``EngineWorker`` (load a model, open a session with a KV mode,
-  ingest, chat, cancel, stats), driven from any thread through events.
-- Events: ``TokenChunk``, ``IngestProgress``, ``StatsSample`` (with a pipeline's
-  ``RankShare`` per machine), ``Finished``,
-  ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``,
+  ingest, chat, cancel, stats), driven from any thread through events; over other
+  Macs, ``RemoteWorker`` with the same surface (``Worker``), where ``can_split``.
+- Events: ``Event`` (any of them), ``TokenChunk``, ``IngestProgress``, ``StatsSample``
+  (with a pipeline's ``RankShare`` per machine), ``LayerPages``, ``Finished``,
+  ``Failed``, ``ModelLoaded``, ``SessionOpened``, ``GenerationStats``, ``Notice``,
+  ``AnswerWaiting``, ``WaitEnded``, ``StoredKv``, ``PipelineLost``,
   ``QualityProgress``, ``QualityChecked`` (with its ``QualityReceipt``).
-- Errors: ``EngineError`` and its subclasses.
+- Errors: ``EngineError`` and the subclasses the app catches; the others
+  (``MemoryShort``, ``MachineShort``, ``TemplateRefused``) reach it as a
+  ``Failed.error_type``.
 - Values: ``SamplingParams``, ``MODES``, ``DEFAULT_READ_SHARE`` (and
   ``check_read_share``), ``read_document`` (and the
   ``file_patterns`` it reads), ``data_dir``,
@@ -25,8 +29,8 @@ does not load MLX until something needs it.
   ``check_hosts``, ``fits_here``), read-time estimates (``prefill_rate``,
   ``ChunkTiming``, ``PrefillRate``), stored KV (``SnapshotStore``,
   ``SnapshotInfo``, ``MAX_DEFAULT_BUDGET``), ``disk`` (a failed write in words)
-  and ``human_bytes`` with its ``GB``. ``tests/app/test_engine_facade.py`` holds the
-  app to this list.
+  and ``human_bytes`` with its ``GB``. ``__all__`` is the complete list;
+  ``tests/app/test_engine_facade.py`` holds the app to it.
 """
 
 from __future__ import annotations
