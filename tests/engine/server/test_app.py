@@ -15,8 +15,8 @@ import pytest
 from engine.events import Finished, TokenChunk, TokenLogprob
 from engine.server.app import Run
 from engine.server.bridge import Ticket
-from tests.engine.server.conftest import Served, start_server
-from tests.engine.server.tool_models import REFUSING_TEMPLATE, make_templated_model_dir
+from tests.engine.server.conftest import Served
+from tests.engine.server.tool_models import REFUSING_TEMPLATE, serve_templated
 
 REFUSED = ("The model's chat template refused this conversation: This template refuses "
            "that message.")
@@ -70,11 +70,7 @@ def test_a_prompt_too_long_for_memory_or_another_machine_is_a_context_error() ->
 
 @pytest.fixture(scope="module")
 def refusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    root = tmp_path_factory.mktemp("server-refusing")
-    folder = make_templated_model_dir(root, "tiny-llama-refusing", REFUSING_TEMPLATE)
-    running, stop = start_server(folder, root / "kv")
-    yield running
-    stop()
+    yield from serve_templated(tmp_path_factory, "tiny-llama-refusing", REFUSING_TEMPLATE)
 
 
 def test_a_template_that_refuses_a_conversation_is_a_400_in_each_api(refusing: Served) -> None:

@@ -20,9 +20,9 @@ from engine.session.prompt_ids import render_conversation
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.tool_models import (
     MISTRAL_TEMPLATE,
-    make_templated_model_dir,
     make_tool_model_dir,
     scripted_processors,
+    serve_templated,
 )
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -465,11 +465,7 @@ def test_parallel_calls_streamed_give_the_items_they_give_whole(tooled: Served,
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """A model whose template demands Mistral's 9-character call ids."""
-    root = tmp_path_factory.mktemp("server-mistral")
-    folder = make_templated_model_dir(root, "tiny-llama-mistral", MISTRAL_TEMPLATE)
-    running, stop = start_server(folder, root / "kv")
-    yield running
-    stop()
+    yield from serve_templated(tmp_path_factory, "tiny-llama-mistral", MISTRAL_TEMPLATE)
 
 
 def test_a_mistral_tool_round_trip_is_answered(mistral: Served,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +181,14 @@ class Turns:
         monkeypatch.setattr(sampling, "build_logits_processors",
                             lambda params: scripted_processors(self.tokenizer,
                                                                self.current)(params))
+
+
+def serve_templated(factory: Any, name: str, template: str) -> Iterator[Any]:
+    """A module fixture's body: a server on a tiny llama whose chat template is
+    ``template`` (``factory``: pytest's ``tmp_path_factory``); stopped after."""
+    from tests.engine.server.conftest import start_server
+
+    root = factory.mktemp(name)
+    running, stop = start_server(make_templated_model_dir(root, name, template), root / "kv")
+    yield running
+    stop()
