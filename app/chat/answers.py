@@ -177,7 +177,8 @@ class Answers(QObject):
                 self.bridge.cancel(rid)
 
         self.caches.ensure_open(session, submit,
-                                lambda event: self._open_failed(job, sent_id, event, failed))
+                                # The session's KV cache could not be opened: the job ends.
+                                lambda event: self._failed(job, sent_id, event, failed))
 
     # Engine events of one request ----------------------------------------
 
@@ -277,21 +278,6 @@ class Answers(QObject):
             self.errorRaised.emit(self.sessions.about(
                 job.session_id, self._with_unsaved(job.session_id, event.message + kept)))
         finally:  # the chat never stays busy, whatever recording the failure did
-            self.activity.end(job)
-
-    def _open_failed(self, job: Job, sent_id: int, event: Failed, status: str) -> None:
-        # The session's KV cache could not be opened: the job waiting on it ends.
-        try:
-            kept = ""
-            if job.kind == "chat":
-                kept = self._put_back(job.session_id, sent_id)
-                if kept:
-                    self._ended_without_text(job.session_id, status)
-                else:
-                    self.finish_answer(job.session_id, status, event.message)
-            self.errorRaised.emit(self.sessions.about(
-                job.session_id, self._with_unsaved(job.session_id, event.message + kept)))
-        finally:
             self.activity.end(job)
 
     def _with_unsaved(self, session_id: str, message: str) -> str:
