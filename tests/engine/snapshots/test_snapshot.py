@@ -693,12 +693,19 @@ def test_a_snapshot_larger_than_the_budget_is_not_written(models, tmp_path):
     assert store.total_bytes() == 0
 
 
-def test_default_budget_is_a_tenth_of_free_disk_at_most_20_gb(tmp_path):
-    import shutil
+def test_default_budget_is_a_tenth_of_free_disk_at_most_20_gb(tmp_path, monkeypatch):
+    # The disk's free space faked: read twice, the real one moves as other tests
+    # write beside this one. 20 GB as the app says sizes: 2**30 bytes each.
+    from types import SimpleNamespace
 
-    store = SnapshotStore(tmp_path)
-    free = shutil.disk_usage(tmp_path).free
-    assert store.budget_bytes == int(min(20 * 10**9, free * 0.10))
+    from engine.snapshots import snapshot_store
+
+    assert snapshot_store.MAX_DEFAULT_BUDGET == 20 * 2**30
+    for free in (77 * 10**9, 300 * 10**9):
+        monkeypatch.setattr(snapshot_store.shutil, "disk_usage",
+                            lambda _path, free=free: SimpleNamespace(free=free))
+        store = SnapshotStore(tmp_path)
+        assert store.budget_bytes == int(min(20 * 2**30, free * 0.10))
 
 
 def test_sweep_removes_leftovers_and_keeps_snapshots(saved):
