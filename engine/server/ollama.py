@@ -204,11 +204,17 @@ def _message(message: Any, index: int) -> dict:
             "system", "user", "assistant", "tool"):
         raise BadRequest(f"{where} must be an object whose role is system, user, "
                          "assistant or tool.", "messages")
-    if message.get("images"):
-        raise BadRequest(f"{where} has images; this server reads text only.", "messages")
     content = message.get("content") or ""
     if not isinstance(content, str):
         raise BadRequest(f"{where}.content must be a string.", "messages")
+    images = message.get("images") or []
+    if not isinstance(images, list):
+        raise BadRequest(f"{where}.images must be a list.", "messages")
+    if images:
+        # As on the other APIs: a client that resends a history with a screenshot in
+        # it must not be refused at every later turn; the model reads that one was left.
+        content = "\n\n".join([*([content] if content else []),
+                                *[protocol.IMAGE_OMITTED] * len(images)])
     out: dict = {"role": message["role"], "content": content}
     calls = message.get("tool_calls")
     if message["role"] == "assistant" and calls:

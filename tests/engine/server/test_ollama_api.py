@@ -248,3 +248,16 @@ def test_a_tool_round_trip(tooled: Served, monkeypatch: pytest.MonkeyPatch) -> N
     answer = api.chat(model="m", messages=follow, tools=[WEATHER],
                       options={"num_predict": 100})
     assert answer.message.content == "It is sunny." and answer.done_reason == "stop"
+
+
+def test_an_image_in_a_message_is_a_note_not_a_refusal() -> None:
+    """As on the other APIs: a history resent with a screenshot in it was a 400 at
+    every later turn; the model now reads that an image was left out."""
+    from engine.server.protocol import IMAGE_OMITTED
+
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "What is this?", "images": ["aGVsbG8="]},
+        {"role": "user", "images": ["aGVsbG8=", "aGVsbG8="]}]}
+    first, second = ollama_api.chat_request(body, 4096).messages[-2:]
+    assert first["content"] == f"What is this?\n\n{IMAGE_OMITTED}"
+    assert second["content"] == f"{IMAGE_OMITTED}\n\n{IMAGE_OMITTED}"
