@@ -65,7 +65,8 @@ _PUBLIC = {
     "SamplingParams": "engine.session.sampling",
     "DEFAULT_READ_SHARE": "engine.session.batch",
     "WAITED_BEHIND": "engine.session.batch",
-    **{name: "engine.session.session" for name in ("MAX_CHUNK", "MAX_PAGE_SIZE")},
+    **{name: "engine.session.session" for name in (
+        "MAX_CHUNK", "MAX_PAGE_SIZE", "outside_pages_reserve")},
     "check_read_share": "engine.session.batch",
     **{name: "engine.cache.modes" for name in (
         "MODES", "DEFAULT_MODE", "REFERENCE", "KvMode", "parse_mode")},
@@ -197,6 +198,7 @@ __all__ = [
     "host_names",
     "human_bytes",
     "inspect_model_dir",
+    "outside_pages_reserve",
     "parse_mode",
     "prefill_rate",
     "private_dir",
@@ -302,6 +304,6 @@ if TYPE_CHECKING:
     from engine.session.batch import DEFAULT_READ_SHARE, WAITED_BEHIND, check_read_share
     from engine.session.prompt_ids import TurnOverhead
     from engine.session.sampling import SamplingParams
-    from engine.session.session import MAX_CHUNK, MAX_PAGE_SIZE
+    from engine.session.session import MAX_CHUNK, MAX_PAGE_SIZE, outside_pages_reserve
     from engine.snapshots.manifest import SnapshotInfo, snapshot_info
     from engine.snapshots.snapshot_store import MAX_DEFAULT_BUDGET, SnapshotStore, default_budget

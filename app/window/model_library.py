@@ -21,6 +21,7 @@ from engine import (
     RecommendedModel,
     can_split,
     full_context_costs,
+    outside_pages_reserve,
 )
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def installed_entry(model: DiscoveredModel, total_ram: int) -> ModelEntry:
         attention_layers=info.attention_layers, kv_heads=info.kv_heads,
         head_dim=info.head_dim, max_context=info.max_context,
         weights_bytes=model.weights_bytes, total_ram_bytes=total_ram,
-        outside_pages_bytes=info.outside_pages_bytes)
+        outside_pages_bytes=outside_pages_reserve(info.outside))
     return ModelEntry(model.name, str(model.path), None, model.size_bytes,
                       info.max_context, costs, splittable=can_split(model.path))
 
@@ -130,7 +131,7 @@ def recommended_entry(model: RecommendedModel, total_ram: int) -> ModelEntry:
         attention_layers=model.attention_layers, kv_heads=model.kv_heads,
         head_dim=model.head_dim, max_context=model.max_context,
         weights_bytes=model.approx_size_bytes, total_ram_bytes=total_ram,
-        outside_pages_bytes=model.outside_pages_bytes)
+        outside_pages_bytes=outside_pages_reserve(model.outside))
     return ModelEntry(model.repo_id, None, model.repo_id, model.approx_size_bytes,
                       model.max_context, costs, model.summary)
 

@@ -21,7 +21,6 @@ from engine.errors import UnsupportedModeError
 from engine.memory.guard import default_headroom
 
 FIT_STEP = 1024  # tokens: "fits up to 120k" needs no finer grain
-MODEL_VALUE_BYTES = 2  # a Mac's activations (bf16, fp16): what windows and states keep
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def full_context_costs(
         weights_bytes: the model's weights (its size on disk is close enough).
         total_ram_bytes: the machine's RAM; None reads it now.
         outside_pages_bytes: what one conversation's layers outside the pages
-            reserve at any context (:func:`outside_pages_bytes`).
+            reserve at any context (``engine.session.session.outside_pages_reserve``).
     """
     from engine.cache.kvquant import project_kv_bytes  # compiles nothing on import
 
@@ -85,44 +84,6 @@ def full_context_costs(
             fits, attention_layers, kv_heads, head_dim, max_context, mode)
         costs.append(ModeCost(mode, kv, fits(max_context, kv), fit))
     return tuple(costs)
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    """A gated-delta linear-attention layer's shape (Qwen3-Next's ``linear_*``
-    config fields): what its state holds does not grow with the context."""
-
-    key_heads: int
-    key_dim: int
-    value_heads: int
-    value_dim: int
-    conv_kernel: int
-
-    def state_bytes(self, value_bytes: int = MODEL_VALUE_BYTES) -> int:
-        """One conversation's state of one layer, as mlx-lm makes it: the
-        convolution's last inputs in the activations' dtype (``value_bytes``) and the
-        recurrent state in float32."""
-        conv_width = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-        return ((self.conv_kernel - 1) * conv_width * value_bytes
-                + self.value_heads * self.value_dim * self.key_dim * 4)
-
-
-def outside_pages_bytes(*, sliding_layers: int = 0, window: int = 0, kv_heads: int = 0,
-                        head_dim: int = 0, linear_layers: int = 0,
-                        linear: LinearShape | None = None,
-                        value_bytes: int = MODEL_VALUE_BYTES) -> int:
-    """What the budget reserves for one conversation's layers outside the pages, as
-    a loaded model's session does (``engine.cache.other_layers``): each sliding
-    window of ``window`` tokens plus a prefill chunk, each linear layer's state, and
-    as much again for every checkpoint a session keeps of them (0: none).
-    ``value_bytes``: of one activation (a Mac's GPU computes in 16 bits)."""
-    from engine.session.checkpoints import MAX_KEPT
-    from engine.session.session import DEFAULT_CHUNK
-
-    rows = window + DEFAULT_CHUNK - 1 if window > 0 else 0
-    windows = sliding_layers * rows * 2 * kv_heads * head_dim * value_bytes
-    states = linear_layers * linear.state_bytes(value_bytes) if linear is not None else 0
-    return (windows + states) * (1 + MAX_KEPT)
 
 
 def reading_reserve(kv_heads: int, head_dim: int, tokens: int, mode: KvMode) -> int:

@@ -10,9 +10,9 @@ so their KV cost can be shown before a byte is downloaded
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine.memory import model_costs
+from engine.cache.outside import LinearShape, OutsideShape
 
 GB = 10**9
 
@@ -29,8 +29,7 @@ class RecommendedModel:
         attention_layers: layers whose KV cache grows with the context.
         kv_heads: KV heads per attention layer.
         head_dim: width of one KV head.
-        outside_pages_bytes: what its layers outside the pages reserve for one
-            conversation (``model_costs.outside_pages_bytes``).
+        outside: its layers outside the pages (sliding windows, linear attention).
     """
 
     repo_id: str
@@ -40,7 +39,7 @@ class RecommendedModel:
     attention_layers: int
     kv_heads: int
     head_dim: int
-    outside_pages_bytes: int = 0
+    outside: OutsideShape = field(default_factory=OutsideShape)
 
     @property
     def name(self) -> str:
@@ -62,6 +61,5 @@ RECOMMENDED_MODELS: tuple[RecommendedModel, ...] = (
     RecommendedModel("mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit",
                      "Qwen3-Next 80B-A3B hybrid, 4-bit: 1 layer in 4 keeps a KV cache",
                      int(44.8 * GB), 262_144, 12, 2, 256,
-                     model_costs.outside_pages_bytes(
-                         linear_layers=36, linear=model_costs.LinearShape(16, 128, 32, 128, 4))),
+                     OutsideShape(linear_layers=36, linear=LinearShape(16, 128, 32, 128, 4))),
 )

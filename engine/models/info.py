@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.cache import kvquant, mlx_lm_compat
 from engine.cache.modes import MODES, KvMode
+from engine.cache.outside import LinearShape, OutsideShape
 from engine.errors import EngineError, ModelLoadError
-from engine.memory import model_costs
 from engine.models.folder import (
     _check_tokenizer_files,  # folder.py's own check, private there
     has_chat_template,
@@ -52,10 +52,10 @@ class ModelInfo:
         kv_bytes_per_token: per KV mode, bytes one token of context takes over
             all ``attention_layers`` (None: the mode cannot store this head_dim).
         kv_bytes_full_context: per KV mode, bytes of a ``max_context`` cache.
-        outside_pages_bytes: what one conversation's sliding windows and
-            linear-attention state reserve beside the pages, with their checkpoints,
-            as config.json gives them (``model_costs.outside_pages_bytes``; other
-            layers' state, an SSM's, is not known before the model loads: 0).
+        outside: the sliding windows and linear-attention layers as config.json
+            gives them (what they reserve beside the pages:
+            ``engine.session.session.outside_pages_reserve``; other layers' state, an
+            SSM's, is not known before the model loads).
     """
 
     name: str
@@ -74,7 +74,7 @@ class ModelInfo:
     has_chat_template: bool
     kv_bytes_per_token: dict[KvMode, int | None]
     kv_bytes_full_context: dict[KvMode, int | None]
-    outside_pages_bytes: int = 0
+    outside: OutsideShape = field(default_factory=OutsideShape)
 
     @property
     def unavailable_modes(self) -> tuple[KvMode, ...]:
@@ -412,16 +412,16 @@ def build_model_info(
         has_chat_template=has_chat_template(folder),
         kv_bytes_per_token=per_token,
         kv_bytes_full_context=full_context,
-        outside_pages_bytes=model_costs.outside_pages_bytes(
+        outside=OutsideShape(
             sliding_layers=len(kinds["sliding"]), window=_whole(text, "sliding_window"),
             kv_heads=kv_heads, head_dim=head_dim,
             linear_layers=len(kinds["other"]), linear=_linear_shape(text)),
     )
 
 
-def _linear_shape(text: dict[str, Any]) -> model_costs.LinearShape | None:
+def _linear_shape(text: dict[str, Any]) -> LinearShape | None:
     """A gated-delta linear-attention layer's shape, where the config gives one."""
     sizes = [_whole(text, key) for key in (
         "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
         "linear_value_head_dim", "linear_conv_kernel_dim")]
-    return model_costs.LinearShape(*sizes) if all(sizes) else None
+    return LinearShape(*sizes) if all(sizes) else None

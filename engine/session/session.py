@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from engine.cache import adapter, kvquant, other_layers, sharing
 from engine.cache.modes import FP16, KvMode
+from engine.cache.outside import MAC_VALUE_BYTES, OutsideShape
 from engine.cache.paged_cache import PagedKVCache
 from engine.cache.pages import DEFAULT_PAGE_SIZE, PREFILL_SCRATCH_BYTES, PagePool
 from engine.errors import EngineError, KvBudgetExceeded
@@ -106,6 +107,14 @@ def new_chat_cache(loaded: LoadedModel) -> list:
         ModelLoadError: the load-time probe refused the model.
     """
     return make_session_cache(loaded, FP16, DEFAULT_PAGE_SIZE).cache
+
+
+def outside_pages_reserve(outside: OutsideShape, value_bytes: int = MAC_VALUE_BYTES) -> int:
+    """What a new chat of a model known by its config alone (``ModelInfo.outside``)
+    will reserve beside its pages, as :func:`new_chat_outside_pages` says once it
+    loads: the bound at the default chunk, once and again for each checkpoint a chat
+    keeps. ``value_bytes``: of one activation (a Mac's GPU: 16 bits)."""
+    return outside.bound_bytes(DEFAULT_CHUNK, value_bytes) * (1 + checkpoints.MAX_KEPT)
 
 
 def new_chat_outside_pages(loaded: LoadedModel, chunk_size: int) -> other_layers.OtherLayers:

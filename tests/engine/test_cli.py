@@ -320,7 +320,7 @@ def test_a_session_run_makes_room_from_its_own_stored_kv_never_a_chats(
             "0", "--max-tokens", "4", "--json", "--session-dir", str(kv))
     assert _run(*argv, "--prompt", PROMPT * 3, "--session", "doc")[0] == 0
     full = snapshot_store.SnapshotStore(kv).total_bytes()
-    monkeypatch.setattr(snapshot_store, "default_budget", lambda directory: full)
+    monkeypatch.setattr(snapshot_store, "default_budget", lambda directory, counted_with=(): full)
     assert _run(*argv, "--prompt", PROMPT * 4, "--session", "other")[0] == 0
     assert sorted(p.stem for p in kv.glob("*.json")) == ["0a1b2c3d", "cli-other"]
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from app.format import short_tokens
 from app.window.model_library import cost_text, installed_entry, library
-from engine import RECOMMENDED_MODELS, ModeCost
+from engine import RECOMMENDED_MODELS, ModeCost, outside_pages_reserve
 from engine.models.discovery import inspect_candidate
 from tests.engine.tinymodels import make_tiny_model_dir
 
@@ -39,7 +39,7 @@ def test_recommended_models_leave_the_list_once_downloaded() -> None:
     first = RECOMMENDED_MODELS[0]
     info = SimpleNamespace(attention_layers=first.attention_layers, kv_heads=first.kv_heads,
                            head_dim=first.head_dim, max_context=first.max_context,
-                           outside_pages_bytes=first.outside_pages_bytes)
+                           outside=first.outside)
     found = SimpleNamespace(name=first.repo_id, path="/models/x", size_bytes=GIB,
                             weights_bytes=GIB, info=info)
     installed, wanted = library([found], total_ram=16 * GIB)
@@ -71,7 +71,7 @@ def test_a_models_windows_and_their_checkpoints_take_room_from_its_context(
 
     folder = make_tiny_model_dir(tmp_path, "gemma3_text", sliding_window=1 << 20)
     found = inspect_candidate("tiny", folder)
-    reserve = found.info.outside_pages_bytes
+    reserve = outside_pages_reserve(found.info.outside)
     assert reserve > GIB // 4
     info = found.info
     ram = 4 * GIB  # the headroom (2 GiB) and the reading reserve leave little beside
@@ -86,4 +86,4 @@ def test_a_models_windows_and_their_checkpoints_take_room_from_its_context(
         head_dim=info.head_dim, max_context=info.max_context,
         weights_bytes=found.weights_bytes, total_ram_bytes=ram, outside_pages_bytes=reserve)
     qwen3_next = next(m for m in RECOMMENDED_MODELS if "Qwen3-Next" in m.repo_id)
-    assert qwen3_next.outside_pages_bytes > 0
+    assert outside_pages_reserve(qwen3_next.outside) > 0

@@ -20,7 +20,7 @@ def on_disk(name: str, size: int = GIB) -> SimpleNamespace:
     first = RECOMMENDED_MODELS[0]
     info = SimpleNamespace(attention_layers=first.attention_layers, kv_heads=first.kv_heads,
                            head_dim=first.head_dim, max_context=first.max_context,
-                           outside_pages_bytes=first.outside_pages_bytes)
+                           outside=first.outside)
     return SimpleNamespace(name=name, path=f"/models/{name}", size_bytes=size,
                            weights_bytes=size, info=info)
 

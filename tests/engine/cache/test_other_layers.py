@@ -103,3 +103,22 @@ def test_the_reserve_holds_the_layers_and_every_checkpoint_a_chat_keeps(
     held = session.stats().other_bytes + session.checkpoints.nbytes
     assert session.other_layers() == fresh  # the bound did not move as they filled
     assert 2 * fresh.bound_bytes < held <= fresh.reserve_bytes
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next", "llama"])
+def test_config_facts_give_what_a_loaded_model_reserves_outside_its_pages(
+        tmp_path, arch: str) -> None:
+    """The Models dialog's reserve from config.json alone (a model not loaded, or not
+    downloaded) is what a loaded model's new chat reserves, at the same bytes per
+    activation (a Mac's 16 bits in the dialog; the CPU here computes in 32)."""
+    from engine.cache.outside import MAC_VALUE_BYTES
+    from engine.models.info import inspect_model_dir
+    from engine.session.session import DEFAULT_CHUNK, outside_pages_reserve
+
+    folder = make_tiny_model_dir(tmp_path, arch, dtype="bfloat16")
+    outside = inspect_model_dir(folder).outside
+    reserve = new_chat_outside_pages(load_model(folder), DEFAULT_CHUNK).reserve_bytes
+    assert outside_pages_reserve(outside, activation_value_bytes()) == reserve
+    assert (reserve > 0) is (arch != "llama")
+    assert outside_pages_reserve(outside) == outside_pages_reserve(
+        outside, MAC_VALUE_BYTES)

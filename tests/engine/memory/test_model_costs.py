@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
 from engine.cache.kvquant import project_kv_bytes
 from engine.memory.guard import default_headroom
-from engine.memory.model_costs import (
-    MODEL_VALUE_BYTES,
-    full_context_costs,
-    outside_pages_bytes,
-    reading_reserve,
-)
-from engine.models import info as info_module
-from engine.models.info import inspect_model_dir
-from engine.models.loader import load_model
-from engine.session.prefill import activation_value_bytes
-from engine.session.session import DEFAULT_CHUNK, new_chat_outside_pages
-from tests.engine.tinymodels import make_tiny_model_dir
+from engine.memory.model_costs import full_context_costs, reading_reserve
 
 GIB = 2**30
 
@@ -104,26 +89,3 @@ def test_the_room_counts_what_the_layers_outside_the_pages_reserve() -> None:
                               weights_bytes=room - kv_q8 - outside + 1, total_ram_bytes=total,
                               outside_pages_bytes=outside)
     assert exactly[1].fits and not over[1].fits
-
-
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next", "llama"])
-def test_config_facts_give_what_a_loaded_model_reserves_outside_its_pages(
-        tmp_path, arch: str) -> None:
-    """The rule from config.json alone (a model not loaded, or not downloaded) counts
-    what a loaded model's new chat reserves, at the same bytes per activation."""
-    folder = make_tiny_model_dir(tmp_path, arch, dtype="bfloat16")
-    info = inspect_model_dir(folder)
-    config = json.loads((folder / "config.json").read_text())
-    loaded = load_model(folder)
-    engine = new_chat_outside_pages(loaded, DEFAULT_CHUNK).reserve_bytes
-
-    def rule(value_bytes: int) -> int:
-        return outside_pages_bytes(
-            sliding_layers=len(info.sliding_window_layer_indices),
-            window=config.get("sliding_window") or 0, kv_heads=info.kv_heads,
-            head_dim=info.head_dim, linear_layers=len(info.other_layer_indices),
-            linear=info_module._linear_shape(config), value_bytes=value_bytes)
-
-    assert rule(activation_value_bytes()) == engine
-    assert info.outside_pages_bytes == rule(MODEL_VALUE_BYTES)
-    assert (engine > 0) is (arch != "llama")
