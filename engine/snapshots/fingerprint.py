@@ -18,9 +18,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import marshal
 import os
 import re
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import blake3
@@ -146,10 +149,10 @@ def code_fingerprint(model_dir: Path) -> dict[str, str]:
     except (OSError, ValueError) as error:
         raise EngineError(f"Cannot read the model folder {model_dir}: {error}") from error
     try:
-        module_file = _module_file(config)
+        module_name = _module_name(config)
     except (ValueError, KeyError, TypeError) as error:
         raise EngineError(f"mlx-lm has no code for the model in {model_dir}: {error}") from None
-    return {"mlx": _mlx_version(), "mlx_lm_model": _source_digest(module_file)}
+    return {"mlx": _mlx_version(), "mlx_lm_model": _source_digest(module_name)}
 
 
 def session_code(session: object) -> dict[str, str]:
@@ -161,13 +164,41 @@ def session_code(session: object) -> dict[str, str]:
     return code_fingerprint(session_model_dir(session))
 
 
-def _module_file(config: dict[str, Any]) -> str:
-    import sys
-
+def _module_name(config: dict[str, Any]) -> str:
     from engine.cache.mlx_lm_compat import model_classes
 
     model_class, _args = model_classes(config)
-    return str(sys.modules[model_class.__module__].__file__)
+    return str(model_class.__module__)
+
+
+def _bytecode_digest(module: ModuleType) -> str:
+    """BLAKE3 of the bytecode of ``module`` and of the modules of its package its
+    names come from (what its relative imports brought in)."""
+    package = module.__name__.rpartition(".")[0]
+    sources = {value.__name__ if isinstance(value, ModuleType)
+               else str(getattr(value, "__module__", "")) for value in vars(module).values()}
+    names = sorted(name for name in sources
+                   if name.startswith(package + ".") and name != module.__name__)
+    digest = blake3.blake3()
+    for name in (module.__name__, *names):
+        digest.update(_bytecode(name))
+    return digest.hexdigest()
+
+
+def _bytecode(name: str) -> bytes:
+    """The marshalled bytecode of module ``name``, as its loader gives it (a loader
+    that gives none: the module's name and mlx-lm's version, which a frozen app's
+    code changes with)."""
+    loader = getattr(sys.modules.get(name), "__loader__", None)
+    try:
+        code = loader.get_code(name) if loader is not None else None
+    except ImportError:
+        code = None
+    if code is None:
+        import mlx_lm
+
+        return f"{name}@{getattr(mlx_lm, '__version__', 'unknown')}".encode()
+    return marshal.dumps(code)
 
 
 def _mlx_version() -> str:
@@ -179,12 +210,17 @@ def _mlx_version() -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _source_digest(module_file: str) -> str:
+def _source_digest(module_name: str) -> str:
     """BLAKE3 of a model module's source and of each ``mlx_lm.models`` module it
     imports by a relative import (read once per process, as a model loads: the
-    module imported then is the code that runs, whatever the disk holds later)."""
-    path = Path(module_file)
-    source = path.read_bytes()
+    module imported then is the code that runs, whatever the disk holds later).
+    A frozen app keeps no sources beside its bytecode: there, of the bytecode."""
+    module = sys.modules[module_name]
+    path = Path(str(module.__file__))
+    try:
+        source = path.read_bytes()
+    except OSError:
+        return _bytecode_digest(module)
     names = sorted(set(re.findall(rb"^from \.(\w+) import", source, re.MULTILINE)))
     digest = blake3.blake3(source)
     for name in names:

@@ -778,3 +778,23 @@ def test_the_code_kv_is_stored_as_is_the_code_the_model_loaded_with(models, monk
     assert fingerprint.session_code(session) == pinned
     assert fingerprint.session_code(_session(models["llama"]))["mlx_lm_model"] \
         == "updated on disk"  # a model loaded without its code pinned: the disk's
+
+
+def test_a_frozen_app_without_sources_fingerprints_the_code_by_its_bytecode(monkeypatch):
+    """The packaged app keeps mlx-lm as bytecode only: reading the module's source
+    failed every model load (FileNotFoundError). Its bytecode is digested instead:
+    the same for the same code, another for other code."""
+    import mlx_lm.models.llama as llama
+
+    from engine.snapshots import fingerprint
+
+    from_source = fingerprint._source_digest("mlx_lm.models.llama")
+    fingerprint._source_digest.cache_clear()
+    monkeypatch.setattr(llama, "__file__", "/frozen/_internal/mlx_lm/models/llama.py")
+    frozen = fingerprint._source_digest("mlx_lm.models.llama")
+    fingerprint._source_digest.cache_clear()
+    assert frozen == fingerprint._source_digest("mlx_lm.models.llama") != from_source
+    fingerprint._source_digest.cache_clear()
+    monkeypatch.setattr(fingerprint, "_bytecode", lambda name: name.encode() + b"@other")
+    assert fingerprint._source_digest("mlx_lm.models.llama") != frozen
+    fingerprint._source_digest.cache_clear()
