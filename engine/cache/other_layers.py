@@ -17,6 +17,8 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 SLIDING = "sliding windows"
 LINEAR = "linear attention"
+
+
 @dataclass(frozen=True)
 class OtherLayers:
     """What the layers that are not paged may hold.
