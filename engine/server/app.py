@@ -33,6 +33,7 @@ from engine.errors import EngineError
 from engine.events import Failed, Finished, GenerationStats, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
+from engine.server.forced_calls import Forced, call_grammar, functions
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax, with_short_ids
 
@@ -689,6 +690,7 @@ class Server:
         syntax = self._tool_syntax(chat)
         self._check_bias(chat)
         prompt = await self._render(chat)
+        chat = self._forced_call(chat, syntax, prompt)
         context = min(self.bridge.max_context, chat.context or self.bridge.max_context)
         if len(prompt) + 1 > context:
             field, verb = ("messages", "take") if chat.template else ("prompt", "takes")
@@ -769,6 +771,22 @@ class Server:
                                 "(tool_choice 'none' does).", param="tools",
                            code="tools_unsupported")
         return syntax
+
+    def _forced_call(self, chat: ChatRequest, syntax: ToolSyntax | None,
+                     prompt: list[int]) -> ChatRequest:
+        """``chat`` decoding to the call its ``tool_choice`` forces, where a grammar
+        here writes the model's syntax (``forced_calls``); else as it was."""
+        if syntax is None or chat.tool_choice not in ("required", "named") or not chat.tools:
+            return chat
+        if chat.messages and chat.messages[-1]["role"] == "assistant":
+            return chat  # an answer continued: its start is the client's, not a call's
+        named = chat.tool_name if chat.tool_choice == "named" else None
+        forced = Forced(functions(chat.tools, named), single=chat.max_calls == 1,
+                        open_thought=self.bridge.opens_thought(prompt))
+        grammar = call_grammar(syntax, forced)
+        if grammar is None:
+            return chat
+        return replace(chat, sampling=replace(chat.sampling, grammar=grammar))
 
     def _check_bias(self, chat: ChatRequest) -> None:
         vocab = self.bridge.vocab_size

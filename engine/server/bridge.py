@@ -26,6 +26,7 @@ from engine.events import Event, Failed, Finished, ModelLoaded, Notice, request_
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.interface import Worker
 from engine.runtime.worker import EngineWorker
+from engine.server.forced_calls import opens_thought
 from engine.server.token_bytes import token_bytes
 from engine.server.tools import ToolSyntax
 from engine.session.batch import DEFAULT_READ_SHARE
@@ -275,6 +276,12 @@ class ServerBridge:
     def tool_syntax(self) -> ToolSyntax | None:
         """How the loaded model marks tool calls, or None where its tokenizer does not say."""
         return ToolSyntax.of(self._tokenizer)
+
+    def opens_thought(self, prompt: list[int]) -> bool:
+        """Whether ``prompt`` ends inside a thought (a thinking template's reply that
+        starts with its think marker): the answer finishes that thought first."""
+        with self._tokenizer_lock:
+            return opens_thought(self._tokenizer, prompt)
 
     def count(self, text: str) -> int:
         """Tokens ``text`` encodes to."""

@@ -112,7 +112,8 @@ CHAT = {
     "stream_options": honoured("include_usage adds the usage chunk; include_obfuscation "
                                "is not needed on a local connection"),
     "tools": TOOLS,
-    "tool_choice": honoured("auto, none, required or a named function; see "
+    "tool_choice": honoured("auto, none, required or a named function (decoded to "
+                            "the call where a grammar writes the model's syntax); see "
                             "tool_choice_met"),
     "parallel_tool_calls": honoured("false keeps the answer's first call only"),
     "logprobs": honoured("each token's log probability"),
@@ -168,7 +169,8 @@ _MESSAGES_COMMON = {
     "model": MODEL,
     "system": honoured("the system prompt"),
     "tools": TOOLS,
-    "tool_choice": honoured("auto, any, none or a named tool; "
+    "tool_choice": honoured("auto, any, none or a named tool (decoded to the call where "
+                            "a grammar writes the model's syntax); "
                             "disable_parallel_tool_use keeps the first call only"),
     "thinking": accepted("a permission to think, not a demand: the model thinks as its "
                          "template does and this server returns no thinking blocks"),

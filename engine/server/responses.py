@@ -47,7 +47,8 @@ FIELDS = {
     "tools": honoured("function tools (and those inside namespaces) go to the chat "
                       "template; hosted tools (web_search, file_search…) are left out: "
                       "this server runs none"),
-    "tool_choice": honoured("auto, none, required or a named function; see "
+    "tool_choice": honoured("auto, none, required or a named function (decoded to "
+                            "the call where a grammar writes the model's syntax); see "
                             "tool_choice_met"),
     "parallel_tool_calls": honoured("false keeps the answer's first call only"),
     "max_tool_calls": honoured("the answer's first calls only"),

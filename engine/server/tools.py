@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,10 @@ class ToolSyntax:
     end: str
     parser: Any  # mlx-lm's parse_tool_call(text, tools) -> dict or list of dicts
     short_ids: bool = False  # call ids must be SHORT_ID letters and digits
+    kind: str = ""  # mlx-lm's name for the parser ("json_tools", "qwen3_coder", …)
+    thought: tuple[str, str] | None = None  # a thinking model's markers
+    # The markers that are one added token, by id (``_marker_tokens``).
+    marker_tokens: dict[str, int] = field(default_factory=dict, hash=False)
 
     @classmethod
     def of(cls, tokenizer: Any) -> ToolSyntax | None:
@@ -58,10 +62,29 @@ class ToolSyntax:
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
         parser = tokenizer.tool_parser
+        module = getattr(parser, "__module__", "")
         template = getattr(tokenizer, "chat_template", None)
-        short = getattr(parser, "__module__", "").endswith(".mistral") or (
+        short = module.endswith(".mistral") or (
             isinstance(template, str) and SHORT_ID_CHECK.search(template) is not None)
-        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser, short)
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
+        thought = (tokenizer.think_start, tokenizer.think_end) \
+            if getattr(tokenizer, "has_thinking", False) else None
+        markers = (start, end, *(thought or ()))
+        return cls(start, end, parser, short, module.rsplit(".", 1)[-1], thought,
+                   _marker_tokens(tokenizer, markers))
+
+
+def _marker_tokens(tokenizer: Any, markers: tuple[str, ...]) -> dict[str, int]:
+    """Which of ``markers`` are one added token of ``tokenizer`` (Qwen's ``<tool_call>``,
+    ``<think>``), by id: the grammar engine reads every added token as special, a
+    token whose text is none of the bytes it matches."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {}
+    for marker in markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False) if marker else []
+        if len(ids) == 1 and ids[0] in added:
+            found[marker] = ids[0]
+    return found
 
 
 def short_id(ident: str) -> str:

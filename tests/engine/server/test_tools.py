@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import anthropic
@@ -336,8 +337,52 @@ def test_bad_tool_choice_is_400(anthropic_api: bool, body: dict) -> None:
     assert raised.value.param == "tool_choice"
 
 
+# A tool whose every call is short: the tiny models' random weights write a string
+# on and on, but a forced call here has only a few to choose from.
+CHOOSY = {"type": "function", "function": {
+    "name": "pick_city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}}}
+UNIT = {"type": "function", "function": {
+    "name": "pick_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["C", "F"]}},
+        "required": ["unit"], "additionalProperties": False}}}
+
+
+@pytest.fixture
+def unwritten(tooled: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's call syntax is one no forced-call grammar here writes."""
+    syntax = ToolSyntax.of(load_tokenizer(Path(tooled.bridge.info.path)))
+    monkeypatch.setattr(type(tooled.bridge), "tool_syntax",
+                        property(lambda self: replace(syntax, kind="pythonic")))
+
+
+def test_a_forced_choice_is_decoded_to_the_call(tooled: Served) -> None:
+    # No script: the model's own (random) answer, kept to the call by the grammar.
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    for choice in ("required", {"type": "function", "function": {"name": "pick_city"}}):
+        reply = api.chat.completions.create(model="m", messages=MESSAGES,
+                                            tools=[UNIT, CHOOSY], tool_choice=choice,
+                                            parallel_tool_calls=False, max_tokens=120)
+        (call,) = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert reply.model_extra["tool_choice_met"] is True
+        if choice != "required":
+            assert call.function.name == "pick_city"
+        assert json.loads(call.function.arguments) in (
+            {"city": "Paris"}, {"city": "Oslo"}, {"unit": "C"}, {"unit": "F"})
+    other = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    message = other.messages.create(
+        model="m", max_tokens=120, messages=MESSAGES, tools=[{
+            "name": "pick_city", "input_schema": CHOOSY["function"]["parameters"]}],
+        tool_choice={"type": "tool", "name": "pick_city", "disable_parallel_tool_use": True})
+    (use,) = message.content
+    assert use.type == "tool_use" and use.input["city"] in ("Paris", "Oslo")
+    assert message.stop_reason == "tool_use"
+
+
 def test_openai_forced_tool_choice_says_whether_the_answer_made_the_call(
-        tooled: Served, forced) -> None:
+        tooled: Served, forced, unwritten) -> None:
     api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
     named = {"type": "function", "function": {"name": "get_weather"}}
     forced(CALL)
@@ -348,7 +393,8 @@ def test_openai_forced_tool_choice_says_whether_the_answer_made_the_call(
     forced("No call.")
     reply = api.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
                                         tool_choice="required", max_tokens=80)
-    # Decoding is not constrained: the answer ends normally and says so.
+    # Decoding is free in a syntax no grammar here writes: the answer ends normally
+    # and says so.
     assert reply.choices[0].message.content == "No call."
     assert reply.choices[0].finish_reason == "stop"
     assert reply.model_extra["tool_choice_met"] is False
@@ -399,7 +445,8 @@ def test_parallel_calls_refused_keep_the_first(tooled: Served, forced) -> None:
     assert [b.input for b in reply.content if b.type == "tool_use"] == [{"city": "Paris"}]
 
 
-def test_anthropic_stream_of_a_call_alone_opens_no_text_block(tooled: Served, forced) -> None:
+def test_anthropic_stream_of_a_call_alone_opens_no_text_block(tooled: Served, forced,
+                                                              unwritten) -> None:
     forced(CALL)
     api = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
     events = []

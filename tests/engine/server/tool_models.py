@@ -192,3 +192,36 @@ def serve_templated(factory: Any, name: str, template: str) -> Iterator[Any]:
     running, stop = start_server(make_templated_model_dir(root, name, template), root / "kv")
     yield running
     stop()
+
+
+# Qwen3.5's way, cut down: calls in Qwen3-Coder's XML (mlx-lm reads
+# "<tool_call>\n<function=" in it and picks its qwen3_coder parser), and a reply
+# that opens a thought.
+XML_THINKING_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools>\nCall a function so:\n<tool_call>\n"
+    "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+    "</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def make_tokenizer_dir(root: Path, name: str, template: str, added: tuple[str, ...] = (),
+                       special: tuple[str, ...] = ()) -> Path:
+    """A folder of the tiny tokenizer alone (no weights): ``template`` its chat
+    template, ``added`` tokens of its own (as Qwen's ``<think>``) and ``special``
+    ones (as a model whose call markers are special tokens)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    base = make_templated_model_dir(root, f"{name}-base", template)
+    folder = root / name
+    folder.mkdir()
+    for part in ("tokenizer_config.json", "config.json"):
+        shutil.copy(base / part, folder / part)
+    tokenizer = Tokenizer.from_str((base / "tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer.add_tokens([AddedToken(text, special=False) for text in added])
+    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in special])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
