@@ -275,17 +275,33 @@ def quantize_rows(x: mx.array, bits: int) -> tuple[mx.array, mx.array | None]:
 
 
 def _to_fp16(x: mx.array) -> mx.array:
-    """``x`` as float16, clipped to +-65504 instead of overflowing to inf.
+    """``x`` as float16, clipped to +-65504 instead of overflowing to inf, NaN as 0.
 
     The fp16 page store is float16, but bfloat16 (and float32) activations can
     exceed its range; one inf key turns a whole softmax row into NaN, while a
     clipped value only saturates that one score. :func:`count_clipped_rows` says
-    how many rows were clipped.
+    how many rows were clipped. A NaN is stored as 0 (:func:`_finite`).
     """
-    if x.dtype == mx.float16:
-        return x
+    return _compiled_fp16(x)
+
+
+def _finite(x: mx.array) -> mx.array:
+    """``x`` in float32 with NaN as 0 (infinities stay, for the caller's clip).
+
+    Every stored row is finite: a read weighs the rows it hides by 0, but 0 times
+    NaN is NaN, and a page's hidden rows may be another conversation's (a freed
+    page's old rows, rows a rewind left behind). A NaN quantized would also make
+    its row's scale NaN, and the whole row read back NaN.
+    """
+    return mx.nan_to_num(x.astype(mx.float32), nan=0.0, posinf=mx.inf, neginf=-mx.inf)
+
+
+def _finite_fp16(x: mx.array) -> mx.array:
     # Clip in float32: bfloat16 has no 65504 (it rounds to 65536, which is inf in fp16).
-    return mx.clip(x.astype(mx.float32), -_FP16_MAX, _FP16_MAX).astype(mx.float16)
+    return mx.clip(_finite(x), -_FP16_MAX, _FP16_MAX).astype(mx.float16)
+
+
+_compiled_fp16 = fusion.compiled(_finite_fp16)
 
 
 def count_clipped_rows(x: mx.array) -> mx.array:
@@ -300,7 +316,7 @@ def count_clipped_rows(x: mx.array) -> mx.array:
 def _quantize_packed(x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
     qmax, bias = qmax_for(bits), bias_for(bits)
     pack, _ = _PACKERS[_quantized_width(bits, "packer")]
-    values = x.astype(mx.float32)
+    values = _finite(x)
     scales = _row_scales(values, qmax, scale_cap(bits))
     q = mx.clip(mx.round(values / scales.astype(mx.float32)), -qmax, qmax)
     return pack((q + bias).astype(mx.uint8)), scales

@@ -402,3 +402,23 @@ def test_fp16_mode_keeps_float16_input_as_is() -> None:
     codes, _ = kvquant.quantize_rows(x, 16)
     assert codes.dtype == mx.float16 and np.array_equal(_np(codes), _np(x))
     assert kvquant.count_clipped_rows(x).item() == 0
+
+
+@pytest.mark.parametrize("bits", [16, 8, 6, 4])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_a_nan_is_stored_as_zero_and_its_row_keeps_its_other_values(bits: int,
+                                                                   dtype: mx.Dtype) -> None:
+    # A read weighs the rows it hides by 0, and 0 times NaN is NaN: no stored row
+    # may hold one. Quantized, one NaN made its row's scale NaN, the whole row with it.
+    x = mx.array([[float("nan"), 1.0, -2.0, 3.0, 0.5, -0.25, 1.5, 2.5]], dtype=dtype)
+    codes, scales = kvquant.quantize_rows(x, bits)
+    stored = _np(kvquant.dequantize_rows(codes, scales, bits, 8))
+    assert stored[0, 0] == 0.0
+    tolerance = 0.0 if bits == 16 else float(_np(scales)[0, 0]) / 2
+    assert np.all(np.abs(stored[0, 1:] - _np(x)[0, 1:]) <= tolerance)
+
+
+def test_fp16_mode_stores_an_infinite_float16_value_clipped() -> None:
+    x = mx.array([[1.0, float("inf"), -float("inf"), 2.0]], dtype=mx.float16)
+    codes, _ = kvquant.quantize_rows(x, 16)
+    assert _np(codes).tolist() == [[1.0, 65504.0, -65504.0, 2.0]]

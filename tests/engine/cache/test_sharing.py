@@ -293,3 +293,26 @@ def test_what_chats_sharing_a_store_hold_sums_to_the_storage_once() -> None:
     alone = _cache()
     _write(alone, 40, 0)
     assert cache_stats([alone]).bytes_held_once == cache_stats([alone]).bytes_allocated
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q8", "q6", "q4"])
+def test_a_freed_pages_nan_never_reaches_the_chat_reading_beside_it(mode: str) -> None:
+    from engine.cache.attention import dispatch, schedule
+
+    page = 4
+    first = PagedKVCache(PagePool(mode, page), 1, 32)
+    first.update_and_fetch(_rows(page, 1)[:, :1, :, :32], _rows(page, 2)[:, :1, :, :32])
+    second = PagedKVCache(PagePool(mode, page), 1, 32)
+    sharing.share_pages([second], [first], page)
+    nan = mx.full((1, 1, page, 32), float("nan"))
+    first.update_and_fetch(_rows(page, 3)[:, :1, :, :32], nan)  # its own page
+    second.update_and_fetch(_rows(1, 4)[:, :1, :, :32], _rows(1, 5)[:, :1, :, :32])
+    sharing.release_pages([first])  # the NaN page is free; its rows stay in the store
+    for step in range(2):
+        second.update_and_fetch(_rows(1, 10 + step)[:, :1, :, :32],
+                                _rows(1, 20 + step)[:, :1, :, :32])
+        for kind in ("cpu", "gpu"):
+            with schedule.forced(kind):
+                out = dispatch.paged_attention(_rows(1, 30 + step)[:, :1, :, :32], None,
+                                               None, second, 32 ** -0.5)
+            assert bool(mx.all(mx.isfinite(out))), (kind, step)
