@@ -33,7 +33,7 @@ from engine.errors import EngineError
 from engine.events import Failed, Finished, GenerationStats, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
-from engine.server.forced_calls import Forced, call_grammar, functions
+from engine.server.call_grammar import Calls, call_grammar, functions
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax, with_short_ids
 
@@ -690,7 +690,7 @@ class Server:
         syntax = self._tool_syntax(chat)
         self._check_bias(chat)
         prompt = await self._render(chat)
-        chat = self._forced_call(chat, syntax, prompt)
+        chat = await self._with_calls(chat, syntax, prompt)
         context = min(self.bridge.max_context, chat.context or self.bridge.max_context)
         if len(prompt) + 1 > context:
             field, verb = ("messages", "take") if chat.template else ("prompt", "takes")
@@ -772,18 +772,37 @@ class Server:
                            code="tools_unsupported")
         return syntax
 
-    def _forced_call(self, chat: ChatRequest, syntax: ToolSyntax | None,
-                     prompt: list[int]) -> ChatRequest:
-        """``chat`` decoding to the call its ``tool_choice`` forces, where a grammar
-        here writes the model's syntax (``forced_calls``); else as it was."""
-        if syntax is None or chat.tool_choice not in ("required", "named") or not chat.tools:
+    async def _with_calls(self, chat: ChatRequest, syntax: ToolSyntax | None,
+                          prompt: list[int]) -> ChatRequest:
+        """``chat`` decoding to what its tools allow where it must (``call_grammar``):
+        a forced ``tool_choice`` to the call, a response format beside tools to
+        calls or that format. A forced call the model's syntax has no grammar for
+        decodes free (``tool_choice_met`` says whether it came).
+
+        Raises:
+            ApiError: a response format beside tools for a model whose calls no
+                grammar here writes: held to the format, it could never call one.
+        """
+        if syntax is None or chat.tool_choice == "none" or not chat.tools:
+            return chat
+        forced = chat.tool_choice in ("required", "named")
+        answer = None if forced else chat.sampling.grammar
+        if not forced and answer is None:
             return chat
         if chat.messages and chat.messages[-1]["role"] == "assistant":
             return chat  # an answer continued: its start is the client's, not a call's
         named = chat.tool_name if chat.tool_choice == "named" else None
-        forced = Forced(functions(chat.tools, named), single=chat.max_calls == 1,
-                        open_thought=self.bridge.opens_thought(prompt))
-        grammar = call_grammar(syntax, forced)
+        calls = Calls(functions(chat.tools, named), single=chat.max_calls == 1,
+                      open_thought=self.bridge.opens_thought(prompt))
+        # Off the event loop: each tool's schema is compiled to check it.
+        grammar = await asyncio.to_thread(call_grammar, syntax, calls, answer)
+        if grammar is None and chat.sampling.grammar is not None:
+            param = chat.format_param
+            raise ApiError(400, f"'{param}' and 'tools' cannot be used together with this "
+                                f"model ({self.bridge.model_id}): Longleaf holds an answer "
+                                "to a format and the calls of JSON or Qwen3-Coder tool "
+                                f"syntaxes together, not this model's ({syntax.kind}). "
+                                f"Leave out '{param}' or the tools.", param=param)
         if grammar is None:
             return chat
         return replace(chat, sampling=replace(chat.sampling, grammar=grammar))
@@ -986,14 +1005,18 @@ class Run:
 
         Without a tool syntax (no tools asked, or a model that defines none) the
         text comes as the model wrote it. An answer that made a call and then
-        ended its turn finishes with "tool_calls". Decoding is not constrained: a
-        forced call the answer did not make is said in ``Outcome.tool_choice_met``.
+        ended its turn finishes with "tool_calls". A forced call the answer did not
+        make (a syntax no grammar here writes, or one cut short) is said in
+        ``Outcome.tool_choice_met``.
         """
         pieces = self.pieces()
         names: list[str] = []
-        # Blank text after a call (the newline between two calls) is held: an item
-        # of its own in a stream, it is no part of what the answer says.
+        # Blank text that opens the answer or follows a call is held until text
+        # follows it: before a call (the line break a template writes first) or
+        # between two it is dropped, an item of its own in a stream (a text block)
+        # and no part of what the answer says.
         blank = ""
+        said = False
         try:
             async for piece in pieces:
                 if self.reader is None or isinstance(piece, KeepAlive):
@@ -1009,13 +1032,15 @@ class Run:
                             continue
                         names.append(part.name)
                         blank = ""
-                    elif names and not (blank + part).strip():
+                    elif (names or not said) and not (blank + part).strip():
                         blank += part
                         continue
                     else:
-                        part, blank = blank + part, ""
+                        part, blank, said = blank + part, "", True
                     yield part
                 if not isinstance(piece, str):
+                    if blank and not names:  # an answer of blank text alone: as written
+                        yield blank
                     yield self._ended(piece, names)
         finally:
             await pieces.aclose()

@@ -26,7 +26,7 @@ from engine.events import Event, Failed, Finished, ModelLoaded, Notice, request_
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.interface import Worker
 from engine.runtime.worker import EngineWorker
-from engine.server.forced_calls import opens_thought
+from engine.server.call_grammar import opens_thought
 from engine.server.token_bytes import token_bytes
 from engine.server.tools import ToolSyntax
 from engine.session.batch import DEFAULT_READ_SHARE
@@ -279,9 +279,9 @@ class ServerBridge:
 
     def opens_thought(self, prompt: list[int]) -> bool:
         """Whether ``prompt`` ends inside a thought (a thinking template's reply that
-        starts with its think marker): the answer finishes that thought first."""
-        with self._tokenizer_lock:
-            return opens_thought(self._tokenizer, prompt)
+        starts with its think marker): the answer finishes that thought first. On
+        the event loop: it waits for no render (``call_grammar.opens_thought``)."""
+        return opens_thought(self._tokenizer, prompt)
 
     def count(self, text: str) -> int:
         """Tokens ``text`` encodes to."""

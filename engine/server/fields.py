@@ -83,8 +83,8 @@ TOOLS = honoured("function tools go to the model's chat template (a 400 when it 
                  "no tool calling)")
 ADVICE = accepted("advice for a reasoning model; the model reasons as its template does")
 STRUCTURED = honoured("JSON (json_object) or a JSON schema (json_schema): the answer is "
-                      "decoded to it, every token checked by llguidance's grammar; not "
-                      "with tools")
+                      "decoded to it, every token checked by llguidance's grammar; beside "
+                      "tools, to the model's calls or it")
 
 # What OpenAI's chat and responses requests carry for its hosted service alone.
 OPENAI_HOSTED = {

@@ -131,8 +131,7 @@ def _options(body: dict) -> dict:
     return options
 
 
-def _sampling(options: dict, context: int, body: dict,
-              tools: list[dict] | None = None) -> SamplingParams:
+def _sampling(options: dict, context: int, body: dict) -> SamplingParams:
     """Ollama's options in the engine's terms."""
     predict = protocol.integer(options, ("num_predict",), fields.DEFAULT_MAX_TOKENS,
                                -2)
@@ -143,8 +142,7 @@ def _sampling(options: dict, context: int, body: dict,
              "repetition_penalty": options.get("repeat_penalty"),
              "presence_penalty": options.get("presence_penalty"),
              "frequency_penalty": options.get("frequency_penalty")}
-    grammar = protocol.structured_grammar(structured.ollama_format(body.get("format")),
-                                          tools, "format")
+    grammar = structured.ollama_format(body.get("format"))
     seed = options.get("seed")
     if seed == RANDOM_SEED and not isinstance(seed, bool):
         seed = None
@@ -192,10 +190,11 @@ def chat_request(body: Any, context: int) -> ChatRequest:
     messages = protocol.continuable([_message(m, i) for i, m in enumerate(raw)])
     tools, choice, name = protocol.tools_of({"tools": body.get("tools")}, anthropic=False)
     return ChatRequest(
-        messages=messages, sampling=_sampling(options, context, body, tools),
+        messages=messages, sampling=_sampling(options, context, body),
         stop=protocol.stops(options.get("stop"), "options.stop"), stream=_stream(body),
         include_usage=True, mode=protocol.mode_from(_name(body), body), model=_name(body),
-        tools=tools, tool_choice=choice, tool_name=name, context=context_limit(body))
+        tools=tools, tool_choice=choice, tool_name=name, context=context_limit(body),
+        format_param="format")
 
 
 def _message(message: Any, index: int) -> dict:

@@ -55,6 +55,7 @@ class ChatRequest:
     max_calls: int | None = None  # the answer's first calls kept (1: parallel refused)
     anthropic: bool = False  # errors worded as Anthropic's API words them
     context: int | None = None  # a context smaller than the model's (Ollama's num_ctx)
+    format_param: str = "response_format"  # the field a response format came in
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -481,16 +482,6 @@ def sampling_params(body: dict, max_tokens: int, seed: Any, *,
     )
 
 
-def structured_grammar(grammar: str | None, tools: list[dict] | None,
-                       param: str, choice: str = "auto") -> str | None:
-    """``grammar``, refused beside the function ``tools`` the model may call (none
-    under tool_choice "none"): an answer held to a schema could never be a tool call."""
-    if grammar is not None and tools and choice != "none":
-        raise BadRequest(f"'{param}' and 'tools' cannot be used together yet: the answer "
-                         "is held to the schema, so it could never call a tool.", param)
-    return grammar
-
-
 def _chat_logprobs(body: dict) -> int | None:
     """Chat's ``logprobs`` (true/false) and ``top_logprobs`` as the engine's count."""
     wanted = body.get("logprobs")
@@ -535,10 +526,8 @@ def openai_chat(body: Any, default_max: int) -> ChatRequest:
         messages=_openai_messages(body.get("messages")),
         sampling=sampling_params(body, int(max_tokens), body.get("seed"),
                                  logprobs=_chat_logprobs(body),
-                                 grammar=structured_grammar(
-                                     structured.openai_format(body.get("response_format")),
-                                     tool_fields["tools"], "response_format",
-                                     tool_fields["tool_choice"])),
+                                 grammar=structured.openai_format(
+                                     body.get("response_format"))),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop"), "stop"), stream=stream,
         include_usage=bool(options.get("include_usage", False)),
@@ -609,12 +598,9 @@ def anthropic_messages(body: Any, *, counting: bool = False) -> ChatRequest:
     return ChatRequest(
         messages=_anthropic_conversation(body.get("messages"), _system(body)),
         sampling=sampling_params(body, max_tokens, None, grammar=None if counting else
-                                 structured_grammar(
-                                     structured.anthropic_format(body.get("output_config")),
-                                     tool_fields["tools"], "output_config",
-                                     tool_fields["tool_choice"])),
+                                 structured.anthropic_format(body.get("output_config"))),
         speculative_asked="speculative" in body,
         stop=stops(body.get("stop_sequences"), "stop_sequences"), stream=stream,
         include_usage=True, mode=mode_from(model, body), model=model, anthropic=True,
-        **tool_fields,
+        format_param="output_config", **tool_fields,
     )

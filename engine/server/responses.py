@@ -121,14 +121,13 @@ def read(body: Any) -> ResponsesRequest:
     chat = ChatRequest(
         messages=_messages(body.get("input"), instructions),
         sampling=protocol.sampling_params(body, int(max_tokens), None,
-                                          grammar=protocol.structured_grammar(
-                                              structured.responses_format(body.get("text")),
-                                              offered, "text", choice)),
+                                          grammar=structured.responses_format(
+                                              body.get("text"))),
         speculative_asked="speculative" in body, stop=(), stream=stream,
         include_usage=True, mode=protocol.mode_from(model, body), model=model,
         tools=offered,
         tool_choice=choice, tool_name=name,
-        max_calls=calls)
+        max_calls=calls, format_param="text")
     echoed = {"tool_choice": body.get("tool_choice", "auto"),
               "text": body.get("text") or {"format": {"type": "text"}},
               "max_output_tokens": body.get("max_output_tokens")}

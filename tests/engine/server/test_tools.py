@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 from mlx_lm.tool_parsers import json_tools, pythonic, qwen3_coder
@@ -381,6 +382,63 @@ def test_a_forced_choice_is_decoded_to_the_call(tooled: Served) -> None:
     assert message.stop_reason == "tool_use"
 
 
+PLACE = {"type": "object", "properties": {"place": {"enum": ["home", "away"]}},
+         "required": ["place"], "additionalProperties": False}
+
+
+def test_a_response_format_beside_tools_answers_with_a_call_or_that_format(
+        tooled: Served) -> None:
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    place = {"type": "json_schema", "json_schema": {"name": "p", "schema": PLACE}}
+    for seed in range(3):
+        reply = api.chat.completions.create(
+            model="m", messages=MESSAGES, tools=[UNIT, CHOOSY], parallel_tool_calls=False,
+            response_format=place, max_tokens=120, seed=seed, temperature=1.0)
+        message = reply.choices[0].message
+        if message.tool_calls:
+            assert reply.choices[0].finish_reason == "tool_calls" and not message.content
+        else:
+            assert json.loads(message.content or "") in ({"place": "home"},
+                                                         {"place": "away"})
+    # A forced call beside a format: the call (the format is the final answer's).
+    reply = api.chat.completions.create(
+        model="m", messages=MESSAGES, tools=[UNIT, CHOOSY], tool_choice="required",
+        parallel_tool_calls=False, response_format=place, max_tokens=120)
+    assert len(reply.choices[0].message.tool_calls or []) == 1
+
+
+def test_a_response_format_beside_tools_no_grammar_here_writes_is_400(
+        tooled: Served, unwritten) -> None:
+    # Held to the format, the answer could never call a tool.
+    api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    place = {"type": "json_schema", "json_schema": {"name": "p", "schema": PLACE}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.chat.completions.create(model="m", messages=MESSAGES, tools=[CHOOSY],
+                                    response_format=place, max_tokens=20)
+    assert raised.value.body["param"] == "response_format"
+    assert "cannot be used together with this model" in raised.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.responses.create(model="m", input="Weather?", tools=[{
+            "type": "function", **CHOOSY["function"]}], max_output_tokens=20,
+            text={"format": {"type": "json_schema", "name": "p", "schema": PLACE}})
+    assert raised.value.body["param"] == "text"
+    other = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="output_config"):
+        other.messages.create(model="m", max_tokens=20, messages=MESSAGES, tools=[{
+            "name": "pick_city", "input_schema": CHOOSY["function"]["parameters"]}],
+            output_config={"format": {"type": "json_schema", "schema": PLACE}})
+    ollama_reply = httpx.post(tooled.url + "/api/chat", json={
+        "model": "m", "messages": MESSAGES, "tools": [CHOOSY], "format": PLACE,
+        "stream": False}, headers={"Authorization": f"Bearer {tooled.key}"}, timeout=60)
+    assert ollama_reply.status_code == 400 and "format" in ollama_reply.text
+    # Under tool_choice "none" no call can come: the format alone holds the answer.
+    reply = api.chat.completions.create(model="m", messages=MESSAGES, tools=[CHOOSY],
+                                        tool_choice="none", response_format=place,
+                                        max_tokens=40)
+    assert json.loads(reply.choices[0].message.content or "") in ({"place": "home"},
+                                                                  {"place": "away"})
+
+
 def test_openai_forced_tool_choice_says_whether_the_answer_made_the_call(
         tooled: Served, forced, unwritten) -> None:
     api = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
@@ -467,6 +525,25 @@ def test_anthropic_stream_of_a_call_alone_opens_no_text_block(tooled: Served, fo
                                 tools=[ANTHROPIC_WEATHER], tool_choice={"type": "any"})
     assert [b.type for b in reply.content] == ["text"] and reply.stop_reason == "end_turn"
     assert reply.model_extra["tool_choice_met"] is False
+
+
+@pytest.mark.parametrize("before", ["\n", "\n\n"])
+def test_line_breaks_before_a_call_open_no_text_block(tooled: Served, forced,
+                                                      before: str) -> None:
+    # Templates (and a forced call's grammar) may break the line before a call.
+    forced(before + CALL)
+    api = anthropic.Anthropic(base_url=tooled.url, api_key=tooled.key, max_retries=0)
+    reply = api.messages.create(model="m", max_tokens=80, messages=MESSAGES,
+                                tools=[ANTHROPIC_WEATHER])
+    assert [b.type for b in reply.content] == ["tool_use"]
+    chat = openai.OpenAI(base_url=tooled.url + "/v1", api_key=tooled.key, max_retries=0)
+    answer = chat.chat.completions.create(model="m", messages=MESSAGES, tools=[WEATHER],
+                                          max_tokens=80).choices[0].message
+    assert not answer.content and len(answer.tool_calls or []) == 1
+    forced(before)  # blank text alone is the answer, as written
+    reply = api.messages.create(model="m", max_tokens=80, messages=MESSAGES,
+                                tools=[ANTHROPIC_WEATHER])
+    assert [(b.type, b.text) for b in reply.content] == [("text", before)]
 
 
 def test_anthropic_stream_of_an_empty_answer_has_one_empty_text_block(tooled: Served,

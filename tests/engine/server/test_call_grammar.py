@@ -1,4 +1,4 @@
-"""Forced tool calls as grammars: what each one lets an answer say, token by token,
+"""Tool calls as grammars: what each one lets an answer say, token by token,
 through llguidance's matcher on the tiny tokenizer (real mlx-lm tokenizer wrappers)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from llguidance import LLMatcher
 from mlx_lm.utils import load_tokenizer
 
-from engine.server.forced_calls import Forced, call_grammar, functions, opens_thought
+from engine.server.call_grammar import Calls, call_grammar, functions, opens_thought
 from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax
-from engine.session.constraint import _ll_tokenizer
+from engine.session.constraint import _ll_tokenizer, json_schema_grammar
 from tests.engine.server.tool_models import (
     TOOL_TEMPLATE,
     XML_THINKING_TEMPLATE,
@@ -55,7 +55,7 @@ class Grammar:
 
     def of(self, name: str | None = None, single: bool = False,
            open_thought: bool = False, tools: list[dict] | None = None) -> str:
-        grammar = call_grammar(self.syntax, Forced(functions(tools or TOOLS, name), single,
+        grammar = call_grammar(self.syntax, Calls(functions(tools or TOOLS, name), single,
                                                    open_thought))
         assert grammar is not None
         return grammar
@@ -143,6 +143,9 @@ def test_a_prompt_ends_inside_a_thought_only_after_its_think_marker(thinking: Gr
     assert not opens_thought(thinking.tokenizer,
                              ids("<|im_start|>assistant\n<think>\nNo.\n</think>\n\n"))
     assert not opens_thought(thinking.tokenizer, ids("<think>\n" + "and on " * 40))
+    # The marker in the user's own words opens nothing.
+    assert not opens_thought(thinking.tokenizer, ids(
+        "<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n"))
     assert not opens_thought(qwen.tokenizer, qwen.tokenizer.encode("<|im_start|>assistant\n"))
 
 
@@ -164,19 +167,11 @@ def test_markers_of_one_added_token_are_matched_as_that_token(tmp_path: Path,
                            + spelled[len(spelled) // 2:])
 
 
-def test_a_schema_the_matcher_refuses_leaves_its_arguments_any_object(qwen: Grammar) -> None:
-    broken = {"type": "function", "function": {"name": "odd", "parameters": {
-        "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}
-    grammar = qwen.of("odd", tools=[broken])
-    assert qwen.takes(grammar, json_call("odd", {"y": [1, 2]}))
-    assert not qwen.takes(grammar, json_call("odd", 3))  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("kind", ["pythonic", "mistral", ""])
 def test_a_syntax_without_a_grammar_here_is_left_free(qwen: Grammar, kind: str) -> None:
     syntax: Any = ToolSyntax(qwen.syntax.start, qwen.syntax.end, qwen.syntax.parser,
                              kind=kind)
-    assert call_grammar(syntax, Forced(functions(TOOLS, None), False, False)) is None
+    assert call_grammar(syntax, Calls(functions(TOOLS, None), False, False)) is None
 
 
 def test_the_functions_a_choice_names(qwen: Grammar) -> None:
@@ -184,4 +179,82 @@ def test_the_functions_a_choice_names(qwen: Grammar) -> None:
     assert [f["name"] for f in functions([WEATHER, flat, {"type": "web_search"}], None)] \
         == ["get_weather", "flat"]
     assert [f["name"] for f in functions(TOOLS, "get_time")] == ["get_time"]
-    assert call_grammar(qwen.syntax, Forced(functions(TOOLS, "other"), False, False)) is None
+    assert call_grammar(qwen.syntax, Calls(functions(TOOLS, "other"), False, False)) is None
+
+
+def test_beside_a_format_the_answer_is_calls_or_that_format(qwen: Grammar,
+                                                            thinking: Grammar) -> None:
+    answer = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}},
+                                  "required": ["n"]})
+    calls = Calls(functions(TOOLS, None), False, False)
+    grammar = call_grammar(qwen.syntax, calls, answer)
+    assert grammar is not None
+    assert qwen.takes(grammar, '{"n":3}')
+    assert qwen.takes(grammar, json_call("get_time", {}))
+    assert not qwen.takes(grammar, "Three.")
+    assert not qwen.takes(grammar, '{"n":"three"}')
+    assert not qwen.takes(grammar, json_call("get_time", {}) + '\n{"n":3}')
+    opened = call_grammar(thinking.syntax, Calls(functions(TOOLS, None), False, True), answer)
+    assert opened is not None
+    assert thinking.takes(opened, "Count.</think>\n\n" + '{"n":3}')
+    assert not thinking.takes(opened, '{"n":3}')
+
+
+def test_a_tools_refs_resolve_against_its_own_parameters(qwen: Grammar) -> None:
+    item = {"type": "function", "function": {"name": "add_item", "parameters": {
+        "type": "object", "$defs": {"Item": {"type": "object", "properties": {
+            "n": {"type": "integer"}}, "required": ["n"]}},
+        "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"]}}}
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}
+    grammar = qwen.of(tools=[item, tree, WEATHER])
+    assert qwen.takes(grammar, json_call("add_item", {"item": {"n": 2}}))
+    assert not qwen.takes(grammar, json_call("add_item", {"item": {"n": "two"}}))
+    assert qwen.takes(grammar, json_call("tree", {"kids": [{"kids": []}, {}]}))
+    assert not qwen.takes(grammar, json_call("tree", {"kids": [{"kids": "none"}]}))
+    assert not qwen.takes(grammar, json_call("get_weather", {"city": 7}))
+
+
+def test_one_tool_the_matcher_refuses_leaves_the_others_checked(qwen: Grammar) -> None:
+    broken = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}
+    grammar = qwen.of(tools=[broken, WEATHER])
+    assert qwen.takes(grammar, json_call("odd", {"y": [1, 2]}))
+    assert not qwen.takes(grammar, json_call("odd", 3))  # type: ignore[arg-type]
+    assert not qwen.takes(grammar, json_call("get_weather", {"city": 7}))
+
+
+def test_xml_values_are_what_the_parser_reads_as_their_types(thinking: Grammar) -> None:
+    typed = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {
+            "seats": {"type": "integer"}, "note": {"type": "string"},
+            "late": {"type": "boolean"}, "tags": {"type": "array",
+                                                  "items": {"type": "string"}}},
+        "required": ["seats"]}}}
+    grammar = thinking.of(tools=[typed])
+    assert thinking.takes(grammar, xml_call("book", {
+        "seats": "2", "note": "a <b>\nwindow", "late": "false", "tags": '["a", "b"]'}))
+    assert thinking.takes(grammar, xml_call("book", {"seats": "-3"}))
+    assert not thinking.takes(grammar, xml_call("book", {"seats": "two"}))
+    assert not thinking.takes(grammar, xml_call("book", {"note": "no seats"}))
+    assert not thinking.takes(grammar, xml_call("book", {"seats": "1", "late": "maybe"}))
+    # The parser would cut the value at the closing tag.
+    assert not thinking.takes(grammar, xml_call("book", {"seats": "1",
+                                                        "note": "say </parameter> hi"}))
+    twice = xml_call("book", {"seats": "1"}).replace(
+        "</parameter>\n", "</parameter>\n<parameter=seats>\n2\n</parameter>\n", 1)
+    assert not thinking.takes(grammar, twice)
+    reader = ToolCallReader(thinking.syntax, [typed])
+    text = xml_call("book", {"seats": "2", "tags": '["a"]'})
+    (parsed,) = [p for p in reader.feed(text) if isinstance(p, ToolCall)]
+    assert json.loads(parsed.arguments) == {"seats": 2, "tags": ["a"]}
+
+
+def test_xml_names_the_parser_would_misread_get_no_grammar(thinking: Grammar) -> None:
+    spaced = {"type": "function", "function": {"name": "look up", "parameters": {
+        "type": "object", "properties": {}}}}
+    angled = {"type": "function", "function": {"name": "find", "parameters": {
+        "type": "object", "properties": {"a>b": {"type": "string"}}}}}
+    for tool in (spaced, angled):
+        assert call_grammar(thinking.syntax, Calls(functions([tool], None), False,
+                                                   False)) is None
