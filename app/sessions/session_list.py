@@ -215,6 +215,9 @@ class SessionList(QWidget):
     renameRequested = Signal(str, str)
     deleteRequested = Signal(str)
     searchChanged = Signal(str)
+    # The user is done with the list: a chat clicked, or letters typed on it, that
+    # belong in the message box (the text, "" for a click).
+    typedAway = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -242,6 +245,9 @@ class SessionList(QWidget):
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
+        # A click picks the chat to write in: what is typed next goes to its message
+        # box, not to the list's type-ahead, which would switch chats and eat the letters.
+        self.list.itemClicked.connect(lambda _item: self.typedAway.emit(""))
         # ⌘⌫ (and Delete) on the list, as in a Mac list, deletes the selected chat,
         # asked first (``eventFilter``); on the list only: in the composer ⌘⌫
         # deletes text.
@@ -287,6 +293,10 @@ class SessionList(QWidget):
         if watched is self.list and isinstance(event, QKeyEvent) \
                 and event.type() == QEvent.Type.KeyPress and _deletes(event):
             self._on_selected(self.ask_delete)
+            return True
+        if watched is self.list and isinstance(event, QKeyEvent) and _types_text(event):
+            # Arrows, Home and End still move through the chats; letters are a message.
+            self.typedAway.emit(event.text())
             return True
         if watched is self.list.viewport():
             if event.type() == QEvent.Type.Enter:
@@ -389,6 +399,13 @@ def _deletes(event: QKeyEvent) -> bool:
     command = event.modifiers() & Qt.KeyboardModifier.ControlModifier
     return event.key() == Qt.Key.Key_Delete or (
         event.key() == Qt.Key.Key_Backspace and bool(command))
+
+
+def _types_text(event: QKeyEvent) -> bool:
+    """Whether ``event`` is a key press that types text (no ⌘ or Ctrl held)."""
+    held = Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.MetaModifier
+    return (event.type() == QEvent.Type.KeyPress and not event.modifiers() & held
+            and event.text().isprintable() and bool(event.text()))
 
 
 def _is_escape(event: QEvent) -> bool:

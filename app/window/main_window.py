@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QSize, Qt, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDragMoveEvent, QDropEvent
+from PySide6.QtGui import (
+    QAction,
+    QCloseEvent,
+    QDragEnterEvent,
+    QDragMoveEvent,
+    QDropEvent,
+    QShowEvent,
+)
 from PySide6.QtWidgets import (
     QApplication,
     QDialog,
@@ -113,6 +120,7 @@ class MainWindow(QMainWindow):
         self._reading_for: dict[int, str | None] = {}  # files being read: the chat each came to
         self._awaiting_model: list[str] = []  # files given before a model was ready
         self.closed_at: float | None = None
+        self._shown_once = False
         self._opened_folder: str | None = None
         self.downloads = Downloads(self)
         # Per download: the model loaded when it was asked for. It loads when done
@@ -195,6 +203,7 @@ class MainWindow(QMainWindow):
     def _connect(self) -> None:
         c = self.controller
         self.sessions.sessionSelected.connect(c.select_session)
+        self.sessions.typedAway.connect(self._type_in_composer)
         self.sessions.renameRequested.connect(c.rename_session)
         self.sessions.deleteRequested.connect(
             lambda session_id: c.delete_session(
@@ -356,6 +365,12 @@ class MainWindow(QMainWindow):
         self.composer.show_editing(self.controller.editing)  # an edit is its chat's
         self._show_activity()
         self.fit.schedule()
+
+    def _type_in_composer(self, text: str) -> None:
+        """Move the keyboard to the message box, with ``text`` typed there."""
+        self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
+        if text:
+            self.composer.edit.insertPlainText(text)
 
     def ask_new_chat(self) -> None:
         """Ask for the mode, then start a new chat."""
@@ -641,6 +656,14 @@ class MainWindow(QMainWindow):
         self._configuring = None
         self.fit.limits_changed()
         self.panel_feed.refresh()
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        if not self._shown_once:
+            # Otherwise the first field in the window, the sidebar's search, takes the
+            # keys: a question typed at launch would search the chats.
+            self._shown_once = True
+            self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)

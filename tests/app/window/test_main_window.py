@@ -495,3 +495,47 @@ def test_a_new_chat_made_while_searching_is_listed_and_selected(qtbot, bare_wind
     assert bare_window.sessions.search.text() == ""
     items = [bare_window.sessions.list.item(i) for i in range(bare_window.sessions.list.count())]
     assert any(item.isSelected() for item in items) and len(items) == 2
+
+
+def test_typing_at_launch_goes_to_the_composer(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    bare_window.activateWindow()
+    qtbot.waitUntil(lambda: bare_window.focusWidget() is not None, timeout=5_000)
+    # Before, the sidebar's search field had the focus: the question searched the chats.
+    assert bare_window.focusWidget() is bare_window.composer.edit
+
+
+def _click_chat(qtbot, window, title: str) -> None:
+    chats = window.sessions.list
+    item = next(chats.item(row) for row in range(chats.count())
+                if chats.item(row).text() == title)
+    qtbot.mouseClick(chats.viewport(), Qt.MouseButton.LeftButton,
+                     pos=chats.visualItemRect(item).center())
+
+
+def test_typing_after_clicking_a_chat_goes_to_its_message_box(scripted, qtbot) -> None:
+    c, window = scripted.c, scripted.window
+    window.show()
+    qtbot.waitExposed(window)
+    c.rename_session(c.new_session("q8").id, "Notes on pines")
+    c.rename_session(c.new_session("q8").id, "Budget")
+    _click_chat(qtbot, window, "Notes on pines")
+    assert c.current.title == "Notes on pines"
+    # Before, the list kept the keys: "n" jumped to another chat by its title and
+    # the letters were lost.
+    qtbot.keyClicks(QApplication.focusWidget(), "now tell me")
+    assert c.current.title == "Notes on pines"
+    assert window.composer.text() == "now tell me"
+
+
+def test_letters_typed_on_the_list_go_to_the_message_box_arrows_move(scripted, qtbot) -> None:
+    c, window = scripted.c, scripted.window
+    c.rename_session(c.new_session("q8").id, "Notes on pines")
+    c.rename_session(c.new_session("q8").id, "Budget")
+    chats = window.sessions.list
+    chats.setFocus()  # tabbed into
+    qtbot.keyClick(chats, Qt.Key.Key_Down)
+    assert c.current.title == "Notes on pines"
+    qtbot.keyClicks(chats, "bye")
+    assert c.current.title == "Notes on pines" and window.composer.text() == "bye"
