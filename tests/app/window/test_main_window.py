@@ -15,7 +15,7 @@ from unittest.mock import patch
 import pytest
 from PySide6.QtCore import QPoint, QSize, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QPalette
-from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QStyle, QWidget
+from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QMessageBox, QStyle, QWidget
 
 from app.chat.attachments import attach_filter
 from app.controller import ChatController
@@ -539,3 +539,19 @@ def test_letters_typed_on_the_list_go_to_the_message_box_arrows_move(scripted, q
     assert c.current.title == "Notes on pines"
     qtbot.keyClicks(chats, "bye")
     assert c.current.title == "Notes on pines" and window.composer.text() == "bye"
+
+
+def test_quitting_while_a_document_is_read_asks_first(scripted, qtbot) -> None:
+    window = scripted.window
+    window.show()
+    qtbot.waitExposed(window)
+    rid, _cancel = _send(scripted)
+    scripted.bridge._dispatch(IngestProgress(rid, 51200, 120000, 300.0, 240.0, 512, 0, 17.0))
+    window.close_action.trigger()
+    # Before, the window closed at once and minutes of reading were thrown away.
+    assert window.isVisible() and window.quit_box is not None
+    assert window.quit_box.text() == (
+        f"“{scripted.c.current.title}” is still being read (42%). Quit anyway? "
+        "It will be read again from the start next time.")
+    window.quit_box.button(QMessageBox.StandardButton.Cancel).click()
+    assert window.isVisible()
