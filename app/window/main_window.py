@@ -103,6 +103,7 @@ class MainWindow(QMainWindow):
     quit_action: QAction
     about_action: QAction
     stop_action: QAction
+    find_action: QAction
 
     def __init__(self, controller: ChatController) -> None:
         super().__init__()

@@ -555,3 +555,17 @@ def test_quitting_while_a_document_is_read_asks_first(scripted, qtbot) -> None:
         "It will be read again from the start next time.")
     window.quit_box.button(QMessageBox.StandardButton.Cancel).click()
     assert window.isVisible()
+
+
+def test_find_goes_to_the_chat_search_with_its_text_selected(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    bare_window.activateWindow()
+    search = bare_window.sessions.search
+    search.setText("pines")
+    bare_window.composer.edit.setFocus()
+    # Before, Edit had no Find and ⌘F did nothing.
+    assert "Ctrl+F" in shortcuts(bare_window.find_action)  # ⌘F on macOS
+    bare_window.find_action.trigger()
+    qtbot.waitUntil(search.hasFocus, timeout=5_000)
+    assert search.selectedText() == "pines"
