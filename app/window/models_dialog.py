@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import psutil
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QColor
+from PySide6.QtGui import QColor, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
@@ -96,6 +96,9 @@ class ModelsDialog(QDialog):
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
+        # A window of its own beside the main one (modeless): ⌘W closes it, as any
+        # Mac window, instead of doing nothing.
+        QShortcut(QKeySequence.StandardKey.Close, self, self.reject)
 
     def _add_row(self, entry: ModelEntry, downloading: bool) -> None:
         row = self.table.rowCount()

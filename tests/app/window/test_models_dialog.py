@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from PySide6.QtWidgets import QLabel, QPushButton
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication, QLabel, QPushButton
 
 from app.format import short_tokens
 from app.window.downloads import unreachable_text
@@ -109,3 +110,14 @@ def test_no_text_of_the_dialog_is_cut(qtbot, qapp) -> None:
         assert not clipped, "\n".join(clipped)
     finally:
         qapp.setStyleSheet("")
+
+
+def test_close_window_keys_close_the_dialog(qtbot) -> None:
+    dialog = dialog_for(qtbot, [on_disk("a")])
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    dialog.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is dialog, timeout=5_000)
+    # Before, ⌘W (Ctrl+W here) did nothing in this window.
+    qtbot.keyClick(dialog.table, Qt.Key.Key_W, Qt.KeyboardModifier.ControlModifier)
+    assert not dialog.isVisible()
