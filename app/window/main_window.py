@@ -455,6 +455,8 @@ class MainWindow(QMainWindow):
         job = activity.job_of(current.id if current else None)
         ahead = activity.ahead_of(job) if job is not None else None
         stopping = job is not None and job.stopping
+        # Chat ▸ Stop (Esc) stops the shown chat's job only: greyed out with none.
+        self.stop_action.setEnabled(job is not None)
         self.composer.set_generating(job is not None and job.started, stopping)
         self.composer.show_waiting(ahead.title if ahead is not None else None,
                                    self._how_far(ahead) if ahead is not None else "",

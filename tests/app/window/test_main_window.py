@@ -569,3 +569,22 @@ def test_find_goes_to_the_chat_search_with_its_text_selected(qtbot, bare_window)
     bare_window.find_action.trigger()
     qtbot.waitUntil(search.hasFocus, timeout=5_000)
     assert search.selectedText() == "pines"
+
+
+def test_stop_is_enabled_only_while_the_chat_on_screen_has_a_job(scripted, qtbot) -> None:
+    c, window = scripted.c, scripted.window
+    idle = c.new_session("q8")
+    # Before, Chat ▸ Stop stayed enabled with nothing to stop.
+    assert not window.stop_action.isEnabled()
+    rid, cancel = _send(scripted)
+    scripted.bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    assert window.stop_action.isEnabled()
+    busy = c.current.id
+    c.select_session(idle.id)
+    assert not window.stop_action.isEnabled()  # the answer runs in another chat
+    c.select_session(busy)
+    assert window.stop_action.isEnabled()
+    qtbot.keyClick(window.sessions.list, Qt.Key.Key_Escape)  # Esc is still Stop
+    assert cancel.is_set()
+    scripted.bridge._dispatch(Finished(rid, "cancelled"))
+    assert not window.stop_action.isEnabled()
