@@ -51,6 +51,7 @@ UNKNOWN_MODE_COLOUR = "#777777"
 RecordRole = Qt.ItemDataRole.UserRole + 1
 StateRole = Qt.ItemDataRole.UserRole + 2  # the chat's ChatFacts (or its job's state, or "")
 NO_MATCH = "No chats match"
+NO_CHATS = "No chats yet"
 SEARCH_PAUSE_MS = 150  # a pause in typing that runs the search
 ANSWERING = ChatState.ANSWERING.value
 ROW_HEIGHT = 54
@@ -322,9 +323,11 @@ class SessionList(QWidget):
         kept_scroll = self.list.verticalScrollBar().value()
         self._updating = True
         self.list.clear()
-        searching = bool(self.search.text().strip())
-        self.no_match.setVisible(searching and not sessions)
-        self.list.setVisible(not (searching and not sessions))
+        # Empty, the list says why: a search found nothing, or there is no chat yet
+        # (a blank sidebar at first launch looked broken).
+        self.no_match.setText(NO_MATCH if self.search.text().strip() else NO_CHATS)
+        self.no_match.setVisible(not sessions)
+        self.list.setVisible(bool(sessions))
         for record in sessions:
             item = QListWidgetItem(visible_text(record.title))
             item.setData(RecordRole, record)
