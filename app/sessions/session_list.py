@@ -228,6 +228,8 @@ class SessionList(QWidget):
         layout.setSpacing(8)
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search chats")
+        # A placeholder is not a name: VoiceOver reads an unnamed field as "text field".
+        self.search.setAccessibleName("Search chats")
         self.search.setClearButtonEnabled(True)
         # A search reads every message: run once the typing pauses, not per key
         # (cleared, the whole list comes back at once).
@@ -237,6 +239,7 @@ class SessionList(QWidget):
         layout.addWidget(self.search)
         self.list = QListWidget()
         self.list.setObjectName("sessionList")
+        self.list.setAccessibleName("Chats")
         self.list.setItemDelegate(SessionDelegate(self.list))
         self.list.setMouseTracking(True)
         self.list.setFrameShape(QListWidget.Shape.NoFrame)

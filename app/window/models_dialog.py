@@ -135,14 +135,18 @@ class ModelsDialog(QDialog):
             label.setToolTip("The model in use now")
             self.table.setCellWidget(self.rows[key], self.action_column, label)
             return
+        # Read out of its row, "Load" alone does not say which model: each names it.
         if entry.downloaded:
             button = QPushButton("Load")
+            button.setAccessibleName(f"Load {entry.name}")
             button.clicked.connect(lambda: self._load(key))
         elif downloading:
             button = QPushButton("Cancel")
+            button.setAccessibleName(f"Cancel the download of {entry.name}")
             button.clicked.connect(lambda: self.cancelRequested.emit(key))
         else:
             button = QPushButton("Download")
+            button.setAccessibleName(f"Download {entry.name}")
             button.clicked.connect(lambda: self._download(entry))
         button.setObjectName(f"action:{key}")
         self.table.setCellWidget(self.rows[key], self.action_column, button)

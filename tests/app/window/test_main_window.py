@@ -15,7 +15,15 @@ from unittest.mock import patch
 import pytest
 from PySide6.QtCore import QPoint, QSize, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QPalette
-from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QMessageBox, QStyle, QWidget
+from PySide6.QtWidgets import (
+    QApplication,
+    QFileDialog,
+    QLabel,
+    QMessageBox,
+    QStyle,
+    QToolButton,
+    QWidget,
+)
 
 from app.chat.attachments import attach_filter
 from app.controller import ChatController
@@ -588,3 +596,14 @@ def test_stop_is_enabled_only_while_the_chat_on_screen_has_a_job(scripted, qtbot
     assert cancel.is_set()
     scripted.bridge._dispatch(Finished(rid, "cancelled"))
     assert not window.stop_action.isEnabled()
+
+
+def test_the_windows_fields_and_the_banners_close_button_have_names(bare_window) -> None:
+    # Before, VoiceOver read "text field", "list" and "✕" (the placeholders go once
+    # something is typed, and are no names).
+    assert bare_window.sessions.search.accessibleName() == "Search chats"
+    assert bare_window.sessions.list.accessibleName() == "Chats"
+    assert bare_window.composer.edit.accessibleName() == "Message"
+    bare_window.banner.show_message("Something failed", "error")
+    close = bare_window.banner.findChild(QToolButton)
+    assert close.accessibleName() == "Dismiss" and close.toolTip() == "Dismiss"

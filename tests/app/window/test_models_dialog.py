@@ -121,3 +121,17 @@ def test_close_window_keys_close_the_dialog(qtbot) -> None:
     # Before, ⌘W (Ctrl+W here) did nothing in this window.
     qtbot.keyClick(dialog.table, Qt.Key.Key_W, Qt.KeyboardModifier.ControlModifier)
     assert not dialog.isVisible()
+
+
+def test_each_rows_button_names_its_model_for_voiceover(qtbot) -> None:
+    dialog = dialog_for(qtbot, [on_disk("a"), on_disk("b")], loaded="/models/a")
+    # Before, every row's button was read as a bare "Load" or "Download".
+    assert dialog.action_button("/models/b").accessibleName() == "Load b"
+    first = RECOMMENDED_MODELS[0]
+    download = dialog.action_button(first.repo_id)
+    assert download.text() == "Download"
+    assert download.accessibleName() == f"Download {dialog.entries[first.repo_id].name}"
+    download.click()
+    cancel = dialog.action_button(first.repo_id)
+    assert cancel.accessibleName() == (
+        f"Cancel the download of {dialog.entries[first.repo_id].name}")
