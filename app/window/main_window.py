@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QSplitter,
     QStyle,
+    QToolBar,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -111,7 +112,6 @@ class MainWindow(QMainWindow):
         self.settings = controller.settings
         self.setWindowTitle("Longleaf")
         self.setAcceptDrops(True)
-        self.setMinimumSize(MINIMUM_SIZE)
         self.resize(initial_size(self.screen().availableSize()))
         self.loader = DocumentLoader(controller.bridge.token_ends, self)
         self.attachments: dict[int, AttachmentRecord] = {}
@@ -142,6 +142,7 @@ class MainWindow(QMainWindow):
         self.api_sessions_feed = ApiSessionsFeed(controller, self.panel.api_sessions, self)
         build_toolbar(self)
         build_menus(self)
+        self._fit_minimum()
         self._connect()
         self._refresh_sessions()
         self._on_session_changed(controller.current)
@@ -315,6 +316,7 @@ class MainWindow(QMainWindow):
         self.model_state.setText(self.model_state.fontMetrics().elidedText(
             shown, Qt.TextElideMode.ElideMiddle, MODEL_STATE_WIDTH))
         self.model_state.setToolTip(shown if self.model_state.text() != shown else "")
+        self._fit_minimum()  # the toolbar's row is as wide as this text
         self.model_state.setProperty("ready", ready)
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)
@@ -628,11 +630,25 @@ class MainWindow(QMainWindow):
         """Show or hide the memory panel, and remember the choice."""
         self.panel.setVisible(visible)
         self.settings.memory_panel_visible = visible
+        self._fit_minimum()  # a narrow window widens to take the panel back
         sizes = self.splitter.sizes()
         if visible and sizes[2] == 0:  # folded by a drag: open it at its usual width
             self.splitter.setSizes([sizes[0], sizes[1] - PANEL_WIDTH[1], PANEL_WIDTH[1]])
         if visible:
             self.panel_feed.refresh()
+
+    def _fit_minimum(self) -> None:
+        """The window's minimum: its visible columns' minimums side by side, and the
+        toolbar's whole row, so with the memory panel hidden it can be narrower
+        (MINIMUM_SIZE with all three)."""
+        columns = (self.splitter.widget(i) for i in range(self.splitter.count()))
+        shown = [column for column in columns if column is not None and not column.isHidden()]
+        width = (sum(column.minimumWidth() for column in shown)
+                 + self.splitter.handleWidth() * (len(shown) - 1))
+        toolbar = self.findChild(QToolBar, "mainToolbar")
+        if toolbar is not None:  # narrower, it folds controls into its overflow menu
+            width = max(width, toolbar.sizeHint().width())
+        self.setMinimumSize(min(width, MINIMUM_SIZE.width()), MINIMUM_SIZE.height())
 
     # Window ---------------------------------------------------------------
 

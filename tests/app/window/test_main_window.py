@@ -32,7 +32,7 @@ from app.sessions.session_list import RecordRole, StateRole, detail_text
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
-from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
+from app.window.main_window import CHAT_MIN_WIDTH, MINIMUM_SIZE, MainWindow, initial_size
 from engine import AnswerWaiting, Finished, IngestProgress, TokenChunk
 from tests.app.conftest import close_window, sidebar_line
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
@@ -608,3 +608,24 @@ def test_the_windows_fields_and_the_banners_close_button_have_names(bare_window)
     bare_window.banner.show_message("Something failed", "error")
     close = bare_window.banner.findChild(QToolButton)
     assert close.accessibleName() == "Dismiss" and close.toolTip() == "Dismiss"
+
+
+def test_with_the_memory_panel_hidden_the_window_can_be_narrower(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    assert bare_window.minimumSize() == MINIMUM_SIZE
+    bare_window.set_panel_visible(False)
+    bare_window._on_model_state("SmolLM2-135M-Instruct", True)  # a name in the toolbar
+    bare_window.resize(640, 700)
+    narrowest = bare_window.minimumSize().width()
+    # Before, it stayed 1024 wide: the panel's room was kept with the panel hidden.
+    qtbot.waitUntil(lambda: bare_window.width() == narrowest, timeout=5_000)
+    assert narrowest < 900
+    qtbot.wait(100)  # the layouts settle
+    assert bare_window.splitter.widget(1).width() >= bare_window.splitter.widget(1).minimumWidth()
+    overflow = bare_window.findChild(QToolButton, "qt_toolbar_ext_button")
+    assert overflow is None or not overflow.isVisible(), "the toolbar does not fit"
+    # The panel back: the window widens to hold it again.
+    bare_window.set_panel_visible(True)
+    qtbot.waitUntil(lambda: bare_window.width() >= MINIMUM_SIZE.width(), timeout=5_000)
+    assert bare_window.minimumSize() == MINIMUM_SIZE
