@@ -28,7 +28,7 @@ from app.chat.answers import Answers, Replaced
 from app.chat.model import ChatMessage, ChatModel
 from app.chat.recorder import CLOSED_WHILE_ANSWERING, CONTEXT_END, AnswerRecorder
 from app.engine_bridge import EngineBridge
-from app.format import api_chat_title, short_title, title_from
+from app.format import api_chat_title, short_title, title_from, visible_text
 from app.local_server import LocalServerHost
 from app.machines import Machines
 from app.memory.quality import QualityCheck
@@ -64,6 +64,8 @@ from engine import (
 STATS_POLL_MS = 400
 MAX_READS_TRACKED = 256  # reads whose first chunk was seen (ids only; a clear costs one sample)
 QUIT_WHILE_ANSWERING = "An answer is still being written. Quit and keep the partial answer?"
+QUIT_WHILE_READING = ("“{title}” is still being read{how_far}. Quit anyway? It will be read "
+                      "again from the start next time.")
 QUIT_UNSAVED = ("Longleaf could not save every answer of this session yet (its data folder "
                 "is full or read-only). Quit anyway and lose what was not saved?")
 QUIT_DRAFT_UNSAVED = ("Longleaf could not save a draft you wrote (its data folder is full, "
@@ -272,13 +274,18 @@ class ChatController(QObject):
         return DEMO
 
     def quit_question(self) -> str:
-        """What to ask before quitting: "" unless an answer is being written now."""
+        """What to ask before quitting: "" unless an answer is being written or a
+        chat read now (a long read lost to a quit costs minutes to do again)."""
         answering = any(job.kind == "chat" and job.answering for job in self.activity.running)
         if self.closed:
             return ""
         if self.answers.unsaved and not self.answers.flush():
             return QUIT_UNSAVED
-        return QUIT_WHILE_ANSWERING if answering else ""
+        if answering:
+            return QUIT_WHILE_ANSWERING
+        reading = next((job for job in self.activity.running if job.state == "reading"), None)
+        return "" if reading is None else QUIT_WHILE_READING.format(
+            title=short_title(visible_text(reading.title)), how_far=_how_far(reading.progress))
 
     def close(self) -> None:
         """Save the partial answer and cancel all engine work, without waiting.
@@ -776,3 +783,10 @@ def _title_of(message: ChatMessage) -> str:
     """The title a chat gets from its first message: its text, else its first file's name."""
     return title_from(message.content.strip() or
                       (message.attachments[0].name if message.attachments else ""))
+
+
+def _how_far(progress: IngestProgress | None) -> str:
+    """" (42%)", how much of a read is done (rounded down), or "" before it says."""
+    if progress is None or progress.tokens_total <= 0:
+        return ""
+    return f" ({progress.tokens_done * 100 // progress.tokens_total}%)"

@@ -57,6 +57,7 @@ class MessageEdit(QPlainTextEdit):
         self.max_paste_chars: int | None = None
         self.takes_escape: Callable[[], bool] = lambda: False
         self.setPlaceholderText("Message Longleaf…  (Enter to send, Shift+Enter for a new line)")
+        self.setAccessibleName("Message")  # the placeholder goes once something is typed
         self.setTabChangesFocus(True)
         self.document().documentLayout().documentSizeChanged.connect(self._grow)
         self._grow()

@@ -51,6 +51,7 @@ UNKNOWN_MODE_COLOUR = "#777777"
 RecordRole = Qt.ItemDataRole.UserRole + 1
 StateRole = Qt.ItemDataRole.UserRole + 2  # the chat's ChatFacts (or its job's state, or "")
 NO_MATCH = "No chats match"
+NO_CHATS = "No chats yet"
 SEARCH_PAUSE_MS = 150  # a pause in typing that runs the search
 ANSWERING = ChatState.ANSWERING.value
 ROW_HEIGHT = 54
@@ -215,6 +216,9 @@ class SessionList(QWidget):
     renameRequested = Signal(str, str)
     deleteRequested = Signal(str)
     searchChanged = Signal(str)
+    # The user is done with the list: a chat clicked, or letters typed on it, that
+    # belong in the message box (the text, "" for a click).
+    typedAway = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -224,6 +228,8 @@ class SessionList(QWidget):
         layout.setSpacing(8)
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search chats")
+        # A placeholder is not a name: VoiceOver reads an unnamed field as "text field".
+        self.search.setAccessibleName("Search chats")
         self.search.setClearButtonEnabled(True)
         # A search reads every message: run once the typing pauses, not per key
         # (cleared, the whole list comes back at once).
@@ -233,6 +239,7 @@ class SessionList(QWidget):
         layout.addWidget(self.search)
         self.list = QListWidget()
         self.list.setObjectName("sessionList")
+        self.list.setAccessibleName("Chats")
         self.list.setItemDelegate(SessionDelegate(self.list))
         self.list.setMouseTracking(True)
         self.list.setFrameShape(QListWidget.Shape.NoFrame)
@@ -242,6 +249,9 @@ class SessionList(QWidget):
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
+        # A click picks the chat to write in: what is typed next goes to its message
+        # box, not to the list's type-ahead, which would switch chats and eat the letters.
+        self.list.itemClicked.connect(lambda _item: self.typedAway.emit(""))
         # ⌘⌫ (and Delete) on the list, as in a Mac list, deletes the selected chat,
         # asked first (``eventFilter``); on the list only: in the composer ⌘⌫
         # deletes text.
@@ -288,6 +298,10 @@ class SessionList(QWidget):
                 and event.type() == QEvent.Type.KeyPress and _deletes(event):
             self._on_selected(self.ask_delete)
             return True
+        if watched is self.list and isinstance(event, QKeyEvent) and _types_text(event):
+            # Arrows, Home and End still move through the chats; letters are a message.
+            self.typedAway.emit(event.text())
+            return True
         if watched is self.list.viewport():
             if event.type() == QEvent.Type.Enter:
                 self._pointer_in = True
@@ -312,9 +326,11 @@ class SessionList(QWidget):
         kept_scroll = self.list.verticalScrollBar().value()
         self._updating = True
         self.list.clear()
-        searching = bool(self.search.text().strip())
-        self.no_match.setVisible(searching and not sessions)
-        self.list.setVisible(not (searching and not sessions))
+        # Empty, the list says why: a search found nothing, or there is no chat yet
+        # (a blank sidebar at first launch looked broken).
+        self.no_match.setText(NO_MATCH if self.search.text().strip() else NO_CHATS)
+        self.no_match.setVisible(not sessions)
+        self.list.setVisible(bool(sessions))
         for record in sessions:
             item = QListWidgetItem(visible_text(record.title))
             item.setData(RecordRole, record)
@@ -389,6 +405,13 @@ def _deletes(event: QKeyEvent) -> bool:
     command = event.modifiers() & Qt.KeyboardModifier.ControlModifier
     return event.key() == Qt.Key.Key_Delete or (
         event.key() == Qt.Key.Key_Backspace and bool(command))
+
+
+def _types_text(event: QKeyEvent) -> bool:
+    """Whether ``event`` is a key press that types text (no ⌘ or Ctrl held)."""
+    held = Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.MetaModifier
+    return (event.type() == QEvent.Type.KeyPress and not event.modifiers() & held
+            and event.text().isprintable() and bool(event.text()))
 
 
 def _is_escape(event: QEvent) -> bool:

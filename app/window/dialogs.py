@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QPlainTextEdit,
     QRadioButton,
+    QSizePolicy,
     QSpinBox,
     QTabWidget,
     QVBoxLayout,
@@ -262,6 +263,8 @@ class SettingsDialog(QDialog):
         form.addRow("", self.speculative)
         self.system_prompt = QPlainTextEdit(settings.system_prompt)
         self.system_prompt.setFixedHeight(80)
+        self.system_prompt.setSizePolicy(QSizePolicy.Policy.Expanding,
+                                         QSizePolicy.Policy.Fixed)  # as the model folders
         # A form: Tab goes to the next field, as in every other field of Settings.
         self.system_prompt.setTabChangesFocus(True)
         form.addRow("System prompt", self.system_prompt)
@@ -288,6 +291,9 @@ class SettingsDialog(QDialog):
         self.folders = QPlainTextEdit("\n".join(settings.model_folders))
         self.folders.setPlaceholderText("One folder per line")
         self.folders.setFixedHeight(60)
+        # A fixed height alone leaves a text box's policy Expanding: the form then
+        # spreads the page's spare height between its rows instead of leaving it below.
+        self.folders.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.folders.setTabChangesFocus(True)
         form.addRow("Model folders", self.folders)
 

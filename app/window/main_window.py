@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QSize, Qt, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDragMoveEvent, QDropEvent
+from PySide6.QtGui import (
+    QAction,
+    QCloseEvent,
+    QDragEnterEvent,
+    QDragMoveEvent,
+    QDropEvent,
+    QShowEvent,
+)
 from PySide6.QtWidgets import (
     QApplication,
     QDialog,
@@ -19,6 +26,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QSplitter,
     QStyle,
+    QToolBar,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -96,6 +104,7 @@ class MainWindow(QMainWindow):
     quit_action: QAction
     about_action: QAction
     stop_action: QAction
+    find_action: QAction
 
     def __init__(self, controller: ChatController) -> None:
         super().__init__()
@@ -103,7 +112,6 @@ class MainWindow(QMainWindow):
         self.settings = controller.settings
         self.setWindowTitle("Longleaf")
         self.setAcceptDrops(True)
-        self.setMinimumSize(MINIMUM_SIZE)
         self.resize(initial_size(self.screen().availableSize()))
         self.loader = DocumentLoader(controller.bridge.token_ends, self)
         self.attachments: dict[int, AttachmentRecord] = {}
@@ -113,6 +121,7 @@ class MainWindow(QMainWindow):
         self._reading_for: dict[int, str | None] = {}  # files being read: the chat each came to
         self._awaiting_model: list[str] = []  # files given before a model was ready
         self.closed_at: float | None = None
+        self._shown_once = False
         self._opened_folder: str | None = None
         self.downloads = Downloads(self)
         # Per download: the model loaded when it was asked for. It loads when done
@@ -133,6 +142,7 @@ class MainWindow(QMainWindow):
         self.api_sessions_feed = ApiSessionsFeed(controller, self.panel.api_sessions, self)
         build_toolbar(self)
         build_menus(self)
+        self._fit_minimum()
         self._connect()
         self._refresh_sessions()
         self._on_session_changed(controller.current)
@@ -195,6 +205,7 @@ class MainWindow(QMainWindow):
     def _connect(self) -> None:
         c = self.controller
         self.sessions.sessionSelected.connect(c.select_session)
+        self.sessions.typedAway.connect(self._type_in_composer)
         self.sessions.renameRequested.connect(c.rename_session)
         self.sessions.deleteRequested.connect(
             lambda session_id: c.delete_session(
@@ -305,6 +316,7 @@ class MainWindow(QMainWindow):
         self.model_state.setText(self.model_state.fontMetrics().elidedText(
             shown, Qt.TextElideMode.ElideMiddle, MODEL_STATE_WIDTH))
         self.model_state.setToolTip(shown if self.model_state.text() != shown else "")
+        self._fit_minimum()  # the toolbar's row is as wide as this text
         self.model_state.setProperty("ready", ready)
         self.model_state.style().unpolish(self.model_state)
         self.model_state.style().polish(self.model_state)
@@ -356,6 +368,12 @@ class MainWindow(QMainWindow):
         self.composer.show_editing(self.controller.editing)  # an edit is its chat's
         self._show_activity()
         self.fit.schedule()
+
+    def _type_in_composer(self, text: str) -> None:
+        """Move the keyboard to the message box, with ``text`` typed there."""
+        self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
+        if text:
+            self.composer.edit.insertPlainText(text)
 
     def ask_new_chat(self) -> None:
         """Ask for the mode, then start a new chat."""
@@ -439,6 +457,8 @@ class MainWindow(QMainWindow):
         job = activity.job_of(current.id if current else None)
         ahead = activity.ahead_of(job) if job is not None else None
         stopping = job is not None and job.stopping
+        # Chat ▸ Stop (Esc) stops the shown chat's job only: greyed out with none.
+        self.stop_action.setEnabled(job is not None)
         self.composer.set_generating(job is not None and job.started, stopping)
         self.composer.show_waiting(ahead.title if ahead is not None else None,
                                    self._how_far(ahead) if ahead is not None else "",
@@ -610,11 +630,25 @@ class MainWindow(QMainWindow):
         """Show or hide the memory panel, and remember the choice."""
         self.panel.setVisible(visible)
         self.settings.memory_panel_visible = visible
+        self._fit_minimum()  # a narrow window widens to take the panel back
         sizes = self.splitter.sizes()
         if visible and sizes[2] == 0:  # folded by a drag: open it at its usual width
             self.splitter.setSizes([sizes[0], sizes[1] - PANEL_WIDTH[1], PANEL_WIDTH[1]])
         if visible:
             self.panel_feed.refresh()
+
+    def _fit_minimum(self) -> None:
+        """The window's minimum: its visible columns' minimums side by side, and the
+        toolbar's whole row, so with the memory panel hidden it can be narrower
+        (MINIMUM_SIZE with all three)."""
+        columns = (self.splitter.widget(i) for i in range(self.splitter.count()))
+        shown = [column for column in columns if column is not None and not column.isHidden()]
+        width = (sum(column.minimumWidth() for column in shown)
+                 + self.splitter.handleWidth() * (len(shown) - 1))
+        toolbar = self.findChild(QToolBar, "mainToolbar")
+        if toolbar is not None:  # narrower, it folds controls into its overflow menu
+            width = max(width, toolbar.sizeHint().width())
+        self.setMinimumSize(min(width, MINIMUM_SIZE.width()), MINIMUM_SIZE.height())
 
     # Window ---------------------------------------------------------------
 
@@ -641,6 +675,14 @@ class MainWindow(QMainWindow):
         self._configuring = None
         self.fit.limits_changed()
         self.panel_feed.refresh()
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        if not self._shown_once:
+            # Otherwise the first field in the window, the sidebar's search, takes the
+            # keys: a question typed at launch would search the chats.
+            self._shown_once = True
+            self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)

@@ -61,6 +61,7 @@ class MenuHost(Protocol):
     quit_action: QAction
     about_action: QAction
     stop_action: QAction
+    find_action: QAction
 
     @property
     def panel(self) -> MemoryPanel:
@@ -217,6 +218,9 @@ def build_menus(window: MenuHost) -> None:
         action = edit_menu.addAction(title, partial(_edit_focused_widget, window, slot))
         action.setShortcut(key)
     edit_menu.addSeparator()
+    window.find_action = edit_menu.addAction("Find…", partial(_find_chats, window))
+    window.find_action.setShortcuts(QKeySequence.StandardKey.Find)  # ⌘F on macOS
+    edit_menu.addSeparator()
     edit_menu.addAction(window.settings_action)
     chat_menu = window.menuBar().addMenu("&Chat")
     window.stop_action = chat_menu.addAction("Stop", window.controller.stop)
@@ -263,6 +267,12 @@ def _on_shown_chat(window: MenuHost, ask: Callable[[SessionRecord], None]) -> No
     """Ask about the chat on screen (its rename or delete, as the list's menu does)."""
     if window.controller.current is not None:
         ask(window.controller.current)
+
+
+def _find_chats(window: MenuHost) -> None:
+    """Into the sidebar's search, its text selected so what is typed replaces it."""
+    window.sessions.search.setFocus(Qt.FocusReason.ShortcutFocusReason)
+    window.sessions.search.selectAll()
 
 
 def _edit_focused_widget(window: MenuHost, slot: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import psutil
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QColor
+from PySide6.QtGui import QColor, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
@@ -96,6 +96,9 @@ class ModelsDialog(QDialog):
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
+        # A window of its own beside the main one (modeless): ⌘W closes it, as any
+        # Mac window, instead of doing nothing.
+        QShortcut(QKeySequence.StandardKey.Close, self, self.reject)
 
     def _add_row(self, entry: ModelEntry, downloading: bool) -> None:
         row = self.table.rowCount()
@@ -132,14 +135,18 @@ class ModelsDialog(QDialog):
             label.setToolTip("The model in use now")
             self.table.setCellWidget(self.rows[key], self.action_column, label)
             return
+        # Read out of its row, "Load" alone does not say which model: each names it.
         if entry.downloaded:
             button = QPushButton("Load")
+            button.setAccessibleName(f"Load {entry.name}")
             button.clicked.connect(lambda: self._load(key))
         elif downloading:
             button = QPushButton("Cancel")
+            button.setAccessibleName(f"Cancel the download of {entry.name}")
             button.clicked.connect(lambda: self.cancelRequested.emit(key))
         else:
             button = QPushButton("Download")
+            button.setAccessibleName(f"Download {entry.name}")
             button.clicked.connect(lambda: self._download(entry))
         button.setObjectName(f"action:{key}")
         self.table.setCellWidget(self.rows[key], self.action_column, button)

@@ -50,6 +50,8 @@ class Banner(QFrame):
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         close = QToolButton()
         close.setText("✕")
+        close.setAccessibleName("Dismiss")  # VoiceOver read "✕" as "multiplication x"
+        close.setToolTip("Dismiss")
         close.setAutoRaise(True)
         close.clicked.connect(self.hide)
         row.addWidget(self.label, 1)

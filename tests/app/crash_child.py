@@ -100,6 +100,8 @@ def main() -> None:
         if args.close_on_ingest and window.isVisible():
             say("closing")
             window.close()
+            if window.quit_box is not None:  # asked mid-read: Quit
+                window.quit_box.button(QUIT).click()
 
     controller.ingestProgress.connect(on_progress)
 

@@ -16,6 +16,7 @@ from app.controller import ChatController
 from app.engine_bridge import EngineBridge
 from app.settings import Settings
 from app.store import HistoryStore
+from app.window.quit_box import QUIT
 from engine import Finished, ModelLoaded, SamplingParams, SessionOpened
 from engine.memory.stats import MemoryUsage, stats_sample
 from tests.app.scripted_worker import ScriptedWorker, WindowWorker
@@ -63,6 +64,8 @@ def close_scripted(app: SimpleNamespace) -> None:
     """Shut the controller down and close the history."""
     if app.window is not None:
         app.window.close()
+        if app.window.isVisible() and app.window.quit_box is not None:
+            app.window.quit_box.button(QUIT).click()  # asked mid-answer or mid-read
     app.c.shutdown(0)
     app.store.close()
 

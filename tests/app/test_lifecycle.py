@@ -15,6 +15,7 @@ from app.chat.recorder import STOPPED_READING
 from app.controller import CLOSED_WHILE_ANSWERING
 from app.settings import Settings
 from app.store import HistoryStore
+from app.window.quit_box import QUIT
 from engine.session.prefill import Chunk
 from engine.session.sampling import SamplingParams
 from engine.session.session import Session
@@ -128,6 +129,8 @@ def test_closing_mid_ingest_returns_at_once_and_saves_the_history(qtbot, tiny_ll
     try:
         began = time.perf_counter()
         window.close()
+        if window.quit_box is not None:  # asked mid-read: Quit
+            window.quit_box.button(QUIT).click()
         print(f"close() took {(time.perf_counter() - began) * 1000:.1f} ms")  # shown with -s
         # The window is gone and the history saved while the engine is still inside
         # the chunk: closing did not wait for it.

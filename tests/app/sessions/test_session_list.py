@@ -8,6 +8,7 @@ from PySide6.QtWidgets import QInputDialog, QLineEdit, QMessageBox
 
 from app.sessions.session_list import (
     ANSWERING,
+    NO_CHATS,
     NO_MATCH,
     RecordRole,
     SessionList,
@@ -273,3 +274,18 @@ def test_a_search_runs_once_the_typing_pauses_and_a_clear_at_once(qtbot) -> None
     assert searched == ["pine"]
     sidebar.search.clear()
     assert searched == ["pine", ""]
+
+
+def test_an_empty_list_says_there_are_no_chats_yet(qtbot) -> None:
+    store = HistoryStore()
+    sidebar = SessionList()
+    qtbot.addWidget(sidebar)
+    sidebar.show()
+    sidebar.set_sessions(store.sessions(), None)
+    # Before, the first launch showed a blank sidebar.
+    assert sidebar.no_match.isVisible() and sidebar.no_match.text() == NO_CHATS
+    assert not sidebar.list.isVisible()
+    chat = store.create_session("Tax return", "q8", "demo")
+    sidebar.set_sessions(store.sessions(), chat.id)
+    assert not sidebar.no_match.isVisible() and sidebar.list.isVisible()
+    store.close()

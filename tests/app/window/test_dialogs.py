@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -487,3 +488,19 @@ def test_the_api_key_is_hidden_until_shown_and_a_new_one_is_shown(qtbot) -> None
     assert key.echoMode() == QLineEdit.EchoMode.Password
     dialog.server.generate.click()  # to be copied into the clients next
     assert key.echoMode() == QLineEdit.EchoMode.Normal and key.text() != "sk-secret"
+
+
+def test_memory_and_storage_rows_stay_together_at_the_top(qtbot) -> None:
+    dialog = SettingsDialog(Settings())
+    qtbot.addWidget(dialog)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    dialog.tabs.setCurrentIndex(dialog.tabs.indexOf(dialog.folders.parentWidget()))
+    qtbot.waitUntil(dialog.folders.isVisible, timeout=5_000)
+    form = dialog.folders.parentWidget().layout()
+    rows = [dialog.budget, dialog.disk_budget, dialog.folders]
+    # Before, the page's spare height went between the rows (a gap of 58 px each),
+    # not below them.
+    for upper, lower in pairwise(rows):
+        assert lower.y() - upper.geometry().bottom() <= 2 * form.verticalSpacing() + 8
+    assert rows[0].y() <= 20

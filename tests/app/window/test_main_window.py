@@ -15,7 +15,15 @@ from unittest.mock import patch
 import pytest
 from PySide6.QtCore import QPoint, QSize, Qt, QTimer
 from PySide6.QtGui import QKeySequence, QPalette
-from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QStyle, QWidget
+from PySide6.QtWidgets import (
+    QApplication,
+    QFileDialog,
+    QLabel,
+    QMessageBox,
+    QStyle,
+    QToolButton,
+    QWidget,
+)
 
 from app.chat.attachments import attach_filter
 from app.controller import ChatController
@@ -24,7 +32,7 @@ from app.sessions.session_list import RecordRole, StateRole, detail_text
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
-from app.window.main_window import CHAT_MIN_WIDTH, MainWindow, initial_size
+from app.window.main_window import CHAT_MIN_WIDTH, MINIMUM_SIZE, MainWindow, initial_size
 from engine import AnswerWaiting, Finished, IngestProgress, TokenChunk
 from tests.app.conftest import close_window, sidebar_line
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
@@ -495,3 +503,129 @@ def test_a_new_chat_made_while_searching_is_listed_and_selected(qtbot, bare_wind
     assert bare_window.sessions.search.text() == ""
     items = [bare_window.sessions.list.item(i) for i in range(bare_window.sessions.list.count())]
     assert any(item.isSelected() for item in items) and len(items) == 2
+
+
+def test_typing_at_launch_goes_to_the_composer(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    bare_window.activateWindow()
+    qtbot.waitUntil(lambda: bare_window.focusWidget() is not None, timeout=5_000)
+    # Before, the sidebar's search field had the focus: the question searched the chats.
+    assert bare_window.focusWidget() is bare_window.composer.edit
+
+
+def _click_chat(qtbot, window, title: str) -> None:
+    chats = window.sessions.list
+    item = next(chats.item(row) for row in range(chats.count())
+                if chats.item(row).text() == title)
+    qtbot.mouseClick(chats.viewport(), Qt.MouseButton.LeftButton,
+                     pos=chats.visualItemRect(item).center())
+
+
+def test_typing_after_clicking_a_chat_goes_to_its_message_box(scripted, qtbot) -> None:
+    c, window = scripted.c, scripted.window
+    window.show()
+    qtbot.waitExposed(window)
+    c.rename_session(c.new_session("q8").id, "Notes on pines")
+    c.rename_session(c.new_session("q8").id, "Budget")
+    _click_chat(qtbot, window, "Notes on pines")
+    assert c.current.title == "Notes on pines"
+    # Before, the list kept the keys: "n" jumped to another chat by its title and
+    # the letters were lost.
+    qtbot.keyClicks(QApplication.focusWidget(), "now tell me")
+    assert c.current.title == "Notes on pines"
+    assert window.composer.text() == "now tell me"
+
+
+def test_letters_typed_on_the_list_go_to_the_message_box_arrows_move(scripted, qtbot) -> None:
+    c, window = scripted.c, scripted.window
+    c.rename_session(c.new_session("q8").id, "Notes on pines")
+    c.rename_session(c.new_session("q8").id, "Budget")
+    chats = window.sessions.list
+    chats.setFocus()  # tabbed into
+    qtbot.keyClick(chats, Qt.Key.Key_Down)
+    assert c.current.title == "Notes on pines"
+    qtbot.keyClicks(chats, "bye")
+    assert c.current.title == "Notes on pines" and window.composer.text() == "bye"
+
+
+def test_quitting_while_a_document_is_read_asks_first(scripted, qtbot) -> None:
+    window = scripted.window
+    window.show()
+    qtbot.waitExposed(window)
+    rid, _cancel = _send(scripted)
+    scripted.bridge._dispatch(IngestProgress(rid, 51200, 120000, 300.0, 240.0, 512, 0, 17.0))
+    window.close_action.trigger()
+    # Before, the window closed at once and minutes of reading were thrown away.
+    assert window.isVisible() and window.quit_box is not None
+    assert window.quit_box.text() == (
+        f"“{scripted.c.current.title}” is still being read (42%). Quit anyway? "
+        "It will be read again from the start next time.")
+    window.quit_box.button(QMessageBox.StandardButton.Cancel).click()
+    assert window.isVisible()
+
+
+def test_find_goes_to_the_chat_search_with_its_text_selected(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    bare_window.activateWindow()
+    search = bare_window.sessions.search
+    search.setText("pines")
+    bare_window.composer.edit.setFocus()
+    # Before, Edit had no Find and ⌘F did nothing.
+    assert "Ctrl+F" in shortcuts(bare_window.find_action)  # ⌘F on macOS
+    bare_window.find_action.trigger()
+    qtbot.waitUntil(search.hasFocus, timeout=5_000)
+    assert search.selectedText() == "pines"
+    search.clear()  # the search runs now, not after the history has closed
+
+
+def test_stop_is_enabled_only_while_the_chat_on_screen_has_a_job(scripted, qtbot) -> None:
+    c, window = scripted.c, scripted.window
+    idle = c.new_session("q8")
+    # Before, Chat ▸ Stop stayed enabled with nothing to stop.
+    assert not window.stop_action.isEnabled()
+    rid, cancel = _send(scripted)
+    scripted.bridge._dispatch(TokenChunk(rid, "Pines", (1,)))
+    assert window.stop_action.isEnabled()
+    busy = c.current.id
+    c.select_session(idle.id)
+    assert not window.stop_action.isEnabled()  # the answer runs in another chat
+    c.select_session(busy)
+    assert window.stop_action.isEnabled()
+    qtbot.keyClick(window.sessions.list, Qt.Key.Key_Escape)  # Esc is still Stop
+    assert cancel.is_set()
+    scripted.bridge._dispatch(Finished(rid, "cancelled"))
+    assert not window.stop_action.isEnabled()
+
+
+def test_the_windows_fields_and_the_banners_close_button_have_names(bare_window) -> None:
+    # Before, VoiceOver read "text field", "list" and "✕" (the placeholders go once
+    # something is typed, and are no names).
+    assert bare_window.sessions.search.accessibleName() == "Search chats"
+    assert bare_window.sessions.list.accessibleName() == "Chats"
+    assert bare_window.composer.edit.accessibleName() == "Message"
+    bare_window.banner.show_message("Something failed", "error")
+    close = bare_window.banner.findChild(QToolButton)
+    assert close.accessibleName() == "Dismiss" and close.toolTip() == "Dismiss"
+
+
+def test_with_the_memory_panel_hidden_the_window_can_be_narrower(qtbot, bare_window) -> None:
+    bare_window.show()
+    qtbot.waitExposed(bare_window)
+    assert bare_window.minimumSize() == MINIMUM_SIZE
+    bare_window.set_panel_visible(False)
+    bare_window._on_model_state("SmolLM2-135M-Instruct", True)  # a name in the toolbar
+    bare_window.resize(640, 700)
+    narrowest = bare_window.minimumSize().width()
+    # Before, it stayed 1024 wide: the panel's room was kept with the panel hidden.
+    qtbot.waitUntil(lambda: bare_window.width() == narrowest, timeout=5_000)
+    assert narrowest < 900
+    qtbot.wait(100)  # the layouts settle
+    assert bare_window.splitter.widget(1).width() >= bare_window.splitter.widget(1).minimumWidth()
+    overflow = bare_window.findChild(QToolButton, "qt_toolbar_ext_button")
+    assert overflow is None or not overflow.isVisible(), "the toolbar does not fit"
+    # The panel back: the window widens to hold it again.
+    bare_window.set_panel_visible(True)
+    qtbot.waitUntil(lambda: bare_window.width() >= MINIMUM_SIZE.width(), timeout=5_000)
+    assert bare_window.minimumSize() == MINIMUM_SIZE

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from PySide6.QtWidgets import QLabel, QPushButton
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication, QLabel, QPushButton
 
 from app.format import short_tokens
 from app.window.downloads import unreachable_text
@@ -109,3 +110,28 @@ def test_no_text_of_the_dialog_is_cut(qtbot, qapp) -> None:
         assert not clipped, "\n".join(clipped)
     finally:
         qapp.setStyleSheet("")
+
+
+def test_close_window_keys_close_the_dialog(qtbot) -> None:
+    dialog = dialog_for(qtbot, [on_disk("a")])
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    dialog.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is dialog, timeout=5_000)
+    # Before, ⌘W (Ctrl+W here) did nothing in this window.
+    qtbot.keyClick(dialog.table, Qt.Key.Key_W, Qt.KeyboardModifier.ControlModifier)
+    assert not dialog.isVisible()
+
+
+def test_each_rows_button_names_its_model_for_voiceover(qtbot) -> None:
+    dialog = dialog_for(qtbot, [on_disk("a"), on_disk("b")], loaded="/models/a")
+    # Before, every row's button was read as a bare "Load" or "Download".
+    assert dialog.action_button("/models/b").accessibleName() == "Load b"
+    first = RECOMMENDED_MODELS[0]
+    download = dialog.action_button(first.repo_id)
+    assert download.text() == "Download"
+    assert download.accessibleName() == f"Download {dialog.entries[first.repo_id].name}"
+    download.click()
+    cancel = dialog.action_button(first.repo_id)
+    assert cancel.accessibleName() == (
+        f"Cancel the download of {dialog.entries[first.repo_id].name}")
