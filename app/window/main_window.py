@@ -343,13 +343,14 @@ class MainWindow(QMainWindow):
     # Sessions -------------------------------------------------------------
 
     def _refresh_sessions(self) -> None:
+        if self.controller.closed:  # the app quits: the history is closing (a search
+            return                  # typed just before still has its pause to run)
         current = self.controller.current.id if self.controller.current else None
         records = self.controller.store.sessions(self.sessions.search.text())
         self.sessions.set_sessions(records, current, self.controller.all_chat_facts(records))
 
     def _on_stored_kv(self, _listing: object) -> None:
-        if not self.controller.closed:  # the app quits: the history is closing
-            self._refresh_sessions()
+        self._refresh_sessions()
 
     def _on_session_changed(self, record: SessionRecord | None) -> None:
         self._refresh_sessions()

@@ -767,7 +767,7 @@ class Server:
                                 f"({self.bridge.model_id}) defines no tool calling: it "
                                 "would never see them, and its answer could not be read "
                                 "as a call. Serve a model with tool calling (Qwen2.5 or "
-                                "later, Llama 3.1, Mistral…), or leave 'tools' out "
+                                "later, Mistral, Gemma 4, GLM-4.7…), or leave 'tools' out "
                                 "(tool_choice 'none' does).", param="tools",
                            code="tools_unsupported")
         return syntax

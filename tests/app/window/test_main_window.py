@@ -28,13 +28,13 @@ from PySide6.QtWidgets import (
 from app.chat.attachments import attach_filter
 from app.controller import ChatController
 from app.engine_bridge import EngineBridge
-from app.sessions.session_list import RecordRole, StateRole, detail_text
+from app.sessions.session_list import SEARCH_PAUSE_MS, RecordRole, StateRole, detail_text
 from app.settings import Settings
 from app.store import HistoryStore
 from app.style import apply_color_scheme
 from app.window.main_window import CHAT_MIN_WIDTH, MINIMUM_SIZE, MainWindow, initial_size
 from engine import AnswerWaiting, Finished, IngestProgress, TokenChunk
-from tests.app.conftest import close_window, sidebar_line
+from tests.app.conftest import close_window, open_window, sidebar_line
 from tests.app.scripted import close_scripted, open_session, sample, scripted_app
 
 
@@ -577,7 +577,19 @@ def test_find_goes_to_the_chat_search_with_its_text_selected(qtbot, bare_window)
     bare_window.find_action.trigger()
     qtbot.waitUntil(search.hasFocus, timeout=5_000)
     assert search.selectedText() == "pines"
-    search.clear()  # the search runs now, not after the history has closed
+
+
+def test_a_search_typed_just_before_quitting_runs_no_query_on_the_closed_history(
+        qtbot, tiny_llama) -> None:
+    window = open_window(qtbot, tiny_llama)
+    window.sessions.search.setText("pines")  # its pause has not run yet
+    close_window(window)
+    queried: list[str] = []
+    window.controller.store.sessions = lambda text="": queried.append(text) or []
+    # Before, the pause ran the search on the closed database: "Cannot operate on
+    # a closed database" from a timer, after the window was gone.
+    qtbot.wait(SEARCH_PAUSE_MS * 3)
+    assert queried == []
 
 
 def test_stop_is_enabled_only_while_the_chat_on_screen_has_a_job(scripted, qtbot) -> None:
