@@ -10,7 +10,8 @@ tokens either way. Syntaxes with a grammar here: JSON calls between markers
 (Qwen2.5, Qwen3, Hermes: mlx-lm's ``json_tools``) and Qwen3-Coder's XML calls
 (Qwen3.5 and Qwen3-Next: ``qwen3_coder``). Another syntax, or a grammar the
 matcher refuses, has none (the caller decides what then). A thinking model may
-think first, as its template asks. No MLX here: it runs on the server's event loop.
+think first, as its template asks. No MLX here: it runs in the server (a grammar
+is built on a thread beside its event loop).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def _xml_calls(syntax: ToolSyntax, tools: tuple[dict, ...]) -> list[str] | None:
              "VALUE: /(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/"]
     for i, tool in enumerate(tools):
         schema = _parameters(tool)
-        properties = schema.get("properties")
+        properties = schema.get("properties", {})
         if not _XML_NAME.fullmatch(tool["name"]) or not isinstance(properties, dict):
             return None
         if any(not _XML_NAME.fullmatch(name) for name in properties):

@@ -250,6 +250,14 @@ def test_xml_values_are_what_the_parser_reads_as_their_types(thinking: Grammar) 
     assert json.loads(parsed.arguments) == {"seats": 2, "tags": ["a"]}
 
 
+def test_an_xml_tool_without_parameters_takes_any(thinking: Grammar) -> None:
+    ping = {"type": "function", "function": {"name": "ping"}}
+    grammar = thinking.of(tools=[ping, WEATHER])
+    assert thinking.takes(grammar, xml_call("ping", {}))
+    assert thinking.takes(grammar, xml_call("ping", {"host": "a.b"}))
+    assert not thinking.takes(grammar, xml_call("get_weather", {"town": "X"}))
+
+
 def test_xml_names_the_parser_would_misread_get_no_grammar(thinking: Grammar) -> None:
     spaced = {"type": "function", "function": {"name": "look up", "parameters": {
         "type": "object", "properties": {}}}}
