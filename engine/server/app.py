@@ -33,7 +33,7 @@ from engine.errors import EngineError
 from engine.events import Failed, Finished, GenerationStats, SessionOpened, TokenChunk, TokenLogprob
 from engine.server import fields, ollama, protocol, responses
 from engine.server.bridge import LOADING, NotReady, QueueFull, ServerBridge, Ticket
-from engine.server.call_grammar import Calls, call_grammar, functions
+from engine.server.call_grammar import Calls, functions
 from engine.server.protocol import BadRequest, ChatRequest
 from engine.server.tools import ToolCall, ToolCallReader, ToolSyntax, with_short_ids
 
@@ -794,8 +794,8 @@ class Server:
         named = chat.tool_name if chat.tool_choice == "named" else None
         calls = Calls(functions(chat.tools, named), single=chat.max_calls == 1,
                       open_thought=self.bridge.opens_thought(prompt))
-        # Off the event loop: each tool's schema is compiled to check it.
-        grammar = await asyncio.to_thread(call_grammar, syntax, calls, answer)
+        grammar = await asyncio.wrap_future(
+            self.bridge.call_grammar_later(syntax, calls, answer))
         if grammar is None and chat.sampling.grammar is not None:
             param = chat.format_param
             raise ApiError(400, f"'{param}' and 'tools' cannot be used together with this "

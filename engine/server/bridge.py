@@ -26,7 +26,7 @@ from engine.events import Event, Failed, Finished, ModelLoaded, Notice, request_
 from engine.runtime.held_sessions import API_SESSION_PREFIX
 from engine.runtime.interface import Worker
 from engine.runtime.worker import EngineWorker
-from engine.server.call_grammar import opens_thought
+from engine.server.call_grammar import Calls, call_grammar, opens_thought
 from engine.server.token_bytes import token_bytes
 from engine.server.tools import ToolSyntax
 from engine.session.batch import DEFAULT_READ_SHARE
@@ -271,6 +271,12 @@ class ServerBridge:
                      template: bool = True) -> Future:
         """``render`` on the bridge's render thread; await it with ``asyncio.wrap_future``."""
         return self._renderer.submit(self.render, messages, tools, template)
+
+    def call_grammar_later(self, syntax: ToolSyntax, calls: Calls,
+                           answer: str | None) -> Future:
+        """``call_grammar`` on the render thread (it compiles each tool's schema to
+        check it); await it with ``asyncio.wrap_future``."""
+        return self._renderer.submit(call_grammar, syntax, calls, answer)
 
     @property
     def tool_syntax(self) -> ToolSyntax | None:
