@@ -14,7 +14,7 @@ group of the row (:func:`affine_scales`; 8 bytes a row at head_dim 256 instead o
 the format's 2). A scale is capped where MLX's float16 read of the largest code
 (``scale * u``, before the bias) would overflow, so the quantized modes hold about
 ±32k: a larger value is stored clipped there, never read back as inf (a snapshot
-stored under the earlier cap is read as stored: see :func:`affine_scales`).
+stored under the earlier cap is quantized again when read: :func:`within_cap`).
 
 The fp16 mode stores the values themselves: ``quantize_rows(x, 16)`` returns the
 float16 values (``[..., head_dim]``, i.e. ``2 * head_dim`` bytes per row) and
@@ -146,13 +146,6 @@ def scale_cap(bits: int) -> float:
     MLX's affine read computes ``scale * u`` (``u`` up to ``2 * bias - 1``) in the
     queries' dtype before it adds the bias."""
     return _largest_fp16_scale(2 * bias_for(bits) - 1)
-
-
-@functools.cache
-def bias_cap(bits: int) -> float:
-    """The largest float16 scale whose bias (``-bias * scale``) is finite in float16:
-    the cap of scales snapshots stored before :func:`scale_cap` lowered it."""
-    return _largest_fp16_scale(bias_for(bits))
 
 
 def _largest_fp16_scale(factor: int) -> float:
@@ -356,15 +349,28 @@ def quantize_for_store(x: mx.array, bits: int, groups: int) -> tuple[mx.array, m
 
 
 def affine_scales(scales: mx.array, bits: int, groups: int) -> mx.array:
-    """Row scales (``[..., 1]``, the row format's) as the in-memory ``[2, ..., groups]``.
-
-    A scale stored under an earlier, higher cap is kept as stored: capping it to
-    :func:`scale_cap` would shrink its whole row, every value of it. Only one whose
-    bias (``-bias * scale``) would be inf in float16 is capped (to :func:`bias_cap`).
-    """
-    capped = mx.minimum(scales.astype(mx.float32), bias_cap(bits))
-    pairs = _scale_and_bias(capped, bits)
+    """Row scales (``[..., 1]``, the row format's, at most :func:`scale_cap`: see
+    :func:`within_cap`) as the in-memory ``[2, ..., groups]``."""
+    pairs = _scale_and_bias(scales, bits)
     return mx.broadcast_to(pairs, (*pairs.shape[:-1], groups))
+
+
+def within_cap(codes: mx.array, scales: mx.array, bits: int,
+               head_dim: int) -> tuple[mx.array, mx.array]:
+    """Stored rows (row format) whose scales are all at most :func:`scale_cap`.
+
+    A snapshot stored before the cap was lowered may hold larger scales, whose
+    largest codes MLX's float16 read turns to inf (the attention then to NaN).
+    Those rows are quantized again from their values: the same values, a larger
+    one clipped at the cap's range, as it would be stored now. One host read
+    of the largest scale (per restored layer) decides.
+    """
+    if float(mx.max(scales.astype(mx.float32))) <= scale_cap(bits):
+        return codes, scales
+    values = dequantize_rows(codes, scales, bits, head_dim)
+    requantized, capped = quantize_rows(values, bits)
+    assert capped is not None  # quantized modes always have scales
+    return requantized, capped
 
 
 @functools.cache

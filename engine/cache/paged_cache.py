@@ -386,6 +386,10 @@ class PagedKVCache(BaseCache):
                 )
             self._store_for(int(kv_heads), int(head_dim))
             self.pool.ensure(offset)
+        if offset and k_scales is not None:
+            bits = kvquant.bits_for(self.pool.mode)
+            k_codes, k_scales = kvquant.within_cap(k_codes, k_scales, bits, int(head_dim))
+            v_codes, v_scales = kvquant.within_cap(v_codes, v_scales, bits, int(head_dim))
         # Keep the storage reserved above: the pages are rewritten into it.
         self._drop_last(self.offset, release=False)
         for page in range(self.pool.pages_for(offset)):

@@ -297,16 +297,30 @@ def test_stored_rows_are_what_mlx_dequantizes_identically(bits: int, head_dim: i
     assert np.array_equal(np.array(theirs), np.array(ours))
 
 
-def test_affine_scales_cap_only_a_scale_whose_bias_would_be_inf() -> None:
-    huge = mx.array([[60000.0]], dtype=mx.float16)
-    pairs = kvquant.affine_scales(huge, 6, 2)
-    assert np.array(pairs[0]).tolist() == [[2047.0, 2047.0]] == [[kvquant.bias_cap(6)] * 2]
-    assert np.all(np.isfinite(np.array(pairs[1])))
-    # A scale under the earlier cap (a snapshot stored before the cap was lowered)
-    # is read as stored: capping it would shrink every value of its row.
-    earlier = mx.array([[kvquant.scale_cap(8) * 1.5]], dtype=mx.float16)
-    pairs = kvquant.affine_scales(earlier, 8, 1)
-    assert float(pairs[0][0, 0]) == float(earlier[0, 0]) > kvquant.scale_cap(8)
+@pytest.mark.parametrize("bits", [8, 6, 4])
+def test_rows_stored_under_the_earlier_cap_are_quantized_again_within_it(bits: int) -> None:
+    # The earlier cap kept only the bias finite: the largest codes of such a scale
+    # read back inf in float16. Quantized again, the row keeps its values, the
+    # largest clipped at the cap's range, as a row stored now is.
+    earlier = kvquant._largest_fp16_scale(kvquant.bias_for(bits))
+    assert earlier > kvquant.scale_cap(bits)
+    values = mx.array([[1.0, -3.0, 2.0, 0.5] * 2, [0.25] * 8], dtype=mx.float32)
+    codes, scales = kvquant.quantize_rows(values, bits)
+    scales = mx.array([[earlier], [float(scales[1, 0])]], dtype=mx.float16)  # row 0: earlier
+    old = kvquant.dequantize_rows(codes, scales, bits, 8)
+    kept, capped = kvquant.within_cap(codes, scales, bits, 8)
+    assert float(mx.max(capped)) <= kvquant.scale_cap(bits)
+    reread = _np(kvquant.dequantize_rows(kept, capped, bits, 8))
+    limit = kvquant.qmax_for(bits) * kvquant.scale_cap(bits)
+    assert np.allclose(reread[0], np.clip(_np(old)[0], -limit, limit),
+                       atol=kvquant.scale_cap(bits) / 2)
+    assert np.array_equal(reread[1], _np(old)[1])  # a row within the cap: as stored
+
+
+def test_rows_within_the_cap_are_restored_untouched() -> None:
+    codes, scales = kvquant.quantize_rows(mx.array([[1.0, 2.0, 3.0, 4.0]]), 6)
+    kept, same = kvquant.within_cap(codes, scales, 6, 4)
+    assert kept is codes and same is scales
 
 
 def test_mlx_group_size_choice() -> None:

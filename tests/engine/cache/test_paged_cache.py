@@ -163,3 +163,30 @@ def test_make_mask_follows_mlx_lm_and_reserves_pages() -> None:
     with pytest.raises(KvBudgetExceeded):
         cache.make_mask(30)
     assert cache.offset == 10
+
+
+@pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
+def test_a_snapshot_stored_under_the_earlier_scale_cap_reads_back_finite(mode: str) -> None:
+    from engine.cache.attention import dispatch, schedule
+
+    bits, head_dim = kvquant.bits_for(mode), 32
+    source = PagedKVCache(PagePool(mode, 4), 1, head_dim)
+    rows = mx.random.normal((1, 1, 4, head_dim), key=mx.random.key(0))
+    source.update_and_fetch(rows, rows)
+    state = list(source.state)
+    # Every code at its largest, each scale at the earlier cap (which kept only the
+    # bias finite): MLX's float16 read of such a code is inf.
+    codes, scales = kvquant.quantize_rows(mx.full((1, 1, 4, head_dim), 1.0), bits)
+    earlier = mx.full(scales.shape, kvquant._largest_fp16_scale(kvquant.bias_for(bits)),
+                      dtype=mx.float16)
+    state[:4] = [codes, earlier, codes, earlier]
+    restored = PagedKVCache(PagePool(mode, 4), 1, head_dim)
+    restored.state = tuple(state)
+    query = (mx.random.normal((1, 1, 1, head_dim), key=mx.random.key(1)) * 1e-3)
+    with schedule.forced("gpu"):
+        out = dispatch.paged_attention(query.astype(mx.float16), None, None, restored,
+                                       head_dim ** -0.5)
+    assert bool(mx.all(mx.isfinite(out.astype(mx.float32))))
+    keys, _ = restored.dequantized_prefix(4, mx.float32)
+    limit = kvquant.qmax_for(bits) * kvquant.scale_cap(bits)
+    assert np.allclose(np.array(keys), limit, rtol=1e-3)  # clipped at the cap's range
