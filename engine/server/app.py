@@ -47,6 +47,9 @@ DISCONNECT_POLL = 0.2
 # Claude Code end a stream after a while without events, and do not count
 # SSE comments or Anthropic's ping events.
 KEEPALIVE_SECONDS = 10.0
+# How long ``engine serve``, stopping, waits for the requests it cancelled to end (a
+# step or a prompt's chunk each) before the connections close.
+STOP_WAIT_S = 10.0
 MEMORY_ERRORS = ("InsufficientMemory", "MemoryPressure", "KvBudgetExceeded")
 # A prompt longer than the model's context, or than memory (here or on another machine
 # of a pipeline) holds now: a client's answer to either is a shorter conversation.
@@ -459,7 +462,7 @@ class Server:
             except ApiError as error:
                 yield {"data": bytes(error_response(request, error).body).decode()}
             yield {"data": "[DONE]"}
-        return EventSourceResponse(events(), ping=15)
+        return _stream(events())
 
     def _chat_logprobs(self, run: Run) -> dict:
         """Chat's ``logprobs`` object for the tokens read since the last call."""
@@ -538,7 +541,7 @@ class Server:
             except ApiError as error:
                 yield {"data": bytes(error_response(request, error).body).decode()}
             yield {"data": "[DONE]"}
-        return EventSourceResponse(events(), ping=15)
+        return _stream(events())
 
     async def messages(self, request: Request) -> Response:
         self._check_ready()
@@ -556,7 +559,7 @@ class Server:
                 "stop_sequence": run.stopped_by, "usage": _anthropic_usage(outcome),
                 "kv_mode": outcome.mode, **_choice_met(outcome),
             })
-        return EventSourceResponse(_anthropic_events(request, run, ident, model), ping=15)
+        return _stream(_anthropic_events(request, run, ident, model))
 
     async def responses(self, request: Request) -> Response:
         self._check_ready()
@@ -568,7 +571,7 @@ class Server:
             return JSONResponse(writer.whole(
                 text, [(c.id, c.name, c.arguments) for c in calls], outcome.finish,
                 _responses_usage(outcome), _extra(outcome)))
-        return EventSourceResponse(_responses_events(run, writer), ping=15)
+        return _stream(_responses_events(run, writer))
 
     # -- Ollama ----------------------------------------------------------------
 
@@ -938,6 +941,15 @@ async def _guarded(run: Run) -> AsyncIterator[str | ToolCall | Outcome | KeepAli
         run.cancel.set()
         await pieces.aclose()
 
+
+def _stream(events: AsyncIterator[Any]) -> EventSourceResponse:
+    """A streamed answer's Server-Sent Events (a ping each 15 s for proxies).
+
+    On a signal (Ctrl-C) sse-starlette ends every stream at once, which cuts an
+    answer with no error (it looks finished): the streams are given the time the
+    server waits for its answers to end as errors (``STOP_WAIT_S``) first.
+    """
+    return EventSourceResponse(events, ping=15, shutdown_grace_period=STOP_WAIT_S)
 
 async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
     while not cancel.is_set():

@@ -130,6 +130,10 @@ class PipelineBridge(ServerBridge):
             self._tickets.clear()
             self._sessions.clear()  # they lived on the group's ranks
             old = self.worker
+            if self._stopping:  # the server stops: nothing goes on, nothing loads here
+                self.load_error = message
+                log.warning("%s", message)
+                return
             if problem:
                 self.load_error = (f"{message.removesuffix(SERVER_HINT).rstrip()} "
                                    f"{self.model_id} does not fit on this machine alone, so "
@@ -147,7 +151,7 @@ class PipelineBridge(ServerBridge):
         if problem:
             return
         with self._lock:
-            if self._closing:
+            if self._closing or self._stopping:
                 return
             self._ranks = 1
             self.worker = EngineWorker(self._events_of(self._generation),

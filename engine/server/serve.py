@@ -13,15 +13,11 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 
-from engine.server.app import KEEPALIVE_SECONDS, Server
+from engine.server.app import KEEPALIVE_SECONDS, STOP_WAIT_S, Server
 from engine.server.bridge import ServerBridge
 from engine.server.connections import http_protocol
 
 log = logging.getLogger(__name__)
-
-# How long ``engine serve``, stopping, waits for the requests it cancelled to end (a
-# step or a prompt's chunk each) before the connections close.
-STOP_WAIT_S = 10.0
 
 
 class StoppingServer(uvicorn.Server):

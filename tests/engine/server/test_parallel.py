@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from sse_starlette.sse import AppStatus
 
 from tests.engine.server.conftest import Served, health_of, start_server
 from tests.engine.tinymodels import make_tiny_model_dir
@@ -244,17 +245,29 @@ def test_a_request_answering_when_the_engine_stops_is_told_and_health_says_so(
         assert "The engine stopped on an unexpected error" in str(refused.value)
 
 
-@pytest.mark.parametrize("how", ["model switch", "server stopping"])
+@pytest.mark.parametrize("how", ["model switch", "server stopping", "server signalled"])
 def test_answers_the_server_stops_end_as_errors_not_as_finished_answers(
         folder: Path, tmp_path: Path, how: str) -> None:
     """An answer the server cuts (its sessions closed for a model switch, or the
     server turned off or interrupted) ends as an error in its API's shape, streamed
     or not, never a finished answer nor a connection cut mid-body."""
     served, stop = start_server(folder, tmp_path / "kv", parallel=3)
+
+    def signalled() -> None:
+        # What uvicorn's signal handler (Ctrl-C), as sse-starlette patches it, sets;
+        # the answers then take a while to end (a long chunk of a prompt, a machine
+        # of a pipeline that hangs). Before, every stream ended within half a
+        # second of the signal, cut with no error: it looked finished.
+        AppStatus.should_exit = True
+        time.sleep(1.5)
+        stop()
+
     try:
-        _cut_answers(served, stop if how == "server stopping" else None)
+        _cut_answers(served, {"model switch": None, "server stopping": stop,
+                              "server signalled": signalled}[how])
     finally:
         stop()
+        AppStatus.should_exit = False
 
 
 def _cut_answers(served: Served, stop: Callable[[], None] | None) -> None:

@@ -99,3 +99,18 @@ def _refusal(served: Served) -> str:
         _chat(served)
     assert refused.value.status_code == 503
     return refused.value.message
+
+
+def test_a_group_lost_while_the_server_stops_loads_nothing_here(
+        pipeline: tuple[Served, LosableWorker], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    served, worker = pipeline
+    monkeypatch.setattr("engine.server.pipeline.fits_here", lambda path: "")
+    _health(served, 200)
+    served.bridge.stop_requests()  # Ctrl-C: the server stops first
+    worker.lose()  # then a rank, stopped with it, is gone
+    # Before, the bridge started loading the whole model here, said the server
+    # "goes on" alone, and the exit waited for that load.
+    assert served.bridge._fallback is None and served.bridge.worker is worker
+    assert served.bridge.machines == 3
+    assert "goes on" not in caplog.text and "rank 1 (mac2.local)" in caplog.text
