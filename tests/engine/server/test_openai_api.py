@@ -427,9 +427,6 @@ def test_a_chat_without_a_limit_answers_as_long_as_on_the_other_apis(
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"$ref": "#/nowhere"}}}}, "response_format"),
-    ({"response_format": {"type": "json_object"}, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
