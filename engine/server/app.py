@@ -951,6 +951,7 @@ def _stream(events: AsyncIterator[Any]) -> EventSourceResponse:
     """
     return EventSourceResponse(events, ping=15, shutdown_grace_period=STOP_WAIT_S)
 
+
 async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
     while not cancel.is_set():
         if await request.is_disconnected():
