@@ -383,16 +383,22 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
     # Bound first: a port in use is said before the model loads, not after.
     sock = bind(args.host, args.port, name="the server", change="with --port")
     try:
-        _serve_on(sock, args, out, origins, allowed)
+        lost = _serve_on(sock, args, out, origins, allowed)
     finally:
         sock.close()
-    out.write("Longleaf server stopped; its sessions are stored.\n")
+    if lost is None:
+        out.write("Longleaf server stopped; its sessions are stored.\n")
+    else:  # the sessions lived on the lost ranks: nothing of them could be stored
+        out.write(f"Longleaf server stopped; the pipeline's sessions were lost with it. "
+                  f"{lost}\n")
     return 0
 
 
 def _serve_on(sock: socket.socket, args: argparse.Namespace, out: TextIO,
-              origins: tuple[str, ...], allowed: tuple[str, ...]) -> None:
-    """Load the model and serve on ``sock`` until interrupted."""
+              origins: tuple[str, ...], allowed: tuple[str, ...]) -> str | None:
+    """Load the model and serve on ``sock`` until interrupted; what ended the
+    served model at the end (a pipeline lost), or None where it was served to the
+    end."""
     from engine import paths
     from engine.server.bridge import ServerBridge
     from engine.server.serve import server_snapshot_dir, uvicorn_server
@@ -432,6 +438,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, out: TextIO,
         server.run(sockets=[sock])
     if failed:
         raise EngineError(f"The model did not load: {failed[0]}")
+    return bridge.load_error
 
 
 def _check_pipeline(args: argparse.Namespace) -> None:

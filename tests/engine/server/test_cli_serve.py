@@ -168,3 +168,23 @@ def test_a_model_that_fails_to_load_stops_the_server_with_its_reason(
     assert capsys.readouterr().err == (
         "error: The model did not load: The weights of tiny-llama are damaged.\n")
     assert "stopped" not in out.getvalue()
+
+
+def test_a_stop_after_the_pipeline_was_lost_does_not_say_its_sessions_are_stored(
+        monkeypatch) -> None:
+    lost = "The pipeline run failed on rank 1 (mac2.local): its process was killed."
+
+    class LosingServer:  # serves until stopped, the group lost meanwhile
+        def __init__(self, bridge, *args, **kwargs) -> None:
+            self.bridge = bridge
+
+        def run(self, sockets) -> None:
+            self.bridge.load_error = lost
+
+    monkeypatch.setattr("engine.server.serve.uvicorn_server", LosingServer)
+    out = io.StringIO()
+    assert cli.main(["serve", "--model", "demo", "--port", "0"], out) == 0
+    said = out.getvalue()
+    # Before, "its sessions are stored", though they lived on the lost ranks.
+    assert "its sessions are stored" not in said
+    assert "the pipeline's sessions were lost with it" in said and lost in said
