@@ -700,7 +700,7 @@ class Server:
             raise too_long(len(prompt), context, anthropic=chat.anthropic, field=field,
                            verb=verb)
         try:
-            report = self.bridge.fit(len(prompt) + 1)
+            report = await asyncio.wrap_future(self.bridge.fit_later(len(prompt) + 1))
         except EngineError as error:
             raise ApiError(503, str(error), "server_error") from error
         fit = report.for_mode(mode)

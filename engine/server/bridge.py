@@ -332,6 +332,12 @@ class ServerBridge:
         every machine's share included on a pipeline (arithmetic only)."""
         return self.worker.fit_check(None, token_count)
 
+    def fit_later(self, token_count: int) -> Future:
+        """``fit`` on the render thread; await it with ``asyncio.wrap_future``. On a
+        pipeline it is a question to rank 0's process, which a hung rank 0 answers
+        only when the stall limit ends it: the event loop must not wait for that."""
+        return self._renderer.submit(self.fit, token_count)
+
     def submit(self, messages: list[dict[str, str]], prompt: list[int], mode: KvMode,
                sampling: SamplingParams, cancel: threading.Event,
                loop: asyncio.AbstractEventLoop, tools: list[dict] | None = None,

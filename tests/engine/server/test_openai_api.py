@@ -267,6 +267,33 @@ def test_a_slow_render_does_not_stall_other_connections(served: Served, monkeypa
     assert results and results[0].choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_slow_fit_check_does_not_stall_other_connections(served: Served,
+                                                         monkeypatch) -> None:
+    """On a pipeline the fit check asks rank 0's process, which a hung rank 0 answers
+    only when the stall limit ends it (held here until released): meanwhile the
+    server answers others. Before, it ran on the event loop, and /health waited."""
+    entered, release = threading.Event(), threading.Event()
+    fit = served.bridge.fit
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return fit(*args, **kwargs)
+
+    monkeypatch.setattr(served.bridge, "fit", held)
+    results: list[object] = []
+    slow = threading.Thread(target=lambda: results.append(client(served).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Does it fit?"}], max_tokens=2)))
+    slow.start()
+    try:
+        assert entered.wait(60)
+        assert httpx.get(served.url + "/health", timeout=20).status_code == 200
+    finally:
+        release.set()
+        slow.join(120)
+    assert results and results[0].choices[0].finish_reason in ("stop", "length")
+
+
 def test_other_requests_are_answered_while_a_long_prompt_is_tokenized(served: Served,
                                                                       monkeypatch) -> None:
     """A prompt of megabytes takes the tokenizer seconds. Asked once that tokenizing
