@@ -837,14 +837,16 @@ def check_settings(settings: Configure) -> None:
     check_read_share(settings.read_share)
 
 
-# The keys of a message that templates read beside role and content.
-TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+# The keys of a message that templates read beside role and content: a tool turn's,
+# and an assistant turn's thought (Qwen3's templates render it within a tool loop).
+TEMPLATE_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 
 
 def copy_messages(messages: list[Message]) -> list[Message]:
     """The keys of ``messages`` a template reads, copied: the caller's list may
-    change while the request waits in the queue (a tool turn's extra keys,
-    tool_calls and tool_call_id, are plain JSON values)."""
+    change while the request waits in the queue (the extra keys are plain JSON
+    values). A key left out here would make the engine read another prompt than
+    the server rendered."""
     return [{"role": m["role"], "content": m["content"],
-             **copy.deepcopy({key: m[key] for key in TOOL_KEYS if key in m})}
+             **copy.deepcopy({key: m[key] for key in TEMPLATE_KEYS if key in m})}
             for m in messages]

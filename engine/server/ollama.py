@@ -218,6 +218,8 @@ def _message(message: Any, index: int) -> dict:
     calls = message.get("tool_calls")
     if message["role"] == "assistant" and calls:
         out["tool_calls"] = protocol.tool_calls_of(calls, where)
+    if message["role"] == "assistant":  # Ollama's field for the turn's thought
+        protocol.reasoning_of(message, ("thinking",), where, out)
     if message["role"] == "tool" and isinstance(message.get("tool_name"), str):
         out["name"] = message["tool_name"]
     return out

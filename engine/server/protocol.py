@@ -199,11 +199,35 @@ def _openai_message(message: dict, index: int) -> dict:
     out: dict = {"role": role, "content": text}
     if role == "assistant" and message.get("tool_calls") is not None:
         out["tool_calls"] = tool_calls_of(message["tool_calls"], where)
+    if role == "assistant":
+        # llama.cpp's, vLLM's and LM Studio's field (and OpenRouter's "reasoning"):
+        # templates that render an earlier turn's thought (Qwen3's, within a tool
+        # loop) then render what the model wrote, and the cache holds it.
+        reasoning_of(message, ("reasoning_content", "reasoning"), where, out)
     if role == "tool":
         ident = message.get("tool_call_id")
         if ident is not None:
             out["tool_call_id"] = str(ident)
     return out
+
+
+def reasoning_of(message: dict, names: tuple[str, ...], where: str, out: dict) -> None:
+    """An assistant message's thought, sent back in the first of ``names`` it has, as
+    the template reads it (``reasoning_content``) in ``out``; nothing where it is
+    empty or absent.
+
+    Raises:
+        BadRequest: the field is not a string.
+    """
+    for name in names:
+        value = message.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise BadRequest(f"{where}.{name} must be a string.", "messages")
+        if value:
+            out["reasoning_content"] = value
+        return
 
 
 def _anthropic_message(message: dict, index: int) -> list[dict]:

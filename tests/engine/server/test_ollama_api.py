@@ -261,3 +261,16 @@ def test_an_image_in_a_message_is_a_note_not_a_refusal() -> None:
     first, second = ollama_api.chat_request(body, 4096).messages[-2:]
     assert first["content"] == f"What is this?\n\n{IMAGE_OMITTED}"
     assert second["content"] == f"{IMAGE_OMITTED}\n\n{IMAGE_OMITTED}"
+
+
+def test_an_assistant_turns_thinking_sent_back_goes_to_the_template() -> None:
+    chat = ollama_api.chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "thinking": "A greeting."},
+        {"role": "user", "content": "Again"}]}, 64)
+    assert chat.messages[1] == {"role": "assistant", "content": "Hello",
+                                "reasoning_content": "A greeting."}
+    with pytest.raises(BadRequest, match=r"messages\[1\].thinking"):
+        ollama_api.chat_request({"model": "m", "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "thinking": 3}]}, 64)

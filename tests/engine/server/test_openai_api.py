@@ -477,3 +477,19 @@ def test_an_image_part_is_a_note_that_it_was_left_out() -> None:
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]}, 5)
     assert chat.messages == [{"role": "user",
                               "content": "What is this? " + protocol.IMAGE_OMITTED}]
+
+
+def test_an_assistant_turns_thought_sent_back_goes_to_the_template() -> None:
+    def read(turn: dict) -> dict:
+        return protocol.openai_chat({"messages": [
+            {"role": "user", "content": "Hi"}, turn,
+            {"role": "user", "content": "Again"}]}, 5).messages[1]
+
+    assert read({"role": "assistant", "content": "Hello", "reasoning_content": "A greeting."}) \
+        == {"role": "assistant", "content": "Hello", "reasoning_content": "A greeting."}
+    assert read({"role": "assistant", "content": "Hello", "reasoning": "Short."})[
+        "reasoning_content"] == "Short."
+    assert "reasoning_content" not in read({"role": "assistant", "content": "Hello",
+                                            "reasoning_content": ""})
+    with pytest.raises(protocol.BadRequest, match=r"messages\[1\].reasoning_content"):
+        read({"role": "assistant", "content": "Hello", "reasoning_content": ["no"]})

@@ -22,6 +22,7 @@ from engine.session.prompt_ids import render_conversation
 from tests.engine.server.conftest import Served, start_server
 from tests.engine.server.tool_models import (
     MISTRAL_TEMPLATE,
+    TOOL_TEMPLATE,
     make_tool_model_dir,
     scripted_processors,
     serve_templated,
@@ -677,3 +678,68 @@ def test_arguments_that_are_no_object_leave_the_call_as_text(arguments: str,
     else:
         assert len(parts) == 1 and isinstance(parts[0], ToolCall)
         assert parts[0].input() == read
+
+
+# TOOL_TEMPLATE rendering an assistant turn's thought, as Qwen3's does in a tool loop.
+THINKING_TOOL_TEMPLATE = TOOL_TEMPLATE.replace(
+    "{% if message.content %}{{ message.content }}\n{% endif %}",
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n"
+    "</think>\n\n{% endif %}{% if message.content %}{{ message.content }}\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from serve_templated(tmp_path_factory, "tiny-thinking-tools",
+                               THINKING_TOOL_TEMPLATE)
+
+
+def test_a_thought_sent_back_as_reasoning_content_is_read_from_the_cache(
+        thinking: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert THINKING_TOOL_TEMPLATE != TOOL_TEMPLATE
+    tokenizer = load_tokenizer(Path(thinking.bridge.info.path))
+    thought = "They want the weather in Paris, so I look it up."
+    monkeypatch.setattr(sampling, "build_logits_processors", scripted_processors(
+        tokenizer, f"<think>\n{thought}\n</think>\n\n{CALL}"))
+    api = openai.OpenAI(base_url=thinking.url + "/v1", api_key=thinking.key, max_retries=0)
+    cached = {}
+    for sent in ("reasoning_content", None):
+        asked = [{"role": "user", "content": f"Weather in Paris? ({sent})"}]
+        reply = api.chat.completions.create(model="m", messages=asked, tools=[WEATHER],
+                                            max_tokens=200)
+        (call,) = reply.choices[0].message.tool_calls
+        # As llama.cpp's, vLLM's and LM Studio's clients send it: the thought apart.
+        turn = {"role": "assistant", "content": "", "tool_calls": [call.model_dump()],
+                **({sent: thought} if sent else {})}
+        resent = api.chat.completions.create(
+            model="m", max_tokens=1, tools=[WEATHER], messages=[
+                *asked, turn, {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}])
+        cached[sent] = resent.usage.prompt_tokens_details.cached_tokens
+    # Before, the field was dropped: the prompt parted from what the model wrote at
+    # the thought, and the call after it was read again.
+    assert cached["reasoning_content"] >= cached[None] + len(tokenizer.encode(thought))
+
+
+def test_an_anthropic_thinking_block_sent_back_is_read_from_the_cache(
+        thinking: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = load_tokenizer(Path(thinking.bridge.info.path))
+    thought = "They want the weather in Paris, so I look it up."
+    monkeypatch.setattr(sampling, "build_logits_processors", scripted_processors(
+        tokenizer, f"<think>\n{thought}\n</think>\n\n{CALL}"))
+    api = anthropic.Anthropic(base_url=thinking.url, api_key=thinking.key, max_retries=0)
+    cached = {}
+    for sent in (True, False):
+        asked = [{"role": "user", "content": f"Weather in Paris? ({sent})"}]
+        reply = api.messages.create(model="m", max_tokens=200, messages=asked,
+                                    tools=[ANTHROPIC_WEATHER])
+        use = next(b for b in reply.content if b.type == "tool_use")
+        blocks = [{"type": "thinking", "thinking": thought, "signature": "s"}] if sent else []
+        turn = {"role": "assistant", "content": [
+            *blocks, {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]}
+        resent = api.messages.create(model="m", max_tokens=1, tools=[ANTHROPIC_WEATHER],
+                                     messages=[*asked, turn, {"role": "user", "content": [
+                                         {"type": "tool_result", "tool_use_id": use.id,
+                                          "content": "Sunny"}]}])
+        cached[sent] = resent.usage.cache_read_input_tokens
+    # Before, the engine's worker dropped the thought the server rendered: it read
+    # another prompt than the server counted, and the call after the thought again.
+    assert cached[True] >= cached[False] + len(tokenizer.encode(thought))
