@@ -120,6 +120,12 @@ def test_a_ring_that_did_not_form_starts_again_on_other_ports(stand_in) -> None:
     seen = Seen()
     started = seen.open()
     started.start()
+    # Rank 0 is the second start's: connected before the link has read the first
+    # one's failure (a busy machine), it would be the first start's.
+    waited = threading.Event()
+    for _ in range(1200):  # a minute at most; the assertions below say what went wrong
+        if len(stand_in.made) == 2 or waited.wait(0.05):
+            break
     rank = rank_zero(started)
     try:
         assert started.connect()
