@@ -127,6 +127,7 @@ class ServerBridge:
         self.info: ModelInfo | None = None
         self.load_error: str | None = None
         self._tokenizer: Any = None
+        self._tool_syntax: ToolSyntax | None = None
         # Held while the tokenizer encodes (on the render thread: seconds, for a
         # prompt of megabytes), so the event loop never waits on it: what the
         # handlers read of the tokenizer is kept beside it when a model is served.
@@ -175,6 +176,7 @@ class ServerBridge:
         template = getattr(tokenizer, "chat_template", None)
         with self._tokenizer_lock:
             self.info, self._tokenizer, self.load_error = info, tokenizer, None
+            self._tool_syntax = ToolSyntax.of(tokenizer)  # read once: each request asks
             self._vocab_size = len(tokenizer)
             self._chat_template = template if isinstance(template, str) else ""
         self._renderer.submit(int).result()  # its thread starts now, not mid-request
@@ -281,7 +283,7 @@ class ServerBridge:
     @property
     def tool_syntax(self) -> ToolSyntax | None:
         """How the loaded model marks tool calls, or None where its tokenizer does not say."""
-        return ToolSyntax.of(self._tokenizer)
+        return self._tool_syntax
 
     def opens_thought(self, prompt: list[int]) -> bool:
         """Whether ``prompt`` ends inside a thought (a thinking template's reply that

@@ -107,11 +107,19 @@ def call_grammar(syntax: ToolSyntax, calls: Calls, answer: str | None = None) ->
     if tools is None:
         return None
     grammar = _grammar(syntax, calls, tools, answer)
-    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if failed:
-        log.info("a tool call grammar was refused: %s", messages[0] if messages else "")
+    refusal = _refusal(grammar)
+    if refusal is not None:
+        log.info("a tool call grammar was refused: %s", refusal)
         return None
     return grammar
+
+
+@functools.lru_cache(maxsize=64)
+def _refusal(grammar: str) -> str | None:
+    """Why the matcher cannot take ``grammar`` (None: it can). An agent sends the same
+    tools on every turn: each grammar is checked once."""
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return (messages[0] if messages else "no reason given") if failed else None
 
 
 def _grammar(syntax: ToolSyntax, calls: Calls, tools: list[str], answer: str | None) -> str:
